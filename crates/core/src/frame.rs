@@ -1,0 +1,525 @@
+//! Frames: the units the switch moves between modules.
+//!
+//! A [`Frame`] is either a data frame ([`Packet`]: bytes + direction + small key-value [`Metadata`], as FINS's data
+//! frames) or a [`ControlFrame`] (opcode + sender + destination + parameter, as FINS's control frames).
+//!
+//! Packets live in slots handed out by a [`PacketPool`]. A slot is reference counted: cloning a packet (the switch
+//! does it to copy a frame to several receivers) shares the bytes, and [`Packet::make_mut`] copies them only when a
+//! shared packet is written. When the last reference goes away, the slot, its allocation and its byte buffer return
+//! to the pool, so a warmed-up data path allocates nothing per frame. Pools are single-threaded (`Rc`): each
+//! data-plane worker owns one, and frames never cross threads.
+
+use crate::value::Value;
+use std::cell::{Cell, RefCell};
+use std::fmt;
+use std::rc::{Rc, Weak};
+
+/// Which way a data frame travels through the stack.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Direction {
+    /// From the network towards the applications.
+    #[default]
+    Up,
+    /// From the applications towards the network.
+    Down,
+}
+
+/// A metadata key (FINS's metadata field): small integers, with well-known ones as constants.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct MetaKey(pub u16);
+
+impl MetaKey {
+    /// Sequence number stamped by the test source.
+    pub const SEQ: MetaKey = MetaKey(1);
+    /// Flow identifier assigned by a classifier.
+    pub const FLOW_ID: MetaKey = MetaKey(2);
+    /// Index of the face the frame came in on.
+    pub const IN_FACE: MetaKey = MetaKey(3);
+    /// Index of the face the frame should leave on.
+    pub const OUT_FACE: MetaKey = MetaKey(4);
+    /// Traffic class (urgent, interactive, bulk ...).
+    pub const CLASS: MetaKey = MetaKey(5);
+    /// Receive timestamp in nanoseconds of the driver's clock.
+    pub const RX_TIME: MetaKey = MetaKey(6);
+}
+
+/// How many key-value pairs a frame's metadata holds inline.
+pub const METADATA_CAPACITY: usize = 6;
+
+/// Small inline key-value metadata carried by a data frame; no allocation.
+#[derive(Clone, Copy, Default, PartialEq, Eq)]
+pub struct Metadata {
+    len: u8,
+    entries: [(u16, u64); METADATA_CAPACITY],
+}
+
+impl Metadata {
+    /// The value stored under `key`, if any.
+    pub fn get(&self, key: MetaKey) -> Option<u64> {
+        self.entries[..self.len as usize]
+            .iter()
+            .find(|(k, _)| *k == key.0)
+            .map(|(_, v)| *v)
+    }
+
+    /// Stores `value` under `key`; returns false (and stores nothing) when the metadata is full.
+    pub fn set(&mut self, key: MetaKey, value: u64) -> bool {
+        let len = self.len as usize;
+        if let Some(entry) = self.entries[..len].iter_mut().find(|(k, _)| *k == key.0) {
+            entry.1 = value;
+            return true;
+        }
+        if len == METADATA_CAPACITY {
+            return false;
+        }
+        self.entries[len] = (key.0, value);
+        self.len += 1;
+        true
+    }
+
+    /// Removes `key`, returning its value.
+    pub fn remove(&mut self, key: MetaKey) -> Option<u64> {
+        let len = self.len as usize;
+        let pos = self.entries[..len].iter().position(|(k, _)| *k == key.0)?;
+        let value = self.entries[pos].1;
+        self.entries.copy_within(pos + 1..len, pos);
+        self.len -= 1;
+        Some(value)
+    }
+
+    /// The stored pairs, in insertion order.
+    pub fn iter(&self) -> impl Iterator<Item = (MetaKey, u64)> + '_ {
+        self.entries[..self.len as usize]
+            .iter()
+            .map(|(k, v)| (MetaKey(*k), *v))
+    }
+
+    /// Number of stored pairs.
+    pub fn len(&self) -> usize {
+        self.len as usize
+    }
+
+    /// True when nothing is stored.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl fmt::Debug for Metadata {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_map()
+            .entries(self.iter().map(|(k, v)| (k.0, v)))
+            .finish()
+    }
+}
+
+/// Counters of a pool, for the `pool.*` meters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PoolStats {
+    /// Slots ever allocated from the heap.
+    pub allocated: u64,
+    /// Slots handed out again from the free list.
+    pub reused: u64,
+    /// Slots currently on the free list.
+    pub free: u64,
+    /// Copies made by copy-on-write.
+    pub copies: u64,
+}
+
+struct PoolShared {
+    free: RefCell<Vec<Rc<Slot>>>,
+    buffer_capacity: usize,
+    max_free: usize,
+    allocated: Cell<u64>,
+    reused: Cell<u64>,
+    copies: Cell<u64>,
+}
+
+struct Slot {
+    pool: Weak<PoolShared>,
+    data: Vec<u8>,
+    direction: Direction,
+    meta: Metadata,
+}
+
+/// A pool of reusable, reference-counted packet slots. Cloning the pool handle shares the same pool.
+#[derive(Clone)]
+pub struct PacketPool {
+    shared: Rc<PoolShared>,
+}
+
+impl PacketPool {
+    /// Default capacity of a packet buffer: a jumbo frame plus headroom for encapsulation.
+    pub const DEFAULT_BUFFER_CAPACITY: usize = 9216 + 128;
+
+    /// A pool whose buffers start with `buffer_capacity` bytes of room and which keeps at most `max_free` slots.
+    pub fn new(buffer_capacity: usize, max_free: usize) -> PacketPool {
+        PacketPool {
+            shared: Rc::new(PoolShared {
+                free: RefCell::new(Vec::new()),
+                buffer_capacity,
+                max_free,
+                allocated: Cell::new(0),
+                reused: Cell::new(0),
+                copies: Cell::new(0),
+            }),
+        }
+    }
+
+    /// An empty packet (length 0, direction up, no metadata) from the free list, or newly allocated.
+    pub fn alloc(&self) -> Packet {
+        let reused = self.shared.free.borrow_mut().pop();
+        let slot = match reused {
+            Some(mut slot) => {
+                self.shared.reused.set(self.shared.reused.get() + 1);
+                if let Some(s) = Rc::get_mut(&mut slot) {
+                    s.data.clear();
+                    s.direction = Direction::Up;
+                    s.meta = Metadata::default();
+                }
+                slot
+            }
+            None => {
+                self.shared.allocated.set(self.shared.allocated.get() + 1);
+                Rc::new(Slot {
+                    pool: Rc::downgrade(&self.shared),
+                    data: Vec::with_capacity(self.shared.buffer_capacity),
+                    direction: Direction::Up,
+                    meta: Metadata::default(),
+                })
+            }
+        };
+        Packet { slot: Some(slot) }
+    }
+
+    /// A packet holding a copy of `bytes`.
+    pub fn alloc_from(&self, bytes: &[u8]) -> Packet {
+        let mut p = self.alloc();
+        p.make_mut().extend_from_slice(bytes);
+        p
+    }
+
+    /// Counters of this pool.
+    pub fn stats(&self) -> PoolStats {
+        PoolStats {
+            allocated: self.shared.allocated.get(),
+            reused: self.shared.reused.get(),
+            free: self.shared.free.borrow().len() as u64,
+            copies: self.shared.copies.get(),
+        }
+    }
+}
+
+impl Default for PacketPool {
+    fn default() -> Self {
+        PacketPool::new(Self::DEFAULT_BUFFER_CAPACITY, 65_536)
+    }
+}
+
+/// A data frame: packet bytes, direction and metadata in a pooled, reference-counted slot.
+pub struct Packet {
+    // Always Some outside of Drop; an Option so that Drop can move the slot back into the pool.
+    slot: Option<Rc<Slot>>,
+}
+
+impl Packet {
+    fn slot(&self) -> &Slot {
+        self.slot
+            .as_ref()
+            .expect("packet slot present outside drop")
+    }
+
+    fn slot_mut(&mut self) -> &mut Slot {
+        let rc = self
+            .slot
+            .as_mut()
+            .expect("packet slot present outside drop");
+        if Rc::get_mut(rc).is_none() {
+            // Shared: copy into a fresh slot of the same pool (or a standalone one if the pool is gone).
+            let copy = match rc.pool.upgrade() {
+                Some(shared) => {
+                    shared.copies.set(shared.copies.get() + 1);
+                    let mut fresh = PacketPool { shared }.alloc();
+                    let dst = fresh.slot.take().expect("fresh slot");
+                    drop(fresh);
+                    dst
+                }
+                None => Rc::new(Slot {
+                    pool: Weak::new(),
+                    data: Vec::new(),
+                    direction: Direction::Up,
+                    meta: Metadata::default(),
+                }),
+            };
+            let mut copy = copy;
+            {
+                let dst = Rc::get_mut(&mut copy).expect("fresh slot is unique");
+                dst.data.clear();
+                dst.data.extend_from_slice(&rc.data);
+                dst.direction = rc.direction;
+                dst.meta = rc.meta;
+            }
+            *rc = copy;
+        }
+        Rc::get_mut(rc).expect("slot is unique after copy-on-write")
+    }
+
+    /// The packet bytes.
+    pub fn data(&self) -> &[u8] {
+        &self.slot().data
+    }
+
+    /// The packet bytes for writing (copying them first if the packet is shared).
+    pub fn make_mut(&mut self) -> &mut Vec<u8> {
+        &mut self.slot_mut().data
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.slot().data.len()
+    }
+
+    /// True for a packet of zero bytes.
+    pub fn is_empty(&self) -> bool {
+        self.slot().data.is_empty()
+    }
+
+    /// The direction of travel.
+    pub fn direction(&self) -> Direction {
+        self.slot().direction
+    }
+
+    /// Sets the direction of travel.
+    pub fn set_direction(&mut self, direction: Direction) {
+        if self.direction() != direction {
+            self.slot_mut().direction = direction;
+        }
+    }
+
+    /// The metadata.
+    pub fn meta(&self) -> &Metadata {
+        &self.slot().meta
+    }
+
+    /// The metadata for writing.
+    pub fn meta_mut(&mut self) -> &mut Metadata {
+        &mut self.slot_mut().meta
+    }
+
+    /// True when another packet shares these bytes.
+    pub fn is_shared(&self) -> bool {
+        self.slot
+            .as_ref()
+            .is_some_and(|rc| Rc::strong_count(rc) > 1)
+    }
+}
+
+impl Clone for Packet {
+    /// Shares the bytes (a reference-count increment); writing either copy copies first.
+    fn clone(&self) -> Packet {
+        Packet {
+            slot: self.slot.clone(),
+        }
+    }
+}
+
+impl Drop for Packet {
+    fn drop(&mut self) {
+        let Some(slot) = self.slot.take() else { return };
+        if Rc::strong_count(&slot) != 1 {
+            return;
+        }
+        if let Some(shared) = slot.pool.upgrade() {
+            let mut free = shared.free.borrow_mut();
+            if free.len() < shared.max_free {
+                free.push(slot);
+            }
+        }
+    }
+}
+
+impl fmt::Debug for Packet {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Packet")
+            .field("len", &self.len())
+            .field("direction", &self.direction())
+            .field("meta", self.meta())
+            .finish()
+    }
+}
+
+/// The operations of a control frame (FINS's control opcodes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ControlOp {
+    /// Read parameter `param` of the destination module.
+    ReadParam,
+    /// Answer to a `ReadParam`, carrying the value.
+    ReadParamReply,
+    /// Write `value` into knob `param` of the destination module.
+    SetParam,
+    /// Answer to a `SetParam` (value true on success).
+    SetParamReply,
+    /// Execute procedure `param` of the destination with argument `value`.
+    Exec,
+    /// Answer to an `Exec`, carrying the result.
+    ExecReply,
+    /// Ask to be alerted when the destination raises event `param`.
+    Listen,
+    /// Stop listening to event `param` of the destination.
+    Unlisten,
+    /// An event `param` raised by the sender, with `value`.
+    Alert,
+    /// An error report; `value` is the message, `serial` names the request that failed.
+    Error,
+}
+
+/// A control frame: an operation from one module (or the control plane) to another, routed by the switch.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ControlFrame {
+    /// What is asked or reported.
+    pub op: ControlOp,
+    /// Name of the sending module (`control` for the control plane).
+    pub sender: String,
+    /// Name of the destination module.
+    pub dest: String,
+    /// Serial number chosen by the requester; replies carry the request's serial.
+    pub serial: u32,
+    /// Parameter, procedure or event name.
+    pub param: String,
+    /// Argument or result.
+    pub value: Value,
+}
+
+impl ControlFrame {
+    /// A reply to this frame with operation `op` and `value`, addressed back to its sender.
+    pub fn reply(&self, op: ControlOp, value: Value) -> ControlFrame {
+        ControlFrame {
+            op,
+            sender: self.dest.clone(),
+            dest: self.sender.clone(),
+            serial: self.serial,
+            param: self.param.clone(),
+            value,
+        }
+    }
+}
+
+/// What the switch moves: a data frame or a control frame.
+#[derive(Clone, Debug)]
+pub enum Frame {
+    /// A packet with direction and metadata.
+    Data(Packet),
+    /// A control frame (boxed: rare, and keeps `Frame` two words wide).
+    Control(Box<ControlFrame>),
+}
+
+impl Frame {
+    /// The packet, for a data frame.
+    pub fn packet(&self) -> Option<&Packet> {
+        match self {
+            Frame::Data(p) => Some(p),
+            Frame::Control(_) => None,
+        }
+    }
+
+    /// The packet for writing, for a data frame.
+    pub fn packet_mut(&mut self) -> Option<&mut Packet> {
+        match self {
+            Frame::Data(p) => Some(p),
+            Frame::Control(_) => None,
+        }
+    }
+
+    /// Bytes of a data frame (0 for a control frame).
+    pub fn len(&self) -> usize {
+        self.packet().map_or(0, Packet::len)
+    }
+
+    /// True for an empty data frame or a control frame.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl From<Packet> for Frame {
+    fn from(p: Packet) -> Frame {
+        Frame::Data(p)
+    }
+}
+
+/// A batch of frames handed to a module in one call.
+pub type Batch = Vec<Frame>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frame_is_two_words() {
+        assert_eq!(
+            std::mem::size_of::<Frame>(),
+            2 * std::mem::size_of::<usize>()
+        );
+        assert_eq!(std::mem::size_of::<Packet>(), std::mem::size_of::<usize>());
+    }
+
+    #[test]
+    fn slots_are_recycled_without_allocation() {
+        let pool = PacketPool::new(64, 16);
+        for _ in 0..100 {
+            let mut p = pool.alloc();
+            p.make_mut().extend_from_slice(&[1, 2, 3]);
+            p.meta_mut().set(MetaKey::SEQ, 9);
+        }
+        let s = pool.stats();
+        assert_eq!(s.allocated, 1);
+        assert_eq!(s.reused, 99);
+        let p = pool.alloc();
+        assert!(p.is_empty(), "a reused slot comes back cleared");
+        assert_eq!(p.meta().get(MetaKey::SEQ), None);
+    }
+
+    #[test]
+    fn clone_shares_and_write_copies() {
+        let pool = PacketPool::new(64, 16);
+        let a = pool.alloc_from(b"hello");
+        let mut b = a.clone();
+        assert!(a.is_shared());
+        b.make_mut()[0] = b'j';
+        assert_eq!(a.data(), b"hello");
+        assert_eq!(b.data(), b"jello");
+        assert!(!a.is_shared());
+        assert_eq!(pool.stats().copies, 1);
+        b.set_direction(Direction::Down);
+        assert_eq!(a.direction(), Direction::Up);
+    }
+
+    #[test]
+    fn free_list_is_bounded_and_survives_pool_drop() {
+        let pool = PacketPool::new(8, 2);
+        let packets: Vec<_> = (0..5).map(|_| pool.alloc()).collect();
+        drop(packets);
+        assert_eq!(pool.stats().free, 2);
+        let orphan = pool.alloc_from(b"x");
+        drop(pool);
+        let mut copy = orphan.clone();
+        copy.make_mut().push(b'y');
+        assert_eq!(orphan.data(), b"x");
+        assert_eq!(copy.data(), b"xy");
+    }
+
+    #[test]
+    fn metadata_set_get_remove() {
+        let mut m = Metadata::default();
+        for k in 0..METADATA_CAPACITY as u16 {
+            assert!(m.set(MetaKey(k), u64::from(k) * 10));
+        }
+        assert!(!m.set(MetaKey(100), 1), "full");
+        assert!(m.set(MetaKey(3), 33), "overwrite works when full");
+        assert_eq!(m.remove(MetaKey(1)), Some(10));
+        assert_eq!(m.get(MetaKey(3)), Some(33));
+        assert_eq!(m.get(MetaKey(1)), None);
+        assert_eq!(m.len(), METADATA_CAPACITY - 1);
+    }
+}

@@ -1,0 +1,31 @@
+//! flexstack-core: the sans-IO heart of flexstack.
+//!
+//! - [`frame`]: data and control frames over pooled, reference-counted packet buffers.
+//! - [`module`]: the [`Module`](module::Module) trait, module kinds and builders, the [`Output`](module::Output) a
+//!   module emits into, and the [`Catalog`](module::Catalog) of kinds.
+//! - [`switch`]: the [`Switch`](switch::Switch), which validates and commits [`Edit`](switch::Edit)s, compiles the
+//!   linking table and moves batches of frames between modules by direct calls.
+//! - [`vars`]: meters and knobs, their cells, and the [`Registry`](vars::Registry) of dotted names.
+//! - [`config`]: stack descriptions in TOML, module settings, link syntax, errors with file:line.
+//! - [`time`] and [`value`]: the caller's clock and typed values.
+//!
+//! Nothing here reads a clock, opens a file or a socket, or spawns a thread: the daemon (the `flexstack` crate)
+//! drives a [`Switch`](switch::Switch) from its data-plane thread, and tests drive it with a simulated clock.
+#![deny(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod config;
+pub mod frame;
+pub mod module;
+pub mod switch;
+pub mod time;
+pub mod value;
+pub mod vars;
+
+pub use config::{ConfigError, LinkSpec, Location, Settings, StackSpec};
+pub use frame::{Batch, ControlFrame, ControlOp, Direction, Frame, MetaKey, Packet, PacketPool};
+pub use module::{Catalog, Module, ModuleBuilder, ModuleInterface, ModuleKind, Output, PortSpec};
+pub use switch::{Edit, EditError, Switch};
+pub use time::Time;
+pub use value::{Value, ValueType};
+pub use vars::{Meter, ModuleVars, Registry, SharedRegistry, VarKind, VarSpec};

@@ -1,0 +1,295 @@
+//! The module API: what a module kind declares, and the calls the switch makes on a module.
+//!
+//! A module comes to life in three steps:
+//! 1. [`ModuleKind::configure`] (control plane) reads the module's [`Settings`] and returns a [`ModuleBuilder`],
+//!    or a [`ConfigError`] that says where and what was expected. It may open files the module will use.
+//! 2. The builder's [`ModuleBuilder::interface`] declares the ports and the meters and knobs; the switch validates
+//!    links against it and allocates the variables' cells.
+//! 3. [`ModuleBuilder::build`] (data plane, between batches) creates the [`Module`], handing it its variables.
+//!
+//! Then the switch calls, always on the data-plane thread and always with `now` passed in:
+//! [`Module::process`] for each batch arriving on an input port, [`Module::poll`] when the time it asked for has
+//! come, [`Module::write_knob`] between batches, [`Module::handle_control`] for control frames addressed to it, and
+//! [`Module::take_state`] / [`Module::adopt_state`] when it is replaced. A module never reads a clock, never touches a
+//! socket and never blocks; it emits frames on its output ports through [`Output`] and the switch routes them.
+
+use crate::config::{ConfigError, Settings};
+use crate::frame::{Batch, ControlFrame, ControlOp, Frame, PacketPool};
+use crate::time::Time;
+use crate::value::Value;
+use crate::vars::{ModuleVars, VarSpec};
+use std::any::Any;
+use std::collections::BTreeMap;
+
+/// Frame type carried by a port; links must join ports of compatible types.
+pub mod port_type {
+    /// Accepts or carries any frame.
+    pub const ANY: &str = "any";
+    /// Raw IP packets (IPv4 or IPv6, no link header).
+    pub const IP: &str = "ip";
+    /// Ethernet frames.
+    pub const ETHERNET: &str = "ethernet";
+    /// Control frames only (the implicit `ctl` output port of every module).
+    pub const CONTROL: &str = "control";
+}
+
+/// Name of the implicit output port on which every module's sent control frames are mirrored.
+pub const CONTROL_PORT: &str = "ctl";
+
+/// A port declaration: name and the type of frames it carries.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PortSpec {
+    /// Port name, unique among the module's inputs (or outputs).
+    pub name: String,
+    /// Frame type ([`port_type`]).
+    pub ty: &'static str,
+}
+
+impl PortSpec {
+    /// A port named `name` carrying `ty` frames.
+    pub fn new(name: impl Into<String>, ty: &'static str) -> PortSpec {
+        PortSpec {
+            name: name.into(),
+            ty,
+        }
+    }
+
+    /// True if frames from an output of type `from` may enter an input of type `to`.
+    pub fn compatible(from: &str, to: &str) -> bool {
+        from == to || from == port_type::ANY || to == port_type::ANY
+    }
+}
+
+/// Everything a module declares about itself.
+#[derive(Clone, Debug, Default)]
+pub struct ModuleInterface {
+    /// Input ports, in order (port index = position).
+    pub inputs: Vec<PortSpec>,
+    /// Output ports, in order (port index = position).
+    pub outputs: Vec<PortSpec>,
+    /// Meters and knobs.
+    pub vars: Vec<VarSpec>,
+    /// True if the module holds frames and emits them only on a later poll, so a cycle through it cannot loop
+    /// within one batch; cycles through no such module are rejected.
+    pub breaks_cycles: bool,
+}
+
+/// A kind of module that the catalog can create.
+pub trait ModuleKind: Send + Sync {
+    /// The kind's name as written in stack files (`counter`).
+    fn name(&self) -> &'static str;
+
+    /// One-line description.
+    fn summary(&self) -> &'static str;
+
+    /// Reads and checks the settings (each knob may also be given as a setting of the same name).
+    fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError>;
+}
+
+/// A configured module, ready to be built on the data-plane thread.
+pub trait ModuleBuilder: Send {
+    /// Ports and variables of the module this builder will build.
+    fn interface(&self) -> ModuleInterface;
+
+    /// Builds the module; `vars` holds the cells of the variables declared by [`ModuleBuilder::interface`].
+    fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module>;
+}
+
+/// A running module: a sans-IO state machine driven by the switch.
+pub trait Module {
+    /// Handles the frames in `input` that arrived on input port `port` (its index in the interface). The module
+    /// takes what it wants out of `input` (e.g. `input.drain(..)`) and emits on `out`; frames left in `input`
+    /// when it returns are dropped and counted as dropped by this module.
+    fn process(&mut self, port: usize, input: &mut Batch, out: &mut Output<'_>);
+
+    /// Called when the time the module last asked for has come (and once after it is loaded). Returns when to be
+    /// polled next, or `None`.
+    fn poll(&mut self, out: &mut Output<'_>) -> Option<Time> {
+        let _ = out;
+        None
+    }
+
+    /// Applies a knob write. The value has already been checked against the knob's type and range.
+    fn write_knob(&mut self, knob: &str, value: &Value) -> Result<(), String> {
+        let _ = value;
+        Err(format!("knob {knob} cannot be written"))
+    }
+
+    /// Runs procedure `procedure` with `argument` (control frame `Exec`).
+    fn execute(
+        &mut self,
+        procedure: &str,
+        argument: &Value,
+        out: &mut Output<'_>,
+    ) -> Result<Value, String> {
+        let _ = (argument, out);
+        Err(format!("no procedure named {procedure}"))
+    }
+
+    /// Handles a control frame addressed to this module that the switch does not answer itself: replies,
+    /// alerts and errors coming back from other modules.
+    fn handle_control(&mut self, frame: Box<ControlFrame>, out: &mut Output<'_>) {
+        let _ = (frame, out);
+    }
+
+    /// Hands the module's state to its replacement (`module replace`); `None` if it has none to give.
+    fn take_state(&mut self) -> Option<Box<dyn Any>> {
+        None
+    }
+
+    /// Takes over the state of the module this one replaces; an error leaves the new module as built.
+    fn adopt_state(&mut self, state: Box<dyn Any>) -> Result<(), String> {
+        let _ = state;
+        Err("this module kind does not take over state".into())
+    }
+}
+
+/// What a module emits during one call: frames on output ports, drops, control frames.
+pub struct Output<'a> {
+    pub(crate) now: Time,
+    pub(crate) module: &'a str,
+    pub(crate) pool: &'a PacketPool,
+    pub(crate) ports: &'a mut [Batch],
+    pub(crate) dropped: u64,
+    pub(crate) control: &'a mut Vec<Box<ControlFrame>>,
+    pub(crate) next_serial: &'a mut u32,
+}
+
+impl<'a> Output<'a> {
+    /// An output for use outside a switch (module unit tests): frames land in `ports`, control frames in `control`.
+    pub fn detached(
+        now: Time,
+        module: &'a str,
+        pool: &'a PacketPool,
+        ports: &'a mut [Batch],
+        control: &'a mut Vec<Box<ControlFrame>>,
+        next_serial: &'a mut u32,
+    ) -> Output<'a> {
+        Output {
+            now,
+            module,
+            pool,
+            ports,
+            dropped: 0,
+            control,
+            next_serial,
+        }
+    }
+
+    /// The current time.
+    #[inline]
+    pub fn now(&self) -> Time {
+        self.now
+    }
+
+    /// The pool to allocate new packets from.
+    #[inline]
+    pub fn pool(&self) -> &PacketPool {
+        self.pool
+    }
+
+    /// Emits `frame` on output port `port`.
+    ///
+    /// # Panics
+    /// If `port` is not one of the module's declared output ports (a bug in the module).
+    #[inline]
+    pub fn emit(&mut self, port: usize, frame: impl Into<Frame>) {
+        self.ports[port].push(frame.into());
+    }
+
+    /// Emits all frames of `batch` on output port `port`, leaving `batch` empty (moves the vector when it can).
+    #[inline]
+    pub fn emit_all(&mut self, port: usize, batch: &mut Batch) {
+        let dest = &mut self.ports[port];
+        if dest.is_empty() {
+            std::mem::swap(dest, batch);
+        } else {
+            dest.append(batch);
+        }
+    }
+
+    /// Drops `frame` and counts it in the module's `frames_dropped_total` (modules count the reason themselves).
+    #[inline]
+    pub fn drop_frame(&mut self, frame: Frame) {
+        self.dropped += 1;
+        drop(frame);
+    }
+
+    /// Frames dropped so far in this call.
+    pub fn dropped(&self) -> u64 {
+        self.dropped
+    }
+
+    /// Sends a control frame with operation `op` to module `dest`; returns its serial number.
+    pub fn send_control(&mut self, op: ControlOp, dest: &str, param: &str, value: Value) -> u32 {
+        *self.next_serial = self.next_serial.wrapping_add(1);
+        let serial = *self.next_serial;
+        self.control.push(Box::new(ControlFrame {
+            op,
+            sender: self.module.to_string(),
+            dest: dest.to_string(),
+            serial,
+            param: param.to_string(),
+            value,
+        }));
+        serial
+    }
+
+    /// Sends a prepared control frame (e.g. a reply made with [`ControlFrame::reply`]).
+    pub fn send_control_frame(&mut self, frame: ControlFrame) {
+        self.control.push(Box::new(frame));
+    }
+
+    /// Raises event `event` with `value`: every module that listens to this module's `event` gets an `Alert`.
+    pub fn alert(&mut self, event: &str, value: Value) {
+        self.send_control(ControlOp::Alert, "", event, value);
+    }
+}
+
+/// The set of module kinds a switch can create, by name.
+#[derive(Default)]
+pub struct Catalog {
+    kinds: BTreeMap<&'static str, Box<dyn ModuleKind>>,
+}
+
+impl Catalog {
+    /// An empty catalog.
+    pub fn new() -> Catalog {
+        Catalog::default()
+    }
+
+    /// Adds a kind (replacing one of the same name).
+    pub fn register(&mut self, kind: Box<dyn ModuleKind>) {
+        self.kinds.insert(kind.name(), kind);
+    }
+
+    /// The kind named `name`.
+    pub fn get(&self, name: &str) -> Option<&dyn ModuleKind> {
+        self.kinds.get(name).map(|k| k.as_ref())
+    }
+
+    /// All kinds, by name.
+    pub fn kinds(&self) -> impl Iterator<Item = &dyn ModuleKind> {
+        self.kinds.values().map(|k| k.as_ref())
+    }
+
+    /// Configures a module of kind `kind`, with an error naming the known kinds if there is none.
+    pub fn configure(
+        &self,
+        kind: &str,
+        settings: &Settings,
+        location: Option<crate::config::Location>,
+    ) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
+        let k = self.get(kind).ok_or_else(|| {
+            let known: Vec<&str> = self.kinds.keys().copied().collect();
+            ConfigError::new(
+                location,
+                format!(
+                    "unknown module kind `{kind}`; expected one of: {}",
+                    known.join(", ")
+                ),
+            )
+        })?;
+        k.configure(settings)
+    }
+}

@@ -1,0 +1,1462 @@
+//! The switch: runs modules and routes their frames through the linking table.
+//!
+//! Calling order (one data-plane thread owns the switch):
+//! - [`Switch::apply`] a list of [`Edit`]s between batches: all are validated against a model of the stack first
+//!   (unknown module, dangling port, type mismatch, forbidden cycle, bad knob value ...) and, only if every one is
+//!   valid, committed together; otherwise nothing changes.
+//! - [`Switch::inject`] frames from faces, then [`Switch::run`] with `now`: modules whose poll time has come are
+//!   polled, then every module with pending input is called once per input port in topological order, so a batch
+//!   runs to completion through the graph in one call. Frames move between modules as two-word handles in reused
+//!   vectors: no allocation and no lock per frame.
+//! - [`Switch::next_wakeup`] says when `run` is due again if nothing is injected.
+//!
+//! The linking table is compiled into, for each (module, output port), the list of (module, input port)
+//! receivers; several receivers get shared copies (reference counts, copy on write). Frames emitted on a port with
+//! no receiver are dropped and counted on that port.
+
+use crate::config::{valid_name, Endpoint, LinkEntry, LinkSpec, ModuleSpec, Settings, StackSpec};
+use crate::frame::{Batch, ControlFrame, ControlOp, Frame, PacketPool};
+use crate::module::{
+    port_type, Module, ModuleBuilder, ModuleInterface, Output, PortSpec, CONTROL_PORT,
+};
+use crate::time::Time;
+use crate::value::{Value, ValueType};
+use crate::vars::{ModuleVars, Registry, SharedRegistry, VarCell, VarKind, VarSpec};
+use std::collections::{BTreeSet, HashMap};
+use std::fmt;
+use std::sync::Arc;
+
+/// Most frames held at one paused input port; beyond it frames are dropped (and counted).
+pub const HOLD_LIMIT: usize = 1 << 16;
+
+/// Rounds of control-frame delivery per run (a bound on chains of replies).
+const CONTROL_ROUNDS: usize = 16;
+
+/// Name of the sender/destination that stands for the control plane in control frames.
+pub const CONTROL_PLANE: &str = "control";
+
+/// One change to the running stack.
+pub enum Edit {
+    /// Adds a module.
+    Load {
+        /// Unique name.
+        name: String,
+        /// Kind, as in the catalog.
+        kind: String,
+        /// Settings it was configured with.
+        settings: Settings,
+        /// The configured module.
+        builder: Box<dyn ModuleBuilder>,
+    },
+    /// Removes a module and every link to or from it; frames waiting at its inputs are dropped and counted.
+    Unload {
+        /// The module.
+        name: String,
+    },
+    /// Swaps a module for a new one under the same name, keeping its links (the new one must have their ports).
+    Replace {
+        /// The module.
+        name: String,
+        /// Kind of the new module.
+        kind: String,
+        /// Settings of the new module.
+        settings: Settings,
+        /// The configured new module.
+        builder: Box<dyn ModuleBuilder>,
+        /// Hand the old module's state to the new one.
+        keep_state: bool,
+    },
+    /// Adds links.
+    Link(LinkSpec),
+    /// Removes links.
+    Unlink(LinkSpec),
+    /// Writes a knob.
+    SetKnob {
+        /// The module.
+        module: String,
+        /// The knob's name within the module.
+        knob: String,
+        /// The new value.
+        value: Value,
+    },
+    /// Holds frames at one module's inputs (or, with `None`, stops running the whole stack).
+    Pause {
+        /// The module, or the whole stack.
+        module: Option<String>,
+    },
+    /// Resumes what [`Edit::Pause`] held.
+    Resume {
+        /// The module, or the whole stack.
+        module: Option<String>,
+    },
+}
+
+impl fmt::Display for Edit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Edit::Load {
+                name,
+                kind,
+                settings,
+                ..
+            } => write!(f, "module load {name} {kind}{}", fmt_settings(settings)),
+            Edit::Unload { name } => write!(f, "module unload {name}"),
+            Edit::Replace {
+                name,
+                kind,
+                settings,
+                keep_state,
+                ..
+            } => {
+                write!(
+                    f,
+                    "module replace {name} {kind}{}{}",
+                    fmt_settings(settings),
+                    if *keep_state { "" } else { " (fresh state)" }
+                )
+            }
+            Edit::Link(l) => write!(f, "link add {l}"),
+            Edit::Unlink(l) => write!(f, "link del {l}"),
+            Edit::SetKnob {
+                module,
+                knob,
+                value,
+            } => write!(f, "set module.{module}.{knob} {value}"),
+            Edit::Pause { module } => write!(
+                f,
+                "pause{}",
+                module.as_ref().map(|m| format!(" {m}")).unwrap_or_default()
+            ),
+            Edit::Resume { module } => write!(
+                f,
+                "resume{}",
+                module.as_ref().map(|m| format!(" {m}")).unwrap_or_default()
+            ),
+        }
+    }
+}
+
+fn fmt_settings(s: &Settings) -> String {
+    s.iter().map(|(k, v)| format!(" {k}={}", v.value)).collect()
+}
+
+/// Why an edit was refused; nothing was changed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("edit {}: {message}", index + 1)]
+pub struct EditError {
+    /// Position of the refused edit in the list given to [`Switch::apply`].
+    pub index: usize,
+    /// What is wrong and what was expected.
+    pub message: String,
+}
+
+/// A resolved link: one output port to one input port.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Edge {
+    /// Sending module.
+    pub from: String,
+    /// Its output port.
+    pub from_port: String,
+    /// Receiving module.
+    pub to: String,
+    /// Its input port.
+    pub to_port: String,
+}
+
+impl fmt::Display for Edge {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}[{}] -> {}[{}]",
+            self.from, self.from_port, self.to, self.to_port
+        )
+    }
+}
+
+/// The standard meters the switch keeps for every module.
+struct SlotMeters {
+    frames_in: Arc<VarCell>,
+    frames_out: Arc<VarCell>,
+    dropped: Arc<VarCell>,
+    calls: Arc<VarCell>,
+    busy_ns: Arc<VarCell>,
+    held: Arc<VarCell>,
+    port_in: Vec<Arc<VarCell>>,
+    port_out: Vec<Arc<VarCell>>,
+    port_dropped: Vec<Arc<VarCell>>,
+}
+
+const STD_VARS: [&str; 6] = [
+    "frames_in_total",
+    "frames_out_total",
+    "frames_dropped_total",
+    "calls_total",
+    "busy_ns_total",
+    "held_frames",
+];
+
+impl SlotMeters {
+    fn new(iface: &ModuleInterface) -> SlotMeters {
+        let m = |name: &str, unit: &str, d: &str| {
+            Arc::new(VarCell::new(VarSpec::meter(name, ValueType::U64, unit, d)))
+        };
+        SlotMeters {
+            frames_in: m(
+                "frames_in_total",
+                "frames",
+                "frames delivered to the module's inputs",
+            ),
+            frames_out: m(
+                "frames_out_total",
+                "frames",
+                "frames the module emitted on its outputs",
+            ),
+            dropped: m(
+                "frames_dropped_total",
+                "frames",
+                "frames dropped by the module or on its unlinked outputs",
+            ),
+            calls: m("calls_total", "calls", "process and poll calls"),
+            busy_ns: m(
+                "busy_ns_total",
+                "ns",
+                "time spent in the module's calls (when the switch is profiled)",
+            ),
+            held: m(
+                "held_frames",
+                "frames",
+                "frames held at the module's inputs while paused",
+            ),
+            port_in: iface
+                .inputs
+                .iter()
+                .map(|p| {
+                    m(
+                        &format!("port.{}.frames_in_total", p.name),
+                        "frames",
+                        "frames that arrived on this input port",
+                    )
+                })
+                .collect(),
+            port_out: iface
+                .outputs
+                .iter()
+                .map(|p| {
+                    m(
+                        &format!("port.{}.frames_out_total", p.name),
+                        "frames",
+                        "frames emitted on this output port",
+                    )
+                })
+                .collect(),
+            port_dropped: iface
+                .outputs
+                .iter()
+                .map(|p| {
+                    m(
+                        &format!("port.{}.frames_dropped_total", p.name),
+                        "frames",
+                        "frames emitted on this output port while it had no receiver",
+                    )
+                })
+                .collect(),
+        }
+    }
+
+    /// Keeps the counts of `old` where names match (a replaced module's counters continue).
+    fn carry_over(&self, old: &SlotMeters) {
+        for (a, b) in [
+            (&self.frames_in, &old.frames_in),
+            (&self.frames_out, &old.frames_out),
+            (&self.dropped, &old.dropped),
+            (&self.calls, &old.calls),
+            (&self.busy_ns, &old.busy_ns),
+        ] {
+            a.set_u64(b.load_u64());
+        }
+        for new in self
+            .port_in
+            .iter()
+            .chain(&self.port_out)
+            .chain(&self.port_dropped)
+        {
+            if let Some(o) = old
+                .port_in
+                .iter()
+                .chain(&old.port_out)
+                .chain(&old.port_dropped)
+                .find(|o| o.spec().name == new.spec().name)
+            {
+                new.set_u64(o.load_u64());
+            }
+        }
+    }
+
+    fn cells(&self) -> impl Iterator<Item = &Arc<VarCell>> {
+        [
+            &self.frames_in,
+            &self.frames_out,
+            &self.dropped,
+            &self.calls,
+            &self.busy_ns,
+            &self.held,
+        ]
+        .into_iter()
+        .chain(&self.port_in)
+        .chain(&self.port_out)
+        .chain(&self.port_dropped)
+    }
+}
+
+struct Slot {
+    name: String,
+    kind: String,
+    settings: Settings,
+    iface: ModuleInterface,
+    module: Box<dyn Module>,
+    vars: ModuleVars,
+    meters: SlotMeters,
+    pending: Vec<Batch>,
+    out: Vec<Batch>,
+    routes: Vec<Vec<(usize, usize)>>,
+    paused: bool,
+    wake_at: Option<Time>,
+}
+
+impl Slot {
+    fn new(
+        name: String,
+        kind: String,
+        settings: Settings,
+        builder: Box<dyn ModuleBuilder>,
+    ) -> Slot {
+        let iface = full_interface(builder.interface());
+        let vars = ModuleVars::new(&iface.vars);
+        let module = builder.build(&vars);
+        let meters = SlotMeters::new(&iface);
+        Slot {
+            pending: iface.inputs.iter().map(|_| Vec::new()).collect(),
+            out: iface.outputs.iter().map(|_| Vec::new()).collect(),
+            routes: iface.outputs.iter().map(|_| Vec::new()).collect(),
+            name,
+            kind,
+            settings,
+            iface,
+            module,
+            vars,
+            meters,
+            paused: false,
+            // Every module is polled once right after it is loaded.
+            wake_at: Some(Time::ZERO),
+        }
+    }
+
+    fn held(&self) -> u64 {
+        self.pending.iter().map(|b| b.len() as u64).sum()
+    }
+}
+
+/// The interface with the implicit control port appended to the outputs.
+fn full_interface(mut iface: ModuleInterface) -> ModuleInterface {
+    iface
+        .outputs
+        .push(PortSpec::new(CONTROL_PORT, port_type::CONTROL));
+    iface
+}
+
+/// The switch: modules, the compiled linking table, the packet pool and the registry of variables.
+pub struct Switch {
+    slots: Vec<Slot>,
+    index: HashMap<String, usize>,
+    edges: Vec<Edge>,
+    order: Vec<usize>,
+    pool: PacketPool,
+    paused: bool,
+    control: Vec<Box<ControlFrame>>,
+    control_inbox: Vec<ControlFrame>,
+    listeners: BTreeSet<(String, String, String)>,
+    next_serial: u32,
+    registry: SharedRegistry,
+    profiler: Option<Box<dyn FnMut() -> u64>>,
+    switch_vars: ModuleVars,
+}
+
+/// One row of `show runtime`, read from the registry.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct RuntimeRow {
+    /// Module name.
+    pub module: String,
+    /// Calls made to the module.
+    pub calls: u64,
+    /// Frames it handled (arrived, or emitted for modules without inputs).
+    pub frames: u64,
+    /// Average frames per call.
+    pub frames_per_call: f64,
+    /// Average nanoseconds per frame (0 when not profiled).
+    pub ns_per_frame: f64,
+}
+
+impl Default for Switch {
+    fn default() -> Self {
+        Switch::new(PacketPool::default())
+    }
+}
+
+impl Switch {
+    /// An empty switch using `pool` for packets.
+    pub fn new(pool: PacketPool) -> Switch {
+        let switch_vars = ModuleVars::new(&[
+            VarSpec::meter(
+                "runs_total",
+                ValueType::U64,
+                "runs",
+                "times the switch ran its modules",
+            ),
+            VarSpec::meter(
+                "frames_injected_total",
+                ValueType::U64,
+                "frames",
+                "frames injected by faces",
+            ),
+            VarSpec::meter("edits_total", ValueType::U64, "edits", "edits committed"),
+            VarSpec::meter(
+                "paused",
+                ValueType::Bool,
+                "",
+                "true while the whole stack is paused",
+            ),
+            VarSpec::meter(
+                "pool_allocated_total",
+                ValueType::U64,
+                "buffers",
+                "packet buffers allocated from the heap",
+            ),
+            VarSpec::meter(
+                "pool_free",
+                ValueType::U64,
+                "buffers",
+                "packet buffers on the free list",
+            ),
+        ]);
+        let mut s = Switch {
+            slots: Vec::new(),
+            index: HashMap::new(),
+            edges: Vec::new(),
+            order: Vec::new(),
+            pool,
+            paused: false,
+            control: Vec::new(),
+            control_inbox: Vec::new(),
+            listeners: BTreeSet::new(),
+            next_serial: 0,
+            registry: SharedRegistry::default(),
+            profiler: None,
+            switch_vars,
+        };
+        s.publish();
+        s
+    }
+
+    /// The registry handle that readers on other threads keep.
+    pub fn registry(&self) -> SharedRegistry {
+        self.registry.clone()
+    }
+
+    /// The packet pool.
+    pub fn pool(&self) -> &PacketPool {
+        &self.pool
+    }
+
+    /// Measures each module call with `clock` (nanoseconds), for `busy_ns_total` and `show runtime`.
+    pub fn set_profiler(&mut self, clock: Option<Box<dyn FnMut() -> u64>>) {
+        self.profiler = clock;
+    }
+
+    /// True while the whole stack is paused.
+    pub fn is_paused(&self) -> bool {
+        self.paused
+    }
+
+    /// Names of the loaded modules, in load order.
+    pub fn module_names(&self) -> impl Iterator<Item = &str> {
+        self.slots.iter().map(|s| s.name.as_str())
+    }
+
+    /// The resolved links, in the order they were added.
+    pub fn edges(&self) -> &[Edge] {
+        &self.edges
+    }
+
+    /// Validates `edits` and commits them all, or changes nothing and says which edit is wrong and why.
+    /// Returns notes about side effects (links removed with an unloaded module, state not handed over ...).
+    pub fn apply(&mut self, edits: Vec<Edit>) -> Result<Vec<String>, EditError> {
+        let mut model = Model::of(self);
+        let ifaces: Vec<Option<ModuleInterface>> = edits
+            .iter()
+            .map(|e| match e {
+                Edit::Load { builder, .. } | Edit::Replace { builder, .. } => {
+                    Some(full_interface(builder.interface()))
+                }
+                _ => None,
+            })
+            .collect();
+        for (index, (edit, iface)) in edits.iter().zip(&ifaces).enumerate() {
+            model
+                .check(edit, iface.as_ref())
+                .map_err(|message| EditError { index, message })?;
+        }
+        model.check_cycles().map_err(|message| EditError {
+            index: edits.len().saturating_sub(1),
+            message,
+        })?;
+
+        let mut notes = Vec::new();
+        for edit in edits {
+            self.commit(edit, &mut notes);
+        }
+        self.compile();
+        self.switch_vars.meter("edits_total").add(1);
+        self.publish();
+        Ok(notes)
+    }
+
+    fn commit(&mut self, edit: Edit, notes: &mut Vec<String>) {
+        match edit {
+            Edit::Load {
+                name,
+                kind,
+                settings,
+                builder,
+            } => {
+                let slot = Slot::new(name.clone(), kind, settings, builder);
+                self.index.insert(name, self.slots.len());
+                self.slots.push(slot);
+            }
+            Edit::Unload { name } => {
+                let before = self.edges.len();
+                self.edges.retain(|e| {
+                    let touches = e.from == name || e.to == name;
+                    if touches {
+                        notes.push(format!("removed link {e}"));
+                    }
+                    !touches
+                });
+                let _ = before;
+                if let Some(i) = self.index.remove(&name) {
+                    let slot = self.slots.remove(i);
+                    let held = slot.held();
+                    if held > 0 {
+                        notes.push(format!("dropped {held} frames held at {name}"));
+                    }
+                    self.listeners
+                        .retain(|(src, _, l)| *src != name && *l != name);
+                    self.reindex();
+                }
+            }
+            Edit::Replace {
+                name,
+                kind,
+                settings,
+                builder,
+                keep_state,
+            } => {
+                let Some(&i) = self.index.get(&name) else {
+                    return;
+                };
+                let mut fresh = Slot::new(name.clone(), kind, settings, builder);
+                let old = &mut self.slots[i];
+                if keep_state {
+                    match old.module.take_state() {
+                        Some(state) => {
+                            if let Err(e) = fresh.module.adopt_state(state) {
+                                notes.push(format!("{name}: state not handed over: {e}"));
+                            }
+                        }
+                        None => {
+                            notes.push(format!("{name}: the old module had no state to hand over"))
+                        }
+                    }
+                }
+                fresh.meters.carry_over(&old.meters);
+                // Frames waiting at inputs that still exist move to the new module.
+                for (p, port) in fresh.iface.inputs.iter().enumerate() {
+                    if let Some(q) = old.iface.inputs.iter().position(|o| o.name == port.name) {
+                        fresh.pending[p] = std::mem::take(&mut old.pending[q]);
+                    }
+                }
+                fresh.paused = old.paused;
+                self.slots[i] = fresh;
+            }
+            Edit::Link(spec) => {
+                for e in self.resolve(&spec) {
+                    self.edges.push(e);
+                }
+            }
+            Edit::Unlink(spec) => {
+                let gone: Vec<Edge> = self.resolve(&spec);
+                self.edges.retain(|e| !gone.contains(e));
+            }
+            Edit::SetKnob {
+                module,
+                knob,
+                value,
+            } => {
+                if let Err(e) = self.write_knob(&module, &knob, &value) {
+                    notes.push(format!("set module.{module}.{knob}: {e}"));
+                }
+            }
+            Edit::Pause { module: None } => self.paused = true,
+            Edit::Resume { module: None } => self.paused = false,
+            Edit::Pause { module: Some(m) } => {
+                if let Some(&i) = self.index.get(&m) {
+                    self.slots[i].paused = true;
+                }
+            }
+            Edit::Resume { module: Some(m) } => {
+                if let Some(&i) = self.index.get(&m) {
+                    self.slots[i].paused = false;
+                    self.slots[i].meters.held.set_u64(0);
+                }
+            }
+        }
+    }
+
+    fn reindex(&mut self) {
+        self.index = self
+            .slots
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (s.name.clone(), i))
+            .collect();
+    }
+
+    /// Resolves a link written by the user against the current modules (validated already).
+    fn resolve(&self, spec: &LinkSpec) -> Vec<Edge> {
+        let ifaces = |m: &str| self.index.get(m).map(|&i| &self.slots[i].iface);
+        spec.to
+            .iter()
+            .filter_map(|to| {
+                let from_port = resolve_port(&spec.from, ifaces(&spec.from.module)?, true).ok()?;
+                let to_port = resolve_port(to, ifaces(&to.module)?, false).ok()?;
+                Some(Edge {
+                    from: spec.from.module.clone(),
+                    from_port,
+                    to: to.module.clone(),
+                    to_port,
+                })
+            })
+            .collect()
+    }
+
+    fn write_knob(&mut self, module: &str, knob: &str, value: &Value) -> Result<(), String> {
+        let &i = self
+            .index
+            .get(module)
+            .ok_or_else(|| format!("no module named {module}"))?;
+        let slot = &mut self.slots[i];
+        let cell = slot
+            .vars
+            .cell(knob)
+            .ok_or_else(|| format!("module {module} has no knob {knob}"))?
+            .clone();
+        let v = cell.spec().validate(value)?;
+        slot.module.write_knob(knob, &v)?;
+        cell.store(&v);
+        Ok(())
+    }
+
+    /// Recompiles the linking table and the processing order from the modules and edges.
+    fn compile(&mut self) {
+        for s in &mut self.slots {
+            for r in &mut s.routes {
+                r.clear();
+            }
+        }
+        for e in &self.edges {
+            let (Some(&a), Some(&b)) = (self.index.get(&e.from), self.index.get(&e.to)) else {
+                continue;
+            };
+            let (Some(p), Some(q)) = (
+                self.slots[a]
+                    .iface
+                    .outputs
+                    .iter()
+                    .position(|p| p.name == e.from_port),
+                self.slots[b]
+                    .iface
+                    .inputs
+                    .iter()
+                    .position(|p| p.name == e.to_port),
+            ) else {
+                continue;
+            };
+            self.slots[a].routes[p].push((b, q));
+        }
+        // Kahn's algorithm; edges out of cycle-breaking modules do not order anything.
+        let n = self.slots.len();
+        let mut indegree = vec![0usize; n];
+        for s in &self.slots {
+            if s.iface.breaks_cycles {
+                continue;
+            }
+            for r in s.routes.iter().flatten() {
+                indegree[r.0] += 1;
+            }
+        }
+        let mut ready: Vec<usize> = (0..n).filter(|&i| indegree[i] == 0).rev().collect();
+        self.order.clear();
+        while let Some(i) = ready.pop() {
+            self.order.push(i);
+            if self.slots[i].iface.breaks_cycles {
+                continue;
+            }
+            let mut next: Vec<usize> = Vec::new();
+            for r in self.slots[i].routes.iter().flatten() {
+                indegree[r.0] -= 1;
+                if indegree[r.0] == 0 {
+                    next.push(r.0);
+                }
+            }
+            next.sort_unstable();
+            next.dedup();
+            ready.extend(next.into_iter().rev());
+        }
+        // Validation rejected cycles; should one slip through, run the rest in load order rather than never.
+        for i in 0..n {
+            if !self.order.contains(&i) {
+                self.order.push(i);
+            }
+        }
+    }
+
+    /// Publishes the current variables to the shared registry.
+    fn publish(&mut self) {
+        let mut reg = Registry::default();
+        for c in self.switch_vars.cells() {
+            reg.insert(format!("switch.{}", c.spec().name), c.clone());
+        }
+        for s in &self.slots {
+            for c in s.meters.cells().chain(s.vars.cells()) {
+                reg.insert(format!("module.{}.{}", s.name, c.spec().name), c.clone());
+            }
+        }
+        self.registry.publish(reg);
+    }
+
+    /// Hands frames from a face to input port `port` of `module`; `frames` is left empty.
+    pub fn inject(&mut self, module: &str, port: &str, frames: &mut Batch) -> Result<(), String> {
+        let &i = self
+            .index
+            .get(module)
+            .ok_or_else(|| format!("no module named {module}"))?;
+        let slot = &mut self.slots[i];
+        let q = slot
+            .iface
+            .inputs
+            .iter()
+            .position(|p| p.name == port)
+            .ok_or_else(|| format!("module {module} has no input port {port}"))?;
+        self.switch_vars
+            .meter("frames_injected_total")
+            .add(frames.len() as u64);
+        let dest = &mut slot.pending[q];
+        let room = HOLD_LIMIT.saturating_sub(dest.len());
+        if frames.len() > room {
+            let extra = frames.len() - room;
+            frames.truncate(room);
+            slot.meters.dropped.add_u64(extra as u64);
+        }
+        dest.append(frames);
+        Ok(())
+    }
+
+    /// Queues a control frame from the control plane (`sender` should be [`CONTROL_PLANE`]).
+    pub fn send_control(&mut self, frame: ControlFrame) {
+        self.control.push(Box::new(frame));
+    }
+
+    /// Control frames addressed to the control plane since the last call.
+    pub fn take_control_inbox(&mut self) -> Vec<ControlFrame> {
+        std::mem::take(&mut self.control_inbox)
+    }
+
+    /// The earliest time a module asked to be polled, or `None`.
+    pub fn next_wakeup(&self) -> Option<Time> {
+        if self.paused {
+            return None;
+        }
+        self.slots
+            .iter()
+            .filter(|s| !s.paused)
+            .filter_map(|s| s.wake_at)
+            .min()
+    }
+
+    /// True if frames wait at inputs of modules that are not paused.
+    pub fn has_pending(&self) -> bool {
+        !self.paused
+            && self
+                .slots
+                .iter()
+                .any(|s| !s.paused && s.pending.iter().any(|b| !b.is_empty()))
+    }
+
+    /// Runs everything that is due at `now`: polls, control frames, and the pending frames through the graph.
+    /// Returns the number of module calls made.
+    pub fn run(&mut self, now: Time) -> u64 {
+        if self.paused {
+            for s in &self.slots {
+                s.meters.held.set_u64(s.held());
+            }
+            return 0;
+        }
+        self.switch_vars.meter("runs_total").add(1);
+        let mut calls = 0;
+        for i in 0..self.slots.len() {
+            if !self.slots[i].paused && self.slots[i].wake_at.is_some_and(|t| t <= now) {
+                self.call(i, None, now);
+                calls += 1;
+            }
+        }
+        self.deliver_control(now);
+        // One topological pass drains a DAG; further passes pick up frames from control handling.
+        for _ in 0..4 {
+            let mut progressed = false;
+            for k in 0..self.order.len() {
+                let i = self.order[k];
+                if self.slots[i].paused {
+                    self.slots[i].meters.held.set_u64(self.slots[i].held());
+                    continue;
+                }
+                for port in 0..self.slots[i].pending.len() {
+                    if !self.slots[i].pending[port].is_empty() {
+                        self.call(i, Some(port), now);
+                        calls += 1;
+                        progressed = true;
+                    }
+                }
+            }
+            self.deliver_control(now);
+            if !progressed || !self.has_pending() {
+                break;
+            }
+        }
+        let ps = self.pool.stats();
+        self.switch_vars
+            .meter("pool_allocated_total")
+            .set(ps.allocated);
+        self.switch_vars.meter("pool_free").set(ps.free);
+        calls
+    }
+
+    /// One call into module `i`: `process` for input `port`, or `poll` when `port` is `None`; then routes outputs.
+    fn call(&mut self, i: usize, port: Option<usize>, now: Time) {
+        let start = self.profiler.as_mut().map(|c| c());
+        let slot = &mut self.slots[i];
+        let mut input = match port {
+            Some(p) => std::mem::take(&mut slot.pending[p]),
+            None => Vec::new(),
+        };
+        let arrived = input.len() as u64;
+        let mut out = Output {
+            now,
+            module: &slot.name,
+            pool: &self.pool,
+            ports: &mut slot.out,
+            dropped: 0,
+            control: &mut self.control,
+            next_serial: &mut self.next_serial,
+        };
+        match port {
+            Some(_) => slot.module.process(port.unwrap_or(0), &mut input, &mut out),
+            None => slot.wake_at = slot.module.poll(&mut out),
+        }
+        let mut dropped = out.dropped + input.len() as u64;
+        input.clear();
+        if let Some(p) = port {
+            // Give the emptied vector back so its capacity is reused.
+            if slot.pending[p].is_empty() {
+                slot.pending[p] = input;
+            }
+            slot.meters.port_in[p].add_u64(arrived);
+            slot.meters.frames_in.add_u64(arrived);
+        }
+        slot.meters.calls.add_u64(1);
+        if let (Some(t0), Some(clock)) = (start, self.profiler.as_mut()) {
+            let t1 = clock();
+            self.slots[i].meters.busy_ns.add_u64(t1.saturating_sub(t0));
+        }
+        dropped += self.route(i);
+        self.slots[i].meters.dropped.add_u64(dropped);
+    }
+
+    /// Moves what module `i` emitted to its receivers; returns frames dropped for lack of a receiver.
+    fn route(&mut self, i: usize) -> u64 {
+        let mut dropped = 0;
+        for p in 0..self.slots[i].out.len() {
+            if self.slots[i].out[p].is_empty() {
+                continue;
+            }
+            let mut buf = std::mem::take(&mut self.slots[i].out[p]);
+            let n = buf.len() as u64;
+            let src = &self.slots[i];
+            src.meters.port_out[p].add_u64(n);
+            src.meters.frames_out.add_u64(n);
+            let routes = std::mem::take(&mut self.slots[i].routes[p]);
+            match routes.len() {
+                0 => {
+                    dropped += n;
+                    self.slots[i].meters.port_dropped[p].add_u64(n);
+                    buf.clear();
+                }
+                count => {
+                    for (k, &(d, q)) in routes.iter().enumerate() {
+                        let last = k + 1 == count;
+                        let dest_slot = &mut self.slots[d];
+                        let dest = &mut dest_slot.pending[q];
+                        let room = if dest_slot.paused || self.paused {
+                            HOLD_LIMIT.saturating_sub(dest.len())
+                        } else {
+                            usize::MAX
+                        };
+                        if last && dest.is_empty() && room >= buf.len() {
+                            std::mem::swap(dest, &mut buf);
+                        } else if last {
+                            let over = buf.len().saturating_sub(room);
+                            buf.truncate(buf.len() - over);
+                            dest_slot.meters.dropped.add_u64(over as u64);
+                            dest.append(&mut buf);
+                        } else {
+                            let take = buf.len().min(room);
+                            dest.extend(buf[..take].iter().cloned());
+                            dest_slot.meters.dropped.add_u64((buf.len() - take) as u64);
+                        }
+                    }
+                }
+            }
+            self.slots[i].routes[p] = routes;
+            if self.slots[i].out[p].is_empty() {
+                self.slots[i].out[p] = buf;
+            }
+        }
+        dropped
+    }
+
+    /// Delivers queued control frames: the switch answers parameter reads and writes and keeps listener lists;
+    /// procedures go to `execute`, replies, alerts and errors to `handle_control`. Every frame is also mirrored on
+    /// its sender's `ctl` port so a tap linked there observes it.
+    fn deliver_control(&mut self, now: Time) {
+        for _ in 0..CONTROL_ROUNDS {
+            if self.control.is_empty() {
+                return;
+            }
+            let frames = std::mem::take(&mut self.control);
+            for cf in frames {
+                if let Some(&s) = self.index.get(&cf.sender) {
+                    let ctl = self.slots[s].out.len() - 1;
+                    if !self.slots[s].routes[ctl].is_empty() {
+                        self.slots[s].out[ctl].push(Frame::Control(cf.clone()));
+                        self.route(s);
+                    }
+                }
+                self.dispatch_control(cf, now);
+            }
+        }
+    }
+
+    fn dispatch_control(&mut self, cf: Box<ControlFrame>, now: Time) {
+        if cf.op == ControlOp::Alert {
+            let targets: Vec<String> = self
+                .listeners
+                .iter()
+                .filter(|(src, ev, _)| *src == cf.sender && *ev == cf.param)
+                .map(|(_, _, l)| l.clone())
+                .collect();
+            for t in targets {
+                let mut copy = (*cf).clone();
+                copy.dest = t;
+                self.to_module(Box::new(copy), now);
+            }
+            return;
+        }
+        if cf.dest == CONTROL_PLANE {
+            self.control_inbox.push(*cf);
+            return;
+        }
+        let Some(&d) = self.index.get(&cf.dest) else {
+            let err = cf.reply(
+                ControlOp::Error,
+                Value::Str(format!("no module named {}", cf.dest)),
+            );
+            self.control.push(Box::new(err));
+            return;
+        };
+        let reply = match cf.op {
+            ControlOp::ReadParam => Some(
+                match self.read_var(&self.slots[d].name.clone(), &cf.param) {
+                    Some(v) => cf.reply(ControlOp::ReadParamReply, v),
+                    None => cf.reply(
+                        ControlOp::Error,
+                        Value::Str(format!("module {} has no variable {}", cf.dest, cf.param)),
+                    ),
+                },
+            ),
+            ControlOp::SetParam => Some(
+                match self.write_knob(&cf.dest.clone(), &cf.param, &cf.value) {
+                    Ok(()) => cf.reply(ControlOp::SetParamReply, Value::Bool(true)),
+                    Err(e) => cf.reply(ControlOp::Error, Value::Str(e)),
+                },
+            ),
+            ControlOp::Listen => {
+                self.listeners
+                    .insert((cf.dest.clone(), cf.param.clone(), cf.sender.clone()));
+                None
+            }
+            ControlOp::Unlisten => {
+                self.listeners
+                    .remove(&(cf.dest.clone(), cf.param.clone(), cf.sender.clone()));
+                None
+            }
+            ControlOp::Exec => {
+                let slot = &mut self.slots[d];
+                let mut out = Output {
+                    now,
+                    module: &slot.name,
+                    pool: &self.pool,
+                    ports: &mut slot.out,
+                    dropped: 0,
+                    control: &mut self.control,
+                    next_serial: &mut self.next_serial,
+                };
+                let result = slot.module.execute(&cf.param, &cf.value, &mut out);
+                let dropped = out.dropped;
+                slot.meters.dropped.add_u64(dropped);
+                let d2 = self.route(d);
+                self.slots[d].meters.dropped.add_u64(d2);
+                Some(match result {
+                    Ok(v) => cf.reply(ControlOp::ExecReply, v),
+                    Err(e) => cf.reply(ControlOp::Error, Value::Str(e)),
+                })
+            }
+            _ => {
+                self.to_module(cf, now);
+                None
+            }
+        };
+        if let Some(r) = reply {
+            self.control.push(Box::new(r));
+        }
+    }
+
+    fn to_module(&mut self, cf: Box<ControlFrame>, now: Time) {
+        if cf.dest == CONTROL_PLANE {
+            self.control_inbox.push(*cf);
+            return;
+        }
+        let Some(&d) = self.index.get(&cf.dest) else {
+            return;
+        };
+        let slot = &mut self.slots[d];
+        let mut out = Output {
+            now,
+            module: &slot.name,
+            pool: &self.pool,
+            ports: &mut slot.out,
+            dropped: 0,
+            control: &mut self.control,
+            next_serial: &mut self.next_serial,
+        };
+        slot.module.handle_control(cf, &mut out);
+        let dropped = out.dropped;
+        slot.meters.dropped.add_u64(dropped);
+        let d2 = self.route(d);
+        self.slots[d].meters.dropped.add_u64(d2);
+    }
+
+    fn read_var(&self, module: &str, var: &str) -> Option<Value> {
+        let &i = self.index.get(module)?;
+        let s = &self.slots[i];
+        s.vars
+            .cell(var)
+            .or_else(|| s.meters.cells().find(|c| c.spec().name == var))
+            .map(|c| c.get())
+    }
+
+    /// The running stack as a description: modules with their settings (knobs at their current values) and links.
+    pub fn describe(&self) -> StackSpec {
+        let modules = self
+            .slots
+            .iter()
+            .map(|s| {
+                let mut settings = s.settings.clone();
+                for c in s
+                    .vars
+                    .cells()
+                    .iter()
+                    .filter(|c| c.spec().kind == VarKind::Knob)
+                {
+                    settings.insert(&c.spec().name, c.get().to_toml());
+                }
+                ModuleSpec {
+                    name: s.name.clone(),
+                    kind: s.kind.clone(),
+                    settings,
+                    location: None,
+                }
+            })
+            .collect();
+        let mut links: Vec<LinkEntry> = Vec::new();
+        for e in &self.edges {
+            let from = self.endpoint(&e.from, &e.from_port, true);
+            let to = self.endpoint(&e.to, &e.to_port, false);
+            match links.iter_mut().find(|l| l.link.from == from) {
+                Some(l) => l.link.to.push(to),
+                None => links.push(LinkEntry {
+                    link: LinkSpec { from, to: vec![to] },
+                    location: None,
+                }),
+            }
+        }
+        StackSpec { modules, links }
+    }
+
+    /// An endpoint as the user would write it: the port is left out where it is the module's only one.
+    fn endpoint(&self, module: &str, port: &str, output: bool) -> Endpoint {
+        let only = self.index.get(module).is_some_and(|&i| {
+            let ports = if output {
+                &self.slots[i].iface.outputs
+            } else {
+                &self.slots[i].iface.inputs
+            };
+            ports
+                .iter()
+                .filter(|p| p.name != CONTROL_PORT || !output)
+                .count()
+                == 1
+                && port != CONTROL_PORT
+        });
+        Endpoint {
+            module: module.to_string(),
+            port: if only { None } else { Some(port.to_string()) },
+        }
+    }
+
+    /// Facts about each module for `module list`.
+    pub fn module_infos(&self) -> Vec<ModuleInfo> {
+        self.slots
+            .iter()
+            .map(|s| ModuleInfo {
+                name: s.name.clone(),
+                kind: s.kind.clone(),
+                state: if self.paused || s.paused {
+                    "paused"
+                } else {
+                    "running"
+                }
+                .to_string(),
+                inputs: s
+                    .iface
+                    .inputs
+                    .iter()
+                    .map(|p| (p.name.clone(), p.ty.to_string()))
+                    .collect(),
+                outputs: s
+                    .iface
+                    .outputs
+                    .iter()
+                    .map(|p| (p.name.clone(), p.ty.to_string()))
+                    .collect(),
+            })
+            .collect()
+    }
+}
+
+/// A module's name, kind, state and ports, for listings.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct ModuleInfo {
+    /// Name.
+    pub name: String,
+    /// Kind.
+    pub kind: String,
+    /// `running` or `paused`.
+    pub state: String,
+    /// Input ports (name, type).
+    pub inputs: Vec<(String, String)>,
+    /// Output ports (name, type), the implicit `ctl` last.
+    pub outputs: Vec<(String, String)>,
+}
+
+/// Resolves an endpoint's port against an interface: the named port, or the only one.
+fn resolve_port(ep: &Endpoint, iface: &ModuleInterface, output: bool) -> Result<String, String> {
+    let ports: Vec<&PortSpec> = if output {
+        iface.outputs.iter().collect()
+    } else {
+        iface.inputs.iter().collect()
+    };
+    let dir = if output { "output" } else { "input" };
+    match &ep.port {
+        Some(p) => ports
+            .iter()
+            .find(|x| x.name == *p)
+            .map(|x| x.name.clone())
+            .ok_or_else(|| {
+                format!(
+                    "module {} has no {dir} port `{p}`; its {dir} ports are: {}",
+                    ep.module,
+                    list_ports(&ports)
+                )
+            }),
+        None => {
+            let data: Vec<&&PortSpec> = ports
+                .iter()
+                .filter(|x| !(output && x.name == CONTROL_PORT))
+                .collect();
+            match data.as_slice() {
+                [only] => Ok(only.name.clone()),
+                [] => Err(format!("module {} has no {dir} port", ep.module)),
+                _ => Err(format!(
+                    "module {} has several {dir} ports ({}); name one, e.g. {}[{}]",
+                    ep.module,
+                    list_ports(&ports),
+                    ep.module,
+                    data[0].name
+                )),
+            }
+        }
+    }
+}
+
+fn list_ports(ports: &[&PortSpec]) -> String {
+    ports
+        .iter()
+        .map(|p| format!("{} ({})", p.name, p.ty))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// A model of the stack's shape on which edits are checked before anything is changed.
+struct Model {
+    modules: HashMap<String, ModuleInterface>,
+    edges: Vec<Edge>,
+}
+
+impl Model {
+    fn of(s: &Switch) -> Model {
+        Model {
+            modules: s
+                .slots
+                .iter()
+                .map(|x| (x.name.clone(), x.iface.clone()))
+                .collect(),
+            edges: s.edges.clone(),
+        }
+    }
+
+    fn iface(&self, name: &str) -> Result<&ModuleInterface, String> {
+        self.modules.get(name).ok_or_else(|| {
+            let mut known: Vec<&str> = self.modules.keys().map(String::as_str).collect();
+            known.sort_unstable();
+            format!(
+                "no module named `{name}` (modules: {})",
+                if known.is_empty() {
+                    "none".into()
+                } else {
+                    known.join(", ")
+                }
+            )
+        })
+    }
+
+    fn resolve(&self, spec: &LinkSpec) -> Result<Vec<Edge>, String> {
+        let from_iface = self.iface(&spec.from.module)?;
+        let from_port = resolve_port(&spec.from, from_iface, true)?;
+        let from_ty = from_iface
+            .outputs
+            .iter()
+            .find(|p| p.name == from_port)
+            .map_or(port_type::ANY, |p| p.ty);
+        spec.to
+            .iter()
+            .map(|to| {
+                let to_iface = self.iface(&to.module)?;
+                let to_port = resolve_port(to, to_iface, false)?;
+                let to_ty = to_iface.inputs.iter().find(|p| p.name == to_port).map_or(port_type::ANY, |p| p.ty);
+                if !PortSpec::compatible(from_ty, to_ty) {
+                    return Err(format!("type mismatch: {}[{from_port}] carries {from_ty} frames but {}[{to_port}] takes {to_ty}", spec.from.module, to.module));
+                }
+                Ok(Edge { from: spec.from.module.clone(), from_port: from_port.clone(), to: to.module.clone(), to_port })
+            })
+            .collect()
+    }
+
+    fn check_interface(name: &str, iface: &ModuleInterface) -> Result<(), String> {
+        if !valid_name(name) {
+            return Err(format!(
+                "invalid module name {name:?}: expected lowercase letters, digits, '_' or '-'"
+            ));
+        }
+        for (dir, ports) in [("input", &iface.inputs), ("output", &iface.outputs)] {
+            let mut seen = BTreeSet::new();
+            for p in ports.iter() {
+                if !seen.insert(&p.name) {
+                    return Err(format!(
+                        "module {name} declares {dir} port `{}` twice",
+                        p.name
+                    ));
+                }
+            }
+        }
+        let mut seen = BTreeSet::new();
+        for v in &iface.vars {
+            if STD_VARS.contains(&v.name.as_str())
+                || v.name.starts_with("port.")
+                || !seen.insert(&v.name)
+            {
+                return Err(format!(
+                    "module {name} declares variable `{}` twice or under a name the switch keeps",
+                    v.name
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn check(&mut self, edit: &Edit, new_iface: Option<&ModuleInterface>) -> Result<(), String> {
+        match edit {
+            Edit::Load { name, .. } => {
+                if self.modules.contains_key(name) {
+                    return Err(format!("a module named `{name}` is already loaded"));
+                }
+                let iface = new_iface.cloned().unwrap_or_default();
+                Self::check_interface(name, &iface)?;
+                self.modules.insert(name.clone(), iface);
+            }
+            Edit::Unload { name } => {
+                self.iface(name)?;
+                self.modules.remove(name);
+                self.edges.retain(|e| e.from != *name && e.to != *name);
+            }
+            Edit::Replace { name, .. } => {
+                self.iface(name)?;
+                let iface = new_iface.cloned().unwrap_or_default();
+                Self::check_interface(name, &iface)?;
+                for e in self
+                    .edges
+                    .iter()
+                    .filter(|e| e.from == *name || e.to == *name)
+                {
+                    let (ports, port, dir) = if e.from == *name {
+                        (&iface.outputs, &e.from_port, "output")
+                    } else {
+                        (&iface.inputs, &e.to_port, "input")
+                    };
+                    let Some(p) = ports.iter().find(|p| p.name == *port) else {
+                        return Err(format!("the new {name} has no {dir} port `{port}`, which link {e} uses; remove the link first"));
+                    };
+                    let other_ty = if e.from == *name {
+                        self.modules
+                            .get(&e.to)
+                            .and_then(|m| m.inputs.iter().find(|x| x.name == e.to_port))
+                            .map_or(port_type::ANY, |x| x.ty)
+                    } else {
+                        self.modules
+                            .get(&e.from)
+                            .and_then(|m| m.outputs.iter().find(|x| x.name == e.from_port))
+                            .map_or(port_type::ANY, |x| x.ty)
+                    };
+                    if !PortSpec::compatible(p.ty, other_ty) {
+                        return Err(format!("type mismatch: the new {name}'s {dir} port `{port}` carries {} frames, link {e} needs {other_ty}", p.ty));
+                    }
+                }
+                self.modules.insert(name.clone(), iface);
+            }
+            Edit::Link(spec) => {
+                for e in self.resolve(spec)? {
+                    if self.edges.contains(&e) {
+                        return Err(format!("link {e} already exists"));
+                    }
+                    self.edges.push(e);
+                }
+            }
+            Edit::Unlink(spec) => {
+                for e in self.resolve(spec)? {
+                    let Some(pos) = self.edges.iter().position(|x| *x == e) else {
+                        return Err(format!("there is no link {e}"));
+                    };
+                    self.edges.remove(pos);
+                }
+            }
+            Edit::SetKnob {
+                module,
+                knob,
+                value,
+            } => {
+                let iface = self.iface(module)?;
+                let spec = iface.vars.iter().find(|v| v.name == *knob).ok_or_else(|| {
+                    let knobs: Vec<&str> = iface
+                        .vars
+                        .iter()
+                        .filter(|v| v.kind == VarKind::Knob)
+                        .map(|v| v.name.as_str())
+                        .collect();
+                    format!(
+                        "module {module} has no knob `{knob}` (knobs: {})",
+                        if knobs.is_empty() {
+                            "none".into()
+                        } else {
+                            knobs.join(", ")
+                        }
+                    )
+                })?;
+                spec.validate(value)
+                    .map_err(|e| format!("module.{module}.{knob}: {e}"))?;
+            }
+            Edit::Pause { module: Some(m) } | Edit::Resume { module: Some(m) } => {
+                self.iface(m)?;
+            }
+            Edit::Pause { module: None } | Edit::Resume { module: None } => {}
+        }
+        Ok(())
+    }
+
+    /// Rejects a cycle that passes through no cycle-breaking module.
+    fn check_cycles(&self) -> Result<(), String> {
+        let mut indegree: HashMap<&str, usize> =
+            self.modules.keys().map(|k| (k.as_str(), 0)).collect();
+        let live = |e: &&Edge| !self.modules.get(&e.from).is_some_and(|m| m.breaks_cycles);
+        for e in self.edges.iter().filter(live) {
+            *indegree.entry(e.to.as_str()).or_default() += 1;
+        }
+        let mut ready: Vec<&str> = indegree
+            .iter()
+            .filter(|(_, &d)| d == 0)
+            .map(|(k, _)| *k)
+            .collect();
+        let mut done = 0;
+        while let Some(m) = ready.pop() {
+            done += 1;
+            for e in self.edges.iter().filter(live).filter(|e| e.from == m) {
+                let d = indegree
+                    .get_mut(e.to.as_str())
+                    .expect("edge to a known module");
+                *d -= 1;
+                if *d == 0 {
+                    ready.push(e.to.as_str());
+                }
+            }
+        }
+        if done == indegree.len() {
+            return Ok(());
+        }
+        let mut stuck: Vec<&str> = indegree
+            .iter()
+            .filter(|(_, &d)| d > 0)
+            .map(|(k, _)| *k)
+            .collect();
+        stuck.sort_unstable();
+        Err(format!(
+            "the links would form a cycle through {} with no queueing module to break it",
+            stuck.join(", ")
+        ))
+    }
+}

@@ -1,0 +1,391 @@
+//! Meters (read-only) and knobs (read-write): declared once per module, read by name from any thread.
+//!
+//! A module declares its variables as [`VarSpec`]s. The switch gives every declared variable a [`VarCell`]: an atomic
+//! word (or a small locked string) that the data plane writes with plain relaxed stores and that the control plane
+//! reads at any time without stopping traffic. The [`Registry`] maps full dotted names
+//! (`module.<name>.<var>`, `iface.<if>.<var>`, `flow.<id>.<var>`, `app.<name>.<var>`) to cells; the switch publishes a
+//! fresh snapshot into a [`SharedRegistry`] after every change of the stack.
+
+use crate::value::{Value, ValueType};
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+
+/// Whether a variable can be written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum VarKind {
+    /// Read-only measurement.
+    Meter,
+    /// Read-write setting, changed between batches.
+    Knob,
+}
+
+/// The declaration of one meter or knob.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct VarSpec {
+    /// Name relative to its owner, dotted lowercase (`frames_total`, `port.out.frames_out_total`).
+    pub name: String,
+    /// Meter or knob.
+    pub kind: VarKind,
+    /// Value type.
+    #[serde(rename = "type")]
+    pub ty: ValueType,
+    /// Unit in base units (`frames`, `bytes`, `ns`, `frames/s`, or empty).
+    pub unit: String,
+    /// One-line description.
+    pub description: String,
+    /// Inclusive numeric range a knob accepts, if limited.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub range: Option<(f64, f64)>,
+}
+
+impl VarSpec {
+    /// Declares a meter.
+    pub fn meter(name: &str, ty: ValueType, unit: &str, description: &str) -> VarSpec {
+        VarSpec {
+            name: name.into(),
+            kind: VarKind::Meter,
+            ty,
+            unit: unit.into(),
+            description: description.into(),
+            range: None,
+        }
+    }
+
+    /// Declares a knob.
+    pub fn knob(name: &str, ty: ValueType, unit: &str, description: &str) -> VarSpec {
+        VarSpec {
+            name: name.into(),
+            kind: VarKind::Knob,
+            ty,
+            unit: unit.into(),
+            description: description.into(),
+            range: None,
+        }
+    }
+
+    /// Limits a numeric knob to `min..=max`.
+    pub fn with_range(mut self, min: f64, max: f64) -> VarSpec {
+        self.range = Some((min, max));
+        self
+    }
+
+    /// Checks and converts a value written to this variable: it must be a knob, of its type, within its range.
+    pub fn validate(&self, value: &Value) -> Result<Value, String> {
+        if self.kind != VarKind::Knob {
+            return Err(format!("{} is a meter (read-only)", self.name));
+        }
+        let v = value.coerce(self.ty)?;
+        if let (Some((min, max)), Some(x)) = (self.range, v.as_f64()) {
+            if x < min || x > max {
+                return Err(format!(
+                    "{} must be within {min}..={max}, got {v}",
+                    self.name
+                ));
+            }
+        }
+        Ok(v)
+    }
+}
+
+/// The storage of one variable: written by one thread (the data plane), read by any.
+#[derive(Debug)]
+pub struct VarCell {
+    spec: VarSpec,
+    bits: AtomicU64,
+    text: Mutex<String>,
+}
+
+impl VarCell {
+    /// A cell for `spec` holding zero / false / "".
+    pub fn new(spec: VarSpec) -> VarCell {
+        let bits = match spec.ty {
+            ValueType::F64 => 0f64.to_bits(),
+            _ => 0,
+        };
+        VarCell {
+            spec,
+            bits: AtomicU64::new(bits),
+            text: Mutex::new(String::new()),
+        }
+    }
+
+    /// The declaration.
+    pub fn spec(&self) -> &VarSpec {
+        &self.spec
+    }
+
+    /// The current value.
+    pub fn get(&self) -> Value {
+        let bits = self.bits.load(Ordering::Relaxed);
+        match self.spec.ty {
+            ValueType::U64 => Value::U64(bits),
+            ValueType::I64 => Value::I64(bits as i64),
+            ValueType::F64 => Value::F64(f64::from_bits(bits)),
+            ValueType::Bool => Value::Bool(bits != 0),
+            ValueType::Str => Value::Str(self.text.lock().map(|s| s.clone()).unwrap_or_default()),
+        }
+    }
+
+    /// Stores `value`, converted to the cell's type; values of another type are ignored (callers validate first).
+    pub fn store(&self, value: &Value) {
+        let Ok(v) = value.coerce(self.spec.ty) else {
+            return;
+        };
+        let bits = match v {
+            Value::U64(x) => x,
+            Value::I64(x) => x as u64,
+            Value::F64(x) => x.to_bits(),
+            Value::Bool(b) => u64::from(b),
+            Value::Str(s) => {
+                if let Ok(mut t) = self.text.lock() {
+                    *t = s;
+                }
+                return;
+            }
+        };
+        self.bits.store(bits, Ordering::Relaxed);
+    }
+
+    /// The raw word of a u64 cell (cheap read for counters).
+    pub fn load_u64(&self) -> u64 {
+        self.bits.load(Ordering::Relaxed)
+    }
+
+    /// Adds to a u64 counter. Single writer: a relaxed load and store, no locked instruction.
+    #[inline]
+    pub fn add_u64(&self, n: u64) {
+        self.bits.store(
+            self.bits.load(Ordering::Relaxed).wrapping_add(n),
+            Ordering::Relaxed,
+        );
+    }
+
+    /// Sets a u64 cell.
+    #[inline]
+    pub fn set_u64(&self, n: u64) {
+        self.bits.store(n, Ordering::Relaxed);
+    }
+
+    /// Sets an f64 cell.
+    #[inline]
+    pub fn set_f64(&self, x: f64) {
+        self.bits.store(x.to_bits(), Ordering::Relaxed);
+    }
+}
+
+/// A module's handle to one of its u64 meters.
+#[derive(Clone, Debug)]
+pub struct Meter(Arc<VarCell>);
+
+impl Meter {
+    /// Adds `n`.
+    #[inline]
+    pub fn add(&self, n: u64) {
+        self.0.add_u64(n);
+    }
+
+    /// Sets the value.
+    #[inline]
+    pub fn set(&self, n: u64) {
+        self.0.set_u64(n);
+    }
+
+    /// Sets the value of an f64 meter.
+    #[inline]
+    pub fn set_f64(&self, x: f64) {
+        self.0.set_f64(x);
+    }
+
+    /// Stores any value (for bool, i64 and text meters).
+    pub fn store(&self, v: &Value) {
+        self.0.store(v);
+    }
+
+    /// The current value as u64.
+    pub fn get(&self) -> u64 {
+        self.0.load_u64()
+    }
+}
+
+/// The cells of one module's declared variables, handed to the module when it is built.
+#[derive(Clone, Debug, Default)]
+pub struct ModuleVars {
+    cells: Vec<Arc<VarCell>>,
+}
+
+impl ModuleVars {
+    /// Cells for the given declarations, all zero.
+    pub fn new(specs: &[VarSpec]) -> ModuleVars {
+        ModuleVars {
+            cells: specs
+                .iter()
+                .cloned()
+                .map(|s| Arc::new(VarCell::new(s)))
+                .collect(),
+        }
+    }
+
+    /// The cell of the variable declared as `name`.
+    pub fn cell(&self, name: &str) -> Option<&Arc<VarCell>> {
+        self.cells.iter().find(|c| c.spec.name == name)
+    }
+
+    /// The meter handle of the variable declared as `name`.
+    ///
+    /// # Panics
+    /// If the module did not declare `name`: a programming error that the module's own tests catch.
+    pub fn meter(&self, name: &str) -> Meter {
+        Meter(
+            self.cell(name)
+                .unwrap_or_else(|| panic!("variable {name} was not declared"))
+                .clone(),
+        )
+    }
+
+    /// All cells, in declaration order.
+    pub fn cells(&self) -> &[Arc<VarCell>] {
+        &self.cells
+    }
+}
+
+/// Full name → cell, as published by the switch.
+#[derive(Clone, Debug, Default)]
+pub struct Registry {
+    vars: BTreeMap<String, Arc<VarCell>>,
+}
+
+impl Registry {
+    /// Adds `cell` under the full name `name`.
+    pub fn insert(&mut self, name: String, cell: Arc<VarCell>) {
+        self.vars.insert(name, cell);
+    }
+
+    /// The cell named exactly `name`.
+    pub fn get(&self, name: &str) -> Option<&Arc<VarCell>> {
+        self.vars.get(name)
+    }
+
+    /// The variables whose names match `pattern` (see [`name_matches`]), sorted by name.
+    pub fn matching<'a>(
+        &'a self,
+        pattern: &'a str,
+    ) -> impl Iterator<Item = (&'a str, &'a Arc<VarCell>)> + 'a {
+        self.vars
+            .iter()
+            .filter(move |(n, _)| name_matches(pattern, n))
+            .map(|(n, c)| (n.as_str(), c))
+    }
+
+    /// All variables, sorted by name.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &Arc<VarCell>)> {
+        self.vars.iter().map(|(n, c)| (n.as_str(), c))
+    }
+
+    /// Number of variables.
+    pub fn len(&self) -> usize {
+        self.vars.len()
+    }
+
+    /// True when no variable is registered.
+    pub fn is_empty(&self) -> bool {
+        self.vars.is_empty()
+    }
+}
+
+/// A registry snapshot shared between the data plane (which replaces it after each change) and readers.
+#[derive(Clone, Debug, Default)]
+pub struct SharedRegistry(Arc<RwLock<Arc<Registry>>>);
+
+impl SharedRegistry {
+    /// The current snapshot; reading its cells needs no further lock.
+    pub fn snapshot(&self) -> Arc<Registry> {
+        self.0.read().map(|r| r.clone()).unwrap_or_default()
+    }
+
+    /// Publishes a new snapshot.
+    pub fn publish(&self, registry: Registry) {
+        if let Ok(mut slot) = self.0.write() {
+            *slot = Arc::new(registry);
+        }
+    }
+}
+
+/// True if the dotted `name` matches `pattern`: `*` matches any text within one dotted segment, `**` any text
+/// across segments, `?` one character other than a dot; everything else matches itself.
+pub fn name_matches(pattern: &str, name: &str) -> bool {
+    fn go(p: &[u8], n: &[u8]) -> bool {
+        match p.first() {
+            None => n.is_empty(),
+            Some(b'*') if p.get(1) == Some(&b'*') => (0..=n.len()).any(|i| go(&p[2..], &n[i..])),
+            Some(b'*') => {
+                let seg = n.iter().position(|&c| c == b'.').unwrap_or(n.len());
+                (0..=seg).any(|i| go(&p[1..], &n[i..]))
+            }
+            Some(b'?') => n.first().is_some_and(|&c| c != b'.') && go(&p[1..], &n[1..]),
+            Some(&c) => n.first() == Some(&c) && go(&p[1..], &n[1..]),
+        }
+    }
+    go(pattern.as_bytes(), name.as_bytes())
+}
+
+/// True if `pattern` contains a wildcard.
+pub fn is_pattern(pattern: &str) -> bool {
+    pattern.contains(['*', '?'])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wildcards_respect_segments() {
+        assert!(name_matches(
+            "module.*.frames_in_total",
+            "module.c1.frames_in_total"
+        ));
+        assert!(!name_matches(
+            "module.*.frames_in_total",
+            "module.c1.port.in.frames_in_total"
+        ));
+        assert!(name_matches(
+            "module.**.frames_in_total",
+            "module.c1.port.in.frames_in_total"
+        ));
+        assert!(name_matches("module.c?.x", "module.c1.x"));
+        assert!(!name_matches("module.c?.x", "module.c12.x"));
+        assert!(name_matches("module.c*", "module.c12"));
+        assert!(!name_matches("module.c*", "module.c1.x"));
+        assert!(name_matches("exact.name", "exact.name"));
+        assert!(!name_matches("exact.name", "exact.names"));
+    }
+
+    #[test]
+    fn cells_store_each_type() {
+        let c = VarCell::new(VarSpec::knob("x", ValueType::I64, "", "test"));
+        c.store(&Value::I64(-4));
+        assert_eq!(c.get(), Value::I64(-4));
+        let f = VarCell::new(VarSpec::meter("r", ValueType::F64, "frames/s", "rate"));
+        assert_eq!(f.get(), Value::F64(0.0));
+        f.set_f64(2.5);
+        assert_eq!(f.get(), Value::F64(2.5));
+        let s = VarCell::new(VarSpec::knob("p", ValueType::Str, "", "path"));
+        s.store(&Value::Str("a.pcapng".into()));
+        assert_eq!(s.get(), Value::Str("a.pcapng".into()));
+    }
+
+    #[test]
+    fn validate_checks_kind_type_and_range() {
+        let k = VarSpec::knob("select", ValueType::I64, "", "output").with_range(-1.0, 2.0);
+        assert_eq!(k.validate(&Value::U64(2)), Ok(Value::I64(2)));
+        assert!(k.validate(&Value::U64(3)).unwrap_err().contains("within"));
+        assert!(k.validate(&Value::Bool(true)).is_err());
+        let m = VarSpec::meter("frames_total", ValueType::U64, "frames", "count");
+        assert!(m
+            .validate(&Value::U64(1))
+            .unwrap_err()
+            .contains("read-only"));
+    }
+}

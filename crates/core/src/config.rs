@@ -41,11 +41,7 @@ impl Location {
         let before = &text[..offset.min(text.len())];
         let line = before.matches('\n').count() + 1;
         let column = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
-        Location {
-            file: file.clone(),
-            line,
-            column,
-        }
+        Location { file: file.clone(), line, column }
     }
 }
 
@@ -67,10 +63,7 @@ pub struct ConfigError {
 impl ConfigError {
     /// An error at `location`.
     pub fn new(location: Option<Location>, message: impl Into<String>) -> ConfigError {
-        ConfigError {
-            location,
-            message: message.into(),
-        }
+        ConfigError { location, message: message.into() }
     }
 }
 
@@ -104,22 +97,18 @@ impl Settings {
     pub fn from_args(args: &[String]) -> Result<Settings, ConfigError> {
         let mut s = Settings::default();
         for arg in args {
-            let (key, raw) = arg.split_once('=').ok_or_else(|| {
-                ConfigError::new(None, format!("expected key=value, got {arg:?}"))
-            })?;
+            let (key, raw) = arg
+                .split_once('=')
+                .ok_or_else(|| ConfigError::new(None, format!("expected key=value, got {arg:?}")))?;
             let key = key.trim();
             if !valid_name(key) {
-                return Err(ConfigError::new(None, format!("invalid setting name {key:?}: expected lowercase letters, digits, '_' or '-'")));
+                return Err(ConfigError::new(
+                    None,
+                    format!("invalid setting name {key:?}: expected lowercase letters, digits, '_' or '-'"),
+                ));
             }
-            let value = parse_toml_value(raw.trim())
-                .unwrap_or_else(|| toml::Value::String(raw.to_string()));
-            s.entries.insert(
-                key.to_string(),
-                Setting {
-                    value,
-                    location: None,
-                },
-            );
+            let value = parse_toml_value(raw.trim()).unwrap_or_else(|| toml::Value::String(raw.to_string()));
+            s.entries.insert(key.to_string(), Setting { value, location: None });
         }
         Ok(s)
     }
@@ -129,13 +118,7 @@ impl Settings {
         match self.entries.get_mut(key) {
             Some(e) => e.value = value,
             None => {
-                self.entries.insert(
-                    key.to_string(),
-                    Setting {
-                        value,
-                        location: None,
-                    },
-                );
+                self.entries.insert(key.to_string(), Setting { value, location: None });
             }
         }
     }
@@ -153,27 +136,17 @@ impl Settings {
     /// True when two settings hold the same values (locations ignored).
     pub fn same_values(&self, other: &Settings) -> bool {
         self.entries.len() == other.entries.len()
-            && self
-                .entries
-                .iter()
-                .all(|(k, v)| other.entries.get(k).is_some_and(|o| o.value == v.value))
+            && self.entries.iter().all(|(k, v)| other.entries.get(k).is_some_and(|o| o.value == v.value))
     }
 
     /// A reader that checks types and, at [`SettingsReader::finish`], rejects keys nobody asked for.
     pub fn reader<'a>(&'a self, kind: &'a str) -> SettingsReader<'a> {
-        SettingsReader {
-            settings: self,
-            kind,
-            asked: Vec::new(),
-        }
+        SettingsReader { settings: self, kind, asked: Vec::new() }
     }
 
     /// The settings as a TOML table (for writing a stack back).
     pub fn to_table(&self) -> toml::Table {
-        self.entries
-            .iter()
-            .map(|(k, v)| (k.clone(), v.value.clone()))
-            .collect()
+        self.entries.iter().map(|(k, v)| (k.clone(), v.value.clone())).collect()
     }
 }
 
@@ -203,20 +176,14 @@ impl<'a> SettingsReader<'a> {
         f(&s.value).map(Some).ok_or_else(|| {
             ConfigError::new(
                 s.location.clone(),
-                format!(
-                    "setting `{key}` of a {} module: expected {expected}, got {}",
-                    self.kind,
-                    describe(&s.value)
-                ),
+                format!("setting `{key}` of a {} module: expected {expected}, got {}", self.kind, describe(&s.value)),
             )
         })
     }
 
     /// A non-negative integer.
     pub fn u64(&mut self, key: &'a str) -> Result<Option<u64>, ConfigError> {
-        self.typed(key, "a non-negative integer", |v| {
-            v.as_integer().and_then(|i| u64::try_from(i).ok())
-        })
+        self.typed(key, "a non-negative integer", |v| v.as_integer().and_then(|i| u64::try_from(i).ok()))
     }
 
     /// An integer.
@@ -227,9 +194,7 @@ impl<'a> SettingsReader<'a> {
     /// A number (integers accepted).
     pub fn f64(&mut self, key: &'a str) -> Result<Option<f64>, ConfigError> {
         self.typed(key, "a number", |v| {
-            v.as_float()
-                .or_else(|| v.as_integer().map(|i| i as f64))
-                .filter(|f| f.is_finite())
+            v.as_float().or_else(|| v.as_integer().map(|i| i as f64)).filter(|f| f.is_finite())
         })
     }
 
@@ -250,15 +215,8 @@ impl<'a> SettingsReader<'a> {
 
     /// An error about setting `key` (e.g. out of range), located where the setting was written.
     pub fn error(&self, key: &str, message: impl fmt::Display) -> ConfigError {
-        let location = self
-            .settings
-            .entries
-            .get(key)
-            .and_then(|s| s.location.clone());
-        ConfigError::new(
-            location,
-            format!("setting `{key}` of a {} module: {message}", self.kind),
-        )
+        let location = self.settings.entries.get(key).and_then(|s| s.location.clone());
+        ConfigError::new(location, format!("setting `{key}` of a {} module: {message}", self.kind))
     }
 
     /// Fails on the first setting that was never asked for, listing the ones this kind accepts.
@@ -268,17 +226,11 @@ impl<'a> SettingsReader<'a> {
                 let mut known = self.asked.clone();
                 known.sort_unstable();
                 known.dedup();
-                let expected = if known.is_empty() {
-                    "no settings".to_string()
-                } else {
-                    format!("one of: {}", known.join(", "))
-                };
+                let expected =
+                    if known.is_empty() { "no settings".to_string() } else { format!("one of: {}", known.join(", ")) };
                 return Err(ConfigError::new(
                     s.location.clone(),
-                    format!(
-                        "unknown setting `{key}` for a {} module; expected {expected}",
-                        self.kind
-                    ),
+                    format!("unknown setting `{key}` for a {} module; expected {expected}", self.kind),
                 ));
             }
         }
@@ -301,9 +253,7 @@ fn describe(v: &toml::Value) -> String {
 /// True for a valid module, port or setting name: a lowercase letter or digit, then letters, digits, `_` or `-`.
 pub fn valid_name(name: &str) -> bool {
     let mut chars = name.chars();
-    chars
-        .next()
-        .is_some_and(|c| c.is_ascii_lowercase() || c.is_ascii_digit())
+    chars.next().is_some_and(|c| c.is_ascii_lowercase() || c.is_ascii_digit())
         && chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_' || c == '-')
         && name.len() <= 64
 }
@@ -322,27 +272,20 @@ impl Endpoint {
         let text = text.trim();
         let (module, port) = match text.split_once('[') {
             Some((m, rest)) => {
-                let port = rest
-                    .strip_suffix(']')
-                    .ok_or_else(|| format!("expected `]` after the port in {text:?}"))?;
+                let port = rest.strip_suffix(']').ok_or_else(|| format!("expected `]` after the port in {text:?}"))?;
                 (m.trim(), Some(port.trim().to_string()))
             }
             None => (text, None),
         };
         if !valid_name(module) {
-            return Err(format!(
-                "expected a module name (lowercase letters, digits, '_', '-'), got {module:?}"
-            ));
+            return Err(format!("expected a module name (lowercase letters, digits, '_', '-'), got {module:?}"));
         }
         if let Some(p) = &port {
             if !valid_name(p) {
                 return Err(format!("expected a port name inside [...], got {p:?}"));
             }
         }
-        Ok(Endpoint {
-            module: module.to_string(),
-            port,
-        })
+        Ok(Endpoint { module: module.to_string(), port })
     }
 }
 
@@ -367,14 +310,10 @@ pub struct LinkSpec {
 impl LinkSpec {
     /// Parses `"a[p] -> b, c[q]"`.
     pub fn parse(text: &str) -> Result<LinkSpec, String> {
-        let (from, to) = text
-            .split_once("->")
-            .ok_or_else(|| format!("expected `SENDER[PORT] -> RECEIVER, ...` in {text:?}"))?;
+        let (from, to) =
+            text.split_once("->").ok_or_else(|| format!("expected `SENDER[PORT] -> RECEIVER, ...` in {text:?}"))?;
         let from = Endpoint::parse(from)?;
-        let to = to
-            .split(',')
-            .map(Endpoint::parse)
-            .collect::<Result<Vec<_>, _>>()?;
+        let to = to.split(',').map(Endpoint::parse).collect::<Result<Vec<_>, _>>()?;
         Ok(LinkSpec { from, to })
     }
 }
@@ -440,18 +379,12 @@ impl StackSpec {
         let spans = toml::de::DeTable::parse(text).map_err(|e| {
             let loc = e.span().map(|s| Location::of_offset(&file, text, s.start));
             ConfigError::new(
-                loc.or_else(|| {
-                    Some(Location {
-                        file: file.clone(),
-                        line: 1,
-                        column: 1,
-                    })
-                }),
+                loc.or_else(|| Some(Location { file: file.clone(), line: 1, column: 1 })),
                 format!("invalid TOML: {}", e.message().trim()),
             )
         })?;
-        let table: toml::Table = toml::from_str(text)
-            .map_err(|e| ConfigError::new(None, format!("{file}: invalid TOML: {e}")))?;
+        let table: toml::Table =
+            toml::from_str(text).map_err(|e| ConfigError::new(None, format!("{file}: invalid TOML: {e}")))?;
         let root = spans.get_ref();
         let empty = toml::de::DeTable::default();
         let mut spec = StackSpec::default();
@@ -460,90 +393,63 @@ impl StackSpec {
             match key.as_str() {
                 "links" => {
                     let items = value.as_array().ok_or_else(|| {
-                        ConfigError::new(
-                            loc.clone(),
-                            "`links` must be an array of strings like \"a -> b\"",
-                        )
+                        ConfigError::new(loc.clone(), "`links` must be an array of strings like \"a -> b\"")
                     })?;
                     let item_spans: Vec<Range<usize>> = entry(root, "links")
                         .and_then(|(_, v)| match v.get_ref() {
-                            toml::de::DeValue::Array(a) => {
-                                Some(a.iter().map(|e| e.span()).collect())
-                            }
+                            toml::de::DeValue::Array(a) => Some(a.iter().map(|e| e.span()).collect()),
                             _ => None,
                         })
                         .unwrap_or_default();
                     for (i, item) in items.iter().enumerate() {
-                        let iloc = item_spans
-                            .get(i)
-                            .cloned()
-                            .and_then(&at)
-                            .or_else(|| loc.clone());
+                        let iloc = item_spans.get(i).cloned().and_then(&at).or_else(|| loc.clone());
                         let text = item.as_str().ok_or_else(|| {
-                            ConfigError::new(
-                                iloc.clone(),
-                                "expected a link string like \"a[port] -> b, c\"",
-                            )
+                            ConfigError::new(iloc.clone(), "expected a link string like \"a[port] -> b, c\"")
                         })?;
-                        let link =
-                            LinkSpec::parse(text).map_err(|m| ConfigError::new(iloc.clone(), m))?;
-                        spec.links.push(LinkEntry {
-                            link,
-                            location: iloc,
-                        });
+                        let link = LinkSpec::parse(text).map_err(|m| ConfigError::new(iloc.clone(), m))?;
+                        spec.links.push(LinkEntry { link, location: iloc });
                     }
                 }
                 "modules" => {
-                    let modules = value.as_table().ok_or_else(|| {
-                        ConfigError::new(loc.clone(), "`modules` must be a table of module tables")
-                    })?;
+                    let modules = value
+                        .as_table()
+                        .ok_or_else(|| ConfigError::new(loc.clone(), "`modules` must be a table of module tables"))?;
                     let mod_spans = sub_table(root, "modules").unwrap_or(&empty);
                     for (name, body) in modules {
-                        let mloc = key_span(mod_spans, name)
-                            .and_then(&at)
-                            .or_else(|| loc.clone());
+                        let mloc = key_span(mod_spans, name).and_then(&at).or_else(|| loc.clone());
                         if !valid_name(name) {
                             return Err(ConfigError::new(mloc, format!("invalid module name {name:?}: expected lowercase letters, digits, '_' or '-' (at most 64)")));
                         }
                         let body = body.as_table().ok_or_else(|| {
-                            ConfigError::new(
-                                mloc.clone(),
-                                format!("module `{name}` must be a table with a `kind`"),
-                            )
+                            ConfigError::new(mloc.clone(), format!("module `{name}` must be a table with a `kind`"))
                         })?;
                         let body_spans = sub_table(mod_spans, name).unwrap_or(&empty);
                         let kind = match body.get("kind") {
                             Some(toml::Value::String(k)) => k.clone(),
                             Some(_) => {
                                 let kloc = key_span(body_spans, "kind").and_then(&at);
-                                return Err(ConfigError::new(kloc, format!("module `{name}`: `kind` must be a string")));
+                                return Err(ConfigError::new(
+                                    kloc,
+                                    format!("module `{name}`: `kind` must be a string"),
+                                ));
                             }
-                            None => return Err(ConfigError::new(mloc, format!("module `{name}` has no `kind` (expected e.g. kind = \"counter\")"))),
+                            None => {
+                                return Err(ConfigError::new(
+                                    mloc,
+                                    format!("module `{name}` has no `kind` (expected e.g. kind = \"counter\")"),
+                                ))
+                            }
                         };
                         let mut settings = Settings::default();
                         for (k, v) in body.iter().filter(|(k, _)| k.as_str() != "kind") {
                             let sloc = entry(body_spans, k).map(|(_, v)| v.span()).and_then(&at);
-                            settings.entries.insert(
-                                k.clone(),
-                                Setting {
-                                    value: v.clone(),
-                                    location: sloc,
-                                },
-                            );
+                            settings.entries.insert(k.clone(), Setting { value: v.clone(), location: sloc });
                         }
-                        spec.modules.push(ModuleSpec {
-                            name: name.clone(),
-                            kind,
-                            settings,
-                            location: mloc,
-                        });
+                        spec.modules.push(ModuleSpec { name: name.clone(), kind, settings, location: mloc });
                     }
                 }
                 other => {
-                    return Err(ConfigError::new(
-                        loc,
-                        format!("unknown key `{other}`; expected `links` or `modules`"),
-                    ));
+                    return Err(ConfigError::new(loc, format!("unknown key `{other}`; expected `links` or `modules`")));
                 }
             }
         }
@@ -553,11 +459,7 @@ impl StackSpec {
     /// Writes the description as TOML that [`StackSpec::parse`] reads back to an equal stack.
     pub fn to_toml(&self) -> String {
         let mut root = toml::Table::new();
-        let links: Vec<toml::Value> = self
-            .links
-            .iter()
-            .map(|l| toml::Value::String(l.link.to_string()))
-            .collect();
+        let links: Vec<toml::Value> = self.links.iter().map(|l| toml::Value::String(l.link.to_string())).collect();
         root.insert("links".into(), toml::Value::Array(links));
         let mut modules = toml::Table::new();
         for m in &self.modules {
@@ -572,10 +474,7 @@ impl StackSpec {
     }
 }
 
-type SpannedEntry<'a, 'i> = (
-    &'a toml::Spanned<toml::de::DeString<'i>>,
-    &'a toml::Spanned<toml::de::DeValue<'i>>,
-);
+type SpannedEntry<'a, 'i> = (&'a toml::Spanned<toml::de::DeString<'i>>, &'a toml::Spanned<toml::de::DeValue<'i>>);
 
 /// The key and value spans of `key` in a spanned table.
 fn entry<'a, 'i>(t: &'a toml::de::DeTable<'i>, key: &str) -> Option<SpannedEntry<'a, 'i>> {
@@ -649,10 +548,7 @@ kind = "counter"
         assert!(e.message.contains("module name"), "{e}");
 
         let e = StackSpec::parse("bad.toml", "\n\n[modules.x]\nkind = 3\n").unwrap_err();
-        assert_eq!(
-            e.to_string().split(':').take(2).collect::<Vec<_>>(),
-            ["bad.toml", "4"]
-        );
+        assert_eq!(e.to_string().split(':').take(2).collect::<Vec<_>>(), ["bad.toml", "4"]);
 
         let e = StackSpec::parse("bad.toml", "[modules.x]\nrate = 3\n").unwrap_err();
         assert!(e.message.contains("no `kind`"), "{e}");
@@ -671,28 +567,17 @@ kind = "counter"
 
     #[test]
     fn reader_rejects_unknown_and_mistyped_settings() {
-        let spec = StackSpec::parse(
-            "s.toml",
-            "[modules.c]\nkind = \"counter\"\nrate = \"fast\"\nbogus = 1\n",
-        )
-        .unwrap();
+        let spec = StackSpec::parse("s.toml", "[modules.c]\nkind = \"counter\"\nrate = \"fast\"\nbogus = 1\n").unwrap();
         let s = &spec.modules[0].settings;
         let mut r = s.reader("counter");
         let e = r.u64("rate").unwrap_err();
         assert_eq!(e.location.as_ref().unwrap().line, 3);
-        assert!(
-            e.message
-                .contains("expected a non-negative integer, got string \"fast\""),
-            "{e}"
-        );
+        assert!(e.message.contains("expected a non-negative integer, got string \"fast\""), "{e}");
         let mut r = s.reader("counter");
         let _ = r.string("rate");
         let e = r.finish().unwrap_err();
         assert_eq!(e.location.as_ref().unwrap().line, 4);
-        assert!(
-            e.message.contains("unknown setting `bogus`") && e.message.contains("one of: rate"),
-            "{e}"
-        );
+        assert!(e.message.contains("unknown setting `bogus`") && e.message.contains("one of: rate"), "{e}");
     }
 
     #[test]
@@ -707,17 +592,9 @@ kind = "counter"
 
     #[test]
     fn settings_from_args() {
-        let s = Settings::from_args(&[
-            "rate=5".into(),
-            "path=/tmp/x y.pcapng".into(),
-            "on=true".into(),
-        ])
-        .unwrap();
+        let s = Settings::from_args(&["rate=5".into(), "path=/tmp/x y.pcapng".into(), "on=true".into()]).unwrap();
         assert_eq!(s.get("rate").unwrap().value, toml::Value::Integer(5));
-        assert_eq!(
-            s.get("path").unwrap().value,
-            toml::Value::String("/tmp/x y.pcapng".into())
-        );
+        assert_eq!(s.get("path").unwrap().value, toml::Value::String("/tmp/x y.pcapng".into()));
         assert_eq!(s.get("on").unwrap().value, toml::Value::Boolean(true));
         assert!(Settings::from_args(&["novalue".into()]).is_err());
     }

@@ -56,10 +56,7 @@ pub struct Metadata {
 impl Metadata {
     /// The value stored under `key`, if any.
     pub fn get(&self, key: MetaKey) -> Option<u64> {
-        self.entries[..self.len as usize]
-            .iter()
-            .find(|(k, _)| *k == key.0)
-            .map(|(_, v)| *v)
+        self.entries[..self.len as usize].iter().find(|(k, _)| *k == key.0).map(|(_, v)| *v)
     }
 
     /// Stores `value` under `key`; returns false (and stores nothing) when the metadata is full.
@@ -89,9 +86,7 @@ impl Metadata {
 
     /// The stored pairs, in insertion order.
     pub fn iter(&self) -> impl Iterator<Item = (MetaKey, u64)> + '_ {
-        self.entries[..self.len as usize]
-            .iter()
-            .map(|(k, v)| (MetaKey(*k), *v))
+        self.entries[..self.len as usize].iter().map(|(k, v)| (MetaKey(*k), *v))
     }
 
     /// Number of stored pairs.
@@ -107,9 +102,7 @@ impl Metadata {
 
 impl fmt::Debug for Metadata {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_map()
-            .entries(self.iter().map(|(k, v)| (k.0, v)))
-            .finish()
+        f.debug_map().entries(self.iter().map(|(k, v)| (k.0, v))).finish()
     }
 }
 
@@ -224,16 +217,11 @@ pub struct Packet {
 
 impl Packet {
     fn slot(&self) -> &Slot {
-        self.slot
-            .as_ref()
-            .expect("packet slot present outside drop")
+        self.slot.as_ref().expect("packet slot present outside drop")
     }
 
     fn slot_mut(&mut self) -> &mut Slot {
-        let rc = self
-            .slot
-            .as_mut()
-            .expect("packet slot present outside drop");
+        let rc = self.slot.as_mut().expect("packet slot present outside drop");
         if Rc::get_mut(rc).is_none() {
             // Shared: copy into a fresh slot of the same pool (or a standalone one if the pool is gone).
             let copy = match rc.pool.upgrade() {
@@ -308,18 +296,14 @@ impl Packet {
 
     /// True when another packet shares these bytes.
     pub fn is_shared(&self) -> bool {
-        self.slot
-            .as_ref()
-            .is_some_and(|rc| Rc::strong_count(rc) > 1)
+        self.slot.as_ref().is_some_and(|rc| Rc::strong_count(rc) > 1)
     }
 }
 
 impl Clone for Packet {
     /// Shares the bytes (a reference-count increment); writing either copy copies first.
     fn clone(&self) -> Packet {
-        Packet {
-            slot: self.slot.clone(),
-        }
+        Packet { slot: self.slot.clone() }
     }
 }
 
@@ -457,10 +441,7 @@ mod tests {
 
     #[test]
     fn frame_is_two_words() {
-        assert_eq!(
-            std::mem::size_of::<Frame>(),
-            2 * std::mem::size_of::<usize>()
-        );
+        assert_eq!(std::mem::size_of::<Frame>(), 2 * std::mem::size_of::<usize>());
         assert_eq!(std::mem::size_of::<Packet>(), std::mem::size_of::<usize>());
     }
 

@@ -48,10 +48,7 @@ pub struct PortSpec {
 impl PortSpec {
     /// A port named `name` carrying `ty` frames.
     pub fn new(name: impl Into<String>, ty: &'static str) -> PortSpec {
-        PortSpec {
-            name: name.into(),
-            ty,
-        }
+        PortSpec { name: name.into(), ty }
     }
 
     /// True if frames from an output of type `from` may enter an input of type `to`.
@@ -116,12 +113,7 @@ pub trait Module {
     }
 
     /// Runs procedure `procedure` with `argument` (control frame `Exec`).
-    fn execute(
-        &mut self,
-        procedure: &str,
-        argument: &Value,
-        out: &mut Output<'_>,
-    ) -> Result<Value, String> {
+    fn execute(&mut self, procedure: &str, argument: &Value, out: &mut Output<'_>) -> Result<Value, String> {
         let _ = (argument, out);
         Err(format!("no procedure named {procedure}"))
     }
@@ -165,15 +157,7 @@ impl<'a> Output<'a> {
         control: &'a mut Vec<Box<ControlFrame>>,
         next_serial: &'a mut u32,
     ) -> Output<'a> {
-        Output {
-            now,
-            module,
-            pool,
-            ports,
-            dropped: 0,
-            control,
-            next_serial,
-        }
+        Output { now, module, pool, ports, dropped: 0, control, next_serial }
     }
 
     /// The current time.
@@ -282,13 +266,7 @@ impl Catalog {
     ) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
         let k = self.get(kind).ok_or_else(|| {
             let known: Vec<&str> = self.kinds.keys().copied().collect();
-            ConfigError::new(
-                location,
-                format!(
-                    "unknown module kind `{kind}`; expected one of: {}",
-                    known.join(", ")
-                ),
-            )
+            ConfigError::new(location, format!("unknown module kind `{kind}`; expected one of: {}", known.join(", ")))
         })?;
         k.configure(settings)
     }

@@ -16,9 +16,7 @@
 
 use crate::config::{valid_name, Endpoint, LinkEntry, LinkSpec, ModuleSpec, Settings, StackSpec};
 use crate::frame::{Batch, ControlFrame, ControlOp, Frame, PacketPool};
-use crate::module::{
-    port_type, Module, ModuleBuilder, ModuleInterface, Output, PortSpec, CONTROL_PORT,
-};
+use crate::module::{port_type, Module, ModuleBuilder, ModuleInterface, Output, PortSpec, CONTROL_PORT};
 use crate::time::Time;
 use crate::value::{Value, ValueType};
 use crate::vars::{ModuleVars, Registry, SharedRegistry, VarCell, VarKind, VarSpec};
@@ -94,20 +92,9 @@ pub enum Edit {
 impl fmt::Display for Edit {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Edit::Load {
-                name,
-                kind,
-                settings,
-                ..
-            } => write!(f, "module load {name} {kind}{}", fmt_settings(settings)),
+            Edit::Load { name, kind, settings, .. } => write!(f, "module load {name} {kind}{}", fmt_settings(settings)),
             Edit::Unload { name } => write!(f, "module unload {name}"),
-            Edit::Replace {
-                name,
-                kind,
-                settings,
-                keep_state,
-                ..
-            } => {
+            Edit::Replace { name, kind, settings, keep_state, .. } => {
                 write!(
                     f,
                     "module replace {name} {kind}{}{}",
@@ -117,21 +104,13 @@ impl fmt::Display for Edit {
             }
             Edit::Link(l) => write!(f, "link add {l}"),
             Edit::Unlink(l) => write!(f, "link del {l}"),
-            Edit::SetKnob {
-                module,
-                knob,
-                value,
-            } => write!(f, "set module.{module}.{knob} {value}"),
-            Edit::Pause { module } => write!(
-                f,
-                "pause{}",
-                module.as_ref().map(|m| format!(" {m}")).unwrap_or_default()
-            ),
-            Edit::Resume { module } => write!(
-                f,
-                "resume{}",
-                module.as_ref().map(|m| format!(" {m}")).unwrap_or_default()
-            ),
+            Edit::SetKnob { module, knob, value } => write!(f, "set module.{module}.{knob} {value}"),
+            Edit::Pause { module } => {
+                write!(f, "pause{}", module.as_ref().map(|m| format!(" {m}")).unwrap_or_default())
+            }
+            Edit::Resume { module } => {
+                write!(f, "resume{}", module.as_ref().map(|m| format!(" {m}")).unwrap_or_default())
+            }
         }
     }
 }
@@ -165,11 +144,7 @@ pub struct Edge {
 
 impl fmt::Display for Edge {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{}[{}] -> {}[{}]",
-            self.from, self.from_port, self.to, self.to_port
-        )
+        write!(f, "{}[{}] -> {}[{}]", self.from, self.from_port, self.to, self.to_port)
     }
 }
 
@@ -186,67 +161,31 @@ struct SlotMeters {
     port_dropped: Vec<Arc<VarCell>>,
 }
 
-const STD_VARS: [&str; 6] = [
-    "frames_in_total",
-    "frames_out_total",
-    "frames_dropped_total",
-    "calls_total",
-    "busy_ns_total",
-    "held_frames",
-];
+const STD_VARS: [&str; 6] =
+    ["frames_in_total", "frames_out_total", "frames_dropped_total", "calls_total", "busy_ns_total", "held_frames"];
 
 impl SlotMeters {
     fn new(iface: &ModuleInterface) -> SlotMeters {
-        let m = |name: &str, unit: &str, d: &str| {
-            Arc::new(VarCell::new(VarSpec::meter(name, ValueType::U64, unit, d)))
-        };
+        let m = |name: &str, unit: &str, d: &str| Arc::new(VarCell::new(VarSpec::meter(name, ValueType::U64, unit, d)));
         SlotMeters {
-            frames_in: m(
-                "frames_in_total",
-                "frames",
-                "frames delivered to the module's inputs",
-            ),
-            frames_out: m(
-                "frames_out_total",
-                "frames",
-                "frames the module emitted on its outputs",
-            ),
-            dropped: m(
-                "frames_dropped_total",
-                "frames",
-                "frames dropped by the module or on its unlinked outputs",
-            ),
+            frames_in: m("frames_in_total", "frames", "frames delivered to the module's inputs"),
+            frames_out: m("frames_out_total", "frames", "frames the module emitted on its outputs"),
+            dropped: m("frames_dropped_total", "frames", "frames dropped by the module or on its unlinked outputs"),
             calls: m("calls_total", "calls", "process and poll calls"),
-            busy_ns: m(
-                "busy_ns_total",
-                "ns",
-                "time spent in the module's calls (when the switch is profiled)",
-            ),
-            held: m(
-                "held_frames",
-                "frames",
-                "frames held at the module's inputs while paused",
-            ),
+            busy_ns: m("busy_ns_total", "ns", "time spent in the module's calls (when the switch is profiled)"),
+            held: m("held_frames", "frames", "frames held at the module's inputs while paused"),
             port_in: iface
                 .inputs
                 .iter()
                 .map(|p| {
-                    m(
-                        &format!("port.{}.frames_in_total", p.name),
-                        "frames",
-                        "frames that arrived on this input port",
-                    )
+                    m(&format!("port.{}.frames_in_total", p.name), "frames", "frames that arrived on this input port")
                 })
                 .collect(),
             port_out: iface
                 .outputs
                 .iter()
                 .map(|p| {
-                    m(
-                        &format!("port.{}.frames_out_total", p.name),
-                        "frames",
-                        "frames emitted on this output port",
-                    )
+                    m(&format!("port.{}.frames_out_total", p.name), "frames", "frames emitted on this output port")
                 })
                 .collect(),
             port_dropped: iface
@@ -274,12 +213,7 @@ impl SlotMeters {
         ] {
             a.set_u64(b.load_u64());
         }
-        for new in self
-            .port_in
-            .iter()
-            .chain(&self.port_out)
-            .chain(&self.port_dropped)
-        {
+        for new in self.port_in.iter().chain(&self.port_out).chain(&self.port_dropped) {
             if let Some(o) = old
                 .port_in
                 .iter()
@@ -293,18 +227,11 @@ impl SlotMeters {
     }
 
     fn cells(&self) -> impl Iterator<Item = &Arc<VarCell>> {
-        [
-            &self.frames_in,
-            &self.frames_out,
-            &self.dropped,
-            &self.calls,
-            &self.busy_ns,
-            &self.held,
-        ]
-        .into_iter()
-        .chain(&self.port_in)
-        .chain(&self.port_out)
-        .chain(&self.port_dropped)
+        [&self.frames_in, &self.frames_out, &self.dropped, &self.calls, &self.busy_ns, &self.held]
+            .into_iter()
+            .chain(&self.port_in)
+            .chain(&self.port_out)
+            .chain(&self.port_dropped)
     }
 }
 
@@ -324,12 +251,7 @@ struct Slot {
 }
 
 impl Slot {
-    fn new(
-        name: String,
-        kind: String,
-        settings: Settings,
-        builder: Box<dyn ModuleBuilder>,
-    ) -> Slot {
+    fn new(name: String, kind: String, settings: Settings, builder: Box<dyn ModuleBuilder>) -> Slot {
         let iface = full_interface(builder.interface());
         let vars = ModuleVars::new(&iface.vars);
         let module = builder.build(&vars);
@@ -358,9 +280,7 @@ impl Slot {
 
 /// The interface with the implicit control port appended to the outputs.
 fn full_interface(mut iface: ModuleInterface) -> ModuleInterface {
-    iface
-        .outputs
-        .push(PortSpec::new(CONTROL_PORT, port_type::CONTROL));
+    iface.outputs.push(PortSpec::new(CONTROL_PORT, port_type::CONTROL));
     iface
 }
 
@@ -406,37 +326,12 @@ impl Switch {
     /// An empty switch using `pool` for packets.
     pub fn new(pool: PacketPool) -> Switch {
         let switch_vars = ModuleVars::new(&[
-            VarSpec::meter(
-                "runs_total",
-                ValueType::U64,
-                "runs",
-                "times the switch ran its modules",
-            ),
-            VarSpec::meter(
-                "frames_injected_total",
-                ValueType::U64,
-                "frames",
-                "frames injected by faces",
-            ),
+            VarSpec::meter("runs_total", ValueType::U64, "runs", "times the switch ran its modules"),
+            VarSpec::meter("frames_injected_total", ValueType::U64, "frames", "frames injected by faces"),
             VarSpec::meter("edits_total", ValueType::U64, "edits", "edits committed"),
-            VarSpec::meter(
-                "paused",
-                ValueType::Bool,
-                "",
-                "true while the whole stack is paused",
-            ),
-            VarSpec::meter(
-                "pool_allocated_total",
-                ValueType::U64,
-                "buffers",
-                "packet buffers allocated from the heap",
-            ),
-            VarSpec::meter(
-                "pool_free",
-                ValueType::U64,
-                "buffers",
-                "packet buffers on the free list",
-            ),
+            VarSpec::meter("paused", ValueType::Bool, "", "true while the whole stack is paused"),
+            VarSpec::meter("pool_allocated_total", ValueType::U64, "buffers", "packet buffers allocated from the heap"),
+            VarSpec::meter("pool_free", ValueType::U64, "buffers", "packet buffers on the free list"),
         ]);
         let mut s = Switch {
             slots: Vec::new(),
@@ -494,21 +389,14 @@ impl Switch {
         let ifaces: Vec<Option<ModuleInterface>> = edits
             .iter()
             .map(|e| match e {
-                Edit::Load { builder, .. } | Edit::Replace { builder, .. } => {
-                    Some(full_interface(builder.interface()))
-                }
+                Edit::Load { builder, .. } | Edit::Replace { builder, .. } => Some(full_interface(builder.interface())),
                 _ => None,
             })
             .collect();
         for (index, (edit, iface)) in edits.iter().zip(&ifaces).enumerate() {
-            model
-                .check(edit, iface.as_ref())
-                .map_err(|message| EditError { index, message })?;
+            model.check(edit, iface.as_ref()).map_err(|message| EditError { index, message })?;
         }
-        model.check_cycles().map_err(|message| EditError {
-            index: edits.len().saturating_sub(1),
-            message,
-        })?;
+        model.check_cycles().map_err(|message| EditError { index: edits.len().saturating_sub(1), message })?;
 
         let mut notes = Vec::new();
         for edit in edits {
@@ -522,12 +410,7 @@ impl Switch {
 
     fn commit(&mut self, edit: Edit, notes: &mut Vec<String>) {
         match edit {
-            Edit::Load {
-                name,
-                kind,
-                settings,
-                builder,
-            } => {
+            Edit::Load { name, kind, settings, builder } => {
                 let slot = Slot::new(name.clone(), kind, settings, builder);
                 self.index.insert(name, self.slots.len());
                 self.slots.push(slot);
@@ -548,18 +431,11 @@ impl Switch {
                     if held > 0 {
                         notes.push(format!("dropped {held} frames held at {name}"));
                     }
-                    self.listeners
-                        .retain(|(src, _, l)| *src != name && *l != name);
+                    self.listeners.retain(|(src, _, l)| *src != name && *l != name);
                     self.reindex();
                 }
             }
-            Edit::Replace {
-                name,
-                kind,
-                settings,
-                builder,
-                keep_state,
-            } => {
+            Edit::Replace { name, kind, settings, builder, keep_state } => {
                 let Some(&i) = self.index.get(&name) else {
                     return;
                 };
@@ -572,9 +448,7 @@ impl Switch {
                                 notes.push(format!("{name}: state not handed over: {e}"));
                             }
                         }
-                        None => {
-                            notes.push(format!("{name}: the old module had no state to hand over"))
-                        }
+                        None => notes.push(format!("{name}: the old module had no state to hand over")),
                     }
                 }
                 fresh.meters.carry_over(&old.meters);
@@ -596,11 +470,7 @@ impl Switch {
                 let gone: Vec<Edge> = self.resolve(&spec);
                 self.edges.retain(|e| !gone.contains(e));
             }
-            Edit::SetKnob {
-                module,
-                knob,
-                value,
-            } => {
+            Edit::SetKnob { module, knob, value } => {
                 if let Err(e) = self.write_knob(&module, &knob, &value) {
                     notes.push(format!("set module.{module}.{knob}: {e}"));
                 }
@@ -622,12 +492,7 @@ impl Switch {
     }
 
     fn reindex(&mut self) {
-        self.index = self
-            .slots
-            .iter()
-            .enumerate()
-            .map(|(i, s)| (s.name.clone(), i))
-            .collect();
+        self.index = self.slots.iter().enumerate().map(|(i, s)| (s.name.clone(), i)).collect();
     }
 
     /// Resolves a link written by the user against the current modules (validated already).
@@ -638,27 +503,15 @@ impl Switch {
             .filter_map(|to| {
                 let from_port = resolve_port(&spec.from, ifaces(&spec.from.module)?, true).ok()?;
                 let to_port = resolve_port(to, ifaces(&to.module)?, false).ok()?;
-                Some(Edge {
-                    from: spec.from.module.clone(),
-                    from_port,
-                    to: to.module.clone(),
-                    to_port,
-                })
+                Some(Edge { from: spec.from.module.clone(), from_port, to: to.module.clone(), to_port })
             })
             .collect()
     }
 
     fn write_knob(&mut self, module: &str, knob: &str, value: &Value) -> Result<(), String> {
-        let &i = self
-            .index
-            .get(module)
-            .ok_or_else(|| format!("no module named {module}"))?;
+        let &i = self.index.get(module).ok_or_else(|| format!("no module named {module}"))?;
         let slot = &mut self.slots[i];
-        let cell = slot
-            .vars
-            .cell(knob)
-            .ok_or_else(|| format!("module {module} has no knob {knob}"))?
-            .clone();
+        let cell = slot.vars.cell(knob).ok_or_else(|| format!("module {module} has no knob {knob}"))?.clone();
         let v = cell.spec().validate(value)?;
         slot.module.write_knob(knob, &v)?;
         cell.store(&v);
@@ -677,16 +530,8 @@ impl Switch {
                 continue;
             };
             let (Some(p), Some(q)) = (
-                self.slots[a]
-                    .iface
-                    .outputs
-                    .iter()
-                    .position(|p| p.name == e.from_port),
-                self.slots[b]
-                    .iface
-                    .inputs
-                    .iter()
-                    .position(|p| p.name == e.to_port),
+                self.slots[a].iface.outputs.iter().position(|p| p.name == e.from_port),
+                self.slots[b].iface.inputs.iter().position(|p| p.name == e.to_port),
             ) else {
                 continue;
             };
@@ -745,10 +590,7 @@ impl Switch {
 
     /// Hands frames from a face to input port `port` of `module`; `frames` is left empty.
     pub fn inject(&mut self, module: &str, port: &str, frames: &mut Batch) -> Result<(), String> {
-        let &i = self
-            .index
-            .get(module)
-            .ok_or_else(|| format!("no module named {module}"))?;
+        let &i = self.index.get(module).ok_or_else(|| format!("no module named {module}"))?;
         let slot = &mut self.slots[i];
         let q = slot
             .iface
@@ -756,9 +598,7 @@ impl Switch {
             .iter()
             .position(|p| p.name == port)
             .ok_or_else(|| format!("module {module} has no input port {port}"))?;
-        self.switch_vars
-            .meter("frames_injected_total")
-            .add(frames.len() as u64);
+        self.switch_vars.meter("frames_injected_total").add(frames.len() as u64);
         let dest = &mut slot.pending[q];
         let room = HOLD_LIMIT.saturating_sub(dest.len());
         if frames.len() > room {
@@ -785,20 +625,12 @@ impl Switch {
         if self.paused {
             return None;
         }
-        self.slots
-            .iter()
-            .filter(|s| !s.paused)
-            .filter_map(|s| s.wake_at)
-            .min()
+        self.slots.iter().filter(|s| !s.paused).filter_map(|s| s.wake_at).min()
     }
 
     /// True if frames wait at inputs of modules that are not paused.
     pub fn has_pending(&self) -> bool {
-        !self.paused
-            && self
-                .slots
-                .iter()
-                .any(|s| !s.paused && s.pending.iter().any(|b| !b.is_empty()))
+        !self.paused && self.slots.iter().any(|s| !s.paused && s.pending.iter().any(|b| !b.is_empty()))
     }
 
     /// Runs everything that is due at `now`: polls, control frames, and the pending frames through the graph.
@@ -842,9 +674,7 @@ impl Switch {
             }
         }
         let ps = self.pool.stats();
-        self.switch_vars
-            .meter("pool_allocated_total")
-            .set(ps.allocated);
+        self.switch_vars.meter("pool_allocated_total").set(ps.allocated);
         self.switch_vars.meter("pool_free").set(ps.free);
         calls
     }
@@ -984,37 +814,27 @@ impl Switch {
             return;
         }
         let Some(&d) = self.index.get(&cf.dest) else {
-            let err = cf.reply(
-                ControlOp::Error,
-                Value::Str(format!("no module named {}", cf.dest)),
-            );
+            let err = cf.reply(ControlOp::Error, Value::Str(format!("no module named {}", cf.dest)));
             self.control.push(Box::new(err));
             return;
         };
         let reply = match cf.op {
-            ControlOp::ReadParam => Some(
-                match self.read_var(&self.slots[d].name.clone(), &cf.param) {
-                    Some(v) => cf.reply(ControlOp::ReadParamReply, v),
-                    None => cf.reply(
-                        ControlOp::Error,
-                        Value::Str(format!("module {} has no variable {}", cf.dest, cf.param)),
-                    ),
-                },
-            ),
-            ControlOp::SetParam => Some(
-                match self.write_knob(&cf.dest.clone(), &cf.param, &cf.value) {
-                    Ok(()) => cf.reply(ControlOp::SetParamReply, Value::Bool(true)),
-                    Err(e) => cf.reply(ControlOp::Error, Value::Str(e)),
-                },
-            ),
+            ControlOp::ReadParam => Some(match self.read_var(&self.slots[d].name.clone(), &cf.param) {
+                Some(v) => cf.reply(ControlOp::ReadParamReply, v),
+                None => {
+                    cf.reply(ControlOp::Error, Value::Str(format!("module {} has no variable {}", cf.dest, cf.param)))
+                }
+            }),
+            ControlOp::SetParam => Some(match self.write_knob(&cf.dest.clone(), &cf.param, &cf.value) {
+                Ok(()) => cf.reply(ControlOp::SetParamReply, Value::Bool(true)),
+                Err(e) => cf.reply(ControlOp::Error, Value::Str(e)),
+            }),
             ControlOp::Listen => {
-                self.listeners
-                    .insert((cf.dest.clone(), cf.param.clone(), cf.sender.clone()));
+                self.listeners.insert((cf.dest.clone(), cf.param.clone(), cf.sender.clone()));
                 None
             }
             ControlOp::Unlisten => {
-                self.listeners
-                    .remove(&(cf.dest.clone(), cf.param.clone(), cf.sender.clone()));
+                self.listeners.remove(&(cf.dest.clone(), cf.param.clone(), cf.sender.clone()));
                 None
             }
             ControlOp::Exec => {
@@ -1076,10 +896,7 @@ impl Switch {
     fn read_var(&self, module: &str, var: &str) -> Option<Value> {
         let &i = self.index.get(module)?;
         let s = &self.slots[i];
-        s.vars
-            .cell(var)
-            .or_else(|| s.meters.cells().find(|c| c.spec().name == var))
-            .map(|c| c.get())
+        s.vars.cell(var).or_else(|| s.meters.cells().find(|c| c.spec().name == var)).map(|c| c.get())
     }
 
     /// The running stack as a description: modules with their settings (knobs at their current values) and links.
@@ -1089,20 +906,10 @@ impl Switch {
             .iter()
             .map(|s| {
                 let mut settings = s.settings.clone();
-                for c in s
-                    .vars
-                    .cells()
-                    .iter()
-                    .filter(|c| c.spec().kind == VarKind::Knob)
-                {
+                for c in s.vars.cells().iter().filter(|c| c.spec().kind == VarKind::Knob) {
                     settings.insert(&c.spec().name, c.get().to_toml());
                 }
-                ModuleSpec {
-                    name: s.name.clone(),
-                    kind: s.kind.clone(),
-                    settings,
-                    location: None,
-                }
+                ModuleSpec { name: s.name.clone(), kind: s.kind.clone(), settings, location: None }
             })
             .collect();
         let mut links: Vec<LinkEntry> = Vec::new();
@@ -1111,10 +918,7 @@ impl Switch {
             let to = self.endpoint(&e.to, &e.to_port, false);
             match links.iter_mut().find(|l| l.link.from == from) {
                 Some(l) => l.link.to.push(to),
-                None => links.push(LinkEntry {
-                    link: LinkSpec { from, to: vec![to] },
-                    location: None,
-                }),
+                None => links.push(LinkEntry { link: LinkSpec { from, to: vec![to] }, location: None }),
             }
         }
         StackSpec { modules, links }
@@ -1123,22 +927,10 @@ impl Switch {
     /// An endpoint as the user would write it: the port is left out where it is the module's only one.
     fn endpoint(&self, module: &str, port: &str, output: bool) -> Endpoint {
         let only = self.index.get(module).is_some_and(|&i| {
-            let ports = if output {
-                &self.slots[i].iface.outputs
-            } else {
-                &self.slots[i].iface.inputs
-            };
-            ports
-                .iter()
-                .filter(|p| p.name != CONTROL_PORT || !output)
-                .count()
-                == 1
-                && port != CONTROL_PORT
+            let ports = if output { &self.slots[i].iface.outputs } else { &self.slots[i].iface.inputs };
+            ports.iter().filter(|p| p.name != CONTROL_PORT || !output).count() == 1 && port != CONTROL_PORT
         });
-        Endpoint {
-            module: module.to_string(),
-            port: if only { None } else { Some(port.to_string()) },
-        }
+        Endpoint { module: module.to_string(), port: if only { None } else { Some(port.to_string()) } }
     }
 
     /// Facts about each module for `module list`.
@@ -1148,24 +940,9 @@ impl Switch {
             .map(|s| ModuleInfo {
                 name: s.name.clone(),
                 kind: s.kind.clone(),
-                state: if self.paused || s.paused {
-                    "paused"
-                } else {
-                    "running"
-                }
-                .to_string(),
-                inputs: s
-                    .iface
-                    .inputs
-                    .iter()
-                    .map(|p| (p.name.clone(), p.ty.to_string()))
-                    .collect(),
-                outputs: s
-                    .iface
-                    .outputs
-                    .iter()
-                    .map(|p| (p.name.clone(), p.ty.to_string()))
-                    .collect(),
+                state: if self.paused || s.paused { "paused" } else { "running" }.to_string(),
+                inputs: s.iface.inputs.iter().map(|p| (p.name.clone(), p.ty.to_string())).collect(),
+                outputs: s.iface.outputs.iter().map(|p| (p.name.clone(), p.ty.to_string())).collect(),
             })
             .collect()
     }
@@ -1188,29 +965,14 @@ pub struct ModuleInfo {
 
 /// Resolves an endpoint's port against an interface: the named port, or the only one.
 fn resolve_port(ep: &Endpoint, iface: &ModuleInterface, output: bool) -> Result<String, String> {
-    let ports: Vec<&PortSpec> = if output {
-        iface.outputs.iter().collect()
-    } else {
-        iface.inputs.iter().collect()
-    };
+    let ports: Vec<&PortSpec> = if output { iface.outputs.iter().collect() } else { iface.inputs.iter().collect() };
     let dir = if output { "output" } else { "input" };
     match &ep.port {
-        Some(p) => ports
-            .iter()
-            .find(|x| x.name == *p)
-            .map(|x| x.name.clone())
-            .ok_or_else(|| {
-                format!(
-                    "module {} has no {dir} port `{p}`; its {dir} ports are: {}",
-                    ep.module,
-                    list_ports(&ports)
-                )
-            }),
+        Some(p) => ports.iter().find(|x| x.name == *p).map(|x| x.name.clone()).ok_or_else(|| {
+            format!("module {} has no {dir} port `{p}`; its {dir} ports are: {}", ep.module, list_ports(&ports))
+        }),
         None => {
-            let data: Vec<&&PortSpec> = ports
-                .iter()
-                .filter(|x| !(output && x.name == CONTROL_PORT))
-                .collect();
+            let data: Vec<&&PortSpec> = ports.iter().filter(|x| !(output && x.name == CONTROL_PORT)).collect();
             match data.as_slice() {
                 [only] => Ok(only.name.clone()),
                 [] => Err(format!("module {} has no {dir} port", ep.module)),
@@ -1227,11 +989,7 @@ fn resolve_port(ep: &Endpoint, iface: &ModuleInterface, output: bool) -> Result<
 }
 
 fn list_ports(ports: &[&PortSpec]) -> String {
-    ports
-        .iter()
-        .map(|p| format!("{} ({})", p.name, p.ty))
-        .collect::<Vec<_>>()
-        .join(", ")
+    ports.iter().map(|p| format!("{} ({})", p.name, p.ty)).collect::<Vec<_>>().join(", ")
 }
 
 /// A model of the stack's shape on which edits are checked before anything is changed.
@@ -1242,14 +1000,7 @@ struct Model {
 
 impl Model {
     fn of(s: &Switch) -> Model {
-        Model {
-            modules: s
-                .slots
-                .iter()
-                .map(|x| (x.name.clone(), x.iface.clone()))
-                .collect(),
-            edges: s.edges.clone(),
-        }
+        Model { modules: s.slots.iter().map(|x| (x.name.clone(), x.iface.clone())).collect(), edges: s.edges.clone() }
     }
 
     fn iface(&self, name: &str) -> Result<&ModuleInterface, String> {
@@ -1258,11 +1009,7 @@ impl Model {
             known.sort_unstable();
             format!(
                 "no module named `{name}` (modules: {})",
-                if known.is_empty() {
-                    "none".into()
-                } else {
-                    known.join(", ")
-                }
+                if known.is_empty() { "none".into() } else { known.join(", ") }
             )
         })
     }
@@ -1270,11 +1017,7 @@ impl Model {
     fn resolve(&self, spec: &LinkSpec) -> Result<Vec<Edge>, String> {
         let from_iface = self.iface(&spec.from.module)?;
         let from_port = resolve_port(&spec.from, from_iface, true)?;
-        let from_ty = from_iface
-            .outputs
-            .iter()
-            .find(|p| p.name == from_port)
-            .map_or(port_type::ANY, |p| p.ty);
+        let from_ty = from_iface.outputs.iter().find(|p| p.name == from_port).map_or(port_type::ANY, |p| p.ty);
         spec.to
             .iter()
             .map(|to| {
@@ -1282,36 +1025,36 @@ impl Model {
                 let to_port = resolve_port(to, to_iface, false)?;
                 let to_ty = to_iface.inputs.iter().find(|p| p.name == to_port).map_or(port_type::ANY, |p| p.ty);
                 if !PortSpec::compatible(from_ty, to_ty) {
-                    return Err(format!("type mismatch: {}[{from_port}] carries {from_ty} frames but {}[{to_port}] takes {to_ty}", spec.from.module, to.module));
+                    return Err(format!(
+                        "type mismatch: {}[{from_port}] carries {from_ty} frames but {}[{to_port}] takes {to_ty}",
+                        spec.from.module, to.module
+                    ));
                 }
-                Ok(Edge { from: spec.from.module.clone(), from_port: from_port.clone(), to: to.module.clone(), to_port })
+                Ok(Edge {
+                    from: spec.from.module.clone(),
+                    from_port: from_port.clone(),
+                    to: to.module.clone(),
+                    to_port,
+                })
             })
             .collect()
     }
 
     fn check_interface(name: &str, iface: &ModuleInterface) -> Result<(), String> {
         if !valid_name(name) {
-            return Err(format!(
-                "invalid module name {name:?}: expected lowercase letters, digits, '_' or '-'"
-            ));
+            return Err(format!("invalid module name {name:?}: expected lowercase letters, digits, '_' or '-'"));
         }
         for (dir, ports) in [("input", &iface.inputs), ("output", &iface.outputs)] {
             let mut seen = BTreeSet::new();
             for p in ports.iter() {
                 if !seen.insert(&p.name) {
-                    return Err(format!(
-                        "module {name} declares {dir} port `{}` twice",
-                        p.name
-                    ));
+                    return Err(format!("module {name} declares {dir} port `{}` twice", p.name));
                 }
             }
         }
         let mut seen = BTreeSet::new();
         for v in &iface.vars {
-            if STD_VARS.contains(&v.name.as_str())
-                || v.name.starts_with("port.")
-                || !seen.insert(&v.name)
-            {
+            if STD_VARS.contains(&v.name.as_str()) || v.name.starts_with("port.") || !seen.insert(&v.name) {
                 return Err(format!(
                     "module {name} declares variable `{}` twice or under a name the switch keeps",
                     v.name
@@ -1340,18 +1083,16 @@ impl Model {
                 self.iface(name)?;
                 let iface = new_iface.cloned().unwrap_or_default();
                 Self::check_interface(name, &iface)?;
-                for e in self
-                    .edges
-                    .iter()
-                    .filter(|e| e.from == *name || e.to == *name)
-                {
+                for e in self.edges.iter().filter(|e| e.from == *name || e.to == *name) {
                     let (ports, port, dir) = if e.from == *name {
                         (&iface.outputs, &e.from_port, "output")
                     } else {
                         (&iface.inputs, &e.to_port, "input")
                     };
                     let Some(p) = ports.iter().find(|p| p.name == *port) else {
-                        return Err(format!("the new {name} has no {dir} port `{port}`, which link {e} uses; remove the link first"));
+                        return Err(format!(
+                            "the new {name} has no {dir} port `{port}`, which link {e} uses; remove the link first"
+                        ));
                     };
                     let other_ty = if e.from == *name {
                         self.modules
@@ -1386,30 +1127,17 @@ impl Model {
                     self.edges.remove(pos);
                 }
             }
-            Edit::SetKnob {
-                module,
-                knob,
-                value,
-            } => {
+            Edit::SetKnob { module, knob, value } => {
                 let iface = self.iface(module)?;
                 let spec = iface.vars.iter().find(|v| v.name == *knob).ok_or_else(|| {
-                    let knobs: Vec<&str> = iface
-                        .vars
-                        .iter()
-                        .filter(|v| v.kind == VarKind::Knob)
-                        .map(|v| v.name.as_str())
-                        .collect();
+                    let knobs: Vec<&str> =
+                        iface.vars.iter().filter(|v| v.kind == VarKind::Knob).map(|v| v.name.as_str()).collect();
                     format!(
                         "module {module} has no knob `{knob}` (knobs: {})",
-                        if knobs.is_empty() {
-                            "none".into()
-                        } else {
-                            knobs.join(", ")
-                        }
+                        if knobs.is_empty() { "none".into() } else { knobs.join(", ") }
                     )
                 })?;
-                spec.validate(value)
-                    .map_err(|e| format!("module.{module}.{knob}: {e}"))?;
+                spec.validate(value).map_err(|e| format!("module.{module}.{knob}: {e}"))?;
             }
             Edit::Pause { module: Some(m) } | Edit::Resume { module: Some(m) } => {
                 self.iface(m)?;
@@ -1421,24 +1149,17 @@ impl Model {
 
     /// Rejects a cycle that passes through no cycle-breaking module.
     fn check_cycles(&self) -> Result<(), String> {
-        let mut indegree: HashMap<&str, usize> =
-            self.modules.keys().map(|k| (k.as_str(), 0)).collect();
+        let mut indegree: HashMap<&str, usize> = self.modules.keys().map(|k| (k.as_str(), 0)).collect();
         let live = |e: &&Edge| !self.modules.get(&e.from).is_some_and(|m| m.breaks_cycles);
         for e in self.edges.iter().filter(live) {
             *indegree.entry(e.to.as_str()).or_default() += 1;
         }
-        let mut ready: Vec<&str> = indegree
-            .iter()
-            .filter(|(_, &d)| d == 0)
-            .map(|(k, _)| *k)
-            .collect();
+        let mut ready: Vec<&str> = indegree.iter().filter(|(_, &d)| d == 0).map(|(k, _)| *k).collect();
         let mut done = 0;
         while let Some(m) = ready.pop() {
             done += 1;
             for e in self.edges.iter().filter(live).filter(|e| e.from == m) {
-                let d = indegree
-                    .get_mut(e.to.as_str())
-                    .expect("edge to a known module");
+                let d = indegree.get_mut(e.to.as_str()).expect("edge to a known module");
                 *d -= 1;
                 if *d == 0 {
                     ready.push(e.to.as_str());
@@ -1448,15 +1169,8 @@ impl Model {
         if done == indegree.len() {
             return Ok(());
         }
-        let mut stuck: Vec<&str> = indegree
-            .iter()
-            .filter(|(_, &d)| d > 0)
-            .map(|(k, _)| *k)
-            .collect();
+        let mut stuck: Vec<&str> = indegree.iter().filter(|(_, &d)| d > 0).map(|(k, _)| *k).collect();
         stuck.sort_unstable();
-        Err(format!(
-            "the links would form a cycle through {} with no queueing module to break it",
-            stuck.join(", ")
-        ))
+        Err(format!("the links would form a cycle through {} with no queueing module to break it", stuck.join(", ")))
     }
 }

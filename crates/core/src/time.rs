@@ -34,10 +34,7 @@ impl Time {
 impl Add<Duration> for Time {
     type Output = Time;
     fn add(self, rhs: Duration) -> Time {
-        Time(
-            self.0
-                .saturating_add(u64::try_from(rhs.as_nanos()).unwrap_or(u64::MAX)),
-        )
+        Time(self.0.saturating_add(u64::try_from(rhs.as_nanos()).unwrap_or(u64::MAX)))
     }
 }
 
@@ -50,12 +47,7 @@ impl Sub<Time> for Time {
 
 impl fmt::Display for Time {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{}.{:09}s",
-            self.0 / 1_000_000_000,
-            self.0 % 1_000_000_000
-        )
+        write!(f, "{}.{:09}s", self.0 / 1_000_000_000, self.0 % 1_000_000_000)
     }
 }
 

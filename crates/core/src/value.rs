@@ -165,10 +165,7 @@ mod tests {
         assert_eq!(Value::parse_as(ValueType::U64, " 42 "), Ok(Value::U64(42)));
         assert!(Value::parse_as(ValueType::U64, "-1").is_err());
         assert_eq!(Value::parse_as(ValueType::I64, "-1"), Ok(Value::I64(-1)));
-        assert_eq!(
-            Value::parse_as(ValueType::Bool, "on"),
-            Ok(Value::Bool(true))
-        );
+        assert_eq!(Value::parse_as(ValueType::Bool, "on"), Ok(Value::Bool(true)));
         assert!(Value::parse_as(ValueType::F64, "nan").is_err());
         assert_eq!(Value::U64(3).coerce(ValueType::F64), Ok(Value::F64(3.0)));
         assert!(Value::I64(-3).coerce(ValueType::U64).is_err());
@@ -177,13 +174,7 @@ mod tests {
 
     #[test]
     fn toml_round_trip() {
-        for v in [
-            Value::Bool(true),
-            Value::U64(7),
-            Value::I64(-7),
-            Value::F64(0.25),
-            Value::Str("a".into()),
-        ] {
+        for v in [Value::Bool(true), Value::U64(7), Value::I64(-7), Value::F64(0.25), Value::Str("a".into())] {
             assert_eq!(Value::from_toml(&v.to_toml()), Some(v));
         }
         let json: Value = serde_json::from_str("-5").unwrap();

@@ -80,10 +80,7 @@ impl VarSpec {
         let v = value.coerce(self.ty)?;
         if let (Some((min, max)), Some(x)) = (self.range, v.as_f64()) {
             if x < min || x > max {
-                return Err(format!(
-                    "{} must be within {min}..={max}, got {v}",
-                    self.name
-                ));
+                return Err(format!("{} must be within {min}..={max}, got {v}", self.name));
             }
         }
         Ok(v)
@@ -105,11 +102,7 @@ impl VarCell {
             ValueType::F64 => 0f64.to_bits(),
             _ => 0,
         };
-        VarCell {
-            spec,
-            bits: AtomicU64::new(bits),
-            text: Mutex::new(String::new()),
-        }
+        VarCell { spec, bits: AtomicU64::new(bits), text: Mutex::new(String::new()) }
     }
 
     /// The declaration.
@@ -157,10 +150,7 @@ impl VarCell {
     /// Adds to a u64 counter. Single writer: a relaxed load and store, no locked instruction.
     #[inline]
     pub fn add_u64(&self, n: u64) {
-        self.bits.store(
-            self.bits.load(Ordering::Relaxed).wrapping_add(n),
-            Ordering::Relaxed,
-        );
+        self.bits.store(self.bits.load(Ordering::Relaxed).wrapping_add(n), Ordering::Relaxed);
     }
 
     /// Sets a u64 cell.
@@ -219,13 +209,7 @@ pub struct ModuleVars {
 impl ModuleVars {
     /// Cells for the given declarations, all zero.
     pub fn new(specs: &[VarSpec]) -> ModuleVars {
-        ModuleVars {
-            cells: specs
-                .iter()
-                .cloned()
-                .map(|s| Arc::new(VarCell::new(s)))
-                .collect(),
-        }
+        ModuleVars { cells: specs.iter().cloned().map(|s| Arc::new(VarCell::new(s))).collect() }
     }
 
     /// The cell of the variable declared as `name`.
@@ -238,11 +222,7 @@ impl ModuleVars {
     /// # Panics
     /// If the module did not declare `name`: a programming error that the module's own tests catch.
     pub fn meter(&self, name: &str) -> Meter {
-        Meter(
-            self.cell(name)
-                .unwrap_or_else(|| panic!("variable {name} was not declared"))
-                .clone(),
-        )
+        Meter(self.cell(name).unwrap_or_else(|| panic!("variable {name} was not declared")).clone())
     }
 
     /// All cells, in declaration order.
@@ -269,14 +249,8 @@ impl Registry {
     }
 
     /// The variables whose names match `pattern` (see [`name_matches`]), sorted by name.
-    pub fn matching<'a>(
-        &'a self,
-        pattern: &'a str,
-    ) -> impl Iterator<Item = (&'a str, &'a Arc<VarCell>)> + 'a {
-        self.vars
-            .iter()
-            .filter(move |(n, _)| name_matches(pattern, n))
-            .map(|(n, c)| (n.as_str(), c))
+    pub fn matching<'a>(&'a self, pattern: &'a str) -> impl Iterator<Item = (&'a str, &'a Arc<VarCell>)> + 'a {
+        self.vars.iter().filter(move |(n, _)| name_matches(pattern, n)).map(|(n, c)| (n.as_str(), c))
     }
 
     /// All variables, sorted by name.
@@ -342,18 +316,9 @@ mod tests {
 
     #[test]
     fn wildcards_respect_segments() {
-        assert!(name_matches(
-            "module.*.frames_in_total",
-            "module.c1.frames_in_total"
-        ));
-        assert!(!name_matches(
-            "module.*.frames_in_total",
-            "module.c1.port.in.frames_in_total"
-        ));
-        assert!(name_matches(
-            "module.**.frames_in_total",
-            "module.c1.port.in.frames_in_total"
-        ));
+        assert!(name_matches("module.*.frames_in_total", "module.c1.frames_in_total"));
+        assert!(!name_matches("module.*.frames_in_total", "module.c1.port.in.frames_in_total"));
+        assert!(name_matches("module.**.frames_in_total", "module.c1.port.in.frames_in_total"));
         assert!(name_matches("module.c?.x", "module.c1.x"));
         assert!(!name_matches("module.c?.x", "module.c12.x"));
         assert!(name_matches("module.c*", "module.c12"));
@@ -383,9 +348,6 @@ mod tests {
         assert!(k.validate(&Value::U64(3)).unwrap_err().contains("within"));
         assert!(k.validate(&Value::Bool(true)).is_err());
         let m = VarSpec::meter("frames_total", ValueType::U64, "frames", "count");
-        assert!(m
-            .validate(&Value::U64(1))
-            .unwrap_err()
-            .contains("read-only"));
+        assert!(m.validate(&Value::U64(1)).unwrap_err().contains("read-only"));
     }
 }

@@ -1,0 +1,487 @@
+//! One action function per control operation. The socket server calls them for every client; the CLI reaches
+//! them only through the socket, so the CLI and the API cannot drift apart.
+//!
+//! Changes to the stack go through [`Control::edit`]: edits are validated and committed by the data plane between
+//! batches, and each accepted change is recorded as a numbered [`Revision`] holding the whole stack description.
+
+use crate::dataplane::DataPlane;
+use crate::protocol::{ApiError, ErrorCode, Request};
+use flexstack_core::config::{LinkSpec, Settings, StackSpec};
+use flexstack_core::vars::{is_pattern, VarKind};
+use flexstack_core::{Catalog, ConfigError, Edit, Location, SharedRegistry, Value};
+use serde::Serialize;
+use serde_json::{json, Value as Json};
+use std::sync::Mutex;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// Who asked for something: from the socket's peer credentials.
+#[derive(Clone, Debug)]
+pub struct Caller {
+    /// User name (or uid as text when the name is unknown).
+    pub user: String,
+    /// Process id of the client, if known.
+    pub pid: Option<i32>,
+}
+
+/// An accepted change to the stack.
+#[derive(Clone, Debug, Serialize)]
+pub struct Revision {
+    /// 1-based number.
+    pub number: u64,
+    /// When, in milliseconds since the Unix epoch.
+    pub time_ms: u64,
+    /// Who asked for it.
+    pub user: String,
+    /// What changed, as the command that changed it.
+    pub change: String,
+    /// Side effects reported by the switch.
+    pub notes: Vec<String>,
+    /// The whole stack after the change, as a TOML description.
+    pub stack: String,
+}
+
+/// The control plane's state, shared by all client connections.
+pub struct Control {
+    dataplane: Mutex<DataPlane>,
+    registry: SharedRegistry,
+    catalog: Catalog,
+    revisions: Mutex<Vec<Revision>>,
+    edit_lock: Mutex<()>,
+    started: Instant,
+}
+
+fn internal(e: impl std::fmt::Display) -> ApiError {
+    ApiError::new(ErrorCode::Internal, e.to_string())
+}
+
+fn config_error(e: ConfigError) -> ApiError {
+    ApiError::new(ErrorCode::ConfigError, e.to_string())
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(0))
+}
+
+/// Converts JSON settings of an API request into module settings.
+fn settings_from_json(map: &serde_json::Map<String, Json>) -> Result<Settings, ApiError> {
+    let mut s = Settings::default();
+    for (k, v) in map {
+        let tv = toml::Value::try_from(v).map_err(|e| {
+            ApiError::new(ErrorCode::ConfigError, format!("setting `{k}`: not representable in TOML: {e}"))
+        })?;
+        s.insert(k, tv);
+    }
+    Ok(s)
+}
+
+impl Control {
+    /// The control plane over a started data plane.
+    pub fn new(dataplane: DataPlane, catalog: Catalog) -> Control {
+        let registry = dataplane.registry();
+        Control {
+            dataplane: Mutex::new(dataplane),
+            registry,
+            catalog,
+            revisions: Mutex::new(Vec::new()),
+            edit_lock: Mutex::new(()),
+            started: Instant::now(),
+        }
+    }
+
+    /// The module kinds this daemon knows.
+    pub fn catalog(&self) -> &Catalog {
+        &self.catalog
+    }
+
+    fn dp(&self) -> std::sync::MutexGuard<'_, DataPlane> {
+        self.dataplane.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Stops the data plane (modules dropped, taps flushed).
+    pub fn shutdown(&self) {
+        self.dp().shutdown();
+    }
+
+    /// Loads a whole stack description into the (empty) daemon as revision 1. Errors carry file:line.
+    pub fn load_stack(&self, spec: &StackSpec, who: &str, change: &str) -> Result<Json, ApiError> {
+        let mut edits = Vec::new();
+        let mut locations = Vec::new();
+        for m in &spec.modules {
+            let builder = self.catalog.configure(&m.kind, &m.settings, m.location.clone()).map_err(config_error)?;
+            edits.push(Edit::Load {
+                name: m.name.clone(),
+                kind: m.kind.clone(),
+                settings: m.settings.clone(),
+                builder,
+            });
+            locations.push(m.location.clone());
+        }
+        for l in &spec.links {
+            edits.push(Edit::Link(l.link.clone()));
+            locations.push(l.location.clone());
+        }
+        self.edit_located(who, change.to_string(), edits, &locations)
+    }
+
+    /// Applies edits atomically and records a revision.
+    fn edit(&self, who: &str, change: String, edits: Vec<Edit>) -> Result<Json, ApiError> {
+        self.edit_located(who, change, edits, &[])
+    }
+
+    /// Like [`Control::edit`]; a refused edit `i` is reported at `locations[i]` when it came from a file.
+    fn edit_located(
+        &self,
+        who: &str,
+        change: String,
+        edits: Vec<Edit>,
+        locations: &[Option<Location>],
+    ) -> Result<Json, ApiError> {
+        let _guard = self.edit_lock.lock().unwrap_or_else(|p| p.into_inner());
+        let dp = self.dp();
+        let notes = dp.apply(edits).map_err(internal)?.map_err(|e| {
+            let message = match locations.get(e.index) {
+                Some(Some(loc)) => format!("{loc}: {}", e.message),
+                _ => e.to_string(),
+            };
+            ApiError::new(ErrorCode::InvalidEdit, message)
+        })?;
+        let snap = dp.snapshot().map_err(internal)?;
+        drop(dp);
+        let mut revs = self.revisions.lock().unwrap_or_else(|p| p.into_inner());
+        let number = revs.len() as u64 + 1;
+        revs.push(Revision {
+            number,
+            time_ms: now_ms(),
+            user: who.to_string(),
+            change,
+            notes: notes.clone(),
+            stack: snap.spec.to_toml(),
+        });
+        tracing::info!(revision = number, user = who, change = %revs[revs.len() - 1].change, "stack changed");
+        Ok(json!({ "revision": number, "notes": notes }))
+    }
+
+    /// Applies edits that are not changes to the stack description (pause, resume): no revision.
+    fn runtime_edit(&self, edits: Vec<Edit>) -> Result<Json, ApiError> {
+        let notes = self
+            .dp()
+            .apply(edits)
+            .map_err(internal)?
+            .map_err(|e| ApiError::new(ErrorCode::InvalidEdit, e.to_string()))?;
+        Ok(json!({ "notes": notes }))
+    }
+
+    fn configure(&self, kind: &str, settings: &Settings) -> Result<Box<dyn flexstack_core::ModuleBuilder>, ApiError> {
+        self.catalog.configure(kind, settings, None).map_err(config_error)
+    }
+
+    /// Runs one request (all but `watch`, which streams: see [`Control::watch`]).
+    pub fn handle(&self, request: Request, caller: &Caller) -> Result<Json, ApiError> {
+        let who = caller.user.as_str();
+        match request {
+            Request::Status => self.status(),
+            Request::ModuleList => self.module_list(),
+            Request::ModuleKinds => Ok(Json::Array(
+                self.catalog.kinds().map(|k| json!({ "kind": k.name(), "summary": k.summary() })).collect(),
+            )),
+            Request::ModuleLoad { name, kind, settings } => {
+                let settings = settings_from_json(&settings)?;
+                let builder = self.configure(&kind, &settings)?;
+                let change = Edit::Load { name: name.clone(), kind: kind.clone(), settings: settings.clone(), builder };
+                self.edit(who, change.to_string(), vec![change])
+            }
+            Request::ModuleUnload { name } => {
+                let e = Edit::Unload { name };
+                self.edit(who, e.to_string(), vec![e])
+            }
+            Request::ModuleReplace { name, kind, settings, fresh } => {
+                let settings = settings_from_json(&settings)?;
+                let builder = self.configure(&kind, &settings)?;
+                let e = Edit::Replace { name, kind, settings, builder, keep_state: !fresh };
+                self.edit(who, e.to_string(), vec![e])
+            }
+            Request::LinkList => self.link_list(),
+            Request::LinkAdd { link } => {
+                let l = LinkSpec::parse(&link).map_err(|m| ApiError::new(ErrorCode::InvalidEdit, m))?;
+                let e = Edit::Link(l);
+                self.edit(who, e.to_string(), vec![e])
+            }
+            Request::LinkDel { link } => {
+                let l = LinkSpec::parse(&link).map_err(|m| ApiError::new(ErrorCode::InvalidEdit, m))?;
+                let e = Edit::Unlink(l);
+                self.edit(who, e.to_string(), vec![e])
+            }
+            Request::Pause { module } => self.runtime_edit(vec![Edit::Pause { module }]),
+            Request::Resume { module } => self.runtime_edit(vec![Edit::Resume { module }]),
+            Request::Get { names } => self.get(&names),
+            Request::Set { name, value } => self.set(&name, &value, who),
+            Request::Watch { .. } => Err(ApiError::new(ErrorCode::InvalidRequest, "watch streams; use Control::watch")),
+            Request::ShowRuntime => self.show_runtime(),
+            Request::VarList { pattern } => self.var_list(pattern.as_deref()),
+            Request::ConfigLog => {
+                let revs = self.revisions.lock().unwrap_or_else(|p| p.into_inner());
+                Ok(Json::Array(
+                    revs.iter()
+                        .map(|r| json!({"revision": r.number, "time_ms": r.time_ms, "user": r.user, "change": r.change, "notes": r.notes}))
+                        .collect(),
+                ))
+            }
+            Request::ConfigShow { rev } => match rev {
+                Some(n) => {
+                    let r = self.revision(n)?;
+                    Ok(json!({ "revision": r.number, "stack": r.stack }))
+                }
+                None => {
+                    let snap = self.dp().snapshot().map_err(internal)?;
+                    let current = self.revisions.lock().unwrap_or_else(|p| p.into_inner()).len();
+                    Ok(json!({ "revision": current, "stack": snap.spec.to_toml() }))
+                }
+            },
+            Request::ConfigRollback { rev } => self.rollback(rev, who),
+        }
+    }
+
+    fn revision(&self, n: u64) -> Result<Revision, ApiError> {
+        let revs = self.revisions.lock().unwrap_or_else(|p| p.into_inner());
+        revs.iter().find(|r| r.number == n).cloned().ok_or_else(|| {
+            ApiError::new(ErrorCode::NotFound, format!("no revision {n} (revisions 1..={} exist)", revs.len()))
+        })
+    }
+
+    fn status(&self) -> Result<Json, ApiError> {
+        let snap = self.dp().snapshot().map_err(internal)?;
+        let revision = self.revisions.lock().unwrap_or_else(|p| p.into_inner()).len();
+        Ok(json!({
+            "version": env!("CARGO_PKG_VERSION"),
+            "pid": std::process::id(),
+            "uptime_s": self.started.elapsed().as_secs_f64(),
+            "revision": revision,
+            "modules": snap.modules.len(),
+            "links": snap.edges.len(),
+            "paused": snap.paused,
+        }))
+    }
+
+    fn u64_var(&self, name: &str) -> u64 {
+        self.registry.snapshot().get(name).map_or(0, |c| c.load_u64())
+    }
+
+    fn module_list(&self) -> Result<Json, ApiError> {
+        let snap = self.dp().snapshot().map_err(internal)?;
+        let rows = snap
+            .modules
+            .iter()
+            .map(|m| {
+                let v = |var: &str| self.u64_var(&format!("module.{}.{var}", m.name));
+                let mut ports = Vec::new();
+                for (p, ty) in &m.inputs {
+                    ports.push(
+                        json!({"port": p, "dir": "in", "type": ty, "frames": v(&format!("port.{p}.frames_in_total"))}),
+                    );
+                }
+                for (p, ty) in &m.outputs {
+                    ports.push(json!({"port": p, "dir": "out", "type": ty,
+                        "frames": v(&format!("port.{p}.frames_out_total")),
+                        "dropped": v(&format!("port.{p}.frames_dropped_total"))}));
+                }
+                json!({
+                    "name": m.name, "kind": m.kind, "state": m.state,
+                    "frames_in": v("frames_in_total"), "frames_out": v("frames_out_total"),
+                    "frames_dropped": v("frames_dropped_total"), "held": v("held_frames"), "ports": ports,
+                })
+            })
+            .collect();
+        Ok(Json::Array(rows))
+    }
+
+    fn link_list(&self) -> Result<Json, ApiError> {
+        let snap = self.dp().snapshot().map_err(internal)?;
+        Ok(json!({
+            "links": snap.spec.links.iter().map(|l| l.link.to_string()).collect::<Vec<_>>(),
+            "edges": snap.edges.iter().map(|e| json!({"from": e.from, "from_port": e.from_port, "to": e.to, "to_port": e.to_port})).collect::<Vec<_>>(),
+        }))
+    }
+
+    /// Values of the variables matching `names` (each a name or a pattern), sorted by name.
+    pub fn get(&self, names: &[String]) -> Result<Json, ApiError> {
+        let reg = self.registry.snapshot();
+        let mut out = serde_json::Map::new();
+        for n in names {
+            let before = out.len();
+            for (name, cell) in reg.matching(n) {
+                out.insert(name.to_string(), json!({ "value": cell.get(), "unit": cell.spec().unit }));
+            }
+            if out.len() == before && reg.matching(n).next().is_none() {
+                let what = if is_pattern(n) { "no variable matches" } else { "no variable named" };
+                return Err(ApiError::new(ErrorCode::NotFound, format!("{what} {n} (see `flexstack var list`)")));
+            }
+        }
+        Ok(Json::Object(out))
+    }
+
+    fn set(&self, name: &str, value: &Json, who: &str) -> Result<Json, ApiError> {
+        let reg = self.registry.snapshot();
+        let cell = reg.get(name).ok_or_else(|| {
+            ApiError::new(ErrorCode::NotFound, format!("no variable named {name} (see `flexstack var list`)"))
+        })?;
+        let spec = cell.spec().clone();
+        if spec.kind != VarKind::Knob {
+            return Err(ApiError::new(ErrorCode::InvalidValue, format!("{name} is a meter (read-only)")));
+        }
+        let (module, knob) = name
+            .strip_prefix("module.")
+            .and_then(|r| r.split_once('.'))
+            .ok_or_else(|| ApiError::new(ErrorCode::NotFound, format!("{name} is not a module knob")))?;
+        let v = match value {
+            Json::String(text) => Value::parse_as(spec.ty, text),
+            other => serde_json::from_value::<Value>(other.clone())
+                .map_err(|e| e.to_string())
+                .and_then(|v| v.coerce(spec.ty)),
+        }
+        .map_err(|e| ApiError::new(ErrorCode::InvalidValue, format!("{name}: {e}")))?;
+        let v = spec.validate(&v).map_err(|e| ApiError::new(ErrorCode::InvalidValue, format!("{name}: {e}")))?;
+        let e = Edit::SetKnob { module: module.to_string(), knob: knob.to_string(), value: v };
+        let mut result = self.edit(who, e.to_string(), vec![e])?;
+        result["value"] = json!(cell.get());
+        Ok(result)
+    }
+
+    fn var_list(&self, pattern: Option<&str>) -> Result<Json, ApiError> {
+        let reg = self.registry.snapshot();
+        let pattern = pattern.unwrap_or("**");
+        Ok(Json::Array(
+            reg.matching(pattern)
+                .map(|(name, c)| {
+                    let s = c.spec();
+                    json!({"name": name, "kind": s.kind, "type": s.ty, "unit": s.unit, "description": s.description,
+                           "range": s.range, "value": c.get()})
+                })
+                .collect(),
+        ))
+    }
+
+    fn show_runtime(&self) -> Result<Json, ApiError> {
+        let snap = self.dp().snapshot().map_err(internal)?;
+        let rows: Vec<Json> = snap
+            .modules
+            .iter()
+            .map(|m| {
+                let v = |var: &str| self.u64_var(&format!("module.{}.{var}", m.name));
+                let calls = v("calls_total");
+                let frames = if m.inputs.is_empty() { v("frames_out_total") } else { v("frames_in_total") };
+                let ns = v("busy_ns_total");
+                let ratio = |a: u64, b: u64| if b == 0 { 0.0 } else { a as f64 / b as f64 };
+                json!({"module": m.name, "kind": m.kind, "calls": calls, "frames": frames,
+                       "frames_per_call": ratio(frames, calls), "ns_per_frame": ratio(ns, frames), "busy_ns": ns})
+            })
+            .collect();
+        Ok(Json::Array(rows))
+    }
+
+    /// Streams samples of the variables matching `names` to `emit` until it returns false or `count` events
+    /// were sent. With `changes`, only values that changed are sent (the first event has them all).
+    pub fn watch(
+        &self,
+        names: &[String],
+        interval: Duration,
+        changes: bool,
+        count: Option<u64>,
+        emit: &mut dyn FnMut(Json) -> bool,
+    ) -> Result<(), ApiError> {
+        self.get(names)?;
+        let mut last: serde_json::Map<String, Json> = serde_json::Map::new();
+        let mut sent = 0u64;
+        let start = Instant::now();
+        loop {
+            let reg = self.registry.snapshot();
+            let mut values = serde_json::Map::new();
+            for n in names {
+                for (name, cell) in reg.matching(n) {
+                    let v = json!(cell.get());
+                    if !changes || last.get(name) != Some(&v) {
+                        values.insert(name.to_string(), v.clone());
+                    }
+                    last.insert(name.to_string(), v);
+                }
+            }
+            if !values.is_empty() || !changes {
+                let event =
+                    json!({ "t_ms": start.elapsed().as_millis() as u64, "time_ms": now_ms(), "values": values });
+                if !emit(event) {
+                    return Ok(());
+                }
+                sent += 1;
+                if count.is_some_and(|c| sent >= c) {
+                    return Ok(());
+                }
+            }
+            std::thread::sleep(interval);
+        }
+    }
+
+    /// Returns the stack to revision `rev`: modules missing are loaded, extra ones unloaded, changed ones
+    /// replaced (state kept where the kind is the same), knobs set, links relinked — all in one atomic edit.
+    fn rollback(&self, rev: u64, who: &str) -> Result<Json, ApiError> {
+        let target_rev = self.revision(rev)?;
+        let target = StackSpec::parse(&format!("revision {rev}"), &target_rev.stack).map_err(config_error)?;
+        let current = self.dp().snapshot().map_err(internal)?.spec;
+        let reg = self.registry.snapshot();
+        let knobs_of = |module: &str| -> Vec<String> {
+            reg.matching(&format!("module.{module}.**"))
+                .filter(|(_, c)| c.spec().kind == VarKind::Knob)
+                .map(|(_, c)| c.spec().name.clone())
+                .collect()
+        };
+        let mut edits: Vec<Edit> = current.links.iter().map(|l| Edit::Unlink(l.link.clone())).collect();
+        for m in &current.modules {
+            if !target.modules.iter().any(|t| t.name == m.name) {
+                edits.push(Edit::Unload { name: m.name.clone() });
+            }
+        }
+        for t in &target.modules {
+            match current.modules.iter().find(|m| m.name == t.name) {
+                None => {
+                    let builder = self.configure(&t.kind, &t.settings)?;
+                    edits.push(Edit::Load {
+                        name: t.name.clone(),
+                        kind: t.kind.clone(),
+                        settings: t.settings.clone(),
+                        builder,
+                    });
+                }
+                Some(m) => {
+                    let knobs = knobs_of(&m.name);
+                    let strip = |s: &Settings| {
+                        let mut out = Settings::default();
+                        for (k, v) in s.iter().filter(|(k, _)| !knobs.iter().any(|n| n == k)) {
+                            out.insert(k, v.value.clone());
+                        }
+                        out
+                    };
+                    if m.kind == t.kind && strip(&m.settings).same_values(&strip(&t.settings)) {
+                        for k in &knobs {
+                            if let Some(want) = t.settings.get(k) {
+                                if m.settings.get(k).map(|s| &s.value) != Some(&want.value) {
+                                    if let Some(value) = Value::from_toml(&want.value) {
+                                        edits.push(Edit::SetKnob { module: m.name.clone(), knob: k.clone(), value });
+                                    }
+                                }
+                            }
+                        }
+                    } else {
+                        let builder = self.configure(&t.kind, &t.settings)?;
+                        edits.push(Edit::Replace {
+                            name: t.name.clone(),
+                            kind: t.kind.clone(),
+                            settings: t.settings.clone(),
+                            builder,
+                            keep_state: m.kind == t.kind,
+                        });
+                    }
+                }
+            }
+        }
+        edits.extend(target.links.iter().map(|l| Edit::Link(l.link.clone())));
+        self.edit(who, format!("config rollback {rev}"), edits)
+    }
+}

@@ -1,0 +1,510 @@
+//! The `flexstack` command line, in the iproute2 manner: `flexstack OBJECT VERB [ARGS]`, `-j/--json` on every
+//! show. Every command but `daemon` is a client of the control API (see [`crate::client`]).
+
+use crate::client::{Client, ClientError};
+use crate::protocol::Request;
+use crate::server::{run_daemon, DaemonOptions};
+use clap::{Args, Parser, Subcommand};
+use flexstack_core::Settings;
+use serde_json::{json, Value as Json};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+/// Default state directory (socket and pid file).
+pub const DEFAULT_STATE_DIR: &str = "/run/flexstack";
+
+/// flexstack: a user-space, modular, runtime-reconfigurable network stack.
+#[derive(Parser, Debug)]
+#[command(name = "flexstack", version, about, long_about = None)]
+pub struct Cli {
+    /// Directory of the daemon's control socket.
+    #[arg(long, global = true, env = "FLEXSTACK_STATE_DIR", default_value = DEFAULT_STATE_DIR)]
+    pub state_dir: PathBuf,
+    /// Print results as JSON.
+    #[arg(short = 'j', long, global = true)]
+    pub json: bool,
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Top-level commands.
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Run the daemon in the foreground (logs to stderr; FLEXSTACK_LOG=debug for more).
+    Daemon(DaemonArgs),
+    /// Daemon status.
+    Status,
+    /// Modules: list, kinds, load, unload, replace.
+    #[command(subcommand)]
+    Module(ModuleCmd),
+    /// Links: list, add, del.
+    #[command(subcommand)]
+    Link(LinkCmd),
+    /// Hold frames at a module, or stop the whole stack (frames are held, not dropped).
+    Pause {
+        /// The module (default: the whole stack).
+        module: Option<String>,
+    },
+    /// Resume a module or the whole stack.
+    Resume {
+        /// The module (default: the whole stack).
+        module: Option<String>,
+    },
+    /// Read meters and knobs by name or pattern (`module.*.frames_in_total`).
+    Get {
+        /// Names or patterns.
+        #[arg(required = true)]
+        names: Vec<String>,
+    },
+    /// Write a knob.
+    Set {
+        /// Knob name (`module.sel.select`).
+        name: String,
+        /// New value.
+        value: String,
+    },
+    /// Stream values: a periodic sample, or each change with --changes.
+    Watch {
+        /// Names or patterns.
+        #[arg(required = true)]
+        names: Vec<String>,
+        /// Sampling interval in milliseconds.
+        #[arg(short, long, default_value_t = 1000)]
+        interval: u64,
+        /// Print only values that changed.
+        #[arg(long)]
+        changes: bool,
+        /// Stop after this many samples.
+        #[arg(short = 'n', long)]
+        count: Option<u64>,
+    },
+    /// Show things: `show runtime`.
+    #[command(subcommand)]
+    Show(ShowCmd),
+    /// Meters and knobs: `var list [PATTERN]`.
+    #[command(subcommand)]
+    Var(VarCmd),
+    /// Revisions: log, show, rollback, save.
+    #[command(subcommand)]
+    Config(ConfigCmd),
+}
+
+/// Options of `flexstack daemon`.
+#[derive(Args, Debug)]
+pub struct DaemonArgs {
+    /// Stack description to load (TOML); without it the daemon starts empty.
+    #[arg(long)]
+    pub stack: Option<PathBuf>,
+    /// Seconds a client has to send a complete request.
+    #[arg(long, default_value_t = 10.0)]
+    pub client_timeout: f64,
+    /// Most clients served at once.
+    #[arg(long, default_value_t = 64)]
+    pub max_clients: usize,
+}
+
+/// `flexstack module ...`
+#[derive(Subcommand, Debug)]
+pub enum ModuleCmd {
+    /// Loaded modules with kind, state and frames per port.
+    List,
+    /// Module kinds that can be loaded.
+    Kinds,
+    /// Load a module: `module load NAME KIND [KEY=VALUE ...]`.
+    Load {
+        /// Unique name.
+        name: String,
+        /// Kind (see `module kinds`).
+        kind: String,
+        /// Settings, KEY=VALUE with TOML values.
+        settings: Vec<String>,
+    },
+    /// Unload a module and its links.
+    Unload {
+        /// The module.
+        name: String,
+    },
+    /// Replace a module, keeping its links and (unless --fresh) its state.
+    Replace {
+        /// The module.
+        name: String,
+        /// Kind of the new module.
+        kind: String,
+        /// Settings, KEY=VALUE.
+        settings: Vec<String>,
+        /// Start from fresh state.
+        #[arg(long)]
+        fresh: bool,
+    },
+}
+
+/// `flexstack link ...`
+#[derive(Subcommand, Debug)]
+pub enum LinkCmd {
+    /// The links.
+    List,
+    /// Add links: `link add "a[port] -> b, c"`.
+    Add {
+        /// The link.
+        link: String,
+    },
+    /// Remove links.
+    Del {
+        /// The link.
+        link: String,
+    },
+}
+
+/// `flexstack show ...`
+#[derive(Subcommand, Debug)]
+pub enum ShowCmd {
+    /// Per module: calls, frames, frames per call, nanoseconds per frame.
+    Runtime,
+}
+
+/// `flexstack var ...`
+#[derive(Subcommand, Debug)]
+pub enum VarCmd {
+    /// Every meter and knob with type, unit and description.
+    List {
+        /// Only names matching this pattern.
+        pattern: Option<String>,
+    },
+}
+
+/// `flexstack config ...`
+#[derive(Subcommand, Debug)]
+pub enum ConfigCmd {
+    /// The revisions: number, time, user, change.
+    Log,
+    /// A revision's stack description (default: the running stack).
+    Show {
+        /// Revision number.
+        rev: Option<u64>,
+    },
+    /// Return the stack to a revision.
+    Rollback {
+        /// Revision number.
+        rev: u64,
+    },
+    /// Write the running stack as a description that starts the same stack.
+    Save {
+        /// Output file.
+        file: PathBuf,
+    },
+}
+
+/// Runs the command line; returns the process exit code (0 ok, 1 refused or failed, 3 no daemon).
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let filter = tracing_subscriber::EnvFilter::try_from_env("FLEXSTACK_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(CliError::Client(e @ ClientError::Connect { .. })) => {
+            eprintln!("error: {e}");
+            ExitCode::from(3)
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// A failure of a CLI command.
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    /// From the control connection or the daemon.
+    #[error(transparent)]
+    Client(#[from] ClientError),
+    /// Anything else, already worded.
+    #[error("{0}")]
+    Message(String),
+}
+
+fn settings_json(args: &[String]) -> Result<serde_json::Map<String, Json>, CliError> {
+    let s = Settings::from_args(args).map_err(|e| CliError::Message(e.to_string()))?;
+    let table = s.to_table();
+    match serde_json::to_value(&table) {
+        Ok(Json::Object(m)) => Ok(m),
+        _ => Err(CliError::Message("settings cannot be sent as JSON".into())),
+    }
+}
+
+fn run(cli: Cli) -> Result<(), CliError> {
+    let json_out = cli.json;
+    if let Command::Daemon(d) = &cli.command {
+        let opts = DaemonOptions {
+            stack: d.stack.clone(),
+            state_dir: cli.state_dir.clone(),
+            client_timeout: Duration::from_secs_f64(d.client_timeout.max(0.05)),
+            max_clients: d.max_clients.max(1),
+        };
+        return run_daemon(opts, flexstack_modules::catalog()).map_err(CliError::Message);
+    }
+    let mut client = Client::connect(&cli.state_dir)?;
+    let request = match cli.command {
+        Command::Daemon(_) => unreachable!("handled above"),
+        Command::Status => Request::Status,
+        Command::Module(ModuleCmd::List) => Request::ModuleList,
+        Command::Module(ModuleCmd::Kinds) => Request::ModuleKinds,
+        Command::Module(ModuleCmd::Load { name, kind, settings }) => {
+            Request::ModuleLoad { name, kind, settings: settings_json(&settings)? }
+        }
+        Command::Module(ModuleCmd::Unload { name }) => Request::ModuleUnload { name },
+        Command::Module(ModuleCmd::Replace { name, kind, settings, fresh }) => {
+            Request::ModuleReplace { name, kind, settings: settings_json(&settings)?, fresh }
+        }
+        Command::Link(LinkCmd::List) => Request::LinkList,
+        Command::Link(LinkCmd::Add { link }) => Request::LinkAdd { link },
+        Command::Link(LinkCmd::Del { link }) => Request::LinkDel { link },
+        Command::Pause { module } => Request::Pause { module },
+        Command::Resume { module } => Request::Resume { module },
+        Command::Get { names } => Request::Get { names },
+        Command::Set { name, value } => Request::Set { name, value: Json::String(value) },
+        Command::Watch { names, interval, changes, count } => {
+            let req = Request::Watch { names, interval_ms: Some(interval), changes, count };
+            let mut print = |ev: Json| print_watch(&ev, json_out);
+            client.stream(&req, &mut print)?;
+            return Ok(());
+        }
+        Command::Show(ShowCmd::Runtime) => Request::ShowRuntime,
+        Command::Var(VarCmd::List { pattern }) => Request::VarList { pattern },
+        Command::Config(ConfigCmd::Log) => Request::ConfigLog,
+        Command::Config(ConfigCmd::Show { rev }) => Request::ConfigShow { rev },
+        Command::Config(ConfigCmd::Rollback { rev }) => Request::ConfigRollback { rev },
+        Command::Config(ConfigCmd::Save { file }) => {
+            let r = client.call(&Request::ConfigShow { rev: None })?;
+            let text = r["stack"].as_str().unwrap_or_default();
+            std::fs::write(&file, text)
+                .map_err(|e| CliError::Message(format!("{}: cannot write: {e}", file.display())))?;
+            if json_out {
+                println!("{}", json!({ "file": file.display().to_string(), "revision": r["revision"] }));
+            } else {
+                println!("saved revision {} to {}", r["revision"], file.display());
+            }
+            return Ok(());
+        }
+    };
+    let result = client.call(&request)?;
+    if json_out {
+        println!("{}", serde_json::to_string_pretty(&result).unwrap_or_default());
+    } else {
+        print!("{}", render(&request, &result));
+    }
+    Ok(())
+}
+
+/// Prints one watch event; false stops the stream (stdout closed).
+fn print_watch(ev: &Json, json_out: bool) -> bool {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let ok = if json_out {
+        writeln!(out, "{ev}")
+    } else {
+        let t = ev["t_ms"].as_u64().unwrap_or(0) as f64 / 1000.0;
+        let mut line = format!("{t:>8.3}s");
+        if let Some(values) = ev["values"].as_object() {
+            for (k, v) in values {
+                line.push_str(&format!("  {k}={}", plain(v)));
+            }
+        }
+        writeln!(out, "{line}")
+    };
+    ok.is_ok() && out.flush().is_ok()
+}
+
+fn plain(v: &Json) -> String {
+    match v {
+        Json::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+/// A table with left-aligned columns.
+fn table(header: &[&str], rows: Vec<Vec<String>>) -> String {
+    let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
+    for r in &rows {
+        for (i, c) in r.iter().enumerate() {
+            widths[i] = widths[i].max(c.len());
+        }
+    }
+    let line = |cells: Vec<String>| {
+        let mut s =
+            cells.iter().enumerate().map(|(i, c)| format!("{c:<w$}", w = widths[i])).collect::<Vec<_>>().join("  ");
+        s.truncate(s.trim_end().len());
+        s.push('\n');
+        s
+    };
+    let mut out = line(header.iter().map(|h| h.to_string()).collect());
+    for r in rows {
+        out.push_str(&line(r));
+    }
+    out
+}
+
+fn render(request: &Request, r: &Json) -> String {
+    let arr = || r.as_array().cloned().unwrap_or_default();
+    let s = |v: &Json| plain(v);
+    match request {
+        Request::Status => format!(
+            "flexstack {} pid {}  up {:.0}s  revision {}  modules {}  links {}{}\n",
+            s(&r["version"]),
+            r["pid"],
+            r["uptime_s"].as_f64().unwrap_or(0.0),
+            r["revision"],
+            r["modules"],
+            r["links"],
+            if r["paused"] == json!(true) { "  PAUSED" } else { "" }
+        ),
+        Request::ModuleList => {
+            let mut rows = Vec::new();
+            for m in arr() {
+                rows.push(vec![
+                    s(&m["name"]),
+                    s(&m["kind"]),
+                    s(&m["state"]),
+                    String::new(),
+                    s(&m["frames_in"]),
+                    s(&m["frames_out"]),
+                    s(&m["frames_dropped"]),
+                ]);
+                for p in m["ports"].as_array().cloned().unwrap_or_default() {
+                    let (fin, fout, fdrop) = if p["dir"] == "in" {
+                        (s(&p["frames"]), String::new(), String::new())
+                    } else {
+                        (String::new(), s(&p["frames"]), s(&p["dropped"]))
+                    };
+                    rows.push(vec![
+                        String::new(),
+                        String::new(),
+                        String::new(),
+                        format!("{} {} ({})", s(&p["dir"]), s(&p["port"]), s(&p["type"])),
+                        fin,
+                        fout,
+                        fdrop,
+                    ]);
+                }
+            }
+            table(&["NAME", "KIND", "STATE", "PORT", "IN", "OUT", "DROPPED"], rows)
+        }
+        Request::ModuleKinds => {
+            table(&["KIND", "SUMMARY"], arr().iter().map(|k| vec![s(&k["kind"]), s(&k["summary"])]).collect())
+        }
+        Request::LinkList => {
+            r["links"].as_array().map_or(String::new(), |l| l.iter().map(|x| format!("{}\n", s(x))).collect())
+        }
+        Request::Get { .. } => {
+            let rows = r.as_object().map_or(Vec::new(), |o| {
+                o.iter().map(|(k, v)| vec![k.clone(), s(&v["value"]), s(&v["unit"])]).collect()
+            });
+            table(&["NAME", "VALUE", "UNIT"], rows)
+        }
+        Request::VarList { .. } => table(
+            &["NAME", "KIND", "TYPE", "UNIT", "VALUE", "DESCRIPTION"],
+            arr()
+                .iter()
+                .map(|v| {
+                    vec![
+                        s(&v["name"]),
+                        s(&v["kind"]),
+                        s(&v["type"]),
+                        s(&v["unit"]),
+                        s(&v["value"]),
+                        s(&v["description"]),
+                    ]
+                })
+                .collect(),
+        ),
+        Request::ShowRuntime => table(
+            &["MODULE", "KIND", "CALLS", "FRAMES", "FRAMES/CALL", "NS/FRAME"],
+            arr()
+                .iter()
+                .map(|m| {
+                    vec![
+                        s(&m["module"]),
+                        s(&m["kind"]),
+                        s(&m["calls"]),
+                        s(&m["frames"]),
+                        format!("{:.2}", m["frames_per_call"].as_f64().unwrap_or(0.0)),
+                        format!("{:.1}", m["ns_per_frame"].as_f64().unwrap_or(0.0)),
+                    ]
+                })
+                .collect(),
+        ),
+        Request::ConfigLog => table(
+            &["REV", "TIME", "USER", "CHANGE"],
+            arr()
+                .iter()
+                .map(|v| {
+                    vec![
+                        s(&v["revision"]),
+                        fmt_time(v["time_ms"].as_u64().unwrap_or(0)),
+                        s(&v["user"]),
+                        s(&v["change"]),
+                    ]
+                })
+                .collect(),
+        ),
+        Request::ConfigShow { .. } => s(&r["stack"]),
+        _ => {
+            let mut out = String::new();
+            if let Some(rev) = r.get("revision") {
+                out.push_str(&format!("ok: revision {rev}\n"));
+            } else {
+                out.push_str("ok\n");
+            }
+            for n in r["notes"].as_array().cloned().unwrap_or_default() {
+                out.push_str(&format!("  note: {}\n", s(&n)));
+            }
+            out
+        }
+    }
+}
+
+/// Milliseconds since the epoch as `YYYY-MM-DD HH:MM:SS` UTC.
+fn fmt_time(ms: u64) -> String {
+    let secs = ms / 1000;
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}", rem / 3600, rem % 3600 / 60, rem % 60)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn time_format() {
+        assert_eq!(fmt_time(0), "1970-01-01 00:00:00");
+        assert_eq!(fmt_time(1_795_000_000_000), "2026-11-18 07:06:40");
+    }
+
+    #[test]
+    fn cli_parses() {
+        Cli::command_for_test();
+        let c = Cli::try_parse_from(["flexstack", "-j", "--state-dir", "/tmp/x", "link", "add", "a -> b"]).unwrap();
+        assert!(c.json);
+        assert!(matches!(c.command, Command::Link(LinkCmd::Add { .. })));
+    }
+
+    impl Cli {
+        fn command_for_test() {
+            use clap::CommandFactory;
+            Cli::command().debug_assert();
+        }
+    }
+}

@@ -1,0 +1,19 @@
+//! flexstack: the daemon, its control API and the command line.
+//!
+//! - [`server`] runs the daemon: state directory, private control socket, client threads.
+//! - [`dataplane`] owns the switch on its own thread and applies queued edits between batches.
+//! - [`actions`] holds one action function per control operation, behind both the API and the CLI.
+//! - [`protocol`] defines the JSON-lines requests and responses (docs/control-api.md).
+//! - [`client`] and [`cli`] are the client side.
+//!
+//! The sans-IO core (frames, modules, switch, registry, stack descriptions) is the `flexstack-core` crate; the
+//! built-in modules are `flexstack-modules`.
+#![deny(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod actions;
+pub mod cli;
+pub mod client;
+pub mod dataplane;
+pub mod protocol;
+pub mod server;

@@ -1,0 +1,185 @@
+//! Shared helpers for the end-to-end tests: a real daemon process in a private state directory, driven by the
+//! real `flexstack` binary.
+#![allow(dead_code)]
+
+use serde_json::Value as Json;
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// Path of the built `flexstack` binary.
+pub fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_flexstack")
+}
+
+/// A daemon running in its own temporary state directory; killed and cleaned up on drop.
+pub struct Daemon {
+    pub child: Child,
+    pub dir: tempfile::TempDir,
+}
+
+impl Daemon {
+    /// Starts `flexstack daemon` with `stack` (TOML text, written to the state dir) and extra arguments, and
+    /// waits until it answers.
+    pub fn start(stack: &str, extra: &[&str]) -> Daemon {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let stack_path = dir.path().join("stack.toml");
+        std::fs::write(&stack_path, stack).expect("write stack");
+        let child = Command::new(bin())
+            .arg("daemon")
+            .arg("--stack")
+            .arg(&stack_path)
+            .arg("--state-dir")
+            .arg(dir.path().join("state"))
+            .args(extra)
+            .env("FLEXSTACK_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn daemon");
+        let d = Daemon { child, dir };
+        d.wait_ready();
+        d
+    }
+
+    pub fn state_dir(&self) -> PathBuf {
+        self.dir.path().join("state")
+    }
+
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    fn wait_ready(&self) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if self.state_dir().join("control.sock").exists() && self.cli(&["status"]).status.success() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("daemon did not become ready");
+    }
+
+    /// Runs `flexstack --state-dir DIR ARGS...`.
+    pub fn cli(&self, args: &[&str]) -> Output {
+        Command::new(bin()).arg("--state-dir").arg(self.state_dir()).args(args).output().expect("run flexstack")
+    }
+
+    /// Runs a command that must succeed and returns its stdout.
+    pub fn ok(&self, args: &[&str]) -> String {
+        let out = self.cli(args);
+        assert!(
+            out.status.success(),
+            "flexstack {args:?} failed: {}\n{}",
+            String::from_utf8_lossy(&out.stderr),
+            String::from_utf8_lossy(&out.stdout)
+        );
+        String::from_utf8(out.stdout).expect("utf-8 output")
+    }
+
+    /// Runs a command with `-j` that must succeed and parses its JSON.
+    pub fn json(&self, args: &[&str]) -> Json {
+        let mut a = vec!["-j"];
+        a.extend_from_slice(args);
+        let text = self.ok(&a);
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("flexstack {args:?}: bad JSON {e}: {text}"))
+    }
+
+    /// Runs a command that must fail; returns its stderr.
+    pub fn fails(&self, args: &[&str]) -> String {
+        let out = self.cli(args);
+        assert!(
+            !out.status.success(),
+            "flexstack {args:?} should have failed: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        String::from_utf8(out.stderr).expect("utf-8 output")
+    }
+
+    /// The value of one variable.
+    pub fn get(&self, name: &str) -> Json {
+        let v = self.json(&["get", name]);
+        v[name]["value"].clone()
+    }
+
+    pub fn get_u64(&self, name: &str) -> u64 {
+        self.get(name).as_u64().unwrap_or_else(|| panic!("{name} is not a u64"))
+    }
+
+    /// Waits until `cond` holds (polling every 20 ms), or panics with `what` after `secs`.
+    pub fn wait_for(&self, what: &str, secs: u64, mut cond: impl FnMut(&Daemon) -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(secs);
+        while Instant::now() < deadline {
+            if cond(self) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("timed out waiting for {what}");
+    }
+
+    /// A raw connection to the control socket.
+    pub fn raw(&self) -> RawClient {
+        let s = UnixStream::connect(self.state_dir().join("control.sock")).expect("connect");
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        RawClient { reader: BufReader::new(s.try_clone().unwrap()), writer: s }
+    }
+
+    /// Sends SIGTERM and waits for the exit status.
+    pub fn terminate(&mut self) -> std::process::ExitStatus {
+        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).expect("kill");
+        self.child.wait().expect("wait")
+    }
+
+    /// True while the process runs.
+    pub fn alive(&mut self) -> bool {
+        self.child.try_wait().expect("try_wait").is_none()
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A client speaking the raw protocol.
+pub struct RawClient {
+    pub reader: BufReader<UnixStream>,
+    pub writer: UnixStream,
+}
+
+impl RawClient {
+    pub fn send(&mut self, bytes: &[u8]) {
+        self.writer.write_all(bytes).expect("write");
+    }
+
+    pub fn line(&mut self) -> Option<Json> {
+        let mut l = String::new();
+        match self.reader.read_line(&mut l) {
+            Ok(0) | Err(_) => None,
+            Ok(_) => Some(serde_json::from_str(&l).expect("response is JSON")),
+        }
+    }
+}
+
+/// Runs `flexstack daemon` expecting it to fail at start; returns stderr.
+pub fn daemon_fails(stack: &str, dir: &Path) -> String {
+    let stack_path = dir.join("bad.toml");
+    std::fs::write(&stack_path, stack).unwrap();
+    let out = Command::new(bin())
+        .arg("daemon")
+        .arg("--stack")
+        .arg(&stack_path)
+        .arg("--state-dir")
+        .arg(dir.join("state"))
+        .output()
+        .expect("run daemon");
+    assert!(!out.status.success(), "daemon should refuse the stack:\n{stack}");
+    String::from_utf8(out.stderr).unwrap()
+}

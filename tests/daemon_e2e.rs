@@ -1,0 +1,234 @@
+//! End-to-end: a real daemon process driven by the real CLI over its control socket.
+//!
+//! Starts the daemon with a stack, drives frames through it, changes links, knobs and modules from the CLI,
+//! reads meters back, rolls back a revision, saves the stack and starts a second daemon from the saved file.
+
+mod common;
+
+use common::Daemon;
+use serde_json::Value as Json;
+use std::os::unix::fs::PermissionsExt;
+
+fn stack(tap: &std::path::Path) -> String {
+    format!(
+        r#"links = ["src -> count", "count -> sel", "sel[0] -> sink0", "sel[1] -> sink1, tap"]
+
+[modules.src]
+kind = "source"
+rate = 200000
+count = 1000
+size = 100
+
+[modules.count]
+kind = "counter"
+
+[modules.sel]
+kind = "switch"
+outputs = 2
+select = 0
+
+[modules.sink0]
+kind = "sink"
+
+[modules.sink1]
+kind = "sink"
+
+[modules.tap]
+kind = "tap"
+path = "{}"
+passthrough = false
+"#,
+        tap.display()
+    )
+}
+
+fn names(list: &Json) -> Vec<String> {
+    list.as_array().unwrap().iter().map(|m| m["name"].as_str().unwrap().to_string()).collect()
+}
+
+#[test]
+fn drive_change_inspect_and_roll_back_a_running_stack() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tap = tmp.path().join("branch1.pcapng");
+    let d = Daemon::start(&stack(&tap), &[]);
+
+    // The control socket is private.
+    let mode = std::fs::metadata(d.state_dir().join("control.sock")).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o600, "socket mode {mode:o}");
+
+    // Frames flow: the source sends exactly 1000 frames, all down branch 0.
+    d.wait_for("source done", 20, |d| d.get("module.src.done") == Json::Bool(true));
+    d.wait_for("sink0 to count 1000", 10, |d| d.get_u64("module.sink0.frames_total") == 1000);
+    assert_eq!(d.get_u64("module.count.frames_total"), 1000);
+    assert_eq!(d.get_u64("module.count.bytes_total"), 100_000);
+    assert_eq!(d.get_u64("module.sink1.frames_total"), 0);
+    assert_eq!(d.get_u64("module.sel.port.0.frames_out_total"), 1000);
+
+    // Wildcards.
+    let all_in = d.json(&["get", "module.*.frames_in_total"]);
+    assert_eq!(all_in.as_object().unwrap().len(), 5, "five modules have inputs: {all_in}");
+    assert_eq!(all_in["module.sink0.frames_in_total"]["value"], 1000);
+
+    // A knob change routes the next frames down branch 1 (sink1 and the tap get copies).
+    d.ok(&["set", "module.sel.select", "1"]);
+    assert_eq!(d.get("module.sel.select"), 1);
+    d.ok(&["set", "module.src.count", "1500"]);
+    d.wait_for("sink1 to count 500", 10, |d| d.get_u64("module.sink1.frames_total") == 500);
+    d.wait_for("tap to write 500", 10, |d| d.get_u64("module.tap.frames_total") == 500);
+    assert_eq!(d.get_u64("module.sink0.frames_total"), 1000);
+
+    // Links and modules change at runtime: a second counter on a fan-out copy.
+    d.ok(&["module", "load", "c2", "counter"]);
+    d.ok(&["link", "add", "count -> c2"]);
+    let links = d.json(&["link", "list"]);
+    assert!(links["links"].as_array().unwrap().iter().any(|l| l == "count -> sel, c2"), "{links}");
+    d.ok(&["set", "module.src.count", "1700"]);
+    d.wait_for("c2 to count 200", 10, |d| d.get_u64("module.c2.frames_total") == 200);
+    d.wait_for("sink1 to count 700", 10, |d| d.get_u64("module.sink1.frames_total") == 700);
+
+    // Replacing the counter keeps its counts (state handed over) and its links.
+    d.ok(&["module", "replace", "count", "counter"]);
+    assert_eq!(d.get_u64("module.count.frames_total"), 1700);
+    d.ok(&["set", "module.src.count", "1800"]);
+    d.wait_for("count to reach 1800", 10, |d| d.get_u64("module.count.frames_total") == 1800);
+    assert_eq!(d.get_u64("module.c2.frames_total"), 300);
+
+    // Pausing one module holds frames at its input; resuming delivers every one of them.
+    d.ok(&["pause", "sel"]);
+    let listed = d.json(&["module", "list"]);
+    let sel = listed.as_array().unwrap().iter().find(|m| m["name"] == "sel").unwrap().clone();
+    assert_eq!(sel["state"], "paused");
+    d.ok(&["set", "module.src.count", "2000"]);
+    d.wait_for("200 frames held at sel", 10, |d| d.get_u64("module.sel.held_frames") == 200);
+    assert_eq!(d.get_u64("module.sink1.frames_total"), 800);
+    d.ok(&["resume", "sel"]);
+    d.wait_for("held frames delivered", 10, |d| d.get_u64("module.sink1.frames_total") == 1000);
+    assert_eq!(d.get_u64("module.sel.frames_dropped_total"), 0);
+
+    // Pausing the whole stack stops the source; resuming continues it.
+    d.ok(&["pause"]);
+    assert_eq!(d.json(&["status"])["paused"], true);
+    d.ok(&["set", "module.src.count", "2100"]);
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    assert_eq!(d.get_u64("module.src.frames_total"), 2000, "nothing is sent while paused");
+    d.ok(&["resume"]);
+    d.wait_for("source to continue", 10, |d| d.get_u64("module.sink1.frames_total") == 1100);
+
+    // show runtime: calls, frames, frames per call, ns per frame.
+    let rt = d.json(&["show", "runtime"]);
+    let count_row = rt.as_array().unwrap().iter().find(|r| r["module"] == "count").unwrap();
+    assert_eq!(count_row["frames"], 2100);
+    assert!(count_row["calls"].as_u64().unwrap() > 0);
+    assert!(count_row["frames_per_call"].as_f64().unwrap() >= 1.0);
+    let text = d.ok(&["show", "runtime"]);
+    assert!(text.starts_with("MODULE") && text.contains("NS/FRAME"), "{text}");
+
+    // var list: every meter and knob with type, unit and description.
+    let vars = d.json(&["var", "list", "module.sel.*"]);
+    let select = vars.as_array().unwrap().iter().find(|v| v["name"] == "module.sel.select").unwrap();
+    assert_eq!(select["kind"], "knob");
+    assert!(!select["description"].as_str().unwrap().is_empty());
+
+    // watch streams samples.
+    let w = d.ok(&["-j", "watch", "-i", "20", "-n", "3", "module.count.frames_total"]);
+    let events: Vec<Json> = w.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(events.len(), 3);
+    assert_eq!(events[0]["values"]["module.count.frames_total"], 2100);
+
+    // Revisions: the log names each change; rollback to revision 1 removes c2 and restores select = 0.
+    let log = d.json(&["config", "log"]);
+    let changes: Vec<&str> = log.as_array().unwrap().iter().map(|r| r["change"].as_str().unwrap()).collect();
+    assert!(changes[0].starts_with("daemon --stack"), "{changes:?}");
+    assert!(changes.contains(&"set module.sel.select 1"), "{changes:?}");
+    assert!(changes.contains(&"link add count -> c2"), "{changes:?}");
+    assert!(!log[1]["user"].as_str().unwrap().is_empty());
+    let shown = d.ok(&["config", "show", "1"]);
+    assert!(shown.contains("[modules.sel]") && !shown.contains("c2"), "{shown}");
+
+    d.ok(&["config", "rollback", "1"]);
+    assert_eq!(names(&d.json(&["module", "list"])), ["src", "count", "sel", "sink0", "sink1", "tap"]);
+    assert_eq!(d.get("module.sel.select"), 0);
+    // The counter was kept (same kind and settings): its state survives the rollback.
+    assert_eq!(d.get_u64("module.count.frames_total"), 2100);
+    // The source's count knob went back to 1000; raise it and frames go down branch 0 again.
+    assert_eq!(d.get("module.src.count"), 1000);
+    d.ok(&["set", "module.src.count", "2200"]);
+    d.wait_for("sink0 after rollback", 10, |d| d.get_u64("module.sink0.frames_total") == 1100);
+    let log = d.json(&["config", "log"]);
+    assert_eq!(log.as_array().unwrap().iter().filter(|r| r["change"] == "config rollback 1").count(), 1);
+
+    // config save writes a description that starts the same stack.
+    let saved = tmp.path().join("saved.toml");
+    d.ok(&["config", "save", saved.to_str().unwrap()]);
+    let text = std::fs::read_to_string(&saved).unwrap();
+    let tap2 = tmp.path().join("second.pcapng");
+    let text2 = text.replace(tap.to_str().unwrap(), tap2.to_str().unwrap());
+    let d2 = Daemon::start(&text2, &[]);
+    assert_eq!(names(&d2.json(&["module", "list"])), names(&d.json(&["module", "list"])));
+    assert_eq!(d2.json(&["link", "list"])["links"], d.json(&["link", "list"])["links"]);
+    assert_eq!(d2.get("module.src.count"), 2200);
+
+    // The tap's file is a pcapng that holds the 500 + 200 + 100 + 100 frames of branch 1 (read back in Rust).
+    drop(d2);
+    let mut d = d;
+    assert!(d.terminate().success(), "daemon exits 0 on SIGTERM");
+    assert!(!d.state_dir().join("control.sock").exists(), "socket removed on exit");
+    let file = std::fs::File::open(&tap).unwrap();
+    let mut reader = pcap_file::pcapng::PcapNgReader::new(file).unwrap();
+    let mut packets = 0;
+    while let Some(block) = reader.next_block() {
+        if let pcap_file::pcapng::Block::EnhancedPacket(p) = block.unwrap() {
+            assert_eq!(p.data.len(), 100);
+            packets += 1;
+        }
+    }
+    assert_eq!(packets, 1100);
+}
+
+#[test]
+fn daemons_side_by_side_and_stale_sockets() {
+    let a = Daemon::start("[modules.c]\nkind = \"counter\"\n", &[]);
+    let b = Daemon::start("[modules.k]\nkind = \"sink\"\n", &[]);
+    assert_eq!(names(&a.json(&["module", "list"])), ["c"]);
+    assert_eq!(names(&b.json(&["module", "list"])), ["k"]);
+
+    // A second daemon on the same state directory is refused while the first runs.
+    let out =
+        std::process::Command::new(common::bin()).args(["daemon", "--state-dir"]).arg(a.state_dir()).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("already running"));
+
+    // After a crash (SIGKILL) the stale socket is detected and replaced.
+    let state = a.state_dir();
+    drop(a);
+    assert!(state.join("control.sock").exists(), "SIGKILL leaves the socket behind");
+    let mut c = std::process::Command::new(common::bin())
+        .args(["daemon", "--state-dir"])
+        .arg(&state)
+        .env("FLEXSTACK_LOG", "warn")
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let mut up = false;
+    while std::time::Instant::now() < deadline && !up {
+        up = std::process::Command::new(common::bin())
+            .args(["status", "--state-dir"])
+            .arg(&state)
+            .output()
+            .unwrap()
+            .status
+            .success();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let _ = c.kill();
+    let _ = c.wait();
+    assert!(up, "daemon restarted over a stale socket");
+
+    // With no daemon the CLI says so and exits 3.
+    let out = std::process::Command::new(common::bin())
+        .args(["status", "--state-dir", "/nonexistent/flexstack"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(3));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot reach the flexstack daemon"));
+}

@@ -88,7 +88,9 @@ pub trait ModuleBuilder: Send {
     /// Ports and variables of the module this builder will build.
     fn interface(&self) -> ModuleInterface;
 
-    /// Builds the module; `vars` holds the cells of the variables declared by [`ModuleBuilder::interface`].
+    /// Builds the module; `vars` holds the cells of the variables declared by [`ModuleBuilder::interface`]. A knob
+    /// given as a setting of the same name already holds that value; the module stores the initial value of any
+    /// other knob itself, so that the stack's description shows what it runs with.
     fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module>;
 }
 
@@ -143,6 +145,8 @@ pub struct Output<'a> {
     pub(crate) pool: &'a PacketPool,
     pub(crate) ports: &'a mut [Batch],
     pub(crate) dropped: u64,
+    // Boxed: a control frame travels as `Frame::Control(Box<_>)`, so queueing and delivery move one pointer.
+    #[allow(clippy::vec_box)]
     pub(crate) control: &'a mut Vec<Box<ControlFrame>>,
     pub(crate) next_serial: &'a mut u32,
 }

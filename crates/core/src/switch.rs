@@ -46,12 +46,15 @@ pub enum Edit {
         /// The configured module.
         builder: Box<dyn ModuleBuilder>,
     },
-    /// Removes a module and every link to or from it; frames waiting at its inputs are dropped and counted.
+    /// Removes a module and every link to or from it; frames waiting at its inputs are dropped (and reported in
+    /// the notes [`Switch::apply`] returns).
     Unload {
         /// The module.
         name: String,
     },
-    /// Swaps a module for a new one under the same name, keeping its links (the new one must have their ports).
+    /// Swaps a module for a new one under the same name, keeping its links (the new one must have their ports),
+    /// its switch meters and the frames waiting at inputs of the same name (frames at inputs the new one lacks
+    /// are dropped, counted and noted).
     Replace {
         /// The module.
         name: String,
@@ -254,6 +257,14 @@ impl Slot {
     fn new(name: String, kind: String, settings: Settings, builder: Box<dyn ModuleBuilder>) -> Slot {
         let iface = full_interface(builder.interface());
         let vars = ModuleVars::new(&iface.vars);
+        // A knob given as a setting of the same name starts at that value (the module may still store its own),
+        // so that describe() writes back what the module was configured with.
+        for c in vars.cells().iter().filter(|c| c.spec().kind == VarKind::Knob) {
+            let given = settings.get(&c.spec().name).and_then(|s| Value::from_toml(&s.value));
+            if let Some(v) = given.and_then(|v| c.spec().validate(&v).ok()) {
+                c.store(&v);
+            }
+        }
         let module = builder.build(&vars);
         let meters = SlotMeters::new(&iface);
         Slot {
@@ -292,6 +303,8 @@ pub struct Switch {
     order: Vec<usize>,
     pool: PacketPool,
     paused: bool,
+    // Boxed: a control frame travels as `Frame::Control(Box<_>)`, so queueing and delivery move one pointer.
+    #[allow(clippy::vec_box)]
     control: Vec<Box<ControlFrame>>,
     control_inbox: Vec<ControlFrame>,
     listeners: BTreeSet<(String, String, String)>,
@@ -458,6 +471,14 @@ impl Switch {
                         fresh.pending[p] = std::mem::take(&mut old.pending[q]);
                     }
                 }
+                // Those waiting at inputs the new module lacks are dropped, counted and noted.
+                for (q, port) in old.iface.inputs.iter().enumerate() {
+                    let n = old.pending[q].len();
+                    if n > 0 {
+                        notes.push(format!("dropped {n} frames held at {name}[{}]", port.name));
+                        fresh.meters.dropped.add_u64(n as u64);
+                    }
+                }
                 fresh.paused = old.paused;
                 self.slots[i] = fresh;
             }
@@ -475,8 +496,17 @@ impl Switch {
                     notes.push(format!("set module.{module}.{knob}: {e}"));
                 }
             }
-            Edit::Pause { module: None } => self.paused = true,
-            Edit::Resume { module: None } => self.paused = false,
+            Edit::Pause { module: None } => {
+                self.paused = true;
+                self.switch_vars.meter("paused").store(&Value::Bool(true));
+            }
+            Edit::Resume { module: None } => {
+                self.paused = false;
+                self.switch_vars.meter("paused").store(&Value::Bool(false));
+                for s in self.slots.iter().filter(|s| !s.paused) {
+                    s.meters.held.set_u64(0);
+                }
+            }
             Edit::Pause { module: Some(m) } => {
                 if let Some(&i) = self.index.get(&m) {
                     self.slots[i].paused = true;
@@ -805,7 +835,7 @@ impl Switch {
             for t in targets {
                 let mut copy = (*cf).clone();
                 copy.dest = t;
-                self.to_module(Box::new(copy), now);
+                self.deliver_to_module(Box::new(copy), now);
             }
             return;
         }
@@ -814,8 +844,15 @@ impl Switch {
             return;
         }
         let Some(&d) = self.index.get(&cf.dest) else {
-            let err = cf.reply(ControlOp::Error, Value::Str(format!("no module named {}", cf.dest)));
-            self.control.push(Box::new(err));
+            // Only requests are answered with an error; a reply, alert or error addressed to nobody is dropped, or
+            // two unknown names would bounce errors between them forever.
+            if matches!(
+                cf.op,
+                ControlOp::ReadParam | ControlOp::SetParam | ControlOp::Exec | ControlOp::Listen | ControlOp::Unlisten
+            ) {
+                let err = cf.reply(ControlOp::Error, Value::Str(format!("no module named {}", cf.dest)));
+                self.control.push(Box::new(err));
+            }
             return;
         };
         let reply = match cf.op {
@@ -859,7 +896,7 @@ impl Switch {
                 })
             }
             _ => {
-                self.to_module(cf, now);
+                self.deliver_to_module(cf, now);
                 None
             }
         };
@@ -868,7 +905,7 @@ impl Switch {
         }
     }
 
-    fn to_module(&mut self, cf: Box<ControlFrame>, now: Time) {
+    fn deliver_to_module(&mut self, cf: Box<ControlFrame>, now: Time) {
         if cf.dest == CONTROL_PLANE {
             self.control_inbox.push(*cf);
             return;
@@ -1174,3 +1211,6 @@ impl Model {
         Err(format!("the links would form a cycle through {} with no queueing module to break it", stuck.join(", ")))
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,1 +1,264 @@
-//! placeholder
+//! flexstack-modules: the built-in module kinds.
+//!
+//! - [`counter`]: counts frames, bytes and the frame rate, and passes frames through.
+//! - [`sink`]: consumes frames, counting them as dropped (reason: sink).
+//! - [`source`]: a paced test traffic generator with sequence-numbered packets.
+//! - [`switch`]: Click's Switch: sends every frame to one selected output (or drops them all).
+//! - [`tap`]: writes frames (and observed control frames) to a pcapng file, inline or as an extra receiver.
+//!
+//! Every kind is a sans-IO state machine: it reads no clock (time comes from [`Output::now`]), sleeps never and
+//! spawns no thread; only the tap touches a file, which it opens when it is configured. [`catalog`] returns a
+//! [`Catalog`] holding all of them. Every knob is also accepted as a setting of the same name, so a stack saved
+//! with its current knob values loads again.
+//!
+//! [`Output::now`]: flexstack_core::Output::now
+#![deny(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod counter;
+pub mod sink;
+pub mod source;
+pub mod switch;
+pub mod tap;
+
+use flexstack_core::config::SettingsReader;
+use flexstack_core::{Catalog, ConfigError};
+
+/// A catalog holding the five built-in kinds: `counter`, `sink`, `source`, `switch` and `tap`.
+pub fn catalog() -> Catalog {
+    let mut c = Catalog::new();
+    c.register(Box::new(counter::CounterKind));
+    c.register(Box::new(sink::SinkKind));
+    c.register(Box::new(source::SourceKind));
+    c.register(Box::new(switch::SwitchKind));
+    c.register(Box::new(tap::TapKind));
+    c
+}
+
+/// Reads an optional u64 setting that must lie within `min..=max`.
+pub(crate) fn u64_in<'a>(
+    r: &mut SettingsReader<'a>,
+    key: &'a str,
+    default: u64,
+    min: u64,
+    max: u64,
+) -> Result<u64, ConfigError> {
+    let v = r.u64(key)?.unwrap_or(default);
+    if v < min || v > max {
+        return Err(r.error(key, format_args!("must be within {min}..={max}, got {v}")));
+    }
+    Ok(v)
+}
+
+/// Reads an optional f64 setting that must lie within `min..=max`.
+pub(crate) fn f64_in<'a>(
+    r: &mut SettingsReader<'a>,
+    key: &'a str,
+    default: f64,
+    min: f64,
+    max: f64,
+) -> Result<f64, ConfigError> {
+    let v = r.f64(key)?.unwrap_or(default);
+    if !(min..=max).contains(&v) {
+        return Err(r.error(key, format_args!("must be within {min}..={max}, got {v}")));
+    }
+    Ok(v)
+}
+
+#[cfg(test)]
+pub(crate) mod testutil {
+    //! Helpers shared by the modules' tests: loading modules into a switch, reading meters, a recording module.
+
+    use flexstack_core::{
+        Batch, ConfigError, ControlFrame, Edit, Frame, MetaKey, Module, ModuleBuilder, ModuleInterface, ModuleVars,
+        Output, PacketPool, PortSpec, Settings, StackSpec, Switch, Time, Value,
+    };
+    use std::sync::{Arc, Mutex};
+
+    /// Settings from `key=value` words.
+    pub fn settings(args: &[&str]) -> Settings {
+        let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+        Settings::from_args(&args).expect("valid test settings")
+    }
+
+    /// A `Load` edit for a module of a built-in kind.
+    pub fn load(name: &str, kind: &str, args: &[&str]) -> Edit {
+        let settings = settings(args);
+        let builder = crate::catalog().configure(kind, &settings, None).unwrap_or_else(|e| panic!("{kind}: {e}"));
+        Edit::Load { name: name.into(), kind: kind.into(), settings, builder }
+    }
+
+    /// A `Link` edit.
+    pub fn link(text: &str) -> Edit {
+        Edit::Link(flexstack_core::LinkSpec::parse(text).expect("valid link"))
+    }
+
+    /// A `SetKnob` edit.
+    pub fn knob(module: &str, knob: &str, value: Value) -> Edit {
+        Edit::SetKnob { module: module.into(), knob: knob.into(), value }
+    }
+
+    /// Configures the first module of a stack description with the built-in catalog.
+    pub fn configure_toml(text: &str) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
+        let spec = StackSpec::parse("test.toml", text).expect("valid stack description");
+        let m = &spec.modules[0];
+        crate::catalog().configure(&m.kind, &m.settings, m.location.clone())
+    }
+
+    /// The value of a registry variable.
+    pub fn var(sw: &Switch, name: &str) -> Value {
+        sw.registry().snapshot().get(name).unwrap_or_else(|| panic!("no variable {name}")).get()
+    }
+
+    /// The value of a u64 registry variable.
+    pub fn u64_var(sw: &Switch, name: &str) -> u64 {
+        match var(sw, name) {
+            Value::U64(v) => v,
+            other => panic!("{name} is {other:?}, not u64"),
+        }
+    }
+
+    /// `n` packets of `size` bytes, each carrying its index in its first byte.
+    pub fn packets(pool: &PacketPool, n: usize, size: usize) -> Batch {
+        (0..n)
+            .map(|i| {
+                let mut p = pool.alloc();
+                p.make_mut().resize(size, 0);
+                if size > 0 {
+                    p.make_mut()[0] = i as u8;
+                }
+                Frame::Data(p)
+            })
+            .collect()
+    }
+
+    /// What a [`Recorder`] saw of one frame.
+    #[derive(Clone, Debug, PartialEq)]
+    pub struct Seen {
+        /// When it arrived.
+        pub at: Time,
+        /// The bytes of a data frame.
+        pub data: Vec<u8>,
+        /// Its `SEQ` metadata.
+        pub seq: Option<u64>,
+        /// The frame, for a control frame.
+        pub control: Option<ControlFrame>,
+    }
+
+    /// The shared log of a recorder.
+    pub type Log = Arc<Mutex<Vec<Seen>>>;
+
+    /// A test module with one input `in` that records every frame it receives (and consumes it).
+    pub struct Recorder {
+        log: Log,
+    }
+
+    impl Recorder {
+        /// A `Load` edit for a recorder named `name`, and its log.
+        pub fn load(name: &str) -> (Edit, Log) {
+            let log = Log::default();
+            let edit = Edit::Load {
+                name: name.into(),
+                kind: "recorder".into(),
+                settings: Settings::default(),
+                builder: Box::new(RecorderBuilder(log.clone())),
+            };
+            (edit, log)
+        }
+    }
+
+    struct RecorderBuilder(Log);
+
+    impl ModuleBuilder for RecorderBuilder {
+        fn interface(&self) -> ModuleInterface {
+            ModuleInterface { inputs: vec![PortSpec::new("in", "any")], ..Default::default() }
+        }
+
+        fn build(self: Box<Self>, _vars: &ModuleVars) -> Box<dyn Module> {
+            Box::new(Recorder { log: self.0 })
+        }
+    }
+
+    impl Module for Recorder {
+        fn process(&mut self, _port: usize, input: &mut Batch, out: &mut Output<'_>) {
+            let mut log = self.log.lock().expect("log lock");
+            for f in input.drain(..) {
+                log.push(match f {
+                    Frame::Data(p) => {
+                        Seen { at: out.now(), data: p.data().to_vec(), seq: p.meta().get(MetaKey::SEQ), control: None }
+                    }
+                    Frame::Control(c) => Seen { at: out.now(), data: Vec::new(), seq: None, control: Some(*c) },
+                });
+            }
+        }
+    }
+
+    /// Drives a switch with `run` at every `step` from `from` up to and including `to`.
+    pub fn run_every(sw: &mut Switch, from: Time, to: Time, step: std::time::Duration) {
+        let mut t = from;
+        while t <= to {
+            sw.run(t);
+            t = t + step;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::testutil::*;
+    use flexstack_core::{Edit, StackSpec, Switch};
+
+    #[test]
+    fn catalog_has_the_five_kinds() {
+        let names: Vec<&str> = super::catalog().kinds().map(|k| k.name()).collect();
+        assert_eq!(names, ["counter", "sink", "source", "switch", "tap"]);
+        for k in super::catalog().kinds() {
+            assert!(!k.summary().is_empty());
+        }
+    }
+
+    /// A running stack written back with its knobs as settings (as the daemon saves it) configures again.
+    #[test]
+    fn saved_stack_with_knob_values_loads_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.pcapng");
+        let path_arg = format!("path={}", path.display());
+        let mut sw = Switch::default();
+        sw.apply(vec![
+            load("src", "source", &["rate=250.5", "size=100", "count=7"]),
+            load("c", "counter", &[]),
+            load("sel", "switch", &["outputs=3", "select=2"]),
+            load("t", "tap", &[&path_arg, "linktype=\"ethernet\""]),
+            load("s", "sink", &[]),
+            link("src -> c"),
+            link("c -> sel"),
+            link("sel[2] -> t"),
+            link("t -> s"),
+        ])
+        .unwrap();
+        sw.apply(vec![knob("sel", "select", flexstack_core::Value::I64(-1))]).unwrap();
+        let text = sw.describe().to_toml();
+        let spec = StackSpec::parse("saved.toml", &text).unwrap();
+        let cat = super::catalog();
+        let mut edits = Vec::new();
+        for m in &spec.modules {
+            let builder = cat.configure(&m.kind, &m.settings, m.location.clone()).unwrap_or_else(|e| panic!("{e}"));
+            edits.push(Edit::Load {
+                name: m.name.clone(),
+                kind: m.kind.clone(),
+                settings: m.settings.clone(),
+                builder,
+            });
+        }
+        for l in &spec.links {
+            edits.push(Edit::Link(l.link.clone()));
+        }
+        let mut again = Switch::default();
+        again.apply(edits).unwrap();
+        assert_eq!(var(&again, "module.sel.select"), flexstack_core::Value::I64(-1));
+        assert_eq!(var(&again, "module.src.rate"), flexstack_core::Value::F64(250.5));
+        assert_eq!(u64_var(&again, "module.src.size"), 100);
+        assert_eq!(u64_var(&again, "module.src.count"), 7);
+        assert_eq!(var(&again, "module.t.enabled"), flexstack_core::Value::Bool(true));
+    }
+}

@@ -1,0 +1,288 @@
+//! `counter`: counts the frames and bytes that pass and estimates their rate; frames pass through unchanged.
+//!
+//! - Ports: input `in` (any), output `out` (any). Every batch is counted, then emitted whole on `out`.
+//! - Settings: none.
+//! - Knobs: none.
+//! - Meters:
+//!   - `frames_total` (frames): data and control frames seen.
+//!   - `bytes_total` (bytes): sum of the lengths of the data frames seen.
+//!   - `control_frames_total` (frames): control frames seen.
+//!   - `rate_fps` (frames/s): frames counted in the last completed window, divided by the window's length. A window
+//!     starts at the first call and closes at the first call (`process` or `poll`) at least 1 s later; the counter
+//!     asks to be polled at the end of each window, so the rate falls to 0 within about 2 s once traffic stops.
+//!   - `last_frame_ns` (ns): `now` of the last batch seen, on the switch's clock.
+//!
+//! On `module replace` with state kept, the new counter continues the counts (and the rate window) of the old one.
+
+use flexstack_core::{
+    Batch, ConfigError, Frame, Meter, Module, ModuleBuilder, ModuleInterface, ModuleKind, ModuleVars, Output, PortSpec,
+    Settings, Time, ValueType, VarSpec,
+};
+use std::any::Any;
+use std::time::Duration;
+
+/// The kind's name in stack files.
+pub const KIND: &str = "counter";
+
+/// Length of a rate window.
+const WINDOW: Duration = Duration::from_secs(1);
+
+/// The `counter` module kind.
+pub struct CounterKind;
+
+impl ModuleKind for CounterKind {
+    fn name(&self) -> &'static str {
+        KIND
+    }
+
+    fn summary(&self) -> &'static str {
+        "counts frames, bytes and the frame rate, and passes frames through"
+    }
+
+    fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
+        settings.reader(KIND).finish()?;
+        Ok(Box::new(CounterBuilder))
+    }
+}
+
+struct CounterBuilder;
+
+impl ModuleBuilder for CounterBuilder {
+    fn interface(&self) -> ModuleInterface {
+        ModuleInterface {
+            inputs: vec![PortSpec::new("in", flexstack_core::module::port_type::ANY)],
+            outputs: vec![PortSpec::new("out", flexstack_core::module::port_type::ANY)],
+            vars: vec![
+                VarSpec::meter("frames_total", ValueType::U64, "frames", "frames seen (data and control)"),
+                VarSpec::meter("bytes_total", ValueType::U64, "bytes", "bytes of the data frames seen"),
+                VarSpec::meter("control_frames_total", ValueType::U64, "frames", "control frames seen"),
+                VarSpec::meter(
+                    "rate_fps",
+                    ValueType::F64,
+                    "frames/s",
+                    "frame rate over the last completed ~1 s window",
+                ),
+                VarSpec::meter("last_frame_ns", ValueType::U64, "ns", "switch time of the last frame seen"),
+            ],
+            breaks_cycles: false,
+        }
+    }
+
+    fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module> {
+        Box::new(Counter {
+            state: CounterState::default(),
+            frames: vars.meter("frames_total"),
+            bytes: vars.meter("bytes_total"),
+            control: vars.meter("control_frames_total"),
+            rate: vars.meter("rate_fps"),
+            last: vars.meter("last_frame_ns"),
+        })
+    }
+}
+
+/// What a counter hands to its replacement: its counts and its current rate window.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct CounterState {
+    /// Frames seen.
+    pub frames: u64,
+    /// Bytes of data frames seen.
+    pub bytes: u64,
+    /// Control frames seen.
+    pub control_frames: u64,
+    /// Switch time of the last frame, in ns.
+    pub last_frame_ns: u64,
+    /// Rate over the last completed window, in frames/s.
+    pub rate_fps: f64,
+    /// Start of the current window (`None` before the first call).
+    pub window_start: Option<Time>,
+    /// Frames counted in the current window.
+    pub window_frames: u64,
+}
+
+/// A running counter.
+pub struct Counter {
+    state: CounterState,
+    frames: Meter,
+    bytes: Meter,
+    control: Meter,
+    rate: Meter,
+    last: Meter,
+}
+
+impl Counter {
+    /// Closes the rate window if it has lasted at least [`WINDOW`] (or opens the first one).
+    fn roll(&mut self, now: Time) {
+        let s = &mut self.state;
+        match s.window_start {
+            None => s.window_start = Some(now),
+            Some(start) if now >= start + WINDOW => {
+                let elapsed = (now - start).as_nanos() as f64;
+                s.rate_fps = s.window_frames as f64 * 1e9 / elapsed;
+                s.window_start = Some(now);
+                s.window_frames = 0;
+                self.rate.set_f64(s.rate_fps);
+            }
+            Some(_) => {}
+        }
+    }
+
+    fn publish(&self) {
+        let s = &self.state;
+        self.frames.set(s.frames);
+        self.bytes.set(s.bytes);
+        self.control.set(s.control_frames);
+        self.rate.set_f64(s.rate_fps);
+        self.last.set(s.last_frame_ns);
+    }
+}
+
+impl Module for Counter {
+    fn process(&mut self, _port: usize, input: &mut Batch, out: &mut Output<'_>) {
+        let now = out.now();
+        self.roll(now);
+        let mut bytes = 0u64;
+        let mut control = 0u64;
+        for f in input.iter() {
+            match f {
+                Frame::Data(p) => bytes += p.len() as u64,
+                Frame::Control(_) => control += 1,
+            }
+        }
+        let n = input.len() as u64;
+        let s = &mut self.state;
+        s.frames += n;
+        s.bytes += bytes;
+        s.control_frames += control;
+        s.window_frames += n;
+        s.last_frame_ns = now.as_nanos();
+        self.frames.add(n);
+        self.bytes.add(bytes);
+        self.control.add(control);
+        self.last.set(s.last_frame_ns);
+        out.emit_all(0, input);
+    }
+
+    fn poll(&mut self, out: &mut Output<'_>) -> Option<Time> {
+        self.roll(out.now());
+        self.state.window_start.map(|start| start + WINDOW)
+    }
+
+    fn take_state(&mut self) -> Option<Box<dyn Any>> {
+        Some(Box::new(self.state.clone()))
+    }
+
+    fn adopt_state(&mut self, state: Box<dyn Any>) -> Result<(), String> {
+        let state = state.downcast::<CounterState>().map_err(|_| "not a counter's state".to_string())?;
+        self.state = *state;
+        self.publish();
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::testutil::*;
+    use flexstack_core::{ControlFrame, ControlOp, Edit, Frame, Switch, Time, Value};
+    use std::time::Duration;
+
+    fn stack() -> (Switch, Log) {
+        let mut sw = Switch::default();
+        let (rec, log) = Recorder::load("r");
+        sw.apply(vec![load("c", "counter", &[]), rec, link("c -> r")]).unwrap();
+        (sw, log)
+    }
+
+    #[test]
+    fn counts_frames_and_bytes_and_passes_them_through() {
+        let (mut sw, log) = stack();
+        let mut batch = packets(sw.pool(), 10, 100);
+        batch.push(Frame::Control(Box::new(ControlFrame {
+            op: ControlOp::Alert,
+            sender: "x".into(),
+            dest: "".into(),
+            serial: 1,
+            param: "e".into(),
+            value: Value::U64(1),
+        })));
+        sw.inject("c", "in", &mut batch).unwrap();
+        sw.run(Time::from_millis(3));
+        assert_eq!(u64_var(&sw, "module.c.frames_total"), 11);
+        assert_eq!(u64_var(&sw, "module.c.bytes_total"), 1000);
+        assert_eq!(u64_var(&sw, "module.c.control_frames_total"), 1);
+        assert_eq!(u64_var(&sw, "module.c.last_frame_ns"), 3_000_000);
+        assert_eq!(u64_var(&sw, "module.c.frames_dropped_total"), 0);
+        let log = log.lock().unwrap();
+        assert_eq!(log.len(), 11);
+        for (i, seen) in log.iter().take(10).enumerate() {
+            assert_eq!(seen.data.len(), 100);
+            assert_eq!(seen.data[0], i as u8, "order kept");
+        }
+        assert_eq!(log[10].control.as_ref().unwrap().param, "e");
+    }
+
+    #[test]
+    fn rate_over_one_second_windows() {
+        let (mut sw, _log) = stack();
+        // 100 frames every 10 ms = 10 000 frames/s, for 3 s.
+        let mut t = Time::ZERO;
+        while t <= Time::from_millis(3000) {
+            let mut b = packets(sw.pool(), 100, 10);
+            sw.inject("c", "in", &mut b).unwrap();
+            sw.run(t);
+            t = t + Duration::from_millis(10);
+        }
+        let Value::F64(rate) = var(&sw, "module.c.rate_fps") else { panic!() };
+        assert!((rate - 10_000.0).abs() < 200.0, "rate {rate}");
+        // Traffic stops: the counter's own polls bring the rate to zero.
+        run_every(&mut sw, Time::from_millis(3010), Time::from_millis(6000), Duration::from_millis(10));
+        assert_eq!(var(&sw, "module.c.rate_fps"), Value::F64(0.0));
+    }
+
+    #[test]
+    fn replace_keeps_counts() {
+        let (mut sw, _log) = stack();
+        let mut b = packets(sw.pool(), 5, 20);
+        sw.inject("c", "in", &mut b).unwrap();
+        sw.run(Time::from_millis(1));
+        let settings = crate::testutil::settings(&[]);
+        let builder = crate::catalog().configure("counter", &settings, None).unwrap();
+        let notes = sw
+            .apply(vec![Edit::Replace {
+                name: "c".into(),
+                kind: "counter".into(),
+                settings,
+                builder,
+                keep_state: true,
+            }])
+            .unwrap();
+        assert!(notes.is_empty(), "{notes:?}");
+        assert_eq!(u64_var(&sw, "module.c.frames_total"), 5);
+        assert_eq!(u64_var(&sw, "module.c.bytes_total"), 100);
+        let mut b = packets(sw.pool(), 3, 20);
+        sw.inject("c", "in", &mut b).unwrap();
+        sw.run(Time::from_millis(2));
+        assert_eq!(u64_var(&sw, "module.c.frames_total"), 8);
+        assert_eq!(u64_var(&sw, "module.c.bytes_total"), 160);
+
+        // Without keep_state the new counter starts from zero.
+        let settings = crate::testutil::settings(&[]);
+        let builder = crate::catalog().configure("counter", &settings, None).unwrap();
+        sw.apply(vec![Edit::Replace {
+            name: "c".into(),
+            kind: "counter".into(),
+            settings,
+            builder,
+            keep_state: false,
+        }])
+        .unwrap();
+        assert_eq!(u64_var(&sw, "module.c.frames_total"), 0);
+    }
+
+    #[test]
+    fn rejects_settings_with_their_location() {
+        let e = configure_toml("[modules.c]\nkind = \"counter\"\n\nrate = 3\n").err().unwrap();
+        assert_eq!(e.location.as_ref().unwrap().line, 4);
+        assert!(e.message.contains("unknown setting `rate`"), "{e}");
+        assert!(e.message.contains("no settings"), "{e}");
+    }
+}

@@ -138,9 +138,11 @@ impl Control {
     ) -> Result<Json, ApiError> {
         let _guard = self.edit_lock.lock().unwrap_or_else(|p| p.into_inner());
         let dp = self.dp();
+        let single = edits.len() == 1;
         let notes = dp.apply(edits).map_err(internal)?.map_err(|e| {
             let message = match locations.get(e.index) {
                 Some(Some(loc)) => format!("{loc}: {}", e.message),
+                _ if single => e.message,
                 _ => e.to_string(),
             };
             ApiError::new(ErrorCode::InvalidEdit, message)

@@ -490,7 +490,7 @@ mod tests {
     #[test]
     fn time_format() {
         assert_eq!(fmt_time(0), "1970-01-01 00:00:00");
-        assert_eq!(fmt_time(1_795_000_000_000), "2026-11-18 07:06:40");
+        assert_eq!(fmt_time(1_795_000_000_000), "2026-11-18 11:06:40");
     }
 
     #[test]

@@ -58,7 +58,7 @@ fn bad_cli_requests_get_errors_and_change_nothing() {
     let d = Daemon::start(STACK, &[]);
     let before = d.ok(&["config", "show"]);
 
-    let e = d.fails(&["link", "add", "sel -> nowhere"]);
+    let e = d.fails(&["link", "add", "sel[1] -> nowhere"]);
     assert!(e.contains("no module named `nowhere`"), "{e}");
     let e = d.fails(&["link", "add", "sel -> out"]);
     assert!(e.contains("several output ports") && e.contains("sel[0]"), "{e}");

@@ -66,7 +66,7 @@ fn drive_change_inspect_and_roll_back_a_running_stack() {
 
     // Wildcards.
     let all_in = d.json(&["get", "module.*.frames_in_total"]);
-    assert_eq!(all_in.as_object().unwrap().len(), 5, "five modules have inputs: {all_in}");
+    assert_eq!(all_in.as_object().unwrap().len(), 6, "one per module: {all_in}");
     assert_eq!(all_in["module.sink0.frames_in_total"]["value"], 1000);
 
     // A knob change routes the next frames down branch 1 (sink1 and the tap get copies).
@@ -187,7 +187,7 @@ fn drive_change_inspect_and_roll_back_a_running_stack() {
 
 #[test]
 fn daemons_side_by_side_and_stale_sockets() {
-    let a = Daemon::start("[modules.c]\nkind = \"counter\"\n", &[]);
+    let mut a = Daemon::start("[modules.c]\nkind = \"counter\"\n", &[]);
     let b = Daemon::start("[modules.k]\nkind = \"sink\"\n", &[]);
     assert_eq!(names(&a.json(&["module", "list"])), ["c"]);
     assert_eq!(names(&b.json(&["module", "list"])), ["k"]);
@@ -200,7 +200,8 @@ fn daemons_side_by_side_and_stale_sockets() {
 
     // After a crash (SIGKILL) the stale socket is detected and replaced.
     let state = a.state_dir();
-    drop(a);
+    a.child.kill().unwrap();
+    a.child.wait().unwrap();
     assert!(state.join("control.sock").exists(), "SIGKILL leaves the socket behind");
     let mut c = std::process::Command::new(common::bin())
         .args(["daemon", "--state-dir"])

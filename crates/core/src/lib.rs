@@ -29,3 +29,8 @@ pub use switch::{Edit, EditError, Switch};
 pub use time::Time;
 pub use value::{Value, ValueType};
 pub use vars::{Meter, ModuleVars, Registry, SharedRegistry, VarKind, VarSpec};
+
+/// The guide in docs/architecture.md; its "Writing a module" example is compiled and run as a doc test.
+#[cfg(doctest)]
+#[doc = include_str!("../../../docs/architecture.md")]
+pub struct ArchitectureGuide;

@@ -48,6 +48,9 @@ fn bad_stack_files_are_refused_with_file_and_line() {
     );
     assert!(e.contains("cycle"), "{e}");
 
+    let e = daemon_fails("[modules.c]\nkind = \"counter\"\n\n[modules.t]\nkind = \"tap\"\n", tmp.path());
+    assert!(e.contains(&format!("{file}:4:")) && e.contains("`path`") && e.contains("required"), "{e}");
+
     let e = daemon_fails("[modules.c]\nkind = \"counter\"\n[wat]\nx = 1\n", tmp.path());
     assert!(e.contains(&format!("{file}:3:")) && e.contains("unknown key `wat`"), "{e}");
     assert!(!tmp.path().join("state/control.sock").exists(), "a refused stack leaves no socket");

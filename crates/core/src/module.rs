@@ -268,10 +268,12 @@ impl Catalog {
         settings: &Settings,
         location: Option<crate::config::Location>,
     ) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
-        let k = self.get(kind).ok_or_else(|| {
+        let Some(k) = self.get(kind) else {
             let known: Vec<&str> = self.kinds.keys().copied().collect();
-            ConfigError::new(location, format!("unknown module kind `{kind}`; expected one of: {}", known.join(", ")))
-        })?;
-        k.configure(settings)
+            let message = format!("unknown module kind `{kind}`; expected one of: {}", known.join(", "));
+            return Err(ConfigError::new(location, message));
+        };
+        // An error about no setting in particular (e.g. a required one missing) points at the module's table.
+        k.configure(settings).map_err(|e| if e.location.is_none() { ConfigError { location, ..e } } else { e })
     }
 }

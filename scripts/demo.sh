@@ -20,7 +20,7 @@ cleanup() {
 trap cleanup EXIT INT TERM
 
 echo "== starting the daemon with stacks/example.toml (state dir $state)"
-"$fs" daemon --stack stacks/example.toml --state-dir "$state" &
+FLEXSTACK_LOG=warn "$fs" daemon --stack stacks/example.toml --state-dir "$state" &
 daemon=$!
 for _ in $(seq 100); do "$fs" --state-dir "$state" status >/dev/null 2>&1 && break; sleep 0.05; done
 run() { echo "\$ flexstack $*"; "$fs" --state-dir "$state" "$@"; echo; }

@@ -201,7 +201,8 @@ pub fn main() -> ExitCode {
     let cli = Cli::parse();
     let filter = tracing_subscriber::EnvFilter::try_from_env("FLEXSTACK_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    tracing_subscriber::fmt().with_env_filter(filter).with_ansi(ansi).with_writer(std::io::stderr).init();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(CliError::Client(e @ ClientError::Connect { .. })) => {
@@ -373,7 +374,9 @@ fn render(request: &Request, r: &Json) -> String {
                     s(&m["frames_out"]),
                     s(&m["frames_dropped"]),
                 ]);
-                for p in m["ports"].as_array().cloned().unwrap_or_default() {
+                // The implicit control port is shown only when something went through it (JSON lists it always).
+                let ports = m["ports"].as_array().cloned().unwrap_or_default();
+                for p in ports.into_iter().filter(|p| p["port"] != "ctl" || p["frames"] != json!(0)) {
                     let (fin, fout, fdrop) = if p["dir"] == "in" {
                         (s(&p["frames"]), String::new(), String::new())
                     } else {

@@ -7,10 +7,12 @@
 use crate::dataplane::DataPlane;
 use crate::protocol::{ApiError, ErrorCode, Request};
 use flexstack_core::config::{LinkSpec, Settings, StackSpec};
+use flexstack_core::switch::CONTROL_PLANE;
 use flexstack_core::vars::{is_pattern, VarKind};
-use flexstack_core::{Catalog, ConfigError, Edit, Location, SharedRegistry, Value};
+use flexstack_core::{Catalog, ConfigError, ControlFrame, ControlOp, Edit, Location, SharedRegistry, Value};
 use serde::Serialize;
 use serde_json::{json, Value as Json};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -48,6 +50,7 @@ pub struct Control {
     revisions: Mutex<Vec<Revision>>,
     edit_lock: Mutex<()>,
     started: Instant,
+    next_serial: AtomicU32,
 }
 
 fn internal(e: impl std::fmt::Display) -> ApiError {
@@ -85,6 +88,7 @@ impl Control {
             revisions: Mutex::new(Vec::new()),
             edit_lock: Mutex::new(()),
             started: Instant::now(),
+            next_serial: AtomicU32::new(1 << 31),
         }
     }
 
@@ -202,6 +206,7 @@ impl Control {
                 let e = Edit::Replace { name, kind, settings, builder, keep_state: !fresh };
                 self.edit(who, e.to_string(), vec![e])
             }
+            Request::ModuleExec { name, procedure, argument } => self.exec(&name, &procedure, argument),
             Request::LinkList => self.link_list(),
             Request::LinkAdd { link } => {
                 let l = LinkSpec::parse(&link).map_err(|m| ApiError::new(ErrorCode::InvalidEdit, m))?;
@@ -240,6 +245,41 @@ impl Control {
                 }
             },
             Request::ConfigRollback { rev } => self.rollback(rev, who),
+        }
+    }
+
+    /// Sends an `Exec` control frame to module `name` and returns the value of its `ExecReply`.
+    fn exec(&self, name: &str, procedure: &str, argument: Option<Json>) -> Result<Json, ApiError> {
+        let value = match argument {
+            None | Some(Json::Null) => Value::Bool(false),
+            Some(Json::String(s)) => Value::Str(s),
+            Some(other) => serde_json::from_value::<Value>(other)
+                .map_err(|e| ApiError::new(ErrorCode::InvalidValue, format!("argument: {e}")))?,
+        };
+        let serial = self.next_serial.fetch_add(1, Ordering::Relaxed);
+        let frame = ControlFrame {
+            op: ControlOp::Exec,
+            sender: CONTROL_PLANE.to_string(),
+            dest: name.to_string(),
+            serial,
+            param: procedure.to_string(),
+            value,
+        };
+        let reply = self.dp().control(frame).map_err(internal)?;
+        match reply {
+            Some(r) if r.op == ControlOp::ExecReply => {
+                Ok(json!({ "module": name, "procedure": procedure, "result": r.value }))
+            }
+            Some(r) if r.op == ControlOp::Error => {
+                let code = if self.registry.snapshot().matching(&format!("module.{name}.*")).next().is_none() {
+                    ErrorCode::NotFound
+                } else {
+                    ErrorCode::InvalidValue
+                };
+                Err(ApiError::new(code, format!("{name}: {}", r.value)))
+            }
+            Some(r) => Err(internal(format!("unexpected reply {:?} from {name}", r.op))),
+            None => Err(internal(format!("no reply from {name}"))),
         }
     }
 

@@ -121,6 +121,15 @@ pub enum ModuleCmd {
         /// Settings, KEY=VALUE with TOML values.
         settings: Vec<String>,
     },
+    /// Run a module's procedure through a control frame: `module exec NAME PROCEDURE [ARG]`.
+    Exec {
+        /// The module.
+        name: String,
+        /// The procedure.
+        procedure: String,
+        /// Its argument, as JSON (`1`, `true`, `"text"`) or plain text.
+        argument: Option<String>,
+    },
     /// Unload a module and its links.
     Unload {
         /// The module.
@@ -256,6 +265,11 @@ fn run(cli: Cli) -> Result<(), CliError> {
         Command::Module(ModuleCmd::Load { name, kind, settings }) => {
             Request::ModuleLoad { name, kind, settings: settings_json(&settings)? }
         }
+        Command::Module(ModuleCmd::Exec { name, procedure, argument }) => Request::ModuleExec {
+            name,
+            procedure,
+            argument: argument.map(|a| serde_json::from_str(&a).unwrap_or(Json::String(a))),
+        },
         Command::Module(ModuleCmd::Unload { name }) => Request::ModuleUnload { name },
         Command::Module(ModuleCmd::Replace { name, kind, settings, fresh }) => {
             Request::ModuleReplace { name, kind, settings: settings_json(&settings)?, fresh }
@@ -454,6 +468,7 @@ fn render(request: &Request, r: &Json) -> String {
                 .collect(),
         ),
         Request::ConfigShow { .. } => s(&r["stack"]),
+        Request::ModuleExec { .. } => format!("{}\n", s(&r["result"])),
         _ => {
             let mut out = String::new();
             if let Some(rev) = r.get("revision") {

@@ -6,8 +6,9 @@
 //! the [`SharedRegistry`], whose cells the data plane updates without locks.
 
 use flexstack_core::config::StackSpec;
+use flexstack_core::switch::CONTROL_PLANE;
 use flexstack_core::switch::{Edge, ModuleInfo};
-use flexstack_core::{Edit, EditError, PacketPool, SharedRegistry, Switch, Time};
+use flexstack_core::{ControlFrame, Edit, EditError, PacketPool, SharedRegistry, Switch, Time};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -31,6 +32,7 @@ pub struct Snapshot {
 enum Command {
     Apply(Vec<Edit>, Sender<Result<Vec<String>, EditError>>),
     Snapshot(Sender<Snapshot>),
+    Control(ControlFrame, Sender<Option<ControlFrame>>),
     Shutdown(Sender<()>),
 }
 
@@ -76,6 +78,14 @@ impl DataPlane {
         rx.recv().map_err(|_| DataPlaneGone)
     }
 
+    /// Sends a control frame from the control plane through the switch and returns the reply addressed back to
+    /// the control plane with the same serial, if one came within the same run.
+    pub fn control(&self, frame: ControlFrame) -> Result<Option<ControlFrame>, DataPlaneGone> {
+        let (tx, rx) = mpsc::channel();
+        self.tx.send(Command::Control(frame, tx)).map_err(|_| DataPlaneGone)?;
+        rx.recv().map_err(|_| DataPlaneGone)
+    }
+
     /// Stops the thread, dropping every module (taps flush their files).
     pub fn shutdown(&mut self) {
         let (tx, rx) = mpsc::channel();
@@ -98,12 +108,13 @@ fn now(origin: Instant) -> Time {
 }
 
 fn run_loop(mut switch: Switch, origin: Instant, rx: Receiver<Command>) {
+    let clock = move || now(origin);
     loop {
         // Commands first: they are applied between batches, never inside one.
         loop {
             match rx.try_recv() {
                 Ok(cmd) => {
-                    if !handle(&mut switch, cmd) {
+                    if !handle(&mut switch, cmd, &clock) {
                         return;
                     }
                 }
@@ -126,7 +137,7 @@ fn run_loop(mut switch: Switch, origin: Instant, rx: Receiver<Command>) {
         }
         match rx.recv_timeout(wait) {
             Ok(cmd) => {
-                if !handle(&mut switch, cmd) {
+                if !handle(&mut switch, cmd, &clock) {
                     return;
                 }
             }
@@ -137,7 +148,7 @@ fn run_loop(mut switch: Switch, origin: Instant, rx: Receiver<Command>) {
 }
 
 /// Handles one command; false means stop.
-fn handle(switch: &mut Switch, cmd: Command) -> bool {
+fn handle(switch: &mut Switch, cmd: Command, clock: &dyn Fn() -> Time) -> bool {
     match cmd {
         Command::Apply(edits, reply) => {
             let _ = reply.send(switch.apply(edits));
@@ -149,6 +160,14 @@ fn handle(switch: &mut Switch, cmd: Command) -> bool {
                 edges: switch.edges().to_vec(),
                 paused: switch.is_paused(),
             });
+        }
+        Command::Control(frame, reply) => {
+            let serial = frame.serial;
+            switch.send_control(frame);
+            switch.run(clock());
+            let mut inbox = switch.take_control_inbox();
+            let found = inbox.iter().position(|f| f.serial == serial && f.dest == CONTROL_PLANE);
+            let _ = reply.send(found.map(|i| inbox.swap_remove(i)));
         }
         Command::Shutdown(reply) => {
             let names: Vec<String> = switch.module_names().map(str::to_string).collect();

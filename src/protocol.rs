@@ -50,6 +50,16 @@ pub enum Request {
         #[serde(default)]
         fresh: bool,
     },
+    /// Runs a module's procedure through an `Exec` control frame sent by the control plane.
+    ModuleExec {
+        /// The module.
+        name: String,
+        /// The procedure.
+        procedure: String,
+        /// Its argument (default null = false).
+        #[serde(default)]
+        argument: Option<Json>,
+    },
     /// The links, as written and resolved.
     LinkList,
     /// Adds links (`"a[p] -> b, c"`).

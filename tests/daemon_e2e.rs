@@ -233,3 +233,50 @@ fn daemons_side_by_side_and_stale_sockets() {
     assert_eq!(out.status.code(), Some(3));
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot reach the flexstack daemon"));
 }
+
+#[test]
+fn control_frames_run_procedures_and_a_tap_on_ctl_observes_them() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tap = tmp.path().join("ctl.pcapng");
+    let stack = format!(
+        r#"links = ["sel[0] -> a", "sel[1] -> b", "sel[ctl] -> watch"]
+[modules.sel]
+kind = "switch"
+[modules.a]
+kind = "sink"
+[modules.b]
+kind = "sink"
+[modules.watch]
+kind = "tap"
+path = "{}"
+passthrough = false
+"#,
+        tap.display()
+    );
+    let mut d = Daemon::start(&stack, &[]);
+    let r = d.json(&["module", "exec", "sel", "select", "1"]);
+    assert_eq!(r["result"], 0, "the procedure returns the previous selection: {r}");
+    assert_eq!(d.get("module.sel.select"), 1);
+    let e = d.fails(&["module", "exec", "ghost", "select", "1"]);
+    assert!(e.contains("no module named ghost"), "{e}");
+    let e = d.fails(&["module", "exec", "sel", "teleport"]);
+    assert!(e.contains("teleport"), "{e}");
+    d.wait_for("the tap to see control frames", 10, |d| d.get_u64("module.watch.frames_total") >= 2);
+    assert!(d.terminate().success());
+
+    // The tap wrote sel's replies as USER0 packets on its second interface.
+    let mut reader = pcap_file::pcapng::PcapNgReader::new(std::fs::File::open(&tap).unwrap()).unwrap();
+    let mut control_texts = Vec::new();
+    while let Some(block) = reader.next_block() {
+        if let pcap_file::pcapng::Block::EnhancedPacket(p) = block.unwrap() {
+            if p.interface_id == 1 {
+                control_texts.push(String::from_utf8_lossy(&p.data).to_string());
+            }
+        }
+    }
+    assert!(
+        control_texts.iter().any(|t| t.contains("exec_reply") && t.contains("\"sender\":\"sel\"")),
+        "{control_texts:?}"
+    );
+    assert!(control_texts.iter().any(|t| t.contains("\"op\":\"error\"")), "{control_texts:?}");
+}

@@ -216,6 +216,7 @@ pub struct Packet {
 }
 
 impl Packet {
+    #[inline]
     fn slot(&self) -> &Slot {
         self.slot.as_ref().expect("packet slot present outside drop")
     }
@@ -253,6 +254,7 @@ impl Packet {
     }
 
     /// The packet bytes.
+    #[inline]
     pub fn data(&self) -> &[u8] {
         &self.slot().data
     }
@@ -263,16 +265,19 @@ impl Packet {
     }
 
     /// Length in bytes.
+    #[inline]
     pub fn len(&self) -> usize {
         self.slot().data.len()
     }
 
     /// True for a packet of zero bytes.
+    #[inline]
     pub fn is_empty(&self) -> bool {
         self.slot().data.is_empty()
     }
 
     /// The direction of travel.
+    #[inline]
     pub fn direction(&self) -> Direction {
         self.slot().direction
     }
@@ -285,6 +290,7 @@ impl Packet {
     }
 
     /// The metadata.
+    #[inline]
     pub fn meta(&self) -> &Metadata {
         &self.slot().meta
     }
@@ -295,6 +301,7 @@ impl Packet {
     }
 
     /// True when another packet shares these bytes.
+    #[inline]
     pub fn is_shared(&self) -> bool {
         self.slot.as_ref().is_some_and(|rc| Rc::strong_count(rc) > 1)
     }
@@ -400,6 +407,7 @@ pub enum Frame {
 
 impl Frame {
     /// The packet, for a data frame.
+    #[inline]
     pub fn packet(&self) -> Option<&Packet> {
         match self {
             Frame::Data(p) => Some(p),
@@ -408,6 +416,7 @@ impl Frame {
     }
 
     /// The packet for writing, for a data frame.
+    #[inline]
     pub fn packet_mut(&mut self) -> Option<&mut Packet> {
         match self {
             Frame::Data(p) => Some(p),

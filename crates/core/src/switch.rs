@@ -19,7 +19,7 @@ use crate::frame::{Batch, ControlFrame, ControlOp, Frame, PacketPool};
 use crate::module::{port_type, Module, ModuleBuilder, ModuleInterface, Output, PortSpec, CONTROL_PORT};
 use crate::time::Time;
 use crate::value::{Value, ValueType};
-use crate::vars::{ModuleVars, Registry, SharedRegistry, VarCell, VarKind, VarSpec};
+use crate::vars::{Meter, ModuleVars, Registry, SharedRegistry, VarCell, VarKind, VarSpec};
 use std::collections::{BTreeSet, HashMap};
 use std::fmt;
 use std::sync::Arc;
@@ -312,6 +312,15 @@ pub struct Switch {
     registry: SharedRegistry,
     profiler: Option<Box<dyn FnMut() -> u64>>,
     switch_vars: ModuleVars,
+    hot: HotMeters,
+}
+
+/// Handles of the switch meters written on every run, so the hot path does no lookup by name.
+struct HotMeters {
+    runs: Meter,
+    injected: Meter,
+    pool_allocated: Meter,
+    pool_free: Meter,
 }
 
 /// One row of `show runtime`, read from the registry.
@@ -359,6 +368,12 @@ impl Switch {
             next_serial: 0,
             registry: SharedRegistry::default(),
             profiler: None,
+            hot: HotMeters {
+                runs: switch_vars.meter("runs_total"),
+                injected: switch_vars.meter("frames_injected_total"),
+                pool_allocated: switch_vars.meter("pool_allocated_total"),
+                pool_free: switch_vars.meter("pool_free"),
+            },
             switch_vars,
         };
         s.publish();
@@ -628,7 +643,7 @@ impl Switch {
             .iter()
             .position(|p| p.name == port)
             .ok_or_else(|| format!("module {module} has no input port {port}"))?;
-        self.switch_vars.meter("frames_injected_total").add(frames.len() as u64);
+        self.hot.injected.add(frames.len() as u64);
         let dest = &mut slot.pending[q];
         let room = HOLD_LIMIT.saturating_sub(dest.len());
         if frames.len() > room {
@@ -636,7 +651,12 @@ impl Switch {
             frames.truncate(room);
             slot.meters.dropped.add_u64(extra as u64);
         }
-        dest.append(frames);
+        if dest.is_empty() {
+            // Move the vector rather than copy the frames; the face gets an empty one back (with capacity).
+            std::mem::swap(dest, frames);
+        } else {
+            dest.append(frames);
+        }
         Ok(())
     }
 
@@ -672,7 +692,7 @@ impl Switch {
             }
             return 0;
         }
-        self.switch_vars.meter("runs_total").add(1);
+        self.hot.runs.add(1);
         let mut calls = 0;
         for i in 0..self.slots.len() {
             if !self.slots[i].paused && self.slots[i].wake_at.is_some_and(|t| t <= now) {
@@ -704,8 +724,8 @@ impl Switch {
             }
         }
         let ps = self.pool.stats();
-        self.switch_vars.meter("pool_allocated_total").set(ps.allocated);
-        self.switch_vars.meter("pool_free").set(ps.free);
+        self.hot.pool_allocated.set(ps.allocated);
+        self.hot.pool_free.set(ps.free);
         calls
     }
 

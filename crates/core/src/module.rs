@@ -108,7 +108,8 @@ pub trait Module {
         None
     }
 
-    /// Applies a knob write. The value has already been checked against the knob's type and range.
+    /// Applies a knob write. The value has already been checked against the knob's type and range. The switch
+    /// polls the module at its next run after a successful write, so it can act on the new value there.
     fn write_knob(&mut self, knob: &str, value: &Value) -> Result<(), String> {
         let _ = value;
         Err(format!("knob {knob} cannot be written"))
@@ -149,6 +150,7 @@ pub struct Output<'a> {
     #[allow(clippy::vec_box)]
     pub(crate) control: &'a mut Vec<Box<ControlFrame>>,
     pub(crate) next_serial: &'a mut u32,
+    pub(crate) wake: Option<Time>,
 }
 
 impl<'a> Output<'a> {
@@ -161,7 +163,7 @@ impl<'a> Output<'a> {
         control: &'a mut Vec<Box<ControlFrame>>,
         next_serial: &'a mut u32,
     ) -> Output<'a> {
-        Output { now, module, pool, ports, dropped: 0, control, next_serial }
+        Output { now, module, pool, ports, dropped: 0, control, next_serial, wake: None }
     }
 
     /// The current time.
@@ -201,6 +203,18 @@ impl<'a> Output<'a> {
     pub fn drop_frame(&mut self, frame: Frame) {
         self.dropped += 1;
         drop(frame);
+    }
+
+    /// Asks to be polled at `time` (or earlier, if the module asked for an earlier time already): lets `process`,
+    /// `execute` and `handle_control` arm a timer, as `poll`'s return value does.
+    #[inline]
+    pub fn wake_at(&mut self, time: Time) {
+        self.wake = Some(self.wake.map_or(time, |t| t.min(time)));
+    }
+
+    /// The wakeup asked for in this call, if any.
+    pub fn requested_wakeup(&self) -> Option<Time> {
+        self.wake
     }
 
     /// Frames dropped so far in this call.

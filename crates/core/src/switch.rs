@@ -560,6 +560,8 @@ impl Switch {
         let v = cell.spec().validate(value)?;
         slot.module.write_knob(knob, &v)?;
         cell.store(&v);
+        // Polled at the next run, so the module can act on the new value (e.g. a source resuming).
+        slot.wake_at = Some(Time::ZERO);
         Ok(())
     }
 
@@ -746,10 +748,14 @@ impl Switch {
             dropped: 0,
             control: &mut self.control,
             next_serial: &mut self.next_serial,
+            wake: None,
         };
         match port {
             Some(_) => slot.module.process(port.unwrap_or(0), &mut input, &mut out),
             None => slot.wake_at = slot.module.poll(&mut out),
+        }
+        if let Some(w) = out.wake {
+            slot.wake_at = Some(slot.wake_at.map_or(w, |t| t.min(w)));
         }
         let mut dropped = out.dropped + input.len() as u64;
         input.clear();
@@ -895,21 +901,7 @@ impl Switch {
                 None
             }
             ControlOp::Exec => {
-                let slot = &mut self.slots[d];
-                let mut out = Output {
-                    now,
-                    module: &slot.name,
-                    pool: &self.pool,
-                    ports: &mut slot.out,
-                    dropped: 0,
-                    control: &mut self.control,
-                    next_serial: &mut self.next_serial,
-                };
-                let result = slot.module.execute(&cf.param, &cf.value, &mut out);
-                let dropped = out.dropped;
-                slot.meters.dropped.add_u64(dropped);
-                let d2 = self.route(d);
-                self.slots[d].meters.dropped.add_u64(d2);
+                let result = self.with_module(d, now, |m, out| m.execute(&cf.param, &cf.value, out));
                 Some(match result {
                     Ok(v) => cf.reply(ControlOp::ExecReply, v),
                     Err(e) => cf.reply(ControlOp::Error, Value::Str(e)),
@@ -933,7 +925,13 @@ impl Switch {
         let Some(&d) = self.index.get(&cf.dest) else {
             return;
         };
-        let slot = &mut self.slots[d];
+        self.with_module(d, now, |m, out| m.handle_control(cf, out));
+    }
+
+    /// Calls `f` with module `i` and an [`Output`] for it, outside of `process` and `poll`; then counts its drops,
+    /// keeps the wakeup it asked for and routes what it emitted.
+    fn with_module<R>(&mut self, i: usize, now: Time, f: impl FnOnce(&mut dyn Module, &mut Output<'_>) -> R) -> R {
+        let slot = &mut self.slots[i];
         let mut out = Output {
             now,
             module: &slot.name,
@@ -942,12 +940,16 @@ impl Switch {
             dropped: 0,
             control: &mut self.control,
             next_serial: &mut self.next_serial,
+            wake: None,
         };
-        slot.module.handle_control(cf, &mut out);
-        let dropped = out.dropped;
-        slot.meters.dropped.add_u64(dropped);
-        let d2 = self.route(d);
-        self.slots[d].meters.dropped.add_u64(d2);
+        let result = f(slot.module.as_mut(), &mut out);
+        let (dropped, wake) = (out.dropped, out.wake);
+        if let Some(w) = wake {
+            slot.wake_at = Some(slot.wake_at.map_or(w, |t| t.min(w)));
+        }
+        let routed = self.route(i);
+        self.slots[i].meters.dropped.add_u64(dropped + routed);
+        result
     }
 
     fn read_var(&self, module: &str, var: &str) -> Option<Value> {

@@ -1428,3 +1428,48 @@ fn meters_count_frames_per_module_and_port() {
     assert!(!spec.description.is_empty());
     assert!(reg.get("module.src.level").is_some_and(|c| c.spec().kind == VarKind::Knob));
 }
+
+/// Counts its polls; `process` asks for a wakeup 5 ms later; knob `k` is accepted.
+struct Timer(Arc<Mutex<Vec<Time>>>);
+
+impl Module for Timer {
+    fn process(&mut self, _port: usize, input: &mut Batch, out: &mut Output<'_>) {
+        input.clear();
+        out.wake_at(out.now() + std::time::Duration::from_millis(5));
+    }
+    fn poll(&mut self, out: &mut Output<'_>) -> Option<Time> {
+        self.0.lock().unwrap().push(out.now());
+        None
+    }
+    fn write_knob(&mut self, _knob: &str, _value: &Value) -> Result<(), String> {
+        Ok(())
+    }
+}
+
+#[test]
+fn modules_can_ask_for_a_wakeup_from_process_and_are_polled_after_a_knob_write() {
+    let polls = Arc::new(Mutex::new(Vec::new()));
+    let p2 = polls.clone();
+    let builder =
+        built(&[("in", port_type::ANY)], &[], vec![VarSpec::knob("k", ValueType::U64, "", "test knob")], move |_| {
+            Box::new(Timer(p2.clone()))
+        });
+    let mut sw = Switch::default();
+    sw.apply(vec![load("timer", builder)]).unwrap();
+    sw.run(t(1));
+    assert_eq!(*polls.lock().unwrap(), [t(1)], "polled once after load");
+    assert_eq!(sw.next_wakeup(), None);
+
+    inject(&mut sw, "timer", [1]);
+    sw.run(t(2));
+    assert_eq!(sw.next_wakeup(), Some(t(7)), "process asked for now + 5 ms");
+    sw.run(t(6));
+    assert_eq!(polls.lock().unwrap().len(), 1, "not before its time");
+    sw.run(t(7));
+    assert_eq!(*polls.lock().unwrap(), [t(1), t(7)]);
+
+    sw.apply(vec![set("timer", "k", Value::U64(3))]).unwrap();
+    assert!(sw.next_wakeup().is_some_and(|w| w <= t(8)), "due right after a knob write");
+    sw.run(t(8));
+    assert_eq!(*polls.lock().unwrap(), [t(1), t(7), t(8)]);
+}

@@ -150,8 +150,12 @@ impl Settings {
     }
 }
 
+/// `raw` as one TOML value; `None` unless the whole text is that value (`1\nsize = 2` is not).
 fn parse_toml_value(raw: &str) -> Option<toml::Value> {
     let doc: toml::Table = format!("v = {raw}").parse().ok()?;
+    if doc.len() != 1 {
+        return None;
+    }
     doc.get("v").cloned()
 }
 
@@ -376,15 +380,17 @@ impl StackSpec {
                 format!("{file}: stack description larger than {MAX_STACK_FILE_BYTES} bytes"),
             ));
         }
-        let spans = toml::de::DeTable::parse(text).map_err(|e| {
-            let loc = e.span().map(|s| Location::of_offset(&file, text, s.start));
+        // A syntax error, or (from the second pass) a value TOML cannot hold, such as an integer beyond i64:
+        // either way located in the file, with the parser's message alone (no snippet of its own).
+        let invalid = |span: Option<Range<usize>>, message: &str| {
+            let loc = span.map(|s| Location::of_offset(&file, text, s.start));
             ConfigError::new(
                 loc.or_else(|| Some(Location { file: file.clone(), line: 1, column: 1 })),
-                format!("invalid TOML: {}", e.message().trim()),
+                format!("invalid TOML: {}", message.trim()),
             )
-        })?;
-        let table: toml::Table =
-            toml::from_str(text).map_err(|e| ConfigError::new(None, format!("{file}: invalid TOML: {e}")))?;
+        };
+        let spans = toml::de::DeTable::parse(text).map_err(|e| invalid(e.span(), e.message()))?;
+        let table: toml::Table = toml::from_str(text).map_err(|e| invalid(e.span(), e.message()))?;
         let root = spans.get_ref();
         let empty = toml::de::DeTable::default();
         let mut spec = StackSpec::default();
@@ -563,6 +569,18 @@ kind = "counter"
 
         let e = StackSpec::parse("bad.toml", "[modules.Bad]\nkind='a'\n").unwrap_err();
         assert!(e.message.contains("invalid module name"));
+
+        // Values TOML cannot hold are found by the second pass; still located, with a one-line message.
+        for (text, line, column) in [
+            ("[modules.s]\nkind = \"source\"\nrate = 18446744073709551616\n", 3, 8),
+            ("[modules.s]\n\nrate = 1e309\n", 3, 8),
+            ("\nlinks = [\"a -> b\", 99999999999999999999999]\n", 2, 20),
+        ] {
+            let e = StackSpec::parse("bad.toml", text).unwrap_err();
+            let loc = e.location.as_ref().unwrap_or_else(|| panic!("{text:?}: no location: {e}"));
+            assert_eq!((loc.line, loc.column), (line, column), "{text:?}: {e}");
+            assert!(e.message.starts_with("invalid TOML: ") && !e.message.contains('\n'), "{e}");
+        }
     }
 
     #[test]
@@ -597,5 +615,10 @@ kind = "counter"
         assert_eq!(s.get("path").unwrap().value, toml::Value::String("/tmp/x y.pcapng".into()));
         assert_eq!(s.get("on").unwrap().value, toml::Value::Boolean(true));
         assert!(Settings::from_args(&["novalue".into()]).is_err());
+        // A value is one TOML value or else text, never the first of several keys.
+        let s = Settings::from_args(&["rate=5\nsize=9".into(), "x=1 # note".into()]).unwrap();
+        assert_eq!(s.get("rate").unwrap().value, toml::Value::String("5\nsize=9".into()));
+        assert_eq!(s.get("x").unwrap().value, toml::Value::Integer(1));
+        assert!(s.get("size").is_none());
     }
 }

@@ -289,20 +289,56 @@ impl SharedRegistry {
 
 /// True if the dotted `name` matches `pattern`: `*` matches any text within one dotted segment, `**` any text
 /// across segments, `?` one character other than a dot; everything else matches itself.
+///
+/// Runs in O(name²) time and O(name) space, however long the pattern and however many wildcards it has (a
+/// backtracking matcher is exponential in the number of stars, which a client could exploit with a pattern like
+/// `**************a`): every step but a star consumes a character, runs of stars collapse, and matching stops as
+/// soon as no prefix of the name is reachable.
 pub fn name_matches(pattern: &str, name: &str) -> bool {
-    fn go(p: &[u8], n: &[u8]) -> bool {
-        match p.first() {
-            None => n.is_empty(),
-            Some(b'*') if p.get(1) == Some(&b'*') => (0..=n.len()).any(|i| go(&p[2..], &n[i..])),
-            Some(b'*') => {
-                let seg = n.iter().position(|&c| c == b'.').unwrap_or(n.len());
-                (0..=seg).any(|i| go(&p[1..], &n[i..]))
+    let (p, n) = (pattern.as_bytes(), name.as_bytes());
+    // `reach[i]`: the part of the pattern read so far matches `n[..i]`.
+    let mut reach = vec![false; n.len() + 1];
+    reach[0] = true;
+    let mut next = vec![false; n.len() + 1];
+    let mut k = 0;
+    while k < p.len() {
+        match p[k] {
+            b'*' if p.get(k + 1) == Some(&b'*') => {
+                // Any text: every position at or after a reachable one. More stars after `**` add nothing.
+                let mut run = false;
+                for (i, r) in next.iter_mut().enumerate() {
+                    run |= reach[i];
+                    *r = run;
+                }
+                while p.get(k + 1) == Some(&b'*') {
+                    k += 1;
+                }
             }
-            Some(b'?') => n.first().is_some_and(|&c| c != b'.') && go(&p[1..], &n[1..]),
-            Some(&c) => n.first() == Some(&c) && go(&p[1..], &n[1..]),
+            b'*' => {
+                // Text without a dot: positions after a reachable one, up to (not past) the next dot.
+                let mut run = false;
+                for (i, r) in next.iter_mut().enumerate() {
+                    run |= reach[i];
+                    *r = run;
+                    if n.get(i) == Some(&b'.') {
+                        run = false;
+                    }
+                }
+            }
+            c => {
+                next[0] = false;
+                for i in 0..n.len() {
+                    next[i + 1] = reach[i] && if c == b'?' { n[i] != b'.' } else { n[i] == c };
+                }
+            }
         }
+        std::mem::swap(&mut reach, &mut next);
+        if !reach.contains(&true) {
+            return false;
+        }
+        k += 1;
     }
-    go(pattern.as_bytes(), name.as_bytes())
+    reach[n.len()]
 }
 
 /// True if `pattern` contains a wildcard.
@@ -325,6 +361,25 @@ mod tests {
         assert!(!name_matches("module.c*", "module.c1.x"));
         assert!(name_matches("exact.name", "exact.name"));
         assert!(!name_matches("exact.name", "exact.names"));
+        assert!(name_matches("**", ""));
+        assert!(name_matches("*", ""));
+        assert!(!name_matches("?", ""));
+        assert!(name_matches("a.**.b", "a..b"));
+        assert!(name_matches("a***", "ab.c"));
+        assert!(!name_matches("a*.", "ab"));
+    }
+
+    /// Many stars against a long name that does not match: a backtracking matcher takes minutes here.
+    #[test]
+    fn wildcards_run_in_polynomial_time() {
+        let name = format!("module.{}.frames_in_total", "b".repeat(200));
+        let start = std::time::Instant::now();
+        assert!(!name_matches(&format!("{}a", "*".repeat(40)), &name));
+        assert!(!name_matches(&"*?".repeat(30), "short"));
+        assert!(name_matches(&format!("{}l", "**".repeat(20)), &name));
+        assert!(name_matches(&"*".repeat(1 << 20), &name));
+        assert!(!name_matches(&"*?".repeat(1 << 19), &name));
+        assert!(start.elapsed() < std::time::Duration::from_secs(2), "{:?}", start.elapsed());
     }
 
     #[test]

@@ -17,7 +17,7 @@ use crate::config::{ConfigError, Settings};
 use crate::frame::{Batch, ControlFrame, ControlOp, Frame, PacketPool};
 use crate::time::Time;
 use crate::value::Value;
-use crate::vars::{ModuleVars, VarSpec};
+use crate::vars::{DynamicVars, ModuleVars, VarSpec};
 use std::any::Any;
 use std::collections::BTreeMap;
 
@@ -151,6 +151,7 @@ pub struct Output<'a> {
     pub(crate) control: &'a mut Vec<Box<ControlFrame>>,
     pub(crate) next_serial: &'a mut u32,
     pub(crate) wake: Option<Time>,
+    pub(crate) dynamic: Option<&'a mut DynamicVars>,
 }
 
 impl<'a> Output<'a> {
@@ -163,7 +164,7 @@ impl<'a> Output<'a> {
         control: &'a mut Vec<Box<ControlFrame>>,
         next_serial: &'a mut u32,
     ) -> Output<'a> {
-        Output { now, module, pool, ports, dropped: 0, control, next_serial, wake: None }
+        Output { now, module, pool, ports, dropped: 0, control, next_serial, wake: None, dynamic: None }
     }
 
     /// The current time.
@@ -215,6 +216,25 @@ impl<'a> Output<'a> {
     /// The wakeup asked for in this call, if any.
     pub fn requested_wakeup(&self) -> Option<Time> {
         self.wake
+    }
+
+    /// Registers variables under `prefix` (`flow.17`, `iface.eth0`, `app.voip`) while the module runs, e.g. per-flow
+    /// meters. They are readable by name like declared ones, belong to this module, and go away with
+    /// [`Output::unregister_vars`] or when the module is unloaded. Not for every packet: it takes a lock.
+    /// (A detached output, in module unit tests, returns the cells without publishing them.)
+    pub fn register_vars(&mut self, prefix: &str, specs: &[VarSpec]) -> Result<ModuleVars, String> {
+        match self.dynamic.as_deref_mut() {
+            Some(d) => d.register(self.module, prefix, specs),
+            None => Ok(ModuleVars::new(specs)),
+        }
+    }
+
+    /// Removes the variables this module registered under `prefix`; false if there were none.
+    pub fn unregister_vars(&mut self, prefix: &str) -> bool {
+        match self.dynamic.as_deref_mut() {
+            Some(d) => d.unregister(self.module, prefix),
+            None => false,
+        }
     }
 
     /// Frames dropped so far in this call.

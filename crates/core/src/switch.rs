@@ -19,7 +19,7 @@ use crate::frame::{Batch, ControlFrame, ControlOp, Frame, PacketPool};
 use crate::module::{port_type, Module, ModuleBuilder, ModuleInterface, Output, PortSpec, CONTROL_PORT};
 use crate::time::Time;
 use crate::value::{Value, ValueType};
-use crate::vars::{Meter, ModuleVars, Registry, SharedRegistry, VarCell, VarKind, VarSpec};
+use crate::vars::{DynamicVars, Meter, ModuleVars, Registry, SharedRegistry, VarCell, VarKind, VarSpec};
 use std::collections::{BTreeSet, HashMap};
 use std::fmt;
 use std::sync::Arc;
@@ -310,6 +310,7 @@ pub struct Switch {
     listeners: BTreeSet<(String, String, String)>,
     next_serial: u32,
     registry: SharedRegistry,
+    dynamic: DynamicVars,
     profiler: Option<Box<dyn FnMut() -> u64>>,
     switch_vars: ModuleVars,
     hot: HotMeters,
@@ -347,6 +348,7 @@ impl Default for Switch {
 impl Switch {
     /// An empty switch using `pool` for packets.
     pub fn new(pool: PacketPool) -> Switch {
+        let registry = SharedRegistry::default();
         let switch_vars = ModuleVars::new(&[
             VarSpec::meter("runs_total", ValueType::U64, "runs", "times the switch ran its modules"),
             VarSpec::meter("frames_injected_total", ValueType::U64, "frames", "frames injected by faces"),
@@ -366,7 +368,8 @@ impl Switch {
             control_inbox: Vec::new(),
             listeners: BTreeSet::new(),
             next_serial: 0,
-            registry: SharedRegistry::default(),
+            registry: registry.clone(),
+            dynamic: DynamicVars::new(registry),
             profiler: None,
             hot: HotMeters {
                 runs: switch_vars.meter("runs_total"),
@@ -460,6 +463,7 @@ impl Switch {
                         notes.push(format!("dropped {held} frames held at {name}"));
                     }
                     self.listeners.retain(|(src, _, l)| *src != name && *l != name);
+                    self.dynamic.unregister_owner(&name);
                     self.reindex();
                 }
             }
@@ -749,6 +753,7 @@ impl Switch {
             control: &mut self.control,
             next_serial: &mut self.next_serial,
             wake: None,
+            dynamic: Some(&mut self.dynamic),
         };
         match port {
             Some(_) => slot.module.process(port.unwrap_or(0), &mut input, &mut out),
@@ -941,6 +946,7 @@ impl Switch {
             control: &mut self.control,
             next_serial: &mut self.next_serial,
             wake: None,
+            dynamic: Some(&mut self.dynamic),
         };
         let result = f(slot.module.as_mut(), &mut out);
         let (dropped, wake) = (out.dropped, out.wake);

@@ -269,21 +269,130 @@ impl Registry {
     }
 }
 
-/// A registry snapshot shared between the data plane (which replaces it after each change) and readers.
+/// The registry shared between the data plane and readers: a snapshot of the modules' declared variables,
+/// replaced after every change of the stack, plus the variables modules register while they run
+/// (`flow.<id>.*`, `iface.<if>.*`, `app.<name>.*`), added and removed one prefix at a time.
 #[derive(Clone, Debug, Default)]
-pub struct SharedRegistry(Arc<RwLock<Arc<Registry>>>);
+pub struct SharedRegistry {
+    fixed: Arc<RwLock<Arc<Registry>>>,
+    dynamic: Arc<RwLock<BTreeMap<String, Arc<VarCell>>>>,
+}
 
 impl SharedRegistry {
-    /// The current snapshot; reading its cells needs no further lock.
+    /// A snapshot of every variable; reading its cells needs no further lock.
     pub fn snapshot(&self) -> Arc<Registry> {
-        self.0.read().map(|r| r.clone()).unwrap_or_default()
+        let fixed = self.fixed.read().map(|r| r.clone()).unwrap_or_default();
+        let dynamic = match self.dynamic.read() {
+            Ok(d) if !d.is_empty() => d,
+            _ => return fixed,
+        };
+        let mut merged = (*fixed).clone();
+        for (name, cell) in dynamic.iter() {
+            merged.insert(name.clone(), cell.clone());
+        }
+        Arc::new(merged)
     }
 
-    /// Publishes a new snapshot.
+    /// Publishes a new snapshot of the declared variables.
     pub fn publish(&self, registry: Registry) {
-        if let Ok(mut slot) = self.0.write() {
+        if let Ok(mut slot) = self.fixed.write() {
             *slot = Arc::new(registry);
         }
+    }
+
+    fn insert_dynamic(&self, name: String, cell: Arc<VarCell>) {
+        if let Ok(mut d) = self.dynamic.write() {
+            d.insert(name, cell);
+        }
+    }
+
+    fn remove_dynamic(&self, names: &[String]) {
+        if let Ok(mut d) = self.dynamic.write() {
+            for n in names {
+                d.remove(n);
+            }
+        }
+    }
+}
+
+/// Variables registered at runtime, by prefix, with the module that owns each prefix.
+#[derive(Debug, Default)]
+pub struct DynamicVars {
+    registry: SharedRegistry,
+    owners: BTreeMap<String, (String, Vec<String>)>,
+}
+
+/// First segments a module may register variables under.
+pub const DYNAMIC_ROOTS: [&str; 3] = ["flow", "iface", "app"];
+
+impl DynamicVars {
+    /// Runtime variables published into `registry`.
+    pub fn new(registry: SharedRegistry) -> DynamicVars {
+        DynamicVars { registry, owners: BTreeMap::new() }
+    }
+
+    /// Registers `specs` under `prefix` (`flow.17`) for module `owner`; a prefix the owner registered before is
+    /// replaced. Refused: a prefix outside `flow.`/`iface.`/`app.`, an invalid segment, or another module's prefix.
+    pub fn register(&mut self, owner: &str, prefix: &str, specs: &[VarSpec]) -> Result<ModuleVars, String> {
+        let mut segments = prefix.split('.');
+        let root = segments.next().unwrap_or_default();
+        if !DYNAMIC_ROOTS.contains(&root) {
+            return Err(format!("runtime variables go under flow., iface. or app., not {prefix:?}"));
+        }
+        let segment_ok = |s: &str| {
+            !s.is_empty()
+                && s.len() <= 64
+                && s.bytes().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'_' || c == b'-')
+        };
+        if !prefix.split('.').all(segment_ok) || prefix.split('.').count() < 2 {
+            return Err(format!("invalid variable prefix {prefix:?}: expected e.g. flow.17 or iface.eth0"));
+        }
+        match self.owners.get(prefix) {
+            Some((o, _)) if o != owner => return Err(format!("{prefix} belongs to module {o}")),
+            Some(_) => {
+                self.unregister(owner, prefix);
+            }
+            None => {}
+        }
+        let vars = ModuleVars::new(specs);
+        let names: Vec<String> = vars.cells().iter().map(|c| format!("{prefix}.{}", c.spec().name)).collect();
+        for (name, cell) in names.iter().zip(vars.cells()) {
+            self.registry.insert_dynamic(name.clone(), cell.clone());
+        }
+        self.owners.insert(prefix.to_string(), (owner.to_string(), names));
+        Ok(vars)
+    }
+
+    /// Removes the variables `owner` registered under `prefix`; false if it had none there.
+    pub fn unregister(&mut self, owner: &str, prefix: &str) -> bool {
+        match self.owners.get(prefix) {
+            Some((o, _)) if o == owner => {}
+            _ => return false,
+        }
+        if let Some((_, names)) = self.owners.remove(prefix) {
+            self.registry.remove_dynamic(&names);
+        }
+        true
+    }
+
+    /// Removes every variable `owner` registered (it was unloaded); returns how many prefixes went.
+    pub fn unregister_owner(&mut self, owner: &str) -> usize {
+        let prefixes: Vec<String> =
+            self.owners.iter().filter(|(_, (o, _))| o == owner).map(|(p, _)| p.clone()).collect();
+        for p in &prefixes {
+            self.unregister(owner, p);
+        }
+        prefixes.len()
+    }
+
+    /// Number of registered prefixes.
+    pub fn len(&self) -> usize {
+        self.owners.len()
+    }
+
+    /// True when nothing is registered.
+    pub fn is_empty(&self) -> bool {
+        self.owners.is_empty()
     }
 }
 

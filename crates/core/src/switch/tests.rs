@@ -1473,3 +1473,90 @@ fn modules_can_ask_for_a_wakeup_from_process_and_are_polled_after_a_knob_write()
     sw.run(t(8));
     assert_eq!(*polls.lock().unwrap(), [t(1), t(7), t(8)]);
 }
+
+/// Registers `flow.<first byte>` meters for every new first byte it sees, counting packets per flow; procedure
+/// `forget` unregisters a flow.
+struct Flows {
+    flows: std::collections::HashMap<u8, Meter>,
+}
+
+impl Module for Flows {
+    fn process(&mut self, _port: usize, input: &mut Batch, out: &mut Output<'_>) {
+        for f in input.drain(..) {
+            let key = f.packet().and_then(|p| p.data().first().copied()).unwrap_or(0);
+            if let std::collections::hash_map::Entry::Vacant(e) = self.flows.entry(key) {
+                let spec = VarSpec::meter("packets_total", ValueType::U64, "packets", "packets of this flow");
+                if let Ok(vars) = out.register_vars(&format!("flow.{key}"), &[spec]) {
+                    e.insert(vars.meter("packets_total"));
+                }
+            }
+            if let Some(m) = self.flows.get(&key) {
+                m.add(1);
+            }
+        }
+    }
+    fn execute(&mut self, procedure: &str, argument: &Value, out: &mut Output<'_>) -> Result<Value, String> {
+        match (procedure, argument) {
+            ("forget", Value::U64(k)) => {
+                self.flows.remove(&(*k as u8));
+                Ok(Value::Bool(out.unregister_vars(&format!("flow.{k}"))))
+            }
+            ("steal", Value::Str(prefix)) => out.register_vars(prefix, &[]).map(|_| Value::Bool(true)),
+            _ => Err("unknown".into()),
+        }
+    }
+}
+
+fn flows() -> Box<dyn ModuleBuilder> {
+    built(&[("in", port_type::ANY)], &[], vec![], |_| Box::new(Flows { flows: Default::default() }))
+}
+
+fn exec(sw: &mut Switch, dest: &str, procedure: &str, value: Value, now: Time) -> ControlFrame {
+    sw.send_control(ControlFrame {
+        op: ControlOp::Exec,
+        sender: CONTROL_PLANE.into(),
+        dest: dest.into(),
+        serial: 99,
+        param: procedure.into(),
+        value,
+    });
+    sw.run(now);
+    sw.take_control_inbox().pop().expect("a reply")
+}
+
+#[test]
+fn modules_register_runtime_variables_that_go_away_with_them() {
+    let mut sw = Switch::default();
+    sw.apply(vec![load("fl", flows()), load("other", flows())]).unwrap();
+    let pool = sw.pool().clone();
+    let mut batch: Batch = [1u8, 1, 2, 7, 1].iter().map(|b| Frame::Data(pool.alloc_from(&[*b, 0, 0]))).collect();
+    sw.inject("fl", "in", &mut batch).unwrap();
+    sw.run(t(1));
+    let reg = sw.registry().snapshot();
+    let counts: Vec<(String, Value)> =
+        reg.matching("flow.*.packets_total").map(|(n, c)| (n.to_string(), c.get())).collect();
+    assert_eq!(
+        counts,
+        [
+            ("flow.1.packets_total".to_string(), Value::U64(3)),
+            ("flow.2.packets_total".to_string(), Value::U64(1)),
+            ("flow.7.packets_total".to_string(), Value::U64(1)),
+        ]
+    );
+
+    // Unregistered by its owner: gone from the registry.
+    let r = exec(&mut sw, "fl", "forget", Value::U64(2), t(2));
+    assert_eq!((r.op, r.value), (ControlOp::ExecReply, Value::Bool(true)));
+    assert!(sw.registry().snapshot().get("flow.2.packets_total").is_none());
+
+    // Another module cannot take a prefix that is owned, nor register outside flow./iface./app.
+    let r = exec(&mut sw, "other", "steal", Value::Str("flow.1".into()), t(3));
+    assert_eq!(r.op, ControlOp::Error);
+    assert!(r.value.to_string().contains("belongs to module fl"), "{:?}", r.value);
+    let r = exec(&mut sw, "other", "steal", Value::Str("module.fl".into()), t(3));
+    assert_eq!(r.op, ControlOp::Error);
+
+    // Unloading the owner removes what it registered.
+    sw.apply(vec![Edit::Unload { name: "fl".into() }]).unwrap();
+    assert_eq!(sw.registry().snapshot().matching("flow.**").count(), 0);
+}

@@ -744,25 +744,23 @@ impl Switch {
             None => Vec::new(),
         };
         let arrived = input.len() as u64;
-        let mut out = Output {
-            now,
-            module: &slot.name,
-            pool: &self.pool,
-            ports: &mut slot.out,
-            dropped: 0,
-            control: &mut self.control,
-            next_serial: &mut self.next_serial,
-            wake: None,
-            dynamic: Some(&mut self.dynamic),
+        let (module, mut out) = self.module_and_output(i, now);
+        let polled = match port {
+            Some(p) => {
+                module.process(p, &mut input, &mut out);
+                None
+            }
+            None => Some(module.poll(&mut out)),
         };
-        match port {
-            Some(_) => slot.module.process(port.unwrap_or(0), &mut input, &mut out),
-            None => slot.wake_at = slot.module.poll(&mut out),
+        let (out_dropped, wake) = (out.dropped, out.wake);
+        let slot = &mut self.slots[i];
+        if let Some(next) = polled {
+            slot.wake_at = next;
         }
-        if let Some(w) = out.wake {
+        if let Some(w) = wake {
             slot.wake_at = Some(slot.wake_at.map_or(w, |t| t.min(w)));
         }
-        let mut dropped = out.dropped + input.len() as u64;
+        let mut dropped = out_dropped + input.len() as u64;
         input.clear();
         if let Some(p) = port {
             // Give the emptied vector back so its capacity is reused.
@@ -933,11 +931,10 @@ impl Switch {
         self.with_module(d, now, |m, out| m.handle_control(cf, out));
     }
 
-    /// Calls `f` with module `i` and an [`Output`] for it, outside of `process` and `poll`; then counts its drops,
-    /// keeps the wakeup it asked for and routes what it emitted.
-    fn with_module<R>(&mut self, i: usize, now: Time, f: impl FnOnce(&mut dyn Module, &mut Output<'_>) -> R) -> R {
+    /// Module `i` and an [`Output`] for it: they borrow disjoint parts of the switch.
+    fn module_and_output(&mut self, i: usize, now: Time) -> (&mut dyn Module, Output<'_>) {
         let slot = &mut self.slots[i];
-        let mut out = Output {
+        let out = Output {
             now,
             module: &slot.name,
             pool: &self.pool,
@@ -948,8 +945,16 @@ impl Switch {
             wake: None,
             dynamic: Some(&mut self.dynamic),
         };
-        let result = f(slot.module.as_mut(), &mut out);
+        (slot.module.as_mut(), out)
+    }
+
+    /// Calls `f` with module `i` and an [`Output`] for it, outside of `process` and `poll`; then counts its drops,
+    /// keeps the wakeup it asked for and routes what it emitted.
+    fn with_module<R>(&mut self, i: usize, now: Time, f: impl FnOnce(&mut dyn Module, &mut Output<'_>) -> R) -> R {
+        let (module, mut out) = self.module_and_output(i, now);
+        let result = f(module, &mut out);
         let (dropped, wake) = (out.dropped, out.wake);
+        let slot = &mut self.slots[i];
         if let Some(w) = wake {
             slot.wake_at = Some(slot.wake_at.map_or(w, |t| t.min(w)));
         }

@@ -1,0 +1,17 @@
+//! flexstack-net: sans-IO network modules for flexstack's data path.
+//!
+//! Shared pieces: [`packet`] parses an IP packet's headers once into a [`packet::PacketInfo`] (the drop reasons
+//! are its [`packet::ParseError`]s); [`checksum`] computes and incrementally updates Internet checksums.
+//! Module kinds are added to a catalog with [`register`].
+#![deny(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod checksum;
+pub mod packet;
+
+use flexstack_core::Catalog;
+
+/// Adds this crate's module kinds to `catalog`.
+pub fn register(catalog: &mut Catalog) {
+    let _ = catalog;
+}

@@ -254,7 +254,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             client_timeout: Duration::from_secs_f64(d.client_timeout.max(0.05)),
             max_clients: d.max_clients.max(1),
         };
-        return run_daemon(opts, flexstack_modules::catalog()).map_err(CliError::Message);
+        return run_daemon(opts, crate::catalog()).map_err(CliError::Message);
     }
     let mut client = Client::connect(&cli.state_dir)?;
     let request = match cli.command {

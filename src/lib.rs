@@ -17,3 +17,10 @@ pub mod client;
 pub mod dataplane;
 pub mod protocol;
 pub mod server;
+
+/// Every module kind the daemon can load: the built-ins and the network modules.
+pub fn catalog() -> flexstack_core::Catalog {
+    let mut catalog = flexstack_modules::catalog();
+    flexstack_net::register(&mut catalog);
+    catalog
+}

@@ -546,7 +546,7 @@ fn contained(settings: &Settings, dir: &Path) -> Settings {
 /// Configures `kind` with `settings` (path contained); a built module must declare a sane interface.
 fn configure(kind: &str, settings: &Settings, dir: &Path) -> Result<(), String> {
     let settings = contained(settings, dir);
-    match flexstack_modules::catalog().configure(kind, &settings, None) {
+    match flexstack::catalog().configure(kind, &settings, None) {
         Ok(builder) => {
             let iface = builder.interface();
             let mut names = std::collections::HashSet::new();
@@ -864,7 +864,7 @@ fn check_args(input: &[u8], dir: &Path) -> Result<bool, String> {
         let text = value.as_str() == Some(raw);
         ensure(whole || text, || format!("{k}={raw:?} read as {value:?}"))?;
     }
-    let kinds: Vec<&str> = flexstack_modules::catalog().kinds().map(|k| k.name()).collect();
+    let kinds: Vec<&str> = flexstack::catalog().kinds().map(|k| k.name()).collect();
     for k in kinds.iter().copied().chain(std::iter::once(kind.as_str())) {
         configure(k, &settings, dir)?;
     }

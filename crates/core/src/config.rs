@@ -212,6 +212,13 @@ impl<'a> SettingsReader<'a> {
         self.typed(key, "a string", |v| v.as_str().map(str::to_string))
     }
 
+    /// An array of strings (e.g. rules, one per element); an empty array gives an empty vector.
+    pub fn strings(&mut self, key: &'a str) -> Result<Option<Vec<String>>, ConfigError> {
+        self.typed(key, "an array of strings", |v| {
+            v.as_array()?.iter().map(|e| e.as_str().map(str::to_string)).collect()
+        })
+    }
+
     /// A value of any scalar type, as a [`Value`].
     pub fn value(&mut self, key: &'a str) -> Result<Option<Value>, ConfigError> {
         self.typed(key, "a number, boolean or string", Value::from_toml)
@@ -596,6 +603,27 @@ kind = "counter"
         let e = r.finish().unwrap_err();
         assert_eq!(e.location.as_ref().unwrap().line, 4);
         assert!(e.message.contains("unknown setting `bogus`") && e.message.contains("one of: rate"), "{e}");
+    }
+
+    #[test]
+    fn reader_reads_arrays_of_strings() {
+        let spec = StackSpec::parse(
+            "s.toml",
+            "[modules.f]\nkind = \"firewall\"\nrules = [\"a\", \"b c\"]\nnone = []\nbad = [\"a\", 1]\nscalar = \"a\"\n",
+        )
+        .unwrap();
+        let s = &spec.modules[0].settings;
+        let mut r = s.reader("firewall");
+        assert_eq!(r.strings("rules").unwrap(), Some(vec!["a".to_string(), "b c".to_string()]));
+        assert_eq!(r.strings("none").unwrap(), Some(vec![]));
+        assert_eq!(r.strings("missing").unwrap(), None);
+        let e = r.strings("bad").unwrap_err();
+        assert_eq!(e.location.as_ref().unwrap().line, 5);
+        assert!(e.message.contains("expected an array of strings, got an array"), "{e}");
+        let e = r.strings("scalar").unwrap_err();
+        assert!(e.message.contains("got string \"a\""), "{e}");
+        let s = Settings::from_args(&["rules=[\"x y\", \"z\"]".into()]).unwrap();
+        assert_eq!(s.reader("f").strings("rules").unwrap(), Some(vec!["x y".to_string(), "z".to_string()]));
     }
 
     #[test]

@@ -62,7 +62,8 @@ pub enum Command {
     Set {
         /// Knob name (`module.sel.select`).
         name: String,
-        /// New value.
+        /// New value (negative numbers allowed).
+        #[arg(allow_negative_numbers = true)]
         value: String,
     },
     /// Stream values: a periodic sample, or each change with --changes.
@@ -127,7 +128,8 @@ pub enum ModuleCmd {
         name: String,
         /// The procedure.
         procedure: String,
-        /// Its argument, as JSON (`1`, `true`, `"text"`) or plain text.
+        /// Its argument, as JSON (`1`, `true`, `"text"`) or plain text (negative numbers allowed).
+        #[arg(allow_negative_numbers = true)]
         argument: Option<String>,
     },
     /// Unload a module and its links.

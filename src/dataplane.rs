@@ -1,5 +1,10 @@
-//! The data-plane thread: owns the [`Switch`], runs it, and applies commands from the control plane between
-//! batches.
+//! The data-plane thread: owns the [`Switch`], runs it, does the I/O of face modules, and applies commands from
+//! the control plane between batches.
+//!
+//! The loop: apply queued commands; read every face device that epoll reported readable (at most a batch each)
+//! and hand the packets to its module ([`Switch::face_ingress`]); run the switch; write what face modules queued
+//! ([`Switch::face_egress`]); wait in epoll for a device, a command (an eventfd the control plane signals) or the
+//! next module timer.
 //!
 //! The control plane talks to it only through [`DataPlane`]: [`DataPlane::apply`] sends edits and waits for the
 //! verdict, [`DataPlane::snapshot`] asks for the stack's shape. Meters are never read through here: readers use
@@ -8,8 +13,12 @@
 use flexstack_core::config::StackSpec;
 use flexstack_core::switch::CONTROL_PLANE;
 use flexstack_core::switch::{Edge, ModuleInfo};
+use flexstack_core::{Batch, FaceDevice, Frame};
 use flexstack_core::{ControlFrame, Edit, EditError, PacketPool, SharedRegistry, Switch, Time};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
+use nix::sys::eventfd::{EfdFlags, EventFd};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -36,9 +45,13 @@ enum Command {
     Shutdown(Sender<()>),
 }
 
+/// Packets read from one face per wakeup, at most.
+const READ_BATCH: usize = 256;
+
 /// Handle to the data-plane thread.
 pub struct DataPlane {
     tx: Sender<Command>,
+    wake: Arc<EventFd>,
     registry: SharedRegistry,
     thread: Option<JoinHandle<()>>,
 }
@@ -48,15 +61,25 @@ impl DataPlane {
     pub fn start() -> std::io::Result<DataPlane> {
         let (tx, rx) = mpsc::channel();
         let (reg_tx, reg_rx) = mpsc::channel();
+        let wake = Arc::new(EventFd::from_value_and_flags(0, EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC)?);
+        let epoll = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC)?;
+        epoll.add(wake.as_ref(), EpollEvent::new(EpollFlags::EPOLLIN, WAKE_TOKEN))?;
+        let thread_wake = wake.clone();
         let thread = std::thread::Builder::new().name("dataplane".into()).spawn(move || {
             let mut switch = Switch::new(PacketPool::default());
             let origin = Instant::now();
             switch.set_profiler(Some(Box::new(move || u64::try_from(origin.elapsed().as_nanos()).unwrap_or(u64::MAX))));
             let _ = reg_tx.send(switch.registry());
-            run_loop(switch, origin, rx);
+            Loop { switch, origin, rx, epoll, wake: thread_wake, faces: Vec::new(), generation: u64::MAX }.run();
         })?;
         let registry = reg_rx.recv().map_err(|_| std::io::Error::other("data plane did not start"))?;
-        Ok(DataPlane { tx, registry, thread: Some(thread) })
+        Ok(DataPlane { tx, wake, registry, thread: Some(thread) })
+    }
+
+    fn send(&self, cmd: Command) -> Result<(), DataPlaneGone> {
+        self.tx.send(cmd).map_err(|_| DataPlaneGone)?;
+        self.wake.write(1).map_err(|_| DataPlaneGone)?;
+        Ok(())
     }
 
     /// The registry of meters and knobs.
@@ -67,14 +90,14 @@ impl DataPlane {
     /// Applies `edits` atomically between two batches; returns the switch's notes or why nothing changed.
     pub fn apply(&self, edits: Vec<Edit>) -> Result<Result<Vec<String>, EditError>, DataPlaneGone> {
         let (tx, rx) = mpsc::channel();
-        self.tx.send(Command::Apply(edits, tx)).map_err(|_| DataPlaneGone)?;
+        self.send(Command::Apply(edits, tx))?;
         rx.recv().map_err(|_| DataPlaneGone)
     }
 
     /// The stack's current shape.
     pub fn snapshot(&self) -> Result<Snapshot, DataPlaneGone> {
         let (tx, rx) = mpsc::channel();
-        self.tx.send(Command::Snapshot(tx)).map_err(|_| DataPlaneGone)?;
+        self.send(Command::Snapshot(tx))?;
         rx.recv().map_err(|_| DataPlaneGone)
     }
 
@@ -82,14 +105,14 @@ impl DataPlane {
     /// the control plane with the same serial, if one came within the same run.
     pub fn control(&self, frame: ControlFrame) -> Result<Option<ControlFrame>, DataPlaneGone> {
         let (tx, rx) = mpsc::channel();
-        self.tx.send(Command::Control(frame, tx)).map_err(|_| DataPlaneGone)?;
+        self.send(Command::Control(frame, tx))?;
         rx.recv().map_err(|_| DataPlaneGone)
     }
 
     /// Stops the thread, dropping every module (taps flush their files).
     pub fn shutdown(&mut self) {
         let (tx, rx) = mpsc::channel();
-        if self.tx.send(Command::Shutdown(tx)).is_ok() {
+        if self.send(Command::Shutdown(tx)).is_ok() {
             let _ = rx.recv_timeout(Duration::from_secs(5));
         }
         if let Some(t) = self.thread.take() {
@@ -107,42 +130,133 @@ fn now(origin: Instant) -> Time {
     Time(u64::try_from(origin.elapsed().as_nanos()).unwrap_or(u64::MAX))
 }
 
-fn run_loop(mut switch: Switch, origin: Instant, rx: Receiver<Command>) {
-    let clock = move || now(origin);
-    loop {
-        // Commands first: they are applied between batches, never inside one.
+/// The epoll token of the command eventfd; faces use their index + 1.
+const WAKE_TOKEN: u64 = 0;
+
+struct Loop {
+    switch: Switch,
+    origin: Instant,
+    rx: Receiver<Command>,
+    epoll: Epoll,
+    wake: Arc<EventFd>,
+    faces: Vec<(usize, Arc<dyn FaceDevice>)>,
+    generation: u64,
+}
+
+impl Loop {
+    fn run(mut self) {
+        let clock = move || now(self.origin);
+        let mut events = vec![EpollEvent::empty(); 64];
+        let mut ready: Vec<usize> = Vec::new();
+        let mut batch: Batch = Vec::with_capacity(READ_BATCH);
+        let mut buf: Vec<u8> = Vec::new();
         loop {
-            match rx.try_recv() {
-                Ok(cmd) => {
-                    if !handle(&mut switch, cmd, &clock) {
-                        return;
+            // Commands first: they are applied between batches, never inside one.
+            loop {
+                match self.rx.try_recv() {
+                    Ok(cmd) => {
+                        if !handle(&mut self.switch, cmd, &clock) {
+                            return;
+                        }
+                    }
+                    Err(mpsc::TryRecvError::Empty) => break,
+                    Err(mpsc::TryRecvError::Disconnected) => return,
+                }
+            }
+            if self.refresh_faces() {
+                ready.clear();
+            }
+            // Read the devices that were ready; a device with more waiting stays ready for the next round.
+            let mut more = false;
+            for &k in &ready {
+                let Some((index, dev)) = self.faces.get(k).cloned() else { continue };
+                let pool = self.switch.pool().clone();
+                while batch.len() < READ_BATCH {
+                    match dev.read_packet(&mut buf) {
+                        Ok(true) => {
+                            let mut p = pool.alloc_from(&buf);
+                            p.set_direction(flexstack_core::Direction::Down);
+                            batch.push(Frame::Data(p));
+                        }
+                        Ok(false) => break,
+                        Err(e) => {
+                            tracing::debug!(device = dev.name(), error = %e, "read failed (counted)");
+                            break;
+                        }
                     }
                 }
-                Err(mpsc::TryRecvError::Empty) => break,
-                Err(mpsc::TryRecvError::Disconnected) => return,
+                more |= batch.len() == READ_BATCH;
+                self.switch.face_ingress(index, &mut batch);
             }
-        }
-        let t = now(origin);
-        switch.run(t);
-        let wait = if switch.has_pending() {
-            Duration::ZERO
-        } else {
-            match switch.next_wakeup() {
-                Some(w) => (w - now(origin)).min(MAX_IDLE),
-                None => MAX_IDLE,
+            if !more {
+                ready.clear();
             }
-        };
-        if wait.is_zero() {
-            continue;
-        }
-        match rx.recv_timeout(wait) {
-            Ok(cmd) => {
-                if !handle(&mut switch, cmd, &clock) {
+            self.switch.run(clock());
+            self.flush_egress(&mut batch);
+            let wait = if more || self.switch.has_pending() {
+                Duration::ZERO
+            } else {
+                match self.switch.next_wakeup() {
+                    Some(w) => (w - clock()).min(MAX_IDLE),
+                    None => MAX_IDLE,
+                }
+            };
+            let timeout = EpollTimeout::try_from(wait).unwrap_or(EpollTimeout::NONE);
+            let n = match self.epoll.wait(&mut events, timeout) {
+                Ok(n) => n,
+                Err(nix::errno::Errno::EINTR) => 0,
+                Err(e) => {
+                    tracing::error!(error = %e, "epoll failed; data plane stops");
                     return;
                 }
+            };
+            for ev in &events[..n] {
+                match ev.data() {
+                    WAKE_TOKEN => {
+                        let _ = self.wake.read();
+                    }
+                    token => {
+                        let k = (token - 1) as usize;
+                        if !ready.contains(&k) {
+                            ready.push(k);
+                        }
+                    }
+                }
             }
-            Err(RecvTimeoutError::Timeout) => {}
-            Err(RecvTimeoutError::Disconnected) => return,
+        }
+    }
+
+    /// After an edit, registers the current face devices with epoll (and forgets the old ones); true if it did.
+    fn refresh_faces(&mut self) -> bool {
+        let generation = self.switch.generation();
+        if generation == self.generation {
+            return false;
+        }
+        self.generation = generation;
+        for (_, dev) in self.faces.drain(..) {
+            let _ = self.epoll.delete(dev.fd());
+        }
+        self.faces = self.switch.faces();
+        for (k, (_, dev)) in self.faces.iter().enumerate() {
+            let event = EpollEvent::new(EpollFlags::EPOLLIN, k as u64 + 1);
+            if let Err(e) = self.epoll.add(dev.fd(), event) {
+                tracing::warn!(device = dev.name(), error = %e, "cannot watch device");
+            }
+        }
+        true
+    }
+
+    /// Writes what the face modules queued for their devices.
+    fn flush_egress(&mut self, batch: &mut Batch) {
+        for (index, dev) in &self.faces {
+            self.switch.face_egress(*index, batch);
+            for f in batch.drain(..) {
+                if let Frame::Data(p) = f {
+                    if let Err(e) = dev.write_packet(p.data()) {
+                        tracing::debug!(device = dev.name(), error = %e, "write failed (counted)");
+                    }
+                }
+            }
         }
     }
 }

@@ -15,6 +15,7 @@ pub mod actions;
 pub mod cli;
 pub mod client;
 pub mod dataplane;
+pub mod faces;
 pub mod protocol;
 pub mod server;
 
@@ -22,5 +23,6 @@ pub mod server;
 pub fn catalog() -> flexstack_core::Catalog {
     let mut catalog = flexstack_modules::catalog();
     flexstack_net::register(&mut catalog);
+    catalog.register(Box::new(faces::TunKind));
     catalog
 }

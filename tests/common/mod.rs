@@ -183,3 +183,90 @@ pub fn daemon_fails(stack: &str, dir: &Path) -> String {
     assert!(!out.status.success(), "daemon should refuse the stack:\n{stack}");
     String::from_utf8(out.stderr).unwrap()
 }
+
+/// True if privileged tests can run here. Outside CI, a non-root run skips them with a printed reason; in CI
+/// (CI=true) they must run, so not being root is a failure.
+pub fn privileged(test: &str) -> bool {
+    if nix::unistd::geteuid().is_root() {
+        return true;
+    }
+    if std::env::var("CI").is_ok_and(|v| !v.is_empty() && v != "false") {
+        panic!("{test}: privileged tests must run as root in CI");
+    }
+    eprintln!("skipping {test}: needs root (network namespaces, TUN devices)");
+    false
+}
+
+/// A name unique to this test process and tag, short enough for an interface (<= 15 bytes).
+pub fn unique(tag: &str) -> String {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    format!("fs{}{}{tag}", std::process::id() % 100_000, n)
+}
+
+/// Runs a command that must succeed.
+pub fn sh(program: &str, args: &[&str]) -> String {
+    let out = Command::new(program).args(args).output().unwrap_or_else(|e| panic!("{program}: {e}"));
+    assert!(
+        out.status.success(),
+        "{program} {args:?} failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).to_string()
+}
+
+/// A network namespace under /run/netns, deleted (with its processes killed) on drop.
+pub struct Netns {
+    pub name: String,
+}
+
+impl Netns {
+    pub fn new(tag: &str) -> Netns {
+        let name = format!("fs-{}", unique(tag));
+        sh("ip", &["netns", "add", &name]);
+        sh("ip", &["-n", &name, "link", "set", "lo", "up"]);
+        Netns { name }
+    }
+
+    /// Runs a command inside the namespace; returns its output.
+    pub fn run(&self, args: &[&str]) -> Output {
+        Command::new("ip").args(["netns", "exec", &self.name]).args(args).output().expect("ip netns exec")
+    }
+
+    /// Starts a background command inside the namespace (killed when the namespace is dropped).
+    pub fn spawn(&self, args: &[&str]) -> Child {
+        Command::new("ip")
+            .args(["netns", "exec", &self.name])
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("ip netns exec")
+    }
+
+    /// Moves interface `dev` here and gives it addresses (CIDR strings), up.
+    pub fn adopt(&self, dev: &str, addrs: &[&str]) {
+        sh("ip", &["link", "set", dev, "netns", &self.name]);
+        for a in addrs {
+            let mut args = vec!["-n", self.name.as_str(), "addr", "add", a, "dev", dev];
+            if a.contains(':') {
+                args.push("nodad");
+            }
+            sh("ip", &args);
+        }
+        sh("ip", &["-n", &self.name, "link", "set", dev, "up"]);
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        if let Ok(out) = Command::new("ip").args(["netns", "pids", &self.name]).output() {
+            for pid in String::from_utf8_lossy(&out.stdout).split_whitespace() {
+                let _ = Command::new("kill").args(["-9", pid]).status();
+            }
+        }
+        let _ = Command::new("ip").args(["netns", "del", &self.name]).status();
+    }
+}

@@ -24,7 +24,7 @@ pub mod vars;
 
 pub use config::{ConfigError, LinkSpec, Location, Settings, StackSpec};
 pub use frame::{Batch, ControlFrame, ControlOp, Direction, Frame, MetaKey, Packet, PacketPool};
-pub use module::{Catalog, Module, ModuleBuilder, ModuleInterface, ModuleKind, Output, PortSpec};
+pub use module::{Catalog, FaceDevice, Module, ModuleBuilder, ModuleInterface, ModuleKind, Output, PortSpec};
 pub use switch::{Edit, EditError, Switch};
 pub use time::Time;
 pub use value::{Value, ValueType};

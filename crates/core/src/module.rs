@@ -20,6 +20,7 @@ use crate::value::Value;
 use crate::vars::{DynamicVars, ModuleVars, VarSpec};
 use std::any::Any;
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 /// Frame type carried by a port; links must join ports of compatible types.
 pub mod port_type {
@@ -127,6 +128,17 @@ pub trait Module {
         let _ = (frame, out);
     }
 
+    /// For a face module: the device the data plane reads and writes on the module's behalf. Frames read from it
+    /// leave the module on output port 0; frames the module queues for it are taken with [`Module::take_egress`].
+    fn device(&self) -> Option<Arc<dyn FaceDevice>> {
+        None
+    }
+
+    /// For a face module: moves the frames waiting to be written to its device into `into`.
+    fn take_egress(&mut self, into: &mut Batch) {
+        let _ = into;
+    }
+
     /// Hands the module's state to its replacement (`module replace`); `None` if it has none to give.
     fn take_state(&mut self) -> Option<Box<dyn Any>> {
         None
@@ -137,6 +149,19 @@ pub trait Module {
         let _ = state;
         Err("this module kind does not take over state".into())
     }
+}
+
+/// An I/O device a face module stands for (a TUN device, a raw socket on an interface ...). Implemented at the
+/// edge (the daemon); the core and the modules never call it — the data plane does, outside the switch.
+pub trait FaceDevice: Send + Sync {
+    /// The device's name (an interface name).
+    fn name(&self) -> &str;
+    /// The file descriptor the data plane waits on for readability.
+    fn fd(&self) -> std::os::fd::BorrowedFd<'_>;
+    /// Reads one packet into `buf` (cleared first) without blocking; `Ok(false)` when none is waiting.
+    fn read_packet(&self, buf: &mut Vec<u8>) -> std::io::Result<bool>;
+    /// Writes one packet.
+    fn write_packet(&self, packet: &[u8]) -> std::io::Result<()>;
 }
 
 /// What a module emits during one call: frames on output ports, drops, control frames.

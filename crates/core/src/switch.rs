@@ -16,7 +16,7 @@
 
 use crate::config::{valid_name, Endpoint, LinkEntry, LinkSpec, ModuleSpec, Settings, StackSpec};
 use crate::frame::{Batch, ControlFrame, ControlOp, Frame, PacketPool};
-use crate::module::{port_type, Module, ModuleBuilder, ModuleInterface, Output, PortSpec, CONTROL_PORT};
+use crate::module::{port_type, FaceDevice, Module, ModuleBuilder, ModuleInterface, Output, PortSpec, CONTROL_PORT};
 use crate::time::Time;
 use crate::value::{Value, ValueType};
 use crate::vars::{DynamicVars, Meter, ModuleVars, Registry, SharedRegistry, VarCell, VarKind, VarSpec};
@@ -664,6 +664,43 @@ impl Switch {
             dest.append(frames);
         }
         Ok(())
+    }
+
+    /// The face modules (those with a device), as (module index, device); indices hold until the next edit
+    /// ([`Switch::generation`] tells when that happened).
+    pub fn faces(&self) -> Vec<(usize, Arc<dyn FaceDevice>)> {
+        self.slots.iter().enumerate().filter_map(|(i, s)| s.module.device().map(|d| (i, d))).collect()
+    }
+
+    /// Counts committed edits: face indices from [`Switch::faces`] are valid while it does not change.
+    pub fn generation(&self) -> u64 {
+        self.switch_vars.cell("edits_total").map_or(0, |c| c.load_u64())
+    }
+
+    /// Frames read from the device of face module `index`: they leave the module on its first output port and
+    /// are routed at once; `frames` is left empty. Run the switch afterwards.
+    pub fn face_ingress(&mut self, index: usize, frames: &mut Batch) {
+        let Some(slot) = self.slots.get_mut(index) else {
+            frames.clear();
+            return;
+        };
+        self.hot.injected.add(frames.len() as u64);
+        if slot.out.len() < 2 {
+            // No data output (only `ctl`): nothing can leave.
+            slot.meters.dropped.add_u64(frames.len() as u64);
+            frames.clear();
+            return;
+        }
+        slot.out[0].append(frames);
+        let dropped = self.route(index);
+        self.slots[index].meters.dropped.add_u64(dropped);
+    }
+
+    /// Moves the frames face module `index` queued for its device into `into`.
+    pub fn face_egress(&mut self, index: usize, into: &mut Batch) {
+        if let Some(slot) = self.slots.get_mut(index) {
+            slot.module.take_egress(into);
+        }
     }
 
     /// Queues a control frame from the control plane (`sender` should be [`CONTROL_PLANE`]).

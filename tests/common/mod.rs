@@ -235,15 +235,16 @@ impl Netns {
         Command::new("ip").args(["netns", "exec", &self.name]).args(args).output().expect("ip netns exec")
     }
 
-    /// Starts a background command inside the namespace (killed when the namespace is dropped).
-    pub fn spawn(&self, args: &[&str]) -> Child {
-        Command::new("ip")
+    /// Starts a background command inside the namespace; killed and reaped when the guard is dropped.
+    pub fn spawn(&self, args: &[&str]) -> Background {
+        let child = Command::new("ip")
             .args(["netns", "exec", &self.name])
             .args(args)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
-            .expect("ip netns exec")
+            .expect("ip netns exec");
+        Background(child)
     }
 
     /// Moves interface `dev` here and gives it addresses (CIDR strings), up.
@@ -268,5 +269,15 @@ impl Drop for Netns {
             }
         }
         let _ = Command::new("ip").args(["netns", "del", &self.name]).status();
+    }
+}
+
+/// A background program; killed and waited for on drop.
+pub struct Background(pub Child);
+
+impl Drop for Background {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
     }
 }

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Installs the programs the end-to-end tests run for real (Debian 12). Needs root; does nothing that is already
+# done. Used by .ci/run; run it once by hand (sudo scripts/setup.sh) before the privileged tests.
+set -euo pipefail
+packages=(iproute2 iputils-ping curl python3 iperf3 dnsutils dnsmasq-base nftables tshark procps)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  if [[ $(id -u) != 0 ]]; then
+    echo "setup: missing packages ${missing[*]}; run: sudo $0" >&2
+    exit 1
+  fi
+  echo "setup: installing ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  # tshark asks whether non-root users may capture; answer no.
+  echo "wireshark-common wireshark-common/install-setuid boolean false" | debconf-set-selections
+  apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi

@@ -7,11 +7,18 @@
 #![warn(missing_docs)]
 
 pub mod checksum;
+pub mod cidr;
+pub mod classify;
+pub mod icmp;
+pub mod ip;
 pub mod packet;
 
 use flexstack_core::Catalog;
 
 /// Adds this crate's module kinds to `catalog`.
 pub fn register(catalog: &mut Catalog) {
+    catalog.register(Box::new(ip::IpKind));
+    catalog.register(Box::new(icmp::IcmpKind));
+    catalog.register(Box::new(classify::ClassifyKind));
     let _ = catalog;
 }

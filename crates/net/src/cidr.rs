@@ -197,13 +197,11 @@ impl fmt::Display for Endpoint {
 }
 
 /// Reads the whitespace-separated words of one rule, and words errors as "word N `w`: expected ...".
-#[allow(dead_code)] // TEMP until firewall/nat land
 pub(crate) struct Words<'a> {
     words: Vec<&'a str>,
     pos: usize,
 }
 
-#[allow(dead_code)] // TEMP
 impl<'a> Words<'a> {
     /// The words of `text`.
     pub(crate) fn new(text: &'a str) -> Words<'a> {

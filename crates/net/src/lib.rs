@@ -9,6 +9,7 @@
 pub mod checksum;
 pub mod cidr;
 pub mod classify;
+pub mod firewall;
 pub mod icmp;
 pub mod ip;
 pub mod packet;
@@ -20,5 +21,6 @@ pub fn register(catalog: &mut Catalog) {
     catalog.register(Box::new(ip::IpKind));
     catalog.register(Box::new(icmp::IcmpKind));
     catalog.register(Box::new(classify::ClassifyKind));
+    catalog.register(Box::new(firewall::FirewallKind));
     let _ = catalog;
 }

@@ -6,6 +6,7 @@
 
 use crate::dataplane::DataPlane;
 use crate::protocol::{ApiError, ErrorCode, Request};
+use crate::sandbox::Sandboxes;
 use flexstack_core::config::{LinkSpec, Settings, StackSpec};
 use flexstack_core::switch::CONTROL_PLANE;
 use flexstack_core::vars::{is_pattern, VarKind};
@@ -51,6 +52,8 @@ pub struct Control {
     edit_lock: Mutex<()>,
     started: Instant,
     next_serial: AtomicU32,
+    /// The sandboxed apps of this daemon.
+    pub sandboxes: Sandboxes,
 }
 
 fn internal(e: impl std::fmt::Display) -> ApiError {
@@ -79,7 +82,7 @@ fn settings_from_json(map: &serde_json::Map<String, Json>) -> Result<Settings, A
 
 impl Control {
     /// The control plane over a started data plane.
-    pub fn new(dataplane: DataPlane, catalog: Catalog) -> Control {
+    pub fn new(dataplane: DataPlane, catalog: Catalog, sandboxes: Sandboxes) -> Control {
         let registry = dataplane.registry();
         Control {
             dataplane: Mutex::new(dataplane),
@@ -89,6 +92,7 @@ impl Control {
             edit_lock: Mutex::new(()),
             started: Instant::now(),
             next_serial: AtomicU32::new(1 << 31),
+            sandboxes,
         }
     }
 
@@ -125,6 +129,17 @@ impl Control {
             locations.push(l.location.clone());
         }
         self.edit_located(who, change.to_string(), edits, &locations)
+    }
+
+    /// Unloads the named modules that are loaded, in one edit recorded as `change`.
+    pub fn unload_modules(&self, names: &[String], change: &str) -> Result<Json, ApiError> {
+        let loaded: Vec<String> = self.dp().snapshot().map_err(internal)?.modules.into_iter().map(|m| m.name).collect();
+        let edits: Vec<Edit> =
+            names.iter().filter(|n| loaded.contains(n)).map(|n| Edit::Unload { name: n.clone() }).collect();
+        if edits.is_empty() {
+            return Ok(json!({ "notes": [] }));
+        }
+        self.edit("daemon", change.to_string(), edits)
     }
 
     /// Applies edits atomically and records a revision.
@@ -223,6 +238,11 @@ impl Control {
             Request::Get { names } => self.get(&names),
             Request::Set { name, value } => self.set(&name, &value, who),
             Request::Watch { .. } => Err(ApiError::new(ErrorCode::InvalidRequest, "watch streams; use Control::watch")),
+            Request::AppAttach { .. } | Request::AppDetach => Err(ApiError::new(
+                ErrorCode::InvalidRequest,
+                "app_attach holds its connection as a lease; see the server",
+            )),
+            Request::AppList => Ok(json!(self.sandboxes.list())),
             Request::ShowRuntime => self.show_runtime(),
             Request::VarList { pattern } => self.var_list(pattern.as_deref()),
             Request::ConfigLog => {

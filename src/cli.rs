@@ -34,6 +34,11 @@ pub struct Cli {
 pub enum Command {
     /// Run the daemon in the foreground (logs to stderr; FLEXSTACK_LOG=debug for more).
     Daemon(DaemonArgs),
+    /// Run an unmodified program in a sandbox behind flexstack: `flexstack run [--stack FILE] [--name N] -- CMD ARGS`.
+    Run(RunArgs),
+    /// Sandboxed apps: `app list`.
+    #[command(subcommand)]
+    App(AppCmd),
     /// Daemon status.
     Status,
     /// Modules: list, kinds, load, unload, replace.
@@ -104,6 +109,26 @@ pub struct DaemonArgs {
     /// Most clients served at once.
     #[arg(long, default_value_t = 64)]
     pub max_clients: usize,
+    /// The /16 that sandboxed apps get their addresses from (app n: A.B.n.2).
+    #[arg(long, default_value = "10.77.0.0")]
+    pub app_subnet: std::net::Ipv4Addr,
+    /// Exit when the last sandboxed app detaches (how `flexstack run` starts a daemon of its own).
+    #[arg(long)]
+    pub exit_when_idle: bool,
+}
+
+/// Options of `flexstack run`.
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    /// The app's stack template (placeholders {app}, {app_dev}, {host_dev}); default: stacks/app-default.toml.
+    #[arg(long)]
+    pub stack: Option<PathBuf>,
+    /// The app's name (default appN).
+    #[arg(long)]
+    pub name: Option<String>,
+    /// The program and its arguments.
+    #[arg(required = true, last = true)]
+    pub command: Vec<String>,
 }
 
 /// `flexstack module ...`
@@ -149,6 +174,13 @@ pub enum ModuleCmd {
         #[arg(long)]
         fresh: bool,
     },
+}
+
+/// `flexstack app ...`
+#[derive(Subcommand, Debug)]
+pub enum AppCmd {
+    /// The sandboxed apps: name, namespace, addresses, user.
+    List,
 }
 
 /// `flexstack link ...`
@@ -255,12 +287,18 @@ fn run(cli: Cli) -> Result<(), CliError> {
             state_dir: cli.state_dir.clone(),
             client_timeout: Duration::from_secs_f64(d.client_timeout.max(0.05)),
             max_clients: d.max_clients.max(1),
+            app_subnet: d.app_subnet,
+            exit_when_idle: d.exit_when_idle,
         };
         return run_daemon(opts, crate::catalog()).map_err(CliError::Message);
     }
+    if let Command::Run(r) = &cli.command {
+        return crate::runner::run_app(&cli.state_dir, r).map(|code| std::process::exit(code));
+    }
     let mut client = Client::connect(&cli.state_dir)?;
     let request = match cli.command {
-        Command::Daemon(_) => unreachable!("handled above"),
+        Command::Daemon(_) | Command::Run(_) => unreachable!("handled above"),
+        Command::App(AppCmd::List) => Request::AppList,
         Command::Status => Request::Status,
         Command::Module(ModuleCmd::List) => Request::ModuleList,
         Command::Module(ModuleCmd::Kinds) => Request::ModuleKinds,
@@ -470,6 +508,16 @@ fn render(request: &Request, r: &Json) -> String {
                 .collect(),
         ),
         Request::ConfigShow { .. } => s(&r["stack"]),
+        Request::AppList => table(
+            &["NAME", "NETNS", "IPV4", "IPV6", "UID", "MODULES"],
+            arr()
+                .iter()
+                .map(|a| {
+                    let modules: Vec<String> = a["modules"].as_array().map_or(vec![], |m| m.iter().map(s).collect());
+                    vec![s(&a["name"]), s(&a["netns"]), s(&a["ipv4"]), s(&a["ipv6"]), s(&a["uid"]), modules.join(",")]
+                })
+                .collect(),
+        ),
         Request::ModuleExec { .. } => format!("{}\n", s(&r["result"])),
         _ => {
             let mut out = String::new();

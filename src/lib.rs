@@ -4,6 +4,7 @@
 //! - [`dataplane`] owns the switch on its own thread and applies queued edits between batches.
 //! - [`actions`] holds one action function per control operation, behind both the API and the CLI.
 //! - [`protocol`] defines the JSON-lines requests and responses (docs/control-api.md).
+//! - [`faces`] holds the module kinds that stand for devices (TUN), [`sandbox`] the namespaces of sandboxed apps.
 //! - [`client`] and [`cli`] are the client side.
 //!
 //! The sans-IO core (frames, modules, switch, registry, stack descriptions) is the `flexstack-core` crate; the
@@ -17,6 +18,8 @@ pub mod client;
 pub mod dataplane;
 pub mod faces;
 pub mod protocol;
+pub mod runner;
+pub mod sandbox;
 pub mod server;
 
 /// Every module kind the daemon can load: the built-ins and the network modules.

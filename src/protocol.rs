@@ -118,6 +118,23 @@ pub enum Request {
         #[serde(default)]
         pattern: Option<String>,
     },
+    /// Attaches a sandboxed app: creates its namespace, devices and modules. The connection is the app's lease:
+    /// the app is detached when the client sends `app_detach` on it or the connection closes.
+    AppAttach {
+        /// App name (default `appN`).
+        #[serde(default)]
+        name: Option<String>,
+        /// User the app will run as (recorded).
+        #[serde(default)]
+        uid: u32,
+        /// The app's stack template (default: stacks/app-default.toml).
+        #[serde(default)]
+        stack: Option<String>,
+    },
+    /// Ends the lease of the app attached on this connection.
+    AppDetach,
+    /// The sandboxed apps.
+    AppList,
     /// The revision log.
     ConfigLog,
     /// A revision's stack description as TOML; the live stack when `rev` is absent.

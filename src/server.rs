@@ -6,6 +6,7 @@
 use crate::actions::{Caller, Control};
 use crate::dataplane::DataPlane;
 use crate::protocol::{parse_request, ApiError, ErrorCode, Request, Response, MAX_REQUEST_BYTES};
+use crate::sandbox::Sandboxes;
 use flexstack_core::{Catalog, StackSpec};
 use std::io::{BufRead, BufReader, ErrorKind, Write};
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
@@ -29,6 +30,10 @@ pub struct DaemonOptions {
     pub client_timeout: Duration,
     /// Most clients served at once.
     pub max_clients: usize,
+    /// The /16 sandboxed apps get addresses from.
+    pub app_subnet: std::net::Ipv4Addr,
+    /// Exit when the last sandboxed app detaches (a daemon started by `flexstack run`).
+    pub exit_when_idle: bool,
 }
 
 /// The control socket's path in `state_dir`.
@@ -62,7 +67,7 @@ pub fn run_daemon(opts: DaemonOptions, catalog: Catalog) -> Result<(), String> {
     }
 
     let dataplane = DataPlane::start().map_err(|e| format!("cannot start the data plane: {e}"))?;
-    let control = Arc::new(Control::new(dataplane, catalog));
+    let control = Arc::new(Control::new(dataplane, catalog, Sandboxes::new(opts.app_subnet)));
     if let (Some(spec), Some(path)) = (&spec, &opts.stack) {
         if let Err(e) = control.load_stack(spec, "daemon", &format!("daemon --stack {}", path.display())) {
             control.shutdown();
@@ -81,7 +86,7 @@ pub fn run_daemon(opts: DaemonOptions, catalog: Catalog) -> Result<(), String> {
     let pid_file = opts.state_dir.join("daemon.pid");
     let _ = std::fs::write(&pid_file, format!("{}\n", std::process::id()));
 
-    install_shutdown(control.clone(), sock.clone(), pid_file)?;
+    install_shutdown(control.clone(), sock.clone(), pid_file.clone())?;
     tracing::info!(socket = %sock.display(), pid = std::process::id(), "flexstack daemon ready");
 
     let active = Arc::new(AtomicUsize::new(0));
@@ -103,9 +108,17 @@ pub fn run_daemon(opts: DaemonOptions, catalog: Catalog) -> Result<(), String> {
         }
         active.fetch_add(1, Ordering::SeqCst);
         let (control, active, timeout) = (control.clone(), active.clone(), opts.client_timeout);
+        let (exit_when_idle, sock, pid_file) = (opts.exit_when_idle, sock.clone(), pid_file.clone());
         let spawned = std::thread::Builder::new().name("client".into()).spawn(move || {
-            serve(conn, &control, timeout);
+            let had_app = serve(conn, &control, timeout);
             active.fetch_sub(1, Ordering::SeqCst);
+            if had_app && exit_when_idle && control.sandboxes.count() == 0 {
+                tracing::info!("last app detached; exiting (--exit-when-idle)");
+                let _ = std::fs::remove_file(&sock);
+                let _ = std::fs::remove_file(&pid_file);
+                control.shutdown();
+                std::process::exit(0);
+            }
         });
         if let Err(e) = spawned {
             tracing::warn!(error = %e, "cannot start a client thread");
@@ -125,6 +138,7 @@ fn install_shutdown(control: Arc<Control>, sock: PathBuf, pid_file: PathBuf) -> 
                 tracing::info!(signal = sig, "shutting down");
                 let _ = std::fs::remove_file(&sock);
                 let _ = std::fs::remove_file(&pid_file);
+                control.sandboxes.detach_all(&control);
                 control.shutdown();
                 std::process::exit(0);
             }
@@ -190,27 +204,28 @@ fn read_line(
     }
 }
 
-fn serve(conn: UnixStream, control: &Control, timeout: Duration) {
+/// Serves one client; returns true if it attached an app (its lease has ended by now).
+fn serve(conn: UnixStream, control: &Control, timeout: Duration) -> bool {
     let caller = caller_of(&conn);
     let _ = conn.set_read_timeout(Some(timeout));
     let _ = conn.set_write_timeout(Some(Duration::from_secs(5)));
-    let Ok(read_half) = conn.try_clone() else { return };
+    let Ok(read_half) = conn.try_clone() else { return false };
     let mut reader = BufReader::new(read_half);
     let mut writer = conn;
     let mut send = |r: Response| writer.write_all(r.to_line().as_bytes()).is_ok();
     loop {
         let line = match read_line(&mut reader, MAX_REQUEST_BYTES, timeout) {
             Ok(Some(l)) => l,
-            Ok(None) | Err(ReadError::Io) => return,
+            Ok(None) | Err(ReadError::Io) => return false,
             Err(ReadError::TooLarge) => {
                 let msg = format!("request longer than {MAX_REQUEST_BYTES} bytes");
                 send(Response::err(None, ApiError::new(ErrorCode::TooLarge, msg)));
-                return;
+                return false;
             }
             Err(ReadError::Timeout) => {
                 let msg = format!("no complete request within {:.1} s; closing", timeout.as_secs_f64());
                 send(Response::err(None, ApiError::new(ErrorCode::Timeout, msg)));
-                return;
+                return false;
             }
         };
         let Ok(text) = std::str::from_utf8(&line) else {
@@ -226,7 +241,7 @@ fn serve(conn: UnixStream, control: &Control, timeout: Duration) {
             Err(e) => {
                 tracing::debug!(user = %caller.user, error = %e.message, "bad request");
                 if !send(Response::err(id, e)) {
-                    return;
+                    return false;
                 }
                 continue;
             }
@@ -239,16 +254,53 @@ fn serve(conn: UnixStream, control: &Control, timeout: Duration) {
                 Err(e) => Response::err(id.clone(), e),
             };
             if !send(end) {
-                return;
+                return false;
             }
             continue;
+        }
+        if let Request::AppAttach { name, uid, stack } = request {
+            let app = match control.sandboxes.attach(control, name, uid, stack.as_deref()) {
+                Ok(app) => app,
+                Err(e) => {
+                    if !send(Response::err(id, e)) {
+                        return false;
+                    }
+                    continue;
+                }
+            };
+            if !send(Response::ok(id, serde_json::json!(app))) {
+                control.sandboxes.detach(control, &app.name);
+                return true;
+            }
+            // The lease: wait, without a time limit, for `app_detach` or the end of the connection.
+            let _ = reader.get_ref().set_read_timeout(None);
+            let detach_id = loop {
+                match read_line(&mut reader, MAX_REQUEST_BYTES, Duration::MAX) {
+                    Ok(Some(l)) => {
+                        let (rid, r) = parse_request(&String::from_utf8_lossy(&l));
+                        if matches!(r, Ok(Request::AppDetach)) {
+                            break Some(rid);
+                        }
+                        let msg = "only app_detach is accepted on an app's lease connection";
+                        if !send(Response::err(rid, ApiError::new(ErrorCode::InvalidRequest, msg))) {
+                            break None;
+                        }
+                    }
+                    _ => break None,
+                }
+            };
+            control.sandboxes.detach(control, &app.name);
+            if let Some(rid) = detach_id {
+                send(Response::ok(rid, serde_json::json!({ "detached": app.name })));
+            }
+            return true;
         }
         let response = match control.handle(request, &caller) {
             Ok(result) => Response::ok(id, result),
             Err(e) => Response::err(id, e),
         };
         if !send(response) {
-            return;
+            return false;
         }
     }
 }

@@ -1,0 +1,139 @@
+//! `flexstack run`: runs an unmodified program in a sandbox behind flexstack.
+//!
+//! 1. Finds the daemon at the state directory, or starts one (`daemon --exit-when-idle`, logging to
+//!    `STATE_DIR/daemon.log`) that stops when its last app ends.
+//! 2. Attaches the app over a connection that stays open as the app's lease (`app_attach`): the daemon creates
+//!    the app's namespace, TUN devices and modules (see [`crate::sandbox`]).
+//! 3. Runs the program in the namespace with `ip netns exec`, as the invoking user (SUDO_UID/SUDO_GID when run
+//!    through sudo) through `setpriv`, with the terminal's stdio. SIGINT/SIGTERM are passed on to it.
+//! 4. When it exits, detaches (`app_detach`) and exits with its exit code (128 + signal if it was killed). If the
+//!    daemon dies meanwhile, the program is stopped and its namespace removed here.
+
+use crate::cli::{CliError, RunArgs};
+use crate::client::{Client, ClientError};
+use crate::protocol::{request_line, Request};
+use serde_json::Value as Json;
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::os::unix::process::ExitStatusExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn msg(e: impl std::fmt::Display) -> CliError {
+    CliError::Message(e.to_string())
+}
+
+/// The user the app runs as: SUDO_UID/SUDO_GID when root runs us through sudo, else ourselves.
+fn invoking_user() -> (u32, u32) {
+    let me = (nix::unistd::getuid().as_raw(), nix::unistd::getgid().as_raw());
+    if me.0 != 0 {
+        return me;
+    }
+    let var = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<u32>().ok());
+    match (var("SUDO_UID"), var("SUDO_GID")) {
+        (Some(u), Some(g)) => (u, g),
+        _ => me,
+    }
+}
+
+fn ensure_daemon(state_dir: &Path) -> Result<(), CliError> {
+    if Client::connect(state_dir).is_ok() {
+        return Ok(());
+    }
+    std::fs::create_dir_all(state_dir).map_err(|e| msg(format!("{}: {e}", state_dir.display())))?;
+    let log = std::fs::File::create(state_dir.join("daemon.log")).map_err(msg)?;
+    let exe = std::env::current_exe().map_err(msg)?;
+    Command::new(exe)
+        .args(["daemon", "--exit-when-idle", "--state-dir"])
+        .arg(state_dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .map_err(|e| msg(format!("cannot start the daemon: {e}")))?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        if Client::connect(state_dir).is_ok() {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Err(msg(format!("the daemon did not start; see {}", state_dir.join("daemon.log").display())))
+}
+
+/// Runs the program; returns its exit code.
+pub fn run_app(state_dir: &Path, args: &RunArgs) -> Result<i32, CliError> {
+    let template = match &args.stack {
+        Some(p) => Some(std::fs::read_to_string(p).map_err(|e| msg(format!("{}: cannot read: {e}", p.display())))?),
+        None => None,
+    };
+    let (uid, gid) = invoking_user();
+    ensure_daemon(state_dir)?;
+    let sock = crate::server::socket_path(state_dir);
+    let stream = UnixStream::connect(&sock)
+        .map_err(|source| ClientError::Connect { path: sock.display().to_string(), source })?;
+    let mut writer = stream.try_clone().map_err(msg)?;
+    let mut reader = BufReader::new(stream);
+    let attach = Request::AppAttach { name: args.name.clone(), uid, stack: template };
+    writer.write_all(request_line(1, &attach).as_bytes()).map_err(msg)?;
+    let mut line = String::new();
+    reader.read_line(&mut line).map_err(msg)?;
+    let reply: Json = serde_json::from_str(&line).map_err(|e| msg(format!("unreadable reply: {e}")))?;
+    if reply["ok"] != Json::Bool(true) {
+        return Err(msg(reply["error"]["message"].as_str().unwrap_or("app_attach failed")));
+    }
+    let app = &reply["result"];
+    let netns = app["netns"].as_str().unwrap_or_default().to_string();
+    tracing::debug!(app = %app["name"], netns = %netns, ipv4 = %app["ipv4"], ipv6 = %app["ipv6"], "sandbox ready");
+
+    let mut cmd = Command::new("ip");
+    cmd.args(["netns", "exec", &netns]);
+    if uid != 0 {
+        cmd.args(["setpriv", "--reuid", &uid.to_string(), "--regid", &gid.to_string(), "--init-groups", "--"]);
+    }
+    cmd.args(&args.command);
+    let mut child = cmd.spawn().map_err(|e| msg(format!("cannot run {:?}: {e}", args.command)))?;
+
+    // Pass SIGINT/SIGTERM on to the program; we wait for it to end either way.
+    let child_pid = nix::unistd::Pid::from_raw(child.id() as i32);
+    if let Ok(mut signals) =
+        signal_hook::iterator::Signals::new([signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM])
+    {
+        std::thread::spawn(move || {
+            for sig in signals.forever() {
+                if let Ok(s) = nix::sys::signal::Signal::try_from(sig) {
+                    let _ = nix::sys::signal::kill(child_pid, s);
+                }
+            }
+        });
+    }
+    // If the daemon dies, its end of the lease closes: stop the program and clean up here.
+    let mut watch = reader.get_ref().try_clone().map_err(msg)?;
+    let ns_for_watch = netns.clone();
+    let table = app["host_table"].as_str().unwrap_or_default().to_string();
+    std::thread::spawn(move || {
+        let mut byte = [0u8; 1];
+        if matches!(std::io::Read::read(&mut watch, &mut byte), Ok(0) | Err(_)) {
+            eprintln!("flexstack run: the daemon went away; stopping the program");
+            let _ = nix::sys::signal::kill(child_pid, nix::sys::signal::Signal::SIGTERM);
+            let _ = Command::new("ip").args(["netns", "del", &ns_for_watch]).status();
+            let _ = std::fs::remove_dir_all(format!("/etc/netns/{ns_for_watch}"));
+            if table.starts_with("flexstack_") {
+                let _ = Command::new("nft").args(["delete", "table", "inet", &table]).status();
+            }
+        }
+    });
+
+    let status = child.wait().map_err(msg)?;
+    let code = status.code().unwrap_or_else(|| 128 + status.signal().unwrap_or(0));
+    // Detach and wait for the daemon to confirm, so nothing of the sandbox is left when we return.
+    if writer.write_all(request_line(2, &Request::AppDetach).as_bytes()).is_ok() {
+        let _ = writer.shutdown(std::net::Shutdown::Write);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline && Path::new(&format!("/run/netns/{netns}")).exists() {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    Ok(code)
+}

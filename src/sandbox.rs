@@ -1,0 +1,292 @@
+//! Sandboxes for unmodified applications: each app runs in a network namespace of its own whose only interface
+//! is a TUN device owned by flexstack's data plane; a second TUN device in the host namespace (the host face)
+//! hands its packets to the host kernel, which routes them onward with masquerading.
+//!
+//! What attaching an app changes on the host, all of it undone when the last app detaches (or the daemon stops):
+//! - a namespace `fs-<daemon pid>-<app>` under /run/netns and `/etc/netns/<namespace>/resolv.conf` (a copy of the
+//!   host's, so DNS works inside);
+//! - two TUN devices (`fsa…` moved into the namespace, `fsh…` in the host) and routes to the app's subnet via the
+//!   host device;
+//! - `net.ipv4.ip_forward` and `net.ipv6.conf.all.forwarding` set to 1; the values before are kept in
+//!   /run/flexstack-forwarding.saved and restored when the last daemon with apps removes its table;
+//! - an nftables table `inet flexstack_<daemon pid>` masquerading the apps' subnets on the way out.
+//!
+//! Addresses: app number n gets 10.B.n.2/24 and fd77:B:n::2/64 (B from `--app-subnet`, default 10.77.0.0/16),
+//! with default routes through its TUN device.
+
+use crate::actions::Control;
+use crate::protocol::{ApiError, ErrorCode};
+use flexstack_core::config::valid_name;
+use flexstack_core::StackSpec;
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::net::Ipv4Addr;
+use std::process::Command;
+use std::sync::Mutex;
+
+/// The chain an app gets when no template is given (stacks/app-default.toml).
+pub const DEFAULT_TEMPLATE: &str = include_str!("../stacks/app-default.toml");
+
+/// A sandboxed app.
+#[derive(Clone, Debug, Serialize)]
+pub struct App {
+    /// Name (also the name of its face module).
+    pub name: String,
+    /// Its number, the third octet of its subnet.
+    pub index: u8,
+    /// The network namespace it runs in.
+    pub netns: String,
+    /// Its TUN device inside the namespace.
+    pub app_dev: String,
+    /// The host face's TUN device.
+    pub host_dev: String,
+    /// Its IPv4 address.
+    pub ipv4: String,
+    /// Its IPv6 address.
+    pub ipv6: String,
+    /// The modules loaded for it.
+    pub modules: Vec<String>,
+    /// The daemon's nftables table (for cleanup by `flexstack run` if the daemon dies).
+    pub host_table: String,
+    /// The user it runs as.
+    pub uid: u32,
+}
+
+struct HostState {
+    table: String,
+}
+
+/// Where the host's forwarding settings are kept while any daemon's apps run.
+const SAVED_FORWARDING: &str = "/run/flexstack-forwarding.saved";
+
+/// True if an nftables table of another flexstack daemon (not `own`) exists.
+fn other_tables_exist(own: &str) -> bool {
+    let out = Command::new("nft").args(["list", "tables"]).output();
+    let text = out.map(|o| String::from_utf8_lossy(&o.stdout).to_string()).unwrap_or_default();
+    text.lines().filter_map(|l| l.split_whitespace().nth(2)).any(|t| t.starts_with("flexstack_") && t != own)
+}
+
+/// The sandboxes of one daemon.
+pub struct Sandboxes {
+    subnet: [u8; 2],
+    state: Mutex<(BTreeMap<String, App>, Option<HostState>)>,
+}
+
+fn run(args: &[&str]) -> Result<String, ApiError> {
+    let out = Command::new(args[0])
+        .args(&args[1..])
+        .output()
+        .map_err(|e| ApiError::new(ErrorCode::Internal, format!("{}: {e}", args[0])))?;
+    if !out.status.success() {
+        return Err(ApiError::new(
+            ErrorCode::Internal,
+            format!("`{}` failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()),
+        ));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).to_string())
+}
+
+fn nft(script: &str) -> Result<(), ApiError> {
+    use std::io::Write;
+    let mut child = Command::new("nft")
+        .args(["-f", "-"])
+        .stdin(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| ApiError::new(ErrorCode::Internal, format!("nft: {e} (is nftables installed?)")))?;
+    if let Some(mut stdin) = child.stdin.take() {
+        let _ = stdin.write_all(script.as_bytes());
+    }
+    let out = child.wait_with_output().map_err(|e| ApiError::new(ErrorCode::Internal, format!("nft: {e}")))?;
+    if !out.status.success() {
+        return Err(ApiError::new(
+            ErrorCode::Internal,
+            format!("nft failed: {}", String::from_utf8_lossy(&out.stderr)),
+        ));
+    }
+    Ok(())
+}
+
+const FORWARD_V4: &str = "/proc/sys/net/ipv4/ip_forward";
+const FORWARD_V6: &str = "/proc/sys/net/ipv6/conf/all/forwarding";
+
+impl Sandboxes {
+    /// Sandboxes whose apps get addresses in `subnet` (a /16 given by its first two octets).
+    pub fn new(subnet: Ipv4Addr) -> Sandboxes {
+        let o = subnet.octets();
+        Sandboxes { subnet: [o[0], o[1]], state: Mutex::new((BTreeMap::new(), None)) }
+    }
+
+    /// The apps now attached.
+    pub fn list(&self) -> Vec<App> {
+        self.state.lock().map(|s| s.0.values().cloned().collect()).unwrap_or_default()
+    }
+
+    /// Number of attached apps.
+    pub fn count(&self) -> usize {
+        self.state.lock().map(|s| s.0.len()).unwrap_or(0)
+    }
+
+    /// Creates the namespace, devices and modules for a new app, from `template` (a stack description with
+    /// `{app}`, `{app_dev}`, `{host_dev}` placeholders).
+    pub fn attach(
+        &self,
+        control: &Control,
+        name: Option<String>,
+        uid: u32,
+        template: Option<&str>,
+    ) -> Result<App, ApiError> {
+        let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let index = (1..=254u8)
+            .find(|i| !guard.0.values().any(|a| a.index == *i))
+            .ok_or_else(|| ApiError::new(ErrorCode::InvalidEdit, "254 apps are attached already"))?;
+        let name = name.unwrap_or_else(|| format!("app{index}"));
+        if !valid_name(&name) || name.len() > 24 {
+            return Err(ApiError::new(
+                ErrorCode::InvalidValue,
+                format!("invalid app name {name:?}: lowercase letters, digits, '-', '_', at most 24"),
+            ));
+        }
+        if guard.0.contains_key(&name) {
+            return Err(ApiError::new(ErrorCode::InvalidEdit, format!("an app named {name} is attached already")));
+        }
+        let pid = std::process::id() % 100_000;
+        let app_dev = format!("fsa{pid}x{index}");
+        let host_dev = format!("fsh{pid}x{index}");
+        let netns = format!("fs-{pid}-{name}");
+        let [b0, b1] = self.subnet;
+        let ipv4 = format!("{b0}.{b1}.{index}.2");
+        let ipv6 = format!("fd77:{b1:x}:{index:x}::2");
+        let text = template
+            .unwrap_or(DEFAULT_TEMPLATE)
+            .replace("{app_dev}", &app_dev)
+            .replace("{host_dev}", &host_dev)
+            .replace("{app}", &name);
+        let spec =
+            StackSpec::parse("app stack", &text).map_err(|e| ApiError::new(ErrorCode::ConfigError, e.to_string()))?;
+        let modules: Vec<String> = spec.modules.iter().map(|m| m.name.clone()).collect();
+        if !modules.contains(&name) {
+            return Err(ApiError::new(
+                ErrorCode::ConfigError,
+                "the app stack must have a module named {app} (the app's face)",
+            ));
+        }
+
+        if guard.1.is_none() {
+            guard.1 = Some(self.host_up()?);
+        }
+        run(&["ip", "netns", "add", &netns])?;
+        let app = App {
+            name: name.clone(),
+            index,
+            netns: netns.clone(),
+            app_dev: app_dev.clone(),
+            host_dev: host_dev.clone(),
+            ipv4: ipv4.clone(),
+            ipv6: ipv6.clone(),
+            modules,
+            uid,
+            host_table: format!("flexstack_{}", std::process::id()),
+        };
+        let result = (|| {
+            control.load_stack(&spec, "flexstack run", &format!("app attach {name}"))?;
+            self.configure(&app)
+        })();
+        if let Err(e) = result {
+            self.teardown(control, &app);
+            if guard.0.is_empty() {
+                if let Some(h) = guard.1.take() {
+                    self.host_down(&h);
+                }
+            }
+            return Err(e);
+        }
+        guard.0.insert(name, app.clone());
+        tracing::info!(app = %app.name, netns = %app.netns, ipv4 = %app.ipv4, "app attached");
+        Ok(app)
+    }
+
+    fn configure(&self, app: &App) -> Result<(), ApiError> {
+        let (ns, dev) = (app.netns.as_str(), app.app_dev.as_str());
+        run(&["ip", "link", "set", dev, "netns", ns])?;
+        run(&["ip", "-n", ns, "link", "set", "lo", "up"])?;
+        run(&["ip", "-n", ns, "addr", "add", &format!("{}/24", app.ipv4), "dev", dev])?;
+        run(&["ip", "-n", ns, "addr", "add", &format!("{}/64", app.ipv6), "dev", dev, "nodad"])?;
+        run(&["ip", "-n", ns, "link", "set", dev, "up"])?;
+        run(&["ip", "-n", ns, "route", "add", "default", "dev", dev])?;
+        run(&["ip", "-n", ns, "-6", "route", "add", "default", "dev", dev])?;
+        let [b0, b1] = self.subnet;
+        run(&["ip", "link", "set", &app.host_dev, "up"])?;
+        run(&["ip", "route", "add", &format!("{b0}.{b1}.{}.0/24", app.index), "dev", &app.host_dev])?;
+        run(&["ip", "-6", "route", "add", &format!("fd77:{b1:x}:{:x}::/64", app.index), "dev", &app.host_dev])?;
+        let dir = format!("/etc/netns/{ns}");
+        std::fs::create_dir_all(&dir).map_err(|e| ApiError::new(ErrorCode::Internal, format!("{dir}: {e}")))?;
+        let resolv = std::fs::read_to_string("/etc/resolv.conf").unwrap_or_default();
+        std::fs::write(format!("{dir}/resolv.conf"), resolv)
+            .map_err(|e| ApiError::new(ErrorCode::Internal, format!("{dir}: {e}")))?;
+        Ok(())
+    }
+
+    /// Removes an app's modules, namespace and files (best effort: every step is tried).
+    fn teardown(&self, control: &Control, app: &App) {
+        if let Err(e) = control.unload_modules(&app.modules, &format!("app detach {}", app.name)) {
+            tracing::warn!(app = %app.name, error = %e.message, "unloading the app's modules");
+        }
+        let _ = Command::new("ip").args(["netns", "del", &app.netns]).status();
+        let _ = std::fs::remove_dir_all(format!("/etc/netns/{}", app.netns));
+    }
+
+    /// Detaches app `name`; false if there is none.
+    pub fn detach(&self, control: &Control, name: &str) -> bool {
+        let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(app) = guard.0.remove(name) else { return false };
+        self.teardown(control, &app);
+        if guard.0.is_empty() {
+            if let Some(h) = guard.1.take() {
+                self.host_down(&h);
+            }
+        }
+        tracing::info!(app = %name, "app detached");
+        true
+    }
+
+    /// Detaches every app (daemon shutdown).
+    pub fn detach_all(&self, control: &Control) {
+        for app in self.list() {
+            self.detach(control, &app.name);
+        }
+    }
+
+    fn host_up(&self) -> Result<HostState, ApiError> {
+        // Several daemons may run side by side: the host's original forwarding settings are saved once, by the
+        // first, and restored by the last (see host_down).
+        if !other_tables_exist("") {
+            let read =
+                |p: &str| std::fs::read_to_string(p).map(|s| s.trim().to_string()).unwrap_or_else(|_| "0".into());
+            let _ = std::fs::write(SAVED_FORWARDING, format!("{} {}\n", read(FORWARD_V4), read(FORWARD_V6)));
+        }
+        let saved = HostState { table: format!("flexstack_{}", std::process::id()) };
+        let [b0, b1] = self.subnet;
+        nft(&format!(
+            "table inet {t} {{\n  chain postrouting {{\n    type nat hook postrouting priority srcnat; policy accept;\n    \
+             ip saddr {b0}.{b1}.0.0/16 oifname != \"fsh*\" masquerade\n    \
+             ip6 saddr fd77:{b1:x}::/32 oifname != \"fsh*\" masquerade\n  }}\n}}\n",
+            t = saved.table
+        ))?;
+        let _ = std::fs::write(FORWARD_V4, "1");
+        let _ = std::fs::write(FORWARD_V6, "1");
+        Ok(saved)
+    }
+
+    fn host_down(&self, h: &HostState) {
+        let _ = Command::new("nft").args(["delete", "table", "inet", &h.table]).status();
+        if !other_tables_exist(&h.table) {
+            if let Ok(saved) = std::fs::read_to_string(SAVED_FORWARDING) {
+                let mut v = saved.split_whitespace();
+                let _ = std::fs::write(FORWARD_V4, v.next().unwrap_or("0"));
+                let _ = std::fs::write(FORWARD_V6, v.next().unwrap_or("0"));
+                let _ = std::fs::remove_file(SAVED_FORWARDING);
+            }
+        }
+    }
+}

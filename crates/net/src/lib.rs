@@ -12,6 +12,7 @@ pub mod classify;
 pub mod firewall;
 pub mod icmp;
 pub mod ip;
+pub mod nat;
 pub mod packet;
 
 use flexstack_core::Catalog;
@@ -22,5 +23,6 @@ pub fn register(catalog: &mut Catalog) {
     catalog.register(Box::new(icmp::IcmpKind));
     catalog.register(Box::new(classify::ClassifyKind));
     catalog.register(Box::new(firewall::FirewallKind));
+    catalog.register(Box::new(nat::NatKind));
     let _ = catalog;
 }

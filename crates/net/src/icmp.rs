@@ -240,37 +240,21 @@ impl ModuleKind for IcmpKind {
 
     fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
         let mut r = settings.reader(KIND);
-        // The settings reader has no array accessor: reading the key as a string marks it as known (its error for
-        // an array is ignored), and the raw value is read here.
-        let _ = r.string("addresses");
-        let mut addresses = Vec::new();
-        if let Some(s) = settings.get("addresses") {
-            let words: Vec<String> = match &s.value {
-                toml::Value::String(text) => {
-                    text.split([',', ' ']).filter(|w| !w.is_empty()).map(str::to_string).collect()
-                }
-                toml::Value::Array(items) => items
-                    .iter()
-                    .map(|v| {
-                        v.as_str()
-                            .map(str::to_string)
-                            .ok_or_else(|| r.error("addresses", format_args!("expected address strings, got {v}")))
-                    })
-                    .collect::<Result<_, _>>()?,
-                other => {
-                    return Err(r.error(
-                        "addresses",
-                        format_args!("expected an array of address strings, got {}", other.type_str()),
-                    ))
-                }
-            };
-            for w in words {
-                let a: IpAddr = w
-                    .trim()
-                    .parse()
-                    .map_err(|_| r.error("addresses", format_args!("{w:?} is not an IPv4 or IPv6 address")))?;
-                addresses.push(a);
+        // An array of address strings, or (handy on a command line) one string of them.
+        let words = match settings.get("addresses").map(|s| &s.value) {
+            Some(toml::Value::String(_)) => {
+                let text = r.string("addresses")?.unwrap_or_default();
+                text.split([',', ' ']).filter(|w| !w.is_empty()).map(str::to_string).collect()
             }
+            _ => r.strings("addresses")?.unwrap_or_default(),
+        };
+        let mut addresses = Vec::new();
+        for w in words {
+            let a: IpAddr = w
+                .trim()
+                .parse()
+                .map_err(|_| r.error("addresses", format_args!("{w:?} is not an IPv4 or IPv6 address")))?;
+            addresses.push(a);
         }
         r.finish()?;
         Ok(Box::new(IcmpBuilder { addresses }))

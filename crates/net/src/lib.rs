@@ -14,11 +14,13 @@ pub mod icmp;
 pub mod ip;
 pub mod nat;
 pub mod packet;
+pub mod reassemble;
 
 use flexstack_core::Catalog;
 
 /// Adds this crate's module kinds to `catalog`.
 pub fn register(catalog: &mut Catalog) {
+    catalog.register(Box::new(reassemble::ReassembleKind));
     catalog.register(Box::new(ip::IpKind));
     catalog.register(Box::new(icmp::IcmpKind));
     catalog.register(Box::new(classify::ClassifyKind));

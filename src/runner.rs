@@ -18,6 +18,8 @@ use std::os::unix::net::UnixStream;
 use std::os::unix::process::ExitStatusExt;
 use std::path::Path;
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 fn msg(e: impl std::fmt::Display) -> CliError {
@@ -62,6 +64,11 @@ fn ensure_daemon(state_dir: &Path) -> Result<(), CliError> {
     Err(msg(format!("the daemon did not start; see {}", state_dir.join("daemon.log").display())))
 }
 
+/// A signal that arrived before the program started, if any.
+fn pending_signal(interrupted: &AtomicI32) -> Option<nix::sys::signal::Signal> {
+    nix::sys::signal::Signal::try_from(interrupted.load(Ordering::SeqCst)).ok()
+}
+
 /// Runs the program; returns its exit code.
 pub fn run_app(state_dir: &Path, args: &RunArgs) -> Result<i32, CliError> {
     let template = match &args.stack {
@@ -69,6 +76,24 @@ pub fn run_app(state_dir: &Path, args: &RunArgs) -> Result<i32, CliError> {
         None => None,
     };
     let (uid, gid) = invoking_user();
+    // SIGINT/SIGTERM are caught from here on: passed on to the program once it runs, or, if they come earlier,
+    // kept and delivered to it as soon as it starts (so the sandbox is always cleaned up by the code below).
+    let forward_to = Arc::new(AtomicI32::new(0));
+    let interrupted = Arc::new(AtomicI32::new(0));
+    let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM])
+        .map_err(|e| msg(format!("signals: {e}")))?;
+    let (target, pending) = (forward_to.clone(), interrupted.clone());
+    std::thread::spawn(move || {
+        for sig in signals.forever() {
+            let pid = target.load(Ordering::SeqCst);
+            match nix::sys::signal::Signal::try_from(sig) {
+                Ok(s) if pid != 0 => {
+                    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), s);
+                }
+                _ => pending.store(sig, Ordering::SeqCst),
+            }
+        }
+    });
     ensure_daemon(state_dir)?;
     let sock = crate::server::socket_path(state_dir);
     let stream = UnixStream::connect(&sock)
@@ -95,38 +120,37 @@ pub fn run_app(state_dir: &Path, args: &RunArgs) -> Result<i32, CliError> {
     cmd.args(&args.command);
     let mut child = cmd.spawn().map_err(|e| msg(format!("cannot run {:?}: {e}", args.command)))?;
 
-    // Pass SIGINT/SIGTERM on to the program; we wait for it to end either way.
     let child_pid = nix::unistd::Pid::from_raw(child.id() as i32);
-    if let Ok(mut signals) =
-        signal_hook::iterator::Signals::new([signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM])
-    {
-        std::thread::spawn(move || {
-            for sig in signals.forever() {
-                if let Ok(s) = nix::sys::signal::Signal::try_from(sig) {
-                    let _ = nix::sys::signal::kill(child_pid, s);
-                }
-            }
-        });
+    forward_to.store(child_pid.as_raw(), Ordering::SeqCst);
+    if let Some(sig) = pending_signal(&interrupted) {
+        let _ = nix::sys::signal::kill(child_pid, sig);
     }
-    // If the daemon dies, its end of the lease closes: stop the program and clean up here.
+
+    // If the daemon dies, its end of the lease closes: stop the program (and clean up below).
+    let daemon_gone = Arc::new(AtomicBool::new(false));
     let mut watch = reader.get_ref().try_clone().map_err(msg)?;
-    let ns_for_watch = netns.clone();
-    let table = app["host_table"].as_str().unwrap_or_default().to_string();
+    let gone = daemon_gone.clone();
     std::thread::spawn(move || {
         let mut byte = [0u8; 1];
         if matches!(std::io::Read::read(&mut watch, &mut byte), Ok(0) | Err(_)) {
+            gone.store(true, Ordering::SeqCst);
             eprintln!("flexstack run: the daemon went away; stopping the program");
             let _ = nix::sys::signal::kill(child_pid, nix::sys::signal::Signal::SIGTERM);
-            let _ = Command::new("ip").args(["netns", "del", &ns_for_watch]).status();
-            let _ = std::fs::remove_dir_all(format!("/etc/netns/{ns_for_watch}"));
-            if table.starts_with("flexstack_") {
-                let _ = Command::new("nft").args(["delete", "table", "inet", &table]).status();
-            }
         }
     });
 
     let status = child.wait().map_err(msg)?;
     let code = status.code().unwrap_or_else(|| 128 + status.signal().unwrap_or(0));
+    if daemon_gone.load(Ordering::SeqCst) {
+        // Its devices went with it; the namespace, files and nftables table are ours to remove.
+        let _ = Command::new("ip").args(["netns", "del", &netns]).status();
+        let _ = std::fs::remove_dir_all(format!("/etc/netns/{netns}"));
+        let table = app["host_table"].as_str().unwrap_or_default();
+        if table.starts_with("flexstack_") {
+            crate::sandbox::remove_host_table(table);
+        }
+        return Ok(code);
+    }
     // Detach and wait for the daemon to confirm, so nothing of the sandbox is left when we return.
     if writer.write_all(request_line(2, &Request::AppDetach).as_bytes()).is_ok() {
         let _ = writer.shutdown(std::net::Shutdown::Write);

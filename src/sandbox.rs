@@ -59,6 +59,20 @@ struct HostState {
 /// Where the host's forwarding settings are kept while any daemon's apps run.
 const SAVED_FORWARDING: &str = "/run/flexstack-forwarding.saved";
 
+/// Deletes a daemon's nftables table; if no other daemon's remains, restores the host's forwarding settings.
+/// Also used by `flexstack run` to clean up after a daemon that died.
+pub fn remove_host_table(table: &str) {
+    let _ = Command::new("nft").args(["delete", "table", "inet", table]).status();
+    if !other_tables_exist(table) {
+        if let Ok(saved) = std::fs::read_to_string(SAVED_FORWARDING) {
+            let mut v = saved.split_whitespace();
+            let _ = std::fs::write(FORWARD_V4, v.next().unwrap_or("0"));
+            let _ = std::fs::write(FORWARD_V6, v.next().unwrap_or("0"));
+            let _ = std::fs::remove_file(SAVED_FORWARDING);
+        }
+    }
+}
+
 /// True if an nftables table of another flexstack daemon (not `own`) exists.
 fn other_tables_exist(own: &str) -> bool {
     let out = Command::new("nft").args(["list", "tables"]).output();
@@ -279,14 +293,6 @@ impl Sandboxes {
     }
 
     fn host_down(&self, h: &HostState) {
-        let _ = Command::new("nft").args(["delete", "table", "inet", &h.table]).status();
-        if !other_tables_exist(&h.table) {
-            if let Ok(saved) = std::fs::read_to_string(SAVED_FORWARDING) {
-                let mut v = saved.split_whitespace();
-                let _ = std::fs::write(FORWARD_V4, v.next().unwrap_or("0"));
-                let _ = std::fs::write(FORWARD_V6, v.next().unwrap_or("0"));
-                let _ = std::fs::remove_file(SAVED_FORWARDING);
-            }
-        }
+        remove_host_table(&h.table);
     }
 }

@@ -1,0 +1,266 @@
+//! End-to-end: `flexstack run` puts unmodified programs (ping, curl, sh, sleep) in sandboxes behind flexstack and
+//! reaches a server in another namespace through the host face. Checks addresses, exit codes, the user the program
+//! runs as, several sandboxes on one daemon, Ctrl-C, a daemon crash, and that nothing is left behind.
+//! Needs root (skips with a reason outside CI).
+
+mod common;
+
+use common::{bin, privileged, sh, unique, Background, Netns};
+use serde_json::Value as Json;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// A server namespace joined to the host by a veth pair, with IPv4 and IPv6 addresses and an HTTP server.
+struct Server {
+    _ns: Netns,
+    host_dev: String,
+    v4: String,
+    v6: String,
+    _http: Background,
+    _www: tempfile::TempDir,
+}
+
+impl Server {
+    fn new(octet: u8, blob: &[u8]) -> Server {
+        let ns = Netns::new("srv");
+        let (h, s) = (unique("h"), unique("s"));
+        sh("ip", &["link", "add", &h, "type", "veth", "peer", "name", &s]);
+        sh("ip", &["addr", "add", &format!("10.{octet}.7.1/24"), "dev", &h]);
+        sh("ip", &["addr", "add", &format!("fd98:{octet:x}::1/64"), "dev", &h, "nodad"]);
+        sh("ip", &["link", "set", &h, "up"]);
+        ns.adopt(&s, &[&format!("10.{octet}.7.2/24"), &format!("fd98:{octet:x}::2/64")]);
+        sh("ip", &["-n", &ns.name, "route", "add", "default", "via", &format!("10.{octet}.7.1")]);
+        sh("ip", &["-n", &ns.name, "-6", "route", "add", "default", "via", &format!("fd98:{octet:x}::1")]);
+        let www = tempfile::tempdir().unwrap();
+        std::fs::write(www.path().join("blob"), blob).unwrap();
+        let http = ns.spawn(&[
+            "python3",
+            "-m",
+            "http.server",
+            "8080",
+            "--bind",
+            "::",
+            "--directory",
+            www.path().to_str().unwrap(),
+        ]);
+        let v4 = format!("10.{octet}.7.2");
+        for _ in 0..100 {
+            if ns.run(&["curl", "-sf", "-o", "/dev/null", &format!("http://{v4}:8080/blob")]).status.success() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Server { _ns: ns, host_dev: h, v4, v6: format!("fd98:{octet:x}::2"), _http: http, _www: www }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["link", "del", &self.host_dev]).status();
+    }
+}
+
+/// A daemon started explicitly, with its own app subnet.
+struct Daemon {
+    child: std::process::Child,
+    state: tempfile::TempDir,
+}
+
+impl Daemon {
+    fn start(subnet_octet: u8) -> Daemon {
+        let state = tempfile::tempdir().unwrap();
+        let child = Command::new(bin())
+            .args(["daemon", "--app-subnet", &format!("10.{subnet_octet}.0.0"), "--state-dir"])
+            .arg(state.path())
+            .env("FLEXSTACK_LOG", "warn")
+            .spawn()
+            .unwrap();
+        let d = Daemon { child, state };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline && !d.cli(&["status"]).status.success() {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        d
+    }
+
+    fn cli(&self, args: &[&str]) -> Output {
+        Command::new(bin()).arg("--state-dir").arg(self.state.path()).args(args).output().unwrap()
+    }
+
+    fn run(&self, args: &[&str]) -> Output {
+        let mut a = vec!["run"];
+        a.extend_from_slice(args);
+        self.cli(&a)
+    }
+
+    fn apps(&self) -> Json {
+        serde_json::from_slice(&self.cli(&["-j", "app", "list"]).stdout).unwrap_or(Json::Null)
+    }
+
+    fn spawn_run(&self, args: &[&str]) -> std::process::Child {
+        Command::new(bin())
+            .arg("--state-dir")
+            .arg(self.state.path())
+            .arg("run")
+            .args(args)
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap()
+    }
+
+    fn wait_for_apps(&self, n: usize) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if self.apps().as_array().is_some_and(|a| a.len() == n) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("expected {n} apps, have {}", self.apps());
+    }
+
+    fn namespaces_left(&self) -> Vec<String> {
+        let prefix = format!("fs-{}-", self.child.id() % 100_000);
+        sh("ip", &["netns", "list"]).lines().filter(|l| l.starts_with(&prefix)).map(str::to_string).collect()
+    }
+
+    fn table_exists(&self) -> bool {
+        sh("nft", &["list", "tables"]).contains(&format!("flexstack_{}", self.child.id()))
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.child.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline && self.child.try_wait().ok().flatten().is_none() {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn octets() -> (u8, u8) {
+    let p = (std::process::id() % 40) as u8;
+    (100 + p, 150 + p)
+}
+
+fn text(o: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}
+
+#[test]
+fn unmodified_programs_reach_a_server_through_the_host_face() {
+    if !privileged("unmodified_programs_reach_a_server_through_the_host_face") {
+        return;
+    }
+    let (app_octet, srv_octet) = octets();
+    let blob: Vec<u8> = (0..2_000_000u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+    let srv = Server::new(srv_octet, &blob);
+    let d = Daemon::start(app_octet);
+    let want = sh(
+        "sh",
+        &[
+            "-c",
+            &format!(
+                "python3 -c 'import hashlib,sys; print(hashlib.sha256(open(\"{}\",\"rb\").read()).hexdigest())'",
+                srv._www.path().join("blob").display()
+            ),
+        ],
+    );
+
+    // ping (v4 and v6) and curl (v4 and v6) in one sandbox; the file arrives intact both ways.
+    let script = format!(
+        "ping -c 2 -W 2 {v4} && ping -6 -c 2 -W 2 {v6} && curl -sf http://{v4}:8080/blob | sha256sum && \
+         curl -sf 'http://[{v6}]:8080/blob' | sha256sum && ip -br addr show",
+        v4 = srv.v4,
+        v6 = srv.v6
+    );
+    let out = d.run(&["--", "sh", "-c", &script]);
+    let t = text(&out);
+    assert!(out.status.success(), "{t}");
+    assert_eq!(t.matches(want.trim()).count(), 2, "both downloads are intact: {t}");
+    assert!(t.contains(&format!("10.{app_octet}.1.2/24")), "the sandbox has its virtual IPv4 address: {t}");
+    assert!(t.contains(&format!("fd77:{app_octet:x}:1::2/64")), "and its IPv6 address: {t}");
+
+    // The exit code is passed through; the program runs as the invoking user.
+    assert_eq!(d.run(&["--", "sh", "-c", "exit 7"]).status.code(), Some(7));
+    let out = Command::new(bin())
+        .arg("--state-dir")
+        .arg(d.state.path())
+        .args(["run", "--", "id", "-u"])
+        .env("SUDO_UID", "65534")
+        .env("SUDO_GID", "65534")
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "65534", "{}", text(&out));
+
+    // Two sandboxes at once on one daemon, each listed; both gone when they end.
+    let mut a = d.spawn_run(&["--name", "web", "--", "sleep", "2"]);
+    let mut b = d.spawn_run(&["--name", "dns", "--", "sleep", "2"]);
+    d.wait_for_apps(2);
+    let apps = d.apps();
+    let names: Vec<&str> = apps.as_array().unwrap().iter().map(|a| a["name"].as_str().unwrap()).collect();
+    assert!(names.contains(&"web") && names.contains(&"dns"), "{apps}");
+    assert!(a.wait().unwrap().success() && b.wait().unwrap().success());
+    d.wait_for_apps(0);
+
+    // Ctrl-C reaches the program; the sandbox is cleaned up.
+    let mut c = d.spawn_run(&["--", "sleep", "30"]);
+    d.wait_for_apps(1);
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(c.id() as i32), nix::sys::signal::Signal::SIGINT).unwrap();
+    let status = c.wait().unwrap();
+    assert_eq!(status.code(), Some(130), "sleep was interrupted");
+    d.wait_for_apps(0);
+
+    assert!(d.namespaces_left().is_empty(), "namespaces left: {:?}", d.namespaces_left());
+    assert!(!d.table_exists(), "the nftables table goes with the last app");
+    drop(srv);
+}
+
+#[test]
+fn a_daemon_crash_stops_the_program_and_leaves_nothing() {
+    if !privileged("a_daemon_crash_stops_the_program_and_leaves_nothing") {
+        return;
+    }
+    let (app_octet, _) = octets();
+    let mut d = Daemon::start(app_octet.wrapping_add(50));
+    let mut c = d.spawn_run(&["--", "sleep", "30"]);
+    d.wait_for_apps(1);
+    assert_eq!(d.namespaces_left().len(), 1);
+    assert!(d.table_exists());
+    d.child.kill().unwrap();
+    d.child.wait().unwrap();
+    let t0 = Instant::now();
+    let status = c.wait().unwrap();
+    assert!(t0.elapsed() < Duration::from_secs(10));
+    assert!(!status.success(), "the program was stopped");
+    assert!(d.namespaces_left().is_empty(), "namespaces left: {:?}", d.namespaces_left());
+    assert!(!d.table_exists(), "the dead daemon's nftables table was removed");
+}
+
+#[test]
+fn run_starts_a_daemon_of_its_own_and_stops_it() {
+    if !privileged("run_starts_a_daemon_of_its_own_and_stops_it") {
+        return;
+    }
+    let state = tempfile::tempdir().unwrap();
+    let out = Command::new(bin())
+        .arg("--state-dir")
+        .arg(state.path())
+        .args(["run", "--", "sh", "-c", "ip -br addr; exit 3"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(3), "{}", text(&out));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("10.77."), "{}", text(&out));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < deadline && state.path().join("control.sock").exists() {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(!state.path().join("control.sock").exists(), "the daemon it started has exited");
+    assert!(state.path().join("daemon.log").exists());
+}

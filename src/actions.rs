@@ -243,6 +243,20 @@ impl Control {
                 "app_attach holds its connection as a lease; see the server",
             )),
             Request::AppList => Ok(json!(self.sandboxes.list())),
+            Request::TapAdd { link, file } => self.tap_add(&link, &file, who),
+            Request::TapDel { name } => {
+                let is_tap =
+                    self.dp().snapshot().map_err(internal)?.modules.iter().any(|m| m.name == name && m.kind == "tap");
+                if !is_tap {
+                    return Err(ApiError::new(
+                        ErrorCode::NotFound,
+                        format!("no tap named {name} (see `flexstack tap list`)"),
+                    ));
+                }
+                let e = Edit::Unload { name };
+                self.edit(who, e.to_string(), vec![e])
+            }
+            Request::TapList => self.tap_list(),
             Request::ShowRuntime => self.show_runtime(),
             Request::VarList { pattern } => self.var_list(pattern.as_deref()),
             Request::ConfigLog => {
@@ -266,6 +280,79 @@ impl Control {
             },
             Request::ConfigRollback { rev } => self.rollback(rev, who),
         }
+    }
+
+    /// Loads a tap recording the frames that leave the sender port of `link`, as one more receiver of that port.
+    fn tap_add(&self, link: &str, file: &str, who: &str) -> Result<Json, ApiError> {
+        // "a -> b" names the link by its sender; "a[port]" or "a" alone names the port directly.
+        let sender_text = link.split("->").next().unwrap_or(link).trim();
+        let l =
+            LinkSpec::parse(&format!("{sender_text} -> x")).map_err(|m| ApiError::new(ErrorCode::InvalidEdit, m))?;
+        if !std::path::Path::new(file).is_absolute() {
+            return Err(ApiError::new(
+                ErrorCode::InvalidValue,
+                format!("the capture file must be an absolute path, got {file:?}"),
+            ));
+        }
+        let snap = self.dp().snapshot().map_err(internal)?;
+        let module = snap
+            .modules
+            .iter()
+            .find(|m| m.name == l.from.module)
+            .ok_or_else(|| ApiError::new(ErrorCode::NotFound, format!("no module named `{}`", l.from.module)))?;
+        let data_ports: Vec<&(String, String)> = module.outputs.iter().filter(|(p, _)| p != "ctl").collect();
+        let (port, ty) = match &l.from.port {
+            Some(p) => module.outputs.iter().find(|(n, _)| n == p),
+            None if data_ports.len() == 1 => Some(data_ports[0]),
+            None => None,
+        }
+        .ok_or_else(|| {
+            let ports: Vec<&str> = module.outputs.iter().map(|(p, _)| p.as_str()).collect();
+            ApiError::new(
+                ErrorCode::InvalidEdit,
+                format!("name one output port of {}: {}", module.name, ports.join(", ")),
+            )
+        })?;
+        let linktype = if ty == "ethernet" { "ethernet" } else { "raw" };
+        let name =
+            (1..).map(|n| format!("tap{n}")).find(|n| !snap.modules.iter().any(|m| &m.name == n)).unwrap_or_default();
+        let mut settings = Settings::default();
+        settings.insert("path", toml::Value::String(file.to_string()));
+        settings.insert("linktype", toml::Value::String(linktype.into()));
+        settings.insert("passthrough", toml::Value::Boolean(false));
+        let builder = self.configure("tap", &settings)?;
+        let link = LinkSpec::parse(&format!("{}[{port}] -> {name}", module.name))
+            .map_err(|m| ApiError::new(ErrorCode::Internal, m))?;
+        let change = format!("tap add {}[{port}] {file} (as {name})", module.name);
+        let edits = vec![Edit::Load { name: name.clone(), kind: "tap".into(), settings, builder }, Edit::Link(link)];
+        let mut result = self.edit(who, change, edits)?;
+        result["tap"] = json!(name);
+        result["linktype"] = json!(linktype);
+        Ok(result)
+    }
+
+    fn tap_list(&self) -> Result<Json, ApiError> {
+        let snap = self.dp().snapshot().map_err(internal)?;
+        let rows = snap
+            .modules
+            .iter()
+            .filter(|m| m.kind == "tap")
+            .map(|m| {
+                let spec = snap.spec.modules.iter().find(|s| s.name == m.name);
+                let setting = |k: &str| {
+                    spec.and_then(|s| s.settings.get(k)).map(|v| v.value.to_string().trim_matches('"').to_string())
+                };
+                let taps: Vec<String> = snap
+                    .edges
+                    .iter()
+                    .filter(|e| e.to == m.name)
+                    .map(|e| format!("{}[{}]", e.from, e.from_port))
+                    .collect();
+                json!({"name": m.name, "file": setting("path"), "linktype": setting("linktype"), "taps": taps,
+                       "frames": self.u64_var(&format!("module.{}.frames_total", m.name))})
+            })
+            .collect();
+        Ok(Json::Array(rows))
     }
 
     /// Sends an `Exec` control frame to module `name` and returns the value of its `ExecReply`.

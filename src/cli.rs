@@ -36,6 +36,9 @@ pub enum Command {
     Daemon(DaemonArgs),
     /// Run an unmodified program in a sandbox behind flexstack: `flexstack run [--stack FILE] [--name N] -- CMD ARGS`.
     Run(RunArgs),
+    /// Packet captures on links: `tap add LINK FILE`, `tap del NAME`, `tap list`.
+    #[command(subcommand)]
+    Tap(TapCmd),
     /// Sandboxed apps: `app list`.
     #[command(subcommand)]
     App(AppCmd),
@@ -176,6 +179,25 @@ pub enum ModuleCmd {
     },
 }
 
+/// `flexstack tap ...`
+#[derive(Subcommand, Debug)]
+pub enum TapCmd {
+    /// Record the frames of a link (`"a -> b"`, or a port `"a[port]"`) to a pcapng file.
+    Add {
+        /// The link or port.
+        link: String,
+        /// The pcapng file to write.
+        file: PathBuf,
+    },
+    /// Stop a tap and close its file.
+    Del {
+        /// The tap's name (see `tap list`).
+        name: String,
+    },
+    /// The taps.
+    List,
+}
+
 /// `flexstack app ...`
 #[derive(Subcommand, Debug)]
 pub enum AppCmd {
@@ -299,6 +321,12 @@ fn run(cli: Cli) -> Result<(), CliError> {
     let request = match cli.command {
         Command::Daemon(_) | Command::Run(_) => unreachable!("handled above"),
         Command::App(AppCmd::List) => Request::AppList,
+        Command::Tap(TapCmd::Add { link, file }) => {
+            let abs = std::path::absolute(&file).map_err(|e| CliError::Message(format!("{}: {e}", file.display())))?;
+            Request::TapAdd { link, file: abs.display().to_string() }
+        }
+        Command::Tap(TapCmd::Del { name }) => Request::TapDel { name },
+        Command::Tap(TapCmd::List) => Request::TapList,
         Command::Status => Request::Status,
         Command::Module(ModuleCmd::List) => Request::ModuleList,
         Command::Module(ModuleCmd::Kinds) => Request::ModuleKinds,
@@ -508,6 +536,17 @@ fn render(request: &Request, r: &Json) -> String {
                 .collect(),
         ),
         Request::ConfigShow { .. } => s(&r["stack"]),
+        Request::TapAdd { .. } => format!("ok: {} records to the file (revision {})\n", s(&r["tap"]), r["revision"]),
+        Request::TapList => table(
+            &["NAME", "TAPS", "LINKTYPE", "FRAMES", "FILE"],
+            arr()
+                .iter()
+                .map(|t| {
+                    let taps: Vec<String> = t["taps"].as_array().map_or(vec![], |a| a.iter().map(s).collect());
+                    vec![s(&t["name"]), taps.join(","), s(&t["linktype"]), s(&t["frames"]), s(&t["file"])]
+                })
+                .collect(),
+        ),
         Request::AppList => table(
             &["NAME", "NETNS", "IPV4", "IPV6", "UID", "MODULES"],
             arr()

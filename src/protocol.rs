@@ -135,6 +135,20 @@ pub enum Request {
     AppDetach,
     /// The sandboxed apps.
     AppList,
+    /// Records the frames of a link to a pcapng file: loads a tap as one more receiver of the link's sender port.
+    TapAdd {
+        /// The link (`"a -> b"` or `"a[port]"`): frames leaving that port are recorded.
+        link: String,
+        /// The pcapng file (absolute path).
+        file: String,
+    },
+    /// Removes a tap added with `tap_add`.
+    TapDel {
+        /// The tap's module name.
+        name: String,
+    },
+    /// The taps: module name, file, tapped port, frames written.
+    TapList,
     /// The revision log.
     ConfigLog,
     /// A revision's stack description as TOML; the live stack when `rev` is absent.

@@ -42,6 +42,34 @@ outputs = 2
     assert!(d.get_u64("module.a.rx_packets_total") >= 6, "a read the requests from its device");
     assert!(d.get_u64("module.a.tx_packets_total") >= 6, "a wrote the replies to its device");
 
+    // A tap added at runtime records the link a -> count as pcapng (LINKTYPE_RAW) that tshark reads.
+    let pcap = tempfile::tempdir().unwrap();
+    let file = pcap.path().join("a.pcapng");
+    let added = d.json(&["tap", "add", "a -> count", file.to_str().unwrap()]);
+    assert_eq!(added["linktype"], "raw");
+    let out = ns_a.run(&["ping", "-c", "3", "-i", "0.2", "-W", "2", "10.99.0.2"]);
+    assert!(out.status.success());
+    let taps = d.json(&["tap", "list"]);
+    assert_eq!(taps[0]["taps"][0], "a[out]", "{taps}");
+    assert!(taps[0]["frames"].as_u64().unwrap() >= 3, "{taps}");
+    d.ok(&["tap", "del", added["tap"].as_str().unwrap()]);
+    let shark = std::process::Command::new("tshark")
+        .args([
+            "-r",
+            file.to_str().unwrap(),
+            "-Y",
+            "icmp.type == 8 && ip.dst == 10.99.0.2",
+            "-T",
+            "fields",
+            "-e",
+            "ip.src",
+        ])
+        .output()
+        .expect("tshark (scripts/setup.sh installs it)");
+    assert!(shark.status.success(), "tshark: {}", String::from_utf8_lossy(&shark.stderr));
+    let requests: Vec<String> = String::from_utf8_lossy(&shark.stdout).lines().map(str::to_string).collect();
+    assert_eq!(requests, ["10.99.0.1"; 3], "tshark reads the three echo requests from the capture");
+
     // Real HTTP: a file served in B, fetched from A, checksum equal.
     let dir = tempfile::tempdir().unwrap();
     let payload: Vec<u8> = (0..3_000_000u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8).collect();

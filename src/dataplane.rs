@@ -175,7 +175,7 @@ impl Loop {
                     match dev.read_packet(&mut buf) {
                         Ok(true) => {
                             let mut p = pool.alloc_from(&buf);
-                            p.set_direction(flexstack_core::Direction::Down);
+                            p.set_direction(dev.direction());
                             batch.push(Frame::Data(p));
                         }
                         Ok(false) => break,

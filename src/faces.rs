@@ -6,7 +6,9 @@
 //! writes it on the module's behalf (see [`crate::dataplane`]). Dropping the module drops the device.
 //!
 //! Kind `tun`: a TUN device carrying raw IP packets. Ports: input `in` (to the device), output `out` (from it).
-//! Settings: `name` (interface name, required), `mtu` (default 1500), `queue` (most packets waiting for the
+//! Settings: `name` (interface name, required), `mtu` (default 1500), `direction` (of the frames read from it:
+//! `"down"`, the default, for an app's virtual NIC whose packets go towards the network; `"up"` for a face on the
+//! network side, such as the host face), `queue` (most packets waiting for the
 //! device, default 4096; beyond, drop_queue_full). Meters: rx_packets_total, rx_bytes_total, rx_errors_total,
 //! tx_errors_total (counted as the data plane does the device's I/O), tx_packets_total, tx_bytes_total,
 //! drop_queue_full_total, device (the interface name).
@@ -28,6 +30,7 @@ const MAX_PACKET: usize = 65_535;
 /// meters (written only by the data-plane thread).
 pub struct TunDevice {
     name: String,
+    direction: Direction,
     dev: tun_rs::SyncDevice,
     meters: OnceLock<DeviceMeters>,
 }
@@ -42,11 +45,11 @@ struct DeviceMeters {
 
 impl TunDevice {
     /// Creates TUN device `name` with `mtu`, up, non-blocking. Needs CAP_NET_ADMIN.
-    pub fn create(name: &str, mtu: u16) -> std::io::Result<TunDevice> {
+    pub fn create(name: &str, mtu: u16, direction: Direction) -> std::io::Result<TunDevice> {
         let dev = tun_rs::DeviceBuilder::new().name(name).mtu(mtu).build_sync()?;
         dev.set_nonblocking(true)?;
         dev.enabled(true)?;
-        Ok(TunDevice { name: name.to_string(), dev, meters: OnceLock::new() })
+        Ok(TunDevice { name: name.to_string(), direction, dev, meters: OnceLock::new() })
     }
 }
 
@@ -85,6 +88,10 @@ impl FaceDevice for TunDevice {
         }
     }
 
+    fn direction(&self) -> Direction {
+        self.direction
+    }
+
     fn write_packet(&self, packet: &[u8]) -> std::io::Result<()> {
         self.dev.send(packet).map(|_| ()).inspect_err(|_| {
             if let Some(m) = self.meters.get() {
@@ -111,6 +118,11 @@ impl ModuleKind for TunKind {
         let name = r.string("name")?;
         let mtu = r.u64("mtu")?.unwrap_or(1500);
         let queue = r.u64("queue")?.unwrap_or(4096);
+        let direction = match r.string("direction")?.as_deref() {
+            None | Some("down") => Direction::Down,
+            Some("up") => Direction::Up,
+            Some(other) => return Err(r.error("direction", format_args!("expected \"down\" or \"up\", got {other:?}"))),
+        };
         let Some(name) = name else {
             return Err(r.error("name", "is required: the TUN interface's name, e.g. name = \"fs-app0\""));
         };
@@ -129,7 +141,7 @@ impl ModuleKind for TunKind {
             return Err(r.error("queue", format_args!("must be within 1..=1048576, got {queue}")));
         }
         r.finish()?;
-        let device = TunDevice::create(&name, mtu as u16).map_err(|e| {
+        let device = TunDevice::create(&name, mtu as u16, direction).map_err(|e| {
             r_error(settings, "name", format!("cannot create TUN device {name}: {e} (needs CAP_NET_ADMIN)"))
         })?;
         Ok(Box::new(TunBuilder { device: Arc::new(device), queue: queue as usize }))
@@ -201,10 +213,9 @@ impl Module for Tun {
     fn process(&mut self, _port: usize, input: &mut Batch, out: &mut Output<'_>) {
         for f in input.drain(..) {
             match f {
-                Frame::Data(mut p) if self.queue.len() < self.limit => {
+                Frame::Data(p) if self.queue.len() < self.limit => {
                     self.tx_packets.add(1);
                     self.tx_bytes.add(p.len() as u64);
-                    p.set_direction(Direction::Up);
                     self.queue.push(Frame::Data(p));
                 }
                 Frame::Data(p) => {

@@ -158,6 +158,10 @@ pub trait FaceDevice: Send + Sync {
     fn name(&self) -> &str;
     /// The file descriptor the data plane waits on for readability.
     fn fd(&self) -> std::os::fd::BorrowedFd<'_>;
+    /// The direction of the frames read from the device (down: from applications; up: from the network).
+    fn direction(&self) -> crate::frame::Direction {
+        crate::frame::Direction::Down
+    }
     /// Reads one packet into `buf` (cleared first) without blocking; `Ok(false)` when none is waiting.
     fn read_packet(&self, buf: &mut Vec<u8>) -> std::io::Result<bool>;
     /// Writes one packet.

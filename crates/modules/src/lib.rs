@@ -16,6 +16,7 @@
 #![warn(missing_docs)]
 
 pub mod counter;
+pub mod direction;
 pub mod sink;
 pub mod source;
 pub mod switch;
@@ -28,6 +29,7 @@ use flexstack_core::{Catalog, ConfigError};
 pub fn catalog() -> Catalog {
     let mut c = Catalog::new();
     c.register(Box::new(counter::CounterKind));
+    c.register(Box::new(direction::DirectionKind));
     c.register(Box::new(sink::SinkKind));
     c.register(Box::new(source::SourceKind));
     c.register(Box::new(switch::SwitchKind));

@@ -1,0 +1,127 @@
+//! `direction`: sends each data frame to `up` or `down` by the direction it travels (FINS's data frames carry
+//! one): frames from the network travel up towards the applications, frames from the applications down. Lets one
+//! module that sees both directions (a flow table) hand each frame on to the right side.
+//!
+//! - Ports: input `in` (any); outputs `up`, `down` (any). Control frames are dropped.
+//! - Settings, knobs: none.
+//! - Meters: `up_total`, `down_total` (frames).
+
+use flexstack_core::module::port_type;
+use flexstack_core::{
+    Batch, ConfigError, Direction, Frame, Meter, Module, ModuleBuilder, ModuleInterface, ModuleKind, ModuleVars,
+    Output, PortSpec, Settings, ValueType, VarSpec,
+};
+
+/// The kind's name in stack files.
+pub const KIND: &str = "direction";
+
+const UP: usize = 0;
+const DOWN: usize = 1;
+
+/// The `direction` module kind.
+pub struct DirectionKind;
+
+impl ModuleKind for DirectionKind {
+    fn name(&self) -> &'static str {
+        KIND
+    }
+
+    fn summary(&self) -> &'static str {
+        "sends frames to `up` or `down` by their direction of travel"
+    }
+
+    fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
+        settings.reader(KIND).finish()?;
+        Ok(Box::new(DirectionBuilder))
+    }
+}
+
+struct DirectionBuilder;
+
+impl ModuleBuilder for DirectionBuilder {
+    fn interface(&self) -> ModuleInterface {
+        ModuleInterface {
+            inputs: vec![PortSpec::new("in", port_type::ANY)],
+            outputs: vec![PortSpec::new("up", port_type::ANY), PortSpec::new("down", port_type::ANY)],
+            vars: vec![
+                VarSpec::meter("up_total", ValueType::U64, "frames", "frames sent up (towards the applications)"),
+                VarSpec::meter("down_total", ValueType::U64, "frames", "frames sent down (towards the network)"),
+            ],
+            breaks_cycles: false,
+        }
+    }
+
+    fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module> {
+        Box::new(Demux { up: vars.meter("up_total"), down: vars.meter("down_total") })
+    }
+}
+
+/// A running `direction` demultiplexer.
+pub struct Demux {
+    up: Meter,
+    down: Meter,
+}
+
+impl Module for Demux {
+    fn process(&mut self, _port: usize, input: &mut Batch, out: &mut Output<'_>) {
+        let (mut up, mut down) = (0, 0);
+        for f in input.drain(..) {
+            match &f {
+                Frame::Data(p) if p.direction() == Direction::Up => {
+                    up += 1;
+                    out.emit(UP, f);
+                }
+                Frame::Data(_) => {
+                    down += 1;
+                    out.emit(DOWN, f);
+                }
+                Frame::Control(_) => out.drop_frame(f),
+            }
+        }
+        self.up.add(up);
+        self.down.add(down);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use flexstack_core::{Edit, LinkSpec, Switch, Time, Value};
+
+    #[test]
+    fn frames_go_by_direction() {
+        let catalog = crate::catalog();
+        let mut sw = Switch::default();
+        let load = |name: &str, kind: &str| Edit::Load {
+            name: name.into(),
+            kind: kind.into(),
+            settings: Default::default(),
+            builder: catalog.configure(kind, &Default::default(), None).unwrap(),
+        };
+        sw.apply(vec![
+            load("d", "direction"),
+            load("u", "sink"),
+            load("w", "sink"),
+            Edit::Link(LinkSpec::parse("d[up] -> u").unwrap()),
+            Edit::Link(LinkSpec::parse("d[down] -> w").unwrap()),
+        ])
+        .unwrap();
+        let pool = sw.pool().clone();
+        let mut batch: flexstack_core::Batch = (0..5)
+            .map(|i| {
+                let mut p = pool.alloc_from(&[i]);
+                p.set_direction(if i % 2 == 0 {
+                    flexstack_core::Direction::Up
+                } else {
+                    flexstack_core::Direction::Down
+                });
+                p.into()
+            })
+            .collect();
+        sw.inject("d", "in", &mut batch).unwrap();
+        sw.run(Time::from_millis(1));
+        let reg = sw.registry().snapshot();
+        assert_eq!(reg.get("module.u.frames_total").unwrap().get(), Value::U64(3));
+        assert_eq!(reg.get("module.w.frames_total").unwrap().get(), Value::U64(2));
+        assert_eq!(reg.get("module.d.down_total").unwrap().get(), Value::U64(2));
+    }
+}

@@ -347,7 +347,7 @@ impl ModuleKind for ClassifyKind {
         let prefix = r.string("vars_prefix")?.unwrap_or_else(|| "flow".into());
         let segment_ok = |s: &str| {
             !s.is_empty()
-                && s.len() <= 40
+                && s.len() <= 64
                 && s.bytes().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'_' || c == b'-')
         };
         if !(prefix == "flow" || prefix.strip_prefix("flow.").is_some_and(|rest| rest.split('.').all(segment_ok))) {

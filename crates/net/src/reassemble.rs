@@ -38,6 +38,9 @@
 //!   `datagrams_pending`, `fragments_pending`, `bytes_pending` (see `max_bytes`), `bytes_spare` (buffers kept
 //!   for reuse), and the drop meters above.
 //!
+//! On `module replace` keeping state, the datagrams in progress move to the new module, whose limits apply at
+//! once (the oldest evicted if they are lower).
+//!
 //! Accounting: every data frame received is passed, dropped (counted once, with one reason), pending, or one of
 //! `fragments_reassembled_total`; each reassembled datagram is one new frame on `out`. Expiry is driven by
 //! `out.wake_at` / `poll` at the earliest deadline.
@@ -50,6 +53,7 @@ use flexstack_core::{
     Batch, ConfigError, Direction, Frame, Meter, Module, ModuleBuilder, ModuleInterface, ModuleKind, ModuleVars,
     Output, Packet, PortSpec, Settings, Time, Value, ValueType, VarSpec,
 };
+use std::any::Any;
 use std::collections::{HashMap, VecDeque};
 use std::net::IpAddr;
 use std::time::Duration;
@@ -289,6 +293,19 @@ struct Piece {
     total_len: usize,
     /// Length of the header a reassembled datagram will have, as far as this fragment tells.
     header_len: usize,
+}
+
+/// What a reassembler hands to its replacement (`module replace` keeping state): the datagrams in progress.
+struct State {
+    slots: Vec<Datagram>,
+    free: Vec<usize>,
+    index: HashMap<Key, usize>,
+    order: VecDeque<(u64, usize)>,
+    next_seq: u64,
+    bytes: usize,
+    spare: usize,
+    live: u64,
+    held: u64,
 }
 
 /// A running `reassemble` module.
@@ -719,6 +736,32 @@ impl Module for Reassembler {
         // The switch polls the module next: maintain() applies lower limits there.
         Ok(())
     }
+
+    fn take_state(&mut self) -> Option<Box<dyn Any>> {
+        let state = State {
+            slots: std::mem::take(&mut self.slots),
+            free: std::mem::take(&mut self.free),
+            index: std::mem::take(&mut self.index),
+            order: std::mem::take(&mut self.order),
+            next_seq: self.next_seq,
+            bytes: std::mem::take(&mut self.bytes),
+            spare: std::mem::take(&mut self.spare),
+            live: std::mem::take(&mut self.live),
+            held: std::mem::take(&mut self.held),
+        };
+        self.publish();
+        Some(Box::new(state))
+    }
+
+    /// Takes over the datagrams in progress; the new limits apply at the poll that follows a load.
+    fn adopt_state(&mut self, state: Box<dyn Any>) -> Result<(), String> {
+        let s = state.downcast::<State>().map_err(|_| "not a reassembler's state".to_string())?;
+        let s = *s;
+        (self.slots, self.free, self.index, self.order) = (s.slots, s.free, s.index, s.order);
+        (self.next_seq, self.bytes, self.spare, self.live, self.held) = (s.next_seq, s.bytes, s.spare, s.live, s.held);
+        self.publish();
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -726,6 +769,7 @@ mod tests {
     use super::*;
     use crate::ip::testkit::*;
     use crate::packet::build;
+    use flexstack_core::Edit;
     use std::net::{Ipv4Addr, Ipv6Addr};
 
     const A4: Ipv4Addr = Ipv4Addr::new(10, 1, 0, 2);
@@ -1132,6 +1176,37 @@ mod tests {
         assert_eq!(got, originals);
         assert!(u64_var(&sw, "module.ip.fragments_made_total") > 100);
         assert_eq!(u64_var(&sw, "module.r.datagrams_reassembled_total"), 6);
+    }
+
+    #[test]
+    fn replace_keeps_datagrams_in_progress() {
+        let mut s = Stack::new(&[]);
+        let whole = udp4_datagram(8, 3000);
+        let frags = split4(&whole, 1000);
+        s.send(1, &frags[..2]);
+        let args = vec!["timeout_ms=5000".to_string(), "max_datagrams=2".to_string()];
+        let settings = Settings::from_args(&args).unwrap();
+        let builder = catalog().configure("reassemble", &settings, None).unwrap();
+        let notes =
+            s.sw.apply(vec![Edit::Replace {
+                name: "r".into(),
+                kind: "reassemble".into(),
+                settings,
+                builder,
+                keep_state: true,
+            }])
+            .unwrap();
+        assert!(notes.is_empty(), "{notes:?}");
+        assert_eq!(s.meter("fragments_pending"), 2);
+        assert_eq!(s.meter("datagrams_pending"), 1);
+        s.send(2, &frags[2..]);
+        assert_eq!(s.out(), vec![whole]);
+        // The new module's timeout applies.
+        s.send(3, &frags[..1]);
+        s.sw.run(Time::from_millis(5002));
+        assert_eq!(s.meter("fragments_pending"), 1);
+        s.sw.run(Time::from_millis(5003));
+        assert_eq!(s.meter("drop_timeout_total"), 1);
     }
 
     #[test]

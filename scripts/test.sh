@@ -3,5 +3,6 @@
 # end-to-end tests that start real daemons. Run from anywhere; CI runs exactly this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build --workspace --all-targets
-cargo test --workspace -- --test-threads="$(nproc)"
+# The `ci` profile is optimized with debug assertions on: the end-to-end tests move real traffic through the daemon.
+cargo build --workspace --all-targets --profile ci
+cargo test --workspace --profile ci -- --test-threads="$(nproc)"

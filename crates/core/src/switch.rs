@@ -473,13 +473,13 @@ impl Switch {
                 };
                 let mut fresh = Slot::new(name.clone(), kind, settings, builder);
                 let old = &mut self.slots[i];
+                let mut handed_over = false;
                 if keep_state {
                     match old.module.take_state() {
-                        Some(state) => {
-                            if let Err(e) = fresh.module.adopt_state(state) {
-                                notes.push(format!("{name}: state not handed over: {e}"));
-                            }
-                        }
+                        Some(state) => match fresh.module.adopt_state(state) {
+                            Ok(()) => handed_over = true,
+                            Err(e) => notes.push(format!("{name}: state not handed over: {e}")),
+                        },
                         None => notes.push(format!("{name}: the old module had no state to hand over")),
                     }
                 }
@@ -500,6 +500,10 @@ impl Switch {
                 }
                 fresh.paused = old.paused;
                 self.slots[i] = fresh;
+                // The runtime variables of the old module go with it unless its state (which holds them) moved on.
+                if !handed_over {
+                    self.dynamic.unregister_owner(&name);
+                }
             }
             Edit::Link(spec) => {
                 for e in self.resolve(&spec) {

@@ -213,6 +213,23 @@ impl PacketInfo {
                         id: f.ident(),
                         data_offset: offset,
                     });
+                    // After the fragment header of a non-first fragment comes data, not more headers: stop here,
+                    // with the fragment header's next header as the protocol.
+                    if f.frag_offset() != 0 {
+                        return Ok(PacketInfo {
+                            version: 6,
+                            src: IpAddr::V6(p.src_addr()),
+                            dst: IpAddr::V6(p.dst_addr()),
+                            hop_limit: p.hop_limit(),
+                            protocol: next,
+                            l4_offset: offset,
+                            total_len: total,
+                            src_port: 0,
+                            dst_port: 0,
+                            icmp: None,
+                            fragment,
+                        });
+                    }
                 }
                 _ => {
                     let mut info = PacketInfo {
@@ -401,6 +418,11 @@ mod tests {
         let f = info.fragment.unwrap();
         assert_eq!((f.offset, f.more, f.id, f.data_offset), (16, true, 9, 48));
         assert_eq!(info.src_port, 0);
+        // A later fragment whose next header names an extension header: its data is not walked as headers.
+        let mut frag = vec![proto::DEST_OPTS, 0, 0, 16 | 1, 0, 0, 0, 9];
+        frag.extend_from_slice(&[0xff; 16]);
+        let info = PacketInfo::parse(&ipv6(a6(), b6(), proto::FRAGMENT, 9, &frag)).unwrap();
+        assert_eq!((info.protocol, info.l4_offset), (proto::DEST_OPTS, 48));
     }
 
     #[test]

@@ -1560,3 +1560,17 @@ fn modules_register_runtime_variables_that_go_away_with_them() {
     sw.apply(vec![Edit::Unload { name: "fl".into() }]).unwrap();
     assert_eq!(sw.registry().snapshot().matching("flow.**").count(), 0);
 }
+
+#[test]
+fn a_replace_without_state_handover_drops_the_old_modules_runtime_variables() {
+    let mut sw = Switch::default();
+    sw.apply(vec![load("fl", flows())]).unwrap();
+    let pool = sw.pool().clone();
+    let mut batch: Batch = vec![Frame::Data(pool.alloc_from(&[4, 0]))];
+    sw.inject("fl", "in", &mut batch).unwrap();
+    sw.run(t(1));
+    assert!(sw.registry().snapshot().get("flow.4.packets_total").is_some());
+    // Flows hands over no state: its runtime variables cannot live on in the new module.
+    sw.apply(vec![replace("fl", flows(), true)]).unwrap();
+    assert!(sw.registry().snapshot().get("flow.4.packets_total").is_none());
+}

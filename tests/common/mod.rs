@@ -281,3 +281,148 @@ impl Drop for Background {
         let _ = self.0.wait();
     }
 }
+
+/// A server namespace joined to the host by a veth pair, with IPv4 and IPv6 addresses and an HTTP server.
+pub struct Server {
+    pub ns: Netns,
+    host_dev: String,
+    pub v4: String,
+    pub v6: String,
+    _http: Background,
+    pub www: tempfile::TempDir,
+}
+
+impl Server {
+    pub fn new(octet: u8, blob: &[u8]) -> Server {
+        let ns = Netns::new("srv");
+        let (h, s) = (unique("h"), unique("s"));
+        sh("ip", &["link", "add", &h, "type", "veth", "peer", "name", &s]);
+        sh("ip", &["addr", "add", &format!("10.{octet}.7.1/24"), "dev", &h]);
+        sh("ip", &["addr", "add", &format!("fd98:{octet:x}::1/64"), "dev", &h, "nodad"]);
+        sh("ip", &["link", "set", &h, "up"]);
+        ns.adopt(&s, &[&format!("10.{octet}.7.2/24"), &format!("fd98:{octet:x}::2/64")]);
+        sh("ip", &["-n", &ns.name, "route", "add", "default", "via", &format!("10.{octet}.7.1")]);
+        sh("ip", &["-n", &ns.name, "-6", "route", "add", "default", "via", &format!("fd98:{octet:x}::1")]);
+        let www = tempfile::tempdir().unwrap();
+        std::fs::write(www.path().join("blob"), blob).unwrap();
+        let http = ns.spawn(&[
+            "python3",
+            "-m",
+            "http.server",
+            "8080",
+            "--bind",
+            "::",
+            "--directory",
+            www.path().to_str().unwrap(),
+        ]);
+        let v4 = format!("10.{octet}.7.2");
+        for _ in 0..100 {
+            if ns.run(&["curl", "-sf", "-o", "/dev/null", &format!("http://{v4}:8080/blob")]).status.success() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Server { ns, host_dev: h, v4, v6: format!("fd98:{octet:x}::2"), _http: http, www }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["link", "del", &self.host_dev]).status();
+    }
+}
+
+/// A daemon for sandboxes, started explicitly with its own app subnet.
+pub struct SandboxDaemon {
+    pub child: std::process::Child,
+    pub state: tempfile::TempDir,
+}
+
+impl SandboxDaemon {
+    pub fn start(subnet_octet: u8) -> SandboxDaemon {
+        let state = tempfile::tempdir().unwrap();
+        let child = Command::new(bin())
+            .args(["daemon", "--app-subnet", &format!("10.{subnet_octet}.0.0"), "--state-dir"])
+            .arg(state.path())
+            .env("FLEXSTACK_LOG", "warn")
+            .spawn()
+            .unwrap();
+        let d = SandboxDaemon { child, state };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline && !d.cli(&["status"]).status.success() {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        d
+    }
+
+    pub fn cli(&self, args: &[&str]) -> Output {
+        Command::new(bin()).arg("--state-dir").arg(self.state.path()).args(args).output().unwrap()
+    }
+
+    pub fn run(&self, args: &[&str]) -> Output {
+        let mut a = vec!["run"];
+        a.extend_from_slice(args);
+        self.cli(&a)
+    }
+
+    pub fn apps(&self) -> Json {
+        serde_json::from_slice(&self.cli(&["-j", "app", "list"]).stdout).unwrap_or(Json::Null)
+    }
+
+    pub fn spawn_run(&self, args: &[&str]) -> std::process::Child {
+        Command::new(bin())
+            .arg("--state-dir")
+            .arg(self.state.path())
+            .arg("run")
+            .args(args)
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap()
+    }
+
+    pub fn wait_for_apps(&self, n: usize) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if self.apps().as_array().is_some_and(|a| a.len() == n) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("expected {n} apps, have {}", self.apps());
+    }
+
+    pub fn namespaces_left(&self) -> Vec<String> {
+        let prefix = format!("fs-{}-", self.child.id() % 100_000);
+        sh("ip", &["netns", "list"]).lines().filter(|l| l.starts_with(&prefix)).map(str::to_string).collect()
+    }
+
+    pub fn table_exists(&self) -> bool {
+        sh("nft", &["list", "tables"]).contains(&format!("flexstack_{}", self.child.id()))
+    }
+}
+
+impl Drop for SandboxDaemon {
+    fn drop(&mut self) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.child.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline && self.child.try_wait().ok().flatten().is_none() {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Octets for the app subnet (10.A.0.0/16) and the server's subnet (10.S.7.0/24) of this test process.
+pub fn octets() -> (u8, u8) {
+    let p = (std::process::id() % 40) as u8;
+    (100 + p, 150 + p)
+}
+
+/// stdout and stderr of a finished command, for messages.
+pub fn text(o: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}

@@ -46,7 +46,8 @@ struct DeviceMeters {
 impl TunDevice {
     /// Creates TUN device `name` with `mtu`, up, non-blocking. Needs CAP_NET_ADMIN.
     pub fn create(name: &str, mtu: u16, direction: Direction) -> std::io::Result<TunDevice> {
-        let dev = tun_rs::DeviceBuilder::new().name(name).mtu(mtu).build_sync()?;
+        // A longer kernel queue than the default 500 absorbs bursts while the data plane is busy elsewhere.
+        let dev = tun_rs::DeviceBuilder::new().name(name).mtu(mtu).tx_queue_len(4096).build_sync()?;
         dev.set_nonblocking(true)?;
         dev.enabled(true)?;
         Ok(TunDevice { name: name.to_string(), direction, dev, meters: OnceLock::new() })

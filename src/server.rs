@@ -204,7 +204,7 @@ fn read_line(
     }
 }
 
-/// Serves one client; returns true if it attached an app (its lease has ended by now).
+/// Serves one client; returns true if it asked to attach an app (and the lease, if granted, has ended by now).
 fn serve(conn: UnixStream, control: &Control, timeout: Duration) -> bool {
     let caller = caller_of(&conn);
     let _ = conn.set_read_timeout(Some(timeout));
@@ -262,10 +262,9 @@ fn serve(conn: UnixStream, control: &Control, timeout: Duration) -> bool {
             let app = match control.sandboxes.attach(control, name, uid, stack.as_deref()) {
                 Ok(app) => app,
                 Err(e) => {
-                    if !send(Response::err(id, e)) {
-                        return false;
-                    }
-                    continue;
+                    // A refused attach still counts: a daemon started for this app has nothing left to do.
+                    send(Response::err(id, e));
+                    return true;
                 }
             };
             if !send(Response::ok(id, serde_json::json!(app))) {

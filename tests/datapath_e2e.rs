@@ -184,6 +184,16 @@ fn malformed_packets_on_both_faces_are_counted_and_a_transfer_survives_them() {
         v[m]["value"].as_u64().unwrap_or_else(|| panic!("{m}: {}", text(&out)))
     };
     let rounds = 2 * 20;
+    let wait_for = |m: &str, at_least: u64| {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let n = meter(m);
+            if n >= at_least || Instant::now() > deadline {
+                return n;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
     for (m, at_least) in [
         ("module.victim-ip.drop_truncated_total", 2 * rounds),
         ("module.victim-ip.drop_bad_header_length_total", 2 * rounds),
@@ -196,7 +206,7 @@ fn malformed_packets_on_both_faces_are_counted_and_a_transfer_survives_them() {
         ("module.victim-frag.drop_tiny_total", rounds),
         ("module.victim-frag.drop_memory_total", 2 * 2000 - 2 * 64),
     ] {
-        let n = meter(m);
+        let n = wait_for(m, at_least);
         assert!(n >= at_least, "{m} = {n}, expected at least {at_least}");
     }
     assert!(meter("module.victim-frag.bytes_pending") <= 4 << 20, "reassembly memory stays bounded");

@@ -123,4 +123,21 @@ fn run_starts_a_daemon_of_its_own_and_stops_it() {
     }
     assert!(!state.path().join("control.sock").exists(), "the daemon it started has exited");
     assert!(state.path().join("daemon.log").exists());
+
+    // A refused attach (a template without the app's face) fails the run, and the daemon started for it exits too.
+    let template = state.path().join("bad.toml");
+    std::fs::write(&template, "[modules.other]\nkind = \"counter\"\n").unwrap();
+    let out = Command::new(bin())
+        .arg("--state-dir")
+        .arg(state.path())
+        .args(["run", "--stack", template.to_str().unwrap(), "--", "true"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(text(&out).contains("must have a module named {app}"), "{}", text(&out));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < deadline && state.path().join("control.sock").exists() {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(!state.path().join("control.sock").exists(), "no daemon is left behind by a refused attach");
 }

@@ -8,6 +8,7 @@ import ipaddress
 import socket
 import struct
 import sys
+import time
 
 
 def csum(data: bytes) -> int:
@@ -77,6 +78,8 @@ def main():
     # A flood of first fragments of datagrams that never complete.
     for i in range(flood):
         send(ipv4(src, dst, 17, udp(40003, 9, b"F" * 56), ident=(0x9000 + i) & 0xFFFF, frag=0x2000))
+        if i % 200 == 199:
+            time.sleep(0.005)  # paced, so the kernel's TUN queue is not what drops them
     sent["fragment_flood"] = flood
     print(" ".join(f"{k}={v}" for k, v in sorted(sent.items())))
 

@@ -5,4 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # The `ci` profile is optimized with debug assertions on: the end-to-end tests move real traffic through the daemon.
 cargo build --workspace --all-targets --profile ci
-cargo test --workspace --profile ci -- --test-threads="$(nproc)"
+cargo test --workspace --profile ci --no-fail-fast -- --test-threads="$(nproc)"

@@ -25,7 +25,7 @@ pub mod tap;
 use flexstack_core::config::SettingsReader;
 use flexstack_core::{Catalog, ConfigError};
 
-/// A catalog holding the five built-in kinds: `counter`, `sink`, `source`, `switch` and `tap`.
+/// A catalog holding the built-in kinds: `counter`, `direction`, `sink`, `source`, `switch` and `tap`.
 pub fn catalog() -> Catalog {
     let mut c = Catalog::new();
     c.register(Box::new(counter::CounterKind));
@@ -211,9 +211,9 @@ mod tests {
     use flexstack_core::{Edit, StackSpec, Switch};
 
     #[test]
-    fn catalog_has_the_five_kinds() {
+    fn catalog_has_the_built_in_kinds() {
         let names: Vec<&str> = super::catalog().kinds().map(|k| k.name()).collect();
-        assert_eq!(names, ["counter", "sink", "source", "switch", "tap"]);
+        assert_eq!(names, ["counter", "direction", "sink", "source", "switch", "tap"]);
         for k in super::catalog().kinds() {
             assert!(!k.summary().is_empty());
         }

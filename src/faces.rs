@@ -1,46 +1,86 @@
 //! Faces: module kinds that stand for real devices, and the devices behind them.
 //!
 //! A face module is sans-IO like any other: frames sent to its input port are queued for the device, and frames
-//! read from the device leave on its output port. The device itself (a [`TunDevice`] here) is opened when the
-//! module is configured — on the control side, which holds the privileges — and the data-plane thread reads and
-//! writes it on the module's behalf (see [`crate::dataplane`]). Dropping the module drops the device.
+//! read from the device leave on its output port. The device itself is opened when the module is configured — on
+//! the control side, which holds the privileges — and the data-plane thread reads and writes it on the module's
+//! behalf (see [`crate::dataplane`]). Dropping the module drops the device.
 //!
-//! Kind `tun`: a TUN device carrying raw IP packets. Ports: input `in` (to the device), output `out` (from it).
-//! Settings: `name` (interface name, required), `mtu` (default 1500), `direction` (of the frames read from it:
-//! `"down"`, the default, for an app's virtual NIC whose packets go towards the network; `"up"` for a face on the
-//! network side, such as the host face), `queue` (most packets waiting for the
-//! device, default 4096; beyond, drop_queue_full). Meters: rx_packets_total, rx_bytes_total, rx_errors_total,
-//! tx_errors_total (counted as the data plane does the device's I/O), tx_packets_total, tx_bytes_total,
-//! drop_queue_full_total, device (the interface name).
+//! - Kind `tun`: a TUN device carrying raw IP packets (an app's virtual NIC, or the host face). Ports: input `in`,
+//!   output `out` (ip). Settings: `name` (interface name, required), `mtu` (default 1500), `direction` of the
+//!   frames read from it (`"down"`, the default, for an app's NIC whose packets go towards the network; `"up"` for a
+//!   face on the network side, such as the host face), `queue`.
+//! - Kind `packet`: a link face: an AF_PACKET socket on an existing interface that flexstack takes over, carrying
+//!   Ethernet frames (put a `link` module behind it for ARP/NDP and addresses). Ports: input `in`, output `out`
+//!   (ethernet). Settings: `interface` (required), `take_over` (default true: the kernel's addresses on the
+//!   interface are flushed and kernel IPv6 is disabled on it, so that only flexstack answers ARP and neighbour
+//!   discovery there; they are not restored), `queue`. Frames the kernel itself sends out on the interface are not
+//!   read back; frames are sent past the interface's queueing discipline (PACKET_QDISC_BYPASS).
+//! - Both: `queue` is the most frames waiting for the device (default 4096; beyond, drop_queue_full). Meters:
+//!   rx_packets_total, rx_bytes_total, rx_errors_total, tx_errors_total (counted as the data plane does the
+//!   device's I/O), tx_packets_total, tx_bytes_total, drop_queue_full_total, device (the interface name).
 
-use flexstack_core::config::{ConfigError, Settings};
+use flexstack_core::config::{ConfigError, Settings, SettingsReader};
 use flexstack_core::module::port_type;
 use flexstack_core::vars::ModuleVars;
 use flexstack_core::{
     Batch, Direction, FaceDevice, Frame, Meter, Module, ModuleBuilder, ModuleInterface, ModuleKind, Output, PortSpec,
     ValueType, VarSpec,
 };
-use std::os::fd::{AsFd, BorrowedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::sync::{Arc, OnceLock};
 
-/// Largest packet read from a TUN device.
+/// Largest packet or frame read from a device.
 const MAX_PACKET: usize = 65_535;
 
-/// A TUN device (no packet information header), non-blocking. Its I/O is counted in the owning module's
-/// meters (written only by the data-plane thread).
-pub struct TunDevice {
-    name: String,
-    direction: Direction,
-    dev: tun_rs::SyncDevice,
-    meters: OnceLock<DeviceMeters>,
-}
-
-/// Meters of a device's I/O, bound when the module is built.
+/// Meters of a device's I/O, bound when the module is built and written only by the data-plane thread.
 struct DeviceMeters {
     rx_packets: Meter,
     rx_bytes: Meter,
     rx_errors: Meter,
     tx_errors: Meter,
+}
+
+/// What both kinds of device share: a name, the direction of what is read, and I/O counters.
+struct DeviceCommon {
+    name: String,
+    direction: Direction,
+    meters: OnceLock<DeviceMeters>,
+}
+
+impl DeviceCommon {
+    fn new(name: &str, direction: Direction) -> DeviceCommon {
+        DeviceCommon { name: name.to_string(), direction, meters: OnceLock::new() }
+    }
+
+    fn received(&self, n: usize) {
+        if let Some(m) = self.meters.get() {
+            m.rx_packets.add(1);
+            m.rx_bytes.add(n as u64);
+        }
+    }
+
+    fn rx_error(&self) {
+        if let Some(m) = self.meters.get() {
+            m.rx_errors.add(1);
+        }
+    }
+
+    fn tx_error(&self) {
+        if let Some(m) = self.meters.get() {
+            m.tx_errors.add(1);
+        }
+    }
+}
+
+/// A device a face module stands for, with the parts the module itself needs.
+trait Device: FaceDevice {
+    fn common(&self) -> &DeviceCommon;
+}
+
+/// A TUN device (no packet information header), non-blocking.
+pub struct TunDevice {
+    common: DeviceCommon,
+    dev: tun_rs::SyncDevice,
 }
 
 impl TunDevice {
@@ -50,56 +90,138 @@ impl TunDevice {
         let dev = tun_rs::DeviceBuilder::new().name(name).mtu(mtu).tx_queue_len(4096).build_sync()?;
         dev.set_nonblocking(true)?;
         dev.enabled(true)?;
-        Ok(TunDevice { name: name.to_string(), direction, dev, meters: OnceLock::new() })
+        Ok(TunDevice { common: DeviceCommon::new(name, direction), dev })
+    }
+}
+
+impl Device for TunDevice {
+    fn common(&self) -> &DeviceCommon {
+        &self.common
     }
 }
 
 impl FaceDevice for TunDevice {
     fn name(&self) -> &str {
-        &self.name
+        &self.common.name
     }
 
     fn fd(&self) -> BorrowedFd<'_> {
         self.dev.as_fd()
     }
 
+    fn direction(&self) -> Direction {
+        self.common.direction
+    }
+
     fn read_packet(&self, buf: &mut Vec<u8>) -> std::io::Result<bool> {
         buf.clear();
         buf.resize(MAX_PACKET, 0);
-        match self.dev.recv(buf) {
-            Ok(n) => {
-                buf.truncate(n);
-                if let Some(m) = self.meters.get() {
-                    m.rx_packets.add(1);
-                    m.rx_bytes.add(n as u64);
-                }
-                Ok(true)
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                buf.clear();
-                Ok(false)
-            }
-            Err(e) => {
-                buf.clear();
-                if let Some(m) = self.meters.get() {
-                    m.rx_errors.add(1);
-                }
-                Err(e)
+        let result = self.dev.recv(buf);
+        finish_read(&self.common, buf, result)
+    }
+
+    fn write_packet(&self, packet: &[u8]) -> std::io::Result<()> {
+        self.dev.send(packet).map(|_| ()).inspect_err(|_| self.common.tx_error())
+    }
+}
+
+/// Turns the result of a non-blocking read into `read_packet`'s answer, counting it.
+fn finish_read(common: &DeviceCommon, buf: &mut Vec<u8>, result: std::io::Result<usize>) -> std::io::Result<bool> {
+    match result {
+        Ok(n) => {
+            buf.truncate(n);
+            common.received(n);
+            Ok(true)
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+            buf.clear();
+            Ok(false)
+        }
+        Err(e) => {
+            buf.clear();
+            common.rx_error();
+            Err(e)
+        }
+    }
+}
+
+/// An AF_PACKET socket bound to one interface, non-blocking: raw Ethernet frames.
+pub struct PacketDevice {
+    common: DeviceCommon,
+    socket: OwnedFd,
+}
+
+impl PacketDevice {
+    /// Opens a packet socket on `interface`. Needs CAP_NET_RAW.
+    pub fn open(interface: &str) -> std::io::Result<PacketDevice> {
+        use nix::sys::socket::{socket, AddressFamily, SockFlag, SockProtocol, SockType};
+        let ifindex = nix::net::if_::if_nametoindex(interface)?;
+        let socket = socket(
+            AddressFamily::Packet,
+            SockType::Raw,
+            SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC,
+            SockProtocol::EthAll,
+        )?;
+        crate::sys::bind_packet(socket.as_fd(), ifindex)?;
+        crate::sys::set_qdisc_bypass(socket.as_fd())?;
+        Ok(PacketDevice { common: DeviceCommon::new(interface, Direction::Up), socket })
+    }
+}
+
+impl Device for PacketDevice {
+    fn common(&self) -> &DeviceCommon {
+        &self.common
+    }
+}
+
+impl FaceDevice for PacketDevice {
+    fn name(&self) -> &str {
+        &self.common.name
+    }
+
+    fn fd(&self) -> BorrowedFd<'_> {
+        self.socket.as_fd()
+    }
+
+    fn direction(&self) -> Direction {
+        self.common.direction
+    }
+
+    fn read_packet(&self, buf: &mut Vec<u8>) -> std::io::Result<bool> {
+        use nix::sys::socket::{recvfrom, LinkAddr};
+        loop {
+            buf.clear();
+            buf.resize(MAX_PACKET, 0);
+            let result = recvfrom::<LinkAddr>(self.socket.as_raw_fd(), buf);
+            match result {
+                // Frames the kernel sends out on the interface are seen too: skip them.
+                Ok((_, Some(addr))) if addr.pkttype() == libc::PACKET_OUTGOING => continue,
+                Ok((n, _)) => return finish_read(&self.common, buf, Ok(n)),
+                Err(e) => return finish_read(&self.common, buf, Err(std::io::Error::from(e))),
             }
         }
     }
 
-    fn direction(&self) -> Direction {
-        self.direction
-    }
-
     fn write_packet(&self, packet: &[u8]) -> std::io::Result<()> {
-        self.dev.send(packet).map(|_| ()).inspect_err(|_| {
-            if let Some(m) = self.meters.get() {
-                m.tx_errors.add(1);
-            }
-        })
+        use nix::sys::socket::{send, MsgFlags};
+        send(self.socket.as_raw_fd(), packet, MsgFlags::MSG_DONTWAIT)
+            .map(|_| ())
+            .map_err(std::io::Error::from)
+            .inspect_err(|_| self.common.tx_error())
     }
+}
+
+/// Reads the settings both kinds share and checks them.
+fn queue_setting(r: &mut SettingsReader<'_>) -> Result<usize, ConfigError> {
+    let queue = r.u64("queue")?.unwrap_or(4096);
+    if !(1..=1 << 20).contains(&queue) {
+        return Err(r.error("queue", format_args!("must be within 1..=1048576, got {queue}")));
+    }
+    Ok(queue as usize)
+}
+
+fn valid_ifname(name: &str) -> bool {
+    !name.is_empty() && name.len() <= 15 && name.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'-' || c == b'_')
 }
 
 /// The `tun` module kind.
@@ -118,7 +240,7 @@ impl ModuleKind for TunKind {
         let mut r = settings.reader("tun");
         let name = r.string("name")?;
         let mtu = r.u64("mtu")?.unwrap_or(1500);
-        let queue = r.u64("queue")?.unwrap_or(4096);
+        let queue = queue_setting(&mut r)?;
         let direction = match r.string("direction")?.as_deref() {
             None | Some("down") => Direction::Down,
             Some("up") => Direction::Up,
@@ -127,10 +249,7 @@ impl ModuleKind for TunKind {
         let Some(name) = name else {
             return Err(r.error("name", "is required: the TUN interface's name, e.g. name = \"fs-app0\""));
         };
-        if name.is_empty()
-            || name.len() > 15
-            || !name.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'-' || c == b'_')
-        {
+        if !valid_ifname(&name) {
             return Err(
                 r.error("name", format_args!("{name:?} is not an interface name (1-15 letters, digits, '-', '_')"))
             );
@@ -138,31 +257,74 @@ impl ModuleKind for TunKind {
         if !(68..=65535).contains(&mtu) {
             return Err(r.error("mtu", format_args!("must be within 68..=65535, got {mtu}")));
         }
-        if !(1..=1 << 20).contains(&queue) {
-            return Err(r.error("queue", format_args!("must be within 1..=1048576, got {queue}")));
-        }
+        let device = TunDevice::create(&name, mtu as u16, direction)
+            .map_err(|e| r.error("name", format_args!("cannot create TUN device {name}: {e} (needs CAP_NET_ADMIN)")))?;
         r.finish()?;
-        let device = TunDevice::create(&name, mtu as u16, direction).map_err(|e| {
-            r_error(settings, "name", format!("cannot create TUN device {name}: {e} (needs CAP_NET_ADMIN)"))
-        })?;
-        Ok(Box::new(TunBuilder { device: Arc::new(device), queue: queue as usize }))
+        Ok(Box::new(FaceBuilder { device: Arc::new(device), queue, ty: port_type::IP }))
     }
 }
 
-fn r_error(settings: &Settings, key: &str, message: String) -> ConfigError {
-    settings.reader("tun").error(key, message)
+/// The `packet` module kind (a link face).
+pub struct PacketKind;
+
+impl ModuleKind for PacketKind {
+    fn name(&self) -> &'static str {
+        "packet"
+    }
+
+    fn summary(&self) -> &'static str {
+        "a link face: Ethernet frames to and from an interface flexstack takes over (AF_PACKET)"
+    }
+
+    fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
+        let mut r = settings.reader("packet");
+        let interface = r.string("interface")?;
+        let take_over = r.bool("take_over")?.unwrap_or(true);
+        let queue = queue_setting(&mut r)?;
+        let Some(interface) = interface else {
+            return Err(r.error("interface", "is required: the interface to take over, e.g. interface = \"eth1\""));
+        };
+        if !valid_ifname(&interface) {
+            return Err(r.error("interface", format_args!("{interface:?} is not an interface name")));
+        }
+        if take_over {
+            take_over_interface(&interface).map_err(|e| r.error("interface", e))?;
+        }
+        let device = PacketDevice::open(&interface)
+            .map_err(|e| r.error("interface", format_args!("cannot open {interface}: {e} (needs CAP_NET_RAW)")))?;
+        r.finish()?;
+        Ok(Box::new(FaceBuilder { device: Arc::new(device), queue, ty: port_type::ETHERNET }))
+    }
 }
 
-struct TunBuilder {
-    device: Arc<TunDevice>,
+/// Removes the kernel's addresses from `interface`, disables kernel IPv6 there and brings it up, so that only
+/// flexstack answers for addresses on that link.
+fn take_over_interface(interface: &str) -> Result<(), String> {
+    let run = |args: &[&str]| -> Result<(), String> {
+        let out = std::process::Command::new("ip").args(args).output().map_err(|e| format!("ip: {e}"))?;
+        if out.status.success() {
+            Ok(())
+        } else {
+            Err(format!("`ip {}` failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()))
+        }
+    };
+    run(&["addr", "flush", "dev", interface])?;
+    std::fs::write(format!("/proc/sys/net/ipv6/conf/{interface}/disable_ipv6"), "1")
+        .map_err(|e| format!("cannot disable kernel IPv6 on {interface}: {e}"))?;
+    run(&["link", "set", interface, "up"])
+}
+
+struct FaceBuilder<D: Device + 'static> {
+    device: Arc<D>,
     queue: usize,
+    ty: &'static str,
 }
 
-impl ModuleBuilder for TunBuilder {
+impl<D: Device + 'static> ModuleBuilder for FaceBuilder<D> {
     fn interface(&self) -> ModuleInterface {
         ModuleInterface {
-            inputs: vec![PortSpec::new("in", port_type::IP)],
-            outputs: vec![PortSpec::new("out", port_type::IP)],
+            inputs: vec![PortSpec::new("in", self.ty)],
+            outputs: vec![PortSpec::new("out", self.ty)],
             vars: vec![
                 VarSpec::meter("tx_packets_total", ValueType::U64, "packets", "packets queued for the device"),
                 VarSpec::meter("tx_bytes_total", ValueType::U64, "bytes", "bytes queued for the device"),
@@ -178,19 +340,21 @@ impl ModuleBuilder for TunBuilder {
                 VarSpec::meter("rx_errors_total", ValueType::U64, "errors", "failed reads"),
                 VarSpec::meter("tx_errors_total", ValueType::U64, "errors", "failed writes (the packet is lost)"),
             ],
+            // Its output comes from the device, not from its input: a cycle through a face cannot loop in a batch.
             breaks_cycles: true,
         }
     }
 
     fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module> {
-        vars.meter("device").store(&flexstack_core::Value::Str(self.device.name.clone()));
-        let _ = self.device.meters.set(DeviceMeters {
+        let common = self.device.common();
+        vars.meter("device").store(&flexstack_core::Value::Str(common.name.clone()));
+        let _ = common.meters.set(DeviceMeters {
             rx_packets: vars.meter("rx_packets_total"),
             rx_bytes: vars.meter("rx_bytes_total"),
             rx_errors: vars.meter("rx_errors_total"),
             tx_errors: vars.meter("tx_errors_total"),
         });
-        Box::new(Tun {
+        Box::new(Face {
             device: self.device,
             queue: Vec::new(),
             limit: self.queue,
@@ -201,8 +365,9 @@ impl ModuleBuilder for TunBuilder {
     }
 }
 
-struct Tun {
-    device: Arc<TunDevice>,
+/// A running face module: queues frames for its device.
+struct Face<D: Device + 'static> {
+    device: Arc<D>,
     queue: Batch,
     limit: usize,
     tx_packets: Meter,
@@ -210,7 +375,7 @@ struct Tun {
     drop_full: Meter,
 }
 
-impl Module for Tun {
+impl<D: Device + 'static> Module for Face<D> {
     fn process(&mut self, _port: usize, input: &mut Batch, out: &mut Output<'_>) {
         for f in input.drain(..) {
             match f {

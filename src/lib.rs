@@ -21,11 +21,13 @@ pub mod protocol;
 pub mod runner;
 pub mod sandbox;
 pub mod server;
+pub mod sys;
 
 /// Every module kind the daemon can load: the built-ins and the network modules.
 pub fn catalog() -> flexstack_core::Catalog {
     let mut catalog = flexstack_modules::catalog();
     flexstack_net::register(&mut catalog);
     catalog.register(Box::new(faces::TunKind));
+    catalog.register(Box::new(faces::PacketKind));
     catalog
 }

@@ -1,0 +1,53 @@
+//! The few system calls that have no safe wrapper in `nix`: binding an AF_PACKET socket to an interface and
+//! setting packet-socket options. Every `unsafe` block of the daemon is here, each with its reason.
+#![allow(unsafe_code)]
+
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd};
+
+/// EtherType "all protocols" for a packet socket, in network byte order.
+pub const ETH_P_ALL_BE: u16 = (libc::ETH_P_ALL as u16).to_be();
+
+/// Binds packet socket `fd` to interface `ifindex`, receiving every protocol.
+pub fn bind_packet(fd: BorrowedFd<'_>, ifindex: u32) -> io::Result<()> {
+    // SAFETY: sockaddr_ll is plain old data; zeroed is a valid value before the fields are set.
+    let mut addr: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+    addr.sll_family = libc::AF_PACKET as u16;
+    addr.sll_protocol = ETH_P_ALL_BE;
+    addr.sll_ifindex = ifindex as i32;
+    // SAFETY: `addr` is a valid sockaddr_ll that outlives the call, and the length passed is its size; `fd` is an
+    // open socket borrowed for the duration of the call.
+    let rc = unsafe {
+        libc::bind(
+            fd.as_raw_fd(),
+            &addr as *const libc::sockaddr_ll as *const libc::sockaddr,
+            std::mem::size_of::<libc::sockaddr_ll>() as libc::socklen_t,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// Sets PACKET_QDISC_BYPASS on packet socket `fd`: frames it sends skip the interface's queueing discipline.
+pub fn set_qdisc_bypass(fd: BorrowedFd<'_>) -> io::Result<()> {
+    let one: libc::c_int = 1;
+    // SAFETY: the option value points to a c_int that outlives the call, with its size as the length; `fd` is an
+    // open socket borrowed for the duration of the call.
+    let rc = unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_PACKET,
+            libc::PACKET_QDISC_BYPASS,
+            &one as *const libc::c_int as *const libc::c_void,
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}

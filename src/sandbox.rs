@@ -38,7 +38,7 @@ pub struct App {
     pub netns: String,
     /// Its TUN device inside the namespace.
     pub app_dev: String,
-    /// The host face's TUN device.
+    /// The host face's TUN device ("" when the app's chain has none).
     pub host_dev: String,
     /// Its IPv4 address.
     pub ipv4: String,
@@ -171,11 +171,11 @@ impl Sandboxes {
         let [b0, b1] = self.subnet;
         let ipv4 = format!("{b0}.{b1}.{index}.2");
         let ipv6 = format!("fd77:{b1:x}:{index:x}::2");
-        let text = template
-            .unwrap_or(DEFAULT_TEMPLATE)
-            .replace("{app_dev}", &app_dev)
-            .replace("{host_dev}", &host_dev)
-            .replace("{app}", &name);
+        let template = template.unwrap_or(DEFAULT_TEMPLATE);
+        // Without a host face ({host_dev}) the app's chain leads elsewhere (a link face): no host routes, no
+        // masquerading, no forwarding.
+        let host_face = template.contains("{host_dev}");
+        let text = template.replace("{app_dev}", &app_dev).replace("{host_dev}", &host_dev).replace("{app}", &name);
         let spec =
             StackSpec::parse("app stack", &text).map_err(|e| ApiError::new(ErrorCode::ConfigError, e.to_string()))?;
         let modules: Vec<String> = spec.modules.iter().map(|m| m.name.clone()).collect();
@@ -186,7 +186,7 @@ impl Sandboxes {
             ));
         }
 
-        if guard.1.is_none() {
+        if host_face && guard.1.is_none() {
             guard.1 = Some(self.host_up()?);
         }
         run(&["ip", "netns", "add", &netns])?;
@@ -195,12 +195,12 @@ impl Sandboxes {
             index,
             netns: netns.clone(),
             app_dev: app_dev.clone(),
-            host_dev: host_dev.clone(),
+            host_dev: if host_face { host_dev.clone() } else { String::new() },
             ipv4: ipv4.clone(),
             ipv6: ipv6.clone(),
             modules,
             uid,
-            host_table: format!("flexstack_{}", std::process::id()),
+            host_table: if host_face { format!("flexstack_{}", std::process::id()) } else { String::new() },
         };
         let result = (|| {
             control.load_stack(&spec, "flexstack run", &format!("app attach {name}"))?;
@@ -229,10 +229,12 @@ impl Sandboxes {
         run(&["ip", "-n", ns, "link", "set", dev, "up"])?;
         run(&["ip", "-n", ns, "route", "add", "default", "dev", dev])?;
         run(&["ip", "-n", ns, "-6", "route", "add", "default", "dev", dev])?;
-        let [b0, b1] = self.subnet;
-        run(&["ip", "link", "set", &app.host_dev, "up"])?;
-        run(&["ip", "route", "add", &format!("{b0}.{b1}.{}.0/24", app.index), "dev", &app.host_dev])?;
-        run(&["ip", "-6", "route", "add", &format!("fd77:{b1:x}:{:x}::/64", app.index), "dev", &app.host_dev])?;
+        if !app.host_dev.is_empty() {
+            let [b0, b1] = self.subnet;
+            run(&["ip", "link", "set", &app.host_dev, "up"])?;
+            run(&["ip", "route", "add", &format!("{b0}.{b1}.{}.0/24", app.index), "dev", &app.host_dev])?;
+            run(&["ip", "-6", "route", "add", &format!("fd77:{b1:x}:{:x}::/64", app.index), "dev", &app.host_dev])?;
+        }
         let dir = format!("/etc/netns/{ns}");
         std::fs::create_dir_all(&dir).map_err(|e| ApiError::new(ErrorCode::Internal, format!("{dir}: {e}")))?;
         let resolv = std::fs::read_to_string("/etc/resolv.conf").unwrap_or_default();

@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# Data-path benchmark (issue 3): iperf3 TCP throughput between two network namespaces
+#   (1) through the kernel: a veth pair (reference), and through a trivial C TUN <-> TUN forwarder
+#       (bench/tun_forward.c: read()/write(), one packet per system call, no offloads: the fair reference for TUN
+#       faces), both measured in the same run;
+#   (2) through flexstack: two TUN faces wired to each other ("a -> b", "b -> a");
+#   (3) through flexstack with the modules of the default app chain on the way (ip, reassemble, classify).
+# Prints the median of RUNS runs of SECS seconds each, and the ratios to the reference. Needs root.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RUNS=${RUNS:-3}
+SECS=${SECS:-5}
+[[ $(id -u) == 0 ]] || { echo "bench-datapath: needs root (namespaces, TUN devices)" >&2; exit 1; }
+command -v iperf3 >/dev/null || { echo "bench-datapath: needs iperf3 (scripts/setup.sh)" >&2; exit 1; }
+cargo build --release --quiet
+fs=$PWD/target/release/flexstack
+tag=fsb$$
+state=$(mktemp -d)
+cleanup() {
+  [[ -n "${daemon:-}" ]] && kill "$daemon" 2>/dev/null && wait "$daemon" 2>/dev/null || true
+  for ns in ${tag}a ${tag}b; do ip netns pids "$ns" 2>/dev/null | xargs -r kill 2>/dev/null || true; ip netns del "$ns" 2>/dev/null || true; done
+  ip link del ${tag}v 2>/dev/null || true
+  rm -rf "$state"
+}
+trap cleanup EXIT INT TERM
+ip netns add ${tag}a; ip netns add ${tag}b
+ip -n ${tag}a link set lo up; ip -n ${tag}b link set lo up
+
+median() { sort -n | awk '{a[NR]=$1} END {print (NR%2) ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2}'; }
+measure() { # $1 = server address; prints Gbit/s of each run, one per line
+  ip netns exec ${tag}b iperf3 -s -D -p 5299 -I "$state/iperf.pid" >/dev/null
+  sleep 0.3
+  for _ in $(seq "$RUNS"); do
+    ip netns exec ${tag}a iperf3 -c "$1" -p 5299 -t "$SECS" -J | python3 -c 'import json,sys; print(json.load(sys.stdin)["end"]["sum_received"]["bits_per_second"]/1e9)'
+  done
+  kill "$(cat "$state/iperf.pid")" 2>/dev/null || true
+  sleep 0.3
+}
+
+# (1) kernel veth
+ip link add ${tag}v type veth peer name ${tag}w
+ip link set ${tag}v netns ${tag}a; ip link set ${tag}w netns ${tag}b
+ip -n ${tag}a addr add 10.201.0.1/24 dev ${tag}v; ip -n ${tag}a link set ${tag}v up
+ip -n ${tag}b addr add 10.201.0.2/24 dev ${tag}w; ip -n ${tag}b link set ${tag}w up
+veth=$(measure 10.201.0.2 | median)
+ip -n ${tag}a link del ${tag}v
+
+# (1b) the trivial C forwarder
+cc -O2 -o "$state/tun_forward" bench/tun_forward.c
+"$state/tun_forward" ${tag}ta ${tag}tb > "$state/fwd.out" &
+fwd=$!
+for _ in $(seq 100); do grep -q ready "$state/fwd.out" 2>/dev/null && break; sleep 0.05; done
+ip link set ${tag}ta netns ${tag}a; ip link set ${tag}tb netns ${tag}b
+ip -n ${tag}a addr add 10.202.0.1/24 dev ${tag}ta; ip -n ${tag}a link set ${tag}ta up
+ip -n ${tag}b addr add 10.202.0.2/24 dev ${tag}tb; ip -n ${tag}b link set ${tag}tb up
+cfwd=$(measure 10.202.0.2 | median)
+kill "$fwd"; wait "$fwd" 2>/dev/null || true
+
+run_stack() { # $1 = stack file; prints the median Gbit/s
+  "$fs" daemon --stack "$1" --state-dir "$state/d" 2>"$state/daemon.log" &
+  daemon=$!
+  for _ in $(seq 100); do "$fs" --state-dir "$state/d" status >/dev/null 2>&1 && break; sleep 0.05; done
+  ip link set ${tag}ta netns ${tag}a; ip link set ${tag}tb netns ${tag}b
+  ip -n ${tag}a addr add 10.202.0.1/24 dev ${tag}ta; ip -n ${tag}a link set ${tag}ta up
+  ip -n ${tag}b addr add 10.202.0.2/24 dev ${tag}tb; ip -n ${tag}b link set ${tag}tb up
+  measure 10.202.0.2 | median
+  kill "$daemon"; wait "$daemon" 2>/dev/null || true; daemon=
+}
+
+cat > "$state/wire.toml" <<TOML
+links = ["a -> b", "b -> a"]
+[modules.a]
+kind = "tun"
+name = "${tag}ta"
+[modules.b]
+kind = "tun"
+name = "${tag}tb"
+direction = "up"
+TOML
+wire=$(run_stack "$state/wire.toml")
+
+cat > "$state/chain.toml" <<TOML
+links = ["a -> ip", "b -> ip", "ip[out] -> frag", "frag -> flows",
+         "flows[tcp] -> dir", "flows[udp] -> dir", "flows[icmp] -> dir", "flows[other] -> dir",
+         "dir[down] -> b", "dir[up] -> a"]
+[modules.a]
+kind = "tun"
+name = "${tag}ta"
+[modules.b]
+kind = "tun"
+name = "${tag}tb"
+direction = "up"
+[modules.ip]
+kind = "ip"
+[modules.frag]
+kind = "reassemble"
+[modules.flows]
+kind = "classify"
+[modules.dir]
+kind = "direction"
+TOML
+chain=$(run_stack "$state/chain.toml")
+
+printf 'data-path benchmark: iperf3 TCP, median of %s runs of %s s (Gbit/s)\n' "$RUNS" "$SECS"
+printf '  kernel veth (reference)                 %6.2f\n' "$veth"
+printf '  C TUN <-> TUN forwarder (reference)     %6.2f\n' "$cfwd"
+printf '  flexstack TUN <-> TUN                   %6.2f   ratio to C forwarder %.2f, to veth %.2f\n' "$wire" "$(echo "$wire / $cfwd" | bc -l)" "$(echo "$wire / $veth" | bc -l)"
+printf '  flexstack TUN <-> TUN, default modules  %6.2f   ratio to C forwarder %.2f, to veth %.2f\n' "$chain" "$(echo "$chain / $cfwd" | bc -l)" "$(echo "$chain / $veth" | bc -l)"

@@ -89,6 +89,13 @@ pub trait ModuleBuilder: Send {
     /// Ports and variables of the module this builder will build.
     fn interface(&self) -> ModuleInterface;
 
+    /// Which outputs each input can lead to, as (input, output) port names; `None` (the default) means every input
+    /// can reach every output. A module that carries traffic both ways (NAT, a link layer) declares its paths so
+    /// that it may sit in a loop of links that no frame can go round (see [`crate::switch`]'s cycle check).
+    fn paths(&self) -> Option<Vec<(String, String)>> {
+        None
+    }
+
     /// Builds the module; `vars` holds the cells of the variables declared by [`ModuleBuilder::interface`]. A knob
     /// given as a setting of the same name already holds that value; the module stores the initial value of any
     /// other knob itself, so that the stack's description shows what it runs with.

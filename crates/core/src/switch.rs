@@ -239,6 +239,7 @@ impl SlotMeters {
 }
 
 struct Slot {
+    paths: Option<Vec<(String, String)>>,
     name: String,
     kind: String,
     settings: Settings,
@@ -256,6 +257,7 @@ struct Slot {
 impl Slot {
     fn new(name: String, kind: String, settings: Settings, builder: Box<dyn ModuleBuilder>) -> Slot {
         let iface = full_interface(builder.interface());
+        let paths = builder.paths();
         let vars = ModuleVars::new(&iface.vars);
         // A knob given as a setting of the same name starts at that value (the module may still store its own),
         // so that describe() writes back what the module was configured with.
@@ -268,6 +270,7 @@ impl Slot {
         let module = builder.build(&vars);
         let meters = SlotMeters::new(&iface);
         Slot {
+            paths,
             pending: iface.inputs.iter().map(|_| Vec::new()).collect(),
             out: iface.outputs.iter().map(|_| Vec::new()).collect(),
             routes: iface.outputs.iter().map(|_| Vec::new()).collect(),
@@ -417,10 +420,12 @@ impl Switch {
     /// Returns notes about side effects (links removed with an unloaded module, state not handed over ...).
     pub fn apply(&mut self, edits: Vec<Edit>) -> Result<Vec<String>, EditError> {
         let mut model = Model::of(self);
-        let ifaces: Vec<Option<ModuleInterface>> = edits
+        let ifaces: Vec<Option<(ModuleInterface, Paths)>> = edits
             .iter()
             .map(|e| match e {
-                Edit::Load { builder, .. } | Edit::Replace { builder, .. } => Some(full_interface(builder.interface())),
+                Edit::Load { builder, .. } | Edit::Replace { builder, .. } => {
+                    Some((full_interface(builder.interface()), builder.paths()))
+                }
                 _ => None,
             })
             .collect();
@@ -1104,14 +1109,22 @@ fn list_ports(ports: &[&PortSpec]) -> String {
 }
 
 /// A model of the stack's shape on which edits are checked before anything is changed.
+/// Declared (input, output) paths of a module; `None`: every input reaches every output.
+type Paths = Option<Vec<(String, String)>>;
+
 struct Model {
     modules: HashMap<String, ModuleInterface>,
+    paths: HashMap<String, Paths>,
     edges: Vec<Edge>,
 }
 
 impl Model {
     fn of(s: &Switch) -> Model {
-        Model { modules: s.slots.iter().map(|x| (x.name.clone(), x.iface.clone())).collect(), edges: s.edges.clone() }
+        Model {
+            modules: s.slots.iter().map(|x| (x.name.clone(), x.iface.clone())).collect(),
+            paths: s.slots.iter().map(|x| (x.name.clone(), x.paths.clone())).collect(),
+            edges: s.edges.clone(),
+        }
     }
 
     fn iface(&self, name: &str) -> Result<&ModuleInterface, String> {
@@ -1175,7 +1188,11 @@ impl Model {
         Ok(())
     }
 
-    fn check(&mut self, edit: &Edit, new_iface: Option<&ModuleInterface>) -> Result<(), String> {
+    fn check(&mut self, edit: &Edit, new: Option<&(ModuleInterface, Paths)>) -> Result<(), String> {
+        let new_iface = new.map(|(i, _)| i);
+        if let (Edit::Load { name, .. } | Edit::Replace { name, .. }, Some((_, paths))) = (edit, new) {
+            self.paths.insert(name.clone(), paths.clone());
+        }
         match edit {
             Edit::Load { name, .. } => {
                 if self.modules.contains_key(name) {
@@ -1258,30 +1275,53 @@ impl Model {
         Ok(())
     }
 
-    /// Rejects a cycle that passes through no cycle-breaking module.
+    /// Rejects a loop of links that a frame could go round within one run: one through no cycle-breaking module,
+    /// following each module's declared paths from input to output (all of them where none are declared).
     fn check_cycles(&self) -> Result<(), String> {
-        let mut indegree: HashMap<&str, usize> = self.modules.keys().map(|k| (k.as_str(), 0)).collect();
-        let live = |e: &&Edge| !self.modules.get(&e.from).is_some_and(|m| m.breaks_cycles);
-        for e in self.edges.iter().filter(live) {
-            *indegree.entry(e.to.as_str()).or_default() += 1;
-        }
-        let mut ready: Vec<&str> = indegree.iter().filter(|(_, &d)| d == 0).map(|(k, _)| *k).collect();
-        let mut done = 0;
-        while let Some(m) = ready.pop() {
-            done += 1;
-            for e in self.edges.iter().filter(live).filter(|e| e.from == m) {
-                let d = indegree.get_mut(e.to.as_str()).expect("edge to a known module");
-                *d -= 1;
-                if *d == 0 {
-                    ready.push(e.to.as_str());
+        // Nodes are (module, input port); a frame at one may next be at the inputs linked to the outputs it can
+        // reach. Cycle-breaking modules emit only later, so nothing leads on from their inputs.
+        let nodes: Vec<(&str, &str)> = self
+            .modules
+            .iter()
+            .flat_map(|(m, iface)| iface.inputs.iter().map(move |p| (m.as_str(), p.name.as_str())))
+            .collect();
+        let index: HashMap<(&str, &str), usize> = nodes.iter().enumerate().map(|(i, n)| (*n, i)).collect();
+        let reaches = |m: &str, input: &str, output: &str| match self.paths.get(m).and_then(|p| p.as_ref()) {
+            Some(paths) => output == CONTROL_PORT || paths.iter().any(|(i, o)| i == input && o == output),
+            None => true,
+        };
+        let mut next: Vec<Vec<usize>> = vec![Vec::new(); nodes.len()];
+        for (n, (m, input)) in nodes.iter().enumerate() {
+            if self.modules.get(*m).is_some_and(|i| i.breaks_cycles) {
+                continue;
+            }
+            for e in self.edges.iter().filter(|e| e.from == *m && reaches(m, input, &e.from_port)) {
+                if let Some(&t) = index.get(&(e.to.as_str(), e.to_port.as_str())) {
+                    next[n].push(t);
                 }
             }
         }
-        if done == indegree.len() {
+        let mut indegree = vec![0usize; nodes.len()];
+        for t in next.iter().flatten() {
+            indegree[*t] += 1;
+        }
+        let mut ready: Vec<usize> = (0..nodes.len()).filter(|&n| indegree[n] == 0).collect();
+        let mut done = 0;
+        while let Some(n) = ready.pop() {
+            done += 1;
+            for &t in &next[n] {
+                indegree[t] -= 1;
+                if indegree[t] == 0 {
+                    ready.push(t);
+                }
+            }
+        }
+        if done == nodes.len() {
             return Ok(());
         }
-        let mut stuck: Vec<&str> = indegree.iter().filter(|(_, &d)| d > 0).map(|(k, _)| *k).collect();
+        let mut stuck: Vec<&str> = (0..nodes.len()).filter(|&n| indegree[n] > 0).map(|n| nodes[n].0).collect();
         stuck.sort_unstable();
+        stuck.dedup();
         Err(format!("the links would form a cycle through {} with no queueing module to break it", stuck.join(", ")))
     }
 }

@@ -528,6 +528,12 @@ impl ModuleBuilder for NatBuilder {
         }
     }
 
+    /// Packets from the inside only ever leave towards the outside, and the other way round: a NAT may sit in a
+    /// loop of links between an app and a link layer.
+    fn paths(&self) -> Option<Vec<(String, String)>> {
+        Some(vec![("inside".into(), "to_outside".into()), ("outside".into(), "to_inside".into())])
+    }
+
     fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module> {
         self.timeouts.store(vars);
         let mut reserved = HashSet::new();

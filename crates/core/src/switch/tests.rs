@@ -1574,3 +1574,87 @@ fn a_replace_without_state_handover_drops_the_old_modules_runtime_variables() {
     sw.apply(vec![replace("fl", flows(), true)]).unwrap();
     assert!(sw.registry().snapshot().get("flow.4.packets_total").is_none());
 }
+
+/// A two-way module: `down` leads to `to_down` only, `up` to `to_up` only (declared as paths when `declared`).
+struct TwoWay;
+
+impl Module for TwoWay {
+    fn process(&mut self, port: usize, input: &mut Batch, out: &mut Output<'_>) {
+        out.emit_all(port, input);
+    }
+}
+
+struct TwoWayBuilder {
+    declared: bool,
+}
+
+impl ModuleBuilder for TwoWayBuilder {
+    fn interface(&self) -> ModuleInterface {
+        ModuleInterface {
+            inputs: ports(&[("down", port_type::ANY), ("up", port_type::ANY)]),
+            outputs: ports(&[("to_down", port_type::ANY), ("to_up", port_type::ANY)]),
+            vars: vec![],
+            breaks_cycles: false,
+        }
+    }
+    fn paths(&self) -> Option<Vec<(String, String)>> {
+        self.declared.then(|| vec![("down".into(), "to_down".into()), ("up".into(), "to_up".into())])
+    }
+    fn build(self: Box<Self>, _: &ModuleVars) -> Box<dyn Module> {
+        Box::new(TwoWay)
+    }
+}
+
+#[test]
+fn two_way_modules_may_loop_at_module_level_when_no_frame_can_go_round() {
+    let two_way = |declared| -> Box<dyn ModuleBuilder> { Box::new(TwoWayBuilder { declared }) };
+    let loop_links = || {
+        vec![
+            link("x[to_down] -> y[down]"),
+            link("y[to_up] -> x[up]"),
+            link("y[to_down] -> bottom"),
+            link("x[to_up] -> top"),
+        ]
+    };
+    let (top, bottom) = (Probe::default(), Probe::default());
+
+    // Without declared paths every input may reach every output: x -> y -> x is a loop, refused.
+    let mut sw = Switch::default();
+    let mut edits = vec![
+        load("x", two_way(false)),
+        load("y", two_way(false)),
+        load("top", sink(&top)),
+        load("bottom", sink(&bottom)),
+    ];
+    edits.extend(loop_links());
+    let e = sw.apply(edits).unwrap_err();
+    assert!(e.message.contains("cycle"), "{e}");
+
+    // With them, frames going down stay going down and frames going up stay going up: accepted.
+    let mut sw = Switch::default();
+    let mut edits = vec![
+        load("x", two_way(true)),
+        load("y", two_way(true)),
+        load("top", sink(&top)),
+        load("bottom", sink(&bottom)),
+    ];
+    edits.extend(loop_links());
+    sw.apply(edits).unwrap();
+    inject_port(&mut sw, "x", "down", [1, 2]);
+    inject_port(&mut sw, "y", "up", [3]);
+    for ms in 1..4 {
+        sw.run(t(ms));
+    }
+    assert_eq!(bottom.seqs(), [1, 2]);
+    assert_eq!(top.seqs(), [3]);
+
+    // A real loop through the declared paths is still refused: y[to_down] back into x[down].
+    let e = sw.apply(vec![link("y[to_down] -> x[down]")]).unwrap_err();
+    assert!(e.message.contains("cycle"), "{e}");
+}
+
+fn inject_port(sw: &mut Switch, module: &str, port: &str, seqs: impl IntoIterator<Item = u64>) {
+    let pool = sw.pool().clone();
+    let mut batch = packets(&pool, seqs);
+    sw.inject(module, port, &mut batch).unwrap();
+}

@@ -12,6 +12,7 @@ pub mod classify;
 pub mod firewall;
 pub mod icmp;
 pub mod ip;
+pub mod link;
 pub mod nat;
 pub mod packet;
 pub mod reassemble;
@@ -26,5 +27,6 @@ pub fn register(catalog: &mut Catalog) {
     catalog.register(Box::new(classify::ClassifyKind));
     catalog.register(Box::new(firewall::FirewallKind));
     catalog.register(Box::new(nat::NatKind));
+    catalog.register(Box::new(link::LinkKind));
     let _ = catalog;
 }

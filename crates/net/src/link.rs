@@ -785,10 +785,12 @@ impl Link {
         if version == 6 && ip[6] == proto::ICMPV6 && ip.len() > 40 && (133..=137).contains(&ip[40]) {
             return self.receive_ndp(p, eth_src, out);
         }
-        let stated = if version == 4 {
-            usize::from(u16::from_be_bytes([ip[2], ip[3]]))
-        } else {
-            40 + usize::from(u16::from_be_bytes([ip[4], ip[5]]))
+        // A zero length (IPv4 and IPv6 "big" GRO packets, IPv6 jumbograms) says nothing: nothing is cut then.
+        let at = if version == 4 { 2 } else { 4 };
+        let stated = match usize::from(u16::from_be_bytes([ip[at], ip[at + 1]])) {
+            0 => ip.len(),
+            total if version == 4 => total,
+            payload => 40 + payload,
         };
         let keep = if stated >= min && stated < ip.len() { stated } else { ip.len() };
         let v = p.make_mut();
@@ -1922,6 +1924,13 @@ mod tests {
         assert_eq!(got[..5], [small, v6, bcast, mcast6, echo]);
         assert_eq!(s.meter("passed_up_total"), 6);
         assert_eq!(s.meter("neighbours"), 0, "IP traffic teaches nothing");
+        // A zero length field (big GRO packets, jumbograms) cuts nothing.
+        let mut big6 = build::ipv6(P6, A6, proto::HOP_BY_HOP, 64, &[0; 100]);
+        big6[4..6].copy_from_slice(&[0, 0]);
+        let mut big4 = build::ipv4(P4, A4, proto::TCP, 64, &[0; 100]);
+        big4[2..4].copy_from_slice(&[0, 0]);
+        s.wire_in(2, &[eth(ME, PEER, 0x86dd, &big6), eth(ME, PEER, 0x0800, &big4)]);
+        assert_eq!(s.ip_out(), [big6, big4]);
         s.check_accounting();
     }
 

@@ -6,3 +6,22 @@ cd "$(dirname "$0")/.."
 # The `ci` profile is optimized with debug assertions on: the end-to-end tests move real traffic through the daemon.
 cargo build --workspace --all-targets --profile ci
 cargo test --workspace --profile ci --no-fail-fast -- --test-threads="$(nproc)"
+
+# Nothing of flexstack may outlive the tests, pass or fail: namespaces (fs-*), interfaces (fs*), nftables tables
+# (flexstack_*) and daemons. Anything left is reported as a failure, then removed so the machine stays clean.
+leftovers() {
+  ip netns list 2>/dev/null | awk '{print $1}' | grep '^fs-' | sed 's/^/namespace /'
+  ip -br link 2>/dev/null | awk '{print $1}' | cut -d@ -f1 | grep '^fs' | sed 's/^/interface /'
+  nft list tables 2>/dev/null | awk '{print $3}' | grep '^flexstack_' | sed 's/^/nftables table /'
+  pgrep -a -f 'flexstack daemon' | sed 's/^/process /'
+}
+left=$(leftovers || true)
+if [[ -n "$left" ]]; then
+  echo "error: the tests left these behind:" >&2
+  echo "$left" >&2
+  for ns in $(ip netns list | awk '{print $1}' | grep '^fs-'); do ip netns pids "$ns" | xargs -r kill -9; ip netns del "$ns"; done
+  for l in $(ip -br link | awk '{print $1}' | cut -d@ -f1 | grep '^fs'); do ip link del "$l" 2>/dev/null || true; done
+  for t in $(nft list tables | awk '{print $3}' | grep '^flexstack_'); do nft delete table inet "$t"; done
+  pkill -f 'flexstack daemon' || true
+  exit 1
+fi

@@ -14,7 +14,9 @@
 //!   (ethernet). Settings: `interface` (required), `take_over` (default true: the kernel's addresses on the
 //!   interface are flushed and kernel IPv6 is disabled on it, so that only flexstack answers ARP and neighbour
 //!   discovery there; they are not restored), `queue`. Frames the kernel itself sends out on the interface are not
-//!   read back; frames are sent past the interface's queueing discipline (PACKET_QDISC_BYPASS).
+//!   read back; frames are sent past the interface's queueing discipline (PACKET_QDISC_BYPASS). The socket uses
+//!   virtio-net headers (PACKET_VNET_HDR): a frame whose sender offloaded its transport checksum has it completed
+//!   here, so that modules see valid packets; large segments (GSO) arrive whole, as one long IP packet.
 //! - Both: `queue` is the most frames waiting for the device (default 4096; beyond, drop_queue_full). Meters:
 //!   rx_packets_total, rx_bytes_total, rx_errors_total, tx_errors_total (counted as the data plane does the
 //!   device's I/O), tx_packets_total, tx_bytes_total, drop_queue_full_total, device (the interface name).
@@ -162,6 +164,7 @@ impl PacketDevice {
             SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC,
             SockProtocol::EthAll,
         )?;
+        crate::sys::set_packet_vnet_hdr(socket.as_fd())?;
         crate::sys::bind_packet(socket.as_fd(), ifindex)?;
         crate::sys::set_qdisc_bypass(socket.as_fd())?;
         Ok(PacketDevice { common: DeviceCommon::new(interface, Direction::Up), socket })
@@ -196,19 +199,54 @@ impl FaceDevice for PacketDevice {
             match result {
                 // Frames the kernel sends out on the interface are seen too: skip them.
                 Ok((_, Some(addr))) if addr.pkttype() == libc::PACKET_OUTGOING => continue,
-                Ok((n, _)) => return finish_read(&self.common, buf, Ok(n)),
+                Ok((n, _)) if n < VNET_HDR_LEN => {
+                    self.common.rx_error();
+                    continue;
+                }
+                Ok((n, _)) => {
+                    buf.truncate(n);
+                    complete_offloaded_checksum(buf);
+                    buf.drain(..VNET_HDR_LEN);
+                    let n = buf.len();
+                    return finish_read(&self.common, buf, Ok(n));
+                }
                 Err(e) => return finish_read(&self.common, buf, Err(std::io::Error::from(e))),
             }
         }
     }
 
     fn write_packet(&self, packet: &[u8]) -> std::io::Result<()> {
-        use nix::sys::socket::{send, MsgFlags};
-        send(self.socket.as_raw_fd(), packet, MsgFlags::MSG_DONTWAIT)
+        use nix::sys::socket::{sendmsg, MsgFlags, UnixAddr};
+        // A zero virtio_net_hdr: a whole frame, its checksums complete.
+        let header = [0u8; VNET_HDR_LEN];
+        let iov = [std::io::IoSlice::new(&header), std::io::IoSlice::new(packet)];
+        sendmsg::<UnixAddr>(self.socket.as_raw_fd(), &iov, &[], MsgFlags::MSG_DONTWAIT, None)
             .map(|_| ())
             .map_err(std::io::Error::from)
             .inspect_err(|_| self.common.tx_error())
     }
+}
+
+/// Length of the `virtio_net_hdr` before each frame on a packet socket with PACKET_VNET_HDR.
+const VNET_HDR_LEN: usize = 10;
+/// `virtio_net_hdr` flag: the checksum at csum_start + csum_offset holds only the pseudo-header sum.
+const VNET_F_NEEDS_CSUM: u8 = 1;
+
+/// Completes a transport checksum the frame's sender left to offload: `buf` is a `virtio_net_hdr` followed by
+/// the frame; csum_start and csum_offset (from the header) are relative to the frame.
+fn complete_offloaded_checksum(buf: &mut [u8]) {
+    if buf[0] & VNET_F_NEEDS_CSUM == 0 {
+        return;
+    }
+    let start = VNET_HDR_LEN + usize::from(u16::from_le_bytes([buf[6], buf[7]]));
+    let field = start + usize::from(u16::from_le_bytes([buf[8], buf[9]]));
+    if field + 2 > buf.len() || start > field {
+        return;
+    }
+    // The field holds the pseudo-header sum: summing it with the rest gives the full checksum.
+    let sum = flexstack_net::checksum::sum(0, &buf[start..]);
+    let c = flexstack_net::checksum::finish(sum);
+    buf[field..field + 2].copy_from_slice(&c.to_be_bytes());
 }
 
 /// Reads the settings both kinds share and checks them.

@@ -50,8 +50,10 @@ fn iperf3_udp_packet_and_byte_counts_match_the_flow_meters_exactly() {
     ] {
         let json = out_dir.path().join(format!("udp{family}.json"));
         // 1000 datagrams of 1000 bytes; the app stays up while the meters are read.
-        let script =
-            format!("iperf3 -{family} -c {server} -u -b 40M -l 1000 -n 1000000 -J > {}; sleep 30", json.display());
+        let script = format!(
+            "timeout 60 iperf3 -{family} -c {server} -u -b 40M -l 1000 -n 1000000 -J > {}; sleep 30",
+            json.display()
+        );
         let mut app = d.spawn_run(&["--name", "perf", "--", "sh", "-c", &script]);
         wait_file(&json, 30);
         let report: Json = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
@@ -82,7 +84,7 @@ fn iperf3_tcp_moves_a_gibibyte_intact_over_ipv4_and_ipv6() {
     let _iperf = srv.ns.spawn(&["iperf3", "-s", "-p", "5201"]);
     let d = SandboxDaemon::start(app_octet.wrapping_add(20));
     std::thread::sleep(Duration::from_millis(300));
-    let out = d.run(&["--", "iperf3", "-4", "-c", &srv.v4, "-n", "1G", "-J"]);
+    let out = d.run(&["--", "timeout", "300", "iperf3", "-4", "-c", &srv.v4, "-n", "1G", "-J"]);
     assert!(out.status.success(), "{}", text(&out));
     let r: Json = serde_json::from_slice(&out.stdout).unwrap();
     let (sent, received) =
@@ -95,7 +97,7 @@ fn iperf3_tcp_moves_a_gibibyte_intact_over_ipv4_and_ipv6() {
         "1 GiB over IPv4 through flexstack at {:.0} Mbit/s",
         r["end"]["sum_received"]["bits_per_second"].as_f64().unwrap_or(0.0) / 1e6
     );
-    let out = d.run(&["--", "iperf3", "-6", "-c", &srv.v6, "-n", "100M", "-J"]);
+    let out = d.run(&["--", "timeout", "120", "iperf3", "-6", "-c", &srv.v6, "-n", "100M", "-J"]);
     assert!(out.status.success(), "{}", text(&out));
     let r: Json = serde_json::from_slice(&out.stdout).unwrap();
     // Completed (iperf3 exits 0 only when the server confirms the end of the test) with every byte sent; the
@@ -146,7 +148,7 @@ fn malformed_packets_on_both_faces_are_counted_and_a_transfer_survives_them() {
     let srv = Server::new(srv_octet.wrapping_add(40), &blob);
     let want = sha256_hex(&blob);
     let d = SandboxDaemon::start(app_octet.wrapping_add(40));
-    let script = format!("curl -sf --limit-rate 8M http://{}:8080/blob | sha256sum", srv.v4);
+    let script = format!("curl -sf -m 120 --limit-rate 8M http://{}:8080/blob | sha256sum", srv.v4);
     let app = d.spawn_run(&["--name", "victim", "--", "sh", "-c", &script]);
     d.wait_for_apps(1);
     let info = d.apps()[0].clone();

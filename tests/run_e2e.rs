@@ -35,8 +35,8 @@ fn unmodified_programs_reach_a_server_through_the_host_face() {
 
     // ping (v4 and v6) and curl (v4 and v6) in one sandbox; the file arrives intact both ways.
     let script = format!(
-        "ping -c 2 -W 2 {v4} && ping -6 -c 2 -W 2 {v6} && curl -sf http://{v4}:8080/blob | sha256sum && \
-         curl -sf 'http://[{v6}]:8080/blob' | sha256sum && ip -br addr show",
+        "ping -c 2 -W 2 {v4} && ping -6 -c 2 -W 2 {v6} && curl -sf -m 60 http://{v4}:8080/blob | sha256sum && \
+         curl -sf -m 60 'http://[{v6}]:8080/blob' | sha256sum && ip -br addr show",
         v4 = srv.v4,
         v6 = srv.v6
     );

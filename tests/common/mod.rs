@@ -317,7 +317,11 @@ impl Server {
         ]);
         let v4 = format!("10.{octet}.7.2");
         for _ in 0..100 {
-            if ns.run(&["curl", "-sf", "-o", "/dev/null", &format!("http://{v4}:8080/blob")]).status.success() {
+            if ns
+                .run(&["curl", "-sf", "-m", "2", "-o", "/dev/null", &format!("http://{v4}:8080/blob")])
+                .status
+                .success()
+            {
                 break;
             }
             std::thread::sleep(Duration::from_millis(50));

@@ -544,6 +544,12 @@ impl ModuleBuilder for LinkBuilder {
         }
     }
 
+    /// IP packets only go out on the wire; frames from the wire go up as IP, or back out as ARP / NDP answers.
+    /// So a link may sit between a NAT and a face in a loop of links that no frame can go round.
+    fn paths(&self) -> Option<Vec<(String, String)>> {
+        Some(vec![("ip".into(), "wire".into()), ("wire".into(), "ip".into()), ("wire".into(), "wire".into())])
+    }
+
     fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module> {
         let cfg = self.0;
         for (name, ..) in KNOBS {

@@ -1,0 +1,105 @@
+//! End-to-end over a link face: flexstack takes over one end of a veth pair (AF_PACKET), answers ARP and
+//! neighbour discovery for its own addresses on that link (the `link` module) and translates a sandboxed app's
+//! traffic to them (the `nat` module). The other end is in a server namespace: ping, curl with a checksum and
+//! iperf3 go over IPv4 and IPv6 with no host routing involved. Needs root (skips with a reason outside CI).
+
+mod common;
+
+use common::{octets, privileged, sh, text, unique, Netns, SandboxDaemon};
+use serde_json::Value as Json;
+use std::time::Duration;
+
+#[test]
+fn apps_reach_a_server_over_a_link_face_with_flexstack_arp_ndp_and_nat() {
+    if !privileged("apps_reach_a_server_over_a_link_face_with_flexstack_arp_ndp_and_nat") {
+        return;
+    }
+    let (app_octet, srv_octet) = octets();
+    let (b, s) = (app_octet.wrapping_add(60), srv_octet.wrapping_add(60));
+    // The link: `owned` stays in the host namespace for flexstack to take over; `peer` goes to the server.
+    let srv = Netns::new("lk");
+    let (owned, peer) = (unique("o"), unique("p"));
+    sh("ip", &["link", "add", &owned, "type", "veth", "peer", "name", &peer]);
+    let _link = LinkGuard(owned.clone());
+    srv.adopt(&peer, &[&format!("10.{s}.9.1/24"), &format!("fd99:{s:x}::1/64")]);
+    let mac = std::fs::read_to_string(format!("/sys/class/net/{owned}/address")).unwrap().trim().to_string();
+    let www = tempfile::tempdir().unwrap();
+    let blob: Vec<u8> = (0..5_000_000u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 9) as u8).collect();
+    std::fs::write(www.path().join("blob"), &blob).unwrap();
+    let _http = srv.spawn(&[
+        "python3",
+        "-m",
+        "http.server",
+        "8080",
+        "--bind",
+        "::",
+        "--directory",
+        www.path().to_str().unwrap(),
+    ]);
+    let _iperf = srv.spawn(&["iperf3", "-s", "-p", "5201"]);
+
+    let template = format!(
+        r#"links = [
+  "{{app}} -> {{app}}-ip",
+  "{{app}}-ip[out] -> {{app}}-nat[inside]",
+  "{{app}}-ip[icmp] -> {{app}}",
+  "{{app}}-nat[to_outside] -> {{app}}-link[ip]",
+  "{{app}}-link[wire] -> {{app}}-eth",
+  "{{app}}-eth -> {{app}}-link[wire]",
+  "{{app}}-link[ip] -> {{app}}-nat[outside]",
+  "{{app}}-nat[to_inside] -> {{app}}",
+]
+[modules."{{app}}"]
+kind = "tun"
+name = "{{app_dev}}"
+[modules."{{app}}-ip"]
+kind = "ip"
+[modules."{{app}}-nat"]
+kind = "nat"
+rules = ["snat 10.{b}.0.0/16 to 10.{s}.9.2", "snat fd77:{b:x}::/32 to fd99:{s:x}::2"]
+[modules."{{app}}-link"]
+kind = "link"
+mac = "{mac}"
+addresses = ["10.{s}.9.2/24", "fd99:{s:x}::2/64"]
+[modules."{{app}}-eth"]
+kind = "packet"
+interface = "{owned}"
+"#
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let template_file = dir.path().join("link-app.toml");
+    std::fs::write(&template_file, template).unwrap();
+    let d = SandboxDaemon::start(b);
+    std::thread::sleep(Duration::from_millis(300));
+    let want = sh("sh", &["-c", &format!("sha256sum {} | cut -d' ' -f1", www.path().join("blob").display())]);
+    let script = format!(
+        "ping -c 2 -W 2 10.{s}.9.1 && ping -6 -c 2 -W 2 fd99:{s:x}::1 && \
+         curl -sf -m 60 --retry 5 --retry-connrefused http://10.{s}.9.1:8080/blob | sha256sum && \
+         curl -sf -m 60 'http://[fd99:{s:x}::1]:8080/blob' | sha256sum && \
+         timeout 120 iperf3 -c 10.{s}.9.1 -n 200M -J > {json}",
+        json = dir.path().join("iperf.json").display()
+    );
+    let out = d.run(&["--stack", template_file.to_str().unwrap(), "--", "sh", "-c", &script]);
+    let t = text(&out);
+    assert!(out.status.success(), "{t}");
+    assert_eq!(t.matches(want.trim()).count(), 2, "both downloads intact: {t}");
+    let r: Json = serde_json::from_str(&std::fs::read_to_string(dir.path().join("iperf.json")).unwrap()).unwrap();
+    assert!(r["end"]["sum_sent"]["bytes"].as_u64().unwrap() >= 200 << 20, "{}", r["end"]);
+
+    // The server saw flexstack's link address, resolved by ARP / NDP that flexstack answered, and no kernel
+    // address was left on the owned interface.
+    let neigh = String::from_utf8_lossy(&srv.run(&["ip", "neigh", "show"]).stdout).to_string();
+    assert!(neigh.contains(&format!("10.{s}.9.2")) && neigh.contains(&mac), "{neigh}");
+    assert!(neigh.contains(&format!("fd99:{s:x}::2")), "{neigh}");
+    let addrs = sh("ip", &["-br", "addr", "show", &owned]);
+    assert!(!addrs.contains("10.") && !addrs.contains("fe80"), "{addrs}");
+}
+
+/// Deletes the veth pair on drop.
+struct LinkGuard(String);
+
+impl Drop for LinkGuard {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("ip").args(["link", "del", &self.0]).status();
+    }
+}

@@ -38,34 +38,15 @@ fn apps_reach_a_server_over_a_link_face_with_flexstack_arp_ndp_and_nat() {
     ]);
     let _iperf = srv.spawn(&["iperf3", "-s", "-p", "5201"]);
 
-    let template = format!(
-        r#"links = [
-  "{{app}} -> {{app}}-ip",
-  "{{app}}-ip[out] -> {{app}}-nat[inside]",
-  "{{app}}-ip[icmp] -> {{app}}",
-  "{{app}}-nat[to_outside] -> {{app}}-link[ip]",
-  "{{app}}-link[wire] -> {{app}}-eth",
-  "{{app}}-eth -> {{app}}-link[wire]",
-  "{{app}}-link[ip] -> {{app}}-nat[outside]",
-  "{{app}}-nat[to_inside] -> {{app}}",
-]
-[modules."{{app}}"]
-kind = "tun"
-name = "{{app_dev}}"
-[modules."{{app}}-ip"]
-kind = "ip"
-[modules."{{app}}-nat"]
-kind = "nat"
-rules = ["snat 10.{b}.0.0/16 to 10.{s}.9.2", "snat fd77:{b:x}::/32 to fd99:{s:x}::2"]
-[modules."{{app}}-link"]
-kind = "link"
-mac = "{mac}"
-addresses = ["10.{s}.9.2/24", "fd99:{s:x}::2/64"]
-[modules."{{app}}-eth"]
-kind = "packet"
-interface = "{owned}"
-"#
-    );
+    // The documented example, with this test's link filled in.
+    let example = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/stacks/app-link.toml")).unwrap();
+    let template = example
+        .replace("10.77.0.0/16", &format!("10.{b}.0.0/16"))
+        .replace("fd77:4d::/32", &format!("fd77:{b:x}::/32"))
+        .replace("192.0.2.2", &format!("10.{s}.9.2"))
+        .replace("2001:db8::2", &format!("fd99:{s:x}::2"))
+        .replace("02:00:00:00:00:01", &mac)
+        .replace("\"eth1\"", &format!("\"{owned}\""));
     let dir = tempfile::tempdir().unwrap();
     let template_file = dir.path().join("link-app.toml");
     std::fs::write(&template_file, template).unwrap();

@@ -164,6 +164,11 @@ impl PacketDevice {
             SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC,
             SockProtocol::EthAll,
         )?;
+        // A burst of frames while the data plane is busy must not overflow the default ~200 KB buffer.
+        let rcvbuf = 4 << 20;
+        if nix::sys::socket::setsockopt(&socket, nix::sys::socket::sockopt::RcvBufForce, &rcvbuf).is_err() {
+            nix::sys::socket::setsockopt(&socket, nix::sys::socket::sockopt::RcvBuf, &rcvbuf)?;
+        }
         crate::sys::set_packet_vnet_hdr(socket.as_fd())?;
         crate::sys::bind_packet(socket.as_fd(), ifindex)?;
         crate::sys::set_qdisc_bypass(socket.as_fd())?;

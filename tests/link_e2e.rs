@@ -74,6 +74,70 @@ fn apps_reach_a_server_over_a_link_face_with_flexstack_arp_ndp_and_nat() {
     assert!(neigh.contains(&format!("fd99:{s:x}::2")), "{neigh}");
     let addrs = sh("ip", &["-br", "addr", "show", &owned]);
     assert!(!addrs.contains("10.") && !addrs.contains("fe80"), "{addrs}");
+
+    // Malformed input on the link side while a transfer runs: frames injected from the server towards
+    // flexstack's MAC. Each is dropped and counted with its reason; the transfer completes intact.
+    // The reader sleeps first: the pipe fills, curl stops reading and TCP's window closes, so the transfer is still
+    // open while the frames are injected (curl's --limit-rate does not hold it back here).
+    let script = format!("curl -sf -m 120 http://10.{s}.9.1:8080/blob | (sleep 4; sha256sum)");
+    let app = d.spawn_run(&["--stack", template_file.to_str().unwrap(), "--name", "lk", "--", "sh", "-c", &script]);
+    d.wait_for_apps(1);
+    std::thread::sleep(Duration::from_millis(300));
+    let injector = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/inject_malformed.py");
+    let (src4, dst4, src6, dst6) =
+        (format!("10.{s}.9.1"), format!("10.{s}.9.2"), format!("fd99:{s:x}::1"), format!("fd99:{s:x}::2"));
+    let out = srv.run(&["python3", injector, &peer, &src4, &dst4, &src6, &dst6, "--mac", &mac]);
+    assert!(out.status.success(), "{}", text(&out));
+    // The flood comes last: once its drops are counted, everything before it has been processed.
+    let drops = |d: &SandboxDaemon| -> std::collections::BTreeMap<String, u64> {
+        let out = d.cli(&["-j", "get", "module.lk-*.drop_*"]);
+        let v: Json = serde_json::from_slice(&out.stdout).unwrap_or(Json::Null);
+        v.as_object()
+            .map(|o| {
+                o.iter().map(|(k, x)| (k.clone(), x["value"].as_u64().unwrap_or(0))).filter(|(_, n)| *n > 0).collect()
+            })
+            .unwrap_or_default()
+    };
+    let sum_of = |all: &std::collections::BTreeMap<String, u64>, reason: &str| -> u64 {
+        all.iter().filter(|(k, _)| k.ends_with(&format!(".drop_{reason}_total"))).map(|(_, n)| n).sum()
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(3);
+    let mut all = drops(&d);
+    while sum_of(&all, "memory") < 2000 - 64 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+        all = drops(&d);
+    }
+    let io = text(&d.cli(&["get", "module.lk-eth.rx_*", "module.lk-*.frames_in_total", "module.lk-frag.*pending*"]));
+    if d.apps().as_array().is_none_or(|a| a.is_empty()) {
+        let out = app.wait_with_output().unwrap();
+        panic!("the app ended before the checks: {}\ncounted: {all:#?}\n{io}", text(&out));
+    }
+    let rounds = 20;
+    for (reason, at_least) in [
+        ("truncated", rounds),
+        ("bad_header_length", 2 * rounds),
+        ("bad_total_length", 2 * rounds),
+        ("bad_checksum", rounds),
+        ("truncated_transport", 2 * rounds),
+        ("bad_extension_header", rounds),
+        ("overlap", rounds),
+        ("duplicate", rounds),
+        ("tiny", rounds),
+        ("memory", 2000 - 64),
+        ("bad_ethertype", rounds),
+        ("arp_malformed", rounds),
+    ] {
+        let n = sum_of(&all, reason);
+        assert!(
+            n >= at_least,
+            "drop_{reason}: {n}, expected at least {at_least}\ninjected: {}\ncounted: {all:#?}\n{io}",
+            text(&out)
+        );
+    }
+    let out = app.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).split_whitespace().next(), Some(want.trim()), "intact under fire");
+    assert!(d.cli(&["status"]).status.success(), "the daemon survived");
 }
 
 /// Deletes the veth pair on drop.

@@ -2,7 +2,10 @@
 """Sends malformed IPv4/IPv6 packets (and a fragment flood) into a TUN device through an AF_PACKET socket, for
 flexstack's end-to-end robustness test. Each kind is sent `--rounds` times; prints how many of each it sent.
 
-usage: inject_malformed.py DEVICE SRC4 DST4 SRC6 DST6 [--rounds N] [--flood N]
+usage: inject_malformed.py DEVICE SRC4 DST4 SRC6 DST6 [--rounds N] [--flood N] [--mac DST_MAC]
+
+On an Ethernet device give --mac (the destination MAC of every frame): it then also sends malformed Ethernet
+frames themselves (truncated, unknown EtherType, malformed ARP) through a raw socket.
 """
 import ipaddress
 import socket
@@ -38,11 +41,15 @@ def main():
     flood = int(sys.argv[sys.argv.index("--flood") + 1]) if "--flood" in sys.argv else 2000
     src, dst = socket.inet_aton(s4), socket.inet_aton(d4)
     src6, dst6 = ipaddress.IPv6Address(s6).packed, ipaddress.IPv6Address(d6).packed
+    mac = bytes.fromhex(sys.argv[sys.argv.index("--mac") + 1].replace(":", "")) if "--mac" in sys.argv else None
     sock = socket.socket(socket.AF_PACKET, socket.SOCK_DGRAM)
     good_udp = udp(40000, 9, b"x" * 32)
 
     def send(pkt, proto=0x0800):
-        sock.sendto(pkt, (dev, proto))
+        if mac is None:
+            sock.sendto(pkt, (dev, proto))
+        else:
+            sock.sendto(pkt, (dev, proto, 0, 0, mac))
 
     kinds = {
         "truncated": lambda: ipv4(src, dst, 17, good_udp)[:12],
@@ -81,6 +88,22 @@ def main():
         if i % 200 == 199:
             time.sleep(0.005)  # paced, so the kernel's TUN queue is not what drops them
     sent["fragment_flood"] = flood
+    if mac is not None:
+        raw = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+        raw.bind((dev, 0))
+        me = raw.getsockname()[4]
+        junk = {
+            "ethernet_truncated": mac[:4],
+            "ethernet_unknown_ethertype": mac + me + b"\x88\xb5" + b"\0" * 46,
+            "arp_malformed": mac + me + b"\x08\x06" + b"\x00\x01\x08\x00\x06",
+        }
+        for _ in range(rounds):
+            for name, frame in junk.items():
+                try:
+                    raw.send(frame)
+                    sent[name] = sent.get(name, 0) + 1
+                except OSError:
+                    sent[name + "_refused_by_kernel"] = sent.get(name + "_refused_by_kernel", 0) + 1
     print(" ".join(f"{k}={v}" for k, v in sorted(sent.items())))
 
 

@@ -37,6 +37,17 @@ fn apps_reach_a_server_over_a_link_face_with_flexstack_arp_ndp_and_nat() {
         www.path().to_str().unwrap(),
     ]);
     let _iperf = srv.spawn(&["iperf3", "-s", "-p", "5201"]);
+    let _dns = srv.spawn(&[
+        "dnsmasq",
+        "--no-daemon",
+        "--no-resolv",
+        "--no-hosts",
+        "--port=53",
+        "--bind-interfaces",
+        &format!("--listen-address=10.{s}.9.1,fd99:{s:x}::1"),
+        "--address=/flexstack.test/10.1.2.3",
+        "--address=/flexstack.test/fd00:1:2::3",
+    ]);
 
     // The documented example, with this test's link filled in.
     let example = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/stacks/app-link.toml")).unwrap();
@@ -57,8 +68,14 @@ fn apps_reach_a_server_over_a_link_face_with_flexstack_arp_ndp_and_nat() {
         "ping -c 2 -W 2 10.{s}.9.1 && ping -6 -c 2 -W 2 fd99:{s:x}::1 && \
          curl -sf -m 60 --retry 5 --retry-connrefused http://10.{s}.9.1:8080/blob | sha256sum && \
          curl -sf -m 60 'http://[fd99:{s:x}::1]:8080/blob' | sha256sum && \
-         timeout 120 iperf3 -c 10.{s}.9.1 -n 200M -J > {json}",
-        json = dir.path().join("iperf.json").display()
+         timeout 120 iperf3 -c 10.{s}.9.1 -n 200M -J > {json} && \
+         timeout 120 iperf3 -6 -c fd99:{s:x}::1 -n 50M -J > {json6} && \
+         timeout 60 iperf3 -c 10.{s}.9.1 -u -b 20M -l 1000 -n 1000000 -J > {udp} && \
+         dig +short +tries=3 +time=2 @10.{s}.9.1 flexstack.test A && \
+         dig +short +tries=3 +time=2 @fd99:{s:x}::1 flexstack.test AAAA",
+        json = dir.path().join("iperf.json").display(),
+        json6 = dir.path().join("iperf6.json").display(),
+        udp = dir.path().join("udp.json").display()
     );
     let out = d.run(&["--stack", template_file.to_str().unwrap(), "--", "sh", "-c", &script]);
     let t = text(&out);
@@ -66,6 +83,12 @@ fn apps_reach_a_server_over_a_link_face_with_flexstack_arp_ndp_and_nat() {
     assert_eq!(t.matches(want.trim()).count(), 2, "both downloads intact: {t}");
     let r: Json = serde_json::from_str(&std::fs::read_to_string(dir.path().join("iperf.json")).unwrap()).unwrap();
     assert!(r["end"]["sum_sent"]["bytes"].as_u64().unwrap() >= 200 << 20, "{}", r["end"]);
+    let r: Json = serde_json::from_str(&std::fs::read_to_string(dir.path().join("iperf6.json")).unwrap()).unwrap();
+    assert!(r["end"]["sum_sent"]["bytes"].as_u64().unwrap() >= 50 << 20, "IPv6: {}", r["end"]);
+    let r: Json = serde_json::from_str(&std::fs::read_to_string(dir.path().join("udp.json")).unwrap()).unwrap();
+    assert_eq!(r["end"]["sum"]["packets"].as_u64(), Some(1000), "UDP: {}", r["end"]);
+    assert_eq!(r["end"]["sum"]["lost_packets"].as_u64(), Some(0), "UDP: {}", r["end"]);
+    assert!(t.contains("10.1.2.3") && t.contains("fd00:1:2::3"), "dig over the link face: {t}");
 
     // The server saw flexstack's link address, resolved by ARP / NDP that flexstack answered, and no kernel
     // address was left on the owned interface.

@@ -33,37 +33,26 @@ pub fn bind_packet(fd: BorrowedFd<'_>, ifindex: u32) -> io::Result<()> {
 
 /// Sets PACKET_QDISC_BYPASS on packet socket `fd`: frames it sends skip the interface's queueing discipline.
 pub fn set_qdisc_bypass(fd: BorrowedFd<'_>) -> io::Result<()> {
-    let one: libc::c_int = 1;
-    // SAFETY: the option value points to a c_int that outlives the call, with its size as the length; `fd` is an
-    // open socket borrowed for the duration of the call.
-    let rc = unsafe {
-        libc::setsockopt(
-            fd.as_raw_fd(),
-            libc::SOL_PACKET,
-            libc::PACKET_QDISC_BYPASS,
-            &one as *const libc::c_int as *const libc::c_void,
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
+    set_packet_option(fd, libc::PACKET_QDISC_BYPASS, 1)
 }
 
 /// Sets PACKET_VNET_HDR on packet socket `fd`: every frame read or written is preceded by a 10-byte
 /// `virtio_net_hdr`, which says whether the frame's transport checksum is still to be completed (offloaded by
 /// its sender) and whether it is a large segment.
 pub fn set_packet_vnet_hdr(fd: BorrowedFd<'_>) -> io::Result<()> {
-    let one: libc::c_int = 1;
-    // SAFETY: as in set_qdisc_bypass: a c_int option value that outlives the call, with its size.
+    set_packet_option(fd, libc::PACKET_VNET_HDR, 1)
+}
+
+/// Sets the SOL_PACKET integer option `name` of `fd` to `value`.
+fn set_packet_option(fd: BorrowedFd<'_>, name: libc::c_int, value: libc::c_int) -> io::Result<()> {
+    // SAFETY: the option value points to a c_int that outlives the call, with its size as the length; `fd` is an
+    // open socket borrowed for the duration of the call.
     let rc = unsafe {
         libc::setsockopt(
             fd.as_raw_fd(),
             libc::SOL_PACKET,
-            libc::PACKET_VNET_HDR,
-            &one as *const libc::c_int as *const libc::c_void,
+            name,
+            &value as *const libc::c_int as *const libc::c_void,
             std::mem::size_of::<libc::c_int>() as libc::socklen_t,
         )
     };

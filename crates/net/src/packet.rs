@@ -190,7 +190,8 @@ impl PacketInfo {
         let mut next = u8::from(p.next_header());
         let mut offset = 40;
         let mut fragment = None;
-        for _ in 0..=MAX_EXTENSION_HEADERS {
+        let mut headers = 0;
+        loop {
             match next {
                 proto::HOP_BY_HOP | proto::ROUTING | proto::DEST_OPTS | proto::AH => {
                     let h = data.get(offset..offset + 2).ok_or(ParseError::BadExtensionHeader)?;
@@ -216,45 +217,35 @@ impl PacketInfo {
                     // After the fragment header of a non-first fragment comes data, not more headers: stop here,
                     // with the fragment header's next header as the protocol.
                     if f.frag_offset() != 0 {
-                        return Ok(PacketInfo {
-                            version: 6,
-                            src: IpAddr::V6(p.src_addr()),
-                            dst: IpAddr::V6(p.dst_addr()),
-                            hop_limit: p.hop_limit(),
-                            protocol: next,
-                            l4_offset: offset,
-                            total_len: total,
-                            src_port: 0,
-                            dst_port: 0,
-                            icmp: None,
-                            fragment,
-                        });
+                        break;
                     }
                 }
-                _ => {
-                    let mut info = PacketInfo {
-                        version: 6,
-                        src: IpAddr::V6(p.src_addr()),
-                        dst: IpAddr::V6(p.dst_addr()),
-                        hop_limit: p.hop_limit(),
-                        protocol: next,
-                        l4_offset: offset,
-                        total_len: total,
-                        src_port: 0,
-                        dst_port: 0,
-                        icmp: None,
-                        fragment,
-                    };
-                    // An atomic fragment (offset 0, no more) is a whole packet.
-                    if info.fragment.is_some_and(|f| f.offset == 0 && !f.more) {
-                        info.fragment = None;
-                    }
-                    info.parse_transport(data)?;
-                    return Ok(info);
-                }
+                _ => break,
+            }
+            headers += 1;
+            if headers > MAX_EXTENSION_HEADERS {
+                return Err(ParseError::BadExtensionHeader);
             }
         }
-        Err(ParseError::BadExtensionHeader)
+        let mut info = PacketInfo {
+            version: 6,
+            src: IpAddr::V6(p.src_addr()),
+            dst: IpAddr::V6(p.dst_addr()),
+            hop_limit: p.hop_limit(),
+            protocol: next,
+            l4_offset: offset,
+            total_len: total,
+            src_port: 0,
+            dst_port: 0,
+            icmp: None,
+            fragment,
+        };
+        // An atomic fragment (offset 0, no more) is a whole packet.
+        if info.fragment.is_some_and(|f| f.offset == 0 && !f.more) {
+            info.fragment = None;
+        }
+        info.parse_transport(data)?;
+        Ok(info)
     }
 
     /// Reads ports or ICMP type/code from a first fragment (or a whole packet).

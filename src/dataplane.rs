@@ -250,13 +250,21 @@ impl Loop {
     fn flush_egress(&mut self, batch: &mut Batch) {
         for (index, dev) in &self.faces {
             self.switch.face_egress(*index, batch);
-            for f in batch.drain(..) {
-                if let Frame::Data(p) = f {
-                    if let Err(e) = dev.write_packet(p.data()) {
-                        tracing::debug!(device = dev.name(), error = %e, "write failed (counted)");
-                    }
-                }
+            if batch.is_empty() {
+                continue;
             }
+            let packets: Vec<&[u8]> = batch
+                .iter()
+                .filter_map(|f| match f {
+                    Frame::Data(p) => Some(p.data()),
+                    _ => None,
+                })
+                .collect();
+            if let Err(e) = dev.write_batch(&packets) {
+                tracing::debug!(device = dev.name(), error = %e, "write failed (counted)");
+            }
+            drop(packets);
+            batch.clear();
         }
     }
 }

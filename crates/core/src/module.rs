@@ -173,6 +173,17 @@ pub trait FaceDevice: Send + Sync {
     fn read_packet(&self, buf: &mut Vec<u8>) -> std::io::Result<bool>;
     /// Writes one packet.
     fn write_packet(&self, packet: &[u8]) -> std::io::Result<()>;
+    /// Writes several packets, in order (a device may coalesce them, e.g. into GSO writes). The default writes
+    /// them one by one; every packet is attempted, and the last error, if any, is returned.
+    fn write_batch(&self, packets: &[&[u8]]) -> std::io::Result<()> {
+        let mut result = Ok(());
+        for p in packets {
+            if let Err(e) = self.write_packet(p) {
+                result = Err(e);
+            }
+        }
+        result
+    }
 }
 
 /// What a module emits during one call: frames on output ports, drops, control frames.

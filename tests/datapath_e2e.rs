@@ -68,6 +68,10 @@ fn iperf3_udp_packet_and_byte_counts_match_the_flow_meters_exactly() {
         let header = if family == "4" { 28 } else { 48 };
         assert_eq!((down, up), (sent + 1, 1), "IPv{family}: packets down/up of the UDP flow");
         assert_eq!(bytes, sent * (1000 + header) + 2 * (4 + header), "IPv{family}: bytes of the UDP flow");
+        // Per module: the flow table's `udp` port carried exactly this flow's packets (the only UDP in the sandbox).
+        let out = d.cli(&["-j", "get", "module.perf-flows.port.udp.frames_out_total"]);
+        let v: Json = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["module.perf-flows.port.udp.frames_out_total"]["value"].as_u64(), Some(down + up), "{v}");
         nix::sys::signal::kill(nix::unistd::Pid::from_raw(app.id() as i32), nix::sys::signal::Signal::SIGTERM).unwrap();
         app.wait().unwrap();
         d.wait_for_apps(0);

@@ -1,5 +1,6 @@
 //! Deterministic, bounded mutational fuzzing of every parser, on stable Rust, as part of `cargo test`.
 //!
+//! The engine is the dev-only crate `flexstack-fuzzkit` (`crates/fuzzkit`); the tokens and checks are here.
 //! The seeds are the files in `fuzz/corpus/<target>/` (see `fuzz/README.md`). Each target draws inputs from its
 //! corpus, mutates them with a xorshift PRNG (bit flips, byte inserts, deletes and duplicates, splices of two
 //! entries, interesting tokens, long runs of one character, extreme numbers, unicode) and calls its parser under
@@ -24,6 +25,9 @@ use flexstack_core::config::{valid_name, LinkSpec, Settings, StackSpec, MAX_STAC
 use flexstack_core::value::{Value, ValueType};
 use flexstack_core::vars::{is_pattern, name_matches};
 use flexstack_core::ModuleVars;
+use flexstack_fuzzkit::{
+    env_u64, iters_from_env, load_corpus_bytes, mutate_input, panic_message, seed_from_env, target_seed, Dict, Rng,
+};
 use serde_json::Value as Json;
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
@@ -62,81 +66,13 @@ const MAX_FAILURES: usize = 8;
 // The engine
 // ---------------------------------------------------------------------------------------------------------------
 
-/// xorshift64* PRNG.
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Rng {
-        // Mix the seed (splitmix64) so that close seeds give unrelated streams; never zero.
-        let mut z = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        Rng((z ^ (z >> 31)) | 1)
-    }
-
-    fn next(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        self.0 = x;
-        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    /// Uniform in `0..n` (`n` > 0).
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-
-    /// True with probability `1 / n`.
-    fn one_in(&mut self, n: usize) -> bool {
-        self.below(n) == 0
-    }
-
-    fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
-        &items[self.below(items.len())]
-    }
-}
-
-fn env_u64(name: &str) -> Option<u64> {
-    let v = std::env::var(name).ok()?;
-    let v = v.trim();
-    let parsed = match v.strip_prefix("0x") {
-        Some(hex) => u64::from_str_radix(hex, 16),
-        None => v.parse(),
-    };
-    Some(parsed.unwrap_or_else(|_| panic!("{name}={v:?}: expected a number")))
-}
-
 fn base_seed() -> u64 {
-    env_u64("FLEXSTACK_FUZZ_SEED").unwrap_or(DEFAULT_SEED)
-}
-
-fn iterations() -> usize {
-    env_u64("FLEXSTACK_FUZZ_ITERS").map_or(DEFAULT_ITERS, |n| n as usize)
-}
-
-/// A target's own seed, so that each target's stream is reproducible on its own.
-fn target_seed(base: u64, target: &str) -> u64 {
-    target.bytes().fold(base ^ 0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
-}
-
-fn corpus_dir(target: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus").join(target)
+    seed_from_env(DEFAULT_SEED)
 }
 
 /// The seeds of `target`, sorted by file name.
 fn corpus(target: &str) -> Vec<Vec<u8>> {
-    let dir = corpus_dir(target);
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("corpus {}: {e}", dir.display()))
-        .map(|e| e.expect("corpus entry").path())
-        .filter(|p| p.is_file())
-        .collect();
-    files.sort();
-    let seeds: Vec<Vec<u8>> = files.iter().map(|p| std::fs::read(p).expect("read seed")).collect();
-    assert!(seeds.len() >= 10, "corpus {} has only {} seeds", dir.display(), seeds.len());
-    seeds
+    load_corpus_bytes(target, 10)
 }
 
 /// Tokens that mean something to one of the parsers, or that parsers often get wrong.
@@ -216,96 +152,20 @@ const TOKENS: &[&str] = &[
 /// Bytes worth planting.
 const BYTES: &[u8] = b"\x00\x01\x7f\x80\xff\n\r\t \"'[]{}=,.-*?#\\:";
 
-/// Replaces the first run of digits at or after `at` with `with`.
-fn replace_number(input: &mut Vec<u8>, at: usize, with: &[u8]) -> bool {
-    let Some(start) = input[at..].iter().position(u8::is_ascii_digit).map(|p| p + at) else {
-        return false;
-    };
-    let end = input[start..].iter().position(|b| !b.is_ascii_digit()).map_or(input.len(), |p| p + start);
-    input.splice(start..end, with.iter().copied());
-    true
-}
+/// The mutations of every target: its tokens and bytes, extreme numbers and long runs.
+const DICT: Dict<'static> = Dict {
+    tokens: TOKENS,
+    bytes: BYTES,
+    numbers: &["0", "1", "-1", "-0", "18446744073709551616", "1e309", "nan", "inf", "99999999999999999999999"],
+    runs: &[8, 64, 65, 300, 4096],
+    run_bytes: b"a0*[{\"-9 ",
+    max_len: MAX_INPUT,
+    ..Dict::EMPTY
+};
 
 /// One to four stacked mutations of `input`; `corpus` provides splice partners.
 fn mutate(rng: &mut Rng, input: &[u8], corpus: &[Vec<u8>]) -> Vec<u8> {
-    let mut out = input.to_vec();
-    // Half the inputs get one mutation (near-valid inputs reach the checks after parsing), half two to four.
-    let rounds = if rng.one_in(2) { 1 } else { 2 + rng.below(3) };
-    for _ in 0..rounds {
-        let len = out.len();
-        let at = rng.below(len + 1);
-        match rng.below(12) {
-            0 if len > 0 => {
-                let i = rng.below(len);
-                out[i] ^= 1 << rng.below(8);
-            }
-            1 if len > 0 => {
-                let i = rng.below(len);
-                out[i] = if rng.one_in(2) { *rng.pick(BYTES) } else { rng.next() as u8 };
-            }
-            2 => out.insert(at, if rng.one_in(2) { *rng.pick(BYTES) } else { rng.next() as u8 }),
-            3 if len > 0 => {
-                let start = rng.below(len);
-                let n = 1 + rng.below((len - start).min(16));
-                out.drain(start..start + n);
-            }
-            4 if len > 0 => {
-                // Duplicate a range somewhere else.
-                let start = rng.below(len);
-                let n = 1 + rng.below((len - start).min(64));
-                let piece = out[start..start + n].to_vec();
-                let to = rng.below(len + 1);
-                out.splice(to..to, piece);
-            }
-            5 => {
-                // Splice: a prefix of this input and a suffix of another seed.
-                let other = rng.pick(corpus);
-                let from = rng.below(other.len() + 1);
-                out.truncate(at);
-                out.extend_from_slice(&other[from..]);
-            }
-            6 | 7 => {
-                let tok = rng.pick(TOKENS).as_bytes();
-                out.splice(at..at, tok.iter().copied());
-            }
-            8 => {
-                // A long run of one character.
-                let c = if rng.one_in(2) { *rng.pick(BYTES) } else { *rng.pick(b"a0*[{\"-9 ") };
-                let n = [8, 64, 65, 300, 4096][rng.below(5)];
-                out.splice(at..at, std::iter::repeat_n(c, n));
-            }
-            9 => {
-                let n = rng.pick(&[
-                    "0",
-                    "1",
-                    "-1",
-                    "-0",
-                    "18446744073709551616",
-                    "1e309",
-                    "nan",
-                    "inf",
-                    "99999999999999999999999",
-                ]);
-                if !replace_number(&mut out, at, n.as_bytes()) {
-                    out.splice(at..at, n.bytes());
-                }
-            }
-            10 if len > 0 => {
-                // Replace a range by a random piece of another seed.
-                let other = rng.pick(corpus);
-                if !other.is_empty() {
-                    let s = rng.below(other.len());
-                    let piece = &other[s..(s + 1 + rng.below(32)).min(other.len())];
-                    let end = (at + rng.below(8)).min(len);
-                    out.splice(at..end, piece.iter().copied());
-                }
-            }
-            11 => out.truncate(at),
-            _ => {}
-        }
-        out.truncate(MAX_INPUT);
-    }
-    out
+    mutate_input(rng, input, corpus, &DICT)
 }
 
 /// The input being checked, and since when.
@@ -454,14 +314,6 @@ fn clip(s: &str) -> String {
         }
         None => s.to_string(),
     }
-}
-
-fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
-    panic
-        .downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| panic.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "(non-string panic payload)".to_string())
 }
 
 /// Fails with `message` unless `cond`.
@@ -878,7 +730,7 @@ fn check_args(input: &[u8], dir: &Path) -> Result<bool, String> {
 #[test]
 fn fuzz_parsers() {
     let dir = tempfile::tempdir().expect("temp dir");
-    let iters = iterations();
+    let iters = iters_from_env(DEFAULT_ITERS);
     eprintln!("fuzzing with FLEXSTACK_FUZZ_SEED={:#x}, {iters} iterations per target", base_seed());
     let reports: Vec<String> = [
         fuzz("stack", iters, &|i| check_stack(i, dir.path())),

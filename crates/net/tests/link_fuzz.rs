@@ -27,13 +27,14 @@ use flexstack_core::{
     Batch, Catalog, ControlFrame, ControlOp, Edit, Frame, LinkSpec, Module, ModuleBuilder, ModuleInterface, ModuleVars,
     Output, PortSpec, Settings, Switch, Time, Value,
 };
+use flexstack_fuzzkit::{
+    hex, iters_from_env, load_corpus, mutate_input, run_guarded, seed_from_env, target_seed, Dict, Rng,
+};
 use flexstack_net::checksum;
 use flexstack_net::link::{self, CONSUMED_METERS, GENERATED_METERS};
 use flexstack_net::packet::{build, proto};
 use smoltcp::wire::{ArpOperation, ArpPacket, ArpRepr, Icmpv6Packet, NdiscRepr};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
-use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 /// Inputs by default: the file runs in a few seconds in a debug build.
@@ -48,76 +49,6 @@ const MAX_QUEUED: u64 = 12;
 const TIMEOUT_MS: u64 = 3000;
 const RETRIES: u64 = 2;
 const INTERVAL_MS: u64 = 200;
-
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Rng {
-        let mut z = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        Rng((z ^ (z >> 31)) | 1)
-    }
-
-    fn next(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        self.0 = x;
-        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-
-    fn one_in(&mut self, n: usize) -> bool {
-        self.below(n) == 0
-    }
-}
-
-fn env_u64(name: &str) -> Option<u64> {
-    let v = std::env::var(name).ok()?;
-    let v = v.trim();
-    let parsed = match v.strip_prefix("0x") {
-        Some(hex) => u64::from_str_radix(hex, 16),
-        None => v.parse(),
-    };
-    Some(parsed.unwrap_or_else(|_| panic!("{name}={v:?}: expected a number")))
-}
-
-fn base_seed() -> u64 {
-    env_u64("FLEXSTACK_FUZZ_SEED").unwrap_or(DEFAULT_SEED)
-}
-
-fn iterations() -> usize {
-    env_u64("FLEXSTACK_FUZZ_ITERS").map_or(DEFAULT_ITERS, |n| n as usize)
-}
-
-fn target_seed(target: &str) -> u64 {
-    target.bytes().fold(base_seed() ^ 0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
-}
-
-fn read_corpus(name: &str, min: usize) -> Vec<(String, Vec<u8>)> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus").join(name);
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("corpus {}: {e}", dir.display()))
-        .map(|e| e.expect("corpus entry").path())
-        .filter(|p| p.is_file())
-        .collect();
-    files.sort();
-    let seeds: Vec<(String, Vec<u8>)> = files
-        .iter()
-        .map(|p| (p.file_name().unwrap().to_string_lossy().into_owned(), std::fs::read(p).expect("read seed")))
-        .collect();
-    assert!(seeds.len() >= min, "corpus {} has only {} seeds", dir.display(), seeds.len());
-    seeds
-}
-
-fn hex(data: &[u8]) -> String {
-    data.iter().map(|b| format!("{b:02x}")).collect()
-}
 
 fn v6(s: &str) -> Ipv6Addr {
     s.parse().unwrap()
@@ -145,24 +76,41 @@ fn ip_seeds() -> Vec<Vec<u8>> {
         let src = if i % 2 == 1 { v6("fe80::ff:fe00:1") } else { a6 };
         out.push(build::ipv6(src, d, proto::UDP, 64, &build::udp(src.into(), d.into(), 4000, 53, &[i as u8; 12])));
     }
-    out.extend(read_corpus("packet", 12).into_iter().map(|(_, s)| s));
+    out.extend(load_corpus("packet", 12).into_iter().map(|(_, s)| s));
     out
 }
 
 const BYTES: &[u8] = &[0, 1, 2, 4, 6, 8, 0x33, 0x45, 0x60, 0x86, 0xdd, 0x06, 58, 64, 133, 134, 135, 136, 137, 0xff];
 const WORDS: &[u16] = &[0, 1, 2, 8, 24, 32, 0x0800, 0x0806, 0x86dd, 0x8100, 0x88cc, 0x05dc, 0xffff, 0x3333];
 /// MACs and address bytes worth writing into headers.
-const MACS: &[[u8; 6]] = &[
-    [2, 0, 0, 0, 0, 1],
-    [2, 0, 0, 0, 0, 2],
-    [2, 0, 0, 0, 0, 0xfe],
-    [0xff; 6],
-    [0x33, 0x33, 0xff, 0, 0, 2],
-    [0x33, 0x33, 0, 0, 0, 1],
-    [0x01, 0, 0x5e, 0, 0, 1],
-    [0; 6],
+const PATCHES: &[&[u8]] = &[
+    &[2, 0, 0, 0, 0, 1],
+    &[2, 0, 0, 0, 0, 2],
+    &[2, 0, 0, 0, 0, 0xfe],
+    &[0xff; 6],
+    &[0x33, 0x33, 0xff, 0, 0, 2],
+    &[0x33, 0x33, 0, 0, 0, 1],
+    &[0x01, 0, 0x5e, 0, 0, 1],
+    &[0; 6],
+    // IPv4 addresses.
+    &[10, 0, 0, 2],
+    &[10, 0, 0, 1],
+    &[10, 0, 0, 5],
+    &[10, 0, 0, 254],
+    &[0, 0, 0, 0],
+    &[255; 4],
 ];
-const V4S: &[[u8; 4]] = &[[10, 0, 0, 2], [10, 0, 0, 1], [10, 0, 0, 5], [10, 0, 0, 254], [0, 0, 0, 0], [255; 4]];
+/// The mutations: header bytes, words, MACs and addresses, mostly in the headers (Ethernet + IPv6 + ND = 78
+/// bytes), where the decisions are.
+const DICT: Dict<'static> = Dict {
+    bytes: BYTES,
+    words: WORDS,
+    patches: PATCHES,
+    runs: &[8, 64, 300],
+    head: 80,
+    max_len: MAX_INPUT,
+    ..Dict::EMPTY
+};
 
 /// Sets the IPv6 payload length and ICMPv6 checksum, or the IPv4 header checksum, of an Ethernet frame.
 fn repair_frame(rng: &mut Rng, f: &mut [u8]) {
@@ -206,87 +154,12 @@ fn repair_frame(rng: &mut Rng, f: &mut [u8]) {
 }
 
 fn mutate(rng: &mut Rng, input: &[u8], others: &[Vec<u8>]) -> Vec<u8> {
-    let mut out = input.to_vec();
-    let rounds = if rng.one_in(2) { 1 } else { 2 + rng.below(3) };
-    for _ in 0..rounds {
-        let len = out.len();
-        let at = rng.below(len + 1);
-        // Mostly in the headers (Ethernet + IPv6 + ND = 78 bytes), where the decisions are.
-        let head = |rng: &mut Rng, n: usize| {
-            if rng.one_in(4) {
-                rng.below(len - n + 1)
-            } else {
-                rng.below((len - n).min(80) + 1)
-            }
-        };
-        match rng.below(12) {
-            0 if len > 0 => out[rng.below(len)] ^= 1 << rng.below(8),
-            1 if len > 0 => {
-                let i = head(rng, 1);
-                out[i] = BYTES[rng.below(BYTES.len())];
-            }
-            2 if len > 1 => {
-                let i = head(rng, 2);
-                out[i..i + 2].copy_from_slice(&WORDS[rng.below(WORDS.len())].to_be_bytes());
-            }
-            3 if len >= 6 => {
-                let i = head(rng, 6);
-                out[i..i + 6].copy_from_slice(&MACS[rng.below(MACS.len())]);
-            }
-            4 if len >= 4 => {
-                let i = head(rng, 4);
-                out[i..i + 4].copy_from_slice(&V4S[rng.below(V4S.len())]);
-            }
-            5 => out.insert(at, rng.next() as u8),
-            6 if len > 0 => {
-                let start = at.min(len - 1);
-                let n = 1 + rng.below((len - start).min(16));
-                out.drain(start..start + n);
-            }
-            7 => out.truncate(at),
-            8 => {
-                let other = &others[rng.below(others.len())];
-                let from = rng.below(other.len() + 1);
-                out.truncate(at);
-                out.extend_from_slice(&other[from..]);
-            }
-            9 if len > 0 => {
-                let n = [8, 64, 300][rng.below(3)];
-                out.splice(at..at, std::iter::repeat_n(BYTES[rng.below(BYTES.len())], n));
-            }
-            10 if len > 0 => {
-                let start = rng.below(len);
-                let n = 1 + rng.below((len - start).min(32));
-                let piece = out[start..start + n].to_vec();
-                let to = rng.below(len + 1);
-                out.splice(to..to, piece);
-            }
-            _ => {}
-        }
-        out.truncate(MAX_INPUT);
-    }
-    out
+    mutate_input(rng, input, others, &DICT)
 }
 
 /// Runs `check` under catch_unwind; panics with a reproducible report on failure.
 fn run_case(target: &str, iteration: usize, input: &[u8], check: impl FnOnce() -> Result<(), String>) {
-    let message = match catch_unwind(AssertUnwindSafe(check)) {
-        Ok(Ok(())) => return,
-        Ok(Err(m)) => m,
-        Err(p) => format!(
-            "panic: {}",
-            p.downcast_ref::<String>()
-                .cloned()
-                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_default()
-        ),
-    };
-    panic!(
-        "fuzz target {target} failed at iteration {iteration} (FLEXSTACK_FUZZ_SEED={:#x}): {message}\ninput ({} bytes): {}",
-        base_seed(),
-        input.len(),
-        hex(input)
-    );
+    run_guarded(target, seed_from_env(DEFAULT_SEED), iteration, input, check);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -520,7 +393,7 @@ fn check(sw: &Switch, problems: &Problems, limits: (u64, u64)) -> Result<(), Str
 
 #[test]
 fn seeds_behave_as_named() {
-    for (name, seed) in read_corpus("ethernet", 30) {
+    for (name, seed) in load_corpus("ethernet", 30) {
         let problems = Problems::default();
         let mut sw = stack(&[], &problems);
         inject(&mut sw, "wire", std::slice::from_ref(&seed));
@@ -555,7 +428,7 @@ fn seeds_behave_as_named() {
 
 #[test]
 fn fuzz_link() {
-    let frames: Vec<Vec<u8>> = read_corpus("ethernet", 30).into_iter().map(|(_, s)| s).collect();
+    let frames: Vec<Vec<u8>> = load_corpus("ethernet", 30).into_iter().map(|(_, s)| s).collect();
     let packets = ip_seeds();
     let problems = Problems::default();
     let limits = [
@@ -568,10 +441,11 @@ fn fuzz_link() {
     ];
     let mut sw = stack(&limits, &problems);
     let mut bounds = (MAX_NEIGHBOURS, MAX_QUEUED);
-    let mut rng = Rng::new(target_seed("link"));
+    let mut rng = Rng::new(target_seed(seed_from_env(DEFAULT_SEED), "link"));
     let mut now = 0u64;
     let mut i = 0;
-    while i < iterations() {
+    let iters = iters_from_env(DEFAULT_ITERS);
+    while i < iters {
         let n = 1 + rng.below(12);
         let mut wire = Vec::new();
         let mut ip = Vec::new();

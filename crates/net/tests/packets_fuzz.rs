@@ -21,11 +21,12 @@ use flexstack_core::{
     Batch, Catalog, Edit, Frame, LinkSpec, Module, ModuleBuilder, ModuleInterface, ModuleVars, Output, PortSpec,
     Settings, Switch, Time, Value,
 };
+use flexstack_fuzzkit::{
+    hex, iters_from_env, load_corpus, mutate_input, run_guarded, seed_from_env, target_seed, Dict, Rng,
+};
 use flexstack_net::packet::{PacketInfo, ParseError};
 use flexstack_net::{checksum, icmp};
 use std::net::{Ipv4Addr, Ipv6Addr};
-use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 /// Inputs per target by default: the whole file runs in a few seconds in a debug build.
@@ -36,79 +37,9 @@ const MAX_INPUT: usize = 9000;
 const MAX_DATAGRAMS: u64 = 6;
 const MAX_BYTES: u64 = 40_000;
 
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Rng {
-        let mut z = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        Rng((z ^ (z >> 31)) | 1)
-    }
-
-    fn next(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        self.0 = x;
-        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-
-    fn one_in(&mut self, n: usize) -> bool {
-        self.below(n) == 0
-    }
-}
-
-fn env_u64(name: &str) -> Option<u64> {
-    let v = std::env::var(name).ok()?;
-    let v = v.trim();
-    let parsed = match v.strip_prefix("0x") {
-        Some(hex) => u64::from_str_radix(hex, 16),
-        None => v.parse(),
-    };
-    Some(parsed.unwrap_or_else(|_| panic!("{name}={v:?}: expected a number")))
-}
-
-fn base_seed() -> u64 {
-    env_u64("FLEXSTACK_FUZZ_SEED").unwrap_or(DEFAULT_SEED)
-}
-
-fn iterations() -> usize {
-    env_u64("FLEXSTACK_FUZZ_ITERS").map_or(DEFAULT_ITERS, |n| n as usize)
-}
-
-fn target_seed(target: &str) -> u64 {
-    target.bytes().fold(base_seed() ^ 0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
-}
-
-fn corpus_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus/packet")
-}
-
 /// The seeds, sorted by file name.
 fn corpus() -> Vec<(String, Vec<u8>)> {
-    let dir = corpus_dir();
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("corpus {}: {e}", dir.display()))
-        .map(|e| e.expect("corpus entry").path())
-        .filter(|p| p.is_file())
-        .collect();
-    files.sort();
-    let seeds: Vec<(String, Vec<u8>)> = files
-        .iter()
-        .map(|p| (p.file_name().unwrap().to_string_lossy().into_owned(), std::fs::read(p).expect("read seed")))
-        .collect();
-    assert!(seeds.len() >= 12, "corpus {} has only {} seeds", dir.display(), seeds.len());
-    seeds
-}
-
-fn hex(data: &[u8]) -> String {
-    data.iter().map(|b| format!("{b:02x}")).collect()
+    load_corpus("packet", 12)
 }
 
 /// Bytes and 16-bit values that mean something in IP headers.
@@ -139,53 +70,13 @@ fn repair(rng: &mut Rng, p: &mut [u8]) {
     }
 }
 
+/// The mutations: IP header bytes and fields (mostly within the first 64 bytes), long runs.
+const DICT: Dict<'static> =
+    Dict { bytes: BYTES, words: WORDS, runs: &[8, 64, 600, 1500], head: 64, max_len: MAX_INPUT, ..Dict::EMPTY };
+
+/// A mutation of `input`, half of the time repaired (lengths, IPv4 header checksum).
 fn mutate(rng: &mut Rng, input: &[u8], corpus: &[(String, Vec<u8>)]) -> Vec<u8> {
-    let mut out = input.to_vec();
-    let rounds = if rng.one_in(2) { 1 } else { 2 + rng.below(3) };
-    for _ in 0..rounds {
-        let len = out.len();
-        let at = rng.below(len + 1);
-        match rng.below(10) {
-            0 if len > 0 => out[rng.below(len)] ^= 1 << rng.below(8),
-            1 if len > 0 => {
-                let (i, b) = (rng.below(len), BYTES[rng.below(BYTES.len())]);
-                out[i] = b;
-            }
-            2 if len > 1 => {
-                // Mostly in the headers, where the decisions are.
-                let span = if rng.one_in(4) { len - 1 } else { (len - 1).min(64) };
-                let i = rng.below(span);
-                out[i..i + 2].copy_from_slice(&WORDS[rng.below(WORDS.len())].to_be_bytes());
-            }
-            3 => out.insert(at, rng.next() as u8),
-            4 if len > 0 => {
-                let n = 1 + rng.below((len - at.min(len - 1)).min(16));
-                let start = at.min(len - 1);
-                out.drain(start..(start + n).min(len));
-            }
-            5 => out.truncate(at),
-            6 => {
-                let other = &corpus[rng.below(corpus.len())].1;
-                let from = rng.below(other.len() + 1);
-                out.truncate(at);
-                out.extend_from_slice(&other[from..]);
-            }
-            7 if len > 0 => {
-                let n = [8, 64, 600, 1500][rng.below(4)];
-                let b = BYTES[rng.below(BYTES.len())];
-                out.splice(at..at, std::iter::repeat_n(b, n));
-            }
-            8 if len > 0 => {
-                let start = rng.below(len);
-                let n = 1 + rng.below((len - start).min(64));
-                let piece = out[start..start + n].to_vec();
-                let to = rng.below(len + 1);
-                out.splice(to..to, piece);
-            }
-            _ => {}
-        }
-        out.truncate(MAX_INPUT);
-    }
+    let mut out = mutate_input(rng, input, corpus, &DICT);
     if rng.one_in(2) {
         repair(rng, &mut out);
     }
@@ -194,24 +85,7 @@ fn mutate(rng: &mut Rng, input: &[u8], corpus: &[(String, Vec<u8>)]) -> Vec<u8> 
 
 /// Runs `check` on `input` under catch_unwind; panics with a reproducible report on failure.
 fn run_case(target: &str, iteration: usize, input: &[u8], check: impl FnOnce() -> Result<(), String>) {
-    let result = catch_unwind(AssertUnwindSafe(check));
-    let message = match result {
-        Ok(Ok(())) => return,
-        Ok(Err(m)) => m,
-        Err(p) => format!(
-            "panic: {}",
-            p.downcast_ref::<String>()
-                .cloned()
-                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_default()
-        ),
-    };
-    panic!(
-        "fuzz target {target} failed at iteration {iteration} (FLEXSTACK_FUZZ_SEED={:#x}): {message}\ninput ({} bytes): {}",
-        base_seed(),
-        input.len(),
-        hex(input)
-    );
+    run_guarded(target, seed_from_env(DEFAULT_SEED), iteration, input, check);
 }
 
 /// Recomputes a packet's IPv4 header and transport checksum; `None` when right (or not checkable).
@@ -295,8 +169,8 @@ fn fuzz_parse_and_icmp() {
         for (_, seed) in &corpus {
             run_case(name, 0, seed, || check(seed));
         }
-        let mut rng = Rng::new(target_seed(name));
-        for i in 0..iterations() {
+        let mut rng = Rng::new(target_seed(seed_from_env(DEFAULT_SEED), name));
+        for i in 0..iters_from_env(DEFAULT_ITERS) {
             let seed = &corpus[rng.below(corpus.len())].1;
             let input = mutate(&mut rng, seed, &corpus);
             run_case(name, i + 1, &input, || check(&input));
@@ -489,13 +363,14 @@ fn fuzz_stack() {
     let corpus = corpus();
     let problems = Problems::default();
     let mut sw = stack(&problems);
-    let mut rng = Rng::new(target_seed("stack"));
+    let mut rng = Rng::new(target_seed(seed_from_env(DEFAULT_SEED), "stack"));
     let mut injected = 0u64;
     let mut now = 0u64;
     // The seeds as they are first (the fragment seeds reassemble), then batches of mutated ones.
     let mut batches: Vec<Vec<Vec<u8>>> = vec![corpus.iter().map(|(_, s)| s.clone()).collect()];
     let mut i = 0;
-    while i < iterations() {
+    let iters = iters_from_env(DEFAULT_ITERS);
+    while i < iters {
         let batch = batches.pop().unwrap_or_else(|| {
             let n = 1 + rng.below(16);
             (0..n)

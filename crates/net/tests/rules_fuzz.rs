@@ -22,79 +22,17 @@ use flexstack_core::{
     Batch, Catalog, Direction, Edit, Frame, LinkSpec, Module, ModuleBuilder, ModuleInterface, ModuleVars, Output,
     PortSpec, Settings, StackSpec, Switch, Time, Value,
 };
+use flexstack_fuzzkit::{iters_from_env, load_corpus_bytes, mutate, seed_from_env, target_seed, Dict, Rng};
 use flexstack_net::checksum;
 use flexstack_net::firewall::Rule;
 use flexstack_net::nat::NatRule;
 use flexstack_net::packet::{build, proto, PacketInfo};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 const DEFAULT_SEED: u64 = 0x5eed_f1e5_57ac_0003;
 const DEFAULT_ITERS: usize = 10_000;
-
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Rng {
-        let mut z = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        Rng((z ^ (z >> 31)) | 1)
-    }
-    fn next(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        self.0 = x;
-        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-    fn one_in(&mut self, n: usize) -> bool {
-        self.below(n) == 0
-    }
-    fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
-        &items[self.below(items.len())]
-    }
-    fn bytes(&mut self, n: usize) -> Vec<u8> {
-        (0..n).map(|_| self.next() as u8).collect()
-    }
-}
-
-fn env_u64(name: &str) -> Option<u64> {
-    let v = std::env::var(name).ok()?;
-    let v = v.trim();
-    let parsed = match v.strip_prefix("0x") {
-        Some(hex) => u64::from_str_radix(hex, 16),
-        None => v.parse(),
-    };
-    Some(parsed.unwrap_or_else(|_| panic!("{name}={v:?}: expected a number")))
-}
-
-fn seed(target: &str) -> u64 {
-    let base = env_u64("FLEXSTACK_FUZZ_SEED").unwrap_or(DEFAULT_SEED);
-    target.bytes().fold(base ^ 0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
-}
-
-fn iterations() -> usize {
-    env_u64("FLEXSTACK_FUZZ_ITERS").map_or(DEFAULT_ITERS, |n| n as usize)
-}
-
-fn corpus(target: &str) -> Vec<Vec<u8>> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus").join(target);
-    let mut files: Vec<_> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("corpus {}: {e}", dir.display()))
-        .map(|e| e.expect("corpus entry").path())
-        .collect();
-    files.sort();
-    let seeds: Vec<Vec<u8>> = files.iter().map(|p| std::fs::read(p).expect("seed")).collect();
-    assert!(seeds.len() >= 10, "corpus {} has only {} seeds", dir.display(), seeds.len());
-    seeds
-}
 
 const TOKENS: &[&str] = &[
     " ",
@@ -150,44 +88,9 @@ const TOKENS: &[&str] = &[
     "#",
 ];
 
-fn mutate(rng: &mut Rng, seeds: &[Vec<u8>]) -> Vec<u8> {
-    let mut d = rng.pick(seeds).clone();
-    for _ in 0..=rng.below(4) {
-        let at = rng.below(d.len() + 1);
-        match rng.below(8) {
-            0 if !d.is_empty() => {
-                let i = rng.below(d.len());
-                d[i] ^= 1 << rng.below(8);
-            }
-            1 => d.insert(at, rng.next() as u8),
-            2 if !d.is_empty() => {
-                let n = rng.below(d.len() - at.min(d.len() - 1)).min(8);
-                d.drain(at.min(d.len() - 1)..(at.min(d.len() - 1) + n).min(d.len()));
-            }
-            3 if !d.is_empty() => {
-                let from = rng.below(d.len());
-                let chunk: Vec<u8> = d[from..(from + 1 + rng.below(12)).min(d.len())].to_vec();
-                d.splice(at..at, chunk);
-            }
-            4 => {
-                let other = rng.pick(seeds);
-                let from = rng.below(other.len() + 1);
-                d.splice(at..at, other[from..].iter().copied());
-            }
-            5 => {
-                let c = *rng.pick(b"09: a");
-                let n = 1 + rng.below(40);
-                d.splice(at..at, std::iter::repeat_n(c, n));
-            }
-            _ => {
-                let t = rng.pick(TOKENS).as_bytes().to_vec();
-                d.splice(at..at, t);
-            }
-        }
-    }
-    d.truncate(4096);
-    d
-}
+/// The mutations: rule words and odd tokens, runs of digits, colons and spaces; up to 4 KiB.
+const DICT: Dict<'static> =
+    Dict { tokens: TOKENS, runs: &[1, 2, 3, 8, 17, 40], run_bytes: b"09: a", max_len: 4096, ..Dict::EMPTY };
 
 fn catalog() -> Catalog {
     let mut c = Catalog::new();
@@ -251,13 +154,13 @@ fn check_rules(cat: &Catalog, kind: &str, input: &[u8]) -> Result<(), String> {
 }
 
 fn fuzz_rules(target: &str, kind: &str) {
-    let seeds = corpus(target);
+    let seeds = load_corpus_bytes(target, 10);
     let cat = catalog();
-    let s = seed(target);
+    let s = target_seed(seed_from_env(DEFAULT_SEED), target);
     let mut rng = Rng::new(s);
     let mut failures = Vec::new();
-    for i in 0..seeds.len() + iterations() {
-        let input = if i < seeds.len() { seeds[i].clone() } else { mutate(&mut rng, &seeds) };
+    for i in 0..seeds.len() + iters_from_env(DEFAULT_ITERS) {
+        let input = if i < seeds.len() { seeds[i].clone() } else { mutate(&mut rng, &seeds, &DICT) };
         let result = catch_unwind(AssertUnwindSafe(|| check_rules(&cat, kind, &input)));
         let problem = match result {
             Ok(Ok(())) => continue,
@@ -550,12 +453,12 @@ fn fuzz_packets_through_classify_firewall_nat() {
     solo.apply(vec![load(&cat, "n", "nat", &args), so, si, link("n[to_outside] -> so"), link("n[to_inside] -> si")])
         .expect("solo");
 
-    let s = seed("packets");
+    let s = target_seed(seed_from_env(DEFAULT_SEED), "packets");
     let mut rng = Rng::new(s);
     let mut now = 0u64;
     let mut injected = 0u64;
     let (mut sent, mut received): (Vec<Vec<u8>>, Vec<Vec<u8>>) = (Vec::new(), Vec::new());
-    for i in 0..iterations() {
+    for i in 0..iters_from_env(DEFAULT_ITERS) {
         let n = 1 + rng.below(8);
         let mut up: Batch = Vec::new();
         let mut down: Batch = Vec::new();

@@ -118,3 +118,57 @@ outputs = 2
     let out = ns_a.run(&["ping", "-c", "1", "-W", "2", "10.99.0.2"]);
     assert!(out.status.success(), "path restored");
 }
+
+#[test]
+fn a_firewall_in_the_path_blocks_real_traffic_until_it_is_replaced_at_runtime() {
+    if !privileged("a_firewall_in_the_path_blocks_real_traffic_until_it_is_replaced_at_runtime") {
+        return;
+    }
+    let (dev_a, dev_b) = (unique("a"), unique("b"));
+    // Packets read from a travel down ("out"); those read from b travel up ("in").
+    let stack = format!(
+        r#"links = ["a -> fw", "fw -> b", "b -> a"]
+[modules.a]
+kind = "tun"
+name = "{dev_a}"
+[modules.b]
+kind = "tun"
+name = "{dev_b}"
+direction = "up"
+[modules.fw]
+kind = "firewall"
+rules = ["drop out tcp to any port 8080", "accept icmp"]
+"#
+    );
+    let d = Daemon::start(&stack, &[]);
+    let (ns_a, ns_b) = (Netns::new("a"), Netns::new("b"));
+    ns_a.adopt(&dev_a, &["10.98.0.1/24"]);
+    ns_b.adopt(&dev_b, &["10.98.0.2/24"]);
+    let www = tempfile::tempdir().unwrap();
+    std::fs::write(www.path().join("f"), b"through the firewall").unwrap();
+    let _server = ns_b.spawn(&[
+        "python3",
+        "-m",
+        "http.server",
+        "8080",
+        "--bind",
+        "10.98.0.2",
+        "--directory",
+        www.path().to_str().unwrap(),
+    ]);
+    std::thread::sleep(std::time::Duration::from_millis(500));
+
+    let out = ns_a.run(&["ping", "-c", "2", "-i", "0.2", "-W", "2", "10.98.0.2"]);
+    assert!(out.status.success(), "ICMP is accepted");
+    let out = ns_a.run(&["curl", "-sf", "-m", "3", "http://10.98.0.2:8080/f"]);
+    assert!(!out.status.success(), "TCP to port 8080 is dropped");
+    assert!(d.get_u64("module.fw.rule1_matches_total") >= 1, "the SYNs were dropped by rule 1");
+    assert!(d.get_u64("module.fw.rule2_matches_total") >= 2);
+    assert!(d.get_u64("module.fw.drop_rule_total") >= 1);
+
+    // Replaced at runtime by a firewall without the rule: the same request now goes through.
+    d.ok(&["module", "replace", "fw", "firewall", "rules=[\"accept icmp\"]"]);
+    let out = ns_a.run(&["curl", "-sf", "-m", "10", "http://10.98.0.2:8080/f"]);
+    assert!(out.status.success(), "allowed after the replace: {}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "through the firewall");
+}

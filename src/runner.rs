@@ -64,6 +64,27 @@ fn ensure_daemon(state_dir: &Path) -> Result<(), CliError> {
     Err(msg(format!("the daemon did not start; see {}", state_dir.join("daemon.log").display())))
 }
 
+/// The lease connection and the daemon's reply to `attach`; `None` if the daemon closed the connection first.
+type Attached = (UnixStream, BufReader<UnixStream>, Json);
+
+fn try_attach(state_dir: &Path, attach: &Request) -> Result<Option<Attached>, CliError> {
+    ensure_daemon(state_dir)?;
+    let sock = crate::server::socket_path(state_dir);
+    let stream = UnixStream::connect(&sock)
+        .map_err(|source| ClientError::Connect { path: sock.display().to_string(), source })?;
+    let mut writer = stream.try_clone().map_err(msg)?;
+    let mut reader = BufReader::new(stream);
+    if writer.write_all(request_line(1, attach).as_bytes()).is_err() {
+        return Ok(None);
+    }
+    let mut line = String::new();
+    if reader.read_line(&mut line).map_err(msg)? == 0 {
+        return Ok(None);
+    }
+    let reply: Json = serde_json::from_str(&line).map_err(|e| msg(format!("unreadable reply: {e}")))?;
+    Ok(Some((writer, reader, reply)))
+}
+
 /// A signal that arrived before the program started, if any.
 fn pending_signal(interrupted: &AtomicI32) -> Option<nix::sys::signal::Signal> {
     nix::sys::signal::Signal::try_from(interrupted.load(Ordering::SeqCst)).ok()
@@ -94,17 +115,15 @@ pub fn run_app(state_dir: &Path, args: &RunArgs) -> Result<i32, CliError> {
             }
         }
     });
-    ensure_daemon(state_dir)?;
-    let sock = crate::server::socket_path(state_dir);
-    let stream = UnixStream::connect(&sock)
-        .map_err(|source| ClientError::Connect { path: sock.display().to_string(), source })?;
-    let mut writer = stream.try_clone().map_err(msg)?;
-    let mut reader = BufReader::new(stream);
     let attach = Request::AppAttach { name: args.name.clone(), uid, stack: template };
-    writer.write_all(request_line(1, &attach).as_bytes()).map_err(msg)?;
-    let mut line = String::new();
-    reader.read_line(&mut line).map_err(msg)?;
-    let reply: Json = serde_json::from_str(&line).map_err(|e| msg(format!("unreadable reply: {e}")))?;
+    // A daemon that exits as its last app ends (--exit-when-idle) may close on us just as we attach: then a new
+    // daemon is started and the attach tried once more.
+    let (mut writer, reader, reply) = match try_attach(state_dir, &attach)? {
+        Some(attached) => attached,
+        None => {
+            try_attach(state_dir, &attach)?.ok_or_else(|| msg("the daemon closed the connection during the attach"))?
+        }
+    };
     if reply["ok"] != Json::Bool(true) {
         return Err(msg(reply["error"]["message"].as_str().unwrap_or("app_attach failed")));
     }

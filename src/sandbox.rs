@@ -141,6 +141,15 @@ impl Sandboxes {
         self.state.lock().map(|s| s.0.len()).unwrap_or(0)
     }
 
+    /// Runs `exit` if no app is attached, holding the apps' lock so that no attach can begin meanwhile (one
+    /// waiting for the lock finds the daemon gone, and its client retries with a new daemon).
+    pub fn exit_if_idle(&self, exit: impl FnOnce()) {
+        let guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if guard.0.is_empty() {
+            exit();
+        }
+    }
+
     /// Creates the namespace, devices and modules for a new app, from `template` (a stack description with
     /// `{app}`, `{app_dev}`, `{host_dev}` placeholders).
     pub fn attach(

@@ -112,12 +112,15 @@ pub fn run_daemon(opts: DaemonOptions, catalog: Catalog) -> Result<(), String> {
         let spawned = std::thread::Builder::new().name("client".into()).spawn(move || {
             let had_app = serve(conn, &control, timeout);
             active.fetch_sub(1, Ordering::SeqCst);
-            if had_app && exit_when_idle && control.sandboxes.count() == 0 {
-                tracing::info!("last app detached; exiting (--exit-when-idle)");
-                let _ = std::fs::remove_file(&sock);
-                let _ = std::fs::remove_file(&pid_file);
-                control.shutdown();
-                std::process::exit(0);
+            if had_app && exit_when_idle {
+                control.sandboxes.exit_if_idle(|| {
+                    tracing::info!("last app detached; exiting (--exit-when-idle)");
+                    // The socket goes first: from here on a new `flexstack run` starts a daemon of its own.
+                    let _ = std::fs::remove_file(&sock);
+                    let _ = std::fs::remove_file(&pid_file);
+                    control.shutdown();
+                    std::process::exit(0);
+                });
             }
         });
         if let Err(e) = spawned {

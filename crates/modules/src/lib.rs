@@ -1,6 +1,7 @@
 //! flexstack-modules: the built-in module kinds.
 //!
 //! - [`counter`]: counts frames, bytes and the frame rate, and passes frames through.
+//! - [`emulator`]: emulates a link direction: delay, jitter, rate, bounded queue, loss, duplicate, corrupt, up/down.
 //! - [`sink`]: consumes frames, counting them as dropped (reason: sink).
 //! - [`source`]: a paced test traffic generator with sequence-numbered packets.
 //! - [`switch`]: Click's Switch: sends every frame to one selected output (or drops them all).
@@ -17,6 +18,7 @@
 
 pub mod counter;
 pub mod direction;
+pub mod emulator;
 pub mod sink;
 pub mod source;
 pub mod switch;
@@ -25,11 +27,12 @@ pub mod tap;
 use flexstack_core::config::SettingsReader;
 use flexstack_core::{Catalog, ConfigError};
 
-/// A catalog holding the built-in kinds: `counter`, `direction`, `sink`, `source`, `switch` and `tap`.
+/// A catalog holding the built-in kinds: `counter`, `direction`, `emulator`, `sink`, `source`, `switch` and `tap`.
 pub fn catalog() -> Catalog {
     let mut c = Catalog::new();
     c.register(Box::new(counter::CounterKind));
     c.register(Box::new(direction::DirectionKind));
+    c.register(Box::new(emulator::EmulatorKind));
     c.register(Box::new(sink::SinkKind));
     c.register(Box::new(source::SourceKind));
     c.register(Box::new(switch::SwitchKind));
@@ -213,7 +216,7 @@ mod tests {
     #[test]
     fn catalog_has_the_built_in_kinds() {
         let names: Vec<&str> = super::catalog().kinds().map(|k| k.name()).collect();
-        assert_eq!(names, ["counter", "direction", "sink", "source", "switch", "tap"]);
+        assert_eq!(names, ["counter", "direction", "emulator", "sink", "source", "switch", "tap"]);
         for k in super::catalog().kinds() {
             assert!(!k.summary().is_empty());
         }

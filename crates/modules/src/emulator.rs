@@ -1,0 +1,792 @@
+//! `emulator`: emulates one direction of a link (delay, jitter, rate, bounded queue, loss, duplication, corruption,
+//! up/down) on whatever frames pass through it.
+//!
+//! It brings netem's job into flexstack for kernels without netem. It is a sans-IO delay line: time comes only from
+//! [`Output::now`], frames are held in the module (one reused `VecDeque` of `(release time, frame)`) and released
+//! from `process` or `poll` once their release time has come; the module asks for a poll at the next release time
+//! with [`Output::wake_at`], so it breaks cycles.
+//!
+//! What happens to a frame arriving at `now`, in this order:
+//!
+//! 1. **up**: if `up` is false the frame is dropped (`drop_down_total`). Setting `up` to false also drops every frame
+//!    held (at the poll that follows the knob write) and frees the wire.
+//! 2. **loss**: with Gilbert-Elliott active (`ge_p > 0`) the state first moves (good → bad with probability `ge_p`,
+//!    bad → good with `ge_r`), then the frame is lost with the loss probability of the new state (`ge_loss_bad_pct`
+//!    or `ge_loss_good_pct`); `loss_pct` is not used then. Otherwise it is lost with probability `loss_pct`.
+//!    Lost frames count in `drop_loss_total`. A surviving frame is then duplicated with probability
+//!    `duplicate_pct` (the copy shares the bytes and goes through the steps below right behind the original,
+//!    `duplicated_total`), and a data frame is corrupted with probability `corrupt_pct`: one random bit is flipped,
+//!    copy-on-write, so other holders of the packet do not see it (`corrupted_total`).
+//! 3. **queue limit**: frames that have not started on the wire at `now` are the queue; a frame finding
+//!    `queue_packets` of them is dropped (`drop_queue_full_total`). With `rate_mbit = 0` nothing ever waits.
+//! 4. **rate**: the frame starts on the wire when the previous one has left it (or `now`), and occupies it for
+//!    `len * 8 / rate` seconds; with `rate_mbit = 0` it leaves at once.
+//! 5. **delay/jitter**: it is due `delay_ms` plus a uniform sample of `±jitter_ms` (never less than 0) after it left
+//!    the wire. Unless `reorder` is true, its release time is the later of that and the previous frame's release
+//!    time, so frames stay in order; with `reorder`, a frame with an earlier due time overtakes.
+//! 6. **release**: the frame is emitted on `out` at the first call (`process` or `poll`) at or after its release
+//!    time (`delivered_total`, `bytes_delivered_total`).
+//!
+//! Randomness comes from a splitmix64 generator seeded with `seed`; a random number is drawn only for an impairment
+//! whose probability is strictly between 0 and 100 %, so the same seed, settings and traffic give exactly the same
+//! drops. Writing `seed` (even the same value) re-seeds the generator and puts the Gilbert-Elliott state back to
+//! good. Knob changes apply to frames arriving after them; held frames keep their release times.
+//!
+//! - Ports: input `in` (any), output `out` (any).
+//! - Settings: each knob below.
+//! - Knobs (also accepted as settings):
+//!   - `delay_ms` (f64, ms, default 0, 0..=3600000): fixed one-way delay.
+//!   - `jitter_ms` (f64, ms, default 0, 0..=3600000): uniform jitter of ± this much around the delay.
+//!   - `reorder` (bool, default false): let jitter reorder frames.
+//!   - `rate_mbit` (f64, Mbit/s, default 0 = unlimited, 0..=1000000): wire rate.
+//!   - `queue_packets` (u64, frames, default 1000, 0..=10000000): most frames waiting for the wire.
+//!   - `loss_pct` (f64, %, default 0, 0..=100): random loss.
+//!   - `ge_p`, `ge_r` (f64, probability per frame, default 0, 0..=1): Gilbert-Elliott good → bad and bad → good;
+//!     the model is active when `ge_p > 0`; the mean length of a bad run is `1 / ge_r` frames.
+//!   - `ge_loss_bad_pct` (f64, %, default 100), `ge_loss_good_pct` (f64, %, default 0): loss in each state.
+//!   - `duplicate_pct`, `corrupt_pct` (f64, %, default 0, 0..=100).
+//!   - `up` (bool, default true): false drops everything arriving and everything held.
+//!   - `seed` (u64, default 1): seed of the random generator.
+//! - Meters: `frames_total` (frames arrived), `delivered_total`, `queued` (frames held now), `drop_loss_total`,
+//!   `drop_queue_full_total`, `drop_down_total`, `duplicated_total`, `corrupted_total` (frames) and
+//!   `bytes_delivered_total` (bytes). Every drop also goes through [`Output::drop_frame`].
+//!
+//! No state is handed over on `module replace`: held frames are lost with the old module.
+
+use flexstack_core::module::port_type;
+use flexstack_core::{
+    Batch, ConfigError, Frame, Meter, Module, ModuleBuilder, ModuleInterface, ModuleKind, ModuleVars, Output, PortSpec,
+    Settings, Time, Value, ValueType, VarSpec,
+};
+use std::collections::VecDeque;
+
+/// The kind's name in stack files.
+pub const KIND: &str = "emulator";
+
+/// Longest delay or jitter, in ms (one hour).
+const MAX_DELAY_MS: f64 = 3_600_000.0;
+/// Highest rate, in Mbit/s.
+const MAX_RATE_MBIT: f64 = 1_000_000.0;
+/// Longest queue, in frames.
+const MAX_QUEUE: u64 = 10_000_000;
+
+/// The `emulator` module kind.
+pub struct EmulatorKind;
+
+/// The emulator's parameters (its knobs).
+#[derive(Clone, Debug, PartialEq)]
+struct Config {
+    delay_ms: f64,
+    jitter_ms: f64,
+    reorder: bool,
+    rate_mbit: f64,
+    queue_packets: u64,
+    loss_pct: f64,
+    ge_p: f64,
+    ge_r: f64,
+    ge_loss_bad_pct: f64,
+    ge_loss_good_pct: f64,
+    duplicate_pct: f64,
+    corrupt_pct: f64,
+    up: bool,
+    seed: u64,
+}
+
+/// The f64 knobs: name, unit, description, default, max (the min is 0).
+const F64_KNOBS: [(&str, &str, &str, f64, f64); 10] = [
+    ("delay_ms", "ms", "one-way delay", 0.0, MAX_DELAY_MS),
+    ("jitter_ms", "ms", "uniform jitter around the delay (±)", 0.0, MAX_DELAY_MS),
+    ("rate_mbit", "Mbit/s", "wire rate; 0 = unlimited", 0.0, MAX_RATE_MBIT),
+    ("loss_pct", "%", "random loss (when Gilbert-Elliott is off)", 0.0, 100.0),
+    ("ge_p", "", "Gilbert-Elliott: probability good -> bad per frame; > 0 turns the model on", 0.0, 1.0),
+    ("ge_r", "", "Gilbert-Elliott: probability bad -> good per frame", 0.0, 1.0),
+    ("ge_loss_bad_pct", "%", "Gilbert-Elliott: loss in the bad state", 100.0, 100.0),
+    ("ge_loss_good_pct", "%", "Gilbert-Elliott: loss in the good state", 0.0, 100.0),
+    ("duplicate_pct", "%", "frames sent twice", 0.0, 100.0),
+    ("corrupt_pct", "%", "data frames with one bit flipped", 0.0, 100.0),
+];
+
+const METERS: [(&str, &str, &str); 9] = [
+    ("frames_total", "frames", "frames arrived"),
+    ("delivered_total", "frames", "frames released on `out`"),
+    ("queued", "frames", "frames held now"),
+    ("drop_loss_total", "frames", "frames lost (random or Gilbert-Elliott)"),
+    ("drop_queue_full_total", "frames", "frames dropped because the queue was full"),
+    ("drop_down_total", "frames", "frames dropped while the link was down"),
+    ("duplicated_total", "frames", "extra copies sent"),
+    ("corrupted_total", "frames", "frames with a bit flipped"),
+    ("bytes_delivered_total", "bytes", "bytes of the data frames released"),
+];
+
+impl Config {
+    fn f64_mut(&mut self, name: &str) -> Option<&mut f64> {
+        Some(match name {
+            "delay_ms" => &mut self.delay_ms,
+            "jitter_ms" => &mut self.jitter_ms,
+            "rate_mbit" => &mut self.rate_mbit,
+            "loss_pct" => &mut self.loss_pct,
+            "ge_p" => &mut self.ge_p,
+            "ge_r" => &mut self.ge_r,
+            "ge_loss_bad_pct" => &mut self.ge_loss_bad_pct,
+            "ge_loss_good_pct" => &mut self.ge_loss_good_pct,
+            "duplicate_pct" => &mut self.duplicate_pct,
+            "corrupt_pct" => &mut self.corrupt_pct,
+            _ => return None,
+        })
+    }
+
+    fn f64_max(name: &str) -> Option<f64> {
+        F64_KNOBS.iter().find(|k| k.0 == name).map(|k| k.4)
+    }
+}
+
+impl ModuleKind for EmulatorKind {
+    fn name(&self) -> &'static str {
+        KIND
+    }
+
+    fn summary(&self) -> &'static str {
+        "emulates a link direction: delay, jitter, rate, queue, loss (random, Gilbert-Elliott), duplicate, corrupt, up/down"
+    }
+
+    fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
+        let mut r = settings.reader(KIND);
+        let mut cfg = Config {
+            delay_ms: 0.0,
+            jitter_ms: 0.0,
+            reorder: false,
+            rate_mbit: 0.0,
+            queue_packets: 1000,
+            loss_pct: 0.0,
+            ge_p: 0.0,
+            ge_r: 0.0,
+            ge_loss_bad_pct: 100.0,
+            ge_loss_good_pct: 0.0,
+            duplicate_pct: 0.0,
+            corrupt_pct: 0.0,
+            up: true,
+            seed: 1,
+        };
+        for (name, _, _, default, max) in F64_KNOBS {
+            let v = crate::f64_in(&mut r, name, default, 0.0, max)?;
+            *cfg.f64_mut(name).expect("every f64 knob has a field") = v;
+        }
+        cfg.reorder = r.bool("reorder")?.unwrap_or(false);
+        cfg.queue_packets = crate::u64_in(&mut r, "queue_packets", 1000, 0, MAX_QUEUE)?;
+        cfg.up = r.bool("up")?.unwrap_or(true);
+        cfg.seed = r.u64("seed")?.unwrap_or(1);
+        r.finish()?;
+        Ok(Box::new(EmulatorBuilder(cfg)))
+    }
+}
+
+struct EmulatorBuilder(Config);
+
+impl ModuleBuilder for EmulatorBuilder {
+    fn interface(&self) -> ModuleInterface {
+        let mut vars: Vec<VarSpec> = F64_KNOBS
+            .iter()
+            .map(|&(name, unit, desc, _, max)| VarSpec::knob(name, ValueType::F64, unit, desc).with_range(0.0, max))
+            .collect();
+        vars.push(VarSpec::knob("reorder", ValueType::Bool, "", "let jitter reorder frames"));
+        vars.push(
+            VarSpec::knob("queue_packets", ValueType::U64, "frames", "most frames waiting for the wire")
+                .with_range(0.0, MAX_QUEUE as f64),
+        );
+        vars.push(VarSpec::knob("up", ValueType::Bool, "", "false drops everything arriving and held"));
+        vars.push(VarSpec::knob("seed", ValueType::U64, "", "seed of the random generator"));
+        vars.extend(METERS.iter().map(|&(name, unit, desc)| VarSpec::meter(name, ValueType::U64, unit, desc)));
+        ModuleInterface {
+            inputs: vec![PortSpec::new("in", port_type::ANY)],
+            outputs: vec![PortSpec::new("out", port_type::ANY)],
+            vars,
+            breaks_cycles: true,
+        }
+    }
+
+    fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module> {
+        let mut cfg = self.0;
+        for (name, ..) in F64_KNOBS {
+            vars.meter(name).store(&Value::F64(*cfg.f64_mut(name).expect("every f64 knob has a field")));
+        }
+        vars.meter("reorder").store(&Value::Bool(cfg.reorder));
+        vars.meter("queue_packets").store(&Value::U64(cfg.queue_packets));
+        vars.meter("up").store(&Value::Bool(cfg.up));
+        vars.meter("seed").store(&Value::U64(cfg.seed));
+        let rng = Rng::new(cfg.seed);
+        Box::new(Emulator {
+            cfg,
+            rng,
+            ge_bad: false,
+            held: VecDeque::with_capacity(1024),
+            waiting: VecDeque::with_capacity(1024),
+            wire_free: Time::ZERO,
+            last_release: Time::ZERO,
+            frames: vars.meter("frames_total"),
+            delivered: vars.meter("delivered_total"),
+            queued: vars.meter("queued"),
+            drop_loss: vars.meter("drop_loss_total"),
+            drop_queue: vars.meter("drop_queue_full_total"),
+            drop_down: vars.meter("drop_down_total"),
+            duplicated: vars.meter("duplicated_total"),
+            corrupted: vars.meter("corrupted_total"),
+            bytes: vars.meter("bytes_delivered_total"),
+        })
+    }
+}
+
+/// splitmix64: small, fast, and the same sequence everywhere for a seed.
+#[derive(Clone, Debug)]
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Rng {
+        Rng(seed)
+    }
+
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [0, 1).
+    fn unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+    }
+
+    /// True with probability `p` (0..=1); draws a number only when 0 < p < 1.
+    fn chance(&mut self, p: f64) -> bool {
+        if p <= 0.0 {
+            false
+        } else if p >= 1.0 {
+            true
+        } else {
+            self.unit() < p
+        }
+    }
+}
+
+/// A running emulator.
+pub struct Emulator {
+    cfg: Config,
+    rng: Rng,
+    /// Gilbert-Elliott state: true when bad.
+    ge_bad: bool,
+    /// Frames held, by release time (in order of release).
+    held: VecDeque<(Time, Frame)>,
+    /// Start times on the wire of the frames that had not started at the last arrival (ascending).
+    waiting: VecDeque<Time>,
+    /// When the wire is free again.
+    wire_free: Time,
+    /// Release time of the last frame queued (for FIFO).
+    last_release: Time,
+    frames: Meter,
+    delivered: Meter,
+    queued: Meter,
+    drop_loss: Meter,
+    drop_queue: Meter,
+    drop_down: Meter,
+    duplicated: Meter,
+    corrupted: Meter,
+    bytes: Meter,
+}
+
+fn ms_to_ns(ms: f64) -> f64 {
+    ms * 1e6
+}
+
+impl Emulator {
+    /// Step 2: true if the frame is lost.
+    fn lost(&mut self) -> bool {
+        if self.cfg.ge_p > 0.0 {
+            let flip = if self.ge_bad { self.cfg.ge_r } else { self.cfg.ge_p };
+            if self.rng.chance(flip) {
+                self.ge_bad = !self.ge_bad;
+            }
+            let pct = if self.ge_bad { self.cfg.ge_loss_bad_pct } else { self.cfg.ge_loss_good_pct };
+            self.rng.chance(pct / 100.0)
+        } else {
+            self.rng.chance(self.cfg.loss_pct / 100.0)
+        }
+    }
+
+    /// Flips one random bit of a non-empty data frame; true if it did.
+    fn corrupt(&mut self, frame: &mut Frame) -> bool {
+        let Some(p) = frame.packet_mut() else { return false };
+        if p.is_empty() {
+            return false;
+        }
+        let bit = self.rng.next_u64() % (p.len() as u64 * 8);
+        p.make_mut()[(bit / 8) as usize] ^= 1 << (bit % 8);
+        true
+    }
+
+    /// Steps 3 to 5 for a frame that survived loss: queue limit, wire, delay; holds it or drops it.
+    fn enqueue(&mut self, now: Time, frame: Frame, out: &mut Output<'_>) {
+        while self.waiting.front().is_some_and(|&t| t <= now) {
+            self.waiting.pop_front();
+        }
+        let rate = self.cfg.rate_mbit;
+        let left_wire = if rate > 0.0 {
+            if self.waiting.len() as u64 >= self.cfg.queue_packets {
+                self.drop_queue.add(1);
+                out.drop_frame(frame);
+                return;
+            }
+            let start = self.wire_free.max(now);
+            if start > now {
+                self.waiting.push_back(start);
+            }
+            // len * 8 bits / (rate * 1e6 bit/s), in ns.
+            let busy = (frame.len() as f64 * 8e3 / rate).round() as u64;
+            self.wire_free = Time(start.0.saturating_add(busy));
+            self.wire_free
+        } else {
+            now
+        };
+        let mut delay = ms_to_ns(self.cfg.delay_ms);
+        if self.cfg.jitter_ms > 0.0 {
+            delay += (self.rng.unit() * 2.0 - 1.0) * ms_to_ns(self.cfg.jitter_ms);
+        }
+        let due = Time(left_wire.0.saturating_add(delay.max(0.0).round() as u64));
+        if self.cfg.reorder {
+            let at = self.held.partition_point(|(t, _)| *t <= due);
+            self.held.insert(at, (due, frame));
+            self.last_release = self.last_release.max(due);
+        } else {
+            let release = due.max(self.last_release);
+            self.last_release = release;
+            self.held.push_back((release, frame));
+        }
+    }
+
+    /// Step 6: emits every frame due by `now`.
+    fn release(&mut self, now: Time, out: &mut Output<'_>) {
+        let (mut n, mut bytes) = (0u64, 0u64);
+        while self.held.front().is_some_and(|(t, _)| *t <= now) {
+            let (_, frame) = self.held.pop_front().expect("front exists");
+            n += 1;
+            bytes += frame.len() as u64;
+            out.emit(0, frame);
+        }
+        self.delivered.add(n);
+        self.bytes.add(bytes);
+    }
+
+    /// Drops every held frame (the link went down) and frees the wire.
+    fn drop_held(&mut self, now: Time, out: &mut Output<'_>) {
+        let n = self.held.len() as u64;
+        for (_, frame) in self.held.drain(..) {
+            out.drop_frame(frame);
+        }
+        self.drop_down.add(n);
+        self.waiting.clear();
+        self.wire_free = now;
+        self.last_release = now;
+    }
+
+    /// Publishes the queue length and asks for a poll at the next release.
+    fn settle(&mut self, out: &mut Output<'_>) -> Option<Time> {
+        self.queued.set(self.held.len() as u64);
+        let next = self.held.front().map(|(t, _)| *t);
+        if let Some(t) = next {
+            out.wake_at(t);
+        }
+        next
+    }
+}
+
+impl Module for Emulator {
+    fn process(&mut self, _port: usize, input: &mut Batch, out: &mut Output<'_>) {
+        let now = out.now();
+        self.frames.add(input.len() as u64);
+        if !self.cfg.up {
+            self.drop_held(now, out);
+            self.drop_down.add(input.len() as u64);
+            for f in input.drain(..) {
+                out.drop_frame(f);
+            }
+            self.settle(out);
+            return;
+        }
+        // Frames due before these arrivals leave first.
+        self.release(now, out);
+        for mut frame in input.drain(..) {
+            if self.lost() {
+                self.drop_loss.add(1);
+                out.drop_frame(frame);
+                continue;
+            }
+            let copy = if self.rng.chance(self.cfg.duplicate_pct / 100.0) {
+                self.duplicated.add(1);
+                Some(frame.clone())
+            } else {
+                None
+            };
+            if self.rng.chance(self.cfg.corrupt_pct / 100.0) && self.corrupt(&mut frame) {
+                self.corrupted.add(1);
+            }
+            self.enqueue(now, frame, out);
+            if let Some(copy) = copy {
+                self.enqueue(now, copy, out);
+            }
+        }
+        self.release(now, out);
+        self.settle(out);
+    }
+
+    fn poll(&mut self, out: &mut Output<'_>) -> Option<Time> {
+        let now = out.now();
+        if !self.cfg.up {
+            self.drop_held(now, out);
+        } else {
+            self.release(now, out);
+        }
+        self.settle(out)
+    }
+
+    fn write_knob(&mut self, knob: &str, value: &Value) -> Result<(), String> {
+        match (knob, value) {
+            (_, Value::F64(v)) if Config::f64_max(knob).is_some_and(|max| (0.0..=max).contains(v)) => {
+                *self.cfg.f64_mut(knob).expect("f64 knob") = *v;
+            }
+            ("reorder", Value::Bool(v)) => self.cfg.reorder = *v,
+            ("queue_packets", Value::U64(v)) if *v <= MAX_QUEUE => self.cfg.queue_packets = *v,
+            ("up", Value::Bool(v)) => self.cfg.up = *v,
+            ("seed", Value::U64(v)) => {
+                self.cfg.seed = *v;
+                self.rng = Rng::new(*v);
+                self.ge_bad = false;
+            }
+            _ => return Err(format!("cannot set {knob} to {value}")),
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::testutil::*;
+    use flexstack_core::{Batch, Frame, Switch, Time, Value};
+    use std::time::Duration;
+
+    fn stack(args: &[&str]) -> (Switch, Log) {
+        let mut sw = Switch::default();
+        let (rec, log) = Recorder::load("r");
+        sw.apply(vec![load("e", "emulator", args), rec, link("e -> r")]).unwrap();
+        sw.run(Time::ZERO);
+        (sw, log)
+    }
+
+    /// `n` packets of `size` (>= 4) bytes numbered `from..` (big-endian u32 in the first 4 bytes).
+    fn numbered(sw: &Switch, from: u32, n: u32, size: usize) -> Batch {
+        (from..from + n)
+            .map(|i| {
+                let mut p = sw.pool().alloc();
+                p.make_mut().resize(size, 0);
+                p.make_mut()[..4].copy_from_slice(&i.to_be_bytes());
+                Frame::Data(p)
+            })
+            .collect()
+    }
+
+    fn number(data: &[u8]) -> u32 {
+        u32::from_be_bytes(data[..4].try_into().unwrap())
+    }
+
+    fn send_batch(sw: &mut Switch, at: Time, mut batch: Batch) {
+        sw.inject("e", "in", &mut batch).unwrap();
+        sw.run(at);
+    }
+
+    /// Injects `n` numbered packets (see [`numbered`]) and runs the switch at `at`.
+    fn send(sw: &mut Switch, at: Time, from: u32, n: u32, size: usize) {
+        let batch = numbered(sw, from, n, size);
+        send_batch(sw, at, batch);
+    }
+
+    /// Runs the switch at each time it asks for, up to `until`.
+    fn drain(sw: &mut Switch, until: Time) {
+        while let Some(t) = sw.next_wakeup() {
+            if t > until {
+                break;
+            }
+            sw.run(t);
+        }
+    }
+
+    fn f(v: f64) -> Value {
+        Value::F64(v)
+    }
+
+    #[test]
+    fn delay_releases_each_frame_exactly_d_later() {
+        let (mut sw, log) = stack(&["delay_ms=2.5"]);
+        let d = Duration::from_micros(2500);
+        let sent = [Time::from_millis(1), Time(1_300_000), Time::from_millis(4), Time(4_000_001)];
+        for (i, &t) in sent.iter().enumerate() {
+            drain(&mut sw, t);
+            send(&mut sw, t, 2 * i as u32, 2, 60);
+            if i == 1 {
+                // Nothing comes early: one nanosecond before the first frame is due, nothing has left.
+                assert_eq!(sw.next_wakeup(), Some(sent[0] + d));
+                sw.run(Time((sent[0] + d).0 - 1));
+                assert!(log.lock().unwrap().is_empty());
+            }
+        }
+        drain(&mut sw, Time::from_millis(100));
+        let log = log.lock().unwrap();
+        assert_eq!(log.len(), 8);
+        for s in log.iter() {
+            let i = number(&s.data) as usize / 2;
+            assert_eq!(s.at, sent[i] + d, "frame sent at {}", sent[i]);
+        }
+        assert_eq!(u64_var(&sw, "module.e.delivered_total"), 8);
+        assert_eq!(u64_var(&sw, "module.e.bytes_delivered_total"), 8 * 60);
+        assert_eq!(u64_var(&sw, "module.e.queued"), 0);
+        assert_eq!(sw.next_wakeup(), None);
+    }
+
+    #[test]
+    fn zero_delay_passes_frames_at_once_and_any_frame_type() {
+        let (mut sw, log) = stack(&[]);
+        send(&mut sw, Time::from_millis(3), 0, 5, 10);
+        assert_eq!(log.lock().unwrap().len(), 5);
+        assert!(log.lock().unwrap().iter().all(|s| s.at == Time::from_millis(3)));
+    }
+
+    #[test]
+    fn jitter_stays_in_bounds_and_keeps_order_unless_reorder() {
+        let (mut sw, log) = stack(&["delay_ms=10", "jitter_ms=5", "seed=3"]);
+        for k in 0..200u32 {
+            let t = Time(k as u64 * 100_000);
+            send(&mut sw, t, k, 1, 8);
+        }
+        drain(&mut sw, Time::from_millis(100));
+        let log = log.lock().unwrap();
+        assert_eq!(log.len(), 200);
+        let nums: Vec<u32> = log.iter().map(|s| number(&s.data)).collect();
+        assert_eq!(nums, (0..200).collect::<Vec<_>>(), "FIFO by default");
+        for s in log.iter() {
+            let sent = Time(number(&s.data) as u64 * 100_000);
+            let d = s.at - sent;
+            assert!(d >= Duration::from_millis(5) && d <= Duration::from_millis(15) + Duration::from_millis(5));
+        }
+        drop(log);
+
+        let (mut sw, log) = stack(&["delay_ms=10", "jitter_ms=5", "seed=3", "reorder=true"]);
+        for k in 0..200u32 {
+            send(&mut sw, Time(k as u64 * 100_000), k, 1, 8);
+        }
+        drain(&mut sw, Time::from_millis(100));
+        let log = log.lock().unwrap();
+        assert_eq!(log.len(), 200);
+        let nums: Vec<u32> = log.iter().map(|s| number(&s.data)).collect();
+        assert!(nums.windows(2).any(|w| w[1] < w[0]), "reordered");
+        for s in log.iter() {
+            let d = s.at - Time(number(&s.data) as u64 * 100_000);
+            assert!(d >= Duration::from_millis(5) && d <= Duration::from_millis(15), "{d:?}");
+        }
+    }
+
+    #[test]
+    fn rate_serializes_frames() {
+        // 8 Mbit/s = 1 byte/µs: a 1000-byte frame takes 1 ms on the wire; 100 of them take 100 ms.
+        let (mut sw, log) = stack(&["rate_mbit=8"]);
+        send(&mut sw, Time::ZERO, 0, 100, 1000);
+        assert_eq!(u64_var(&sw, "module.e.queued"), 100);
+        drain(&mut sw, Time::from_millis(1000));
+        let seen = log.lock().unwrap();
+        assert_eq!(seen.len(), 100);
+        let frame_time = Duration::from_millis(1);
+        let total = seen.last().unwrap().at - Time::ZERO;
+        let expected = Duration::from_millis(100);
+        assert!(total.abs_diff(expected) <= frame_time, "{total:?}");
+        for (k, s) in seen.iter().enumerate() {
+            assert_eq!(s.at, Time::from_millis(k as u64 + 1));
+        }
+        drop(seen);
+
+        // Rate plus delay: the delay counts from the end of serialization.
+        sw.apply(vec![knob("e", "delay_ms", f(5.0))]).unwrap();
+        let t0 = Time::from_millis(2000);
+        send(&mut sw, t0, 0, 10, 1000);
+        drain(&mut sw, t0 + Duration::from_secs(1));
+        assert_eq!(u64_var(&sw, "module.e.delivered_total"), 110);
+        let log = log.lock().unwrap();
+        assert_eq!(log[100].at, t0 + Duration::from_millis(1 + 5));
+        assert_eq!(log[109].at, t0 + Duration::from_millis(10 + 5));
+    }
+
+    #[test]
+    fn queue_limit_drops_the_excess() {
+        let (mut sw, log) = stack(&["rate_mbit=8", "queue_packets=10"]);
+        // The first frame goes on the wire at once, ten wait, the other 39 find the queue full.
+        send(&mut sw, Time::ZERO, 0, 50, 1000);
+        assert_eq!(u64_var(&sw, "module.e.drop_queue_full_total"), 39);
+        assert_eq!(u64_var(&sw, "module.e.frames_dropped_total"), 39);
+        drain(&mut sw, Time::from_millis(1000));
+        assert_eq!(log.lock().unwrap().len(), 11);
+        // Once the wire drained, there is room again; 5.5 ms later 5 frames have left, so 5 more fit.
+        send(&mut sw, Time::from_millis(2000), 100, 11, 1000);
+        send(&mut sw, Time(2_005_500_000), 200, 10, 1000);
+        assert_eq!(u64_var(&sw, "module.e.drop_queue_full_total"), 39 + 5);
+        assert_eq!(u64_var(&sw, "module.e.frames_total"), 71);
+    }
+
+    fn delivered_numbers(args: &[&str], n: u32) -> (Vec<u32>, Switch) {
+        let (mut sw, log) = stack(args);
+        for k in 0..n / 1000 {
+            send(&mut sw, Time::from_millis(k as u64), k * 1000, 1000, 8);
+        }
+        let nums = log.lock().unwrap().iter().map(|s| number(&s.data)).collect();
+        (nums, sw)
+    }
+
+    #[test]
+    fn random_loss_within_the_binomial_interval() {
+        let n = 100_000u32;
+        let (got, sw) = delivered_numbers(&["loss_pct=10"], n);
+        let lost = u64_var(&sw, "module.e.drop_loss_total");
+        assert_eq!(lost + got.len() as u64, n as u64);
+        // 99 % interval: 10000 ± 2.576 * sqrt(n p (1-p)) = ± 244.
+        assert!(lost.abs_diff(10_000) <= 244, "lost {lost}");
+        assert_eq!(u64_var(&sw, "module.e.frames_dropped_total"), lost);
+    }
+
+    #[test]
+    fn same_seed_same_drops() {
+        let (a, _) = delivered_numbers(&["loss_pct=30", "seed=7"], 10_000);
+        let (b, _) = delivered_numbers(&["loss_pct=30", "seed=7"], 10_000);
+        let (c, _) = delivered_numbers(&["loss_pct=30", "seed=8"], 10_000);
+        assert_eq!(a, b);
+        assert_ne!(a, c);
+        let (g1, _) = delivered_numbers(&["ge_p=0.05", "ge_r=0.3", "seed=9"], 10_000);
+        let (g2, _) = delivered_numbers(&["ge_p=0.05", "ge_r=0.3", "seed=9"], 10_000);
+        assert_eq!(g1, g2);
+
+        // Writing the seed knob restarts the sequence.
+        let (mut sw, log) = stack(&["loss_pct=30", "seed=7"]);
+        send(&mut sw, Time::ZERO, 0, 1000, 8);
+        sw.apply(vec![knob("e", "seed", Value::U64(7))]).unwrap();
+        send(&mut sw, Time::from_millis(1), 0, 1000, 8);
+        let log = log.lock().unwrap();
+        let nums: Vec<u32> = log.iter().map(|s| number(&s.data)).collect();
+        let half = nums.len() / 2;
+        assert_eq!(nums[..half], nums[half..]);
+        assert_eq!(nums[..half], a.iter().copied().filter(|&x| x < 1000).collect::<Vec<_>>()[..]);
+    }
+
+    #[test]
+    fn gilbert_elliott_mean_burst_is_one_over_r() {
+        let n = 400_000u32;
+        let r = 0.25;
+        let (got, sw) = delivered_numbers(&["ge_p=0.01", "ge_r=0.25", "seed=42"], n);
+        let mut bursts = Vec::new();
+        let mut prev: i64 = -1;
+        for &x in got.iter().chain(std::iter::once(&n)) {
+            let gap = x as i64 - prev - 1;
+            if gap > 0 {
+                bursts.push(gap as f64);
+            }
+            prev = x as i64;
+        }
+        let mean = bursts.iter().sum::<f64>() / bursts.len() as f64;
+        assert!(bursts.len() > 1000, "{} bursts", bursts.len());
+        assert!((mean - 1.0 / r).abs() <= 0.1 / r, "mean burst {mean}");
+        // Loss rate ≈ p / (p + r) = 0.0385.
+        let lost = u64_var(&sw, "module.e.drop_loss_total") as f64 / n as f64;
+        assert!((lost - 0.01 / 0.26).abs() < 0.005, "loss {lost}");
+    }
+
+    #[test]
+    fn down_drops_held_and_arriving_frames() {
+        let (mut sw, log) = stack(&["delay_ms=100"]);
+        send(&mut sw, Time::ZERO, 0, 20, 50);
+        assert_eq!(u64_var(&sw, "module.e.queued"), 20);
+        sw.apply(vec![knob("e", "up", Value::Bool(false))]).unwrap();
+        sw.run(Time::from_millis(1));
+        assert_eq!(u64_var(&sw, "module.e.drop_down_total"), 20);
+        assert_eq!(u64_var(&sw, "module.e.queued"), 0);
+        send(&mut sw, Time::from_millis(2), 20, 5, 50);
+        assert_eq!(u64_var(&sw, "module.e.drop_down_total"), 25);
+        assert_eq!(u64_var(&sw, "module.e.frames_dropped_total"), 25);
+        drain(&mut sw, Time::from_millis(500));
+        assert!(log.lock().unwrap().is_empty());
+        sw.apply(vec![knob("e", "up", Value::Bool(true))]).unwrap();
+        send(&mut sw, Time::from_millis(600), 30, 3, 50);
+        drain(&mut sw, Time::from_millis(1000));
+        let log = log.lock().unwrap();
+        assert_eq!(log.len(), 3);
+        assert!(log.iter().all(|s| s.at == Time::from_millis(700)));
+        // Every packet went back to the pool: nothing leaked while held or dropped.
+        let stats = sw.pool().stats();
+        assert_eq!(stats.free, stats.allocated);
+    }
+
+    #[test]
+    fn knob_changes_take_effect_between_runs() {
+        let (mut sw, log) = stack(&["delay_ms=10"]);
+        send(&mut sw, Time::ZERO, 0, 1, 8);
+        drain(&mut sw, Time::from_millis(100));
+        sw.apply(vec![knob("e", "delay_ms", Value::U64(50))]).unwrap();
+        assert_eq!(var(&sw, "module.e.delay_ms"), f(50.0));
+        send(&mut sw, Time::from_millis(100), 1, 1, 8);
+        drain(&mut sw, Time::from_millis(1000));
+        let times: Vec<Time> = log.lock().unwrap().iter().map(|s| s.at).collect();
+        assert_eq!(times, [Time::from_millis(10), Time::from_millis(150)]);
+
+        sw.apply(vec![knob("e", "loss_pct", f(100.0))]).unwrap();
+        send(&mut sw, Time::from_millis(1000), 2, 10, 8);
+        assert_eq!(u64_var(&sw, "module.e.drop_loss_total"), 10);
+        sw.apply(vec![knob("e", "loss_pct", f(0.0)), knob("e", "duplicate_pct", f(100.0))]).unwrap();
+        send(&mut sw, Time::from_millis(2000), 20, 4, 8);
+        drain(&mut sw, Time::from_millis(3000));
+        assert_eq!(u64_var(&sw, "module.e.duplicated_total"), 4);
+        let nums: Vec<u32> = log.lock().unwrap()[2..].iter().map(|s| number(&s.data)).collect();
+        assert_eq!(nums, [20, 20, 21, 21, 22, 22, 23, 23]);
+
+        // Out-of-range values are refused by the switch.
+        assert!(sw.apply(vec![knob("e", "loss_pct", f(100.5))]).is_err());
+        assert!(sw.apply(vec![knob("e", "delay_ms", f(-1.0))]).is_err());
+        assert!(sw.apply(vec![knob("e", "ge_p", f(1.5))]).is_err());
+        assert!(sw.apply(vec![knob("e", "up", Value::U64(1))]).is_err());
+    }
+
+    #[test]
+    fn corruption_flips_one_bit_copy_on_write() {
+        let (mut sw, log) = stack(&["corrupt_pct=100"]);
+        let batch = numbered(&sw, 0, 20, 64);
+        let originals: Vec<Frame> = batch.to_vec();
+        send_batch(&mut sw, Time::from_millis(1), batch);
+        assert_eq!(u64_var(&sw, "module.e.corrupted_total"), 20);
+        let log = log.lock().unwrap();
+        assert_eq!(log.len(), 20);
+        for (i, (s, o)) in log.iter().zip(&originals).enumerate() {
+            // The test's own references still see the original bytes.
+            let o = o.packet().unwrap().data();
+            assert_eq!(o[4..], [0; 60]);
+            assert_eq!(number(o), i as u32);
+            let bits: u32 = s.data.iter().zip(o).map(|(a, b)| (a ^ b).count_ones()).sum();
+            assert_eq!(bits, 1);
+        }
+    }
+
+    #[test]
+    fn rejects_bad_settings_with_their_location() {
+        let e = configure_toml("[modules.e]\nkind = \"emulator\"\nloss_pct = 101\n").err().unwrap();
+        assert_eq!(e.location.as_ref().unwrap().line, 3);
+        assert!(e.message.contains("`loss_pct`") && e.message.contains("0..=100"), "{e}");
+        let e = configure_toml("[modules.e]\nkind = \"emulator\"\n\ndelay_ms = -1\n").err().unwrap();
+        assert_eq!(e.location.as_ref().unwrap().line, 4);
+        let e = configure_toml("[modules.e]\nkind = \"emulator\"\ndelay = 1\n").err().unwrap();
+        assert!(e.message.contains("unknown setting `delay`"), "{e}");
+        assert!(configure_toml(
+            "[modules.e]\nkind = \"emulator\"\ndelay_ms = 5\nrate_mbit = 10\nge_p = 0.1\nup = false\nseed = 3\n"
+        )
+        .is_ok());
+    }
+}

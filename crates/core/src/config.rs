@@ -387,17 +387,7 @@ impl StackSpec {
                 format!("{file}: stack description larger than {MAX_STACK_FILE_BYTES} bytes"),
             ));
         }
-        // A syntax error, or (from the second pass) a value TOML cannot hold, such as an integer beyond i64:
-        // either way located in the file, with the parser's message alone (no snippet of its own).
-        let invalid = |span: Option<Range<usize>>, message: &str| {
-            let loc = span.map(|s| Location::of_offset(&file, text, s.start));
-            ConfigError::new(
-                loc.or_else(|| Some(Location { file: file.clone(), line: 1, column: 1 })),
-                format!("invalid TOML: {}", message.trim()),
-            )
-        };
-        let spans = toml::de::DeTable::parse(text).map_err(|e| invalid(e.span(), e.message()))?;
-        let table: toml::Table = toml::from_str(text).map_err(|e| invalid(e.span(), e.message()))?;
+        let (spans, table) = parse_located(&file, text)?;
         let root = spans.get_ref();
         let empty = toml::de::DeTable::default();
         let mut spec = StackSpec::default();
@@ -487,20 +477,40 @@ impl StackSpec {
     }
 }
 
-type SpannedEntry<'a, 'i> = (&'a toml::Spanned<toml::de::DeString<'i>>, &'a toml::Spanned<toml::de::DeValue<'i>>);
+/// Parses `text` twice, as spanned tables (for locations) and as a [`toml::Table`] (for values); a syntax error, or
+/// (from the second pass) a value TOML cannot hold, such as an integer beyond i64, is a [`ConfigError`] located in
+/// `file`, with the parser's message alone (no snippet of its own). Shared by every TOML description flexstack reads.
+pub fn parse_located<'i>(
+    file: &Arc<str>,
+    text: &'i str,
+) -> Result<(toml::Spanned<toml::de::DeTable<'i>>, toml::Table), ConfigError> {
+    let invalid = |span: Option<Range<usize>>, message: &str| {
+        let loc = span.map(|s| Location::of_offset(file, text, s.start));
+        ConfigError::new(
+            loc.or_else(|| Some(Location { file: file.clone(), line: 1, column: 1 })),
+            format!("invalid TOML: {}", message.trim()),
+        )
+    };
+    let spans = toml::de::DeTable::parse(text).map_err(|e| invalid(e.span(), e.message()))?;
+    let table: toml::Table = toml::from_str(text).map_err(|e| invalid(e.span(), e.message()))?;
+    Ok((spans, table))
+}
 
-/// The key and value spans of `key` in a spanned table.
-fn entry<'a, 'i>(t: &'a toml::de::DeTable<'i>, key: &str) -> Option<SpannedEntry<'a, 'i>> {
+/// A key and its value in a spanned table, as [`entry`] returns them.
+pub type SpannedEntry<'a, 'i> = (&'a toml::Spanned<toml::de::DeString<'i>>, &'a toml::Spanned<toml::de::DeValue<'i>>);
+
+/// The key and value spans of `key` in a spanned table (from [`parse_located`]).
+pub fn entry<'a, 'i>(t: &'a toml::de::DeTable<'i>, key: &str) -> Option<SpannedEntry<'a, 'i>> {
     t.iter().find(|(k, _)| k.get_ref().as_ref() == key)
 }
 
-/// Where `key` is written in a spanned table.
-fn key_span(t: &toml::de::DeTable<'_>, key: &str) -> Option<Range<usize>> {
+/// Where `key` is written in a spanned table (from [`parse_located`]).
+pub fn key_span(t: &toml::de::DeTable<'_>, key: &str) -> Option<Range<usize>> {
     entry(t, key).map(|(k, _)| k.span())
 }
 
-/// The spanned sub-table under `key`.
-fn sub_table<'a, 'i>(t: &'a toml::de::DeTable<'i>, key: &str) -> Option<&'a toml::de::DeTable<'i>> {
+/// The spanned sub-table under `key` (from [`parse_located`]).
+pub fn sub_table<'a, 'i>(t: &'a toml::de::DeTable<'i>, key: &str) -> Option<&'a toml::de::DeTable<'i>> {
     match entry(t, key)?.1.get_ref() {
         toml::de::DeValue::Table(tb) => Some(tb),
         _ => None,

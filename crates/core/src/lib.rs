@@ -8,6 +8,7 @@
 //! - [`vars`]: meters and knobs, their cells, and the [`Registry`](vars::Registry) of dotted names.
 //! - [`config`]: stack descriptions in TOML, module settings, link syntax, errors with file:line.
 //! - [`time`] and [`value`]: the caller's clock and typed values.
+//! - [`testing`]: a recording module for modules' tests.
 //!
 //! Nothing here reads a clock, opens a file or a socket, or spawns a thread: the daemon (the `flexstack` crate)
 //! drives a [`Switch`](switch::Switch) from its data-plane thread, and tests drive it with a simulated clock.
@@ -18,6 +19,7 @@ pub mod config;
 pub mod frame;
 pub mod module;
 pub mod switch;
+pub mod testing;
 pub mod time;
 pub mod value;
 pub mod vars;

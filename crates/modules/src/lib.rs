@@ -75,10 +75,8 @@ pub(crate) mod testutil {
     //! Helpers shared by the modules' tests: loading modules into a switch, reading meters, a recording module.
 
     use flexstack_core::{
-        Batch, ConfigError, ControlFrame, Edit, Frame, MetaKey, Module, ModuleBuilder, ModuleInterface, ModuleVars,
-        Output, PacketPool, PortSpec, Settings, StackSpec, Switch, Time, Value,
+        Batch, ConfigError, Edit, Frame, ModuleBuilder, PacketPool, Settings, StackSpec, Switch, Time, Value,
     };
-    use std::sync::{Arc, Mutex};
 
     /// Settings from `key=value` words.
     pub fn settings(args: &[&str]) -> Settings {
@@ -137,66 +135,7 @@ pub(crate) mod testutil {
             .collect()
     }
 
-    /// What a [`Recorder`] saw of one frame.
-    #[derive(Clone, Debug, PartialEq)]
-    pub struct Seen {
-        /// When it arrived.
-        pub at: Time,
-        /// The bytes of a data frame.
-        pub data: Vec<u8>,
-        /// Its `SEQ` metadata.
-        pub seq: Option<u64>,
-        /// The frame, for a control frame.
-        pub control: Option<ControlFrame>,
-    }
-
-    /// The shared log of a recorder.
-    pub type Log = Arc<Mutex<Vec<Seen>>>;
-
-    /// A test module with one input `in` that records every frame it receives (and consumes it).
-    pub struct Recorder {
-        log: Log,
-    }
-
-    impl Recorder {
-        /// A `Load` edit for a recorder named `name`, and its log.
-        pub fn load(name: &str) -> (Edit, Log) {
-            let log = Log::default();
-            let edit = Edit::Load {
-                name: name.into(),
-                kind: "recorder".into(),
-                settings: Settings::default(),
-                builder: Box::new(RecorderBuilder(log.clone())),
-            };
-            (edit, log)
-        }
-    }
-
-    struct RecorderBuilder(Log);
-
-    impl ModuleBuilder for RecorderBuilder {
-        fn interface(&self) -> ModuleInterface {
-            ModuleInterface { inputs: vec![PortSpec::new("in", "any")], ..Default::default() }
-        }
-
-        fn build(self: Box<Self>, _vars: &ModuleVars) -> Box<dyn Module> {
-            Box::new(Recorder { log: self.0 })
-        }
-    }
-
-    impl Module for Recorder {
-        fn process(&mut self, _port: usize, input: &mut Batch, out: &mut Output<'_>) {
-            let mut log = self.log.lock().expect("log lock");
-            for f in input.drain(..) {
-                log.push(match f {
-                    Frame::Data(p) => {
-                        Seen { at: out.now(), data: p.data().to_vec(), seq: p.meta().get(MetaKey::SEQ), control: None }
-                    }
-                    Frame::Control(c) => Seen { at: out.now(), data: Vec::new(), seq: None, control: Some(*c) },
-                });
-            }
-        }
-    }
+    pub use flexstack_core::testing::{Log, Recorder};
 
     /// Drives a switch with `run` at every `step` from `from` up to and including `to`.
     pub fn run_every(sw: &mut Switch, from: Time, to: Time, step: std::time::Duration) {

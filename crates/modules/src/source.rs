@@ -343,7 +343,7 @@ mod tests {
         let log = log.lock().unwrap();
         assert_eq!(log.len(), 100);
         for (i, s) in log.iter().enumerate() {
-            assert_eq!(s.seq, Some(i as u64));
+            assert_eq!(s.seq(), Some(i as u64));
             assert_eq!(s.data.len(), 20);
             assert_eq!(s.data[..8], (i as u64).to_be_bytes());
             assert!(s.data[8..].iter().all(|&b| b == 0));
@@ -366,7 +366,7 @@ mod tests {
         let log = log.lock().unwrap();
         assert_eq!(log.len(), 300);
         assert_eq!(log[258].data, [2]);
-        assert_eq!(log[258].seq, Some(258));
+        assert_eq!(log[258].seq(), Some(258));
     }
 
     #[test]
@@ -433,7 +433,7 @@ mod tests {
         run_every(&mut sw, Time::from_millis(10), Time::from_millis(19), Duration::from_millis(1));
         assert_eq!(u64_var(&sw, "module.src.frames_total"), 20);
         assert_eq!(u64_var(&sw, "module.src.bytes_total"), 10 * 64 + 10 * 100);
-        let seqs: Vec<u64> = log.lock().unwrap().iter().map(|s| s.seq.unwrap()).collect();
+        let seqs: Vec<u64> = log.lock().unwrap().iter().map(|s| s.seq().unwrap()).collect();
         assert_eq!(seqs, (0..20).collect::<Vec<_>>());
     }
 

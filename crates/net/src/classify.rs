@@ -725,11 +725,7 @@ impl Module for Classify {
 pub(crate) mod testutil {
     //! Helpers for the modules' tests: a catalog with this crate's kinds, loading modules, a recording module.
 
-    use flexstack_core::{
-        Batch, Catalog, Direction, Edit, Frame, MetaKey, Module, ModuleBuilder, ModuleInterface, ModuleVars, Output,
-        PortSpec, Settings, Switch, Time, Value,
-    };
-    use std::sync::{Arc, Mutex};
+    use flexstack_core::{Batch, Catalog, Direction, Edit, Frame, Settings, Switch, Time, Value};
 
     pub fn catalog() -> Catalog {
         let mut c = Catalog::new();
@@ -775,60 +771,11 @@ pub(crate) mod testutil {
         }
     }
 
-    /// What a recorder saw of one packet.
-    #[derive(Clone, Debug, PartialEq)]
-    pub struct Seen {
-        pub data: Vec<u8>,
-        pub direction: Direction,
-        pub flow: Option<u64>,
-    }
-
-    pub type Log = Arc<Mutex<Vec<Seen>>>;
+    pub use flexstack_core::testing::{take, Log};
 
     /// A `Load` edit for a recording module with input `in`, and its log.
     pub fn recorder(name: &str) -> (Edit, Log) {
-        let log = Log::default();
-        let edit = Edit::Load {
-            name: name.into(),
-            kind: "recorder".into(),
-            settings: Settings::default(),
-            builder: Box::new(RecorderBuilder(log.clone())),
-        };
-        (edit, log)
-    }
-
-    struct RecorderBuilder(Log);
-
-    impl ModuleBuilder for RecorderBuilder {
-        fn interface(&self) -> ModuleInterface {
-            ModuleInterface { inputs: vec![PortSpec::new("in", "any")], ..Default::default() }
-        }
-
-        fn build(self: Box<Self>, _vars: &ModuleVars) -> Box<dyn Module> {
-            Box::new(Recorder(self.0))
-        }
-    }
-
-    struct Recorder(Log);
-
-    impl Module for Recorder {
-        fn process(&mut self, _port: usize, input: &mut Batch, _out: &mut Output<'_>) {
-            let mut log = self.0.lock().expect("log");
-            for f in input.drain(..) {
-                if let Frame::Data(p) = f {
-                    log.push(Seen {
-                        data: p.data().to_vec(),
-                        direction: p.direction(),
-                        flow: p.meta().get(MetaKey::FLOW_ID),
-                    });
-                }
-            }
-        }
-    }
-
-    /// Takes what a recorder saw so far.
-    pub fn take(log: &Log) -> Vec<Seen> {
-        std::mem::take(&mut *log.lock().expect("log"))
+        flexstack_core::testing::Recorder::load(name)
     }
 
     /// Injects `packets` (with `direction`) into `module[port]` and runs the switch at `at_ms`.
@@ -907,7 +854,7 @@ mod tests {
         assert_eq!((t.len(), u.len(), i.len(), o.len()), (1, 2, 1, 1));
         assert_eq!(u[0].data, q, "packets pass unchanged");
         assert_eq!(
-            (u[0].flow, u[1].flow, t[0].flow, i[0].flow, o[0].flow),
+            (u[0].flow(), u[1].flow(), t[0].flow(), i[0].flow(), o[0].flow()),
             (Some(1), Some(1), Some(2), Some(3), Some(4))
         );
         assert_eq!(u64_var(&sw, "module.c.flows_active"), 4);
@@ -924,7 +871,7 @@ mod tests {
         assert_eq!(flow_var(&sw, 4, "tuple"), Some(Value::Str("proto 47 10.0.0.2 <-> 10.0.0.1".into())));
         // A different port is a different flow; the next id.
         send(&mut sw, "c", "in", &[udp4(A, B, 5001, 53, b"")], Direction::Down, 3);
-        assert_eq!(take(lu)[0].flow, Some(5));
+        assert_eq!(take(lu)[0].flow(), Some(5));
     }
 
     #[test]
@@ -939,8 +886,8 @@ mod tests {
         let ping = build::ipv6(a, b, proto::ICMPV6, 64, &echo);
         send(&mut sw, "c", "in", &[q, r, ping], Direction::Down, 1);
         let u = take(&logs[1]);
-        assert_eq!((u[0].flow, u[1].flow), (Some(1), Some(1)));
-        assert_eq!(take(&logs[2])[0].flow, Some(2));
+        assert_eq!((u[0].flow(), u[1].flow()), (Some(1), Some(1)));
+        assert_eq!(take(&logs[2])[0].flow(), Some(2));
         assert_eq!(flow_var(&sw, 1, "tuple"), Some(Value::Str("udp [fd00::2]:7 <-> [fd00::1]:9".into())));
         assert_eq!(flow_var(&sw, 2, "tuple"), Some(Value::Str("icmpv6 fd00::2 <-> fd00::1 id 3".into())));
     }
@@ -978,7 +925,7 @@ mod tests {
         assert_eq!(sw.next_wakeup(), None);
         // The same tuple again is a new flow.
         send(&mut sw, "c", "in", &[udp4(A, B, 1, 2, b"")], Direction::Down, 2000);
-        assert_eq!(take(&logs[1]).last().unwrap().flow, Some(2));
+        assert_eq!(take(&logs[1]).last().unwrap().flow(), Some(2));
     }
 
     #[test]
@@ -1014,13 +961,13 @@ mod tests {
         let packets: Vec<Vec<u8>> = (0..4).map(|i| udp4(A, B, 100 + i, 53, b"")).collect();
         send(&mut sw, "c", "in", &packets, Direction::Down, 1);
         let u = take(&logs[1]);
-        assert_eq!(u.iter().map(|s| s.flow).collect::<Vec<_>>(), [Some(1), Some(2), None, None]);
+        assert_eq!(u.iter().map(|s| s.flow()).collect::<Vec<_>>(), [Some(1), Some(2), None, None]);
         assert_eq!(u64_var(&sw, "module.c.flows_untracked_total"), 2);
         assert_eq!(u64_var(&sw, "module.c.flows_active"), 2);
         // Raised at runtime: new flows are tracked again.
         sw.apply(vec![knob("c", "max_flows", Value::U64(3))]).unwrap();
         send(&mut sw, "c", "in", &packets[2..3], Direction::Down, 2);
-        assert_eq!(take(&logs[1])[0].flow, Some(3));
+        assert_eq!(take(&logs[1])[0].flow(), Some(3));
     }
 
     #[test]
@@ -1042,7 +989,7 @@ mod tests {
         assert!(sw.registry().snapshot().matching("flow.**").next().is_none());
         take(&logs[1]);
         send(&mut sw, "c", "in", &[udp4(A, B, 1, 2, b"")], Direction::Down, 300);
-        assert_eq!(take(&logs[1])[0].flow, None);
+        assert_eq!(take(&logs[1])[0].flow(), None);
         assert_eq!(u64_var(&sw, "module.c.flows_active"), 0);
     }
 
@@ -1077,7 +1024,7 @@ mod tests {
         assert_eq!(u64_var(&sw, "module.c.flows_active"), 1);
         send(&mut sw, "c", "in", &[udp4(B, A, 2, 1, b""), udp4(A, B, 5, 6, b"")], Direction::Up, 2);
         let u = take(&logs[1]);
-        assert_eq!((u[1].flow, u[2].flow), (Some(1), Some(2)));
+        assert_eq!((u[1].flow(), u[2].flow()), (Some(1), Some(2)));
         assert_eq!(var(&sw, "flow.lan.1.packets_total"), Some(Value::U64(2)));
         assert_eq!(u64_var(&sw, "module.c.flows_created_total"), 2);
         // A second classifier with the default prefix: its flow 1 is flow.1, not a clash with flow.lan.1.

@@ -495,10 +495,8 @@ pub(crate) mod testkit {
     use crate::checksum;
     use crate::packet::{proto, PacketInfo};
     use flexstack_core::{
-        Batch, Catalog, ConfigError, Direction, Edit, Frame, Module, ModuleBuilder, ModuleInterface, ModuleVars,
-        Output, PortSpec, Settings, StackSpec, Switch, Value,
+        Batch, Catalog, ConfigError, Direction, Edit, Frame, ModuleBuilder, Settings, StackSpec, Switch, Value,
     };
-    use std::sync::{Arc, Mutex};
 
     /// This crate's catalog.
     pub fn catalog() -> Catalog {
@@ -558,57 +556,7 @@ pub(crate) mod testkit {
         sw.inject(module, "in", &mut batch).unwrap();
     }
 
-    /// What a [`Recorder`] saw of one data frame.
-    #[derive(Clone, Debug, PartialEq)]
-    pub struct Seen {
-        /// The bytes.
-        pub data: Vec<u8>,
-        /// Its direction.
-        pub direction: Direction,
-    }
-
-    /// The shared log of a recorder.
-    pub type Log = Arc<Mutex<Vec<Seen>>>;
-
-    /// A test module with one input `in` that records every data frame it receives (and consumes it).
-    pub struct Recorder(Log);
-
-    impl Recorder {
-        /// A `Load` edit for a recorder named `name`, and its log.
-        pub fn load(name: &str) -> (Edit, Log) {
-            let log = Log::default();
-            let edit = Edit::Load {
-                name: name.into(),
-                kind: "recorder".into(),
-                settings: Settings::default(),
-                builder: Box::new(RecorderBuilder(log.clone())),
-            };
-            (edit, log)
-        }
-    }
-
-    struct RecorderBuilder(Log);
-
-    impl ModuleBuilder for RecorderBuilder {
-        fn interface(&self) -> ModuleInterface {
-            ModuleInterface { inputs: vec![PortSpec::new("in", "any")], ..Default::default() }
-        }
-
-        fn build(self: Box<Self>, _vars: &ModuleVars) -> Box<dyn Module> {
-            Box::new(Recorder(self.0))
-        }
-    }
-
-    impl Module for Recorder {
-        fn process(&mut self, _port: usize, input: &mut Batch, _out: &mut Output<'_>) {
-            let mut log = self.0.lock().expect("log lock");
-            for f in input.drain(..) {
-                if let Frame::Data(p) = f {
-                    log.push(Seen { data: p.data().to_vec(), direction: p.direction() });
-                }
-            }
-        }
-    }
+    pub use flexstack_core::testing::{Log, Recorder, Seen};
 
     /// Asserts that `packet` parses and that its IPv4 header checksum and (for a whole packet) its TCP, UDP,
     /// ICMP or ICMPv6 checksum are right, recomputing each from scratch.

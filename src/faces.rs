@@ -385,13 +385,9 @@ fn complete_offloaded_checksum(buf: &mut [u8]) {
     buf[field..field + 2].copy_from_slice(&c.to_be_bytes());
 }
 
-/// Reads the settings both kinds share and checks them.
+/// Reads the setting both kinds share: the most frames waiting for the device.
 fn queue_setting(r: &mut SettingsReader<'_>) -> Result<usize, ConfigError> {
-    let queue = r.u64("queue")?.unwrap_or(4096);
-    if !(1..=1 << 20).contains(&queue) {
-        return Err(r.error("queue", format_args!("must be within 1..=1048576, got {queue}")));
-    }
-    Ok(queue as usize)
+    Ok(r.u64_in("queue", 4096, 1, 1 << 20)? as usize)
 }
 
 fn valid_ifname(name: &str) -> bool {
@@ -413,7 +409,7 @@ impl ModuleKind for TunKind {
     fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
         let mut r = settings.reader("tun");
         let name = r.string("name")?;
-        let mtu = r.u64("mtu")?.unwrap_or(1500);
+        let mtu = r.u64_in("mtu", 1500, 68, 65535)?;
         let queue = queue_setting(&mut r)?;
         let offload = r.bool("offload")?.unwrap_or(true);
         let direction = match r.string("direction")?.as_deref() {
@@ -428,9 +424,6 @@ impl ModuleKind for TunKind {
             return Err(
                 r.error("name", format_args!("{name:?} is not an interface name (1-15 letters, digits, '-', '_')"))
             );
-        }
-        if !(68..=65535).contains(&mtu) {
-            return Err(r.error("mtu", format_args!("must be within 68..=65535, got {mtu}")));
         }
         let device = TunDevice::create(&name, mtu as u16, direction, offload)
             .map_err(|e| r.error("name", format_args!("cannot create TUN device {name}: {e} (needs CAP_NET_ADMIN)")))?;

@@ -224,6 +224,24 @@ impl<'a> SettingsReader<'a> {
         self.typed(key, "a number, boolean or string", Value::from_toml)
     }
 
+    /// A non-negative integer within `min..=max`, `default` when not given.
+    pub fn u64_in(&mut self, key: &'a str, default: u64, min: u64, max: u64) -> Result<u64, ConfigError> {
+        let v = self.u64(key)?.unwrap_or(default);
+        if v < min || v > max {
+            return Err(self.error(key, format_args!("must be within {min}..={max}, got {v}")));
+        }
+        Ok(v)
+    }
+
+    /// A number within `min..=max`, `default` when not given.
+    pub fn f64_in(&mut self, key: &'a str, default: f64, min: f64, max: f64) -> Result<f64, ConfigError> {
+        let v = self.f64(key)?.unwrap_or(default);
+        if !(min..=max).contains(&v) {
+            return Err(self.error(key, format_args!("must be within {min}..={max}, got {v}")));
+        }
+        Ok(v)
+    }
+
     /// An error about setting `key` (e.g. out of range), located where the setting was written.
     pub fn error(&self, key: &str, message: impl fmt::Display) -> ConfigError {
         let location = self.settings.entries.get(key).and_then(|s| s.location.clone());

@@ -168,11 +168,11 @@ impl ModuleKind for EmulatorKind {
             seed: 1,
         };
         for (name, _, _, default, max) in F64_KNOBS {
-            let v = crate::f64_in(&mut r, name, default, 0.0, max)?;
+            let v = r.f64_in(name, default, 0.0, max)?;
             *cfg.f64_mut(name).expect("every f64 knob has a field") = v;
         }
         cfg.reorder = r.bool("reorder")?.unwrap_or(false);
-        cfg.queue_packets = crate::u64_in(&mut r, "queue_packets", 1000, 0, MAX_QUEUE)?;
+        cfg.queue_packets = r.u64_in("queue_packets", 1000, 0, MAX_QUEUE)?;
         cfg.up = r.bool("up")?.unwrap_or(true);
         cfg.seed = r.u64("seed")?.unwrap_or(1);
         r.finish()?;

@@ -24,8 +24,7 @@ pub mod source;
 pub mod switch;
 pub mod tap;
 
-use flexstack_core::config::SettingsReader;
-use flexstack_core::{Catalog, ConfigError};
+use flexstack_core::Catalog;
 
 /// A catalog holding the built-in kinds: `counter`, `direction`, `emulator`, `sink`, `source`, `switch` and `tap`.
 pub fn catalog() -> Catalog {
@@ -38,36 +37,6 @@ pub fn catalog() -> Catalog {
     c.register(Box::new(switch::SwitchKind));
     c.register(Box::new(tap::TapKind));
     c
-}
-
-/// Reads an optional u64 setting that must lie within `min..=max`.
-pub(crate) fn u64_in<'a>(
-    r: &mut SettingsReader<'a>,
-    key: &'a str,
-    default: u64,
-    min: u64,
-    max: u64,
-) -> Result<u64, ConfigError> {
-    let v = r.u64(key)?.unwrap_or(default);
-    if v < min || v > max {
-        return Err(r.error(key, format_args!("must be within {min}..={max}, got {v}")));
-    }
-    Ok(v)
-}
-
-/// Reads an optional f64 setting that must lie within `min..=max`.
-pub(crate) fn f64_in<'a>(
-    r: &mut SettingsReader<'a>,
-    key: &'a str,
-    default: f64,
-    min: f64,
-    max: f64,
-) -> Result<f64, ConfigError> {
-    let v = r.f64(key)?.unwrap_or(default);
-    if !(min..=max).contains(&v) {
-        return Err(r.error(key, format_args!("must be within {min}..={max}, got {v}")));
-    }
-    Ok(v)
 }
 
 #[cfg(test)]

@@ -73,9 +73,9 @@ impl ModuleKind for SourceKind {
 
     fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
         let mut r = settings.reader(KIND);
-        let size = crate::u64_in(&mut r, "size", 64, 1, MAX_SIZE)?;
-        let rate = crate::f64_in(&mut r, "rate", 1000.0, 0.0, MAX_RATE)?;
-        let burst = crate::u64_in(&mut r, "burst", 32, 1, MAX_BURST)?;
+        let size = r.u64_in("size", 64, 1, MAX_SIZE)?;
+        let rate = r.f64_in("rate", 1000.0, 0.0, MAX_RATE)?;
+        let burst = r.u64_in("burst", 32, 1, MAX_BURST)?;
         let count = r.u64("count")?.unwrap_or(0);
         let enabled = r.bool("enabled")?.unwrap_or(true);
         r.finish()?;

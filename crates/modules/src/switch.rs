@@ -34,7 +34,7 @@ impl ModuleKind for SwitchKind {
 
     fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
         let mut r = settings.reader(KIND);
-        let outputs = crate::u64_in(&mut r, "outputs", 2, 1, MAX_OUTPUTS)?;
+        let outputs = r.u64_in("outputs", 2, 1, MAX_OUTPUTS)?;
         let select = r.i64("select")?.unwrap_or(0);
         let max = outputs as i64 - 1;
         if !(-1..=max).contains(&select) {

@@ -128,7 +128,7 @@ impl ModuleKind for TapKind {
                 return Err(r.error("linktype", format_args!("expected \"raw\" or \"ethernet\", got {other:?}")))
             }
         };
-        let snaplen = crate::u64_in(&mut r, "snaplen", 65_535, 0, u64::from(u32::MAX))? as u32;
+        let snaplen = r.u64_in("snaplen", 65_535, 0, u64::from(u32::MAX))? as u32;
         let passthrough = r.bool("passthrough")?.unwrap_or(true);
         let enabled = r.bool("enabled")?.unwrap_or(true);
         let path = match path {

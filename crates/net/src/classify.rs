@@ -62,21 +62,6 @@ const MAX_FLOWS_LIMIT: u64 = 1 << 24;
 // Pieces shared with the other stateful modules (nat)
 // -------------------------------------------------------------------------------------------------------------
 
-/// Reads an optional u64 setting that must lie within `min..=max`.
-pub(crate) fn u64_in<'a>(
-    r: &mut SettingsReader<'a>,
-    key: &'a str,
-    default: u64,
-    min: u64,
-    max: u64,
-) -> Result<u64, ConfigError> {
-    let v = r.u64(key)?.unwrap_or(default);
-    if v < min || v > max {
-        return Err(r.error(key, format_args!("must be within {min}..={max}, got {v}")));
-    }
-    Ok(v)
-}
-
 /// The idle timeouts of flows or bindings, by protocol, in ns; knobs and settings of the same names in ms.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Timeouts {
@@ -98,7 +83,7 @@ impl Timeouts {
     pub(crate) fn read(r: &mut SettingsReader<'_>) -> Result<Timeouts, ConfigError> {
         let mut ns = [0; 5];
         for (i, (name, default, _)) in Self::KNOBS.iter().enumerate() {
-            ns[i] = u64_in(r, name, *default, 1, Self::MAX_MS)? * 1_000_000;
+            ns[i] = r.u64_in(name, *default, 1, Self::MAX_MS)? * 1_000_000;
         }
         Ok(Timeouts { ns })
     }
@@ -342,7 +327,7 @@ impl ModuleKind for ClassifyKind {
     fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
         let mut r = settings.reader(KIND);
         let timeouts = Timeouts::read(&mut r)?;
-        let max_flows = u64_in(&mut r, "max_flows", 65_536, 0, MAX_FLOWS_LIMIT)?;
+        let max_flows = r.u64_in("max_flows", 65_536, 0, MAX_FLOWS_LIMIT)?;
         let track = r.bool("track")?.unwrap_or(true);
         let prefix = r.string("vars_prefix")?.unwrap_or_else(|| "flow".into());
         let segment_ok = |s: &str| {

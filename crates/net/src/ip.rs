@@ -38,7 +38,6 @@
 use crate::checksum;
 use crate::icmp::{self, types};
 use crate::packet::{proto, PacketInfo, ParseError};
-use flexstack_core::config::SettingsReader;
 use flexstack_core::module::port_type;
 use flexstack_core::{
     Batch, ConfigError, Direction, Frame, MetaKey, Meter, Module, ModuleBuilder, ModuleInterface, ModuleKind,
@@ -55,21 +54,6 @@ pub const MIN_MTU: u64 = 68;
 
 const PORT_OUT: usize = 0;
 const PORT_ICMP: usize = 1;
-
-/// Reads an optional u64 setting that must lie within `min..=max`.
-pub(crate) fn u64_in<'a>(
-    r: &mut SettingsReader<'a>,
-    key: &'a str,
-    default: u64,
-    min: u64,
-    max: u64,
-) -> Result<u64, ConfigError> {
-    let v = r.u64(key)?.unwrap_or(default);
-    if v < min || v > max {
-        return Err(r.error(key, format_args!("must be within {min}..={max}, got {v}")));
-    }
-    Ok(v)
-}
 
 /// Meter declarations `drop_<reason>_total` for every [`ParseError`].
 pub(crate) fn parse_drop_specs() -> Vec<VarSpec> {
@@ -174,7 +158,7 @@ impl ModuleKind for IpKind {
         let source_v4 = parse_source(&v4, "IPv4").map_err(|e| r.error("source_v4", e))?;
         let v6 = r.string("source_v6")?.unwrap_or_default();
         let source_v6 = parse_source(&v6, "IPv6").map_err(|e| r.error("source_v6", e))?;
-        let icmp_rate = u64_in(&mut r, "icmp_rate", 1000, 0, 1_000_000)?;
+        let icmp_rate = r.u64_in("icmp_rate", 1000, 0, 1_000_000)?;
         r.finish()?;
         Ok(Box::new(IpBuilder(IpConfig { decrement_ttl, mtu, verify_l4_checksums, source_v4, source_v6, icmp_rate })))
     }

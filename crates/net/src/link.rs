@@ -97,7 +97,6 @@
 
 use crate::checksum;
 use crate::cidr::Prefix;
-use crate::ip::u64_in;
 use crate::packet::proto;
 use flexstack_core::module::port_type;
 use flexstack_core::{
@@ -509,7 +508,7 @@ impl ModuleKind for LinkKind {
             }
         }
         for (name, default, min, max, _, _) in KNOBS {
-            let v = u64_in(&mut r, name, default, min, max)?;
+            let v = r.u64_in(name, default, min, max)?;
             cfg.limits.set(name, v);
         }
         r.finish()?;

@@ -48,7 +48,7 @@
 
 use crate::checksum;
 use crate::cidr::{parse_endpoint, Endpoint, PortRange, Prefix, Words};
-use crate::classify::{tcp_flags, u64_in, Due, ParseDrops, Slab, TcpEnd, Timeouts, Timers};
+use crate::classify::{tcp_flags, Due, ParseDrops, Slab, TcpEnd, Timeouts, Timers};
 use crate::packet::{proto, PacketInfo};
 use flexstack_core::module::port_type;
 use flexstack_core::{
@@ -484,7 +484,7 @@ impl ModuleKind for NatKind {
             }
             None => PortRange { first: 20_000, last: 59_999 },
         };
-        let max_bindings = u64_in(&mut r, "max_bindings", 65_536, 0, MAX_BINDINGS_LIMIT)?;
+        let max_bindings = r.u64_in("max_bindings", 65_536, 0, MAX_BINDINGS_LIMIT)?;
         let timeouts = Timeouts::read(&mut r)?;
         r.finish()?;
         Ok(Box::new(NatBuilder { rules, port_range, max_bindings, timeouts }))

@@ -45,7 +45,7 @@
 //! `fragments_reassembled_total`; each reassembled datagram is one new frame on `out`. Expiry is driven by
 //! `out.wake_at` / `poll` at the earliest deadline.
 
-use crate::ip::{parse_drop_specs, u64_in, ParseDrops};
+use crate::ip::{parse_drop_specs, ParseDrops};
 use crate::packet::{proto, PacketInfo};
 use flexstack_core::frame::Metadata;
 use flexstack_core::module::port_type;
@@ -181,9 +181,9 @@ impl ModuleKind for ReassembleKind {
 
     fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
         let mut r = settings.reader(KIND);
-        let max_datagrams = u64_in(&mut r, "max_datagrams", DEFAULT_MAX_DATAGRAMS, 1, 65536)?;
-        let max_bytes = u64_in(&mut r, "max_bytes", DEFAULT_MAX_BYTES, 1, 1 << 30)?;
-        let timeout_ms = u64_in(&mut r, "timeout_ms", DEFAULT_TIMEOUT_MS, 1, 600_000)?;
+        let max_datagrams = r.u64_in("max_datagrams", DEFAULT_MAX_DATAGRAMS, 1, 65536)?;
+        let max_bytes = r.u64_in("max_bytes", DEFAULT_MAX_BYTES, 1, 1 << 30)?;
+        let timeout_ms = r.u64_in("timeout_ms", DEFAULT_TIMEOUT_MS, 1, 600_000)?;
         r.finish()?;
         Ok(Box::new(ReassembleBuilder(Limits { max_datagrams, max_bytes, timeout_ms })))
     }

@@ -267,7 +267,8 @@ impl<'a> SettingsReader<'a> {
     }
 }
 
-fn describe(v: &toml::Value) -> String {
+/// A TOML value as errors name it: its type and, for scalars, the value (`string "fast"`, `an array`).
+pub fn describe(v: &toml::Value) -> String {
     match v {
         toml::Value::String(s) => format!("string {s:?}"),
         toml::Value::Integer(i) => format!("integer {i}"),

@@ -41,7 +41,7 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
-use flexstack_core::config::{entry, key_span, parse_located, valid_name, ConfigError, Location};
+use flexstack_core::config::{describe, entry, key_span, parse_located, valid_name, ConfigError, Location};
 use flexstack_core::Value;
 use std::fmt::Write as _;
 use std::ops::Range;
@@ -452,18 +452,6 @@ impl<'a, 'i, 'd> Tbl<'a, 'i, 'd> {
             out.push(Tbl { doc: self.doc, values, spans, location, what });
         }
         Ok(out)
-    }
-}
-
-fn describe(v: &toml::Value) -> String {
-    match v {
-        toml::Value::String(s) => format!("string {s:?}"),
-        toml::Value::Integer(i) => format!("integer {i}"),
-        toml::Value::Float(f) => format!("float {f}"),
-        toml::Value::Boolean(b) => format!("boolean {b}"),
-        toml::Value::Datetime(d) => format!("datetime {d}"),
-        toml::Value::Array(_) => "an array".to_string(),
-        toml::Value::Table(_) => "a table".to_string(),
     }
 }
 

@@ -28,7 +28,7 @@
 //! On `module replace` with state kept, the new classifier continues the old one's flows (ids, meters, timers)
 //! under its own timeouts.
 
-use crate::packet::{proto, PacketInfo, ParseError};
+use crate::packet::{proto, PacketInfo};
 use flexstack_core::config::SettingsReader;
 use flexstack_core::module::port_type;
 use flexstack_core::{
@@ -257,45 +257,7 @@ impl Timers {
     }
 }
 
-/// Drop meters for packets that do not parse (`drop_<reason>_total`) and for control frames (`drop_not_packet_total`).
-pub(crate) struct ParseDrops {
-    reasons: Vec<Meter>,
-    not_packet: Meter,
-}
-
-impl ParseDrops {
-    pub(crate) fn specs() -> Vec<VarSpec> {
-        let mut v: Vec<VarSpec> = ParseError::ALL
-            .iter()
-            .map(|e| {
-                let name = format!("drop_{}_total", e.reason());
-                let desc = format!("packets dropped because they do not parse: {}", e.reason());
-                VarSpec::meter(&name, ValueType::U64, "frames", &desc)
-            })
-            .collect();
-        v.push(VarSpec::meter("drop_not_packet_total", ValueType::U64, "frames", "control frames dropped"));
-        v
-    }
-
-    pub(crate) fn new(vars: &ModuleVars) -> ParseDrops {
-        ParseDrops {
-            reasons: ParseError::ALL.iter().map(|e| vars.meter(&format!("drop_{}_total", e.reason()))).collect(),
-            not_packet: vars.meter("drop_not_packet_total"),
-        }
-    }
-
-    /// Counts a packet that did not parse.
-    pub(crate) fn count(&self, e: ParseError) {
-        if let Some(i) = ParseError::ALL.iter().position(|x| *x == e) {
-            self.reasons[i].add(1);
-        }
-    }
-
-    /// Counts a control frame where a packet was expected.
-    pub(crate) fn not_packet(&self) {
-        self.not_packet.add(1);
-    }
-}
+pub(crate) use crate::packet::ParseDrops;
 
 /// The name of a protocol in tuples and rules.
 pub(crate) fn proto_name(p: u8) -> String {
@@ -373,7 +335,7 @@ impl ModuleBuilder for ClassifyBuilder {
                 "non-first fragments passed untracked (no ports)",
             ),
         ]);
-        vars.extend(ParseDrops::specs());
+        vars.extend(ParseDrops::specs(true));
         ModuleInterface {
             inputs: vec![PortSpec::new("in", port_type::IP)],
             outputs: ["tcp", "udp", "icmp", "other"].iter().map(|n| PortSpec::new(*n, port_type::IP)).collect(),

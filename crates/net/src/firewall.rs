@@ -326,7 +326,7 @@ impl ModuleBuilder for FirewallBuilder {
             VarSpec::meter("drop_rule_total", ValueType::U64, "frames", "packets dropped by a drop rule"),
             VarSpec::meter("drop_default_total", ValueType::U64, "frames", "packets dropped by the default policy"),
         ];
-        vars.extend(ParseDrops::specs());
+        vars.extend(ParseDrops::specs(true));
         for (i, rule) in self.rules.iter().enumerate() {
             let desc = format!("packets decided by rule {}: {rule}", i + 1);
             vars.push(VarSpec::meter(&format!("rule{}_matches_total", i + 1), ValueType::U64, "frames", &desc));

@@ -37,7 +37,7 @@
 
 use crate::checksum;
 use crate::icmp::{self, types};
-use crate::packet::{proto, PacketInfo, ParseError};
+use crate::packet::{proto, PacketInfo};
 use flexstack_core::module::port_type;
 use flexstack_core::{
     Batch, ConfigError, Direction, Frame, MetaKey, Meter, Module, ModuleBuilder, ModuleInterface, ModuleKind,
@@ -55,35 +55,7 @@ pub const MIN_MTU: u64 = 68;
 const PORT_OUT: usize = 0;
 const PORT_ICMP: usize = 1;
 
-/// Meter declarations `drop_<reason>_total` for every [`ParseError`].
-pub(crate) fn parse_drop_specs() -> Vec<VarSpec> {
-    ParseError::ALL
-        .iter()
-        .map(|e| {
-            VarSpec::meter(
-                &format!("drop_{}_total", e.reason()),
-                ValueType::U64,
-                "frames",
-                &format!("packets dropped: {}", e.reason().replace('_', " ")),
-            )
-        })
-        .collect()
-}
-
-/// The meters of [`parse_drop_specs`], indexed like [`ParseError::ALL`].
-pub(crate) struct ParseDrops(Vec<Meter>);
-
-impl ParseDrops {
-    pub(crate) fn new(vars: &ModuleVars) -> ParseDrops {
-        ParseDrops(ParseError::ALL.iter().map(|e| vars.meter(&format!("drop_{}_total", e.reason()))).collect())
-    }
-
-    /// Counts one drop for `e`.
-    pub(crate) fn count(&self, e: ParseError) {
-        let i = ParseError::ALL.iter().position(|x| *x == e).unwrap_or(0);
-        self.0[i].add(1);
-    }
-}
+pub(crate) use crate::packet::ParseDrops;
 
 /// The opposite direction.
 pub(crate) fn reverse(d: Direction) -> Direction {
@@ -188,7 +160,7 @@ impl ModuleBuilder for IpBuilder {
             m("fragments_made_total", "frames", "IPv4 fragments emitted"),
             m("packets_fragmented_total", "frames", "packets cut into fragments"),
         ];
-        vars.extend(parse_drop_specs());
+        vars.extend(ParseDrops::specs(false));
         ModuleInterface {
             inputs: vec![PortSpec::new("in", port_type::IP)],
             outputs: vec![PortSpec::new("out", port_type::IP), PortSpec::new("icmp", port_type::IP)],

@@ -519,7 +519,7 @@ impl ModuleBuilder for NatBuilder {
                 desc,
             ));
         }
-        vars.extend(ParseDrops::specs());
+        vars.extend(ParseDrops::specs(true));
         ModuleInterface {
             inputs: vec![PortSpec::new("inside", port_type::IP), PortSpec::new("outside", port_type::IP)],
             outputs: vec![PortSpec::new("to_outside", port_type::IP), PortSpec::new("to_inside", port_type::IP)],

@@ -7,6 +7,7 @@
 //! IPv4 and IPv6 fixed headers are read through `smoltcp::wire`; the IPv6 extension-header chain is walked here
 //! with a bound on its length.
 
+use flexstack_core::{Meter, ModuleVars, ValueType, VarSpec};
 use smoltcp::wire::{Ipv4Packet, Ipv6FragmentHeader, Ipv6Packet};
 use std::fmt;
 use std::net::IpAddr;
@@ -126,6 +127,52 @@ impl ParseError {
 impl fmt::Display for ParseError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.reason())
+    }
+}
+
+/// The drop meters of packets that do not parse (`drop_<reason>_total`, one per [`ParseError`]) and, for modules
+/// that drop control frames arriving where packets are expected, `drop_not_packet_total`.
+pub(crate) struct ParseDrops {
+    reasons: Vec<Meter>,
+    not_packet: Option<Meter>,
+}
+
+impl ParseDrops {
+    /// The meter declarations; `not_packet` adds `drop_not_packet_total`.
+    pub(crate) fn specs(not_packet: bool) -> Vec<VarSpec> {
+        let mut v: Vec<VarSpec> = ParseError::ALL
+            .iter()
+            .map(|e| {
+                let desc = format!("packets dropped because they do not parse: {}", e.reason().replace('_', " "));
+                VarSpec::meter(&format!("drop_{}_total", e.reason()), ValueType::U64, "frames", &desc)
+            })
+            .collect();
+        if not_packet {
+            v.push(VarSpec::meter("drop_not_packet_total", ValueType::U64, "frames", "control frames dropped"));
+        }
+        v
+    }
+
+    /// The meters declared by [`ParseDrops::specs`].
+    pub(crate) fn new(vars: &ModuleVars) -> ParseDrops {
+        ParseDrops {
+            reasons: ParseError::ALL.iter().map(|e| vars.meter(&format!("drop_{}_total", e.reason()))).collect(),
+            not_packet: vars.cell("drop_not_packet_total").map(|_| vars.meter("drop_not_packet_total")),
+        }
+    }
+
+    /// Counts a packet that did not parse.
+    pub(crate) fn count(&self, e: ParseError) {
+        if let Some(i) = ParseError::ALL.iter().position(|x| *x == e) {
+            self.reasons[i].add(1);
+        }
+    }
+
+    /// Counts a control frame where a packet was expected.
+    pub(crate) fn not_packet(&self) {
+        if let Some(m) = &self.not_packet {
+            m.add(1);
+        }
     }
 }
 

@@ -45,7 +45,7 @@
 //! `fragments_reassembled_total`; each reassembled datagram is one new frame on `out`. Expiry is driven by
 //! `out.wake_at` / `poll` at the earliest deadline.
 
-use crate::ip::{parse_drop_specs, ParseDrops};
+use crate::packet::ParseDrops;
 use crate::packet::{proto, PacketInfo};
 use flexstack_core::frame::Metadata;
 use flexstack_core::module::port_type;
@@ -213,7 +213,7 @@ impl ModuleBuilder for ReassembleBuilder {
         for (_, name, description) in REASONS {
             vars.push(m(&format!("drop_{name}_total"), "frames", description));
         }
-        vars.extend(parse_drop_specs());
+        vars.extend(ParseDrops::specs(false));
         ModuleInterface {
             inputs: vec![PortSpec::new("in", port_type::IP)],
             outputs: vec![PortSpec::new("out", port_type::IP)],

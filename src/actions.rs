@@ -10,7 +10,7 @@ use crate::sandbox::Sandboxes;
 use flexstack_core::config::{LinkSpec, Settings, StackSpec};
 use flexstack_core::switch::CONTROL_PLANE;
 use flexstack_core::vars::{is_pattern, VarKind};
-use flexstack_core::{Catalog, ConfigError, ControlFrame, ControlOp, Edit, Location, SharedRegistry, Value};
+use flexstack_core::{Catalog, ConfigError, ControlFrame, ControlOp, Edit, Location, Registry, SharedRegistry, Value};
 use serde::Serialize;
 use serde_json::{json, Value as Json};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -333,6 +333,7 @@ impl Control {
 
     fn tap_list(&self) -> Result<Json, ApiError> {
         let snap = self.dp().snapshot().map_err(internal)?;
+        let reg = self.registry.snapshot();
         let rows = snap
             .modules
             .iter()
@@ -349,7 +350,7 @@ impl Control {
                     .map(|e| format!("{}[{}]", e.from, e.from_port))
                     .collect();
                 json!({"name": m.name, "file": setting("path"), "linktype": setting("linktype"), "taps": taps,
-                       "frames": self.u64_var(&format!("module.{}.frames_total", m.name))})
+                       "frames": Self::u64_var(&reg, &format!("module.{}.frames_total", m.name))})
             })
             .collect();
         Ok(Json::Array(rows))
@@ -411,17 +412,19 @@ impl Control {
         }))
     }
 
-    fn u64_var(&self, name: &str) -> u64 {
-        self.registry.snapshot().get(name).map_or(0, |c| c.load_u64())
+    /// A u64 variable of `reg`, 0 if absent.
+    fn u64_var(reg: &Registry, name: &str) -> u64 {
+        reg.get(name).map_or(0, |c| c.load_u64())
     }
 
     fn module_list(&self) -> Result<Json, ApiError> {
         let snap = self.dp().snapshot().map_err(internal)?;
+        let reg = self.registry.snapshot();
         let rows = snap
             .modules
             .iter()
             .map(|m| {
-                let v = |var: &str| self.u64_var(&format!("module.{}.{var}", m.name));
+                let v = |var: &str| Self::u64_var(&reg, &format!("module.{}.{var}", m.name));
                 let mut ports = Vec::new();
                 for (p, ty) in &m.inputs {
                     ports.push(
@@ -511,11 +514,12 @@ impl Control {
 
     fn show_runtime(&self) -> Result<Json, ApiError> {
         let snap = self.dp().snapshot().map_err(internal)?;
+        let reg = self.registry.snapshot();
         let rows: Vec<Json> = snap
             .modules
             .iter()
             .map(|m| {
-                let v = |var: &str| self.u64_var(&format!("module.{}.{var}", m.name));
+                let v = |var: &str| Self::u64_var(&reg, &format!("module.{}.{var}", m.name));
                 let calls = v("calls_total");
                 let frames = if m.inputs.is_empty() { v("frames_out_total") } else { v("frames_in_total") };
                 let ns = v("busy_ns_total");

@@ -41,6 +41,8 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod plan;
+
 use flexstack_core::config::{describe, entry, key_span, parse_located, valid_name, ConfigError, Location};
 use flexstack_core::Value;
 use std::fmt::Write as _;
@@ -72,6 +74,10 @@ pub struct Lab {
     pub duration: Duration,
     /// The seed of every random choice (the emulators' loss draws).
     pub seed: u64,
+    /// How often meters are sampled into the results.
+    pub sample: Duration,
+    /// Patterns of the meters sampled (`link.*`, `host.app.module.*.frames_total`).
+    pub meters: Vec<String>,
     /// Hosts in file order.
     pub hosts: Vec<Host>,
     /// Links in file order.
@@ -187,6 +193,8 @@ pub struct Link {
     pub params: LinkParams,
     /// MTU of both interfaces, if given.
     pub mtu: Option<u32>,
+    /// Capture the link's frames (both directions) to pcapng from the start.
+    pub capture: bool,
     /// Where it was declared.
     pub location: Location,
 }
@@ -232,6 +240,11 @@ pub enum Action {
         link: String,
         /// The parameters given (others unchanged).
         params: LinkParams,
+    },
+    /// Starts capturing a link's frames (both directions) to pcapng.
+    Capture {
+        /// The link's name.
+        link: String,
     },
     /// Writes a flexstack knob.
     Knob {
@@ -510,6 +523,14 @@ fn link_params(t: &Tbl<'_, '_, '_>) -> Result<LinkParams, ConfigError> {
     Ok(LinkParams { bw_mbit, delay: delays[0], jitter: delays[1], loss, max_queue_size })
 }
 
+/// Shortest meter sampling interval.
+pub const MIN_SAMPLE: Duration = Duration::from_millis(10);
+
+/// A meter name pattern: dotted parts that are names, `*` or `**`, or names with `*` inside.
+fn valid_meter_pattern(p: &str) -> bool {
+    !p.is_empty() && p.split('.').all(|part| !part.is_empty() && valid_name(&part.replace('*', "x")))
+}
+
 /// A dotted knob name: at least two valid names joined by dots.
 fn valid_knob(name: &str) -> bool {
     name.split('.').count() >= 2 && name.split('.').all(valid_name)
@@ -538,7 +559,7 @@ impl Lab {
         let head = root.table("lab", "[lab]".into())?.ok_or_else(|| {
             ConfigError::new(Some(doc.start()), "the lab file needs a [lab] table with name and duration")
         })?;
-        head.check_keys(&["name", "duration", "seed"])?;
+        head.check_keys(&["name", "duration", "seed", "sample", "meters"])?;
         let name = head.required_string("name")?.to_string();
         if !valid_name(&name) {
             return Err(head.err(
@@ -553,6 +574,29 @@ impl Lab {
             return Err(head.err(head.value_loc("duration"), "`duration` in [lab]: expected more than 0s"));
         }
         let seed = head.integer("seed", 0..=i64::MAX as u64)?.unwrap_or(1);
+        let sample = head.duration("sample")?.unwrap_or(Duration::from_secs(1));
+        if sample < MIN_SAMPLE {
+            return Err(head.err(
+                head.value_loc("sample"),
+                format!("`sample` in [lab]: expected at least {}", format_duration(MIN_SAMPLE)),
+            ));
+        }
+        let meters = match head.values.get("meters") {
+            None => vec!["link.*".to_string()],
+            Some(v) => {
+                let items = v.as_array().filter(|a| a.iter().all(|x| x.as_str().is_some_and(valid_meter_pattern)));
+                let Some(items) = items else {
+                    return Err(head.err(
+                        head.value_loc("meters"),
+                        format!(
+                            "`meters` in [lab]: expected a list of dotted name patterns like \"link.*\", got {}",
+                            describe(v)
+                        ),
+                    ));
+                };
+                items.iter().filter_map(|x| x.as_str().map(str::to_string)).collect()
+            }
+        };
 
         let mut hosts: Vec<Host> = Vec::new();
         if let Some(ht) = root.table("hosts", "[hosts]".into())? {
@@ -593,7 +637,7 @@ impl Lab {
 
         let mut links: Vec<Link> = Vec::new();
         for t in root.tables("links")? {
-            let mut allowed = vec!["a", "b", "mtu"];
+            let mut allowed = vec!["a", "b", "mtu", "capture"];
             allowed.extend_from_slice(PARAM_KEYS);
             t.check_keys(&allowed)?;
             let a = find_host(&t, "a")?;
@@ -621,7 +665,8 @@ impl Lab {
             }
             let params = link_params(&t)?;
             let mtu = t.integer("mtu", 68..=65535)?.map(|m| m as u32);
-            links.push(Link { name: lname, a, b, params, mtu, location: t.location.clone() });
+            let capture = t.bool("capture")?.unwrap_or(false);
+            links.push(Link { name: lname, a, b, params, mtu, capture, location: t.location.clone() });
         }
 
         let before_end = |t: &Tbl<'_, '_, '_>, at: Duration| -> Result<(), ConfigError> {
@@ -656,7 +701,7 @@ impl Lab {
 
         let mut events = Vec::new();
         for t in root.tables("events")? {
-            t.check_keys(&["at", "link", "set", "down", "up", "knob", "value", "host"])?;
+            t.check_keys(&["at", "link", "set", "down", "up", "knob", "value", "host", "capture"])?;
             let at = t
                 .duration("at")?
                 .ok_or_else(|| t.err(t.location.clone(), format!("{} needs `at` (e.g. \"6s\")", t.what)))?;
@@ -694,13 +739,13 @@ impl Lab {
                                 ),
                             )
                         })?;
-                    let given: Vec<&str> = ["set", "down", "up"].into_iter().filter(|k| t.has(k)).collect();
+                    let given: Vec<&str> = ["set", "down", "up", "capture"].into_iter().filter(|k| t.has(k)).collect();
                     if given.len() != 1 {
                         let loc = given.get(1).map_or_else(|| t.key_loc("link"), |k| t.key_loc(k));
                         return Err(t.err(
                             loc,
                             format!(
-                                "{}: a link event needs exactly one of `set = {{ ... }}`, `down = true` or `up = true`",
+                                "{}: a link event needs exactly one of `set = {{ ... }}`, `down = true`, `up = true` or `capture = true`",
                                 t.what
                             ),
                         ));
@@ -726,16 +771,16 @@ impl Lab {
                             if t.bool(k)? != Some(true) {
                                 return Err(t.err(t.value_loc(k), format!("`{k}` in {}: expected true", t.what)));
                             }
-                            if k == "down" {
-                                Action::LinkDown { link }
-                            } else {
-                                Action::LinkUp { link }
+                            match k {
+                                "down" => Action::LinkDown { link },
+                                "up" => Action::LinkUp { link },
+                                _ => Action::Capture { link },
                             }
                         }
                     }
                 }
                 (false, true) => {
-                    if let Some(k) = ["set", "down", "up"].into_iter().find(|k| t.has(k)) {
+                    if let Some(k) = ["set", "down", "up", "capture"].into_iter().find(|k| t.has(k)) {
                         return Err(
                             t.err(t.key_loc(k), format!("{}: `{k}` is for link events, not knob events", t.what))
                         );
@@ -769,7 +814,7 @@ impl Lab {
         }
         events.sort_by_key(|e| e.at);
 
-        Ok(Lab { name, duration, seed, hosts, links, programs, events })
+        Ok(Lab { name, duration, seed, sample, meters, hosts, links, programs, events })
     }
 
     /// Every scheduled action in time order, described in one line each: program starts, events and the end of the
@@ -784,6 +829,7 @@ impl Lab {
             let text = match &e.action {
                 Action::LinkDown { link } => format!("link {link} down"),
                 Action::LinkUp { link } => format!("link {link} up"),
+                Action::Capture { link } => format!("capture link {link}"),
                 Action::LinkSet { link, params } => format!("link {link} set {}", params.describe()),
                 Action::Knob { host: Some(h), knob, value } => format!("knob {knob} = {value} on {h}"),
                 Action::Knob { host: None, knob, value } => format!("knob {knob} = {value}"),

@@ -42,6 +42,7 @@
 #![warn(missing_docs)]
 
 pub mod plan;
+pub mod report;
 
 use flexstack_core::config::{describe, entry, key_span, parse_located, valid_name, ConfigError, Location};
 use flexstack_core::Value;

@@ -150,6 +150,7 @@ impl Loop {
         let mut ready: Vec<usize> = Vec::new();
         let mut batch: Batch = Vec::with_capacity(READ_BATCH);
         let mut buf: Vec<u8> = Vec::new();
+        let mut meta = flexstack_core::frame::Metadata::default();
         loop {
             // Commands first: they are applied between batches, never inside one.
             loop {
@@ -172,10 +173,13 @@ impl Loop {
                 let Some((index, dev)) = self.faces.get(k).cloned() else { continue };
                 let pool = self.switch.pool().clone();
                 while batch.len() < READ_BATCH {
-                    match dev.read_packet(&mut buf) {
+                    match dev.read_frame(&mut buf, &mut meta) {
                         Ok(true) => {
                             let mut p = pool.alloc_from(&buf);
                             p.set_direction(dev.direction());
+                            if !meta.is_empty() {
+                                *p.meta_mut() = meta;
+                            }
                             batch.push(Frame::Data(p));
                         }
                         Ok(false) => break,
@@ -253,14 +257,14 @@ impl Loop {
             if batch.is_empty() {
                 continue;
             }
-            let packets: Vec<&[u8]> = batch
+            let packets: Vec<&flexstack_core::Packet> = batch
                 .iter()
                 .filter_map(|f| match f {
-                    Frame::Data(p) => Some(p.data()),
+                    Frame::Data(p) => Some(p),
                     _ => None,
                 })
                 .collect();
-            if let Err(e) = dev.write_batch(&packets) {
+            if let Err(e) = dev.write_frames(&packets) {
                 tracing::debug!(device = dev.name(), error = %e, "write failed (counted)");
             }
             drop(packets);

@@ -20,17 +20,23 @@
 //!   discovery there; they are not restored), `queue`. Frames the kernel itself sends out on the interface are not
 //!   read back; frames are sent past the interface's queueing discipline (PACKET_QDISC_BYPASS). The socket uses
 //!   virtio-net headers (PACKET_VNET_HDR): a frame whose sender offloaded its transport checksum has it completed
-//!   here, so that modules see valid packets; large segments (GSO) arrive whole, as one long IP packet.
+//!   here, so that modules see valid packets. A GSO super-frame (TCPv4, TCPv6, UDP_L4; e.g. up to 64 KiB of TCP
+//!   from a veth peer) arrives whole, as one long packet whose segment size and header layout travel with it under
+//!   `MetaKey::GSO` (see there for what modules may do with such a packet); writing a packet that carries the key
+//!   hands it to the kernel as a GSO write (virtio-net header with NEEDS_CSUM and the pseudo-header sum in the
+//!   checksum field), and the kernel, or the peer's offloads, cut it into segments. Super-frames of other kinds
+//!   (e.g. UFO, SCTP) travel without the key, as one long packet.
 //! - Both: `queue` is the most frames waiting for the device (default 4096; beyond, drop_queue_full). Meters:
 //!   rx_packets_total, rx_bytes_total, rx_errors_total, tx_errors_total (counted as the data plane does the
 //!   device's I/O), tx_packets_total, tx_bytes_total, drop_queue_full_total, device (the interface name).
 
 use flexstack_core::config::{ConfigError, Settings, SettingsReader};
+use flexstack_core::frame::{Gso, GsoKind, MetaKey, Metadata};
 use flexstack_core::module::port_type;
 use flexstack_core::vars::ModuleVars;
 use flexstack_core::{
-    Batch, Direction, FaceDevice, Frame, Meter, Module, ModuleBuilder, ModuleInterface, ModuleKind, Output, PortSpec,
-    ValueType, VarSpec,
+    Batch, Direction, FaceDevice, Frame, Meter, Module, ModuleBuilder, ModuleInterface, ModuleKind, Output, Packet,
+    PortSpec, ValueType, VarSpec,
 };
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
@@ -327,22 +333,35 @@ impl FaceDevice for PacketDevice {
     }
 
     fn read_packet(&self, buf: &mut Vec<u8>) -> std::io::Result<bool> {
-        use nix::sys::socket::{recvfrom, LinkAddr};
+        let mut meta = Metadata::default();
+        self.read_frame(buf, &mut meta)
+    }
+
+    fn read_frame(&self, buf: &mut Vec<u8>, meta: &mut Metadata) -> std::io::Result<bool> {
+        use nix::sys::socket::{recvmsg, LinkAddr, MsgFlags};
+        *meta = Metadata::default();
+        let mut header = [0u8; VNET_HDR_LEN];
         loop {
             buf.clear();
-            buf.resize(MAX_PACKET, 0);
-            let result = recvfrom::<LinkAddr>(self.socket.as_raw_fd(), buf);
+            buf.resize(MAX_FRAME, 0);
+            // The header and the frame are read into separate buffers: the frame is not moved afterwards.
+            let mut iov = [std::io::IoSliceMut::new(&mut header), std::io::IoSliceMut::new(buf)];
+            let result = recvmsg::<LinkAddr>(self.socket.as_raw_fd(), &mut iov, None, MsgFlags::MSG_DONTWAIT)
+                .map(|m| (m.bytes, m.address.map(|a| a.pkttype()), m.flags.contains(MsgFlags::MSG_TRUNC)));
             match result {
                 // Frames the kernel sends out on the interface are seen too: skip them.
-                Ok((_, Some(addr))) if addr.pkttype() == libc::PACKET_OUTGOING => continue,
-                Ok((n, _)) if n < VNET_HDR_LEN => {
+                Ok((_, Some(pkttype), _)) if pkttype == libc::PACKET_OUTGOING => continue,
+                Ok((n, _, truncated)) if n < VNET_HDR_LEN || truncated => {
                     self.common.rx_error();
                     continue;
                 }
-                Ok((n, _)) => {
-                    buf.truncate(n);
-                    complete_offloaded_checksum(buf);
-                    buf.drain(..VNET_HDR_LEN);
+                Ok((n, _, _)) => {
+                    buf.truncate(n - VNET_HDR_LEN);
+                    let vnet = VnetHeader::decode(&header);
+                    vnet.complete_checksum(buf);
+                    if let Some(gso) = vnet.gso(buf) {
+                        meta.set(MetaKey::GSO, gso.pack());
+                    }
                     let n = buf.len();
                     return finish_read(&self.common, buf, Ok(n));
                 }
@@ -352,10 +371,31 @@ impl FaceDevice for PacketDevice {
     }
 
     fn write_packet(&self, packet: &[u8]) -> std::io::Result<()> {
-        use nix::sys::socket::{sendmsg, MsgFlags, UnixAddr};
         // A zero virtio_net_hdr: a whole frame, its checksums complete.
-        let header = [0u8; VNET_HDR_LEN];
-        let iov = [std::io::IoSlice::new(&header), std::io::IoSlice::new(packet)];
+        self.send(&[&[0u8; VNET_HDR_LEN], packet])
+    }
+
+    fn write_frames(&self, packets: &[&Packet]) -> std::io::Result<()> {
+        let mut result = Ok(());
+        for p in packets {
+            let data = p.data();
+            let sent = match Gso::of(p.meta()).and_then(|g| gso_write_parts(data, &g)) {
+                Some(w) => self.send(&[&w.header, &data[..w.field], &w.field_value, &data[w.field + 2..]]),
+                None => self.write_packet(data),
+            };
+            if let Err(e) = sent {
+                result = Err(e);
+            }
+        }
+        result
+    }
+}
+
+impl PacketDevice {
+    /// Sends one frame gathered from `parts` (the virtio_net_hdr first).
+    fn send(&self, parts: &[&[u8]]) -> std::io::Result<()> {
+        use nix::sys::socket::{sendmsg, MsgFlags, UnixAddr};
+        let iov: Vec<std::io::IoSlice<'_>> = parts.iter().map(|p| std::io::IoSlice::new(p)).collect();
         sendmsg::<UnixAddr>(self.socket.as_raw_fd(), &iov, &[], MsgFlags::MSG_DONTWAIT, None)
             .map(|_| ())
             .map_err(std::io::Error::from)
@@ -367,22 +407,137 @@ impl FaceDevice for PacketDevice {
 const VNET_HDR_LEN: usize = 10;
 /// `virtio_net_hdr` flag: the checksum at csum_start + csum_offset holds only the pseudo-header sum.
 const VNET_F_NEEDS_CSUM: u8 = 1;
+/// `virtio_net_hdr` gso_type bit: TCP with ECN (CWR kept on the first segment only).
+const VNET_GSO_ECN: u8 = 0x80;
+/// Largest frame read from a packet socket: the largest IP packet behind an Ethernet header with two VLAN tags.
+const MAX_FRAME: usize = 65_535 + 14 + 8;
 
-/// Completes a transport checksum the frame's sender left to offload: `buf` is a `virtio_net_hdr` followed by
-/// the frame; csum_start and csum_offset (from the header) are relative to the frame.
-fn complete_offloaded_checksum(buf: &mut [u8]) {
-    if buf[0] & VNET_F_NEEDS_CSUM == 0 {
-        return;
+/// A `virtio_net_hdr` as read from a packet socket (little-endian fields, as PACKET_VNET_HDR uses them).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct VnetHeader {
+    flags: u8,
+    gso_type: u8,
+    gso_size: u16,
+    csum_start: u16,
+    csum_offset: u16,
+}
+
+impl VnetHeader {
+    fn decode(b: &[u8; VNET_HDR_LEN]) -> VnetHeader {
+        let u16_at = |i: usize| u16::from_le_bytes([b[i], b[i + 1]]);
+        // b[2..4] is hdr_len: on receive the kernel puts the length of the linear part there, not the headers'
+        // length, so it is worked out from the frame instead (see `gso`).
+        VnetHeader { flags: b[0], gso_type: b[1], gso_size: u16_at(4), csum_start: u16_at(6), csum_offset: u16_at(8) }
     }
-    let start = VNET_HDR_LEN + usize::from(u16::from_le_bytes([buf[6], buf[7]]));
-    let field = start + usize::from(u16::from_le_bytes([buf[8], buf[9]]));
-    if field + 2 > buf.len() || start > field {
-        return;
+
+    /// Completes a transport checksum the frame's sender left to offload (csum_start and csum_offset count from
+    /// the frame's start).
+    fn complete_checksum(&self, frame: &mut [u8]) {
+        if self.flags & VNET_F_NEEDS_CSUM == 0 {
+            return;
+        }
+        let start = usize::from(self.csum_start);
+        let field = start + usize::from(self.csum_offset);
+        if field + 2 > frame.len() {
+            return;
+        }
+        // The field holds the pseudo-header sum: summing it with the rest gives the full checksum.
+        let sum = flexstack_net::checksum::sum(0, &frame[start..]);
+        let c = flexstack_net::checksum::finish(sum);
+        frame[field..field + 2].copy_from_slice(&c.to_be_bytes());
     }
-    // The field holds the pseudo-header sum: summing it with the rest gives the full checksum.
-    let sum = flexstack_net::checksum::sum(0, &buf[start..]);
-    let c = flexstack_net::checksum::finish(sum);
-    buf[field..field + 2].copy_from_slice(&c.to_be_bytes());
+
+    /// The GSO description of `frame` if the header says it is a super-frame of a kind flexstack carries
+    /// (TCPv4, TCPv6, UDP_L4) and its headers are where the header says; `None` otherwise (the frame then travels
+    /// as one long packet, as any other).
+    fn gso(&self, frame: &[u8]) -> Option<Gso> {
+        let kind = GsoKind::from_virtio_type(self.gso_type)?;
+        if self.gso_size == 0 || self.flags & VNET_F_NEEDS_CSUM == 0 || self.csum_offset != kind.csum_offset() {
+            return None;
+        }
+        let l3 = l3_offset(frame)?;
+        let start = usize::from(self.csum_start);
+        let transport = match kind {
+            GsoKind::UdpL4 => 8,
+            GsoKind::TcpV4 | GsoKind::TcpV6 => usize::from(*frame.get(start + 12)? >> 4) * 4,
+        };
+        let version = frame.get(l3)? >> 4;
+        let ip_ok = match kind {
+            GsoKind::TcpV4 => version == 4,
+            GsoKind::TcpV6 => version == 6,
+            GsoKind::UdpL4 => version == 4 || version == 6,
+        };
+        let hdr_len = start + transport;
+        if !ip_ok || start < l3 + 20 || transport < 8 || hdr_len > frame.len() {
+            return None;
+        }
+        Some(Gso {
+            kind,
+            gso_size: self.gso_size,
+            hdr_len: hdr_len as u16,
+            csum_start: self.csum_start,
+            l3_offset: l3 as u8,
+            ecn: self.gso_type & VNET_GSO_ECN != 0,
+        })
+    }
+}
+
+/// Where the IP header of an Ethernet frame starts (behind up to two VLAN tags); `None` if it is not IP.
+fn l3_offset(frame: &[u8]) -> Option<usize> {
+    let mut at = 12;
+    loop {
+        let ethertype = u16::from_be_bytes([*frame.get(at)?, *frame.get(at + 1)?]);
+        match ethertype {
+            0x8100 | 0x88a8 if at < 20 => at += 4,
+            0x0800 | 0x86dd => return Some(at + 2),
+            _ => return None,
+        }
+    }
+}
+
+/// How a GSO super-frame is written: the virtio_net_hdr to put before it, and the checksum field to replace.
+#[derive(Debug, PartialEq, Eq)]
+struct GsoWrite {
+    header: [u8; VNET_HDR_LEN],
+    /// Offset of the transport checksum field in the frame.
+    field: usize,
+    /// What the kernel expects in that field: the pseudo-header sum (addresses, protocol, the super-frame's whole
+    /// transport length), folded and not complemented, as Linux's CHECKSUM_PARTIAL; the kernel's segmentation
+    /// adjusts it per segment (tcp_gso_segment, __udp_gso_segment) and completes it.
+    field_value: [u8; 2],
+}
+
+/// The parts of a GSO write of `frame` described by `gso`; `None` when the frame fits in one segment or does not
+/// match the description (it is then written as an ordinary frame, its checksums complete).
+fn gso_write_parts(frame: &[u8], gso: &Gso) -> Option<GsoWrite> {
+    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+    let (start, hdr_len, l3) = (usize::from(gso.csum_start), usize::from(gso.hdr_len), usize::from(gso.l3_offset));
+    let field = start + usize::from(gso.kind.csum_offset());
+    if frame.len() <= hdr_len + usize::from(gso.gso_size) || field + 2 > hdr_len || hdr_len > frame.len() {
+        return None;
+    }
+    let ip = frame.get(l3..start)?;
+    let (src, dst) = match ip.first()? >> 4 {
+        4 if ip.len() >= 20 => (
+            IpAddr::V4(Ipv4Addr::from(<[u8; 4]>::try_from(&ip[12..16]).ok()?)),
+            IpAddr::V4(Ipv4Addr::from(<[u8; 4]>::try_from(&ip[16..20]).ok()?)),
+        ),
+        6 if ip.len() >= 40 => (
+            IpAddr::V6(Ipv6Addr::from(<[u8; 16]>::try_from(&ip[8..24]).ok()?)),
+            IpAddr::V6(Ipv6Addr::from(<[u8; 16]>::try_from(&ip[24..40]).ok()?)),
+        ),
+        _ => return None,
+    };
+    let sum = flexstack_net::checksum::pseudo_header(src, dst, gso.kind.protocol(), (frame.len() - start) as u32);
+    let field_value = (!flexstack_net::checksum::finish(sum)).to_be_bytes();
+    let mut header = [0u8; VNET_HDR_LEN];
+    header[0] = VNET_F_NEEDS_CSUM;
+    header[1] = gso.kind.virtio_type() | if gso.ecn { VNET_GSO_ECN } else { 0 };
+    header[2..4].copy_from_slice(&gso.hdr_len.to_le_bytes());
+    header[4..6].copy_from_slice(&gso.gso_size.to_le_bytes());
+    header[6..8].copy_from_slice(&gso.csum_start.to_le_bytes());
+    header[8..10].copy_from_slice(&gso.kind.csum_offset().to_le_bytes());
+    Some(GsoWrite { header, field, field_value })
 }
 
 /// Reads the setting both kinds share: the most frames waiting for the device.

@@ -43,10 +43,7 @@ impl EmulatedLink {
         let (a, p1, b, p2) = (unique("a"), unique("p"), unique("b"), unique("q"));
         let mut links = Vec::new();
         for (host, (peer, ns, addr)) in [(&a, (&p1, &h1, 1)), (&b, (&p2, &h2, 2))] {
-            sh(
-                "ip",
-                &["link", "add", host, "gso_max_segs", "1", "type", "veth", "peer", "name", peer, "gso_max_segs", "1"],
-            );
+            sh("ip", &["link", "add", host, "type", "veth", "peer", "name", peer]);
             links.push(LinkGuard(host.clone()));
             // The host end: a bridge port, no address, no kernel IPv6 (no router solicitations or MLD reports
             // crossing the link and disturbing the counts).

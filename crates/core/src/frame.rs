@@ -41,6 +41,127 @@ impl MetaKey {
     pub const CLASS: MetaKey = MetaKey(5);
     /// Receive timestamp in nanoseconds of the driver's clock.
     pub const RX_TIME: MetaKey = MetaKey(6);
+    /// The packet is a GSO super-frame (several on-wire segments carried as one packet): a [`Gso`] packed with
+    /// [`Gso::pack`]. Absent on ordinary packets.
+    ///
+    /// The rule for modules: the packet's checksums are complete (as on an ordinary packet), so a module may parse
+    /// it and rewrite addresses or ports (updating checksums as usual) and keep the key; the face that writes it
+    /// recomputes the partial checksum the kernel expects. A module that changes the packet's length, its header
+    /// lengths or the position of its IP header must either update the key or remove it (and then cut the packet
+    /// into segments itself, or it cannot leave through a link of ordinary MTU).
+    pub const GSO: MetaKey = MetaKey(7);
+}
+
+/// What a GSO super-frame is, as carried under [`MetaKey::GSO`]: the fields of a `virtio_net_hdr` a face needs to
+/// hand the packet back to the kernel for segmentation, and that a module needs to tell its on-wire segments.
+///
+/// Offsets count from the packet's first byte (the Ethernet header on a link face, the IP header on a TUN face).
+/// Each segment is the packet's first `hdr_len` bytes (IP and transport headers, adjusted) followed by up to
+/// `gso_size` bytes of the payload that follows them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Gso {
+    /// Transport of the segments.
+    pub kind: GsoKind,
+    /// Most payload bytes per segment (the MSS for TCP).
+    pub gso_size: u16,
+    /// Bytes of headers (link, IP and transport) repeated in every segment.
+    pub hdr_len: u16,
+    /// Where the transport header starts.
+    pub csum_start: u16,
+    /// Where the IP header starts (0 for an IP packet, 14 behind Ethernet, 18 behind one VLAN tag).
+    pub l3_offset: u8,
+    /// TCP with ECN: the CWR flag stays on the first segment only (`VIRTIO_NET_HDR_GSO_ECN`).
+    pub ecn: bool,
+}
+
+/// The transport of a GSO super-frame, as in `virtio_net_hdr.gso_type`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GsoKind {
+    /// TCP over IPv4 (`VIRTIO_NET_HDR_GSO_TCPV4`).
+    TcpV4,
+    /// TCP over IPv6 (`VIRTIO_NET_HDR_GSO_TCPV6`).
+    TcpV6,
+    /// UDP over IPv4 or IPv6, segmentation offload (`VIRTIO_NET_HDR_GSO_UDP_L4`).
+    UdpL4,
+}
+
+impl GsoKind {
+    /// The `virtio_net_hdr.gso_type` value (without the ECN bit).
+    pub fn virtio_type(self) -> u8 {
+        match self {
+            GsoKind::TcpV4 => 1,
+            GsoKind::TcpV6 => 4,
+            GsoKind::UdpL4 => 5,
+        }
+    }
+
+    /// The kind for a `virtio_net_hdr.gso_type` value (the ECN bit ignored); `None` for none or unknown types.
+    pub fn from_virtio_type(gso_type: u8) -> Option<GsoKind> {
+        match gso_type & 0x7f {
+            1 => Some(GsoKind::TcpV4),
+            4 => Some(GsoKind::TcpV6),
+            5 => Some(GsoKind::UdpL4),
+            _ => None,
+        }
+    }
+
+    /// Offset of the checksum field within the transport header (TCP 16, UDP 6).
+    pub fn csum_offset(self) -> u16 {
+        match self {
+            GsoKind::TcpV4 | GsoKind::TcpV6 => 16,
+            GsoKind::UdpL4 => 6,
+        }
+    }
+
+    /// The IP protocol number of the transport.
+    pub fn protocol(self) -> u8 {
+        match self {
+            GsoKind::TcpV4 | GsoKind::TcpV6 => 6,
+            GsoKind::UdpL4 => 17,
+        }
+    }
+}
+
+impl Gso {
+    /// The value stored under [`MetaKey::GSO`]: gso_size in bits 0-15, hdr_len 16-31, csum_start 32-47,
+    /// l3_offset 48-55, the virtio gso_type 56-62 and ECN in bit 63.
+    pub fn pack(self) -> u64 {
+        u64::from(self.gso_size)
+            | u64::from(self.hdr_len) << 16
+            | u64::from(self.csum_start) << 32
+            | u64::from(self.l3_offset) << 48
+            | u64::from(self.kind.virtio_type()) << 56
+            | u64::from(self.ecn) << 63
+    }
+
+    /// Reads a value packed by [`Gso::pack`]; `None` if its type is unknown.
+    pub fn unpack(v: u64) -> Option<Gso> {
+        Some(Gso {
+            kind: GsoKind::from_virtio_type((v >> 56) as u8 & 0x7f)?,
+            gso_size: v as u16,
+            hdr_len: (v >> 16) as u16,
+            csum_start: (v >> 32) as u16,
+            l3_offset: (v >> 48) as u8,
+            ecn: v >> 63 == 1,
+        })
+    }
+
+    /// The GSO description of `meta`, if it has a valid one.
+    pub fn of(meta: &Metadata) -> Option<Gso> {
+        meta.get(MetaKey::GSO).and_then(Gso::unpack)
+    }
+
+    /// How many on-wire segments a packet of `len` bytes with this description becomes (at least 1).
+    pub fn segments(&self, len: usize) -> usize {
+        let payload = len.saturating_sub(usize::from(self.hdr_len));
+        let size = usize::from(self.gso_size).max(1);
+        payload.div_ceil(size).max(1)
+    }
+
+    /// Bytes on the wire of a packet of `len` bytes with this description: every segment repeats the headers.
+    pub fn wire_bytes(&self, len: usize) -> usize {
+        len + (self.segments(len) - 1) * usize::from(self.hdr_len)
+    }
 }
 
 /// How many key-value pairs a frame's metadata holds inline.
@@ -446,6 +567,32 @@ pub type Batch = Vec<Frame>;
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn gso_packs_into_one_metadata_value_and_back() {
+        use super::{Gso, GsoKind, Metadata};
+        let g = Gso { kind: GsoKind::TcpV6, gso_size: 1440, hdr_len: 86, csum_start: 54, l3_offset: 14, ecn: true };
+        let mut m = Metadata::default();
+        assert!(m.set(super::MetaKey::GSO, g.pack()));
+        assert_eq!(Gso::of(&m), Some(g));
+        let u = Gso {
+            kind: GsoKind::UdpL4,
+            gso_size: 0xffff,
+            hdr_len: 0xffff,
+            csum_start: 0xffff,
+            l3_offset: 255,
+            ecn: false,
+        };
+        assert_eq!(Gso::unpack(u.pack()), Some(u));
+        assert_eq!(Gso::unpack(0), None, "type 0 is not GSO");
+        // 14 + 20 + 32 = 66 bytes of headers and 10,000 bytes of payload at 1448 per segment: 7 segments.
+        let t = Gso { kind: GsoKind::TcpV4, gso_size: 1448, hdr_len: 66, csum_start: 34, l3_offset: 14, ecn: false };
+        assert_eq!(t.segments(66 + 10_000), 7);
+        assert_eq!(t.wire_bytes(66 + 10_000), 7 * 66 + 10_000);
+        assert_eq!(t.segments(66 + 1448), 1);
+        assert_eq!(t.segments(66), 1);
+        assert_eq!(t.wire_bytes(66 + 1449), 2 * 66 + 1449);
+    }
+
     use super::*;
 
     #[test]

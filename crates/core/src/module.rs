@@ -184,6 +184,19 @@ pub trait FaceDevice: Send + Sync {
         }
         result
     }
+    /// Reads one packet into `buf` and what the device tells about it into `meta` (cleared first; e.g.
+    /// [`crate::frame::MetaKey::GSO`]). The default reads with [`FaceDevice::read_packet`] and sets nothing.
+    fn read_frame(&self, buf: &mut Vec<u8>, meta: &mut crate::frame::Metadata) -> std::io::Result<bool> {
+        *meta = crate::frame::Metadata::default();
+        self.read_packet(buf)
+    }
+    /// Writes several packets, in order, with their metadata (a device that understands
+    /// [`crate::frame::MetaKey::GSO`] hands super-frames to the kernel for segmentation). The default writes their
+    /// bytes with [`FaceDevice::write_batch`].
+    fn write_frames(&self, packets: &[&crate::frame::Packet]) -> std::io::Result<()> {
+        let bytes: Vec<&[u8]> = packets.iter().map(|p| p.data()).collect();
+        self.write_batch(&bytes)
+    }
 }
 
 /// What a module emits during one call: frames on output ports, drops, control frames.

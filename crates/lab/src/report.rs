@@ -388,7 +388,7 @@ fn iperf3_offsets(programs: &[ProgramFiles]) -> BTreeMap<(String, usize), f64> {
 
 fn test_name(p: &ProgramFiles, k: usize) -> String {
     let cmd = p.command.as_deref().unwrap_or("?");
-    let cmd = plot::clip(cmd, 26);
+    let cmd = plot::clip(cmd, 34);
     if p.tests.len() > 1 {
         format!("{} #{}: {cmd}", p.id(), k + 1)
     } else {

@@ -209,9 +209,9 @@ fn draw(plot: &TimePlot, svg: &mut String) -> Result<(), Box<dyn std::error::Err
     Ok(())
 }
 
-/// `6s`, `13.5s`.
+/// `6s`, `13.5s`, `6.003s`.
 fn short_time(t: f64) -> String {
-    let s = format!("{t:.2}");
+    let s = format!("{t:.3}");
     format!("{}s", s.trim_end_matches('0').trim_end_matches('.'))
 }
 
@@ -286,6 +286,7 @@ mod tests {
         assert_eq!(clip("abc", 4), "abc");
         assert_eq!(short_time(13.5), "13.5s");
         assert_eq!(short_time(6.0), "6s");
+        assert_eq!(short_time(6.0031), "6.003s");
     }
 
     #[test]

@@ -6,6 +6,7 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod binding;
 pub mod checksum;
 pub mod cidr;
 pub mod classify;
@@ -28,5 +29,7 @@ pub fn register(catalog: &mut Catalog) {
     catalog.register(Box::new(firewall::FirewallKind));
     catalog.register(Box::new(nat::NatKind));
     catalog.register(Box::new(link::LinkKind));
+    catalog.register(Box::new(binding::LateBindingKind));
+    catalog.register(Box::new(binding::EarlyBindingKind));
     let _ = catalog;
 }

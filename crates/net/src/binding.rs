@@ -1,0 +1,1341 @@
+//! `late-binding` and `early-binding`: a scheduler that sends IP packets going down over one of several
+//! interfaces, choosing the interface as late as possible (the binding point of the late-binding paper), and,
+//! for comparison, the same module binding at enqueue as stock Linux does.
+//!
+//! How the parts are called: the switch calls [`Module::process`] with packets on `in` (going down) or `up_in`
+//! (coming up), [`Module::poll`] when a modelled transmission starts or ends (the module asks with
+//! [`Output::wake_at`]), and [`Module::write_knob`] between batches. Every call first applies pending interface
+//! downs, then advances the modelled device queues to `now` (emitting packets whose transmission starts), then
+//! fills the device queues that have room. Nothing reads a clock: time is [`Output::now`].
+//!
+//! - **Above the binding point** (`late-binding` only): interface-independent per-flow queues. The flow is the
+//!   packet's [`MetaKey::FLOW_ID`] (set by `classify`), or a hash of its 5-tuple. At most `queue_limit` packets
+//!   wait in all of them; a packet arriving beyond is dropped (`drop_queue_full_total`). Each flow has a class,
+//!   decided on its first packet: an override (procedure `class`), else the first matching `class_rules` rule,
+//!   else [`MetaKey::CLASS`] (0 urgent, 1 interactive, 2 bulk), else the packet's DSCP (see [`Class::from_dscp`]).
+//!   Classes are served in strict priority (urgent, interactive, bulk); flows within a class by deficit round
+//!   robin with a `quantum` of bytes per round.
+//! - **Below the binding point**: each interface has a device queue that models the NIC's transmit ring: at most
+//!   `<iface>.device_queue` packets, drained at `<iface>.rate_bps`. A packet admitted at `now` starts its modelled
+//!   transmission when the previous one ends (or at `now`), is emitted on the interface's output port at that
+//!   start, and leaves the device queue when its transmission time (`len * 8 / rate`) has passed. With
+//!   `rate_bps = 0` nothing is modelled: packets pass at once.
+//! - **Binding**: when an interface has room, the scheduler takes the next packet (class, then DRR) whose flow's
+//!   interface by `policy` has room, and binds it: the source address is rewritten to the interface's
+//!   `address_v4` / `address_v6` (kept when absent) with the IPv4 header, TCP, UDP and ICMPv6 checksums updated
+//!   incrementally (RFC 1624, [`crate::checksum::update`]); [`MetaKey::OUT_FACE`] gets the interface's index and
+//!   [`MetaKey::CLASS`] the class. Policies: `preferred` (the first interface of `interfaces` that is up; the
+//!   others only while it is down), `affinity` (a flow stays on the interface it was first bound to while that is
+//!   up; the first choice is the fastest), `weighted` (flows are split over the up interfaces in proportion to
+//!   `<iface>.weight`, by flow hash; a flow stays on its interface while that is up), `fastest` (per packet, the
+//!   up interface whose modelled transmission of it would end first). A packet whose interface is full waits
+//!   (other flows may go meanwhile); a packet is never bound to an interface that is down.
+//! - **Interface down** (`<iface>.up` = false, written by the lab or a carrier watcher): the packets in its device
+//!   queue that have not started are dropped (`<iface>.drop_interface_down_total`), the one in transmission is
+//!   counted as interrupted (`<iface>.tx_interrupted_total`; it was already emitted). Packets above the binding
+//!   point stay and are bound elsewhere; flows pinned to the interface are re-pinned by policy. A **rebind** is a
+//!   packet bound to another interface than its flow's previous packet (`rebinds_total`, and
+//!   `<iface>.rebinds_total` on the new interface).
+//! - **`early-binding`** (stock Linux, for comparison): the policy picks the interface when the packet arrives;
+//!   it waits in that interface's FIFO (`<iface>.fifo_limit`, default 1000; beyond, `<iface>.drop_queue_full_total`)
+//!   and then its device queue (default 50). An interface going down loses its FIFO and device queue; a packet
+//!   arriving while no interface is up is dropped (`drop_no_interface_total`).
+//! - **Up direction**: packets on `up_in` leave on `up_out`; when `virtual_v4` / `virtual_v6` is set, a packet
+//!   whose destination is one of the interfaces' addresses gets the virtual address instead (checksums updated
+//!   the same way, `up_mapped_total`). Without them, put a `nat` module on the way up instead.
+//!
+//! Ports: input `in` and `up_in` (ip); one output per interface, named as in `interfaces`, then `up_out` (ip).
+//!
+//! Settings: `interfaces` (array of names, required, at most 16), `policy` (knob), `class_rules` (array of rules
+//! `CLASS [tcp|udp|icmp] [port N] [dscp N]`, first match wins, a port matching either end), `virtual_v4`,
+//! `virtual_v6`, `vars_prefix` (default `flow`), per interface `"<iface>.address_v4"` and `"<iface>.address_v6"`
+//! (quoted dotted keys in TOML), and every knob.
+//!
+//! Knobs: `policy` (text), `quantum` (bytes, default 1514, late only), `queue_limit` (packets, default 10000, late
+//! only), `flow_idle_ms` (default 30000: a flow with nothing queued is forgotten after this long), per interface
+//! `<iface>.rate_bps` (bit/s, default 0), `<iface>.device_queue` (packets, default 2 late / 50 early),
+//! `<iface>.up` (default true), `<iface>.weight` (default 1), and early only `<iface>.fifo_limit`.
+//!
+//! Meters: `queued`, `queued_bytes`, `flows_active`, `rebinds_total`, `drop_queue_full_total`,
+//! `drop_no_interface_total`, `drop_interface_down_total` (all interfaces), `up_mapped_total`,
+//! `flow_vars_unpublished_total`, parse drops `drop_<reason>_total`; per interface `<iface>.device_queue_len`,
+//! `<iface>.queue_len` (early: FIFO), `<iface>.bound_packets_total`, `<iface>.bound_bytes_total`,
+//! `<iface>.rebinds_total`, `<iface>.drop_interface_down_total`, `<iface>.drop_queue_full_total`,
+//! `<iface>.tx_interrupted_total`; per flow, under `<vars_prefix>.<flow>.binding.`: `class`, `interface`,
+//! `queued`, `queue_delay_ns` (time its last bound packet waited before binding).
+//!
+//! Procedure `class` (argument `"<flow id> <class>"`) sets a flow's class, now or when it appears; the per-flow
+//! meter shows it. (A writable `flow.<id>.class` knob would need the switch to write runtime variables.)
+
+use crate::checksum;
+use crate::cidr::Words;
+use crate::classify::Slab;
+use crate::packet::{proto, PacketInfo, ParseDrops};
+use flexstack_core::config::{valid_name, SettingsReader};
+use flexstack_core::module::port_type;
+use flexstack_core::{
+    Batch, ConfigError, Frame, MetaKey, Meter, Module, ModuleBuilder, ModuleInterface, ModuleKind, ModuleVars, Output,
+    Packet, PortSpec, Settings, Time, Value, ValueType, VarSpec,
+};
+use std::collections::{HashMap, VecDeque};
+use std::hash::{Hash, Hasher};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+/// The late-binding kind's name in stack files.
+pub const LATE_KIND: &str = "late-binding";
+/// The early-binding kind's name in stack files.
+pub const EARLY_KIND: &str = "early-binding";
+
+/// Input port of packets going down.
+pub const IN_DOWN: usize = 0;
+/// Input port of packets coming up.
+pub const IN_UP: usize = 1;
+
+/// Most interfaces of one module.
+pub const MAX_INTERFACES: usize = 16;
+const MAX_RATE_BPS: u64 = 1_000_000_000_000;
+const MAX_DEVICE_QUEUE: u64 = 1_000_000;
+const MAX_QUEUE_LIMIT: u64 = 10_000_000;
+const MAX_QUANTUM: u64 = 1_000_000;
+const MIN_QUANTUM: u64 = 64;
+const MAX_WEIGHT: u64 = 1_000_000;
+const MAX_IDLE_MS: u64 = 7 * 24 * 3_600_000;
+/// Most class overrides remembered for flows not seen yet.
+const MAX_OVERRIDES: usize = 65_536;
+/// Port names an interface may not take.
+const RESERVED: [&str; 4] = ["in", "up_in", "up_out", "ctl"];
+
+// -------------------------------------------------------------------------------------------------------------
+// Classes, policies, rules
+// -------------------------------------------------------------------------------------------------------------
+
+/// A traffic class; lower values are served first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Class {
+    /// Served before everything else.
+    Urgent = 0,
+    /// Served before bulk.
+    Interactive = 1,
+    /// Served last (the default).
+    Bulk = 2,
+}
+
+impl Class {
+    const ALL: [Class; 3] = [Class::Urgent, Class::Interactive, Class::Bulk];
+
+    /// The class's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Class::Urgent => "urgent",
+            Class::Interactive => "interactive",
+            Class::Bulk => "bulk",
+        }
+    }
+
+    /// The class named `s`.
+    pub fn parse(s: &str) -> Option<Class> {
+        Class::ALL.into_iter().find(|c| c.name() == s)
+    }
+
+    /// The class of a DSCP: EF (46), VOICE-ADMIT (44), CS5-CS7 (40, 48, 56) are urgent; AF2x-AF4x and CS2-CS4
+    /// (16-38) are interactive; everything else (best effort, CS1/lower effort, AF1x) is bulk.
+    pub fn from_dscp(dscp: u8) -> Class {
+        match dscp {
+            40 | 44 | 46 | 48 | 56 => Class::Urgent,
+            16..=38 => Class::Interactive,
+            _ => Class::Bulk,
+        }
+    }
+}
+
+/// How the interface of a packet is chosen.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Policy {
+    /// The first interface that is up, in the order of `interfaces`.
+    Preferred,
+    /// A flow stays on its interface while it is up; first choice: the fastest.
+    Affinity,
+    /// Flows split over the up interfaces in proportion to their weights.
+    Weighted,
+    /// Per packet, the up interface whose modelled transmission would end first.
+    Fastest,
+}
+
+impl Policy {
+    const NAMES: [(&'static str, Policy); 4] = [
+        ("preferred", Policy::Preferred),
+        ("affinity", Policy::Affinity),
+        ("weighted", Policy::Weighted),
+        ("fastest", Policy::Fastest),
+    ];
+
+    /// The policy named `s`.
+    pub fn parse(s: &str) -> Option<Policy> {
+        Self::NAMES.iter().find(|(n, _)| *n == s).map(|(_, p)| *p)
+    }
+
+    /// The policy's name.
+    pub fn name(self) -> &'static str {
+        Self::NAMES.iter().find(|(_, p)| *p == self).map_or("", |(n, _)| n)
+    }
+}
+
+/// A rule of `class_rules`: packets matching every condition given start flows of `class`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ClassRule {
+    /// The class given.
+    pub class: Class,
+    /// Transport protocol, if limited.
+    pub protocol: Option<u8>,
+    /// A port either end must have (TCP/UDP).
+    pub port: Option<u16>,
+    /// The DSCP the packet must carry.
+    pub dscp: Option<u8>,
+}
+
+impl ClassRule {
+    /// Parses `CLASS [tcp|udp|icmp] [port N] [dscp N]`.
+    pub fn parse(text: &str) -> Result<ClassRule, String> {
+        let mut w = Words::new(text);
+        let c = w.next("a class (urgent, interactive, bulk)")?;
+        let class = Class::parse(c).ok_or_else(|| w.error_last("expected a class (urgent, interactive, bulk)"))?;
+        let mut rule = ClassRule { class, protocol: None, port: None, dscp: None };
+        rule.protocol = match w.peek() {
+            Some("tcp") => Some(proto::TCP),
+            Some("udp") => Some(proto::UDP),
+            Some("icmp") => Some(proto::ICMP),
+            _ => None,
+        };
+        if rule.protocol.is_some() {
+            w.next("a protocol")?;
+        }
+        if w.eat("port") {
+            let p = w.next("a port number")?;
+            rule.port = Some(p.parse().map_err(|_| w.error_last("expected a port number (0-65535)"))?);
+        }
+        if w.eat("dscp") {
+            let d = w.next("a DSCP (0-63)")?;
+            rule.dscp =
+                Some(d.parse().ok().filter(|d: &u8| *d < 64).ok_or_else(|| w.error_last("expected a DSCP (0-63)"))?);
+        }
+        w.end("`port N`, `dscp N` or the end of the rule")?;
+        Ok(rule)
+    }
+
+    fn matches(&self, info: &PacketInfo, dscp: u8) -> bool {
+        let proto_ok = match self.protocol {
+            None => true,
+            Some(proto::ICMP) => matches!(info.protocol, proto::ICMP | proto::ICMPV6),
+            Some(p) => info.protocol == p,
+        };
+        proto_ok
+            && self.port.is_none_or(|p| info.has_ports() && (info.src_port == p || info.dst_port == p))
+            && self.dscp.is_none_or(|d| d == dscp)
+    }
+}
+
+/// The DSCP of an IP packet (the upper six bits of the IPv4 TOS or IPv6 traffic class).
+fn dscp_of(data: &[u8]) -> u8 {
+    match data {
+        [b0, b1, ..] if b0 >> 4 == 6 => (((b0 & 0x0f) << 4) | (b1 >> 4)) >> 2,
+        [_, b1, ..] => b1 >> 2,
+        _ => 0,
+    }
+}
+
+// -------------------------------------------------------------------------------------------------------------
+// Address rewriting
+// -------------------------------------------------------------------------------------------------------------
+
+/// Where the fields of a queued packet are, from its parse.
+#[derive(Clone, Copy, Debug)]
+struct Hdr {
+    v6: bool,
+    protocol: u8,
+    l4: u32,
+    end: u32,
+    /// The transport header is present (a whole packet or a first fragment).
+    transport: bool,
+}
+
+impl Hdr {
+    fn of(info: &PacketInfo) -> Hdr {
+        Hdr {
+            v6: info.version == 6,
+            protocol: info.protocol,
+            l4: info.l4_offset as u32,
+            end: info.total_len as u32,
+            transport: info.fragment.is_none_or(|f| f.offset == 0),
+        }
+    }
+}
+
+/// Rewrites the source (`src`) or destination address of the packet in `buf` to `new` (4 or 16 bytes, of the
+/// packet's family), updating the IPv4 header checksum and the TCP, UDP (a zero UDP checksum stays zero) and
+/// ICMPv6 checksums incrementally. ICMPv4 has no pseudo-header: its checksum does not change.
+///
+/// `nat` has a fuller rewriter (ports, echo identifiers) that is private to it; this one changes an address only.
+fn rewrite_address(buf: &mut [u8], h: &Hdr, src: bool, new: &[u8]) {
+    let at = match (h.v6, src) {
+        (false, true) => 12,
+        (false, false) => 16,
+        (true, true) => 8,
+        (true, false) => 24,
+    };
+    let len = new.len();
+    if len != if h.v6 { 16 } else { 4 } || at + len > buf.len() || buf[at..at + len] == *new {
+        return;
+    }
+    let mut old = [0u8; 16];
+    old[..len].copy_from_slice(&buf[at..at + len]);
+    buf[at..at + len].copy_from_slice(new);
+    if !h.v6 {
+        let c = checksum::update(u16::from_be_bytes([buf[10], buf[11]]), &old[..4], new);
+        buf[10..12].copy_from_slice(&c.to_be_bytes());
+    }
+    let ck_at = match h.protocol {
+        proto::TCP => h.l4 as usize + 16,
+        proto::UDP => h.l4 as usize + 6,
+        proto::ICMPV6 => h.l4 as usize + 2,
+        _ => return,
+    };
+    if !h.transport || ck_at + 2 > (h.end as usize).min(buf.len()) {
+        return;
+    }
+    let c = u16::from_be_bytes([buf[ck_at], buf[ck_at + 1]]);
+    if h.protocol == proto::UDP && c == 0 {
+        return;
+    }
+    let mut c = checksum::update(c, &old[..len], new);
+    if h.protocol == proto::UDP && c == 0 {
+        c = 0xffff;
+    }
+    buf[ck_at..ck_at + 2].copy_from_slice(&c.to_be_bytes());
+}
+
+// -------------------------------------------------------------------------------------------------------------
+// Configuration
+// -------------------------------------------------------------------------------------------------------------
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    Late,
+    Early,
+}
+
+impl Mode {
+    fn kind(self) -> &'static str {
+        match self {
+            Mode::Late => LATE_KIND,
+            Mode::Early => EARLY_KIND,
+        }
+    }
+}
+
+/// One interface's configuration (knobs included).
+#[derive(Clone, Debug)]
+struct IfaceConfig {
+    name: String,
+    address_v4: Option<Ipv4Addr>,
+    address_v6: Option<Ipv6Addr>,
+    rate_bps: u64,
+    device_queue: u64,
+    up: bool,
+    weight: u64,
+    fifo_limit: u64,
+}
+
+#[derive(Clone, Debug)]
+struct Config {
+    mode: Mode,
+    ifaces: Vec<IfaceConfig>,
+    policy: Policy,
+    quantum: u64,
+    queue_limit: u64,
+    flow_idle_ms: u64,
+    rules: Vec<ClassRule>,
+    virtual_v4: Option<Ipv4Addr>,
+    virtual_v6: Option<Ipv6Addr>,
+    vars_prefix: String,
+}
+
+/// The per-interface setting names, in the order of [`iface_keys`].
+const IFACE_KEYS: [&str; 7] = ["address_v4", "address_v6", "rate_bps", "device_queue", "up", "weight", "fifo_limit"];
+
+/// Reads an address setting of family v6 (or v4).
+fn read_addr<'a>(r: &mut SettingsReader<'a>, key: &'a str, v6: bool) -> Result<Option<IpAddr>, ConfigError> {
+    let Some(t) = r.string(key)? else { return Ok(None) };
+    match t.parse::<IpAddr>() {
+        Ok(a) if a.is_ipv6() == v6 => Ok(Some(a)),
+        _ => Err(r.error(key, format_args!("expected an IPv{} address, got {t:?}", if v6 { 6 } else { 4 }))),
+    }
+}
+
+fn configure(mode: Mode, settings: &Settings) -> Result<Config, ConfigError> {
+    let kind = mode.kind();
+    // The interface names come first: the other settings' names depend on them.
+    let names = {
+        let mut r = settings.reader(kind);
+        let names = r.strings("interfaces")?;
+        let err = |m: String| r.error("interfaces", m);
+        let names = names.ok_or_else(|| {
+            ConfigError::new(None, format!("a {kind} module needs `interfaces`, e.g. interfaces = [\"wlan\", \"lte\"]"))
+        })?;
+        if names.is_empty() || names.len() > MAX_INTERFACES {
+            return Err(err(format!("expected 1 to {MAX_INTERFACES} interface names, got {}", names.len())));
+        }
+        for (i, n) in names.iter().enumerate() {
+            if !valid_name(n) || RESERVED.contains(&n.as_str()) {
+                return Err(err(format!(
+                    "invalid interface name {n:?}: expected lowercase letters, digits, '_' or '-', not one of {}",
+                    RESERVED.join(", ")
+                )));
+            }
+            if names[..i].contains(n) {
+                return Err(err(format!("interface {n:?} is named twice")));
+            }
+        }
+        names
+    };
+    let keys: Vec<String> = names.iter().flat_map(|n| IFACE_KEYS.iter().map(move |k| format!("{n}.{k}"))).collect();
+    let mut r = settings.reader(kind);
+    r.strings("interfaces")?;
+    let policy_text = r.string("policy")?.unwrap_or_else(|| "preferred".into());
+    let policy = Policy::parse(&policy_text).ok_or_else(|| {
+        r.error("policy", format_args!("expected preferred, affinity, weighted or fastest, got {policy_text:?}"))
+    })?;
+    let quantum = r.u64_in("quantum", 1514, MIN_QUANTUM, MAX_QUANTUM)?;
+    let queue_limit = r.u64_in("queue_limit", 10_000, 1, MAX_QUEUE_LIMIT)?;
+    let flow_idle_ms = r.u64_in("flow_idle_ms", 30_000, 1, MAX_IDLE_MS)?;
+    let rules = r
+        .strings("class_rules")?
+        .unwrap_or_default()
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            ClassRule::parse(t).map_err(|e| r.error("class_rules", format_args!("rule {} {t:?}: {e}", i + 1)))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let v4 = |a: Option<IpAddr>| match a {
+        Some(IpAddr::V4(a)) => Some(a),
+        _ => None,
+    };
+    let v6 = |a: Option<IpAddr>| match a {
+        Some(IpAddr::V6(a)) => Some(a),
+        _ => None,
+    };
+    let virtual_v4 = v4(read_addr(&mut r, "virtual_v4", false)?);
+    let virtual_v6 = v6(read_addr(&mut r, "virtual_v6", true)?);
+    let vars_prefix = r.string("vars_prefix")?.unwrap_or_else(|| "flow".into());
+    if !(vars_prefix == "flow" || vars_prefix.strip_prefix("flow.").is_some_and(|rest| rest.split('.').all(valid_name)))
+    {
+        return Err(r.error("vars_prefix", format_args!("expected `flow` or `flow.NAME`, got {vars_prefix:?}")));
+    }
+    let default_dq = if mode == Mode::Late { 2 } else { 50 };
+    let mut ifaces = Vec::new();
+    for (name, k) in names.iter().zip(keys.chunks(IFACE_KEYS.len())) {
+        let address_v4 = v4(read_addr(&mut r, &k[0], false)?);
+        let address_v6 = v6(read_addr(&mut r, &k[1], true)?);
+        let rate_bps = r.u64_in(&k[2], 0, 0, MAX_RATE_BPS)?;
+        let device_queue = r.u64_in(&k[3], default_dq, 1, MAX_DEVICE_QUEUE)?;
+        let up = r.bool(&k[4])?.unwrap_or(true);
+        let weight = r.u64_in(&k[5], 1, 0, MAX_WEIGHT)?;
+        let fifo_limit = if mode == Mode::Early { r.u64_in(&k[6], 1000, 0, MAX_QUEUE_LIMIT)? } else { 0 };
+        ifaces.push(IfaceConfig {
+            name: name.clone(),
+            address_v4,
+            address_v6,
+            rate_bps,
+            device_queue,
+            up,
+            weight,
+            fifo_limit,
+        });
+    }
+    r.finish()?;
+    Ok(Config { mode, ifaces, policy, quantum, queue_limit, flow_idle_ms, rules, virtual_v4, virtual_v6, vars_prefix })
+}
+
+/// The `late-binding` module kind.
+pub struct LateBindingKind;
+/// The `early-binding` module kind.
+pub struct EarlyBindingKind;
+
+impl ModuleKind for LateBindingKind {
+    fn name(&self) -> &'static str {
+        LATE_KIND
+    }
+
+    fn summary(&self) -> &'static str {
+        "per-flow queues above a binding point; each packet bound to an interface (policy, address) only when it has room"
+    }
+
+    fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
+        Ok(Box::new(BindingBuilder(configure(Mode::Late, settings)?)))
+    }
+}
+
+impl ModuleKind for EarlyBindingKind {
+    fn name(&self) -> &'static str {
+        EARLY_KIND
+    }
+
+    fn summary(&self) -> &'static str {
+        "stock-Linux comparison: interface chosen at enqueue, per-interface FIFO and device buffer, lost when it goes down"
+    }
+
+    fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
+        Ok(Box::new(BindingBuilder(configure(Mode::Early, settings)?)))
+    }
+}
+
+struct BindingBuilder(Config);
+
+/// Module-level meters: name, unit, description.
+const METERS: [(&str, &str, &str); 9] = [
+    ("queued", "frames", "packets waiting above the binding point (late) or in the FIFOs (early)"),
+    ("queued_bytes", "bytes", "bytes waiting above the binding point (late) or in the FIFOs (early)"),
+    ("flows_active", "flows", "flows the scheduler knows"),
+    ("rebinds_total", "frames", "packets bound to another interface than their flow's previous packet"),
+    ("drop_queue_full_total", "frames", "packets dropped: queue_limit (late) or an interface's FIFO (early) full"),
+    ("drop_no_interface_total", "frames", "packets dropped on arrival with no interface up (early)"),
+    ("drop_interface_down_total", "frames", "packets lost below the binding point when their interface went down"),
+    ("up_mapped_total", "frames", "packets coming up whose destination was mapped to the virtual address"),
+    ("flow_vars_unpublished_total", "flows", "flows whose runtime variables could not be registered"),
+];
+
+/// Per-interface meters: name, unit, description.
+const IFACE_METERS: [(&str, &str, &str); 8] = [
+    ("queue_len", "frames", "packets in the interface's FIFO (early binding)"),
+    ("device_queue_len", "frames", "packets in the modelled device queue"),
+    ("bound_packets_total", "frames", "packets bound to the interface"),
+    ("bound_bytes_total", "bytes", "bytes bound to the interface"),
+    ("rebinds_total", "frames", "packets bound here whose flow's previous packet went elsewhere"),
+    ("drop_interface_down_total", "frames", "packets lost (not yet started) when the interface went down"),
+    ("drop_queue_full_total", "frames", "packets dropped because the FIFO was full (early binding)"),
+    ("tx_interrupted_total", "frames", "packets whose modelled transmission was cut by the interface going down"),
+];
+
+impl ModuleBuilder for BindingBuilder {
+    fn interface(&self) -> ModuleInterface {
+        let c = &self.0;
+        let mut vars = vec![
+            VarSpec::knob("policy", ValueType::Str, "", "preferred, affinity, weighted or fastest"),
+            VarSpec::knob("flow_idle_ms", ValueType::U64, "ms", "a flow with nothing queued is forgotten after this")
+                .with_range(1.0, MAX_IDLE_MS as f64),
+        ];
+        if c.mode == Mode::Late {
+            vars.push(
+                VarSpec::knob("quantum", ValueType::U64, "bytes", "deficit round robin: bytes per flow per round")
+                    .with_range(MIN_QUANTUM as f64, MAX_QUANTUM as f64),
+            );
+            vars.push(
+                VarSpec::knob("queue_limit", ValueType::U64, "frames", "most packets above the binding point")
+                    .with_range(1.0, MAX_QUEUE_LIMIT as f64),
+            );
+        }
+        vars.extend(METERS.iter().map(|&(n, u, d)| VarSpec::meter(n, ValueType::U64, u, d)));
+        vars.extend(ParseDrops::specs(true));
+        for i in &c.ifaces {
+            let n = &i.name;
+            vars.push(
+                VarSpec::knob(
+                    &format!("{n}.rate_bps"),
+                    ValueType::U64,
+                    "bit/s",
+                    "modelled transmit rate; 0 = unmodelled",
+                )
+                .with_range(0.0, MAX_RATE_BPS as f64),
+            );
+            vars.push(
+                VarSpec::knob(
+                    &format!("{n}.device_queue"),
+                    ValueType::U64,
+                    "frames",
+                    "size of the modelled device queue",
+                )
+                .with_range(1.0, MAX_DEVICE_QUEUE as f64),
+            );
+            vars.push(VarSpec::knob(&format!("{n}.up"), ValueType::Bool, "", "the interface is up"));
+            vars.push(
+                VarSpec::knob(&format!("{n}.weight"), ValueType::U64, "", "share of flows (policy weighted)")
+                    .with_range(0.0, MAX_WEIGHT as f64),
+            );
+            if c.mode == Mode::Early {
+                vars.push(
+                    VarSpec::knob(&format!("{n}.fifo_limit"), ValueType::U64, "frames", "most packets in the FIFO")
+                        .with_range(0.0, MAX_QUEUE_LIMIT as f64),
+                );
+            }
+            vars.extend(
+                IFACE_METERS.iter().map(|&(m, u, d)| VarSpec::meter(&format!("{n}.{m}"), ValueType::U64, u, d)),
+            );
+        }
+        let mut outputs: Vec<PortSpec> =
+            c.ifaces.iter().map(|i| PortSpec::new(i.name.clone(), port_type::IP)).collect();
+        outputs.push(PortSpec::new("up_out", port_type::IP));
+        ModuleInterface {
+            inputs: vec![PortSpec::new("in", port_type::IP), PortSpec::new("up_in", port_type::IP)],
+            outputs,
+            vars,
+            breaks_cycles: false,
+        }
+    }
+
+    fn paths(&self) -> Option<Vec<(String, String)>> {
+        let mut p: Vec<(String, String)> = self.0.ifaces.iter().map(|i| ("in".into(), i.name.clone())).collect();
+        p.push(("up_in".into(), "up_out".into()));
+        Some(p)
+    }
+
+    fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module> {
+        let c = self.0;
+        vars.meter("policy").store(&Value::Str(c.policy.name().into()));
+        vars.meter("flow_idle_ms").set(c.flow_idle_ms);
+        if c.mode == Mode::Late {
+            vars.meter("quantum").set(c.quantum);
+            vars.meter("queue_limit").set(c.queue_limit);
+        }
+        let ifaces = c
+            .ifaces
+            .iter()
+            .map(|i| {
+                let m = |s: &str| vars.meter(&format!("{}.{s}", i.name));
+                m("rate_bps").set(i.rate_bps);
+                m("device_queue").set(i.device_queue);
+                m("up").store(&Value::Bool(i.up));
+                m("weight").set(i.weight);
+                if c.mode == Mode::Early {
+                    m("fifo_limit").set(i.fifo_limit);
+                }
+                Iface {
+                    cfg: i.clone(),
+                    ring: VecDeque::with_capacity(i.device_queue.min(4096) as usize),
+                    busy_until: Time::ZERO,
+                    fifo: VecDeque::new(),
+                    fifo_bytes: 0,
+                    pending_down: false,
+                    m: IfaceMeters {
+                        queue_len: m("queue_len"),
+                        device_queue_len: m("device_queue_len"),
+                        bound_packets: m("bound_packets_total"),
+                        bound_bytes: m("bound_bytes_total"),
+                        rebinds: m("rebinds_total"),
+                        drop_down: m("drop_interface_down_total"),
+                        drop_full: m("drop_queue_full_total"),
+                        interrupted: m("tx_interrupted_total"),
+                    },
+                }
+            })
+            .collect();
+        let m = |s: &str| vars.meter(s);
+        Box::new(Binding {
+            meters: Meters {
+                queued: m("queued"),
+                queued_bytes: m("queued_bytes"),
+                flows_active: m("flows_active"),
+                rebinds: m("rebinds_total"),
+                drop_full: m("drop_queue_full_total"),
+                drop_no_iface: m("drop_no_interface_total"),
+                drop_down: m("drop_interface_down_total"),
+                up_mapped: m("up_mapped_total"),
+                unpublished: m("flow_vars_unpublished_total"),
+            },
+            drops: ParseDrops::new(vars),
+            ifaces,
+            cfg: Settings2 {
+                mode: c.mode,
+                policy: c.policy,
+                quantum: c.quantum,
+                queue_limit: c.queue_limit,
+                flow_idle_ns: c.flow_idle_ms * 1_000_000,
+                rules: c.rules,
+                virtual_v4: c.virtual_v4,
+                virtual_v6: c.virtual_v6,
+                vars_prefix: c.vars_prefix,
+            },
+            flows: Slab::default(),
+            index: HashMap::new(),
+            active: Default::default(),
+            overrides: HashMap::new(),
+            queued: 0,
+            queued_bytes: 0,
+            next_sweep: None,
+            flow_specs: flow_specs(),
+        })
+    }
+}
+
+fn flow_specs() -> Vec<VarSpec> {
+    vec![
+        VarSpec::meter("class", ValueType::Str, "", "urgent, interactive or bulk"),
+        VarSpec::meter("interface", ValueType::Str, "", "interface the flow's last packet was bound to"),
+        VarSpec::meter("queued", ValueType::U64, "frames", "packets of the flow waiting above the binding point"),
+        VarSpec::meter("queue_delay_ns", ValueType::U64, "ns", "time the flow's last bound packet waited"),
+    ]
+}
+
+// -------------------------------------------------------------------------------------------------------------
+// The running module
+// -------------------------------------------------------------------------------------------------------------
+
+/// The module's parameters while it runs.
+struct Settings2 {
+    mode: Mode,
+    policy: Policy,
+    quantum: u64,
+    queue_limit: u64,
+    flow_idle_ns: u64,
+    rules: Vec<ClassRule>,
+    virtual_v4: Option<Ipv4Addr>,
+    virtual_v6: Option<Ipv6Addr>,
+    vars_prefix: String,
+}
+
+struct Meters {
+    queued: Meter,
+    queued_bytes: Meter,
+    flows_active: Meter,
+    rebinds: Meter,
+    drop_full: Meter,
+    drop_no_iface: Meter,
+    drop_down: Meter,
+    up_mapped: Meter,
+    unpublished: Meter,
+}
+
+struct IfaceMeters {
+    queue_len: Meter,
+    device_queue_len: Meter,
+    bound_packets: Meter,
+    bound_bytes: Meter,
+    rebinds: Meter,
+    drop_down: Meter,
+    drop_full: Meter,
+    interrupted: Meter,
+}
+
+/// A packet waiting to be bound.
+struct Queued {
+    pkt: Packet,
+    hdr: Hdr,
+    at: Time,
+    flow: u32,
+}
+
+/// A packet in a modelled device queue: emitted at `start` (`pkt` is taken then), gone at `end`.
+struct InRing {
+    start: Time,
+    end: Time,
+    pkt: Option<Packet>,
+}
+
+struct Iface {
+    cfg: IfaceConfig,
+    ring: VecDeque<InRing>,
+    /// When the modelled transmitter is free.
+    busy_until: Time,
+    /// Early binding: packets bound at enqueue, waiting for the device queue.
+    fifo: VecDeque<Queued>,
+    fifo_bytes: u64,
+    pending_down: bool,
+    m: IfaceMeters,
+}
+
+impl Iface {
+    /// Transmission time of `bytes` at the interface's rate, in ns.
+    fn tx_ns(&self, bytes: u64) -> u64 {
+        match self.cfg.rate_bps {
+            0 => 0,
+            r => u64::try_from(u128::from(bytes) * 8 * 1_000_000_000 / u128::from(r)).unwrap_or(u64::MAX),
+        }
+    }
+
+    fn has_room(&self) -> bool {
+        self.cfg.up && (self.ring.len() as u64) < self.cfg.device_queue
+    }
+
+    /// When a packet of `len` bytes would finish if sent after everything the interface holds.
+    fn completion(&self, now: Time, len: u64) -> u64 {
+        self.busy_until.max(now).0.saturating_add(self.tx_ns(self.fifo_bytes + len))
+    }
+}
+
+struct FlowVars {
+    class: Meter,
+    iface: Meter,
+    queued: Meter,
+    delay: Meter,
+}
+
+struct Flow {
+    key: u64,
+    hash: u64,
+    class: Class,
+    queue: VecDeque<Queued>,
+    /// Packets of the flow in the queue (late) or in a FIFO (early).
+    pending: u32,
+    deficit: u64,
+    active: bool,
+    pinned: Option<usize>,
+    last_iface: Option<usize>,
+    last_seen: Time,
+    vars_name: String,
+    vars: FlowVars,
+}
+
+/// A running `late-binding` or `early-binding` module.
+pub struct Binding {
+    cfg: Settings2,
+    ifaces: Vec<Iface>,
+    flows: Slab<Flow>,
+    index: HashMap<u64, u32>,
+    /// Per class, the flows with packets queued, in deficit-round-robin order.
+    active: [VecDeque<u32>; 3],
+    overrides: HashMap<u64, Class>,
+    queued: u64,
+    queued_bytes: u64,
+    next_sweep: Option<Time>,
+    flow_specs: Vec<VarSpec>,
+    meters: Meters,
+    drops: ParseDrops,
+}
+
+/// Bit set on flow keys made from a hash of the 5-tuple (flow ids from `classify` are small).
+const HASHED: u64 = 1 << 63;
+
+impl Binding {
+    /// The flow of a packet: its FLOW_ID, or a hash of its 5-tuple.
+    fn flow_key(p: &Packet, info: &PacketInfo) -> (u64, u64) {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        (info.protocol, info.src, info.src_port, info.dst, info.dst_port).hash(&mut h);
+        let hash = h.finish();
+        match p.meta().get(MetaKey::FLOW_ID) {
+            Some(id) if id & HASHED == 0 => {
+                let mut h = std::collections::hash_map::DefaultHasher::new();
+                id.hash(&mut h);
+                (id, h.finish())
+            }
+            _ => (hash | HASHED, hash),
+        }
+    }
+
+    fn class_of(&self, key: u64, p: &Packet, info: &PacketInfo) -> Class {
+        if let Some(c) = self.overrides.get(&key) {
+            return *c;
+        }
+        let dscp = dscp_of(p.data());
+        if let Some(r) = self.cfg.rules.iter().find(|r| r.matches(info, dscp)) {
+            return r.class;
+        }
+        match p.meta().get(MetaKey::CLASS) {
+            Some(0) => Class::Urgent,
+            Some(1) => Class::Interactive,
+            Some(2) => Class::Bulk,
+            _ => Class::from_dscp(dscp),
+        }
+    }
+
+    /// The flow slot of a packet, created if new.
+    fn flow_for(&mut self, p: &Packet, info: &PacketInfo, out: &mut Output<'_>) -> u32 {
+        let (key, hash) = Self::flow_key(p, info);
+        if let Some(&s) = self.index.get(&key) {
+            return s;
+        }
+        let class = self.class_of(key, p, info);
+        let id = if key & HASHED == 0 { key.to_string() } else { format!("h{:016x}", key & !HASHED) };
+        let vars_name = format!("{}.{id}.binding", self.cfg.vars_prefix);
+        let vars = out.register_vars(&vars_name, &self.flow_specs).unwrap_or_else(|_| {
+            self.meters.unpublished.add(1);
+            ModuleVars::new(&self.flow_specs)
+        });
+        vars.meter("class").store(&Value::Str(class.name().into()));
+        let flow = Flow {
+            key,
+            hash,
+            class,
+            queue: VecDeque::new(),
+            pending: 0,
+            deficit: 0,
+            active: false,
+            pinned: None,
+            last_iface: None,
+            last_seen: out.now(),
+            vars_name,
+            vars: FlowVars {
+                class: vars.meter("class"),
+                iface: vars.meter("interface"),
+                queued: vars.meter("queued"),
+                delay: vars.meter("queue_delay_ns"),
+            },
+        };
+        let slot = self.flows.insert(flow);
+        self.index.insert(key, slot);
+        self.meters.flows_active.set(self.flows.len() as u64);
+        if self.next_sweep.is_none() {
+            self.next_sweep = Some(out.now() + std::time::Duration::from_nanos(self.cfg.flow_idle_ns));
+        }
+        slot
+    }
+
+    /// The interface the policy gives a packet of `len` bytes of flow `slot` now (it may have no room).
+    fn target(&self, slot: u32, len: u64, now: Time) -> Option<usize> {
+        let up = || self.ifaces.iter().enumerate().filter(|(_, i)| i.cfg.up);
+        let fastest = || up().min_by_key(|(k, i)| (i.completion(now, len), *k)).map(|(k, _)| k);
+        let flow = self.flows.get(slot)?;
+        let pinned = flow.pinned.filter(|&k| self.ifaces[k].cfg.up);
+        match self.cfg.policy {
+            Policy::Preferred => up().map(|(k, _)| k).next(),
+            Policy::Fastest => fastest(),
+            Policy::Affinity => pinned.or_else(fastest),
+            Policy::Weighted => pinned.or_else(|| {
+                let total: u64 = up().map(|(_, i)| i.cfg.weight).sum();
+                if total == 0 {
+                    // Every up interface has weight 0: split evenly.
+                    let n = up().count() as u64;
+                    return up().nth((flow.hash % n.max(1)) as usize).map(|(k, _)| k);
+                }
+                let mut pick = flow.hash % total;
+                for (k, i) in up() {
+                    if pick < i.cfg.weight {
+                        return Some(k);
+                    }
+                    pick -= i.cfg.weight;
+                }
+                None
+            }),
+        }
+    }
+
+    /// Notes that a packet of flow `slot` goes to interface `k`: pins, counts a rebind.
+    fn note_binding(&mut self, slot: u32, k: usize, waited: u64) {
+        let Some(f) = self.flows.get_mut(slot) else { return };
+        if matches!(self.cfg.policy, Policy::Affinity | Policy::Weighted) {
+            f.pinned = Some(k);
+        }
+        if f.last_iface != Some(k) {
+            if f.last_iface.is_some() {
+                self.meters.rebinds.add(1);
+                self.ifaces[k].m.rebinds.add(1);
+            }
+            f.last_iface = Some(k);
+            f.vars.iface.store(&Value::Str(self.ifaces[k].cfg.name.clone()));
+        }
+        f.vars.delay.set(waited);
+    }
+
+    /// Puts a packet into interface `k`'s device queue: rewrites its source, models its transmission and emits it
+    /// if it starts now.
+    fn bind(&mut self, k: usize, q: Queued, class: Class, now: Time, out: &mut Output<'_>) {
+        let Queued { mut pkt, hdr, .. } = q;
+        let iface = &mut self.ifaces[k];
+        let new: Option<[u8; 16]> = match (hdr.v6, iface.cfg.address_v4, iface.cfg.address_v6) {
+            (false, Some(a), _) => {
+                let mut o = [0; 16];
+                o[..4].copy_from_slice(&a.octets());
+                Some(o)
+            }
+            (true, _, Some(a)) => Some(a.octets()),
+            _ => None,
+        };
+        if let Some(new) = new {
+            let len = if hdr.v6 { 16 } else { 4 };
+            rewrite_address(pkt.make_mut(), &hdr, true, &new[..len]);
+        }
+        pkt.meta_mut().set(MetaKey::OUT_FACE, k as u64);
+        pkt.meta_mut().set(MetaKey::CLASS, class as u64);
+        let len = pkt.len() as u64;
+        iface.m.bound_packets.add(1);
+        iface.m.bound_bytes.add(len);
+        let start = iface.busy_until.max(now);
+        let end = start + std::time::Duration::from_nanos(iface.tx_ns(len));
+        iface.busy_until = end;
+        let pkt = if start <= now {
+            out.emit(k, pkt);
+            None
+        } else {
+            Some(pkt)
+        };
+        if end > now {
+            iface.ring.push_back(InRing { start, end, pkt });
+        }
+    }
+
+    /// Emits packets whose modelled transmission has started and removes those that have ended.
+    fn advance(&mut self, now: Time, out: &mut Output<'_>) {
+        for (k, iface) in self.ifaces.iter_mut().enumerate() {
+            while iface.ring.front().is_some_and(|e| e.end <= now) {
+                if let Some(e) = iface.ring.pop_front() {
+                    if let Some(p) = e.pkt {
+                        out.emit(k, p);
+                    }
+                }
+            }
+            for e in iface.ring.iter_mut() {
+                if e.start > now {
+                    break;
+                }
+                if let Some(p) = e.pkt.take() {
+                    out.emit(k, p);
+                }
+            }
+        }
+    }
+
+    /// Applies interface downs written since the last call: the device queue (and, early, the FIFO) is lost.
+    fn apply_downs(&mut self, now: Time, out: &mut Output<'_>) {
+        for k in 0..self.ifaces.len() {
+            if !std::mem::take(&mut self.ifaces[k].pending_down) {
+                continue;
+            }
+            let iface = &mut self.ifaces[k];
+            for e in iface.ring.drain(..) {
+                match e.pkt {
+                    Some(p) => {
+                        iface.m.drop_down.add(1);
+                        self.meters.drop_down.add(1);
+                        out.drop_frame(p.into());
+                    }
+                    None if e.end > now => iface.m.interrupted.add(1),
+                    None => {}
+                }
+            }
+            iface.busy_until = now;
+            let fifo: Vec<Queued> = iface.fifo.drain(..).collect();
+            iface.fifo_bytes = 0;
+            for q in fifo {
+                self.ifaces[k].m.drop_down.add(1);
+                self.meters.drop_down.add(1);
+                self.unqueue(q.flow, q.pkt.len() as u64);
+                out.drop_frame(q.pkt.into());
+            }
+            for (_, f) in self.flows.iter_mut() {
+                if f.pinned == Some(k) {
+                    f.pinned = None;
+                }
+            }
+        }
+    }
+
+    /// Accounts a packet leaving the queues of flow `slot`.
+    fn unqueue(&mut self, slot: u32, len: u64) {
+        self.queued -= 1;
+        self.queued_bytes -= len;
+        if let Some(f) = self.flows.get_mut(slot) {
+            f.pending -= 1;
+            f.vars.queued.set(u64::from(f.pending));
+        }
+    }
+
+    /// Late binding: binds packets while some interface has room and some flow's packet may go there.
+    fn fill_late(&mut self, now: Time, out: &mut Output<'_>) {
+        while self.ifaces.iter().any(Iface::has_room) {
+            let Some((class, slot, k)) = self.select(now) else { break };
+            let Some(f) = self.flows.get_mut(slot) else { break };
+            let Some(q) = f.queue.pop_front() else { break };
+            let len = q.pkt.len() as u64;
+            f.deficit = f.deficit.saturating_sub(len);
+            if f.queue.is_empty() {
+                f.deficit = 0;
+                f.active = false;
+                self.active[class as usize].pop_front();
+            }
+            self.unqueue(slot, len);
+            self.note_binding(slot, k, now.0.saturating_sub(q.at.0));
+            self.bind(k, q, class, now, out);
+        }
+    }
+
+    /// Deficit round robin over the classes in priority order: the next flow whose head packet may be sent now,
+    /// and its interface. It is left at the front of its class's list.
+    fn select(&mut self, now: Time) -> Option<(Class, u32, usize)> {
+        // Policy preferred sends every flow to the same interface: when it is full, no flow needs looking at.
+        if self.cfg.policy == Policy::Preferred && !self.ifaces.iter().find(|i| i.cfg.up).is_some_and(Iface::has_room) {
+            return None;
+        }
+        for class in Class::ALL {
+            let c = class as usize;
+            let n = self.active[c].len();
+            if n == 0 {
+                continue;
+            }
+            // Enough visits for every flow to gather the deficit for a largest packet, then to be found blocked.
+            let limit = n.saturating_mul(2 + (65_536 / self.cfg.quantum.max(1)) as usize);
+            let mut blocked = 0;
+            for _ in 0..limit {
+                let Some(&slot) = self.active[c].front() else { break };
+                let Some(f) = self.flows.get(slot) else { break };
+                let Some(head) = f.queue.front() else { break };
+                let len = head.pkt.len() as u64;
+                let deficit = f.deficit;
+                match self.target(slot, len, now) {
+                    // A flow that cannot send gathers no deficit: it is passed over, not served less later.
+                    Some(k) if self.ifaces[k].has_room() => {
+                        if deficit >= len {
+                            return Some((class, slot, k));
+                        }
+                        if let Some(f) = self.flows.get_mut(slot) {
+                            f.deficit += self.cfg.quantum;
+                        }
+                        self.active[c].rotate_left(1);
+                    }
+                    _ => {
+                        // Passed over; after a whole turn of blocked flows the order is as it was.
+                        self.active[c].rotate_left(1);
+                        blocked += 1;
+                        if blocked >= n {
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        None
+    }
+
+    /// Early binding: moves packets from each FIFO into its device queue while there is room.
+    fn fill_early(&mut self, now: Time, out: &mut Output<'_>) {
+        for k in 0..self.ifaces.len() {
+            while self.ifaces[k].has_room() {
+                let Some(q) = self.ifaces[k].fifo.pop_front() else { break };
+                let len = q.pkt.len() as u64;
+                self.ifaces[k].fifo_bytes -= len;
+                self.unqueue(q.flow, len);
+                let class = self.flows.get(q.flow).map_or(Class::Bulk, |f| f.class);
+                if let Some(f) = self.flows.get(q.flow) {
+                    f.vars.delay.set(now.0.saturating_sub(q.at.0));
+                }
+                self.bind(k, q, class, now, out);
+            }
+        }
+    }
+
+    /// Takes a packet going down.
+    fn enqueue(&mut self, mut p: Packet, now: Time, out: &mut Output<'_>) {
+        let info = match PacketInfo::parse(p.data()) {
+            Ok(i) => i,
+            Err(e) => {
+                self.drops.count(e);
+                out.drop_frame(p.into());
+                return;
+            }
+        };
+        if p.len() > info.total_len {
+            p.make_mut().truncate(info.total_len);
+        }
+        let len = p.len() as u64;
+        let slot = self.flow_for(&p, &info, out);
+        let q = Queued { pkt: p, hdr: Hdr::of(&info), at: now, flow: slot };
+        match self.cfg.mode {
+            Mode::Late => {
+                if self.queued >= self.cfg.queue_limit {
+                    self.meters.drop_full.add(1);
+                    out.drop_frame(q.pkt.into());
+                    return;
+                }
+                let Some(f) = self.flows.get_mut(slot) else { return };
+                f.queue.push_back(q);
+                f.last_seen = now;
+                f.pending += 1;
+                f.vars.queued.set(u64::from(f.pending));
+                if !f.active {
+                    f.active = true;
+                    self.active[f.class as usize].push_back(slot);
+                }
+            }
+            Mode::Early => {
+                let Some(k) = self.target(slot, len, now) else {
+                    self.meters.drop_no_iface.add(1);
+                    out.drop_frame(q.pkt.into());
+                    return;
+                };
+                // The FIFO and the device queue behind it hold fifo_limit + device_queue packets together.
+                let i = &self.ifaces[k];
+                if (i.fifo.len() + i.ring.len()) as u64 >= i.cfg.fifo_limit.saturating_add(i.cfg.device_queue) {
+                    self.ifaces[k].m.drop_full.add(1);
+                    self.meters.drop_full.add(1);
+                    out.drop_frame(q.pkt.into());
+                    return;
+                }
+                self.note_binding(slot, k, 0);
+                let Some(f) = self.flows.get_mut(slot) else { return };
+                f.last_seen = now;
+                f.pending += 1;
+                f.vars.queued.set(u64::from(f.pending));
+                self.ifaces[k].fifo_bytes += len;
+                self.ifaces[k].fifo.push_back(q);
+            }
+        }
+        self.queued += 1;
+        self.queued_bytes += len;
+    }
+
+    /// Maps a packet coming up to the virtual address if it is addressed to one of the interfaces.
+    fn map_up(&mut self, mut p: Packet, out: &mut Output<'_>) {
+        let info = match PacketInfo::parse(p.data()) {
+            Ok(i) => i,
+            Err(e) => {
+                self.drops.count(e);
+                out.drop_frame(p.into());
+                return;
+            }
+        };
+        let new: Option<Vec<u8>> = match info.dst {
+            IpAddr::V4(d) if self.ifaces.iter().any(|i| i.cfg.address_v4 == Some(d)) => {
+                self.cfg.virtual_v4.map(|v| v.octets().to_vec())
+            }
+            IpAddr::V6(d) if self.ifaces.iter().any(|i| i.cfg.address_v6 == Some(d)) => {
+                self.cfg.virtual_v6.map(|v| v.octets().to_vec())
+            }
+            _ => None,
+        };
+        if let Some(new) = new {
+            rewrite_address(p.make_mut(), &Hdr::of(&info), false, &new);
+            self.meters.up_mapped.add(1);
+        }
+        out.emit(self.ifaces.len(), p);
+    }
+
+    /// Forgets flows with nothing queued that were idle for `flow_idle_ms`.
+    fn sweep(&mut self, now: Time, out: &mut Output<'_>) {
+        if self.next_sweep.is_none_or(|t| t > now) {
+            return;
+        }
+        let idle = self.cfg.flow_idle_ns;
+        let gone: Vec<u32> = self
+            .flows
+            .iter()
+            .filter(|(_, f)| f.pending == 0 && !f.active && f.last_seen.0.saturating_add(idle) <= now.0)
+            .map(|(s, _)| s)
+            .collect();
+        for s in gone {
+            if let Some(f) = self.flows.remove(s) {
+                self.index.remove(&f.key);
+                out.unregister_vars(&f.vars_name);
+            }
+        }
+        self.meters.flows_active.set(self.flows.len() as u64);
+        self.next_sweep = (self.flows.len() > 0).then(|| now + std::time::Duration::from_nanos(idle.div_ceil(2)));
+    }
+
+    /// Everything a call does after taking its input: fill device queues, update meters, say when to wake.
+    fn settle(&mut self, now: Time, out: &mut Output<'_>) -> Option<Time> {
+        match self.cfg.mode {
+            Mode::Late => self.fill_late(now, out),
+            Mode::Early => self.fill_early(now, out),
+        }
+        self.sweep(now, out);
+        self.meters.queued.set(self.queued);
+        self.meters.queued_bytes.set(self.queued_bytes);
+        let mut next = self.next_sweep;
+        for i in &self.ifaces {
+            i.m.device_queue_len.set(i.ring.len() as u64);
+            i.m.queue_len.set(i.fifo.len() as u64);
+            if let Some(e) = i.ring.front() {
+                let t = if e.pkt.is_some() { e.start } else { e.end };
+                next = Some(next.map_or(t, |n: Time| n.min(t)));
+            }
+        }
+        next
+    }
+
+    fn set_class(&mut self, key: u64, class: Class) -> Result<(), String> {
+        let Some(&slot) = self.index.get(&key) else {
+            if self.overrides.len() >= MAX_OVERRIDES && !self.overrides.contains_key(&key) {
+                return Err(format!("more than {MAX_OVERRIDES} class overrides"));
+            }
+            self.overrides.insert(key, class);
+            return Ok(());
+        };
+        self.overrides.insert(key, class);
+        let Some(f) = self.flows.get_mut(slot) else { return Ok(()) };
+        let old = f.class;
+        f.class = class;
+        f.vars.class.store(&Value::Str(class.name().into()));
+        if f.active && old != class {
+            self.active[old as usize].retain(|&s| s != slot);
+            self.active[class as usize].push_back(slot);
+        }
+        Ok(())
+    }
+}
+
+impl Module for Binding {
+    fn process(&mut self, port: usize, input: &mut Batch, out: &mut Output<'_>) {
+        let now = out.now();
+        self.apply_downs(now, out);
+        self.advance(now, out);
+        for f in input.drain(..) {
+            match (f, port) {
+                (Frame::Data(p), IN_DOWN) => self.enqueue(p, now, out),
+                (Frame::Data(p), _) => self.map_up(p, out),
+                (f @ Frame::Control(_), _) => {
+                    self.drops.not_packet();
+                    out.drop_frame(f);
+                }
+            }
+        }
+        if let Some(t) = self.settle(now, out) {
+            out.wake_at(t);
+        }
+    }
+
+    fn poll(&mut self, out: &mut Output<'_>) -> Option<Time> {
+        let now = out.now();
+        self.apply_downs(now, out);
+        self.advance(now, out);
+        self.settle(now, out)
+    }
+
+    fn write_knob(&mut self, knob: &str, value: &Value) -> Result<(), String> {
+        let bad = || format!("cannot set {knob} to {value}");
+        match (knob, value) {
+            ("policy", Value::Str(s)) => self.cfg.policy = Policy::parse(s).ok_or_else(bad)?,
+            ("quantum", Value::U64(v)) if (MIN_QUANTUM..=MAX_QUANTUM).contains(v) => self.cfg.quantum = *v,
+            ("queue_limit", Value::U64(v)) if (1..=MAX_QUEUE_LIMIT).contains(v) => self.cfg.queue_limit = *v,
+            ("flow_idle_ms", Value::U64(v)) if (1..=MAX_IDLE_MS).contains(v) => self.cfg.flow_idle_ns = v * 1_000_000,
+            _ => {
+                let (name, param) = knob.rsplit_once('.').ok_or_else(bad)?;
+                let iface = self.ifaces.iter_mut().find(|i| i.cfg.name == name).ok_or_else(bad)?;
+                let c = &mut iface.cfg;
+                match (param, value) {
+                    ("rate_bps", Value::U64(v)) if *v <= MAX_RATE_BPS => c.rate_bps = *v,
+                    ("device_queue", Value::U64(v)) if (1..=MAX_DEVICE_QUEUE).contains(v) => c.device_queue = *v,
+                    ("weight", Value::U64(v)) if *v <= MAX_WEIGHT => c.weight = *v,
+                    ("fifo_limit", Value::U64(v)) if self.cfg.mode == Mode::Early && *v <= MAX_QUEUE_LIMIT => {
+                        c.fifo_limit = *v
+                    }
+                    ("up", Value::Bool(v)) => {
+                        if c.up && !*v {
+                            iface.pending_down = true;
+                        }
+                        c.up = *v;
+                    }
+                    _ => return Err(bad()),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn execute(&mut self, procedure: &str, argument: &Value, _out: &mut Output<'_>) -> Result<Value, String> {
+        if procedure != "class" {
+            return Err(format!("no procedure named {procedure} (procedures: class)"));
+        }
+        let text = match argument {
+            Value::Str(s) => s.as_str(),
+            other => return Err(format!("class expects \"<flow id> <class>\", got {other}")),
+        };
+        let (id, class) = text
+            .split_once(' ')
+            .and_then(|(i, c)| {
+                Some((i.trim().parse::<u64>().ok().filter(|i| i & HASHED == 0)?, Class::parse(c.trim())?))
+            })
+            .ok_or_else(|| format!("class expects \"<flow id> <urgent|interactive|bulk>\", got {text:?}"))?;
+        self.set_class(id, class)?;
+        Ok(Value::Str(format!("flow {id}: {}", class.name())))
+    }
+}
+
+#[cfg(test)]
+mod tests;

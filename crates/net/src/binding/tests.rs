@@ -1,0 +1,593 @@
+//! Unit tests of the binding modules, on a switch with a simulated clock: each interface's output goes to a
+//! recorder, which notes the switch time at which each packet was emitted.
+
+use super::*;
+use crate::classify::testutil::*;
+use crate::packet::build;
+use flexstack_core::{Direction, Switch};
+use smoltcp::wire::{IpAddress, Ipv4Packet, Ipv6Packet, TcpPacket, UdpPacket};
+use std::time::Duration;
+
+const APP: Ipv4Addr = Ipv4Addr::new(10, 77, 0, 2);
+const REMOTE: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 7);
+const A_ADDR: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 10);
+const B_ADDR: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 20);
+
+/// A UDP/IPv4 packet of exactly `size` bytes from port `sport`, with a DSCP, its index in the payload.
+fn udp(sport: u16, size: usize, dscp: u8, index: u32) -> Vec<u8> {
+    let mut data = index.to_be_bytes().to_vec();
+    data.resize(size - 28, 0);
+    let mut p = build::ipv4(APP, REMOTE, proto::UDP, 64, &build::udp(APP.into(), REMOTE.into(), sport, 9000, &data));
+    p[1] = dscp << 2;
+    p[10] = 0;
+    p[11] = 0;
+    let c = checksum::ipv4_header(&p[..20]);
+    p[10..12].copy_from_slice(&c.to_be_bytes());
+    p
+}
+
+/// The source port and the index of a packet made by [`udp`].
+fn port_index(data: &[u8]) -> (u16, u32) {
+    (u16::from_be_bytes([data[20], data[21]]), u32::from_be_bytes(data[28..32].try_into().unwrap()))
+}
+
+/// The settings written as TOML lines (`"a.rate_bps" = 8000000`: dotted knob names are quoted keys in stack
+/// files; the command line's `key=value` words do not take them).
+fn toml_settings(kind: &str, lines: &[&str]) -> flexstack_core::Settings {
+    let text = format!("[modules.s]\nkind = \"{kind}\"\n{}\n", lines.join("\n"));
+    let spec = flexstack_core::StackSpec::parse("test.toml", &text).unwrap_or_else(|e| panic!("{e}"));
+    spec.modules[0].settings.clone()
+}
+
+/// Loads binding module `name` of `kind` with settings written as TOML lines.
+fn load_toml(name: &str, kind: &str, lines: &[&str]) -> flexstack_core::Edit {
+    let settings = toml_settings(kind, lines);
+    let builder = catalog().configure(kind, &settings, None).unwrap_or_else(|e| panic!("{kind}: {e}"));
+    flexstack_core::Edit::Load { name: name.into(), kind: kind.into(), settings, builder }
+}
+
+/// The configuration error of a module of `kind` with settings written as TOML lines.
+fn toml_error(kind: &str, lines: &[&str]) -> String {
+    match catalog().configure(kind, &toml_settings(kind, lines), None) {
+        Ok(_) => panic!("{kind} {lines:?} configured"),
+        Err(e) => e.to_string(),
+    }
+}
+
+/// A binding module `s` of `kind` whose interfaces `a` and `b` each lead to a recorder of the same name.
+fn stack(kind: &str, args: &[&str]) -> (Switch, Log, Log) {
+    let mut sw = Switch::default();
+    let (a, la) = recorder("a");
+    let (b, lb) = recorder("b");
+    let mut all = vec!["interfaces=[\"a\", \"b\"]"];
+    all.extend_from_slice(args);
+    sw.apply(vec![load_toml("s", kind, &all), a, b, link("s[a] -> a"), link("s[b] -> b")]).unwrap();
+    sw.run(Time::ZERO);
+    (sw, la, lb)
+}
+
+/// Injects packets (going down, optionally with a flow id) and runs the switch at `at`.
+fn inject(sw: &mut Switch, at: Time, packets: &[Vec<u8>], flow: Option<u64>) {
+    let mut batch: Batch = packets
+        .iter()
+        .map(|d| {
+            let mut p = sw.pool().alloc_from(d);
+            p.set_direction(Direction::Down);
+            if let Some(id) = flow {
+                p.meta_mut().set(MetaKey::FLOW_ID, id);
+            }
+            Frame::Data(p)
+        })
+        .collect();
+    sw.inject("s", "in", &mut batch).unwrap();
+    sw.run(at);
+}
+
+/// Runs the switch at each time it asks for, up to `until`.
+fn drain(sw: &mut Switch, until: Time) {
+    while let Some(t) = sw.next_wakeup() {
+        if t > until {
+            break;
+        }
+        sw.run(t);
+    }
+}
+
+/// Runs procedure `class` of module `s` through an Exec control frame at `at`; the reply's value or error.
+fn exec(sw: &mut Switch, at: Time, argument: &str) -> Result<Value, String> {
+    sw.send_control(flexstack_core::ControlFrame {
+        op: flexstack_core::ControlOp::Exec,
+        sender: flexstack_core::switch::CONTROL_PLANE.into(),
+        dest: "s".into(),
+        serial: 1,
+        param: "class".into(),
+        value: Value::Str(argument.into()),
+    });
+    sw.run(at);
+    let reply = sw.take_control_inbox().pop().expect("a reply");
+    match reply.op {
+        flexstack_core::ControlOp::ExecReply => Ok(reply.value),
+        _ => Err(reply.value.to_string()),
+    }
+}
+
+fn ms(x: u64) -> Time {
+    Time::from_millis(x)
+}
+
+fn us(x: u64) -> Time {
+    Time(x * 1000)
+}
+
+/// 8 Mbit/s: one byte per µs, a 1000-byte packet per ms.
+const RATE_8M: &str = "\"a.rate_bps\"=8000000";
+
+#[test]
+fn device_queue_drains_at_the_rate_and_emits_at_transmission_start() {
+    let (mut sw, la, _) = stack(LATE_KIND, &[RATE_8M]);
+    let pkts: Vec<Vec<u8>> = (0..5).map(|i| udp(1000, 1000, 0, i)).collect();
+    inject(&mut sw, ms(0), &pkts, None);
+    // One packet on the (modelled) wire, one waiting in the device queue, three above the binding point.
+    assert_eq!(u64_var(&sw, "module.s.a.device_queue_len"), 2);
+    assert_eq!(u64_var(&sw, "module.s.queued"), 3);
+    assert_eq!(take(&la).len(), 1);
+    // The next emission comes exactly when the first transmission ends, not a nanosecond before.
+    assert_eq!(sw.next_wakeup(), Some(ms(1)));
+    sw.run(Time(ms(1).0 - 1));
+    assert!(take(&la).is_empty());
+    drain(&mut sw, ms(100));
+    let times: Vec<Time> = take(&la).iter().map(|s| s.at).collect();
+    assert_eq!(times, [ms(1), ms(2), ms(3), ms(4)]);
+    assert_eq!(u64_var(&sw, "module.s.a.bound_packets_total"), 5);
+    assert_eq!(u64_var(&sw, "module.s.a.bound_bytes_total"), 5000);
+    assert_eq!(u64_var(&sw, "module.s.a.device_queue_len"), 0);
+    assert_eq!(sw.next_wakeup(), Some(ms(0) + Duration::from_millis(30_000)), "only the flow sweep is left");
+}
+
+#[test]
+fn urgent_class_goes_before_bulk_that_is_above_the_binding_point() {
+    let (mut sw, la, _) = stack(LATE_KIND, &[RATE_8M]);
+    let bulk: Vec<Vec<u8>> = (0..10).map(|i| udp(1000, 1000, 0, i)).collect();
+    inject(&mut sw, ms(0), &bulk, None);
+    drain(&mut sw, us(500));
+    // EF (46) is urgent: three urgent packets arrive at 0.5 ms behind ten bulk ones.
+    let urgent: Vec<Vec<u8>> = (0..3).map(|i| udp(2000, 1000, 46, 100 + i)).collect();
+    inject(&mut sw, us(500), &urgent, None);
+    drain(&mut sw, ms(100));
+    let seen: Vec<(u16, u32, Time)> = take(&la)
+        .iter()
+        .map(|s| {
+            let (p, i) = port_index(&s.data);
+            (p, i, s.at)
+        })
+        .collect();
+    // The two bulk packets already below the binding point go first; then urgent, then the rest of bulk.
+    let order: Vec<u32> = seen.iter().map(|s| s.1).collect();
+    assert_eq!(order, [0, 1, 100, 101, 102, 2, 3, 4, 5, 6, 7, 8, 9]);
+    assert_eq!(seen[2].2, ms(2), "the first urgent packet waits only for the device queue");
+    assert!(take(&la).is_empty());
+    // The class is the flow's, shown in its runtime meters (hashed flow: its id is h<hash>).
+    let reg = sw.registry().snapshot();
+    let classes: Vec<Value> = reg.matching("flow.*.binding.class").map(|(_, c)| c.get()).collect();
+    assert_eq!(classes.len(), 2);
+    assert!(classes.contains(&Value::Str("urgent".into())) && classes.contains(&Value::Str("bulk".into())));
+}
+
+#[test]
+fn class_rules_metadata_and_overrides_decide_the_class() {
+    let (mut sw, la, _) = stack(
+        LATE_KIND,
+        &[RATE_8M, "class_rules=[\"urgent udp port 3000\", \"bulk dscp 46\"]", "\"a.device_queue\"=1"],
+    );
+    // Flow 7 (bulk by DSCP 0) fills the device queue; the override makes flow 8 (EF, but "bulk dscp 46") urgent
+    // before it appears; the port-3000 flow is urgent by rule.
+    inject(&mut sw, ms(0), &(0..4).map(|i| udp(1000, 1000, 0, i)).collect::<Vec<_>>(), Some(7));
+    assert_eq!(exec(&mut sw, ms(0), "8 interactive"), Ok(Value::Str("flow 8: interactive".into())));
+    inject(&mut sw, us(100), &[udp(1001, 1000, 46, 50)], Some(8));
+    inject(&mut sw, us(200), &[udp(3000, 1000, 0, 60)], Some(9));
+    inject(&mut sw, us(300), &[udp(1002, 1000, 46, 70)], Some(10));
+    drain(&mut sw, ms(100));
+    let order: Vec<u32> = take(&la).iter().map(|s| port_index(&s.data).1).collect();
+    // Flow 10 is bulk by rule and shares with flow 7 by DRR (quantum 1514: one or two 1000-byte packets a turn).
+    assert_eq!(order, [0, 60, 50, 1, 2, 70, 3]);
+    assert_eq!(var(&sw, "flow.8.binding.class"), Some(Value::Str("interactive".into())));
+    assert_eq!(var(&sw, "flow.9.binding.class"), Some(Value::Str("urgent".into())));
+    assert_eq!(var(&sw, "flow.10.binding.class"), Some(Value::Str("bulk".into())));
+    assert_eq!(var(&sw, "flow.7.binding.interface"), Some(Value::Str("a".into())));
+    assert!(exec(&mut sw, ms(100), "8 fast").unwrap_err().contains("urgent|interactive|bulk"));
+    // The override moves a flow that is waiting.
+    inject(&mut sw, ms(200), &(0..3).map(|i| udp(1000, 1000, 0, 200 + i)).collect::<Vec<_>>(), Some(7));
+    inject(&mut sw, ms(200), &[udp(1003, 1000, 0, 300)], Some(11));
+    exec(&mut sw, ms(200), "11 urgent").unwrap();
+    drain(&mut sw, ms(300));
+    let order: Vec<u32> = take(&la).iter().map(|s| port_index(&s.data).1).collect();
+    assert_eq!(order, [200, 300, 201, 202]);
+}
+
+#[test]
+fn deficit_round_robin_shares_bytes_within_one_packet() {
+    // Three backlogged bulk flows with packets of 200, 700 and 1500 bytes on a 100 Mbit/s interface.
+    let (mut sw, la, _) = stack(LATE_KIND, &["\"a.rate_bps\"=100000000", "queue_limit=100000", "quantum=500"]);
+    let sizes = [(1u16, 200usize), (2, 700), (3, 1500)];
+    for (port, size) in sizes {
+        let n = 3_000_000 / size;
+        let pkts: Vec<Vec<u8>> = (0..n as u32).map(|i| udp(port, size, 0, i)).collect();
+        inject(&mut sw, ms(0), &pkts, None);
+    }
+    // 100 ms at 100 Mbit/s is 1.25 MB: every flow stays backlogged.
+    drain(&mut sw, ms(100));
+    let mut bytes = [0u64; 3];
+    for s in take(&la) {
+        let (port, _) = port_index(&s.data);
+        bytes[port as usize - 1] += s.data.len() as u64;
+    }
+    let total: u64 = bytes.iter().sum();
+    assert!(total > 1_200_000, "{total}");
+    let fair = total / 3;
+    for (k, b) in bytes.iter().enumerate() {
+        assert!(b.abs_diff(fair) <= 1500, "flow {k}: {b} bytes, fair share {fair} ({bytes:?})");
+    }
+}
+
+#[test]
+fn preferred_fails_over_and_back() {
+    let (mut sw, la, lb) = stack(LATE_KIND, &[]);
+    inject(&mut sw, ms(0), &[udp(1, 100, 0, 0)], Some(1));
+    sw.apply(vec![knob("s", "a.up", Value::Bool(false))]).unwrap();
+    inject(&mut sw, ms(1), &[udp(1, 100, 0, 1)], Some(1));
+    sw.apply(vec![knob("s", "a.up", Value::Bool(true))]).unwrap();
+    inject(&mut sw, ms(2), &[udp(1, 100, 0, 2)], Some(1));
+    let a: Vec<u32> = take(&la).iter().map(|s| port_index(&s.data).1).collect();
+    let b: Vec<u32> = take(&lb).iter().map(|s| port_index(&s.data).1).collect();
+    assert_eq!((a, b), (vec![0, 2], vec![1]));
+    assert_eq!(u64_var(&sw, "module.s.rebinds_total"), 2);
+    assert_eq!(u64_var(&sw, "module.s.b.rebinds_total"), 1);
+    assert_eq!(u64_var(&sw, "module.s.a.rebinds_total"), 1);
+}
+
+#[test]
+fn affinity_keeps_flows_on_their_interface_while_it_is_up() {
+    let (mut sw, la, lb) =
+        stack(LATE_KIND, &["policy=\"affinity\"", RATE_8M, "\"b.rate_bps\"=8000000", "\"a.device_queue\"=50"]);
+    // Flow 1 goes to a (both idle: the first); flow 2 then finds a busy and goes to b.
+    inject(&mut sw, ms(0), &[udp(1, 1000, 0, 0)], Some(1));
+    inject(&mut sw, ms(0), &[udp(2, 1000, 0, 0)], Some(2));
+    // Flow 1 stays on a even with a backlog there and b idle.
+    inject(&mut sw, ms(0), &(1..20).map(|i| udp(1, 1000, 0, i)).collect::<Vec<_>>(), Some(1));
+    drain(&mut sw, ms(100));
+    let ports = |l: &Log| take(l).iter().map(|s| port_index(&s.data).0).collect::<Vec<_>>();
+    assert_eq!(ports(&la), vec![1; 20]);
+    assert_eq!(ports(&lb), vec![2]);
+    assert_eq!(var(&sw, "flow.1.binding.interface"), Some(Value::Str("a".into())));
+    assert_eq!(var(&sw, "flow.2.binding.interface"), Some(Value::Str("b".into())));
+    // a goes down: flow 1 is re-pinned to b and stays there when a comes back.
+    sw.apply(vec![knob("s", "a.up", Value::Bool(false))]).unwrap();
+    inject(&mut sw, ms(200), &[udp(1, 1000, 0, 30)], Some(1));
+    sw.apply(vec![knob("s", "a.up", Value::Bool(true))]).unwrap();
+    drain(&mut sw, ms(300));
+    inject(&mut sw, ms(300), &[udp(1, 1000, 0, 31)], Some(1));
+    drain(&mut sw, ms(400));
+    assert!(take(&la).is_empty());
+    assert_eq!(ports(&lb), vec![1, 1]);
+    assert_eq!(u64_var(&sw, "module.s.rebinds_total"), 1);
+}
+
+#[test]
+fn weighted_splits_flows_by_weight() {
+    let (mut sw, la, lb) = stack(LATE_KIND, &["policy=\"weighted\"", "\"a.weight\"=3", "\"b.weight\"=1"]);
+    for id in 1..=800u64 {
+        inject(&mut sw, ms(id), &[udp(id as u16, 100, 0, 0), udp(id as u16, 100, 0, 1)], Some(id));
+    }
+    let on = |l: &Log| {
+        let seen = take(l);
+        let mut flows: Vec<u16> = seen.iter().map(|s| port_index(&s.data).0).collect();
+        flows.dedup();
+        (seen.len(), flows.len())
+    };
+    let (pa, fa) = on(&la);
+    let (pb, fb) = on(&lb);
+    // Both packets of a flow go the same way, and the flows split about 3:1 (600 ± 40 of 800).
+    assert_eq!((pa, pb), (2 * fa, 2 * fb));
+    assert_eq!(fa + fb, 800);
+    assert!(fa.abs_diff(600) <= 40, "{fa} flows on a, {fb} on b");
+    assert_eq!(u64_var(&sw, "module.s.rebinds_total"), 0);
+    // Weight 0 takes b out of new choices.
+    sw.apply(vec![knob("s", "b.weight", Value::U64(0))]).unwrap();
+    for id in 1000..1100u64 {
+        inject(&mut sw, ms(id), &[udp(id as u16, 100, 0, 0)], Some(id));
+    }
+    assert_eq!(on(&la).1, 100);
+}
+
+#[test]
+fn fastest_splits_by_rate() {
+    // a: 10 Mbit/s, b: 1 Mbit/s, deep device queues: packets go where they would finish first.
+    let (mut sw, la, lb) = stack(
+        LATE_KIND,
+        &[
+            "policy=\"fastest\"",
+            "\"a.rate_bps\"=10000000",
+            "\"b.rate_bps\"=1000000",
+            "\"a.device_queue\"=1000",
+            "\"b.device_queue\"=1000",
+        ],
+    );
+    inject(&mut sw, ms(0), &(0..1100).map(|i| udp(1, 1000, 0, i)).collect::<Vec<_>>(), Some(1));
+    drain(&mut sw, Time::from_millis(10_000));
+    let (a, b) = (take(&la).len(), take(&lb).len());
+    assert_eq!(a + b, 1100);
+    assert!((990..=1010).contains(&a), "{a} on a, {b} on b");
+}
+
+/// Twenty 1000-byte packets at 0 ms on a at 8 Mbit/s; a goes down at 0.5 ms; returns what each side emitted.
+fn handoff(kind: &str) -> (Switch, Vec<u32>, Vec<u32>) {
+    let (mut sw, la, lb) = stack(kind, &[RATE_8M, "\"b.rate_bps\"=8000000"]);
+    inject(&mut sw, ms(0), &(0..20).map(|i| udp(1, 1000, 0, i)).collect::<Vec<_>>(), Some(1));
+    drain(&mut sw, us(500));
+    sw.apply(vec![knob("s", "a.up", Value::Bool(false))]).unwrap();
+    sw.run(us(500));
+    drain(&mut sw, ms(100));
+    let idx = |l: &Log| take(l).iter().map(|s| port_index(&s.data).1).collect::<Vec<_>>();
+    let (a, b) = (idx(&la), idx(&lb));
+    (sw, a, b)
+}
+
+#[test]
+fn late_binding_loses_only_the_device_queue_on_interface_down() {
+    let (sw, a, b) = handoff(LATE_KIND);
+    // Packet 0 was on the wire, packet 1 waited in the 2-packet device queue: it alone is lost.
+    assert_eq!(a, [0]);
+    assert_eq!(b, (2..20).collect::<Vec<_>>());
+    assert_eq!(u64_var(&sw, "module.s.a.drop_interface_down_total"), 1);
+    assert_eq!(u64_var(&sw, "module.s.a.tx_interrupted_total"), 1);
+    assert_eq!(u64_var(&sw, "module.s.drop_interface_down_total"), 1);
+    assert_eq!(u64_var(&sw, "module.s.frames_dropped_total"), 1);
+    assert_eq!(u64_var(&sw, "module.s.rebinds_total"), 1);
+    assert_eq!(u64_var(&sw, "module.s.b.rebinds_total"), 1);
+    assert_eq!(u64_var(&sw, "module.s.queued"), 0);
+    let stats = sw.pool().stats();
+    assert_eq!(stats.free, stats.allocated, "every packet went back to the pool");
+}
+
+#[test]
+fn early_binding_loses_everything_queued_on_the_interface() {
+    let (sw, a, b) = handoff(EARLY_KIND);
+    // All twenty were bound to a at enqueue: the 19 not yet on the wire are lost, nothing reaches b.
+    assert_eq!(a, [0]);
+    assert!(b.is_empty());
+    assert_eq!(u64_var(&sw, "module.s.a.drop_interface_down_total"), 19);
+    assert_eq!(u64_var(&sw, "module.s.drop_interface_down_total"), 19);
+    assert_eq!(u64_var(&sw, "module.s.a.tx_interrupted_total"), 1);
+    assert_eq!(u64_var(&sw, "module.s.queued"), 0);
+    let stats = sw.pool().stats();
+    assert_eq!(stats.free, stats.allocated);
+}
+
+#[test]
+fn early_binding_fifo_limit_and_no_interface() {
+    let (mut sw, la, _) = stack(EARLY_KIND, &[RATE_8M, "\"a.fifo_limit\"=5", "\"a.device_queue\"=3"]);
+    inject(&mut sw, ms(0), &(0..10).map(|i| udp(1, 1000, 0, i)).collect::<Vec<_>>(), Some(1));
+    // FIFO and device queue hold 5 + 3 packets together; the other two are dropped.
+    assert_eq!(u64_var(&sw, "module.s.a.drop_queue_full_total"), 2);
+    assert_eq!(u64_var(&sw, "module.s.a.device_queue_len"), 3);
+    assert_eq!(u64_var(&sw, "module.s.a.queue_len"), 5);
+    drain(&mut sw, ms(100));
+    assert_eq!(take(&la).len(), 8);
+    sw.apply(vec![knob("s", "a.up", Value::Bool(false)), knob("s", "b.up", Value::Bool(false))]).unwrap();
+    inject(&mut sw, ms(200), &[udp(1, 1000, 0, 99)], Some(1));
+    assert_eq!(u64_var(&sw, "module.s.drop_no_interface_total"), 1);
+    assert_eq!(u64_var(&sw, "module.s.frames_dropped_total"), 3);
+}
+
+#[test]
+fn late_binding_holds_packets_while_no_interface_is_up_up_to_the_limit() {
+    let (mut sw, _la, lb) = stack(LATE_KIND, &["queue_limit=4", "\"a.up\"=false", "\"b.up\"=false"]);
+    inject(&mut sw, ms(0), &(0..6).map(|i| udp(1, 100, 0, i)).collect::<Vec<_>>(), None);
+    assert_eq!(u64_var(&sw, "module.s.queued"), 4);
+    assert_eq!(u64_var(&sw, "module.s.drop_queue_full_total"), 2);
+    sw.apply(vec![knob("s", "b.up", Value::Bool(true))]).unwrap();
+    sw.run(ms(1));
+    let got: Vec<u32> = take(&lb).iter().map(|s| port_index(&s.data).1).collect();
+    assert_eq!(got, [0, 1, 2, 3]);
+}
+
+#[test]
+fn device_queue_knob_changes_live() {
+    let (mut sw, la, _) = stack(LATE_KIND, &[RATE_8M]);
+    inject(&mut sw, ms(0), &(0..20).map(|i| udp(1, 1000, 0, i)).collect::<Vec<_>>(), None);
+    assert_eq!(u64_var(&sw, "module.s.a.device_queue_len"), 2);
+    sw.apply(vec![knob("s", "a.device_queue", Value::U64(5))]).unwrap();
+    sw.run(us(100));
+    assert_eq!(u64_var(&sw, "module.s.a.device_queue_len"), 5);
+    assert_eq!(u64_var(&sw, "module.s.queued"), 15);
+    // Smaller again: no packet is taken back, but none is admitted until the queue is below 1.
+    sw.apply(vec![knob("s", "a.device_queue", Value::U64(1))]).unwrap();
+    drain(&mut sw, ms(4));
+    assert_eq!(u64_var(&sw, "module.s.a.device_queue_len"), 1);
+    assert_eq!(u64_var(&sw, "module.s.queued"), 15);
+    drain(&mut sw, ms(5));
+    assert_eq!(u64_var(&sw, "module.s.queued"), 14);
+    assert!(sw.apply(vec![knob("s", "a.device_queue", Value::U64(0))]).is_err());
+    drain(&mut sw, ms(100));
+    assert_eq!(take(&la).len(), 20);
+}
+
+/// Checks a packet with smoltcp's wire types (independent of this crate's checksum code).
+fn smoltcp_verifies(pkt: &[u8]) -> (IpAddr, IpAddr) {
+    match pkt[0] >> 4 {
+        4 => {
+            let ip = Ipv4Packet::new_checked(pkt).unwrap();
+            assert!(ip.verify_checksum(), "IPv4 header checksum");
+            let (s, d) = (IpAddress::from(ip.src_addr()), IpAddress::from(ip.dst_addr()));
+            match u8::from(ip.next_header()) {
+                proto::UDP => assert!(UdpPacket::new_checked(ip.payload()).unwrap().verify_checksum(&s, &d)),
+                proto::TCP => assert!(TcpPacket::new_checked(ip.payload()).unwrap().verify_checksum(&s, &d)),
+                proto::ICMP => {
+                    assert!(smoltcp::wire::Icmpv4Packet::new_checked(ip.payload()).unwrap().verify_checksum())
+                }
+                p => panic!("protocol {p}"),
+            }
+            (ip.src_addr().into(), ip.dst_addr().into())
+        }
+        _ => {
+            let ip = Ipv6Packet::new_checked(pkt).unwrap();
+            let (s, d) = (IpAddress::from(ip.src_addr()), IpAddress::from(ip.dst_addr()));
+            match u8::from(ip.next_header()) {
+                proto::UDP => assert!(UdpPacket::new_checked(ip.payload()).unwrap().verify_checksum(&s, &d)),
+                proto::TCP => assert!(TcpPacket::new_checked(ip.payload()).unwrap().verify_checksum(&s, &d)),
+                proto::ICMPV6 => assert!(smoltcp::wire::Icmpv6Packet::new_checked(ip.payload())
+                    .unwrap()
+                    .verify_checksum(&ip.src_addr(), &ip.dst_addr())),
+                p => panic!("protocol {p}"),
+            }
+            (ip.src_addr().into(), ip.dst_addr().into())
+        }
+    }
+}
+
+fn v6(s: &str) -> Ipv6Addr {
+    s.parse().unwrap()
+}
+
+/// An ICMPv6 echo request with a correct checksum.
+fn echo6(s: Ipv6Addr, d: Ipv6Addr) -> Vec<u8> {
+    let mut m = vec![128, 0, 0, 0, 0, 7, 0, 1, b'h', b'i'];
+    let c = checksum::finish(checksum::sum(checksum::pseudo_header(s.into(), d.into(), proto::ICMPV6, 10), &m));
+    m[2..4].copy_from_slice(&c.to_be_bytes());
+    build::ipv6(s, d, proto::ICMPV6, 64, &m)
+}
+
+#[test]
+fn binding_maps_the_source_address_with_correct_checksums() {
+    let (app6, rem6, a6) = (v6("fd77:4d:1::2"), v6("2001:db8:99::7"), v6("2001:db8:a::10"));
+    let (mut sw, la, lb) = stack(
+        LATE_KIND,
+        &[
+            &format!("\"a.address_v4\"=\"{A_ADDR}\""),
+            &format!("\"a.address_v6\"=\"{a6}\""),
+            &format!("\"b.address_v4\"=\"{B_ADDR}\""),
+        ],
+    );
+    let packets = vec![
+        udp(5000, 300, 0, 1),
+        build::ipv4(APP, REMOTE, proto::TCP, 64, &build::tcp(APP.into(), REMOTE.into(), 4000, 80, b"hello")),
+        build::ipv4(APP, REMOTE, proto::ICMP, 64, &build::icmpv4_echo(9, 1, b"ping")),
+        build::ipv6(app6, rem6, proto::UDP, 64, &build::udp(app6.into(), rem6.into(), 5000, 53, b"query")),
+        build::ipv6(app6, rem6, proto::TCP, 64, &build::tcp(app6.into(), rem6.into(), 4000, 443, b"x")),
+        echo6(app6, rem6),
+    ];
+    for p in &packets {
+        smoltcp_verifies(p);
+    }
+    inject(&mut sw, ms(0), &packets, None);
+    let seen = take(&la);
+    assert_eq!(seen.len(), 6);
+    for (s, orig) in seen.iter().zip(&packets) {
+        let (src, dst) = smoltcp_verifies(&s.data);
+        let want: IpAddr = if orig[0] >> 4 == 4 { A_ADDR.into() } else { a6.into() };
+        assert_eq!((src, dst.is_ipv4()), (want, orig[0] >> 4 == 4));
+        assert_eq!(s.meta.get(MetaKey::OUT_FACE), Some(0));
+        assert_eq!(s.data.len(), orig.len());
+    }
+    // A UDP datagram without checksum keeps none; b has no IPv6 address: the source is kept.
+    let mut nock = udp(6000, 100, 0, 2);
+    nock[26] = 0;
+    nock[27] = 0;
+    sw.apply(vec![knob("s", "a.up", Value::Bool(false))]).unwrap();
+    inject(&mut sw, ms(1), &[nock, packets[3].clone()], None);
+    let seen = take(&lb);
+    assert_eq!(seen.len(), 2);
+    assert_eq!(smoltcp_verifies(&seen[0].data).0, IpAddr::from(B_ADDR));
+    assert_eq!(seen[0].data[26..28], [0, 0]);
+    assert_eq!(seen[1].data, packets[3]);
+    assert!(take(&la).is_empty());
+}
+
+#[test]
+fn the_way_up_maps_interface_addresses_back_to_the_virtual_one() {
+    let mut sw = Switch::default();
+    let (up, lu) = recorder("up");
+    let (a, _) = recorder("a");
+    sw.apply(vec![
+        load_toml(
+            "s",
+            LATE_KIND,
+            &["interfaces=[\"a\"]", &format!("\"a.address_v4\"=\"{A_ADDR}\""), &format!("virtual_v4=\"{APP}\"")],
+        ),
+        up,
+        a,
+        link("s[a] -> a"),
+        link("s[up_out] -> up"),
+    ])
+    .unwrap();
+    let reply =
+        build::ipv4(REMOTE, A_ADDR, proto::TCP, 64, &build::tcp(REMOTE.into(), A_ADDR.into(), 80, 4000, b"answer"));
+    let other = build::ipv4(REMOTE, B_ADDR, proto::UDP, 64, &build::udp(REMOTE.into(), B_ADDR.into(), 1, 2, b"x"));
+    send(&mut sw, "s", "up_in", &[reply, other.clone(), vec![0x45, 0]], Direction::Up, 1);
+    let seen = take(&lu);
+    assert_eq!(seen.len(), 2);
+    assert_eq!(smoltcp_verifies(&seen[0].data).1, IpAddr::from(APP));
+    assert_eq!(seen[1].data, other);
+    assert_eq!(u64_var(&sw, "module.s.up_mapped_total"), 1);
+    assert_eq!(u64_var(&sw, "module.s.drop_truncated_total"), 1);
+}
+
+#[test]
+fn flows_are_forgotten_when_idle_and_their_variables_go() {
+    let (mut sw, _la, _) = stack(LATE_KIND, &["flow_idle_ms=100"]);
+    inject(&mut sw, ms(0), &[udp(1, 100, 0, 0)], Some(3));
+    assert_eq!(u64_var(&sw, "module.s.flows_active"), 1);
+    assert_eq!(var(&sw, "flow.3.binding.queue_delay_ns"), Some(Value::U64(0)));
+    drain(&mut sw, ms(1000));
+    assert_eq!(u64_var(&sw, "module.s.flows_active"), 0);
+    assert_eq!(var(&sw, "flow.3.binding.class"), None);
+    assert_eq!(sw.next_wakeup(), None);
+}
+
+#[test]
+fn settings_are_checked() {
+    assert!(toml_error(LATE_KIND, &[]).contains("needs `interfaces`"));
+    assert!(toml_error(LATE_KIND, &["interfaces=[\"a\", \"a\"]"]).contains("named twice"));
+    assert!(toml_error(LATE_KIND, &["interfaces=[\"up_out\"]"]).contains("invalid interface name"));
+    assert!(toml_error(LATE_KIND, &["interfaces=[\"a\"]", "policy=\"random\""]).contains("expected preferred"));
+    assert!(toml_error(LATE_KIND, &["interfaces=[\"a\"]", "\"a.device_queue\"=0"]).contains("1..=1000000"));
+    assert!(toml_error(LATE_KIND, &["interfaces=[\"a\"]", "\"b.up\"=true"]).contains("unknown setting `b.up`"));
+    assert!(toml_error(LATE_KIND, &["interfaces=[\"a\"]", "\"a.address_v4\"=\"fd00::1\""]).contains("IPv4"));
+    assert!(toml_error(LATE_KIND, &["interfaces=[\"a\"]", "\"a.fifo_limit\"=3"]).contains("unknown setting"));
+    let e = toml_error(LATE_KIND, &["interfaces=[\"a\"]", "class_rules=[\"urgent udp port x\"]"]);
+    assert!(e.contains("rule 1") && e.contains("port number"), "{e}");
+    assert_eq!(
+        ClassRule::parse("interactive tcp port 22").unwrap(),
+        ClassRule { class: Class::Interactive, protocol: Some(proto::TCP), port: Some(22), dscp: None }
+    );
+    assert!(ClassRule::parse("bulk dscp 64").is_err());
+    assert!(ClassRule::parse("bulk tcp extra").is_err());
+    assert_eq!(Class::from_dscp(46), Class::Urgent);
+    assert_eq!(Class::from_dscp(34), Class::Interactive);
+    assert_eq!(Class::from_dscp(0), Class::Bulk);
+    assert_eq!(dscp_of(&udp(1, 100, 46, 0)), 46);
+    let mut p6 = echo6(v6("fd00::1"), v6("fd00::2"));
+    p6[0] = 0x6b;
+    p6[1] = 0x80;
+    assert_eq!(dscp_of(&p6), 46);
+}
+
+/// The example stack in the repository configures with this crate's kinds (the faces are the daemon's).
+#[test]
+fn the_example_stack_loads() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../stacks/late-binding-example.toml");
+    let text = std::fs::read_to_string(path).expect("stacks/late-binding-example.toml");
+    let spec = flexstack_core::StackSpec::parse("late-binding-example.toml", &text).unwrap();
+    let catalog = catalog();
+    let mut configured = 0;
+    for m in &spec.modules {
+        if catalog.get(&m.kind).is_some() {
+            catalog.configure(&m.kind, &m.settings, m.location.clone()).unwrap_or_else(|e| panic!("{e}"));
+            configured += 1;
+        } else {
+            assert!(["packet", "tun", "emulator"].contains(&m.kind.as_str()), "unknown kind {}", m.kind);
+        }
+    }
+    assert!(spec.modules.iter().any(|m| m.kind == LATE_KIND));
+    assert!(configured >= 2);
+}

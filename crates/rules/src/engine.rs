@@ -1,0 +1,1118 @@
+//! The runtime: loaded rules as instantiated units, their signalling, and the revision repository.
+//!
+//! A [`RuleEngine`] is owned by one thread (the daemon's control thread) and driven by calls that each take `now`
+//! and an [`Environment`] to read variables from; it never reads a clock and never writes a knob itself.
+//!
+//! Calling order:
+//! 1. `handle_*` inputs, at any time: [`RuleEngine::handle_load_text`], [`RuleEngine::handle_load`],
+//!    [`RuleEngine::handle_unload`], [`RuleEngine::handle_replace`], [`RuleEngine::handle_rollback`] (changes,
+//!    each a new revision), [`RuleEngine::handle_meter_changed`] (a pushed value), [`RuleEngine::evaluate`]
+//!    (a pull, as a trigger would), [`RuleEngine::handle_write_result`] (how a knob write went).
+//! 2. [`RuleEngine::advance`] whenever `Step::next_wakeup` comes, and at the caller's sampling interval: it
+//!    creates and drops per-name instances, fires due timers, samples the meters that rules wait on, runs the
+//!    resulting evaluations, and returns the knob writes to apply with the next wake-up time.
+//! 3. [`RuleEngine::poll_notice`] for what happened on its own (context sections loading rules, failed writes).
+//!
+//! Reads: [`RuleEngine::list`], [`RuleEngine::show`], [`RuleEngine::value`], [`RuleEngine::log`],
+//! [`RuleEngine::diff`]. [`drive`] is `advance` plus applying the writes to an environment, for tests and tools.
+//!
+//! How rules run (see docs/rules.md): each loaded rule is an *instance* (one per binding of its `*`s) owning the
+//! units of its expression. A rule with an incoming trigger, or used by such a rule, is *pulled*: it is only
+//! evaluated by query. Every other rule is *pushed*: it is evaluated (by a query of its own units) when a meter
+//! it reads changes, a timer in it ticks, or a pushed rule it uses emits. A rule *emits* when its output changes;
+//! then the pushed rules that use it are evaluated and, if the new output is true (or a non-zero number, or a
+//! non-empty string), the targets of its triggers run. Evaluations of one wave run in dependency order, each unit
+//! at most once.
+
+use crate::compile::{self, compile, Program, RuleAction, RuleDef};
+use crate::diag::Diagnostic;
+use crate::env::Environment;
+use crate::syntax::Section;
+use crate::units::{compute, truthy, Core, EvalCx, KnobWrite, Node, Param, StateValue, Unit, UnitKind};
+use flexstack_core::{Time, Value};
+use serde::Serialize;
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, HashSet, VecDeque};
+use std::sync::Arc;
+
+/// Most rounds of context actions (a load that triggers a load ...) run by one call.
+const MAX_ACTION_ROUNDS: usize = 16;
+
+/// Times serialize as nanoseconds on the caller's clock.
+fn ser_time<S: serde::Serializer>(t: &Time, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_u64(t.as_nanos())
+}
+
+fn ser_opt_time<S: serde::Serializer>(t: &Option<Time>, s: S) -> Result<S::Ok, S::Error> {
+    match t {
+        Some(t) => s.serialize_some(&t.as_nanos()),
+        None => s.serialize_none(),
+    }
+}
+
+/// Why a request to the engine was refused (nothing changed).
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum RuleError {
+    /// The text has errors (each with line:column).
+    #[error("{}", .0.iter().map(|d| d.to_string()).collect::<Vec<_>>().join("\n"))]
+    Invalid(Vec<Diagnostic>),
+    /// No rule by that name is defined.
+    #[error("unknown rule {0}: expected a rule defined by a loaded text (see `rules list`)")]
+    UnknownRule(String),
+    /// The rule is defined but not loaded by itself (it may run as another rule's dependency).
+    #[error("rule {0} is not loaded by itself: expected one of the loaded rules (see `rules list`)")]
+    NotLoaded(String),
+    /// No revision by that number.
+    #[error("unknown revision {0}: expected one listed by `rules log`")]
+    UnknownRevision(u64),
+}
+
+/// What [`RuleEngine::advance`] returns.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Step {
+    /// Knob writes to apply, in order; report each result with [`RuleEngine::handle_write_result`].
+    pub writes: Vec<KnobWrite>,
+    /// When a timer is next due (call `advance` then at the latest).
+    #[serde(serialize_with = "ser_opt_time")]
+    pub next_wakeup: Option<Time>,
+}
+
+/// Something the engine did on its own.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Notice {
+    /// When.
+    #[serde(serialize_with = "ser_time")]
+    pub at: Time,
+    /// What happened.
+    pub message: String,
+}
+
+/// The result of loading a text.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct LoadReport {
+    /// The revision it became.
+    pub revision: u64,
+    /// The rules it defined, in written order.
+    pub defined: Vec<String>,
+    /// The rules loaded by it (outside `[manual]`).
+    pub loaded: Vec<String>,
+    /// Warnings (each with line:column).
+    pub warnings: Vec<Diagnostic>,
+}
+
+/// One entry of the repository's log.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct RevisionInfo {
+    /// Its number, from 1.
+    pub number: u64,
+    /// What changed.
+    pub what: String,
+    /// When (the caller's clock).
+    #[serde(serialize_with = "ser_time")]
+    pub at: Time,
+    /// Rules defined in it.
+    pub rules: usize,
+    /// Rules loaded by themselves in it.
+    pub loaded: Vec<String>,
+}
+
+struct Revision {
+    info: RevisionInfo,
+    program: Arc<Program>,
+    explicit: BTreeSet<String>,
+}
+
+/// A unit as `show` presents it.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct UnitView {
+    /// `rule[binding]/path`.
+    pub key: String,
+    /// The unit's kind.
+    pub kind: &'static str,
+    /// The keys of its inputs.
+    pub inputs: Vec<String>,
+    /// Its current output.
+    pub value: Option<Value>,
+    /// Its private state.
+    pub state: BTreeMap<&'static str, StateValue>,
+}
+
+/// One instance of a rule as `show` presents it.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct InstanceView {
+    /// The names bound to the `*`s (empty for a rule without wildcards).
+    pub binding: Vec<String>,
+    /// How many loaded things hold it: 1 if loaded by itself, plus 1 per loaded rule instance using it.
+    pub refcount: u32,
+    /// Evaluated only by query (it has a trigger or is used by a rule that has one).
+    pub pulled: bool,
+    /// Its output.
+    pub value: Option<Value>,
+    /// Its units, root first.
+    pub units: Vec<UnitView>,
+}
+
+/// A rule as `show` presents it: its text, commands, and the live unit graph of each instance.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct RuleView {
+    /// The rule's name.
+    pub name: String,
+    /// Its section.
+    pub section: Section,
+    /// The text it came from.
+    pub source: String,
+    /// Its definition, triggers and actions as text.
+    pub text: Vec<String>,
+    /// Its preprocessed commands.
+    pub commands: Vec<String>,
+    /// Loaded by itself (not only as a dependency).
+    pub explicit: bool,
+    /// Its running instances (none when not loaded).
+    pub instances: Vec<InstanceView>,
+}
+
+/// A line of `list`.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct RuleSummary {
+    /// The rule's name.
+    pub name: String,
+    /// Its section.
+    pub section: Section,
+    /// The text it came from.
+    pub source: String,
+    /// Loaded by itself.
+    pub explicit: bool,
+    /// Running instances (0: not loaded).
+    pub instances: usize,
+    /// The output of its only instance (none for per-name rules).
+    pub value: Option<Value>,
+}
+
+#[derive(Clone, Debug)]
+enum Fire {
+    Eval(u32),
+    Action(RuleAction),
+}
+
+#[derive(Debug)]
+struct Instance {
+    rule: String,
+    binding: Vec<String>,
+    root: u32,
+    units: std::ops::Range<u32>,
+    refs: Vec<u32>,
+    pulled: bool,
+    explicit: bool,
+    refcount: u32,
+    rank: u32,
+}
+
+#[derive(Default)]
+struct Runtime {
+    units: Vec<Unit>,
+    instances: Vec<Instance>,
+    by_rule: HashMap<(String, Vec<String>), u32>,
+    /// Per unit: the pushed instances evaluated when it emits.
+    subs: Vec<Vec<u32>>,
+    /// Per instance: what runs when it emits a true value.
+    fires: Vec<Vec<Fire>>,
+    sampled: Vec<u32>,
+    timers: Vec<u32>,
+    epoch: u64,
+}
+
+/// The rule engine: rules, their running units and the repository of revisions. See the module docs.
+pub struct RuleEngine {
+    program: Arc<Program>,
+    explicit: BTreeSet<String>,
+    rt: Runtime,
+    revisions: Vec<Revision>,
+    notices: VecDeque<Notice>,
+    writes: Vec<KnobWrite>,
+    actions: Vec<(RuleAction, String)>,
+    stack: Vec<(u32, bool)>,
+    queued: Vec<u8>,
+}
+
+impl Default for RuleEngine {
+    fn default() -> Self {
+        RuleEngine::new()
+    }
+}
+
+/// `rule[a,b]` for a binding, `rule` without.
+fn instance_name(rule: &str, binding: &[String]) -> String {
+    if binding.is_empty() {
+        rule.to_string()
+    } else {
+        format!("{rule}[{}]", binding.join(","))
+    }
+}
+
+/// Replaces the i-th `*` segment of `name` with `binding[i]`.
+fn bind(name: &str, binding: &[String]) -> String {
+    if binding.is_empty() {
+        return name.to_string();
+    }
+    let mut i = 0;
+    name.split('.')
+        .map(|seg| {
+            if seg == "*" {
+                i += 1;
+                binding.get(i - 1).map_or("*", String::as_str)
+            } else {
+                seg
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(".")
+}
+
+/// The segments `name` binds to the `*`s of `pattern` (same number of segments), or `None`.
+fn capture(pattern: &str, name: &str) -> Option<Vec<String>> {
+    let (p, n): (Vec<&str>, Vec<&str>) = (pattern.split('.').collect(), name.split('.').collect());
+    if p.len() != n.len() {
+        return None;
+    }
+    let mut out = Vec::new();
+    for (a, b) in p.iter().zip(&n) {
+        if *a == "*" {
+            out.push(b.to_string());
+        } else if a != b {
+            return None;
+        }
+    }
+    Some(out)
+}
+
+fn rename_refs(node: &mut Node, old: &str, new: &str) {
+    match node {
+        Node::Ref(r) if r == old => *r = new.to_string(),
+        Node::Ref(_) => {}
+        Node::Unit { args, .. } => args.iter_mut().for_each(|a| rename_refs(a, old, new)),
+    }
+}
+
+impl RuleEngine {
+    /// An engine with no rules and an empty repository.
+    pub fn new() -> RuleEngine {
+        RuleEngine {
+            program: Arc::new(Program::default()),
+            explicit: BTreeSet::new(),
+            rt: Runtime::default(),
+            revisions: Vec::new(),
+            notices: VecDeque::new(),
+            writes: Vec::new(),
+            actions: Vec::new(),
+            stack: Vec::new(),
+            queued: Vec::new(),
+        }
+    }
+
+    // ---- changes (each a revision) ----
+
+    /// Checks and loads a rule text named `source`: its definitions replace rules of the same name (units at
+    /// the same place keep their state), rules outside `[manual]` are loaded, and keywords on lines of their own
+    /// run. Refused as a whole, with every error located, if anything is wrong.
+    pub fn handle_load_text(
+        &mut self,
+        source: &str,
+        text: &str,
+        now: Time,
+        env: &dyn Environment,
+    ) -> Result<LoadReport, RuleError> {
+        let c = compile(source, text, &self.program, env).map_err(RuleError::Invalid)?;
+        let (old_program, old_explicit) = (self.program.clone(), self.explicit.clone());
+        self.program = Arc::new(c.program);
+        self.explicit.extend(c.to_load.iter().cloned());
+        for a in &c.actions {
+            if let Err(e) = self.apply_action(a, source) {
+                self.program = old_program;
+                self.explicit = old_explicit;
+                return Err(e);
+            }
+        }
+        self.reconcile(now, env);
+        self.run_actions(now, env);
+        let revision = self.commit(format!("load {source}: {}", c.defined.join(", ")), now);
+        Ok(LoadReport { revision, defined: c.defined, loaded: c.to_load, warnings: c.warnings })
+    }
+
+    /// Loads defined rules by name (with their dependencies).
+    pub fn handle_load(&mut self, names: &[&str], now: Time, env: &dyn Environment) -> Result<u64, RuleError> {
+        if let Some(n) = names.iter().find(|n| !self.program.rules.contains_key(**n)) {
+            return Err(RuleError::UnknownRule(n.to_string()));
+        }
+        self.explicit.extend(names.iter().map(|n| n.to_string()));
+        self.reconcile(now, env);
+        self.run_actions(now, env);
+        Ok(self.commit(format!("load {}", names.join(", ")), now))
+    }
+
+    /// Unloads rules loaded by themselves (`["ALL"]`: every rule). A rule that another loaded rule uses keeps
+    /// running, with its state, as that rule's dependency (its reference count drops by one).
+    pub fn handle_unload(&mut self, names: &[&str], now: Time, env: &dyn Environment) -> Result<u64, RuleError> {
+        if names == ["ALL"] {
+            self.explicit.clear();
+        } else {
+            if let Some(n) = names.iter().find(|n| !self.explicit.contains(**n)) {
+                return Err(if self.program.rules.contains_key(*n) {
+                    RuleError::NotLoaded(n.to_string())
+                } else {
+                    RuleError::UnknownRule(n.to_string())
+                });
+            }
+            for n in names {
+                self.explicit.remove(*n);
+            }
+        }
+        self.reconcile(now, env);
+        self.run_actions(now, env);
+        Ok(self.commit(format!("unload {}", names.join(", ")), now))
+    }
+
+    /// Replaces rule `old` by rule `new` everywhere: rules that used `old` use `new` (their units keep their
+    /// state: only the wiring changes), triggers of and by `old` move to `new`, and `old` is unloaded unless
+    /// still needed.
+    pub fn handle_replace(&mut self, old: &str, new: &str, now: Time, env: &dyn Environment) -> Result<u64, RuleError> {
+        self.apply_action(&RuleAction::Replace(old.to_string(), new.to_string()), "")?;
+        self.reconcile(now, env);
+        self.run_actions(now, env);
+        Ok(self.commit(format!("replace {old} {new}"), now))
+    }
+
+    /// Switches to the rules of an earlier revision, from its stored commands (no parsing). Units that exist in
+    /// both keep their state.
+    pub fn handle_rollback(&mut self, revision: u64, now: Time, env: &dyn Environment) -> Result<u64, RuleError> {
+        let rev =
+            self.revisions.iter().find(|r| r.info.number == revision).ok_or(RuleError::UnknownRevision(revision))?;
+        self.program = rev.program.clone();
+        self.explicit = rev.explicit.clone();
+        self.reconcile(now, env);
+        self.run_actions(now, env);
+        Ok(self.commit(format!("rollback to {revision}"), now))
+    }
+
+    // ---- signals ----
+
+    /// A meter's new value, pushed by the caller: rules waiting on it are evaluated now.
+    pub fn handle_meter_changed(&mut self, name: &str, value: Value, now: Time, env: &dyn Environment) {
+        self.rt.epoch += 1;
+        let mut seeds = Vec::new();
+        for i in 0..self.rt.sampled.len() {
+            let g = self.rt.sampled[i] as usize;
+            let unit = &mut self.rt.units[g];
+            if matches!(&unit.core, Core::Get { name: n } if n == name) && unit.value.as_ref() != Some(&value) {
+                unit.value = Some(value.clone());
+                unit.epoch = self.rt.epoch;
+                seeds.extend(self.rt.subs[g].iter().map(|&s| (s, false)));
+            }
+        }
+        self.wave(seeds, now, env);
+        self.run_actions(now, env);
+    }
+
+    /// Evaluates a loaded rule by query, as a trigger would (its sets write); returns the output of its first
+    /// instance.
+    pub fn evaluate(&mut self, name: &str, now: Time, env: &dyn Environment) -> Result<Option<Value>, RuleError> {
+        let seeds: Vec<(u32, bool)> = self
+            .rt
+            .instances
+            .iter()
+            .enumerate()
+            .filter(|(_, i)| i.rule == name)
+            .map(|(k, _)| (k as u32, true))
+            .collect();
+        let Some(&(first, _)) = seeds.first() else {
+            return Err(if self.program.rules.contains_key(name) {
+                RuleError::NotLoaded(name.to_string())
+            } else {
+                RuleError::UnknownRule(name.to_string())
+            });
+        };
+        self.rt.epoch += 1;
+        self.wave(seeds, now, env);
+        self.run_actions(now, env);
+        let root = self.rt.instances[first as usize].root as usize;
+        Ok(self.rt.units[root].value.clone())
+    }
+
+    /// How a knob write went; a refusal is kept in the set unit's state and reported as a notice.
+    pub fn handle_write_result(&mut self, write: &KnobWrite, result: Result<(), String>, now: Time) {
+        if let Some(u) = self.rt.units.iter_mut().find(|u| u.key == write.unit) {
+            if let Core::Set { error, .. } = &mut u.core {
+                *error = result.as_ref().err().cloned();
+            }
+        }
+        if let Err(e) = result {
+            self.notices.push_back(Notice {
+                at: now,
+                message: format!("{}: write {} = {} refused: {e}", write.unit, write.name, write.value),
+            });
+        }
+    }
+
+    /// Instantiates and drops per-name rules as names appear and disappear, fires due timers, samples the
+    /// meters rules wait on, runs what that causes, and returns the writes to apply and the next wake-up.
+    pub fn advance(&mut self, now: Time, env: &dyn Environment) -> Step {
+        if self.bindings_changed(env) {
+            self.reconcile(now, env);
+        }
+        self.rt.epoch += 1;
+        let epoch = self.rt.epoch;
+        let mut seeds = Vec::new();
+        for i in 0..self.rt.timers.len() {
+            let t = self.rt.timers[i] as usize;
+            let unit = &mut self.rt.units[t];
+            if let Core::Timer { period, next_due, ticks } = &mut unit.core {
+                let due = next_due.get_or_insert(now + std::time::Duration::from_nanos(*period));
+                if *due <= now {
+                    *ticks += 1;
+                    let behind = (now.as_nanos() - due.as_nanos()) / *period;
+                    *due = Time(due.as_nanos().saturating_add((behind + 1).saturating_mul(*period)));
+                    unit.value = Some(Value::U64(*ticks));
+                    unit.epoch = epoch;
+                    seeds.extend(self.rt.subs[t].iter().map(|&s| (s, false)));
+                }
+            }
+        }
+        for i in 0..self.rt.sampled.len() {
+            let g = self.rt.sampled[i] as usize;
+            let unit = &mut self.rt.units[g];
+            if let Core::Get { name } = &unit.core {
+                let v = env.get(name);
+                if v != unit.value {
+                    unit.value = v;
+                    unit.epoch = epoch;
+                    seeds.extend(self.rt.subs[g].iter().map(|&s| (s, false)));
+                }
+            }
+        }
+        self.wave(seeds, now, env);
+        self.run_actions(now, env);
+        Step { writes: std::mem::take(&mut self.writes), next_wakeup: self.next_wakeup() }
+    }
+
+    /// Knob writes produced by `handle_*` calls since the last `advance` (which returns them too).
+    pub fn poll_writes(&mut self) -> Vec<KnobWrite> {
+        std::mem::take(&mut self.writes)
+    }
+
+    /// The next thing the engine did on its own, oldest first.
+    pub fn poll_notice(&mut self) -> Option<Notice> {
+        self.notices.pop_front()
+    }
+
+    /// When the next timer is due.
+    pub fn next_wakeup(&self) -> Option<Time> {
+        self.rt
+            .timers
+            .iter()
+            .filter_map(|&t| match &self.rt.units[t as usize].core {
+                Core::Timer { next_due, .. } => *next_due,
+                _ => None,
+            })
+            .min()
+    }
+
+    // ---- reads ----
+
+    /// Every defined rule.
+    pub fn list(&self) -> Vec<RuleSummary> {
+        self.program
+            .rules
+            .values()
+            .map(|r| {
+                let inst: Vec<&Instance> = self.rt.instances.iter().filter(|i| i.rule == r.name).collect();
+                RuleSummary {
+                    name: r.name.clone(),
+                    section: r.section,
+                    source: r.source.clone(),
+                    explicit: self.explicit.contains(&r.name),
+                    instances: inst.len(),
+                    value: match inst.as_slice() {
+                        [one] if one.binding.is_empty() => self.rt.units[one.root as usize].value.clone(),
+                        _ => None,
+                    },
+                }
+            })
+            .collect()
+    }
+
+    /// A rule's text, commands and live unit graph per instance.
+    pub fn show(&self, name: &str) -> Option<RuleView> {
+        let def = self.program.rules.get(name)?;
+        let instances = self
+            .rt
+            .instances
+            .iter()
+            .filter(|i| i.rule == name)
+            .map(|i| InstanceView {
+                binding: i.binding.clone(),
+                refcount: i.refcount,
+                pulled: i.pulled,
+                value: self.rt.units[i.root as usize].value.clone(),
+                units: i
+                    .units
+                    .clone()
+                    .map(|u| {
+                        let unit = &self.rt.units[u as usize];
+                        UnitView {
+                            key: unit.key.clone(),
+                            kind: crate::units::info(unit.kind).name,
+                            inputs: unit.inputs.iter().map(|&x| self.rt.units[x as usize].key.clone()).collect(),
+                            value: unit.value.clone(),
+                            state: unit.core.state(),
+                        }
+                    })
+                    .collect(),
+            })
+            .collect();
+        Some(RuleView {
+            name: def.name.clone(),
+            section: def.section,
+            source: def.source.clone(),
+            text: def.render(),
+            commands: def.commands(),
+            explicit: self.explicit.contains(name),
+            instances,
+        })
+    }
+
+    /// The output of a rule's instance: `binding` empty for a rule without wildcards.
+    pub fn value(&self, name: &str, binding: &[&str]) -> Option<Value> {
+        let key = (name.to_string(), binding.iter().map(|s| s.to_string()).collect::<Vec<_>>());
+        let i = *self.rt.by_rule.get(&key)?;
+        self.rt.units[self.rt.instances[i as usize].root as usize].value.clone()
+    }
+
+    /// The loaded rule instances as `rule` or `rule[binding]`, sorted.
+    pub fn loaded(&self) -> Vec<String> {
+        let mut v: Vec<String> = self.rt.instances.iter().map(|i| instance_name(&i.rule, &i.binding)).collect();
+        v.sort();
+        v
+    }
+
+    /// How many units run.
+    pub fn unit_count(&self) -> usize {
+        self.rt.units.len()
+    }
+
+    /// The repository's log, oldest first.
+    pub fn log(&self) -> Vec<RevisionInfo> {
+        self.revisions.iter().map(|r| r.info.clone()).collect()
+    }
+
+    /// The differences between two revisions' commands, as `-`/`+` lines under a `rule NAME` header per rule,
+    /// then the rules loaded or unloaded.
+    pub fn diff(&self, from: u64, to: u64) -> Result<Vec<String>, RuleError> {
+        let get = |n| self.revisions.iter().find(|r| r.info.number == n).ok_or(RuleError::UnknownRevision(n));
+        let (a, b) = (get(from)?, get(to)?);
+        let mut out = Vec::new();
+        let names: BTreeSet<&String> = a.program.rules.keys().chain(b.program.rules.keys()).collect();
+        for name in names {
+            let ca = a.program.rules.get(name).map(RuleDef::commands).unwrap_or_default();
+            let cb = b.program.rules.get(name).map(RuleDef::commands).unwrap_or_default();
+            if ca == cb {
+                continue;
+            }
+            out.push(format!("rule {name}"));
+            out.extend(ca.iter().filter(|c| !cb.contains(c)).map(|c| format!("- {c}")));
+            out.extend(cb.iter().filter(|c| !ca.contains(c)).map(|c| format!("+ {c}")));
+        }
+        out.extend(a.explicit.difference(&b.explicit).map(|n| format!("- load({n})")));
+        out.extend(b.explicit.difference(&a.explicit).map(|n| format!("+ load({n})")));
+        Ok(out)
+    }
+
+    // ---- internals ----
+
+    fn commit(&mut self, what: String, now: Time) -> u64 {
+        let number = self.revisions.len() as u64 + 1;
+        self.revisions.push(Revision {
+            info: RevisionInfo {
+                number,
+                what,
+                at: now,
+                rules: self.program.rules.len(),
+                loaded: self.explicit.iter().cloned().collect(),
+            },
+            program: self.program.clone(),
+            explicit: self.explicit.clone(),
+        });
+        number
+    }
+
+    /// Applies a keyword to the program and the set of loaded rules (not yet to the units).
+    fn apply_action(&mut self, action: &RuleAction, source: &str) -> Result<(), RuleError> {
+        match action {
+            RuleAction::Load(names) => {
+                if let Some(n) = names.iter().find(|n| !self.program.rules.contains_key(*n)) {
+                    return Err(RuleError::UnknownRule(n.clone()));
+                }
+                self.explicit.extend(names.iter().cloned());
+            }
+            RuleAction::Unload(Some(names)) => {
+                for n in names {
+                    self.explicit.remove(n);
+                }
+            }
+            RuleAction::Unload(None) => {
+                let program = self.program.clone();
+                self.explicit.retain(|n| {
+                    program.rules.get(n).is_none_or(|r| {
+                        r.source != source || matches!(r.section, Section::ContextEnter | Section::ContextExit)
+                    })
+                });
+            }
+            RuleAction::Replace(old, new) => {
+                for n in [old, new] {
+                    if !self.program.rules.contains_key(n) {
+                        return Err(RuleError::UnknownRule(n.clone()));
+                    }
+                }
+                let mut program = (*self.program).clone();
+                for (name, def) in program.rules.iter_mut() {
+                    if name == new {
+                        continue;
+                    }
+                    rename_refs(&mut def.node, old, new);
+                    for t in def.triggered_by.iter_mut().filter(|t| *t == old) {
+                        t.clone_from(new);
+                    }
+                    for a in def.actions.iter_mut() {
+                        match a {
+                            RuleAction::Load(v) | RuleAction::Unload(Some(v)) => {
+                                v.iter_mut().filter(|t| *t == old).for_each(|t| t.clone_from(new))
+                            }
+                            _ => {}
+                        }
+                    }
+                }
+                let moved = program.rules.get(old).map(|d| d.triggered_by.clone()).unwrap_or_default();
+                if let Some(d) = program.rules.get_mut(new) {
+                    for t in moved {
+                        if t != *new && !d.triggered_by.contains(&t) {
+                            d.triggered_by.push(t);
+                        }
+                    }
+                }
+                if let Some(d) = program.rules.get_mut(old) {
+                    d.triggered_by.clear();
+                }
+                if let Err(cycle) = compile::topo_order(&program) {
+                    return Err(RuleError::Invalid(vec![Diagnostic::error(
+                        Default::default(),
+                        format!("replace({old}, {new}) would make a cycle: {}", cycle.join(" -> ")),
+                    )]));
+                }
+                if self.explicit.remove(old) {
+                    self.explicit.insert(new.clone());
+                }
+                self.program = Arc::new(program);
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs the actions fired by context rules (load/unload/replace), reconciling after each round.
+    fn run_actions(&mut self, now: Time, env: &dyn Environment) {
+        for _ in 0..MAX_ACTION_ROUNDS {
+            if self.actions.is_empty() {
+                return;
+            }
+            for (a, by) in std::mem::take(&mut self.actions) {
+                let source = self.program.rules.get(&by).map(|r| r.source.clone()).unwrap_or_default();
+                let message = match self.apply_action(&a, &source) {
+                    Ok(()) => format!("{by} ran {}", a.render()),
+                    Err(e) => format!("{by} could not run {}: {e}", a.render()),
+                };
+                self.notices.push_back(Notice { at: now, message });
+            }
+            self.reconcile(now, env);
+        }
+        if !self.actions.is_empty() {
+            self.actions.clear();
+            self.notices.push_back(Notice {
+                at: now,
+                message: format!("more than {MAX_ACTION_ROUNDS} rounds of context actions: stopped"),
+            });
+        }
+    }
+
+    /// The bindings of a rule's instances: one empty binding, or one per name matching its driver.
+    fn bindings(def: &RuleDef, env: &dyn Environment) -> Vec<Vec<String>> {
+        match (&def.driver, def.stars) {
+            (Some(driver), s) if s > 0 => {
+                let set: BTreeSet<Vec<String>> = env.names(driver).iter().filter_map(|n| capture(driver, n)).collect();
+                set.into_iter().collect()
+            }
+            _ => vec![vec![]],
+        }
+    }
+
+    fn bindings_changed(&self, env: &dyn Environment) -> bool {
+        self.explicit.iter().chain(self.rt.instances.iter().map(|i| &i.rule)).any(|name| {
+            let Some(def) = self.program.rules.get(name).filter(|d| d.stars > 0) else { return false };
+            let want = Self::bindings(def, env);
+            let have: BTreeSet<&Vec<String>> =
+                self.rt.instances.iter().filter(|i| i.rule == *name).map(|i| &i.binding).collect();
+            let explicit_root = self.explicit.contains(name);
+            // Instances of dependencies follow their users; only compare for rules loaded by themselves.
+            explicit_root && (want.len() != have.len() || want.iter().any(|b| !have.contains(b)))
+        })
+    }
+
+    /// Rebuilds the running units from the program and the loaded rules. Units whose key (rule, binding, place)
+    /// and kind are unchanged keep their state and value; new instances and rewired ones are evaluated.
+    fn reconcile(&mut self, now: Time, env: &dyn Environment) {
+        let program = self.program.clone();
+        let old = std::mem::take(&mut self.rt);
+        let old_inputs: HashMap<&str, Vec<&str>> = old
+            .units
+            .iter()
+            .map(|u| (u.key.as_str(), u.inputs.iter().map(|&i| old.units[i as usize].key.as_str()).collect()))
+            .collect();
+        let old_input_keys: HashMap<String, Vec<String>> =
+            old_inputs.into_iter().map(|(k, v)| (k.to_string(), v.into_iter().map(String::from).collect())).collect();
+        let mut old_units: HashMap<String, Unit> = old.units.into_iter().map(|u| (u.key.clone(), u)).collect();
+        let ranks: HashMap<String, u32> = compile::topo_order(&program)
+            .unwrap_or_default()
+            .into_iter()
+            .enumerate()
+            .map(|(i, n)| (n, i as u32))
+            .collect();
+
+        // 1. The instances: loaded rules and, transitively, what they use and what triggers them.
+        let mut rt = Runtime { epoch: old.epoch, ..Runtime::default() };
+        let mut deps_of: Vec<Vec<(u32, bool)>> = Vec::new(); // (instance, is a reference rather than a trigger)
+        let mut work: Vec<u32> = Vec::new();
+        let ensure = |rt: &mut Runtime,
+                      deps_of: &mut Vec<Vec<(u32, bool)>>,
+                      work: &mut Vec<u32>,
+                      rule: &str,
+                      binding: Vec<String>|
+         -> u32 {
+            let key = (rule.to_string(), binding);
+            if let Some(&i) = rt.by_rule.get(&key) {
+                return i;
+            }
+            let i = rt.instances.len() as u32;
+            rt.instances.push(Instance {
+                rule: key.0.clone(),
+                binding: key.1.clone(),
+                root: 0,
+                units: 0..0,
+                refs: Vec::new(),
+                pulled: false,
+                explicit: false,
+                refcount: 0,
+                rank: ranks.get(rule).copied().unwrap_or(0),
+            });
+            deps_of.push(Vec::new());
+            rt.by_rule.insert(key, i);
+            work.push(i);
+            i
+        };
+        for name in &self.explicit {
+            let Some(def) = program.rules.get(name) else { continue };
+            for b in Self::bindings(def, env) {
+                let i = ensure(&mut rt, &mut deps_of, &mut work, name, b);
+                rt.instances[i as usize].explicit = true;
+                rt.instances[i as usize].refcount += 1;
+            }
+        }
+        while let Some(i) = work.pop() {
+            let (rule, binding) = (rt.instances[i as usize].rule.clone(), rt.instances[i as usize].binding.clone());
+            let def = &program.rules[&rule];
+            let mut refs = Vec::new();
+            compile_refs(&def.node, &mut refs);
+            for d in def.deps() {
+                let Some(dd) = program.rules.get(&d) else { continue };
+                let b = if dd.stars > 0 { binding.clone() } else { vec![] };
+                let j = ensure(&mut rt, &mut deps_of, &mut work, &d, b);
+                rt.instances[j as usize].refcount += 1;
+                deps_of[i as usize].push((j, refs.contains(&d)));
+            }
+        }
+
+        // 2. Their units, keyed by rule, binding and place; references are wired once every root is known.
+        let mut fixups: Vec<(u32, usize, u32)> = Vec::new();
+        let mut fresh: Vec<bool> = vec![false; rt.instances.len()];
+        for i in 0..rt.instances.len() {
+            let (rule, binding) = (rt.instances[i].rule.clone(), rt.instances[i].binding.clone());
+            let def = &program.rules[&rule];
+            let start = rt.units.len() as u32;
+            let prefix = instance_name(&rule, &binding);
+            let by_name: HashMap<String, u32> =
+                deps_of[i].iter().map(|&(j, _)| (rt.instances[j as usize].rule.clone(), j)).collect();
+            let root_node = match &def.node {
+                Node::Ref(_) => {
+                    Node::Unit { kind: UnitKind::Forwarder, param: Param::None, args: vec![def.node.clone()] }
+                }
+                n => n.clone(),
+            };
+            let mut units = std::mem::take(&mut rt.units);
+            let root = build(&root_node, &prefix, &binding, i as u32, &by_name, &mut units, &mut fixups);
+            rt.units = units;
+            rt.instances[i].root = root;
+            rt.instances[i].units = start..rt.units.len() as u32;
+            rt.instances[i].refs = deps_of[i].iter().filter(|d| d.1).map(|d| d.0).collect();
+        }
+        for &(u, pos, j) in &fixups {
+            let root = rt.instances[j as usize].root;
+            rt.units[u as usize].inputs[pos] = root;
+        }
+        for (i, inst) in rt.instances.iter().enumerate() {
+            for u in inst.units.clone() {
+                let unit = &mut rt.units[u as usize];
+                match old_units.remove(&unit.key) {
+                    Some(old) if old.kind == unit.kind => {
+                        unit.core.adopt(old.core, now);
+                        unit.value = old.value;
+                        unit.epoch = 0;
+                    }
+                    _ => fresh[i] = true,
+                }
+            }
+        }
+        for (i, inst) in rt.instances.iter().enumerate() {
+            for u in inst.units.clone() {
+                let unit = &rt.units[u as usize];
+                let now_inputs: Vec<&str> = unit.inputs.iter().map(|&x| rt.units[x as usize].key.as_str()).collect();
+                if old_input_keys
+                    .get(&unit.key)
+                    .is_some_and(|o| o.iter().map(String::as_str).ne(now_inputs.iter().copied()))
+                {
+                    fresh[i] = true;
+                }
+            }
+        }
+
+        // 3. Pulled instances: triggered ones and everything they use by reference.
+        let mut order: Vec<u32> = (0..rt.instances.len() as u32).collect();
+        order.sort_by_key(|&i| Reverse(rt.instances[i as usize].rank));
+        for &i in &order {
+            let def = &program.rules[&rt.instances[i as usize].rule];
+            if !def.triggered_by.is_empty() {
+                rt.instances[i as usize].pulled = true;
+            }
+            if rt.instances[i as usize].pulled {
+                for r in rt.instances[i as usize].refs.clone() {
+                    rt.instances[r as usize].pulled = true;
+                }
+            }
+        }
+
+        // 4. Subscriptions of pushed instances: the gets and timers they query, and the pushed rules they use.
+        rt.subs = vec![Vec::new(); rt.units.len()];
+        for d in 0..rt.instances.len() as u32 {
+            if rt.instances[d as usize].pulled {
+                continue;
+            }
+            let mut seen = HashSet::new();
+            let mut stack = vec![d];
+            while let Some(x) = stack.pop() {
+                if !seen.insert(x) {
+                    continue;
+                }
+                for u in rt.instances[x as usize].units.clone() {
+                    if matches!(rt.units[u as usize].kind, UnitKind::Get | UnitKind::Timer) {
+                        rt.subs[u as usize].push(d);
+                    }
+                }
+                for &r in &rt.instances[x as usize].refs {
+                    if rt.instances[r as usize].pulled {
+                        stack.push(r);
+                    } else {
+                        let root = rt.instances[r as usize].root as usize;
+                        if !rt.subs[root].contains(&d) {
+                            rt.subs[root].push(d);
+                        }
+                    }
+                }
+            }
+        }
+
+        // 5. Triggers and actions.
+        rt.fires = vec![Vec::new(); rt.instances.len()];
+        for t in 0..rt.instances.len() {
+            let def = &program.rules[&rt.instances[t].rule];
+            for src in &def.triggered_by {
+                let b = if program.rules.get(src).is_some_and(|s| s.stars > 0) {
+                    rt.instances[t].binding.clone()
+                } else {
+                    vec![]
+                };
+                if let Some(&s) = rt.by_rule.get(&(src.clone(), b)) {
+                    rt.fires[s as usize].push(Fire::Eval(t as u32));
+                }
+            }
+            rt.fires[t].extend(def.actions.iter().cloned().map(Fire::Action));
+        }
+        rt.sampled = (0..rt.units.len() as u32)
+            .filter(|&u| rt.units[u as usize].kind == UnitKind::Get && !rt.subs[u as usize].is_empty())
+            .collect();
+        rt.timers = (0..rt.units.len() as u32).filter(|&u| rt.units[u as usize].kind == UnitKind::Timer).collect();
+        for &t in &rt.timers {
+            if let Core::Timer { period, next_due, .. } = &mut rt.units[t as usize].core {
+                next_due.get_or_insert(now + std::time::Duration::from_nanos(*period));
+            }
+        }
+        self.rt = rt;
+        self.queued = vec![0; self.rt.instances.len()];
+
+        // 6. Evaluate what is new or rewired (pushed instances; pulled ones wait for their triggers).
+        self.rt.epoch += 1;
+        let seeds: Vec<(u32, bool)> = (0..self.rt.instances.len())
+            .filter(|&i| fresh[i] && !self.rt.instances[i].pulled)
+            .map(|i| (i as u32, false))
+            .collect();
+        self.wave(seeds, now, env);
+    }
+
+    /// Evaluates the seeded instances and everything their emissions cause, in dependency order.
+    fn wave(&mut self, seeds: Vec<(u32, bool)>, now: Time, env: &dyn Environment) {
+        let mut heap: BinaryHeap<Reverse<(u32, u32)>> = BinaryHeap::new();
+        for (i, triggered) in seeds {
+            self.schedule(&mut heap, i, triggered);
+        }
+        while let Some(Reverse((_, i))) = heap.pop() {
+            let flags = std::mem::replace(&mut self.queued[i as usize], 0);
+            if flags == 0 {
+                continue;
+            }
+            let root = self.rt.instances[i as usize].root;
+            let before = self.rt.units[root as usize].value.clone();
+            self.query(root, i, flags & 2 != 0, now, env);
+            let after = &self.rt.units[root as usize].value;
+            if *after == before {
+                continue;
+            }
+            let fire = after.as_ref().is_some_and(truthy);
+            for k in 0..self.rt.subs[root as usize].len() {
+                let s = self.rt.subs[root as usize][k];
+                self.schedule(&mut heap, s, false);
+            }
+            if fire {
+                for k in 0..self.rt.fires[i as usize].len() {
+                    match &self.rt.fires[i as usize][k] {
+                        Fire::Eval(t) => {
+                            let t = *t;
+                            self.schedule(&mut heap, t, true);
+                        }
+                        Fire::Action(a) => self.actions.push((a.clone(), self.rt.instances[i as usize].rule.clone())),
+                    }
+                }
+            }
+        }
+    }
+
+    fn schedule(&mut self, heap: &mut BinaryHeap<Reverse<(u32, u32)>>, i: u32, triggered: bool) {
+        let q = &mut self.queued[i as usize];
+        if *q == 0 {
+            heap.push(Reverse((self.rt.instances[i as usize].rank, i)));
+        }
+        *q |= 1 | if triggered { 2 } else { 0 };
+    }
+
+    /// Queries unit `root` of instance `current`: evaluates, inputs first, every unit of this wave not yet
+    /// evaluated, stopping at pushed instances other than `current` (their value is current) and at valid caches.
+    fn query(&mut self, root: u32, current: u32, triggered: bool, now: Time, env: &dyn Environment) {
+        let epoch = self.rt.epoch;
+        let mut stack = std::mem::take(&mut self.stack);
+        stack.push((root, false));
+        while let Some((u, expanded)) = stack.pop() {
+            let unit = &self.rt.units[u as usize];
+            if unit.epoch == epoch {
+                continue;
+            }
+            if !expanded {
+                if unit.instance != current && !self.rt.instances[unit.instance as usize].pulled {
+                    continue;
+                }
+                if unit.cached(now) {
+                    self.rt.units[u as usize].epoch = epoch;
+                    continue;
+                }
+                stack.push((u, true));
+                for &i in &unit.inputs {
+                    if self.rt.units[i as usize].epoch != epoch {
+                        stack.push((i, false));
+                    }
+                }
+            } else {
+                let mut core = std::mem::take(&mut self.rt.units[u as usize].core);
+                let before = self.writes.len();
+                let mut cx = EvalCx { now, env, writes: &mut self.writes, triggered };
+                let value = compute(&mut core, &self.rt.units[u as usize].inputs, &self.rt.units, &mut cx);
+                let unit = &mut self.rt.units[u as usize];
+                unit.core = core;
+                unit.value = value;
+                unit.epoch = epoch;
+                for w in &mut self.writes[before..] {
+                    w.unit.clone_from(&unit.key);
+                }
+            }
+        }
+        self.stack = stack;
+    }
+}
+
+fn compile_refs(node: &Node, out: &mut Vec<String>) {
+    match node {
+        Node::Ref(r) => out.push(r.clone()),
+        Node::Unit { args, .. } => args.iter().for_each(|a| compile_refs(a, out)),
+    }
+}
+
+/// Builds the units of `node` (depth first, parent before children) and returns the index of its top unit.
+fn build(
+    node: &Node,
+    key: &str,
+    binding: &[String],
+    instance: u32,
+    deps: &HashMap<String, u32>,
+    units: &mut Vec<Unit>,
+    fixups: &mut Vec<(u32, usize, u32)>,
+) -> u32 {
+    let Node::Unit { kind, param, args } = node else { unreachable!("references are wired by their parent") };
+    let param = match param {
+        Param::Name(n) => Param::Name(bind(n, binding)),
+        p => p.clone(),
+    };
+    let me = units.len() as u32;
+    units.push(Unit {
+        key: key.to_string(),
+        kind: *kind,
+        core: Core::new(*kind, &param),
+        inputs: vec![u32::MAX; args.len()],
+        value: None,
+        epoch: 0,
+        instance,
+    });
+    for (pos, a) in args.iter().enumerate() {
+        match a {
+            Node::Ref(r) => {
+                if let Some(&j) = deps.get(r) {
+                    fixups.push((me, pos, j));
+                }
+            }
+            n => {
+                let child = build(n, &format!("{key}/{pos}"), binding, instance, deps, units, fixups);
+                units[me as usize].inputs[pos] = child;
+            }
+        }
+    }
+    me
+}
+
+/// [`RuleEngine::advance`], then applies the writes to `env` and reports each result back.
+pub fn drive<E: Environment>(engine: &mut RuleEngine, env: &mut E, now: Time) -> Step {
+    let step = engine.advance(now, env);
+    for w in &step.writes {
+        let result = env.set(&w.name, w.value.clone());
+        engine.handle_write_result(w, result, now);
+    }
+    step
+}

@@ -1,0 +1,128 @@
+//! The boundary between the rules and the variables they read and write.
+//!
+//! The engine never touches the daemon: it reads meters and knobs through an [`Environment`] handed to each call,
+//! and returns knob writes for its caller to apply ([`crate::Step::writes`]); the caller reports how they went
+//! with [`crate::RuleEngine::handle_write_result`]. The daemon implements `Environment` over its registry
+//! snapshot; tests use [`MemoryEnv`].
+
+use flexstack_core::vars::name_matches;
+use flexstack_core::Value;
+use std::collections::BTreeMap;
+
+/// Prefixes of variables that come and go while the stack runs (flows, interfaces, applications' variables):
+/// a name under one of them that does not exist yet gets a warning, not an error.
+pub const DYNAMIC_PREFIXES: &[&str] = &["flow.", "iface.", "app."];
+
+/// Whether a variable exists.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Existence {
+    /// It exists now.
+    Known,
+    /// It does not exist now but may appear (a dynamic prefix, a wildcard with no match yet).
+    Maybe,
+    /// It does not exist and cannot appear.
+    No,
+}
+
+/// Read and write access to meters and knobs by their dotted names.
+pub trait Environment {
+    /// The current value of a meter or knob; `None` if there is none by that name.
+    fn get(&self, name: &str) -> Option<Value>;
+    /// Writes a knob (validated as any write); the error says why it was refused.
+    fn set(&mut self, name: &str, value: Value) -> Result<(), String>;
+    /// The names of the existing variables matching a pattern (`*` within a dotted segment), sorted.
+    fn names(&self, pattern: &str) -> Vec<String>;
+    /// Whether a name (or a pattern) exists or may appear.
+    fn exists(&self, name: &str) -> Existence;
+}
+
+/// The default answer of [`Environment::exists`] for a name that matches nothing now.
+pub fn absent(name: &str) -> Existence {
+    if DYNAMIC_PREFIXES.iter().any(|p| name.starts_with(p)) || name.contains('*') {
+        Existence::Maybe
+    } else {
+        Existence::No
+    }
+}
+
+/// An in-memory environment: meters (read-only) and knobs (writable), for tests and benchmarks.
+#[derive(Clone, Debug, Default)]
+pub struct MemoryEnv {
+    vars: BTreeMap<String, (Value, bool)>,
+    /// Every accepted write, in order.
+    pub written: Vec<(String, Value)>,
+}
+
+impl MemoryEnv {
+    /// An empty environment.
+    pub fn new() -> MemoryEnv {
+        MemoryEnv::default()
+    }
+
+    /// Adds or updates a read-only meter.
+    pub fn meter(&mut self, name: &str, value: Value) -> &mut MemoryEnv {
+        self.vars.insert(name.to_string(), (value, false));
+        self
+    }
+
+    /// Adds or updates a writable knob.
+    pub fn knob(&mut self, name: &str, value: Value) -> &mut MemoryEnv {
+        self.vars.insert(name.to_string(), (value, true));
+        self
+    }
+
+    /// Removes a variable (a flow that ended).
+    pub fn remove(&mut self, name: &str) {
+        self.vars.remove(name);
+    }
+}
+
+impl Environment for MemoryEnv {
+    fn get(&self, name: &str) -> Option<Value> {
+        self.vars.get(name).map(|(v, _)| v.clone())
+    }
+
+    fn set(&mut self, name: &str, value: Value) -> Result<(), String> {
+        match self.vars.get_mut(name) {
+            Some((v, true)) => {
+                *v = value.clone();
+                self.written.push((name.to_string(), value));
+                Ok(())
+            }
+            Some((_, false)) => Err(format!("{name} is a meter, not a knob")),
+            None => Err(format!("no knob named {name}")),
+        }
+    }
+
+    fn names(&self, pattern: &str) -> Vec<String> {
+        self.vars.keys().filter(|n| name_matches(pattern, n)).cloned().collect()
+    }
+
+    fn exists(&self, name: &str) -> Existence {
+        if self.vars.keys().any(|n| name_matches(name, n)) {
+            Existence::Known
+        } else {
+            absent(name)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn memory_env_reads_writes_and_matches() {
+        let mut env = MemoryEnv::new();
+        env.meter("flow.a.rtt", Value::U64(5)).knob("flow.a.cc", Value::Str("cubic".into()));
+        assert_eq!(env.get("flow.a.rtt"), Some(Value::U64(5)));
+        assert!(env.set("flow.a.rtt", Value::U64(1)).unwrap_err().contains("meter"));
+        assert!(env.set("flow.b.cc", Value::U64(1)).unwrap_err().contains("no knob"));
+        env.set("flow.a.cc", Value::Str("bbr".into())).unwrap();
+        assert_eq!(env.written.len(), 1);
+        assert_eq!(env.names("flow.*.rtt"), vec!["flow.a.rtt".to_string()]);
+        assert_eq!(env.exists("flow.*.cc"), Existence::Known);
+        assert_eq!(env.exists("flow.z.cc"), Existence::Maybe);
+        assert_eq!(env.exists("module.x.y"), Existence::No);
+    }
+}

@@ -1,0 +1,802 @@
+//! The functional units: their catalogue (names, signatures, documentation), their compiled form ([`Node`]) and
+//! their runtime state and evaluation.
+//!
+//! The checker ([`crate::compile`]) turns each call in a rule into a [`Node`]; the engine ([`crate::engine`])
+//! instantiates nodes as [`Unit`]s and evaluates one by calling [`Unit::compute`] once its inputs have values.
+//! A unit keeps private state between evaluations (History its samples, EWMA its average, Threshold its side of
+//! the band); when a rule is rewired, [`Core::adopt`] hands the old unit's state to the new one of the same kind.
+//!
+//! Every unit outputs an optional value: `None` until it has one (an aggregate over an empty window, a comparison
+//! with a missing input, a meter that does not exist). Numbers are `f64` inside the units; `Count` and `Timer`
+//! output `u64`; literals keep their written type.
+
+use crate::env::Environment;
+use flexstack_core::{Time, Value};
+use serde::Serialize;
+use std::collections::{BTreeMap, VecDeque};
+
+/// Most samples a window keeps, whatever its duration (bounds memory for time windows on fast meters).
+pub const MAX_SAMPLES: usize = 65_536;
+
+/// The kinds of functional units.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+pub enum UnitKind {
+    /// `get("name")`: reads a meter or knob (a stub's get side).
+    Get,
+    /// `set("name", value)`: writes a knob (a stub's set side).
+    Set,
+    /// `Constant(v)` or a literal argument.
+    Constant,
+    /// `Forwarder(x)`: identity.
+    Forwarder,
+    /// `Timer(period)`: ticks.
+    Timer,
+    /// `History(x, window)`: the last samples of x.
+    History,
+    /// `Avg(x[, window])`.
+    Avg,
+    /// `Min(x[, window])`.
+    Min,
+    /// `Max(x[, window])`.
+    Max,
+    /// `Sum(x[, window])`.
+    Sum,
+    /// `Count(x[, window])`.
+    Count,
+    /// `Rate(x)` / `Derivative(x)`: change per second.
+    Rate,
+    /// `EWMA(x, alpha)`.
+    Ewma,
+    /// `Less(a, b)`: a < b.
+    Less,
+    /// `Greater(a, b)`: a > b.
+    Greater,
+    /// `Equal(a, b)`.
+    Equal,
+    /// `And(a, b, ...)`.
+    And,
+    /// `Or(a, b, ...)`.
+    Or,
+    /// `Not(a)`.
+    Not,
+    /// `If(c, a, b)`.
+    If,
+    /// `Threshold(x, high, low)`: hysteresis.
+    Threshold,
+    /// `Changed(x)`.
+    Changed,
+    /// `Cache(x, validity)`: a query cache.
+    Cache,
+}
+
+/// What a unit is, for the checker, the docs and error messages.
+#[derive(Clone, Copy, Debug)]
+pub struct UnitInfo {
+    /// The kind.
+    pub kind: UnitKind,
+    /// The canonical name.
+    pub name: &'static str,
+    /// Other accepted names (matching is case-insensitive in any case).
+    pub aliases: &'static [&'static str],
+    /// The arguments, as shown in errors.
+    pub signature: &'static str,
+    /// Arguments: fewest and most (`usize::MAX`: any number).
+    pub arity: (usize, usize),
+    /// Output type.
+    pub output: Ty,
+    /// One line: what it outputs and when.
+    pub doc: &'static str,
+}
+
+/// The static type of an expression, as far as the checker knows it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Ty {
+    /// A number (u64, i64 or f64).
+    Num,
+    /// true / false.
+    Bool,
+    /// Text.
+    Str,
+    /// Not known before running (a meter's value, an If with mixed branches).
+    Any,
+}
+
+impl Ty {
+    /// The name used in errors.
+    pub fn name(self) -> &'static str {
+        match self {
+            Ty::Num => "a number",
+            Ty::Bool => "a boolean",
+            Ty::Str => "a string",
+            Ty::Any => "any value",
+        }
+    }
+
+    /// The type of a literal.
+    pub fn of(v: &Value) -> Ty {
+        match v {
+            Value::Bool(_) => Ty::Bool,
+            Value::Str(_) => Ty::Str,
+            _ => Ty::Num,
+        }
+    }
+
+    /// True if a value of type `self` may be used where `want` is expected.
+    pub fn fits(self, want: Ty) -> bool {
+        self == Ty::Any || want == Ty::Any || self == want
+    }
+}
+
+/// The unit catalogue, in the order of docs/rules.md.
+pub const CATALOG: &[UnitInfo] = &[
+    UnitInfo { kind: UnitKind::Get, name: "get", aliases: &[], signature: "get(\"name\")", arity: (1, 1), output: Ty::Any, doc: "the current value of a meter or knob; read on every query, sampled by the engine for events (emits when it changes)" },
+    UnitInfo { kind: UnitKind::Set, name: "set", aliases: &[], signature: "set(\"name\", value)", arity: (2, 2), output: Ty::Any, doc: "writes value to a knob when evaluated: on every triggered evaluation, otherwise when the value differs from the last one written; outputs the value" },
+    UnitInfo { kind: UnitKind::Constant, name: "Constant", aliases: &[], signature: "Constant(literal)", arity: (1, 1), output: Ty::Any, doc: "a fixed value (literal arguments become Constant units)" },
+    UnitInfo { kind: UnitKind::Forwarder, name: "Forwarder", aliases: &[], signature: "Forwarder(x)", arity: (1, 1), output: Ty::Any, doc: "outputs its input unchanged (for benchmarks and for naming a value)" },
+    UnitInfo { kind: UnitKind::Timer, name: "Timer", aliases: &[], signature: "Timer(period)", arity: (1, 1), output: Ty::Num, doc: "counts ticks: every period (a duration, or a number of milliseconds) its tick count grows by one and it emits" },
+    UnitInfo { kind: UnitKind::History, name: "History", aliases: &[], signature: "History(x, window)", arity: (2, 2), output: Ty::Num, doc: "records x on each evaluation into a window of the last N samples or of a duration; outputs the newest sample" },
+    UnitInfo { kind: UnitKind::Avg, name: "Avg", aliases: &["Average", "Mean"], signature: "Avg(x, window) or Avg(History(...))", arity: (1, 2), output: Ty::Num, doc: "the mean of the window (its own, or the History it reads)" },
+    UnitInfo { kind: UnitKind::Min, name: "Min", aliases: &[], signature: "Min(x, window) or Min(History(...))", arity: (1, 2), output: Ty::Num, doc: "the smallest sample of the window" },
+    UnitInfo { kind: UnitKind::Max, name: "Max", aliases: &[], signature: "Max(x, window) or Max(History(...))", arity: (1, 2), output: Ty::Num, doc: "the largest sample of the window" },
+    UnitInfo { kind: UnitKind::Sum, name: "Sum", aliases: &[], signature: "Sum(x, window) or Sum(History(...))", arity: (1, 2), output: Ty::Num, doc: "the sum of the window's samples" },
+    UnitInfo { kind: UnitKind::Count, name: "Count", aliases: &[], signature: "Count(x, window) or Count(History(...))", arity: (1, 2), output: Ty::Num, doc: "how many samples the window holds" },
+    UnitInfo { kind: UnitKind::Rate, name: "Rate", aliases: &["Derivative"], signature: "Rate(x)", arity: (1, 1), output: Ty::Num, doc: "change of x per second between its last two evaluations at different times" },
+    UnitInfo { kind: UnitKind::Ewma, name: "EWMA", aliases: &[], signature: "EWMA(x, alpha)", arity: (2, 2), output: Ty::Num, doc: "exponentially weighted moving average: avg = alpha * x + (1 - alpha) * avg, 0 < alpha <= 1" },
+    UnitInfo { kind: UnitKind::Less, name: "Less", aliases: &[], signature: "Less(a, b)", arity: (2, 2), output: Ty::Bool, doc: "a < b" },
+    UnitInfo { kind: UnitKind::Greater, name: "Greater", aliases: &[], signature: "Greater(a, b)", arity: (2, 2), output: Ty::Bool, doc: "a > b" },
+    UnitInfo { kind: UnitKind::Equal, name: "Equal", aliases: &[], signature: "Equal(a, b)", arity: (2, 2), output: Ty::Bool, doc: "a == b (numbers compared as numbers, whatever their integer or float type)" },
+    UnitInfo { kind: UnitKind::And, name: "And", aliases: &[], signature: "And(a, b, ...)", arity: (2, usize::MAX), output: Ty::Bool, doc: "true if every input is true" },
+    UnitInfo { kind: UnitKind::Or, name: "Or", aliases: &[], signature: "Or(a, b, ...)", arity: (2, usize::MAX), output: Ty::Bool, doc: "true if any input is true" },
+    UnitInfo { kind: UnitKind::Not, name: "Not", aliases: &[], signature: "Not(a)", arity: (1, 1), output: Ty::Bool, doc: "the negation of a" },
+    UnitInfo { kind: UnitKind::If, name: "If", aliases: &[], signature: "If(condition, then, else)", arity: (3, 3), output: Ty::Any, doc: "then when the condition is true, else otherwise" },
+    UnitInfo { kind: UnitKind::Threshold, name: "Threshold", aliases: &["Hysteresis"], signature: "Threshold(x, high, low)", arity: (3, 3), output: Ty::Bool, doc: "hysteresis: becomes true when x > high, false when x < low, keeps its last output in between (false at first)" },
+    UnitInfo { kind: UnitKind::Changed, name: "Changed", aliases: &[], signature: "Changed(x)", arity: (1, 1), output: Ty::Bool, doc: "true when x differs from its value at the previous evaluation" },
+    UnitInfo { kind: UnitKind::Cache, name: "Cache", aliases: &[], signature: "Cache(x, validity)", arity: (2, 2), output: Ty::Any, doc: "query cache: answers with its last value without querying x until validity has passed since it last did" },
+];
+
+/// The catalogue entry of a unit name (case-insensitive, aliases included).
+pub fn lookup(name: &str) -> Option<&'static UnitInfo> {
+    CATALOG.iter().find(|u| u.name.eq_ignore_ascii_case(name) || u.aliases.iter().any(|a| a.eq_ignore_ascii_case(name)))
+}
+
+/// The catalogue entry of a kind.
+pub fn info(kind: UnitKind) -> &'static UnitInfo {
+    CATALOG.iter().find(|u| u.kind == kind).expect("every kind is catalogued")
+}
+
+/// A window: a count of samples, a duration, or (for aggregates) the window of the History they read.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Window {
+    /// The last N samples.
+    Samples(usize),
+    /// The samples of the last N nanoseconds (at most [`MAX_SAMPLES`]).
+    Duration(u64),
+    /// The input is a History: use its samples.
+    Input,
+}
+
+/// A compiled unit's fixed parameter.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Param {
+    /// None.
+    None,
+    /// A variable name (get, set).
+    Name(String),
+    /// A constant.
+    Value(Value),
+    /// A window.
+    Window(Window),
+    /// A period or validity in nanoseconds.
+    Nanos(u64),
+    /// EWMA's alpha.
+    Alpha(f64),
+    /// Threshold's band.
+    Band {
+        /// Becomes true above this.
+        high: f64,
+        /// Becomes false below this.
+        low: f64,
+    },
+}
+
+/// A compiled expression: a unit with its inputs, or a reference to another rule's output.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Node {
+    /// A unit.
+    Unit {
+        /// Its kind.
+        kind: UnitKind,
+        /// Its parameter.
+        param: Param,
+        /// Its input expressions.
+        args: Vec<Node>,
+    },
+    /// The output of the named rule.
+    Ref(String),
+}
+
+/// Shows a value as the language writes it.
+pub fn show_value(v: &Value) -> String {
+    match v {
+        Value::Str(s) => format!("{s:?}"),
+        Value::F64(x) if x.fract() == 0.0 && x.abs() < 1e15 => format!("{x:.1}"),
+        other => other.to_string(),
+    }
+}
+
+/// Shows a duration as a literal.
+pub fn show_nanos(ns: u64) -> String {
+    if ns % 1_000_000_000 == 0 {
+        format!("{}s", ns / 1_000_000_000)
+    } else if ns % 1_000_000 == 0 {
+        format!("{}ms", ns / 1_000_000)
+    } else if ns % 1_000 == 0 {
+        format!("{}us", ns / 1_000)
+    } else {
+        format!("{ns}ns")
+    }
+}
+
+impl Node {
+    /// The expression as rule text (parsing it gives the same node back).
+    pub fn render(&self) -> String {
+        match self {
+            Node::Ref(name) => name.clone(),
+            Node::Unit { kind: UnitKind::Constant, param: Param::Value(v), .. } => show_value(v),
+            Node::Unit { kind, param, args } => {
+                let mut parts: Vec<String> = Vec::new();
+                if let Param::Name(n) = param {
+                    parts.push(format!("{n:?}"));
+                }
+                parts.extend(args.iter().map(Node::render));
+                match param {
+                    Param::Window(Window::Samples(n)) => parts.push(n.to_string()),
+                    Param::Window(Window::Duration(ns)) | Param::Nanos(ns) => parts.push(show_nanos(*ns)),
+                    Param::Alpha(a) => parts.push(show_value(&Value::F64(*a))),
+                    Param::Band { high, low } => {
+                        parts.push(show_value(&Value::F64(*high)));
+                        parts.push(show_value(&Value::F64(*low)));
+                    }
+                    _ => {}
+                }
+                format!("{}({})", info(*kind).name, parts.join(", "))
+            }
+        }
+    }
+}
+
+/// Which aggregate an aggregating unit computes.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum AggOp {
+    Avg,
+    Min,
+    Max,
+    Sum,
+    Count,
+}
+
+/// A unit's behaviour and private state.
+#[derive(Debug, Default)]
+pub(crate) enum Core {
+    /// A slot being evaluated (its core is taken out for the duration).
+    #[default]
+    Vacant,
+    Get {
+        name: String,
+    },
+    Set {
+        name: String,
+        last_written: Option<Value>,
+        writes: u64,
+        error: Option<String>,
+    },
+    Constant(Value),
+    Forwarder,
+    Timer {
+        period: u64,
+        next_due: Option<Time>,
+        ticks: u64,
+    },
+    History {
+        window: Window,
+        samples: VecDeque<(Time, f64)>,
+    },
+    Agg {
+        op: AggOp,
+        window: Window,
+        samples: VecDeque<(Time, f64)>,
+    },
+    Rate {
+        prev: Option<(Time, f64)>,
+        rate: Option<f64>,
+    },
+    Ewma {
+        alpha: f64,
+        avg: Option<f64>,
+    },
+    Less,
+    Greater,
+    Equal,
+    And,
+    Or,
+    Not,
+    If,
+    Threshold {
+        high: f64,
+        low: f64,
+        on: bool,
+    },
+    Changed {
+        prev: Option<Value>,
+    },
+    Cache {
+        validity: u64,
+        fetched_at: Option<Time>,
+    },
+}
+
+/// A value shown in a unit's state.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(untagged)]
+pub enum StateValue {
+    /// A scalar.
+    Value(Value),
+    /// A list of samples.
+    Samples(Vec<f64>),
+}
+
+/// A knob write a rule wants applied.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct KnobWrite {
+    /// The knob's full name.
+    pub name: String,
+    /// The value to write.
+    pub value: Value,
+    /// The key of the set unit that asked (for [`crate::RuleEngine::handle_write_result`]).
+    pub unit: String,
+}
+
+/// What an evaluation may read and produce besides the unit itself.
+pub(crate) struct EvalCx<'a> {
+    pub now: Time,
+    pub env: &'a dyn Environment,
+    pub writes: &'a mut Vec<KnobWrite>,
+    /// The evaluation was caused by a trigger (`->`), not by a changed input.
+    pub triggered: bool,
+}
+
+/// A unit at runtime.
+#[derive(Debug)]
+pub(crate) struct Unit {
+    /// `rule[binding]/path`: stable across reloads, so state survives rewiring.
+    pub key: String,
+    pub kind: UnitKind,
+    pub core: Core,
+    pub inputs: Vec<u32>,
+    pub value: Option<Value>,
+    /// The evaluation wave in which the value was last computed.
+    pub epoch: u64,
+    /// The rule instance the unit belongs to.
+    pub instance: u32,
+}
+
+/// A value as a number, if it is one.
+pub fn num(v: &Value) -> Option<f64> {
+    match v {
+        Value::U64(x) => Some(*x as f64),
+        Value::I64(x) => Some(*x as f64),
+        Value::F64(x) => Some(*x),
+        Value::Bool(b) => Some(f64::from(u8::from(*b))),
+        Value::Str(_) => None,
+    }
+}
+
+/// Truth of a value: true, a non-zero number, a non-empty string.
+pub fn truthy(v: &Value) -> bool {
+    match v {
+        Value::Bool(b) => *b,
+        Value::Str(s) => !s.is_empty(),
+        other => num(other).is_some_and(|x| x != 0.0),
+    }
+}
+
+/// Equality across number types.
+pub fn same(a: &Value, b: &Value) -> bool {
+    match (num(a), num(b)) {
+        (Some(x), Some(y)) if !matches!(a, Value::Bool(_)) && !matches!(b, Value::Bool(_)) => x == y,
+        _ => a == b,
+    }
+}
+
+fn trim(samples: &mut VecDeque<(Time, f64)>, window: Window, now: Time) {
+    match window {
+        Window::Samples(n) => {
+            while samples.len() > n {
+                samples.pop_front();
+            }
+        }
+        Window::Duration(d) => {
+            while samples.front().is_some_and(|(t, _)| now.saturating_since(*t).as_nanos() > u128::from(d))
+                || samples.len() > MAX_SAMPLES
+            {
+                samples.pop_front();
+            }
+        }
+        Window::Input => {}
+    }
+}
+
+fn aggregate(op: AggOp, samples: &VecDeque<(Time, f64)>) -> Option<Value> {
+    if op == AggOp::Count {
+        return Some(Value::U64(samples.len() as u64));
+    }
+    let mut it = samples.iter().map(|(_, x)| *x);
+    let first = it.next()?;
+    let (mut lo, mut hi, mut sum) = (first, first, first);
+    for x in it {
+        lo = lo.min(x);
+        hi = hi.max(x);
+        sum += x;
+    }
+    Some(Value::F64(match op {
+        AggOp::Avg => sum / samples.len() as f64,
+        AggOp::Min => lo,
+        AggOp::Max => hi,
+        _ => sum,
+    }))
+}
+
+impl Core {
+    /// A fresh core for a compiled unit.
+    pub(crate) fn new(kind: UnitKind, param: &Param) -> Core {
+        let nanos = |p: &Param| if let Param::Nanos(n) = p { *n } else { 0 };
+        let window = |p: &Param| if let Param::Window(w) = p { *w } else { Window::Input };
+        match kind {
+            UnitKind::Get => Core::Get { name: if let Param::Name(n) = param { n.clone() } else { String::new() } },
+            UnitKind::Set => Core::Set {
+                name: if let Param::Name(n) = param { n.clone() } else { String::new() },
+                last_written: None,
+                writes: 0,
+                error: None,
+            },
+            UnitKind::Constant => {
+                Core::Constant(if let Param::Value(v) = param { v.clone() } else { Value::Bool(false) })
+            }
+            UnitKind::Forwarder => Core::Forwarder,
+            UnitKind::Timer => Core::Timer { period: nanos(param).max(1), next_due: None, ticks: 0 },
+            UnitKind::History => Core::History { window: window(param), samples: VecDeque::new() },
+            UnitKind::Avg | UnitKind::Min | UnitKind::Max | UnitKind::Sum | UnitKind::Count => Core::Agg {
+                op: match kind {
+                    UnitKind::Avg => AggOp::Avg,
+                    UnitKind::Min => AggOp::Min,
+                    UnitKind::Max => AggOp::Max,
+                    UnitKind::Sum => AggOp::Sum,
+                    _ => AggOp::Count,
+                },
+                window: window(param),
+                samples: VecDeque::new(),
+            },
+            UnitKind::Rate => Core::Rate { prev: None, rate: None },
+            UnitKind::Ewma => Core::Ewma { alpha: if let Param::Alpha(a) = param { *a } else { 1.0 }, avg: None },
+            UnitKind::Less => Core::Less,
+            UnitKind::Greater => Core::Greater,
+            UnitKind::Equal => Core::Equal,
+            UnitKind::And => Core::And,
+            UnitKind::Or => Core::Or,
+            UnitKind::Not => Core::Not,
+            UnitKind::If => Core::If,
+            UnitKind::Threshold => {
+                let (high, low) = if let Param::Band { high, low } = param { (*high, *low) } else { (0.0, 0.0) };
+                Core::Threshold { high, low, on: false }
+            }
+            UnitKind::Changed => Core::Changed { prev: None },
+            UnitKind::Cache => Core::Cache { validity: nanos(param), fetched_at: None },
+        }
+    }
+
+    /// Takes over the state of `old`, a unit of the same kind at the same place before a reload; returns false
+    /// (and keeps its fresh state) if the kinds differ. New parameters apply (a smaller window drops the oldest).
+    pub(crate) fn adopt(&mut self, old: Core, now: Time) -> bool {
+        match (self, old) {
+            (Core::Set { last_written, writes, error, .. }, Core::Set { last_written: l, writes: w, error: e, .. }) => {
+                (*last_written, *writes, *error) = (l, w, e);
+            }
+            (Core::Timer { next_due, ticks, .. }, Core::Timer { next_due: n, ticks: t, .. }) => {
+                (*next_due, *ticks) = (n, t);
+            }
+            (Core::History { window, samples }, Core::History { samples: s, .. }) => {
+                *samples = s;
+                trim(samples, *window, now);
+            }
+            (Core::Agg { op, window, samples }, Core::Agg { op: o, samples: s, .. }) if *op == o => {
+                *samples = s;
+                trim(samples, *window, now);
+            }
+            (Core::Rate { prev, rate }, Core::Rate { prev: p, rate: r }) => (*prev, *rate) = (p, r),
+            (Core::Ewma { avg, .. }, Core::Ewma { avg: a, .. }) => *avg = a,
+            (Core::Threshold { on, .. }, Core::Threshold { on: o, .. }) => *on = o,
+            (Core::Changed { prev }, Core::Changed { prev: p }) => *prev = p,
+            (Core::Cache { fetched_at, .. }, Core::Cache { fetched_at: f, .. }) => *fetched_at = f,
+            (me, old) => return std::mem::discriminant(me) == std::mem::discriminant(&old),
+        }
+        true
+    }
+
+    /// The samples of a History (for aggregates that read it).
+    pub(crate) fn samples(&self) -> Option<&VecDeque<(Time, f64)>> {
+        match self {
+            Core::History { samples, .. } => Some(samples),
+            _ => None,
+        }
+    }
+
+    /// The state shown by `show`.
+    pub(crate) fn state(&self) -> BTreeMap<&'static str, StateValue> {
+        let mut m = BTreeMap::new();
+        let list = |s: &VecDeque<(Time, f64)>| StateValue::Samples(s.iter().map(|(_, x)| *x).collect());
+        match self {
+            Core::Set { name, last_written, writes, error } => {
+                m.insert("knob", StateValue::Value(Value::Str(name.clone())));
+                if let Some(v) = last_written {
+                    m.insert("last_written", StateValue::Value(v.clone()));
+                }
+                m.insert("writes", StateValue::Value(Value::U64(*writes)));
+                if let Some(e) = error {
+                    m.insert("error", StateValue::Value(Value::Str(e.clone())));
+                }
+            }
+            Core::Get { name } => {
+                m.insert("meter", StateValue::Value(Value::Str(name.clone())));
+            }
+            Core::Timer { period, next_due, ticks } => {
+                m.insert("period_ns", StateValue::Value(Value::U64(*period)));
+                m.insert("ticks", StateValue::Value(Value::U64(*ticks)));
+                if let Some(t) = next_due {
+                    m.insert("next_due_ns", StateValue::Value(Value::U64(t.as_nanos())));
+                }
+            }
+            Core::History { samples, .. } => {
+                m.insert("samples", list(samples));
+            }
+            Core::Agg { samples, window, .. } if *window != Window::Input => {
+                m.insert("samples", list(samples));
+            }
+            Core::Rate { prev: Some((_, x)), .. } => {
+                m.insert("previous", StateValue::Value(Value::F64(*x)));
+            }
+            Core::Ewma { avg: Some(a), .. } => {
+                m.insert("average", StateValue::Value(Value::F64(*a)));
+            }
+            Core::Threshold { on, .. } => {
+                m.insert("on", StateValue::Value(Value::Bool(*on)));
+            }
+            Core::Changed { prev: Some(p) } => {
+                m.insert("previous", StateValue::Value(p.clone()));
+            }
+            Core::Cache { fetched_at: Some(t), .. } => {
+                m.insert("fetched_at_ns", StateValue::Value(Value::U64(t.as_nanos())));
+            }
+            _ => {}
+        }
+        m
+    }
+}
+
+impl Unit {
+    /// True if this unit answers a query from its cached value without querying its inputs.
+    pub(crate) fn cached(&self, now: Time) -> bool {
+        match &self.core {
+            Core::Cache { validity, fetched_at: Some(t) } => {
+                self.value.is_some() && now.saturating_since(*t).as_nanos() < u128::from(*validity)
+            }
+            _ => false,
+        }
+    }
+}
+
+/// Evaluates one unit whose inputs (`inputs`, indexes into `units`) are up to date; `core` has been taken out of
+/// its slot. Returns the new output.
+pub(crate) fn compute(core: &mut Core, inputs: &[u32], units: &[Unit], cx: &mut EvalCx<'_>) -> Option<Value> {
+    let input = |i: usize| inputs.get(i).and_then(|&u| units[u as usize].value.as_ref());
+    let number = |i: usize| input(i).and_then(num);
+    let now = cx.now;
+    match core {
+        Core::Vacant => None,
+        Core::Forwarder => input(0).cloned(),
+        Core::Get { name } => cx.env.get(name),
+        Core::Constant(v) => Some(v.clone()),
+        Core::Set { name, last_written, writes, .. } => {
+            let v = input(0)?.clone();
+            let differs = last_written.as_ref().is_none_or(|l| !same(l, &v));
+            if cx.triggered || differs {
+                cx.writes.push(KnobWrite { name: name.clone(), value: v.clone(), unit: String::new() });
+                *last_written = Some(v.clone());
+                *writes += 1;
+            }
+            Some(v)
+        }
+        Core::Timer { ticks, .. } => Some(Value::U64(*ticks)),
+        Core::History { window, samples } => {
+            if let Some(x) = number(0) {
+                samples.push_back((now, x));
+            }
+            trim(samples, *window, now);
+            samples.back().map(|(_, x)| Value::F64(*x))
+        }
+        Core::Agg { op, window, samples } => {
+            if *window == Window::Input {
+                let src = inputs.first().and_then(|&u| units[u as usize].core.samples())?;
+                return aggregate(*op, src);
+            }
+            if let Some(x) = number(0) {
+                samples.push_back((now, x));
+            }
+            trim(samples, *window, now);
+            aggregate(*op, samples)
+        }
+        Core::Rate { prev, rate } => {
+            let x = number(0)?;
+            match *prev {
+                Some((t0, x0)) if now > t0 => {
+                    let secs = now.saturating_since(t0).as_secs_f64();
+                    *rate = Some((x - x0) / secs);
+                    *prev = Some((now, x));
+                }
+                // A second sample at the same instant replaces the first.
+                _ => *prev = Some((now, x)),
+            }
+            rate.map(Value::F64)
+        }
+        Core::Ewma { alpha, avg } => {
+            let x = number(0)?;
+            let a = avg.map_or(x, |a| *alpha * x + (1.0 - *alpha) * a);
+            *avg = Some(a);
+            Some(Value::F64(a))
+        }
+        Core::Less => Some(Value::Bool(number(0)? < number(1)?)),
+        Core::Greater => Some(Value::Bool(number(0)? > number(1)?)),
+        Core::Equal => Some(Value::Bool(same(input(0)?, input(1)?))),
+        Core::And => {
+            let mut all = true;
+            for i in 0..inputs.len() {
+                all &= truthy(input(i)?);
+            }
+            Some(Value::Bool(all))
+        }
+        Core::Or => {
+            let mut any = false;
+            for i in 0..inputs.len() {
+                any |= truthy(input(i)?);
+            }
+            Some(Value::Bool(any))
+        }
+        Core::Not => Some(Value::Bool(!truthy(input(0)?))),
+        Core::If => {
+            if truthy(input(0)?) {
+                input(1).cloned()
+            } else {
+                input(2).cloned()
+            }
+        }
+        Core::Threshold { high, low, on } => {
+            let x = number(0)?;
+            if x > *high {
+                *on = true;
+            } else if x < *low {
+                *on = false;
+            }
+            Some(Value::Bool(*on))
+        }
+        Core::Changed { prev } => {
+            let x = input(0)?.clone();
+            let changed = prev.as_ref().is_some_and(|p| !same(p, &x));
+            *prev = Some(x);
+            Some(Value::Bool(changed))
+        }
+        Core::Cache { fetched_at, .. } => {
+            *fetched_at = Some(now);
+            input(0).cloned()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::env::MemoryEnv;
+
+    /// Runs `core` over the given input values at the given times (milliseconds); returns the outputs.
+    fn run(mut core: Core, steps: &[(u64, Option<Value>)]) -> Vec<Option<Value>> {
+        let env = MemoryEnv::new();
+        let mut writes = Vec::new();
+        let mut input = Unit {
+            key: "in".into(),
+            kind: UnitKind::Constant,
+            core: Core::Forwarder,
+            inputs: vec![],
+            value: None,
+            epoch: 0,
+            instance: 0,
+        };
+        let mut out = Vec::new();
+        for (ms, v) in steps {
+            input.value = v.clone();
+            let units = std::slice::from_ref(&input);
+            let mut cx = EvalCx { now: Time::from_millis(*ms), env: &env, writes: &mut writes, triggered: false };
+            out.push(compute(&mut core, &[0], units, &mut cx));
+        }
+        let _ = &mut input;
+        out
+    }
+
+    fn f(x: f64) -> Option<Value> {
+        Some(Value::F64(x))
+    }
+
+    #[test]
+    fn windows_by_samples_and_by_duration() {
+        let h = run(
+            Core::new(UnitKind::History, &Param::Window(Window::Samples(2))),
+            &[(0, f(1.0)), (1, f(2.0)), (2, f(3.0))],
+        );
+        assert_eq!(h, vec![f(1.0), f(2.0), f(3.0)]);
+        let avg =
+            run(Core::new(UnitKind::Avg, &Param::Window(Window::Samples(2))), &[(0, f(1.0)), (1, f(2.0)), (2, f(4.0))]);
+        assert_eq!(avg, vec![f(1.0), f(1.5), f(3.0)]);
+        // 100 ms window: at t=150 the sample of t=0 is gone.
+        let sum = run(
+            Core::new(UnitKind::Sum, &Param::Window(Window::Duration(100_000_000))),
+            &[(0, f(1.0)), (50, f(2.0)), (150, f(4.0))],
+        );
+        assert_eq!(sum, vec![f(1.0), f(3.0), f(6.0)]);
+        let count =
+            run(Core::new(UnitKind::Count, &Param::Window(Window::Samples(3))), &[(0, None), (1, f(2.0)), (2, f(2.0))]);
+        assert_eq!(count, vec![Some(Value::U64(0)), Some(Value::U64(1)), Some(Value::U64(2))]);
+        let min =
+            run(Core::new(UnitKind::Min, &Param::Window(Window::Samples(2))), &[(0, f(5.0)), (1, f(2.0)), (2, f(9.0))]);
+        assert_eq!(min, vec![f(5.0), f(2.0), f(2.0)]);
+        let max =
+            run(Core::new(UnitKind::Max, &Param::Window(Window::Samples(2))), &[(0, f(5.0)), (1, f(2.0)), (2, f(1.0))]);
+        assert_eq!(max, vec![f(5.0), f(5.0), f(2.0)]);
+    }
+
+    #[test]
+    fn rate_ewma_threshold_changed() {
+        let r = run(
+            Core::new(UnitKind::Rate, &Param::None),
+            &[(0, f(0.0)), (500, f(10.0)), (500, f(11.0)), (1500, f(11.0))],
+        );
+        assert_eq!(r, vec![None, f(20.0), f(20.0), f(0.0)]);
+        let e = run(Core::new(UnitKind::Ewma, &Param::Alpha(0.5)), &[(0, f(4.0)), (1, f(0.0)), (2, f(0.0))]);
+        assert_eq!(e, vec![f(4.0), f(2.0), f(1.0)]);
+        let t = run(
+            Core::new(UnitKind::Threshold, &Param::Band { high: 4.0, low: 2.0 }),
+            &[(0, f(3.0)), (1, f(5.0)), (2, f(3.0)), (3, f(1.0)), (4, f(3.0))],
+        );
+        let b = |x| Some(Value::Bool(x));
+        assert_eq!(t, vec![b(false), b(true), b(true), b(false), b(false)]);
+        let c = run(
+            Core::new(UnitKind::Changed, &Param::None),
+            &[(0, f(1.0)), (1, f(1.0)), (2, Some(Value::U64(2))), (3, f(2.0))],
+        );
+        assert_eq!(c, vec![b(false), b(false), b(true), b(false)]);
+    }
+
+    #[test]
+    fn adopt_keeps_state_of_the_same_kind_and_trims_to_the_new_window() {
+        let mut old = Core::new(UnitKind::History, &Param::Window(Window::Samples(4)));
+        if let Core::History { samples, .. } = &mut old {
+            samples.extend([(Time::ZERO, 1.0), (Time::ZERO, 2.0), (Time::ZERO, 3.0)]);
+        }
+        let mut new = Core::new(UnitKind::History, &Param::Window(Window::Samples(2)));
+        assert!(new.adopt(old, Time::ZERO));
+        assert_eq!(new.samples().unwrap().iter().map(|s| s.1).collect::<Vec<_>>(), vec![2.0, 3.0]);
+        let mut other = Core::new(UnitKind::Ewma, &Param::Alpha(0.5));
+        assert!(!other.adopt(new, Time::ZERO));
+        assert!(lookup("derivative").is_some_and(|u| u.kind == UnitKind::Rate) && lookup("nope").is_none());
+        assert!(truthy(&Value::U64(3)) && !truthy(&Value::F64(0.0)) && !truthy(&Value::Str(String::new())));
+        assert!(same(&Value::U64(2), &Value::F64(2.0)) && !same(&Value::Bool(true), &Value::U64(1)));
+    }
+}

@@ -233,18 +233,27 @@ fn read_programs(dir: &Path, lab: &Lab, notes: &mut Vec<String>) -> Result<Vec<P
         if let Some(text) = read_optional(&status_path)? {
             p.status = Some(data::parse_status(&status_path.display().to_string(), &text)?);
         }
-        // iperf3 -J output: `.json`, or `.out` if the runner kept it there.
+        // iperf3 -J output: `.json`, or the `.out` of an `iperf3 ... -J` command if the runner kept it there. Read
+        // as bytes: a program's output need not be UTF-8.
+        let iperf3_json = p.command.as_deref().is_some_and(is_iperf3_json_command);
         for ext in ["json", "out"] {
+            if ext == "out" && !iperf3_json {
+                continue;
+            }
             let path = pdir.join(format!("{}.{ext}", p.id()));
-            let Some(text) = read_optional(&path)? else { continue };
-            let named_iperf3 = ext == "json" && p.command.as_deref().is_some_and(is_iperf3_json_command);
-            if named_iperf3 || data::looks_like_iperf3(&text) {
+            let bytes = match std::fs::read(&path) {
+                Ok(b) => b,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(io(&path)(e)),
+            };
+            let text = String::from_utf8_lossy(&bytes);
+            if iperf3_json || data::looks_like_iperf3(&text) {
                 match data::parse_iperf3(&format!("programs/{}.{ext}", p.id()), &text) {
                     Ok(tests) => p.tests = tests,
                     Err(e) => p.json_note = Some(e.to_string()),
                 }
-                break;
             }
+            break;
         }
         if let Some(n) = &p.json_note {
             notes.push(format!("unreadable iperf3 output: {n}"));

@@ -77,77 +77,108 @@ pub fn parse_status(file: &str, text: &str) -> Result<ExitStatus, ConfigError> {
     }
 }
 
-/// Reads a CSV file whose header must be exactly `header`; calls `row` with each record and its line.
+/// One CSV record with what is needed to locate its fields in the file.
+struct Row<'t> {
+    file: &'t str,
+    text: &'t str,
+    record: csv::StringRecord,
+    /// Byte offset of the record's first character.
+    start: usize,
+}
+
+impl Row<'_> {
+    /// An error at the raw start of field `index` (quotes and line breaks inside quoted fields counted).
+    fn err(&self, index: usize, message: impl Into<String>) -> ConfigError {
+        let bytes = self.text.as_bytes();
+        let (mut at, mut field, mut quoted) = (self.start, 0, false);
+        while field < index && at < bytes.len() {
+            match bytes[at] {
+                b'"' => quoted = !quoted,
+                b',' if !quoted => field += 1,
+                _ => {}
+            }
+            at += 1;
+        }
+        while !self.text.is_char_boundary(at) {
+            at -= 1;
+        }
+        ConfigError::new(Some(Location::of_offset(&Arc::from(self.file), self.text, at)), message)
+    }
+
+    fn seconds(&self, index: usize, what: &str) -> Result<f64, ConfigError> {
+        let text = &self.record[index];
+        match text.trim().parse::<f64>() {
+            Ok(v) if v.is_finite() && v >= 0.0 => Ok(v),
+            _ => Err(self.err(index, format!("`{what}`: expected a non-negative number of seconds, got {text:?}"))),
+        }
+    }
+}
+
+/// The location of byte `offset` of `text` (moved back to a character boundary).
+fn at_byte(file: &str, text: &str, offset: usize) -> Location {
+    let mut offset = offset.min(text.len());
+    while !text.is_char_boundary(offset) {
+        offset -= 1;
+    }
+    Location::of_offset(&Arc::from(file), text, offset)
+}
+
+/// Reads a CSV file whose header must be exactly `header`; calls `row` with each record.
 fn read_csv(
     file: &str,
     text: &str,
     header: &[&str],
-    mut row: impl FnMut(&csv::StringRecord, usize) -> Result<(), ConfigError>,
+    mut row: impl FnMut(&Row<'_>) -> Result<(), ConfigError>,
 ) -> Result<(), ConfigError> {
     let mut reader = csv::ReaderBuilder::new().has_headers(false).from_reader(text.as_bytes());
+    let want = header.join(",");
     let located = |e: csv::Error| {
-        let line = e.position().map_or(1, |p| p.line() as usize);
+        let at = at_byte(file, text, e.position().map_or(0, |p| p.byte() as usize));
         let message = match e.kind() {
             csv::ErrorKind::UnequalLengths { len, .. } => {
-                format!("expected {} fields ({}), got {len}", header.len(), header.join(","))
+                format!("expected {} fields ({want}), got {len}", header.len())
             }
             csv::ErrorKind::Utf8 { .. } => "expected UTF-8 text".to_string(),
             _ => format!("unreadable CSV: {e}"),
         };
-        err(file, line, 1, message)
+        ConfigError::new(Some(at), message)
     };
     let mut records = reader.records();
-    let want = header.join(",");
     match records.next() {
         None => return Err(err(file, 1, 1, format!("expected the header line `{want}`, got an empty file"))),
         Some(first) => {
-            let first = first.map_err(located)?;
+            let first = first.map_err(&located)?;
             if first.iter().ne(header.iter().copied()) {
                 let got: Vec<&str> = first.iter().collect();
-                return Err(err(file, 1, 1, format!("expected the header line `{want}`, got `{}`", got.join(","))));
+                let at = at_byte(file, text, first.position().map_or(0, |p| p.byte() as usize));
+                let message = format!("expected the header line `{want}`, got `{}`", got.join(","));
+                return Err(ConfigError::new(Some(at), message));
             }
         }
     }
     for record in records {
-        let record = record.map_err(located)?;
-        let line = record.position().map_or(0, |p| p.line() as usize);
-        if record.len() != header.len() {
-            return Err(err(file, line, 1, format!("expected {} fields ({want}), got {}", header.len(), record.len())));
+        let record = record.map_err(&located)?;
+        let start = record.position().map_or(0, |p| p.byte() as usize);
+        let r = Row { file, text, record, start };
+        if r.record.len() != header.len() {
+            let message = format!("expected {} fields ({want}), got {}", header.len(), r.record.len());
+            return Err(r.err(0, message));
         }
-        row(&record, line)?;
+        row(&r)?;
     }
     Ok(())
-}
-
-/// The 1-based column of field `index` of a record, counting the raw text (quotes included) of the fields
-/// before it.
-fn column_of(record: &csv::StringRecord, index: usize) -> usize {
-    record.iter().take(index).map(|f| f.chars().count() + 1).sum::<usize>() + 1
-}
-
-fn seconds(file: &str, line: usize, record: &csv::StringRecord, index: usize, what: &str) -> Result<f64, ConfigError> {
-    let text = &record[index];
-    match text.trim().parse::<f64>() {
-        Ok(v) if v.is_finite() && v >= 0.0 => Ok(v),
-        _ => Err(err(
-            file,
-            line,
-            column_of(record, index),
-            format!("`{what}`: expected a non-negative number of seconds, got {text:?}"),
-        )),
-    }
 }
 
 /// Parses `timeline.csv` (`time_s,planned_s,event`); `planned_s` may be empty. Rows keep the file's order.
 pub fn parse_timeline(file: &str, text: &str) -> Result<Vec<TimelineRow>, ConfigError> {
     let mut rows = Vec::new();
-    read_csv(file, text, &["time_s", "planned_s", "event"], |r, line| {
-        let time_s = seconds(file, line, r, 0, "time_s")?;
-        let planned_s = if r[1].trim().is_empty() { None } else { Some(seconds(file, line, r, 1, "planned_s")?) };
-        if r[2].trim().is_empty() {
-            return Err(err(file, line, column_of(r, 2), "`event`: expected a description, got an empty field"));
+    read_csv(file, text, &["time_s", "planned_s", "event"], |r| {
+        let time_s = r.seconds(0, "time_s")?;
+        let planned_s = if r.record[1].trim().is_empty() { None } else { Some(r.seconds(1, "planned_s")?) };
+        if r.record[2].trim().is_empty() {
+            return Err(r.err(2, "`event`: expected a description, got an empty field"));
         }
-        rows.push(TimelineRow { time_s, planned_s, event: r[2].to_string() });
+        rows.push(TimelineRow { time_s, planned_s, event: r.record[2].to_string() });
         Ok(())
     })?;
     Ok(rows)
@@ -157,23 +188,20 @@ pub fn parse_timeline(file: &str, text: &str) -> Result<Vec<TimelineRow>, Config
 /// the file's order.
 pub fn parse_meters(file: &str, text: &str) -> Result<Vec<MeterSample>, ConfigError> {
     let mut rows = Vec::new();
-    read_csv(file, text, &["time_s", "name", "value"], |r, line| {
-        let time_s = seconds(file, line, r, 0, "time_s")?;
-        let name = &r[1];
+    read_csv(file, text, &["time_s", "name", "value"], |r| {
+        let time_s = r.seconds(0, "time_s")?;
+        let name = &r.record[1];
         if name.is_empty() || name.contains(char::is_whitespace) {
-            return Err(err(
-                file,
-                line,
-                column_of(r, 1),
-                format!("`name`: expected a dotted meter name, got {name:?}"),
-            ));
+            return Err(r.err(1, format!("`name`: expected a dotted meter name, got {name:?}")));
         }
-        let value = match r[2].trim() {
+        let value = match r.record[2].trim() {
             "true" => 1.0,
             "false" => 0.0,
-            v => v.parse::<f64>().ok().filter(|v| v.is_finite()).ok_or_else(|| {
-                err(file, line, column_of(r, 2), format!("`value`: expected a finite number or true/false, got {v:?}"))
-            })?,
+            v => v
+                .parse::<f64>()
+                .ok()
+                .filter(|v| v.is_finite())
+                .ok_or_else(|| r.err(2, format!("`value`: expected a finite number or true/false, got {v:?}")))?,
         };
         rows.push(MeterSample { time_s, name: name.to_string(), value });
         Ok(())
@@ -365,7 +393,10 @@ pub fn parse_iperf3(file: &str, text: &str) -> Result<Vec<Iperf3Test>, ConfigErr
     loop {
         let doc_start = stream.byte_offset();
         let Some(doc) = stream.next() else { break };
-        let doc = doc.map_err(|e| err(file, e.line().max(1), e.column().max(1), format!("invalid JSON: {e}")))?;
+        let doc = doc.map_err(|e| {
+            let at = byte_position(file, text, e.line(), e.column());
+            ConfigError::new(Some(at), format!("invalid JSON: {e}"))
+        })?;
         let skipped = text[doc_start..].len() - text[doc_start..].trim_start().len();
         let at = Location::of_offset(&Arc::from(file), text, doc_start + skipped);
         let (line, column) = (at.line, at.column);
@@ -375,6 +406,13 @@ pub fn parse_iperf3(file: &str, text: &str) -> Result<Vec<Iperf3Test>, ConfigErr
         return Err(err(file, 1, 1, "expected iperf3 -J output (a JSON object), got no JSON"));
     }
     Ok(tests)
+}
+
+/// The location of serde_json's `line` and byte `column` (both 1-based; 0 for "before the first") in characters.
+fn byte_position(file: &str, text: &str, line: usize, column: usize) -> Location {
+    let line_start = text.split_inclusive('\n').take(line.saturating_sub(1)).map(str::len).sum::<usize>();
+    let line_len = text[line_start..].find('\n').unwrap_or(text.len() - line_start);
+    at_byte(file, text, line_start + column.saturating_sub(1).min(line_len))
 }
 
 /// A field reached by a path of keys, with the path for messages.

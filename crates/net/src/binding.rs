@@ -805,18 +805,22 @@ pub struct Binding {
 const HASHED: u64 = 1 << 63;
 
 impl Binding {
-    /// The flow of a packet: its FLOW_ID, or a hash of its 5-tuple.
+    /// The flow of a packet and a hash of it: its FLOW_ID (hashed with splitmix64's finalizer), or a hash of its
+    /// 5-tuple (SipHash with fixed keys: the same split on every run).
     fn flow_key(p: &Packet, info: &PacketInfo) -> (u64, u64) {
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        (info.protocol, info.src, info.src_port, info.dst, info.dst_port).hash(&mut h);
-        let hash = h.finish();
         match p.meta().get(MetaKey::FLOW_ID) {
             Some(id) if id & HASHED == 0 => {
-                let mut h = std::collections::hash_map::DefaultHasher::new();
-                id.hash(&mut h);
-                (id, h.finish())
+                let mut z = id.wrapping_add(0x9E37_79B9_7F4A_7C15);
+                z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+                z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+                (id, z ^ (z >> 31))
             }
-            _ => (hash | HASHED, hash),
+            _ => {
+                let mut h = std::collections::hash_map::DefaultHasher::new();
+                (info.protocol, info.src, info.src_port, info.dst, info.dst_port).hash(&mut h);
+                let hash = h.finish();
+                (hash | HASHED, hash)
+            }
         }
     }
 

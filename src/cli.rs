@@ -98,6 +98,79 @@ pub enum Command {
     /// Revisions: log, show, rollback, save.
     #[command(subcommand)]
     Config(ConfigCmd),
+    /// Experiments: `lab run FILE`, `lab up FILE`, `lab exec HOST -- CMD`, `lab link A B down|up|set K=V`,
+    /// `lab down [NAME] | --all`, `lab list`, `lab check FILE`, `lab report DIR`.
+    #[command(subcommand)]
+    Lab(LabCmd),
+}
+
+/// `flexstack lab ...`
+#[derive(Subcommand, Debug)]
+pub enum LabCmd {
+    /// Build the lab, run its programs and events for its duration, tear it down and write the results and report.
+    Run {
+        /// The lab file (TOML).
+        file: PathBuf,
+        /// The results folder (default: results/<lab>-<UTC time>).
+        #[arg(long)]
+        results: Option<PathBuf>,
+        /// No progress lines.
+        #[arg(short, long)]
+        quiet: bool,
+    },
+    /// Build the lab and start its background programs; it stays up until `lab down`.
+    Up {
+        /// The lab file (TOML).
+        file: PathBuf,
+        /// The results folder (default: results/<lab>-<UTC time>).
+        #[arg(long)]
+        results: Option<PathBuf>,
+    },
+    /// Run a command on a host of a lab that is up (through its stack on a stacked host), as the invoking user.
+    Exec {
+        /// The lab (default: the only one up).
+        #[arg(long)]
+        lab: Option<String>,
+        /// The host.
+        host: String,
+        /// The command and its arguments.
+        #[arg(required = true, last = true)]
+        command: Vec<String>,
+    },
+    /// Take a link down or up, or change its parameters: `lab link h1 srv set delay=50ms loss=1`.
+    Link {
+        /// The lab (default: the only one up).
+        #[arg(long)]
+        lab: Option<String>,
+        /// One end of the link.
+        a: String,
+        /// The other end.
+        b: String,
+        /// `down`, `up` or `set`.
+        action: String,
+        /// For `set`: the parameters, KEY=VALUE (bw, delay, jitter, loss, max_queue_size, loss_model, ge_*).
+        params: Vec<String>,
+    },
+    /// Tear down a lab (default: the only one up), or every lab under the state directory with --all.
+    Down {
+        /// The lab.
+        name: Option<String>,
+        /// Every lab (also those whose runner was killed).
+        #[arg(long)]
+        all: bool,
+    },
+    /// The labs that are up.
+    List,
+    /// Validate a lab file (and its stack templates) without creating anything.
+    Check {
+        /// The lab file (TOML).
+        file: PathBuf,
+    },
+    /// Write (again) the report of a results folder.
+    Report {
+        /// The results folder.
+        dir: PathBuf,
+    },
 }
 
 /// Options of `flexstack daemon`.
@@ -274,6 +347,10 @@ pub fn main() -> ExitCode {
             eprintln!("error: {e}");
             ExitCode::from(3)
         }
+        Err(CliError::Config(e)) => {
+            eprintln!("error: {e}");
+            ExitCode::from(2)
+        }
         Err(e) => {
             eprintln!("error: {e}");
             ExitCode::from(1)
@@ -290,6 +367,9 @@ pub enum CliError {
     /// Anything else, already worded.
     #[error("{0}")]
     Message(String),
+    /// An input file (lab, stack) is invalid: exit code 2, nothing was created.
+    #[error("{0}")]
+    Config(String),
 }
 
 fn settings_json(args: &[String]) -> Result<serde_json::Map<String, Json>, CliError> {
@@ -317,9 +397,12 @@ fn run(cli: Cli) -> Result<(), CliError> {
     if let Command::Run(r) = &cli.command {
         return crate::runner::run_app(&cli.state_dir, r).map(|code| std::process::exit(code));
     }
+    if let Command::Lab(cmd) = cli.command {
+        return crate::lab::command(&cli.state_dir, json_out, cmd);
+    }
     let mut client = Client::connect(&cli.state_dir)?;
     let request = match cli.command {
-        Command::Daemon(_) | Command::Run(_) => unreachable!("handled above"),
+        Command::Daemon(_) | Command::Run(_) | Command::Lab(_) => unreachable!("handled above"),
         Command::App(AppCmd::List) => Request::AppList,
         Command::Tap(TapCmd::Add { link, file }) => {
             let abs = std::path::absolute(&file).map_err(|e| CliError::Message(format!("{}: {e}", file.display())))?;

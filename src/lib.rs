@@ -5,7 +5,7 @@
 //! - [`actions`] holds one action function per control operation, behind both the API and the CLI.
 //! - [`protocol`] defines the JSON-lines requests and responses (docs/control-api.md).
 //! - [`faces`] holds the module kinds that stand for devices (TUN), [`sandbox`] the namespaces of sandboxed apps.
-//! - [`client`] and [`cli`] are the client side.
+//! - [`client`] and [`cli`] are the client side; [`runner`] is `flexstack run`, [`lab`] is `flexstack lab`.
 //!
 //! The sans-IO core (frames, modules, switch, registry, stack descriptions) is the `flexstack-core` crate; the
 //! built-in modules are `flexstack-modules`.
@@ -17,6 +17,7 @@ pub mod cli;
 pub mod client;
 pub mod dataplane;
 pub mod faces;
+pub mod lab;
 pub mod protocol;
 pub mod runner;
 pub mod sandbox;

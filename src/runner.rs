@@ -27,7 +27,7 @@ fn msg(e: impl std::fmt::Display) -> CliError {
 }
 
 /// The user the app runs as: SUDO_UID/SUDO_GID when root runs us through sudo, else ourselves.
-fn invoking_user() -> (u32, u32) {
+pub fn invoking_user() -> (u32, u32) {
     let me = (nix::unistd::getuid().as_raw(), nix::unistd::getgid().as_raw());
     if me.0 != 0 {
         return me;

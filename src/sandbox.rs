@@ -3,12 +3,12 @@
 //! hands its packets to the host kernel, which routes them onward with masquerading.
 //!
 //! What attaching an app changes on the host, all of it undone when the last app detaches (or the daemon stops):
-//! - a namespace `fs-<daemon pid>-<app>` under /run/netns and `/etc/netns/<namespace>/resolv.conf` (a copy of the
-//!   host's, so DNS works inside);
+//! - a namespace `fs-<daemon pid>-<app>` under /run/netns and `/etc/netns/<namespace>/{resolv.conf,hosts}` (copies
+//!   of the host's, so DNS and host names work inside);
 //! - two TUN devices (`fsa…` moved into the namespace, `fsh…` in the host) and routes to the app's subnet via the
 //!   host device;
 //! - `net.ipv4.ip_forward` and `net.ipv6.conf.all.forwarding` set to 1; the values before are kept in
-//!   /run/flexstack-forwarding.saved and restored when the last daemon with apps removes its table;
+//!   /run/flexstack-forwarding-<netns inode>.saved and restored when the last daemon with apps removes its table;
 //! - an nftables table `inet flexstack_<daemon pid>` masquerading the apps' subnets on the way out.
 //!
 //! Addresses: app number n gets 10.B.n.2/24 and fd77:B:n::2/64 (B from `--app-subnet`, default 10.77.0.0/16),
@@ -56,19 +56,24 @@ struct HostState {
     table: String,
 }
 
-/// Where the host's forwarding settings are kept while any daemon's apps run.
-const SAVED_FORWARDING: &str = "/run/flexstack-forwarding.saved";
+/// Where the host's forwarding settings are kept while any daemon's apps run: one file per network namespace
+/// (daemons of stacked lab hosts run in namespaces of their own), named after the namespace's inode.
+fn saved_forwarding() -> String {
+    let ns = std::fs::read_link("/proc/self/ns/net").map(|p| p.display().to_string()).unwrap_or_default();
+    let inode: String = ns.chars().filter(char::is_ascii_digit).collect();
+    format!("/run/flexstack-forwarding-{inode}.saved")
+}
 
 /// Deletes a daemon's nftables table; if no other daemon's remains, restores the host's forwarding settings.
 /// Also used by `flexstack run` to clean up after a daemon that died.
 pub fn remove_host_table(table: &str) {
     let _ = Command::new("nft").args(["delete", "table", "inet", table]).status();
     if !other_tables_exist(table) {
-        if let Ok(saved) = std::fs::read_to_string(SAVED_FORWARDING) {
+        if let Ok(saved) = std::fs::read_to_string(saved_forwarding()) {
             let mut v = saved.split_whitespace();
             let _ = std::fs::write(FORWARD_V4, v.next().unwrap_or("0"));
             let _ = std::fs::write(FORWARD_V6, v.next().unwrap_or("0"));
-            let _ = std::fs::remove_file(SAVED_FORWARDING);
+            let _ = std::fs::remove_file(saved_forwarding());
         }
     }
 }
@@ -246,9 +251,12 @@ impl Sandboxes {
         }
         let dir = format!("/etc/netns/{ns}");
         std::fs::create_dir_all(&dir).map_err(|e| ApiError::new(ErrorCode::Internal, format!("{dir}: {e}")))?;
-        let resolv = std::fs::read_to_string("/etc/resolv.conf").unwrap_or_default();
-        std::fs::write(format!("{dir}/resolv.conf"), resolv)
-            .map_err(|e| ApiError::new(ErrorCode::Internal, format!("{dir}: {e}")))?;
+        // The app sees the daemon's resolv.conf and hosts (in a lab's stacked host: the lab's names).
+        for file in ["resolv.conf", "hosts"] {
+            let text = std::fs::read_to_string(format!("/etc/{file}")).unwrap_or_default();
+            std::fs::write(format!("{dir}/{file}"), text)
+                .map_err(|e| ApiError::new(ErrorCode::Internal, format!("{dir}/{file}: {e}")))?;
+        }
         Ok(())
     }
 
@@ -288,7 +296,7 @@ impl Sandboxes {
         if !other_tables_exist("") {
             let read =
                 |p: &str| std::fs::read_to_string(p).map(|s| s.trim().to_string()).unwrap_or_else(|_| "0".into());
-            let _ = std::fs::write(SAVED_FORWARDING, format!("{} {}\n", read(FORWARD_V4), read(FORWARD_V6)));
+            let _ = std::fs::write(saved_forwarding(), format!("{} {}\n", read(FORWARD_V4), read(FORWARD_V6)));
         }
         let saved = HostState { table: format!("flexstack_{}", std::process::id()) };
         let [b0, b1] = self.subnet;

@@ -77,7 +77,7 @@ pub struct Lab {
     pub seed: u64,
     /// How often meters are sampled into the results.
     pub sample: Duration,
-    /// Patterns of the meters sampled (`link.*`, `host.app.module.*.frames_total`).
+    /// Patterns of the meters sampled (default `link.**`; `*` stays within a dotted segment, `**` crosses them).
     pub meters: Vec<String>,
     /// Hosts in file order.
     pub hosts: Vec<Host>,
@@ -256,6 +256,20 @@ pub enum Action {
         /// The value written.
         value: Value,
     },
+}
+
+impl Action {
+    /// One line saying what the action does (`link h1-srv set delay_ms=50`), as in [`Lab::timeline`].
+    pub fn describe(&self) -> String {
+        match self {
+            Action::LinkDown { link } => format!("link {link} down"),
+            Action::LinkUp { link } => format!("link {link} up"),
+            Action::Capture { link } => format!("capture link {link}"),
+            Action::LinkSet { link, params } => format!("link {link} set {}", params.describe()),
+            Action::Knob { host: Some(h), knob, value } => format!("knob {knob} = {value} on {h}"),
+            Action::Knob { host: None, knob, value } => format!("knob {knob} = {value}"),
+        }
+    }
 }
 
 /// A scheduled event.
@@ -537,6 +551,26 @@ fn valid_knob(name: &str) -> bool {
     name.split('.').count() >= 2 && name.split('.').all(valid_name)
 }
 
+/// Parses link parameters written as TOML `key = value` lines (the keys of an event's `set`), as `lab link A B set`
+/// does with its `KEY=VALUE` arguments; `file` names the source in errors.
+pub fn parse_link_params(file: &str, text: &str) -> Result<LinkParams, ConfigError> {
+    let doc = Doc { file: Arc::from(file), text };
+    let (spans, table) = parse_located(&doc.file, text)?;
+    let t = Tbl {
+        doc: &doc,
+        values: &table,
+        spans: Some(spans.get_ref()),
+        location: doc.start(),
+        what: "the link parameters".into(),
+    };
+    t.check_keys(PARAM_KEYS)?;
+    let params = link_params(&t)?;
+    if params == LinkParams::default() {
+        return Err(t.err(doc.start(), format!("no link parameter given; expected one of: {}", PARAM_KEYS.join(", "))));
+    }
+    Ok(params)
+}
+
 impl Lab {
     /// Parses and validates a lab description; `file` names it in errors. Nothing is created.
     pub fn parse(file: &str, text: &str) -> Result<Lab, ConfigError> {
@@ -583,7 +617,7 @@ impl Lab {
             ));
         }
         let meters = match head.values.get("meters") {
-            None => vec!["link.*".to_string()],
+            None => vec!["link.**".to_string()],
             Some(v) => {
                 let items = v.as_array().filter(|a| a.iter().all(|x| x.as_str().is_some_and(valid_meter_pattern)));
                 let Some(items) = items else {
@@ -827,15 +861,7 @@ impl Lab {
             out.push((p.at, format!("start on {} ({mode}): {}", p.host, p.run)));
         }
         for e in &self.events {
-            let text = match &e.action {
-                Action::LinkDown { link } => format!("link {link} down"),
-                Action::LinkUp { link } => format!("link {link} up"),
-                Action::Capture { link } => format!("capture link {link}"),
-                Action::LinkSet { link, params } => format!("link {link} set {}", params.describe()),
-                Action::Knob { host: Some(h), knob, value } => format!("knob {knob} = {value} on {h}"),
-                Action::Knob { host: None, knob, value } => format!("knob {knob} = {value}"),
-            };
-            out.push((e.at, text));
+            out.push((e.at, e.action.describe()));
         }
         out.sort_by_key(|(at, _)| *at);
         out.push((self.duration, format!("end of lab {}", self.name)));

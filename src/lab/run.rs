@@ -1,0 +1,425 @@
+//! Running a built lab: programs at their times, events, meter sampling, progress, Ctrl-C, and the results folder.
+//!
+//! [`run`] executes [`Lab::timeline`] against the clock from the lab's start and writes, in the results folder:
+//! `timeline.csv` (`time_s,planned_s,event`: what happened when), `meters.csv` (`time_s,name,value`: the lab's
+//! meter patterns sampled every `sample`), `programs/<host>-<n>.{out,err,status}` (n: the program's place in the
+//! file, from 1) and `.json` when a program printed JSON (iperf3 -J), and `captures/*.pcapng`.
+//!
+//! Meter names in the results: the wire daemon's emulator `<link>_ab` appears as `link.<link>.ab.<meter>` (and
+//! `_ba` as `.ba.`), its other variables as `wire.<name>`; a stacked host's variables as `host.<host>.<name>`.
+
+use super::build::{set_knob, stop_processes, LabState};
+use super::msg;
+use crate::cli::CliError;
+use crate::client::Client;
+use crate::protocol::Request;
+use flexstack_core::vars::name_matches;
+use flexstack_lab::{Action, Lab, LinkParams};
+use serde_json::Value as Json;
+use std::io::Write;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// A program started by the lab.
+struct Running {
+    /// Its number in the file, from 1.
+    number: usize,
+    host: String,
+    child: Child,
+    stem: PathBuf,
+    background: bool,
+}
+
+/// How a run ended.
+#[derive(Debug)]
+pub struct Outcome {
+    /// True if Ctrl-C (SIGINT/SIGTERM) stopped it early.
+    pub interrupted: bool,
+    /// Foreground programs that exited with a failure: `(host-n, status)`.
+    pub failed: Vec<(String, String)>,
+}
+
+/// The user programs run as: SUDO_UID/SUDO_GID when root runs us through sudo, else ourselves.
+pub fn invoking_user() -> (u32, u32) {
+    crate::runner::invoking_user()
+}
+
+/// The command that runs `line` on `host` (through `sh -c`), as the invoking user; through `flexstack run` with the
+/// host's stack template on a stacked host.
+pub fn host_command(state: &LabState, host: &str, argv: &[String]) -> Result<Command, CliError> {
+    let h = state.host(host)?;
+    let mut cmd = Command::new("ip");
+    cmd.args(["netns", "exec", &h.netns]);
+    match (&h.daemon_dir, &h.template) {
+        (Some(dir), Some(template)) => {
+            // `flexstack run` drops to the invoking user itself (SUDO_UID), and passes signals on.
+            cmd.arg(std::env::current_exe().map_err(msg)?).arg("--state-dir").arg(dir).arg("run");
+            cmd.arg("--stack").arg(template).arg("--");
+        }
+        _ => {
+            let (uid, gid) = invoking_user();
+            if uid != 0 {
+                cmd.args(["setpriv", "--reuid", &uid.to_string(), "--regid", &gid.to_string(), "--init-groups", "--"]);
+            }
+        }
+    }
+    cmd.args(argv);
+    Ok(cmd)
+}
+
+fn start_program(state: &LabState, lab: &Lab, index: usize, dir: &Path) -> Result<Running, CliError> {
+    let p = &lab.programs[index];
+    let stem = dir.join(format!("{}-{}", p.host, index + 1));
+    let file = |ext: &str| {
+        let path = stem.with_extension(ext);
+        std::fs::File::create(&path).map_err(|e| msg(format!("{}: {e}", path.display())))
+    };
+    let argv = ["sh".to_string(), "-c".to_string(), p.run.clone()];
+    let child = host_command(state, &p.host, &argv)?
+        .stdin(Stdio::null())
+        .stdout(file("out")?)
+        .stderr(file("err")?)
+        .process_group(0)
+        .spawn()
+        .map_err(|e| msg(format!("cannot start `{}` on {}: {e}", p.run, p.host)))?;
+    Ok(Running { number: index + 1, host: p.host.clone(), child, stem, background: p.background })
+}
+
+/// Describes an exit status as the `.status` files do: `exit=N`, `signal=N`.
+fn status_text(s: std::process::ExitStatus) -> String {
+    match (s.code(), s.signal()) {
+        (Some(c), _) => format!("exit={c}"),
+        (None, Some(sig)) => format!("signal={sig}"),
+        _ => "unknown".into(),
+    }
+}
+
+/// Writes `.status` and, when stdout is JSON, `.json`.
+fn finish_program(r: &Running, status: &str) {
+    let _ = std::fs::write(r.stem.with_extension("status"), format!("{status}\n"));
+    if let Ok(text) = std::fs::read_to_string(r.stem.with_extension("out")) {
+        if let Ok(json) = serde_json::from_str::<Json>(&text) {
+            let _ = std::fs::write(r.stem.with_extension("json"), serde_json::to_string_pretty(&json).unwrap_or(text));
+        }
+    }
+}
+
+/// The knob writes of a link parameter change, for both directions.
+fn link_knobs(state: &LabState, link: &str, params: &LinkParams) -> Vec<(String, Json)> {
+    let Some(l) = state.links.iter().find(|l| l.name == link) else { return Vec::new() };
+    let mut out = Vec::new();
+    for (k, v) in params.emulator_settings() {
+        for e in [&l.emulator_ab, &l.emulator_ba] {
+            out.push((format!("module.{e}.{k}"), serde_json::to_value(&v).unwrap_or(Json::Null)));
+        }
+    }
+    out
+}
+
+/// Sets a link up or down (both directions).
+pub fn link_up(state: &LabState, link: &str, up: bool) -> Result<(), CliError> {
+    let l = state.links.iter().find(|l| l.name == link).ok_or_else(|| msg(format!("no link {link}")))?;
+    for e in [&l.emulator_ab, &l.emulator_ba] {
+        set_knob(&state.wire_dir, &format!("module.{e}.up"), Json::Bool(up))?;
+    }
+    Ok(())
+}
+
+/// Changes link parameters (both directions).
+pub fn link_set(state: &LabState, link: &str, params: &LinkParams) -> Result<(), CliError> {
+    for (name, value) in link_knobs(state, link, params) {
+        set_knob(&state.wire_dir, &name, value)?;
+    }
+    Ok(())
+}
+
+/// Starts capturing what each direction of `link` delivers (after the emulator) to
+/// `captures/<link>.<ab|ba>.pcapng`.
+pub fn capture(state: &LabState, link: &str) -> Result<(), CliError> {
+    let l = state.links.iter().find(|l| l.name == link).ok_or_else(|| msg(format!("no link {link}")))?;
+    let dir = state.results.join("captures");
+    std::fs::create_dir_all(&dir).map_err(|e| msg(format!("{}: {e}", dir.display())))?;
+    let dir = std::path::absolute(&dir).map_err(msg)?;
+    let mut wire = state.wire()?;
+    for (e, tag) in [(&l.emulator_ab, "ab"), (&l.emulator_ba, "ba")] {
+        let file = dir.join(format!("{link}.{tag}.pcapng")).display().to_string();
+        wire.call(&Request::TapAdd { link: format!("{e}[out]"), file })?;
+    }
+    Ok(())
+}
+
+fn apply(state: &LabState, action: &Action) -> Result<(), CliError> {
+    match action {
+        Action::LinkDown { link } => link_up(state, link, false),
+        Action::LinkUp { link } => link_up(state, link, true),
+        Action::LinkSet { link, params } => link_set(state, link, params),
+        Action::Capture { link } => capture(state, link),
+        Action::Knob { host, knob, value } => {
+            let dir = match host {
+                Some(h) => {
+                    state.host(h)?.daemon_dir.clone().ok_or_else(|| msg(format!("{h} is not a stacked host")))?
+                }
+                None => state.wire_dir.clone(),
+            };
+            set_knob(&dir, knob, serde_json::to_value(value).unwrap_or(Json::Null))
+        }
+    }
+}
+
+/// Maps a wire daemon variable to its name in the results.
+fn wire_name(state: &LabState, name: &str) -> String {
+    if let Some((module, var)) = name.strip_prefix("module.").and_then(|r| r.split_once('.')) {
+        for l in &state.links {
+            if module == l.emulator_ab {
+                return format!("link.{}.ab.{var}", l.name);
+            }
+            if module == l.emulator_ba {
+                return format!("link.{}.ba.{var}", l.name);
+            }
+        }
+    }
+    format!("wire.{name}")
+}
+
+fn numeric(v: &Json) -> Option<String> {
+    match v {
+        Json::Bool(b) => Some(u8::from(*b).to_string()),
+        Json::Number(n) => Some(n.to_string()),
+        _ => None,
+    }
+}
+
+/// Samples the meters matching the lab's patterns until `stop`, appending to `meters.csv`.
+fn sampler(state: LabState, patterns: Vec<String>, every: Duration, start: Instant, stop: Arc<AtomicBool>) {
+    let path = state.results.join("meters.csv");
+    let Ok(mut out) = std::fs::File::create(&path).map(std::io::BufWriter::new) else {
+        eprintln!("lab {}: cannot write {}", state.name, path.display());
+        return;
+    };
+    let _ = writeln!(out, "time_s,name,value");
+    let mut sources: Vec<(PathBuf, Option<String>)> = vec![(state.wire_dir.clone(), None)];
+    sources.extend(state.hosts.iter().filter_map(|h| h.daemon_dir.clone().map(|d| (d, Some(h.name.clone())))));
+    let mut clients: Vec<Option<Client>> = sources.iter().map(|_| None).collect();
+    let mut next = start;
+    while !stop.load(Ordering::SeqCst) {
+        let now = Instant::now();
+        if now < next {
+            std::thread::sleep((next - now).min(Duration::from_millis(50)));
+            continue;
+        }
+        let t = (now - start).as_secs_f64();
+        let mut rows: Vec<(String, String)> = Vec::new();
+        for ((dir, host), client) in sources.iter().zip(clients.iter_mut()) {
+            if client.is_none() {
+                *client = Client::connect(dir).ok();
+            }
+            let Some(c) = client.as_mut() else { continue };
+            match c.call(&Request::Get { names: vec!["**".into()] }) {
+                Ok(Json::Object(map)) => {
+                    for (name, v) in map {
+                        let shown = match host {
+                            None => wire_name(&state, &name),
+                            Some(h) => format!("host.{h}.{name}"),
+                        };
+                        if patterns.iter().any(|p| name_matches(p, &shown)) {
+                            if let Some(value) = numeric(&v["value"]) {
+                                rows.push((shown, value));
+                            }
+                        }
+                    }
+                }
+                _ => *client = None,
+            }
+        }
+        rows.sort();
+        for (name, value) in rows {
+            let _ = writeln!(out, "{t:.3},{name},{value}");
+        }
+        let _ = out.flush();
+        next += every;
+    }
+}
+
+/// Options of [`run`].
+pub struct RunOptions {
+    /// Run the whole timeline (`lab run`); false starts only the background programs (`lab up`).
+    pub whole: bool,
+    /// Print progress on stderr.
+    pub progress: bool,
+}
+
+/// Quotes a CSV field when needed (RFC 4180).
+fn csv_field(s: &str) -> String {
+    if s.contains([',', '"', '\n', '\r']) {
+        format!("\"{}\"", s.replace('"', "\"\""))
+    } else {
+        s.to_string()
+    }
+}
+
+/// Runs the lab's timeline (see the module docs). `interrupted` is set by SIGINT/SIGTERM.
+pub fn run(state: &LabState, lab: &Lab, opts: &RunOptions, interrupted: &AtomicBool) -> Result<Outcome, CliError> {
+    let programs_dir = state.results.join("programs");
+    std::fs::create_dir_all(&programs_dir).map_err(|e| msg(format!("{}: {e}", programs_dir.display())))?;
+    let timeline_path = state.results.join("timeline.csv");
+    let mut timeline =
+        std::fs::File::create(&timeline_path).map_err(|e| msg(format!("{}: {e}", timeline_path.display())))?;
+    writeln!(timeline, "time_s,planned_s,event").map_err(msg)?;
+
+    for l in &lab.links {
+        if l.capture {
+            capture(state, &l.name)?;
+        }
+    }
+    let start = Instant::now();
+    let stop_sampling = Arc::new(AtomicBool::new(false));
+    let sampler_thread = {
+        let (s, p, every, stop) = (state.clone(), lab.meters.clone(), lab.sample, stop_sampling.clone());
+        std::thread::spawn(move || sampler(s, p, every, start, stop))
+    };
+
+    // The schedule: programs before events at the same instant, each in file order (as Lab::timeline).
+    enum Item<'a> {
+        Program(usize),
+        Event(&'a Action),
+    }
+    let mut items: Vec<(Duration, Item<'_>)> = Vec::new();
+    for (i, p) in lab.programs.iter().enumerate() {
+        if opts.whole || p.background {
+            items.push((if opts.whole { p.at } else { Duration::ZERO }, Item::Program(i)));
+        }
+    }
+    if opts.whole {
+        items.extend(lab.events.iter().map(|e| (e.at, Item::Event(&e.action))));
+    }
+    items.sort_by_key(|(at, item)| (*at, matches!(item, Item::Event(_))));
+
+    let mut running: Vec<Running> = Vec::new();
+    let mut finished: Vec<(Running, String)> = Vec::new();
+    let mut last = String::from("started");
+    let mut last_progress = Instant::now() - Duration::from_secs(10);
+    let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let end = if opts.whole { lab.duration } else { Duration::ZERO };
+    let mut pending = items.into_iter().peekable();
+    let record = |timeline: &mut std::fs::File, planned: Duration, text: &str| {
+        let t = start.elapsed().as_secs_f64();
+        let _ = writeln!(timeline, "{t:.3},{:.3},{}", planned.as_secs_f64(), csv_field(text));
+    };
+    loop {
+        if interrupted.load(Ordering::SeqCst) {
+            record(&mut timeline, start.elapsed(), "interrupted");
+            break;
+        }
+        let now = start.elapsed();
+        while let Some((at, _)) = pending.peek() {
+            if *at > now {
+                break;
+            }
+            let (at, item) = pending.next().expect("peeked");
+            match item {
+                Item::Program(i) => {
+                    let r = start_program(state, lab, i, &programs_dir)?;
+                    last = format!("started {}-{}: {}", r.host, r.number, lab.programs[i].run);
+                    record(
+                        &mut timeline,
+                        at,
+                        &format!(
+                            "start on {} ({}): {}",
+                            r.host,
+                            if r.background { "background" } else { "foreground" },
+                            lab.programs[i].run
+                        ),
+                    );
+                    running.push(r);
+                }
+                Item::Event(action) => {
+                    let text = action.describe();
+                    match apply(state, action) {
+                        Ok(()) => record(&mut timeline, at, &text),
+                        Err(e) => {
+                            eprintln!("lab {}: event `{text}` failed: {e}", lab.name);
+                            record(&mut timeline, at, &format!("FAILED {text}: {e}"));
+                        }
+                    }
+                    last = text;
+                }
+            }
+            if opts.progress && !tty {
+                eprintln!("lab {}: {:>6.1}s  {last}", lab.name, start.elapsed().as_secs_f64());
+            }
+        }
+        // Reap programs that ended.
+        let mut i = 0;
+        while i < running.len() {
+            match running[i].child.try_wait() {
+                Ok(Some(s)) => {
+                    let r = running.remove(i);
+                    let text = status_text(s);
+                    finish_program(&r, &text);
+                    record(&mut timeline, start.elapsed(), &format!("{}-{} ended: {text}", r.host, r.number));
+                    finished.push((r, text));
+                }
+                _ => i += 1,
+            }
+        }
+        if now >= end && pending.peek().is_none() {
+            if opts.whole {
+                record(&mut timeline, end, &format!("end of lab {}", lab.name));
+            }
+            break;
+        }
+        if opts.progress
+            && (tty || last_progress.elapsed() >= Duration::from_secs(5))
+            && last_progress.elapsed() >= Duration::from_millis(500)
+        {
+            last_progress = Instant::now();
+            let line = format!(
+                "lab {}: {:.1}s / {:.0}s · {} running · {last}",
+                lab.name,
+                start.elapsed().as_secs_f64(),
+                lab.duration.as_secs_f64(),
+                running.len()
+            );
+            if tty {
+                eprint!("\r\x1b[2K{}", line.chars().take(120).collect::<String>());
+            } else {
+                eprintln!("{line}");
+            }
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    if opts.progress && tty {
+        eprintln!();
+    }
+    stop_sampling.store(true, Ordering::SeqCst);
+    let _ = sampler_thread.join();
+    if !opts.whole {
+        // `lab up`: the background programs keep running; `lab down` stops them.
+        for r in running {
+            std::mem::forget(r.child);
+        }
+        return Ok(Outcome { interrupted: false, failed: Vec::new() });
+    }
+    // The end: programs still running are stopped.
+    let pids: Vec<u32> = running.iter().map(|r| r.child.id()).collect();
+    stop_processes(&pids, Duration::from_secs(3));
+    for mut r in running {
+        let _ = r.child.wait();
+        let text = "killed".to_string();
+        finish_program(&r, &text);
+        if !r.background {
+            eprintln!("lab {}: {}-{} was still running at the end and was stopped", lab.name, r.host, r.number);
+        }
+        finished.push((r, text));
+    }
+    let failed = finished
+        .iter()
+        .filter(|(r, s)| !r.background && s.starts_with("exit=") && s != "exit=0")
+        .map(|(r, s)| (format!("{}-{}", r.host, r.number), s.clone()))
+        .collect();
+    Ok(Outcome { interrupted: interrupted.load(Ordering::SeqCst), failed })
+}

@@ -184,11 +184,13 @@ fn draw(plot: &TimePlot, svg: &mut String) -> Result<(), Box<dyn std::error::Err
         }
         last_label_x = Some(x);
         let (ox, oy) = chart_area.get_base_pixel();
-        chart_area.draw(&Text::new(
-            clip(&format!("{} {}", short_time(m.time_s), m.label), 60),
-            (x - ox, py - oy + 4),
-            label_style.clone(),
-        ))?;
+        let text = clip(&format!("{} {}", short_time(m.time_s), m.label), 60);
+        // A translucent white band under the label keeps it readable where it crosses a line. The rotated text
+        // lies left of `x` (its height) and below the top (its length, about 5 px a character at this size).
+        let (left, top) = (x - ox - 12, py - oy + 3);
+        let length = 5 * text.chars().count() as i32 + 4;
+        chart_area.draw(&Rectangle::new([(left, top), (left + 13, top + length)], WHITE.mix(0.7).filled()))?;
+        chart_area.draw(&Text::new(text, (x - ox, py - oy + 4), label_style.clone()))?;
     }
 
     // The legend, in its own panel so it never hides a line.

@@ -15,6 +15,7 @@ const TCP_CLIENT: &str = include_str!("data/iperf3-tcp-client.json");
 const UDP_SERVER: &str = include_str!("data/iperf3-udp-server.json");
 const UDP_CLIENT: &str = include_str!("data/iperf3-udp-client.json");
 const ERROR: &str = include_str!("data/iperf3-error.json");
+const TCP_SERVER: &str = include_str!("data/iperf3-tcp-server.json");
 
 const CSV_DICT: Dict<'static> = Dict {
     tokens: &[
@@ -140,7 +141,7 @@ fn mutated_status_lines() {
 
 #[test]
 fn mutated_iperf3_outputs() {
-    fuzz("report-iperf3", &[TCP_CLIENT, UDP_SERVER, UDP_CLIENT, ERROR], &JSON_DICT, |text| {
+    fuzz("report-iperf3", &[TCP_CLIENT, TCP_SERVER, UDP_SERVER, UDP_CLIENT, ERROR], &JSON_DICT, |text| {
         match parse_iperf3("i.json", text) {
             Ok(tests) => {
                 for t in &tests {

@@ -561,6 +561,7 @@ mod tests {
     const UDP_CLIENT: &str = include_str!("../../tests/data/iperf3-udp-client.json");
     const UDP_SERVER: &str = include_str!("../../tests/data/iperf3-udp-server.json");
     const ERROR: &str = include_str!("../../tests/data/iperf3-error.json");
+    const TCP_SERVER: &str = include_str!("../../tests/data/iperf3-tcp-server.json");
 
     fn at(e: &ConfigError) -> (usize, usize) {
         let l = e.location.as_ref().expect("located");
@@ -664,6 +665,16 @@ mod tests {
         assert_eq!(t.retransmits(), Some(sent_retransmits));
         assert!(t.sender_bps().unwrap() >= t.receiver_bps().unwrap() * 0.99);
         assert_eq!(t.udp_loss_percent(), None);
+    }
+
+    #[test]
+    fn real_iperf3_tcp_server() {
+        let t = &parse_iperf3("s.json", TCP_SERVER).unwrap()[0];
+        assert_eq!((t.protocol, t.role, t.error.as_deref()), (Some(Protocol::Tcp), Some(Role::Server), None));
+        assert_eq!(t.intervals.len(), 1);
+        assert!(t.intervals[0].retransmits.is_none(), "the receiving side does not count retransmissions");
+        assert!(t.receiver_bps().unwrap() > 1e6);
+        assert!(t.cookie.as_deref().is_some_and(|c| c.len() == 36));
     }
 
     #[test]

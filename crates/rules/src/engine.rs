@@ -205,6 +205,8 @@ struct Instance {
     explicit: bool,
     refcount: u32,
     rank: u32,
+    /// The output it last emitted (events are sent when the output differs from it).
+    emitted: Option<Value>,
 }
 
 #[derive(Default)]
@@ -768,13 +770,14 @@ impl RuleEngine {
     fn reconcile(&mut self, now: Time, env: &dyn Environment) {
         let program = self.program.clone();
         let old = std::mem::take(&mut self.rt);
-        let old_inputs: HashMap<&str, Vec<&str>> = old
+        // What each old unit was: its kind and parameters, and the keys of its inputs.
+        let old_shape: HashMap<String, (String, Vec<String>)> = old
             .units
             .iter()
-            .map(|u| (u.key.as_str(), u.inputs.iter().map(|&i| old.units[i as usize].key.as_str()).collect()))
+            .map(|u| {
+                (u.key.clone(), (u.sig.clone(), u.inputs.iter().map(|&i| old.units[i as usize].key.clone()).collect()))
+            })
             .collect();
-        let old_input_keys: HashMap<String, Vec<String>> =
-            old_inputs.into_iter().map(|(k, v)| (k.to_string(), v.into_iter().map(String::from).collect())).collect();
         let mut old_units: HashMap<String, Unit> = old.units.into_iter().map(|u| (u.key.clone(), u)).collect();
         let ranks: HashMap<String, u32> = compile::topo_order(&program)
             .unwrap_or_default()
@@ -784,7 +787,8 @@ impl RuleEngine {
             .collect();
 
         // 1. The instances: loaded rules and, transitively, what they use and what triggers them.
-        let mut rt = Runtime { epoch: old.epoch, ..Runtime::default() };
+        let epoch = old.epoch + 1;
+        let mut rt = Runtime { epoch, ..Runtime::default() };
         let mut deps_of: Vec<Vec<(u32, bool)>> = Vec::new(); // (instance, is a reference rather than a trigger)
         let mut work: Vec<u32> = Vec::new();
         let ensure = |rt: &mut Runtime,
@@ -808,6 +812,7 @@ impl RuleEngine {
                 explicit: false,
                 refcount: 0,
                 rank: ranks.get(rule).copied().unwrap_or(0),
+                emitted: None,
             });
             deps_of.push(Vec::new());
             rt.by_rule.insert(key, i);
@@ -839,6 +844,7 @@ impl RuleEngine {
         // 2. Their units, keyed by rule, binding and place; references are wired once every root is known.
         let mut fixups: Vec<(u32, usize, u32)> = Vec::new();
         let mut fresh: Vec<bool> = vec![false; rt.instances.len()];
+        let mut emitted: Vec<Option<Value>> = vec![None; rt.instances.len()];
         for i in 0..rt.instances.len() {
             let (rule, binding) = (rt.instances[i].rule.clone(), rt.instances[i].binding.clone());
             let def = &program.rules[&rule];
@@ -870,23 +876,47 @@ impl RuleEngine {
                     Some(old) if old.kind == unit.kind => {
                         unit.core.adopt(old.core, now);
                         unit.value = old.value;
-                        unit.epoch = 0;
+                        if u == inst.root {
+                            emitted[i] = unit.value.clone();
+                        }
                     }
-                    _ => fresh[i] = true,
+                    _ => {}
                 }
             }
         }
-        for (i, inst) in rt.instances.iter().enumerate() {
-            for u in inst.units.clone() {
+        // A unit is settled if it has the same kind, parameters and inputs as before, and its inputs are settled:
+        // it is not recomputed by the evaluation below (a History keeps its window without a duplicate sample).
+        // A History whose window alone changed is not re-evaluated either (that would record a duplicate sample),
+        // but the units reading it are.
+        let mut settled = vec![false; rt.units.len()];
+        let mut changed = vec![true; rt.units.len()];
+        let mut by_rank: Vec<usize> = (0..rt.instances.len()).collect();
+        by_rank.sort_by_key(|&i| rt.instances[i].rank);
+        for i in by_rank {
+            for u in rt.instances[i].units.clone().rev() {
                 let unit = &rt.units[u as usize];
-                let now_inputs: Vec<&str> = unit.inputs.iter().map(|&x| rt.units[x as usize].key.as_str()).collect();
-                if old_input_keys
-                    .get(&unit.key)
-                    .is_some_and(|o| o.iter().map(String::as_str).ne(now_inputs.iter().copied()))
-                {
+                let (same_sig, same_inputs) = old_shape.get(&unit.key).map_or((false, false), |(sig, inputs)| {
+                    let same_inputs = inputs.len() == unit.inputs.len()
+                        && unit.inputs.iter().zip(inputs).all(|(&x, k)| {
+                            let x = x as usize;
+                            rt.units[x].key == *k && settled[x] && !changed[x]
+                        });
+                    (*sig == unit.sig, same_inputs)
+                });
+                let was_history = old_shape.get(&unit.key).is_some_and(|(sig, _)| sig.starts_with("History|"));
+                let resized_history = unit.kind == UnitKind::History && was_history;
+                settled[u as usize] = same_inputs && (same_sig || resized_history);
+                changed[u as usize] = !(same_inputs && same_sig);
+                if settled[u as usize] {
+                    rt.units[u as usize].epoch = epoch;
+                }
+                if !settled[u as usize] || changed[u as usize] {
                     fresh[i] = true;
                 }
             }
+        }
+        for (inst, e) in rt.instances.iter_mut().zip(emitted) {
+            inst.emitted = e;
         }
 
         // 3. Pulled instances: triggered ones and everything they use by reference.
@@ -963,7 +993,6 @@ impl RuleEngine {
         self.queued = vec![0; self.rt.instances.len()];
 
         // 6. Evaluate what is new or rewired (pushed instances; pulled ones wait for their triggers).
-        self.rt.epoch += 1;
         let seeds: Vec<(u32, bool)> = (0..self.rt.instances.len())
             .filter(|&i| fresh[i] && !self.rt.instances[i].pulled)
             .map(|i| (i as u32, false))
@@ -983,12 +1012,12 @@ impl RuleEngine {
                 continue;
             }
             let root = self.rt.instances[i as usize].root;
-            let before = self.rt.units[root as usize].value.clone();
             self.query(root, i, flags & 2 != 0, now, env);
             let after = &self.rt.units[root as usize].value;
-            if *after == before {
+            if *after == self.rt.instances[i as usize].emitted {
                 continue;
             }
+            self.rt.instances[i as usize].emitted.clone_from(after);
             let fire = after.as_ref().is_some_and(truthy);
             for k in 0..self.rt.subs[root as usize].len() {
                 let s = self.rt.subs[root as usize][k];
@@ -1085,6 +1114,7 @@ fn build(
     units.push(Unit {
         key: key.to_string(),
         kind: *kind,
+        sig: format!("{kind:?}|{param:?}"),
         core: Core::new(*kind, &param),
         inputs: vec![u32::MAX; args.len()],
         value: None,

@@ -373,6 +373,8 @@ pub(crate) struct Unit {
     /// `rule[binding]/path`: stable across reloads, so state survives rewiring.
     pub key: String,
     pub kind: UnitKind,
+    /// Kind and parameters: a unit is unchanged by a reload only if this is.
+    pub sig: String,
     pub core: Core,
     pub inputs: Vec<u32>,
     pub value: Option<Value>,
@@ -714,6 +716,7 @@ mod tests {
         let mut input = Unit {
             key: "in".into(),
             kind: UnitKind::Constant,
+            sig: String::new(),
             core: Core::Forwarder,
             inputs: vec![],
             value: None,

@@ -15,8 +15,8 @@
 //!   captures/*.pcapng, logs/*.log
 //! ```
 //!
-//! `<n>` is the program's index, from 0, among the `[[programs]]` of `lab.toml` (file order); `<host>` must be
-//! its host. `.status` holds one line, `exit=<code>`, `signal=<n>` or `killed`. The CSV files are RFC 4180: a
+//! `<n>` is the program's place among the `[[programs]]` of `lab.toml`, counted from 1 (file order); `<host>` must
+//! be its host. `.status` holds one line, `exit=<code>`, `signal=<n>`, `killed` or `unknown`. The CSV files are RFC 4180: a
 //! field with a comma or a quote is quoted. A missing `timeline.csv` (the lab's planned timeline is used instead)
 //! or `meters.csv` or `programs/` is noted in the report; a malformed CSV, status or `lab.toml` is an error. A
 //! program's JSON output that cannot be read (a server killed while writing, say) is noted, not fatal; neither is
@@ -218,13 +218,13 @@ fn read_programs(dir: &Path, lab: &Lab, notes: &mut Vec<String>) -> Result<Vec<P
     let mut out = Vec::new();
     for (index, host) in stems.into_keys() {
         let mut p = ProgramFiles { host, index, ..ProgramFiles::default() };
-        match lab.programs.get(index).filter(|lp| lp.host == p.host) {
+        match index.checked_sub(1).and_then(|i| lab.programs.get(i)).filter(|lp| lp.host == p.host) {
             Some(lp) => {
                 p.command = Some(lp.run.clone());
                 p.start_s = lp.at.as_secs_f64();
             }
             None => notes.push(format!(
-                "programs/{}.*: lab.toml has no program {index} (counted from 0) on host {}",
+                "programs/{}.*: lab.toml has no program {index} (counted from 1) on host {}",
                 p.id(),
                 p.host
             )),

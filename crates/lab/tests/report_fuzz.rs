@@ -133,9 +133,11 @@ fn mutated_meters() {
 
 #[test]
 fn mutated_status_lines() {
-    fuzz("report-status", &["exit=0\n", "signal=9\n", "killed\n"], &CSV_DICT, |text| match parse_status("s", text) {
-        Ok(_) => Ok(()),
-        Err(e) => located(&e, "s", text),
+    fuzz("report-status", &["exit=0\n", "signal=9\n", "killed\n", "unknown\n"], &CSV_DICT, |text| {
+        match parse_status("s", text) {
+            Ok(_) => Ok(()),
+            Err(e) => located(&e, "s", text),
+        }
     });
 }
 

@@ -43,6 +43,8 @@ pub enum ExitStatus {
     Signal(i32),
     /// The runner stopped it at the end of the lab (`killed`).
     Killed,
+    /// It ended with neither an exit code nor a signal the runner could read (`unknown`).
+    Unknown,
 }
 
 impl std::fmt::Display for ExitStatus {
@@ -51,6 +53,7 @@ impl std::fmt::Display for ExitStatus {
             ExitStatus::Exit(c) => write!(f, "exit {c}"),
             ExitStatus::Signal(s) => write!(f, "signal {s}"),
             ExitStatus::Killed => write!(f, "stopped at lab end"),
+            ExitStatus::Unknown => write!(f, "unknown"),
         }
     }
 }
@@ -59,10 +62,10 @@ fn err(file: &str, line: usize, column: usize, message: impl Into<String>) -> Co
     ConfigError::new(Some(Location { file: Arc::from(file), line, column }), message)
 }
 
-/// Parses a program's `.status` file: one line, `exit=<code>`, `signal=<n>` or `killed`.
+/// Parses a program's `.status` file: one line, `exit=<code>`, `signal=<n>`, `killed` or `unknown`.
 pub fn parse_status(file: &str, text: &str) -> Result<ExitStatus, ConfigError> {
     let line = text.trim_end_matches(['\n', '\r']);
-    let expected = "expected one line `exit=<code>`, `signal=<n>` or `killed`";
+    let expected = "expected one line `exit=<code>`, `signal=<n>`, `killed` or `unknown`";
     if line.contains('\n') {
         return Err(err(file, 2, 1, format!("{expected}, got more than one line")));
     }
@@ -73,6 +76,7 @@ pub fn parse_status(file: &str, text: &str) -> Result<ExitStatus, ConfigError> {
         Some(("exit", v)) => number(v, 6).map(ExitStatus::Exit),
         Some(("signal", v)) => number(v, 8).map(ExitStatus::Signal),
         None if line == "killed" => Ok(ExitStatus::Killed),
+        None if line == "unknown" => Ok(ExitStatus::Unknown),
         _ => Err(err(file, 1, 1, format!("{expected}, got {line:?}"))),
     }
 }
@@ -622,10 +626,11 @@ mod tests {
         assert_eq!(parse_status("s", "exit=-1").unwrap(), ExitStatus::Exit(-1));
         assert_eq!(parse_status("s", "signal=9\n").unwrap(), ExitStatus::Signal(9));
         assert_eq!(parse_status("s", "killed\n").unwrap(), ExitStatus::Killed);
+        assert_eq!(parse_status("s", "unknown\n").unwrap(), ExitStatus::Unknown);
         let e = parse_status("h1-1.status", "exit=x\n").unwrap_err();
         assert_eq!(
             e.to_string(),
-            "h1-1.status:1:6: expected one line `exit=<code>`, `signal=<n>` or `killed`: \"x\" is not an integer"
+            "h1-1.status:1:6: expected one line `exit=<code>`, `signal=<n>`, `killed` or `unknown`: \"x\" is not an integer"
         );
         assert!(parse_status("s", "done\n").is_err());
         assert_eq!(at(&parse_status("s", "exit=0\nexit=1\n").unwrap_err()), (2, 1));

@@ -724,3 +724,103 @@ impl<D: Device + 'static> Module for Face<D> {
         into.append(&mut self.queue);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use flexstack_net::checksum;
+
+    /// An Ethernet frame with one VLAN tag, IPv6 and TCP (32-byte header: 12 bytes of options) carrying
+    /// `payload` bytes, its TCP checksum complete.
+    fn tcp6_vlan_frame(payload: usize) -> Vec<u8> {
+        let mut f = vec![0u8; 18 + 40 + 32 + payload];
+        f[12..14].copy_from_slice(&0x8100u16.to_be_bytes());
+        f[16..18].copy_from_slice(&0x86ddu16.to_be_bytes());
+        f[18] = 0x60;
+        f[22..24].copy_from_slice(&((32 + payload) as u16).to_be_bytes());
+        f[24] = 6;
+        f[25] = 64;
+        f[26..42].copy_from_slice(&"fd00::1".parse::<std::net::Ipv6Addr>().unwrap().octets());
+        f[42..58].copy_from_slice(&"fd00::2".parse::<std::net::Ipv6Addr>().unwrap().octets());
+        f[58 + 12] = 8 << 4;
+        for (i, b) in f[90..].iter_mut().enumerate() {
+            *b = (i * 7) as u8;
+        }
+        let (src, dst) = (ip6(&f[26..42]), ip6(&f[42..58]));
+        let sum = checksum::pseudo_header(src, dst, 6, (f.len() - 58) as u32);
+        let c = checksum::finish(checksum::sum(sum, &f[58..]));
+        f[58 + 16..58 + 18].copy_from_slice(&c.to_be_bytes());
+        f
+    }
+
+    fn ip6(b: &[u8]) -> std::net::IpAddr {
+        std::net::IpAddr::from(<[u8; 16]>::try_from(b).unwrap())
+    }
+
+    fn vnet(flags: u8, gso_type: u8, gso_size: u16, csum_start: u16, csum_offset: u16) -> VnetHeader {
+        VnetHeader { flags, gso_type, gso_size, csum_start, csum_offset }
+    }
+
+    #[test]
+    fn a_gso_header_becomes_the_gso_key_with_the_header_length_taken_from_the_frame() {
+        let f = tcp6_vlan_frame(5000);
+        let h = vnet(VNET_F_NEEDS_CSUM, 4 | VNET_GSO_ECN, 1428, 58, 16);
+        let g = h.gso(&f).expect("a TCPv6 super-frame");
+        assert_eq!(
+            g,
+            Gso { kind: GsoKind::TcpV6, gso_size: 1428, hdr_len: 90, csum_start: 58, l3_offset: 18, ecn: true }
+        );
+        // Not carried: no GSO, UFO (3), a zero segment size, a checksum offset that is not TCP's, IPv4 claimed for
+        // an IPv6 packet, no NEEDS_CSUM.
+        assert_eq!(vnet(VNET_F_NEEDS_CSUM, 0, 1428, 58, 16).gso(&f), None);
+        assert_eq!(vnet(VNET_F_NEEDS_CSUM, 3, 1428, 58, 6).gso(&f), None);
+        assert_eq!(vnet(VNET_F_NEEDS_CSUM, 4, 0, 58, 16).gso(&f), None);
+        assert_eq!(vnet(VNET_F_NEEDS_CSUM, 4, 1428, 58, 6).gso(&f), None);
+        assert_eq!(vnet(VNET_F_NEEDS_CSUM, 1, 1428, 58, 16).gso(&f), None);
+        assert_eq!(vnet(0, 4, 1428, 58, 16).gso(&f), None);
+        // A transport header that runs past the frame.
+        assert_eq!(vnet(VNET_F_NEEDS_CSUM, 4, 1428, 58, 16).gso(&f[..80]), None);
+    }
+
+    #[test]
+    fn a_gso_write_puts_the_pseudo_header_sum_in_the_checksum_field() {
+        let f = tcp6_vlan_frame(5000);
+        let complete = u16::from_be_bytes([f[74], f[75]]);
+        let g = Gso { kind: GsoKind::TcpV6, gso_size: 1428, hdr_len: 90, csum_start: 58, l3_offset: 18, ecn: false };
+        let w = gso_write_parts(&f, &g).expect("a GSO write");
+        assert_eq!(w.field, 74);
+        assert_eq!(w.header, [VNET_F_NEEDS_CSUM, 4, 90, 0, 0x94, 0x05, 58, 0, 16, 0]);
+        // What the kernel does with it, and what the read path does with a NEEDS_CSUM frame: sum from csum_start
+        // with the field in place gives back the complete checksum.
+        let mut partial = f.clone();
+        partial[74..76].copy_from_slice(&w.field_value);
+        let pseudo = checksum::pseudo_header(ip6(&f[26..42]), ip6(&f[42..58]), 6, (f.len() - 58) as u32);
+        assert_eq!(u16::from_be_bytes(w.field_value), !checksum::finish(pseudo));
+        vnet(VNET_F_NEEDS_CSUM, 4, 1428, 58, 16).complete_checksum(&mut partial);
+        assert_eq!(u16::from_be_bytes([partial[74], partial[75]]), complete);
+        assert_eq!(partial, f);
+
+        // One segment's worth is written as an ordinary frame; so is a frame that does not match the key.
+        assert_eq!(gso_write_parts(&tcp6_vlan_frame(1428), &g), None);
+        assert_eq!(gso_write_parts(&f[..85], &g), None);
+        let mut v4 = f.clone();
+        v4[18] = 0x45;
+        assert!(gso_write_parts(&v4, &g).is_some_and(|w| w.field_value != gso_write_parts(&f, &g).unwrap().field_value));
+        v4[18] = 0x75;
+        assert_eq!(gso_write_parts(&v4, &g), None);
+    }
+
+    #[test]
+    fn the_ip_header_is_found_behind_up_to_two_vlan_tags() {
+        let mut f = vec![0u8; 40];
+        f[12..14].copy_from_slice(&0x0800u16.to_be_bytes());
+        assert_eq!(l3_offset(&f), Some(14));
+        f[12..14].copy_from_slice(&0x88a8u16.to_be_bytes());
+        f[16..18].copy_from_slice(&0x8100u16.to_be_bytes());
+        f[20..22].copy_from_slice(&0x86ddu16.to_be_bytes());
+        assert_eq!(l3_offset(&f), Some(22));
+        f[20..22].copy_from_slice(&0x0806u16.to_be_bytes());
+        assert_eq!(l3_offset(&f), None, "ARP is not IP");
+        assert_eq!(l3_offset(&f[..13]), None);
+    }
+}

@@ -8,6 +8,16 @@
 //!
 //! What happens to a frame arriving at `now`, in this order:
 //!
+//! 0. **GSO**: a GSO super-frame (a packet carrying `MetaKey::GSO`, e.g. up to 64 KiB of TCP read whole by a
+//!    `packet` face) stands for several on-wire packets, its segments. While an impairment that acts per packet is
+//!    on (`loss_pct`, Gilbert-Elliott, `duplicate_pct`, `corrupt_pct` above 0, or any `jitter_ms`, which draws a
+//!    delay per packet), it is cut into its segments first (tun-rs's `gso_split`, as the `tun` face does; each
+//!    segment gets complete checksums and the other metadata) and each goes through the steps below on its own,
+//!    so every on-wire packet has its own fate, exactly as if the sender had sent segments. Otherwise it stays
+//!    whole, and steps 3 and 4 count its segments: it takes as many places in the queue, and occupies the wire for
+//!    the bytes of all its segments (each repeats the headers). If only some of its segments fit in the queue it
+//!    is cut, and the segments that do not fit are dropped, as a queue receiving them back to back would. It is
+//!    released when its last segment is due, never earlier.
 //! 1. **up**: if `up` is false the frame is dropped (`drop_down_total`). Setting `up` to false also drops every frame
 //!    held (at the poll that follows the knob write) and frees the wire.
 //! 2. **loss**: with Gilbert-Elliott active (`ge_p > 0`) the state first moves (good → bad with probability `ge_p`,
@@ -17,9 +27,9 @@
 //!    `duplicate_pct` (the copy shares the bytes and goes through the steps below right behind the original,
 //!    `duplicated_total`), and a data frame is corrupted with probability `corrupt_pct`: one random bit is flipped,
 //!    copy-on-write, so other holders of the packet do not see it (`corrupted_total`).
-//! 3. **queue limit**: frames that have not started on the wire at `now` are the queue; a frame finding
+//! 3. **queue limit**: on-wire packets that have not started on the wire at `now` are the queue; a packet finding
 //!    `queue_packets` of them is dropped (`drop_queue_full_total`). With `rate_mbit = 0` nothing ever waits.
-//! 4. **rate**: the frame starts on the wire when the previous one has left it (or `now`), and occupies it for
+//! 4. **rate**: the packet starts on the wire when the previous one has left it (or `now`), and occupies it for
 //!    `len * 8 / rate` seconds; with `rate_mbit = 0` it leaves at once.
 //! 5. **delay/jitter**: it is due `delay_ms` plus a uniform sample of `±jitter_ms` (never less than 0) after it left
 //!    the wire. Unless `reorder` is true, its release time is the later of that and the previous frame's release
@@ -39,7 +49,8 @@
 //!   - `jitter_ms` (f64, ms, default 0, 0..=3600000): uniform jitter of ± this much around the delay.
 //!   - `reorder` (bool, default false): let jitter reorder frames.
 //!   - `rate_mbit` (f64, Mbit/s, default 0 = unlimited, 0..=1000000): wire rate.
-//!   - `queue_packets` (u64, frames, default 1000, 0..=10000000): most frames waiting for the wire.
+//!   - `queue_packets` (u64, packets, default 1000, 0..=10000000): most on-wire packets (segments of a GSO
+//!     super-frame count one each) waiting for the wire.
 //!   - `loss_pct` (f64, %, default 0, 0..=100): random loss.
 //!   - `ge_p`, `ge_r` (f64, probability per frame, default 0, 0..=1): Gilbert-Elliott good → bad and bad → good;
 //!     the model is active when `ge_p > 0`; the mean length of a bad run is `1 / ge_r` frames.
@@ -48,15 +59,19 @@
 //!   - `up` (bool, default true): false drops everything arriving and everything held.
 //!   - `seed` (u64, default 1): seed of the random generator.
 //! - Meters: `frames_total` (frames arrived), `delivered_total`, `queued` (frames held now), `drop_loss_total`,
-//!   `drop_queue_full_total`, `drop_down_total`, `duplicated_total`, `corrupted_total` (frames) and
-//!   `bytes_delivered_total` (bytes). Every drop also goes through [`Output::drop_frame`].
+//!   `drop_queue_full_total`, `drop_down_total`, `duplicated_total`, `corrupted_total` (frames; segments once
+//!   cut), `wire_packets_total` (on-wire packets that went on the wire: a whole super-frame counts its segments),
+//!   `gso_split_total` (super-frames cut into segments), `gso_split_errors_total` (super-frames whose description
+//!   did not match their bytes: they travel whole, as one packet) and `bytes_delivered_total` (bytes). Every drop
+//!   also goes through [`Output::drop_frame`].
 //!
 //! No state is handed over on `module replace`: held frames are lost with the old module.
 
+use flexstack_core::frame::{Gso, GsoKind, MetaKey};
 use flexstack_core::module::port_type;
 use flexstack_core::{
-    Batch, ConfigError, Frame, Meter, Module, ModuleBuilder, ModuleInterface, ModuleKind, ModuleVars, Output, PortSpec,
-    Settings, Time, Value, ValueType, VarSpec,
+    Batch, ConfigError, Frame, Meter, Module, ModuleBuilder, ModuleInterface, ModuleKind, ModuleVars, Output, Packet,
+    PortSpec, Settings, Time, Value, ValueType, VarSpec,
 };
 use std::collections::VecDeque;
 
@@ -106,7 +121,7 @@ const F64_KNOBS: [(&str, &str, &str, f64, f64); 10] = [
     ("corrupt_pct", "%", "data frames with one bit flipped", 0.0, 100.0),
 ];
 
-const METERS: [(&str, &str, &str); 9] = [
+const METERS: [(&str, &str, &str); 12] = [
     ("frames_total", "frames", "frames arrived"),
     ("delivered_total", "frames", "frames released on `out`"),
     ("queued", "frames", "frames held now"),
@@ -116,6 +131,9 @@ const METERS: [(&str, &str, &str); 9] = [
     ("duplicated_total", "frames", "extra copies sent"),
     ("corrupted_total", "frames", "frames with a bit flipped"),
     ("bytes_delivered_total", "bytes", "bytes of the data frames released"),
+    ("wire_packets_total", "packets", "on-wire packets sent on the wire (a GSO super-frame counts its segments)"),
+    ("gso_split_total", "frames", "GSO super-frames cut into their segments"),
+    ("gso_split_errors_total", "frames", "GSO super-frames that could not be cut (they travel whole)"),
 ];
 
 impl Config {
@@ -190,7 +208,7 @@ impl ModuleBuilder for EmulatorBuilder {
             .collect();
         vars.push(VarSpec::knob("reorder", ValueType::Bool, "", "let jitter reorder frames"));
         vars.push(
-            VarSpec::knob("queue_packets", ValueType::U64, "frames", "most frames waiting for the wire")
+            VarSpec::knob("queue_packets", ValueType::U64, "packets", "most on-wire packets waiting for the wire")
                 .with_range(0.0, MAX_QUEUE as f64),
         );
         vars.push(VarSpec::knob("up", ValueType::Bool, "", "false drops everything arriving and held"));
@@ -231,6 +249,11 @@ impl ModuleBuilder for EmulatorBuilder {
             duplicated: vars.meter("duplicated_total"),
             corrupted: vars.meter("corrupted_total"),
             bytes: vars.meter("bytes_delivered_total"),
+            wire_packets: vars.meter("wire_packets_total"),
+            gso_split: vars.meter("gso_split_total"),
+            gso_split_errors: vars.meter("gso_split_errors_total"),
+            scratch: Vec::new(),
+            sizes: Vec::new(),
         })
     }
 }
@@ -269,6 +292,19 @@ impl Rng {
     }
 }
 
+/// The GSO description of a data frame that is a super-frame of more than one segment.
+fn gso_of(frame: &Frame) -> Option<Gso> {
+    let p = frame.packet()?;
+    Gso::of(p.meta()).filter(|g| g.gso_size > 0 && g.segments(p.len()) > 1)
+}
+
+/// Length of segment `i` of a super-frame of `len` bytes with `hdr` bytes of headers and `size` bytes of payload
+/// per segment.
+fn segment_len(len: usize, hdr: usize, size: usize, i: usize) -> usize {
+    let payload = len.saturating_sub(hdr);
+    hdr + payload.saturating_sub(i * size).min(size)
+}
+
 /// A running emulator.
 pub struct Emulator {
     cfg: Config,
@@ -277,7 +313,7 @@ pub struct Emulator {
     ge_bad: bool,
     /// Frames held, by release time (in order of release).
     held: VecDeque<(Time, Frame)>,
-    /// Start times on the wire of the frames that had not started at the last arrival (ascending).
+    /// Start times on the wire of the on-wire packets that had not started at the last arrival (ascending).
     waiting: VecDeque<Time>,
     /// When the wire is free again.
     wire_free: Time,
@@ -292,6 +328,12 @@ pub struct Emulator {
     duplicated: Meter,
     corrupted: Meter,
     bytes: Meter,
+    wire_packets: Meter,
+    gso_split: Meter,
+    gso_split_errors: Meter,
+    /// Segment buffers for cutting GSO super-frames, and their lengths.
+    scratch: Vec<Vec<u8>>,
+    sizes: Vec<usize>,
 }
 
 fn ms_to_ns(ms: f64) -> f64 {
@@ -330,23 +372,75 @@ impl Emulator {
             self.waiting.pop_front();
         }
         let rate = self.cfg.rate_mbit;
+        let gso = gso_of(&frame);
         let left_wire = if rate > 0.0 {
-            if self.waiting.len() as u64 >= self.cfg.queue_packets {
-                self.drop_queue.add(1);
-                out.drop_frame(frame);
+            let Some(gso) = gso else {
+                if self.waiting.len() as u64 >= self.cfg.queue_packets {
+                    self.drop_queue.add(1);
+                    out.drop_frame(frame);
+                    return;
+                }
+                self.wire_packets.add(1);
+                let left = self.occupy_wire(now, frame.len());
+                return self.delay(left, frame);
+            };
+            let len = frame.len();
+            let (n, hdr, size) = (gso.segments(len), usize::from(gso.hdr_len), usize::from(gso.gso_size));
+            if !self.segments_fit(now, n, |i| segment_len(len, hdr, size, i)) {
+                // Only some segments fit: each goes on its own, the excess is dropped.
+                let Frame::Data(p) = frame else { unreachable!("gso_of returns Some for data frames only") };
+                for segment in self.split(p, &gso, out) {
+                    self.enqueue(now, Frame::Data(segment), out);
+                }
                 return;
             }
-            let start = self.wire_free.max(now);
-            if start > now {
-                self.waiting.push_back(start);
+            self.wire_packets.add(n as u64);
+            let mut left = now;
+            for i in 0..n {
+                left = self.occupy_wire(now, segment_len(len, hdr, size, i));
             }
-            // len * 8 bits / (rate * 1e6 bit/s), in ns.
-            let busy = (frame.len() as f64 * 8e3 / rate).round() as u64;
-            self.wire_free = Time(start.0.saturating_add(busy));
-            self.wire_free
+            left
         } else {
+            self.wire_packets.add(gso.map_or(1, |g| g.segments(frame.len())) as u64);
             now
         };
+        self.delay(left_wire, frame);
+    }
+
+    /// True if `n` on-wire packets of lengths `len(i)` arriving at `now` all find room in the queue.
+    fn segments_fit(&self, now: Time, n: usize, len: impl Fn(usize) -> usize) -> bool {
+        // The same test as for one packet, segment after segment: the queue must not be full when it arrives.
+        let mut waiting = self.waiting.len() as u64;
+        let mut free = self.wire_free.max(now);
+        for i in 0..n {
+            if waiting >= self.cfg.queue_packets {
+                return false;
+            }
+            if free > now {
+                waiting += 1;
+            }
+            free = Time(free.0.saturating_add(self.busy_ns(len(i))));
+        }
+        true
+    }
+
+    /// Nanoseconds `len` bytes occupy the wire: len * 8 bits / (rate * 1e6 bit/s).
+    fn busy_ns(&self, len: usize) -> u64 {
+        (len as f64 * 8e3 / self.cfg.rate_mbit).round() as u64
+    }
+
+    /// Puts an on-wire packet of `len` bytes arriving at `now` on the wire (rate > 0); returns when it has left.
+    fn occupy_wire(&mut self, now: Time, len: usize) -> Time {
+        let start = self.wire_free.max(now);
+        if start > now {
+            self.waiting.push_back(start);
+        }
+        self.wire_free = Time(start.0.saturating_add(self.busy_ns(len)));
+        self.wire_free
+    }
+
+    /// Step 5: holds `frame`, which left the wire at `left_wire`, until its release time.
+    fn delay(&mut self, left_wire: Time, frame: Frame) {
         let mut delay = ms_to_ns(self.cfg.delay_ms);
         if self.cfg.jitter_ms > 0.0 {
             delay += (self.rng.unit() * 2.0 - 1.0) * ms_to_ns(self.cfg.jitter_ms);
@@ -360,6 +454,72 @@ impl Emulator {
             let release = due.max(self.last_release);
             self.last_release = release;
             self.held.push_back((release, frame));
+        }
+    }
+
+    /// True while an impairment that acts per on-wire packet is on: GSO super-frames are then cut first.
+    fn per_packet_impairments(&self) -> bool {
+        let c = &self.cfg;
+        c.loss_pct > 0.0 || c.ge_p > 0.0 || c.duplicate_pct > 0.0 || c.corrupt_pct > 0.0 || c.jitter_ms > 0.0
+    }
+
+    /// Cuts super-frame `p` into its segments (complete checksums, the other metadata and the direction kept); a
+    /// frame whose description does not match its bytes comes back whole, without the key, and is counted.
+    fn split(&mut self, mut p: Packet, gso: &Gso, out: &mut Output<'_>) -> Vec<Packet> {
+        let l3 = usize::from(gso.l3_offset);
+        let n = gso.segments(p.len());
+        let seg_max = usize::from(gso.hdr_len) + usize::from(gso.gso_size);
+        if self.scratch.len() < n {
+            self.scratch.resize_with(n, Vec::new);
+            self.sizes.resize(n, 0);
+        }
+        for b in &mut self.scratch[..n] {
+            b.resize(seg_max, 0);
+        }
+        let hdr = tun_rs::VirtioNetHdr {
+            flags: 1,
+            gso_type: gso.kind.virtio_type(),
+            hdr_len: gso.hdr_len.saturating_sub(u16::from(gso.l3_offset)),
+            gso_size: gso.gso_size,
+            csum_start: gso.csum_start.saturating_sub(u16::from(gso.l3_offset)),
+            csum_offset: gso.kind.csum_offset(),
+        };
+        // gso_split trusts the type: the IP version is checked here.
+        let version = p.data().get(l3).map(|b| b >> 4);
+        let is_v6 = version == Some(6);
+        let version_ok = match gso.kind {
+            GsoKind::TcpV4 => version == Some(4),
+            GsoKind::TcpV6 => is_v6,
+            GsoKind::UdpL4 => version == Some(4) || is_v6,
+        };
+        let (direction, mut meta) = (p.direction(), *p.meta());
+        meta.remove(MetaKey::GSO);
+        let data = p.make_mut();
+        let result = match data.get_mut(l3..) {
+            Some(ip) if version_ok => {
+                tun_rs::gso_split(ip, hdr, &mut self.scratch[..n], &mut self.sizes[..n], l3, is_v6)
+            }
+            _ => Err(std::io::Error::other("the IP header does not match the GSO type")),
+        };
+        match result {
+            Ok(count) => {
+                self.gso_split.add(1);
+                (0..count)
+                    .map(|i| {
+                        let b = &mut self.scratch[i];
+                        b[..l3].copy_from_slice(&data[..l3]);
+                        let mut s = out.pool().alloc_from(&b[..l3 + self.sizes[i]]);
+                        s.set_direction(direction);
+                        *s.meta_mut() = meta;
+                        s
+                    })
+                    .collect()
+            }
+            Err(_) => {
+                self.gso_split_errors.add(1);
+                p.meta_mut().remove(MetaKey::GSO);
+                vec![p]
+            }
         }
     }
 
@@ -414,24 +574,15 @@ impl Module for Emulator {
         }
         // Frames due before these arrivals leave first.
         self.release(now, out);
-        for mut frame in input.drain(..) {
-            if self.lost() {
-                self.drop_loss.add(1);
-                out.drop_frame(frame);
-                continue;
-            }
-            let copy = if self.rng.chance(self.cfg.duplicate_pct / 100.0) {
-                self.duplicated.add(1);
-                Some(frame.clone())
-            } else {
-                None
-            };
-            if self.rng.chance(self.cfg.corrupt_pct / 100.0) && self.corrupt(&mut frame) {
-                self.corrupted.add(1);
-            }
-            self.enqueue(now, frame, out);
-            if let Some(copy) = copy {
-                self.enqueue(now, copy, out);
+        let split = self.per_packet_impairments();
+        for frame in input.drain(..) {
+            match (split, gso_of(&frame), frame) {
+                (true, Some(gso), Frame::Data(p)) => {
+                    for segment in self.split(p, &gso, out) {
+                        self.arrive(now, Frame::Data(segment), out);
+                    }
+                }
+                (_, _, frame) => self.arrive(now, frame, out),
             }
         }
         self.release(now, out);
@@ -449,6 +600,36 @@ impl Module for Emulator {
     }
 
     fn write_knob(&mut self, knob: &str, value: &Value) -> Result<(), String> {
+        self.set_knob(knob, value)
+    }
+}
+
+impl Emulator {
+    /// Steps 2 to 5 for one frame (an on-wire packet, or a GSO super-frame left whole).
+    fn arrive(&mut self, now: Time, mut frame: Frame, out: &mut Output<'_>) {
+        {
+            if self.lost() {
+                self.drop_loss.add(1);
+                out.drop_frame(frame);
+                return;
+            }
+            let copy = if self.rng.chance(self.cfg.duplicate_pct / 100.0) {
+                self.duplicated.add(1);
+                Some(frame.clone())
+            } else {
+                None
+            };
+            if self.rng.chance(self.cfg.corrupt_pct / 100.0) && self.corrupt(&mut frame) {
+                self.corrupted.add(1);
+            }
+            self.enqueue(now, frame, out);
+            if let Some(copy) = copy {
+                self.enqueue(now, copy, out);
+            }
+        }
+    }
+
+    fn set_knob(&mut self, knob: &str, value: &Value) -> Result<(), String> {
         match (knob, value) {
             (_, Value::F64(v)) if Config::f64_max(knob).is_some_and(|max| (0.0..=max).contains(v)) => {
                 *self.cfg.f64_mut(knob).expect("f64 knob") = *v;
@@ -470,7 +651,9 @@ impl Module for Emulator {
 #[cfg(test)]
 mod tests {
     use crate::testutil::*;
+    use flexstack_core::frame::{Gso, GsoKind, MetaKey};
     use flexstack_core::{Batch, Frame, Switch, Time, Value};
+    use flexstack_net::checksum;
     use std::time::Duration;
 
     fn stack(args: &[&str]) -> (Switch, Log) {
@@ -773,6 +956,136 @@ mod tests {
             let bits: u32 = s.data.iter().zip(o).map(|(a, b)| (a ^ b).count_ones()).sum();
             assert_eq!(bits, 1);
         }
+    }
+
+    /// An Ethernet + IPv4 + TCP super-frame with `payload` bytes of data starting at sequence number `seq`, valid
+    /// checksums, and the GSO key for segments of `mss` bytes.
+    fn tcp_super_frame(sw: &Switch, seq: u32, payload: usize, mss: u16) -> Frame {
+        let mut f = vec![0u8; 14 + 20 + 20 + payload];
+        f[12..14].copy_from_slice(&0x0800u16.to_be_bytes());
+        let ip_len = (20 + 20 + payload) as u16;
+        f[14] = 0x45;
+        f[16..18].copy_from_slice(&ip_len.to_be_bytes());
+        f[18..20].copy_from_slice(&77u16.to_be_bytes());
+        f[22] = 64;
+        f[23] = 6;
+        f[26..30].copy_from_slice(&[10, 0, 0, 1]);
+        f[30..34].copy_from_slice(&[10, 0, 0, 2]);
+        let ip_sum = checksum::ipv4_header(&f[14..34]);
+        f[24..26].copy_from_slice(&ip_sum.to_be_bytes());
+        f[34..36].copy_from_slice(&5000u16.to_be_bytes());
+        f[36..38].copy_from_slice(&80u16.to_be_bytes());
+        f[38..42].copy_from_slice(&seq.to_be_bytes());
+        f[46] = 5 << 4;
+        f[47] = 0x18; // ACK, PSH
+        for (i, b) in f[54..].iter_mut().enumerate() {
+            *b = (i % 251) as u8;
+        }
+        let c = tcp_checksum(&f);
+        f[50..52].copy_from_slice(&c.to_be_bytes());
+        let mut p = sw.pool().alloc_from(&f);
+        let gso = Gso { kind: GsoKind::TcpV4, gso_size: mss, hdr_len: 54, csum_start: 34, l3_offset: 14, ecn: false };
+        p.meta_mut().set(MetaKey::GSO, gso.pack());
+        p.meta_mut().set(MetaKey::SEQ, 9);
+        Frame::Data(p)
+    }
+
+    /// The TCP checksum of an Ethernet + IPv4 (20 bytes) + TCP frame, its checksum field taken as zero.
+    fn tcp_checksum(f: &[u8]) -> u16 {
+        let src = std::net::IpAddr::from(<[u8; 4]>::try_from(&f[26..30]).unwrap());
+        let dst = std::net::IpAddr::from(<[u8; 4]>::try_from(&f[30..34]).unwrap());
+        let mut t = f[34..].to_vec();
+        t[16..18].fill(0);
+        checksum::finish(checksum::sum(checksum::pseudo_header(src, dst, 6, t.len() as u32), &t))
+    }
+
+    fn tcp_seq(f: &[u8]) -> u32 {
+        u32::from_be_bytes(f[38..42].try_into().unwrap())
+    }
+
+    #[test]
+    fn a_gso_frame_occupies_the_wire_for_all_its_segments_and_leaves_whole() {
+        // 8 Mbit/s = 1 byte/µs. 10,000 bytes at 1000 per segment: 10 segments of 54 + 1000 bytes = 10,540 µs.
+        let (mut sw, log) = stack(&["rate_mbit=8", "delay_ms=1"]);
+        let mut batch = vec![tcp_super_frame(&sw, 1, 10_000, 1000)];
+        batch.extend(numbered(&sw, 0, 1, 1000));
+        send_batch(&mut sw, Time::ZERO, batch);
+        drain(&mut sw, Time::from_millis(1000));
+        let log = log.lock().unwrap();
+        assert_eq!(log.len(), 2);
+        assert_eq!(log[0].at, Time(10_540_000 + 1_000_000), "released when its last segment is due");
+        assert_eq!(log[0].data.len(), 54 + 10_000);
+        assert!(Gso::of(&log[0].meta).is_some(), "still a super-frame");
+        assert_eq!(log[1].at, Time(10_540_000 + 1_000_000 + 1_000_000), "the next frame waited for all of it");
+        assert_eq!(u64_var(&sw, "module.e.wire_packets_total"), 11);
+        assert_eq!(u64_var(&sw, "module.e.gso_split_total"), 0);
+        assert_eq!(u64_var(&sw, "module.e.delivered_total"), 2);
+    }
+
+    #[test]
+    fn the_queue_counts_segments_and_cuts_a_gso_frame_that_does_not_fit() {
+        let (mut sw, log) = stack(&["rate_mbit=8", "queue_packets=5"]);
+        // The first segment goes on the wire at once, five wait, the last four find the queue full.
+        let frame = tcp_super_frame(&sw, 1000, 10_000, 1000);
+        send_batch(&mut sw, Time::ZERO, vec![frame]);
+        assert_eq!(u64_var(&sw, "module.e.drop_queue_full_total"), 4);
+        assert_eq!(u64_var(&sw, "module.e.gso_split_total"), 1);
+        drain(&mut sw, Time::from_millis(1000));
+        let log = log.lock().unwrap();
+        assert_eq!(log.len(), 6);
+        for (i, s) in log.iter().enumerate() {
+            assert_eq!(s.data.len(), 54 + 1000);
+            assert_eq!(s.at, Time(1_054_000 * (i as u64 + 1)));
+            assert_eq!(tcp_seq(&s.data), 1000 + 1000 * i as u32);
+            assert_eq!(u16::from_be_bytes([s.data[50], s.data[51]]), tcp_checksum(&s.data), "segment {i}");
+            assert_eq!(checksum::ipv4_header(&s.data[14..34]), 0, "IPv4 header checksum of segment {i}");
+            assert_eq!(u16::from_be_bytes([s.data[16], s.data[17]]), 20 + 20 + 1000);
+            assert_eq!(Gso::of(&s.meta), None);
+            assert_eq!(s.meta.get(MetaKey::SEQ), Some(9), "other metadata kept");
+        }
+    }
+
+    #[test]
+    fn with_per_packet_impairments_each_segment_has_the_fate_of_an_ordinary_packet() {
+        // A 20-segment super-frame through 50 % loss drops exactly the segments that 20 ordinary packets lose
+        // with the same seed.
+        let (mut sw, log) = stack(&["loss_pct=50", "seed=5"]);
+        let frame = tcp_super_frame(&sw, 0, 20 * 100, 100);
+        send_batch(&mut sw, Time::ZERO, vec![frame]);
+        assert_eq!(u64_var(&sw, "module.e.gso_split_total"), 1);
+        let got: Vec<u32> = log.lock().unwrap().iter().map(|s| tcp_seq(&s.data) / 100).collect();
+        let (want, _) = delivered_numbers(&["loss_pct=50", "seed=5"], 1000);
+        let want: Vec<u32> = want.into_iter().filter(|&k| k < 20).collect();
+        assert_eq!(got, want);
+        assert!(!got.is_empty() && got.len() < 20, "{got:?}");
+        assert_eq!(u64_var(&sw, "module.e.drop_loss_total") + got.len() as u64, 20);
+
+        // Jitter draws a delay per segment too; without impairments the frame stays whole.
+        let (mut sw, log) = stack(&["delay_ms=5", "jitter_ms=1"]);
+        let frame = tcp_super_frame(&sw, 0, 3000, 1000);
+        send_batch(&mut sw, Time::ZERO, vec![frame]);
+        drain(&mut sw, Time::from_millis(1000));
+        assert_eq!(log.lock().unwrap().len(), 3);
+        let (mut sw, log) = stack(&["delay_ms=5"]);
+        let frame = tcp_super_frame(&sw, 0, 3000, 1000);
+        send_batch(&mut sw, Time::ZERO, vec![frame]);
+        drain(&mut sw, Time::from_millis(1000));
+        assert_eq!(log.lock().unwrap().len(), 1);
+        assert_eq!(u64_var(&sw, "module.e.wire_packets_total"), 3);
+    }
+
+    #[test]
+    fn a_gso_frame_that_does_not_match_its_description_travels_whole_and_is_counted() {
+        let (mut sw, log) = stack(&["loss_pct=0.000001"]);
+        let mut frame = tcp_super_frame(&sw, 0, 3000, 1000);
+        // Not IPv4 after all: the split fails.
+        frame.packet_mut().unwrap().make_mut()[14] = 0x65;
+        send_batch(&mut sw, Time::ZERO, vec![frame]);
+        assert_eq!(u64_var(&sw, "module.e.gso_split_errors_total"), 1);
+        let log = log.lock().unwrap();
+        assert_eq!(log.len(), 1);
+        assert_eq!(log[0].data.len(), 3054);
+        assert_eq!(Gso::of(&log[0].meta), None, "the key is gone: the frame is one packet now");
     }
 
     #[test]

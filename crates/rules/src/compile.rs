@@ -119,6 +119,26 @@ impl RuleDef {
     }
 }
 
+/// Rules as one text, grouped by section (the default section first, then `[manual]`, `[contextEnter]`,
+/// `[contextExit]`); checking it gives the same rules back.
+pub fn render_rules<'a>(defs: impl IntoIterator<Item = &'a RuleDef>) -> String {
+    let mut defs: Vec<&RuleDef> = defs.into_iter().collect();
+    defs.sort_by_key(|d| d.section);
+    let mut out = String::new();
+    let mut section = Section::Default;
+    for d in defs {
+        if d.section != section {
+            section = d.section;
+            out.push_str(&format!("[{}]\n", section.name()));
+        }
+        for line in d.render() {
+            out.push_str(&line);
+            out.push('\n');
+        }
+    }
+    out
+}
+
 fn collect_refs(node: &Node, out: &mut Vec<String>) {
     match node {
         Node::Ref(r) => {

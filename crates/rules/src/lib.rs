@@ -45,7 +45,7 @@ pub mod env;
 pub mod syntax;
 pub mod units;
 
-pub use compile::{compile, Compiled, Program, RuleAction, RuleDef};
+pub use compile::{compile, render_rules, Compiled, Program, RuleAction, RuleDef};
 pub use diag::{Diagnostic, Severity, Span};
 pub use engine::{
     drive, InstanceView, LoadReport, Notice, RevisionInfo, RuleEngine, RuleError, RuleSummary, RuleView, Step, UnitView,

@@ -291,6 +291,16 @@ fn lex(text: &str, diags: &mut Vec<Diagnostic>) -> Vec<(Tok, Span)> {
                 while j < chars.len() && (chars[j].is_ascii_digit() || chars[j] == '.') {
                     j += 1;
                 }
+                // An exponent: e or E, an optional sign, digits.
+                if matches!(chars.get(j), Some('e' | 'E')) {
+                    let k = j + 1 + usize::from(matches!(chars.get(j + 1), Some('+' | '-')));
+                    if chars.get(k).is_some_and(|c| c.is_ascii_digit()) {
+                        j = k;
+                        while j < chars.len() && chars[j].is_ascii_digit() {
+                            j += 1;
+                        }
+                    }
+                }
                 let number: String = chars[start..j].iter().collect();
                 let ustart = j;
                 while j < chars.len() && chars[j].is_ascii_alphabetic() {
@@ -346,22 +356,28 @@ fn lex(text: &str, diags: &mut Vec<Diagnostic>) -> Vec<(Tok, Span)> {
 
 /// A number with an optional duration unit.
 fn lex_number(number: &str, unit: &str) -> Result<Tok, String> {
-    let bad = || format!("bad number `{number}{unit}`: expected digits with at most one `.`");
-    if number.matches('.').count() > 1 || number.ends_with('.') {
+    let bad = || format!("bad number `{number}{unit}`: expected digits with at most one `.` and an optional exponent");
+    let mantissa = number.split(['e', 'E']).next().unwrap_or("");
+    if mantissa.matches('.').count() > 1 || mantissa.ends_with('.') {
         return Err(bad());
     }
     if unit.is_empty() {
-        if number.contains('.') {
+        if number.contains(['.', 'e', 'E']) {
             let v: f64 = number.parse().map_err(|_| bad())?;
+            if !v.is_finite() {
+                return Err(format!("number `{number}` is out of range"));
+            }
             return Ok(Tok::Lit(Value::F64(v)));
         }
         if let Ok(v) = number.parse::<u64>() {
             return Ok(Tok::Lit(Value::U64(v)));
         }
-        return number
-            .parse::<i64>()
-            .map(|v| Tok::Lit(Value::I64(v)))
-            .map_err(|_| format!("number `{number}` is out of range"));
+        // Only negative integers are i64 ("-0" is 0).
+        return match number.parse::<i64>() {
+            Ok(0) => Ok(Tok::Lit(Value::U64(0))),
+            Ok(v) => Ok(Tok::Lit(Value::I64(v))),
+            Err(_) => Err(format!("number `{number}` is out of range")),
+        };
     }
     let scale: f64 = match unit {
         "ns" => 1.0,

@@ -220,10 +220,28 @@ pub enum Node {
 /// Shows a value as the language writes it.
 pub fn show_value(v: &Value) -> String {
     match v {
-        Value::Str(s) => format!("{s:?}"),
+        Value::Str(s) => quote(s),
         Value::F64(x) if x.fract() == 0.0 && x.abs() < 1e15 => format!("{x:.1}"),
+        Value::F64(x) if *x != 0.0 && (x.abs() < 1e-4 || x.abs() >= 1e15) => format!("{x:e}"),
         other => other.to_string(),
     }
+}
+
+/// A string literal: in double quotes, with `"`, `\`, newline and tab escaped.
+pub fn quote(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\t' => out.push_str("\\t"),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
 }
 
 /// Shows a duration as a literal.
@@ -248,7 +266,7 @@ impl Node {
             Node::Unit { kind, param, args } => {
                 let mut parts: Vec<String> = Vec::new();
                 if let Param::Name(n) = param {
-                    parts.push(format!("{n:?}"));
+                    parts.push(quote(n));
                 }
                 parts.extend(args.iter().map(Node::render));
                 match param {

@@ -22,7 +22,9 @@ fn run(expr: &str, extra: &str, steps: &[(u64, f64)]) -> Vec<Option<Value>> {
     let mut env = MemoryEnv::new();
     env.meter(M, Value::F64(steps.first().map_or(0.0, |s| s.1))).knob("module.m.k", Value::F64(0.0));
     let mut engine = RuleEngine::new();
-    engine.handle_load_text("t", &format!("r: {expr}\n{extra}"), Time::ZERO, &env).unwrap_or_else(|e| panic!("{expr}: {e}"));
+    engine
+        .handle_load_text("t", &format!("r: {expr}\n{extra}"), Time::ZERO, &env)
+        .unwrap_or_else(|e| panic!("{expr}: {e}"));
     steps
         .iter()
         .map(|&(ms, v)| {
@@ -95,8 +97,7 @@ fn comparisons_and_logic() {
     assert_eq!(run(&format!("Not(Less({X}, 3))"), "", &s), vec![b(false), b(true), b(true)]);
     assert_eq!(run(&format!("And(Greater({X}, 0), Less({X}, 4))"), "", &s), vec![b(true), b(false), b(true)]);
     assert_eq!(run(&format!("Or(Less({X}, 2), Greater({X}, 4), false)"), "", &s), vec![b(true), b(true), b(false)]);
-    let strs: Vec<Option<Value>> =
-        ["low", "high", "low"].iter().map(|s| Some(Value::Str(s.to_string()))).collect();
+    let strs: Vec<Option<Value>> = ["low", "high", "low"].iter().map(|s| Some(Value::Str(s.to_string()))).collect();
     assert_eq!(run(&format!("If(Greater({X}, 4), \"high\", \"low\")"), "", &s), strs);
     assert_eq!(
         run(&format!("Threshold({X}, 4, 2)"), "", &[(1, 3.0), (2, 5.0), (3, 3.0), (4, 1.0), (5, 3.0)]),
@@ -112,7 +113,11 @@ fn cache_and_triggers() {
     let steps = [(10, 1.0), (20, 2.0), (30, 3.0), (40, 4.0)];
     assert_eq!(run(&format!("Cache({X}, 25)"), "t: Timer(10)\nt -> r", &steps), vec![n(1.0), n(1.0), n(1.0), n(4.0)]);
     // A trigger fires its target on each true event of the source only.
-    let out = run("Count(Constant(1), 100)", &format!("hi: Greater({X}, 2)\nhi -> r"), &[(1, 3.0), (2, 4.0), (3, 1.0), (4, 5.0)]);
+    let out = run(
+        "Count(Constant(1), 100)",
+        &format!("hi: Greater({X}, 2)\nhi -> r"),
+        &[(1, 3.0), (2, 4.0), (3, 1.0), (4, 5.0)],
+    );
     assert_eq!(out, vec![u(1), u(1), u(1), u(2)]);
 }
 

@@ -15,8 +15,7 @@
 //!   captures/*.pcapng, logs/*.log
 //! ```
 //!
-//! `<n>` is the program's place among the `[[programs]]` of `lab.toml`, counted from 1 (file order); `<host>` must
-//! be its host. `.status` holds one line, `exit=<code>`, `signal=<n>`, `killed` or `unknown`. The CSV files are RFC 4180: a
+//! `<n>` is the program's place among its host's `[[programs]]` in `lab.toml`, counted from 1 (file order). `.status` holds one line, `exit=<code>`, `signal=<n>`, `killed` or `unknown`. The CSV files are RFC 4180: a
 //! field with a comma or a quote is quoted. A missing `timeline.csv` (the lab's planned timeline is used instead)
 //! or `meters.csv` or `programs/` is noted in the report; a malformed CSV, status or `lab.toml` is an error. A
 //! program's JSON output that cannot be read (a server killed while writing, say) is noted, not fatal; neither is
@@ -121,6 +120,8 @@ fn read_optional(path: &Path) -> Result<Option<String>, ReportError> {
 struct ProgramFiles {
     host: String,
     index: usize,
+    /// Its place among all programs of lab.toml, from 0 (`usize::MAX` when not there): the report's order.
+    order: usize,
     command: Option<String>,
     start_s: f64,
     status: Option<ExitStatus>,
@@ -218,13 +219,15 @@ fn read_programs(dir: &Path, lab: &Lab, notes: &mut Vec<String>) -> Result<Vec<P
     let mut out = Vec::new();
     for (index, host) in stems.into_keys() {
         let mut p = ProgramFiles { host, index, ..ProgramFiles::default() };
-        match index.checked_sub(1).and_then(|i| lab.programs.get(i)).filter(|lp| lp.host == p.host) {
+        let place = lab.programs.iter().enumerate().filter(|(_, lp)| lp.host == p.host).nth(index.wrapping_sub(1));
+        p.order = place.map_or(usize::MAX, |(i, _)| i);
+        match place.map(|(_, lp)| lp) {
             Some(lp) => {
                 p.command = Some(lp.run.clone());
                 p.start_s = lp.at.as_secs_f64();
             }
             None => notes.push(format!(
-                "programs/{}.*: lab.toml has no program {index} (counted from 1) on host {}",
+                "programs/{}.*: lab.toml has no program {index} (counted from 1) among those of host {}",
                 p.id(),
                 p.host
             )),
@@ -265,6 +268,7 @@ fn read_programs(dir: &Path, lab: &Lab, notes: &mut Vec<String>) -> Result<Vec<P
         }
         out.push(p);
     }
+    out.sort_by(|a, b| (a.order, &a.host, a.index).cmp(&(b.order, &b.host, b.index)));
     Ok(out)
 }
 
@@ -405,6 +409,12 @@ fn test_name(p: &ProgramFiles, k: usize) -> String {
     }
 }
 
+/// True for a counter of bytes, packets or drops (`bytes_delivered_total`, `frames_total`, `drop_loss_total`).
+fn is_total_worth_listing(meter: &str) -> bool {
+    const WORDS: &[&str] = &["bytes", "packets", "frames", "delivered", "drop", "drops", "dropped", "lost", "loss"];
+    meter.strip_suffix("_total").is_some_and(|stem| stem.split('_').any(|w| WORDS.contains(&w)))
+}
+
 /// Escapes text for a markdown table cell.
 fn cell(text: &str) -> String {
     text.replace('\\', "\\\\").replace('|', "\\|").replace(['\n', '\r'], " ")
@@ -511,26 +521,32 @@ fn render_markdown(
     }
 
     let _ = writeln!(md, "\n## Link totals\n");
+    // `link.<link>.<direction>.<meter>` counters of bytes, packets and drops; a column per link direction.
     let mut totals: BTreeMap<&str, BTreeMap<&str, f64>> = BTreeMap::new();
-    for (name, samples) in r.meters.iter().filter(|(n, _)| n.starts_with("link.") && n.ends_with("_total")) {
-        if let Some((prefix, last)) = name.rsplit_once('.') {
-            totals.entry(prefix).or_default().insert(last, data::counter_total(samples));
+    let mut directions = std::collections::BTreeSet::new();
+    for (name, samples) in &r.meters {
+        let parts: Vec<&str> = name.splitn(4, '.').collect();
+        let [_, _, _, meter] = parts[..] else { continue };
+        if parts[0] != "link" || meter.contains('.') || !is_total_worth_listing(meter) {
+            continue;
         }
+        let direction = &name[5..name.len() - meter.len() - 1];
+        directions.insert(direction);
+        totals.entry(meter).or_default().insert(direction, data::counter_total(samples));
     }
     if totals.is_empty() {
-        let _ = writeln!(md, "No `link.*` counter (`*_total`) was sampled.");
+        let _ = writeln!(md, "No `link.<link>.<direction>.*_total` counter of bytes, packets or drops was sampled.");
     } else {
-        let columns: std::collections::BTreeSet<&str> = totals.values().flat_map(|m| m.keys().copied()).collect();
-        let _ = writeln!(md, "Counted over the run (counter restarts included), by meter:\n");
-        let _ = write!(md, "| meters |");
-        for c in &columns {
-            let _ = write!(md, " {} |", cell(c));
+        let _ = writeln!(md, "Counted over the run (counter restarts included):\n");
+        let _ = write!(md, "| meter |");
+        for d in &directions {
+            let _ = write!(md, " {} |", cell(d));
         }
-        let _ = writeln!(md, "\n|---|{}", "---|".repeat(columns.len()));
-        for (prefix, values) in &totals {
-            let _ = write!(md, "| {} |", cell(prefix));
-            for c in &columns {
-                let _ = write!(md, " {} |", values.get(c).map_or("–".into(), |v| count(*v)));
+        let _ = writeln!(md, "\n|---|{}", "---|".repeat(directions.len()));
+        for (meter, values) in &totals {
+            let _ = write!(md, "| {} |", cell(meter));
+            for d in &directions {
+                let _ = write!(md, " {} |", values.get(d).map_or("–".into(), |v| count(*v)));
             }
             let _ = writeln!(md);
         }

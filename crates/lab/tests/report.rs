@@ -80,9 +80,9 @@ fn folder() -> tempfile::TempDir {
     let p = d.join("programs");
     fs::create_dir(&p).unwrap();
     for (stem, json, status) in [
-        ("h1-2", "iperf3-tcp-client.json", "exit=0"),
-        ("h1-3", "iperf3-udp-client.json", "exit=0"),
-        ("h1-4", "iperf3-error.json", "exit=1"),
+        ("h1-1", "iperf3-tcp-client.json", "exit=0"),
+        ("h1-2", "iperf3-udp-client.json", "exit=0"),
+        ("h1-3", "iperf3-error.json", "exit=1"),
     ] {
         fs::write(p.join(format!("{stem}.json")), data(json)).unwrap();
         fs::write(p.join(format!("{stem}.status")), format!("{status}\n")).unwrap();
@@ -138,12 +138,12 @@ fn report_from_a_results_folder() {
 
     // Programs: figures of the real iperf3 runs.
     assert!(
-        md.contains("| h1-2 | h1 | `iperf3 -c srv -t 2 -J` | exit 0 | TCP client | 22886.41 | 22879.29 | 37 | – |"),
+        md.contains("| h1-1 | h1 | `iperf3 -c srv -t 2 -J` | exit 0 | TCP client | 22886.41 | 22879.29 | 37 | – |"),
         "{md}"
     );
     assert!(
         md.contains(
-            "| h1-3 | h1 | `iperf3 -c srv -u -b 10M -t 2 -J` | exit 0 | UDP client | 10.09 | 10.09 | – | 0.00 |"
+            "| h1-2 | h1 | `iperf3 -c srv -u -b 10M -t 2 -J` | exit 0 | UDP client | 10.09 | 10.09 | – | 0.00 |"
         ),
         "{md}"
     );
@@ -152,13 +152,12 @@ fn report_from_a_results_folder() {
         "{md}"
     );
     assert!(md.contains("| srv-1 | srv | `iperf3 -s -J` | stopped at lab end | #2 TCP server | "), "{md}");
-    assert!(md.contains("| h1-4 | h1 | `iperf3 -c nowhere -J` | exit 1 | error (see notes) |"), "{md}");
-    assert!(md.contains("- h1-4 test 1: iperf3 reported an error: unable to connect to server: Connection refused"));
+    assert!(md.contains("| h1-3 | h1 | `iperf3 -c nowhere -J` | exit 1 | error (see notes) |"), "{md}");
+    assert!(md.contains("- h1-3 test 1: iperf3 reported an error: unable to connect to server: Connection refused"));
 
     // Link totals: ab counted 2 MB before its restart and 4 MB from it; drops by reason as their own column.
-    assert!(md.contains("| meters | drop_loss_total | tx_bytes_total |"), "{md}");
-    assert!(md.contains("| link.h1-srv.ab | 12 | 6000000 |"), "{md}");
-    assert!(md.contains("| link.h1-srv.ba | – | 750000 |"), "{md}");
+    assert!(md.contains("| meter | h1-srv.ab | h1-srv.ba |\n|---|---|---|\n"), "{md}");
+    assert!(md.contains("| drop_loss_total | 12 | – |\n| tx_bytes_total | 6000000 | 750000 |\n\n"), "{md}");
 
     // Plots: throughput, link rates, link drops (values); all embedded.
     let names: Vec<String> =
@@ -177,15 +176,15 @@ fn report_from_a_results_folder() {
     }
     let throughput = fs::read_to_string(&summary.plots[0]).unwrap();
     for s in [
-        "h1-2: iperf3 -c srv -t 2 -J",
-        "h1-3: iperf3 -c srv -u -b 10M -t 2 -J",
+        "h1-1: iperf3 -c srv -t 2 -J",
+        "h1-2: iperf3 -c srv -u -b 10M -t 2 -J",
         "srv-1 #1: iperf3 -s -J",
         "srv-1 #2: iperf3 -s -J",
         "Mbit/s",
     ] {
         assert!(throughput.contains(s), "series {s:?} missing");
     }
-    assert!(!throughput.contains("h1-4:"), "a failed test has no intervals to plot");
+    assert!(!throughput.contains("h1-3:"), "a failed test has no intervals to plot");
     let rates = fs::read_to_string(&summary.plots[1]).unwrap();
     assert!(rates.contains("link.h1-srv.ab.tx_bytes_total") && rates.contains("link.h1-srv.ba.tx_bytes_total"));
     // 1 MB/s = 8 Mbit/s from every pair of samples, the restart included: the first series' line is flat.
@@ -248,21 +247,21 @@ fn malformed_files_give_located_errors() {
     assert_eq!(e.to_string(), want);
 
     fs::write(d.join("meters.csv"), meters()).unwrap();
-    fs::write(d.join("programs/h1-2.status"), "exit=ok\n").unwrap();
+    fs::write(d.join("programs/h1-1.status"), "exit=ok\n").unwrap();
     let e = write_report(d, &ReportOptions::default()).unwrap_err();
-    assert!(e.to_string().contains("h1-2.status:1:6: expected one line"), "{e}");
+    assert!(e.to_string().contains("h1-1.status:1:6: expected one line"), "{e}");
 
     // A program's unreadable JSON is noted, not fatal.
-    fs::write(d.join("programs/h1-2.status"), "exit=0\n").unwrap();
-    fs::write(d.join("programs/h1-2.json"), &data("iperf3-tcp-client.json")[..300]).unwrap();
+    fs::write(d.join("programs/h1-1.status"), "exit=0\n").unwrap();
+    fs::write(d.join("programs/h1-1.json"), &data("iperf3-tcp-client.json")[..300]).unwrap();
     let summary = write_report(d, &ReportOptions::default()).unwrap();
     assert!(
-        summary.notes.iter().any(|n| n.starts_with("unreadable iperf3 output: programs/h1-2.json:")),
+        summary.notes.iter().any(|n| n.starts_with("unreadable iperf3 output: programs/h1-1.json:")),
         "{:?}",
         summary.notes
     );
     let md = fs::read_to_string(&summary.report).unwrap();
-    assert!(md.contains("| h1-2 | h1 | `iperf3 -c srv -t 2 -J` | exit 0 | unreadable (see notes) |"), "{md}");
+    assert!(md.contains("| h1-1 | h1 | `iperf3 -c srv -t 2 -J` | exit 0 | unreadable (see notes) |"), "{md}");
 
     fs::write(d.join("lab.toml"), "[lab]\nname = \"x\"\n").unwrap();
     let e = write_report(d, &ReportOptions::default()).unwrap_err();

@@ -62,8 +62,12 @@
 //!   `drop_queue_full_total`, `drop_down_total`, `duplicated_total`, `corrupted_total` (frames; segments once
 //!   cut), `wire_packets_total` (on-wire packets that went on the wire: a whole super-frame counts its segments),
 //!   `gso_split_total` (super-frames cut into segments), `gso_split_errors_total` (super-frames whose description
-//!   did not match their bytes: they travel whole, as one packet) and `bytes_delivered_total` (bytes). Every drop
-//!   also goes through [`Output::drop_frame`].
+//!   did not match their bytes: they travel whole, as one packet), `bytes_delivered_total` (bytes) and
+//!   `wire_wait_ns_s_total` (ns × s): the integral over time of the wire backlog (how long a packet arriving then
+//!   would wait before it starts on the wire), up to the last call; read twice, its increase divided by the
+//!   seconds between gives the mean wait a packet arriving at a random moment in between meets in the model.
+//!   `scripts/bench-emulator.sh` subtracts it from measured delays to find the emulator's own delay error. Every
+//!   drop also goes through [`Output::drop_frame`].
 //!
 //! No state is handed over on `module replace`: held frames are lost with the old module.
 
@@ -121,7 +125,7 @@ const F64_KNOBS: [(&str, &str, &str, f64, f64); 10] = [
     ("corrupt_pct", "%", "data frames with one bit flipped", 0.0, 100.0),
 ];
 
-const METERS: [(&str, &str, &str); 12] = [
+const METERS: [(&str, &str, &str); 13] = [
     ("frames_total", "frames", "frames arrived"),
     ("delivered_total", "frames", "frames released on `out`"),
     ("queued", "frames", "frames held now"),
@@ -134,6 +138,12 @@ const METERS: [(&str, &str, &str); 12] = [
     ("wire_packets_total", "packets", "on-wire packets sent on the wire (a GSO super-frame counts its segments)"),
     ("gso_split_total", "frames", "GSO super-frames cut into their segments"),
     ("gso_split_errors_total", "frames", "GSO super-frames that could not be cut (they travel whole)"),
+    (
+        "wire_wait_ns_s_total",
+        "ns*s",
+        "integral over time of the wire backlog: its increase over an interval divided by the interval in s is \
+         the mean wait of a packet arriving at a random moment",
+    ),
 ];
 
 impl Config {
@@ -254,6 +264,9 @@ impl ModuleBuilder for EmulatorBuilder {
             gso_split_errors: vars.meter("gso_split_errors_total"),
             scratch: Vec::new(),
             sizes: Vec::new(),
+            wire_wait: vars.meter("wire_wait_ns_s_total"),
+            wire_wait_sum: 0.0,
+            integrated_until: Time::ZERO,
         })
     }
 }
@@ -334,6 +347,10 @@ pub struct Emulator {
     /// Segment buffers for cutting GSO super-frames, and their lengths.
     scratch: Vec<Vec<u8>>,
     sizes: Vec<usize>,
+    wire_wait: Meter,
+    /// Integral of the wire backlog up to `integrated_until`, in ns × s.
+    wire_wait_sum: f64,
+    integrated_until: Time,
 }
 
 fn ms_to_ns(ms: f64) -> f64 {
@@ -536,6 +553,22 @@ impl Emulator {
         self.bytes.add(bytes);
     }
 
+    /// Adds the wire backlog's integral from the last call up to `now` (before anything changes the wire).
+    fn integrate(&mut self, now: Time) {
+        let (from, free) = (self.integrated_until.0, self.wire_free.0);
+        if now.0 <= from {
+            return;
+        }
+        // The backlog falls from (free - from) at one ns per ns, down to 0 at `free` (or to (free - now)).
+        if free > from {
+            let b0 = (free - from) as f64;
+            let b1 = free.saturating_sub(now.0) as f64;
+            let span = b0 - b1;
+            self.wire_wait_sum += (b0 + b1) / 2.0 * span * 1e-9;
+        }
+        self.integrated_until = now;
+    }
+
     /// Drops every held frame (the link went down) and frees the wire.
     fn drop_held(&mut self, now: Time, out: &mut Output<'_>) {
         let n = self.held.len() as u64;
@@ -551,6 +584,7 @@ impl Emulator {
     /// Publishes the queue length and asks for a poll at the next release.
     fn settle(&mut self, out: &mut Output<'_>) -> Option<Time> {
         self.queued.set(self.held.len() as u64);
+        self.wire_wait.set(self.wire_wait_sum.round() as u64);
         let next = self.held.front().map(|(t, _)| *t);
         if let Some(t) = next {
             out.wake_at(t);
@@ -562,6 +596,7 @@ impl Emulator {
 impl Module for Emulator {
     fn process(&mut self, _port: usize, input: &mut Batch, out: &mut Output<'_>) {
         let now = out.now();
+        self.integrate(now);
         self.frames.add(input.len() as u64);
         if !self.cfg.up {
             self.drop_held(now, out);
@@ -591,6 +626,7 @@ impl Module for Emulator {
 
     fn poll(&mut self, out: &mut Output<'_>) -> Option<Time> {
         let now = out.now();
+        self.integrate(now);
         if !self.cfg.up {
             self.drop_held(now, out);
         } else {
@@ -802,6 +838,26 @@ mod tests {
         let log = log.lock().unwrap();
         assert_eq!(log[100].at, t0 + Duration::from_millis(1 + 5));
         assert_eq!(log[109].at, t0 + Duration::from_millis(10 + 5));
+    }
+
+    #[test]
+    fn the_wire_wait_integral_is_the_area_under_the_backlog() {
+        // 8 Mbit/s: a 1000-byte frame at 0 leaves a backlog falling from 1 ms to 0: 1e6 ns * 1e-3 s / 2 = 500.
+        // Three more at 10 ms: backlog 3 ms falling to 0 (4500); polls in between must not change the sum.
+        let (mut sw, _log) = stack(&["rate_mbit=8"]);
+        send(&mut sw, Time::ZERO, 0, 1, 1000);
+        sw.run(Time(400_000));
+        drain(&mut sw, Time::from_millis(5));
+        send(&mut sw, Time::from_millis(10), 1, 3, 1000);
+        drain(&mut sw, Time::from_millis(20));
+        send(&mut sw, Time::from_millis(30), 4, 0, 0);
+        sw.run(Time::from_millis(30));
+        assert_eq!(u64_var(&sw, "module.e.wire_wait_ns_s_total"), 500 + 4500);
+        // Without a rate nothing waits.
+        let (mut sw, _log) = stack(&[]);
+        send(&mut sw, Time::ZERO, 0, 10, 1000);
+        sw.run(Time::from_millis(10));
+        assert_eq!(u64_var(&sw, "module.e.wire_wait_ns_s_total"), 0);
     }
 
     #[test]

@@ -188,6 +188,9 @@ pub struct DaemonArgs {
     /// The /16 that sandboxed apps get their addresses from (app n: A.B.n.2).
     #[arg(long, default_value = "10.77.0.0")]
     pub app_subnet: std::net::Ipv4Addr,
+    /// Folder whose resolv.conf and hosts sandboxed apps get (default /etc; a file missing there comes from /etc).
+    #[arg(long)]
+    pub app_etc: Option<PathBuf>,
     /// Exit when the last sandboxed app detaches (how `flexstack run` starts a daemon of its own).
     #[arg(long)]
     pub exit_when_idle: bool,
@@ -390,6 +393,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             client_timeout: Duration::from_secs_f64(d.client_timeout.max(0.05)),
             max_clients: d.max_clients.max(1),
             app_subnet: d.app_subnet,
+            app_etc: d.app_etc.clone(),
             exit_when_idle: d.exit_when_idle,
         };
         return run_daemon(opts, crate::catalog()).map_err(CliError::Message);

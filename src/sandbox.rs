@@ -88,6 +88,7 @@ fn other_tables_exist(own: &str) -> bool {
 /// The sandboxes of one daemon.
 pub struct Sandboxes {
     subnet: [u8; 2],
+    etc: Option<std::path::PathBuf>,
     state: Mutex<(BTreeMap<String, App>, Option<HostState>)>,
 }
 
@@ -133,7 +134,14 @@ impl Sandboxes {
     /// Sandboxes whose apps get addresses in `subnet` (a /16 given by its first two octets).
     pub fn new(subnet: Ipv4Addr) -> Sandboxes {
         let o = subnet.octets();
-        Sandboxes { subnet: [o[0], o[1]], state: Mutex::new((BTreeMap::new(), None)) }
+        Sandboxes { subnet: [o[0], o[1]], etc: None, state: Mutex::new((BTreeMap::new(), None)) }
+    }
+
+    /// Apps get `resolv.conf` and `hosts` from `dir` instead of /etc (a file missing there still comes from /etc):
+    /// how a lab's stacked host, whose daemon runs in the host's namespace, gives its apps the lab's names.
+    pub fn with_etc_dir(mut self, dir: Option<std::path::PathBuf>) -> Sandboxes {
+        self.etc = dir;
+        self
     }
 
     /// The apps now attached.
@@ -251,9 +259,10 @@ impl Sandboxes {
         }
         let dir = format!("/etc/netns/{ns}");
         std::fs::create_dir_all(&dir).map_err(|e| ApiError::new(ErrorCode::Internal, format!("{dir}: {e}")))?;
-        // The app sees the daemon's resolv.conf and hosts (in a lab's stacked host: the lab's names).
+        // The app sees the daemon's resolv.conf and hosts (see with_etc_dir).
         for file in ["resolv.conf", "hosts"] {
-            let text = std::fs::read_to_string(format!("/etc/{file}")).unwrap_or_default();
+            let given = self.etc.as_ref().and_then(|d| std::fs::read_to_string(d.join(file)).ok());
+            let text = given.unwrap_or_else(|| std::fs::read_to_string(format!("/etc/{file}")).unwrap_or_default());
             std::fs::write(format!("{dir}/{file}"), text)
                 .map_err(|e| ApiError::new(ErrorCode::Internal, format!("{dir}/{file}: {e}")))?;
         }

@@ -32,6 +32,8 @@ pub struct DaemonOptions {
     pub max_clients: usize,
     /// The /16 sandboxed apps get addresses from.
     pub app_subnet: std::net::Ipv4Addr,
+    /// Where sandboxed apps' resolv.conf and hosts come from (default /etc).
+    pub app_etc: Option<PathBuf>,
     /// Exit when the last sandboxed app detaches (a daemon started by `flexstack run`).
     pub exit_when_idle: bool,
 }
@@ -67,7 +69,8 @@ pub fn run_daemon(opts: DaemonOptions, catalog: Catalog) -> Result<(), String> {
     }
 
     let dataplane = DataPlane::start().map_err(|e| format!("cannot start the data plane: {e}"))?;
-    let control = Arc::new(Control::new(dataplane, catalog, Sandboxes::new(opts.app_subnet)));
+    let control =
+        Arc::new(Control::new(dataplane, catalog, Sandboxes::new(opts.app_subnet).with_etc_dir(opts.app_etc.clone())));
     if let (Some(spec), Some(path)) = (&spec, &opts.stack) {
         if let Err(e) = control.load_stack(spec, "daemon", &format!("daemon --stack {}", path.display())) {
             control.shutdown();

@@ -133,12 +133,17 @@ fn sysctl(netns: &str, settings: &[String]) -> Result<(), CliError> {
 }
 
 /// Starts `flexstack daemon` in `netns` with `state_dir`, logging to `log`; waits until it answers.
+///
+/// It enters only the network namespace (`nsenter --net`), not a mount namespace of its own as `ip netns exec`
+/// would give it: a stacked host's daemon creates its apps' namespaces with `ip netns add`, whose mounts must be
+/// seen by everyone (its `/etc/hosts` comes from `--app-etc` instead).
 fn start_daemon(netns: &str, state_dir: &Path, extra: &[&str], log: &Path) -> Result<u32, CliError> {
     let exe = std::env::current_exe().map_err(msg)?;
     std::fs::create_dir_all(state_dir).map_err(|e| msg(format!("{}: {e}", state_dir.display())))?;
     let log_file = std::fs::File::create(log).map_err(|e| msg(format!("{}: {e}", log.display())))?;
-    let mut child = Command::new("ip")
-        .args(["netns", "exec", netns])
+    let mut child = Command::new("nsenter")
+        .arg(format!("--net=/run/netns/{netns}"))
+        .arg("--")
         .arg(exe)
         .arg("--state-dir")
         .arg(state_dir)
@@ -154,7 +159,7 @@ fn start_daemon(netns: &str, state_dir: &Path, extra: &[&str], log: &Path) -> Re
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         if Client::connect(state_dir).is_ok() {
-            // `ip netns exec` execs the daemon, so the child's pid is the daemon's.
+            // `nsenter` execs the daemon, so the child's pid is the daemon's.
             let pid = child.id();
             std::mem::forget(child);
             return Ok(pid);
@@ -319,7 +324,9 @@ fn build(lab: &Lab, plan: &Plan, state: &mut LabState, opts: &CreateOptions<'_>)
     let subnet = STACKED_APP_SUBNET.to_string();
     for h in &state.hosts {
         if let Some(d) = &h.daemon_dir {
-            start_daemon(&h.netns, d, &["--app-subnet", &subnet], &logs.join(format!("{}-daemon.log", h.name)))?;
+            let etc = format!("/etc/netns/{}", h.netns);
+            let args = ["--app-subnet", &subnet, "--app-etc", &etc];
+            start_daemon(&h.netns, d, &args, &logs.join(format!("{}-daemon.log", h.name)))?;
         }
     }
     state.write()

@@ -354,9 +354,20 @@ pub fn command(state_dir: &Path, json: bool, cmd: crate::cli::LabCmd) -> Result<
     }
 }
 
+/// Writes `report.md` and `plots/*.svg` of a results folder; prints where (or, with `json`, the summary).
 fn report(dir: &Path, json: bool) -> Result<(), CliError> {
-    let _ = (dir, json);
-    Err(msg("the report is not written yet"))
+    use flexstack_lab::report::{write_report, ReportOptions};
+    let summary = write_report(dir, &ReportOptions::default()).map_err(msg)?;
+    if json {
+        return print_json(
+            &serde_json::json!({"report": summary.report, "plots": summary.plots, "notes": summary.notes}),
+        );
+    }
+    for n in &summary.notes {
+        eprintln!("note: {n}");
+    }
+    println!("report: {}", summary.report.display());
+    Ok(())
 }
 
 fn run_lab(
@@ -387,16 +398,19 @@ fn run_lab(
     }
     build::down(&state, false);
     let outcome = outcome?;
-    let reported = report(&dir, true);
+    let reported = flexstack_lab::report::write_report(&dir, &flexstack_lab::report::ReportOptions::default());
     give_to_user(&dir);
     if json {
-        print_json(&serde_json::json!({"name": lab.name, "results": dir, "interrupted": outcome.interrupted,
-            "failed": outcome.failed}))?;
+        let report = reported.as_ref().ok().map(|r| r.report.clone());
+        print_json(&serde_json::json!({"name": lab.name, "results": dir, "report": report,
+            "interrupted": outcome.interrupted, "failed": outcome.failed}))?;
     } else {
         println!("results: {}", dir.display());
     }
-    if let Err(e) = reported {
-        eprintln!("lab {}: report: {e}", lab.name);
+    match reported {
+        Ok(r) if !json => println!("report: {}", r.report.display()),
+        Ok(_) => {}
+        Err(e) => eprintln!("lab {}: no report: {e}", lab.name),
     }
     if outcome.interrupted {
         return Err(msg(format!("lab {} was interrupted; partial results in {}", lab.name, dir.display())));

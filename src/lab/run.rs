@@ -2,8 +2,11 @@
 //!
 //! [`run`] executes [`Lab::timeline`] against the clock from the lab's start and writes, in the results folder:
 //! `timeline.csv` (`time_s,planned_s,event`: what happened when), `meters.csv` (`time_s,name,value`: the lab's
-//! meter patterns sampled every `sample`), `programs/<host>-<n>.{out,err,status}` (n: the program's place in the
-//! file, from 1) and `.json` when a program printed JSON (iperf3 -J), and `captures/*.pcapng`.
+//! meter patterns sampled every `sample`), `programs/<host>-<n>.{out,err,status}` (n: the program's place among
+//! its host's programs in the file, from 1) and `.json` when a program printed JSON (iperf3 -J), and `captures/*.pcapng`.
+//!
+//! Programs run with `sh -c` and get `LAB_NAME`, `LAB_HOST`, `LAB_RESULTS` and `LAB_SCRATCH` (a folder of their
+//! host's, under the results, for files they serve or write) in their environment.
 //!
 //! Meter names in the results: the wire daemon's emulator `<link>_ab` appears as `link.<link>.ab.<meter>` (and
 //! `_ba` as `.ba.`), its other variables as `wire.<name>`; a stacked host's variables as `host.<host>.<name>`.
@@ -26,7 +29,7 @@ use std::time::{Duration, Instant};
 
 /// A program started by the lab.
 struct Running {
-    /// Its number in the file, from 1.
+    /// Its number among the programs of its host, in file order, from 1.
     number: usize,
     host: String,
     child: Child,
@@ -73,20 +76,36 @@ pub fn host_command(state: &LabState, host: &str, argv: &[String]) -> Result<Com
 
 fn start_program(state: &LabState, lab: &Lab, index: usize, dir: &Path) -> Result<Running, CliError> {
     let p = &lab.programs[index];
-    let stem = dir.join(format!("{}-{}", p.host, index + 1));
+    let number = lab.programs[..=index].iter().filter(|q| q.host == p.host).count();
+    let stem = dir.join(format!("{}-{number}", p.host));
     let file = |ext: &str| {
         let path = stem.with_extension(ext);
         std::fs::File::create(&path).map_err(|e| msg(format!("{}: {e}", path.display())))
     };
     let argv = ["sh".to_string(), "-c".to_string(), p.run.clone()];
+    let scratch = scratch_dir(state, &p.host)?;
     let child = host_command(state, &p.host, &argv)?
+        .env("LAB_NAME", &lab.name)
+        .env("LAB_HOST", &p.host)
+        .env("LAB_RESULTS", &state.results)
+        .env("LAB_SCRATCH", &scratch)
         .stdin(Stdio::null())
         .stdout(file("out")?)
         .stderr(file("err")?)
         .process_group(0)
         .spawn()
         .map_err(|e| msg(format!("cannot start `{}` on {}: {e}", p.run, p.host)))?;
-    Ok(Running { number: index + 1, host: p.host.clone(), child, stem, background: p.background })
+    Ok(Running { number, host: p.host.clone(), child, stem, background: p.background })
+}
+
+/// The host's scratch folder, `<results>/scratch/<host>`, created and owned by the user programs run as.
+fn scratch_dir(state: &LabState, host: &str) -> Result<PathBuf, CliError> {
+    let dir = state.results.join("scratch").join(host);
+    std::fs::create_dir_all(&dir).map_err(|e| msg(format!("{}: {e}", dir.display())))?;
+    let (uid, gid) = invoking_user();
+    nix::unistd::chown(&dir, Some(nix::unistd::Uid::from_raw(uid)), Some(nix::unistd::Gid::from_raw(gid)))
+        .map_err(|e| msg(format!("{}: {e}", dir.display())))?;
+    Ok(dir)
 }
 
 /// Describes an exit status as the `.status` files do: `exit=N`, `signal=N`.

@@ -14,49 +14,61 @@ fn ms(n: u64) -> Duration {
 fn demo_parses_into_the_expected_lab() {
     let lab = Lab::parse("labs/demo.toml", DEMO).unwrap();
     assert_eq!((lab.name.as_str(), lab.duration, lab.seed), ("demo", ms(20_000), 7));
+    assert_eq!((lab.sample, lab.meters.clone()), (ms(250), vec!["link.**".to_string()]));
     let hosts: Vec<_> = lab.hosts.iter().map(|h| (h.name.as_str(), h.stack.as_deref())).collect();
-    assert_eq!(hosts, [("h1", None), ("srv", None), ("app", Some("stacks/app-default.toml"))]);
-    assert_eq!(lab.hosts[2].location.line, 9);
+    assert_eq!(hosts, [("h1", None), ("app", Some("../stacks/app-default.toml")), ("srv", None)]);
+    assert_eq!(lab.hosts[1].location.line, 11);
     let names: Vec<_> = lab.links.iter().map(|l| l.name.as_str()).collect();
     assert_eq!(names, ["h1-srv", "app-srv"]);
     let l = &lab.links[0];
-    assert_eq!((l.params.bw_mbit, l.params.delay, l.params.jitter), (Some(20.0), Some(ms(10)), Some(ms(1))));
-    assert_eq!(
-        (l.params.loss.clone(), l.params.max_queue_size, l.mtu),
-        (Some(Loss::Random { pct: 0.5 }), Some(100), Some(1500))
-    );
-    assert_eq!(l.location.to_string(), "labs/demo.toml:12:1");
+    assert_eq!((l.params.bw_mbit, l.params.delay, l.params.jitter), (Some(40.0), Some(ms(10)), Some(ms(1))));
+    assert_eq!((l.params.loss.clone(), l.params.max_queue_size, l.mtu, l.capture), (None, Some(100), None, false));
+    assert_eq!(l.location.to_string(), "labs/demo.toml:15:1");
     let settings: Vec<(String, Value)> = l.emulator_settings();
     let expected = [
         ("delay_ms", Value::F64(10.0)),
         ("jitter_ms", Value::F64(1.0)),
-        ("rate_mbit", Value::F64(20.0)),
+        ("rate_mbit", Value::F64(40.0)),
         ("queue_packets", Value::U64(100)),
-        ("loss_pct", Value::F64(0.5)),
-        ("ge_p", Value::F64(0.0)),
     ];
     assert_eq!(settings, expected.map(|(k, v)| (k.to_string(), v)));
+    assert!(lab.links[1].capture);
     let ge: Vec<_> = lab.links[1].emulator_settings().into_iter().map(|(k, _)| k).collect();
-    assert_eq!(ge, ["delay_ms", "ge_p", "ge_r", "ge_loss_bad_pct", "ge_loss_good_pct"]);
-    assert_eq!(lab.programs.len(), 2);
-    assert!(lab.programs[0].background && !lab.programs[1].background);
-    assert_eq!(lab.programs[1].at, ms(1000));
-    assert!(
-        matches!(&lab.events[1].action, Action::Knob { host: None, knob, value: Value::U64(1) } if knob == "module.x.select")
-    );
+    assert_eq!(ge, ["delay_ms", "rate_mbit", "ge_p", "ge_r", "ge_loss_bad_pct", "ge_loss_good_pct"]);
+    assert_eq!(lab.programs.len(), 6);
+    assert!(lab.programs[..3].iter().all(|p| p.background) && lab.programs[3..].iter().all(|p| !p.background));
+    assert_eq!(lab.programs[5].at, ms(9000));
 
     let timeline: Vec<(String, String)> =
         lab.timeline().into_iter().map(|(at, what)| (format_duration(at), what)).collect();
     let expected = [
-        ("0s", "start on srv (background): iperf3 -s"),
-        ("1s", "start on h1 (foreground): iperf3 -c srv -t 15 -J"),
-        ("6s", "link h1-srv set delay_ms=50"),
-        ("8s", "knob module.x.select = 1"),
-        ("12s", "link app-srv down"),
-        ("13500ms", "link app-srv up"),
+        ("0s", "start on srv (background): iperf3 -s -p 5201"),
+        ("0s", "start on srv (background): iperf3 -s -p 5202"),
+        ("0s", "start on srv (background): head -c 8000000 /dev/zero > $LAB_SCRATCH/blob && exec python3 -m http.server 8080 --directory $LAB_SCRATCH"),
+        ("2s", "start on h1 (foreground): iperf3 -c srv -p 5201 -t 16 -J"),
+        ("2s", "start on app (foreground): curl -sS -o /dev/null -w '%{json}' http://srv:8080/blob"),
+        ("8s", "link h1-srv set delay_ms=20 rate_mbit=15"),
+        ("9s", "start on app (foreground): iperf3 -c srv -p 5202 -t 9 -J"),
+        ("13s", "link app-srv down"),
+        ("14500ms", "link app-srv up"),
         ("20s", "end of lab demo"),
     ];
     assert_eq!(timeline, expected.map(|(a, b)| (a.to_string(), b.to_string())));
+}
+
+#[test]
+fn knob_and_capture_events() {
+    let text = format!(
+        "{BASE}[[events]]\nat = \"2s\"\nknob = \"module.h1-h2_ab.duplicate_pct\"\nvalue = 1\n\
+         [[events]]\nat = \"1s\"\nlink = \"h2-h1\"\ncapture = true\n"
+    );
+    let lab = Lab::parse("t.toml", &text).unwrap();
+    assert!(matches!(&lab.events[0].action, Action::Capture { link } if link == "h1-h2"));
+    assert!(
+        matches!(&lab.events[1].action, Action::Knob { host: None, knob, value: Value::U64(1) } if knob == "module.h1-h2_ab.duplicate_pct")
+    );
+    let t: Vec<String> = lab.timeline().into_iter().map(|(_, w)| w).collect();
+    assert_eq!(t[0], "capture link h1-h2");
 }
 
 #[test]

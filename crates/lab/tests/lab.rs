@@ -1,7 +1,7 @@
 //! Parsing, validation and the timeline of lab descriptions.
 
 use flexstack_core::Value;
-use flexstack_lab::{format_duration, parse_duration, Action, Lab, Loss};
+use flexstack_lab::{format_duration, parse_duration, Action, Lab};
 use std::time::Duration;
 
 const DEMO: &str = include_str!("../../../labs/demo.toml");

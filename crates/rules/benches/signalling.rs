@@ -1,1 +1,191 @@
-fn main() {}
+//! Benchmark of rule signalling (issue 6): the cost of one unit hop by query and by event, on chains of 1, 10,
+//! 100 and 1000 `Forwarder` units, against a plain function call per hop, in the same run (the paper's Figure
+//! 7(a): 2.1x for query, 2.8x for event; our target is <= 1.5x).
+//!
+//! Run: `cargo bench -p flexstack-rules --bench signalling` (or `scripts/bench-rules.sh`).
+//!
+//! What is measured, per chain length N, as nanoseconds per traversal of the whole chain (wall clock, one thread):
+//! - **query(N)**: rules `f1: Forwarder(get("bench.x"))`, `fI: Forwarder(fI-1)` up to fN, and a trigger
+//!   `t -> fN` (so the chain is pulled). One traversal is `RuleEngine::evaluate("fN")`: a query of fN that reaches
+//!   f1's get (reading the environment) and evaluates N forwarders on the way back. The meter changes before every
+//!   traversal, so every hop forwards a new value.
+//! - **event(N)**: the same chain without the trigger (so it is pushed). One traversal is
+//!   `RuleEngine::handle_meter_changed("bench.x", new value)`: the get emits, f1 is evaluated and emits, ... up
+//!   to fN.
+//! - **call(N)**: the reference: N stages `Vec<Box<dyn Stage>>`, each `forward(&mut self, v: Value) -> Value`
+//!   storing the value as its output and returning a copy (what a Forwarder does), called in a loop with a new
+//!   value per traversal: one dynamic function call per hop.
+//!
+//! **Per hop** is `cost(N) / N`, as the paper plots it; **marginal per hop** is `(cost(1000) - cost(1)) / 999`,
+//! which leaves out the fixed cost of a traversal (the environment read, starting a wave). The ratios are
+//! engine per hop / call per hop. Each configuration runs for 10 slices of 20 ms per round, in 5 rounds; within a
+//! round the slices of all configurations are interleaved; every figure is the median over rounds.
+
+use flexstack_core::{Time, Value};
+use flexstack_rules::{MemoryEnv, RuleEngine};
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+const HOPS: [usize; 4] = [1, 10, 100, 1000];
+const ROUNDS: usize = 5;
+const SLICES: usize = 10;
+const SLICE: Duration = Duration::from_millis(20);
+const TARGET: f64 = 1.5;
+
+fn chain(n: usize, pulled: bool) -> String {
+    let mut text = String::from("f1: Forwarder(get(\"bench.x\"))\n");
+    for i in 2..=n {
+        text.push_str(&format!("f{i}: Forwarder(f{})\n", i - 1));
+    }
+    if pulled {
+        text.push_str(&format!("t: Timer(1h)\nt -> f{n}\n"));
+    }
+    text
+}
+
+trait Stage {
+    fn forward(&mut self, v: Value) -> Value;
+}
+
+struct Forward {
+    out: Option<Value>,
+}
+
+impl Stage for Forward {
+    #[inline(never)]
+    fn forward(&mut self, v: Value) -> Value {
+        self.out = Some(v.clone());
+        v
+    }
+}
+
+/// One configuration: runs `traverse` repeatedly for a slice and returns ns per traversal.
+trait Config {
+    fn traverse(&mut self, k: u64);
+}
+
+struct Query {
+    engine: RuleEngine,
+    env: MemoryEnv,
+    top: String,
+}
+
+impl Config for Query {
+    fn traverse(&mut self, k: u64) {
+        self.env.meter("bench.x", Value::U64(k));
+        let v = self.engine.evaluate(&self.top, Time(k), &self.env).expect("loaded");
+        black_box(v);
+    }
+}
+
+struct Event {
+    engine: RuleEngine,
+    env: MemoryEnv,
+}
+
+impl Config for Event {
+    fn traverse(&mut self, k: u64) {
+        self.engine.handle_meter_changed("bench.x", Value::U64(k), Time(k), &self.env);
+    }
+}
+
+struct Call {
+    stages: Vec<Box<dyn Stage>>,
+}
+
+impl Config for Call {
+    fn traverse(&mut self, k: u64) {
+        let mut v = Value::U64(k);
+        for s in self.stages.iter_mut() {
+            v = s.forward(v);
+        }
+        black_box(v);
+    }
+}
+
+fn slice(c: &mut dyn Config, k: &mut u64) -> (u64, Duration) {
+    let start = Instant::now();
+    let mut n = 0u64;
+    while start.elapsed() < SLICE {
+        for _ in 0..16 {
+            *k += 1;
+            c.traverse(*k);
+        }
+        n += 16;
+    }
+    (n, start.elapsed())
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn main() {
+    // `cargo bench` passes --bench; `cargo test --benches` runs this with no argument: one quick round then.
+    let quick = !std::env::args().any(|a| a == "--bench");
+    let (rounds, slices) = if quick { (1, 1) } else { (ROUNDS, SLICES) };
+    let mut configs: Vec<(String, usize, Box<dyn Config>)> = Vec::new();
+    for &n in &HOPS {
+        let mut env = MemoryEnv::new();
+        env.meter("bench.x", Value::U64(0));
+        let mut q = RuleEngine::new();
+        q.handle_load_text("query", &chain(n, true), Time::ZERO, &env).expect("query chain loads");
+        let mut e = RuleEngine::new();
+        e.handle_load_text("event", &chain(n, false), Time::ZERO, &env).expect("event chain loads");
+        assert_eq!(q.unit_count(), n + 2, "n forwarders, a get and a timer");
+        configs.push(("query".into(), n, Box::new(Query { engine: q, env: env.clone(), top: format!("f{n}") })));
+        configs.push(("event".into(), n, Box::new(Event { engine: e, env })));
+        let stages: Vec<Box<dyn Stage>> = (0..n).map(|_| Box::new(Forward { out: None }) as Box<dyn Stage>).collect();
+        configs.push(("call".into(), n, Box::new(Call { stages })));
+    }
+    // Check that the chains really forward: after a traversal the top holds the new value.
+    {
+        let mut env = MemoryEnv::new();
+        env.meter("bench.x", Value::U64(0));
+        let mut e = RuleEngine::new();
+        e.handle_load_text("check", &chain(100, false), Time::ZERO, &env).unwrap();
+        env.meter("bench.x", Value::U64(42));
+        e.handle_meter_changed("bench.x", Value::U64(42), Time(1), &env);
+        assert_eq!(e.value("f100", &[]), Some(Value::U64(42)));
+    }
+    let mut per_round: Vec<Vec<f64>> = vec![Vec::new(); configs.len()];
+    let mut k = 0u64;
+    for _ in 0..rounds {
+        let mut totals = vec![(0u64, Duration::ZERO); configs.len()];
+        for _ in 0..slices {
+            for (i, (_, _, c)) in configs.iter_mut().enumerate() {
+                let (n, d) = slice(c.as_mut(), &mut k);
+                totals[i].0 += n;
+                totals[i].1 += d;
+            }
+        }
+        for (i, (n, d)) in totals.iter().enumerate() {
+            per_round[i].push(d.as_nanos() as f64 / *n as f64);
+        }
+    }
+    let cost = |kind: &str, n: usize| {
+        let i = configs.iter().position(|(k, h, _)| k == kind && *h == n).expect("configured");
+        median(per_round[i].clone())
+    };
+    println!("rule signalling benchmark: ns per traversal of a chain of N Forwarder units (median of {rounds} rounds)");
+    println!(
+        "{:>6} {:>12} {:>12} {:>12} | {:>9} {:>9} {:>9} | {:>7} {:>7}",
+        "N", "query", "event", "call", "query/hop", "event/hop", "call/hop", "q ratio", "e ratio"
+    );
+    for &n in &HOPS {
+        let (q, e, c) = (cost("query", n), cost("event", n), cost("call", n));
+        let h = n as f64;
+        println!(
+            "{n:>6} {q:>12.1} {e:>12.1} {c:>12.1} | {:>9.2} {:>9.2} {:>9.2} | {:>7.2} {:>7.2}",
+            q / h,
+            e / h,
+            c / h,
+            q / c,
+            e / c
+        );
+    }
+    let slope = |kind: &str| (cost(kind, 1000) - cost(kind, 1)) / 999.0;
+    let (q, e, c) = (slope("query"), slope("event"), slope("call"));
+    println!("marginal per hop (N 1 -> 1000): query {q:.2} ns, event {e:.2} ns, call {c:.2} ns; ratios query {:.2}, event {:.2} (target <= {TARGET})", q / c, e / c);
+}

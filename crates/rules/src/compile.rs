@@ -607,11 +607,11 @@ pub fn compile(source: &str, text: &str, base: &Program, env: &dyn Environment) 
                         }
                     }
                     Target::Action(a) => {
-                        let allowed = match (item.section, a) {
-                            (Section::ContextEnter, Action::Load(_) | Action::Replace(..)) => true,
-                            (Section::ContextExit, Action::Unload(_)) => true,
-                            _ => false,
-                        };
+                        let allowed = matches!(
+                            (item.section, a),
+                            (Section::ContextEnter, Action::Load(_) | Action::Replace(..))
+                                | (Section::ContextExit, Action::Unload(_))
+                        );
                         if !allowed {
                             let expected = match item.section {
                                 Section::ContextEnter => "load(...) or replace(...) in [contextEnter]",

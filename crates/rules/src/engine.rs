@@ -233,6 +233,8 @@ pub struct RuleEngine {
     writes: Vec<KnobWrite>,
     actions: Vec<(RuleAction, String)>,
     stack: Vec<(u32, bool)>,
+    heap: BinaryHeap<Reverse<(u32, u32)>>,
+    next: Option<u32>,
     queued: Vec<u8>,
 }
 
@@ -307,6 +309,8 @@ impl RuleEngine {
             writes: Vec::new(),
             actions: Vec::new(),
             stack: Vec::new(),
+            heap: BinaryHeap::new(),
+            next: None,
             queued: Vec::new(),
         }
     }
@@ -845,13 +849,13 @@ impl RuleEngine {
         let mut fixups: Vec<(u32, usize, u32)> = Vec::new();
         let mut fresh: Vec<bool> = vec![false; rt.instances.len()];
         let mut emitted: Vec<Option<Value>> = vec![None; rt.instances.len()];
-        for i in 0..rt.instances.len() {
+        for (i, deps) in deps_of.iter().enumerate() {
             let (rule, binding) = (rt.instances[i].rule.clone(), rt.instances[i].binding.clone());
             let def = &program.rules[&rule];
             let start = rt.units.len() as u32;
             let prefix = instance_name(&rule, &binding);
             let by_name: HashMap<String, u32> =
-                deps_of[i].iter().map(|&(j, _)| (rt.instances[j as usize].rule.clone(), j)).collect();
+                deps.iter().map(|&(j, _)| (rt.instances[j as usize].rule.clone(), j)).collect();
             let root_node = match &def.node {
                 Node::Ref(_) => {
                     Node::Unit { kind: UnitKind::Forwarder, param: Param::None, args: vec![def.node.clone()] }
@@ -863,7 +867,7 @@ impl RuleEngine {
             rt.units = units;
             rt.instances[i].root = root;
             rt.instances[i].units = start..rt.units.len() as u32;
-            rt.instances[i].refs = deps_of[i].iter().filter(|d| d.1).map(|d| d.0).collect();
+            rt.instances[i].refs = deps.iter().filter(|d| d.1).map(|d| d.0).collect();
         }
         for &(u, pos, j) in &fixups {
             let root = rt.instances[j as usize].root;
@@ -931,6 +935,12 @@ impl RuleEngine {
                 for r in rt.instances[i as usize].refs.clone() {
                     rt.instances[r as usize].pulled = true;
                 }
+            }
+        }
+
+        for inst in &rt.instances {
+            for u in inst.units.clone() {
+                rt.units[u as usize].pushed = !inst.pulled;
             }
         }
 
@@ -1002,11 +1012,13 @@ impl RuleEngine {
 
     /// Evaluates the seeded instances and everything their emissions cause, in dependency order.
     fn wave(&mut self, seeds: Vec<(u32, bool)>, now: Time, env: &dyn Environment) {
-        let mut heap: BinaryHeap<Reverse<(u32, u32)>> = BinaryHeap::new();
+        let mut heap = std::mem::take(&mut self.heap);
         for (i, triggered) in seeds {
             self.schedule(&mut heap, i, triggered);
         }
-        while let Some(Reverse((_, i))) = heap.pop() {
+        // `self.next` holds the one scheduled instance while the heap is empty (a chain of events), so that the
+        // common case does not go through the heap; a second schedule moves it there.
+        while let Some(i) = self.next.take().or_else(|| heap.pop().map(|Reverse((_, i))| i)) {
             let flags = std::mem::replace(&mut self.queued[i as usize], 0);
             if flags == 0 {
                 continue;
@@ -1035,20 +1047,43 @@ impl RuleEngine {
                 }
             }
         }
+        self.heap = heap;
     }
 
     fn schedule(&mut self, heap: &mut BinaryHeap<Reverse<(u32, u32)>>, i: u32, triggered: bool) {
         let q = &mut self.queued[i as usize];
-        if *q == 0 {
-            heap.push(Reverse((self.rt.instances[i as usize].rank, i)));
-        }
+        let first = *q == 0;
         *q |= 1 | if triggered { 2 } else { 0 };
+        if !first {
+            return;
+        }
+        if heap.is_empty() && self.next.is_none() {
+            self.next = Some(i);
+            return;
+        }
+        if let Some(n) = self.next.take() {
+            heap.push(Reverse((self.rt.instances[n as usize].rank, n)));
+        }
+        heap.push(Reverse((self.rt.instances[i as usize].rank, i)));
     }
 
     /// Queries unit `root` of instance `current`: evaluates, inputs first, every unit of this wave not yet
     /// evaluated, stopping at pushed instances other than `current` (their value is current) and at valid caches.
     fn query(&mut self, root: u32, current: u32, triggered: bool, now: Time, env: &dyn Environment) {
         let epoch = self.rt.epoch;
+        let unit = &self.rt.units[root as usize];
+        if unit.epoch == epoch {
+            return;
+        }
+        let ready = |i: &u32| {
+            let input = &self.rt.units[*i as usize];
+            input.epoch == epoch || (input.pushed && input.instance != current)
+        };
+        if unit.kind != UnitKind::Cache && unit.inputs.iter().all(ready) {
+            // The common case of an event: the root's inputs are ready, no walk needed.
+            self.eval_unit(root, triggered, now, env);
+            return;
+        }
         let mut stack = std::mem::take(&mut self.stack);
         stack.push((root, false));
         while let Some((u, expanded)) = stack.pop() {
@@ -1057,34 +1092,54 @@ impl RuleEngine {
                 continue;
             }
             if !expanded {
-                if unit.instance != current && !self.rt.instances[unit.instance as usize].pulled {
+                if unit.pushed && unit.instance != current {
                     continue;
                 }
-                if unit.cached(now) {
+                if unit.kind == UnitKind::Cache && unit.cached(now) {
                     self.rt.units[u as usize].epoch = epoch;
                     continue;
                 }
+                let mark = stack.len();
                 stack.push((u, true));
                 for &i in &unit.inputs {
-                    if self.rt.units[i as usize].epoch != epoch {
+                    let input = &self.rt.units[i as usize];
+                    if input.epoch != epoch && !(input.pushed && input.instance != current) {
                         stack.push((i, false));
                     }
                 }
-            } else {
-                let mut core = std::mem::take(&mut self.rt.units[u as usize].core);
-                let before = self.writes.len();
-                let mut cx = EvalCx { now, env, writes: &mut self.writes, triggered };
-                let value = compute(&mut core, &self.rt.units[u as usize].inputs, &self.rt.units, &mut cx);
-                let unit = &mut self.rt.units[u as usize];
-                unit.core = core;
-                unit.value = value;
-                unit.epoch = epoch;
-                for w in &mut self.writes[before..] {
-                    w.unit.clone_from(&unit.key);
+                if stack.len() > mark + 1 {
+                    continue;
                 }
+                // Every input is ready: evaluate now.
+                stack.pop();
             }
+            self.eval_unit(u, triggered, now, env);
         }
         self.stack = stack;
+    }
+
+    /// Evaluates one unit whose inputs are ready, in wave `self.rt.epoch`.
+    fn eval_unit(&mut self, u: u32, triggered: bool, now: Time, env: &dyn Environment) {
+        let before = self.writes.len();
+        let mut cx = EvalCx { now, env, writes: &mut self.writes, triggered };
+        let units = &mut self.rt.units;
+        let value = if let Some(mut pure) = units[u as usize].core.stateless() {
+            // Stateless units need not be taken out of their slot.
+            compute(&mut pure, &units[u as usize].inputs, units, &mut cx)
+        } else {
+            let mut core = std::mem::take(&mut units[u as usize].core);
+            let value = compute(&mut core, &units[u as usize].inputs, units, &mut cx);
+            units[u as usize].core = core;
+            value
+        };
+        let unit = &mut units[u as usize];
+        unit.value = value;
+        unit.epoch = self.rt.epoch;
+        if self.writes.len() > before {
+            for w in &mut self.writes[before..] {
+                w.unit.clone_from(&unit.key);
+            }
+        }
     }
 }
 
@@ -1120,6 +1175,7 @@ fn build(
         value: None,
         epoch: 0,
         instance,
+        pushed: false,
     });
     for (pos, a) in args.iter().enumerate() {
         match a {

@@ -246,11 +246,11 @@ pub fn quote(s: &str) -> String {
 
 /// Shows a duration as a literal.
 pub fn show_nanos(ns: u64) -> String {
-    if ns % 1_000_000_000 == 0 {
+    if ns.is_multiple_of(1_000_000_000) {
         format!("{}s", ns / 1_000_000_000)
-    } else if ns % 1_000_000 == 0 {
+    } else if ns.is_multiple_of(1_000_000) {
         format!("{}ms", ns / 1_000_000)
-    } else if ns % 1_000 == 0 {
+    } else if ns.is_multiple_of(1_000) {
         format!("{}us", ns / 1_000)
     } else {
         format!("{ns}ns")
@@ -400,6 +400,8 @@ pub(crate) struct Unit {
     pub epoch: u64,
     /// The rule instance the unit belongs to.
     pub instance: u32,
+    /// The instance is pushed: queries from other instances stop here and use the current value.
+    pub pushed: bool,
 }
 
 /// A value as a number, if it is one.
@@ -542,6 +544,21 @@ impl Core {
             (me, old) => return std::mem::discriminant(me) == std::mem::discriminant(&old),
         }
         true
+    }
+
+    /// A copy of a core without state (Forwarder, comparisons, logic, If), so it can be evaluated in place.
+    pub(crate) fn stateless(&self) -> Option<Core> {
+        Some(match self {
+            Core::Forwarder => Core::Forwarder,
+            Core::Less => Core::Less,
+            Core::Greater => Core::Greater,
+            Core::Equal => Core::Equal,
+            Core::And => Core::And,
+            Core::Or => Core::Or,
+            Core::Not => Core::Not,
+            Core::If => Core::If,
+            _ => return None,
+        })
     }
 
     /// The samples of a History (for aggregates that read it).
@@ -740,6 +757,7 @@ mod tests {
             value: None,
             epoch: 0,
             instance: 0,
+            pushed: false,
         };
         let mut out = Vec::new();
         for (ms, v) in steps {

@@ -28,7 +28,9 @@ use crate::compile::{self, compile, Program, RuleAction, RuleDef};
 use crate::diag::Diagnostic;
 use crate::env::Environment;
 use crate::syntax::Section;
-use crate::units::{compute, truthy, Core, EvalCx, KnobWrite, Node, Param, StateValue, Unit, UnitKind};
+use crate::units::{
+    compute, compute_stateless, truthy, Core, EvalCx, KnobWrite, Node, Param, StateValue, Unit, UnitKind,
+};
 use flexstack_core::{Time, Value};
 use serde::Serialize;
 use std::cmp::Reverse;
@@ -1123,9 +1125,9 @@ impl RuleEngine {
         let before = self.writes.len();
         let mut cx = EvalCx { now, env, writes: &mut self.writes, triggered };
         let units = &mut self.rt.units;
-        let value = if let Some(mut pure) = units[u as usize].core.stateless() {
+        let value = if let Some(v) = compute_stateless(&units[u as usize].core, &units[u as usize].inputs, units) {
             // Stateless units need not be taken out of their slot.
-            compute(&mut pure, &units[u as usize].inputs, units, &mut cx)
+            v
         } else {
             let mut core = std::mem::take(&mut units[u as usize].core);
             let value = compute(&mut core, &units[u as usize].inputs, units, &mut cx);

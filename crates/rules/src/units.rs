@@ -546,21 +546,6 @@ impl Core {
         true
     }
 
-    /// A copy of a core without state (Forwarder, comparisons, logic, If), so it can be evaluated in place.
-    pub(crate) fn stateless(&self) -> Option<Core> {
-        Some(match self {
-            Core::Forwarder => Core::Forwarder,
-            Core::Less => Core::Less,
-            Core::Greater => Core::Greater,
-            Core::Equal => Core::Equal,
-            Core::And => Core::And,
-            Core::Or => Core::Or,
-            Core::Not => Core::Not,
-            Core::If => Core::If,
-            _ => return None,
-        })
-    }
-
     /// The samples of a History (for aggregates that read it).
     pub(crate) fn samples(&self) -> Option<&VecDeque<(Time, f64)>> {
         match self {
@@ -633,6 +618,56 @@ impl Unit {
     }
 }
 
+/// Evaluates a unit without state (Forwarder, Constant, comparisons, logic, If) from its inputs' outputs;
+/// `None` for a unit with state, which [`compute`] evaluates.
+#[inline]
+pub(crate) fn compute_stateless(core: &Core, inputs: &[u32], units: &[Unit]) -> Option<Option<Value>> {
+    let input = |i: usize| inputs.get(i).and_then(|&u| units[u as usize].value.as_ref());
+    let number = |i: usize| input(i).and_then(num);
+    let eval = || match core {
+        Core::Forwarder => input(0).cloned(),
+        Core::Constant(v) => Some(v.clone()),
+        Core::Less => Some(Value::Bool(number(0)? < number(1)?)),
+        Core::Greater => Some(Value::Bool(number(0)? > number(1)?)),
+        Core::Equal => Some(Value::Bool(same(input(0)?, input(1)?))),
+        Core::And => {
+            let mut all = true;
+            for i in 0..inputs.len() {
+                all &= truthy(input(i)?);
+            }
+            Some(Value::Bool(all))
+        }
+        Core::Or => {
+            let mut any = false;
+            for i in 0..inputs.len() {
+                any |= truthy(input(i)?);
+            }
+            Some(Value::Bool(any))
+        }
+        Core::Not => Some(Value::Bool(!truthy(input(0)?))),
+        Core::If => {
+            if truthy(input(0)?) {
+                input(1).cloned()
+            } else {
+                input(2).cloned()
+            }
+        }
+        _ => None,
+    };
+    match core {
+        Core::Forwarder
+        | Core::Constant(_)
+        | Core::Less
+        | Core::Greater
+        | Core::Equal
+        | Core::And
+        | Core::Or
+        | Core::Not
+        | Core::If => Some(eval()),
+        _ => None,
+    }
+}
+
 /// Evaluates one unit whose inputs (`inputs`, indexes into `units`) are up to date; `core` has been taken out of
 /// its slot. Returns the new output.
 pub(crate) fn compute(core: &mut Core, inputs: &[u32], units: &[Unit], cx: &mut EvalCx<'_>) -> Option<Value> {
@@ -641,9 +676,16 @@ pub(crate) fn compute(core: &mut Core, inputs: &[u32], units: &[Unit], cx: &mut 
     let now = cx.now;
     match core {
         Core::Vacant => None,
-        Core::Forwarder => input(0).cloned(),
+        Core::Forwarder
+        | Core::Constant(_)
+        | Core::Less
+        | Core::Greater
+        | Core::Equal
+        | Core::And
+        | Core::Or
+        | Core::Not
+        | Core::If => compute_stateless(core, inputs, units).flatten(),
         Core::Get { name } => cx.env.get(name),
-        Core::Constant(v) => Some(v.clone()),
         Core::Set { name, last_written, writes, .. } => {
             let v = input(0)?.clone();
             let differs = last_written.as_ref().is_none_or(|l| !same(l, &v));
@@ -691,31 +733,6 @@ pub(crate) fn compute(core: &mut Core, inputs: &[u32], units: &[Unit], cx: &mut 
             let a = avg.map_or(x, |a| *alpha * x + (1.0 - *alpha) * a);
             *avg = Some(a);
             Some(Value::F64(a))
-        }
-        Core::Less => Some(Value::Bool(number(0)? < number(1)?)),
-        Core::Greater => Some(Value::Bool(number(0)? > number(1)?)),
-        Core::Equal => Some(Value::Bool(same(input(0)?, input(1)?))),
-        Core::And => {
-            let mut all = true;
-            for i in 0..inputs.len() {
-                all &= truthy(input(i)?);
-            }
-            Some(Value::Bool(all))
-        }
-        Core::Or => {
-            let mut any = false;
-            for i in 0..inputs.len() {
-                any |= truthy(input(i)?);
-            }
-            Some(Value::Bool(any))
-        }
-        Core::Not => Some(Value::Bool(!truthy(input(0)?))),
-        Core::If => {
-            if truthy(input(0)?) {
-                input(1).cloned()
-            } else {
-                input(2).cloned()
-            }
         }
         Core::Threshold { high, low, on } => {
             let x = number(0)?;

@@ -199,7 +199,7 @@ pub struct DaemonArgs {
 /// Options of `flexstack run`.
 #[derive(Args, Debug)]
 pub struct RunArgs {
-    /// The app's stack template (placeholders {app}, {app_dev}, {host_dev}); default: stacks/app-default.toml.
+    /// The app's stack template (placeholders {app}, {app_dev}, {host_dev}, {app_v4}, {app_v6}); default: stacks/app-default.toml.
     #[arg(long)]
     pub stack: Option<PathBuf>,
     /// The app's name (default appN).

@@ -197,7 +197,12 @@ impl Sandboxes {
         // Without a host face ({host_dev}) the app's chain leads elsewhere (a link face): no host routes, no
         // masquerading, no forwarding.
         let host_face = template.contains("{host_dev}");
-        let text = template.replace("{app_dev}", &app_dev).replace("{host_dev}", &host_dev).replace("{app}", &name);
+        let text = template
+            .replace("{app_dev}", &app_dev)
+            .replace("{host_dev}", &host_dev)
+            .replace("{app_v4}", &ipv4)
+            .replace("{app_v6}", &ipv6)
+            .replace("{app}", &name);
         let spec =
             StackSpec::parse("app stack", &text).map_err(|e| ApiError::new(ErrorCode::ConfigError, e.to_string()))?;
         let modules: Vec<String> = spec.modules.iter().map(|m| m.name.clone()).collect();

@@ -10,7 +10,7 @@ use super::{labs_dir, msg};
 use crate::cli::CliError;
 use crate::client::Client;
 use crate::protocol::Request;
-use flexstack_lab::plan::{Plan, STACKED_APP_SUBNET};
+use flexstack_lab::plan::Plan;
 use flexstack_lab::Lab;
 use serde::{Deserialize, Serialize};
 use std::os::unix::process::CommandExt;
@@ -27,7 +27,7 @@ pub struct HostState {
     pub netns: String,
     /// For a stacked host: its daemon's state directory.
     pub daemon_dir: Option<PathBuf>,
-    /// For a stacked host: its apps' stack template (absolute).
+    /// For a stacked host: its apps' stack template, with the lab's values (in the results folder).
     pub template: Option<PathBuf>,
 }
 
@@ -190,8 +190,8 @@ pub struct CreateOptions<'a> {
     pub file: &'a str,
     /// The runner's pid, 0 for `lab up`.
     pub runner_pid: u32,
-    /// Stack templates of the stacked hosts, by host (file order).
-    pub templates: &'a [Option<PathBuf>],
+    /// Stack templates of the stacked hosts (lab values filled in), by host (file order).
+    pub templates: &'a [Option<String>],
 }
 
 /// Refuses to build a lab whose namespaces or state already exist.
@@ -227,7 +227,7 @@ pub fn create(lab: &Lab, plan: &Plan, opts: &CreateOptions<'_>) -> Result<LabSta
                 name: h.name.clone(),
                 netns: h.netns.clone(),
                 daemon_dir: t.as_ref().map(|_| dir.join("hosts").join(&h.name)),
-                template: t.clone(),
+                template: t.as_ref().map(|_| opts.results.join("stacks").join(format!("{}.toml", h.name))),
             })
             .collect(),
         links: plan
@@ -321,10 +321,12 @@ fn build(lab: &Lab, plan: &Plan, state: &mut LabState, opts: &CreateOptions<'_>)
     std::fs::write(&wire_stack, plan.wire_stack(lab)).map_err(|e| msg(format!("{}: {e}", wire_stack.display())))?;
     let stack_arg = wire_stack.display().to_string();
     start_daemon(wire, &state.wire_dir, &["--stack", &stack_arg], &logs.join("wire-daemon.log"))?;
-    let subnet = STACKED_APP_SUBNET.to_string();
-    for h in &state.hosts {
-        if let Some(d) = &h.daemon_dir {
+    for ((h, hp), text) in state.hosts.iter().zip(&plan.hosts).zip(opts.templates) {
+        if let (Some(d), Some(path), Some(text), Some(subnet)) = (&h.daemon_dir, &h.template, text, hp.app_subnet) {
+            std::fs::create_dir_all(opts.results.join("stacks")).map_err(msg)?;
+            std::fs::write(path, text).map_err(|e| msg(format!("{}: {e}", path.display())))?;
             let etc = format!("/etc/netns/{}", h.netns);
+            let subnet = subnet.to_string();
             let args = ["--app-subnet", &subnet, "--app-etc", &etc];
             start_daemon(&h.netns, d, &args, &logs.join(format!("{}-daemon.log", h.name)))?;
         }

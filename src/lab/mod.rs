@@ -30,17 +30,18 @@ pub fn labs_dir(state_dir: &Path) -> PathBuf {
     state_dir.join("labs")
 }
 
-/// A lab file read, validated and planned: the lab, its plan, its text and the stacked hosts' stack templates
-/// (absolute paths, by host in file order).
-pub type Loaded = (Lab, Plan, String, Vec<Option<PathBuf>>);
+/// A lab file read, validated and planned: the lab, its plan, its text and the stacked hosts' stack templates with
+/// the lab's values filled in (by host in file order; `None` for a plain host).
+pub type Loaded = (Lab, Plan, String, Vec<Option<String>>);
 
 /// Reads and validates a lab file and plans it: every error (file:line, what was expected) comes before anything
-/// is created. Stack templates of stacked hosts are resolved against the lab file's directory and must exist.
+/// is created. Stack templates of stacked hosts are resolved against the lab file's directory, filled in with the
+/// lab's values ([`Plan::template_values`]) and must then parse as stacks.
 pub fn load(file: &Path) -> Result<Loaded, CliError> {
     let shown = file.display().to_string();
     let text = std::fs::read_to_string(file).map_err(|e| msg(format!("{shown}: cannot read: {e}")))?;
     let lab = Lab::parse(&shown, &text).map_err(|e| CliError::Config(e.to_string()))?;
-    let plan = Plan::new(&lab).map_err(|e| msg(format!("{shown}: {e}")))?;
+    let plan = Plan::new(&lab).map_err(|e| CliError::Config(format!("{shown}: {e}")))?;
     let base = file.parent().unwrap_or(Path::new("."));
     let mut templates = Vec::new();
     for h in &lab.hosts {
@@ -48,7 +49,7 @@ pub fn load(file: &Path) -> Result<Loaded, CliError> {
             None => templates.push(None),
             Some(s) => {
                 let path = base.join(s);
-                let text = std::fs::read_to_string(&path).map_err(|e| {
+                let mut text = std::fs::read_to_string(&path).map_err(|e| {
                     CliError::Config(format!(
                         "{}: `stack` of host `{}`: cannot read {} (relative paths are from the lab file's folder): {e}",
                         h.location,
@@ -56,11 +57,19 @@ pub fn load(file: &Path) -> Result<Loaded, CliError> {
                         path.display()
                     ))
                 })?;
-                // The template must parse once its placeholders are filled in, as the daemon will fill them.
-                let filled = text.replace("{app}", "app1").replace("{app_dev}", "fsa0").replace("{host_dev}", "fsh0");
+                for (k, v) in plan.template_values(&lab, &h.name) {
+                    text = text.replace(&k, &v);
+                }
+                // The template must parse once the daemon's placeholders are filled in too.
+                let filled = text
+                    .replace("{app}", "app1")
+                    .replace("{app_dev}", "fsa0")
+                    .replace("{host_dev}", "fsh0")
+                    .replace("{app_v4}", "172.16.1.2")
+                    .replace("{app_v6}", "fd77:10:1::2");
                 flexstack_core::StackSpec::parse(&path.display().to_string(), &filled)
                     .map_err(|e| CliError::Config(format!("{e} (the stack of host `{}` at {})", h.name, h.location)))?;
-                templates.push(Some(std::path::absolute(&path).map_err(msg)?));
+                templates.push(Some(text));
             }
         }
     }
@@ -172,6 +181,9 @@ fn write_resolved(dir: &Path, text: &str, plan: &Plan) -> Result<(), CliError> {
     for h in &plan.hosts {
         let kind = if h.stack.is_some() { "stacked" } else { "plain" };
         let _ = writeln!(t, "\nhost {} ({kind}), namespace {}", h.name, h.netns);
+        if let Some(s) = h.app_subnet {
+            let _ = writeln!(t, "  apps in {s}/16");
+        }
         for f in &h.interfaces {
             let _ = writeln!(
                 t,
@@ -282,7 +294,7 @@ pub fn command(state_dir: &Path, json: bool, cmd: crate::cli::LabCmd) -> Result<
         }
         LabCmd::Exec { lab, host, command } => {
             let state = find(state_dir, lab.as_deref())?;
-            let status = run::host_command(&state, &host, &command)?
+            let status = run::host_command(&state, &host, None, &command)?
                 .status()
                 .map_err(|e| msg(format!("cannot run {command:?} on {host}: {e}")))?;
             use std::os::unix::process::ExitStatusExt;

@@ -1,9 +1,11 @@
 //! Running a built lab: programs at their times, events, meter sampling, progress, Ctrl-C, and the results folder.
 //!
 //! [`run`] executes [`Lab::timeline`] against the clock from the lab's start and writes, in the results folder:
-//! `timeline.csv` (`time_s,planned_s,event`: what happened when), `meters.csv` (`time_s,name,value`: the lab's
-//! meter patterns sampled every `sample`), `programs/<host>-<n>.{out,err,status}` (n: the program's place among
-//! its host's programs in the file, from 1) and `.json` when a program printed JSON (iperf3 -J), and `captures/*.pcapng`.
+//! `timeline.csv` (`time_s,planned_s,event`: what happened when; `planned_s` is empty for what was not scheduled,
+//! a program's end or an interruption, so two runs of a lab file give the same planned and event columns),
+//! `meters.csv` (`time_s,name,value`: the lab's meter patterns sampled every `sample`),
+//! `programs/<host>-<n>.{out,err,status}` (n: the program's place among its host's programs in the file, from 1)
+//! and `.json` when a program printed JSON (iperf3 -J), and `captures/*.pcapng`.
 //!
 //! Programs run with `sh -c` and get `LAB_NAME`, `LAB_HOST`, `LAB_RESULTS` and `LAB_SCRATCH` (a folder of their
 //! host's, under the results, for files they serve or write) in their environment.
@@ -51,9 +53,9 @@ pub fn invoking_user() -> (u32, u32) {
     crate::runner::invoking_user()
 }
 
-/// The command that runs `line` on `host` (through `sh -c`), as the invoking user; through `flexstack run` with the
-/// host's stack template on a stacked host.
-pub fn host_command(state: &LabState, host: &str, argv: &[String]) -> Result<Command, CliError> {
+/// The command that runs `argv` on `host` as the invoking user; on a stacked host through `flexstack run` with the
+/// host's stack template, as the app `app` (whose modules' names the template derives from it).
+pub fn host_command(state: &LabState, host: &str, app: Option<&str>, argv: &[String]) -> Result<Command, CliError> {
     let h = state.host(host)?;
     let mut cmd = Command::new("ip");
     cmd.args(["netns", "exec", &h.netns]);
@@ -61,7 +63,11 @@ pub fn host_command(state: &LabState, host: &str, argv: &[String]) -> Result<Com
         (Some(dir), Some(template)) => {
             // `flexstack run` drops to the invoking user itself (SUDO_UID), and passes signals on.
             cmd.arg(std::env::current_exe().map_err(msg)?).arg("--state-dir").arg(dir).arg("run");
-            cmd.arg("--stack").arg(template).arg("--");
+            cmd.arg("--stack").arg(template);
+            if let Some(name) = app {
+                cmd.arg("--name").arg(name);
+            }
+            cmd.arg("--");
         }
         _ => {
             let (uid, gid) = invoking_user();
@@ -84,7 +90,8 @@ fn start_program(state: &LabState, lab: &Lab, index: usize, dir: &Path) -> Resul
     };
     let argv = ["sh".to_string(), "-c".to_string(), p.run.clone()];
     let scratch = scratch_dir(state, &p.host)?;
-    let child = host_command(state, &p.host, &argv)?
+    let app = format!("{}-{number}", p.host);
+    let child = host_command(state, &p.host, Some(&app), &argv)?
         .env("LAB_NAME", &lab.name)
         .env("LAB_HOST", &p.host)
         .env("LAB_RESULTS", &state.results)
@@ -324,13 +331,14 @@ pub fn run(state: &LabState, lab: &Lab, opts: &RunOptions, interrupted: &AtomicB
     let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let end = if opts.whole { lab.duration } else { Duration::ZERO };
     let mut pending = items.into_iter().peekable();
-    let record = |timeline: &mut std::fs::File, planned: Duration, text: &str| {
+    let record = |timeline: &mut std::fs::File, planned: Option<Duration>, text: &str| {
         let t = start.elapsed().as_secs_f64();
-        let _ = writeln!(timeline, "{t:.3},{:.3},{}", planned.as_secs_f64(), csv_field(text));
+        let planned = planned.map_or(String::new(), |p| format!("{:.3}", p.as_secs_f64()));
+        let _ = writeln!(timeline, "{t:.3},{planned},{}", csv_field(text));
     };
     loop {
         if interrupted.load(Ordering::SeqCst) {
-            record(&mut timeline, start.elapsed(), "interrupted");
+            record(&mut timeline, None, "interrupted");
             break;
         }
         let now = start.elapsed();
@@ -345,7 +353,7 @@ pub fn run(state: &LabState, lab: &Lab, opts: &RunOptions, interrupted: &AtomicB
                     last = format!("started {}-{}: {}", r.host, r.number, lab.programs[i].run);
                     record(
                         &mut timeline,
-                        at,
+                        Some(at),
                         &format!(
                             "start on {} ({}): {}",
                             r.host,
@@ -358,10 +366,10 @@ pub fn run(state: &LabState, lab: &Lab, opts: &RunOptions, interrupted: &AtomicB
                 Item::Event(action) => {
                     let text = action.describe();
                     match apply(state, action) {
-                        Ok(()) => record(&mut timeline, at, &text),
+                        Ok(()) => record(&mut timeline, Some(at), &text),
                         Err(e) => {
                             eprintln!("lab {}: event `{text}` failed: {e}", lab.name);
-                            record(&mut timeline, at, &format!("FAILED {text}: {e}"));
+                            record(&mut timeline, Some(at), &format!("FAILED {text}: {e}"));
                         }
                     }
                     last = text;
@@ -379,7 +387,7 @@ pub fn run(state: &LabState, lab: &Lab, opts: &RunOptions, interrupted: &AtomicB
                     let r = running.remove(i);
                     let text = status_text(s);
                     finish_program(&r, &text);
-                    record(&mut timeline, start.elapsed(), &format!("{}-{} ended: {text}", r.host, r.number));
+                    record(&mut timeline, None, &format!("{}-{} ended: {text}", r.host, r.number));
                     finished.push((r, text));
                 }
                 _ => i += 1,
@@ -387,7 +395,7 @@ pub fn run(state: &LabState, lab: &Lab, opts: &RunOptions, interrupted: &AtomicB
         }
         if now >= end && pending.peek().is_none() {
             if opts.whole {
-                record(&mut timeline, end, &format!("end of lab {}", lab.name));
+                record(&mut timeline, Some(end), &format!("end of lab {}", lab.name));
             }
             break;
         }

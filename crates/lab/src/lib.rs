@@ -22,6 +22,8 @@
 //!   `loss_model = "gilbert-elliott"` with `ge_p` and `ge_r` (required, probabilities in 0..=1) and `ge_loss_bad`,
 //!   `ge_loss_good` (% in 0..=100, default 100 and 0), `max_queue_size` (packets, >= 1) and `mtu` (68..=65535).
 //!   A link is named `"<a>-<b>"`.
+//! - `[[routes]]`: `host`, `to` (a stacked host) and `via` (a neighbour of `host`): on `host`, the route to `to`'s
+//!   apps goes through `via` instead of the shortest path (e.g. replies to a multi-homed host over one uplink).
 //! - `[[programs]]`: `host`, `run` (a command line), `background` (default false: servers run in the background,
 //!   clients in the foreground) and `at` (default `"0s"`).
 //! - `[[events]]`: `at` (before `duration`) and either `link` (a link's name, either order of its hosts) with exactly
@@ -87,6 +89,21 @@ pub struct Lab {
     pub programs: Vec<Program>,
     /// Events sorted by time (stable: file order at the same time).
     pub events: Vec<Event>,
+    /// Static routes that replace the computed ones, in file order.
+    pub routes: Vec<RouteSpec>,
+}
+
+/// A `[[routes]]` entry: on `host`, traffic to the stacked host `to`'s apps goes through the neighbour `via`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RouteSpec {
+    /// The host whose routing table gets the route.
+    pub host: String,
+    /// The stacked host whose app subnet is the destination.
+    pub to: String,
+    /// The next hop: a host linked to `host`.
+    pub via: String,
+    /// Where it was declared.
+    pub location: Location,
 }
 
 /// A host: a network namespace.
@@ -589,7 +606,7 @@ impl Lab {
             location: doc.start(),
             what: "the lab file".into(),
         };
-        root.check_keys(&["lab", "hosts", "links", "programs", "events"])?;
+        root.check_keys(&["lab", "hosts", "links", "programs", "events", "routes"])?;
 
         let head = root.table("lab", "[lab]".into())?.ok_or_else(|| {
             ConfigError::new(Some(doc.start()), "the lab file needs a [lab] table with name and duration")
@@ -720,6 +737,33 @@ impl Lab {
             }
         };
 
+        let mut routes = Vec::new();
+        for t in root.tables("routes")? {
+            t.check_keys(&["host", "to", "via"])?;
+            let host = find_host(&t, "host")?;
+            let to = find_host(&t, "to")?;
+            let via = find_host(&t, "via")?;
+            if hosts.iter().any(|h| h.name == to && h.stack.is_none()) {
+                return Err(t.err(t.value_loc("to"), format!("`to` in {}: {to:?} is a plain host; routes lead to the apps of a stacked host (with `stack = ...`)", t.what)));
+            }
+            if to == host {
+                return Err(t.err(t.value_loc("to"), format!("`to` in {}: a host needs no route to itself", t.what)));
+            }
+            if !links.iter().any(|l| (l.a == host && l.b == via) || (l.a == via && l.b == host)) {
+                return Err(t.err(
+                    t.value_loc("via"),
+                    format!("`via` in {}: {via:?} is not linked to {host:?}; the next hop must be a neighbour", t.what),
+                ));
+            }
+            if let Some(other) = routes.iter().find(|r: &&RouteSpec| r.host == host && r.to == to) {
+                return Err(t.err(
+                    t.location.clone(),
+                    format!("duplicate route from {host} to {to} (already declared at {})", other.location),
+                ));
+            }
+            routes.push(RouteSpec { host, to, via, location: t.location.clone() });
+        }
+
         let mut programs = Vec::new();
         for t in root.tables("programs")? {
             t.check_keys(&["host", "run", "background", "at"])?;
@@ -849,7 +893,7 @@ impl Lab {
         }
         events.sort_by_key(|e| e.at);
 
-        Ok(Lab { name, duration, seed, sample, meters, hosts, links, programs, events })
+        Ok(Lab { name, duration, seed, sample, meters, hosts, links, programs, events, routes })
     }
 
     /// Every scheduled action in time order, described in one line each: program starts, events and the end of the

@@ -20,7 +20,10 @@
 //! - Hosts forward, with static routes along shortest paths (ties broken by file order), so every address is
 //!   reachable from every host. A host name resolves (per host, through `/etc/netns/<namespace>/hosts`) to its
 //!   address on a link shared with the asking host, else to its address on its first link.
-//! - A stacked host's apps get addresses from [`STACKED_APP_SUBNET`], outside the link subnets.
+//! - The k-th stacked host's apps get addresses from [`stacked_app_subnet`]`(k)` (`172.(16+k).0.0/16`), and every
+//!   other host routes that subnet towards the stacked host (shortest path, or the lab's `[[routes]]`), so apps
+//!   that leave through the stacked host's own link faces (no NAT) are reachable too.
+//! - A stacked host's stack template may use the lab's values of its interfaces: see [`Plan::template_values`].
 
 use crate::{Lab, Link};
 use std::collections::VecDeque;
@@ -35,8 +38,14 @@ pub fn namespace_prefix() -> &'static str {
 /// Most links a lab may have (each takes a /24 of 10.0.0.0/8 below [`STACKED_APP_SUBNET`]).
 pub const MAX_LINKS: usize = 250 * 256;
 
-/// The /16 that stacked hosts' sandboxed apps get their addresses from.
-pub const STACKED_APP_SUBNET: Ipv4Addr = Ipv4Addr::new(10, 251, 0, 0);
+/// Most stacked hosts a lab may have: stacked host number k (file order, from 0) gives its sandboxed apps the /16
+/// `172.(16 + k).0.0`.
+pub const MAX_STACKED_HOSTS: usize = 16;
+
+/// The /16 of the apps of the `k`-th stacked host (file order, from 0).
+pub fn stacked_app_subnet(k: usize) -> Ipv4Addr {
+    Ipv4Addr::new(172, 16 + k as u8, 0, 0)
+}
 
 /// One interface of a host.
 #[derive(Clone, Debug, PartialEq)]
@@ -81,6 +90,8 @@ pub struct HostPlan {
     pub netns: String,
     /// The stack template of its apps (stacked host), as written in the lab file.
     pub stack: Option<String>,
+    /// A stacked host's app subnet (a /16).
+    pub app_subnet: Option<Ipv4Addr>,
     /// Its interfaces, in link order.
     pub interfaces: Vec<Interface>,
     /// Its routes to subnets it is not on.
@@ -127,6 +138,9 @@ pub enum PlanError {
     /// More links than addresses.
     #[error("a lab has at most {MAX_LINKS} links, this one has {0}")]
     TooManyLinks(usize),
+    /// More stacked hosts than app subnets.
+    #[error("a lab has at most {MAX_STACKED_HOSTS} stacked hosts, this one has {0}")]
+    TooManyStackedHosts(usize),
 }
 
 /// SplitMix64: spreads the lab seed over links and directions, so that neighbouring seeds give unrelated streams.
@@ -167,6 +181,10 @@ impl Plan {
         if lab.links.len() > MAX_LINKS {
             return Err(PlanError::TooManyLinks(lab.links.len()));
         }
+        let stacked = lab.hosts.iter().filter(|h| h.stack.is_some()).count();
+        if stacked > MAX_STACKED_HOSTS {
+            return Err(PlanError::TooManyStackedHosts(stacked));
+        }
         let prefix = format!("{}{}", namespace_prefix(), lab.name);
         let host_index = |name: &str| lab.hosts.iter().position(|h| h.name == name).expect("validated host");
         let mut hosts: Vec<HostPlan> = lab
@@ -176,6 +194,7 @@ impl Plan {
                 name: h.name.clone(),
                 netns: format!("{prefix}.{}", h.name),
                 stack: h.stack.clone(),
+                app_subnet: None,
                 interfaces: Vec::new(),
                 routes: Vec::new(),
                 hosts_file: String::new(),
@@ -211,6 +230,9 @@ impl Plan {
                 seed_ba: link_seed(lab.seed, i, 1),
             });
         }
+        for (k, h) in hosts.iter_mut().filter(|h| h.stack.is_some()).enumerate() {
+            h.app_subnet = Some(stacked_app_subnet(k));
+        }
         for h in 0..hosts.len() {
             hosts[h].routes = routes_from(lab, &hosts, h);
             hosts[h].hosts_file = hosts_file(lab, &hosts, h);
@@ -226,6 +248,30 @@ impl Plan {
     /// The link plan named `name` (either order of its hosts).
     pub fn link(&self, name: &str) -> Option<&LinkPlan> {
         self.links.iter().find(|l| l.name == name)
+    }
+
+    /// The values a stacked host's stack template may use, as `(placeholder, value)`: for each of its interfaces
+    /// `ethN`, `{ethN.address}` (10.0.3.1), `{ethN.cidr}` (10.0.3.1/24), `{ethN.mac}`, `{ethN.peer}` (the other end's
+    /// address, the gateway), `{ethN.peer_mac}` and `{ethN.bw_bps}` (the link's rate in bit/s at the start, 0 if
+    /// unlimited); and `{host}`, `{app_subnet}` (172.16.0.0/16). The daemon fills in `{app}`, `{app_dev}`,
+    /// `{host_dev}`, `{app_v4}` and `{app_v6}` when an app attaches.
+    pub fn template_values(&self, lab: &Lab, host: &str) -> Vec<(String, String)> {
+        let Some(h) = self.host(host) else { return Vec::new() };
+        let mut out = vec![("{host}".to_string(), h.name.clone())];
+        if let Some(s) = h.app_subnet {
+            out.push(("{app_subnet}".into(), format!("{s}/16")));
+        }
+        for f in &h.interfaces {
+            let bw = lab.links[f.link].params.bw_mbit.map_or(0, |m| (m * 1e6).round() as u64);
+            let n = &f.name;
+            out.push((format!("{{{n}.address}}"), f.address.to_string()));
+            out.push((format!("{{{n}.cidr}}"), format!("{}/24", f.address)));
+            out.push((format!("{{{n}.mac}}"), f.mac.clone()));
+            out.push((format!("{{{n}.peer}}"), f.peer_address.to_string()));
+            out.push((format!("{{{n}.peer_mac}}"), f.peer_mac.clone()));
+            out.push((format!("{{{n}.bw_bps}}"), bw.to_string()));
+        }
+        out
     }
 
     /// The stack description of the wire daemon: per link, two `packet` faces (not taken over: the wire
@@ -297,6 +343,7 @@ fn routes_from(lab: &Lab, hosts: &[HostPlan], h: usize) -> Vec<Route> {
         }
     }
     let on_link = |i: usize| hosts[h].interfaces.iter().any(|f| f.link == i);
+    let via_neighbour = |n: &str| hosts[h].interfaces.iter().find(|f| f.peer_host == n);
     let mut routes = Vec::new();
     for (i, l) in lab.links.iter().enumerate() {
         if on_link(i) {
@@ -307,6 +354,17 @@ fn routes_from(lab: &Lab, hosts: &[HostPlan], h: usize) -> Vec<Route> {
         if let Some(k) = via_iface {
             let f = &hosts[h].interfaces[k];
             routes.push(Route { destination: link_subnet(i), via: f.peer_address, dev: f.name.clone() });
+        }
+    }
+    for (x, other) in hosts.iter().enumerate() {
+        let Some(subnet) = other.app_subnet.filter(|_| x != h) else { continue };
+        let chosen = lab.routes.iter().find(|r| r.host == hosts[h].name && r.to == other.name);
+        let iface = match chosen {
+            Some(r) => via_neighbour(&r.via),
+            None => first[x].map(|k| &hosts[h].interfaces[k]),
+        };
+        if let Some(f) = iface {
+            routes.push(Route { destination: format!("{subnet}/16"), via: f.peer_address, dev: f.name.clone() });
         }
     }
     routes
@@ -428,6 +486,52 @@ bw = 5
         assert!(text.contains("delay_ms = 10"), "{text}");
         assert!(text.contains("rate_mbit = 5"), "{text}");
         assert!(text.contains("\"l1b -> r-h2_ba\""), "{text}");
+    }
+
+    #[test]
+    fn stacked_hosts_get_app_subnets_routed_by_shortest_path_or_by_routes() {
+        let text = r#"
+[lab]
+name = "mob"
+duration = "1s"
+[hosts.mob]
+stack = "s.toml"
+[hosts.ap1]
+[hosts.ap2]
+[hosts.srv]
+[[links]]
+a = "mob"
+b = "ap1"
+bw = 5
+[[links]]
+a = "mob"
+b = "ap2"
+[[links]]
+a = "ap1"
+b = "srv"
+[[links]]
+a = "ap2"
+b = "srv"
+"#;
+        let p = Plan::new(&lab(text)).unwrap();
+        assert_eq!(p.host("mob").unwrap().app_subnet, Some(Ipv4Addr::new(172, 16, 0, 0)));
+        let to_apps =
+            |p: &Plan, h: &str| p.host(h).unwrap().routes.iter().find(|r| r.destination == "172.16.0.0/16").cloned();
+        // Shortest path: srv reaches mob through ap1 (first in file order), ap2 directly.
+        assert_eq!(to_apps(&p, "srv").unwrap().via, Ipv4Addr::new(10, 0, 2, 1));
+        assert_eq!(to_apps(&p, "ap2").unwrap().via, Ipv4Addr::new(10, 0, 1, 1));
+        let routed = format!("{text}[[routes]]\nhost = \"srv\"\nto = \"mob\"\nvia = \"ap2\"\n");
+        let p = Plan::new(&lab(&routed)).unwrap();
+        assert_eq!(to_apps(&p, "srv").unwrap().via, Ipv4Addr::new(10, 0, 3, 1));
+        assert!(to_apps(&p, "mob").is_none());
+        let values = p.template_values(&lab(&routed), "mob");
+        let get = |k: &str| values.iter().find(|(p, _)| p == k).map(|(_, v)| v.clone()).unwrap();
+        assert_eq!(get("{eth0.address}"), "10.0.0.1");
+        assert_eq!(get("{eth1.peer}"), "10.0.1.2");
+        assert_eq!(get("{eth0.bw_bps}"), "5000000");
+        assert_eq!(get("{eth1.bw_bps}"), "0");
+        assert_eq!(get("{eth1.mac}"), "02:00:0a:00:01:01");
+        assert_eq!(get("{app_subnet}"), "172.16.0.0/16");
     }
 
     #[test]

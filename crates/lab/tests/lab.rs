@@ -223,3 +223,20 @@ fn stacked_host_knob_events_and_reverse_link_names() {
     assert_eq!(t[0], "knob link.h1-ap1.loss_pct = 2.5 on app");
     assert_eq!(t[1], "link h1-h2 set ge_p=0.1 ge_r=0.5 ge_loss_bad_pct=100 ge_loss_good_pct=0");
 }
+
+#[test]
+fn routes_are_validated() {
+    let stacked = "[lab]\nname = \"t\"\nduration = \"10s\"\n[hosts.h1]\nstack = \"s.toml\"\n[hosts.h2]\n[hosts.h3]\n\
+                   [[links]]\na = \"h1\"\nb = \"h2\"\n[[links]]\na = \"h2\"\nb = \"h3\"\n";
+    let check = |extra: &str, line: usize, needle: &str| {
+        let e = Lab::parse("t.toml", &format!("{stacked}{extra}")).expect_err(extra);
+        assert_eq!(e.location.as_ref().map(|l| l.line), Some(line), "{e}");
+        assert!(e.message.contains(needle), "{e} (wanted {needle:?})");
+    };
+    check("[[routes]]\nhost = \"h3\"\nto = \"h1\"\nvia = \"h1\"\n", 17, "not linked");
+    check("[[routes]]\nhost = \"h3\"\nto = \"h2\"\nvia = \"h2\"\n", 16, "plain host");
+    check("[[routes]]\nhost = \"h3\"\nto = \"hx\"\nvia = \"h2\"\n", 16, "unknown host");
+    check("[[routes]]\nhost = \"h3\"\nto = \"h1\"\nvia = \"h2\"\nover = 1\n", 18, "unknown key");
+    let ok = Lab::parse("t.toml", &format!("{stacked}[[routes]]\nhost = \"h3\"\nto = \"h1\"\nvia = \"h2\"\n")).unwrap();
+    assert_eq!((ok.routes[0].host.as_str(), ok.routes[0].via.as_str()), ("h3", "h2"));
+}

@@ -37,6 +37,9 @@ use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
+/// Deepest recursion of a query before it continues with an explicit stack (bounds the thread's stack use).
+const MAX_QUERY_DEPTH: u32 = 512;
+
 /// Most rounds of context actions (a load that triggers a load ...) run by one call.
 const MAX_ACTION_ROUNDS: usize = 16;
 
@@ -1071,21 +1074,37 @@ impl RuleEngine {
 
     /// Queries unit `root` of instance `current`: evaluates, inputs first, every unit of this wave not yet
     /// evaluated, stopping at pushed instances other than `current` (their value is current) and at valid caches.
+    /// Recursive up to [`MAX_QUERY_DEPTH`] (the fast path), then with an explicit stack.
     fn query(&mut self, root: u32, current: u32, triggered: bool, now: Time, env: &dyn Environment) {
+        self.query_rec(root, current, triggered, now, env, 0);
+    }
+
+    fn query_rec(&mut self, u: u32, current: u32, triggered: bool, now: Time, env: &dyn Environment, depth: u32) {
         let epoch = self.rt.epoch;
-        let unit = &self.rt.units[root as usize];
-        if unit.epoch == epoch {
+        let unit = &self.rt.units[u as usize];
+        if unit.epoch == epoch || (unit.pushed && unit.instance != current) {
             return;
         }
-        let ready = |i: &u32| {
-            let input = &self.rt.units[*i as usize];
-            input.epoch == epoch || (input.pushed && input.instance != current)
-        };
-        if unit.kind != UnitKind::Cache && unit.inputs.iter().all(ready) {
-            // The common case of an event: the root's inputs are ready, no walk needed.
-            self.eval_unit(root, triggered, now, env);
+        if unit.kind == UnitKind::Cache && unit.cached(now) {
+            self.rt.units[u as usize].epoch = epoch;
             return;
         }
+        if depth >= MAX_QUERY_DEPTH {
+            return self.query_iter(u, current, triggered, now, env);
+        }
+        for k in 0..unit.inputs.len() {
+            let i = self.rt.units[u as usize].inputs[k];
+            let input = &self.rt.units[i as usize];
+            if input.epoch != epoch && !(input.pushed && input.instance != current) {
+                self.query_rec(i, current, triggered, now, env, depth + 1);
+            }
+        }
+        self.eval_unit(u, triggered, now, env);
+    }
+
+    /// [`Self::query`] with an explicit stack, for arbitrarily deep unit graphs.
+    fn query_iter(&mut self, root: u32, current: u32, triggered: bool, now: Time, env: &dyn Environment) {
+        let epoch = self.rt.epoch;
         let mut stack = std::mem::take(&mut self.stack);
         stack.push((root, false));
         while let Some((u, expanded)) = stack.pop() {

@@ -234,3 +234,25 @@ fn refused_texts_change_nothing() {
     assert_eq!(engine.loaded(), before);
     assert_eq!(engine.log().len(), 1);
 }
+
+#[test]
+fn deep_chains_query_and_propagate() {
+    // Deeper than the query's recursion limit: the rest of the walk uses an explicit stack.
+    let (mut env, mut engine) = setup();
+    let mut pulled = String::from("f1: Forwarder(get(\"module.src.rate\"))\n");
+    let mut pushed = String::from("g1: Forwarder(get(\"module.src.rate\"))\n");
+    for i in 2..=1500 {
+        pulled.push_str(&format!("f{i}: Forwarder(f{})\n", i - 1));
+        pushed.push_str(&format!("g{i}: Forwarder(g{})\n", i - 1));
+    }
+    pulled.push_str("t: Timer(1h)\nt -> f1500\n");
+    engine.handle_load_text("pulled", &pulled, ms(0), &env).unwrap();
+    engine.handle_load_text("pushed", &pushed, ms(0), &env).unwrap();
+    env.meter("module.src.rate", Value::U64(77));
+    assert_eq!(engine.evaluate("f1500", ms(1), &env).unwrap(), Some(Value::U64(77)));
+    assert_eq!(engine.value("f750", &[]), Some(Value::U64(77)));
+    engine.handle_meter_changed("module.src.rate", Value::U64(78), ms(2), &env);
+    assert_eq!(engine.value("g1500", &[]), Some(Value::U64(78)));
+    drive(&mut engine, &mut env, ms(3));
+    assert_eq!(engine.value("g1500", &[]), Some(Value::U64(77)), "sampling reads the environment again");
+}

@@ -762,15 +762,15 @@ impl RuleEngine {
         }
     }
 
+    /// True if a per-name rule loaded by itself has gained or lost a matching name (instances of dependencies
+    /// follow their users).
     fn bindings_changed(&self, env: &dyn Environment) -> bool {
-        self.explicit.iter().chain(self.rt.instances.iter().map(|i| &i.rule)).any(|name| {
+        self.explicit.iter().any(|name| {
             let Some(def) = self.program.rules.get(name).filter(|d| d.stars > 0) else { return false };
             let want = Self::bindings(def, env);
             let have: BTreeSet<&Vec<String>> =
                 self.rt.instances.iter().filter(|i| i.rule == *name).map(|i| &i.binding).collect();
-            let explicit_root = self.explicit.contains(name);
-            // Instances of dependencies follow their users; only compare for rules loaded by themselves.
-            explicit_root && (want.len() != have.len() || want.iter().any(|b| !have.contains(b)))
+            want.len() != have.len() || want.iter().any(|b| !have.contains(b))
         })
     }
 

@@ -18,54 +18,63 @@ use std::collections::{BTreeMap, VecDeque};
 /// Most samples a window keeps, whatever its duration (bounds memory for time windows on fast meters).
 pub const MAX_SAMPLES: usize = 65_536;
 
-/// The kinds of functional units.
+/// The kinds of functional units. Each variant says its arguments, its output and when that changes; the
+/// same text is in [`CATALOG`] and in docs/rules.md. "On evaluation" means each time the unit is computed in a
+/// query (see [`crate::engine`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
 pub enum UnitKind {
-    /// `get("name")`: reads a meter or knob (a stub's get side).
+    /// `get("name")`: a meter's or knob's current value; read on every query, and sampled on every `advance`
+    /// as an event source (emits when the value changed). No output while the variable does not exist.
     Get,
-    /// `set("name", value)`: writes a knob (a stub's set side).
+    /// `set("name", value)`: writes its input to a knob (returned by `advance`), on a triggered evaluation or
+    /// when the value differs from the last one it wrote; outputs that value.
     Set,
-    /// `Constant(v)` or a literal argument.
+    /// `Constant(literal)`: the literal, always (literal arguments of other units become Constants).
     Constant,
-    /// `Forwarder(x)`: identity.
+    /// `Forwarder(x)`: x, unchanged.
     Forwarder,
-    /// `Timer(period)`: ticks.
+    /// `Timer(period)`: period a duration or a number of milliseconds; outputs its tick count (u64), one more
+    /// every period (one tick per `advance` however late), and emits on each tick.
     Timer,
-    /// `History(x, window)`: the last samples of x.
+    /// `History(x, window)`: records numeric x on each evaluation into a window of N samples or of a duration;
+    /// outputs the newest sample. Aggregates given a History read its window.
     History,
-    /// `Avg(x[, window])`.
+    /// `Avg(x, window)` or `Avg(history)`: the mean of the window, on evaluation.
     Avg,
-    /// `Min(x[, window])`.
+    /// `Min(x, window)` or `Min(history)`: the smallest sample of the window.
     Min,
-    /// `Max(x[, window])`.
+    /// `Max(x, window)` or `Max(history)`: the largest sample of the window.
     Max,
-    /// `Sum(x[, window])`.
+    /// `Sum(x, window)` or `Sum(history)`: the sum of the window's samples.
     Sum,
-    /// `Count(x[, window])`.
+    /// `Count(x, window)` or `Count(history)`: how many samples the window holds (u64).
     Count,
-    /// `Rate(x)` / `Derivative(x)`: change per second.
+    /// `Rate(x)` / `Derivative(x)`: change of x per second between its last two evaluations at different
+    /// times; no output before the second.
     Rate,
-    /// `EWMA(x, alpha)`.
+    /// `EWMA(x, alpha)`: `alpha * x + (1 - alpha) * previous` on each evaluation (the first sample as is).
     Ewma,
-    /// `Less(a, b)`: a < b.
+    /// `Less(a, b)`: a < b (numbers); no output while an input has none.
     Less,
-    /// `Greater(a, b)`: a > b.
+    /// `Greater(a, b)`: a > b (numbers).
     Greater,
-    /// `Equal(a, b)`.
+    /// `Equal(a, b)`: a == b, numbers compared as numbers whatever their type.
     Equal,
-    /// `And(a, b, ...)`.
+    /// `And(a, b, ...)`: true if every input is true.
     And,
-    /// `Or(a, b, ...)`.
+    /// `Or(a, b, ...)`: true if any input is true.
     Or,
-    /// `Not(a)`.
+    /// `Not(a)`: the negation of a.
     Not,
-    /// `If(c, a, b)`.
+    /// `If(c, then, else)`: then if c is true, else otherwise.
     If,
-    /// `Threshold(x, high, low)`: hysteresis.
+    /// `Threshold(x, high, low)`: hysteresis; true once x > high, false once x < low, unchanged in between
+    /// (false at first).
     Threshold,
-    /// `Changed(x)`.
+    /// `Changed(x)`: true if x differs from its value at the previous evaluation.
     Changed,
-    /// `Cache(x, validity)`: a query cache.
+    /// `Cache(x, validity)`: x, but a query within `validity` of the last one that reached x answers with the
+    /// cached value (the paper's per-unit cache validity).
     Cache,
 }
 

@@ -16,7 +16,7 @@ use flexstack_fuzzkit::{
 use flexstack_rules::{compile, render_rules, syntax, MemoryEnv, Program, RuleEngine};
 use std::time::{Duration, Instant};
 
-const DEFAULT_ITERS: usize = 3_000;
+const DEFAULT_ITERS: usize = 8_000;
 const DEFAULT_SEED: u64 = 0x5eed_f1e5_57ac_0001;
 const SLOW: Duration = Duration::from_secs(2);
 
@@ -129,7 +129,6 @@ fn fuzz_rules() {
     for (i, s) in corpus.iter().enumerate() {
         run_guarded("rules", seed, i, s, || check(&String::from_utf8_lossy(s)));
     }
-    // The seeds themselves: Listings 1 and 2 check; the error seed fails with located errors.
     let mut rng = Rng::new(seed);
     for i in 0..iters_from_env(DEFAULT_ITERS) {
         let input = mutate(&mut rng, &corpus, &DICT);

@@ -671,6 +671,18 @@ pub fn compile(source: &str, text: &str, base: &Program, env: &dyn Environment) 
     Ok(Compiled { program, defined, to_load, actions, warnings: diags })
 }
 
+/// Checks a program changed without text (by `replace`): cycles and wildcards, as [`compile`] does, refreshing
+/// each rule's stars and driver. The errors carry the place of each rule's definition.
+pub(crate) fn recheck(program: &mut Program) -> Result<(), Vec<Diagnostic>> {
+    let mut diags = Vec::new();
+    check_program(program, &HashMap::new(), &HashMap::new(), &mut diags);
+    if diags.iter().any(Diagnostic::is_error) {
+        Err(diags)
+    } else {
+        Ok(())
+    }
+}
+
 /// Checks the merged program for cycles and wildcard consistency, and fills in each rule's stars and driver.
 fn check_program(
     program: &mut Program,

@@ -711,12 +711,12 @@ impl RuleEngine {
                 if let Some(d) = program.rules.get_mut(old) {
                     d.triggered_by.clear();
                 }
-                if let Err(cycle) = compile::topo_order(&program) {
-                    return Err(RuleError::Invalid(vec![Diagnostic::error(
-                        Default::default(),
-                        format!("replace({old}, {new}) would make a cycle: {}", cycle.join(" -> ")),
-                    )]));
-                }
+                compile::recheck(&mut program).map_err(|mut d| {
+                    for x in &mut d {
+                        x.message = format!("replace({old}, {new}) is refused: {}", x.message);
+                    }
+                    RuleError::Invalid(d)
+                })?;
                 if self.explicit.remove(old) {
                     self.explicit.insert(new.clone());
                 }

@@ -256,3 +256,25 @@ fn deep_chains_query_and_propagate() {
     drive(&mut engine, &mut env, ms(3));
     assert_eq!(engine.value("g1500", &[]), Some(Value::U64(77)), "sampling reads the environment again");
 }
+
+#[test]
+fn replace_rechecks_cycles_and_wildcards() {
+    let mut env = MemoryEnv::new();
+    env.meter("flow.a.loss", Value::F64(0.0))
+        .meter("module.src.rate", Value::U64(1))
+        .knob("module.sel.select", Value::I64(0));
+    let mut engine = RuleEngine::new();
+    let text = "one: get(\"module.src.rate\")\nper: get(\"flow.*.loss\")\nuse: set(\"module.sel.select\", one)\nb: Forwarder(use)";
+    engine.handle_load_text("t", text, ms(0), &env).unwrap();
+    let before = engine.loaded();
+    let err = engine.handle_replace("one", "b", ms(1), &env);
+    assert!(
+        matches!(&err, Err(RuleError::Invalid(d)) if d[0].message.starts_with("replace(one, b) is refused: definition cycle")),
+        "{err:?}"
+    );
+    assert_eq!(engine.loaded(), before);
+    assert_eq!(engine.log().len(), 1);
+    // Using a per-flow rule makes `use` per-flow too: one instance per flow, each writing the same knob.
+    engine.handle_replace("one", "per", ms(2), &env).unwrap();
+    assert_eq!(engine.loaded(), vec!["b[a]", "per[a]", "use[a]"]);
+}

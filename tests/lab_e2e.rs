@@ -267,3 +267,215 @@ fn invalid_labs_are_rejected_with_their_location_before_anything_exists() {
     assert_eq!(v["hosts"], 3, "{v}");
     assert_eq!(v["links"], 2, "{v}");
 }
+
+// ---------------------------------------------------------------------------------------------------------------
+// 2. A runner killed halfway: `lab down --all` removes everything, and the lab runs again.
+
+#[test]
+fn a_killed_runner_leaves_nothing_after_down_all_and_the_lab_runs_again() {
+    if !privileged("a_killed_runner_leaves_nothing_after_down_all_and_the_lab_runs_again") {
+        return;
+    }
+    let _serial = lock();
+    let t = TestLab::new("kill");
+    let file = t.write(
+        "kill.toml",
+        &format!(
+            r#"[lab]
+name = "{{name}}"
+duration = "5s"
+[hosts.pl]
+[hosts.st]
+stack = "{stack}"
+[[links]]
+a = "pl"
+b = "st"
+[[programs]]
+host = "pl"
+run = "exec sleep 30"
+background = true
+[[programs]]
+host = "st"
+run = "exec sleep 4"
+"#,
+            stack = repo().join("stacks/app-default.toml").display()
+        ),
+    );
+    let mut runner = t
+        .command(&["lab", "run", "-q", path_str(&file), "--results", path_str(&t.path("r1"))])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start lab run");
+    let labs = t.state().join("labs").join(&t.name);
+    let daemon_pid =
+        |dir: &Path| -> Option<u32> { std::fs::read_to_string(dir.join("daemon.pid")).ok()?.trim().parse().ok() };
+    let (wire_dir, st_dir) = (labs.join("wire"), labs.join("hosts").join("st"));
+    let app_namespaces = |pid: u32| -> Vec<String> {
+        entries("/run/netns").into_iter().filter(|n| n.starts_with(&format!("fs-{pid}-"))).collect()
+    };
+    wait_for("the lab's namespaces, daemons and the stacked host's app namespace", 20, || {
+        t.namespaces().len() == 3
+            && daemon_pid(&wire_dir).is_some()
+            && daemon_pid(&st_dir).is_some_and(|p| !app_namespaces(p).is_empty())
+            && lab_processes(&t.name).len() >= 2
+    });
+    let daemons = [daemon_pid(&wire_dir).expect("wire daemon"), daemon_pid(&st_dir).expect("st daemon")];
+    let st_daemon = daemons[1];
+    assert!(daemons.iter().all(|&p| running(p)), "daemons {daemons:?} run");
+    let programs = lab_processes(&t.name);
+
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(runner.id() as i32), nix::sys::signal::Signal::SIGKILL)
+        .expect("SIGKILL the runner");
+    runner.wait().expect("reap the runner");
+
+    // `lab list` shows the lab with its runner gone.
+    let list: Json = serde_json::from_str(&t.ok(&["-j", "lab", "list"])).expect("lab list -j is JSON");
+    let entry = list.as_array().and_then(|a| a.iter().find(|l| l["name"] == t.name.as_str())).cloned();
+    let entry = entry.unwrap_or_else(|| panic!("lab {} not listed: {list}", t.name));
+    assert_eq!(entry["runner_pid"], runner.id(), "{entry}");
+    assert_eq!(entry["runner_alive"], false, "{entry}");
+    let shown = t.ok(&["lab", "list"]);
+    assert!(shown.contains(&format!("runner {} gone", runner.id())), "{shown}");
+    // Killing the runner stopped nothing by itself.
+    assert_eq!(t.namespaces().len(), 3, "namespaces survive the runner");
+    assert!(daemons.iter().all(|&p| running(p)), "daemons survive the runner");
+
+    let out = t.ok(&["lab", "down", "--all"]);
+    assert!(out.contains(&t.name), "{out}");
+    t.assert_gone();
+    assert_eq!(app_namespaces(st_daemon), Vec::<String>::new(), "app namespaces of the stacked host's daemon");
+    let alive: Vec<u32> = daemons.iter().chain(&programs).copied().filter(|&p| running(p)).collect();
+    assert_eq!(alive, Vec::<u32>::new(), "daemons {daemons:?} and programs {programs:?} must be gone");
+    assert!(t.ok(&["lab", "list"]).contains("no lab is up"));
+
+    // The same lab runs again, to the end, and leaves nothing either.
+    let r2 = t.run_ok(&file, "r2");
+    assert_eq!(read(&r2.join("programs/st-1.status")).trim(), "exit=0", "the stacked host's program ran");
+    t.assert_gone();
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// 3. The same lab twice: the same timeline and, with the same seed, the same drops.
+
+/// A lab of two hosts, one link with `link` parameters, a receiver on h2 and a sender of `count` datagrams every
+/// `interval_s` seconds on h1 (from 0.5 s).
+fn udp_lab(link: &str, seed: u64, count: u32, interval_s: f64, duration_s: u32) -> String {
+    format!(
+        r#"[lab]
+name = "{{name}}"
+duration = "{duration_s}s"
+seed = {seed}
+sample = "250ms"
+meters = ["link.**"]
+[hosts.h1]
+[hosts.h2]
+[[links]]
+a = "h1"
+b = "h2"
+{link}
+[[programs]]
+host = "h2"
+run = "{recv}"
+[[programs]]
+host = "h1"
+run = "{send}"
+at = "0.5s"
+"#,
+        recv = udp_seq(&format!("recv 9000 1 {}", duration_s as f64 - 0.5)),
+        send = udp_seq(&format!("send h2 9000 {count} {interval_s}")),
+    )
+}
+
+/// The datagrams h2 received, and the drops the a → b emulator counted, of a lab from [`udp_lab`]; checks that
+/// every missing datagram is one the emulator dropped.
+fn udp_outcome(results: &Path, count: u32) -> (BTreeSet<u32>, u64) {
+    let got = received(results, "h2-1");
+    assert!(got.iter().all(|&s| s < count), "sequence numbers below {count}");
+    let drops = last_meter(results, "link.h1-h2.ab.drop_loss_total") as u64;
+    assert_eq!(drops, u64::from(count) - got.len() as u64, "every missing datagram was dropped by the loss model");
+    (got, drops)
+}
+
+#[test]
+fn the_same_lab_twice_gives_the_same_timeline_and_the_same_drops() {
+    if !privileged("the_same_lab_twice_gives_the_same_timeline_and_the_same_drops") {
+        return;
+    }
+    let _serial = lock();
+    const N: u32 = 3000;
+    let t = TestLab::new("twice");
+    let file = t.write("twice.toml", &udp_lab("loss = 10", 11, N, 0.001, 6));
+    let (a, b) = (t.run_ok(&file, "a"), t.run_ok(&file, "b"));
+    let timeline = planned_and_events(&a);
+    assert!(timeline.len() >= 5, "starts, ends and the end of the lab: {timeline:?}");
+    assert_eq!(timeline, planned_and_events(&b), "planned and event columns of the two runs");
+    let (got_a, drops_a) = udp_outcome(&a, N);
+    let (got_b, drops_b) = udp_outcome(&b, N);
+    assert_eq!(drops_a, drops_b, "drop counters of the two runs");
+    assert_eq!(got_a, got_b, "the same datagrams were received");
+    // The loss is within the 99 % binomial interval of 10 %.
+    let (n, p) = (f64::from(N), 0.10);
+    let half = 2.576 * (n * p * (1.0 - p)).sqrt();
+    assert!(
+        (drops_a as f64 - n * p).abs() <= half,
+        "{drops_a} drops of {N}: outside {:.0}..{:.0}",
+        n * p - half,
+        n * p + half
+    );
+    // Another seed, another drop pattern.
+    let other = t.write("other.toml", &udp_lab("loss = 10", 12, N, 0.001, 6));
+    let c = t.run_ok(&other, "c");
+    let (got_c, _) = udp_outcome(&c, N);
+    assert_ne!(got_a, got_c, "seed 12 drops other datagrams than seed 11");
+    eprintln!("seed 11: {drops_a} drops of {N} (twice); seed 12: {} drops", N as usize - got_c.len());
+    t.assert_gone();
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// 4. Gilbert-Elliott loss on real traffic: bursts of the configured mean length.
+
+#[test]
+fn gilbert_elliott_loss_gives_bursts_of_the_configured_mean_length() {
+    if !privileged("gilbert_elliott_loss_gives_bursts_of_the_configured_mean_length") {
+        return;
+    }
+    let _serial = lock();
+    const N: u32 = 12_000;
+    let (p, r) = (0.02, 0.25);
+    let t = TestLab::new("ge");
+    let link = format!("loss_model = \"gilbert-elliott\"\nge_p = {p}\nge_r = {r}\nge_loss_bad = 100");
+    let file = t.write("ge.toml", &udp_lab(&link, 5, N, 0.00025, 6));
+    let results = t.run_ok(&file, "r");
+    let (got, drops) = udp_outcome(&results, N);
+    // Runs of consecutive missing sequence numbers; a run reaching the last datagram is cut short and not counted.
+    let mut bursts: Vec<u32> = Vec::new();
+    let mut run = 0;
+    for seq in 0..N {
+        if got.contains(&seq) {
+            if run > 0 {
+                bursts.push(run);
+            }
+            run = 0;
+        } else {
+            run += 1;
+        }
+    }
+    // With ge_loss_bad = 100 % and no loss in the good state, a run is one stay in the bad state: geometric with
+    // mean 1/r and variance (1-r)/r². Over B bursts the mean's standard error is sqrt((1-r)/r²/B); allow 3.3 of
+    // them (two-sided 99.9 %). About N·p·r/(p+r) ≈ 220 bursts are expected.
+    let b = bursts.len() as f64;
+    assert!(b >= 100.0, "{b} bursts: too few to measure");
+    let mean = bursts.iter().map(|&l| f64::from(l)).sum::<f64>() / b;
+    let tol = 3.3 * ((1.0 - r) / (r * r) / b).sqrt();
+    assert!((mean - 1.0 / r).abs() <= tol, "mean burst length {mean:.3} over {b} bursts: expected 4 ± {tol:.3}");
+    // Overall loss p/(p+r). Successive packets' states are correlated (the chain's second eigenvalue is
+    // λ = 1-p-r), which multiplies the binomial variance π(1-π)/N by (1+λ)/(1-λ); allow 3.3 standard deviations.
+    let pi = p / (p + r);
+    let lambda = 1.0 - p - r;
+    let sd = (pi * (1.0 - pi) / f64::from(N) * (1.0 + lambda) / (1.0 - lambda)).sqrt();
+    let loss = drops as f64 / f64::from(N);
+    assert!((loss - pi).abs() <= 3.3 * sd, "loss {loss:.4}: expected {pi:.4} ± {:.4}", 3.3 * sd);
+    eprintln!("{drops} of {N} lost ({loss:.4}, expected {pi:.4}); {b} bursts, mean length {mean:.3} ± {tol:.3}");
+    t.assert_gone();
+}

@@ -383,7 +383,15 @@ impl Checker<'_> {
         let n = u.name;
         let out = match u.kind {
             UnitKind::Get => {
-                (unit(UnitKind::Get, Param::Name(self.var_name(n, args.first(), span, false)?), vec![]), Ty::Any)
+                let name = self.var_name(n, args.first(), span, false)?;
+                // The type of an existing variable is known (registry types are fixed); the first match of a
+                // pattern stands for all of them.
+                let ty = self
+                    .env
+                    .get(&name)
+                    .or_else(|| self.env.names(&name).first().and_then(|m| self.env.get(m)))
+                    .map_or(Ty::Any, |v| Ty::of(&v));
+                (unit(UnitKind::Get, Param::Name(name), vec![]), ty)
             }
             UnitKind::Set => {
                 let name = self.var_name(n, args.first(), span, true);
@@ -833,6 +841,16 @@ mod tests {
         let e = errors("a: Less(\"x\", 3)");
         assert!(
             e[0].starts_with("1:9: error: type mismatch: Less expects a number as argument 1, got a string"),
+            "{e:?}"
+        );
+        let e = errors("a: Greater(get(\"module.sel.select\"), true)");
+        assert!(
+            e[0].starts_with("1:38: error: type mismatch: Greater expects a number as argument 2, got a boolean"),
+            "{e:?}"
+        );
+        let e = errors("a: Not(get(\"iface.wlan0.rssi\"))");
+        assert!(
+            e[0].starts_with("1:8: error: type mismatch: Not expects a boolean as argument 1, got a number"),
             "{e:?}"
         );
         let e = errors("a: And(true,\n  5)");

@@ -479,3 +479,232 @@ fn gilbert_elliott_loss_gives_bursts_of_the_configured_mean_length() {
     eprintln!("{drops} of {N} lost ({loss:.4}, expected {pi:.4}); {b} bursts, mean length {mean:.3} ± {tol:.3}");
     t.assert_gone();
 }
+
+// ---------------------------------------------------------------------------------------------------------------
+// 5. Interactive use: lab up, exec, link down/up/set, list, down.
+
+/// Median RTT in ms of `count` pings from `host` to `to`, 200 ms apart, through `lab exec`.
+fn ping_median(t: &TestLab, host: &str, to: &str, count: u32) -> f64 {
+    let out = t.cli(&["lab", "exec", host, "--", "ping", "-n", "-c", &count.to_string(), "-i", "0.2", "-W", "2", to]);
+    assert!(out.status.success(), "ping from {host} to {to}: {}", text(&out));
+    let s = String::from_utf8_lossy(&out.stdout);
+    let mut rtts: Vec<f64> =
+        s.split("time=").skip(1).filter_map(|r| r.split_whitespace().next()?.parse().ok()).collect();
+    assert_eq!(rtts.len(), count as usize, "every ping answered: {s}");
+    rtts.sort_by(f64::total_cmp);
+    rtts[rtts.len() / 2]
+}
+
+#[test]
+fn an_interactive_lab_routes_through_a_middle_host_and_obeys_link_commands() {
+    if !privileged("an_interactive_lab_routes_through_a_middle_host_and_obeys_link_commands") {
+        return;
+    }
+    let _serial = lock();
+    let t = TestLab::new("up");
+    let file = t.write(
+        "chain.toml",
+        &format!(
+            r#"[lab]
+name = "{{name}}"
+duration = "10s"
+[hosts.h1]
+[hosts.r]
+[hosts.h2]
+[hosts.st]
+stack = "{stack}"
+[[links]]
+a = "h1"
+b = "r"
+[[links]]
+a = "r"
+b = "h2"
+[[links]]
+a = "st"
+b = "r"
+[[programs]]
+host = "h2"
+run = "exec python3 -m http.server 8080 --directory $LAB_SCRATCH"
+background = true
+"#,
+            stack = repo().join("stacks/app-default.toml").display()
+        ),
+    );
+    let up = t.ok(&["lab", "up", path_str(&file), "--results", path_str(&t.path("r"))]);
+    assert!(up.contains(&format!("lab {} is up", t.name)), "{up}");
+    assert_eq!(t.namespaces().len(), 5, "4 hosts and the wire: {:?}", t.namespaces());
+    let ping = |args: &[&str]| t.cli(&[&["lab", "exec"], args].concat());
+
+    // h1 reaches h2 through r (two links): the TTL says one router.
+    let out = ping(&["--lab", &t.name, "h1", "--", "ping", "-n", "-c", "2", "-W", "2", "h2"]);
+    assert!(out.status.success(), "ping h1 -> h2: {}", text(&out));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("ttl=63"), "one hop through r: {}", text(&out));
+
+    t.ok(&["lab", "link", "r", "h2", "down"]);
+    let out = ping(&["h1", "--", "ping", "-n", "-c", "2", "-W", "1", "h2"]);
+    assert!(!out.status.success(), "ping over a link that is down must fail: {}", text(&out));
+    t.ok(&["lab", "link", "r", "h2", "up"]);
+    let out = ping(&["h1", "--", "ping", "-n", "-c", "2", "-W", "2", "h2"]);
+    assert!(out.status.success(), "ping after the link came back: {}", text(&out));
+
+    // 40 ms on h1-r, both directions: the RTT rises by 80 ms.
+    let before = ping_median(&t, "h1", "h2", 5);
+    t.ok(&["lab", "link", "h1", "r", "set", "delay=40ms"]);
+    let after = ping_median(&t, "h1", "h2", 5);
+    assert!((after - before - 80.0).abs() <= 3.0, "RTT {before:.3} ms -> {after:.3} ms: expected +80 ms ± 3");
+    eprintln!("RTT h1 -> h2: {before:.3} ms, with delay=40ms on h1-r {after:.3} ms");
+
+    let list: Json = serde_json::from_str(&t.ok(&["-j", "lab", "list"])).expect("lab list -j is JSON");
+    let entry = list.as_array().and_then(|a| a.iter().find(|l| l["name"] == t.name.as_str())).cloned();
+    let entry = entry.unwrap_or_else(|| panic!("lab {} not listed: {list}", t.name));
+    assert_eq!(entry["runner_pid"], 0, "lab up has no runner: {entry}");
+    let hosts: Vec<&str> = entry["hosts"].as_array().expect("hosts").iter().filter_map(|h| h[0].as_str()).collect();
+    assert_eq!(hosts, ["h1", "r", "h2", "st"], "{entry}");
+
+    // The stacked host's commands run through its stack: its daemon counts their packets.
+    let st_state = t.state().join("labs").join(&t.name).join("hosts").join("st");
+    let pinger = t
+        .command(&["lab", "exec", "st", "--", "ping", "-n", "-c", "10", "-i", "0.2", "-W", "2", "h2"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("ping from st");
+    let frames = || -> u64 {
+        let out = Command::new(bin())
+            .arg("--state-dir")
+            .arg(&st_state)
+            .args(["-j", "get", "module.**.frames_in_total"])
+            .output()
+            .expect("get");
+        let v: Json = serde_json::from_slice(&out.stdout).unwrap_or(Json::Null);
+        v.as_object().map_or(0, |m| m.values().filter_map(|x| x["value"].as_u64()).sum())
+    };
+    wait_for("the stacked host's modules to carry the ping", 10, || frames() > 0);
+    let out = pinger.wait_with_output().expect("ping from st");
+    assert!(out.status.success(), "ping st -> h2 through st's stack: {}", text(&out));
+    let out = t.cli(&[
+        "lab",
+        "exec",
+        "st",
+        "--",
+        "curl",
+        "-sS",
+        "-m",
+        "5",
+        "-o",
+        "/dev/null",
+        "-w",
+        "%{http_code}",
+        "http://h2:8080/",
+    ]);
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "200", "curl st -> h2: {}", text(&out));
+
+    let out = t.ok(&["lab", "down"]);
+    assert!(out.contains(&format!("removed: {}", t.name)), "{out}");
+    t.assert_gone();
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// 6. The results folder.
+
+/// The frames of a pcapng file.
+fn pcapng_packets(path: &Path) -> usize {
+    let file = std::fs::File::open(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let mut reader = pcap_file::pcapng::PcapNgReader::new(file).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let mut n = 0;
+    while let Some(block) = reader.next_block() {
+        if let pcap_file::pcapng::Block::EnhancedPacket(_) = block.unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        {
+            n += 1;
+        }
+    }
+    n
+}
+
+#[test]
+fn a_run_leaves_a_complete_results_folder_and_its_report_regenerates_identically() {
+    if !privileged("a_run_leaves_a_complete_results_folder_and_its_report_regenerates_identically") {
+        return;
+    }
+    let _serial = lock();
+    let t = TestLab::new("res");
+    let text_of_lab = r#"[lab]
+name = "{name}"
+duration = "5s"
+sample = "250ms"
+[hosts.cl]
+[hosts.srv]
+[[links]]
+a = "cl"
+b = "srv"
+bw = 50
+delay = "2ms"
+capture = true
+[[programs]]
+host = "srv"
+run = "exec iperf3 -s -p 5201"
+background = true
+[[programs]]
+host = "cl"
+run = "exec iperf3 -c srv -p 5201 -t 2 -J"
+at = "0.5s"
+[[events]]
+at = "1.5s"
+link = "cl-srv"
+set = { bw = 30 }
+"#;
+    let file = t.write("res.toml", text_of_lab);
+    let dir = t.run_ok(&file, "results");
+    t.assert_gone();
+
+    assert_eq!(read(&dir.join("lab.toml")), read(&file), "lab.toml is the lab file");
+    let topology = read(&dir.join("topology.txt"));
+    for want in ["host cl (plain)", "host srv (plain)", "link cl-srv", &format!("fl-lab.{}.cl", t.name)] {
+        assert!(topology.contains(want), "topology.txt lacks {want:?}:\n{topology}");
+    }
+    let timeline = planned_and_events(&dir);
+    for want in ["1.500,link cl-srv set rate_mbit=30", "0.500,start on cl (foreground): exec iperf3"] {
+        assert!(timeline.iter().any(|l| l.starts_with(want)), "timeline.csv lacks {want:?}: {timeline:?}");
+    }
+    let meters = read(&dir.join("meters.csv"));
+    assert!(meters.starts_with("time_s,name,value\n"), "{}", &meters[..80.min(meters.len())]);
+    for dir_ in ["ab", "ba"] {
+        let name = format!("link.cl-srv.{dir_}.bytes_delivered_total");
+        assert!(last_meter(&dir, &name) > 1e5, "{name}: iperf3's traffic crossed the link");
+    }
+    assert_eq!(last_meter(&dir, "link.cl-srv.ab.rate_mbit"), 30.0, "the event changed the rate");
+
+    let programs = dir.join("programs");
+    for f in ["cl-1.out", "cl-1.err", "cl-1.status", "cl-1.json", "srv-1.out", "srv-1.err", "srv-1.status"] {
+        assert!(programs.join(f).is_file(), "programs/{f} missing");
+    }
+    assert_eq!(read(&programs.join("cl-1.status")).trim(), "exit=0");
+    let iperf: Json = serde_json::from_str(&read(&programs.join("cl-1.json"))).expect("cl-1.json is JSON");
+    let sent = iperf["end"]["sum_sent"]["bits_per_second"].as_f64().expect("sum_sent") / 1e6;
+    let got = iperf["end"]["sum_received"]["bits_per_second"].as_f64().expect("sum_received") / 1e6;
+    assert!((5.0..=51.0).contains(&got), "{got:.2} Mbit/s over a link of 50 then 30 Mbit/s");
+
+    for d in ["ab", "ba"] {
+        let cap = dir.join("captures").join(format!("cl-srv.{d}.pcapng"));
+        let n = pcapng_packets(&cap);
+        assert!(n > 100, "{}: {n} packets", cap.display());
+    }
+
+    let report = read(&dir.join("report.md"));
+    let row = report.lines().find(|l| l.starts_with("| cl-1 |")).unwrap_or_else(|| panic!("no cl-1 row:\n{report}"));
+    assert!(row.contains(&format!("| {sent:.2} | {got:.2} |")), "iperf3 throughput {sent:.2}/{got:.2} in: {row}");
+    let plots: Vec<String> =
+        entries(path_str(&dir.join("plots"))).into_iter().filter(|p| p.ends_with(".svg")).collect();
+    assert!(plots.contains(&"throughput.svg".to_string()), "plots: {plots:?}");
+    for p in &plots {
+        let svg = read(&dir.join("plots").join(p));
+        assert!(svg.starts_with("<svg") && svg.len() > 1000, "plots/{p}");
+        assert!(report.contains(&format!("plots/{p}")), "report.md links plots/{p}");
+    }
+
+    // `lab report DIR` writes the same report again.
+    std::fs::remove_file(dir.join("report.md")).expect("remove report.md");
+    let out = t.ok(&["lab", "report", path_str(&dir)]);
+    assert!(out.contains("report.md"), "{out}");
+    assert_eq!(read(&dir.join("report.md")), report, "report.md regenerated byte for byte");
+}

@@ -171,8 +171,14 @@ fn read(path: &Path) -> String {
 /// The last sampled value of meter `name` in `meters.csv`.
 fn last_meter(results: &Path, name: &str) -> f64 {
     let csv = read(&results.join("meters.csv"));
-    let value = csv.lines().filter_map(|l| l.splitn(3, ',').nth(1).filter(|n| *n == name).and(l.rsplit(',').next()));
-    let last = value.last().unwrap_or_else(|| panic!("no {name} in {}/meters.csv", results.display()));
+    let last = csv
+        .lines()
+        .rev()
+        .find_map(|l| {
+            let mut fields = l.split(',');
+            (fields.nth(1) == Some(name)).then(|| fields.next()).flatten()
+        })
+        .unwrap_or_else(|| panic!("no {name} in {}/meters.csv", results.display()));
     last.parse().unwrap_or_else(|e| panic!("{name} = {last:?}: {e}"))
 }
 

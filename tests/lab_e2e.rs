@@ -96,6 +96,13 @@ impl TestLab {
         dir
     }
 
+    /// The lab's entry in `lab list -j`, which must list it.
+    fn listed(&self) -> Json {
+        let list: Json = serde_json::from_str(&self.ok(&["-j", "lab", "list"])).expect("lab list -j is JSON");
+        let entry = list.as_array().and_then(|a| a.iter().find(|l| l["name"] == self.name.as_str())).cloned();
+        entry.unwrap_or_else(|| panic!("lab {} not listed: {list}", self.name))
+    }
+
     /// The lab's namespaces that exist: `fl-lab.<lab>` and `fl-lab.<lab>.<host>`.
     fn namespaces(&self) -> Vec<String> {
         let wire = format!("fl-lab.{}", self.name);
@@ -336,9 +343,7 @@ run = "exec sleep 4"
     runner.wait().expect("reap the runner");
 
     // `lab list` shows the lab with its runner gone.
-    let list: Json = serde_json::from_str(&t.ok(&["-j", "lab", "list"])).expect("lab list -j is JSON");
-    let entry = list.as_array().and_then(|a| a.iter().find(|l| l["name"] == t.name.as_str())).cloned();
-    let entry = entry.unwrap_or_else(|| panic!("lab {} not listed: {list}", t.name));
+    let entry = t.listed();
     assert_eq!(entry["runner_pid"], runner.id(), "{entry}");
     assert_eq!(entry["runner_alive"], false, "{entry}");
     let shown = t.ok(&["lab", "list"]);
@@ -560,9 +565,7 @@ background = true
     assert!((after - before - 80.0).abs() <= 3.0, "RTT {before:.3} ms -> {after:.3} ms: expected +80 ms ± 3");
     eprintln!("RTT h1 -> h2: {before:.3} ms, with delay=40ms on h1-r {after:.3} ms");
 
-    let list: Json = serde_json::from_str(&t.ok(&["-j", "lab", "list"])).expect("lab list -j is JSON");
-    let entry = list.as_array().and_then(|a| a.iter().find(|l| l["name"] == t.name.as_str())).cloned();
-    let entry = entry.unwrap_or_else(|| panic!("lab {} not listed: {list}", t.name));
+    let entry = t.listed();
     assert_eq!(entry["runner_pid"], 0, "lab up has no runner: {entry}");
     let hosts: Vec<&str> = entry["hosts"].as_array().expect("hosts").iter().filter_map(|h| h[0].as_str()).collect();
     assert_eq!(hosts, ["h1", "r", "h2", "st"], "{entry}");

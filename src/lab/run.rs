@@ -302,6 +302,12 @@ pub fn run(state: &LabState, lab: &Lab, opts: &RunOptions, interrupted: &AtomicB
         }
     }
     let start = Instant::now();
+    // The lab's 0 s on CLOCK_MONOTONIC (the same in every namespace): programs that stamp their own events with
+    // that clock can put them on the lab's time axis (the handoff labs' TCP senders and sinks do).
+    if let Ok(t) = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC) {
+        let text = format!("monotonic_s {}.{:09}\n", t.tv_sec(), t.tv_nsec());
+        std::fs::write(state.results.join("clock.txt"), text).map_err(msg)?;
+    }
     let stop_sampling = Arc::new(AtomicBool::new(false));
     let sampler_thread = {
         let (s, p, every, stop) = (state.clone(), lab.meters.clone(), lab.sample, stop_sampling.clone());

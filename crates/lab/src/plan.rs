@@ -320,15 +320,19 @@ fn emulator_settings(l: &Link) -> Vec<(String, String)> {
 fn routes_from(lab: &Lab, hosts: &[HostPlan], h: usize) -> Vec<Route> {
     let index = |name: &str| hosts.iter().position(|x| x.name == name).expect("validated host");
     // Breadth-first search over hosts; `first[x]` = the interface of `h` that starts the path to x.
+    // `dist[x]` = hops from h to x.
     let mut first: Vec<Option<usize>> = vec![None; hosts.len()];
+    let mut dist = vec![usize::MAX; hosts.len()];
     let mut seen = vec![false; hosts.len()];
     seen[h] = true;
+    dist[h] = 0;
     let mut queue = VecDeque::new();
     for (k, iface) in hosts[h].interfaces.iter().enumerate() {
         let p = index(&iface.peer_host);
         if !seen[p] {
             seen[p] = true;
             first[p] = Some(k);
+            dist[p] = 1;
             queue.push_back(p);
         }
     }
@@ -338,6 +342,7 @@ fn routes_from(lab: &Lab, hosts: &[HostPlan], h: usize) -> Vec<Route> {
             if !seen[p] {
                 seen[p] = true;
                 first[p] = first[x];
+                dist[p] = dist[x] + 1;
                 queue.push_back(p);
             }
         }
@@ -349,8 +354,12 @@ fn routes_from(lab: &Lab, hosts: &[HostPlan], h: usize) -> Vec<Route> {
         if on_link(i) {
             continue;
         }
-        // Reach the subnet through whichever of its ends is nearer (first found in BFS order: the a end first).
-        let via_iface = [index(&l.a), index(&l.b)].into_iter().filter_map(|e| first[e]).min();
+        // Reach the subnet through whichever of its ends is nearer (at equal distance, the a end).
+        let via_iface = [index(&l.a), index(&l.b)]
+            .into_iter()
+            .filter_map(|e| first[e].map(|k| (dist[e], k)))
+            .min_by_key(|&(d, _)| d)
+            .map(|(_, k)| k);
         if let Some(k) = via_iface {
             let f = &hosts[h].interfaces[k];
             routes.push(Route { destination: link_subnet(i), via: f.peer_address, dev: f.name.clone() });
@@ -447,6 +456,18 @@ bw = 5
         let h2 = p.host("h2").unwrap();
         assert_eq!(h2.routes[0].destination, "10.0.0.0/24");
         assert_eq!(h2.routes[0].via, Ipv4Addr::new(10, 0, 1, 1));
+    }
+
+    #[test]
+    fn a_subnet_is_reached_through_its_nearer_end_not_the_first_interface() {
+        // m - a1 - s and m - a2 - s: from a2, link a1-s (10.0.2.0/24) is one hop away through s, two through m.
+        let text = "[lab]\nname = \"sq\"\nduration = \"1s\"\n[hosts.m]\n[hosts.a1]\n[hosts.a2]\n[hosts.s]\n\
+                    [[links]]\na = \"m\"\nb = \"a1\"\n[[links]]\na = \"m\"\nb = \"a2\"\n\
+                    [[links]]\na = \"a1\"\nb = \"s\"\n[[links]]\na = \"a2\"\nb = \"s\"\n";
+        let p = Plan::new(&lab(text)).unwrap();
+        let a2 = p.host("a2").unwrap();
+        let r = a2.routes.iter().find(|r| r.destination == "10.0.2.0/24").unwrap();
+        assert_eq!((r.dev.as_str(), r.via), ("eth1", Ipv4Addr::new(10, 0, 3, 2)), "{:?}", a2.routes);
     }
 
     #[test]

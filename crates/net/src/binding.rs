@@ -18,8 +18,9 @@
 //! - **Below the binding point**: each interface has a device queue that models the NIC's transmit ring: at most
 //!   `<iface>.device_queue` packets, drained at `<iface>.rate_bps`. A packet admitted at `now` starts its modelled
 //!   transmission when the previous one ends (or at `now`), is emitted on the interface's output port at that
-//!   start, and leaves the device queue when its transmission time (`len * 8 / rate`) has passed. With
-//!   `rate_bps = 0` nothing is modelled: packets pass at once.
+//!   start, and leaves the device queue when its transmission time (`(len + overhead_bytes) * 8 / rate`) has
+//!   passed. `<iface>.overhead_bytes` is the link layer's per-packet addition (14 for Ethernet), so that the model
+//!   drains no faster than the link behind it. With `rate_bps = 0` nothing is modelled: packets pass at once.
 //! - **Binding**: when an interface has room, the scheduler takes the next packet (class, then DRR) whose flow's
 //!   interface by `policy` has room, and binds it: the source address is rewritten to the interface's
 //!   `address_v4` / `address_v6` (kept when absent) with the IPv4 header, TCP, UDP and ICMPv6 checksums updated
@@ -53,8 +54,8 @@
 //!
 //! Knobs: `policy` (text), `quantum` (bytes, default 1514, late only), `queue_limit` (packets, default 10000, late
 //! only), `flow_idle_ms` (default 30000: a flow with nothing queued is forgotten after this long), per interface
-//! `<iface>.rate_bps` (bit/s, default 0), `<iface>.device_queue` (packets, default 2 late / 50 early),
-//! `<iface>.up` (default true), `<iface>.weight` (default 1), and early only `<iface>.fifo_limit`.
+//! `<iface>.rate_bps` (bit/s, default 0), `<iface>.overhead_bytes` (bytes per packet, default 0),
+//! `<iface>.device_queue` (packets, default 2 late / 50 early), `<iface>.up` (default true), `<iface>.weight` (default 1), and early only `<iface>.fifo_limit`.
 //!
 //! Meters: `queued`, `queued_bytes`, `flows_active`, `rebinds_total`, `drop_queue_full_total`,
 //! `drop_no_interface_total`, `drop_interface_down_total` (all interfaces), `up_mapped_total`,
@@ -95,6 +96,8 @@ pub const IN_UP: usize = 1;
 pub const MAX_INTERFACES: usize = 16;
 const MAX_RATE_BPS: u64 = 1_000_000_000_000;
 const MAX_DEVICE_QUEUE: u64 = 1_000_000;
+/// Largest per-packet link-layer overhead modelled, in bytes.
+const MAX_OVERHEAD: u64 = 1024;
 const MAX_QUEUE_LIMIT: u64 = 10_000_000;
 const MAX_QUANTUM: u64 = 1_000_000;
 const MIN_QUANTUM: u64 = 64;
@@ -339,6 +342,7 @@ struct IfaceConfig {
     address_v4: Option<Ipv4Addr>,
     address_v6: Option<Ipv6Addr>,
     rate_bps: u64,
+    overhead_bytes: u64,
     device_queue: u64,
     up: bool,
     weight: u64,
@@ -360,7 +364,8 @@ struct Config {
 }
 
 /// The per-interface setting names, in the order of [`iface_keys`].
-const IFACE_KEYS: [&str; 7] = ["address_v4", "address_v6", "rate_bps", "device_queue", "up", "weight", "fifo_limit"];
+const IFACE_KEYS: [&str; 8] =
+    ["address_v4", "address_v6", "rate_bps", "device_queue", "up", "weight", "fifo_limit", "overhead_bytes"];
 
 /// Reads an address setting of family v6 (or v4).
 fn read_addr<'a>(r: &mut SettingsReader<'a>, key: &'a str, v6: bool) -> Result<Option<IpAddr>, ConfigError> {
@@ -441,11 +446,13 @@ fn configure(mode: Mode, settings: &Settings) -> Result<Config, ConfigError> {
         let up = r.bool(&k[4])?.unwrap_or(true);
         let weight = r.u64_in(&k[5], 1, 0, MAX_WEIGHT)?;
         let fifo_limit = if mode == Mode::Early { r.u64_in(&k[6], 1000, 0, MAX_QUEUE_LIMIT)? } else { 0 };
+        let overhead_bytes = r.u64_in(&k[7], 0, 0, MAX_OVERHEAD)?;
         ifaces.push(IfaceConfig {
             name: name.clone(),
             address_v4,
             address_v6,
             rate_bps,
+            overhead_bytes,
             device_queue,
             up,
             weight,
@@ -549,6 +556,15 @@ impl ModuleBuilder for BindingBuilder {
             );
             vars.push(
                 VarSpec::knob(
+                    &format!("{n}.overhead_bytes"),
+                    ValueType::U64,
+                    "bytes",
+                    "link-layer bytes added to each packet in the modelled transmission time (Ethernet: 14)",
+                )
+                .with_range(0.0, MAX_OVERHEAD as f64),
+            );
+            vars.push(
+                VarSpec::knob(
                     &format!("{n}.device_queue"),
                     ValueType::U64,
                     "frames",
@@ -602,6 +618,7 @@ impl ModuleBuilder for BindingBuilder {
             .map(|i| {
                 let m = |s: &str| vars.meter(&format!("{}.{s}", i.name));
                 m("rate_bps").set(i.rate_bps);
+                m("overhead_bytes").set(i.overhead_bytes);
                 m("device_queue").set(i.device_queue);
                 m("up").store(&Value::Bool(i.up));
                 m("weight").set(i.weight);
@@ -743,11 +760,13 @@ struct Iface {
 }
 
 impl Iface {
-    /// Transmission time of `bytes` at the interface's rate, in ns.
-    fn tx_ns(&self, bytes: u64) -> u64 {
+    /// Transmission time of `bytes` in `packets` packets at the interface's rate (each with the link-layer
+    /// overhead), in ns.
+    fn tx_ns(&self, bytes: u64, packets: u64) -> u64 {
+        let bytes = u128::from(bytes) + u128::from(packets) * u128::from(self.cfg.overhead_bytes);
         match self.cfg.rate_bps {
             0 => 0,
-            r => u64::try_from(u128::from(bytes) * 8 * 1_000_000_000 / u128::from(r)).unwrap_or(u64::MAX),
+            r => u64::try_from(bytes * 8 * 1_000_000_000 / u128::from(r)).unwrap_or(u64::MAX),
         }
     }
 
@@ -757,7 +776,7 @@ impl Iface {
 
     /// When a packet of `len` bytes would finish if sent after everything the interface holds.
     fn completion(&self, now: Time, len: u64) -> u64 {
-        self.busy_until.max(now).0.saturating_add(self.tx_ns(self.fifo_bytes + len))
+        self.busy_until.max(now).0.saturating_add(self.tx_ns(self.fifo_bytes + len, self.fifo.len() as u64 + 1))
     }
 }
 
@@ -952,7 +971,7 @@ impl Binding {
         iface.m.bound_packets.add(1);
         iface.m.bound_bytes.add(len);
         let start = iface.busy_until.max(now);
-        let end = start + std::time::Duration::from_nanos(iface.tx_ns(len));
+        let end = start + std::time::Duration::from_nanos(iface.tx_ns(len, 1));
         iface.busy_until = end;
         let pkt = if start <= now {
             out.emit(k, pkt);
@@ -1304,6 +1323,7 @@ impl Module for Binding {
                 let c = &mut iface.cfg;
                 match (param, value) {
                     ("rate_bps", Value::U64(v)) if *v <= MAX_RATE_BPS => c.rate_bps = *v,
+                    ("overhead_bytes", Value::U64(v)) if *v <= MAX_OVERHEAD => c.overhead_bytes = *v,
                     ("device_queue", Value::U64(v)) if (1..=MAX_DEVICE_QUEUE).contains(v) => c.device_queue = *v,
                     ("weight", Value::U64(v)) if *v <= MAX_WEIGHT => c.weight = *v,
                     ("fifo_limit", Value::U64(v)) if self.cfg.mode == Mode::Early && *v <= MAX_QUEUE_LIMIT => {

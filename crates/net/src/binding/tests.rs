@@ -145,6 +145,18 @@ fn device_queue_drains_at_the_rate_and_emits_at_transmission_start() {
 }
 
 #[test]
+fn overhead_bytes_lengthen_each_modelled_transmission() {
+    // 986 bytes of packet + 14 of Ethernet header: 1000 bytes, 1 ms each at 8 Mbit/s.
+    let (mut sw, la, _) = stack(LATE_KIND, &[RATE_8M, "\"a.overhead_bytes\"=14"]);
+    let pkts: Vec<Vec<u8>> = (0..3).map(|i| udp(1000, 986, 0, i)).collect();
+    inject(&mut sw, ms(0), &pkts, None);
+    drain(&mut sw, ms(100));
+    let times: Vec<Time> = take(&la).iter().map(|s| s.at).collect();
+    assert_eq!(times, [ms(0), ms(1), ms(2)]);
+    assert_eq!(u64_var(&sw, "module.s.a.overhead_bytes"), 14);
+}
+
+#[test]
 fn urgent_class_goes_before_bulk_that_is_above_the_binding_point() {
     let (mut sw, la, _) = stack(LATE_KIND, &[RATE_8M]);
     let bulk: Vec<Vec<u8>> = (0..10).map(|i| udp(1000, 1000, 0, i)).collect();

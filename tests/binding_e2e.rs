@@ -7,7 +7,8 @@
 //!
 //! Each test copies its lab file with a name unique to this process, absolute paths to the stack templates and
 //! helper scripts, and its own `--state-dir`; a guard runs `lab down --all` on that state folder when dropped.
-//! Privileged: skipped with a printed reason when not root (see [`common::privileged`]).
+//! Privileged: skipped with a printed reason when not root (see [`common::privileged`]). Ignored by default: with
+//! the debug build's data plane the flows do not reach their rates; run them against the release build.
 
 mod common;
 
@@ -80,6 +81,7 @@ impl Drop for Lab {
 }
 
 #[test]
+#[ignore = "timing: the debug data plane is too slow for 5-10 Mbit/s pacing; run `cargo test --release --test binding_e2e -- --ignored`"]
 fn handoff_late_binding_loses_at_most_two_packets_early_binding_its_fifo() {
     if !privileged("handoff_late_binding_loses_at_most_two_packets_early_binding_its_fifo") {
         return;
@@ -131,6 +133,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 #[test]
+#[ignore = "timing: the debug data plane is too slow for 5-10 Mbit/s pacing; run `cargo test --release --test binding_e2e -- --ignored`"]
 fn urgent_packets_wait_only_for_the_device_buffer_with_late_binding() {
     if !privileged("urgent_packets_wait_only_for_the_device_buffer_with_late_binding") {
         return;

@@ -4,8 +4,10 @@
 //! Changes to the stack go through [`Control::edit`]: edits are validated and committed by the data plane between
 //! batches, and each accepted change is recorded as a numbered [`Revision`] holding the whole stack description.
 
+use crate::appvars::AppVars;
 use crate::dataplane::DataPlane;
 use crate::protocol::{ApiError, ErrorCode, Request};
+use crate::rules::RulesService;
 use crate::sandbox::Sandboxes;
 use flexstack_core::config::{LinkSpec, Settings, StackSpec};
 use flexstack_core::switch::CONTROL_PLANE;
@@ -14,7 +16,7 @@ use flexstack_core::{Catalog, ConfigError, ControlFrame, ControlOp, Edit, Locati
 use serde::Serialize;
 use serde_json::{json, Value as Json};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// Who asked for something: from the socket's peer credentials.
@@ -54,6 +56,10 @@ pub struct Control {
     next_serial: AtomicU32,
     /// The sandboxed apps of this daemon.
     pub sandboxes: Sandboxes,
+    /// The rules thread, once started ([`Control::start_rules`]).
+    rules: OnceLock<RulesService>,
+    /// Variables registered by applications over the app socket.
+    pub appvars: Arc<AppVars>,
 }
 
 fn internal(e: impl std::fmt::Display) -> ApiError {
@@ -84,6 +90,7 @@ impl Control {
     /// The control plane over a started data plane.
     pub fn new(dataplane: DataPlane, catalog: Catalog, sandboxes: Sandboxes) -> Control {
         let registry = dataplane.registry();
+        let registry_for_apps = registry.clone();
         Control {
             dataplane: Mutex::new(dataplane),
             registry,
@@ -93,7 +100,35 @@ impl Control {
             started: Instant::now(),
             next_serial: AtomicU32::new(1 << 31),
             sandboxes,
+            rules: OnceLock::new(),
+            appvars: Arc::new(AppVars::new(registry_for_apps)),
         }
+    }
+
+    /// Starts the rules thread: it samples meters every `interval` while rules are loaded and writes knobs
+    /// through [`Control::set_value`] as the user `rules`. Updates of application meters are pushed to it.
+    pub fn start_rules(self: &Arc<Self>, interval: Duration) -> Result<(), String> {
+        let weak: Weak<Control> = Arc::downgrade(self);
+        let writer = Box::new(move |name: &str, value: &Value| match weak.upgrade() {
+            Some(c) => c.set_value(name, value, "rules").map(|_| ()).map_err(|e| e.message),
+            None => Err("the daemon is stopping".to_string()),
+        });
+        let svc = RulesService::start(self.registry.clone(), writer, interval)
+            .map_err(|e| format!("cannot start the rules thread: {e}"))?;
+        if self.rules.set(svc).is_err() {
+            return Err("the rules thread runs already".into());
+        }
+        let weak: Weak<Control> = Arc::downgrade(self);
+        self.appvars.on_meter_change(Box::new(move |name, value| {
+            if let Some(r) = weak.upgrade().as_ref().and_then(|c| c.rules.get()) {
+                r.meter_changed(name, value.clone());
+            }
+        }));
+        Ok(())
+    }
+
+    fn rules(&self) -> Result<&RulesService, ApiError> {
+        self.rules.get().ok_or_else(|| ApiError::new(ErrorCode::Internal, "the rules thread is not running"))
     }
 
     /// The module kinds this daemon knows.
@@ -279,6 +314,19 @@ impl Control {
                 }
             },
             Request::ConfigRollback { rev } => self.rollback(rev, who),
+            Request::RulesLoad { name, text } => {
+                let r = self.rules()?.load(name.clone(), text)?;
+                tracing::info!(user = who, file = %name, revision = %r["revision"], "rules loaded");
+                Ok(r)
+            }
+            Request::RulesUnload { names } => self.rules()?.unload(names),
+            Request::RulesReplace { old, new } => self.rules()?.replace(old, new),
+            Request::RulesList => self.rules()?.list(),
+            Request::RulesShow { name } => self.rules()?.show(name),
+            Request::RulesLog => self.rules()?.log(),
+            Request::RulesDiff { from, to } => self.rules()?.diff(from, to),
+            Request::RulesRollback { rev } => self.rules()?.rollback(rev),
+            Request::AppVarList => Ok(self.appvars.list()),
         }
     }
 
@@ -471,7 +519,11 @@ impl Control {
         Ok(Json::Object(out))
     }
 
-    fn set(&self, name: &str, value: &Json, who: &str) -> Result<Json, ApiError> {
+    /// The declaration of the knob `name`, or why it cannot be written.
+    fn knob_spec(
+        &self,
+        name: &str,
+    ) -> Result<(flexstack_core::vars::VarSpec, Arc<flexstack_core::vars::VarCell>), ApiError> {
         let reg = self.registry.snapshot();
         let cell = reg.get(name).ok_or_else(|| {
             ApiError::new(ErrorCode::NotFound, format!("no variable named {name} (see `flexstack var list`)"))
@@ -480,10 +532,12 @@ impl Control {
         if spec.kind != VarKind::Knob {
             return Err(ApiError::new(ErrorCode::InvalidValue, format!("{name} is a meter (read-only)")));
         }
-        let (module, knob) = name
-            .strip_prefix("module.")
-            .and_then(|r| r.split_once('.'))
-            .ok_or_else(|| ApiError::new(ErrorCode::NotFound, format!("{name} is not a module knob")))?;
+        Ok((spec, cell.clone()))
+    }
+
+    /// `set`: the value is JSON of the knob's type, or text parsed as that type.
+    fn set(&self, name: &str, value: &Json, who: &str) -> Result<Json, ApiError> {
+        let (spec, cell) = self.knob_spec(name)?;
         let v = match value {
             Json::String(text) => Value::parse_as(spec.ty, text),
             other => serde_json::from_value::<Value>(other.clone())
@@ -491,7 +545,36 @@ impl Control {
                 .and_then(|v| v.coerce(spec.ty)),
         }
         .map_err(|e| ApiError::new(ErrorCode::InvalidValue, format!("{name}: {e}")))?;
-        let v = spec.validate(&v).map_err(|e| ApiError::new(ErrorCode::InvalidValue, format!("{name}: {e}")))?;
+        self.write_knob(name, &spec, &cell, &v, who)
+    }
+
+    /// Writes a knob from a typed value (the rules' writes): the same validation and path as `set`.
+    pub fn set_value(&self, name: &str, value: &Value, who: &str) -> Result<Json, ApiError> {
+        let (spec, cell) = self.knob_spec(name)?;
+        let v = value.coerce(spec.ty).map_err(|e| ApiError::new(ErrorCode::InvalidValue, format!("{name}: {e}")))?;
+        self.write_knob(name, &spec, &cell, &v, who)
+    }
+
+    /// Validates `v` against the knob's declaration, then applies it: a module knob through an edit between
+    /// batches (a stack revision), an application's knob by delivering it to the application.
+    fn write_knob(
+        &self,
+        name: &str,
+        spec: &flexstack_core::vars::VarSpec,
+        cell: &flexstack_core::vars::VarCell,
+        v: &Value,
+        who: &str,
+    ) -> Result<Json, ApiError> {
+        let v = spec.validate(v).map_err(|e| ApiError::new(ErrorCode::InvalidValue, format!("{name}: {e}")))?;
+        if name.starts_with("app.") && self.appvars.owns(name) {
+            self.appvars.write(name, &v)?;
+            tracing::info!(user = who, knob = name, value = %v, "application knob written");
+            return Ok(json!({ "value": cell.get(), "notes": [] }));
+        }
+        let (module, knob) = name
+            .strip_prefix("module.")
+            .and_then(|r| r.split_once('.'))
+            .ok_or_else(|| ApiError::new(ErrorCode::NotFound, format!("{name} is not a module knob")))?;
         let e = Edit::SetKnob { module: module.to_string(), knob: knob.to_string(), value: v };
         let mut result = self.edit(who, e.to_string(), vec![e])?;
         result["value"] = json!(cell.get());

@@ -98,6 +98,29 @@ pub enum Command {
     /// Revisions: log, show, rollback, save.
     #[command(subcommand)]
     Config(ConfigCmd),
+    /// Cross-layer rules: `rules load FILE`, `unload NAME|ALL`, `replace OLD NEW`, `list`, `show NAME`, `log`,
+    /// `diff REV REV`, `rollback REV` (docs/rules.md).
+    #[command(subcommand)]
+    Rules(RulesCmd),
+    /// Live values of meters and knobs, one row per sample (the paper's monitorapp): `monitor NAME... [-i MS]
+    /// [--csv | --json]`.
+    Monitor {
+        /// Names or patterns.
+        #[arg(required = true)]
+        names: Vec<String>,
+        /// Sampling interval in milliseconds.
+        #[arg(short, long, default_value_t = 1000)]
+        interval: u64,
+        /// Comma-separated values: a header `time_s,NAME...`, then a row per sample.
+        #[arg(long, conflicts_with = "json_lines")]
+        csv: bool,
+        /// One JSON object per sample: `{"t_s": ..., "values": {NAME: VALUE}}`.
+        #[arg(long = "json-lines", alias = "jsonl")]
+        json_lines: bool,
+        /// Stop after this many samples.
+        #[arg(short = 'n', long)]
+        count: Option<u64>,
+    },
     /// Experiments: `lab run FILE`, `lab up FILE`, `lab exec HOST -- CMD`, `lab link A B down|up|set K=V`,
     /// `lab down [NAME] | --all`, `lab list`, `lab check FILE`, `lab report DIR`.
     #[command(subcommand)]
@@ -194,6 +217,9 @@ pub struct DaemonArgs {
     /// Exit when the last sandboxed app detaches (how `flexstack run` starts a daemon of its own).
     #[arg(long)]
     pub exit_when_idle: bool,
+    /// Milliseconds between samples of the meters that loaded rules read.
+    #[arg(long, default_value_t = 5)]
+    pub rules_interval_ms: u64,
 }
 
 /// Options of `flexstack run`.
@@ -279,6 +305,52 @@ pub enum TapCmd {
 pub enum AppCmd {
     /// The sandboxed apps: name, namespace, addresses, user.
     List,
+    /// Variables applications registered over the app socket (`app.<name>.*`), with uid and pid.
+    Vars,
+}
+
+/// `flexstack rules ...`
+#[derive(Subcommand, Debug)]
+pub enum RulesCmd {
+    /// Check and load a rule file (errors: FILE:LINE:COLUMN, exit code 2, nothing changed).
+    Load {
+        /// The rule file.
+        file: PathBuf,
+    },
+    /// Unload rules loaded by themselves (`ALL`: every rule).
+    Unload {
+        /// Rule names, or ALL.
+        #[arg(required = true)]
+        names: Vec<String>,
+    },
+    /// Replace rule OLD by rule NEW wherever it is used (the users keep their state).
+    Replace {
+        /// The rule replaced.
+        old: String,
+        /// The rule that takes its place.
+        new: String,
+    },
+    /// Every defined rule: section, file, loaded, instances, value.
+    List,
+    /// A rule's text, commands and unit graph with each unit's value and state.
+    Show {
+        /// The rule.
+        name: String,
+    },
+    /// The rules repository's revisions, and recent notices.
+    Log,
+    /// The commands added and removed between two revisions.
+    Diff {
+        /// The older revision.
+        from: u64,
+        /// The newer revision.
+        to: u64,
+    },
+    /// Return the rules to a revision.
+    Rollback {
+        /// Revision number.
+        rev: u64,
+    },
 }
 
 /// `flexstack link ...`
@@ -395,6 +467,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             app_subnet: d.app_subnet,
             app_etc: d.app_etc.clone(),
             exit_when_idle: d.exit_when_idle,
+            rules_interval: Duration::from_millis(d.rules_interval_ms.max(1)),
         };
         return run_daemon(opts, crate::catalog()).map_err(CliError::Message);
     }
@@ -408,6 +481,18 @@ fn run(cli: Cli) -> Result<(), CliError> {
     let request = match cli.command {
         Command::Daemon(_) | Command::Run(_) | Command::Lab(_) => unreachable!("handled above"),
         Command::App(AppCmd::List) => Request::AppList,
+        Command::App(AppCmd::Vars) => Request::AppVarList,
+        Command::Rules(cmd) => return rules_command(&mut client, cmd, json_out),
+        Command::Monitor { names, interval, csv, json_lines, count } => {
+            let format = if csv {
+                MonitorFormat::Csv
+            } else if json_lines || json_out {
+                MonitorFormat::Json
+            } else {
+                MonitorFormat::Table
+            };
+            return monitor(&mut client, names, interval, count, format);
+        }
         Command::Tap(TapCmd::Add { link, file }) => {
             let abs = std::path::absolute(&file).map_err(|e| CliError::Message(format!("{}: {e}", file.display())))?;
             Request::TapAdd { link, file: abs.display().to_string() }
@@ -467,6 +552,202 @@ fn run(cli: Cli) -> Result<(), CliError> {
         print!("{}", render(&request, &result));
     }
     Ok(())
+}
+
+/// `flexstack rules ...`: one request each (`load` reads the file and sends its text and name).
+fn rules_command(client: &mut Client, cmd: RulesCmd, json_out: bool) -> Result<(), CliError> {
+    let request = match cmd {
+        RulesCmd::Load { file } => {
+            let text = std::fs::read_to_string(&file)
+                .map_err(|e| CliError::Config(format!("{}: cannot read: {e}", file.display())))?;
+            Request::RulesLoad { name: file.display().to_string(), text }
+        }
+        RulesCmd::Unload { names } => Request::RulesUnload { names },
+        RulesCmd::Replace { old, new } => Request::RulesReplace { old, new },
+        RulesCmd::List => Request::RulesList,
+        RulesCmd::Show { name } => Request::RulesShow { name },
+        RulesCmd::Log => Request::RulesLog,
+        RulesCmd::Diff { from, to } => Request::RulesDiff { from, to },
+        RulesCmd::Rollback { rev } => Request::RulesRollback { rev },
+    };
+    let result = match client.call(&request) {
+        Ok(r) => r,
+        // A rule text with errors is an invalid input file: exit code 2, like a bad stack or lab file.
+        Err(ClientError::Api(e)) if e.code == crate::protocol::ErrorCode::InvalidRules => {
+            return Err(CliError::Config(e.message))
+        }
+        Err(e) => return Err(e.into()),
+    };
+    if json_out {
+        println!("{}", serde_json::to_string_pretty(&result).unwrap_or_default());
+    } else {
+        print!("{}", render_rules(&request, &result));
+    }
+    Ok(())
+}
+
+/// The text form of a `rules_*` result.
+fn render_rules(request: &Request, r: &Json) -> String {
+    let s = plain;
+    let arr = |v: &Json| v.as_array().cloned().unwrap_or_default();
+    let opt = |v: &Json| if v.is_null() { "-".to_string() } else { s(v) };
+    match request {
+        Request::RulesLoad { .. } => {
+            let names = |v: &Json| arr(v).iter().map(s).collect::<Vec<_>>().join(", ");
+            let mut out = format!(
+                "ok: rules revision {}: defined {}; loaded {}\n",
+                r["revision"],
+                names(&r["defined"]),
+                names(&r["loaded"])
+            );
+            for w in arr(&r["warnings"]) {
+                out.push_str(&format!("{}\n", s(&w)));
+            }
+            out
+        }
+        Request::RulesList => table(
+            &["RULE", "SECTION", "LOADED", "INSTANCES", "VALUE", "FILE"],
+            arr(r)
+                .iter()
+                .map(|x| {
+                    vec![
+                        s(&x["name"]),
+                        s(&x["section"]),
+                        if x["explicit"] == json!(true) {
+                            "yes".into()
+                        } else if x["instances"] != json!(0) {
+                            "dep".into()
+                        } else {
+                            "no".into()
+                        },
+                        s(&x["instances"]),
+                        opt(&x["value"]),
+                        s(&x["source"]),
+                    ]
+                })
+                .collect(),
+        ),
+        Request::RulesShow { .. } => {
+            let mut out = format!("rule {} ({}, from {})\n", s(&r["name"]), s(&r["section"]), s(&r["source"]));
+            for t in arr(&r["text"]) {
+                out.push_str(&format!("  {}\n", s(&t)));
+            }
+            out.push_str("commands:\n");
+            for c in arr(&r["commands"]) {
+                out.push_str(&format!("  {}\n", s(&c)));
+            }
+            if arr(&r["instances"]).is_empty() {
+                out.push_str("not loaded\n");
+            }
+            for i in arr(&r["instances"]) {
+                let binding = arr(&i["binding"]).iter().map(s).collect::<Vec<_>>().join(",");
+                out.push_str(&format!(
+                    "instance [{binding}]  refcount {}  {}  value {}\n",
+                    i["refcount"],
+                    if i["pulled"] == json!(true) { "pulled" } else { "pushed" },
+                    opt(&i["value"])
+                ));
+                let rows = arr(&i["units"])
+                    .iter()
+                    .map(|u| {
+                        let state = u["state"]
+                            .as_object()
+                            .map(|m| m.iter().map(|(k, v)| format!("{k}={}", s(v))).collect::<Vec<_>>().join(" "))
+                            .unwrap_or_default();
+                        let inputs = arr(&u["inputs"]).iter().map(s).collect::<Vec<_>>().join(",");
+                        vec![s(&u["key"]), s(&u["kind"]), inputs, opt(&u["value"]), state]
+                    })
+                    .collect();
+                out.push_str(&table(&["  UNIT", "KIND", "INPUTS", "VALUE", "STATE"], rows));
+            }
+            out
+        }
+        Request::RulesLog => {
+            let mut out = table(
+                &["REV", "T", "RULES", "LOADED", "CHANGE"],
+                arr(&r["revisions"])
+                    .iter()
+                    .map(|v| {
+                        let loaded = arr(&v["loaded"]).iter().map(s).collect::<Vec<_>>().join(",");
+                        let t = v["at"].as_u64().unwrap_or(0) as f64 / 1e9;
+                        vec![s(&v["number"]), format!("{t:.3}s"), s(&v["rules"]), loaded, s(&v["what"])]
+                    })
+                    .collect(),
+            );
+            for n in arr(&r["notices"]) {
+                let t = n["t_ms"].as_u64().unwrap_or(0) as f64 / 1e3;
+                out.push_str(&format!("notice {t:.3}s: {}\n", s(&n["message"])));
+            }
+            out
+        }
+        Request::RulesDiff { .. } => arr(r).iter().map(|l| format!("{}\n", s(l))).collect(),
+        _ => format!("ok: rules revision {}\n", r["revision"]),
+    }
+}
+
+/// How `monitor` prints samples.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum MonitorFormat {
+    Table,
+    Csv,
+    Json,
+}
+
+/// `flexstack monitor`: a `watch` stream printed as a table, CSV or JSON lines. The columns are the names the
+/// first sample has (patterns expanded then); a value missing later prints empty.
+fn monitor(
+    client: &mut Client,
+    names: Vec<String>,
+    interval: u64,
+    count: Option<u64>,
+    format: MonitorFormat,
+) -> Result<(), CliError> {
+    use std::io::Write;
+    let req = Request::Watch { names, interval_ms: Some(interval), changes: false, count };
+    let mut columns: Option<Vec<String>> = None;
+    let mut widths: Vec<usize> = Vec::new();
+    let mut print = |ev: Json| {
+        let mut out = std::io::stdout().lock();
+        let t = ev["t_ms"].as_u64().unwrap_or(0) as f64 / 1000.0;
+        let values = ev["values"].as_object().cloned().unwrap_or_default();
+        let mut text = String::new();
+        if format == MonitorFormat::Json {
+            text = format!("{}\n", json!({"t_s": t, "time_ms": ev["time_ms"], "values": values}));
+        } else {
+            let cols = columns.get_or_insert_with(|| {
+                let cols: Vec<String> = values.keys().cloned().collect();
+                widths = cols.iter().map(|c| c.len().max(10)).collect();
+                text = if format == MonitorFormat::Csv {
+                    let quoted: Vec<String> = cols.iter().map(|c| csv_field(c)).collect();
+                    format!("time_s,{}\n", quoted.join(","))
+                } else {
+                    let heads: Vec<String> = cols.iter().zip(&widths).map(|(c, w)| format!("{c:>w$}")).collect();
+                    format!("{:>9}  {}\n", "TIME", heads.join("  "))
+                };
+                cols
+            });
+            let cells: Vec<String> = cols.iter().map(|c| values.get(c).map(plain).unwrap_or_default()).collect();
+            if format == MonitorFormat::Csv {
+                let quoted: Vec<String> = cells.iter().map(|c| csv_field(c)).collect();
+                text.push_str(&format!("{t:.3},{}\n", quoted.join(",")));
+            } else {
+                let cells: Vec<String> = cells.iter().zip(&widths).map(|(c, w)| format!("{c:>w$}")).collect();
+                text.push_str(&format!("{:>8.3}s  {}\n", t, cells.join("  ")));
+            }
+        }
+        out.write_all(text.as_bytes()).is_ok() && out.flush().is_ok()
+    };
+    client.stream(&req, &mut print)?;
+    Ok(())
+}
+
+/// A CSV field (RFC 4180): quoted when it holds a comma, a quote or a line break.
+fn csv_field(s: &str) -> String {
+    if s.contains([',', '"', '\n', '\r']) {
+        format!("\"{}\"", s.replace('"', "\"\""))
+    } else {
+        s.to_string()
+    }
 }
 
 /// Prints one watch event; false stops the stream (stdout closed).
@@ -645,6 +926,22 @@ fn render(request: &Request, r: &Json) -> String {
                 .collect(),
         ),
         Request::ModuleExec { .. } => format!("{}\n", s(&r["result"])),
+        Request::AppVarList => {
+            let mut rows = Vec::new();
+            for a in arr() {
+                for v in a["vars"].as_array().cloned().unwrap_or_default() {
+                    rows.push(vec![
+                        s(&v["name"]),
+                        s(&v["kind"]),
+                        s(&v["type"]),
+                        s(&v["value"]),
+                        s(&a["uid"]),
+                        s(&a["pid"]),
+                    ]);
+                }
+            }
+            table(&["NAME", "KIND", "TYPE", "VALUE", "UID", "PID"], rows)
+        }
         _ => {
             let mut out = String::new();
             if let Some(rev) = r.get("revision") {
@@ -685,6 +982,22 @@ mod tests {
     fn time_format() {
         assert_eq!(fmt_time(0), "1970-01-01 00:00:00");
         assert_eq!(fmt_time(1_795_000_000_000), "2026-11-18 11:06:40");
+    }
+
+    #[test]
+    fn csv_fields_are_quoted_when_needed() {
+        assert_eq!(csv_field("module.a.x"), "module.a.x");
+        assert_eq!(csv_field("a,b"), "\"a,b\"");
+        assert_eq!(csv_field("say \"hi\""), "\"say \"\"hi\"\"\"");
+    }
+
+    #[test]
+    fn rules_and_monitor_commands_parse() {
+        let c = Cli::try_parse_from(["flexstack", "rules", "diff", "1", "3"]).unwrap();
+        assert!(matches!(c.command, Command::Rules(RulesCmd::Diff { from: 1, to: 3 })));
+        let c = Cli::try_parse_from(["flexstack", "monitor", "-i", "50", "--csv", "module.*.x"]).unwrap();
+        assert!(matches!(c.command, Command::Monitor { interval: 50, csv: true, .. }));
+        assert!(Cli::try_parse_from(["flexstack", "monitor", "--csv", "--json-lines", "x"]).is_err());
     }
 
     #[test]

@@ -4,6 +4,7 @@
 //! - [`dataplane`] owns the switch on its own thread and applies queued edits between batches.
 //! - [`actions`] holds one action function per control operation, behind both the API and the CLI.
 //! - [`protocol`] defines the JSON-lines requests and responses (docs/control-api.md).
+//! - [`rules`] runs the cross-layer rules on a thread of their own; [`appvars`] serves applications' variables.
 //! - [`faces`] holds the module kinds that stand for devices (TUN), [`sandbox`] the namespaces of sandboxed apps.
 //! - [`client`] and [`cli`] are the client side; [`runner`] is `flexstack run`, [`lab`] is `flexstack lab`.
 //!
@@ -13,12 +14,14 @@
 #![warn(missing_docs)]
 
 pub mod actions;
+pub mod appvars;
 pub mod cli;
 pub mod client;
 pub mod dataplane;
 pub mod faces;
 pub mod lab;
 pub mod protocol;
+pub mod rules;
 pub mod runner;
 pub mod sandbox;
 pub mod server;

@@ -162,6 +162,48 @@ pub enum Request {
         /// Revision number.
         rev: u64,
     },
+    /// Checks and loads a rule text (docs/rules.md); errors carry `name:line:column`.
+    RulesLoad {
+        /// Where the text came from (the file name), used in messages and `rules list`.
+        name: String,
+        /// The rule text.
+        text: String,
+    },
+    /// Unloads rules loaded by themselves (`["ALL"]`: every rule).
+    RulesUnload {
+        /// Rule names.
+        names: Vec<String>,
+    },
+    /// Replaces rule `old` by rule `new` wherever it is used.
+    RulesReplace {
+        /// The rule replaced.
+        old: String,
+        /// The rule that takes its place.
+        new: String,
+    },
+    /// Every defined rule.
+    RulesList,
+    /// A rule's text, commands and live unit graph (each unit's value and state).
+    RulesShow {
+        /// The rule.
+        name: String,
+    },
+    /// The rules repository's revisions and the rules' recent notices.
+    RulesLog,
+    /// The commands added and removed between two rules revisions.
+    RulesDiff {
+        /// The older revision.
+        from: u64,
+        /// The newer revision.
+        to: u64,
+    },
+    /// Switches the rules to an earlier revision (a new revision records it).
+    RulesRollback {
+        /// Revision number.
+        rev: u64,
+    },
+    /// The applications' registered variables (`app.<name>.*`), with the registering process.
+    AppVarList,
 }
 
 /// Machine-readable error codes.
@@ -186,6 +228,10 @@ pub enum ErrorCode {
     ConfigError,
     /// An edit was refused (nothing changed).
     InvalidEdit,
+    /// A rule text has errors (each `name:line:column: error: ...`); nothing changed.
+    InvalidRules,
+    /// An application did not answer a knob write in time.
+    AppTimeout,
     /// Something failed inside the daemon.
     Internal,
 }

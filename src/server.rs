@@ -2,8 +2,10 @@
 //! stack, and serves clients — each connection on its own thread, with a size limit per request, a time limit
 //! for a request to arrive, a cap on concurrent clients, and write timeouts so a slow reader of a `watch` stream
 //! is dropped rather than waited for. None of this can stall the data plane, which only ever sees queued edits.
+//! It also starts the rules thread ([`crate::rules`]) and the applications' socket ([`crate::appvars`]).
 
 use crate::actions::{Caller, Control};
+use crate::appvars::APP_SOCKET_NAME;
 use crate::dataplane::DataPlane;
 use crate::protocol::{parse_request, ApiError, ErrorCode, Request, Response, MAX_REQUEST_BYTES};
 use crate::sandbox::Sandboxes;
@@ -36,6 +38,8 @@ pub struct DaemonOptions {
     pub app_etc: Option<PathBuf>,
     /// Exit when the last sandboxed app detaches (a daemon started by `flexstack run`).
     pub exit_when_idle: bool,
+    /// How often the rules thread samples the meters its rules read (while rules are loaded).
+    pub rules_interval: Duration,
 }
 
 /// The control socket's path in `state_dir`.
@@ -54,12 +58,17 @@ pub fn run_daemon(opts: DaemonOptions, catalog: Catalog) -> Result<(), String> {
         None => None,
     };
 
+    // 0711: other users can reach the app socket by its name (and nothing else: the control socket is 0600),
+    // but not list the folder.
     std::fs::DirBuilder::new()
         .recursive(true)
-        .mode(0o700)
+        .mode(0o711)
         .create(&opts.state_dir)
         .map_err(|e| format!("{}: cannot create state directory: {e}", opts.state_dir.display()))?;
+    std::fs::set_permissions(&opts.state_dir, std::fs::Permissions::from_mode(0o711))
+        .map_err(|e| format!("{}: cannot set mode 0711: {e}", opts.state_dir.display()))?;
     let sock = socket_path(&opts.state_dir);
+    let app_sock = opts.state_dir.join(APP_SOCKET_NAME);
     if sock.exists() {
         if UnixStream::connect(&sock).is_ok() {
             return Err(format!("a daemon is already running on {} (use another --state-dir)", sock.display()));
@@ -89,7 +98,20 @@ pub fn run_daemon(opts: DaemonOptions, catalog: Catalog) -> Result<(), String> {
     let pid_file = opts.state_dir.join("daemon.pid");
     let _ = std::fs::write(&pid_file, format!("{}\n", std::process::id()));
 
-    install_shutdown(control.clone(), sock.clone(), pid_file.clone())?;
+    // Rules run on a thread of their own; applications register variables on a socket of their own.
+    control.start_rules(opts.rules_interval)?;
+    let _ = std::fs::remove_file(&app_sock);
+    let app_listener =
+        UnixListener::bind(&app_sock).map_err(|e| format!("{}: cannot listen: {e}", app_sock.display()))?;
+    std::fs::set_permissions(&app_sock, std::fs::Permissions::from_mode(0o666))
+        .map_err(|e| format!("{}: cannot set mode 0666: {e}", app_sock.display()))?;
+    let appvars = control.appvars.clone();
+    std::thread::Builder::new()
+        .name("app-socket".into())
+        .spawn(move || crate::appvars::serve(app_listener, appvars))
+        .map_err(|e| format!("app socket thread: {e}"))?;
+
+    install_shutdown(control.clone(), vec![sock.clone(), app_sock.clone(), pid_file.clone()])?;
     tracing::info!(socket = %sock.display(), pid = std::process::id(), "flexstack daemon ready");
 
     let active = Arc::new(AtomicUsize::new(0));
@@ -112,6 +134,7 @@ pub fn run_daemon(opts: DaemonOptions, catalog: Catalog) -> Result<(), String> {
         active.fetch_add(1, Ordering::SeqCst);
         let (control, active, timeout) = (control.clone(), active.clone(), opts.client_timeout);
         let (exit_when_idle, sock, pid_file) = (opts.exit_when_idle, sock.clone(), pid_file.clone());
+        let app_sock = app_sock.clone();
         let spawned = std::thread::Builder::new().name("client".into()).spawn(move || {
             let had_app = serve(conn, &control, timeout);
             active.fetch_sub(1, Ordering::SeqCst);
@@ -120,6 +143,7 @@ pub fn run_daemon(opts: DaemonOptions, catalog: Catalog) -> Result<(), String> {
                     tracing::info!("last app detached; exiting (--exit-when-idle)");
                     // The socket goes first: from here on a new `flexstack run` starts a daemon of its own.
                     let _ = std::fs::remove_file(&sock);
+                    let _ = std::fs::remove_file(&app_sock);
                     let _ = std::fs::remove_file(&pid_file);
                     control.shutdown();
                     std::process::exit(0);
@@ -133,8 +157,8 @@ pub fn run_daemon(opts: DaemonOptions, catalog: Catalog) -> Result<(), String> {
     Ok(())
 }
 
-/// On SIGINT/SIGTERM: stop the data plane (taps flush), remove the socket and pid file, exit 0.
-fn install_shutdown(control: Arc<Control>, sock: PathBuf, pid_file: PathBuf) -> Result<(), String> {
+/// On SIGINT/SIGTERM: stop the data plane (taps flush), remove the sockets and pid file, exit 0.
+fn install_shutdown(control: Arc<Control>, files: Vec<PathBuf>) -> Result<(), String> {
     use signal_hook::consts::{SIGINT, SIGTERM};
     let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM]).map_err(|e| format!("signals: {e}"))?;
     std::thread::Builder::new()
@@ -142,8 +166,9 @@ fn install_shutdown(control: Arc<Control>, sock: PathBuf, pid_file: PathBuf) -> 
         .spawn(move || {
             if let Some(sig) = signals.forever().next() {
                 tracing::info!(signal = sig, "shutting down");
-                let _ = std::fs::remove_file(&sock);
-                let _ = std::fs::remove_file(&pid_file);
+                for f in &files {
+                    let _ = std::fs::remove_file(f);
+                }
                 control.sandboxes.detach_all(&control);
                 control.shutdown();
                 std::process::exit(0);

@@ -658,7 +658,9 @@ fn render_rules(request: &Request, r: &Json) -> String {
                         vec![s(&u["key"]), s(&u["kind"]), inputs, opt(&u["value"]), state]
                     })
                     .collect();
-                out.push_str(&table(&["  UNIT", "KIND", "INPUTS", "VALUE", "STATE"], rows));
+                for line in table(&["UNIT", "KIND", "INPUTS", "VALUE", "STATE"], rows).lines() {
+                    out.push_str(&format!("  {line}\n"));
+                }
             }
             out
         }

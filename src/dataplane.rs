@@ -17,6 +17,8 @@ use flexstack_core::{Batch, FaceDevice, Frame};
 use flexstack_core::{ControlFrame, Edit, EditError, PacketPool, SharedRegistry, Switch, Time};
 use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
 use nix::sys::eventfd::{EfdFlags, EventFd};
+use nix::sys::time::TimeSpec;
+use nix::sys::timerfd::{ClockId, Expiration, TimerFd, TimerFlags, TimerSetTimeFlags};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -64,13 +66,16 @@ impl DataPlane {
         let wake = Arc::new(EventFd::from_value_and_flags(0, EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC)?);
         let epoll = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC)?;
         epoll.add(wake.as_ref(), EpollEvent::new(EpollFlags::EPOLLIN, WAKE_TOKEN))?;
+        let timer = TimerFd::new(ClockId::CLOCK_MONOTONIC, TimerFlags::TFD_NONBLOCK | TimerFlags::TFD_CLOEXEC)?;
+        epoll.add(&timer, EpollEvent::new(EpollFlags::EPOLLIN, TIMER_TOKEN))?;
         let thread_wake = wake.clone();
         let thread = std::thread::Builder::new().name("dataplane".into()).spawn(move || {
             let mut switch = Switch::new(PacketPool::default());
             let origin = Instant::now();
             switch.set_profiler(Some(Box::new(move || u64::try_from(origin.elapsed().as_nanos()).unwrap_or(u64::MAX))));
             let _ = reg_tx.send(switch.registry());
-            Loop { switch, origin, rx, epoll, wake: thread_wake, faces: Vec::new(), generation: u64::MAX }.run();
+            Loop { switch, origin, rx, epoll, wake: thread_wake, timer, faces: Vec::new(), generation: u64::MAX }
+                .run();
         })?;
         let registry = reg_rx.recv().map_err(|_| std::io::Error::other("data plane did not start"))?;
         Ok(DataPlane { tx, wake, registry, thread: Some(thread) })
@@ -132,6 +137,8 @@ fn now(origin: Instant) -> Time {
 
 /// The epoll token of the command eventfd; faces use their index + 1.
 const WAKE_TOKEN: u64 = 0;
+/// The epoll token of the wake-up timer.
+const TIMER_TOKEN: u64 = u64::MAX;
 
 struct Loop {
     switch: Switch,
@@ -139,6 +146,7 @@ struct Loop {
     rx: Receiver<Command>,
     epoll: Epoll,
     wake: Arc<EventFd>,
+    timer: TimerFd,
     faces: Vec<(usize, Arc<dyn FaceDevice>)>,
     generation: u64,
 }
@@ -205,6 +213,17 @@ impl Loop {
                     None => MAX_IDLE,
                 }
             };
+            // epoll's timeout counts whole milliseconds: a module's wake-up (a modelled transmission ending, a
+            // delayed frame due) is kept to the nanosecond by a timerfd, and epoll waits for it.
+            let wait = if wait.is_zero() || wait >= MAX_IDLE {
+                wait
+            } else {
+                let when = TimeSpec::from_duration(wait);
+                match self.timer.set(Expiration::OneShot(when), TimerSetTimeFlags::empty()) {
+                    Ok(()) => MAX_IDLE,
+                    Err(_) => wait,
+                }
+            };
             let timeout = EpollTimeout::try_from(wait).unwrap_or(EpollTimeout::NONE);
             let n = match self.epoll.wait(&mut events, timeout) {
                 Ok(n) => n,
@@ -218,6 +237,10 @@ impl Loop {
                 match ev.data() {
                     WAKE_TOKEN => {
                         let _ = self.wake.read();
+                    }
+                    TIMER_TOKEN => {
+                        // Expired: reading clears it (non-blocking; nothing else to do, the loop runs the switch).
+                        let _ = nix::unistd::read(&self.timer, &mut [0u8; 8]);
                     }
                     token => {
                         let k = (token - 1) as usize;

@@ -184,9 +184,12 @@ impl RulesService {
         })?
     }
 
-    /// `rules log`: the repository's revisions and the recent notices.
+    /// `rules log`: the repository's revisions, the recent notices, and how many units and instances run.
     pub fn log(&self) -> Result<Json, ApiError> {
-        self.call(|s, _, _| json!({"revisions": s.engine.log(), "notices": s.notices}))
+        self.call(|s, _, _| {
+            json!({"revisions": s.engine.log(), "notices": s.notices, "units": s.engine.unit_count(),
+                   "instances": s.engine.loaded().len()})
+        })
     }
 
     /// `rules diff A B`: the commands added and removed between two revisions.

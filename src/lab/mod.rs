@@ -36,7 +36,8 @@ pub type Loaded = (Lab, Plan, String, Vec<Option<String>>);
 
 /// Reads and validates a lab file and plans it: every error (file:line, what was expected) comes before anything
 /// is created. Stack templates of stacked hosts are resolved against the lab file's directory, filled in with the
-/// lab's values ([`Plan::template_values`]) and must then parse as stacks.
+/// lab's values ([`Plan::template_values`]) and must then parse as stacks. Rule files of `rules` events must be
+/// readable and check ([`run::check_rules`]).
 pub fn load(file: &Path) -> Result<Loaded, CliError> {
     let shown = file.display().to_string();
     let text = std::fs::read_to_string(file).map_err(|e| msg(format!("{shown}: cannot read: {e}")))?;
@@ -73,6 +74,7 @@ pub fn load(file: &Path) -> Result<Loaded, CliError> {
             }
         }
     }
+    run::check_rules(&lab, file)?;
     Ok((lab, plan, text, templates))
 }
 

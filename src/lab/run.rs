@@ -8,7 +8,13 @@
 //! and `.json` when a program printed JSON (iperf3 -J), and `captures/*.pcapng`.
 //!
 //! Programs run with `sh -c` and get `LAB_NAME`, `LAB_HOST`, `LAB_RESULTS` and `LAB_SCRATCH` (a folder of their
-//! host's, under the results, for files they serve or write) in their environment.
+//! host's, under the results, for files they serve or write) in their environment, and `FLEXSTACK_STATE_DIR`: the
+//! state folder of the daemon their host's rules run in (the wire daemon for a plain host, the host's own daemon for
+//! a stacked host), which the application libraries (clients/c, clients/python) read to find `apps.sock`.
+//!
+//! A `rules` event reads its rule file (relative to the lab file's folder, see [`rules_path`]) when it is due and
+//! sends it as `flexstack rules load` does (a `RulesLoad` request). [`check_rules`] checks every rule file before
+//! the lab is built.
 //!
 //! Meter names in the results: the wire daemon's emulator `<link>_ab` appears as `link.<link>.ab.<meter>` (and
 //! `_ba` as `.ba.`), its other variables as `wire.<name>`; a stacked host's variables as `host.<host>.<name>`.
@@ -20,6 +26,7 @@ use crate::client::Client;
 use crate::protocol::Request;
 use flexstack_core::vars::name_matches;
 use flexstack_lab::{Action, Lab, LinkParams};
+use flexstack_rules::{Environment, Existence};
 use serde_json::Value as Json;
 use std::io::Write;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
@@ -92,6 +99,7 @@ fn start_program(state: &LabState, lab: &Lab, index: usize, dir: &Path) -> Resul
     let scratch = scratch_dir(state, &p.host)?;
     let app = format!("{}-{number}", p.host);
     let child = host_command(state, &p.host, Some(&app), &argv)?
+        .env("FLEXSTACK_STATE_DIR", rules_daemon(state, Some(&p.host))?)
         .env("LAB_NAME", &lab.name)
         .env("LAB_HOST", &p.host)
         .env("LAB_RESULTS", &state.results)
@@ -178,12 +186,86 @@ pub fn capture(state: &LabState, link: &str) -> Result<(), CliError> {
     Ok(())
 }
 
+/// The state folder of the daemon that `host`'s knobs and rules live in: a stacked host's own daemon, else (a
+/// plain host, or no host) the lab's wire daemon.
+fn rules_daemon(state: &LabState, host: Option<&str>) -> Result<PathBuf, CliError> {
+    match host {
+        Some(h) => {
+            let h = state.host(h)?;
+            Ok(h.daemon_dir.clone().unwrap_or_else(|| state.wire_dir.clone()))
+        }
+        None => Ok(state.wire_dir.clone()),
+    }
+}
+
+/// Where the rule file of a `rules` event is: `file` as written, relative to the folder of the lab file.
+pub fn rules_path(lab_file: &Path, file: &str) -> PathBuf {
+    lab_file.parent().unwrap_or(Path::new(".")).join(file)
+}
+
+/// An environment of daemons that do not exist yet: no variable exists now, and every name may appear (the lab's
+/// modules, flows and applications come later), so a rule file is checked for everything but its names.
+struct NoDaemonYet;
+
+impl Environment for NoDaemonYet {
+    fn get(&self, _: &str) -> Option<flexstack_core::Value> {
+        None
+    }
+    fn set(&mut self, name: &str, _: flexstack_core::Value) -> Result<(), String> {
+        Err(format!("{name}: no daemon yet"))
+    }
+    fn names(&self, _: &str) -> Vec<String> {
+        Vec::new()
+    }
+    fn exists(&self, _: &str) -> Existence {
+        Existence::Maybe
+    }
+}
+
+/// Checks every `rules` event of `lab` (read from `lab_file`) before anything is created: the rule file must be
+/// readable and its text must check (docs/rules.md) against no environment; warnings are allowed. Errors are
+/// `RULEFILE:line:column: error: ...`, each followed by the event's place in the lab file.
+pub fn check_rules(lab: &Lab, lab_file: &Path) -> Result<(), CliError> {
+    for e in &lab.events {
+        let Action::Rules { file, .. } = &e.action else { continue };
+        let path = rules_path(lab_file, file);
+        let shown = path.display().to_string();
+        let text = std::fs::read_to_string(&path).map_err(|err| {
+            CliError::Config(format!(
+                "{}: `rules` of this event: cannot read {shown} (relative paths are from the lab file's folder): {err}",
+                e.location
+            ))
+        })?;
+        if let Err(diags) = flexstack_rules::compile(&shown, &text, &flexstack_rules::Program::default(), &NoDaemonYet)
+        {
+            // Warnings are allowed: only the errors are reported.
+            let lines: Vec<String> = diags
+                .iter()
+                .filter(|d| d.severity == flexstack_rules::Severity::Error)
+                .map(|d| format!("{shown}:{d}"))
+                .collect();
+            return Err(CliError::Config(format!("{}\n(the rules of the event at {})", lines.join("\n"), e.location)));
+        }
+    }
+    Ok(())
+}
+
+/// Loads a rule file into the daemon of `host` (or the wire daemon): the request `flexstack rules load` sends.
+fn load_rules(state: &LabState, host: Option<&str>, file: &str) -> Result<(), CliError> {
+    let path = rules_path(Path::new(&state.file), file);
+    let text = std::fs::read_to_string(&path).map_err(|e| msg(format!("{}: cannot read: {e}", path.display())))?;
+    let dir = rules_daemon(state, host)?;
+    Client::connect(&dir)?.call(&Request::RulesLoad { name: path.display().to_string(), text })?;
+    Ok(())
+}
+
 fn apply(state: &LabState, action: &Action) -> Result<(), CliError> {
     match action {
         Action::LinkDown { link } => link_up(state, link, false),
         Action::LinkUp { link } => link_up(state, link, true),
         Action::LinkSet { link, params } => link_set(state, link, params),
         Action::Capture { link } => capture(state, link),
+        Action::Rules { host, file } => load_rules(state, host.as_deref(), file),
         Action::Knob { host, knob, value } => {
             let dir = match host {
                 Some(h) => {

@@ -28,7 +28,10 @@
 //!   clients in the foreground) and `at` (default `"0s"`).
 //! - `[[events]]`: `at` (before `duration`) and either `link` (a link's name, either order of its hosts) with exactly
 //!   one of `set = { ... }` (any link parameter but `mtu`), `down = true` or `up = true`; or `knob` (a dotted knob
-//!   name such as `module.x.select`) with a scalar `value` and optionally the `host` (a stacked host) it applies to.
+//!   name such as `module.x.select`) with a scalar `value` and optionally the `host` (a stacked host) it applies to;
+//!   or `rules` (a rule file, docs/rules.md, relative to the lab file) loaded into the lab's wire daemon, or with
+//!   `host` into that stacked host's daemon. This crate reads no file: the runner checks that the rule file exists
+//!   and that its text checks before it creates anything.
 //!
 //! Durations are strings: a non-negative decimal number and a unit, `us`, `ms`, `s`, `m` or `h` (`"250ms"`, `"6s"`,
 //! `"1.5s"`, `"2m"`); see [`parse_duration`]. Unknown keys are rejected everywhere.
@@ -264,6 +267,13 @@ pub enum Action {
         /// The link's name.
         link: String,
     },
+    /// Loads a rule file (docs/rules.md) into a daemon, as `flexstack rules load` does.
+    Rules {
+        /// The stacked host whose daemon gets the rules; `None`: the lab's wire daemon.
+        host: Option<String>,
+        /// The rule file as written in the lab file (relative to the lab file's folder unless absolute).
+        file: String,
+    },
     /// Writes a flexstack knob.
     Knob {
         /// The stacked host, if given.
@@ -285,6 +295,8 @@ impl Action {
             Action::LinkSet { link, params } => format!("link {link} set {}", params.describe()),
             Action::Knob { host: Some(h), knob, value } => format!("knob {knob} = {value} on {h}"),
             Action::Knob { host: None, knob, value } => format!("knob {knob} = {value}"),
+            Action::Rules { host: Some(h), file } => format!("rules {file} on {h}"),
+            Action::Rules { host: None, file } => format!("rules {file}"),
         }
     }
 }
@@ -780,27 +792,47 @@ impl Lab {
 
         let mut events = Vec::new();
         for t in root.tables("events")? {
-            t.check_keys(&["at", "link", "set", "down", "up", "knob", "value", "host", "capture"])?;
+            t.check_keys(&["at", "link", "set", "down", "up", "knob", "value", "host", "capture", "rules"])?;
             let at = t
                 .duration("at")?
                 .ok_or_else(|| t.err(t.location.clone(), format!("{} needs `at` (e.g. \"6s\")", t.what)))?;
             before_end(&t, at)?;
-            let action = match (t.has("link"), t.has("knob")) {
-                (true, true) | (false, false) => {
-                    let loc = if t.has("knob") { t.key_loc("knob") } else { t.location.clone() };
-                    return Err(t.err(
-                        loc,
-                        format!(
-                            "{}: expected exactly one of `link` (with set, down or up) or `knob` (with value)",
-                            t.what
-                        ),
-                    ));
+            // The stacked host a knob or rules event applies to, if given.
+            let stacked_host = |t: &Tbl<'_, '_, '_>, what: &str| -> Result<Option<String>, ConfigError> {
+                if !t.has("host") {
+                    return Ok(None);
                 }
-                (true, false) => {
+                let h = find_host(t, "host")?;
+                if hosts.iter().any(|x| x.name == h && x.stack.is_none()) {
+                    return Err(t.err(t.value_loc("host"), format!("`host` in {}: {h:?} is a plain host; {what} exist only on stacked hosts (with `stack = ...`)", t.what)));
+                }
+                Ok(Some(h))
+            };
+            let kinds: Vec<&str> = ["link", "knob", "rules"].into_iter().filter(|k| t.has(k)).collect();
+            let action = match kinds.as_slice() {
+                ["rules"] => {
+                    if let Some(k) = ["set", "down", "up", "capture", "value"].into_iter().find(|k| t.has(k)) {
+                        return Err(t.err(
+                            t.key_loc(k),
+                            format!("{}: `{k}` is for link or knob events, not rules events", t.what),
+                        ));
+                    }
+                    let file = t.required_string("rules")?;
+                    if file.trim().is_empty() {
+                        return Err(t.err(
+                            t.value_loc("rules"),
+                            format!("`rules` in {}: expected a rule file path (relative to the lab file)", t.what),
+                        ));
+                    }
+                    let host = stacked_host(&t, "rule engines")?;
+                    Action::Rules { host, file: file.to_string() }
+                }
+                ["link"] => {
                     if let Some(k) = ["value", "host"].into_iter().find(|k| t.has(k)) {
-                        return Err(
-                            t.err(t.key_loc(k), format!("{}: `{k}` is for knob events, not link events", t.what))
-                        );
+                        return Err(t.err(
+                            t.key_loc(k),
+                            format!("{}: `{k}` is for knob or rules events, not link events", t.what),
+                        ));
                     }
                     let written = t.required_string("link")?;
                     let link = links
@@ -858,7 +890,7 @@ impl Lab {
                         }
                     }
                 }
-                (false, true) => {
+                ["knob"] => {
                     if let Some(k) = ["set", "down", "up", "capture"].into_iter().find(|k| t.has(k)) {
                         return Err(
                             t.err(t.key_loc(k), format!("{}: `{k}` is for link events, not knob events", t.what))
@@ -877,16 +909,18 @@ impl Lab {
                     let value = t
                         .typed("value", "a number, boolean or string", Value::from_toml)?
                         .ok_or_else(|| t.err(t.key_loc("knob"), format!("{}: a knob event needs `value`", t.what)))?;
-                    let host = if t.has("host") {
-                        let h = find_host(&t, "host")?;
-                        if hosts.iter().any(|x| x.name == h && x.stack.is_none()) {
-                            return Err(t.err(t.value_loc("host"), format!("`host` in {}: {h:?} is a plain host; knobs exist only on stacked hosts (with `stack = ...`)", t.what)));
-                        }
-                        Some(h)
-                    } else {
-                        None
-                    };
+                    let host = stacked_host(&t, "knobs")?;
                     Action::Knob { host, knob: knob.to_string(), value }
+                }
+                _ => {
+                    let loc = kinds.get(1).map_or_else(|| t.location.clone(), |k| t.key_loc(k));
+                    return Err(t.err(
+                        loc,
+                        format!(
+                            "{}: expected exactly one of `link` (with set, down or up), `knob` (with value) or `rules` (a rule file)",
+                            t.what
+                        ),
+                    ));
                 }
             };
             events.push(Event { at, action, location: t.location.clone() });
@@ -910,5 +944,63 @@ impl Lab {
         out.sort_by_key(|(at, _)| *at);
         out.push((self.duration, format!("end of lab {}", self.name)));
         out
+    }
+}
+
+#[cfg(test)]
+mod rules_event_tests {
+    use super::*;
+
+    const HEAD: &str = "[lab]\nname = \"r\"\nduration = \"10s\"\n[hosts.h1]\n[hosts.app]\nstack = \"s.toml\"\n\
+                        [[links]]\na = \"h1\"\nb = \"app\"\n";
+
+    fn parse(events: &str) -> Result<Lab, ConfigError> {
+        Lab::parse("r.toml", &format!("{HEAD}{events}"))
+    }
+
+    /// The error's line and message for `events` appended to the head (which has 9 lines).
+    fn error(events: &str) -> (usize, String) {
+        let e = parse(events).expect_err(events);
+        let loc = e.location.clone().unwrap_or_else(|| panic!("{events:?}: no location: {e}"));
+        assert_eq!(&*loc.file, "r.toml");
+        (loc.line, e.message)
+    }
+
+    #[test]
+    fn rules_events_parse_for_the_wire_and_for_a_stacked_host() {
+        let lab = parse(
+            "[[events]]\nat = \"2s\"\nrules = \"cc.rules\"\n\
+             [[events]]\nat = \"1s\"\nrules = \"/abs/x.rules\"\nhost = \"app\"\n",
+        )
+        .expect("valid");
+        assert_eq!(
+            lab.events.iter().map(|e| e.action.clone()).collect::<Vec<_>>(),
+            vec![
+                Action::Rules { host: Some("app".into()), file: "/abs/x.rules".into() },
+                Action::Rules { host: None, file: "cc.rules".into() },
+            ]
+        );
+        assert_eq!(lab.events[1].location.line, 10);
+        let timeline: Vec<String> = lab.timeline().into_iter().map(|(_, s)| s).collect();
+        assert_eq!(timeline[..2], ["rules /abs/x.rules on app".to_string(), "rules cc.rules".to_string()]);
+    }
+
+    #[test]
+    fn bad_rules_events_are_located() {
+        let cases: &[(&str, usize, &str)] = &[
+            ("[[events]]\nat = \"1s\"\nrules = \"x.rules\"\nhost = \"h1\"\n", 13, "plain host; rule engines exist"),
+            ("[[events]]\nat = \"1s\"\nrules = \"x.rules\"\nhost = \"h7\"\n", 13, "unknown host"),
+            ("[[events]]\nat = \"1s\"\nrules = \"  \"\n", 12, "expected a rule file path"),
+            ("[[events]]\nat = \"1s\"\nrules = 3\n", 12, "expected a string"),
+            ("[[events]]\nat = \"1s\"\nrules = \"x.rules\"\nvalue = 1\n", 13, "not rules events"),
+            ("[[events]]\nat = \"1s\"\nrules = \"x.rules\"\ndown = true\n", 13, "not rules events"),
+            ("[[events]]\nat = \"1s\"\nknob = \"a.b\"\nvalue = 1\nrules = \"x.rules\"\n", 14, "exactly one of"),
+            ("[[events]]\nat = \"10s\"\nrules = \"x.rules\"\n", 11, "not before the end"),
+        ];
+        for (events, line, needle) in cases {
+            let (l, message) = error(events);
+            assert_eq!(l, *line, "{events:?}: {message}");
+            assert!(message.contains(needle), "{events:?}: {message} (wanted {needle:?})");
+        }
     }
 }

@@ -120,12 +120,24 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-fn main() {
-    // `cargo bench` passes --bench; `cargo test --benches` runs this with no argument: one quick round then.
-    let quick = !std::env::args().any(|a| a == "--bench");
-    let (rounds, slices) = if quick { (1, 1) } else { (ROUNDS, SLICES) };
+/// `--profile KIND N TRAVERSALS`: runs one configuration a fixed number of times and nothing else, for
+/// `valgrind --tool=callgrind` (instruction counts are repeatable on a loaded machine, wall-clock medians are not).
+fn profile(args: &[String]) {
+    let kind = args.first().map(String::as_str).unwrap_or("event");
+    let n: usize = args.get(1).and_then(|a| a.parse().ok()).unwrap_or(1000);
+    let traversals: u64 = args.get(2).and_then(|a| a.parse().ok()).unwrap_or(1000);
+    let mut configs = build(&[n]);
+    let (_, _, c) = configs.iter_mut().find(|(k, _, _)| k == kind).expect("kind is query, event or call");
+    for k in 1..=traversals {
+        c.traverse(k);
+    }
+    println!("{kind}({n}): {traversals} traversals done");
+}
+
+/// The three configurations for each chain length.
+fn build(hops: &[usize]) -> Vec<(String, usize, Box<dyn Config>)> {
     let mut configs: Vec<(String, usize, Box<dyn Config>)> = Vec::new();
-    for &n in &HOPS {
+    for &n in hops {
         let mut env = MemoryEnv::new();
         env.meter("bench.x", Value::U64(0));
         let mut q = RuleEngine::new();
@@ -138,6 +150,18 @@ fn main() {
         let stages: Vec<Forward> = (0..n).map(|_| Forward { out: None }).collect();
         configs.push(("call".into(), n, Box::new(Call { stages })));
     }
+    configs
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(p) = args.iter().position(|a| a == "--profile") {
+        return profile(&args[p + 1..]);
+    }
+    // `cargo bench` passes --bench; `cargo test --benches` runs this with no argument: one quick round then.
+    let quick = !std::env::args().any(|a| a == "--bench");
+    let (rounds, slices) = if quick { (1, 1) } else { (ROUNDS, SLICES) };
+    let mut configs = build(&HOPS);
     // Check that the chains really forward: after a traversal the top holds the new value.
     {
         let mut env = MemoryEnv::new();

@@ -29,7 +29,8 @@ use crate::diag::Diagnostic;
 use crate::env::Environment;
 use crate::syntax::Section;
 use crate::units::{
-    compute, compute_stateless, truthy, Core, EvalCx, KnobWrite, Node, Param, StateValue, Unit, UnitKind,
+    cache_valid, compute, compute_stateless, truthy, Core, EvalCx, Hot, KnobWrite, Node, Op, Param, StateValue, Unit,
+    UnitKind, ANY_QUERY,
 };
 use flexstack_core::{Time, Value};
 use serde::Serialize;
@@ -210,15 +211,25 @@ struct Instance {
     explicit: bool,
     refcount: u32,
     rank: u32,
-    /// The output it last emitted (events are sent when the output differs from it).
-    emitted: Option<Value>,
 }
 
+/// The running units. `units` holds what identifies each unit and its state; the arrays after it hold what the
+/// evaluation loop touches, densely: per unit its [`Hot`] entry (output, wave, inputs, owner, evaluation), the
+/// inputs of all units in one flat list, and per instance its root and last emitted output.
 #[derive(Default)]
 struct Runtime {
     units: Vec<Unit>,
+    hot: Vec<Hot>,
+    /// Every unit's inputs, one after the other (see `Hot::first_input`).
+    edges: Vec<u32>,
     instances: Vec<Instance>,
+    /// Per instance: its root unit.
+    roots: Vec<u32>,
+    /// Per instance: the output it last emitted (events are sent when the output differs from it).
+    emitted: Vec<Option<Value>>,
     by_rule: HashMap<(String, Vec<String>), u32>,
+    /// Per rule name: its instances.
+    of_rule: HashMap<String, Vec<u32>>,
     /// Per unit: the pushed instances evaluated when it emits.
     subs: Vec<Vec<u32>>,
     /// Per instance: what runs when it emits a true value.
@@ -412,10 +423,10 @@ impl RuleEngine {
         let mut seeds = Vec::new();
         for i in 0..self.rt.sampled.len() {
             let g = self.rt.sampled[i] as usize;
-            let unit = &mut self.rt.units[g];
-            if matches!(&unit.core, Core::Get { name: n } if n == name) && unit.value.as_ref() != Some(&value) {
-                unit.value = Some(value.clone());
-                unit.epoch = self.rt.epoch;
+            let (unit, hot) = (&self.rt.units[g], &mut self.rt.hot[g]);
+            if matches!(&unit.core, Core::Get { name: n } if n == name) && hot.value.as_ref() != Some(&value) {
+                hot.value = Some(value.clone());
+                hot.epoch = self.rt.epoch;
                 seeds.extend(self.rt.subs[g].iter().map(|&s| (s, false)));
             }
         }
@@ -426,14 +437,8 @@ impl RuleEngine {
     /// Evaluates a loaded rule by query, as a trigger would (its sets write); returns the output of its first
     /// instance.
     pub fn evaluate(&mut self, name: &str, now: Time, env: &dyn Environment) -> Result<Option<Value>, RuleError> {
-        let seeds: Vec<(u32, bool)> = self
-            .rt
-            .instances
-            .iter()
-            .enumerate()
-            .filter(|(_, i)| i.rule == name)
-            .map(|(k, _)| (k as u32, true))
-            .collect();
+        let seeds: Vec<(u32, bool)> =
+            self.rt.of_rule.get(name).map(|v| v.iter().map(|&i| (i, true)).collect()).unwrap_or_default();
         let Some(&(first, _)) = seeds.first() else {
             return Err(if self.program.rules.contains_key(name) {
                 RuleError::NotLoaded(name.to_string())
@@ -444,8 +449,8 @@ impl RuleEngine {
         self.rt.epoch += 1;
         self.wave(seeds, now, env);
         self.run_actions(now, env);
-        let root = self.rt.instances[first as usize].root as usize;
-        Ok(self.rt.units[root].value.clone())
+        let root = self.rt.roots[first as usize] as usize;
+        Ok(self.rt.hot[root].value.clone())
     }
 
     /// How a knob write went; a refusal is kept in the set unit's state and reported as a notice.
@@ -474,27 +479,27 @@ impl RuleEngine {
         let mut seeds = Vec::new();
         for i in 0..self.rt.timers.len() {
             let t = self.rt.timers[i] as usize;
-            let unit = &mut self.rt.units[t];
+            let (unit, hot) = (&mut self.rt.units[t], &mut self.rt.hot[t]);
             if let Core::Timer { period, next_due, ticks } = &mut unit.core {
                 let due = next_due.get_or_insert(now + std::time::Duration::from_nanos(*period));
                 if *due <= now {
                     *ticks += 1;
                     let behind = (now.as_nanos() - due.as_nanos()) / *period;
                     *due = Time(due.as_nanos().saturating_add((behind + 1).saturating_mul(*period)));
-                    unit.value = Some(Value::U64(*ticks));
-                    unit.epoch = epoch;
+                    hot.value = Some(Value::U64(*ticks));
+                    hot.epoch = epoch;
                     seeds.extend(self.rt.subs[t].iter().map(|&s| (s, false)));
                 }
             }
         }
         for i in 0..self.rt.sampled.len() {
             let g = self.rt.sampled[i] as usize;
-            let unit = &mut self.rt.units[g];
+            let (unit, hot) = (&self.rt.units[g], &mut self.rt.hot[g]);
             if let Core::Get { name } = &unit.core {
                 let v = env.get(name);
-                if v != unit.value {
-                    unit.value = v;
-                    unit.epoch = epoch;
+                if v != hot.value {
+                    hot.value = v;
+                    hot.epoch = epoch;
                     seeds.extend(self.rt.subs[g].iter().map(|&s| (s, false)));
                 }
             }
@@ -542,7 +547,7 @@ impl RuleEngine {
                     explicit: self.explicit.contains(&r.name),
                     instances: inst.len(),
                     value: match inst.as_slice() {
-                        [one] if one.binding.is_empty() => self.rt.units[one.root as usize].value.clone(),
+                        [one] if one.binding.is_empty() => self.rt.hot[one.root as usize].value.clone(),
                         _ => None,
                     },
                 }
@@ -562,7 +567,7 @@ impl RuleEngine {
                 binding: i.binding.clone(),
                 refcount: i.refcount,
                 pulled: i.pulled,
-                value: self.rt.units[i.root as usize].value.clone(),
+                value: self.rt.hot[i.root as usize].value.clone(),
                 units: i
                     .units
                     .clone()
@@ -572,7 +577,7 @@ impl RuleEngine {
                             key: unit.key.clone(),
                             kind: crate::units::info(unit.kind).name,
                             inputs: unit.inputs.iter().map(|&x| self.rt.units[x as usize].key.clone()).collect(),
-                            value: unit.value.clone(),
+                            value: self.rt.hot[u as usize].value.clone(),
                             state: unit.core.state(),
                         }
                     })
@@ -594,7 +599,7 @@ impl RuleEngine {
     pub fn value(&self, name: &str, binding: &[&str]) -> Option<Value> {
         let key = (name.to_string(), binding.iter().map(|s| s.to_string()).collect::<Vec<_>>());
         let i = *self.rt.by_rule.get(&key)?;
-        self.rt.units[self.rt.instances[i as usize].root as usize].value.clone()
+        self.rt.hot[self.rt.roots[i as usize] as usize].value.clone()
     }
 
     /// The loaded rule instances as `rule` or `rule[binding]`, sorted.
@@ -787,7 +792,8 @@ impl RuleEngine {
                 (u.key.clone(), (u.sig.clone(), u.inputs.iter().map(|&i| old.units[i as usize].key.clone()).collect()))
             })
             .collect();
-        let mut old_units: HashMap<String, Unit> = old.units.into_iter().map(|u| (u.key.clone(), u)).collect();
+        let mut old_units: HashMap<String, (Unit, Option<Value>)> =
+            old.units.into_iter().zip(old.hot).map(|(u, h)| (u.key.clone(), (u, h.value))).collect();
         let ranks: HashMap<String, u32> = compile::topo_order(&program)
             .unwrap_or_default()
             .into_iter()
@@ -821,7 +827,6 @@ impl RuleEngine {
                 explicit: false,
                 refcount: 0,
                 rank: ranks.get(rule).copied().unwrap_or(0),
-                emitted: None,
             });
             deps_of.push(Vec::new());
             rt.by_rule.insert(key, i);
@@ -868,7 +873,7 @@ impl RuleEngine {
                 n => n.clone(),
             };
             let mut units = std::mem::take(&mut rt.units);
-            let root = build(&root_node, &prefix, &binding, i as u32, &by_name, &mut units, &mut fixups);
+            let root = build(&root_node, &prefix, &binding, &by_name, &mut units, &mut fixups);
             rt.units = units;
             rt.instances[i].root = root;
             rt.instances[i].units = start..rt.units.len() as u32;
@@ -878,16 +883,17 @@ impl RuleEngine {
             let root = rt.instances[j as usize].root;
             rt.units[u as usize].inputs[pos] = root;
         }
+        rt.hot = rt.units.iter().map(|u| Hot::new(u.kind)).collect();
         for (i, inst) in rt.instances.iter().enumerate() {
             for u in inst.units.clone() {
                 let unit = &mut rt.units[u as usize];
                 match old_units.remove(&unit.key) {
-                    Some(old) if old.kind == unit.kind => {
+                    Some((old, value)) if old.kind == unit.kind => {
                         unit.core.adopt(old.core, now);
-                        unit.value = old.value;
                         if u == inst.root {
-                            emitted[i] = unit.value.clone();
+                            emitted[i].clone_from(&value);
                         }
+                        rt.hot[u as usize].value = value;
                     }
                     _ => {}
                 }
@@ -917,16 +923,14 @@ impl RuleEngine {
                 settled[u as usize] = same_inputs && (same_sig || resized_history);
                 changed[u as usize] = !(same_inputs && same_sig);
                 if settled[u as usize] {
-                    rt.units[u as usize].epoch = epoch;
+                    rt.hot[u as usize].epoch = epoch;
                 }
                 if !settled[u as usize] || changed[u as usize] {
                     fresh[i] = true;
                 }
             }
         }
-        for (inst, e) in rt.instances.iter_mut().zip(emitted) {
-            inst.emitted = e;
-        }
+        rt.emitted = emitted;
 
         // 3. Pulled instances: triggered ones and everything they use by reference.
         let mut order: Vec<u32> = (0..rt.instances.len() as u32).collect();
@@ -943,10 +947,19 @@ impl RuleEngine {
             }
         }
 
-        for inst in &rt.instances {
+        for (i, inst) in rt.instances.iter().enumerate() {
             for u in inst.units.clone() {
-                rt.units[u as usize].pushed = !inst.pulled;
+                rt.hot[u as usize].owner = if inst.pulled { ANY_QUERY } else { i as u32 };
             }
+        }
+        for (u, unit) in rt.units.iter().enumerate() {
+            rt.hot[u].first_input = rt.edges.len() as u32;
+            rt.hot[u].n_inputs = unit.inputs.len() as u32;
+            rt.edges.extend_from_slice(&unit.inputs);
+        }
+        rt.roots = rt.instances.iter().map(|i| i.root).collect();
+        for (i, inst) in rt.instances.iter().enumerate() {
+            rt.of_rule.entry(inst.rule.clone()).or_default().push(i as u32);
         }
 
         // 4. Subscriptions of pushed instances: the gets and timers they query, and the pushed rules they use.
@@ -1028,13 +1041,13 @@ impl RuleEngine {
             if flags == 0 {
                 continue;
             }
-            let root = self.rt.instances[i as usize].root;
+            let root = self.rt.roots[i as usize];
             self.query(root, i, flags & 2 != 0, now, env);
-            let after = &self.rt.units[root as usize].value;
-            if *after == self.rt.instances[i as usize].emitted {
+            let after = &self.rt.hot[root as usize].value;
+            if *after == self.rt.emitted[i as usize] {
                 continue;
             }
-            self.rt.instances[i as usize].emitted.clone_from(after);
+            self.rt.emitted[i as usize].clone_from(after);
             let fire = after.as_ref().is_some_and(truthy);
             for k in 0..self.rt.subs[root as usize].len() {
                 let s = self.rt.subs[root as usize][k];
@@ -1081,21 +1094,22 @@ impl RuleEngine {
 
     fn query_rec(&mut self, u: u32, current: u32, triggered: bool, now: Time, env: &dyn Environment, depth: u32) {
         let epoch = self.rt.epoch;
-        let unit = &self.rt.units[u as usize];
-        if unit.epoch == epoch || (unit.pushed && unit.instance != current) {
+        let hot = &self.rt.hot[u as usize];
+        if hot.epoch == epoch || hot.stops(current) {
             return;
         }
-        if unit.kind == UnitKind::Cache && unit.cached(now) {
-            self.rt.units[u as usize].epoch = epoch;
+        if hot.op == Op::Cache && cache_valid(&self.rt.units[u as usize].core, &hot.value, now) {
+            self.rt.hot[u as usize].epoch = epoch;
             return;
         }
         if depth >= MAX_QUERY_DEPTH {
             return self.query_iter(u, current, triggered, now, env);
         }
-        for k in 0..unit.inputs.len() {
-            let i = self.rt.units[u as usize].inputs[k];
-            let input = &self.rt.units[i as usize];
-            if input.epoch != epoch && !(input.pushed && input.instance != current) {
+        let first = hot.first_input as usize;
+        for k in first..first + hot.n_inputs as usize {
+            let i = self.rt.edges[k];
+            let input = &self.rt.hot[i as usize];
+            if input.epoch != epoch && !input.stops(current) {
                 self.query_rec(i, current, triggered, now, env, depth + 1);
             }
         }
@@ -1108,23 +1122,24 @@ impl RuleEngine {
         let mut stack = std::mem::take(&mut self.stack);
         stack.push((root, false));
         while let Some((u, expanded)) = stack.pop() {
-            let unit = &self.rt.units[u as usize];
-            if unit.epoch == epoch {
+            let hot = &self.rt.hot[u as usize];
+            if hot.epoch == epoch {
                 continue;
             }
             if !expanded {
-                if unit.pushed && unit.instance != current {
+                if hot.stops(current) {
                     continue;
                 }
-                if unit.kind == UnitKind::Cache && unit.cached(now) {
-                    self.rt.units[u as usize].epoch = epoch;
+                if hot.op == Op::Cache && cache_valid(&self.rt.units[u as usize].core, &hot.value, now) {
+                    self.rt.hot[u as usize].epoch = epoch;
                     continue;
                 }
                 let mark = stack.len();
                 stack.push((u, true));
-                for &i in &unit.inputs {
-                    let input = &self.rt.units[i as usize];
-                    if input.epoch != epoch && !(input.pushed && input.instance != current) {
+                let first = hot.first_input as usize;
+                for &i in &self.rt.edges[first..first + hot.n_inputs as usize] {
+                    let input = &self.rt.hot[i as usize];
+                    if input.epoch != epoch && !input.stops(current) {
                         stack.push((i, false));
                     }
                 }
@@ -1139,26 +1154,41 @@ impl RuleEngine {
         self.stack = stack;
     }
 
-    /// Evaluates one unit whose inputs are ready, in wave `self.rt.epoch`.
+    /// Evaluates one unit whose inputs are ready, in wave `self.rt.epoch`: a unit without state in place, from
+    /// the dense arrays only; the others through [`Self::eval_stateful`].
+    #[inline]
     fn eval_unit(&mut self, u: u32, triggered: bool, now: Time, env: &dyn Environment) {
+        let rt = &mut self.rt;
+        let hot = &rt.hot[u as usize];
+        let first = hot.first_input as usize;
+        let inputs = &rt.edges[first..first + hot.n_inputs as usize];
+        let value = match hot.op {
+            Op::Cache | Op::Stateful => return self.eval_stateful(u, triggered, now, env),
+            op => compute_stateless(op, inputs, &rt.hot),
+        };
+        let hot = &mut rt.hot[u as usize];
+        hot.value = value;
+        hot.epoch = rt.epoch;
+    }
+
+    /// Evaluates a unit with state (or a Constant, a get, a set): its core is taken out of its slot for
+    /// [`compute`], and the key of a `set` unit goes on the writes it made.
+    #[inline(never)]
+    fn eval_stateful(&mut self, u: u32, triggered: bool, now: Time, env: &dyn Environment) {
         let before = self.writes.len();
         let mut cx = EvalCx { now, env, writes: &mut self.writes, triggered };
-        let units = &mut self.rt.units;
-        let value = if let Some(v) = compute_stateless(&units[u as usize].core, &units[u as usize].inputs, units) {
-            // Stateless units need not be taken out of their slot.
-            v
-        } else {
-            let mut core = std::mem::take(&mut units[u as usize].core);
-            let value = compute(&mut core, &units[u as usize].inputs, units, &mut cx);
-            units[u as usize].core = core;
-            value
-        };
-        let unit = &mut units[u as usize];
-        unit.value = value;
-        unit.epoch = self.rt.epoch;
+        let rt = &mut self.rt;
+        let first = rt.hot[u as usize].first_input as usize;
+        let inputs = &rt.edges[first..first + rt.hot[u as usize].n_inputs as usize];
+        let mut core = std::mem::take(&mut rt.units[u as usize].core);
+        let value = compute(&mut core, inputs, &rt.hot, &rt.units, &mut cx);
+        rt.units[u as usize].core = core;
+        let hot = &mut rt.hot[u as usize];
+        hot.value = value;
+        hot.epoch = rt.epoch;
         if self.writes.len() > before {
             for w in &mut self.writes[before..] {
-                w.unit.clone_from(&unit.key);
+                w.unit.clone_from(&rt.units[u as usize].key);
             }
         }
     }
@@ -1176,7 +1206,6 @@ fn build(
     node: &Node,
     key: &str,
     binding: &[String],
-    instance: u32,
     deps: &HashMap<String, u32>,
     units: &mut Vec<Unit>,
     fixups: &mut Vec<(u32, usize, u32)>,
@@ -1193,10 +1222,6 @@ fn build(
         sig: format!("{kind:?}|{param:?}"),
         core: Core::new(*kind, &param),
         inputs: vec![u32::MAX; args.len()],
-        value: None,
-        epoch: 0,
-        instance,
-        pushed: false,
     });
     for (pos, a) in args.iter().enumerate() {
         match a {
@@ -1206,7 +1231,7 @@ fn build(
                 }
             }
             n => {
-                let child = build(n, &format!("{key}/{pos}"), binding, instance, deps, units, fixups);
+                let child = build(n, &format!("{key}/{pos}"), binding, deps, units, fixups);
                 units[me as usize].inputs[pos] = child;
             }
         }

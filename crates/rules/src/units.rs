@@ -394,7 +394,8 @@ pub(crate) struct EvalCx<'a> {
     pub triggered: bool,
 }
 
-/// A unit at runtime.
+/// A unit at runtime: what identifies it and its private state. Its output and the rest of what the engine's
+/// evaluation loop reads are in its [`Hot`] entry, at the same index of a dense array of their own.
 #[derive(Debug)]
 pub(crate) struct Unit {
     /// `rule[binding]/path`: stable across reloads, so state survives rewiring.
@@ -404,13 +405,77 @@ pub(crate) struct Unit {
     pub sig: String,
     pub core: Core,
     pub inputs: Vec<u32>,
+}
+
+/// How the engine evaluates a unit: the units without state in place, from their inputs' outputs, the others
+/// through [`compute`] with their [`Core`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Op {
+    Forwarder,
+    Less,
+    Greater,
+    Equal,
+    And,
+    Or,
+    Not,
+    If,
+    /// A `Cache`: answers from its value while valid (see [`cache_valid`]), otherwise evaluated with state.
+    Cache,
+    /// Any other unit: evaluated by [`compute`].
+    Stateful,
+}
+
+impl Op {
+    /// The evaluation of a unit of this kind.
+    pub(crate) fn of(kind: UnitKind) -> Op {
+        match kind {
+            UnitKind::Forwarder => Op::Forwarder,
+            UnitKind::Less => Op::Less,
+            UnitKind::Greater => Op::Greater,
+            UnitKind::Equal => Op::Equal,
+            UnitKind::And => Op::And,
+            UnitKind::Or => Op::Or,
+            UnitKind::Not => Op::Not,
+            UnitKind::If => Op::If,
+            UnitKind::Cache => Op::Cache,
+            _ => Op::Stateful,
+        }
+    }
+}
+
+/// `Hot::owner` of a unit of a pulled instance: every query may evaluate it.
+pub(crate) const ANY_QUERY: u32 = u32::MAX;
+
+/// What the engine's evaluation loop reads and writes of a unit, one entry per unit in a dense array (indexed
+/// like the units), so that a hop touches one small entry and the flat input list, not the unit's key or state.
+#[derive(Clone, Debug)]
+pub(crate) struct Hot {
+    /// The unit's output.
     pub value: Option<Value>,
     /// The evaluation wave in which the value was last computed.
     pub epoch: u64,
-    /// The rule instance the unit belongs to.
-    pub instance: u32,
-    /// The instance is pushed: queries from other instances stop here and use the current value.
-    pub pushed: bool,
+    /// Where its inputs start in the runtime's flat list of inputs.
+    pub first_input: u32,
+    /// How many inputs it has.
+    pub n_inputs: u32,
+    /// For a unit of a pushed instance, that instance: queries from other instances stop here and use the
+    /// current value. [`ANY_QUERY`] for a unit of a pulled instance.
+    pub owner: u32,
+    /// How it is evaluated.
+    pub op: Op,
+}
+
+impl Hot {
+    /// An entry for a new unit of kind `kind` without output.
+    pub(crate) fn new(kind: UnitKind) -> Hot {
+        Hot { value: None, epoch: 0, first_input: 0, n_inputs: 0, owner: ANY_QUERY, op: Op::of(kind) }
+    }
+
+    /// True if a query made for instance `current` stops at this unit (it belongs to another pushed instance).
+    #[inline]
+    pub(crate) fn stops(&self, current: u32) -> bool {
+        self.owner != ANY_QUERY && self.owner != current
+    }
 }
 
 /// A value as a number, if it is one.
@@ -615,85 +680,77 @@ impl Core {
     }
 }
 
-impl Unit {
-    /// True if this unit answers a query from its cached value without querying its inputs.
-    pub(crate) fn cached(&self, now: Time) -> bool {
-        match &self.core {
-            Core::Cache { validity, fetched_at: Some(t) } => {
-                self.value.is_some() && now.saturating_since(*t).as_nanos() < u128::from(*validity)
-            }
-            _ => false,
+/// True if a `Cache` unit with output `value` answers a query at `now` without querying its input.
+pub(crate) fn cache_valid(core: &Core, value: &Option<Value>, now: Time) -> bool {
+    match core {
+        Core::Cache { validity, fetched_at: Some(t) } => {
+            value.is_some() && now.saturating_since(*t).as_nanos() < u128::from(*validity)
         }
+        _ => false,
     }
 }
 
-/// Evaluates a unit without state (Forwarder, Constant, comparisons, logic, If) from its inputs' outputs;
-/// `None` for a unit with state, which [`compute`] evaluates.
+/// Evaluates a unit without state (`op` Forwarder, comparisons, logic, If) from its inputs' outputs (`inputs`:
+/// indexes into `hot`). Not for [`Op::Cache`] and [`Op::Stateful`], which [`compute`] evaluates.
 #[inline]
-pub(crate) fn compute_stateless(core: &Core, inputs: &[u32], units: &[Unit]) -> Option<Option<Value>> {
-    let input = |i: usize| inputs.get(i).and_then(|&u| units[u as usize].value.as_ref());
+pub(crate) fn compute_stateless(op: Op, inputs: &[u32], hot: &[Hot]) -> Option<Value> {
+    let input = |i: usize| inputs.get(i).and_then(|&u| hot[u as usize].value.as_ref());
     let number = |i: usize| input(i).and_then(num);
-    let eval = || match core {
-        Core::Forwarder => input(0).cloned(),
-        Core::Constant(v) => Some(v.clone()),
-        Core::Less => Some(Value::Bool(number(0)? < number(1)?)),
-        Core::Greater => Some(Value::Bool(number(0)? > number(1)?)),
-        Core::Equal => Some(Value::Bool(same(input(0)?, input(1)?))),
-        Core::And => {
+    match op {
+        Op::Forwarder => input(0).cloned(),
+        Op::Less => Some(Value::Bool(number(0)? < number(1)?)),
+        Op::Greater => Some(Value::Bool(number(0)? > number(1)?)),
+        Op::Equal => Some(Value::Bool(same(input(0)?, input(1)?))),
+        Op::And => {
             let mut all = true;
             for i in 0..inputs.len() {
                 all &= truthy(input(i)?);
             }
             Some(Value::Bool(all))
         }
-        Core::Or => {
+        Op::Or => {
             let mut any = false;
             for i in 0..inputs.len() {
                 any |= truthy(input(i)?);
             }
             Some(Value::Bool(any))
         }
-        Core::Not => Some(Value::Bool(!truthy(input(0)?))),
-        Core::If => {
+        Op::Not => Some(Value::Bool(!truthy(input(0)?))),
+        Op::If => {
             if truthy(input(0)?) {
                 input(1).cloned()
             } else {
                 input(2).cloned()
             }
         }
-        _ => None,
-    };
-    match core {
-        Core::Forwarder
-        | Core::Constant(_)
-        | Core::Less
-        | Core::Greater
-        | Core::Equal
-        | Core::And
-        | Core::Or
-        | Core::Not
-        | Core::If => Some(eval()),
-        _ => None,
+        Op::Cache | Op::Stateful => None,
     }
 }
 
 /// Evaluates one unit whose inputs (`inputs`, indexes into `units`) are up to date; `core` has been taken out of
-/// its slot. Returns the new output.
-pub(crate) fn compute(core: &mut Core, inputs: &[u32], units: &[Unit], cx: &mut EvalCx<'_>) -> Option<Value> {
-    let input = |i: usize| inputs.get(i).and_then(|&u| units[u as usize].value.as_ref());
+/// its slot. `hot` holds the outputs of the units, `units` their state (a History's samples for the aggregates
+/// that read it). Returns the new output.
+pub(crate) fn compute(
+    core: &mut Core,
+    inputs: &[u32],
+    hot: &[Hot],
+    units: &[Unit],
+    cx: &mut EvalCx<'_>,
+) -> Option<Value> {
+    let input = |i: usize| inputs.get(i).and_then(|&u| hot[u as usize].value.as_ref());
     let number = |i: usize| input(i).and_then(num);
     let now = cx.now;
     match core {
         Core::Vacant => None,
-        Core::Forwarder
-        | Core::Constant(_)
-        | Core::Less
-        | Core::Greater
-        | Core::Equal
-        | Core::And
-        | Core::Or
-        | Core::Not
-        | Core::If => compute_stateless(core, inputs, units).flatten(),
+        Core::Constant(v) => Some(v.clone()),
+        Core::Forwarder => compute_stateless(Op::Forwarder, inputs, hot),
+        Core::Less => compute_stateless(Op::Less, inputs, hot),
+        Core::Greater => compute_stateless(Op::Greater, inputs, hot),
+        Core::Equal => compute_stateless(Op::Equal, inputs, hot),
+        Core::And => compute_stateless(Op::And, inputs, hot),
+        Core::Or => compute_stateless(Op::Or, inputs, hot),
+        Core::Not => compute_stateless(Op::Not, inputs, hot),
+        Core::If => compute_stateless(Op::If, inputs, hot),
         Core::Get { name } => cx.env.get(name),
         Core::Set { name, last_written, writes, .. } => {
             let v = input(0)?.clone();
@@ -774,25 +831,20 @@ mod tests {
     fn run(mut core: Core, steps: &[(u64, Option<Value>)]) -> Vec<Option<Value>> {
         let env = MemoryEnv::new();
         let mut writes = Vec::new();
-        let mut input = Unit {
+        let input = Unit {
             key: "in".into(),
             kind: UnitKind::Constant,
             sig: String::new(),
             core: Core::Forwarder,
             inputs: vec![],
-            value: None,
-            epoch: 0,
-            instance: 0,
-            pushed: false,
         };
+        let mut hot = Hot::new(UnitKind::Constant);
         let mut out = Vec::new();
         for (ms, v) in steps {
-            input.value = v.clone();
-            let units = std::slice::from_ref(&input);
+            hot.value = v.clone();
             let mut cx = EvalCx { now: Time::from_millis(*ms), env: &env, writes: &mut writes, triggered: false };
-            out.push(compute(&mut core, &[0], units, &mut cx));
+            out.push(compute(&mut core, &[0], std::slice::from_ref(&hot), std::slice::from_ref(&input), &mut cx));
         }
-        let _ = &mut input;
         out
     }
 

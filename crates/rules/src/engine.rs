@@ -29,8 +29,8 @@ use crate::diag::Diagnostic;
 use crate::env::Environment;
 use crate::syntax::Section;
 use crate::units::{
-    cache_valid, compute, compute_stateless, truthy, Core, EvalCx, Hot, KnobWrite, Node, Op, Param, StateValue, Unit,
-    UnitKind, ANY_QUERY,
+    assign, cache_valid, compute, compute_stateless, truthy, Core, EvalCx, Hot, KnobWrite, Node, Op, Param, StateValue,
+    Unit, UnitKind, ANY_QUERY,
 };
 use flexstack_core::{Time, Value};
 use serde::Serialize;
@@ -225,6 +225,8 @@ struct Runtime {
     instances: Vec<Instance>,
     /// Per instance: its root unit.
     roots: Vec<u32>,
+    /// Per instance: its rank in the dependency order (a wave evaluates lower ranks first).
+    ranks: Vec<u32>,
     /// Per instance: the output it last emitted (events are sent when the output differs from it).
     emitted: Vec<Option<Value>>,
     by_rule: HashMap<(String, Vec<String>), u32>,
@@ -958,6 +960,7 @@ impl RuleEngine {
             rt.edges.extend_from_slice(&unit.inputs);
         }
         rt.roots = rt.instances.iter().map(|i| i.root).collect();
+        rt.ranks = rt.instances.iter().map(|i| i.rank).collect();
         for (i, inst) in rt.instances.iter().enumerate() {
             rt.of_rule.entry(inst.rule.clone()).or_default().push(i as u32);
         }
@@ -1032,7 +1035,7 @@ impl RuleEngine {
     fn wave(&mut self, seeds: Vec<(u32, bool)>, now: Time, env: &dyn Environment) {
         let mut heap = std::mem::take(&mut self.heap);
         for (i, triggered) in seeds {
-            self.schedule(&mut heap, i, triggered);
+            schedule(&mut self.queued, &mut self.next, &mut heap, &self.rt.ranks, i, triggered);
         }
         // `self.next` holds the one scheduled instance while the heap is empty (a chain of events), so that the
         // common case does not go through the heap; a second schedule moves it there.
@@ -1042,47 +1045,56 @@ impl RuleEngine {
                 continue;
             }
             let root = self.rt.roots[i as usize];
-            self.query(root, i, flags & 2 != 0, now, env);
-            let after = &self.rt.hot[root as usize].value;
-            if *after == self.rt.emitted[i as usize] {
+            if !self.eval_in_place(root, i) {
+                self.query(root, i, flags & 2 != 0, now, env);
+            }
+            let rt = &mut self.rt;
+            let after = &rt.hot[root as usize].value;
+            let emitted = &mut rt.emitted[i as usize];
+            if after == emitted {
                 continue;
             }
-            self.rt.emitted[i as usize].clone_from(after);
-            let fire = after.as_ref().is_some_and(truthy);
-            for k in 0..self.rt.subs[root as usize].len() {
-                let s = self.rt.subs[root as usize][k];
-                self.schedule(&mut heap, s, false);
+            assign(emitted, after);
+            for &s in &rt.subs[root as usize] {
+                schedule(&mut self.queued, &mut self.next, &mut heap, &rt.ranks, s, false);
             }
-            if fire {
-                for k in 0..self.rt.fires[i as usize].len() {
-                    match &self.rt.fires[i as usize][k] {
-                        Fire::Eval(t) => {
-                            let t = *t;
-                            self.schedule(&mut heap, t, true);
-                        }
-                        Fire::Action(a) => self.actions.push((a.clone(), self.rt.instances[i as usize].rule.clone())),
-                    }
+            let fires = &rt.fires[i as usize];
+            if fires.is_empty() || !after.as_ref().is_some_and(truthy) {
+                continue;
+            }
+            for fire in fires {
+                match fire {
+                    Fire::Eval(t) => schedule(&mut self.queued, &mut self.next, &mut heap, &rt.ranks, *t, true),
+                    Fire::Action(a) => self.actions.push((a.clone(), rt.instances[i as usize].rule.clone())),
                 }
             }
         }
         self.heap = heap;
     }
 
-    fn schedule(&mut self, heap: &mut BinaryHeap<Reverse<(u32, u32)>>, i: u32, triggered: bool) {
-        let q = &mut self.queued[i as usize];
-        let first = *q == 0;
-        *q |= 1 | if triggered { 2 } else { 0 };
-        if !first {
-            return;
+    /// Evaluates unit `u` for instance `current` without a walk if it has no state and its inputs are ready
+    /// (the common case of a rule over other rules' outputs); false if it needs [`Self::query`].
+    #[inline]
+    fn eval_in_place(&mut self, u: u32, current: u32) -> bool {
+        let rt = &mut self.rt;
+        let epoch = rt.epoch;
+        let hot = &rt.hot[u as usize];
+        if matches!(hot.op, Op::Cache | Op::Stateful) || hot.epoch == epoch || hot.stops(current) {
+            return false;
         }
-        if heap.is_empty() && self.next.is_none() {
-            self.next = Some(i);
-            return;
+        let first = hot.first_input as usize;
+        let inputs = &rt.edges[first..first + hot.n_inputs as usize];
+        if inputs.iter().any(|&x| {
+            let input = &rt.hot[x as usize];
+            input.epoch != epoch && !input.stops(current)
+        }) {
+            return false;
         }
-        if let Some(n) = self.next.take() {
-            heap.push(Reverse((self.rt.instances[n as usize].rank, n)));
-        }
-        heap.push(Reverse((self.rt.instances[i as usize].rank, i)));
+        let value = compute_stateless(hot.op, inputs, &rt.hot);
+        let hot = &mut rt.hot[u as usize];
+        hot.value = value;
+        hot.epoch = epoch;
+        true
     }
 
     /// Queries unit `root` of instance `current`: evaluates, inputs first, every unit of this wave not yet
@@ -1192,6 +1204,33 @@ impl RuleEngine {
             }
         }
     }
+}
+
+/// Puts instance `i` in the wave (`triggered`: by a trigger, so its sets write): as `next` while it is the only
+/// one, else in the heap by rank. An instance already queued only gains the flag.
+#[inline]
+fn schedule(
+    queued: &mut [u8],
+    next: &mut Option<u32>,
+    heap: &mut BinaryHeap<Reverse<(u32, u32)>>,
+    ranks: &[u32],
+    i: u32,
+    triggered: bool,
+) {
+    let q = &mut queued[i as usize];
+    let first = *q == 0;
+    *q |= 1 | if triggered { 2 } else { 0 };
+    if !first {
+        return;
+    }
+    if heap.is_empty() && next.is_none() {
+        *next = Some(i);
+        return;
+    }
+    if let Some(n) = next.take() {
+        heap.push(Reverse((ranks[n as usize], n)));
+    }
+    heap.push(Reverse((ranks[i as usize], i)));
 }
 
 fn compile_refs(node: &Node, out: &mut Vec<String>) {

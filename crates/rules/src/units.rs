@@ -489,6 +489,19 @@ pub fn num(v: &Value) -> Option<f64> {
     }
 }
 
+/// `*dst = src.clone()`, reusing `dst`'s string buffer, and inlined: the scalars are copied without a call.
+#[inline]
+pub(crate) fn assign(dst: &mut Option<Value>, src: &Option<Value>) {
+    match src {
+        None => *dst = None,
+        Some(Value::Bool(b)) => *dst = Some(Value::Bool(*b)),
+        Some(Value::U64(x)) => *dst = Some(Value::U64(*x)),
+        Some(Value::I64(x)) => *dst = Some(Value::I64(*x)),
+        Some(Value::F64(x)) => *dst = Some(Value::F64(*x)),
+        Some(Value::Str(_)) => dst.clone_from(src),
+    }
+}
+
 /// Truth of a value: true, a non-zero number, a non-empty string.
 pub fn truthy(v: &Value) -> bool {
     match v {

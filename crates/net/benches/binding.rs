@@ -41,6 +41,8 @@ const SIZE: usize = 1000;
 /// 10 Gbit/s: 1000 bytes take 800 ns.
 const TX_NS: u64 = 800;
 const TARGET_RATIO: f64 = 1.2;
+/// The module's default DRR quantum (bytes).
+const DEFAULT_QUANTUM: usize = 1514;
 
 /// One scheduler under test, with its clock and counts.
 struct Bench {
@@ -59,7 +61,7 @@ struct Bench {
 }
 
 impl Bench {
-    fn new(flows: usize, backlog: usize) -> Bench {
+    fn new(flows: usize, backlog: usize, quantum: usize) -> Bench {
         let mut catalog = Catalog::new();
         flexstack_net::register(&mut catalog);
         let text = r#"
@@ -70,8 +72,10 @@ queue_limit = 1000000
 "a.rate_bps" = 10000000000
 "a.device_queue" = 2
 "a.address_v4" = "192.0.2.10"
+quantum = QUANTUM
 "#;
-        let spec = StackSpec::parse("bench.toml", text).expect("bench stack");
+        let text = text.replace("QUANTUM", &quantum.to_string());
+        let spec = StackSpec::parse("bench.toml", &text).expect("bench stack");
         let m = &spec.modules[0];
         let builder = catalog.configure(&m.kind, &m.settings, None).expect("late-binding configures");
         let vars = ModuleVars::new(&builder.interface().vars);
@@ -173,18 +177,48 @@ fn measure(title: &str, benches: &mut [Bench]) -> f64 {
     worst
 }
 
+/// Profiling aid: `BINDING_BENCH_ONLY=a:10000` (or `b:100`, ...) runs only that configuration, 3 rounds of
+/// `BINDING_BENCH_STEPS` steps (default 200,000), so that `perf record` or `valgrind --tool=callgrind` see one
+/// configuration alone.
+fn only() -> Option<(char, usize, usize, usize)> {
+    let v = std::env::var("BINDING_BENCH_ONLY").ok()?;
+    let (set, n) = v.split_once(':')?;
+    let steps = std::env::var("BINDING_BENCH_STEPS").ok().and_then(|s| s.parse().ok()).unwrap_or(STEPS);
+    let quantum = std::env::var("BINDING_BENCH_QUANTUM").ok().and_then(|s| s.parse().ok()).unwrap_or(SIZE);
+    Some((set.chars().next()?, n.parse().ok()?, steps, quantum))
+}
+
 fn main() {
+    if let Some((set, n, steps, quantum)) = only() {
+        let mut b = Bench::new(n, if set == 'b' { BACKLOG } else { TOTAL / n }, quantum);
+        let start = Instant::now();
+        for _ in 0..3 * steps {
+            b.step();
+        }
+        println!("{set}:{n}: {:.1} ns/packet", start.elapsed().as_nanos() as f64 / (3 * steps) as f64);
+        return;
+    }
     println!("late-binding scheduler: ns per packet (enqueue + select + bind + emit), median of {ROUNDS} rounds");
-    let mut same_total: Vec<Bench> = FLOWS.iter().map(|&n| Bench::new(n, TOTAL / n)).collect();
-    let a = measure(&format!("(a) {TOTAL} packets queued in all, spread over N flows"), &mut same_total);
+    let mut same_total: Vec<Bench> = FLOWS.iter().map(|&n| Bench::new(n, TOTAL / n, SIZE)).collect();
+    let a = measure(
+        &format!("(a) {TOTAL} packets queued in all, spread over N flows; quantum {SIZE} (served in arrival order)"),
+        &mut same_total,
+    );
     for b in &same_total {
         assert_eq!(b.queued(), TOTAL as u64 - 2, "the backlog stayed (2 in the device queue)");
     }
     drop(same_total);
-    let mut per_flow: Vec<Bench> = FLOWS.iter().map(|&n| Bench::new(n, BACKLOG)).collect();
+    let mut reordered: Vec<Bench> = FLOWS.iter().map(|&n| Bench::new(n, TOTAL / n, DEFAULT_QUANTUM)).collect();
+    let c = measure(
+        &format!("(c) as (a) with the default quantum {DEFAULT_QUANTUM} (service order differs from arrival order)"),
+        &mut reordered,
+    );
+    drop(reordered);
+    let mut per_flow: Vec<Bench> = FLOWS.iter().map(|&n| Bench::new(n, BACKLOG, SIZE)).collect();
     let b = measure(&format!("(b) {BACKLOG} packets queued per flow (the backlog grows with N)"), &mut per_flow);
     let n = FLOWS[FLOWS.len() - 1];
     let verdict = |r: f64| if r <= TARGET_RATIO { "met" } else { "NOT met" };
     println!("(a) cost at {n} flows vs 1 flow, same backlog: {a:.3} (target <= {TARGET_RATIO}): {}", verdict(a));
+    println!("(c) the same, default quantum: {c:.3} (target <= {TARGET_RATIO}): {}", verdict(c));
     println!("(b) cost at {n} flows vs 1 flow, 4 packets per flow: {b:.3} (target <= {TARGET_RATIO}): {}", verdict(b));
 }

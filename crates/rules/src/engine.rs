@@ -29,8 +29,8 @@ use crate::diag::Diagnostic;
 use crate::env::Environment;
 use crate::syntax::Section;
 use crate::units::{
-    assign, cache_valid, compute, compute_stateless, truthy, Core, EvalCx, Hot, KnobWrite, Node, Op, Param, StateValue,
-    Unit, UnitKind, ANY_QUERY,
+    assign, cache_valid, compute, compute_stateless, dup, same_output, truthy, Core, EvalCx, Hot, KnobWrite, Node, Op,
+    Param, StateValue, Unit, UnitKind, ANY_QUERY,
 };
 use flexstack_core::{Time, Value};
 use serde::Serialize;
@@ -232,8 +232,11 @@ struct Runtime {
     by_rule: HashMap<(String, Vec<String>), u32>,
     /// Per rule name: its instances.
     of_rule: HashMap<String, Vec<u32>>,
-    /// Per unit: the pushed instances evaluated when it emits.
-    subs: Vec<Vec<u32>>,
+    /// Per unit (and one more at the end): where its subscribers, the pushed instances evaluated when it emits,
+    /// start in `sub_list`.
+    sub_at: Vec<u32>,
+    /// The subscribers of every unit, one list after the other: unit u's are `sub_list[sub_at[u]..sub_at[u + 1]]`.
+    sub_list: Vec<u32>,
     /// Per instance: what runs when it emits a true value.
     fires: Vec<Vec<Fire>>,
     sampled: Vec<u32>,
@@ -429,7 +432,7 @@ impl RuleEngine {
             if matches!(&unit.core, Core::Get { name: n } if n == name) && hot.value.as_ref() != Some(&value) {
                 hot.value = Some(value.clone());
                 hot.epoch = self.rt.epoch;
-                seeds.extend(self.rt.subs[g].iter().map(|&s| (s, false)));
+                seeds.extend(subscribers(&self.rt.sub_at, &self.rt.sub_list, g).iter().map(|&s| (s, false)));
             }
         }
         self.wave(seeds, now, env);
@@ -490,7 +493,7 @@ impl RuleEngine {
                     *due = Time(due.as_nanos().saturating_add((behind + 1).saturating_mul(*period)));
                     hot.value = Some(Value::U64(*ticks));
                     hot.epoch = epoch;
-                    seeds.extend(self.rt.subs[t].iter().map(|&s| (s, false)));
+                    seeds.extend(subscribers(&self.rt.sub_at, &self.rt.sub_list, t).iter().map(|&s| (s, false)));
                 }
             }
         }
@@ -502,7 +505,7 @@ impl RuleEngine {
                 if v != hot.value {
                     hot.value = v;
                     hot.epoch = epoch;
-                    seeds.extend(self.rt.subs[g].iter().map(|&s| (s, false)));
+                    seeds.extend(subscribers(&self.rt.sub_at, &self.rt.sub_list, g).iter().map(|&s| (s, false)));
                 }
             }
         }
@@ -857,6 +860,27 @@ impl RuleEngine {
             }
         }
 
+        // Lay the instances (and so their units) out in dependency order, so that a wave walks the dense arrays
+        // forwards. Instances of the same rule keep their relative order.
+        let mut order: Vec<u32> = (0..rt.instances.len() as u32).collect();
+        order.sort_by_key(|&i| rt.instances[i as usize].rank);
+        let mut new_index = vec![0u32; order.len()];
+        for (new, &old) in order.iter().enumerate() {
+            new_index[old as usize] = new as u32;
+        }
+        let mut slots: Vec<Option<Instance>> = rt.instances.drain(..).map(Some).collect();
+        rt.instances = order.iter().map(|&o| slots[o as usize].take().expect("each instance once")).collect();
+        let mut old_deps: Vec<Vec<(u32, bool)>> = std::mem::take(&mut deps_of);
+        deps_of = order
+            .iter()
+            .map(|&o| {
+                std::mem::take(&mut old_deps[o as usize]).into_iter().map(|(j, r)| (new_index[j as usize], r)).collect()
+            })
+            .collect();
+        for i in rt.by_rule.values_mut() {
+            *i = new_index[*i as usize];
+        }
+
         // 2. Their units, keyed by rule, binding and place; references are wired once every root is known.
         let mut fixups: Vec<(u32, usize, u32)> = Vec::new();
         let mut fresh: Vec<bool> = vec![false; rt.instances.len()];
@@ -966,7 +990,7 @@ impl RuleEngine {
         }
 
         // 4. Subscriptions of pushed instances: the gets and timers they query, and the pushed rules they use.
-        rt.subs = vec![Vec::new(); rt.units.len()];
+        let mut subs: Vec<Vec<u32>> = vec![Vec::new(); rt.units.len()];
         for d in 0..rt.instances.len() as u32 {
             if rt.instances[d as usize].pulled {
                 continue;
@@ -979,7 +1003,7 @@ impl RuleEngine {
                 }
                 for u in rt.instances[x as usize].units.clone() {
                     if matches!(rt.units[u as usize].kind, UnitKind::Get | UnitKind::Timer) {
-                        rt.subs[u as usize].push(d);
+                        subs[u as usize].push(d);
                     }
                 }
                 for &r in &rt.instances[x as usize].refs {
@@ -987,8 +1011,8 @@ impl RuleEngine {
                         stack.push(r);
                     } else {
                         let root = rt.instances[r as usize].root as usize;
-                        if !rt.subs[root].contains(&d) {
-                            rt.subs[root].push(d);
+                        if !subs[root].contains(&d) {
+                            subs[root].push(d);
                         }
                     }
                 }
@@ -1012,7 +1036,7 @@ impl RuleEngine {
             rt.fires[t].extend(def.actions.iter().cloned().map(Fire::Action));
         }
         rt.sampled = (0..rt.units.len() as u32)
-            .filter(|&u| rt.units[u as usize].kind == UnitKind::Get && !rt.subs[u as usize].is_empty())
+            .filter(|&u| rt.units[u as usize].kind == UnitKind::Get && !subs[u as usize].is_empty())
             .collect();
         rt.timers = (0..rt.units.len() as u32).filter(|&u| rt.units[u as usize].kind == UnitKind::Timer).collect();
         for &t in &rt.timers {
@@ -1020,6 +1044,12 @@ impl RuleEngine {
                 next_due.get_or_insert(now + std::time::Duration::from_nanos(*period));
             }
         }
+        rt.sub_at = Vec::with_capacity(subs.len() + 1);
+        for list in &subs {
+            rt.sub_at.push(rt.sub_list.len() as u32);
+            rt.sub_list.extend_from_slice(list);
+        }
+        rt.sub_at.push(rt.sub_list.len() as u32);
         self.rt = rt;
         self.queued = vec![0; self.rt.instances.len()];
 
@@ -1051,11 +1081,11 @@ impl RuleEngine {
             let rt = &mut self.rt;
             let after = &rt.hot[root as usize].value;
             let emitted = &mut rt.emitted[i as usize];
-            if after == emitted {
+            if same_output(after, emitted) {
                 continue;
             }
             assign(emitted, after);
-            for &s in &rt.subs[root as usize] {
+            for &s in subscribers(&rt.sub_at, &rt.sub_list, root as usize) {
                 schedule(&mut self.queued, &mut self.next, &mut heap, &rt.ranks, s, false);
             }
             let fires = &rt.fires[i as usize];
@@ -1090,7 +1120,7 @@ impl RuleEngine {
         }) {
             return false;
         }
-        let value = compute_stateless(hot.op, inputs, &rt.hot);
+        let value = stateless(hot.op, inputs, &rt.hot);
         let hot = &mut rt.hot[u as usize];
         hot.value = value;
         hot.epoch = epoch;
@@ -1176,7 +1206,7 @@ impl RuleEngine {
         let inputs = &rt.edges[first..first + hot.n_inputs as usize];
         let value = match hot.op {
             Op::Cache | Op::Stateful => return self.eval_stateful(u, triggered, now, env),
-            op => compute_stateless(op, inputs, &rt.hot),
+            op => stateless(op, inputs, &rt.hot),
         };
         let hot = &mut rt.hot[u as usize];
         hot.value = value;
@@ -1203,6 +1233,21 @@ impl RuleEngine {
                 w.unit.clone_from(&rt.units[u as usize].key);
             }
         }
+    }
+}
+
+/// The instances evaluated when unit `u` emits (see `Runtime::sub_list`).
+#[inline(always)]
+fn subscribers<'a>(at: &[u32], list: &'a [u32], u: usize) -> &'a [u32] {
+    &list[at[u] as usize..at[u + 1] as usize]
+}
+
+/// [`compute_stateless`], with the most common hop, a Forwarder, inlined.
+#[inline(always)]
+fn stateless(op: Op, inputs: &[u32], hot: &[Hot]) -> Option<Value> {
+    match (op, inputs) {
+        (Op::Forwarder, &[x]) => dup(&hot[x as usize].value),
+        (op, inputs) => compute_stateless(op, inputs, hot),
     }
 }
 

@@ -502,6 +502,32 @@ pub(crate) fn assign(dst: &mut Option<Value>, src: &Option<Value>) {
     }
 }
 
+/// `v.clone()`, inlined: the scalars are copied without a call.
+#[inline(always)]
+pub(crate) fn dup(v: &Option<Value>) -> Option<Value> {
+    match v {
+        None => None,
+        Some(Value::Bool(b)) => Some(Value::Bool(*b)),
+        Some(Value::U64(x)) => Some(Value::U64(*x)),
+        Some(Value::I64(x)) => Some(Value::I64(*x)),
+        Some(Value::F64(x)) => Some(Value::F64(*x)),
+        Some(Value::Str(s)) => Some(Value::Str(s.clone())),
+    }
+}
+
+/// `a == b` (exactly, as `PartialEq`: not [`same`]), inlined for the scalars.
+#[inline]
+pub(crate) fn same_output(a: &Option<Value>, b: &Option<Value>) -> bool {
+    match (a, b) {
+        (None, None) => true,
+        (Some(Value::U64(x)), Some(Value::U64(y))) => x == y,
+        (Some(Value::F64(x)), Some(Value::F64(y))) => x == y,
+        (Some(Value::Bool(x)), Some(Value::Bool(y))) => x == y,
+        (Some(Value::I64(x)), Some(Value::I64(y))) => x == y,
+        _ => a == b,
+    }
+}
+
 /// Truth of a value: true, a non-zero number, a non-empty string.
 pub fn truthy(v: &Value) -> bool {
     match v {
@@ -710,7 +736,7 @@ pub(crate) fn compute_stateless(op: Op, inputs: &[u32], hot: &[Hot]) -> Option<V
     let input = |i: usize| inputs.get(i).and_then(|&u| hot[u as usize].value.as_ref());
     let number = |i: usize| input(i).and_then(num);
     match op {
-        Op::Forwarder => input(0).cloned(),
+        Op::Forwarder => dup(inputs.first().map_or(&None, |&u| &hot[u as usize].value)),
         Op::Less => Some(Value::Bool(number(0)? < number(1)?)),
         Op::Greater => Some(Value::Bool(number(0)? > number(1)?)),
         Op::Equal => Some(Value::Bool(same(input(0)?, input(1)?))),

@@ -1252,8 +1252,8 @@ fn stateless(op: Op, inputs: &[u32], hot: &[Hot]) -> Option<Value> {
 }
 
 /// Puts instance `i` in the wave (`triggered`: by a trigger, so its sets write): as `next` while it is the only
-/// one, else in the heap by rank. An instance already queued only gains the flag.
-#[inline]
+/// one (a chain of events), else in the heap by rank. An instance already queued only gains the flag.
+#[inline(always)]
 fn schedule(
     queued: &mut [u8],
     next: &mut Option<u32>,
@@ -1268,10 +1268,17 @@ fn schedule(
     if !first {
         return;
     }
-    if heap.is_empty() && next.is_none() {
+    if next.is_none() && heap.is_empty() {
         *next = Some(i);
         return;
     }
+    schedule_in_heap(next, heap, ranks, i);
+}
+
+/// [`schedule`] when more than one instance waits: they all go in the heap.
+#[cold]
+#[inline(never)]
+fn schedule_in_heap(next: &mut Option<u32>, heap: &mut BinaryHeap<Reverse<(u32, u32)>>, ranks: &[u32], i: u32) {
     if let Some(n) = next.take() {
         heap.push(Reverse((ranks[n as usize], n)));
     }

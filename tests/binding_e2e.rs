@@ -7,8 +7,9 @@
 //!
 //! Each test copies its lab file with a name unique to this process, absolute paths to the stack templates and
 //! helper scripts, and its own `--state-dir`; a guard runs `lab down --all` on that state folder when dropped.
-//! Privileged: skipped with a printed reason when not root (see [`common::privileged`]). Ignored by default: with
-//! the debug build's data plane the flows do not reach their rates; run them against the release build.
+//! Privileged: skipped with a printed reason when not root (see [`common::privileged`]). They pace real flows at
+//! 5-10 Mbit/s, which the optimized data plane does (`cargo test --profile ci`, as scripts/test.sh runs the suite;
+//! about 35 s for both); a debug build's data plane may not, and then they fail on timing.
 
 mod common;
 
@@ -81,7 +82,6 @@ impl Drop for Lab {
 }
 
 #[test]
-#[ignore = "timing: the debug data plane is too slow for 5-10 Mbit/s pacing; run `cargo test --release --test binding_e2e -- --ignored`"]
 fn handoff_late_binding_loses_at_most_two_packets_early_binding_its_fifo() {
     if !privileged("handoff_late_binding_loses_at_most_two_packets_early_binding_its_fifo") {
         return;
@@ -97,17 +97,36 @@ fn handoff_late_binding_loses_at_most_two_packets_early_binding_its_fifo() {
     assert!(out.status.success(), "handoff_results.py: {}", text(&out));
     let s: Json = serde_json::from_slice(&out.stdout).expect("JSON summary");
     let f = |host: &str, key: &str| s[host][key].as_f64().unwrap_or_else(|| panic!("{host}.{key} in {s}"));
+    for host in ["late", "early"] {
+        eprintln!(
+            "{host}: lost below the binding point {} (held before {}), link drop {}, throughput {:.2} -> {:.2} Mbit/s \
+             (ratio {:.2}), retransmissions in 3 s {}",
+            f(host, "lost_below_binding_point"),
+            f(host, "held_below_binding_point_before_handoff"),
+            f(host, "link_dropped_at_down"),
+            f(host, "throughput_before_mbit"),
+            f(host, "throughput_after_mbit"),
+            f(host, "throughput_ratio"),
+            f(host, "retransmissions_after_handoff"),
+        );
+    }
     assert_eq!(f("late", "device_queue"), 2.0);
     assert_eq!(f("early", "device_queue"), 2.0);
+    // Acceptance: late binding with a 2-packet device buffer loses at most 2 packets at the handoff (the one not
+    // yet started and the one on the wire, at most).
     let (late, early) = (f("late", "lost_below_binding_point"), f("early", "lost_below_binding_point"));
     assert!(late <= 2.0, "late binding lost {late} packets below the binding point");
-    // Early binding loses its FIFO: whatever TCP had queued on wlan (a standing queue of tens of packets or more).
-    assert!(early >= 10.0 && early > late + 8.0, "early binding lost {early}, late {late}");
+    // Early binding loses what its FIFO and device queue held. They were sampled up to 100 ms before the handoff;
+    // in 100 ms the 5 Mbit/s link drains about 43 full-size packets and TCP refills the queue at most as fast,
+    // so the loss is within 45 of that sample. TCP keeps a standing queue of tens of packets or more.
+    let held = f("early", "held_below_binding_point_before_handoff");
+    assert!(early >= 10.0 && (early - held).abs() <= 45.0, "early binding lost {early}, held {held} before");
     for host in ["late", "early"] {
-        let (before, after) = (f(host, "throughput_before_mbit"), f(host, "throughput_after_mbit"));
-        assert!(before > 2.5, "{host}: {before} Mbit/s before the handoff");
-        // The flow continues over lte: the 2 s after the first one after the handoff carry data too.
-        let late_bins: f64 = s[host]["throughput_bins"]
+        // Both flows filled their 5 Mbit/s uplink before the handoff (payload is 94 % of the bytes on the wire).
+        let before = f(host, "throughput_before_mbit");
+        assert!(before >= 4.0, "{host}: {before} Mbit/s before the handoff");
+        // The flow continues over lte: 8-10 s (the 2 s after the first one after the handoff) carry data too.
+        let later: f64 = s[host]["throughput_bins"]
             .as_array()
             .expect("bins")
             .iter()
@@ -116,8 +135,11 @@ fn handoff_late_binding_loses_at_most_two_packets_early_binding_its_fifo() {
             .map(|(_, v)| v)
             .sum::<f64>()
             / 20.0;
-        assert!(late_bins > 2.5, "{host}: {late_bins} Mbit/s from 8 to 10 s (after {after} in the first second)");
+        assert!(later >= 3.0, "{host}: {later} Mbit/s from 8 to 10 s");
     }
+    // Acceptance: the late-binding flow keeps at least 80 % of its throughput in the second after the handoff.
+    let ratio = f("late", "throughput_ratio");
+    assert!(ratio >= 0.8, "late binding: throughput after / before the handoff {ratio}");
 }
 
 /// The queue delays (ms: marker to urgent at the receiver minus the sender's own marker-to-urgent time) a
@@ -133,7 +155,6 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 #[test]
-#[ignore = "timing: the debug data plane is too slow for 5-10 Mbit/s pacing; run `cargo test --release --test binding_e2e -- --ignored`"]
 fn urgent_packets_wait_only_for_the_device_buffer_with_late_binding() {
     if !privileged("urgent_packets_wait_only_for_the_device_buffer_with_late_binding") {
         return;
@@ -153,9 +174,16 @@ fn urgent_packets_wait_only_for_the_device_buffer_with_late_binding() {
     let early: Vec<f64> = early.into_iter().flatten().collect();
     assert!(late.len() >= 9 && early.len() >= 5, "urgent packets lost: late {late:?}, early {early:?}");
     let (ml, me) = (median(late.clone()), median(early.clone()));
-    // Late: 2 packets of the device buffer and the one in transmission, 1.17 ms each at 10 Mbit/s, plus 1 ms (and
-    // 2 ms of slack for a loaded two-core machine).
-    assert!(ml <= 1.0 + 3.0 * 1.17 + 2.0, "late binding: median {ml} ms ({late:?})");
-    // Early: behind the burst in the FIFO, hundreds of ms.
-    assert!(me > 100.0 && me > 20.0 * ml, "early binding: median {me} ms vs late {ml} ms ({early:?})");
+    eprintln!("urgent queue delay, median of 10: late {ml:.2} ms, early {me:.2} ms");
+    // Acceptance: median <= 1 ms + the transmission time of the packets below the binding point: the 2 of the
+    // device buffer (the one on the wire included), and, as the report's bound does, one more the emulated link
+    // may still be sending, at 1.17 ms each (1428 + 38 bytes at 10 Mbit/s). The delay is the receiver's
+    // marker-to-urgent time minus the sender's own, so the scheduling of the python sender and the daemons on a
+    // loaded two-core machine adds noise of a few ms either way (p10 to p90 about -0.5 to 8 ms in the committed
+    // experiment): 2 ms of slack on the median of 10.
+    let bound = 1.0 + 3.0 * 1.17;
+    assert!(ml <= bound + 2.0, "late binding: median {ml} ms > {bound} + 2 ms ({late:?})");
+    // Early binding: the urgent packet waits behind the whole burst in the interface's FIFO (1,000 packets of
+    // 1.17 ms: 1.17 s, less the sender's own marker-to-urgent time of tens of ms).
+    assert!(me >= 900.0, "early binding: median {me} ms ({early:?})");
 }

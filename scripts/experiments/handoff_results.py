@@ -58,6 +58,15 @@ def sender(path):
     return rows
 
 
+def held_before(m, lb, handoff):
+    """wlan.queue_len + wlan.device_queue_len in the last meter sample before `handoff` (None: not sampled)."""
+    def before(name):
+        v = [x for t, x in m.get(lb + name, []) if t < handoff]
+        return v[-1] if v else None
+    fifo, dev = before("wlan.queue_len"), before("wlan.device_queue_len")
+    return None if fifo is None or dev is None else fifo + dev
+
+
 def summarize(results, handoff):
     m = meters(os.path.join(results, "meters.csv"))
     prog = os.path.join(results, "programs")
@@ -96,6 +105,9 @@ def summarize(results, handoff):
             "link_dropped_at_down": last(m.get(f"link.{host}-{ap}.ab.drop_down_total", []), 0),
             "queued_before_handoff": max((v for t, v in m.get(lb + "queued", []) if handoff - 0.3 <= t < handoff),
                                          default=None),
+            # Below the binding point in the last sample before the handoff: early binding's FIFO (queue_len) and,
+            # for both, the device queue; what early binding can be expected to lose.
+            "held_below_binding_point_before_handoff": held_before(m, lb, handoff),
             "retransmissions_after_handoff": retrans_at(handoff + 3.0) - retrans_at(handoff),
             "retransmissions_total": snd[-1]["total_retrans"] if snd else None,
             "srtt_ms_before_handoff": (sum(flow_rtt) / len(flow_rtt) / 1000) if flow_rtt else None,

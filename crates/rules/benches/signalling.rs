@@ -12,11 +12,15 @@
 //! - **event(N)**: the same chain without the trigger (so it is pushed). One traversal is
 //!   `RuleEngine::handle_meter_changed("bench.x", new value)`: the get emits, f1 is evaluated and emits, ... up
 //!   to fN.
-//! - **call(N)**: the reference: N stages in one `Vec<Forward>`, each `forward(&mut self, v: Value) -> Value`
+//! - **call(N)**: a reference: N stages in one `Vec<Forward>`, each `forward(&mut self, v: Value) -> Value`
 //!   (never inlined) storing the value as its output and returning a copy (what a Forwarder does), called in a
-//!   loop with a new value per traversal: one plain function call per hop. A first version used
-//!   `Vec<Box<dyn Stage>>` (one heap box per stage); under load from other processes its cost per hop swung
-//!   from 10 to 28 ns between runs, the contiguous vector is the steadier, and the harder, reference.
+//!   loop with a new value per traversal: one plain function call per hop, the value passed along by value.
+//! - **callref(N)**: the other reference: N outputs in one `Vec<Option<Value>>`; hop k is one never-inlined
+//!   `forward_from(out: &mut Option<Value>, input: &Option<Value>)` that stores a copy of output k-1 as output
+//!   k, which is what a Forwarder unit does (read its input's output, keep a copy as its own).
+//!   Both references are real calls per hop (one `call` instruction per stage in the loop, checked with
+//!   objdump) and `black_box` keeps the outputs live, so the chain cannot fold into a constant. The ratios use
+//!   the cheaper of the two per hop (the harder reference).
 //!
 //! **Per hop** is `cost(N) / N`, as the paper plots it; **marginal per hop** is `(cost(1000) - cost(1)) / 999`,
 //! which leaves out the fixed cost of a traversal (the environment read, starting a wave). The ratios are
@@ -57,6 +61,12 @@ impl Forward {
     }
 }
 
+/// Hop k of `callref`: output k becomes a copy of output k - 1.
+#[inline(never)]
+fn forward_from(out: &mut Option<Value>, input: &Option<Value>) {
+    out.clone_from(input);
+}
+
 /// One configuration: runs `traverse` repeatedly for a slice and returns ns per traversal.
 trait Config {
     fn traverse(&mut self, k: u64);
@@ -89,6 +99,21 @@ impl Config for Event {
 
 struct Call {
     stages: Vec<Forward>,
+}
+
+struct CallRef {
+    outs: Vec<Option<Value>>,
+}
+
+impl Config for CallRef {
+    fn traverse(&mut self, k: u64) {
+        self.outs[0] = Some(Value::U64(k));
+        for i in 1..self.outs.len() {
+            let (done, rest) = self.outs.split_at_mut(i);
+            forward_from(&mut rest[0], &done[i - 1]);
+        }
+        black_box(&self.outs);
+    }
 }
 
 impl Config for Call {
@@ -127,7 +152,7 @@ fn profile(args: &[String]) {
     let n: usize = args.get(1).and_then(|a| a.parse().ok()).unwrap_or(1000);
     let traversals: u64 = args.get(2).and_then(|a| a.parse().ok()).unwrap_or(1000);
     let mut configs = build(&[n]);
-    let (_, _, c) = configs.iter_mut().find(|(k, _, _)| k == kind).expect("kind is query, event or call");
+    let (_, _, c) = configs.iter_mut().find(|(k, _, _)| k == kind).expect("kind is query, event, call or callref");
     for k in 1..=traversals {
         c.traverse(k);
     }
@@ -149,6 +174,8 @@ fn build(hops: &[usize]) -> Vec<(String, usize, Box<dyn Config>)> {
         configs.push(("event".into(), n, Box::new(Event { engine: e, env })));
         let stages: Vec<Forward> = (0..n).map(|_| Forward { out: None }).collect();
         configs.push(("call".into(), n, Box::new(Call { stages })));
+        // Output 0 is the source (the meter), outputs 1..=n the n hops.
+        configs.push(("callref".into(), n, Box::new(CallRef { outs: vec![None; n + 1] })));
     }
     configs
 }
@@ -193,22 +220,40 @@ fn main() {
     };
     println!("rule signalling benchmark: ns per traversal of a chain of N Forwarder units (median of {rounds} rounds)");
     println!(
-        "{:>6} {:>12} {:>12} {:>12} | {:>9} {:>9} {:>9} | {:>7} {:>7}",
-        "N", "query", "event", "call", "query/hop", "event/hop", "call/hop", "q ratio", "e ratio"
+        "{:>6} {:>10} {:>10} {:>10} {:>10} | {:>9} {:>9} {:>9} {:>9} | {:>7} {:>7}",
+        "N",
+        "query",
+        "event",
+        "call",
+        "callref",
+        "query/hop",
+        "event/hop",
+        "call/hop",
+        "cref/hop",
+        "q ratio",
+        "e ratio"
     );
     for &n in &HOPS {
-        let (q, e, c) = (cost("query", n), cost("event", n), cost("call", n));
+        let (q, e, c, r) = (cost("query", n), cost("event", n), cost("call", n), cost("callref", n));
         let h = n as f64;
+        let reference = c.min(r);
         println!(
-            "{n:>6} {q:>12.1} {e:>12.1} {c:>12.1} | {:>9.2} {:>9.2} {:>9.2} | {:>7.2} {:>7.2}",
+            "{n:>6} {q:>10.1} {e:>10.1} {c:>10.1} {r:>10.1} | {:>9.2} {:>9.2} {:>9.2} {:>9.2} | {:>7.2} {:>7.2}",
             q / h,
             e / h,
             c / h,
-            q / c,
-            e / c
+            r / h,
+            q / reference,
+            e / reference
         );
     }
     let slope = |kind: &str| (cost(kind, 1000) - cost(kind, 1)) / 999.0;
-    let (q, e, c) = (slope("query"), slope("event"), slope("call"));
-    println!("marginal per hop (N 1 -> 1000): query {q:.2} ns, event {e:.2} ns, call {c:.2} ns; ratios query {:.2}, event {:.2} (target <= {TARGET})", q / c, e / c);
+    let (q, e, c, r) = (slope("query"), slope("event"), slope("call"), slope("callref"));
+    let reference = c.min(r);
+    println!(
+        "marginal per hop (N 1 -> 1000): query {q:.2} ns, event {e:.2} ns, call {c:.2} ns, callref {r:.2} ns; \
+         ratios to the cheaper reference: query {:.2}, event {:.2} (target <= {TARGET})",
+        q / reference,
+        e / reference
+    );
 }

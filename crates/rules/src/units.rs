@@ -941,6 +941,32 @@ mod tests {
     }
 
     #[test]
+    fn inline_copies_and_comparisons_agree_with_clone_and_eq() {
+        let values = [
+            None,
+            Some(Value::Bool(true)),
+            Some(Value::Bool(false)),
+            Some(Value::U64(7)),
+            Some(Value::U64(8)),
+            Some(Value::I64(-7)),
+            Some(Value::F64(7.0)),
+            Some(Value::F64(f64::NAN)),
+            Some(Value::Str("bbr".into())),
+            Some(Value::Str("cubic".into())),
+        ];
+        for a in &values {
+            // NaN is not equal to itself: compare the copies by their Debug text.
+            assert_eq!(format!("{:?}", dup(a)), format!("{a:?}"));
+            for b in &values {
+                assert_eq!(same_output(a, b), a == b, "{a:?} vs {b:?}");
+                let mut dst = b.clone();
+                assign(&mut dst, a);
+                assert_eq!(format!("{dst:?}"), format!("{a:?}"));
+            }
+        }
+    }
+
+    #[test]
     fn adopt_keeps_state_of_the_same_kind_and_trims_to_the_new_window() {
         let mut old = Core::new(UnitKind::History, &Param::Window(Window::Samples(4)));
         if let Core::History { samples, .. } = &mut old {

@@ -29,19 +29,17 @@ import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "clients", "python"))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.join(HERE, "..", "..", "clients", "python")]
 from flexstack_app import App, Refused  # noqa: E402
+from tcp_bulk import U32_FIELDS  # noqa: E402
 
 ALGORITHMS = ("reno", "cubic", "bbr")
 
-# struct tcp_info (linux/tcp.h): 8 one-byte fields, 24 32-bit fields, then (offset 104) the 64-bit counters
-# pacing_rate, max_pacing_rate, bytes_acked, bytes_received, six 32-bit fields (segs_out ... data_segs_out),
-# delivery_rate, busy_time, rwnd_limited, sndbuf_limited, two 32-bit fields (delivered, delivered_ce), bytes_sent,
-# bytes_retrans (kernel >= 4.19).
-U32_FIELDS = ["rto", "ato", "snd_mss", "rcv_mss", "unacked", "sacked", "lost", "retrans", "fackets",
-              "last_data_sent", "last_ack_sent", "last_data_recv", "last_ack_recv", "pmtu", "rcv_ssthresh",
-              "rtt", "rttvar", "snd_ssthresh", "snd_cwnd", "advmss", "reordering", "rcv_rtt", "rcv_space",
-              "total_retrans"]
+# struct tcp_info (linux/tcp.h): 8 one-byte fields, the 24 32-bit fields tcp_bulk.py reads (U32_FIELDS), then
+# (offset 104) the 64-bit counters pacing_rate, max_pacing_rate, bytes_acked, bytes_received, six 32-bit fields
+# (segs_out ... data_segs_out), delivery_rate, busy_time, rwnd_limited, sndbuf_limited, two 32-bit fields
+# (delivered, delivered_ce), bytes_sent, bytes_retrans (kernel >= 4.19).
 TAIL = struct.Struct("<4Q6I4Q2I2Q")
 TAIL_FIELDS = ["pacing_rate", "max_pacing_rate", "bytes_acked", "bytes_received", "segs_out", "segs_in",
                "notsent_bytes", "min_rtt", "data_segs_in", "data_segs_out", "delivery_rate", "busy_time",

@@ -412,6 +412,15 @@ pub enum ConfigCmd {
 /// Runs the command line; returns the process exit code (0 ok, 1 refused or failed, 3 no daemon).
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
+    let long_running = matches!(
+        &cli.command,
+        Command::Daemon(_)
+            | Command::Run(_)
+            | Command::Lab(LabCmd::Run { .. } | LabCmd::Up { .. } | LabCmd::Exec { .. } | LabCmd::Down { .. })
+    );
+    if !long_running {
+        crate::sys::default_sigpipe();
+    }
     let filter = tracing_subscriber::EnvFilter::try_from_env("FLEXSTACK_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());

@@ -62,3 +62,15 @@ fn set_packet_option(fd: BorrowedFd<'_>, name: libc::c_int, value: libc::c_int) 
         Err(io::Error::last_os_error())
     }
 }
+
+/// Restores the default action of SIGPIPE (terminate quietly), which the Rust runtime sets to "ignore": a command
+/// whose output goes to a pipe that closed early (`flexstack monitor ... | head`) then ends as other Unix tools do,
+/// instead of panicking in `println!`. Only for commands that do nothing but talk and print: the daemon and the
+/// lab runner keep SIGPIPE ignored, so that a peer closing a socket is an error they handle, not their death.
+pub fn default_sigpipe() {
+    // SAFETY: SIG_DFL is a valid disposition for SIGPIPE; called once at startup before any other thread exists,
+    // so nothing races with the change.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}

@@ -74,8 +74,7 @@ impl DataPlane {
             let origin = Instant::now();
             switch.set_profiler(Some(Box::new(move || u64::try_from(origin.elapsed().as_nanos()).unwrap_or(u64::MAX))));
             let _ = reg_tx.send(switch.registry());
-            Loop { switch, origin, rx, epoll, wake: thread_wake, timer, faces: Vec::new(), generation: u64::MAX }
-                .run();
+            Loop { switch, origin, rx, epoll, wake: thread_wake, timer, faces: Vec::new(), generation: u64::MAX }.run();
         })?;
         let registry = reg_rx.recv().map_err(|_| std::io::Error::other("data plane did not start"))?;
         Ok(DataPlane { tx, wake, registry, thread: Some(thread) })

@@ -24,8 +24,9 @@
 //!
 //! **Per hop** is `cost(N) / N`, as the paper plots it; **marginal per hop** is `(cost(1000) - cost(1)) / 999`,
 //! which leaves out the fixed cost of a traversal (the environment read, starting a wave). The ratios are
-//! engine per hop / call per hop. Each configuration runs for 10 slices of 20 ms per round, in 5 rounds; within a
-//! round the slices of all configurations are interleaved; every figure is the median over rounds.
+//! engine per hop / per hop of the cheaper reference. Each configuration runs for 10 slices of 20 ms per round,
+//! in 5 rounds; within a round the slices of all configurations are interleaved; every figure is the median
+//! over rounds.
 
 use flexstack_core::{Time, Value};
 use flexstack_rules::{MemoryEnv, RuleEngine};

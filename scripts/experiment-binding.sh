@@ -6,8 +6,9 @@
 #   sudo SEEDS="1 2" BUFFERS="2 50" scripts/experiment-binding.sh
 #
 # Needs root (namespaces, veth pairs), python3 and a release build (made here). Runs from the repository's root;
-# every lab run's results folder is kept under $WORK (printed). Runtime: about 16 s per handoff run and 48 s per
-# urgent run (defaults: 12 + 4 runs, ~6.5 min).
+# every lab run's results folder is kept under $WORK (printed). Runtime: about 16 s per handoff run and 90 s per
+# urgent run (defaults: 12 + 4 runs, ~9.5 min). The machine's load (uptime) before and after goes into the page:
+# run it at a quiet moment, the labs pace real flows.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ "$(id -u)" = 0 ] || { echo "experiment-binding: needs root (network namespaces)" >&2; exit 1; }
@@ -21,6 +22,19 @@ echo "experiment-binding: building (release)"
 cargo build --release -q
 mkdir -p "$WORK" "$OUT"
 echo "experiment-binding: results under $WORK"
+load_now() { # "load average 0.42, 1.10, 2.00 (1, 5, 15 min)" from /proc/loadavg
+  read -r l1 l5 l15 _ < /proc/loadavg
+  echo "load average $l1, $l5, $l15 (1, 5, 15 min)"
+}
+load_start=$(load_now)
+started_at=$(date -u +%Y-%m-%dT%H:%MZ)
+labs_from=$SECONDS
+load_max=0 # the highest 1-minute load average seen after a lab run
+note_load() {
+  local l1
+  read -r l1 _ < /proc/loadavg
+  load_max=$(awk -v a="$load_max" -v b="$l1" 'BEGIN { print (b > a ? b : a) }')
+}
 
 # A copy of a lab file with a unique name (labs are named globally by their namespaces), a seed, and absolute
 # stack paths (the copy lives elsewhere).
@@ -40,7 +54,8 @@ run_lab() { # FILE RESULTS
     grep FAILED "$2/timeline.csv" >&2
     return 1
   fi
-  echo "  done in $((SECONDS - started)) s"
+  note_load
+  echo "  done in $((SECONDS - started)) s (load $(cut -d' ' -f1 /proc/loadavg))"
 }
 
 total=0
@@ -62,6 +77,10 @@ for b in $BUFFERS; do
   echo "experiment-binding: [$n/$total] urgent, device buffer $b (50 repetitions)"
   run_lab "$WORK/urgent-b$b.toml" "$WORK/urgent-b$b"
 done
+load_end=$(load_now)
 python3 scripts/experiments/binding_report.py "$WORK" "$OUT" \
-  --command "sudo SEEDS=\"$SEEDS\" BUFFERS=\"$BUFFERS\" scripts/experiment-binding.sh"
+  --command "sudo SEEDS=\"$SEEDS\" BUFFERS=\"$BUFFERS\" scripts/experiment-binding.sh" \
+  --load "$(nproc) cores ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)); run from $started_at, \
+$(((SECONDS - labs_from) / 60)) min; at the start $load_start, at the end $load_end, highest 1-min load after a lab \
+$load_max"
 echo "experiment-binding: wrote $OUT/late-binding.md"

@@ -17,6 +17,10 @@ import os
 import re
 import statistics
 
+# The urgent-packet labs' wlan rate (labs/urgent-b*.toml, bw = 20) and one 1428-byte packet's transmission time
+# there with the 38 bytes of Ethernet overhead the stack templates model.
+URGENT_RATE_BPS = 20e6
+PACKET_MS = (1428 + 38) * 8 / URGENT_RATE_BPS * 1000
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
 
 
@@ -135,6 +139,7 @@ def main():
     ap.add_argument("work")
     ap.add_argument("out")
     ap.add_argument("--command", required=True)
+    ap.add_argument("--load", help="the machine's load while the labs ran, as text for the page")
     args = ap.parse_args()
     handoff = {}  # (mode, buffer) -> [summary]
     for p in sorted(glob.glob(os.path.join(args.work, "handoff-b*-s*/summary.json"))):
@@ -158,7 +163,9 @@ def main():
           "Reproduces the experiments of the late-binding paper (Figures 4, 5 and 7) with flexstack's "
           "`late-binding` and `early-binding` modules (docs/binding.md) in lab runs (labs/handoff-b*.toml, "
           "labs/urgent-b*.toml; stack templates stacks/lab-late-binding.toml and stacks/lab-early-binding.toml).",
-          "", "Regenerate (root, ~7 min with the defaults):", "", "```sh", args.command, "```", ""]
+          "", "Regenerate (root, ~13 min with the defaults):", "", "```sh", args.command, "```", ""]
+    if args.load:
+        md += [f"Machine: {args.load}", ""]
     # ---------------- handoff
     if handoff:
         seeds = max(len(v) for v in handoff.values())
@@ -222,15 +229,16 @@ def main():
         md += ["## Urgent packets (Figure 7)", "",
                "Per repetition the sender (an app on the stacked host) sends a marker packet, a burst of 1,000 bulk "
                "UDP packets (1428 bytes each) and one urgent packet (DSCP EF); the receiver on the other end of "
-               "the wlan link (10 Mbit/s, 2 ms) timestamps them in the kernel (SO_TIMESTAMPNS) and reports the "
+               f"the wlan link ({URGENT_RATE_BPS / 1e6:.0f} Mbit/s, 2 ms) timestamps them in the kernel (SO_TIMESTAMPNS) and reports the "
                "marker-to-urgent delay; 50 repetitions 1.6 s apart in one lab run, `late` and `early` side by "
                "side. The python sender needs tens of ms to hand the burst to its socket (the kernel in the "
                "paper's setup: about 1 ms), so the urgent packet carries the sender's own marker-to-urgent time "
                "and the receiver subtracts it: **queue delay** = received delay - sender's gap, the delay the "
                "stack and the link added; **raw** = the received delay itself. A packet of 1428 bytes takes "
-               "1.17 ms at 10 Mbit/s with the modelled 38 bytes of Ethernet overhead; **bound** = 1 ms + (device "
-               "buffer + 1) x 1.17 ms (the device buffer plus the packet in transmission); the acceptance target "
-               "for late binding is a median queue delay within it.", "",
+               f"{PACKET_MS:.3f} ms at {URGENT_RATE_BPS / 1e6:.0f} Mbit/s with the modelled 38 bytes of Ethernet "
+               f"overhead; **bound** = 1 ms + (device buffer + 1) x {PACKET_MS:.3f} ms (the packets in the modelled "
+               "device queue, the one on the wire included, and one more the emulated link may still be "
+               "sending); the acceptance target for late binding is a median queue delay within it.", "",
                "| binding | device buffer | repetitions | urgent received | median queue delay (ms) | p10 | p90 "
                "| max | median raw (ms) | bound (ms) |",
                "|---|---|---|---|---|---|---|---|---|---|"]
@@ -244,7 +252,7 @@ def main():
                 raw = sorted(x[0] for x in d if x is not None)
                 q = lambda p: got[min(len(got) - 1, int(p * len(got)))] if got else float("nan")
                 med = statistics.median(got) if got else float("nan")
-                bound = 1 + (b + 1) * (1428 + 38) * 8 / 10e6 * 1000
+                bound = 1 + (b + 1) * PACKET_MS
                 md.append(f"| {mode} | {b} | {len(d)} | {len(got)} | {med:.2f} | {q(0.1):.2f} | {q(0.9):.2f} | "
                           f"{(got[-1] if got else float('nan')):.2f} | "
                           f"{(statistics.median(raw) if raw else float('nan')):.2f} | {bound:.2f} |")

@@ -1,20 +1,45 @@
 #!/usr/bin/env bash
-# Emulator cost benchmark (issue 4, "the emulator's own cost"): iperf3 TCP throughput h1 -> h2, median of RUNS runs
-# of SECS seconds, all in the same run:
-#   (a) over a plain veth pair between h1 and h2 (reference, kernel defaults: TSO/GSO on);
-#   (a') the same veth pair with gso_max_segs 1 (MTU-sized frames only, as on the emulated link; for scale);
-#   (b) through a flexstack emulated link with no impairment, built as the lab builds it: h1 and h2 each joined by a
-#       veth pair to the host, whose host ends a flexstack daemon (release build) owns with `packet` faces
-#       (take_over = false) and bridges through one `emulator` per direction. The namespace ends use
-#       gso_max_segs 1: the faces carry whole frames, so TCP must hand the veth MTU-sized frames.
-# Prints the medians and the ratio (b)/(a) (issue target >= 0.7). Needs root and iperf3.
+# Emulator benchmark (issue 4): the emulator's own cost, and the highest rate it emulates faithfully. Needs root,
+# iperf3, ping, python3 and bc. Everything runs in one invocation, so the figures compare like with like.
+#
+# The emulated link is built as the lab builds it: h1 and h2 are each joined by a veth pair to the host; a flexstack
+# daemon (release build) owns the host ends with `packet` faces (take_over = false) and bridges them through one
+# `emulator` per direction (a -> e_ab -> b, b -> e_ba -> a). The veths keep the kernel's offloads (TSO/GSO): the
+# faces carry GSO super-frames whole (MetaKey::GSO) and the emulator charges its rate per on-wire segment.
+#
+# Part 1, cost: iperf3 TCP h1 -> h2, SECS seconds, median of RUNS runs, (a) over a plain veth pair between h1 and h2
+# (the reference, kernel defaults) and (b) over the emulated link with no impairment (all knobs at their
+# defaults). Printed: both medians and the ratio (b)/(a) (issue target >= 0.7).
+#
+# Part 2, the highest rate emulated faithfully. Method, on the same emulated link:
+#   1. Path RTT: the median RTT of PINGS pings h1 -> h2 (interval 10 ms), no delay, no rate, no load (the median:
+#      one ping delayed by another program on the machine should not move the reference).
+#   2. For each R in RATES (Mbit/s): both emulators get delay_ms = DELAY and rate_mbit = R (queue_packets at its
+#      default, 1000). iperf3 TCP h1 -> h2 runs for SECS + 2 s, its sender paced to 90 % of R (--fq-rate, TCP's
+#      own pacing; PACE_PCT changes the 90); after 1 s of ramp-up, PINGS pings h1 -> h2 at 10 ms intervals
+#      measure the mean RTT under that load.
+#      Around the pings the script reads both emulators' wire_wait_ns_s_total: its increase over the elapsed time
+#      is W, the mean time a packet arriving at a random moment waits for the wire in the emulator's model (the
+#      expected queueing; pings are sent independently of the queue's state, so they meet that mean).
+#   3. Expected RTT = path RTT + 2 * DELAY + W(e_ab) + W(e_ba) + the ping's own serialization at R in both
+#      directions (98 bytes on the wire each way). Delay error = mean RTT under load - expected RTT: the delay the
+#      emulator added that its model did not (frames waiting in socket buffers before it sees them, late releases,
+#      write delays), or took away.
+#   4. Each R is measured RUNS times; the median error is reported with the median iperf3 throughput. R is
+#      emulated faithfully when |median error| < 1 ms, no ping was lost and iperf3 carried at least 95 % of the
+#      offered 90 % of R. The answer is the highest such R (the steps are not required to be contiguous).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${RUNS:-3}
 SECS=${SECS:-5}
+PINGS=${PINGS:-200}
+DELAY=${DELAY:-10}
+RATES=${RATES:-100 500 1000 2000 4000}
 [[ $(id -u) == 0 ]] || { echo "bench-emulator: needs root (namespaces, veth, AF_PACKET)" >&2; exit 1; }
-command -v iperf3 >/dev/null || { echo "bench-emulator: needs iperf3 (scripts/setup.sh)" >&2; exit 1; }
-cargo build --release --quiet
+for c in iperf3 ping python3 bc; do
+  command -v $c >/dev/null || { echo "bench-emulator: needs $c (scripts/setup.sh)" >&2; exit 1; }
+done
+[[ -n ${NO_BUILD:-} ]] || cargo build --release --quiet   # NO_BUILD=1: use target/release/flexstack as it is
 fs=$PWD/target/release/flexstack
 tag=fse$$
 h1=${tag}h1 h2=${tag}h2
@@ -33,34 +58,30 @@ trap cleanup EXIT INT TERM
 ip netns add "$h1"; ip netns add "$h2"
 ip -n "$h1" link set lo up; ip -n "$h2" link set lo up
 
-median() { sort -n | awk '{a[NR]=$1} END {print (NR%2) ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2}'; }
+median() { sort -g | awk '{a[NR]=$1} END {print (NR%2) ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2}'; }
+gbps() { python3 -c 'import json,sys; print(json.load(sys.stdin)["end"]["sum_received"]["bits_per_second"]/1e9)'; }
 measure() { # $1 = server address; prints Gbit/s of each run, one per line
   ip netns exec "$h2" iperf3 -s -D -p 5299 -I "$state/iperf.pid" >/dev/null
   sleep 0.3
   for _ in $(seq "$RUNS"); do
-    ip netns exec "$h1" iperf3 -c "$1" -p 5299 -t "$SECS" -J |
-      python3 -c 'import json,sys; print(json.load(sys.stdin)["end"]["sum_received"]["bits_per_second"]/1e9)'
+    ip netns exec "$h1" iperf3 -c "$1" -p 5299 -t "$SECS" -J | gbps
   done
   kill "$(cat "$state/iperf.pid")" 2>/dev/null || true
   sleep 0.3
 }
-plain_veth() { # $@ = extra link options for both ends; prints the median Gbit/s
-  ip link add ${tag}v "$@" type veth peer name ${tag}w "$@"
-  ip link set ${tag}v netns "$h1"; ip link set ${tag}w netns "$h2"
-  ip -n "$h1" addr add 10.203.5.1/24 dev ${tag}v; ip -n "$h1" link set ${tag}v up
-  ip -n "$h2" addr add 10.203.5.2/24 dev ${tag}w; ip -n "$h2" link set ${tag}w up
-  measure 10.203.5.2 | median
-  ip -n "$h1" link del ${tag}v
-}
 
-# (a) and (a'): plain veth pairs.
-veth=$(plain_veth)
-veth1=$(plain_veth gso_max_segs 1)
+# (a) a plain veth pair.
+ip link add ${tag}v type veth peer name ${tag}w
+ip link set ${tag}v netns "$h1"; ip link set ${tag}w netns "$h2"
+ip -n "$h1" addr add 10.203.5.1/24 dev ${tag}v; ip -n "$h1" link set ${tag}v up
+ip -n "$h2" addr add 10.203.5.2/24 dev ${tag}w; ip -n "$h2" link set ${tag}w up
+veth=$(measure 10.203.5.2 | median)
+ip -n "$h1" link del ${tag}v
 
 # (b) the emulated link.
 for side in a:1:"$h1" b:2:"$h2"; do
   IFS=: read -r x n ns <<<"$side"
-  ip link add ${tag}$x gso_max_segs 1 type veth peer name ${tag}p$n gso_max_segs 1
+  ip link add ${tag}$x type veth peer name ${tag}p$n
   echo 1 > /proc/sys/net/ipv6/conf/${tag}$x/disable_ipv6
   ip link set ${tag}$x up
   ip link set ${tag}p$n netns "$ns"
@@ -85,15 +106,74 @@ kind = "emulator"
 TOML
 FLEXSTACK_LOG=warn "$fs" daemon --stack "$state/link.toml" --state-dir "$state/d" 2>"$state/daemon.log" &
 daemon=$!
-for _ in $(seq 100); do "$fs" --state-dir "$state/d" status >/dev/null 2>&1 && break; sleep 0.05; done
+fsc() { "$fs" --state-dir "$state/d" "$@"; }
+for _ in $(seq 100); do fsc status >/dev/null 2>&1 && break; sleep 0.05; done
 ip netns exec "$h1" ping -c 1 -W 2 10.204.5.2 >/dev/null || { cat "$state/daemon.log" >&2; exit 1; }
 emu=$(measure 10.204.5.2 | median)
-drops=$("$fs" --state-dir "$state/d" get 'module.*.drop_*' 'module.*.tx_errors_total' | awk 'NR > 1 && $2 != 0' || true)
+frames=$(fsc get module.e_ab.frames_total | awk '$1 == "module.e_ab.frames_total" {print $2}')
+wire=$(fsc get module.e_ab.wire_packets_total | awk '$1 == "module.e_ab.wire_packets_total" {print $2}')
+drops=$(fsc get 'module.*.drop_*' 'module.*.tx_errors_total' | awk 'NR > 1 && $2 != 0' || true)
 
-printf 'emulator cost benchmark: iperf3 TCP h1 -> h2, median of %s runs of %s s (Gbit/s)\n' "$RUNS" "$SECS"
+printf 'emulator cost: iperf3 TCP h1 -> h2, median of %s runs of %s s (Gbit/s)\n' "$RUNS" "$SECS"
 printf '  plain veth (reference)                      %6.2f\n' "$veth"
-printf '  plain veth, gso_max_segs 1                  %6.2f\n' "$veth1"
-printf '  flexstack emulated link, no impairment      %6.2f   ratio to veth %.2f (target >= 0.7), to veth gso_max_segs 1 %.2f\n' \
-  "$emu" "$(echo "$emu / $veth" | bc -l)" "$(echo "$emu / $veth1" | bc -l)"
+printf '  flexstack emulated link, no impairment      %6.2f   ratio to veth %.2f (target >= 0.7)\n' \
+  "$emu" "$(echo "$emu / $veth" | bc -l)"
+printf '  (e_ab: %s frames carried %s on-wire packets, %.1f per frame)\n' "$frames" "$wire" \
+  "$(echo "$wire / $frames" | bc -l)"
 [[ -n "$drops" ]] && printf 'non-zero drop/error meters on the emulated link:\n%s\n' "$drops"
+
+# Part 2.
+meter() { fsc get "module.$1.wire_wait_ns_s_total" | awk -v n="module.$1.wire_wait_ns_s_total" '$1 == n {print $2}'; }
+set_both() { for e in e_ab e_ba; do fsc set "module.$e.$1" "$2" >/dev/null; done; }
+pings() { # prints the mean RTT in ms, the median, then the number of replies
+  ip netns exec "$h1" ping -n -c "$PINGS" -i 0.01 -W 2 10.204.5.2 |
+    awk -F'time=' 'NF == 2 {split($2, t, " "); print t[1]}' | sort -g |
+    awk '{a[NR] = $1; s += $1} END {if (NR == 0) {print "nan"; print "nan"; print 0; exit}
+         print s / NR; print (NR % 2) ? a[(NR+1)/2] : (a[NR/2] + a[NR/2+1]) / 2; print NR}'
+}
+read -r -d '' base_out < <(pings) || true
+base=$(sed -n 2p <<<"$base_out")
+ip netns exec "$h2" iperf3 -s -D -p 5298 -I "$state/iperf2.pid" >/dev/null
+sleep 0.3
+set_both delay_ms "$DELAY"
+printf '\nhighest rate emulated faithfully: delay %s ms each way, load iperf3 TCP paced to 90 %% of R, %s pings per run,\n' \
+  "$DELAY" "$PINGS"
+printf 'path RTT %.3f ms; median of %s runs per R\n' "$base" "$RUNS"
+printf '  %8s %11s %11s %11s %9s %8s %10s  %s\n' "R Mbit/s" "RTT ms" "expect ms" "W ms" "error ms" "lost" \
+  "iperf Mb/s" "faithful"
+best=none
+for r in $RATES; do
+  set_both rate_mbit "$r"
+  errs=() tputs=() lines=()
+  lost_total=0
+  for _ in $(seq "$RUNS"); do
+    pace=$(echo "$r * ${PACE_PCT:-90} / 100" | bc)
+    ip netns exec "$h1" iperf3 -c 10.204.5.2 -p 5298 -t $((SECS + 2)) --fq-rate "${pace}M" -J >"$state/load.json" &
+    load=$!
+    sleep 1
+    w0=$(( $(meter e_ab) + $(meter e_ba) )); t0=$(date +%s.%N)
+    read -r -d '' out < <(pings) || true
+    w1=$(( $(meter e_ab) + $(meter e_ba) )); t1=$(date +%s.%N)
+    wait "$load" || true
+    rtt=$(sed -n 1p <<<"$out"); rx=$(sed -n 3p <<<"$out")
+    lost_total=$((lost_total + PINGS - rx))
+    # W in ms: (ns * s) / s / 1e6; the ping's serialization: 98 bytes * 8 / (R * 1e6) s, both ways, in ms.
+    w=$(echo "($w1 - $w0) / ($t1 - $t0) / 1000000" | bc -l)
+    expect=$(echo "$base + 2 * $DELAY + $w + 2 * 98 * 8 / ($r * 1000)" | bc -l)
+    errs+=("$(echo "$rtt - $expect" | bc -l)")
+    tputs+=("$(gbps <"$state/load.json" | awk '{print $1 * 1000}')")
+    lines+=("$rtt $expect $w")
+  done
+  err=$(printf '%s\n' "${errs[@]}" | median)
+  tput=$(printf '%s\n' "${tputs[@]}" | median)
+  rtt=$(printf '%s\n' "${lines[@]}" | awk '{print $1}' | median)
+  expect=$(printf '%s\n' "${lines[@]}" | awk '{print $2}' | median)
+  w=$(printf '%s\n' "${lines[@]}" | awk '{print $3}' | median)
+  ok=$(echo "e = $err; if (e < 0) e = -e; e < 1 && $tput >= 0.95 * 0.9 * $r && $lost_total == 0" | bc -l)
+  verdict=no; [[ $ok == 1 ]] && { verdict=yes; best=$r; }
+  printf '  %8s %11.3f %11.3f %11.3f %9.3f %8s %10.1f  %s   (errors: %s)\n' "$r" "$rtt" "$expect" "$w" "$err" \
+    "$lost_total" "$tput" "$verdict" "$(printf '%.3f ' "${errs[@]}")"
+done
+kill "$(cat "$state/iperf2.pid")" 2>/dev/null || true
+printf 'highest R emulated faithfully (|delay error| < 1 ms, no ping lost, load carried): %s Mbit/s\n' "$best"
 exit 0

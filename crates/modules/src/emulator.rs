@@ -66,8 +66,10 @@
 //!   `wire_wait_ns_s_total` (ns × s): the integral over time of the wire backlog (how long a packet arriving then
 //!   would wait before it starts on the wire), up to the last call; read twice, its increase divided by the
 //!   seconds between gives the mean wait a packet arriving at a random moment in between meets in the model.
-//!   `scripts/bench-emulator.sh` subtracts it from measured delays to find the emulator's own delay error. Every
-//!   drop also goes through [`Output::drop_frame`].
+//!   `scripts/bench-emulator.sh` subtracts it from measured delays to find the emulator's own delay error.
+//!   `late_ns_total` (ns) sums how late each released frame left (the time of the call that emitted it minus its
+//!   release time): the part of that error due to the module being called late. Every drop also goes through
+//!   [`Output::drop_frame`].
 //!
 //! No state is handed over on `module replace`: held frames are lost with the old module.
 
@@ -125,7 +127,7 @@ const F64_KNOBS: [(&str, &str, &str, f64, f64); 10] = [
     ("corrupt_pct", "%", "data frames with one bit flipped", 0.0, 100.0),
 ];
 
-const METERS: [(&str, &str, &str); 13] = [
+const METERS: [(&str, &str, &str); 14] = [
     ("frames_total", "frames", "frames arrived"),
     ("delivered_total", "frames", "frames released on `out`"),
     ("queued", "frames", "frames held now"),
@@ -144,6 +146,7 @@ const METERS: [(&str, &str, &str); 13] = [
         "integral over time of the wire backlog: its increase over an interval divided by the interval in s is \
          the mean wait of a packet arriving at a random moment",
     ),
+    ("late_ns_total", "ns", "sum over released frames of how late they left (now - release time)"),
 ];
 
 impl Config {
@@ -266,6 +269,7 @@ impl ModuleBuilder for EmulatorBuilder {
             sizes: Vec::new(),
             wire_wait: vars.meter("wire_wait_ns_s_total"),
             wire_wait_sum: 0.0,
+            late: vars.meter("late_ns_total"),
             integrated_until: Time::ZERO,
         })
     }
@@ -351,6 +355,7 @@ pub struct Emulator {
     /// Integral of the wire backlog up to `integrated_until`, in ns × s.
     wire_wait_sum: f64,
     integrated_until: Time,
+    late: Meter,
 }
 
 fn ms_to_ns(ms: f64) -> f64 {
@@ -542,15 +547,17 @@ impl Emulator {
 
     /// Step 6: emits every frame due by `now`.
     fn release(&mut self, now: Time, out: &mut Output<'_>) {
-        let (mut n, mut bytes) = (0u64, 0u64);
+        let (mut n, mut bytes, mut late) = (0u64, 0u64, 0u64);
         while self.held.front().is_some_and(|(t, _)| *t <= now) {
-            let (_, frame) = self.held.pop_front().expect("front exists");
+            let (t, frame) = self.held.pop_front().expect("front exists");
+            late += now.0 - t.0;
             n += 1;
             bytes += frame.len() as u64;
             out.emit(0, frame);
         }
         self.delivered.add(n);
         self.bytes.add(bytes);
+        self.late.add(late);
     }
 
     /// Adds the wire backlog's integral from the last call up to `now` (before anything changes the wire).
@@ -767,6 +774,12 @@ mod tests {
         assert_eq!(u64_var(&sw, "module.e.bytes_delivered_total"), 8 * 60);
         assert_eq!(u64_var(&sw, "module.e.queued"), 0);
         assert_eq!(sw.next_wakeup(), None);
+        assert_eq!(u64_var(&sw, "module.e.late_ns_total"), 0, "every frame left on time");
+        // Called 300 µs after the release time: both frames count as 300 µs late.
+        drop(log);
+        send(&mut sw, Time::from_millis(200), 100, 2, 60);
+        sw.run(Time::from_millis(200) + d + std::time::Duration::from_micros(300));
+        assert_eq!(u64_var(&sw, "module.e.late_ns_total"), 2 * 300_000);
     }
 
     #[test]

@@ -31,6 +31,20 @@ impl Time {
     }
 }
 
+/// Writes a whole number of nanoseconds in the largest unit that divides it exactly: `5s`, `250ms`, `20us`, `7ns`.
+/// The lab's durations and the rule language read these back.
+pub fn format_nanos(ns: u64) -> String {
+    if ns.is_multiple_of(1_000_000_000) {
+        format!("{}s", ns / 1_000_000_000)
+    } else if ns.is_multiple_of(1_000_000) {
+        format!("{}ms", ns / 1_000_000)
+    } else if ns.is_multiple_of(1_000) {
+        format!("{}us", ns / 1_000)
+    } else {
+        format!("{ns}ns")
+    }
+}
+
 impl Add<Duration> for Time {
     type Output = Time;
     fn add(self, rhs: Duration) -> Time {

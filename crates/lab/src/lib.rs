@@ -33,7 +33,7 @@
 //!   `host` into that stacked host's daemon. This crate reads no file: the runner checks that the rule file exists
 //!   and that its text checks before it creates anything.
 //!
-//! Durations are strings: a non-negative decimal number and a unit, `us`, `ms`, `s`, `m` or `h` (`"250ms"`, `"6s"`,
+//! Durations are strings: a non-negative decimal number and a unit, `ns`, `us`, `ms`, `s`, `m` or `h` (`"250ms"`, `"6s"`,
 //! `"1.5s"`, `"2m"`); see [`parse_duration`]. Unknown keys are rejected everywhere.
 //!
 //! # Determinism
@@ -312,7 +312,7 @@ pub struct Event {
     pub location: Location,
 }
 
-/// Parses a duration: a non-negative decimal number and a unit, `us`, `ms`, `s`, `m` or `h` (`"1.5s"`).
+/// Parses a duration: a non-negative decimal number and a unit, `ns`, `us`, `ms`, `s`, `m` or `h` (`"1.5s"`).
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let t = text.trim();
     let bad = || format!("expected a duration like \"250ms\", \"6s\", \"1.5s\" or \"2m\", got {text:?}");
@@ -322,6 +322,7 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).ok_or_else(bad)?;
     let (number, unit) = t.split_at(split);
     let unit_ns: u128 = match unit {
+        "ns" => 1,
         "us" => 1_000,
         "ms" => 1_000_000,
         "s" => 1_000_000_000,
@@ -348,18 +349,9 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
     Ok(Duration::new(secs, (ns % 1_000_000_000) as u32))
 }
 
-/// Formats a duration as [`parse_duration`] reads it back (`"1.5s"`, `"250ms"`).
+/// Formats a duration as [`parse_duration`] reads it back (`"250ms"`, `"6s"`, `"7ns"`).
 pub fn format_duration(d: Duration) -> String {
-    let ns = d.as_nanos();
-    if ns.is_multiple_of(1_000_000_000) {
-        format!("{}s", ns / 1_000_000_000)
-    } else if ns.is_multiple_of(1_000_000) {
-        format!("{}ms", ns / 1_000_000)
-    } else if ns.is_multiple_of(1_000) {
-        format!("{}us", ns / 1_000)
-    } else {
-        format!("{}s", d.as_secs_f64())
-    }
+    flexstack_core::time::format_nanos(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
 }
 
 type DeTable<'i> = toml::de::DeTable<'i>;

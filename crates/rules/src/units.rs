@@ -253,17 +253,9 @@ pub fn quote(s: &str) -> String {
     out
 }
 
-/// Shows a duration as a literal.
+/// Shows a duration as a literal (`200ms`).
 pub fn show_nanos(ns: u64) -> String {
-    if ns.is_multiple_of(1_000_000_000) {
-        format!("{}s", ns / 1_000_000_000)
-    } else if ns.is_multiple_of(1_000_000) {
-        format!("{}ms", ns / 1_000_000)
-    } else if ns.is_multiple_of(1_000) {
-        format!("{}us", ns / 1_000)
-    } else {
-        format!("{ns}ns")
-    }
+    flexstack_core::time::format_nanos(ns)
 }
 
 impl Node {

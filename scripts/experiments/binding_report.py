@@ -238,7 +238,10 @@ def main():
                f"{PACKET_MS:.3f} ms at {URGENT_RATE_BPS / 1e6:.0f} Mbit/s with the modelled 38 bytes of Ethernet "
                f"overhead; **bound** = 1 ms + (device buffer + 1) x {PACKET_MS:.3f} ms (the packets in the modelled "
                "device queue, the one on the wire included, and one more the emulated link may still be "
-               "sending); the acceptance target for late binding is a median queue delay within it.", "",
+               "sending); the acceptance target for late binding is a median queue delay within it. Queue delays "
+               "below 0 are the measurement's noise: the sender, the daemons and the receivers share the "
+               "machine's cores while the burst is written, so the marker itself can reach the receiver a few ms "
+               "late, which shortens the measured marker-to-urgent time.", "",
                "| binding | device buffer | repetitions | urgent received | median queue delay (ms) | p10 | p90 "
                "| max | median raw (ms) | bound (ms) |",
                "|---|---|---|---|---|---|---|---|---|---|"]

@@ -44,14 +44,15 @@ def nice_ticks(lo, hi, n=6):
     return out
 
 
-def line_plot(path, title, xlabel, ylabel, series, logx=False, vline=None, step=False):
-    """series: [(label, [(x, y)], dashed)]. Writes an SVG of 760 x 420."""
+def line_plot(path, title, xlabel, ylabel, series, logx=False, vline=None, step=False, floor=1e-9):
+    """series: [(label, [(x, y)], dashed)]. Writes an SVG of 760 x 420. With logx, x values below `floor` are
+    drawn at `floor`."""
     W, H, L, R, T, B = 760, 420, 70, 200, 40, 50
     xs = [x for _, pts, _ in series for x, _ in pts]
     ys = [y for _, pts, _ in series for _, y in pts]
     if not xs:
         xs, ys = [0, 1], [0, 1]
-    fx = (lambda v: math.log10(max(v, 1e-9))) if logx else (lambda v: v)
+    fx = (lambda v: math.log10(max(v, floor))) if logx else (lambda v: v)
     x0, x1 = min(fx(x) for x in xs), max(fx(x) for x in xs)
     if logx:
         x0, x1 = math.floor(x0), math.ceil(x1)
@@ -264,7 +265,8 @@ def main():
                                    [(x, (i + 1) / len(got)) for i, x in enumerate(got)], mode == "early"))
         md.append("")
         line_plot(os.path.join(args.out, "fig7-urgent-cdf.svg"), "CDF of the urgent packet's queue delay (marker to urgent)",
-                  "queue delay (ms, log scale)", "fraction of repetitions", series, logx=True, step=True)
+                  "queue delay (ms, log scale; 0.1 ms and less drawn at 0.1)", "fraction of repetitions", series,
+                  logx=True, step=True, floor=0.1)
         md += ["![urgent CDF](fig7-urgent-cdf.svg)", ""]
     md += ["## How it is measured", "",
            "- scripts/experiment-binding.sh copies each lab file with a unique name and a seed, runs it with "

@@ -37,7 +37,7 @@ RUNS=${RUNS:-3}
 SECS=${SECS:-5}
 PINGS=${PINGS:-200}
 DELAY=${DELAY:-10}
-RATES=${RATES:-100 500 1000 2000 4000}
+RATES=${RATES:-100 500 1000 2000 4000 6000 8000}
 [[ $(id -u) == 0 ]] || { echo "bench-emulator: needs root (namespaces, veth, AF_PACKET)" >&2; exit 1; }
 for c in iperf3 ping python3 bc; do
   command -v $c >/dev/null || { echo "bench-emulator: needs $c (scripts/setup.sh)" >&2; exit 1; }

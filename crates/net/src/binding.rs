@@ -323,21 +323,24 @@ impl Hdr {
 ///
 /// `nat` has a fuller rewriter (ports, echo identifiers) that is private to it; this one changes an address only.
 fn rewrite_address(buf: &mut [u8], h: &Hdr, src: bool, new: &[u8]) {
-    let at = match (h.v6, src) {
-        (false, true) => 12,
-        (false, false) => 16,
-        (true, true) => 8,
-        (true, false) => 24,
-    };
-    let len = new.len();
-    if len != if h.v6 { 16 } else { 4 } || at + len > buf.len() || buf[at..at + len] == *new {
+    match (h.v6, <[u8; 4]>::try_from(new), <[u8; 16]>::try_from(new)) {
+        (false, Ok(a), _) => rewrite_address_n(buf, h, if src { 12 } else { 16 }, a),
+        (true, _, Ok(a)) => rewrite_address_n(buf, h, if src { 8 } else { 24 }, a),
+        _ => {}
+    }
+}
+
+/// [`rewrite_address`] for an address of `N` bytes at offset `at`: with the length known, the comparison and the
+/// copies are plain loads and stores (a slice of variable length cost a memcmp and a memcpy call per packet).
+fn rewrite_address_n<const N: usize>(buf: &mut [u8], h: &Hdr, at: usize, new: [u8; N]) {
+    let Some(field) = buf.get_mut(at..at + N) else { return };
+    let Ok(old) = <[u8; N]>::try_from(&*field) else { return };
+    if old == new {
         return;
     }
-    let mut old = [0u8; 16];
-    old[..len].copy_from_slice(&buf[at..at + len]);
-    buf[at..at + len].copy_from_slice(new);
+    field.copy_from_slice(&new);
     if !h.v6 {
-        let c = checksum::update(u16::from_be_bytes([buf[10], buf[11]]), &old[..4], new);
+        let c = checksum::update(u16::from_be_bytes([buf[10], buf[11]]), &old, &new);
         buf[10..12].copy_from_slice(&c.to_be_bytes());
     }
     let ck_at = match h.protocol {
@@ -353,7 +356,7 @@ fn rewrite_address(buf: &mut [u8], h: &Hdr, src: bool, new: &[u8]) {
     if h.protocol == proto::UDP && c == 0 {
         return;
     }
-    let mut c = checksum::update(c, &old[..len], new);
+    let mut c = checksum::update(c, &old, &new);
     if h.protocol == proto::UDP && c == 0 {
         c = 0xffff;
     }
@@ -725,6 +728,7 @@ impl ModuleBuilder for BindingBuilder {
             queued: 0,
             queued_bytes: 0,
             next_sweep: None,
+            downs_pending: false,
             flow_specs: flow_specs(),
         })
     }
@@ -903,6 +907,8 @@ pub struct Binding {
     queued: u64,
     queued_bytes: u64,
     next_sweep: Option<Time>,
+    /// Some interface's `pending_down` is set.
+    downs_pending: bool,
     flow_specs: Vec<VarSpec>,
     meters: Meters,
     drops: ParseDrops,
@@ -1057,8 +1063,9 @@ impl Binding {
             let len = if hdr.v6 { 16 } else { 4 };
             rewrite_address(pkt.make_mut(), &hdr, true, &new[..len]);
         }
-        pkt.meta_mut().set(MetaKey::OUT_FACE, k as u64);
-        pkt.meta_mut().set(MetaKey::CLASS, class as u64);
+        let meta = pkt.meta_mut();
+        meta.set(MetaKey::OUT_FACE, k as u64);
+        meta.set(MetaKey::CLASS, class as u64);
         let len = pkt.len() as u64;
         iface.m.bound_packets.add(1);
         iface.m.bound_bytes.add(len);
@@ -1099,6 +1106,9 @@ impl Binding {
 
     /// Applies interface downs written since the last call: the device queue (and, early, the FIFO) is lost.
     fn apply_downs(&mut self, now: Time, out: &mut Output<'_>) {
+        if !std::mem::take(&mut self.downs_pending) {
+            return;
+        }
         for k in 0..self.ifaces.len() {
             if !std::mem::take(&mut self.ifaces[k].pending_down) {
                 continue;
@@ -1465,6 +1475,7 @@ impl Module for Binding {
                     ("up", Value::Bool(v)) => {
                         if c.up && !*v {
                             iface.pending_down = true;
+                            self.downs_pending = true;
                         }
                         c.up = *v;
                     }

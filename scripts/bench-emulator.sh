@@ -31,6 +31,10 @@
 #   4. Each R is measured RUNS times; the median error is reported with the median iperf3 throughput. R is
 #      emulated faithfully when |median error| < 1 ms, no ping was lost and iperf3 carried at least 95 % of the
 #      offered 90 % of R. The answer is the highest such R (the steps are not required to be contiguous).
+#
+# PERF_OUT=FILE records a perf profile (perf record -g) of the daemon during part 1 (b) into FILE.
+# PARTS="1" runs part 1 only (PARTS="1 2" by default). The machine's load average is printed before and after:
+# these machines are shared, and a busy neighbour moves both figures (compare the ratio, measured in one run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${RUNS:-3}
@@ -38,6 +42,7 @@ SECS=${SECS:-5}
 PINGS=${PINGS:-200}
 DELAY=${DELAY:-10}
 RATES=${RATES:-100 500 1000 2000 4000 6000 8000}
+PARTS=${PARTS:-1 2}
 [[ $(id -u) == 0 ]] || { echo "bench-emulator: needs root (namespaces, veth, AF_PACKET)" >&2; exit 1; }
 for c in iperf3 ping python3 bc; do
   command -v $c >/dev/null || { echo "bench-emulator: needs $c (scripts/setup.sh)" >&2; exit 1; }
@@ -78,6 +83,7 @@ measure() { # $1 = server address; prints Gbit/s of each run, one per line
   sleep 0.3
 }
 
+load_before=$(cut -d' ' -f1-3 /proc/loadavg)
 # (a) a plain veth pair.
 ip link add ${tag}v type veth peer name ${tag}w
 ip link set ${tag}v netns "$h1"; ip link set ${tag}w netns "$h2"
@@ -117,7 +123,13 @@ daemon=$!
 fsc() { "$fs" --state-dir "$state/d" "$@"; }
 for _ in $(seq 100); do fsc status >/dev/null 2>&1 && break; sleep 0.05; done
 ip netns exec "$h1" ping -c 1 -W 2 10.204.5.2 >/dev/null || { cat "$state/daemon.log" >&2; exit 1; }
+perf_pid=
+if [[ -n ${PERF_OUT:-} ]]; then
+  perf record -q -g -o "$PERF_OUT" -p "$daemon" 2>/dev/null &
+  perf_pid=$!
+fi
 emu=$(measure 10.204.5.2 | median)
+if [[ -n "$perf_pid" ]]; then kill -INT "$perf_pid"; wait "$perf_pid" || true; fi
 frames=$(fsc get module.e_ab.frames_total | awk '$1 == "module.e_ab.frames_total" {print $2}')
 wire=$(fsc get module.e_ab.wire_packets_total | awk '$1 == "module.e_ab.wire_packets_total" {print $2}')
 drops=$(fsc get 'module.*.drop_*' 'module.*.tx_errors_total' | awk 'NR > 1 && $2 != 0' || true)
@@ -129,6 +141,8 @@ printf '  flexstack emulated link, no impairment      %6.2f   ratio to veth %.2f
 printf '  (e_ab: %s frames carried %s on-wire packets, %.1f per frame)\n' "$frames" "$wire" \
   "$(echo "$wire / $frames" | bc -l)"
 [[ -n "$drops" ]] && printf 'non-zero drop/error meters on the emulated link:\n%s\n' "$drops"
+printf '  (load average before: %s; after: %s)\n' "$load_before" "$(cut -d' ' -f1-3 /proc/loadavg)"
+[[ " $PARTS " == *" 2 "* ]] || exit 0
 
 # Part 2.
 snap() { # prints the sums over both emulators of wire_wait_ns_s_total, late_ns_total and delivered_total

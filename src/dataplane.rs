@@ -156,7 +156,8 @@ impl Loop {
         let mut events = vec![EpollEvent::empty(); 64];
         let mut ready: Vec<usize> = Vec::new();
         let mut batch: Batch = Vec::with_capacity(READ_BATCH);
-        let mut buf: Vec<u8> = Vec::new();
+        // The pooled packet the next read goes into (kept when a read found nothing).
+        let mut spare: Option<flexstack_core::Packet> = None;
         let mut meta = flexstack_core::frame::Metadata::default();
         loop {
             // Commands first: they are applied between batches, never inside one.
@@ -180,17 +181,23 @@ impl Loop {
                 let Some((index, dev)) = self.faces.get(k).cloned() else { continue };
                 let pool = self.switch.pool().clone();
                 while batch.len() < READ_BATCH {
-                    match dev.read_frame(&mut buf, &mut meta) {
+                    // Read straight into a pooled buffer: no copy, and a buffer that held a large frame is not
+                    // zeroed again (PacketPool::alloc_for_overwrite; the device sets the length it read).
+                    let mut p = spare.take().unwrap_or_else(|| pool.alloc_for_overwrite());
+                    match dev.read_frame(p.make_mut(), &mut meta) {
                         Ok(true) => {
-                            let mut p = pool.alloc_from(&buf);
                             p.set_direction(dev.direction());
                             if !meta.is_empty() {
                                 *p.meta_mut() = meta;
                             }
                             batch.push(Frame::Data(p));
                         }
-                        Ok(false) => break,
+                        Ok(false) => {
+                            spare = Some(p);
+                            break;
+                        }
                         Err(e) => {
+                            spare = Some(p);
                             tracing::debug!(device = dev.name(), error = %e, "read failed (counted)");
                             break;
                         }

@@ -19,8 +19,10 @@
 //!   interface are flushed and kernel IPv6 is disabled on it, so that only flexstack answers ARP and neighbour
 //!   discovery there; they are not restored), `queue`. Frames the kernel itself sends out on the interface are not
 //!   read back; frames are sent past the interface's queueing discipline (PACKET_QDISC_BYPASS). The socket uses
-//!   virtio-net headers (PACKET_VNET_HDR): a frame whose sender offloaded its transport checksum has it completed
-//!   here, so that modules see valid packets. A GSO super-frame (TCPv4, TCPv6, UDP_L4; e.g. up to 64 KiB of TCP
+//!   virtio-net headers (PACKET_VNET_HDR): a frame whose sender offloaded its transport checksum keeps it partial
+//!   and carries `MetaKey::CSUM_PARTIAL` (see there for the rule modules follow: `link` completes it, so the IP
+//!   modules behind it see complete checksums); writing a frame with the key hands it back with NEEDS_CSUM, so
+//!   that neither side sums the frame (up to 64 KiB). A GSO super-frame (TCPv4, TCPv6, UDP_L4; e.g. up to 64 KiB of TCP
 //!   from a veth peer) arrives whole, as one long packet whose segment size and header layout travel with it under
 //!   `MetaKey::GSO` (see there for what modules may do with such a packet); writing a packet that carries the key
 //!   hands it to the kernel as a GSO write (virtio-net header with NEEDS_CSUM and the pseudo-header sum in the
@@ -31,7 +33,7 @@
 //!   device's I/O), tx_packets_total, tx_bytes_total, drop_queue_full_total, device (the interface name).
 
 use flexstack_core::config::{ConfigError, Settings, SettingsReader};
-use flexstack_core::frame::{Gso, GsoKind, MetaKey, Metadata};
+use flexstack_core::frame::{CsumPartial, Gso, GsoKind, MetaKey, Metadata};
 use flexstack_core::module::port_type;
 use flexstack_core::vars::ModuleVars;
 use flexstack_core::{
@@ -341,9 +343,10 @@ impl FaceDevice for PacketDevice {
         use nix::sys::socket::{recvmsg, LinkAddr, MsgFlags};
         *meta = Metadata::default();
         let mut header = [0u8; VNET_HDR_LEN];
+        // Not cleared first: only the part beyond what `buf` already holds is zeroed (a pooled buffer that held a
+        // large frame is read into as it is; see PacketPool::alloc_for_overwrite).
+        buf.resize(MAX_FRAME, 0);
         loop {
-            buf.clear();
-            buf.resize(MAX_FRAME, 0);
             // The header and the frame are read into separate buffers: the frame is not moved afterwards.
             let mut iov = [std::io::IoSliceMut::new(&mut header), std::io::IoSliceMut::new(buf)];
             let result = recvmsg::<LinkAddr>(self.socket.as_raw_fd(), &mut iov, None, MsgFlags::MSG_DONTWAIT)
@@ -358,13 +361,21 @@ impl FaceDevice for PacketDevice {
                 Ok((n, _, _)) => {
                     buf.truncate(n - VNET_HDR_LEN);
                     let vnet = VnetHeader::decode(&header);
-                    vnet.complete_checksum(buf);
+                    // A checksum left to offload stays partial (MetaKey::CSUM_PARTIAL): summing up to 64 KiB here
+                    // was the largest single cost of the emulated link, and a frame written back as it came
+                    // never needs it (the kernel, or the peer's offloads, complete it).
+                    if let Some(partial) = vnet.partial_checksum(buf.len()) {
+                        meta.set(MetaKey::CSUM_PARTIAL, partial.pack());
+                    }
                     if let Some(gso) = vnet.gso(buf) {
                         meta.set(MetaKey::GSO, gso.pack());
                     }
                     let n = buf.len();
                     return finish_read(&self.common, buf, Ok(n));
                 }
+                // Nothing waiting: `buf` keeps its length (and stale bytes), so that the next read into it need
+                // not zero it again. Its content means nothing on Ok(false).
+                Err(nix::errno::Errno::EAGAIN) => return Ok(false),
                 Err(e) => return finish_read(&self.common, buf, Err(std::io::Error::from(e))),
             }
         }
@@ -381,7 +392,10 @@ impl FaceDevice for PacketDevice {
             let data = p.data();
             let sent = match Gso::of(p.meta()).and_then(|g| gso_write_parts(data, &g)) {
                 Some(w) => self.send(&[&w.header, &data[..w.field], &w.field_value, &data[w.field + 2..]]),
-                None => self.write_packet(data),
+                None => match CsumPartial::of(p.meta()).and_then(|c| partial_write_header(data.len(), c)) {
+                    Some(header) => self.send(&[&header, data]),
+                    None => self.write_packet(data),
+                },
             };
             if let Err(e) = sent {
                 result = Err(e);
@@ -430,22 +444,11 @@ impl VnetHeader {
         VnetHeader { flags: b[0], gso_type: b[1], gso_size: u16_at(4), csum_start: u16_at(6), csum_offset: u16_at(8) }
     }
 
-    /// Completes a transport checksum the frame's sender left to offload (csum_start and csum_offset count from
-    /// the frame's start).
-    fn complete_checksum(&self, frame: &mut [u8]) {
-        if self.flags & VNET_F_NEEDS_CSUM == 0 {
-            return;
-        }
-        let start = usize::from(self.csum_start);
-        let field = start + usize::from(self.csum_offset);
-        if field + 2 > frame.len() {
-            return;
-        }
-        // The field holds the pseudo-header sum: summing it with the rest gives the full checksum. tun-rs's sum
-        // (SIMD where the CPU has it) rather than flexstack_net's scalar one: a GSO frame is up to 64 KiB, and
-        // this sum was the largest single cost of the emulated link (22 % of the daemon's samples).
-        let c = !tun_rs::checksum(&frame[start..], 0);
-        frame[field..field + 2].copy_from_slice(&c.to_be_bytes());
+    /// Where the transport checksum the frame's sender left to offload is (csum_start and csum_offset count from
+    /// the frame's start); `None` when the checksum is complete, or the field lies beyond a frame of `len` bytes.
+    fn partial_checksum(&self, len: usize) -> Option<CsumPartial> {
+        let partial = CsumPartial { start: self.csum_start, offset: self.csum_offset };
+        (self.flags & VNET_F_NEEDS_CSUM != 0 && partial.field() + 2 <= len).then_some(partial)
     }
 
     /// The GSO description of `frame` if the header says it is a super-frame of a kind flexstack carries
@@ -539,6 +542,20 @@ fn gso_write_parts(frame: &[u8], gso: &Gso) -> Option<GsoWrite> {
     header[6..8].copy_from_slice(&gso.csum_start.to_le_bytes());
     header[8..10].copy_from_slice(&gso.kind.csum_offset().to_le_bytes());
     Some(GsoWrite { header, field, field_value })
+}
+
+/// The virtio_net_hdr of a frame of `len` bytes written whole with its partial checksum `partial` (NEEDS_CSUM:
+/// the kernel, or the receiver's offloads, complete it); `None` if the field lies beyond the frame (it is then
+/// written as it is, with a zero header).
+fn partial_write_header(len: usize, partial: CsumPartial) -> Option<[u8; VNET_HDR_LEN]> {
+    if partial.field() + 2 > len {
+        return None;
+    }
+    let mut header = [0u8; VNET_HDR_LEN];
+    header[0] = VNET_F_NEEDS_CSUM;
+    header[6..8].copy_from_slice(&partial.start.to_le_bytes());
+    header[8..10].copy_from_slice(&partial.offset.to_le_bytes());
+    Some(header)
 }
 
 /// Reads the setting both kinds share: the most frames waiting for the device.
@@ -798,7 +815,8 @@ mod tests {
         partial[74..76].copy_from_slice(&w.field_value);
         let pseudo = checksum::pseudo_header(ip6(&f[26..42]), ip6(&f[42..58]), 6, (f.len() - 58) as u32);
         assert_eq!(u16::from_be_bytes(w.field_value), !checksum::finish(pseudo));
-        vnet(VNET_F_NEEDS_CSUM, 4, 1428, 58, 16).complete_checksum(&mut partial);
+        let read = vnet(VNET_F_NEEDS_CSUM, 4, 1428, 58, 16).partial_checksum(partial.len()).expect("partial");
+        assert!(checksum::complete_partial_bytes(&mut partial, read));
         assert_eq!(u16::from_be_bytes([partial[74], partial[75]]), complete);
         assert_eq!(partial, f);
 
@@ -810,6 +828,21 @@ mod tests {
         assert!(gso_write_parts(&v4, &g).is_some_and(|w| w.field_value != gso_write_parts(&f, &g).unwrap().field_value));
         v4[18] = 0x75;
         assert_eq!(gso_write_parts(&v4, &g), None);
+    }
+
+    #[test]
+    fn a_partial_checksum_is_read_into_the_key_and_written_back_with_needs_csum() {
+        let f = tcp6_vlan_frame(100);
+        // Read: NEEDS_CSUM gives where the field is; no flag, or a field beyond the frame, gives none.
+        let partial = vnet(VNET_F_NEEDS_CSUM, 0, 0, 58, 16).partial_checksum(f.len());
+        assert_eq!(partial, Some(CsumPartial { start: 58, offset: 16 }));
+        assert_eq!(vnet(0, 0, 0, 58, 16).partial_checksum(f.len()), None);
+        assert_eq!(vnet(VNET_F_NEEDS_CSUM, 0, 0, 58, 16).partial_checksum(75), None);
+        // Write: the same place in a NEEDS_CSUM header, no GSO.
+        let header = partial_write_header(f.len(), partial.unwrap()).expect("a header");
+        assert_eq!(header, [VNET_F_NEEDS_CSUM, 0, 0, 0, 0, 0, 58, 0, 16, 0]);
+        assert_eq!(VnetHeader::decode(&header).partial_checksum(f.len()), partial, "read back the same");
+        assert_eq!(partial_write_header(75, partial.unwrap()), None);
     }
 
     #[test]

@@ -44,12 +44,63 @@ impl MetaKey {
     /// The packet is a GSO super-frame (several on-wire segments carried as one packet): a [`Gso`] packed with
     /// [`Gso::pack`]. Absent on ordinary packets.
     ///
-    /// The rule for modules: the packet's checksums are complete (as on an ordinary packet), so a module may parse
-    /// it and rewrite addresses or ports (updating checksums as usual) and keep the key; the face that writes it
+    /// The rule for modules: a module may parse it and rewrite addresses or ports (updating checksums as usual,
+    /// after completing a partial one, see [`MetaKey::CSUM_PARTIAL`]) and keep the key; the face that writes it
     /// recomputes the partial checksum the kernel expects. A module that changes the packet's length, its header
     /// lengths or the position of its IP header must either update the key or remove it (and then cut the packet
     /// into segments itself, or it cannot leave through a link of ordinary MTU).
     pub const GSO: MetaKey = MetaKey(7);
+    /// The packet's transport checksum is partial (Linux's CHECKSUM_PARTIAL, a virtio-net header's NEEDS_CSUM): a
+    /// [`CsumPartial`] packed with [`CsumPartial::pack`]. The field at `start + offset` holds only the sum of the
+    /// pseudo-header (folded, not complemented); the checksum over the bytes from `start` on is still to be added.
+    /// Absent on packets whose checksums are complete.
+    ///
+    /// A `packet` face sets it on what it reads from a sender that left its checksum to offload (e.g. TCP from a
+    /// veth peer), and writes such a packet back with NEEDS_CSUM, so that neither side sums up to 64 KiB per
+    /// frame. It therefore appears only on Ethernet frames from a link face.
+    ///
+    /// The rule for modules: a module that only moves, queues, counts, delays, drops, copies or records frames
+    /// keeps the key and the bytes as they are (a tap records the partial checksum, as a capture on the sending
+    /// host shows it). A module that reads or verifies a transport checksum, rewrites addresses, ports or lengths,
+    /// moves the IP header, quotes the packet, changes its bytes in a way the receiver should notice, or turns the
+    /// frame into something else first completes the checksum and removes the key with
+    /// `flexstack_net::checksum::complete_partial` (a no-op on packets without the key). The `link` module does it
+    /// for every frame it receives from the wire, so the IP modules behind it (ip, nat, firewall, icmp, classify,
+    /// binding ...) never see partial checksums; the emulator's `corrupt` does it before flipping a bit, as netem
+    /// does, so the receiver rejects the corrupted packet.
+    pub const CSUM_PARTIAL: MetaKey = MetaKey(8);
+}
+
+/// Where a partial transport checksum is, as carried under [`MetaKey::CSUM_PARTIAL`] (offsets count from the
+/// packet's first byte, as [`Gso`]'s).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CsumPartial {
+    /// Where the checksummed bytes start (the transport header).
+    pub start: u16,
+    /// Offset of the checksum field from `start` (TCP 16, UDP 6).
+    pub offset: u16,
+}
+
+impl CsumPartial {
+    /// The value stored under [`MetaKey::CSUM_PARTIAL`]: start in bits 0-15, offset in bits 16-31.
+    pub fn pack(self) -> u64 {
+        u64::from(self.start) | u64::from(self.offset) << 16
+    }
+
+    /// Reads a value packed by [`CsumPartial::pack`].
+    pub fn unpack(v: u64) -> CsumPartial {
+        CsumPartial { start: v as u16, offset: (v >> 16) as u16 }
+    }
+
+    /// The partial checksum description of `meta`, if it has one.
+    pub fn of(meta: &Metadata) -> Option<CsumPartial> {
+        meta.get(MetaKey::CSUM_PARTIAL).map(CsumPartial::unpack)
+    }
+
+    /// Where the checksum field is in the packet.
+    pub fn field(self) -> usize {
+        usize::from(self.start) + usize::from(self.offset)
+    }
 }
 
 /// What a GSO super-frame is, as carried under [`MetaKey::GSO`]: the fields of a `virtio_net_hdr` a face needs to
@@ -304,6 +355,25 @@ impl PacketPool {
             }
         };
         Packet { slot: Some(slot) }
+    }
+
+    /// A packet (direction up, no metadata) whose bytes are still those the slot held last (empty for a new slot),
+    /// for a reader that overwrites them and sets the length, e.g. a face reading a device straight into the
+    /// pool: a buffer that held a large packet is not cleared and zeroed again before each read. Stale bytes never
+    /// leave the data plane; the reader must set the length to what it read (or clear the packet).
+    pub fn alloc_for_overwrite(&self) -> Packet {
+        let reused = self.shared.free.borrow_mut().pop();
+        match reused {
+            Some(mut slot) => {
+                self.shared.reused.set(self.shared.reused.get() + 1);
+                if let Some(s) = Rc::get_mut(&mut slot) {
+                    s.direction = Direction::Up;
+                    s.meta = Metadata::default();
+                }
+                Packet { slot: Some(slot) }
+            }
+            None => self.alloc(),
+        }
     }
 
     /// A packet holding a copy of `bytes`.
@@ -615,6 +685,33 @@ mod tests {
         let p = pool.alloc();
         assert!(p.is_empty(), "a reused slot comes back cleared");
         assert_eq!(p.meta().get(MetaKey::SEQ), None);
+    }
+
+    #[test]
+    fn a_packet_for_overwrite_keeps_the_slot_bytes_but_not_its_metadata() {
+        let pool = PacketPool::new(64, 16);
+        let mut p = pool.alloc_from(b"previous packet");
+        p.meta_mut().set(MetaKey::CSUM_PARTIAL, CsumPartial { start: 34, offset: 16 }.pack());
+        p.set_direction(Direction::Down);
+        drop(p);
+        let q = pool.alloc_for_overwrite();
+        assert_eq!(q.data(), b"previous packet", "not cleared: the reader overwrites and sets the length");
+        assert!(q.meta().is_empty());
+        assert_eq!(q.direction(), Direction::Up);
+        assert_eq!(pool.stats().reused, 1);
+        drop(q);
+        assert!(pool.alloc().is_empty(), "an ordinary alloc still clears");
+        assert!(PacketPool::new(64, 0).alloc_for_overwrite().is_empty(), "a new slot is empty");
+    }
+
+    #[test]
+    fn csum_partial_packs_into_one_metadata_value() {
+        let c = CsumPartial { start: 0xfffe, offset: 16 };
+        let mut m = Metadata::default();
+        assert_eq!(CsumPartial::of(&m), None);
+        m.set(MetaKey::CSUM_PARTIAL, c.pack());
+        assert_eq!(CsumPartial::of(&m), Some(c));
+        assert_eq!(c.field(), 0xfffe + 16);
     }
 
     #[test]

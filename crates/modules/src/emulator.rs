@@ -12,12 +12,12 @@
 //!    `packet` face) stands for several on-wire packets, its segments. While an impairment that acts per packet is
 //!    on (`loss_pct`, Gilbert-Elliott, `duplicate_pct`, `corrupt_pct` above 0, or any `jitter_ms`, which draws a
 //!    delay per packet), it is cut into its segments first (tun-rs's `gso_split`, as the `tun` face does; each
-//!    segment gets complete checksums and the other metadata) and each goes through the steps below on its own,
-//!    so every on-wire packet has its own fate, exactly as if the sender had sent segments. Otherwise it stays
-//!    whole, and steps 3 and 4 count its segments: it takes as many places in the queue, and occupies the wire for
-//!    the bytes of all its segments (each repeats the headers). If only some of its segments fit in the queue it
-//!    is cut, and the segments that do not fit are dropped, as a queue receiving them back to back would. It is
-//!    released when its last segment is due, never earlier.
+//!    segment gets complete checksums, so no `MetaKey::CSUM_PARTIAL`, and the other metadata) and each goes through
+//!    the steps below on its own, so every on-wire packet has its own fate, exactly as if the sender had sent
+//!    segments. Otherwise it stays whole, and steps 3 and 4 count its segments: it takes as many places in the
+//!    queue, and occupies the wire for the bytes of all its segments (each repeats the headers). If only some of
+//!    its segments fit in the queue it is cut, and the segments that do not fit are dropped, as a queue receiving
+//!    them back to back would. It is released when its last segment is due, never earlier.
 //! 1. **up**: if `up` is false the frame is dropped (`drop_down_total`). Setting `up` to false also drops every frame
 //!    held (at the poll that follows the knob write) and frees the wire.
 //! 2. **loss**: with Gilbert-Elliott active (`ge_p > 0`) the state first moves (good → bad with probability `ge_p`,
@@ -26,7 +26,10 @@
 //!    Lost frames count in `drop_loss_total`. A surviving frame is then duplicated with probability
 //!    `duplicate_pct` (the copy shares the bytes and goes through the steps below right behind the original,
 //!    `duplicated_total`), and a data frame is corrupted with probability `corrupt_pct`: one random bit is flipped,
-//!    copy-on-write, so other holders of the packet do not see it (`corrupted_total`).
+//!    copy-on-write, so other holders of the packet do not see it (`corrupted_total`). A partial transport
+//!    checksum (`MetaKey::CSUM_PARTIAL`, from a `packet` face) is completed before the flip, as netem does, so that
+//!    the receiver's checksum check rejects the frame as it would one corrupted on a wire. Frames that are not
+//!    corrupted keep their partial checksums (the face writing them hands them back to the kernel to complete).
 //! 3. **queue limit**: on-wire packets that have not started on the wire at `now` are the queue; a packet finding
 //!    `queue_packets` of them is dropped (`drop_queue_full_total`). With `rate_mbit = 0` nothing ever waits.
 //! 4. **rate**: the packet starts on the wire when the previous one has left it (or `now`), and occupies it for
@@ -377,12 +380,17 @@ impl Emulator {
         }
     }
 
-    /// Flips one random bit of a non-empty data frame; true if it did.
+    /// Flips one random bit of a non-empty data frame; true if it did. A partial transport checksum
+    /// (`MetaKey::CSUM_PARTIAL`) is completed first, as netem does (skb_checksum_help before corrupting): the
+    /// frame then leaves with a checksum that no longer matches, and the receiver rejects it as it would a frame
+    /// corrupted on a wire (written partial, the kernel would checksum the corrupted bytes and the receiver would
+    /// take them).
     fn corrupt(&mut self, frame: &mut Frame) -> bool {
         let Some(p) = frame.packet_mut() else { return false };
         if p.is_empty() {
             return false;
         }
+        flexstack_net::checksum::complete_partial(p);
         let bit = self.rng.next_u64() % (p.len() as u64 * 8);
         p.make_mut()[(bit / 8) as usize] ^= 1 << (bit % 8);
         true
@@ -515,7 +523,9 @@ impl Emulator {
             GsoKind::UdpL4 => version == Some(4) || is_v6,
         };
         let (direction, mut meta) = (p.direction(), *p.meta());
+        // Segments carry complete checksums (gso_split computes them): neither key applies to them.
         meta.remove(MetaKey::GSO);
+        meta.remove(MetaKey::CSUM_PARTIAL);
         let data = p.make_mut();
         let result = match data.get_mut(l3..) {
             Some(ip) if version_ok => {
@@ -694,7 +704,7 @@ impl Emulator {
 #[cfg(test)]
 mod tests {
     use crate::testutil::*;
-    use flexstack_core::frame::{Gso, GsoKind, MetaKey};
+    use flexstack_core::frame::{CsumPartial, Gso, GsoKind, MetaKey};
     use flexstack_core::{Batch, Frame, Switch, Time, Value};
     use flexstack_net::checksum;
     use std::time::Duration;
@@ -1095,7 +1105,8 @@ mod tests {
     fn the_queue_counts_segments_and_cuts_a_gso_frame_that_does_not_fit() {
         let (mut sw, log) = stack(&["rate_mbit=8", "queue_packets=5"]);
         // The first segment goes on the wire at once, five wait, the last four find the queue full.
-        let frame = tcp_super_frame(&sw, 1000, 10_000, 1000);
+        // Its checksum partial, as a `packet` face reads it from a sender that offloads checksums.
+        let frame = with_partial_checksum(tcp_super_frame(&sw, 1000, 10_000, 1000));
         send_batch(&mut sw, Time::ZERO, vec![frame]);
         assert_eq!(u64_var(&sw, "module.e.drop_queue_full_total"), 4);
         assert_eq!(u64_var(&sw, "module.e.gso_split_total"), 1);
@@ -1110,8 +1121,45 @@ mod tests {
             assert_eq!(checksum::ipv4_header(&s.data[14..34]), 0, "IPv4 header checksum of segment {i}");
             assert_eq!(u16::from_be_bytes([s.data[16], s.data[17]]), 20 + 20 + 1000);
             assert_eq!(Gso::of(&s.meta), None);
+            assert_eq!(s.meta.get(MetaKey::CSUM_PARTIAL), None, "segment {i}: its checksum is complete");
             assert_eq!(s.meta.get(MetaKey::SEQ), Some(9), "other metadata kept");
         }
+    }
+
+    /// `frame` (Ethernet + IPv4 + TCP, complete checksum) with its TCP checksum made partial: the field holds
+    /// the pseudo-header sum and the packet carries `MetaKey::CSUM_PARTIAL`.
+    fn with_partial_checksum(mut frame: Frame) -> Frame {
+        let p = frame.packet_mut().unwrap();
+        let f = p.make_mut();
+        let src = std::net::IpAddr::from(<[u8; 4]>::try_from(&f[26..30]).unwrap());
+        let dst = std::net::IpAddr::from(<[u8; 4]>::try_from(&f[30..34]).unwrap());
+        let pseudo = checksum::pseudo_header(src, dst, 6, (f.len() - 34) as u32);
+        f[50..52].copy_from_slice(&(!checksum::finish(pseudo)).to_be_bytes());
+        p.meta_mut().set(MetaKey::CSUM_PARTIAL, CsumPartial { start: 34, offset: 16 }.pack());
+        frame
+    }
+
+    #[test]
+    fn corruption_completes_a_partial_checksum_first_so_the_receiver_rejects_the_frame() {
+        let (mut sw, log) = stack(&["corrupt_pct=100", "seed=3"]);
+        let complete = tcp_super_frame(&sw, 7, 500, 1000);
+        let complete_bytes = complete.packet().unwrap().data().to_vec();
+        let partial = with_partial_checksum(complete);
+        assert_ne!(partial.packet().unwrap().data(), &complete_bytes[..]);
+        send_batch(&mut sw, Time::ZERO, vec![partial]);
+        let log = log.lock().unwrap();
+        assert_eq!(log.len(), 1);
+        assert_eq!(log[0].meta.get(MetaKey::CSUM_PARTIAL), None, "written whole, its checksum as it now is");
+        // One bit away from the frame with its checksum completed: the checksum no longer matches the bytes.
+        let bits: u32 = log[0].data.iter().zip(&complete_bytes).map(|(a, b)| (a ^ b).count_ones()).sum();
+        assert_eq!(bits, 1);
+        let at = log[0].data.iter().zip(&complete_bytes).position(|(a, b)| a != b).unwrap();
+        assert!(at >= 14, "seed 3 flips a bit past the Ethernet header (which no checksum covers), at {at}");
+        let mut check = log[0].data.clone();
+        let stored = u16::from_be_bytes([check[50], check[51]]);
+        let ip_ok = checksum::ipv4_header(&check[14..34]) == 0;
+        check[50..52].fill(0);
+        assert!(stored != tcp_checksum(&check) || !ip_ok, "the receiver would reject it");
     }
 
     #[test]

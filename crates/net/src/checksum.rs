@@ -2,22 +2,59 @@
 //! ICMP checksums over IPv4 and IPv6 pseudo-headers.
 //!
 //! Full computation: [`sum`] the bytes (and a [`pseudo_header`]), then [`finish`]. After rewriting a field (NAT),
-//! [`update`] adjusts an existing checksum from the old and new bytes of that field alone.
+//! [`update`] adjusts an existing checksum from the old and new bytes of that field alone. A packet whose
+//! transport checksum is still partial (`MetaKey::CSUM_PARTIAL`, from a link face) is completed with
+//! [`complete_partial`] by the modules that need complete checksums (see the key's documentation for the rule).
 
+use flexstack_core::frame::{CsumPartial, MetaKey};
+use flexstack_core::Packet;
 use std::net::IpAddr;
 
 /// One's-complement sum of `data` as 16-bit big-endian words (an odd last byte is padded with zero), added to
 /// `initial`. Not folded: pass the result to [`finish`].
+///
+/// The bytes are summed as native-endian 32-bit words into a 64-bit accumulator (which the compiler vectorizes)
+/// and the result folded and byte-swapped (RFC 1071 section 2: the sum does not depend on the byte order, up to
+/// a swap): a 64 KiB GSO frame is summed at memory speed rather than 16 bits at a time.
 pub fn sum(initial: u32, data: &[u8]) -> u32 {
-    let mut acc = u64::from(initial);
-    let mut chunks = data.chunks_exact(2);
-    for c in &mut chunks {
-        acc += u64::from(u16::from_be_bytes([c[0], c[1]]));
+    let mut acc: u64 = 0;
+    let mut words = data.chunks_exact(4);
+    for w in &mut words {
+        acc += u64::from(u32::from_ne_bytes([w[0], w[1], w[2], w[3]]));
     }
-    if let [last] = chunks.remainder() {
-        acc += u64::from(*last) << 8;
+    let mut tail = [0u8; 4];
+    let rest = words.remainder();
+    tail[..rest.len()].copy_from_slice(rest);
+    acc += u64::from(u32::from_ne_bytes(tail));
+    // Fold to 16 bits of native-endian words, then to big-endian words.
+    let mut folded = fold32(acc);
+    while folded > 0xffff {
+        folded = (folded & 0xffff) + (folded >> 16);
     }
-    fold32(acc)
+    let be = u16::from_be_bytes((folded as u16).to_ne_bytes());
+    fold32(u64::from(initial) + u64::from(be))
+}
+
+/// Completes the partial transport checksum of `packet` (`MetaKey::CSUM_PARTIAL`: the field holds the
+/// pseudo-header sum) and removes the key; true if there was one to complete. A packet without the key is left
+/// alone (it is not copied); one whose field lies beyond its end only loses the key.
+pub fn complete_partial(packet: &mut Packet) -> bool {
+    let Some(partial) = CsumPartial::of(packet.meta()) else { return false };
+    packet.meta_mut().remove(MetaKey::CSUM_PARTIAL);
+    complete_partial_bytes(packet.make_mut(), partial)
+}
+
+/// Completes the partial transport checksum described by `partial` in `data`: the checksum field, which holds the
+/// pseudo-header sum, becomes the complement of the sum of every byte from `partial.start` on. False (nothing
+/// changed) if the field lies beyond the data.
+pub fn complete_partial_bytes(data: &mut [u8], partial: CsumPartial) -> bool {
+    let (start, field) = (usize::from(partial.start), partial.field());
+    if field + 2 > data.len() {
+        return false;
+    }
+    let c = finish(sum(0, &data[start..]));
+    data[field..field + 2].copy_from_slice(&c.to_be_bytes());
+    true
 }
 
 fn fold32(mut acc: u64) -> u32 {
@@ -130,6 +167,102 @@ mod tests {
             // 0x0000 and 0xffff are the same one's-complement value.
             assert!(got == want || (got ^ want) == 0xffff, "got {got:04x} want {want:04x}");
         }
+    }
+
+    /// The plain RFC 1071 definition, 16-bit big-endian words one by one: the reference for [`sum`].
+    fn reference_sum(initial: u32, data: &[u8]) -> u32 {
+        let mut acc = u64::from(initial);
+        for c in data.chunks(2) {
+            acc += u64::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)]));
+        }
+        fold32(acc)
+    }
+
+    #[test]
+    fn the_wide_sum_equals_the_word_by_word_sum() {
+        let mut rng = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut next = || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng
+        };
+        let data: Vec<u8> = (0..70_000).map(|_| next() as u8).collect();
+        for _ in 0..500 {
+            let start = next() as usize % 64;
+            let len = next() as usize % 2000 + if next() % 10 == 0 { 60_000 } else { 0 };
+            let initial = next() as u32 & 0x3_ffff;
+            let d = &data[start..start + len];
+            assert_eq!(finish(sum(initial, d)), finish(reference_sum(initial, d)), "len {len} from {start}");
+        }
+        // All ones: the end-around carries of a long run.
+        let ones = vec![0xffu8; 65_535];
+        assert_eq!(finish(sum(0xffff, &ones)), finish(reference_sum(0xffff, &ones)));
+        assert_eq!(sum(7, &[]), 7);
+    }
+
+    /// A TCP/IPv4 packet behind an Ethernet header with `payload` bytes, and where its partial checksum is.
+    fn partial_tcp4(payload: usize) -> (Vec<u8>, CsumPartial, u16) {
+        let mut f = vec![0u8; 14 + 20 + 20 + payload];
+        f[12..14].copy_from_slice(&0x0800u16.to_be_bytes());
+        f[14] = 0x45;
+        f[14 + 9] = 6;
+        f[26..30].copy_from_slice(&[10, 0, 0, 1]);
+        f[30..34].copy_from_slice(&[10, 0, 0, 2]);
+        f[34 + 12] = 5 << 4;
+        for (i, b) in f[54..].iter_mut().enumerate() {
+            *b = (i * 13 + 5) as u8;
+        }
+        let pseudo = pseudo_header(
+            Ipv4Addr::new(10, 0, 0, 1).into(),
+            Ipv4Addr::new(10, 0, 0, 2).into(),
+            6,
+            (20 + payload) as u32,
+        );
+        let complete = finish(sum(pseudo, &f[34..]));
+        // What a sender offloading its checksum leaves in the field: the folded pseudo-header sum.
+        f[50..52].copy_from_slice(&(!finish(pseudo)).to_be_bytes());
+        (f, CsumPartial { start: 34, offset: 16 }, complete)
+    }
+
+    #[test]
+    fn completing_a_partial_checksum_gives_the_full_checksum_and_removes_the_key() {
+        let pool = flexstack_core::PacketPool::default();
+        for payload in [0, 1, 1447, 64_000] {
+            let (f, partial, complete) = partial_tcp4(payload);
+            let mut p = pool.alloc_from(&f);
+            p.meta_mut().set(MetaKey::CSUM_PARTIAL, partial.pack());
+            p.meta_mut().set(MetaKey::FLOW_ID, 3);
+            assert!(complete_partial(&mut p));
+            assert_eq!(u16::from_be_bytes([p.data()[50], p.data()[51]]), complete, "payload {payload}");
+            assert!(verify(
+                pseudo_header(
+                    Ipv4Addr::new(10, 0, 0, 1).into(),
+                    Ipv4Addr::new(10, 0, 0, 2).into(),
+                    6,
+                    (20 + payload) as u32
+                ),
+                &p.data()[34..]
+            ));
+            assert_eq!(p.meta().get(MetaKey::CSUM_PARTIAL), None);
+            assert_eq!(p.meta().get(MetaKey::FLOW_ID), Some(3), "other metadata kept");
+            assert!(!complete_partial(&mut p), "a second call has nothing to do");
+            assert_eq!(u16::from_be_bytes([p.data()[50], p.data()[51]]), complete);
+        }
+        // A field beyond the packet: nothing written, the key is gone.
+        let mut short = pool.alloc_from(&[1, 2, 3]);
+        short.meta_mut().set(MetaKey::CSUM_PARTIAL, CsumPartial { start: 2, offset: 16 }.pack());
+        assert!(!complete_partial(&mut short));
+        assert_eq!(short.data(), &[1, 2, 3]);
+        assert!(short.meta().is_empty());
+        // A shared packet is copied, the other holder keeps its bytes.
+        let (f, partial, _) = partial_tcp4(10);
+        let mut a = pool.alloc_from(&f);
+        a.meta_mut().set(MetaKey::CSUM_PARTIAL, partial.pack());
+        let b = a.clone();
+        assert!(complete_partial(&mut a));
+        assert_eq!(b.data(), &f[..]);
+        assert_ne!(a.data(), b.data());
     }
 
     #[test]

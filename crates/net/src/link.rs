@@ -34,6 +34,8 @@
 //!     recently created or confirmed (`evicted_total`, its queued packets dropped as `evicted`).
 //!
 //! # Receiving (`wire` in)
+//! A frame whose transport checksum a link face left partial (`MetaKey::CSUM_PARTIAL`) has it completed first
+//! ([`crate::checksum::complete_partial`]): the modules behind the link see complete checksums.
 //! Frames shorter than an Ethernet header are `truncated`; unicast frames to another MAC, and multicast frames
 //! that do not match their EtherType (IPv4: `01:00:5e:…`, IPv6: `33:33:…`; ARP: broadcast only) are
 //! `not_for_us`; frames from a multicast or broadcast source MAC, or from our own MAC (our frames looped back), are
@@ -752,7 +754,9 @@ impl Link {
 
     // --- receiving ---------------------------------------------------------------------------------------------
 
-    fn receive(&mut self, p: Packet, out: &mut Output<'_>) {
+    fn receive(&mut self, mut p: Packet, out: &mut Output<'_>) {
+        // The modules behind the link see complete transport checksums (the rule of MetaKey::CSUM_PARTIAL).
+        checksum::complete_partial(&mut p);
         let repr = match EthernetFrame::new_checked(p.data()).and_then(|f| EthernetRepr::parse(&f)) {
             Ok(r) => r,
             Err(_) => return self.discard(Reason::Truncated, p, out),

@@ -624,3 +624,11 @@ fn flow_meters_are_published_at_most_every_100_ms_and_never_left_stale() {
     assert_eq!(take(&la).len(), 5);
     assert_eq!(sw.next_wakeup(), Some(ms(30_000)), "nothing stale: only the idle sweep is due");
 }
+
+#[test]
+fn a_flow_is_one_cache_line() {
+    // What the scheduler reads and writes per packet of a flow: one 64-byte line, in the slab too.
+    assert_eq!(std::mem::size_of::<Flow>(), 64);
+    assert_eq!(std::mem::size_of::<Option<Flow>>(), 64);
+    assert_eq!(std::mem::align_of::<Flow>(), 64);
+}

@@ -6,19 +6,24 @@
 #         up_in -> up_out);
 #   (two) the same over two link faces, TUN b and TUN c (both in the server's namespace, which accepts on either:
 #         rp_filter off), policy `weighted` (flows split by hash), iperf3's streams spread over both.
-# Each scheduler models no rate (`rate_bps` 0: a packet is bound as soon as it is queued), so what is measured is
-# its own per-packet work: parse, flow lookup, per-flow queue, class and deficit round robin, binding (source
-# address rewritten with incremental checksums; 192.0.2.x, mapped back on the way up), metadata.
+# By default each scheduler models no rate (`rate_bps` 0: a packet is bound as soon as it is queued), so what is
+# measured is its own per-packet work: parse, flow lookup, per-flow queue, class and deficit round robin, binding
+# (source address rewritten with incremental checksums; 192.0.2.x, mapped back on the way up), metadata.
+# RATE_BPS and DEVICE_QUEUE set the modelled rate and device queue instead: then every packet is emitted at its
+# modelled transmission start, which takes a data-plane wake-up per packet or few (see BENCHMARKS.md).
 # Rounds interleave the three stacks (a fresh daemon for each measurement), so that load drifting on a shared
 # machine hits them alike; prints each stack's median over RUNS rounds of SECS seconds (iperf3 -P STREAMS), the
 # ratio of the medians to the reference's and the median of the per-round ratios (each stack against the reference
 # of the same round: on a shared machine the throughput of all three drifts together by +-15 % from round to
 # round), target >= 0.9, and how the two-face stack split its packets. Needs root.
 #
-#   sudo scripts/bench-binding.sh                 # RUNS=7 SECS=4 STREAMS=4
+#   sudo scripts/bench-binding.sh                 # RUNS=7 SECS=4 STREAMS=4 RATE_BPS=0 DEVICE_QUEUE=2
+#   sudo RATE_BPS=10000000000 DEVICE_QUEUE=64 scripts/bench-binding.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${RUNS:-7}
+RATE_BPS=${RATE_BPS:-0}        # the schedulers' modelled interface rate (0: unmodelled)
+DEVICE_QUEUE=${DEVICE_QUEUE:-2} # their device queues, packets
 SECS=${SECS:-4}
 STREAMS=${STREAMS:-4}
 [[ $(id -u) == 0 ]] || { echo "bench-binding: needs root (namespaces, TUN devices)" >&2; exit 1; }
@@ -76,6 +81,8 @@ interfaces = $1
 policy = "$2"
 virtual_v4 = "10.203.0.1"
 "f0.address_v4" = "192.0.2.1"
+"f0.rate_bps" = $RATE_BPS
+"f0.device_queue" = $DEVICE_QUEUE
 TOML
 }
 {
@@ -97,6 +104,8 @@ direction = "up"
 TOML
   scheduler '["f0", "f1"]' weighted
   echo '"f1.address_v4" = "192.0.2.2"'
+  echo "\"f1.rate_bps\" = $RATE_BPS"
+  echo "\"f1.device_queue\" = $DEVICE_QUEUE"
 } > "$state/two.toml"
 
 # Starts the daemon on stack $1, moves its TUN devices into the namespaces, measures once; prints Gbit/s.

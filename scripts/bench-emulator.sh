@@ -47,8 +47,8 @@ PARTS=${PARTS:-1 2}
 for c in iperf3 ping python3 bc; do
   command -v $c >/dev/null || { echo "bench-emulator: needs $c (scripts/setup.sh)" >&2; exit 1; }
 done
-[[ -n ${NO_BUILD:-} ]] || cargo build --release --quiet   # NO_BUILD=1: use target/release/flexstack as it is
-fs=$PWD/target/release/flexstack
+[[ -n ${NO_BUILD:-}${FS:-} ]] || cargo build --release --quiet   # NO_BUILD=1: use target/release/flexstack as it is
+fs=${FS:-$PWD/target/release/flexstack}   # FS=PATH: benchmark another build (NO_BUILD implied)
 tag=fse$$
 h1=${tag}h1 h2=${tag}h2
 state=$(mktemp -d)
@@ -73,11 +73,15 @@ done
 
 median() { sort -g | awk '{a[NR]=$1} END {print (NR%2) ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2}'; }
 gbps() { python3 -c 'import json,sys; print(json.load(sys.stdin)["end"]["sum_received"]["bits_per_second"]/1e9)'; }
-measure() { # $1 = server address; prints Gbit/s of each run, one per line
+retransmits() { python3 -c 'import json,sys; print(json.load(sys.stdin)["end"]["sum_sent"].get("retransmits", 0))'; }
+measure() { # $1 = server address, $2 = a tag; prints Gbit/s of each run, one per line; TCP retransmits of each
+  # run go to $state/$2.retransmits
   ip netns exec "$h2" iperf3 -s -D -p 5299 -I "$state/iperf.pid" >/dev/null
   sleep 0.3
   for _ in $(seq "$RUNS"); do
-    ip netns exec "$h1" iperf3 -c "$1" -p 5299 -t "$SECS" -J | gbps
+    ip netns exec "$h1" iperf3 -c "$1" -p 5299 -t "$SECS" -J >"$state/run.json"
+    gbps <"$state/run.json"
+    retransmits <"$state/run.json" >>"$state/$2.retransmits"
   done
   kill "$(cat "$state/iperf.pid")" 2>/dev/null || true
   sleep 0.3
@@ -89,7 +93,7 @@ ip link add ${tag}v type veth peer name ${tag}w
 ip link set ${tag}v netns "$h1"; ip link set ${tag}w netns "$h2"
 ip -n "$h1" addr add 10.203.5.1/24 dev ${tag}v; ip -n "$h1" link set ${tag}v up
 ip -n "$h2" addr add 10.203.5.2/24 dev ${tag}w; ip -n "$h2" link set ${tag}w up
-veth=$(measure 10.203.5.2 | median)
+veth=$(measure 10.203.5.2 veth | median)
 ip -n "$h1" link del ${tag}v
 
 # (b) the emulated link.
@@ -128,7 +132,10 @@ if [[ -n ${PERF_OUT:-} ]]; then
   perf record -q -g -o "$PERF_OUT" -p "$daemon" 2>/dev/null &
   perf_pid=$!
 fi
-emu=$(measure 10.204.5.2 | median)
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$daemon/task/"*/stat | paste -sd+ | bc; }
+ticks0=$(cpu_ticks)
+emu=$(measure 10.204.5.2 emu | median)
+ticks1=$(cpu_ticks)
 if [[ -n "$perf_pid" ]]; then kill -INT "$perf_pid"; wait "$perf_pid" || true; fi
 frames=$(fsc get module.e_ab.frames_total | awk '$1 == "module.e_ab.frames_total" {print $2}')
 wire=$(fsc get module.e_ab.wire_packets_total | awk '$1 == "module.e_ab.wire_packets_total" {print $2}')
@@ -141,6 +148,18 @@ printf '  flexstack emulated link, no impairment      %6.2f   ratio to veth %.2f
 printf '  (e_ab: %s frames carried %s on-wire packets, %.1f per frame)\n' "$frames" "$wire" \
   "$(echo "$wire / $frames" | bc -l)"
 [[ -n "$drops" ]] && printf 'non-zero drop/error meters on the emulated link:\n%s\n' "$drops"
+per_call() { # frames per call of module $1: how many frames one read of the face before it brought, on average
+  fsc get "module.$1.frames_in_total" "module.$1.calls_total" |
+    awk '$1 ~ /frames_in/ {f = $2} $1 ~ /calls/ {c = $2} END {printf "%.1f", c ? f / c : 0}'
+}
+carried=$(fsc get 'module.e_*.bytes_delivered_total' | awk '$1 ~ /bytes_delivered/ {b += $2} END {printf "%.0f", b}')
+# The daemon's CPU time (user + system, all threads) per GB the emulators delivered: the emulated link's own cost
+# per byte, less sensitive to a busy machine than the throughput.
+printf '  (daemon CPU: %.2f s for %.1f GB carried, %.1f ms per GB)\n' "$(echo "($ticks1 - $ticks0) / $(getconf CLK_TCK)" | bc -l)" \
+  "$(echo "$carried / 1000000000" | bc -l)" "$(echo "($ticks1 - $ticks0) * 1000 / $(getconf CLK_TCK) / ($carried / 1000000000)" | bc -l)"
+printf '  (frames per call: e_ab %s, e_ba %s)\n' "$(per_call e_ab)" "$(per_call e_ba)"
+printf '  (TCP retransmits per run: veth %s; emulated %s)\n' "$(paste -sd' ' "$state/veth.retransmits")" \
+  "$(paste -sd' ' "$state/emu.retransmits")"
 printf '  (load average before: %s; after: %s)\n' "$load_before" "$(cut -d' ' -f1-3 /proc/loadavg)"
 [[ " $PARTS " == *" 2 "* ]] || exit 0
 
@@ -148,7 +167,7 @@ printf '  (load average before: %s; after: %s)\n' "$load_before" "$(cut -d' ' -f
 snap() { # prints the sums over both emulators of wire_wait_ns_s_total, late_ns_total and delivered_total
   fsc get 'module.e_*.wire_wait_ns_s_total' 'module.e_*.late_ns_total' 'module.e_*.delivered_total' |
     awk '$1 ~ /wire_wait/ {w += $2} $1 ~ /late_ns/ {l += $2} $1 ~ /delivered/ {d += $2}
-         END {printf "%d %d %d\n", w, l, d}'
+         END {printf "%.0f %.0f %.0f\n", w, l, d}'
 }
 set_both() { for e in e_ab e_ba; do fsc set "module.$e.$1" "$2" >/dev/null; done; }
 pings() { # prints the mean RTT in ms, the median, then the number of replies

@@ -50,6 +50,10 @@ enum Command {
 /// Packets read from one face per wakeup, at most.
 const READ_BATCH: usize = 256;
 
+/// Frames of at most this many bytes (acknowledgements, MTU-sized packets) are copied out of the buffer they were
+/// read into, which must hold the largest frame (64 KiB); larger ones (GSO super-frames) keep it.
+const COPY_AT_MOST: usize = 2048;
+
 /// Handle to the data-plane thread.
 pub struct DataPlane {
     tx: Sender<Command>,
@@ -185,6 +189,17 @@ impl Loop {
                     // zeroed again (PacketPool::alloc_for_overwrite; the device sets the length it read).
                     let mut p = spare.take().unwrap_or_else(|| pool.alloc_for_overwrite());
                     match dev.read_frame(p.make_mut(), &mut meta) {
+                        Ok(true) if p.len() <= COPY_AT_MOST => {
+                            // A small frame is copied into a packet of its own and the large buffer read into
+                            // again: held frames (a delay line of small packets) keep small buffers.
+                            let mut q = pool.alloc_from(p.data());
+                            q.set_direction(dev.direction());
+                            if !meta.is_empty() {
+                                *q.meta_mut() = meta;
+                            }
+                            batch.push(Frame::Data(q));
+                            spare = Some(p);
+                        }
                         Ok(true) => {
                             p.set_direction(dev.direction());
                             if !meta.is_empty() {

@@ -180,18 +180,12 @@ mod tests {
 
     #[test]
     fn the_wide_sum_equals_the_word_by_word_sum() {
-        let mut rng = 0x9e37_79b9_7f4a_7c15_u64;
-        let mut next = || {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            rng
-        };
-        let data: Vec<u8> = (0..70_000).map(|_| next() as u8).collect();
+        let mut rng = flexstack_fuzzkit::Rng::new(0x9e37_79b9_7f4a_7c15);
+        let data = rng.bytes(70_000);
         for _ in 0..500 {
-            let start = next() as usize % 64;
-            let len = next() as usize % 2000 + if next() % 10 == 0 { 60_000 } else { 0 };
-            let initial = next() as u32 & 0x3_ffff;
+            let start = rng.below(64);
+            let len = rng.below(2000) + if rng.one_in(10) { 60_000 } else { 0 };
+            let initial = rng.next() as u32 & 0x3_ffff;
             let d = &data[start..start + len];
             assert_eq!(finish(sum(initial, d)), finish(reference_sum(initial, d)), "len {len} from {start}");
         }

@@ -456,7 +456,8 @@ fn gilbert_elliott_loss_gives_bursts_of_the_configured_mean_length() {
     let (p, r) = (0.02, 0.25);
     let t = TestLab::new("ge");
     let link = format!("loss_model = \"gilbert-elliott\"\nge_p = {p}\nge_r = {r}\nge_loss_bad = 100");
-    let file = t.write("ge.toml", &udp_lab(&link, 5, N, 0.00025, 6));
+    // 2,000 datagrams/s: slow enough that a loaded machine drops none outside the loss model.
+    let file = t.write("ge.toml", &udp_lab(&link, 5, N, 0.0005, 8));
     let results = t.run_ok(&file, "r");
     let (got, drops) = udp_outcome(&results, N);
     // Runs of consecutive missing sequence numbers; a run reaching the last datagram is cut short and not counted.

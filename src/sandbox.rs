@@ -92,18 +92,43 @@ pub struct Sandboxes {
     state: Mutex<(BTreeMap<String, App>, Option<HostState>)>,
 }
 
-fn run(args: &[&str]) -> Result<String, ApiError> {
-    let out = Command::new(args[0])
-        .args(&args[1..])
-        .output()
-        .map_err(|e| ApiError::new(ErrorCode::Internal, format!("{}: {e}", args[0])))?;
+/// Runs a command (stdin closed) and returns its stdout; an error names the command and carries its stderr.
+/// Shared with the lab runner, which builds namespaces and veth pairs the same way.
+pub fn command_output(args: &[&str]) -> Result<String, String> {
+    let out = Command::new(args[0]).args(&args[1..]).output().map_err(|e| format!("cannot run {}: {e}", args[0]))?;
     if !out.status.success() {
-        return Err(ApiError::new(
-            ErrorCode::Internal,
-            format!("`{}` failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()),
-        ));
+        return Err(format!("`{}` failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()));
     }
     Ok(String::from_utf8_lossy(&out.stdout).to_string())
+}
+
+fn run(args: &[&str]) -> Result<String, ApiError> {
+    command_output(args).map_err(|m| ApiError::new(ErrorCode::Internal, m))
+}
+
+/// The values of an app's stack template's placeholders.
+pub struct TemplateValues<'a> {
+    /// `{app}`: the app's name (its face module's name).
+    pub app: &'a str,
+    /// `{app_dev}`: its TUN device.
+    pub app_dev: &'a str,
+    /// `{host_dev}`: the host face's TUN device.
+    pub host_dev: &'a str,
+    /// `{app_v4}`: its IPv4 address.
+    pub ipv4: &'a str,
+    /// `{app_v6}`: its IPv6 address.
+    pub ipv6: &'a str,
+}
+
+/// Fills in an app's stack template: `{app}`, `{app_dev}`, `{host_dev}`, `{app_v4}`, `{app_v6}`. Also used by the
+/// lab runner to check a stacked host's template before anything is created.
+pub fn fill_template(template: &str, v: &TemplateValues<'_>) -> String {
+    template
+        .replace("{app_dev}", v.app_dev)
+        .replace("{host_dev}", v.host_dev)
+        .replace("{app_v4}", v.ipv4)
+        .replace("{app_v6}", v.ipv6)
+        .replace("{app}", v.app)
 }
 
 fn nft(script: &str) -> Result<(), ApiError> {
@@ -197,12 +222,10 @@ impl Sandboxes {
         // Without a host face ({host_dev}) the app's chain leads elsewhere (a link face): no host routes, no
         // masquerading, no forwarding.
         let host_face = template.contains("{host_dev}");
-        let text = template
-            .replace("{app_dev}", &app_dev)
-            .replace("{host_dev}", &host_dev)
-            .replace("{app_v4}", &ipv4)
-            .replace("{app_v6}", &ipv6)
-            .replace("{app}", &name);
+        let text = fill_template(
+            template,
+            &TemplateValues { app: &name, app_dev: &app_dev, host_dev: &host_dev, ipv4: &ipv4, ipv6: &ipv6 },
+        );
         let spec =
             StackSpec::parse("app stack", &text).map_err(|e| ApiError::new(ErrorCode::ConfigError, e.to_string()))?;
         let modules: Vec<String> = spec.modules.iter().map(|m| m.name.clone()).collect();

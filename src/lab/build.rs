@@ -112,18 +112,9 @@ pub fn alive(pid: u32) -> bool {
     Path::new(&format!("/proc/{pid}")).exists()
 }
 
-/// Runs a command; an error carries its stderr.
+/// Runs a command; an error carries its stderr (see [`crate::sandbox::command_output`]).
 pub fn sh(args: &[&str]) -> Result<(), CliError> {
-    let out = Command::new(args[0])
-        .args(&args[1..])
-        .stdin(Stdio::null())
-        .output()
-        .map_err(|e| msg(format!("cannot run {}: {e}", args[0])))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(msg(format!("`{}` failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim())))
-    }
+    crate::sandbox::command_output(args).map(drop).map_err(msg)
 }
 
 fn sysctl(netns: &str, settings: &[String]) -> Result<(), CliError> {

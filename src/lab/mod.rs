@@ -62,12 +62,14 @@ pub fn load(file: &Path) -> Result<Loaded, CliError> {
                     text = text.replace(&k, &v);
                 }
                 // The template must parse once the daemon's placeholders are filled in too.
-                let filled = text
-                    .replace("{app}", "app1")
-                    .replace("{app_dev}", "fsa0")
-                    .replace("{host_dev}", "fsh0")
-                    .replace("{app_v4}", "172.16.1.2")
-                    .replace("{app_v6}", "fd77:10:1::2");
+                let sample = crate::sandbox::TemplateValues {
+                    app: "app1",
+                    app_dev: "fsa0",
+                    host_dev: "fsh0",
+                    ipv4: "172.16.1.2",
+                    ipv6: "fd77:10:1::2",
+                };
+                let filled = crate::sandbox::fill_template(&text, &sample);
                 flexstack_core::StackSpec::parse(&path.display().to_string(), &filled)
                     .map_err(|e| CliError::Config(format!("{e} (the stack of host `{}` at {})", h.name, h.location)))?;
                 templates.push(Some(text));
@@ -209,7 +211,7 @@ fn write_resolved(dir: &Path, text: &str, plan: &Plan) -> Result<(), CliError> {
 
 /// Gives the results folder to the invoking user when root ran us through sudo.
 fn give_to_user(dir: &Path) {
-    let (uid, gid) = run::invoking_user();
+    let (uid, gid) = crate::runner::invoking_user();
     if uid == 0 {
         return;
     }

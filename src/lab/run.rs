@@ -55,11 +55,6 @@ pub struct Outcome {
     pub failed: Vec<(String, String)>,
 }
 
-/// The user programs run as: SUDO_UID/SUDO_GID when root runs us through sudo, else ourselves.
-pub fn invoking_user() -> (u32, u32) {
-    crate::runner::invoking_user()
-}
-
 /// The command that runs `argv` on `host` as the invoking user; on a stacked host through `flexstack run` with the
 /// host's stack template, as the app `app` (whose modules' names the template derives from it).
 pub fn host_command(state: &LabState, host: &str, app: Option<&str>, argv: &[String]) -> Result<Command, CliError> {
@@ -77,7 +72,7 @@ pub fn host_command(state: &LabState, host: &str, app: Option<&str>, argv: &[Str
             cmd.arg("--");
         }
         _ => {
-            let (uid, gid) = invoking_user();
+            let (uid, gid) = crate::runner::invoking_user();
             if uid != 0 {
                 cmd.args(["setpriv", "--reuid", &uid.to_string(), "--regid", &gid.to_string(), "--init-groups", "--"]);
             }
@@ -117,7 +112,7 @@ fn start_program(state: &LabState, lab: &Lab, index: usize, dir: &Path) -> Resul
 fn scratch_dir(state: &LabState, host: &str) -> Result<PathBuf, CliError> {
     let dir = state.results.join("scratch").join(host);
     std::fs::create_dir_all(&dir).map_err(|e| msg(format!("{}: {e}", dir.display())))?;
-    let (uid, gid) = invoking_user();
+    let (uid, gid) = crate::runner::invoking_user();
     nix::unistd::chown(&dir, Some(nix::unistd::Uid::from_raw(uid)), Some(nix::unistd::Gid::from_raw(gid)))
         .map_err(|e| msg(format!("{}: {e}", dir.display())))?;
     Ok(dir)

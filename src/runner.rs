@@ -162,8 +162,7 @@ pub fn run_app(state_dir: &Path, args: &RunArgs) -> Result<i32, CliError> {
     let code = status.code().unwrap_or_else(|| 128 + status.signal().unwrap_or(0));
     if daemon_gone.load(Ordering::SeqCst) {
         // Its devices went with it; the namespace, files and nftables table are ours to remove.
-        let _ = Command::new("ip").args(["netns", "del", &netns]).status();
-        let _ = std::fs::remove_dir_all(format!("/etc/netns/{netns}"));
+        crate::sandbox::delete_namespace(&netns);
         let table = app["host_table"].as_str().unwrap_or_default();
         if table.starts_with("flexstack_") {
             crate::sandbox::remove_host_table(table);

@@ -106,6 +106,12 @@ fn run(args: &[&str]) -> Result<String, ApiError> {
     command_output(args).map_err(|m| ApiError::new(ErrorCode::Internal, m))
 }
 
+/// Deletes network namespace `netns` and its `/etc/netns/<netns>` folder, if they exist (best effort, quiet).
+pub fn delete_namespace(netns: &str) {
+    let _ = Command::new("ip").args(["netns", "del", netns]).stderr(std::process::Stdio::null()).status();
+    let _ = std::fs::remove_dir_all(format!("/etc/netns/{netns}"));
+}
+
 /// The values of an app's stack template's placeholders.
 pub struct TemplateValues<'a> {
     /// `{app}`: the app's name (its face module's name).
@@ -302,8 +308,7 @@ impl Sandboxes {
         if let Err(e) = control.unload_modules(&app.modules, &format!("app detach {}", app.name)) {
             tracing::warn!(app = %app.name, error = %e.message, "unloading the app's modules");
         }
-        let _ = Command::new("ip").args(["netns", "del", &app.netns]).status();
-        let _ = std::fs::remove_dir_all(format!("/etc/netns/{}", app.netns));
+        delete_namespace(&app.netns);
     }
 
     /// Detaches app `name`; false if there is none.

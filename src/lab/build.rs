@@ -373,8 +373,7 @@ fn app_namespaces(pid: u32) -> Vec<String> {
 
 fn remove_netns(netns: &str) {
     stop_processes(&pids_in(netns), Duration::from_secs(2));
-    let _ = Command::new("ip").args(["netns", "del", netns]).stderr(Stdio::null()).status();
-    let _ = std::fs::remove_dir_all(format!("/etc/netns/{netns}"));
+    crate::sandbox::delete_namespace(netns);
 }
 
 /// Tears the lab down, each step tried whatever happened before: programs first (SIGTERM, then SIGKILL after 3 s),

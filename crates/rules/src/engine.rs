@@ -27,9 +27,10 @@
 use crate::compile::{self, compile, Program, RuleAction, RuleDef};
 use crate::diag::Diagnostic;
 use crate::env::Environment;
+use crate::plan::{InstanceShape, Plans, UnitStep, WaveStep};
 use crate::syntax::Section;
 use crate::units::{
-    assign, cache_valid, compute, compute_stateless, dup, same_output, truthy, Core, EvalCx, Hot, KnobWrite, Node, Op,
+    assign, cache_valid, compute, compute_stateless, dup, truthy, update, Core, EvalCx, Hot, KnobWrite, Node, Op,
     Param, StateValue, Unit, UnitKind, ANY_QUERY,
 };
 use flexstack_core::{Time, Value};
@@ -227,8 +228,16 @@ struct Runtime {
     roots: Vec<u32>,
     /// Per instance: its rank in the dependency order (a wave evaluates lower ranks first).
     ranks: Vec<u32>,
-    /// Per instance: the output it last emitted (events are sent when the output differs from it).
+    /// Per instance: the output it last emitted (events are sent when the output differs from it). Not kept
+    /// for instances in `selfcmp`, whose root's output is the last one they emitted.
     emitted: Vec<Option<Value>>,
+    /// Per instance: pushed, with a root without state, and plans are on: its root's output is only ever changed
+    /// by its own evaluation in a wave, so it is the last emitted output (no copy in `emitted`).
+    selfcmp: Vec<bool>,
+    /// Per unit: the wave in which it last emitted (a root whose instance emitted, a changed get, a timer tick).
+    emit_stamp: Vec<u64>,
+    /// The compiled unit plans and wave plans (see [`crate::plan`]).
+    plans: Plans,
     by_rule: HashMap<(String, Vec<String>), u32>,
     /// Per rule name: its instances.
     of_rule: HashMap<String, Vec<u32>>,
@@ -257,6 +266,10 @@ pub struct RuleEngine {
     heap: BinaryHeap<Reverse<(u32, u32)>>,
     next: Option<u32>,
     queued: Vec<u8>,
+    /// The sources (gets, timers) that emitted in the current call.
+    sources: Vec<u32>,
+    /// Use the compiled plans (off only in tests, to compare with the general evaluation).
+    use_plans: bool,
 }
 
 impl Default for RuleEngine {
@@ -333,6 +346,8 @@ impl RuleEngine {
             heap: BinaryHeap::new(),
             next: None,
             queued: Vec::new(),
+            sources: Vec::new(),
+            use_plans: true,
         }
     }
 
@@ -425,17 +440,21 @@ impl RuleEngine {
     /// A meter's new value, pushed by the caller: rules waiting on it are evaluated now.
     pub fn handle_meter_changed(&mut self, name: &str, value: Value, now: Time, env: &dyn Environment) {
         self.rt.epoch += 1;
-        let mut seeds = Vec::new();
+        let epoch = self.rt.epoch;
+        let mut sources = std::mem::take(&mut self.sources);
+        sources.clear();
         for i in 0..self.rt.sampled.len() {
             let g = self.rt.sampled[i] as usize;
             let (unit, hot) = (&self.rt.units[g], &mut self.rt.hot[g]);
             if matches!(&unit.core, Core::Get { name: n } if n == name) && hot.value.as_ref() != Some(&value) {
                 hot.value = Some(value.clone());
-                hot.epoch = self.rt.epoch;
-                seeds.extend(subscribers(&self.rt.sub_at, &self.rt.sub_list, g).iter().map(|&s| (s, false)));
+                hot.epoch = epoch;
+                self.rt.emit_stamp[g] = epoch;
+                sources.push(g as u32);
             }
         }
-        self.wave(seeds, now, env);
+        self.emit_sources(&sources, now, env);
+        self.sources = sources;
         self.run_actions(now, env);
     }
 
@@ -481,7 +500,8 @@ impl RuleEngine {
         }
         self.rt.epoch += 1;
         let epoch = self.rt.epoch;
-        let mut seeds = Vec::new();
+        let mut sources = std::mem::take(&mut self.sources);
+        sources.clear();
         for i in 0..self.rt.timers.len() {
             let t = self.rt.timers[i] as usize;
             let (unit, hot) = (&mut self.rt.units[t], &mut self.rt.hot[t]);
@@ -493,7 +513,8 @@ impl RuleEngine {
                     *due = Time(due.as_nanos().saturating_add((behind + 1).saturating_mul(*period)));
                     hot.value = Some(Value::U64(*ticks));
                     hot.epoch = epoch;
-                    seeds.extend(subscribers(&self.rt.sub_at, &self.rt.sub_list, t).iter().map(|&s| (s, false)));
+                    self.rt.emit_stamp[t] = epoch;
+                    sources.push(t as u32);
                 }
             }
         }
@@ -505,11 +526,13 @@ impl RuleEngine {
                 if v != hot.value {
                     hot.value = v;
                     hot.epoch = epoch;
-                    seeds.extend(subscribers(&self.rt.sub_at, &self.rt.sub_list, g).iter().map(|&s| (s, false)));
+                    self.rt.emit_stamp[g] = epoch;
+                    sources.push(g as u32);
                 }
             }
         }
-        self.wave(seeds, now, env);
+        self.emit_sources(&sources, now, env);
+        self.sources = sources;
         self.run_actions(now, env);
         Step { writes: std::mem::take(&mut self.writes), next_wakeup: self.next_wakeup() }
     }
@@ -1050,10 +1073,41 @@ impl RuleEngine {
             rt.sub_list.extend_from_slice(list);
         }
         rt.sub_at.push(rt.sub_list.len() as u32);
+
+        // 6. The compiled plans, and which instances compare with their root's output.
+        rt.selfcmp = rt
+            .instances
+            .iter()
+            .map(|inst| {
+                self.use_plans && !inst.pulled && !matches!(rt.hot[inst.root as usize].op, Op::Cache | Op::Stateful)
+            })
+            .collect();
+        rt.emit_stamp = vec![0; rt.units.len()];
+        if self.use_plans {
+            let targets: Vec<Vec<u32>> = rt
+                .fires
+                .iter()
+                .map(|f| f.iter().filter_map(|x| if let Fire::Eval(t) = x { Some(*t) } else { None }).collect())
+                .collect();
+            let shapes: Vec<InstanceShape<'_>> = rt
+                .instances
+                .iter()
+                .enumerate()
+                .map(|(i, inst)| InstanceShape {
+                    root: inst.root,
+                    units: inst.units.clone(),
+                    pulled: inst.pulled,
+                    trigger_targets: &targets[i],
+                    fires: !rt.fires[i].is_empty(),
+                })
+                .collect();
+            let sources: Vec<u32> = rt.sampled.iter().chain(&rt.timers).copied().collect();
+            rt.plans = Plans::build(&rt.hot, &rt.edges, &shapes, &rt.sub_at, &rt.sub_list, &sources);
+        }
         self.rt = rt;
         self.queued = vec![0; self.rt.instances.len()];
 
-        // 6. Evaluate what is new or rewired (pushed instances; pulled ones wait for their triggers).
+        // 7. Evaluate what is new or rewired (pushed instances; pulled ones wait for their triggers).
         let seeds: Vec<(u32, bool)> = (0..self.rt.instances.len())
             .filter(|&i| fresh[i] && !self.rt.instances[i].pulled)
             .map(|i| (i as u32, false))
@@ -1074,20 +1128,16 @@ impl RuleEngine {
             if flags == 0 {
                 continue;
             }
-            let root = self.rt.roots[i as usize];
-            if !self.eval_in_place(root, i) {
-                self.query(root, i, flags & 2 != 0, now, env);
-            }
-            let rt = &mut self.rt;
-            let after = &rt.hot[root as usize].value;
-            let emitted = &mut rt.emitted[i as usize];
-            if same_output(after, emitted) {
+            if !self.run_instance(i, flags & 2 != 0, now, env) {
                 continue;
             }
-            assign(emitted, after);
+            let rt = &mut self.rt;
+            let root = rt.roots[i as usize];
+            rt.emit_stamp[root as usize] = rt.epoch;
             for &s in subscribers(&rt.sub_at, &rt.sub_list, root as usize) {
                 schedule(&mut self.queued, &mut self.next, &mut heap, &rt.ranks, s, false);
             }
+            let after = &rt.hot[root as usize].value;
             let fires = &rt.fires[i as usize];
             if fires.is_empty() || !after.as_ref().is_some_and(truthy) {
                 continue;
@@ -1100,6 +1150,135 @@ impl RuleEngine {
             }
         }
         self.heap = heap;
+    }
+
+    /// Runs the emissions of `sources` (gets and timers whose value changed, with their wave stamp set): through
+    /// the source's wave plan when there is one source, else through the general [`Self::wave`].
+    fn emit_sources(&mut self, sources: &[u32], now: Time, env: &dyn Environment) {
+        if let (true, &[s]) = (self.use_plans, sources) {
+            let steps = self.rt.plans.wave_plan(s);
+            if !steps.is_empty() {
+                return self.run_wave_plan(steps, now, env);
+            }
+        }
+        let seeds: Vec<(u32, bool)> = sources
+            .iter()
+            .flat_map(|&s| subscribers(&self.rt.sub_at, &self.rt.sub_list, s as usize).iter().map(|&d| (d, false)))
+            .collect();
+        self.wave(seeds, now, env);
+    }
+
+    /// Runs a wave plan (see [`crate::plan`]): each instance in order, if a unit it waits on emitted in this wave
+    /// or a trigger queued it. Evaluates and emits exactly as [`Self::wave`] would for the same source.
+    fn run_wave_plan(&mut self, steps: std::ops::Range<usize>, now: Time, env: &dyn Environment) {
+        let epoch = self.rt.epoch;
+        for k in steps {
+            match self.rt.plans.wave_step(k) {
+                WaveStep::Forward { src, dst } => {
+                    let rt = &mut self.rt;
+                    if rt.emit_stamp[src as usize] != epoch {
+                        continue;
+                    }
+                    let (input, out) = pair(&mut rt.hot, src, dst);
+                    out.epoch = epoch;
+                    if update(&mut out.value, &input.value) {
+                        rt.emit_stamp[dst as usize] = epoch;
+                    }
+                }
+                WaveStep::Instance(i) => {
+                    let flags = self.queued[i as usize];
+                    let rt = &self.rt;
+                    if flags == 0 && !rt.plans.watch(i).iter().any(|&u| rt.emit_stamp[u as usize] == epoch) {
+                        continue;
+                    }
+                    self.queued[i as usize] = 0;
+                    if !self.run_instance(i, flags & 2 != 0, now, env) {
+                        continue;
+                    }
+                    let rt = &mut self.rt;
+                    let root = rt.roots[i as usize] as usize;
+                    rt.emit_stamp[root] = epoch;
+                    if rt.fires[i as usize].is_empty() || !rt.hot[root].value.as_ref().is_some_and(truthy) {
+                        continue;
+                    }
+                    for fire in &rt.fires[i as usize] {
+                        match fire {
+                            // The target comes later in the plan (triggers go forwards), which runs it.
+                            Fire::Eval(t) => self.queued[*t as usize] |= 3,
+                            Fire::Action(a) => self.actions.push((a.clone(), rt.instances[i as usize].rule.clone())),
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Evaluates instance `i` in the current wave and returns true if it emits (its output differs from the one
+    /// it last emitted, which is then updated).
+    #[inline]
+    fn run_instance(&mut self, i: u32, triggered: bool, now: Time, env: &dyn Environment) -> bool {
+        let root = self.rt.roots[i as usize];
+        if self.rt.selfcmp[i as usize] {
+            let epoch = self.rt.epoch;
+            if self.rt.hot[root as usize].epoch == epoch {
+                return false;
+            }
+            self.eval_instance(i, root, triggered, true, now, env);
+            let rt = &mut self.rt;
+            let hot = &rt.hot[root as usize];
+            let first = hot.first_input as usize;
+            let value = stateless(hot.op, &rt.edges[first..first + hot.n_inputs as usize], &rt.hot);
+            let hot = &mut rt.hot[root as usize];
+            hot.epoch = epoch;
+            return update(&mut hot.value, &value);
+        }
+        if !self.eval_in_place(root, i) {
+            self.eval_instance(i, root, triggered, false, now, env);
+        }
+        let rt = &mut self.rt;
+        let after = &rt.hot[root as usize].value;
+        update(&mut rt.emitted[i as usize], after)
+    }
+
+    /// Evaluates the units of instance `i` (with root `root`) not yet evaluated in this wave, inputs first, all
+    /// but the root if `skip_root`: through its unit plan, or by a recursive query if it has none.
+    fn eval_instance(&mut self, i: u32, root: u32, triggered: bool, skip_root: bool, now: Time, env: &dyn Environment) {
+        let rt = &mut self.rt;
+        let plan = if self.use_plans { rt.plans.unit_plan(i, root, &rt.hot, &rt.edges) } else { None };
+        match plan {
+            Some(steps) => self.run_unit_plan(steps.start..steps.end - usize::from(skip_root), triggered, now, env),
+            None if skip_root => {
+                let hot = &self.rt.hot[root as usize];
+                for k in hot.first_input as usize..(hot.first_input + hot.n_inputs) as usize {
+                    let x = self.rt.edges[k];
+                    self.query_rec(x, i, triggered, now, env, 1);
+                }
+            }
+            None => self.query(root, i, triggered, now, env),
+        }
+    }
+
+    /// Runs steps of a unit plan: each unit not yet evaluated in this wave.
+    fn run_unit_plan(&mut self, steps: std::ops::Range<usize>, triggered: bool, now: Time, env: &dyn Environment) {
+        let epoch = self.rt.epoch;
+        for k in steps {
+            match self.rt.plans.unit_step(k) {
+                UnitStep::Forward { src, dst } => {
+                    let rt = &mut self.rt;
+                    if rt.hot[dst as usize].epoch == epoch {
+                        continue;
+                    }
+                    let (input, out) = pair(&mut rt.hot, src, dst);
+                    assign(&mut out.value, &input.value);
+                    out.epoch = epoch;
+                }
+                UnitStep::Eval(u) => {
+                    if self.rt.hot[u as usize].epoch != epoch {
+                        self.eval_unit(u, triggered, now, env);
+                    }
+                }
+            }
+        }
     }
 
     /// Evaluates unit `u` for instance `current` without a walk if it has no state and its inputs are ready
@@ -1236,6 +1415,19 @@ impl RuleEngine {
     }
 }
 
+/// Unit `src`'s entry to read and unit `dst`'s to write (two different units).
+#[inline(always)]
+fn pair(hot: &mut [Hot], src: u32, dst: u32) -> (&Hot, &mut Hot) {
+    let (s, d) = (src as usize, dst as usize);
+    if s < d {
+        let (a, b) = hot.split_at_mut(d);
+        (&a[s], &mut b[0])
+    } else {
+        let (a, b) = hot.split_at_mut(s);
+        (&b[0], &mut a[d])
+    }
+}
+
 /// The instances evaluated when unit `u` emits (see `Runtime::sub_list`).
 #[inline(always)]
 fn subscribers<'a>(at: &[u32], list: &'a [u32], u: usize) -> &'a [u32] {
@@ -1338,4 +1530,223 @@ pub fn drive<E: Environment>(engine: &mut RuleEngine, env: &mut E, now: Time) ->
         engine.handle_write_result(w, result, now);
     }
     step
+}
+
+#[cfg(test)]
+mod tests {
+    //! The compiled plans against the general evaluation: the same scenario run by an engine with plans and by
+    //! one without must give the same outputs, unit states, knob writes and notices after every step.
+
+    use super::*;
+    use crate::env::MemoryEnv;
+
+    fn ms(t: u64) -> Time {
+        Time::from_millis(t)
+    }
+
+    /// An engine that evaluates without plans (the recursive query and the heap-ordered wave only).
+    fn without_plans() -> RuleEngine {
+        RuleEngine { use_plans: false, ..RuleEngine::new() }
+    }
+
+    /// Everything observable: every rule as `show` presents it (outputs, unit values and states) and the notices.
+    fn snapshot(engine: &mut RuleEngine) -> String {
+        let mut out = String::new();
+        for r in engine.list() {
+            out.push_str(&serde_json::to_string(&engine.show(&r.name)).unwrap());
+            out.push('\n');
+        }
+        while let Some(n) = engine.poll_notice() {
+            out.push_str(&n.message);
+            out.push('\n');
+        }
+        out
+    }
+
+    const MIXED: &str = r#"
+rate: get("module.src.rate")
+h: History(rate, 4)
+a: Avg(h)
+b: Max(h)
+hot: Greater(a, 15)
+pick: set("module.sel.select", If(hot, 1, 0))
+fwd1: Forwarder(rate)
+fwd2: Forwarder(fwd1)
+fwd3: fwd2
+moved: Changed(fwd3)
+both: And(hot, moved)
+both -> report
+report: set("module.sel.mode", Sum(get("module.src.rate"), 3))
+loss: get("flow.*.loss")
+lossy: Threshold(loss, 0.04, 0.02)
+cc: set("flow.*.cc", If(lossy, "bbr", "cubic"))
+c: Cache(get("module.src.rate"), 50ms)
+tc: Timer(20ms)
+tc -> cached
+cached: Forwarder(c)
+ticks: Timer(30ms)
+every: EWMA(Forwarder(ticks), 0.5)
+pq: Forwarder(cached)
+pq2: pq
+ticks -> pq2
+up: Greater(fwd3, 25)
+up -> mark
+mark: set("module.sel.mark", 1)
+[manual]
+extra: Greater(fwd2, 35)
+[contextEnter]
+enter: Greater(rate, 45)
+enter -> load(extra)
+[contextExit]
+leave: Less(rate, 15)
+leave -> unload(extra)
+"#;
+
+    fn env() -> MemoryEnv {
+        let mut env = MemoryEnv::new();
+        env.meter("module.src.rate", Value::U64(0))
+            .knob("module.sel.select", Value::I64(0))
+            .knob("module.sel.mode", Value::F64(0.0))
+            .knob("module.sel.mark", Value::U64(0))
+            .meter("flow.a.loss", Value::F64(0.01))
+            .knob("flow.a.cc", Value::Str("cubic".into()));
+        env
+    }
+
+    /// Runs the scenario step by step on `engine` and returns the snapshot after every step.
+    fn scenario(mut engine: RuleEngine) -> Vec<String> {
+        let mut env = env();
+        let mut seen = Vec::new();
+        let step = |engine: &mut RuleEngine, env: &mut MemoryEnv, t: u64, seen: &mut Vec<String>| {
+            let s = drive(engine, env, ms(t));
+            seen.push(format!("{:?}\n{}{:?}", s.writes, snapshot(engine), env.written));
+        };
+        engine.handle_load_text("mixed", MIXED, ms(0), &env).unwrap();
+        seen.push(snapshot(&mut engine));
+        let rates = [10u64, 20, 20, 50, 60, 30, 10, 40, 40, 55, 5, 70];
+        for (k, rate) in rates.iter().enumerate() {
+            let t = 10 * (k as u64 + 1);
+            // Pushed by the caller (one source: the wave plan), then sampled (no change).
+            engine.handle_meter_changed("module.src.rate", Value::U64(*rate), ms(t), &env);
+            env.meter("module.src.rate", Value::U64(*rate));
+            seen.push(format!("{:?}\n{}", engine.poll_writes(), snapshot(&mut engine)));
+            // Two meters at once on some steps (the general wave), one on the others.
+            if k % 3 == 1 {
+                env.meter("flow.a.loss", Value::F64(if k % 2 == 0 { 0.05 } else { 0.01 }));
+                env.meter("module.src.rate", Value::U64(rate + 1));
+            }
+            step(&mut engine, &mut env, t + 5, &mut seen);
+            seen.push(format!("{:?}", engine.evaluate("report", ms(t + 6), &env)));
+            seen.push(format!("{:?}", engine.evaluate("fwd3", ms(t + 6), &env)));
+            match k {
+                // Rewire: hot reads the maximum; History h keeps its window.
+                2 => drop(engine.handle_load_text("rewire", "hot: Greater(b, 45)", ms(t + 7), &env).unwrap()),
+                4 => drop(engine.handle_unload(&["pick"], ms(t + 7), &env).unwrap()),
+                5 => drop(engine.handle_replace("fwd2", "fwd1", ms(t + 7), &env).unwrap()),
+                6 => {
+                    env.meter("flow.b.loss", Value::F64(0.06)).knob("flow.b.cc", Value::Str("cubic".into()));
+                }
+                7 => drop(engine.handle_load(&["pick"], ms(t + 7), &env).unwrap()),
+                8 => drop(engine.handle_rollback(2, ms(t + 7), &env).unwrap()),
+                9 => env.remove("flow.a.loss"),
+                _ => {}
+            }
+            seen.push(snapshot(&mut engine));
+        }
+        seen
+    }
+
+    #[test]
+    fn plans_give_the_same_results_as_the_general_evaluation() {
+        let with = scenario(RuleEngine::new());
+        let without = scenario(without_plans());
+        assert_eq!(with.len(), without.len());
+        for (k, (a, b)) in with.iter().zip(&without).enumerate() {
+            assert_eq!(a, b, "step {k} differs");
+        }
+        // The scenario did something: knobs were written, the context loaded `extra`, a flow was added.
+        let all = with.join("\n");
+        assert!(all.contains("module.sel.mode") && all.contains("bbr"), "{all}");
+        // `mark` wrote the same value on each rising edge of `up` (a triggered set always writes).
+        let mark = "\"knob\":\"module.sel.mark\",\"last_written\":1,\"writes\":3";
+        assert!(with.last().unwrap().contains(mark), "{all}");
+        assert!(all.contains("enter ran load(extra)") && all.contains("leave ran unload(extra)"), "{all}");
+        assert!(all.contains("\"binding\":[\"b\"]"), "{all}");
+    }
+
+    fn chain(n: usize, pulled: bool) -> String {
+        let mut text = String::from("f1: Forwarder(get(\"x\"))\n");
+        for i in 2..=n {
+            text.push_str(&format!("f{i}: Forwarder(f{})\n", i - 1));
+        }
+        if pulled {
+            text.push_str(&format!("t: Timer(1h)\nt -> f{n}\n"));
+        }
+        text
+    }
+
+    #[test]
+    fn a_pushed_chain_runs_as_forward_steps_and_a_pulled_one_as_a_unit_plan() {
+        let mut env = MemoryEnv::new();
+        env.meter("x", Value::U64(0));
+        let mut pushed = RuleEngine::new();
+        pushed.handle_load_text("c", &chain(50, false), Time::ZERO, &env).unwrap();
+        let g = pushed.rt.sampled[0];
+        let steps = pushed.rt.plans.wave_plan(g);
+        assert_eq!(steps.len(), 50);
+        assert!(steps.clone().all(|k| matches!(pushed.rt.plans.wave_step(k), WaveStep::Forward { .. })));
+        pushed.handle_meter_changed("x", Value::U64(7), ms(1), &env);
+        assert_eq!(pushed.value("f50", &[]), Some(Value::U64(7)));
+        // The same value again: nothing emits past the get, the chain keeps its value.
+        pushed.handle_meter_changed("x", Value::U64(7), ms(2), &env);
+        assert_eq!(pushed.value("f50", &[]), Some(Value::U64(7)));
+
+        let mut pulled = RuleEngine::new();
+        pulled.handle_load_text("c", &chain(50, true), Time::ZERO, &env).unwrap();
+        env.meter("x", Value::Str("s".into()));
+        assert_eq!(pulled.evaluate("f50", ms(1), &env), Ok(Some(Value::Str("s".into()))));
+        let top = pulled.rt.of_rule["f50"][0];
+        let root = pulled.rt.roots[top as usize];
+        let rt = &mut pulled.rt;
+        let steps = rt.plans.unit_plan(top, root, &rt.hot, &rt.edges).expect("no cache: a plan");
+        assert_eq!(steps.len(), 51, "the get and 50 forwarders");
+        let below = rt.roots[rt.of_rule["f49"][0] as usize];
+        assert_eq!(rt.plans.unit_step(steps.end - 1), UnitStep::Forward { src: below, dst: root });
+        // Only the queried instances have a plan built: f50 and the timer t (evaluated when loaded); the plans of
+        // all the chain's instances would take 1,325 steps.
+        assert_eq!(rt.plans.unit_plan_steps(), 51 + 1);
+    }
+
+    #[test]
+    fn plans_are_rebuilt_on_load_unload_and_replace_and_history_keeps_its_window() {
+        let mut env = MemoryEnv::new();
+        env.meter("x", Value::U64(1)).meter("y", Value::U64(100));
+        let mut e = RuleEngine::new();
+        e.handle_load_text("t", "h: History(get(\"x\"), 3)\nm: Max(h)\nout: Forwarder(m)", ms(0), &env).unwrap();
+        for (k, x) in [2u64, 3].iter().enumerate() {
+            e.handle_meter_changed("x", Value::U64(*x), ms(k as u64 + 1), &env);
+        }
+        assert_eq!(e.value("out", &[]), Some(Value::F64(3.0)));
+        // Rewire `out` to read y through a new rule: the plan of y's get now reaches it.
+        e.handle_load_text("t2", "n: Forwarder(get(\"y\"))\nout: Greater(n, m)", ms(5), &env).unwrap();
+        let y = *e.rt.sampled.iter().find(|&&g| e.rt.units[g as usize].key.starts_with("n")).unwrap();
+        assert_eq!(e.rt.plans.wave_plan(y).len(), 2, "n and out");
+        assert_eq!(e.value("out", &[]), Some(Value::Bool(true)));
+        e.handle_meter_changed("y", Value::U64(0), ms(6), &env);
+        assert_eq!(e.value("out", &[]), Some(Value::Bool(false)));
+        // History kept its window across the rewiring: [1, 2, 3], then 0 makes the max still 3.
+        e.handle_meter_changed("x", Value::U64(0), ms(7), &env);
+        let h = e.show("h").unwrap();
+        assert_eq!(h.instances[0].units[0].state["samples"], crate::units::StateValue::Samples(vec![2.0, 3.0, 0.0]));
+        // Replace m by a new rule and unload out: plans follow.
+        e.handle_load_text("t3", "[manual]\nlow: Min(h)", ms(8), &env).unwrap();
+        e.handle_replace("m", "low", ms(9), &env).unwrap();
+        assert_eq!(e.value("out", &[]), Some(Value::Bool(false)));
+        env.meter("y", Value::U64(1));
+        e.handle_meter_changed("y", Value::U64(1), ms(10), &env);
+        assert_eq!(e.value("out", &[]), Some(Value::Bool(true)), "1 > min(2, 3, 0)");
+        e.handle_unload(&["out"], ms(11), &env).unwrap();
+        assert_eq!(e.value("out", &[]), None);
+        assert!(e.rt.sampled.iter().all(|&g| e.rt.plans.wave_plan(g).len() <= 2));
+    }
 }

@@ -42,6 +42,7 @@ pub mod compile;
 pub mod diag;
 pub mod engine;
 pub mod env;
+mod plan;
 pub mod syntax;
 pub mod units;
 

@@ -482,7 +482,7 @@ pub fn num(v: &Value) -> Option<f64> {
 }
 
 /// `*dst = src.clone()`, reusing `dst`'s string buffer, and inlined: the scalars are copied without a call.
-#[inline]
+#[inline(always)]
 pub(crate) fn assign(dst: &mut Option<Value>, src: &Option<Value>) {
     match src {
         None => *dst = None,
@@ -507,17 +507,66 @@ pub(crate) fn dup(v: &Option<Value>) -> Option<Value> {
     }
 }
 
-/// `a == b` (exactly, as `PartialEq`: not [`same`]), inlined for the scalars.
-#[inline]
-pub(crate) fn same_output(a: &Option<Value>, b: &Option<Value>) -> bool {
-    match (a, b) {
-        (None, None) => true,
-        (Some(Value::U64(x)), Some(Value::U64(y))) => x == y,
-        (Some(Value::F64(x)), Some(Value::F64(y))) => x == y,
-        (Some(Value::Bool(x)), Some(Value::Bool(y))) => x == y,
-        (Some(Value::I64(x)), Some(Value::I64(y))) => x == y,
-        _ => a == b,
+/// `if *dst != *src { *dst = src.clone(); true } else { false }` (equality exactly as `PartialEq`, not
+/// [`same`]: 2 and 2.0 differ, NaN differs from itself) with one dispatch on `src`'s variant: the scalars are compared and copied inline, a string's
+/// buffer is reused.
+#[inline(always)]
+pub(crate) fn update(dst: &mut Option<Value>, src: &Option<Value>) -> bool {
+    match src {
+        Some(Value::U64(x)) => {
+            if let Some(Value::U64(y)) = dst {
+                if *y == *x {
+                    return false;
+                }
+                *y = *x;
+                return true;
+            }
+            *dst = Some(Value::U64(*x));
+        }
+        Some(Value::F64(x)) => {
+            if let Some(Value::F64(y)) = dst {
+                if *y == *x {
+                    return false;
+                }
+                *y = *x;
+                return true;
+            }
+            *dst = Some(Value::F64(*x));
+        }
+        Some(Value::Bool(x)) => {
+            if let Some(Value::Bool(y)) = dst {
+                if *y == *x {
+                    return false;
+                }
+                *y = *x;
+                return true;
+            }
+            *dst = Some(Value::Bool(*x));
+        }
+        Some(Value::I64(x)) => {
+            if let Some(Value::I64(y)) = dst {
+                if *y == *x {
+                    return false;
+                }
+                *y = *x;
+                return true;
+            }
+            *dst = Some(Value::I64(*x));
+        }
+        None => {
+            if dst.is_none() {
+                return false;
+            }
+            *dst = None;
+        }
+        Some(Value::Str(_)) => {
+            if dst == src {
+                return false;
+            }
+            dst.clone_from(src);
+        }
     }
+    true
 }
 
 /// Truth of a value: true, a non-zero number, a non-empty string.
@@ -950,10 +999,12 @@ mod tests {
             // NaN is not equal to itself: compare the copies by their Debug text.
             assert_eq!(format!("{:?}", dup(a)), format!("{a:?}"));
             for b in &values {
-                assert_eq!(same_output(a, b), a == b, "{a:?} vs {b:?}");
                 let mut dst = b.clone();
                 assign(&mut dst, a);
                 assert_eq!(format!("{dst:?}"), format!("{a:?}"));
+                let mut dst = b.clone();
+                assert_eq!(update(&mut dst, a), a != b, "update {a:?} over {b:?}");
+                assert_eq!(format!("{dst:?}"), format!("{:?}", if a != b { a } else { b }));
             }
         }
     }

@@ -18,17 +18,21 @@
 //! - **callref(N)**: the other reference: N outputs in one `Vec<Option<Value>>`; hop k is one never-inlined
 //!   `forward_from(out: &mut Option<Value>, input: &Option<Value>)` that stores a copy of output k-1 as output
 //!   k, which is what a Forwarder unit does (read its input's output, keep a copy as its own).
-//!   Both references are real calls per hop (one `call` instruction per stage in the loop, checked with
+//! - **callcopy(N)**: as callref, but the call copies with the engine's own copy of an output
+//!   ([`flexstack_rules::units::assign`]: the scalars copied inline, a string's buffer reused) instead of
+//!   `clone_from`, so that the reference does not lose to the engine by copying a value less cleverly.
+//!   All three references are real calls per hop (one `call` instruction per stage in the loop, checked with
 //!   objdump) and `black_box` keeps the outputs live, so the chain cannot fold into a constant. The ratios use
-//!   the cheaper of the two per hop (the harder reference).
+//!   the cheapest of the three per hop (the hardest reference).
 //!
 //! **Per hop** is `cost(N) / N`, as the paper plots it; **marginal per hop** is `(cost(1000) - cost(1)) / 999`,
 //! which leaves out the fixed cost of a traversal (the environment read, starting a wave). The ratios are
-//! engine per hop / per hop of the cheaper reference. Each configuration runs for 10 slices of 20 ms per round,
+//! engine per hop / per hop of the cheapest reference. Each configuration runs for 10 slices of 20 ms per round,
 //! in 5 rounds; within a round the slices of all configurations are interleaved; every figure is the median
 //! over rounds.
 
 use flexstack_core::{Time, Value};
+use flexstack_rules::units::assign;
 use flexstack_rules::{MemoryEnv, RuleEngine};
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -66,6 +70,12 @@ impl Forward {
 #[inline(never)]
 fn forward_from(out: &mut Option<Value>, input: &Option<Value>) {
     out.clone_from(input);
+}
+
+/// Hop k of `callcopy`: output k becomes a copy of output k - 1, copied as the engine copies an output.
+#[inline(never)]
+fn forward_copy(out: &mut Option<Value>, input: &Option<Value>) {
+    assign(out, input);
 }
 
 /// One configuration: runs `traverse` repeatedly for a slice and returns ns per traversal.
@@ -117,6 +127,21 @@ impl Config for CallRef {
     }
 }
 
+struct CallCopy {
+    outs: Vec<Option<Value>>,
+}
+
+impl Config for CallCopy {
+    fn traverse(&mut self, k: u64) {
+        self.outs[0] = Some(Value::U64(k));
+        for i in 1..self.outs.len() {
+            let (done, rest) = self.outs.split_at_mut(i);
+            forward_copy(&mut rest[0], &done[i - 1]);
+        }
+        black_box(&self.outs);
+    }
+}
+
 impl Config for Call {
     fn traverse(&mut self, k: u64) {
         let mut v = Value::U64(k);
@@ -153,14 +178,15 @@ fn profile(args: &[String]) {
     let n: usize = args.get(1).and_then(|a| a.parse().ok()).unwrap_or(1000);
     let traversals: u64 = args.get(2).and_then(|a| a.parse().ok()).unwrap_or(1000);
     let mut configs = build(&[n]);
-    let (_, _, c) = configs.iter_mut().find(|(k, _, _)| k == kind).expect("kind is query, event, call or callref");
+    let (_, _, c) =
+        configs.iter_mut().find(|(k, _, _)| k == kind).expect("kind is query, event, call, callref or callcopy");
     for k in 1..=traversals {
         c.traverse(k);
     }
     println!("{kind}({n}): {traversals} traversals done");
 }
 
-/// The three configurations for each chain length.
+/// The five configurations for each chain length.
 fn build(hops: &[usize]) -> Vec<(String, usize, Box<dyn Config>)> {
     let mut configs: Vec<(String, usize, Box<dyn Config>)> = Vec::new();
     for &n in hops {
@@ -177,6 +203,7 @@ fn build(hops: &[usize]) -> Vec<(String, usize, Box<dyn Config>)> {
         configs.push(("call".into(), n, Box::new(Call { stages })));
         // Output 0 is the source (the meter), outputs 1..=n the n hops.
         configs.push(("callref".into(), n, Box::new(CallRef { outs: vec![None; n + 1] })));
+        configs.push(("callcopy".into(), n, Box::new(CallCopy { outs: vec![None; n + 1] })));
     }
     configs
 }
@@ -190,7 +217,8 @@ fn main() {
     let quick = !std::env::args().any(|a| a == "--bench");
     let (rounds, slices) = if quick { (1, 1) } else { (ROUNDS, SLICES) };
     let mut configs = build(&HOPS);
-    // Check that the chains really forward: after a traversal the top holds the new value.
+    // Check that the chains really forward: after a traversal the top holds the new value, by event and by
+    // query, and every unit of the chain holds it.
     {
         let mut env = MemoryEnv::new();
         env.meter("bench.x", Value::U64(0));
@@ -198,7 +226,12 @@ fn main() {
         e.handle_load_text("check", &chain(100, false), Time::ZERO, &env).unwrap();
         env.meter("bench.x", Value::U64(42));
         e.handle_meter_changed("bench.x", Value::U64(42), Time(1), &env);
-        assert_eq!(e.value("f100", &[]), Some(Value::U64(42)));
+        assert!((1..=100).all(|i| e.value(&format!("f{i}"), &[]) == Some(Value::U64(42))));
+        let mut q = RuleEngine::new();
+        q.handle_load_text("check", &chain(100, true), Time::ZERO, &env).unwrap();
+        env.meter("bench.x", Value::U64(43));
+        assert_eq!(q.evaluate("f100", Time(1), &env), Ok(Some(Value::U64(43))));
+        assert!((1..=100).all(|i| q.value(&format!("f{i}"), &[]) == Some(Value::U64(43))));
     }
     let mut per_round: Vec<Vec<f64>> = vec![Vec::new(); configs.len()];
     let mut k = 0u64;
@@ -221,39 +254,43 @@ fn main() {
     };
     println!("rule signalling benchmark: ns per traversal of a chain of N Forwarder units (median of {rounds} rounds)");
     println!(
-        "{:>6} {:>10} {:>10} {:>10} {:>10} | {:>9} {:>9} {:>9} {:>9} | {:>7} {:>7}",
+        "{:>6} {:>9} {:>9} {:>9} {:>9} {:>9} | {:>9} {:>9} {:>9} {:>9} {:>9} | {:>7} {:>7}",
         "N",
         "query",
         "event",
         "call",
         "callref",
+        "callcopy",
         "query/hop",
         "event/hop",
         "call/hop",
         "cref/hop",
+        "ccopy/hop",
         "q ratio",
         "e ratio"
     );
     for &n in &HOPS {
-        let (q, e, c, r) = (cost("query", n), cost("event", n), cost("call", n), cost("callref", n));
+        let (q, e) = (cost("query", n), cost("event", n));
+        let (c, r, y) = (cost("call", n), cost("callref", n), cost("callcopy", n));
         let h = n as f64;
-        let reference = c.min(r);
+        let reference = c.min(r).min(y);
         println!(
-            "{n:>6} {q:>10.1} {e:>10.1} {c:>10.1} {r:>10.1} | {:>9.2} {:>9.2} {:>9.2} {:>9.2} | {:>7.2} {:>7.2}",
+            "{n:>6} {q:>9.1} {e:>9.1} {c:>9.1} {r:>9.1} {y:>9.1} | {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.2} | {:>7.2} {:>7.2}",
             q / h,
             e / h,
             c / h,
             r / h,
+            y / h,
             q / reference,
             e / reference
         );
     }
     let slope = |kind: &str| (cost(kind, 1000) - cost(kind, 1)) / 999.0;
-    let (q, e, c, r) = (slope("query"), slope("event"), slope("call"), slope("callref"));
-    let reference = c.min(r);
+    let (q, e, c, r, y) = (slope("query"), slope("event"), slope("call"), slope("callref"), slope("callcopy"));
+    let reference = c.min(r).min(y);
     println!(
-        "marginal per hop (N 1 -> 1000): query {q:.2} ns, event {e:.2} ns, call {c:.2} ns, callref {r:.2} ns; \
-         ratios to the cheaper reference: query {:.2}, event {:.2} (target <= {TARGET})",
+        "marginal per hop (N 1 -> 1000): query {q:.2} ns, event {e:.2} ns, call {c:.2} ns, callref {r:.2} ns, \
+         callcopy {y:.2} ns; ratios to the cheapest reference: query {:.2}, event {:.2} (target <= {TARGET})",
         q / reference,
         e / reference
     );

@@ -234,8 +234,6 @@ struct Runtime {
     /// Per instance: pushed, with a root without state, and plans are on: its root's output is only ever changed
     /// by its own evaluation in a wave, so it is the last emitted output (no copy in `emitted`).
     selfcmp: Vec<bool>,
-    /// Per unit: the wave in which it last emitted (a root whose instance emitted, a changed get, a timer tick).
-    emit_stamp: Vec<u64>,
     /// The compiled unit plans and wave plans (see [`crate::plan`]).
     plans: Plans,
     by_rule: HashMap<(String, Vec<String>), u32>,
@@ -449,7 +447,7 @@ impl RuleEngine {
             if matches!(&unit.core, Core::Get { name: n } if n == name) && hot.value.as_ref() != Some(&value) {
                 hot.value = Some(value.clone());
                 hot.epoch = epoch;
-                self.rt.emit_stamp[g] = epoch;
+                hot.emitted = epoch;
                 sources.push(g as u32);
             }
         }
@@ -513,7 +511,7 @@ impl RuleEngine {
                     *due = Time(due.as_nanos().saturating_add((behind + 1).saturating_mul(*period)));
                     hot.value = Some(Value::U64(*ticks));
                     hot.epoch = epoch;
-                    self.rt.emit_stamp[t] = epoch;
+                    hot.emitted = epoch;
                     sources.push(t as u32);
                 }
             }
@@ -526,7 +524,7 @@ impl RuleEngine {
                 if v != hot.value {
                     hot.value = v;
                     hot.epoch = epoch;
-                    self.rt.emit_stamp[g] = epoch;
+                    hot.emitted = epoch;
                     sources.push(g as u32);
                 }
             }
@@ -1082,7 +1080,6 @@ impl RuleEngine {
                 self.use_plans && !inst.pulled && !matches!(rt.hot[inst.root as usize].op, Op::Cache | Op::Stateful)
             })
             .collect();
-        rt.emit_stamp = vec![0; rt.units.len()];
         if self.use_plans {
             let targets: Vec<Vec<u32>> = rt
                 .fires
@@ -1133,7 +1130,7 @@ impl RuleEngine {
             }
             let rt = &mut self.rt;
             let root = rt.roots[i as usize];
-            rt.emit_stamp[root as usize] = rt.epoch;
+            rt.hot[root as usize].emitted = rt.epoch;
             for &s in subscribers(&rt.sub_at, &rt.sub_list, root as usize) {
                 schedule(&mut self.queued, &mut self.next, &mut heap, &rt.ranks, s, false);
             }
@@ -1172,23 +1169,26 @@ impl RuleEngine {
     /// or a trigger queued it. Evaluates and emits exactly as [`Self::wave`] would for the same source.
     fn run_wave_plan(&mut self, steps: std::ops::Range<usize>, now: Time, env: &dyn Environment) {
         let epoch = self.rt.epoch;
-        for k in steps {
-            match self.rt.plans.wave_step(k) {
+        // The steps are taken out while they run (nothing a step does reads the wave plans), so that the loop
+        // walks a slice.
+        let all = std::mem::take(self.rt.plans.wave_steps_mut());
+        for &step in &all[steps] {
+            match step {
                 WaveStep::Forward { src, dst } => {
                     let rt = &mut self.rt;
-                    if rt.emit_stamp[src as usize] != epoch {
+                    let (input, out) = pair(&mut rt.hot, src, dst);
+                    if input.emitted != epoch {
                         continue;
                     }
-                    let (input, out) = pair(&mut rt.hot, src, dst);
                     out.epoch = epoch;
                     if update(&mut out.value, &input.value) {
-                        rt.emit_stamp[dst as usize] = epoch;
+                        out.emitted = epoch;
                     }
                 }
                 WaveStep::Instance(i) => {
                     let flags = self.queued[i as usize];
                     let rt = &self.rt;
-                    if flags == 0 && !rt.plans.watch(i).iter().any(|&u| rt.emit_stamp[u as usize] == epoch) {
+                    if flags == 0 && !rt.plans.watch(i).iter().any(|&u| rt.hot[u as usize].emitted == epoch) {
                         continue;
                     }
                     self.queued[i as usize] = 0;
@@ -1197,7 +1197,7 @@ impl RuleEngine {
                     }
                     let rt = &mut self.rt;
                     let root = rt.roots[i as usize] as usize;
-                    rt.emit_stamp[root] = epoch;
+                    rt.hot[root].emitted = epoch;
                     if rt.fires[i as usize].is_empty() || !rt.hot[root].value.as_ref().is_some_and(truthy) {
                         continue;
                     }
@@ -1211,6 +1211,7 @@ impl RuleEngine {
                 }
             }
         }
+        *self.rt.plans.wave_steps_mut() = all;
     }
 
     /// Evaluates instance `i` in the current wave and returns true if it emits (its output differs from the one
@@ -1261,14 +1262,15 @@ impl RuleEngine {
     /// Runs steps of a unit plan: each unit not yet evaluated in this wave.
     fn run_unit_plan(&mut self, steps: std::ops::Range<usize>, triggered: bool, now: Time, env: &dyn Environment) {
         let epoch = self.rt.epoch;
-        for k in steps {
-            match self.rt.plans.unit_step(k) {
+        // Taken out while they run, as in `run_wave_plan` (evaluating a unit builds no plan).
+        let all = std::mem::take(self.rt.plans.unit_steps_mut());
+        for &step in &all[steps] {
+            match step {
                 UnitStep::Forward { src, dst } => {
-                    let rt = &mut self.rt;
-                    if rt.hot[dst as usize].epoch == epoch {
+                    let (input, out) = pair(&mut self.rt.hot, src, dst);
+                    if out.epoch == epoch {
                         continue;
                     }
-                    let (input, out) = pair(&mut rt.hot, src, dst);
                     assign(&mut out.value, &input.value);
                     out.epoch = epoch;
                 }
@@ -1279,6 +1281,7 @@ impl RuleEngine {
                 }
             }
         }
+        *self.rt.plans.unit_steps_mut() = all;
     }
 
     /// Evaluates unit `u` for instance `current` without a walk if it has no state and its inputs are ready

@@ -229,9 +229,16 @@ impl Plans {
     }
 
     /// Step `k` of the unit plans.
-    #[inline(always)]
+    #[cfg(test)]
     pub(crate) fn unit_step(&self, k: usize) -> UnitStep {
         self.unit_steps[k]
+    }
+
+    /// The steps of all unit plans, indexed by [`Plans::unit_plan`] (the engine takes them out while it runs
+    /// one, and puts them back).
+    #[inline]
+    pub(crate) fn unit_steps_mut(&mut self) -> &mut Vec<UnitStep> {
+        &mut self.unit_steps
     }
 
     /// The wave plan of source unit `u` (empty: none, use the general wave).
@@ -241,9 +248,16 @@ impl Plans {
     }
 
     /// Step `k` of the wave plans.
-    #[inline(always)]
+    #[cfg(test)]
     pub(crate) fn wave_step(&self, k: usize) -> WaveStep {
         self.wave_steps[k]
+    }
+
+    /// The steps of all wave plans, indexed by [`Plans::wave_plan`] (the engine takes them out while it runs
+    /// one, and puts them back).
+    #[inline]
+    pub(crate) fn wave_steps_mut(&mut self) -> &mut Vec<WaveStep> {
+        &mut self.wave_steps
     }
 
     /// The units instance `i` waits on (it is evaluated when one of them emits).

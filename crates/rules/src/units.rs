@@ -446,6 +446,9 @@ pub(crate) struct Hot {
     pub value: Option<Value>,
     /// The evaluation wave in which the value was last computed.
     pub epoch: u64,
+    /// The wave in which it last emitted: a root whose instance's output changed, a get whose meter changed, a
+    /// timer that ticked (the compiled wave plans run an instance when a unit it waits on emitted).
+    pub emitted: u64,
     /// Where its inputs start in the runtime's flat list of inputs.
     pub first_input: u32,
     /// How many inputs it has.
@@ -460,7 +463,7 @@ pub(crate) struct Hot {
 impl Hot {
     /// An entry for a new unit of kind `kind` without output.
     pub(crate) fn new(kind: UnitKind) -> Hot {
-        Hot { value: None, epoch: 0, first_input: 0, n_inputs: 0, owner: ANY_QUERY, op: Op::of(kind) }
+        Hot { value: None, epoch: 0, emitted: 0, first_input: 0, n_inputs: 0, owner: ANY_QUERY, op: Op::of(kind) }
     }
 
     /// True if a query made for instance `current` stops at this unit (it belongs to another pushed instance).
@@ -482,8 +485,10 @@ pub fn num(v: &Value) -> Option<f64> {
 }
 
 /// `*dst = src.clone()`, reusing `dst`'s string buffer, and inlined: the scalars are copied without a call.
+/// This is how the engine copies an output; it is public so that the signalling benchmark's plain-call
+/// reference can copy a value the same way (benches/signalling.rs, `callcopy`).
 #[inline(always)]
-pub(crate) fn assign(dst: &mut Option<Value>, src: &Option<Value>) {
+pub fn assign(dst: &mut Option<Value>, src: &Option<Value>) {
     match src {
         None => *dst = None,
         Some(Value::Bool(b)) => *dst = Some(Value::Bool(*b)),

@@ -112,31 +112,19 @@ struct Call {
     stages: Vec<Forward>,
 }
 
-struct CallRef {
+/// `callref` (hop = `forward_from`) and `callcopy` (hop = `forward_copy`): the hop is a function item type, so
+/// each call is a direct call of that never-inlined function.
+struct CallRef<F: Fn(&mut Option<Value>, &Option<Value>)> {
     outs: Vec<Option<Value>>,
+    hop: F,
 }
 
-impl Config for CallRef {
+impl<F: Fn(&mut Option<Value>, &Option<Value>)> Config for CallRef<F> {
     fn traverse(&mut self, k: u64) {
         self.outs[0] = Some(Value::U64(k));
         for i in 1..self.outs.len() {
             let (done, rest) = self.outs.split_at_mut(i);
-            forward_from(&mut rest[0], &done[i - 1]);
-        }
-        black_box(&self.outs);
-    }
-}
-
-struct CallCopy {
-    outs: Vec<Option<Value>>,
-}
-
-impl Config for CallCopy {
-    fn traverse(&mut self, k: u64) {
-        self.outs[0] = Some(Value::U64(k));
-        for i in 1..self.outs.len() {
-            let (done, rest) = self.outs.split_at_mut(i);
-            forward_copy(&mut rest[0], &done[i - 1]);
+            (self.hop)(&mut rest[0], &done[i - 1]);
         }
         black_box(&self.outs);
     }
@@ -202,8 +190,8 @@ fn build(hops: &[usize]) -> Vec<(String, usize, Box<dyn Config>)> {
         let stages: Vec<Forward> = (0..n).map(|_| Forward { out: None }).collect();
         configs.push(("call".into(), n, Box::new(Call { stages })));
         // Output 0 is the source (the meter), outputs 1..=n the n hops.
-        configs.push(("callref".into(), n, Box::new(CallRef { outs: vec![None; n + 1] })));
-        configs.push(("callcopy".into(), n, Box::new(CallCopy { outs: vec![None; n + 1] })));
+        configs.push(("callref".into(), n, Box::new(CallRef { outs: vec![None; n + 1], hop: forward_from })));
+        configs.push(("callcopy".into(), n, Box::new(CallRef { outs: vec![None; n + 1], hop: forward_copy })));
     }
     configs
 }

@@ -517,47 +517,24 @@ pub(crate) fn dup(v: &Option<Value>) -> Option<Value> {
 /// buffer is reused.
 #[inline(always)]
 pub(crate) fn update(dst: &mut Option<Value>, src: &Option<Value>) -> bool {
+    // A scalar: compared and copied in place when `dst` holds the same variant, else stored whole.
+    macro_rules! scalar {
+        ($variant:ident, $x:expr) => {{
+            if let Some(Value::$variant(y)) = dst {
+                if *y == *$x {
+                    return false;
+                }
+                *y = *$x;
+                return true;
+            }
+            *dst = Some(Value::$variant(*$x));
+        }};
+    }
     match src {
-        Some(Value::U64(x)) => {
-            if let Some(Value::U64(y)) = dst {
-                if *y == *x {
-                    return false;
-                }
-                *y = *x;
-                return true;
-            }
-            *dst = Some(Value::U64(*x));
-        }
-        Some(Value::F64(x)) => {
-            if let Some(Value::F64(y)) = dst {
-                if *y == *x {
-                    return false;
-                }
-                *y = *x;
-                return true;
-            }
-            *dst = Some(Value::F64(*x));
-        }
-        Some(Value::Bool(x)) => {
-            if let Some(Value::Bool(y)) = dst {
-                if *y == *x {
-                    return false;
-                }
-                *y = *x;
-                return true;
-            }
-            *dst = Some(Value::Bool(*x));
-        }
-        Some(Value::I64(x)) => {
-            if let Some(Value::I64(y)) = dst {
-                if *y == *x {
-                    return false;
-                }
-                *y = *x;
-                return true;
-            }
-            *dst = Some(Value::I64(*x));
-        }
+        Some(Value::U64(x)) => scalar!(U64, x),
+        Some(Value::F64(x)) => scalar!(F64, x),
+        Some(Value::Bool(x)) => scalar!(Bool, x),
+        Some(Value::I64(x)) => scalar!(I64, x),
         None => {
             if dst.is_none() {
                 return false;

@@ -266,6 +266,8 @@ pub struct RuleEngine {
     queued: Vec<u8>,
     /// The sources (gets, timers) that emitted in the current call.
     sources: Vec<u32>,
+    /// The instances `evaluate` starts a wave with (kept to reuse its allocation).
+    seeds: Vec<(u32, bool)>,
     /// Use the compiled plans (off only in tests, to compare with the general evaluation).
     use_plans: bool,
 }
@@ -345,6 +347,7 @@ impl RuleEngine {
             next: None,
             queued: Vec::new(),
             sources: Vec::new(),
+            seeds: Vec::new(),
             use_plans: true,
         }
     }
@@ -459,9 +462,11 @@ impl RuleEngine {
     /// Evaluates a loaded rule by query, as a trigger would (its sets write); returns the output of its first
     /// instance.
     pub fn evaluate(&mut self, name: &str, now: Time, env: &dyn Environment) -> Result<Option<Value>, RuleError> {
-        let seeds: Vec<(u32, bool)> =
-            self.rt.of_rule.get(name).map(|v| v.iter().map(|&i| (i, true)).collect()).unwrap_or_default();
+        let mut seeds = std::mem::take(&mut self.seeds);
+        seeds.clear();
+        seeds.extend(self.rt.of_rule.get(name).into_iter().flatten().map(|&i| (i, true)));
         let Some(&(first, _)) = seeds.first() else {
+            self.seeds = seeds;
             return Err(if self.program.rules.contains_key(name) {
                 RuleError::NotLoaded(name.to_string())
             } else {
@@ -469,7 +474,8 @@ impl RuleEngine {
             });
         };
         self.rt.epoch += 1;
-        self.wave(seeds, now, env);
+        self.wave(&seeds, now, env);
+        self.seeds = seeds;
         self.run_actions(now, env);
         let root = self.rt.roots[first as usize] as usize;
         Ok(self.rt.hot[root].value.clone())
@@ -1109,13 +1115,13 @@ impl RuleEngine {
             .filter(|&i| fresh[i] && !self.rt.instances[i].pulled)
             .map(|i| (i as u32, false))
             .collect();
-        self.wave(seeds, now, env);
+        self.wave(&seeds, now, env);
     }
 
     /// Evaluates the seeded instances and everything their emissions cause, in dependency order.
-    fn wave(&mut self, seeds: Vec<(u32, bool)>, now: Time, env: &dyn Environment) {
+    fn wave(&mut self, seeds: &[(u32, bool)], now: Time, env: &dyn Environment) {
         let mut heap = std::mem::take(&mut self.heap);
-        for (i, triggered) in seeds {
+        for &(i, triggered) in seeds {
             schedule(&mut self.queued, &mut self.next, &mut heap, &self.rt.ranks, i, triggered);
         }
         // `self.next` holds the one scheduled instance while the heap is empty (a chain of events), so that the
@@ -1162,7 +1168,7 @@ impl RuleEngine {
             .iter()
             .flat_map(|&s| subscribers(&self.rt.sub_at, &self.rt.sub_list, s as usize).iter().map(|&d| (d, false)))
             .collect();
-        self.wave(seeds, now, env);
+        self.wave(&seeds, now, env);
     }
 
     /// Runs a wave plan (see [`crate::plan`]): each instance in order, if a unit it waits on emitted in this wave

@@ -220,6 +220,10 @@ pub struct DaemonArgs {
     /// Milliseconds between samples of the meters that loaded rules read.
     #[arg(long, default_value_t = 5)]
     pub rules_interval_ms: u64,
+    /// Microseconds the data plane waits before reading a face while frames stream in, so that one wake-up reads
+    /// several (interrupt moderation; 0: off).
+    #[arg(long, default_value_t = crate::dataplane::DEFAULT_RX_HOLD.as_micros() as u64)]
+    pub rx_hold_us: u64,
 }
 
 /// Options of `flexstack run`.
@@ -477,6 +481,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             app_etc: d.app_etc.clone(),
             exit_when_idle: d.exit_when_idle,
             rules_interval: Duration::from_millis(d.rules_interval_ms.max(1)),
+            dataplane: crate::dataplane::DataPlaneOptions { rx_hold: Duration::from_micros(d.rx_hold_us) },
         };
         return run_daemon(opts, crate::catalog()).map_err(CliError::Message);
     }

@@ -40,6 +40,8 @@ pub struct DaemonOptions {
     pub exit_when_idle: bool,
     /// How often the rules thread samples the meters its rules read (while rules are loaded).
     pub rules_interval: Duration,
+    /// How the data-plane thread runs.
+    pub dataplane: crate::dataplane::DataPlaneOptions,
 }
 
 /// The control socket's path in `state_dir`.
@@ -77,7 +79,7 @@ pub fn run_daemon(opts: DaemonOptions, catalog: Catalog) -> Result<(), String> {
         std::fs::remove_file(&sock).map_err(|e| format!("{}: cannot remove stale socket: {e}", sock.display()))?;
     }
 
-    let dataplane = DataPlane::start().map_err(|e| format!("cannot start the data plane: {e}"))?;
+    let dataplane = DataPlane::start(opts.dataplane).map_err(|e| format!("cannot start the data plane: {e}"))?;
     let control =
         Arc::new(Control::new(dataplane, catalog, Sandboxes::new(opts.app_subnet).with_etc_dir(opts.app_etc.clone())));
     if let (Some(spec), Some(path)) = (&spec, &opts.stack) {

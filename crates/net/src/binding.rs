@@ -117,8 +117,43 @@ const RESERVED: [&str; 4] = ["in", "up_in", "up_out", "ctl"];
 /// Per-flow meters (`queued`, `queue_delay_ns`) are written at most this often (ns of module time), for the flows
 /// that changed since: writing them per packet touched two more cache lines per packet and flow.
 const PUBLISH_NS: u64 = 100_000_000;
+/// After each binding, the packets the next `PREFETCH_PACKETS` bindings will take (by deficit round robin, among
+/// the first `NEAR_FLOWS` flows of the round) are prefetched: their slot and their bytes, up to `PREFETCH_BYTES`
+/// (the header is rewritten at binding, the rest is read by the face that sends the packet; in a deep backlog
+/// served out of arrival order the packet is nowhere in the caches and the hardware prefetchers cannot guess
+/// it). The queue nodes of the `FAR_FLOWS` flows after them are prefetched too, so that reading them two or
+/// three bindings later does not wait for memory.
+const PREFETCH_PACKETS: usize = 2;
+/// See [`PREFETCH_PACKETS`].
+const NEAR_FLOWS: usize = 2;
+/// See [`PREFETCH_PACKETS`].
+const FAR_FLOWS: usize = 4;
+/// See [`PREFETCH_PACKETS`]: 32 cache lines at most (the start of a GSO super-frame).
+const PREFETCH_BYTES: usize = 2048;
+/// A cache line (x86_64, aarch64).
+const LINE: usize = 64;
+
+/// Asks the CPU to start loading the cache line holding `addr` into its caches: a hint only, never a read (a
+/// stale or unmapped address is ignored), so it costs no wait. A no-op where there is no such instruction.
+#[inline(always)]
+fn prefetch(addr: usize) {
+    #[cfg(all(target_arch = "x86_64", target_feature = "sse"))]
+    #[allow(unsafe_code)]
+    // SAFETY: `_mm_prefetch` is unsafe only because it is a `#[target_feature(enable = "sse")]` function; SSE is
+    // statically enabled here (the cfg above; it is in every x86_64 target's baseline). PREFETCHT0 does not access
+    // memory architecturally: it never faults and reads or writes nothing the program can observe, whatever the
+    // address.
+    unsafe {
+        core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(addr as *const i8)
+    }
+    #[cfg(not(all(target_arch = "x86_64", target_feature = "sse")))]
+    let _ = addr;
+}
+
 /// No node: the end of a flow's queue.
 const NIL: u32 = u32::MAX;
+/// The link of a node that is last in its flow.
+const NO_LINK: u64 = (NIL as u64) << 32;
 
 /// splitmix64's finalizer: a cheap, well-mixing hash of a 64-bit word.
 fn mix64(x: u64) -> u64 {
@@ -721,7 +756,7 @@ impl ModuleBuilder for BindingBuilder {
             },
             flows: Slab::default(),
             index: FlowMap::default(),
-            nodes: Slab::default(),
+            nodes: Nodes::default(),
             dirty: Vec::new(),
             next_publish: Time::ZERO,
             active: Default::default(),
@@ -840,14 +875,86 @@ struct FlowVars {
 }
 
 /// A packet of a flow waiting above the binding point (late binding): a node of the queue arena shared by all
-/// flows, linked to the flow's next packet. Its length is kept here, so deciding whether it may go does not read
-/// the packet.
+/// flows ([`Nodes`], which links it to the flow's next packet). Its length is kept here, so deciding whether it may
+/// go does not read the packet.
 struct Node {
     pkt: Packet,
+    /// Address of the packet's first byte, for [`prefetch`] only (never dereferenced; stale if the packet is
+    /// copied on write at binding, which makes the hint useless, not wrong).
+    data: usize,
     hdr: Hdr,
     at: Time,
     len: u32,
-    next: u32,
+}
+
+/// The queue nodes of all flows: a slab (as [`Slab`]) whose entries' addresses can be computed without reading
+/// them, for [`prefetch`], with the links between a flow's nodes kept apart.
+#[derive(Default)]
+struct Nodes {
+    entries: Vec<Option<Node>>,
+    /// Per entry, the next node of its flow and that node's length (`next << 32 | len`): apart from the nodes,
+    /// so that linking a packet behind its flow's last one writes 8 bytes in a small array.
+    links: Vec<u64>,
+    free: Vec<u32>,
+}
+
+impl Nodes {
+    /// Stores `node`, last of its flow (no link yet); returns its index.
+    fn insert(&mut self, node: Node) -> u32 {
+        match self.free.pop() {
+            Some(i) => {
+                self.entries[i as usize] = Some(node);
+                self.links[i as usize] = NO_LINK;
+                i
+            }
+            None => {
+                self.entries.push(Some(node));
+                self.links.push(NO_LINK);
+                (self.entries.len() - 1) as u32
+            }
+        }
+    }
+
+    /// Node `i`, if it holds one.
+    fn get(&self, i: u32) -> Option<&Node> {
+        self.entries.get(i as usize).and_then(Option::as_ref)
+    }
+
+    /// Takes node `i` out; its index is reused by the next insert.
+    fn remove(&mut self, i: u32) -> Option<Node> {
+        let node = self.entries.get_mut(i as usize)?.take()?;
+        self.free.push(i);
+        Some(node)
+    }
+
+    /// The node after `i` in its flow ([`NIL`]: none) and that node's packet length.
+    fn next_of(&self, i: u32) -> (u32, u32) {
+        let l = self.links.get(i as usize).copied().unwrap_or(NO_LINK);
+        ((l >> 32) as u32, l as u32)
+    }
+
+    /// Links `next` (of `len` bytes) behind `i`.
+    fn link(&mut self, i: u32, next: u32, len: u32) {
+        if let Some(l) = self.links.get_mut(i as usize) {
+            *l = (u64::from(next) << 32) | u64::from(len);
+        }
+    }
+
+    /// Hints the CPU to load node `i`'s link.
+    fn prefetch_link(&self, i: u32) {
+        if (i as usize) < self.links.len() {
+            prefetch(self.links.as_ptr().wrapping_add(i as usize) as usize);
+        }
+    }
+
+    /// Hints the CPU to load node `i`, both cache lines it may straddle (an index past the end is ignored).
+    fn prefetch(&self, i: u32) {
+        if (i as usize) < self.entries.len() {
+            let at = self.entries.as_ptr().wrapping_add(i as usize) as usize;
+            prefetch(at);
+            prefetch(at + std::mem::size_of::<Option<Node>>() - 1);
+        }
+    }
 }
 
 /// What the scheduler reads and writes per packet of a flow, in one cache line: with 10,000 flows queued the
@@ -898,7 +1005,7 @@ pub struct Binding {
     index: FlowMap<u32>,
     /// Late binding: the packets above the binding point, each flow's a linked list ([`Flow::head`]). Freed nodes
     /// are reused last-out-first-in, so a packet arriving after one was bound usually lands in a line still cached.
-    nodes: Slab<Node>,
+    nodes: Nodes,
     /// Flows whose meters changed since the last publication.
     dirty: Vec<u32>,
     next_publish: Time,
@@ -1158,22 +1265,63 @@ impl Binding {
         while self.ifaces.iter().any(Iface::has_room) {
             let Some((class, slot, k)) = self.select(now) else { break };
             let Some(f) = self.flows.get_mut(slot) else { break };
+            let (next, next_len) = self.nodes.next_of(f.head);
             let Some(node) = self.nodes.remove(f.head) else { break };
             let len = u64::from(node.len);
             f.deficit = f.deficit.saturating_sub(len);
-            f.head = node.next;
-            if node.next == NIL {
+            f.head = next;
+            if next == NIL {
                 f.tail = NIL;
                 f.deficit = 0;
                 f.active = false;
                 self.active[class as usize].pop_front();
             } else {
-                f.head_len = self.nodes.get(node.next).map_or(0, |n| n.len);
+                f.head_len = next_len;
             }
             self.unqueue(slot, len);
             self.note_binding(slot, k, now.0.saturating_sub(node.at.0));
             let q = Queued { pkt: node.pkt, hdr: node.hdr, at: node.at, flow: slot };
             self.bind(k, q, class, now, out);
+            self.prefetch_next(class);
+        }
+    }
+
+    /// Hints the CPU to load what the next bindings will touch (see [`PREFETCH_PACKETS`]): `class` is the class
+    /// just served; a higher one may have become active meanwhile.
+    fn prefetch_next(&self, class: Class) {
+        let Some(c) = (0..=class as usize).find(|&c| !self.active[c].is_empty()) else { return };
+        let mut found = 0;
+        // First the flows whose deficit covers their head packet now, then (a turn later) with one more quantum.
+        'near: for extra in [0, self.cfg.quantum] {
+            for &slot in self.active[c].iter().take(NEAR_FLOWS) {
+                let Some(f) = self.flows.get(slot) else { continue };
+                if f.deficit + extra < u64::from(f.head_len) {
+                    continue;
+                }
+                if let Some(n) = self.nodes.get(f.head) {
+                    // The packet's slot (reference counts, buffer pointer, metadata: about 160 bytes around the
+                    // metadata, whose address needs no read of the slot), then its bytes.
+                    let meta = n.pkt.meta() as *const _ as usize;
+                    for at in [meta.wrapping_sub(LINE), meta, meta.wrapping_add(LINE)] {
+                        prefetch(at);
+                    }
+                    for at in (0..(n.len as usize).min(PREFETCH_BYTES)).step_by(LINE) {
+                        prefetch(n.data.wrapping_add(at));
+                    }
+                    // The flow's next node, in case the flow sends again in this turn.
+                    self.nodes.prefetch(self.nodes.next_of(f.head).0);
+                }
+                found += 1;
+                if found == PREFETCH_PACKETS {
+                    break 'near;
+                }
+            }
+        }
+        for &slot in self.active[c].iter().skip(NEAR_FLOWS).take(FAR_FLOWS) {
+            if let Some(f) = self.flows.get(slot) {
+                self.nodes.prefetch(f.head);
+                self.nodes.prefetch_link(f.head);
+            }
         }
     }
 
@@ -1270,16 +1418,15 @@ impl Binding {
                 let Some(f) = self.flows.get_mut(slot) else { return };
                 // An IP packet is at most 65,575 bytes (16-bit length fields; jumbograms do not parse): it fits.
                 let len32 = len as u32;
-                let node = self.nodes.insert(Node { pkt: q.pkt, hdr: q.hdr, at: now, len: len32, next: NIL });
+                let data = q.pkt.data().as_ptr() as usize;
+                let node = self.nodes.insert(Node { pkt: q.pkt, data, hdr: q.hdr, at: now, len: len32 });
                 match f.tail {
                     NIL => {
                         f.head = node;
                         f.head_len = len32;
                     }
                     tail => {
-                        if let Some(t) = self.nodes.get_mut(tail) {
-                            t.next = node;
-                        }
+                        self.nodes.link(tail, node, len32);
                     }
                 }
                 f.tail = node;
@@ -1508,3 +1655,39 @@ impl Module for Binding {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod node_arena_tests {
+    use super::*;
+    use flexstack_core::PacketPool;
+
+    fn node(pool: &PacketPool, len: u32) -> Node {
+        let pkt = pool.alloc_from(&vec![0u8; len as usize]);
+        let data = pkt.data().as_ptr() as usize;
+        let hdr = Hdr { v6: false, protocol: proto::UDP, l4: 20, end: len, transport: true };
+        Node { pkt, data, hdr, at: Time(1), len }
+    }
+
+    #[test]
+    fn links_follow_a_flow_and_are_reset_when_an_index_is_reused() {
+        let pool = PacketPool::new(64, 8);
+        let mut nodes = Nodes::default();
+        let a = nodes.insert(node(&pool, 40));
+        let b = nodes.insert(node(&pool, 50));
+        assert_eq!(nodes.next_of(a), (NIL, 0), "a new node is last of its flow");
+        nodes.link(a, b, 50);
+        assert_eq!(nodes.next_of(a), (b, 50));
+        assert_eq!(nodes.remove(a).map(|n| n.len), Some(40));
+        assert!(nodes.get(a).is_none() && nodes.remove(a).is_none(), "a removed node is gone");
+        let c = nodes.insert(node(&pool, 60));
+        assert_eq!(c, a, "the freed index is reused");
+        assert_eq!(nodes.next_of(c), (NIL, 0), "without the link of the node it replaced");
+        assert_eq!(nodes.get(c).map(|n| n.len), Some(60));
+        assert_eq!(nodes.next_of(NIL), (NIL, 0), "an index past the end has no next");
+        // Hints on indices past the end are ignored (no read, no panic).
+        nodes.prefetch(NIL);
+        nodes.prefetch_link(NIL);
+        nodes.link(NIL, b, 1);
+        assert_eq!(nodes.get(b).map(|n| n.len), Some(50));
+    }
+}

@@ -23,6 +23,11 @@
 //! then the pushed rules that use it are evaluated and, if the new output is true (or a non-zero number, or a
 //! non-empty string), the targets of its triggers run. Evaluations of one wave run in dependency order, each unit
 //! at most once.
+//!
+//! How it is done fast: the units' hot data sit in dense arrays in dependency order, and queries and single-source
+//! events run compiled plans (flat lists of steps, built by the private `plan` module when the units are rebuilt
+//! or at an instance's first query) instead of recursing and scheduling; docs/rules.md, "How the engine
+//! evaluates", describes them.
 
 use crate::compile::{self, compile, Program, RuleAction, RuleDef};
 use crate::diag::Diagnostic;

@@ -12,9 +12,9 @@
 //! freeze: set("module.sel.select", -1)
 //! ```
 //!
-//! is parsed ([`syntax`]), checked into a [`Program`] of unit trees ([`compile`]), and run by a [`RuleEngine`]
+//! is parsed ([`syntax`]), checked into a [`Program`] of unit trees ([`mod@compile`]), and run by a [`RuleEngine`]
 //! ([`engine`]) as functional units ([`units`]) wired by query and event signalling. The engine reads variables
-//! through an [`Environment`] ([`env`]) and returns the knob writes its rules make; it never reads a clock
+//! through an [`Environment`] ([`mod@env`]) and returns the knob writes its rules make; it never reads a clock
 //! (every call takes `now`). Each load, unload, replace or rollback is a revision in the engine's repository.
 //! The language and every unit are described in docs/rules.md.
 //!

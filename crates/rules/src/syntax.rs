@@ -2,7 +2,7 @@
 //!
 //! Call [`parse`] with the whole text. It never stops at the first mistake: every line with an error yields one
 //! [`Diagnostic`] (line:column and what was expected) and parsing resumes at the next line. The checker
-//! ([`crate::compile`]) then resolves names, units, arities and types.
+//! ([`mod@crate::compile`]) then resolves names, units, arities and types.
 //!
 //! Grammar (one statement per line; inside parentheses a statement may continue over several lines):
 //!

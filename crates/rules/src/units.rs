@@ -1,10 +1,12 @@
 //! The functional units: their catalogue (names, signatures, documentation), their compiled form ([`Node`]) and
 //! their runtime state and evaluation.
 //!
-//! The checker ([`crate::compile`]) turns each call in a rule into a [`Node`]; the engine ([`crate::engine`])
-//! instantiates nodes as [`Unit`]s and evaluates one by calling [`Unit::compute`] once its inputs have values.
-//! A unit keeps private state between evaluations (History its samples, EWMA its average, Threshold its side of
-//! the band); when a rule is rewired, [`Core::adopt`] hands the old unit's state to the new one of the same kind.
+//! The checker ([`mod@crate::compile`]) turns each call in a rule into a [`Node`]; the engine ([`crate::engine`])
+//! instantiates nodes as units (the private `Unit`: key, kind, state `Core`, inputs; with a `Hot` entry for
+//! what the evaluation loop touches) and evaluates one with `compute` (or `compute_stateless`) once its inputs
+//! have values. A unit keeps private state between evaluations (History its samples, EWMA its average,
+//! Threshold its side of the band); when a rule is rewired, `Core::adopt` hands the old unit's state to the new
+//! one of the same kind.
 //!
 //! Every unit outputs an optional value: `None` until it has one (an aggregate over an empty window, a comparison
 //! with a missing input, a meter that does not exist). Numbers are `f64` inside the units; `Count` and `Timer`

@@ -14,31 +14,27 @@
 
 mod common;
 
-use common::{bin, privileged, text, unique};
+use common::{path_str, privileged, repo, text, LabScratch};
 use serde_json::Value as Json;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::Mutex;
 
 static SERIAL: Mutex<()> = Mutex::new(());
 
-fn repo() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
-
-/// A copy of a committed lab file run from a temporary folder; `lab down --all` on drop.
+/// A copy of a committed lab file run from a temporary folder ([`LabScratch`]: `lab down --all` on drop).
 struct Lab {
-    dir: tempfile::TempDir,
+    scratch: LabScratch,
     file: PathBuf,
 }
 
 impl Lab {
     /// Copies `labs/<file>` with a unique name and `edits` (`(from, to)` text replacements) applied.
     fn new(file: &str, tag: &str, edits: &[(&str, &str)]) -> Lab {
-        let dir = tempfile::tempdir().expect("temp dir");
+        let scratch = LabScratch::new(tag);
         let mut text = std::fs::read_to_string(repo().join("labs").join(file)).expect("lab file");
         let name_line = text.lines().find(|l| l.starts_with("name = ")).expect("a name line").to_string();
-        text = text.replace(&name_line, &format!("name = \"{}\"", unique(tag)));
+        text = text.replace(&name_line, &format!("name = \"{}\"", scratch.name));
         let root = repo().display().to_string();
         text = text.replace("\"../stacks/", &format!("\"{root}/stacks/"));
         text = text.replace("python3 scripts/", &format!("python3 {root}/scripts/"));
@@ -46,39 +42,19 @@ impl Lab {
             assert!(text.contains(from), "{file} has no {from:?}");
             text = text.replace(from, to);
         }
-        let path = dir.path().join(file);
+        let path = scratch.path(file);
         std::fs::write(&path, text).expect("write lab file");
-        Lab { dir, file: path }
+        Lab { scratch, file: path }
     }
 
     /// Runs the lab; returns its results folder.
     fn run(&self) -> PathBuf {
-        let results = self.dir.path().join("results");
-        let out = Command::new(bin())
-            .arg("--state-dir")
-            .arg(self.dir.path().join("state"))
-            .args(["lab", "run", "-q"])
-            .arg(&self.file)
-            .arg("--results")
-            .arg(&results)
-            .stdin(Stdio::null())
-            .output()
-            .expect("run flexstack");
+        let results = self.scratch.path("results");
+        let out = self.scratch.cli(&["lab", "run", "-q", path_str(&self.file), "--results", path_str(&results)]);
         assert!(out.status.success(), "lab run {}: {}", self.file.display(), text(&out));
         let timeline = std::fs::read_to_string(results.join("timeline.csv")).expect("timeline");
         assert!(!timeline.contains("FAILED"), "an event failed:\n{timeline}");
         results
-    }
-}
-
-impl Drop for Lab {
-    fn drop(&mut self) {
-        let _ = Command::new(bin())
-            .arg("--state-dir")
-            .arg(self.dir.path().join("state"))
-            .args(["lab", "down", "--all"])
-            .stdin(Stdio::null())
-            .output();
     }
 }
 

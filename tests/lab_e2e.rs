@@ -13,7 +13,7 @@
 
 mod common;
 
-use common::{bin, privileged, text, unique};
+use common::{bin, path_str, privileged, repo, text, LabScratch};
 use serde_json::Value as Json;
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -27,60 +27,25 @@ fn lock() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// The repository's root (for stack templates and test scripts).
-fn repo() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
-
 /// The command line of the UDP test program (`tests/data/udp_seq.py`) with `args`.
 fn udp_seq(args: &str) -> String {
     format!("exec python3 {} {args}", repo().join("tests/data/udp_seq.py").display())
 }
 
-/// A lab of one test: its name, and a temporary folder with its lab files, its `--state-dir` and its results.
-/// Dropping it runs `lab down --all` on the state folder.
-struct TestLab {
-    name: String,
-    dir: tempfile::TempDir,
+/// A lab of one test ([`LabScratch`]: its name, its folder, `lab down --all` when dropped) with the lab tests'
+/// own helpers.
+struct TestLab(LabScratch);
+
+impl std::ops::Deref for TestLab {
+    type Target = LabScratch;
+    fn deref(&self) -> &LabScratch {
+        &self.0
+    }
 }
 
 impl TestLab {
     fn new(tag: &str) -> TestLab {
-        TestLab { name: unique(tag), dir: tempfile::tempdir().expect("temp dir") }
-    }
-
-    fn state(&self) -> PathBuf {
-        self.dir.path().join("state")
-    }
-
-    /// A path inside the test's folder.
-    fn path(&self, name: &str) -> PathBuf {
-        self.dir.path().join(name)
-    }
-
-    /// Writes a lab file; `{name}` in `text` becomes the lab's name.
-    fn write(&self, file: &str, text: &str) -> PathBuf {
-        let path = self.path(file);
-        std::fs::write(&path, text.replace("{name}", &self.name)).expect("write lab file");
-        path
-    }
-
-    /// `flexstack --state-dir STATE ARGS...`.
-    fn command(&self, args: &[&str]) -> Command {
-        let mut c = Command::new(bin());
-        c.arg("--state-dir").arg(self.state()).args(args).stdin(Stdio::null());
-        c
-    }
-
-    fn cli(&self, args: &[&str]) -> Output {
-        self.command(args).output().expect("run flexstack")
-    }
-
-    /// Runs a command that must succeed; returns its stdout.
-    fn ok(&self, args: &[&str]) -> String {
-        let out = self.cli(args);
-        assert!(out.status.success(), "flexstack {args:?} failed: {}", text(&out));
-        String::from_utf8(out.stdout).expect("utf-8")
+        TestLab(LabScratch::new(tag))
     }
 
     /// `lab run -q FILE --results RESULTS`.
@@ -119,19 +84,6 @@ impl TestLab {
         assert!(!state.exists(), "state of lab {} left: {}", self.name, state.display());
         assert_eq!(lab_processes(&self.name), Vec::<u32>::new(), "programs of lab {} still run", self.name);
     }
-}
-
-impl Drop for TestLab {
-    fn drop(&mut self) {
-        let out = self.cli(&["lab", "down", "--all"]);
-        if !out.status.success() {
-            eprintln!("lab down --all for {}: {}", self.name, text(&out));
-        }
-    }
-}
-
-fn path_str(p: &Path) -> &str {
-    p.to_str().expect("utf-8 path")
 }
 
 /// File names in a folder (none if it does not exist).

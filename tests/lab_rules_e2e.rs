@@ -10,70 +10,14 @@
 
 mod common;
 
-use common::{bin, privileged, text, unique};
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
-
-/// The repository's root.
-fn repo() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
-
-/// A temporary folder with lab files, a `--state-dir` and results; `lab down --all` on drop.
-struct Scratch {
-    name: String,
-    dir: tempfile::TempDir,
-}
-
-impl Scratch {
-    fn new(tag: &str) -> Scratch {
-        Scratch { name: unique(tag), dir: tempfile::tempdir().expect("temp dir") }
-    }
-
-    fn path(&self, file: &str) -> PathBuf {
-        self.dir.path().join(file)
-    }
-
-    /// Writes a file of the test; `{name}` becomes the lab's name and `{repo}` the repository's root.
-    fn write(&self, file: &str, body: &str) -> PathBuf {
-        let path = self.path(file);
-        let body = body.replace("{name}", &self.name).replace("{repo}", &repo().display().to_string());
-        std::fs::write(&path, body).expect("write test file");
-        path
-    }
-
-    fn cli(&self, args: &[&str]) -> Output {
-        Command::new(bin())
-            .arg("--state-dir")
-            .arg(self.path("state"))
-            .args(args)
-            .stdin(Stdio::null())
-            .output()
-            .expect("run flexstack")
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        if self.path("state").exists() {
-            let out = self.cli(&["lab", "down", "--all"]);
-            if !out.status.success() {
-                eprintln!("lab down --all for {}: {}", self.name, text(&out));
-            }
-        }
-    }
-}
-
-fn path_str(p: &Path) -> &str {
-    p.to_str().expect("utf-8 path")
-}
+use common::{path_str, privileged, text, LabScratch};
 
 const LAB_HEAD: &str =
     "[lab]\nname = \"{name}\"\nduration = \"4s\"\n[hosts.h1]\n[hosts.srv]\n[[links]]\na = \"h1\"\nb = \"srv\"\n";
 
 #[test]
 fn lab_check_rejects_missing_and_wrong_rule_files_with_their_places() {
-    let s = Scratch::new("rc");
+    let s = LabScratch::new("rc");
     // Line 9 is the event.
     let lab = s.write("lab.toml", &format!("{LAB_HEAD}[[events]]\nat = \"1s\"\nrules = \"r.rules\"\n"));
 
@@ -134,7 +78,7 @@ fn rules_events_drive_programs_knobs_on_the_wire_and_on_a_stacked_host() {
     if !privileged("rules_events_drive_programs_knobs_on_the_wire_and_on_a_stacked_host") {
         return;
     }
-    let s = Scratch::new("rl");
+    let s = LabScratch::new("rl");
     s.write("probe.py", PROBE);
     let rule = |app: &str| {
         format!("level: get(\"app.{app}.level\")\nanswer: set(\"app.{app}.answer\", If(Greater(level, 5), \"high\", \"low\"))\n")

@@ -430,3 +430,76 @@ pub fn octets() -> (u8, u8) {
 pub fn text(o: &Output) -> String {
     format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
 }
+
+/// The repository's root (stack templates, lab files, test scripts).
+pub fn repo() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// A path as `&str` for a command line.
+pub fn path_str(p: &Path) -> &str {
+    p.to_str().expect("utf-8 path")
+}
+
+/// A lab of one test: a lab name unique to this process and test, and a temporary folder with its lab files, its
+/// `--state-dir` (`state`) and its results. Dropping it runs `lab down --all` on the state folder, pass or fail.
+pub struct LabScratch {
+    /// The lab's name (`{name}` in files written with [`LabScratch::write`]).
+    pub name: String,
+    dir: tempfile::TempDir,
+}
+
+impl LabScratch {
+    /// A new scratch lab named after `tag`.
+    pub fn new(tag: &str) -> LabScratch {
+        LabScratch { name: unique(tag), dir: tempfile::tempdir().expect("temp dir") }
+    }
+
+    /// The `--state-dir` of the lab's commands.
+    pub fn state(&self) -> PathBuf {
+        self.dir.path().join("state")
+    }
+
+    /// A path inside the test's folder.
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    /// Writes a file of the test; `{name}` becomes the lab's name and `{repo}` the repository's root.
+    pub fn write(&self, file: &str, body: &str) -> PathBuf {
+        let path = self.path(file);
+        let body = body.replace("{name}", &self.name).replace("{repo}", &repo().display().to_string());
+        std::fs::write(&path, body).expect("write test file");
+        path
+    }
+
+    /// `flexstack --state-dir STATE ARGS...`, stdin closed.
+    pub fn command(&self, args: &[&str]) -> Command {
+        let mut c = Command::new(bin());
+        c.arg("--state-dir").arg(self.state()).args(args).stdin(Stdio::null());
+        c
+    }
+
+    /// Runs `flexstack --state-dir STATE ARGS...` to its end.
+    pub fn cli(&self, args: &[&str]) -> Output {
+        self.command(args).output().expect("run flexstack")
+    }
+
+    /// Runs a command that must succeed; returns its stdout.
+    pub fn ok(&self, args: &[&str]) -> String {
+        let out = self.cli(args);
+        assert!(out.status.success(), "flexstack {args:?} failed: {}", text(&out));
+        String::from_utf8(out.stdout).expect("utf-8")
+    }
+}
+
+impl Drop for LabScratch {
+    fn drop(&mut self) {
+        if self.state().exists() {
+            let out = self.cli(&["lab", "down", "--all"]);
+            if !out.status.success() {
+                eprintln!("lab down --all for {}: {}", self.name, text(&out));
+            }
+        }
+    }
+}

@@ -814,19 +814,33 @@ fn table(header: &[&str], rows: Vec<Vec<String>>) -> String {
     out
 }
 
+/// The daemon's kept capabilities for `status`: `net_admin,net_raw,...`, or `none`.
+fn capability_names(list: &Json) -> String {
+    let names: Vec<String> = list
+        .as_array()
+        .map(|a| a.iter().filter_map(Json::as_str).map(|c| c.trim_start_matches("CAP_").to_lowercase()).collect())
+        .unwrap_or_default();
+    if names.is_empty() {
+        "none".into()
+    } else {
+        names.join(",")
+    }
+}
+
 fn render(request: &Request, r: &Json) -> String {
     let arr = || r.as_array().cloned().unwrap_or_default();
     let s = |v: &Json| plain(v);
     match request {
         Request::Status => format!(
-            "flexstack {} pid {}  up {:.0}s  revision {}  modules {}  links {}{}\n",
+            "flexstack {} pid {}  up {:.0}s  revision {}  modules {}  links {}{}\ncapabilities {}\n",
             s(&r["version"]),
             r["pid"],
             r["uptime_s"].as_f64().unwrap_or(0.0),
             r["revision"],
             r["modules"],
             r["links"],
-            if r["paused"] == json!(true) { "  PAUSED" } else { "" }
+            if r["paused"] == json!(true) { "  PAUSED" } else { "" },
+            capability_names(&r["capabilities"]["permitted"])
         ),
         Request::ModuleList => {
             let mut rows = Vec::new();

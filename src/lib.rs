@@ -1,6 +1,7 @@
 //! flexstack: the daemon, its control API and the command line.
 //!
-//! - [`server`] runs the daemon: state directory, private control socket, client threads.
+//! - [`server`] runs the daemon: state directory, private control socket, client threads; [`privileges`] drops
+//!   the capabilities it does not need.
 //! - [`dataplane`] owns the switch on its own thread and applies queued edits between batches.
 //! - [`actions`] holds one action function per control operation, behind both the API and the CLI.
 //! - [`protocol`] defines the JSON-lines requests and responses (docs/control-api.md).
@@ -20,6 +21,7 @@ pub mod client;
 pub mod dataplane;
 pub mod faces;
 pub mod lab;
+pub mod privileges;
 pub mod protocol;
 pub mod rules;
 pub mod runner;

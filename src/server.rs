@@ -79,6 +79,10 @@ pub fn run_daemon(opts: DaemonOptions, catalog: Catalog) -> Result<(), String> {
         std::fs::remove_file(&sock).map_err(|e| format!("{}: cannot remove stale socket: {e}", sock.display()))?;
     }
 
+    // Set up, before the first thread starts (capabilities are per thread and inherited): from here on the daemon
+    // and what it starts hold only the capabilities it needs (crate::privileges).
+    crate::privileges::drop_unneeded()?;
+
     let dataplane = DataPlane::start(opts.dataplane).map_err(|e| format!("cannot start the data plane: {e}"))?;
     let control =
         Arc::new(Control::new(dataplane, catalog, Sandboxes::new(opts.app_subnet).with_etc_dir(opts.app_etc.clone())));
@@ -237,6 +241,17 @@ fn read_line(
     }
 }
 
+/// Adds the daemon's capability sets (read on the serving thread, which has the daemon's) to a `status` result.
+fn with_capabilities(id: Option<serde_json::Value>, mut status: serde_json::Value) -> Response {
+    match crate::privileges::Current::read() {
+        Ok(now) => {
+            status["capabilities"] = serde_json::json!(now);
+            Response::ok(id, status)
+        }
+        Err(e) => Response::err(id, ApiError::new(ErrorCode::Internal, e)),
+    }
+}
+
 /// Serves one client; returns true if it asked to attach an app (and the lease, if granted, has ended by now).
 fn serve(conn: UnixStream, control: &Control, timeout: Duration) -> bool {
     let caller = caller_of(&conn);
@@ -327,7 +342,9 @@ fn serve(conn: UnixStream, control: &Control, timeout: Duration) -> bool {
             }
             return true;
         }
+        let is_status = matches!(request, Request::Status);
         let response = match control.handle(request, &caller) {
+            Ok(result) if is_status => with_capabilities(id, result),
             Ok(result) => Response::ok(id, result),
             Err(e) => Response::err(id, e),
         };

@@ -340,26 +340,19 @@ impl FaceDevice for PacketDevice {
     }
 
     fn read_frame(&self, buf: &mut Vec<u8>, meta: &mut Metadata) -> std::io::Result<bool> {
-        use nix::sys::socket::{recvmsg, LinkAddr, MsgFlags};
         *meta = Metadata::default();
         let mut header = [0u8; VNET_HDR_LEN];
-        // Not cleared first: only the part beyond what `buf` already holds is zeroed (a pooled buffer that held a
-        // large frame is read into as it is; see PacketPool::alloc_for_overwrite).
-        buf.resize(MAX_FRAME, 0);
         loop {
-            // The header and the frame are read into separate buffers: the frame is not moved afterwards.
-            let mut iov = [std::io::IoSliceMut::new(&mut header), std::io::IoSliceMut::new(buf)];
-            let result = recvmsg::<LinkAddr>(self.socket.as_raw_fd(), &mut iov, None, MsgFlags::MSG_DONTWAIT)
-                .map(|m| (m.bytes, m.address.map(|a| a.pkttype()), m.flags.contains(MsgFlags::MSG_TRUNC)));
-            match result {
+            // The header and the frame are read into separate buffers: the frame is not moved afterwards. The
+            // buffer is not zeroed first (crate::sys::recv_packet reads into its spare capacity).
+            match crate::sys::recv_packet(self.socket.as_fd(), &mut header, buf, MAX_FRAME) {
                 // Frames the kernel sends out on the interface are seen too: skip them.
-                Ok((_, Some(pkttype), _)) if pkttype == libc::PACKET_OUTGOING => continue,
-                Ok((n, _, truncated)) if n < VNET_HDR_LEN || truncated => {
+                Ok(read) if read.pkttype == Some(libc::PACKET_OUTGOING) => continue,
+                Ok(read) if read.bytes < VNET_HDR_LEN || read.truncated => {
                     self.common.rx_error();
                     continue;
                 }
-                Ok((n, _, _)) => {
-                    buf.truncate(n - VNET_HDR_LEN);
+                Ok(_) => {
                     let vnet = VnetHeader::decode(&header);
                     // A checksum left to offload stays partial (MetaKey::CSUM_PARTIAL): summing up to 64 KiB here
                     // was the largest single cost of the emulated link, and a frame written back as it came
@@ -373,10 +366,7 @@ impl FaceDevice for PacketDevice {
                     let n = buf.len();
                     return finish_read(&self.common, buf, Ok(n));
                 }
-                // Nothing waiting: `buf` keeps its length (and stale bytes), so that the next read into it need
-                // not zero it again. Its content means nothing on Ok(false).
-                Err(nix::errno::Errno::EAGAIN) => return Ok(false),
-                Err(e) => return finish_read(&self.common, buf, Err(std::io::Error::from(e))),
+                Err(e) => return finish_read(&self.common, buf, Err(e)),
             }
         }
     }

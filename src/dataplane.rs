@@ -155,8 +155,18 @@ impl DataPlane {
                 }
             }
             let moderation = RxModeration::new(options.rx_hold);
-            Loop { switch, origin, rx, epoll, wake: thread_wake, timer, faces: Vec::new(), generation: u64::MAX, moderation }
-                .run();
+            Loop {
+                switch,
+                origin,
+                rx,
+                epoll,
+                wake: thread_wake,
+                timer,
+                faces: Vec::new(),
+                generation: u64::MAX,
+                moderation,
+            }
+            .run();
         })?;
         let registry = reg_rx.recv().map_err(|_| std::io::Error::other("data plane did not start"))?;
         Ok(DataPlane { tx, wake, registry, thread: Some(thread) })

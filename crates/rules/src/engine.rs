@@ -1763,4 +1763,132 @@ leave -> unload(extra)
         assert_eq!(e.value("out", &[]), None);
         assert!(e.rt.sampled.iter().all(|&g| e.rt.plans.wave_plan(g).len() <= 2));
     }
+
+    /// A random rule over the meters and the rules before it: `(text, is_bool)`.
+    fn random_expr(rng: &mut flexstack_fuzzkit::Rng, before: &[(String, bool)]) -> (String, bool) {
+        let nums: Vec<&String> = before.iter().filter(|r| !r.1).map(|r| &r.0).collect();
+        let bools: Vec<&String> = before.iter().filter(|r| r.1).map(|r| &r.0).collect();
+        let num = |rng: &mut flexstack_fuzzkit::Rng| -> String {
+            if nums.is_empty() || rng.one_in(4) {
+                format!("get(\"m.x.m{}\")", rng.below(3))
+            } else {
+                rng.pick(&nums).to_string()
+            }
+        };
+        let x = num(rng);
+        if !bools.is_empty() && rng.one_in(4) {
+            let b = rng.pick(&bools).to_string();
+            let c = rng.pick(&bools).to_string();
+            return match rng.below(5) {
+                0 => (format!("Not({b})"), true),
+                1 => (format!("And({b}, {c})"), true),
+                2 => (format!("Or({b}, {c})"), true),
+                3 => (format!("If({b}, {x}, {})", num(rng)), false),
+                _ => (format!("Forwarder({b})"), true),
+            };
+        }
+        match rng.below(18) {
+            0 | 1 => (format!("Forwarder({x})"), false),
+            2 => (x, false),
+            3 => (format!("History({x}, 3)"), false),
+            4 => (format!("Avg({x}, 3)"), false),
+            5 => (format!("Max(History({x}, 4))"), false),
+            6 => (format!("EWMA({x}, 0.5)"), false),
+            7 => (format!("Rate({x})"), false),
+            8 => (format!("Cache({x}, 15ms)"), false),
+            9 => (format!("Count({x}, 3)"), false),
+            10 => (format!("Greater({x}, {})", rng.below(8)), true),
+            11 => (format!("Less({x}, {})", rng.below(8)), true),
+            12 => (format!("Threshold({x}, 5, 2)"), true),
+            13 => (format!("Changed({x})"), true),
+            14 => ("Timer(20ms)".to_string(), false),
+            15 => (format!("set(\"k.x.k{}\", {x})", rng.below(2)), false),
+            _ => (format!("Forwarder(Forwarder({x}))"), false),
+        }
+    }
+
+    /// A random program of 4 to 15 rules, with triggers from earlier rules to later ones and some `[manual]`.
+    fn random_program(rng: &mut flexstack_fuzzkit::Rng) -> String {
+        let n = 4 + rng.below(12);
+        let mut rules: Vec<(String, bool)> = Vec::new();
+        let mut lines = Vec::new();
+        let mut manual = Vec::new();
+        for i in 0..n {
+            let (expr, is_bool) = random_expr(rng, &rules);
+            let line = format!("r{i}: {expr}");
+            if rng.one_in(6) {
+                manual.push(line);
+            } else {
+                lines.push(line);
+            }
+            if i > 0 && rng.one_in(5) {
+                lines.push(format!("r{} -> r{i}", rng.below(i)));
+            }
+            rules.push((format!("r{i}"), is_bool));
+        }
+        if !manual.is_empty() {
+            lines.push("[manual]".to_string());
+            lines.extend(manual);
+        }
+        lines.join("\n")
+    }
+
+    /// One random operation on `engine`; returns what it answered.
+    fn random_op(engine: &mut RuleEngine, env: &mut MemoryEnv, op: u64, t: u64) -> String {
+        let mut rng = flexstack_fuzzkit::Rng::new(op);
+        let rule = format!("r{}", rng.below(15));
+        match rng.below(10) {
+            0..=2 => {
+                let (m, v) = (format!("m.x.m{}", rng.below(3)), Value::U64(rng.below(10) as u64));
+                env.meter(&m, v.clone());
+                engine.handle_meter_changed(&m, v, ms(t), env);
+                format!("{:?}", engine.poll_writes())
+            }
+            3 | 4 => {
+                for _ in 0..=rng.below(2) {
+                    env.meter(&format!("m.x.m{}", rng.below(3)), Value::U64(rng.below(10) as u64));
+                }
+                format!("{:?}", drive(engine, env, ms(t)))
+            }
+            5 => format!("{:?}", engine.evaluate(&rule, ms(t), env)),
+            6 => format!("{:?}", engine.handle_unload(&[rule.as_str()], ms(t), env)),
+            7 => format!("{:?}", engine.handle_load(&[rule.as_str()], ms(t), env)),
+            8 => format!("{:?}", engine.handle_replace(&rule, &format!("r{}", rng.below(15)), ms(t), env)),
+            _ => format!("{:?}", engine.handle_rollback(1 + rng.below(3) as u64, ms(t), env)),
+        }
+    }
+
+    #[test]
+    fn plans_agree_with_the_general_evaluation_on_random_programs() {
+        let mut rng = flexstack_fuzzkit::Rng::new(0x91a5_0001);
+        let mut programs = 0;
+        let mut ops = 0;
+        while programs < 120 {
+            let text = random_program(&mut rng);
+            let mut env = MemoryEnv::new();
+            for m in 0..3 {
+                env.meter(&format!("m.x.m{m}"), Value::U64(0));
+            }
+            env.knob("k.x.k0", Value::U64(0)).knob("k.x.k1", Value::U64(0));
+            let (mut with, mut without) = (RuleEngine::new(), without_plans());
+            let a = with.handle_load_text("p", &text, ms(0), &env);
+            let b = without.handle_load_text("p", &text, ms(0), &env);
+            assert_eq!(format!("{a:?}"), format!("{b:?}"), "{text}");
+            if a.is_err() {
+                continue;
+            }
+            programs += 1;
+            let (mut env_a, mut env_b) = (env.clone(), env);
+            for k in 1..=40u64 {
+                let op = rng.next();
+                let t = 7 * k;
+                let ra = random_op(&mut with, &mut env_a, op, t);
+                let rb = random_op(&mut without, &mut env_b, op, t);
+                assert_eq!(ra, rb, "op {k} of\n{text}");
+                assert_eq!(snapshot(&mut with), snapshot(&mut without), "after op {k} ({ra}) of\n{text}");
+                ops += 1;
+            }
+        }
+        assert_eq!(ops, 120 * 40);
+    }
 }

@@ -61,13 +61,22 @@ impl MemoryEnv {
 
     /// Adds or updates a read-only meter.
     pub fn meter(&mut self, name: &str, value: Value) -> &mut MemoryEnv {
-        self.vars.insert(name.to_string(), (value, false));
-        self
+        self.put(name, value, false)
     }
 
     /// Adds or updates a writable knob.
     pub fn knob(&mut self, name: &str, value: Value) -> &mut MemoryEnv {
-        self.vars.insert(name.to_string(), (value, true));
+        self.put(name, value, true)
+    }
+
+    /// Updates a variable in place (no allocation for its name), or adds it.
+    fn put(&mut self, name: &str, value: Value, writable: bool) -> &mut MemoryEnv {
+        match self.vars.get_mut(name) {
+            Some(slot) => *slot = (value, writable),
+            None => {
+                self.vars.insert(name.to_string(), (value, writable));
+            }
+        }
         self
     }
 
@@ -114,7 +123,8 @@ mod tests {
     #[test]
     fn memory_env_reads_writes_and_matches() {
         let mut env = MemoryEnv::new();
-        env.meter("flow.a.rtt", Value::U64(5)).knob("flow.a.cc", Value::Str("cubic".into()));
+        env.meter("flow.a.rtt", Value::U64(4)).knob("flow.a.cc", Value::Str("cubic".into()));
+        env.meter("flow.a.rtt", Value::U64(5));
         assert_eq!(env.get("flow.a.rtt"), Some(Value::U64(5)));
         assert!(env.set("flow.a.rtt", Value::U64(1)).unwrap_err().contains("meter"));
         assert!(env.set("flow.b.cc", Value::U64(1)).unwrap_err().contains("no knob"));

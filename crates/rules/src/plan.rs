@@ -3,15 +3,17 @@
 //! or scheduling through a heap.
 //!
 //! The engine ([`crate::engine`]) builds a [`Plans`] with [`Plans::build`] each time it rebuilds its running units
-//! (every load, unload, replace, rollback, and when per-name instances come and go), never on the hot path, and
-//! uses it in two places:
+//! (every load, unload, replace, rollback, and when per-name instances come and go), and uses it in two places:
 //!
-//! - **Unit plans** (one per instance, [`Plans::unit_plan`]): the units a query of the instance evaluates, inputs
+//! - **Unit plans** (one per instance, built by the instance's first query through [`Plans::unit_plan`], so that
+//!   a pulled chain of N rules does not cost N²/2 steps when only its top is queried; capped at
+//!   [`MAX_UNIT_STEPS`] in all): the units a query of the instance evaluates, inputs
 //!   first, in the order the recursive query visits them; units of other pushed instances are left out (a query
 //!   stops there and reads their current value). The engine runs the steps in order, skipping every unit already
 //!   evaluated in the current wave. An instance whose query may reach a `Cache` unit has no unit plan (a valid
 //!   cache cuts its subtree, which a flat list cannot express): the engine queries it recursively.
-//! - **Wave plans** (one per event source, [`Plans::wave_plan`]: a sampled `get` or a `Timer`): the instances
+//! - **Wave plans** (one per event source, [`Plans::wave_plan`]: a sampled `get` or a `Timer`; built with the
+//!   plans, capped at [`MAX_WAVE_STEPS`] in all): the instances
 //!   that the source's emission can reach through subscriptions and triggers, in the engine's instance order,
 //!   which is a dependency order (every subscription and trigger goes from a lower index to a higher one, which
 //!   [`Plans::build`] checks). When exactly one source emits, the engine runs its wave plan: a step runs only if

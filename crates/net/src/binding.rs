@@ -129,7 +129,7 @@ const PREFETCH_PACKETS: usize = 2;
 /// See [`PREFETCH_PACKETS`].
 const NEAR_FLOWS: usize = 2;
 /// See [`PREFETCH_PACKETS`].
-const FAR_FLOWS: usize = 4;
+const FAR_FLOWS: usize = 2;
 /// See [`PREFETCH_PACKETS`]: 32 cache lines at most (the start of a GSO super-frame).
 const PREFETCH_BYTES: usize = 2048;
 /// A cache line (x86_64, aarch64).

@@ -14,6 +14,7 @@
 //! verdict, [`DataPlane::snapshot`] asks for the stack's shape. Meters are never read through here: readers use
 //! the [`SharedRegistry`], whose cells the data plane updates without locks.
 
+use crate::linkwatch::{CarrierBook, LinkWatch};
 use flexstack_core::config::StackSpec;
 use flexstack_core::switch::CONTROL_PLANE;
 use flexstack_core::switch::{Edge, ModuleInfo};
@@ -142,6 +143,20 @@ impl DataPlane {
         epoll.add(wake.as_ref(), EpollEvent::new(EpollFlags::EPOLLIN, WAKE_TOKEN))?;
         let timer = TimerFd::new(ClockId::CLOCK_MONOTONIC, TimerFlags::TFD_NONBLOCK | TimerFlags::TFD_CLOEXEC)?;
         epoll.add(&timer, EpollEvent::new(EpollFlags::EPOLLIN, TIMER_TOKEN))?;
+        // Without a link watcher (no netlink here?) faces work as before; only their carrier goes unwatched.
+        let links = match LinkWatch::open() {
+            Ok(w) => match epoll.add(w.fd(), EpollEvent::new(EpollFlags::EPOLLIN, LINK_TOKEN)) {
+                Ok(()) => Some(w),
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot watch link events; face carriers are not watched");
+                    None
+                }
+            },
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot open a netlink socket; face carriers are not watched");
+                None
+            }
+        };
         let thread_wake = wake.clone();
         let thread = std::thread::Builder::new().name("dataplane".into()).spawn(move || {
             let mut switch = Switch::new(PacketPool::default());
@@ -165,6 +180,8 @@ impl DataPlane {
                 faces: Vec::new(),
                 generation: u64::MAX,
                 moderation,
+                links,
+                carriers: CarrierBook::default(),
             }
             .run();
         })?;
@@ -228,6 +245,9 @@ fn now(origin: Instant) -> Time {
 
 /// The epoll token of the command eventfd; faces use their index + 1.
 const WAKE_TOKEN: u64 = 0;
+/// The epoll token of the link watcher's netlink socket.
+const LINK_TOKEN: u64 = u64::MAX - 1;
+
 /// The epoll token of the wake-up timer.
 const TIMER_TOKEN: u64 = u64::MAX;
 
@@ -241,6 +261,8 @@ struct Loop {
     faces: Vec<(usize, Arc<dyn FaceDevice>)>,
     generation: u64,
     moderation: RxModeration,
+    links: Option<LinkWatch>,
+    carriers: CarrierBook,
 }
 
 impl Loop {
@@ -343,7 +365,7 @@ impl Loop {
                     return;
                 }
             };
-            if events[..n].iter().any(|e| e.data() != WAKE_TOKEN && e.data() != TIMER_TOKEN) {
+            if events[..n].iter().any(|e| e.data() != WAKE_TOKEN && e.data() != TIMER_TOKEN && e.data() != LINK_TOKEN) {
                 let hold = self.moderation.hold(clock(), self.switch.next_wakeup());
                 if !hold.is_zero() {
                     std::thread::sleep(hold);
@@ -354,6 +376,7 @@ impl Loop {
                     WAKE_TOKEN => {
                         let _ = self.wake.read();
                     }
+                    LINK_TOKEN => self.link_events(),
                     TIMER_TOKEN => {
                         // Expired: reading clears it (non-blocking; nothing else to do, the loop runs the switch).
                         let _ = nix::unistd::read(&self.timer, &mut [0u8; 8]);
@@ -386,7 +409,41 @@ impl Loop {
                 tracing::warn!(device = dev.name(), error = %e, "cannot watch device");
             }
         }
+        // Learn the links' current state: a face may be loaded on an interface that is already down.
+        let watched: Vec<u32> = self.faces.iter().filter_map(|(_, d)| d.ifindex()).collect();
+        self.carriers.retain(&watched);
+        if let Some(links) = self.links.as_mut().filter(|_| !watched.is_empty()) {
+            if let Err(e) = links.request_dump() {
+                tracing::warn!(error = %e, "cannot ask for the links' state");
+            }
+        }
         true
+    }
+
+    /// Reads the kernel's link events and tells the switch about each face whose link changed state.
+    fn link_events(&mut self) {
+        let Some(links) = self.links.as_mut() else { return };
+        let mut states = Vec::new();
+        match links.read(&mut states) {
+            Ok(0) => {}
+            Ok(malformed) => tracing::warn!(malformed, "link events that did not parse (skipped)"),
+            Err(e) => {
+                // Typically ENOBUFS: events were lost; the current state is asked for again.
+                tracing::debug!(error = %e, "link events lost; asking for the links' state");
+                let _ = links.request_dump();
+            }
+        }
+        for (ifindex, up) in states {
+            let faces: Vec<usize> =
+                self.faces.iter().filter(|(_, d)| d.ifindex() == Some(ifindex)).map(|(i, _)| *i).collect();
+            if faces.is_empty() || !self.carriers.update(ifindex, up) {
+                continue;
+            }
+            for index in faces {
+                tracing::info!(face = index, ifindex, up, "face link changed");
+                self.switch.face_link_changed(index, up);
+            }
+        }
     }
 
     /// Writes what the face modules queued for their devices.

@@ -27,10 +27,14 @@
 //!   `MetaKey::GSO` (see there for what modules may do with such a packet); writing a packet that carries the key
 //!   hands it to the kernel as a GSO write (virtio-net header with NEEDS_CSUM and the pseudo-header sum in the
 //!   checksum field), and the kernel, or the peer's offloads, cut it into segments. Super-frames of other kinds
-//!   (e.g. UFO, SCTP) travel without the key, as one long packet.
+//!   (e.g. UFO, SCTP) travel without the key, as one long packet. The interface's link is watched
+//!   ([`crate::linkwatch`]): when it loses its carrier or goes down, and when it comes back, the meter `carrier`
+//!   goes to 0 or 1, `carrier_changes_total` counts, and every module is told (`Module::link_changed` with the
+//!   face's name; e.g. `late-binding` takes an interface down whose `face` setting names it).
 //! - Both: `queue` is the most frames waiting for the device (default 4096; beyond, drop_queue_full). Meters:
 //!   rx_packets_total, rx_bytes_total, rx_errors_total, tx_errors_total (counted as the data plane does the
-//!   device's I/O), tx_packets_total, tx_bytes_total, drop_queue_full_total, device (the interface name).
+//!   device's I/O), tx_packets_total, tx_bytes_total, drop_queue_full_total, device (the interface name), carrier
+//!   (1 while up; for `tun`, always), carrier_changes_total.
 
 use flexstack_core::config::{ConfigError, Settings, SettingsReader};
 use flexstack_core::frame::{CsumPartial, Gso, GsoKind, MetaKey, Metadata};
@@ -290,6 +294,7 @@ fn finish_read(common: &DeviceCommon, buf: &mut Vec<u8>, result: std::io::Result
 pub struct PacketDevice {
     common: DeviceCommon,
     socket: OwnedFd,
+    ifindex: u32,
 }
 
 impl PacketDevice {
@@ -311,7 +316,7 @@ impl PacketDevice {
         crate::sys::set_packet_vnet_hdr(socket.as_fd())?;
         crate::sys::bind_packet(socket.as_fd(), ifindex)?;
         crate::sys::set_qdisc_bypass(socket.as_fd())?;
-        Ok(PacketDevice { common: DeviceCommon::new(interface, Direction::Up), socket })
+        Ok(PacketDevice { common: DeviceCommon::new(interface, Direction::Up), socket, ifindex })
     }
 }
 
@@ -324,6 +329,10 @@ impl Device for PacketDevice {
 impl FaceDevice for PacketDevice {
     fn name(&self) -> &str {
         &self.common.name
+    }
+
+    fn ifindex(&self) -> Option<u32> {
+        Some(self.ifindex)
     }
 
     fn fd(&self) -> BorrowedFd<'_> {
@@ -670,6 +679,13 @@ impl<D: Device + 'static> ModuleBuilder for FaceBuilder<D> {
                 VarSpec::meter("rx_bytes_total", ValueType::U64, "bytes", "bytes read from the device"),
                 VarSpec::meter("rx_errors_total", ValueType::U64, "errors", "failed reads"),
                 VarSpec::meter("tx_errors_total", ValueType::U64, "errors", "failed writes (the packet is lost)"),
+                VarSpec::meter(
+                    "carrier",
+                    ValueType::U64,
+                    "",
+                    "1 while the interface is up with carrier, 0 while not (watched for link faces)",
+                ),
+                VarSpec::meter("carrier_changes_total", ValueType::U64, "changes", "carrier losses and returns seen"),
             ],
             // Its output comes from the device, not from its input: a cycle through a face cannot loop in a batch.
             breaks_cycles: true,
@@ -679,6 +695,8 @@ impl<D: Device + 'static> ModuleBuilder for FaceBuilder<D> {
     fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module> {
         let common = self.device.common();
         vars.meter("device").store(&flexstack_core::Value::Str(common.name.clone()));
+        // Up until the data plane's link watcher says otherwise (it tells a link first seen down at once).
+        vars.meter("carrier").set(1);
         let _ = common.meters.set(DeviceMeters {
             rx_packets: vars.meter("rx_packets_total"),
             rx_bytes: vars.meter("rx_bytes_total"),

@@ -2,7 +2,8 @@
 //!
 //! - [`server`] runs the daemon: state directory, private control socket, client threads; [`privileges`] drops
 //!   the capabilities it does not need.
-//! - [`dataplane`] owns the switch on its own thread and applies queued edits between batches.
+//! - [`dataplane`] owns the switch on its own thread and applies queued edits between batches; [`linkwatch`]
+//!   tells it when a face's interface loses its carrier or goes down.
 //! - [`actions`] holds one action function per control operation, behind both the API and the CLI.
 //! - [`protocol`] defines the JSON-lines requests and responses (docs/control-api.md).
 //! - [`rules`] runs the cross-layer rules on a thread of their own; [`appvars`] serves applications' variables.
@@ -21,6 +22,7 @@ pub mod client;
 pub mod dataplane;
 pub mod faces;
 pub mod lab;
+pub mod linkwatch;
 pub mod privileges;
 pub mod protocol;
 pub mod rules;

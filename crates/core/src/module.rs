@@ -135,6 +135,14 @@ pub trait Module {
         let _ = (frame, out);
     }
 
+    /// The link of face module `face` (its name in the stack) went up or down, as the data plane saw it in the
+    /// kernel's link events (up: the interface is up and has carrier). Every module is told, the face included;
+    /// one that acts on it returns true and is polled at the next run, as after a knob write.
+    fn link_changed(&mut self, face: &str, up: bool) -> bool {
+        let _ = (face, up);
+        false
+    }
+
     /// For a face module: the device the data plane reads and writes on the module's behalf. Frames read from it
     /// leave the module on output port 0; frames the module queues for it are taken with [`Module::take_egress`].
     fn device(&self) -> Option<Arc<dyn FaceDevice>> {
@@ -168,6 +176,11 @@ pub trait FaceDevice: Send + Sync {
     /// The direction of the frames read from the device (down: from applications; up: from the network).
     fn direction(&self) -> crate::frame::Direction {
         crate::frame::Direction::Down
+    }
+    /// The kernel's index of the interface the device is, when the data plane should watch its link (carrier
+    /// and up/down) and tell the modules ([`Module::link_changed`]); `None`: not watched.
+    fn ifindex(&self) -> Option<u32> {
+        None
     }
     /// Reads one packet into `buf` (cleared first) without blocking; `Ok(false)` when none is waiting.
     fn read_packet(&self, buf: &mut Vec<u8>) -> std::io::Result<bool>;

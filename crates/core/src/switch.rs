@@ -705,6 +705,25 @@ impl Switch {
         self.slots[index].meters.dropped.add_u64(dropped);
     }
 
+    /// The link of face module `index` went up or down: its `carrier` meter (if it declares one) is set to 1 or 0
+    /// and its `carrier_changes_total` counted, and every module is told ([`Module::link_changed`] with the face's
+    /// name); those that act on it are polled at the next run.
+    pub fn face_link_changed(&mut self, index: usize, up: bool) {
+        let Some(slot) = self.slots.get(index) else { return };
+        let face = slot.name.clone();
+        if let Some(cell) = slot.vars.cell("carrier") {
+            cell.store(&Value::U64(u64::from(up)));
+        }
+        if let Some(cell) = slot.vars.cell("carrier_changes_total") {
+            cell.add_u64(1);
+        }
+        for slot in &mut self.slots {
+            if slot.module.link_changed(&face, up) {
+                slot.wake_at = Some(Time::ZERO);
+            }
+        }
+    }
+
     /// Moves the frames face module `index` queued for its device into `into`.
     pub fn face_egress(&mut self, index: usize, into: &mut Batch) {
         if let Some(slot) = self.slots.get_mut(index) {

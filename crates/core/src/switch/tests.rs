@@ -31,6 +31,8 @@ struct Probe {
     shared: Log<bool>,
     /// First byte of every data frame received.
     first: Log<u8>,
+    /// Link changes that reached `Module::link_changed`: (face, up).
+    links: Log<(String, bool)>,
 }
 
 impl Probe {
@@ -152,6 +154,11 @@ impl Module for Pass {
 
     fn handle_control(&mut self, frame: Box<ControlFrame>, _out: &mut Output<'_>) {
         self.probe.ctl.lock().unwrap().push(*frame);
+    }
+
+    fn link_changed(&mut self, face: &str, up: bool) -> bool {
+        self.probe.links.lock().unwrap().push((face.to_string(), up));
+        true
     }
 
     fn take_state(&mut self) -> Option<Box<dyn Any>> {
@@ -522,6 +529,33 @@ fn fan_out_copies_are_shared_and_copy_on_write() {
     assert_eq!(meter(&sw, "module.a.port.out.frames_out_total"), 20);
     assert_eq!(meter(&sw, "module.b.frames_in_total"), 20);
     assert_eq!(meter(&sw, "module.c.frames_in_total"), 20);
+}
+
+#[test]
+fn a_face_link_change_sets_its_carrier_meter_and_reaches_every_module() {
+    let mut sw = Switch::new(PacketPool::new(64, 16));
+    let (a, b) = (Probe::default(), Probe::default());
+    let face_vars = vec![
+        VarSpec::meter("carrier", ValueType::U64, "", "1 while the link is up"),
+        VarSpec::meter("carrier_changes_total", ValueType::U64, "changes", "link changes seen"),
+    ];
+    let face = built(&[("in", port_type::ANY)], &[("out", port_type::ANY)], face_vars, |_| Box::new(Leave));
+    sw.apply(vec![load("eth", face), load("a", pass_with(&a)), load("b", pass_with(&b)), link("a -> b")]).unwrap();
+    sw.run(t(1));
+    let eth = sw.index["eth"];
+    sw.face_link_changed(eth, false);
+    assert_eq!(meter(&sw, "module.eth.carrier"), 0);
+    sw.face_link_changed(eth, true);
+    assert_eq!(meter(&sw, "module.eth.carrier"), 1);
+    assert_eq!(meter(&sw, "module.eth.carrier_changes_total"), 2);
+    let expected = vec![("eth".to_string(), false), ("eth".to_string(), true)];
+    assert_eq!(*a.links.lock().unwrap(), expected);
+    assert_eq!(*b.links.lock().unwrap(), expected);
+    // Modules that acted are polled at the next run; an unknown index changes nothing.
+    assert_eq!(sw.slots[sw.index["a"]].wake_at, Some(Time::ZERO));
+    assert_ne!(sw.slots[eth].wake_at, Some(Time::ZERO));
+    sw.face_link_changed(99, false);
+    assert_eq!(a.links.lock().unwrap().len(), 2);
 }
 
 #[test]

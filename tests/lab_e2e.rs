@@ -504,10 +504,19 @@ background = true
     assert!(out.status.success(), "ping h1 -> h2: {}", text(&out));
     assert!(String::from_utf8_lossy(&out.stdout).contains("ttl=63"), "one hop through r: {}", text(&out));
 
+    // A link down is a pulled cable: h2's interface on it loses its carrier, and gets it back.
+    let h2_link = || {
+        let out = ping(&["h2", "--", "ip", "link", "show", "eth0"]);
+        assert!(out.status.success(), "ip link show on h2: {}", text(&out));
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    assert!(!h2_link().contains("NO-CARRIER"), "h2's eth0 has its carrier: {}", h2_link());
     t.ok(&["lab", "link", "r", "h2", "down"]);
+    assert!(h2_link().contains("NO-CARRIER"), "h2's eth0 must lose its carrier: {}", h2_link());
     let out = ping(&["h1", "--", "ping", "-n", "-c", "2", "-W", "1", "h2"]);
     assert!(!out.status.success(), "ping over a link that is down must fail: {}", text(&out));
     t.ok(&["lab", "link", "r", "h2", "up"]);
+    assert!(!h2_link().contains("NO-CARRIER"), "h2's eth0 must get its carrier back: {}", h2_link());
     let out = ping(&["h1", "--", "ping", "-n", "-c", "2", "-W", "2", "h2"]);
     assert!(out.status.success(), "ping after the link came back: {}", text(&out));
 

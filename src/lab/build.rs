@@ -44,6 +44,10 @@ pub struct LinkState {
     pub emulator_ab: String,
     /// The emulator carrying b → a.
     pub emulator_ba: String,
+    /// The link's two interfaces in the wire namespace (towards a, towards b): `lab link A B down` takes them
+    /// down, so that both hosts' interfaces lose their carrier (empty in state files of older runners).
+    #[serde(default)]
+    pub wire_ends: Vec<String>,
 }
 
 /// What a lab consists of, kept in `<state dir>/labs/<lab>/state.json` while it exists.
@@ -231,6 +235,7 @@ pub fn create(lab: &Lab, plan: &Plan, opts: &CreateOptions<'_>) -> Result<LabSta
                 b: l.b.clone(),
                 emulator_ab: p.emulator_ab.clone(),
                 emulator_ba: p.emulator_ba.clone(),
+                wire_ends: vec![p.wire_a.clone(), p.wire_b.clone()],
             })
             .collect(),
     };

@@ -19,7 +19,7 @@
 //! Meter names in the results: the wire daemon's emulator `<link>_ab` appears as `link.<link>.ab.<meter>` (and
 //! `_ba` as `.ba.`), its other variables as `wire.<name>`; a stacked host's variables as `host.<host>.<name>`.
 
-use super::build::{set_knob, stop_processes, LabState};
+use super::build::{set_knob, sh, stop_processes, LabState};
 use super::msg;
 use crate::cli::CliError;
 use crate::client::Client;
@@ -149,11 +149,25 @@ fn link_knobs(state: &LabState, link: &str, params: &LinkParams) -> Vec<(String,
     out
 }
 
-/// Sets a link up or down (both directions).
+/// Sets a link up or down, like a cable pulled out or plugged in: both directions of its emulators (frames on the
+/// way are dropped, none pass), and its two interfaces in the wire namespace, so that both hosts' interfaces lose
+/// their carrier and get it back (the hosts' kernels and stacked hosts' link faces see it).
 pub fn link_up(state: &LabState, link: &str, up: bool) -> Result<(), CliError> {
     let l = state.links.iter().find(|l| l.name == link).ok_or_else(|| msg(format!("no link {link}")))?;
+    // Down: the emulators first, so that nothing passes while the carrier goes; up: the carrier first.
+    let updown = if up { "up" } else { "down" };
+    if up {
+        for end in &l.wire_ends {
+            sh(&["ip", "-n", &state.wire_netns, "link", "set", end, updown])?;
+        }
+    }
     for e in [&l.emulator_ab, &l.emulator_ba] {
         set_knob(&state.wire_dir, &format!("module.{e}.up"), Json::Bool(up))?;
+    }
+    if !up {
+        for end in &l.wire_ends {
+            sh(&["ip", "-n", &state.wire_netns, "link", "set", end, updown])?;
+        }
     }
     Ok(())
 }

@@ -26,9 +26,8 @@ fn mask(bits: &[u32]) -> u64 {
     bits.iter().fold(0, |m, b| m | (1u64 << b))
 }
 
-/// The Cap* lines of a /proc status file, as numbers.
-fn cap_sets(status_file: &str) -> BTreeMap<String, u64> {
-    let text = std::fs::read_to_string(status_file).unwrap_or_else(|e| panic!("{status_file}: {e}"));
+/// The Cap* lines (`CapEff:\t000001ffffffffff`) of a /proc status text, as numbers.
+fn parse_caps(text: &str) -> BTreeMap<String, u64> {
     text.lines()
         .filter(|l| l.starts_with("Cap"))
         .filter_map(|l| {
@@ -36,6 +35,11 @@ fn cap_sets(status_file: &str) -> BTreeMap<String, u64> {
             Some((k.to_string(), u64::from_str_radix(v.trim(), 16).ok()?))
         })
         .collect()
+}
+
+/// The capability sets in a /proc status file.
+fn cap_sets(status_file: &str) -> BTreeMap<String, u64> {
+    parse_caps(&std::fs::read_to_string(status_file).unwrap_or_else(|e| panic!("{status_file}: {e}")))
 }
 
 /// The capability sets of every thread of process `pid`, by thread name and id.
@@ -119,14 +123,7 @@ fn a_root_daemon_keeps_only_what_it_needs_and_its_apps_still_work() {
     assert!(t.contains("2 received"), "ping through the stack: {t}");
     assert!(t.contains("hello"), "curl through the stack: {t}");
     assert!(t.lines().any(|l| l.trim() == "65534"), "the app runs as the invoking user: {t}");
-    let app_sets: BTreeMap<&str, u64> = t
-        .lines()
-        .filter_map(|l| {
-            let (k, v) = l.split_once(':')?;
-            Some((k, u64::from_str_radix(v.trim(), 16).ok()?))
-        })
-        .filter(|(k, _)| k.starts_with("Cap"))
-        .collect();
+    let app_sets = parse_caps(&t);
     for set in ["CapEff", "CapPrm", "CapAmb", "CapInh"] {
         assert_eq!(app_sets.get(set), Some(&0), "the app holds no capability in {set}: {t}");
     }

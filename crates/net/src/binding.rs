@@ -121,12 +121,12 @@ const RESERVED: [&str; 4] = ["in", "up_in", "up_out", "ctl"];
 const PUBLISH_NS: u64 = 100_000_000;
 /// After each binding, the packets the next `PREFETCH_PACKETS` bindings will take (by deficit round robin, among
 /// the first `NEAR_FLOWS` flows of the round) are prefetched: their slot and header line, and for the very next
-/// one its other bytes up to `PREFETCH_BYTES`, into the second-level cache (the header is rewritten at binding,
-/// the rest is read by the face that sends the packet; in a deep backlog served out of arrival order the packet
-/// is nowhere in the caches and the hardware prefetchers cannot guess it). A packet's bytes are asked for once,
-/// one binding ahead: asking for them two ahead as well kept more misses in flight than the core tracks and cost
-/// more than it saved. The queue nodes of the `FAR_FLOWS` flows after them are prefetched too, so that reading
-/// them two or three bindings later does not wait for memory.
+/// one its bytes up to `PREFETCH_BYTES` (the header is rewritten at binding, the rest is read by the face that
+/// sends the packet; in a deep backlog served out of arrival order the packet is nowhere in the caches and the
+/// hardware prefetchers cannot guess it). A packet's bytes are asked for once, one binding ahead: asking for
+/// them two ahead as well kept more misses in flight than the core tracks and cost more than it saved. The
+/// queue nodes of the `FAR_FLOWS` flows after them are prefetched too, so that reading them two or three
+/// bindings later does not wait for memory.
 const PREFETCH_PACKETS: usize = 2;
 /// See [`PREFETCH_PACKETS`].
 const NEAR_FLOWS: usize = 2;
@@ -137,39 +137,18 @@ const PREFETCH_BYTES: usize = 2048;
 /// A cache line (x86_64, aarch64).
 const LINE: usize = 64;
 
-/// Asks the CPU to start loading the cache line holding `addr` into all its caches (what binding touches: slots,
-/// headers, nodes). See [`hint`].
+/// Asks the CPU to start loading the cache line holding `addr` into its caches: a hint only, never a read (a
+/// stale or unmapped address is ignored), so it costs no wait. A no-op where there is no such instruction.
 #[inline(always)]
 fn prefetch(addr: usize) {
-    hint::<true>(addr);
-}
-
-/// Asks the CPU to start loading the cache line holding `addr` into its second-level cache, not the first (a
-/// packet's bytes after the header, read after binding by the face that sends it: asked for into the first level
-/// too, they pushed out what binding needed; 1 flow 227 -> 222, 10,000 flows 473 -> 418 ns per packet in set (c)).
-#[inline(always)]
-fn prefetch_l2(addr: usize) {
-    hint::<false>(addr);
-}
-
-/// A prefetch hint (x86_64 PREFETCHT0 with `L1`, else PREFETCHT1): never a read (a stale or unmapped address is
-/// ignored), so it costs no wait. A no-op where there is no such instruction.
-#[inline(always)]
-fn hint<const L1: bool>(addr: usize) {
     #[cfg(all(target_arch = "x86_64", target_feature = "sse"))]
     #[allow(unsafe_code)]
     // SAFETY: `_mm_prefetch` is unsafe only because it is a `#[target_feature(enable = "sse")]` function; SSE is
-    // statically enabled here (the cfg above; it is in every x86_64 target's baseline). A prefetch does not access
+    // statically enabled here (the cfg above; it is in every x86_64 target's baseline). PREFETCHT0 does not access
     // memory architecturally: it never faults and reads or writes nothing the program can observe, whatever the
     // address.
     unsafe {
-        use core::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T1};
-        let p = addr as *const i8;
-        if L1 {
-            _mm_prefetch::<_MM_HINT_T0>(p)
-        } else {
-            _mm_prefetch::<_MM_HINT_T1>(p)
-        }
+        core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(addr as *const i8)
     }
     #[cfg(not(all(target_arch = "x86_64", target_feature = "sse")))]
     let _ = addr;
@@ -1330,11 +1309,10 @@ impl Binding {
                     for at in [meta.wrapping_sub(LINE), meta, meta.wrapping_add(LINE)] {
                         prefetch(at);
                     }
-                    // Its header line; for the very next binding its other bytes too.
-                    prefetch(n.data);
+                    // Its bytes for the very next binding, its header line for the one after.
                     let bytes = if found == 0 { PREFETCH_BYTES } else { LINE };
-                    for at in (LINE..(n.len as usize).min(bytes)).step_by(LINE) {
-                        prefetch_l2(n.data.wrapping_add(at));
+                    for at in (0..(n.len as usize).min(bytes)).step_by(LINE) {
+                        prefetch(n.data.wrapping_add(at));
                     }
                     // The flow's next node, in case the flow sends again in this turn.
                     self.nodes.prefetch(self.nodes.next_of(f.head).0);

@@ -1295,11 +1295,13 @@ impl Binding {
     fn prefetch_next(&self, class: Class) {
         let Some(c) = (0..=class as usize).find(|&c| !self.active[c].is_empty()) else { return };
         let mut found = 0;
-        // First the flows whose deficit covers their head packet now, then (a turn later) with one more quantum.
-        'near: for extra in [0, self.cfg.quantum] {
+        // First the flows whose deficit covers their head packet now, then (a turn later) those that need one more
+        // quantum.
+        'near: for later in [false, true] {
             for &slot in self.active[c].iter().take(NEAR_FLOWS) {
                 let Some(f) = self.flows.get(slot) else { continue };
-                if f.deficit + extra < u64::from(f.head_len) {
+                let covered = f.deficit >= u64::from(f.head_len);
+                if covered == later || (later && f.deficit + self.cfg.quantum < u64::from(f.head_len)) {
                     continue;
                 }
                 if let Some(n) = self.nodes.get(f.head) {

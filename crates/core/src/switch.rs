@@ -705,6 +705,11 @@ impl Switch {
         self.slots[index].meters.dropped.add_u64(dropped);
     }
 
+    /// The index of module `name` (as [`Switch::faces`] and [`Switch::face_link_changed`] use), until the next edit.
+    pub fn index_of(&self, name: &str) -> Option<usize> {
+        self.index.get(name).copied()
+    }
+
     /// The link of face module `index` went up or down: its `carrier` meter (if it declares one) is set to 1 or 0
     /// and its `carrier_changes_total` counted, and every module is told ([`Module::link_changed`] with the face's
     /// name); those that act on it are polled at the next run.

@@ -31,7 +31,8 @@
 //!   `<iface>.weight`, by flow hash; a flow stays on its interface while that is up), `fastest` (per packet, the
 //!   up interface whose modelled transmission of it would end first). A packet whose interface is full waits
 //!   (other flows may go meanwhile); a packet is never bound to an interface that is down.
-//! - **Interface down** (`<iface>.up` = false, written by the lab or a carrier watcher): the packets in its device
+//! - **Interface down** (`<iface>.up` = false, written by hand, by a rule or by the lab; or the link of the face
+//!   module named by `<iface>.face` lost its carrier or went down, which also sets the knob): the packets in its device
 //!   queue that have not started are dropped (`<iface>.drop_interface_down_total`), the one in transmission is
 //!   counted as interrupted (`<iface>.tx_interrupted_total`; it was already emitted). Packets above the binding
 //!   point stay and are bound elsewhere; flows pinned to the interface are re-pinned by policy. A **rebind** is a
@@ -50,7 +51,8 @@
 //! Settings: `interfaces` (array of names, required, at most 16), `policy` (knob), `class_rules` (array of rules
 //! `CLASS [tcp|udp|icmp] [port N] [dscp N]`, first match wins, a port matching either end), `virtual_v4`,
 //! `virtual_v6`, `vars_prefix` (default `flow`), per interface `"<iface>.address_v4"` and `"<iface>.address_v6"`
-//! (quoted dotted keys in TOML), and every knob.
+//! (quoted dotted keys in TOML), `"<iface>.face"` (the face module of that interface: its link going down or up
+//! sets `<iface>.up`, see `Module::link_changed`), and every knob.
 //!
 //! Knobs: `policy` (text), `quantum` (bytes, default 1514, late only), `queue_limit` (packets, default 10000, late
 //! only), `flow_idle_ms` (default 30000: a flow with nothing queued is forgotten after this long), per interface
@@ -434,6 +436,8 @@ struct IfaceConfig {
     up: bool,
     weight: u64,
     fifo_limit: u64,
+    /// The face module whose link state drives `up` (carrier lost: down; back: up).
+    face: Option<String>,
 }
 
 #[derive(Clone, Debug)]
@@ -451,8 +455,8 @@ struct Config {
 }
 
 /// The per-interface setting names, in the order of [`iface_keys`].
-const IFACE_KEYS: [&str; 8] =
-    ["address_v4", "address_v6", "rate_bps", "device_queue", "up", "weight", "fifo_limit", "overhead_bytes"];
+const IFACE_KEYS: [&str; 9] =
+    ["address_v4", "address_v6", "rate_bps", "device_queue", "up", "weight", "fifo_limit", "overhead_bytes", "face"];
 
 /// Reads an address setting of family v6 (or v4).
 fn read_addr<'a>(r: &mut SettingsReader<'a>, key: &'a str, v6: bool) -> Result<Option<IpAddr>, ConfigError> {
@@ -534,6 +538,7 @@ fn configure(mode: Mode, settings: &Settings) -> Result<Config, ConfigError> {
         let weight = r.u64_in(&k[5], 1, 0, MAX_WEIGHT)?;
         let fifo_limit = if mode == Mode::Early { r.u64_in(&k[6], 1000, 0, MAX_QUEUE_LIMIT)? } else { 0 };
         let overhead_bytes = r.u64_in(&k[7], 0, 0, MAX_OVERHEAD)?;
+        let face = r.string(&k[8])?;
         ifaces.push(IfaceConfig {
             name: name.clone(),
             address_v4,
@@ -544,6 +549,7 @@ fn configure(mode: Mode, settings: &Settings) -> Result<Config, ConfigError> {
             up,
             weight,
             fifo_limit,
+            face,
         });
     }
     r.finish()?;
@@ -728,6 +734,7 @@ impl ModuleBuilder for BindingBuilder {
                         drop_down: m("drop_interface_down_total"),
                         drop_full: m("drop_queue_full_total"),
                         interrupted: m("tx_interrupted_total"),
+                        up: m("up"),
                     },
                 }
             })
@@ -821,6 +828,8 @@ struct IfaceMeters {
     drop_down: Meter,
     drop_full: Meter,
     interrupted: Meter,
+    /// The `up` knob's cell, written when the face's link changes.
+    up: Meter,
 }
 
 /// A packet waiting to be bound.
@@ -851,6 +860,15 @@ struct Iface {
 }
 
 impl Iface {
+    /// Takes the interface up or down (the `up` knob, or its face's link); true if it went down, so that the next
+    /// call applies the down (drops its device queue, re-pins its flows).
+    fn set_up(&mut self, up: bool) -> bool {
+        let went_down = self.cfg.up && !up;
+        self.pending_down |= went_down;
+        self.cfg.up = up;
+        went_down
+    }
+
     /// Transmission time of `bytes` in `packets` packets at the interface's rate (each with the link-layer
     /// overhead), in ns.
     fn tx_ns(&self, bytes: u64, packets: u64) -> u64 {
@@ -1628,18 +1646,22 @@ impl Module for Binding {
                     ("fifo_limit", Value::U64(v)) if self.cfg.mode == Mode::Early && *v <= MAX_QUEUE_LIMIT => {
                         c.fifo_limit = *v
                     }
-                    ("up", Value::Bool(v)) => {
-                        if c.up && !*v {
-                            iface.pending_down = true;
-                            self.downs_pending = true;
-                        }
-                        c.up = *v;
-                    }
+                    ("up", Value::Bool(v)) => self.downs_pending |= iface.set_up(*v),
                     _ => return Err(bad()),
                 }
             }
         }
         Ok(())
+    }
+
+    fn link_changed(&mut self, face: &str, up: bool) -> bool {
+        let mut acted = false;
+        for iface in self.ifaces.iter_mut().filter(|i| i.cfg.face.as_deref() == Some(face)) {
+            self.downs_pending |= iface.set_up(up);
+            iface.m.up.store(&Value::Bool(up));
+            acted = true;
+        }
+        acted
     }
 
     fn execute(&mut self, procedure: &str, argument: &Value, _out: &mut Output<'_>) -> Result<Value, String> {

@@ -362,6 +362,35 @@ fn late_binding_loses_only_the_device_queue_on_interface_down() {
 }
 
 #[test]
+fn a_face_losing_its_link_takes_its_interface_down_and_back_up() {
+    // Interface a's face is the module named "a" (here a recorder stands for it).
+    let (mut sw, la, lb) = stack(LATE_KIND, &[RATE_8M, "\"b.rate_bps\"=8000000", "\"a.face\"=\"a\""]);
+    inject(&mut sw, ms(0), &(0..20).map(|i| udp(1, 1000, 0, i)).collect::<Vec<_>>(), Some(1));
+    drain(&mut sw, us(500));
+    let a_face = sw.index_of("a").unwrap();
+    sw.face_link_changed(a_face, false);
+    assert_eq!(sw.registry().snapshot().get("module.s.a.up").map(|c| c.get()), Some(Value::Bool(false)), "the knob");
+    sw.run(us(500));
+    drain(&mut sw, ms(100));
+    let idx = |l: &Log| take(l).iter().map(|s| port_index(&s.data).1).collect::<Vec<_>>();
+    // As with the knob: packet 0 was on the wire, packet 1 in the device queue (lost), the rest go over b.
+    assert_eq!(idx(&la), [0]);
+    assert_eq!(idx(&lb), (2..20).collect::<Vec<_>>());
+    assert_eq!(u64_var(&sw, "module.s.a.drop_interface_down_total"), 1);
+    // The link comes back: the preferred interface carries the flow again.
+    sw.face_link_changed(a_face, true);
+    inject(&mut sw, ms(200), &[udp(1, 1000, 0, 20)], Some(1));
+    drain(&mut sw, ms(300));
+    assert_eq!(idx(&la), [20]);
+    // Another face's link changes nothing here (b names no face).
+    let b_face = sw.index_of("b").unwrap();
+    sw.face_link_changed(b_face, false);
+    inject(&mut sw, ms(400), &[udp(1, 1000, 0, 21)], Some(1));
+    drain(&mut sw, ms(500));
+    assert_eq!(idx(&la), [21]);
+}
+
+#[test]
 fn early_binding_loses_everything_queued_on_the_interface() {
     let (sw, a, b) = handoff(EARLY_KIND);
     // All twenty were bound to a at enqueue: the 19 not yet on the wire are lost, nothing reaches b.

@@ -102,6 +102,16 @@ fn a_root_daemon_keeps_only_what_it_needs_and_its_apps_still_work() {
         assert!(line.contains("capabilities dac_override,net_admin,net_raw,sys_admin"), "{line}");
     }
 
+    // CAP_DAC_OVERRIDE is kept for files in other users' folders: a tap writes into a folder of nobody's (0755).
+    let theirs = tempfile::tempdir().unwrap();
+    nix::unistd::chown(theirs.path(), Some(nix::unistd::Uid::from_raw(65534)), None).unwrap();
+    std::fs::set_permissions(theirs.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let capture = theirs.path().join("cap.pcapng");
+    let out = d.cli(&["module", "load", "cap", "tap", &format!("path={}", capture.display())]);
+    assert!(out.status.success(), "a tap in another user's folder: {}", text(&out));
+    assert!(capture.exists(), "the tap created {}", capture.display());
+    assert!(d.cli(&["module", "unload", "cap"]).status.success());
+
     // An app under this daemon (which built its namespace, TUN devices, routes and nftables table with only the
     // kept capabilities) reaches the server through its stack, as the invoking user, with no capability.
     let script = format!(

@@ -173,8 +173,10 @@ def main():
         md += ["## Handoff (Figures 4 and 5)", "",
                "A bulk TCP CUBIC flow (python sender, kernel TCP in the app's sandbox) from a stacked host with two "
                "uplinks, wlan and lte (5 Mbit/s, 2 ms each, then 48 ms to the server: base RTT 100 ms), starts at "
-               "1 s over wlan; at 7 s wlan goes down (the emulated link and the scheduler's `wlan.up` knob at the "
-               "same instant) and the flow continues over lte. ACKs come back over lte throughout. `late` and "
+               "1 s over wlan; at 7 s wlan's link goes down, a pulled cable: the host's eth0 loses its carrier, "
+               "the daemon's link watcher sees it and the scheduler's wlan interface, which names that face "
+               "(`wlan.face`), goes down with it; the flow continues over lte. ACKs come back over lte throughout. "
+               "`late` and "
                "`early` run side by side in the same lab run, with the same device buffer below the binding point "
                f"(knob events at 0.6 s); {seeds} seeded runs per buffer size. The sender fills whatever buffering "
                "it is given (kernel socket-buffer autotuning): above the binding point (late: per-flow queues, "

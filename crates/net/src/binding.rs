@@ -73,8 +73,11 @@
 //! hashes with splitmix64 instead of SipHash, and per-flow meters are written in batches. After each binding the
 //! packets the next bindings will take (by the DRR rule) are prefetched, with the queue nodes of the flows after
 //! them (see `PREFETCH_PACKETS` in the source): a deep backlog served out of arrival order otherwise waits for
-//! memory on every line of every packet. `crates/net/benches/binding.rs` measures the cost per packet with 1, 100
-//! and 10,000 flows; figures in BENCHMARKS.md.
+//! memory on every line of every packet. A batch going down is taken in passes (`ARRIVAL_PREFETCH_MIN`): every
+//! packet's flow is looked up and its state asked for, then the link of each flow's last packet, then the packets
+//! are queued, so that these reads at random overlap. `crates/net/benches/binding.rs` measures the cost per packet
+//! with 1, 100 and 10,000 flows, one packet per call and in batches as the daemon hands them; figures in
+//! BENCHMARKS.md.
 //!
 //! Procedure `class` (argument `"<flow id> <class>"`) sets a flow's class, now or when it appears; the per-flow
 //! meter shows it. (A writable `flow.<id>.class` knob would need the switch to write runtime variables.)

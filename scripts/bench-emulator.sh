@@ -33,6 +33,8 @@
 #      emulated faithfully when |median error| < 1 ms, no ping was lost and iperf3 carried at least 95 % of the
 #      offered 90 % of R. The answer is the highest such R (the steps are not required to be contiguous).
 #
+# DAEMON_ARGS="..." adds arguments to the daemon's command line (e.g. "--rx-hold-us 0" to compare without the
+# data plane's moderation of wake-ups).
 # PERF_OUT=FILE records a perf profile (perf record -g) of the daemon during part 1 (b) into FILE.
 # PARTS="1" runs part 1 only (PARTS="1 2" by default). The machine's load average is printed before and after:
 # these machines are shared, and a busy neighbour moves both figures (compare the ratio, measured in one run).
@@ -115,7 +117,7 @@ kind = "emulator"
 [modules.e_ba]
 kind = "emulator"
 TOML
-FLEXSTACK_LOG=warn "$fs" daemon --stack "$state/link.toml" --state-dir "$state/d" 2>"$state/daemon.log" &
+FLEXSTACK_LOG=warn "$fs" daemon --stack "$state/link.toml" --state-dir "$state/d" ${DAEMON_ARGS:-} 2>"$state/daemon.log" &
 daemon=$!
 fsc() { "$fs" --state-dir "$state/d" "$@"; }
 for _ in $(seq 100); do fsc status >/dev/null 2>&1 && break; sleep 0.05; done

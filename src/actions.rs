@@ -45,12 +45,62 @@ pub struct Revision {
     pub stack: String,
 }
 
+/// The stack's revisions, numbered from 1. Only the last [`RevisionLog::KEPT`] are kept: every knob write is a
+/// revision holding the whole stack, and a rule may write a knob at every sample (200 times a second by default),
+/// which would otherwise grow the daemon's memory without bound. The numbers go on counting.
+#[derive(Debug, Default)]
+pub struct RevisionLog {
+    kept: std::collections::VecDeque<Revision>,
+    latest: u64,
+}
+
+impl RevisionLog {
+    /// How many revisions are kept.
+    pub const KEPT: usize = 1000;
+
+    /// The number of the latest revision (0: none yet).
+    pub fn latest(&self) -> u64 {
+        self.latest
+    }
+
+    /// Records a revision; returns its number. The oldest kept one goes when more than [`RevisionLog::KEPT`].
+    pub fn push(&mut self, time_ms: u64, user: &str, change: String, notes: Vec<String>, stack: String) -> u64 {
+        self.latest += 1;
+        if self.kept.len() == Self::KEPT {
+            self.kept.pop_front();
+        }
+        self.kept.push_back(Revision { number: self.latest, time_ms, user: user.to_string(), change, notes, stack });
+        self.latest
+    }
+
+    /// Revision `n`, or why there is none.
+    pub fn get(&self, n: u64) -> Result<&Revision, String> {
+        let first = self.kept.front().map_or(1, |r| r.number);
+        if n == 0 || n > self.latest {
+            return Err(format!("no revision {n} (revisions 1..={} exist)", self.latest));
+        }
+        if n < first {
+            return Err(format!(
+                "no revision {n}: it was discarded (only the last {} are kept: {first}..={})",
+                Self::KEPT,
+                self.latest
+            ));
+        }
+        Ok(&self.kept[(n - first) as usize])
+    }
+
+    /// The revisions kept, oldest first.
+    pub fn iter(&self) -> impl Iterator<Item = &Revision> {
+        self.kept.iter()
+    }
+}
+
 /// The control plane's state, shared by all client connections.
 pub struct Control {
     dataplane: Mutex<DataPlane>,
     registry: SharedRegistry,
     catalog: Catalog,
-    revisions: Mutex<Vec<Revision>>,
+    revisions: Mutex<RevisionLog>,
     edit_lock: Mutex<()>,
     started: Instant,
     next_serial: AtomicU32,
@@ -95,7 +145,7 @@ impl Control {
             dataplane: Mutex::new(dataplane),
             registry,
             catalog,
-            revisions: Mutex::new(Vec::new()),
+            revisions: Mutex::new(RevisionLog::default()),
             edit_lock: Mutex::new(()),
             started: Instant::now(),
             next_serial: AtomicU32::new(1 << 31),
@@ -204,16 +254,8 @@ impl Control {
         let snap = dp.snapshot().map_err(internal)?;
         drop(dp);
         let mut revs = self.revisions.lock().unwrap_or_else(|p| p.into_inner());
-        let number = revs.len() as u64 + 1;
-        revs.push(Revision {
-            number,
-            time_ms: now_ms(),
-            user: who.to_string(),
-            change,
-            notes: notes.clone(),
-            stack: snap.spec.to_toml(),
-        });
-        tracing::info!(revision = number, user = who, change = %revs[revs.len() - 1].change, "stack changed");
+        tracing::info!(revision = revs.latest() + 1, user = who, change = %change, "stack changed");
+        let number = revs.push(now_ms(), who, change, notes.clone(), snap.spec.to_toml());
         Ok(json!({ "revision": number, "notes": notes }))
     }
 
@@ -309,7 +351,7 @@ impl Control {
                 }
                 None => {
                     let snap = self.dp().snapshot().map_err(internal)?;
-                    let current = self.revisions.lock().unwrap_or_else(|p| p.into_inner()).len();
+                    let current = self.revisions.lock().unwrap_or_else(|p| p.into_inner()).latest();
                     Ok(json!({ "revision": current, "stack": snap.spec.to_toml() }))
                 }
             },
@@ -441,14 +483,12 @@ impl Control {
 
     fn revision(&self, n: u64) -> Result<Revision, ApiError> {
         let revs = self.revisions.lock().unwrap_or_else(|p| p.into_inner());
-        revs.iter().find(|r| r.number == n).cloned().ok_or_else(|| {
-            ApiError::new(ErrorCode::NotFound, format!("no revision {n} (revisions 1..={} exist)", revs.len()))
-        })
+        revs.get(n).cloned().map_err(|e| ApiError::new(ErrorCode::NotFound, e))
     }
 
     fn status(&self) -> Result<Json, ApiError> {
         let snap = self.dp().snapshot().map_err(internal)?;
-        let revision = self.revisions.lock().unwrap_or_else(|p| p.into_inner()).len();
+        let revision = self.revisions.lock().unwrap_or_else(|p| p.into_inner()).latest();
         Ok(json!({
             "version": env!("CARGO_PKG_VERSION"),
             "pid": std::process::id(),
@@ -719,5 +759,30 @@ impl Control {
         }
         edits.extend(target.links.iter().map(|l| Edit::Link(l.link.clone())));
         self.edit(who, format!("config rollback {rev}"), edits)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RevisionLog;
+
+    #[test]
+    fn the_revision_log_keeps_the_last_revisions_and_goes_on_numbering() {
+        let mut log = RevisionLog::default();
+        assert_eq!(log.latest(), 0);
+        assert!(log.get(1).unwrap_err().contains("revisions 1..=0 exist"));
+        for i in 1..=(RevisionLog::KEPT as u64 + 5) {
+            assert_eq!(log.push(i, "t", format!("change {i}"), Vec::new(), String::new()), i);
+        }
+        let latest = RevisionLog::KEPT as u64 + 5;
+        assert_eq!(log.latest(), latest);
+        assert_eq!(log.iter().count(), RevisionLog::KEPT);
+        assert_eq!(log.iter().next().unwrap().number, 6);
+        assert_eq!(log.get(6).unwrap().change, "change 6");
+        assert_eq!(log.get(latest).unwrap().change, format!("change {latest}"));
+        let discarded = log.get(5).unwrap_err();
+        assert!(discarded.contains("discarded") && discarded.contains(&format!("6..={latest}")), "{discarded}");
+        assert!(log.get(latest + 1).unwrap_err().contains(&format!("1..={latest} exist")));
+        assert!(log.get(0).is_err());
     }
 }

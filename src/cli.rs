@@ -221,7 +221,7 @@ pub struct DaemonArgs {
     #[arg(long, default_value_t = 5)]
     pub rules_interval_ms: u64,
     /// Microseconds the data plane waits before reading a face while frames stream in, so that one wake-up reads
-    /// several (interrupt moderation; 0: off).
+    /// several (interrupt moderation; 0, the default: off).
     #[arg(long, default_value_t = crate::dataplane::DEFAULT_RX_HOLD.as_micros() as u64)]
     pub rx_hold_us: u64,
 }

@@ -6,9 +6,10 @@
 //! ([`Switch::face_egress`]); wait in epoll for a device, a command (an eventfd the control plane signals) or the
 //! next module timer.
 //!
-//! Wake-ups by a face are moderated as a NIC moderates its interrupts ([`RxModeration`]): while frames stream in
-//! (wake-ups closer together than a gap), the loop waits a short hold before reading, so that one wake-up reads
-//! several frames instead of one or two. Sparse traffic (a ping) is read at once.
+//! Wake-ups by a face can be moderated as a NIC moderates its interrupts ([`RxModeration`], off by default:
+//! `flexstack daemon --rx-hold-us N`): while frames stream in (wake-ups closer together than a gap), the loop waits
+//! a short hold before reading, so that one wake-up reads several frames instead of one or two. Sparse traffic (a
+//! ping) is read at once.
 //!
 //! The control plane talks to it only through [`DataPlane`]: [`DataPlane::apply`] sends edits and waits for the
 //! verdict, [`DataPlane::snapshot`] asks for the stack's shape. Meters are never read through here: readers use
@@ -80,8 +81,10 @@ impl Default for DataPlaneOptions {
     }
 }
 
-/// The default hold of face wake-ups while frames stream (see [`RxModeration`]).
-pub const DEFAULT_RX_HOLD: Duration = Duration::from_micros(30);
+/// The default hold of face wake-ups while frames stream (see [`RxModeration`]): none. A hold of 30 us doubled
+/// the frames read per wake-up on the emulator benchmark (2 to 4) but changed neither its throughput nor the
+/// daemon's CPU time per byte on a quiet machine (BENCHMARKS.md, issue 4), so it is not on by default.
+pub const DEFAULT_RX_HOLD: Duration = Duration::ZERO;
 
 /// Interrupt moderation of face wake-ups, sans-IO: the loop asks [`RxModeration::hold`] each time epoll reports a
 /// face readable, and waits what it answers before reading.
@@ -92,8 +95,7 @@ pub const DEFAULT_RX_HOLD: Duration = Duration::from_micros(30);
 /// sides (the writer's wake and the reader's schedule), a cost per frame that is worth more than the hold's latency
 /// while frames stream (the TCP benchmark of the emulator reads about 2 frames per wake-up without it). Sparse
 /// traffic is read at once: a ping's request and its reply make one short gap, not two. Request/response traffic
-/// faster than one exchange per 4 holds does stream, and each frame then waits up to one hold: turn it off
-/// (`flexstack daemon --rx-hold-us 0`) where that matters.
+/// faster than one exchange per 4 holds does stream, and each frame then waits up to one hold.
 #[derive(Clone, Debug)]
 pub struct RxModeration {
     hold: Duration,

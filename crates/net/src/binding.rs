@@ -1540,17 +1540,17 @@ impl Binding {
                 return;
             }
         };
-        let new: Option<Vec<u8>> = match info.dst {
+        // The destination address is rewritten in place, with fixed-size arrays (no allocation per packet).
+        let mapped = match info.dst {
             IpAddr::V4(d) if self.ifaces.iter().any(|i| i.cfg.address_v4 == Some(d)) => {
-                self.cfg.virtual_v4.map(|v| v.octets().to_vec())
+                self.cfg.virtual_v4.map(|v| rewrite_address_n(p.make_mut(), &Hdr::of(&info), 16, v.octets()))
             }
             IpAddr::V6(d) if self.ifaces.iter().any(|i| i.cfg.address_v6 == Some(d)) => {
-                self.cfg.virtual_v6.map(|v| v.octets().to_vec())
+                self.cfg.virtual_v6.map(|v| rewrite_address_n(p.make_mut(), &Hdr::of(&info), 24, v.octets()))
             }
             _ => None,
         };
-        if let Some(new) = new {
-            rewrite_address(p.make_mut(), &Hdr::of(&info), false, &new);
+        if mapped.is_some() {
             self.meters.up_mapped.add(1);
         }
         out.emit(self.ifaces.len(), p);

@@ -611,6 +611,14 @@ impl Control {
             tracing::info!(user = who, knob = name, value = %v, "application knob written");
             return Ok(json!({ "value": cell.get(), "notes": [] }));
         }
+        if name.starts_with("flow.") || name.starts_with("iface.") {
+            // A knob a module registered at runtime (a flow's class): the module that owns it applies it. Not part
+            // of the stack description, so no revision.
+            let mut result = self.runtime_edit(vec![Edit::SetVar { name: name.to_string(), value: v.clone() }])?;
+            tracing::info!(user = who, knob = name, value = %v, "runtime knob written");
+            result["value"] = json!(cell.get());
+            return Ok(result);
+        }
         let (module, knob) = name
             .strip_prefix("module.")
             .and_then(|r| r.split_once('.'))

@@ -80,6 +80,14 @@ pub enum Edit {
         /// The new value.
         value: Value,
     },
+    /// Writes a knob a module registered at runtime (`flow.…`, `iface.…`: e.g. a flow's class): the module that
+    /// registered it gets [`Module::write_knob`] with the variable's whole name. Not part of the stack description.
+    SetVar {
+        /// The variable's whole name.
+        name: String,
+        /// The new value.
+        value: Value,
+    },
     /// Holds frames at one module's inputs (or, with `None`, stops running the whole stack).
     Pause {
         /// The module, or the whole stack.
@@ -108,6 +116,7 @@ impl fmt::Display for Edit {
             Edit::Link(l) => write!(f, "link add {l}"),
             Edit::Unlink(l) => write!(f, "link del {l}"),
             Edit::SetKnob { module, knob, value } => write!(f, "set module.{module}.{knob} {value}"),
+            Edit::SetVar { name, value } => write!(f, "set {name} {value}"),
             Edit::Pause { module } => {
                 write!(f, "pause{}", module.as_ref().map(|m| format!(" {m}")).unwrap_or_default())
             }
@@ -431,6 +440,9 @@ impl Switch {
             .collect();
         for (index, (edit, iface)) in edits.iter().zip(&ifaces).enumerate() {
             model.check(edit, iface.as_ref()).map_err(|message| EditError { index, message })?;
+            if let Edit::SetVar { name, value } = edit {
+                self.check_runtime_knob(name, value).map_err(|message| EditError { index, message })?;
+            }
         }
         model.check_cycles().map_err(|message| EditError { index: edits.len().saturating_sub(1), message })?;
 
@@ -524,6 +536,11 @@ impl Switch {
                     notes.push(format!("set module.{module}.{knob}: {e}"));
                 }
             }
+            Edit::SetVar { name, value } => {
+                if let Err(e) = self.write_runtime_knob(&name, &value) {
+                    notes.push(format!("set {name}: {e}"));
+                }
+            }
             Edit::Pause { module: None } => {
                 self.paused = true;
                 self.switch_vars.meter("paused").store(&Value::Bool(true));
@@ -574,6 +591,29 @@ impl Switch {
         slot.module.write_knob(knob, &v)?;
         cell.store(&v);
         // Polled at the next run, so the module can act on the new value (e.g. a source resuming).
+        slot.wake_at = Some(Time::ZERO);
+        Ok(())
+    }
+
+    /// Checks a write of runtime knob `name`: a module registered it, it is a knob, and `value` fits it.
+    fn check_runtime_knob(&self, name: &str, value: &Value) -> Result<(), String> {
+        let (_, cell) =
+            self.dynamic.owner_of(name).ok_or_else(|| format!("no variable {name} registered by a module"))?;
+        if cell.spec().kind != VarKind::Knob {
+            return Err(format!("{name} is a meter (read-only)"));
+        }
+        cell.spec().validate(value).map(|_| ()).map_err(|e| format!("{name}: {e}"))
+    }
+
+    /// Writes runtime knob `name` through the module that registered it (checked first by
+    /// [`Switch::check_runtime_knob`]).
+    fn write_runtime_knob(&mut self, name: &str, value: &Value) -> Result<(), String> {
+        let (owner, cell) = self.dynamic.owner_of(name).ok_or_else(|| format!("no runtime variable {name}"))?;
+        let &i = self.index.get(owner).ok_or_else(|| format!("no module named {owner}"))?;
+        let v = cell.spec().validate(value)?;
+        let slot = &mut self.slots[i];
+        slot.module.write_knob(name, &v)?;
+        cell.store(&v);
         slot.wake_at = Some(Time::ZERO);
         Ok(())
     }
@@ -1291,6 +1331,8 @@ impl Model {
                 })?;
                 spec.validate(value).map_err(|e| format!("module.{module}.{knob}: {e}"))?;
             }
+            // Runtime variables are not in the model: checked by the switch itself (Switch::check_runtime_knob).
+            Edit::SetVar { .. } => {}
             Edit::Pause { module: Some(m) } | Edit::Resume { module: Some(m) } => {
                 self.iface(m)?;
             }

@@ -363,6 +363,23 @@ impl DynamicVars {
         Ok(vars)
     }
 
+    /// The module that registered runtime variable `name` (the owner of the longest registered prefix of it), and
+    /// the variable's cell; `None` if no module registered it.
+    pub fn owner_of(&self, name: &str) -> Option<(&str, Arc<VarCell>)> {
+        let mut cut = name.len();
+        while let Some(dot) = name[..cut].rfind('.') {
+            if let Some((owner, names)) = self.owners.get(&name[..dot]) {
+                if names.iter().any(|n| n == name) {
+                    let cell = self.registry.snapshot().get(name).cloned()?;
+                    return Some((owner.as_str(), cell));
+                }
+                return None;
+            }
+            cut = dot;
+        }
+        None
+    }
+
     /// Removes the variables `owner` registered under `prefix`; false if it had none there.
     pub fn unregister(&mut self, owner: &str, prefix: &str) -> bool {
         match self.owners.get(prefix) {

@@ -79,8 +79,9 @@
 //! with 1, 100 and 10,000 flows, one packet per call and in batches as the daemon hands them; figures in
 //! BENCHMARKS.md.
 //!
-//! Procedure `class` (argument `"<flow id> <class>"`) sets a flow's class, now or when it appears; the per-flow
-//! meter shows it. (A writable `flow.<id>.class` knob would need the switch to write runtime variables.)
+//! A flow's class is a runtime knob, `<vars_prefix>.<id>.binding.class` (the switch hands its writes over by the
+//! whole name: `Edit::SetVar`); procedure `class` (argument `"<flow id> <class>"`) sets it too, also for a flow
+//! not seen yet.
 
 use crate::checksum;
 use crate::cidr::Words;
@@ -793,7 +794,7 @@ impl ModuleBuilder for BindingBuilder {
 
 fn flow_specs() -> Vec<VarSpec> {
     vec![
-        VarSpec::meter("class", ValueType::Str, "", "urgent, interactive or bulk"),
+        VarSpec::knob("class", ValueType::Str, "", "urgent, interactive or bulk; writable: sets the flow's class"),
         VarSpec::meter("interface", ValueType::Str, "", "interface the flow's last packet was bound to"),
         VarSpec::meter("queued", ValueType::U64, "frames", "packets of the flow waiting above the binding point"),
         VarSpec::meter("queue_delay_ns", ValueType::U64, "ns", "time the flow's last bound packet waited"),
@@ -1618,6 +1619,16 @@ impl Binding {
         self.next_publish = now + std::time::Duration::from_nanos(PUBLISH_NS);
     }
 
+    /// The flow key of a flow's runtime class knob (`<vars_prefix>.<id>.binding.class`, the switch hands runtime
+    /// knobs over by their whole name), if `knob` is one.
+    fn flow_class_knob(&self, knob: &str) -> Option<u64> {
+        let id = knob.strip_prefix(self.cfg.vars_prefix.as_str())?.strip_prefix('.')?.strip_suffix(".binding.class")?;
+        match id.strip_prefix('h') {
+            Some(hex) => u64::from_str_radix(hex, 16).ok().map(|k| k | HASHED),
+            None => id.parse::<u64>().ok().filter(|k| k & HASHED == 0),
+        }
+    }
+
     fn set_class(&mut self, key: u64, class: Class) -> Result<(), String> {
         let Some(&slot) = self.index.get(&key) else {
             if self.overrides.len() >= MAX_OVERRIDES && !self.overrides.contains_key(&key) {
@@ -1674,6 +1685,11 @@ impl Module for Binding {
 
     fn write_knob(&mut self, knob: &str, value: &Value) -> Result<(), String> {
         let bad = || format!("cannot set {knob} to {value}");
+        if let Some(key) = self.flow_class_knob(knob) {
+            let Value::Str(text) = value else { return Err(bad()) };
+            let class = Class::parse(text).ok_or_else(|| format!("{knob}: expected urgent, interactive or bulk"))?;
+            return self.set_class(key, class);
+        }
         match (knob, value) {
             ("policy", Value::Str(s)) => self.cfg.policy = Policy::parse(s).ok_or_else(bad)?,
             ("quantum", Value::U64(v)) if (MIN_QUANTUM..=MAX_QUANTUM).contains(v) => self.cfg.quantum = *v,

@@ -217,6 +217,31 @@ fn class_rules_metadata_and_overrides_decide_the_class() {
 }
 
 #[test]
+fn a_flows_class_knob_moves_it_like_the_procedure() {
+    let (mut sw, la, _) = stack(LATE_KIND, &[RATE_8M, "\"a.device_queue\"=1"]);
+    let set = |sw: &mut Switch, name: &str, class: &str| {
+        sw.apply(vec![flexstack_core::Edit::SetVar { name: name.into(), value: Value::Str(class.into()) }])
+    };
+    // Flow 7 (bulk) has three packets waiting behind the one in the device queue; flow 11 arrives, then its
+    // runtime knob makes it urgent: it goes next.
+    inject(&mut sw, ms(0), &(0..4).map(|i| udp(1000, 1000, 0, i)).collect::<Vec<_>>(), Some(7));
+    inject(&mut sw, us(100), &[udp(1003, 1000, 0, 300)], Some(11));
+    assert_eq!(set(&mut sw, "flow.11.binding.class", "urgent"), Ok(Vec::new()));
+    assert_eq!(var(&sw, "flow.11.binding.class"), Some(Value::Str("urgent".into())));
+    drain(&mut sw, ms(100));
+    let order: Vec<u32> = take(&la).iter().map(|s| port_index(&s.data).1).collect();
+    assert_eq!(order, [0, 300, 1, 2, 3]);
+    // A value the module refuses is a note, and changes nothing; a meter or an unknown name is refused whole.
+    let notes = set(&mut sw, "flow.11.binding.class", "fast").unwrap();
+    assert!(notes.iter().any(|n| n.contains("expected urgent, interactive or bulk")), "{notes:?}");
+    assert_eq!(var(&sw, "flow.11.binding.class"), Some(Value::Str("urgent".into())));
+    let e = set(&mut sw, "flow.11.binding.queued", "3").unwrap_err();
+    assert!(e.message.contains("meter"), "{e}");
+    let e = set(&mut sw, "flow.99.binding.class", "bulk").unwrap_err();
+    assert!(e.message.contains("no variable flow.99.binding.class"), "{e}");
+}
+
+#[test]
 fn deficit_round_robin_shares_bytes_within_one_packet() {
     // Three backlogged bulk flows with packets of 200, 700 and 1500 bytes on a 100 Mbit/s interface.
     let (mut sw, la, _) = stack(LATE_KIND, &["\"a.rate_bps\"=100000000", "queue_limit=100000", "quantum=500"]);

@@ -85,6 +85,60 @@ fn other_tables_exist(own: &str) -> bool {
     text.lines().filter_map(|l| l.split_whitespace().nth(2)).any(|t| t.starts_with("flexstack_") && t != own)
 }
 
+/// The tables in `names` (as `nft list tables` prints them: `table inet NAME`) that belong to flexstack daemons
+/// no longer running: `flexstack_<pid>` whose pid `live` says is not a running daemon, and not `own`.
+fn stale_tables<'a>(listing: &'a str, own: &str, live: impl Fn(u32) -> bool) -> Vec<&'a str> {
+    listing
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(2))
+        .filter(|t| *t != own)
+        .filter(|t| t.strip_prefix("flexstack_").and_then(|pid| pid.parse::<u32>().ok()).is_some_and(|pid| !live(pid)))
+        .collect()
+}
+
+/// True if process `pid` is a running flexstack daemon (its command line says so).
+fn is_live_daemon(pid: u32) -> bool {
+    std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| {
+        let args: Vec<&[u8]> = c.split(|b| *b == 0).collect();
+        args.first().is_some_and(|a| a.ends_with(b"flexstack")) && args.contains(&&b"daemon"[..])
+    })
+}
+
+/// The app namespaces among `names` (`fs-<daemon pid>-<app>`) whose daemon `live` says is gone.
+fn stale_namespaces(names: &[String], live: impl Fn(u32) -> bool) -> Vec<&str> {
+    names
+        .iter()
+        .filter(|n| {
+            n.strip_prefix("fs-")
+                .and_then(|rest| rest.split_once('-'))
+                .and_then(|(pid, _)| pid.parse::<u32>().ok())
+                .is_some_and(|pid| !live(pid))
+        })
+        .map(String::as_str)
+        .collect()
+}
+
+/// Removes what flexstack daemons that died without cleaning up (SIGKILL) left: their nftables tables and their
+/// apps' namespaces. The forwarding settings they saved stay saved, to be restored by the last daemon.
+fn remove_stale_leftovers(own: &str) {
+    let out = Command::new("nft").args(["list", "tables"]).output();
+    let listing = out.map(|o| String::from_utf8_lossy(&o.stdout).to_string()).unwrap_or_default();
+    for table in stale_tables(&listing, own, is_live_daemon) {
+        tracing::warn!(table, "removing the nftables table of a daemon that is gone");
+        let _ = Command::new("nft").args(["delete", "table", "inet", table]).status();
+    }
+    let names: Vec<String> = std::fs::read_dir("/run/netns")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+        .collect();
+    for netns in stale_namespaces(&names, is_live_daemon) {
+        tracing::warn!(netns, "removing the app namespace of a daemon that is gone");
+        delete_namespace(netns);
+    }
+}
+
 /// The sandboxes of one daemon.
 pub struct Sandboxes {
     subnet: [u8; 2],
@@ -334,13 +388,16 @@ impl Sandboxes {
 
     fn host_up(&self) -> Result<HostState, ApiError> {
         // Several daemons may run side by side: the host's original forwarding settings are saved once, by the
-        // first, and restored by the last (see host_down).
-        if !other_tables_exist("") {
+        // first, and restored by the last (see host_down). A daemon that was killed left its table and its saved
+        // settings: the table goes, the settings (the host's original ones) stay.
+        let own = format!("flexstack_{}", std::process::id());
+        remove_stale_leftovers(&own);
+        if !other_tables_exist("") && !std::path::Path::new(&saved_forwarding()).exists() {
             let read =
                 |p: &str| std::fs::read_to_string(p).map(|s| s.trim().to_string()).unwrap_or_else(|_| "0".into());
             let _ = std::fs::write(saved_forwarding(), format!("{} {}\n", read(FORWARD_V4), read(FORWARD_V6)));
         }
-        let saved = HostState { table: format!("flexstack_{}", std::process::id()) };
+        let saved = HostState { table: own };
         let [b0, b1] = self.subnet;
         nft(&format!(
             "table inet {t} {{\n  chain postrouting {{\n    type nat hook postrouting priority srcnat; policy accept;\n    \
@@ -355,5 +412,28 @@ impl Sandboxes {
 
     fn host_down(&self, h: &HostState) {
         remove_host_table(&h.table);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::stale_tables;
+
+    #[test]
+    fn tables_of_daemons_that_are_gone_are_stale() {
+        let listing = "table inet flexstack_100\ntable inet flexstack_200\ntable ip filter\n\
+                       table inet flexstack_300\ntable inet flexstack_x\ntable inet other_400\n";
+        let live = |pid: u32| pid == 200;
+        assert_eq!(stale_tables(listing, "flexstack_300", live), ["flexstack_100"]);
+        assert_eq!(stale_tables(listing, "", |_| true), Vec::<&str>::new());
+        assert_eq!(stale_tables("", "", |_| false), Vec::<&str>::new());
+    }
+
+    #[test]
+    fn app_namespaces_of_daemons_that_are_gone_are_stale() {
+        let names: Vec<String> = ["fs-100-app1", "fs-200-app2", "fs-lk300-x", "fs-100", "fl-lab.demo", "fs-abc-app"]
+            .map(String::from)
+            .into();
+        assert_eq!(super::stale_namespaces(&names, |pid| pid == 200), ["fs-100-app1"]);
     }
 }

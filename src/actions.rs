@@ -615,6 +615,17 @@ impl Control {
             // A knob a module registered at runtime (a flow's class): the module that owns it applies it. Not part
             // of the stack description, so no revision.
             let mut result = self.runtime_edit(vec![Edit::SetVar { name: name.to_string(), value: v.clone() }])?;
+            // The module refused the value (it checks more than the declared type): nothing changed.
+            let refused = format!("set {name}: ");
+            if let Some(note) = result["notes"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(Json::as_str)
+                .find(|n| n.starts_with(&refused))
+            {
+                return Err(ApiError::new(ErrorCode::InvalidValue, note.trim_start_matches("set ").to_string()));
+            }
             tracing::info!(user = who, knob = name, value = %v, "runtime knob written");
             result["value"] = json!(cell.get());
             return Ok(result);

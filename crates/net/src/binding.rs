@@ -140,6 +140,12 @@ const NEAR_FLOWS: usize = 2;
 const FAR_FLOWS: usize = 2;
 /// See [`PREFETCH_PACKETS`]: 32 cache lines at most (the start of a GSO super-frame).
 const PREFETCH_BYTES: usize = 2048;
+/// See [`PREFETCH_PACKETS`]: the next bindings are prefetched only while at least this many bytes wait above the
+/// binding point. A shallower backlog (a batch that is bound within the call that brought it, as when no rate is
+/// modelled) is in the caches still, having just been read and queued: the hints found it there, and issuing them
+/// (up to 40 per binding) was a third of the scheduler's time on that path (`perf annotate` of `settle` in the
+/// daemon during `scripts/bench-binding.sh`). One MiB: a core's L2 cache on the machines measured.
+const PREFETCH_MIN_BYTES: u64 = 1 << 20;
 /// A batch going down of at least this many packets is taken in passes (late binding): first every packet's flow
 /// is looked up and its state asked for ([`prefetch`]), then the link its queue's last packet has, then the packets
 /// are queued. At 10,000 flows these are reads at random in memory, known only when the packet arrives; in passes
@@ -1317,7 +1323,9 @@ impl Binding {
             self.note_binding(slot, k, now.0.saturating_sub(node.at.0));
             let q = Queued { pkt: node.pkt, hdr: node.hdr, at: node.at, flow: slot };
             self.bind(k, q, class, now, out);
-            self.prefetch_next(class);
+            if self.queued_bytes >= PREFETCH_MIN_BYTES {
+                self.prefetch_next(class);
+            }
         }
     }
 
@@ -1471,9 +1479,14 @@ impl Binding {
         if p.len() > info.total_len {
             p.make_mut().truncate(info.total_len);
         }
-        let len = p.len() as u64;
         let slot = if known != NIL { known } else { self.flow_for(&p, &info, out) };
-        let q = Queued { pkt: p, hdr: Hdr::of(&info), at: now, flow: slot };
+        self.admit(Queued { pkt: p, hdr: Hdr::of(&info), at: now, flow: slot }, now, out);
+    }
+
+    /// Queues a parsed packet of flow `q.flow` above the binding point (late) or in its interface's FIFO (early),
+    /// or drops it if the queues are full.
+    fn admit(&mut self, q: Queued, now: Time, out: &mut Output<'_>) {
+        let (len, slot) = (q.pkt.len() as u64, q.flow);
         match self.cfg.mode {
             Mode::Late => {
                 if self.queued >= self.cfg.queue_limit {
@@ -1529,6 +1542,66 @@ impl Binding {
         }
         self.queued += 1;
         self.queued_bytes += len;
+    }
+
+    /// Late binding: whether the batch `input` going down may be bound packet by packet as it is taken (see
+    /// [`Binding::bind_at_once`]) with exactly the result of queueing it all and then serving it by class and
+    /// deficit round robin: nothing waits above the binding point, the batch is one flow (a single packet, or
+    /// packets all carrying the same [`MetaKey::FLOW_ID`] from `classify`), so class priority and round robin have
+    /// nothing to order and serve it in arrival order; it fits under `queue_limit`; and every interface that is up
+    /// models no rate, has sent everything (`busy_until` not after `now`) and has room in its device queue, so a
+    /// packet bound there leaves at once, its device queue stays as it is, every packet of the batch finds room,
+    /// and the policy's choice does not depend on the packet's length (`fastest` sees every interface free now).
+    /// Then settling would bind every packet of the batch in arrival order to the same interfaces, leave the flow
+    /// empty with no deficit, and count the same meters; the node arena and the round robin lists are skipped.
+    fn binds_at_once(&self, input: &Batch, now: Time) -> bool {
+        if self.cfg.mode != Mode::Late || self.queued != 0 || input.is_empty() {
+            return false;
+        }
+        if input.len() as u64 > self.cfg.queue_limit {
+            return false;
+        }
+        let flow_id = |f: &Frame| match f {
+            Frame::Data(p) => p.meta().get(MetaKey::FLOW_ID).filter(|id| id & HASHED == 0),
+            Frame::Control(_) => None,
+        };
+        let one_flow = match input.as_slice() {
+            [Frame::Data(_)] => true,
+            [first, rest @ ..] => flow_id(first).is_some_and(|id| rest.iter().all(|f| flow_id(f) == Some(id))),
+            [] => false,
+        };
+        let mut up = self.ifaces.iter().filter(|i| i.cfg.up).peekable();
+        one_flow
+            && up.peek().is_some()
+            && up.all(|i| i.cfg.rate_bps == 0 && i.busy_until <= now && i.has_room() && i.fifo.is_empty())
+    }
+
+    /// Takes a packet going down of a batch [`Binding::binds_at_once`] accepted: parses it, notes its flow and
+    /// binds it now (what queueing it and settling would do, see there). Should the policy find no interface, it
+    /// is queued as [`Binding::enqueue`] would (the flow's later packets then find none either and queue behind).
+    fn bind_at_once(&mut self, mut p: Packet, now: Time, out: &mut Output<'_>) {
+        let info = match PacketInfo::parse(p.data()) {
+            Ok(i) => i,
+            Err(e) => {
+                self.drops.count(e);
+                out.drop_frame(p.into());
+                return;
+            }
+        };
+        if p.len() > info.total_len {
+            p.make_mut().truncate(info.total_len);
+        }
+        let slot = self.flow_for(&p, &info, out);
+        let q = Queued { pkt: p, hdr: Hdr::of(&info), at: now, flow: slot };
+        let target = if self.queued == 0 { self.target(slot, q.pkt.len() as u64, now) } else { None };
+        let (Some(k), Some(f)) = (target, self.flows.get_mut(slot)) else {
+            self.admit(q, now, out);
+            return;
+        };
+        f.last_seen = now;
+        let class = f.class;
+        self.note_binding(slot, k, 0);
+        self.bind(k, q, class, now, out);
     }
 
     /// Maps a packet coming up to the virtual address if it is addressed to one of the interfaces.
@@ -1655,6 +1728,21 @@ impl Module for Binding {
         let now = out.now();
         self.apply_downs(now, out);
         self.advance(now, out);
+        if port == IN_DOWN && self.binds_at_once(input, now) {
+            for f in input.drain(..) {
+                match f {
+                    Frame::Data(p) => self.bind_at_once(p, now, out),
+                    f @ Frame::Control(_) => {
+                        self.drops.not_packet();
+                        out.drop_frame(f);
+                    }
+                }
+            }
+            if let Some(t) = self.settle(now, out) {
+                out.wake_at(t);
+            }
+            return;
+        }
         let mut slots = std::mem::take(&mut self.arrivals);
         slots.clear();
         if port == IN_DOWN && self.cfg.mode == Mode::Late && input.len() >= ARRIVAL_PREFETCH_MIN {

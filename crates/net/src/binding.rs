@@ -786,6 +786,7 @@ impl ModuleBuilder for BindingBuilder {
             nodes: Nodes::default(),
             dirty: Vec::new(),
             arrivals: Vec::new(),
+            held: Vec::new(),
             next_publish: Time::ZERO,
             active: Default::default(),
             overrides: FlowMap::default(),
@@ -855,6 +856,15 @@ struct Queued {
     hdr: Hdr,
     at: Time,
     flow: u32,
+}
+
+/// A packet of a batch being bound whole ([`Binding::bind_batch`]): taken when bound; `next` is the flow's next
+/// packet in the batch ([`NIL`]: none).
+struct Held {
+    pkt: Option<Packet>,
+    hdr: Hdr,
+    len: u32,
+    next: u32,
 }
 
 /// A packet in a modelled device queue: emitted at `start` (`pkt` is taken then), gone at `end`.
@@ -1049,6 +1059,8 @@ pub struct Binding {
     dirty: Vec<u32>,
     /// The flow slots [`Binding::prefetch_arrivals`] found for the batch being taken (kept for its capacity).
     arrivals: Vec<u32>,
+    /// The batch [`Binding::bind_batch`] is binding (kept for its capacity).
+    held: Vec<Held>,
     next_publish: Time,
     /// Per class, the flows with packets queued, in deficit-round-robin order.
     active: [VecDeque<u32>; 3],
@@ -1544,64 +1556,117 @@ impl Binding {
         self.queued_bytes += len;
     }
 
-    /// Late binding: whether the batch `input` going down may be bound packet by packet as it is taken (see
-    /// [`Binding::bind_at_once`]) with exactly the result of queueing it all and then serving it by class and
-    /// deficit round robin: nothing waits above the binding point, the batch is one flow (a single packet, or
-    /// packets all carrying the same [`MetaKey::FLOW_ID`] from `classify`), so class priority and round robin have
-    /// nothing to order and serve it in arrival order; it fits under `queue_limit`; and every interface that is up
-    /// models no rate, has sent everything (`busy_until` not after `now`) and has room in its device queue, so a
-    /// packet bound there leaves at once, its device queue stays as it is, every packet of the batch finds room,
-    /// and the policy's choice does not depend on the packet's length (`fastest` sees every interface free now).
-    /// Then settling would bind every packet of the batch in arrival order to the same interfaces, leave the flow
-    /// empty with no deficit, and count the same meters; the node arena and the round robin lists are skipped.
+    /// Late binding: whether the batch `input` going down will be bound whole within this call, so that
+    /// [`Binding::bind_batch`] may take it without the queue structures, with exactly the result of queueing it
+    /// ([`Binding::enqueue`]) and settling ([`Binding::fill_late`]): nothing waits above the binding point (every
+    /// flow is empty, inactive, with no deficit); the batch fits under `queue_limit` (none of it is dropped as
+    /// full); and every interface that is up models no rate, has sent everything (`busy_until` not after `now`)
+    /// and has room in its device queue. Then a packet bound there leaves at once and its device queue stays as it
+    /// is, so every interface keeps its room through the batch, no flow is ever passed over as blocked, and the
+    /// policy's choice does not depend on the packet's length (`fastest` sees every interface free now): the order
+    /// of service is the one class priority and deficit round robin give the batch by themselves.
     fn binds_at_once(&self, input: &Batch, now: Time) -> bool {
         if self.cfg.mode != Mode::Late || self.queued != 0 || input.is_empty() {
             return false;
         }
-        if input.len() as u64 > self.cfg.queue_limit {
+        if input.len() as u64 > self.cfg.queue_limit || self.active.iter().any(|a| !a.is_empty()) {
             return false;
         }
-        let flow_id = |f: &Frame| match f {
-            Frame::Data(p) => p.meta().get(MetaKey::FLOW_ID).filter(|id| id & HASHED == 0),
-            Frame::Control(_) => None,
-        };
-        let one_flow = match input.as_slice() {
-            [Frame::Data(_)] => true,
-            [first, rest @ ..] => flow_id(first).is_some_and(|id| rest.iter().all(|f| flow_id(f) == Some(id))),
-            [] => false,
-        };
         let mut up = self.ifaces.iter().filter(|i| i.cfg.up).peekable();
-        one_flow
-            && up.peek().is_some()
+        up.peek().is_some()
             && up.all(|i| i.cfg.rate_bps == 0 && i.busy_until <= now && i.has_room() && i.fifo.is_empty())
     }
 
-    /// Takes a packet going down of a batch [`Binding::binds_at_once`] accepted: parses it, notes its flow and
-    /// binds it now (what queueing it and settling would do, see there). Should the policy find no interface, it
-    /// is queued as [`Binding::enqueue`] would (the flow's later packets then find none either and queue behind).
-    fn bind_at_once(&mut self, mut p: Packet, now: Time, out: &mut Output<'_>) {
-        let info = match PacketInfo::parse(p.data()) {
-            Ok(i) => i,
-            Err(e) => {
-                self.drops.count(e);
-                out.drop_frame(p.into());
-                return;
+    /// Late binding: takes a batch going down that [`Binding::binds_at_once`] accepted and binds all of it, in
+    /// two passes. First each packet is parsed (or dropped as [`Binding::enqueue`] would), its flow found or made,
+    /// and linked behind the flow's previous packet of the batch in [`Binding::held`] (the flow's `head` and `tail`
+    /// index that batch while it runs, instead of the node arena; the flow becomes active in its class, as when
+    /// queued). Then the classes are served in priority order by deficit round robin, as [`Binding::select`] does
+    /// when no flow is blocked (the quantum added to a flow whose deficit does not cover its head packet, then the
+    /// next flow), each packet bound as [`Binding::fill_late`] binds it. Every flow of the batch ends empty and
+    /// inactive with no deficit, as after settling. The node arena, the per-packet queue accounting, the
+    /// interface checks per visit and the prefetching for deep backlogs are skipped: the batch was just read and
+    /// is in the caches.
+    fn bind_batch(&mut self, input: &mut Batch, now: Time, out: &mut Output<'_>) {
+        let mut held = std::mem::take(&mut self.held);
+        held.clear();
+        for frame in input.drain(..) {
+            let mut p = match frame {
+                Frame::Data(p) => p,
+                f @ Frame::Control(_) => {
+                    self.drops.not_packet();
+                    out.drop_frame(f);
+                    continue;
+                }
+            };
+            let info = match PacketInfo::parse(p.data()) {
+                Ok(i) => i,
+                Err(e) => {
+                    self.drops.count(e);
+                    out.drop_frame(p.into());
+                    continue;
+                }
+            };
+            if p.len() > info.total_len {
+                p.make_mut().truncate(info.total_len);
             }
-        };
-        if p.len() > info.total_len {
-            p.make_mut().truncate(info.total_len);
+            let slot = self.flow_for(&p, &info, out);
+            // An IP packet is at most 65,575 bytes, and a batch far fewer than 2^32 packets.
+            let (len, at) = (p.len() as u32, held.len() as u32);
+            held.push(Held { pkt: Some(p), hdr: Hdr::of(&info), len, next: NIL });
+            let Some(f) = self.flows.get_mut(slot) else { continue };
+            match f.tail {
+                NIL => {
+                    f.head = at;
+                    f.head_len = len;
+                }
+                tail => held[tail as usize].next = at,
+            }
+            f.tail = at;
+            f.last_seen = now;
+            mark_dirty(&mut self.dirty, f, slot);
+            if !f.active {
+                f.active = true;
+                self.active[f.class as usize].push_back(slot);
+            }
         }
-        let slot = self.flow_for(&p, &info, out);
-        let q = Queued { pkt: p, hdr: Hdr::of(&info), at: now, flow: slot };
-        let target = if self.queued == 0 { self.target(slot, q.pkt.len() as u64, now) } else { None };
-        let (Some(k), Some(f)) = (target, self.flows.get_mut(slot)) else {
-            self.admit(q, now, out);
-            return;
-        };
-        f.last_seen = now;
-        let class = f.class;
-        self.note_binding(slot, k, 0);
-        self.bind(k, q, class, now, out);
+        for class in Class::ALL {
+            let c = class as usize;
+            while let Some(&slot) = self.active[c].front() {
+                let Some(f) = self.flows.get_mut(slot) else { break };
+                let len = u64::from(f.head_len);
+                if f.deficit < len {
+                    f.deficit += self.cfg.quantum;
+                    self.active[c].rotate_left(1);
+                    continue;
+                }
+                let at = f.head as usize;
+                let Some(h) = held.get_mut(at) else { break };
+                let (next, hdr, pkt) = (h.next, h.hdr, h.pkt.take());
+                f.deficit -= len;
+                f.head = next;
+                if next == NIL {
+                    f.tail = NIL;
+                    f.deficit = 0;
+                    f.active = false;
+                    self.active[c].pop_front();
+                } else {
+                    f.head_len = held.get(next as usize).map_or(0, |n| n.len);
+                }
+                let Some(pkt) = pkt else { continue };
+                let q = Queued { pkt, hdr, at: now, flow: slot };
+                match self.target(slot, len, now) {
+                    Some(k) => {
+                        self.note_binding(slot, k, 0);
+                        self.bind(k, q, class, now, out);
+                    }
+                    // Not while an interface is up (every policy then finds one), which binds_at_once checked;
+                    // should it happen, the packet waits above the binding point as it would have.
+                    None => self.admit(q, now, out),
+                }
+            }
+        }
+        self.held = held;
     }
 
     /// Maps a packet coming up to the virtual address if it is addressed to one of the interfaces.
@@ -1729,15 +1794,7 @@ impl Module for Binding {
         self.apply_downs(now, out);
         self.advance(now, out);
         if port == IN_DOWN && self.binds_at_once(input, now) {
-            for f in input.drain(..) {
-                match f {
-                    Frame::Data(p) => self.bind_at_once(p, now, out),
-                    f @ Frame::Control(_) => {
-                        self.drops.not_packet();
-                        out.drop_frame(f);
-                    }
-                }
-            }
+            self.bind_batch(input, now, out);
             if let Some(t) = self.settle(now, out) {
                 out.wake_at(t);
             }

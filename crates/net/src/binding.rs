@@ -6,7 +6,10 @@
 //! (coming up), [`Module::poll`] when a modelled transmission starts or ends (the module asks with
 //! [`Output::wake_at`]), and [`Module::write_knob`] between batches. Every call first applies pending interface
 //! downs, then advances the modelled device queues to `now` (emitting packets whose transmission starts), then
-//! fills the device queues that have room. Nothing reads a clock: time is [`Output::now`].
+//! fills the device queues that have room. Nothing reads a clock: time is [`Output::now`]. A batch going down that
+//! will be bound whole within the call (nothing queued, every interface that is up unmodelled and with room) is
+//! served by class and deficit round robin over the batch itself, with the same result and without the queues
+//! (`Binding::bind_batch`; docs/binding.md, "Cost").
 //!
 //! - **Above the binding point** (`late-binding` only): interface-independent per-flow queues. The flow is the
 //!   packet's [`MetaKey::FLOW_ID`] (set by `classify`), or a hash of its 5-tuple. At most `queue_limit` packets

@@ -1480,20 +1480,27 @@ impl Binding {
         }
     }
 
-    /// Takes a packet going down; `known` is its flow's slot if [`Binding::prefetch_arrivals`] found it, else
-    /// [`NIL`].
-    fn enqueue(&mut self, mut p: Packet, known: u32, now: Time, out: &mut Output<'_>) {
+    /// Parses a packet going down: its headers, and the packet cut to the length its IP header gives; one that
+    /// does not parse is counted by reason and dropped (`None`).
+    fn parse_down(&mut self, mut p: Packet, out: &mut Output<'_>) -> Option<(Packet, PacketInfo)> {
         let info = match PacketInfo::parse(p.data()) {
             Ok(i) => i,
             Err(e) => {
                 self.drops.count(e);
                 out.drop_frame(p.into());
-                return;
+                return None;
             }
         };
         if p.len() > info.total_len {
             p.make_mut().truncate(info.total_len);
         }
+        Some((p, info))
+    }
+
+    /// Takes a packet going down; `known` is its flow's slot if [`Binding::prefetch_arrivals`] found it, else
+    /// [`NIL`].
+    fn enqueue(&mut self, p: Packet, known: u32, now: Time, out: &mut Output<'_>) {
+        let Some((p, info)) = self.parse_down(p, out) else { return };
         let slot = if known != NIL { known } else { self.flow_for(&p, &info, out) };
         self.admit(Queued { pkt: p, hdr: Hdr::of(&info), at: now, flow: slot }, now, out);
     }
@@ -1594,7 +1601,7 @@ impl Binding {
         let mut held = std::mem::take(&mut self.held);
         held.clear();
         for frame in input.drain(..) {
-            let mut p = match frame {
+            let p = match frame {
                 Frame::Data(p) => p,
                 f @ Frame::Control(_) => {
                     self.drops.not_packet();
@@ -1602,17 +1609,7 @@ impl Binding {
                     continue;
                 }
             };
-            let info = match PacketInfo::parse(p.data()) {
-                Ok(i) => i,
-                Err(e) => {
-                    self.drops.count(e);
-                    out.drop_frame(p.into());
-                    continue;
-                }
-            };
-            if p.len() > info.total_len {
-                p.make_mut().truncate(info.total_len);
-            }
+            let Some((p, info)) = self.parse_down(p, out) else { continue };
             let slot = self.flow_for(&p, &info, out);
             // An IP packet is at most 65,575 bytes, and a batch far fewer than 2^32 packets.
             let (len, at) = (p.len() as u32, held.len() as u32);

@@ -1,7 +1,7 @@
 //! One action function per control operation. The socket server calls them for every client; the CLI reaches
 //! them only through the socket, so the CLI and the API cannot drift apart.
 //!
-//! Changes to the stack go through [`Control::edit`]: edits are validated and committed by the data plane between
+//! Changes to the stack go through `Control::edit`: edits are validated and committed by the data plane between
 //! batches, and each accepted change is recorded as a numbered [`Revision`] holding the whole stack description.
 
 use crate::appvars::AppVars;

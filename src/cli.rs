@@ -134,7 +134,7 @@ pub enum LabCmd {
     Run {
         /// The lab file (TOML).
         file: PathBuf,
-        /// The results folder (default: results/<lab>-<UTC time>).
+        /// The results folder (default: `results/<lab>-<UTC time>`).
         #[arg(long)]
         results: Option<PathBuf>,
         /// No progress lines.
@@ -145,7 +145,7 @@ pub enum LabCmd {
     Up {
         /// The lab file (TOML).
         file: PathBuf,
-        /// The results folder (default: results/<lab>-<UTC time>).
+        /// The results folder (default: `results/<lab>-<UTC time>`).
         #[arg(long)]
         results: Option<PathBuf>,
     },

@@ -136,7 +136,7 @@ pub fn drop_unneeded() -> Result<Dropped, String> {
     Ok(done)
 }
 
-/// Capability names as the kernel spells them (`CAP_NET_ADMIN`), in [`ordered`] order.
+/// Capability names as the kernel spells them (`CAP_NET_ADMIN`), in number order, CAP_SETPCAP last.
 pub fn names(caps: &[Capability]) -> Vec<String> {
     caps.iter().map(|c| c.to_string()).collect()
 }

@@ -8,7 +8,7 @@
 //! - two TUN devices (`fsa…` moved into the namespace, `fsh…` in the host) and routes to the app's subnet via the
 //!   host device;
 //! - `net.ipv4.ip_forward` and `net.ipv6.conf.all.forwarding` set to 1; the values before are kept in
-//!   /run/flexstack-forwarding-<netns inode>.saved and restored when the last daemon with apps removes its table;
+//!   `/run/flexstack-forwarding-<netns inode>.saved` and restored when the last daemon with apps removes its table;
 //! - an nftables table `inet flexstack_<daemon pid>` masquerading the apps' subnets on the way out.
 //!
 //! Addresses: app number n gets 10.B.n.2/24 and fd77:B:n::2/64 (B from `--app-subnet`, default 10.77.0.0/16),

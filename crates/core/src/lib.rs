@@ -1,17 +1,17 @@
 //! flexstack-core: the sans-IO heart of flexstack.
 //!
 //! - [`frame`]: data and control frames over pooled, reference-counted packet buffers.
-//! - [`module`]: the [`Module`](module::Module) trait, module kinds and builders, the [`Output`](module::Output) a
-//!   module emits into, and the [`Catalog`](module::Catalog) of kinds.
-//! - [`switch`]: the [`Switch`](switch::Switch), which validates and commits [`Edit`](switch::Edit)s, compiles the
+//! - [`module`]: the [`Module`] trait, module kinds and builders, the [`Output`] a
+//!   module emits into, and the [`Catalog`] of kinds.
+//! - [`switch`]: the [`Switch`], which validates and commits [`Edit`]s, compiles the
 //!   linking table and moves batches of frames between modules by direct calls.
-//! - [`vars`]: meters and knobs, their cells, and the [`Registry`](vars::Registry) of dotted names.
+//! - [`vars`]: meters and knobs, their cells, and the [`Registry`] of dotted names.
 //! - [`config`]: stack descriptions in TOML, module settings, link syntax, errors with file:line.
 //! - [`time`] and [`value`]: the caller's clock and typed values.
 //! - [`testing`]: a recording module for modules' tests.
 //!
 //! Nothing here reads a clock, opens a file or a socket, or spawns a thread: the daemon (the `flexstack` crate)
-//! drives a [`Switch`](switch::Switch) from its data-plane thread, and tests drive it with a simulated clock.
+//! drives a [`Switch`] from its data-plane thread, and tests drive it with a simulated clock.
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 

@@ -35,7 +35,7 @@ pub fn namespace_prefix() -> &'static str {
     "fl-lab."
 }
 
-/// Most links a lab may have (each takes a /24 of 10.0.0.0/8 below [`STACKED_APP_SUBNET`]).
+/// Most links a lab may have (each takes a /24 of 10.0.0.0/8 below the stacked hosts' app subnets, [`stacked_app_subnet`]).
 pub const MAX_LINKS: usize = 250 * 256;
 
 /// Most stacked hosts a lab may have: stacked host number k (file order, from 0) gives its sandboxed apps the /16

@@ -22,7 +22,7 @@
 //!   (10000), `other_timeout_ms` (30000).
 //! - Meters: `flows_active`, `flows_created_total`, `flows_expired_total`, `flows_untracked_total`,
 //!   `fragments_untracked_total`, and drops: `drop_<reason>_total` for packets that do not parse (reasons of
-//!   [`ParseError`]) and `drop_not_packet_total` for control frames arriving on `in`. Per-port frame counts are the
+//!   [`ParseError`](crate::packet::ParseError)) and `drop_not_packet_total` for control frames arriving on `in`. Per-port frame counts are the
 //!   switch's.
 //!
 //! On `module replace` with state kept, the new classifier continues the old one's flows (ids, meters, timers)

@@ -27,7 +27,7 @@
 //!   Errors quote the packet as it arrived.
 //! - Meters: `packets_total`, `bytes_total` (every data frame received, before any drop), `drop_<reason>_total`
 //!   for the parse errors (`truncated`, `bad_version`, `bad_header_length`, `bad_total_length`, `bad_checksum`,
-//!   `bad_extension_header`, `truncated_transport`, see [`ParseError`]) and for `ttl_exceeded`, `too_big`,
+//!   `bad_extension_header`, `truncated_transport`, see [`ParseError`](crate::packet::ParseError)) and for `ttl_exceeded`, `too_big`,
 //!   `bad_l4_checksum`; `icmp_errors_total` (errors emitted on `icmp`), `icmp_errors_limited_total`,
 //!   `fragments_made_total` (fragments emitted), `packets_fragmented_total` (packets cut into them).
 //!

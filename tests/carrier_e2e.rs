@@ -6,17 +6,7 @@
 
 mod common;
 
-use common::{privileged, sh, unique, Daemon, Netns};
-use std::process::Command;
-
-/// Deletes the veth pair (both ends) when dropped.
-struct VethGuard(String);
-
-impl Drop for VethGuard {
-    fn drop(&mut self) {
-        let _ = Command::new("ip").args(["link", "del", &self.0]).status();
-    }
-}
+use common::{privileged, sh, unique, Daemon, LinkGuard, Netns};
 
 fn stack(interface: &str) -> String {
     format!(
@@ -33,7 +23,7 @@ fn a_face_sees_its_carrier_go_and_come_back() {
     let peer_ns = Netns::new("cr");
     let (owned, peer) = (unique("co"), unique("cp"));
     sh("ip", &["link", "add", &owned, "type", "veth", "peer", "name", &peer]);
-    let _veth = VethGuard(owned.clone());
+    let _veth = LinkGuard(owned.clone());
     peer_ns.adopt(&peer, &[]);
     sh("ip", &["link", "set", &owned, "up"]);
 

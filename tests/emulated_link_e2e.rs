@@ -13,7 +13,7 @@
 
 mod common;
 
-use common::{privileged, sh, text, unique, Daemon, Netns};
+use common::{privileged, sh, text, unique, Daemon, LinkGuard, Netns};
 use serde_json::Value as Json;
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
@@ -105,15 +105,6 @@ kind = "emulator"
         } else {
             (rtts[n / 2 - 1] + rtts[n / 2]) / 2.0
         }
-    }
-}
-
-/// Deletes a veth pair on drop.
-struct LinkGuard(String);
-
-impl Drop for LinkGuard {
-    fn drop(&mut self) {
-        let _ = Command::new("ip").args(["link", "del", &self.0]).status();
     }
 }
 

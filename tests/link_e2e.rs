@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{octets, privileged, sh, text, unique, Netns, SandboxDaemon};
+use common::{octets, privileged, sh, text, unique, LinkGuard, Netns, SandboxDaemon};
 use serde_json::Value as Json;
 use std::time::Duration;
 
@@ -161,13 +161,4 @@ fn apps_reach_a_server_over_a_link_face_with_flexstack_arp_ndp_and_nat() {
     assert!(out.status.success(), "{}", text(&out));
     assert_eq!(String::from_utf8_lossy(&out.stdout).split_whitespace().next(), Some(want.trim()), "intact under fire");
     assert!(d.cli(&["status"]).status.success(), "the daemon survived");
-}
-
-/// Deletes the veth pair on drop.
-struct LinkGuard(String);
-
-impl Drop for LinkGuard {
-    fn drop(&mut self) {
-        let _ = std::process::Command::new("ip").args(["link", "del", &self.0]).status();
-    }
 }

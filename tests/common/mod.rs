@@ -503,3 +503,12 @@ impl Drop for LabScratch {
         }
     }
 }
+
+/// An interface deleted when dropped (for a veth pair: both ends), pass or fail.
+pub struct LinkGuard(pub String);
+
+impl Drop for LinkGuard {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["link", "del", &self.0]).status();
+    }
+}

@@ -78,11 +78,25 @@ pub fn remove_host_table(table: &str) {
     }
 }
 
+/// What `nft list tables` prints (`table inet NAME` per line); empty if nft fails.
+fn nft_tables() -> String {
+    let out = Command::new("nft").args(["list", "tables"]).output();
+    out.map(|o| String::from_utf8_lossy(&o.stdout).to_string()).unwrap_or_default()
+}
+
+/// The network namespaces named in /run/netns.
+pub fn namespace_names() -> Vec<String> {
+    std::fs::read_dir("/run/netns")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+        .collect()
+}
+
 /// True if an nftables table of another flexstack daemon (not `own`) exists.
 fn other_tables_exist(own: &str) -> bool {
-    let out = Command::new("nft").args(["list", "tables"]).output();
-    let text = out.map(|o| String::from_utf8_lossy(&o.stdout).to_string()).unwrap_or_default();
-    text.lines().filter_map(|l| l.split_whitespace().nth(2)).any(|t| t.starts_with("flexstack_") && t != own)
+    nft_tables().lines().filter_map(|l| l.split_whitespace().nth(2)).any(|t| t.starts_with("flexstack_") && t != own)
 }
 
 /// The tables in `names` (as `nft list tables` prints them: `table inet NAME`) that belong to flexstack daemons
@@ -121,18 +135,12 @@ fn stale_namespaces(names: &[String], live: impl Fn(u32) -> bool) -> Vec<&str> {
 /// Removes what flexstack daemons that died without cleaning up (SIGKILL) left: their nftables tables and their
 /// apps' namespaces. The forwarding settings they saved stay saved, to be restored by the last daemon.
 fn remove_stale_leftovers(own: &str) {
-    let out = Command::new("nft").args(["list", "tables"]).output();
-    let listing = out.map(|o| String::from_utf8_lossy(&o.stdout).to_string()).unwrap_or_default();
+    let listing = nft_tables();
     for table in stale_tables(&listing, own, is_live_daemon) {
         tracing::warn!(table, "removing the nftables table of a daemon that is gone");
         let _ = Command::new("nft").args(["delete", "table", "inet", table]).status();
     }
-    let names: Vec<String> = std::fs::read_dir("/run/netns")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| e.file_name().into_string().ok())
-        .collect();
+    let names = namespace_names();
     for netns in stale_namespaces(&names, is_live_daemon) {
         tracing::warn!(netns, "removing the app namespace of a daemon that is gone");
         delete_namespace(netns);

@@ -367,13 +367,7 @@ fn daemon_pid(state_dir: &Path) -> Option<u32> {
 /// The namespaces of sandboxed apps of the daemon with `pid` (`fs-<pid>-<app>`).
 fn app_namespaces(pid: u32) -> Vec<String> {
     let prefix = format!("fs-{pid}-");
-    std::fs::read_dir("/run/netns")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| e.file_name().into_string().ok())
-        .filter(|n| n.starts_with(&prefix))
-        .collect()
+    crate::sandbox::namespace_names().into_iter().filter(|n| n.starts_with(&prefix)).collect()
 }
 
 fn remove_netns(netns: &str) {

@@ -154,20 +154,21 @@ fn link_knobs(state: &LabState, link: &str, params: &LinkParams) -> Vec<(String,
 /// their carrier and get it back (the hosts' kernels and stacked hosts' link faces see it).
 pub fn link_up(state: &LabState, link: &str, up: bool) -> Result<(), CliError> {
     let l = state.links.iter().find(|l| l.name == link).ok_or_else(|| msg(format!("no link {link}")))?;
-    // Down: the emulators first, so that nothing passes while the carrier goes; up: the carrier first.
-    let updown = if up { "up" } else { "down" };
-    if up {
+    let carrier = || -> Result<(), CliError> {
         for end in &l.wire_ends {
-            sh(&["ip", "-n", &state.wire_netns, "link", "set", end, updown])?;
+            sh(&["ip", "-n", &state.wire_netns, "link", "set", end, if up { "up" } else { "down" }])?;
         }
+        Ok(())
+    };
+    // Down: the emulators first, so that nothing passes while the carrier goes; up: the carrier first.
+    if up {
+        carrier()?;
     }
     for e in [&l.emulator_ab, &l.emulator_ba] {
         set_knob(&state.wire_dir, &format!("module.{e}.up"), Json::Bool(up))?;
     }
     if !up {
-        for end in &l.wire_ends {
-            sh(&["ip", "-n", &state.wire_netns, "link", "set", end, updown])?;
-        }
+        carrier()?;
     }
     Ok(())
 }

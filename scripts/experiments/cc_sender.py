@@ -33,6 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "..", "..", "clients", "python")]
 from flexstack_app import App, Refused  # noqa: E402
 from tcp_bulk import U32_FIELDS  # noqa: E402
+from tcpcc import set_congestion_control  # noqa: E402
 
 ALGORITHMS = ("reno", "cubic", "bbr")
 
@@ -75,7 +76,10 @@ def main():
     args = ap.parse_args()
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, args.cc.encode())
+    try:
+        set_congestion_control(sock, args.cc)
+    except OSError as e:
+        sys.exit("cc_sender: %s" % e.strerror)
     out = sys.stdout
     out.write("kind,mono_s,cc,bytes_sent,bytes_retrans,bytes_acked,retrans_pct,loss_pct,rtt_us,cwnd\n")
     lock = threading.Lock()  # the knob callback and the sampler both write `out`
@@ -84,9 +88,9 @@ def main():
         if value not in ALGORITHMS:
             raise Refused("unknown congestion control %r: expected one of %s" % (value, ", ".join(ALGORITHMS)))
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, value.encode())
+            set_congestion_control(sock, value)
         except OSError as e:
-            raise Refused("setsockopt(TCP_CONGESTION, %s): %s" % (value, e))
+            raise Refused(e.strerror)
         with lock:
             out.write("switch,%.6f,%s,,,,,,,\n" % (time.monotonic(), value))
             out.flush()

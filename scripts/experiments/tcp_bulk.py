@@ -14,6 +14,8 @@ import sys
 import threading
 import time
 
+from tcpcc import set_congestion_control
+
 # struct tcp_info (linux/tcp.h): 8 one-byte fields, then 32-bit fields in this order.
 U32_FIELDS = ["rto", "ato", "snd_mss", "rcv_mss", "unacked", "sacked", "lost", "retrans", "fackets",
               "last_data_sent", "last_ack_sent", "last_data_recv", "last_ack_recv", "pmtu", "rcv_ssthresh",
@@ -38,7 +40,10 @@ def main():
     args = ap.parse_args()
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, args.cc.encode())
+    try:
+        set_congestion_control(sock, args.cc)
+    except OSError as e:
+        sys.exit("tcp_bulk: %s" % e.strerror)
     if args.sndbuf:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, args.sndbuf)
     for attempt in range(50):

@@ -127,12 +127,23 @@ fn status_text(s: std::process::ExitStatus) -> String {
     }
 }
 
+/// Says on stderr that a results file could not be written (the lab goes on: its other results still count).
+fn warn_unwritten(path: &Path, e: &std::io::Error) {
+    eprintln!("lab: cannot write {}: {e} (this result is missing or incomplete)", path.display());
+}
+
 /// Writes `.status` and, when stdout is JSON, `.json`.
 fn finish_program(r: &Running, status: &str) {
-    let _ = std::fs::write(r.stem.with_extension("status"), format!("{status}\n"));
+    let path = r.stem.with_extension("status");
+    if let Err(e) = std::fs::write(&path, format!("{status}\n")) {
+        warn_unwritten(&path, &e);
+    }
     if let Ok(text) = std::fs::read_to_string(r.stem.with_extension("out")) {
         if let Ok(json) = serde_json::from_str::<Json>(&text) {
-            let _ = std::fs::write(r.stem.with_extension("json"), serde_json::to_string_pretty(&json).unwrap_or(text));
+            let path = r.stem.with_extension("json");
+            if let Err(e) = std::fs::write(&path, serde_json::to_string_pretty(&json).unwrap_or(text)) {
+                warn_unwritten(&path, &e);
+            }
         }
     }
 }
@@ -318,7 +329,16 @@ fn sampler(state: LabState, patterns: Vec<String>, every: Duration, start: Insta
         eprintln!("lab {}: cannot write {}", state.name, path.display());
         return;
     };
-    let _ = writeln!(out, "time_s,name,value");
+    // The first failed write is reported; sampling goes on (a full disk may free up).
+    let mut failed = false;
+    let mut check = |r: std::io::Result<()>| {
+        if let Err(e) = r {
+            if !std::mem::replace(&mut failed, true) {
+                warn_unwritten(&path, &e);
+            }
+        }
+    };
+    check(writeln!(out, "time_s,name,value"));
     let mut sources: Vec<(PathBuf, Option<String>)> = vec![(state.wire_dir.clone(), None)];
     sources.extend(state.hosts.iter().filter_map(|h| h.daemon_dir.clone().map(|d| (d, Some(h.name.clone())))));
     let mut clients: Vec<Option<Client>> = sources.iter().map(|_| None).collect();
@@ -355,9 +375,9 @@ fn sampler(state: LabState, patterns: Vec<String>, every: Duration, start: Insta
         }
         rows.sort();
         for (name, value) in rows {
-            let _ = writeln!(out, "{t:.3},{name},{value}");
+            check(writeln!(out, "{t:.3},{name},{value}"));
         }
-        let _ = out.flush();
+        check(out.flush());
         next += every;
     }
 }
@@ -432,7 +452,9 @@ pub fn run(state: &LabState, lab: &Lab, opts: &RunOptions, interrupted: &AtomicB
     let record = |timeline: &mut std::fs::File, planned: Option<Duration>, text: &str| {
         let t = start.elapsed().as_secs_f64();
         let planned = planned.map_or(String::new(), |p| format!("{:.3}", p.as_secs_f64()));
-        let _ = writeln!(timeline, "{t:.3},{planned},{}", csv_field(text));
+        if let Err(e) = writeln!(timeline, "{t:.3},{planned},{}", csv_field(text)) {
+            warn_unwritten(&timeline_path, &e);
+        }
     };
     loop {
         if interrupted.load(Ordering::SeqCst) {

@@ -26,7 +26,7 @@ trap cleanup EXIT INT TERM
 ip netns add ${tag}a; ip netns add ${tag}b
 ip -n ${tag}a link set lo up; ip -n ${tag}b link set lo up
 
-median() { sort -n | awk '{a[NR]=$1} END {print (NR%2) ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2}'; }
+. scripts/lib/bench.sh   # median
 measure() { # $1 = server address; prints Gbit/s of each run, one per line
   ip netns exec ${tag}b iperf3 -s -D -p 5299 -I "$state/iperf.pid" >/dev/null
   sleep 0.3

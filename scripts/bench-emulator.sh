@@ -74,7 +74,7 @@ for ns in "$h1" "$h2"; do
   ip netns exec "$ns" sysctl -qw net.ipv4.tcp_rmem="4096 131072 67108864" net.ipv4.tcp_wmem="4096 16384 67108864"
 done
 
-median() { sort -g | awk '{a[NR]=$1} END {print (NR%2) ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2}'; }
+. scripts/lib/bench.sh   # median
 gbps() { python3 -c 'import json,sys; print(json.load(sys.stdin)["end"]["sum_received"]["bits_per_second"]/1e9)'; }
 retransmits() { python3 -c 'import json,sys; print(json.load(sys.stdin)["end"]["sum_sent"].get("retransmits", 0))'; }
 one_run() { # $1 = server address, $2 = a tag; one iperf3 run to the server on port 5299 of h2: prints its Gbit/s;

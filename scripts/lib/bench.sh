@@ -1,0 +1,4 @@
+# Shell helpers shared by the benchmark scripts (scripts/bench-*.sh source this file).
+
+# Prints the median of the numbers on stdin, one a line (the mean of the middle two for an even count).
+median() { sort -g | awk '{a[NR]=$1} END {print (NR%2) ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2}'; }

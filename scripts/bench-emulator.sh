@@ -10,7 +10,9 @@
 # Part 1, cost: iperf3 TCP h1 -> h2, SECS seconds, RUNS rounds, each of one run (a) over a plain veth pair between
 # h1 and h2 (the reference, kernel defaults) and then one run (b) over the emulated link with no impairment (all
 # knobs at their defaults); both paths stay up, so the runs alternate and meet the same load. Printed: both medians,
-# the ratio of the medians (b)/(a) (issue target >= 0.7) and the median of the per-round ratios.
+# the ratio of the medians (b)/(a) (issue target >= 0.7) and the median of the per-round ratios; also how busy the
+# whole machine was during each path's runs and its busy CPU time per GB received (from /proc/stat), which tells
+# whether the throughput was bound by CPU time.
 #
 # Part 2, the highest rate emulated faithfully. Method, on the same emulated link:
 #   1. Path RTT: the median RTT of PINGS pings h1 -> h2 (interval 10 ms), no delay, no rate, no load (the median:
@@ -77,11 +79,19 @@ done
 . scripts/lib/bench.sh   # median
 gbps() { python3 -c 'import json,sys; print(json.load(sys.stdin)["end"]["sum_received"]["bits_per_second"]/1e9)'; }
 retransmits() { python3 -c 'import json,sys; print(json.load(sys.stdin)["end"]["sum_sent"].get("retransmits", 0))'; }
+cpu_now() { awk '/^cpu / {print $2 + $3 + $4 + $7 + $8 + $9, $2 + $3 + $4 + $5 + $6 + $7 + $8 + $9}' /proc/stat; }
 one_run() { # $1 = server address, $2 = a tag; one iperf3 run to the server on port 5299 of h2: prints its Gbit/s;
-  # its TCP retransmits go to $state/$2.retransmits
+  # its TCP retransmits go to $state/$2.retransmits; how busy the whole machine was during the run (fraction of
+  # all its cores, from /proc/stat) and its busy CPU time per GB received go to $state/$2.cpu
+  local busy0 total0 busy1 total1
+  read -r busy0 total0 < <(cpu_now)
   ip netns exec "$h1" iperf3 -c "$1" -p 5299 -t "$SECS" -J >"$state/run.json"
+  read -r busy1 total1 < <(cpu_now)
   gbps <"$state/run.json"
   retransmits <"$state/run.json" >>"$state/$2.retransmits"
+  python3 -c 'import json,sys; print(json.load(sys.stdin)["end"]["sum_received"]["bytes"])' <"$state/run.json" |
+    awk -v b=$((busy1 - busy0)) -v t=$((total1 - total0)) -v hz="$(getconf CLK_TCK)" \
+      '{printf "%.3f %.1f\n", b / t, b * 1000 / hz / ($1 / 1e9)}' >>"$state/$2.cpu"
 }
 
 load_before=$(cut -d' ' -f1-3 /proc/loadavg)
@@ -133,7 +143,7 @@ cpu_ticks() { awk '{print $14 + $15}' "/proc/$daemon/task/"*/stat | paste -sd+ |
 ip netns exec "$h2" iperf3 -s -D -p 5299 -I "$state/iperf.pid" >/dev/null
 sleep 0.3
 ticks=0
-: >"$state/veth.runs"; : >"$state/emu.runs"; : >"$state/ratios"
+: >"$state/veth.runs"; : >"$state/emu.runs"; : >"$state/ratios"; : >"$state/veth.cpu"; : >"$state/emu.cpu"
 for _ in $(seq "$RUNS"); do
   v=$(one_run 10.203.5.2 veth)
   t0=$(cpu_ticks)
@@ -174,6 +184,13 @@ printf '  (daemon CPU: %.2f s for %.1f GB carried, %.1f ms per GB)\n' "$(echo "$
 printf '  (frames per call: e_ab %s, e_ba %s)\n' "$(per_call e_ab)" "$(per_call e_ba)"
 printf '  (TCP retransmits per run: veth %s; emulated %s)\n' "$(paste -sd' ' "$state/veth.retransmits")" \
   "$(paste -sd' ' "$state/emu.retransmits")"
+# Whole-machine CPU: when both paths keep every core busy, throughput is bound by CPU time per byte, and the ratio
+# of the throughputs is the ratio of the machine's CPU time per GB (other programs on the machine count in both).
+cpu_fig() { # $1 = tag: median busy fraction, median busy CPU ms per GB
+  printf '%.0f %% busy, %.0f ms CPU per GB' "$(awk '{print 100 * $1}' "$state/$1.cpu" | median)" \
+    "$(awk '{print $2}' "$state/$1.cpu" | median)"
+}
+printf '  (machine, %s cores, medians per run: veth %s; emulated %s)\n' "$(nproc)" "$(cpu_fig veth)" "$(cpu_fig emu)"
 printf '  (load average before: %s; after: %s)\n' "$load_before" "$(cut -d' ' -f1-3 /proc/loadavg)"
 [[ " $PARTS " == *" 2 "* ]] || exit 0
 

@@ -20,10 +20,14 @@
 //!   robin with a `quantum` of bytes per round.
 //! - **Below the binding point**: each interface has a device queue that models the NIC's transmit ring: at most
 //!   `<iface>.device_queue` packets, drained at `<iface>.rate_bps`. A packet admitted at `now` starts its modelled
-//!   transmission when the previous one ends (or at `now`), is emitted on the interface's output port at that
-//!   start, and leaves the device queue when its transmission time (`(len + overhead_bytes) * 8 / rate`) has
-//!   passed. `<iface>.overhead_bytes` is the link layer's per-packet addition (14 for Ethernet), so that the model
-//!   drains no faster than the link behind it. With `rate_bps = 0` nothing is modelled: packets pass at once.
+//!   transmission when the previous one ends (or at `now`) and leaves the device queue when its transmission time
+//!   (`(len + overhead_bytes) * 8 / rate`) has passed. `<iface>.overhead_bytes` is the link layer's per-packet
+//!   addition (14 for Ethernet), so that the model drains no faster than the link behind it. With `rate_bps = 0`
+//!   nothing is modelled: packets pass at once. `<iface>.emit` says when a packet is emitted on the interface's
+//!   output port: `start` (default) at its modelled transmission start (a wake-up per start: the model paces the
+//!   link), `admit` at once, when it enters the device queue (the link behind the port paces it; the model's
+//!   occupancy and room are the same, and the module wakes only when an entry ends and room frees: at Gbit/s
+//!   rates the data plane cannot wake at every start).
 //! - **Binding**: when an interface has room, the scheduler takes the next packet (class, then DRR) whose flow's
 //!   interface by `policy` has room, and binds it: the source address is rewritten to the interface's
 //!   `address_v4` / `address_v6` (kept when absent) with the IPv4 header, TCP, UDP and ICMPv6 checksums updated
@@ -36,8 +40,10 @@
 //!   (other flows may go meanwhile); a packet is never bound to an interface that is down.
 //! - **Interface down** (`<iface>.up` = false, written by hand, by a rule or by the lab; or the link of the face
 //!   module named by `<iface>.face` lost its carrier or went down, which also sets the knob): the packets in its device
-//!   queue that have not started are dropped (`<iface>.drop_interface_down_total`), the one in transmission is
-//!   counted as interrupted (`<iface>.tx_interrupted_total`; it was already emitted). Packets above the binding
+//!   queue that have not been emitted are dropped (`<iface>.drop_interface_down_total`), those already emitted
+//!   whose modelled transmission had not ended are counted as interrupted (`<iface>.tx_interrupted_total`: with
+//!   `emit` = `start` the one in transmission, with `admit` every packet in the device queue: they were handed to
+//!   the link, what it does with them is its business). Packets above the binding
 //!   point stay and are bound elsewhere; flows pinned to the interface are re-pinned by policy. A **rebind** is a
 //!   packet bound to another interface than its flow's previous packet (`rebinds_total`, and
 //!   `<iface>.rebinds_total` on the new interface).
@@ -60,7 +66,10 @@
 //! Knobs: `policy` (text), `quantum` (bytes, default 1514, late only), `queue_limit` (packets, default 10000, late
 //! only), `flow_idle_ms` (default 30000: a flow with nothing queued is forgotten after this long), per interface
 //! `<iface>.rate_bps` (bit/s, default 0), `<iface>.overhead_bytes` (bytes per packet, default 0),
-//! `<iface>.device_queue` (packets, default 2 late / 50 early), `<iface>.up` (default true), `<iface>.weight` (default 1), and early only `<iface>.fifo_limit`.
+//! `<iface>.device_queue` (packets, default 2 late / 50 early), `<iface>.emit` (text, `start` or `admit`, default
+//! `start`; switched to `admit`, the packets the device queue still holds are emitted at the next call, in order;
+//! switched to `start`, packets bound afterwards wait for their start), `<iface>.up` (default true),
+//! `<iface>.weight` (default 1), and early only `<iface>.fifo_limit`.
 //!
 //! Meters: `queued`, `queued_bytes`, `flows_active`, `rebinds_total`, `drop_queue_full_total`,
 //! `drop_no_interface_total`, `drop_interface_down_total` (all interfaces), `up_mapped_total`,
@@ -288,6 +297,30 @@ impl Policy {
     }
 }
 
+/// When a bound packet is handed to its interface's output port (knob `<iface>.emit`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Emit {
+    /// At its modelled transmission start (the default): the model paces the packets itself.
+    Start,
+    /// At binding, when it is admitted to the modelled device queue: the link behind the port paces them, the
+    /// model only decides when there is room.
+    Admit,
+}
+
+impl Emit {
+    const NAMES: [(&'static str, Emit); 2] = [("start", Emit::Start), ("admit", Emit::Admit)];
+
+    /// The emission point named `s`.
+    pub fn parse(s: &str) -> Option<Emit> {
+        Self::NAMES.iter().find(|(n, _)| *n == s).map(|(_, e)| *e)
+    }
+
+    /// The emission point's name.
+    pub fn name(self) -> &'static str {
+        Self::NAMES.iter().find(|(_, e)| *e == self).map_or("", |(n, _)| n)
+    }
+}
+
 /// A rule of `class_rules`: packets matching every condition given start flows of `class`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ClassRule {
@@ -455,6 +488,8 @@ struct IfaceConfig {
     up: bool,
     weight: u64,
     fifo_limit: u64,
+    /// When a bound packet is emitted: at its modelled transmission start, or at once.
+    emit: Emit,
     /// The face module whose link state drives `up` (carrier lost: down; back: up).
     face: Option<String>,
 }
@@ -474,8 +509,18 @@ struct Config {
 }
 
 /// The per-interface setting names, in the order of [`iface_keys`].
-const IFACE_KEYS: [&str; 9] =
-    ["address_v4", "address_v6", "rate_bps", "device_queue", "up", "weight", "fifo_limit", "overhead_bytes", "face"];
+const IFACE_KEYS: [&str; 10] = [
+    "address_v4",
+    "address_v6",
+    "rate_bps",
+    "device_queue",
+    "up",
+    "weight",
+    "fifo_limit",
+    "overhead_bytes",
+    "face",
+    "emit",
+];
 
 /// Reads an address setting of family v6 (or v4).
 fn read_addr<'a>(r: &mut SettingsReader<'a>, key: &'a str, v6: bool) -> Result<Option<IpAddr>, ConfigError> {
@@ -558,6 +603,9 @@ fn configure(mode: Mode, settings: &Settings) -> Result<Config, ConfigError> {
         let fifo_limit = if mode == Mode::Early { r.u64_in(&k[6], 1000, 0, MAX_QUEUE_LIMIT)? } else { 0 };
         let overhead_bytes = r.u64_in(&k[7], 0, 0, MAX_OVERHEAD)?;
         let face = r.string(&k[8])?;
+        let emit_text = r.string(&k[9])?.unwrap_or_else(|| Emit::Start.name().into());
+        let emit = Emit::parse(&emit_text)
+            .ok_or_else(|| r.error(&k[9], format_args!("expected start or admit, got {emit_text:?}")))?;
         ifaces.push(IfaceConfig {
             name: name.clone(),
             address_v4,
@@ -568,6 +616,7 @@ fn configure(mode: Mode, settings: &Settings) -> Result<Config, ConfigError> {
             up,
             weight,
             fifo_limit,
+            emit,
             face,
         });
     }
@@ -684,6 +733,12 @@ impl ModuleBuilder for BindingBuilder {
                 )
                 .with_range(1.0, MAX_DEVICE_QUEUE as f64),
             );
+            vars.push(VarSpec::knob(
+                &format!("{n}.emit"),
+                ValueType::Str,
+                "",
+                "start (emit a packet at its modelled transmission start) or admit (at once, when it enters the device queue)",
+            ));
             vars.push(VarSpec::knob(&format!("{n}.up"), ValueType::Bool, "", "the interface is up"));
             vars.push(
                 VarSpec::knob(&format!("{n}.weight"), ValueType::U64, "", "share of flows (policy weighted)")
@@ -734,6 +789,7 @@ impl ModuleBuilder for BindingBuilder {
                 m("device_queue").set(i.device_queue);
                 m("up").store(&Value::Bool(i.up));
                 m("weight").set(i.weight);
+                m("emit").store(&Value::Str(i.emit.name().into()));
                 if c.mode == Mode::Early {
                     m("fifo_limit").set(i.fifo_limit);
                 }
@@ -744,6 +800,7 @@ impl ModuleBuilder for BindingBuilder {
                     fifo: VecDeque::new(),
                     fifo_bytes: 0,
                     pending_down: false,
+                    flush_held: false,
                     m: IfaceMeters {
                         queue_len: m("queue_len"),
                         device_queue_len: m("device_queue_len"),
@@ -870,7 +927,8 @@ struct Held {
     next: u32,
 }
 
-/// A packet in a modelled device queue: emitted at `start` (`pkt` is taken then), gone at `end`.
+/// A packet in a modelled device queue, gone at `end`: with `emit` = `start` it is emitted at `start` (`pkt` is
+/// taken then); with `admit` it was emitted when it entered (`pkt` is `None` from the start).
 struct InRing {
     start: Time,
     end: Time,
@@ -886,6 +944,9 @@ struct Iface {
     fifo: VecDeque<Queued>,
     fifo_bytes: u64,
     pending_down: bool,
+    /// `emit` was switched to `admit` while the device queue may hold packets not emitted yet: the next call
+    /// emits them (in ring order).
+    flush_held: bool,
     m: IfaceMeters,
 }
 
@@ -1210,7 +1271,7 @@ impl Binding {
     }
 
     /// Puts a packet into interface `k`'s device queue: rewrites its source, models its transmission and emits it
-    /// if it starts now.
+    /// if it starts now, or at once with `emit` = `admit` (its ring entry then only models the occupancy).
     fn bind(&mut self, k: usize, q: Queued, class: Class, now: Time, out: &mut Output<'_>) {
         let Queued { mut pkt, hdr, .. } = q;
         let iface = &mut self.ifaces[k];
@@ -1236,7 +1297,7 @@ impl Binding {
         let start = iface.busy_until.max(now);
         let end = start + std::time::Duration::from_nanos(iface.tx_ns(len, 1));
         iface.busy_until = end;
-        let pkt = if start <= now {
+        let pkt = if start <= now || iface.cfg.emit == Emit::Admit {
             out.emit(k, pkt);
             None
         } else {
@@ -1247,9 +1308,17 @@ impl Binding {
         }
     }
 
-    /// Emits packets whose modelled transmission has started and removes those that have ended.
+    /// Emits packets whose modelled transmission has started and removes those that have ended; on an interface
+    /// just switched to `emit` = `admit`, emits every packet its device queue still holds, in ring order.
     fn advance(&mut self, now: Time, out: &mut Output<'_>) {
         for (k, iface) in self.ifaces.iter_mut().enumerate() {
+            if std::mem::take(&mut iface.flush_held) && iface.cfg.emit == Emit::Admit {
+                for e in iface.ring.iter_mut() {
+                    if let Some(p) = e.pkt.take() {
+                        out.emit(k, p);
+                    }
+                }
+            }
             while iface.ring.front().is_some_and(|e| e.end <= now) {
                 if let Some(e) = iface.ring.pop_front() {
                     if let Some(p) = e.pkt {
@@ -1734,6 +1803,11 @@ impl Binding {
         for i in &self.ifaces {
             i.m.device_queue_len.set(i.ring.len() as u64);
             i.m.queue_len.set(i.fifo.len() as u64);
+            // The ring's entries follow each other without a gap (an entry is admitted at the end of the last
+            // one, which is still in the ring, or at `now` into an empty ring), so only the front matters: its
+            // start if it still holds its packet (`emit` = `start`, not started), else its end, when room frees
+            // and the next entry, if any, starts. With `admit` no entry holds a packet: the module wakes only
+            // when room frees, never for a start.
             if let Some(e) = i.ring.front() {
                 let t = if e.pkt.is_some() { e.start } else { e.end };
                 next = Some(next.map_or(t, |n: Time| n.min(t)));
@@ -1853,6 +1927,13 @@ impl Module for Binding {
                         c.fifo_limit = *v
                     }
                     ("up", Value::Bool(v)) => self.downs_pending |= iface.set_up(*v),
+                    ("emit", Value::Str(s)) => {
+                        c.emit = Emit::parse(s)
+                            .ok_or_else(|| format!("cannot set {knob} to {s:?}: expected start or admit"))?;
+                        // To admit: what the ring still holds goes at the next call (the switch polls the module
+                        // after a write). To start: only packets bound from now on wait for their start.
+                        iface.flush_held |= c.emit == Emit::Admit;
+                    }
                     _ => return Err(bad()),
                 }
             }

@@ -358,7 +358,14 @@ fn fastest_splits_by_rate() {
 
 /// Twenty 1000-byte packets at 0 ms on a at 8 Mbit/s; a goes down at 0.5 ms; returns what each side emitted.
 fn handoff(kind: &str) -> (Switch, Vec<u32>, Vec<u32>) {
-    let (mut sw, la, lb) = stack(kind, &[RATE_8M, "\"b.rate_bps\"=8000000"]);
+    handoff_with(kind, &[])
+}
+
+/// [`handoff`] with more settings.
+fn handoff_with(kind: &str, extra: &[&str]) -> (Switch, Vec<u32>, Vec<u32>) {
+    let mut args = vec![RATE_8M, "\"b.rate_bps\"=8000000"];
+    args.extend_from_slice(extra);
+    let (mut sw, la, lb) = stack(kind, &args);
     inject(&mut sw, ms(0), &(0..20).map(|i| udp(1, 1000, 0, i)).collect::<Vec<_>>(), Some(1));
     drain(&mut sw, us(500));
     sw.apply(vec![knob("s", "a.up", Value::Bool(false))]).unwrap();
@@ -869,4 +876,149 @@ fn a_batch_bound_whole_splits_by_weight_as_queueing_it_would() {
         let name = format!("module.s.{n}");
         assert_eq!(u64_var(&direct, &name), u64_var(&queued, &name), "{name}");
     }
+}
+
+// -------------------------------------------------------------------------------------------------------------
+// `<iface>.emit`: packets handed to the interface when they start (default) or when they enter the device queue
+// -------------------------------------------------------------------------------------------------------------
+
+/// Packet indices and emission times of what a recorder saw.
+fn sent(log: &Log) -> Vec<(u32, Time)> {
+    take(log).iter().map(|s| (port_index(&s.data).1, s.at)).collect()
+}
+
+#[test]
+fn with_admit_a_burst_goes_as_the_device_queue_takes_it_and_one_more_as_each_transmission_ends() {
+    // Ten 1000-byte packets (1 ms each at 8 Mbit/s) on a device queue of 4, once per emission point.
+    let burst: Vec<Vec<u8>> = (0..10).map(|i| udp(1000, 1000, 0, i)).collect();
+    let (mut admit, la, _) = stack(LATE_KIND, &[RATE_8M, "\"a.device_queue\"=4", "\"a.emit\"=\"admit\""]);
+    let (mut start, ls, _) = stack(LATE_KIND, &[RATE_8M, "\"a.device_queue\"=4"]);
+    assert_eq!(var(&admit, "module.s.a.emit"), Some(Value::Str("admit".into())));
+    assert_eq!(var(&start, "module.s.a.emit"), Some(Value::Str("start".into())), "the default");
+    inject(&mut admit, ms(0), &burst, None);
+    inject(&mut start, ms(0), &burst, None);
+    // Admit: the four packets the device queue takes are emitted at once; start: only the one on the wire.
+    assert_eq!(sent(&la), [(0, ms(0)), (1, ms(0)), (2, ms(0)), (3, ms(0))]);
+    assert_eq!(sent(&ls), [(0, ms(0))]);
+    let mut admit_all: Vec<u32> = (0..4).collect();
+    let mut start_all = vec![0];
+    for i in 1..=10u64 {
+        for (sw, what) in [(&admit, "admit"), (&start, "start")] {
+            assert_eq!(u64_var(sw, "module.s.a.device_queue_len"), 4.min(10 - (i - 1)), "{what} before {i} ms");
+            assert_eq!(u64_var(sw, "module.s.queued"), 6u64.saturating_sub(i - 1), "{what} before {i} ms");
+        }
+        // Admit wakes only when room frees: at the end of the transmission in progress, not a nanosecond before
+        // and at no start in between (the next start is that end).
+        assert_eq!(admit.next_wakeup(), Some(ms(i)), "admit, after {} ms", i - 1);
+        admit.run(Time(ms(i).0 - 1));
+        assert!(take(&la).is_empty(), "nothing before the transmission ends");
+        admit.run(ms(i));
+        start.run(ms(i));
+        // One more packet as each transmission ends, while any wait: admit emits it as it enters the queue.
+        let now_admit = sent(&la);
+        let expected: Vec<(u32, Time)> = if i <= 6 { vec![(3 + i as u32, ms(i))] } else { vec![] };
+        assert_eq!(now_admit, expected, "admit at {i} ms");
+        admit_all.extend(now_admit.iter().map(|s| s.0));
+        let now_start = sent(&ls);
+        assert_eq!(now_start, [(i as u32, ms(i))][..usize::from(i < 10)], "start at {i} ms");
+        start_all.extend(now_start.iter().map(|s| s.0));
+    }
+    assert_eq!(admit_all, start_all, "the same packets in the same order");
+    // The flows' meters are refreshed at 100 ms; after that only the sweep is due.
+    drain(&mut admit, ms(200));
+    drain(&mut start, ms(200));
+    for sw in [&admit, &start] {
+        assert_eq!(u64_var(sw, "module.s.a.device_queue_len"), 0);
+        assert_eq!(u64_var(sw, "module.s.a.bound_packets_total"), 10);
+        assert_eq!(sw.next_wakeup(), Some(ms(30_000)), "only the flow sweep is left");
+    }
+}
+
+#[test]
+fn with_admit_a_late_wake_up_still_fills_the_device_queue_at_once() {
+    // The data plane wakes the module late (2.5 ms after the burst instead of at 1 ms and 2 ms): two
+    // transmissions have ended meanwhile. Admit hands over the two packets the freed room takes; start emits
+    // the packets whose start has passed and keeps the others for their start.
+    let burst: Vec<Vec<u8>> = (0..10).map(|i| udp(1000, 1000, 0, i)).collect();
+    let (mut admit, la, _) = stack(LATE_KIND, &[RATE_8M, "\"a.device_queue\"=4", "\"a.emit\"=\"admit\""]);
+    let (mut start, ls, _) = stack(LATE_KIND, &[RATE_8M, "\"a.device_queue\"=4"]);
+    inject(&mut admit, ms(0), &burst, None);
+    inject(&mut start, ms(0), &burst, None);
+    admit.run(us(2500));
+    start.run(us(2500));
+    assert_eq!(sent(&la).iter().map(|s| s.0).collect::<Vec<_>>(), (0..6).collect::<Vec<_>>());
+    assert_eq!(sent(&ls).iter().map(|s| s.0).collect::<Vec<_>>(), [0, 1, 2]);
+    for sw in [&admit, &start] {
+        assert_eq!(u64_var(sw, "module.s.a.device_queue_len"), 4);
+        assert_eq!(u64_var(sw, "module.s.queued"), 4);
+    }
+}
+
+#[test]
+fn late_binding_interface_down_with_admit_counts_interrupted_not_dropped() {
+    let (sw, a, b) = handoff_with(LATE_KIND, &["\"a.emit\"=\"admit\""]);
+    // Both packets of the 2-packet device queue were handed to a when they entered it; neither is lost here.
+    assert_eq!(a, [0, 1]);
+    assert_eq!(b, (2..20).collect::<Vec<_>>());
+    assert_eq!(u64_var(&sw, "module.s.a.tx_interrupted_total"), 2);
+    assert_eq!(u64_var(&sw, "module.s.a.drop_interface_down_total"), 0);
+    assert_eq!(u64_var(&sw, "module.s.drop_interface_down_total"), 0);
+    assert_eq!(u64_var(&sw, "module.s.frames_dropped_total"), 0);
+    assert_eq!(u64_var(&sw, "module.s.queued"), 0);
+    let stats = sw.pool().stats();
+    assert_eq!(stats.free, stats.allocated, "every packet went back to the pool");
+}
+
+#[test]
+fn early_binding_interface_down_with_admit_counts_interrupted_not_dropped() {
+    // Early binding's device queue (50) takes all twenty at enqueue: with admit all went to a at once.
+    let (sw, a, b) = handoff_with(EARLY_KIND, &["\"a.emit\"=\"admit\""]);
+    assert_eq!(a, (0..20).collect::<Vec<_>>());
+    assert!(b.is_empty());
+    assert_eq!(u64_var(&sw, "module.s.a.tx_interrupted_total"), 20);
+    assert_eq!(u64_var(&sw, "module.s.a.drop_interface_down_total"), 0);
+    assert_eq!(u64_var(&sw, "module.s.drop_interface_down_total"), 0);
+    assert_eq!(u64_var(&sw, "module.s.frames_dropped_total"), 0);
+}
+
+#[test]
+fn the_emit_knob_takes_start_or_admit_only() {
+    for kind in [LATE_KIND, EARLY_KIND] {
+        let e = toml_error(kind, &["interfaces=[\"a\"]", "\"a.emit\"=\"bogus\""]);
+        assert!(e.contains("a.emit") && e.contains("expected start or admit") && e.contains("bogus"), "{e}");
+        assert!(toml_error(kind, &["interfaces=[\"a\"]", "\"a.emit\"=1"]).contains("a.emit"));
+        let (mut sw, _, _) = stack(kind, &["\"b.emit\"=\"admit\""]);
+        // The switch commits the edit and reports the module's refusal as a note.
+        let notes = sw.apply(vec![knob("s", "a.emit", Value::Str("bogus".into()))]).unwrap();
+        assert!(notes.len() == 1 && notes[0].contains("expected start or admit") && notes[0].contains("bogus"));
+        assert_eq!(var(&sw, "module.s.a.emit"), Some(Value::Str("start".into())), "unchanged");
+        assert_eq!(var(&sw, "module.s.b.emit"), Some(Value::Str("admit".into())));
+        sw.apply(vec![knob("s", "a.emit", Value::Str("admit".into()))]).unwrap();
+        assert_eq!(var(&sw, "module.s.a.emit"), Some(Value::Str("admit".into())));
+    }
+}
+
+#[test]
+fn switching_emit_live_hands_over_the_held_packets_or_holds_the_next_ones() {
+    let (mut sw, la, _) = stack(LATE_KIND, &[RATE_8M, "\"a.device_queue\"=4"]);
+    inject(&mut sw, ms(0), &(0..10).map(|i| udp(1, 1000, 0, i)).collect::<Vec<_>>(), None);
+    assert_eq!(sent(&la), [(0, ms(0))], "start: packets 1-3 are held for their starts");
+    // To admit: the three held packets go at the next call, in ring order; occupancy is unchanged.
+    sw.apply(vec![knob("s", "a.emit", Value::Str("admit".into()))]).unwrap();
+    sw.run(us(100));
+    assert_eq!(sent(&la), [(1, us(100)), (2, us(100)), (3, us(100))]);
+    assert_eq!(u64_var(&sw, "module.s.a.device_queue_len"), 4);
+    assert_eq!(sw.next_wakeup(), Some(ms(1)), "the next wake-up is the first end");
+    drain(&mut sw, ms(1));
+    assert_eq!(sent(&la), [(4, ms(1))], "admitted as room frees, emitted at once");
+    // Back to start: the packets in the ring stay emitted; the next one bound (at 2 ms) waits for its start, the
+    // end of the last one in the ring (packet 4: 4 ms to 5 ms).
+    sw.apply(vec![knob("s", "a.emit", Value::Str("start".into()))]).unwrap();
+    sw.run(us(1500));
+    assert!(sent(&la).is_empty());
+    drain(&mut sw, ms(4) + Duration::from_micros(999));
+    assert!(sent(&la).is_empty(), "packets 5-7 were bound at 2-4 ms and wait for their starts");
+    drain(&mut sw, ms(100));
+    let rest = sent(&la);
+    assert_eq!(rest, (5..10).map(|i| (i, ms(u64::from(i)))).collect::<Vec<_>>());
 }

@@ -9,21 +9,26 @@
 # By default each scheduler models no rate (`rate_bps` 0: a packet is bound as soon as it is queued), so what is
 # measured is its own per-packet work: parse, flow lookup, per-flow queue, class and deficit round robin, binding
 # (source address rewritten with incremental checksums; 192.0.2.x, mapped back on the way up), metadata.
-# RATE_BPS and DEVICE_QUEUE set the modelled rate and device queue instead: then every packet is emitted at its
-# modelled transmission start, which takes a data-plane wake-up per packet or few (see BENCHMARKS.md).
+# RATE_BPS and DEVICE_QUEUE set the modelled rate and device queue instead. EMIT (`f0.emit` / `f1.emit`) says when
+# a bound packet is handed to its face: `start` (default) at its modelled transmission start, which takes a
+# data-plane wake-up per packet or few; `admit` as soon as it enters the modelled device queue, the model only
+# deciding when there is room (a wake-up when a transmission ends); see docs/binding.md and BENCHMARKS.md.
 # Rounds interleave the three stacks (a fresh daemon for each measurement), so that load drifting on a shared
 # machine hits them alike; prints each stack's median over RUNS rounds of SECS seconds (iperf3 -P STREAMS), the
 # ratio of the medians to the reference's and the median of the per-round ratios (each stack against the reference
 # of the same round: on a shared machine the throughput of all three drifts together by +-15 % from round to
 # round), target >= 0.9, and how the two-face stack split its packets. Needs root.
 #
-#   sudo scripts/bench-binding.sh                 # RUNS=7 SECS=4 STREAMS=4 RATE_BPS=0 DEVICE_QUEUE=2
+#   sudo scripts/bench-binding.sh                 # RUNS=7 SECS=4 STREAMS=4 RATE_BPS=0 DEVICE_QUEUE=2 EMIT=start
 #   sudo RATE_BPS=10000000000 DEVICE_QUEUE=64 scripts/bench-binding.sh
+#   sudo RATE_BPS=10000000000 DEVICE_QUEUE=64 EMIT=admit scripts/bench-binding.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${RUNS:-7}
 RATE_BPS=${RATE_BPS:-0}        # the schedulers' modelled interface rate (0: unmodelled)
 DEVICE_QUEUE=${DEVICE_QUEUE:-2} # their device queues, packets
+EMIT=${EMIT:-start}            # when they hand a packet to the face: start (of its modelled transmission) or admit
+[[ $EMIT == start || $EMIT == admit ]] || { echo "bench-binding: EMIT must be start or admit, got '$EMIT'" >&2; exit 1; }
 SECS=${SECS:-4}
 STREAMS=${STREAMS:-4}
 [[ $(id -u) == 0 ]] || { echo "bench-binding: needs root (namespaces, TUN devices)" >&2; exit 1; }
@@ -83,6 +88,7 @@ virtual_v4 = "10.203.0.1"
 "f0.address_v4" = "192.0.2.1"
 "f0.rate_bps" = $RATE_BPS
 "f0.device_queue" = $DEVICE_QUEUE
+"f0.emit" = "$EMIT"
 TOML
 }
 {
@@ -106,6 +112,7 @@ TOML
   echo '"f1.address_v4" = "192.0.2.2"'
   echo "\"f1.rate_bps\" = $RATE_BPS"
   echo "\"f1.device_queue\" = $DEVICE_QUEUE"
+  echo "\"f1.emit\" = \"$EMIT\""
 } > "$state/two.toml"
 
 # Starts the daemon on stack $1, moves its TUN devices into the namespaces, measures once; prints Gbit/s.
@@ -156,6 +163,7 @@ one=$(median < "$state/one.gbps")
 two=$(median < "$state/two.gbps")
 printf 'late-binding scheduler on the data path: iperf3 TCP, %s streams, median of %s rounds of %s s (Gbit/s)\n' \
   "$STREAMS" "$RUNS" "$SECS"
+printf '  schedulers: rate_bps %s, device_queue %s, emit %s\n' "$RATE_BPS" "$DEVICE_QUEUE" "$EMIT"
 printf '  reference: the same stack without the scheduler   %6.2f   (runs: %s)\n' "$ref" "$(paste -sd' ' "$state/ref.gbps")"
 ratios() { # $1 = stack: its per-round ratios to the reference, one a line
   paste "$state/$1.gbps" "$state/ref.gbps" | awk '{ printf "%.3f\n", $1 / $2 }'

@@ -24,10 +24,11 @@
 //!   (`(len + overhead_bytes) * 8 / rate`) has passed. `<iface>.overhead_bytes` is the link layer's per-packet
 //!   addition (14 for Ethernet), so that the model drains no faster than the link behind it. With `rate_bps = 0`
 //!   nothing is modelled: packets pass at once. `<iface>.emit` says when a packet is emitted on the interface's
-//!   output port: `start` (default) at its modelled transmission start (a wake-up per start: the model paces the
-//!   link), `admit` at once, when it enters the device queue (the link behind the port paces it; the model's
-//!   occupancy and room are the same, and the module wakes only when an entry ends and room frees: at Gbit/s
-//!   rates the data plane cannot wake at every start).
+//!   output port: `start` (default) at its modelled transmission start (the model paces the link; a late wake-up
+//!   delays the emissions), `admit` at once, when it enters the device queue (the link behind the port paces it;
+//!   the model's occupancy and room are the same, the module wakes only when an entry ends and room frees, and a
+//!   late wake-up fills the freed room at once). Entries follow each other, so a start is the end before it: both
+//!   wake at the same instants, which at Gbit/s rates come faster than the data plane calls the module.
 //! - **Binding**: when an interface has room, the scheduler takes the next packet (class, then DRR) whose flow's
 //!   interface by `policy` has room, and binds it: the source address is rewritten to the interface's
 //!   `address_v4` / `address_v6` (kept when absent) with the IPv4 header, TCP, UDP and ICMPv6 checksums updated

@@ -509,7 +509,7 @@ struct Config {
     vars_prefix: String,
 }
 
-/// The per-interface setting names, in the order of [`iface_keys`].
+/// The per-interface setting names (`<iface>.<key>`), in the order `configure` reads them.
 const IFACE_KEYS: [&str; 10] = [
     "address_v4",
     "address_v6",

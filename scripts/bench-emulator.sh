@@ -35,6 +35,8 @@
 #      emulated faithfully when |median error| < 1 ms, no ping was lost and iperf3 carried at least 95 % of the
 #      offered 90 % of R. The answer is the highest such R (the steps are not required to be contiguous).
 #
+# REALTIME=N runs the daemon's data plane at SCHED_FIFO priority N (default 10, as the lab's daemons; 0: the
+# normal policy, to compare).
 # DAEMON_ARGS="..." adds arguments to the daemon's command line (e.g. "--rx-hold-us 0" to compare without the
 # data plane's moderation of wake-ups).
 # PERF_OUT=FILE records a perf profile (perf record -g) of the daemon during part 1 (b) into FILE.
@@ -43,6 +45,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${RUNS:-3}
+REALTIME=${REALTIME:-10}   # the daemon's --realtime, as the lab starts its daemons (0: the normal policy)
 SECS=${SECS:-5}
 PINGS=${PINGS:-200}
 DELAY=${DELAY:-10}
@@ -127,7 +130,8 @@ kind = "emulator"
 [modules.e_ba]
 kind = "emulator"
 TOML
-FLEXSTACK_LOG=warn "$fs" daemon --stack "$state/link.toml" --state-dir "$state/d" ${DAEMON_ARGS:-} 2>"$state/daemon.log" &
+FLEXSTACK_LOG=warn "$fs" daemon --stack "$state/link.toml" --state-dir "$state/d" --realtime "$REALTIME" ${DAEMON_ARGS:-} \
+  2>"$state/daemon.log" &
 daemon=$!
 fsc() { "$fs" --state-dir "$state/d" "$@"; }
 for _ in $(seq 100); do fsc status >/dev/null 2>&1 && break; sleep 0.05; done
@@ -163,7 +167,8 @@ frames=$(fsc get module.e_ab.frames_total | awk '$1 == "module.e_ab.frames_total
 wire=$(fsc get module.e_ab.wire_packets_total | awk '$1 == "module.e_ab.wire_packets_total" {print $2}')
 drops=$(fsc get 'module.*.drop_*' 'module.*.tx_errors_total' | awk 'NR > 1 && $2 != 0' || true)
 
-printf 'emulator cost: iperf3 TCP h1 -> h2, median of %s runs of %s s (Gbit/s)\n' "$RUNS" "$SECS"
+printf 'emulator cost: iperf3 TCP h1 -> h2, median of %s runs of %s s (Gbit/s); the daemon'"'"'s data plane: %s\n' \
+  "$RUNS" "$SECS" "$("$fs" --json --state-dir "$state/d" status | python3 -c 'import json,sys; print(json.load(sys.stdin)["dataplane_scheduling"])')"
 printf '  plain veth (reference)                      %6.2f\n' "$veth"
 printf '  flexstack emulated link, no impairment      %6.2f   ratio to veth %.2f (target >= 0.7)\n' \
   "$emu" "$(echo "$emu / $veth" | bc -l)"

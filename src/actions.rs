@@ -497,6 +497,7 @@ impl Control {
             "modules": snap.modules.len(),
             "links": snap.edges.len(),
             "paused": snap.paused,
+            "dataplane_scheduling": self.dp().scheduling(),
         }))
     }
 

@@ -11,6 +11,9 @@
 //! a short hold before reading, so that one wake-up reads several frames instead of one or two. Sparse traffic (a
 //! ping) is read at once.
 //!
+//! The thread can run under the real-time policy SCHED_FIFO (`flexstack daemon --realtime PRIO`; the lab's daemons
+//! use it): see [`DataPlane::start`].
+//!
 //! The control plane talks to it only through [`DataPlane`]: [`DataPlane::apply`] sends edits and waits for the
 //! verdict, [`DataPlane::snapshot`] asks for the stack's shape. Meters are never read through here: readers use
 //! the [`SharedRegistry`], whose cells the data plane updates without locks.
@@ -65,6 +68,7 @@ pub struct DataPlane {
     tx: Sender<Command>,
     wake: Arc<EventFd>,
     registry: SharedRegistry,
+    scheduling: String,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -73,11 +77,24 @@ pub struct DataPlane {
 pub struct DataPlaneOptions {
     /// The hold of [`RxModeration`] (zero: read as soon as a face is readable).
     pub rx_hold: Duration,
+    /// SCHED_FIFO priority the data-plane thread was asked to run at (1-99; 0: none). See [`DataPlane::start`].
+    pub realtime: u8,
 }
 
 impl Default for DataPlaneOptions {
     fn default() -> DataPlaneOptions {
-        DataPlaneOptions { rx_hold: DEFAULT_RX_HOLD }
+        DataPlaneOptions { rx_hold: DEFAULT_RX_HOLD, realtime: 0 }
+    }
+}
+
+/// How the calling (data-plane) thread is scheduled, as `status` shows it; `asked` is the priority it was started
+/// for (0: none).
+fn scheduling_of_this_thread(asked: u8) -> String {
+    match crate::sys::fifo_priority() {
+        Ok(Some(p)) => format!("fifo {p}"),
+        Ok(None) if asked == 0 => "normal".into(),
+        Ok(None) => format!("normal (real-time priority {asked} was refused: see the daemon's log)"),
+        Err(e) => format!("unknown ({e})"),
     }
 }
 
@@ -136,7 +153,13 @@ impl RxModeration {
 }
 
 impl DataPlane {
-    /// Starts the data-plane thread with an empty switch.
+    /// Starts the data-plane thread with an empty switch. The thread inherits the caller's scheduling policy: the
+    /// daemon (`crate::server`) calls this under SCHED_FIFO when `options.realtime` asks for it (and goes back to
+    /// the normal policy afterwards), so that the data plane runs as soon as a face or timer wakes it, instead of
+    /// waiting for a core behind the programs whose packets it carries (on the emulator benchmark, 2 cores shared
+    /// by an iperf3 sender, its receiver and the daemon, this raised the emulated link's throughput from about
+    /// 0.66 to about 0.8 of a plain veth's; BENCHMARKS.md, issue 4). `options.realtime` itself only says what was
+    /// asked, for [`DataPlane::scheduling`].
     pub fn start(options: DataPlaneOptions) -> std::io::Result<DataPlane> {
         let (tx, rx) = mpsc::channel();
         let (reg_tx, reg_rx) = mpsc::channel();
@@ -161,10 +184,11 @@ impl DataPlane {
         };
         let thread_wake = wake.clone();
         let thread = std::thread::Builder::new().name("dataplane".into()).spawn(move || {
+            let scheduling = scheduling_of_this_thread(options.realtime);
             let mut switch = Switch::new(PacketPool::default());
             let origin = Instant::now();
             switch.set_profiler(Some(Box::new(move || u64::try_from(origin.elapsed().as_nanos()).unwrap_or(u64::MAX))));
-            let _ = reg_tx.send(switch.registry());
+            let _ = reg_tx.send((switch.registry(), scheduling));
             // The hold is a sleep: keep the kernel's timer slack (50 us by default) from stretching it.
             if !options.rx_hold.is_zero() {
                 if let Err(e) = nix::sys::prctl::set_timerslack(1_000) {
@@ -187,14 +211,19 @@ impl DataPlane {
             }
             .run();
         })?;
-        let registry = reg_rx.recv().map_err(|_| std::io::Error::other("data plane did not start"))?;
-        Ok(DataPlane { tx, wake, registry, thread: Some(thread) })
+        let (registry, scheduling) = reg_rx.recv().map_err(|_| std::io::Error::other("data plane did not start"))?;
+        Ok(DataPlane { tx, wake, registry, scheduling, thread: Some(thread) })
     }
 
     fn send(&self, cmd: Command) -> Result<(), DataPlaneGone> {
         self.tx.send(cmd).map_err(|_| DataPlaneGone)?;
         self.wake.write(1).map_err(|_| DataPlaneGone)?;
         Ok(())
+    }
+
+    /// How the data-plane thread is scheduled: `normal`, `fifo N`, or `normal (real-time priority N refused: ...)`.
+    pub fn scheduling(&self) -> &str {
+        &self.scheduling
     }
 
     /// The registry of meters and knobs.

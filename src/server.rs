@@ -81,9 +81,23 @@ pub fn run_daemon(opts: DaemonOptions, catalog: Catalog) -> Result<(), String> {
 
     // Set up, before the first thread starts (capabilities are per thread and inherited): from here on the daemon
     // and what it starts hold only the capabilities it needs (crate::privileges).
+    // A real-time data plane: CAP_SYS_NICE is dropped below, so this thread takes SCHED_FIFO now, the data-plane
+    // thread inherits it when it is created, and this thread goes back to the normal policy right after (which
+    // needs no privilege), before any other thread exists: only the data plane runs at real-time priority.
+    let realtime = opts.dataplane.realtime;
+    if realtime > 0 {
+        if let Err(e) = crate::sys::set_fifo_priority(i32::from(realtime)) {
+            tracing::warn!(priority = realtime, error = %e, "cannot run the data plane at real-time priority; it runs at normal priority");
+        }
+    }
     crate::privileges::drop_unneeded()?;
 
-    let dataplane = DataPlane::start(opts.dataplane).map_err(|e| format!("cannot start the data plane: {e}"))?;
+    let dataplane = DataPlane::start(opts.dataplane);
+    if realtime > 0 {
+        crate::sys::set_normal_policy().map_err(|e| format!("cannot return to the normal scheduling policy: {e}"))?;
+    }
+    let dataplane = dataplane.map_err(|e| format!("cannot start the data plane: {e}"))?;
+    tracing::info!(scheduling = dataplane.scheduling(), "data plane started");
     let control =
         Arc::new(Control::new(dataplane, catalog, Sandboxes::new(opts.app_subnet).with_etc_dir(opts.app_etc.clone())));
     if let (Some(spec), Some(path)) = (&spec, &opts.stack) {

@@ -1,5 +1,6 @@
 //! The few system calls that have no safe wrapper in `nix`: binding an AF_PACKET socket to an interface, setting
-//! packet-socket options and reading a frame into a buffer's spare capacity. Every `unsafe` block of the daemon is here, each with its reason.
+//! packet-socket options, reading a frame into a buffer's spare capacity, and a thread's scheduling policy. Every
+//! `unsafe` block of the daemon is here, each with its reason.
 #![allow(unsafe_code)]
 
 use std::io;
@@ -123,4 +124,46 @@ pub fn default_sigpipe() {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
+}
+
+/// Puts the calling thread under SCHED_FIFO at `priority` (1-99): it then runs as soon as it wakes, before any
+/// thread of the normal policy (see `sched(7)`; the kernel's real-time throttling still leaves the others 5 % of
+/// each second by default). Needs CAP_SYS_NICE (or RLIMIT_RTPRIO). A thread created afterwards by this one inherits
+/// the policy.
+pub fn set_fifo_priority(priority: i32) -> io::Result<()> {
+    set_scheduler(libc::SCHED_FIFO, priority)
+}
+
+/// Puts the calling thread back under the normal policy (SCHED_OTHER), which needs no privilege.
+pub fn set_normal_policy() -> io::Result<()> {
+    set_scheduler(libc::SCHED_OTHER, 0)
+}
+
+fn set_scheduler(policy: libc::c_int, priority: i32) -> io::Result<()> {
+    let param = libc::sched_param { sched_priority: priority };
+    // SAFETY: `param` is a valid sched_param that outlives the call; pid 0 is the calling thread.
+    let rc = unsafe { libc::sched_setscheduler(0, policy, &param) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// The calling thread's SCHED_FIFO priority, or None under another policy.
+pub fn fifo_priority() -> io::Result<Option<i32>> {
+    // SAFETY: no arguments but the calling thread's id (0).
+    let policy = unsafe { libc::sched_getscheduler(0) };
+    if policy < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if policy != libc::SCHED_FIFO {
+        return Ok(None);
+    }
+    let mut param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: `param` is a valid, writable sched_param that outlives the call; pid 0 is the calling thread.
+    if unsafe { libc::sched_getparam(0, &mut param) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(Some(param.sched_priority))
 }

@@ -2,7 +2,9 @@
 //! CAP_DAC_OVERRIDE, CAP_NET_ADMIN, CAP_NET_RAW and CAP_SYS_ADMIN in their effective, permitted and bounding sets
 //! (read from /proc/PID/task/TID/status), `flexstack status` says so, an app started with `flexstack run` under
 //! that daemon still reaches a server through its stack and runs without capabilities as the invoking user, and a
-//! daemon started by an ordinary user still starts. Needs root (skips with a reason outside CI; fails in CI).
+//! daemon started by an ordinary user still starts. With `--realtime 10` only the data-plane thread runs under
+//! SCHED_FIFO, without keeping CAP_SYS_NICE; an ordinary user's daemon is refused it and says so. Needs root (skips
+//! with a reason outside CI; fails in CI).
 
 mod common;
 
@@ -165,7 +167,7 @@ fn a_daemon_of_an_ordinary_user_starts_and_holds_nothing() {
         c.arg(&state).args(args);
         c
     };
-    let mut daemon = as_nobody(&["daemon"])
+    let mut daemon = as_nobody(&["daemon", "--realtime", "10"])
         .env("FLEXSTACK_LOG", "debug")
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -192,7 +194,88 @@ fn a_daemon_of_an_ordinary_user_starts_and_holds_nothing() {
     let exit = daemon.wait().unwrap();
     let status = status.expect("the daemon of an ordinary user answers");
     assert_eq!(status["capabilities"]["permitted"], serde_json::json!([]), "{status}");
+    // Without CAP_SYS_NICE the real-time data plane it asked for is refused; it runs at normal priority and says so.
+    let scheduling = status["dataplane_scheduling"].as_str().unwrap_or_default();
+    assert!(scheduling.starts_with("normal (real-time priority 10 was refused"), "{status}");
     assert_eq!(sets["CapPrm"], 0);
     assert_eq!(sets["CapEff"], 0);
     assert!(exit.success(), "it stops cleanly on SIGTERM: {exit}");
+}
+
+/// The scheduling policy (0 normal, 1 SCHED_FIFO) and kernel priority of each thread of `pid`, by thread name.
+fn policies_of(pid: u32) -> Vec<(String, u32, u32)> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap().flatten() {
+        let dir = entry.path();
+        let name = std::fs::read_to_string(dir.join("comm")).unwrap_or_default().trim().to_string();
+        let sched = std::fs::read_to_string(dir.join("sched")).unwrap_or_default();
+        let field = |key: &str| -> u32 {
+            sched
+                .lines()
+                .find(|l| l.split_whitespace().next() == Some(key))
+                .and_then(|l| l.rsplit(':').next())
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or_else(|| panic!("no {key} in /proc/{pid}/task/.../sched: {sched}"))
+        };
+        out.push((name, field("policy"), field("prio")));
+    }
+    out
+}
+
+#[test]
+fn a_realtime_daemon_runs_only_its_data_plane_under_sched_fifo() {
+    if !privileged("a_realtime_daemon_runs_only_its_data_plane_under_sched_fifo") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let start = |extra: &[&str]| {
+        let state = dir.path().join(format!("state{}", extra.len()));
+        let mut daemon = Command::new(bin())
+            .arg("--state-dir")
+            .arg(&state)
+            .arg("daemon")
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let out = Command::new(bin()).arg("--state-dir").arg(&state).args(["-j", "status"]).output().unwrap();
+            if out.status.success() {
+                let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+                return (daemon, status);
+            }
+            assert!(daemon.try_wait().unwrap().is_none(), "the daemon exited");
+            assert!(Instant::now() < deadline, "the daemon did not answer");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    let stop = |mut daemon: std::process::Child| {
+        let _ =
+            nix::sys::signal::kill(nix::unistd::Pid::from_raw(daemon.id() as i32), nix::sys::signal::Signal::SIGTERM);
+        assert!(daemon.wait().unwrap().success(), "it stops cleanly");
+    };
+
+    let (daemon, status) = start(&["--realtime", "10"]);
+    let threads = policies_of(daemon.id());
+    let sets = cap_sets(&format!("/proc/{}/status", daemon.id()));
+    stop(daemon);
+    assert_eq!(status["dataplane_scheduling"], "fifo 10", "{status}");
+    // SCHED_FIFO 10 is kernel priority 99 - 10; every other thread stays under the normal policy.
+    let dataplane: Vec<_> = threads.iter().filter(|(name, _, _)| name == "dataplane").collect();
+    assert_eq!(dataplane.len(), 1, "{threads:?}");
+    assert_eq!((dataplane[0].1, dataplane[0].2), (1, 89), "the data plane under SCHED_FIFO 10: {threads:?}");
+    for (name, policy, _) in threads.iter().filter(|(name, _, _)| name != "dataplane") {
+        assert_eq!(*policy, 0, "{name} stays under the normal policy: {threads:?}");
+    }
+    // Taking the policy did not keep CAP_SYS_NICE (23): the daemon holds only what it holds without --realtime.
+    assert_eq!(sets["CapEff"] & !mask(&KEPT_BITS), 0, "{sets:?}");
+    assert_eq!(sets["CapEff"] & (1 << 23), 0, "{sets:?}");
+
+    let (daemon, status) = start(&[]);
+    let threads = policies_of(daemon.id());
+    stop(daemon);
+    assert_eq!(status["dataplane_scheduling"], "normal", "{status}");
+    assert!(threads.iter().all(|(_, policy, _)| *policy == 0), "no --realtime, no real-time thread: {threads:?}");
 }

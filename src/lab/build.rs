@@ -127,7 +127,12 @@ fn sysctl(netns: &str, settings: &[String]) -> Result<(), CliError> {
     sh(&args)
 }
 
-/// Starts `flexstack daemon` in `netns` with `state_dir`, logging to `log`; waits until it answers.
+/// SCHED_FIFO priority of the lab's daemons' data planes (`flexstack daemon --realtime`): an emulated link
+/// forwards and releases frames as soon as they are due, instead of waiting for a core behind the lab's programs.
+pub const LAB_REALTIME_PRIORITY: u8 = 10;
+
+/// Starts `flexstack daemon` in `netns` with `state_dir`, logging to `log`; waits until it answers. Its data plane
+/// runs at [`LAB_REALTIME_PRIORITY`] (where the kernel refuses, at normal priority: its log and `status` say so).
 ///
 /// It enters only the network namespace (`nsenter --net`), not a mount namespace of its own as `ip netns exec`
 /// would give it: a stacked host's daemon creates its apps' namespaces with `ip netns add`, whose mounts must be
@@ -143,6 +148,8 @@ fn start_daemon(netns: &str, state_dir: &Path, extra: &[&str], log: &Path) -> Re
         .arg("--state-dir")
         .arg(state_dir)
         .arg("daemon")
+        .arg("--realtime")
+        .arg(LAB_REALTIME_PRIORITY.to_string())
         .args(extra)
         .stdin(Stdio::null())
         .stdout(Stdio::null())

@@ -158,7 +158,7 @@ impl DataPlane {
     /// the normal policy afterwards), so that the data plane runs as soon as a face or timer wakes it, instead of
     /// waiting for a core behind the programs whose packets it carries (on the emulator benchmark, 2 cores shared
     /// by an iperf3 sender, its receiver and the daemon, this raised the emulated link's throughput from about
-    /// 0.66 to about 0.8 of a plain veth's; BENCHMARKS.md, issue 4). `options.realtime` itself only says what was
+    /// 0.66 to 0.71-0.80 of a plain veth's; BENCHMARKS.md, issue 4). `options.realtime` itself only says what was
     /// asked, for [`DataPlane::scheduling`].
     pub fn start(options: DataPlaneOptions) -> std::io::Result<DataPlane> {
         let (tx, rx) = mpsc::channel();

@@ -55,7 +55,7 @@ ip -n ${tag}b link set lo up
 ip netns exec ${tag}b sysctl -qw net.ipv4.conf.all.rp_filter=0 net.ipv4.conf.default.rp_filter=0
 ip netns exec ${tag}b iperf3 -s -D -p 5299 -I "$state/iperf.pid" >/dev/null
 
-median() { sort -n | awk '{a[NR]=$1} END {print (NR%2) ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2}'; }
+. scripts/lib/bench.sh   # median
 
 # The stacks. Common: the app's TUN a (its packets go down), ip, classify; b (and c) face the server (up).
 common_modules() {

@@ -13,6 +13,7 @@
 # a bound packet is handed to its face: `start` (default) at its modelled transmission start, which takes a
 # data-plane wake-up per packet or few; `admit` as soon as it enters the modelled device queue, the model only
 # deciding when there is room (a wake-up when a transmission ends); see docs/binding.md and BENCHMARKS.md.
+# REALTIME=N starts every daemon with `--realtime N` (its data plane under SCHED_FIFO; default 0, the normal policy).
 # Rounds interleave the three stacks (a fresh daemon for each measurement), so that load drifting on a shared
 # machine hits them alike; prints each stack's median over RUNS rounds of SECS seconds (iperf3 -P STREAMS), the
 # ratio of the medians to the reference's and the median of the per-round ratios (each stack against the reference
@@ -28,6 +29,7 @@ RUNS=${RUNS:-7}
 RATE_BPS=${RATE_BPS:-0}        # the schedulers' modelled interface rate (0: unmodelled)
 DEVICE_QUEUE=${DEVICE_QUEUE:-2} # their device queues, packets
 EMIT=${EMIT:-start}            # when they hand a packet to the face: start (of its modelled transmission) or admit
+REALTIME=${REALTIME:-0}        # every daemon's --realtime (0: the normal policy, as `flexstack run` starts a daemon)
 [[ $EMIT == start || $EMIT == admit ]] || { echo "bench-binding: EMIT must be start or admit, got '$EMIT'" >&2; exit 1; }
 SECS=${SECS:-4}
 STREAMS=${STREAMS:-4}
@@ -120,7 +122,7 @@ TOML
 # interfaces' addresses 192.0.2.1-2 as the source and answers them over TUN b; the scheduler maps them back to
 # 10.203.0.1 on the way up.
 measure_once() { # $1 = stack name
-  "$fs" daemon --stack "$state/$1.toml" --state-dir "$state/d" 2>"$state/daemon-$1.log" &
+  "$fs" daemon --stack "$state/$1.toml" --state-dir "$state/d" --realtime "$REALTIME" 2>"$state/daemon-$1.log" &
   daemon=$!
   local ok=
   for _ in $(seq 200); do

@@ -386,11 +386,19 @@ fn the_same_lab_twice_gives_the_same_timeline_and_the_same_drops() {
         n * p - half,
         n * p + half
     );
-    // Another seed, another drop pattern.
-    let other = t.write("other.toml", &udp_lab("loss = 10", 12, N, 0.001, 6));
+    // Another seed, another drop pattern; and `realtime = 0`: the lab's daemons run their data planes under the
+    // normal policy instead of SCHED_FIFO 10 (the default, as in runs a and b).
+    let other =
+        t.write("other.toml", &udp_lab("loss = 10", 12, N, 0.001, 6).replacen("[lab]\n", "[lab]\nrealtime = 0\n", 1));
     let c = t.run_ok(&other, "c");
     let (got_c, _) = udp_outcome(&c, N);
     assert_ne!(got_a, got_c, "seed 12 drops other datagrams than seed 11");
+    let scheduling = |results: &Path| {
+        let log = read(&results.join("logs/wire-daemon.log"));
+        log.lines().find(|l| l.contains("data plane started")).map(str::to_string).unwrap_or_else(|| panic!("{log}"))
+    };
+    assert!(scheduling(&a).contains("scheduling=\"fifo 10\""), "{}", scheduling(&a));
+    assert!(scheduling(&c).contains("scheduling=\"normal\""), "{}", scheduling(&c));
     eprintln!("seed 11: {drops_a} drops of {N} (twice); seed 12: {} drops", N as usize - got_c.len());
     t.assert_gone();
 }

@@ -127,17 +127,14 @@ fn sysctl(netns: &str, settings: &[String]) -> Result<(), CliError> {
     sh(&args)
 }
 
-/// SCHED_FIFO priority of the lab's daemons' data planes (`flexstack daemon --realtime`): an emulated link
-/// forwards and releases frames as soon as they are due, instead of waiting for a core behind the lab's programs.
-pub const LAB_REALTIME_PRIORITY: u8 = 10;
-
 /// Starts `flexstack daemon` in `netns` with `state_dir`, logging to `log`; waits until it answers. Its data plane
-/// runs at [`LAB_REALTIME_PRIORITY`] (where the kernel refuses, at normal priority: its log and `status` say so).
+/// runs under SCHED_FIFO at `realtime` (the lab's `realtime`, default [`flexstack_lab::DEFAULT_REALTIME`]; 0: the
+/// normal policy; where the kernel refuses, at normal priority: its log and `status` say so).
 ///
 /// It enters only the network namespace (`nsenter --net`), not a mount namespace of its own as `ip netns exec`
 /// would give it: a stacked host's daemon creates its apps' namespaces with `ip netns add`, whose mounts must be
 /// seen by everyone (its `/etc/hosts` comes from `--app-etc` instead).
-fn start_daemon(netns: &str, state_dir: &Path, extra: &[&str], log: &Path) -> Result<u32, CliError> {
+fn start_daemon(netns: &str, state_dir: &Path, realtime: u8, extra: &[&str], log: &Path) -> Result<u32, CliError> {
     let exe = std::env::current_exe().map_err(msg)?;
     std::fs::create_dir_all(state_dir).map_err(|e| msg(format!("{}: {e}", state_dir.display())))?;
     let log_file = std::fs::File::create(log).map_err(|e| msg(format!("{}: {e}", log.display())))?;
@@ -149,7 +146,7 @@ fn start_daemon(netns: &str, state_dir: &Path, extra: &[&str], log: &Path) -> Re
         .arg(state_dir)
         .arg("daemon")
         .arg("--realtime")
-        .arg(LAB_REALTIME_PRIORITY.to_string())
+        .arg(realtime.to_string())
         .args(extra)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
@@ -323,7 +320,7 @@ fn build(lab: &Lab, plan: &Plan, state: &mut LabState, opts: &CreateOptions<'_>)
     let wire_stack = opts.results.join("wire.toml");
     std::fs::write(&wire_stack, plan.wire_stack(lab)).map_err(|e| msg(format!("{}: {e}", wire_stack.display())))?;
     let stack_arg = wire_stack.display().to_string();
-    start_daemon(wire, &state.wire_dir, &["--stack", &stack_arg], &logs.join("wire-daemon.log"))?;
+    start_daemon(wire, &state.wire_dir, lab.realtime, &["--stack", &stack_arg], &logs.join("wire-daemon.log"))?;
     for ((h, hp), text) in state.hosts.iter().zip(&plan.hosts).zip(opts.templates) {
         if let (Some(d), Some(path), Some(text), Some(subnet)) = (&h.daemon_dir, &h.template, text, hp.app_subnet) {
             std::fs::create_dir_all(opts.results.join("stacks")).map_err(msg)?;
@@ -331,7 +328,7 @@ fn build(lab: &Lab, plan: &Plan, state: &mut LabState, opts: &CreateOptions<'_>)
             let etc = format!("/etc/netns/{}", h.netns);
             let subnet = subnet.to_string();
             let args = ["--app-subnet", &subnet, "--app-etc", &etc];
-            start_daemon(&h.netns, d, &args, &logs.join(format!("{}-daemon.log", h.name)))?;
+            start_daemon(&h.netns, d, lab.realtime, &args, &logs.join(format!("{}-daemon.log", h.name)))?;
         }
     }
     state.write()

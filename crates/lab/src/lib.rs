@@ -12,7 +12,9 @@
 #![doc = concat!("```toml\n", include_str!("../../../labs/demo.toml"), "```\n")]
 //!
 //! - `[lab]`: `name` (required; lowercase letters, digits, `_`, `-`), `duration` (required, > 0; every program and
-//!   event must start before it), `seed` (non-negative integer, default 1; seeds the emulators).
+//!   event must start before it), `seed` (non-negative integer, default 1; seeds the emulators), `sample` and
+//!   `meters` (what is sampled into `meters.csv`), `realtime` (0-99, default [`DEFAULT_REALTIME`]: the SCHED_FIFO
+//!   priority of the lab's daemons' data planes, `flexstack daemon --realtime`; 0 for the normal policy).
 //! - `[hosts.NAME]`: one table per host. A name is a lowercase letter or digit then letters, digits, `_` or `-`, at
 //!   most [`MAX_HOST_NAME`] characters (so namespace and interface names derived from it fit). `stack` (optional)
 //!   makes it a stacked host: its apps run behind flexstack with that stack file as template; without it the host
@@ -68,6 +70,11 @@ pub const MAX_DELAY: Duration = Duration::from_secs(3600);
 /// Highest link rate the emulator accepts, in Mbit/s.
 pub const MAX_RATE_MBIT: f64 = 1_000_000.0;
 
+/// The default `realtime` of a lab: its daemons' data planes run under SCHED_FIFO at this priority, so that an
+/// emulated link forwards and releases frames when they are due rather than when a core is free of the lab's
+/// programs (BENCHMARKS.md, issue 4).
+pub const DEFAULT_REALTIME: u8 = 10;
+
 /// Longest queue the emulator accepts, in packets.
 pub const MAX_QUEUE_PACKETS: u64 = 10_000_000;
 
@@ -80,6 +87,8 @@ pub struct Lab {
     pub duration: Duration,
     /// The seed of every random choice (the emulators' loss draws).
     pub seed: u64,
+    /// SCHED_FIFO priority of the lab's daemons' data planes (`flexstack daemon --realtime`; 0: normal policy).
+    pub realtime: u8,
     /// How often meters are sampled into the results.
     pub sample: Duration,
     /// Patterns of the meters sampled (default `link.**`; `*` stays within a dotted segment, `**` crosses them).
@@ -615,7 +624,7 @@ impl Lab {
         let head = root.table("lab", "[lab]".into())?.ok_or_else(|| {
             ConfigError::new(Some(doc.start()), "the lab file needs a [lab] table with name and duration")
         })?;
-        head.check_keys(&["name", "duration", "seed", "sample", "meters"])?;
+        head.check_keys(&["name", "duration", "seed", "sample", "meters", "realtime"])?;
         let name = head.required_string("name")?.to_string();
         if !valid_name(&name) {
             return Err(head.err(
@@ -630,6 +639,7 @@ impl Lab {
             return Err(head.err(head.value_loc("duration"), "`duration` in [lab]: expected more than 0s"));
         }
         let seed = head.integer("seed", 0..=i64::MAX as u64)?.unwrap_or(1);
+        let realtime = head.integer("realtime", 0..=99)?.map_or(DEFAULT_REALTIME, |p| p as u8);
         let sample = head.duration("sample")?.unwrap_or(Duration::from_secs(1));
         if sample < MIN_SAMPLE {
             return Err(head.err(
@@ -919,7 +929,7 @@ impl Lab {
         }
         events.sort_by_key(|e| e.at);
 
-        Ok(Lab { name, duration, seed, sample, meters, hosts, links, programs, events, routes })
+        Ok(Lab { name, duration, seed, realtime, sample, meters, hosts, links, programs, events, routes })
     }
 
     /// Every scheduled action in time order, described in one line each: program starts, events and the end of the
@@ -993,6 +1003,28 @@ mod rules_event_tests {
             let (l, message) = error(events);
             assert_eq!(l, *line, "{events:?}: {message}");
             assert!(message.contains(needle), "{events:?}: {message} (wanted {needle:?})");
+        }
+    }
+}
+
+#[cfg(test)]
+mod realtime_tests {
+    use super::*;
+
+    fn parse(realtime: &str) -> Result<Lab, ConfigError> {
+        Lab::parse("rt.toml", &format!("[lab]\nname = \"rt\"\nduration = \"1s\"\n{realtime}[hosts.h1]\n"))
+    }
+
+    #[test]
+    fn realtime_defaults_to_the_labs_priority_and_takes_0_to_99() {
+        assert_eq!(parse("").expect("valid").realtime, DEFAULT_REALTIME);
+        assert_eq!(parse("realtime = 0\n").expect("valid").realtime, 0);
+        assert_eq!(parse("realtime = 99\n").expect("valid").realtime, 99);
+        for bad in ["realtime = 100\n", "realtime = -1\n", "realtime = \"high\"\n", "realtime = true\n"] {
+            let e = parse(bad).expect_err(bad);
+            let loc = e.location.clone().unwrap_or_else(|| panic!("{bad:?}: no location: {e}"));
+            assert_eq!((&*loc.file, loc.line), ("rt.toml", 4), "{bad:?}: {e}");
+            assert!(e.message.contains("0..=99"), "{bad:?}: {}", e.message);
         }
     }
 }

@@ -88,10 +88,15 @@ impl Default for DataPlaneOptions {
 }
 
 /// How the calling (data-plane) thread is scheduled, as `status` shows it; `asked` is the priority it was started
-/// for (0: none).
+/// for (0: none). A real-time thread also gets SCHED_RESET_ON_FORK here: nothing it might start inherits the policy.
 fn scheduling_of_this_thread(asked: u8) -> String {
     match crate::sys::fifo_priority() {
-        Ok(Some(p)) => format!("fifo {p}"),
+        Ok(Some(p)) => {
+            if let Err(e) = crate::sys::set_fifo_reset_on_fork(p) {
+                tracing::warn!(error = %e, "cannot set SCHED_RESET_ON_FORK on the data plane");
+            }
+            format!("fifo {p}")
+        }
         Ok(None) if asked == 0 => "normal".into(),
         Ok(None) => format!("normal (real-time priority {asked} was refused: see the daemon's log)"),
         Err(e) => format!("unknown ({e})"),
@@ -221,7 +226,8 @@ impl DataPlane {
         Ok(())
     }
 
-    /// How the data-plane thread is scheduled: `normal`, `fifo N`, or `normal (real-time priority N refused: ...)`.
+    /// How the data-plane thread is scheduled: `normal`, `fifo N`, or `normal (real-time priority N was refused:
+    /// ...)`.
     pub fn scheduling(&self) -> &str {
         &self.scheduling
     }

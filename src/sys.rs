@@ -134,6 +134,13 @@ pub fn set_fifo_priority(priority: i32) -> io::Result<()> {
     set_scheduler(libc::SCHED_FIFO, priority)
 }
 
+/// Keeps the calling thread under SCHED_FIFO at `priority` (its current one) and adds SCHED_RESET_ON_FORK: a thread
+/// or process it creates starts under the normal policy instead of inheriting the real-time one. Needs no privilege
+/// at the current priority (the flag can be set, not cleared, without CAP_SYS_NICE).
+pub fn set_fifo_reset_on_fork(priority: i32) -> io::Result<()> {
+    set_scheduler(libc::SCHED_FIFO | libc::SCHED_RESET_ON_FORK, priority)
+}
+
 /// Puts the calling thread back under the normal policy (SCHED_OTHER), which needs no privilege.
 pub fn set_normal_policy() -> io::Result<()> {
     set_scheduler(libc::SCHED_OTHER, 0)

@@ -204,9 +204,9 @@ fn a_daemon_of_an_ordinary_user_starts_and_holds_nothing() {
     assert!(exit.success(), "it stops cleanly on SIGTERM: {exit}");
 }
 
-/// The scheduling policy (0 normal, 1 SCHED_FIFO) and kernel priority of each thread of `pid`, by thread name. A
+/// The scheduling policy (0 normal, 1 SCHED_FIFO), kernel priority and id of each thread of `pid`, by thread name. A
 /// thread that ended while the list was read (a client thread that served the last request) is left out.
-fn policies_of(pid: u32) -> Vec<(String, u32, u32)> {
+fn policies_of(pid: u32) -> Vec<(String, u32, u32, u32)> {
     let mut out = Vec::new();
     for entry in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap().flatten() {
         let dir = entry.path();
@@ -223,7 +223,8 @@ fn policies_of(pid: u32) -> Vec<(String, u32, u32)> {
                 .and_then(|v| v.trim().parse().ok())
                 .unwrap_or_else(|| panic!("no {key} in {}/sched: {sched}", dir.display()))
         };
-        out.push((name.trim().to_string(), field("policy"), field("prio")));
+        let tid = entry.file_name().to_string_lossy().parse().unwrap_or_default();
+        out.push((name.trim().to_string(), field("policy"), field("prio"), tid));
     }
     out
 }
@@ -280,13 +281,24 @@ fn a_realtime_daemon_runs_only_its_data_plane_under_sched_fifo() {
     let (daemon, status, log) = start(&["--realtime", "10"]);
     let threads = policies_of(daemon.id());
     let sets = cap_sets(&format!("/proc/{}/status", daemon.id()));
+    // chrt shows the policy's flags too (SCHED_RESET_ON_FORK): of every thread, while the daemon runs.
+    let tids: Vec<String> = threads.iter().map(|t| t.3.to_string()).collect();
+    let chrt: Vec<String> = tids
+        .iter()
+        .map(|tid| {
+            String::from_utf8_lossy(&Command::new("chrt").args(["-p", tid]).output().unwrap().stdout).to_string()
+        })
+        .collect();
     stop(daemon, log);
     assert_eq!(status["dataplane_scheduling"], "fifo 10", "{status}");
     // SCHED_FIFO 10 is kernel priority 99 - 10; every other thread stays under the normal policy.
-    let dataplane: Vec<_> = threads.iter().filter(|(name, _, _)| name == "dataplane").collect();
+    let dataplane: Vec<_> = threads.iter().filter(|(name, _, _, _)| name == "dataplane").collect();
     assert_eq!(dataplane.len(), 1, "{threads:?}");
     assert_eq!((dataplane[0].1, dataplane[0].2), (1, 89), "the data plane under SCHED_FIFO 10: {threads:?}");
-    for (name, policy, _) in threads.iter().filter(|(name, _, _)| name != "dataplane") {
+    // Nothing it might start inherits the policy (SCHED_RESET_ON_FORK).
+    let of_dataplane = &chrt[threads.iter().position(|t| t.0 == "dataplane").unwrap()];
+    assert!(of_dataplane.contains("SCHED_FIFO|SCHED_RESET_ON_FORK"), "{chrt:?}");
+    for (name, policy, _, _) in threads.iter().filter(|(name, _, _, _)| name != "dataplane") {
         assert_eq!(*policy, 0, "{name} stays under the normal policy: {threads:?}");
     }
     // Taking the policy did not keep CAP_SYS_NICE (23): the daemon holds only what it holds without --realtime.
@@ -297,5 +309,5 @@ fn a_realtime_daemon_runs_only_its_data_plane_under_sched_fifo() {
     let threads = policies_of(daemon.id());
     stop(daemon, log);
     assert_eq!(status["dataplane_scheduling"], "normal", "{status}");
-    assert!(threads.iter().all(|(_, policy, _)| *policy == 0), "no --realtime, no real-time thread: {threads:?}");
+    assert!(threads.iter().all(|(_, policy, _, _)| *policy == 0), "no --realtime, no real-time thread: {threads:?}");
 }

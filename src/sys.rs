@@ -3,8 +3,14 @@
 //! `unsafe` block of the daemon is here, each with its reason.
 #![allow(unsafe_code)]
 
+use nix::errno::Errno;
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
+
+/// A libc call's result: -1 becomes the error in errno (nix's `Errno::result`), anything else is kept.
+fn checked(rc: libc::c_int) -> io::Result<libc::c_int> {
+    Errno::result(rc).map_err(io::Error::from)
+}
 
 /// EtherType "all protocols" for a packet socket, in network byte order.
 pub const ETH_P_ALL_BE: u16 = (libc::ETH_P_ALL as u16).to_be();
@@ -18,18 +24,14 @@ pub fn bind_packet(fd: BorrowedFd<'_>, ifindex: u32) -> io::Result<()> {
     addr.sll_ifindex = ifindex as i32;
     // SAFETY: `addr` is a valid sockaddr_ll that outlives the call, and the length passed is its size; `fd` is an
     // open socket borrowed for the duration of the call.
-    let rc = unsafe {
+    checked(unsafe {
         libc::bind(
             fd.as_raw_fd(),
             &addr as *const libc::sockaddr_ll as *const libc::sockaddr,
             std::mem::size_of::<libc::sockaddr_ll>() as libc::socklen_t,
         )
-    };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
+    })
+    .map(drop)
 }
 
 /// Sets PACKET_QDISC_BYPASS on packet socket `fd`: frames it sends skip the interface's queueing discipline.
@@ -48,7 +50,7 @@ pub fn set_packet_vnet_hdr(fd: BorrowedFd<'_>) -> io::Result<()> {
 fn set_packet_option(fd: BorrowedFd<'_>, name: libc::c_int, value: libc::c_int) -> io::Result<()> {
     // SAFETY: the option value points to a c_int that outlives the call, with its size as the length; `fd` is an
     // open socket borrowed for the duration of the call.
-    let rc = unsafe {
+    checked(unsafe {
         libc::setsockopt(
             fd.as_raw_fd(),
             libc::SOL_PACKET,
@@ -56,12 +58,8 @@ fn set_packet_option(fd: BorrowedFd<'_>, name: libc::c_int, value: libc::c_int) 
             &value as *const libc::c_int as *const libc::c_void,
             std::mem::size_of::<libc::c_int>() as libc::socklen_t,
         )
-    };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
+    })
+    .map(drop)
 }
 
 /// What one read of a packet socket ([`recv_packet`]) gave.
@@ -149,28 +147,18 @@ pub fn set_normal_policy() -> io::Result<()> {
 fn set_scheduler(policy: libc::c_int, priority: i32) -> io::Result<()> {
     let param = libc::sched_param { sched_priority: priority };
     // SAFETY: `param` is a valid sched_param that outlives the call; pid 0 is the calling thread.
-    let rc = unsafe { libc::sched_setscheduler(0, policy, &param) };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
+    checked(unsafe { libc::sched_setscheduler(0, policy, &param) }).map(drop)
 }
 
-/// The calling thread's SCHED_FIFO priority, or None under another policy.
+/// The calling thread's SCHED_FIFO priority (with or without SCHED_RESET_ON_FORK), or None under another policy.
 pub fn fifo_priority() -> io::Result<Option<i32>> {
     // SAFETY: no arguments but the calling thread's id (0).
-    let policy = unsafe { libc::sched_getscheduler(0) };
-    if policy < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    if policy != libc::SCHED_FIFO {
+    let policy = checked(unsafe { libc::sched_getscheduler(0) })?;
+    if policy & !libc::SCHED_RESET_ON_FORK != libc::SCHED_FIFO {
         return Ok(None);
     }
     let mut param = libc::sched_param { sched_priority: 0 };
     // SAFETY: `param` is a valid, writable sched_param that outlives the call; pid 0 is the calling thread.
-    if unsafe { libc::sched_getparam(0, &mut param) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
+    checked(unsafe { libc::sched_getparam(0, &mut param) })?;
     Ok(Some(param.sched_priority))
 }

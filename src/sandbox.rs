@@ -94,18 +94,24 @@ pub fn namespace_names() -> Vec<String> {
         .collect()
 }
 
-/// True if an nftables table of another flexstack daemon (not `own`) exists.
-fn other_tables_exist(own: &str) -> bool {
-    nft_tables().lines().filter_map(|l| l.split_whitespace().nth(2)).any(|t| t.starts_with("flexstack_") && t != own)
-}
-
-/// The tables in `names` (as `nft list tables` prints them: `table inet NAME`) that belong to flexstack daemons
-/// no longer running: `flexstack_<pid>` whose pid `live` says is not a running daemon, and not `own`.
-fn stale_tables<'a>(listing: &'a str, own: &str, live: impl Fn(u32) -> bool) -> Vec<&'a str> {
+/// The flexstack tables (`flexstack_…`) in `listing`, as `nft list tables` prints them (`table inet NAME`), other
+/// than `own`.
+fn flexstack_tables<'a>(listing: &'a str, own: &'a str) -> impl Iterator<Item = &'a str> {
     listing
         .lines()
         .filter_map(|l| l.split_whitespace().nth(2))
-        .filter(|t| *t != own)
+        .filter(move |t| t.starts_with("flexstack_") && *t != own)
+}
+
+/// True if an nftables table of another flexstack daemon (not `own`) exists.
+fn other_tables_exist(own: &str) -> bool {
+    flexstack_tables(&nft_tables(), own).next().is_some()
+}
+
+/// The tables in `listing` (as `nft list tables` prints them) that belong to flexstack daemons no longer running:
+/// `flexstack_<pid>` whose pid `live` says is not a running daemon, and not `own`.
+fn stale_tables<'a>(listing: &'a str, own: &'a str, live: impl Fn(u32) -> bool) -> Vec<&'a str> {
+    flexstack_tables(listing, own)
         .filter(|t| t.strip_prefix("flexstack_").and_then(|pid| pid.parse::<u32>().ok()).is_some_and(|pid| !live(pid)))
         .collect()
 }

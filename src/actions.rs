@@ -487,7 +487,10 @@ impl Control {
     }
 
     fn status(&self) -> Result<Json, ApiError> {
-        let snap = self.dp().snapshot().map_err(internal)?;
+        let dp = self.dp();
+        let snap = dp.snapshot().map_err(internal)?;
+        let scheduling = dp.scheduling().to_string();
+        drop(dp);
         let revision = self.revisions.lock().unwrap_or_else(|p| p.into_inner()).latest();
         Ok(json!({
             "version": env!("CARGO_PKG_VERSION"),
@@ -497,7 +500,7 @@ impl Control {
             "modules": snap.modules.len(),
             "links": snap.edges.len(),
             "paused": snap.paused,
-            "dataplane_scheduling": self.dp().scheduling(),
+            "dataplane_scheduling": scheduling,
         }))
     }
 

@@ -325,9 +325,9 @@ fn numeric(v: &Json) -> Option<String> {
 /// Samples the meters matching the lab's patterns until `stop`, appending to `meters.csv`.
 fn sampler(state: LabState, patterns: Vec<String>, every: Duration, start: Instant, stop: Arc<AtomicBool>) {
     let path = state.results.join("meters.csv");
-    let Ok(mut out) = std::fs::File::create(&path).map(std::io::BufWriter::new) else {
-        eprintln!("lab {}: cannot write {}", state.name, path.display());
-        return;
+    let mut out = match std::fs::File::create(&path) {
+        Ok(f) => std::io::BufWriter::new(f),
+        Err(e) => return warn_unwritten(&path, &e),
     };
     // The first failed write is reported; sampling goes on (a full disk may free up).
     let mut failed = false;

@@ -44,20 +44,28 @@ fn cap_sets(status_file: &str) -> BTreeMap<String, u64> {
     parse_caps(&std::fs::read_to_string(status_file).unwrap_or_else(|e| panic!("{status_file}: {e}")))
 }
 
-/// The capability sets of every thread of process `pid`, by thread name and id.
-fn threads_of(pid: u32) -> Vec<(String, BTreeMap<String, u64>)> {
+/// Every thread of process `pid`: its name, its id and the text of its file `file` under /proc/PID/task/TID. A
+/// thread that ended while the list was read (a client thread that served the last request) is left out.
+fn tasks_of(pid: u32, file: &str) -> Vec<(String, u32, String)> {
     let mut out = Vec::new();
     for entry in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap().flatten() {
         let dir = entry.path();
-        // A thread that ended while the list was read (a client thread that served the last request) is left out.
-        let (Ok(name), Ok(status)) =
-            (std::fs::read_to_string(dir.join("comm")), std::fs::read_to_string(dir.join("status")))
+        let (Ok(name), Ok(text)) = (std::fs::read_to_string(dir.join("comm")), std::fs::read_to_string(dir.join(file)))
         else {
             continue;
         };
-        out.push((format!("{} ({})", name.trim(), entry.file_name().to_string_lossy()), parse_caps(&status)));
+        let tid = entry.file_name().to_string_lossy().parse().unwrap();
+        out.push((name.trim().to_string(), tid, text));
     }
     out
+}
+
+/// The capability sets of every thread of process `pid`, by thread name and id.
+fn threads_of(pid: u32) -> Vec<(String, BTreeMap<String, u64>)> {
+    tasks_of(pid, "status")
+        .into_iter()
+        .map(|(name, tid, status)| (format!("{name} ({tid})"), parse_caps(&status)))
+        .collect()
 }
 
 #[test]
@@ -204,29 +212,33 @@ fn a_daemon_of_an_ordinary_user_starts_and_holds_nothing() {
     assert!(exit.success(), "it stops cleanly on SIGTERM: {exit}");
 }
 
-/// The scheduling policy (0 normal, 1 SCHED_FIFO), kernel priority and id of each thread of `pid`, by thread name. A
-/// thread that ended while the list was read (a client thread that served the last request) is left out.
-fn policies_of(pid: u32) -> Vec<(String, u32, u32, u32)> {
-    let mut out = Vec::new();
-    for entry in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap().flatten() {
-        let dir = entry.path();
-        let (Ok(name), Ok(sched)) =
-            (std::fs::read_to_string(dir.join("comm")), std::fs::read_to_string(dir.join("sched")))
-        else {
-            continue;
-        };
-        let field = |key: &str| -> u32 {
-            sched
-                .lines()
-                .find(|l| l.split_whitespace().next() == Some(key))
-                .and_then(|l| l.rsplit(':').next())
-                .and_then(|v| v.trim().parse().ok())
-                .unwrap_or_else(|| panic!("no {key} in {}/sched: {sched}", dir.display()))
-        };
-        let tid = entry.file_name().to_string_lossy().parse().unwrap_or_default();
-        out.push((name.trim().to_string(), field("policy"), field("prio"), tid));
-    }
-    out
+/// How one thread is scheduled, from /proc/PID/task/TID/sched.
+#[derive(Debug)]
+struct ThreadSched {
+    name: String,
+    tid: u32,
+    /// 0 normal, 1 SCHED_FIFO.
+    policy: u32,
+    /// The kernel's priority (99 - the SCHED_FIFO priority for a real-time thread, 120 for a normal one).
+    prio: u32,
+}
+
+/// How every thread of `pid` is scheduled.
+fn policies_of(pid: u32) -> Vec<ThreadSched> {
+    tasks_of(pid, "sched")
+        .into_iter()
+        .map(|(name, tid, sched)| {
+            let field = |key: &str| -> u32 {
+                sched
+                    .lines()
+                    .find(|l| l.split_whitespace().next() == Some(key))
+                    .and_then(|l| l.rsplit(':').next())
+                    .and_then(|v| v.trim().parse().ok())
+                    .unwrap_or_else(|| panic!("no {key} in the sched file of thread {tid}: {sched}"))
+            };
+            ThreadSched { policy: field("policy"), prio: field("prio"), name, tid }
+        })
+        .collect()
 }
 
 #[test]
@@ -281,25 +293,19 @@ fn a_realtime_daemon_runs_only_its_data_plane_under_sched_fifo() {
     let (daemon, status, log) = start(&["--realtime", "10"]);
     let threads = policies_of(daemon.id());
     let sets = cap_sets(&format!("/proc/{}/status", daemon.id()));
-    // chrt shows the policy's flags too (SCHED_RESET_ON_FORK): of every thread, while the daemon runs.
-    let tids: Vec<String> = threads.iter().map(|t| t.3.to_string()).collect();
-    let chrt: Vec<String> = tids
-        .iter()
-        .map(|tid| {
-            String::from_utf8_lossy(&Command::new("chrt").args(["-p", tid]).output().unwrap().stdout).to_string()
-        })
-        .collect();
+    let dataplane: Vec<&ThreadSched> = threads.iter().filter(|t| t.name == "dataplane").collect();
+    assert_eq!(dataplane.len(), 1, "{threads:?}");
+    // chrt shows the policy's flags too (SCHED_RESET_ON_FORK), while the daemon runs.
+    let chrt = Command::new("chrt").args(["-p", &dataplane[0].tid.to_string()]).output().unwrap();
+    let chrt = String::from_utf8_lossy(&chrt.stdout).to_string();
     stop(daemon, log);
     assert_eq!(status["dataplane_scheduling"], "fifo 10", "{status}");
     // SCHED_FIFO 10 is kernel priority 99 - 10; every other thread stays under the normal policy.
-    let dataplane: Vec<_> = threads.iter().filter(|(name, _, _, _)| name == "dataplane").collect();
-    assert_eq!(dataplane.len(), 1, "{threads:?}");
-    assert_eq!((dataplane[0].1, dataplane[0].2), (1, 89), "the data plane under SCHED_FIFO 10: {threads:?}");
+    assert_eq!((dataplane[0].policy, dataplane[0].prio), (1, 89), "the data plane under SCHED_FIFO 10: {threads:?}");
     // Nothing it might start inherits the policy (SCHED_RESET_ON_FORK).
-    let of_dataplane = &chrt[threads.iter().position(|t| t.0 == "dataplane").unwrap()];
-    assert!(of_dataplane.contains("SCHED_FIFO|SCHED_RESET_ON_FORK"), "{chrt:?}");
-    for (name, policy, _, _) in threads.iter().filter(|(name, _, _, _)| name != "dataplane") {
-        assert_eq!(*policy, 0, "{name} stays under the normal policy: {threads:?}");
+    assert!(chrt.contains("SCHED_FIFO|SCHED_RESET_ON_FORK"), "{chrt}");
+    for t in threads.iter().filter(|t| t.name != "dataplane") {
+        assert_eq!(t.policy, 0, "{} stays under the normal policy: {threads:?}", t.name);
     }
     // Taking the policy did not keep CAP_SYS_NICE (23): the daemon holds only what it holds without --realtime.
     assert_eq!(sets["CapEff"] & !mask(&KEPT_BITS), 0, "{sets:?}");
@@ -309,5 +315,5 @@ fn a_realtime_daemon_runs_only_its_data_plane_under_sched_fifo() {
     let threads = policies_of(daemon.id());
     stop(daemon, log);
     assert_eq!(status["dataplane_scheduling"], "normal", "{status}");
-    assert!(threads.iter().all(|(_, policy, _, _)| *policy == 0), "no --realtime, no real-time thread: {threads:?}");
+    assert!(threads.iter().all(|t| t.policy == 0), "no --realtime, no real-time thread: {threads:?}");
 }

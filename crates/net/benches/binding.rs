@@ -55,6 +55,8 @@ use std::time::Instant;
 const FLOWS: [usize; 3] = [1, 100, 10_000];
 /// Packets queued per flow in the second set; the first set queues TOTAL packets whatever the number of flows.
 const BACKLOG: usize = 4;
+/// Set (d): packets a flow sends in a row before the next flow's.
+const RUN: usize = 4;
 const TOTAL: usize = 40_000;
 const ROUNDS: usize = 7;
 /// Packets per round (STEPS / B steps of B packets).
@@ -84,6 +86,10 @@ struct Bench {
     /// The modelled device queue: `max(DEVICE_QUEUE, batch)`.
     device_queue: usize,
     next_flow: usize,
+    /// Packets each flow sends in a row before the next flow's (1: flows take turns packet by packet).
+    run: usize,
+    /// Packets of the current run sent so far.
+    in_run: usize,
     sent: u64,
     emitted: u64,
     dropped: u64,
@@ -91,7 +97,7 @@ struct Bench {
 }
 
 impl Bench {
-    fn new(flows: usize, backlog: usize, quantum: usize, batch: usize) -> Bench {
+    fn new(flows: usize, backlog: usize, quantum: usize, batch: usize, run: usize) -> Bench {
         let mut catalog = Catalog::new();
         flexstack_net::register(&mut catalog);
         let device_queue = DEVICE_QUEUE.max(batch);
@@ -125,6 +131,8 @@ quantum = QUANTUM
             batch,
             device_queue,
             next_flow: 0,
+            run,
+            in_run: 0,
             sent: 0,
             emitted: 0,
             dropped: 0,
@@ -148,7 +156,11 @@ quantum = QUANTUM
         for _ in 0..n {
             let mut p = self.pool.alloc_from(&self.packet);
             p.meta_mut().set(MetaKey::FLOW_ID, 1 + self.next_flow as u64);
-            self.next_flow = (self.next_flow + 1) % self.flows;
+            self.in_run += 1;
+            if self.in_run == self.run {
+                self.in_run = 0;
+                self.next_flow = (self.next_flow + 1) % self.flows;
+            }
             self.input.push(Frame::Data(p));
         }
         let mut control = Vec::new();
@@ -268,22 +280,26 @@ fn env_usize(name: &str) -> Option<usize> {
     std::env::var(name).ok().and_then(|s| s.parse().ok())
 }
 
-/// Profiling aid: `BINDING_BENCH_ONLY=a:10000` (or `b:100`, ...) runs only that configuration, 3 rounds of
-/// `BINDING_BENCH_STEPS` packets (default 200,000), in batches of `BINDING_BENCH_BATCH` (default 32), with the
-/// quantum `BINDING_BENCH_QUANTUM` (default 1000; set (c) is the default quantum, 1514), so that `perf record` or
+/// Profiling aid: `BINDING_BENCH_ONLY=a:10000` (or `b:100`, `c:1`, `d:10000`, ...) runs only that
+/// configuration, 3 rounds of `BINDING_BENCH_STEPS` packets (default 200,000), in batches of
+/// `BINDING_BENCH_BATCH` (default 32), with the set's quantum (1000 for (a) and (b), the module's default 1514 for
+/// (c) and (d)) unless `BINDING_BENCH_QUANTUM` says otherwise, so that `perf record` or
 /// `valgrind --tool=callgrind` see one configuration alone.
 fn only() -> Option<(char, usize, usize, usize)> {
     let v = std::env::var("BINDING_BENCH_ONLY").ok()?;
     let (set, n) = v.split_once(':')?;
+    let set = set.chars().next()?;
     let steps = env_usize("BINDING_BENCH_STEPS").unwrap_or(STEPS);
-    let quantum = env_usize("BINDING_BENCH_QUANTUM").unwrap_or(SIZE);
-    Some((set.chars().next()?, n.parse().ok()?, steps, quantum))
+    let default = if matches!(set, 'c' | 'd') { DEFAULT_QUANTUM } else { SIZE };
+    let quantum = env_usize("BINDING_BENCH_QUANTUM").unwrap_or(default);
+    Some((set, n.parse().ok()?, steps, quantum))
 }
 
 fn main() {
     let batch = env_usize("BINDING_BENCH_BATCH").filter(|&b| b >= 1).unwrap_or(DEFAULT_BATCH);
     if let Some((set, n, packets, quantum)) = only() {
-        let mut b = Bench::new(n, if set == 'b' { BACKLOG } else { TOTAL / n }, quantum, batch);
+        let run = if set == 'd' { RUN } else { 1 };
+        let mut b = Bench::new(n, if set == 'b' { BACKLOG } else { TOTAL / n }, quantum, batch, run);
         let steps = 3 * (packets / batch).max(1);
         let cpu_start = thread_cpu_ns();
         let start = Instant::now();
@@ -305,14 +321,14 @@ fn main() {
          case, device queue {})",
         DEVICE_QUEUE.max(batch)
     );
-    let configs = |backlog: &dyn Fn(usize) -> usize, quantum: usize| -> Vec<Bench> {
+    let configs = |backlog: &dyn Fn(usize) -> usize, quantum: usize, run: usize| -> Vec<Bench> {
         batches
             .iter()
             .flat_map(|&b| FLOWS.iter().map(move |&n| (b, n)))
-            .map(|(b, n)| Bench::new(n, backlog(n), quantum, b))
+            .map(|(b, n)| Bench::new(n, backlog(n), quantum, b, run))
             .collect()
     };
-    let mut same_total = configs(&|n| TOTAL / n, SIZE);
+    let mut same_total = configs(&|n| TOTAL / n, SIZE, 1);
     let a = measure(
         &format!("(a) {TOTAL} packets queued in all, spread over N flows; quantum {SIZE} (served in arrival order)"),
         &batches,
@@ -322,14 +338,25 @@ fn main() {
         assert_eq!(b.queued(), (TOTAL - DEVICE_QUEUE) as u64, "the backlog stayed");
     }
     drop(same_total);
-    let mut reordered = configs(&|n| TOTAL / n, DEFAULT_QUANTUM);
+    let mut default_quantum = configs(&|n| TOTAL / n, DEFAULT_QUANTUM, 1);
     let c = measure(
-        &format!("(c) as (a) with the default quantum {DEFAULT_QUANTUM} (service order differs from arrival order)"),
+        &format!(
+            "(c) as (a) with the default quantum {DEFAULT_QUANTUM} (a flow's share is one or two packets a round)"
+        ),
         &batches,
-        &mut reordered,
+        &mut default_quantum,
     );
-    drop(reordered);
-    let mut per_flow = configs(&|_| BACKLOG, SIZE);
+    drop(default_quantum);
+    let mut in_runs = configs(&|n| TOTAL / n, DEFAULT_QUANTUM, RUN);
+    let d = measure(
+        &format!(
+            "(d) as (c) with each flow's packets arriving in runs of {RUN} (served in another order than they arrived)"
+        ),
+        &batches,
+        &mut in_runs,
+    );
+    drop(in_runs);
+    let mut per_flow = configs(&|_| BACKLOG, SIZE, 1);
     let b =
         measure(&format!("(b) {BACKLOG} packets queued per flow (the backlog grows with N)"), &batches, &mut per_flow);
     let n = FLOWS[FLOWS.len() - 1];
@@ -339,7 +366,13 @@ fn main() {
         println!(
             "B = {batch} ({mode}): cost at {n} flows / cost at 1 flow, wall clock (CPU time); target <= {TARGET_RATIO}"
         );
-        for (name, r) in [("(a) same backlog", a[g]), ("(c) default quantum", c[g]), ("(b) 4 packets per flow", b[g])] {
+        let sets = [
+            ("(a) same backlog", a[g]),
+            ("(c) default quantum", c[g]),
+            ("(d) arriving in runs", d[g]),
+            ("(b) 4 packets per flow", b[g]),
+        ];
+        for (name, r) in sets {
             println!("  {name}: {:.3} ({:.3}): {}", r.wall, r.cpu, verdict(r.wall));
         }
     }

@@ -17,7 +17,9 @@
 //!   decided on its first packet: an override (procedure `class`), else the first matching `class_rules` rule,
 //!   else [`MetaKey::CLASS`] (0 urgent, 1 interactive, 2 bulk), else the packet's DSCP (see [`Class::from_dscp`]).
 //!   Classes are served in strict priority (urgent, interactive, bulk); flows within a class by deficit round
-//!   robin with a `quantum` of bytes per round.
+//!   robin with a `quantum` of bytes per round, interleaved: each visit sends one packet, and a flow whose deficit
+//!   still covers its next packet goes to the back of the round (`Rounds`), so that flows take turns packet by
+//!   packet within a round rather than each sending its quantum in a burst.
 //! - **Below the binding point**: each interface has a device queue that models the NIC's transmit ring: at most
 //!   `<iface>.device_queue` packets, drained at `<iface>.rate_bps`. A packet admitted at `now` starts its modelled
 //!   transmission when the previous one ends (or at `now`) and leaves the device queue when its transmission time
@@ -84,9 +86,11 @@
 //! Cost: the per-flow state a packet touches is one cache line (`Flow`; names and meter handles sit behind a
 //! box), the flows' queues are linked lists in one node arena (no allocation per flow or packet), the flow index
 //! hashes with splitmix64 instead of SipHash, and per-flow meters are written in batches. After each binding the
-//! packets the next bindings will take (by the DRR rule) are prefetched, with the queue nodes of the flows after
-//! them (see `PREFETCH_PACKETS` in the source): a deep backlog served out of arrival order otherwise waits for
-//! memory on every line of every packet. A batch going down is taken in passes (`ARRIVAL_PREFETCH_MIN`): every
+//! packets the next bindings will take (the head packets of the next flows of the round) are prefetched, with the
+//! queue nodes of the flows after them (see `PREFETCH_PACKETS` in the source): a deep backlog served out of arrival
+//! order otherwise waits for memory on every line of every packet. Interleaving the rounds also keeps the service
+//! in arrival order when flows arrive in turn, so that a deep backlog's packets are visited in the order they
+//! were written, which the hardware prefetchers follow. A batch going down is taken in passes (`ARRIVAL_PREFETCH_MIN`): every
 //! packet's flow is looked up and its state asked for, then the link of each flow's last packet, then the packets
 //! are queued, so that these reads at random overlap. `crates/net/benches/binding.rs` measures the cost per packet
 //! with 1, 100 and 10,000 flows, one packet per call and in batches as the daemon hands them; figures in
@@ -1093,7 +1097,126 @@ struct Flow {
     dirty: bool,
     pinned: Option<u8>,
     last_iface: Option<u8>,
+    /// The flow gets its `quantum` at its next visit: it has not had the current round's yet ([`Rounds`]).
+    quantum_due: bool,
     cold: Box<FlowCold>,
+}
+
+impl Flow {
+    /// At a visit by deficit round robin: adds the round's quantum if it is due; whether the deficit now covers
+    /// the head packet.
+    fn covers_head(&mut self, quantum: u64) -> bool {
+        if std::mem::take(&mut self.quantum_due) {
+            self.deficit += quantum;
+        }
+        self.deficit >= u64::from(self.head_len)
+    }
+
+    /// Whether a visit now would let the flow send its head packet (as [`Flow::covers_head`], without the visit).
+    fn would_cover_head(&self, quantum: u64) -> bool {
+        let due = if self.quantum_due { quantum } else { 0 };
+        self.deficit + due >= u64::from(self.head_len)
+    }
+
+    /// The flow's queue is now empty: it leaves the round robin with no deficit.
+    fn leave_rounds(&mut self) {
+        self.tail = NIL;
+        self.deficit = 0;
+        self.active = false;
+        self.quantum_due = true;
+    }
+}
+
+/// The flows of one class with packets queued, in deficit-round-robin order, interleaved: a round gives every
+/// flow one `quantum` of bytes, as classic DRR does, but a flow sends one packet per visit and then goes to the back
+/// of the round while its deficit covers its next packet, so that within a round the flows take turns packet by
+/// packet instead of each sending its whole quantum at once. A round sends the same packets as classic DRR's (so
+/// the same byte shares, within one packet of fair), in an order closer to the one they arrived in when flows
+/// arrive in turn, and no flow sends two packets in a row while another waits.
+///
+/// How it is called: [`Rounds::front`] is the flow to visit; after the visit the caller says where it goes:
+/// [`Rounds::again`] (it sent and may send again this round), [`Rounds::later`] (its deficit does not cover its
+/// head packet: it waits for the next round's quantum), [`Rounds::remove_front`] (it is empty) or
+/// [`Rounds::pass_over`] (its interface has no room: it keeps its deficit and place in the round).
+#[derive(Default)]
+struct Rounds {
+    /// The current round's flows still to visit, in turn.
+    current: VecDeque<u32>,
+    /// The flows done with the current round, in the order they finished it: the next round.
+    next: VecDeque<u32>,
+}
+
+impl Rounds {
+    fn is_empty(&self) -> bool {
+        self.current.is_empty() && self.next.is_empty()
+    }
+
+    fn len(&self) -> usize {
+        self.current.len() + self.next.len()
+    }
+
+    /// The flow to visit next; when the current round has no flow left, the next round begins.
+    fn front(&mut self) -> Option<u32> {
+        if self.current.is_empty() {
+            std::mem::swap(&mut self.current, &mut self.next);
+        }
+        self.current.front().copied()
+    }
+
+    /// The flows in the order they will be visited (as far as it is known now).
+    fn iter(&self) -> impl Iterator<Item = &u32> {
+        self.current.iter().chain(self.next.iter())
+    }
+
+    /// A flow that has just become active joins the current round, last.
+    fn push(&mut self, slot: u32) {
+        self.current.push_back(slot);
+    }
+
+    /// The front flow goes to the back of the current round.
+    fn again(&mut self) {
+        if let Some(slot) = self.current.pop_front() {
+            self.current.push_back(slot);
+        }
+    }
+
+    /// The front flow is done with the current round.
+    fn later(&mut self) {
+        if let Some(slot) = self.current.pop_front() {
+            self.next.push_back(slot);
+        }
+    }
+
+    /// The front flow leaves (its queue is empty).
+    fn remove_front(&mut self) {
+        self.current.pop_front();
+    }
+
+    /// The front flow could not send (its interface is full): it is passed over, to the back of the current round;
+    /// returns whether every flow of the current round has now been passed over once since `passed` counted 0
+    /// (`passed` counts the pass-overs). Then the flows of the next round are visited before them: they may have
+    /// other interfaces.
+    fn pass_over(&mut self, passed: &mut usize) -> bool {
+        self.current.rotate_left(1.min(self.current.len()));
+        *passed += 1;
+        if *passed < self.current.len() {
+            return false;
+        }
+        if self.next.is_empty() {
+            return true;
+        }
+        let blocked = std::mem::take(&mut self.current);
+        *passed = blocked.len();
+        std::mem::swap(&mut self.current, &mut self.next);
+        self.current.extend(blocked);
+        false
+    }
+
+    /// Removes `slot` wherever it is.
+    fn remove(&mut self, slot: u32) {
+        self.current.retain(|&s| s != slot);
+        self.next.retain(|&s| s != slot);
+    }
 }
 
 /// What a flow needs only when it appears, goes, or is published.
@@ -1108,6 +1231,24 @@ fn mark_dirty(dirty: &mut Vec<u32>, f: &mut Flow, slot: u32) {
     if !f.dirty {
         f.dirty = true;
         dirty.push(slot);
+    }
+}
+
+/// After flow `f`, at the front of `rounds`, sent its head packet (its deficit and `head` already updated):
+/// `next` is its new head packet ([`NIL`]: none) of `next_len` bytes. An empty flow leaves; one whose deficit
+/// covers the next packet goes to the back of the round, the others wait for the next round.
+fn served(rounds: &mut Rounds, f: &mut Flow, next: u32, next_len: u32) {
+    if next == NIL {
+        f.leave_rounds();
+        rounds.remove_front();
+        return;
+    }
+    f.head_len = next_len;
+    if f.deficit >= u64::from(next_len) {
+        rounds.again();
+    } else {
+        f.quantum_due = true;
+        rounds.later();
     }
 }
 
@@ -1128,7 +1269,7 @@ pub struct Binding {
     held: Vec<Held>,
     next_publish: Time,
     /// Per class, the flows with packets queued, in deficit-round-robin order.
-    active: [VecDeque<u32>; 3],
+    active: [Rounds; 3],
     overrides: FlowMap<Class>,
     queued: u64,
     queued_bytes: u64,
@@ -1202,6 +1343,7 @@ impl Binding {
             dirty: false,
             pinned: None,
             last_iface: None,
+            quantum_due: true,
             cold: Box::new(FlowCold {
                 key,
                 vars_name,
@@ -1396,14 +1538,7 @@ impl Binding {
             let len = u64::from(node.len);
             f.deficit = f.deficit.saturating_sub(len);
             f.head = next;
-            if next == NIL {
-                f.tail = NIL;
-                f.deficit = 0;
-                f.active = false;
-                self.active[class as usize].pop_front();
-            } else {
-                f.head_len = next_len;
-            }
+            served(&mut self.active[class as usize], f, next, next_len);
             self.unqueue(slot, len);
             self.note_binding(slot, k, now.0.saturating_sub(node.at.0));
             let q = Queued { pkt: node.pkt, hdr: node.hdr, at: node.at, flow: slot };
@@ -1419,34 +1554,31 @@ impl Binding {
     fn prefetch_next(&self, class: Class) {
         let Some(c) = (0..=class as usize).find(|&c| !self.active[c].is_empty()) else { return };
         let mut found = 0;
-        // First the flows whose deficit covers their head packet now, then (a turn later) those that need one more
-        // quantum.
-        'near: for later in [false, true] {
-            for &slot in self.active[c].iter().take(NEAR_FLOWS) {
-                let Some(f) = self.flows.get(slot) else { continue };
-                let covered = f.deficit >= u64::from(f.head_len);
-                if covered == later || (later && f.deficit + self.cfg.quantum < u64::from(f.head_len)) {
-                    continue;
+        // Each visit sends at most one packet: the next bindings take the head packets of the next flows whose
+        // deficit covers them (with the round's quantum if it is due).
+        for &slot in self.active[c].iter().take(NEAR_FLOWS) {
+            let Some(f) = self.flows.get(slot) else { continue };
+            if !f.would_cover_head(self.cfg.quantum) {
+                continue;
+            }
+            if let Some(n) = self.nodes.get(f.head) {
+                // The packet's slot (reference counts, buffer pointer, metadata: about 160 bytes around the
+                // metadata, whose address needs no read of the slot), then its bytes.
+                let meta = n.pkt.meta() as *const _ as usize;
+                for at in [meta.wrapping_sub(LINE), meta, meta.wrapping_add(LINE)] {
+                    prefetch(at);
                 }
-                if let Some(n) = self.nodes.get(f.head) {
-                    // The packet's slot (reference counts, buffer pointer, metadata: about 160 bytes around the
-                    // metadata, whose address needs no read of the slot), then its bytes.
-                    let meta = n.pkt.meta() as *const _ as usize;
-                    for at in [meta.wrapping_sub(LINE), meta, meta.wrapping_add(LINE)] {
-                        prefetch(at);
-                    }
-                    // Its bytes for the very next binding, its header line for the one after.
-                    let bytes = if found == 0 { PREFETCH_BYTES } else { LINE };
-                    for at in (0..(n.len as usize).min(bytes)).step_by(LINE) {
-                        prefetch(n.data.wrapping_add(at));
-                    }
-                    // The flow's next node, in case the flow sends again in this turn.
-                    self.nodes.prefetch(self.nodes.next_of(f.head).0);
+                // Its bytes for the very next binding, its header line for the one after.
+                let bytes = if found == 0 { PREFETCH_BYTES } else { LINE };
+                for at in (0..(n.len as usize).min(bytes)).step_by(LINE) {
+                    prefetch(n.data.wrapping_add(at));
                 }
-                found += 1;
-                if found == PREFETCH_PACKETS {
-                    break 'near;
-                }
+                // The flow's next node, for its next turn (the next binding, when it is alone in the round).
+                self.nodes.prefetch(self.nodes.next_of(f.head).0);
+            }
+            found += 1;
+            if found == PREFETCH_PACKETS {
+                break;
             }
         }
         for &slot in self.active[c].iter().skip(NEAR_FLOWS).take(FAR_FLOWS) {
@@ -1464,6 +1596,7 @@ impl Binding {
         if self.cfg.policy == Policy::Preferred && !self.ifaces.iter().find(|i| i.cfg.up).is_some_and(Iface::has_room) {
             return None;
         }
+        let quantum = self.cfg.quantum;
         for class in Class::ALL {
             let c = class as usize;
             let n = self.active[c].len();
@@ -1471,32 +1604,26 @@ impl Binding {
                 continue;
             }
             // Enough visits for every flow to gather the deficit for a largest packet, then to be found blocked.
-            let limit = n.saturating_mul(2 + (65_536 / self.cfg.quantum.max(1)) as usize);
-            let mut blocked = 0;
+            let limit = n.saturating_mul(2 + (65_536 / quantum.max(1)) as usize);
+            let mut passed = 0;
             for _ in 0..limit {
-                let Some(&slot) = self.active[c].front() else { break };
+                let Some(slot) = self.active[c].front() else { break };
                 let Some(f) = self.flows.get(slot) else { break };
                 if f.head == NIL {
                     break;
                 }
-                let len = u64::from(f.head_len);
-                let deficit = f.deficit;
-                match self.target(slot, len, now) {
+                match self.target(slot, u64::from(f.head_len), now) {
                     // A flow that cannot send gathers no deficit: it is passed over, not served less later.
                     Some(k) if self.ifaces[k].has_room() => {
-                        if deficit >= len {
+                        let Some(f) = self.flows.get_mut(slot) else { break };
+                        if f.covers_head(quantum) {
                             return Some((class, slot, k));
                         }
-                        if let Some(f) = self.flows.get_mut(slot) {
-                            f.deficit += self.cfg.quantum;
-                        }
-                        self.active[c].rotate_left(1);
+                        f.quantum_due = true;
+                        self.active[c].later();
                     }
                     _ => {
-                        // Passed over; after a whole turn of blocked flows the order is as it was.
-                        self.active[c].rotate_left(1);
-                        blocked += 1;
-                        if blocked >= n {
+                        if self.active[c].pass_over(&mut passed) {
                             break;
                         }
                     }
@@ -1606,7 +1733,7 @@ impl Binding {
                 mark_dirty(&mut self.dirty, f, slot);
                 if !f.active {
                     f.active = true;
-                    self.active[f.class as usize].push_back(slot);
+                    self.active[f.class as usize].push(slot);
                 }
             }
             Mode::Early => {
@@ -1662,8 +1789,9 @@ impl Binding {
     /// and linked behind the flow's previous packet of the batch in [`Binding::held`] (the flow's `head` and `tail`
     /// index that batch while it runs, instead of the node arena; the flow becomes active in its class, as when
     /// queued). Then the classes are served in priority order by deficit round robin, as [`Binding::select`] does
-    /// when no flow is blocked (the quantum added to a flow whose deficit does not cover its head packet, then the
-    /// next flow), each packet bound as [`Binding::fill_late`] binds it. Every flow of the batch ends empty and
+    /// when no flow is blocked (a visit adds the round's quantum if it is due and sends one packet if the deficit
+    /// covers it; the flow then goes to the back of the round or, its deficit short, to the next round: [`served`]),
+    /// each packet bound as [`Binding::fill_late`] binds it. Every flow of the batch ends empty and
     /// inactive with no deficit, as after settling. The node arena, the per-packet queue accounting, the
     /// interface checks per visit and the prefetching for deep backlogs are skipped: the batch was just read and
     /// is in the caches.
@@ -1697,17 +1825,18 @@ impl Binding {
             mark_dirty(&mut self.dirty, f, slot);
             if !f.active {
                 f.active = true;
-                self.active[f.class as usize].push_back(slot);
+                self.active[f.class as usize].push(slot);
             }
         }
+        let quantum = self.cfg.quantum;
         for class in Class::ALL {
             let c = class as usize;
-            while let Some(&slot) = self.active[c].front() {
+            while let Some(slot) = self.active[c].front() {
                 let Some(f) = self.flows.get_mut(slot) else { break };
                 let len = u64::from(f.head_len);
-                if f.deficit < len {
-                    f.deficit += self.cfg.quantum;
-                    self.active[c].rotate_left(1);
+                if !f.covers_head(quantum) {
+                    f.quantum_due = true;
+                    self.active[c].later();
                     continue;
                 }
                 let at = f.head as usize;
@@ -1715,14 +1844,8 @@ impl Binding {
                 let (next, hdr, pkt) = (h.next, h.hdr, h.pkt.take());
                 f.deficit -= len;
                 f.head = next;
-                if next == NIL {
-                    f.tail = NIL;
-                    f.deficit = 0;
-                    f.active = false;
-                    self.active[c].pop_front();
-                } else {
-                    f.head_len = held.get(next as usize).map_or(0, |n| n.len);
-                }
+                let next_len = held.get(next as usize).map_or(0, |n| n.len);
+                served(&mut self.active[c], f, next, next_len);
                 let Some(pkt) = pkt else { continue };
                 let q = Queued { pkt, hdr, at: now, flow: slot };
                 match self.target(slot, len, now) {
@@ -1856,8 +1979,8 @@ impl Binding {
         f.class = class;
         f.cold.vars.class.store(&Value::Str(class.name().into()));
         if f.active && old != class {
-            self.active[old as usize].retain(|&s| s != slot);
-            self.active[class as usize].push_back(slot);
+            self.active[old as usize].remove(slot);
+            self.active[class as usize].push(slot);
         }
         Ok(())
     }

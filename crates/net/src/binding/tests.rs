@@ -200,8 +200,10 @@ fn class_rules_metadata_and_overrides_decide_the_class() {
     inject(&mut sw, us(300), &[udp(1002, 1000, 46, 70)], Some(10));
     drain(&mut sw, ms(100));
     let order: Vec<u32> = take(&la).iter().map(|s| port_index(&s.data).1).collect();
-    // Flow 10 is bulk by rule and shares with flow 7 by DRR (quantum 1514: one or two 1000-byte packets a turn).
-    assert_eq!(order, [0, 60, 50, 1, 2, 70, 3]);
+    // Flow 10 is bulk by rule and shares with flow 7 by DRR (quantum 1514: one or two 1000-byte packets a round):
+    // flow 7 spent its round's quantum on packet 0 (514 bytes left, not enough for packet 1) and waits for the
+    // next round, which flow 10, arriving meanwhile, joins after its own turn in the current one.
+    assert_eq!(order, [0, 60, 50, 70, 1, 2, 3]);
     assert_eq!(var(&sw, "flow.8.binding.class"), Some(Value::Str("interactive".into())));
     assert_eq!(var(&sw, "flow.9.binding.class"), Some(Value::Str("urgent".into())));
     assert_eq!(var(&sw, "flow.10.binding.class"), Some(Value::Str("bulk".into())));
@@ -264,6 +266,92 @@ fn deficit_round_robin_shares_bytes_within_one_packet() {
     for (k, b) in bytes.iter().enumerate() {
         assert!(b.abs_diff(fair) <= 1500, "flow {k}: {b} bytes, fair share {fair} ({bytes:?})");
     }
+}
+
+#[test]
+fn within_a_round_flows_take_turns_packet_by_packet() {
+    // Quantum 3000: a round lets each flow send three 1000-byte packets. Flow 1's six packets arrive before flow
+    // 2's; classic DRR would send 1,1,1,2,2,2,1,1,1,2,2,2. Here each visit sends one packet and the flow goes to
+    // the back of the round while its deficit covers the next: the flows alternate within each round.
+    let (mut sw, la, _) = stack(LATE_KIND, &[RATE_8M, "\"a.device_queue\"=1", "quantum=3000"]);
+    inject(&mut sw, ms(0), &(0..6).map(|i| udp(1, 1000, 0, i)).collect::<Vec<_>>(), Some(1));
+    inject(&mut sw, ms(0), &(0..6).map(|i| udp(2, 1000, 0, 10 + i)).collect::<Vec<_>>(), Some(2));
+    drain(&mut sw, ms(100));
+    let order: Vec<u32> = take(&la).iter().map(|s| port_index(&s.data).1).collect();
+    // Round 1: flow 1 sent packet 0 alone when it arrived (3000 - 1000 left), then the flows alternate until
+    // flow 1 has sent its three (0, 1, 2) and flow 2 its three (10, 11, 12). Round 2 alternates from the start.
+    assert_eq!(order, [0, 1, 10, 2, 11, 12, 3, 13, 4, 14, 5, 15]);
+}
+
+#[test]
+fn flows_that_arrive_in_turn_are_served_in_arrival_order() {
+    // Four flows, four 1000-byte packets each, arriving in turn (flow 1, 2, 3, 4, 1, 2, ...), default quantum
+    // (1514: one packet a round, two every other round). Every flow keeps packets queued, so the service is
+    // their arrival order: no flow sends its second packet of a round before the others have sent their first.
+    let (mut sw, la, _) = stack(LATE_KIND, &[RATE_8M, "\"a.device_queue\"=1"]);
+    for i in 0..16u32 {
+        let flow = 1 + i % 4;
+        inject(&mut sw, ms(0), &[udp(flow as u16, 1000, 0, i)], Some(u64::from(flow)));
+    }
+    drain(&mut sw, ms(100));
+    let order: Vec<u32> = take(&la).iter().map(|s| port_index(&s.data).1).collect();
+    assert_eq!(order, (0..16).collect::<Vec<_>>());
+}
+
+#[test]
+fn a_blocked_round_lets_the_next_rounds_flows_use_other_interfaces() {
+    // Flow 1 is in the current round, its interface full; flow 2 finished the round and waits for the next one.
+    // Passing over every flow of the current round starts the next round's flows, which may go elsewhere.
+    let mut r = Rounds::default();
+    r.push(1);
+    r.push(2);
+    assert_eq!(r.front(), Some(1));
+    r.again();
+    assert_eq!(r.front(), Some(2));
+    r.later();
+    let mut passed = 0;
+    assert_eq!(r.front(), Some(1));
+    assert!(!r.pass_over(&mut passed), "flow 2 is still to be tried");
+    assert_eq!(r.front(), Some(2));
+    assert_eq!(r.iter().copied().collect::<Vec<_>>(), [2, 1]);
+    assert!(r.pass_over(&mut passed), "both tried: nothing can go");
+    // Once the current round is empty, the next one begins.
+    let mut r = Rounds::default();
+    r.push(3);
+    r.later();
+    assert_eq!((r.len(), r.front()), (1, Some(3)));
+    r.remove_front();
+    assert!(r.is_empty());
+}
+
+#[test]
+fn a_flow_pinned_to_a_full_interface_does_not_hold_up_the_others() {
+    // Affinity: flow 1 is pinned to a, flow 2 to b. Then a slows to 1 Mbit/s (8 ms a packet) while b sends one
+    // every 1 ms: flow 2 keeps b busy while flow 1 waits for a, whatever round each is in.
+    let (mut sw, la, lb) = stack(
+        LATE_KIND,
+        &[
+            "policy=\"affinity\"",
+            RATE_8M,
+            "\"b.rate_bps\"=8000000",
+            "\"a.device_queue\"=1",
+            "\"b.device_queue\"=1",
+            "quantum=2000",
+        ],
+    );
+    inject(&mut sw, ms(0), &[udp(1, 1000, 0, 0)], Some(1));
+    inject(&mut sw, ms(0), &[udp(2, 1000, 0, 100)], Some(2));
+    drain(&mut sw, ms(10));
+    assert_eq!((take(&la).len(), take(&lb).len()), (1, 1));
+    sw.apply(vec![knob("s", "a.rate_bps", Value::U64(1_000_000))]).unwrap();
+    inject(&mut sw, ms(10), &(1..40).map(|i| udp(1, 1000, 0, i)).collect::<Vec<_>>(), Some(1));
+    inject(&mut sw, ms(10), &(101..140).map(|i| udp(2, 1000, 0, i)).collect::<Vec<_>>(), Some(2));
+    drain(&mut sw, ms(42));
+    let (a, b) = (take(&la), take(&lb));
+    assert!(a.iter().all(|s| port_index(&s.data).0 == 1) && b.iter().all(|s| port_index(&s.data).0 == 2));
+    // 32 ms: a sends about 4, b about 32.
+    assert!((3..=5).contains(&a.len()), "a sent {}", a.len());
+    assert!(b.len() >= 30, "b sent {}: held up by flow 1", b.len());
 }
 
 #[test]

@@ -10,7 +10,7 @@
 //! packets' transmission time (800 ns each) and polls the module once (the modelled transmissions that ended
 //! leave the device queue, the scheduler picks the next packets by class and deficit round robin and binds them,
 //! rewriting their source addresses with incremental checksums, and emits those whose transmission starts), then
-//! hands it B new packets, of the next B flows in turn, in ONE `process` call (parse, flow lookup, enqueue), so
+//! hands it B new packets, of the next flows in turn, in ONE `process` call (parse, flow lookup, enqueue), so
 //! the backlog stays as it was. The emitted packets are dropped back to the pool. Allocating and filling the
 //! packets from the pool is included, the same for every N.
 //!
@@ -25,29 +25,35 @@
 //!   apart, device queue 2. This is the module's worst case, every call's fixed work paid by one packet; the
 //!   daemon does it only when packets trickle in one per wake-up, which is not when 10,000 flows are queued.
 //!
-//! Three sets are measured: (a) 40,000 packets queued in all whatever N (40,000 in one flow, 400 in each of 100,
-//! 4 in each of 10,000), with a quantum of one packet, so that packets leave in the order they arrived, which
-//! isolates what the number of flows costs; (c) the same with the module's default quantum (1514 bytes for
-//! 1000-byte packets: a flow sends one or two packets per turn, so packets leave in another order than they came
-//! and the pool buffers, about 46 MB of them, are visited in a scrambled order); (b) 4 packets per flow, so the
-//! backlog (and the memory the queued packets occupy: 40,000 pool buffers at N = 10,000) grows with N, which
-//! adds the cache misses of a deep queue to the scheduler's own cost. Rounds interleave the configurations of a
-//! set, both B's (7 rounds of 200,000 packets each); the figure is the median over rounds. The ratio printed is
-//! cost(N) / cost(1) at the same B; the target is <= 1.2 at N = 10,000. Besides wall-clock time, each round's CPU
-//! time of the bench's thread is read (`/proc/thread-self/schedstat`, where the kernel has it): on a shared
-//! machine the wall clock also counts the time the thread waited for a core, CPU time does not (caches shared
-//! with others still show in both). The kernel updates that figure at its scheduler ticks (4 ms at HZ=250), so a
-//! round of 200,000 packets at 200 ns is read to within about 10 % (figures come in steps of 20 ns per packet
-//! there): a check on the wall clock, not a finer measure. After the run the bench checks that every packet it
-//! sent was emitted or is still queued, and that none was dropped.
+//! Four sets are measured: (a) 40,000 packets queued in all whatever N (40,000 in one flow, 400 in each of 100,
+//! 4 in each of 10,000), flows arriving in turn, with a quantum of one packet, which isolates what the number of
+//! flows costs; (c) the same with the module's default quantum (1514 bytes for 1000-byte packets: a flow's share
+//! is one or two packets a round; the rounds are interleaved, one packet per visit, so the flows still leave in
+//! the order they arrived); (d) as (c) with each flow's packets arriving in runs of 4 (as a TCP sender's window
+//! comes), so that the flows, served in turn, leave in another order than they arrived and the pool buffers,
+//! about 46 MB of them, are visited in a scrambled order; (b) 4 packets per flow, so the backlog (and the memory
+//! the queued packets occupy: 40,000 pool buffers at N = 10,000) grows with N, which adds the cache misses of a
+//! deep queue to the scheduler's own cost. Each set is read against a reference measured in the same run
+//! (`Bare`): the same packets, arriving the same way, through per-flow FIFOs served in turn with no scheduler,
+//! which shows what the order of the packets costs the memory system by itself. Rounds interleave the
+//! configurations of a set, both B's (7 rounds of 200,000 packets each); the figure is the median over rounds.
+//! The ratio printed is cost(N) / cost(1) at the same B; the target is <= 1.2 at N = 10,000. Besides wall-clock
+//! time, each round's CPU time of the bench's thread is read (`/proc/thread-self/schedstat`, where the kernel has
+//! it): on a shared machine the wall clock also counts the time the thread waited for a core, CPU time does not
+//! (caches shared with others still show in both). The kernel updates that figure at its scheduler ticks (4 ms at
+//! HZ=250), so a round of 200,000 packets at 200 ns is read to within about 10 % (figures come in steps of 20 ns
+//! per packet there): a check on the wall clock, not a finer measure. After the run the bench checks that every
+//! packet it sent was emitted or is still queued, and that none was dropped.
 //!
 //! `BINDING_BENCH_BATCH=B` sets the batched mode's B (default 32).
 
 use flexstack_core::frame::{Batch, PacketPool};
 use flexstack_core::module::{Module, Output};
 use flexstack_core::vars::ModuleVars;
-use flexstack_core::{Catalog, Frame, MetaKey, StackSpec, Time};
+use flexstack_core::{Catalog, Frame, MetaKey, Packet, StackSpec, Time};
+use flexstack_net::binding;
 use flexstack_net::packet::{build, proto};
+use std::collections::VecDeque;
 use std::hint::black_box;
 use std::net::Ipv4Addr;
 use std::time::Instant;
@@ -194,6 +200,143 @@ quantum = QUANTUM
     }
 }
 
+/// What [`measure`] drives: a configuration that takes `batch` packets per step.
+trait Subject {
+    fn step(&mut self);
+    fn batch(&self) -> usize;
+    fn flows(&self) -> usize;
+    /// Packets waiting (the last column of the table).
+    fn queued(&self) -> u64;
+    /// Panics unless every packet sent was handed on or is still held, none dropped.
+    fn check(&self);
+}
+
+impl Subject for Bench {
+    fn step(&mut self) {
+        Bench::step(self);
+    }
+    fn batch(&self) -> usize {
+        self.batch
+    }
+    fn flows(&self) -> usize {
+        self.flows
+    }
+    fn queued(&self) -> u64 {
+        Bench::queued(self)
+    }
+    fn check(&self) {
+        assert_eq!(self.dropped, 0, "no packet dropped");
+        // Of the packets in the device queue, all but the one in (modelled) transmission are not yet emitted.
+        assert_eq!(
+            self.sent,
+            self.emitted + self.queued() + self.device_queue as u64 - 1,
+            "every packet emitted or queued"
+        );
+    }
+}
+
+/// The reference each set is read against, measured in the same run: the same packets, arriving the same way,
+/// through no scheduler at all. Each flow has a FIFO (`VecDeque`); the flows are served one packet each in turn
+/// (the order any fair scheduler gives backlogged flows of equal packets); each packet gets what binding writes
+/// (its source address, `OUT_FACE`) and is dropped back to the pool, with the next packet's slot and bytes
+/// prefetched one packet ahead as the scheduler does. What it costs more at N flows than at 1 is what visiting
+/// the queued packets in that order costs the memory system, whatever the scheduler.
+struct Bare {
+    pool: PacketPool,
+    packet: Vec<u8>,
+    queues: Vec<VecDeque<Packet>>,
+    /// The flow served next.
+    turn: usize,
+    batch: usize,
+    next_flow: usize,
+    run: usize,
+    in_run: usize,
+    sent: u64,
+    served: u64,
+}
+
+impl Bare {
+    fn new(flows: usize, backlog: usize, batch: usize, run: usize) -> Bare {
+        let (app, remote) = (Ipv4Addr::new(10, 77, 0, 2), Ipv4Addr::new(198, 51, 100, 7));
+        let udp = build::udp(app.into(), remote.into(), 5000, 9000, &[0u8; SIZE - 28]);
+        let mut b = Bare {
+            pool: PacketPool::default(),
+            packet: build::ipv4(app, remote, proto::UDP, 64, &udp),
+            queues: (0..flows).map(|_| VecDeque::new()).collect(),
+            turn: 0,
+            batch,
+            next_flow: 0,
+            run,
+            in_run: 0,
+            sent: 0,
+            served: 0,
+        };
+        for _ in 0..backlog * flows {
+            b.arrive();
+        }
+        b
+    }
+
+    /// A packet of the next flow (by runs, as [`Bench::send`]) joins its FIFO.
+    fn arrive(&mut self) {
+        let mut p = self.pool.alloc_from(&self.packet);
+        p.meta_mut().set(MetaKey::FLOW_ID, 1 + self.next_flow as u64);
+        self.queues[self.next_flow].push_back(p);
+        self.sent += 1;
+        self.in_run += 1;
+        if self.in_run == self.run {
+            self.in_run = 0;
+            self.next_flow = (self.next_flow + 1) % self.queues.len();
+        }
+    }
+
+    /// The next flow from `from` on, in turn, with a packet queued.
+    fn next_busy(&self, from: usize) -> Option<usize> {
+        let n = self.queues.len();
+        (0..n).map(|i| (from + i) % n).find(|&k| !self.queues[k].is_empty())
+    }
+}
+
+impl Subject for Bare {
+    fn step(&mut self) {
+        let n = self.queues.len();
+        for _ in 0..self.batch {
+            let Some(k) = self.next_busy(self.turn) else { break };
+            let Some(mut p) = self.queues[k].pop_front() else { break };
+            self.turn = (k + 1) % n;
+            if let Some(next) = self.next_busy(self.turn).and_then(|j| self.queues[j].front()) {
+                let meta = next.meta() as *const _ as usize;
+                for at in [meta.wrapping_sub(64), meta, meta + 64] {
+                    binding::prefetch(at);
+                }
+                let data = next.data().as_ptr() as usize;
+                for at in (0..next.len()).step_by(64) {
+                    binding::prefetch(data + at);
+                }
+            }
+            p.make_mut()[12..16].copy_from_slice(&[192, 0, 2, 10]);
+            p.meta_mut().set(MetaKey::OUT_FACE, 0);
+            black_box(&p);
+            self.served += 1;
+        }
+        for _ in 0..self.batch {
+            self.arrive();
+        }
+    }
+    fn batch(&self) -> usize {
+        self.batch
+    }
+    fn flows(&self) -> usize {
+        self.queues.len()
+    }
+    fn queued(&self) -> u64 {
+        self.queues.iter().map(|q| q.len() as u64).sum()
+    }
+    fn check(&self) {
+        assert_eq!(self.sent, self.served + self.queued(), "every packet served or queued");
+    }
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -214,13 +357,13 @@ struct Ratios {
 
 /// Runs the rounds over `benches` (every configuration of `batches` x [`FLOWS`], in that order) and prints a
 /// table per B; returns, per B, the ratios at the largest N.
-fn measure(title: &str, batches: &[usize], benches: &mut [Bench]) -> Vec<Ratios> {
+fn measure<S: Subject>(title: &str, batches: &[usize], benches: &mut [S]) -> Vec<Ratios> {
     let mut costs: Vec<Vec<f64>> = vec![Vec::new(); benches.len()];
     let mut cpu_costs: Vec<Vec<f64>> = vec![Vec::new(); benches.len()];
     for _ in 0..ROUNDS {
         for (k, b) in benches.iter_mut().enumerate() {
-            let steps = STEPS / b.batch;
-            let packets = (steps * b.batch) as f64;
+            let steps = STEPS / b.batch();
+            let packets = (steps * b.batch()) as f64;
             let cpu_start = thread_cpu_ns();
             let start = Instant::now();
             for _ in 0..steps {
@@ -258,7 +401,7 @@ fn measure(title: &str, batches: &[usize], benches: &mut [Bench]) -> Vec<Ratios>
             println!(
                 "{:>6} {:>8} {:>12.1} {:>10.3} {:>12} {:>10} {:>10}",
                 batch,
-                b.flows,
+                b.flows(),
                 c,
                 last.wall,
                 cpu,
@@ -269,9 +412,7 @@ fn measure(title: &str, batches: &[usize], benches: &mut [Bench]) -> Vec<Ratios>
         ratios.push(last);
     }
     for b in benches.iter() {
-        assert_eq!(b.dropped, 0, "no packet dropped");
-        // Of the packets in the device queue, all but the one in (modelled) transmission are not yet emitted.
-        assert_eq!(b.sent, b.emitted + b.queued() + b.device_queue as u64 - 1, "every packet emitted or queued");
+        b.check();
     }
     ratios
 }
@@ -328,6 +469,13 @@ fn main() {
             .map(|(b, n)| Bench::new(n, backlog(n), quantum, b, run))
             .collect()
     };
+    let references = |backlog: &dyn Fn(usize) -> usize, run: usize| -> Vec<Bare> {
+        batches
+            .iter()
+            .flat_map(|&b| FLOWS.iter().map(move |&n| (b, n)))
+            .map(|(b, n)| Bare::new(n, backlog(n), b, run))
+            .collect()
+    };
     let mut same_total = configs(&|n| TOTAL / n, SIZE, 1);
     let a = measure(
         &format!("(a) {TOTAL} packets queued in all, spread over N flows; quantum {SIZE} (served in arrival order)"),
@@ -347,6 +495,13 @@ fn main() {
         &mut default_quantum,
     );
     drop(default_quantum);
+    let mut bare = references(&|n| TOTAL / n, 1);
+    let ref_ac = measure(
+        "reference for (a) and (c): the same packets through per-flow FIFOs served in turn, no scheduler",
+        &batches,
+        &mut bare,
+    );
+    drop(bare);
     let mut in_runs = configs(&|n| TOTAL / n, DEFAULT_QUANTUM, RUN);
     let d = measure(
         &format!(
@@ -356,9 +511,24 @@ fn main() {
         &mut in_runs,
     );
     drop(in_runs);
+    let mut bare = references(&|n| TOTAL / n, RUN);
+    let ref_d = measure(
+        "reference for (d): its packets through per-flow FIFOs served in turn, no scheduler",
+        &batches,
+        &mut bare,
+    );
+    drop(bare);
     let mut per_flow = configs(&|_| BACKLOG, SIZE, 1);
     let b =
         measure(&format!("(b) {BACKLOG} packets queued per flow (the backlog grows with N)"), &batches, &mut per_flow);
+    drop(per_flow);
+    let mut bare = references(&|_| BACKLOG, 1);
+    let ref_b = measure(
+        "reference for (b): its packets through per-flow FIFOs served in turn, no scheduler",
+        &batches,
+        &mut bare,
+    );
+    drop(bare);
     let n = FLOWS[FLOWS.len() - 1];
     let verdict = |r: f64| if r <= TARGET_RATIO { "met" } else { "NOT met" };
     for (g, &batch) in batches.iter().enumerate() {
@@ -367,13 +537,20 @@ fn main() {
             "B = {batch} ({mode}): cost at {n} flows / cost at 1 flow, wall clock (CPU time); target <= {TARGET_RATIO}"
         );
         let sets = [
-            ("(a) same backlog", a[g]),
-            ("(c) default quantum", c[g]),
-            ("(d) arriving in runs", d[g]),
-            ("(b) 4 packets per flow", b[g]),
+            ("(a) same backlog", a[g], ref_ac[g]),
+            ("(c) default quantum", c[g], ref_ac[g]),
+            ("(d) arriving in runs", d[g], ref_d[g]),
+            ("(b) 4 packets per flow", b[g], ref_b[g]),
         ];
-        for (name, r) in sets {
-            println!("  {name}: {:.3} ({:.3}): {}", r.wall, r.cpu, verdict(r.wall));
+        for (name, r, bare) in sets {
+            println!(
+                "  {name}: {:.3} ({:.3}): {}; reference without a scheduler {:.3} ({:.3})",
+                r.wall,
+                r.cpu,
+                verdict(r.wall),
+                bare.wall,
+                bare.cpu
+            );
         }
     }
 }

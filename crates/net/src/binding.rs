@@ -173,9 +173,10 @@ const ARRIVAL_PREFETCH_MIN: usize = 2;
 const LINE: usize = 64;
 
 /// Asks the CPU to start loading the cache line holding `addr` into its caches: a hint only, never a read (a
-/// stale or unmapped address is ignored), so it costs no wait. A no-op where there is no such instruction.
+/// stale or unmapped address is ignored), so it costs no wait. A no-op where there is no such instruction. Public
+/// for the scheduler bench's reference (`benches/binding.rs`), which prefetches as the scheduler does.
 #[inline(always)]
-fn prefetch(addr: usize) {
+pub fn prefetch(addr: usize) {
     #[cfg(all(target_arch = "x86_64", target_feature = "sse"))]
     #[allow(unsafe_code)]
     // SAFETY: `_mm_prefetch` is unsafe only because it is a `#[target_feature(enable = "sse")]` function; SSE is

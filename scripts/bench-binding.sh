@@ -14,6 +14,7 @@
 # data-plane wake-up per packet or few; `admit` as soon as it enters the modelled device queue, the model only
 # deciding when there is room (a wake-up when a transmission ends); see docs/binding.md and BENCHMARKS.md.
 # REALTIME=N starts every daemon with `--realtime N` (its data plane under SCHED_FIFO; default 0, the normal policy).
+# BIN=path runs that flexstack executable instead of building this tree's (to compare two builds, alternating).
 # Rounds interleave the three stacks (a fresh daemon for each measurement), so that load drifting on a shared
 # machine hits them alike; prints each stack's median over RUNS rounds of SECS seconds (iperf3 -P STREAMS), the
 # ratio of the medians to the reference's and the median of the per-round ratios (each stack against the reference
@@ -35,8 +36,13 @@ SECS=${SECS:-4}
 STREAMS=${STREAMS:-4}
 [[ $(id -u) == 0 ]] || { echo "bench-binding: needs root (namespaces, TUN devices)" >&2; exit 1; }
 command -v iperf3 >/dev/null || { echo "bench-binding: needs iperf3 (scripts/setup.sh)" >&2; exit 1; }
-cargo build --release --quiet
-fs=$PWD/target/release/flexstack
+if [[ -n ${BIN:-} ]]; then
+  [[ -x $BIN ]] || { echo "bench-binding: BIN=$BIN is not an executable" >&2; exit 1; }
+  fs=$(realpath "$BIN")   # another build of flexstack, to compare (nothing is built)
+else
+  cargo build --release --quiet
+  fs=$PWD/target/release/flexstack
+fi
 tag=fsl$$
 state=$(mktemp -d)
 daemon=

@@ -1133,7 +1133,7 @@ impl Flow {
 /// of the round while its deficit covers its next packet, so that within a round the flows take turns packet by
 /// packet instead of each sending its whole quantum at once. A round sends the same packets as classic DRR's (so
 /// the same byte shares, within one packet of fair), in an order closer to the one they arrived in when flows
-/// arrive in turn, and no flow sends two packets in a row while another waits.
+/// arrive in turn; a flow sends two packets in a row only when the others have spent their round.
 ///
 /// How it is called: [`Rounds::front`] is the flow to visit; after the visit the caller says where it goes:
 /// [`Rounds::again`] (it sent and may send again this round), [`Rounds::later`] (its deficit does not cover its

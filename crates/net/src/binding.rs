@@ -1181,7 +1181,7 @@ impl Rounds {
         }
     }
 
-    /// The front flow is done with the current round.
+    /// The front flow is done with the current round (see [`wait_next_round`]).
     fn later(&mut self) {
         if let Some(slot) = self.current.pop_front() {
             self.next.push_back(slot);
@@ -1235,6 +1235,13 @@ fn mark_dirty(dirty: &mut Vec<u32>, f: &mut Flow, slot: u32) {
     }
 }
 
+/// Flow `f`, at the front of `rounds`, is done with the current round: it waits for the next one, whose quantum
+/// its next visit gives it.
+fn wait_next_round(rounds: &mut Rounds, f: &mut Flow) {
+    f.quantum_due = true;
+    rounds.later();
+}
+
 /// After flow `f`, at the front of `rounds`, sent its head packet (its deficit and `head` already updated):
 /// `next` is its new head packet ([`NIL`]: none) of `next_len` bytes. An empty flow leaves; one whose deficit
 /// covers the next packet goes to the back of the round, the others wait for the next round.
@@ -1248,8 +1255,7 @@ fn served(rounds: &mut Rounds, f: &mut Flow, next: u32, next_len: u32) {
     if f.deficit >= u64::from(next_len) {
         rounds.again();
     } else {
-        f.quantum_due = true;
-        rounds.later();
+        wait_next_round(rounds, f);
     }
 }
 
@@ -1620,8 +1626,7 @@ impl Binding {
                         if f.covers_head(quantum) {
                             return Some((class, slot, k));
                         }
-                        f.quantum_due = true;
-                        self.active[c].later();
+                        wait_next_round(&mut self.active[c], f);
                     }
                     _ => {
                         if self.active[c].pass_over(&mut passed) {
@@ -1836,8 +1841,7 @@ impl Binding {
                 let Some(f) = self.flows.get_mut(slot) else { break };
                 let len = u64::from(f.head_len);
                 if !f.covers_head(quantum) {
-                    f.quantum_due = true;
-                    self.active[c].later();
+                    wait_next_round(&mut self.active[c], f);
                     continue;
                 }
                 let at = f.head as usize;

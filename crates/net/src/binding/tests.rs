@@ -269,6 +269,44 @@ fn deficit_round_robin_shares_bytes_within_one_packet() {
 }
 
 #[test]
+fn backlogged_flows_stay_within_a_quantum_and_a_packet_of_each_other_at_every_point() {
+    // Twenty random cases (fixed seeds): 2-12 bulk flows, each packet of a random size (60-1500 bytes), a random
+    // quantum (64-3000 bytes). At every point of the output while every flow still has packets waiting, no two
+    // flows have sent more than the quantum plus a largest packet apart (deficit round robin's bound).
+    for seed in 1..=20u64 {
+        let mut rng = flexstack_fuzzkit::Rng::new(seed);
+        let flows = 2 + rng.below(11);
+        let quantum = 64 + rng.below(2937) as u64;
+        let setting = format!("quantum={quantum}");
+        let (mut sw, la, _) = stack(LATE_KIND, &["\"a.rate_bps\"=100000000", "queue_limit=100000", &setting]);
+        let per_flow = 200u32;
+        // One batch (flows by 5-tuple: the source port), so that every flow is queued before the first binding.
+        let pkts: Vec<Vec<u8>> = (0..flows)
+            .flat_map(|f| (0..per_flow).map(move |i| (f, i)))
+            .map(|(f, i)| udp(1 + f as u16, 60 + rng.below(1441), 0, i))
+            .collect();
+        inject(&mut sw, ms(0), &pkts, None);
+        drain(&mut sw, ms(1000));
+        let sent = take(&la);
+        assert_eq!(sent.len(), flows * per_flow as usize, "seed {seed}: everything sent");
+        let (mut bytes, mut packets) = (vec![0u64; flows], vec![0u32; flows]);
+        for (k, s) in sent.iter().enumerate() {
+            let f = usize::from(port_index(&s.data).0 - 1);
+            bytes[f] += s.data.len() as u64;
+            packets[f] += 1;
+            if packets.iter().any(|&n| n == per_flow) {
+                break;
+            }
+            let (lo, hi) = (bytes.iter().min().unwrap(), bytes.iter().max().unwrap());
+            assert!(
+                hi - lo <= quantum + 1500,
+                "seed {seed}, {flows} flows, quantum {quantum}: after {k} packets the shares are {bytes:?}"
+            );
+        }
+    }
+}
+
+#[test]
 fn within_a_round_flows_take_turns_packet_by_packet() {
     // Quantum 3000: a round lets each flow send three 1000-byte packets. Flow 1's six packets arrive before flow
     // 2's; classic DRR would send 1,1,1,2,2,2,1,1,1,2,2,2. Here each visit sends one packet and the flow goes to

@@ -294,7 +294,7 @@ fn backlogged_flows_stay_within_a_quantum_and_a_packet_of_each_other_at_every_po
             let f = usize::from(port_index(&s.data).0 - 1);
             bytes[f] += s.data.len() as u64;
             packets[f] += 1;
-            if packets.iter().any(|&n| n == per_flow) {
+            if packets.contains(&per_flow) {
                 break;
             }
             let (lo, hi) = (bytes.iter().min().unwrap(), bytes.iter().max().unwrap());

@@ -442,16 +442,6 @@ mod tests {
     use crate::packet::build;
     use flexstack_core::{Switch, Time};
 
-    const A4: Ipv4Addr = Ipv4Addr::new(10, 1, 0, 2);
-    const B4: Ipv4Addr = Ipv4Addr::new(10, 2, 0, 1);
-
-    fn a6() -> Ipv6Addr {
-        "fd00::2".parse().unwrap()
-    }
-    fn b6() -> Ipv6Addr {
-        "fd00:1::1".parse().unwrap()
-    }
-
     fn echo6(id: u16, seq: u16, data: &[u8], src: Ipv6Addr, dst: Ipv6Addr) -> Vec<u8> {
         let mut m = vec![128, 0, 0, 0];
         m.extend_from_slice(&id.to_be_bytes());

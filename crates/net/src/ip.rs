@@ -453,6 +453,22 @@ pub(crate) mod testkit {
     use flexstack_core::{
         Batch, Catalog, ConfigError, Direction, Edit, Frame, ModuleBuilder, Settings, StackSpec, Switch, Value,
     };
+    use std::net::{Ipv4Addr, Ipv6Addr};
+
+    /// The IPv4 addresses the tests send from and to.
+    pub const A4: Ipv4Addr = Ipv4Addr::new(10, 1, 0, 2);
+    /// See [`A4`].
+    pub const B4: Ipv4Addr = Ipv4Addr::new(10, 2, 0, 1);
+
+    /// The IPv6 address the tests send from.
+    pub fn a6() -> Ipv6Addr {
+        "fd00::2".parse().unwrap()
+    }
+
+    /// The IPv6 address the tests send to.
+    pub fn b6() -> Ipv6Addr {
+        "fd00:1::1".parse().unwrap()
+    }
 
     /// This crate's catalog.
     pub fn catalog() -> Catalog {
@@ -558,16 +574,6 @@ mod tests {
     use super::*;
     use crate::packet::build;
     use flexstack_core::Switch;
-
-    const A4: Ipv4Addr = Ipv4Addr::new(10, 1, 0, 2);
-    const B4: Ipv4Addr = Ipv4Addr::new(10, 2, 0, 1);
-
-    fn a6() -> Ipv6Addr {
-        "fd00::2".parse().unwrap()
-    }
-    fn b6() -> Ipv6Addr {
-        "fd00:1::1".parse().unwrap()
-    }
 
     fn udp4(ttl: u8, data: &[u8]) -> Vec<u8> {
         build::ipv4(A4, B4, proto::UDP, ttl, &build::udp(A4.into(), B4.into(), 1000, 2000, data))

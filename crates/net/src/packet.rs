@@ -414,17 +414,7 @@ pub mod build {
 mod tests {
     use super::build::*;
     use super::*;
-    use std::net::{Ipv4Addr, Ipv6Addr};
-
-    const A4: Ipv4Addr = Ipv4Addr::new(10, 1, 0, 2);
-    const B4: Ipv4Addr = Ipv4Addr::new(10, 2, 0, 1);
-
-    fn a6() -> Ipv6Addr {
-        "fd00::2".parse().unwrap()
-    }
-    fn b6() -> Ipv6Addr {
-        "fd00:1::1".parse().unwrap()
-    }
+    use crate::ip::testkit::{a6, b6, A4, B4};
 
     #[test]
     fn ipv4_udp_tcp_icmp() {

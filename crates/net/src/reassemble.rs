@@ -770,17 +770,6 @@ mod tests {
     use crate::ip::testkit::*;
     use crate::packet::build;
     use flexstack_core::Edit;
-    use std::net::{Ipv4Addr, Ipv6Addr};
-
-    const A4: Ipv4Addr = Ipv4Addr::new(10, 1, 0, 2);
-    const B4: Ipv4Addr = Ipv4Addr::new(10, 2, 0, 1);
-
-    fn a6() -> Ipv6Addr {
-        "fd00::2".parse().unwrap()
-    }
-    fn b6() -> Ipv6Addr {
-        "fd00:1::1".parse().unwrap()
-    }
 
     fn udp4_datagram(id: u16, len: usize) -> Vec<u8> {
         let data: Vec<u8> = (0..len).map(|i| (i * 13 + usize::from(id)) as u8).collect();

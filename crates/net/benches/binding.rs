@@ -78,24 +78,52 @@ const DEFAULT_BATCH: usize = 32;
 /// The device queue of the unbatched mode (the module's default).
 const DEVICE_QUEUE: usize = 2;
 
+/// The packets a configuration is sent: copies of one 1000-byte UDP/IPv4 packet in pool buffers, of flows 1..=N
+/// taken in turn, `run` packets of a flow in a row.
+struct Arrivals {
+    pool: PacketPool,
+    packet: Vec<u8>,
+    flows: usize,
+    /// Packets each flow sends in a row before the next flow's (1: flows take turns packet by packet).
+    run: usize,
+    next_flow: usize,
+    /// Packets of the current run sent so far.
+    in_run: usize,
+}
+
+impl Arrivals {
+    fn new(flows: usize, run: usize) -> Arrivals {
+        let (app, remote) = (Ipv4Addr::new(10, 77, 0, 2), Ipv4Addr::new(198, 51, 100, 7));
+        let udp = build::udp(app.into(), remote.into(), 5000, 9000, &[0u8; SIZE - 28]);
+        let packet = build::ipv4(app, remote, proto::UDP, 64, &udp);
+        Arrivals { pool: PacketPool::default(), packet, flows, run, next_flow: 0, in_run: 0 }
+    }
+
+    /// The next packet, its flow id in [`MetaKey::FLOW_ID`], and its flow's index (the id less one).
+    fn next(&mut self) -> (Packet, usize) {
+        let flow = self.next_flow;
+        let mut p = self.pool.alloc_from(&self.packet);
+        p.meta_mut().set(MetaKey::FLOW_ID, 1 + flow as u64);
+        self.in_run += 1;
+        if self.in_run == self.run {
+            self.in_run = 0;
+            self.next_flow = (self.next_flow + 1) % self.flows;
+        }
+        (p, flow)
+    }
+}
+
 /// One scheduler under test, with its clock and counts.
 struct Bench {
     module: Box<dyn Module>,
-    pool: PacketPool,
-    packet: Vec<u8>,
+    arrivals: Arrivals,
     ports: Vec<Batch>,
     input: Batch,
     now: Time,
-    flows: usize,
     /// Packets per `process` call (and per poll).
     batch: usize,
     /// The modelled device queue: `max(DEVICE_QUEUE, batch)`.
     device_queue: usize,
-    next_flow: usize,
-    /// Packets each flow sends in a row before the next flow's (1: flows take turns packet by packet).
-    run: usize,
-    /// Packets of the current run sent so far.
-    in_run: usize,
     sent: u64,
     emitted: u64,
     dropped: u64,
@@ -123,22 +151,14 @@ quantum = QUANTUM
         let builder = catalog.configure(&m.kind, &m.settings, None).expect("late-binding configures");
         let vars = ModuleVars::new(&builder.interface().vars);
         let module = builder.build(&vars);
-        let (app, remote) = (Ipv4Addr::new(10, 77, 0, 2), Ipv4Addr::new(198, 51, 100, 7));
-        let udp = build::udp(app.into(), remote.into(), 5000, 9000, &[0u8; SIZE - 28]);
-        let packet = build::ipv4(app, remote, proto::UDP, 64, &udp);
         let mut b = Bench {
             module,
-            pool: PacketPool::default(),
-            packet,
+            arrivals: Arrivals::new(flows, run),
             ports: vec![Vec::with_capacity(64.max(batch)), Vec::with_capacity(64)],
             input: Vec::with_capacity(batch),
             now: Time(1),
-            flows,
             batch,
             device_queue,
-            next_flow: 0,
-            run,
-            in_run: 0,
             sent: 0,
             emitted: 0,
             dropped: 0,
@@ -160,18 +180,11 @@ quantum = QUANTUM
     /// Hands `n` packets, of the next `n` flows in turn, to the module in one `process` call at the current time.
     fn send(&mut self, n: usize) {
         for _ in 0..n {
-            let mut p = self.pool.alloc_from(&self.packet);
-            p.meta_mut().set(MetaKey::FLOW_ID, 1 + self.next_flow as u64);
-            self.in_run += 1;
-            if self.in_run == self.run {
-                self.in_run = 0;
-                self.next_flow = (self.next_flow + 1) % self.flows;
-            }
-            self.input.push(Frame::Data(p));
+            self.input.push(Frame::Data(self.arrivals.next().0));
         }
         let mut control = Vec::new();
         let mut serial = 0;
-        let mut out = Output::detached(self.now, "lb", &self.pool, &mut self.ports, &mut control, &mut serial);
+        let mut out = Output::detached(self.now, "lb", &self.arrivals.pool, &mut self.ports, &mut control, &mut serial);
         self.module.process(0, &mut self.input, &mut out);
         self.dropped += out.dropped();
         self.sent += n as u64;
@@ -184,7 +197,7 @@ quantum = QUANTUM
         self.now = Time(self.now.0 + TX_NS * self.batch as u64);
         let mut control = Vec::new();
         let mut serial = 0;
-        let mut out = Output::detached(self.now, "lb", &self.pool, &mut self.ports, &mut control, &mut serial);
+        let mut out = Output::detached(self.now, "lb", &self.arrivals.pool, &mut self.ports, &mut control, &mut serial);
         black_box(self.module.poll(&mut out));
         self.dropped += out.dropped();
         self.emitted += self.ports[0].len() as u64;
@@ -219,7 +232,7 @@ impl Subject for Bench {
         self.batch
     }
     fn flows(&self) -> usize {
-        self.flows
+        self.arrivals.flows
     }
     fn queued(&self) -> u64 {
         Bench::queued(self)
@@ -242,32 +255,22 @@ impl Subject for Bench {
 /// prefetched one packet ahead as the scheduler does. What it costs more at N flows than at 1 is what visiting
 /// the queued packets in that order costs the memory system, whatever the scheduler.
 struct Bare {
-    pool: PacketPool,
-    packet: Vec<u8>,
+    arrivals: Arrivals,
     queues: Vec<VecDeque<Packet>>,
     /// The flow served next.
     turn: usize,
     batch: usize,
-    next_flow: usize,
-    run: usize,
-    in_run: usize,
     sent: u64,
     served: u64,
 }
 
 impl Bare {
     fn new(flows: usize, backlog: usize, batch: usize, run: usize) -> Bare {
-        let (app, remote) = (Ipv4Addr::new(10, 77, 0, 2), Ipv4Addr::new(198, 51, 100, 7));
-        let udp = build::udp(app.into(), remote.into(), 5000, 9000, &[0u8; SIZE - 28]);
         let mut b = Bare {
-            pool: PacketPool::default(),
-            packet: build::ipv4(app, remote, proto::UDP, 64, &udp),
+            arrivals: Arrivals::new(flows, run),
             queues: (0..flows).map(|_| VecDeque::new()).collect(),
             turn: 0,
             batch,
-            next_flow: 0,
-            run,
-            in_run: 0,
             sent: 0,
             served: 0,
         };
@@ -277,17 +280,11 @@ impl Bare {
         b
     }
 
-    /// A packet of the next flow (by runs, as [`Bench::send`]) joins its FIFO.
+    /// The next packet (as [`Bench::send`] sends them) joins its flow's FIFO.
     fn arrive(&mut self) {
-        let mut p = self.pool.alloc_from(&self.packet);
-        p.meta_mut().set(MetaKey::FLOW_ID, 1 + self.next_flow as u64);
-        self.queues[self.next_flow].push_back(p);
+        let (p, flow) = self.arrivals.next();
+        self.queues[flow].push_back(p);
         self.sent += 1;
-        self.in_run += 1;
-        if self.in_run == self.run {
-            self.in_run = 0;
-            self.next_flow = (self.next_flow + 1) % self.queues.len();
-        }
     }
 
     /// The next flow from `from` on, in turn, with a packet queued.
@@ -300,11 +297,14 @@ impl Bare {
 impl Subject for Bare {
     fn step(&mut self) {
         let n = self.queues.len();
+        // The flow served next, found once: arrivals come after the loop.
+        let mut busy = self.next_busy(self.turn);
         for _ in 0..self.batch {
-            let Some(k) = self.next_busy(self.turn) else { break };
+            let Some(k) = busy else { break };
             let Some(mut p) = self.queues[k].pop_front() else { break };
             self.turn = (k + 1) % n;
-            if let Some(next) = self.next_busy(self.turn).and_then(|j| self.queues[j].front()) {
+            busy = self.next_busy(self.turn);
+            if let Some(next) = busy.and_then(|j| self.queues[j].front()) {
                 let meta = next.meta() as *const _ as usize;
                 for at in [meta.wrapping_sub(64), meta, meta + 64] {
                     binding::prefetch(at);

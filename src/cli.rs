@@ -1,11 +1,11 @@
 //! The `flexstack` command line, in the iproute2 manner: `flexstack OBJECT VERB [ARGS]`, `-j/--json` on every
-//! show. Every command but `daemon` is a client of the control API (see [`crate::client`]).
+//! show. Every command but `daemon` is a client of the control API (see [`flexstack_api::client`]).
 
-use crate::client::{Client, ClientError};
-use crate::protocol::Request;
-use crate::server::{run_daemon, DaemonOptions};
 use clap::{Args, Parser, Subcommand};
+use flexstack_api::client::{Client, ClientError};
+use flexstack_api::protocol::Request;
 use flexstack_core::Settings;
+use flexstack_daemon::server::{run_daemon, DaemonOptions};
 use serde_json::{json, Value as Json};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -222,7 +222,7 @@ pub struct DaemonArgs {
     pub rules_interval_ms: u64,
     /// Microseconds the data plane waits before reading a face while frames stream in, so that one wake-up reads
     /// several (interrupt moderation; 0, the default: off).
-    #[arg(long, default_value_t = crate::dataplane::DEFAULT_RX_HOLD.as_micros() as u64)]
+    #[arg(long, default_value_t = flexstack_daemon::dataplane::DEFAULT_RX_HOLD.as_micros() as u64)]
     pub rx_hold_us: u64,
     /// Run the data-plane thread under the real-time policy SCHED_FIFO at this priority (1-99; 0, the default: the
     /// normal policy). It then forwards as soon as a packet arrives, ahead of ordinary programs; the kernel's
@@ -428,7 +428,7 @@ pub fn main() -> ExitCode {
             | Command::Lab(LabCmd::Run { .. } | LabCmd::Up { .. } | LabCmd::Exec { .. } | LabCmd::Down { .. })
     );
     if !long_running {
-        crate::sys::default_sigpipe();
+        flexstack_faces::sys::default_sigpipe();
     }
     let filter = tracing_subscriber::EnvFilter::try_from_env("FLEXSTACK_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
@@ -486,12 +486,12 @@ fn run(cli: Cli) -> Result<(), CliError> {
             app_etc: d.app_etc.clone(),
             exit_when_idle: d.exit_when_idle,
             rules_interval: Duration::from_millis(d.rules_interval_ms.max(1)),
-            dataplane: crate::dataplane::DataPlaneOptions {
+            dataplane: flexstack_daemon::dataplane::DataPlaneOptions {
                 rx_hold: Duration::from_micros(d.rx_hold_us),
                 realtime: d.realtime,
             },
         };
-        return run_daemon(opts, crate::catalog()).map_err(CliError::Message);
+        return run_daemon(opts, flexstack_daemon::catalog()).map_err(CliError::Message);
     }
     if let Command::Run(r) = &cli.command {
         return crate::runner::run_app(&cli.state_dir, r).map(|code| std::process::exit(code));
@@ -595,7 +595,7 @@ fn rules_command(client: &mut Client, cmd: RulesCmd, json_out: bool) -> Result<(
     let result = match client.call(&request) {
         Ok(r) => r,
         // A rule text with errors is an invalid input file: exit code 2, like a bad stack or lab file.
-        Err(ClientError::Api(e)) if e.code == crate::protocol::ErrorCode::InvalidRules => {
+        Err(ClientError::Api(e)) if e.code == flexstack_api::protocol::ErrorCode::InvalidRules => {
             return Err(CliError::Config(e.message))
         }
         Err(e) => return Err(e.into()),

@@ -3,15 +3,15 @@
 //! 1. Finds the daemon at the state directory, or starts one (`daemon --exit-when-idle`, logging to
 //!    `STATE_DIR/daemon.log`) that stops when its last app ends.
 //! 2. Attaches the app over a connection that stays open as the app's lease (`app_attach`): the daemon creates
-//!    the app's namespace, TUN devices and modules (see [`crate::sandbox`]).
+//!    the app's namespace, TUN devices and modules (see [`flexstack_daemon::sandbox`]).
 //! 3. Runs the program in the namespace with `ip netns exec`, as the invoking user (SUDO_UID/SUDO_GID when run
 //!    through sudo) through `setpriv`, with the terminal's stdio. SIGINT/SIGTERM are passed on to it.
 //! 4. When it exits, detaches (`app_detach`) and exits with its exit code (128 + signal if it was killed). If the
 //!    daemon dies meanwhile, the program is stopped and its namespace removed here.
 
 use crate::cli::{CliError, RunArgs};
-use crate::client::{Client, ClientError};
-use crate::protocol::{request_line, Request};
+use flexstack_api::client::{Client, ClientError};
+use flexstack_api::protocol::{request_line, Request};
 use serde_json::Value as Json;
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
@@ -69,7 +69,7 @@ type Attached = (UnixStream, BufReader<UnixStream>, Json);
 
 fn try_attach(state_dir: &Path, attach: &Request) -> Result<Option<Attached>, CliError> {
     ensure_daemon(state_dir)?;
-    let sock = crate::server::socket_path(state_dir);
+    let sock = flexstack_api::socket_path(state_dir);
     let stream = UnixStream::connect(&sock)
         .map_err(|source| ClientError::Connect { path: sock.display().to_string(), source })?;
     let mut writer = stream.try_clone().map_err(msg)?;
@@ -162,10 +162,10 @@ pub fn run_app(state_dir: &Path, args: &RunArgs) -> Result<i32, CliError> {
     let code = status.code().unwrap_or_else(|| 128 + status.signal().unwrap_or(0));
     if daemon_gone.load(Ordering::SeqCst) {
         // Its devices went with it; the namespace, files and nftables table are ours to remove.
-        crate::sandbox::delete_namespace(&netns);
+        flexstack_daemon::sandbox::delete_namespace(&netns);
         let table = app["host_table"].as_str().unwrap_or_default();
         if table.starts_with("flexstack_") {
-            crate::sandbox::remove_host_table(table);
+            flexstack_daemon::sandbox::remove_host_table(table);
         }
         return Ok(code);
     }

@@ -20,7 +20,7 @@
 
 mod common;
 
-use flexstack::protocol::{parse_request, request_line, ErrorCode, Request, Response};
+use flexstack_api::protocol::{parse_request, request_line, ErrorCode, Request, Response};
 use flexstack_core::config::{valid_name, LinkSpec, Settings, StackSpec, MAX_STACK_FILE_BYTES};
 use flexstack_core::value::{Value, ValueType};
 use flexstack_core::vars::{is_pattern, name_matches};
@@ -398,7 +398,7 @@ fn contained(settings: &Settings, dir: &Path) -> Settings {
 /// Configures `kind` with `settings` (path contained); a built module must declare a sane interface.
 fn configure(kind: &str, settings: &Settings, dir: &Path) -> Result<(), String> {
     let settings = contained(settings, dir);
-    match flexstack::catalog().configure(kind, &settings, None) {
+    match flexstack_daemon::catalog().configure(kind, &settings, None) {
         Ok(builder) => {
             let iface = builder.interface();
             let mut names = std::collections::HashSet::new();
@@ -557,7 +557,7 @@ fn check_request(input: &[u8], dir: &Path) -> Result<bool, String> {
             }
         }
         Request::ModuleLoad { kind, settings, .. } | Request::ModuleReplace { kind, settings, .. } => {
-            // As the daemon converts them (src/actions.rs: settings_from_json).
+            // As the daemon converts them (crates/daemon/src/actions.rs: settings_from_json).
             let mut s = Settings::default();
             for (k, v) in settings {
                 match toml::Value::try_from(v) {
@@ -716,7 +716,7 @@ fn check_args(input: &[u8], dir: &Path) -> Result<bool, String> {
         let text = value.as_str() == Some(raw);
         ensure(whole || text, || format!("{k}={raw:?} read as {value:?}"))?;
     }
-    let kinds: Vec<&str> = flexstack::catalog().kinds().map(|k| k.name()).collect();
+    let kinds: Vec<&str> = flexstack_daemon::catalog().kinds().map(|k| k.name()).collect();
     for k in kinds.iter().copied().chain(std::iter::once(kind.as_str())) {
         configure(k, &settings, dir)?;
     }

@@ -8,8 +8,8 @@
 
 use super::{labs_dir, msg};
 use crate::cli::CliError;
-use crate::client::Client;
-use crate::protocol::Request;
+use flexstack_api::client::Client;
+use flexstack_api::protocol::Request;
 use flexstack_lab::plan::Plan;
 use flexstack_lab::Lab;
 use serde::{Deserialize, Serialize};
@@ -116,9 +116,9 @@ pub fn alive(pid: u32) -> bool {
     Path::new(&format!("/proc/{pid}")).exists()
 }
 
-/// Runs a command; an error carries its stderr (see [`crate::sandbox::command_output`]).
+/// Runs a command; an error carries its stderr (see [`flexstack_daemon::sandbox::command_output`]).
 pub fn sh(args: &[&str]) -> Result<(), CliError> {
-    crate::sandbox::command_output(args).map(drop).map_err(msg)
+    flexstack_daemon::sandbox::command_output(args).map(drop).map_err(msg)
 }
 
 fn sysctl(netns: &str, settings: &[String]) -> Result<(), CliError> {
@@ -371,12 +371,12 @@ fn daemon_pid(state_dir: &Path) -> Option<u32> {
 /// The namespaces of sandboxed apps of the daemon with `pid` (`fs-<pid>-<app>`).
 fn app_namespaces(pid: u32) -> Vec<String> {
     let prefix = format!("fs-{pid}-");
-    crate::sandbox::namespace_names().into_iter().filter(|n| n.starts_with(&prefix)).collect()
+    flexstack_daemon::sandbox::namespace_names().into_iter().filter(|n| n.starts_with(&prefix)).collect()
 }
 
 fn remove_netns(netns: &str) {
     stop_processes(&pids_in(netns), Duration::from_secs(2));
-    crate::sandbox::delete_namespace(netns);
+    flexstack_daemon::sandbox::delete_namespace(netns);
 }
 
 /// Tears the lab down, each step tried whatever happened before: programs first (SIGTERM, then SIGKILL after 3 s),

@@ -62,14 +62,14 @@ pub fn load(file: &Path) -> Result<Loaded, CliError> {
                     text = text.replace(&k, &v);
                 }
                 // The template must parse once the daemon's placeholders are filled in too.
-                let sample = crate::sandbox::TemplateValues {
+                let sample = flexstack_daemon::sandbox::TemplateValues {
                     app: "app1",
                     app_dev: "fsa0",
                     host_dev: "fsh0",
                     ipv4: "172.16.1.2",
                     ipv6: "fd77:10:1::2",
                 };
-                let filled = crate::sandbox::fill_template(&text, &sample);
+                let filled = flexstack_daemon::sandbox::fill_template(&text, &sample);
                 flexstack_core::StackSpec::parse(&path.display().to_string(), &filled)
                     .map_err(|e| CliError::Config(format!("{e} (the stack of host `{}` at {})", h.name, h.location)))?;
                 templates.push(Some(text));

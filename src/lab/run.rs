@@ -22,8 +22,8 @@
 use super::build::{set_knob, sh, stop_processes, LabState};
 use super::msg;
 use crate::cli::CliError;
-use crate::client::Client;
-use crate::protocol::Request;
+use flexstack_api::client::Client;
+use flexstack_api::protocol::Request;
 use flexstack_core::vars::name_matches;
 use flexstack_lab::{Action, Lab, LinkParams};
 use flexstack_rules::{Environment, Existence};

@@ -64,7 +64,7 @@ impl MetaKey {
     /// host shows it). A module that reads or verifies a transport checksum, rewrites addresses, ports or lengths,
     /// moves the IP header, quotes the packet, changes its bytes in a way the receiver should notice, or turns the
     /// frame into something else first completes the checksum and removes the key with
-    /// `flexstack_net::checksum::complete_partial` (a no-op on packets without the key). The `link` module does it
+    /// `flexstack_wire::checksum::complete_partial` (a no-op on packets without the key). The `link` module does it
     /// for every frame it receives from the wire, so the IP modules behind it (ip, nat, firewall, icmp, classify,
     /// binding ...) never see partial checksums; the emulator's `corrupt` does it before flipping a bit, as netem
     /// does, so the receiver rejects the corrupted packet.

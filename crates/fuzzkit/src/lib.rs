@@ -1,5 +1,5 @@
 //! The small deterministic mutational fuzz engine shared by flexstack's stable-Rust fuzz tests
-//! (`tests/fuzz_parsers.rs`, `crates/net/tests/{packets,rules,link}_fuzz.rs`; see `fuzz/README.md`).
+//! (`tests/fuzz_parsers.rs`, `crates/modules/tests/{packets,rules,link}_fuzz.rs`; see `fuzz/README.md`).
 //!
 //! Dev-only: no dependencies, no nightly. A fuzz test
 //!

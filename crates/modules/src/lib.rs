@@ -1,41 +1,62 @@
-//! flexstack-modules: the built-in module kinds.
+//! flexstack-modules: the built-in module kinds, one family a folder.
 //!
-//! - [`counter`]: counts frames, bytes and the frame rate, and passes frames through.
-//! - [`emulator`]: emulates a link direction: delay, jitter, rate, bounded queue, loss, duplicate, corrupt, up/down.
-//! - [`sink`]: consumes frames, counting them as dropped (reason: sink).
-//! - [`source`]: a paced test traffic generator with sequence-numbered packets.
-//! - [`switch`]: Click's Switch: sends every frame to one selected output (or drops them all).
-//! - [`tap`]: writes frames (and observed control frames) to a pcapng file, inline or as an extra receiver.
+//! | family | kinds |
+//! |---|---|
+//! | [`basic`] | `counter`, `direction`, `sink`, `source`, `switch` (selector), `tap` (pcapng) |
+//! | [`ip`] | `ip`, `reassemble`, `icmp` (its error builder), `link` (Ethernet, ARP, NDP) |
+//! | [`flow`] | `classify` (the flow table), `nat`, `firewall` |
+//! | [`sched`] | `emulator`, `late-binding`, `early-binding` |
 //!
 //! Every kind is a sans-IO state machine: it reads no clock (time comes from [`Output::now`]), sleeps never and
-//! spawns no thread; only the tap touches a file, which it opens when it is configured. [`catalog`] returns a
-//! [`Catalog`] holding all of them. Every knob is also accepted as a setting of the same name, so a stack saved
-//! with its current knob values loads again.
+//! spawns no thread; only the tap touches a file, which it opens when it is configured. Every knob is also
+//! accepted as a setting of the same name, so a stack saved with its current knob values loads again.
+//!
+//! A new kind goes in its family's folder and gets one line in [`kinds`].
 //!
 //! [`Output::now`]: flexstack_core::Output::now
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
-pub mod counter;
-pub mod direction;
-pub mod emulator;
-pub mod sink;
-pub mod source;
-pub mod switch;
-pub mod tap;
+pub mod basic;
+pub mod flow;
+pub mod ip;
+pub mod sched;
 
-use flexstack_core::Catalog;
+use flexstack_core::{Catalog, ModuleKind};
 
-/// A catalog holding the built-in kinds: `counter`, `direction`, `emulator`, `sink`, `source`, `switch` and `tap`.
+/// Every built-in kind, in the order `module kinds` lists them: the registration list.
+pub fn kinds() -> Vec<Box<dyn ModuleKind>> {
+    vec![
+        Box::new(basic::counter::CounterKind),
+        Box::new(basic::direction::DirectionKind),
+        Box::new(sched::emulator::EmulatorKind),
+        Box::new(basic::sink::SinkKind),
+        Box::new(basic::source::SourceKind),
+        Box::new(basic::switch::SwitchKind),
+        Box::new(basic::tap::TapKind),
+        Box::new(ip::reassemble::ReassembleKind),
+        Box::new(ip::ip::IpKind),
+        Box::new(ip::icmp::IcmpKind),
+        Box::new(flow::classify::ClassifyKind),
+        Box::new(flow::firewall::FirewallKind),
+        Box::new(flow::nat::NatKind),
+        Box::new(ip::link::LinkKind),
+        Box::new(sched::binding::LateBindingKind),
+        Box::new(sched::binding::EarlyBindingKind),
+    ]
+}
+
+/// Adds every built-in kind to `catalog`.
+pub fn register(catalog: &mut Catalog) {
+    for kind in kinds() {
+        catalog.register(kind);
+    }
+}
+
+/// A catalog holding every built-in kind.
 pub fn catalog() -> Catalog {
     let mut c = Catalog::new();
-    c.register(Box::new(counter::CounterKind));
-    c.register(Box::new(direction::DirectionKind));
-    c.register(Box::new(emulator::EmulatorKind));
-    c.register(Box::new(sink::SinkKind));
-    c.register(Box::new(source::SourceKind));
-    c.register(Box::new(switch::SwitchKind));
-    c.register(Box::new(tap::TapKind));
+    register(&mut c);
     c
 }
 
@@ -124,7 +145,27 @@ mod tests {
     #[test]
     fn catalog_has_the_built_in_kinds() {
         let names: Vec<&str> = super::catalog().kinds().map(|k| k.name()).collect();
-        assert_eq!(names, ["counter", "direction", "emulator", "sink", "source", "switch", "tap"]);
+        assert_eq!(
+            names,
+            [
+                "counter",
+                "direction",
+                "emulator",
+                "sink",
+                "source",
+                "switch",
+                "tap",
+                "reassemble",
+                "ip",
+                "icmp",
+                "classify",
+                "firewall",
+                "nat",
+                "link",
+                "late-binding",
+                "early-binding"
+            ]
+        );
         for k in super::catalog().kinds() {
             assert!(!k.summary().is_empty());
         }

@@ -1,0 +1,98 @@
+//! The client side of the control protocol, used by the CLI (and by tests).
+
+use crate::protocol::{request_line, ApiError, Request, Response};
+use serde_json::Value as Json;
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+
+/// Why a call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// No daemon answers at the state directory's socket.
+    #[error("cannot reach the flexstack daemon at {path}: {source} (start one with `flexstack daemon --stack FILE`, or give --state-dir)")]
+    Connect {
+        /// The socket path.
+        path: String,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// The connection broke or the daemon sent something unreadable.
+    #[error("control connection failed: {0}")]
+    Protocol(String),
+    /// The daemon answered with an error.
+    #[error("{0}")]
+    Api(ApiError),
+}
+
+/// A connection to a daemon.
+pub struct Client {
+    writer: UnixStream,
+    reader: BufReader<UnixStream>,
+    next_id: u64,
+}
+
+impl Client {
+    /// Connects to the daemon whose state directory is `state_dir`.
+    pub fn connect(state_dir: &Path) -> Result<Client, ClientError> {
+        let path = socket_path(state_dir);
+        let stream = UnixStream::connect(&path)
+            .map_err(|source| ClientError::Connect { path: path.display().to_string(), source })?;
+        let reader = BufReader::new(stream.try_clone().map_err(|e| ClientError::Protocol(e.to_string()))?);
+        Ok(Client { writer: stream, reader, next_id: 1 })
+    }
+
+    fn send(&mut self, request: &Request) -> Result<(), ClientError> {
+        let line = request_line(self.next_id, request);
+        self.next_id += 1;
+        self.writer.write_all(line.as_bytes()).map_err(|e| ClientError::Protocol(e.to_string()))
+    }
+
+    fn receive(&mut self) -> Result<Option<Response>, ClientError> {
+        let mut line = String::new();
+        let n = self.reader.read_line(&mut line).map_err(|e| ClientError::Protocol(e.to_string()))?;
+        if n == 0 {
+            return Ok(None);
+        }
+        serde_json::from_str(&line).map(Some).map_err(|e| ClientError::Protocol(format!("unreadable response: {e}")))
+    }
+
+    /// Sends `request` and returns its result.
+    pub fn call(&mut self, request: &Request) -> Result<Json, ClientError> {
+        self.send(request)?;
+        let r = self.receive()?.ok_or_else(|| ClientError::Protocol("the daemon closed the connection".into()))?;
+        match (r.ok, r.result, r.error) {
+            (true, Some(result), _) => Ok(result),
+            (_, _, Some(e)) => Err(ClientError::Api(e)),
+            _ => Err(ClientError::Protocol("response without result or error".into())),
+        }
+    }
+
+    /// Sends a streaming request (`watch`) and hands each event to `on_event` until it returns false or the
+    /// stream ends (the daemon sends a final result when a `count` is reached).
+    pub fn stream(&mut self, request: &Request, on_event: &mut dyn FnMut(Json) -> bool) -> Result<(), ClientError> {
+        self.send(request)?;
+        while let Some(r) = self.receive()? {
+            if let Some(e) = r.error {
+                return Err(ClientError::Api(e));
+            }
+            if let Some(ev) = r.event {
+                if !on_event(ev) {
+                    return Ok(());
+                }
+            } else if r.result.is_some() {
+                // The end of a stream that stopped by itself (`count` reached).
+                return Ok(());
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Name of the control socket inside the state directory.
+pub const SOCKET_NAME: &str = "control.sock";
+
+/// The control socket's path in `state_dir`.
+pub fn socket_path(state_dir: &std::path::Path) -> std::path::PathBuf {
+    state_dir.join(SOCKET_NAME)
+}

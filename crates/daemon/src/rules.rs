@@ -1,0 +1,345 @@
+//! The daemon's cross-layer rules: one [`RuleEngine`] (crate `flexstack-rules`) owned by a control-plane thread of
+//! its own, so rules run asynchronously to packet processing.
+//!
+//! How the parts are called:
+//! - [`RulesService::start`] spawns the thread. Client threads reach the engine only through
+//!   [`RulesService::call`], which sends a closure to the thread and waits for its answer; the action functions
+//!   of the `rules_*` requests ([`RulesService::load`], [`RulesService::unload`], ...) are built on it.
+//! - The thread loop: wait for a message or the next deadline; then `advance` the engine at the sampling
+//!   interval (it samples every meter the loaded rules `get`, fires due timers, creates and drops per-name
+//!   instances) or earlier when a timer is due; apply the knob writes it returns through the daemon's `set` path
+//!   (the [`KnobWriter`]), report each result back with `handle_write_result`, and log the engine's notices.
+//! - Meters that announce their changes (application variables updated over the app socket) are pushed with
+//!   [`RulesService::meter_changed`]: the engine evaluates the rules waiting on them at once instead of at the
+//!   next sample.
+//! - The engine reads variables through [`RegistryEnv`], an [`Environment`] over a snapshot of the daemon's
+//!   registry.
+//!
+//! Rule changes are revisions of the engine's own repository (`rules log`), separate from the stack's revisions;
+//! the knob writes rules make go through `set` and so are stack revisions by the user `rules`.
+
+use flexstack_api::protocol::{ApiError, ErrorCode};
+use flexstack_core::vars::{is_pattern, Registry};
+use flexstack_core::{SharedRegistry, Time, Value};
+use flexstack_rules::env::absent;
+use flexstack_rules::{Environment, Existence, RuleEngine, RuleError};
+use serde_json::{json, Value as Json};
+use std::collections::VecDeque;
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Applies one knob write as `flexstack set` would (validated, between batches); the error says why it was refused.
+pub type KnobWriter = Box<dyn Fn(&str, &Value) -> Result<(), String> + Send>;
+
+/// Most notices kept for `rules log` (older ones are dropped).
+const MAX_NOTICES: usize = 200;
+
+/// How long a client waits for the rules thread to answer before giving up.
+const CALL_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// An [`Environment`] over a snapshot of the daemon's registry: values are read live from the cells.
+pub struct RegistryEnv {
+    reg: Arc<Registry>,
+}
+
+impl RegistryEnv {
+    /// The environment over the registry's current variables.
+    pub fn new(registry: &SharedRegistry) -> RegistryEnv {
+        RegistryEnv { reg: registry.snapshot() }
+    }
+}
+
+impl Environment for RegistryEnv {
+    fn get(&self, name: &str) -> Option<Value> {
+        self.reg.get(name).map(|c| c.get())
+    }
+
+    fn set(&mut self, name: &str, _value: Value) -> Result<(), String> {
+        Err(format!("{name}: the daemon's rules thread applies writes through `set`, not the environment"))
+    }
+
+    fn names(&self, pattern: &str) -> Vec<String> {
+        self.reg.matching(pattern).map(|(n, _)| n.to_string()).collect()
+    }
+
+    fn exists(&self, name: &str) -> Existence {
+        let found =
+            if is_pattern(name) { self.reg.matching(name).next().is_some() } else { self.reg.get(name).is_some() };
+        if found {
+            Existence::Known
+        } else {
+            absent(name)
+        }
+    }
+}
+
+/// What the rules thread owns: the engine and the notices it reported.
+pub struct RulesState {
+    /// The engine.
+    pub engine: RuleEngine,
+    /// Recent notices (context actions, refused writes), oldest first, as `{t_ms, message}`.
+    pub notices: VecDeque<Json>,
+}
+
+type Job = Box<dyn FnOnce(&mut RulesState, Time, &RegistryEnv) + Send>;
+
+enum Msg {
+    Call(Job),
+    MeterChanged(String, Value),
+}
+
+/// The handle client threads use to reach the rules thread.
+pub struct RulesService {
+    tx: mpsc::Sender<Msg>,
+}
+
+fn rule_error(source: Option<&str>, e: RuleError) -> ApiError {
+    match e {
+        RuleError::Invalid(diags) => {
+            let prefix = source.map_or(String::new(), |s| format!("{s}:"));
+            let lines: Vec<String> = diags.iter().map(|d| format!("{prefix}{d}")).collect();
+            ApiError::new(ErrorCode::InvalidRules, lines.join("\n"))
+        }
+        other => ApiError::new(ErrorCode::NotFound, other.to_string()),
+    }
+}
+
+impl RulesService {
+    /// Starts the rules thread over `registry`, applying knob writes with `writer`, advancing the engine every
+    /// `interval` while rules are loaded (and sleeping until a request comes while none are).
+    pub fn start(registry: SharedRegistry, writer: KnobWriter, interval: Duration) -> std::io::Result<RulesService> {
+        let (tx, rx) = mpsc::channel();
+        std::thread::Builder::new().name("rules".into()).spawn(move || run(&rx, &registry, &writer, interval))?;
+        Ok(RulesService { tx })
+    }
+
+    /// Runs `f` on the rules thread with the engine, the current time and an environment; waits for its result.
+    pub fn call<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut RulesState, Time, &RegistryEnv) -> R + Send + 'static,
+    ) -> Result<R, ApiError> {
+        let (reply, answer) = mpsc::sync_channel(1);
+        let job: Job = Box::new(move |state, now, env| {
+            let _ = reply.send(f(state, now, env));
+        });
+        self.tx.send(Msg::Call(job)).map_err(|_| ApiError::new(ErrorCode::Internal, "the rules thread stopped"))?;
+        answer
+            .recv_timeout(CALL_TIMEOUT)
+            .map_err(|_| ApiError::new(ErrorCode::Internal, "the rules thread did not answer"))
+    }
+
+    /// A meter changed now (pushed by its owner): the rules waiting on it run without waiting for a sample.
+    pub fn meter_changed(&self, name: &str, value: Value) {
+        let _ = self.tx.send(Msg::MeterChanged(name.to_string(), value));
+    }
+
+    /// `rules load`: checks and loads the text named `source`; errors carry `source:line:column`.
+    pub fn load(&self, source: String, text: String) -> Result<Json, ApiError> {
+        self.call(move |s, now, env| match s.engine.handle_load_text(&source, &text, now, env) {
+            Ok(r) => {
+                let warnings: Vec<String> = r.warnings.iter().map(|d| format!("{source}:{d}")).collect();
+                Ok(json!({"revision": r.revision, "defined": r.defined, "loaded": r.loaded, "warnings": warnings}))
+            }
+            Err(e) => Err(rule_error(Some(&source), e)),
+        })?
+    }
+
+    /// `rules unload NAME...` (`ALL`: every rule).
+    pub fn unload(&self, names: Vec<String>) -> Result<Json, ApiError> {
+        self.call(move |s, now, env| {
+            let names: Vec<&str> = names.iter().map(String::as_str).collect();
+            s.engine.handle_unload(&names, now, env).map(|r| json!({"revision": r})).map_err(|e| rule_error(None, e))
+        })?
+    }
+
+    /// `rules replace OLD NEW`.
+    pub fn replace(&self, old: String, new: String) -> Result<Json, ApiError> {
+        self.call(move |s, now, env| {
+            s.engine
+                .handle_replace(&old, &new, now, env)
+                .map(|r| json!({"revision": r}))
+                .map_err(|e| rule_error(None, e))
+        })?
+    }
+
+    /// `rules rollback REV`.
+    pub fn rollback(&self, rev: u64) -> Result<Json, ApiError> {
+        self.call(move |s, now, env| {
+            s.engine.handle_rollback(rev, now, env).map(|r| json!({"revision": r})).map_err(|e| rule_error(None, e))
+        })?
+    }
+
+    /// `rules list`: every defined rule with its section, source, whether loaded, instances and value.
+    pub fn list(&self) -> Result<Json, ApiError> {
+        self.call(|s, _, _| json!(s.engine.list()))
+    }
+
+    /// `rules show NAME`: the rule's text, commands and live unit graph.
+    pub fn show(&self, name: String) -> Result<Json, ApiError> {
+        self.call(move |s, _, _| {
+            s.engine.show(&name).map(|v| json!(v)).ok_or_else(|| {
+                ApiError::new(ErrorCode::NotFound, format!("unknown rule {name}: expected one listed by `rules list`"))
+            })
+        })?
+    }
+
+    /// `rules log`: the repository's revisions, the recent notices, and how many units and instances run.
+    pub fn log(&self) -> Result<Json, ApiError> {
+        self.call(|s, _, _| {
+            json!({"revisions": s.engine.log(), "notices": s.notices, "units": s.engine.unit_count(),
+                   "instances": s.engine.loaded().len()})
+        })
+    }
+
+    /// `rules diff A B`: the commands added and removed between two revisions.
+    pub fn diff(&self, from: u64, to: u64) -> Result<Json, ApiError> {
+        self.call(move |s, _, _| s.engine.diff(from, to).map(|d| json!(d)).map_err(|e| rule_error(None, e)))?
+    }
+}
+
+/// The rules thread.
+fn run(rx: &mpsc::Receiver<Msg>, registry: &SharedRegistry, writer: &KnobWriter, interval: Duration) {
+    let origin = Instant::now();
+    let clock = || Time(u64::try_from(origin.elapsed().as_nanos()).unwrap_or(u64::MAX));
+    let mut state = RulesState { engine: RuleEngine::new(), notices: VecDeque::new() };
+    let mut next_sample = clock();
+    loop {
+        let now = clock();
+        let idle = state.engine.unit_count() == 0;
+        let deadline = [Some(next_sample), state.engine.next_wakeup()].into_iter().flatten().min().unwrap_or(now);
+        let msg = if idle {
+            rx.recv().map_err(|_| mpsc::RecvTimeoutError::Disconnected)
+        } else {
+            rx.recv_timeout(deadline.saturating_since(now))
+        };
+        let now = clock();
+        match msg {
+            Ok(Msg::Call(job)) => job(&mut state, now, &RegistryEnv::new(registry)),
+            Ok(Msg::MeterChanged(name, value)) => {
+                state.engine.handle_meter_changed(&name, value, now, &RegistryEnv::new(registry));
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => return,
+        }
+        let mut writes = Vec::new();
+        if now >= next_sample || state.engine.next_wakeup().is_some_and(|t| t <= now) {
+            writes = state.engine.advance(now, &RegistryEnv::new(registry)).writes;
+            if now >= next_sample {
+                next_sample = now + interval;
+            }
+        }
+        writes.extend(state.engine.poll_writes());
+        for w in &writes {
+            let result = writer(&w.name, &w.value);
+            if let Err(e) = &result {
+                tracing::warn!(unit = %w.unit, knob = %w.name, value = %w.value, error = %e, "rule write refused");
+            } else {
+                tracing::debug!(unit = %w.unit, knob = %w.name, value = %w.value, "rule wrote");
+            }
+            state.engine.handle_write_result(w, result, now);
+        }
+        while let Some(n) = state.engine.poll_notice() {
+            tracing::info!(at = %n.at, "rules: {}", n.message);
+            if state.notices.len() >= MAX_NOTICES {
+                state.notices.pop_front();
+            }
+            state.notices.push_back(json!({"t_ms": n.at.as_nanos() / 1_000_000, "message": n.message}));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use flexstack_core::vars::{DynamicVars, VarSpec};
+    use flexstack_core::ValueType;
+    use std::sync::Mutex;
+
+    fn registry_with_loss() -> (SharedRegistry, DynamicVars, flexstack_core::vars::ModuleVars) {
+        let shared = SharedRegistry::default();
+        let mut dynamic = DynamicVars::new(shared.clone());
+        let vars = dynamic
+            .register(
+                "test",
+                "app.t",
+                &[
+                    VarSpec::meter("loss", ValueType::F64, "", "loss"),
+                    VarSpec::knob("cc", ValueType::Str, "", "congestion control"),
+                ],
+            )
+            .unwrap();
+        (shared, dynamic, vars)
+    }
+
+    #[test]
+    fn registry_env_reads_matches_and_classifies_names() {
+        let (shared, _dynamic, vars) = registry_with_loss();
+        vars.cell("loss").unwrap().set_f64(0.5);
+        let env = RegistryEnv::new(&shared);
+        assert_eq!(env.get("app.t.loss"), Some(Value::F64(0.5)));
+        assert_eq!(env.names("app.*.cc"), vec!["app.t.cc".to_string()]);
+        assert_eq!(env.exists("app.t.loss"), Existence::Known);
+        assert_eq!(env.exists("app.*.loss"), Existence::Known);
+        assert_eq!(env.exists("app.u.loss"), Existence::Maybe);
+        assert_eq!(env.exists("module.x.y"), Existence::No);
+    }
+
+    #[test]
+    fn the_thread_samples_meters_applies_writes_and_reports_refusals() {
+        let (shared, _dynamic, vars) = registry_with_loss();
+        let written: Arc<Mutex<Vec<(String, Value)>>> = Arc::default();
+        let log = written.clone();
+        let writer: KnobWriter = Box::new(move |name, value| {
+            log.lock().unwrap().push((name.to_string(), value.clone()));
+            if value == &Value::Str("refuse".into()) {
+                Err("refused by the test".into())
+            } else {
+                Ok(())
+            }
+        });
+        let svc = RulesService::start(shared, writer, Duration::from_millis(2)).unwrap();
+        let text = "lossy: Threshold(get(\"app.t.loss\"), 0.4, 0.2)\n\
+                    cc: set(\"app.t.cc\", If(lossy, \"bbr\", \"refuse\"))\n";
+        let r = svc.load("t.rules".into(), text.into()).unwrap();
+        assert_eq!(r["revision"], 1);
+        type Writes = [(String, Value)];
+        let wait = |what: &str, cond: &dyn Fn(&Writes) -> bool| {
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while Instant::now() < deadline {
+                if cond(&written.lock().unwrap()) {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            panic!("timed out waiting for {what}: {:?}", written.lock().unwrap());
+        };
+        // loss is 0: the first evaluation writes "refuse", which the writer refuses: a notice.
+        wait("the first write", &|w| w.iter().any(|(_, v)| v == &Value::Str("refuse".into())));
+        vars.cell("loss").unwrap().set_f64(0.5);
+        wait("bbr after sampling", &|w| w.iter().any(|(_, v)| v == &Value::Str("bbr".into())));
+        let log = svc.log().unwrap();
+        let notices = log["notices"].as_array().unwrap();
+        assert!(notices.iter().any(|n| n["message"].as_str().unwrap().contains("refused by the test")), "{log}");
+        // A pushed change is evaluated without waiting for a sample.
+        vars.cell("loss").unwrap().set_f64(0.1);
+        svc.meter_changed("app.t.loss", Value::F64(0.1));
+        wait("refuse again after the push", &|w| {
+            w.iter().filter(|(_, v)| v == &Value::Str("refuse".into())).count() >= 2
+        });
+    }
+
+    #[test]
+    fn errors_carry_the_file_name_line_and_column() {
+        let svc =
+            RulesService::start(SharedRegistry::default(), Box::new(|_, _| Ok(())), Duration::from_millis(5)).unwrap();
+        let e = svc.load("bad.rules".into(), "a: get(\"app.x.y\")\nb: Frobnicate(a)\n".into()).unwrap_err();
+        assert_eq!(e.code, ErrorCode::InvalidRules);
+        // Warnings come along with the errors, each located.
+        assert!(e.message.contains("\nbad.rules:2:4: error: unknown unit `Frobnicate`"), "{}", e.message);
+        assert!(e.message.starts_with("bad.rules:1:8: warning: unknown meter name `app.x.y`"), "{}", e.message);
+        assert!(svc.list().unwrap().as_array().unwrap().is_empty());
+        assert_eq!(svc.show("a".into()).unwrap_err().code, ErrorCode::NotFound);
+        assert_eq!(svc.rollback(9).unwrap_err().code, ErrorCode::NotFound);
+    }
+}

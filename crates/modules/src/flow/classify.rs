@@ -1,0 +1,994 @@
+//! `classify`: sorts IP packets by transport protocol and keeps a table of bidirectional 5-tuple flows, each with an
+//! id, per-flow meters and an idle timeout.
+//!
+//! - Ports: input `in` (ip); outputs `tcp`, `udp`, `icmp` (ICMP and ICMPv6) and `other` (ip), so a stack can write
+//!   `classify[udp] -> nat`. Every packet that parses leaves on the output of its protocol.
+//! - Flows: the key is (protocol, address and port of each side), with ports for TCP/UDP, the identifier for ICMP
+//!   echo and 0 otherwise; the two sides are put in a fixed order, so both directions of a conversation are one
+//!   flow. A new flow gets the next id (1, 2, ...), which is stamped into each of its packets' metadata
+//!   ([`MetaKey::FLOW_ID`]), and runtime meters under `flow.<id>` (see `vars_prefix`): `packets_total`,
+//!   `bytes_total`, `packets_up_total` / `packets_down_total` (by the frame's direction), `first_seen_ns`,
+//!   `last_seen_ns` (switch time) and `tuple` (text, e.g. `udp 10.0.0.2:5000 <-> 10.0.0.1:53`, the side that sent
+//!   the first packet first). Non-first fragments carry no ports: they pass untracked (counted in
+//!   `fragments_untracked_total`); put reassembly before the classifier to track fragmented datagrams.
+//! - Idle timeouts: a flow expires when it has seen no packet for its protocol's timeout; a TCP flow that saw a RST,
+//!   or a FIN from both sides, uses `tcp_closing_timeout_ms` instead. Expired flows leave the table and their
+//!   `flow.<id>` meters are unregistered. Expiry runs from the module's poll, at the earliest deadline.
+//! - Settings: `max_flows`, `vars_prefix` (text, default `flow`: meters go under `<vars_prefix>.<id>`; give each
+//!   classifier of a stack its own, e.g. `flow.lan`, so that their ids do not collide), and every knob.
+//! - Knobs: `track` (bool, default true; false empties the table and passes packets without flows),
+//!   `max_flows` (u64, default 65536: beyond, packets pass untracked, counted in `flows_untracked_total`),
+//!   `tcp_timeout_ms` (300000), `tcp_closing_timeout_ms` (10000), `udp_timeout_ms` (30000), `icmp_timeout_ms`
+//!   (10000), `other_timeout_ms` (30000).
+//! - Meters: `flows_active`, `flows_created_total`, `flows_expired_total`, `flows_untracked_total`,
+//!   `fragments_untracked_total`, and drops: `drop_<reason>_total` for packets that do not parse (reasons of
+//!   [`ParseError`](flexstack_wire::packet::ParseError)) and `drop_not_packet_total` for control frames arriving on `in`. Per-port frame counts are the
+//!   switch's.
+//!
+//! On `module replace` with state kept, the new classifier continues the old one's flows (ids, meters, timers)
+//! under its own timeouts.
+
+use flexstack_core::config::SettingsReader;
+use flexstack_core::module::port_type;
+use flexstack_core::{
+    Batch, ConfigError, Direction, Frame, MetaKey, Meter, Module, ModuleBuilder, ModuleInterface, ModuleKind,
+    ModuleVars, Output, PortSpec, Settings, Time, Value, ValueType, VarSpec,
+};
+use flexstack_wire::packet::{proto, PacketInfo};
+use std::any::Any;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
+use std::net::IpAddr;
+
+/// The kind's name in stack files.
+pub const KIND: &str = "classify";
+
+/// Output port of TCP packets.
+pub const OUT_TCP: usize = 0;
+/// Output port of UDP packets.
+pub const OUT_UDP: usize = 1;
+/// Output port of ICMP and ICMPv6 packets.
+pub const OUT_ICMP: usize = 2;
+/// Output port of every other protocol.
+pub const OUT_OTHER: usize = 3;
+
+/// Flows expired in one poll at most; the rest wait for the next poll (asked for at once).
+const EXPIRE_BATCH: usize = 4096;
+
+/// Largest `max_flows`.
+const MAX_FLOWS_LIMIT: u64 = 1 << 24;
+
+// -------------------------------------------------------------------------------------------------------------
+// Pieces shared with the other stateful modules (nat)
+// -------------------------------------------------------------------------------------------------------------
+
+/// The idle timeouts of flows or bindings, by protocol, in ns; knobs and settings of the same names in ms.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Timeouts {
+    ns: [u64; 5],
+}
+
+impl Timeouts {
+    /// Knob names, defaults (ms) and descriptions, in the order of `ns`.
+    const KNOBS: [(&'static str, u64, &'static str); 5] = [
+        ("tcp_timeout_ms", 300_000, "idle timeout of a TCP flow"),
+        ("tcp_closing_timeout_ms", 10_000, "idle timeout of a TCP flow after a RST or a FIN from both sides"),
+        ("udp_timeout_ms", 30_000, "idle timeout of a UDP flow"),
+        ("icmp_timeout_ms", 10_000, "idle timeout of an ICMP/ICMPv6 flow"),
+        ("other_timeout_ms", 30_000, "idle timeout of a flow of any other protocol"),
+    ];
+    const MAX_MS: u64 = 7 * 24 * 3_600_000;
+
+    /// Reads the timeout settings.
+    pub(crate) fn read(r: &mut SettingsReader<'_>) -> Result<Timeouts, ConfigError> {
+        let mut ns = [0; 5];
+        for (i, (name, default, _)) in Self::KNOBS.iter().enumerate() {
+            ns[i] = r.u64_in(name, *default, 1, Self::MAX_MS)? * 1_000_000;
+        }
+        Ok(Timeouts { ns })
+    }
+
+    /// The knob declarations.
+    pub(crate) fn specs() -> Vec<VarSpec> {
+        Self::KNOBS
+            .iter()
+            .map(|(name, _, d)| VarSpec::knob(name, ValueType::U64, "ms", d).with_range(1.0, Self::MAX_MS as f64))
+            .collect()
+    }
+
+    /// Shows the values in the knobs' cells.
+    pub(crate) fn store(&self, vars: &ModuleVars) {
+        for (i, (name, _, _)) in Self::KNOBS.iter().enumerate() {
+            vars.meter(name).set(self.ns[i] / 1_000_000);
+        }
+    }
+
+    /// Applies a write to one of the timeout knobs; `None` if `knob` is not one of them.
+    pub(crate) fn write(&mut self, knob: &str, value: &Value) -> Option<Result<(), String>> {
+        let i = Self::KNOBS.iter().position(|(n, _, _)| *n == knob)?;
+        Some(match value {
+            Value::U64(ms) if (1..=Self::MAX_MS).contains(ms) => {
+                self.ns[i] = ms * 1_000_000;
+                Ok(())
+            }
+            other => Err(format!("{knob} must be within 1..={} ms, got {other}", Self::MAX_MS)),
+        })
+    }
+
+    /// The timeout of a flow of `protocol`, in ns.
+    pub(crate) fn of(&self, protocol: u8, closing: bool) -> u64 {
+        match protocol {
+            proto::TCP if closing => self.ns[1],
+            proto::TCP => self.ns[0],
+            proto::UDP => self.ns[2],
+            proto::ICMP | proto::ICMPV6 => self.ns[3],
+            _ => self.ns[4],
+        }
+    }
+}
+
+/// What a TCP flow saw of its end: FINs from each side, a RST.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct TcpEnd {
+    fins: u8,
+    rst: bool,
+}
+
+impl TcpEnd {
+    /// Notes the flags of a segment (`from_first`: sent by the side that opened the flow); true when the flow
+    /// has just become closing.
+    pub(crate) fn see(&mut self, from_first: bool, flags: u8) -> bool {
+        let before = self.closing();
+        if flags & 0x04 != 0 {
+            self.rst = true;
+        }
+        if flags & 0x01 != 0 {
+            self.fins |= if from_first { 1 } else { 2 };
+        }
+        !before && self.closing()
+    }
+
+    /// A RST was seen, or a FIN from both sides.
+    pub(crate) fn closing(&self) -> bool {
+        self.rst || self.fins == 3
+    }
+}
+
+/// The TCP flags of a parsed packet, if it is a TCP segment with its header present.
+pub(crate) fn tcp_flags(data: &[u8], info: &PacketInfo) -> Option<u8> {
+    if info.protocol != proto::TCP || info.fragment.is_some_and(|f| f.offset != 0) {
+        return None;
+    }
+    data.get(info.l4_offset + 13).copied()
+}
+
+/// A vector of entries with reusable holes: stable indices for timers to refer to.
+#[derive(Debug)]
+pub(crate) struct Slab<T> {
+    entries: Vec<Option<T>>,
+    free: Vec<u32>,
+    len: usize,
+}
+
+impl<T> Default for Slab<T> {
+    fn default() -> Self {
+        Slab { entries: Vec::new(), free: Vec::new(), len: 0 }
+    }
+}
+
+impl<T> Slab<T> {
+    pub(crate) fn insert(&mut self, value: T) -> u32 {
+        self.len += 1;
+        match self.free.pop() {
+            Some(i) => {
+                self.entries[i as usize] = Some(value);
+                i
+            }
+            None => {
+                self.entries.push(Some(value));
+                (self.entries.len() - 1) as u32
+            }
+        }
+    }
+
+    pub(crate) fn get(&self, i: u32) -> Option<&T> {
+        self.entries.get(i as usize).and_then(Option::as_ref)
+    }
+
+    pub(crate) fn get_mut(&mut self, i: u32) -> Option<&mut T> {
+        self.entries.get_mut(i as usize).and_then(Option::as_mut)
+    }
+
+    pub(crate) fn remove(&mut self, i: u32) -> Option<T> {
+        let v = self.entries.get_mut(i as usize)?.take()?;
+        self.free.push(i);
+        self.len -= 1;
+        Some(v)
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (u32, &T)> {
+        self.entries.iter().enumerate().filter_map(|(i, e)| e.as_ref().map(|e| (i as u32, e)))
+    }
+
+    pub(crate) fn iter_mut(&mut self) -> impl Iterator<Item = (u32, &mut T)> {
+        self.entries.iter_mut().enumerate().filter_map(|(i, e)| e.as_mut().map(|e| (i as u32, e)))
+    }
+}
+
+/// Idle timers: a min-heap of (deadline ns, slab index, id). An entry whose deadline is not the entry's current
+/// `queued` deadline is stale and skipped; a due entry whose entry was seen since is pushed again at its new
+/// deadline, so a busy entry costs no heap operation per packet.
+#[derive(Debug, Default)]
+pub(crate) struct Timers {
+    heap: BinaryHeap<Reverse<(u64, u32, u64)>>,
+}
+
+/// The outcome of [`Timers::next_due`].
+pub(crate) enum Due {
+    /// This entry's timer is due: check it.
+    Check(u32, u64, u64),
+    /// Nothing is due before this time (ns).
+    Next(Option<u64>),
+}
+
+impl Timers {
+    pub(crate) fn push(&mut self, deadline: u64, slot: u32, id: u64) {
+        self.heap.push(Reverse((deadline, slot, id)));
+    }
+
+    /// Takes the next entry due at `now`, or says when the next one is due.
+    pub(crate) fn next_due(&mut self, now: u64) -> Due {
+        match self.heap.peek() {
+            Some(Reverse((d, _, _))) if *d <= now => {
+                let Some(Reverse((d, s, id))) = self.heap.pop() else { return Due::Next(None) };
+                Due::Check(s, id, d)
+            }
+            Some(Reverse((d, _, _))) => Due::Next(Some(*d)),
+            None => Due::Next(None),
+        }
+    }
+
+    pub(crate) fn clear(&mut self) {
+        self.heap.clear();
+    }
+}
+
+pub(crate) use flexstack_wire::packet::ParseDrops;
+
+/// The name of a protocol in tuples and rules.
+pub(crate) fn proto_name(p: u8) -> String {
+    match p {
+        proto::TCP => "tcp".into(),
+        proto::UDP => "udp".into(),
+        proto::ICMP => "icmp".into(),
+        proto::ICMPV6 => "icmpv6".into(),
+        n => format!("proto {n}"),
+    }
+}
+
+// -------------------------------------------------------------------------------------------------------------
+// The kind
+// -------------------------------------------------------------------------------------------------------------
+
+/// The `classify` module kind.
+pub struct ClassifyKind;
+
+impl ModuleKind for ClassifyKind {
+    fn name(&self) -> &'static str {
+        KIND
+    }
+
+    fn summary(&self) -> &'static str {
+        "sorts IP packets by protocol; bidirectional 5-tuple flows with ids, per-flow meters and idle timeouts"
+    }
+
+    fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
+        let mut r = settings.reader(KIND);
+        let timeouts = Timeouts::read(&mut r)?;
+        let max_flows = r.u64_in("max_flows", 65_536, 0, MAX_FLOWS_LIMIT)?;
+        let track = r.bool("track")?.unwrap_or(true);
+        let prefix = r.string("vars_prefix")?.unwrap_or_else(|| "flow".into());
+        let segment_ok = |s: &str| {
+            !s.is_empty()
+                && s.len() <= 64
+                && s.bytes().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'_' || c == b'-')
+        };
+        if !(prefix == "flow" || prefix.strip_prefix("flow.").is_some_and(|rest| rest.split('.').all(segment_ok))) {
+            return Err(r.error(
+                "vars_prefix",
+                format_args!("expected `flow` or `flow.NAME` (lowercase letters, digits, '_', '-'), got {prefix:?}"),
+            ));
+        }
+        r.finish()?;
+        Ok(Box::new(ClassifyBuilder { timeouts, max_flows, track, prefix }))
+    }
+}
+
+struct ClassifyBuilder {
+    timeouts: Timeouts,
+    max_flows: u64,
+    track: bool,
+    prefix: String,
+}
+
+impl ModuleBuilder for ClassifyBuilder {
+    fn interface(&self) -> ModuleInterface {
+        let mut vars = vec![
+            VarSpec::knob("track", ValueType::Bool, "", "keep the flow table (false empties it)"),
+            VarSpec::knob("max_flows", ValueType::U64, "flows", "most flows tracked; beyond, packets pass untracked")
+                .with_range(0.0, MAX_FLOWS_LIMIT as f64),
+        ];
+        vars.extend(Timeouts::specs());
+        vars.extend([
+            VarSpec::meter("flows_active", ValueType::U64, "flows", "flows in the table"),
+            VarSpec::meter("flows_created_total", ValueType::U64, "flows", "flows created"),
+            VarSpec::meter("flows_expired_total", ValueType::U64, "flows", "flows expired (or removed)"),
+            VarSpec::meter("flows_untracked_total", ValueType::U64, "frames", "packets passed untracked: table full"),
+            VarSpec::meter(
+                "fragments_untracked_total",
+                ValueType::U64,
+                "frames",
+                "non-first fragments passed untracked (no ports)",
+            ),
+        ]);
+        vars.extend(ParseDrops::specs(true));
+        ModuleInterface {
+            inputs: vec![PortSpec::new("in", port_type::IP)],
+            outputs: ["tcp", "udp", "icmp", "other"].iter().map(|n| PortSpec::new(*n, port_type::IP)).collect(),
+            vars,
+            breaks_cycles: false,
+        }
+    }
+
+    fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module> {
+        vars.meter("track").store(&Value::Bool(self.track));
+        vars.meter("max_flows").set(self.max_flows);
+        self.timeouts.store(vars);
+        Box::new(Classify {
+            track: self.track,
+            max_flows: self.max_flows as usize,
+            timeouts: self.timeouts,
+            prefix: self.prefix,
+            flush: false,
+            table: Table::default(),
+            flow_specs: flow_specs(),
+            active: vars.meter("flows_active"),
+            created: vars.meter("flows_created_total"),
+            expired: vars.meter("flows_expired_total"),
+            untracked: vars.meter("flows_untracked_total"),
+            fragments: vars.meter("fragments_untracked_total"),
+            drops: ParseDrops::new(vars),
+        })
+    }
+}
+
+fn flow_specs() -> Vec<VarSpec> {
+    vec![
+        VarSpec::meter("packets_total", ValueType::U64, "frames", "packets of the flow, both directions"),
+        VarSpec::meter("bytes_total", ValueType::U64, "bytes", "bytes of the flow's packets, both directions"),
+        VarSpec::meter("packets_up_total", ValueType::U64, "frames", "packets travelling up (from the network)"),
+        VarSpec::meter("packets_down_total", ValueType::U64, "frames", "packets travelling down (to the network)"),
+        VarSpec::meter("first_seen_ns", ValueType::U64, "ns", "switch time of the flow's first packet"),
+        VarSpec::meter("last_seen_ns", ValueType::U64, "ns", "switch time of the flow's last packet"),
+        VarSpec::meter("tuple", ValueType::Str, "", "protocol and endpoints, the first sender first"),
+    ]
+}
+
+/// A flow's key: protocol and the two endpoints, in a fixed order (so both directions give the same key).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct FlowKey {
+    protocol: u8,
+    a: (IpAddr, u16),
+    b: (IpAddr, u16),
+}
+
+impl FlowKey {
+    fn of(info: &PacketInfo) -> FlowKey {
+        let s = (info.src, info.src_port);
+        let d = (info.dst, info.dst_port);
+        let (a, b) = if s <= d { (s, d) } else { (d, s) };
+        FlowKey { protocol: info.protocol, a, b }
+    }
+}
+
+struct FlowMeters {
+    packets: Meter,
+    bytes: Meter,
+    up: Meter,
+    down: Meter,
+    last: Meter,
+}
+
+struct Flow {
+    id: u64,
+    key: FlowKey,
+    /// The endpoint that sent the first packet.
+    first: (IpAddr, u16),
+    last_seen: u64,
+    queued: u64,
+    tcp: TcpEnd,
+    /// The prefix its meters are registered under.
+    vars_name: String,
+    meters: FlowMeters,
+}
+
+/// The flow table: what a classifier hands to its replacement.
+#[derive(Default)]
+struct Table {
+    flows: Slab<Flow>,
+    index: HashMap<FlowKey, u32>,
+    timers: Timers,
+    next_id: u64,
+    created: u64,
+    expired: u64,
+    untracked: u64,
+}
+
+/// A running classifier.
+pub struct Classify {
+    track: bool,
+    max_flows: usize,
+    timeouts: Timeouts,
+    prefix: String,
+    flush: bool,
+    table: Table,
+    flow_specs: Vec<VarSpec>,
+    active: Meter,
+    created: Meter,
+    expired: Meter,
+    untracked: Meter,
+    fragments: Meter,
+    drops: ParseDrops,
+}
+
+impl Classify {
+    fn deadline(&self, f: &Flow) -> u64 {
+        f.last_seen.saturating_add(self.timeouts.of(f.key.protocol, f.tcp.closing()))
+    }
+
+    /// Accounts `p` to its flow (creating it if needed) and stamps the flow id.
+    fn account(&mut self, p: &mut flexstack_core::Packet, info: &PacketInfo, out: &mut Output<'_>) {
+        let key = FlowKey::of(info);
+        let now = out.now().as_nanos();
+        let slot = match self.table.index.get(&key) {
+            Some(&s) => s,
+            None => {
+                if self.table.flows.len() >= self.max_flows {
+                    self.table.untracked += 1;
+                    self.untracked.add(1);
+                    return;
+                }
+                self.create(key, info, out)
+            }
+        };
+        let flags = tcp_flags(p.data(), info);
+        let len = p.len() as u64;
+        let up = p.direction() == Direction::Up;
+        let closing_ns = self.timeouts.of(proto::TCP, true);
+        let Some(f) = self.table.flows.get_mut(slot) else { return };
+        f.meters.packets.add(1);
+        f.meters.bytes.add(len);
+        let dir_meter = if up { &f.meters.up } else { &f.meters.down };
+        dir_meter.add(1);
+        f.meters.last.set(now);
+        f.last_seen = now;
+        if let Some(flags) = flags {
+            if f.tcp.see((info.src, info.src_port) == f.first, flags) {
+                let d = now.saturating_add(closing_ns);
+                if d < f.queued {
+                    f.queued = d;
+                    self.table.timers.push(d, slot, f.id);
+                    out.wake_at(Time(d));
+                }
+            }
+        }
+        let id = f.id;
+        p.meta_mut().set(MetaKey::FLOW_ID, id);
+    }
+
+    fn create(&mut self, key: FlowKey, info: &PacketInfo, out: &mut Output<'_>) -> u32 {
+        let now = out.now().as_nanos();
+        self.table.next_id += 1;
+        let id = self.table.next_id;
+        let vars_name = format!("{}.{id}", self.prefix);
+        let vars =
+            out.register_vars(&vars_name, &self.flow_specs).unwrap_or_else(|_| ModuleVars::new(&self.flow_specs));
+        let first = (info.src, info.src_port);
+        let tuple = tuple_text(info);
+        vars.meter("first_seen_ns").set(now);
+        vars.meter("tuple").store(&Value::Str(tuple));
+        let meters = FlowMeters {
+            packets: vars.meter("packets_total"),
+            bytes: vars.meter("bytes_total"),
+            up: vars.meter("packets_up_total"),
+            down: vars.meter("packets_down_total"),
+            last: vars.meter("last_seen_ns"),
+        };
+        let deadline = now.saturating_add(self.timeouts.of(key.protocol, false));
+        let flow = Flow { id, key, first, last_seen: now, queued: deadline, tcp: TcpEnd::default(), vars_name, meters };
+        let slot = self.table.flows.insert(flow);
+        self.table.index.insert(key, slot);
+        self.table.timers.push(deadline, slot, id);
+        out.wake_at(Time(deadline));
+        self.table.created += 1;
+        self.created.add(1);
+        self.active.set(self.table.flows.len() as u64);
+        slot
+    }
+
+    fn remove(&mut self, slot: u32, out: &mut Output<'_>) {
+        if let Some(f) = self.table.flows.remove(slot) {
+            self.table.index.remove(&f.key);
+            out.unregister_vars(&f.vars_name);
+            self.table.expired += 1;
+            self.expired.add(1);
+        }
+        self.active.set(self.table.flows.len() as u64);
+    }
+
+    /// Puts every flow's timer at its current deadline (after a timeout changed, or a table was adopted).
+    fn rearm(&mut self) {
+        self.table.timers.clear();
+        let timeouts = self.timeouts;
+        for (slot, f) in self.table.flows.iter_mut() {
+            let d = f.last_seen.saturating_add(timeouts.of(f.key.protocol, f.tcp.closing()));
+            f.queued = d;
+            self.table.timers.push(d, slot, f.id);
+        }
+    }
+
+    fn publish(&self) {
+        self.active.set(self.table.flows.len() as u64);
+        self.created.set(self.table.created);
+        self.expired.set(self.table.expired);
+        self.untracked.set(self.table.untracked);
+    }
+}
+
+fn tuple_text(info: &PacketInfo) -> String {
+    use flexstack_wire::cidr::Endpoint;
+    let name = proto_name(info.protocol);
+    match info.protocol {
+        proto::TCP | proto::UDP if info.fragment.is_none_or(|f| f.offset == 0) => {
+            format!("{name} {} <-> {}", Endpoint(info.src, info.src_port), Endpoint(info.dst, info.dst_port))
+        }
+        proto::ICMP | proto::ICMPV6 if info.src_port != 0 || matches!(info.icmp, Some((0 | 8 | 128 | 129, _))) => {
+            format!("{name} {} <-> {} id {}", info.src, info.dst, info.src_port)
+        }
+        _ => format!("{name} {} <-> {}", info.src, info.dst),
+    }
+}
+
+impl Module for Classify {
+    fn process(&mut self, _port: usize, input: &mut Batch, out: &mut Output<'_>) {
+        for mut frame in input.drain(..) {
+            let Frame::Data(p) = &mut frame else {
+                self.drops.not_packet();
+                out.drop_frame(frame);
+                continue;
+            };
+            let info = match PacketInfo::parse(p.data()) {
+                Ok(info) => info,
+                Err(e) => {
+                    self.drops.count(e);
+                    out.drop_frame(frame);
+                    continue;
+                }
+            };
+            if self.track {
+                if info.fragment.is_some_and(|f| f.offset != 0) {
+                    self.fragments.add(1);
+                } else {
+                    self.account(p, &info, out);
+                }
+            }
+            let port = match info.protocol {
+                proto::TCP => OUT_TCP,
+                proto::UDP => OUT_UDP,
+                proto::ICMP | proto::ICMPV6 => OUT_ICMP,
+                _ => OUT_OTHER,
+            };
+            out.emit(port, frame);
+        }
+    }
+
+    fn poll(&mut self, out: &mut Output<'_>) -> Option<Time> {
+        if self.flush {
+            self.flush = false;
+            let slots: Vec<u32> = self.table.flows.iter().map(|(s, _)| s).collect();
+            for s in slots {
+                self.remove(s, out);
+            }
+            self.table.timers.clear();
+        }
+        let now = out.now().as_nanos();
+        let mut expired = 0;
+        loop {
+            if expired == EXPIRE_BATCH {
+                return Some(out.now());
+            }
+            match self.table.timers.next_due(now) {
+                Due::Next(t) => return t.map(Time),
+                Due::Check(slot, id, at) => {
+                    let Some(f) = self.table.flows.get(slot) else { continue };
+                    if f.id != id || f.queued != at {
+                        continue; // stale entry
+                    }
+                    let d = self.deadline(f);
+                    if d > now {
+                        if let Some(f) = self.table.flows.get_mut(slot) {
+                            f.queued = d;
+                        }
+                        self.table.timers.push(d, slot, id);
+                    } else {
+                        self.remove(slot, out);
+                        expired += 1;
+                    }
+                }
+            }
+        }
+    }
+
+    fn write_knob(&mut self, knob: &str, value: &Value) -> Result<(), String> {
+        if let Some(r) = self.timeouts.write(knob, value) {
+            r?;
+            self.rearm();
+            return Ok(());
+        }
+        match (knob, value) {
+            ("track", Value::Bool(b)) => {
+                self.track = *b;
+                // The table is emptied at the poll that follows the write (unregistering needs an Output).
+                self.flush = !*b;
+                Ok(())
+            }
+            ("max_flows", Value::U64(n)) => {
+                self.max_flows = (*n).min(MAX_FLOWS_LIMIT) as usize;
+                Ok(())
+            }
+            _ => Err(format!("a classify module has no knob {knob} of that type")),
+        }
+    }
+
+    fn take_state(&mut self) -> Option<Box<dyn Any>> {
+        Some(Box::new(std::mem::take(&mut self.table)))
+    }
+
+    fn adopt_state(&mut self, state: Box<dyn Any>) -> Result<(), String> {
+        let table = state.downcast::<Table>().map_err(|_| "not a classifier's flow table".to_string())?;
+        self.table = *table;
+        self.rearm();
+        self.flush = !self.track;
+        self.publish();
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod testutil {
+    //! Helpers for the modules' tests: a catalog with this crate's kinds, loading modules, a recording module.
+
+    use flexstack_core::{Batch, Catalog, Direction, Edit, Frame, Settings, Switch, Time, Value};
+
+    pub fn catalog() -> Catalog {
+        let mut c = Catalog::new();
+        crate::register(&mut c);
+        c
+    }
+
+    pub fn settings(args: &[&str]) -> Settings {
+        let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+        Settings::from_args(&args).expect("valid test settings")
+    }
+
+    pub fn load(name: &str, kind: &str, args: &[&str]) -> Edit {
+        let settings = settings(args);
+        let builder = catalog().configure(kind, &settings, None).unwrap_or_else(|e| panic!("{kind}: {e}"));
+        Edit::Load { name: name.into(), kind: kind.into(), settings, builder }
+    }
+
+    /// The configuration error of a module of `kind` with these settings.
+    pub fn config_error(kind: &str, args: &[&str]) -> String {
+        match catalog().configure(kind, &settings(args), None) {
+            Ok(_) => panic!("{kind} {args:?} configured"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    pub fn link(text: &str) -> Edit {
+        Edit::Link(flexstack_core::LinkSpec::parse(text).expect("valid link"))
+    }
+
+    pub fn knob(module: &str, knob: &str, value: Value) -> Edit {
+        Edit::SetKnob { module: module.into(), knob: knob.into(), value }
+    }
+
+    pub fn var(sw: &Switch, name: &str) -> Option<Value> {
+        sw.registry().snapshot().get(name).map(|c| c.get())
+    }
+
+    pub fn u64_var(sw: &Switch, name: &str) -> u64 {
+        match var(sw, name) {
+            Some(Value::U64(v)) => v,
+            other => panic!("{name} is {other:?}, not u64"),
+        }
+    }
+
+    pub use flexstack_core::testing::{take, Log};
+
+    /// A `Load` edit for a recording module with input `in`, and its log.
+    pub fn recorder(name: &str) -> (Edit, Log) {
+        flexstack_core::testing::Recorder::load(name)
+    }
+
+    /// Injects `packets` (with `direction`) into `module[port]` and runs the switch at `at_ms`.
+    pub fn send(sw: &mut Switch, module: &str, port: &str, packets: &[Vec<u8>], direction: Direction, at_ms: u64) {
+        let mut batch: Batch = packets
+            .iter()
+            .map(|d| {
+                let mut p = sw.pool().alloc_from(d);
+                p.set_direction(direction);
+                Frame::Data(p)
+            })
+            .collect();
+        sw.inject(module, port, &mut batch).expect("inject");
+        sw.run(Time::from_millis(at_ms));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::testutil::*;
+    use flexstack_core::{Direction, Switch, Time, Value};
+    use flexstack_wire::packet::{build, proto};
+    use std::net::{Ipv4Addr, Ipv6Addr};
+
+    const A: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 2);
+    const B: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 1);
+
+    fn udp4(src: Ipv4Addr, dst: Ipv4Addr, sp: u16, dp: u16, data: &[u8]) -> Vec<u8> {
+        build::ipv4(src, dst, proto::UDP, 64, &build::udp(src.into(), dst.into(), sp, dp, data))
+    }
+
+    fn tcp4(src: Ipv4Addr, dst: Ipv4Addr, sp: u16, dp: u16, flags: u8) -> Vec<u8> {
+        let mut t = build::tcp(src.into(), dst.into(), sp, dp, b"");
+        t[13] = flags; // checksum now wrong: the classifier does not check it
+        build::ipv4(src, dst, proto::TCP, 64, &t)
+    }
+
+    /// classify with each output recorded.
+    fn stack(args: &[&str]) -> (Switch, [Log; 4]) {
+        let mut sw = Switch::default();
+        let (t, lt) = recorder("t");
+        let (u, lu) = recorder("u");
+        let (i, li) = recorder("i");
+        let (o, lo) = recorder("o");
+        sw.apply(vec![
+            load("c", "classify", args),
+            t,
+            u,
+            i,
+            o,
+            link("c[tcp] -> t"),
+            link("c[udp] -> u"),
+            link("c[icmp] -> i"),
+            link("c[other] -> o"),
+        ])
+        .unwrap();
+        (sw, [lt, lu, li, lo])
+    }
+
+    fn flow_var(sw: &Switch, id: u64, name: &str) -> Option<Value> {
+        var(sw, &format!("flow.{id}.{name}"))
+    }
+
+    #[test]
+    fn sorts_by_protocol_and_tracks_bidirectional_flows() {
+        let (mut sw, logs) = stack(&[]);
+        let q = udp4(A, B, 5000, 53, b"query");
+        let r = udp4(B, A, 53, 5000, b"answer!");
+        let t = tcp4(A, B, 40000, 80, 0x02);
+        let e = build::ipv4(A, B, proto::ICMP, 64, &build::icmpv4_echo(7, 1, b"hi"));
+        let gre = build::ipv4(A, B, 47, 64, b"greg");
+        send(&mut sw, "c", "in", &[q.clone(), t, e, gre], Direction::Down, 1);
+        send(&mut sw, "c", "in", std::slice::from_ref(&r), Direction::Up, 2);
+        let [lt, lu, li, lo] = &logs;
+        let (t, u, i, o) = (take(lt), take(lu), take(li), take(lo));
+        assert_eq!((t.len(), u.len(), i.len(), o.len()), (1, 2, 1, 1));
+        assert_eq!(u[0].data, q, "packets pass unchanged");
+        assert_eq!(
+            (u[0].flow(), u[1].flow(), t[0].flow(), i[0].flow(), o[0].flow()),
+            (Some(1), Some(1), Some(2), Some(3), Some(4))
+        );
+        assert_eq!(u64_var(&sw, "module.c.flows_active"), 4);
+        assert_eq!(u64_var(&sw, "module.c.flows_created_total"), 4);
+        assert_eq!(flow_var(&sw, 1, "packets_total"), Some(Value::U64(2)));
+        assert_eq!(flow_var(&sw, 1, "bytes_total"), Some(Value::U64((q.len() + r.len()) as u64)));
+        assert_eq!(flow_var(&sw, 1, "packets_down_total"), Some(Value::U64(1)));
+        assert_eq!(flow_var(&sw, 1, "packets_up_total"), Some(Value::U64(1)));
+        assert_eq!(flow_var(&sw, 1, "first_seen_ns"), Some(Value::U64(1_000_000)));
+        assert_eq!(flow_var(&sw, 1, "last_seen_ns"), Some(Value::U64(2_000_000)));
+        assert_eq!(flow_var(&sw, 1, "tuple"), Some(Value::Str("udp 10.0.0.2:5000 <-> 10.0.0.1:53".into())));
+        assert_eq!(flow_var(&sw, 2, "tuple"), Some(Value::Str("tcp 10.0.0.2:40000 <-> 10.0.0.1:80".into())));
+        assert_eq!(flow_var(&sw, 3, "tuple"), Some(Value::Str("icmp 10.0.0.2 <-> 10.0.0.1 id 7".into())));
+        assert_eq!(flow_var(&sw, 4, "tuple"), Some(Value::Str("proto 47 10.0.0.2 <-> 10.0.0.1".into())));
+        // A different port is a different flow; the next id.
+        send(&mut sw, "c", "in", &[udp4(A, B, 5001, 53, b"")], Direction::Down, 3);
+        assert_eq!(take(lu)[0].flow(), Some(5));
+    }
+
+    #[test]
+    fn ipv6_flows_and_icmpv6() {
+        let (mut sw, logs) = stack(&[]);
+        let a: Ipv6Addr = "fd00::2".parse().unwrap();
+        let b: Ipv6Addr = "fd00::1".parse().unwrap();
+        let q = build::ipv6(a, b, proto::UDP, 64, &build::udp(a.into(), b.into(), 7, 9, b"x"));
+        let r = build::ipv6(b, a, proto::UDP, 64, &build::udp(b.into(), a.into(), 9, 7, b"y"));
+        let mut echo = build::icmpv4_echo(3, 1, b"");
+        echo[0] = 128;
+        let ping = build::ipv6(a, b, proto::ICMPV6, 64, &echo);
+        send(&mut sw, "c", "in", &[q, r, ping], Direction::Down, 1);
+        let u = take(&logs[1]);
+        assert_eq!((u[0].flow(), u[1].flow()), (Some(1), Some(1)));
+        assert_eq!(take(&logs[2])[0].flow(), Some(2));
+        assert_eq!(flow_var(&sw, 1, "tuple"), Some(Value::Str("udp [fd00::2]:7 <-> [fd00::1]:9".into())));
+        assert_eq!(flow_var(&sw, 2, "tuple"), Some(Value::Str("icmpv6 fd00::2 <-> fd00::1 id 3".into())));
+    }
+
+    #[test]
+    fn bad_packets_are_dropped_with_their_reason() {
+        let (mut sw, logs) = stack(&[]);
+        let mut bad = udp4(A, B, 1, 2, b"");
+        bad[10] ^= 1;
+        send(&mut sw, "c", "in", &[vec![], vec![0x45; 10], bad, vec![0x70; 40]], Direction::Up, 1);
+        assert!(logs.iter().all(|l| take(l).is_empty()));
+        assert_eq!(u64_var(&sw, "module.c.drop_truncated_total"), 2);
+        assert_eq!(u64_var(&sw, "module.c.drop_bad_checksum_total"), 1);
+        assert_eq!(u64_var(&sw, "module.c.drop_bad_version_total"), 1);
+        assert_eq!(u64_var(&sw, "module.c.frames_dropped_total"), 4);
+        assert_eq!(u64_var(&sw, "module.c.flows_active"), 0);
+    }
+
+    #[test]
+    fn idle_udp_flow_expires_and_its_meters_go() {
+        let (mut sw, logs) = stack(&["udp_timeout_ms=1000"]);
+        send(&mut sw, "c", "in", &[udp4(A, B, 1, 2, b"")], Direction::Down, 0);
+        assert_eq!(sw.next_wakeup(), Some(Time::from_millis(1000)));
+        // Traffic at 600 ms pushes the deadline to 1600 ms.
+        send(&mut sw, "c", "in", &[udp4(B, A, 2, 1, b"")], Direction::Up, 600);
+        sw.run(Time::from_millis(1000));
+        assert_eq!(u64_var(&sw, "module.c.flows_active"), 1);
+        assert!(flow_var(&sw, 1, "packets_total").is_some());
+        assert_eq!(sw.next_wakeup(), Some(Time::from_millis(1600)));
+        sw.run(Time::from_millis(1600));
+        assert_eq!(u64_var(&sw, "module.c.flows_active"), 0);
+        assert_eq!(u64_var(&sw, "module.c.flows_expired_total"), 1);
+        assert!(flow_var(&sw, 1, "packets_total").is_none(), "meters unregistered");
+        assert!(sw.registry().snapshot().matching("flow.**").next().is_none());
+        assert_eq!(sw.next_wakeup(), None);
+        // The same tuple again is a new flow.
+        send(&mut sw, "c", "in", &[udp4(A, B, 1, 2, b"")], Direction::Down, 2000);
+        assert_eq!(take(&logs[1]).last().unwrap().flow(), Some(2));
+    }
+
+    #[test]
+    fn tcp_fin_from_both_sides_or_rst_shortens_the_timeout() {
+        let (mut sw, _logs) = stack(&["tcp_closing_timeout_ms=100"]);
+        send(&mut sw, "c", "in", &[tcp4(A, B, 1000, 80, 0x02), tcp4(B, A, 80, 1000, 0x12)], Direction::Down, 0);
+        send(&mut sw, "c", "in", &[tcp4(A, B, 1000, 80, 0x11)], Direction::Down, 10);
+        sw.run(Time::from_millis(200));
+        assert_eq!(u64_var(&sw, "module.c.flows_active"), 1, "one FIN is not enough");
+        send(&mut sw, "c", "in", &[tcp4(B, A, 80, 1000, 0x11)], Direction::Up, 300);
+        sw.run(Time::from_millis(399));
+        assert_eq!(u64_var(&sw, "module.c.flows_active"), 1);
+        sw.run(Time::from_millis(400));
+        assert_eq!(u64_var(&sw, "module.c.flows_active"), 0);
+        // A RST from either side.
+        send(&mut sw, "c", "in", &[tcp4(A, B, 1001, 80, 0x02)], Direction::Down, 1000);
+        send(&mut sw, "c", "in", &[tcp4(B, A, 80, 1001, 0x04)], Direction::Up, 1010);
+        assert_eq!(sw.next_wakeup(), Some(Time::from_millis(1110)));
+        sw.run(Time::from_millis(1110));
+        assert_eq!(u64_var(&sw, "module.c.flows_active"), 0);
+        assert_eq!(u64_var(&sw, "module.c.flows_expired_total"), 2);
+        // Without FIN/RST a TCP flow lives for tcp_timeout_ms (300 s by default).
+        send(&mut sw, "c", "in", &[tcp4(A, B, 1002, 80, 0x02)], Direction::Down, 2000);
+        sw.run(Time::from_millis(301_999));
+        assert_eq!(u64_var(&sw, "module.c.flows_active"), 1);
+        sw.run(Time::from_millis(302_000));
+        assert_eq!(u64_var(&sw, "module.c.flows_active"), 0);
+    }
+
+    #[test]
+    fn max_flows_passes_the_rest_untracked() {
+        let (mut sw, logs) = stack(&["max_flows=2"]);
+        let packets: Vec<Vec<u8>> = (0..4).map(|i| udp4(A, B, 100 + i, 53, b"")).collect();
+        send(&mut sw, "c", "in", &packets, Direction::Down, 1);
+        let u = take(&logs[1]);
+        assert_eq!(u.iter().map(|s| s.flow()).collect::<Vec<_>>(), [Some(1), Some(2), None, None]);
+        assert_eq!(u64_var(&sw, "module.c.flows_untracked_total"), 2);
+        assert_eq!(u64_var(&sw, "module.c.flows_active"), 2);
+        // Raised at runtime: new flows are tracked again.
+        sw.apply(vec![knob("c", "max_flows", Value::U64(3))]).unwrap();
+        send(&mut sw, "c", "in", &packets[2..3], Direction::Down, 2);
+        assert_eq!(take(&logs[1])[0].flow(), Some(3));
+    }
+
+    #[test]
+    fn track_off_empties_the_table_and_timeouts_are_knobs() {
+        let (mut sw, logs) = stack(&["track=true", "udp_timeout_ms=5000"]);
+        send(&mut sw, "c", "in", &[udp4(A, B, 1, 2, b""), udp4(A, B, 3, 4, b"")], Direction::Down, 1);
+        // A shorter timeout applies to existing flows at once.
+        sw.apply(vec![knob("c", "udp_timeout_ms", Value::U64(100))]).unwrap();
+        assert_eq!(u64_var(&sw, "module.c.udp_timeout_ms"), 100);
+        sw.run(Time::from_millis(2));
+        assert_eq!(sw.next_wakeup(), Some(Time::from_millis(101)));
+        sw.run(Time::from_millis(101));
+        assert_eq!(u64_var(&sw, "module.c.flows_active"), 0);
+        send(&mut sw, "c", "in", &[udp4(A, B, 1, 2, b"")], Direction::Down, 200);
+        assert_eq!(u64_var(&sw, "module.c.flows_active"), 1);
+        sw.apply(vec![knob("c", "track", Value::Bool(false))]).unwrap();
+        sw.run(Time::from_millis(201));
+        assert_eq!(u64_var(&sw, "module.c.flows_active"), 0);
+        assert!(sw.registry().snapshot().matching("flow.**").next().is_none());
+        take(&logs[1]);
+        send(&mut sw, "c", "in", &[udp4(A, B, 1, 2, b"")], Direction::Down, 300);
+        assert_eq!(take(&logs[1])[0].flow(), None);
+        assert_eq!(u64_var(&sw, "module.c.flows_active"), 0);
+    }
+
+    #[test]
+    fn many_flows_expire_in_bounded_polls() {
+        let (mut sw, _logs) = stack(&["udp_timeout_ms=10"]);
+        let packets: Vec<Vec<u8>> = (0..5000u32).map(|i| udp4(A, Ipv4Addr::from(0x0a01_0000 + i), 9, 9, b"")).collect();
+        send(&mut sw, "c", "in", &packets, Direction::Down, 0);
+        assert_eq!(u64_var(&sw, "module.c.flows_active"), 5000);
+        sw.run(Time::from_millis(10));
+        assert_eq!(u64_var(&sw, "module.c.flows_active"), 5000 - 4096);
+        assert_eq!(sw.next_wakeup(), Some(Time::from_millis(10)));
+        sw.run(Time::from_millis(10));
+        assert_eq!(u64_var(&sw, "module.c.flows_active"), 0);
+    }
+
+    #[test]
+    fn replace_keeps_flows_and_separate_prefixes_do_not_collide() {
+        let (mut sw, logs) = stack(&["vars_prefix=\"flow.lan\""]);
+        send(&mut sw, "c", "in", &[udp4(A, B, 1, 2, b"")], Direction::Down, 1);
+        assert_eq!(var(&sw, "flow.lan.1.packets_total"), Some(Value::U64(1)));
+        let settings = settings(&["vars_prefix=\"flow.lan\""]);
+        let builder = catalog().configure("classify", &settings, None).unwrap();
+        sw.apply(vec![flexstack_core::Edit::Replace {
+            name: "c".into(),
+            kind: "classify".into(),
+            settings,
+            builder,
+            keep_state: true,
+        }])
+        .unwrap();
+        assert_eq!(u64_var(&sw, "module.c.flows_active"), 1);
+        send(&mut sw, "c", "in", &[udp4(B, A, 2, 1, b""), udp4(A, B, 5, 6, b"")], Direction::Up, 2);
+        let u = take(&logs[1]);
+        assert_eq!((u[1].flow(), u[2].flow()), (Some(1), Some(2)));
+        assert_eq!(var(&sw, "flow.lan.1.packets_total"), Some(Value::U64(2)));
+        assert_eq!(u64_var(&sw, "module.c.flows_created_total"), 2);
+        // A second classifier with the default prefix: its flow 1 is flow.1, not a clash with flow.lan.1.
+        sw.apply(vec![load("c2", "classify", &[])]).unwrap();
+        send(&mut sw, "c2", "in", &[udp4(A, B, 1, 2, b"")], Direction::Down, 3);
+        assert_eq!(var(&sw, "flow.1.packets_total"), Some(Value::U64(1)));
+        // Unloading removes every flow meter of the module.
+        sw.apply(vec![flexstack_core::Edit::Unload { name: "c".into() }]).unwrap();
+        assert!(sw.registry().snapshot().matching("flow.lan.**").next().is_none());
+    }
+
+    #[test]
+    fn settings_are_checked() {
+        assert!(config_error("classify", &["max_flows=-1"]).contains("max_flows"));
+        assert!(config_error("classify", &["udp_timeout_ms=0"]).contains("within 1.."));
+        assert!(config_error("classify", &["vars_prefix=\"iface.x\""]).contains("flow.NAME"));
+        assert!(config_error("classify", &["vars_prefix=\"flow.A\""]).contains("flow.NAME"));
+        assert!(config_error("classify", &["timeout=1"]).contains("unknown setting `timeout`"));
+    }
+}

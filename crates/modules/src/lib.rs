@@ -148,22 +148,22 @@ mod tests {
         assert_eq!(
             names,
             [
+                "classify",
                 "counter",
                 "direction",
+                "early-binding",
                 "emulator",
+                "firewall",
+                "icmp",
+                "ip",
+                "late-binding",
+                "link",
+                "nat",
+                "reassemble",
                 "sink",
                 "source",
                 "switch",
-                "tap",
-                "reassemble",
-                "ip",
-                "icmp",
-                "classify",
-                "firewall",
-                "nat",
-                "link",
-                "late-binding",
-                "early-binding"
+                "tap"
             ]
         );
         for k in super::catalog().kinds() {

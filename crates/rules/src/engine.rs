@@ -16,7 +16,7 @@
 //! Reads: [`RuleEngine::list`], [`RuleEngine::show`], [`RuleEngine::value`], [`RuleEngine::log`],
 //! [`RuleEngine::diff`]. [`drive`] is `advance` plus applying the writes to an environment, for tests and tools.
 //!
-//! How rules run (see docs/rules.md): each loaded rule is an *instance* (one per binding of its `*`s) owning the
+//! How rules run (see docs/rules.md): each loaded rule is an *instance* (one per set of values its `*`s capture) owning the
 //! units of its expression. A rule with an incoming trigger, or used by such a rule, is *pulled*: it is only
 //! evaluated by query. Every other rule is *pushed*: it is evaluated (by a query of its own units) when a meter
 //! it reads changes, a timer in it ticks, or a pushed rule it uses emits. A rule *emits* when its output changes;
@@ -137,7 +137,7 @@ struct Revision {
 /// A unit as `show` presents it.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct UnitView {
-    /// `rule[binding]/path`.
+    /// `rule[captures]/path`.
     pub key: String,
     /// The unit's kind.
     pub kind: &'static str,
@@ -152,8 +152,10 @@ pub struct UnitView {
 /// One instance of a rule as `show` presents it.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct InstanceView {
-    /// The names bound to the `*`s (empty for a rule without wildcards).
-    pub binding: Vec<String>,
+    /// The segments the `*`s captured (empty for a rule without wildcards); `binding` on the wire, its name
+    /// before "binding" was kept for late binding alone.
+    #[serde(rename = "binding")]
+    pub captures: Vec<String>,
     /// How many loaded things hold it: 1 if loaded by itself, plus 1 per loaded rule instance using it.
     pub refcount: u32,
     /// Evaluated only by query (it has a trigger or is used by a rule that has one).
@@ -209,7 +211,7 @@ enum Fire {
 #[derive(Debug)]
 struct Instance {
     rule: String,
-    binding: Vec<String>,
+    captures: Vec<String>,
     root: u32,
     units: std::ops::Range<u32>,
     refs: Vec<u32>,
@@ -283,18 +285,18 @@ impl Default for RuleEngine {
     }
 }
 
-/// `rule[a,b]` for a binding, `rule` without.
-fn instance_name(rule: &str, binding: &[String]) -> String {
-    if binding.is_empty() {
+/// `rule[a,b]` for an instance with captures, `rule` without.
+fn instance_name(rule: &str, captures: &[String]) -> String {
+    if captures.is_empty() {
         rule.to_string()
     } else {
-        format!("{rule}[{}]", binding.join(","))
+        format!("{rule}[{}]", captures.join(","))
     }
 }
 
-/// Replaces the i-th `*` segment of `name` with `binding[i]`.
-fn bind(name: &str, binding: &[String]) -> String {
-    if binding.is_empty() {
+/// Replaces the i-th `*` segment of `name` with `captures[i]`.
+fn fill_wildcards(name: &str, captures: &[String]) -> String {
+    if captures.is_empty() {
         return name.to_string();
     }
     let mut i = 0;
@@ -302,7 +304,7 @@ fn bind(name: &str, binding: &[String]) -> String {
         .map(|seg| {
             if seg == "*" {
                 i += 1;
-                binding.get(i - 1).map_or("*", String::as_str)
+                captures.get(i - 1).map_or("*", String::as_str)
             } else {
                 seg
             }
@@ -504,7 +506,7 @@ impl RuleEngine {
     /// Instantiates and drops per-name rules as names appear and disappear, fires due timers, samples the
     /// meters rules wait on, runs what that causes, and returns the writes to apply and the next wake-up.
     pub fn advance(&mut self, now: Time, env: &dyn Environment) -> Step {
-        if self.bindings_changed(env) {
+        if self.captures_changed(env) {
             self.reconcile(now, env);
         }
         self.rt.epoch += 1;
@@ -584,7 +586,7 @@ impl RuleEngine {
                     explicit: self.explicit.contains(&r.name),
                     instances: inst.len(),
                     value: match inst.as_slice() {
-                        [one] if one.binding.is_empty() => self.rt.hot[one.root as usize].value.clone(),
+                        [one] if one.captures.is_empty() => self.rt.hot[one.root as usize].value.clone(),
                         _ => None,
                     },
                 }
@@ -601,7 +603,7 @@ impl RuleEngine {
             .iter()
             .filter(|i| i.rule == name)
             .map(|i| InstanceView {
-                binding: i.binding.clone(),
+                captures: i.captures.clone(),
                 refcount: i.refcount,
                 pulled: i.pulled,
                 value: self.rt.hot[i.root as usize].value.clone(),
@@ -632,16 +634,16 @@ impl RuleEngine {
         })
     }
 
-    /// The output of a rule's instance: `binding` empty for a rule without wildcards.
-    pub fn value(&self, name: &str, binding: &[&str]) -> Option<Value> {
-        let key = (name.to_string(), binding.iter().map(|s| s.to_string()).collect::<Vec<_>>());
+    /// The output of a rule's instance: `captures` empty for a rule without wildcards.
+    pub fn value(&self, name: &str, captures: &[&str]) -> Option<Value> {
+        let key = (name.to_string(), captures.iter().map(|s| s.to_string()).collect::<Vec<_>>());
         let i = *self.rt.by_rule.get(&key)?;
         self.rt.hot[self.rt.roots[i as usize] as usize].value.clone()
     }
 
-    /// The loaded rule instances as `rule` or `rule[binding]`, sorted.
+    /// The loaded rule instances as `rule` or `rule[captures]`, sorted.
     pub fn loaded(&self) -> Vec<String> {
-        let mut v: Vec<String> = self.rt.instances.iter().map(|i| instance_name(&i.rule, &i.binding)).collect();
+        let mut v: Vec<String> = self.rt.instances.iter().map(|i| instance_name(&i.rule, &i.captures)).collect();
         v.sort();
         v
     }
@@ -793,8 +795,8 @@ impl RuleEngine {
         }
     }
 
-    /// The bindings of a rule's instances: one empty binding, or one per name matching its driver.
-    fn bindings(def: &RuleDef, env: &dyn Environment) -> Vec<Vec<String>> {
+    /// The captures of a rule's instances: one empty list, or one per name matching its driver.
+    fn all_captures(def: &RuleDef, env: &dyn Environment) -> Vec<Vec<String>> {
         match (&def.driver, def.stars) {
             (Some(driver), s) if s > 0 => {
                 let set: BTreeSet<Vec<String>> = env.names(driver).iter().filter_map(|n| capture(driver, n)).collect();
@@ -806,17 +808,17 @@ impl RuleEngine {
 
     /// True if a per-name rule loaded by itself has gained or lost a matching name (instances of dependencies
     /// follow their users).
-    fn bindings_changed(&self, env: &dyn Environment) -> bool {
+    fn captures_changed(&self, env: &dyn Environment) -> bool {
         self.explicit.iter().any(|name| {
             let Some(def) = self.program.rules.get(name).filter(|d| d.stars > 0) else { return false };
-            let want = Self::bindings(def, env);
+            let want = Self::all_captures(def, env);
             let have: BTreeSet<&Vec<String>> =
-                self.rt.instances.iter().filter(|i| i.rule == *name).map(|i| &i.binding).collect();
+                self.rt.instances.iter().filter(|i| i.rule == *name).map(|i| &i.captures).collect();
             want.len() != have.len() || want.iter().any(|b| !have.contains(b))
         })
     }
 
-    /// Rebuilds the running units from the program and the loaded rules. Units whose key (rule, binding, place)
+    /// Rebuilds the running units from the program and the loaded rules. Units whose key (rule, captures, place)
     /// and kind are unchanged keep their state and value; new instances and rewired ones are evaluated.
     fn reconcile(&mut self, now: Time, env: &dyn Environment) {
         let program = self.program.clone();
@@ -847,16 +849,16 @@ impl RuleEngine {
                       deps_of: &mut Vec<Vec<(u32, bool)>>,
                       work: &mut Vec<u32>,
                       rule: &str,
-                      binding: Vec<String>|
+                      captures: Vec<String>|
          -> u32 {
-            let key = (rule.to_string(), binding);
+            let key = (rule.to_string(), captures);
             if let Some(&i) = rt.by_rule.get(&key) {
                 return i;
             }
             let i = rt.instances.len() as u32;
             rt.instances.push(Instance {
                 rule: key.0.clone(),
-                binding: key.1.clone(),
+                captures: key.1.clone(),
                 root: 0,
                 units: 0..0,
                 refs: Vec::new(),
@@ -872,20 +874,20 @@ impl RuleEngine {
         };
         for name in &self.explicit {
             let Some(def) = program.rules.get(name) else { continue };
-            for b in Self::bindings(def, env) {
+            for b in Self::all_captures(def, env) {
                 let i = ensure(&mut rt, &mut deps_of, &mut work, name, b);
                 rt.instances[i as usize].explicit = true;
                 rt.instances[i as usize].refcount += 1;
             }
         }
         while let Some(i) = work.pop() {
-            let (rule, binding) = (rt.instances[i as usize].rule.clone(), rt.instances[i as usize].binding.clone());
+            let (rule, captures) = (rt.instances[i as usize].rule.clone(), rt.instances[i as usize].captures.clone());
             let def = &program.rules[&rule];
             let mut refs = Vec::new();
             compile_refs(&def.node, &mut refs);
             for d in def.deps() {
                 let Some(dd) = program.rules.get(&d) else { continue };
-                let b = if dd.stars > 0 { binding.clone() } else { vec![] };
+                let b = if dd.stars > 0 { captures.clone() } else { vec![] };
                 let j = ensure(&mut rt, &mut deps_of, &mut work, &d, b);
                 rt.instances[j as usize].refcount += 1;
                 deps_of[i as usize].push((j, refs.contains(&d)));
@@ -913,15 +915,15 @@ impl RuleEngine {
             *i = new_index[*i as usize];
         }
 
-        // 2. Their units, keyed by rule, binding and place; references are wired once every root is known.
+        // 2. Their units, keyed by rule, captures and place; references are wired once every root is known.
         let mut fixups: Vec<(u32, usize, u32)> = Vec::new();
         let mut fresh: Vec<bool> = vec![false; rt.instances.len()];
         let mut emitted: Vec<Option<Value>> = vec![None; rt.instances.len()];
         for (i, deps) in deps_of.iter().enumerate() {
-            let (rule, binding) = (rt.instances[i].rule.clone(), rt.instances[i].binding.clone());
+            let (rule, captures) = (rt.instances[i].rule.clone(), rt.instances[i].captures.clone());
             let def = &program.rules[&rule];
             let start = rt.units.len() as u32;
-            let prefix = instance_name(&rule, &binding);
+            let prefix = instance_name(&rule, &captures);
             let by_name: HashMap<String, u32> =
                 deps.iter().map(|&(j, _)| (rt.instances[j as usize].rule.clone(), j)).collect();
             let root_node = match &def.node {
@@ -931,7 +933,7 @@ impl RuleEngine {
                 n => n.clone(),
             };
             let mut units = std::mem::take(&mut rt.units);
-            let root = build(&root_node, &prefix, &binding, &by_name, &mut units, &mut fixups);
+            let root = build(&root_node, &prefix, &captures, &by_name, &mut units, &mut fixups);
             rt.units = units;
             rt.instances[i].root = root;
             rt.instances[i].units = start..rt.units.len() as u32;
@@ -1057,7 +1059,7 @@ impl RuleEngine {
             let def = &program.rules[&rt.instances[t].rule];
             for src in &def.triggered_by {
                 let b = if program.rules.get(src).is_some_and(|s| s.stars > 0) {
-                    rt.instances[t].binding.clone()
+                    rt.instances[t].captures.clone()
                 } else {
                     vec![]
                 };
@@ -1502,14 +1504,14 @@ fn compile_refs(node: &Node, out: &mut Vec<String>) {
 fn build(
     node: &Node,
     key: &str,
-    binding: &[String],
+    captures: &[String],
     deps: &HashMap<String, u32>,
     units: &mut Vec<Unit>,
     fixups: &mut Vec<(u32, usize, u32)>,
 ) -> u32 {
     let Node::Unit { kind, param, args } = node else { unreachable!("references are wired by their parent") };
     let param = match param {
-        Param::Name(n) => Param::Name(bind(n, binding)),
+        Param::Name(n) => Param::Name(fill_wildcards(n, captures)),
         p => p.clone(),
     };
     let me = units.len() as u32;
@@ -1528,7 +1530,7 @@ fn build(
                 }
             }
             n => {
-                let child = build(n, &format!("{key}/{pos}"), binding, deps, units, fixups);
+                let child = build(n, &format!("{key}/{pos}"), captures, deps, units, fixups);
                 units[me as usize].inputs[pos] = child;
             }
         }

@@ -392,7 +392,7 @@ pub(crate) struct EvalCx<'a> {
 /// evaluation loop reads are in its [`Hot`] entry, at the same index of a dense array of their own.
 #[derive(Debug)]
 pub(crate) struct Unit {
-    /// `rule[binding]/path`: stable across reloads, so state survives rewiring.
+    /// `rule[captures]/path`: stable across reloads, so state survives rewiring.
     pub key: String,
     pub kind: UnitKind,
     /// Kind and parameters: a unit is unchanged by a reload only if this is.

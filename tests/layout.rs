@@ -130,6 +130,18 @@ fn code(text: &str) -> String {
     out
 }
 
+/// `code` without its `pub use` and `pub(crate) use` statements.
+fn without_reexports(code: &str) -> String {
+    let mut out = String::new();
+    let mut rest = code;
+    while let Some(i) = ["pub use ", "pub(crate) use "].iter().filter_map(|p| rest.find(p)).min() {
+        out.push_str(&rest[..i]);
+        rest = rest[i..].find(';').map_or("", |end| &rest[i + end + 1..]);
+    }
+    out.push_str(rest);
+    out
+}
+
 fn is_ident(c: char) -> bool {
     c.is_ascii_alphanumeric() || c == '_'
 }
@@ -227,13 +239,15 @@ fn file_graph(src: &Path) -> BTreeMap<String, BTreeSet<String>> {
             }
             targets.push(base.into_iter().chain(tail.iter().cloned()).collect());
         }
-        // A child module named without `crate::` (`basic::counter::CounterKind` in lib.rs).
+        // A child module named without `crate::` (`basic::counter::CounterKind` in lib.rs). A parent's
+        // re-export of a child's item (`pub use parse::parse_link_params;`) declares, like `pub mod`.
+        let own_code = without_reexports(&code);
         for (child, _) in modules.range(module.clone()..).filter(|(m, _)| m.len() == module.len() + 1) {
             if !child.starts_with(module) {
                 break;
             }
             let name = child.last().expect("a child has a name");
-            for tail in paths_after(&code, &format!("{name}::")) {
+            for tail in paths_after(&own_code, &format!("{name}::")) {
                 targets.push(child.iter().cloned().chain(tail).collect());
             }
         }
@@ -409,9 +423,9 @@ fn a_file_cycle_is_reported_with_its_edges() {
             ("a.rs", "use crate::b::B;\n// crate::c in a comment is no import\n"),
             ("b.rs", "pub struct B;\nfn f() { crate::{c::{self, C}, d}; }\n"),
             ("c.rs", "use super::a;\n#[cfg(test)]\nmod tests { use crate::b; }\n"),
-            ("fam/mod.rs", "pub mod x;\npub mod y;\nfn g() { x::X; }\n"),
+            ("fam/mod.rs", "pub mod x;\npub mod y;\npub use y::{\n    Y,\n};\nfn g() { x::X; }\n"),
             ("fam/x.rs", "pub struct X;\n"),
-            ("fam/y.rs", "use super::x::X;\n"),
+            ("fam/y.rs", "use super::x::X;\nuse super::*;\npub struct Y;\n"),
         ],
     )]);
     let errors = check_files(&workspace(ws.path()));

@@ -28,16 +28,15 @@
 //! On `module replace` with state kept, the new classifier continues the old one's flows (ids, meters, timers)
 //! under its own timeouts.
 
-use flexstack_core::config::SettingsReader;
+use crate::flow::table::{tcp_flags, Due, Slab, TcpEnd, Timeouts, Timers};
 use flexstack_core::module::port_type;
 use flexstack_core::{
     Batch, ConfigError, Direction, Frame, MetaKey, Meter, Module, ModuleBuilder, ModuleInterface, ModuleKind,
     ModuleVars, Output, PortSpec, Settings, Time, Value, ValueType, VarSpec,
 };
-use flexstack_wire::packet::{proto, PacketInfo};
+use flexstack_wire::packet::{proto, PacketInfo, ParseDrops};
 use std::any::Any;
-use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::HashMap;
 use std::net::IpAddr;
 
 /// The kind's name in stack files.
@@ -58,209 +57,8 @@ const EXPIRE_BATCH: usize = 4096;
 /// Largest `max_flows`.
 const MAX_FLOWS_LIMIT: u64 = 1 << 24;
 
-// -------------------------------------------------------------------------------------------------------------
-// Pieces shared with the other stateful modules (nat)
-// -------------------------------------------------------------------------------------------------------------
-
-/// The idle timeouts of flows or bindings, by protocol, in ns; knobs and settings of the same names in ms.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Timeouts {
-    ns: [u64; 5],
-}
-
-impl Timeouts {
-    /// Knob names, defaults (ms) and descriptions, in the order of `ns`.
-    const KNOBS: [(&'static str, u64, &'static str); 5] = [
-        ("tcp_timeout_ms", 300_000, "idle timeout of a TCP flow"),
-        ("tcp_closing_timeout_ms", 10_000, "idle timeout of a TCP flow after a RST or a FIN from both sides"),
-        ("udp_timeout_ms", 30_000, "idle timeout of a UDP flow"),
-        ("icmp_timeout_ms", 10_000, "idle timeout of an ICMP/ICMPv6 flow"),
-        ("other_timeout_ms", 30_000, "idle timeout of a flow of any other protocol"),
-    ];
-    const MAX_MS: u64 = 7 * 24 * 3_600_000;
-
-    /// Reads the timeout settings.
-    pub(crate) fn read(r: &mut SettingsReader<'_>) -> Result<Timeouts, ConfigError> {
-        let mut ns = [0; 5];
-        for (i, (name, default, _)) in Self::KNOBS.iter().enumerate() {
-            ns[i] = r.u64_in(name, *default, 1, Self::MAX_MS)? * 1_000_000;
-        }
-        Ok(Timeouts { ns })
-    }
-
-    /// The knob declarations.
-    pub(crate) fn specs() -> Vec<VarSpec> {
-        Self::KNOBS
-            .iter()
-            .map(|(name, _, d)| VarSpec::knob(name, ValueType::U64, "ms", d).with_range(1.0, Self::MAX_MS as f64))
-            .collect()
-    }
-
-    /// Shows the values in the knobs' cells.
-    pub(crate) fn store(&self, vars: &ModuleVars) {
-        for (i, (name, _, _)) in Self::KNOBS.iter().enumerate() {
-            vars.meter(name).set(self.ns[i] / 1_000_000);
-        }
-    }
-
-    /// Applies a write to one of the timeout knobs; `None` if `knob` is not one of them.
-    pub(crate) fn write(&mut self, knob: &str, value: &Value) -> Option<Result<(), String>> {
-        let i = Self::KNOBS.iter().position(|(n, _, _)| *n == knob)?;
-        Some(match value {
-            Value::U64(ms) if (1..=Self::MAX_MS).contains(ms) => {
-                self.ns[i] = ms * 1_000_000;
-                Ok(())
-            }
-            other => Err(format!("{knob} must be within 1..={} ms, got {other}", Self::MAX_MS)),
-        })
-    }
-
-    /// The timeout of a flow of `protocol`, in ns.
-    pub(crate) fn of(&self, protocol: u8, closing: bool) -> u64 {
-        match protocol {
-            proto::TCP if closing => self.ns[1],
-            proto::TCP => self.ns[0],
-            proto::UDP => self.ns[2],
-            proto::ICMP | proto::ICMPV6 => self.ns[3],
-            _ => self.ns[4],
-        }
-    }
-}
-
-/// What a TCP flow saw of its end: FINs from each side, a RST.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) struct TcpEnd {
-    fins: u8,
-    rst: bool,
-}
-
-impl TcpEnd {
-    /// Notes the flags of a segment (`from_first`: sent by the side that opened the flow); true when the flow
-    /// has just become closing.
-    pub(crate) fn see(&mut self, from_first: bool, flags: u8) -> bool {
-        let before = self.closing();
-        if flags & 0x04 != 0 {
-            self.rst = true;
-        }
-        if flags & 0x01 != 0 {
-            self.fins |= if from_first { 1 } else { 2 };
-        }
-        !before && self.closing()
-    }
-
-    /// A RST was seen, or a FIN from both sides.
-    pub(crate) fn closing(&self) -> bool {
-        self.rst || self.fins == 3
-    }
-}
-
-/// The TCP flags of a parsed packet, if it is a TCP segment with its header present.
-pub(crate) fn tcp_flags(data: &[u8], info: &PacketInfo) -> Option<u8> {
-    if info.protocol != proto::TCP || info.fragment.is_some_and(|f| f.offset != 0) {
-        return None;
-    }
-    data.get(info.l4_offset + 13).copied()
-}
-
-/// A vector of entries with reusable holes: stable indices for timers to refer to.
-#[derive(Debug)]
-pub(crate) struct Slab<T> {
-    entries: Vec<Option<T>>,
-    free: Vec<u32>,
-    len: usize,
-}
-
-impl<T> Default for Slab<T> {
-    fn default() -> Self {
-        Slab { entries: Vec::new(), free: Vec::new(), len: 0 }
-    }
-}
-
-impl<T> Slab<T> {
-    pub(crate) fn insert(&mut self, value: T) -> u32 {
-        self.len += 1;
-        match self.free.pop() {
-            Some(i) => {
-                self.entries[i as usize] = Some(value);
-                i
-            }
-            None => {
-                self.entries.push(Some(value));
-                (self.entries.len() - 1) as u32
-            }
-        }
-    }
-
-    pub(crate) fn get(&self, i: u32) -> Option<&T> {
-        self.entries.get(i as usize).and_then(Option::as_ref)
-    }
-
-    pub(crate) fn get_mut(&mut self, i: u32) -> Option<&mut T> {
-        self.entries.get_mut(i as usize).and_then(Option::as_mut)
-    }
-
-    pub(crate) fn remove(&mut self, i: u32) -> Option<T> {
-        let v = self.entries.get_mut(i as usize)?.take()?;
-        self.free.push(i);
-        self.len -= 1;
-        Some(v)
-    }
-
-    pub(crate) fn len(&self) -> usize {
-        self.len
-    }
-
-    pub(crate) fn iter(&self) -> impl Iterator<Item = (u32, &T)> {
-        self.entries.iter().enumerate().filter_map(|(i, e)| e.as_ref().map(|e| (i as u32, e)))
-    }
-
-    pub(crate) fn iter_mut(&mut self) -> impl Iterator<Item = (u32, &mut T)> {
-        self.entries.iter_mut().enumerate().filter_map(|(i, e)| e.as_mut().map(|e| (i as u32, e)))
-    }
-}
-
-/// Idle timers: a min-heap of (deadline ns, slab index, id). An entry whose deadline is not the entry's current
-/// `queued` deadline is stale and skipped; a due entry whose entry was seen since is pushed again at its new
-/// deadline, so a busy entry costs no heap operation per packet.
-#[derive(Debug, Default)]
-pub(crate) struct Timers {
-    heap: BinaryHeap<Reverse<(u64, u32, u64)>>,
-}
-
-/// The outcome of [`Timers::next_due`].
-pub(crate) enum Due {
-    /// This entry's timer is due: check it.
-    Check(u32, u64, u64),
-    /// Nothing is due before this time (ns).
-    Next(Option<u64>),
-}
-
-impl Timers {
-    pub(crate) fn push(&mut self, deadline: u64, slot: u32, id: u64) {
-        self.heap.push(Reverse((deadline, slot, id)));
-    }
-
-    /// Takes the next entry due at `now`, or says when the next one is due.
-    pub(crate) fn next_due(&mut self, now: u64) -> Due {
-        match self.heap.peek() {
-            Some(Reverse((d, _, _))) if *d <= now => {
-                let Some(Reverse((d, s, id))) = self.heap.pop() else { return Due::Next(None) };
-                Due::Check(s, id, d)
-            }
-            Some(Reverse((d, _, _))) => Due::Next(Some(*d)),
-            None => Due::Next(None),
-        }
-    }
-
-    pub(crate) fn clear(&mut self) {
-        self.heap.clear();
-    }
-}
-
-pub(crate) use flexstack_wire::packet::ParseDrops;
-
 /// The name of a protocol in tuples and rules.
-pub(crate) fn proto_name(p: u8) -> String {
+fn proto_name(p: u8) -> String {
     match p {
         proto::TCP => "tcp".into(),
         proto::UDP => "udp".into(),

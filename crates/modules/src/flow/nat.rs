@@ -46,7 +46,7 @@
 //!
 //! On `module replace` with state kept, the new module continues the old one's bindings.
 
-use crate::flow::classify::{tcp_flags, Due, ParseDrops, Slab, TcpEnd, Timeouts, Timers};
+use crate::flow::table::{tcp_flags, Due, Slab, TcpEnd, Timeouts, Timers};
 use flexstack_core::module::port_type;
 use flexstack_core::{
     Batch, ConfigError, Frame, Meter, Module, ModuleBuilder, ModuleInterface, ModuleKind, ModuleVars, Output, Packet,
@@ -54,7 +54,7 @@ use flexstack_core::{
 };
 use flexstack_wire::checksum;
 use flexstack_wire::cidr::{parse_endpoint, Endpoint, PortRange, Prefix, Words};
-use flexstack_wire::packet::{proto, PacketInfo};
+use flexstack_wire::packet::{proto, PacketInfo, ParseDrops};
 use std::any::Any;
 use std::collections::{HashMap, HashSet};
 use std::fmt;

@@ -100,7 +100,7 @@
 //! whole name: `Edit::SetVar`); procedure `class` (argument `"<flow id> <class>"`) sets it too, also for a flow
 //! not seen yet.
 
-use crate::flow::classify::Slab;
+use crate::flow::table::Slab;
 use flexstack_core::config::{valid_name, SettingsReader};
 use flexstack_core::module::port_type;
 use flexstack_core::{

@@ -467,80 +467,8 @@ impl Module for Classify {
 }
 
 #[cfg(test)]
-pub(crate) mod testutil {
-    //! Helpers for the modules' tests: a catalog with this crate's kinds, loading modules, a recording module.
-
-    use flexstack_core::{Batch, Catalog, Direction, Edit, Frame, Settings, Switch, Time, Value};
-
-    pub fn catalog() -> Catalog {
-        let mut c = Catalog::new();
-        crate::register(&mut c);
-        c
-    }
-
-    pub fn settings(args: &[&str]) -> Settings {
-        let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
-        Settings::from_args(&args).expect("valid test settings")
-    }
-
-    pub fn load(name: &str, kind: &str, args: &[&str]) -> Edit {
-        let settings = settings(args);
-        let builder = catalog().configure(kind, &settings, None).unwrap_or_else(|e| panic!("{kind}: {e}"));
-        Edit::Load { name: name.into(), kind: kind.into(), settings, builder }
-    }
-
-    /// The configuration error of a module of `kind` with these settings.
-    pub fn config_error(kind: &str, args: &[&str]) -> String {
-        match catalog().configure(kind, &settings(args), None) {
-            Ok(_) => panic!("{kind} {args:?} configured"),
-            Err(e) => e.to_string(),
-        }
-    }
-
-    pub fn link(text: &str) -> Edit {
-        Edit::Link(flexstack_core::LinkSpec::parse(text).expect("valid link"))
-    }
-
-    pub fn knob(module: &str, knob: &str, value: Value) -> Edit {
-        Edit::SetKnob { module: module.into(), knob: knob.into(), value }
-    }
-
-    pub fn var(sw: &Switch, name: &str) -> Option<Value> {
-        sw.registry().snapshot().get(name).map(|c| c.get())
-    }
-
-    pub fn u64_var(sw: &Switch, name: &str) -> u64 {
-        match var(sw, name) {
-            Some(Value::U64(v)) => v,
-            other => panic!("{name} is {other:?}, not u64"),
-        }
-    }
-
-    pub use flexstack_core::testing::{take, Log};
-
-    /// A `Load` edit for a recording module with input `in`, and its log.
-    pub fn recorder(name: &str) -> (Edit, Log) {
-        flexstack_core::testing::Recorder::load(name)
-    }
-
-    /// Injects `packets` (with `direction`) into `module[port]` and runs the switch at `at_ms`.
-    pub fn send(sw: &mut Switch, module: &str, port: &str, packets: &[Vec<u8>], direction: Direction, at_ms: u64) {
-        let mut batch: Batch = packets
-            .iter()
-            .map(|d| {
-                let mut p = sw.pool().alloc_from(d);
-                p.set_direction(direction);
-                Frame::Data(p)
-            })
-            .collect();
-        sw.inject(module, port, &mut batch).expect("inject");
-        sw.run(Time::from_millis(at_ms));
-    }
-}
-
-#[cfg(test)]
 mod tests {
-    use super::testutil::*;
+    use crate::flow::testutil::*;
     use flexstack_core::{Direction, Switch, Time, Value};
     use flexstack_wire::packet::{build, proto};
     use std::net::{Ipv4Addr, Ipv6Addr};

@@ -437,7 +437,7 @@ impl Module for Firewall {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::flow::classify::testutil::*;
+    use crate::flow::testutil::*;
     use flexstack_core::{Switch, Value};
     use flexstack_wire::packet::build;
     use std::net::{Ipv4Addr, Ipv6Addr};

@@ -5,3 +5,5 @@ pub mod classify;
 pub mod firewall;
 pub mod nat;
 pub(crate) mod table;
+#[cfg(test)]
+pub(crate) mod testutil;

@@ -987,7 +987,7 @@ impl Module for Nat {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::flow::classify::testutil::*;
+    use crate::flow::testutil::*;
     use flexstack_core::{Direction, Switch};
     use flexstack_wire::packet::build;
     use std::net::{Ipv4Addr, Ipv6Addr};

@@ -1422,7 +1422,7 @@ pub const GENERATED_METERS: [&str; 4] =
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::flow::classify::testutil::*;
+    use crate::flow::testutil::*;
     use flexstack_core::{ControlFrame, ControlOp, Edit, Switch};
     use flexstack_wire::packet::build;
     use smoltcp::wire::Icmpv6Packet;

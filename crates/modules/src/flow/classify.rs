@@ -28,7 +28,7 @@
 //! On `module replace` with state kept, the new classifier continues the old one's flows (ids, meters, timers)
 //! under its own timeouts.
 
-use crate::flow::table::{tcp_flags, Due, Slab, TcpEnd, Timeouts, Timers};
+use crate::flow::table::{tcp_flags, Expiring, Idle, Slab, Timeouts, Timers};
 use flexstack_core::module::port_type;
 use flexstack_core::{
     Batch, ConfigError, Direction, Frame, MetaKey, Meter, Module, ModuleBuilder, ModuleInterface, ModuleKind,
@@ -50,9 +50,6 @@ pub const OUT_UDP: usize = 1;
 pub const OUT_ICMP: usize = 2;
 /// Output port of every other protocol.
 pub const OUT_OTHER: usize = 3;
-
-/// Flows expired in one poll at most; the rest wait for the next poll (asked for at once).
-const EXPIRE_BATCH: usize = 4096;
 
 /// Largest `max_flows`.
 const MAX_FLOWS_LIMIT: u64 = 1 << 24;
@@ -202,16 +199,20 @@ struct FlowMeters {
 }
 
 struct Flow {
-    id: u64,
+    /// Its id, protocol, idle timer and TCP end.
+    idle: Idle,
     key: FlowKey,
     /// The endpoint that sent the first packet.
     first: (IpAddr, u16),
-    last_seen: u64,
-    queued: u64,
-    tcp: TcpEnd,
     /// The prefix its meters are registered under.
     vars_name: String,
     meters: FlowMeters,
+}
+
+impl Expiring for Flow {
+    fn idle(&mut self) -> &mut Idle {
+        &mut self.idle
+    }
 }
 
 /// The flow table: what a classifier hands to its replacement.
@@ -244,10 +245,6 @@ pub struct Classify {
 }
 
 impl Classify {
-    fn deadline(&self, f: &Flow) -> u64 {
-        f.last_seen.saturating_add(self.timeouts.of(f.key.protocol, f.tcp.closing()))
-    }
-
     /// Accounts `p` to its flow (creating it if needed) and stamps the flow id.
     fn account(&mut self, p: &mut flexstack_core::Packet, info: &PacketInfo, out: &mut Output<'_>) {
         let key = FlowKey::of(info);
@@ -273,18 +270,11 @@ impl Classify {
         let dir_meter = if up { &f.meters.up } else { &f.meters.down };
         dir_meter.add(1);
         f.meters.last.set(now);
-        f.last_seen = now;
-        if let Some(flags) = flags {
-            if f.tcp.see((info.src, info.src_port) == f.first, flags) {
-                let d = now.saturating_add(closing_ns);
-                if d < f.queued {
-                    f.queued = d;
-                    self.table.timers.push(d, slot, f.id);
-                    out.wake_at(Time(d));
-                }
-            }
+        let tcp = flags.map(|flags| ((info.src, info.src_port) == f.first, flags));
+        if let Some(d) = self.table.timers.seen(slot, &mut f.idle, now, tcp, closing_ns) {
+            out.wake_at(Time(d));
         }
-        let id = f.id;
+        let id = f.idle.id;
         p.meta_mut().set(MetaKey::FLOW_ID, id);
     }
 
@@ -306,37 +296,20 @@ impl Classify {
             down: vars.meter("packets_down_total"),
             last: vars.meter("last_seen_ns"),
         };
-        let deadline = now.saturating_add(self.timeouts.of(key.protocol, false));
-        let flow = Flow { id, key, first, last_seen: now, queued: deadline, tcp: TcpEnd::default(), vars_name, meters };
-        let slot = self.table.flows.insert(flow);
+        let idle = Idle::new(id, key.protocol, now, &self.timeouts);
+        let slot = self.table.flows.insert(Flow { idle, key, first, vars_name, meters });
         self.table.index.insert(key, slot);
-        self.table.timers.push(deadline, slot, id);
-        out.wake_at(Time(deadline));
+        self.table.timers.start(slot, &idle);
+        out.wake_at(Time(idle.queued));
         self.table.created += 1;
         self.created.add(1);
         self.active.set(self.table.flows.len() as u64);
         slot
     }
 
-    fn remove(&mut self, slot: u32, out: &mut Output<'_>) {
-        if let Some(f) = self.table.flows.remove(slot) {
-            self.table.index.remove(&f.key);
-            out.unregister_vars(&f.vars_name);
-            self.table.expired += 1;
-            self.expired.add(1);
-        }
-        self.active.set(self.table.flows.len() as u64);
-    }
-
     /// Puts every flow's timer at its current deadline (after a timeout changed, or a table was adopted).
     fn rearm(&mut self) {
-        self.table.timers.clear();
-        let timeouts = self.timeouts;
-        for (slot, f) in self.table.flows.iter_mut() {
-            let d = f.last_seen.saturating_add(timeouts.of(f.key.protocol, f.tcp.closing()));
-            f.queued = d;
-            self.table.timers.push(d, slot, f.id);
-        }
+        self.table.timers.rearm(&mut self.table.flows, &self.timeouts);
     }
 
     fn publish(&self) {
@@ -395,40 +368,26 @@ impl Module for Classify {
     }
 
     fn poll(&mut self, out: &mut Output<'_>) -> Option<Time> {
+        let now = out.now().as_nanos();
+        let Table { flows, index, timers, expired, .. } = &mut self.table;
+        let meter = &self.expired;
+        let mut forget = |f: Flow| {
+            index.remove(&f.key);
+            out.unregister_vars(&f.vars_name);
+            *expired += 1;
+            meter.add(1);
+        };
         if self.flush {
             self.flush = false;
-            let slots: Vec<u32> = self.table.flows.iter().map(|(s, _)| s).collect();
-            for s in slots {
-                self.remove(s, out);
+            let slots: Vec<u32> = flows.iter().map(|(s, _)| s).collect();
+            for f in slots.into_iter().filter_map(|s| flows.remove(s)) {
+                forget(f);
             }
-            self.table.timers.clear();
+            timers.clear();
         }
-        let now = out.now().as_nanos();
-        let mut expired = 0;
-        loop {
-            if expired == EXPIRE_BATCH {
-                return Some(out.now());
-            }
-            match self.table.timers.next_due(now) {
-                Due::Next(t) => return t.map(Time),
-                Due::Check(slot, id, at) => {
-                    let Some(f) = self.table.flows.get(slot) else { continue };
-                    if f.id != id || f.queued != at {
-                        continue; // stale entry
-                    }
-                    let d = self.deadline(f);
-                    if d > now {
-                        if let Some(f) = self.table.flows.get_mut(slot) {
-                            f.queued = d;
-                        }
-                        self.table.timers.push(d, slot, id);
-                    } else {
-                        self.remove(slot, out);
-                        expired += 1;
-                    }
-                }
-            }
-        }
+        let next = timers.expire(flows, &self.timeouts, now, |_, f| forget(f));
+        self.active.set(flows.len() as u64);
+        next.map(Time)
     }
 
     fn write_knob(&mut self, knob: &str, value: &Value) -> Result<(), String> {

@@ -46,7 +46,7 @@
 //!
 //! On `module replace` with state kept, the new module continues the old one's bindings.
 
-use crate::flow::table::{tcp_flags, Due, Slab, TcpEnd, Timeouts, Timers};
+use crate::flow::table::{tcp_flags, Expiring, Idle, Slab, Timeouts, Timers};
 use flexstack_core::module::port_type;
 use flexstack_core::{
     Batch, ConfigError, Frame, Meter, Module, ModuleBuilder, ModuleInterface, ModuleKind, ModuleVars, Output, Packet,
@@ -77,9 +77,6 @@ pub const MAX_RULES: usize = 10_000;
 
 /// Largest `max_bindings`.
 const MAX_BINDINGS_LIMIT: u64 = 1 << 22;
-
-/// Bindings expired in one poll at most.
-const EXPIRE_BATCH: usize = 4096;
 
 // -------------------------------------------------------------------------------------------------------------
 // Rules
@@ -409,20 +406,23 @@ enum Key {
 
 #[derive(Clone, Debug)]
 struct Binding {
-    id: u64,
-    protocol: u8,
+    /// Its id, protocol, idle timer and TCP end.
+    idle: Idle,
     inside: (IpAddr, u16),
     outside: (IpAddr, u16),
     /// The remote endpoint of a DNAT connection; `None` for SNAT.
     remote: Option<(IpAddr, u16)>,
-    last_seen: u64,
-    queued: u64,
-    tcp: TcpEnd,
+}
+
+impl Expiring for Binding {
+    fn idle(&mut self) -> &mut Idle {
+        &mut self.idle
+    }
 }
 
 impl Binding {
     fn keys(&self) -> [Key; 2] {
-        let p = self.protocol;
+        let p = self.idle.protocol;
         let (i, o) = (self.inside, self.outside);
         match self.remote {
             None => [Key::SnatOut(p, i.0, i.1), Key::SnatIn(p, o.0, o.1)],
@@ -660,18 +660,10 @@ impl Nat {
         let now = out.now().as_nanos();
         let closing_ns = self.timeouts.of(proto::TCP, true);
         let b = self.table.bindings.get_mut(slot)?;
-        b.last_seen = now;
-        if let Some(flags) = flags {
-            // SNAT connections are opened from the inside, DNAT ones from the outside.
-            let from_first = from_inside == b.remote.is_none();
-            if b.tcp.see(from_first, flags) {
-                let d = now.saturating_add(closing_ns);
-                if d < b.queued {
-                    b.queued = d;
-                    self.table.timers.push(d, slot, b.id);
-                    out.wake_at(Time(d));
-                }
-            }
+        // SNAT connections are opened from the inside, DNAT ones from the outside.
+        let tcp = flags.map(|flags| (from_inside == b.remote.is_none(), flags));
+        if let Some(d) = self.table.timers.seen(slot, &mut b.idle, now, tcp, closing_ns) {
+            out.wake_at(Time(d));
         }
         self.table.bindings.get(slot)
     }
@@ -787,51 +779,19 @@ impl Nat {
         let now = out.now().as_nanos();
         let t = &mut self.table;
         t.next_id += 1;
-        let deadline = now.saturating_add(self.timeouts.of(protocol, false));
-        let b = Binding {
-            id: t.next_id,
-            protocol,
-            inside,
-            outside,
-            remote,
-            last_seen: now,
-            queued: deadline,
-            tcp: TcpEnd::default(),
-        };
+        let idle = Idle::new(t.next_id, protocol, now, &self.timeouts);
+        let b = Binding { idle, inside, outside, remote };
         let keys = b.keys();
-        let id = b.id;
         let slot = t.bindings.insert(b);
         for k in keys {
             t.index.insert(k, slot);
         }
-        t.timers.push(deadline, slot, id);
-        out.wake_at(Time(deadline));
+        t.timers.start(slot, &idle);
+        out.wake_at(Time(idle.queued));
         t.created += 1;
         self.m.created.add(1);
         self.m.active.set(t.bindings.len() as u64);
         slot
-    }
-
-    fn remove(&mut self, slot: u32) {
-        let t = &mut self.table;
-        if let Some(b) = t.bindings.remove(slot) {
-            for k in b.keys() {
-                if t.index.get(&k) == Some(&slot) {
-                    t.index.remove(&k);
-                }
-            }
-            if b.remote.is_none() {
-                if let Some(n) = t.used.get_mut(&(b.protocol, b.outside.0)) {
-                    *n = n.saturating_sub(1);
-                    if *n == 0 {
-                        t.used.remove(&(b.protocol, b.outside.0));
-                    }
-                }
-            }
-            t.expired += 1;
-            self.m.expired.add(1);
-        }
-        self.m.active.set(t.bindings.len() as u64);
     }
 
     /// Translates an ICMP error that quotes a packet of a binding; true if it did.
@@ -882,14 +842,7 @@ impl Nat {
 
     /// Puts every binding's timer at its current deadline.
     fn rearm(&mut self) {
-        let timeouts = self.timeouts;
-        let t = &mut self.table;
-        t.timers.clear();
-        for (slot, b) in t.bindings.iter_mut() {
-            let d = b.last_seen.saturating_add(timeouts.of(b.protocol, b.tcp.closing()));
-            b.queued = d;
-            t.timers.push(d, slot, b.id);
-        }
+        self.table.timers.rearm(&mut self.table.bindings, &self.timeouts);
     }
 }
 
@@ -930,32 +883,27 @@ impl Module for Nat {
     }
 
     fn poll(&mut self, out: &mut Output<'_>) -> Option<Time> {
-        let now = out.now().as_nanos();
-        let mut expired = 0;
-        loop {
-            if expired == EXPIRE_BATCH {
-                return Some(out.now());
+        let Table { bindings, index, timers, used, expired, .. } = &mut self.table;
+        let next = timers.expire(bindings, &self.timeouts, out.now().as_nanos(), |slot, b| {
+            for k in b.keys() {
+                if index.get(&k) == Some(&slot) {
+                    index.remove(&k);
+                }
             }
-            match self.table.timers.next_due(now) {
-                Due::Next(t) => return t.map(Time),
-                Due::Check(slot, id, at) => {
-                    let Some(b) = self.table.bindings.get(slot) else { continue };
-                    if b.id != id || b.queued != at {
-                        continue;
-                    }
-                    let d = b.last_seen.saturating_add(self.timeouts.of(b.protocol, b.tcp.closing()));
-                    if d > now {
-                        if let Some(b) = self.table.bindings.get_mut(slot) {
-                            b.queued = d;
-                        }
-                        self.table.timers.push(d, slot, id);
-                    } else {
-                        self.remove(slot);
-                        expired += 1;
+            if b.remote.is_none() {
+                let public = (b.idle.protocol, b.outside.0);
+                if let Some(n) = used.get_mut(&public) {
+                    *n = n.saturating_sub(1);
+                    if *n == 0 {
+                        used.remove(&public);
                     }
                 }
             }
-        }
+            *expired += 1;
+            self.m.expired.add(1);
+        });
+        self.m.active.set(bindings.len() as u64);
+        next.map(Time)
     }
 
     fn write_knob(&mut self, knob: &str, value: &Value) -> Result<(), String> {

@@ -2,7 +2,8 @@
 //! `nat` (its binding table) and the late-binding scheduler (its flows).
 //!
 //! - [`Slab`]: entries with stable indices that timers can refer to, holes reused.
-//! - [`Timers`]: idle timers over such entries, a heap that is touched only when a timer is due.
+//! - [`Timers`]: idle timers over such entries, a heap that is touched only when a timer is due; each entry keeps
+//!   its [`Idle`] state, and [`Timers::expire`] takes out the entries whose time has come.
 //! - [`Timeouts`]: the idle timeouts by protocol, with their knobs.
 //! - [`TcpEnd`] and [`tcp_flags`]: what a TCP flow saw of its end (FINs, RST), which shortens its timeout.
 //!
@@ -115,6 +116,43 @@ pub(crate) fn tcp_flags(data: &[u8], info: &PacketInfo) -> Option<u8> {
     data.get(info.l4_offset + 13).copied()
 }
 
+/// What the idle timer of a table entry needs; every entry of a table with [`Timers`] keeps one ([`Expiring`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Idle {
+    /// The entry's id: a timer set for an earlier entry in the same slot is stale.
+    pub(crate) id: u64,
+    /// Its protocol, which gives its timeout.
+    pub(crate) protocol: u8,
+    /// When it last saw a packet, ns.
+    pub(crate) last_seen: u64,
+    /// The deadline its live timer is set for, ns.
+    pub(crate) queued: u64,
+    /// What it saw of a TCP connection's end.
+    pub(crate) tcp: TcpEnd,
+}
+
+impl Idle {
+    /// A new entry `id` of `protocol` seen at `now` (ns): its timer is due after the protocol's timeout.
+    pub(crate) fn new(id: u64, protocol: u8, now: u64, timeouts: &Timeouts) -> Idle {
+        let queued = now.saturating_add(timeouts.of(protocol, false));
+        Idle { id, protocol, last_seen: now, queued, tcp: TcpEnd::default() }
+    }
+
+    /// When the entry expires if it sees nothing more, ns.
+    pub(crate) fn deadline(&self, timeouts: &Timeouts) -> u64 {
+        self.last_seen.saturating_add(timeouts.of(self.protocol, self.tcp.closing()))
+    }
+}
+
+/// An entry of a table with [`Timers`].
+pub(crate) trait Expiring {
+    /// The entry's idle state.
+    fn idle(&mut self) -> &mut Idle;
+}
+
+/// Entries expired in one call of [`Timers::expire`] at most; the rest wait for the next call (asked for at once).
+pub(crate) const EXPIRE_BATCH: usize = 4096;
+
 /// A vector of entries with reusable holes: stable indices for timers to refer to.
 #[derive(Debug)]
 pub(crate) struct Slab<T> {
@@ -181,7 +219,7 @@ pub(crate) struct Timers {
 }
 
 /// The outcome of [`Timers::next_due`].
-pub(crate) enum Due {
+enum Due {
     /// This entry's timer is due: check it.
     Check(u32, u64, u64),
     /// Nothing is due before this time (ns).
@@ -189,12 +227,12 @@ pub(crate) enum Due {
 }
 
 impl Timers {
-    pub(crate) fn push(&mut self, deadline: u64, slot: u32, id: u64) {
+    fn push(&mut self, deadline: u64, slot: u32, id: u64) {
         self.heap.push(Reverse((deadline, slot, id)));
     }
 
     /// Takes the next entry due at `now`, or says when the next one is due.
-    pub(crate) fn next_due(&mut self, now: u64) -> Due {
+    fn next_due(&mut self, now: u64) -> Due {
         match self.heap.peek() {
             Some(Reverse((d, _, _))) if *d <= now => {
                 let Some(Reverse((d, s, id))) = self.heap.pop() else { return Due::Next(None) };
@@ -207,5 +245,79 @@ impl Timers {
 
     pub(crate) fn clear(&mut self) {
         self.heap.clear();
+    }
+
+    /// Starts the timer of the new entry in `slot`, due at `idle.queued`.
+    pub(crate) fn start(&mut self, slot: u32, idle: &Idle) {
+        self.push(idle.queued, slot, idle.id);
+    }
+
+    /// Notes a packet of the entry in `slot` at `now` (ns); `tcp` is, for a TCP segment, whether the side that
+    /// opened the entry sent it and its flags. When the segment makes the entry closing and `closing_ns` from now
+    /// comes before its timer, the timer is brought forward: returns the new deadline, for the module to wake then.
+    pub(crate) fn seen(
+        &mut self,
+        slot: u32,
+        idle: &mut Idle,
+        now: u64,
+        tcp: Option<(bool, u8)>,
+        closing_ns: u64,
+    ) -> Option<u64> {
+        idle.last_seen = now;
+        let (from_first, flags) = tcp?;
+        if !idle.tcp.see(from_first, flags) {
+            return None;
+        }
+        let d = now.saturating_add(closing_ns);
+        if d >= idle.queued {
+            return None;
+        }
+        idle.queued = d;
+        self.push(d, slot, idle.id);
+        Some(d)
+    }
+
+    /// Puts every entry's timer at its current deadline (after a timeout changed, or a table was adopted).
+    pub(crate) fn rearm<T: Expiring>(&mut self, entries: &mut Slab<T>, timeouts: &Timeouts) {
+        self.clear();
+        for (slot, e) in entries.iter_mut() {
+            let idle = e.idle();
+            idle.queued = idle.deadline(timeouts);
+            self.start(slot, idle);
+        }
+    }
+
+    /// Removes the entries whose deadline has come at `now` (ns), at most [`EXPIRE_BATCH`], handing each to
+    /// `gone` with its slot. An entry seen since its timer was set gets a timer at its new deadline; timers of
+    /// entries gone or re-armed are skipped. Returns when to call again: `now` when the batch was full, else when
+    /// the next timer is due.
+    pub(crate) fn expire<T: Expiring>(
+        &mut self,
+        entries: &mut Slab<T>,
+        timeouts: &Timeouts,
+        now: u64,
+        mut gone: impl FnMut(u32, T),
+    ) -> Option<u64> {
+        let mut expired = 0;
+        while expired < EXPIRE_BATCH {
+            match self.next_due(now) {
+                Due::Next(t) => return t,
+                Due::Check(slot, id, at) => {
+                    let Some(idle) = entries.get_mut(slot).map(Expiring::idle) else { continue };
+                    if idle.id != id || idle.queued != at {
+                        continue; // stale
+                    }
+                    let d = idle.deadline(timeouts);
+                    if d > now {
+                        idle.queued = d;
+                        self.push(d, slot, id);
+                    } else if let Some(e) = entries.remove(slot) {
+                        gone(slot, e);
+                        expired += 1;
+                    }
+                }
+            }
+        }
+        Some(now)
     }
 }

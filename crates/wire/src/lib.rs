@@ -3,6 +3,7 @@
 //! - [`packet`] parses an IP packet's headers once into a [`packet::PacketInfo`] (the drop reasons are its
 //!   [`packet::ParseError`]s); [`packet::build`] makes well-formed test packets.
 //! - [`checksum`] computes, incrementally updates and completes Internet checksums.
+//! - [`rewrite`] rewrites a packet's addresses and ports in place, its checksums updated incrementally.
 //! - [`cidr`] holds address prefixes, port ranges and endpoints as written in settings.
 //! - [`testkit`] holds the addresses that tests send from and to.
 //!
@@ -13,4 +14,5 @@
 pub mod checksum;
 pub mod cidr;
 pub mod packet;
+pub mod rewrite;
 pub mod testkit;

@@ -36,6 +36,11 @@ pub mod proto {
     pub const NO_NEXT: u8 = 59;
 }
 
+/// True for an ICMP or ICMPv6 echo request or reply (types 8 and 0, 128 and 129), whose identifier works as a port.
+pub fn is_echo(protocol: u8, icmp_type: u8) -> bool {
+    matches!((protocol, icmp_type), (proto::ICMP, 0 | 8) | (proto::ICMPV6, 128 | 129))
+}
+
 /// Most IPv6 extension headers walked before the packet is refused.
 pub const MAX_EXTENSION_HEADERS: usize = 8;
 

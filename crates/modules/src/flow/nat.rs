@@ -54,7 +54,8 @@ use flexstack_core::{
 };
 use flexstack_wire::checksum;
 use flexstack_wire::cidr::{parse_endpoint, Endpoint, PortRange, Prefix, Words};
-use flexstack_wire::packet::{proto, PacketInfo, ParseDrops};
+use flexstack_wire::packet::{is_echo, proto, PacketInfo, ParseDrops};
+use flexstack_wire::rewrite::{self, Layout};
 use std::any::Any;
 use std::collections::{HashMap, HashSet};
 use std::fmt;
@@ -240,92 +241,11 @@ pub fn parse_rules(rules: &[String]) -> Result<Vec<NatRule>, String> {
 }
 
 // -------------------------------------------------------------------------------------------------------------
-// Rewriting with incremental checksums
+// ICMP messages, and the packets ICMP errors quote
 // -------------------------------------------------------------------------------------------------------------
-
-/// Where the fields of an IP packet (or of the packet quoted in an ICMP error) are.
-#[derive(Clone, Copy, Debug)]
-struct Layout {
-    v6: bool,
-    protocol: u8,
-    /// Offset of the transport header.
-    l4: usize,
-    /// End of the bytes present.
-    end: usize,
-    /// An ICMP echo message: its identifier is the port.
-    echo: bool,
-}
-
-fn octets(a: IpAddr) -> ([u8; 16], usize) {
-    let mut o = [0; 16];
-    match a {
-        IpAddr::V4(a) => {
-            o[..4].copy_from_slice(&a.octets());
-            (o, 4)
-        }
-        IpAddr::V6(a) => (a.octets(), 16),
-    }
-}
 
 fn read16(buf: &[u8], at: usize) -> u16 {
     u16::from_be_bytes([buf[at], buf[at + 1]])
-}
-
-/// Rewrites the source (`src`) or destination address of the packet in `buf`, and its port (or echo identifier)
-/// when `port` is given, adjusting the IPv4 header checksum and the transport checksum incrementally.
-fn rewrite(buf: &mut [u8], l: &Layout, src: bool, addr: IpAddr, port: Option<u16>) {
-    let (new, len) = octets(addr);
-    let at = match (l.v6, src) {
-        (false, true) => 12,
-        (false, false) => 16,
-        (true, true) => 8,
-        (true, false) => 24,
-    };
-    if len != if l.v6 { 16 } else { 4 } || at + len > l.end {
-        return;
-    }
-    let mut old = [0; 16];
-    old[..len].copy_from_slice(&buf[at..at + len]);
-    buf[at..at + len].copy_from_slice(&new[..len]);
-    if !l.v6 {
-        let c = checksum::update(read16(buf, 10), &old[..4], &new[..4]);
-        buf[10..12].copy_from_slice(&c.to_be_bytes());
-    }
-    let ck_at = match l.protocol {
-        proto::TCP => Some(l.l4 + 16),
-        proto::UDP => Some(l.l4 + 6),
-        proto::ICMP | proto::ICMPV6 => Some(l.l4 + 2),
-        _ => None,
-    }
-    .filter(|at| at + 2 <= l.end);
-    let mut ck = ck_at.map(|at| read16(buf, at));
-    if l.protocol == proto::UDP && ck == Some(0) {
-        ck = None; // no checksum: stays 0
-    }
-    if l.protocol != proto::ICMP {
-        ck = ck.map(|c| checksum::update(c, &old[..len], &new[..len]));
-    }
-    let port_at = match l.protocol {
-        proto::TCP | proto::UDP => Some(l.l4 + if src { 0 } else { 2 }),
-        proto::ICMP | proto::ICMPV6 if l.echo => Some(l.l4 + 4),
-        _ => None,
-    };
-    if let (Some(p), Some(port_at)) = (port, port_at.filter(|at| at + 2 <= l.end)) {
-        let old_port = [buf[port_at], buf[port_at + 1]];
-        let new_port = p.to_be_bytes();
-        buf[port_at..port_at + 2].copy_from_slice(&new_port);
-        ck = ck.map(|c| checksum::update(c, &old_port, &new_port));
-    }
-    if let (Some(mut c), Some(at)) = (ck, ck_at) {
-        if l.protocol == proto::UDP && c == 0 {
-            c = 0xffff;
-        }
-        buf[at..at + 2].copy_from_slice(&c.to_be_bytes());
-    }
-}
-
-fn is_echo(protocol: u8, ty: u8) -> bool {
-    matches!((protocol, ty), (proto::ICMP, 0 | 8) | (proto::ICMPV6, 128 | 129))
 }
 
 fn is_echo_request(protocol: u8, ty: u8) -> bool {
@@ -376,15 +296,9 @@ fn quoted(b: &[u8]) -> Option<Quoted> {
     if (protocol == proto::ICMP && v6) || (protocol == proto::ICMPV6 && !v6) {
         return None;
     }
-    Some(Quoted { layout: Layout { v6, protocol, l4, end: b.len(), echo }, src, dst, sport, dport })
-}
-
-/// Folds a one's-complement sum to 16 bits (not complemented).
-fn fold(mut s: u32) -> u16 {
-    while s > 0xffff {
-        s = (s & 0xffff) + (s >> 16);
-    }
-    s as u16
+    // Quoted bytes are at most an ICMP error's payload.
+    let layout = Layout { v6, protocol, l4: l4 as u32, end: b.len() as u32, transport: true, echo };
+    Some(Quoted { layout, src, dst, sport, dport })
 }
 
 // -------------------------------------------------------------------------------------------------------------
@@ -649,9 +563,7 @@ impl Nat {
         };
         let plan = if from_inside { self.plan_out(&seen, out)? } else { self.plan_in(&seen, out)? };
         let Plan::Rewrite { src, to } = plan else { return Ok(false) };
-        let layout =
-            Layout { v6: info.version == 6, protocol: info.protocol, l4: info.l4_offset, end: info.total_len, echo };
-        rewrite(p.make_mut(), &layout, src, to.0, Some(to.1));
+        rewrite::endpoint(p.make_mut(), &Layout::of(info), src, to.0, Some(to.1));
         Ok(true)
     }
 
@@ -828,15 +740,18 @@ impl Nat {
         let buf = p.make_mut();
         let before = checksum::sum(0, &buf[inner..end]);
         // The quoted packet: from the outside its source is rewritten, from the inside its destination.
-        rewrite(&mut buf[inner..end], &q.layout, !from_inside, to.0, Some(to.1));
+        rewrite::endpoint(&mut buf[inner..end], &q.layout, !from_inside, to.0, Some(to.1));
         let after = checksum::sum(0, &buf[inner..end]);
         if l4 + 4 <= end {
-            let c = checksum::update(read16(buf, l4 + 2), &fold(before).to_be_bytes(), &fold(after).to_be_bytes());
+            let c = checksum::update(
+                read16(buf, l4 + 2),
+                &checksum::fold(before).to_be_bytes(),
+                &checksum::fold(after).to_be_bytes(),
+            );
             buf[l4 + 2..l4 + 4].copy_from_slice(&c.to_be_bytes());
         }
         // The outer header: from the outside its destination, from the inside its source (no port).
-        let outer = Layout { v6: info.version == 6, protocol: info.protocol, l4, end, echo: false };
-        rewrite(buf, &outer, from_inside, to.0, None);
+        rewrite::address(buf, &Layout::of(info), from_inside, to.0);
         true
     }
 

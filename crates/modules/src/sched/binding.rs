@@ -34,7 +34,7 @@
 //! - **Binding**: when an interface has room, the scheduler takes the next packet (class, then DRR) whose flow's
 //!   interface by `policy` has room, and binds it: the source address is rewritten to the interface's
 //!   `address_v4` / `address_v6` (kept when absent) with the IPv4 header, TCP, UDP and ICMPv6 checksums updated
-//!   incrementally (RFC 1624, [`flexstack_wire::checksum::update`]); [`MetaKey::OUT_FACE`] gets the interface's index and
+//!   incrementally ([`flexstack_wire::rewrite`], RFC 1624); [`MetaKey::OUT_FACE`] gets the interface's index and
 //!   [`MetaKey::CLASS`] the class. Policies: `preferred` (the first interface of `interfaces` that is up; the
 //!   others only while it is down), `affinity` (a flow stays on the interface it was first bound to while that is
 //!   up; the first choice is the fastest), `weighted` (flows are split over the up interfaces in proportion to
@@ -107,9 +107,9 @@ use flexstack_core::{
     Batch, ConfigError, Frame, MetaKey, Meter, Module, ModuleBuilder, ModuleInterface, ModuleKind, ModuleVars, Output,
     Packet, PortSpec, Settings, Time, Value, ValueType, VarSpec,
 };
-use flexstack_wire::checksum;
 use flexstack_wire::cidr::Words;
 use flexstack_wire::packet::{proto, PacketInfo, ParseDrops};
+use flexstack_wire::rewrite::{self, Layout};
 use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hash, Hasher};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
@@ -388,79 +388,6 @@ fn dscp_of(data: &[u8]) -> u8 {
         [_, b1, ..] => b1 >> 2,
         _ => 0,
     }
-}
-
-// -------------------------------------------------------------------------------------------------------------
-// Address rewriting
-// -------------------------------------------------------------------------------------------------------------
-
-/// Where the fields of a queued packet are, from its parse.
-#[derive(Clone, Copy, Debug)]
-struct Hdr {
-    v6: bool,
-    protocol: u8,
-    l4: u32,
-    end: u32,
-    /// The transport header is present (a whole packet or a first fragment).
-    transport: bool,
-}
-
-impl Hdr {
-    fn of(info: &PacketInfo) -> Hdr {
-        Hdr {
-            v6: info.version == 6,
-            protocol: info.protocol,
-            l4: info.l4_offset as u32,
-            end: info.total_len as u32,
-            transport: info.fragment.is_none_or(|f| f.offset == 0),
-        }
-    }
-}
-
-/// Rewrites the source (`src`) or destination address of the packet in `buf` to `new` (4 or 16 bytes, of the
-/// packet's family), updating the IPv4 header checksum and the TCP, UDP (a zero UDP checksum stays zero) and
-/// ICMPv6 checksums incrementally. ICMPv4 has no pseudo-header: its checksum does not change.
-///
-/// `nat` has a fuller rewriter (ports, echo identifiers) that is private to it; this one changes an address only.
-fn rewrite_address(buf: &mut [u8], h: &Hdr, src: bool, new: &[u8]) {
-    match (h.v6, <[u8; 4]>::try_from(new), <[u8; 16]>::try_from(new)) {
-        (false, Ok(a), _) => rewrite_address_n(buf, h, if src { 12 } else { 16 }, a),
-        (true, _, Ok(a)) => rewrite_address_n(buf, h, if src { 8 } else { 24 }, a),
-        _ => {}
-    }
-}
-
-/// [`rewrite_address`] for an address of `N` bytes at offset `at`: with the length known, the comparison and the
-/// copies are plain loads and stores (a slice of variable length cost a memcmp and a memcpy call per packet).
-fn rewrite_address_n<const N: usize>(buf: &mut [u8], h: &Hdr, at: usize, new: [u8; N]) {
-    let Some(field) = buf.get_mut(at..at + N) else { return };
-    let Ok(old) = <[u8; N]>::try_from(&*field) else { return };
-    if old == new {
-        return;
-    }
-    field.copy_from_slice(&new);
-    if !h.v6 {
-        let c = checksum::update(u16::from_be_bytes([buf[10], buf[11]]), &old, &new);
-        buf[10..12].copy_from_slice(&c.to_be_bytes());
-    }
-    let ck_at = match h.protocol {
-        proto::TCP => h.l4 as usize + 16,
-        proto::UDP => h.l4 as usize + 6,
-        proto::ICMPV6 => h.l4 as usize + 2,
-        _ => return,
-    };
-    if !h.transport || ck_at + 2 > (h.end as usize).min(buf.len()) {
-        return;
-    }
-    let c = u16::from_be_bytes([buf[ck_at], buf[ck_at + 1]]);
-    if h.protocol == proto::UDP && c == 0 {
-        return;
-    }
-    let mut c = checksum::update(c, &old, &new);
-    if h.protocol == proto::UDP && c == 0 {
-        c = 0xffff;
-    }
-    buf[ck_at..ck_at + 2].copy_from_slice(&c.to_be_bytes());
 }
 
 // -------------------------------------------------------------------------------------------------------------
@@ -919,7 +846,7 @@ struct IfaceMeters {
 /// A packet waiting to be bound.
 struct Queued {
     pkt: Packet,
-    hdr: Hdr,
+    hdr: Layout,
     at: Time,
     flow: u32,
 }
@@ -928,7 +855,7 @@ struct Queued {
 /// packet in the batch ([`NIL`]: none).
 struct Held {
     pkt: Option<Packet>,
-    hdr: Hdr,
+    hdr: Layout,
     len: u32,
     next: u32,
 }
@@ -1001,7 +928,7 @@ struct Node {
     /// Address of the packet's first byte, for [`prefetch`] only (never dereferenced; stale if the packet is
     /// copied on write at binding, which makes the hint useless, not wrong).
     data: usize,
-    hdr: Hdr,
+    hdr: Layout,
     at: Time,
     len: u32,
 }
@@ -1425,18 +1352,9 @@ impl Binding {
     fn bind(&mut self, k: usize, q: Queued, class: Class, now: Time, out: &mut Output<'_>) {
         let Queued { mut pkt, hdr, .. } = q;
         let iface = &mut self.ifaces[k];
-        let new: Option<[u8; 16]> = match (hdr.v6, iface.cfg.address_v4, iface.cfg.address_v6) {
-            (false, Some(a), _) => {
-                let mut o = [0; 16];
-                o[..4].copy_from_slice(&a.octets());
-                Some(o)
-            }
-            (true, _, Some(a)) => Some(a.octets()),
-            _ => None,
-        };
+        let new = if hdr.v6 { iface.cfg.address_v6.map(IpAddr::V6) } else { iface.cfg.address_v4.map(IpAddr::V4) };
         if let Some(new) = new {
-            let len = if hdr.v6 { 16 } else { 4 };
-            rewrite_address(pkt.make_mut(), &hdr, true, &new[..len]);
+            rewrite::address(pkt.make_mut(), &hdr, true, new);
         }
         let meta = pkt.meta_mut();
         meta.set(MetaKey::OUT_FACE, k as u64);
@@ -1705,7 +1623,7 @@ impl Binding {
     fn enqueue(&mut self, p: Packet, known: u32, now: Time, out: &mut Output<'_>) {
         let Some((p, info)) = self.parse_down(p, out) else { return };
         let slot = if known != NIL { known } else { self.flow_for(&p, &info, out) };
-        self.admit(Queued { pkt: p, hdr: Hdr::of(&info), at: now, flow: slot }, now, out);
+        self.admit(Queued { pkt: p, hdr: Layout::of(&info), at: now, flow: slot }, now, out);
     }
 
     /// Queues a parsed packet of flow `q.flow` above the binding point (late) or in its interface's FIFO (early),
@@ -1817,7 +1735,7 @@ impl Binding {
             let slot = self.flow_for(&p, &info, out);
             // An IP packet is at most 65,575 bytes, and a batch far fewer than 2^32 packets.
             let (len, at) = (p.len() as u32, held.len() as u32);
-            held.push(Held { pkt: Some(p), hdr: Hdr::of(&info), len, next: NIL });
+            held.push(Held { pkt: Some(p), hdr: Layout::of(&info), len, next: NIL });
             let Some(f) = self.flows.get_mut(slot) else { continue };
             match f.tail {
                 NIL => {
@@ -1880,10 +1798,10 @@ impl Binding {
         // The destination address is rewritten in place, with fixed-size arrays (no allocation per packet).
         let mapped = match info.dst {
             IpAddr::V4(d) if self.ifaces.iter().any(|i| i.cfg.address_v4 == Some(d)) => {
-                self.cfg.virtual_v4.map(|v| rewrite_address_n(p.make_mut(), &Hdr::of(&info), 16, v.octets()))
+                self.cfg.virtual_v4.map(|v| rewrite::address(p.make_mut(), &Layout::of(&info), false, v.into()))
             }
             IpAddr::V6(d) if self.ifaces.iter().any(|i| i.cfg.address_v6 == Some(d)) => {
-                self.cfg.virtual_v6.map(|v| rewrite_address_n(p.make_mut(), &Hdr::of(&info), 24, v.octets()))
+                self.cfg.virtual_v6.map(|v| rewrite::address(p.make_mut(), &Layout::of(&info), false, v.into()))
             }
             _ => None,
         };
@@ -2110,7 +2028,7 @@ mod node_arena_tests {
     fn node(pool: &PacketPool, len: u32) -> Node {
         let pkt = pool.alloc_from(&vec![0u8; len as usize]);
         let data = pkt.data().as_ptr() as usize;
-        let hdr = Hdr { v6: false, protocol: proto::UDP, l4: 20, end: len, transport: true };
+        let hdr = Layout { v6: false, protocol: proto::UDP, l4: 20, end: len, transport: true, echo: false };
         Node { pkt, data, hdr, at: Time(1), len }
     }
 

@@ -31,8 +31,8 @@
 use crate::flow::table::{tcp_flags, Expiring, Idle, Slab, Timeouts, Timers};
 use flexstack_core::module::port_type;
 use flexstack_core::{
-    Batch, ConfigError, Direction, Frame, MetaKey, Meter, Module, ModuleBuilder, ModuleInterface, ModuleKind,
-    ModuleVars, Output, PortSpec, Settings, Time, Value, ValueType, VarSpec,
+    Batch, ConfigError, Direction, MetaKey, Meter, Module, ModuleBuilder, ModuleInterface, ModuleKind, ModuleVars,
+    Output, PortSpec, Settings, Time, Value, ValueType, VarSpec,
 };
 use flexstack_wire::packet::{proto, PacketInfo, ParseDrops};
 use std::any::Any;
@@ -336,25 +336,13 @@ fn tuple_text(info: &PacketInfo) -> String {
 
 impl Module for Classify {
     fn process(&mut self, _port: usize, input: &mut Batch, out: &mut Output<'_>) {
-        for mut frame in input.drain(..) {
-            let Frame::Data(p) = &mut frame else {
-                self.drops.not_packet();
-                out.drop_frame(frame);
-                continue;
-            };
-            let info = match PacketInfo::parse(p.data()) {
-                Ok(info) => info,
-                Err(e) => {
-                    self.drops.count(e);
-                    out.drop_frame(frame);
-                    continue;
-                }
-            };
+        for frame in input.drain(..) {
+            let Some((mut p, info)) = self.drops.parse(frame, out) else { continue };
             if self.track {
                 if info.fragment.is_some_and(|f| f.offset != 0) {
                     self.fragments.add(1);
                 } else {
-                    self.account(p, &info, out);
+                    self.account(&mut p, &info, out);
                 }
             }
             let port = match info.protocol {
@@ -363,7 +351,7 @@ impl Module for Classify {
                 proto::ICMP | proto::ICMPV6 => OUT_ICMP,
                 _ => OUT_OTHER,
             };
-            out.emit(port, frame);
+            out.emit(port, p);
         }
     }
 

@@ -49,7 +49,7 @@
 use crate::flow::table::{tcp_flags, Expiring, Idle, Slab, Timeouts, Timers};
 use flexstack_core::module::port_type;
 use flexstack_core::{
-    Batch, ConfigError, Frame, Meter, Module, ModuleBuilder, ModuleInterface, ModuleKind, ModuleVars, Output, Packet,
+    Batch, ConfigError, Meter, Module, ModuleBuilder, ModuleInterface, ModuleKind, ModuleVars, Output, Packet,
     PortSpec, Settings, Time, Value, ValueType, VarSpec,
 };
 use flexstack_wire::checksum;
@@ -765,21 +765,9 @@ impl Module for Nat {
     fn process(&mut self, port: usize, input: &mut Batch, out: &mut Output<'_>) {
         let from_inside = port == IN_INSIDE;
         let to = if from_inside { TO_OUTSIDE } else { TO_INSIDE };
-        for mut frame in input.drain(..) {
-            let Frame::Data(p) = &mut frame else {
-                self.m.drops.not_packet();
-                out.drop_frame(frame);
-                continue;
-            };
-            let info = match PacketInfo::parse(p.data()) {
-                Ok(info) => info,
-                Err(e) => {
-                    self.m.drops.count(e);
-                    out.drop_frame(frame);
-                    continue;
-                }
-            };
-            match self.translate(p, &info, from_inside, out) {
+        for frame in input.drain(..) {
+            let Some((mut p, info)) = self.m.drops.parse(frame, out) else { continue };
+            match self.translate(&mut p, &info, from_inside, out) {
                 Ok(true) => self.m.translated.add(1),
                 Ok(false) => self.m.untranslated.add(1),
                 Err(refused) => {
@@ -789,11 +777,11 @@ impl Module for Nat {
                         Refused::Conflict => &self.m.conflict,
                     }
                     .add(1);
-                    out.drop_frame(frame);
+                    out.drop_frame(p.into());
                     continue;
                 }
             }
-            out.emit(to, frame);
+            out.emit(to, p);
         }
     }
 

@@ -1601,17 +1601,10 @@ impl Binding {
         }
     }
 
-    /// Parses a packet going down: its headers, and the packet cut to the length its IP header gives; one that
-    /// does not parse is counted by reason and dropped (`None`).
-    fn parse_down(&mut self, mut p: Packet, out: &mut Output<'_>) -> Option<(Packet, PacketInfo)> {
-        let info = match PacketInfo::parse(p.data()) {
-            Ok(i) => i,
-            Err(e) => {
-                self.drops.count(e);
-                out.drop_frame(p.into());
-                return None;
-            }
-        };
+    /// Parses a packet going down: its headers, and the packet cut to the length its IP header gives; a control
+    /// frame, or a packet that does not parse, is counted and dropped (`None`).
+    fn parse_down(&mut self, frame: Frame, out: &mut Output<'_>) -> Option<(Packet, PacketInfo)> {
+        let (mut p, info) = self.drops.parse(frame, out)?;
         if p.len() > info.total_len {
             p.make_mut().truncate(info.total_len);
         }
@@ -1620,8 +1613,8 @@ impl Binding {
 
     /// Takes a packet going down; `known` is its flow's slot if [`Binding::prefetch_arrivals`] found it, else
     /// [`NIL`].
-    fn enqueue(&mut self, p: Packet, known: u32, now: Time, out: &mut Output<'_>) {
-        let Some((p, info)) = self.parse_down(p, out) else { return };
+    fn enqueue(&mut self, frame: Frame, known: u32, now: Time, out: &mut Output<'_>) {
+        let Some((p, info)) = self.parse_down(frame, out) else { return };
         let slot = if known != NIL { known } else { self.flow_for(&p, &info, out) };
         self.admit(Queued { pkt: p, hdr: Layout::of(&info), at: now, flow: slot }, now, out);
     }
@@ -1723,15 +1716,7 @@ impl Binding {
         let mut held = std::mem::take(&mut self.held);
         held.clear();
         for frame in input.drain(..) {
-            let p = match frame {
-                Frame::Data(p) => p,
-                f @ Frame::Control(_) => {
-                    self.drops.not_packet();
-                    out.drop_frame(f);
-                    continue;
-                }
-            };
-            let Some((p, info)) = self.parse_down(p, out) else { continue };
+            let Some((p, info)) = self.parse_down(frame, out) else { continue };
             let slot = self.flow_for(&p, &info, out);
             // An IP packet is at most 65,575 bytes, and a batch far fewer than 2^32 packets.
             let (len, at) = (p.len() as u32, held.len() as u32);
@@ -1786,15 +1771,8 @@ impl Binding {
     }
 
     /// Maps a packet coming up to the virtual address if it is addressed to one of the interfaces.
-    fn map_up(&mut self, mut p: Packet, out: &mut Output<'_>) {
-        let info = match PacketInfo::parse(p.data()) {
-            Ok(i) => i,
-            Err(e) => {
-                self.drops.count(e);
-                out.drop_frame(p.into());
-                return;
-            }
-        };
+    fn map_up(&mut self, frame: Frame, out: &mut Output<'_>) {
+        let Some((mut p, info)) = self.drops.parse(frame, out) else { return };
         // The destination address is rewritten in place, with fixed-size arrays (no allocation per packet).
         let mapped = match info.dst {
             IpAddr::V4(d) if self.ifaces.iter().any(|i| i.cfg.address_v4 == Some(d)) => {
@@ -1927,13 +1905,9 @@ impl Module for Binding {
             self.prefetch_arrivals(input, &mut slots);
         }
         for (k, f) in input.drain(..).enumerate() {
-            match (f, port) {
-                (Frame::Data(p), IN_DOWN) => self.enqueue(p, slots.get(k).copied().unwrap_or(NIL), now, out),
-                (Frame::Data(p), _) => self.map_up(p, out),
-                (f @ Frame::Control(_), _) => {
-                    self.drops.not_packet();
-                    out.drop_frame(f);
-                }
+            match port {
+                IN_DOWN => self.enqueue(f, slots.get(k).copied().unwrap_or(NIL), now, out),
+                _ => self.map_up(f, out),
             }
         }
         self.arrivals = slots;

@@ -5,7 +5,7 @@ use super::*;
 use crate::flow::testutil::*;
 use flexstack_core::{Direction, Switch};
 use flexstack_wire::checksum;
-use flexstack_wire::packet::build;
+use flexstack_wire::packet::{build, proto};
 use smoltcp::wire::{IpAddress, Ipv4Packet, Ipv6Packet, TcpPacket, UdpPacket};
 use std::time::Duration;
 

@@ -1,7 +1,7 @@
 //! The flow table's building blocks, shared by the kinds that keep per-flow state: `classify` (its flow table),
 //! `nat` (its binding table) and the late-binding scheduler (its flows).
 //!
-//! - [`Slab`]: entries with stable indices that timers can refer to, holes reused.
+//! - [`Slab`]: entries with stable indices that timers (or a flow's queue) can refer to, holes reused.
 //! - [`Timers`]: idle timers over such entries, a heap that is touched only when a timer is due; each entry keeps
 //!   its [`Idle`] state, and [`Timers::expire`] takes out the entries whose time has come.
 //! - [`Timeouts`]: the idle timeouts by protocol, with their knobs.
@@ -199,6 +199,13 @@ impl<T> Slab<T> {
 
     pub(crate) fn len(&self) -> usize {
         self.len
+    }
+
+    /// The addresses of the first and last byte of slot `i` (`None` past the end), computed without reading it:
+    /// for prefetching, which the late-binding scheduler does for its queue nodes.
+    pub(crate) fn span(&self, i: u32) -> Option<(usize, usize)> {
+        let at = self.entries.as_ptr().wrapping_add(i as usize) as usize;
+        ((i as usize) < self.entries.len()).then(|| (at, at + std::mem::size_of::<Option<T>>() - 1))
     }
 
     pub(crate) fn iter(&self) -> impl Iterator<Item = (u32, &T)> {

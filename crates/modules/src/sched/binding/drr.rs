@@ -6,6 +6,7 @@ use super::config::Policy;
 use super::device::Iface;
 use super::prefetch::prefetch;
 use super::Binding;
+use crate::flow::table::Slab;
 use flexstack_core::{Meter, Packet, Time};
 use flexstack_wire::rewrite::Layout;
 use std::collections::{HashMap, VecDeque};
@@ -69,44 +70,34 @@ pub(super) struct Node {
     pub(super) len: u32,
 }
 
-/// The queue nodes of all flows: a slab (as [`Slab`](crate::flow::table::Slab)) whose entries' addresses can be computed without reading
-/// them, for [`prefetch`], with the links between a flow's nodes kept apart.
+/// The queue nodes of all flows: a [`Slab`], with the links between a flow's nodes kept apart.
 #[derive(Default)]
 pub(super) struct Nodes {
-    entries: Vec<Option<Node>>,
+    entries: Slab<Node>,
     /// Per entry, the next node of its flow and that node's length (`next << 32 | len`): apart from the nodes,
     /// so that linking a packet behind its flow's last one writes 8 bytes in a small array.
     links: Vec<u64>,
-    free: Vec<u32>,
 }
 
 impl Nodes {
     /// Stores `node`, last of its flow (no link yet); returns its index.
     pub(super) fn insert(&mut self, node: Node) -> u32 {
-        match self.free.pop() {
-            Some(i) => {
-                self.entries[i as usize] = Some(node);
-                self.links[i as usize] = NO_LINK;
-                i
-            }
-            None => {
-                self.entries.push(Some(node));
-                self.links.push(NO_LINK);
-                (self.entries.len() - 1) as u32
-            }
+        let i = self.entries.insert(node);
+        match self.links.get_mut(i as usize) {
+            Some(l) => *l = NO_LINK,
+            None => self.links.push(NO_LINK),
         }
+        i
     }
 
     /// Node `i`, if it holds one.
     pub(super) fn get(&self, i: u32) -> Option<&Node> {
-        self.entries.get(i as usize).and_then(Option::as_ref)
+        self.entries.get(i)
     }
 
     /// Takes node `i` out; its index is reused by the next insert.
     pub(super) fn remove(&mut self, i: u32) -> Option<Node> {
-        let node = self.entries.get_mut(i as usize)?.take()?;
-        self.free.push(i);
-        Some(node)
+        self.entries.remove(i)
     }
 
     /// The node after `i` in its flow ([`NIL`]: none) and that node's packet length.
@@ -131,10 +122,9 @@ impl Nodes {
 
     /// Hints the CPU to load node `i`, both cache lines it may straddle (an index past the end is ignored).
     pub(super) fn prefetch(&self, i: u32) {
-        if (i as usize) < self.entries.len() {
-            let at = self.entries.as_ptr().wrapping_add(i as usize) as usize;
-            prefetch(at);
-            prefetch(at + std::mem::size_of::<Option<Node>>() - 1);
+        if let Some((first, last)) = self.entries.span(i) {
+            prefetch(first);
+            prefetch(last);
         }
     }
 }

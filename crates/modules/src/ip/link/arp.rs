@@ -1,7 +1,6 @@
 //! ARP (RFC 826) for the link's IPv4 addresses: requests and replies received, answers and requests sent.
 
-use super::ethernet::{write_ethernet, Mac};
-use super::{Count, Link, Reason, OUT_WIRE};
+use super::{write_ethernet, Count, Link, Mac, Reason, OUT_WIRE};
 use flexstack_core::{Direction, Output, Packet};
 use smoltcp::wire::{ArpOperation, ArpPacket, ArpRepr, EthernetAddress, EthernetProtocol, ETHERNET_HEADER_LEN};
 use std::net::Ipv4Addr;

@@ -1,9 +1,7 @@
 //! The settings of a `link` module: its MAC, the addresses it owns with their prefixes, gateways, and the limits
 //! of its neighbour cache (knobs).
 
-use super::ethernet::{parse_mac, Mac};
-use super::ndp::{is_link_local_v6, link_local_of};
-use super::KIND;
+use super::{is_link_local_v6, link_local_of, parse_mac, Mac, KIND};
 use flexstack_core::{ConfigError, Settings};
 use flexstack_wire::cidr::Prefix;
 use std::fmt::Write as _;
@@ -24,7 +22,7 @@ pub const DEFAULT_MAX_QUEUED: u64 = 1024;
 pub const DEFAULT_MAX_NEIGHBOURS: u64 = 1024;
 
 /// The knobs: name, default, range, unit, description.
-pub(super) const KNOBS: [(&str, u64, u64, u64, &str, &str); 6] = [
+pub(crate) const KNOBS: [(&str, u64, u64, u64, &str, &str); 6] = [
     (
         "neighbour_timeout_ms",
         DEFAULT_NEIGHBOUR_TIMEOUT_MS,
@@ -42,10 +40,10 @@ pub(super) const KNOBS: [(&str, u64, u64, u64, &str, &str); 6] = [
 
 /// The knobs' values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) struct Limits {
-    pub(super) neighbour_timeout_ms: u64,
+pub(crate) struct Limits {
+    neighbour_timeout_ms: u64,
     pub(super) resolve_retries: u64,
-    pub(super) resolve_interval_ms: u64,
+    resolve_interval_ms: u64,
     pub(super) queue_per_neighbour: u64,
     pub(super) max_queued: u64,
     pub(super) max_neighbours: u64,
@@ -123,7 +121,7 @@ fn parse_owned(text: &str) -> Result<(IpAddr, Prefix), String> {
 }
 
 /// The directed broadcast address of an IPv4 prefix.
-pub(super) fn broadcast_of(prefix: &Prefix) -> Ipv4Addr {
+pub(crate) fn broadcast_of(prefix: &Prefix) -> Ipv4Addr {
     match prefix.addr() {
         IpAddr::V4(n) => {
             let host = u32::MAX.checked_shr(u32::from(prefix.len())).unwrap_or(0);
@@ -135,7 +133,7 @@ pub(super) fn broadcast_of(prefix: &Prefix) -> Ipv4Addr {
 
 /// A `link` module's settings.
 #[derive(Clone, Debug)]
-pub(super) struct Config {
+pub(crate) struct Config {
     pub(super) mac: Mac,
     pub(super) v4: Vec<(Ipv4Addr, Prefix)>,
     pub(super) v6: Vec<(Ipv6Addr, Prefix)>,
@@ -182,7 +180,7 @@ impl Config {
 }
 
 /// Reads and checks the settings of a `link` module.
-pub(super) fn configure(settings: &Settings) -> Result<Config, ConfigError> {
+pub(crate) fn configure(settings: &Settings) -> Result<Config, ConfigError> {
     let mut r = settings.reader(KIND);
     let Some(mac_text) = r.string("mac")? else {
         return Err(ConfigError::new(

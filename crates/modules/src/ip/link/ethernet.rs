@@ -6,7 +6,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 /// A MAC address.
 pub type Mac = [u8; 6];
 
-pub(super) const BROADCAST: Mac = [0xff; 6];
+pub(crate) const BROADCAST: Mac = [0xff; 6];
 
 /// Parses `02:00:00:00:00:01` (or with `-`).
 pub fn parse_mac(text: &str) -> Option<Mac> {
@@ -44,14 +44,14 @@ fn v4_at(data: &[u8], at: usize) -> Ipv4Addr {
     Ipv4Addr::new(data[at], data[at + 1], data[at + 2], data[at + 3])
 }
 
-pub(super) fn v6_at(data: &[u8], at: usize) -> Ipv6Addr {
+pub(crate) fn v6_at(data: &[u8], at: usize) -> Ipv6Addr {
     let mut a = [0u8; 16];
     a.copy_from_slice(&data[at..at + 16]);
     Ipv6Addr::from(a)
 }
 
 /// Source and destination of a packet to send, if it is IPv4/IPv6 with its whole fixed header.
-pub(super) fn ip_addresses(data: &[u8]) -> Option<(IpAddr, IpAddr)> {
+pub(crate) fn ip_addresses(data: &[u8]) -> Option<(IpAddr, IpAddr)> {
     match data.first()? >> 4 {
         4 if data.len() >= 20 => Some((v4_at(data, 12).into(), v4_at(data, 16).into())),
         6 if data.len() >= 40 => Some((v6_at(data, 8).into(), v6_at(data, 24).into())),
@@ -59,7 +59,7 @@ pub(super) fn ip_addresses(data: &[u8]) -> Option<(IpAddr, IpAddr)> {
     }
 }
 
-pub(super) fn write_ethernet(buf: &mut [u8], dst: Mac, src: Mac, ethertype: EthernetProtocol) {
+pub(crate) fn write_ethernet(buf: &mut [u8], dst: Mac, src: Mac, ethertype: EthernetProtocol) {
     let mut frame = EthernetFrame::new_unchecked(buf);
     EthernetRepr { src_addr: EthernetAddress(src), dst_addr: EthernetAddress(dst), ethertype }.emit(&mut frame);
 }

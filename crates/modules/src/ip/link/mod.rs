@@ -103,15 +103,19 @@ mod ethernet;
 mod ndp;
 mod neighbours;
 
+// The parts' items that this file and the other parts use: the parts import them from here, so that no
+// two files import each other.
+pub(crate) use config::{broadcast_of, configure, Config, Limits, KNOBS};
 pub use config::{
     DEFAULT_MAX_NEIGHBOURS, DEFAULT_MAX_QUEUED, DEFAULT_NEIGHBOUR_TIMEOUT_MS, DEFAULT_QUEUE_PER_NEIGHBOUR,
     DEFAULT_RESOLVE_INTERVAL_MS, DEFAULT_RESOLVE_RETRIES,
 };
 pub use ethernet::{format_mac, multicast_mac_v4, multicast_mac_v6, parse_mac, Mac};
+pub(crate) use ethernet::{ip_addresses, v6_at, write_ethernet, BROADCAST};
+pub(crate) use ndp::is_link_local_v6;
 pub use ndp::{link_local_of, solicited_node};
+pub(crate) use neighbours::{Cache, Entry, State};
 
-use config::{broadcast_of, Config, Limits, KNOBS};
-use ethernet::{ip_addresses, write_ethernet, BROADCAST};
 use flexstack_core::module::port_type;
 use flexstack_core::{
     Batch, ConfigError, Direction, Frame, Meter, Module, ModuleBuilder, ModuleInterface, ModuleKind, ModuleVars,
@@ -119,7 +123,6 @@ use flexstack_core::{
 };
 use flexstack_wire::checksum;
 use flexstack_wire::packet::proto;
-use neighbours::{Cache, Entry, State};
 use smoltcp::wire::{EthernetAddress, EthernetFrame, EthernetProtocol, EthernetRepr, ETHERNET_HEADER_LEN};
 use std::any::Any;
 use std::net::IpAddr;
@@ -229,7 +232,7 @@ impl ModuleKind for LinkKind {
     }
 
     fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
-        Ok(Box::new(LinkBuilder(config::configure(settings)?)))
+        Ok(Box::new(LinkBuilder(configure(settings)?)))
     }
 }
 

@@ -1,8 +1,6 @@
 //! IPv6 neighbour discovery (RFC 4861): solicitations and advertisements received and sent, the addresses it uses.
 
-use super::ethernet::{multicast_mac_v6, v6_at, write_ethernet, Mac};
-use super::neighbours::State;
-use super::{Count, Link, Reason, OUT_WIRE};
+use super::{multicast_mac_v6, v6_at, write_ethernet, Count, Link, Mac, Reason, State, OUT_WIRE};
 use flexstack_core::{Direction, Output, Packet};
 use flexstack_wire::checksum;
 use flexstack_wire::packet::proto;
@@ -30,7 +28,7 @@ pub fn solicited_node(addr: Ipv6Addr) -> Ipv6Addr {
     Ipv6Addr::from([0xff, 0x02, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0xff, o[13], o[14], o[15]])
 }
 
-pub(super) fn is_link_local_v6(a: Ipv6Addr) -> bool {
+pub(crate) fn is_link_local_v6(a: Ipv6Addr) -> bool {
     a.segments()[0] & 0xffc0 == 0xfe80
 }
 

@@ -1,9 +1,9 @@
 //! The neighbour cache: next hops resolved (by ARP or neighbour discovery) or being resolved with the packets
 //! waiting for them, probed when they time out in use, evicted oldest first when the cache is full.
 
-use super::ethernet::{format_mac, multicast_mac_v6, Mac, BROADCAST};
-use super::ndp::{is_link_local_v6, solicited_node};
-use super::{Count, Link, Reason, OUT_WIRE};
+use super::{
+    format_mac, is_link_local_v6, multicast_mac_v6, solicited_node, Count, Link, Mac, Reason, BROADCAST, OUT_WIRE,
+};
 use flexstack_core::{Output, Packet, Time};
 use smoltcp::wire::{ArpOperation, EthernetAddress, NdiscRepr};
 use std::collections::{HashMap, VecDeque};
@@ -11,7 +11,7 @@ use std::fmt::Write as _;
 use std::net::IpAddr;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum State {
+pub(crate) enum State {
     /// Being resolved: requests sent, packets queued.
     Incomplete,
     /// Resolved and confirmed within the timeout.
@@ -21,30 +21,30 @@ pub(super) enum State {
 }
 
 #[derive(Debug)]
-pub(super) struct Entry {
+pub(crate) struct Entry {
     pub(super) state: State,
     pub(super) mac: Mac,
-    pub(super) created: Time,
+    created: Time,
     pub(super) confirmed: Time,
     /// Packets were sent through it since it was last confirmed.
-    pub(super) used: bool,
+    used: bool,
     /// Requests sent in the current resolution or probe.
-    pub(super) probes: u64,
+    probes: u64,
     pub(super) next_probe: Time,
     /// Our address the requests come from (re-checked when sending).
-    pub(super) source: IpAddr,
+    source: IpAddr,
     pub(super) queue: VecDeque<Packet>,
     /// Position in the cache's age order.
-    pub(super) seq: u64,
+    seq: u64,
 }
 
 /// The neighbour cache; handed to a replacement module as its state.
 #[derive(Debug, Default)]
-pub(super) struct Cache {
+pub(crate) struct Cache {
     pub(super) map: HashMap<IpAddr, Entry>,
     /// (seq, address) by the time entries were created or last confirmed; stale pairs are skipped lazily.
-    pub(super) order: VecDeque<(u64, IpAddr)>,
-    pub(super) next_seq: u64,
+    order: VecDeque<(u64, IpAddr)>,
+    next_seq: u64,
     /// Packets in all queues.
     pub(super) queued: usize,
 }

@@ -1,6 +1,5 @@
 //! Unit tests of the `link` module: frames in on `wire` and packets in on `ip`, what leaves, and the meters.
 
-use super::ethernet::v6_at;
 use super::ndp::ALL_NODES;
 use super::*;
 use crate::flow::testutil::*;

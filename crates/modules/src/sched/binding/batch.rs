@@ -1,20 +1,17 @@
 //! Binding a batch whole: when everything a batch going down holds will be bound within the call that brought it,
 //! it is served by class and deficit round robin over the batch itself, without the queues.
 
-use super::class::Class;
-use super::config::Mode;
-use super::drr::{mark_dirty, served, wait_next_round, NIL};
-use super::{Binding, Queued};
+use super::{mark_dirty, served, wait_next_round, Binding, Class, Mode, Queued, NIL};
 use flexstack_core::{Batch, Output, Packet, Time};
 use flexstack_wire::rewrite::Layout;
 
 /// A packet of a batch being bound whole ([`Binding::bind_batch`]): taken when bound; `next` is the flow's next
 /// packet in the batch ([`NIL`]: none).
-pub(super) struct Held {
-    pub(super) pkt: Option<Packet>,
-    pub(super) hdr: Layout,
-    pub(super) len: u32,
-    pub(super) next: u32,
+pub(crate) struct Held {
+    pkt: Option<Packet>,
+    hdr: Layout,
+    len: u32,
+    next: u32,
 }
 
 impl Binding {

@@ -97,7 +97,7 @@ impl ClassRule {
 }
 
 /// The DSCP of an IP packet (the upper six bits of the IPv4 TOS or IPv6 traffic class).
-pub(super) fn dscp_of(data: &[u8]) -> u8 {
+pub(crate) fn dscp_of(data: &[u8]) -> u8 {
     match data {
         [b0, b1, ..] if b0 >> 4 == 6 => (((b0 & 0x0f) << 4) | (b1 >> 4)) >> 2,
         [_, b1, ..] => b1 >> 2,

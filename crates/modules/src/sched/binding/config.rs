@@ -1,22 +1,21 @@
 //! The settings of a binding module: interfaces, policy, classes, limits, and their checks.
 
-use super::class::ClassRule;
-use super::{EARLY_KIND, LATE_KIND, MAX_INTERFACES};
+use super::{ClassRule, EARLY_KIND, LATE_KIND, MAX_INTERFACES};
 use flexstack_core::config::{valid_name, SettingsReader};
 use flexstack_core::{ConfigError, Settings};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
-pub(super) const MAX_RATE_BPS: u64 = 1_000_000_000_000;
-pub(super) const MAX_DEVICE_QUEUE: u64 = 1_000_000;
+pub(crate) const MAX_RATE_BPS: u64 = 1_000_000_000_000;
+pub(crate) const MAX_DEVICE_QUEUE: u64 = 1_000_000;
 /// Largest per-packet link-layer overhead modelled, in bytes.
-pub(super) const MAX_OVERHEAD: u64 = 1024;
-pub(super) const MAX_QUEUE_LIMIT: u64 = 10_000_000;
-pub(super) const MAX_QUANTUM: u64 = 1_000_000;
-pub(super) const MIN_QUANTUM: u64 = 64;
-pub(super) const MAX_WEIGHT: u64 = 1_000_000;
-pub(super) const MAX_IDLE_MS: u64 = 7 * 24 * 3_600_000;
+pub(crate) const MAX_OVERHEAD: u64 = 1024;
+pub(crate) const MAX_QUEUE_LIMIT: u64 = 10_000_000;
+pub(crate) const MAX_QUANTUM: u64 = 1_000_000;
+pub(crate) const MIN_QUANTUM: u64 = 64;
+pub(crate) const MAX_WEIGHT: u64 = 1_000_000;
+pub(crate) const MAX_IDLE_MS: u64 = 7 * 24 * 3_600_000;
 /// Most class overrides remembered for flows not seen yet.
-pub(super) const MAX_OVERRIDES: usize = 65_536;
+pub(crate) const MAX_OVERRIDES: usize = 65_536;
 /// Port names an interface may not take.
 const RESERVED: [&str; 4] = ["in", "up_in", "up_out", "ctl"];
 
@@ -77,7 +76,7 @@ impl Emit {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Mode {
+pub(crate) enum Mode {
     Late,
     Early,
 }
@@ -93,7 +92,7 @@ impl Mode {
 
 /// One interface's configuration (knobs included).
 #[derive(Clone, Debug)]
-pub(super) struct IfaceConfig {
+pub(crate) struct IfaceConfig {
     pub(super) name: String,
     pub(super) address_v4: Option<Ipv4Addr>,
     pub(super) address_v6: Option<Ipv6Addr>,
@@ -110,7 +109,7 @@ pub(super) struct IfaceConfig {
 }
 
 #[derive(Clone, Debug)]
-pub(super) struct Config {
+pub(crate) struct Config {
     pub(super) mode: Mode,
     pub(super) ifaces: Vec<IfaceConfig>,
     pub(super) policy: Policy,
@@ -146,7 +145,7 @@ fn read_addr<'a>(r: &mut SettingsReader<'a>, key: &'a str, v6: bool) -> Result<O
     }
 }
 
-pub(super) fn configure(mode: Mode, settings: &Settings) -> Result<Config, ConfigError> {
+pub(crate) fn configure(mode: Mode, settings: &Settings) -> Result<Config, ConfigError> {
     let kind = mode.kind();
     // The interface names come first: the other settings' names depend on them.
     let names = {

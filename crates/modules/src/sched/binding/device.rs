@@ -2,13 +2,12 @@
 //! Nothing here touches a device: a packet's transmission is modelled from its length and the interface's
 //! `rate_bps`, to decide when it is emitted and when the queue has room again.
 
-use super::config::{Emit, IfaceConfig};
-use super::{Binding, Queued};
+use super::{Binding, Emit, IfaceConfig, Queued};
 use flexstack_core::{Meter, Output, Packet, Time};
 use std::collections::VecDeque;
 
 /// An interface's meters.
-pub(super) struct IfaceMeters {
+pub(crate) struct IfaceMeters {
     pub(super) queue_len: Meter,
     pub(super) device_queue_len: Meter,
     pub(super) bound_packets: Meter,
@@ -24,13 +23,13 @@ pub(super) struct IfaceMeters {
 /// A packet in a modelled device queue, gone at `end`: with `emit` = `start` it is emitted at `start` (`pkt` is
 /// taken then); with `admit` it was emitted when it entered (`pkt` is `None` from the start).
 pub(super) struct InRing {
-    pub(super) start: Time,
-    pub(super) end: Time,
-    pub(super) pkt: Option<Packet>,
+    start: Time,
+    end: Time,
+    pkt: Option<Packet>,
 }
 
 /// An interface: its settings and knobs, its modelled device queue and, for early binding, its FIFO.
-pub(super) struct Iface {
+pub(crate) struct Iface {
     pub(super) cfg: IfaceConfig,
     pub(super) ring: VecDeque<InRing>,
     /// When the modelled transmitter is free.

@@ -1,11 +1,7 @@
 //! Fair queueing above the binding point (late binding): the flows and their index, the queue nodes their packets
 //! wait in, and deficit round robin with interleaved rounds over the flows of each class.
 
-use super::class::Class;
-use super::config::Policy;
-use super::device::Iface;
-use super::prefetch::prefetch;
-use super::Binding;
+use super::{prefetch, Binding, Class, Iface, Policy};
 use crate::flow::table::Slab;
 use flexstack_core::{Meter, Packet, Time};
 use flexstack_wire::rewrite::Layout;
@@ -13,12 +9,12 @@ use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 
 /// No node: the end of a flow's queue.
-pub(super) const NIL: u32 = u32::MAX;
+pub(crate) const NIL: u32 = u32::MAX;
 /// The link of a node that is last in its flow.
 const NO_LINK: u64 = (NIL as u64) << 32;
 
 /// splitmix64's finalizer: a cheap, well-mixing hash of a 64-bit word.
-pub(super) fn mix64(x: u64) -> u64 {
+pub(crate) fn mix64(x: u64) -> u64 {
     let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
@@ -29,7 +25,7 @@ pub(super) fn mix64(x: u64) -> u64 {
 /// instructions a lookup, and needs no protection here: flow ids come from `classify`, 5-tuple keys are already
 /// SipHash values).
 #[derive(Default)]
-pub(super) struct FlowKeyHasher(u64);
+pub(crate) struct FlowKeyHasher(u64);
 
 impl Hasher for FlowKeyHasher {
     fn finish(&self) -> u64 {
@@ -48,9 +44,9 @@ impl Hasher for FlowKeyHasher {
 }
 
 /// A map keyed by flow key.
-pub(super) type FlowMap<V> = HashMap<u64, V, BuildHasherDefault<FlowKeyHasher>>;
+pub(crate) type FlowMap<V> = HashMap<u64, V, BuildHasherDefault<FlowKeyHasher>>;
 
-pub(super) struct FlowVars {
+pub(crate) struct FlowVars {
     pub(super) class: Meter,
     pub(super) iface: Meter,
     pub(super) queued: Meter,
@@ -60,7 +56,7 @@ pub(super) struct FlowVars {
 /// A packet of a flow waiting above the binding point (late binding): a node of the queue arena shared by all
 /// flows ([`Nodes`], which links it to the flow's next packet). Its length is kept here, so deciding whether it may
 /// go does not read the packet.
-pub(super) struct Node {
+pub(crate) struct Node {
     pub(super) pkt: Packet,
     /// Address of the packet's first byte, for [`prefetch`] only (never dereferenced; stale if the packet is
     /// copied on write at binding, which makes the hint useless, not wrong).
@@ -72,7 +68,7 @@ pub(super) struct Node {
 
 /// The queue nodes of all flows: a [`Slab`], with the links between a flow's nodes kept apart.
 #[derive(Default)]
-pub(super) struct Nodes {
+pub(crate) struct Nodes {
     entries: Slab<Node>,
     /// Per entry, the next node of its flow and that node's length (`next << 32 | len`): apart from the nodes,
     /// so that linking a packet behind its flow's last one writes 8 bytes in a small array.
@@ -132,7 +128,7 @@ impl Nodes {
 /// What the scheduler reads and writes per packet of a flow, in one cache line: with 10,000 flows queued the
 /// flows no longer fit in the nearer caches, and each extra line a packet touches is a miss.
 #[repr(align(64))]
-pub(super) struct Flow {
+pub(crate) struct Flow {
     /// First and last node of the flow's queue in the arena ([`NIL`]: empty).
     pub(super) head: u32,
     pub(super) tail: u32,
@@ -193,7 +189,7 @@ impl Flow {
 /// head packet: it waits for the next round's quantum), [`Rounds::remove_front`] (it is empty) or
 /// [`Rounds::pass_over`] (its interface has no room: it keeps its deficit and place in the round).
 #[derive(Default)]
-pub(super) struct Rounds {
+pub(crate) struct Rounds {
     /// The current round's flows still to visit, in turn.
     current: VecDeque<u32>,
     /// The flows done with the current round, in the order they finished it: the next round.
@@ -274,14 +270,14 @@ impl Rounds {
 }
 
 /// What a flow needs only when it appears, goes, or is published.
-pub(super) struct FlowCold {
+pub(crate) struct FlowCold {
     pub(super) key: u64,
     pub(super) vars_name: String,
     pub(super) vars: FlowVars,
 }
 
 /// Notes that flow `f` (in `slot`) has meters to publish.
-pub(super) fn mark_dirty(dirty: &mut Vec<u32>, f: &mut Flow, slot: u32) {
+pub(crate) fn mark_dirty(dirty: &mut Vec<u32>, f: &mut Flow, slot: u32) {
     if !f.dirty {
         f.dirty = true;
         dirty.push(slot);
@@ -290,7 +286,7 @@ pub(super) fn mark_dirty(dirty: &mut Vec<u32>, f: &mut Flow, slot: u32) {
 
 /// Flow `f`, at the front of `rounds`, is done with the current round: it waits for the next one, whose quantum
 /// its next visit gives it.
-pub(super) fn wait_next_round(rounds: &mut Rounds, f: &mut Flow) {
+pub(crate) fn wait_next_round(rounds: &mut Rounds, f: &mut Flow) {
     f.quantum_due = true;
     rounds.later();
 }
@@ -298,7 +294,7 @@ pub(super) fn wait_next_round(rounds: &mut Rounds, f: &mut Flow) {
 /// After flow `f`, at the front of `rounds`, sent its head packet (its deficit and `head` already updated):
 /// `next` is its new head packet ([`NIL`]: none) of `next_len` bytes. An empty flow leaves; one whose deficit
 /// covers the next packet goes to the back of the round, the others wait for the next round.
-pub(super) fn served(rounds: &mut Rounds, f: &mut Flow, next: u32, next_len: u32) {
+pub(crate) fn served(rounds: &mut Rounds, f: &mut Flow, next: u32, next_len: u32) {
     if next == NIL {
         f.leave_rounds();
         rounds.remove_front();

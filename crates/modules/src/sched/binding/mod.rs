@@ -107,19 +107,24 @@ mod device;
 mod drr;
 mod prefetch;
 
+// The parts' items that this file and the other parts use: the parts import them from here, so that no
+// two files import each other.
+pub(crate) use batch::Held;
+pub(crate) use class::dscp_of;
 pub use class::{Class, ClassRule};
+pub(crate) use config::{
+    configure, Config, IfaceConfig, Mode, MAX_DEVICE_QUEUE, MAX_IDLE_MS, MAX_OVERHEAD, MAX_OVERRIDES, MAX_QUANTUM,
+    MAX_QUEUE_LIMIT, MAX_RATE_BPS, MAX_WEIGHT, MIN_QUANTUM,
+};
 pub use config::{Emit, Policy};
+pub(crate) use device::{Iface, IfaceMeters};
+pub(crate) use drr::{
+    mark_dirty, mix64, served, wait_next_round, Flow, FlowCold, FlowMap, FlowVars, Node, Nodes, Rounds, NIL,
+};
 pub use prefetch::prefetch;
+pub(crate) use prefetch::{ARRIVAL_PREFETCH_MIN, PREFETCH_MIN_BYTES};
 
 use crate::flow::table::Slab;
-use batch::Held;
-use class::dscp_of;
-use config::{
-    configure, Config, Mode, MAX_DEVICE_QUEUE, MAX_IDLE_MS, MAX_OVERHEAD, MAX_OVERRIDES, MAX_QUANTUM, MAX_QUEUE_LIMIT,
-    MAX_RATE_BPS, MAX_WEIGHT, MIN_QUANTUM,
-};
-use device::{Iface, IfaceMeters};
-use drr::{mark_dirty, mix64, served, Flow, FlowCold, FlowMap, FlowVars, Node, Nodes, Rounds, NIL};
 use flexstack_core::module::port_type;
 use flexstack_core::{
     Batch, ConfigError, Frame, MetaKey, Meter, Module, ModuleBuilder, ModuleInterface, ModuleKind, ModuleVars, Output,
@@ -127,7 +132,6 @@ use flexstack_core::{
 };
 use flexstack_wire::packet::{PacketInfo, ParseDrops};
 use flexstack_wire::rewrite::{self, Layout};
-use prefetch::{ARRIVAL_PREFETCH_MIN, PREFETCH_MIN_BYTES};
 use std::collections::VecDeque;
 use std::hash::{Hash, Hasher};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};

@@ -1,9 +1,7 @@
 //! Prefetching for deep backlogs: hints that ask the CPU for what the next bindings, and the packets of a batch
 //! being queued, will read, so that those reads do not each wait for memory.
 
-use super::class::Class;
-use super::drr::NIL;
-use super::{Binding, Flow, HASHED};
+use super::{Binding, Class, Flow, HASHED, NIL};
 use flexstack_core::{Batch, Frame, MetaKey};
 
 /// After each binding, the packets the next `PREFETCH_PACKETS` bindings will take (by deficit round robin, among
@@ -26,13 +24,13 @@ const PREFETCH_BYTES: usize = 2048;
 /// modelled) is in the caches still, having just been read and queued: the hints found it there, and issuing them
 /// (up to 40 per binding) was a third of the scheduler's time on that path (`perf annotate` of `settle` in the
 /// daemon during `scripts/bench-binding.sh`). One MiB: a core's L2 cache on the machines measured.
-pub(super) const PREFETCH_MIN_BYTES: u64 = 1 << 20;
+pub(crate) const PREFETCH_MIN_BYTES: u64 = 1 << 20;
 /// A batch going down of at least this many packets is taken in passes (late binding): first every packet's flow
 /// is looked up and its state asked for ([`prefetch`]), then the link its queue's last packet has, then the packets
 /// are queued. At 10,000 flows these are reads at random in memory, known only when the packet arrives; in passes
 /// the reads of a batch overlap instead of each waiting in turn (the software pipelining of VPP). The daemon hands
 /// a module whole batches (up to 256 frames per face per wake-up); a single packet gains nothing from it.
-pub(super) const ARRIVAL_PREFETCH_MIN: usize = 2;
+pub(crate) const ARRIVAL_PREFETCH_MIN: usize = 2;
 /// A cache line (x86_64, aarch64).
 const LINE: usize = 64;
 

@@ -24,7 +24,7 @@
 //! [`DEFAULT_ITERS`]). A failure prints the seed, the iteration and the batch in hex.
 
 mod common;
-use common::{catalog, link, load, meter};
+use common::{catalog, link, load, meter, verdict};
 
 use flexstack_core::{
     Batch, ControlFrame, ControlOp, Edit, Frame, Module, ModuleBuilder, ModuleInterface, ModuleVars, Output, PortSpec,
@@ -368,11 +368,7 @@ fn check(sw: &Switch, problems: &Problems, limits: (u64, u64)) -> Result<(), Str
     if m("queued") > max_queued {
         failures.push(format!("{} queued > {max_queued}", m("queued")));
     }
-    if failures.is_empty() {
-        Ok(())
-    } else {
-        Err(failures.join("; "))
-    }
+    verdict(&failures)
 }
 
 #[test]

@@ -18,7 +18,7 @@
 //! (default [`DEFAULT_ITERS`]). A failure prints the target, seed, iteration and input in hex.
 
 mod common;
-use common::{catalog, link, load, meter};
+use common::{catalog, link, load, meter, verdict};
 
 use flexstack_core::{
     Batch, Edit, Frame, Module, ModuleBuilder, ModuleInterface, ModuleVars, Output, PortSpec, Settings, Switch, Time,
@@ -339,11 +339,7 @@ fn check_stack(sw: &Switch, injected: u64, problems: &Problems) -> Result<(), St
     if m("module.r.bytes_pending") > MAX_BYTES || m("module.r.bytes_spare") > MAX_BYTES / 4 {
         failures.push(format!("reassembly memory {} + {}", m("module.r.bytes_pending"), m("module.r.bytes_spare")));
     }
-    if failures.is_empty() {
-        Ok(())
-    } else {
-        Err(failures.join("; "))
-    }
+    verdict(&failures)
 }
 
 #[test]

@@ -359,6 +359,19 @@ struct Table {
     expired: u64,
 }
 
+impl Table {
+    /// The binding a packet from `src` to `dst` belongs to, going out (`out`: from the inside) or coming in: a
+    /// DNAT connection's, else an SNAT binding's.
+    fn find(&self, protocol: u8, out: bool, src: (IpAddr, u16), dst: (IpAddr, u16)) -> Option<u32> {
+        let (dnat, snat) = if out {
+            (Key::DnatOut(protocol, src.0, src.1, dst.0, dst.1), Key::SnatOut(protocol, src.0, src.1))
+        } else {
+            (Key::DnatIn(protocol, src.0, src.1, dst.0, dst.1), Key::SnatIn(protocol, dst.0, dst.1))
+        };
+        self.index.get(&dnat).or_else(|| self.index.get(&snat)).copied()
+    }
+}
+
 /// Why a packet was dropped.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Refused {
@@ -580,18 +593,20 @@ impl Nat {
         self.table.bindings.get(slot)
     }
 
+    /// The plan for a packet of an existing binding (`slot`), going out (`from_inside`) or coming in: the other
+    /// side's endpoint as its source going out, as its destination coming in.
+    fn follow(&mut self, slot: u32, from_inside: bool, flags: Option<u8>, out: &mut Output<'_>) -> Plan {
+        match self.touch(slot, from_inside, flags, out) {
+            Some(b) if from_inside => Plan::Rewrite { src: true, to: b.outside },
+            Some(b) => Plan::Rewrite { src: false, to: b.inside },
+            None => Plan::Pass,
+        }
+    }
+
     fn plan_out(&mut self, s: &Seen, out: &mut Output<'_>) -> Result<Plan, Refused> {
         let pr = s.protocol;
-        let index = &self.table.index;
-        let found = index
-            .get(&Key::DnatOut(pr, s.src.0, s.src.1, s.dst.0, s.dst.1))
-            .or_else(|| index.get(&Key::SnatOut(pr, s.src.0, s.src.1)))
-            .copied();
-        if let Some(slot) = found {
-            return Ok(match self.touch(slot, true, s.flags, out) {
-                Some(b) => Plan::Rewrite { src: true, to: b.outside },
-                None => Plan::Pass,
-            });
+        if let Some(slot) = self.table.find(pr, true, s.src, s.dst) {
+            return Ok(self.follow(slot, true, s.flags, out));
         }
         if s.echo && !s.request {
             return Ok(Plan::Pass);
@@ -615,16 +630,8 @@ impl Nat {
 
     fn plan_in(&mut self, s: &Seen, out: &mut Output<'_>) -> Result<Plan, Refused> {
         let pr = s.protocol;
-        let index = &self.table.index;
-        let found = index
-            .get(&Key::DnatIn(pr, s.src.0, s.src.1, s.dst.0, s.dst.1))
-            .or_else(|| index.get(&Key::SnatIn(pr, s.dst.0, s.dst.1)))
-            .copied();
-        if let Some(slot) = found {
-            return Ok(match self.touch(slot, false, s.flags, out) {
-                Some(b) => Plan::Rewrite { src: false, to: b.inside },
-                None => Plan::Pass,
-            });
+        if let Some(slot) = self.table.find(pr, false, s.src, s.dst) {
+            return Ok(self.follow(slot, false, s.flags, out));
         }
         if s.echo && !s.request {
             return Ok(Plan::Pass);
@@ -717,22 +724,12 @@ impl Nat {
         if q.layout.v6 != (info.version == 6) {
             return false;
         }
-        let pr = q.layout.protocol;
-        let index = &self.table.index;
         // From the outside: the quoted packet is one that left through a binding (its source is public).
-        // From the inside: one that arrived through a binding (its destination is the inside endpoint).
-        let (slot, outer_addr) = if from_inside {
-            let slot = index
-                .get(&Key::DnatOut(pr, q.dst, q.dport, q.src, q.sport))
-                .or_else(|| index.get(&Key::SnatOut(pr, q.dst, q.dport)));
-            (slot, info.src)
-        } else {
-            let slot = index
-                .get(&Key::DnatIn(pr, q.dst, q.dport, q.src, q.sport))
-                .or_else(|| index.get(&Key::SnatIn(pr, q.src, q.sport)));
-            (slot, info.dst)
-        };
-        let Some(b) = slot.and_then(|s| self.table.bindings.get(*s)) else { return false };
+        // From the inside: one that arrived through a binding (its destination is the inside endpoint). Either
+        // way its reply, the way the error goes, belongs to the binding.
+        let slot = self.table.find(q.layout.protocol, from_inside, (q.dst, q.dport), (q.src, q.sport));
+        let outer_addr = if from_inside { info.src } else { info.dst };
+        let Some(b) = slot.and_then(|s| self.table.bindings.get(s)) else { return false };
         let (old, to) = if from_inside { (q.dst, b.outside) } else { (q.src, b.inside) };
         if outer_addr != old {
             return false;

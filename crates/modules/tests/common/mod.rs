@@ -1,4 +1,5 @@
-//! What the modules' fuzz tests share: the built-in catalog, loading and linking modules, reading a meter.
+//! What the modules' fuzz tests share: the built-in catalog, loading and linking modules, reading a meter, the
+//! verdict of a check.
 #![allow(dead_code)] // each test file uses what it needs
 
 use flexstack_core::{Catalog, Edit, LinkSpec, Settings, Switch, Value};
@@ -26,5 +27,14 @@ pub fn meter(sw: &Switch, name: &str) -> u64 {
     match sw.registry().snapshot().get(name).unwrap_or_else(|| panic!("no variable {name}")).get() {
         Value::U64(v) => v,
         other => panic!("{name} is {other:?}"),
+    }
+}
+
+/// `Ok` if nothing failed, else every failure in one message.
+pub fn verdict(failures: &[String]) -> Result<(), String> {
+    if failures.is_empty() {
+        Ok(())
+    } else {
+        Err(failures.join("; "))
     }
 }

@@ -23,9 +23,12 @@
 //! `FLEXSTACK_FUZZ_SEED` (decimal or 0x-hex) sets the base seed, `FLEXSTACK_FUZZ_ITERS` the inputs (default
 //! [`DEFAULT_ITERS`]). A failure prints the seed, the iteration and the batch in hex.
 
+mod common;
+use common::{catalog, link, load, meter, verdict};
+
 use flexstack_core::{
-    Batch, Catalog, ControlFrame, ControlOp, Edit, Frame, LinkSpec, Module, ModuleBuilder, ModuleInterface, ModuleVars,
-    Output, PortSpec, Settings, Switch, Time, Value,
+    Batch, ControlFrame, ControlOp, Edit, Frame, Module, ModuleBuilder, ModuleInterface, ModuleVars, Output, PortSpec,
+    Settings, Switch, Time, Value,
 };
 use flexstack_fuzzkit::{
     hex, iters_from_env, load_corpus, mutate_input, run_guarded, seed_from_env, target_seed, Dict, Rng,
@@ -263,18 +266,6 @@ impl Module for Sink {
     }
 }
 
-fn catalog() -> Catalog {
-    let mut c = Catalog::new();
-    flexstack_modules::register(&mut c);
-    c
-}
-
-fn load(catalog: &Catalog, name: &str, args: &[String]) -> Edit {
-    let settings = Settings::from_args(args).unwrap();
-    let builder = catalog.configure("link", &settings, None).unwrap();
-    Edit::Load { name: name.into(), kind: "link".into(), settings, builder }
-}
-
 fn sink(name: &str, side: Side, problems: &Problems) -> Edit {
     Edit::Load {
         name: name.into(),
@@ -299,22 +290,15 @@ fn stack(extra: &[String], problems: &Problems) -> Switch {
     let catalog = catalog();
     let mut sw = Switch::default();
     let mut edits = vec![
-        load(&catalog, "l", &link_args(extra)),
+        load(&catalog, "l", "link", &link_args(extra)),
         sink("wire", Side::Wire, problems),
         sink("up", Side::Ip, problems),
     ];
     for l in ["l[wire] -> wire", "l[ip] -> up"] {
-        edits.push(Edit::Link(LinkSpec::parse(l).unwrap()));
+        edits.push(link(l));
     }
     sw.apply(edits).unwrap();
     sw
-}
-
-fn meter(sw: &Switch, name: &str) -> u64 {
-    match sw.registry().snapshot().get(name).unwrap_or_else(|| panic!("no variable {name}")).get() {
-        Value::U64(v) => v,
-        other => panic!("{name} is {other:?}"),
-    }
 }
 
 fn inject(sw: &mut Switch, port: &str, packets: &[Vec<u8>]) {
@@ -384,11 +368,7 @@ fn check(sw: &Switch, problems: &Problems, limits: (u64, u64)) -> Result<(), Str
     if m("queued") > max_queued {
         failures.push(format!("{} queued > {max_queued}", m("queued")));
     }
-    if failures.is_empty() {
-        Ok(())
-    } else {
-        Err(failures.join("; "))
-    }
+    verdict(&failures)
 }
 
 #[test]

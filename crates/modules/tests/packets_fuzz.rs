@@ -17,9 +17,11 @@
 //! `FLEXSTACK_FUZZ_SEED` (decimal or 0x-hex) sets the base seed, `FLEXSTACK_FUZZ_ITERS` the inputs per target
 //! (default [`DEFAULT_ITERS`]). A failure prints the target, seed, iteration and input in hex.
 
+mod common;
+use common::{catalog, link, load, meter, verdict};
+
 use flexstack_core::{
-    Batch, Catalog, Edit, Frame, LinkSpec, Module, ModuleBuilder, ModuleInterface, ModuleVars, Output, PortSpec,
-    Settings, Switch, Time, Value,
+    Batch, Edit, Frame, Module, ModuleBuilder, ModuleInterface, ModuleVars, Output, PortSpec, Settings, Switch, Time,
 };
 use flexstack_fuzzkit::{
     hex, iters_from_env, load_corpus, mutate_input, run_guarded, seed_from_env, target_seed, Dict, Rng,
@@ -248,13 +250,6 @@ impl Module for Sink {
     }
 }
 
-fn load(catalog: &Catalog, name: &str, kind: &str, args: &[&str]) -> Edit {
-    let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
-    let settings = Settings::from_args(&args).unwrap();
-    let builder = catalog.configure(kind, &settings, None).unwrap();
-    Edit::Load { name: name.into(), kind: kind.into(), settings, builder }
-}
-
 fn sink(name: &str, expect: Expect, problems: &Problems) -> Edit {
     Edit::Load {
         name: name.into(),
@@ -265,8 +260,7 @@ fn sink(name: &str, expect: Expect, problems: &Problems) -> Edit {
 }
 
 fn stack(problems: &Problems) -> Switch {
-    let mut catalog = Catalog::new();
-    flexstack_modules::register(&mut catalog);
+    let catalog = catalog();
     let mut sw = Switch::default();
     let max_d = format!("max_datagrams={MAX_DATAGRAMS}");
     let max_b = format!("max_bytes={MAX_BYTES}");
@@ -280,17 +274,10 @@ fn stack(problems: &Problems) -> Switch {
         sink("whole", Expect::Consistent, problems),
     ];
     for l in ["ip[out] -> r", "ip[icmp] -> errors", "r -> i, whole", "i[reply] -> replies", "i[out] -> rest"] {
-        edits.push(Edit::Link(LinkSpec::parse(l).unwrap()));
+        edits.push(link(l));
     }
     sw.apply(edits).unwrap();
     sw
-}
-
-fn meter(sw: &Switch, name: &str) -> u64 {
-    match sw.registry().snapshot().get(name).unwrap_or_else(|| panic!("no variable {name}")).get() {
-        Value::U64(v) => v,
-        other => panic!("{name} is {other:?}"),
-    }
 }
 
 /// The per-module accounting and the reassembly bounds.
@@ -352,11 +339,7 @@ fn check_stack(sw: &Switch, injected: u64, problems: &Problems) -> Result<(), St
     if m("module.r.bytes_pending") > MAX_BYTES || m("module.r.bytes_spare") > MAX_BYTES / 4 {
         failures.push(format!("reassembly memory {} + {}", m("module.r.bytes_pending"), m("module.r.bytes_spare")));
     }
-    if failures.is_empty() {
-        Ok(())
-    } else {
-        Err(failures.join("; "))
-    }
+    verdict(&failures)
 }
 
 #[test]

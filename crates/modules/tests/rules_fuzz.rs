@@ -18,9 +18,12 @@
 //! `FLEXSTACK_FUZZ_SEED` (decimal or 0x-hex) sets the seed, `FLEXSTACK_FUZZ_ITERS` the rule inputs per target
 //! (packets: the same number); the defaults keep a debug run within a few seconds.
 
+mod common;
+use common::{catalog, link, load};
+
 use flexstack_core::{
-    Batch, Catalog, Direction, Edit, Frame, LinkSpec, Module, ModuleBuilder, ModuleInterface, ModuleVars, Output,
-    PortSpec, Settings, StackSpec, Switch, Time, Value,
+    Batch, Catalog, Direction, Edit, Frame, Module, ModuleBuilder, ModuleInterface, ModuleVars, Output, PortSpec,
+    Settings, StackSpec, Switch, Time, Value,
 };
 use flexstack_fuzzkit::{iters_from_env, load_corpus_bytes, mutate, seed_from_env, target_seed, Dict, Rng};
 use flexstack_modules::flow::firewall::Rule;
@@ -91,12 +94,6 @@ const TOKENS: &[&str] = &[
 /// The mutations: rule words and odd tokens, runs of digits, colons and spaces; up to 4 KiB.
 const DICT: Dict<'static> =
     Dict { tokens: TOKENS, runs: &[1, 2, 3, 8, 17, 40], run_bytes: b"09: a", max_len: 4096, ..Dict::EMPTY };
-
-fn catalog() -> Catalog {
-    let mut c = Catalog::new();
-    flexstack_modules::register(&mut c);
-    c
-}
 
 /// One rules input: each line alone, then all of them through the catalog.
 fn check_rules(cat: &Catalog, kind: &str, input: &[u8]) -> Result<(), String> {
@@ -227,17 +224,6 @@ fn keep(name: &str) -> (Edit, Log) {
         builder: Box::new(KeepBuilder(log.clone())),
     };
     (edit, log)
-}
-
-fn load(cat: &Catalog, name: &str, kind: &str, args: &[&str]) -> Edit {
-    let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
-    let settings = Settings::from_args(&args).expect("settings");
-    let builder = cat.configure(kind, &settings, None).unwrap_or_else(|e| panic!("{kind}: {e}"));
-    Edit::Load { name: name.into(), kind: kind.into(), settings, builder }
-}
-
-fn link(text: &str) -> Edit {
-    Edit::Link(LinkSpec::parse(text).expect("link"))
 }
 
 const NAT_RULES: &str = r#"rules=["dnat tcp 192.0.2.10:8080 to 10.77.0.2:80", "dnat udp [fd00::10]:53 to [fd77::2]:5353", "dnat 192.0.2.11 to 10.77.0.3", "snat 10.77.0.0/24 to 192.0.2.10", "snat fd77::/64 to fd00::10"]"#;

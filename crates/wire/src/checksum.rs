@@ -66,11 +66,17 @@ fn fold32(mut acc: u64) -> u32 {
 
 /// Folds a sum to 16 bits and complements it: the checksum to store.
 pub fn finish(sum: u32) -> u16 {
+    !fold(sum)
+}
+
+/// Folds a sum to 16 bits, not complemented (what an ICMP error's checksum changes by when the packet it quotes
+/// changes).
+pub fn fold(sum: u32) -> u16 {
     let mut s = sum;
     while s > 0xffff {
         s = (s & 0xffff) + (s >> 16);
     }
-    !(s as u16)
+    s as u16
 }
 
 /// Sum of the pseudo-header for a transport checksum: addresses, protocol and transport length (IPv4 and IPv6).

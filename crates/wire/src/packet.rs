@@ -7,7 +7,7 @@
 //! IPv4 and IPv6 fixed headers are read through `smoltcp::wire`; the IPv6 extension-header chain is walked here
 //! with a bound on its length.
 
-use flexstack_core::{Meter, ModuleVars, ValueType, VarSpec};
+use flexstack_core::{Frame, Meter, ModuleVars, Output, Packet, ValueType, VarSpec};
 use smoltcp::wire::{Ipv4Packet, Ipv6FragmentHeader, Ipv6Packet};
 use std::fmt;
 use std::net::IpAddr;
@@ -34,6 +34,11 @@ pub mod proto {
     pub const AH: u8 = 51;
     /// No next header.
     pub const NO_NEXT: u8 = 59;
+}
+
+/// True for an ICMP or ICMPv6 echo request or reply (types 8 and 0, 128 and 129), whose identifier works as a port.
+pub fn is_echo(protocol: u8, icmp_type: u8) -> bool {
+    matches!((protocol, icmp_type), (proto::ICMP, 0 | 8) | (proto::ICMPV6, 128 | 129))
 }
 
 /// Most IPv6 extension headers walked before the packet is refused.
@@ -172,6 +177,31 @@ impl ParseDrops {
     pub fn not_packet(&self) {
         if let Some(m) = &self.not_packet {
             m.add(1);
+        }
+    }
+
+    /// The packet `frame` holds and its headers; a control frame, or a packet that does not parse, is counted and
+    /// dropped (`None`).
+    pub fn parse(&self, frame: Frame, out: &mut Output<'_>) -> Option<(Packet, PacketInfo)> {
+        match frame {
+            Frame::Data(p) => self.parse_packet(p, out),
+            f @ Frame::Control(_) => {
+                self.not_packet();
+                out.drop_frame(f);
+                None
+            }
+        }
+    }
+
+    /// `packet` and its headers; a packet that does not parse is counted by reason and dropped (`None`).
+    pub fn parse_packet(&self, packet: Packet, out: &mut Output<'_>) -> Option<(Packet, PacketInfo)> {
+        match PacketInfo::parse(packet.data()) {
+            Ok(info) => Some((packet, info)),
+            Err(e) => {
+                self.count(e);
+                out.drop_frame(packet.into());
+                None
+            }
         }
     }
 }

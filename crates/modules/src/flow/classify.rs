@@ -28,16 +28,15 @@
 //! On `module replace` with state kept, the new classifier continues the old one's flows (ids, meters, timers)
 //! under its own timeouts.
 
-use flexstack_core::config::SettingsReader;
+use crate::flow::table::{tcp_flags, Expiring, Idle, Slab, Timeouts, Timers};
 use flexstack_core::module::port_type;
 use flexstack_core::{
-    Batch, ConfigError, Direction, Frame, MetaKey, Meter, Module, ModuleBuilder, ModuleInterface, ModuleKind,
-    ModuleVars, Output, PortSpec, Settings, Time, Value, ValueType, VarSpec,
+    Batch, ConfigError, Direction, MetaKey, Meter, Module, ModuleBuilder, ModuleInterface, ModuleKind, ModuleVars,
+    Output, PortSpec, Settings, Time, Value, ValueType, VarSpec,
 };
-use flexstack_wire::packet::{proto, PacketInfo};
+use flexstack_wire::packet::{proto, PacketInfo, ParseDrops};
 use std::any::Any;
-use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::HashMap;
 use std::net::IpAddr;
 
 /// The kind's name in stack files.
@@ -52,215 +51,11 @@ pub const OUT_ICMP: usize = 2;
 /// Output port of every other protocol.
 pub const OUT_OTHER: usize = 3;
 
-/// Flows expired in one poll at most; the rest wait for the next poll (asked for at once).
-const EXPIRE_BATCH: usize = 4096;
-
 /// Largest `max_flows`.
 const MAX_FLOWS_LIMIT: u64 = 1 << 24;
 
-// -------------------------------------------------------------------------------------------------------------
-// Pieces shared with the other stateful modules (nat)
-// -------------------------------------------------------------------------------------------------------------
-
-/// The idle timeouts of flows or bindings, by protocol, in ns; knobs and settings of the same names in ms.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Timeouts {
-    ns: [u64; 5],
-}
-
-impl Timeouts {
-    /// Knob names, defaults (ms) and descriptions, in the order of `ns`.
-    const KNOBS: [(&'static str, u64, &'static str); 5] = [
-        ("tcp_timeout_ms", 300_000, "idle timeout of a TCP flow"),
-        ("tcp_closing_timeout_ms", 10_000, "idle timeout of a TCP flow after a RST or a FIN from both sides"),
-        ("udp_timeout_ms", 30_000, "idle timeout of a UDP flow"),
-        ("icmp_timeout_ms", 10_000, "idle timeout of an ICMP/ICMPv6 flow"),
-        ("other_timeout_ms", 30_000, "idle timeout of a flow of any other protocol"),
-    ];
-    const MAX_MS: u64 = 7 * 24 * 3_600_000;
-
-    /// Reads the timeout settings.
-    pub(crate) fn read(r: &mut SettingsReader<'_>) -> Result<Timeouts, ConfigError> {
-        let mut ns = [0; 5];
-        for (i, (name, default, _)) in Self::KNOBS.iter().enumerate() {
-            ns[i] = r.u64_in(name, *default, 1, Self::MAX_MS)? * 1_000_000;
-        }
-        Ok(Timeouts { ns })
-    }
-
-    /// The knob declarations.
-    pub(crate) fn specs() -> Vec<VarSpec> {
-        Self::KNOBS
-            .iter()
-            .map(|(name, _, d)| VarSpec::knob(name, ValueType::U64, "ms", d).with_range(1.0, Self::MAX_MS as f64))
-            .collect()
-    }
-
-    /// Shows the values in the knobs' cells.
-    pub(crate) fn store(&self, vars: &ModuleVars) {
-        for (i, (name, _, _)) in Self::KNOBS.iter().enumerate() {
-            vars.meter(name).set(self.ns[i] / 1_000_000);
-        }
-    }
-
-    /// Applies a write to one of the timeout knobs; `None` if `knob` is not one of them.
-    pub(crate) fn write(&mut self, knob: &str, value: &Value) -> Option<Result<(), String>> {
-        let i = Self::KNOBS.iter().position(|(n, _, _)| *n == knob)?;
-        Some(match value {
-            Value::U64(ms) if (1..=Self::MAX_MS).contains(ms) => {
-                self.ns[i] = ms * 1_000_000;
-                Ok(())
-            }
-            other => Err(format!("{knob} must be within 1..={} ms, got {other}", Self::MAX_MS)),
-        })
-    }
-
-    /// The timeout of a flow of `protocol`, in ns.
-    pub(crate) fn of(&self, protocol: u8, closing: bool) -> u64 {
-        match protocol {
-            proto::TCP if closing => self.ns[1],
-            proto::TCP => self.ns[0],
-            proto::UDP => self.ns[2],
-            proto::ICMP | proto::ICMPV6 => self.ns[3],
-            _ => self.ns[4],
-        }
-    }
-}
-
-/// What a TCP flow saw of its end: FINs from each side, a RST.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) struct TcpEnd {
-    fins: u8,
-    rst: bool,
-}
-
-impl TcpEnd {
-    /// Notes the flags of a segment (`from_first`: sent by the side that opened the flow); true when the flow
-    /// has just become closing.
-    pub(crate) fn see(&mut self, from_first: bool, flags: u8) -> bool {
-        let before = self.closing();
-        if flags & 0x04 != 0 {
-            self.rst = true;
-        }
-        if flags & 0x01 != 0 {
-            self.fins |= if from_first { 1 } else { 2 };
-        }
-        !before && self.closing()
-    }
-
-    /// A RST was seen, or a FIN from both sides.
-    pub(crate) fn closing(&self) -> bool {
-        self.rst || self.fins == 3
-    }
-}
-
-/// The TCP flags of a parsed packet, if it is a TCP segment with its header present.
-pub(crate) fn tcp_flags(data: &[u8], info: &PacketInfo) -> Option<u8> {
-    if info.protocol != proto::TCP || info.fragment.is_some_and(|f| f.offset != 0) {
-        return None;
-    }
-    data.get(info.l4_offset + 13).copied()
-}
-
-/// A vector of entries with reusable holes: stable indices for timers to refer to.
-#[derive(Debug)]
-pub(crate) struct Slab<T> {
-    entries: Vec<Option<T>>,
-    free: Vec<u32>,
-    len: usize,
-}
-
-impl<T> Default for Slab<T> {
-    fn default() -> Self {
-        Slab { entries: Vec::new(), free: Vec::new(), len: 0 }
-    }
-}
-
-impl<T> Slab<T> {
-    pub(crate) fn insert(&mut self, value: T) -> u32 {
-        self.len += 1;
-        match self.free.pop() {
-            Some(i) => {
-                self.entries[i as usize] = Some(value);
-                i
-            }
-            None => {
-                self.entries.push(Some(value));
-                (self.entries.len() - 1) as u32
-            }
-        }
-    }
-
-    pub(crate) fn get(&self, i: u32) -> Option<&T> {
-        self.entries.get(i as usize).and_then(Option::as_ref)
-    }
-
-    pub(crate) fn get_mut(&mut self, i: u32) -> Option<&mut T> {
-        self.entries.get_mut(i as usize).and_then(Option::as_mut)
-    }
-
-    pub(crate) fn remove(&mut self, i: u32) -> Option<T> {
-        let v = self.entries.get_mut(i as usize)?.take()?;
-        self.free.push(i);
-        self.len -= 1;
-        Some(v)
-    }
-
-    pub(crate) fn len(&self) -> usize {
-        self.len
-    }
-
-    pub(crate) fn iter(&self) -> impl Iterator<Item = (u32, &T)> {
-        self.entries.iter().enumerate().filter_map(|(i, e)| e.as_ref().map(|e| (i as u32, e)))
-    }
-
-    pub(crate) fn iter_mut(&mut self) -> impl Iterator<Item = (u32, &mut T)> {
-        self.entries.iter_mut().enumerate().filter_map(|(i, e)| e.as_mut().map(|e| (i as u32, e)))
-    }
-}
-
-/// Idle timers: a min-heap of (deadline ns, slab index, id). An entry whose deadline is not the entry's current
-/// `queued` deadline is stale and skipped; a due entry whose entry was seen since is pushed again at its new
-/// deadline, so a busy entry costs no heap operation per packet.
-#[derive(Debug, Default)]
-pub(crate) struct Timers {
-    heap: BinaryHeap<Reverse<(u64, u32, u64)>>,
-}
-
-/// The outcome of [`Timers::next_due`].
-pub(crate) enum Due {
-    /// This entry's timer is due: check it.
-    Check(u32, u64, u64),
-    /// Nothing is due before this time (ns).
-    Next(Option<u64>),
-}
-
-impl Timers {
-    pub(crate) fn push(&mut self, deadline: u64, slot: u32, id: u64) {
-        self.heap.push(Reverse((deadline, slot, id)));
-    }
-
-    /// Takes the next entry due at `now`, or says when the next one is due.
-    pub(crate) fn next_due(&mut self, now: u64) -> Due {
-        match self.heap.peek() {
-            Some(Reverse((d, _, _))) if *d <= now => {
-                let Some(Reverse((d, s, id))) = self.heap.pop() else { return Due::Next(None) };
-                Due::Check(s, id, d)
-            }
-            Some(Reverse((d, _, _))) => Due::Next(Some(*d)),
-            None => Due::Next(None),
-        }
-    }
-
-    pub(crate) fn clear(&mut self) {
-        self.heap.clear();
-    }
-}
-
-pub(crate) use flexstack_wire::packet::ParseDrops;
-
 /// The name of a protocol in tuples and rules.
-pub(crate) fn proto_name(p: u8) -> String {
+fn proto_name(p: u8) -> String {
     match p {
         proto::TCP => "tcp".into(),
         proto::UDP => "udp".into(),
@@ -404,16 +199,20 @@ struct FlowMeters {
 }
 
 struct Flow {
-    id: u64,
+    /// Its id, protocol, idle timer and TCP end.
+    idle: Idle,
     key: FlowKey,
     /// The endpoint that sent the first packet.
     first: (IpAddr, u16),
-    last_seen: u64,
-    queued: u64,
-    tcp: TcpEnd,
     /// The prefix its meters are registered under.
     vars_name: String,
     meters: FlowMeters,
+}
+
+impl Expiring for Flow {
+    fn idle(&mut self) -> &mut Idle {
+        &mut self.idle
+    }
 }
 
 /// The flow table: what a classifier hands to its replacement.
@@ -446,10 +245,6 @@ pub struct Classify {
 }
 
 impl Classify {
-    fn deadline(&self, f: &Flow) -> u64 {
-        f.last_seen.saturating_add(self.timeouts.of(f.key.protocol, f.tcp.closing()))
-    }
-
     /// Accounts `p` to its flow (creating it if needed) and stamps the flow id.
     fn account(&mut self, p: &mut flexstack_core::Packet, info: &PacketInfo, out: &mut Output<'_>) {
         let key = FlowKey::of(info);
@@ -475,18 +270,11 @@ impl Classify {
         let dir_meter = if up { &f.meters.up } else { &f.meters.down };
         dir_meter.add(1);
         f.meters.last.set(now);
-        f.last_seen = now;
-        if let Some(flags) = flags {
-            if f.tcp.see((info.src, info.src_port) == f.first, flags) {
-                let d = now.saturating_add(closing_ns);
-                if d < f.queued {
-                    f.queued = d;
-                    self.table.timers.push(d, slot, f.id);
-                    out.wake_at(Time(d));
-                }
-            }
+        let tcp = flags.map(|flags| ((info.src, info.src_port) == f.first, flags));
+        if let Some(d) = self.table.timers.seen(slot, &mut f.idle, now, tcp, closing_ns) {
+            out.wake_at(Time(d));
         }
-        let id = f.id;
+        let id = f.idle.id;
         p.meta_mut().set(MetaKey::FLOW_ID, id);
     }
 
@@ -508,37 +296,20 @@ impl Classify {
             down: vars.meter("packets_down_total"),
             last: vars.meter("last_seen_ns"),
         };
-        let deadline = now.saturating_add(self.timeouts.of(key.protocol, false));
-        let flow = Flow { id, key, first, last_seen: now, queued: deadline, tcp: TcpEnd::default(), vars_name, meters };
-        let slot = self.table.flows.insert(flow);
+        let idle = Idle::new(id, key.protocol, now, &self.timeouts);
+        let slot = self.table.flows.insert(Flow { idle, key, first, vars_name, meters });
         self.table.index.insert(key, slot);
-        self.table.timers.push(deadline, slot, id);
-        out.wake_at(Time(deadline));
+        self.table.timers.start(slot, &idle);
+        out.wake_at(Time(idle.queued));
         self.table.created += 1;
         self.created.add(1);
         self.active.set(self.table.flows.len() as u64);
         slot
     }
 
-    fn remove(&mut self, slot: u32, out: &mut Output<'_>) {
-        if let Some(f) = self.table.flows.remove(slot) {
-            self.table.index.remove(&f.key);
-            out.unregister_vars(&f.vars_name);
-            self.table.expired += 1;
-            self.expired.add(1);
-        }
-        self.active.set(self.table.flows.len() as u64);
-    }
-
     /// Puts every flow's timer at its current deadline (after a timeout changed, or a table was adopted).
     fn rearm(&mut self) {
-        self.table.timers.clear();
-        let timeouts = self.timeouts;
-        for (slot, f) in self.table.flows.iter_mut() {
-            let d = f.last_seen.saturating_add(timeouts.of(f.key.protocol, f.tcp.closing()));
-            f.queued = d;
-            self.table.timers.push(d, slot, f.id);
-        }
+        self.table.timers.rearm(&mut self.table.flows, &self.timeouts);
     }
 
     fn publish(&self) {
@@ -565,25 +336,13 @@ fn tuple_text(info: &PacketInfo) -> String {
 
 impl Module for Classify {
     fn process(&mut self, _port: usize, input: &mut Batch, out: &mut Output<'_>) {
-        for mut frame in input.drain(..) {
-            let Frame::Data(p) = &mut frame else {
-                self.drops.not_packet();
-                out.drop_frame(frame);
-                continue;
-            };
-            let info = match PacketInfo::parse(p.data()) {
-                Ok(info) => info,
-                Err(e) => {
-                    self.drops.count(e);
-                    out.drop_frame(frame);
-                    continue;
-                }
-            };
+        for frame in input.drain(..) {
+            let Some((mut p, info)) = self.drops.parse(frame, out) else { continue };
             if self.track {
                 if info.fragment.is_some_and(|f| f.offset != 0) {
                     self.fragments.add(1);
                 } else {
-                    self.account(p, &info, out);
+                    self.account(&mut p, &info, out);
                 }
             }
             let port = match info.protocol {
@@ -592,45 +351,31 @@ impl Module for Classify {
                 proto::ICMP | proto::ICMPV6 => OUT_ICMP,
                 _ => OUT_OTHER,
             };
-            out.emit(port, frame);
+            out.emit(port, p);
         }
     }
 
     fn poll(&mut self, out: &mut Output<'_>) -> Option<Time> {
+        let now = out.now().as_nanos();
+        let Table { flows, index, timers, expired, .. } = &mut self.table;
+        let meter = &self.expired;
+        let mut forget = |f: Flow| {
+            index.remove(&f.key);
+            out.unregister_vars(&f.vars_name);
+            *expired += 1;
+            meter.add(1);
+        };
         if self.flush {
             self.flush = false;
-            let slots: Vec<u32> = self.table.flows.iter().map(|(s, _)| s).collect();
-            for s in slots {
-                self.remove(s, out);
+            let slots: Vec<u32> = flows.iter().map(|(s, _)| s).collect();
+            for f in slots.into_iter().filter_map(|s| flows.remove(s)) {
+                forget(f);
             }
-            self.table.timers.clear();
+            timers.clear();
         }
-        let now = out.now().as_nanos();
-        let mut expired = 0;
-        loop {
-            if expired == EXPIRE_BATCH {
-                return Some(out.now());
-            }
-            match self.table.timers.next_due(now) {
-                Due::Next(t) => return t.map(Time),
-                Due::Check(slot, id, at) => {
-                    let Some(f) = self.table.flows.get(slot) else { continue };
-                    if f.id != id || f.queued != at {
-                        continue; // stale entry
-                    }
-                    let d = self.deadline(f);
-                    if d > now {
-                        if let Some(f) = self.table.flows.get_mut(slot) {
-                            f.queued = d;
-                        }
-                        self.table.timers.push(d, slot, id);
-                    } else {
-                        self.remove(slot, out);
-                        expired += 1;
-                    }
-                }
-            }
-        }
+        let next = timers.expire(flows, &self.timeouts, now, |_, f| forget(f));
+        self.active.set(flows.len() as u64);
+        next.map(Time)
     }
 
     fn write_knob(&mut self, knob: &str, value: &Value) -> Result<(), String> {
@@ -669,80 +414,8 @@ impl Module for Classify {
 }
 
 #[cfg(test)]
-pub(crate) mod testutil {
-    //! Helpers for the modules' tests: a catalog with this crate's kinds, loading modules, a recording module.
-
-    use flexstack_core::{Batch, Catalog, Direction, Edit, Frame, Settings, Switch, Time, Value};
-
-    pub fn catalog() -> Catalog {
-        let mut c = Catalog::new();
-        crate::register(&mut c);
-        c
-    }
-
-    pub fn settings(args: &[&str]) -> Settings {
-        let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
-        Settings::from_args(&args).expect("valid test settings")
-    }
-
-    pub fn load(name: &str, kind: &str, args: &[&str]) -> Edit {
-        let settings = settings(args);
-        let builder = catalog().configure(kind, &settings, None).unwrap_or_else(|e| panic!("{kind}: {e}"));
-        Edit::Load { name: name.into(), kind: kind.into(), settings, builder }
-    }
-
-    /// The configuration error of a module of `kind` with these settings.
-    pub fn config_error(kind: &str, args: &[&str]) -> String {
-        match catalog().configure(kind, &settings(args), None) {
-            Ok(_) => panic!("{kind} {args:?} configured"),
-            Err(e) => e.to_string(),
-        }
-    }
-
-    pub fn link(text: &str) -> Edit {
-        Edit::Link(flexstack_core::LinkSpec::parse(text).expect("valid link"))
-    }
-
-    pub fn knob(module: &str, knob: &str, value: Value) -> Edit {
-        Edit::SetKnob { module: module.into(), knob: knob.into(), value }
-    }
-
-    pub fn var(sw: &Switch, name: &str) -> Option<Value> {
-        sw.registry().snapshot().get(name).map(|c| c.get())
-    }
-
-    pub fn u64_var(sw: &Switch, name: &str) -> u64 {
-        match var(sw, name) {
-            Some(Value::U64(v)) => v,
-            other => panic!("{name} is {other:?}, not u64"),
-        }
-    }
-
-    pub use flexstack_core::testing::{take, Log};
-
-    /// A `Load` edit for a recording module with input `in`, and its log.
-    pub fn recorder(name: &str) -> (Edit, Log) {
-        flexstack_core::testing::Recorder::load(name)
-    }
-
-    /// Injects `packets` (with `direction`) into `module[port]` and runs the switch at `at_ms`.
-    pub fn send(sw: &mut Switch, module: &str, port: &str, packets: &[Vec<u8>], direction: Direction, at_ms: u64) {
-        let mut batch: Batch = packets
-            .iter()
-            .map(|d| {
-                let mut p = sw.pool().alloc_from(d);
-                p.set_direction(direction);
-                Frame::Data(p)
-            })
-            .collect();
-        sw.inject(module, port, &mut batch).expect("inject");
-        sw.run(Time::from_millis(at_ms));
-    }
-}
-
-#[cfg(test)]
 mod tests {
-    use super::testutil::*;
+    use crate::flow::testutil::*;
     use flexstack_core::{Direction, Switch, Time, Value};
     use flexstack_wire::packet::{build, proto};
     use std::net::{Ipv4Addr, Ipv6Addr};

@@ -23,14 +23,13 @@
 //!   `drop_<reason>_total` for packets that do not parse ([`ParseError`](flexstack_wire::packet::ParseError) reasons) and
 //!   `drop_not_packet_total` for control frames.
 
-use crate::flow::classify::ParseDrops;
 use flexstack_core::module::port_type;
 use flexstack_core::{
     Batch, ConfigError, Direction, Frame, Meter, Module, ModuleBuilder, ModuleInterface, ModuleKind, ModuleVars,
     Output, PortSpec, Settings, Value, ValueType, VarSpec,
 };
 use flexstack_wire::cidr::{PortRange, Prefix, Words};
-use flexstack_wire::packet::{proto, PacketInfo};
+use flexstack_wire::packet::{proto, PacketInfo, ParseDrops};
 use std::fmt;
 
 /// The kind's name in stack files.
@@ -438,7 +437,7 @@ impl Module for Firewall {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::flow::classify::testutil::*;
+    use crate::flow::testutil::*;
     use flexstack_core::{Switch, Value};
     use flexstack_wire::packet::build;
     use std::net::{Ipv4Addr, Ipv6Addr};

@@ -46,15 +46,16 @@
 //!
 //! On `module replace` with state kept, the new module continues the old one's bindings.
 
-use crate::flow::classify::{tcp_flags, Due, ParseDrops, Slab, TcpEnd, Timeouts, Timers};
+use crate::flow::table::{tcp_flags, Expiring, Idle, Slab, Timeouts, Timers};
 use flexstack_core::module::port_type;
 use flexstack_core::{
-    Batch, ConfigError, Frame, Meter, Module, ModuleBuilder, ModuleInterface, ModuleKind, ModuleVars, Output, Packet,
+    Batch, ConfigError, Meter, Module, ModuleBuilder, ModuleInterface, ModuleKind, ModuleVars, Output, Packet,
     PortSpec, Settings, Time, Value, ValueType, VarSpec,
 };
 use flexstack_wire::checksum;
 use flexstack_wire::cidr::{parse_endpoint, Endpoint, PortRange, Prefix, Words};
-use flexstack_wire::packet::{proto, PacketInfo};
+use flexstack_wire::packet::{is_echo, proto, PacketInfo, ParseDrops};
+use flexstack_wire::rewrite::{self, Layout};
 use std::any::Any;
 use std::collections::{HashMap, HashSet};
 use std::fmt;
@@ -77,9 +78,6 @@ pub const MAX_RULES: usize = 10_000;
 
 /// Largest `max_bindings`.
 const MAX_BINDINGS_LIMIT: u64 = 1 << 22;
-
-/// Bindings expired in one poll at most.
-const EXPIRE_BATCH: usize = 4096;
 
 // -------------------------------------------------------------------------------------------------------------
 // Rules
@@ -243,92 +241,11 @@ pub fn parse_rules(rules: &[String]) -> Result<Vec<NatRule>, String> {
 }
 
 // -------------------------------------------------------------------------------------------------------------
-// Rewriting with incremental checksums
+// ICMP messages, and the packets ICMP errors quote
 // -------------------------------------------------------------------------------------------------------------
-
-/// Where the fields of an IP packet (or of the packet quoted in an ICMP error) are.
-#[derive(Clone, Copy, Debug)]
-struct Layout {
-    v6: bool,
-    protocol: u8,
-    /// Offset of the transport header.
-    l4: usize,
-    /// End of the bytes present.
-    end: usize,
-    /// An ICMP echo message: its identifier is the port.
-    echo: bool,
-}
-
-fn octets(a: IpAddr) -> ([u8; 16], usize) {
-    let mut o = [0; 16];
-    match a {
-        IpAddr::V4(a) => {
-            o[..4].copy_from_slice(&a.octets());
-            (o, 4)
-        }
-        IpAddr::V6(a) => (a.octets(), 16),
-    }
-}
 
 fn read16(buf: &[u8], at: usize) -> u16 {
     u16::from_be_bytes([buf[at], buf[at + 1]])
-}
-
-/// Rewrites the source (`src`) or destination address of the packet in `buf`, and its port (or echo identifier)
-/// when `port` is given, adjusting the IPv4 header checksum and the transport checksum incrementally.
-fn rewrite(buf: &mut [u8], l: &Layout, src: bool, addr: IpAddr, port: Option<u16>) {
-    let (new, len) = octets(addr);
-    let at = match (l.v6, src) {
-        (false, true) => 12,
-        (false, false) => 16,
-        (true, true) => 8,
-        (true, false) => 24,
-    };
-    if len != if l.v6 { 16 } else { 4 } || at + len > l.end {
-        return;
-    }
-    let mut old = [0; 16];
-    old[..len].copy_from_slice(&buf[at..at + len]);
-    buf[at..at + len].copy_from_slice(&new[..len]);
-    if !l.v6 {
-        let c = checksum::update(read16(buf, 10), &old[..4], &new[..4]);
-        buf[10..12].copy_from_slice(&c.to_be_bytes());
-    }
-    let ck_at = match l.protocol {
-        proto::TCP => Some(l.l4 + 16),
-        proto::UDP => Some(l.l4 + 6),
-        proto::ICMP | proto::ICMPV6 => Some(l.l4 + 2),
-        _ => None,
-    }
-    .filter(|at| at + 2 <= l.end);
-    let mut ck = ck_at.map(|at| read16(buf, at));
-    if l.protocol == proto::UDP && ck == Some(0) {
-        ck = None; // no checksum: stays 0
-    }
-    if l.protocol != proto::ICMP {
-        ck = ck.map(|c| checksum::update(c, &old[..len], &new[..len]));
-    }
-    let port_at = match l.protocol {
-        proto::TCP | proto::UDP => Some(l.l4 + if src { 0 } else { 2 }),
-        proto::ICMP | proto::ICMPV6 if l.echo => Some(l.l4 + 4),
-        _ => None,
-    };
-    if let (Some(p), Some(port_at)) = (port, port_at.filter(|at| at + 2 <= l.end)) {
-        let old_port = [buf[port_at], buf[port_at + 1]];
-        let new_port = p.to_be_bytes();
-        buf[port_at..port_at + 2].copy_from_slice(&new_port);
-        ck = ck.map(|c| checksum::update(c, &old_port, &new_port));
-    }
-    if let (Some(mut c), Some(at)) = (ck, ck_at) {
-        if l.protocol == proto::UDP && c == 0 {
-            c = 0xffff;
-        }
-        buf[at..at + 2].copy_from_slice(&c.to_be_bytes());
-    }
-}
-
-fn is_echo(protocol: u8, ty: u8) -> bool {
-    matches!((protocol, ty), (proto::ICMP, 0 | 8) | (proto::ICMPV6, 128 | 129))
 }
 
 fn is_echo_request(protocol: u8, ty: u8) -> bool {
@@ -379,15 +296,9 @@ fn quoted(b: &[u8]) -> Option<Quoted> {
     if (protocol == proto::ICMP && v6) || (protocol == proto::ICMPV6 && !v6) {
         return None;
     }
-    Some(Quoted { layout: Layout { v6, protocol, l4, end: b.len(), echo }, src, dst, sport, dport })
-}
-
-/// Folds a one's-complement sum to 16 bits (not complemented).
-fn fold(mut s: u32) -> u16 {
-    while s > 0xffff {
-        s = (s & 0xffff) + (s >> 16);
-    }
-    s as u16
+    // Quoted bytes are at most an ICMP error's payload.
+    let layout = Layout { v6, protocol, l4: l4 as u32, end: b.len() as u32, transport: true, echo };
+    Some(Quoted { layout, src, dst, sport, dport })
 }
 
 // -------------------------------------------------------------------------------------------------------------
@@ -409,20 +320,23 @@ enum Key {
 
 #[derive(Clone, Debug)]
 struct Binding {
-    id: u64,
-    protocol: u8,
+    /// Its id, protocol, idle timer and TCP end.
+    idle: Idle,
     inside: (IpAddr, u16),
     outside: (IpAddr, u16),
     /// The remote endpoint of a DNAT connection; `None` for SNAT.
     remote: Option<(IpAddr, u16)>,
-    last_seen: u64,
-    queued: u64,
-    tcp: TcpEnd,
+}
+
+impl Expiring for Binding {
+    fn idle(&mut self) -> &mut Idle {
+        &mut self.idle
+    }
 }
 
 impl Binding {
     fn keys(&self) -> [Key; 2] {
-        let p = self.protocol;
+        let p = self.idle.protocol;
         let (i, o) = (self.inside, self.outside);
         match self.remote {
             None => [Key::SnatOut(p, i.0, i.1), Key::SnatIn(p, o.0, o.1)],
@@ -443,6 +357,19 @@ struct Table {
     next_id: u64,
     created: u64,
     expired: u64,
+}
+
+impl Table {
+    /// The binding a packet from `src` to `dst` belongs to, going out (`out`: from the inside) or coming in: a
+    /// DNAT connection's, else an SNAT binding's.
+    fn find(&self, protocol: u8, out: bool, src: (IpAddr, u16), dst: (IpAddr, u16)) -> Option<u32> {
+        let (dnat, snat) = if out {
+            (Key::DnatOut(protocol, src.0, src.1, dst.0, dst.1), Key::SnatOut(protocol, src.0, src.1))
+        } else {
+            (Key::DnatIn(protocol, src.0, src.1, dst.0, dst.1), Key::SnatIn(protocol, dst.0, dst.1))
+        };
+        self.index.get(&dnat).or_else(|| self.index.get(&snat)).copied()
+    }
 }
 
 /// Why a packet was dropped.
@@ -649,9 +576,7 @@ impl Nat {
         };
         let plan = if from_inside { self.plan_out(&seen, out)? } else { self.plan_in(&seen, out)? };
         let Plan::Rewrite { src, to } = plan else { return Ok(false) };
-        let layout =
-            Layout { v6: info.version == 6, protocol: info.protocol, l4: info.l4_offset, end: info.total_len, echo };
-        rewrite(p.make_mut(), &layout, src, to.0, Some(to.1));
+        rewrite::endpoint(p.make_mut(), &Layout::of(info), src, to.0, Some(to.1));
         Ok(true)
     }
 
@@ -660,34 +585,28 @@ impl Nat {
         let now = out.now().as_nanos();
         let closing_ns = self.timeouts.of(proto::TCP, true);
         let b = self.table.bindings.get_mut(slot)?;
-        b.last_seen = now;
-        if let Some(flags) = flags {
-            // SNAT connections are opened from the inside, DNAT ones from the outside.
-            let from_first = from_inside == b.remote.is_none();
-            if b.tcp.see(from_first, flags) {
-                let d = now.saturating_add(closing_ns);
-                if d < b.queued {
-                    b.queued = d;
-                    self.table.timers.push(d, slot, b.id);
-                    out.wake_at(Time(d));
-                }
-            }
+        // SNAT connections are opened from the inside, DNAT ones from the outside.
+        let tcp = flags.map(|flags| (from_inside == b.remote.is_none(), flags));
+        if let Some(d) = self.table.timers.seen(slot, &mut b.idle, now, tcp, closing_ns) {
+            out.wake_at(Time(d));
         }
         self.table.bindings.get(slot)
     }
 
+    /// The plan for a packet of an existing binding (`slot`), going out (`from_inside`) or coming in: the other
+    /// side's endpoint as its source going out, as its destination coming in.
+    fn follow(&mut self, slot: u32, from_inside: bool, flags: Option<u8>, out: &mut Output<'_>) -> Plan {
+        match self.touch(slot, from_inside, flags, out) {
+            Some(b) if from_inside => Plan::Rewrite { src: true, to: b.outside },
+            Some(b) => Plan::Rewrite { src: false, to: b.inside },
+            None => Plan::Pass,
+        }
+    }
+
     fn plan_out(&mut self, s: &Seen, out: &mut Output<'_>) -> Result<Plan, Refused> {
         let pr = s.protocol;
-        let index = &self.table.index;
-        let found = index
-            .get(&Key::DnatOut(pr, s.src.0, s.src.1, s.dst.0, s.dst.1))
-            .or_else(|| index.get(&Key::SnatOut(pr, s.src.0, s.src.1)))
-            .copied();
-        if let Some(slot) = found {
-            return Ok(match self.touch(slot, true, s.flags, out) {
-                Some(b) => Plan::Rewrite { src: true, to: b.outside },
-                None => Plan::Pass,
-            });
+        if let Some(slot) = self.table.find(pr, true, s.src, s.dst) {
+            return Ok(self.follow(slot, true, s.flags, out));
         }
         if s.echo && !s.request {
             return Ok(Plan::Pass);
@@ -711,16 +630,8 @@ impl Nat {
 
     fn plan_in(&mut self, s: &Seen, out: &mut Output<'_>) -> Result<Plan, Refused> {
         let pr = s.protocol;
-        let index = &self.table.index;
-        let found = index
-            .get(&Key::DnatIn(pr, s.src.0, s.src.1, s.dst.0, s.dst.1))
-            .or_else(|| index.get(&Key::SnatIn(pr, s.dst.0, s.dst.1)))
-            .copied();
-        if let Some(slot) = found {
-            return Ok(match self.touch(slot, false, s.flags, out) {
-                Some(b) => Plan::Rewrite { src: false, to: b.inside },
-                None => Plan::Pass,
-            });
+        if let Some(slot) = self.table.find(pr, false, s.src, s.dst) {
+            return Ok(self.follow(slot, false, s.flags, out));
         }
         if s.echo && !s.request {
             return Ok(Plan::Pass);
@@ -787,51 +698,19 @@ impl Nat {
         let now = out.now().as_nanos();
         let t = &mut self.table;
         t.next_id += 1;
-        let deadline = now.saturating_add(self.timeouts.of(protocol, false));
-        let b = Binding {
-            id: t.next_id,
-            protocol,
-            inside,
-            outside,
-            remote,
-            last_seen: now,
-            queued: deadline,
-            tcp: TcpEnd::default(),
-        };
+        let idle = Idle::new(t.next_id, protocol, now, &self.timeouts);
+        let b = Binding { idle, inside, outside, remote };
         let keys = b.keys();
-        let id = b.id;
         let slot = t.bindings.insert(b);
         for k in keys {
             t.index.insert(k, slot);
         }
-        t.timers.push(deadline, slot, id);
-        out.wake_at(Time(deadline));
+        t.timers.start(slot, &idle);
+        out.wake_at(Time(idle.queued));
         t.created += 1;
         self.m.created.add(1);
         self.m.active.set(t.bindings.len() as u64);
         slot
-    }
-
-    fn remove(&mut self, slot: u32) {
-        let t = &mut self.table;
-        if let Some(b) = t.bindings.remove(slot) {
-            for k in b.keys() {
-                if t.index.get(&k) == Some(&slot) {
-                    t.index.remove(&k);
-                }
-            }
-            if b.remote.is_none() {
-                if let Some(n) = t.used.get_mut(&(b.protocol, b.outside.0)) {
-                    *n = n.saturating_sub(1);
-                    if *n == 0 {
-                        t.used.remove(&(b.protocol, b.outside.0));
-                    }
-                }
-            }
-            t.expired += 1;
-            self.m.expired.add(1);
-        }
-        self.m.active.set(t.bindings.len() as u64);
     }
 
     /// Translates an ICMP error that quotes a packet of a binding; true if it did.
@@ -845,22 +724,12 @@ impl Nat {
         if q.layout.v6 != (info.version == 6) {
             return false;
         }
-        let pr = q.layout.protocol;
-        let index = &self.table.index;
         // From the outside: the quoted packet is one that left through a binding (its source is public).
-        // From the inside: one that arrived through a binding (its destination is the inside endpoint).
-        let (slot, outer_addr) = if from_inside {
-            let slot = index
-                .get(&Key::DnatOut(pr, q.dst, q.dport, q.src, q.sport))
-                .or_else(|| index.get(&Key::SnatOut(pr, q.dst, q.dport)));
-            (slot, info.src)
-        } else {
-            let slot = index
-                .get(&Key::DnatIn(pr, q.dst, q.dport, q.src, q.sport))
-                .or_else(|| index.get(&Key::SnatIn(pr, q.src, q.sport)));
-            (slot, info.dst)
-        };
-        let Some(b) = slot.and_then(|s| self.table.bindings.get(*s)) else { return false };
+        // From the inside: one that arrived through a binding (its destination is the inside endpoint). Either
+        // way its reply, the way the error goes, belongs to the binding.
+        let slot = self.table.find(q.layout.protocol, from_inside, (q.dst, q.dport), (q.src, q.sport));
+        let outer_addr = if from_inside { info.src } else { info.dst };
+        let Some(b) = slot.and_then(|s| self.table.bindings.get(s)) else { return false };
         let (old, to) = if from_inside { (q.dst, b.outside) } else { (q.src, b.inside) };
         if outer_addr != old {
             return false;
@@ -868,28 +737,24 @@ impl Nat {
         let buf = p.make_mut();
         let before = checksum::sum(0, &buf[inner..end]);
         // The quoted packet: from the outside its source is rewritten, from the inside its destination.
-        rewrite(&mut buf[inner..end], &q.layout, !from_inside, to.0, Some(to.1));
+        rewrite::endpoint(&mut buf[inner..end], &q.layout, !from_inside, to.0, Some(to.1));
         let after = checksum::sum(0, &buf[inner..end]);
         if l4 + 4 <= end {
-            let c = checksum::update(read16(buf, l4 + 2), &fold(before).to_be_bytes(), &fold(after).to_be_bytes());
+            let c = checksum::update(
+                read16(buf, l4 + 2),
+                &checksum::fold(before).to_be_bytes(),
+                &checksum::fold(after).to_be_bytes(),
+            );
             buf[l4 + 2..l4 + 4].copy_from_slice(&c.to_be_bytes());
         }
         // The outer header: from the outside its destination, from the inside its source (no port).
-        let outer = Layout { v6: info.version == 6, protocol: info.protocol, l4, end, echo: false };
-        rewrite(buf, &outer, from_inside, to.0, None);
+        rewrite::address(buf, &Layout::of(info), from_inside, to.0);
         true
     }
 
     /// Puts every binding's timer at its current deadline.
     fn rearm(&mut self) {
-        let timeouts = self.timeouts;
-        let t = &mut self.table;
-        t.timers.clear();
-        for (slot, b) in t.bindings.iter_mut() {
-            let d = b.last_seen.saturating_add(timeouts.of(b.protocol, b.tcp.closing()));
-            b.queued = d;
-            t.timers.push(d, slot, b.id);
-        }
+        self.table.timers.rearm(&mut self.table.bindings, &self.timeouts);
     }
 }
 
@@ -897,21 +762,9 @@ impl Module for Nat {
     fn process(&mut self, port: usize, input: &mut Batch, out: &mut Output<'_>) {
         let from_inside = port == IN_INSIDE;
         let to = if from_inside { TO_OUTSIDE } else { TO_INSIDE };
-        for mut frame in input.drain(..) {
-            let Frame::Data(p) = &mut frame else {
-                self.m.drops.not_packet();
-                out.drop_frame(frame);
-                continue;
-            };
-            let info = match PacketInfo::parse(p.data()) {
-                Ok(info) => info,
-                Err(e) => {
-                    self.m.drops.count(e);
-                    out.drop_frame(frame);
-                    continue;
-                }
-            };
-            match self.translate(p, &info, from_inside, out) {
+        for frame in input.drain(..) {
+            let Some((mut p, info)) = self.m.drops.parse(frame, out) else { continue };
+            match self.translate(&mut p, &info, from_inside, out) {
                 Ok(true) => self.m.translated.add(1),
                 Ok(false) => self.m.untranslated.add(1),
                 Err(refused) => {
@@ -921,41 +774,36 @@ impl Module for Nat {
                         Refused::Conflict => &self.m.conflict,
                     }
                     .add(1);
-                    out.drop_frame(frame);
+                    out.drop_frame(p.into());
                     continue;
                 }
             }
-            out.emit(to, frame);
+            out.emit(to, p);
         }
     }
 
     fn poll(&mut self, out: &mut Output<'_>) -> Option<Time> {
-        let now = out.now().as_nanos();
-        let mut expired = 0;
-        loop {
-            if expired == EXPIRE_BATCH {
-                return Some(out.now());
+        let Table { bindings, index, timers, used, expired, .. } = &mut self.table;
+        let next = timers.expire(bindings, &self.timeouts, out.now().as_nanos(), |slot, b| {
+            for k in b.keys() {
+                if index.get(&k) == Some(&slot) {
+                    index.remove(&k);
+                }
             }
-            match self.table.timers.next_due(now) {
-                Due::Next(t) => return t.map(Time),
-                Due::Check(slot, id, at) => {
-                    let Some(b) = self.table.bindings.get(slot) else { continue };
-                    if b.id != id || b.queued != at {
-                        continue;
-                    }
-                    let d = b.last_seen.saturating_add(self.timeouts.of(b.protocol, b.tcp.closing()));
-                    if d > now {
-                        if let Some(b) = self.table.bindings.get_mut(slot) {
-                            b.queued = d;
-                        }
-                        self.table.timers.push(d, slot, id);
-                    } else {
-                        self.remove(slot);
-                        expired += 1;
+            if b.remote.is_none() {
+                let public = (b.idle.protocol, b.outside.0);
+                if let Some(n) = used.get_mut(&public) {
+                    *n = n.saturating_sub(1);
+                    if *n == 0 {
+                        used.remove(&public);
                     }
                 }
             }
-        }
+            *expired += 1;
+            self.m.expired.add(1);
+        });
+        self.m.active.set(bindings.len() as u64);
+        next.map(Time)
     }
 
     fn write_knob(&mut self, knob: &str, value: &Value) -> Result<(), String> {
@@ -987,7 +835,7 @@ impl Module for Nat {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::flow::classify::testutil::*;
+    use crate::flow::testutil::*;
     use flexstack_core::{Direction, Switch};
     use flexstack_wire::packet::build;
     use std::net::{Ipv4Addr, Ipv6Addr};

@@ -2,9 +2,10 @@
 //! recorder, which notes the switch time at which each packet was emitted.
 
 use super::*;
-use crate::flow::classify::testutil::*;
+use crate::flow::testutil::*;
 use flexstack_core::{Direction, Switch};
-use flexstack_wire::packet::build;
+use flexstack_wire::checksum;
+use flexstack_wire::packet::{build, proto};
 use smoltcp::wire::{IpAddress, Ipv4Packet, Ipv6Packet, TcpPacket, UdpPacket};
 use std::time::Duration;
 

@@ -1,0 +1,73 @@
+//! What the devices behind faces share: a name, the direction of what is read, and the meters of their I/O.
+
+use flexstack_core::{Direction, FaceDevice, Meter};
+use std::sync::OnceLock;
+
+/// Meters of a device's I/O, bound when the module is built and written only by the data-plane thread.
+pub(crate) struct DeviceMeters {
+    pub(crate) rx_packets: Meter,
+    pub(crate) rx_bytes: Meter,
+    pub(crate) rx_errors: Meter,
+    pub(crate) tx_errors: Meter,
+}
+
+/// What both kinds of device share: a name, the direction of what is read, and I/O counters.
+pub(crate) struct DeviceCommon {
+    pub(crate) name: String,
+    pub(crate) direction: Direction,
+    pub(crate) meters: OnceLock<DeviceMeters>,
+}
+
+impl DeviceCommon {
+    pub(crate) fn new(name: &str, direction: Direction) -> DeviceCommon {
+        DeviceCommon { name: name.to_string(), direction, meters: OnceLock::new() }
+    }
+
+    pub(crate) fn received(&self, n: usize) {
+        if let Some(m) = self.meters.get() {
+            m.rx_packets.add(1);
+            m.rx_bytes.add(n as u64);
+        }
+    }
+
+    pub(crate) fn rx_error(&self) {
+        if let Some(m) = self.meters.get() {
+            m.rx_errors.add(1);
+        }
+    }
+
+    pub(crate) fn tx_error(&self) {
+        if let Some(m) = self.meters.get() {
+            m.tx_errors.add(1);
+        }
+    }
+}
+
+/// A device a face module stands for, with the parts the module itself needs.
+pub(crate) trait Device: FaceDevice {
+    fn common(&self) -> &DeviceCommon;
+}
+
+/// Turns the result of a non-blocking read into `read_packet`'s answer, counting it.
+pub(crate) fn finish_read(
+    common: &DeviceCommon,
+    buf: &mut Vec<u8>,
+    result: std::io::Result<usize>,
+) -> std::io::Result<bool> {
+    match result {
+        Ok(n) => {
+            buf.truncate(n);
+            common.received(n);
+            Ok(true)
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+            buf.clear();
+            Ok(false)
+        }
+        Err(e) => {
+            buf.clear();
+            common.rx_error();
+            Err(e)
+        }
+    }
+}

@@ -1,0 +1,154 @@
+//! The AF_PACKET socket behind a `packet` (link) face: Ethernet frames of an interface flexstack takes over, each
+//! with a virtio-net header ([`flexstack_wire::vnet`]) that carries partial checksums and GSO super-frames.
+
+use crate::device::{finish_read, Device, DeviceCommon};
+use flexstack_core::frame::{CsumPartial, Gso, MetaKey, Metadata};
+use flexstack_core::{Direction, FaceDevice, Packet};
+use flexstack_wire::vnet::{gso_write_parts, partial_write_header, VnetHeader, VNET_HDR_LEN};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+
+/// Largest frame read from a packet socket: the largest IP packet behind an Ethernet header with two VLAN tags.
+const MAX_FRAME: usize = 65_535 + 14 + 8;
+
+/// An AF_PACKET socket bound to one interface, non-blocking: raw Ethernet frames.
+pub struct PacketDevice {
+    common: DeviceCommon,
+    socket: OwnedFd,
+    ifindex: u32,
+}
+
+impl PacketDevice {
+    /// Opens a packet socket on `interface`. Needs CAP_NET_RAW.
+    pub fn open(interface: &str) -> std::io::Result<PacketDevice> {
+        use nix::sys::socket::{socket, AddressFamily, SockFlag, SockProtocol, SockType};
+        let ifindex = nix::net::if_::if_nametoindex(interface)?;
+        let socket = socket(
+            AddressFamily::Packet,
+            SockType::Raw,
+            SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC,
+            SockProtocol::EthAll,
+        )?;
+        // A burst of frames while the data plane is busy must not overflow the default ~200 KB buffer.
+        let rcvbuf = 4 << 20;
+        if nix::sys::socket::setsockopt(&socket, nix::sys::socket::sockopt::RcvBufForce, &rcvbuf).is_err() {
+            nix::sys::socket::setsockopt(&socket, nix::sys::socket::sockopt::RcvBuf, &rcvbuf)?;
+        }
+        crate::sys::set_packet_vnet_hdr(socket.as_fd())?;
+        crate::sys::bind_packet(socket.as_fd(), ifindex)?;
+        crate::sys::set_qdisc_bypass(socket.as_fd())?;
+        Ok(PacketDevice { common: DeviceCommon::new(interface, Direction::Up), socket, ifindex })
+    }
+}
+
+impl Device for PacketDevice {
+    fn common(&self) -> &DeviceCommon {
+        &self.common
+    }
+}
+
+impl FaceDevice for PacketDevice {
+    fn name(&self) -> &str {
+        &self.common.name
+    }
+
+    fn ifindex(&self) -> Option<u32> {
+        Some(self.ifindex)
+    }
+
+    fn fd(&self) -> BorrowedFd<'_> {
+        self.socket.as_fd()
+    }
+
+    fn direction(&self) -> Direction {
+        self.common.direction
+    }
+
+    fn read_packet(&self, buf: &mut Vec<u8>) -> std::io::Result<bool> {
+        let mut meta = Metadata::default();
+        self.read_frame(buf, &mut meta)
+    }
+
+    fn read_frame(&self, buf: &mut Vec<u8>, meta: &mut Metadata) -> std::io::Result<bool> {
+        *meta = Metadata::default();
+        let mut header = [0u8; VNET_HDR_LEN];
+        loop {
+            // The header and the frame are read into separate buffers: the frame is not moved afterwards. The
+            // buffer is not zeroed first (crate::sys::recv_packet reads into its spare capacity).
+            match crate::sys::recv_packet(self.socket.as_fd(), &mut header, buf, MAX_FRAME) {
+                // Frames the kernel sends out on the interface are seen too: skip them.
+                Ok(read) if read.pkttype == Some(libc::PACKET_OUTGOING) => continue,
+                Ok(read) if read.bytes < VNET_HDR_LEN || read.truncated => {
+                    self.common.rx_error();
+                    continue;
+                }
+                Ok(_) => {
+                    let vnet = VnetHeader::decode(&header);
+                    // A checksum left to offload stays partial (MetaKey::CSUM_PARTIAL): summing up to 64 KiB here
+                    // was the largest single cost of the emulated link, and a frame written back as it came
+                    // never needs it (the kernel, or the peer's offloads, complete it).
+                    if let Some(partial) = vnet.partial_checksum(buf.len()) {
+                        meta.set(MetaKey::CSUM_PARTIAL, partial.pack());
+                    }
+                    if let Some(gso) = vnet.gso(buf) {
+                        meta.set(MetaKey::GSO, gso.pack());
+                    }
+                    let n = buf.len();
+                    return finish_read(&self.common, buf, Ok(n));
+                }
+                Err(e) => return finish_read(&self.common, buf, Err(e)),
+            }
+        }
+    }
+
+    fn write_packet(&self, packet: &[u8]) -> std::io::Result<()> {
+        // A zero virtio_net_hdr: a whole frame, its checksums complete.
+        self.send(&[&[0u8; VNET_HDR_LEN], packet])
+    }
+
+    fn write_frames(&self, packets: &[&Packet]) -> std::io::Result<()> {
+        let mut result = Ok(());
+        for p in packets {
+            let data = p.data();
+            let sent = match Gso::of(p.meta()).and_then(|g| gso_write_parts(data, &g)) {
+                Some(w) => self.send(&[&w.header, &data[..w.field], &w.field_value, &data[w.field + 2..]]),
+                None => match CsumPartial::of(p.meta()).and_then(|c| partial_write_header(data.len(), c)) {
+                    Some(header) => self.send(&[&header, data]),
+                    None => self.write_packet(data),
+                },
+            };
+            if let Err(e) = sent {
+                result = Err(e);
+            }
+        }
+        result
+    }
+}
+
+impl PacketDevice {
+    /// Sends one frame gathered from `parts` (the virtio_net_hdr first).
+    fn send(&self, parts: &[&[u8]]) -> std::io::Result<()> {
+        use nix::sys::socket::{sendmsg, MsgFlags, UnixAddr};
+        let iov: Vec<std::io::IoSlice<'_>> = parts.iter().map(|p| std::io::IoSlice::new(p)).collect();
+        sendmsg::<UnixAddr>(self.socket.as_raw_fd(), &iov, &[], MsgFlags::MSG_DONTWAIT, None)
+            .map(|_| ())
+            .map_err(std::io::Error::from)
+            .inspect_err(|_| self.common.tx_error())
+    }
+}
+
+/// Removes the kernel's addresses from `interface`, disables kernel IPv6 there and brings it up, so that only
+/// flexstack answers for addresses on that link.
+pub(crate) fn take_over_interface(interface: &str) -> Result<(), String> {
+    let run = |args: &[&str]| -> Result<(), String> {
+        let out = std::process::Command::new("ip").args(args).output().map_err(|e| format!("ip: {e}"))?;
+        if out.status.success() {
+            Ok(())
+        } else {
+            Err(format!("`ip {}` failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()))
+        }
+    };
+    run(&["addr", "flush", "dev", interface])?;
+    std::fs::write(format!("/proc/sys/net/ipv6/conf/{interface}/disable_ipv6"), "1")
+        .map_err(|e| format!("cannot disable kernel IPv6 on {interface}: {e}"))?;
+    run(&["link", "set", interface, "up"])
+}

@@ -1,0 +1,330 @@
+//! The flow table's building blocks, shared by the kinds that keep per-flow state: `classify` (its flow table),
+//! `nat` (its binding table) and the late-binding scheduler (its flows).
+//!
+//! - [`Slab`]: entries with stable indices that timers (or a flow's queue) can refer to, holes reused.
+//! - [`Timers`]: idle timers over such entries, a heap that is touched only when a timer is due; each entry keeps
+//!   its [`Idle`] state, and [`Timers::expire`] takes out the entries whose time has come.
+//! - [`Timeouts`]: the idle timeouts by protocol, with their knobs.
+//! - [`TcpEnd`] and [`tcp_flags`]: what a TCP flow saw of its end (FINs, RST), which shortens its timeout.
+//!
+//! Packets are parsed with [`flexstack_wire::packet::PacketInfo`], and counted by drop reason with
+//! [`flexstack_wire::packet::ParseDrops`].
+
+use flexstack_core::config::SettingsReader;
+use flexstack_core::{ConfigError, ModuleVars, Value, ValueType, VarSpec};
+use flexstack_wire::packet::{proto, PacketInfo};
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+
+/// The idle timeouts of flows or bindings, by protocol, in ns; knobs and settings of the same names in ms.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Timeouts {
+    ns: [u64; 5],
+}
+
+impl Timeouts {
+    /// Knob names, defaults (ms) and descriptions, in the order of `ns`.
+    const KNOBS: [(&'static str, u64, &'static str); 5] = [
+        ("tcp_timeout_ms", 300_000, "idle timeout of a TCP flow"),
+        ("tcp_closing_timeout_ms", 10_000, "idle timeout of a TCP flow after a RST or a FIN from both sides"),
+        ("udp_timeout_ms", 30_000, "idle timeout of a UDP flow"),
+        ("icmp_timeout_ms", 10_000, "idle timeout of an ICMP/ICMPv6 flow"),
+        ("other_timeout_ms", 30_000, "idle timeout of a flow of any other protocol"),
+    ];
+    const MAX_MS: u64 = 7 * 24 * 3_600_000;
+
+    /// Reads the timeout settings.
+    pub(crate) fn read(r: &mut SettingsReader<'_>) -> Result<Timeouts, ConfigError> {
+        let mut ns = [0; 5];
+        for (i, (name, default, _)) in Self::KNOBS.iter().enumerate() {
+            ns[i] = r.u64_in(name, *default, 1, Self::MAX_MS)? * 1_000_000;
+        }
+        Ok(Timeouts { ns })
+    }
+
+    /// The knob declarations.
+    pub(crate) fn specs() -> Vec<VarSpec> {
+        Self::KNOBS
+            .iter()
+            .map(|(name, _, d)| VarSpec::knob(name, ValueType::U64, "ms", d).with_range(1.0, Self::MAX_MS as f64))
+            .collect()
+    }
+
+    /// Shows the values in the knobs' cells.
+    pub(crate) fn store(&self, vars: &ModuleVars) {
+        for (i, (name, _, _)) in Self::KNOBS.iter().enumerate() {
+            vars.meter(name).set(self.ns[i] / 1_000_000);
+        }
+    }
+
+    /// Applies a write to one of the timeout knobs; `None` if `knob` is not one of them.
+    pub(crate) fn write(&mut self, knob: &str, value: &Value) -> Option<Result<(), String>> {
+        let i = Self::KNOBS.iter().position(|(n, _, _)| *n == knob)?;
+        Some(match value {
+            Value::U64(ms) if (1..=Self::MAX_MS).contains(ms) => {
+                self.ns[i] = ms * 1_000_000;
+                Ok(())
+            }
+            other => Err(format!("{knob} must be within 1..={} ms, got {other}", Self::MAX_MS)),
+        })
+    }
+
+    /// The timeout of a flow of `protocol`, in ns.
+    pub(crate) fn of(&self, protocol: u8, closing: bool) -> u64 {
+        match protocol {
+            proto::TCP if closing => self.ns[1],
+            proto::TCP => self.ns[0],
+            proto::UDP => self.ns[2],
+            proto::ICMP | proto::ICMPV6 => self.ns[3],
+            _ => self.ns[4],
+        }
+    }
+}
+
+/// What a TCP flow saw of its end: FINs from each side, a RST.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct TcpEnd {
+    fins: u8,
+    rst: bool,
+}
+
+impl TcpEnd {
+    /// Notes the flags of a segment (`from_first`: sent by the side that opened the flow); true when the flow
+    /// has just become closing.
+    pub(crate) fn see(&mut self, from_first: bool, flags: u8) -> bool {
+        let before = self.closing();
+        if flags & 0x04 != 0 {
+            self.rst = true;
+        }
+        if flags & 0x01 != 0 {
+            self.fins |= if from_first { 1 } else { 2 };
+        }
+        !before && self.closing()
+    }
+
+    /// A RST was seen, or a FIN from both sides.
+    pub(crate) fn closing(&self) -> bool {
+        self.rst || self.fins == 3
+    }
+}
+
+/// The TCP flags of a parsed packet, if it is a TCP segment with its header present.
+pub(crate) fn tcp_flags(data: &[u8], info: &PacketInfo) -> Option<u8> {
+    if info.protocol != proto::TCP || info.fragment.is_some_and(|f| f.offset != 0) {
+        return None;
+    }
+    data.get(info.l4_offset + 13).copied()
+}
+
+/// What the idle timer of a table entry needs; every entry of a table with [`Timers`] keeps one ([`Expiring`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Idle {
+    /// The entry's id: a timer set for an earlier entry in the same slot is stale.
+    pub(crate) id: u64,
+    /// Its protocol, which gives its timeout.
+    pub(crate) protocol: u8,
+    /// When it last saw a packet, ns.
+    pub(crate) last_seen: u64,
+    /// The deadline its live timer is set for, ns.
+    pub(crate) queued: u64,
+    /// What it saw of a TCP connection's end.
+    pub(crate) tcp: TcpEnd,
+}
+
+impl Idle {
+    /// A new entry `id` of `protocol` seen at `now` (ns): its timer is due after the protocol's timeout.
+    pub(crate) fn new(id: u64, protocol: u8, now: u64, timeouts: &Timeouts) -> Idle {
+        let queued = now.saturating_add(timeouts.of(protocol, false));
+        Idle { id, protocol, last_seen: now, queued, tcp: TcpEnd::default() }
+    }
+
+    /// When the entry expires if it sees nothing more, ns.
+    pub(crate) fn deadline(&self, timeouts: &Timeouts) -> u64 {
+        self.last_seen.saturating_add(timeouts.of(self.protocol, self.tcp.closing()))
+    }
+}
+
+/// An entry of a table with [`Timers`].
+pub(crate) trait Expiring {
+    /// The entry's idle state.
+    fn idle(&mut self) -> &mut Idle;
+}
+
+/// Entries expired in one call of [`Timers::expire`] at most; the rest wait for the next call (asked for at once).
+pub(crate) const EXPIRE_BATCH: usize = 4096;
+
+/// A vector of entries with reusable holes: stable indices for timers to refer to.
+#[derive(Debug)]
+pub(crate) struct Slab<T> {
+    entries: Vec<Option<T>>,
+    free: Vec<u32>,
+    len: usize,
+}
+
+impl<T> Default for Slab<T> {
+    fn default() -> Self {
+        Slab { entries: Vec::new(), free: Vec::new(), len: 0 }
+    }
+}
+
+impl<T> Slab<T> {
+    pub(crate) fn insert(&mut self, value: T) -> u32 {
+        self.len += 1;
+        match self.free.pop() {
+            Some(i) => {
+                self.entries[i as usize] = Some(value);
+                i
+            }
+            None => {
+                self.entries.push(Some(value));
+                (self.entries.len() - 1) as u32
+            }
+        }
+    }
+
+    pub(crate) fn get(&self, i: u32) -> Option<&T> {
+        self.entries.get(i as usize).and_then(Option::as_ref)
+    }
+
+    pub(crate) fn get_mut(&mut self, i: u32) -> Option<&mut T> {
+        self.entries.get_mut(i as usize).and_then(Option::as_mut)
+    }
+
+    pub(crate) fn remove(&mut self, i: u32) -> Option<T> {
+        let v = self.entries.get_mut(i as usize)?.take()?;
+        self.free.push(i);
+        self.len -= 1;
+        Some(v)
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// The addresses of the first and last byte of slot `i` (`None` past the end), computed without reading it:
+    /// for prefetching, which the late-binding scheduler does for its queue nodes.
+    pub(crate) fn span(&self, i: u32) -> Option<(usize, usize)> {
+        let at = self.entries.as_ptr().wrapping_add(i as usize) as usize;
+        ((i as usize) < self.entries.len()).then(|| (at, at + std::mem::size_of::<Option<T>>() - 1))
+    }
+
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (u32, &T)> {
+        self.entries.iter().enumerate().filter_map(|(i, e)| e.as_ref().map(|e| (i as u32, e)))
+    }
+
+    pub(crate) fn iter_mut(&mut self) -> impl Iterator<Item = (u32, &mut T)> {
+        self.entries.iter_mut().enumerate().filter_map(|(i, e)| e.as_mut().map(|e| (i as u32, e)))
+    }
+}
+
+/// Idle timers: a min-heap of (deadline ns, slab index, id). An entry whose deadline is not the entry's current
+/// `queued` deadline is stale and skipped; a due entry whose entry was seen since is pushed again at its new
+/// deadline, so a busy entry costs no heap operation per packet.
+#[derive(Debug, Default)]
+pub(crate) struct Timers {
+    heap: BinaryHeap<Reverse<(u64, u32, u64)>>,
+}
+
+/// The outcome of [`Timers::next_due`].
+enum Due {
+    /// This entry's timer is due: check it.
+    Check(u32, u64, u64),
+    /// Nothing is due before this time (ns).
+    Next(Option<u64>),
+}
+
+impl Timers {
+    fn push(&mut self, deadline: u64, slot: u32, id: u64) {
+        self.heap.push(Reverse((deadline, slot, id)));
+    }
+
+    /// Takes the next entry due at `now`, or says when the next one is due.
+    fn next_due(&mut self, now: u64) -> Due {
+        match self.heap.peek() {
+            Some(Reverse((d, _, _))) if *d <= now => {
+                let Some(Reverse((d, s, id))) = self.heap.pop() else { return Due::Next(None) };
+                Due::Check(s, id, d)
+            }
+            Some(Reverse((d, _, _))) => Due::Next(Some(*d)),
+            None => Due::Next(None),
+        }
+    }
+
+    pub(crate) fn clear(&mut self) {
+        self.heap.clear();
+    }
+
+    /// Starts the timer of the new entry in `slot`, due at `idle.queued`.
+    pub(crate) fn start(&mut self, slot: u32, idle: &Idle) {
+        self.push(idle.queued, slot, idle.id);
+    }
+
+    /// Notes a packet of the entry in `slot` at `now` (ns); `tcp` is, for a TCP segment, whether the side that
+    /// opened the entry sent it and its flags. When the segment makes the entry closing and `closing_ns` from now
+    /// comes before its timer, the timer is brought forward: returns the new deadline, for the module to wake then.
+    pub(crate) fn seen(
+        &mut self,
+        slot: u32,
+        idle: &mut Idle,
+        now: u64,
+        tcp: Option<(bool, u8)>,
+        closing_ns: u64,
+    ) -> Option<u64> {
+        idle.last_seen = now;
+        let (from_first, flags) = tcp?;
+        if !idle.tcp.see(from_first, flags) {
+            return None;
+        }
+        let d = now.saturating_add(closing_ns);
+        if d >= idle.queued {
+            return None;
+        }
+        idle.queued = d;
+        self.push(d, slot, idle.id);
+        Some(d)
+    }
+
+    /// Puts every entry's timer at its current deadline (after a timeout changed, or a table was adopted).
+    pub(crate) fn rearm<T: Expiring>(&mut self, entries: &mut Slab<T>, timeouts: &Timeouts) {
+        self.clear();
+        for (slot, e) in entries.iter_mut() {
+            let idle = e.idle();
+            idle.queued = idle.deadline(timeouts);
+            self.start(slot, idle);
+        }
+    }
+
+    /// Removes the entries whose deadline has come at `now` (ns), at most [`EXPIRE_BATCH`], handing each to
+    /// `gone` with its slot. An entry seen since its timer was set gets a timer at its new deadline; timers of
+    /// entries gone or re-armed are skipped. Returns when to call again: `now` when the batch was full, else when
+    /// the next timer is due.
+    pub(crate) fn expire<T: Expiring>(
+        &mut self,
+        entries: &mut Slab<T>,
+        timeouts: &Timeouts,
+        now: u64,
+        mut gone: impl FnMut(u32, T),
+    ) -> Option<u64> {
+        let mut expired = 0;
+        while expired < EXPIRE_BATCH {
+            match self.next_due(now) {
+                Due::Next(t) => return t,
+                Due::Check(slot, id, at) => {
+                    let Some(idle) = entries.get_mut(slot).map(Expiring::idle) else { continue };
+                    if idle.id != id || idle.queued != at {
+                        continue; // stale
+                    }
+                    let d = idle.deadline(timeouts);
+                    if d > now {
+                        idle.queued = d;
+                        self.push(d, slot, id);
+                    } else if let Some(e) = entries.remove(slot) {
+                        gone(slot, e);
+                        expired += 1;
+                    }
+                }
+            }
+        }
+        Some(now)
+    }
+}

@@ -371,8 +371,11 @@ fn no_crate_has_files_that_import_each_other_in_a_circle() {
     assert!(errors.is_empty(), "file cycles:\n{}", errors.join("\n"));
 }
 
-/// A workspace in a temporary folder: `crates` as (name, dependencies, files as (path under src, text)).
-fn fake_workspace(crates: &[(&str, &[&str], &[(&str, &str)])]) -> tempfile::TempDir {
+/// A crate of a made-up workspace: name, dependencies, files as (path under src, text).
+type FakeCrate<'a> = (&'a str, &'a [&'a str], &'a [(&'a str, &'a str)]);
+
+/// A workspace in a temporary folder.
+fn fake_workspace(crates: &[FakeCrate<'_>]) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
     let members: Vec<String> = crates.iter().map(|(n, ..)| format!("\"{n}\"")).collect();
     std::fs::write(

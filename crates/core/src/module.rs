@@ -15,6 +15,7 @@
 
 use crate::config::{ConfigError, Settings};
 use crate::frame::{Batch, ControlFrame, ControlOp, Frame, PacketPool};
+use crate::reference::KindReference;
 use crate::time::Time;
 use crate::value::Value;
 use crate::vars::{DynamicVars, ModuleVars, VarSpec};
@@ -82,6 +83,13 @@ pub trait ModuleKind: Send + Sync {
 
     /// Reads and checks the settings (each knob may also be given as a setting of the same name).
     fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError>;
+
+    /// What the kind offers (ports, settings, knobs, meters) for the module reference, without configuring a
+    /// module. A kind with a [`crate::decl::KindDecl`] returns its `reference()`; the default describes a module
+    /// configured with no settings ([`KindReference::configured`]).
+    fn reference(&self) -> KindReference {
+        KindReference::configured(self)
+    }
 }
 
 /// A configured module, ready to be built on the data-plane thread.
@@ -366,6 +374,11 @@ impl Catalog {
     /// All kinds, by name.
     pub fn kinds(&self) -> impl Iterator<Item = &dyn ModuleKind> {
         self.kinds.values().map(|k| k.as_ref())
+    }
+
+    /// The reference of every kind, by name.
+    pub fn reference(&self) -> Vec<KindReference> {
+        self.kinds().map(|k| k.reference()).collect()
     }
 
     /// Configures a module of kind `kind`, with an error naming the known kinds if there is none.

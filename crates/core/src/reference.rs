@@ -1,0 +1,240 @@
+//! The module reference: what every kind of a [`Catalog`] offers (ports, settings, knobs, meters), described without
+//! configuring a module, and rendered as markdown (docs/modules.md, `flexstack module kinds --markdown`).
+//!
+//! A kind with a [`crate::decl::KindDecl`] describes itself from it. A kind without one is described by
+//! [`KindReference::configured`]: the interface of a module configured with no settings, which says nothing about
+//! settings that are not knobs (and nothing at all if the kind needs settings).
+
+use crate::config::Settings;
+use crate::module::{Catalog, ModuleKind};
+use crate::value::{Value, ValueType};
+use crate::vars::{ModuleVars, VarKind, VarSpec};
+use std::fmt::Write as _;
+
+/// A port in the reference.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PortDoc {
+    /// Name (or words, for ports that depend on settings).
+    pub name: String,
+    /// Frame type.
+    pub ty: String,
+    /// What goes through it.
+    pub description: String,
+}
+
+/// A setting (or knob) in the reference.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SettingDoc {
+    /// Name.
+    pub name: String,
+    /// Type (`u64`, `f64`, `bool`, `str`, or words such as `array of strings`).
+    pub ty: String,
+    /// Unit, or empty.
+    pub unit: String,
+    /// Default, as written in a stack file (or words such as `required`).
+    pub default: String,
+    /// Accepted range (`0..=100`, or words), or empty.
+    pub range: String,
+    /// True for a knob: a variable, writable while the module runs.
+    pub knob: bool,
+    /// One-line description.
+    pub description: String,
+}
+
+/// A meter in the reference.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MeterDoc {
+    /// Name (or pattern: `rule<N>_matches_total`).
+    pub name: String,
+    /// Value type.
+    pub ty: ValueType,
+    /// Unit, or empty.
+    pub unit: String,
+    /// One-line description.
+    pub description: String,
+}
+
+impl MeterDoc {
+    /// A meter `name`.
+    pub fn new(name: &str, ty: ValueType, unit: &str, description: &str) -> MeterDoc {
+        MeterDoc { name: name.into(), ty, unit: unit.into(), description: description.into() }
+    }
+
+    /// The meter declared by `spec`.
+    pub fn from_spec(spec: &VarSpec) -> MeterDoc {
+        MeterDoc::new(&spec.name, spec.ty, &spec.unit, &spec.description)
+    }
+}
+
+/// What a module kind offers, for the reference.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KindReference {
+    /// The kind's name.
+    pub kind: String,
+    /// One-line description.
+    pub summary: String,
+    /// Input ports.
+    pub inputs: Vec<PortDoc>,
+    /// Output ports.
+    pub outputs: Vec<PortDoc>,
+    /// Settings and knobs, in the order the kind reads them.
+    pub settings: Vec<SettingDoc>,
+    /// Meters.
+    pub meters: Vec<MeterDoc>,
+    /// True if the module holds frames and may sit in a cycle of links.
+    pub breaks_cycles: bool,
+    /// Old names of the kind that still load (filled in by [`Catalog::reference`]).
+    pub aliases: Vec<String>,
+    /// A remark on how the entry was made, for kinds not described by declarations.
+    pub note: Option<String>,
+}
+
+impl KindReference {
+    /// The reference of a kind without declarations: the interface of a module configured with no settings
+    /// (knobs with the values it starts with), or only a note saying what it needs if that fails.
+    pub fn configured<K: ModuleKind + ?Sized>(kind: &K) -> KindReference {
+        let mut r = KindReference {
+            kind: kind.name().into(),
+            summary: kind.summary().into(),
+            inputs: Vec::new(),
+            outputs: Vec::new(),
+            settings: Vec::new(),
+            meters: Vec::new(),
+            breaks_cycles: false,
+            aliases: Vec::new(),
+            note: None,
+        };
+        let builder = match kind.configure(&Settings::default()) {
+            Ok(b) => b,
+            Err(e) => {
+                r.note = Some(format!(
+                    "Not declared yet; it cannot be configured without settings ({}), so its ports, knobs and meters \
+                     are not listed here.",
+                    e.message
+                ));
+                return r;
+            }
+        };
+        let iface = builder.interface();
+        let vars = ModuleVars::new(&iface.vars);
+        drop(builder.build(&vars));
+        let port = |p: &crate::PortSpec| PortDoc { name: p.name.clone(), ty: p.ty.into(), description: String::new() };
+        r.inputs = iface.inputs.iter().map(port).collect();
+        r.outputs = iface.outputs.iter().map(port).collect();
+        r.breaks_cycles = iface.breaks_cycles;
+        for c in vars.cells() {
+            let s = c.spec();
+            if s.kind == VarKind::Meter {
+                r.meters.push(MeterDoc::from_spec(s));
+                continue;
+            }
+            let default = match c.get() {
+                Value::Str(t) => format!("{t:?}"),
+                v => v.to_string(),
+            };
+            r.settings.push(SettingDoc {
+                name: s.name.clone(),
+                ty: s.ty.name().into(),
+                unit: s.unit.clone(),
+                default,
+                range: s.range.map_or(String::new(), |(min, max)| format!("{min}..={max}")),
+                knob: true,
+                description: s.description.clone(),
+            });
+        }
+        r.note = Some(
+            "Not declared yet: described from a module configured with no settings; settings that are not knobs \
+             are not listed."
+                .into(),
+        );
+        r
+    }
+
+    /// The kind's section of the reference, in markdown.
+    pub fn markdown(&self) -> String {
+        let mut out = format!("## `{}`\n\n{}\n", self.kind, cell(&self.summary));
+        if !self.aliases.is_empty() {
+            let old: Vec<String> = self.aliases.iter().map(|a| format!("`{a}`")).collect();
+            let _ =
+                writeln!(out, "\nFormerly {}: the old name still loads, with a deprecation warning.", old.join(", "));
+        }
+        if self.breaks_cycles {
+            out.push_str("\nHolds frames and releases them on a later poll, so it may sit in a cycle of links.\n");
+        }
+        if let Some(note) = &self.note {
+            let _ = writeln!(out, "\n*{note}*");
+        }
+        let ports: Vec<(&str, &PortDoc)> =
+            (self.inputs.iter().map(|p| ("input", p))).chain(self.outputs.iter().map(|p| ("output", p))).collect();
+        if !ports.is_empty() {
+            out.push_str("\n| port | direction | type | description |\n|---|---|---|---|\n");
+            for (dir, p) in ports {
+                let _ = writeln!(out, "| `{}` | {dir} | {} | {} |", p.name, p.ty, cell(&p.description));
+            }
+        }
+        if !self.settings.is_empty() {
+            out.push_str("\n| setting | knob | type | unit | default | range | description |\n");
+            out.push_str("|---|---|---|---|---|---|---|\n");
+            for s in &self.settings {
+                let _ = writeln!(
+                    out,
+                    "| `{}` | {} | {} | {} | {} | {} | {} |",
+                    s.name,
+                    if s.knob { "knob" } else { "" },
+                    cell(&s.ty),
+                    cell(&s.unit),
+                    code(&s.default),
+                    code(&s.range),
+                    cell(&s.description)
+                );
+            }
+        }
+        if !self.meters.is_empty() {
+            out.push_str("\n| meter | type | unit | description |\n|---|---|---|---|\n");
+            for m in &self.meters {
+                let _ = writeln!(out, "| `{}` | {} | {} | {} |", m.name, m.ty, cell(&m.unit), cell(&m.description));
+            }
+        }
+        out
+    }
+}
+
+/// Text for a table cell: `|` escaped.
+fn cell(text: &str) -> String {
+    text.replace('|', "\\|")
+}
+
+/// A value for a table cell, as code (empty stays empty).
+fn code(text: &str) -> String {
+    if text.is_empty() {
+        String::new()
+    } else {
+        format!("`{}`", cell(text))
+    }
+}
+
+/// The whole module reference of `catalog`, in markdown: every kind (in the catalog's order), its ports, settings,
+/// knobs and meters.
+pub fn markdown(catalog: &Catalog) -> String {
+    let kinds = catalog.reference();
+    let mut out = String::from(
+        "# Module reference\n\n\
+         <!-- Generated by `flexstack module kinds --markdown > docs/modules.md` from the kinds' declarations: \
+         do not edit; tests/module_reference.rs fails when this file is stale. -->\n\n\
+         Every module kind flexstack can load, with its ports, settings, knobs and meters. A knob is also accepted \
+         as a setting of the same name, and can be changed while the module runs (`flexstack set module.NAME.KNOB \
+         VALUE`); the other settings are read when the module is loaded or replaced. Meters use base units; \
+         counters end in `_total`. Every module also has the switch's own meters (`frames_in_total`, \
+         `frames_out_total`, `frames_dropped_total`, per port `port.P.*`) and an implicit output port `ctl`. How \
+         each kind behaves is documented in its source file's header.\n\n\
+         | kind | summary |\n|---|---|\n",
+    );
+    for k in &kinds {
+        let _ = writeln!(out, "| [`{}`](#{}) | {} |", k.kind, k.kind, cell(&k.summary));
+    }
+    for k in &kinds {
+        out.push('\n');
+        out.push_str(&k.markdown());
+    }
+    out
+}

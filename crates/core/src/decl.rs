@@ -46,7 +46,7 @@
 //! ```
 
 use crate::config::{ConfigError, Settings, SettingsReader};
-use crate::module::{ModuleInterface, PortSpec};
+use crate::module::{Module, ModuleBuilder, ModuleInterface, PortSpec};
 use crate::reference::{KindReference, MeterDoc, PortDoc, SettingDoc};
 use crate::value::{Value, ValueType};
 use crate::vars::{Meter, ModuleVars, VarSpec};
@@ -63,6 +63,25 @@ pub type Check<S> = fn(&S, f64) -> Result<(), String>;
 macro_rules! field {
     ($($f:ident).+) => {
         (|s| s.$($f).+, |s, v| s.$($f).+ = v)
+    };
+}
+
+/// The `name`, `summary` and `reference` methods of a [`crate::ModuleKind`] declared by `$decl` (a
+/// [`KindDecl`]), for use inside the `impl ModuleKind` block, which then only adds `configure`.
+#[macro_export]
+macro_rules! kind_from_decl {
+    ($decl:expr) => {
+        fn name(&self) -> &'static str {
+            $decl.name
+        }
+
+        fn summary(&self) -> &'static str {
+            $decl.summary
+        }
+
+        fn reference(&self) -> $crate::KindReference {
+            $decl.reference()
+        }
     };
 }
 
@@ -518,6 +537,31 @@ impl<S, M> KindDecl<S, M> {
         }
     }
 
+    /// A builder for a module whose interface is the declared one: `build` publishes the knobs of `state`, binds
+    /// the meters and hands both to `make`.
+    pub fn builder(&'static self, state: S, make: fn(S, M) -> Box<dyn Module>) -> Box<dyn ModuleBuilder>
+    where
+        S: Send,
+        M: Default,
+    {
+        Box::new(DeclBuilder { decl: self, state, make })
+    }
+
+    /// `configure` for a kind without manual settings: [`KindDecl::settings`] read into `blank`, then
+    /// [`KindDecl::builder`].
+    pub fn configure(
+        &'static self,
+        settings: &Settings,
+        blank: S,
+        make: fn(S, M) -> Box<dyn Module>,
+    ) -> Result<Box<dyn ModuleBuilder>, ConfigError>
+    where
+        S: Send,
+        M: Default,
+    {
+        Ok(self.builder(self.settings(settings, blank)?, make))
+    }
+
     /// The kind's entry in the module reference.
     pub fn reference(&self) -> KindReference {
         let port = |p: &PortDecl| PortDoc { name: p.name.into(), ty: p.ty.into(), description: p.description.into() };
@@ -534,6 +578,24 @@ impl<S, M> KindDecl<S, M> {
             aliases: Vec::new(),
             note: None,
         }
+    }
+}
+
+/// See [`KindDecl::builder`].
+struct DeclBuilder<S: 'static, M: 'static> {
+    decl: &'static KindDecl<S, M>,
+    state: S,
+    make: fn(S, M) -> Box<dyn Module>,
+}
+
+impl<S: Send, M: Default> ModuleBuilder for DeclBuilder<S, M> {
+    fn interface(&self) -> ModuleInterface {
+        self.decl.interface(&self.state)
+    }
+
+    fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module> {
+        self.decl.publish(&self.state, vars);
+        (self.make)(self.state, self.decl.meters(vars))
     }
 }
 

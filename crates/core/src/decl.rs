@@ -55,6 +55,9 @@ use std::fmt;
 /// The storage of a declared parameter: a getter and a setter on the module's state `S`, for [`field!`] to write.
 pub type Access<S, T> = (fn(&S) -> T, fn(&mut S, T));
 
+/// Makes the module from its state and bound meters (and the variables, for meters declared elsewhere).
+pub type Make<S, M> = fn(S, M, &ModuleVars) -> Box<dyn Module>;
+
 /// A check of a numeric value beyond its range, given the state read so far; the error is its message.
 pub type Check<S> = fn(&S, f64) -> Result<(), String>;
 
@@ -538,8 +541,8 @@ impl<S, M> KindDecl<S, M> {
     }
 
     /// A builder for a module whose interface is the declared one: `build` publishes the knobs of `state`, binds
-    /// the meters and hands both to `make`.
-    pub fn builder(&'static self, state: S, make: fn(S, M) -> Box<dyn Module>) -> Box<dyn ModuleBuilder>
+    /// the meters and hands both to `make` (with the variables, for meters declared elsewhere).
+    pub fn builder(&'static self, state: S, make: Make<S, M>) -> Box<dyn ModuleBuilder>
     where
         S: Send,
         M: Default,
@@ -553,7 +556,7 @@ impl<S, M> KindDecl<S, M> {
         &'static self,
         settings: &Settings,
         blank: S,
-        make: fn(S, M) -> Box<dyn Module>,
+        make: Make<S, M>,
     ) -> Result<Box<dyn ModuleBuilder>, ConfigError>
     where
         S: Send,
@@ -585,7 +588,7 @@ impl<S, M> KindDecl<S, M> {
 struct DeclBuilder<S: 'static, M: 'static> {
     decl: &'static KindDecl<S, M>,
     state: S,
-    make: fn(S, M) -> Box<dyn Module>,
+    make: Make<S, M>,
 }
 
 impl<S: Send, M: Default> ModuleBuilder for DeclBuilder<S, M> {
@@ -595,7 +598,7 @@ impl<S: Send, M: Default> ModuleBuilder for DeclBuilder<S, M> {
 
     fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module> {
         self.decl.publish(&self.state, vars);
-        (self.make)(self.state, self.decl.meters(vars))
+        (self.make)(self.state, self.decl.meters(vars), vars)
     }
 }
 

@@ -47,7 +47,7 @@ impl ModuleKind for CounterKind {
     kind_from_decl!(DECL);
 
     fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
-        DECL.configure(settings, (), |(), m| Box::new(Counter { state: CounterState::default(), m }))
+        DECL.configure(settings, (), |(), m, _| Box::new(Counter { state: CounterState::default(), m }))
     }
 }
 

@@ -38,7 +38,7 @@ impl ModuleKind for DirectionKind {
     kind_from_decl!(DECL);
 
     fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
-        DECL.configure(settings, (), |(), demux| Box::new(demux))
+        DECL.configure(settings, (), |(), demux, _| Box::new(demux))
     }
 }
 

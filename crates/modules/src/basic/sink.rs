@@ -31,7 +31,7 @@ impl ModuleKind for SinkKind {
     kind_from_decl!(DECL);
 
     fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
-        DECL.configure(settings, (), |(), sink| Box::new(sink))
+        DECL.configure(settings, (), |(), sink, _| Box::new(sink))
     }
 }
 

@@ -83,7 +83,7 @@ impl ModuleKind for SourceKind {
     kind_from_decl!(DECL);
 
     fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
-        DECL.configure(settings, SourceConfig::default(), |cfg, m| {
+        DECL.configure(settings, SourceConfig::default(), |cfg, m, _| {
             let source = Source { cfg, state: SourceState::default(), schedule: None, m };
             source.publish();
             Box::new(source)

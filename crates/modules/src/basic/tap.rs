@@ -131,10 +131,7 @@ const DECL: KindDecl<TapOptions, Meters> = KindDecl {
             "link type of the data frames: \"raw\" (IP packets) or \"ethernet\"",
             "raw",
             |o| o.linktype.name().into(),
-            |o, t| {
-                o.linktype = LinkType::parse(t)?;
-                Ok(())
-            },
+            |o, t| LinkType::parse(t).map(|l| o.linktype = l),
         )
         .setting(),
         P::u64(

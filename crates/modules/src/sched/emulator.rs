@@ -182,7 +182,7 @@ impl ModuleKind for EmulatorKind {
     kind_from_decl!(DECL);
 
     fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
-        DECL.configure(settings, Config::default(), |cfg, m| Box::new(Emulator::new(cfg, m)))
+        DECL.configure(settings, Config::default(), |cfg, m, _| Box::new(Emulator::new(cfg, m)))
     }
 }
 

@@ -24,7 +24,7 @@ pub mod sched;
 
 use flexstack_core::{Catalog, ModuleKind};
 
-/// Every built-in kind, in the order `module kinds` lists them: the registration list.
+/// Every built-in kind: the registration list (the catalog lists them by name).
 pub fn kinds() -> Vec<Box<dyn ModuleKind>> {
     vec![
         Box::new(basic::counter::CounterKind),
@@ -148,22 +148,22 @@ mod tests {
         assert_eq!(
             names,
             [
+                "classify",
                 "counter",
                 "direction",
+                "early-binding",
                 "emulator",
+                "firewall",
+                "icmp",
+                "ip",
+                "late-binding",
+                "link",
+                "nat",
+                "reassemble",
                 "sink",
                 "source",
                 "switch",
-                "tap",
-                "reassemble",
-                "ip",
-                "icmp",
-                "classify",
-                "firewall",
-                "nat",
-                "link",
-                "late-binding",
-                "early-binding"
+                "tap"
             ]
         );
         for k in super::catalog().kinds() {

@@ -461,7 +461,7 @@ mod tests {
         let mut sw = Switch::default();
         sw.apply(vec![
             load("src", "source", &["count=5", "rate=1000", "size=60"]),
-            load("sw", "switch", &["outputs=2"]),
+            load("sw", "select", &["outputs=2"]),
             load("s", "sink", &[]),
             load("t", "tap", &[&path_arg(&path), "linktype=\"ethernet\"", "passthrough=false"]),
             link("src -> sw, t"),

@@ -116,7 +116,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::time::Duration;
 
 /// The kind's name in stack files.
-pub const KIND: &str = "link";
+pub const KIND: &str = "ethernet";
 
 const IN_IP: usize = 0;
 const IN_WIRE: usize = 1;

@@ -1,4 +1,5 @@
-//! `switch`: Click's Switch element: sends every frame to one selected output, or drops them all.
+//! `select` (formerly `switch`, which still loads): Click's Switch element: sends every frame to one selected output,
+//! or drops them all. (The switch is the runtime that drives the graph; this kind selects.)
 //!
 //! Frames dropped by `select = -1` count in the switch's `frames_dropped_total` for this module. Its ports,
 //! settings, knob and meter are declared once, in `DECL` below; docs/modules.md lists them.
@@ -13,13 +14,13 @@ use flexstack_core::{
 };
 
 /// The kind's name in stack files.
-pub const KIND: &str = "switch";
+pub const KIND: &str = "select";
 
 /// Most output ports.
 const MAX_OUTPUTS: u64 = 64;
 
-/// The `switch` module kind.
-pub struct SwitchKind;
+/// The `select` module kind.
+pub struct SelectKind;
 
 /// Settings and knob value.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -53,17 +54,17 @@ const DECL: KindDecl<Config, Meters> = KindDecl {
     ..KindDecl::new(KIND, "sends every frame to the selected output (Click's Switch); -1 drops")
 };
 
-impl ModuleKind for SwitchKind {
+impl ModuleKind for SelectKind {
     kind_from_decl!(DECL);
 
     fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
-        Ok(Box::new(SwitchBuilder(DECL.settings(settings, Config::default())?)))
+        Ok(Box::new(SelectBuilder(DECL.settings(settings, Config::default())?)))
     }
 }
 
-struct SwitchBuilder(Config);
+struct SelectBuilder(Config);
 
-impl ModuleBuilder for SwitchBuilder {
+impl ModuleBuilder for SelectBuilder {
     fn interface(&self) -> ModuleInterface {
         let mut iface = DECL.interface(&self.0);
         iface.outputs = (0..self.0.outputs).map(|i| PortSpec::new(i.to_string(), port_type::ANY)).collect();
@@ -81,7 +82,7 @@ struct Meters {
     frames: Meter,
 }
 
-/// A running `switch` module.
+/// A running `select` module.
 pub struct Selector {
     cfg: Config,
     /// The `select` knob's cell, updated by the procedure.
@@ -114,7 +115,7 @@ impl Module for Selector {
                 self.knob.store(&Value::I64(self.cfg.select));
                 Ok(Value::I64(previous))
             }
-            _ => Err(format!("a switch has no procedure {procedure}; it has: select")),
+            _ => Err(format!("a select module has no procedure {procedure}; it has: select")),
         }
     }
 }
@@ -127,7 +128,7 @@ mod tests {
     fn stack(args: &[&str]) -> Switch {
         let mut sw = Switch::default();
         sw.apply(vec![
-            load("sw", "switch", args),
+            load("sw", "select", args),
             load("a", "sink", &[]),
             load("b", "sink", &[]),
             load("c", "sink", &[]),
@@ -216,19 +217,19 @@ mod tests {
     #[test]
     fn one_output_is_the_default_port() {
         let mut sw = Switch::default();
-        sw.apply(vec![load("sw", "switch", &["outputs=1"]), load("s", "sink", &[]), link("sw -> s")]).unwrap();
+        sw.apply(vec![load("sw", "select", &["outputs=1"]), load("s", "sink", &[]), link("sw -> s")]).unwrap();
         send(&mut sw, 2, 1);
         assert_eq!(u64_var(&sw, "module.s.frames_total"), 2);
     }
 
     #[test]
     fn rejects_bad_settings_with_their_location() {
-        let e = configure_toml("[modules.sw]\nkind = \"switch\"\noutputs = 2\nselect = 2\n").err().unwrap();
+        let e = configure_toml("[modules.sw]\nkind = \"select\"\noutputs = 2\nselect = 2\n").err().unwrap();
         assert_eq!(e.location.as_ref().unwrap().line, 4);
         assert!(e.message.contains("-1..=1"), "{e}");
-        let e = configure_toml("[modules.sw]\nkind = \"switch\"\noutputs = 65\n").err().unwrap();
+        let e = configure_toml("[modules.sw]\nkind = \"select\"\noutputs = 65\n").err().unwrap();
         assert_eq!(e.location.as_ref().unwrap().line, 3);
-        let e = configure_toml("[modules.sw]\nkind = \"switch\"\n\nports = 3\n").err().unwrap();
+        let e = configure_toml("[modules.sw]\nkind = \"select\"\n\nports = 3\n").err().unwrap();
         assert_eq!(e.location.as_ref().unwrap().line, 4);
         assert!(e.message.contains("unknown setting `ports`") && e.message.contains("outputs, select"), "{e}");
     }

@@ -11,7 +11,10 @@
 //! - [`KindDecl::publish`] and [`KindDecl::meters`]: the knobs' initial values stored in their cells, and the meter
 //!   handles bound, in `build`;
 //! - [`KindDecl::write`]: a knob write, type and range checked, stored in the state (for `write_knob`);
-//! - [`KindDecl::reference`]: the kind's entry in the module reference (docs/modules.md), without configuring.
+//! - [`KindDecl::reference`]: the kind's entry in the module reference (docs/modules.md), without configuring;
+//! - [`KindDecl::configure`] and [`KindDecl::builder`]: a builder with the declared interface, for kinds whose
+//!   ports do not depend on their settings, and [`kind_from_decl!`](crate::kind_from_decl) for the kind's `name`,
+//!   `summary` and `reference`.
 //!
 //! ```
 //! use flexstack_core::decl::{KindDecl, MeterDecl, Param, PortDecl};
@@ -52,7 +55,7 @@ use crate::value::{Value, ValueType};
 use crate::vars::{Meter, ModuleVars, VarSpec};
 use std::fmt;
 
-/// The storage of a declared parameter: a getter and a setter on the module's state `S`, for [`field!`] to write.
+/// The storage of a declared parameter: a getter and a setter on the module's state `S`, for [`field!`](crate::field) to write.
 pub type Access<S, T> = (fn(&S) -> T, fn(&mut S, T));
 
 /// Makes the module from its state and bound meters (and the variables, for meters declared elsewhere).
@@ -176,7 +179,7 @@ impl<S> Param<S> {
         Param { name, unit, description, field, range: Range::Any, check: None, knob: true }
     }
 
-    /// A u64 knob stored by `access` (see [`field!`]).
+    /// A u64 knob stored by `access` (see [`field!`](crate::field)).
     pub const fn u64(
         name: &'static str,
         unit: &'static str,

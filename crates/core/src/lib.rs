@@ -7,7 +7,7 @@
 //!   linking table and moves batches of frames between modules by direct calls.
 //! - [`vars`]: meters and knobs, their cells, and the [`Registry`] of dotted names.
 //! - [`decl`]: a kind's ports, settings, knobs and meters declared once, with what is derived from them;
-//!   [`reference`]: the module reference made from them (docs/modules.md).
+//!   [`reference`](mod@reference): the module reference made from them (docs/modules.md).
 //! - [`config`]: stack descriptions in TOML, module settings, link syntax, errors with file:line.
 //! - [`time`] and [`value`]: the caller's clock and typed values.
 //! - [`testing`]: a recording module for modules' tests.

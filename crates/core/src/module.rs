@@ -451,26 +451,12 @@ mod tests {
     use super::*;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
+    const PLAIN: crate::KindDecl<(), ()> = crate::KindDecl::new("select", "a kind");
     struct Plain;
-    struct PlainBuilder;
     impl ModuleKind for Plain {
-        fn name(&self) -> &'static str {
-            "select"
-        }
-        fn summary(&self) -> &'static str {
-            "a kind"
-        }
+        crate::kind_from_decl!(PLAIN);
         fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
-            settings.reader("select").finish()?;
-            Ok(Box::new(PlainBuilder))
-        }
-    }
-    impl ModuleBuilder for PlainBuilder {
-        fn interface(&self) -> ModuleInterface {
-            ModuleInterface::default()
-        }
-        fn build(self: Box<Self>, _: &ModuleVars) -> Box<dyn Module> {
-            Box::new(PlainModule)
+            PLAIN.configure(settings, (), |(), (), _| Box::new(PlainModule))
         }
     }
     struct PlainModule;

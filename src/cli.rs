@@ -504,7 +504,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
         return crate::lab::command(&cli.state_dir, json_out, cmd);
     }
     if let Command::Module(ModuleCmd::Kinds { markdown: true }) = cli.command {
-        print!("{}", flexstack_core::reference::markdown(&flexstack_daemon::catalog()));
+        print!("{}", flexstack_core::reference::markdown(&flexstack_daemon::catalog().reference()));
         return Ok(());
     }
     let mut client = Client::connect(&cli.state_dir)?;

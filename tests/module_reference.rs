@@ -3,7 +3,7 @@
 
 #[test]
 fn docs_modules_md_is_generated_from_the_declarations() {
-    let want = flexstack_core::reference::markdown(&flexstack_daemon::catalog());
+    let want = flexstack_core::reference::markdown(&flexstack_daemon::catalog().reference());
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/docs/modules.md");
     let have = std::fs::read_to_string(path).unwrap_or_default();
     if have != want {

@@ -55,7 +55,8 @@ use crate::value::{Value, ValueType};
 use crate::vars::{Meter, ModuleVars, VarSpec};
 use std::fmt;
 
-/// The storage of a declared parameter: a getter and a setter on the module's state `S`, for [`field!`](crate::field) to write.
+/// The storage of a declared parameter: a getter and a setter on the module's state `S` (see
+/// [`field!`](crate::field)).
 pub type Access<S, T> = (fn(&S) -> T, fn(&mut S, T));
 
 /// Makes the module from its state and bound meters (and the variables, for meters declared elsewhere).

@@ -15,10 +15,10 @@
 
 use crate::config::{ConfigError, Settings};
 use crate::frame::{Batch, ControlFrame, ControlOp, Frame, PacketPool};
-use crate::reference::KindReference;
+use crate::reference::{KindReference, MeterDoc, PortDoc, SettingDoc};
 use crate::time::Time;
 use crate::value::Value;
-use crate::vars::{DynamicVars, ModuleVars, VarSpec};
+use crate::vars::{DynamicVars, ModuleVars, VarKind, VarSpec};
 use std::any::Any;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
@@ -85,10 +85,11 @@ pub trait ModuleKind: Send + Sync {
     fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError>;
 
     /// What the kind offers (ports, settings, knobs, meters) for the module reference, without configuring a
-    /// module. A kind with a [`crate::decl::KindDecl`] returns its `reference()`; the default describes a module
-    /// configured with no settings ([`KindReference::configured`]).
+    /// module. A kind with a [`crate::decl::KindDecl`] returns its `reference()`; the default describes the
+    /// interface of a module configured with no settings (knobs with the values it starts with), which leaves out
+    /// the settings that are not knobs, or only notes what it needs if that fails.
     fn reference(&self) -> KindReference {
-        KindReference::configured(self)
+        configured_reference(self)
     }
 }
 
@@ -347,6 +348,65 @@ impl<'a> Output<'a> {
     pub fn alert(&mut self, event: &str, value: Value) {
         self.send_control(ControlOp::Alert, "", event, value);
     }
+}
+
+/// The reference of a kind without declarations (see [`ModuleKind::reference`]).
+fn configured_reference<K: ModuleKind + ?Sized>(kind: &K) -> KindReference {
+    let mut r = KindReference {
+        kind: kind.name().into(),
+        summary: kind.summary().into(),
+        inputs: Vec::new(),
+        outputs: Vec::new(),
+        settings: Vec::new(),
+        meters: Vec::new(),
+        breaks_cycles: false,
+        aliases: Vec::new(),
+        note: None,
+    };
+    let builder = match kind.configure(&Settings::default()) {
+        Ok(b) => b,
+        Err(e) => {
+            r.note = Some(format!(
+                "Not declared yet, and it needs settings to be configured, so its ports, knobs and meters are not \
+                 listed here: {}",
+                e.message
+            ));
+            return r;
+        }
+    };
+    let iface = builder.interface();
+    let vars = ModuleVars::new(&iface.vars);
+    drop(builder.build(&vars));
+    let port = |p: &PortSpec| PortDoc { name: p.name.clone(), ty: p.ty.into(), description: String::new() };
+    r.inputs = iface.inputs.iter().map(port).collect();
+    r.outputs = iface.outputs.iter().map(port).collect();
+    r.breaks_cycles = iface.breaks_cycles;
+    for c in vars.cells() {
+        let s = c.spec();
+        if s.kind == VarKind::Meter {
+            r.meters.push(MeterDoc::from_spec(s));
+            continue;
+        }
+        let default = match c.get() {
+            Value::Str(t) => format!("{t:?}"),
+            v => v.to_string(),
+        };
+        r.settings.push(SettingDoc {
+            name: s.name.clone(),
+            ty: s.ty.name().into(),
+            unit: s.unit.clone(),
+            default,
+            range: s.range.map_or(String::new(), |(min, max)| format!("{min}..={max}")),
+            knob: true,
+            description: s.description.clone(),
+        });
+    }
+    r.note = Some(
+        "Not declared yet: described from a module configured with no settings; settings that are not knobs \
+         are not listed."
+            .into(),
+    );
+    r
 }
 
 /// The set of module kinds a switch can create, by name, and the old names of renamed kinds.

@@ -1,14 +1,14 @@
-//! The module reference: what every kind of a [`Catalog`] offers (ports, settings, knobs, meters), described without
-//! configuring a module, and rendered as markdown (docs/modules.md, `flexstack module kinds --markdown`).
+//! The module reference: what every kind of a [`Catalog`](crate::Catalog) offers (ports, settings, knobs,
+//! meters), described without configuring a module, and rendered as markdown (docs/modules.md, `flexstack module
+//! kinds --markdown`).
 //!
-//! A kind with a [`crate::decl::KindDecl`] describes itself from it. A kind without one is described by
-//! [`KindReference::configured`]: the interface of a module configured with no settings, which says nothing about
-//! settings that are not knobs (and nothing at all if the kind needs settings).
+//! A kind with a [`crate::decl::KindDecl`] describes itself from it. A kind without one is described by the
+//! default [`crate::ModuleKind::reference`]: the interface of a module configured with no settings, which says
+//! nothing about settings that are not knobs (and nothing at all if the kind needs settings).
+//! [`crate::Catalog::reference`] gathers every kind's entry; [`markdown`] renders them.
 
-use crate::config::Settings;
-use crate::module::{Catalog, ModuleKind};
-use crate::value::{Value, ValueType};
-use crate::vars::{ModuleVars, VarKind, VarSpec};
+use crate::value::ValueType;
+use crate::vars::VarSpec;
 use std::fmt::Write as _;
 
 /// A port in the reference.
@@ -83,73 +83,13 @@ pub struct KindReference {
     pub meters: Vec<MeterDoc>,
     /// True if the module holds frames and may sit in a cycle of links.
     pub breaks_cycles: bool,
-    /// Old names of the kind that still load (filled in by [`Catalog::reference`]).
+    /// Old names of the kind that still load (filled in by [`crate::Catalog::reference`]).
     pub aliases: Vec<String>,
     /// A remark on how the entry was made, for kinds not described by declarations.
     pub note: Option<String>,
 }
 
 impl KindReference {
-    /// The reference of a kind without declarations: the interface of a module configured with no settings
-    /// (knobs with the values it starts with), or only a note saying what it needs if that fails.
-    pub fn configured<K: ModuleKind + ?Sized>(kind: &K) -> KindReference {
-        let mut r = KindReference {
-            kind: kind.name().into(),
-            summary: kind.summary().into(),
-            inputs: Vec::new(),
-            outputs: Vec::new(),
-            settings: Vec::new(),
-            meters: Vec::new(),
-            breaks_cycles: false,
-            aliases: Vec::new(),
-            note: None,
-        };
-        let builder = match kind.configure(&Settings::default()) {
-            Ok(b) => b,
-            Err(e) => {
-                r.note = Some(format!(
-                    "Not declared yet, and it needs settings to be configured, so its ports, knobs and meters are not \
-                     listed here: {}",
-                    e.message
-                ));
-                return r;
-            }
-        };
-        let iface = builder.interface();
-        let vars = ModuleVars::new(&iface.vars);
-        drop(builder.build(&vars));
-        let port = |p: &crate::PortSpec| PortDoc { name: p.name.clone(), ty: p.ty.into(), description: String::new() };
-        r.inputs = iface.inputs.iter().map(port).collect();
-        r.outputs = iface.outputs.iter().map(port).collect();
-        r.breaks_cycles = iface.breaks_cycles;
-        for c in vars.cells() {
-            let s = c.spec();
-            if s.kind == VarKind::Meter {
-                r.meters.push(MeterDoc::from_spec(s));
-                continue;
-            }
-            let default = match c.get() {
-                Value::Str(t) => format!("{t:?}"),
-                v => v.to_string(),
-            };
-            r.settings.push(SettingDoc {
-                name: s.name.clone(),
-                ty: s.ty.name().into(),
-                unit: s.unit.clone(),
-                default,
-                range: s.range.map_or(String::new(), |(min, max)| format!("{min}..={max}")),
-                knob: true,
-                description: s.description.clone(),
-            });
-        }
-        r.note = Some(
-            "Not declared yet: described from a module configured with no settings; settings that are not knobs \
-             are not listed."
-                .into(),
-        );
-        r
-    }
-
     /// The kind's section of the reference, in markdown.
     pub fn markdown(&self) -> String {
         let mut out = format!("## `{}`\n\n{}\n", self.kind, cell(&self.summary));
@@ -213,10 +153,9 @@ fn code(text: &str) -> String {
     }
 }
 
-/// The whole module reference of `catalog`, in markdown: every kind (in the catalog's order), its ports, settings,
-/// knobs and meters.
-pub fn markdown(catalog: &Catalog) -> String {
-    let kinds = catalog.reference();
+/// The whole module reference in markdown: every kind of `kinds` (a catalog's [`crate::Catalog::reference`]), its
+/// ports, settings, knobs and meters.
+pub fn markdown(kinds: &[KindReference]) -> String {
     let mut out = String::from(
         "# Module reference
 
@@ -233,10 +172,10 @@ module also has the switch's own meters (`frames_in_total`, `frames_out_total`, 
 |---|---|
 ",
     );
-    for k in &kinds {
+    for k in kinds {
         let _ = writeln!(out, "| [`{}`](#{}) | {} |", k.kind, k.kind, cell(&k.summary));
     }
-    for k in &kinds {
+    for k in kinds {
         out.push('\n');
         out.push_str(&k.markdown());
     }

@@ -145,6 +145,22 @@ macro_rules! copy_for_any {
 }
 copy_for_any!(Field, Range, Param, MeterDecl);
 
+// The numeric knobs' constructors: name, unit, description, default and storage.
+macro_rules! numeric_constructors {
+    ($($(#[$doc:meta])* $name:ident: $t:ty => $variant:ident;)*) => {$(
+        $(#[$doc])*
+        pub const fn $name(
+            name: &'static str,
+            unit: &'static str,
+            doc: &'static str,
+            default: $t,
+            access: Access<S, $t>,
+        ) -> Self {
+            Param::new(name, unit, doc, Field::$variant(access, default))
+        }
+    )*};
+}
+
 /// The numeric range a parameter accepts.
 pub enum Range<S> {
     /// Any value of the type.
@@ -180,37 +196,13 @@ impl<S> Param<S> {
         Param { name, unit, description, field, range: Range::Any, check: None, knob: true }
     }
 
-    /// A u64 knob stored by `access` (see [`field!`](crate::field)).
-    pub const fn u64(
-        name: &'static str,
-        unit: &'static str,
-        doc: &'static str,
-        default: u64,
-        access: Access<S, u64>,
-    ) -> Self {
-        Param::new(name, unit, doc, Field::U64(access, default))
-    }
-
-    /// An i64 knob.
-    pub const fn i64(
-        name: &'static str,
-        unit: &'static str,
-        doc: &'static str,
-        default: i64,
-        access: Access<S, i64>,
-    ) -> Self {
-        Param::new(name, unit, doc, Field::I64(access, default))
-    }
-
-    /// An f64 knob.
-    pub const fn f64(
-        name: &'static str,
-        unit: &'static str,
-        doc: &'static str,
-        default: f64,
-        access: Access<S, f64>,
-    ) -> Self {
-        Param::new(name, unit, doc, Field::F64(access, default))
+    numeric_constructors! {
+        /// A u64 knob stored by `access` (see [`field!`](crate::field)).
+        u64: u64 => U64;
+        /// An i64 knob.
+        i64: i64 => I64;
+        /// An f64 knob.
+        f64: f64 => F64;
     }
 
     /// A bool knob.

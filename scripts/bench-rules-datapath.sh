@@ -35,7 +35,7 @@ size = 64
 [modules.count]
 kind = "counter"
 [modules.sel]
-kind = "switch"
+kind = "select"
 outputs = 2
 select = 0
 [modules.sink0]

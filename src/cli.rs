@@ -251,7 +251,11 @@ pub enum ModuleCmd {
     /// Loaded modules with kind, state and frames per port.
     List,
     /// Module kinds that can be loaded.
-    Kinds,
+    Kinds {
+        /// Print the module reference (docs/modules.md) of the built-in kinds instead; needs no daemon.
+        #[arg(long)]
+        markdown: bool,
+    },
     /// Load a module: `module load NAME KIND [KEY=VALUE ...]`.
     Load {
         /// Unique name.
@@ -499,6 +503,10 @@ fn run(cli: Cli) -> Result<(), CliError> {
     if let Command::Lab(cmd) = cli.command {
         return crate::lab::command(&cli.state_dir, json_out, cmd);
     }
+    if let Command::Module(ModuleCmd::Kinds { markdown: true }) = cli.command {
+        print!("{}", flexstack_core::reference::markdown(&flexstack_daemon::catalog().reference()));
+        return Ok(());
+    }
     let mut client = Client::connect(&cli.state_dir)?;
     let request = match cli.command {
         Command::Daemon(_) | Command::Run(_) | Command::Lab(_) => unreachable!("handled above"),
@@ -523,7 +531,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
         Command::Tap(TapCmd::List) => Request::TapList,
         Command::Status => Request::Status,
         Command::Module(ModuleCmd::List) => Request::ModuleList,
-        Command::Module(ModuleCmd::Kinds) => Request::ModuleKinds,
+        Command::Module(ModuleCmd::Kinds { .. }) => Request::ModuleKinds,
         Command::Module(ModuleCmd::Load { name, kind, settings }) => {
             Request::ModuleLoad { name, kind, settings: settings_json(&settings)? }
         }

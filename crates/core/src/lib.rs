@@ -6,6 +6,8 @@
 //! - [`switch`]: the [`Switch`], which validates and commits [`Edit`]s, compiles the
 //!   linking table and moves batches of frames between modules by direct calls.
 //! - [`vars`]: meters and knobs, their cells, and the [`Registry`] of dotted names.
+//! - [`decl`]: a kind's ports, settings, knobs and meters declared once, with what is derived from them;
+//!   [`reference`](mod@reference): the module reference made from them (docs/modules.md).
 //! - [`config`]: stack descriptions in TOML, module settings, link syntax, errors with file:line.
 //! - [`time`] and [`value`]: the caller's clock and typed values.
 //! - [`testing`]: a recording module for modules' tests.
@@ -16,8 +18,10 @@
 #![warn(missing_docs)]
 
 pub mod config;
+pub mod decl;
 pub mod frame;
 pub mod module;
+pub mod reference;
 pub mod switch;
 pub mod testing;
 pub mod time;
@@ -25,8 +29,10 @@ pub mod value;
 pub mod vars;
 
 pub use config::{ConfigError, LinkSpec, Location, Settings, StackSpec};
+pub use decl::{KindDecl, MeterDecl, Param, PortDecl};
 pub use frame::{Batch, ControlFrame, ControlOp, Direction, Frame, MetaKey, Packet, PacketPool};
 pub use module::{Catalog, FaceDevice, Module, ModuleBuilder, ModuleInterface, ModuleKind, Output, PortSpec};
+pub use reference::KindReference;
 pub use switch::{Edit, EditError, Switch};
 pub use time::Time;
 pub use value::{Value, ValueType};

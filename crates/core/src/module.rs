@@ -15,12 +15,13 @@
 
 use crate::config::{ConfigError, Settings};
 use crate::frame::{Batch, ControlFrame, ControlOp, Frame, PacketPool};
+use crate::reference::{KindReference, MeterDoc, PortDoc, SettingDoc};
 use crate::time::Time;
 use crate::value::Value;
-use crate::vars::{DynamicVars, ModuleVars, VarSpec};
+use crate::vars::{DynamicVars, ModuleVars, VarKind, VarSpec};
 use std::any::Any;
-use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex};
 
 /// Frame type carried by a port; links must join ports of compatible types.
 pub mod port_type {
@@ -82,6 +83,14 @@ pub trait ModuleKind: Send + Sync {
 
     /// Reads and checks the settings (each knob may also be given as a setting of the same name).
     fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError>;
+
+    /// What the kind offers (ports, settings, knobs, meters) for the module reference, without configuring a
+    /// module. A kind with a [`crate::decl::KindDecl`] returns its `reference()`; the default describes the
+    /// interface of a module configured with no settings (knobs with the values it starts with), which leaves out
+    /// the settings that are not knobs, or only notes what it needs if that fails.
+    fn reference(&self) -> KindReference {
+        configured_reference(self)
+    }
 }
 
 /// A configured module, ready to be built on the data-plane thread.
@@ -341,11 +350,77 @@ impl<'a> Output<'a> {
     }
 }
 
-/// The set of module kinds a switch can create, by name.
+/// The reference of a kind without declarations (see [`ModuleKind::reference`]).
+fn configured_reference<K: ModuleKind + ?Sized>(kind: &K) -> KindReference {
+    let mut r = KindReference {
+        kind: kind.name().into(),
+        summary: kind.summary().into(),
+        inputs: Vec::new(),
+        outputs: Vec::new(),
+        settings: Vec::new(),
+        meters: Vec::new(),
+        breaks_cycles: false,
+        aliases: Vec::new(),
+        note: None,
+    };
+    let builder = match kind.configure(&Settings::default()) {
+        Ok(b) => b,
+        Err(e) => {
+            r.note = Some(format!(
+                "Not declared yet, and it needs settings to be configured, so its ports, knobs and meters are not \
+                 listed here: {}",
+                e.message
+            ));
+            return r;
+        }
+    };
+    let iface = builder.interface();
+    let vars = ModuleVars::new(&iface.vars);
+    drop(builder.build(&vars));
+    let port = |p: &PortSpec| PortDoc { name: p.name.clone(), ty: p.ty.into(), description: String::new() };
+    r.inputs = iface.inputs.iter().map(port).collect();
+    r.outputs = iface.outputs.iter().map(port).collect();
+    r.breaks_cycles = iface.breaks_cycles;
+    for c in vars.cells() {
+        let s = c.spec();
+        if s.kind == VarKind::Meter {
+            r.meters.push(MeterDoc::from_spec(s));
+            continue;
+        }
+        let default = match c.get() {
+            Value::Str(t) => format!("{t:?}"),
+            v => v.to_string(),
+        };
+        r.settings.push(SettingDoc {
+            name: s.name.clone(),
+            ty: s.ty.name().into(),
+            unit: s.unit.clone(),
+            default,
+            range: s.range.map_or(String::new(), |(min, max)| format!("{min}..={max}")),
+            knob: true,
+            description: s.description.clone(),
+        });
+    }
+    r.note = Some(
+        "Not declared yet: described from a module configured with no settings; settings that are not knobs \
+         are not listed."
+            .into(),
+    );
+    r
+}
+
+/// The set of module kinds a switch can create, by name, and the old names of renamed kinds.
 #[derive(Default)]
 pub struct Catalog {
     kinds: BTreeMap<&'static str, Box<dyn ModuleKind>>,
+    aliases: BTreeMap<&'static str, &'static str>,
+    /// Old names already reported to `on_alias`.
+    reported: Mutex<BTreeSet<&'static str>>,
+    on_alias: Option<AliasHook>,
 }
+
+/// Called the first time a renamed kind is configured by its old name, with (old name, new name).
+pub type AliasHook = Box<dyn Fn(&'static str, &'static str) + Send + Sync>;
 
 impl Catalog {
     /// An empty catalog.
@@ -358,9 +433,33 @@ impl Catalog {
         self.kinds.insert(kind.name(), kind);
     }
 
-    /// The kind named `name`.
+    /// Lets `old`, the former name of kind `new`, still load kind `new` (stack files, lab files, requests).
+    pub fn alias(&mut self, old: &'static str, new: &'static str) {
+        self.aliases.insert(old, new);
+    }
+
+    /// The old names and the kinds they stand for, by old name.
+    pub fn aliases(&self) -> impl Iterator<Item = (&'static str, &'static str)> + '_ {
+        self.aliases.iter().map(|(old, new)| (*old, *new))
+    }
+
+    /// Calls `hook` with (old name, new name) the first time each old name is configured (core does not log: the
+    /// daemon logs a deprecation warning from here).
+    pub fn on_alias(&mut self, hook: impl Fn(&'static str, &'static str) + Send + Sync + 'static) {
+        self.on_alias = Some(Box::new(hook));
+    }
+
+    /// The current name of kind `name`: itself if it is a kind, the new name if it is an old one.
+    pub fn canonical(&self, name: &str) -> Option<&'static str> {
+        match self.kinds.get_key_value(name) {
+            Some((k, _)) => Some(*k),
+            None => self.aliases.get(name).copied(),
+        }
+    }
+
+    /// The kind named `name` (or formerly named `name`).
     pub fn get(&self, name: &str) -> Option<&dyn ModuleKind> {
-        self.kinds.get(name).map(|k| k.as_ref())
+        self.kinds.get(self.canonical(name)?).map(|k| k.as_ref())
     }
 
     /// All kinds, by name.
@@ -368,7 +467,19 @@ impl Catalog {
         self.kinds.values().map(|k| k.as_ref())
     }
 
-    /// Configures a module of kind `kind`, with an error naming the known kinds if there is none.
+    /// The reference of every kind, by name, with its old names.
+    pub fn reference(&self) -> Vec<KindReference> {
+        self.kinds()
+            .map(|k| {
+                let mut r = k.reference();
+                r.aliases = self.aliases().filter(|(_, new)| *new == k.name()).map(|(old, _)| old.into()).collect();
+                r
+            })
+            .collect()
+    }
+
+    /// Configures a module of kind `kind` (a kind's name or an old one), with an error naming the known kinds if
+    /// there is none.
     pub fn configure(
         &self,
         kind: &str,
@@ -380,7 +491,62 @@ impl Catalog {
             let message = format!("unknown module kind `{kind}`; expected one of: {}", known.join(", "));
             return Err(ConfigError::new(location, message));
         };
+        if let Some((&old, &new)) = self.aliases.get_key_value(kind) {
+            self.report_alias(old, new);
+        }
         // An error about no setting in particular (e.g. a required one missing) points at the module's table.
         k.configure(settings).map_err(|e| if e.location.is_none() { ConfigError { location, ..e } } else { e })
+    }
+
+    fn report_alias(&self, old: &'static str, new: &'static str) {
+        let first = self.reported.lock().unwrap_or_else(|p| p.into_inner()).insert(old);
+        if let (true, Some(hook)) = (first, &self.on_alias) {
+            hook(old, new);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    const PLAIN: crate::KindDecl<(), ()> = crate::KindDecl::new("select", "a kind");
+    struct Plain;
+    impl ModuleKind for Plain {
+        crate::kind_from_decl!(PLAIN);
+        fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
+            PLAIN.configure(settings, (), |(), (), _| Box::new(PlainModule))
+        }
+    }
+    struct PlainModule;
+    impl Module for PlainModule {
+        fn process(&mut self, _: usize, _: &mut Batch, _: &mut Output<'_>) {}
+    }
+
+    #[test]
+    fn old_names_load_the_renamed_kind_and_are_reported_once() {
+        let reported = Arc::new(AtomicUsize::new(0));
+        let mut c = Catalog::new();
+        c.register(Box::new(Plain));
+        c.alias("switch", "select");
+        let r = reported.clone();
+        c.on_alias(move |old, new| {
+            assert_eq!((old, new), ("switch", "select"));
+            r.fetch_add(1, Ordering::Relaxed);
+        });
+        assert_eq!(c.canonical("switch"), Some("select"));
+        assert_eq!(c.canonical("select"), Some("select"));
+        assert_eq!(c.get("switch").map(|k| k.name()), Some("select"));
+        for _ in 0..3 {
+            c.configure("switch", &Settings::default(), None).unwrap();
+        }
+        c.configure("select", &Settings::default(), None).unwrap();
+        assert_eq!(reported.load(Ordering::Relaxed), 1);
+        let e = c.configure("swtich", &Settings::default(), None).err().unwrap();
+        assert_eq!(e.message, "unknown module kind `swtich`; expected one of: select");
+        let names: Vec<&str> = c.kinds().map(|k| k.name()).collect();
+        assert_eq!(names, ["select"], "old names are not kinds of their own");
+        assert_eq!(c.reference()[0].aliases, ["switch"]);
     }
 }

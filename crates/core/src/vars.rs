@@ -170,6 +170,14 @@ impl VarCell {
 #[derive(Clone, Debug)]
 pub struct Meter(Arc<VarCell>);
 
+impl Default for Meter {
+    /// A meter bound to no variable (a cell of its own, published nowhere), until it is replaced by one from
+    /// [`ModuleVars::meter`].
+    fn default() -> Meter {
+        Meter(Arc::new(VarCell::new(VarSpec::meter("", ValueType::U64, "", ""))))
+    }
+}
+
 impl Meter {
     /// Adds `n`.
     #[inline]

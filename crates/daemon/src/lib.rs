@@ -18,10 +18,62 @@ pub mod rules;
 pub mod sandbox;
 pub mod server;
 
-/// Every module kind the daemon can load: the built-in modules and the faces.
+/// Every module kind the daemon can load: the built-in modules and the faces. A renamed kind still loads by its
+/// old name, and the first use of each old name logs a deprecation warning.
 pub fn catalog() -> flexstack_core::Catalog {
     let mut catalog = flexstack_modules::catalog();
     catalog.register(Box::new(flexstack_faces::TunKind));
     catalog.register(Box::new(flexstack_faces::PacketKind));
+    catalog.on_alias(|old, new| {
+        tracing::warn!("module kind `{old}` is deprecated: it was renamed `{new}`; the old name still loads for now")
+    });
     catalog
+}
+
+#[cfg(test)]
+mod tests {
+    use flexstack_core::{Settings, StackSpec};
+    use std::sync::{Arc, Mutex};
+
+    /// Collects what is logged.
+    #[derive(Clone, Default)]
+    struct Logged(Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Logged {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// Stack files with the old kind names load, and each old name is logged once, however often it is used.
+    #[test]
+    fn old_kind_names_load_and_warn_once() {
+        let logged = Logged::default();
+        let writer = logged.clone();
+        let subscriber = tracing_subscriber::fmt().with_writer(move || writer.clone()).with_ansi(false).finish();
+        tracing::subscriber::with_default(subscriber, || {
+            let catalog = super::catalog();
+            let text = "[modules.a]\nkind = \"switch\"\n[modules.b]\nkind = \"switch\"\noutputs = 3\n\
+                        [modules.c]\nkind = \"link\"\nmac = \"02:00:00:00:00:01\"\n";
+            let spec = StackSpec::parse("old.toml", text).unwrap();
+            for _ in 0..2 {
+                for m in &spec.modules {
+                    catalog.configure(&m.kind, &m.settings, m.location.clone()).unwrap_or_else(|e| panic!("{e}"));
+                }
+            }
+            catalog.configure("select", &Settings::default(), None).unwrap();
+        });
+        let text = String::from_utf8(logged.0.lock().unwrap().clone()).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 2, "{text}");
+        assert!(
+            lines[0].contains("WARN") && lines[0].contains("`switch` is deprecated: it was renamed `select`"),
+            "{text}"
+        );
+        assert!(lines[1].contains("`link` is deprecated: it was renamed `ethernet`"), "{text}");
+    }
 }

@@ -2,8 +2,8 @@
 //!
 //! | family | kinds |
 //! |---|---|
-//! | [`basic`] | `counter`, `direction`, `sink`, `source`, `switch` (selector), `tap` (pcapng) |
-//! | [`ip`] | `ip`, `reassemble`, `icmp` (its error builder), `link` (Ethernet, ARP, NDP) |
+//! | [`basic`] | `counter`, `direction`, `select` (Click's Switch), `sink`, `source`, `tap` (pcapng) |
+//! | [`ip`] | `ip`, `reassemble`, `icmp` (its error builder), `ethernet` (Ethernet, ARP, NDP; in `link.rs`) |
 //! | [`flow`] | `classify` (the flow table), `nat`, `firewall` |
 //! | [`sched`] | `emulator`, `late-binding`, `early-binding` |
 //!
@@ -11,7 +11,8 @@
 //! spawns no thread; only the tap touches a file, which it opens when it is configured. Every knob is also
 //! accepted as a setting of the same name, so a stack saved with its current knob values loads again.
 //!
-//! A new kind goes in its family's folder and gets one line in [`kinds`].
+//! A new kind goes in its family's folder and gets one line in [`kinds`]. A renamed kind keeps its old name as an
+//! alias ([`ALIASES`]), which still loads and makes the daemon log a deprecation warning once.
 //!
 //! [`Output::now`]: flexstack_core::Output::now
 #![deny(unsafe_code)]
@@ -24,7 +25,7 @@ pub mod sched;
 
 use flexstack_core::{Catalog, ModuleKind};
 
-/// Every built-in kind, in the order `module kinds` lists them: the registration list.
+/// Every built-in kind: the registration list (the catalog lists them by name).
 pub fn kinds() -> Vec<Box<dyn ModuleKind>> {
     vec![
         Box::new(basic::counter::CounterKind),
@@ -32,7 +33,7 @@ pub fn kinds() -> Vec<Box<dyn ModuleKind>> {
         Box::new(sched::emulator::EmulatorKind),
         Box::new(basic::sink::SinkKind),
         Box::new(basic::source::SourceKind),
-        Box::new(basic::switch::SwitchKind),
+        Box::new(basic::select::SelectKind),
         Box::new(basic::tap::TapKind),
         Box::new(ip::reassemble::ReassembleKind),
         Box::new(ip::ip::IpKind),
@@ -46,10 +47,17 @@ pub fn kinds() -> Vec<Box<dyn ModuleKind>> {
     ]
 }
 
-/// Adds every built-in kind to `catalog`.
+/// Old names of renamed kinds, and their new names: `switch` is the runtime that drives the graph, and a link is an
+/// edge of the linking table.
+pub const ALIASES: [(&str, &str); 2] = [("switch", basic::select::KIND), ("link", ip::link::KIND)];
+
+/// Adds every built-in kind, and the old names of renamed ones, to `catalog`.
 pub fn register(catalog: &mut Catalog) {
     for kind in kinds() {
         catalog.register(kind);
+    }
+    for (old, new) in ALIASES {
+        catalog.alias(old, new);
     }
 }
 
@@ -153,22 +161,49 @@ mod tests {
                 "direction",
                 "early-binding",
                 "emulator",
+                "ethernet",
                 "firewall",
                 "icmp",
                 "ip",
                 "late-binding",
-                "link",
                 "nat",
                 "reassemble",
+                "select",
                 "sink",
                 "source",
-                "switch",
                 "tap"
             ]
         );
         for k in super::catalog().kinds() {
             assert!(!k.summary().is_empty());
         }
+    }
+
+    /// Stack files written with the old names of renamed kinds still load them.
+    #[test]
+    fn old_kind_names_still_load() {
+        let c = super::catalog();
+        assert_eq!(c.canonical("switch"), Some("select"));
+        assert_eq!(c.canonical("link"), Some("ethernet"));
+        let text =
+            "links = [\"sel[1] -> s\"]\n[modules.sel]\nkind = \"switch\"\nselect = 1\n[modules.s]\nkind = \"sink\"\n";
+        let spec = StackSpec::parse("old.toml", text).unwrap();
+        let mut edits = Vec::new();
+        for m in &spec.modules {
+            let builder = c.configure(&m.kind, &m.settings, m.location.clone()).unwrap();
+            edits.push(Edit::Load {
+                name: m.name.clone(),
+                kind: m.kind.clone(),
+                settings: m.settings.clone(),
+                builder,
+            });
+        }
+        edits.extend(spec.links.iter().map(|l| Edit::Link(l.link.clone())));
+        let mut sw = Switch::default();
+        sw.apply(edits).unwrap();
+        assert_eq!(var(&sw, "module.sel.select"), flexstack_core::Value::I64(1));
+        let e = c.configure("link", &Default::default(), None).err().unwrap();
+        assert!(e.message.contains("`mac`"), "the link kind is the ethernet kind: {e}");
     }
 
     /// A running stack written back with its knobs as settings (as the daemon saves it) configures again.
@@ -181,7 +216,7 @@ mod tests {
         sw.apply(vec![
             load("src", "source", &["rate=250.5", "size=100", "count=7"]),
             load("c", "counter", &[]),
-            load("sel", "switch", &["outputs=3", "select=2"]),
+            load("sel", "select", &["outputs=3", "select=2"]),
             load("t", "tap", &[&path_arg, "linktype=\"ethernet\""]),
             load("s", "sink", &[]),
             link("src -> c"),

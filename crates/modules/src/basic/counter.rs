@@ -1,22 +1,19 @@
 //! `counter`: counts the frames and bytes that pass and estimates their rate; frames pass through unchanged.
 //!
-//! - Ports: input `in` (any), output `out` (any). Every batch is counted, then emitted whole on `out`.
-//! - Settings: none.
-//! - Knobs: none.
-//! - Meters:
-//!   - `frames_total` (frames): data and control frames seen.
-//!   - `bytes_total` (bytes): sum of the lengths of the data frames seen.
-//!   - `control_frames_total` (frames): control frames seen.
-//!   - `rate_fps` (frames/s): frames counted in the last completed window, divided by the window's length. A window
-//!     starts at the first call and closes at the first call (`process` or `poll`) at least 1 s later; the counter
-//!     asks to be polled at the end of each window, so the rate falls to 0 within about 2 s once traffic stops.
-//!   - `last_frame_ns` (ns): `now` of the last batch seen, on the switch's clock.
+//! Every batch is counted, then emitted whole on `out`. No settings. Its ports and meters are declared once, in
+//! `DECL` below; docs/modules.md lists them.
+//!
+//! `rate_fps` is the number of frames counted in the last completed window, divided by the window's length. A
+//! window starts at the first call and closes at the first call (`process` or `poll`) at least 1 s later; the
+//! counter asks to be polled at the end of each window, so the rate falls to 0 within about 2 s once traffic stops.
+//! `last_frame_ns` is `now` of the last batch seen, on the switch's clock.
 //!
 //! On `module replace` with state kept, the new counter continues the counts (and the rate window) of the old one.
 
+use flexstack_core::module::port_type;
 use flexstack_core::{
-    Batch, ConfigError, Frame, Meter, Module, ModuleBuilder, ModuleInterface, ModuleKind, ModuleVars, Output, PortSpec,
-    Settings, Time, ValueType, VarSpec,
+    kind_from_decl, Batch, ConfigError, Frame, KindDecl, Meter, MeterDecl, Module, ModuleBuilder, ModuleKind, Output,
+    PortDecl, Settings, Time, ValueType,
 };
 use std::any::Any;
 use std::time::Duration;
@@ -30,53 +27,27 @@ const WINDOW: Duration = Duration::from_secs(1);
 /// The `counter` module kind.
 pub struct CounterKind;
 
-impl ModuleKind for CounterKind {
-    fn name(&self) -> &'static str {
-        KIND
-    }
+/// The kind's ports and meters.
+const DECL: KindDecl<(), Meters> = KindDecl {
+    inputs: &[PortDecl::new("in", port_type::ANY, "frames to count")],
+    outputs: &[PortDecl::new("out", port_type::ANY, "the same frames, unchanged")],
+    meters: &[
+        MeterDecl::u64("frames_total", "frames", "frames seen (data and control)", |m| &mut m.frames),
+        MeterDecl::u64("bytes_total", "bytes", "bytes of the data frames seen", |m| &mut m.bytes),
+        MeterDecl::u64("control_frames_total", "frames", "control frames seen", |m| &mut m.control),
+        MeterDecl::new("rate_fps", ValueType::F64, "frames/s", "frame rate over the last completed ~1 s window", |m| {
+            &mut m.rate
+        }),
+        MeterDecl::u64("last_frame_ns", "ns", "switch time of the last frame seen", |m| &mut m.last),
+    ],
+    ..KindDecl::new(KIND, "counts frames, bytes and the frame rate, and passes frames through")
+};
 
-    fn summary(&self) -> &'static str {
-        "counts frames, bytes and the frame rate, and passes frames through"
-    }
+impl ModuleKind for CounterKind {
+    kind_from_decl!(DECL);
 
     fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
-        settings.reader(KIND).finish()?;
-        Ok(Box::new(CounterBuilder))
-    }
-}
-
-struct CounterBuilder;
-
-impl ModuleBuilder for CounterBuilder {
-    fn interface(&self) -> ModuleInterface {
-        ModuleInterface {
-            inputs: vec![PortSpec::new("in", flexstack_core::module::port_type::ANY)],
-            outputs: vec![PortSpec::new("out", flexstack_core::module::port_type::ANY)],
-            vars: vec![
-                VarSpec::meter("frames_total", ValueType::U64, "frames", "frames seen (data and control)"),
-                VarSpec::meter("bytes_total", ValueType::U64, "bytes", "bytes of the data frames seen"),
-                VarSpec::meter("control_frames_total", ValueType::U64, "frames", "control frames seen"),
-                VarSpec::meter(
-                    "rate_fps",
-                    ValueType::F64,
-                    "frames/s",
-                    "frame rate over the last completed ~1 s window",
-                ),
-                VarSpec::meter("last_frame_ns", ValueType::U64, "ns", "switch time of the last frame seen"),
-            ],
-            breaks_cycles: false,
-        }
-    }
-
-    fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module> {
-        Box::new(Counter {
-            state: CounterState::default(),
-            frames: vars.meter("frames_total"),
-            bytes: vars.meter("bytes_total"),
-            control: vars.meter("control_frames_total"),
-            rate: vars.meter("rate_fps"),
-            last: vars.meter("last_frame_ns"),
-        })
+        DECL.configure(settings, (), |(), m, _| Box::new(Counter { state: CounterState::default(), m }))
     }
 }
 
@@ -102,6 +73,12 @@ pub struct CounterState {
 /// A running counter.
 pub struct Counter {
     state: CounterState,
+    m: Meters,
+}
+
+/// The counter's meters.
+#[derive(Default)]
+struct Meters {
     frames: Meter,
     bytes: Meter,
     control: Meter,
@@ -120,7 +97,7 @@ impl Counter {
                 s.rate_fps = s.window_frames as f64 * 1e9 / elapsed;
                 s.window_start = Some(now);
                 s.window_frames = 0;
-                self.rate.set_f64(s.rate_fps);
+                self.m.rate.set_f64(s.rate_fps);
             }
             Some(_) => {}
         }
@@ -128,11 +105,11 @@ impl Counter {
 
     fn publish(&self) {
         let s = &self.state;
-        self.frames.set(s.frames);
-        self.bytes.set(s.bytes);
-        self.control.set(s.control_frames);
-        self.rate.set_f64(s.rate_fps);
-        self.last.set(s.last_frame_ns);
+        self.m.frames.set(s.frames);
+        self.m.bytes.set(s.bytes);
+        self.m.control.set(s.control_frames);
+        self.m.rate.set_f64(s.rate_fps);
+        self.m.last.set(s.last_frame_ns);
     }
 }
 
@@ -155,10 +132,10 @@ impl Module for Counter {
         s.control_frames += control;
         s.window_frames += n;
         s.last_frame_ns = now.as_nanos();
-        self.frames.add(n);
-        self.bytes.add(bytes);
-        self.control.add(control);
-        self.last.set(s.last_frame_ns);
+        self.m.frames.add(n);
+        self.m.bytes.add(bytes);
+        self.m.control.add(control);
+        self.m.last.set(s.last_frame_ns);
         out.emit_all(0, input);
     }
 

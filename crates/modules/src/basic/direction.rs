@@ -2,14 +2,13 @@
 //! one): frames from the network travel up towards the applications, frames from the applications down. Lets one
 //! module that sees both directions (a flow table) hand each frame on to the right side.
 //!
-//! - Ports: input `in` (any); outputs `up`, `down` (any). Control frames are dropped.
-//! - Settings, knobs: none.
-//! - Meters: `up_total`, `down_total` (frames).
+//! Control frames are dropped. No settings. Its ports and meters are declared once, in `DECL` below;
+//! docs/modules.md lists them.
 
 use flexstack_core::module::port_type;
 use flexstack_core::{
-    Batch, ConfigError, Direction, Frame, Meter, Module, ModuleBuilder, ModuleInterface, ModuleKind, ModuleVars,
-    Output, PortSpec, Settings, ValueType, VarSpec,
+    kind_from_decl, Batch, ConfigError, Direction, Frame, KindDecl, Meter, MeterDecl, Module, ModuleBuilder,
+    ModuleKind, Output, PortDecl, Settings,
 };
 
 /// The kind's name in stack files.
@@ -21,42 +20,30 @@ const DOWN: usize = 1;
 /// The `direction` module kind.
 pub struct DirectionKind;
 
-impl ModuleKind for DirectionKind {
-    fn name(&self) -> &'static str {
-        KIND
-    }
+/// The kind's ports and meters.
+const DECL: KindDecl<(), Demux> = KindDecl {
+    inputs: &[PortDecl::new("in", port_type::ANY, "frames travelling either way")],
+    outputs: &[
+        PortDecl::new("up", port_type::ANY, "data frames travelling up (from the network)"),
+        PortDecl::new("down", port_type::ANY, "data frames travelling down (from the applications)"),
+    ],
+    meters: &[
+        MeterDecl::u64("up_total", "frames", "frames sent up (towards the applications)", |m| &mut m.up),
+        MeterDecl::u64("down_total", "frames", "frames sent down (towards the network)", |m| &mut m.down),
+    ],
+    ..KindDecl::new(KIND, "sends frames to `up` or `down` by their direction of travel")
+};
 
-    fn summary(&self) -> &'static str {
-        "sends frames to `up` or `down` by their direction of travel"
-    }
+impl ModuleKind for DirectionKind {
+    kind_from_decl!(DECL);
 
     fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
-        settings.reader(KIND).finish()?;
-        Ok(Box::new(DirectionBuilder))
-    }
-}
-
-struct DirectionBuilder;
-
-impl ModuleBuilder for DirectionBuilder {
-    fn interface(&self) -> ModuleInterface {
-        ModuleInterface {
-            inputs: vec![PortSpec::new("in", port_type::ANY)],
-            outputs: vec![PortSpec::new("up", port_type::ANY), PortSpec::new("down", port_type::ANY)],
-            vars: vec![
-                VarSpec::meter("up_total", ValueType::U64, "frames", "frames sent up (towards the applications)"),
-                VarSpec::meter("down_total", ValueType::U64, "frames", "frames sent down (towards the network)"),
-            ],
-            breaks_cycles: false,
-        }
-    }
-
-    fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module> {
-        Box::new(Demux { up: vars.meter("up_total"), down: vars.meter("down_total") })
+        DECL.configure(settings, (), |(), demux, _| Box::new(demux))
     }
 }
 
 /// A running `direction` demultiplexer.
+#[derive(Default)]
 pub struct Demux {
     up: Meter,
     down: Meter,

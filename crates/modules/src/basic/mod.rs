@@ -2,7 +2,7 @@
 
 pub mod counter;
 pub mod direction;
+pub mod select;
 pub mod sink;
 pub mod source;
-pub mod switch;
 pub mod tap;

@@ -3,15 +3,12 @@
 //! Frames are dropped through [`Output::drop_frame`], so they also show in the switch's
 //! `module.<name>.frames_dropped_total` (the drop reason is "sink": everything a sink receives is dropped).
 //!
-//! - Ports: input `in` (any); no outputs.
-//! - Settings: none.
-//! - Knobs: none.
-//! - Meters: `frames_total` (frames) received, `bytes_total` (bytes) of the data frames received.
+//! No outputs, no settings. Its ports and meters are declared once, in `DECL` below; docs/modules.md lists them.
 
 use flexstack_core::module::port_type;
 use flexstack_core::{
-    Batch, ConfigError, Meter, Module, ModuleBuilder, ModuleInterface, ModuleKind, ModuleVars, Output, PortSpec,
-    Settings, ValueType, VarSpec,
+    kind_from_decl, Batch, ConfigError, KindDecl, Meter, MeterDecl, Module, ModuleBuilder, ModuleKind, Output,
+    PortDecl, Settings,
 };
 
 /// The kind's name in stack files.
@@ -20,42 +17,26 @@ pub const KIND: &str = "sink";
 /// The `sink` module kind.
 pub struct SinkKind;
 
-impl ModuleKind for SinkKind {
-    fn name(&self) -> &'static str {
-        KIND
-    }
+/// The kind's ports and meters.
+const DECL: KindDecl<(), Sink> = KindDecl {
+    inputs: &[PortDecl::new("in", port_type::ANY, "frames to consume")],
+    meters: &[
+        MeterDecl::u64("frames_total", "frames", "frames received and dropped", |m| &mut m.frames),
+        MeterDecl::u64("bytes_total", "bytes", "bytes of the data frames received", |m| &mut m.bytes),
+    ],
+    ..KindDecl::new(KIND, "consumes and counts frames, dropping them")
+};
 
-    fn summary(&self) -> &'static str {
-        "consumes and counts frames, dropping them"
-    }
+impl ModuleKind for SinkKind {
+    kind_from_decl!(DECL);
 
     fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
-        settings.reader(KIND).finish()?;
-        Ok(Box::new(SinkBuilder))
-    }
-}
-
-struct SinkBuilder;
-
-impl ModuleBuilder for SinkBuilder {
-    fn interface(&self) -> ModuleInterface {
-        ModuleInterface {
-            inputs: vec![PortSpec::new("in", port_type::ANY)],
-            outputs: Vec::new(),
-            vars: vec![
-                VarSpec::meter("frames_total", ValueType::U64, "frames", "frames received and dropped"),
-                VarSpec::meter("bytes_total", ValueType::U64, "bytes", "bytes of the data frames received"),
-            ],
-            breaks_cycles: false,
-        }
-    }
-
-    fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module> {
-        Box::new(Sink { frames: vars.meter("frames_total"), bytes: vars.meter("bytes_total") })
+        DECL.configure(settings, (), |(), sink, _| Box::new(sink))
     }
 }
 
 /// A running sink.
+#[derive(Default)]
 pub struct Sink {
     frames: Meter,
     bytes: Meter,

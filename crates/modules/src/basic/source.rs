@@ -15,21 +15,15 @@
 //! never asks for a wakeup more than 100 ms away: while it is disabled, paused by `rate = 0` or done, it keeps
 //! polling every 100 ms (a heartbeat), so re-enabling it, raising `rate` or `count` takes effect within 100 ms.
 //!
-//! - Ports: no inputs; output `out` (any).
-//! - Settings: `burst` (u64, default 32, 1..=4096): most frames emitted per poll; and each knob below.
-//! - Knobs (also accepted as settings):
-//!   - `size` (u64, bytes, default 64, 1..=65535): packet length.
-//!   - `rate` (f64, frames/s, default 1000, 0..=1e9): sending rate; 0 pauses the source.
-//!   - `count` (u64, frames, default 0): stop after this many frames in total; 0 means no limit.
-//!   - `enabled` (bool, default true): false pauses the source.
-//! - Meters: `frames_total` (frames) and `bytes_total` (bytes) sent; `done` (bool): `count` was reached.
+//! No inputs. Its ports, settings, knobs (each also accepted as a setting) and meters are declared once, in `DECL`
+//! below; docs/modules.md lists them with their units, defaults and ranges.
 //!
 //! On `module replace` with state kept, the new source continues the sequence numbers and counts.
 
 use flexstack_core::module::port_type;
 use flexstack_core::{
-    Batch, ConfigError, MetaKey, Meter, Module, ModuleBuilder, ModuleInterface, ModuleKind, ModuleVars, Output,
-    PortSpec, Settings, Time, Value, ValueType, VarSpec,
+    field, kind_from_decl, Batch, ConfigError, KindDecl, MetaKey, Meter, MeterDecl, Module, ModuleBuilder, ModuleKind,
+    Output, Param, PortDecl, Settings, Time, Value, ValueType,
 };
 use std::any::Any;
 use std::time::Duration;
@@ -53,7 +47,8 @@ const MAX_BURST: u64 = 4096;
 /// The `source` module kind.
 pub struct SourceKind;
 
-#[derive(Clone, Debug, PartialEq)]
+/// Settings and knob values (`Default` is a blank to read them into; the defaults are in `DECL`).
+#[derive(Clone, Debug, Default, PartialEq)]
 struct SourceConfig {
     size: u64,
     rate: f64,
@@ -62,64 +57,46 @@ struct SourceConfig {
     enabled: bool,
 }
 
-impl ModuleKind for SourceKind {
-    fn name(&self) -> &'static str {
-        KIND
-    }
+type P = Param<SourceConfig>;
 
-    fn summary(&self) -> &'static str {
-        "generates sequence-numbered test packets at a paced rate"
-    }
+/// The kind: ports, settings, knobs and meters.
+const DECL: KindDecl<SourceConfig, Meters> = KindDecl {
+    outputs: &[PortDecl::new("out", port_type::ANY, "the generated packets")],
+    params: &[
+        P::u64("size", "bytes", "packet length", 64, field!(size)).range(1.0, MAX_SIZE as f64),
+        P::f64("rate", "frames/s", "sending rate; 0 pauses", 1000.0, field!(rate)).range(0.0, MAX_RATE),
+        P::u64("burst", "frames", "most frames emitted per poll", 32, field!(burst))
+            .range(1.0, MAX_BURST as f64)
+            .setting(),
+        P::u64("count", "frames", "stop after this many frames; 0 = no limit", 0, field!(count)),
+        P::bool("enabled", "false pauses the source", true, field!(enabled)),
+    ],
+    meters: &[
+        MeterDecl::u64("frames_total", "frames", "frames sent", |m| &mut m.frames),
+        MeterDecl::u64("bytes_total", "bytes", "bytes sent", |m| &mut m.bytes),
+        MeterDecl::new("done", ValueType::Bool, "", "true once `count` frames were sent", |m| &mut m.done),
+    ],
+    ..KindDecl::new(KIND, "generates sequence-numbered test packets at a paced rate")
+};
+
+impl ModuleKind for SourceKind {
+    kind_from_decl!(DECL);
 
     fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
-        let mut r = settings.reader(KIND);
-        let size = r.u64_in("size", 64, 1, MAX_SIZE)?;
-        let rate = r.f64_in("rate", 1000.0, 0.0, MAX_RATE)?;
-        let burst = r.u64_in("burst", 32, 1, MAX_BURST)?;
-        let count = r.u64("count")?.unwrap_or(0);
-        let enabled = r.bool("enabled")?.unwrap_or(true);
-        r.finish()?;
-        Ok(Box::new(SourceBuilder(SourceConfig { size, rate, burst, count, enabled })))
+        DECL.configure(settings, SourceConfig::default(), |cfg, m, _| {
+            let source = Source { cfg, state: SourceState::default(), schedule: None, m };
+            source.publish();
+            Box::new(source)
+        })
     }
 }
 
-struct SourceBuilder(SourceConfig);
-
-impl ModuleBuilder for SourceBuilder {
-    fn interface(&self) -> ModuleInterface {
-        ModuleInterface {
-            inputs: Vec::new(),
-            outputs: vec![PortSpec::new("out", port_type::ANY)],
-            vars: vec![
-                VarSpec::knob("size", ValueType::U64, "bytes", "packet length").with_range(1.0, MAX_SIZE as f64),
-                VarSpec::knob("rate", ValueType::F64, "frames/s", "sending rate; 0 pauses").with_range(0.0, MAX_RATE),
-                VarSpec::knob("count", ValueType::U64, "frames", "stop after this many frames; 0 = no limit"),
-                VarSpec::knob("enabled", ValueType::Bool, "", "false pauses the source"),
-                VarSpec::meter("frames_total", ValueType::U64, "frames", "frames sent"),
-                VarSpec::meter("bytes_total", ValueType::U64, "bytes", "bytes sent"),
-                VarSpec::meter("done", ValueType::Bool, "", "true once `count` frames were sent"),
-            ],
-            breaks_cycles: false,
-        }
-    }
-
-    fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module> {
-        let cfg = self.0;
-        vars.meter("size").store(&Value::U64(cfg.size));
-        vars.meter("rate").store(&Value::F64(cfg.rate));
-        vars.meter("count").store(&Value::U64(cfg.count));
-        vars.meter("enabled").store(&Value::Bool(cfg.enabled));
-        let source = Source {
-            cfg,
-            state: SourceState::default(),
-            schedule: None,
-            frames: vars.meter("frames_total"),
-            bytes: vars.meter("bytes_total"),
-            done: vars.meter("done"),
-        };
-        source.publish();
-        Box::new(source)
-    }
+/// The source's meters.
+#[derive(Default)]
+struct Meters {
+    frames: Meter,
+    bytes: Meter,
+    done: Meter,
 }
 
 /// What a source hands to its replacement.
@@ -157,9 +134,7 @@ pub struct Source {
     cfg: SourceConfig,
     state: SourceState,
     schedule: Option<Schedule>,
-    frames: Meter,
-    bytes: Meter,
-    done: Meter,
+    m: Meters,
 }
 
 impl Source {
@@ -168,9 +143,9 @@ impl Source {
     }
 
     fn publish(&self) {
-        self.frames.set(self.state.next_seq);
-        self.bytes.set(self.state.bytes);
-        self.done.store(&Value::Bool(self.is_done()));
+        self.m.frames.set(self.state.next_seq);
+        self.m.bytes.set(self.state.bytes);
+        self.m.done.store(&Value::Bool(self.is_done()));
     }
 
     /// The schedule to send by at `now`: kept, started, restarted after a rate change, or trimmed of a backlog.
@@ -237,10 +212,10 @@ impl Module for Source {
             s.sent += 1;
             n += 1;
         }
-        self.frames.add(self.state.next_seq - seq0);
-        self.bytes.add(self.state.bytes - bytes0);
+        self.m.frames.add(self.state.next_seq - seq0);
+        self.m.bytes.add(self.state.bytes - bytes0);
         if self.is_done() {
-            self.done.store(&Value::Bool(true));
+            self.m.done.store(&Value::Bool(true));
             self.schedule = None;
             return Some(now + HEARTBEAT);
         }
@@ -249,14 +224,8 @@ impl Module for Source {
     }
 
     fn write_knob(&mut self, knob: &str, value: &Value) -> Result<(), String> {
-        match (knob, value) {
-            ("size", Value::U64(v)) if (1..=MAX_SIZE).contains(v) => self.cfg.size = *v,
-            ("rate", Value::F64(v)) if (0.0..=MAX_RATE).contains(v) => self.cfg.rate = *v,
-            ("count", Value::U64(v)) => self.cfg.count = *v,
-            ("enabled", Value::Bool(v)) => self.cfg.enabled = *v,
-            _ => return Err(format!("cannot set {knob} to {value}")),
-        }
-        self.done.store(&Value::Bool(self.is_done()));
+        DECL.write(&mut self.cfg, knob, value)?;
+        self.m.done.store(&Value::Bool(self.is_done()));
         Ok(())
     }
 

@@ -16,21 +16,15 @@
 //! file within about 50 ms even when traffic stops. An I/O error never stops traffic: it is counted and the tap
 //! keeps going.
 //!
-//! - Ports: input `in` (any); output `out` (any), unless `passthrough = false`. Used inline, frames continue on
-//!   `out`. As an extra receiver of a fan-out link, either leave `out` unlinked (the switch then counts the frames
-//!   as dropped on it) or set `passthrough = false`: the tap then has no output and lets the frames go without
-//!   counting them as drops.
-//! - Settings: `path` (string, required): the pcapng file; `linktype` (`"raw"` for IP packets, the default, or
-//!   `"ethernet"`); `snaplen` (u64, bytes, default 65535, 0..=4294967295; 0 = no limit); `passthrough` (bool,
-//!   default true); and the knob below.
-//! - Knobs (also accepted as a setting): `enabled` (bool, default true): false passes frames without writing them.
-//! - Meters: `frames_total` (frames) and `bytes_total` (bytes, as captured) written; `write_errors_total` (errors):
-//!   failed writes and flushes.
+//! Used inline, frames continue on `out`. As an extra receiver of a fan-out link, either leave `out` unlinked (the
+//! switch then counts the frames as dropped on it) or set `passthrough = false`: the tap then has no output and lets
+//! the frames go without counting them as drops. Its ports, settings, knob and meters are declared once, in `DECL`
+//! below; docs/modules.md lists them.
 
 use flexstack_core::module::port_type;
 use flexstack_core::{
-    Batch, ConfigError, ControlFrame, ControlOp, Frame, Meter, Module, ModuleBuilder, ModuleInterface, ModuleKind,
-    ModuleVars, Output, PortSpec, Settings, Time, Value, ValueType, VarSpec,
+    field, kind_from_decl, Batch, ConfigError, ControlFrame, ControlOp, Frame, KindDecl, Meter, MeterDecl, Module,
+    ModuleBuilder, ModuleInterface, ModuleKind, ModuleVars, Output, Param, PortDecl, Settings, Time, Value,
 };
 use pcap_file::pcapng::blocks::enhanced_packet::EnhancedPacketBlock;
 use pcap_file::pcapng::blocks::interface_description::{InterfaceDescriptionBlock, InterfaceDescriptionOption};
@@ -64,6 +58,21 @@ pub enum LinkType {
 }
 
 impl LinkType {
+    fn name(self) -> &'static str {
+        match self {
+            LinkType::Raw => "raw",
+            LinkType::Ethernet => "ethernet",
+        }
+    }
+
+    fn parse(text: &str) -> Result<LinkType, String> {
+        match text {
+            "raw" => Ok(LinkType::Raw),
+            "ethernet" => Ok(LinkType::Ethernet),
+            other => Err(format!("expected \"raw\" or \"ethernet\", got {other:?}")),
+        }
+    }
+
     /// The pcap data link type.
     pub fn datalink(self) -> DataLink {
         match self {
@@ -109,29 +118,50 @@ pub fn start_capture<W: Write>(writer: W, linktype: LinkType, snaplen: u32) -> P
 /// The `tap` module kind.
 pub struct TapKind;
 
-impl ModuleKind for TapKind {
-    fn name(&self) -> &'static str {
-        KIND
-    }
+type P = Param<TapOptions>;
 
-    fn summary(&self) -> &'static str {
-        "writes frames (and observed control frames) to a pcapng file and passes them on"
-    }
+/// The kind: ports, settings, knob and meters.
+const DECL: KindDecl<TapOptions, Meters> = KindDecl {
+    inputs: &[PortDecl::new("in", port_type::ANY, "frames to capture")],
+    outputs: &[PortDecl::new("out", port_type::ANY, "the same frames, unless `passthrough = false` (then no port)")],
+    params: &[
+        P::manual("path", "str", "the pcapng file, created or truncated when the module is configured", "required"),
+        P::text(
+            "linktype",
+            "link type of the data frames: \"raw\" (IP packets) or \"ethernet\"",
+            "raw",
+            |o| o.linktype.name().into(),
+            |o, t| LinkType::parse(t).map(|l| o.linktype = l),
+        )
+        .setting(),
+        P::u64(
+            "snaplen",
+            "bytes",
+            "most bytes written per data frame; 0 = no limit",
+            65_535,
+            (|o| u64::from(o.snaplen), |o, v| o.snaplen = u32::try_from(v).unwrap_or(u32::MAX)),
+        )
+        .range(0.0, u32::MAX as f64)
+        .setting(),
+        P::bool("passthrough", "false: no `out` port, frames end here", true, field!(passthrough)).setting(),
+        P::bool("enabled", "false passes frames without writing them", true, field!(enabled)),
+    ],
+    meters: &[
+        MeterDecl::u64("frames_total", "frames", "frames written to the capture", |m| &mut m.frames),
+        MeterDecl::u64("bytes_total", "bytes", "bytes of data frames written (after snaplen)", |m| &mut m.bytes),
+        MeterDecl::u64("write_errors_total", "errors", "failed writes and flushes", |m| &mut m.errors),
+    ],
+    ..KindDecl::new(KIND, "writes frames (and observed control frames) to a pcapng file and passes them on")
+};
+
+impl ModuleKind for TapKind {
+    kind_from_decl!(DECL);
 
     fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
         let mut r = settings.reader(KIND);
-        let path = r.string("path")?;
-        let linktype = match r.string("linktype")?.as_deref() {
-            None | Some("raw") => LinkType::Raw,
-            Some("ethernet") => LinkType::Ethernet,
-            Some(other) => {
-                return Err(r.error("linktype", format_args!("expected \"raw\" or \"ethernet\", got {other:?}")))
-            }
-        };
-        let snaplen = r.u64_in("snaplen", 65_535, 0, u64::from(u32::MAX))? as u32;
-        let passthrough = r.bool("passthrough")?.unwrap_or(true);
-        let enabled = r.bool("enabled")?.unwrap_or(true);
-        let path = match path {
+        let mut options = TapOptions { linktype: LinkType::Raw, snaplen: 0, passthrough: true, enabled: true };
+        DECL.read(&mut r, &mut options)?;
+        let path = match r.string("path")? {
             Some(p) if !p.is_empty() => p,
             Some(_) => return Err(r.error("path", "must name a file, e.g. path = \"capture.pcapng\"")),
             None => {
@@ -147,25 +177,19 @@ impl ModuleKind for TapKind {
             )
         };
         let file = File::create(&path).map_err(|e| at_path(format!("cannot create {path:?}: {e}")))?;
-        let writer = start_capture(BufWriter::new(file), linktype, snaplen)
+        let writer = start_capture(BufWriter::new(file), options.linktype, options.snaplen)
             .map_err(|e| at_path(format!("cannot write to {path:?}: {e}")))?;
-        Ok(Box::new(TapBuilder { writer, options: TapOptions { linktype, snaplen, passthrough, enabled } }))
+        Ok(Box::new(TapBuilder { writer, options }))
     }
 }
 
 /// The interface of a tap with these options.
 fn interface(options: &TapOptions) -> ModuleInterface {
-    ModuleInterface {
-        inputs: vec![PortSpec::new("in", port_type::ANY)],
-        outputs: if options.passthrough { vec![PortSpec::new("out", port_type::ANY)] } else { Vec::new() },
-        vars: vec![
-            VarSpec::knob("enabled", ValueType::Bool, "", "false passes frames without writing them"),
-            VarSpec::meter("frames_total", ValueType::U64, "frames", "frames written to the capture"),
-            VarSpec::meter("bytes_total", ValueType::U64, "bytes", "bytes of data frames written (after snaplen)"),
-            VarSpec::meter("write_errors_total", ValueType::U64, "errors", "failed writes and flushes"),
-        ],
-        breaks_cycles: false,
+    let mut iface = DECL.interface(options);
+    if !options.passthrough {
+        iface.outputs.clear();
     }
+    iface
 }
 
 struct TapBuilder {
@@ -183,30 +207,28 @@ impl ModuleBuilder for TapBuilder {
     }
 }
 
+/// The tap's meters.
+#[derive(Default)]
+struct Meters {
+    frames: Meter,
+    bytes: Meter,
+    errors: Meter,
+}
+
 /// A running tap, writing to any [`Write`] (a buffered file when made by [`TapKind`]).
 pub struct Tap<W: Write> {
     writer: PcapNgWriter<W>,
     options: TapOptions,
     dirty: bool,
     last_flush: Option<Time>,
-    frames: Meter,
-    bytes: Meter,
-    errors: Meter,
+    m: Meters,
 }
 
 impl<W: Write> Tap<W> {
     /// A tap writing to a capture started with [`start_capture`]; `vars` holds the variables of the tap interface.
     pub fn new(writer: PcapNgWriter<W>, options: TapOptions, vars: &ModuleVars) -> Tap<W> {
-        vars.meter("enabled").store(&Value::Bool(options.enabled));
-        Tap {
-            writer,
-            options,
-            dirty: false,
-            last_flush: None,
-            frames: vars.meter("frames_total"),
-            bytes: vars.meter("bytes_total"),
-            errors: vars.meter("write_errors_total"),
-        }
+        DECL.publish(&options, vars);
+        Tap { writer, options, dirty: false, last_flush: None, m: DECL.meters(vars) }
     }
 
     /// Writes one frame; returns (frames, bytes) written, counting a failure in `write_errors_total`.
@@ -244,7 +266,7 @@ impl<W: Write> Tap<W> {
         match result {
             Ok(bytes) => (1, bytes),
             Err(_) => {
-                self.errors.add(1);
+                self.m.errors.add(1);
                 (0, 0)
             }
         }
@@ -259,7 +281,7 @@ impl<W: Write> Tap<W> {
         }
         self.dirty = false;
         if self.writer.get_mut().flush().is_err() {
-            self.errors.add(1);
+            self.m.errors.add(1);
         }
     }
 }
@@ -275,8 +297,8 @@ impl<W: Write> Module for Tap<W> {
                 bytes += b;
             }
         }
-        self.frames.add(frames);
-        self.bytes.add(bytes);
+        self.m.frames.add(frames);
+        self.m.bytes.add(bytes);
         if self.options.passthrough {
             out.emit_all(0, input);
         } else {
@@ -297,13 +319,7 @@ impl<W: Write> Module for Tap<W> {
     }
 
     fn write_knob(&mut self, knob: &str, value: &Value) -> Result<(), String> {
-        match (knob, value) {
-            ("enabled", Value::Bool(b)) => {
-                self.options.enabled = *b;
-                Ok(())
-            }
-            _ => Err(format!("cannot set {knob} to {value}")),
-        }
+        DECL.write(&mut self.options, knob, value)
     }
 }
 
@@ -445,7 +461,7 @@ mod tests {
         let mut sw = Switch::default();
         sw.apply(vec![
             load("src", "source", &["count=5", "rate=1000", "size=60"]),
-            load("sw", "switch", &["outputs=2"]),
+            load("sw", "select", &["outputs=2"]),
             load("s", "sink", &[]),
             load("t", "tap", &[&path_arg(&path), "linktype=\"ethernet\"", "passthrough=false"]),
             link("src -> sw, t"),

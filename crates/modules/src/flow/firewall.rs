@@ -1,8 +1,9 @@
 //! `firewall`: lets IP packets pass or drops them by an ordered list of rules; the first rule that matches decides.
 //!
-//! - Ports: input `in` (ip), output `pass` (ip).
-//! - Settings: `rules` (array of strings, default none), `default` and `enabled` (below).
-//!   A rule reads `ACTION [DIRECTION] [PROTOCOL] [from ADDR [port PORTS]] [to ADDR [port PORTS]]`:
+//! Its ports, settings, knobs and meters are declared once, in `DECL` below; docs/modules.md lists them. A rule
+//! (one string of the `rules` setting) reads `ACTION [DIRECTION] [PROTOCOL] [from ADDR [port PORTS]] [to ADDR
+//! [port PORTS]]`:
+//!
 //!   - ACTION: `accept` or `drop`;
 //!   - DIRECTION: `in` (frames travelling up, from the network), `out` (travelling down, to the network) or
 //!     `any` (the default);
@@ -16,17 +17,13 @@
 //!   Examples: `drop in tcp from any to 10.77.0.2 port 22`, `accept out udp to any port 53`,
 //!   `drop in from 203.0.113.0/24`, `accept icmp`. A rule that does not parse fails the configuration with the
 //!   rule's number and text, the word at fault and what was expected there.
-//! - Knobs (also settings): `enabled` (bool, default true; false lets every frame through without looking at
-//!   it), `default` (text `accept` or `drop`, default `accept`: what happens to a packet no rule matches).
-//! - Meters: `rule<N>_matches_total` for each rule N = 1, 2, ... (packets it decided), `accepted_total`,
-//!   `drop_rule_total` (dropped by a `drop` rule), `drop_default_total` (dropped by the default policy),
-//!   `drop_<reason>_total` for packets that do not parse ([`ParseError`](flexstack_wire::packet::ParseError) reasons) and
-//!   `drop_not_packet_total` for control frames.
+//!
+//! Packets that do not parse are dropped and counted by [`ParseError`](flexstack_wire::packet::ParseError) reason.
 
 use flexstack_core::module::port_type;
 use flexstack_core::{
-    Batch, ConfigError, Direction, Frame, Meter, Module, ModuleBuilder, ModuleInterface, ModuleKind, ModuleVars,
-    Output, PortSpec, Settings, Value, ValueType, VarSpec,
+    field, kind_from_decl, Batch, ConfigError, Direction, Frame, KindDecl, Meter, MeterDecl, Module, ModuleBuilder,
+    ModuleInterface, ModuleKind, ModuleVars, Output, Param, PortDecl, Settings, Value, ValueType, VarSpec,
 };
 use flexstack_wire::cidr::{PortRange, Prefix, Words};
 use flexstack_wire::packet::{proto, PacketInfo, ParseDrops};
@@ -287,92 +284,104 @@ fn parse_default(text: &str) -> Result<Action, String> {
 /// The `firewall` module kind.
 pub struct FirewallKind;
 
-impl ModuleKind for FirewallKind {
-    fn name(&self) -> &'static str {
-        KIND
-    }
+/// The knobs' values.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Config {
+    enabled: bool,
+    default: Action,
+}
 
-    fn summary(&self) -> &'static str {
-        "accepts or drops IP packets by ordered rules on direction, protocol, addresses and ports"
-    }
+type P = Param<Config>;
+
+/// The kind: ports, settings, knobs and meters.
+const DECL: KindDecl<Config, Meters> = KindDecl {
+    inputs: &[PortDecl::new("in", port_type::IP, "IP packets to judge")],
+    outputs: &[PortDecl::new("pass", port_type::IP, "packets let through")],
+    params: &[
+        P::manual("rules", "array of strings", "the rules, in order: the first that matches decides", "none"),
+        P::bool("enabled", "false lets every frame through unexamined", true, field!(enabled)),
+        P::text(
+            "default",
+            "accept or drop: what happens when no rule matches",
+            "accept",
+            |c| c.default.name().into(),
+            |c, t| parse_default(t).map(|a| c.default = a),
+        ),
+    ],
+    meters: &[
+        MeterDecl::pattern("rule<N>_matches_total", "frames", "packets decided by rule N (1, 2, ...)"),
+        MeterDecl::u64("accepted_total", "frames", "packets let through", |m| &mut m.accepted),
+        MeterDecl::u64("drop_rule_total", "frames", "packets dropped by a drop rule", |m| &mut m.drop_rule),
+        MeterDecl::u64("drop_default_total", "frames", "packets dropped by the default policy", |m| {
+            &mut m.drop_default
+        }),
+    ],
+    more_meters: || ParseDrops::specs(true),
+    ..KindDecl::new(KIND, "accepts or drops IP packets by ordered rules on direction, protocol, addresses and ports")
+};
+
+impl ModuleKind for FirewallKind {
+    kind_from_decl!(DECL);
 
     fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
         let mut r = settings.reader(KIND);
+        let mut cfg = Config { enabled: true, default: Action::Accept };
+        DECL.read(&mut r, &mut cfg)?;
         let texts = r.strings("rules")?.unwrap_or_default();
         let rules = parse_rules(&texts).map_err(|e| r.error("rules", e))?;
-        let default = match r.string("default")? {
-            Some(d) => parse_default(&d).map_err(|e| r.error("default", e))?,
-            None => Action::Accept,
-        };
-        let enabled = r.bool("enabled")?.unwrap_or(true);
         r.finish()?;
-        Ok(Box::new(FirewallBuilder { rules, default, enabled }))
+        Ok(Box::new(FirewallBuilder { rules, cfg }))
     }
 }
 
 struct FirewallBuilder {
     rules: Vec<Rule>,
-    default: Action,
-    enabled: bool,
+    cfg: Config,
 }
 
 impl ModuleBuilder for FirewallBuilder {
     fn interface(&self) -> ModuleInterface {
-        let mut vars = vec![
-            VarSpec::knob("enabled", ValueType::Bool, "", "false lets every frame through unexamined"),
-            VarSpec::knob("default", ValueType::Str, "", "accept or drop: what happens when no rule matches"),
-            VarSpec::meter("accepted_total", ValueType::U64, "frames", "packets let through"),
-            VarSpec::meter("drop_rule_total", ValueType::U64, "frames", "packets dropped by a drop rule"),
-            VarSpec::meter("drop_default_total", ValueType::U64, "frames", "packets dropped by the default policy"),
-        ];
-        vars.extend(ParseDrops::specs(true));
+        let mut iface = DECL.interface(&self.cfg);
         for (i, rule) in self.rules.iter().enumerate() {
             let desc = format!("packets decided by rule {}: {rule}", i + 1);
-            vars.push(VarSpec::meter(&format!("rule{}_matches_total", i + 1), ValueType::U64, "frames", &desc));
+            iface.vars.push(VarSpec::meter(&format!("rule{}_matches_total", i + 1), ValueType::U64, "frames", &desc));
         }
-        ModuleInterface {
-            inputs: vec![PortSpec::new("in", port_type::IP)],
-            outputs: vec![PortSpec::new("pass", port_type::IP)],
-            vars,
-            breaks_cycles: false,
-        }
+        iface
     }
 
     fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module> {
-        vars.meter("enabled").store(&Value::Bool(self.enabled));
-        let default_knob = vars.meter("default");
-        default_knob.store(&Value::Str(self.default.name().into()));
+        DECL.publish(&self.cfg, vars);
         let matches = (1..=self.rules.len()).map(|n| vars.meter(&format!("rule{n}_matches_total"))).collect();
         Box::new(Firewall {
             rules: self.rules,
             matches,
-            default: self.default,
-            default_knob,
-            enabled: self.enabled,
-            accepted: vars.meter("accepted_total"),
-            drop_rule: vars.meter("drop_rule_total"),
-            drop_default: vars.meter("drop_default_total"),
+            cfg: self.cfg,
+            m: DECL.meters(vars),
             drops: ParseDrops::new(vars),
         })
     }
+}
+
+/// The firewall's meters.
+#[derive(Default)]
+struct Meters {
+    accepted: Meter,
+    drop_rule: Meter,
+    drop_default: Meter,
 }
 
 /// A running firewall.
 pub struct Firewall {
     rules: Vec<Rule>,
     matches: Vec<Meter>,
-    default: Action,
-    default_knob: Meter,
-    enabled: bool,
-    accepted: Meter,
-    drop_rule: Meter,
-    drop_default: Meter,
+    cfg: Config,
+    m: Meters,
     drops: ParseDrops,
 }
 
 impl Module for Firewall {
     fn process(&mut self, _port: usize, input: &mut Batch, out: &mut Output<'_>) {
-        if !self.enabled {
+        if !self.cfg.enabled {
             out.emit_all(0, input);
             return;
         }
@@ -396,20 +405,20 @@ impl Module for Firewall {
                     self.matches[i].add(1);
                     let a = self.rules[i].action;
                     if a == Action::Drop {
-                        self.drop_rule.add(1);
+                        self.m.drop_rule.add(1);
                     }
                     a
                 }
                 None => {
-                    if self.default == Action::Drop {
-                        self.drop_default.add(1);
+                    if self.cfg.default == Action::Drop {
+                        self.m.drop_default.add(1);
                     }
-                    self.default
+                    self.cfg.default
                 }
             };
             match action {
                 Action::Accept => {
-                    self.accepted.add(1);
+                    self.m.accepted.add(1);
                     out.emit(0, frame);
                 }
                 Action::Drop => out.drop_frame(frame),
@@ -418,19 +427,7 @@ impl Module for Firewall {
     }
 
     fn write_knob(&mut self, knob: &str, value: &Value) -> Result<(), String> {
-        match (knob, value) {
-            ("enabled", Value::Bool(b)) => {
-                self.enabled = *b;
-                Ok(())
-            }
-            ("default", Value::Str(s)) => {
-                self.default = parse_default(s)?;
-                // Store the canonical word (the switch stored what was written, already checked here).
-                self.default_knob.store(&Value::Str(self.default.name().into()));
-                Ok(())
-            }
-            _ => Err(format!("a firewall has no knob {knob} taking {value}")),
-        }
+        DECL.write(&mut self.cfg, knob, value)
     }
 }
 

@@ -17,16 +17,10 @@
 //! # The `icmp` module kind
 //!
 //! Answers ICMP echo requests and ICMPv6 echo requests addressed to one of its addresses; everything else passes.
-//! - Ports: input `in` (ip); outputs `reply` (ip: echo replies, direction reversed) and `out` (ip: everything
-//!   else, unchanged).
-//! - Settings: `addresses` (an array of IPv4 and IPv6 address strings, or one string of addresses separated by
-//!   commas or spaces; default none): the addresses this module answers for. A setting only, not a knob: change
-//!   it with `module replace`.
-//! - Knobs: none.
-//! - Meters: `echo_requests_total` (frames: echo requests to one of the addresses), `echo_replies_total` (frames:
-//!   replies emitted), `passed_total` (frames emitted on `out`, including packets that do not parse: validating
-//!   is the `ip` module's job), `drop_bad_l4_checksum_total` (echo requests to us with a wrong ICMP checksum),
-//!   `drop_bad_source_total` (echo requests from an unspecified, multicast or broadcast source).
+//! The `addresses` setting (an array of IPv4 and IPv6 address strings, or one string of addresses separated by
+//! commas or spaces) is not a knob: change it with `module replace`. `passed_total` includes packets that do not
+//! parse (validating is the `ip` module's job). Its ports, setting and meters are declared once, in `DECL` below;
+//! docs/modules.md lists them.
 //!
 //! A reply swaps the addresses, sets TTL / hop limit to [`HOP_LIMIT`], changes the type (8 → 0, 128 → 129) and
 //! updates the ICMP checksum incrementally; it is made in place (no copy unless the packet is shared), except
@@ -35,8 +29,8 @@
 
 use flexstack_core::module::port_type;
 use flexstack_core::{
-    Batch, ConfigError, Direction, Frame, Meter, Module, ModuleBuilder, ModuleInterface, ModuleKind, ModuleVars,
-    Output, Packet, PortSpec, Settings, ValueType, VarSpec,
+    kind_from_decl, Batch, ConfigError, Direction, Frame, KindDecl, Meter, MeterDecl, Module, ModuleBuilder,
+    ModuleKind, Output, Packet, Param, PortDecl, Settings,
 };
 use flexstack_wire::checksum;
 use flexstack_wire::packet::{proto, PacketInfo};
@@ -229,14 +223,38 @@ pub(crate) fn icmp_checksum_ok(info: &PacketInfo, data: &[u8]) -> bool {
 /// The `icmp` module kind.
 pub struct IcmpKind;
 
-impl ModuleKind for IcmpKind {
-    fn name(&self) -> &'static str {
-        KIND
-    }
+/// The kind: ports, setting and meters (the state is the addresses answered for).
+const DECL: KindDecl<Vec<IpAddr>, Meters> = KindDecl {
+    inputs: &[PortDecl::new("in", port_type::IP, "IP packets")],
+    outputs: &[
+        PortDecl::new("reply", port_type::IP, "echo replies, travelling the opposite way"),
+        PortDecl::new("out", port_type::IP, "everything else, unchanged"),
+    ],
+    params: &[Param::manual(
+        "addresses",
+        "array of strings",
+        "IPv4 and IPv6 addresses this module answers for (or one string of them, separated by commas or spaces)",
+        "none",
+    )],
+    meters: &[
+        MeterDecl::u64("echo_requests_total", "frames", "echo requests to our addresses", |m| &mut m.requests),
+        MeterDecl::u64("echo_replies_total", "frames", "echo replies emitted on `reply`", |m| &mut m.replies),
+        MeterDecl::u64("passed_total", "frames", "frames emitted unchanged on `out`", |m| &mut m.passed),
+        MeterDecl::u64("drop_bad_l4_checksum_total", "frames", "echo requests to us with a wrong ICMP checksum", |m| {
+            &mut m.bad_checksum
+        }),
+        MeterDecl::u64(
+            "drop_bad_source_total",
+            "frames",
+            "echo requests from an unspecified, multicast or broadcast source",
+            |m| &mut m.bad_source,
+        ),
+    ],
+    ..KindDecl::new(KIND, "answers ICMP/ICMPv6 echo requests to its addresses; passes everything else")
+};
 
-    fn summary(&self) -> &'static str {
-        "answers ICMP/ICMPv6 echo requests to its addresses; passes everything else"
-    }
+impl ModuleKind for IcmpKind {
+    kind_from_decl!(DECL);
 
     fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
         let mut r = settings.reader(KIND);
@@ -257,60 +275,24 @@ impl ModuleKind for IcmpKind {
             addresses.push(a);
         }
         r.finish()?;
-        Ok(Box::new(IcmpBuilder { addresses }))
+        Ok(DECL.builder(addresses, |addresses, m, _| Box::new(Icmp { addresses, m })))
     }
 }
 
-struct IcmpBuilder {
-    addresses: Vec<IpAddr>,
-}
-
-impl ModuleBuilder for IcmpBuilder {
-    fn interface(&self) -> ModuleInterface {
-        ModuleInterface {
-            inputs: vec![PortSpec::new("in", port_type::IP)],
-            outputs: vec![PortSpec::new("reply", port_type::IP), PortSpec::new("out", port_type::IP)],
-            vars: vec![
-                VarSpec::meter("echo_requests_total", ValueType::U64, "frames", "echo requests to our addresses"),
-                VarSpec::meter("echo_replies_total", ValueType::U64, "frames", "echo replies emitted on `reply`"),
-                VarSpec::meter("passed_total", ValueType::U64, "frames", "frames emitted unchanged on `out`"),
-                VarSpec::meter(
-                    "drop_bad_l4_checksum_total",
-                    ValueType::U64,
-                    "frames",
-                    "echo requests to us with a wrong ICMP checksum",
-                ),
-                VarSpec::meter(
-                    "drop_bad_source_total",
-                    ValueType::U64,
-                    "frames",
-                    "echo requests from an unspecified, multicast or broadcast source",
-                ),
-            ],
-            breaks_cycles: false,
-        }
-    }
-
-    fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module> {
-        Box::new(Icmp {
-            addresses: self.addresses,
-            requests: vars.meter("echo_requests_total"),
-            replies: vars.meter("echo_replies_total"),
-            passed: vars.meter("passed_total"),
-            bad_checksum: vars.meter("drop_bad_l4_checksum_total"),
-            bad_source: vars.meter("drop_bad_source_total"),
-        })
-    }
-}
-
-/// A running `icmp` module.
-pub struct Icmp {
-    addresses: Vec<IpAddr>,
+/// The `icmp` module's meters.
+#[derive(Default)]
+struct Meters {
     requests: Meter,
     replies: Meter,
     passed: Meter,
     bad_checksum: Meter,
     bad_source: Meter,
+}
+
+/// A running `icmp` module.
+pub struct Icmp {
+    addresses: Vec<IpAddr>,
+    m: Meters,
 }
 
 const PORT_REPLY: usize = 0;
@@ -409,25 +391,25 @@ impl Module for Icmp {
             };
             match verdict {
                 Verdict::Pass => {
-                    self.passed.add(1);
+                    self.m.passed.add(1);
                     out.emit(PORT_OUT, frame);
                 }
                 Verdict::BadSource => {
-                    self.requests.add(1);
-                    self.bad_source.add(1);
+                    self.m.requests.add(1);
+                    self.m.bad_source.add(1);
                     out.drop_frame(frame);
                 }
                 Verdict::BadChecksum => {
-                    self.requests.add(1);
-                    self.bad_checksum.add(1);
+                    self.m.requests.add(1);
+                    self.m.bad_checksum.add(1);
                     out.drop_frame(frame);
                 }
                 Verdict::Reply(info) => {
-                    self.requests.add(1);
+                    self.m.requests.add(1);
                     if let Some(p) = frame.packet_mut() {
                         Self::make_reply(&info, p, out);
                     }
-                    self.replies.add(1);
+                    self.m.replies.add(1);
                     out.emit(PORT_REPLY, frame);
                 }
             }

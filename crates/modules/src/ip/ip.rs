@@ -2,34 +2,32 @@
 //! is malformed, decrement the TTL / hop limit, enforce an MTU (fragmenting IPv4 or answering with ICMP), and
 //! optionally verify transport checksums.
 //!
-//! - Ports: input `in` (ip); outputs `out` (ip: packets forwarded, or their fragments) and `icmp` (ip: ICMP and
-//!   ICMPv6 errors generated here, addressed to the offending packet's source and travelling the opposite way; the
-//!   `IN_FACE` metadata of the offending packet is copied onto them). Control frames pass to `out` unchanged.
-//! - Knobs (each also accepted as a setting of the same name):
-//!   - `decrement_ttl` (bool, default true): decrement the TTL / hop limit (IPv4: header checksum updated
-//!     incrementally, RFC 1624). A packet arriving with TTL / hop limit <= 1 is dropped (`drop_ttl_exceeded_total`)
-//!     and answered with Time Exceeded (ICMP type 11 / ICMPv6 type 3, code 0).
-//!   - `mtu` (u64 bytes, default 0 = unlimited, else 68..=65535): a longer packet is, for IPv4 without DF,
-//!     fragmented (RFC 791: options without the copy flag only in the first fragment) and each fragment emitted on
-//!     `out`; for IPv4 with DF and for IPv6 it is dropped (`drop_too_big_total`) and answered with Fragmentation
-//!     Needed (ICMP type 3 code 4, next-hop MTU) / Packet Too Big (ICMPv6 type 2, the MTU). An IPv4 fragment whose
-//!     pieces would lie beyond offset 65535 is dropped as too big, without an error.
-//!   - `verify_l4_checksums` (bool, default false): verify the TCP, UDP, ICMP and ICMPv6 checksums of whole
-//!     (non-fragment) packets; a wrong one is dropped (`drop_bad_l4_checksum_total`). UDP over IPv4 with checksum 0
-//!     has none and passes; over IPv6 a zero UDP checksum is wrong.
-//!   - `source_v4`, `source_v6` (str, default "" = unset): source address of the ICMP errors; when unset, an
-//!     error is sent from the offending packet's destination address.
-//!   - `icmp_rate` (u64 errors/s, default 1000, 0 = no limit): token bucket limiting the ICMP errors sent (RFC
-//!     4443 2.4 (f)), with bursts of up to a tenth of a second's worth (at least 1); errors held back are counted
-//!     in `icmp_errors_limited_total` (the packet itself is still dropped and counted).
-//! - ICMP errors are never sent about ICMP errors, non-first fragments, packets from unspecified, multicast or
-//!   broadcast sources, or IPv4 packets to multicast/broadcast addresses ([`crate::ip::icmp::may_send_error`]).
-//!   Errors quote the packet as it arrived.
-//! - Meters: `packets_total`, `bytes_total` (every data frame received, before any drop), `drop_<reason>_total`
-//!   for the parse errors (`truncated`, `bad_version`, `bad_header_length`, `bad_total_length`, `bad_checksum`,
-//!   `bad_extension_header`, `truncated_transport`, see [`ParseError`](flexstack_wire::packet::ParseError)) and for `ttl_exceeded`, `too_big`,
-//!   `bad_l4_checksum`; `icmp_errors_total` (errors emitted on `icmp`), `icmp_errors_limited_total`,
-//!   `fragments_made_total` (fragments emitted), `packets_fragmented_total` (packets cut into them).
+//! Its ports, knobs (each also accepted as a setting of the same name) and meters are declared once, in `DECL`
+//! below; docs/modules.md lists them with their types, units, defaults and ranges. What the knobs do:
+//!
+//! - `decrement_ttl`: decrement the TTL / hop limit (IPv4: header checksum updated incrementally, RFC 1624). A
+//!   packet arriving with TTL / hop limit <= 1 is dropped (`drop_ttl_exceeded_total`) and answered with Time
+//!   Exceeded (ICMP type 11 / ICMPv6 type 3, code 0).
+//! - `mtu` (0 = unlimited, else at least 68): a longer packet is, for IPv4 without DF, fragmented (RFC 791: options
+//!   without the copy flag only in the first fragment) and each fragment emitted on `out`; for IPv4 with DF and for
+//!   IPv6 it is dropped (`drop_too_big_total`) and answered with Fragmentation Needed (ICMP type 3 code 4, next-hop
+//!   MTU) / Packet Too Big (ICMPv6 type 2, the MTU). An IPv4 fragment whose pieces would lie beyond offset 65535 is
+//!   dropped as too big, without an error.
+//! - `verify_l4_checksums`: verify the TCP, UDP, ICMP and ICMPv6 checksums of whole (non-fragment) packets; a wrong
+//!   one is dropped (`drop_bad_l4_checksum_total`). UDP over IPv4 with checksum 0 has none and passes; over IPv6 a
+//!   zero UDP checksum is wrong.
+//! - `source_v4`, `source_v6`: source address of the ICMP errors; when unset (""), an error is sent from the
+//!   offending packet's destination address.
+//! - `icmp_rate`: token bucket limiting the ICMP errors sent (RFC 4443 2.4 (f)), with bursts of up to a tenth of a
+//!   second's worth (at least 1); errors held back are counted in `icmp_errors_limited_total` (the packet itself is
+//!   still dropped and counted).
+//!
+//! Control frames pass to `out` unchanged. ICMP errors leave on `icmp`, addressed to the offending packet's source
+//! and travelling the opposite way, with the offending packet's `IN_FACE` metadata. They are never sent about ICMP
+//! errors, non-first fragments, packets from unspecified, multicast or broadcast sources, or IPv4 packets to
+//! multicast/broadcast addresses ([`crate::ip::icmp::may_send_error`]), and quote the packet as it arrived.
+//! `packets_total` and `bytes_total` count every data frame received, before any drop; packets that do not parse
+//! count in `drop_<reason>_total` ([`ParseError`](flexstack_wire::packet::ParseError) reasons).
 //!
 //! Bytes beyond the length the IP header states (link padding) are cut from forwarded packets. Accounting: every
 //! data frame received is either emitted on `out` (whole, or replaced by `fragments_made_total -
@@ -38,8 +36,8 @@
 use crate::ip::icmp::{self, types};
 use flexstack_core::module::port_type;
 use flexstack_core::{
-    Batch, ConfigError, Direction, Frame, MetaKey, Meter, Module, ModuleBuilder, ModuleInterface, ModuleKind,
-    ModuleVars, Output, Packet, PortSpec, Settings, Time, Value, ValueType, VarSpec,
+    field, kind_from_decl, Batch, ConfigError, Direction, Frame, KindDecl, MetaKey, Meter, MeterDecl, Module,
+    ModuleBuilder, ModuleKind, Output, Packet, Param, PortDecl, Settings, Time, Value,
 };
 use flexstack_wire::checksum;
 use flexstack_wire::packet::{proto, PacketInfo};
@@ -82,8 +80,8 @@ pub fn l4_checksum_ok(info: &PacketInfo, data: &[u8]) -> bool {
     }
 }
 
-/// Settings and knob values of an `ip` module.
-#[derive(Clone, Debug, PartialEq)]
+/// Settings and knob values of an `ip` module (`Default` is a blank to read them into).
+#[derive(Clone, Debug, Default, PartialEq)]
 struct IpConfig {
     decrement_ttl: bool,
     mtu: u64,
@@ -93,11 +91,11 @@ struct IpConfig {
     icmp_rate: u64,
 }
 
-fn check_mtu(v: u64) -> Result<u64, String> {
+fn check_mtu(v: u64) -> Result<(), String> {
     if v != 0 && !(MIN_MTU..=65535).contains(&v) {
         return Err(format!("must be 0 (unlimited) or within {MIN_MTU}..=65535, got {v}"));
     }
-    Ok(v)
+    Ok(())
 }
 
 fn parse_source<T: std::str::FromStr>(text: &str, family: &str) -> Result<Option<T>, String> {
@@ -111,87 +109,86 @@ fn parse_source<T: std::str::FromStr>(text: &str, family: &str) -> Result<Option
 /// The `ip` module kind.
 pub struct IpKind;
 
-impl ModuleKind for IpKind {
-    fn name(&self) -> &'static str {
-        KIND
-    }
+type P = Param<IpConfig>;
 
-    fn summary(&self) -> &'static str {
-        "validates IPv4/IPv6 packets, decrements TTL, enforces an MTU (fragments or ICMP errors)"
-    }
+/// The kind: ports, knobs and meters.
+const DECL: KindDecl<IpConfig, Meters> = KindDecl {
+    inputs: &[PortDecl::new("in", port_type::IP, "IP packets to check and forward")],
+    outputs: &[
+        PortDecl::new("out", port_type::IP, "packets forwarded, or their fragments; control frames"),
+        PortDecl::new("icmp", port_type::IP, "ICMP and ICMPv6 errors generated here, travelling back"),
+    ],
+    params: &[
+        P::bool("decrement_ttl", "decrement TTL / hop limit; drop at <= 1", true, field!(decrement_ttl)),
+        P::u64("mtu", "bytes", "largest packet forwarded whole; 0 = unlimited", 0, field!(mtu))
+            .range(0.0, 65535.0)
+            .check(|_, v| check_mtu(v as u64)),
+        P::bool("verify_l4_checksums", "verify TCP/UDP/ICMP checksums", false, field!(verify_l4_checksums)),
+        P::text(
+            "source_v4",
+            "source of ICMP errors; \"\" = the packet's destination",
+            "",
+            |c| c.source_v4.map(|a| a.to_string()).unwrap_or_default(),
+            |c, t| parse_source(t, "IPv4").map(|a| c.source_v4 = a),
+        ),
+        P::text(
+            "source_v6",
+            "source of ICMPv6 errors; \"\" = the packet's destination",
+            "",
+            |c| c.source_v6.map(|a| a.to_string()).unwrap_or_default(),
+            |c, t| parse_source(t, "IPv6").map(|a| c.source_v6 = a),
+        ),
+        P::u64("icmp_rate", "1/s", "ICMP errors per second at most; 0 = no limit", 1000, field!(icmp_rate))
+            .range(0.0, 1e6),
+    ],
+    meters: &[
+        MeterDecl::u64("packets_total", "frames", "data frames received", |m| &mut m.packets),
+        MeterDecl::u64("bytes_total", "bytes", "bytes of the data frames received", |m| &mut m.bytes),
+        MeterDecl::u64("drop_ttl_exceeded_total", "frames", "packets dropped: TTL / hop limit exhausted", |m| {
+            &mut m.ttl_exceeded
+        }),
+        MeterDecl::u64(
+            "drop_too_big_total",
+            "frames",
+            "packets dropped: longer than the MTU and not fragmentable",
+            |m| &mut m.too_big,
+        ),
+        MeterDecl::u64("drop_bad_l4_checksum_total", "frames", "packets dropped: wrong TCP/UDP/ICMP checksum", |m| {
+            &mut m.bad_l4
+        }),
+        MeterDecl::u64("icmp_errors_total", "frames", "ICMP errors emitted on `icmp`", |m| &mut m.icmp_errors),
+        MeterDecl::u64("icmp_errors_limited_total", "frames", "ICMP errors not sent because of `icmp_rate`", |m| {
+            &mut m.icmp_limited
+        }),
+        MeterDecl::u64("fragments_made_total", "frames", "IPv4 fragments emitted", |m| &mut m.fragments_made),
+        MeterDecl::u64("packets_fragmented_total", "frames", "packets cut into fragments", |m| &mut m.fragmented),
+    ],
+    more_meters: || ParseDrops::specs(false),
+    ..KindDecl::new(KIND, "validates IPv4/IPv6 packets, decrements TTL, enforces an MTU (fragments or ICMP errors)")
+};
+
+impl ModuleKind for IpKind {
+    kind_from_decl!(DECL);
 
     fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
-        let mut r = settings.reader(KIND);
-        let decrement_ttl = r.bool("decrement_ttl")?.unwrap_or(true);
-        let mtu = r.u64("mtu")?.unwrap_or(0);
-        check_mtu(mtu).map_err(|e| r.error("mtu", e))?;
-        let verify_l4_checksums = r.bool("verify_l4_checksums")?.unwrap_or(false);
-        let v4 = r.string("source_v4")?.unwrap_or_default();
-        let source_v4 = parse_source(&v4, "IPv4").map_err(|e| r.error("source_v4", e))?;
-        let v6 = r.string("source_v6")?.unwrap_or_default();
-        let source_v6 = parse_source(&v6, "IPv6").map_err(|e| r.error("source_v6", e))?;
-        let icmp_rate = r.u64_in("icmp_rate", 1000, 0, 1_000_000)?;
-        r.finish()?;
-        Ok(Box::new(IpBuilder(IpConfig { decrement_ttl, mtu, verify_l4_checksums, source_v4, source_v6, icmp_rate })))
+        DECL.configure(settings, IpConfig::default(), |config, m, vars| {
+            Box::new(Ip { bucket: Bucket::new(config.icmp_rate), config, m, parse_drops: ParseDrops::new(vars) })
+        })
     }
 }
 
-struct IpBuilder(IpConfig);
-
-impl ModuleBuilder for IpBuilder {
-    fn interface(&self) -> ModuleInterface {
-        let m = |name: &str, unit: &str, d: &str| VarSpec::meter(name, ValueType::U64, unit, d);
-        let mut vars = vec![
-            VarSpec::knob("decrement_ttl", ValueType::Bool, "", "decrement TTL / hop limit; drop at <= 1"),
-            VarSpec::knob("mtu", ValueType::U64, "bytes", "largest packet forwarded whole; 0 = unlimited")
-                .with_range(0.0, 65535.0),
-            VarSpec::knob("verify_l4_checksums", ValueType::Bool, "", "verify TCP/UDP/ICMP checksums"),
-            VarSpec::knob("source_v4", ValueType::Str, "", "source of ICMP errors; \"\" = the packet's destination"),
-            VarSpec::knob("source_v6", ValueType::Str, "", "source of ICMPv6 errors; \"\" = the packet's destination"),
-            VarSpec::knob("icmp_rate", ValueType::U64, "1/s", "ICMP errors per second at most; 0 = no limit")
-                .with_range(0.0, 1e6),
-            m("packets_total", "frames", "data frames received"),
-            m("bytes_total", "bytes", "bytes of the data frames received"),
-            m("drop_ttl_exceeded_total", "frames", "packets dropped: TTL / hop limit exhausted"),
-            m("drop_too_big_total", "frames", "packets dropped: longer than the MTU and not fragmentable"),
-            m("drop_bad_l4_checksum_total", "frames", "packets dropped: wrong TCP/UDP/ICMP checksum"),
-            m("icmp_errors_total", "frames", "ICMP errors emitted on `icmp`"),
-            m("icmp_errors_limited_total", "frames", "ICMP errors not sent because of `icmp_rate`"),
-            m("fragments_made_total", "frames", "IPv4 fragments emitted"),
-            m("packets_fragmented_total", "frames", "packets cut into fragments"),
-        ];
-        vars.extend(ParseDrops::specs(false));
-        ModuleInterface {
-            inputs: vec![PortSpec::new("in", port_type::IP)],
-            outputs: vec![PortSpec::new("out", port_type::IP), PortSpec::new("icmp", port_type::IP)],
-            vars,
-            breaks_cycles: false,
-        }
-    }
-
-    fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module> {
-        let c = self.0;
-        vars.meter("decrement_ttl").store(&Value::Bool(c.decrement_ttl));
-        vars.meter("mtu").set(c.mtu);
-        vars.meter("verify_l4_checksums").store(&Value::Bool(c.verify_l4_checksums));
-        vars.meter("source_v4").store(&Value::Str(c.source_v4.map(|a| a.to_string()).unwrap_or_default()));
-        vars.meter("source_v6").store(&Value::Str(c.source_v6.map(|a| a.to_string()).unwrap_or_default()));
-        vars.meter("icmp_rate").set(c.icmp_rate);
-        Box::new(Ip {
-            bucket: Bucket::new(c.icmp_rate),
-            config: c,
-            packets: vars.meter("packets_total"),
-            bytes: vars.meter("bytes_total"),
-            ttl_exceeded: vars.meter("drop_ttl_exceeded_total"),
-            too_big: vars.meter("drop_too_big_total"),
-            bad_l4: vars.meter("drop_bad_l4_checksum_total"),
-            icmp_errors: vars.meter("icmp_errors_total"),
-            icmp_limited: vars.meter("icmp_errors_limited_total"),
-            fragments_made: vars.meter("fragments_made_total"),
-            fragmented: vars.meter("packets_fragmented_total"),
-            parse_drops: ParseDrops::new(vars),
-        })
-    }
+/// The `ip` module's meters.
+#[derive(Default)]
+struct Meters {
+    packets: Meter,
+    bytes: Meter,
+    ttl_exceeded: Meter,
+    too_big: Meter,
+    bad_l4: Meter,
+    icmp_errors: Meter,
+    icmp_limited: Meter,
+    fragments_made: Meter,
+    fragmented: Meter,
 }
 
 /// A token bucket for ICMP errors: credit in nanoseconds, one error costs `1e9 / rate` of it.
@@ -237,15 +234,7 @@ enum Error {
 pub struct Ip {
     config: IpConfig,
     bucket: Bucket,
-    packets: Meter,
-    bytes: Meter,
-    ttl_exceeded: Meter,
-    too_big: Meter,
-    bad_l4: Meter,
-    icmp_errors: Meter,
-    icmp_limited: Meter,
-    fragments_made: Meter,
-    fragmented: Meter,
+    m: Meters,
     parse_drops: ParseDrops,
 }
 
@@ -263,7 +252,7 @@ impl Ip {
             return; // e.g. Packet Too Big about a multicast packet, with no source_v6 configured
         }
         if !self.bucket.take(out.now()) {
-            self.icmp_limited.add(1);
+            self.m.icmp_limited.add(1);
             return;
         }
         let mtu = self.config.mtu;
@@ -292,7 +281,7 @@ impl Ip {
                 icmp::write_error_v6(e.make_mut(), src, original, t, 0, rest);
             }
         }
-        self.icmp_errors.add(1);
+        self.m.icmp_errors.add(1);
         out.emit(PORT_ICMP, e);
     }
 
@@ -357,14 +346,14 @@ impl Ip {
             made += 1;
             pos += n;
         }
-        self.fragments_made.add(made);
-        self.fragmented.add(1);
+        self.m.fragments_made.add(made);
+        self.m.fragmented.add(1);
         true
     }
 
     fn handle(&mut self, mut p: Packet, out: &mut Output<'_>) {
-        self.packets.add(1);
-        self.bytes.add(p.len() as u64);
+        self.m.packets.add(1);
+        self.m.bytes.add(p.len() as u64);
         let info = match PacketInfo::parse(p.data()) {
             Ok(info) => info,
             Err(e) => {
@@ -375,19 +364,19 @@ impl Ip {
         };
         let c = &self.config;
         if c.verify_l4_checksums && !l4_checksum_ok(&info, p.data()) {
-            self.bad_l4.add(1);
+            self.m.bad_l4.add(1);
             out.drop_frame(p.into());
             return;
         }
         if c.decrement_ttl && info.hop_limit <= 1 {
-            self.ttl_exceeded.add(1);
+            self.m.ttl_exceeded.add(1);
             self.send_error(&info, &p, Error::TimeExceeded, out);
             out.drop_frame(p.into());
             return;
         }
         let too_big = c.mtu != 0 && info.total_len as u64 > c.mtu;
         if too_big && (info.version == 6 || Ipv4Packet::new_unchecked(p.data()).dont_frag()) {
-            self.too_big.add(1);
+            self.m.too_big.add(1);
             self.send_error(&info, &p, Error::TooBig, out);
             out.drop_frame(p.into());
             return;
@@ -409,7 +398,7 @@ impl Ip {
         if !too_big {
             out.emit(PORT_OUT, p);
         } else if !self.fragment(&info, &p, out) {
-            self.too_big.add(1);
+            self.m.too_big.add(1);
             out.drop_frame(p.into());
         }
     }
@@ -426,18 +415,9 @@ impl Module for Ip {
     }
 
     fn write_knob(&mut self, knob: &str, value: &Value) -> Result<(), String> {
-        let c = &mut self.config;
-        match (knob, value) {
-            ("decrement_ttl", Value::Bool(b)) => c.decrement_ttl = *b,
-            ("verify_l4_checksums", Value::Bool(b)) => c.verify_l4_checksums = *b,
-            ("mtu", Value::U64(v)) => c.mtu = check_mtu(*v)?,
-            ("source_v4", Value::Str(s)) => c.source_v4 = parse_source(s, "IPv4")?,
-            ("source_v6", Value::Str(s)) => c.source_v6 = parse_source(s, "IPv6")?,
-            ("icmp_rate", Value::U64(v)) => {
-                c.icmp_rate = *v;
-                self.bucket = Bucket::new(*v);
-            }
-            _ => return Err(format!("an ip module has no knob {knob} of that type")),
+        DECL.write(&mut self.config, knob, value)?;
+        if knob == "icmp_rate" {
+            self.bucket = Bucket::new(self.config.icmp_rate);
         }
         Ok(())
     }

@@ -1,15 +1,13 @@
 //! `reassemble`: IPv4 and IPv6 fragment reassembly with bounded memory (RFC 791, RFC 8200 4.5, RFC 5722, RFC 1858).
 //!
-//! - Ports: input `in` (ip); output `out` (ip): packets that are not fragments, unchanged, and reassembled
-//!   datagrams. Control frames pass to `out`.
-//! - Knobs (each also accepted as a setting of the same name):
-//!   - `max_datagrams` (u64, default 64, 1..=65536): datagrams being reassembled at once (including the
-//!     tombstones of discarded ones, see below).
-//!   - `max_bytes` (u64 bytes, default 4 MiB, 1..=1 GiB): heap held by the datagrams being reassembled: the
-//!     capacity of their payload, header and piece-list buffers (`bytes_pending`). A datagram larger than this
-//!     cannot be reassembled.
-//!   - `timeout_ms` (u64 ms, default 30000, 1..=600000): a datagram not complete this long after its first
-//!     fragment arrived is discarded.
+//! Its ports, knobs (each also accepted as a setting of the same name) and meters are declared once, in `DECL`
+//! below; docs/modules.md lists them with their units, defaults and ranges. Packets that are not fragments pass to
+//! `out` unchanged, followed by the reassembled datagrams; control frames pass to `out`. `max_datagrams` counts
+//! the tombstones of discarded datagrams too (see below); `max_bytes` bounds the heap held by the datagrams being
+//! reassembled: the capacity of their payload, header and piece-list buffers (`bytes_pending`), so a datagram
+//! larger than this cannot be reassembled; a datagram not complete `timeout_ms` after its first fragment arrived is
+//! discarded.
+//!
 //! - Datagrams are keyed by (source, destination, identification, protocol) — the IP version being that of the
 //!   addresses; for IPv6 the protocol is the fragment header's next header.
 //! - Drop reasons, each counted in `drop_<reason>_total` (frames) and as dropped by the switch:
@@ -33,10 +31,6 @@
 //!   removed and the payload length set), direction and metadata. Fragments are copied into a per-datagram
 //!   buffer when they arrive (the frames are released at once) and held as pending until the datagram completes
 //!   or is discarded; buffers of finished datagrams are kept for reuse up to a quarter of `max_bytes`.
-//! - Meters: `fragments_total` (fragments received), `passed_total` (non-fragments passed),
-//!   `datagrams_reassembled_total`, `fragments_reassembled_total` (fragments that went into them),
-//!   `datagrams_pending`, `fragments_pending`, `bytes_pending` (see `max_bytes`), `bytes_spare` (buffers kept
-//!   for reuse), and the drop meters above.
 //!
 //! On `module replace` keeping state, the datagrams in progress move to the new module, whose limits apply at
 //! once (the oldest evicted if they are lower).
@@ -48,8 +42,8 @@
 use flexstack_core::frame::Metadata;
 use flexstack_core::module::port_type;
 use flexstack_core::{
-    Batch, ConfigError, Direction, Frame, Meter, Module, ModuleBuilder, ModuleInterface, ModuleKind, ModuleVars,
-    Output, Packet, PortSpec, Settings, Time, Value, ValueType, VarSpec,
+    field, kind_from_decl, Batch, ConfigError, Direction, Frame, KindDecl, Meter, MeterDecl, Module, ModuleBuilder,
+    ModuleKind, Output, Packet, Param, PortDecl, Settings, Time, Value,
 };
 use flexstack_wire::packet::ParseDrops;
 use flexstack_wire::packet::{proto, PacketInfo};
@@ -71,7 +65,7 @@ pub const DEFAULT_MAX_BYTES: u64 = 4 << 20;
 /// Default `timeout_ms`.
 pub const DEFAULT_TIMEOUT_MS: u64 = 30_000;
 
-/// Why a datagram was discarded (tombstones remember it for the fragments that follow).
+/// Why a datagram was discarded (tombstones remember it for the fragments that follow); indexes `Meters::drops`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Reason {
     Overlap,
@@ -81,15 +75,6 @@ enum Reason {
     Timeout,
     Memory,
 }
-
-const REASONS: [(Reason, &str, &str); 6] = [
-    (Reason::Overlap, "overlap", "fragments dropped: overlapping or inconsistent (whole datagram)"),
-    (Reason::Duplicate, "duplicate", "fragments dropped: exact duplicates"),
-    (Reason::Tiny, "tiny", "fragments dropped: too short or not a multiple of 8"),
-    (Reason::TooBig, "too_big", "fragments dropped: datagram longer than 65535 bytes"),
-    (Reason::Timeout, "timeout", "fragments dropped: datagram not complete in time"),
-    (Reason::Memory, "memory", "fragments dropped: oldest datagram discarded for room"),
-];
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct Key {
@@ -160,7 +145,8 @@ impl Datagram {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// The knobs (`Default` is a blank to read them into).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 struct Limits {
     max_datagrams: u64,
     max_bytes: u64,
@@ -170,90 +156,91 @@ struct Limits {
 /// The `reassemble` module kind.
 pub struct ReassembleKind;
 
-impl ModuleKind for ReassembleKind {
-    fn name(&self) -> &'static str {
-        KIND
-    }
+type P = Param<Limits>;
 
-    fn summary(&self) -> &'static str {
-        "reassembles IPv4/IPv6 fragments with bounded memory; drops overlaps, duplicates, tiny fragments"
-    }
+/// The kind: ports, knobs and meters.
+const DECL: KindDecl<Limits, Meters> = KindDecl {
+    inputs: &[PortDecl::new("in", port_type::IP, "IP packets, fragments or not")],
+    outputs: &[PortDecl::new("out", port_type::IP, "packets that are not fragments, and reassembled datagrams")],
+    params: &[
+        P::u64("max_datagrams", "", "datagrams reassembled at once", DEFAULT_MAX_DATAGRAMS, field!(max_datagrams))
+            .range(1.0, 65536.0),
+        P::u64("max_bytes", "bytes", "buffer bytes held by pending datagrams", DEFAULT_MAX_BYTES, field!(max_bytes))
+            .range(1.0, (1u64 << 30) as f64),
+        P::u64("timeout_ms", "ms", "time a datagram has to complete", DEFAULT_TIMEOUT_MS, field!(timeout_ms))
+            .range(1.0, 600_000.0),
+    ],
+    meters: &[
+        MeterDecl::u64("fragments_total", "frames", "fragments received", |m| &mut m.fragments),
+        MeterDecl::u64("passed_total", "frames", "packets that are not fragments, passed on", |m| &mut m.passed),
+        MeterDecl::u64("datagrams_reassembled_total", "frames", "datagrams reassembled and emitted", |m| {
+            &mut m.reassembled
+        }),
+        MeterDecl::u64(
+            "fragments_reassembled_total",
+            "frames",
+            "fragments that went into reassembled datagrams",
+            |m| &mut m.fragments_reassembled,
+        ),
+        MeterDecl::u64("datagrams_pending", "", "datagrams being reassembled", |m| &mut m.datagrams_pending),
+        MeterDecl::u64("fragments_pending", "frames", "fragments held by pending datagrams", |m| {
+            &mut m.fragments_pending
+        }),
+        MeterDecl::u64("bytes_pending", "bytes", "buffer bytes held by pending datagrams", |m| &mut m.bytes_pending),
+        MeterDecl::u64("bytes_spare", "bytes", "buffer bytes kept for reuse", |m| &mut m.bytes_spare),
+        MeterDecl::u64(
+            "drop_overlap_total",
+            "frames",
+            "fragments dropped: overlapping or inconsistent (whole datagram)",
+            |m| &mut m.drops[Reason::Overlap as usize],
+        ),
+        MeterDecl::u64("drop_duplicate_total", "frames", "fragments dropped: exact duplicates", |m| {
+            &mut m.drops[Reason::Duplicate as usize]
+        }),
+        MeterDecl::u64("drop_tiny_total", "frames", "fragments dropped: too short or not a multiple of 8", |m| {
+            &mut m.drops[Reason::Tiny as usize]
+        }),
+        MeterDecl::u64("drop_too_big_total", "frames", "fragments dropped: datagram longer than 65535 bytes", |m| {
+            &mut m.drops[Reason::TooBig as usize]
+        }),
+        MeterDecl::u64("drop_timeout_total", "frames", "fragments dropped: datagram not complete in time", |m| {
+            &mut m.drops[Reason::Timeout as usize]
+        }),
+        MeterDecl::u64("drop_memory_total", "frames", "fragments dropped: oldest datagram discarded for room", |m| {
+            &mut m.drops[Reason::Memory as usize]
+        }),
+    ],
+    more_meters: || ParseDrops::specs(false),
+    ..KindDecl::new(
+        KIND,
+        "reassembles IPv4/IPv6 fragments with bounded memory; drops overlaps, duplicates, tiny fragments",
+    )
+};
+
+impl ModuleKind for ReassembleKind {
+    kind_from_decl!(DECL);
 
     fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
-        let mut r = settings.reader(KIND);
-        let max_datagrams = r.u64_in("max_datagrams", DEFAULT_MAX_DATAGRAMS, 1, 65536)?;
-        let max_bytes = r.u64_in("max_bytes", DEFAULT_MAX_BYTES, 1, 1 << 30)?;
-        let timeout_ms = r.u64_in("timeout_ms", DEFAULT_TIMEOUT_MS, 1, 600_000)?;
-        r.finish()?;
-        Ok(Box::new(ReassembleBuilder(Limits { max_datagrams, max_bytes, timeout_ms })))
-    }
-}
-
-struct ReassembleBuilder(Limits);
-
-impl ModuleBuilder for ReassembleBuilder {
-    fn interface(&self) -> ModuleInterface {
-        let m = |name: &str, unit: &str, d: &str| VarSpec::meter(name, ValueType::U64, unit, d);
-        let mut vars = vec![
-            VarSpec::knob("max_datagrams", ValueType::U64, "", "datagrams reassembled at once")
-                .with_range(1.0, 65536.0),
-            VarSpec::knob("max_bytes", ValueType::U64, "bytes", "buffer bytes held by pending datagrams")
-                .with_range(1.0, (1u64 << 30) as f64),
-            VarSpec::knob("timeout_ms", ValueType::U64, "ms", "time a datagram has to complete")
-                .with_range(1.0, 600_000.0),
-            m("fragments_total", "frames", "fragments received"),
-            m("passed_total", "frames", "packets that are not fragments, passed on"),
-            m("datagrams_reassembled_total", "frames", "datagrams reassembled and emitted"),
-            m("fragments_reassembled_total", "frames", "fragments that went into reassembled datagrams"),
-            m("datagrams_pending", "", "datagrams being reassembled"),
-            m("fragments_pending", "frames", "fragments held by pending datagrams"),
-            m("bytes_pending", "bytes", "buffer bytes held by pending datagrams"),
-            m("bytes_spare", "bytes", "buffer bytes kept for reuse"),
-        ];
-        for (_, name, description) in REASONS {
-            vars.push(m(&format!("drop_{name}_total"), "frames", description));
-        }
-        vars.extend(ParseDrops::specs(false));
-        ModuleInterface {
-            inputs: vec![PortSpec::new("in", port_type::IP)],
-            outputs: vec![PortSpec::new("out", port_type::IP)],
-            vars,
-            breaks_cycles: false,
-        }
-    }
-
-    fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module> {
-        let l = self.0;
-        vars.meter("max_datagrams").set(l.max_datagrams);
-        vars.meter("max_bytes").set(l.max_bytes);
-        vars.meter("timeout_ms").set(l.timeout_ms);
-        Box::new(Reassembler {
-            limits: l,
-            slots: Vec::new(),
-            free: Vec::new(),
-            index: HashMap::with_capacity(l.max_datagrams.min(1024) as usize),
-            order: VecDeque::new(),
-            next_seq: 0,
-            bytes: 0,
-            spare: 0,
-            live: 0,
-            held: 0,
-            m: Meters {
-                fragments: vars.meter("fragments_total"),
-                passed: vars.meter("passed_total"),
-                reassembled: vars.meter("datagrams_reassembled_total"),
-                fragments_reassembled: vars.meter("fragments_reassembled_total"),
-                datagrams_pending: vars.meter("datagrams_pending"),
-                fragments_pending: vars.meter("fragments_pending"),
-                bytes_pending: vars.meter("bytes_pending"),
-                bytes_spare: vars.meter("bytes_spare"),
-                drops: REASONS.map(|(_, name, _)| vars.meter(&format!("drop_{name}_total"))),
+        DECL.configure(settings, Limits::default(), |limits, m, vars| {
+            Box::new(Reassembler {
+                limits,
+                slots: Vec::new(),
+                free: Vec::new(),
+                index: HashMap::with_capacity(limits.max_datagrams.min(1024) as usize),
+                order: VecDeque::new(),
+                next_seq: 0,
+                bytes: 0,
+                spare: 0,
+                live: 0,
+                held: 0,
+                m,
                 parse: ParseDrops::new(vars),
-            },
+            })
         })
     }
 }
 
+#[derive(Default)]
 struct Meters {
     fragments: Meter,
     passed: Meter,
@@ -264,13 +251,11 @@ struct Meters {
     bytes_pending: Meter,
     bytes_spare: Meter,
     drops: [Meter; 6],
-    parse: ParseDrops,
 }
 
 impl Meters {
     fn drop(&self, reason: Reason, n: u64) {
-        let i = REASONS.iter().position(|(r, _, _)| *r == reason).unwrap_or(0);
-        self.drops[i].add(n);
+        self.drops[reason as usize].add(n);
     }
 }
 
@@ -326,6 +311,7 @@ pub struct Reassembler {
     /// Fragments held.
     held: u64,
     m: Meters,
+    parse: ParseDrops,
 }
 
 impl Reassembler {
@@ -700,7 +686,7 @@ impl Module for Reassembler {
             };
             match PacketInfo::parse(p.data()) {
                 Err(e) => {
-                    self.m.parse.count(e);
+                    self.parse.count(e);
                     out.drop_frame(p.into());
                 }
                 Ok(info) if info.fragment.is_none() => {
@@ -723,15 +709,10 @@ impl Module for Reassembler {
     }
 
     fn write_knob(&mut self, knob: &str, value: &Value) -> Result<(), String> {
-        let Value::U64(v) = *value else { return Err(format!("{knob} takes an integer")) };
-        match knob {
-            "max_datagrams" => {
-                self.limits.max_datagrams = v;
-                self.index.reserve((v as usize).min(1024).saturating_sub(self.index.len()));
-            }
-            "max_bytes" => self.limits.max_bytes = v,
-            "timeout_ms" => self.limits.timeout_ms = v,
-            _ => return Err(format!("a reassemble module has no knob {knob}")),
+        DECL.write(&mut self.limits, knob, value)?;
+        if knob == "max_datagrams" {
+            let want = (self.limits.max_datagrams as usize).min(1024);
+            self.index.reserve(want.saturating_sub(self.index.len()));
         }
         // The switch polls the module next: maintain() applies lower limits there.
         Ok(())

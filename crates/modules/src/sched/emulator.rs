@@ -45,42 +45,25 @@
 //! drops. Writing `seed` (even the same value) re-seeds the generator and puts the Gilbert-Elliott state back to
 //! good. Knob changes apply to frames arriving after them; held frames keep their release times.
 //!
-//! - Ports: input `in` (any), output `out` (any).
-//! - Settings: each knob below.
-//! - Knobs (also accepted as settings):
-//!   - `delay_ms` (f64, ms, default 0, 0..=3600000): fixed one-way delay.
-//!   - `jitter_ms` (f64, ms, default 0, 0..=3600000): uniform jitter of ± this much around the delay.
-//!   - `reorder` (bool, default false): let jitter reorder frames.
-//!   - `rate_mbit` (f64, Mbit/s, default 0 = unlimited, 0..=1000000): wire rate.
-//!   - `queue_packets` (u64, packets, default 1000, 0..=10000000): most on-wire packets (segments of a GSO
-//!     super-frame count one each) waiting for the wire.
-//!   - `loss_pct` (f64, %, default 0, 0..=100): random loss.
-//!   - `ge_p`, `ge_r` (f64, probability per frame, default 0, 0..=1): Gilbert-Elliott good → bad and bad → good;
-//!     the model is active when `ge_p > 0`; the mean length of a bad run is `1 / ge_r` frames.
-//!   - `ge_loss_bad_pct` (f64, %, default 100), `ge_loss_good_pct` (f64, %, default 0): loss in each state.
-//!   - `duplicate_pct`, `corrupt_pct` (f64, %, default 0, 0..=100).
-//!   - `up` (bool, default true): false drops everything arriving and everything held.
-//!   - `seed` (u64, default 1): seed of the random generator.
-//! - Meters: `frames_total` (frames arrived), `delivered_total`, `queued` (frames held now), `drop_loss_total`,
-//!   `drop_queue_full_total`, `drop_down_total`, `duplicated_total`, `corrupted_total` (frames; segments once
-//!   cut), `wire_packets_total` (on-wire packets that went on the wire: a whole super-frame counts its segments),
-//!   `gso_split_total` (super-frames cut into segments), `gso_split_errors_total` (super-frames whose description
-//!   did not match their bytes: they travel whole, as one packet), `bytes_delivered_total` (bytes) and
-//!   `wire_wait_ns_s_total` (ns × s): the integral over time of the wire backlog (how long a packet arriving then
-//!   would wait before it starts on the wire), up to the last call; read twice, its increase divided by the
-//!   seconds between gives the mean wait a packet arriving at a random moment in between meets in the model.
-//!   `scripts/bench-emulator.sh` subtracts it from measured delays to find the emulator's own delay error.
-//!   `late_ns_total` (ns) sums how late each released frame left (the time of the call that emitted it minus its
-//!   release time): the part of that error due to the module being called late. Every drop also goes through
-//!   [`Output::drop_frame`].
+//! Its ports, knobs (each also accepted as a setting) and meters are declared once, in `DECL` below;
+//! docs/modules.md lists them with their units, defaults and ranges. Gilbert-Elliott is active when `ge_p > 0`;
+//! the mean length of a bad run is then `1 / ge_r` frames. Frames held, dropped or delivered are counted per frame
+//! (segments once cut); `wire_packets_total` counts on-wire packets (a whole super-frame counts its segments).
+//! `wire_wait_ns_s_total` (ns × s) is the integral over time of the wire backlog (how long a packet arriving then
+//! would wait before it starts on the wire), up to the last call; read twice, its increase divided by the seconds
+//! between gives the mean wait a packet arriving at a random moment in between meets in the model.
+//! `scripts/bench-emulator.sh` subtracts it from measured delays to find the emulator's own delay error.
+//! `late_ns_total` (ns) sums how late each released frame left (the time of the call that emitted it minus its
+//! release time): the part of that error due to the module being called late. Every drop also goes through
+//! [`Output::drop_frame`].
 //!
 //! No state is handed over on `module replace`: held frames are lost with the old module.
 
 use flexstack_core::frame::{Gso, GsoKind, MetaKey};
 use flexstack_core::module::port_type;
 use flexstack_core::{
-    Batch, ConfigError, Frame, Meter, Module, ModuleBuilder, ModuleInterface, ModuleKind, ModuleVars, Output, Packet,
-    PortSpec, Settings, Time, Value, ValueType, VarSpec,
+    field, kind_from_decl, Batch, ConfigError, Frame, KindDecl, Meter, MeterDecl, Module, ModuleBuilder, ModuleKind,
+    Output, Packet, Param, PortDecl, Settings, Time, Value,
 };
 use std::collections::VecDeque;
 
@@ -97,8 +80,9 @@ const MAX_QUEUE: u64 = 10_000_000;
 /// The `emulator` module kind.
 pub struct EmulatorKind;
 
-/// The emulator's parameters (its knobs).
-#[derive(Clone, Debug, PartialEq)]
+/// The emulator's parameters (its knobs). `Default` is only a blank to read the settings into: the defaults are
+/// declared in `DECL`.
+#[derive(Clone, Debug, Default, PartialEq)]
 struct Config {
     delay_ms: f64,
     jitter_ms: f64,
@@ -116,166 +100,109 @@ struct Config {
     seed: u64,
 }
 
-/// The f64 knobs: name, unit, description, default, max (the min is 0).
-const F64_KNOBS: [(&str, &str, &str, f64, f64); 10] = [
-    ("delay_ms", "ms", "one-way delay", 0.0, MAX_DELAY_MS),
-    ("jitter_ms", "ms", "uniform jitter around the delay (±)", 0.0, MAX_DELAY_MS),
-    ("rate_mbit", "Mbit/s", "wire rate; 0 = unlimited", 0.0, MAX_RATE_MBIT),
-    ("loss_pct", "%", "random loss (when Gilbert-Elliott is off)", 0.0, 100.0),
-    ("ge_p", "", "Gilbert-Elliott: probability good -> bad per frame; > 0 turns the model on", 0.0, 1.0),
-    ("ge_r", "", "Gilbert-Elliott: probability bad -> good per frame", 0.0, 1.0),
-    ("ge_loss_bad_pct", "%", "Gilbert-Elliott: loss in the bad state", 100.0, 100.0),
-    ("ge_loss_good_pct", "%", "Gilbert-Elliott: loss in the good state", 0.0, 100.0),
-    ("duplicate_pct", "%", "frames sent twice", 0.0, 100.0),
-    ("corrupt_pct", "%", "data frames with one bit flipped", 0.0, 100.0),
-];
+type P = Param<Config>;
 
-const METERS: [(&str, &str, &str); 14] = [
-    ("frames_total", "frames", "frames arrived"),
-    ("delivered_total", "frames", "frames released on `out`"),
-    ("queued", "frames", "frames held now"),
-    ("drop_loss_total", "frames", "frames lost (random or Gilbert-Elliott)"),
-    ("drop_queue_full_total", "frames", "frames dropped because the queue was full"),
-    ("drop_down_total", "frames", "frames dropped while the link was down"),
-    ("duplicated_total", "frames", "extra copies sent"),
-    ("corrupted_total", "frames", "frames with a bit flipped"),
-    ("bytes_delivered_total", "bytes", "bytes of the data frames released"),
-    ("wire_packets_total", "packets", "on-wire packets sent on the wire (a GSO super-frame counts its segments)"),
-    ("gso_split_total", "frames", "GSO super-frames cut into their segments"),
-    ("gso_split_errors_total", "frames", "GSO super-frames that could not be cut (they travel whole)"),
-    (
-        "wire_wait_ns_s_total",
-        "ns*s",
-        "integral over time of the wire backlog: its increase over an interval divided by the interval in s is \
-         the mean wait of a packet arriving at a random moment",
-    ),
-    ("late_ns_total", "ns", "sum over released frames of how late they left (now - release time)"),
-];
-
-impl Config {
-    fn f64_mut(&mut self, name: &str) -> Option<&mut f64> {
-        Some(match name {
-            "delay_ms" => &mut self.delay_ms,
-            "jitter_ms" => &mut self.jitter_ms,
-            "rate_mbit" => &mut self.rate_mbit,
-            "loss_pct" => &mut self.loss_pct,
-            "ge_p" => &mut self.ge_p,
-            "ge_r" => &mut self.ge_r,
-            "ge_loss_bad_pct" => &mut self.ge_loss_bad_pct,
-            "ge_loss_good_pct" => &mut self.ge_loss_good_pct,
-            "duplicate_pct" => &mut self.duplicate_pct,
-            "corrupt_pct" => &mut self.corrupt_pct,
-            _ => return None,
-        })
-    }
-
-    fn f64_max(name: &str) -> Option<f64> {
-        F64_KNOBS.iter().find(|k| k.0 == name).map(|k| k.4)
-    }
-}
+/// The kind: ports, knobs and meters.
+const DECL: KindDecl<Config, Meters> = KindDecl {
+    inputs: &[PortDecl::new("in", port_type::ANY, "frames entering the link")],
+    outputs: &[PortDecl::new("out", port_type::ANY, "frames leaving the link, when their time has come")],
+    params: &[
+        P::f64("delay_ms", "ms", "one-way delay", 0.0, field!(delay_ms)).range(0.0, MAX_DELAY_MS),
+        P::f64("jitter_ms", "ms", "uniform jitter around the delay (±)", 0.0, field!(jitter_ms)).range(0.0, MAX_DELAY_MS),
+        P::f64("rate_mbit", "Mbit/s", "wire rate; 0 = unlimited", 0.0, field!(rate_mbit)).range(0.0, MAX_RATE_MBIT),
+        P::f64("loss_pct", "%", "random loss (when Gilbert-Elliott is off)", 0.0, field!(loss_pct)).range(0.0, 100.0),
+        P::f64("ge_p", "", "Gilbert-Elliott: probability good -> bad per frame; > 0 turns the model on", 0.0, field!(ge_p))
+            .range(0.0, 1.0),
+        P::f64("ge_r", "", "Gilbert-Elliott: probability bad -> good per frame", 0.0, field!(ge_r)).range(0.0, 1.0),
+        P::f64("ge_loss_bad_pct", "%", "Gilbert-Elliott: loss in the bad state", 100.0, field!(ge_loss_bad_pct))
+            .range(0.0, 100.0),
+        P::f64("ge_loss_good_pct", "%", "Gilbert-Elliott: loss in the good state", 0.0, field!(ge_loss_good_pct))
+            .range(0.0, 100.0),
+        P::f64("duplicate_pct", "%", "frames sent twice", 0.0, field!(duplicate_pct)).range(0.0, 100.0),
+        P::f64("corrupt_pct", "%", "data frames with one bit flipped", 0.0, field!(corrupt_pct)).range(0.0, 100.0),
+        P::bool("reorder", "let jitter reorder frames", false, field!(reorder)),
+        P::u64(
+            "queue_packets",
+            "packets",
+            "most on-wire packets waiting for the wire (a GSO super-frame counts its segments)",
+            1000,
+            field!(queue_packets),
+        )
+        .range(0.0, MAX_QUEUE as f64),
+        P::bool("up", "false drops everything arriving and held", true, field!(up)),
+        P::u64("seed", "", "seed of the random generator; writing it re-seeds", 1, field!(seed)),
+    ],
+    meters: &[
+        MeterDecl::u64("frames_total", "frames", "frames arrived", |m| &mut m.frames),
+        MeterDecl::u64("delivered_total", "frames", "frames released on `out`", |m| &mut m.delivered),
+        MeterDecl::u64("queued", "frames", "frames held now", |m| &mut m.queued),
+        MeterDecl::u64("drop_loss_total", "frames", "frames lost (random or Gilbert-Elliott)", |m| &mut m.drop_loss),
+        MeterDecl::u64("drop_queue_full_total", "frames", "frames dropped because the queue was full", |m| {
+            &mut m.drop_queue
+        }),
+        MeterDecl::u64("drop_down_total", "frames", "frames dropped while the link was down", |m| &mut m.drop_down),
+        MeterDecl::u64("duplicated_total", "frames", "extra copies sent", |m| &mut m.duplicated),
+        MeterDecl::u64("corrupted_total", "frames", "frames with a bit flipped", |m| &mut m.corrupted),
+        MeterDecl::u64("bytes_delivered_total", "bytes", "bytes of the data frames released", |m| &mut m.bytes),
+        MeterDecl::u64(
+            "wire_packets_total",
+            "packets",
+            "on-wire packets sent on the wire (a GSO super-frame counts its segments)",
+            |m| &mut m.wire_packets,
+        ),
+        MeterDecl::u64("gso_split_total", "frames", "GSO super-frames cut into their segments", |m| &mut m.gso_split),
+        MeterDecl::u64(
+            "gso_split_errors_total",
+            "frames",
+            "GSO super-frames that could not be cut (they travel whole)",
+            |m| &mut m.gso_split_errors,
+        ),
+        MeterDecl::u64(
+            "wire_wait_ns_s_total",
+            "ns*s",
+            "integral over time of the wire backlog: its increase over an interval divided by the interval in s is \
+             the mean wait of a packet arriving at a random moment",
+            |m| &mut m.wire_wait,
+        ),
+        MeterDecl::u64(
+            "late_ns_total",
+            "ns",
+            "sum over released frames of how late they left (now - release time)",
+            |m| &mut m.late,
+        ),
+    ],
+    breaks_cycles: true,
+    ..KindDecl::new(
+        KIND,
+        "emulates a link direction: delay, jitter, rate, queue, loss (random, Gilbert-Elliott), duplicate, corrupt, up/down",
+    )
+};
 
 impl ModuleKind for EmulatorKind {
-    fn name(&self) -> &'static str {
-        KIND
-    }
-
-    fn summary(&self) -> &'static str {
-        "emulates a link direction: delay, jitter, rate, queue, loss (random, Gilbert-Elliott), duplicate, corrupt, up/down"
-    }
+    kind_from_decl!(DECL);
 
     fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
-        let mut r = settings.reader(KIND);
-        let mut cfg = Config {
-            delay_ms: 0.0,
-            jitter_ms: 0.0,
-            reorder: false,
-            rate_mbit: 0.0,
-            queue_packets: 1000,
-            loss_pct: 0.0,
-            ge_p: 0.0,
-            ge_r: 0.0,
-            ge_loss_bad_pct: 100.0,
-            ge_loss_good_pct: 0.0,
-            duplicate_pct: 0.0,
-            corrupt_pct: 0.0,
-            up: true,
-            seed: 1,
-        };
-        for (name, _, _, default, max) in F64_KNOBS {
-            let v = r.f64_in(name, default, 0.0, max)?;
-            *cfg.f64_mut(name).expect("every f64 knob has a field") = v;
-        }
-        cfg.reorder = r.bool("reorder")?.unwrap_or(false);
-        cfg.queue_packets = r.u64_in("queue_packets", 1000, 0, MAX_QUEUE)?;
-        cfg.up = r.bool("up")?.unwrap_or(true);
-        cfg.seed = r.u64("seed")?.unwrap_or(1);
-        r.finish()?;
-        Ok(Box::new(EmulatorBuilder(cfg)))
+        DECL.configure(settings, Config::default(), |cfg, m, _| Box::new(Emulator::new(cfg, m)))
     }
 }
 
-struct EmulatorBuilder(Config);
-
-impl ModuleBuilder for EmulatorBuilder {
-    fn interface(&self) -> ModuleInterface {
-        let mut vars: Vec<VarSpec> = F64_KNOBS
-            .iter()
-            .map(|&(name, unit, desc, _, max)| VarSpec::knob(name, ValueType::F64, unit, desc).with_range(0.0, max))
-            .collect();
-        vars.push(VarSpec::knob("reorder", ValueType::Bool, "", "let jitter reorder frames"));
-        vars.push(
-            VarSpec::knob("queue_packets", ValueType::U64, "packets", "most on-wire packets waiting for the wire")
-                .with_range(0.0, MAX_QUEUE as f64),
-        );
-        vars.push(VarSpec::knob("up", ValueType::Bool, "", "false drops everything arriving and held"));
-        vars.push(VarSpec::knob("seed", ValueType::U64, "", "seed of the random generator"));
-        vars.extend(METERS.iter().map(|&(name, unit, desc)| VarSpec::meter(name, ValueType::U64, unit, desc)));
-        ModuleInterface {
-            inputs: vec![PortSpec::new("in", port_type::ANY)],
-            outputs: vec![PortSpec::new("out", port_type::ANY)],
-            vars,
-            breaks_cycles: true,
-        }
-    }
-
-    fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module> {
-        let mut cfg = self.0;
-        for (name, ..) in F64_KNOBS {
-            vars.meter(name).store(&Value::F64(*cfg.f64_mut(name).expect("every f64 knob has a field")));
-        }
-        vars.meter("reorder").store(&Value::Bool(cfg.reorder));
-        vars.meter("queue_packets").store(&Value::U64(cfg.queue_packets));
-        vars.meter("up").store(&Value::Bool(cfg.up));
-        vars.meter("seed").store(&Value::U64(cfg.seed));
-        let rng = Rng::new(cfg.seed);
-        Box::new(Emulator {
-            cfg,
-            rng,
-            ge_bad: false,
-            held: VecDeque::with_capacity(1024),
-            waiting: VecDeque::with_capacity(1024),
-            wire_free: Time::ZERO,
-            last_release: Time::ZERO,
-            frames: vars.meter("frames_total"),
-            delivered: vars.meter("delivered_total"),
-            queued: vars.meter("queued"),
-            drop_loss: vars.meter("drop_loss_total"),
-            drop_queue: vars.meter("drop_queue_full_total"),
-            drop_down: vars.meter("drop_down_total"),
-            duplicated: vars.meter("duplicated_total"),
-            corrupted: vars.meter("corrupted_total"),
-            bytes: vars.meter("bytes_delivered_total"),
-            wire_packets: vars.meter("wire_packets_total"),
-            gso_split: vars.meter("gso_split_total"),
-            gso_split_errors: vars.meter("gso_split_errors_total"),
-            scratch: Vec::new(),
-            sizes: Vec::new(),
-            wire_wait: vars.meter("wire_wait_ns_s_total"),
-            wire_wait_sum: 0.0,
-            late: vars.meter("late_ns_total"),
-            integrated_until: Time::ZERO,
-        })
-    }
+/// The emulator's meters.
+#[derive(Default)]
+struct Meters {
+    frames: Meter,
+    delivered: Meter,
+    queued: Meter,
+    drop_loss: Meter,
+    drop_queue: Meter,
+    drop_down: Meter,
+    duplicated: Meter,
+    corrupted: Meter,
+    bytes: Meter,
+    wire_packets: Meter,
+    gso_split: Meter,
+    gso_split_errors: Meter,
+    wire_wait: Meter,
+    late: Meter,
 }
 
 /// splitmix64: small, fast, and the same sequence everywhere for a seed.
@@ -339,26 +266,13 @@ pub struct Emulator {
     wire_free: Time,
     /// Release time of the last frame queued (for FIFO).
     last_release: Time,
-    frames: Meter,
-    delivered: Meter,
-    queued: Meter,
-    drop_loss: Meter,
-    drop_queue: Meter,
-    drop_down: Meter,
-    duplicated: Meter,
-    corrupted: Meter,
-    bytes: Meter,
-    wire_packets: Meter,
-    gso_split: Meter,
-    gso_split_errors: Meter,
+    m: Meters,
     /// Segment buffers for cutting GSO super-frames, and their lengths.
     scratch: Vec<Vec<u8>>,
     sizes: Vec<usize>,
-    wire_wait: Meter,
     /// Integral of the wire backlog up to `integrated_until`, in ns × s.
     wire_wait_sum: f64,
     integrated_until: Time,
-    late: Meter,
 }
 
 fn ms_to_ns(ms: f64) -> f64 {
@@ -366,6 +280,23 @@ fn ms_to_ns(ms: f64) -> f64 {
 }
 
 impl Emulator {
+    fn new(cfg: Config, m: Meters) -> Emulator {
+        Emulator {
+            rng: Rng::new(cfg.seed),
+            cfg,
+            ge_bad: false,
+            held: VecDeque::with_capacity(1024),
+            waiting: VecDeque::with_capacity(1024),
+            wire_free: Time::ZERO,
+            last_release: Time::ZERO,
+            m,
+            scratch: Vec::new(),
+            sizes: Vec::new(),
+            wire_wait_sum: 0.0,
+            integrated_until: Time::ZERO,
+        }
+    }
+
     /// Step 2: true if the frame is lost.
     fn lost(&mut self) -> bool {
         if self.cfg.ge_p > 0.0 {
@@ -406,11 +337,11 @@ impl Emulator {
         let left_wire = if rate > 0.0 {
             let Some(gso) = gso else {
                 if self.waiting.len() as u64 >= self.cfg.queue_packets {
-                    self.drop_queue.add(1);
+                    self.m.drop_queue.add(1);
                     out.drop_frame(frame);
                     return;
                 }
-                self.wire_packets.add(1);
+                self.m.wire_packets.add(1);
                 let left = self.occupy_wire(now, frame.len());
                 return self.delay(left, frame);
             };
@@ -424,14 +355,14 @@ impl Emulator {
                 }
                 return;
             }
-            self.wire_packets.add(n as u64);
+            self.m.wire_packets.add(n as u64);
             let mut left = now;
             for i in 0..n {
                 left = self.occupy_wire(now, segment_len(len, hdr, size, i));
             }
             left
         } else {
-            self.wire_packets.add(gso.map_or(1, |g| g.segments(frame.len())) as u64);
+            self.m.wire_packets.add(gso.map_or(1, |g| g.segments(frame.len())) as u64);
             now
         };
         self.delay(left_wire, frame);
@@ -535,7 +466,7 @@ impl Emulator {
         };
         match result {
             Ok(count) => {
-                self.gso_split.add(1);
+                self.m.gso_split.add(1);
                 (0..count)
                     .map(|i| {
                         let b = &mut self.scratch[i];
@@ -548,7 +479,7 @@ impl Emulator {
                     .collect()
             }
             Err(_) => {
-                self.gso_split_errors.add(1);
+                self.m.gso_split_errors.add(1);
                 p.meta_mut().remove(MetaKey::GSO);
                 vec![p]
             }
@@ -565,9 +496,9 @@ impl Emulator {
             bytes += frame.len() as u64;
             out.emit(0, frame);
         }
-        self.delivered.add(n);
-        self.bytes.add(bytes);
-        self.late.add(late);
+        self.m.delivered.add(n);
+        self.m.bytes.add(bytes);
+        self.m.late.add(late);
     }
 
     /// Adds the wire backlog's integral from the last call up to `now` (before anything changes the wire).
@@ -592,7 +523,7 @@ impl Emulator {
         for (_, frame) in self.held.drain(..) {
             out.drop_frame(frame);
         }
-        self.drop_down.add(n);
+        self.m.drop_down.add(n);
         self.waiting.clear();
         self.wire_free = now;
         self.last_release = now;
@@ -600,8 +531,8 @@ impl Emulator {
 
     /// Publishes the queue length and asks for a poll at the next release.
     fn settle(&mut self, out: &mut Output<'_>) -> Option<Time> {
-        self.queued.set(self.held.len() as u64);
-        self.wire_wait.set(self.wire_wait_sum.round() as u64);
+        self.m.queued.set(self.held.len() as u64);
+        self.m.wire_wait.set(self.wire_wait_sum.round() as u64);
         let next = self.held.front().map(|(t, _)| *t);
         if let Some(t) = next {
             out.wake_at(t);
@@ -614,10 +545,10 @@ impl Module for Emulator {
     fn process(&mut self, _port: usize, input: &mut Batch, out: &mut Output<'_>) {
         let now = out.now();
         self.integrate(now);
-        self.frames.add(input.len() as u64);
+        self.m.frames.add(input.len() as u64);
         if !self.cfg.up {
             self.drop_held(now, out);
-            self.drop_down.add(input.len() as u64);
+            self.m.drop_down.add(input.len() as u64);
             for f in input.drain(..) {
                 out.drop_frame(f);
             }
@@ -662,18 +593,18 @@ impl Emulator {
     fn arrive(&mut self, now: Time, mut frame: Frame, out: &mut Output<'_>) {
         {
             if self.lost() {
-                self.drop_loss.add(1);
+                self.m.drop_loss.add(1);
                 out.drop_frame(frame);
                 return;
             }
             let copy = if self.rng.chance(self.cfg.duplicate_pct / 100.0) {
-                self.duplicated.add(1);
+                self.m.duplicated.add(1);
                 Some(frame.clone())
             } else {
                 None
             };
             if self.rng.chance(self.cfg.corrupt_pct / 100.0) && self.corrupt(&mut frame) {
-                self.corrupted.add(1);
+                self.m.corrupted.add(1);
             }
             self.enqueue(now, frame, out);
             if let Some(copy) = copy {
@@ -683,19 +614,10 @@ impl Emulator {
     }
 
     fn set_knob(&mut self, knob: &str, value: &Value) -> Result<(), String> {
-        match (knob, value) {
-            (_, Value::F64(v)) if Config::f64_max(knob).is_some_and(|max| (0.0..=max).contains(v)) => {
-                *self.cfg.f64_mut(knob).expect("f64 knob") = *v;
-            }
-            ("reorder", Value::Bool(v)) => self.cfg.reorder = *v,
-            ("queue_packets", Value::U64(v)) if *v <= MAX_QUEUE => self.cfg.queue_packets = *v,
-            ("up", Value::Bool(v)) => self.cfg.up = *v,
-            ("seed", Value::U64(v)) => {
-                self.cfg.seed = *v;
-                self.rng = Rng::new(*v);
-                self.ge_bad = false;
-            }
-            _ => return Err(format!("cannot set {knob} to {value}")),
+        DECL.write(&mut self.cfg, knob, value)?;
+        if knob == "seed" {
+            self.rng = Rng::new(self.cfg.seed);
+            self.ge_bad = false;
         }
         Ok(())
     }

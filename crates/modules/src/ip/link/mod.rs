@@ -128,7 +128,7 @@ use std::any::Any;
 use std::net::IpAddr;
 
 /// The kind's name in stack files.
-pub const KIND: &str = "link";
+pub const KIND: &str = "ethernet";
 
 const IN_IP: usize = 0;
 const IN_WIRE: usize = 1;

@@ -1,105 +1,99 @@
-//! `switch`: Click's Switch element: sends every frame to one selected output, or drops them all.
+//! `select` (formerly `switch`, which still loads): Click's Switch element: sends every frame to one selected output,
+//! or drops them all. (The switch is the runtime that drives the graph; this kind selects.)
 //!
-//! - Ports: input `in` (any); outputs `0`, `1`, ... `N-1` (any), where `N` is the `outputs` setting.
-//! - Settings: `outputs` (u64, default 2, 1..=64): number of output ports; and the knob below.
-//! - Knobs (also accepted as a setting): `select` (i64, default 0, -1..=N-1): the output every frame goes to; -1
-//!   drops every frame (counted in the switch's `frames_dropped_total` for this module).
-//! - Meters: `frames_total` (frames) received.
-//! - Procedures (control frame `Exec`): `select` with an integer argument sets the selection, like the knob, and
-//!   returns the previous selection.
+//! Frames dropped by `select = -1` count in the switch's `frames_dropped_total` for this module. Its ports,
+//! settings, knob and meter are declared once, in `DECL` below; docs/modules.md lists them.
+//!
+//! Procedure (control frame `Exec`): `select` with an integer argument sets the selection, like the knob, and
+//! returns the previous selection.
 
 use flexstack_core::module::port_type;
 use flexstack_core::{
-    Batch, ConfigError, Meter, Module, ModuleBuilder, ModuleInterface, ModuleKind, ModuleVars, Output, PortSpec,
-    Settings, Value, ValueType, VarSpec,
+    field, kind_from_decl, Batch, ConfigError, KindDecl, Meter, MeterDecl, Module, ModuleBuilder, ModuleInterface,
+    ModuleKind, ModuleVars, Output, Param, PortDecl, PortSpec, Settings, Value,
 };
 
 /// The kind's name in stack files.
-pub const KIND: &str = "switch";
+pub const KIND: &str = "select";
 
 /// Most output ports.
 const MAX_OUTPUTS: u64 = 64;
 
-/// The `switch` module kind.
-pub struct SwitchKind;
+/// The `select` module kind.
+pub struct SelectKind;
 
-impl ModuleKind for SwitchKind {
-    fn name(&self) -> &'static str {
-        KIND
-    }
-
-    fn summary(&self) -> &'static str {
-        "sends every frame to the selected output (Click's Switch); -1 drops"
-    }
-
-    fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
-        let mut r = settings.reader(KIND);
-        let outputs = r.u64_in("outputs", 2, 1, MAX_OUTPUTS)?;
-        let select = r.i64("select")?.unwrap_or(0);
-        let max = outputs as i64 - 1;
-        if !(-1..=max).contains(&select) {
-            return Err(r.error(
-                "select",
-                format_args!("must be within -1..={max} (the module has {outputs} outputs; -1 drops), got {select}"),
-            ));
-        }
-        r.finish()?;
-        Ok(Box::new(SwitchBuilder { outputs: outputs as usize, select }))
-    }
-}
-
-struct SwitchBuilder {
-    outputs: usize,
+/// Settings and knob value.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+struct Config {
+    outputs: u64,
     select: i64,
 }
 
-impl ModuleBuilder for SwitchBuilder {
+type P = Param<Config>;
+
+/// The kind: ports, setting, knob and meter.
+const DECL: KindDecl<Config, Meters> = KindDecl {
+    inputs: &[PortDecl::new("in", port_type::ANY, "frames to steer")],
+    outputs: &[PortDecl::new("0..N-1", port_type::ANY, "one port per output (`N` = `outputs`)")],
+    params: &[
+        P::u64("outputs", "", "number of output ports", 2, field!(outputs)).range(1.0, MAX_OUTPUTS as f64).setting(),
+        P::i64("select", "", "output every frame goes to; -1 drops", 0, field!(select))
+            .range_by(|c| (-1.0, c.outputs as f64 - 1.0), "-1..=N-1")
+            .check(|c, v| {
+                let (max, v) = (c.outputs as i64 - 1, v as i64);
+                if !(-1..=max).contains(&v) {
+                    let outputs = c.outputs;
+                    return Err(format!(
+                        "must be within -1..={max} (the module has {outputs} outputs; -1 drops), got {v}"
+                    ));
+                }
+                Ok(())
+            }),
+    ],
+    meters: &[MeterDecl::u64("frames_total", "frames", "frames received", |m| &mut m.frames)],
+    ..KindDecl::new(KIND, "sends every frame to the selected output (Click's Switch); -1 drops")
+};
+
+impl ModuleKind for SelectKind {
+    kind_from_decl!(DECL);
+
+    fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
+        Ok(Box::new(SelectBuilder(DECL.settings(settings, Config::default())?)))
+    }
+}
+
+struct SelectBuilder(Config);
+
+impl ModuleBuilder for SelectBuilder {
     fn interface(&self) -> ModuleInterface {
-        ModuleInterface {
-            inputs: vec![PortSpec::new("in", port_type::ANY)],
-            outputs: (0..self.outputs).map(|i| PortSpec::new(i.to_string(), port_type::ANY)).collect(),
-            vars: vec![
-                VarSpec::knob("select", ValueType::I64, "", "output every frame goes to; -1 drops")
-                    .with_range(-1.0, self.outputs as f64 - 1.0),
-                VarSpec::meter("frames_total", ValueType::U64, "frames", "frames received"),
-            ],
-            breaks_cycles: false,
-        }
+        let mut iface = DECL.interface(&self.0);
+        iface.outputs = (0..self.0.outputs).map(|i| PortSpec::new(i.to_string(), port_type::ANY)).collect();
+        iface
     }
 
     fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module> {
-        let knob = vars.meter("select");
-        knob.store(&Value::I64(self.select));
-        Box::new(Selector { outputs: self.outputs, select: self.select, knob, frames: vars.meter("frames_total") })
+        DECL.publish(&self.0, vars);
+        Box::new(Selector { cfg: self.0, knob: vars.meter("select"), m: DECL.meters(vars) })
     }
 }
 
-/// A running `switch` module.
-pub struct Selector {
-    outputs: usize,
-    select: i64,
-    knob: Meter,
+#[derive(Default)]
+struct Meters {
     frames: Meter,
 }
 
-impl Selector {
-    /// Checks and converts a selection.
-    fn check(&self, value: &Value) -> Result<i64, String> {
-        let Value::I64(v) = value.coerce(ValueType::I64)? else {
-            return Err(format!("expected an integer, got {value}"));
-        };
-        let max = self.outputs as i64 - 1;
-        if !(-1..=max).contains(&v) {
-            return Err(format!("select must be within -1..={max}, got {v}"));
-        }
-        Ok(v)
-    }
+/// A running `select` module.
+pub struct Selector {
+    cfg: Config,
+    /// The `select` knob's cell, updated by the procedure.
+    knob: Meter,
+    m: Meters,
 }
 
 impl Module for Selector {
     fn process(&mut self, _port: usize, input: &mut Batch, out: &mut Output<'_>) {
-        self.frames.add(input.len() as u64);
-        match usize::try_from(self.select) {
+        self.m.frames.add(input.len() as u64);
+        match usize::try_from(self.cfg.select) {
             Ok(port) => out.emit_all(port, input),
             Err(_) => {
                 for f in input.drain(..) {
@@ -110,24 +104,18 @@ impl Module for Selector {
     }
 
     fn write_knob(&mut self, knob: &str, value: &Value) -> Result<(), String> {
-        match knob {
-            "select" => {
-                self.select = self.check(value)?;
-                Ok(())
-            }
-            _ => Err(format!("a switch has no knob {knob}")),
-        }
+        DECL.write(&mut self.cfg, knob, value)
     }
 
     fn execute(&mut self, procedure: &str, argument: &Value, _out: &mut Output<'_>) -> Result<Value, String> {
         match procedure {
             "select" => {
-                let v = self.check(argument)?;
-                let previous = std::mem::replace(&mut self.select, v);
-                self.knob.store(&Value::I64(v));
+                let previous = self.cfg.select;
+                DECL.write(&mut self.cfg, "select", argument)?;
+                self.knob.store(&Value::I64(self.cfg.select));
                 Ok(Value::I64(previous))
             }
-            _ => Err(format!("a switch has no procedure {procedure}; it has: select")),
+            _ => Err(format!("a select module has no procedure {procedure}; it has: select")),
         }
     }
 }
@@ -140,7 +128,7 @@ mod tests {
     fn stack(args: &[&str]) -> Switch {
         let mut sw = Switch::default();
         sw.apply(vec![
-            load("sw", "switch", args),
+            load("sw", "select", args),
             load("a", "sink", &[]),
             load("b", "sink", &[]),
             load("c", "sink", &[]),
@@ -229,19 +217,19 @@ mod tests {
     #[test]
     fn one_output_is_the_default_port() {
         let mut sw = Switch::default();
-        sw.apply(vec![load("sw", "switch", &["outputs=1"]), load("s", "sink", &[]), link("sw -> s")]).unwrap();
+        sw.apply(vec![load("sw", "select", &["outputs=1"]), load("s", "sink", &[]), link("sw -> s")]).unwrap();
         send(&mut sw, 2, 1);
         assert_eq!(u64_var(&sw, "module.s.frames_total"), 2);
     }
 
     #[test]
     fn rejects_bad_settings_with_their_location() {
-        let e = configure_toml("[modules.sw]\nkind = \"switch\"\noutputs = 2\nselect = 2\n").err().unwrap();
+        let e = configure_toml("[modules.sw]\nkind = \"select\"\noutputs = 2\nselect = 2\n").err().unwrap();
         assert_eq!(e.location.as_ref().unwrap().line, 4);
         assert!(e.message.contains("-1..=1"), "{e}");
-        let e = configure_toml("[modules.sw]\nkind = \"switch\"\noutputs = 65\n").err().unwrap();
+        let e = configure_toml("[modules.sw]\nkind = \"select\"\noutputs = 65\n").err().unwrap();
         assert_eq!(e.location.as_ref().unwrap().line, 3);
-        let e = configure_toml("[modules.sw]\nkind = \"switch\"\n\nports = 3\n").err().unwrap();
+        let e = configure_toml("[modules.sw]\nkind = \"select\"\n\nports = 3\n").err().unwrap();
         assert_eq!(e.location.as_ref().unwrap().line, 4);
         assert!(e.message.contains("unknown setting `ports`") && e.message.contains("outputs, select"), "{e}");
     }

@@ -1,0 +1,760 @@
+//! Declaring a module kind once: its ports, settings, knobs and meters, with what is derived from them.
+//!
+//! A kind writes one [`KindDecl`]: its name and summary, its ports ([`PortDecl`]), its settings and knobs
+//! ([`Param`]: name, unit, description, default, range, and where the value lives in the module's state `S`), and
+//! its meters ([`MeterDecl`]: name, type, unit, description, and the [`Meter`] field of a struct `M` that holds the
+//! module's meter handles). Everything else is derived from that one table:
+//!
+//! - [`KindDecl::read`]: the settings read in `configure`, with their defaults, types and ranges checked and
+//!   errors located where the setting was written (every knob is also a setting);
+//! - [`KindDecl::interface`]: the ports and [`VarSpec`]s of the interface;
+//! - [`KindDecl::publish`] and [`KindDecl::meters`]: the knobs' initial values stored in their cells, and the meter
+//!   handles bound, in `build`;
+//! - [`KindDecl::write`]: a knob write, type and range checked, stored in the state (for `write_knob`);
+//! - [`KindDecl::reference`]: the kind's entry in the module reference (docs/modules.md), without configuring;
+//! - [`KindDecl::configure`] and [`KindDecl::builder`]: a builder with the declared interface, for kinds whose
+//!   ports do not depend on their settings, and [`kind_from_decl!`](crate::kind_from_decl) for the kind's `name`,
+//!   `summary` and `reference`.
+//!
+//! ```
+//! use flexstack_core::decl::{KindDecl, MeterDecl, Param, PortDecl};
+//! use flexstack_core::{field, module::port_type, Meter, ModuleVars, Settings, Value};
+//!
+//! struct Config { max_len: u64 }
+//! #[derive(Default)]
+//! struct Meters { cut: Meter }
+//!
+//! type P = Param<Config>;
+//! const DECL: KindDecl<Config, Meters> = KindDecl {
+//!     inputs: &[PortDecl::new("in", port_type::ANY, "packets to cut")],
+//!     outputs: &[PortDecl::new("out", port_type::ANY, "the packets, at most `max_len` bytes long")],
+//!     params: &[P::u64("max_len", "bytes", "longest packet let through whole", 1500, field!(max_len))
+//!         .range(1.0, 65535.0)],
+//!     meters: &[MeterDecl::u64("cut_total", "frames", "packets that were shortened", |m| &mut m.cut)],
+//!     ..KindDecl::new("truncate", "cuts packets to at most `max_len` bytes")
+//! };
+//!
+//! let mut cfg = DECL.settings(&Settings::from_args(&["max_len=100".into()]).unwrap(), Config { max_len: 0 })
+//!     .unwrap();
+//! assert_eq!(cfg.max_len, 100);
+//! let iface = DECL.interface(&cfg);
+//! let vars = ModuleVars::new(&iface.vars);
+//! DECL.publish(&cfg, &vars);
+//! let meters = DECL.meters(&vars);
+//! meters.cut.add(1);
+//! assert_eq!(vars.cell("max_len").unwrap().get(), Value::U64(100));
+//! assert!(DECL.write(&mut cfg, "max_len", &Value::U64(0)).unwrap_err().contains("1..=65535"));
+//! DECL.write(&mut cfg, "max_len", &Value::U64(64)).unwrap();
+//! assert_eq!(cfg.max_len, 64);
+//! ```
+
+use crate::config::{ConfigError, Settings, SettingsReader};
+use crate::module::{Module, ModuleBuilder, ModuleInterface, PortSpec};
+use crate::reference::{KindReference, MeterDoc, PortDoc, SettingDoc};
+use crate::value::{Value, ValueType};
+use crate::vars::{Meter, ModuleVars, VarSpec};
+use std::fmt;
+
+/// The storage of a declared parameter: a getter and a setter on the module's state `S` (see
+/// [`field!`](crate::field)).
+pub type Access<S, T> = (fn(&S) -> T, fn(&mut S, T));
+
+/// Makes the module from its state and bound meters (and the variables, for meters declared elsewhere).
+pub type Make<S, M> = fn(S, M, &ModuleVars) -> Box<dyn Module>;
+
+/// A check of a numeric value beyond its range, given the state read so far; the error is its message.
+pub type Check<S> = fn(&S, f64) -> Result<(), String>;
+
+/// The getter and setter of a parameter stored in field `$path` of the state (`field!(cfg.delay_ms)`).
+#[macro_export]
+macro_rules! field {
+    ($($f:ident).+) => {
+        (|s| s.$($f).+, |s, v| s.$($f).+ = v)
+    };
+}
+
+/// The `name`, `summary` and `reference` methods of a [`crate::ModuleKind`] declared by `$decl` (a
+/// [`KindDecl`]), for use inside the `impl ModuleKind` block, which then only adds `configure`.
+#[macro_export]
+macro_rules! kind_from_decl {
+    ($decl:expr) => {
+        fn name(&self) -> &'static str {
+            $decl.name
+        }
+
+        fn summary(&self) -> &'static str {
+            $decl.summary
+        }
+
+        fn reference(&self) -> $crate::KindReference {
+            $decl.reference()
+        }
+    };
+}
+
+/// A port as the reference shows it. Ports that depend on settings are described in words (`0..N-1`) and built
+/// by the module itself.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PortDecl {
+    /// The port's name.
+    pub name: &'static str,
+    /// The frame type it carries ([`crate::module::port_type`]).
+    pub ty: &'static str,
+    /// What goes through it.
+    pub description: &'static str,
+}
+
+impl PortDecl {
+    /// A port `name` carrying `ty` frames.
+    pub const fn new(name: &'static str, ty: &'static str, description: &'static str) -> PortDecl {
+        PortDecl { name, ty, description }
+    }
+
+    fn spec(&self) -> PortSpec {
+        PortSpec::new(self.name, self.ty)
+    }
+}
+
+/// Where a parameter's value lives in the state `S`, its type and its default.
+pub enum Field<S> {
+    /// A non-negative integer.
+    U64(Access<S, u64>, u64),
+    /// An integer.
+    I64(Access<S, i64>, i64),
+    /// A number.
+    F64(Access<S, f64>, f64),
+    /// true or false.
+    Bool(Access<S, bool>, bool),
+    /// Text, shown by the getter and parsed by the setter, which may refuse it with a message.
+    Text(fn(&S) -> String, fn(&mut S, &str) -> Result<(), String>, &'static str),
+    /// A setting the module reads itself (an array, a required path ...): declared for the reference only, with
+    /// its type and default in words.
+    Manual(&'static str, &'static str),
+}
+
+// Clone and Copy for any `S`: the tables hold only fn pointers and static text (a derive would require `S: Copy`).
+macro_rules! copy_for_any {
+    ($($t:ident),*) => {$(
+        impl<S> Clone for $t<S> {
+            fn clone(&self) -> Self {
+                *self
+            }
+        }
+        impl<S> Copy for $t<S> {}
+    )*};
+}
+copy_for_any!(Field, Range, Param, MeterDecl);
+
+// The numeric knobs' constructors: name, unit, description, default and storage.
+macro_rules! numeric_constructors {
+    ($($(#[$doc:meta])* $name:ident: $t:ty => $variant:ident;)*) => {$(
+        $(#[$doc])*
+        pub const fn $name(
+            name: &'static str,
+            unit: &'static str,
+            doc: &'static str,
+            default: $t,
+            access: Access<S, $t>,
+        ) -> Self {
+            Param::new(name, unit, doc, Field::$variant(access, default))
+        }
+    )*};
+}
+
+/// The numeric range a parameter accepts.
+pub enum Range<S> {
+    /// Any value of the type.
+    Any,
+    /// `min..=max`.
+    Fixed(f64, f64),
+    /// A range that depends on other settings (read before this one), and how the reference words it.
+    By(fn(&S) -> (f64, f64), &'static str),
+}
+
+/// One setting of a module kind, declared once; a knob unless marked [`Param::setting`] (every knob is also
+/// accepted as a setting of the same name).
+pub struct Param<S> {
+    /// The name in stack files and variable names.
+    pub name: &'static str,
+    /// Unit in base units (`bytes`, `ms`, `frames/s`), or empty.
+    pub unit: &'static str,
+    /// One-line description.
+    pub description: &'static str,
+    /// Where the value lives, its type and its default.
+    pub field: Field<S>,
+    /// The values accepted.
+    pub range: Range<S>,
+    /// A check of a numeric value beyond its range (its message replaces the range's), with the state as read so
+    /// far.
+    pub check: Option<Check<S>>,
+    /// True for a knob: published as a variable and writable while the module runs.
+    pub knob: bool,
+}
+
+impl<S> Param<S> {
+    const fn new(name: &'static str, unit: &'static str, description: &'static str, field: Field<S>) -> Param<S> {
+        Param { name, unit, description, field, range: Range::Any, check: None, knob: true }
+    }
+
+    numeric_constructors! {
+        /// A u64 knob stored by `access` (see [`field!`](crate::field)).
+        u64: u64 => U64;
+        /// An i64 knob.
+        i64: i64 => I64;
+        /// An f64 knob.
+        f64: f64 => F64;
+    }
+
+    /// A bool knob.
+    pub const fn bool(name: &'static str, doc: &'static str, default: bool, access: Access<S, bool>) -> Self {
+        Param::new(name, "", doc, Field::Bool(access, default))
+    }
+
+    /// A text knob: `get` shows the state's value, `set` parses text into the state or says what is wrong.
+    pub const fn text(
+        name: &'static str,
+        doc: &'static str,
+        default: &'static str,
+        get: fn(&S) -> String,
+        set: fn(&mut S, &str) -> Result<(), String>,
+    ) -> Self {
+        Param::new(name, "", doc, Field::Text(get, set, default))
+    }
+
+    /// A setting the module reads itself in `configure`; `ty` and `default` in words (`array of strings`, `none`).
+    pub const fn manual(name: &'static str, ty: &'static str, doc: &'static str, default: &'static str) -> Self {
+        Param::new(name, "", doc, Field::Manual(ty, default)).setting()
+    }
+
+    /// Accepts `min..=max` only.
+    pub const fn range(mut self, min: f64, max: f64) -> Self {
+        self.range = Range::Fixed(min, max);
+        self
+    }
+
+    /// Accepts the range `bounds` computes from the settings read before this one (`words` in the reference).
+    pub const fn range_by(mut self, bounds: fn(&S) -> (f64, f64), words: &'static str) -> Self {
+        self.range = Range::By(bounds, words);
+        self
+    }
+
+    /// Checks a numeric value further (before the range); the message is the error's.
+    pub const fn check(mut self, check: Check<S>) -> Self {
+        self.check = Some(check);
+        self
+    }
+
+    /// A setting only: read when configured, not a variable, not writable while the module runs.
+    pub const fn setting(mut self) -> Self {
+        self.knob = false;
+        self
+    }
+
+    /// The value type, or `None` for a [`Field::Manual`] setting.
+    pub fn value_type(&self) -> Option<ValueType> {
+        Some(match self.field {
+            Field::U64(..) => ValueType::U64,
+            Field::I64(..) => ValueType::I64,
+            Field::F64(..) => ValueType::F64,
+            Field::Bool(..) => ValueType::Bool,
+            Field::Text(..) => ValueType::Str,
+            Field::Manual(..) => return None,
+        })
+    }
+
+    /// Checks numeric value `x` (shown as `shown`): the check, then the range, with the state read so far.
+    fn accepts(&self, state: &S, x: f64, shown: &dyn fmt::Display) -> Result<(), String> {
+        if let Some(check) = self.check {
+            check(state, x)?;
+        }
+        let (min, max) = match self.range {
+            Range::Any => return Ok(()),
+            Range::Fixed(min, max) => (min, max),
+            Range::By(bounds, _) => bounds(state),
+        };
+        if !(min..=max).contains(&x) {
+            return Err(format!("must be within {min}..={max}, got {shown}"));
+        }
+        Ok(())
+    }
+
+    /// Reads this setting (its default when not given) into `state`.
+    fn read(&self, r: &mut SettingsReader<'_>, state: &mut S) -> Result<(), ConfigError> {
+        let name = self.name;
+        let checked = |state: &S, x: f64, shown: &dyn fmt::Display, r: &SettingsReader<'_>| {
+            self.accepts(state, x, shown).map_err(|e| r.error(name, e))
+        };
+        match self.field {
+            Field::U64((_, set), default) => {
+                let v = r.u64(name)?.unwrap_or(default);
+                checked(state, v as f64, &v, r)?;
+                set(state, v);
+            }
+            Field::I64((_, set), default) => {
+                let v = r.i64(name)?.unwrap_or(default);
+                checked(state, v as f64, &v, r)?;
+                set(state, v);
+            }
+            Field::F64((_, set), default) => {
+                let v = r.f64(name)?.unwrap_or(default);
+                checked(state, v, &v, r)?;
+                set(state, v);
+            }
+            Field::Bool((_, set), default) => set(state, r.bool(name)?.unwrap_or(default)),
+            Field::Text(_, set, default) => {
+                let text = r.string(name)?;
+                set(state, text.as_deref().unwrap_or(default)).map_err(|e| r.error(name, e))?;
+            }
+            Field::Manual(..) => {}
+        }
+        Ok(())
+    }
+
+    /// Writes `value` (converted to the parameter's type, checked) into `state`.
+    fn write(&self, state: &mut S, value: &Value) -> Result<(), String> {
+        let ty = self.value_type().ok_or_else(|| format!("{} is not a knob", self.name))?;
+        let in_range =
+            |state: &S, x: f64, v: &Value| self.accepts(state, x, v).map_err(|e| format!("{} {e}", self.name));
+        match (self.field, value.coerce(ty)?) {
+            (Field::U64((_, set), _), Value::U64(v)) => in_range(state, v as f64, value).map(|()| set(state, v)),
+            (Field::I64((_, set), _), Value::I64(v)) => in_range(state, v as f64, value).map(|()| set(state, v)),
+            (Field::F64((_, set), _), Value::F64(v)) => in_range(state, v, value).map(|()| set(state, v)),
+            (Field::Bool((_, set), _), Value::Bool(v)) => {
+                set(state, v);
+                Ok(())
+            }
+            (Field::Text(_, set, _), Value::Str(v)) => set(state, &v),
+            _ => Err(format!("cannot set {} to {value}", self.name)),
+        }
+    }
+
+    /// The current value in `state` (`None` for a [`Field::Manual`] setting).
+    pub fn get(&self, state: &S) -> Option<Value> {
+        Some(match self.field {
+            Field::U64((get, _), _) => Value::U64(get(state)),
+            Field::I64((get, _), _) => Value::I64(get(state)),
+            Field::F64((get, _), _) => Value::F64(get(state)),
+            Field::Bool((get, _), _) => Value::Bool(get(state)),
+            Field::Text(get, ..) => Value::Str(get(state)),
+            Field::Manual(..) => return None,
+        })
+    }
+
+    /// The variable of a knob, with its range for this state.
+    fn spec(&self, state: &S) -> Option<VarSpec> {
+        let ty = self.value_type().filter(|_| self.knob)?;
+        let spec = VarSpec::knob(self.name, ty, self.unit, self.description);
+        Some(match self.range {
+            Range::Any => spec,
+            Range::Fixed(min, max) => spec.with_range(min, max),
+            Range::By(bounds, _) => {
+                let (min, max) = bounds(state);
+                spec.with_range(min, max)
+            }
+        })
+    }
+
+    fn doc(&self) -> SettingDoc {
+        let (ty, default) = match self.field {
+            Field::U64(_, d) => ("u64".to_string(), d.to_string()),
+            Field::I64(_, d) => ("i64".to_string(), d.to_string()),
+            Field::F64(_, d) => ("f64".to_string(), d.to_string()),
+            Field::Bool(_, d) => ("bool".to_string(), d.to_string()),
+            Field::Text(_, _, d) => ("str".to_string(), format!("{d:?}")),
+            Field::Manual(ty, d) => (ty.to_string(), d.to_string()),
+        };
+        let range = match self.range {
+            Range::Any => String::new(),
+            Range::Fixed(min, max) => format!("{min}..={max}"),
+            Range::By(_, words) => words.to_string(),
+        };
+        SettingDoc {
+            name: self.name.into(),
+            ty,
+            unit: self.unit.into(),
+            default,
+            range,
+            knob: self.knob,
+            description: self.description.into(),
+        }
+    }
+}
+
+/// One meter of a module kind, declared once: its variable and the field of the meter struct `M` that holds its
+/// handle.
+pub struct MeterDecl<M> {
+    /// The name (counters end in `_total`).
+    pub name: &'static str,
+    /// Value type.
+    pub ty: ValueType,
+    /// Unit in base units, or empty.
+    pub unit: &'static str,
+    /// One-line description.
+    pub description: &'static str,
+    /// The field holding the meter's handle; `None` for meters named by a pattern (`rule<N>_matches_total`), which
+    /// the module declares itself and which are listed in the reference only.
+    pub field: Option<fn(&mut M) -> &mut Meter>,
+}
+
+impl<M> MeterDecl<M> {
+    /// A meter of type `ty`.
+    pub const fn new(
+        name: &'static str,
+        ty: ValueType,
+        unit: &'static str,
+        description: &'static str,
+        field: fn(&mut M) -> &mut Meter,
+    ) -> Self {
+        MeterDecl { name, ty, unit, description, field: Some(field) }
+    }
+
+    /// A u64 meter (a counter or a gauge).
+    pub const fn u64(
+        name: &'static str,
+        unit: &'static str,
+        description: &'static str,
+        field: fn(&mut M) -> &mut Meter,
+    ) -> Self {
+        MeterDecl::new(name, ValueType::U64, unit, description, field)
+    }
+
+    /// Meters named by `pattern`, which the module declares itself (their number depends on its settings): listed in
+    /// the reference only.
+    pub const fn pattern(pattern: &'static str, unit: &'static str, description: &'static str) -> Self {
+        MeterDecl { name: pattern, ty: ValueType::U64, unit, description, field: None }
+    }
+
+    fn doc(&self) -> MeterDoc {
+        MeterDoc::new(self.name, self.ty, self.unit, self.description)
+    }
+}
+
+/// Everything a module kind declares about itself, once. `S` holds the values of its settings and knobs, `M` the
+/// handles of its meters (use `()` for none).
+pub struct KindDecl<S: 'static, M: 'static> {
+    /// The kind's name in stack files.
+    pub name: &'static str,
+    /// One-line description.
+    pub summary: &'static str,
+    /// Input ports, in order.
+    pub inputs: &'static [PortDecl],
+    /// Output ports, in order.
+    pub outputs: &'static [PortDecl],
+    /// Settings and knobs, in the order they are read (a range may depend on the ones before it).
+    pub params: &'static [Param<S>],
+    /// Meters with a field in `M`, and meters named by a pattern.
+    pub meters: &'static [MeterDecl<M>],
+    /// Meters declared elsewhere and shared by several kinds (e.g. the parse-error drop counters).
+    pub more_meters: fn() -> Vec<VarSpec>,
+    /// See [`ModuleInterface::breaks_cycles`].
+    pub breaks_cycles: bool,
+}
+
+impl<S, M> KindDecl<S, M> {
+    /// A kind with no ports, settings or meters yet (to complete with `..KindDecl::new(..)`).
+    pub const fn new(name: &'static str, summary: &'static str) -> Self {
+        KindDecl {
+            name,
+            summary,
+            inputs: &[],
+            outputs: &[],
+            params: &[],
+            meters: &[],
+            more_meters: Vec::new,
+            breaks_cycles: false,
+        }
+    }
+
+    /// Reads every declared setting (defaults when not given; types and ranges checked, errors located) into
+    /// `state`. Settings read by hand ([`Param::manual`]) are left to the caller, who then calls
+    /// [`SettingsReader::finish`].
+    pub fn read(&self, r: &mut SettingsReader<'_>, state: &mut S) -> Result<(), ConfigError> {
+        self.params.iter().try_for_each(|p| p.read(r, state))
+    }
+
+    /// Reads `settings` into `state` and rejects any other setting: `configure` for a kind without manual settings.
+    pub fn settings(&self, settings: &Settings, mut state: S) -> Result<S, ConfigError> {
+        let mut r = settings.reader(self.name);
+        self.read(&mut r, &mut state)?;
+        r.finish()?;
+        Ok(state)
+    }
+
+    /// The variables: knobs (ranges for this state), declared meters, then the shared ones.
+    pub fn vars(&self, state: &S) -> Vec<VarSpec> {
+        let knobs = self.params.iter().filter_map(|p| p.spec(state));
+        let meters = self
+            .meters
+            .iter()
+            .filter(|m| m.field.is_some())
+            .map(|m| VarSpec::meter(m.name, m.ty, m.unit, m.description));
+        knobs.chain(meters).chain((self.more_meters)()).collect()
+    }
+
+    /// The interface: the declared ports and [`KindDecl::vars`]. A module whose ports depend on its settings
+    /// replaces them.
+    pub fn interface(&self, state: &S) -> ModuleInterface {
+        ModuleInterface {
+            inputs: self.inputs.iter().map(PortDecl::spec).collect(),
+            outputs: self.outputs.iter().map(PortDecl::spec).collect(),
+            vars: self.vars(state),
+            breaks_cycles: self.breaks_cycles,
+        }
+    }
+
+    /// Stores the knobs' values in their cells (in `build`), so the stack's description shows what it runs with.
+    pub fn publish(&self, state: &S, vars: &ModuleVars) {
+        for p in self.params.iter().filter(|p| p.knob) {
+            if let (Some(cell), Some(v)) = (vars.cell(p.name), p.get(state)) {
+                cell.store(&v);
+            }
+        }
+    }
+
+    /// The meter handles, bound to their cells in `vars`.
+    ///
+    /// # Panics
+    /// If `vars` lacks a declared meter (they were not made from [`KindDecl::interface`]).
+    pub fn meters(&self, vars: &ModuleVars) -> M
+    where
+        M: Default,
+    {
+        let mut m = M::default();
+        for d in self.meters {
+            if let Some(field) = d.field {
+                *field(&mut m) = vars.meter(d.name);
+            }
+        }
+        m
+    }
+
+    /// Writes knob `knob` (for [`crate::Module::write_knob`]): converted to its type, checked, stored in `state`.
+    pub fn write(&self, state: &mut S, knob: &str, value: &Value) -> Result<(), String> {
+        match self.params.iter().find(|p| p.knob && p.name == knob) {
+            Some(p) => p.write(state, value),
+            None => Err(format!("cannot set {knob} to {value}: no such knob")),
+        }
+    }
+
+    /// A builder for a module whose interface is the declared one: `build` publishes the knobs of `state`, binds
+    /// the meters and hands both to `make` (with the variables, for meters declared elsewhere).
+    pub fn builder(&'static self, state: S, make: Make<S, M>) -> Box<dyn ModuleBuilder>
+    where
+        S: Send,
+        M: Default,
+    {
+        Box::new(DeclBuilder { decl: self, state, make })
+    }
+
+    /// `configure` for a kind without manual settings: [`KindDecl::settings`] read into `blank`, then
+    /// [`KindDecl::builder`].
+    pub fn configure(
+        &'static self,
+        settings: &Settings,
+        blank: S,
+        make: Make<S, M>,
+    ) -> Result<Box<dyn ModuleBuilder>, ConfigError>
+    where
+        S: Send,
+        M: Default,
+    {
+        Ok(self.builder(self.settings(settings, blank)?, make))
+    }
+
+    /// The kind's entry in the module reference.
+    pub fn reference(&self) -> KindReference {
+        let port = |p: &PortDecl| PortDoc { name: p.name.into(), ty: p.ty.into(), description: p.description.into() };
+        let mut meters: Vec<MeterDoc> = self.meters.iter().map(MeterDecl::doc).collect();
+        meters.extend((self.more_meters)().iter().map(MeterDoc::from_spec));
+        KindReference {
+            kind: self.name.into(),
+            summary: self.summary.into(),
+            inputs: self.inputs.iter().map(port).collect(),
+            outputs: self.outputs.iter().map(port).collect(),
+            settings: self.params.iter().map(Param::doc).collect(),
+            meters,
+            breaks_cycles: self.breaks_cycles,
+            aliases: Vec::new(),
+            note: None,
+        }
+    }
+}
+
+/// See [`KindDecl::builder`].
+struct DeclBuilder<S: 'static, M: 'static> {
+    decl: &'static KindDecl<S, M>,
+    state: S,
+    make: Make<S, M>,
+}
+
+impl<S: Send, M: Default> ModuleBuilder for DeclBuilder<S, M> {
+    fn interface(&self) -> ModuleInterface {
+        self.decl.interface(&self.state)
+    }
+
+    fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module> {
+        self.decl.publish(&self.state, vars);
+        (self.make)(self.state, self.decl.meters(vars), vars)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::StackSpec;
+    use crate::module::port_type;
+
+    #[derive(Debug, Default, PartialEq)]
+    struct Cfg {
+        outputs: u64,
+        select: i64,
+        rate: f64,
+        on: bool,
+        mode: String,
+        mtu: u64,
+    }
+
+    #[derive(Default)]
+    struct Meters {
+        frames: Meter,
+        spare: [Meter; 2],
+    }
+
+    type P = Param<Cfg>;
+    const DECL: KindDecl<Cfg, Meters> = KindDecl {
+        inputs: &[PortDecl::new("in", port_type::ANY, "frames")],
+        outputs: &[PortDecl::new("0..N-1", port_type::ANY, "one per output")],
+        params: &[
+            P::u64("outputs", "", "number of outputs", 2, field!(outputs)).range(1.0, 64.0).setting(),
+            P::i64("select", "", "the output", 0, field!(select))
+                .range_by(|c| (-1.0, c.outputs as f64 - 1.0), "-1..=outputs-1"),
+            P::f64("rate", "frames/s", "sending rate", 1000.0, field!(rate)).range(0.0, 1e9),
+            P::bool("on", "false pauses", true, field!(on)),
+            P::text(
+                "mode",
+                "fast or slow",
+                "fast",
+                |c| c.mode.clone(),
+                |c, t| match t {
+                    "fast" | "slow" => {
+                        c.mode = t.into();
+                        Ok(())
+                    }
+                    _ => Err(format!("expected fast or slow, got {t:?}")),
+                },
+            ),
+            P::u64("mtu", "bytes", "0 or 68..=65535", 0, field!(mtu)).range(0.0, 65535.0).check(|_, v| {
+                if v != 0.0 && v < 68.0 {
+                    return Err(format!("must be 0 or within 68..=65535, got {v}"));
+                }
+                Ok(())
+            }),
+            P::manual("rules", "array of strings", "rules, in order", "none"),
+        ],
+        meters: &[
+            MeterDecl::u64("frames_total", "frames", "frames seen", |m| &mut m.frames),
+            MeterDecl::u64("spare_a_total", "frames", "a", |m| &mut m.spare[0]),
+            MeterDecl::new("spare_b", ValueType::F64, "frames/s", "b", |m| &mut m.spare[1]),
+            MeterDecl::pattern("rule<N>_total", "frames", "per rule"),
+        ],
+        more_meters: || vec![VarSpec::meter("extra_total", ValueType::U64, "frames", "shared")],
+        ..KindDecl::new("demo", "a demonstration")
+    };
+
+    fn read(text: &str) -> Result<Cfg, ConfigError> {
+        let spec = StackSpec::parse("t.toml", &format!("[modules.d]\nkind = \"demo\"\n{text}")).unwrap();
+        let settings = &spec.modules[0].settings;
+        let mut r = settings.reader("demo");
+        let mut cfg = Cfg::default();
+        DECL.read(&mut r, &mut cfg)?;
+        let _ = r.strings("rules")?;
+        r.finish()?;
+        Ok(cfg)
+    }
+
+    #[test]
+    fn reads_defaults_types_and_ranges_with_locations() {
+        let c = read("").unwrap();
+        assert_eq!(c, Cfg { outputs: 2, select: 0, rate: 1000.0, on: true, mode: "fast".into(), mtu: 0 });
+        let c = read("outputs = 4\nselect = -1\nrate = 5\non = false\nmode = \"slow\"\nmtu = 1500\n").unwrap();
+        assert_eq!(c, Cfg { outputs: 4, select: -1, rate: 5.0, on: false, mode: "slow".into(), mtu: 1500 });
+
+        let e = read("outputs = 3\nselect = 3\n").unwrap_err();
+        assert_eq!(e.to_string(), "t.toml:4:10: setting `select` of a demo module: must be within -1..=2, got 3");
+        let e = read("\nrate = 1e10\n").unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "t.toml:4:8: setting `rate` of a demo module: must be within 0..=1000000000, got 10000000000"
+        );
+        let e = read("outputs = 0\n").unwrap_err();
+        assert!(e.message.ends_with("must be within 1..=64, got 0"), "{e}");
+        let e = read("mtu = 20\n").unwrap_err();
+        assert!(e.message.ends_with("must be 0 or within 68..=65535, got 20"), "{e}");
+        let e = read("mode = \"warp\"\n").unwrap_err();
+        assert!(e.message.ends_with("expected fast or slow, got \"warp\""), "{e}");
+        let e = read("on = 1\n").unwrap_err();
+        assert!(e.message.contains("expected true or false, got integer 1"), "{e}");
+        let e = read("bogus = 1\n").unwrap_err();
+        assert!(e.message.contains("one of: mode, mtu, on, outputs, rate, rules, select"), "{e}");
+    }
+
+    #[test]
+    fn interface_publish_meters_and_writes() {
+        let mut cfg = read("outputs = 3\nselect = 1\n").unwrap();
+        let iface = DECL.interface(&cfg);
+        assert_eq!(iface.inputs, [PortSpec::new("in", port_type::ANY)]);
+        let names: Vec<&str> = iface.vars.iter().map(|v| v.name.as_str()).collect();
+        assert_eq!(
+            names,
+            ["select", "rate", "on", "mode", "mtu", "frames_total", "spare_a_total", "spare_b", "extra_total"]
+        );
+        assert_eq!(iface.vars[0].range, Some((-1.0, 2.0)));
+
+        let vars = ModuleVars::new(&iface.vars);
+        DECL.publish(&cfg, &vars);
+        assert_eq!(vars.cell("select").unwrap().get(), Value::I64(1));
+        assert_eq!(vars.cell("mode").unwrap().get(), Value::Str("fast".into()));
+        let m = DECL.meters(&vars);
+        m.frames.add(3);
+        m.spare[1].set_f64(2.5);
+        assert_eq!(vars.cell("frames_total").unwrap().get(), Value::U64(3));
+        assert_eq!(vars.cell("spare_b").unwrap().get(), Value::F64(2.5));
+
+        DECL.write(&mut cfg, "select", &Value::U64(2)).unwrap();
+        assert_eq!(cfg.select, 2);
+        assert_eq!(DECL.write(&mut cfg, "select", &Value::I64(3)).unwrap_err(), "select must be within -1..=2, got 3");
+        assert!(DECL.write(&mut cfg, "rate", &Value::Bool(true)).unwrap_err().contains("expected a f64 value"));
+        DECL.write(&mut cfg, "rate", &Value::U64(7)).unwrap();
+        assert_eq!(cfg.rate, 7.0);
+        assert!(DECL.write(&mut cfg, "mode", &Value::Str("x".into())).unwrap_err().contains("fast or slow"));
+        assert!(DECL.write(&mut cfg, "outputs", &Value::U64(2)).unwrap_err().contains("no such knob"));
+        assert!(DECL.write(&mut cfg, "rules", &Value::U64(2)).is_err());
+        assert!(DECL.write(&mut cfg, "mtu", &Value::U64(30)).unwrap_err().contains("68..=65535"));
+    }
+
+    #[test]
+    fn reference_lists_everything_without_configuring() {
+        let r = DECL.reference();
+        assert_eq!((r.kind.as_str(), r.summary.as_str()), ("demo", "a demonstration"));
+        assert_eq!(r.outputs[0].name, "0..N-1");
+        let s: Vec<(&str, &str, &str, &str, bool)> = r
+            .settings
+            .iter()
+            .map(|s| (s.name.as_str(), s.ty.as_str(), s.default.as_str(), s.range.as_str(), s.knob))
+            .collect();
+        assert_eq!(
+            s,
+            [
+                ("outputs", "u64", "2", "1..=64", false),
+                ("select", "i64", "0", "-1..=outputs-1", true),
+                ("rate", "f64", "1000", "0..=1000000000", true),
+                ("on", "bool", "true", "", true),
+                ("mode", "str", "\"fast\"", "", true),
+                ("mtu", "u64", "0", "0..=65535", true),
+                ("rules", "array of strings", "none", "", false),
+            ]
+        );
+        let m: Vec<&str> = r.meters.iter().map(|m| m.name.as_str()).collect();
+        assert_eq!(m, ["frames_total", "spare_a_total", "spare_b", "rule<N>_total", "extra_total"]);
+    }
+}

@@ -1,6 +1,9 @@
 //! The `flexstack` command line, in the iproute2 manner: `flexstack OBJECT VERB [ARGS]`, `-j/--json` on every
 //! show. Every command but `daemon` is a client of the control API (see [`flexstack_api::client`]).
 
+use crate::error::CliError;
+use crate::lab::LabCmd;
+use crate::runner::RunArgs;
 use clap::{Args, Parser, Subcommand};
 use flexstack_api::client::{Client, ClientError};
 use flexstack_api::protocol::Request;
@@ -127,75 +130,6 @@ pub enum Command {
     Lab(LabCmd),
 }
 
-/// `flexstack lab ...`
-#[derive(Subcommand, Debug)]
-pub enum LabCmd {
-    /// Build the lab, run its programs and events for its duration, tear it down and write the results and report.
-    Run {
-        /// The lab file (TOML).
-        file: PathBuf,
-        /// The results folder (default: `results/<lab>-<UTC time>`).
-        #[arg(long)]
-        results: Option<PathBuf>,
-        /// No progress lines.
-        #[arg(short, long)]
-        quiet: bool,
-    },
-    /// Build the lab and start its background programs; it stays up until `lab down`.
-    Up {
-        /// The lab file (TOML).
-        file: PathBuf,
-        /// The results folder (default: `results/<lab>-<UTC time>`).
-        #[arg(long)]
-        results: Option<PathBuf>,
-    },
-    /// Run a command on a host of a lab that is up (through its stack on a stacked host), as the invoking user.
-    Exec {
-        /// The lab (default: the only one up).
-        #[arg(long)]
-        lab: Option<String>,
-        /// The host.
-        host: String,
-        /// The command and its arguments.
-        #[arg(required = true, last = true)]
-        command: Vec<String>,
-    },
-    /// Take a link down or up, or change its parameters: `lab link h1 srv set delay=50ms loss=1`.
-    Link {
-        /// The lab (default: the only one up).
-        #[arg(long)]
-        lab: Option<String>,
-        /// One end of the link.
-        a: String,
-        /// The other end.
-        b: String,
-        /// `down`, `up` or `set`.
-        action: String,
-        /// For `set`: the parameters, KEY=VALUE (bw, delay, jitter, loss, max_queue_size, loss_model, ge_*).
-        params: Vec<String>,
-    },
-    /// Tear down a lab (default: the only one up), or every lab under the state directory with --all.
-    Down {
-        /// The lab.
-        name: Option<String>,
-        /// Every lab (also those whose runner was killed).
-        #[arg(long)]
-        all: bool,
-    },
-    /// The labs that are up.
-    List,
-    /// Validate a lab file (and its stack templates) without creating anything.
-    Check {
-        /// The lab file (TOML).
-        file: PathBuf,
-    },
-    /// Write (again) the report of a results folder.
-    Report {
-        /// The results folder.
-        dir: PathBuf,
-    },
-}
-
 /// Options of `flexstack daemon`.
 #[derive(Args, Debug)]
 pub struct DaemonArgs {
@@ -229,20 +163,6 @@ pub struct DaemonArgs {
     /// real-time throttling still leaves them 5 % of each second. The lab's daemons use 10.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=99))]
     pub realtime: u8,
-}
-
-/// Options of `flexstack run`.
-#[derive(Args, Debug)]
-pub struct RunArgs {
-    /// The app's stack template (placeholders {app}, {app_dev}, {host_dev}, {app_v4}, {app_v6}); default: stacks/app-default.toml.
-    #[arg(long)]
-    pub stack: Option<PathBuf>,
-    /// The app's name (default appN).
-    #[arg(long)]
-    pub name: Option<String>,
-    /// The program and its arguments.
-    #[arg(required = true, last = true)]
-    pub command: Vec<String>,
 }
 
 /// `flexstack module ...`
@@ -449,20 +369,6 @@ pub fn main() -> ExitCode {
             ExitCode::from(1)
         }
     }
-}
-
-/// A failure of a CLI command.
-#[derive(Debug, thiserror::Error)]
-pub enum CliError {
-    /// From the control connection or the daemon.
-    #[error(transparent)]
-    Client(#[from] ClientError),
-    /// Anything else, already worded.
-    #[error("{0}")]
-    Message(String),
-    /// An input file (lab, stack) is invalid: exit code 2, nothing was created.
-    #[error("{0}")]
-    Config(String),
 }
 
 fn settings_json(args: &[String]) -> Result<serde_json::Map<String, Json>, CliError> {

@@ -10,5 +10,6 @@
 #![warn(missing_docs)]
 
 pub mod cli;
+pub mod error;
 pub mod lab;
 pub mod runner;

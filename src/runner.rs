@@ -9,21 +9,32 @@
 //! 4. When it exits, detaches (`app_detach`) and exits with its exit code (128 + signal if it was killed). If the
 //!    daemon dies meanwhile, the program is stopped and its namespace removed here.
 
-use crate::cli::{CliError, RunArgs};
+use crate::error::{msg, CliError};
+use clap::Args;
 use flexstack_api::client::{Client, ClientError};
 use flexstack_api::protocol::{request_line, Request};
 use serde_json::Value as Json;
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::ExitStatusExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-fn msg(e: impl std::fmt::Display) -> CliError {
-    CliError::Message(e.to_string())
+/// Options of `flexstack run`.
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    /// The app's stack template (placeholders {app}, {app_dev}, {host_dev}, {app_v4}, {app_v6}); default: stacks/app-default.toml.
+    #[arg(long)]
+    pub stack: Option<PathBuf>,
+    /// The app's name (default appN).
+    #[arg(long)]
+    pub name: Option<String>,
+    /// The program and its arguments.
+    #[arg(required = true, last = true)]
+    pub command: Vec<String>,
 }
 
 /// The user the app runs as: SUDO_UID/SUDO_GID when root runs us through sudo, else ourselves.

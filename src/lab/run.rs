@@ -20,8 +20,7 @@
 //! `_ba` as `.ba.`), its other variables as `wire.<name>`; a stacked host's variables as `host.<host>.<name>`.
 
 use super::build::{set_knob, sh, stop_processes, LabState};
-use super::msg;
-use crate::cli::CliError;
+use crate::error::{msg, CliError};
 use flexstack_api::client::Client;
 use flexstack_api::protocol::Request;
 use flexstack_core::vars::name_matches;

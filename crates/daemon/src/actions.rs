@@ -7,7 +7,7 @@
 use crate::appvars::AppVars;
 use crate::dataplane::DataPlane;
 use crate::rules::RulesService;
-use crate::sandbox::Sandboxes;
+use crate::sandbox::{AppModules, Sandboxes};
 use flexstack_api::protocol::{ApiError, ErrorCode, Request};
 use flexstack_core::config::{LinkSpec, Settings, StackSpec};
 use flexstack_core::switch::CONTROL_PLANE;
@@ -214,17 +214,6 @@ impl Control {
             locations.push(l.location.clone());
         }
         self.edit_located(who, change.to_string(), edits, &locations)
-    }
-
-    /// Unloads the named modules that are loaded, in one edit recorded as `change`.
-    pub fn unload_modules(&self, names: &[String], change: &str) -> Result<Json, ApiError> {
-        let loaded: Vec<String> = self.dp().snapshot().map_err(internal)?.modules.into_iter().map(|m| m.name).collect();
-        let edits: Vec<Edit> =
-            names.iter().filter(|n| loaded.contains(n)).map(|n| Edit::Unload { name: n.clone() }).collect();
-        if edits.is_empty() {
-            return Ok(json!({ "notes": [] }));
-        }
-        self.edit("daemon", change.to_string(), edits)
     }
 
     /// Applies edits atomically and records a revision.
@@ -782,6 +771,23 @@ impl Control {
         }
         edits.extend(target.links.iter().map(|l| Edit::Link(l.link.clone())));
         self.edit(who, format!("config rollback {rev}"), edits)
+    }
+}
+
+/// The sandboxes load and unload their apps' modules through the control plane, as revisions.
+impl AppModules for Control {
+    fn load_modules(&self, spec: &StackSpec, who: &str, change: &str) -> Result<(), ApiError> {
+        self.load_stack(spec, who, change).map(drop)
+    }
+
+    fn unload_modules(&self, names: &[String], change: &str) -> Result<(), ApiError> {
+        let loaded: Vec<String> = self.dp().snapshot().map_err(internal)?.modules.into_iter().map(|m| m.name).collect();
+        let edits: Vec<Edit> =
+            names.iter().filter(|n| loaded.contains(n)).map(|n| Edit::Unload { name: n.clone() }).collect();
+        if edits.is_empty() {
+            return Ok(());
+        }
+        self.edit("daemon", change.to_string(), edits).map(drop)
     }
 }
 

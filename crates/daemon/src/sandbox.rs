@@ -14,7 +14,6 @@
 //! Addresses: app number n gets 10.B.n.2/24 and fd77:B:n::2/64 (B from `--app-subnet`, default 10.77.0.0/16),
 //! with default routes through its TUN device.
 
-use crate::actions::Control;
 use flexstack_api::protocol::{ApiError, ErrorCode};
 use flexstack_core::config::valid_name;
 use flexstack_core::StackSpec;
@@ -153,6 +152,15 @@ fn remove_stale_leftovers(own: &str) {
     }
 }
 
+/// What sandboxes need of the daemon's stack: an app's modules loaded and unloaded, each as one change (the
+/// control plane implements it; an app's namespace and devices are the sandbox's own business).
+pub trait AppModules {
+    /// Loads the modules and links of `spec` as one change recorded as `change` by `who`; errors carry file:line.
+    fn load_modules(&self, spec: &StackSpec, who: &str, change: &str) -> Result<(), ApiError>;
+    /// Unloads those of the named modules that are loaded, as one change recorded as `change`.
+    fn unload_modules(&self, names: &[String], change: &str) -> Result<(), ApiError>;
+}
+
 /// The sandboxes of one daemon.
 pub struct Sandboxes {
     subnet: [u8; 2],
@@ -266,7 +274,7 @@ impl Sandboxes {
     /// `{app}`, `{app_dev}`, `{host_dev}` placeholders).
     pub fn attach(
         &self,
-        control: &Control,
+        stack: &dyn AppModules,
         name: Option<String>,
         uid: u32,
         template: Option<&str>,
@@ -327,11 +335,11 @@ impl Sandboxes {
             host_table: if host_face { format!("flexstack_{}", std::process::id()) } else { String::new() },
         };
         let result = (|| {
-            control.load_stack(&spec, "flexstack run", &format!("app attach {name}"))?;
+            stack.load_modules(&spec, "flexstack run", &format!("app attach {name}"))?;
             self.configure(&app)
         })();
         if let Err(e) = result {
-            self.teardown(control, &app);
+            self.teardown(stack, &app);
             if guard.0.is_empty() {
                 if let Some(h) = guard.1.take() {
                     self.host_down(&h);
@@ -372,18 +380,18 @@ impl Sandboxes {
     }
 
     /// Removes an app's modules, namespace and files (best effort: every step is tried).
-    fn teardown(&self, control: &Control, app: &App) {
-        if let Err(e) = control.unload_modules(&app.modules, &format!("app detach {}", app.name)) {
+    fn teardown(&self, stack: &dyn AppModules, app: &App) {
+        if let Err(e) = stack.unload_modules(&app.modules, &format!("app detach {}", app.name)) {
             tracing::warn!(app = %app.name, error = %e.message, "unloading the app's modules");
         }
         delete_namespace(&app.netns);
     }
 
     /// Detaches app `name`; false if there is none.
-    pub fn detach(&self, control: &Control, name: &str) -> bool {
+    pub fn detach(&self, stack: &dyn AppModules, name: &str) -> bool {
         let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let Some(app) = guard.0.remove(name) else { return false };
-        self.teardown(control, &app);
+        self.teardown(stack, &app);
         if guard.0.is_empty() {
             if let Some(h) = guard.1.take() {
                 self.host_down(&h);
@@ -394,9 +402,9 @@ impl Sandboxes {
     }
 
     /// Detaches every app (daemon shutdown).
-    pub fn detach_all(&self, control: &Control) {
+    pub fn detach_all(&self, stack: &dyn AppModules) {
         for app in self.list() {
-            self.detach(control, &app.name);
+            self.detach(stack, &app.name);
         }
     }
 

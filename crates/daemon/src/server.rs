@@ -183,7 +183,7 @@ fn install_shutdown(control: Arc<Control>, files: Vec<PathBuf>) -> Result<(), St
                 for f in &files {
                     let _ = std::fs::remove_file(f);
                 }
-                control.sandboxes.detach_all(&control);
+                control.sandboxes.detach_all(control.as_ref());
                 control.shutdown();
                 std::process::exit(0);
             }

@@ -6,6 +6,7 @@ use crate::lab::LabCmd;
 use crate::runner::RunArgs;
 use clap::{Args, Parser, Subcommand};
 use flexstack_api::client::{Client, ClientError};
+use flexstack_api::ops::*;
 use flexstack_api::protocol::Request;
 use flexstack_core::Settings;
 use flexstack_daemon::server::{run_daemon, DaemonOptions};
@@ -423,45 +424,45 @@ fn run(cli: Cli) -> Result<(), CliError> {
         }
         Command::Tap(TapCmd::Add { link, file }) => {
             let abs = std::path::absolute(&file).map_err(|e| CliError::Message(format!("{}: {e}", file.display())))?;
-            Request::TapAdd { link, file: abs.display().to_string() }
+            Request::TapAdd(TapAdd { link, file: abs.display().to_string() })
         }
-        Command::Tap(TapCmd::Del { name }) => Request::TapDel { name },
+        Command::Tap(TapCmd::Del { name }) => Request::TapDel(TapDel { name }),
         Command::Tap(TapCmd::List) => Request::TapList,
         Command::Status => Request::Status,
         Command::Module(ModuleCmd::List) => Request::ModuleList,
         Command::Module(ModuleCmd::Kinds) => Request::ModuleKinds,
         Command::Module(ModuleCmd::Load { name, kind, settings }) => {
-            Request::ModuleLoad { name, kind, settings: settings_json(&settings)? }
+            Request::ModuleLoad(ModuleLoad { name, kind, settings: settings_json(&settings)? })
         }
-        Command::Module(ModuleCmd::Exec { name, procedure, argument }) => Request::ModuleExec {
+        Command::Module(ModuleCmd::Exec { name, procedure, argument }) => Request::ModuleExec(ModuleExec {
             name,
             procedure,
             argument: argument.map(|a| serde_json::from_str(&a).unwrap_or(Json::String(a))),
-        },
-        Command::Module(ModuleCmd::Unload { name }) => Request::ModuleUnload { name },
+        }),
+        Command::Module(ModuleCmd::Unload { name }) => Request::ModuleUnload(ModuleUnload { name }),
         Command::Module(ModuleCmd::Replace { name, kind, settings, fresh }) => {
-            Request::ModuleReplace { name, kind, settings: settings_json(&settings)?, fresh }
+            Request::ModuleReplace(ModuleReplace { name, kind, settings: settings_json(&settings)?, fresh })
         }
         Command::Link(LinkCmd::List) => Request::LinkList,
-        Command::Link(LinkCmd::Add { link }) => Request::LinkAdd { link },
-        Command::Link(LinkCmd::Del { link }) => Request::LinkDel { link },
-        Command::Pause { module } => Request::Pause { module },
-        Command::Resume { module } => Request::Resume { module },
-        Command::Get { names } => Request::Get { names },
-        Command::Set { name, value } => Request::Set { name, value: Json::String(value) },
+        Command::Link(LinkCmd::Add { link }) => Request::LinkAdd(LinkAdd { link }),
+        Command::Link(LinkCmd::Del { link }) => Request::LinkDel(LinkDel { link }),
+        Command::Pause { module } => Request::Pause(Pause { module }),
+        Command::Resume { module } => Request::Resume(Resume { module }),
+        Command::Get { names } => Request::Get(Get { names }),
+        Command::Set { name, value } => Request::Set(Set { name, value: Json::String(value) }),
         Command::Watch { names, interval, changes, count } => {
-            let req = Request::Watch { names, interval_ms: Some(interval), changes, count };
+            let req = Request::Watch(Watch { names, interval_ms: Some(interval), changes, count });
             let mut print = |ev: Json| print_watch(&ev, json_out);
             client.stream(&req, &mut print)?;
             return Ok(());
         }
         Command::Show(ShowCmd::Runtime) => Request::ShowRuntime,
-        Command::Var(VarCmd::List { pattern }) => Request::VarList { pattern },
+        Command::Var(VarCmd::List { pattern }) => Request::VarList(VarList { pattern }),
         Command::Config(ConfigCmd::Log) => Request::ConfigLog,
-        Command::Config(ConfigCmd::Show { rev }) => Request::ConfigShow { rev },
-        Command::Config(ConfigCmd::Rollback { rev }) => Request::ConfigRollback { rev },
+        Command::Config(ConfigCmd::Show { rev }) => Request::ConfigShow(ConfigShow { rev }),
+        Command::Config(ConfigCmd::Rollback { rev }) => Request::ConfigRollback(ConfigRollback { rev }),
         Command::Config(ConfigCmd::Save { file }) => {
-            let r = client.call(&Request::ConfigShow { rev: None })?;
+            let r = client.call_json(&Request::ConfigShow(ConfigShow { rev: None }))?;
             let text = r["stack"].as_str().unwrap_or_default();
             std::fs::write(&file, text)
                 .map_err(|e| CliError::Message(format!("{}: cannot write: {e}", file.display())))?;
@@ -473,7 +474,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
             return Ok(());
         }
     };
-    let result = client.call(&request)?;
+    let result = client.call_json(&request)?;
     if json_out {
         println!("{}", serde_json::to_string_pretty(&result).unwrap_or_default());
     } else {
@@ -488,17 +489,17 @@ fn rules_command(client: &mut Client, cmd: RulesCmd, json_out: bool) -> Result<(
         RulesCmd::Load { file } => {
             let text = std::fs::read_to_string(&file)
                 .map_err(|e| CliError::Config(format!("{}: cannot read: {e}", file.display())))?;
-            Request::RulesLoad { name: file.display().to_string(), text }
+            Request::RulesLoad(RulesLoad { name: file.display().to_string(), text })
         }
-        RulesCmd::Unload { names } => Request::RulesUnload { names },
-        RulesCmd::Replace { old, new } => Request::RulesReplace { old, new },
+        RulesCmd::Unload { names } => Request::RulesUnload(RulesUnload { names }),
+        RulesCmd::Replace { old, new } => Request::RulesReplace(RulesReplace { old, new }),
         RulesCmd::List => Request::RulesList,
-        RulesCmd::Show { name } => Request::RulesShow { name },
+        RulesCmd::Show { name } => Request::RulesShow(RulesShow { name }),
         RulesCmd::Log => Request::RulesLog,
-        RulesCmd::Diff { from, to } => Request::RulesDiff { from, to },
-        RulesCmd::Rollback { rev } => Request::RulesRollback { rev },
+        RulesCmd::Diff { from, to } => Request::RulesDiff(RulesDiff { from, to }),
+        RulesCmd::Rollback { rev } => Request::RulesRollback(RulesRollback { rev }),
     };
-    let result = match client.call(&request) {
+    let result = match client.call_json(&request) {
         Ok(r) => r,
         // A rule text with errors is an invalid input file: exit code 2, like a bad stack or lab file.
         Err(ClientError::Api(e)) if e.code == flexstack_api::protocol::ErrorCode::InvalidRules => {
@@ -520,7 +521,7 @@ fn render_rules(request: &Request, r: &Json) -> String {
     let arr = |v: &Json| v.as_array().cloned().unwrap_or_default();
     let opt = |v: &Json| if v.is_null() { "-".to_string() } else { s(v) };
     match request {
-        Request::RulesLoad { .. } => {
+        Request::RulesLoad(_) => {
             let names = |v: &Json| arr(v).iter().map(s).collect::<Vec<_>>().join(", ");
             let mut out = format!(
                 "ok: rules revision {}: defined {}; loaded {}\n",
@@ -555,7 +556,7 @@ fn render_rules(request: &Request, r: &Json) -> String {
                 })
                 .collect(),
         ),
-        Request::RulesShow { .. } => {
+        Request::RulesShow(_) => {
             let mut out = format!("rule {} ({}, from {})\n", s(&r["name"]), s(&r["section"]), s(&r["source"]));
             for t in arr(&r["text"]) {
                 out.push_str(&format!("  {}\n", s(&t)));
@@ -610,7 +611,7 @@ fn render_rules(request: &Request, r: &Json) -> String {
             }
             out
         }
-        Request::RulesDiff { .. } => arr(r).iter().map(|l| format!("{}\n", s(l))).collect(),
+        Request::RulesDiff(_) => arr(r).iter().map(|l| format!("{}\n", s(l))).collect(),
         _ => format!("ok: rules revision {}\n", r["revision"]),
     }
 }
@@ -633,7 +634,7 @@ fn monitor(
     format: MonitorFormat,
 ) -> Result<(), CliError> {
     use std::io::Write;
-    let req = Request::Watch { names, interval_ms: Some(interval), changes: false, count };
+    let req = Request::Watch(Watch { names, interval_ms: Some(interval), changes: false, count });
     let mut columns: Option<Vec<String>> = None;
     let mut widths: Vec<usize> = Vec::new();
     let mut print = |ev: Json| {
@@ -796,13 +797,13 @@ fn render(request: &Request, r: &Json) -> String {
         Request::LinkList => {
             r["links"].as_array().map_or(String::new(), |l| l.iter().map(|x| format!("{}\n", s(x))).collect())
         }
-        Request::Get { .. } => {
+        Request::Get(_) => {
             let rows = r.as_object().map_or(Vec::new(), |o| {
                 o.iter().map(|(k, v)| vec![k.clone(), s(&v["value"]), s(&v["unit"])]).collect()
             });
             table(&["NAME", "VALUE", "UNIT"], rows)
         }
-        Request::VarList { .. } => table(
+        Request::VarList(_) => table(
             &["NAME", "KIND", "TYPE", "UNIT", "VALUE", "DESCRIPTION"],
             arr()
                 .iter()
@@ -848,8 +849,8 @@ fn render(request: &Request, r: &Json) -> String {
                 })
                 .collect(),
         ),
-        Request::ConfigShow { .. } => s(&r["stack"]),
-        Request::TapAdd { .. } => format!("ok: {} records to the file (revision {})\n", s(&r["tap"]), r["revision"]),
+        Request::ConfigShow(_) => s(&r["stack"]),
+        Request::TapAdd(_) => format!("ok: {} records to the file (revision {})\n", s(&r["tap"]), r["revision"]),
         Request::TapList => table(
             &["NAME", "TAPS", "LINKTYPE", "FRAMES", "FILE"],
             arr()
@@ -870,7 +871,7 @@ fn render(request: &Request, r: &Json) -> String {
                 })
                 .collect(),
         ),
-        Request::ModuleExec { .. } => format!("{}\n", s(&r["result"])),
+        Request::ModuleExec(_) => format!("{}\n", s(&r["result"])),
         Request::AppVarList => {
             let mut rows = Vec::new();
             for a in arr() {

@@ -12,6 +12,7 @@
 use crate::error::{msg, CliError};
 use clap::Args;
 use flexstack_api::client::{Client, ClientError};
+use flexstack_api::ops::AppAttach;
 use flexstack_api::protocol::{request_line, Request};
 use serde_json::Value as Json;
 use std::io::{BufRead, BufReader, Write};
@@ -126,7 +127,7 @@ pub fn run_app(state_dir: &Path, args: &RunArgs) -> Result<i32, CliError> {
             }
         }
     });
-    let attach = Request::AppAttach { name: args.name.clone(), uid, stack: template };
+    let attach = Request::AppAttach(AppAttach { name: args.name.clone(), uid, stack: template });
     // A daemon that exits as its last app ends (--exit-when-idle) may close on us just as we attach: then a new
     // daemon is started and the attach tried once more.
     let (mut writer, reader, reply) = match try_attach(state_dir, &attach)? {

@@ -22,6 +22,7 @@
 use super::build::{set_knob, sh, stop_processes, LabState};
 use crate::error::{msg, CliError};
 use flexstack_api::client::Client;
+use flexstack_api::ops::{Get, RulesLoad, TapAdd};
 use flexstack_api::protocol::Request;
 use flexstack_core::vars::name_matches;
 use flexstack_lab::{Action, Lab, LinkParams};
@@ -201,7 +202,7 @@ pub fn capture(state: &LabState, link: &str) -> Result<(), CliError> {
     let mut wire = state.wire()?;
     for (e, tag) in [(&l.emulator_ab, "ab"), (&l.emulator_ba, "ba")] {
         let file = dir.join(format!("{link}.{tag}.pcapng")).display().to_string();
-        wire.call(&Request::TapAdd { link: format!("{e}[out]"), file })?;
+        wire.call_json(&Request::TapAdd(TapAdd { link: format!("{e}[out]"), file }))?;
     }
     Ok(())
 }
@@ -275,7 +276,7 @@ fn load_rules(state: &LabState, host: Option<&str>, file: &str) -> Result<(), Cl
     let path = rules_path(Path::new(&state.file), file);
     let text = std::fs::read_to_string(&path).map_err(|e| msg(format!("{}: cannot read: {e}", path.display())))?;
     let dir = rules_daemon(state, host)?;
-    Client::connect(&dir)?.call(&Request::RulesLoad { name: path.display().to_string(), text })?;
+    Client::connect(&dir)?.call_json(&Request::RulesLoad(RulesLoad { name: path.display().to_string(), text }))?;
     Ok(())
 }
 
@@ -355,7 +356,7 @@ fn sampler(state: LabState, patterns: Vec<String>, every: Duration, start: Insta
                 *client = Client::connect(dir).ok();
             }
             let Some(c) = client.as_mut() else { continue };
-            match c.call(&Request::Get { names: vec!["**".into()] }) {
+            match c.call_json(&Request::Get(Get { names: vec!["**".into()] })) {
                 Ok(Json::Object(map)) => {
                     for (name, v) in map {
                         let shown = match host {

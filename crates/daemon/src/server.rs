@@ -8,6 +8,7 @@ use crate::actions::{Caller, Control};
 use crate::appvars::APP_SOCKET_NAME;
 use crate::dataplane::DataPlane;
 use crate::sandbox::Sandboxes;
+use flexstack_api::ops::{AppAttach, Watch};
 use flexstack_api::protocol::{parse_request, ApiError, ErrorCode, Request, Response, MAX_REQUEST_BYTES};
 use flexstack_api::socket_path;
 use flexstack_core::{Catalog, StackSpec};
@@ -302,7 +303,7 @@ fn serve(conn: UnixStream, control: &Control, timeout: Duration) -> bool {
                 continue;
             }
         };
-        if let Request::Watch { names, interval_ms, changes, count } = request {
+        if let Request::Watch(Watch { names, interval_ms, changes, count }) = request {
             let interval = Duration::from_millis(interval_ms.unwrap_or(1000).max(10));
             let mut emit = |event| send(Response::event(id.clone(), event));
             let end = match control.watch(&names, interval, changes, count, &mut emit) {
@@ -314,7 +315,7 @@ fn serve(conn: UnixStream, control: &Control, timeout: Duration) -> bool {
             }
             continue;
         }
-        if let Request::AppAttach { name, uid, stack } = request {
+        if let Request::AppAttach(AppAttach { name, uid, stack }) = request {
             let app = match control.sandboxes.attach(control, name, uid, stack.as_deref()) {
                 Ok(app) => app,
                 Err(e) => {

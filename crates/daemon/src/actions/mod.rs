@@ -23,6 +23,7 @@ mod var;
 pub use control::{Caller, Control};
 pub use revisions::{Revision, RevisionLog};
 
+use flexstack_api::ops::*;
 use flexstack_api::protocol::{ApiError, ErrorCode, Request};
 use serde_json::Value as Json;
 
@@ -35,42 +36,42 @@ impl Control {
             Request::Status => self.status(),
             Request::ModuleList => self.module_list(),
             Request::ModuleKinds => self.module_kinds(),
-            Request::ModuleLoad { name, kind, settings } => self.module_load(name, kind, &settings, who),
-            Request::ModuleUnload { name } => self.module_unload(name, who),
-            Request::ModuleReplace { name, kind, settings, fresh } => {
+            Request::ModuleLoad(ModuleLoad { name, kind, settings }) => self.module_load(name, kind, &settings, who),
+            Request::ModuleUnload(ModuleUnload { name }) => self.module_unload(name, who),
+            Request::ModuleReplace(ModuleReplace { name, kind, settings, fresh }) => {
                 self.module_replace(name, kind, &settings, fresh, who)
             }
-            Request::ModuleExec { name, procedure, argument } => self.exec(&name, &procedure, argument),
+            Request::ModuleExec(ModuleExec { name, procedure, argument }) => self.exec(&name, &procedure, argument),
             Request::LinkList => self.link_list(),
-            Request::LinkAdd { link } => self.link_add(&link, who),
-            Request::LinkDel { link } => self.link_del(&link, who),
-            Request::Pause { module } => self.pause(module),
-            Request::Resume { module } => self.resume(module),
-            Request::Get { names } => self.get(&names),
-            Request::Set { name, value } => self.set(&name, &value, who),
-            Request::Watch { .. } => Err(ApiError::new(ErrorCode::InvalidRequest, "watch streams; use Control::watch")),
-            Request::AppAttach { .. } | Request::AppDetach => Err(ApiError::new(
+            Request::LinkAdd(LinkAdd { link }) => self.link_add(&link, who),
+            Request::LinkDel(LinkDel { link }) => self.link_del(&link, who),
+            Request::Pause(Pause { module }) => self.pause(module),
+            Request::Resume(Resume { module }) => self.resume(module),
+            Request::Get(Get { names }) => self.get(&names),
+            Request::Set(Set { name, value }) => self.set(&name, &value, who),
+            Request::Watch(_) => Err(ApiError::new(ErrorCode::InvalidRequest, "watch streams; use Control::watch")),
+            Request::AppAttach(_) | Request::AppDetach => Err(ApiError::new(
                 ErrorCode::InvalidRequest,
                 "app_attach holds its connection as a lease; see the server",
             )),
             Request::AppList => self.app_list(),
             Request::AppVarList => self.app_var_list(),
-            Request::TapAdd { link, file } => self.tap_add(&link, &file, who),
-            Request::TapDel { name } => self.tap_del(name, who),
+            Request::TapAdd(TapAdd { link, file }) => self.tap_add(&link, &file, who),
+            Request::TapDel(TapDel { name }) => self.tap_del(name, who),
             Request::TapList => self.tap_list(),
             Request::ShowRuntime => self.show_runtime(),
-            Request::VarList { pattern } => self.var_list(pattern.as_deref()),
+            Request::VarList(VarList { pattern }) => self.var_list(pattern.as_deref()),
             Request::ConfigLog => self.config_log(),
-            Request::ConfigShow { rev } => self.config_show(rev),
-            Request::ConfigRollback { rev } => self.rollback(rev, who),
-            Request::RulesLoad { name, text } => self.rules_load(name, text, who),
-            Request::RulesUnload { names } => self.rules()?.unload(names),
-            Request::RulesReplace { old, new } => self.rules()?.replace(old, new),
+            Request::ConfigShow(ConfigShow { rev }) => self.config_show(rev),
+            Request::ConfigRollback(ConfigRollback { rev }) => self.rollback(rev, who),
+            Request::RulesLoad(RulesLoad { name, text }) => self.rules_load(name, text, who),
+            Request::RulesUnload(RulesUnload { names }) => self.rules()?.unload(names),
+            Request::RulesReplace(RulesReplace { old, new }) => self.rules()?.replace(old, new),
             Request::RulesList => self.rules()?.list(),
-            Request::RulesShow { name } => self.rules()?.show(name),
+            Request::RulesShow(RulesShow { name }) => self.rules()?.show(name),
             Request::RulesLog => self.rules()?.log(),
-            Request::RulesDiff { from, to } => self.rules()?.diff(from, to),
-            Request::RulesRollback { rev } => self.rules()?.rollback(rev),
+            Request::RulesDiff(RulesDiff { from, to }) => self.rules()?.diff(from, to),
+            Request::RulesRollback(RulesRollback { rev }) => self.rules()?.rollback(rev),
         }
     }
 }

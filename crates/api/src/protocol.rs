@@ -151,7 +151,7 @@ calls! {
     RulesLog => RulesHistory;
     RulesDiff(..) => Vec<String>;
     RulesRollback(..) => RulesRevision;
-    AppVarList => Vec<AppVars>;
+    AppVarList => Vec<RegisteredApp>;
 }
 
 impl From<Watch> for Request {
@@ -227,9 +227,12 @@ pub struct Response {
 }
 
 impl Response {
-    /// A success.
-    pub fn ok(id: Option<Json>, result: Json) -> Response {
-        Response { id, ok: true, result: Some(result), event: None, error: None }
+    /// A success with `result`, as JSON (keys sorted); a result that cannot be encoded is an `internal` error.
+    pub fn ok(id: Option<Json>, result: &impl Serialize) -> Response {
+        match serde_json::to_value(result) {
+            Ok(result) => Response { id, ok: true, result: Some(result), event: None, error: None },
+            Err(e) => Response::err(id, unencodable(e)),
+        }
     }
 
     /// A failure.
@@ -237,9 +240,12 @@ impl Response {
         Response { id, ok: false, result: None, event: None, error: Some(error) }
     }
 
-    /// A watch event.
-    pub fn event(id: Option<Json>, event: Json) -> Response {
-        Response { id, ok: true, result: None, event: Some(event), error: None }
+    /// A watch event ([`WatchEvent`]), as JSON.
+    pub fn event(id: Option<Json>, event: &impl Serialize) -> Response {
+        match serde_json::to_value(event) {
+            Ok(event) => Response { id, ok: true, result: None, event: Some(event), error: None },
+            Err(e) => Response::err(id, unencodable(e)),
+        }
     }
 
     /// The response as one line of JSON, with the newline.
@@ -248,6 +254,10 @@ impl Response {
         s.push('\n');
         s
     }
+}
+
+fn unencodable(e: serde_json::Error) -> ApiError {
+    ApiError::new(ErrorCode::Internal, format!("cannot encode the result: {e}"))
 }
 
 /// Parses one request line into its id and request, or the error to send back.

@@ -29,7 +29,7 @@ pub struct AppDetach;
 pub struct AppList;
 
 /// `app_var_list`: the applications' registered variables (`app.<name>.*`), with the registering process.
-/// Result: a list of [`AppVars`].
+/// Result: a list of [`RegisteredApp`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct AppVarList;
 
@@ -67,7 +67,7 @@ pub struct Detached {
 
 /// An application and its variables, in `app_var_list`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct AppVars {
+pub struct RegisteredApp {
     /// The application's registered name (`app.<app>.*`).
     pub app: String,
     /// The registering process's user id.

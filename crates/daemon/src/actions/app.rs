@@ -2,17 +2,17 @@
 
 use crate::actions::control::{internal, Control};
 use crate::sandbox::AppModules;
+use flexstack_api::ops::{AppInfo, RegisteredApp};
 use flexstack_api::protocol::ApiError;
 use flexstack_core::config::StackSpec;
 use flexstack_core::Edit;
-use serde_json::{json, Value as Json};
 
 impl Control {
-    pub(super) fn app_list(&self) -> Result<Json, ApiError> {
-        Ok(json!(self.sandboxes.list()))
+    pub(super) fn app_list(&self) -> Result<Vec<AppInfo>, ApiError> {
+        Ok(self.sandboxes.list())
     }
 
-    pub(super) fn app_var_list(&self) -> Result<Json, ApiError> {
+    pub(super) fn app_var_list(&self) -> Result<Vec<RegisteredApp>, ApiError> {
         Ok(self.appvars.list())
     }
 }

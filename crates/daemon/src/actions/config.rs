@@ -2,33 +2,36 @@
 
 use crate::actions::control::{config_error, internal, Control};
 use crate::actions::revisions::Revision;
+use flexstack_api::ops::{Change, RevisionInfo, RevisionStack};
 use flexstack_api::protocol::{ApiError, ErrorCode};
 use flexstack_core::config::{Settings, StackSpec};
 use flexstack_core::vars::VarKind;
 use flexstack_core::{Edit, Value};
-use serde_json::{json, Value as Json};
 
 impl Control {
-    pub(super) fn config_log(&self) -> Result<Json, ApiError> {
+    pub(super) fn config_log(&self) -> Result<Vec<RevisionInfo>, ApiError> {
         let revs = self.revisions.lock().unwrap_or_else(|p| p.into_inner());
-        Ok(Json::Array(
-            revs.iter()
-                .map(|r| json!({"revision": r.number, "time_ms": r.time_ms, "user": r.user, "change": r.change, "notes": r.notes}))
-                .collect(),
-        ))
+        let log = revs.iter().map(|r| RevisionInfo {
+            revision: r.number,
+            time_ms: r.time_ms,
+            user: r.user.clone(),
+            change: r.change.clone(),
+            notes: r.notes.clone(),
+        });
+        Ok(log.collect())
     }
 
     /// Revision `rev`'s stack description; the running stack's when `None`.
-    pub(super) fn config_show(&self, rev: Option<u64>) -> Result<Json, ApiError> {
+    pub(super) fn config_show(&self, rev: Option<u64>) -> Result<RevisionStack, ApiError> {
         match rev {
             Some(n) => {
                 let r = self.revision(n)?;
-                Ok(json!({ "revision": r.number, "stack": r.stack }))
+                Ok(RevisionStack { revision: r.number, stack: r.stack })
             }
             None => {
                 let snap = self.dp().snapshot().map_err(internal)?;
                 let current = self.revisions.lock().unwrap_or_else(|p| p.into_inner()).latest();
-                Ok(json!({ "revision": current, "stack": snap.spec.to_toml() }))
+                Ok(RevisionStack { revision: current, stack: snap.spec.to_toml() })
             }
         }
     }
@@ -40,7 +43,7 @@ impl Control {
 
     /// Returns the stack to revision `rev`: modules missing are loaded, extra ones unloaded, changed ones
     /// replaced (state kept where the kind is the same), knobs set, links relinked — all in one atomic edit.
-    pub(super) fn rollback(&self, rev: u64, who: &str) -> Result<Json, ApiError> {
+    pub(super) fn config_rollback(&self, rev: u64, who: &str) -> Result<Change, ApiError> {
         let target_rev = self.revision(rev)?;
         let target = StackSpec::parse(&format!("revision {rev}"), &target_rev.stack).map_err(config_error)?;
         let current = self.dp().snapshot().map_err(internal)?.spec;

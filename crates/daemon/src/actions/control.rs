@@ -7,10 +7,10 @@ use crate::appvars::AppVars;
 use crate::dataplane::DataPlane;
 use crate::rules::RulesService;
 use crate::sandbox::Sandboxes;
+use flexstack_api::ops::{Change, Notes};
 use flexstack_api::protocol::{ApiError, ErrorCode};
 use flexstack_core::config::{Settings, StackSpec};
 use flexstack_core::{Catalog, ConfigError, Edit, Location, Registry, SharedRegistry, Value};
-use serde_json::{json, Value as Json};
 use std::sync::atomic::AtomicU32;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -118,7 +118,7 @@ impl Control {
     }
 
     /// Loads a whole stack description into the (empty) daemon as revision 1. Errors carry file:line.
-    pub fn load_stack(&self, spec: &StackSpec, who: &str, change: &str) -> Result<Json, ApiError> {
+    pub fn load_stack(&self, spec: &StackSpec, who: &str, change: &str) -> Result<Change, ApiError> {
         let mut edits = Vec::new();
         let mut locations = Vec::new();
         for m in &spec.modules {
@@ -139,7 +139,7 @@ impl Control {
     }
 
     /// Applies edits atomically and records a revision.
-    pub(super) fn edit(&self, who: &str, change: String, edits: Vec<Edit>) -> Result<Json, ApiError> {
+    pub(super) fn edit(&self, who: &str, change: String, edits: Vec<Edit>) -> Result<Change, ApiError> {
         self.edit_located(who, change, edits, &[])
     }
 
@@ -150,7 +150,7 @@ impl Control {
         change: String,
         edits: Vec<Edit>,
         locations: &[Option<Location>],
-    ) -> Result<Json, ApiError> {
+    ) -> Result<Change, ApiError> {
         let _guard = self.edit_lock.lock().unwrap_or_else(|p| p.into_inner());
         let dp = self.dp();
         let single = edits.len() == 1;
@@ -166,18 +166,18 @@ impl Control {
         drop(dp);
         let mut revs = self.revisions.lock().unwrap_or_else(|p| p.into_inner());
         tracing::info!(revision = revs.latest() + 1, user = who, change = %change, "stack changed");
-        let number = revs.push(now_ms(), who, change, notes.clone(), snap.spec.to_toml());
-        Ok(json!({ "revision": number, "notes": notes }))
+        let revision = revs.push(now_ms(), who, change, notes.clone(), snap.spec.to_toml());
+        Ok(Change { revision, notes })
     }
 
     /// Applies edits that are not changes to the stack description (pause, resume): no revision.
-    pub(super) fn runtime_edit(&self, edits: Vec<Edit>) -> Result<Json, ApiError> {
+    pub(super) fn runtime_edit(&self, edits: Vec<Edit>) -> Result<Notes, ApiError> {
         let notes = self
             .dp()
             .apply(edits)
             .map_err(internal)?
             .map_err(|e| ApiError::new(ErrorCode::InvalidEdit, e.to_string()))?;
-        Ok(json!({ "notes": notes }))
+        Ok(Notes { notes })
     }
 
     pub(super) fn configure(
@@ -189,7 +189,7 @@ impl Control {
     }
 
     /// Applies one edit and records it as a revision named after the edit.
-    pub(super) fn edit_one(&self, who: &str, edit: Edit) -> Result<Json, ApiError> {
+    pub(super) fn edit_one(&self, who: &str, edit: Edit) -> Result<Change, ApiError> {
         self.edit(who, edit.to_string(), vec![edit])
     }
 }

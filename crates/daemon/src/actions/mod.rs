@@ -24,54 +24,58 @@ pub use control::{Caller, Control};
 pub use revisions::{Revision, RevisionLog};
 
 use flexstack_api::ops::*;
-use flexstack_api::protocol::{ApiError, ErrorCode, Request};
+use flexstack_api::protocol::{ApiError, Call, ErrorCode, Request};
 use serde_json::Value as Json;
+
+/// An action's result as the JSON sent on the wire. `C` is the request: its [`Call::Response`] is the type the
+/// action must return, so the daemon and its clients agree on every result's type.
+fn reply<C: Call>(result: Result<C::Response, ApiError>) -> Result<Json, ApiError> {
+    result.and_then(|r| serde_json::to_value(r).map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string())))
+}
 
 impl Control {
     /// Runs one request (all but `watch`, which streams: see [`Control::watch`], and the app lease requests,
-    /// which hold their connection: see the server).
+    /// which hold their connection: see the server) and returns its result as JSON.
     pub fn handle(&self, request: Request, caller: &Caller) -> Result<Json, ApiError> {
         let who = caller.user.as_str();
         match request {
-            Request::Status => self.status(),
-            Request::ModuleList => self.module_list(),
-            Request::ModuleKinds => self.module_kinds(),
-            Request::ModuleLoad(ModuleLoad { name, kind, settings }) => self.module_load(name, kind, &settings, who),
-            Request::ModuleUnload(ModuleUnload { name }) => self.module_unload(name, who),
-            Request::ModuleReplace(ModuleReplace { name, kind, settings, fresh }) => {
-                self.module_replace(name, kind, &settings, fresh, who)
-            }
-            Request::ModuleExec(ModuleExec { name, procedure, argument }) => self.exec(&name, &procedure, argument),
-            Request::LinkList => self.link_list(),
-            Request::LinkAdd(LinkAdd { link }) => self.link_add(&link, who),
-            Request::LinkDel(LinkDel { link }) => self.link_del(&link, who),
-            Request::Pause(Pause { module }) => self.pause(module),
-            Request::Resume(Resume { module }) => self.resume(module),
-            Request::Get(Get { names }) => self.get(&names),
-            Request::Set(Set { name, value }) => self.set(&name, &value, who),
+            Request::Status => reply::<Status>(self.status()),
+            Request::ModuleList => reply::<ModuleList>(self.module_list()),
+            Request::ModuleKinds => reply::<ModuleKinds>(self.module_kinds()),
+            Request::ModuleLoad(r) => reply::<ModuleLoad>(self.module_load(r, who)),
+            Request::ModuleUnload(r) => reply::<ModuleUnload>(self.module_unload(r.name, who)),
+            Request::ModuleReplace(r) => reply::<ModuleReplace>(self.module_replace(r, who)),
+            Request::ModuleExec(r) => reply::<ModuleExec>(self.module_exec(r)),
+            Request::LinkList => reply::<LinkList>(self.link_list()),
+            Request::LinkAdd(r) => reply::<LinkAdd>(self.link_add(&r.link, who)),
+            Request::LinkDel(r) => reply::<LinkDel>(self.link_del(&r.link, who)),
+            Request::Pause(r) => reply::<Pause>(self.pause(r.module)),
+            Request::Resume(r) => reply::<Resume>(self.resume(r.module)),
+            Request::Get(r) => reply::<Get>(self.get(&r.names)),
+            Request::Set(r) => reply::<Set>(self.set(&r.name, &r.value, who)),
             Request::Watch(_) => Err(ApiError::new(ErrorCode::InvalidRequest, "watch streams; use Control::watch")),
             Request::AppAttach(_) | Request::AppDetach => Err(ApiError::new(
                 ErrorCode::InvalidRequest,
                 "app_attach holds its connection as a lease; see the server",
             )),
-            Request::AppList => self.app_list(),
-            Request::AppVarList => self.app_var_list(),
-            Request::TapAdd(TapAdd { link, file }) => self.tap_add(&link, &file, who),
-            Request::TapDel(TapDel { name }) => self.tap_del(name, who),
-            Request::TapList => self.tap_list(),
-            Request::ShowRuntime => self.show_runtime(),
-            Request::VarList(VarList { pattern }) => self.var_list(pattern.as_deref()),
-            Request::ConfigLog => self.config_log(),
-            Request::ConfigShow(ConfigShow { rev }) => self.config_show(rev),
-            Request::ConfigRollback(ConfigRollback { rev }) => self.rollback(rev, who),
-            Request::RulesLoad(RulesLoad { name, text }) => self.rules_load(name, text, who),
-            Request::RulesUnload(RulesUnload { names }) => self.rules()?.unload(names),
-            Request::RulesReplace(RulesReplace { old, new }) => self.rules()?.replace(old, new),
-            Request::RulesList => self.rules()?.list(),
-            Request::RulesShow(RulesShow { name }) => self.rules()?.show(name),
-            Request::RulesLog => self.rules()?.log(),
-            Request::RulesDiff(RulesDiff { from, to }) => self.rules()?.diff(from, to),
-            Request::RulesRollback(RulesRollback { rev }) => self.rules()?.rollback(rev),
+            Request::AppList => reply::<AppList>(self.app_list()),
+            Request::AppVarList => reply::<AppVarList>(self.app_var_list()),
+            Request::TapAdd(r) => reply::<TapAdd>(self.tap_add(r, who)),
+            Request::TapDel(r) => reply::<TapDel>(self.tap_del(r.name, who)),
+            Request::TapList => reply::<TapList>(self.tap_list()),
+            Request::ShowRuntime => reply::<ShowRuntime>(self.show_runtime()),
+            Request::VarList(r) => reply::<VarList>(self.var_list(r.pattern.as_deref())),
+            Request::ConfigLog => reply::<ConfigLog>(self.config_log()),
+            Request::ConfigShow(r) => reply::<ConfigShow>(self.config_show(r.rev)),
+            Request::ConfigRollback(r) => reply::<ConfigRollback>(self.config_rollback(r.rev, who)),
+            Request::RulesLoad(r) => reply::<RulesLoad>(self.rules_load(r.name, r.text, who)),
+            Request::RulesUnload(r) => reply::<RulesUnload>(self.rules().and_then(|s| s.unload(r.names))),
+            Request::RulesReplace(r) => reply::<RulesReplace>(self.rules().and_then(|s| s.replace(r.old, r.new))),
+            Request::RulesList => reply::<RulesList>(self.rules().and_then(|s| s.list())),
+            Request::RulesShow(r) => reply::<RulesShow>(self.rules().and_then(|s| s.show(r.name))),
+            Request::RulesLog => reply::<RulesLog>(self.rules().and_then(|s| s.log())),
+            Request::RulesDiff(r) => reply::<RulesDiff>(self.rules().and_then(|s| s.diff(r.from, r.to))),
+            Request::RulesRollback(r) => reply::<RulesRollback>(self.rules().and_then(|s| s.rollback(r.rev))),
         }
     }
 }

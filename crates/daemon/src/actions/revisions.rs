@@ -1,9 +1,7 @@
 //! The stack's revision log: every accepted change to the stack, with the whole stack description after it.
 
-use serde::Serialize;
-
 /// An accepted change to the stack.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug)]
 pub struct Revision {
     /// 1-based number.
     pub number: u64,

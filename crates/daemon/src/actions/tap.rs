@@ -1,19 +1,20 @@
 //! Taps: pcapng captures of a port, loaded as one more receiver of it (add, del, list).
 
 use crate::actions::control::{internal, u64_var, Control};
+use flexstack_api::ops::{Change, TapAdd, TapAdded, TapInfo};
 use flexstack_api::protocol::{ApiError, ErrorCode};
 use flexstack_core::config::{LinkSpec, Settings};
 use flexstack_core::Edit;
-use serde_json::{json, Value as Json};
 
 impl Control {
     /// Loads a tap recording the frames that leave the sender port of `link`, as one more receiver of that port.
-    pub(super) fn tap_add(&self, link: &str, file: &str, who: &str) -> Result<Json, ApiError> {
+    pub(super) fn tap_add(&self, add: TapAdd, who: &str) -> Result<TapAdded, ApiError> {
+        let TapAdd { link, file } = add;
         // "a -> b" names the link by its sender; "a[port]" or "a" alone names the port directly.
-        let sender_text = link.split("->").next().unwrap_or(link).trim();
+        let sender_text = link.split("->").next().unwrap_or(&link).trim();
         let l =
             LinkSpec::parse(&format!("{sender_text} -> x")).map_err(|m| ApiError::new(ErrorCode::InvalidEdit, m))?;
-        if !std::path::Path::new(file).is_absolute() {
+        if !std::path::Path::new(&file).is_absolute() {
             return Err(ApiError::new(
                 ErrorCode::InvalidValue,
                 format!("the capture file must be an absolute path, got {file:?}"),
@@ -42,7 +43,7 @@ impl Control {
         let name =
             (1..).map(|n| format!("tap{n}")).find(|n| !snap.modules.iter().any(|m| &m.name == n)).unwrap_or_default();
         let mut settings = Settings::default();
-        settings.insert("path", toml::Value::String(file.to_string()));
+        settings.insert("path", toml::Value::String(file.clone()));
         settings.insert("linktype", toml::Value::String(linktype.into()));
         settings.insert("passthrough", toml::Value::Boolean(false));
         let builder = self.configure("tap", &settings)?;
@@ -50,13 +51,11 @@ impl Control {
             .map_err(|m| ApiError::new(ErrorCode::Internal, m))?;
         let change = format!("tap add {}[{port}] {file} (as {name})", module.name);
         let edits = vec![Edit::Load { name: name.clone(), kind: "tap".into(), settings, builder }, Edit::Link(link)];
-        let mut result = self.edit(who, change, edits)?;
-        result["tap"] = json!(name);
-        result["linktype"] = json!(linktype);
-        Ok(result)
+        let Change { revision, notes } = self.edit(who, change, edits)?;
+        Ok(TapAdded { revision, notes, tap: name, linktype: linktype.to_string() })
     }
 
-    pub(super) fn tap_list(&self) -> Result<Json, ApiError> {
+    pub(super) fn tap_list(&self) -> Result<Vec<TapInfo>, ApiError> {
         let snap = self.dp().snapshot().map_err(internal)?;
         let reg = self.registry.snapshot();
         let rows = snap
@@ -68,21 +67,26 @@ impl Control {
                 let setting = |k: &str| {
                     spec.and_then(|s| s.settings.get(k)).map(|v| v.value.to_string().trim_matches('"').to_string())
                 };
-                let taps: Vec<String> = snap
+                let taps = snap
                     .edges
                     .iter()
                     .filter(|e| e.to == m.name)
                     .map(|e| format!("{}[{}]", e.from, e.from_port))
                     .collect();
-                json!({"name": m.name, "file": setting("path"), "linktype": setting("linktype"), "taps": taps,
-                       "frames": u64_var(&reg, &format!("module.{}.frames_total", m.name))})
+                TapInfo {
+                    name: m.name.clone(),
+                    file: setting("path"),
+                    linktype: setting("linktype"),
+                    taps,
+                    frames: u64_var(&reg, &format!("module.{}.frames_total", m.name)),
+                }
             })
             .collect();
-        Ok(Json::Array(rows))
+        Ok(rows)
     }
 
     /// Unloads the tap `name` (and only a tap).
-    pub(super) fn tap_del(&self, name: String, who: &str) -> Result<Json, ApiError> {
+    pub(super) fn tap_del(&self, name: String, who: &str) -> Result<Change, ApiError> {
         let is_tap = self.dp().snapshot().map_err(internal)?.modules.iter().any(|m| m.name == name && m.kind == "tap");
         if !is_tap {
             return Err(ApiError::new(ErrorCode::NotFound, format!("no tap named {name} (see `flexstack tap list`)")));

@@ -16,6 +16,7 @@
 pub mod client;
 pub mod ops;
 pub mod protocol;
+mod value;
 
 pub use client::{socket_path, Client, ClientError};
 pub use flexstack_core::{Value, ValueType, VarKind};

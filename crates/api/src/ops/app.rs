@@ -89,5 +89,6 @@ pub struct AppVar {
     #[serde(rename = "type")]
     pub ty: ValueType,
     /// Its current value.
+    #[serde(deserialize_with = "crate::value::read")]
     pub value: Value,
 }

@@ -139,5 +139,6 @@ pub struct ExecResult {
     /// The procedure.
     pub procedure: String,
     /// What it returned.
+    #[serde(deserialize_with = "crate::value::read")]
     pub result: Value,
 }

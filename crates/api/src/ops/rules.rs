@@ -173,9 +173,9 @@ pub struct UnitInfo {
 #[serde(untagged)]
 pub enum UnitState {
     /// A scalar.
-    Value(Value),
+    Value(#[serde(deserialize_with = "crate::value::read")] Value),
     /// A window's samples.
-    Samples(Vec<f64>),
+    Samples(#[serde(deserialize_with = "crate::value::read_samples")] Vec<f64>),
 }
 
 /// The result of `rules_log`.

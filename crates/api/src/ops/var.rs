@@ -57,6 +57,7 @@ pub type Values = BTreeMap<String, VarValue>;
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct VarValue {
     /// The value, of the variable's type.
+    #[serde(deserialize_with = "crate::value::read")]
     pub value: Value,
     /// Its unit (`frames`, `ns`, ... or empty).
     pub unit: String,
@@ -72,6 +73,7 @@ pub struct SetResult {
     /// What the switch reported.
     pub notes: Vec<String>,
     /// The knob's value after the write.
+    #[serde(deserialize_with = "crate::value::read")]
     pub value: Value,
 }
 
@@ -83,6 +85,7 @@ pub struct WatchEvent {
     /// Milliseconds since the Unix epoch.
     pub time_ms: u64,
     /// The values, by full name (with `changes`, only those that changed; the first event has all).
+    #[serde(deserialize_with = "crate::value::read_map")]
     pub values: BTreeMap<String, Value>,
 }
 
@@ -110,5 +113,6 @@ pub struct VarInfo {
     /// The inclusive range a knob accepts, if limited (`null` otherwise).
     pub range: Option<(f64, f64)>,
     /// Its current value.
+    #[serde(deserialize_with = "crate::value::read")]
     pub value: Value,
 }

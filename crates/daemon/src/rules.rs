@@ -242,7 +242,7 @@ fn rule_info(v: flexstack_rules::RuleView) -> RuleInfo {
             .collect(),
     };
     let instance = |i: flexstack_rules::InstanceView| RuleInstance {
-        binding: i.binding,
+        captures: i.binding,
         refcount: i.refcount,
         pulled: i.pulled,
         value: i.value,

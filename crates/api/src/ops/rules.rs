@@ -141,8 +141,9 @@ pub struct RuleInfo {
 /// A running instance of a rule.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RuleInstance {
-    /// The names bound to the `*`s (empty for a rule without wildcards).
-    pub binding: Vec<String>,
+    /// The segments its `*`s captured (empty for a rule without wildcards); `binding` on the wire.
+    #[serde(rename = "binding")]
+    pub captures: Vec<String>,
     /// How many loaded things hold it: 1 if loaded by itself, plus 1 per loaded rule instance using it.
     pub refcount: u32,
     /// Evaluated only by query (it has a trigger or is used by a rule that has one).
@@ -156,7 +157,7 @@ pub struct RuleInstance {
 /// A functional unit of a rule instance.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct UnitInfo {
-    /// `rule[binding]/path`.
+    /// `rule[captures]/path`.
     pub key: String,
     /// The unit's kind (`get`, `set`, `Avg`, ...).
     pub kind: String,

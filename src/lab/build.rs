@@ -9,7 +9,6 @@
 use crate::error::{msg, CliError};
 use flexstack_api::client::Client;
 use flexstack_api::ops::Set;
-use flexstack_api::protocol::Request;
 use flexstack_lab::plan::Plan;
 use flexstack_lab::Lab;
 use serde::{Deserialize, Serialize};
@@ -436,6 +435,6 @@ pub fn down(state: &LabState, verbose: bool) {
 
 /// Writes a knob on the wire daemon or a stacked host's daemon.
 pub fn set_knob(dir: &Path, name: &str, value: serde_json::Value) -> Result<(), CliError> {
-    Client::connect(dir)?.call_json(&Request::Set(Set { name: name.to_string(), value }))?;
+    Client::connect(dir)?.call(Set { name: name.to_string(), value })?;
     Ok(())
 }

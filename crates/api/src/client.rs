@@ -1,15 +1,25 @@
 //! The client side of the control protocol, used by the CLI, `flexstack run`, the lab runner and the tests.
 //!
-//! [`Client::call`] sends one operation of [`crate::ops`] and returns its typed result:
+//! [`Client::call`] sends one operation of [`crate::ops`] and returns its typed result (the example of
+//! docs/control-api.md, "Typed clients"):
 //!
 //! ```no_run
 //! use flexstack_api::{ops, Client};
 //! # fn main() -> Result<(), flexstack_api::ClientError> {
 //! let mut client = Client::connect(std::path::Path::new("/run/flexstack"))?;
 //! for m in client.call(ops::ModuleList)? {
-//!     println!("{} ({}): {} frames in", m.name, m.kind, m.frames_in);
+//!     // A renamed field is a compile error here, not a silent `null`.
+//!     println!("{} {}: {} frames in, {} dropped", m.kind, m.name, m.frames_in, m.frames_dropped);
 //! }
 //! let values = client.call(ops::Get { names: vec!["module.*.frames_in_total".into()] })?;
+//! println!("{} frames into count", values["module.count.frames_in_total"].value);
+//! let set = client.call(ops::Set { name: "module.sel.select".into(), value: 1.into() })?;
+//! println!("revision {:?}, select = {:?}", set.revision, set.value);
+//! let watch = ops::Watch { names: vec!["module.count.*".into()], interval_ms: Some(100), changes: false, count: Some(3) };
+//! client.watch(watch, &mut |event| {
+//!     println!("{} ms: {:?}", event.t_ms, event.values);
+//!     true // false stops the stream
+//! })?;
 //! # Ok(())
 //! # }
 //! ```
@@ -70,36 +80,6 @@ impl Client {
             return Ok(None);
         }
         serde_json::from_str(&line).map(Some).map_err(|e| unreadable("response", e))
-    }
-
-    /// Sends `request` and returns its result as untyped JSON.
-    pub fn call_json(&mut self, request: &Request) -> Result<serde_json::Value, ClientError> {
-        self.send(request)?;
-        let r = self.receive()?.ok_or_else(|| ClientError::Protocol("the daemon closed the connection".into()))?;
-        result_of(r)
-    }
-
-    /// Sends a streaming request (`watch`) and hands each event, untyped, to `on_event` until it returns false or
-    /// the stream ends.
-    pub fn stream(
-        &mut self,
-        request: &Request,
-        on_event: &mut dyn FnMut(serde_json::Value) -> bool,
-    ) -> Result<(), ClientError> {
-        self.send(request)?;
-        while let Some(r) = self.receive()? {
-            if let Some(e) = r.error {
-                return Err(ClientError::Api(e));
-            }
-            if let Some(ev) = r.event {
-                if !on_event(ev) {
-                    return Ok(());
-                }
-            } else if r.result.is_some() {
-                return Ok(());
-            }
-        }
-        Ok(())
     }
 
     /// Sends `call` and returns its result.

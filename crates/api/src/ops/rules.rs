@@ -179,6 +179,24 @@ pub enum UnitState {
     Samples(#[serde(deserialize_with = "crate::value::read_samples")] Vec<f64>),
 }
 
+impl UnitState {
+    /// The scalar, if this is one.
+    pub fn value(&self) -> Option<&Value> {
+        match self {
+            UnitState::Value(v) => Some(v),
+            UnitState::Samples(_) => None,
+        }
+    }
+
+    /// The samples, if these are.
+    pub fn samples(&self) -> Option<&[f64]> {
+        match self {
+            UnitState::Samples(s) => Some(s),
+            UnitState::Value(_) => None,
+        }
+    }
+}
+
 /// The result of `rules_log`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RulesHistory {

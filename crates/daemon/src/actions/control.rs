@@ -10,6 +10,7 @@ use crate::sandbox::Sandboxes;
 use flexstack_api::ops::{Change, Notes};
 use flexstack_api::protocol::{ApiError, ErrorCode};
 use flexstack_core::config::{Settings, StackSpec};
+use flexstack_core::switch::ModuleInfo;
 use flexstack_core::{Catalog, ConfigError, Edit, Location, Registry, SharedRegistry, Value};
 use std::sync::atomic::AtomicU32;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
@@ -186,6 +187,21 @@ impl Control {
         settings: &Settings,
     ) -> Result<Box<dyn flexstack_core::ModuleBuilder>, ApiError> {
         self.catalog.configure(kind, settings, None).map_err(config_error)
+    }
+
+    /// One row per loaded module, made by `row` from the module and a reader of its meters by their names under
+    /// the module (`frames_in_total`, `port.out.frames_out_total`; 0 when absent).
+    pub(super) fn module_rows<T>(
+        &self,
+        row: impl Fn(ModuleInfo, &dyn Fn(&str) -> u64) -> T,
+    ) -> Result<Vec<T>, ApiError> {
+        let snap = self.dp().snapshot().map_err(internal)?;
+        let reg = self.registry.snapshot();
+        let rows = snap.modules.into_iter().map(|m| {
+            let prefix = format!("module.{}.", m.name);
+            row(m, &|var| u64_var(&reg, &format!("{prefix}{var}")))
+        });
+        Ok(rows.collect())
     }
 
     /// Applies one edit and records it as a revision named after the edit.

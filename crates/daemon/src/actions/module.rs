@@ -1,6 +1,6 @@
 //! Modules: list, kinds, load, unload, replace, and running a module's procedure (`module exec`).
 
-use crate::actions::control::{internal, u64_var, Control};
+use crate::actions::control::{internal, Control};
 use flexstack_api::ops::{
     Change, ExecResult, KindInfo, ModuleExec, ModuleInfo, ModuleLoad, ModuleReplace, PortDir, PortInfo,
 };
@@ -25,36 +25,28 @@ fn settings_from_json(map: &serde_json::Map<String, Json>) -> Result<Settings, A
 
 impl Control {
     pub(super) fn module_list(&self) -> Result<Vec<ModuleInfo>, ApiError> {
-        let snap = self.dp().snapshot().map_err(internal)?;
-        let reg = self.registry.snapshot();
-        let rows = snap
-            .modules
-            .into_iter()
-            .map(|m| {
-                let v = |var: &str| u64_var(&reg, &format!("module.{}.{var}", m.name));
-                let port = |(port, ty): (String, String), dir: PortDir| {
-                    let meter = |what: &str| v(&format!("port.{port}.frames_{what}_total"));
-                    let (frames, dropped) = match dir {
-                        PortDir::In => (meter("in"), None),
-                        PortDir::Out => (meter("out"), Some(meter("dropped"))),
-                    };
-                    PortInfo { port, dir, ty, frames, dropped }
+        self.module_rows(|m, v| {
+            let port = |(port, ty): (String, String), dir: PortDir| {
+                let meter = |what: &str| v(&format!("port.{port}.frames_{what}_total"));
+                let (frames, dropped) = match dir {
+                    PortDir::In => (meter("in"), None),
+                    PortDir::Out => (meter("out"), Some(meter("dropped"))),
                 };
-                let inputs = m.inputs.into_iter().map(|p| port(p, PortDir::In));
-                let ports = inputs.chain(m.outputs.into_iter().map(|p| port(p, PortDir::Out))).collect();
-                ModuleInfo {
-                    frames_in: v("frames_in_total"),
-                    frames_out: v("frames_out_total"),
-                    frames_dropped: v("frames_dropped_total"),
-                    held: v("held_frames"),
-                    name: m.name,
-                    kind: m.kind,
-                    state: m.state,
-                    ports,
-                }
-            })
-            .collect();
-        Ok(rows)
+                PortInfo { port, dir, ty, frames, dropped }
+            };
+            let inputs = m.inputs.into_iter().map(|p| port(p, PortDir::In));
+            let ports = inputs.chain(m.outputs.into_iter().map(|p| port(p, PortDir::Out))).collect();
+            ModuleInfo {
+                frames_in: v("frames_in_total"),
+                frames_out: v("frames_out_total"),
+                frames_dropped: v("frames_dropped_total"),
+                held: v("held_frames"),
+                name: m.name,
+                kind: m.kind,
+                state: m.state,
+                ports,
+            }
+        })
     }
 
     pub(super) fn module_kinds(&self) -> Result<Vec<KindInfo>, ApiError> {

@@ -1,6 +1,6 @@
 //! The running stack as a whole: status, per-module run time (`show runtime`), pause and resume.
 
-use crate::actions::control::{internal, u64_var, Control};
+use crate::actions::control::{internal, Control};
 use flexstack_api::ops::{DaemonStatus, Notes, RuntimeInfo};
 use flexstack_api::protocol::{ApiError, ErrorCode};
 use flexstack_core::Edit;
@@ -29,29 +29,21 @@ impl Control {
     }
 
     pub(super) fn show_runtime(&self) -> Result<Vec<RuntimeInfo>, ApiError> {
-        let snap = self.dp().snapshot().map_err(internal)?;
-        let reg = self.registry.snapshot();
-        let rows = snap
-            .modules
-            .into_iter()
-            .map(|m| {
-                let v = |var: &str| u64_var(&reg, &format!("module.{}.{var}", m.name));
-                let calls = v("calls_total");
-                let frames = if m.inputs.is_empty() { v("frames_out_total") } else { v("frames_in_total") };
-                let ns = v("busy_ns_total");
-                let ratio = |a: u64, b: u64| if b == 0 { 0.0 } else { a as f64 / b as f64 };
-                RuntimeInfo {
-                    frames_per_call: ratio(frames, calls),
-                    ns_per_frame: ratio(ns, frames),
-                    module: m.name,
-                    kind: m.kind,
-                    calls,
-                    frames,
-                    busy_ns: ns,
-                }
-            })
-            .collect();
-        Ok(rows)
+        self.module_rows(|m, v| {
+            let calls = v("calls_total");
+            let frames = if m.inputs.is_empty() { v("frames_out_total") } else { v("frames_in_total") };
+            let ns = v("busy_ns_total");
+            let ratio = |a: u64, b: u64| if b == 0 { 0.0 } else { a as f64 / b as f64 };
+            RuntimeInfo {
+                frames_per_call: ratio(frames, calls),
+                ns_per_frame: ratio(ns, frames),
+                module: m.name,
+                kind: m.kind,
+                calls,
+                frames,
+                busy_ns: ns,
+            }
+        })
     }
 
     /// Holds frames at `module` (the whole stack when `None`): a runtime state, not a revision.

@@ -19,8 +19,8 @@
 //! Meter names in the results: the wire daemon's emulator `<link>_ab` appears as `link.<link>.ab.<meter>` (and
 //! `_ba` as `.ba.`), its other variables as `wire.<name>`; a stacked host's variables as `host.<host>.<name>`.
 
-use super::build::{set_knob, sh, stop_processes, LabState};
 use crate::error::{msg, CliError};
+use crate::lab::build::{set_knob, sh, stop_processes, LabState};
 use flexstack_api::client::Client;
 use flexstack_api::ops::{Get, RulesLoad, TapAdd};
 use flexstack_core::vars::name_matches;

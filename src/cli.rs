@@ -1,12 +1,18 @@
 //! The `flexstack` command line, in the iproute2 manner: `flexstack OBJECT VERB [ARGS]`, `-j/--json` on every
 //! show. Every command but `daemon` is a client of the control API (see [`flexstack_api::client`]).
 
+use crate::error::{msg, CliError};
+use crate::lab::LabCmd;
+use crate::render;
+use crate::runner::RunArgs;
 use clap::{Args, Parser, Subcommand};
 use flexstack_api::client::{Client, ClientError};
-use flexstack_api::protocol::Request;
+use flexstack_api::ops::*;
+use flexstack_api::protocol::ErrorCode;
 use flexstack_core::Settings;
 use flexstack_daemon::server::{run_daemon, DaemonOptions};
-use serde_json::{json, Value as Json};
+use serde::Serialize;
+use serde_json::Value as Json;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -127,75 +133,6 @@ pub enum Command {
     Lab(LabCmd),
 }
 
-/// `flexstack lab ...`
-#[derive(Subcommand, Debug)]
-pub enum LabCmd {
-    /// Build the lab, run its programs and events for its duration, tear it down and write the results and report.
-    Run {
-        /// The lab file (TOML).
-        file: PathBuf,
-        /// The results folder (default: `results/<lab>-<UTC time>`).
-        #[arg(long)]
-        results: Option<PathBuf>,
-        /// No progress lines.
-        #[arg(short, long)]
-        quiet: bool,
-    },
-    /// Build the lab and start its background programs; it stays up until `lab down`.
-    Up {
-        /// The lab file (TOML).
-        file: PathBuf,
-        /// The results folder (default: `results/<lab>-<UTC time>`).
-        #[arg(long)]
-        results: Option<PathBuf>,
-    },
-    /// Run a command on a host of a lab that is up (through its stack on a stacked host), as the invoking user.
-    Exec {
-        /// The lab (default: the only one up).
-        #[arg(long)]
-        lab: Option<String>,
-        /// The host.
-        host: String,
-        /// The command and its arguments.
-        #[arg(required = true, last = true)]
-        command: Vec<String>,
-    },
-    /// Take a link down or up, or change its parameters: `lab link h1 srv set delay=50ms loss=1`.
-    Link {
-        /// The lab (default: the only one up).
-        #[arg(long)]
-        lab: Option<String>,
-        /// One end of the link.
-        a: String,
-        /// The other end.
-        b: String,
-        /// `down`, `up` or `set`.
-        action: String,
-        /// For `set`: the parameters, KEY=VALUE (bw, delay, jitter, loss, max_queue_size, loss_model, ge_*).
-        params: Vec<String>,
-    },
-    /// Tear down a lab (default: the only one up), or every lab under the state directory with --all.
-    Down {
-        /// The lab.
-        name: Option<String>,
-        /// Every lab (also those whose runner was killed).
-        #[arg(long)]
-        all: bool,
-    },
-    /// The labs that are up.
-    List,
-    /// Validate a lab file (and its stack templates) without creating anything.
-    Check {
-        /// The lab file (TOML).
-        file: PathBuf,
-    },
-    /// Write (again) the report of a results folder.
-    Report {
-        /// The results folder.
-        dir: PathBuf,
-    },
-}
-
 /// Options of `flexstack daemon`.
 #[derive(Args, Debug)]
 pub struct DaemonArgs {
@@ -229,20 +166,6 @@ pub struct DaemonArgs {
     /// real-time throttling still leaves them 5 % of each second. The lab's daemons use 10.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=99))]
     pub realtime: u8,
-}
-
-/// Options of `flexstack run`.
-#[derive(Args, Debug)]
-pub struct RunArgs {
-    /// The app's stack template (placeholders {app}, {app_dev}, {host_dev}, {app_v4}, {app_v6}); default: stacks/app-default.toml.
-    #[arg(long)]
-    pub stack: Option<PathBuf>,
-    /// The app's name (default appN).
-    #[arg(long)]
-    pub name: Option<String>,
-    /// The program and its arguments.
-    #[arg(required = true, last = true)]
-    pub command: Vec<String>,
 }
 
 /// `flexstack module ...`
@@ -455,20 +378,6 @@ pub fn main() -> ExitCode {
     }
 }
 
-/// A failure of a CLI command.
-#[derive(Debug, thiserror::Error)]
-pub enum CliError {
-    /// From the control connection or the daemon.
-    #[error(transparent)]
-    Client(#[from] ClientError),
-    /// Anything else, already worded.
-    #[error("{0}")]
-    Message(String),
-    /// An input file (lab, stack) is invalid: exit code 2, nothing was created.
-    #[error("{0}")]
-    Config(String),
-}
-
 fn settings_json(args: &[String]) -> Result<serde_json::Map<String, Json>, CliError> {
     let s = Settings::from_args(args).map_err(|e| CliError::Message(e.to_string()))?;
     let table = s.to_table();
@@ -479,7 +388,6 @@ fn settings_json(args: &[String]) -> Result<serde_json::Map<String, Json>, CliEr
 }
 
 fn run(cli: Cli) -> Result<(), CliError> {
-    let json_out = cli.json;
     if let Command::Daemon(d) = &cli.command {
         let opts = DaemonOptions {
             stack: d.stack.clone(),
@@ -501,219 +409,137 @@ fn run(cli: Cli) -> Result<(), CliError> {
         return crate::runner::run_app(&cli.state_dir, r).map(|code| std::process::exit(code));
     }
     if let Command::Lab(cmd) = cli.command {
-        return crate::lab::command(&cli.state_dir, json_out, cmd);
+        return crate::lab::command(&cli.state_dir, cli.json, cmd);
     }
     if let Command::Module(ModuleCmd::Kinds { markdown: true }) = cli.command {
         print!("{}", flexstack_core::reference::markdown(&flexstack_daemon::catalog().reference()));
         return Ok(());
     }
     let mut client = Client::connect(&cli.state_dir)?;
-    let request = match cli.command {
+    let json = cli.json;
+    match cli.command {
         Command::Daemon(_) | Command::Run(_) | Command::Lab(_) => unreachable!("handled above"),
-        Command::App(AppCmd::List) => Request::AppList,
-        Command::App(AppCmd::Vars) => Request::AppVarList,
-        Command::Rules(cmd) => return rules_command(&mut client, cmd, json_out),
+        Command::App(AppCmd::List) => print(json, &client.call(AppList)?, |a| render::app_list(a)),
+        Command::App(AppCmd::Vars) => print(json, &client.call(AppVarList)?, |a| render::app_vars(a)),
+        Command::Rules(cmd) => rules_command(&mut client, cmd, json),
         Command::Monitor { names, interval, csv, json_lines, count } => {
             let format = if csv {
                 MonitorFormat::Csv
-            } else if json_lines || json_out {
+            } else if json_lines || json {
                 MonitorFormat::Json
             } else {
                 MonitorFormat::Table
             };
-            return monitor(&mut client, names, interval, count, format);
+            monitor(&mut client, names, interval, count, format)
         }
         Command::Tap(TapCmd::Add { link, file }) => {
             let abs = std::path::absolute(&file).map_err(|e| CliError::Message(format!("{}: {e}", file.display())))?;
-            Request::TapAdd { link, file: abs.display().to_string() }
+            print(json, &client.call(TapAdd { link, file: abs.display().to_string() })?, render::tap_added)
         }
-        Command::Tap(TapCmd::Del { name }) => Request::TapDel { name },
-        Command::Tap(TapCmd::List) => Request::TapList,
-        Command::Status => Request::Status,
-        Command::Module(ModuleCmd::List) => Request::ModuleList,
-        Command::Module(ModuleCmd::Kinds { .. }) => Request::ModuleKinds,
+        Command::Tap(TapCmd::Del { name }) => print(json, &client.call(TapDel { name })?, render::change),
+        Command::Tap(TapCmd::List) => print(json, &client.call(TapList)?, |t| render::tap_list(t)),
+        Command::Status => print(json, &client.call(Status)?, render::status),
+        Command::Module(ModuleCmd::List) => print(json, &client.call(ModuleList)?, |m| render::module_list(m)),
+        Command::Module(ModuleCmd::Kinds { .. }) => {
+            print(json, &client.call(ModuleKinds)?, |k| render::module_kinds(k))
+        }
         Command::Module(ModuleCmd::Load { name, kind, settings }) => {
-            Request::ModuleLoad { name, kind, settings: settings_json(&settings)? }
+            let load = ModuleLoad { name, kind, settings: settings_json(&settings)? };
+            print(json, &client.call(load)?, render::change)
         }
-        Command::Module(ModuleCmd::Exec { name, procedure, argument }) => Request::ModuleExec {
-            name,
-            procedure,
-            argument: argument.map(|a| serde_json::from_str(&a).unwrap_or(Json::String(a))),
-        },
-        Command::Module(ModuleCmd::Unload { name }) => Request::ModuleUnload { name },
+        Command::Module(ModuleCmd::Exec { name, procedure, argument }) => {
+            let argument = argument.map(|a| serde_json::from_str(&a).unwrap_or(Json::String(a)));
+            print(json, &client.call(ModuleExec { name, procedure, argument })?, render::exec)
+        }
+        Command::Module(ModuleCmd::Unload { name }) => {
+            print(json, &client.call(ModuleUnload { name })?, render::change)
+        }
         Command::Module(ModuleCmd::Replace { name, kind, settings, fresh }) => {
-            Request::ModuleReplace { name, kind, settings: settings_json(&settings)?, fresh }
+            let replace = ModuleReplace { name, kind, settings: settings_json(&settings)?, fresh };
+            print(json, &client.call(replace)?, render::change)
         }
-        Command::Link(LinkCmd::List) => Request::LinkList,
-        Command::Link(LinkCmd::Add { link }) => Request::LinkAdd { link },
-        Command::Link(LinkCmd::Del { link }) => Request::LinkDel { link },
-        Command::Pause { module } => Request::Pause { module },
-        Command::Resume { module } => Request::Resume { module },
-        Command::Get { names } => Request::Get { names },
-        Command::Set { name, value } => Request::Set { name, value: Json::String(value) },
+        Command::Link(LinkCmd::List) => print(json, &client.call(LinkList)?, render::links),
+        Command::Link(LinkCmd::Add { link }) => print(json, &client.call(LinkAdd { link })?, render::change),
+        Command::Link(LinkCmd::Del { link }) => print(json, &client.call(LinkDel { link })?, render::change),
+        Command::Pause { module } => print(json, &client.call(Pause { module })?, render::notes),
+        Command::Resume { module } => print(json, &client.call(Resume { module })?, render::notes),
+        Command::Get { names } => print(json, &client.call(Get { names })?, render::values),
+        Command::Set { name, value } => {
+            print(json, &client.call(Set { name, value: Json::String(value) })?, render::set)
+        }
         Command::Watch { names, interval, changes, count } => {
-            let req = Request::Watch { names, interval_ms: Some(interval), changes, count };
-            let mut print = |ev: Json| print_watch(&ev, json_out);
-            client.stream(&req, &mut print)?;
-            return Ok(());
+            let watch = Watch { names, interval_ms: Some(interval), changes, count };
+            client.watch(watch, &mut |ev| print_watch(&ev, json))?;
+            Ok(())
         }
-        Command::Show(ShowCmd::Runtime) => Request::ShowRuntime,
-        Command::Var(VarCmd::List { pattern }) => Request::VarList { pattern },
-        Command::Config(ConfigCmd::Log) => Request::ConfigLog,
-        Command::Config(ConfigCmd::Show { rev }) => Request::ConfigShow { rev },
-        Command::Config(ConfigCmd::Rollback { rev }) => Request::ConfigRollback { rev },
+        Command::Show(ShowCmd::Runtime) => print(json, &client.call(ShowRuntime)?, |r| render::runtime(r)),
+        Command::Var(VarCmd::List { pattern }) => {
+            print(json, &client.call(VarList { pattern })?, |v| render::var_list(v))
+        }
+        Command::Config(ConfigCmd::Log) => print(json, &client.call(ConfigLog)?, |l| render::config_log(l)),
+        Command::Config(ConfigCmd::Show { rev }) => {
+            print(json, &client.call(ConfigShow { rev })?, render::revision_stack)
+        }
+        Command::Config(ConfigCmd::Rollback { rev }) => {
+            print(json, &client.call(ConfigRollback { rev })?, render::change)
+        }
         Command::Config(ConfigCmd::Save { file }) => {
-            let r = client.call(&Request::ConfigShow { rev: None })?;
-            let text = r["stack"].as_str().unwrap_or_default();
-            std::fs::write(&file, text)
+            let r = client.call(ConfigShow { rev: None })?;
+            std::fs::write(&file, &r.stack)
                 .map_err(|e| CliError::Message(format!("{}: cannot write: {e}", file.display())))?;
-            if json_out {
-                println!("{}", json!({ "file": file.display().to_string(), "revision": r["revision"] }));
+            if json {
+                println!("{}", serde_json::json!({ "file": file.display().to_string(), "revision": r.revision }));
             } else {
-                println!("saved revision {} to {}", r["revision"], file.display());
+                println!("saved revision {} to {}", r.revision, file.display());
             }
-            return Ok(());
+            Ok(())
         }
-    };
-    let result = client.call(&request)?;
-    if json_out {
-        println!("{}", serde_json::to_string_pretty(&result).unwrap_or_default());
+    }
+}
+
+/// Prints a result: with `-j` as the JSON the daemon sent (keys sorted, pretty), else as `text` renders it.
+fn print<T: Serialize>(json: bool, result: &T, text: impl FnOnce(&T) -> String) -> Result<(), CliError> {
+    if json {
+        let value = serde_json::to_value(result).map_err(msg)?;
+        println!("{}", serde_json::to_string_pretty(&value).unwrap_or_default());
     } else {
-        print!("{}", render(&request, &result));
+        print!("{}", text(result));
     }
     Ok(())
+}
+
+/// A rule text with errors is an invalid input file: exit code 2, like a bad stack or lab file.
+fn rules_error(e: ClientError) -> CliError {
+    match e {
+        ClientError::Api(e) if e.code == ErrorCode::InvalidRules => CliError::Config(e.message),
+        e => e.into(),
+    }
 }
 
 /// `flexstack rules ...`: one request each (`load` reads the file and sends its text and name).
-fn rules_command(client: &mut Client, cmd: RulesCmd, json_out: bool) -> Result<(), CliError> {
-    let request = match cmd {
+fn rules_command(client: &mut Client, cmd: RulesCmd, json: bool) -> Result<(), CliError> {
+    match cmd {
         RulesCmd::Load { file } => {
             let text = std::fs::read_to_string(&file)
                 .map_err(|e| CliError::Config(format!("{}: cannot read: {e}", file.display())))?;
-            Request::RulesLoad { name: file.display().to_string(), text }
+            let loaded = client.call(RulesLoad { name: file.display().to_string(), text }).map_err(rules_error)?;
+            print(json, &loaded, render::rules_loaded)
         }
-        RulesCmd::Unload { names } => Request::RulesUnload { names },
-        RulesCmd::Replace { old, new } => Request::RulesReplace { old, new },
-        RulesCmd::List => Request::RulesList,
-        RulesCmd::Show { name } => Request::RulesShow { name },
-        RulesCmd::Log => Request::RulesLog,
-        RulesCmd::Diff { from, to } => Request::RulesDiff { from, to },
-        RulesCmd::Rollback { rev } => Request::RulesRollback { rev },
-    };
-    let result = match client.call(&request) {
-        Ok(r) => r,
-        // A rule text with errors is an invalid input file: exit code 2, like a bad stack or lab file.
-        Err(ClientError::Api(e)) if e.code == flexstack_api::protocol::ErrorCode::InvalidRules => {
-            return Err(CliError::Config(e.message))
+        RulesCmd::Unload { names } => {
+            print(json, &client.call(RulesUnload { names }).map_err(rules_error)?, render::rules_revision)
         }
-        Err(e) => return Err(e.into()),
-    };
-    if json_out {
-        println!("{}", serde_json::to_string_pretty(&result).unwrap_or_default());
-    } else {
-        print!("{}", render_rules(&request, &result));
-    }
-    Ok(())
-}
-
-/// The text form of a `rules_*` result.
-fn render_rules(request: &Request, r: &Json) -> String {
-    let s = plain;
-    let arr = |v: &Json| v.as_array().cloned().unwrap_or_default();
-    let opt = |v: &Json| if v.is_null() { "-".to_string() } else { s(v) };
-    match request {
-        Request::RulesLoad { .. } => {
-            let names = |v: &Json| arr(v).iter().map(s).collect::<Vec<_>>().join(", ");
-            let mut out = format!(
-                "ok: rules revision {}: defined {}; loaded {}\n",
-                r["revision"],
-                names(&r["defined"]),
-                names(&r["loaded"])
-            );
-            for w in arr(&r["warnings"]) {
-                out.push_str(&format!("{}\n", s(&w)));
-            }
-            out
+        RulesCmd::Replace { old, new } => {
+            print(json, &client.call(RulesReplace { old, new }).map_err(rules_error)?, render::rules_revision)
         }
-        Request::RulesList => table(
-            &["RULE", "SECTION", "LOADED", "INSTANCES", "VALUE", "FILE"],
-            arr(r)
-                .iter()
-                .map(|x| {
-                    vec![
-                        s(&x["name"]),
-                        s(&x["section"]),
-                        if x["explicit"] == json!(true) {
-                            "yes".into()
-                        } else if x["instances"] != json!(0) {
-                            "dep".into()
-                        } else {
-                            "no".into()
-                        },
-                        s(&x["instances"]),
-                        opt(&x["value"]),
-                        s(&x["source"]),
-                    ]
-                })
-                .collect(),
-        ),
-        Request::RulesShow { .. } => {
-            let mut out = format!("rule {} ({}, from {})\n", s(&r["name"]), s(&r["section"]), s(&r["source"]));
-            for t in arr(&r["text"]) {
-                out.push_str(&format!("  {}\n", s(&t)));
-            }
-            out.push_str("commands:\n");
-            for c in arr(&r["commands"]) {
-                out.push_str(&format!("  {}\n", s(&c)));
-            }
-            if arr(&r["instances"]).is_empty() {
-                out.push_str("not loaded\n");
-            }
-            for i in arr(&r["instances"]) {
-                let binding = arr(&i["binding"]).iter().map(s).collect::<Vec<_>>().join(",");
-                out.push_str(&format!(
-                    "instance [{binding}]  refcount {}  {}  value {}\n",
-                    i["refcount"],
-                    if i["pulled"] == json!(true) { "pulled" } else { "pushed" },
-                    opt(&i["value"])
-                ));
-                let rows = arr(&i["units"])
-                    .iter()
-                    .map(|u| {
-                        let state = u["state"]
-                            .as_object()
-                            .map(|m| m.iter().map(|(k, v)| format!("{k}={}", s(v))).collect::<Vec<_>>().join(" "))
-                            .unwrap_or_default();
-                        let inputs = arr(&u["inputs"]).iter().map(s).collect::<Vec<_>>().join(",");
-                        vec![s(&u["key"]), s(&u["kind"]), inputs, opt(&u["value"]), state]
-                    })
-                    .collect();
-                for line in table(&["UNIT", "KIND", "INPUTS", "VALUE", "STATE"], rows).lines() {
-                    out.push_str(&format!("  {line}\n"));
-                }
-            }
-            out
+        RulesCmd::List => print(json, &client.call(RulesList).map_err(rules_error)?, |r| render::rules_list(r)),
+        RulesCmd::Show { name } => print(json, &client.call(RulesShow { name }).map_err(rules_error)?, render::rule),
+        RulesCmd::Log => print(json, &client.call(RulesLog).map_err(rules_error)?, render::rules_history),
+        RulesCmd::Diff { from, to } => {
+            print(json, &client.call(RulesDiff { from, to }).map_err(rules_error)?, |d| render::lines(d))
         }
-        Request::RulesLog => {
-            let mut out = table(
-                &["REV", "T", "RULES", "LOADED", "CHANGE"],
-                arr(&r["revisions"])
-                    .iter()
-                    .map(|v| {
-                        let loaded = arr(&v["loaded"]).iter().map(s).collect::<Vec<_>>().join(",");
-                        let t = v["at"].as_u64().unwrap_or(0) as f64 / 1e9;
-                        vec![s(&v["number"]), format!("{t:.3}s"), s(&v["rules"]), loaded, s(&v["what"])]
-                    })
-                    .collect(),
-            );
-            for n in arr(&r["notices"]) {
-                let t = n["t_ms"].as_u64().unwrap_or(0) as f64 / 1e3;
-                out.push_str(&format!("notice {t:.3}s: {}\n", s(&n["message"])));
-            }
-            out
+        RulesCmd::Rollback { rev } => {
+            print(json, &client.call(RulesRollback { rev }).map_err(rules_error)?, render::rules_revision)
         }
-        Request::RulesDiff { .. } => arr(r).iter().map(|l| format!("{}\n", s(l))).collect(),
-        _ => format!("ok: rules revision {}\n", r["revision"]),
     }
 }
 
@@ -735,16 +561,16 @@ fn monitor(
     format: MonitorFormat,
 ) -> Result<(), CliError> {
     use std::io::Write;
-    let req = Request::Watch { names, interval_ms: Some(interval), changes: false, count };
+    let watch = Watch { names, interval_ms: Some(interval), changes: false, count };
     let mut columns: Option<Vec<String>> = None;
     let mut widths: Vec<usize> = Vec::new();
-    let mut print = |ev: Json| {
+    let mut print = |ev: WatchEvent| {
         let mut out = std::io::stdout().lock();
-        let t = ev["t_ms"].as_u64().unwrap_or(0) as f64 / 1000.0;
-        let values = ev["values"].as_object().cloned().unwrap_or_default();
+        let t = ev.t_ms as f64 / 1000.0;
+        let values = ev.values;
         let mut text = String::new();
         if format == MonitorFormat::Json {
-            text = format!("{}\n", json!({"t_s": t, "time_ms": ev["time_ms"], "values": values}));
+            text = format!("{}\n", serde_json::json!({"t_s": t, "time_ms": ev.time_ms, "values": values}));
         } else {
             let cols = columns.get_or_insert_with(|| {
                 let cols: Vec<String> = values.keys().cloned().collect();
@@ -758,7 +584,8 @@ fn monitor(
                 };
                 cols
             });
-            let cells: Vec<String> = cols.iter().map(|c| values.get(c).map(plain).unwrap_or_default()).collect();
+            let cells: Vec<String> =
+                cols.iter().map(|c| values.get(c).map(render::plain).unwrap_or_default()).collect();
             if format == MonitorFormat::Csv {
                 let quoted: Vec<String> = cells.iter().map(|c| csv_field(c)).collect();
                 text.push_str(&format!("{t:.3},{}\n", quoted.join(",")));
@@ -769,7 +596,7 @@ fn monitor(
         }
         out.write_all(text.as_bytes()).is_ok() && out.flush().is_ok()
     };
-    client.stream(&req, &mut print)?;
+    client.watch(watch, &mut print)?;
     Ok(())
 }
 
@@ -782,254 +609,26 @@ fn csv_field(s: &str) -> String {
     }
 }
 
-/// Prints one watch event; false stops the stream (stdout closed).
-fn print_watch(ev: &Json, json_out: bool) -> bool {
+/// Prints one watch event (with `-j`, as the daemon sent it); false stops the stream (stdout closed).
+fn print_watch(ev: &WatchEvent, json: bool) -> bool {
     use std::io::Write;
     let mut out = std::io::stdout().lock();
-    let ok = if json_out {
-        writeln!(out, "{ev}")
+    let ok = if json {
+        writeln!(out, "{}", serde_json::to_value(ev).unwrap_or_default())
     } else {
-        let t = ev["t_ms"].as_u64().unwrap_or(0) as f64 / 1000.0;
+        let t = ev.t_ms as f64 / 1000.0;
         let mut line = format!("{t:>8.3}s");
-        if let Some(values) = ev["values"].as_object() {
-            for (k, v) in values {
-                line.push_str(&format!("  {k}={}", plain(v)));
-            }
+        for (k, v) in &ev.values {
+            line.push_str(&format!("  {k}={}", render::plain(v)));
         }
         writeln!(out, "{line}")
     };
     ok.is_ok() && out.flush().is_ok()
 }
 
-fn plain(v: &Json) -> String {
-    match v {
-        Json::String(s) => s.clone(),
-        other => other.to_string(),
-    }
-}
-
-/// A table with left-aligned columns.
-fn table(header: &[&str], rows: Vec<Vec<String>>) -> String {
-    let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
-    for r in &rows {
-        for (i, c) in r.iter().enumerate() {
-            widths[i] = widths[i].max(c.len());
-        }
-    }
-    let line = |cells: Vec<String>| {
-        let mut s =
-            cells.iter().enumerate().map(|(i, c)| format!("{c:<w$}", w = widths[i])).collect::<Vec<_>>().join("  ");
-        s.truncate(s.trim_end().len());
-        s.push('\n');
-        s
-    };
-    let mut out = line(header.iter().map(|h| h.to_string()).collect());
-    for r in rows {
-        out.push_str(&line(r));
-    }
-    out
-}
-
-/// The daemon's kept capabilities for `status`: `net_admin,net_raw,...`, or `none`.
-fn capability_names(list: &Json) -> String {
-    let names: Vec<String> = list
-        .as_array()
-        .map(|a| a.iter().filter_map(Json::as_str).map(|c| c.trim_start_matches("CAP_").to_lowercase()).collect())
-        .unwrap_or_default();
-    if names.is_empty() {
-        "none".into()
-    } else {
-        names.join(",")
-    }
-}
-
-fn render(request: &Request, r: &Json) -> String {
-    let arr = || r.as_array().cloned().unwrap_or_default();
-    let s = |v: &Json| plain(v);
-    match request {
-        Request::Status => format!(
-            "flexstack {} pid {}  up {:.0}s  revision {}  modules {}  links {}{}\ncapabilities {}\ndata plane {}\n",
-            s(&r["version"]),
-            r["pid"],
-            r["uptime_s"].as_f64().unwrap_or(0.0),
-            r["revision"],
-            r["modules"],
-            r["links"],
-            if r["paused"] == json!(true) { "  PAUSED" } else { "" },
-            capability_names(&r["capabilities"]["permitted"]),
-            s(&r["dataplane_scheduling"])
-        ),
-        Request::ModuleList => {
-            let mut rows = Vec::new();
-            for m in arr() {
-                rows.push(vec![
-                    s(&m["name"]),
-                    s(&m["kind"]),
-                    s(&m["state"]),
-                    String::new(),
-                    s(&m["frames_in"]),
-                    s(&m["frames_out"]),
-                    s(&m["frames_dropped"]),
-                ]);
-                // The implicit control port is shown only when something went through it (JSON lists it always).
-                let ports = m["ports"].as_array().cloned().unwrap_or_default();
-                for p in ports.into_iter().filter(|p| p["port"] != "ctl" || p["frames"] != json!(0)) {
-                    let (fin, fout, fdrop) = if p["dir"] == "in" {
-                        (s(&p["frames"]), String::new(), String::new())
-                    } else {
-                        (String::new(), s(&p["frames"]), s(&p["dropped"]))
-                    };
-                    rows.push(vec![
-                        String::new(),
-                        String::new(),
-                        String::new(),
-                        format!("{} {} ({})", s(&p["dir"]), s(&p["port"]), s(&p["type"])),
-                        fin,
-                        fout,
-                        fdrop,
-                    ]);
-                }
-            }
-            table(&["NAME", "KIND", "STATE", "PORT", "IN", "OUT", "DROPPED"], rows)
-        }
-        Request::ModuleKinds => {
-            table(&["KIND", "SUMMARY"], arr().iter().map(|k| vec![s(&k["kind"]), s(&k["summary"])]).collect())
-        }
-        Request::LinkList => {
-            r["links"].as_array().map_or(String::new(), |l| l.iter().map(|x| format!("{}\n", s(x))).collect())
-        }
-        Request::Get { .. } => {
-            let rows = r.as_object().map_or(Vec::new(), |o| {
-                o.iter().map(|(k, v)| vec![k.clone(), s(&v["value"]), s(&v["unit"])]).collect()
-            });
-            table(&["NAME", "VALUE", "UNIT"], rows)
-        }
-        Request::VarList { .. } => table(
-            &["NAME", "KIND", "TYPE", "UNIT", "VALUE", "DESCRIPTION"],
-            arr()
-                .iter()
-                .map(|v| {
-                    vec![
-                        s(&v["name"]),
-                        s(&v["kind"]),
-                        s(&v["type"]),
-                        s(&v["unit"]),
-                        s(&v["value"]),
-                        s(&v["description"]),
-                    ]
-                })
-                .collect(),
-        ),
-        Request::ShowRuntime => table(
-            &["MODULE", "KIND", "CALLS", "FRAMES", "FRAMES/CALL", "NS/FRAME"],
-            arr()
-                .iter()
-                .map(|m| {
-                    vec![
-                        s(&m["module"]),
-                        s(&m["kind"]),
-                        s(&m["calls"]),
-                        s(&m["frames"]),
-                        format!("{:.2}", m["frames_per_call"].as_f64().unwrap_or(0.0)),
-                        format!("{:.1}", m["ns_per_frame"].as_f64().unwrap_or(0.0)),
-                    ]
-                })
-                .collect(),
-        ),
-        Request::ConfigLog => table(
-            &["REV", "TIME", "USER", "CHANGE"],
-            arr()
-                .iter()
-                .map(|v| {
-                    vec![
-                        s(&v["revision"]),
-                        fmt_time(v["time_ms"].as_u64().unwrap_or(0)),
-                        s(&v["user"]),
-                        s(&v["change"]),
-                    ]
-                })
-                .collect(),
-        ),
-        Request::ConfigShow { .. } => s(&r["stack"]),
-        Request::TapAdd { .. } => format!("ok: {} records to the file (revision {})\n", s(&r["tap"]), r["revision"]),
-        Request::TapList => table(
-            &["NAME", "TAPS", "LINKTYPE", "FRAMES", "FILE"],
-            arr()
-                .iter()
-                .map(|t| {
-                    let taps: Vec<String> = t["taps"].as_array().map_or(vec![], |a| a.iter().map(s).collect());
-                    vec![s(&t["name"]), taps.join(","), s(&t["linktype"]), s(&t["frames"]), s(&t["file"])]
-                })
-                .collect(),
-        ),
-        Request::AppList => table(
-            &["NAME", "NETNS", "IPV4", "IPV6", "UID", "MODULES"],
-            arr()
-                .iter()
-                .map(|a| {
-                    let modules: Vec<String> = a["modules"].as_array().map_or(vec![], |m| m.iter().map(s).collect());
-                    vec![s(&a["name"]), s(&a["netns"]), s(&a["ipv4"]), s(&a["ipv6"]), s(&a["uid"]), modules.join(",")]
-                })
-                .collect(),
-        ),
-        Request::ModuleExec { .. } => format!("{}\n", s(&r["result"])),
-        Request::AppVarList => {
-            let mut rows = Vec::new();
-            for a in arr() {
-                for v in a["vars"].as_array().cloned().unwrap_or_default() {
-                    rows.push(vec![
-                        s(&v["name"]),
-                        s(&v["kind"]),
-                        s(&v["type"]),
-                        s(&v["value"]),
-                        s(&a["uid"]),
-                        s(&a["pid"]),
-                    ]);
-                }
-            }
-            table(&["NAME", "KIND", "TYPE", "VALUE", "UID", "PID"], rows)
-        }
-        _ => {
-            let mut out = String::new();
-            if let Some(rev) = r.get("revision") {
-                out.push_str(&format!("ok: revision {rev}\n"));
-            } else {
-                out.push_str("ok\n");
-            }
-            for n in r["notes"].as_array().cloned().unwrap_or_default() {
-                out.push_str(&format!("  note: {}\n", s(&n)));
-            }
-            out
-        }
-    }
-}
-
-/// Milliseconds since the epoch as `YYYY-MM-DD HH:MM:SS` UTC.
-fn fmt_time(ms: u64) -> String {
-    let secs = ms / 1000;
-    let (days, rem) = (secs / 86_400, secs % 86_400);
-    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
-    let z = days as i64 + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!("{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}", rem / 3600, rem % 3600 / 60, rem % 60)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn time_format() {
-        assert_eq!(fmt_time(0), "1970-01-01 00:00:00");
-        assert_eq!(fmt_time(1_795_000_000_000), "2026-11-18 11:06:40");
-    }
 
     #[test]
     fn csv_fields_are_quoted_when_needed() {

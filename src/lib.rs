@@ -1,7 +1,7 @@
 //! flexstack: the command line, `flexstack run` and the lab runner.
 //!
-//! - [`cli`] parses the command line and renders the control API's answers; every command but `daemon`, `run`
-//!   and `lab` is one request to the daemon.
+//! - [`cli`] parses the command line; every command but `daemon`, `run` and `lab` is one request to the daemon,
+//!   whose typed answer [`render`] turns into text (or `-j` prints as JSON).
 //! - [`runner`] is `flexstack run` (an unmodified program in a sandbox), [`lab`] is `flexstack lab`.
 //!
 //! The daemon is the `flexstack-daemon` crate, the control API `flexstack-api`, the sans-IO core
@@ -10,5 +10,7 @@
 #![warn(missing_docs)]
 
 pub mod cli;
+pub mod error;
 pub mod lab;
+pub mod render;
 pub mod runner;

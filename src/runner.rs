@@ -9,21 +9,32 @@
 //! 4. When it exits, detaches (`app_detach`) and exits with its exit code (128 + signal if it was killed). If the
 //!    daemon dies meanwhile, the program is stopped and its namespace removed here.
 
-use crate::cli::{CliError, RunArgs};
-use flexstack_api::client::{Client, ClientError};
-use flexstack_api::protocol::{request_line, Request};
-use serde_json::Value as Json;
+use crate::error::{msg, CliError};
+use clap::Args;
+use flexstack_api::client::{result_of, Client, ClientError};
+use flexstack_api::ops::{AppAttach, AppInfo};
+use flexstack_api::protocol::{request_line, Request, Response};
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::ExitStatusExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-fn msg(e: impl std::fmt::Display) -> CliError {
-    CliError::Message(e.to_string())
+/// Options of `flexstack run`.
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    /// The app's stack template (placeholders {app}, {app_dev}, {host_dev}, {app_v4}, {app_v6}); default: stacks/app-default.toml.
+    #[arg(long)]
+    pub stack: Option<PathBuf>,
+    /// The app's name (default appN).
+    #[arg(long)]
+    pub name: Option<String>,
+    /// The program and its arguments.
+    #[arg(required = true, last = true)]
+    pub command: Vec<String>,
 }
 
 /// The user the app runs as: SUDO_UID/SUDO_GID when root runs us through sudo, else ourselves.
@@ -65,7 +76,7 @@ fn ensure_daemon(state_dir: &Path) -> Result<(), CliError> {
 }
 
 /// The lease connection and the daemon's reply to `attach`; `None` if the daemon closed the connection first.
-type Attached = (UnixStream, BufReader<UnixStream>, Json);
+type Attached = (UnixStream, BufReader<UnixStream>, Response);
 
 fn try_attach(state_dir: &Path, attach: &Request) -> Result<Option<Attached>, CliError> {
     ensure_daemon(state_dir)?;
@@ -81,7 +92,7 @@ fn try_attach(state_dir: &Path, attach: &Request) -> Result<Option<Attached>, Cl
     if reader.read_line(&mut line).map_err(msg)? == 0 {
         return Ok(None);
     }
-    let reply: Json = serde_json::from_str(&line).map_err(|e| msg(format!("unreadable reply: {e}")))?;
+    let reply: Response = serde_json::from_str(&line).map_err(|e| msg(format!("unreadable reply: {e}")))?;
     Ok(Some((writer, reader, reply)))
 }
 
@@ -115,7 +126,7 @@ pub fn run_app(state_dir: &Path, args: &RunArgs) -> Result<i32, CliError> {
             }
         }
     });
-    let attach = Request::AppAttach { name: args.name.clone(), uid, stack: template };
+    let attach = Request::AppAttach(AppAttach { name: args.name.clone(), uid, stack: template });
     // A daemon that exits as its last app ends (--exit-when-idle) may close on us just as we attach: then a new
     // daemon is started and the attach tried once more.
     let (mut writer, reader, reply) = match try_attach(state_dir, &attach)? {
@@ -124,12 +135,12 @@ pub fn run_app(state_dir: &Path, args: &RunArgs) -> Result<i32, CliError> {
             try_attach(state_dir, &attach)?.ok_or_else(|| msg("the daemon closed the connection during the attach"))?
         }
     };
-    if reply["ok"] != Json::Bool(true) {
-        return Err(msg(reply["error"]["message"].as_str().unwrap_or("app_attach failed")));
-    }
-    let app = &reply["result"];
-    let netns = app["netns"].as_str().unwrap_or_default().to_string();
-    tracing::debug!(app = %app["name"], netns = %netns, ipv4 = %app["ipv4"], ipv6 = %app["ipv6"], "sandbox ready");
+    let app: AppInfo = result_of(reply).map_err(|e| match e {
+        ClientError::Api(e) => msg(e.message),
+        other => msg(format!("app_attach failed: {other}")),
+    })?;
+    let netns = app.netns.clone();
+    tracing::debug!(app = %app.name, netns = %netns, ipv4 = %app.ipv4, ipv6 = %app.ipv6, "sandbox ready");
 
     let mut cmd = Command::new("ip");
     cmd.args(["netns", "exec", &netns]);
@@ -163,9 +174,8 @@ pub fn run_app(state_dir: &Path, args: &RunArgs) -> Result<i32, CliError> {
     if daemon_gone.load(Ordering::SeqCst) {
         // Its devices went with it; the namespace, files and nftables table are ours to remove.
         flexstack_daemon::sandbox::delete_namespace(&netns);
-        let table = app["host_table"].as_str().unwrap_or_default();
-        if table.starts_with("flexstack_") {
-            flexstack_daemon::sandbox::remove_host_table(table);
+        if app.host_table.starts_with("flexstack_") {
+            flexstack_daemon::sandbox::remove_host_table(&app.host_table);
         }
         return Ok(code);
     }

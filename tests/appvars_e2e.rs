@@ -6,6 +6,7 @@
 mod common;
 
 use common::Daemon;
+use flexstack_api::ops::AppVarList;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -71,10 +72,10 @@ fn exercise(d: &Daemon, mut ex: Example, app: &str) {
     // The meter is read-only from outside.
     assert!(d.fails(&["set", &ticks, "1"]).contains("meter"));
     // Who registered is recorded.
-    let vars = d.json(&["app", "vars"]);
-    let entry = vars.as_array().unwrap().iter().find(|a| a["app"] == app).expect("listed").clone();
-    assert_eq!(entry["pid"], ex.child.id());
-    assert_eq!(entry["uid"], nix::unistd::getuid().as_raw());
+    let vars = d.answer::<AppVarList>(&["app", "vars"]);
+    let entry = vars.iter().find(|a| a.app == app).expect("listed").clone();
+    assert_eq!(i64::from(entry.pid), i64::from(ex.child.id()));
+    assert_eq!(entry.uid, nix::unistd::getuid().as_raw());
 
     // A rule drives the knob from the meter.
     let rule = format!("lvl: set(\"{level}\", If(Greater(get(\"{ticks}\"), 0), 42, 1))\n");
@@ -89,7 +90,7 @@ fn exercise(d: &Daemon, mut ex: Example, app: &str) {
     let _ = ex.child.kill();
     let _ = ex.child.wait();
     d.wait_for("the variables to go", 10, |d| !d.cli(&["get", &ticks]).status.success());
-    assert_eq!(d.json(&["app", "vars"]), serde_json::json!([]));
+    assert_eq!(d.answer::<AppVarList>(&["app", "vars"]), []);
     drop(ex);
 }
 

@@ -6,8 +6,10 @@
 
 mod common;
 
-use common::{octets, privileged, text, SandboxDaemon, Server};
-use serde_json::Value as Json;
+use common::{answer, as_u64, octets, privileged, text, SandboxDaemon, Server};
+use flexstack_api::ops::{Get, Status};
+use flexstack_api::Value;
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 /// The default app template (stacks/app-default.toml) with a late-binding module `{app}-lb` in front of the host
@@ -23,10 +25,9 @@ fn template() -> String {
 }
 
 /// The variables matching `pattern`, as name -> value.
-fn get(d: &SandboxDaemon, pattern: &str) -> serde_json::Map<String, Json> {
+fn get(d: &SandboxDaemon, pattern: &str) -> BTreeMap<String, Value> {
     let out = d.cli(&["-j", "get", pattern]);
-    let v: Json = serde_json::from_slice(&out.stdout).unwrap_or(Json::Null);
-    v.as_object().cloned().unwrap_or_default().into_iter().map(|(k, v)| (k, v["value"].clone())).collect()
+    answer::<Get>(&out).unwrap_or_default().into_iter().map(|(k, v)| (k, v.value)).collect()
 }
 
 #[test]
@@ -55,25 +56,22 @@ fn a_flows_class_is_a_knob_set_through_the_control_api() {
     let knob = loop {
         let classes = get(&d, "flow.kb.*.binding.class");
         if let Some((name, class)) = classes.into_iter().next() {
-            assert_eq!(class, Json::from("bulk"), "{name}");
+            assert_eq!(class, Value::Str("bulk".into()), "{name}");
             break name;
         }
         assert!(Instant::now() < deadline, "no flow of app kb: {}", text(&d.cli(&["get", "flow.**"])));
         std::thread::sleep(Duration::from_millis(50));
     };
     let bound = |d: &SandboxDaemon| {
-        get(d, "module.kb-lb.host.bound_packets_total")["module.kb-lb.host.bound_packets_total"].as_u64().unwrap_or(0)
+        as_u64(&get(d, "module.kb-lb.host.bound_packets_total")["module.kb-lb.host.bound_packets_total"]).unwrap_or(0)
     };
 
     // Set through the control API: the value shows at once, and is not a stack revision.
-    let revision = |d: &SandboxDaemon| {
-        let s: Json = serde_json::from_slice(&d.cli(&["-j", "status"]).stdout).unwrap();
-        s["revision"].as_u64().unwrap()
-    };
+    let revision = |d: &SandboxDaemon| answer::<Status>(&d.cli(&["-j", "status"])).unwrap().revision;
     let before = revision(&d);
     let out = d.cli(&["set", &knob, "urgent"]);
     assert!(out.status.success(), "set {knob} urgent: {}", text(&out));
-    assert_eq!(get(&d, &knob)[&knob], Json::from("urgent"));
+    assert_eq!(get(&d, &knob)[&knob], Value::Str("urgent".into()));
     assert_eq!(revision(&d), before, "a runtime knob is not a revision");
 
     // The flow's packets keep being bound.
@@ -87,7 +85,7 @@ fn a_flows_class_is_a_knob_set_through_the_control_api() {
     // A value the scheduler refuses changes nothing; a meter is not writable.
     let out = d.cli(&["set", &knob, "fastest"]);
     assert!(!out.status.success() && text(&out).contains("expected urgent, interactive or bulk"), "{}", text(&out));
-    assert_eq!(get(&d, &knob)[&knob], Json::from("urgent"));
+    assert_eq!(get(&d, &knob)[&knob], Value::Str("urgent".into()));
     let queued = knob.replace(".class", ".queued");
     let out = d.cli(&["set", &queued, "3"]);
     assert!(!out.status.success() && text(&out).contains("meter"), "set {queued}: {}", text(&out));

@@ -6,6 +6,8 @@
 mod common;
 
 use common::Daemon;
+use flexstack_api::ops::*;
+use flexstack_api::{Value, VarKind};
 use serde_json::Value as Json;
 use std::os::unix::fs::PermissionsExt;
 
@@ -42,8 +44,8 @@ passthrough = false
     )
 }
 
-fn names(list: &Json) -> Vec<String> {
-    list.as_array().unwrap().iter().map(|m| m["name"].as_str().unwrap().to_string()).collect()
+fn names(list: &[ModuleInfo]) -> Vec<String> {
+    list.iter().map(|m| m.name.clone()).collect()
 }
 
 #[test]
@@ -65,9 +67,9 @@ fn drive_change_inspect_and_roll_back_a_running_stack() {
     assert_eq!(d.get_u64("module.sel.port.0.frames_out_total"), 1000);
 
     // Wildcards.
-    let all_in = d.json(&["get", "module.*.frames_in_total"]);
-    assert_eq!(all_in.as_object().unwrap().len(), 6, "one per module: {all_in}");
-    assert_eq!(all_in["module.sink0.frames_in_total"]["value"], 1000);
+    let all_in = d.answer::<Get>(&["get", "module.*.frames_in_total"]);
+    assert_eq!(all_in.len(), 6, "one per module: {all_in:?}");
+    assert_eq!(all_in["module.sink0.frames_in_total"].value, Value::U64(1000));
 
     // A knob change routes the next frames down branch 1 (sink1 and the tap get copies).
     d.ok(&["set", "module.sel.select", "1"]);
@@ -80,8 +82,8 @@ fn drive_change_inspect_and_roll_back_a_running_stack() {
     // Links and modules change at runtime: a second counter on a fan-out copy.
     d.ok(&["module", "load", "c2", "counter"]);
     d.ok(&["link", "add", "count -> c2"]);
-    let links = d.json(&["link", "list"]);
-    assert!(links["links"].as_array().unwrap().iter().any(|l| l == "count -> sel, c2"), "{links}");
+    let links = d.answer::<LinkList>(&["link", "list"]);
+    assert!(links.links.iter().any(|l| l == "count -> sel, c2"), "{links:?}");
     d.ok(&["set", "module.src.count", "1700"]);
     d.wait_for("c2 to count 200", 10, |d| d.get_u64("module.c2.frames_total") == 200);
     d.wait_for("sink1 to count 700", 10, |d| d.get_u64("module.sink1.frames_total") == 700);
@@ -95,9 +97,9 @@ fn drive_change_inspect_and_roll_back_a_running_stack() {
 
     // Pausing one module holds frames at its input; resuming delivers every one of them.
     d.ok(&["pause", "sel"]);
-    let listed = d.json(&["module", "list"]);
-    let sel = listed.as_array().unwrap().iter().find(|m| m["name"] == "sel").unwrap().clone();
-    assert_eq!(sel["state"], "paused");
+    let listed = d.answer::<ModuleList>(&["module", "list"]);
+    let sel = listed.iter().find(|m| m.name == "sel").unwrap().clone();
+    assert_eq!(sel.state, "paused");
     d.ok(&["set", "module.src.count", "2000"]);
     d.wait_for("200 frames held at sel", 10, |d| d.get_u64("module.sel.held_frames") == 200);
     assert_eq!(d.get_u64("module.sink1.frames_total"), 800);
@@ -107,7 +109,7 @@ fn drive_change_inspect_and_roll_back_a_running_stack() {
 
     // Pausing the whole stack stops the source; resuming continues it.
     d.ok(&["pause"]);
-    assert_eq!(d.json(&["status"])["paused"], true);
+    assert!(d.answer::<Status>(&["status"]).paused);
     d.ok(&["set", "module.src.count", "2100"]);
     std::thread::sleep(std::time::Duration::from_millis(300));
     assert_eq!(d.get_u64("module.src.frames_total"), 2000, "nothing is sent while paused");
@@ -115,38 +117,38 @@ fn drive_change_inspect_and_roll_back_a_running_stack() {
     d.wait_for("source to continue", 10, |d| d.get_u64("module.sink1.frames_total") == 1100);
 
     // show runtime: calls, frames, frames per call, ns per frame.
-    let rt = d.json(&["show", "runtime"]);
-    let count_row = rt.as_array().unwrap().iter().find(|r| r["module"] == "count").unwrap();
-    assert_eq!(count_row["frames"], 2100);
-    assert!(count_row["calls"].as_u64().unwrap() > 0);
-    assert!(count_row["frames_per_call"].as_f64().unwrap() >= 1.0);
+    let rt = d.answer::<ShowRuntime>(&["show", "runtime"]);
+    let count_row = rt.iter().find(|r| r.module == "count").unwrap();
+    assert_eq!(count_row.frames, 2100);
+    assert!(count_row.calls > 0);
+    assert!(count_row.frames_per_call >= 1.0);
     let text = d.ok(&["show", "runtime"]);
     assert!(text.starts_with("MODULE") && text.contains("NS/FRAME"), "{text}");
 
     // var list: every meter and knob with type, unit and description.
-    let vars = d.json(&["var", "list", "module.sel.*"]);
-    let select = vars.as_array().unwrap().iter().find(|v| v["name"] == "module.sel.select").unwrap();
-    assert_eq!(select["kind"], "knob");
-    assert!(!select["description"].as_str().unwrap().is_empty());
+    let vars = d.answer::<VarList>(&["var", "list", "module.sel.*"]);
+    let select = vars.iter().find(|v| v.name == "module.sel.select").unwrap();
+    assert_eq!(select.kind, VarKind::Knob);
+    assert!(!select.description.is_empty());
 
     // watch streams samples.
     let w = d.ok(&["-j", "watch", "-i", "20", "-n", "3", "module.count.frames_total"]);
-    let events: Vec<Json> = w.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let events: Vec<WatchEvent> = w.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     assert_eq!(events.len(), 3);
-    assert_eq!(events[0]["values"]["module.count.frames_total"], 2100);
+    assert_eq!(events[0].values["module.count.frames_total"], Value::U64(2100));
 
     // Revisions: the log names each change; rollback to revision 1 removes c2 and restores select = 0.
-    let log = d.json(&["config", "log"]);
-    let changes: Vec<&str> = log.as_array().unwrap().iter().map(|r| r["change"].as_str().unwrap()).collect();
+    let log = d.answer::<ConfigLog>(&["config", "log"]);
+    let changes: Vec<&str> = log.iter().map(|r| r.change.as_str()).collect();
     assert!(changes[0].starts_with("daemon --stack"), "{changes:?}");
     assert!(changes.contains(&"set module.sel.select 1"), "{changes:?}");
     assert!(changes.contains(&"link add count -> c2"), "{changes:?}");
-    assert!(!log[1]["user"].as_str().unwrap().is_empty());
+    assert!(!log[1].user.is_empty());
     let shown = d.ok(&["config", "show", "1"]);
     assert!(shown.contains("[modules.sel]") && !shown.contains("c2"), "{shown}");
 
     d.ok(&["config", "rollback", "1"]);
-    assert_eq!(names(&d.json(&["module", "list"])), ["src", "count", "sel", "sink0", "sink1", "tap"]);
+    assert_eq!(names(&d.answer::<ModuleList>(&["module", "list"])), ["src", "count", "sel", "sink0", "sink1", "tap"]);
     assert_eq!(d.get("module.sel.select"), 0);
     // The counter was kept (same kind and settings): its state survives the rollback.
     assert_eq!(d.get_u64("module.count.frames_total"), 2100);
@@ -154,8 +156,8 @@ fn drive_change_inspect_and_roll_back_a_running_stack() {
     assert_eq!(d.get("module.src.count"), 1000);
     d.ok(&["set", "module.src.count", "2200"]);
     d.wait_for("sink0 after rollback", 10, |d| d.get_u64("module.sink0.frames_total") == 1100);
-    let log = d.json(&["config", "log"]);
-    assert_eq!(log.as_array().unwrap().iter().filter(|r| r["change"] == "config rollback 1").count(), 1);
+    let log = d.answer::<ConfigLog>(&["config", "log"]);
+    assert_eq!(log.iter().filter(|r| r.change == "config rollback 1").count(), 1);
 
     // config save writes a description that starts the same stack.
     let saved = tmp.path().join("saved.toml");
@@ -164,8 +166,11 @@ fn drive_change_inspect_and_roll_back_a_running_stack() {
     let tap2 = tmp.path().join("second.pcapng");
     let text2 = text.replace(tap.to_str().unwrap(), tap2.to_str().unwrap());
     let d2 = Daemon::start(&text2, &[]);
-    assert_eq!(names(&d2.json(&["module", "list"])), names(&d.json(&["module", "list"])));
-    assert_eq!(d2.json(&["link", "list"])["links"], d.json(&["link", "list"])["links"]);
+    assert_eq!(
+        names(&d2.answer::<ModuleList>(&["module", "list"])),
+        names(&d.answer::<ModuleList>(&["module", "list"]))
+    );
+    assert_eq!(d2.answer::<LinkList>(&["link", "list"]).links, d.answer::<LinkList>(&["link", "list"]).links);
     assert_eq!(d2.get("module.src.count"), 2200);
 
     // The tap's file is a pcapng that holds the 500 + 200 + 100 + 100 frames of branch 1 (read back in Rust).
@@ -189,8 +194,8 @@ fn drive_change_inspect_and_roll_back_a_running_stack() {
 fn daemons_side_by_side_and_stale_sockets() {
     let mut a = Daemon::start("[modules.c]\nkind = \"counter\"\n", &[]);
     let b = Daemon::start("[modules.k]\nkind = \"sink\"\n", &[]);
-    assert_eq!(names(&a.json(&["module", "list"])), ["c"]);
-    assert_eq!(names(&b.json(&["module", "list"])), ["k"]);
+    assert_eq!(names(&a.answer::<ModuleList>(&["module", "list"])), ["c"]);
+    assert_eq!(names(&b.answer::<ModuleList>(&["module", "list"])), ["k"]);
 
     // A second daemon on the same state directory is refused while the first runs.
     let out =
@@ -254,8 +259,8 @@ passthrough = false
         tap.display()
     );
     let mut d = Daemon::start(&stack, &[]);
-    let r = d.json(&["module", "exec", "sel", "select", "1"]);
-    assert_eq!(r["result"], 0, "the procedure returns the previous selection: {r}");
+    let r = d.answer::<ModuleExec>(&["module", "exec", "sel", "select", "1"]);
+    assert_eq!(r.result, Value::U64(0), "the procedure returns the previous selection: {r:?}");
     assert_eq!(d.get("module.sel.select"), 1);
     let e = d.fails(&["module", "exec", "ghost", "select", "1"]);
     assert!(e.contains("no module named ghost"), "{e}");

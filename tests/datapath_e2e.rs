@@ -4,21 +4,22 @@
 
 mod common;
 
-use common::{octets, privileged, text, SandboxDaemon, Server};
+use common::{answer, as_u64, octets, privileged, text, SandboxDaemon, Server};
+use flexstack_api::ops::Get;
+use flexstack_api::Value;
 use serde_json::Value as Json;
 use std::time::{Duration, Instant};
 
 /// Reads the flow of `app` whose tuple starts with `prefix` (e.g. "udp 10.77.1.2:") while the app runs.
 fn flow(d: &SandboxDaemon, app: &str, prefix: &str) -> Option<(u64, u64, u64)> {
     let out = d.cli(&["-j", "get", &format!("flow.{app}.**")]);
-    let all: Json = serde_json::from_slice(&out.stdout).ok()?;
-    let obj = all.as_object()?;
+    let obj = answer::<Get>(&out)?;
     let key = obj
         .iter()
-        .find(|(k, v)| k.ends_with(".tuple") && v["value"].as_str().is_some_and(|t| t.starts_with(prefix)))?
+        .find(|(k, v)| k.ends_with(".tuple") && matches!(&v.value, Value::Str(t) if t.starts_with(prefix)))?
         .0;
     let base = key.trim_end_matches(".tuple");
-    let v = |m: &str| obj.get(&format!("{base}.{m}")).and_then(|x| x["value"].as_u64()).unwrap_or(0);
+    let v = |m: &str| obj.get(&format!("{base}.{m}")).and_then(|x| as_u64(&x.value)).unwrap_or(0);
     Some((v("packets_down_total"), v("packets_up_total"), v("bytes_total")))
 }
 
@@ -79,8 +80,9 @@ fn iperf3_udp_packet_and_byte_counts_match_the_flow_meters_exactly() {
         assert_eq!(bytes, sent * (1000 + header) + 2 * (4 + header), "IPv{family}: bytes of the UDP flow");
         // Per module: the flow table's `udp` port carried exactly this flow's packets (the only UDP in the sandbox).
         let out = d.cli(&["-j", "get", "module.perf-flows.port.udp.frames_out_total"]);
-        let v: Json = serde_json::from_slice(&out.stdout).unwrap();
-        assert_eq!(v["module.perf-flows.port.udp.frames_out_total"]["value"].as_u64(), Some(down + up), "{v}");
+        let v = answer::<Get>(&out).unwrap();
+        let frames = v.get("module.perf-flows.port.udp.frames_out_total").and_then(|x| as_u64(&x.value));
+        assert_eq!(frames, Some(down + up), "{v:?}");
         nix::sys::signal::kill(nix::unistd::Pid::from_raw(app.id() as i32), nix::sys::signal::Signal::SIGTERM).unwrap();
         app.wait().unwrap();
         d.wait_for_apps(0);
@@ -166,8 +168,7 @@ fn malformed_packets_on_both_faces_are_counted_and_a_transfer_survives_them() {
     let script = format!("curl -sf -m 120 --limit-rate 8M http://{}:8080/blob | sha256sum", srv.v4);
     let app = d.spawn_run(&["--name", "victim", "--", "sh", "-c", &script]);
     d.wait_for_apps(1);
-    let info = d.apps()[0].clone();
-    let s = |k: &str| info[k].as_str().unwrap().to_string();
+    let info = d.apps().unwrap()[0].clone();
     std::thread::sleep(Duration::from_millis(500));
 
     // From inside the sandbox into the app's TUN device, and from the host into the host face's.
@@ -176,20 +177,20 @@ fn malformed_packets_on_both_faces_are_counted_and_a_transfer_survives_them() {
         .args([
             "netns",
             "exec",
-            &s("netns"),
+            &info.netns,
             "python3",
             injector,
-            &s("app_dev"),
-            &s("ipv4"),
+            &info.app_dev,
+            &info.ipv4,
             &srv.v4,
-            &s("ipv6"),
+            &info.ipv6,
             &srv.v6,
         ])
         .output()
         .unwrap();
     assert!(inside.status.success(), "{}", text(&inside));
     let outside = std::process::Command::new("python3")
-        .args([injector, &s("host_dev"), &srv.v4, &s("ipv4"), &srv.v6, &s("ipv6")])
+        .args([injector, &info.host_dev, &srv.v4, &info.ipv4, &srv.v6, &info.ipv6])
         .output()
         .unwrap();
     assert!(outside.status.success(), "{}", text(&outside));
@@ -197,8 +198,8 @@ fn malformed_packets_on_both_faces_are_counted_and_a_transfer_survives_them() {
     // Each kind is dropped and counted with its reason, on the way down and on the way up.
     let meter = |m: &str| {
         let out = d.cli(&["-j", "get", m]);
-        let v: Json = serde_json::from_slice(&out.stdout).unwrap_or(Json::Null);
-        v[m]["value"].as_u64().unwrap_or_else(|| panic!("{m}: {}", text(&out)))
+        let v = answer::<Get>(&out).and_then(|v| v.get(m).and_then(|x| as_u64(&x.value)));
+        v.unwrap_or_else(|| panic!("{m}: {}", text(&out)))
     };
     let rounds = 2 * 20;
     let wait_for = |m: &str, at_least: u64| {

@@ -20,6 +20,7 @@
 
 mod common;
 
+use flexstack_api::ops::{Get, LinkAdd, LinkDel, ModuleLoad, ModuleReplace, Set, VarList, Watch};
 use flexstack_api::protocol::{parse_request, request_line, ErrorCode, Request, Response};
 use flexstack_core::config::{valid_name, LinkSpec, Settings, StackSpec, MAX_STACK_FILE_BYTES};
 use flexstack_core::value::{Value, ValueType};
@@ -539,24 +540,25 @@ fn check_request(input: &[u8], dir: &Path) -> Result<bool, String> {
     ensure(same, || format!("request_line {out:?} parses back to {again:?}, not {request:?}"))?;
     // What the daemon does next with the request's text parts.
     match &request {
-        Request::Get { names } | Request::Watch { names, .. } => {
+        Request::Get(Get { names }) | Request::Watch(Watch { names, .. }) => {
             for p in names.iter().take(16) {
                 for n in VAR_NAMES {
                     let _ = name_matches(p, n);
                 }
             }
         }
-        Request::VarList { pattern: Some(p) } => {
+        Request::VarList(VarList { pattern: Some(p) }) => {
             for n in VAR_NAMES {
                 let _ = name_matches(p, n);
             }
         }
-        Request::LinkAdd { link } | Request::LinkDel { link } => {
+        Request::LinkAdd(LinkAdd { link }) | Request::LinkDel(LinkDel { link }) => {
             if let Ok(l) = LinkSpec::parse(link) {
                 check_link_value(&l)?;
             }
         }
-        Request::ModuleLoad { kind, settings, .. } | Request::ModuleReplace { kind, settings, .. } => {
+        Request::ModuleLoad(ModuleLoad { kind, settings, .. })
+        | Request::ModuleReplace(ModuleReplace { kind, settings, .. }) => {
             // As the daemon converts them (crates/daemon/src/actions.rs: settings_from_json).
             let mut s = Settings::default();
             for (k, v) in settings {
@@ -567,7 +569,7 @@ fn check_request(input: &[u8], dir: &Path) -> Result<bool, String> {
             }
             configure(kind, &s, dir)?;
         }
-        Request::Set { value: Json::String(t), .. } => {
+        Request::Set(Set { value: Json::String(t), .. }) => {
             for ty in TYPES {
                 let _ = Value::parse_as(ty, t);
             }
@@ -798,11 +800,15 @@ fn prepare_line(line: &[u8], capture: &Path) -> Option<(Vec<u8>, bool)> {
     let (id, request) = parse_request(text);
     match request {
         // A watch streams until its count is reached or the client goes away: not part of this test.
-        Ok(Request::Watch { .. }) => None,
+        Ok(Request::Watch(_)) => None,
         // A tap creates its file: only inside the test's directory.
-        Ok(Request::ModuleLoad { ref kind, .. } | Request::ModuleReplace { ref kind, .. }) if kind == "tap" => {
+        Ok(
+            Request::ModuleLoad(ModuleLoad { ref kind, .. }) | Request::ModuleReplace(ModuleReplace { ref kind, .. }),
+        ) if kind == "tap" => {
             let mut r = request.ok()?;
-            if let Request::ModuleLoad { settings, .. } | Request::ModuleReplace { settings, .. } = &mut r {
+            if let Request::ModuleLoad(ModuleLoad { settings, .. })
+            | Request::ModuleReplace(ModuleReplace { settings, .. }) = &mut r
+            {
                 settings.insert("path".into(), Json::String(capture.display().to_string()));
             }
             let id = id.and_then(|i| i.as_u64()).unwrap_or(0);

@@ -13,7 +13,8 @@
 
 mod common;
 
-use common::{bin, path_str, privileged, repo, text, LabScratch};
+use common::{answer, as_u64, bin, path_str, privileged, repo, text, LabScratch};
+use flexstack_api::ops::Get;
 use serde_json::Value as Json;
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -555,8 +556,7 @@ background = true
             .args(["-j", "get", "module.**.frames_in_total"])
             .output()
             .expect("get");
-        let v: Json = serde_json::from_slice(&out.stdout).unwrap_or(Json::Null);
-        v.as_object().map_or(0, |m| m.values().filter_map(|x| x["value"].as_u64()).sum())
+        answer::<Get>(&out).map_or(0, |m| m.values().filter_map(|x| as_u64(&x.value)).sum())
     };
     wait_for("the stacked host's modules to carry the ping", 10, || frames() > 0);
     let out = pinger.wait_with_output().expect("ping from st");

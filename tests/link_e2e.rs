@@ -5,7 +5,8 @@
 
 mod common;
 
-use common::{octets, privileged, sh, text, unique, LinkGuard, Netns, SandboxDaemon};
+use common::{answer, as_u64, octets, privileged, sh, text, unique, LinkGuard, Netns, SandboxDaemon};
+use flexstack_api::ops::Get;
 use serde_json::Value as Json;
 use std::time::Duration;
 
@@ -114,10 +115,9 @@ fn apps_reach_a_server_over_a_link_face_with_flexstack_arp_ndp_and_nat() {
     // The flood comes last: once its drops are counted, everything before it has been processed.
     let drops = |d: &SandboxDaemon| -> std::collections::BTreeMap<String, u64> {
         let out = d.cli(&["-j", "get", "module.lk-*.drop_*"]);
-        let v: Json = serde_json::from_slice(&out.stdout).unwrap_or(Json::Null);
-        v.as_object()
+        answer::<Get>(&out)
             .map(|o| {
-                o.iter().map(|(k, x)| (k.clone(), x["value"].as_u64().unwrap_or(0))).filter(|(_, n)| *n > 0).collect()
+                o.iter().map(|(k, x)| (k.clone(), as_u64(&x.value).unwrap_or(0))).filter(|(_, n)| *n > 0).collect()
             })
             .unwrap_or_default()
     };
@@ -131,7 +131,7 @@ fn apps_reach_a_server_over_a_link_face_with_flexstack_arp_ndp_and_nat() {
         all = drops(&d);
     }
     let io = text(&d.cli(&["get", "module.lk-eth.rx_*", "module.lk-*.frames_in_total", "module.lk-frag.*pending*"]));
-    if d.apps().as_array().is_none_or(|a| a.is_empty()) {
+    if d.apps().is_none_or(|a| a.is_empty()) {
         let out = app.wait_with_output().unwrap();
         panic!("the app ended before the checks: {}\ncounted: {all:#?}\n{io}", text(&out));
     }

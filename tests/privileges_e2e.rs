@@ -8,7 +8,8 @@
 
 mod common;
 
-use common::{bin, octets, privileged, text, SandboxDaemon, Server};
+use common::{answer, bin, octets, privileged, text, SandboxDaemon, Server};
+use flexstack_api::ops::Status;
 use std::collections::BTreeMap;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -101,15 +102,13 @@ fn a_root_daemon_keeps_only_what_it_needs_and_its_apps_still_work() {
 
     // `status` shows the kept set, in JSON and as text.
     let out = d.cli(&["-j", "status"]);
-    let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|_| panic!("{}", text(&out)));
-    let names = |set: &str| -> Vec<String> {
-        status["capabilities"][set].as_array().unwrap().iter().map(|v| v.as_str().unwrap().to_string()).collect()
-    };
+    let status = answer::<Status>(&out).unwrap_or_else(|| panic!("{}", text(&out)));
+    let caps = &status.capabilities;
     if kept == mask(&KEPT_BITS) {
         let want = ["CAP_DAC_OVERRIDE", "CAP_NET_ADMIN", "CAP_NET_RAW", "CAP_SYS_ADMIN"];
-        assert_eq!(names("permitted"), want, "{status}");
-        assert_eq!(names("effective"), want, "{status}");
-        assert_eq!(names("bounding"), want, "{status}");
+        assert_eq!(caps.permitted, want, "{status:?}");
+        assert_eq!(caps.effective, want, "{status:?}");
+        assert_eq!(caps.bounding, want, "{status:?}");
         let line = text(&d.cli(&["status"]));
         assert!(line.contains("capabilities dac_override,net_admin,net_raw,sys_admin"), "{line}");
     }
@@ -188,7 +187,7 @@ fn a_daemon_of_an_ordinary_user_starts_and_holds_nothing() {
     while Instant::now() < deadline {
         let out = as_nobody(&["-j", "status"]).output().unwrap();
         if out.status.success() {
-            status = Some(serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap());
+            status = Some(answer::<Status>(&out).unwrap());
             break;
         }
         if let Ok(Some(exit)) = daemon.try_wait() {
@@ -203,10 +202,10 @@ fn a_daemon_of_an_ordinary_user_starts_and_holds_nothing() {
     let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGTERM);
     let exit = daemon.wait().unwrap();
     let status = status.expect("the daemon of an ordinary user answers");
-    assert_eq!(status["capabilities"]["permitted"], serde_json::json!([]), "{status}");
+    assert_eq!(status.capabilities.permitted, Vec::<String>::new(), "{status:?}");
     // Without CAP_SYS_NICE the real-time data plane it asked for is refused; it runs at normal priority and says so.
-    let scheduling = status["dataplane_scheduling"].as_str().unwrap_or_default();
-    assert!(scheduling.starts_with("normal (real-time priority 10 was refused"), "{status}");
+    let scheduling = &status.dataplane_scheduling;
+    assert!(scheduling.starts_with("normal (real-time priority 10 was refused"), "{status:?}");
     assert_eq!(sets["CapPrm"], 0);
     assert_eq!(sets["CapEff"], 0);
     assert!(exit.success(), "it stops cleanly on SIGTERM: {exit}");
@@ -275,7 +274,7 @@ fn a_realtime_daemon_runs_only_its_data_plane_under_sched_fifo() {
         loop {
             let out = Command::new(bin()).arg("--state-dir").arg(&state).args(["-j", "status"]).output().unwrap();
             if out.status.success() {
-                let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+                let status = answer::<Status>(&out).unwrap();
                 return (daemon, status, log_path.clone());
             }
             assert!(daemon.try_wait().unwrap().is_none(), "the daemon exited: {}", log());
@@ -299,7 +298,7 @@ fn a_realtime_daemon_runs_only_its_data_plane_under_sched_fifo() {
     let chrt = Command::new("chrt").args(["-p", &dataplane[0].tid.to_string()]).output().unwrap();
     let chrt = String::from_utf8_lossy(&chrt.stdout).to_string();
     stop(daemon, log);
-    assert_eq!(status["dataplane_scheduling"], "fifo 10", "{status}");
+    assert_eq!(status.dataplane_scheduling, "fifo 10", "{status:?}");
     // SCHED_FIFO 10 is kernel priority 99 - 10; every other thread stays under the normal policy.
     assert_eq!((dataplane[0].policy, dataplane[0].prio), (1, 89), "the data plane under SCHED_FIFO 10: {threads:?}");
     // Nothing it might start inherits the policy (SCHED_RESET_ON_FORK).
@@ -314,6 +313,6 @@ fn a_realtime_daemon_runs_only_its_data_plane_under_sched_fifo() {
     let (daemon, status, log) = start(&[]);
     let threads = policies_of(daemon.id());
     stop(daemon, log);
-    assert_eq!(status["dataplane_scheduling"], "normal", "{status}");
+    assert_eq!(status.dataplane_scheduling, "normal", "{status:?}");
     assert!(threads.iter().all(|t| t.policy == 0), "no --realtime, no real-time thread: {threads:?}");
 }

@@ -8,6 +8,8 @@
 mod common;
 
 use common::Daemon;
+use flexstack_api::ops::*;
+use flexstack_api::Value;
 use serde_json::Value as Json;
 
 const STACK: &str = r#"links = ["src -> count", "count -> sel", "sel[0] -> sink0", "sel[1] -> sink1"]
@@ -44,6 +46,11 @@ fn write(d: &Daemon, name: &str, text: &str) -> String {
     p.display().to_string()
 }
 
+/// The output of the first instance of `rule`, if it runs.
+fn rule_value(d: &Daemon, rule: &str) -> Option<Value> {
+    d.answer::<RulesShow>(&["rules", "show", rule]).instances.first().and_then(|i| i.value.clone())
+}
+
 fn select(d: &Daemon) -> i64 {
     d.get("module.sel.select").as_i64().unwrap()
 }
@@ -54,11 +61,11 @@ fn a_rule_moves_traffic_when_a_meter_crosses_a_threshold_and_stops_when_unloaded
     let file = write(&d, "route.rules", ROUTE);
     let out = d.ok(&["rules", "load", &file]);
     assert!(out.contains("ok: rules revision 1"), "{out}");
-    let list = d.json(&["rules", "list"]);
-    let route = list.as_array().unwrap().iter().find(|r| r["name"] == "route").expect("route listed").clone();
-    assert_eq!(route["explicit"], true);
-    assert_eq!(route["instances"], 1);
-    assert_eq!(route["source"], file.as_str());
+    let list = d.answer::<RulesList>(&["rules", "list"]);
+    let route = list.iter().find(|r| r.name == "route").expect("route listed").clone();
+    assert!(route.explicit);
+    assert_eq!(route.instances, 1);
+    assert_eq!(route.source, file.as_str());
 
     // Calm: traffic stays on branch 0.
     d.wait_for("sink0 to receive", 10, |d| d.get_u64("module.sink0.frames_total") > 100);
@@ -75,19 +82,13 @@ fn a_rule_moves_traffic_when_a_meter_crosses_a_threshold_and_stops_when_unloaded
     assert_eq!(d.get_u64("module.sink0.frames_total"), sink0, "branch 0 still gets frames after the switch");
 
     // The write went through `set`: a stack revision by the user `rules`; the unit graph shows the state.
-    let log = d.json(&["config", "log"]);
-    assert!(
-        log.as_array()
-            .unwrap()
-            .iter()
-            .any(|r| r["user"] == "rules" && r["change"].as_str().unwrap().contains("select")),
-        "{log}"
-    );
-    let show = d.json(&["rules", "show", "route"]);
-    let units = show["instances"][0]["units"].as_array().unwrap();
-    let set_unit = units.iter().find(|u| u["kind"] == "set").expect("a set unit");
-    assert!(set_unit["state"]["writes"].as_u64().unwrap() >= 2, "{show}");
-    assert_eq!(show["instances"][0]["value"], 1);
+    let log = d.answer::<ConfigLog>(&["config", "log"]);
+    assert!(log.iter().any(|r| r.user == "rules" && r.change.contains("select")), "{log:?}");
+    let show = d.answer::<RulesShow>(&["rules", "show", "route"]);
+    let units = &show.instances[0].units;
+    let set_unit = units.iter().find(|u| u.kind == "set").expect("a set unit");
+    assert!(matches!(set_unit.state["writes"].value(), Some(Value::U64(n)) if *n >= 2), "{show:?}");
+    assert_eq!(show.instances[0].value, Some(Value::U64(1)));
     let text = d.ok(&["rules", "show", "route"]);
     assert!(text.contains("  route/0    If") && text.contains("last_written=1"), "{text}");
 
@@ -99,14 +100,8 @@ fn a_rule_moves_traffic_when_a_meter_crosses_a_threshold_and_stops_when_unloaded
     let out = d.ok(&["rules", "unload", "route"]);
     assert!(out.contains("ok: rules revision 2"), "{out}");
     // Only `route` goes: `fps` and `busy` were loaded by themselves too.
-    let running: Vec<String> = d
-        .json(&["rules", "list"])
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|r| r["instances"] != 0)
-        .map(|r| r["name"].as_str().unwrap().into())
-        .collect();
+    let running: Vec<String> =
+        d.answer::<RulesList>(&["rules", "list"]).into_iter().filter(|r| r.instances != 0).map(|r| r.name).collect();
     assert_eq!(running, ["busy", "fps"]);
     d.ok(&["set", "module.src.rate", "8000"]);
     std::thread::sleep(std::time::Duration::from_millis(2500));
@@ -127,36 +122,37 @@ tick -> fast
     d.ok(&["rules", "load", &write(&d, "base.rules", base)]);
     d.ok(&["rules", "load", &write(&d, "alt.rules", alt)]);
     let samples = |d: &Daemon| {
-        let show = d.json(&["rules", "show", "h"]);
-        show["instances"][0]["units"][0]["state"]["samples"].as_array().map_or(0, Vec::len)
+        let show = d.answer::<RulesShow>(&["rules", "show", "h"]);
+        let unit = show.instances.first().and_then(|i| i.units.first());
+        unit.and_then(|u| u.state.get("samples")).and_then(UnitState::samples).map_or(0, <[f64]>::len)
     };
     d.wait_for("History to record samples", 10, |d| samples(d) >= 10);
-    d.wait_for("fast to be true", 10, |d| d.json(&["rules", "show", "fast"])["instances"][0]["value"] == true);
+    d.wait_for("fast to be true", 10, |d| rule_value(d, "fast") == Some(Value::Bool(true)));
 
     // replace: the trigger moves to `slow`; `h` is the same unit and keeps its samples.
     let before = samples(&d);
     let out = d.ok(&["rules", "replace", "fast", "slow"]);
     assert!(out.contains("ok: rules revision 3"), "{out}");
     assert!(samples(&d) >= before, "History lost its samples on replace");
-    d.wait_for("slow to run (false)", 10, |d| d.json(&["rules", "show", "slow"])["instances"][0]["value"] == false);
+    d.wait_for("slow to run (false)", 10, |d| rule_value(d, "slow") == Some(Value::Bool(false)));
     let n = samples(&d);
     d.wait_for("History to keep recording after replace", 10, |d| samples(d) > n);
 
     // The repository: every change is a revision; diff shows the moved trigger; rollback restores it.
-    let log = d.json(&["rules", "log"]);
-    let revs: Vec<&str> = log["revisions"].as_array().unwrap().iter().map(|r| r["what"].as_str().unwrap()).collect();
-    assert_eq!(revs.len(), 3, "{log}");
+    let log = d.answer::<RulesLog>(&["rules", "log"]);
+    let revs: Vec<&str> = log.revisions.iter().map(|r| r.what.as_str()).collect();
+    assert_eq!(revs.len(), 3, "{log:?}");
     assert!(revs[2].starts_with("replace fast slow"), "{revs:?}");
-    let diff = d.json(&["rules", "diff", "2", "3"]);
-    let lines: Vec<&str> = diff.as_array().unwrap().iter().map(|l| l.as_str().unwrap()).collect();
+    let diff = d.answer::<RulesDiff>(&["rules", "diff", "2", "3"]);
+    let lines: Vec<&str> = diff.iter().map(String::as_str).collect();
     assert!(lines.iter().any(|l| l.starts_with('+') && l.contains("slow")), "{lines:?}");
     assert!(d.cli(&["rules", "diff", "2", "99"]).status.code() == Some(1));
 
     let before = samples(&d);
     let out = d.ok(&["rules", "rollback", "2"]);
     assert!(out.contains("ok: rules revision 4"), "{out}");
-    assert_eq!(d.json(&["rules", "show", "slow"])["instances"].as_array().unwrap().len(), 0, "slow still runs");
-    assert_eq!(d.json(&["rules", "show", "fast"])["instances"].as_array().unwrap().len(), 1);
+    assert_eq!(d.answer::<RulesShow>(&["rules", "show", "slow"]).instances.len(), 0, "slow still runs");
+    assert_eq!(d.answer::<RulesShow>(&["rules", "show", "fast"]).instances.len(), 1);
     assert!(samples(&d) >= before, "History lost its samples on rollback");
     let e = d.fails(&["rules", "rollback", "42"]);
     assert!(e.contains("unknown revision 42"), "{e}");
@@ -174,10 +170,9 @@ fn a_bad_rule_file_is_refused_with_file_line_column_and_changes_nothing() {
     assert!(err.contains(&format!("{file}:3:4: error: unknown unit `Hist`")), "{err}");
     assert!(err.contains(&format!("{file}:4:4: error: unbounded window")), "{err}");
     // Nothing changed: one revision, the good rules only.
-    let log = d.json(&["rules", "log"]);
-    assert_eq!(log["revisions"].as_array().unwrap().len(), 1, "{log}");
-    let names: Vec<String> =
-        d.json(&["rules", "list"]).as_array().unwrap().iter().map(|r| r["name"].as_str().unwrap().into()).collect();
+    let log = d.answer::<RulesLog>(&["rules", "log"]);
+    assert_eq!(log.revisions.len(), 1, "{log:?}");
+    let names: Vec<String> = d.answer::<RulesList>(&["rules", "list"]).into_iter().map(|r| r.name).collect();
     assert_eq!(names, ["busy", "fps", "route"]);
     // A file that does not exist is an input error too; unknown names are not found (exit 1).
     assert_eq!(d.cli(&["rules", "load", "/nonexistent/x.rules"]).status.code(), Some(2));

@@ -63,9 +63,9 @@ fn unmodified_programs_reach_a_server_through_the_host_face() {
     let mut a = d.spawn_run(&["--name", "web", "--", "sleep", "2"]);
     let mut b = d.spawn_run(&["--name", "dns", "--", "sleep", "2"]);
     d.wait_for_apps(2);
-    let apps = d.apps();
-    let names: Vec<&str> = apps.as_array().unwrap().iter().map(|a| a["name"].as_str().unwrap()).collect();
-    assert!(names.contains(&"web") && names.contains(&"dns"), "{apps}");
+    let apps = d.apps().unwrap();
+    let names: Vec<&str> = apps.iter().map(|a| a.name.as_str()).collect();
+    assert!(names.contains(&"web") && names.contains(&"dns"), "{apps:?}");
     assert!(a.wait().unwrap().success() && b.wait().unwrap().success());
     d.wait_for_apps(0);
 

@@ -6,6 +6,7 @@
 mod common;
 
 use common::{privileged, unique, Daemon, Netns};
+use flexstack_api::ops::{TapAdd, TapList};
 
 #[test]
 fn apps_in_two_namespaces_talk_through_flexstack_tun_faces() {
@@ -45,14 +46,14 @@ outputs = 2
     // A tap added at runtime records the link a -> count as pcapng (LINKTYPE_RAW) that tshark reads.
     let pcap = tempfile::tempdir().unwrap();
     let file = pcap.path().join("a.pcapng");
-    let added = d.json(&["tap", "add", "a -> count", file.to_str().unwrap()]);
-    assert_eq!(added["linktype"], "raw");
+    let added = d.answer::<TapAdd>(&["tap", "add", "a -> count", file.to_str().unwrap()]);
+    assert_eq!(added.linktype, "raw");
     let out = ns_a.run(&["ping", "-c", "3", "-i", "0.2", "-W", "2", "10.99.0.2"]);
     assert!(out.status.success());
-    let taps = d.json(&["tap", "list"]);
-    assert_eq!(taps[0]["taps"][0], "a[out]", "{taps}");
-    assert!(taps[0]["frames"].as_u64().unwrap() >= 3, "{taps}");
-    d.ok(&["tap", "del", added["tap"].as_str().unwrap()]);
+    let taps = d.answer::<TapList>(&["tap", "list"]);
+    assert_eq!(taps[0].taps[0], "a[out]", "{taps:?}");
+    assert!(taps[0].frames >= 3, "{taps:?}");
+    d.ok(&["tap", "del", &added.tap]);
     let shark = std::process::Command::new("tshark")
         .args([
             "-r",

@@ -6,10 +6,9 @@
 //! programs and daemons in the lab's namespaces, removes the namespaces of the stacked hosts' sandboxed apps, the
 //! namespaces themselves (their veth pairs go with them) and the `/etc/netns/<namespace>` folders.
 
-use super::{labs_dir, msg};
-use crate::cli::CliError;
+use crate::error::{msg, CliError};
 use flexstack_api::client::Client;
-use flexstack_api::protocol::Request;
+use flexstack_api::ops::Set;
 use flexstack_lab::plan::Plan;
 use flexstack_lab::Lab;
 use serde::{Deserialize, Serialize};
@@ -17,6 +16,11 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
+
+/// Where the state of running labs is kept: `<state dir>/labs/<lab>/`.
+pub fn labs_dir(state_dir: &Path) -> PathBuf {
+    state_dir.join("labs")
+}
 
 /// A host as recorded in the state file.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -431,6 +435,6 @@ pub fn down(state: &LabState, verbose: bool) {
 
 /// Writes a knob on the wire daemon or a stacked host's daemon.
 pub fn set_knob(dir: &Path, name: &str, value: serde_json::Value) -> Result<(), CliError> {
-    Client::connect(dir)?.call(&Request::Set { name: name.to_string(), value })?;
+    Client::connect(dir)?.call(Set { name: name.to_string(), value })?;
     Ok(())
 }

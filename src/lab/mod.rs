@@ -13,21 +13,82 @@
 pub mod build;
 pub mod run;
 
-use crate::cli::CliError;
+use crate::error::{msg, CliError};
+use clap::Subcommand;
 use flexstack_lab::plan::Plan;
 use flexstack_lab::Lab;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
-pub use build::{down, LabState};
+pub use build::{down, labs_dir, LabState};
 
-fn msg(e: impl std::fmt::Display) -> CliError {
-    CliError::Message(e.to_string())
-}
-
-/// Where the state of running labs is kept: `<state dir>/labs/<lab>/`.
-pub fn labs_dir(state_dir: &Path) -> PathBuf {
-    state_dir.join("labs")
+/// `flexstack lab ...`
+#[derive(Subcommand, Debug)]
+pub enum LabCmd {
+    /// Build the lab, run its programs and events for its duration, tear it down and write the results and report.
+    Run {
+        /// The lab file (TOML).
+        file: PathBuf,
+        /// The results folder (default: `results/<lab>-<UTC time>`).
+        #[arg(long)]
+        results: Option<PathBuf>,
+        /// No progress lines.
+        #[arg(short, long)]
+        quiet: bool,
+    },
+    /// Build the lab and start its background programs; it stays up until `lab down`.
+    Up {
+        /// The lab file (TOML).
+        file: PathBuf,
+        /// The results folder (default: `results/<lab>-<UTC time>`).
+        #[arg(long)]
+        results: Option<PathBuf>,
+    },
+    /// Run a command on a host of a lab that is up (through its stack on a stacked host), as the invoking user.
+    Exec {
+        /// The lab (default: the only one up).
+        #[arg(long)]
+        lab: Option<String>,
+        /// The host.
+        host: String,
+        /// The command and its arguments.
+        #[arg(required = true, last = true)]
+        command: Vec<String>,
+    },
+    /// Take a link down or up, or change its parameters: `lab link h1 srv set delay=50ms loss=1`.
+    Link {
+        /// The lab (default: the only one up).
+        #[arg(long)]
+        lab: Option<String>,
+        /// One end of the link.
+        a: String,
+        /// The other end.
+        b: String,
+        /// `down`, `up` or `set`.
+        action: String,
+        /// For `set`: the parameters, KEY=VALUE (bw, delay, jitter, loss, max_queue_size, loss_model, ge_*).
+        params: Vec<String>,
+    },
+    /// Tear down a lab (default: the only one up), or every lab under the state directory with --all.
+    Down {
+        /// The lab.
+        name: Option<String>,
+        /// Every lab (also those whose runner was killed).
+        #[arg(long)]
+        all: bool,
+    },
+    /// The labs that are up.
+    List,
+    /// Validate a lab file (and its stack templates) without creating anything.
+    Check {
+        /// The lab file (TOML).
+        file: PathBuf,
+    },
+    /// Write (again) the report of a results folder.
+    Report {
+        /// The results folder.
+        dir: PathBuf,
+    },
 }
 
 /// A lab file read, validated and planned: the lab, its plan, its text and the stacked hosts' stack templates with
@@ -241,8 +302,7 @@ fn print_json(value: &impl Serialize) -> Result<(), CliError> {
 }
 
 /// Runs a `flexstack lab` command.
-pub fn command(state_dir: &Path, json: bool, cmd: crate::cli::LabCmd) -> Result<(), CliError> {
-    use crate::cli::LabCmd;
+pub fn command(state_dir: &Path, json: bool, cmd: LabCmd) -> Result<(), CliError> {
     match cmd {
         LabCmd::Check { file } => {
             let (lab, plan, _, _) = load(&file)?;

@@ -19,12 +19,12 @@
 //! Meter names in the results: the wire daemon's emulator `<link>_ab` appears as `link.<link>.ab.<meter>` (and
 //! `_ba` as `.ba.`), its other variables as `wire.<name>`; a stacked host's variables as `host.<host>.<name>`.
 
-use super::build::{set_knob, sh, stop_processes, LabState};
-use super::msg;
-use crate::cli::CliError;
+use crate::error::{msg, CliError};
+use crate::lab::build::{set_knob, sh, stop_processes, LabState};
 use flexstack_api::client::Client;
-use flexstack_api::protocol::Request;
+use flexstack_api::ops::{Get, RulesLoad, TapAdd};
 use flexstack_core::vars::name_matches;
+use flexstack_core::Value;
 use flexstack_lab::{Action, Lab, LinkParams};
 use flexstack_rules::{Environment, Existence};
 use serde_json::Value as Json;
@@ -202,7 +202,7 @@ pub fn capture(state: &LabState, link: &str) -> Result<(), CliError> {
     let mut wire = state.wire()?;
     for (e, tag) in [(&l.emulator_ab, "ab"), (&l.emulator_ba, "ba")] {
         let file = dir.join(format!("{link}.{tag}.pcapng")).display().to_string();
-        wire.call(&Request::TapAdd { link: format!("{e}[out]"), file })?;
+        wire.call(TapAdd { link: format!("{e}[out]"), file })?;
     }
     Ok(())
 }
@@ -276,7 +276,7 @@ fn load_rules(state: &LabState, host: Option<&str>, file: &str) -> Result<(), Cl
     let path = rules_path(Path::new(&state.file), file);
     let text = std::fs::read_to_string(&path).map_err(|e| msg(format!("{}: cannot read: {e}", path.display())))?;
     let dir = rules_daemon(state, host)?;
-    Client::connect(&dir)?.call(&Request::RulesLoad { name: path.display().to_string(), text })?;
+    Client::connect(&dir)?.call(RulesLoad { name: path.display().to_string(), text })?;
     Ok(())
 }
 
@@ -314,11 +314,14 @@ fn wire_name(state: &LabState, name: &str) -> String {
     format!("wire.{name}")
 }
 
-fn numeric(v: &Json) -> Option<String> {
+/// A meter's value for `meters.csv`: a number as JSON writes it, a boolean as 0 or 1; none for text and for a
+/// float that is not finite (sent as `null`).
+fn numeric(v: &Value) -> Option<String> {
     match v {
-        Json::Bool(b) => Some(u8::from(*b).to_string()),
-        Json::Number(n) => Some(n.to_string()),
-        _ => None,
+        Value::Bool(b) => Some(u8::from(*b).to_string()),
+        Value::Str(_) => None,
+        Value::F64(f) if !f.is_finite() => None,
+        number => serde_json::to_string(number).ok(),
     }
 }
 
@@ -356,21 +359,21 @@ fn sampler(state: LabState, patterns: Vec<String>, every: Duration, start: Insta
                 *client = Client::connect(dir).ok();
             }
             let Some(c) = client.as_mut() else { continue };
-            match c.call(&Request::Get { names: vec!["**".into()] }) {
-                Ok(Json::Object(map)) => {
-                    for (name, v) in map {
+            match c.call(Get { names: vec!["**".into()] }) {
+                Ok(values) => {
+                    for (name, v) in values {
                         let shown = match host {
                             None => wire_name(&state, &name),
                             Some(h) => format!("host.{h}.{name}"),
                         };
                         if patterns.iter().any(|p| name_matches(p, &shown)) {
-                            if let Some(value) = numeric(&v["value"]) {
+                            if let Some(value) = numeric(&v.value) {
                                 rows.push((shown, value));
                             }
                         }
                     }
                 }
-                _ => *client = None,
+                Err(_) => *client = None,
             }
         }
         rows.sort();

@@ -2,6 +2,9 @@
 //! real `flexstack` binary.
 #![allow(dead_code)]
 
+use flexstack_api::ops::{AppInfo, AppList, Get};
+use flexstack_api::protocol::Call;
+use flexstack_api::Value;
 use serde_json::Value as Json;
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
@@ -99,10 +102,19 @@ impl Daemon {
         String::from_utf8(out.stderr).expect("utf-8 output")
     }
 
-    /// The value of one variable.
+    /// Runs a command with `-j` that must succeed and decodes its JSON as the result of `C`, the operation the
+    /// command sends (`d.answer::<ModuleList>(&["module", "list"])` is a `Vec<ModuleInfo>`).
+    pub fn answer<C: Call>(&self, args: &[&str]) -> C::Response {
+        let mut a = vec!["-j"];
+        a.extend_from_slice(args);
+        let text = self.ok(&a);
+        decode::<C>(&text).unwrap_or_else(|e| panic!("flexstack {args:?}: {e}: {text}"))
+    }
+
+    /// The value of one variable, as JSON (to compare with literals: `d.get(name) == 1`).
     pub fn get(&self, name: &str) -> Json {
-        let v = self.json(&["get", name]);
-        v[name]["value"].clone()
+        let values = self.answer::<Get>(&["get", name]);
+        values.get(name).map_or(Json::Null, |v| serde_json::to_value(&v.value).expect("a value encodes"))
     }
 
     pub fn get_u64(&self, name: &str) -> u64 {
@@ -165,6 +177,24 @@ impl RawClient {
             Ok(0) | Err(_) => None,
             Ok(_) => Some(serde_json::from_str(&l).expect("response is JSON")),
         }
+    }
+}
+
+/// Decodes a command's `-j` output as the result of `C`, the operation the command sends.
+pub fn decode<C: Call>(text: &str) -> Result<C::Response, String> {
+    serde_json::from_str(text).map_err(|e| format!("not a {}: {e}", std::any::type_name::<C::Response>()))
+}
+
+/// The `-j` output of a finished command as the result of `C`; `None` when it failed or printed something else.
+pub fn answer<C: Call>(out: &Output) -> Option<C::Response> {
+    decode::<C>(std::str::from_utf8(&out.stdout).ok()?).ok()
+}
+
+/// A value that is an unsigned integer, as such (`serde_json::Value::as_u64` for a typed value).
+pub fn as_u64(v: &Value) -> Option<u64> {
+    match v {
+        Value::U64(n) => Some(*n),
+        _ => None,
     }
 }
 
@@ -369,8 +399,9 @@ impl SandboxDaemon {
         self.cli(&a)
     }
 
-    pub fn apps(&self) -> Json {
-        serde_json::from_slice(&self.cli(&["-j", "app", "list"]).stdout).unwrap_or(Json::Null)
+    /// The attached apps; `None` when `app list` does not answer with them.
+    pub fn apps(&self) -> Option<Vec<AppInfo>> {
+        answer::<AppList>(&self.cli(&["-j", "app", "list"]))
     }
 
     pub fn spawn_run(&self, args: &[&str]) -> std::process::Child {
@@ -387,12 +418,12 @@ impl SandboxDaemon {
     pub fn wait_for_apps(&self, n: usize) {
         let deadline = Instant::now() + Duration::from_secs(10);
         while Instant::now() < deadline {
-            if self.apps().as_array().is_some_and(|a| a.len() == n) {
+            if self.apps().is_some_and(|a| a.len() == n) {
                 return;
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        panic!("expected {n} apps, have {}", self.apps());
+        panic!("expected {n} apps, have {:?}", self.apps());
     }
 
     pub fn namespaces_left(&self) -> Vec<String> {

@@ -1,7 +1,32 @@
-//! The client side of the control protocol, used by the CLI (and by tests).
+//! The client side of the control protocol, used by the CLI, `flexstack run`, the lab runner and the tests.
+//!
+//! [`Client::call`] sends one operation of [`crate::ops`] and returns its typed result (the example of
+//! docs/control-api.md, "Typed clients"):
+//!
+//! ```no_run
+//! use flexstack_api::{ops, Client};
+//! # fn main() -> Result<(), flexstack_api::ClientError> {
+//! let mut client = Client::connect(std::path::Path::new("/run/flexstack"))?;
+//! for m in client.call(ops::ModuleList)? {
+//!     // A renamed field is a compile error here, not a silent `null`.
+//!     println!("{} {}: {} frames in, {} dropped", m.kind, m.name, m.frames_in, m.frames_dropped);
+//! }
+//! let values = client.call(ops::Get { names: vec!["module.*.frames_in_total".into()] })?;
+//! println!("{} frames into count", values["module.count.frames_in_total"].value);
+//! let set = client.call(ops::Set { name: "module.sel.select".into(), value: 1.into() })?;
+//! println!("revision {:?}, select = {:?}", set.revision, set.value);
+//! let watch = ops::Watch { names: vec!["module.count.*".into()], interval_ms: Some(100), changes: false, count: Some(3) };
+//! client.watch(watch, &mut |event| {
+//!     println!("{} ms: {:?}", event.t_ms, event.values);
+//!     true // false stops the stream
+//! })?;
+//! # Ok(())
+//! # }
+//! ```
 
-use crate::protocol::{request_line, ApiError, Request, Response};
-use serde_json::Value as Json;
+use crate::ops::{Watch, WatchEvent};
+use crate::protocol::{request_line, ApiError, Call, Request, Response};
+use serde::de::DeserializeOwned;
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
@@ -54,29 +79,26 @@ impl Client {
         if n == 0 {
             return Ok(None);
         }
-        serde_json::from_str(&line).map(Some).map_err(|e| ClientError::Protocol(format!("unreadable response: {e}")))
+        serde_json::from_str(&line).map(Some).map_err(|e| unreadable("response", e))
     }
 
-    /// Sends `request` and returns its result.
-    pub fn call(&mut self, request: &Request) -> Result<Json, ClientError> {
-        self.send(request)?;
+    /// Sends `call` and returns its result.
+    pub fn call<C: Call>(&mut self, call: C) -> Result<C::Response, ClientError> {
+        self.send(&call.into())?;
         let r = self.receive()?.ok_or_else(|| ClientError::Protocol("the daemon closed the connection".into()))?;
-        match (r.ok, r.result, r.error) {
-            (true, Some(result), _) => Ok(result),
-            (_, _, Some(e)) => Err(ClientError::Api(e)),
-            _ => Err(ClientError::Protocol("response without result or error".into())),
-        }
+        result_of(r)
     }
 
-    /// Sends a streaming request (`watch`) and hands each event to `on_event` until it returns false or the
-    /// stream ends (the daemon sends a final result when a `count` is reached).
-    pub fn stream(&mut self, request: &Request, on_event: &mut dyn FnMut(Json) -> bool) -> Result<(), ClientError> {
-        self.send(request)?;
+    /// Sends a `watch` request and hands each sample to `on_event` until it returns false or the stream ends
+    /// (the daemon sends a final result when a `count` is reached).
+    pub fn watch(&mut self, watch: Watch, on_event: &mut dyn FnMut(WatchEvent) -> bool) -> Result<(), ClientError> {
+        self.send(&Request::Watch(watch))?;
         while let Some(r) = self.receive()? {
             if let Some(e) = r.error {
                 return Err(ClientError::Api(e));
             }
             if let Some(ev) = r.event {
+                let ev = serde_json::from_value(ev).map_err(|e| unreadable("event", e))?;
                 if !on_event(ev) {
                     return Ok(());
                 }
@@ -86,6 +108,19 @@ impl Client {
             }
         }
         Ok(())
+    }
+}
+
+fn unreadable(what: &str, e: serde_json::Error) -> ClientError {
+    ClientError::Protocol(format!("unreadable {what}: {e}"))
+}
+
+/// The result of a response line as a `T`, or the daemon's error.
+pub fn result_of<T: DeserializeOwned>(response: Response) -> Result<T, ClientError> {
+    match (response.ok, response.result, response.error) {
+        (true, Some(result), _) => serde_json::from_value(result).map_err(|e| unreadable("result", e)),
+        (_, _, Some(e)) => Err(ClientError::Api(e)),
+        _ => Err(ClientError::Protocol("response without result or error".into())),
     }
 }
 

@@ -6,204 +6,158 @@
 //! a stream of `{"id": 7, "ok": true, "event": {...}}` lines until the client closes the connection or the
 //! requested number of samples has been sent. The CLI is a client of exactly this protocol.
 
+use crate::ops::*;
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::Value as Json;
 
 /// Longest request line accepted, in bytes; longer ones get `too_large` and the connection is closed.
 pub const MAX_REQUEST_BYTES: usize = 1 << 20;
 
-/// A request to the daemon.
+/// A request to the daemon: one of the operations of [`crate::ops`], tagged by `op` on the wire. Requests with
+/// fields hold the operation's struct; those without are unit variants (extra fields are ignored there).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
+#[serde(tag = "op", rename_all = "snake_case")]
 pub enum Request {
-    /// Daemon facts: version, pid, revision, uptime.
+    /// Daemon facts: version, pid, revision, uptime ([`Status`]).
     Status,
-    /// Loaded modules with kind, state and per-port counters.
+    /// Loaded modules with kind, state and per-port counters ([`ModuleList`]).
     ModuleList,
-    /// Module kinds the daemon can load.
+    /// Module kinds the daemon can load ([`ModuleKinds`]).
     ModuleKinds,
     /// Loads a module.
-    ModuleLoad {
-        /// Unique name.
-        name: String,
-        /// Kind.
-        kind: String,
-        /// Settings (`{"rate": 5}`).
-        #[serde(default)]
-        settings: serde_json::Map<String, Json>,
-    },
+    ModuleLoad(ModuleLoad),
     /// Unloads a module and its links.
-    ModuleUnload {
-        /// The module.
-        name: String,
-    },
-    /// Replaces a module by a new one of the given kind and settings, keeping links (and state unless `fresh`).
-    ModuleReplace {
-        /// The module.
-        name: String,
-        /// Kind of the new module.
-        kind: String,
-        /// Settings of the new module.
-        #[serde(default)]
-        settings: serde_json::Map<String, Json>,
-        /// Start the new module with fresh state instead of the old one's.
-        #[serde(default)]
-        fresh: bool,
-    },
+    ModuleUnload(ModuleUnload),
+    /// Replaces a module, keeping its links (and state unless `fresh`).
+    ModuleReplace(ModuleReplace),
     /// Runs a module's procedure through an `Exec` control frame sent by the control plane.
-    ModuleExec {
-        /// The module.
-        name: String,
-        /// The procedure.
-        procedure: String,
-        /// Its argument (default null = false).
-        #[serde(default)]
-        argument: Option<Json>,
-    },
-    /// The links, as written and resolved.
+    ModuleExec(ModuleExec),
+    /// The links, as written and resolved ([`LinkList`]).
     LinkList,
     /// Adds links (`"a[p] -> b, c"`).
-    LinkAdd {
-        /// The link text.
-        link: String,
-    },
+    LinkAdd(LinkAdd),
     /// Removes links.
-    LinkDel {
-        /// The link text.
-        link: String,
-    },
+    LinkDel(LinkDel),
     /// Holds frames at a module (or the whole stack).
-    Pause {
-        /// The module; absent for the whole stack.
-        #[serde(default)]
-        module: Option<String>,
-    },
+    Pause(Pause),
     /// Resumes a module (or the whole stack).
-    Resume {
-        /// The module; absent for the whole stack.
-        #[serde(default)]
-        module: Option<String>,
-    },
+    Resume(Resume),
     /// Reads variables by name or wildcard pattern.
-    Get {
-        /// Names or patterns.
-        names: Vec<String>,
-    },
+    Get(Get),
     /// Writes a knob.
-    Set {
-        /// Full knob name (`module.sel.select`).
-        name: String,
-        /// The value: JSON of the knob's type, or text parsed as that type.
-        value: Json,
-    },
+    Set(Set),
     /// Streams values: every `interval_ms`, all of them or (with `changes`) those that changed.
-    Watch {
-        /// Names or patterns.
-        names: Vec<String>,
-        /// Sampling interval in milliseconds (default 1000, at least 10).
-        #[serde(default)]
-        interval_ms: Option<u64>,
-        /// Send only values that changed since the last event.
-        #[serde(default)]
-        changes: bool,
-        /// Stop after this many events.
-        #[serde(default)]
-        count: Option<u64>,
-    },
-    /// Per-module calls, frames, frames per call and nanoseconds per frame.
+    Watch(Watch),
+    /// Per-module calls, frames, frames per call and nanoseconds per frame ([`ShowRuntime`]).
     ShowRuntime,
     /// Declared meters and knobs, optionally filtered by a pattern.
-    VarList {
-        /// Pattern (`module.*.frames_*`).
-        #[serde(default)]
-        pattern: Option<String>,
-    },
-    /// Attaches a sandboxed app: creates its namespace, devices and modules. The connection is the app's lease:
-    /// the app is detached when the client sends `app_detach` on it or the connection closes.
-    AppAttach {
-        /// App name (default `appN`).
-        #[serde(default)]
-        name: Option<String>,
-        /// User the app will run as (recorded).
-        #[serde(default)]
-        uid: u32,
-        /// The app's stack template (default: stacks/app-default.toml).
-        #[serde(default)]
-        stack: Option<String>,
-    },
-    /// Ends the lease of the app attached on this connection.
+    VarList(VarList),
+    /// Attaches a sandboxed app; the connection is the app's lease.
+    AppAttach(AppAttach),
+    /// Ends the lease of the app attached on this connection ([`AppDetach`]).
     AppDetach,
-    /// The sandboxed apps.
+    /// The sandboxed apps ([`AppList`]).
     AppList,
-    /// Records the frames of a link to a pcapng file: loads a tap as one more receiver of the link's sender port.
-    TapAdd {
-        /// The link (`"a -> b"` or `"a[port]"`): frames leaving that port are recorded.
-        link: String,
-        /// The pcapng file (absolute path).
-        file: String,
-    },
+    /// Records the frames of a link to a pcapng file.
+    TapAdd(TapAdd),
     /// Removes a tap added with `tap_add`.
-    TapDel {
-        /// The tap's module name.
-        name: String,
-    },
-    /// The taps: module name, file, tapped port, frames written.
+    TapDel(TapDel),
+    /// The taps ([`TapList`]).
     TapList,
-    /// The revision log.
+    /// The revision log ([`ConfigLog`]).
     ConfigLog,
     /// A revision's stack description as TOML; the live stack when `rev` is absent.
-    ConfigShow {
-        /// Revision number.
-        #[serde(default)]
-        rev: Option<u64>,
-    },
-    /// Returns the stack to revision `rev` (a new revision records the rollback).
-    ConfigRollback {
-        /// Revision number.
-        rev: u64,
-    },
-    /// Checks and loads a rule text (docs/rules.md); errors carry `name:line:column`.
-    RulesLoad {
-        /// Where the text came from (the file name), used in messages and `rules list`.
-        name: String,
-        /// The rule text.
-        text: String,
-    },
-    /// Unloads rules loaded by themselves (`["ALL"]`: every rule).
-    RulesUnload {
-        /// Rule names.
-        names: Vec<String>,
-    },
-    /// Replaces rule `old` by rule `new` wherever it is used.
-    RulesReplace {
-        /// The rule replaced.
-        old: String,
-        /// The rule that takes its place.
-        new: String,
-    },
-    /// Every defined rule.
+    ConfigShow(ConfigShow),
+    /// Returns the stack to a revision.
+    ConfigRollback(ConfigRollback),
+    /// Checks and loads a rule text (docs/rules.md).
+    RulesLoad(RulesLoad),
+    /// Unloads rules loaded by themselves.
+    RulesUnload(RulesUnload),
+    /// Replaces a rule by another wherever it is used.
+    RulesReplace(RulesReplace),
+    /// Every defined rule ([`RulesList`]).
     RulesList,
-    /// A rule's text, commands and live unit graph (each unit's value and state).
-    RulesShow {
-        /// The rule.
-        name: String,
-    },
-    /// The rules repository's revisions and the rules' recent notices.
+    /// A rule's text, commands and live unit graph.
+    RulesShow(RulesShow),
+    /// The rules repository's revisions and the rules' recent notices ([`RulesLog`]).
     RulesLog,
     /// The commands added and removed between two rules revisions.
-    RulesDiff {
-        /// The older revision.
-        from: u64,
-        /// The newer revision.
-        to: u64,
-    },
-    /// Switches the rules to an earlier revision (a new revision records it).
-    RulesRollback {
-        /// Revision number.
-        rev: u64,
-    },
-    /// The applications' registered variables (`app.<name>.*`), with the registering process.
+    RulesDiff(RulesDiff),
+    /// Switches the rules to an earlier revision.
+    RulesRollback(RulesRollback),
+    /// The applications' registered variables, with the registering process ([`AppVarList`]).
     AppVarList,
+}
+
+/// A request whose result has a type: [`Client::call`](crate::Client::call) sends it and decodes the result as
+/// its `Response`, and the daemon's action for it returns a `Response`. Implemented by every operation but
+/// [`Watch`], which streams (`Client::watch`).
+pub trait Call: Into<Request> {
+    /// The result the daemon answers with.
+    type Response: Serialize + DeserializeOwned;
+}
+
+/// Declares the result of each operation: `Op => Response` for a unit variant of [`Request`], `Op(..) =>
+/// Response` for a variant holding the operation's fields.
+macro_rules! calls {
+    ($($op:ident $(($fields:tt))? => $response:ty;)*) => {$(
+        impl From<$op> for Request {
+            fn from(_op: $op) -> Request {
+                calls!(@variant $op _op $($fields)?)
+            }
+        }
+
+        impl Call for $op {
+            type Response = $response;
+        }
+    )*};
+    (@variant $op:ident $value:ident) => { Request::$op };
+    (@variant $op:ident $value:ident ..) => { Request::$op($value) };
+}
+
+calls! {
+    Status => DaemonStatus;
+    ModuleList => Vec<ModuleInfo>;
+    ModuleKinds => Vec<KindInfo>;
+    ModuleLoad(..) => Change;
+    ModuleUnload(..) => Change;
+    ModuleReplace(..) => Change;
+    ModuleExec(..) => ExecResult;
+    LinkList => Links;
+    LinkAdd(..) => Change;
+    LinkDel(..) => Change;
+    Pause(..) => Notes;
+    Resume(..) => Notes;
+    Get(..) => Values;
+    Set(..) => SetResult;
+    ShowRuntime => Vec<RuntimeInfo>;
+    VarList(..) => Vec<VarInfo>;
+    AppAttach(..) => AppInfo;
+    AppDetach => Detached;
+    AppList => Vec<AppInfo>;
+    TapAdd(..) => TapAdded;
+    TapDel(..) => Change;
+    TapList => Vec<TapInfo>;
+    ConfigLog => Vec<RevisionInfo>;
+    ConfigShow(..) => RevisionStack;
+    ConfigRollback(..) => Change;
+    RulesLoad(..) => RulesLoaded;
+    RulesUnload(..) => RulesRevision;
+    RulesReplace(..) => RulesRevision;
+    RulesList => Vec<RuleSummary>;
+    RulesShow(..) => RuleInfo;
+    RulesLog => RulesHistory;
+    RulesDiff(..) => Vec<String>;
+    RulesRollback(..) => RulesRevision;
+    AppVarList => Vec<RegisteredApp>;
+}
+
+impl From<Watch> for Request {
+    fn from(w: Watch) -> Request {
+        Request::Watch(w)
+    }
 }
 
 /// Machine-readable error codes.
@@ -273,9 +227,12 @@ pub struct Response {
 }
 
 impl Response {
-    /// A success.
-    pub fn ok(id: Option<Json>, result: Json) -> Response {
-        Response { id, ok: true, result: Some(result), event: None, error: None }
+    /// A success with `result`, as JSON (keys sorted); a result that cannot be encoded is an `internal` error.
+    pub fn ok(id: Option<Json>, result: &impl Serialize) -> Response {
+        match serde_json::to_value(result) {
+            Ok(result) => Response { id, ok: true, result: Some(result), event: None, error: None },
+            Err(e) => Response::err(id, unencodable(e)),
+        }
     }
 
     /// A failure.
@@ -283,9 +240,12 @@ impl Response {
         Response { id, ok: false, result: None, event: None, error: Some(error) }
     }
 
-    /// A watch event.
-    pub fn event(id: Option<Json>, event: Json) -> Response {
-        Response { id, ok: true, result: None, event: Some(event), error: None }
+    /// A watch event ([`WatchEvent`]), as JSON.
+    pub fn event(id: Option<Json>, event: &impl Serialize) -> Response {
+        match serde_json::to_value(event) {
+            Ok(event) => Response { id, ok: true, result: None, event: Some(event), error: None },
+            Err(e) => Response::err(id, unencodable(e)),
+        }
     }
 
     /// The response as one line of JSON, with the newline.
@@ -294,6 +254,10 @@ impl Response {
         s.push('\n');
         s
     }
+}
+
+fn unencodable(e: serde_json::Error) -> ApiError {
+    ApiError::new(ErrorCode::Internal, format!("cannot encode the result: {e}"))
 }
 
 /// Parses one request line into its id and request, or the error to send back.
@@ -331,7 +295,7 @@ mod tests {
 
     #[test]
     fn requests_round_trip_with_id() {
-        let r = Request::LinkAdd { link: "a -> b".into() };
+        let r = Request::from(LinkAdd { link: "a -> b".into() });
         let line = request_line(7, &r);
         let (id, parsed) = parse_request(line.trim());
         assert_eq!(id, Some(Json::from(7)));

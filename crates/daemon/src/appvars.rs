@@ -22,8 +22,9 @@
 //! `app_var_list`. Updates of meters are announced to the rules thread through the hook set with
 //! [`AppVars::on_meter_change`].
 
+use flexstack_api::ops::{AppVar, RegisteredApp};
 use flexstack_api::protocol::{ApiError, ErrorCode};
-use flexstack_core::vars::{DynamicVars, ModuleVars, VarKind, VarSpec};
+use flexstack_core::vars::{DynamicVars, ModuleVars, VarCell, VarKind, VarSpec};
 use flexstack_core::{SharedRegistry, Value, ValueType};
 use serde::Deserialize;
 use serde_json::{json, Value as Json};
@@ -160,24 +161,18 @@ impl AppVars {
     }
 
     /// The registered applications: name, uid, pid and variables.
-    pub fn list(&self) -> Json {
-        Json::Array(
-            self.apps()
-                .iter()
-                .map(|(name, a)| {
-                    let vars: Vec<Json> = a
-                        .vars
-                        .cells()
-                        .iter()
-                        .map(|c| {
-                            json!({"name": format!("app.{name}.{}", c.spec().name), "kind": c.spec().kind,
-                                        "type": c.spec().ty, "value": c.get()})
-                        })
-                        .collect();
-                    json!({"app": name, "uid": a.uid, "pid": a.pid, "vars": vars})
-                })
-                .collect(),
-        )
+    pub fn list(&self) -> Vec<RegisteredApp> {
+        let apps = self.apps();
+        let app = |(name, a): (&String, &App)| {
+            let var = |c: &Arc<VarCell>| AppVar {
+                name: format!("app.{name}.{}", c.spec().name),
+                kind: c.spec().kind,
+                ty: c.spec().ty,
+                value: c.get(),
+            };
+            RegisteredApp { app: name.clone(), uid: a.uid, pid: a.pid, vars: a.vars.cells().iter().map(var).collect() }
+        };
+        apps.iter().map(app).collect()
     }
 
     /// Delivers a validated knob write to the application that owns `name` and waits for its answer; the knob
@@ -496,7 +491,7 @@ mod tests {
         drop(client);
         t.join().unwrap();
         assert!(registry.snapshot().get("app.voip.cc").is_none());
-        assert_eq!(vars.list(), json!([]));
+        assert_eq!(vars.list(), Vec::new());
     }
 
     #[test]

@@ -7,7 +7,7 @@
 //! with its creator's: dropped before any thread exists, they are gone from every thread of the daemon (the
 //! data plane, rules, signal and client threads). The control socket, the pid file and the stack loaded after
 //! that need nothing that is dropped (TUN devices and packet sockets are opened with the kept capabilities).
-//! `flexstack status` shows [`Current::read`]. [`plan`] is the pure part: from the sets the process holds, what
+//! `flexstack status` shows [`current`]. [`plan`] is the pure part: from the sets the process holds, what
 //! it keeps and what it drops.
 //!
 //! A daemon that does not run as root holds no permitted capability and cannot shrink its bounding set (that
@@ -16,7 +16,7 @@
 //! used so that this module needs no unsafe code.
 
 use caps::{CapSet, Capability, CapsHashSet};
-use serde::Serialize;
+use flexstack_api::ops::Capabilities;
 
 /// The capabilities the daemon keeps, each with what needs it (checked by running `ip`, `nft` and the daemon's
 /// own system calls without it: see docs/architecture.md, "Privileges").
@@ -142,31 +142,18 @@ pub fn names(caps: &[Capability]) -> Vec<String> {
 }
 
 /// The calling thread's capability sets, for `flexstack status`.
-#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
-pub struct Current {
-    /// Effective set.
-    pub effective: Vec<String>,
-    /// Permitted set: what the daemon kept.
-    pub permitted: Vec<String>,
-    /// Bounding set: the most any program the daemon starts can hold.
-    pub bounding: Vec<String>,
-}
-
-impl Current {
-    /// Reads the calling thread's sets.
-    pub fn read() -> Result<Current, String> {
-        let read = |set: CapSet| -> Result<Vec<String>, String> {
-            let held = caps::read(None, set).map_err(|e| format!("cannot read the capability sets: {e}"))?;
-            let mut v: Vec<Capability> = held.into_iter().collect();
-            v.sort_by_key(|c| c.index());
-            Ok(names(&v))
-        };
-        Ok(Current {
-            effective: read(CapSet::Effective)?,
-            permitted: read(CapSet::Permitted)?,
-            bounding: read(CapSet::Bounding)?,
-        })
-    }
+pub fn current() -> Result<Capabilities, String> {
+    let read = |set: CapSet| -> Result<Vec<String>, String> {
+        let held = caps::read(None, set).map_err(|e| format!("cannot read the capability sets: {e}"))?;
+        let mut v: Vec<Capability> = held.into_iter().collect();
+        v.sort_by_key(|c| c.index());
+        Ok(names(&v))
+    };
+    Ok(Capabilities {
+        effective: read(CapSet::Effective)?,
+        permitted: read(CapSet::Permitted)?,
+        bounding: read(CapSet::Bounding)?,
+    })
 }
 
 #[cfg(test)]
@@ -227,7 +214,7 @@ mod tests {
 
     #[test]
     fn current_sets_can_be_read() {
-        let now = Current::read().unwrap();
+        let now = current().unwrap();
         assert!(now.effective.iter().all(|c| now.permitted.contains(c)), "effective within permitted: {now:?}");
         assert!(now.bounding.iter().all(|c| c.starts_with("CAP_")));
     }

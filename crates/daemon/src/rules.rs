@@ -18,12 +18,17 @@
 //! Rule changes are revisions of the engine's own repository (`rules log`), separate from the stack's revisions;
 //! the knob writes rules make go through `set` and so are stack revisions by the user `rules`.
 
+use flexstack_api::ops::{
+    RuleInfo, RuleInstance, RuleSection, RuleSummary, RulesHistory, RulesLoaded, RulesNotice, RulesRevision,
+    RulesRevisionInfo, UnitInfo, UnitState,
+};
 use flexstack_api::protocol::{ApiError, ErrorCode};
 use flexstack_core::vars::{is_pattern, Registry};
 use flexstack_core::{SharedRegistry, Time, Value};
 use flexstack_rules::env::absent;
+use flexstack_rules::syntax::Section;
+use flexstack_rules::units::StateValue;
 use flexstack_rules::{Environment, Existence, RuleEngine, RuleError};
-use serde_json::{json, Value as Json};
 use std::collections::VecDeque;
 use std::sync::mpsc;
 use std::sync::Arc;
@@ -78,8 +83,8 @@ impl Environment for RegistryEnv {
 pub struct RulesState {
     /// The engine.
     pub engine: RuleEngine,
-    /// Recent notices (context actions, refused writes), oldest first, as `{t_ms, message}`.
-    pub notices: VecDeque<Json>,
+    /// Recent notices (context actions, refused writes), oldest first.
+    pub notices: VecDeque<RulesNotice>,
 }
 
 type Job = Box<dyn FnOnce(&mut RulesState, Time, &RegistryEnv) + Send>;
@@ -135,67 +140,127 @@ impl RulesService {
     }
 
     /// `rules load`: checks and loads the text named `source`; errors carry `source:line:column`.
-    pub fn load(&self, source: String, text: String) -> Result<Json, ApiError> {
+    pub fn load(&self, source: String, text: String) -> Result<RulesLoaded, ApiError> {
         self.call(move |s, now, env| match s.engine.handle_load_text(&source, &text, now, env) {
             Ok(r) => {
-                let warnings: Vec<String> = r.warnings.iter().map(|d| format!("{source}:{d}")).collect();
-                Ok(json!({"revision": r.revision, "defined": r.defined, "loaded": r.loaded, "warnings": warnings}))
+                let warnings = r.warnings.iter().map(|d| format!("{source}:{d}")).collect();
+                Ok(RulesLoaded { revision: r.revision, defined: r.defined, loaded: r.loaded, warnings })
             }
             Err(e) => Err(rule_error(Some(&source), e)),
         })?
     }
 
     /// `rules unload NAME...` (`ALL`: every rule).
-    pub fn unload(&self, names: Vec<String>) -> Result<Json, ApiError> {
+    pub fn unload(&self, names: Vec<String>) -> Result<RulesRevision, ApiError> {
         self.call(move |s, now, env| {
             let names: Vec<&str> = names.iter().map(String::as_str).collect();
-            s.engine.handle_unload(&names, now, env).map(|r| json!({"revision": r})).map_err(|e| rule_error(None, e))
+            revision(s.engine.handle_unload(&names, now, env))
         })?
     }
 
     /// `rules replace OLD NEW`.
-    pub fn replace(&self, old: String, new: String) -> Result<Json, ApiError> {
-        self.call(move |s, now, env| {
-            s.engine
-                .handle_replace(&old, &new, now, env)
-                .map(|r| json!({"revision": r}))
-                .map_err(|e| rule_error(None, e))
-        })?
+    pub fn replace(&self, old: String, new: String) -> Result<RulesRevision, ApiError> {
+        self.call(move |s, now, env| revision(s.engine.handle_replace(&old, &new, now, env)))?
     }
 
     /// `rules rollback REV`.
-    pub fn rollback(&self, rev: u64) -> Result<Json, ApiError> {
-        self.call(move |s, now, env| {
-            s.engine.handle_rollback(rev, now, env).map(|r| json!({"revision": r})).map_err(|e| rule_error(None, e))
-        })?
+    pub fn rollback(&self, rev: u64) -> Result<RulesRevision, ApiError> {
+        self.call(move |s, now, env| revision(s.engine.handle_rollback(rev, now, env)))?
     }
 
     /// `rules list`: every defined rule with its section, source, whether loaded, instances and value.
-    pub fn list(&self) -> Result<Json, ApiError> {
-        self.call(|s, _, _| json!(s.engine.list()))
+    pub fn list(&self) -> Result<Vec<RuleSummary>, ApiError> {
+        self.call(|s, _, _| s.engine.list().into_iter().map(summary).collect())
     }
 
     /// `rules show NAME`: the rule's text, commands and live unit graph.
-    pub fn show(&self, name: String) -> Result<Json, ApiError> {
+    pub fn show(&self, name: String) -> Result<RuleInfo, ApiError> {
         self.call(move |s, _, _| {
-            s.engine.show(&name).map(|v| json!(v)).ok_or_else(|| {
+            s.engine.show(&name).map(rule_info).ok_or_else(|| {
                 ApiError::new(ErrorCode::NotFound, format!("unknown rule {name}: expected one listed by `rules list`"))
             })
         })?
     }
 
     /// `rules log`: the repository's revisions, the recent notices, and how many units and instances run.
-    pub fn log(&self) -> Result<Json, ApiError> {
-        self.call(|s, _, _| {
-            json!({"revisions": s.engine.log(), "notices": s.notices, "units": s.engine.unit_count(),
-                   "instances": s.engine.loaded().len()})
+    pub fn log(&self) -> Result<RulesHistory, ApiError> {
+        self.call(|s, _, _| RulesHistory {
+            revisions: s.engine.log().into_iter().map(revision_info).collect(),
+            notices: s.notices.iter().cloned().collect(),
+            units: s.engine.unit_count(),
+            instances: s.engine.loaded().len(),
         })
     }
 
     /// `rules diff A B`: the commands added and removed between two revisions.
-    pub fn diff(&self, from: u64, to: u64) -> Result<Json, ApiError> {
-        self.call(move |s, _, _| s.engine.diff(from, to).map(|d| json!(d)).map_err(|e| rule_error(None, e)))?
+    pub fn diff(&self, from: u64, to: u64) -> Result<Vec<String>, ApiError> {
+        self.call(move |s, _, _| s.engine.diff(from, to).map_err(|e| rule_error(None, e)))?
     }
+}
+
+/// A new rules revision's number as the result of `rules unload`, `replace` or `rollback`.
+fn revision(r: Result<u64, RuleError>) -> Result<RulesRevision, ApiError> {
+    r.map(|revision| RulesRevision { revision }).map_err(|e| rule_error(None, e))
+}
+
+fn section(s: Section) -> RuleSection {
+    match s {
+        Section::Default => RuleSection::Default,
+        Section::Manual => RuleSection::Manual,
+        Section::ContextEnter => RuleSection::ContextEnter,
+        Section::ContextExit => RuleSection::ContextExit,
+    }
+}
+
+fn summary(r: flexstack_rules::RuleSummary) -> RuleSummary {
+    RuleSummary {
+        name: r.name,
+        section: section(r.section),
+        source: r.source,
+        explicit: r.explicit,
+        instances: r.instances,
+        value: r.value,
+    }
+}
+
+fn rule_info(v: flexstack_rules::RuleView) -> RuleInfo {
+    let unit = |u: flexstack_rules::UnitView| UnitInfo {
+        key: u.key,
+        kind: u.kind.to_string(),
+        inputs: u.inputs,
+        value: u.value,
+        state: u
+            .state
+            .into_iter()
+            .map(|(k, s)| {
+                let s = match s {
+                    StateValue::Value(v) => UnitState::Value(v),
+                    StateValue::Samples(v) => UnitState::Samples(v),
+                };
+                (k.to_string(), s)
+            })
+            .collect(),
+    };
+    let instance = |i: flexstack_rules::InstanceView| RuleInstance {
+        captures: i.captures,
+        refcount: i.refcount,
+        pulled: i.pulled,
+        value: i.value,
+        units: i.units.into_iter().map(unit).collect(),
+    };
+    RuleInfo {
+        name: v.name,
+        section: section(v.section),
+        source: v.source,
+        text: v.text,
+        commands: v.commands,
+        explicit: v.explicit,
+        instances: v.instances.into_iter().map(instance).collect(),
+    }
+}
+
+fn revision_info(r: flexstack_rules::RevisionInfo) -> RulesRevisionInfo {
+    RulesRevisionInfo { number: r.number, what: r.what, at: r.at.as_nanos(), rules: r.rules, loaded: r.loaded }
 }
 
 /// The rules thread.
@@ -244,7 +309,7 @@ fn run(rx: &mpsc::Receiver<Msg>, registry: &SharedRegistry, writer: &KnobWriter,
             if state.notices.len() >= MAX_NOTICES {
                 state.notices.pop_front();
             }
-            state.notices.push_back(json!({"t_ms": n.at.as_nanos() / 1_000_000, "message": n.message}));
+            state.notices.push_back(RulesNotice { t_ms: n.at.as_nanos() / 1_000_000, message: n.message });
         }
     }
 }
@@ -302,7 +367,7 @@ mod tests {
         let text = "lossy: Threshold(get(\"app.t.loss\"), 0.4, 0.2)\n\
                     cc: set(\"app.t.cc\", If(lossy, \"bbr\", \"refuse\"))\n";
         let r = svc.load("t.rules".into(), text.into()).unwrap();
-        assert_eq!(r["revision"], 1);
+        assert_eq!(r.revision, 1);
         type Writes = [(String, Value)];
         let wait = |what: &str, cond: &dyn Fn(&Writes) -> bool| {
             let deadline = Instant::now() + Duration::from_secs(5);
@@ -319,8 +384,7 @@ mod tests {
         vars.cell("loss").unwrap().set_f64(0.5);
         wait("bbr after sampling", &|w| w.iter().any(|(_, v)| v == &Value::Str("bbr".into())));
         let log = svc.log().unwrap();
-        let notices = log["notices"].as_array().unwrap();
-        assert!(notices.iter().any(|n| n["message"].as_str().unwrap().contains("refused by the test")), "{log}");
+        assert!(log.notices.iter().any(|n| n.message.contains("refused by the test")), "{log:?}");
         // A pushed change is evaluated without waiting for a sample.
         vars.cell("loss").unwrap().set_f64(0.1);
         svc.meter_changed("app.t.loss", Value::F64(0.1));
@@ -338,7 +402,7 @@ mod tests {
         // Warnings come along with the errors, each located.
         assert!(e.message.contains("\nbad.rules:2:4: error: unknown unit `Frobnicate`"), "{}", e.message);
         assert!(e.message.starts_with("bad.rules:1:8: warning: unknown meter name `app.x.y`"), "{}", e.message);
-        assert!(svc.list().unwrap().as_array().unwrap().is_empty());
+        assert!(svc.list().unwrap().is_empty());
         assert_eq!(svc.show("a".into()).unwrap_err().code, ErrorCode::NotFound);
         assert_eq!(svc.rollback(9).unwrap_err().code, ErrorCode::NotFound);
     }

@@ -14,11 +14,10 @@
 //! Addresses: app number n gets 10.B.n.2/24 and fd77:B:n::2/64 (B from `--app-subnet`, default 10.77.0.0/16),
 //! with default routes through its TUN device.
 
-use crate::actions::Control;
+use flexstack_api::ops::AppInfo;
 use flexstack_api::protocol::{ApiError, ErrorCode};
 use flexstack_core::config::valid_name;
 use flexstack_core::StackSpec;
-use serde::Serialize;
 use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
 use std::process::Command;
@@ -26,31 +25,6 @@ use std::sync::Mutex;
 
 /// The chain an app gets when no template is given (stacks/app-default.toml).
 pub const DEFAULT_TEMPLATE: &str = include_str!("../../../stacks/app-default.toml");
-
-/// A sandboxed app.
-#[derive(Clone, Debug, Serialize)]
-pub struct App {
-    /// Name (also the name of its face module).
-    pub name: String,
-    /// Its number, the third octet of its subnet.
-    pub index: u8,
-    /// The network namespace it runs in.
-    pub netns: String,
-    /// Its TUN device inside the namespace.
-    pub app_dev: String,
-    /// The host face's TUN device ("" when the app's chain has none).
-    pub host_dev: String,
-    /// Its IPv4 address.
-    pub ipv4: String,
-    /// Its IPv6 address.
-    pub ipv6: String,
-    /// The modules loaded for it.
-    pub modules: Vec<String>,
-    /// The daemon's nftables table (for cleanup by `flexstack run` if the daemon dies).
-    pub host_table: String,
-    /// The user it runs as.
-    pub uid: u32,
-}
 
 struct HostState {
     table: String,
@@ -153,11 +127,20 @@ fn remove_stale_leftovers(own: &str) {
     }
 }
 
+/// What sandboxes need of the daemon's stack: an app's modules loaded and unloaded, each as one change (the
+/// control plane implements it; an app's namespace and devices are the sandbox's own business).
+pub trait AppModules {
+    /// Loads the modules and links of `spec` as one change recorded as `change` by `who`; errors carry file:line.
+    fn load_modules(&self, spec: &StackSpec, who: &str, change: &str) -> Result<(), ApiError>;
+    /// Unloads those of the named modules that are loaded, as one change recorded as `change`.
+    fn unload_modules(&self, names: &[String], change: &str) -> Result<(), ApiError>;
+}
+
 /// The sandboxes of one daemon.
 pub struct Sandboxes {
     subnet: [u8; 2],
     etc: Option<std::path::PathBuf>,
-    state: Mutex<(BTreeMap<String, App>, Option<HostState>)>,
+    state: Mutex<(BTreeMap<String, AppInfo>, Option<HostState>)>,
 }
 
 /// Runs a command (stdin closed) and returns its stdout; an error names the command and carries its stderr.
@@ -244,7 +227,7 @@ impl Sandboxes {
     }
 
     /// The apps now attached.
-    pub fn list(&self) -> Vec<App> {
+    pub fn list(&self) -> Vec<AppInfo> {
         self.state.lock().map(|s| s.0.values().cloned().collect()).unwrap_or_default()
     }
 
@@ -266,11 +249,11 @@ impl Sandboxes {
     /// `{app}`, `{app_dev}`, `{host_dev}` placeholders).
     pub fn attach(
         &self,
-        control: &Control,
+        stack: &dyn AppModules,
         name: Option<String>,
         uid: u32,
         template: Option<&str>,
-    ) -> Result<App, ApiError> {
+    ) -> Result<AppInfo, ApiError> {
         let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let index = (1..=254u8)
             .find(|i| !guard.0.values().any(|a| a.index == *i))
@@ -314,7 +297,7 @@ impl Sandboxes {
             guard.1 = Some(self.host_up()?);
         }
         run(&["ip", "netns", "add", &netns])?;
-        let app = App {
+        let app = AppInfo {
             name: name.clone(),
             index,
             netns: netns.clone(),
@@ -327,11 +310,11 @@ impl Sandboxes {
             host_table: if host_face { format!("flexstack_{}", std::process::id()) } else { String::new() },
         };
         let result = (|| {
-            control.load_stack(&spec, "flexstack run", &format!("app attach {name}"))?;
+            stack.load_modules(&spec, "flexstack run", &format!("app attach {name}"))?;
             self.configure(&app)
         })();
         if let Err(e) = result {
-            self.teardown(control, &app);
+            self.teardown(stack, &app);
             if guard.0.is_empty() {
                 if let Some(h) = guard.1.take() {
                     self.host_down(&h);
@@ -344,7 +327,7 @@ impl Sandboxes {
         Ok(app)
     }
 
-    fn configure(&self, app: &App) -> Result<(), ApiError> {
+    fn configure(&self, app: &AppInfo) -> Result<(), ApiError> {
         let (ns, dev) = (app.netns.as_str(), app.app_dev.as_str());
         run(&["ip", "link", "set", dev, "netns", ns])?;
         run(&["ip", "-n", ns, "link", "set", "lo", "up"])?;
@@ -372,18 +355,18 @@ impl Sandboxes {
     }
 
     /// Removes an app's modules, namespace and files (best effort: every step is tried).
-    fn teardown(&self, control: &Control, app: &App) {
-        if let Err(e) = control.unload_modules(&app.modules, &format!("app detach {}", app.name)) {
+    fn teardown(&self, stack: &dyn AppModules, app: &AppInfo) {
+        if let Err(e) = stack.unload_modules(&app.modules, &format!("app detach {}", app.name)) {
             tracing::warn!(app = %app.name, error = %e.message, "unloading the app's modules");
         }
         delete_namespace(&app.netns);
     }
 
     /// Detaches app `name`; false if there is none.
-    pub fn detach(&self, control: &Control, name: &str) -> bool {
+    pub fn detach(&self, stack: &dyn AppModules, name: &str) -> bool {
         let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let Some(app) = guard.0.remove(name) else { return false };
-        self.teardown(control, &app);
+        self.teardown(stack, &app);
         if guard.0.is_empty() {
             if let Some(h) = guard.1.take() {
                 self.host_down(&h);
@@ -394,9 +377,9 @@ impl Sandboxes {
     }
 
     /// Detaches every app (daemon shutdown).
-    pub fn detach_all(&self, control: &Control) {
+    pub fn detach_all(&self, stack: &dyn AppModules) {
         for app in self.list() {
-            self.detach(control, &app.name);
+            self.detach(stack, &app.name);
         }
     }
 

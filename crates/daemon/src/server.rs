@@ -8,6 +8,7 @@ use crate::actions::{Caller, Control};
 use crate::appvars::APP_SOCKET_NAME;
 use crate::dataplane::DataPlane;
 use crate::sandbox::Sandboxes;
+use flexstack_api::ops::{AppAttach, Detached, Watch, WatchDone};
 use flexstack_api::protocol::{parse_request, ApiError, ErrorCode, Request, Response, MAX_REQUEST_BYTES};
 use flexstack_api::socket_path;
 use flexstack_core::{Catalog, StackSpec};
@@ -183,7 +184,7 @@ fn install_shutdown(control: Arc<Control>, files: Vec<PathBuf>) -> Result<(), St
                 for f in &files {
                     let _ = std::fs::remove_file(f);
                 }
-                control.sandboxes.detach_all(&control);
+                control.sandboxes.detach_all(control.as_ref());
                 control.shutdown();
                 std::process::exit(0);
             }
@@ -249,17 +250,6 @@ fn read_line(
     }
 }
 
-/// Adds the daemon's capability sets (read on the serving thread, which has the daemon's) to a `status` result.
-fn with_capabilities(id: Option<serde_json::Value>, mut status: serde_json::Value) -> Response {
-    match crate::privileges::Current::read() {
-        Ok(now) => {
-            status["capabilities"] = serde_json::json!(now);
-            Response::ok(id, status)
-        }
-        Err(e) => Response::err(id, ApiError::new(ErrorCode::Internal, e)),
-    }
-}
-
 /// Serves one client; returns true if it asked to attach an app (and the lease, if granted, has ended by now).
 fn serve(conn: UnixStream, control: &Control, timeout: Duration) -> bool {
     let caller = caller_of(&conn);
@@ -302,11 +292,11 @@ fn serve(conn: UnixStream, control: &Control, timeout: Duration) -> bool {
                 continue;
             }
         };
-        if let Request::Watch { names, interval_ms, changes, count } = request {
+        if let Request::Watch(Watch { names, interval_ms, changes, count }) = request {
             let interval = Duration::from_millis(interval_ms.unwrap_or(1000).max(10));
-            let mut emit = |event| send(Response::event(id.clone(), event));
+            let mut emit = |event| send(Response::event(id.clone(), &event));
             let end = match control.watch(&names, interval, changes, count, &mut emit) {
-                Ok(()) => Response::ok(id.clone(), serde_json::json!({ "done": true })),
+                Ok(()) => Response::ok(id.clone(), &WatchDone { done: true }),
                 Err(e) => Response::err(id.clone(), e),
             };
             if !send(end) {
@@ -314,7 +304,7 @@ fn serve(conn: UnixStream, control: &Control, timeout: Duration) -> bool {
             }
             continue;
         }
-        if let Request::AppAttach { name, uid, stack } = request {
+        if let Request::AppAttach(AppAttach { name, uid, stack }) = request {
             let app = match control.sandboxes.attach(control, name, uid, stack.as_deref()) {
                 Ok(app) => app,
                 Err(e) => {
@@ -323,7 +313,7 @@ fn serve(conn: UnixStream, control: &Control, timeout: Duration) -> bool {
                     return true;
                 }
             };
-            if !send(Response::ok(id, serde_json::json!(app))) {
+            if !send(Response::ok(id, &app)) {
                 control.sandboxes.detach(control, &app.name);
                 return true;
             }
@@ -346,14 +336,12 @@ fn serve(conn: UnixStream, control: &Control, timeout: Duration) -> bool {
             };
             control.sandboxes.detach(control, &app.name);
             if let Some(rid) = detach_id {
-                send(Response::ok(rid, serde_json::json!({ "detached": app.name })));
+                send(Response::ok(rid, &Detached { detached: app.name }));
             }
             return true;
         }
-        let is_status = matches!(request, Request::Status);
         let response = match control.handle(request, &caller) {
-            Ok(result) if is_status => with_capabilities(id, result),
-            Ok(result) => Response::ok(id, result),
+            Ok(result) => Response::ok(id, &result),
             Err(e) => Response::err(id, e),
         };
         if !send(response) {

@@ -1,0 +1,50 @@
+//! Revisions of the stack: log, show, rollback.
+
+use serde::{Deserialize, Serialize};
+
+/// `config_log`: the stack's revisions. Result: a list of [`RevisionInfo`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ConfigLog;
+
+/// `config_show`: a revision's stack description; the running stack's when `rev` is absent. Result:
+/// [`RevisionStack`].
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConfigShow {
+    /// Revision number.
+    #[serde(default)]
+    pub rev: Option<u64>,
+}
+
+/// `config_rollback`: returns the stack to revision `rev` (a new revision records the rollback). Result:
+/// [`Change`](crate::ops::Change).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConfigRollback {
+    /// Revision number.
+    pub rev: u64,
+}
+
+/// One revision of `config_log`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RevisionInfo {
+    /// Its number, from 1.
+    pub revision: u64,
+    /// When, in milliseconds since the Unix epoch.
+    pub time_ms: u64,
+    /// Who asked for it.
+    pub user: String,
+    /// What changed, as the command that changed it.
+    pub change: String,
+    /// Side effects the switch reported.
+    pub notes: Vec<String>,
+}
+
+/// The result of `config_show`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RevisionStack {
+    /// The revision.
+    pub revision: u64,
+    /// The whole stack as a TOML description.
+    pub stack: String,
+}

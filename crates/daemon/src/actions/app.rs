@@ -1,0 +1,35 @@
+//! Sandboxed apps and applications' variables: `app list`, `app vars`, and the modules the sandboxes load.
+
+use crate::actions::control::{internal, Control};
+use crate::sandbox::AppModules;
+use flexstack_api::ops::{AppInfo, RegisteredApp};
+use flexstack_api::protocol::ApiError;
+use flexstack_core::config::StackSpec;
+use flexstack_core::Edit;
+
+impl Control {
+    pub(super) fn app_list(&self) -> Result<Vec<AppInfo>, ApiError> {
+        Ok(self.sandboxes.list())
+    }
+
+    pub(super) fn app_var_list(&self) -> Result<Vec<RegisteredApp>, ApiError> {
+        Ok(self.appvars.list())
+    }
+}
+
+/// The sandboxes load and unload their apps' modules through the control plane, as revisions.
+impl AppModules for Control {
+    fn load_modules(&self, spec: &StackSpec, who: &str, change: &str) -> Result<(), ApiError> {
+        self.load_stack(spec, who, change).map(drop)
+    }
+
+    fn unload_modules(&self, names: &[String], change: &str) -> Result<(), ApiError> {
+        let loaded: Vec<String> = self.dp().snapshot().map_err(internal)?.modules.into_iter().map(|m| m.name).collect();
+        let edits: Vec<Edit> =
+            names.iter().filter(|n| loaded.contains(n)).map(|n| Edit::Unload { name: n.clone() }).collect();
+        if edits.is_empty() {
+            return Ok(());
+        }
+        self.edit("daemon", change.to_string(), edits).map(drop)
+    }
+}

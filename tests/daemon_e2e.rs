@@ -100,6 +100,8 @@ fn drive_change_inspect_and_roll_back_a_running_stack() {
     let listed = d.answer::<ModuleList>(&["module", "list"]);
     let sel = listed.iter().find(|m| m.name == "sel").unwrap().clone();
     assert_eq!(sel.state, "paused");
+    // Loaded as `switch`, its old kind name, the selector is recorded under its current name.
+    assert_eq!(sel.kind, "select");
     d.ok(&["set", "module.src.count", "2000"]);
     d.wait_for("200 frames held at sel", 10, |d| d.get_u64("module.sel.held_frames") == 200);
     assert_eq!(d.get_u64("module.sink1.frames_total"), 800);

@@ -66,7 +66,7 @@ impl Control {
                     let builder = self.configure(&t.kind, &t.settings)?;
                     edits.push(Edit::Load {
                         name: t.name.clone(),
-                        kind: t.kind.clone(),
+                        kind: self.kind_name(&t.kind),
                         settings: t.settings.clone(),
                         builder,
                     });
@@ -94,7 +94,7 @@ impl Control {
                         let builder = self.configure(&t.kind, &t.settings)?;
                         edits.push(Edit::Replace {
                             name: t.name.clone(),
-                            kind: t.kind.clone(),
+                            kind: self.kind_name(&t.kind),
                             settings: t.settings.clone(),
                             builder,
                             keep_state: m.kind == t.kind,

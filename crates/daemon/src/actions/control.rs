@@ -126,7 +126,7 @@ impl Control {
             let builder = self.catalog.configure(&m.kind, &m.settings, m.location.clone()).map_err(config_error)?;
             edits.push(Edit::Load {
                 name: m.name.clone(),
-                kind: m.kind.clone(),
+                kind: self.kind_name(&m.kind),
                 settings: m.settings.clone(),
                 builder,
             });
@@ -187,6 +187,12 @@ impl Control {
         settings: &Settings,
     ) -> Result<Box<dyn flexstack_core::ModuleBuilder>, ApiError> {
         self.catalog.configure(kind, settings, None).map_err(config_error)
+    }
+
+    /// The name a module of `kind` is recorded under: the kind's current name when `kind` is an old one (a stack
+    /// loaded with `switch` lists, saves and rolls back as `select`).
+    pub(super) fn kind_name(&self, kind: &str) -> String {
+        self.catalog.canonical(kind).unwrap_or(kind).to_string()
     }
 
     /// One row per loaded module, made by `row` from the module and a reader of its meters by their names under

@@ -59,7 +59,7 @@ impl Control {
         let ModuleLoad { name, kind, settings } = load;
         let settings = settings_from_json(&settings)?;
         let builder = self.configure(&kind, &settings)?;
-        self.edit_one(who, Edit::Load { name, kind, settings, builder })
+        self.edit_one(who, Edit::Load { name, kind: self.kind_name(&kind), settings, builder })
     }
 
     pub(super) fn module_unload(&self, name: String, who: &str) -> Result<Change, ApiError> {
@@ -70,6 +70,7 @@ impl Control {
         let ModuleReplace { name, kind, settings, fresh } = replace;
         let settings = settings_from_json(&settings)?;
         let builder = self.configure(&kind, &settings)?;
+        let kind = self.kind_name(&kind);
         self.edit_one(who, Edit::Replace { name, kind, settings, builder, keep_state: !fresh })
     }
 

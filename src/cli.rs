@@ -355,7 +355,7 @@ pub fn main() -> ExitCode {
             | Command::Lab(LabCmd::Run { .. } | LabCmd::Up { .. } | LabCmd::Exec { .. } | LabCmd::Down { .. })
     );
     if !long_running {
-        flexstack_faces::sys::default_sigpipe();
+        flexstack_sys::default_sigpipe();
     }
     let filter = tracing_subscriber::EnvFilter::try_from_env("FLEXSTACK_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));

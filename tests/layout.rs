@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 /// `rules` and `lab` are sans-IO libraries beside `wire`: they need only the core.
 const LAYERS: &[(&str, u32)] = &[
     ("flexstack-fuzzkit", 0),
+    ("flexstack-sys", 0),
     ("flexstack-core", 1),
     ("flexstack-wire", 2),
     ("flexstack-rules", 2),

@@ -90,9 +90,9 @@ impl Default for DataPlaneOptions {
 /// How the calling (data-plane) thread is scheduled, as `status` shows it; `asked` is the priority it was started
 /// for (0: none). A real-time thread also gets SCHED_RESET_ON_FORK here: nothing it might start inherits the policy.
 fn scheduling_of_this_thread(asked: u8) -> String {
-    match flexstack_faces::sys::fifo_priority() {
+    match flexstack_sys::fifo_priority() {
         Ok(Some(p)) => {
-            if let Err(e) = flexstack_faces::sys::set_fifo_reset_on_fork(p) {
+            if let Err(e) = flexstack_sys::set_fifo_reset_on_fork(p) {
                 tracing::warn!(error = %e, "cannot set SCHED_RESET_ON_FORK on the data plane");
             }
             format!("fifo {p}")

@@ -80,7 +80,7 @@ pub fn run_daemon(opts: DaemonOptions, catalog: Catalog) -> Result<(), String> {
     // needs no privilege), before any other thread exists: only the data plane runs at real-time priority.
     let realtime = opts.dataplane.realtime;
     if realtime > 0 {
-        if let Err(e) = flexstack_faces::sys::set_fifo_priority(i32::from(realtime)) {
+        if let Err(e) = flexstack_sys::set_fifo_priority(i32::from(realtime)) {
             tracing::warn!(priority = realtime, error = %e, "cannot run the data plane at real-time priority; it runs at normal priority");
         }
     }
@@ -88,7 +88,7 @@ pub fn run_daemon(opts: DaemonOptions, catalog: Catalog) -> Result<(), String> {
 
     let dataplane = DataPlane::start(opts.dataplane);
     if realtime > 0 {
-        flexstack_faces::sys::set_normal_policy()
+        flexstack_sys::set_normal_policy()
             .map_err(|e| format!("cannot return to the normal scheduling policy: {e}"))?;
     }
     let dataplane = dataplane.map_err(|e| format!("cannot start the data plane: {e}"))?;

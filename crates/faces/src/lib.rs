@@ -4,8 +4,9 @@
 //!   [`tun`] and [`packet`] the devices behind them (what those share is in `device`). The virtio-net header a packet
 //!   socket puts before each frame is read and written with `flexstack_wire::vnet`.
 //! - [`linkwatch`] tells the data plane when a face's interface loses its carrier or goes down.
-//! - [`sys`] wraps the few system calls that have no safe wrapper in `nix`; it holds every `unsafe` block of
-//!   flexstack, each with its reason. No other crate of the workspace may use `unsafe`.
+//!
+//! The system calls that `nix` has no safe wrapper for are in `flexstack-sys`, the workspace's one crate of
+//! unsafe code.
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
@@ -13,7 +14,6 @@ mod device;
 pub mod face;
 pub mod linkwatch;
 pub mod packet;
-pub mod sys;
 pub mod tun;
 
 pub use face::{PacketKind, TunKind};

@@ -33,9 +33,9 @@ impl PacketDevice {
         if nix::sys::socket::setsockopt(&socket, nix::sys::socket::sockopt::RcvBufForce, &rcvbuf).is_err() {
             nix::sys::socket::setsockopt(&socket, nix::sys::socket::sockopt::RcvBuf, &rcvbuf)?;
         }
-        crate::sys::set_packet_vnet_hdr(socket.as_fd())?;
-        crate::sys::bind_packet(socket.as_fd(), ifindex)?;
-        crate::sys::set_qdisc_bypass(socket.as_fd())?;
+        flexstack_sys::set_packet_vnet_hdr(socket.as_fd())?;
+        flexstack_sys::bind_packet(socket.as_fd(), ifindex)?;
+        flexstack_sys::set_qdisc_bypass(socket.as_fd())?;
         Ok(PacketDevice { common: DeviceCommon::new(interface, Direction::Up), socket, ifindex })
     }
 }
@@ -73,8 +73,8 @@ impl FaceDevice for PacketDevice {
         let mut header = [0u8; VNET_HDR_LEN];
         loop {
             // The header and the frame are read into separate buffers: the frame is not moved afterwards. The
-            // buffer is not zeroed first (crate::sys::recv_packet reads into its spare capacity).
-            match crate::sys::recv_packet(self.socket.as_fd(), &mut header, buf, MAX_FRAME) {
+            // buffer is not zeroed first (flexstack_sys::recv_packet reads into its spare capacity).
+            match flexstack_sys::recv_packet(self.socket.as_fd(), &mut header, buf, MAX_FRAME) {
                 // Frames the kernel sends out on the interface are seen too: skip them.
                 Ok(read) if read.pkttype == Some(libc::PACKET_OUTGOING) => continue,
                 Ok(read) if read.bytes < VNET_HDR_LEN || read.truncated => {

@@ -34,25 +34,9 @@ pub(crate) const ARRIVAL_PREFETCH_MIN: usize = 2;
 /// A cache line (x86_64, aarch64).
 const LINE: usize = 64;
 
-/// Asks the CPU to start loading the cache line holding `addr` into its caches: a hint only, never a read (a
-/// stale or unmapped address is ignored), so it costs no wait. A no-op where there is no such instruction. Public
-/// for the scheduler bench's reference (`benches/binding.rs`), which prefetches as the scheduler does.
-#[inline(always)]
-pub fn prefetch(addr: usize) {
-    #[cfg(all(target_arch = "x86_64", target_feature = "sse"))]
-    #[allow(unsafe_code)]
-    // SAFETY: `_mm_prefetch` is unsafe only because it is a `#[target_feature(enable = "sse")]` function; SSE is
-    // statically enabled here (the cfg above; it is in every x86_64 target's baseline). Rust (1.95) still asks for
-    // `unsafe`: such a function may be called without it only from a function that enables the feature itself,
-    // not from code the whole build enables it for (and `#[inline(always)]` does not go with `#[target_feature]`).
-    // PREFETCHT0 does not access memory architecturally: it never faults and reads or writes nothing the program
-    // can observe, whatever the address.
-    unsafe {
-        core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(addr as *const i8)
-    }
-    #[cfg(not(all(target_arch = "x86_64", target_feature = "sse")))]
-    let _ = addr;
-}
+/// The CPU's prefetch hint (in `flexstack-sys`, the crate that holds the workspace's unsafe code). Public for the
+/// scheduler bench's reference (`benches/binding.rs`), which prefetches as the scheduler does.
+pub use flexstack_sys::prefetch;
 
 impl Binding {
     /// Hints the CPU to load what the next bindings will touch (see [`PREFETCH_PACKETS`]): `class` is the class

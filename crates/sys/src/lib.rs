@@ -1,7 +1,11 @@
-//! The few system calls that have no safe wrapper in `nix`: binding an AF_PACKET socket to an interface, setting
-//! packet-socket options, reading a frame into a buffer's spare capacity, and a thread's scheduling policy. Every
-//! `unsafe` block of the daemon is here, each with its reason.
+//! flexstack-sys: every `unsafe` block of flexstack, each with its reason. The rest of the workspace denies
+//! unsafe code (`#![deny(unsafe_code)]`) and calls these safe wrappers.
+//!
+//! - The few system calls that have no safe wrapper in `nix`: binding an AF_PACKET socket to an interface, setting
+//!   packet-socket options, reading a frame into a buffer's spare capacity, and a thread's scheduling policy.
+//! - [`prefetch`]: the CPU's hint to load a cache line, for the late-binding scheduler's deep backlogs.
 #![allow(unsafe_code)]
+#![warn(missing_docs)]
 
 use nix::errno::Errno;
 use std::io;
@@ -161,4 +165,22 @@ pub fn fifo_priority() -> io::Result<Option<i32>> {
     // SAFETY: `param` is a valid, writable sched_param that outlives the call; pid 0 is the calling thread.
     checked(unsafe { libc::sched_getparam(0, &mut param) })?;
     Ok(Some(param.sched_priority))
+}
+
+/// Asks the CPU to start loading the cache line holding `addr` into its caches: a hint only, never a read (a
+/// stale or unmapped address is ignored), so it costs no wait. A no-op where there is no such instruction.
+#[inline(always)]
+pub fn prefetch(addr: usize) {
+    #[cfg(all(target_arch = "x86_64", target_feature = "sse"))]
+    // SAFETY: `_mm_prefetch` is unsafe only because it is a `#[target_feature(enable = "sse")]` function; SSE is
+    // statically enabled here (the cfg above; it is in every x86_64 target's baseline). Rust (1.95) still asks for
+    // `unsafe`: such a function may be called without it only from a function that enables the feature itself,
+    // not from code the whole build enables it for (and `#[inline(always)]` does not go with `#[target_feature]`).
+    // PREFETCHT0 does not access memory architecturally: it never faults and reads or writes nothing the program
+    // can observe, whatever the address.
+    unsafe {
+        core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(addr as *const i8)
+    }
+    #[cfg(not(all(target_arch = "x86_64", target_feature = "sse")))]
+    let _ = addr;
 }

@@ -29,7 +29,7 @@ pub mod value;
 pub mod vars;
 
 pub use config::{ConfigError, LinkSpec, Location, Settings, StackSpec};
-pub use decl::{KindDecl, MeterDecl, Param, PortDecl};
+pub use decl::{GroupDecl, KindDecl, MeterDecl, Param, PortDecl};
 pub use frame::{Batch, ControlFrame, ControlOp, Direction, Frame, MetaKey, Packet, PacketPool};
 pub use module::{Catalog, FaceDevice, Module, ModuleBuilder, ModuleInterface, ModuleKind, Output, PortSpec};
 pub use reference::KindReference;

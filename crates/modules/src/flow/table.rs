@@ -11,18 +11,42 @@
 //! [`flexstack_wire::packet::ParseDrops`].
 
 use flexstack_core::config::SettingsReader;
-use flexstack_core::{ConfigError, ModuleVars, Value, ValueType, VarSpec};
+use flexstack_core::{ConfigError, ModuleVars, Param, Value, ValueType, VarSpec};
 use flexstack_wire::packet::{proto, PacketInfo};
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
 /// The idle timeouts of flows or bindings, by protocol, in ns; knobs and settings of the same names in ms.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// `Default` is a blank to read them into: the defaults are declared in [`Timeouts::params`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Timeouts {
     ns: [u64; 5],
 }
 
+/// Timeout `I` of the state's timeouts, in ms.
+fn timeout_ms<S: AsRef<Timeouts>, const I: usize>(s: &S) -> u64 {
+    s.as_ref().ns[I] / 1_000_000
+}
+
+/// Sets timeout `I` of the state's timeouts to `ms`.
+fn set_timeout_ms<S: AsMut<Timeouts>, const I: usize>(s: &mut S, ms: u64) {
+    s.as_mut().ns[I] = ms * 1_000_000;
+}
+
 impl Timeouts {
+    /// The timeout knobs of a kind whose state `S` holds its timeouts, in the order of `ns`.
+    pub(crate) const fn params<S: AsRef<Timeouts> + AsMut<Timeouts>>() -> [Param<S>; 5] {
+        const MAX: f64 = Timeouts::MAX_MS as f64;
+        let k = Self::KNOBS;
+        [
+            Param::u64(k[0].0, "ms", k[0].2, k[0].1, (timeout_ms::<S, 0>, set_timeout_ms::<S, 0>)).range(1.0, MAX),
+            Param::u64(k[1].0, "ms", k[1].2, k[1].1, (timeout_ms::<S, 1>, set_timeout_ms::<S, 1>)).range(1.0, MAX),
+            Param::u64(k[2].0, "ms", k[2].2, k[2].1, (timeout_ms::<S, 2>, set_timeout_ms::<S, 2>)).range(1.0, MAX),
+            Param::u64(k[3].0, "ms", k[3].2, k[3].1, (timeout_ms::<S, 3>, set_timeout_ms::<S, 3>)).range(1.0, MAX),
+            Param::u64(k[4].0, "ms", k[4].2, k[4].1, (timeout_ms::<S, 4>, set_timeout_ms::<S, 4>)).range(1.0, MAX),
+        ]
+    }
+
     /// Knob names, defaults (ms) and descriptions, in the order of `ns`.
     const KNOBS: [(&'static str, u64, &'static str); 5] = [
         ("tcp_timeout_ms", 300_000, "idle timeout of a TCP flow"),

@@ -7,6 +7,7 @@ use flexstack_core::{Meter, Output, Packet, Time};
 use std::collections::VecDeque;
 
 /// An interface's meters.
+#[derive(Default)]
 pub(crate) struct IfaceMeters {
     pub(super) queue_len: Meter,
     pub(super) device_queue_len: Meter,

@@ -7,6 +7,7 @@ use flexstack_core::{Direction, Switch};
 use flexstack_wire::checksum;
 use flexstack_wire::packet::{build, proto};
 use smoltcp::wire::{IpAddress, Ipv4Packet, Ipv6Packet, TcpPacket, UdpPacket};
+use std::net::{Ipv4Addr, Ipv6Addr};
 use std::time::Duration;
 
 const APP: Ipv4Addr = Ipv4Addr::new(10, 77, 0, 2);

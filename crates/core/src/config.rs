@@ -128,6 +128,11 @@ impl Settings {
         self.entries.get(key)
     }
 
+    /// Removes setting `key`, if it is there.
+    pub fn remove(&mut self, key: &str) {
+        self.entries.shift_remove(key);
+    }
+
     /// The settings in order.
     pub fn iter(&self) -> impl Iterator<Item = (&str, &Setting)> {
         self.entries.iter().map(|(k, v)| (k.as_str(), v))
@@ -241,6 +246,11 @@ impl<'a> SettingsReader<'a> {
             return Err(self.error(key, format_args!("must be within {min}..={max}, got {v}")));
         }
         Ok(v)
+    }
+
+    /// True if setting `key` was given (whether or not it was read).
+    pub fn is_given(&self, key: &str) -> bool {
+        self.settings.entries.contains_key(key)
     }
 
     /// An error about setting `key` (e.g. out of range), located where the setting was written.

@@ -197,11 +197,13 @@ pub struct Param<S> {
     pub check: Option<Check<S>>,
     /// True for a knob: published as a variable and writable while the module runs.
     pub knob: bool,
+    /// For an old name kept for a while: the current name (see [`Param::renamed_to`]).
+    pub renamed_to: Option<&'static str>,
 }
 
 impl<S> Param<S> {
     const fn new(name: &'static str, unit: &'static str, description: &'static str, field: Field<S>) -> Param<S> {
-        Param { name, unit, description, field, range: Range::Any, check: None, knob: true }
+        Param { name, unit, description, field, range: Range::Any, check: None, knob: true, renamed_to: None }
     }
 
     numeric_constructors! {
@@ -249,6 +251,15 @@ impl<S> Param<S> {
     /// Checks a numeric value further (before the range); the message is the error's.
     pub const fn check(mut self, check: Check<S>) -> Self {
         self.check = Some(check);
+        self
+    }
+
+    /// The old name of parameter `new`, still accepted (declare it after `new`, with its own unit and storage, e.g.
+    /// converting): read only when given and `new` is not, a knob marked as an alias of `new`
+    /// ([`VarSpec::alias_of`]: the stack's description writes `new` instead), and deprecated in the reference.
+    /// Catalogs report its use as a setting ([`crate::Catalog::on_alias`]); a module reports writes of the knob.
+    pub const fn renamed_to(mut self, new: &'static str) -> Self {
+        self.renamed_to = Some(new);
         self
     }
 
@@ -623,6 +634,12 @@ impl<I, IM> GroupDecl<I, IM> {
         self.declared(item).write(state, knob, value)
     }
 
+    /// The current name of knob `knob` if it is an old one ([`Param::renamed_to`]), for a module to report a write
+    /// by the old name.
+    pub fn new_name_of(&self, knob: &str) -> Option<&'static str> {
+        self.params.iter().find(|p| p.name == knob).and_then(|p| p.renamed_to)
+    }
+
     /// Adds the group's settings and meters, named `<item>.<name>`, to a kind's reference.
     pub fn add_to(&self, reference: &mut KindReference) {
         let (settings, meters) = self.declared(self.item).docs();
@@ -649,11 +666,36 @@ impl<S, M> Declared<'_, S, M> {
     }
 
     fn read(&self, r: &mut SettingsReader<'_>, state: &mut S) -> Result<(), ConfigError> {
-        self.params.iter().try_for_each(|p| p.read(r, &self.name(p.name), state))
+        for p in self.params {
+            let name = self.name(p.name);
+            if let Some(new) = p.renamed_to {
+                if !r.is_given(&name) || r.is_given(&self.name(new)) {
+                    // Accepted, but the new name (or its default) stands.
+                    r.value(&name)?;
+                    continue;
+                }
+            }
+            p.read(r, &name, state)?;
+        }
+        Ok(())
+    }
+
+    /// The description of `p`, saying what it is the old name of if it is one.
+    fn description(&self, p: &Param<S>) -> String {
+        match p.renamed_to {
+            Some(new) => format!("deprecated: the old name of `{}`, {}", self.name(new), p.description),
+            None => p.description.to_string(),
+        }
     }
 
     fn vars(&self, state: &S) -> Vec<VarSpec> {
-        let knobs = self.params.iter().filter_map(|p| p.spec(&self.name(p.name), state));
+        let knobs = self.params.iter().filter_map(|p| {
+            let spec = p.spec(&self.name(p.name), state)?;
+            Some(match p.renamed_to {
+                Some(new) => VarSpec { description: self.description(p), ..spec.as_alias_of(&self.name(new)) },
+                None => spec,
+            })
+        });
         let meters = self
             .meters
             .iter()
@@ -692,7 +734,11 @@ impl<S, M> Declared<'_, S, M> {
     }
 
     fn docs(&self) -> (Vec<SettingDoc>, Vec<MeterDoc>) {
-        let settings = self.params.iter().map(|p| p.doc(&self.name(p.name))).collect();
+        let settings = self
+            .params
+            .iter()
+            .map(|p| SettingDoc { description: self.description(p), ..p.doc(&self.name(p.name)) })
+            .collect();
         let meters = self.meters.iter().map(|m| m.doc(&self.name(m.name))).collect();
         (settings, meters)
     }
@@ -905,6 +951,67 @@ mod tests {
         let names: Vec<&str> = reference.settings.iter().map(|s| s.name.as_str()).collect();
         assert_eq!(names[7..], ["<iface>.rate", "<iface>.on"]);
         assert_eq!(reference.meters.last().unwrap().name, "<iface>.sent_total");
+    }
+
+    #[derive(Debug, Default, PartialEq)]
+    struct Link {
+        bps: u64,
+    }
+
+    /// `rate_mbit`, and its old name `rate_bps` in bit/s, both stored in `bps`.
+    const RENAMED: GroupDecl<Link, ()> = GroupDecl {
+        item: "<iface>",
+        params: &[
+            Param::<Link>::f64(
+                "rate_mbit",
+                "Mbit/s",
+                "the rate",
+                0.0,
+                (|l| l.bps as f64 / 1e6, |l, v| l.bps = (v * 1e6) as u64),
+            )
+            .range(0.0, 1e6),
+            Param::<Link>::u64("rate_bps", "bit/s", "in bit/s", 0, field!(bps))
+                .range(0.0, 1e12)
+                .renamed_to("rate_mbit"),
+        ],
+        meters: &[],
+    };
+
+    #[test]
+    fn an_old_name_is_read_when_the_new_one_is_not_given_and_marked_as_an_alias() {
+        let read = |lines: &str| -> Result<Link, ConfigError> {
+            let spec = StackSpec::parse("t.toml", &format!("[modules.d]\nkind = \"demo\"\n{lines}")).unwrap();
+            let mut r = spec.modules[0].settings.reader("demo");
+            let mut l = Link::default();
+            RENAMED.read(&mut r, "a", &mut l)?;
+            r.finish()?;
+            Ok(l)
+        };
+        assert_eq!(read("").unwrap(), Link { bps: 0 });
+        assert_eq!(read("\"a.rate_mbit\" = 8\n").unwrap(), Link { bps: 8_000_000 });
+        assert_eq!(read("\"a.rate_bps\" = 5000000\n").unwrap(), Link { bps: 5_000_000 });
+        assert_eq!(read("\"a.rate_bps\" = 5000000\n\"a.rate_mbit\" = 8\n").unwrap(), Link { bps: 8_000_000 });
+        let e = read("\"a.rate_bps\" = -1\n").unwrap_err();
+        assert!(e.message.contains("setting `a.rate_bps`"), "{e}");
+
+        let vars = RENAMED.vars("a", &Link { bps: 5_000_000 });
+        assert_eq!((vars[0].name.as_str(), vars[0].alias_of.as_deref()), ("a.rate_mbit", None));
+        assert_eq!((vars[1].name.as_str(), vars[1].alias_of.as_deref()), ("a.rate_bps", Some("a.rate_mbit")));
+        assert_eq!(vars[1].description, "deprecated: the old name of `a.rate_mbit`, in bit/s");
+        let cells = ModuleVars::new(&vars);
+        RENAMED.publish("a", &Link { bps: 5_000_000 }, &cells);
+        assert_eq!(cells.cell("a.rate_mbit").unwrap().get(), Value::F64(5.0));
+        assert_eq!(cells.cell("a.rate_bps").unwrap().get(), Value::U64(5_000_000));
+        let mut l = Link::default();
+        RENAMED.write(&mut l, "a", "rate_bps", &Value::U64(7)).unwrap();
+        assert_eq!(l.bps, 7);
+        assert_eq!((RENAMED.new_name_of("rate_bps"), RENAMED.new_name_of("rate_mbit")), (Some("rate_mbit"), None));
+
+        let mut reference = DECL.reference();
+        RENAMED.add_to(&mut reference);
+        let old = reference.settings.last().unwrap();
+        assert_eq!(old.name, "<iface>.rate_bps");
+        assert_eq!(old.description, "deprecated: the old name of `<iface>.rate_mbit`, in bit/s");
     }
 
     #[test]

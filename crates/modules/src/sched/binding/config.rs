@@ -8,7 +8,8 @@ use flexstack_core::{field, ConfigError, GroupDecl, KindDecl, MeterDecl, Param, 
 use flexstack_wire::packet::ParseDrops;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
-pub(crate) const MAX_RATE_BPS: u64 = 1_000_000_000_000;
+/// Highest rate, in Mbit/s (10^12 bit/s).
+pub(crate) const MAX_RATE_MBIT: f64 = 1_000_000.0;
 pub(crate) const MAX_DEVICE_QUEUE: u64 = 1_000_000;
 /// Largest per-packet link-layer overhead modelled, in bytes.
 pub(crate) const MAX_OVERHEAD: u64 = 1024;
@@ -293,8 +294,28 @@ const ADDRESS_V4: I =
     I::manual("address_v4", "str", "source address of the IPv4 packets bound to the interface; none: kept", "none");
 const ADDRESS_V6: I =
     I::manual("address_v6", "str", "source address of the IPv6 packets bound to the interface; none: kept", "none");
-const RATE_BPS: I = I::u64("rate_bps", "bit/s", "modelled transmit rate; 0 = unmodelled", 0, field!(rate_bps))
-    .range(0.0, MAX_RATE_BPS as f64);
+/// `mbit` Mbit/s in bit/s, as the model counts: a rate above 0 stays above 0 (0 is unmodelled).
+fn bps_of(mbit: f64) -> u64 {
+    let bps = (mbit * 1e6).round() as u64;
+    if mbit > 0.0 {
+        bps.max(1)
+    } else {
+        0
+    }
+}
+
+const RATE: I = I::f64(
+    "rate_mbit",
+    "Mbit/s",
+    "modelled transmit rate, as a lab link's `bw`; 0 = unmodelled",
+    0.0,
+    (|c| c.rate_bps as f64 / 1e6, |c, mbit| c.rate_bps = bps_of(mbit)),
+)
+.range(0.0, MAX_RATE_MBIT);
+/// `rate_mbit`'s old name, in bit/s.
+const RATE_BPS: I = I::u64("rate_bps", "bit/s", "the rate in bit/s", 0, field!(rate_bps))
+    .range(0.0, MAX_RATE_MBIT * 1e6)
+    .renamed_to("rate_mbit");
 const OVERHEAD: I = I::u64(
     "overhead_bytes",
     "bytes",
@@ -357,13 +378,13 @@ const IFACE_METERS: &[MeterDecl<IfaceMeters>] = &[
 /// Each interface of a `late-binding` module.
 const LATE_IFACE: GroupDecl<IfaceConfig, IfaceMeters> = GroupDecl {
     item: "<iface>",
-    params: &[ADDRESS_V4, ADDRESS_V6, RATE_BPS, OVERHEAD, device_queue(2), EMIT, UP, WEIGHT, FACE],
+    params: &[ADDRESS_V4, ADDRESS_V6, RATE, RATE_BPS, OVERHEAD, device_queue(2), EMIT, UP, WEIGHT, FACE],
     meters: IFACE_METERS,
 };
 
 /// Each interface of an `early-binding` module: a FIFO in front of the device queue.
 const EARLY_IFACE: GroupDecl<IfaceConfig, IfaceMeters> = GroupDecl {
-    params: &[ADDRESS_V4, ADDRESS_V6, RATE_BPS, OVERHEAD, device_queue(50), EMIT, UP, WEIGHT, FIFO_LIMIT, FACE],
+    params: &[ADDRESS_V4, ADDRESS_V6, RATE, RATE_BPS, OVERHEAD, device_queue(50), EMIT, UP, WEIGHT, FIFO_LIMIT, FACE],
     ..LATE_IFACE
 };
 

@@ -21,11 +21,13 @@
 //!   still covers its next packet goes to the back of the round (`Rounds`), so that flows take turns packet by
 //!   packet within a round rather than each sending its quantum in a burst.
 //! - **Below the binding point**: each interface has a device queue that models the NIC's transmit ring: at most
-//!   `<iface>.device_queue` packets, drained at `<iface>.rate_bps`. A packet admitted at `now` starts its modelled
-//!   transmission when the previous one ends (or at `now`) and leaves the device queue when its transmission time
-//!   (`(len + overhead_bytes) * 8 / rate`) has passed. `<iface>.overhead_bytes` is the link layer's per-packet
-//!   addition (14 for Ethernet), so that the model drains no faster than the link behind it. With `rate_bps = 0`
-//!   nothing is modelled: packets pass at once. `<iface>.emit` says when a packet is emitted on the interface's
+//!   `<iface>.device_queue` packets, drained at `<iface>.rate_mbit` (Mbit/s, as a lab link's `bw` and the
+//!   emulator's `rate_mbit`; its old name `<iface>.rate_bps`, in bit/s, still works as a setting and a knob, and
+//!   is reported as deprecated). A packet admitted at `now` starts its modelled transmission when the previous one
+//!   ends (or at `now`) and leaves the device queue when its transmission time (`(len + overhead_bytes) * 8 /
+//!   rate`) has passed. `<iface>.overhead_bytes` is the link layer's per-packet addition (14 for Ethernet), so that
+//!   the model drains no faster than the link behind it. With `rate_mbit = 0` nothing is modelled: packets pass at
+//!   once. `<iface>.emit` says when a packet is emitted on the interface's
 //!   output port: `start` (default) at its modelled transmission start (the model paces the link; a late wake-up
 //!   delays the emissions), `admit` at once, when it enters the device queue (the link behind the port paces it;
 //!   the model's occupancy and room are the same, the module wakes only when an entry ends and room frees, and a
@@ -109,8 +111,8 @@ pub(crate) use prefetch::{ARRIVAL_PREFETCH_MIN, PREFETCH_MIN_BYTES};
 use crate::flow::table::Slab;
 use flexstack_core::module::port_type;
 use flexstack_core::{
-    kind_from_decl, Batch, ConfigError, Frame, MetaKey, Meter, Module, ModuleBuilder, ModuleInterface, ModuleKind,
-    ModuleVars, Output, Packet, PortSpec, Settings, Time, Value, ValueType, VarSpec,
+    kind_from_decl, Batch, ConfigError, Deprecations, Frame, MetaKey, Meter, Module, ModuleBuilder, ModuleInterface,
+    ModuleKind, ModuleVars, Output, Packet, PortSpec, Settings, Time, Value, ValueType, VarSpec,
 };
 use flexstack_wire::packet::{PacketInfo, ParseDrops};
 use flexstack_wire::rewrite::{self, Layout};
@@ -143,7 +145,7 @@ impl ModuleKind for LateBindingKind {
     kind_from_decl!(Mode::Late.decl(), Mode::Late.iface_decl());
 
     fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
-        Ok(Box::new(BindingBuilder(configure(Mode::Late, settings)?)))
+        BindingBuilder::configure(Mode::Late, settings)
     }
 }
 
@@ -151,15 +153,26 @@ impl ModuleKind for EarlyBindingKind {
     kind_from_decl!(Mode::Early.decl(), Mode::Early.iface_decl());
 
     fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
-        Ok(Box::new(BindingBuilder(configure(Mode::Early, settings)?)))
+        BindingBuilder::configure(Mode::Early, settings)
     }
 }
 
-struct BindingBuilder((Config, Vec<IfaceConfig>));
+struct BindingBuilder {
+    cfg: Config,
+    ifaces: Vec<IfaceConfig>,
+    deprecations: Deprecations,
+}
+
+impl BindingBuilder {
+    fn configure(mode: Mode, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
+        let (cfg, ifaces) = configure(mode, settings)?;
+        Ok(Box::new(BindingBuilder { cfg, ifaces, deprecations: Deprecations::default() }))
+    }
+}
 
 impl ModuleBuilder for BindingBuilder {
     fn interface(&self) -> ModuleInterface {
-        let (c, ifaces) = &self.0;
+        let (c, ifaces) = (&self.cfg, &self.ifaces);
         let mut iface = c.mode.decl().interface(c);
         for i in ifaces {
             iface.vars.extend(c.mode.iface_decl().vars(&i.name, i));
@@ -170,13 +183,17 @@ impl ModuleBuilder for BindingBuilder {
     }
 
     fn paths(&self) -> Option<Vec<(String, String)>> {
-        let mut p: Vec<(String, String)> = self.0 .1.iter().map(|i| ("in".into(), i.name.clone())).collect();
+        let mut p: Vec<(String, String)> = self.ifaces.iter().map(|i| ("in".into(), i.name.clone())).collect();
         p.push(("up_in".into(), "up_out".into()));
         Some(p)
     }
 
+    fn deprecations(&mut self, deprecations: &Deprecations) {
+        self.deprecations = deprecations.clone();
+    }
+
     fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module> {
-        let (cfg, ifaces) = self.0;
+        let BindingBuilder { cfg, ifaces, deprecations } = *self;
         let (decl, iface_decl) = (cfg.mode.decl(), cfg.mode.iface_decl());
         decl.publish(&cfg, vars);
         let ifaces = ifaces
@@ -184,7 +201,9 @@ impl ModuleBuilder for BindingBuilder {
             .map(|i| {
                 iface_decl.publish(&i.name, &i, vars);
                 let mut m = iface_decl.meters(&i.name, vars);
-                m.up = vars.meter(&format!("{}.up", i.name));
+                let cell = |knob: &str| vars.meter(&format!("{}.{knob}", i.name));
+                m.up = cell("up");
+                m.rate = [cell("rate_mbit"), cell("rate_bps")];
                 Iface {
                     ring: VecDeque::with_capacity(i.device_queue.min(4096) as usize),
                     cfg: i,
@@ -216,6 +235,7 @@ impl ModuleBuilder for BindingBuilder {
             next_sweep: None,
             downs_pending: false,
             flow_specs: flow_specs(),
+            deprecations,
         })
     }
 }
@@ -282,6 +302,8 @@ pub struct Binding {
     flow_specs: Vec<VarSpec>,
     meters: Meters,
     drops: ParseDrops,
+    /// Where a knob written by its old name is reported.
+    deprecations: Deprecations,
 }
 
 /// Bit set on flow keys made from a hash of the 5-tuple (flow ids from `classify` are small).
@@ -732,6 +754,14 @@ impl Module for Binding {
                 iface.flush_held |= iface.cfg.emit == Emit::Admit;
             }
             _ => decl.write(&mut iface.cfg, name, param, value).map_err(|_| bad())?,
+        }
+        if param.starts_with("rate_") {
+            // The rate's two names show the same rate.
+            iface.m.rate[0].store(&Value::F64(iface.cfg.rate_bps as f64 / 1e6));
+            iface.m.rate[1].set(iface.cfg.rate_bps);
+        }
+        if let Some(new) = decl.new_name_of(param) {
+            self.deprecations.report(knob, &format!("{name}.{new}"));
         }
         Ok(())
     }

@@ -24,7 +24,7 @@
 //! On `module replace` with state kept, the new classifier continues the old one's flows (ids, meters, timers)
 //! under its own timeouts.
 
-use crate::flow::table::{tcp_flags, Expiring, Idle, Slab, Timeouts, Timers};
+use crate::flow::table::{tcp_flags, timeouts_in_field, Expiring, Idle, Slab, Timeouts, Timers};
 use flexstack_core::module::port_type;
 use flexstack_core::{
     field, kind_from_decl, Batch, ConfigError, Direction, KindDecl, MetaKey, Meter, MeterDecl, Module, ModuleBuilder,
@@ -78,17 +78,7 @@ struct Config {
     vars_prefix: String,
 }
 
-impl AsRef<Timeouts> for Config {
-    fn as_ref(&self) -> &Timeouts {
-        &self.timeouts
-    }
-}
-
-impl AsMut<Timeouts> for Config {
-    fn as_mut(&mut self) -> &mut Timeouts {
-        &mut self.timeouts
-    }
-}
+timeouts_in_field!(Config);
 
 /// Checks and sets `vars_prefix`: `flow` or `flow.NAME`.
 fn set_vars_prefix(c: &mut Config, prefix: &str) -> Result<(), String> {

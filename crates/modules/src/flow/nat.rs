@@ -42,7 +42,7 @@
 //!
 //! On `module replace` with state kept, the new module continues the old one's bindings.
 
-use crate::flow::table::{tcp_flags, Expiring, Idle, Slab, Timeouts, Timers};
+use crate::flow::table::{tcp_flags, timeouts_in_field, Expiring, Idle, Slab, Timeouts, Timers};
 use flexstack_core::module::port_type;
 use flexstack_core::{
     field, kind_from_decl, Batch, ConfigError, KindDecl, Meter, MeterDecl, Module, ModuleBuilder, ModuleInterface,
@@ -398,17 +398,7 @@ impl Default for Config {
     }
 }
 
-impl AsRef<Timeouts> for Config {
-    fn as_ref(&self) -> &Timeouts {
-        &self.timeouts
-    }
-}
-
-impl AsMut<Timeouts> for Config {
-    fn as_mut(&mut self) -> &mut Timeouts {
-        &mut self.timeouts
-    }
-}
+timeouts_in_field!(Config);
 
 /// Checks and sets `port_range`: `FIRST-LAST`, not starting at 0.
 fn set_port_range(c: &mut Config, text: &str) -> Result<(), String> {

@@ -23,6 +23,24 @@ pub(crate) struct Timeouts {
     ns: [u64; 5],
 }
 
+/// Lets [`Timeouts::params`] reach the timeouts of a kind's state `$state`, in its field `timeouts`.
+macro_rules! timeouts_in_field {
+    ($state:ty) => {
+        impl AsRef<$crate::flow::table::Timeouts> for $state {
+            fn as_ref(&self) -> &$crate::flow::table::Timeouts {
+                &self.timeouts
+            }
+        }
+
+        impl AsMut<$crate::flow::table::Timeouts> for $state {
+            fn as_mut(&mut self) -> &mut $crate::flow::table::Timeouts {
+                &mut self.timeouts
+            }
+        }
+    };
+}
+pub(crate) use timeouts_in_field;
+
 /// Timeout `I` of the state's timeouts, in ms.
 fn ms<S: AsRef<Timeouts>, const I: usize>(s: &S) -> u64 {
     s.as_ref().ns[I] / 1_000_000

@@ -6,10 +6,11 @@
 #         up_in -> up_out);
 #   (two) the same over two link faces, TUN b and TUN c (both in the server's namespace, which accepts on either:
 #         rp_filter off), policy `weighted` (flows split by hash), iperf3's streams spread over both.
-# By default each scheduler models no rate (`rate_bps` 0: a packet is bound as soon as it is queued), so what is
+# By default each scheduler models no rate (`rate_mbit` 0: a packet is bound as soon as it is queued), so what is
 # measured is its own per-packet work: parse, flow lookup, per-flow queue, class and deficit round robin, binding
 # (source address rewritten with incremental checksums; 192.0.2.x, mapped back on the way up), metadata.
-# RATE_BPS and DEVICE_QUEUE set the modelled rate and device queue instead. EMIT (`f0.emit` / `f1.emit`) says when
+# RATE_MBIT (Mbit/s; RATE_BPS, in bit/s, as the earlier runs in BENCHMARKS.md have it, still works) and
+# DEVICE_QUEUE set the modelled rate and device queue instead. EMIT (`f0.emit` / `f1.emit`) says when
 # a bound packet is handed to its face: `start` (default) at its modelled transmission start, which takes a
 # data-plane wake-up per packet or few; `admit` as soon as it enters the modelled device queue, the model only
 # deciding when there is room (a wake-up when a transmission ends); see docs/binding.md and BENCHMARKS.md.
@@ -21,13 +22,16 @@
 # of the same round: on a shared machine the throughput of all three drifts together by +-15 % from round to
 # round), target >= 0.9, and how the two-face stack split its packets. Needs root.
 #
-#   sudo scripts/bench-binding.sh                 # RUNS=7 SECS=4 STREAMS=4 RATE_BPS=0 DEVICE_QUEUE=2 EMIT=start
-#   sudo RATE_BPS=10000000000 DEVICE_QUEUE=64 scripts/bench-binding.sh
-#   sudo RATE_BPS=10000000000 DEVICE_QUEUE=64 EMIT=admit scripts/bench-binding.sh
+#   sudo scripts/bench-binding.sh                 # RUNS=7 SECS=4 STREAMS=4 RATE_MBIT=0 DEVICE_QUEUE=2 EMIT=start
+#   sudo RATE_MBIT=10000 DEVICE_QUEUE=64 scripts/bench-binding.sh
+#   sudo RATE_MBIT=10000 DEVICE_QUEUE=64 EMIT=admit scripts/bench-binding.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${RUNS:-7}
-RATE_BPS=${RATE_BPS:-0}        # the schedulers' modelled interface rate (0: unmodelled)
+RATE_MBIT=${RATE_MBIT:-0}      # the schedulers' modelled interface rate in Mbit/s (0: unmodelled)
+if [[ -n "${RATE_BPS:-}" ]]; then # the same in bit/s, as the earlier runs gave it
+  RATE_MBIT=$(awk -v bps="$RATE_BPS" 'BEGIN { printf "%.6f", bps / 1e6 }')
+fi
 DEVICE_QUEUE=${DEVICE_QUEUE:-2} # their device queues, packets
 EMIT=${EMIT:-start}            # when they hand a packet to the face: start (of its modelled transmission) or admit
 REALTIME=${REALTIME:-0}        # every daemon's --realtime (0: the normal policy, as `flexstack run` starts a daemon)
@@ -94,7 +98,7 @@ interfaces = $1
 policy = "$2"
 virtual_v4 = "10.203.0.1"
 "f0.address_v4" = "192.0.2.1"
-"f0.rate_bps" = $RATE_BPS
+"f0.rate_mbit" = $RATE_MBIT
 "f0.device_queue" = $DEVICE_QUEUE
 "f0.emit" = "$EMIT"
 TOML
@@ -118,7 +122,7 @@ direction = "up"
 TOML
   scheduler '["f0", "f1"]' weighted
   echo '"f1.address_v4" = "192.0.2.2"'
-  echo "\"f1.rate_bps\" = $RATE_BPS"
+  echo "\"f1.rate_mbit\" = $RATE_MBIT"
   echo "\"f1.device_queue\" = $DEVICE_QUEUE"
   echo "\"f1.emit\" = \"$EMIT\""
 } > "$state/two.toml"
@@ -171,7 +175,7 @@ one=$(median < "$state/one.gbps")
 two=$(median < "$state/two.gbps")
 printf 'late-binding scheduler on the data path: iperf3 TCP, %s streams, median of %s rounds of %s s (Gbit/s)\n' \
   "$STREAMS" "$RUNS" "$SECS"
-printf '  schedulers: rate_bps %s, device_queue %s, emit %s\n' "$RATE_BPS" "$DEVICE_QUEUE" "$EMIT"
+printf '  schedulers: rate_mbit %s, device_queue %s, emit %s\n' "$RATE_MBIT" "$DEVICE_QUEUE" "$EMIT"
 printf '  reference: the same stack without the scheduler   %6.2f   (runs: %s)\n' "$ref" "$(paste -sd' ' "$state/ref.gbps")"
 ratios() { # $1 = stack: its per-round ratios to the reference, one a line
   paste "$state/$1.gbps" "$state/ref.gbps" | awk '{ printf "%.3f\n", $1 / $2 }'

@@ -128,6 +128,11 @@ impl Settings {
         self.entries.get(key)
     }
 
+    /// Removes setting `key`, if it is there.
+    pub fn remove(&mut self, key: &str) {
+        self.entries.shift_remove(key);
+    }
+
     /// The settings in order.
     pub fn iter(&self) -> impl Iterator<Item = (&str, &Setting)> {
         self.entries.iter().map(|(k, v)| (k.as_str(), v))
@@ -163,17 +168,18 @@ fn parse_toml_value(raw: &str) -> Option<toml::Value> {
 pub struct SettingsReader<'a> {
     settings: &'a Settings,
     kind: &'a str,
-    asked: Vec<&'a str>,
+    /// The keys asked for (a group's keys, `<item>.<name>`, are made while reading).
+    asked: Vec<String>,
 }
 
 impl<'a> SettingsReader<'a> {
     fn typed<T>(
         &mut self,
-        key: &'a str,
+        key: &str,
         expected: &str,
         f: impl Fn(&toml::Value) -> Option<T>,
     ) -> Result<Option<T>, ConfigError> {
-        self.asked.push(key);
+        self.asked.push(key.to_string());
         let Some(s) = self.settings.entries.get(key) else {
             return Ok(None);
         };
@@ -186,46 +192,46 @@ impl<'a> SettingsReader<'a> {
     }
 
     /// A non-negative integer.
-    pub fn u64(&mut self, key: &'a str) -> Result<Option<u64>, ConfigError> {
+    pub fn u64(&mut self, key: &str) -> Result<Option<u64>, ConfigError> {
         self.typed(key, "a non-negative integer", |v| v.as_integer().and_then(|i| u64::try_from(i).ok()))
     }
 
     /// An integer.
-    pub fn i64(&mut self, key: &'a str) -> Result<Option<i64>, ConfigError> {
+    pub fn i64(&mut self, key: &str) -> Result<Option<i64>, ConfigError> {
         self.typed(key, "an integer", toml::Value::as_integer)
     }
 
     /// A number (integers accepted).
-    pub fn f64(&mut self, key: &'a str) -> Result<Option<f64>, ConfigError> {
+    pub fn f64(&mut self, key: &str) -> Result<Option<f64>, ConfigError> {
         self.typed(key, "a number", |v| {
             v.as_float().or_else(|| v.as_integer().map(|i| i as f64)).filter(|f| f.is_finite())
         })
     }
 
     /// true or false.
-    pub fn bool(&mut self, key: &'a str) -> Result<Option<bool>, ConfigError> {
+    pub fn bool(&mut self, key: &str) -> Result<Option<bool>, ConfigError> {
         self.typed(key, "true or false", toml::Value::as_bool)
     }
 
     /// A string.
-    pub fn string(&mut self, key: &'a str) -> Result<Option<String>, ConfigError> {
+    pub fn string(&mut self, key: &str) -> Result<Option<String>, ConfigError> {
         self.typed(key, "a string", |v| v.as_str().map(str::to_string))
     }
 
     /// An array of strings (e.g. rules, one per element); an empty array gives an empty vector.
-    pub fn strings(&mut self, key: &'a str) -> Result<Option<Vec<String>>, ConfigError> {
+    pub fn strings(&mut self, key: &str) -> Result<Option<Vec<String>>, ConfigError> {
         self.typed(key, "an array of strings", |v| {
             v.as_array()?.iter().map(|e| e.as_str().map(str::to_string)).collect()
         })
     }
 
     /// A value of any scalar type, as a [`Value`].
-    pub fn value(&mut self, key: &'a str) -> Result<Option<Value>, ConfigError> {
+    pub fn value(&mut self, key: &str) -> Result<Option<Value>, ConfigError> {
         self.typed(key, "a number, boolean or string", Value::from_toml)
     }
 
     /// A non-negative integer within `min..=max`, `default` when not given.
-    pub fn u64_in(&mut self, key: &'a str, default: u64, min: u64, max: u64) -> Result<u64, ConfigError> {
+    pub fn u64_in(&mut self, key: &str, default: u64, min: u64, max: u64) -> Result<u64, ConfigError> {
         let v = self.u64(key)?.unwrap_or(default);
         if v < min || v > max {
             return Err(self.error(key, format_args!("must be within {min}..={max}, got {v}")));
@@ -234,12 +240,17 @@ impl<'a> SettingsReader<'a> {
     }
 
     /// A number within `min..=max`, `default` when not given.
-    pub fn f64_in(&mut self, key: &'a str, default: f64, min: f64, max: f64) -> Result<f64, ConfigError> {
+    pub fn f64_in(&mut self, key: &str, default: f64, min: f64, max: f64) -> Result<f64, ConfigError> {
         let v = self.f64(key)?.unwrap_or(default);
         if !(min..=max).contains(&v) {
             return Err(self.error(key, format_args!("must be within {min}..={max}, got {v}")));
         }
         Ok(v)
+    }
+
+    /// True if setting `key` was given (whether or not it was read).
+    pub fn is_given(&self, key: &str) -> bool {
+        self.settings.entries.contains_key(key)
     }
 
     /// An error about setting `key` (e.g. out of range), located where the setting was written.
@@ -251,7 +262,7 @@ impl<'a> SettingsReader<'a> {
     /// Fails on the first setting that was never asked for, listing the ones this kind accepts.
     pub fn finish(self) -> Result<(), ConfigError> {
         for (key, s) in &self.settings.entries {
-            if !self.asked.contains(&key.as_str()) {
+            if !self.asked.contains(key) {
                 let mut known = self.asked.clone();
                 known.sort_unstable();
                 known.dedup();

@@ -16,6 +16,9 @@
 //!   ports do not depend on their settings, and [`kind_from_decl!`](crate::kind_from_decl) for the kind's `name`,
 //!   `summary` and `reference`.
 //!
+//! Settings, knobs and meters that repeat for each item of a list setting (`<iface>.rate_mbit` for each interface)
+//! are declared once in a [`GroupDecl`], which derives the same for each item.
+//!
 //! ```
 //! use flexstack_core::decl::{KindDecl, MeterDecl, Param, PortDecl};
 //! use flexstack_core::{field, module::port_type, Meter, ModuleVars, Settings, Value};
@@ -53,6 +56,7 @@ use crate::module::{Module, ModuleBuilder, ModuleInterface, PortSpec};
 use crate::reference::{KindReference, MeterDoc, PortDoc, SettingDoc};
 use crate::value::{Value, ValueType};
 use crate::vars::{Meter, ModuleVars, VarSpec};
+use std::borrow::Cow;
 use std::fmt;
 
 /// The storage of a declared parameter: a getter and a setter on the module's state `S` (see
@@ -74,10 +78,11 @@ macro_rules! field {
 }
 
 /// The `name`, `summary` and `reference` methods of a [`crate::ModuleKind`] declared by `$decl` (a
-/// [`KindDecl`]), for use inside the `impl ModuleKind` block, which then only adds `configure`.
+/// [`KindDecl`]) and, if its settings repeat per item, `$group` (a [`GroupDecl`]), for use inside the
+/// `impl ModuleKind` block, which then only adds `configure`.
 #[macro_export]
 macro_rules! kind_from_decl {
-    ($decl:expr) => {
+    ($decl:expr $(, $group:expr)?) => {
         fn name(&self) -> &'static str {
             $decl.name
         }
@@ -87,7 +92,10 @@ macro_rules! kind_from_decl {
         }
 
         fn reference(&self) -> $crate::KindReference {
-            $decl.reference()
+            #[allow(unused_mut)]
+            let mut reference = $decl.reference();
+            $($group.add_to(&mut reference);)?
+            reference
         }
     };
 }
@@ -189,11 +197,13 @@ pub struct Param<S> {
     pub check: Option<Check<S>>,
     /// True for a knob: published as a variable and writable while the module runs.
     pub knob: bool,
+    /// For an old name kept for a while: the current name (see [`Param::renamed_to`]).
+    pub renamed_to: Option<&'static str>,
 }
 
 impl<S> Param<S> {
     const fn new(name: &'static str, unit: &'static str, description: &'static str, field: Field<S>) -> Param<S> {
-        Param { name, unit, description, field, range: Range::Any, check: None, knob: true }
+        Param { name, unit, description, field, range: Range::Any, check: None, knob: true, renamed_to: None }
     }
 
     numeric_constructors! {
@@ -244,6 +254,15 @@ impl<S> Param<S> {
         self
     }
 
+    /// The old name of parameter `new`, still accepted (declare it after `new`, with its own unit and storage, e.g.
+    /// converting): read only when given and `new` is not, a knob marked as an alias of `new`
+    /// ([`VarSpec::alias_of`]: the stack's description writes `new` instead), and deprecated in the reference.
+    /// Catalogs report its use as a setting ([`crate::Catalog::on_alias`]); a module reports writes of the knob.
+    pub const fn renamed_to(mut self, new: &'static str) -> Self {
+        self.renamed_to = Some(new);
+        self
+    }
+
     /// A setting only: read when configured, not a variable, not writable while the module runs.
     pub const fn setting(mut self) -> Self {
         self.knob = false;
@@ -278,9 +297,8 @@ impl<S> Param<S> {
         Ok(())
     }
 
-    /// Reads this setting (its default when not given) into `state`.
-    fn read(&self, r: &mut SettingsReader<'_>, state: &mut S) -> Result<(), ConfigError> {
-        let name = self.name;
+    /// Reads this setting, named `name` (its default when not given), into `state`.
+    fn read(&self, r: &mut SettingsReader<'_>, name: &str, state: &mut S) -> Result<(), ConfigError> {
         let checked = |state: &S, x: f64, shown: &dyn fmt::Display, r: &SettingsReader<'_>| {
             self.accepts(state, x, shown).map_err(|e| r.error(name, e))
         };
@@ -310,11 +328,10 @@ impl<S> Param<S> {
         Ok(())
     }
 
-    /// Writes `value` (converted to the parameter's type, checked) into `state`.
-    fn write(&self, state: &mut S, value: &Value) -> Result<(), String> {
-        let ty = self.value_type().ok_or_else(|| format!("{} is not a knob", self.name))?;
-        let in_range =
-            |state: &S, x: f64, v: &Value| self.accepts(state, x, v).map_err(|e| format!("{} {e}", self.name));
+    /// Writes `value` (converted to the parameter's type, checked) into `state`; `name` is the knob's name.
+    fn write(&self, name: &str, state: &mut S, value: &Value) -> Result<(), String> {
+        let ty = self.value_type().ok_or_else(|| format!("{name} is not a knob"))?;
+        let in_range = |state: &S, x: f64, v: &Value| self.accepts(state, x, v).map_err(|e| format!("{name} {e}"));
         match (self.field, value.coerce(ty)?) {
             (Field::U64((_, set), _), Value::U64(v)) => in_range(state, v as f64, value).map(|()| set(state, v)),
             (Field::I64((_, set), _), Value::I64(v)) => in_range(state, v as f64, value).map(|()| set(state, v)),
@@ -324,7 +341,7 @@ impl<S> Param<S> {
                 Ok(())
             }
             (Field::Text(_, set, _), Value::Str(v)) => set(state, &v),
-            _ => Err(format!("cannot set {} to {value}", self.name)),
+            _ => Err(format!("cannot set {name} to {value}")),
         }
     }
 
@@ -340,10 +357,10 @@ impl<S> Param<S> {
         })
     }
 
-    /// The variable of a knob, with its range for this state.
-    fn spec(&self, state: &S) -> Option<VarSpec> {
+    /// The variable of a knob, named `name`, with its range for this state.
+    fn spec(&self, name: &str, state: &S) -> Option<VarSpec> {
         let ty = self.value_type().filter(|_| self.knob)?;
-        let spec = VarSpec::knob(self.name, ty, self.unit, self.description);
+        let spec = VarSpec::knob(name, ty, self.unit, self.description);
         Some(match self.range {
             Range::Any => spec,
             Range::Fixed(min, max) => spec.with_range(min, max),
@@ -354,7 +371,7 @@ impl<S> Param<S> {
         })
     }
 
-    fn doc(&self) -> SettingDoc {
+    fn doc(&self, name: &str) -> SettingDoc {
         let (ty, default) = match self.field {
             Field::U64(_, d) => ("u64".to_string(), d.to_string()),
             Field::I64(_, d) => ("i64".to_string(), d.to_string()),
@@ -369,7 +386,7 @@ impl<S> Param<S> {
             Range::By(_, words) => words.to_string(),
         };
         SettingDoc {
-            name: self.name.into(),
+            name: name.into(),
             ty,
             unit: self.unit.into(),
             default,
@@ -424,8 +441,8 @@ impl<M> MeterDecl<M> {
         MeterDecl { name: pattern, ty: ValueType::U64, unit, description, field: None }
     }
 
-    fn doc(&self) -> MeterDoc {
-        MeterDoc::new(self.name, self.ty, self.unit, self.description)
+    fn doc(&self, name: &str) -> MeterDoc {
+        MeterDoc::new(name, self.ty, self.unit, self.description)
     }
 }
 
@@ -465,11 +482,16 @@ impl<S, M> KindDecl<S, M> {
         }
     }
 
+    /// The parameters and meters, by their own names.
+    fn declared(&self) -> Declared<'static, S, M> {
+        Declared { params: self.params, meters: self.meters, prefix: None }
+    }
+
     /// Reads every declared setting (defaults when not given; types and ranges checked, errors located) into
     /// `state`. Settings read by hand ([`Param::manual`]) are left to the caller, who then calls
     /// [`SettingsReader::finish`].
     pub fn read(&self, r: &mut SettingsReader<'_>, state: &mut S) -> Result<(), ConfigError> {
-        self.params.iter().try_for_each(|p| p.read(r, state))
+        self.declared().read(r, state)
     }
 
     /// Reads `settings` into `state` and rejects any other setting: `configure` for a kind without manual settings.
@@ -482,13 +504,9 @@ impl<S, M> KindDecl<S, M> {
 
     /// The variables: knobs (ranges for this state), declared meters, then the shared ones.
     pub fn vars(&self, state: &S) -> Vec<VarSpec> {
-        let knobs = self.params.iter().filter_map(|p| p.spec(state));
-        let meters = self
-            .meters
-            .iter()
-            .filter(|m| m.field.is_some())
-            .map(|m| VarSpec::meter(m.name, m.ty, m.unit, m.description));
-        knobs.chain(meters).chain((self.more_meters)()).collect()
+        let mut vars = self.declared().vars(state);
+        vars.extend((self.more_meters)());
+        vars
     }
 
     /// The interface: the declared ports and [`KindDecl::vars`]. A module whose ports depend on its settings
@@ -504,11 +522,7 @@ impl<S, M> KindDecl<S, M> {
 
     /// Stores the knobs' values in their cells (in `build`), so the stack's description shows what it runs with.
     pub fn publish(&self, state: &S, vars: &ModuleVars) {
-        for p in self.params.iter().filter(|p| p.knob) {
-            if let (Some(cell), Some(v)) = (vars.cell(p.name), p.get(state)) {
-                cell.store(&v);
-            }
-        }
+        self.declared().publish(state, vars);
     }
 
     /// The meter handles, bound to their cells in `vars`.
@@ -519,21 +533,12 @@ impl<S, M> KindDecl<S, M> {
     where
         M: Default,
     {
-        let mut m = M::default();
-        for d in self.meters {
-            if let Some(field) = d.field {
-                *field(&mut m) = vars.meter(d.name);
-            }
-        }
-        m
+        self.declared().meters(vars)
     }
 
     /// Writes knob `knob` (for [`crate::Module::write_knob`]): converted to its type, checked, stored in `state`.
     pub fn write(&self, state: &mut S, knob: &str, value: &Value) -> Result<(), String> {
-        match self.params.iter().find(|p| p.knob && p.name == knob) {
-            Some(p) => p.write(state, value),
-            None => Err(format!("cannot set {knob} to {value}: no such knob")),
-        }
+        self.declared().write(state, knob, value)
     }
 
     /// A builder for a module whose interface is the declared one: `build` publishes the knobs of `state`, binds
@@ -564,19 +569,178 @@ impl<S, M> KindDecl<S, M> {
     /// The kind's entry in the module reference.
     pub fn reference(&self) -> KindReference {
         let port = |p: &PortDecl| PortDoc { name: p.name.into(), ty: p.ty.into(), description: p.description.into() };
-        let mut meters: Vec<MeterDoc> = self.meters.iter().map(MeterDecl::doc).collect();
+        let (settings, mut meters) = self.declared().docs();
         meters.extend((self.more_meters)().iter().map(MeterDoc::from_spec));
         KindReference {
             kind: self.name.into(),
             summary: self.summary.into(),
             inputs: self.inputs.iter().map(port).collect(),
             outputs: self.outputs.iter().map(port).collect(),
-            settings: self.params.iter().map(Param::doc).collect(),
+            settings,
             meters,
             breaks_cycles: self.breaks_cycles,
             aliases: Vec::new(),
             note: None,
         }
+    }
+}
+
+/// Settings, knobs and meters repeated for each item of a list setting (each interface of a binding scheduler), named
+/// `<item>.<name>`, declared once: `I` holds one item's values, `IM` its meter handles. The kind reads the list
+/// itself and calls these for each item; [`kind_from_decl!`](crate::kind_from_decl) adds the group to its reference.
+pub struct GroupDecl<I: 'static, IM: 'static> {
+    /// How the reference writes an item's name (`<iface>`).
+    pub item: &'static str,
+    /// One item's settings and knobs, in the order they are read.
+    pub params: &'static [Param<I>],
+    /// One item's meters.
+    pub meters: &'static [MeterDecl<IM>],
+}
+
+impl<I, IM> GroupDecl<I, IM> {
+    /// The parameters and meters of the item named `item`.
+    fn declared<'a>(&self, item: &'a str) -> Declared<'a, I, IM> {
+        Declared { params: self.params, meters: self.meters, prefix: Some(item) }
+    }
+
+    /// Reads the settings of item `item` into `state`, as [`KindDecl::read`] does.
+    pub fn read(&self, r: &mut SettingsReader<'_>, item: &str, state: &mut I) -> Result<(), ConfigError> {
+        self.declared(item).read(r, state)
+    }
+
+    /// The variables of item `item`: its knobs (ranges for this state), then its meters.
+    pub fn vars(&self, item: &str, state: &I) -> Vec<VarSpec> {
+        self.declared(item).vars(state)
+    }
+
+    /// Stores the values of item `item`'s knobs in their cells.
+    pub fn publish(&self, item: &str, state: &I, vars: &ModuleVars) {
+        self.declared(item).publish(state, vars);
+    }
+
+    /// The meter handles of item `item`, bound to their cells in `vars`.
+    ///
+    /// # Panics
+    /// If `vars` lacks one of them (they were not made from [`GroupDecl::vars`]).
+    pub fn meters(&self, item: &str, vars: &ModuleVars) -> IM
+    where
+        IM: Default,
+    {
+        self.declared(item).meters(vars)
+    }
+
+    /// Writes knob `knob` of item `item` (`<item>.<knob>`), as [`KindDecl::write`] does.
+    pub fn write(&self, state: &mut I, item: &str, knob: &str, value: &Value) -> Result<(), String> {
+        self.declared(item).write(state, knob, value)
+    }
+
+    /// The current name of knob `knob` if it is an old one ([`Param::renamed_to`]), for a module to report a write
+    /// by the old name.
+    pub fn new_name_of(&self, knob: &str) -> Option<&'static str> {
+        self.params.iter().find(|p| p.name == knob).and_then(|p| p.renamed_to)
+    }
+
+    /// Adds the group's settings and meters, named `<item>.<name>`, to a kind's reference.
+    pub fn add_to(&self, reference: &mut KindReference) {
+        let (settings, meters) = self.declared(self.item).docs();
+        reference.settings.extend(settings);
+        reference.meters.extend(meters);
+    }
+}
+
+/// Declared parameters and meters, named by their own names or, for an item of a [`GroupDecl`],
+/// `<prefix>.<name>`: what both derive from them.
+struct Declared<'a, S: 'static, M: 'static> {
+    params: &'static [Param<S>],
+    meters: &'static [MeterDecl<M>],
+    prefix: Option<&'a str>,
+}
+
+impl<S, M> Declared<'_, S, M> {
+    /// The full name of `name`.
+    fn name<'n>(&self, name: &'n str) -> Cow<'n, str> {
+        match self.prefix {
+            None => Cow::Borrowed(name),
+            Some(p) => Cow::Owned(format!("{p}.{name}")),
+        }
+    }
+
+    fn read(&self, r: &mut SettingsReader<'_>, state: &mut S) -> Result<(), ConfigError> {
+        for p in self.params {
+            let name = self.name(p.name);
+            if let Some(new) = p.renamed_to {
+                if !r.is_given(&name) || r.is_given(&self.name(new)) {
+                    // Accepted, but the new name (or its default) stands.
+                    r.value(&name)?;
+                    continue;
+                }
+            }
+            p.read(r, &name, state)?;
+        }
+        Ok(())
+    }
+
+    /// The description of `p`, saying what it is the old name of if it is one.
+    fn description(&self, p: &Param<S>) -> String {
+        match p.renamed_to {
+            Some(new) => format!("deprecated: the old name of `{}`, {}", self.name(new), p.description),
+            None => p.description.to_string(),
+        }
+    }
+
+    fn vars(&self, state: &S) -> Vec<VarSpec> {
+        let knobs = self.params.iter().filter_map(|p| {
+            let spec = p.spec(&self.name(p.name), state)?;
+            Some(match p.renamed_to {
+                Some(new) => VarSpec { description: self.description(p), ..spec.as_alias_of(&self.name(new)) },
+                None => spec,
+            })
+        });
+        let meters = self
+            .meters
+            .iter()
+            .filter(|m| m.field.is_some())
+            .map(|m| VarSpec::meter(&self.name(m.name), m.ty, m.unit, m.description));
+        knobs.chain(meters).collect()
+    }
+
+    fn publish(&self, state: &S, vars: &ModuleVars) {
+        for p in self.params.iter().filter(|p| p.knob) {
+            if let (Some(cell), Some(v)) = (vars.cell(&self.name(p.name)), p.get(state)) {
+                cell.store(&v);
+            }
+        }
+    }
+
+    fn meters(&self, vars: &ModuleVars) -> M
+    where
+        M: Default,
+    {
+        let mut m = M::default();
+        for d in self.meters {
+            if let Some(field) = d.field {
+                *field(&mut m) = vars.meter(&self.name(d.name));
+            }
+        }
+        m
+    }
+
+    fn write(&self, state: &mut S, knob: &str, value: &Value) -> Result<(), String> {
+        let name = self.name(knob);
+        match self.params.iter().find(|p| p.knob && p.name == knob) {
+            Some(p) => p.write(&name, state, value),
+            None => Err(format!("cannot set {name} to {value}: no such knob")),
+        }
+    }
+
+    fn docs(&self) -> (Vec<SettingDoc>, Vec<MeterDoc>) {
+        let settings = self
+            .params
+            .iter()
+            .map(|p| SettingDoc { description: self.description(p), ..p.doc(&self.name(p.name)) })
+            .collect();
+        let meters = self.meters.iter().map(|m| m.doc(&self.name(m.name))).collect();
+        (settings, meters)
     }
 }
 
@@ -730,6 +894,124 @@ mod tests {
         assert!(DECL.write(&mut cfg, "outputs", &Value::U64(2)).unwrap_err().contains("no such knob"));
         assert!(DECL.write(&mut cfg, "rules", &Value::U64(2)).is_err());
         assert!(DECL.write(&mut cfg, "mtu", &Value::U64(30)).unwrap_err().contains("68..=65535"));
+    }
+
+    #[derive(Debug, Default, PartialEq)]
+    struct Item {
+        rate: u64,
+        on: bool,
+    }
+
+    #[derive(Default)]
+    struct ItemMeters {
+        sent: Meter,
+    }
+
+    const GROUP: GroupDecl<Item, ItemMeters> = GroupDecl {
+        item: "<iface>",
+        params: &[
+            Param::<Item>::u64("rate", "bit/s", "its rate", 10, field!(rate)).range(0.0, 100.0),
+            Param::<Item>::bool("on", "up at start", true, field!(on)).setting(),
+        ],
+        meters: &[MeterDecl::u64("sent_total", "frames", "frames sent", |m| &mut m.sent)],
+    };
+
+    #[test]
+    fn a_group_repeats_for_each_item_under_its_name() {
+        let text = "[modules.d]\nkind = \"demo\"\n\"a.rate\" = 5\n\"b.on\" = false\n\"b.rate\" = 500\n";
+        let spec = StackSpec::parse("t.toml", text).unwrap();
+        let mut r = spec.modules[0].settings.reader("demo");
+        let (mut a, mut b) = (Item::default(), Item::default());
+        GROUP.read(&mut r, "a", &mut a).unwrap();
+        assert_eq!(a, Item { rate: 5, on: true });
+        let e = GROUP.read(&mut r, "b", &mut b).unwrap_err();
+        assert_eq!(e.to_string(), "t.toml:5:12: setting `b.rate` of a demo module: must be within 0..=100, got 500");
+        assert!(!b.on, "read up to the error");
+
+        let vars: Vec<String> = GROUP.vars("a", &a).into_iter().map(|v| v.name).collect();
+        assert_eq!(vars, ["a.rate", "a.sent_total"]);
+        let cells = ModuleVars::new(&GROUP.vars("a", &a));
+        GROUP.publish("a", &a, &cells);
+        assert_eq!(cells.cell("a.rate").unwrap().get(), Value::U64(5));
+        GROUP.meters("a", &cells).sent.add(2);
+        assert_eq!(cells.cell("a.sent_total").unwrap().get(), Value::U64(2));
+        GROUP.write(&mut a, "a", "rate", &Value::U64(7)).unwrap();
+        assert_eq!(a.rate, 7);
+        assert_eq!(
+            GROUP.write(&mut a, "a", "rate", &Value::U64(101)).unwrap_err(),
+            "a.rate must be within 0..=100, got 101"
+        );
+        assert_eq!(
+            GROUP.write(&mut a, "a", "on", &Value::Bool(true)).unwrap_err(),
+            "cannot set a.on to true: no such knob"
+        );
+
+        let mut reference = DECL.reference();
+        GROUP.add_to(&mut reference);
+        let names: Vec<&str> = reference.settings.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(names[7..], ["<iface>.rate", "<iface>.on"]);
+        assert_eq!(reference.meters.last().unwrap().name, "<iface>.sent_total");
+    }
+
+    #[derive(Debug, Default, PartialEq)]
+    struct Link {
+        bps: u64,
+    }
+
+    /// `rate_mbit`, and its old name `rate_bps` in bit/s, both stored in `bps`.
+    const RENAMED: GroupDecl<Link, ()> = GroupDecl {
+        item: "<iface>",
+        params: &[
+            Param::<Link>::f64(
+                "rate_mbit",
+                "Mbit/s",
+                "the rate",
+                0.0,
+                (|l| l.bps as f64 / 1e6, |l, v| l.bps = (v * 1e6) as u64),
+            )
+            .range(0.0, 1e6),
+            Param::<Link>::u64("rate_bps", "bit/s", "in bit/s", 0, field!(bps))
+                .range(0.0, 1e12)
+                .renamed_to("rate_mbit"),
+        ],
+        meters: &[],
+    };
+
+    #[test]
+    fn an_old_name_is_read_when_the_new_one_is_not_given_and_marked_as_an_alias() {
+        let read = |lines: &str| -> Result<Link, ConfigError> {
+            let spec = StackSpec::parse("t.toml", &format!("[modules.d]\nkind = \"demo\"\n{lines}")).unwrap();
+            let mut r = spec.modules[0].settings.reader("demo");
+            let mut l = Link::default();
+            RENAMED.read(&mut r, "a", &mut l)?;
+            r.finish()?;
+            Ok(l)
+        };
+        assert_eq!(read("").unwrap(), Link { bps: 0 });
+        assert_eq!(read("\"a.rate_mbit\" = 8\n").unwrap(), Link { bps: 8_000_000 });
+        assert_eq!(read("\"a.rate_bps\" = 5000000\n").unwrap(), Link { bps: 5_000_000 });
+        assert_eq!(read("\"a.rate_bps\" = 5000000\n\"a.rate_mbit\" = 8\n").unwrap(), Link { bps: 8_000_000 });
+        let e = read("\"a.rate_bps\" = -1\n").unwrap_err();
+        assert!(e.message.contains("setting `a.rate_bps`"), "{e}");
+
+        let vars = RENAMED.vars("a", &Link { bps: 5_000_000 });
+        assert_eq!((vars[0].name.as_str(), vars[0].alias_of.as_deref()), ("a.rate_mbit", None));
+        assert_eq!((vars[1].name.as_str(), vars[1].alias_of.as_deref()), ("a.rate_bps", Some("a.rate_mbit")));
+        assert_eq!(vars[1].description, "deprecated: the old name of `a.rate_mbit`, in bit/s");
+        let cells = ModuleVars::new(&vars);
+        RENAMED.publish("a", &Link { bps: 5_000_000 }, &cells);
+        assert_eq!(cells.cell("a.rate_mbit").unwrap().get(), Value::F64(5.0));
+        assert_eq!(cells.cell("a.rate_bps").unwrap().get(), Value::U64(5_000_000));
+        let mut l = Link::default();
+        RENAMED.write(&mut l, "a", "rate_bps", &Value::U64(7)).unwrap();
+        assert_eq!(l.bps, 7);
+        assert_eq!((RENAMED.new_name_of("rate_bps"), RENAMED.new_name_of("rate_mbit")), (Some("rate_mbit"), None));
+
+        let mut reference = DECL.reference();
+        RENAMED.add_to(&mut reference);
+        let old = reference.settings.last().unwrap();
+        assert_eq!(old.name, "<iface>.rate_bps");
+        assert_eq!(old.description, "deprecated: the old name of `<iface>.rate_mbit`, in bit/s");
     }
 
     #[test]

@@ -19,6 +19,7 @@
 
 pub mod config;
 pub mod decl;
+pub mod deprecation;
 pub mod frame;
 pub mod module;
 pub mod reference;
@@ -29,7 +30,8 @@ pub mod value;
 pub mod vars;
 
 pub use config::{ConfigError, LinkSpec, Location, Settings, StackSpec};
-pub use decl::{KindDecl, MeterDecl, Param, PortDecl};
+pub use decl::{GroupDecl, KindDecl, MeterDecl, Param, PortDecl};
+pub use deprecation::Deprecations;
 pub use frame::{Batch, ControlFrame, ControlOp, Direction, Frame, MetaKey, Packet, PacketPool};
 pub use module::{Catalog, FaceDevice, Module, ModuleBuilder, ModuleInterface, ModuleKind, Output, PortSpec};
 pub use reference::KindReference;

@@ -14,14 +14,15 @@
 //! socket and never blocks; it emits frames on its output ports through [`Output`] and the switch routes them.
 
 use crate::config::{ConfigError, Settings};
+use crate::deprecation::Deprecations;
 use crate::frame::{Batch, ControlFrame, ControlOp, Frame, PacketPool};
 use crate::reference::{KindReference, MeterDoc, PortDoc, SettingDoc};
 use crate::time::Time;
 use crate::value::Value;
 use crate::vars::{DynamicVars, ModuleVars, VarKind, VarSpec};
 use std::any::Any;
-use std::collections::{BTreeMap, BTreeSet};
-use std::sync::{Arc, Mutex};
+use std::collections::BTreeMap;
+use std::sync::Arc;
 
 /// Frame type carried by a port; links must join ports of compatible types.
 pub mod port_type {
@@ -109,6 +110,12 @@ pub trait ModuleBuilder: Send {
     /// given as a setting of the same name already holds that value; the module stores the initial value of any
     /// other knob itself, so that the stack's description shows what it runs with.
     fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module>;
+
+    /// Hands over where old names are reported (the catalog's, after `configure`): a module with a knob kept under
+    /// an old name ([`VarSpec::alias_of`]) reports a write by that name there. The default ignores it.
+    fn deprecations(&mut self, deprecations: &Deprecations) {
+        let _ = deprecations;
+    }
 }
 
 /// A running module: a sans-IO state machine driven by the switch.
@@ -414,13 +421,9 @@ fn configured_reference<K: ModuleKind + ?Sized>(kind: &K) -> KindReference {
 pub struct Catalog {
     kinds: BTreeMap<&'static str, Box<dyn ModuleKind>>,
     aliases: BTreeMap<&'static str, &'static str>,
-    /// Old names already reported to `on_alias`.
-    reported: Mutex<BTreeSet<&'static str>>,
-    on_alias: Option<AliasHook>,
+    /// Where old names are reported, once each: of kinds, and of settings and knobs.
+    deprecations: Deprecations,
 }
-
-/// Called the first time a renamed kind is configured by its old name, with (old name, new name).
-pub type AliasHook = Box<dyn Fn(&'static str, &'static str) + Send + Sync>;
 
 impl Catalog {
     /// An empty catalog.
@@ -443,10 +446,11 @@ impl Catalog {
         self.aliases.iter().map(|(old, new)| (*old, *new))
     }
 
-    /// Calls `hook` with (old name, new name) the first time each old name is configured (core does not log: the
-    /// daemon logs a deprecation warning from here).
-    pub fn on_alias(&mut self, hook: impl Fn(&'static str, &'static str) + Send + Sync + 'static) {
-        self.on_alias = Some(Box::new(hook));
+    /// Calls `hook` with (old name, new name) the first time each old name is used: a renamed kind's (configured
+    /// by it), a setting's (configured with it) or a knob's (written by it, in a module configured here). Core does
+    /// not log: the daemon logs a deprecation warning from here.
+    pub fn on_alias(&mut self, hook: impl Fn(&str, &str) + Send + Sync + 'static) {
+        self.deprecations.set_hook(Box::new(hook));
     }
 
     /// The current name of kind `name`: itself if it is a kind, the new name if it is an old one.
@@ -492,17 +496,18 @@ impl Catalog {
             return Err(ConfigError::new(location, message));
         };
         if let Some((&old, &new)) = self.aliases.get_key_value(kind) {
-            self.report_alias(old, new);
+            self.deprecations.report(old, new);
         }
         // An error about no setting in particular (e.g. a required one missing) points at the module's table.
-        k.configure(settings).map_err(|e| if e.location.is_none() { ConfigError { location, ..e } } else { e })
-    }
-
-    fn report_alias(&self, old: &'static str, new: &'static str) {
-        let first = self.reported.lock().unwrap_or_else(|p| p.into_inner()).insert(old);
-        if let (true, Some(hook)) = (first, &self.on_alias) {
-            hook(old, new);
+        let mut builder =
+            k.configure(settings).map_err(|e| if e.location.is_none() { ConfigError { location, ..e } } else { e })?;
+        for v in builder.interface().vars {
+            if let Some(new) = v.alias_of.as_deref().filter(|_| settings.get(&v.name).is_some()) {
+                self.deprecations.report(&v.name, new);
+            }
         }
+        builder.deprecations(&self.deprecations);
+        Ok(builder)
     }
 }
 
@@ -522,6 +527,54 @@ mod tests {
     struct PlainModule;
     impl Module for PlainModule {
         fn process(&mut self, _: usize, _: &mut Batch, _: &mut Output<'_>) {}
+    }
+
+    /// A kind whose knob `mbit` was called `bps` (in bit/s).
+    #[derive(Default)]
+    struct Rate {
+        bps: u64,
+    }
+    const RATED: crate::KindDecl<Rate, ()> = crate::KindDecl {
+        params: &[
+            crate::Param::<Rate>::f64(
+                "mbit",
+                "Mbit/s",
+                "rate",
+                0.0,
+                (|r| r.bps as f64 / 1e6, |r, v| r.bps = (v * 1e6) as u64),
+            ),
+            crate::Param::<Rate>::u64("bps", "bit/s", "rate", 0, crate::field!(bps)).renamed_to("mbit"),
+        ],
+        ..crate::KindDecl::new("rated", "a kind with a renamed knob")
+    };
+    struct Rated;
+    impl ModuleKind for Rated {
+        crate::kind_from_decl!(RATED);
+        fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
+            RATED.configure(settings, Rate::default(), |_, (), _| Box::new(PlainModule))
+        }
+    }
+
+    #[test]
+    fn an_old_setting_name_is_reported_once_and_described_by_its_new_name() {
+        let heard = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let mut c = Catalog::new();
+        c.register(Box::new(Rated));
+        let h = heard.clone();
+        c.on_alias(move |old, new| h.lock().unwrap().push(format!("{old} -> {new}")));
+        let spec = crate::StackSpec::parse("t.toml", "[modules.r]\nkind = \"rated\"\nbps = 5000000\n").unwrap();
+        let settings = &spec.modules[0].settings;
+        let builder = c.configure("rated", settings, None).unwrap();
+        c.configure("rated", settings, None).unwrap();
+        c.configure("rated", &Settings::default(), None).unwrap();
+        assert_eq!(*heard.lock().unwrap(), ["bps -> mbit"]);
+
+        let mut sw = crate::Switch::default();
+        let load = crate::Edit::Load { name: "r".into(), kind: "rated".into(), settings: settings.clone(), builder };
+        sw.apply(vec![load]).unwrap();
+        let described = &sw.describe().modules[0].settings;
+        assert!(described.get("bps").is_none(), "the old name is not written back");
+        assert_eq!(described.get("mbit").map(|s| s.value.clone()), Some(toml::Value::Float(5.0)));
     }
 
     #[test]

@@ -1087,7 +1087,11 @@ impl Switch {
             .map(|s| {
                 let mut settings = s.settings.clone();
                 for c in s.vars.cells().iter().filter(|c| c.spec().kind == VarKind::Knob) {
-                    settings.insert(&c.spec().name, c.get().to_toml());
+                    // A knob's old name is written as its new one (which holds the same value).
+                    match c.spec().alias_of {
+                        Some(_) => settings.remove(&c.spec().name),
+                        None => settings.insert(&c.spec().name, c.get().to_toml()),
+                    }
                 }
                 ModuleSpec { name: s.name.clone(), kind: s.kind.clone(), settings, location: None }
             })

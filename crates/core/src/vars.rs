@@ -39,6 +39,10 @@ pub struct VarSpec {
     /// Inclusive numeric range a knob accepts, if limited.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub range: Option<(f64, f64)>,
+    /// For a knob kept under an old name: the knob it is an old name of (a write sets that one too, converted).
+    /// The stack's description leaves it out: it writes the new name.
+    #[serde(skip)]
+    pub alias_of: Option<String>,
 }
 
 impl VarSpec {
@@ -51,6 +55,7 @@ impl VarSpec {
             unit: unit.into(),
             description: description.into(),
             range: None,
+            alias_of: None,
         }
     }
 
@@ -63,7 +68,14 @@ impl VarSpec {
             unit: unit.into(),
             description: description.into(),
             range: None,
+            alias_of: None,
         }
+    }
+
+    /// Marks a knob as the old name of knob `new`.
+    pub fn as_alias_of(mut self, new: &str) -> VarSpec {
+        self.alias_of = Some(new.into());
+        self
     }
 
     /// Limits a numeric knob to `min..=max`.

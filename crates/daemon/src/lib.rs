@@ -25,7 +25,7 @@ pub fn catalog() -> flexstack_core::Catalog {
     catalog.register(Box::new(flexstack_faces::TunKind));
     catalog.register(Box::new(flexstack_faces::PacketKind));
     catalog.on_alias(|old, new| {
-        tracing::warn!("module kind `{old}` is deprecated: it was renamed `{new}`; the old name still loads for now")
+        tracing::warn!("`{old}` is deprecated: it was renamed `{new}`; the old name still works for now")
     });
     catalog
 }

@@ -4,6 +4,7 @@ use flexstack_core::{Direction, FaceDevice, Meter};
 use std::sync::OnceLock;
 
 /// Meters of a device's I/O, bound when the module is built and written only by the data-plane thread.
+#[derive(Default)]
 pub(crate) struct DeviceMeters {
     pub(crate) rx_packets: Meter,
     pub(crate) rx_bytes: Meter,

@@ -5,21 +5,24 @@
 //! the control side, which holds the privileges — and the data-plane thread reads and writes it on the module's
 //! behalf (see the daemon's data plane). Dropping the module drops the device.
 //!
-//! - Kind `tun`: a TUN device carrying raw IP packets (an app's virtual NIC, or the host face). Ports: input `in`,
-//!   output `out` (ip). Settings: `name` (interface name, required), `mtu` (default 1500), `direction` of the
-//!   frames read from it (`"down"`, the default, for an app's NIC whose packets go towards the network; `"up"` for a
-//!   face on the network side, such as the host face), `queue`, `offload` (default true). With `offload`, the
-//!   device uses virtio-net headers (IFF_VNET_HDR) with TCP (TSO, checksum) and, where the kernel has them, UDP
-//!   (USO) offloads: the kernel hands over large GSO packets, which are cut here into segments of at most the MTU
-//!   with complete checksums, so that modules see only ordinary packets; packets written to the device are
-//!   coalesced per flow into GSO writes where possible (GRO), so that the kernel gets few large packets.
+//! Both kinds' ports, settings and meters are declared once, in `TUN` and `PACKET` below; docs/modules.md lists
+//! them. Frames beyond `queue` waiting for the device are dropped (`drop_queue_full_total`); the `rx_*` and
+//! `tx_errors_total` meters are counted as the data plane does the device's I/O; `carrier` is 1 while the link is
+//! up (for `tun`, always).
+//!
+//! - Kind `tun`: a TUN device carrying raw IP packets (an app's virtual NIC, or the host face). `direction` is that
+//!   of the frames read from it: `"down"` for an app's NIC, whose packets go towards the network; `"up"` for a face
+//!   on the network side, such as the host face. With `offload`, the device uses virtio-net headers
+//!   (IFF_VNET_HDR) with TCP (TSO, checksum) and, where the kernel has them, UDP (USO) offloads: the kernel hands
+//!   over large GSO packets, which are cut here into segments of at most the MTU with complete checksums, so that
+//!   modules see only ordinary packets; packets written to the device are coalesced per flow into GSO writes where
+//!   possible (GRO), so that the kernel gets few large packets.
 //! - Kind `packet`: a link face: an AF_PACKET socket on an existing interface that flexstack takes over, carrying
-//!   Ethernet frames (put a `link` module behind it for ARP/NDP and addresses). Ports: input `in`, output `out`
-//!   (ethernet). Settings: `interface` (required), `take_over` (default true: the kernel's addresses on the
-//!   interface are flushed and kernel IPv6 is disabled on it, so that only flexstack answers ARP and neighbour
-//!   discovery there; they are not restored), `queue`. Frames the kernel itself sends out on the interface are not
-//!   read back; frames are sent past the interface's queueing discipline (PACKET_QDISC_BYPASS). The socket uses
-//!   virtio-net headers (PACKET_VNET_HDR): a frame whose sender offloaded its transport checksum keeps it partial
+//!   Ethernet frames (put an `ethernet` module behind it for ARP/NDP and addresses). With `take_over`, the
+//!   kernel's addresses on the interface are flushed and kernel IPv6 is disabled on it, so that only flexstack
+//!   answers ARP and neighbour discovery there; they are not restored. Frames the kernel itself sends out on the
+//!   interface are not read back; frames are sent past the interface's queueing discipline (PACKET_QDISC_BYPASS).
+//!   The socket uses virtio-net headers (PACKET_VNET_HDR): a frame whose sender offloaded its transport checksum keeps it partial
 //!   and carries `MetaKey::CSUM_PARTIAL` (see there for the rule modules follow: `link` completes it, so the IP
 //!   modules behind it see complete checksums); writing a frame with the key hands it back with NEEDS_CSUM, so
 //!   that neither side sums the frame (up to 64 KiB). A GSO super-frame (TCPv4, TCPv6, UDP_L4; e.g. up to 64 KiB of TCP
@@ -31,55 +34,129 @@
 //!   ([`crate::linkwatch`]): when it loses its carrier or goes down, and when it comes back, the meter `carrier`
 //!   goes to 0 or 1, `carrier_changes_total` counts, and every module is told (`Module::link_changed` with the
 //!   face's name; e.g. `late-binding` takes an interface down whose `face` setting names it).
-//! - Both: `queue` is the most frames waiting for the device (default 4096; beyond, drop_queue_full). Meters:
-//!   rx_packets_total, rx_bytes_total, rx_errors_total, tx_errors_total (counted as the data plane does the
-//!   device's I/O), tx_packets_total, tx_bytes_total, drop_queue_full_total, device (the interface name), carrier
-//!   (1 while up; for `tun`, always), carrier_changes_total.
 
 use crate::device::{Device, DeviceMeters};
 use crate::packet::{take_over_interface, PacketDevice};
 use crate::tun::TunDevice;
-use flexstack_core::config::{ConfigError, Settings, SettingsReader};
+use flexstack_core::config::{ConfigError, Settings};
+use flexstack_core::decl::{KindDecl, MeterDecl, Param, PortDecl};
 use flexstack_core::module::port_type;
 use flexstack_core::vars::ModuleVars;
 use flexstack_core::{
-    Batch, Direction, FaceDevice, Frame, Meter, Module, ModuleBuilder, ModuleInterface, ModuleKind, Output, PortSpec,
-    ValueType, VarSpec,
+    field, kind_from_decl, Batch, Direction, FaceDevice, Frame, Meter, Module, ModuleBuilder, ModuleInterface,
+    ModuleKind, Output, Value, ValueType,
 };
 use std::sync::Arc;
-
-/// Reads the setting both kinds share: the most frames waiting for the device.
-fn queue_setting(r: &mut SettingsReader<'_>) -> Result<usize, ConfigError> {
-    Ok(r.u64_in("queue", 4096, 1, 1 << 20)? as usize)
-}
 
 fn valid_ifname(name: &str) -> bool {
     !name.is_empty() && name.len() <= 15 && name.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'-' || c == b'_')
 }
 
+/// The settings of a face besides the device's name (`Default` is a blank to read them into: the defaults are
+/// declared in `TUN` and `PACKET`).
+#[derive(Clone, Copy, Debug, Default)]
+struct Config {
+    queue: u64,
+    mtu: u64,
+    offload: bool,
+    direction: Direction,
+    take_over: bool,
+}
+
+type P = Param<Config>;
+
+/// The setting both kinds share: the most frames waiting for the device.
+const QUEUE: P = P::u64("queue", "frames", "most frames waiting for the device; beyond, dropped", 4096, field!(queue))
+    .range(1.0, (1u64 << 20) as f64)
+    .setting();
+
+/// The meters both kinds share.
+const METERS: &[MeterDecl<Meters>] = &[
+    MeterDecl::u64("tx_packets_total", "packets", "packets queued for the device", |m| &mut m.tx_packets),
+    MeterDecl::u64("tx_bytes_total", "bytes", "bytes queued for the device", |m| &mut m.tx_bytes),
+    MeterDecl::u64("drop_queue_full_total", "packets", "dropped: the device queue was full", |m| &mut m.drop_full),
+    MeterDecl::new("device", ValueType::Str, "", "the interface name", |m| &mut m.device),
+    MeterDecl::u64("rx_packets_total", "packets", "packets read from the device", |m| &mut m.io.rx_packets),
+    MeterDecl::u64("rx_bytes_total", "bytes", "bytes read from the device", |m| &mut m.io.rx_bytes),
+    MeterDecl::u64("rx_errors_total", "errors", "failed reads", |m| &mut m.io.rx_errors),
+    MeterDecl::u64("tx_errors_total", "errors", "failed writes (the packet is lost)", |m| &mut m.io.tx_errors),
+    MeterDecl::u64(
+        "carrier",
+        "",
+        "1 while the interface is up with carrier, 0 while not (watched for link faces)",
+        |m| &mut m.carrier,
+    ),
+    MeterDecl::u64("carrier_changes_total", "changes", "carrier losses and returns seen", |m| &mut m.carrier_changes),
+];
+
+/// The `tun` kind.
+const TUN: KindDecl<Config, Meters> = KindDecl {
+    inputs: &[PortDecl::new("in", port_type::IP, "IP packets to write to the device")],
+    outputs: &[PortDecl::new("out", port_type::IP, "IP packets read from the device")],
+    params: &[
+        P::manual("name", "str", "the TUN interface's name (1-15 letters, digits, '-', '_')", "required"),
+        P::u64("mtu", "bytes", "the device's MTU", 1500, field!(mtu)).range(68.0, 65535.0).setting(),
+        QUEUE,
+        P::bool(
+            "offload",
+            "virtio-net offloads: GSO packets read are cut, packets written coalesced",
+            true,
+            field!(offload),
+        )
+        .setting(),
+        P::text(
+            "direction",
+            "down (an app's NIC) or up (a face on the network side): the direction of the packets read",
+            "down",
+            |c| if c.direction == Direction::Up { "up" } else { "down" }.into(),
+            |c, t| {
+                c.direction = match t {
+                    "down" => Direction::Down,
+                    "up" => Direction::Up,
+                    other => return Err(format!("expected \"down\" or \"up\", got {other:?}")),
+                };
+                Ok(())
+            },
+        )
+        .setting(),
+    ],
+    meters: METERS,
+    // Its output comes from the device, not from its input: a cycle through a face cannot loop in a batch.
+    breaks_cycles: true,
+    ..KindDecl::new("tun", "a TUN device: raw IP packets to and from the kernel (an app's virtual NIC, or the host)")
+};
+
+/// The `packet` kind.
+const PACKET: KindDecl<Config, Meters> = KindDecl {
+    inputs: &[PortDecl::new("in", port_type::ETHERNET, "Ethernet frames to write to the interface")],
+    outputs: &[PortDecl::new("out", port_type::ETHERNET, "Ethernet frames read from the interface")],
+    params: &[
+        P::manual("interface", "str", "the interface to take over", "required"),
+        P::bool(
+            "take_over",
+            "flush the kernel's addresses on the interface and disable its IPv6 (not restored)",
+            true,
+            field!(take_over),
+        )
+        .setting(),
+        QUEUE,
+    ],
+    meters: METERS,
+    breaks_cycles: true,
+    ..KindDecl::new("packet", "a link face: Ethernet frames to and from an interface flexstack takes over (AF_PACKET)")
+};
+
 /// The `tun` module kind.
 pub struct TunKind;
 
 impl ModuleKind for TunKind {
-    fn name(&self) -> &'static str {
-        "tun"
-    }
-
-    fn summary(&self) -> &'static str {
-        "a TUN device: raw IP packets to and from the kernel (an app's virtual NIC, or the host)"
-    }
+    kind_from_decl!(TUN);
 
     fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
-        let mut r = settings.reader("tun");
+        let mut r = settings.reader(TUN.name);
         let name = r.string("name")?;
-        let mtu = r.u64_in("mtu", 1500, 68, 65535)?;
-        let queue = queue_setting(&mut r)?;
-        let offload = r.bool("offload")?.unwrap_or(true);
-        let direction = match r.string("direction")?.as_deref() {
-            None | Some("down") => Direction::Down,
-            Some("up") => Direction::Up,
-            Some(other) => return Err(r.error("direction", format_args!("expected \"down\" or \"up\", got {other:?}"))),
-        };
+        let mut cfg = Config::default();
+        TUN.read(&mut r, &mut cfg)?;
         let Some(name) = name else {
             return Err(r.error("name", "is required: the TUN interface's name, e.g. name = \"fs-app0\""));
         };
@@ -88,10 +165,10 @@ impl ModuleKind for TunKind {
                 r.error("name", format_args!("{name:?} is not an interface name (1-15 letters, digits, '-', '_')"))
             );
         }
-        let device = TunDevice::create(&name, mtu as u16, direction, offload)
+        let device = TunDevice::create(&name, cfg.mtu as u16, cfg.direction, cfg.offload)
             .map_err(|e| r.error("name", format_args!("cannot create TUN device {name}: {e} (needs CAP_NET_ADMIN)")))?;
         r.finish()?;
-        Ok(Box::new(FaceBuilder { device: Arc::new(device), queue, ty: port_type::IP }))
+        Ok(Box::new(FaceBuilder { device: Arc::new(device), cfg, decl: &TUN }))
     }
 }
 
@@ -99,91 +176,66 @@ impl ModuleKind for TunKind {
 pub struct PacketKind;
 
 impl ModuleKind for PacketKind {
-    fn name(&self) -> &'static str {
-        "packet"
-    }
-
-    fn summary(&self) -> &'static str {
-        "a link face: Ethernet frames to and from an interface flexstack takes over (AF_PACKET)"
-    }
+    kind_from_decl!(PACKET);
 
     fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
-        let mut r = settings.reader("packet");
+        let mut r = settings.reader(PACKET.name);
         let interface = r.string("interface")?;
-        let take_over = r.bool("take_over")?.unwrap_or(true);
-        let queue = queue_setting(&mut r)?;
+        let mut cfg = Config::default();
+        PACKET.read(&mut r, &mut cfg)?;
         let Some(interface) = interface else {
             return Err(r.error("interface", "is required: the interface to take over, e.g. interface = \"eth1\""));
         };
         if !valid_ifname(&interface) {
             return Err(r.error("interface", format_args!("{interface:?} is not an interface name")));
         }
-        if take_over {
+        if cfg.take_over {
             take_over_interface(&interface).map_err(|e| r.error("interface", e))?;
         }
         let device = PacketDevice::open(&interface)
             .map_err(|e| r.error("interface", format_args!("cannot open {interface}: {e} (needs CAP_NET_RAW)")))?;
         r.finish()?;
-        Ok(Box::new(FaceBuilder { device: Arc::new(device), queue, ty: port_type::ETHERNET }))
+        Ok(Box::new(FaceBuilder { device: Arc::new(device), cfg, decl: &PACKET }))
     }
 }
 
 struct FaceBuilder<D: Device + 'static> {
     device: Arc<D>,
-    queue: usize,
-    ty: &'static str,
+    cfg: Config,
+    decl: &'static KindDecl<Config, Meters>,
+}
+
+/// A face's meters; those of the device's I/O go to the device.
+#[derive(Default)]
+struct Meters {
+    tx_packets: Meter,
+    tx_bytes: Meter,
+    drop_full: Meter,
+    device: Meter,
+    io: DeviceMeters,
+    carrier: Meter,
+    carrier_changes: Meter,
 }
 
 impl<D: Device + 'static> ModuleBuilder for FaceBuilder<D> {
     fn interface(&self) -> ModuleInterface {
-        ModuleInterface {
-            inputs: vec![PortSpec::new("in", self.ty)],
-            outputs: vec![PortSpec::new("out", self.ty)],
-            vars: vec![
-                VarSpec::meter("tx_packets_total", ValueType::U64, "packets", "packets queued for the device"),
-                VarSpec::meter("tx_bytes_total", ValueType::U64, "bytes", "bytes queued for the device"),
-                VarSpec::meter(
-                    "drop_queue_full_total",
-                    ValueType::U64,
-                    "packets",
-                    "dropped: the device queue was full",
-                ),
-                VarSpec::meter("device", ValueType::Str, "", "the interface name"),
-                VarSpec::meter("rx_packets_total", ValueType::U64, "packets", "packets read from the device"),
-                VarSpec::meter("rx_bytes_total", ValueType::U64, "bytes", "bytes read from the device"),
-                VarSpec::meter("rx_errors_total", ValueType::U64, "errors", "failed reads"),
-                VarSpec::meter("tx_errors_total", ValueType::U64, "errors", "failed writes (the packet is lost)"),
-                VarSpec::meter(
-                    "carrier",
-                    ValueType::U64,
-                    "",
-                    "1 while the interface is up with carrier, 0 while not (watched for link faces)",
-                ),
-                VarSpec::meter("carrier_changes_total", ValueType::U64, "changes", "carrier losses and returns seen"),
-            ],
-            // Its output comes from the device, not from its input: a cycle through a face cannot loop in a batch.
-            breaks_cycles: true,
-        }
+        self.decl.interface(&self.cfg)
     }
 
     fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module> {
         let common = self.device.common();
-        vars.meter("device").store(&flexstack_core::Value::Str(common.name.clone()));
+        let m = self.decl.meters(vars);
+        m.device.store(&Value::Str(common.name.clone()));
         // Up until the data plane's link watcher says otherwise (it tells a link first seen down at once).
-        vars.meter("carrier").set(1);
-        let _ = common.meters.set(DeviceMeters {
-            rx_packets: vars.meter("rx_packets_total"),
-            rx_bytes: vars.meter("rx_bytes_total"),
-            rx_errors: vars.meter("rx_errors_total"),
-            tx_errors: vars.meter("tx_errors_total"),
-        });
+        m.carrier.set(1);
+        let _ = common.meters.set(m.io);
         Box::new(Face {
             device: self.device,
             queue: Vec::new(),
-            limit: self.queue,
-            tx_packets: vars.meter("tx_packets_total"),
-            tx_bytes: vars.meter("tx_bytes_total"),
-            drop_full: vars.meter("drop_queue_full_total"),
+            limit: self.cfg.queue as usize,
+            tx_packets: m.tx_packets,
+            tx_bytes: m.tx_bytes,
+            drop_full: m.drop_full,
         })
     }
 }

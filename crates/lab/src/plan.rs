@@ -252,8 +252,8 @@ impl Plan {
 
     /// The values a stacked host's stack template may use, as `(placeholder, value)`: for each of its interfaces
     /// `ethN`, `{ethN.address}` (10.0.3.1), `{ethN.cidr}` (10.0.3.1/24), `{ethN.mac}`, `{ethN.peer}` (the other end's
-    /// address, the gateway), `{ethN.peer_mac}` and `{ethN.bw_bps}` (the link's rate in bit/s at the start, 0 if
-    /// unlimited); and `{host}`, `{app_subnet}` (172.16.0.0/16). The daemon fills in `{app}`, `{app_dev}`,
+    /// address, the gateway), `{ethN.peer_mac}`, `{ethN.bw_mbit}` (the link's rate at the start in Mbit/s, as its
+    /// `bw`, 0 if unlimited) and `{ethN.bw_bps}` (the same in bit/s); and `{host}`, `{app_subnet}` (172.16.0.0/16). The daemon fills in `{app}`, `{app_dev}`,
     /// `{host_dev}`, `{app_v4}` and `{app_v6}` when an app attaches.
     pub fn template_values(&self, lab: &Lab, host: &str) -> Vec<(String, String)> {
         let Some(h) = self.host(host) else { return Vec::new() };
@@ -262,13 +262,15 @@ impl Plan {
             out.push(("{app_subnet}".into(), format!("{s}/16")));
         }
         for f in &h.interfaces {
-            let bw = lab.links[f.link].params.bw_mbit.map_or(0, |m| (m * 1e6).round() as u64);
+            let bw_mbit = lab.links[f.link].params.bw_mbit.unwrap_or(0.0);
+            let bw = (bw_mbit * 1e6).round() as u64;
             let n = &f.name;
             out.push((format!("{{{n}.address}}"), f.address.to_string()));
             out.push((format!("{{{n}.cidr}}"), format!("{}/24", f.address)));
             out.push((format!("{{{n}.mac}}"), f.mac.clone()));
             out.push((format!("{{{n}.peer}}"), f.peer_address.to_string()));
             out.push((format!("{{{n}.peer_mac}}"), f.peer_mac.clone()));
+            out.push((format!("{{{n}.bw_mbit}}"), bw_mbit.to_string()));
             out.push((format!("{{{n}.bw_bps}}"), bw.to_string()));
         }
         out
@@ -551,6 +553,7 @@ b = "srv"
         assert_eq!(get("{eth1.peer}"), "10.0.1.2");
         assert_eq!(get("{eth0.bw_bps}"), "5000000");
         assert_eq!(get("{eth1.bw_bps}"), "0");
+        assert_eq!((get("{eth0.bw_mbit}"), get("{eth1.bw_mbit}")), ("5".into(), "0".into()));
         assert_eq!(get("{eth1.mac}"), "02:00:0a:00:01:01");
         assert_eq!(get("{app_subnet}"), "172.16.0.0/16");
     }

@@ -140,7 +140,7 @@ impl Bench {
 kind = "late-binding"
 interfaces = ["a"]
 queue_limit = 1000000
-"a.rate_bps" = 10000000000
+"a.rate_mbit" = 10000
 "a.device_queue" = DEVICE_QUEUE
 "a.address_v4" = "192.0.2.10"
 quantum = QUANTUM

@@ -1,8 +1,9 @@
 //! `classify`: sorts IP packets by transport protocol and keeps a table of bidirectional 5-tuple flows, each with an
 //! id, per-flow meters and an idle timeout.
 //!
-//! - Ports: input `in` (ip); outputs `tcp`, `udp`, `icmp` (ICMP and ICMPv6) and `other` (ip), so a stack can write
-//!   `classify[udp] -> nat`. Every packet that parses leaves on the output of its protocol.
+//! Its ports, settings, knobs and meters are declared once, in `DECL` below; docs/modules.md lists them.
+//!
+//! - Ports: a stack can write `classify[udp] -> nat`. Every packet that parses leaves on the output of its protocol.
 //! - Flows: the key is (protocol, address and port of each side), with ports for TCP/UDP, the identifier for ICMP
 //!   echo and 0 otherwise; the two sides are put in a fixed order, so both directions of a conversation are one
 //!   flow. A new flow gets the next id (1, 2, ...), which is stamped into each of its packets' metadata
@@ -14,25 +15,20 @@
 //! - Idle timeouts: a flow expires when it has seen no packet for its protocol's timeout; a TCP flow that saw a RST,
 //!   or a FIN from both sides, uses `tcp_closing_timeout_ms` instead. Expired flows leave the table and their
 //!   `flow.<id>` meters are unregistered. Expiry runs from the module's poll, at the earliest deadline.
-//! - Settings: `max_flows`, `vars_prefix` (text, default `flow`: meters go under `<vars_prefix>.<id>`; give each
-//!   classifier of a stack its own, e.g. `flow.lan`, so that their ids do not collide), and every knob.
-//! - Knobs: `track` (bool, default true; false empties the table and passes packets without flows),
-//!   `max_flows` (u64, default 65536: beyond, packets pass untracked, counted in `flows_untracked_total`),
-//!   `tcp_timeout_ms` (300000), `tcp_closing_timeout_ms` (10000), `udp_timeout_ms` (30000), `icmp_timeout_ms`
-//!   (10000), `other_timeout_ms` (30000).
-//! - Meters: `flows_active`, `flows_created_total`, `flows_expired_total`, `flows_untracked_total`,
-//!   `fragments_untracked_total`, and drops: `drop_<reason>_total` for packets that do not parse (reasons of
-//!   [`ParseError`](flexstack_wire::packet::ParseError)) and `drop_not_packet_total` for control frames arriving on `in`. Per-port frame counts are the
-//!   switch's.
+//! - `vars_prefix`: the flows' meters go under `<vars_prefix>.<id>`; give each classifier of a stack its own, e.g.
+//!   `flow.lan`, so that their ids do not collide. `track` = false empties the table (at the poll that follows the
+//!   write) and passes packets without flows; beyond `max_flows`, packets pass untracked.
+//! - Drops: packets that do not parse count by [`ParseError`](flexstack_wire::packet::ParseError) reason, control
+//!   frames arriving on `in` in `drop_not_packet_total`. Per-port frame counts are the switch's.
 //!
 //! On `module replace` with state kept, the new classifier continues the old one's flows (ids, meters, timers)
 //! under its own timeouts.
 
-use crate::flow::table::{tcp_flags, Expiring, Idle, Slab, Timeouts, Timers};
+use crate::flow::table::{tcp_flags, timeouts_in_field, Expiring, Idle, Slab, Timeouts, Timers};
 use flexstack_core::module::port_type;
 use flexstack_core::{
-    Batch, ConfigError, Direction, MetaKey, Meter, Module, ModuleBuilder, ModuleInterface, ModuleKind, ModuleVars,
-    Output, PortSpec, Settings, Time, Value, ValueType, VarSpec,
+    field, kind_from_decl, Batch, ConfigError, Direction, KindDecl, MetaKey, Meter, MeterDecl, Module, ModuleBuilder,
+    ModuleKind, ModuleVars, Output, Param, PortDecl, Settings, Time, Value, ValueType, VarSpec,
 };
 use flexstack_wire::packet::{proto, PacketInfo, ParseDrops};
 use std::any::Any;
@@ -72,93 +68,108 @@ fn proto_name(p: u8) -> String {
 /// The `classify` module kind.
 pub struct ClassifyKind;
 
-impl ModuleKind for ClassifyKind {
-    fn name(&self) -> &'static str {
-        KIND
-    }
+/// The settings and knobs of a classifier (`Default` is a blank to read them into: the defaults are declared in
+/// `DECL`).
+#[derive(Clone, Debug, Default)]
+struct Config {
+    track: bool,
+    max_flows: u64,
+    timeouts: Timeouts,
+    vars_prefix: String,
+}
 
-    fn summary(&self) -> &'static str {
-        "sorts IP packets by protocol; bidirectional 5-tuple flows with ids, per-flow meters and idle timeouts"
+timeouts_in_field!(Config);
+
+/// Checks and sets `vars_prefix`: `flow` or `flow.NAME`.
+fn set_vars_prefix(c: &mut Config, prefix: &str) -> Result<(), String> {
+    let segment_ok = |s: &str| {
+        !s.is_empty()
+            && s.len() <= 64
+            && s.bytes().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'_' || c == b'-')
+    };
+    if !(prefix == "flow" || prefix.strip_prefix("flow.").is_some_and(|rest| rest.split('.').all(segment_ok))) {
+        return Err(format!("expected `flow` or `flow.NAME` (lowercase letters, digits, '_', '-'), got {prefix:?}"));
     }
+    c.vars_prefix = prefix.into();
+    Ok(())
+}
+
+type P = Param<Config>;
+
+/// The settings and knobs: `track`, `max_flows`, the timeouts, `vars_prefix`.
+const PARAMS: [P; 8] = {
+    let t = Timeouts::params::<Config>();
+    [
+        P::bool("track", "keep the flow table (false empties it)", true, field!(track)),
+        P::u64("max_flows", "flows", "most flows tracked; beyond, packets pass untracked", 65_536, field!(max_flows))
+            .range(0.0, MAX_FLOWS_LIMIT as f64),
+        t[0],
+        t[1],
+        t[2],
+        t[3],
+        t[4],
+        P::text(
+            "vars_prefix",
+            "prefix of the flows' meters: `flow` or `flow.NAME`",
+            "flow",
+            |c| c.vars_prefix.clone(),
+            set_vars_prefix,
+        )
+        .setting(),
+    ]
+};
+
+/// The kind: ports, settings, knobs and meters.
+const DECL: KindDecl<Config, Meters> = KindDecl {
+    inputs: &[PortDecl::new("in", port_type::IP, "IP packets to sort")],
+    outputs: &[
+        PortDecl::new("tcp", port_type::IP, "TCP packets"),
+        PortDecl::new("udp", port_type::IP, "UDP packets"),
+        PortDecl::new("icmp", port_type::IP, "ICMP and ICMPv6 packets"),
+        PortDecl::new("other", port_type::IP, "packets of every other protocol"),
+    ],
+    params: &PARAMS,
+    meters: &[
+        MeterDecl::u64("flows_active", "flows", "flows in the table", |m| &mut m.active),
+        MeterDecl::u64("flows_created_total", "flows", "flows created", |m| &mut m.created),
+        MeterDecl::u64("flows_expired_total", "flows", "flows expired (or removed)", |m| &mut m.expired),
+        MeterDecl::u64("flows_untracked_total", "frames", "packets passed untracked: table full", |m| &mut m.untracked),
+        MeterDecl::u64("fragments_untracked_total", "frames", "non-first fragments passed untracked (no ports)", |m| {
+            &mut m.fragments
+        }),
+    ],
+    more_meters: || ParseDrops::specs(true),
+    ..KindDecl::new(
+        KIND,
+        "sorts IP packets by protocol; bidirectional 5-tuple flows with ids, per-flow meters and idle timeouts",
+    )
+};
+
+impl ModuleKind for ClassifyKind {
+    kind_from_decl!(DECL);
 
     fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
-        let mut r = settings.reader(KIND);
-        let timeouts = Timeouts::read(&mut r)?;
-        let max_flows = r.u64_in("max_flows", 65_536, 0, MAX_FLOWS_LIMIT)?;
-        let track = r.bool("track")?.unwrap_or(true);
-        let prefix = r.string("vars_prefix")?.unwrap_or_else(|| "flow".into());
-        let segment_ok = |s: &str| {
-            !s.is_empty()
-                && s.len() <= 64
-                && s.bytes().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'_' || c == b'-')
-        };
-        if !(prefix == "flow" || prefix.strip_prefix("flow.").is_some_and(|rest| rest.split('.').all(segment_ok))) {
-            return Err(r.error(
-                "vars_prefix",
-                format_args!("expected `flow` or `flow.NAME` (lowercase letters, digits, '_', '-'), got {prefix:?}"),
-            ));
-        }
-        r.finish()?;
-        Ok(Box::new(ClassifyBuilder { timeouts, max_flows, track, prefix }))
-    }
-}
-
-struct ClassifyBuilder {
-    timeouts: Timeouts,
-    max_flows: u64,
-    track: bool,
-    prefix: String,
-}
-
-impl ModuleBuilder for ClassifyBuilder {
-    fn interface(&self) -> ModuleInterface {
-        let mut vars = vec![
-            VarSpec::knob("track", ValueType::Bool, "", "keep the flow table (false empties it)"),
-            VarSpec::knob("max_flows", ValueType::U64, "flows", "most flows tracked; beyond, packets pass untracked")
-                .with_range(0.0, MAX_FLOWS_LIMIT as f64),
-        ];
-        vars.extend(Timeouts::specs());
-        vars.extend([
-            VarSpec::meter("flows_active", ValueType::U64, "flows", "flows in the table"),
-            VarSpec::meter("flows_created_total", ValueType::U64, "flows", "flows created"),
-            VarSpec::meter("flows_expired_total", ValueType::U64, "flows", "flows expired (or removed)"),
-            VarSpec::meter("flows_untracked_total", ValueType::U64, "frames", "packets passed untracked: table full"),
-            VarSpec::meter(
-                "fragments_untracked_total",
-                ValueType::U64,
-                "frames",
-                "non-first fragments passed untracked (no ports)",
-            ),
-        ]);
-        vars.extend(ParseDrops::specs(true));
-        ModuleInterface {
-            inputs: vec![PortSpec::new("in", port_type::IP)],
-            outputs: ["tcp", "udp", "icmp", "other"].iter().map(|n| PortSpec::new(*n, port_type::IP)).collect(),
-            vars,
-            breaks_cycles: false,
-        }
-    }
-
-    fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module> {
-        vars.meter("track").store(&Value::Bool(self.track));
-        vars.meter("max_flows").set(self.max_flows);
-        self.timeouts.store(vars);
-        Box::new(Classify {
-            track: self.track,
-            max_flows: self.max_flows as usize,
-            timeouts: self.timeouts,
-            prefix: self.prefix,
-            flush: false,
-            table: Table::default(),
-            flow_specs: flow_specs(),
-            active: vars.meter("flows_active"),
-            created: vars.meter("flows_created_total"),
-            expired: vars.meter("flows_expired_total"),
-            untracked: vars.meter("flows_untracked_total"),
-            fragments: vars.meter("fragments_untracked_total"),
-            drops: ParseDrops::new(vars),
+        DECL.configure(settings, Config::default(), |cfg, m, vars| {
+            Box::new(Classify {
+                cfg,
+                flush: false,
+                table: Table::default(),
+                flow_specs: flow_specs(),
+                m,
+                drops: ParseDrops::new(vars),
+            })
         })
     }
+}
+
+/// The classifier's meters.
+#[derive(Default)]
+struct Meters {
+    active: Meter,
+    created: Meter,
+    expired: Meter,
+    untracked: Meter,
+    fragments: Meter,
 }
 
 fn flow_specs() -> Vec<VarSpec> {
@@ -229,18 +240,11 @@ struct Table {
 
 /// A running classifier.
 pub struct Classify {
-    track: bool,
-    max_flows: usize,
-    timeouts: Timeouts,
-    prefix: String,
+    cfg: Config,
     flush: bool,
     table: Table,
     flow_specs: Vec<VarSpec>,
-    active: Meter,
-    created: Meter,
-    expired: Meter,
-    untracked: Meter,
-    fragments: Meter,
+    m: Meters,
     drops: ParseDrops,
 }
 
@@ -252,9 +256,9 @@ impl Classify {
         let slot = match self.table.index.get(&key) {
             Some(&s) => s,
             None => {
-                if self.table.flows.len() >= self.max_flows {
+                if self.table.flows.len() as u64 >= self.cfg.max_flows {
                     self.table.untracked += 1;
-                    self.untracked.add(1);
+                    self.m.untracked.add(1);
                     return;
                 }
                 self.create(key, info, out)
@@ -263,7 +267,7 @@ impl Classify {
         let flags = tcp_flags(p.data(), info);
         let len = p.len() as u64;
         let up = p.direction() == Direction::Up;
-        let closing_ns = self.timeouts.of(proto::TCP, true);
+        let closing_ns = self.cfg.timeouts.of(proto::TCP, true);
         let Some(f) = self.table.flows.get_mut(slot) else { return };
         f.meters.packets.add(1);
         f.meters.bytes.add(len);
@@ -282,7 +286,7 @@ impl Classify {
         let now = out.now().as_nanos();
         self.table.next_id += 1;
         let id = self.table.next_id;
-        let vars_name = format!("{}.{id}", self.prefix);
+        let vars_name = format!("{}.{id}", self.cfg.vars_prefix);
         let vars =
             out.register_vars(&vars_name, &self.flow_specs).unwrap_or_else(|_| ModuleVars::new(&self.flow_specs));
         let first = (info.src, info.src_port);
@@ -296,27 +300,27 @@ impl Classify {
             down: vars.meter("packets_down_total"),
             last: vars.meter("last_seen_ns"),
         };
-        let idle = Idle::new(id, key.protocol, now, &self.timeouts);
+        let idle = Idle::new(id, key.protocol, now, &self.cfg.timeouts);
         let slot = self.table.flows.insert(Flow { idle, key, first, vars_name, meters });
         self.table.index.insert(key, slot);
         self.table.timers.start(slot, &idle);
         out.wake_at(Time(idle.queued));
         self.table.created += 1;
-        self.created.add(1);
-        self.active.set(self.table.flows.len() as u64);
+        self.m.created.add(1);
+        self.m.active.set(self.table.flows.len() as u64);
         slot
     }
 
     /// Puts every flow's timer at its current deadline (after a timeout changed, or a table was adopted).
     fn rearm(&mut self) {
-        self.table.timers.rearm(&mut self.table.flows, &self.timeouts);
+        self.table.timers.rearm(&mut self.table.flows, &self.cfg.timeouts);
     }
 
     fn publish(&self) {
-        self.active.set(self.table.flows.len() as u64);
-        self.created.set(self.table.created);
-        self.expired.set(self.table.expired);
-        self.untracked.set(self.table.untracked);
+        self.m.active.set(self.table.flows.len() as u64);
+        self.m.created.set(self.table.created);
+        self.m.expired.set(self.table.expired);
+        self.m.untracked.set(self.table.untracked);
     }
 }
 
@@ -338,9 +342,9 @@ impl Module for Classify {
     fn process(&mut self, _port: usize, input: &mut Batch, out: &mut Output<'_>) {
         for frame in input.drain(..) {
             let Some((mut p, info)) = self.drops.parse(frame, out) else { continue };
-            if self.track {
+            if self.cfg.track {
                 if info.fragment.is_some_and(|f| f.offset != 0) {
-                    self.fragments.add(1);
+                    self.m.fragments.add(1);
                 } else {
                     self.account(&mut p, &info, out);
                 }
@@ -358,7 +362,7 @@ impl Module for Classify {
     fn poll(&mut self, out: &mut Output<'_>) -> Option<Time> {
         let now = out.now().as_nanos();
         let Table { flows, index, timers, expired, .. } = &mut self.table;
-        let meter = &self.expired;
+        let meter = &self.m.expired;
         let mut forget = |f: Flow| {
             index.remove(&f.key);
             out.unregister_vars(&f.vars_name);
@@ -373,30 +377,20 @@ impl Module for Classify {
             }
             timers.clear();
         }
-        let next = timers.expire(flows, &self.timeouts, now, |_, f| forget(f));
-        self.active.set(flows.len() as u64);
+        let next = timers.expire(flows, &self.cfg.timeouts, now, |_, f| forget(f));
+        self.m.active.set(flows.len() as u64);
         next.map(Time)
     }
 
     fn write_knob(&mut self, knob: &str, value: &Value) -> Result<(), String> {
-        if let Some(r) = self.timeouts.write(knob, value) {
-            r?;
+        DECL.write(&mut self.cfg, knob, value)?;
+        if knob == "track" {
+            // The table is emptied at the poll that follows the write (unregistering needs an Output).
+            self.flush = !self.cfg.track;
+        } else if knob.ends_with("_timeout_ms") {
             self.rearm();
-            return Ok(());
         }
-        match (knob, value) {
-            ("track", Value::Bool(b)) => {
-                self.track = *b;
-                // The table is emptied at the poll that follows the write (unregistering needs an Output).
-                self.flush = !*b;
-                Ok(())
-            }
-            ("max_flows", Value::U64(n)) => {
-                self.max_flows = (*n).min(MAX_FLOWS_LIMIT) as usize;
-                Ok(())
-            }
-            _ => Err(format!("a classify module has no knob {knob} of that type")),
-        }
+        Ok(())
     }
 
     fn take_state(&mut self) -> Option<Box<dyn Any>> {
@@ -407,7 +401,7 @@ impl Module for Classify {
         let table = state.downcast::<Table>().map_err(|_| "not a classifier's flow table".to_string())?;
         self.table = *table;
         self.rearm();
-        self.flush = !self.track;
+        self.flush = !self.cfg.track;
         self.publish();
         Ok(())
     }

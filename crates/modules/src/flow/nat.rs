@@ -1,11 +1,11 @@
 //! `nat`: source and destination address (and port) translation for IPv4 and IPv6, TCP, UDP and ICMP echo, with
 //! the checksums updated incrementally (RFC 1624), and ICMP errors that quote a translated packet translated too.
 //!
-//! - Ports: inputs `inside` (packets from the inside hosts, going out) and `outside` (packets from the network,
-//!   coming in), outputs `to_outside` and `to_inside` (ip). Every packet from `inside` leaves on `to_outside` and
-//!   every packet from `outside` on `to_inside`, translated or not; packets no rule or binding covers pass unchanged.
-//! - Settings: `rules` (array of strings), `port_range` (text `FIRST-LAST`, default `20000-59999`),
-//!   `max_bindings` (u64, default 65536), and every knob. A rule is one of:
+//! Its ports, settings, knobs and meters are declared once, in `DECL` below; docs/modules.md lists them.
+//!
+//! - Ports: every packet from `inside` leaves on `to_outside` and every packet from `outside` on `to_inside`,
+//!   translated or not; packets no rule or binding covers pass unchanged.
+//! - Rules (the `rules` setting, one string each) are each one of:
 //!   - `snat [tcp|udp|icmp] PREFIX to ADDR` (e.g. `snat 10.77.0.0/24 to 192.0.2.10`, `snat fd77::/64 to fd00::10`):
 //!     packets from the inside whose source lies in PREFIX leave with source ADDR and a source port from
 //!     `port_range` (the inside port is kept when it lies in the range and is free). A binding is made per (protocol,
@@ -33,24 +33,20 @@
 //! - Checksums: the IPv4 header checksum, and the TCP, UDP and ICMPv6 checksums over the changed address (their
 //!   pseudo-header) and port; the ICMPv4 checksum over a changed echo identifier only (no pseudo-header). A UDP
 //!   checksum of 0 (none) stays 0.
-//! - Bindings expire after the idle timeouts of the knobs below (a TCP binding that saw a RST or a FIN from both
-//!   sides after `tcp_closing_timeout_ms`); expiry runs from the module's poll.
+//! - Bindings expire after the idle timeouts of the timeout knobs (a TCP binding that saw a RST or a FIN from both
+//!   sides after `tcp_closing_timeout_ms`; `other_timeout_ms` is unused: other protocols are not translated);
+//!   expiry runs from the module's poll.
 //! - Non-first fragments carry no ports and pass untranslated: put reassembly before NAT.
-//! - Knobs (also settings): `tcp_timeout_ms` (300000), `tcp_closing_timeout_ms` (10000), `udp_timeout_ms` (30000),
-//!   `icmp_timeout_ms` (10000), `other_timeout_ms` (30000, unused: other protocols are not translated).
-//! - Meters: `bindings_active`, `bindings_created_total`, `bindings_expired_total`, `translated_total`,
-//!   `untranslated_total`, `icmp_errors_translated_total` (also in `translated_total`), and drops:
-//!   `drop_ports_exhausted_total` (no free port for a new SNAT binding), `drop_bindings_full_total`
-//!   (`max_bindings` reached), `drop_binding_conflict_total` (a new DNAT connection whose replies could not be told
-//!   from an existing one's), `drop_<reason>_total` for packets that do not parse and `drop_not_packet_total`.
+//! - `icmp_errors_translated_total` also counts in `translated_total`. Packets that do not parse are dropped and
+//!   counted by reason (`drop_<reason>_total`), control frames in `drop_not_packet_total`.
 //!
 //! On `module replace` with state kept, the new module continues the old one's bindings.
 
-use crate::flow::table::{tcp_flags, Expiring, Idle, Slab, Timeouts, Timers};
+use crate::flow::table::{tcp_flags, timeouts_in_field, Expiring, Idle, Slab, Timeouts, Timers};
 use flexstack_core::module::port_type;
 use flexstack_core::{
-    Batch, ConfigError, Meter, Module, ModuleBuilder, ModuleInterface, ModuleKind, ModuleVars, Output, Packet,
-    PortSpec, Settings, Time, Value, ValueType, VarSpec,
+    field, kind_from_decl, Batch, ConfigError, KindDecl, Meter, MeterDecl, Module, ModuleBuilder, ModuleInterface,
+    ModuleKind, ModuleVars, Output, Packet, Param, PortDecl, Settings, Time, Value,
 };
 use flexstack_wire::checksum;
 use flexstack_wire::cidr::{parse_endpoint, Endpoint, PortRange, Prefix, Words};
@@ -387,72 +383,124 @@ enum Refused {
 /// The `nat` module kind.
 pub struct NatKind;
 
-impl ModuleKind for NatKind {
-    fn name(&self) -> &'static str {
-        KIND
-    }
-
-    fn summary(&self) -> &'static str {
-        "source and destination NAT for IPv4/IPv6 TCP, UDP and ICMP echo, with incremental checksums"
-    }
-
-    fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
-        let mut r = settings.reader(KIND);
-        let texts = r.strings("rules")?.unwrap_or_default();
-        let rules = parse_rules(&texts).map_err(|e| r.error("rules", e))?;
-        let port_range = match r.string("port_range")? {
-            Some(t) => {
-                let range = PortRange::parse(&t)
-                    .map_err(|e| r.error("port_range", format_args!("{e}; expected FIRST-LAST, e.g. 20000-59999")))?;
-                if range.first == 0 {
-                    return Err(r.error("port_range", "port 0 cannot be handed out; start at 1 or above"));
-                }
-                range
-            }
-            None => PortRange { first: 20_000, last: 59_999 },
-        };
-        let max_bindings = r.u64_in("max_bindings", 65_536, 0, MAX_BINDINGS_LIMIT)?;
-        let timeouts = Timeouts::read(&mut r)?;
-        r.finish()?;
-        Ok(Box::new(NatBuilder { rules, port_range, max_bindings, timeouts }))
-    }
-}
-
-struct NatBuilder {
-    rules: Vec<NatRule>,
+/// The settings and knobs of a NAT module besides its rules (`Default` is a blank to read them into: the defaults
+/// are declared in `DECL`).
+#[derive(Clone, Copy, Debug)]
+struct Config {
     port_range: PortRange,
     max_bindings: u64,
     timeouts: Timeouts,
 }
 
+impl Default for Config {
+    fn default() -> Config {
+        Config { port_range: PortRange { first: 0, last: 0 }, max_bindings: 0, timeouts: Timeouts::default() }
+    }
+}
+
+timeouts_in_field!(Config);
+
+/// Checks and sets `port_range`: `FIRST-LAST`, not starting at 0.
+fn set_port_range(c: &mut Config, text: &str) -> Result<(), String> {
+    let range = PortRange::parse(text).map_err(|e| format!("{e}; expected FIRST-LAST, e.g. 20000-59999"))?;
+    if range.first == 0 {
+        return Err("port 0 cannot be handed out; start at 1 or above".into());
+    }
+    c.port_range = range;
+    Ok(())
+}
+
+type P = Param<Config>;
+
+/// The settings and knobs: `rules` (read by hand), `port_range`, `max_bindings`, the timeouts.
+const PARAMS: [P; 8] = {
+    let t = Timeouts::params::<Config>();
+    [
+        P::manual("rules", "array of strings", "snat and dnat rules, in order: the first that matches binds", "none"),
+        P::text(
+            "port_range",
+            "`FIRST-LAST`: the ports SNAT hands out",
+            "20000-59999",
+            |c| format!("{}-{}", c.port_range.first, c.port_range.last),
+            set_port_range,
+        )
+        .setting(),
+        P::u64("max_bindings", "bindings", "most bindings in the table", 65_536, field!(max_bindings))
+            .range(0.0, MAX_BINDINGS_LIMIT as f64)
+            .setting(),
+        t[0],
+        t[1],
+        t[2],
+        t[3],
+        t[4],
+    ]
+};
+
+/// The kind: ports, settings, knobs and meters.
+const DECL: KindDecl<Config, Meters> = KindDecl {
+    inputs: &[
+        PortDecl::new("inside", port_type::IP, "packets from the inside hosts, going out"),
+        PortDecl::new("outside", port_type::IP, "packets from the network, coming in"),
+    ],
+    outputs: &[
+        PortDecl::new("to_outside", port_type::IP, "every packet from `inside`, translated or not"),
+        PortDecl::new("to_inside", port_type::IP, "every packet from `outside`, translated or not"),
+    ],
+    params: &PARAMS,
+    meters: &[
+        MeterDecl::u64("bindings_active", "bindings", "bindings in the table", |m| &mut m.active),
+        MeterDecl::u64("bindings_created_total", "bindings", "bindings made", |m| &mut m.created),
+        MeterDecl::u64("bindings_expired_total", "bindings", "bindings expired", |m| &mut m.expired),
+        MeterDecl::u64("translated_total", "frames", "packets translated", |m| &mut m.translated),
+        MeterDecl::u64("untranslated_total", "frames", "packets passed unchanged (no rule or binding)", |m| {
+            &mut m.untranslated
+        }),
+        MeterDecl::u64(
+            "icmp_errors_translated_total",
+            "frames",
+            "ICMP errors whose quoted packet was translated",
+            |m| &mut m.icmp_errors,
+        ),
+        MeterDecl::u64(
+            "drop_ports_exhausted_total",
+            "frames",
+            "packets dropped: no free port for a new SNAT binding",
+            |m| &mut m.exhausted,
+        ),
+        MeterDecl::u64("drop_bindings_full_total", "frames", "packets dropped: max_bindings reached", |m| &mut m.full),
+        MeterDecl::u64(
+            "drop_binding_conflict_total",
+            "frames",
+            "packets dropped: a new DNAT connection clashing with an existing one",
+            |m| &mut m.conflict,
+        ),
+    ],
+    more_meters: || ParseDrops::specs(true),
+    ..KindDecl::new(KIND, "source and destination NAT for IPv4/IPv6 TCP, UDP and ICMP echo, with incremental checksums")
+};
+
+impl ModuleKind for NatKind {
+    kind_from_decl!(DECL);
+
+    fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
+        let mut r = settings.reader(KIND);
+        let texts = r.strings("rules")?.unwrap_or_default();
+        let rules = parse_rules(&texts).map_err(|e| r.error("rules", e))?;
+        let mut cfg = Config::default();
+        DECL.read(&mut r, &mut cfg)?;
+        r.finish()?;
+        Ok(Box::new(NatBuilder { rules, cfg }))
+    }
+}
+
+struct NatBuilder {
+    rules: Vec<NatRule>,
+    cfg: Config,
+}
+
 impl ModuleBuilder for NatBuilder {
     fn interface(&self) -> ModuleInterface {
-        let mut vars = Timeouts::specs();
-        for (name, desc) in [
-            ("bindings_active", "bindings in the table"),
-            ("bindings_created_total", "bindings made"),
-            ("bindings_expired_total", "bindings expired"),
-            ("translated_total", "packets translated"),
-            ("untranslated_total", "packets passed unchanged (no rule or binding)"),
-            ("icmp_errors_translated_total", "ICMP errors whose quoted packet was translated"),
-            ("drop_ports_exhausted_total", "packets dropped: no free port for a new SNAT binding"),
-            ("drop_bindings_full_total", "packets dropped: max_bindings reached"),
-            ("drop_binding_conflict_total", "packets dropped: a new DNAT connection clashing with an existing one"),
-        ] {
-            vars.push(VarSpec::meter(
-                name,
-                ValueType::U64,
-                if name.starts_with("bindings") { "bindings" } else { "frames" },
-                desc,
-            ));
-        }
-        vars.extend(ParseDrops::specs(true));
-        ModuleInterface {
-            inputs: vec![PortSpec::new("inside", port_type::IP), PortSpec::new("outside", port_type::IP)],
-            outputs: vec![PortSpec::new("to_outside", port_type::IP), PortSpec::new("to_inside", port_type::IP)],
-            vars,
-            breaks_cycles: false,
-        }
+        DECL.interface(&self.cfg)
     }
 
     /// Packets from the inside only ever leave towards the outside, and the other way round: a NAT may sit in a
@@ -462,7 +510,7 @@ impl ModuleBuilder for NatBuilder {
     }
 
     fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module> {
-        self.timeouts.store(vars);
+        DECL.publish(&self.cfg, vars);
         let mut reserved = HashSet::new();
         for r in &self.rules {
             if let NatRule::Dnat { protocol: Some(p), dst, port: Some(port), .. } = r {
@@ -473,27 +521,17 @@ impl ModuleBuilder for NatBuilder {
         Box::new(Nat {
             rules: self.rules,
             reserved,
-            port_range: self.port_range,
-            max_bindings: self.max_bindings as usize,
-            timeouts: self.timeouts,
+            cfg: self.cfg,
             table: Table::default(),
-            m: NatMeters {
-                active: vars.meter("bindings_active"),
-                created: vars.meter("bindings_created_total"),
-                expired: vars.meter("bindings_expired_total"),
-                translated: vars.meter("translated_total"),
-                untranslated: vars.meter("untranslated_total"),
-                icmp_errors: vars.meter("icmp_errors_translated_total"),
-                exhausted: vars.meter("drop_ports_exhausted_total"),
-                full: vars.meter("drop_bindings_full_total"),
-                conflict: vars.meter("drop_binding_conflict_total"),
-                drops: ParseDrops::new(vars),
-            },
+            m: DECL.meters(vars),
+            drops: ParseDrops::new(vars),
         })
     }
 }
 
-struct NatMeters {
+/// A NAT module's meters.
+#[derive(Default)]
+struct Meters {
     active: Meter,
     created: Meter,
     expired: Meter,
@@ -503,7 +541,6 @@ struct NatMeters {
     exhausted: Meter,
     full: Meter,
     conflict: Meter,
-    drops: ParseDrops,
 }
 
 /// A running NAT module.
@@ -511,11 +548,10 @@ pub struct Nat {
     rules: Vec<NatRule>,
     /// (protocol, public address, port) forwarded by a DNAT rule: never handed out by SNAT.
     reserved: HashSet<(u8, IpAddr, u16)>,
-    port_range: PortRange,
-    max_bindings: usize,
-    timeouts: Timeouts,
+    cfg: Config,
     table: Table,
-    m: NatMeters,
+    m: Meters,
+    drops: ParseDrops,
 }
 
 /// What to do with a packet.
@@ -583,7 +619,7 @@ impl Nat {
     /// Notes a packet of the binding in `slot`; returns the binding.
     fn touch(&mut self, slot: u32, from_inside: bool, flags: Option<u8>, out: &mut Output<'_>) -> Option<&Binding> {
         let now = out.now().as_nanos();
-        let closing_ns = self.timeouts.of(proto::TCP, true);
+        let closing_ns = self.cfg.timeouts.of(proto::TCP, true);
         let b = self.table.bindings.get_mut(slot)?;
         // SNAT connections are opened from the inside, DNAT ones from the outside.
         let tcp = flags.map(|flags| (from_inside == b.remote.is_none(), flags));
@@ -655,7 +691,7 @@ impl Nat {
     }
 
     fn check_room(&self) -> Result<(), Refused> {
-        if self.table.bindings.len() >= self.max_bindings {
+        if self.table.bindings.len() as u64 >= self.cfg.max_bindings {
             Err(Refused::BindingsFull)
         } else {
             Ok(())
@@ -665,7 +701,7 @@ impl Nat {
     /// A free public port for a new SNAT binding: the inside port if it is in the range and free, else the next
     /// free one in the range after the last one handed out.
     fn allocate(&mut self, protocol: u8, public: IpAddr, want: u16) -> Option<u16> {
-        let range = self.port_range;
+        let range = self.cfg.port_range;
         let free = |t: &Table, p: u16| {
             !t.index.contains_key(&Key::SnatIn(protocol, public, p)) && !self.reserved.contains(&(protocol, public, p))
         };
@@ -698,7 +734,7 @@ impl Nat {
         let now = out.now().as_nanos();
         let t = &mut self.table;
         t.next_id += 1;
-        let idle = Idle::new(t.next_id, protocol, now, &self.timeouts);
+        let idle = Idle::new(t.next_id, protocol, now, &self.cfg.timeouts);
         let b = Binding { idle, inside, outside, remote };
         let keys = b.keys();
         let slot = t.bindings.insert(b);
@@ -754,7 +790,7 @@ impl Nat {
 
     /// Puts every binding's timer at its current deadline.
     fn rearm(&mut self) {
-        self.table.timers.rearm(&mut self.table.bindings, &self.timeouts);
+        self.table.timers.rearm(&mut self.table.bindings, &self.cfg.timeouts);
     }
 }
 
@@ -763,7 +799,7 @@ impl Module for Nat {
         let from_inside = port == IN_INSIDE;
         let to = if from_inside { TO_OUTSIDE } else { TO_INSIDE };
         for frame in input.drain(..) {
-            let Some((mut p, info)) = self.m.drops.parse(frame, out) else { continue };
+            let Some((mut p, info)) = self.drops.parse(frame, out) else { continue };
             match self.translate(&mut p, &info, from_inside, out) {
                 Ok(true) => self.m.translated.add(1),
                 Ok(false) => self.m.untranslated.add(1),
@@ -784,7 +820,7 @@ impl Module for Nat {
 
     fn poll(&mut self, out: &mut Output<'_>) -> Option<Time> {
         let Table { bindings, index, timers, used, expired, .. } = &mut self.table;
-        let next = timers.expire(bindings, &self.timeouts, out.now().as_nanos(), |slot, b| {
+        let next = timers.expire(bindings, &self.cfg.timeouts, out.now().as_nanos(), |slot, b| {
             for k in b.keys() {
                 if index.get(&k) == Some(&slot) {
                     index.remove(&k);
@@ -807,14 +843,9 @@ impl Module for Nat {
     }
 
     fn write_knob(&mut self, knob: &str, value: &Value) -> Result<(), String> {
-        match self.timeouts.write(knob, value) {
-            Some(r) => {
-                r?;
-                self.rearm();
-                Ok(())
-            }
-            None => Err(format!("a nat module has no knob {knob}")),
-        }
+        DECL.write(&mut self.cfg, knob, value)?;
+        self.rearm();
+        Ok(())
     }
 
     fn take_state(&mut self) -> Option<Box<dyn Any>> {

@@ -4,70 +4,81 @@
 //! - [`Slab`]: entries with stable indices that timers (or a flow's queue) can refer to, holes reused.
 //! - [`Timers`]: idle timers over such entries, a heap that is touched only when a timer is due; each entry keeps
 //!   its [`Idle`] state, and [`Timers::expire`] takes out the entries whose time has come.
-//! - [`Timeouts`]: the idle timeouts by protocol, with their knobs.
+//! - [`Timeouts`]: the idle timeouts by protocol, with their knobs' declarations.
 //! - [`TcpEnd`] and [`tcp_flags`]: what a TCP flow saw of its end (FINs, RST), which shortens its timeout.
 //!
 //! Packets are parsed with [`flexstack_wire::packet::PacketInfo`], and counted by drop reason with
 //! [`flexstack_wire::packet::ParseDrops`].
 
-use flexstack_core::config::SettingsReader;
-use flexstack_core::{ConfigError, ModuleVars, Value, ValueType, VarSpec};
+use flexstack_core::decl::Access;
+use flexstack_core::Param;
 use flexstack_wire::packet::{proto, PacketInfo};
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
 /// The idle timeouts of flows or bindings, by protocol, in ns; knobs and settings of the same names in ms.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// `Default` is a blank to read them into: the defaults are declared in [`Timeouts::params`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Timeouts {
     ns: [u64; 5],
 }
 
-impl Timeouts {
-    /// Knob names, defaults (ms) and descriptions, in the order of `ns`.
-    const KNOBS: [(&'static str, u64, &'static str); 5] = [
-        ("tcp_timeout_ms", 300_000, "idle timeout of a TCP flow"),
-        ("tcp_closing_timeout_ms", 10_000, "idle timeout of a TCP flow after a RST or a FIN from both sides"),
-        ("udp_timeout_ms", 30_000, "idle timeout of a UDP flow"),
-        ("icmp_timeout_ms", 10_000, "idle timeout of an ICMP/ICMPv6 flow"),
-        ("other_timeout_ms", 30_000, "idle timeout of a flow of any other protocol"),
-    ];
-    const MAX_MS: u64 = 7 * 24 * 3_600_000;
-
-    /// Reads the timeout settings.
-    pub(crate) fn read(r: &mut SettingsReader<'_>) -> Result<Timeouts, ConfigError> {
-        let mut ns = [0; 5];
-        for (i, (name, default, _)) in Self::KNOBS.iter().enumerate() {
-            ns[i] = r.u64_in(name, *default, 1, Self::MAX_MS)? * 1_000_000;
-        }
-        Ok(Timeouts { ns })
-    }
-
-    /// The knob declarations.
-    pub(crate) fn specs() -> Vec<VarSpec> {
-        Self::KNOBS
-            .iter()
-            .map(|(name, _, d)| VarSpec::knob(name, ValueType::U64, "ms", d).with_range(1.0, Self::MAX_MS as f64))
-            .collect()
-    }
-
-    /// Shows the values in the knobs' cells.
-    pub(crate) fn store(&self, vars: &ModuleVars) {
-        for (i, (name, _, _)) in Self::KNOBS.iter().enumerate() {
-            vars.meter(name).set(self.ns[i] / 1_000_000);
-        }
-    }
-
-    /// Applies a write to one of the timeout knobs; `None` if `knob` is not one of them.
-    pub(crate) fn write(&mut self, knob: &str, value: &Value) -> Option<Result<(), String>> {
-        let i = Self::KNOBS.iter().position(|(n, _, _)| *n == knob)?;
-        Some(match value {
-            Value::U64(ms) if (1..=Self::MAX_MS).contains(ms) => {
-                self.ns[i] = ms * 1_000_000;
-                Ok(())
+/// Lets [`Timeouts::params`] reach the timeouts of a kind's state `$state`, in its field `timeouts`.
+macro_rules! timeouts_in_field {
+    ($state:ty) => {
+        impl AsRef<$crate::flow::table::Timeouts> for $state {
+            fn as_ref(&self) -> &$crate::flow::table::Timeouts {
+                &self.timeouts
             }
-            other => Err(format!("{knob} must be within 1..={} ms, got {other}", Self::MAX_MS)),
-        })
+        }
+
+        impl AsMut<$crate::flow::table::Timeouts> for $state {
+            fn as_mut(&mut self) -> &mut $crate::flow::table::Timeouts {
+                &mut self.timeouts
+            }
+        }
+    };
+}
+pub(crate) use timeouts_in_field;
+
+/// Timeout `I` of the state's timeouts, in ms.
+fn ms<S: AsRef<Timeouts>, const I: usize>(s: &S) -> u64 {
+    s.as_ref().ns[I] / 1_000_000
+}
+
+/// Sets timeout `I` of the state's timeouts to `ms`.
+fn set_ms<S: AsMut<Timeouts>, const I: usize>(s: &mut S, ms: u64) {
+    s.as_mut().ns[I] = ms * 1_000_000;
+}
+
+impl Timeouts {
+    /// The timeout knobs of a kind whose state `S` holds its timeouts, in the order of `ns`.
+    pub(crate) const fn params<S: AsRef<Timeouts> + AsMut<Timeouts>>() -> [Param<S>; 5] {
+        [
+            Self::knob("tcp_timeout_ms", "idle timeout of a TCP flow", 300_000, (ms::<S, 0>, set_ms::<S, 0>)),
+            Self::knob(
+                "tcp_closing_timeout_ms",
+                "idle timeout of a TCP flow after a RST or a FIN from both sides",
+                10_000,
+                (ms::<S, 1>, set_ms::<S, 1>),
+            ),
+            Self::knob("udp_timeout_ms", "idle timeout of a UDP flow", 30_000, (ms::<S, 2>, set_ms::<S, 2>)),
+            Self::knob("icmp_timeout_ms", "idle timeout of an ICMP/ICMPv6 flow", 10_000, (ms::<S, 3>, set_ms::<S, 3>)),
+            Self::knob(
+                "other_timeout_ms",
+                "idle timeout of a flow of any other protocol",
+                30_000,
+                (ms::<S, 4>, set_ms::<S, 4>),
+            ),
+        ]
     }
+
+    /// A timeout knob in ms, `1..=MAX_MS`.
+    const fn knob<S>(name: &'static str, doc: &'static str, default_ms: u64, access: Access<S, u64>) -> Param<S> {
+        Param::u64(name, "ms", doc, default_ms, access).range(1.0, Self::MAX_MS as f64)
+    }
+
+    const MAX_MS: u64 = 7 * 24 * 3_600_000;
 
     /// The timeout of a flow of `protocol`, in ns.
     pub(crate) fn of(&self, protocol: u8, closing: bool) -> u64 {

@@ -1,7 +1,7 @@
 //! The settings of a `link` module: its MAC, the addresses it owns with their prefixes, gateways, and the limits
 //! of its neighbour cache (knobs).
 
-use super::{is_link_local_v6, link_local_of, parse_mac, Mac, KIND};
+use super::{is_link_local_v6, link_local_of, parse_mac, Mac, DECL, KIND};
 use flexstack_core::{ConfigError, Settings};
 use flexstack_wire::cidr::Prefix;
 use std::fmt::Write as _;
@@ -21,61 +21,18 @@ pub const DEFAULT_MAX_QUEUED: u64 = 1024;
 /// Default `max_neighbours`.
 pub const DEFAULT_MAX_NEIGHBOURS: u64 = 1024;
 
-/// The knobs: name, default, range, unit, description.
-pub(crate) const KNOBS: [(&str, u64, u64, u64, &str, &str); 6] = [
-    (
-        "neighbour_timeout_ms",
-        DEFAULT_NEIGHBOUR_TIMEOUT_MS,
-        1,
-        86_400_000,
-        "ms",
-        "time a neighbour stays reachable after it was last confirmed",
-    ),
-    ("resolve_retries", DEFAULT_RESOLVE_RETRIES, 0, 100, "", "requests resent to a next hop that does not answer"),
-    ("resolve_interval_ms", DEFAULT_RESOLVE_INTERVAL_MS, 1, 60_000, "ms", "time between two requests"),
-    ("queue_per_neighbour", DEFAULT_QUEUE_PER_NEIGHBOUR, 1, 65_536, "frames", "packets held per unresolved next hop"),
-    ("max_queued", DEFAULT_MAX_QUEUED, 1, 1 << 20, "frames", "packets held for all unresolved next hops"),
-    ("max_neighbours", DEFAULT_MAX_NEIGHBOURS, 1, 1 << 20, "", "entries in the neighbour cache"),
-];
-
-/// The knobs' values.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// The knobs' values (`Default` is a blank to read them into: the defaults are declared in `DECL`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Limits {
-    neighbour_timeout_ms: u64,
+    pub(super) neighbour_timeout_ms: u64,
     pub(super) resolve_retries: u64,
-    resolve_interval_ms: u64,
+    pub(super) resolve_interval_ms: u64,
     pub(super) queue_per_neighbour: u64,
     pub(super) max_queued: u64,
     pub(super) max_neighbours: u64,
 }
 
 impl Limits {
-    pub(super) fn get(&self, name: &str) -> Option<u64> {
-        Some(match name {
-            "neighbour_timeout_ms" => self.neighbour_timeout_ms,
-            "resolve_retries" => self.resolve_retries,
-            "resolve_interval_ms" => self.resolve_interval_ms,
-            "queue_per_neighbour" => self.queue_per_neighbour,
-            "max_queued" => self.max_queued,
-            "max_neighbours" => self.max_neighbours,
-            _ => return None,
-        })
-    }
-
-    pub(super) fn set(&mut self, name: &str, v: u64) -> bool {
-        let field = match name {
-            "neighbour_timeout_ms" => &mut self.neighbour_timeout_ms,
-            "resolve_retries" => &mut self.resolve_retries,
-            "resolve_interval_ms" => &mut self.resolve_interval_ms,
-            "queue_per_neighbour" => &mut self.queue_per_neighbour,
-            "max_queued" => &mut self.max_queued,
-            "max_neighbours" => &mut self.max_neighbours,
-            _ => return false,
-        };
-        *field = v;
-        true
-    }
-
     pub(super) fn timeout(&self) -> Duration {
         Duration::from_millis(self.neighbour_timeout_ms)
     }
@@ -131,12 +88,13 @@ pub(crate) fn broadcast_of(prefix: &Prefix) -> Ipv4Addr {
     }
 }
 
-/// A `link` module's settings.
+/// A `link` module's settings and knobs.
 #[derive(Clone, Debug)]
 pub(crate) struct Config {
     pub(super) mac: Mac,
     pub(super) v4: Vec<(Ipv4Addr, Prefix)>,
     pub(super) v6: Vec<(Ipv6Addr, Prefix)>,
+    pub(super) link_local: bool,
     pub(super) gateway_v4: Option<Ipv4Addr>,
     pub(super) gateway_v6: Option<Ipv6Addr>,
     pub(super) limits: Limits,
@@ -205,16 +163,10 @@ pub(crate) fn configure(settings: &Settings) -> Result<Config, ConfigError> {
         mac,
         v4: Vec::new(),
         v6: Vec::new(),
+        link_local: false,
         gateway_v4: None,
         gateway_v6: None,
-        limits: Limits {
-            neighbour_timeout_ms: 0,
-            resolve_retries: 0,
-            resolve_interval_ms: 0,
-            queue_per_neighbour: 0,
-            max_queued: 0,
-            max_neighbours: 0,
-        },
+        limits: Limits::default(),
     };
     for w in &words {
         let (addr, prefix) = parse_owned(w).map_err(|e| r.error("addresses", e))?;
@@ -226,7 +178,9 @@ pub(crate) fn configure(settings: &Settings) -> Result<Config, ConfigError> {
             IpAddr::V6(a) => cfg.v6.push((a, prefix)),
         }
     }
-    if r.bool("link_local")?.unwrap_or(true) {
+    // `link_local` and the knobs; the gateways are checked against every owned address, so they come last.
+    DECL.read(&mut r, &mut cfg)?;
+    if cfg.link_local {
         let ll = link_local_of(mac);
         if !cfg.owns(ll.into()) {
             let prefix = Prefix::new(ll.into(), 64).map_err(|e| r.error("link_local", e))?;
@@ -255,10 +209,6 @@ pub(crate) fn configure(settings: &Settings) -> Result<Config, ConfigError> {
             IpAddr::V4(a) => cfg.gateway_v4 = Some(a),
             IpAddr::V6(a) => cfg.gateway_v6 = Some(a),
         }
-    }
-    for (name, default, min, max, _, _) in KNOBS {
-        let v = r.u64_in(name, default, min, max)?;
-        cfg.limits.set(name, v);
     }
     r.finish()?;
     Ok(cfg)

@@ -3,35 +3,28 @@
 //! neighbour solicitations (RFC 4861) for them, resolves next hops into a bounded neighbour cache, and adds and
 //! removes Ethernet headers. Sans-IO: frames in, frames out, timers through `out.wake_at` / `poll`.
 //!
-//! - Ports: inputs `ip` (ip: packets to send out of the interface) and `wire` (ethernet: frames read from the
-//!   interface); outputs `wire` (ethernet: frames to write to the interface, direction down) and `ip` (ip: packets
-//!   received, Ethernet header removed, direction up). Control frames cross over unchanged (`wire` → `ip`,
-//!   `ip` → `wire`).
-//! - Settings (not knobs; change them with `module replace`, which keeps the neighbour cache):
-//!   - `mac` (required): the interface's unicast MAC address, `"02:00:00:00:00:01"` (`-` separators accepted).
-//!   - `addresses`: the addresses flexstack owns on this link with their on-link prefixes, an array of strings
-//!     (`["10.0.0.2/24", "fd00::2/64"]`) or one string separated by commas or spaces; a bare address is a host
-//!     prefix. ARP requests and neighbour solicitations for them are answered, and they are the sources of the
-//!     module's own requests.
-//!   - `link_local` (bool, default true): also own the IPv6 link-local address derived from `mac` (EUI-64,
-//!     `fe80::/64`), used for neighbour discovery of link-local next hops.
-//!   - `gateway_v4`, `gateway_v6` (optional): next hops for destinations outside the on-link prefixes; each must
-//!     be on-link (an IPv6 link-local gateway is on-link whenever the module owns an IPv6 address). Without one,
-//!     packets to off-link destinations of that family are dropped (`no_route`).
-//! - Knobs (each also accepted as a setting of the same name):
-//!   - `neighbour_timeout_ms` (default 60000, 1..=86400000): a resolved neighbour stays reachable this long after
-//!     it was last confirmed (a reply, or a request for one of our addresses). Then, if packets were sent to it
-//!     since, it is probed (unicast ARP request / NS to its known MAC, still used meanwhile) and kept if it answers;
-//!     if not used, it is removed (`expired_total`).
-//!   - `resolve_retries` (default 3, 0..=100) and `resolve_interval_ms` (default 1000, 1..=60000): an unresolved
-//!     next hop gets one request at once and up to `resolve_retries` more, `resolve_interval_ms` apart; one interval
-//!     after the last, it is given up (`resolution_failed_total`) and its queued packets are dropped
-//!     (`unresolved`). A probed neighbour that does not answer is removed the same way.
-//!   - `queue_per_neighbour` (default 64, 1..=65536): packets held per unresolved next hop, sent in order once it
-//!     resolves; beyond, dropped (`resolution_queue_full`).
-//!   - `max_queued` (default 1024, 1..=1048576): packets held for all next hops together (the same drop beyond).
-//!   - `max_neighbours` (default 1024, 1..=1048576): cache entries, resolved or not; a new one evicts the least
-//!     recently created or confirmed (`evicted_total`, its queued packets dropped as `evicted`).
+//! Its ports, settings, knobs and meters are declared once, in `DECL` below; docs/modules.md lists them with their
+//! types, defaults and ranges. Control frames cross over unchanged (`wire` → `ip`, `ip` → `wire`).
+//!
+//! - Settings that are not knobs change with `module replace`, which keeps the neighbour cache. `addresses` are
+//!   the addresses flexstack owns on this link with their on-link prefixes, an array of strings
+//!   (`["10.0.0.2/24", "fd00::2/64"]`) or one string separated by commas or spaces; a bare address is a host
+//!   prefix. ARP requests and neighbour solicitations for them are answered, and they are the sources of the
+//!   module's own requests. `link_local` also owns the IPv6 link-local address derived from `mac` (EUI-64,
+//!   `fe80::/64`), used for neighbour discovery of link-local next hops. `gateway_v4` and `gateway_v6` are the
+//!   next hops for destinations outside the on-link prefixes; each must be on-link (an IPv6 link-local gateway is
+//!   on-link whenever the module owns an IPv6 address). Without one, packets to off-link destinations of that
+//!   family are dropped (`no_route`).
+//! - Knobs: a resolved neighbour stays reachable `neighbour_timeout_ms` after it was last confirmed (a reply, or a
+//!   request for one of our addresses). Then, if packets were sent to it since, it is probed (unicast ARP request /
+//!   NS to its known MAC, still used meanwhile) and kept if it answers; if not used, it is removed
+//!   (`expired_total`). An unresolved next hop gets one request at once and up to `resolve_retries` more,
+//!   `resolve_interval_ms` apart; one interval after the last, it is given up (`resolution_failed_total`) and its
+//!   queued packets are dropped (`unresolved`). A probed neighbour that does not answer is removed the same way.
+//!   `queue_per_neighbour` packets are held per unresolved next hop, sent in order once it resolves, and
+//!   `max_queued` for all next hops together; beyond, dropped (`resolution_queue_full`). A new entry beyond
+//!   `max_neighbours` evicts the least recently created or confirmed (`evicted_total`, its queued packets dropped
+//!   as `evicted`).
 //!
 //! # Receiving (`wire` in)
 //! A frame whose transport checksum a link face left partial (`MetaKey::CSUM_PARTIAL`) has it completed first
@@ -75,13 +68,9 @@
 //! next hop (the link-local one for link-local next hops). When the answer comes, the queue is sent in order.
 //! Frames are not padded to 60 bytes (the device does it).
 //!
-//! # Meters and accounting
-//! `neighbours` and `queued` (gauges), `passed_up_total`, `sent_total` (IP packets emitted on `wire`),
-//! `arp_requests_received_total`, `arp_replies_received_total`, `arp_requests_answered_total`,
-//! `arp_requests_sent_total`, `ns_received_total`, `na_received_total`, `rs_received_total`, `ra_received_total`,
-//! `redirects_received_total`, `ns_sent_total`, `na_sent_total`, `resolved_total`, `resolution_failed_total`,
-//! `expired_total`, `evicted_total`, `address_conflicts_total`, and `drop_<reason>_total` for each reason above
-//! (every drop also counted by the switch). ARP and NDP messages consumed here are not drops; so:
+//! # Accounting
+//! Every drop counts in `drop_<reason>_total` for its reason above (and in the switch's drops). ARP and NDP
+//! messages consumed here are not drops; so:
 //! - `wire` in = `passed_up_total` + ARP requests and replies received + NS + NA + RS + RA + redirects received +
 //!   drops of the receive reasons (`truncated` … `bad_icmpv6_checksum`);
 //! - `ip` in = `sent_total` + `queued` + drops of the send reasons (`bad_packet`, `no_route`,
@@ -105,7 +94,7 @@ mod neighbours;
 
 // The parts' items that this file and the other parts use: the parts import them from here, so that no
 // two files import each other.
-pub(crate) use config::{broadcast_of, configure, Config, Limits, KNOBS};
+pub(crate) use config::{broadcast_of, configure, Config};
 pub use config::{
     DEFAULT_MAX_NEIGHBOURS, DEFAULT_MAX_QUEUED, DEFAULT_NEIGHBOUR_TIMEOUT_MS, DEFAULT_QUEUE_PER_NEIGHBOUR,
     DEFAULT_RESOLVE_INTERVAL_MS, DEFAULT_RESOLVE_RETRIES,
@@ -118,8 +107,8 @@ pub(crate) use neighbours::{Cache, Entry, State};
 
 use flexstack_core::module::port_type;
 use flexstack_core::{
-    Batch, ConfigError, Direction, Frame, Meter, Module, ModuleBuilder, ModuleInterface, ModuleKind, ModuleVars,
-    Output, Packet, PortSpec, Settings, Time, Value, ValueType, VarSpec,
+    field, kind_from_decl, Batch, ConfigError, Direction, Frame, KindDecl, Meter, MeterDecl, Module, ModuleBuilder,
+    ModuleInterface, ModuleKind, ModuleVars, Output, Packet, Param, PortDecl, Settings, Time, Value,
 };
 use flexstack_wire::checksum;
 use flexstack_wire::packet::proto;
@@ -154,25 +143,7 @@ enum Reason {
     Evicted,
 }
 
-/// Receive reasons first (up to `BadIcmpv6Checksum`), then send reasons.
-const REASONS: [(Reason, &str, &str); 14] = [
-    (Reason::Truncated, "truncated", "frames shorter than their Ethernet or IP header"),
-    (Reason::NotForUs, "not_for_us", "frames to another MAC, or multicast not matching their EtherType"),
-    (Reason::BadSourceMac, "bad_source_mac", "frames from a multicast source MAC or our own"),
-    (Reason::BadEthertype, "bad_ethertype", "frames of an EtherType other than ARP, IPv4, IPv6"),
-    (Reason::BadVersion, "bad_version", "IP frames whose version disagrees with the EtherType"),
-    (Reason::ArpMalformed, "arp_malformed", "ARP messages that are not Ethernet/IPv4 requests or replies"),
-    (Reason::NdpMalformed, "ndp_malformed", "neighbour discovery messages that do not parse"),
-    (Reason::NdpInvalid, "ndp_invalid", "neighbour discovery messages failing RFC 4861 validity checks"),
-    (Reason::BadIcmpv6Checksum, "bad_icmpv6_checksum", "neighbour discovery messages with a wrong checksum"),
-    (Reason::BadPacket, "bad_packet", "packets to send that are not IPv4/IPv6 with a whole fixed header"),
-    (Reason::NoRoute, "no_route", "packets to send with no next hop"),
-    (Reason::QueueFull, "resolution_queue_full", "packets to send while their next hop's queue was full"),
-    (Reason::Unresolved, "unresolved", "queued packets whose next hop never answered"),
-    (Reason::Evicted, "evicted", "queued packets whose next hop was evicted from the cache"),
-];
-
-/// Number of receive reasons at the start of [`REASONS`].
+/// Number of receive reasons, the first ones of [`Reason`] (up to `BadIcmpv6Checksum`); then come send reasons.
 const RECEIVE_REASONS: usize = 9;
 
 /// What the module counts besides drops.
@@ -198,38 +169,210 @@ enum Count {
     AddressConflicts,
 }
 
-const COUNTS: [(Count, &str, &str); 18] = [
-    (Count::PassedUp, "passed_up_total", "IP packets received and emitted on `ip`"),
-    (Count::Sent, "sent_total", "IP packets emitted on `wire` with an Ethernet header"),
-    (Count::ArpRequestsReceived, "arp_requests_received_total", "ARP requests received"),
-    (Count::ArpRepliesReceived, "arp_replies_received_total", "ARP replies received"),
-    (Count::ArpRequestsAnswered, "arp_requests_answered_total", "ARP replies sent for our addresses"),
-    (Count::ArpRequestsSent, "arp_requests_sent_total", "ARP requests sent (resolution and probes)"),
-    (Count::NsReceived, "ns_received_total", "neighbour solicitations received"),
-    (Count::NaReceived, "na_received_total", "neighbour advertisements received"),
-    (Count::RsReceived, "rs_received_total", "router solicitations received (ignored)"),
-    (Count::RaReceived, "ra_received_total", "router advertisements received (ignored)"),
-    (Count::RedirectsReceived, "redirects_received_total", "redirects received (ignored)"),
-    (Count::NsSent, "ns_sent_total", "neighbour solicitations sent (resolution and probes)"),
-    (Count::NaSent, "na_sent_total", "neighbour advertisements sent for our addresses"),
-    (Count::Resolved, "resolved_total", "next hops resolved"),
-    (Count::ResolutionFailed, "resolution_failed_total", "next hops or probed neighbours that did not answer"),
-    (Count::Expired, "expired_total", "neighbours removed unused after their timeout"),
-    (Count::Evicted, "evicted_total", "neighbours evicted to make room"),
-    (Count::AddressConflicts, "address_conflicts_total", "ARP/NA from another MAC claiming one of our addresses"),
-];
-
 /// The `link` module kind.
 pub struct LinkKind;
 
-impl ModuleKind for LinkKind {
-    fn name(&self) -> &'static str {
-        KIND
-    }
+type P = Param<Config>;
 
-    fn summary(&self) -> &'static str {
-        "Ethernet for a link face: owns the link's addresses, answers ARP and neighbour discovery, resolves next hops"
-    }
+/// The kind: ports, settings, knobs and meters.
+const DECL: KindDecl<Config, Meters> = KindDecl {
+    inputs: &[
+        PortDecl::new("ip", port_type::IP, "packets to send out of the interface"),
+        PortDecl::new("wire", port_type::ETHERNET, "frames read from the interface"),
+    ],
+    outputs: &[
+        PortDecl::new("wire", port_type::ETHERNET, "frames to write to the interface (direction down)"),
+        PortDecl::new("ip", port_type::IP, "packets received, Ethernet header removed (direction up)"),
+    ],
+    params: &[
+        P::manual("mac", "str", "the interface's unicast MAC address, `02:00:00:00:00:01` (`-` accepted)", "required"),
+        P::manual(
+            "addresses",
+            "array of strings, or one string",
+            "the addresses owned on the link with their prefixes (`10.0.0.2/24`); commas or spaces in one string",
+            "none",
+        ),
+        P::bool("link_local", "also own the IPv6 link-local address derived from `mac`", true, field!(link_local))
+            .setting(),
+        P::manual("gateway_v4", "str", "next hop for IPv4 destinations off the link; on-link", "none"),
+        P::manual("gateway_v6", "str", "next hop for IPv6 destinations off the link; on-link", "none"),
+        P::u64(
+            "neighbour_timeout_ms",
+            "ms",
+            "time a neighbour stays reachable after it was last confirmed",
+            DEFAULT_NEIGHBOUR_TIMEOUT_MS,
+            field!(limits.neighbour_timeout_ms),
+        )
+        .range(1.0, 86_400_000.0),
+        P::u64(
+            "resolve_retries",
+            "",
+            "requests resent to a next hop that does not answer",
+            DEFAULT_RESOLVE_RETRIES,
+            field!(limits.resolve_retries),
+        )
+        .range(0.0, 100.0),
+        P::u64(
+            "resolve_interval_ms",
+            "ms",
+            "time between two requests",
+            DEFAULT_RESOLVE_INTERVAL_MS,
+            field!(limits.resolve_interval_ms),
+        )
+        .range(1.0, 60_000.0),
+        P::u64(
+            "queue_per_neighbour",
+            "frames",
+            "packets held per unresolved next hop",
+            DEFAULT_QUEUE_PER_NEIGHBOUR,
+            field!(limits.queue_per_neighbour),
+        )
+        .range(1.0, 65_536.0),
+        P::u64(
+            "max_queued",
+            "frames",
+            "packets held for all unresolved next hops",
+            DEFAULT_MAX_QUEUED,
+            field!(limits.max_queued),
+        )
+        .range(1.0, (1u64 << 20) as f64),
+        P::u64(
+            "max_neighbours",
+            "",
+            "entries in the neighbour cache",
+            DEFAULT_MAX_NEIGHBOURS,
+            field!(limits.max_neighbours),
+        )
+        .range(1.0, (1u64 << 20) as f64),
+    ],
+    meters: &METERS,
+    ..KindDecl::new(
+        KIND,
+        "Ethernet for a link face: owns the link's addresses, answers ARP and neighbour discovery, resolves next hops",
+    )
+};
+
+/// The meters: the gauges, what the module counts ([`Count`]), then its drops ([`Reason`]: receive reasons, then
+/// send reasons).
+const METERS: [MeterDecl<Meters>; 34] = [
+    MeterDecl::u64("neighbours", "", "entries in the neighbour cache, resolved or not", |m| &mut m.neighbours),
+    MeterDecl::u64("queued", "frames", "packets waiting for their next hop to be resolved", |m| &mut m.queued),
+    MeterDecl::u64("passed_up_total", "frames", "IP packets received and emitted on `ip`", |m| {
+        &mut m.counts[Count::PassedUp as usize]
+    }),
+    MeterDecl::u64("sent_total", "frames", "IP packets emitted on `wire` with an Ethernet header", |m| {
+        &mut m.counts[Count::Sent as usize]
+    }),
+    MeterDecl::u64("arp_requests_received_total", "frames", "ARP requests received", |m| {
+        &mut m.counts[Count::ArpRequestsReceived as usize]
+    }),
+    MeterDecl::u64("arp_replies_received_total", "frames", "ARP replies received", |m| {
+        &mut m.counts[Count::ArpRepliesReceived as usize]
+    }),
+    MeterDecl::u64("arp_requests_answered_total", "frames", "ARP replies sent for our addresses", |m| {
+        &mut m.counts[Count::ArpRequestsAnswered as usize]
+    }),
+    MeterDecl::u64("arp_requests_sent_total", "frames", "ARP requests sent (resolution and probes)", |m| {
+        &mut m.counts[Count::ArpRequestsSent as usize]
+    }),
+    MeterDecl::u64("ns_received_total", "frames", "neighbour solicitations received", |m| {
+        &mut m.counts[Count::NsReceived as usize]
+    }),
+    MeterDecl::u64("na_received_total", "frames", "neighbour advertisements received", |m| {
+        &mut m.counts[Count::NaReceived as usize]
+    }),
+    MeterDecl::u64("rs_received_total", "frames", "router solicitations received (ignored)", |m| {
+        &mut m.counts[Count::RsReceived as usize]
+    }),
+    MeterDecl::u64("ra_received_total", "frames", "router advertisements received (ignored)", |m| {
+        &mut m.counts[Count::RaReceived as usize]
+    }),
+    MeterDecl::u64("redirects_received_total", "frames", "redirects received (ignored)", |m| {
+        &mut m.counts[Count::RedirectsReceived as usize]
+    }),
+    MeterDecl::u64("ns_sent_total", "frames", "neighbour solicitations sent (resolution and probes)", |m| {
+        &mut m.counts[Count::NsSent as usize]
+    }),
+    MeterDecl::u64("na_sent_total", "frames", "neighbour advertisements sent for our addresses", |m| {
+        &mut m.counts[Count::NaSent as usize]
+    }),
+    MeterDecl::u64("resolved_total", "frames", "next hops resolved", |m| &mut m.counts[Count::Resolved as usize]),
+    MeterDecl::u64("resolution_failed_total", "frames", "next hops or probed neighbours that did not answer", |m| {
+        &mut m.counts[Count::ResolutionFailed as usize]
+    }),
+    MeterDecl::u64("expired_total", "frames", "neighbours removed unused after their timeout", |m| {
+        &mut m.counts[Count::Expired as usize]
+    }),
+    MeterDecl::u64("evicted_total", "frames", "neighbours evicted to make room", |m| {
+        &mut m.counts[Count::Evicted as usize]
+    }),
+    MeterDecl::u64("address_conflicts_total", "frames", "ARP/NA from another MAC claiming one of our addresses", |m| {
+        &mut m.counts[Count::AddressConflicts as usize]
+    }),
+    MeterDecl::u64("drop_truncated_total", "frames", "frames shorter than their Ethernet or IP header", |m| {
+        &mut m.drops[Reason::Truncated as usize]
+    }),
+    MeterDecl::u64(
+        "drop_not_for_us_total",
+        "frames",
+        "frames to another MAC, or multicast not matching their EtherType",
+        |m| &mut m.drops[Reason::NotForUs as usize],
+    ),
+    MeterDecl::u64("drop_bad_source_mac_total", "frames", "frames from a multicast source MAC or our own", |m| {
+        &mut m.drops[Reason::BadSourceMac as usize]
+    }),
+    MeterDecl::u64("drop_bad_ethertype_total", "frames", "frames of an EtherType other than ARP, IPv4, IPv6", |m| {
+        &mut m.drops[Reason::BadEthertype as usize]
+    }),
+    MeterDecl::u64("drop_bad_version_total", "frames", "IP frames whose version disagrees with the EtherType", |m| {
+        &mut m.drops[Reason::BadVersion as usize]
+    }),
+    MeterDecl::u64(
+        "drop_arp_malformed_total",
+        "frames",
+        "ARP messages that are not Ethernet/IPv4 requests or replies",
+        |m| &mut m.drops[Reason::ArpMalformed as usize],
+    ),
+    MeterDecl::u64("drop_ndp_malformed_total", "frames", "neighbour discovery messages that do not parse", |m| {
+        &mut m.drops[Reason::NdpMalformed as usize]
+    }),
+    MeterDecl::u64(
+        "drop_ndp_invalid_total",
+        "frames",
+        "neighbour discovery messages failing RFC 4861 validity checks",
+        |m| &mut m.drops[Reason::NdpInvalid as usize],
+    ),
+    MeterDecl::u64(
+        "drop_bad_icmpv6_checksum_total",
+        "frames",
+        "neighbour discovery messages with a wrong checksum",
+        |m| &mut m.drops[Reason::BadIcmpv6Checksum as usize],
+    ),
+    MeterDecl::u64(
+        "drop_bad_packet_total",
+        "frames",
+        "packets to send that are not IPv4/IPv6 with a whole fixed header",
+        |m| &mut m.drops[Reason::BadPacket as usize],
+    ),
+    MeterDecl::u64("drop_no_route_total", "frames", "packets to send with no next hop", |m| {
+        &mut m.drops[Reason::NoRoute as usize]
+    }),
+    MeterDecl::u64(
+        "drop_resolution_queue_full_total",
+        "frames",
+        "packets to send while their next hop's queue was full",
+        |m| &mut m.drops[Reason::QueueFull as usize],
+    ),
+    MeterDecl::u64("drop_unresolved_total", "frames", "queued packets whose next hop never answered", |m| {
+        &mut m.drops[Reason::Unresolved as usize]
+    }),
+    MeterDecl::u64("drop_evicted_total", "frames", "queued packets whose next hop was evicted from the cache", |m| {
+        &mut m.drops[Reason::Evicted as usize]
+    }),
+];
+
+impl ModuleKind for LinkKind {
+    kind_from_decl!(DECL);
 
     fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
         Ok(Box::new(LinkBuilder(configure(settings)?)))
@@ -240,27 +383,7 @@ struct LinkBuilder(Config);
 
 impl ModuleBuilder for LinkBuilder {
     fn interface(&self) -> ModuleInterface {
-        let m = |name: &str, unit: &str, d: &str| VarSpec::meter(name, ValueType::U64, unit, d);
-        let mut vars: Vec<VarSpec> = KNOBS
-            .iter()
-            .map(|(name, _, min, max, unit, d)| {
-                VarSpec::knob(name, ValueType::U64, unit, d).with_range(*min as f64, *max as f64)
-            })
-            .collect();
-        vars.push(m("neighbours", "", "entries in the neighbour cache, resolved or not"));
-        vars.push(m("queued", "frames", "packets waiting for their next hop to be resolved"));
-        for (_, name, d) in COUNTS {
-            vars.push(m(name, "frames", d));
-        }
-        for (_, name, d) in REASONS {
-            vars.push(m(&format!("drop_{name}_total"), "frames", d));
-        }
-        ModuleInterface {
-            inputs: vec![PortSpec::new("ip", port_type::IP), PortSpec::new("wire", port_type::ETHERNET)],
-            outputs: vec![PortSpec::new("wire", port_type::ETHERNET), PortSpec::new("ip", port_type::IP)],
-            vars,
-            breaks_cycles: false,
-        }
+        DECL.interface(&self.0)
     }
 
     /// IP packets only go out on the wire; frames from the wire go up as IP, or back out as ARP / NDP answers.
@@ -270,26 +393,19 @@ impl ModuleBuilder for LinkBuilder {
     }
 
     fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module> {
-        let cfg = self.0;
-        for (name, ..) in KNOBS {
-            vars.meter(name).set(cfg.limits.get(name).unwrap_or(0));
-        }
+        DECL.publish(&self.0, vars);
         Box::new(Link {
-            limits: cfg.limits,
-            cfg,
+            cfg: self.0,
             cache: Cache::default(),
             limits_changed: false,
             scratch: Vec::new(),
-            m: Meters {
-                neighbours: vars.meter("neighbours"),
-                queued: vars.meter("queued"),
-                counts: COUNTS.map(|(_, name, _)| vars.meter(name)),
-                drops: REASONS.map(|(_, name, _)| vars.meter(&format!("drop_{name}_total"))),
-            },
+            m: DECL.meters(vars),
         })
     }
 }
 
+/// The module's meters.
+#[derive(Default)]
 struct Meters {
     neighbours: Meter,
     queued: Meter,
@@ -313,7 +429,6 @@ enum Hop {
 /// A running `link` module.
 pub struct Link {
     cfg: Config,
-    limits: Limits,
     cache: Cache,
     limits_changed: bool,
     scratch: Vec<IpAddr>,
@@ -338,7 +453,7 @@ impl Link {
     fn deadline(&self, e: &Entry) -> Time {
         match e.state {
             State::Incomplete | State::Probe => e.next_probe,
-            State::Reachable => e.confirmed + self.limits.timeout(),
+            State::Reachable => e.confirmed + self.cfg.limits.timeout(),
         }
     }
 
@@ -495,13 +610,9 @@ impl Module for Link {
     }
 
     fn write_knob(&mut self, knob: &str, value: &Value) -> Result<(), String> {
-        match value {
-            Value::U64(v) if self.limits.set(knob, *v) => {
-                self.limits_changed = true;
-                Ok(())
-            }
-            _ => Err(format!("no knob {knob}")),
-        }
+        DECL.write(&mut self.cfg, knob, value)?;
+        self.limits_changed = true;
+        Ok(())
     }
 
     fn execute(&mut self, procedure: &str, _argument: &Value, out: &mut Output<'_>) -> Result<Value, String> {
@@ -539,14 +650,19 @@ impl Module for Link {
     }
 }
 
+/// The drop reasons, as in meter names (`drop_<reason>_total`): receive reasons, then send reasons.
+fn drop_reasons() -> impl Iterator<Item = &'static str> {
+    METERS.iter().filter_map(|m| m.name.strip_prefix("drop_")?.strip_suffix("_total"))
+}
+
 /// The drop reasons counted on the receive path, as in meter names (`drop_<reason>_total`).
 pub fn receive_drop_reasons() -> impl Iterator<Item = &'static str> {
-    REASONS[..RECEIVE_REASONS].iter().map(|(_, name, _)| *name)
+    drop_reasons().take(RECEIVE_REASONS)
 }
 
 /// The drop reasons counted on the send path, as in meter names (`drop_<reason>_total`).
 pub fn send_drop_reasons() -> impl Iterator<Item = &'static str> {
-    REASONS[RECEIVE_REASONS..].iter().map(|(_, name, _)| *name)
+    drop_reasons().skip(RECEIVE_REASONS)
 }
 
 /// The meters of messages consumed on the receive path (not drops): ARP, NS, NA, RS, RA, redirects.

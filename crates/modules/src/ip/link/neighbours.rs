@@ -88,7 +88,7 @@ impl Link {
     /// its queue), or creates one if `create`.
     pub(super) fn learn(&mut self, ip: IpAddr, mac: Mac, create: bool, out: &mut Output<'_>) {
         let now = out.now();
-        let deadline = now + self.limits.timeout();
+        let deadline = now + self.cfg.limits.timeout();
         if let Some(e) = self.cache.map.get_mut(&ip) {
             let queue = if e.state == State::Incomplete { std::mem::take(&mut e.queue) } else { VecDeque::new() };
             let resolved = e.state == State::Incomplete;
@@ -131,7 +131,7 @@ impl Link {
 
     /// Evicts the oldest entries until `room` more fit.
     fn make_room(&mut self, room: usize, out: &mut Output<'_>) {
-        let max = self.limits.max_neighbours as usize;
+        let max = self.cfg.limits.max_neighbours as usize;
         while self.cache.map.len() + room > max {
             let Some(ip) = self.cache.oldest() else { break };
             let Some(e) = self.cache.remove(ip) else { break };
@@ -165,8 +165,8 @@ impl Link {
     }
 
     pub(super) fn send_to_neighbour(&mut self, p: Packet, hop: IpAddr, src: IpAddr, out: &mut Output<'_>) {
-        let per_queue = self.limits.queue_per_neighbour as usize;
-        let room = self.cache.queued < self.limits.max_queued as usize;
+        let per_queue = self.cfg.limits.queue_per_neighbour as usize;
+        let room = self.cache.queued < self.cfg.limits.max_queued as usize;
         if let Some(e) = self.cache.map.get_mut(&hop) {
             if e.state != State::Incomplete {
                 e.used = true;
@@ -214,7 +214,7 @@ impl Link {
 
     /// Sends the next request for `ip` (broadcast / solicited-node while incomplete, unicast when probing).
     pub(super) fn probe(&mut self, ip: IpAddr, out: &mut Output<'_>) {
-        let next = out.now() + self.limits.interval();
+        let next = out.now() + self.cfg.limits.interval();
         let Some(e) = self.cache.map.get_mut(&ip) else { return };
         e.probes += 1;
         e.next_probe = next;
@@ -247,7 +247,7 @@ impl Link {
 
     /// Handles an entry whose deadline has come: retry, probe, give up or expire.
     pub(super) fn expire(&mut self, ip: IpAddr, out: &mut Output<'_>) {
-        let max_probes = 1 + self.limits.resolve_retries;
+        let max_probes = 1 + self.cfg.limits.resolve_retries;
         let Some(e) = self.cache.map.get_mut(&ip) else { return };
         match e.state {
             State::Reachable if e.used => {
@@ -274,8 +274,8 @@ impl Link {
     /// Applies lowered limits: evicts entries beyond `max_neighbours`, trims queues (newest packets first).
     pub(super) fn enforce_limits(&mut self, out: &mut Output<'_>) {
         self.make_room(0, out);
-        let per_queue = self.limits.queue_per_neighbour as usize;
-        let mut over = self.cache.queued.saturating_sub(self.limits.max_queued as usize);
+        let per_queue = self.cfg.limits.queue_per_neighbour as usize;
+        let mut over = self.cache.queued.saturating_sub(self.cfg.limits.max_queued as usize);
         let mut ips: Vec<IpAddr> = self.cache.map.keys().copied().collect();
         ips.sort_unstable();
         let mut trimmed = Vec::new();

@@ -1,12 +1,13 @@
 //! The modelled device queues below the binding point: one per interface, standing for the NIC's transmit ring.
-//! Nothing here touches a device: a packet's transmission is modelled from its length and the interface's
-//! `rate_bps`, to decide when it is emitted and when the queue has room again.
+//! Nothing here touches a device: a packet's transmission is modelled from its length and the interface's rate
+//! (`rate_mbit`, kept in bit/s), to decide when it is emitted and when the queue has room again.
 
 use super::{Binding, Emit, IfaceConfig, Queued};
 use flexstack_core::{Meter, Output, Packet, Time};
 use std::collections::VecDeque;
 
 /// An interface's meters.
+#[derive(Default)]
 pub(crate) struct IfaceMeters {
     pub(super) queue_len: Meter,
     pub(super) device_queue_len: Meter,
@@ -18,6 +19,8 @@ pub(crate) struct IfaceMeters {
     pub(super) interrupted: Meter,
     /// The `up` knob's cell, written when the face's link changes.
     pub(super) up: Meter,
+    /// The cells of the rate's knobs, `rate_mbit` and its old name `rate_bps`: a write to either shows in both.
+    pub(super) rate: [Meter; 2],
 }
 
 /// A packet in a modelled device queue, gone at `end`: with `emit` = `start` it is emitted at `start` (`pkt` is

@@ -21,11 +21,13 @@
 //!   still covers its next packet goes to the back of the round (`Rounds`), so that flows take turns packet by
 //!   packet within a round rather than each sending its quantum in a burst.
 //! - **Below the binding point**: each interface has a device queue that models the NIC's transmit ring: at most
-//!   `<iface>.device_queue` packets, drained at `<iface>.rate_bps`. A packet admitted at `now` starts its modelled
-//!   transmission when the previous one ends (or at `now`) and leaves the device queue when its transmission time
-//!   (`(len + overhead_bytes) * 8 / rate`) has passed. `<iface>.overhead_bytes` is the link layer's per-packet
-//!   addition (14 for Ethernet), so that the model drains no faster than the link behind it. With `rate_bps = 0`
-//!   nothing is modelled: packets pass at once. `<iface>.emit` says when a packet is emitted on the interface's
+//!   `<iface>.device_queue` packets, drained at `<iface>.rate_mbit` (Mbit/s, as a lab link's `bw` and the
+//!   emulator's `rate_mbit`; its old name `<iface>.rate_bps`, in bit/s, still works as a setting and a knob, and
+//!   is reported as deprecated). A packet admitted at `now` starts its modelled transmission when the previous one
+//!   ends (or at `now`) and leaves the device queue when its transmission time (`(len + overhead_bytes) * 8 /
+//!   rate`) has passed. `<iface>.overhead_bytes` is the link layer's per-packet addition (14 for Ethernet), so that
+//!   the model drains no faster than the link behind it. With `rate_mbit = 0` nothing is modelled: packets pass at
+//!   once. `<iface>.emit` says when a packet is emitted on the interface's
 //!   output port: `start` (default) at its modelled transmission start (the model paces the link; a late wake-up
 //!   delays the emissions), `admit` at once, when it enters the device queue (the link behind the port paces it;
 //!   the model's occupancy and room are the same, the module wakes only when an entry ends and room frees, and a
@@ -58,28 +60,13 @@
 //!   whose destination is one of the interfaces' addresses gets the virtual address instead (checksums updated
 //!   the same way, `up_mapped_total`). Without them, put a `nat` module on the way up instead.
 //!
-//! Ports: input `in` and `up_in` (ip); one output per interface, named as in `interfaces`, then `up_out` (ip).
-//!
-//! Settings: `interfaces` (array of names, required, at most 16), `policy` (knob), `class_rules` (array of rules
-//! `CLASS [tcp|udp|icmp] [port N] [dscp N]`, first match wins, a port matching either end), `virtual_v4`,
-//! `virtual_v6`, `vars_prefix` (default `flow`), per interface `"<iface>.address_v4"` and `"<iface>.address_v6"`
-//! (quoted dotted keys in TOML), `"<iface>.face"` (the face module of that interface: its link going down or up
-//! sets `<iface>.up`, see `Module::link_changed`), and every knob.
-//!
-//! Knobs: `policy` (text), `quantum` (bytes, default 1514, late only), `queue_limit` (packets, default 10000, late
-//! only), `flow_idle_ms` (default 30000: a flow with nothing queued is forgotten after this long), per interface
-//! `<iface>.rate_bps` (bit/s, default 0), `<iface>.overhead_bytes` (bytes per packet, default 0),
-//! `<iface>.device_queue` (packets, default 2 late / 50 early), `<iface>.emit` (text, `start` or `admit`, default
-//! `start`; switched to `admit`, the packets the device queue still holds are emitted at the next call, in order;
-//! switched to `start`, packets bound afterwards wait for their start), `<iface>.up` (default true),
-//! `<iface>.weight` (default 1), and early only `<iface>.fifo_limit`.
-//!
-//! Meters: `queued`, `queued_bytes`, `flows_active`, `rebinds_total`, `drop_queue_full_total`,
-//! `drop_no_interface_total`, `drop_interface_down_total` (all interfaces), `up_mapped_total`,
-//! `flow_vars_unpublished_total`, parse drops `drop_<reason>_total`; per interface `<iface>.device_queue_len`,
-//! `<iface>.queue_len` (early: FIFO), `<iface>.bound_packets_total`, `<iface>.bound_bytes_total`,
-//! `<iface>.rebinds_total`, `<iface>.drop_interface_down_total`, `<iface>.drop_queue_full_total`,
-//! `<iface>.tx_interrupted_total`; per flow, under `<vars_prefix>.<flow>.binding.`: `class`, `interface`,
+//! The ports, settings, knobs and meters of both kinds are declared once, in `config.rs` (`LATE`, `EARLY` and
+//! their per-interface groups); docs/modules.md lists them. Per-interface names are dotted
+//! (`"<iface>.address_v4"`: quoted keys in TOML). `class_rules` are `CLASS [tcp|udp|icmp] [port N] [dscp N]`, the
+//! first that matches wins, a port matching either end. `<iface>.face` names the face module of that interface:
+//! its link going down or up sets `<iface>.up` (see `Module::link_changed`). Switched to `admit`, `<iface>.emit`
+//! emits the packets the device queue still holds at the next call, in order; switched to `start`, packets bound
+//! afterwards wait for their start. Per flow, under `<vars_prefix>.<flow>.binding.`: `class`, `interface`,
 //! `queued`, `queue_delay_ns` (time its last bound packet waited before binding). `queued` and `queue_delay_ns`
 //! are refreshed at most every 100 ms (module time; a wake-up is asked for while one is stale), not per packet.
 //!
@@ -112,10 +99,7 @@ mod prefetch;
 pub(crate) use batch::Held;
 pub(crate) use class::dscp_of;
 pub use class::{Class, ClassRule};
-pub(crate) use config::{
-    configure, Config, IfaceConfig, Mode, MAX_DEVICE_QUEUE, MAX_IDLE_MS, MAX_OVERHEAD, MAX_OVERRIDES, MAX_QUANTUM,
-    MAX_QUEUE_LIMIT, MAX_RATE_BPS, MAX_WEIGHT, MIN_QUANTUM,
-};
+pub(crate) use config::{configure, Config, IfaceConfig, Mode, MAX_OVERRIDES};
 pub use config::{Emit, Policy};
 pub(crate) use device::{Iface, IfaceMeters};
 pub(crate) use drr::{
@@ -127,14 +111,14 @@ pub(crate) use prefetch::{ARRIVAL_PREFETCH_MIN, PREFETCH_MIN_BYTES};
 use crate::flow::table::Slab;
 use flexstack_core::module::port_type;
 use flexstack_core::{
-    Batch, ConfigError, Frame, MetaKey, Meter, Module, ModuleBuilder, ModuleInterface, ModuleKind, ModuleVars, Output,
-    Packet, PortSpec, Settings, Time, Value, ValueType, VarSpec,
+    kind_from_decl, Batch, ConfigError, Deprecations, Frame, MetaKey, Meter, Module, ModuleBuilder, ModuleInterface,
+    ModuleKind, ModuleVars, Output, Packet, PortSpec, Settings, Time, Value, ValueType, VarSpec,
 };
 use flexstack_wire::packet::{PacketInfo, ParseDrops};
 use flexstack_wire::rewrite::{self, Layout};
 use std::collections::VecDeque;
 use std::hash::{Hash, Hasher};
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::net::IpAddr;
 
 /// The late-binding kind's name in stack files.
 pub const LATE_KIND: &str = "late-binding";
@@ -158,217 +142,85 @@ pub struct LateBindingKind;
 pub struct EarlyBindingKind;
 
 impl ModuleKind for LateBindingKind {
-    fn name(&self) -> &'static str {
-        LATE_KIND
-    }
-
-    fn summary(&self) -> &'static str {
-        "per-flow queues above a binding point; each packet bound to an interface (policy, address) only when it has room"
-    }
+    kind_from_decl!(Mode::Late.decl(), Mode::Late.iface_decl());
 
     fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
-        Ok(Box::new(BindingBuilder(configure(Mode::Late, settings)?)))
+        BindingBuilder::configure(Mode::Late, settings)
     }
 }
 
 impl ModuleKind for EarlyBindingKind {
-    fn name(&self) -> &'static str {
-        EARLY_KIND
-    }
-
-    fn summary(&self) -> &'static str {
-        "stock-Linux comparison: interface chosen at enqueue, per-interface FIFO and device buffer, lost when it goes down"
-    }
+    kind_from_decl!(Mode::Early.decl(), Mode::Early.iface_decl());
 
     fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
-        Ok(Box::new(BindingBuilder(configure(Mode::Early, settings)?)))
+        BindingBuilder::configure(Mode::Early, settings)
     }
 }
 
-struct BindingBuilder(Config);
+struct BindingBuilder {
+    cfg: Config,
+    ifaces: Vec<IfaceConfig>,
+    deprecations: Deprecations,
+}
 
-/// Module-level meters: name, unit, description.
-const METERS: [(&str, &str, &str); 9] = [
-    ("queued", "frames", "packets waiting above the binding point (late) or in the FIFOs (early)"),
-    ("queued_bytes", "bytes", "bytes waiting above the binding point (late) or in the FIFOs (early)"),
-    ("flows_active", "flows", "flows the scheduler knows"),
-    ("rebinds_total", "frames", "packets bound to another interface than their flow's previous packet"),
-    ("drop_queue_full_total", "frames", "packets dropped: queue_limit (late) or an interface's FIFO (early) full"),
-    ("drop_no_interface_total", "frames", "packets dropped on arrival with no interface up (early)"),
-    ("drop_interface_down_total", "frames", "packets lost below the binding point when their interface went down"),
-    ("up_mapped_total", "frames", "packets coming up whose destination was mapped to the virtual address"),
-    ("flow_vars_unpublished_total", "flows", "flows whose runtime variables could not be registered"),
-];
-
-/// Per-interface meters: name, unit, description.
-const IFACE_METERS: [(&str, &str, &str); 8] = [
-    ("queue_len", "frames", "packets in the interface's FIFO (early binding)"),
-    ("device_queue_len", "frames", "packets in the modelled device queue"),
-    ("bound_packets_total", "frames", "packets bound to the interface"),
-    ("bound_bytes_total", "bytes", "bytes bound to the interface"),
-    ("rebinds_total", "frames", "packets bound here whose flow's previous packet went elsewhere"),
-    ("drop_interface_down_total", "frames", "packets lost (not yet started) when the interface went down"),
-    ("drop_queue_full_total", "frames", "packets dropped because the FIFO was full (early binding)"),
-    ("tx_interrupted_total", "frames", "packets whose modelled transmission was cut by the interface going down"),
-];
+impl BindingBuilder {
+    fn configure(mode: Mode, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
+        let (cfg, ifaces) = configure(mode, settings)?;
+        Ok(Box::new(BindingBuilder { cfg, ifaces, deprecations: Deprecations::default() }))
+    }
+}
 
 impl ModuleBuilder for BindingBuilder {
     fn interface(&self) -> ModuleInterface {
-        let c = &self.0;
-        let mut vars = vec![
-            VarSpec::knob("policy", ValueType::Str, "", "preferred, affinity, weighted or fastest"),
-            VarSpec::knob("flow_idle_ms", ValueType::U64, "ms", "a flow with nothing queued is forgotten after this")
-                .with_range(1.0, MAX_IDLE_MS as f64),
-        ];
-        if c.mode == Mode::Late {
-            vars.push(
-                VarSpec::knob("quantum", ValueType::U64, "bytes", "deficit round robin: bytes per flow per round")
-                    .with_range(MIN_QUANTUM as f64, MAX_QUANTUM as f64),
-            );
-            vars.push(
-                VarSpec::knob("queue_limit", ValueType::U64, "frames", "most packets above the binding point")
-                    .with_range(1.0, MAX_QUEUE_LIMIT as f64),
-            );
+        let (c, ifaces) = (&self.cfg, &self.ifaces);
+        let mut iface = c.mode.decl().interface(c);
+        for i in ifaces {
+            iface.vars.extend(c.mode.iface_decl().vars(&i.name, i));
         }
-        vars.extend(METERS.iter().map(|&(n, u, d)| VarSpec::meter(n, ValueType::U64, u, d)));
-        vars.extend(ParseDrops::specs(true));
-        for i in &c.ifaces {
-            let n = &i.name;
-            vars.push(
-                VarSpec::knob(
-                    &format!("{n}.rate_bps"),
-                    ValueType::U64,
-                    "bit/s",
-                    "modelled transmit rate; 0 = unmodelled",
-                )
-                .with_range(0.0, MAX_RATE_BPS as f64),
-            );
-            vars.push(
-                VarSpec::knob(
-                    &format!("{n}.overhead_bytes"),
-                    ValueType::U64,
-                    "bytes",
-                    "link-layer bytes added to each packet in the modelled transmission time (Ethernet: 14)",
-                )
-                .with_range(0.0, MAX_OVERHEAD as f64),
-            );
-            vars.push(
-                VarSpec::knob(
-                    &format!("{n}.device_queue"),
-                    ValueType::U64,
-                    "frames",
-                    "size of the modelled device queue",
-                )
-                .with_range(1.0, MAX_DEVICE_QUEUE as f64),
-            );
-            vars.push(VarSpec::knob(
-                &format!("{n}.emit"),
-                ValueType::Str,
-                "",
-                "start (emit a packet at its modelled transmission start) or admit (at once, when it enters the device queue)",
-            ));
-            vars.push(VarSpec::knob(&format!("{n}.up"), ValueType::Bool, "", "the interface is up"));
-            vars.push(
-                VarSpec::knob(&format!("{n}.weight"), ValueType::U64, "", "share of flows (policy weighted)")
-                    .with_range(0.0, MAX_WEIGHT as f64),
-            );
-            if c.mode == Mode::Early {
-                vars.push(
-                    VarSpec::knob(&format!("{n}.fifo_limit"), ValueType::U64, "frames", "most packets in the FIFO")
-                        .with_range(0.0, MAX_QUEUE_LIMIT as f64),
-                );
-            }
-            vars.extend(
-                IFACE_METERS.iter().map(|&(m, u, d)| VarSpec::meter(&format!("{n}.{m}"), ValueType::U64, u, d)),
-            );
-        }
-        let mut outputs: Vec<PortSpec> =
-            c.ifaces.iter().map(|i| PortSpec::new(i.name.clone(), port_type::IP)).collect();
-        outputs.push(PortSpec::new("up_out", port_type::IP));
-        ModuleInterface {
-            inputs: vec![PortSpec::new("in", port_type::IP), PortSpec::new("up_in", port_type::IP)],
-            outputs,
-            vars,
-            breaks_cycles: false,
-        }
+        iface.outputs = ifaces.iter().map(|i| PortSpec::new(i.name.clone(), port_type::IP)).collect();
+        iface.outputs.push(PortSpec::new("up_out", port_type::IP));
+        iface
     }
 
     fn paths(&self) -> Option<Vec<(String, String)>> {
-        let mut p: Vec<(String, String)> = self.0.ifaces.iter().map(|i| ("in".into(), i.name.clone())).collect();
+        let mut p: Vec<(String, String)> = self.ifaces.iter().map(|i| ("in".into(), i.name.clone())).collect();
         p.push(("up_in".into(), "up_out".into()));
         Some(p)
     }
 
+    fn deprecations(&mut self, deprecations: &Deprecations) {
+        self.deprecations = deprecations.clone();
+    }
+
     fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module> {
-        let c = self.0;
-        vars.meter("policy").store(&Value::Str(c.policy.name().into()));
-        vars.meter("flow_idle_ms").set(c.flow_idle_ms);
-        if c.mode == Mode::Late {
-            vars.meter("quantum").set(c.quantum);
-            vars.meter("queue_limit").set(c.queue_limit);
-        }
-        let ifaces = c
-            .ifaces
-            .iter()
+        let BindingBuilder { cfg, ifaces, deprecations } = *self;
+        let (decl, iface_decl) = (cfg.mode.decl(), cfg.mode.iface_decl());
+        decl.publish(&cfg, vars);
+        let ifaces = ifaces
+            .into_iter()
             .map(|i| {
-                let m = |s: &str| vars.meter(&format!("{}.{s}", i.name));
-                m("rate_bps").set(i.rate_bps);
-                m("overhead_bytes").set(i.overhead_bytes);
-                m("device_queue").set(i.device_queue);
-                m("up").store(&Value::Bool(i.up));
-                m("weight").set(i.weight);
-                m("emit").store(&Value::Str(i.emit.name().into()));
-                if c.mode == Mode::Early {
-                    m("fifo_limit").set(i.fifo_limit);
-                }
+                iface_decl.publish(&i.name, &i, vars);
+                let mut m = iface_decl.meters(&i.name, vars);
+                let cell = |knob: &str| vars.meter(&format!("{}.{knob}", i.name));
+                m.up = cell("up");
+                m.rate = [cell("rate_mbit"), cell("rate_bps")];
                 Iface {
-                    cfg: i.clone(),
                     ring: VecDeque::with_capacity(i.device_queue.min(4096) as usize),
+                    cfg: i,
                     busy_until: Time::ZERO,
                     fifo: VecDeque::new(),
                     fifo_bytes: 0,
                     pending_down: false,
                     flush_held: false,
-                    m: IfaceMeters {
-                        queue_len: m("queue_len"),
-                        device_queue_len: m("device_queue_len"),
-                        bound_packets: m("bound_packets_total"),
-                        bound_bytes: m("bound_bytes_total"),
-                        rebinds: m("rebinds_total"),
-                        drop_down: m("drop_interface_down_total"),
-                        drop_full: m("drop_queue_full_total"),
-                        interrupted: m("tx_interrupted_total"),
-                        up: m("up"),
-                    },
+                    m,
                 }
             })
             .collect();
-        let m = |s: &str| vars.meter(s);
         Box::new(Binding {
-            meters: Meters {
-                queued: m("queued"),
-                queued_bytes: m("queued_bytes"),
-                flows_active: m("flows_active"),
-                rebinds: m("rebinds_total"),
-                drop_full: m("drop_queue_full_total"),
-                drop_no_iface: m("drop_no_interface_total"),
-                drop_down: m("drop_interface_down_total"),
-                up_mapped: m("up_mapped_total"),
-                unpublished: m("flow_vars_unpublished_total"),
-            },
+            meters: decl.meters(vars),
             drops: ParseDrops::new(vars),
             ifaces,
-            cfg: Settings2 {
-                mode: c.mode,
-                policy: c.policy,
-                quantum: c.quantum,
-                queue_limit: c.queue_limit,
-                flow_idle_ns: c.flow_idle_ms * 1_000_000,
-                rules: c.rules,
-                virtual_v4: c.virtual_v4,
-                virtual_v6: c.virtual_v6,
-                vars_prefix: c.vars_prefix,
-            },
+            cfg,
             flows: Slab::default(),
             index: FlowMap::default(),
             nodes: Nodes::default(),
@@ -383,6 +235,7 @@ impl ModuleBuilder for BindingBuilder {
             next_sweep: None,
             downs_pending: false,
             flow_specs: flow_specs(),
+            deprecations,
         })
     }
 }
@@ -400,20 +253,9 @@ fn flow_specs() -> Vec<VarSpec> {
 // The running module
 // -------------------------------------------------------------------------------------------------------------
 
-/// The module's parameters while it runs.
-struct Settings2 {
-    mode: Mode,
-    policy: Policy,
-    quantum: u64,
-    queue_limit: u64,
-    flow_idle_ns: u64,
-    rules: Vec<ClassRule>,
-    virtual_v4: Option<Ipv4Addr>,
-    virtual_v6: Option<Ipv6Addr>,
-    vars_prefix: String,
-}
-
-struct Meters {
+/// The module-level meters.
+#[derive(Default)]
+pub(crate) struct Meters {
     queued: Meter,
     queued_bytes: Meter,
     flows_active: Meter,
@@ -435,7 +277,7 @@ struct Queued {
 
 /// A running `late-binding` or `early-binding` module.
 pub struct Binding {
-    cfg: Settings2,
+    cfg: Config,
     ifaces: Vec<Iface>,
     flows: Slab<Flow>,
     index: FlowMap<u32>,
@@ -460,6 +302,8 @@ pub struct Binding {
     flow_specs: Vec<VarSpec>,
     meters: Meters,
     drops: ParseDrops,
+    /// Where a knob written by its old name is reported.
+    deprecations: Deprecations,
 }
 
 /// Bit set on flow keys made from a hash of the 5-tuple (flow ids from `classify` are small).
@@ -894,34 +738,30 @@ impl Module for Binding {
             let class = Class::parse(text).ok_or_else(|| format!("{knob}: expected urgent, interactive or bulk"))?;
             return self.set_class(key, class);
         }
-        match (knob, value) {
-            ("policy", Value::Str(s)) => self.cfg.policy = Policy::parse(s).ok_or_else(bad)?,
-            ("quantum", Value::U64(v)) if (MIN_QUANTUM..=MAX_QUANTUM).contains(v) => self.cfg.quantum = *v,
-            ("queue_limit", Value::U64(v)) if (1..=MAX_QUEUE_LIMIT).contains(v) => self.cfg.queue_limit = *v,
-            ("flow_idle_ms", Value::U64(v)) if (1..=MAX_IDLE_MS).contains(v) => self.cfg.flow_idle_ns = v * 1_000_000,
-            _ => {
-                let (name, param) = knob.rsplit_once('.').ok_or_else(bad)?;
-                let iface = self.ifaces.iter_mut().find(|i| i.cfg.name == name).ok_or_else(bad)?;
-                let c = &mut iface.cfg;
-                match (param, value) {
-                    ("rate_bps", Value::U64(v)) if *v <= MAX_RATE_BPS => c.rate_bps = *v,
-                    ("overhead_bytes", Value::U64(v)) if *v <= MAX_OVERHEAD => c.overhead_bytes = *v,
-                    ("device_queue", Value::U64(v)) if (1..=MAX_DEVICE_QUEUE).contains(v) => c.device_queue = *v,
-                    ("weight", Value::U64(v)) if *v <= MAX_WEIGHT => c.weight = *v,
-                    ("fifo_limit", Value::U64(v)) if self.cfg.mode == Mode::Early && *v <= MAX_QUEUE_LIMIT => {
-                        c.fifo_limit = *v
-                    }
-                    ("up", Value::Bool(v)) => self.downs_pending |= iface.set_up(*v),
-                    ("emit", Value::Str(s)) => {
-                        c.emit = Emit::parse(s)
-                            .ok_or_else(|| format!("cannot set {knob} to {s:?}: expected start or admit"))?;
-                        // To admit: what the ring still holds goes at the next call (the switch polls the module
-                        // after a write). To start: only packets bound from now on wait for their start.
-                        iface.flush_held |= c.emit == Emit::Admit;
-                    }
-                    _ => return Err(bad()),
-                }
+        let Some((name, param)) = knob.rsplit_once('.') else {
+            return self.cfg.mode.decl().write(&mut self.cfg, knob, value).map_err(|_| bad());
+        };
+        let decl = self.cfg.mode.iface_decl();
+        let iface = self.ifaces.iter_mut().find(|i| i.cfg.name == name).ok_or_else(bad)?;
+        match (param, value) {
+            // Going down drops what the device queue holds, at the next call.
+            ("up", Value::Bool(v)) => self.downs_pending |= iface.set_up(*v),
+            ("emit", Value::Str(s)) => {
+                decl.write(&mut iface.cfg, name, param, value)
+                    .map_err(|_| format!("cannot set {knob} to {s:?}: expected start or admit"))?;
+                // To admit: what the ring still holds goes at the next call (the switch polls the module after a
+                // write). To start: only packets bound from now on wait for their start.
+                iface.flush_held |= iface.cfg.emit == Emit::Admit;
             }
+            _ => decl.write(&mut iface.cfg, name, param, value).map_err(|_| bad())?,
+        }
+        if param.starts_with("rate_") {
+            // The rate's two names show the same rate.
+            iface.m.rate[0].store(&Value::F64(iface.cfg.rate_bps as f64 / 1e6));
+            iface.m.rate[1].set(iface.cfg.rate_bps);
+        }
+        if let Some(new) = decl.new_name_of(param) {
+            self.deprecations.report(knob, &format!("{name}.{new}"));
         }
         Ok(())
     }

@@ -111,6 +111,7 @@ mod tests {
     use crate::sched::binding::*;
     use flexstack_core::{Catalog, PacketPool, StackSpec};
     use flexstack_wire::packet::{build, proto};
+    use std::net::Ipv4Addr;
 
     /// A late-binding module with one interface `a`, down (so everything handed to it queues), and its vars.
     fn module() -> (Box<dyn Module>, ModuleVars) {

@@ -7,6 +7,7 @@ use flexstack_core::{Direction, Switch};
 use flexstack_wire::checksum;
 use flexstack_wire::packet::{build, proto};
 use smoltcp::wire::{IpAddress, Ipv4Packet, Ipv6Packet, TcpPacket, UdpPacket};
+use std::net::{Ipv4Addr, Ipv6Addr};
 use std::time::Duration;
 
 const APP: Ipv4Addr = Ipv4Addr::new(10, 77, 0, 2);
@@ -1148,4 +1149,54 @@ fn switching_emit_live_hands_over_the_held_packets_or_holds_the_next_ones() {
     drain(&mut sw, ms(100));
     let rest = sent(&la);
     assert_eq!(rest, (5..10).map(|i| (i, ms(u64::from(i)))).collect::<Vec<_>>());
+}
+
+/// The rate in Mbit/s (`rate_mbit`, as a lab link's `bw`) and by its old name in bit/s (`rate_bps`) is one rate:
+/// the same schedule whichever name set it, as a setting or as a knob, both names showing it; and each old name used
+/// is reported once to the catalog's alias hook, however often it is used.
+#[test]
+fn rate_mbit_and_its_old_name_rate_bps_give_the_same_schedule_and_the_old_name_warns_once() {
+    let heard = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut catalog = catalog();
+    let h = heard.clone();
+    catalog.on_alias(move |old, new| h.lock().unwrap().push(format!("{old} -> {new}")));
+    // Sends five 1000-byte packets (1 ms each at 8 Mbit/s) after an optional knob write: when `a` sent each, the
+    // rate both names show, and whether the stack's description left the old name out.
+    let schedule = |rate: &str, knob_write: Option<(&str, Value)>| {
+        let mut sw = Switch::default();
+        let (a, la) = recorder("a");
+        let (b, _lb) = recorder("b");
+        let settings = toml_settings(LATE_KIND, &["interfaces=[\"a\", \"b\"]", rate]);
+        let builder = catalog.configure(LATE_KIND, &settings, None).unwrap();
+        let load = flexstack_core::Edit::Load { name: "s".into(), kind: LATE_KIND.into(), settings, builder };
+        sw.apply(vec![load, a, b, link("s[a] -> a"), link("s[b] -> b")]).unwrap();
+        if let Some((name, value)) = knob_write {
+            sw.apply(vec![knob("s", name, value)]).unwrap();
+        }
+        sw.run(Time::ZERO);
+        inject(&mut sw, ms(0), &(0..5).map(|i| udp(1, 1000, 0, i)).collect::<Vec<_>>(), None);
+        drain(&mut sw, ms(100));
+        let shown = (var(&sw, "module.s.a.rate_mbit"), var(&sw, "module.s.a.rate_bps"));
+        let described = sw.describe().modules[0].settings.clone();
+        (sent(&la), shown, described.get("a.rate_bps").is_none())
+    };
+    let eight = (Some(Value::F64(8.0)), Some(Value::U64(8_000_000)));
+    let by_mbit = schedule("\"a.rate_mbit\"=8", None);
+    assert_eq!(by_mbit.0, (0..5).map(|i| (i, ms(u64::from(i)))).collect::<Vec<_>>());
+    assert_eq!(by_mbit, (by_mbit.0.clone(), eight.clone(), true));
+    assert_eq!(schedule(RATE_8M, None), by_mbit, "the old name sets the same rate; saved, it is the new name");
+    assert_eq!(schedule(RATE_8M, None), by_mbit);
+    assert_eq!(*heard.lock().unwrap(), ["a.rate_bps -> a.rate_mbit"], "once");
+
+    // As knobs: 1 Mbit/s by either name, from 8.
+    let one = (Some(Value::F64(1.0)), Some(Value::U64(1_000_000)));
+    let by_mbit = schedule("\"a.rate_mbit\"=8", Some(("a.rate_mbit", Value::F64(1.0))));
+    assert_eq!(by_mbit.0, (0..5).map(|i| (i, ms(8 * u64::from(i)))).collect::<Vec<_>>());
+    assert_eq!(by_mbit.1, one);
+    assert_eq!(schedule("\"a.rate_mbit\"=8", Some(("a.rate_bps", Value::U64(1_000_000)))), by_mbit);
+    // Each old name is reported once: the knob `a.rate_bps` was reported as a setting; `b.rate_bps` is new.
+    for _ in 0..2 {
+        schedule("\"a.rate_mbit\"=8", Some(("b.rate_bps", Value::U64(1_000_000))));
+    }
+    assert_eq!(*heard.lock().unwrap(), ["a.rate_bps -> a.rate_mbit", "b.rate_bps -> b.rate_mbit"]);
 }

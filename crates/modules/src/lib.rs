@@ -73,7 +73,7 @@ pub(crate) mod testutil {
     //! Helpers shared by the modules' tests: loading modules into a switch, reading meters, a recording module.
 
     use flexstack_core::{
-        Batch, ConfigError, Edit, Frame, ModuleBuilder, PacketPool, Settings, StackSpec, Switch, Time, Value,
+        Batch, ConfigError, Direction, Edit, Frame, ModuleBuilder, PacketPool, Settings, StackSpec, Switch, Time, Value,
     };
 
     /// Settings from `key=value` words.
@@ -133,7 +133,29 @@ pub(crate) mod testutil {
             .collect()
     }
 
+    /// Injects packets with the given bytes, travelling in `direction`, into input `port` of `module`.
+    pub fn inject_into<P: AsRef<[u8]>>(sw: &mut Switch, module: &str, port: &str, packets: &[P], direction: Direction) {
+        let mut batch: Batch = packets
+            .iter()
+            .map(|b| {
+                let mut p = sw.pool().alloc_from(b.as_ref());
+                p.set_direction(direction);
+                Frame::Data(p)
+            })
+            .collect();
+        sw.inject(module, port, &mut batch).expect("inject");
+    }
+
     pub use flexstack_core::testing::{Log, Recorder};
+
+    /// A switch holding one module, `name` of `kind` with `args`, whose output goes to a recorder (`r`), and the
+    /// recorder's log.
+    pub fn recorded(name: &str, kind: &str, args: &[&str]) -> (Switch, Log) {
+        let mut sw = Switch::default();
+        let (rec, log) = Recorder::load("r");
+        sw.apply(vec![load(name, kind, args), rec, link(&format!("{name} -> r"))]).unwrap();
+        (sw, log)
+    }
 
     /// Drives a switch with `run` at every `step` from `from` up to and including `to`.
     pub fn run_every(sw: &mut Switch, from: Time, to: Time, step: std::time::Duration) {

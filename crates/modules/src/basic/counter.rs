@@ -163,10 +163,7 @@ mod tests {
     use std::time::Duration;
 
     fn stack() -> (Switch, Log) {
-        let mut sw = Switch::default();
-        let (rec, log) = Recorder::load("r");
-        sw.apply(vec![load("c", "counter", &[]), rec, link("c -> r")]).unwrap();
-        (sw, log)
+        recorded("c", "counter", &[])
     }
 
     #[test]

@@ -249,10 +249,7 @@ mod tests {
     use std::time::Duration;
 
     fn stack(args: &[&str]) -> (Switch, Log) {
-        let mut sw = Switch::default();
-        let (rec, log) = Recorder::load("r");
-        sw.apply(vec![load("src", "source", args), rec, link("src -> r")]).unwrap();
-        (sw, log)
+        recorded("src", "source", args)
     }
 
     /// Frames per distinct arrival time (= per poll).

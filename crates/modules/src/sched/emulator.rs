@@ -632,9 +632,7 @@ mod tests {
     use std::time::Duration;
 
     fn stack(args: &[&str]) -> (Switch, Log) {
-        let mut sw = Switch::default();
-        let (rec, log) = Recorder::load("r");
-        sw.apply(vec![load("e", "emulator", args), rec, link("e -> r")]).unwrap();
+        let (mut sw, log) = recorded("e", "emulator", args);
         sw.run(Time::ZERO);
         (sw, log)
     }

@@ -17,6 +17,35 @@ pub fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_flexstack")
 }
 
+/// The stack of the daemon, rules and control-protocol tests: a source `src` (its settings in `source`, TOML lines)
+/// feeds a counter `count` and a selector `sel` (loaded by its old kind name `switch`; two outputs, 0 selected),
+/// whose outputs go to the sinks `sink0` and `sink1`. `also` adds receivers to `sel[1]` (", tap") and `more` adds
+/// modules (TOML tables).
+pub fn chain(source: &str, also: &str, more: &str) -> String {
+    format!(
+        r#"links = ["src -> count", "count -> sel", "sel[0] -> sink0", "sel[1] -> sink1{also}"]
+
+[modules.src]
+kind = "source"
+{source}
+
+[modules.count]
+kind = "counter"
+
+[modules.sel]
+kind = "switch"
+outputs = 2
+select = 0
+
+[modules.sink0]
+kind = "sink"
+
+[modules.sink1]
+kind = "sink"
+{more}"#
+    )
+}
+
 /// A daemon running in its own temporary state directory; killed and cleaned up on drop.
 pub struct Daemon {
     pub child: Child,

@@ -27,16 +27,7 @@ fn apps_reach_a_server_over_a_link_face_with_flexstack_arp_ndp_and_nat() {
     let www = tempfile::tempdir().unwrap();
     let blob: Vec<u8> = (0..5_000_000u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 9) as u8).collect();
     std::fs::write(www.path().join("blob"), &blob).unwrap();
-    let _http = srv.spawn(&[
-        "python3",
-        "-m",
-        "http.server",
-        "8080",
-        "--bind",
-        "::",
-        "--directory",
-        www.path().to_str().unwrap(),
-    ]);
+    let _http = srv.serve_http("::", www.path());
     let _iperf = srv.spawn(&["iperf3", "-s", "-p", "5201"]);
     let _dns = srv.spawn(&[
         "dnsmasq",

@@ -75,16 +75,7 @@ outputs = 2
     let dir = tempfile::tempdir().unwrap();
     let payload: Vec<u8> = (0..3_000_000u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8).collect();
     std::fs::write(dir.path().join("blob.bin"), &payload).unwrap();
-    let _server = ns_b.spawn(&[
-        "python3",
-        "-m",
-        "http.server",
-        "8080",
-        "--bind",
-        "::",
-        "--directory",
-        dir.path().to_str().unwrap(),
-    ]);
+    let _server = ns_b.serve_http("::", dir.path());
     let got = dir.path().join("got.bin");
     let mut fetched = false;
     for _ in 0..50 {
@@ -147,16 +138,7 @@ rules = ["drop out tcp to any port 8080", "accept icmp"]
     ns_b.adopt(&dev_b, &["10.98.0.2/24"]);
     let www = tempfile::tempdir().unwrap();
     std::fs::write(www.path().join("f"), b"through the firewall").unwrap();
-    let _server = ns_b.spawn(&[
-        "python3",
-        "-m",
-        "http.server",
-        "8080",
-        "--bind",
-        "10.98.0.2",
-        "--directory",
-        www.path().to_str().unwrap(),
-    ]);
+    let _server = ns_b.serve_http("10.98.0.2", www.path());
     std::thread::sleep(std::time::Duration::from_millis(500));
 
     let out = ns_a.run(&["ping", "-c", "2", "-i", "0.2", "-W", "2", "10.98.0.2"]);

@@ -306,6 +306,12 @@ impl Netns {
         Background(child)
     }
 
+    /// Serves the files of `dir` over HTTP on port 8080 of address `bind` (`::`: every address) inside the
+    /// namespace (python3's http.server); stopped when the guard is dropped.
+    pub fn serve_http(&self, bind: &str, dir: &Path) -> Background {
+        self.spawn(&["python3", "-m", "http.server", "8080", "--bind", bind, "--directory", path_str(dir)])
+    }
+
     /// Moves interface `dev` here and gives it addresses (CIDR strings), up.
     pub fn adopt(&self, dev: &str, addrs: &[&str]) {
         sh("ip", &["link", "set", dev, "netns", &self.name]);
@@ -364,16 +370,7 @@ impl Server {
         sh("ip", &["-n", &ns.name, "-6", "route", "add", "default", "via", &format!("fd98:{octet:x}::1")]);
         let www = tempfile::tempdir().unwrap();
         std::fs::write(www.path().join("blob"), blob).unwrap();
-        let http = ns.spawn(&[
-            "python3",
-            "-m",
-            "http.server",
-            "8080",
-            "--bind",
-            "::",
-            "--directory",
-            www.path().to_str().unwrap(),
-        ]);
+        let http = ns.serve_http("::", www.path());
         let v4 = format!("10.{octet}.7.2");
         for _ in 0..100 {
             if ns

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{answer, as_u64, octets, privileged, text, SandboxDaemon, Server};
+use common::{answer, as_u64, octets, privileged, text, SandboxDaemon, Server, INJECTOR, MALFORMED_DROPS};
 use flexstack_api::ops::Get;
 use flexstack_api::Value;
 use serde_json::Value as Json;
@@ -129,17 +129,7 @@ fn dig_resolves_through_flexstack_against_dnsmasq() {
     }
     let (app_octet, srv_octet) = octets();
     let srv = Server::new(srv_octet.wrapping_add(30), b"");
-    let _dns = srv.ns.spawn(&[
-        "dnsmasq",
-        "--no-daemon",
-        "--no-resolv",
-        "--no-hosts",
-        "--port=53",
-        "--bind-interfaces",
-        &format!("--listen-address={},{}", srv.v4, srv.v6),
-        "--address=/flexstack.test/10.1.2.3",
-        "--address=/flexstack.test/fd00:1:2::3",
-    ]);
+    let _dns = srv.ns.serve_dns(&srv.v4, &srv.v6);
     let d = SandboxDaemon::start(app_octet.wrapping_add(30));
     std::thread::sleep(Duration::from_millis(500));
     let script = format!(
@@ -172,14 +162,13 @@ fn malformed_packets_on_both_faces_are_counted_and_a_transfer_survives_them() {
     std::thread::sleep(Duration::from_millis(500));
 
     // From inside the sandbox into the app's TUN device, and from the host into the host face's.
-    let injector = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/inject_malformed.py");
     let inside = std::process::Command::new("ip")
         .args([
             "netns",
             "exec",
             &info.netns,
             "python3",
-            injector,
+            INJECTOR,
             &info.app_dev,
             &info.ipv4,
             &srv.v4,
@@ -190,7 +179,7 @@ fn malformed_packets_on_both_faces_are_counted_and_a_transfer_survives_them() {
         .unwrap();
     assert!(inside.status.success(), "{}", text(&inside));
     let outside = std::process::Command::new("python3")
-        .args([injector, &info.host_dev, &srv.v4, &info.ipv4, &srv.v6, &info.ipv6])
+        .args([INJECTOR, &info.host_dev, &srv.v4, &info.ipv4, &srv.v6, &info.ipv6])
         .output()
         .unwrap();
     assert!(outside.status.success(), "{}", text(&outside));
@@ -201,7 +190,6 @@ fn malformed_packets_on_both_faces_are_counted_and_a_transfer_survives_them() {
         let v = answer::<Get>(&out).and_then(|v| v.get(m).and_then(|x| as_u64(&x.value)));
         v.unwrap_or_else(|| panic!("{m}: {}", text(&out)))
     };
-    let rounds = 2 * 20;
     let wait_for = |m: &str, at_least: u64| {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
@@ -212,19 +200,10 @@ fn malformed_packets_on_both_faces_are_counted_and_a_transfer_survives_them() {
             std::thread::sleep(Duration::from_millis(50));
         }
     };
-    for (m, at_least) in [
-        ("module.victim-ip.drop_truncated_total", 2 * rounds),
-        ("module.victim-ip.drop_bad_header_length_total", 2 * rounds),
-        ("module.victim-ip.drop_bad_total_length_total", 2 * rounds),
-        ("module.victim-ip.drop_bad_checksum_total", rounds),
-        ("module.victim-ip.drop_truncated_transport_total", 2 * rounds),
-        ("module.victim-ip.drop_bad_extension_header_total", rounds),
-        ("module.victim-frag.drop_overlap_total", rounds),
-        ("module.victim-frag.drop_duplicate_total", rounds),
-        ("module.victim-frag.drop_tiny_total", rounds),
-        ("module.victim-frag.drop_memory_total", 2 * 2000 - 2 * 64),
-    ] {
-        let n = wait_for(m, at_least);
+    // Two runs of the injector: one into each face.
+    for (module, reason, per_run) in MALFORMED_DROPS {
+        let (m, at_least) = (format!("module.victim-{module}.drop_{reason}_total"), 2 * per_run);
+        let n = wait_for(&m, at_least);
         assert!(n >= at_least, "{m} = {n}, expected at least {at_least}");
     }
     assert!(meter("module.victim-frag.bytes_pending") <= 4 << 20, "reassembly memory stays bounded");

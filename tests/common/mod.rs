@@ -312,6 +312,22 @@ impl Netns {
         self.spawn(&["python3", "-m", "http.server", "8080", "--bind", bind, "--directory", path_str(dir)])
     }
 
+    /// Serves DNS on port 53 of addresses `v4` and `v6` inside the namespace (dnsmasq), answering `flexstack.test`
+    /// with 10.1.2.3 (A) and fd00:1:2::3 (AAAA); stopped when the guard is dropped.
+    pub fn serve_dns(&self, v4: &str, v6: &str) -> Background {
+        self.spawn(&[
+            "dnsmasq",
+            "--no-daemon",
+            "--no-resolv",
+            "--no-hosts",
+            "--port=53",
+            "--bind-interfaces",
+            &format!("--listen-address={v4},{v6}"),
+            "--address=/flexstack.test/10.1.2.3",
+            "--address=/flexstack.test/fd00:1:2::3",
+        ])
+    }
+
     /// Moves interface `dev` here and gives it addresses (CIDR strings), up.
     pub fn adopt(&self, dev: &str, addrs: &[&str]) {
         sh("ip", &["link", "set", dev, "netns", &self.name]);
@@ -391,6 +407,24 @@ impl Drop for Server {
         let _ = Command::new("ip").args(["link", "del", &self.host_dev]).status();
     }
 }
+
+/// The script that sends malformed packets, then a flood of fragments, into a device (see its usage).
+pub const INJECTOR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/inject_malformed.py");
+
+/// What one run of [`INJECTOR`] (20 rounds, then 2000 fragments) makes an app's chain drop, at the least: the
+/// module that counts each drop (`ip` or `frag`), its reason and how many.
+pub const MALFORMED_DROPS: [(&str, &str, u64); 10] = [
+    ("ip", "truncated", 2 * 20),
+    ("ip", "bad_header_length", 2 * 20),
+    ("ip", "bad_total_length", 2 * 20),
+    ("ip", "bad_checksum", 20),
+    ("ip", "truncated_transport", 2 * 20),
+    ("ip", "bad_extension_header", 20),
+    ("frag", "overlap", 20),
+    ("frag", "duplicate", 20),
+    ("frag", "tiny", 20),
+    ("frag", "memory", 2000 - 64),
+];
 
 /// A daemon for sandboxes, started explicitly with its own app subnet.
 pub struct SandboxDaemon {

@@ -101,7 +101,7 @@ fn drive_change_inspect_and_roll_back_a_running_stack() {
 
     // var list: every meter and knob with type, unit and description.
     let vars = d.answer::<VarList>(&["var", "list", "module.sel.*"]);
-    let select = vars.iter().find(|v| v.name == "module.sel.select").unwrap();
+    let select = &vars.iter().find(|v| v.spec.name == "module.sel.select").unwrap().spec;
     assert_eq!(select.kind, VarKind::Knob);
     assert!(!select.description.is_empty());
 

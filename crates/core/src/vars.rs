@@ -7,13 +7,13 @@
 //! fresh snapshot into a [`SharedRegistry`] after every change of the stack.
 
 use crate::value::{Value, ValueType};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 /// Whether a variable can be written.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum VarKind {
     /// Read-only measurement.
@@ -22,8 +22,8 @@ pub enum VarKind {
     Knob,
 }
 
-/// The declaration of one meter or knob.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+/// The declaration of one meter or knob (also, named in full, an entry of the control API's `var_list`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct VarSpec {
     /// Name relative to its owner, dotted lowercase (`frames_total`, `port.out.frames_out_total`).
     pub name: String,
@@ -36,8 +36,8 @@ pub struct VarSpec {
     pub unit: String,
     /// One-line description.
     pub description: String,
-    /// Inclusive numeric range a knob accepts, if limited.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    /// Inclusive numeric range a knob accepts, if limited (`null` otherwise).
+    #[serde(default)]
     pub range: Option<(f64, f64)>,
 }
 

@@ -351,7 +351,7 @@ use crate::frame::Packet;
 // ---------------------------------------------------------------------------------------------------------------
 
 fn load(name: &str, builder: Box<dyn ModuleBuilder>) -> Edit {
-    Edit::Load { name: name.into(), kind: "test".into(), settings: Settings::default(), builder }
+    Edit::load_built(name, "test", builder)
 }
 
 fn replace(name: &str, builder: Box<dyn ModuleBuilder>, keep_state: bool) -> Edit {

@@ -106,6 +106,18 @@ pub(crate) mod testutil {
         crate::catalog().configure(&m.kind, &m.settings, m.location.clone())
     }
 
+    /// Configures the first module of `text` (a stack description) expecting an error; asserts that the error
+    /// points at line `line` (when given) and that its message contains each of `needles`.
+    pub fn assert_config_error(text: &str, line: Option<usize>, needles: &[&str]) {
+        let e = configure_toml(text).err().unwrap_or_else(|| panic!("configured: {text:?}"));
+        if let Some(line) = line {
+            assert_eq!(e.location.as_ref().map(|l| l.line), Some(line), "{e}");
+        }
+        for needle in needles {
+            assert!(e.message.contains(needle), "{needle:?} not in: {e}");
+        }
+    }
+
     /// The value of a registry variable.
     pub fn var(sw: &Switch, name: &str) -> Value {
         sw.registry().snapshot().get(name).unwrap_or_else(|| panic!("no variable {name}")).get()

@@ -429,7 +429,7 @@ pub(crate) mod testkit {
     //! injecting byte vectors, reading meters, and checking every checksum of a packet by recomputation.
 
     pub use crate::catalog;
-    pub use crate::testutil::{configure_toml, knob, link, load, u64_var, var};
+    pub use crate::testutil::{assert_config_error, configure_toml, knob, link, load, u64_var, var};
     use flexstack_core::{Direction, Switch};
     use flexstack_wire::checksum;
     use flexstack_wire::packet::{proto, PacketInfo};
@@ -778,12 +778,8 @@ mod tests {
         let r = s.sw.apply(vec![knob("ip", "source_v4", Value::Str("fd00::1".into()))]);
         assert!(r.is_err() || r.unwrap().iter().any(|n| n.contains("IPv4")));
         s.sw.apply(vec![knob("ip", "source_v6", Value::Str("".into()))]).unwrap();
-        let e = configure_toml("[modules.ip]\nkind = \"ip\"\nmtu = 20\n").err().unwrap();
-        assert_eq!(e.location.as_ref().unwrap().line, 3);
-        assert!(e.message.contains("68..=65535"), "{e}");
-        let e = configure_toml("[modules.ip]\nkind = \"ip\"\nsource_v4 = \"x\"\n").err().unwrap();
-        assert!(e.message.contains("IPv4"), "{e}");
-        let e = configure_toml("[modules.ip]\nkind = \"ip\"\nttl = 3\n").err().unwrap();
-        assert!(e.message.contains("unknown setting `ttl`"), "{e}");
+        assert_config_error("[modules.ip]\nkind = \"ip\"\nmtu = 20\n", Some(3), &["68..=65535"]);
+        assert_config_error("[modules.ip]\nkind = \"ip\"\nsource_v4 = \"x\"\n", None, &["IPv4"]);
+        assert_config_error("[modules.ip]\nkind = \"ip\"\nttl = 3\n", None, &["unknown setting `ttl`"]);
     }
 }

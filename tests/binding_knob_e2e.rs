@@ -32,7 +32,7 @@ fn get(d: &SandboxDaemon, pattern: &str) -> BTreeMap<String, Value> {
 
 #[test]
 fn a_flows_class_is_a_knob_set_through_the_control_api() {
-    if !privileged("a_flows_class_is_a_knob_set_through_the_control_api") {
+    if !privileged() {
         return;
     }
     let (app_octet, srv_octet) = octets();

@@ -1,10 +1,15 @@
 //! End-to-end data path with real programs through a sandbox's default chain (ip, reassembly, flow table) and the
 //! host face: iperf3 UDP with exact per-flow counts, iperf3 TCP moving 1 GiB over IPv4 and IPv6, and dig against
 //! a real DNS server (dnsmasq) over both families. Needs root (skips with a reason outside CI).
+//!
+//! The tests that move traffic at full speed take turns ([`common::privileged_serial`]): the exact UDP counts must
+//! not depend on whether a gibibyte of TCP is crossing the other core at the same time (2-core machines).
 
 mod common;
 
-use common::{answer, as_u64, octets, privileged, text, SandboxDaemon, Server, INJECTOR, MALFORMED_DROPS};
+use common::{
+    answer, as_u64, octets, privileged, privileged_serial, text, SandboxDaemon, Server, INJECTOR, MALFORMED_DROPS,
+};
 use flexstack_api::ops::Get;
 use flexstack_api::Value;
 use serde_json::Value as Json;
@@ -23,14 +28,6 @@ fn flow(d: &SandboxDaemon, app: &str, prefix: &str) -> Option<(u64, u64, u64)> {
     Some((v("packets_down_total"), v("packets_up_total"), v("bytes_total")))
 }
 
-/// The tests that move traffic at full speed take turns: the exact UDP counts must not depend on whether a
-/// gibibyte of TCP is crossing the other core at the same time (2-core machines).
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 fn wait_file(path: &std::path::Path, secs: u64) {
     let deadline = Instant::now() + Duration::from_secs(secs);
     while Instant::now() < deadline {
@@ -44,10 +41,7 @@ fn wait_file(path: &std::path::Path, secs: u64) {
 
 #[test]
 fn iperf3_udp_packet_and_byte_counts_match_the_flow_meters_exactly() {
-    if !privileged("iperf3_udp_packet_and_byte_counts_match_the_flow_meters_exactly") {
-        return;
-    }
-    let _serial = serial();
+    let Some(_serial) = privileged_serial() else { return };
     let (app_octet, srv_octet) = octets();
     let srv = Server::new(srv_octet.wrapping_add(10), b"");
     let _iperf = srv.ns.spawn(&["iperf3", "-s", "-p", "5201"]);
@@ -91,10 +85,7 @@ fn iperf3_udp_packet_and_byte_counts_match_the_flow_meters_exactly() {
 
 #[test]
 fn iperf3_tcp_moves_a_gibibyte_intact_over_ipv4_and_ipv6() {
-    if !privileged("iperf3_tcp_moves_a_gibibyte_intact_over_ipv4_and_ipv6") {
-        return;
-    }
-    let _serial = serial();
+    let Some(_serial) = privileged_serial() else { return };
     let (app_octet, srv_octet) = octets();
     let srv = Server::new(srv_octet.wrapping_add(20), b"");
     let _iperf = srv.ns.spawn(&["iperf3", "-s", "-p", "5201"]);
@@ -124,7 +115,7 @@ fn iperf3_tcp_moves_a_gibibyte_intact_over_ipv4_and_ipv6() {
 
 #[test]
 fn dig_resolves_through_flexstack_against_dnsmasq() {
-    if !privileged("dig_resolves_through_flexstack_against_dnsmasq") {
+    if !privileged() {
         return;
     }
     let (app_octet, srv_octet) = octets();
@@ -146,10 +137,7 @@ fn dig_resolves_through_flexstack_against_dnsmasq() {
 
 #[test]
 fn malformed_packets_on_both_faces_are_counted_and_a_transfer_survives_them() {
-    if !privileged("malformed_packets_on_both_faces_are_counted_and_a_transfer_survives_them") {
-        return;
-    }
-    let _serial = serial();
+    let Some(_serial) = privileged_serial() else { return };
     let (app_octet, srv_octet) = octets();
     let blob: Vec<u8> = (0..30_000_000u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 11) as u8).collect();
     let srv = Server::new(srv_octet.wrapping_add(40), &blob);

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 #[test]
 fn apps_reach_a_server_over_a_link_face_with_flexstack_arp_ndp_and_nat() {
-    if !privileged("apps_reach_a_server_over_a_link_face_with_flexstack_arp_ndp_and_nat") {
+    if !privileged() {
         return;
     }
     let (app_octet, srv_octet) = octets();

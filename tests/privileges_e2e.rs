@@ -71,7 +71,7 @@ fn threads_of(pid: u32) -> Vec<(String, BTreeMap<String, u64>)> {
 
 #[test]
 fn a_root_daemon_keeps_only_what_it_needs_and_its_apps_still_work() {
-    if !privileged("a_root_daemon_keeps_only_what_it_needs_and_its_apps_still_work") {
+    if !privileged() {
         return;
     }
     // What this test process may hold of the kept set (all of it for root on a plain host; less in a container).
@@ -160,7 +160,7 @@ fn a_root_daemon_keeps_only_what_it_needs_and_its_apps_still_work() {
 
 #[test]
 fn a_daemon_of_an_ordinary_user_starts_and_holds_nothing() {
-    if !privileged("a_daemon_of_an_ordinary_user_starts_and_holds_nothing") {
+    if !privileged() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
@@ -242,7 +242,7 @@ fn policies_of(pid: u32) -> Vec<ThreadSched> {
 
 #[test]
 fn a_realtime_daemon_runs_only_its_data_plane_under_sched_fifo() {
-    if !privileged("a_realtime_daemon_runs_only_its_data_plane_under_sched_fifo") {
+    if !privileged() {
         return;
     }
     // Root may still be refused real-time scheduling (a container without CAP_SYS_NICE or a real-time budget in its

@@ -10,7 +10,7 @@ use flexstack_api::ops::{TapAdd, TapList};
 
 #[test]
 fn apps_in_two_namespaces_talk_through_flexstack_tun_faces() {
-    if !privileged("apps_in_two_namespaces_talk_through_flexstack_tun_faces") {
+    if !privileged() {
         return;
     }
     let (dev_a, dev_b) = (unique("a"), unique("b"));
@@ -113,7 +113,7 @@ outputs = 2
 
 #[test]
 fn a_firewall_in_the_path_blocks_real_traffic_until_it_is_replaced_at_runtime() {
-    if !privileged("a_firewall_in_the_path_blocks_real_traffic_until_it_is_replaced_at_runtime") {
+    if !privileged() {
         return;
     }
     let (dev_a, dev_b) = (unique("a"), unique("b"));

@@ -10,6 +10,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
+use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 /// Path of the built `flexstack` binary.
@@ -243,17 +244,28 @@ pub fn daemon_fails(stack: &str, dir: &Path) -> String {
     String::from_utf8(out.stderr).unwrap()
 }
 
-/// True if privileged tests can run here. Outside CI, a non-root run skips them with a printed reason; in CI
-/// (CI=true) they must run, so not being root is a failure.
-pub fn privileged(test: &str) -> bool {
+/// True if the running privileged test can run here. Outside CI, a non-root run skips it with a printed reason; in
+/// CI (CI=true) it must run, so not being root is a failure. The test is named by its thread (libtest runs each
+/// test in a thread named after it).
+pub fn privileged() -> bool {
     if nix::unistd::geteuid().is_root() {
         return true;
     }
+    let current = std::thread::current();
+    let test = current.name().unwrap_or("this test");
     if std::env::var("CI").is_ok_and(|v| !v.is_empty() && v != "false") {
         panic!("{test}: privileged tests must run as root in CI");
     }
     eprintln!("skipping {test}: needs root (network namespaces, TUN devices)");
     false
+}
+
+/// For a privileged test that must not run at the same time as the others of its file that take it (their timings
+/// would disturb each other on a two-core machine; each test file is a process of its own): `None` when it cannot
+/// run here (see [`privileged`]), otherwise the guard to hold while it runs.
+pub fn privileged_serial() -> Option<MutexGuard<'static, ()>> {
+    static SERIAL: Mutex<()> = Mutex::new(());
+    privileged().then(|| SERIAL.lock().unwrap_or_else(|e| e.into_inner()))
 }
 
 /// A name unique to this test process and tag, short enough for an interface (<= 15 bytes).

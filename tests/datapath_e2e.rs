@@ -8,7 +8,8 @@
 mod common;
 
 use common::{
-    answer, as_u64, octets, privileged, privileged_serial, text, SandboxDaemon, Server, INJECTOR, MALFORMED_DROPS,
+    answer, as_u64, octets, privileged, privileged_serial, server_and_daemon, text, SandboxDaemon, INJECTOR,
+    MALFORMED_DROPS,
 };
 use flexstack_api::ops::Get;
 use flexstack_api::Value;
@@ -42,14 +43,12 @@ fn wait_file(path: &std::path::Path, secs: u64) {
 #[test]
 fn iperf3_udp_packet_and_byte_counts_match_the_flow_meters_exactly() {
     let Some(_serial) = privileged_serial() else { return };
-    let (app_octet, srv_octet) = octets();
-    let srv = Server::new(srv_octet.wrapping_add(10), b"");
+    let (srv, d) = server_and_daemon(10, b"");
     let _iperf = srv.ns.spawn(&["iperf3", "-s", "-p", "5201"]);
-    let d = SandboxDaemon::start(app_octet.wrapping_add(10));
     std::thread::sleep(Duration::from_millis(300));
     let out_dir = tempfile::tempdir().unwrap();
     for (family, server, app_addr_prefix) in [
-        ("4", srv.v4.clone(), format!("udp 10.{}.1.2:", app_octet.wrapping_add(10))),
+        ("4", srv.v4.clone(), format!("udp 10.{}.1.2:", octets().0.wrapping_add(10))),
         ("6", srv.v6.clone(), "udp [fd77:".to_string()),
     ] {
         let json = out_dir.path().join(format!("udp{family}.json"));
@@ -86,10 +85,8 @@ fn iperf3_udp_packet_and_byte_counts_match_the_flow_meters_exactly() {
 #[test]
 fn iperf3_tcp_moves_a_gibibyte_intact_over_ipv4_and_ipv6() {
     let Some(_serial) = privileged_serial() else { return };
-    let (app_octet, srv_octet) = octets();
-    let srv = Server::new(srv_octet.wrapping_add(20), b"");
+    let (srv, d) = server_and_daemon(20, b"");
     let _iperf = srv.ns.spawn(&["iperf3", "-s", "-p", "5201"]);
-    let d = SandboxDaemon::start(app_octet.wrapping_add(20));
     std::thread::sleep(Duration::from_millis(300));
     let out = d.run(&["--", "timeout", "300", "iperf3", "-4", "-c", &srv.v4, "-n", "1G", "-J"]);
     assert!(out.status.success(), "{}", text(&out));
@@ -118,10 +115,8 @@ fn dig_resolves_through_flexstack_against_dnsmasq() {
     if !privileged() {
         return;
     }
-    let (app_octet, srv_octet) = octets();
-    let srv = Server::new(srv_octet.wrapping_add(30), b"");
+    let (srv, d) = server_and_daemon(30, b"");
     let _dns = srv.ns.serve_dns(&srv.v4, &srv.v6);
-    let d = SandboxDaemon::start(app_octet.wrapping_add(30));
     std::thread::sleep(Duration::from_millis(500));
     let script = format!(
         "dig +short +tries=3 +time=2 @{v4} flexstack.test A && dig +short +tries=3 +time=2 @{v6} flexstack.test AAAA && \
@@ -138,11 +133,9 @@ fn dig_resolves_through_flexstack_against_dnsmasq() {
 #[test]
 fn malformed_packets_on_both_faces_are_counted_and_a_transfer_survives_them() {
     let Some(_serial) = privileged_serial() else { return };
-    let (app_octet, srv_octet) = octets();
     let blob: Vec<u8> = (0..30_000_000u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 11) as u8).collect();
-    let srv = Server::new(srv_octet.wrapping_add(40), &blob);
+    let (srv, d) = server_and_daemon(40, &blob);
     let want = sha256_hex(&blob);
-    let d = SandboxDaemon::start(app_octet.wrapping_add(40));
     let script = format!("curl -sf -m 120 --limit-rate 8M http://{}:8080/blob | sha256sum", srv.v4);
     let app = d.spawn_run(&["--name", "victim", "--", "sh", "-c", &script]);
     d.wait_for_apps(1);

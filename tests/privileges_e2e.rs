@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::{answer, bin, octets, privileged, text, SandboxDaemon, Server};
+use common::{answer, bin, privileged, server_and_daemon, text};
 use flexstack_api::ops::Status;
 use std::collections::BTreeMap;
 use std::process::{Command, Stdio};
@@ -79,9 +79,7 @@ fn a_root_daemon_keeps_only_what_it_needs_and_its_apps_still_work() {
     let kept = mask(&KEPT_BITS) & ours["CapBnd"];
     assert_ne!(kept, 0, "the test runs as root with a bounding set that holds the kept capabilities");
 
-    let (app_octet, srv_octet) = octets();
-    let srv = Server::new(srv_octet, b"hello");
-    let d = SandboxDaemon::start(app_octet);
+    let (srv, d) = server_and_daemon(0, b"hello");
     assert!(d.cli(&["status"]).status.success(), "the daemon started");
 
     // Every thread of the daemon: nothing outside the kept set in any set, the kept set whole in effective,

@@ -529,6 +529,13 @@ pub fn octets() -> (u8, u8) {
     (100 + p, 150 + p)
 }
 
+/// A [`Server`] serving `blob` and a [`SandboxDaemon`] on this test process's subnets (see [`octets`]) moved by
+/// `offset`, so that the tests of a file, running at the same time, each have their own.
+pub fn server_and_daemon(offset: u8, blob: &[u8]) -> (Server, SandboxDaemon) {
+    let (app_octet, srv_octet) = octets();
+    (Server::new(srv_octet.wrapping_add(offset), blob), SandboxDaemon::start(app_octet.wrapping_add(offset)))
+}
+
 /// stdout and stderr of a finished command, for messages.
 pub fn text(o: &Output) -> String {
     format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))

@@ -67,18 +67,12 @@ ip -n ${tag}b link set lo up
 ip netns exec ${tag}b sysctl -qw net.ipv4.conf.all.rp_filter=0 net.ipv4.conf.default.rp_filter=0
 ip netns exec ${tag}b iperf3 -s -D -p 5299 -I "$state/iperf.pid" >/dev/null
 
-. scripts/lib/bench.sh   # median
+. scripts/lib/bench.sh   # median, tun_faces
 
 # The stacks. Common: the app's TUN a (its packets go down), ip, classify; b (and c) face the server (up).
 common_modules() {
+  tun_faces
   cat <<TOML
-[modules.a]
-kind = "tun"
-name = "${tag}ta"
-[modules.b]
-kind = "tun"
-name = "${tag}tb"
-direction = "up"
 [modules.ip]
 kind = "ip"
 [modules.flows]

@@ -26,7 +26,7 @@ trap cleanup EXIT INT TERM
 ip netns add ${tag}a; ip netns add ${tag}b
 ip -n ${tag}a link set lo up; ip -n ${tag}b link set lo up
 
-. scripts/lib/bench.sh   # median
+. scripts/lib/bench.sh   # median, tun_faces
 measure() { # $1 = server address; prints Gbit/s of each run, one per line
   ip netns exec ${tag}b iperf3 -s -D -p 5299 -I "$state/iperf.pid" >/dev/null
   sleep 0.3
@@ -67,29 +67,20 @@ run_stack() { # $1 = stack file; prints the median Gbit/s
   kill "$daemon"; wait "$daemon" 2>/dev/null || true; daemon=
 }
 
-cat > "$state/wire.toml" <<TOML
-links = ["a -> b", "b -> a"]
-[modules.a]
-kind = "tun"
-name = "${tag}ta"
-[modules.b]
-kind = "tun"
-name = "${tag}tb"
-direction = "up"
-TOML
+{
+  echo 'links = ["a -> b", "b -> a"]'
+  tun_faces
+} > "$state/wire.toml"
 wire=$(run_stack "$state/wire.toml")
 
-cat > "$state/chain.toml" <<TOML
+{
+  cat <<'TOML'
 links = ["a -> ip", "b -> ip", "ip[out] -> frag", "frag -> flows",
          "flows[tcp] -> dir", "flows[udp] -> dir", "flows[icmp] -> dir", "flows[other] -> dir",
          "dir[down] -> b", "dir[up] -> a"]
-[modules.a]
-kind = "tun"
-name = "${tag}ta"
-[modules.b]
-kind = "tun"
-name = "${tag}tb"
-direction = "up"
+TOML
+  tun_faces
+  cat <<'TOML'
 [modules.ip]
 kind = "ip"
 [modules.frag]
@@ -99,6 +90,7 @@ kind = "classify"
 [modules.dir]
 kind = "direction"
 TOML
+} > "$state/chain.toml"
 chain=$(run_stack "$state/chain.toml")
 
 printf 'data-path benchmark: iperf3 TCP, median of %s runs of %s s (Gbit/s)\n' "$RUNS" "$SECS"

@@ -11,17 +11,10 @@
 # run it at a quiet moment, the labs pace real flows.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ "$(id -u)" = 0 ] || { echo "experiment-binding: needs root (network namespaces)" >&2; exit 1; }
+. scripts/lib/experiment.sh   # experiment_setup, lab_variant, run_lab
+experiment_setup binding
 SEEDS=${SEEDS:-"1 2 3"}
 BUFFERS=${BUFFERS:-"50 5 2 1"}
-OUT=${OUT:-docs/experiments}
-WORK=${WORK:-$(mktemp -d /tmp/fs-binding.XXXXXX)}
-STATE=$WORK/state
-FS=target/release/flexstack
-echo "experiment-binding: building (release)"
-cargo build --release -q
-mkdir -p "$WORK" "$OUT"
-echo "experiment-binding: results under $WORK"
 load_now() { # "load average 0.42, 1.10, 2.00 (1, 5, 15 min)" from /proc/loadavg
   read -r l1 l5 l15 _ < /proc/loadavg
   echo "load average $l1, $l5, $l15 (1, 5, 15 min)"
@@ -36,24 +29,9 @@ note_load() {
   load_max=$(awk -v a="$load_max" -v b="$l1" 'BEGIN { print (b > a ? b : a) }')
 }
 
-# A copy of a lab file with a unique name (labs are named globally by their namespaces), a seed, and absolute
-# stack paths (the copy lives elsewhere).
-variant() { # FILE NAME SEED DEST
-  sed -e "s/^name = .*/name = \"$2\"/" -e "s/^seed = .*/seed = $3/" -e "s#\"\.\./stacks/#\"$PWD/stacks/#" "$1" > "$4"
-}
-
-run_lab() { # FILE RESULTS
+run_timed() { # FILE RESULTS: run_lab, then the time it took and the load
   local started=$SECONDS
-  if ! "$FS" --state-dir "$STATE" lab run "$1" --results "$2" --quiet > "$2.log" 2>&1; then
-    echo "experiment-binding: $1 failed; see $2.log" >&2
-    tail -5 "$2.log" >&2
-    return 1
-  fi
-  if grep -q FAILED "$2/timeline.csv"; then
-    echo "experiment-binding: an event failed in $2:" >&2
-    grep FAILED "$2/timeline.csv" >&2
-    return 1
-  fi
+  run_lab "$1" "$2"
   note_load
   echo "  done in $((SECONDS - started)) s (load $(cut -d' ' -f1 /proc/loadavg))"
 }
@@ -65,17 +43,17 @@ for b in $BUFFERS; do
   for s in $SEEDS; do
     n=$((n + 1))
     name="hb$b-s$s-$$"
-    variant "labs/handoff-b$b.toml" "$name" "$s" "$WORK/handoff-b$b-s$s.toml"
+    lab_variant "labs/handoff-b$b.toml" "$name" "$s" "$WORK/handoff-b$b-s$s.toml"
     echo "experiment-binding: [$n/$total] handoff, device buffer $b, seed $s"
-    run_lab "$WORK/handoff-b$b-s$s.toml" "$WORK/handoff-b$b-s$s"
+    run_timed "$WORK/handoff-b$b-s$s.toml" "$WORK/handoff-b$b-s$s"
     python3 scripts/experiments/handoff_results.py "$WORK/handoff-b$b-s$s" > "$WORK/handoff-b$b-s$s/summary.json"
   done
 done
 for b in $BUFFERS; do
   n=$((n + 1))
-  variant "labs/urgent-b$b.toml" "ub$b-$$" 1 "$WORK/urgent-b$b.toml"
+  lab_variant "labs/urgent-b$b.toml" "ub$b-$$" 1 "$WORK/urgent-b$b.toml"
   echo "experiment-binding: [$n/$total] urgent, device buffer $b (50 repetitions)"
-  run_lab "$WORK/urgent-b$b.toml" "$WORK/urgent-b$b"
+  run_timed "$WORK/urgent-b$b.toml" "$WORK/urgent-b$b"
 done
 load_end=$(load_now)
 python3 scripts/experiments/binding_report.py "$WORK" "$OUT" \

@@ -153,8 +153,8 @@ pub fn var_list(vars: &[VarInfo]) -> String {
     let rows = vars
         .iter()
         .map(|v| {
-            let (kind, ty) = (kind_name(v.kind).to_string(), v.ty.to_string());
-            vec![v.name.clone(), kind, ty, v.unit.clone(), plain(&v.value), v.description.clone()]
+            let (s, kind) = (&v.spec, kind_name(v.spec.kind).to_string());
+            vec![s.name.clone(), kind, s.ty.to_string(), s.unit.clone(), plain(&v.value), s.description.clone()]
         })
         .collect();
     table(&["NAME", "KIND", "TYPE", "UNIT", "VALUE", "DESCRIPTION"], rows)

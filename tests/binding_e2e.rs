@@ -14,14 +14,10 @@
 
 mod common;
 
-use common::{path_str, privileged, repo, text, LabScratch};
+use common::{path_str, privileged_serial, repo, text, LabScratch};
 use serde_json::Value as Json;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::Mutex;
-
-static SERIAL: Mutex<()> = Mutex::new(());
-
 /// A copy of a committed lab file run from a temporary folder ([`LabScratch`]: `lab down --all` on drop).
 struct Lab {
     scratch: LabScratch,
@@ -60,10 +56,7 @@ impl Lab {
 
 #[test]
 fn handoff_late_binding_loses_at_most_two_packets_early_binding_its_fifo() {
-    if !privileged("handoff_late_binding_loses_at_most_two_packets_early_binding_its_fifo") {
-        return;
-    }
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(_serial) = privileged_serial() else { return };
     let lab = Lab::new("handoff-b2.toml", "ho", &[]);
     let results = lab.run();
     let out = Command::new("python3")
@@ -137,10 +130,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 #[test]
 fn urgent_packets_wait_only_for_the_device_buffer_with_late_binding() {
-    if !privileged("urgent_packets_wait_only_for_the_device_buffer_with_late_binding") {
-        return;
-    }
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(_serial) = privileged_serial() else { return };
     let lab = Lab::new(
         "urgent-b2.toml",
         "ur",

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{answer, as_u64, octets, privileged, text, SandboxDaemon, Server};
+use common::{answer, as_u64, privileged, server_and_daemon, text, SandboxDaemon};
 use flexstack_api::ops::{Get, Status};
 use flexstack_api::Value;
 use std::collections::BTreeMap;
@@ -32,12 +32,10 @@ fn get(d: &SandboxDaemon, pattern: &str) -> BTreeMap<String, Value> {
 
 #[test]
 fn a_flows_class_is_a_knob_set_through_the_control_api() {
-    if !privileged("a_flows_class_is_a_knob_set_through_the_control_api") {
+    if !privileged() {
         return;
     }
-    let (app_octet, srv_octet) = octets();
-    let srv = Server::new(srv_octet.wrapping_add(30), b"");
-    let d = SandboxDaemon::start(app_octet.wrapping_add(30));
+    let (srv, d) = server_and_daemon(30, b"");
     std::thread::sleep(Duration::from_millis(300));
     let dir = tempfile::tempdir().unwrap();
     let template_file = dir.path().join("lb-app.toml");

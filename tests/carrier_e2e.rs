@@ -17,7 +17,7 @@ fn stack(interface: &str) -> String {
 
 #[test]
 fn a_face_sees_its_carrier_go_and_come_back() {
-    if !privileged("a_face_sees_its_carrier_go_and_come_back") {
+    if !privileged() {
         return;
     }
     let peer_ns = Netns::new("cr");

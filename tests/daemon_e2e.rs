@@ -12,36 +12,8 @@ use serde_json::Value as Json;
 use std::os::unix::fs::PermissionsExt;
 
 fn stack(tap: &std::path::Path) -> String {
-    format!(
-        r#"links = ["src -> count", "count -> sel", "sel[0] -> sink0", "sel[1] -> sink1, tap"]
-
-[modules.src]
-kind = "source"
-rate = 200000
-count = 1000
-size = 100
-
-[modules.count]
-kind = "counter"
-
-[modules.sel]
-kind = "switch"
-outputs = 2
-select = 0
-
-[modules.sink0]
-kind = "sink"
-
-[modules.sink1]
-kind = "sink"
-
-[modules.tap]
-kind = "tap"
-path = "{}"
-passthrough = false
-"#,
-        tap.display()
-    )
+    let tap = format!("\n[modules.tap]\nkind = \"tap\"\npath = \"{}\"\npassthrough = false\n", tap.display());
+    common::chain("rate = 200000\ncount = 1000\nsize = 100", ", tap", &tap)
 }
 
 fn names(list: &[ModuleInfo]) -> Vec<String> {
@@ -129,7 +101,7 @@ fn drive_change_inspect_and_roll_back_a_running_stack() {
 
     // var list: every meter and knob with type, unit and description.
     let vars = d.answer::<VarList>(&["var", "list", "module.sel.*"]);
-    let select = vars.iter().find(|v| v.name == "module.sel.select").unwrap();
+    let select = &vars.iter().find(|v| v.spec.name == "module.sel.select").unwrap().spec;
     assert_eq!(select.kind, VarKind::Knob);
     assert!(!select.description.is_empty());
 

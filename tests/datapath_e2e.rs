@@ -1,10 +1,16 @@
 //! End-to-end data path with real programs through a sandbox's default chain (ip, reassembly, flow table) and the
 //! host face: iperf3 UDP with exact per-flow counts, iperf3 TCP moving 1 GiB over IPv4 and IPv6, and dig against
 //! a real DNS server (dnsmasq) over both families. Needs root (skips with a reason outside CI).
+//!
+//! The tests that move traffic at full speed take turns ([`common::privileged_serial`]): the exact UDP counts must
+//! not depend on whether a gibibyte of TCP is crossing the other core at the same time (2-core machines).
 
 mod common;
 
-use common::{answer, as_u64, octets, privileged, text, SandboxDaemon, Server};
+use common::{
+    answer, as_u64, octets, privileged, privileged_serial, server_and_daemon, text, SandboxDaemon, INJECTOR,
+    MALFORMED_DROPS,
+};
 use flexstack_api::ops::Get;
 use flexstack_api::Value;
 use serde_json::Value as Json;
@@ -23,14 +29,6 @@ fn flow(d: &SandboxDaemon, app: &str, prefix: &str) -> Option<(u64, u64, u64)> {
     Some((v("packets_down_total"), v("packets_up_total"), v("bytes_total")))
 }
 
-/// The tests that move traffic at full speed take turns: the exact UDP counts must not depend on whether a
-/// gibibyte of TCP is crossing the other core at the same time (2-core machines).
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 fn wait_file(path: &std::path::Path, secs: u64) {
     let deadline = Instant::now() + Duration::from_secs(secs);
     while Instant::now() < deadline {
@@ -44,18 +42,13 @@ fn wait_file(path: &std::path::Path, secs: u64) {
 
 #[test]
 fn iperf3_udp_packet_and_byte_counts_match_the_flow_meters_exactly() {
-    if !privileged("iperf3_udp_packet_and_byte_counts_match_the_flow_meters_exactly") {
-        return;
-    }
-    let _serial = serial();
-    let (app_octet, srv_octet) = octets();
-    let srv = Server::new(srv_octet.wrapping_add(10), b"");
+    let Some(_serial) = privileged_serial() else { return };
+    let (srv, d) = server_and_daemon(10, b"");
     let _iperf = srv.ns.spawn(&["iperf3", "-s", "-p", "5201"]);
-    let d = SandboxDaemon::start(app_octet.wrapping_add(10));
     std::thread::sleep(Duration::from_millis(300));
     let out_dir = tempfile::tempdir().unwrap();
     for (family, server, app_addr_prefix) in [
-        ("4", srv.v4.clone(), format!("udp 10.{}.1.2:", app_octet.wrapping_add(10))),
+        ("4", srv.v4.clone(), format!("udp 10.{}.1.2:", octets().0.wrapping_add(10))),
         ("6", srv.v6.clone(), "udp [fd77:".to_string()),
     ] {
         let json = out_dir.path().join(format!("udp{family}.json"));
@@ -91,14 +84,9 @@ fn iperf3_udp_packet_and_byte_counts_match_the_flow_meters_exactly() {
 
 #[test]
 fn iperf3_tcp_moves_a_gibibyte_intact_over_ipv4_and_ipv6() {
-    if !privileged("iperf3_tcp_moves_a_gibibyte_intact_over_ipv4_and_ipv6") {
-        return;
-    }
-    let _serial = serial();
-    let (app_octet, srv_octet) = octets();
-    let srv = Server::new(srv_octet.wrapping_add(20), b"");
+    let Some(_serial) = privileged_serial() else { return };
+    let (srv, d) = server_and_daemon(20, b"");
     let _iperf = srv.ns.spawn(&["iperf3", "-s", "-p", "5201"]);
-    let d = SandboxDaemon::start(app_octet.wrapping_add(20));
     std::thread::sleep(Duration::from_millis(300));
     let out = d.run(&["--", "timeout", "300", "iperf3", "-4", "-c", &srv.v4, "-n", "1G", "-J"]);
     assert!(out.status.success(), "{}", text(&out));
@@ -124,23 +112,11 @@ fn iperf3_tcp_moves_a_gibibyte_intact_over_ipv4_and_ipv6() {
 
 #[test]
 fn dig_resolves_through_flexstack_against_dnsmasq() {
-    if !privileged("dig_resolves_through_flexstack_against_dnsmasq") {
+    if !privileged() {
         return;
     }
-    let (app_octet, srv_octet) = octets();
-    let srv = Server::new(srv_octet.wrapping_add(30), b"");
-    let _dns = srv.ns.spawn(&[
-        "dnsmasq",
-        "--no-daemon",
-        "--no-resolv",
-        "--no-hosts",
-        "--port=53",
-        "--bind-interfaces",
-        &format!("--listen-address={},{}", srv.v4, srv.v6),
-        "--address=/flexstack.test/10.1.2.3",
-        "--address=/flexstack.test/fd00:1:2::3",
-    ]);
-    let d = SandboxDaemon::start(app_octet.wrapping_add(30));
+    let (srv, d) = server_and_daemon(30, b"");
+    let _dns = srv.ns.serve_dns(&srv.v4, &srv.v6);
     std::thread::sleep(Duration::from_millis(500));
     let script = format!(
         "dig +short +tries=3 +time=2 @{v4} flexstack.test A && dig +short +tries=3 +time=2 @{v6} flexstack.test AAAA && \
@@ -156,15 +132,10 @@ fn dig_resolves_through_flexstack_against_dnsmasq() {
 
 #[test]
 fn malformed_packets_on_both_faces_are_counted_and_a_transfer_survives_them() {
-    if !privileged("malformed_packets_on_both_faces_are_counted_and_a_transfer_survives_them") {
-        return;
-    }
-    let _serial = serial();
-    let (app_octet, srv_octet) = octets();
+    let Some(_serial) = privileged_serial() else { return };
     let blob: Vec<u8> = (0..30_000_000u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 11) as u8).collect();
-    let srv = Server::new(srv_octet.wrapping_add(40), &blob);
+    let (srv, d) = server_and_daemon(40, &blob);
     let want = sha256_hex(&blob);
-    let d = SandboxDaemon::start(app_octet.wrapping_add(40));
     let script = format!("curl -sf -m 120 --limit-rate 8M http://{}:8080/blob | sha256sum", srv.v4);
     let app = d.spawn_run(&["--name", "victim", "--", "sh", "-c", &script]);
     d.wait_for_apps(1);
@@ -172,14 +143,13 @@ fn malformed_packets_on_both_faces_are_counted_and_a_transfer_survives_them() {
     std::thread::sleep(Duration::from_millis(500));
 
     // From inside the sandbox into the app's TUN device, and from the host into the host face's.
-    let injector = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/inject_malformed.py");
     let inside = std::process::Command::new("ip")
         .args([
             "netns",
             "exec",
             &info.netns,
             "python3",
-            injector,
+            INJECTOR,
             &info.app_dev,
             &info.ipv4,
             &srv.v4,
@@ -190,7 +160,7 @@ fn malformed_packets_on_both_faces_are_counted_and_a_transfer_survives_them() {
         .unwrap();
     assert!(inside.status.success(), "{}", text(&inside));
     let outside = std::process::Command::new("python3")
-        .args([injector, &info.host_dev, &srv.v4, &info.ipv4, &srv.v6, &info.ipv6])
+        .args([INJECTOR, &info.host_dev, &srv.v4, &info.ipv4, &srv.v6, &info.ipv6])
         .output()
         .unwrap();
     assert!(outside.status.success(), "{}", text(&outside));
@@ -201,7 +171,6 @@ fn malformed_packets_on_both_faces_are_counted_and_a_transfer_survives_them() {
         let v = answer::<Get>(&out).and_then(|v| v.get(m).and_then(|x| as_u64(&x.value)));
         v.unwrap_or_else(|| panic!("{m}: {}", text(&out)))
     };
-    let rounds = 2 * 20;
     let wait_for = |m: &str, at_least: u64| {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
@@ -212,19 +181,10 @@ fn malformed_packets_on_both_faces_are_counted_and_a_transfer_survives_them() {
             std::thread::sleep(Duration::from_millis(50));
         }
     };
-    for (m, at_least) in [
-        ("module.victim-ip.drop_truncated_total", 2 * rounds),
-        ("module.victim-ip.drop_bad_header_length_total", 2 * rounds),
-        ("module.victim-ip.drop_bad_total_length_total", 2 * rounds),
-        ("module.victim-ip.drop_bad_checksum_total", rounds),
-        ("module.victim-ip.drop_truncated_transport_total", 2 * rounds),
-        ("module.victim-ip.drop_bad_extension_header_total", rounds),
-        ("module.victim-frag.drop_overlap_total", rounds),
-        ("module.victim-frag.drop_duplicate_total", rounds),
-        ("module.victim-frag.drop_tiny_total", rounds),
-        ("module.victim-frag.drop_memory_total", 2 * 2000 - 2 * 64),
-    ] {
-        let n = wait_for(m, at_least);
+    // Two runs of the injector: one into each face.
+    for (module, reason, per_run) in MALFORMED_DROPS {
+        let (m, at_least) = (format!("module.victim-{module}.drop_{reason}_total"), 2 * per_run);
+        let n = wait_for(&m, at_least);
         assert!(n >= at_least, "{m} = {n}, expected at least {at_least}");
     }
     assert!(meter("module.victim-frag.bytes_pending") <= 4 << 20, "reassembly memory stays bounded");

@@ -13,13 +13,10 @@
 
 mod common;
 
-use common::{privileged, sh, text, unique, Daemon, LinkGuard, Netns};
+use common::{privileged_serial, sh, text, unique, Daemon, LinkGuard, Netns};
 use serde_json::Value as Json;
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
-use std::sync::Mutex;
-
-static SERIAL: Mutex<()> = Mutex::new(());
 
 /// An emulated link between two namespaces; everything is removed on drop (daemon first, then links, then
 /// namespaces).
@@ -108,16 +105,9 @@ kind = "emulator"
     }
 }
 
-fn lock() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 #[test]
 fn delay_adds_twice_the_one_way_delay_to_the_rtt() {
-    if !privileged("delay_adds_twice_the_one_way_delay_to_the_rtt") {
-        return;
-    }
-    let _serial = lock();
+    let Some(_serial) = privileged_serial() else { return };
     let l = EmulatedLink::new();
     // ARP goes through the bridge (the first ping resolves h2), then the path's own RTT with no delay.
     let out = l.h1.run(&["ping", "-c", "1", "-W", "2", &l.h2_addr()]);
@@ -181,20 +171,14 @@ fn check_tcp_rate(l: &EmulatedLink, mbit: u32, queue: u32, port: u16) -> (u64, u
 
 #[test]
 fn rate_limits_tcp_to_between_90_percent_and_the_rate_plus_2_percent() {
-    if !privileged("rate_limits_tcp_to_between_90_percent_and_the_rate_plus_2_percent") {
-        return;
-    }
-    let _serial = lock();
+    let Some(_serial) = privileged_serial() else { return };
     let l = EmulatedLink::new();
     check_tcp_rate(&l, 20, 100, 5201);
 }
 
 #[test]
 fn tcp_with_gso_super_frames_is_held_to_the_rate() {
-    if !privileged("tcp_with_gso_super_frames_is_held_to_the_rate") {
-        return;
-    }
-    let _serial = lock();
+    let Some(_serial) = privileged_serial() else { return };
     let l = EmulatedLink::new();
     // At 500 Mbit/s the sender's TSO hands the veth super-frames; the emulator charges each of their segments.
     let (frames, wire) = check_tcp_rate(&l, 500, 1000, 5202);
@@ -236,10 +220,7 @@ for i in range(n):
 
 #[test]
 fn random_loss_is_binomial_and_the_same_seed_drops_the_same_datagrams() {
-    if !privileged("random_loss_is_binomial_and_the_same_seed_drops_the_same_datagrams") {
-        return;
-    }
-    let _serial = lock();
+    let Some(_serial) = privileged_serial() else { return };
     let l = EmulatedLink::new();
     // Exactly the offered datagrams must cross e_ab, so that the emulator's random draws line up run to run:
     // kernel IPv6 is off on every end, and ARP is settled beforehand with permanent neighbour entries (no ARP

@@ -768,27 +768,6 @@ fn mutations_are_deterministic_and_bounded() {
 // A live daemon
 // ---------------------------------------------------------------------------------------------------------------
 
-const DAEMON_STACK: &str = r#"links = ["src -> count", "count -> sel", "sel[0] -> sink0", "sel[1] -> sink1"]
-
-[modules.src]
-kind = "source"
-rate = 1000
-size = 64
-
-[modules.count]
-kind = "counter"
-
-[modules.sel]
-kind = "switch"
-outputs = 2
-
-[modules.sink0]
-kind = "sink"
-
-[modules.sink1]
-kind = "sink"
-"#;
-
 /// What to send for one line (with the newline), and whether the daemon answers it; `None` to skip it.
 fn prepare_line(line: &[u8], capture: &Path) -> Option<(Vec<u8>, bool)> {
     let Ok(text) = std::str::from_utf8(line) else {
@@ -886,7 +865,7 @@ fn drive_connection(sock: &Path, seed: u64, lines: usize, capture: &Path, deadli
 
 #[test]
 fn fuzz_live_daemon() {
-    let mut daemon = common::Daemon::start(DAEMON_STACK, &[]);
+    let mut daemon = common::Daemon::start(&common::chain("rate = 1000\nsize = 64", "", ""), &[]);
     let first_revision = daemon.json(&["status"])["revision"].as_u64().expect("revision");
     let sock = daemon.state_dir().join("control.sock");
     let capture = daemon.path("fuzz.pcapng");

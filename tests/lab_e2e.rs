@@ -5,28 +5,21 @@
 //! Every test writes its own lab file into a temporary folder, with a lab name unique to this process and test
 //! ([`TestLab::new`]), and uses its own `--state-dir` and `--results` folders there; a [`TestLab`] runs
 //! `lab down --all` on its state folder when dropped, pass or fail. The validation test needs no privileges; the
-//! others need root (they skip with a printed reason outside CI, see [`common::privileged`]) and take a lock so that
-//! their timings (pings, paced UDP senders) do not disturb each other on a two-core machine.
+//! others need root (they skip with a printed reason outside CI) and take turns ([`common::privileged_serial`]) so
+//! that their timings (pings, paced UDP senders) do not disturb each other on a two-core machine.
 //!
 //! The UDP traffic comes from `tests/data/udp_seq.py`: sequence-numbered datagrams at a steady pace, and a receiver
 //! that prints the sequence numbers it got, so the tests see exactly which datagrams the emulator dropped.
 
 mod common;
 
-use common::{answer, as_u64, bin, path_str, privileged, repo, text, LabScratch};
+use common::{answer, as_u64, bin, path_str, privileged_serial, repo, text, LabScratch};
 use flexstack_api::ops::Get;
 use serde_json::Value as Json;
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
-
-static SERIAL: Mutex<()> = Mutex::new(());
-
-fn lock() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// The command line of the UDP test program (`tests/data/udp_seq.py`) with `args`.
 fn udp_seq(args: &str) -> String {
@@ -239,10 +232,7 @@ fn invalid_labs_are_rejected_with_their_location_before_anything_exists() {
 
 #[test]
 fn a_killed_runner_leaves_nothing_after_down_all_and_the_lab_runs_again() {
-    if !privileged("a_killed_runner_leaves_nothing_after_down_all_and_the_lab_runs_again") {
-        return;
-    }
-    let _serial = lock();
+    let Some(_serial) = privileged_serial() else { return };
     let t = TestLab::new("kill");
     let file = t.write(
         "kill.toml",
@@ -363,10 +353,7 @@ fn udp_outcome(results: &Path, count: u32) -> (BTreeSet<u32>, u64) {
 
 #[test]
 fn the_same_lab_twice_gives_the_same_timeline_and_the_same_drops() {
-    if !privileged("the_same_lab_twice_gives_the_same_timeline_and_the_same_drops") {
-        return;
-    }
-    let _serial = lock();
+    let Some(_serial) = privileged_serial() else { return };
     const N: u32 = 3000;
     let t = TestLab::new("twice");
     let file = t.write("twice.toml", &udp_lab("loss = 10", 11, N, 0.001, 6));
@@ -409,10 +396,7 @@ fn the_same_lab_twice_gives_the_same_timeline_and_the_same_drops() {
 
 #[test]
 fn gilbert_elliott_loss_gives_bursts_of_the_configured_mean_length() {
-    if !privileged("gilbert_elliott_loss_gives_bursts_of_the_configured_mean_length") {
-        return;
-    }
-    let _serial = lock();
+    let Some(_serial) = privileged_serial() else { return };
     const N: u32 = 12_000;
     let (p, r) = (0.02, 0.25);
     let t = TestLab::new("ge");
@@ -470,10 +454,7 @@ fn ping_median(t: &TestLab, host: &str, to: &str, count: u32) -> f64 {
 
 #[test]
 fn an_interactive_lab_routes_through_a_middle_host_and_obeys_link_commands() {
-    if !privileged("an_interactive_lab_routes_through_a_middle_host_and_obeys_link_commands") {
-        return;
-    }
-    let _serial = lock();
+    let Some(_serial) = privileged_serial() else { return };
     let t = TestLab::new("up");
     let file = t.write(
         "chain.toml",
@@ -602,10 +583,7 @@ fn pcapng_packets(path: &Path) -> usize {
 
 #[test]
 fn a_run_leaves_a_complete_results_folder_and_its_report_regenerates_identically() {
-    if !privileged("a_run_leaves_a_complete_results_folder_and_its_report_regenerates_identically") {
-        return;
-    }
-    let _serial = lock();
+    let Some(_serial) = privileged_serial() else { return };
     let t = TestLab::new("res");
     let text_of_lab = r#"[lab]
 name = "{name}"

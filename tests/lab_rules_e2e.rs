@@ -75,7 +75,7 @@ while time.monotonic() < linger:
 
 #[test]
 fn rules_events_drive_programs_knobs_on_the_wire_and_on_a_stacked_host() {
-    if !privileged("rules_events_drive_programs_knobs_on_the_wire_and_on_a_stacked_host") {
+    if !privileged() {
         return;
     }
     let s = LabScratch::new("rl");

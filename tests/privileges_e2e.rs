@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::{answer, bin, octets, privileged, text, SandboxDaemon, Server};
+use common::{answer, bin, privileged, server_and_daemon, text};
 use flexstack_api::ops::Status;
 use std::collections::BTreeMap;
 use std::process::{Command, Stdio};
@@ -71,7 +71,7 @@ fn threads_of(pid: u32) -> Vec<(String, BTreeMap<String, u64>)> {
 
 #[test]
 fn a_root_daemon_keeps_only_what_it_needs_and_its_apps_still_work() {
-    if !privileged("a_root_daemon_keeps_only_what_it_needs_and_its_apps_still_work") {
+    if !privileged() {
         return;
     }
     // What this test process may hold of the kept set (all of it for root on a plain host; less in a container).
@@ -79,9 +79,7 @@ fn a_root_daemon_keeps_only_what_it_needs_and_its_apps_still_work() {
     let kept = mask(&KEPT_BITS) & ours["CapBnd"];
     assert_ne!(kept, 0, "the test runs as root with a bounding set that holds the kept capabilities");
 
-    let (app_octet, srv_octet) = octets();
-    let srv = Server::new(srv_octet, b"hello");
-    let d = SandboxDaemon::start(app_octet);
+    let (srv, d) = server_and_daemon(0, b"hello");
     assert!(d.cli(&["status"]).status.success(), "the daemon started");
 
     // Every thread of the daemon: nothing outside the kept set in any set, the kept set whole in effective,
@@ -160,7 +158,7 @@ fn a_root_daemon_keeps_only_what_it_needs_and_its_apps_still_work() {
 
 #[test]
 fn a_daemon_of_an_ordinary_user_starts_and_holds_nothing() {
-    if !privileged("a_daemon_of_an_ordinary_user_starts_and_holds_nothing") {
+    if !privileged() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
@@ -242,7 +240,7 @@ fn policies_of(pid: u32) -> Vec<ThreadSched> {
 
 #[test]
 fn a_realtime_daemon_runs_only_its_data_plane_under_sched_fifo() {
-    if !privileged("a_realtime_daemon_runs_only_its_data_plane_under_sched_fifo") {
+    if !privileged() {
         return;
     }
     // Root may still be refused real-time scheduling (a container without CAP_SYS_NICE or a real-time budget in its

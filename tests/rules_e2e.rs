@@ -12,27 +12,9 @@ use flexstack_api::ops::*;
 use flexstack_api::Value;
 use serde_json::Value as Json;
 
-const STACK: &str = r#"links = ["src -> count", "count -> sel", "sel[0] -> sink0", "sel[1] -> sink1"]
-
-[modules.src]
-kind = "source"
-rate = 300
-size = 100
-
-[modules.count]
-kind = "counter"
-
-[modules.sel]
-kind = "switch"
-outputs = 2
-select = 0
-
-[modules.sink0]
-kind = "sink"
-
-[modules.sink1]
-kind = "sink"
-"#;
+fn stack() -> String {
+    common::chain("rate = 300\nsize = 100", "", "")
+}
 
 const ROUTE: &str = r#"# Busy traffic goes to branch 1, calm traffic back to branch 0 (hysteresis between 1000 and 3000 frames/s).
 fps: get("module.count.rate_fps")
@@ -57,7 +39,7 @@ fn select(d: &Daemon) -> i64 {
 
 #[test]
 fn a_rule_moves_traffic_when_a_meter_crosses_a_threshold_and_stops_when_unloaded() {
-    let d = Daemon::start(STACK, &[]);
+    let d = Daemon::start(&stack(), &[]);
     let file = write(&d, "route.rules", ROUTE);
     let out = d.ok(&["rules", "load", &file]);
     assert!(out.contains("ok: rules revision 1"), "{out}");
@@ -111,7 +93,7 @@ fn a_rule_moves_traffic_when_a_meter_crosses_a_threshold_and_stops_when_unloaded
 
 #[test]
 fn replace_keeps_history_state_and_rollback_restores_the_wiring() {
-    let d = Daemon::start(STACK, &[]);
+    let d = Daemon::start(&stack(), &[]);
     let base = r#"frames: get("module.count.frames_total")
 tick: Timer(20ms)
 h: History(frames, 10000)
@@ -160,7 +142,7 @@ tick -> fast
 
 #[test]
 fn a_bad_rule_file_is_refused_with_file_line_column_and_changes_nothing() {
-    let d = Daemon::start(STACK, &[]);
+    let d = Daemon::start(&stack(), &[]);
     d.ok(&["rules", "load", &write(&d, "good.rules", ROUTE)]);
     let bad = "ok: get(\"module.count.rate_fps\")\nx: Less(ok, 3)\ny: Hist(ok, 4)\nz: Avg(ok)\n";
     let file = write(&d, "bad.rules", bad);
@@ -182,7 +164,7 @@ fn a_bad_rule_file_is_refused_with_file_line_column_and_changes_nothing() {
 
 #[test]
 fn monitor_streams_parseable_csv_and_json() {
-    let d = Daemon::start(STACK, &[]);
+    let d = Daemon::start(&stack(), &[]);
     let out = d.ok(&["monitor", "-i", "50", "-n", "6", "--csv", "module.count.frames_total", "module.sel.*_total"]);
     let mut lines = out.lines();
     let header: Vec<&str> = lines.next().unwrap().split(',').collect();

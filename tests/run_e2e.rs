@@ -15,7 +15,7 @@ use common::text;
 
 #[test]
 fn unmodified_programs_reach_a_server_through_the_host_face() {
-    if !privileged("unmodified_programs_reach_a_server_through_the_host_face") {
+    if !privileged() {
         return;
     }
     let (app_octet, srv_octet) = octets();
@@ -84,7 +84,7 @@ fn unmodified_programs_reach_a_server_through_the_host_face() {
 
 #[test]
 fn a_daemon_crash_stops_the_program_and_leaves_nothing() {
-    if !privileged("a_daemon_crash_stops_the_program_and_leaves_nothing") {
+    if !privileged() {
         return;
     }
     let (app_octet, _) = octets();
@@ -105,7 +105,7 @@ fn a_daemon_crash_stops_the_program_and_leaves_nothing() {
 
 #[test]
 fn run_starts_a_daemon_of_its_own_and_stops_it() {
-    if !privileged("run_starts_a_daemon_of_its_own_and_stops_it") {
+    if !privileged() {
         return;
     }
     let state = tempfile::tempdir().unwrap();

@@ -8,31 +8,49 @@ mod common;
 use common::{privileged, unique, Daemon, Netns};
 use flexstack_api::ops::{TapAdd, TapList};
 
-#[test]
-fn apps_in_two_namespaces_talk_through_flexstack_tun_faces() {
-    if !privileged("apps_in_two_namespaces_talk_through_flexstack_tun_faces") {
-        return;
-    }
+/// A daemon whose stack has the links `links` (a TOML array), the TUN faces `a` and `b` (`b` with the extra settings
+/// `b_settings`, TOML lines) and the modules `modules` (TOML tables), and two namespaces, each holding one face's
+/// device with its addresses (CIDR strings) of `addrs`.
+fn through_tun_faces(
+    links: &str,
+    b_settings: &str,
+    modules: &str,
+    addrs: (&[&str], &[&str]),
+) -> (Daemon, Netns, Netns) {
     let (dev_a, dev_b) = (unique("a"), unique("b"));
     let stack = format!(
-        r#"links = ["a -> count", "count -> sel", "sel[0] -> b", "b -> a"]
+        r#"links = {links}
 [modules.a]
 kind = "tun"
 name = "{dev_a}"
 [modules.b]
 kind = "tun"
 name = "{dev_b}"
-[modules.count]
+{b_settings}{modules}"#
+    );
+    let d = Daemon::start(&stack, &[]);
+    let (ns_a, ns_b) = (Netns::new("a"), Netns::new("b"));
+    ns_a.adopt(&dev_a, addrs.0);
+    ns_b.adopt(&dev_b, addrs.1);
+    (d, ns_a, ns_b)
+}
+
+#[test]
+fn apps_in_two_namespaces_talk_through_flexstack_tun_faces() {
+    if !privileged() {
+        return;
+    }
+    let (d, ns_a, ns_b) = through_tun_faces(
+        r#"["a -> count", "count -> sel", "sel[0] -> b", "b -> a"]"#,
+        "",
+        r#"[modules.count]
 kind = "counter"
 [modules.sel]
 kind = "switch"
 outputs = 2
-"#
+"#,
+        (&["10.99.0.1/24", "fd99::1/64"], &["10.99.0.2/24", "fd99::2/64"]),
     );
-    let d = Daemon::start(&stack, &[]);
-    let (ns_a, ns_b) = (Netns::new("a"), Netns::new("b"));
-    ns_a.adopt(&dev_a, &["10.99.0.1/24", "fd99::1/64"]);
-    ns_b.adopt(&dev_b, &["10.99.0.2/24", "fd99::2/64"]);
 
     // Ping over IPv4 and IPv6, through the counter and the selector.
     let out = ns_a.run(&["ping", "-c", "3", "-i", "0.2", "-W", "2", "10.99.0.2"]);
@@ -75,16 +93,7 @@ outputs = 2
     let dir = tempfile::tempdir().unwrap();
     let payload: Vec<u8> = (0..3_000_000u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8).collect();
     std::fs::write(dir.path().join("blob.bin"), &payload).unwrap();
-    let _server = ns_b.spawn(&[
-        "python3",
-        "-m",
-        "http.server",
-        "8080",
-        "--bind",
-        "::",
-        "--directory",
-        dir.path().to_str().unwrap(),
-    ]);
+    let _server = ns_b.serve_http("::", dir.path());
     let got = dir.path().join("got.bin");
     let mut fetched = false;
     for _ in 0..50 {
@@ -122,41 +131,22 @@ outputs = 2
 
 #[test]
 fn a_firewall_in_the_path_blocks_real_traffic_until_it_is_replaced_at_runtime() {
-    if !privileged("a_firewall_in_the_path_blocks_real_traffic_until_it_is_replaced_at_runtime") {
+    if !privileged() {
         return;
     }
-    let (dev_a, dev_b) = (unique("a"), unique("b"));
     // Packets read from a travel down ("out"); those read from b travel up ("in").
-    let stack = format!(
-        r#"links = ["a -> fw", "fw -> b", "b -> a"]
-[modules.a]
-kind = "tun"
-name = "{dev_a}"
-[modules.b]
-kind = "tun"
-name = "{dev_b}"
-direction = "up"
-[modules.fw]
+    let (d, ns_a, ns_b) = through_tun_faces(
+        r#"["a -> fw", "fw -> b", "b -> a"]"#,
+        "direction = \"up\"\n",
+        r#"[modules.fw]
 kind = "firewall"
 rules = ["drop out tcp to any port 8080", "accept icmp"]
-"#
+"#,
+        (&["10.98.0.1/24"], &["10.98.0.2/24"]),
     );
-    let d = Daemon::start(&stack, &[]);
-    let (ns_a, ns_b) = (Netns::new("a"), Netns::new("b"));
-    ns_a.adopt(&dev_a, &["10.98.0.1/24"]);
-    ns_b.adopt(&dev_b, &["10.98.0.2/24"]);
     let www = tempfile::tempdir().unwrap();
     std::fs::write(www.path().join("f"), b"through the firewall").unwrap();
-    let _server = ns_b.spawn(&[
-        "python3",
-        "-m",
-        "http.server",
-        "8080",
-        "--bind",
-        "10.98.0.2",
-        "--directory",
-        www.path().to_str().unwrap(),
-    ]);
+    let _server = ns_b.serve_http("10.98.0.2", www.path());
     std::thread::sleep(std::time::Duration::from_millis(500));
 
     let out = ns_a.run(&["ping", "-c", "2", "-i", "0.2", "-W", "2", "10.98.0.2"]);

@@ -33,7 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "..", "..", "clients", "python")]
 from flexstack_app import App, Refused  # noqa: E402
 from tcp_bulk import U32_FIELDS  # noqa: E402
-from tcpcc import set_congestion_control  # noqa: E402
+from tcpcc import connect, sender_socket, set_congestion_control  # noqa: E402
 
 ALGORITHMS = ("reno", "cubic", "bbr")
 
@@ -75,11 +75,7 @@ def main():
     ap.add_argument("--no-app", action="store_true", help="publish nothing (no flexstack daemon needed)")
     args = ap.parse_args()
 
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        set_congestion_control(sock, args.cc)
-    except OSError as e:
-        sys.exit("cc_sender: %s" % e.strerror)
+    sock = sender_socket(args.cc, "cc_sender")
     out = sys.stdout
     out.write("kind,mono_s,cc,bytes_sent,bytes_retrans,bytes_acked,retrans_pct,loss_pct,rtt_us,cwnd\n")
     lock = threading.Lock()  # the knob callback and the sampler both write `out`
@@ -107,14 +103,7 @@ def main():
             app.knob("cc", "str", args.cc, on_cc, "", "congestion control of the socket (reno, cubic, bbr)")
         app.register(args.app)
 
-    for attempt in range(50):
-        try:
-            sock.connect((args.host, args.port))
-            break
-        except OSError as e:  # the sink may not listen yet
-            if attempt == 49:
-                sys.exit(f"cc_sender: cannot connect to {args.host}:{args.port}: {e}")
-            time.sleep(0.1)
+    connect(sock, args.host, args.port, "cc_sender")
     stop = threading.Event()
     failure = []
 

@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 
-from tcpcc import set_congestion_control
+from tcpcc import connect, sender_socket
 
 # struct tcp_info (linux/tcp.h): 8 one-byte fields, then 32-bit fields in this order.
 U32_FIELDS = ["rto", "ato", "snd_mss", "rcv_mss", "unacked", "sacked", "lost", "retrans", "fackets",
@@ -39,21 +39,10 @@ def main():
     ap.add_argument("--every", type=float, default=0.01, help="TCP_INFO sampling period, seconds")
     args = ap.parse_args()
 
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        set_congestion_control(sock, args.cc)
-    except OSError as e:
-        sys.exit("tcp_bulk: %s" % e.strerror)
+    sock = sender_socket(args.cc, "tcp_bulk")
     if args.sndbuf:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, args.sndbuf)
-    for attempt in range(50):
-        try:
-            sock.connect((args.host, args.port))
-            break
-        except OSError as e:  # the sink may not listen yet
-            if attempt == 49:
-                sys.exit(f"tcp_bulk: cannot connect to {args.host}:{args.port}: {e}")
-            time.sleep(0.1)
+    connect(sock, args.host, args.port, "tcp_bulk")
     sent = [0]
     stop = threading.Event()
 

@@ -1,4 +1,5 @@
-"""Choosing a socket's TCP congestion control, with a clear error when the kernel refuses it.
+"""Choosing a socket's TCP congestion control, with a clear error when the kernel refuses it; a sender's socket with
+its congestion control, connected to a sink that may not listen yet.
 
 Used by the experiment programs (tcp_bulk.py, cc_sender.py). Linux lets a program without CAP_NET_ADMIN pick only
 the algorithms listed in net.ipv4.tcp_allowed_congestion_control (and the default one). Lab programs run as the
@@ -7,6 +8,8 @@ setsockopt fails with EPERM; the message says what to do instead of a bare trace
 """
 
 import socket
+import sys
+import time
 
 PROC = "/proc/sys/net/ipv4/"
 
@@ -38,3 +41,26 @@ def set_congestion_control(sock, name):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, name.encode())
     except OSError as e:
         raise OSError(e.errno, explain(name, e.strerror)) from e
+
+
+def sender_socket(name, program):
+    """A TCP socket using congestion control `name`; exits naming `program` if the kernel refuses it."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        set_congestion_control(sock, name)
+    except OSError as e:
+        sys.exit("%s: %s" % (program, e.strerror))
+    return sock
+
+
+def connect(sock, host, port, program):
+    """Connects `sock` to HOST:PORT, trying for 5 s (the sink may not listen yet); exits naming `program` if it
+    cannot."""
+    for attempt in range(50):
+        try:
+            sock.connect((host, port))
+            return
+        except OSError as e:
+            if attempt == 49:
+                sys.exit(f"{program}: cannot connect to {host}:{port}: {e}")
+            time.sleep(0.1)

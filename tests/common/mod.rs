@@ -10,11 +10,41 @@ use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
+use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 /// Path of the built `flexstack` binary.
 pub fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_flexstack")
+}
+
+/// The stack of the daemon, rules and control-protocol tests: a source `src` (its settings in `source`, TOML lines)
+/// feeds a counter `count` and a selector `sel` (loaded by its old kind name `switch`; two outputs, 0 selected),
+/// whose outputs go to the sinks `sink0` and `sink1`. `also` adds receivers to `sel[1]` (", tap") and `more` adds
+/// modules (TOML tables).
+pub fn chain(source: &str, also: &str, more: &str) -> String {
+    format!(
+        r#"links = ["src -> count", "count -> sel", "sel[0] -> sink0", "sel[1] -> sink1{also}"]
+
+[modules.src]
+kind = "source"
+{source}
+
+[modules.count]
+kind = "counter"
+
+[modules.sel]
+kind = "switch"
+outputs = 2
+select = 0
+
+[modules.sink0]
+kind = "sink"
+
+[modules.sink1]
+kind = "sink"
+{more}"#
+    )
 }
 
 /// A daemon running in its own temporary state directory; killed and cleaned up on drop.
@@ -214,17 +244,28 @@ pub fn daemon_fails(stack: &str, dir: &Path) -> String {
     String::from_utf8(out.stderr).unwrap()
 }
 
-/// True if privileged tests can run here. Outside CI, a non-root run skips them with a printed reason; in CI
-/// (CI=true) they must run, so not being root is a failure.
-pub fn privileged(test: &str) -> bool {
+/// True if the running privileged test can run here. Outside CI, a non-root run skips it with a printed reason; in
+/// CI (CI=true) it must run, so not being root is a failure. The test is named by its thread (libtest runs each
+/// test in a thread named after it).
+pub fn privileged() -> bool {
     if nix::unistd::geteuid().is_root() {
         return true;
     }
+    let current = std::thread::current();
+    let test = current.name().unwrap_or("this test");
     if std::env::var("CI").is_ok_and(|v| !v.is_empty() && v != "false") {
         panic!("{test}: privileged tests must run as root in CI");
     }
     eprintln!("skipping {test}: needs root (network namespaces, TUN devices)");
     false
+}
+
+/// For a privileged test that must not run at the same time as the others of its file that take it (their timings
+/// would disturb each other on a two-core machine; each test file is a process of its own): `None` when it cannot
+/// run here (see [`privileged`]), otherwise the guard to hold while it runs.
+pub fn privileged_serial() -> Option<MutexGuard<'static, ()>> {
+    static SERIAL: Mutex<()> = Mutex::new(());
+    privileged().then(|| SERIAL.lock().unwrap_or_else(|e| e.into_inner()))
 }
 
 /// A name unique to this test process and tag, short enough for an interface (<= 15 bytes).
@@ -275,6 +316,28 @@ impl Netns {
             .spawn()
             .expect("ip netns exec");
         Background(child)
+    }
+
+    /// Serves the files of `dir` over HTTP on port 8080 of address `bind` (`::`: every address) inside the
+    /// namespace (python3's http.server); stopped when the guard is dropped.
+    pub fn serve_http(&self, bind: &str, dir: &Path) -> Background {
+        self.spawn(&["python3", "-m", "http.server", "8080", "--bind", bind, "--directory", path_str(dir)])
+    }
+
+    /// Serves DNS on port 53 of addresses `v4` and `v6` inside the namespace (dnsmasq), answering `flexstack.test`
+    /// with 10.1.2.3 (A) and fd00:1:2::3 (AAAA); stopped when the guard is dropped.
+    pub fn serve_dns(&self, v4: &str, v6: &str) -> Background {
+        self.spawn(&[
+            "dnsmasq",
+            "--no-daemon",
+            "--no-resolv",
+            "--no-hosts",
+            "--port=53",
+            "--bind-interfaces",
+            &format!("--listen-address={v4},{v6}"),
+            "--address=/flexstack.test/10.1.2.3",
+            "--address=/flexstack.test/fd00:1:2::3",
+        ])
     }
 
     /// Moves interface `dev` here and gives it addresses (CIDR strings), up.
@@ -335,16 +398,7 @@ impl Server {
         sh("ip", &["-n", &ns.name, "-6", "route", "add", "default", "via", &format!("fd98:{octet:x}::1")]);
         let www = tempfile::tempdir().unwrap();
         std::fs::write(www.path().join("blob"), blob).unwrap();
-        let http = ns.spawn(&[
-            "python3",
-            "-m",
-            "http.server",
-            "8080",
-            "--bind",
-            "::",
-            "--directory",
-            www.path().to_str().unwrap(),
-        ]);
+        let http = ns.serve_http("::", www.path());
         let v4 = format!("10.{octet}.7.2");
         for _ in 0..100 {
             if ns
@@ -365,6 +419,24 @@ impl Drop for Server {
         let _ = Command::new("ip").args(["link", "del", &self.host_dev]).status();
     }
 }
+
+/// The script that sends malformed packets, then a flood of fragments, into a device (see its usage).
+pub const INJECTOR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/inject_malformed.py");
+
+/// What one run of [`INJECTOR`] (20 rounds, then 2000 fragments) makes an app's chain drop, at the least: the
+/// module that counts each drop (`ip` or `frag`), its reason and how many.
+pub const MALFORMED_DROPS: [(&str, &str, u64); 10] = [
+    ("ip", "truncated", 2 * 20),
+    ("ip", "bad_header_length", 2 * 20),
+    ("ip", "bad_total_length", 2 * 20),
+    ("ip", "bad_checksum", 20),
+    ("ip", "truncated_transport", 2 * 20),
+    ("ip", "bad_extension_header", 20),
+    ("frag", "overlap", 20),
+    ("frag", "duplicate", 20),
+    ("frag", "tiny", 20),
+    ("frag", "memory", 2000 - 64),
+];
 
 /// A daemon for sandboxes, started explicitly with its own app subnet.
 pub struct SandboxDaemon {
@@ -455,6 +527,13 @@ impl Drop for SandboxDaemon {
 pub fn octets() -> (u8, u8) {
     let p = (std::process::id() % 40) as u8;
     (100 + p, 150 + p)
+}
+
+/// A [`Server`] serving `blob` and a [`SandboxDaemon`] on this test process's subnets (see [`octets`]) moved by
+/// `offset`, so that the tests of a file, running at the same time, each have their own.
+pub fn server_and_daemon(offset: u8, blob: &[u8]) -> (Server, SandboxDaemon) {
+    let (app_octet, srv_octet) = octets();
+    (Server::new(srv_octet.wrapping_add(offset), blob), SandboxDaemon::start(app_octet.wrapping_add(offset)))
 }
 
 /// stdout and stderr of a finished command, for messages.

@@ -8,8 +8,8 @@
 //! - [`client`] is a blocking client of the daemon's control socket: `client.call(ops::ModuleList)?` is a
 //!   `Vec<ModuleInfo>`.
 //!
-//! Variables' values are [`Value`]s (`flexstack-core`'s), re-exported here with their [`ValueType`] and
-//! [`VarKind`].
+//! Variables' values are [`Value`]s (`flexstack-core`'s), re-exported here with their [`ValueType`], [`VarKind`]
+//! and declaration, [`VarSpec`].
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
@@ -19,6 +19,6 @@ pub mod protocol;
 mod value;
 
 pub use client::{socket_path, Client, ClientError};
-pub use flexstack_core::{Value, ValueType, VarKind};
+pub use flexstack_core::{Value, ValueType, VarKind, VarSpec};
 pub use ops::*;
 pub use protocol::{ApiError, Call, ErrorCode, Request, Response};

@@ -42,7 +42,7 @@ use flexstack_core::config::LinkSpec;
 use flexstack_core::frame::{Batch, Frame, PacketPool};
 use flexstack_core::module::{port_type, Module, ModuleBuilder, ModuleInterface, Output, PortSpec};
 use flexstack_core::vars::ModuleVars;
-use flexstack_core::{Edit, Settings, Switch, Time};
+use flexstack_core::{Edit, Switch, Time};
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
@@ -147,12 +147,7 @@ fn fill(pool: &PacketPool, batch: &mut Batch) {
 }
 
 fn load(name: &str, outputs: bool) -> Edit {
-    Edit::Load {
-        name: name.into(),
-        kind: "bench".into(),
-        settings: Settings::default(),
-        builder: Box::new(Builder { outputs }),
-    }
+    Edit::load_built(name, "bench", Box::new(Builder { outputs }))
 }
 
 /// A switch with the chain p1 -> ... -> pN -> collect; returns it and the name of the module to inject into.

@@ -100,6 +100,14 @@ pub enum Edit {
     },
 }
 
+impl Edit {
+    /// A `Load` edit for a module built outside the catalog (test and benchmark modules): `builder`, under the
+    /// kind name `kind`, with no settings.
+    pub fn load_built(name: &str, kind: &str, builder: Box<dyn ModuleBuilder>) -> Edit {
+        Edit::Load { name: name.into(), kind: kind.into(), settings: Settings::default(), builder }
+    }
+}
+
 impl fmt::Display for Edit {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {

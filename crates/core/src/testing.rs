@@ -3,7 +3,6 @@
 //! `let (edit, log) = Recorder::load("r");` gives the `Load` edit for a module with one input `in` that consumes
 //! every frame it receives and appends what it saw to `log`; [`take`] empties the log.
 
-use crate::config::Settings;
 use crate::frame::{Batch, ControlFrame, Direction, Frame, MetaKey, Metadata};
 use crate::module::{Module, ModuleBuilder, ModuleInterface, Output, PortSpec};
 use crate::switch::Edit;
@@ -50,13 +49,7 @@ impl Recorder {
     /// A `Load` edit for a recorder named `name`, and its log.
     pub fn load(name: &str) -> (Edit, Log) {
         let log = Log::default();
-        let edit = Edit::Load {
-            name: name.into(),
-            kind: "recorder".into(),
-            settings: Settings::default(),
-            builder: Box::new(RecorderBuilder(log.clone())),
-        };
-        (edit, log)
+        (Edit::load_built(name, "recorder", Box::new(RecorderBuilder(log.clone()))), log)
     }
 }
 

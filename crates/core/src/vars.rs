@@ -7,13 +7,13 @@
 //! fresh snapshot into a [`SharedRegistry`] after every change of the stack.
 
 use crate::value::{Value, ValueType};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 /// Whether a variable can be written.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum VarKind {
     /// Read-only measurement.
@@ -22,8 +22,8 @@ pub enum VarKind {
     Knob,
 }
 
-/// The declaration of one meter or knob.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+/// The declaration of one meter or knob (also, named in full, an entry of the control API's `var_list`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct VarSpec {
     /// Name relative to its owner, dotted lowercase (`frames_total`, `port.out.frames_out_total`).
     pub name: String,
@@ -36,8 +36,8 @@ pub struct VarSpec {
     pub unit: String,
     /// One-line description.
     pub description: String,
-    /// Inclusive numeric range a knob accepts, if limited.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    /// Inclusive numeric range a knob accepts, if limited (`null` otherwise).
+    #[serde(default)]
     pub range: Option<(f64, f64)>,
     /// For a knob kept under an old name: the knob it is an old name of (a write sets that one too, converted).
     /// The stack's description leaves it out: it writes the new name.
@@ -498,21 +498,25 @@ mod tests {
 
     #[test]
     fn wildcards_respect_segments() {
-        assert!(name_matches("module.*.frames_in_total", "module.c1.frames_in_total"));
-        assert!(!name_matches("module.*.frames_in_total", "module.c1.port.in.frames_in_total"));
-        assert!(name_matches("module.**.frames_in_total", "module.c1.port.in.frames_in_total"));
-        assert!(name_matches("module.c?.x", "module.c1.x"));
-        assert!(!name_matches("module.c?.x", "module.c12.x"));
-        assert!(name_matches("module.c*", "module.c12"));
-        assert!(!name_matches("module.c*", "module.c1.x"));
-        assert!(name_matches("exact.name", "exact.name"));
-        assert!(!name_matches("exact.name", "exact.names"));
-        assert!(name_matches("**", ""));
-        assert!(name_matches("*", ""));
-        assert!(!name_matches("?", ""));
-        assert!(name_matches("a.**.b", "a..b"));
-        assert!(name_matches("a***", "ab.c"));
-        assert!(!name_matches("a*.", "ab"));
+        for (pattern, name, matches) in [
+            ("module.*.frames_in_total", "module.c1.frames_in_total", true),
+            ("module.*.frames_in_total", "module.c1.port.in.frames_in_total", false),
+            ("module.**.frames_in_total", "module.c1.port.in.frames_in_total", true),
+            ("module.c?.x", "module.c1.x", true),
+            ("module.c?.x", "module.c12.x", false),
+            ("module.c*", "module.c12", true),
+            ("module.c*", "module.c1.x", false),
+            ("exact.name", "exact.name", true),
+            ("exact.name", "exact.names", false),
+            ("**", "", true),
+            ("*", "", true),
+            ("?", "", false),
+            ("a.**.b", "a..b", true),
+            ("a***", "ab.c", true),
+            ("a*.", "ab", false),
+        ] {
+            assert_eq!(name_matches(pattern, name), matches, "{pattern} ~ {name}");
+        }
     }
 
     /// Many stars against a long name that does not match: a backtracking matcher takes minutes here.

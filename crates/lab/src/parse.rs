@@ -32,6 +32,11 @@ struct Tbl<'a, 'i, 'd> {
 }
 
 impl<'a, 'i, 'd> Tbl<'a, 'i, 'd> {
+    /// The table of a whole document, `what` in errors (with `spans`, where its keys and values are written).
+    fn root(doc: &'d Doc<'d>, values: &'a toml::Table, spans: &'a DeTable<'i>, what: &str) -> Self {
+        Tbl { doc, values, spans: Some(spans), location: doc.start(), what: what.into() }
+    }
+
     fn err(&self, location: Location, message: impl Into<String>) -> ConfigError {
         ConfigError::new(Some(location), message)
     }
@@ -223,13 +228,7 @@ fn valid_knob(name: &str) -> bool {
 pub fn parse_link_params(file: &str, text: &str) -> Result<LinkParams, ConfigError> {
     let doc = Doc { file: Arc::from(file), text };
     let (spans, table) = parse_located(&doc.file, text)?;
-    let t = Tbl {
-        doc: &doc,
-        values: &table,
-        spans: Some(spans.get_ref()),
-        location: doc.start(),
-        what: "the link parameters".into(),
-    };
+    let t = Tbl::root(&doc, &table, spans.get_ref(), "the link parameters");
     t.check_keys(PARAM_KEYS)?;
     let params = link_params(&t)?;
     if params == LinkParams::default() {
@@ -249,13 +248,7 @@ impl Lab {
             ));
         }
         let (spans, table) = parse_located(&doc.file, text)?;
-        let root = Tbl {
-            doc: &doc,
-            values: &table,
-            spans: Some(spans.get_ref()),
-            location: doc.start(),
-            what: "the lab file".into(),
-        };
+        let root = Tbl::root(&doc, &table, spans.get_ref(), "the lab file");
         root.check_keys(&["lab", "hosts", "links", "programs", "events", "routes"])?;
         let head = Head::parse(&root)?;
         let hosts = hosts(&root)?;

@@ -73,7 +73,7 @@ pub(crate) mod testutil {
     //! Helpers shared by the modules' tests: loading modules into a switch, reading meters, a recording module.
 
     use flexstack_core::{
-        Batch, ConfigError, Edit, Frame, ModuleBuilder, PacketPool, Settings, StackSpec, Switch, Time, Value,
+        Batch, ConfigError, Direction, Edit, Frame, ModuleBuilder, PacketPool, Settings, StackSpec, Switch, Time, Value,
     };
 
     /// Settings from `key=value` words.
@@ -106,6 +106,18 @@ pub(crate) mod testutil {
         crate::catalog().configure(&m.kind, &m.settings, m.location.clone())
     }
 
+    /// Configures the first module of `text` (a stack description) expecting an error; asserts that the error
+    /// points at line `line` (when given) and that its message contains each of `needles`.
+    pub fn assert_config_error(text: &str, line: Option<usize>, needles: &[&str]) {
+        let e = configure_toml(text).err().unwrap_or_else(|| panic!("configured: {text:?}"));
+        if let Some(line) = line {
+            assert_eq!(e.location.as_ref().map(|l| l.line), Some(line), "{e}");
+        }
+        for needle in needles {
+            assert!(e.message.contains(needle), "{needle:?} not in: {e}");
+        }
+    }
+
     /// The value of a registry variable.
     pub fn var(sw: &Switch, name: &str) -> Value {
         sw.registry().snapshot().get(name).unwrap_or_else(|| panic!("no variable {name}")).get()
@@ -133,7 +145,29 @@ pub(crate) mod testutil {
             .collect()
     }
 
+    /// Injects packets with the given bytes, travelling in `direction`, into input `port` of `module`.
+    pub fn inject_into<P: AsRef<[u8]>>(sw: &mut Switch, module: &str, port: &str, packets: &[P], direction: Direction) {
+        let mut batch: Batch = packets
+            .iter()
+            .map(|b| {
+                let mut p = sw.pool().alloc_from(b.as_ref());
+                p.set_direction(direction);
+                Frame::Data(p)
+            })
+            .collect();
+        sw.inject(module, port, &mut batch).expect("inject");
+    }
+
     pub use flexstack_core::testing::{Log, Recorder};
+
+    /// A switch holding one module, `name` of `kind` with `args`, whose output goes to a recorder (`r`), and the
+    /// recorder's log.
+    pub fn recorded(name: &str, kind: &str, args: &[&str]) -> (Switch, Log) {
+        let mut sw = Switch::default();
+        let (rec, log) = Recorder::load("r");
+        sw.apply(vec![load(name, kind, args), rec, link(&format!("{name} -> r"))]).unwrap();
+        (sw, log)
+    }
 
     /// Drives a switch with `run` at every `step` from `from` up to and including `to`.
     pub fn run_every(sw: &mut Switch, from: Time, to: Time, step: std::time::Duration) {

@@ -28,7 +28,7 @@ use common::{catalog, link, load, meter, verdict};
 
 use flexstack_core::{
     Batch, ControlFrame, ControlOp, Edit, Frame, Module, ModuleBuilder, ModuleInterface, ModuleVars, Output, PortSpec,
-    Settings, Switch, Time, Value,
+    Switch, Time, Value,
 };
 use flexstack_fuzzkit::{
     hex, iters_from_env, load_corpus, mutate_input, run_guarded, seed_from_env, target_seed, Dict, Rng,
@@ -267,12 +267,7 @@ impl Module for Sink {
 }
 
 fn sink(name: &str, side: Side, problems: &Problems) -> Edit {
-    Edit::Load {
-        name: name.into(),
-        kind: "fuzz-sink".into(),
-        settings: Settings::default(),
-        builder: Box::new(SinkBuilder(side, problems.clone())),
-    }
+    Edit::load_built(name, "fuzz-sink", Box::new(SinkBuilder(side, problems.clone())))
 }
 
 fn link_args(extra: &[String]) -> Vec<String> {

@@ -21,7 +21,7 @@ mod common;
 use common::{catalog, link, load, meter, verdict};
 
 use flexstack_core::{
-    Batch, Edit, Frame, Module, ModuleBuilder, ModuleInterface, ModuleVars, Output, PortSpec, Settings, Switch, Time,
+    Batch, Edit, Frame, Module, ModuleBuilder, ModuleInterface, ModuleVars, Output, PortSpec, Switch, Time,
 };
 use flexstack_fuzzkit::{
     hex, iters_from_env, load_corpus, mutate_input, run_guarded, seed_from_env, target_seed, Dict, Rng,
@@ -251,12 +251,7 @@ impl Module for Sink {
 }
 
 fn sink(name: &str, expect: Expect, problems: &Problems) -> Edit {
-    Edit::Load {
-        name: name.into(),
-        kind: "fuzz-sink".into(),
-        settings: Settings::default(),
-        builder: Box::new(SinkBuilder(expect, problems.clone())),
-    }
+    Edit::load_built(name, "fuzz-sink", Box::new(SinkBuilder(expect, problems.clone())))
 }
 
 fn stack(problems: &Problems) -> Switch {

@@ -23,7 +23,7 @@ use common::{catalog, link, load};
 
 use flexstack_core::{
     Batch, Catalog, Direction, Edit, Frame, Module, ModuleBuilder, ModuleInterface, ModuleVars, Output, PortSpec,
-    Settings, StackSpec, Switch, Time, Value,
+    StackSpec, Switch, Time, Value,
 };
 use flexstack_fuzzkit::{iters_from_env, load_corpus_bytes, mutate, seed_from_env, target_seed, Dict, Rng};
 use flexstack_modules::flow::firewall::Rule;
@@ -217,13 +217,7 @@ impl Module for Keep {
 
 fn keep(name: &str) -> (Edit, Log) {
     let log = Log::default();
-    let edit = Edit::Load {
-        name: name.into(),
-        kind: "keep".into(),
-        settings: Settings::default(),
-        builder: Box::new(KeepBuilder(log.clone())),
-    };
-    (edit, log)
+    (Edit::load_built(name, "keep", Box::new(KeepBuilder(log.clone()))), log)
 }
 
 const NAT_RULES: &str = r#"rules=["dnat tcp 192.0.2.10:8080 to 10.77.0.2:80", "dnat udp [fd00::10]:53 to [fd77::2]:5353", "dnat 192.0.2.11 to 10.77.0.3", "snat 10.77.0.0/24 to 192.0.2.10", "snat fd77::/64 to fd00::10"]"#;

@@ -44,14 +44,7 @@ const SLICE: Duration = Duration::from_millis(20);
 const TARGET: f64 = 1.5;
 
 fn chain(n: usize, pulled: bool) -> String {
-    let mut text = String::from("f1: Forwarder(get(\"bench.x\"))\n");
-    for i in 2..=n {
-        text.push_str(&format!("f{i}: Forwarder(f{})\n", i - 1));
-    }
-    if pulled {
-        text.push_str(&format!("t: Timer(1h)\nt -> f{n}\n"));
-    }
-    text
+    flexstack_rules::testing::forwarder_chain("f", "bench.x", n, pulled)
 }
 
 struct Forward {

@@ -1386,14 +1386,7 @@ leave -> unload(extra)
     }
 
     fn chain(n: usize, pulled: bool) -> String {
-        let mut text = String::from("f1: Forwarder(get(\"x\"))\n");
-        for i in 2..=n {
-            text.push_str(&format!("f{i}: Forwarder(f{})\n", i - 1));
-        }
-        if pulled {
-            text.push_str(&format!("t: Timer(1h)\nt -> f{n}\n"));
-        }
-        text
+        crate::testing::forwarder_chain("f", "x", n, pulled)
     }
 
     #[test]

@@ -44,6 +44,7 @@ pub mod engine;
 pub mod env;
 mod plan;
 pub mod syntax;
+pub mod testing;
 pub mod units;
 
 pub use compile::{compile, render_rules, Compiled, Program, RuleAction, RuleDef};

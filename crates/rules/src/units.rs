@@ -314,7 +314,8 @@ pub(crate) enum Core {
         error: Option<String>,
     },
     Constant(Value),
-    Forwarder,
+    /// A unit without state (Forwarder, the comparisons, the logic, If), evaluated by [`compute_stateless`].
+    Stateless(Op),
     Timer {
         period: u64,
         next_due: Option<Time>,
@@ -337,13 +338,6 @@ pub(crate) enum Core {
         alpha: f64,
         avg: Option<f64>,
     },
-    Less,
-    Greater,
-    Equal,
-    And,
-    Or,
-    Not,
-    If,
     Threshold {
         high: f64,
         low: f64,
@@ -624,7 +618,14 @@ impl Core {
             UnitKind::Constant => {
                 Core::Constant(if let Param::Value(v) = param { v.clone() } else { Value::Bool(false) })
             }
-            UnitKind::Forwarder => Core::Forwarder,
+            UnitKind::Forwarder
+            | UnitKind::Less
+            | UnitKind::Greater
+            | UnitKind::Equal
+            | UnitKind::And
+            | UnitKind::Or
+            | UnitKind::Not
+            | UnitKind::If => Core::Stateless(Op::of(kind)),
             UnitKind::Timer => Core::Timer { period: nanos(param).max(1), next_due: None, ticks: 0 },
             UnitKind::History => Core::History { window: window(param), samples: VecDeque::new() },
             UnitKind::Avg | UnitKind::Min | UnitKind::Max | UnitKind::Sum | UnitKind::Count => Core::Agg {
@@ -640,13 +641,6 @@ impl Core {
             },
             UnitKind::Rate => Core::Rate { prev: None, rate: None },
             UnitKind::Ewma => Core::Ewma { alpha: if let Param::Alpha(a) = param { *a } else { 1.0 }, avg: None },
-            UnitKind::Less => Core::Less,
-            UnitKind::Greater => Core::Greater,
-            UnitKind::Equal => Core::Equal,
-            UnitKind::And => Core::And,
-            UnitKind::Or => Core::Or,
-            UnitKind::Not => Core::Not,
-            UnitKind::If => Core::If,
             UnitKind::Threshold => {
                 let (high, low) = if let Param::Band { high, low } = param { (*high, *low) } else { (0.0, 0.0) };
                 Core::Threshold { high, low, on: false }
@@ -679,6 +673,7 @@ impl Core {
             (Core::Threshold { on, .. }, Core::Threshold { on: o, .. }) => *on = o,
             (Core::Changed { prev }, Core::Changed { prev: p }) => *prev = p,
             (Core::Cache { fetched_at, .. }, Core::Cache { fetched_at: f, .. }) => *fetched_at = f,
+            (Core::Stateless(op), Core::Stateless(o)) => return *op == o,
             (me, old) => return std::mem::discriminant(me) == std::mem::discriminant(&old),
         }
         true
@@ -807,14 +802,7 @@ pub(crate) fn compute(
     match core {
         Core::Vacant => None,
         Core::Constant(v) => Some(v.clone()),
-        Core::Forwarder => compute_stateless(Op::Forwarder, inputs, hot),
-        Core::Less => compute_stateless(Op::Less, inputs, hot),
-        Core::Greater => compute_stateless(Op::Greater, inputs, hot),
-        Core::Equal => compute_stateless(Op::Equal, inputs, hot),
-        Core::And => compute_stateless(Op::And, inputs, hot),
-        Core::Or => compute_stateless(Op::Or, inputs, hot),
-        Core::Not => compute_stateless(Op::Not, inputs, hot),
-        Core::If => compute_stateless(Op::If, inputs, hot),
+        Core::Stateless(op) => compute_stateless(*op, inputs, hot),
         Core::Get { name } => cx.env.get(name),
         Core::Set { name, last_written, writes, .. } => {
             let v = input(0)?.clone();
@@ -899,7 +887,7 @@ mod tests {
             key: "in".into(),
             kind: UnitKind::Constant,
             sig: String::new(),
-            core: Core::Forwarder,
+            core: Core::Stateless(Op::Forwarder),
             inputs: vec![],
         };
         let mut hot = Hot::new(UnitKind::Constant);

@@ -2,6 +2,7 @@
 //! rewiring, reference counting, per-name instances, query caches, write results, the repository.
 
 use flexstack_core::{Time, Value};
+use flexstack_rules::testing::forwarder_chain;
 use flexstack_rules::{drive, Environment, MemoryEnv, RuleEngine, RuleError};
 
 fn ms(t: u64) -> Time {
@@ -239,13 +240,8 @@ fn refused_texts_change_nothing() {
 fn deep_chains_query_and_propagate() {
     // Deeper than the query's recursion limit: the rest of the walk uses an explicit stack.
     let (mut env, mut engine) = setup();
-    let mut pulled = String::from("f1: Forwarder(get(\"module.src.rate\"))\n");
-    let mut pushed = String::from("g1: Forwarder(get(\"module.src.rate\"))\n");
-    for i in 2..=1500 {
-        pulled.push_str(&format!("f{i}: Forwarder(f{})\n", i - 1));
-        pushed.push_str(&format!("g{i}: Forwarder(g{})\n", i - 1));
-    }
-    pulled.push_str("t: Timer(1h)\nt -> f1500\n");
+    let pulled = forwarder_chain("f", "module.src.rate", 1500, true);
+    let pushed = forwarder_chain("g", "module.src.rate", 1500, false);
     engine.handle_load_text("pulled", &pulled, ms(0), &env).unwrap();
     engine.handle_load_text("pushed", &pushed, ms(0), &env).unwrap();
     env.meter("module.src.rate", Value::U64(77));

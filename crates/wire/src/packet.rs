@@ -488,21 +488,18 @@ mod tests {
         let good = ipv4(A4, B4, proto::UDP, 64, &udp(A4.into(), B4.into(), 1, 2, b""));
         assert_eq!(PacketInfo::parse(&[]), Err(ParseError::Truncated));
         assert_eq!(PacketInfo::parse(&good[..19]), Err(ParseError::Truncated));
-        let mut bad = good.clone();
-        bad[0] = 0x44;
-        assert_eq!(PacketInfo::parse(&bad), Err(ParseError::BadHeaderLength));
-        let mut bad = good.clone();
-        bad[0] = 0x4f;
-        assert_eq!(PacketInfo::parse(&bad), Err(ParseError::BadHeaderLength));
-        let mut bad = good.clone();
-        bad[3] = 200;
-        assert_eq!(PacketInfo::parse(&bad), Err(ParseError::BadTotalLength));
-        let mut bad = good.clone();
-        bad[8] = 1;
-        assert_eq!(PacketInfo::parse(&bad), Err(ParseError::BadChecksum));
-        let mut bad = good.clone();
-        bad[0] = 0x55;
-        assert_eq!(PacketInfo::parse(&bad), Err(ParseError::BadVersion));
+        // One byte of the good packet changed: (where, to what, the reason).
+        for (at, byte, reason) in [
+            (0, 0x44, ParseError::BadHeaderLength),
+            (0, 0x4f, ParseError::BadHeaderLength),
+            (3, 200, ParseError::BadTotalLength),
+            (8, 1, ParseError::BadChecksum),
+            (0, 0x55, ParseError::BadVersion),
+        ] {
+            let mut bad = good.clone();
+            bad[at] = byte;
+            assert_eq!(PacketInfo::parse(&bad), Err(reason), "byte {at} = {byte:#x}");
+        }
         let short = ipv4(A4, B4, proto::TCP, 64, &[0; 10]);
         assert_eq!(PacketInfo::parse(&short), Err(ParseError::TruncatedTransport));
         // An extension header running past the end, and an endless chain.

@@ -1,6 +1,6 @@
 //! Meters and knobs: get, set, watch, var list.
 
-use flexstack_core::{Value, ValueType, VarKind};
+use flexstack_core::{Value, VarSpec};
 use serde::{Deserialize, Serialize};
 use serde_json::Value as Json;
 use std::collections::BTreeMap;
@@ -96,22 +96,12 @@ pub struct WatchDone {
     pub done: bool,
 }
 
-/// A meter or knob of `var_list`.
+/// A meter or knob of `var_list`: its declaration, named in full (`module.sel.select`), and its current value.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct VarInfo {
-    /// Its full name.
-    pub name: String,
-    /// Meter or knob.
-    pub kind: VarKind,
-    /// Its value type.
-    #[serde(rename = "type")]
-    pub ty: ValueType,
-    /// Its unit (or empty).
-    pub unit: String,
-    /// One line: what it is.
-    pub description: String,
-    /// The inclusive range a knob accepts, if limited (`null` otherwise).
-    pub range: Option<(f64, f64)>,
+    /// Its declaration (`name`, `kind`, `type`, `unit`, `description`, `range`) with its full name.
+    #[serde(flatten)]
+    pub spec: VarSpec,
     /// Its current value.
     #[serde(deserialize_with = "crate::value::read")]
     pub value: Value,

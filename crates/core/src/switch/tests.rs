@@ -351,7 +351,7 @@ use crate::frame::Packet;
 // ---------------------------------------------------------------------------------------------------------------
 
 fn load(name: &str, builder: Box<dyn ModuleBuilder>) -> Edit {
-    Edit::Load { name: name.into(), kind: "test".into(), settings: Settings::default(), builder }
+    Edit::load_built(name, "test", builder)
 }
 
 fn replace(name: &str, builder: Box<dyn ModuleBuilder>, keep_state: bool) -> Edit {
@@ -1228,62 +1228,57 @@ fn control_frames_are_mirrored_on_the_senders_ctl_port() {
 // Stack descriptions
 // ---------------------------------------------------------------------------------------------------------------
 
-struct PassKind;
-
-impl ModuleKind for PassKind {
-    fn name(&self) -> &'static str {
-        "pass"
-    }
-    fn summary(&self) -> &'static str {
-        "test pass-through"
-    }
-    fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, crate::ConfigError> {
-        let mut r = settings.reader("pass");
-        if let Some(l) = r.u64("level")? {
-            if l > 10 {
-                return Err(r.error("level", "expected 0..=10"));
-            }
-        }
-        r.finish()?;
-        Ok(pass())
-    }
+/// A kind of the tests' catalog: its name, summary and how it configures a module.
+struct TestKind {
+    name: &'static str,
+    summary: &'static str,
+    configure: fn(&Settings) -> Result<Box<dyn ModuleBuilder>, crate::ConfigError>,
 }
 
-struct SinkKind;
-
-impl ModuleKind for SinkKind {
+impl ModuleKind for TestKind {
     fn name(&self) -> &'static str {
-        "sink"
+        self.name
     }
     fn summary(&self) -> &'static str {
-        "test sink"
+        self.summary
     }
     fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, crate::ConfigError> {
-        settings.reader("sink").finish()?;
-        Ok(sink(&Probe::default()))
-    }
-}
-
-struct SplitKind;
-
-impl ModuleKind for SplitKind {
-    fn name(&self) -> &'static str {
-        "split"
-    }
-    fn summary(&self) -> &'static str {
-        "test splitter"
-    }
-    fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, crate::ConfigError> {
-        settings.reader("split").finish()?;
-        Ok(split())
+        (self.configure)(settings)
     }
 }
 
 fn catalog() -> Catalog {
     let mut c = Catalog::new();
-    c.register(Box::new(PassKind));
-    c.register(Box::new(SinkKind));
-    c.register(Box::new(SplitKind));
+    c.register(Box::new(TestKind {
+        name: "pass",
+        summary: "test pass-through",
+        configure: |settings| {
+            let mut r = settings.reader("pass");
+            if let Some(l) = r.u64("level")? {
+                if l > 10 {
+                    return Err(r.error("level", "expected 0..=10"));
+                }
+            }
+            r.finish()?;
+            Ok(pass())
+        },
+    }));
+    c.register(Box::new(TestKind {
+        name: "sink",
+        summary: "test sink",
+        configure: |settings| {
+            settings.reader("sink").finish()?;
+            Ok(sink(&Probe::default()))
+        },
+    }));
+    c.register(Box::new(TestKind {
+        name: "split",
+        summary: "test splitter",
+        configure: |settings| {
+            settings.reader("split").finish()?;
+            Ok(split())
+        },
+    }));
     c
 }
 

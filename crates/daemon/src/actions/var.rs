@@ -110,18 +110,9 @@ impl Control {
     pub(super) fn var_list(&self, pattern: Option<&str>) -> Result<Vec<VarInfo>, ApiError> {
         let reg = self.registry.snapshot();
         let pattern = pattern.unwrap_or("**");
-        let vars = reg.matching(pattern).map(|(name, c)| {
-            let s = c.spec();
-            VarInfo {
-                name: name.to_string(),
-                kind: s.kind,
-                ty: s.ty,
-                unit: s.unit.clone(),
-                description: s.description.clone(),
-                range: s.range,
-                value: c.get(),
-            }
-        });
+        let vars = reg
+            .matching(pattern)
+            .map(|(name, c)| VarInfo { spec: VarSpec { name: name.to_string(), ..c.spec().clone() }, value: c.get() });
         Ok(vars.collect())
     }
 

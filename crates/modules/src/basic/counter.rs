@@ -163,10 +163,7 @@ mod tests {
     use std::time::Duration;
 
     fn stack() -> (Switch, Log) {
-        let mut sw = Switch::default();
-        let (rec, log) = Recorder::load("r");
-        sw.apply(vec![load("c", "counter", &[]), rec, link("c -> r")]).unwrap();
-        (sw, log)
+        recorded("c", "counter", &[])
     }
 
     #[test]
@@ -257,9 +254,7 @@ mod tests {
 
     #[test]
     fn rejects_settings_with_their_location() {
-        let e = configure_toml("[modules.c]\nkind = \"counter\"\n\nrate = 3\n").err().unwrap();
-        assert_eq!(e.location.as_ref().unwrap().line, 4);
-        assert!(e.message.contains("unknown setting `rate`"), "{e}");
-        assert!(e.message.contains("no settings"), "{e}");
+        let text = "[modules.c]\nkind = \"counter\"\n\nrate = 3\n";
+        assert_config_error(text, Some(4), &["unknown setting `rate`", "no settings"]);
     }
 }

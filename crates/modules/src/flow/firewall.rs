@@ -458,10 +458,7 @@ mod tests {
     }
 
     fn stack(args: &[&str]) -> (Switch, Log) {
-        let mut sw = Switch::default();
-        let (rec, log) = recorder("r");
-        sw.apply(vec![load("fw", "firewall", args), rec, link("fw -> r")]).unwrap();
-        (sw, log)
+        crate::testutil::recorded("fw", "firewall", args)
     }
 
     /// Sends one packet; true if it passed.

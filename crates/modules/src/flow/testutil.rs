@@ -1,7 +1,7 @@
 //! Helpers for the tests of the kinds that carry IP packets (flow, ip and sched): those of [`crate::testutil`], a
 //! variable read that may find nothing, configuration errors, recording modules and injecting packets.
 
-use flexstack_core::{Batch, Direction, Edit, Frame, Switch, Time, Value};
+use flexstack_core::{Direction, Edit, Switch, Time, Value};
 
 pub use crate::catalog;
 pub use crate::testutil::{knob, link, load, settings, u64_var};
@@ -27,14 +27,6 @@ pub fn recorder(name: &str) -> (Edit, Log) {
 
 /// Injects `packets` (with `direction`) into `module[port]` and runs the switch at `at_ms`.
 pub fn send(sw: &mut Switch, module: &str, port: &str, packets: &[Vec<u8>], direction: Direction, at_ms: u64) {
-    let mut batch: Batch = packets
-        .iter()
-        .map(|d| {
-            let mut p = sw.pool().alloc_from(d);
-            p.set_direction(direction);
-            Frame::Data(p)
-        })
-        .collect();
-    sw.inject(module, port, &mut batch).expect("inject");
+    crate::testutil::inject_into(sw, module, port, packets, direction);
     sw.run(Time::from_millis(at_ms));
 }

@@ -428,69 +428,16 @@ pub(crate) mod testkit {
     //! Helpers shared by this crate's module tests (ip, reassemble, icmp): loading modules, a recorder,
     //! injecting byte vectors, reading meters, and checking every checksum of a packet by recomputation.
 
-    use flexstack_core::{
-        Batch, Catalog, ConfigError, Direction, Edit, Frame, ModuleBuilder, Settings, StackSpec, Switch, Value,
-    };
+    pub use crate::catalog;
+    pub use crate::testutil::{assert_config_error, configure_toml, knob, link, load, u64_var, var};
+    use flexstack_core::{Direction, Switch};
     use flexstack_wire::checksum;
     use flexstack_wire::packet::{proto, PacketInfo};
     pub use flexstack_wire::testkit::{a6, b6, A4, B4};
 
-    /// This crate's catalog.
-    pub fn catalog() -> Catalog {
-        let mut c = Catalog::new();
-        crate::register(&mut c);
-        c
-    }
-
-    /// A `Load` edit for a module of one of this crate's kinds, with `key=value` settings.
-    pub fn load(name: &str, kind: &str, args: &[&str]) -> Edit {
-        let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
-        let settings = Settings::from_args(&args).expect("valid test settings");
-        let builder = catalog().configure(kind, &settings, None).unwrap_or_else(|e| panic!("{kind}: {e}"));
-        Edit::Load { name: name.into(), kind: kind.into(), settings, builder }
-    }
-
-    /// A `Link` edit.
-    pub fn link(text: &str) -> Edit {
-        Edit::Link(flexstack_core::LinkSpec::parse(text).expect("valid link"))
-    }
-
-    /// A `SetKnob` edit.
-    pub fn knob(module: &str, knob: &str, value: Value) -> Edit {
-        Edit::SetKnob { module: module.into(), knob: knob.into(), value }
-    }
-
-    /// Configures the first module of a stack description with this crate's catalog.
-    pub fn configure_toml(text: &str) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
-        let spec = StackSpec::parse("test.toml", text).expect("valid stack description");
-        let m = &spec.modules[0];
-        catalog().configure(&m.kind, &m.settings, m.location.clone())
-    }
-
-    /// The value of a registry variable.
-    pub fn var(sw: &Switch, name: &str) -> Value {
-        sw.registry().snapshot().get(name).unwrap_or_else(|| panic!("no variable {name}")).get()
-    }
-
-    /// The value of a u64 registry variable.
-    pub fn u64_var(sw: &Switch, name: &str) -> u64 {
-        match var(sw, name) {
-            Value::U64(v) => v,
-            other => panic!("{name} is {other:?}, not u64"),
-        }
-    }
-
     /// Injects packets with the given bytes into input `in` of `module`.
     pub fn inject(sw: &mut Switch, module: &str, packets: &[&[u8]], direction: Direction) {
-        let mut batch: Batch = packets
-            .iter()
-            .map(|b| {
-                let mut p = sw.pool().alloc_from(b);
-                p.set_direction(direction);
-                Frame::Data(p)
-            })
-            .collect();
-        sw.inject(module, "in", &mut batch).unwrap();
+        crate::testutil::inject_into(sw, module, "in", packets, direction);
     }
 
     pub use flexstack_core::testing::{Log, Recorder, Seen};
@@ -831,12 +778,8 @@ mod tests {
         let r = s.sw.apply(vec![knob("ip", "source_v4", Value::Str("fd00::1".into()))]);
         assert!(r.is_err() || r.unwrap().iter().any(|n| n.contains("IPv4")));
         s.sw.apply(vec![knob("ip", "source_v6", Value::Str("".into()))]).unwrap();
-        let e = configure_toml("[modules.ip]\nkind = \"ip\"\nmtu = 20\n").err().unwrap();
-        assert_eq!(e.location.as_ref().unwrap().line, 3);
-        assert!(e.message.contains("68..=65535"), "{e}");
-        let e = configure_toml("[modules.ip]\nkind = \"ip\"\nsource_v4 = \"x\"\n").err().unwrap();
-        assert!(e.message.contains("IPv4"), "{e}");
-        let e = configure_toml("[modules.ip]\nkind = \"ip\"\nttl = 3\n").err().unwrap();
-        assert!(e.message.contains("unknown setting `ttl`"), "{e}");
+        assert_config_error("[modules.ip]\nkind = \"ip\"\nmtu = 20\n", Some(3), &["68..=65535"]);
+        assert_config_error("[modules.ip]\nkind = \"ip\"\nsource_v4 = \"x\"\n", None, &["IPv4"]);
+        assert_config_error("[modules.ip]\nkind = \"ip\"\nttl = 3\n", None, &["unknown setting `ttl`"]);
     }
 }

@@ -632,9 +632,7 @@ mod tests {
     use std::time::Duration;
 
     fn stack(args: &[&str]) -> (Switch, Log) {
-        let mut sw = Switch::default();
-        let (rec, log) = Recorder::load("r");
-        sw.apply(vec![load("e", "emulator", args), rec, link("e -> r")]).unwrap();
+        let (mut sw, log) = recorded("e", "emulator", args);
         sw.run(Time::ZERO);
         (sw, log)
     }
@@ -1129,13 +1127,9 @@ mod tests {
 
     #[test]
     fn rejects_bad_settings_with_their_location() {
-        let e = configure_toml("[modules.e]\nkind = \"emulator\"\nloss_pct = 101\n").err().unwrap();
-        assert_eq!(e.location.as_ref().unwrap().line, 3);
-        assert!(e.message.contains("`loss_pct`") && e.message.contains("0..=100"), "{e}");
-        let e = configure_toml("[modules.e]\nkind = \"emulator\"\n\ndelay_ms = -1\n").err().unwrap();
-        assert_eq!(e.location.as_ref().unwrap().line, 4);
-        let e = configure_toml("[modules.e]\nkind = \"emulator\"\ndelay = 1\n").err().unwrap();
-        assert!(e.message.contains("unknown setting `delay`"), "{e}");
+        assert_config_error("[modules.e]\nkind = \"emulator\"\nloss_pct = 101\n", Some(3), &["`loss_pct`", "0..=100"]);
+        assert_config_error("[modules.e]\nkind = \"emulator\"\n\ndelay_ms = -1\n", Some(4), &[]);
+        assert_config_error("[modules.e]\nkind = \"emulator\"\ndelay = 1\n", None, &["unknown setting `delay`"]);
         assert!(configure_toml(
             "[modules.e]\nkind = \"emulator\"\ndelay_ms = 5\nrate_mbit = 10\nge_p = 0.1\nup = false\nseed = 3\n"
         )

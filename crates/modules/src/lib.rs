@@ -6,6 +6,7 @@
 //! | [`ip`] | `ip`, `reassemble`, `icmp` (its error builder), `ethernet` (Ethernet, ARP, NDP; in `link.rs`) |
 //! | [`flow`] | `classify` (the flow table), `nat`, `firewall` |
 //! | [`sched`] | `emulator`, `late-binding`, `early-binding` |
+//! | [`stream`] | `stream-pass`, `stream-tap` (docs/streams.md) |
 //!
 //! Every kind is a sans-IO state machine: it reads no clock (time comes from [`Output::now`]), sleeps never and
 //! spawns no thread; only the tap touches a file, which it opens when it is configured. Every knob is also
@@ -22,6 +23,7 @@ pub mod basic;
 pub mod flow;
 pub mod ip;
 pub mod sched;
+pub mod stream;
 
 use flexstack_core::{Catalog, ModuleKind};
 
@@ -44,6 +46,8 @@ pub fn kinds() -> Vec<Box<dyn ModuleKind>> {
         Box::new(ip::link::LinkKind),
         Box::new(sched::binding::LateBindingKind),
         Box::new(sched::binding::EarlyBindingKind),
+        Box::new(stream::pass::StreamPassKind),
+        Box::new(stream::tap::StreamTapKind),
     ]
 }
 
@@ -171,6 +175,8 @@ mod tests {
                 "select",
                 "sink",
                 "source",
+                "stream-pass",
+                "stream-tap",
                 "tap"
             ]
         );

@@ -6,7 +6,7 @@
 //! | [`ip`] | `ip`, `reassemble`, `icmp` (its error builder), `ethernet` (Ethernet, ARP, NDP; in `link.rs`) |
 //! | [`flow`] | `classify` (the flow table), `nat`, `firewall` |
 //! | [`sched`] | `emulator`, `late-binding`, `early-binding` |
-//! | [`stream`] | `stream-pass`, `stream-tap` (docs/streams.md) |
+//! | [`stream`] | `terminate`, `originate` (user-space TCP/UDP endpoints), `stream-pass`, `stream-tap` (docs/streams.md) |
 //!
 //! Every kind is a sans-IO state machine: it reads no clock (time comes from [`Output::now`]), sleeps never and
 //! spawns no thread; only the tap touches a file, which it opens when it is configured. Every knob is also
@@ -48,6 +48,8 @@ pub fn kinds() -> Vec<Box<dyn ModuleKind>> {
         Box::new(sched::binding::EarlyBindingKind),
         Box::new(stream::pass::StreamPassKind),
         Box::new(stream::tap::StreamTapKind),
+        Box::new(stream::terminate::TerminateKind),
+        Box::new(stream::originate::OriginateKind),
     ]
 }
 
@@ -171,13 +173,15 @@ mod tests {
                 "ip",
                 "late-binding",
                 "nat",
+                "originate",
                 "reassemble",
                 "select",
                 "sink",
                 "source",
                 "stream-pass",
                 "stream-tap",
-                "tap"
+                "tap",
+                "terminate"
             ]
         );
         for k in super::catalog().kinds() {

@@ -35,3 +35,359 @@ fn transfers_2mb_both_ways_intact() {
         assert!(lab.passed().is_empty() && lab.net_passed().is_empty());
     }
 }
+
+use flexstack_core::{Direction, Edit, Value};
+use smoltcp::socket::tcp::State;
+
+const RST: u8 = 0x04;
+const SYN: u8 = 0x02;
+const ACK: u8 = 0x10;
+
+fn families() -> [bool; 2] {
+    [false, true]
+}
+
+#[test]
+fn half_close_lets_the_other_direction_finish() {
+    for v6 in families() {
+        let mut lab = Lab::new(v6, &[], &[], &[("p", "stream-pass", vec![])]);
+        let srv = lab.listen(80, 65536);
+        let cli = lab.connect(80, 65536);
+        let request = pattern(3, 10_000);
+        let reply = pattern(4, 300_000);
+        let mut c = Pump::new(request.clone(), true); // sends, then shuts down its write side
+        let mut s = Pump::new(Vec::new(), false);
+        let mut replying = false;
+        let done = lab.until(20_000, |lab| {
+            c.drive(lab.app.tcp(cli));
+            let ss = lab.server.tcp(srv);
+            s.drive(ss);
+            // The server answers only once it saw the end of the request (the client's FIN).
+            if !replying && !ss.may_recv() && ss.state() == State::CloseWait {
+                assert_eq!(s.got, request, "v6 {v6}: the whole request before the FIN");
+                replying = true;
+                s.out = reply.clone();
+                s.close_after = true;
+            }
+            !lab.app.tcp(cli).may_recv() && c.got.len() == reply.len()
+        });
+        assert!(done, "v6 {v6}: client got {} of the reply", c.got.len());
+        assert!(c.got == reply, "the reply reaches the client after it closed its write side");
+        assert!(lab.until(15_000, |lab| lab.meter("module.t.connections_active") == 0));
+        assert!(lab.until(15_000, |lab| lab.meter("module.o.connections_active") == 0));
+        assert_eq!(lab.meter("module.t.aborts_sent_total") + lab.meter("module.o.aborts_sent_total"), 0);
+        assert_eq!(lab.meter("module.p.fins_total"), 2);
+    }
+}
+
+#[test]
+fn server_reset_mid_transfer_reaches_the_client_as_rst() {
+    for v6 in families() {
+        let mut lab = Lab::new(v6, &[], &[], &[]);
+        lab.keep_seen = true;
+        let srv = lab.listen(80, 65536);
+        let cli = lab.connect(80, 65536);
+        let mut c = Pump::new(pattern(5, MB2), false);
+        let mut s = Pump::new(Vec::new(), false);
+        let done = lab.until(10_000, |lab| {
+            c.drive(lab.app.tcp(cli));
+            s.drive(lab.server.tcp(srv));
+            if s.got.len() > 200_000 && lab.server.tcp(srv).is_open() {
+                lab.server.tcp(srv).abort();
+            }
+            lab.app.tcp(cli).state() == State::Closed
+        });
+        assert!(done, "v6 {v6}: the client's connection ends");
+        assert!(c.sent < MB2, "it ended mid-transfer");
+        assert!(lab.seen_to_app.iter().any(|p| tcp_flags(p).is_some_and(|f| f & RST != 0)), "an RST to the app");
+        assert_eq!(lab.meter("module.o.aborts_sent_total"), 1);
+        assert_eq!(lab.meter("module.t.aborts_received_total"), 1);
+        lab.run(10);
+        assert_eq!(lab.meter("module.t.connections_active") + lab.meter("module.o.connections_active"), 0);
+    }
+}
+
+#[test]
+fn a_refused_port_reaches_the_client_as_rst_before_any_syn_ack() {
+    for v6 in families() {
+        let mut lab = Lab::new(v6, &[], &[], &[]);
+        lab.keep_seen = true;
+        let cli = lab.connect(81, 65536); // nobody listens on 81: the server's stack answers RST
+        let mut states = Vec::new();
+        let done = lab.until(5_000, |lab| {
+            states.push(lab.app.tcp(cli).state());
+            lab.app.tcp(cli).state() == State::Closed
+        });
+        assert!(done, "v6 {v6}");
+        assert!(!states.contains(&State::Established), "never connected: {states:?}");
+        let flags: Vec<u8> = lab.seen_to_app.iter().filter_map(|p| tcp_flags(p)).collect();
+        assert!(flags.iter().any(|f| f & RST != 0), "{flags:?}");
+        assert!(!flags.iter().any(|f| f & (SYN | ACK) == SYN | ACK), "no SYN-ACK was sent: {flags:?}");
+        assert_eq!(lab.meter("module.o.aborts_sent_total"), 1);
+        lab.run(5);
+        assert_eq!(lab.meter("module.t.connections_active") + lab.meter("module.o.connections_active"), 0);
+    }
+}
+
+#[test]
+fn an_app_abort_reaches_the_server() {
+    for v6 in families() {
+        let mut lab = Lab::new(v6, &[], &[], &[]);
+        lab.keep_seen = true;
+        let srv = lab.listen(80, 65536);
+        let cli = lab.connect(80, 65536);
+        let mut c = Pump::new(pattern(6, 100_000), false);
+        let mut s = Pump::new(Vec::new(), false);
+        assert!(lab.until(5_000, |lab| {
+            c.drive(lab.app.tcp(cli));
+            s.drive(lab.server.tcp(srv));
+            s.got.len() >= 50_000
+        }));
+        lab.app.tcp(cli).abort();
+        let done = lab.until(1_000, |lab| {
+            s.drive(lab.server.tcp(srv));
+            lab.server.tcp(srv).state() == State::Closed
+        });
+        assert!(done, "v6 {v6}: the server's connection is reset");
+        assert!(lab.seen_to_net.iter().any(|p| tcp_flags(p).is_some_and(|f| f & RST != 0)));
+        assert_eq!(lab.meter("module.t.aborts_sent_total"), 1);
+        assert_eq!(lab.meter("module.o.aborts_received_total"), 1);
+        assert_eq!(lab.meter("module.t.connections_active") + lab.meter("module.o.connections_active"), 0);
+    }
+}
+
+#[test]
+fn a_stalled_server_keeps_buffers_bounded_and_the_transfer_completes() {
+    for v6 in families() {
+        let budget = 128 * 1024;
+        let b = format!("budget={budget}");
+        let mut lab = Lab::new(v6, &[&b], &[&b], &[("p", "stream-pass", vec![])]);
+        let srv = lab.listen(80, 65536);
+        let cli = lab.connect(80, 65536);
+        let data = pattern(7, MB2);
+        let mut c = Pump::new(data.clone(), true);
+        // The server accepts but does not read for 3 s: its window closes.
+        let mut most = 0;
+        let mut sent_at = Vec::new();
+        for _ in 0..3000 {
+            lab.step();
+            c.drive(lab.app.tcp(cli));
+            // What the chain holds for the flow: the bytes terminate sent and originate has not acked (in frames,
+            // or queued at originate for the server's socket).
+            let t_flight = lab.meter("flow.terminate.1.in_flight_bytes");
+            let o_queue = lab.meter("flow.originate.1.queued_bytes");
+            assert!(t_flight <= budget, "v6 {v6}: in flight {t_flight}");
+            assert!(o_queue <= t_flight, "queued {o_queue} of {t_flight}");
+            most = most.max(lab.meter("module.t.in_flight_bytes") + lab.meter("module.o.in_flight_bytes"));
+            sent_at.push(c.sent);
+        }
+        assert!(most <= budget, "the chain holds at most the budget: {most}");
+        let stalled = sent_at[2999];
+        assert_eq!(sent_at[1000], stalled, "the client's send blocked");
+        assert!(stalled < MB2 / 2, "sent {stalled}");
+        assert!(!lab.app.tcp(cli).can_send(), "its send buffer is full");
+        assert!(lab.meter("flow.terminate.1.tcp.recv_queue") > 0, "terminate stopped reading");
+        // The server reads again: everything arrives, intact.
+        let mut s = Pump::new(Vec::new(), true);
+        let done = lab.until(60_000, |lab| {
+            c.drive(lab.app.tcp(cli));
+            s.drive(lab.server.tcp(srv));
+            s.got.len() == MB2
+        });
+        assert!(done, "got {}", s.got.len());
+        assert!(s.got == data);
+        assert_eq!(lab.meter("module.t.aborts_sent_total") + lab.meter("module.o.queue_overflows_total"), 0);
+    }
+}
+
+#[test]
+fn udp_datagrams_are_counted_exactly_and_idle_flows_go_away() {
+    for v6 in families() {
+        let mut lab = Lab::new(v6, &["match=[\"udp dport 53\"]", "udp_timeout_ms=2000"], &["udp_timeout_ms=2000"], &[]);
+        let app = sa(lab.app_addr(), 5000);
+        let dns = sa(lab.server_addr(), 53);
+        let queries: Vec<Vec<u8>> = (0..100).map(|i| pattern(100 + i, 1 + (i as usize * 13) % 1400)).collect();
+        lab.inject("t", "in", queries.iter().map(|q| udp(app, dns, q)).collect(), Direction::Down);
+        lab.run_switch();
+        let out = flexstack_core::testing::take(&lab.to_net);
+        assert_eq!(out.len(), 100, "v6 {v6}: one datagram out per datagram in");
+        for (p, q) in out.iter().zip(&queries) {
+            let (s, d, payload) = parse_udp(&p.data).expect("udp");
+            assert_eq!((s, d), (app, dns), "from the app's address and port to the original destination");
+            assert_eq!(&payload, q);
+        }
+        // Two answers per query, in order.
+        let answers: Vec<Vec<u8>> = (0..200).map(|i| pattern(1000 + i, 1 + (i as usize * 7) % 1200)).collect();
+        lab.inject("o", "in", answers.iter().map(|a| udp(dns, app, a)).collect(), Direction::Up);
+        lab.run_switch();
+        let back = flexstack_core::testing::take(&lab.to_app);
+        assert_eq!(back.len(), 200);
+        for (p, a) in back.iter().zip(&answers) {
+            let (s, d, payload) = parse_udp(&p.data).expect("udp");
+            assert_eq!((s, d), (dns, app), "from the original destination");
+            assert_eq!(&payload, a);
+        }
+        assert_eq!(lab.meter("module.t.udp_flows_total"), 1);
+        assert_eq!(lab.meter("module.o.udp_flows_active"), 1);
+        assert_eq!(lab.meter("flow.terminate.1.bytes_down_total"), queries.iter().map(|q| q.len() as u64).sum());
+        assert_eq!(lab.meter("flow.originate.1.bytes_up_total"), answers.iter().map(|a| a.len() as u64).sum());
+        assert_eq!(lab.meter("module.t.udp_budget_drops_total"), 0);
+        // Idle: both ends forget the flow.
+        lab.run(2500);
+        assert_eq!(lab.meter("module.t.udp_flows_active"), 0);
+        assert_eq!(lab.meter("module.o.udp_flows_active"), 0);
+        assert!(lab.text("flow.terminate.1.tuple").is_none(), "its meters are gone");
+        // An unreachable port comes back to the app as ICMP port unreachable, and ends the flow.
+        let q = udp(sa(lab.app_addr(), 5001), dns, b"q");
+        lab.inject("t", "in", vec![q.clone()], Direction::Down);
+        lab.run_switch();
+        let sent = flexstack_core::testing::take(&lab.to_net);
+        let icmp = icmp_unreachable(lab.server_addr(), lab.app_addr(), &sent[0].data);
+        lab.inject("o", "in", vec![icmp], Direction::Up);
+        lab.run_switch();
+        let back = flexstack_core::testing::take(&lab.to_app);
+        assert_eq!(back.len(), 1);
+        let info = flexstack_wire::packet::PacketInfo::parse(&back[0].data).unwrap();
+        assert_eq!(info.icmp, Some(if v6 { (1, 4) } else { (3, 3) }), "port unreachable");
+        assert_eq!((info.src, info.dst), (lab.server_addr(), lab.app_addr()));
+        assert_eq!(lab.meter("module.t.udp_flows_active") + lab.meter("module.o.udp_flows_active"), 0);
+    }
+}
+
+/// An ICMP destination unreachable (port) from `from` to `to` quoting `original`.
+fn icmp_unreachable(from: std::net::IpAddr, to: std::net::IpAddr, original: &[u8]) -> Vec<u8> {
+    use flexstack_wire::checksum;
+    let quote = &original[..original.len().min(if from.is_ipv4() { 28 } else { 48 })];
+    let mut m = vec![if from.is_ipv4() { 3 } else { 1 }, if from.is_ipv4() { 3 } else { 4 }, 0, 0, 0, 0, 0, 0];
+    m.extend_from_slice(quote);
+    let proto = if from.is_ipv4() { 1 } else { 58 };
+    let init = if from.is_ipv4() { 0 } else { checksum::pseudo_header(from, to, 58, m.len() as u32) };
+    let c = checksum::finish(checksum::sum(init, &m));
+    m[2..4].copy_from_slice(&c.to_be_bytes());
+    ip(from, to, proto, &m)
+}
+
+#[test]
+fn flows_not_matched_pass_unchanged_while_others_are_terminated() {
+    for v6 in families() {
+        let mut lab = Lab::new(v6, &["match=[\"pass tcp dport 22\", \"tcp dport 80\"]"], &[], &[]);
+        let srv = lab.listen(80, 65536);
+        let cli = lab.connect(80, 65536);
+        let mut c = Pump::new(pattern(8, 50_000), true);
+        let mut s = Pump::new(Vec::new(), false);
+        let (app, server) = (lab.app_addr(), lab.server_addr());
+        let others = vec![
+            tcp(sa(app, 41000), sa(server, 22), 1, 0, SYN, &[], &[], false), // excepted by `pass`
+            tcp(sa(app, 41001), sa(server, 443), 1, 0, SYN, &[], &[], false), // no rule
+            tcp(sa(app, 41002), sa(server, 80), 5, 9, ACK, &[], b"x", false), // port 80, but not a SYN
+            udp(sa(app, 5000), sa(server, 123), b"ntp"),
+            ip(app, server, if v6 { 58 } else { 1 }, &[8, 0, 0xf7, 0xff, 0, 0, 0, 0]),
+            ip(app, server, 47, b"a raw protocol"),
+        ];
+        lab.step();
+        lab.inject("t", "in", others.clone(), Direction::Down);
+        let mut passed = Vec::new();
+        let done = lab.until(5_000, |lab| {
+            c.drive(lab.app.tcp(cli));
+            s.drive(lab.server.tcp(srv));
+            passed.extend(lab.passed());
+            s.got.len() == 50_000
+        });
+        assert!(done && s.got == pattern(8, 50_000), "v6 {v6}: the terminated flow works alongside");
+        let passed: Vec<Vec<u8>> = passed.into_iter().map(|p| p.data).collect();
+        assert_eq!(passed, others, "the others pass unchanged, in order");
+        assert_eq!(lab.meter("module.t.passed_total"), others.len() as u64);
+        assert_eq!(lab.meter("module.t.rule1_matches_total"), 1);
+        assert_eq!(lab.meter("module.t.rule2_matches_total"), 1);
+        // From the network, packets of no flow of originate's pass too.
+        let stray = udp(sa(server, 53), sa(app, 9999), b"stray");
+        lab.inject("o", "in", vec![stray.clone()], Direction::Up);
+        lab.run_switch();
+        assert_eq!(lab.net_passed().iter().map(|p| p.data.clone()).collect::<Vec<_>>(), vec![stray]);
+    }
+}
+
+#[test]
+fn a_thousand_concurrent_connections_with_bounded_memory() {
+    let small = ["rx_buffer=4096", "tx_buffer=4096", "budget=8192"];
+    let mut lab = Lab::new(false, &small, &small, &[("p", "stream-pass", vec![])]);
+    let n = 1000;
+    let srv: Vec<_> = (0..n).map(|_| lab.listen(80, 4096)).collect();
+    let cli: Vec<_> = (0..n).map(|_| lab.connect(80, 4096)).collect();
+    let mut c: Vec<Pump> = (0..n).map(|i| Pump::new(pattern(i as u64, 1000), false)).collect();
+    let mut s: Vec<Pump> = (0..n).map(|_| Pump::new(Vec::new(), false)).collect();
+    // First every connection is established: all are open at once, at both endpoints.
+    let open = lab.until(5_000, |lab| cli.iter().all(|&h| lab.app.tcp(h).state() == State::Established));
+    assert!(open);
+    assert_eq!(lab.meter("module.t.connections_active"), n as u64, "all open at once");
+    assert_eq!(lab.meter("module.o.connections_active"), n as u64);
+    let done = lab.until(20_000, |lab| {
+        for i in 0..n {
+            c[i].drive(lab.app.tcp(cli[i]));
+            let ss = lab.server.tcp(srv[i]);
+            s[i].drive(ss);
+            // Each server echoes the request back once it has it all, then closes; the client closes when it has
+            // the echo.
+            if s[i].got.len() == 1000 && s[i].out.is_empty() {
+                s[i].out = s[i].got.clone();
+                s[i].close_after = true;
+            }
+            if c[i].got.len() == 1000 && !c[i].closed {
+                lab.app.tcp(cli[i]).close();
+                c[i].closed = true;
+            }
+        }
+        c.iter().all(|p| p.got.len() == 1000)
+    });
+    assert!(done, "{} of {n} done", c.iter().filter(|p| p.got.len() == 1000).count());
+    for (i, p) in c.iter().enumerate() {
+        assert_eq!(p.got, pattern(i as u64, 1000), "connection {i}");
+    }
+    assert_eq!(lab.meter("module.t.connections_total"), n as u64);
+    // Memory: a few pooled packets per connection at most, and nothing held once they close.
+    let pool = lab.sw.pool().stats();
+    assert!(pool.allocated < 4 * n as u64, "pool slots {}", pool.allocated);
+    lab.run(11_000); // TIME-WAIT is 10 s (reading the registry of 2,000 flows at every step would be slow)
+    assert_eq!(lab.meter("module.t.connections_active") + lab.meter("module.o.connections_active"), 0);
+    assert_eq!(lab.meter("module.t.buffered_bytes") + lab.meter("module.o.buffered_bytes"), 0);
+    assert_eq!(lab.meter("module.t.in_flight_bytes") + lab.meter("module.o.in_flight_bytes"), 0);
+}
+
+#[test]
+fn transport_meters_and_the_cc_knob_of_a_flow() {
+    for v6 in families() {
+        let mut lab = Lab::new(v6, &[], &["cc=\"reno\""], &[]);
+        let srv = lab.listen(80, 65536);
+        let cli = lab.connect(80, 65536);
+        let mut c = Pump::new(pattern(9, 500_000), false);
+        let mut s = Pump::new(Vec::new(), false);
+        assert!(lab.until(5_000, |lab| {
+            c.drive(lab.app.tcp(cli));
+            s.drive(lab.server.tcp(srv));
+            s.got.len() > 100_000
+        }));
+        for side in ["terminate", "originate"] {
+            assert_eq!(lab.text(&format!("flow.{side}.1.tcp.state")).as_deref(), Some("established"));
+            assert!(lab.meter(&format!("flow.{side}.1.tcp.srtt_us")) > 0, "{side}: an RTT was measured");
+            let tuple = lab.text(&format!("flow.{side}.1.tuple")).unwrap();
+            assert!(tuple.starts_with("tcp "), "{tuple}");
+        }
+        assert_eq!(lab.text("flow.terminate.1.tcp.cc").as_deref(), Some("cubic"));
+        assert_eq!(lab.text("flow.originate.1.tcp.cc").as_deref(), Some("reno"));
+        lab.sw
+            .apply(vec![Edit::SetVar { name: "flow.originate.1.tcp.cc".into(), value: Value::Str("none".into()) }])
+            .unwrap();
+        assert_eq!(lab.text("flow.originate.1.tcp.cc").as_deref(), Some("none"));
+        let bad = Edit::SetVar { name: "flow.originate.1.tcp.cc".into(), value: Value::Str("bbr".into()) };
+        let notes = lab.sw.apply(vec![bad]).unwrap();
+        assert!(notes[0].contains("expected none, reno or cubic"), "smoltcp has no bbr: {notes:?}");
+        assert_eq!(lab.text("flow.originate.1.tcp.cc").as_deref(), Some("none"));
+        assert!(lab.until(10_000, |lab| {
+            c.drive(lab.app.tcp(cli));
+            s.drive(lab.server.tcp(srv));
+            s.got.len() == 500_000
+        }));
+        assert!(s.got == pattern(9, 500_000));
+        assert_eq!(lab.meter("flow.originate.1.bytes_down_total"), 500_000);
+    }
+}

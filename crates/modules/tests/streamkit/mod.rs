@@ -407,3 +407,89 @@ pub fn tcp_flags(packet: &[u8]) -> Option<u8> {
 pub fn sa(ip: IpAddr, port: u16) -> SocketAddr {
     SocketAddr::new(ip, port)
 }
+
+/// An IP packet from `src` to `dst` carrying `l4` (the transport bytes, checksum already in place).
+pub fn ip(src: IpAddr, dst: IpAddr, protocol: u8, l4: &[u8]) -> Vec<u8> {
+    use flexstack_wire::checksum;
+    let mut p = Vec::new();
+    match (src, dst) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => {
+            let total = 20 + l4.len();
+            p.extend_from_slice(&[0x45, 0, (total >> 8) as u8, total as u8, 0, 1, 0x40, 0, 64, protocol, 0, 0]);
+            p.extend_from_slice(&s.octets());
+            p.extend_from_slice(&d.octets());
+            let c = checksum::ipv4_header(&p);
+            p[10..12].copy_from_slice(&c.to_be_bytes());
+        }
+        (IpAddr::V6(s), IpAddr::V6(d)) => {
+            let len = l4.len();
+            p.extend_from_slice(&[0x60, 0, 0, 0, (len >> 8) as u8, len as u8, protocol, 64]);
+            p.extend_from_slice(&s.octets());
+            p.extend_from_slice(&d.octets());
+        }
+        _ => panic!("mixed families"),
+    }
+    p.extend_from_slice(l4);
+    p
+}
+
+/// A UDP datagram with a right checksum.
+pub fn udp(src: SocketAddr, dst: SocketAddr, payload: &[u8]) -> Vec<u8> {
+    use flexstack_wire::checksum;
+    let len = 8 + payload.len();
+    let mut u = Vec::with_capacity(len);
+    u.extend_from_slice(&src.port().to_be_bytes());
+    u.extend_from_slice(&dst.port().to_be_bytes());
+    u.extend_from_slice(&(len as u16).to_be_bytes());
+    u.extend_from_slice(&[0, 0]);
+    u.extend_from_slice(payload);
+    let c = checksum::finish(checksum::sum(checksum::pseudo_header(src.ip(), dst.ip(), 17, len as u32), &u));
+    u[6..8].copy_from_slice(&(if c == 0 { 0xffff } else { c }).to_be_bytes());
+    ip(src.ip(), dst.ip(), 17, &u)
+}
+
+/// A TCP segment with `options` (padded to 4 bytes), `flags` and a right checksum (unless `bad_checksum`).
+#[allow(clippy::too_many_arguments)]
+pub fn tcp(
+    src: SocketAddr,
+    dst: SocketAddr,
+    seq: u32,
+    ack: u32,
+    flags: u8,
+    options: &[u8],
+    payload: &[u8],
+    bad_checksum: bool,
+) -> Vec<u8> {
+    use flexstack_wire::checksum;
+    let mut opts = options.to_vec();
+    while !opts.len().is_multiple_of(4) {
+        opts.push(0);
+    }
+    let doff = (20 + opts.len()) / 4;
+    let mut t = Vec::new();
+    t.extend_from_slice(&src.port().to_be_bytes());
+    t.extend_from_slice(&dst.port().to_be_bytes());
+    t.extend_from_slice(&seq.to_be_bytes());
+    t.extend_from_slice(&ack.to_be_bytes());
+    t.extend_from_slice(&[(doff as u8) << 4, flags, 0xff, 0xff, 0, 0, 0, 0]);
+    t.extend_from_slice(&opts);
+    t.extend_from_slice(payload);
+    let mut c = checksum::finish(checksum::sum(checksum::pseudo_header(src.ip(), dst.ip(), 6, t.len() as u32), &t));
+    if bad_checksum {
+        c ^= 0x5555;
+    }
+    t[16..18].copy_from_slice(&c.to_be_bytes());
+    ip(src.ip(), dst.ip(), 6, &t)
+}
+
+/// The payload of a UDP packet (IPv4 without options, or IPv6 without extension headers) and its endpoints.
+pub fn parse_udp(p: &[u8]) -> Option<(SocketAddr, SocketAddr, Vec<u8>)> {
+    let info = flexstack_wire::packet::PacketInfo::parse(p).ok()?;
+    (info.protocol == 17).then(|| {
+        (
+            SocketAddr::new(info.src, info.src_port),
+            SocketAddr::new(info.dst, info.dst_port),
+            p[info.l4_offset + 8..info.total_len].to_vec(),
+        )
+    })
+}

@@ -493,7 +493,7 @@ impl Endpoint {
         }
         let protocol = if tcp { Protocol::Tcp } else { Protocol::Udp };
         let c = Candidate { protocol, src, dst, role: Role::Client, app: &self.cfg.app };
-        let (rule, terminate) = self.matcher.decide(&c)?;
+        let Some((rule, terminate)) = self.matcher.decide(&c) else { return Some(p) };
         self.rule_hits[rule].add(1);
         if !terminate {
             return Some(p);

@@ -38,6 +38,7 @@ fn transfers_2mb_both_ways_intact() {
 
 use flexstack_core::{Direction, Edit, Value};
 use smoltcp::socket::tcp::State;
+use std::time::Duration;
 
 const RST: u8 = 0x04;
 const SYN: u8 = 0x02;
@@ -112,6 +113,7 @@ fn a_refused_port_reaches_the_client_as_rst_before_any_syn_ack() {
     for v6 in families() {
         let mut lab = Lab::new(v6, &[], &[], &[]);
         lab.keep_seen = true;
+        lab.net_delay = Duration::from_millis(20); // the refusal takes 40 ms to come back
         let cli = lab.connect(81, 65536); // nobody listens on 81: the server's stack answers RST
         let mut states = Vec::new();
         let done = lab.until(5_000, |lab| {
@@ -390,4 +392,185 @@ fn transport_meters_and_the_cc_knob_of_a_flow() {
         assert!(s.got == pattern(9, 500_000));
         assert_eq!(lab.meter("flow.originate.1.bytes_down_total"), 500_000);
     }
+}
+
+#[test]
+fn hostile_segments_are_counted_bounded_and_harmless() {
+    for v6 in families() {
+        let t_limits = ["max_connections=50", "connect_timeout_ms=5000"];
+        let mut lab = Lab::new(v6, &t_limits, &["connect_timeout_ms=2000"], &[]);
+        lab.keep_seen = true;
+        lab.blackhole = true; // nobody answers on the network side
+        let (app, server) = (lab.app_addr(), lab.server_addr());
+        // SYNs its TCP does not take: a bad checksum, an option longer than the header, a zero-length option.
+        let bad = vec![
+            tcp(sa(app, 30000), sa(server, 80), 1, 0, SYN, &[2, 4, 5, 0xb4], &[], true),
+            tcp(sa(app, 30001), sa(server, 80), 1, 0, SYN, &[2, 40, 5, 0xb4], &[], false),
+            tcp(sa(app, 30002), sa(server, 80), 1, 0, SYN, &[3, 0, 0, 0], &[], false),
+        ];
+        lab.inject("t", "in", bad, Direction::Down);
+        lab.run_switch();
+        assert_eq!(lab.meter("module.t.invalid_syns_total"), 3, "v6 {v6}");
+        assert_eq!(lab.meter("module.t.connections_total"), 0);
+        // A SYN flood beyond the limit: 50 half-open connections, the rest answered with RST at once.
+        let flood: Vec<Vec<u8>> = (0..200)
+            .map(|i| tcp(sa(app, 20000 + i), sa(server, 80), 7, 0, SYN, &[2, 4, 5, 0xb4], &[], false))
+            .collect();
+        lab.inject("t", "in", flood, Direction::Down);
+        lab.run_switch();
+        lab.step();
+        assert_eq!(lab.meter("module.t.connections_active"), 50);
+        assert_eq!(lab.meter("module.t.refused_total"), 150);
+        let rsts = lab.seen_to_app.iter().filter(|p| tcp_flags(p).is_some_and(|f| f & RST != 0)).count();
+        assert_eq!(rsts, 150, "one RST per refused SYN");
+        assert!(lab.seen_to_app.iter().all(|p| tcp_flags(p).is_some_and(|f| f & SYN == 0)), "no SYN-ACK yet");
+        // Segments of no connection are not terminated: they pass.
+        let stray = tcp(sa(app, 31000), sa(server, 80), 1, 1, ACK | RST, &[], &[], false);
+        lab.inject("t", "in", vec![stray.clone()], Direction::Down);
+        lab.run_switch();
+        assert_eq!(lab.passed().into_iter().map(|p| p.data).collect::<Vec<_>>(), vec![stray]);
+        // The half-open connections time out: nothing is left, nothing was sent to the app for them.
+        lab.run(2500);
+        assert_eq!(lab.meter("module.t.connections_active") + lab.meter("module.o.connections_active"), 0);
+        assert_eq!(lab.meter("module.o.timeouts_total"), 50, "originate gave up; terminate was told");
+        assert_eq!(lab.meter("module.t.timeouts_total"), 0);
+        let after = lab.seen_to_app.iter().filter(|p| tcp_flags(p).is_some_and(|f| f & RST != 0)).count();
+        assert_eq!(after, 150, "a connection the app never got a SYN-ACK for ends silently");
+        let pool = lab.sw.pool().stats();
+        assert!(pool.allocated < 1000, "pool slots {}", pool.allocated);
+    }
+}
+
+#[test]
+fn out_of_window_data_changes_nothing() {
+    for v6 in families() {
+        let mut lab = Lab::new(v6, &[], &[], &[]);
+        let srv = lab.listen(80, 65536);
+        let cli = lab.connect(80, 65536);
+        let data = pattern(10, 300_000);
+        let mut c = Pump::new(data.clone(), true);
+        let mut s = Pump::new(Vec::new(), false);
+        assert!(lab.until(5_000, |lab| {
+            c.drive(lab.app.tcp(cli));
+            s.drive(lab.server.tcp(srv));
+            s.got.len() > 100_000
+        }));
+        // Forged segments on the connection's tuple: data far outside the window, and an ACK of bytes never sent.
+        let (app, server) = (sa(lab.app_addr(), 40001), sa(lab.server_addr(), 80));
+        let forged = vec![
+            tcp(app, server, 0x8000_0000, 0, ACK, &[], &[0xee; 1000], false),
+            tcp(app, server, 0x1234_5678, 0x7777_7777, ACK, &[], &[0xdd; 500], false),
+        ];
+        lab.inject("t", "in", forged, Direction::Down);
+        assert!(lab.until(10_000, |lab| {
+            c.drive(lab.app.tcp(cli));
+            s.drive(lab.server.tcp(srv));
+            s.got.len() == data.len() && !lab.server.tcp(srv).may_recv()
+        }));
+        assert!(s.got == data, "v6 {v6}: exactly the client's bytes");
+        assert_eq!(lab.meter("module.t.aborts_sent_total"), 0);
+    }
+}
+
+#[test]
+fn an_app_that_never_reads_keeps_buffers_bounded() {
+    for v6 in families() {
+        let budget = 64 * 1024;
+        let b = format!("budget={budget}");
+        let mut lab = Lab::new(v6, &[&b], &[&b], &[]);
+        let srv = lab.listen(80, 65536);
+        let cli = lab.connect(80, 65536);
+        let mut s = Pump::new(pattern(11, MB2), false);
+        let mut sent = Vec::new();
+        for _ in 0..2000 {
+            lab.step();
+            s.drive(lab.server.tcp(srv)); // the app's window closes: it never reads
+            assert!(lab.meter("module.o.in_flight_bytes") <= budget);
+            sent.push(s.sent);
+        }
+        assert_eq!(sent[1000], sent[1999], "v6 {v6}: the server's send blocked");
+        assert!(lab.meter("module.t.buffered_bytes") <= budget);
+        let mut c = Pump::new(Vec::new(), false);
+        assert!(lab.until(30_000, |lab| {
+            s.drive(lab.server.tcp(srv));
+            c.drive(lab.app.tcp(cli));
+            c.got.len() == MB2
+        }));
+        assert!(c.got == pattern(11, MB2));
+    }
+}
+
+#[test]
+fn an_unreachable_destination_reaches_the_app_as_icmp_and_a_silent_one_times_out() {
+    for v6 in families() {
+        let mut lab = Lab::new(v6, &[], &["connect_timeout_ms=1000"], &[]);
+        lab.keep_seen = true;
+        lab.blackhole = true;
+        let cli = lab.connect(80, 65536);
+        lab.step();
+        let syn = lab.seen_to_net.first().cloned().expect("originate sent a SYN");
+        let router = if v6 { "2001:db8:ffff::1" } else { "198.51.100.1" }.parse().unwrap();
+        let mut icmp = icmp_unreachable(router, lab.app_addr(), &syn);
+        // Host unreachable rather than port (code 1 / 3).
+        icmp[if v6 { 41 } else { 21 }] = if v6 { 3 } else { 1 };
+        fix_icmp_checksum(&mut icmp, v6);
+        lab.inject("o", "in", vec![icmp], Direction::Up);
+        lab.run_switch();
+        lab.step();
+        assert_eq!(lab.meter("module.o.icmp_errors_total"), 1, "v6 {v6}");
+        let to_app: Vec<_> =
+            lab.seen_to_app.iter().filter_map(|p| flexstack_wire::packet::PacketInfo::parse(p).ok()).collect();
+        assert_eq!(to_app.len(), 1);
+        assert_eq!(to_app[0].icmp, Some(if v6 { (1, 3) } else { (3, 1) }), "host unreachable");
+        assert_eq!(to_app[0].src, lab.server_addr(), "from the original destination");
+        assert_eq!(lab.meter("module.t.connections_active") + lab.meter("module.o.connections_active"), 0);
+        lab.app.tcp(cli).abort();
+
+        // No answer at all: originate gives up after connect_timeout_ms, and the app hears nothing.
+        lab.seen_to_app.clear();
+        let _cli = lab.connect(80, 65536);
+        lab.run(1100);
+        assert_eq!(lab.meter("module.o.timeouts_total"), 1);
+        assert_eq!(lab.meter("module.t.connections_active") + lab.meter("module.o.connections_active"), 0);
+        assert!(lab.seen_to_app.is_empty(), "{:?}", lab.seen_to_app);
+    }
+}
+
+fn fix_icmp_checksum(p: &mut [u8], v6: bool) {
+    use flexstack_wire::checksum;
+    let l4 = if v6 { 40 } else { 20 };
+    p[l4 + 2] = 0;
+    p[l4 + 3] = 0;
+    let init = if v6 {
+        let info = flexstack_wire::packet::PacketInfo::parse(p).unwrap();
+        checksum::pseudo_header(info.src, info.dst, 58, (p.len() - l4) as u32)
+    } else {
+        0
+    };
+    let c = checksum::finish(checksum::sum(init, &p[l4..]));
+    p[l4 + 2..l4 + 4].copy_from_slice(&c.to_be_bytes());
+}
+
+#[test]
+fn a_stream_tap_in_the_chain_records_both_directions() {
+    let dir = tempfile::tempdir().unwrap();
+    let folder = format!("folder={:?}", dir.path().display().to_string());
+    let mut lab = Lab::new(false, &["app=\"curl\""], &[], &[("tap", "stream-tap", args(&[&folder]))]);
+    let srv = lab.listen(80, 65536);
+    let cli = lab.connect(80, 65536);
+    let mut c = Pump::new(pattern(12, 200_000), true);
+    let mut s = Pump::new(pattern(13, 300_000), true);
+    assert!(lab.until(10_000, |lab| {
+        c.drive(lab.app.tcp(cli));
+        s.drive(lab.server.tcp(srv));
+        c.got.len() == 300_000 && s.got.len() == 200_000
+    }));
+    lab.run(100);
+    assert!(std::fs::read(dir.path().join("1.down")).unwrap() == pattern(12, 200_000));
+    assert!(std::fs::read(dir.path().join("1.up")).unwrap() == pattern(13, 300_000));
+    let index = std::fs::read_to_string(dir.path().join("index")).unwrap();
+    assert_eq!(
+        index,
+        "1 open tcp 10.0.0.2:40001 -> 192.0.2.1:80 app \"curl\" client\n1 end fin down 200000 up 300000\n"
+    );
 }

@@ -140,6 +140,10 @@ pub struct Lab {
     pub seen_to_app: Vec<Vec<u8>>,
     pub seen_to_net: Vec<Vec<u8>>,
     pub keep_seen: bool,
+    /// One-way delay between originate and the server (both ways); 0: none.
+    pub net_delay: Duration,
+    to_server: VecDeque<(Time, Vec<u8>)>,
+    from_server: VecDeque<(Time, Vec<u8>)>,
     next_port: u16,
 }
 
@@ -208,6 +212,9 @@ impl Lab {
             seen_to_app: Vec::new(),
             seen_to_net: Vec::new(),
             keep_seen: false,
+            net_delay: Duration::ZERO,
+            to_server: VecDeque::new(),
+            from_server: VecDeque::new(),
             next_port: 40000,
         }
     }
@@ -249,8 +256,19 @@ impl Lab {
 
     /// One exchange at the current time: hosts send, the switch runs, packets are delivered. True if anything moved.
     pub fn round(&mut self) -> bool {
-        let a = self.app.poll(self.now);
-        let s = self.server.poll(self.now);
+        let now = self.now;
+        while self.to_server.front().is_some_and(|(t, _)| *t <= now) {
+            let (_, p) = self.to_server.pop_front().unwrap();
+            self.server.wire.rx.push_back(p);
+        }
+        let a = self.app.poll(now);
+        for p in self.server.poll(now) {
+            self.from_server.push_back((now + self.net_delay, p));
+        }
+        let mut s = Vec::new();
+        while self.from_server.front().is_some_and(|(t, _)| *t <= now) {
+            s.push(self.from_server.pop_front().unwrap().1);
+        }
         let moved = !a.is_empty() || !s.is_empty();
         self.inject("t", "in", a, Direction::Down);
         self.inject("o", "in", s, Direction::Up);
@@ -271,7 +289,7 @@ impl Lab {
                 self.seen_to_net.push(p.data.clone());
             }
             if !self.blackhole {
-                self.server.wire.rx.push_back(p.data);
+                self.to_server.push_back((now + self.net_delay, p.data));
             }
         }
         moved

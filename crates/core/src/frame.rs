@@ -69,6 +69,9 @@ impl MetaKey {
     /// binding ...) never see partial checksums; the emulator's `corrupt` does it before flipping a bit, as netem
     /// does, so the receiver rejects the corrupted packet.
     pub const CSUM_PARTIAL: MetaKey = MetaKey(8);
+    /// The frame is a stream frame (see [`crate::stream`]): the event's [`crate::stream::StreamKind`] in bits 0-7,
+    /// and for an `Ack` the number of bytes acknowledged in bits 8-63. Its flow is under [`MetaKey::FLOW_ID`].
+    pub const STREAM: MetaKey = MetaKey(9);
 }
 
 /// Where a partial transport checksum is, as carried under [`MetaKey::CSUM_PARTIAL`] (offsets count from the

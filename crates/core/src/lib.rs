@@ -9,6 +9,7 @@
 //! - [`decl`]: a kind's ports, settings, knobs and meters declared once, with what is derived from them;
 //!   [`reference`](mod@reference): the module reference made from them (docs/modules.md).
 //! - [`config`]: stack descriptions in TOML, module settings, link syntax, errors with file:line.
+//! - [`stream`]: stream frames (a transport flow as ordered bytes), their credit and ack helpers.
 //! - [`time`] and [`value`]: the caller's clock and typed values.
 //! - [`testing`]: a recording module for modules' tests.
 //!
@@ -23,6 +24,7 @@ pub mod deprecation;
 pub mod frame;
 pub mod module;
 pub mod reference;
+pub mod stream;
 pub mod switch;
 pub mod testing;
 pub mod time;
@@ -35,6 +37,7 @@ pub use deprecation::Deprecations;
 pub use frame::{Batch, ControlFrame, ControlOp, Direction, Frame, MetaKey, Packet, PacketPool};
 pub use module::{Catalog, FaceDevice, Module, ModuleBuilder, ModuleInterface, ModuleKind, Output, PortSpec};
 pub use reference::KindReference;
+pub use stream::{AckMap, Credit, FlowInfo, StreamEvent, StreamFrame, StreamKind};
 pub use switch::{Edit, EditError, Switch};
 pub use time::Time;
 pub use value::{Value, ValueType};

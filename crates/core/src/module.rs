@@ -34,6 +34,9 @@ pub mod port_type {
     pub const ETHERNET: &str = "ethernet";
     /// Control frames only (the implicit `ctl` output port of every module).
     pub const CONTROL: &str = "control";
+    /// Stream frames: a flow's events and ordered bytes between the endpoints that terminate and originate it
+    /// ([`crate::stream`]).
+    pub const STREAM: &str = "stream";
 }
 
 /// Name of the implicit output port on which every module's sent control frames are mirrored.

@@ -6,6 +6,7 @@
 //! | [`ip`] | `ip`, `reassemble`, `icmp` (its error builder), `ethernet` (Ethernet, ARP, NDP; in `link.rs`) |
 //! | [`flow`] | `classify` (the flow table), `nat`, `firewall` |
 //! | [`sched`] | `emulator`, `late-binding`, `early-binding` |
+//! | [`stream`] | `terminate`, `originate` (user-space TCP/UDP endpoints), `stream-pass`, `stream-tap` (docs/streams.md) |
 //!
 //! Every kind is a sans-IO state machine: it reads no clock (time comes from [`Output::now`]), sleeps never and
 //! spawns no thread; only the tap touches a file, which it opens when it is configured. Every knob is also
@@ -22,6 +23,7 @@ pub mod basic;
 pub mod flow;
 pub mod ip;
 pub mod sched;
+pub mod stream;
 
 use flexstack_core::{Catalog, ModuleKind};
 
@@ -44,6 +46,10 @@ pub fn kinds() -> Vec<Box<dyn ModuleKind>> {
         Box::new(ip::link::LinkKind),
         Box::new(sched::binding::LateBindingKind),
         Box::new(sched::binding::EarlyBindingKind),
+        Box::new(stream::pass::StreamPassKind),
+        Box::new(stream::tap::StreamTapKind),
+        Box::new(stream::terminate::TerminateKind),
+        Box::new(stream::originate::OriginateKind),
     ]
 }
 
@@ -201,11 +207,15 @@ mod tests {
                 "ip",
                 "late-binding",
                 "nat",
+                "originate",
                 "reassemble",
                 "select",
                 "sink",
                 "source",
-                "tap"
+                "stream-pass",
+                "stream-tap",
+                "tap",
+                "terminate"
             ]
         );
         for k in super::catalog().kinds() {

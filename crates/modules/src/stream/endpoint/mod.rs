@@ -1,0 +1,1121 @@
+//! The engine of `terminate` (the app's side) and `originate` (the network's side): one smoltcp `Interface` in
+//! any-IP mode over an in-memory device, one small socket set per TCP connection (so a packet reaches its socket
+//! by one hash lookup, not a scan of every socket), UDP flows handled directly, the stream protocol with its
+//! credit, and per-flow meters. Sans-IO: time comes from `Output::now`, and the module asks to be polled at the
+//! earliest time one of its connections needs (smoltcp's `poll_at`, or a timeout).
+//!
+//! The two sides differ in where flows start and which way their stream frames travel:
+//!
+//! | | terminate ([`Side::App`]) | originate ([`Side::Net`]) |
+//! |---|---|---|
+//! | IP `in` | packets from the app (Down) | packets from the network (Up) |
+//! | IP `out` | packets to the app (Up) | packets to the network (Down) |
+//! | a TCP flow starts | the app's SYN, selected by the match table: a socket listens on its exact destination, holds its SYN-ACK, emits `Open` Down | `Open` arrives: a socket connects to the original destination, and `Open` goes Up when it is established |
+//! | data it reads (producer) | from the app, sent Down | from the server, sent Up |
+//! | data it writes (consumer) | Up data, to the app | Down data, to the server |
+
+pub(crate) mod config;
+mod device;
+pub(crate) mod observe;
+pub(crate) mod wire;
+
+use crate::stream::matcher::{Candidate, MatchTable};
+use config::{Cc, Config, Meters};
+use device::Queues;
+use flexstack_core::stream::{Credit, FlowInfo, Protocol, Role, StreamEvent, StreamFrame};
+use flexstack_core::{
+    Batch, Direction, Frame, KindDecl, Meter, Module, ModuleVars, Output, Packet, Time, Value, VarSpec,
+};
+use flexstack_wire::checksum;
+use flexstack_wire::packet::{proto, PacketInfo};
+use observe::{Observer, Segment};
+use smoltcp::iface::{Config as IfaceConfig, Interface, SocketHandle, SocketSet};
+use smoltcp::socket::tcp;
+use smoltcp::time::{Duration as SmolDuration, Instant};
+use smoltcp::wire::{HardwareAddress, IpAddress, IpCidr, IpEndpoint, IpListenEndpoint, Ipv4Address, Ipv6Address};
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+
+/// Which end of the stream chain an endpoint is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Side {
+    /// `terminate`: faces the app.
+    App,
+    /// `originate`: faces the network.
+    Net,
+}
+
+impl Side {
+    /// The direction of the stream frames it emits (its data, its acks, its opens).
+    pub fn out_dir(self) -> Direction {
+        match self {
+            Side::App => Direction::Down,
+            Side::Net => Direction::Up,
+        }
+    }
+
+    /// The direction of the packets it sends.
+    fn ip_dir(self) -> Direction {
+        match self {
+            Side::App => Direction::Up,
+            Side::Net => Direction::Down,
+        }
+    }
+}
+
+/// Port indices of an endpoint.
+#[derive(Clone, Copy, Debug)]
+pub struct Ports {
+    /// IP packets in.
+    pub ip_in: usize,
+    /// Stream frames in.
+    pub stream_in: usize,
+    /// IP packets out.
+    pub ip_out: usize,
+    /// Stream frames out.
+    pub stream_out: usize,
+    /// Packets not terminated.
+    pub pass: usize,
+}
+
+/// A flow's key: protocol, the far end (the source of the packets arriving on `in`), the near end.
+type Key = (u8, SocketAddr, SocketAddr);
+
+/// A TCP connection's socket and stream state.
+struct Tcp {
+    sockets: SocketSet<'static>,
+    handle: SocketHandle,
+    /// Packets for the socket, fed at the next service.
+    rx: Vec<Packet>,
+    /// App: the far side accepted (`Open` Up arrived, SYN-ACK released). Net: established and `Open` Up sent.
+    accepted: bool,
+    /// The connection was established once.
+    established: bool,
+    /// `Fin` sent for the direction this endpoint produces.
+    fin_sent: bool,
+    /// `Fin` received for the direction it consumes.
+    fin_in: bool,
+    /// The socket's send side was closed after that `Fin`.
+    closed: bool,
+    /// `Abort` received: the socket was reset; nothing is echoed.
+    abort_in: bool,
+    /// App: the SYN, quoted in an ICMP error if the far side is unreachable before the SYN-ACK.
+    syn: Vec<u8>,
+    obs: Observer,
+    state: tcp::State,
+    cc: Cc,
+}
+
+/// One flow.
+struct Conn {
+    key: Key,
+    info: FlowInfo,
+    vars_name: String,
+    vars: FlowMeters,
+    /// What this endpoint produces: bytes sent and acked.
+    credit: Credit,
+    /// Data for the socket, oldest first, with how much of the first frame was written.
+    queue: VecDeque<Packet>,
+    queue_off: usize,
+    queued: u64,
+    /// Bytes handed to the socket, to ack.
+    to_ack: u64,
+    /// Connect timeout (TCP, until established) or idle deadline (UDP).
+    deadline: Option<Time>,
+    /// The time this flow is filed under in the timer set.
+    timer: Option<Time>,
+    touched: bool,
+    tcp: Option<Box<Tcp>>,
+}
+
+/// A flow's runtime meters.
+struct FlowMeters {
+    down: Meter,
+    up: Meter,
+    in_flight: Meter,
+    queued: Meter,
+    tcp: Option<[Meter; 6]>,
+}
+
+impl FlowMeters {
+    fn new(vars: &ModuleVars, tcp: bool) -> FlowMeters {
+        let m = |n: &str| vars.meter(n);
+        FlowMeters {
+            down: m("bytes_down_total"),
+            up: m("bytes_up_total"),
+            in_flight: m("in_flight_bytes"),
+            queued: m("queued_bytes"),
+            tcp: tcp.then(|| {
+                [
+                    m("tcp.state"),
+                    m("tcp.srtt_us"),
+                    m("tcp.bytes_in_flight"),
+                    m("tcp.retrans_total"),
+                    m("tcp.send_queue"),
+                    m("tcp.recv_queue"),
+                ]
+            }),
+        }
+    }
+}
+
+fn instant(t: Time) -> Instant {
+    Instant::from_micros((t.as_nanos() / 1000) as i64)
+}
+
+fn time(i: Instant) -> Time {
+    Time(i.total_micros().max(0) as u64 * 1000)
+}
+
+fn ms(v: u64) -> Option<SmolDuration> {
+    (v > 0).then(|| SmolDuration::from_millis(v))
+}
+
+fn endpoint(a: SocketAddr) -> IpEndpoint {
+    IpEndpoint::new(IpAddress::from(a.ip()), a.port())
+}
+
+fn state_name(s: tcp::State) -> &'static str {
+    use tcp::State::*;
+    match s {
+        Closed => "closed",
+        Listen => "listen",
+        SynSent => "syn-sent",
+        SynReceived => "syn-received",
+        Established => "established",
+        FinWait1 => "fin-wait-1",
+        FinWait2 => "fin-wait-2",
+        CloseWait => "close-wait",
+        Closing => "closing",
+        LastAck => "last-ack",
+        TimeWait => "time-wait",
+    }
+}
+
+/// The peer's FIN has arrived (the socket's receive side is done once its buffer is read).
+fn peer_fin(s: tcp::State) -> bool {
+    matches!(s, tcp::State::CloseWait | tcp::State::LastAck | tcp::State::Closing | tcp::State::TimeWait)
+}
+
+/// A running `terminate` or `originate`.
+pub struct Endpoint {
+    side: Side,
+    ports: Ports,
+    decl: &'static KindDecl<Config, Meters>,
+    cfg: Config,
+    m: Meters,
+    matcher: MatchTable,
+    rule_hits: Vec<Meter>,
+    iface: Interface,
+    dev: Queues,
+    /// A socket set with no socket: a TCP packet fed through it is answered with RST.
+    empty: SocketSet<'static>,
+    conns: HashMap<u64, Conn>,
+    by_key: HashMap<Key, u64>,
+    timers: BTreeSet<(Time, u64)>,
+    touched: Vec<u64>,
+    next_id: u64,
+    next_port: u32,
+    tcp_count: usize,
+    udp_count: usize,
+    buffered: u64,
+    in_flight: u64,
+    tcp_specs: Vec<VarSpec>,
+    udp_specs: Vec<VarSpec>,
+}
+
+impl Endpoint {
+    /// An endpoint on `side` with its configuration and meters (`rule_hits`: one meter per match rule).
+    pub fn new(
+        side: Side,
+        ports: Ports,
+        decl: &'static KindDecl<Config, Meters>,
+        cfg: Config,
+        m: Meters,
+        matcher: MatchTable,
+        rule_hits: Vec<Meter>,
+    ) -> Endpoint {
+        let mut dev = Queues::new(cfg.mtu as usize);
+        let mut ic = IfaceConfig::new(HardwareAddress::Ip);
+        ic.random_seed = cfg.seed;
+        let mut iface = Interface::new(ic, &mut dev, Instant::ZERO);
+        iface.set_any_ip(true);
+        // Addresses of its own only so that routes have a gateway: with any-IP, every destination is accepted, and
+        // the default routes let it send to any address (the device is IP, no neighbour is looked up).
+        let (v4, v6) = (Ipv4Address::new(192, 0, 0, 8), Ipv6Address::new(0x100, 0, 0, 0, 0, 0, 0, 1));
+        iface.update_ip_addrs(|a| {
+            let _ = a.push(IpCidr::new(IpAddress::Ipv4(v4), 32));
+            let _ = a.push(IpCidr::new(IpAddress::Ipv6(v6), 128));
+        });
+        let _ = iface.routes_mut().add_default_ipv4_route(v4);
+        let _ = iface.routes_mut().add_default_ipv6_route(v6);
+        let next_port = u32::from(cfg.ports.first) + (cfg.seed % u64::from(cfg.ports.count())) as u32;
+        Endpoint {
+            side,
+            ports,
+            decl,
+            cfg,
+            m,
+            matcher,
+            rule_hits,
+            iface,
+            dev,
+            empty: SocketSet::new(Vec::new()),
+            conns: HashMap::new(),
+            by_key: HashMap::new(),
+            timers: BTreeSet::new(),
+            touched: Vec::new(),
+            next_id: 0,
+            next_port,
+            tcp_count: 0,
+            udp_count: 0,
+            buffered: 0,
+            in_flight: 0,
+            tcp_specs: config::tcp_flow_specs(),
+            udp_specs: config::flow_specs(),
+        }
+    }
+
+    fn touch(&mut self, id: u64) {
+        if let Some(c) = self.conns.get_mut(&id) {
+            if !c.touched {
+                c.touched = true;
+                self.touched.push(id);
+            }
+        }
+    }
+
+    fn schedule(&mut self, id: u64, at: Option<Time>) {
+        let Some(c) = self.conns.get_mut(&id) else { return };
+        if c.timer == at {
+            return;
+        }
+        if let Some(old) = c.timer.take() {
+            self.timers.remove(&(old, id));
+        }
+        if let Some(t) = at {
+            self.timers.insert((t, id));
+            c.timer = Some(t);
+        }
+    }
+
+    fn emit_stream(&mut self, out: &mut Output<'_>, p: Packet) {
+        out.emit(self.ports.stream_out, p);
+    }
+
+    fn pass(&mut self, out: &mut Output<'_>, p: Packet) {
+        self.m.passed.add(1);
+        out.emit(self.ports.pass, p);
+    }
+
+    fn new_socket(&self) -> tcp::Socket<'static> {
+        let rx = tcp::SocketBuffer::new(vec![0u8; self.cfg.rx_buffer as usize]);
+        let tx = tcp::SocketBuffer::new(vec![0u8; self.cfg.tx_buffer as usize]);
+        let mut s = tcp::Socket::new(rx, tx);
+        s.set_nagle_enabled(self.cfg.nagle);
+        s.set_keep_alive(ms(self.cfg.keepalive_ms));
+        s.set_timeout(ms(self.cfg.timeout_ms));
+        s.set_congestion_control(self.cfg.cc.smoltcp());
+        s
+    }
+
+    /// Files a new flow: its id, key, meters and counts.
+    fn insert(&mut self, id: u64, key: Key, info: FlowInfo, tcp: Option<Box<Tcp>>, out: &mut Output<'_>) {
+        let vars_name = format!("{}.{id}", self.cfg.vars_prefix);
+        let specs = if tcp.is_some() { &self.tcp_specs } else { &self.udp_specs };
+        // Another module owning the prefix (a misconfiguration) leaves the meters unpublished, never the flow.
+        let vars = out.register_vars(&vars_name, specs).unwrap_or_else(|_| ModuleVars::new(specs));
+        vars.meter("tuple").store(&Value::Str(format!(
+            "{} {} -> {} app {:?}",
+            info.protocol.name(),
+            info.src,
+            info.dst,
+            info.app
+        )));
+        if let Some(t) = &tcp {
+            vars.meter("tcp.cc").store(&Value::Str(t.cc.name().into()));
+            self.tcp_count += 1;
+            self.m.tcp_total.add(1);
+        } else {
+            self.udp_count += 1;
+            self.m.udp_total.add(1);
+        }
+        let fm = FlowMeters::new(&vars, tcp.is_some());
+        self.by_key.insert(key, id);
+        self.conns.insert(
+            id,
+            Conn {
+                key,
+                info,
+                vars_name,
+                vars: fm,
+                credit: Credit::default(),
+                queue: VecDeque::new(),
+                queue_off: 0,
+                queued: 0,
+                to_ack: 0,
+                deadline: None,
+                timer: None,
+                touched: false,
+                tcp,
+            },
+        );
+        self.publish_counts();
+    }
+
+    fn publish_counts(&self) {
+        self.m.tcp_active.set(self.tcp_count as u64);
+        self.m.udp_active.set(self.udp_count as u64);
+        self.m.buffered.set(self.buffered);
+        self.m.in_flight.set(self.in_flight);
+    }
+
+    /// Forgets flow `id`: its key, timer, queue and meters.
+    fn remove(&mut self, id: u64, out: &mut Output<'_>) {
+        let Some(c) = self.conns.remove(&id) else { return };
+        self.by_key.remove(&c.key);
+        if let Some(t) = c.timer {
+            self.timers.remove(&(t, id));
+        }
+        self.buffered -= c.queued;
+        self.in_flight -= c.credit.in_flight();
+        if c.tcp.is_some() {
+            self.tcp_count -= 1;
+        } else {
+            self.udp_count -= 1;
+        }
+        out.unregister_vars(&c.vars_name);
+        self.publish_counts();
+    }
+
+    /// Sends `Abort(reason)` for flow `id` and forgets it.
+    fn abort_and_remove(&mut self, id: u64, reason: &str, out: &mut Output<'_>) {
+        self.m.aborts_sent.add(1);
+        let p = StreamFrame::abort(out.pool(), id, self.side.out_dir(), reason);
+        self.emit_stream(out, p);
+        self.remove(id, out);
+    }
+
+    // ---------------------------------------------------------------------------------------------------------
+    // IP packets in
+    // ---------------------------------------------------------------------------------------------------------
+
+    fn ip_in(&mut self, frame: Frame, out: &mut Output<'_>) {
+        let Frame::Data(mut p) = frame else {
+            self.m.not_packet.add(1);
+            out.drop_frame(frame);
+            return;
+        };
+        // Everything it does not terminate leaves on `pass` exactly as it came (partial checksum included).
+        let Ok(info) = PacketInfo::parse(p.data()) else { return self.pass(out, p) };
+        if info.fragment.is_some() {
+            return self.pass(out, p);
+        }
+        let (src, dst) = (SocketAddr::new(info.src, info.src_port), SocketAddr::new(info.dst, info.dst_port));
+        match info.protocol {
+            proto::TCP | proto::UDP => {
+                let key = (info.protocol, src, dst);
+                if let Some(&id) = self.by_key.get(&key) {
+                    checksum::complete_partial(&mut p);
+                    return self.flow_packet(id, p, &info, out);
+                }
+                if self.side == Side::App {
+                    if let Some(p) = self.new_app_flow(p, &info, src, dst, out) {
+                        self.pass(out, p);
+                    }
+                    return;
+                }
+                self.pass(out, p)
+            }
+            proto::ICMP | proto::ICMPV6 if self.side == Side::Net => {
+                if let Some(p) = self.icmp_error(p, &info, out) {
+                    self.pass(out, p);
+                }
+            }
+            _ => self.pass(out, p),
+        }
+    }
+
+    /// A packet of a flow it holds.
+    fn flow_packet(&mut self, id: u64, p: Packet, info: &PacketInfo, out: &mut Output<'_>) {
+        let Some(c) = self.conns.get_mut(&id) else { return };
+        match &mut c.tcp {
+            Some(t) => {
+                t.rx.push(p);
+                self.m.segments_in.add(1);
+                self.touch(id);
+            }
+            None => {
+                let payload = &p.data()[(info.l4_offset + 8).min(info.total_len)..info.total_len];
+                self.udp_datagram(id, payload, out);
+            }
+        }
+    }
+
+    /// A datagram of UDP flow `id` from the socket side: `Data` if its budget allows.
+    fn udp_datagram(&mut self, id: u64, payload: &[u8], out: &mut Output<'_>) {
+        let (budget, dir, timeout) = (self.cfg.budget, self.side.out_dir(), self.cfg.udp_timeout_ms);
+        let Some(c) = self.conns.get_mut(&id) else { return };
+        let len = payload.len() as u64;
+        if c.credit.room(budget) < len.max(1) {
+            self.m.udp_budget_drops.add(1);
+            return;
+        }
+        c.credit.send(len);
+        self.in_flight += len;
+        let m = if dir == Direction::Down { &c.vars.down } else { &c.vars.up };
+        m.add(len);
+        c.vars.in_flight.set(c.credit.in_flight());
+        c.deadline = Some(out.now() + Duration::from_millis(timeout));
+        self.m.bytes_out.add(len);
+        let d = StreamFrame::data(out.pool(), id, dir, payload);
+        self.emit_stream(out, d);
+        self.touch(id);
+    }
+
+    /// A TCP or UDP packet from the app that matches no flow: a new flow if the match table selects it (the packet
+    /// is consumed), else the packet back (to pass).
+    fn new_app_flow(
+        &mut self,
+        mut p: Packet,
+        info: &PacketInfo,
+        src: SocketAddr,
+        dst: SocketAddr,
+        out: &mut Output<'_>,
+    ) -> Option<Packet> {
+        let tcp = info.protocol == proto::TCP;
+        if tcp {
+            let flags = p.data().get(info.l4_offset + 13).copied().unwrap_or(0);
+            if flags & 0x12 != 0x02 {
+                return Some(p); // not a SYN: a flow that started before this module, or not ours
+            }
+        }
+        let protocol = if tcp { Protocol::Tcp } else { Protocol::Udp };
+        let c = Candidate { protocol, src, dst, role: Role::Client, app: &self.cfg.app };
+        let Some((rule, terminate)) = self.matcher.decide(&c) else { return Some(p) };
+        self.rule_hits[rule].add(1);
+        if !terminate {
+            return Some(p);
+        }
+        checksum::complete_partial(&mut p);
+        let info_out = FlowInfo { protocol, src, dst, app: self.cfg.app.clone(), role: Role::Client };
+        let now = out.now();
+        if !tcp {
+            if self.udp_count as u64 >= self.cfg.max_udp_flows {
+                self.m.refused.add(1);
+                out.drop_frame(Frame::Data(p));
+                return None;
+            }
+            let id = self.new_id();
+            let open = StreamFrame::open(out.pool(), id, Direction::Down, &info_out);
+            self.insert(id, (proto::UDP, src, dst), info_out, None, out);
+            self.emit_stream(out, open);
+            let payload = &p.data()[(info.l4_offset + 8).min(info.total_len)..info.total_len];
+            self.udp_datagram(id, payload, out);
+            return None;
+        }
+        if self.tcp_count as u64 >= self.cfg.max_connections {
+            // Refused: the SYN goes through a socket set without sockets, which answers with RST.
+            self.m.refused.add(1);
+            self.dev.rx.push_back(p);
+            self.iface.poll(instant(now), &mut self.dev, &mut self.empty);
+            self.flush_tx(None, now, out);
+            return None;
+        }
+        let mut s = self.new_socket();
+        if s.listen(IpListenEndpoint { addr: Some(IpAddress::from(dst.ip())), port: dst.port() }).is_err() {
+            return Some(p); // port 0: not a connection smoltcp can accept
+        }
+        s.pause_synack(true);
+        let mut sockets = SocketSet::new(Vec::with_capacity(1));
+        let handle = sockets.add(s);
+        let syn = p.data()[..info.total_len.min(info.l4_offset + 60)].to_vec();
+        let mut obs = Observer::default();
+        if let Some(seg) = Segment::parse(p.data(), info.l4_offset, info.total_len) {
+            obs.received(&seg, now);
+        }
+        // The SYN goes in at once: a SYN smoltcp does not take (a bad checksum, bad options) makes no connection.
+        self.dev.rx.push_back(p);
+        self.iface.poll(instant(now), &mut self.dev, &mut sockets);
+        self.dev.tx.clear(); // nothing: the SYN-ACK is held
+        if sockets.get::<tcp::Socket>(handle).state() != tcp::State::SynReceived {
+            self.m.invalid_syns.add(1);
+            return None;
+        }
+        let id = self.new_id();
+        let t = Box::new(Tcp {
+            sockets,
+            handle,
+            rx: Vec::new(),
+            accepted: false,
+            established: false,
+            fin_sent: false,
+            fin_in: false,
+            closed: false,
+            abort_in: false,
+            syn,
+            obs,
+            state: tcp::State::SynReceived,
+            cc: self.cfg.cc,
+        });
+        let open = StreamFrame::open(out.pool(), id, Direction::Down, &info_out);
+        self.insert(id, (proto::TCP, src, dst), info_out, Some(t), out);
+        self.m.segments_in.add(1);
+        if let Some(c) = self.conns.get_mut(&id) {
+            c.deadline = Some(now + Duration::from_millis(self.cfg.connect_timeout_ms));
+        }
+        self.emit_stream(out, open);
+        self.touch(id);
+        None
+    }
+
+    fn new_id(&mut self) -> u64 {
+        self.next_id += 1;
+        self.next_id
+    }
+
+    /// An ICMP error from the network about one of its flows: a connection being made, or a UDP flow, ends as
+    /// `unreachable`. Returns the packet if it is not about one of its flows.
+    fn icmp_error(&mut self, p: Packet, info: &PacketInfo, out: &mut Output<'_>) -> Option<Packet> {
+        let dest_unreachable = matches!(info.icmp, Some((3, _))) && info.protocol == proto::ICMP
+            || matches!(info.icmp, Some((1, _))) && info.protocol == proto::ICMPV6;
+        if !dest_unreachable {
+            return Some(p);
+        }
+        let Some(q) = wire::quoted(&p.data()[info.l4_offset..info.total_len]) else { return Some(p) };
+        // The quoted packet is one we sent: its destination is the far end, its source the near end.
+        let Some(&id) = self.by_key.get(&(q.protocol, q.dst, q.src)) else { return Some(p) };
+        let connecting = self.conns.get(&id).and_then(|c| c.tcp.as_ref()).map(|t| !t.established);
+        // An established connection takes it as a soft error, as a kernel socket does: nothing changes.
+        if connecting != Some(false) {
+            self.m.icmp_errors.add(1);
+            self.abort_and_remove(id, "unreachable", out);
+        }
+        out.drop_frame(Frame::Data(p));
+        None
+    }
+
+    // ---------------------------------------------------------------------------------------------------------
+    // Stream frames in
+    // ---------------------------------------------------------------------------------------------------------
+
+    fn stream_in(&mut self, frame: Frame, out: &mut Output<'_>) {
+        let Frame::Data(p) = frame else {
+            self.m.not_packet.add(1);
+            out.drop_frame(frame);
+            return;
+        };
+        let (Some(id), Some(event)) = (p.stream_flow(), p.stream()) else {
+            self.m.stream_bad.add(1);
+            return;
+        };
+        if p.direction() == self.side.out_dir() {
+            self.m.stream_bad.add(1); // its own direction: a loop in the links
+            return;
+        }
+        if let StreamEvent::Open(info) = &event {
+            if self.side == Side::Net {
+                let info = info.clone();
+                return self.open_net(id, info, out);
+            }
+        }
+        if !self.conns.contains_key(&id) {
+            self.m.stream_orphans.add(1);
+            return;
+        }
+        match event {
+            StreamEvent::Open(_) => {
+                // terminate: the far side accepted; release the SYN-ACK.
+                if let Some(t) = self.conns.get_mut(&id).and_then(|c| c.tcp.as_mut()) {
+                    if !t.accepted {
+                        t.accepted = true;
+                        t.sockets.get_mut::<tcp::Socket>(t.handle).pause_synack(false);
+                    }
+                }
+                self.touch(id);
+            }
+            StreamEvent::Data(bytes) => {
+                let len = bytes.len() as u64;
+                if self.conns[&id].tcp.is_none() {
+                    self.udp_send(id, &p, out);
+                    return;
+                }
+                let limit = self.cfg.queue_limit;
+                let c = self.conns.get_mut(&id).expect("checked");
+                if c.tcp.as_ref().is_some_and(|t| t.fin_in || t.abort_in) {
+                    self.m.stream_bad.add(1); // data after Fin
+                    return;
+                }
+                if c.queued + len > limit {
+                    self.m.overflows.add(1);
+                    if let Some(t) = c.tcp.as_mut() {
+                        t.sockets.get_mut::<tcp::Socket>(t.handle).abort();
+                        t.abort_in = true;
+                    }
+                    self.m.aborts_sent.add(1);
+                    let a = StreamFrame::abort(out.pool(), id, self.side.out_dir(), "overflow");
+                    self.emit_stream(out, a);
+                    self.touch(id);
+                    return;
+                }
+                c.queued += len;
+                c.queue.push_back(p);
+                self.buffered += len;
+                self.touch(id);
+            }
+            StreamEvent::Fin => {
+                let c = self.conns.get_mut(&id).expect("checked");
+                match c.tcp.as_mut() {
+                    Some(t) => {
+                        t.fin_in = true;
+                        self.touch(id);
+                    }
+                    None => self.remove(id, out), // a UDP flow ended at the other side
+                }
+            }
+            StreamEvent::Abort(reason) => {
+                self.m.aborts_received.add(1);
+                let reason = reason.to_string();
+                self.abort_in(id, &reason, out);
+            }
+            StreamEvent::Ack(n) => {
+                let c = self.conns.get_mut(&id).expect("checked");
+                let before = c.credit.in_flight();
+                if !c.credit.ack(n) {
+                    self.m.stream_bad.add(1);
+                }
+                self.in_flight -= before - c.credit.in_flight();
+                c.vars.in_flight.set(c.credit.in_flight());
+                self.touch(id);
+            }
+        }
+    }
+
+    /// `Data` for UDP flow `id`: the datagram goes out at once, and is acked.
+    fn udp_send(&mut self, id: u64, p: &Packet, out: &mut Output<'_>) {
+        let (dir, ip_dir, timeout) = (self.side.out_dir(), self.side.ip_dir(), self.cfg.udp_timeout_ms);
+        let c = self.conns.get_mut(&id).expect("checked");
+        let (far, near) = (c.key.1, c.key.2);
+        let mut d = wire::udp(out.pool(), near, far, p.data());
+        d.set_direction(ip_dir);
+        let len = p.len() as u64;
+        c.to_ack += len;
+        let m = if dir == Direction::Down { &c.vars.up } else { &c.vars.down };
+        m.add(len);
+        c.deadline = Some(out.now() + Duration::from_millis(timeout));
+        self.m.bytes_in.add(len);
+        out.emit(self.ports.ip_out, d);
+        self.touch(id);
+    }
+
+    /// The other endpoint aborted flow `id`.
+    fn abort_in(&mut self, id: u64, reason: &str, out: &mut Output<'_>) {
+        let pool = out.pool().clone();
+        let c = self.conns.get_mut(&id).expect("checked");
+        let far = c.info.dst.ip();
+        match c.tcp.as_mut() {
+            None => {
+                // UDP: an unreachable destination is told to the app as ICMP port unreachable.
+                if self.side == Side::App && reason == "unreachable" {
+                    let quote = wire::udp(&pool, c.info.src, c.info.dst, &[]);
+                    if let Some(mut e) = wire::unreachable(&pool, far, quote.data(), wire::Unreachable::Port) {
+                        e.set_direction(Direction::Up);
+                        out.emit(self.ports.ip_out, e);
+                    }
+                }
+                self.remove(id, out);
+            }
+            Some(t) => {
+                t.abort_in = true;
+                if self.side == Side::App && !t.accepted {
+                    // The app is still waiting for its SYN-ACK: refused becomes RST (below), unreachable an ICMP
+                    // error, a timeout nothing (the app's own connect timeout applies).
+                    let tell = match reason {
+                        "unreachable" => wire::unreachable(&pool, far, &t.syn, wire::Unreachable::Host),
+                        "timeout" => None,
+                        _ => {
+                            t.sockets.get_mut::<tcp::Socket>(t.handle).abort();
+                            return self.touch(id);
+                        }
+                    };
+                    if let Some(mut e) = tell {
+                        e.set_direction(Direction::Up);
+                        out.emit(self.ports.ip_out, e);
+                    }
+                    return self.remove(id, out);
+                }
+                t.sockets.get_mut::<tcp::Socket>(t.handle).abort();
+                self.touch(id);
+            }
+        }
+    }
+
+    /// originate: `Open` of a new flow.
+    fn open_net(&mut self, id: u64, info: FlowInfo, out: &mut Output<'_>) {
+        if self.conns.contains_key(&id) {
+            self.m.stream_bad.add(1); // a second Open for a flow it holds
+            return;
+        }
+        let now = out.now();
+        let tcp = info.protocol == Protocol::Tcp;
+        let (count, max) =
+            if tcp { (self.tcp_count, self.cfg.max_connections) } else { (self.udp_count, self.cfg.max_udp_flows) };
+        let refuse = |this: &mut Self, out: &mut Output<'_>, reason: &str| {
+            this.m.refused.add(1);
+            this.m.aborts_sent.add(1);
+            let a = StreamFrame::abort(out.pool(), id, Side::Net.out_dir(), reason);
+            out.emit(this.ports.stream_out, a);
+        };
+        if count as u64 >= max {
+            return refuse(self, out, "limit");
+        }
+        let protocol = info.protocol.number();
+        let source = self.cfg.source.iter().find(|a| a.is_ipv4() == info.dst.is_ipv4()).copied();
+        let local = match source {
+            Some(ip) => match self.free_port(protocol, ip, info.dst) {
+                Some(port) => SocketAddr::new(ip, port),
+                None => return refuse(self, out, "limit"),
+            },
+            None => info.src,
+        };
+        let key = (protocol, info.dst, local);
+        if self.by_key.contains_key(&key) || local.is_ipv4() != info.dst.is_ipv4() {
+            return refuse(self, out, "busy");
+        }
+        if !tcp {
+            let mut mine = info;
+            mine.src = local;
+            self.insert(id, key, mine, None, out);
+            if let Some(c) = self.conns.get_mut(&id) {
+                c.deadline = Some(now + Duration::from_millis(self.cfg.udp_timeout_ms));
+            }
+            self.touch(id);
+            return;
+        }
+        let mut s = self.new_socket();
+        if s.connect(self.iface.context(), endpoint(info.dst), endpoint(local)).is_err() {
+            return refuse(self, out, "unreachable");
+        }
+        let mut sockets = SocketSet::new(Vec::with_capacity(1));
+        let handle = sockets.add(s);
+        let t = Box::new(Tcp {
+            sockets,
+            handle,
+            rx: Vec::new(),
+            accepted: false,
+            established: false,
+            fin_sent: false,
+            fin_in: false,
+            closed: false,
+            abort_in: false,
+            syn: Vec::new(),
+            obs: Observer::default(),
+            state: tcp::State::SynSent,
+            cc: self.cfg.cc,
+        });
+        let mut mine = info;
+        mine.src = local;
+        self.insert(id, key, mine, Some(t), out);
+        if let Some(c) = self.conns.get_mut(&id) {
+            c.deadline = Some(now + Duration::from_millis(self.cfg.connect_timeout_ms));
+        }
+        self.touch(id);
+    }
+
+    /// A local port for a connection from `ip` to `far` that no flow of this endpoint uses.
+    fn free_port(&mut self, protocol: u8, ip: IpAddr, far: SocketAddr) -> Option<u16> {
+        let range = self.cfg.ports;
+        let count = range.count();
+        for _ in 0..count {
+            let port = self.next_port as u16;
+            self.next_port =
+                if self.next_port >= u32::from(range.last) { u32::from(range.first) } else { self.next_port + 1 };
+            if !self.by_key.contains_key(&(protocol, far, SocketAddr::new(ip, port))) {
+                return Some(port);
+            }
+        }
+        None
+    }
+
+    // ---------------------------------------------------------------------------------------------------------
+    // Service: move bytes between the sockets and the stream, send, and decide when to come back
+    // ---------------------------------------------------------------------------------------------------------
+
+    /// Emits the packets smoltcp wrote (observing them for flow `conn`).
+    fn flush_tx(&mut self, conn: Option<u64>, now: Time, out: &mut Output<'_>) {
+        if self.dev.tx.is_empty() {
+            return;
+        }
+        let mut obs = conn.and_then(|id| self.conns.get_mut(&id)).and_then(|c| c.tcp.as_mut()).map(|t| &mut t.obs);
+        let ip_dir = self.side.ip_dir();
+        for mut p in self.dev.tx.drain(..) {
+            if let (Some(o), Ok(info)) = (obs.as_deref_mut(), PacketInfo::parse(p.data())) {
+                if let Some(s) = Segment::parse(p.data(), info.l4_offset, info.total_len) {
+                    o.sent(&s, now);
+                }
+            }
+            self.m.segments_out.add(1);
+            p.set_direction(ip_dir);
+            out.emit(self.ports.ip_out, p);
+        }
+    }
+
+    fn service(&mut self, id: u64, out: &mut Output<'_>) {
+        let now = out.now();
+        let Some(c) = self.conns.get_mut(&id) else { return };
+        c.touched = false;
+        if c.tcp.is_none() {
+            if c.to_ack > 0 {
+                let a = StreamFrame::ack(out.pool(), id, self.side.out_dir(), c.to_ack);
+                c.to_ack = 0;
+                self.emit_stream(out, a);
+            }
+            let c = self.conns.get_mut(&id).expect("present");
+            if c.deadline.is_some_and(|d| d <= now) {
+                let fin = StreamFrame::fin(out.pool(), id, self.side.out_dir());
+                self.emit_stream(out, fin);
+                return self.remove(id, out);
+            }
+            let d = c.deadline;
+            return self.schedule(id, d);
+        }
+        self.service_tcp(id, now, out);
+    }
+
+    fn service_tcp(&mut self, id: u64, now: Time, out: &mut Output<'_>) {
+        let inst = instant(now);
+        let (side, budget, chunk) = (self.side, self.cfg.budget, self.cfg.chunk as usize);
+        let dir = side.out_dir();
+        // Feed what arrived for it, watching the segments.
+        {
+            let c = self.conns.get_mut(&id).expect("present");
+            let t = c.tcp.as_mut().expect("tcp");
+            for p in t.rx.drain(..) {
+                if let Ok(info) = PacketInfo::parse(p.data()) {
+                    if let Some(s) = Segment::parse(p.data(), info.l4_offset, info.total_len) {
+                        t.obs.received(&s, now);
+                    }
+                }
+                self.dev.rx.push_back(p);
+            }
+        }
+        for _round in 0..64 {
+            {
+                let c = self.conns.get_mut(&id).expect("present");
+                let t = c.tcp.as_mut().expect("tcp");
+                self.iface.poll(inst, &mut self.dev, &mut t.sockets);
+            }
+            self.flush_tx(Some(id), now, out);
+            let pool = out.pool().clone();
+            let c = self.conns.get_mut(&id).expect("present");
+            let Conn { tcp: Some(t), credit, queue, queue_off, queued, to_ack, deadline, vars, info, key, .. } = c
+            else {
+                unreachable!("a TCP flow")
+            };
+            let sock = t.sockets.get_mut::<tcp::Socket>(t.handle);
+            let state = sock.state();
+            t.state = state;
+            let mut progress = false;
+            if !t.established && matches!(state, tcp::State::Established | tcp::State::CloseWait) {
+                t.established = true;
+                *deadline = None;
+                if side == Side::Net && !t.accepted {
+                    t.accepted = true;
+                    let mut info = info.clone();
+                    info.src = key.2;
+                    out.emit(self.ports.stream_out, StreamFrame::open(&pool, id, dir, &info));
+                }
+            }
+            // Consumer: queued data into the socket's send buffer, acked once there.
+            while let Some(front) = queue.front() {
+                let n = match sock.send_slice(&front.data()[*queue_off..]) {
+                    Ok(n) if n > 0 => n,
+                    _ => break,
+                };
+                progress = true;
+                *queue_off += n;
+                *to_ack += n as u64;
+                *queued -= n as u64;
+                self.buffered -= n as u64;
+                if *queue_off == front.len() {
+                    queue.pop_front();
+                    *queue_off = 0;
+                }
+            }
+            if queue.is_empty() && t.fin_in && !t.closed && !t.abort_in {
+                sock.close();
+                t.closed = true;
+                progress = true;
+            }
+            // Producer: socket bytes into Data frames while the budget allows.
+            while t.accepted && sock.can_recv() {
+                let room = credit.room(budget).min(chunk as u64) as usize;
+                if room == 0 {
+                    break;
+                }
+                let p = StreamFrame::data_with(&pool, id, dir, |buf| {
+                    let _ = sock.recv(|b| {
+                        let n = b.len().min(room);
+                        buf.extend_from_slice(&b[..n]);
+                        (n, ())
+                    });
+                });
+                if p.is_empty() {
+                    break;
+                }
+                let n = p.len() as u64;
+                credit.send(n);
+                self.in_flight += n;
+                self.m.bytes_out.add(n);
+                let m = if dir == Direction::Down { &vars.down } else { &vars.up };
+                m.add(n);
+                out.emit(self.ports.stream_out, p);
+                progress = true;
+            }
+            if t.accepted && !t.fin_sent && peer_fin(state) && sock.recv_queue() == 0 {
+                t.fin_sent = true;
+                out.emit(self.ports.stream_out, StreamFrame::fin(&pool, id, dir));
+            }
+            if !progress {
+                break;
+            }
+        }
+        let c = self.conns.get_mut(&id).expect("present");
+        if c.to_ack > 0 {
+            self.m.bytes_in.add(c.to_ack);
+            // It consumes the direction it does not produce.
+            let m = if dir == Direction::Down { &c.vars.up } else { &c.vars.down };
+            m.add(c.to_ack);
+            let a = StreamFrame::ack(out.pool(), id, self.side.out_dir(), c.to_ack);
+            c.to_ack = 0;
+            out.emit(self.ports.stream_out, a);
+        }
+        self.finish_tcp(id, now, out);
+    }
+
+    /// After a service: the flow's meters, its end if its socket closed or its connect timed out, or its next
+    /// wakeup.
+    fn finish_tcp(&mut self, id: u64, now: Time, out: &mut Output<'_>) {
+        let c = self.conns.get_mut(&id).expect("present");
+        let t = c.tcp.as_mut().expect("tcp");
+        let sock = t.sockets.get::<tcp::Socket>(t.handle);
+        let state = sock.state();
+        if let Some(m) = &c.vars.tcp {
+            m[0].store(&Value::Str(state_name(state).into()));
+            m[1].set(t.obs.srtt_us);
+            m[2].set(t.obs.in_flight());
+            m[3].set(t.obs.retrans);
+            m[4].set(sock.send_queue() as u64);
+            m[5].set(sock.recv_queue() as u64);
+        }
+        c.vars.in_flight.set(c.credit.in_flight());
+        c.vars.queued.set(c.queued);
+        // A listening socket that fell back to Listen (an RST during the handshake) is closed too.
+        let gone = state == tcp::State::Closed || (state == tcp::State::Listen && t.obs.rst);
+        let (quiet, rst, established, accepted) =
+            (t.abort_in || (t.fin_sent && t.closed), t.obs.rst, t.established, t.accepted);
+        let expired = c.deadline.is_some_and(|d| d <= now);
+        let deadline = c.deadline;
+        let next = self.iface.poll_at(instant(now), &t.sockets).map(time);
+        self.publish_counts();
+        if gone {
+            if quiet {
+                return self.remove(id, out);
+            }
+            let reason = match (rst, self.side, established) {
+                (true, Side::Net, false) => "refused",
+                (true, ..) => "reset",
+                (false, ..) => {
+                    self.m.timeouts.add(1);
+                    "timeout"
+                }
+            };
+            return self.abort_and_remove(id, reason, out);
+        }
+        if expired {
+            // Not established in time: give up. The app's side drops a half-open connection without a word if its
+            // SYN-ACK was never sent; otherwise the socket resets its peer.
+            self.m.timeouts.add(1);
+            if accepted || self.side == Side::Net {
+                let c = self.conns.get_mut(&id).expect("present");
+                let t = c.tcp.as_mut().expect("tcp");
+                t.sockets.get_mut::<tcp::Socket>(t.handle).abort();
+                self.iface.poll(instant(now), &mut self.dev, &mut t.sockets);
+                self.flush_tx(Some(id), now, out);
+            }
+            return self.abort_and_remove(id, "timeout", out);
+        }
+        // Nothing more to do now means smoltcp's next tick, not a spin at the same instant.
+        let next = next.map(|n| if n <= now { now + Duration::from_millis(1) } else { n });
+        let next = match (next, deadline) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        self.schedule(id, next);
+    }
+
+    fn apply_cc(&mut self, name: &str, value: &Value) -> Option<Result<(), String>> {
+        let rest = name.strip_prefix(&self.cfg.vars_prefix)?.strip_prefix('.')?;
+        let id: u64 = rest.strip_suffix(".tcp.cc")?.parse().ok()?;
+        let Value::Str(text) = value else { return Some(Err(format!("{name} takes a string"))) };
+        let cc = match Cc::parse(text) {
+            Ok(cc) => cc,
+            Err(e) => return Some(Err(e)),
+        };
+        let Some(t) = self.conns.get_mut(&id).and_then(|c| c.tcp.as_mut()) else {
+            return Some(Err(format!("no TCP flow {id}")));
+        };
+        t.cc = cc;
+        t.sockets.get_mut::<tcp::Socket>(t.handle).set_congestion_control(cc.smoltcp());
+        Some(Ok(()))
+    }
+
+    fn run_touched(&mut self, out: &mut Output<'_>) {
+        while let Some(id) = self.touched.pop() {
+            self.service(id, out);
+        }
+        if let Some(&(t, _)) = self.timers.first() {
+            out.wake_at(t);
+        }
+    }
+}
+
+impl Module for Endpoint {
+    fn process(&mut self, port: usize, input: &mut Batch, out: &mut Output<'_>) {
+        self.dev.pool = out.pool().clone();
+        let ip = port == self.ports.ip_in;
+        for frame in input.drain(..) {
+            if ip {
+                self.ip_in(frame, out);
+            } else {
+                self.stream_in(frame, out);
+            }
+        }
+        self.run_touched(out);
+    }
+
+    fn poll(&mut self, out: &mut Output<'_>) -> Option<Time> {
+        self.dev.pool = out.pool().clone();
+        let now = out.now();
+        while let Some(&(t, id)) = self.timers.first() {
+            if t > now {
+                break;
+            }
+            self.timers.remove(&(t, id));
+            if let Some(c) = self.conns.get_mut(&id) {
+                c.timer = None;
+            }
+            self.touch(id);
+        }
+        self.run_touched(out);
+        self.timers.first().map(|&(t, _)| t)
+    }
+
+    fn write_knob(&mut self, knob: &str, value: &Value) -> Result<(), String> {
+        if let Some(r) = self.apply_cc(knob, value) {
+            return r;
+        }
+        self.decl.write(&mut self.cfg, knob, value)
+    }
+}

@@ -1,0 +1,94 @@
+//! `originate` (back-end `smoltcp`): opens again, towards the original destination, the flows `terminate` ended,
+//! and relays their streams (docs/streams.md).
+//!
+//! - Ports: input `stream_in` (stream: frames travelling down, from `terminate`) and `in` (ip: packets from the
+//!   network, travelling up); outputs `stream` (stream: frames travelling up), `out` (ip: packets to the network,
+//!   down) and `pass` (ip: packets from the network that belong to none of its flows, unchanged).
+//! - TCP: on `Open` a smoltcp socket connects to the original destination, from the `source` address of that
+//!   family if set (with a local port from `ports`), else from the app's original source address and port; when it
+//!   is established `Open` goes up. A refusal (RST) becomes `Abort(refused)`, an ICMP destination unreachable
+//!   `Abort(unreachable)`, no answer within `connect_timeout_ms` `Abort(timeout)`; later, an RST is
+//!   `Abort(reset)`. The server's bytes go up as `Data` while the flow's credit allows (`budget`), its FIN as
+//!   `Fin`; bytes coming down are written as the socket's send buffer allows and acked; `Fin` closes the socket's
+//!   send side, `Abort` resets it. Opens beyond `max_connections` are answered with `Abort(limit)`.
+//! - UDP: on `Open` a per-flow state (no socket: the datagrams are written directly); each `Data` is one
+//!   datagram to the destination, each datagram from it one `Data` up; `udp_timeout_ms` of silence ends the flow
+//!   (`Fin`); an ICMP port unreachable ends it with `Abort(unreachable)`.
+//! - The packets it sends are ordinary IP packets on `out`, so they can leave through a link face, the late-binding
+//!   scheduler, an emulator or a tap.
+//! - Per-flow meters under `<vars_prefix>.<flow>` (`flow.originate` by default; the flow ids are `terminate`'s):
+//!   as `terminate`'s.
+//!
+//! Its ports, settings, knobs and meters are declared once, in `DECL` below; docs/modules.md lists them.
+
+use crate::stream::endpoint::config::{endpoint_decl, parse_sources, Config, Meters};
+use crate::stream::endpoint::{Endpoint, Ports, Side};
+use crate::stream::matcher::MatchTable;
+use crate::stream::terminate::{check_backend, seed};
+use flexstack_core::module::port_type;
+use flexstack_core::{
+    field, kind_from_decl, ConfigError, KindDecl, Module, ModuleBuilder, ModuleInterface, ModuleKind, ModuleVars,
+    Param, PortDecl, Settings,
+};
+use flexstack_wire::cidr::PortRange;
+
+/// The kind's name in stack files.
+pub const KIND: &str = "originate";
+
+/// Its ports.
+pub const PORTS: Ports = Ports { stream_in: 0, ip_in: 1, stream_out: 0, ip_out: 1, pass: 2 };
+
+/// The `originate` module kind.
+pub struct OriginateKind;
+
+type P = Param<Config>;
+
+/// The kind: ports, settings, knobs and meters.
+const DECL: KindDecl<Config, Meters> = endpoint_decl!(
+    KIND,
+    "opens terminated flows again towards their original destination (smoltcp) and relays their streams",
+    "flow.originate",
+    inputs: &[
+        PortDecl::new("stream_in", port_type::STREAM, "stream frames travelling down, from `terminate`"),
+        PortDecl::new("in", port_type::IP, "packets from the network (up)"),
+    ],
+    outputs: &[
+        PortDecl::new("stream", port_type::STREAM, "stream frames travelling up"),
+        PortDecl::new("out", port_type::IP, "packets to the network (down)"),
+        PortDecl::new("pass", port_type::IP, "packets from the network of none of its flows, unchanged"),
+    ],
+    extra: [
+        P::text("backend", "how flows are opened: smoltcp (user-space TCP in the data plane)", "smoltcp", |_| "smoltcp".into(), check_backend).setting(),
+        P::text("source", "source address of its connections, at most one IPv4 and one IPv6, comma-separated; empty: the app's original source", "", |c| c.source.iter().map(|a| a.to_string()).collect::<Vec<_>>().join(","), |c, t| parse_sources(t).map(|v| c.source = v)).setting(),
+        P::text("ports", "local ports of connections from `source`", "32768-60999", |c| c.ports.to_string(), |c, t| PortRange::parse(t).map(|v| c.ports = v)).setting(),
+    ]
+);
+
+impl ModuleKind for OriginateKind {
+    kind_from_decl!(DECL);
+
+    fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
+        let mut r = settings.reader(KIND);
+        let mut cfg = Config::blank();
+        DECL.read(&mut r, &mut cfg)?;
+        r.finish()?;
+        seed(&mut cfg);
+        Ok(Box::new(OriginateBuilder { cfg }))
+    }
+}
+
+struct OriginateBuilder {
+    cfg: Config,
+}
+
+impl ModuleBuilder for OriginateBuilder {
+    fn interface(&self) -> ModuleInterface {
+        DECL.interface(&self.cfg)
+    }
+
+    fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module> {
+        DECL.publish(&self.cfg, vars);
+        let m = DECL.meters(vars);
+        Box::new(Endpoint::new(Side::Net, PORTS, &DECL, self.cfg, m, MatchTable::default(), Vec::new()))
+    }
+}

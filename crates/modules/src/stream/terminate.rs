@@ -1,0 +1,119 @@
+//! `terminate` (back-end `smoltcp`): ends the app's TCP connections and UDP flows in user space and turns each into
+//! a stream (docs/streams.md); everything else passes unchanged.
+//!
+//! - Ports: input `in` (ip: packets from the app, travelling down) and `stream_in` (stream: frames travelling up,
+//!   from `originate`); outputs `out` (ip: packets to the app, up), `stream` (stream: frames travelling down) and
+//!   `pass` (ip: the packets of flows it does not terminate, unchanged, partial checksums included).
+//! - Which flows: the `match` table (`flexstack_modules::stream::matcher`), first match wins, e.g.
+//!   `match = ["pass tcp dport 22", "tcp dport 80,443", "udp dport 53", "tcp *"]`; by default `["tcp *"]`. The app
+//!   is the client of every flow it sees here (its SYNs and first datagrams arrive on `in`). TCP packets of
+//!   connections it did not see start (opened before it was added) pass.
+//! - TCP: a selected SYN gets a smoltcp socket listening in any-IP mode on that exact destination, so it accepts for
+//!   the original destination; the SYN-ACK is held until `originate` says the far side accepted (`Open` up), so a
+//!   refused destination reaches the app as RST, an unreachable one as ICMP host unreachable, and a timeout as no
+//!   answer. Then the app's bytes go down as `Data` while the flow's credit allows (`budget`), its FIN as `Fin`, its
+//!   RST as `Abort(reset)`; bytes coming up are written into the socket as its send buffer allows and acked, `Fin`
+//!   closes its send side, `Abort` resets it. SYNs beyond `max_connections` are answered with RST.
+//! - UDP: a selected first datagram opens a flow (`Open`, then one `Data` per datagram); datagrams coming up are
+//!   sent to the app from the original destination; `udp_timeout_ms` of silence ends the flow (`Fin`);
+//!   `Abort(unreachable)` becomes ICMP port unreachable to the app.
+//! - Per-flow meters under `<vars_prefix>.<flow>` (`flow.terminate` by default): `tuple`, `bytes_down_total`,
+//!   `bytes_up_total`, `in_flight_bytes`, `queued_bytes`, and for TCP `tcp.state`, `tcp.srtt_us`,
+//!   `tcp.bytes_in_flight`, `tcp.retrans_total`, `tcp.send_queue`, `tcp.recv_queue` and the knob `tcp.cc`.
+//!
+//! Its ports, settings, knobs and meters are declared once, in `DECL` below; docs/modules.md lists them.
+
+use crate::stream::endpoint::config::{endpoint_decl, Config, Meters};
+use crate::stream::endpoint::{Endpoint, Ports, Side};
+use crate::stream::matcher::MatchTable;
+use flexstack_core::module::port_type;
+use flexstack_core::{
+    field, kind_from_decl, ConfigError, KindDecl, Module, ModuleBuilder, ModuleInterface, ModuleKind, ModuleVars,
+    Param, PortDecl, Settings, ValueType, VarSpec,
+};
+
+/// The kind's name in stack files.
+pub const KIND: &str = "terminate";
+
+/// Its ports.
+pub const PORTS: Ports = Ports { ip_in: 0, stream_in: 1, ip_out: 0, stream_out: 1, pass: 2 };
+
+/// The `terminate` module kind.
+pub struct TerminateKind;
+
+type P = Param<Config>;
+
+/// The kind: ports, settings, knobs and meters.
+const DECL: KindDecl<Config, Meters> = endpoint_decl!(
+    KIND,
+    "ends the app's TCP and UDP flows chosen by a match table (smoltcp) and turns them into streams",
+    "flow.terminate",
+    inputs: &[
+        PortDecl::new("in", port_type::IP, "packets from the app (down)"),
+        PortDecl::new("stream_in", port_type::STREAM, "stream frames travelling up, from `originate`"),
+    ],
+    outputs: &[
+        PortDecl::new("out", port_type::IP, "packets to the app (up)"),
+        PortDecl::new("stream", port_type::STREAM, "stream frames travelling down"),
+        PortDecl::new("pass", port_type::IP, "packets of flows it does not terminate, unchanged"),
+    ],
+    extra: [
+        P::text("backend", "how flows are terminated: smoltcp (user-space TCP in the data plane)", "smoltcp", |_| "smoltcp".into(), check_backend).setting(),
+        P::manual("match", "array of strings", "the flows it terminates, first match wins (`tcp dport 80,443`, `pass tcp dport 22`, `udp *`)", "[\"tcp *\"]"),
+        P::text("app", "the app's name: in `Open` frames and for `app` rules", "", |c| c.app.clone(), |c, t| { c.app = t.into(); Ok(()) }).setting(),
+    ]
+);
+
+/// Only `smoltcp` is built; `kernel` (the host's TCP, sockets in the daemon) is the next phase.
+pub(crate) fn check_backend(_: &mut Config, text: &str) -> Result<(), String> {
+    match text {
+        "smoltcp" => Ok(()),
+        "kernel" => Err("the kernel back-end is not built yet: use \"smoltcp\"".into()),
+        other => Err(format!("expected \"smoltcp\", got {other:?}")),
+    }
+}
+
+/// Draws a seed when none was given (on the control side, once per module).
+pub(crate) fn seed(cfg: &mut Config) {
+    use std::hash::BuildHasher;
+    if cfg.seed == 0 {
+        cfg.seed = std::collections::hash_map::RandomState::new().hash_one(0x5eed_u64) | 1;
+    }
+}
+
+impl ModuleKind for TerminateKind {
+    kind_from_decl!(DECL);
+
+    fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
+        let mut r = settings.reader(KIND);
+        let mut cfg = Config::blank();
+        DECL.read(&mut r, &mut cfg)?;
+        let rules = r.strings("match")?.unwrap_or_else(|| vec!["tcp *".into()]);
+        let matcher = MatchTable::parse(&rules).map_err(|e| r.error("match", e))?;
+        r.finish()?;
+        seed(&mut cfg);
+        Ok(Box::new(TerminateBuilder { cfg, matcher }))
+    }
+}
+
+struct TerminateBuilder {
+    cfg: Config,
+    matcher: MatchTable,
+}
+
+impl ModuleBuilder for TerminateBuilder {
+    fn interface(&self) -> ModuleInterface {
+        let mut iface = DECL.interface(&self.cfg);
+        for (i, rule) in self.matcher.rules.iter().enumerate() {
+            let desc = format!("new flows decided by match rule {}: {rule}", i + 1);
+            iface.vars.push(VarSpec::meter(&format!("rule{}_matches_total", i + 1), ValueType::U64, "flows", &desc));
+        }
+        iface
+    }
+
+    fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module> {
+        DECL.publish(&self.cfg, vars);
+        let hits = (1..=self.matcher.rules.len()).map(|i| vars.meter(&format!("rule{i}_matches_total"))).collect();
+        Box::new(Endpoint::new(Side::App, PORTS, &DECL, self.cfg, DECL.meters(vars), self.matcher, hits))
+    }
+}

@@ -1,0 +1,576 @@
+//! The stream endpoints end to end, with simulated time (docs/streams.md): an app-side smoltcp host, `terminate`,
+//! stream modules, `originate` and a server-side smoltcp host (see `streamkit`). Each test runs over IPv4 and IPv6.
+
+mod streamkit;
+use streamkit::*;
+
+const MB2: usize = 2 * 1024 * 1024;
+
+#[test]
+fn transfers_2mb_both_ways_intact() {
+    for v6 in [false, true] {
+        let mut lab = Lab::new(v6, &[], &[], &[("p", "stream-pass", vec![])]);
+        let srv = lab.listen(80, 65536);
+        let cli = lab.connect(80, 65536);
+        let mut c = Pump::new(pattern(1, MB2), true);
+        let mut s = Pump::new(pattern(2, MB2), true);
+        let done = lab.until(60_000, |lab| {
+            c.drive(lab.app.tcp(cli));
+            s.drive(lab.server.tcp(srv));
+            c.got.len() == MB2 && s.got.len() == MB2
+        });
+        assert!(done, "v6 {v6}: client got {} server got {}", c.got.len(), s.got.len());
+        assert!(c.got == pattern(2, MB2), "the server's bytes reach the client intact");
+        assert!(s.got == pattern(1, MB2), "the client's bytes reach the server intact");
+        assert_eq!(lab.meter("module.p.data_bytes_down_total"), MB2 as u64);
+        assert_eq!(lab.meter("module.p.data_bytes_up_total"), MB2 as u64);
+        assert_eq!(lab.meter("module.t.data_bytes_out_total"), MB2 as u64);
+        assert_eq!(lab.meter("module.o.data_bytes_in_total"), MB2 as u64);
+        // Both close: after TIME-WAIT nothing is left.
+        lab.run(12_000);
+        assert_eq!(lab.meter("module.t.connections_active"), 0, "v6 {v6}");
+        assert_eq!(lab.meter("module.o.connections_active"), 0);
+        assert_eq!(lab.meter("module.t.aborts_sent_total") + lab.meter("module.o.aborts_sent_total"), 0);
+        assert_eq!(lab.meter("module.t.stream_bad_total") + lab.meter("module.o.stream_bad_total"), 0);
+        assert!(lab.passed().is_empty() && lab.net_passed().is_empty());
+    }
+}
+
+use flexstack_core::{Direction, Edit, Value};
+use smoltcp::socket::tcp::State;
+use std::time::Duration;
+
+const RST: u8 = 0x04;
+const SYN: u8 = 0x02;
+const ACK: u8 = 0x10;
+
+fn families() -> [bool; 2] {
+    [false, true]
+}
+
+#[test]
+fn half_close_lets_the_other_direction_finish() {
+    for v6 in families() {
+        let mut lab = Lab::new(v6, &[], &[], &[("p", "stream-pass", vec![])]);
+        let srv = lab.listen(80, 65536);
+        let cli = lab.connect(80, 65536);
+        let request = pattern(3, 10_000);
+        let reply = pattern(4, 300_000);
+        let mut c = Pump::new(request.clone(), true); // sends, then shuts down its write side
+        let mut s = Pump::new(Vec::new(), false);
+        let mut replying = false;
+        let done = lab.until(20_000, |lab| {
+            c.drive(lab.app.tcp(cli));
+            let ss = lab.server.tcp(srv);
+            s.drive(ss);
+            // The server answers only once it saw the end of the request (the client's FIN).
+            if !replying && !ss.may_recv() && ss.state() == State::CloseWait {
+                assert_eq!(s.got, request, "v6 {v6}: the whole request before the FIN");
+                replying = true;
+                s.out = reply.clone();
+                s.close_after = true;
+            }
+            !lab.app.tcp(cli).may_recv() && c.got.len() == reply.len()
+        });
+        assert!(done, "v6 {v6}: client got {} of the reply", c.got.len());
+        assert!(c.got == reply, "the reply reaches the client after it closed its write side");
+        assert!(lab.until(15_000, |lab| lab.meter("module.t.connections_active") == 0));
+        assert!(lab.until(15_000, |lab| lab.meter("module.o.connections_active") == 0));
+        assert_eq!(lab.meter("module.t.aborts_sent_total") + lab.meter("module.o.aborts_sent_total"), 0);
+        assert_eq!(lab.meter("module.p.fins_total"), 2);
+    }
+}
+
+#[test]
+fn server_reset_mid_transfer_reaches_the_client_as_rst() {
+    for v6 in families() {
+        let mut lab = Lab::new(v6, &[], &[], &[]);
+        lab.keep_seen = true;
+        let srv = lab.listen(80, 65536);
+        let cli = lab.connect(80, 65536);
+        let mut c = Pump::new(pattern(5, MB2), false);
+        let mut s = Pump::new(Vec::new(), false);
+        let done = lab.until(10_000, |lab| {
+            c.drive(lab.app.tcp(cli));
+            s.drive(lab.server.tcp(srv));
+            if s.got.len() > 200_000 && lab.server.tcp(srv).is_open() {
+                lab.server.tcp(srv).abort();
+            }
+            lab.app.tcp(cli).state() == State::Closed
+        });
+        assert!(done, "v6 {v6}: the client's connection ends");
+        assert!(c.sent < MB2, "it ended mid-transfer");
+        assert!(lab.seen_to_app.iter().any(|p| tcp_flags(p).is_some_and(|f| f & RST != 0)), "an RST to the app");
+        assert_eq!(lab.meter("module.o.aborts_sent_total"), 1);
+        assert_eq!(lab.meter("module.t.aborts_received_total"), 1);
+        lab.run(10);
+        assert_eq!(lab.meter("module.t.connections_active") + lab.meter("module.o.connections_active"), 0);
+    }
+}
+
+#[test]
+fn a_refused_port_reaches_the_client_as_rst_before_any_syn_ack() {
+    for v6 in families() {
+        let mut lab = Lab::new(v6, &[], &[], &[]);
+        lab.keep_seen = true;
+        lab.net_delay = Duration::from_millis(20); // the refusal takes 40 ms to come back
+        let cli = lab.connect(81, 65536); // nobody listens on 81: the server's stack answers RST
+        let mut states = Vec::new();
+        let done = lab.until(5_000, |lab| {
+            states.push(lab.app.tcp(cli).state());
+            lab.app.tcp(cli).state() == State::Closed
+        });
+        assert!(done, "v6 {v6}");
+        assert!(!states.contains(&State::Established), "never connected: {states:?}");
+        let flags: Vec<u8> = lab.seen_to_app.iter().filter_map(|p| tcp_flags(p)).collect();
+        assert!(flags.iter().any(|f| f & RST != 0), "{flags:?}");
+        assert!(!flags.iter().any(|f| f & (SYN | ACK) == SYN | ACK), "no SYN-ACK was sent: {flags:?}");
+        assert_eq!(lab.meter("module.o.aborts_sent_total"), 1);
+        lab.run(5);
+        assert_eq!(lab.meter("module.t.connections_active") + lab.meter("module.o.connections_active"), 0);
+    }
+}
+
+#[test]
+fn an_app_abort_reaches_the_server() {
+    for v6 in families() {
+        let mut lab = Lab::new(v6, &[], &[], &[]);
+        lab.keep_seen = true;
+        let srv = lab.listen(80, 65536);
+        let cli = lab.connect(80, 65536);
+        let mut c = Pump::new(pattern(6, 100_000), false);
+        let mut s = Pump::new(Vec::new(), false);
+        assert!(lab.until(5_000, |lab| {
+            c.drive(lab.app.tcp(cli));
+            s.drive(lab.server.tcp(srv));
+            s.got.len() >= 50_000
+        }));
+        lab.app.tcp(cli).abort();
+        let done = lab.until(1_000, |lab| {
+            s.drive(lab.server.tcp(srv));
+            lab.server.tcp(srv).state() == State::Closed
+        });
+        assert!(done, "v6 {v6}: the server's connection is reset");
+        assert!(lab.seen_to_net.iter().any(|p| tcp_flags(p).is_some_and(|f| f & RST != 0)));
+        assert_eq!(lab.meter("module.t.aborts_sent_total"), 1);
+        assert_eq!(lab.meter("module.o.aborts_received_total"), 1);
+        assert_eq!(lab.meter("module.t.connections_active") + lab.meter("module.o.connections_active"), 0);
+    }
+}
+
+#[test]
+fn a_stalled_server_keeps_buffers_bounded_and_the_transfer_completes() {
+    for v6 in families() {
+        let budget = 128 * 1024;
+        let b = format!("budget={budget}");
+        let mut lab = Lab::new(v6, &[&b], &[&b], &[("p", "stream-pass", vec![])]);
+        let srv = lab.listen(80, 65536);
+        let cli = lab.connect(80, 65536);
+        let data = pattern(7, MB2);
+        let mut c = Pump::new(data.clone(), true);
+        // The server accepts but does not read for 3 s: its window closes.
+        let mut most = 0;
+        let mut sent_at = Vec::new();
+        for _ in 0..3000 {
+            lab.step();
+            c.drive(lab.app.tcp(cli));
+            // What the chain holds for the flow: the bytes terminate sent and originate has not acked (in frames,
+            // or queued at originate for the server's socket).
+            let t_flight = lab.meter("flow.terminate.1.in_flight_bytes");
+            let o_queue = lab.meter("flow.originate.1.queued_bytes");
+            assert!(t_flight <= budget, "v6 {v6}: in flight {t_flight}");
+            assert!(o_queue <= t_flight, "queued {o_queue} of {t_flight}");
+            most = most.max(lab.meter("module.t.in_flight_bytes") + lab.meter("module.o.in_flight_bytes"));
+            sent_at.push(c.sent);
+        }
+        assert!(most <= budget, "the chain holds at most the budget: {most}");
+        let stalled = sent_at[2999];
+        assert_eq!(sent_at[1000], stalled, "the client's send blocked");
+        assert!(stalled < MB2 / 2, "sent {stalled}");
+        assert!(!lab.app.tcp(cli).can_send(), "its send buffer is full");
+        assert!(lab.meter("flow.terminate.1.tcp.recv_queue") > 0, "terminate stopped reading");
+        // The server reads again: everything arrives, intact.
+        let mut s = Pump::new(Vec::new(), true);
+        let done = lab.until(60_000, |lab| {
+            c.drive(lab.app.tcp(cli));
+            s.drive(lab.server.tcp(srv));
+            s.got.len() == MB2
+        });
+        assert!(done, "got {}", s.got.len());
+        assert!(s.got == data);
+        assert_eq!(lab.meter("module.t.aborts_sent_total") + lab.meter("module.o.queue_overflows_total"), 0);
+    }
+}
+
+#[test]
+fn udp_datagrams_are_counted_exactly_and_idle_flows_go_away() {
+    for v6 in families() {
+        let mut lab = Lab::new(v6, &["match=[\"udp dport 53\"]", "udp_timeout_ms=2000"], &["udp_timeout_ms=2000"], &[]);
+        let app = sa(lab.app_addr(), 5000);
+        let dns = sa(lab.server_addr(), 53);
+        let queries: Vec<Vec<u8>> = (0..100).map(|i| pattern(100 + i, 1 + (i as usize * 13) % 1400)).collect();
+        lab.inject("t", "in", queries.iter().map(|q| udp(app, dns, q)).collect(), Direction::Down);
+        lab.run_switch();
+        let out = flexstack_core::testing::take(&lab.to_net);
+        assert_eq!(out.len(), 100, "v6 {v6}: one datagram out per datagram in");
+        for (p, q) in out.iter().zip(&queries) {
+            let (s, d, payload) = parse_udp(&p.data).expect("udp");
+            assert_eq!((s, d), (app, dns), "from the app's address and port to the original destination");
+            assert_eq!(&payload, q);
+        }
+        // Two answers per query, in order.
+        let answers: Vec<Vec<u8>> = (0..200).map(|i| pattern(1000 + i, 1 + (i as usize * 7) % 1200)).collect();
+        lab.inject("o", "in", answers.iter().map(|a| udp(dns, app, a)).collect(), Direction::Up);
+        lab.run_switch();
+        let back = flexstack_core::testing::take(&lab.to_app);
+        assert_eq!(back.len(), 200);
+        for (p, a) in back.iter().zip(&answers) {
+            let (s, d, payload) = parse_udp(&p.data).expect("udp");
+            assert_eq!((s, d), (dns, app), "from the original destination");
+            assert_eq!(&payload, a);
+        }
+        assert_eq!(lab.meter("module.t.udp_flows_total"), 1);
+        assert_eq!(lab.meter("module.o.udp_flows_active"), 1);
+        assert_eq!(lab.meter("flow.terminate.1.bytes_down_total"), queries.iter().map(|q| q.len() as u64).sum());
+        assert_eq!(lab.meter("flow.originate.1.bytes_up_total"), answers.iter().map(|a| a.len() as u64).sum());
+        assert_eq!(lab.meter("module.t.udp_budget_drops_total"), 0);
+        // Idle: both ends forget the flow.
+        lab.run(2500);
+        assert_eq!(lab.meter("module.t.udp_flows_active"), 0);
+        assert_eq!(lab.meter("module.o.udp_flows_active"), 0);
+        assert!(lab.text("flow.terminate.1.tuple").is_none(), "its meters are gone");
+        // An unreachable port comes back to the app as ICMP port unreachable, and ends the flow.
+        let q = udp(sa(lab.app_addr(), 5001), dns, b"q");
+        lab.inject("t", "in", vec![q.clone()], Direction::Down);
+        lab.run_switch();
+        let sent = flexstack_core::testing::take(&lab.to_net);
+        let icmp = icmp_unreachable(lab.server_addr(), lab.app_addr(), &sent[0].data);
+        lab.inject("o", "in", vec![icmp], Direction::Up);
+        lab.run_switch();
+        let back = flexstack_core::testing::take(&lab.to_app);
+        assert_eq!(back.len(), 1);
+        let info = flexstack_wire::packet::PacketInfo::parse(&back[0].data).unwrap();
+        assert_eq!(info.icmp, Some(if v6 { (1, 4) } else { (3, 3) }), "port unreachable");
+        assert_eq!((info.src, info.dst), (lab.server_addr(), lab.app_addr()));
+        assert_eq!(lab.meter("module.t.udp_flows_active") + lab.meter("module.o.udp_flows_active"), 0);
+    }
+}
+
+/// An ICMP destination unreachable (port) from `from` to `to` quoting `original`.
+fn icmp_unreachable(from: std::net::IpAddr, to: std::net::IpAddr, original: &[u8]) -> Vec<u8> {
+    use flexstack_wire::checksum;
+    let quote = &original[..original.len().min(if from.is_ipv4() { 28 } else { 48 })];
+    let mut m = vec![if from.is_ipv4() { 3 } else { 1 }, if from.is_ipv4() { 3 } else { 4 }, 0, 0, 0, 0, 0, 0];
+    m.extend_from_slice(quote);
+    let proto = if from.is_ipv4() { 1 } else { 58 };
+    let init = if from.is_ipv4() { 0 } else { checksum::pseudo_header(from, to, 58, m.len() as u32) };
+    let c = checksum::finish(checksum::sum(init, &m));
+    m[2..4].copy_from_slice(&c.to_be_bytes());
+    ip(from, to, proto, &m)
+}
+
+#[test]
+fn flows_not_matched_pass_unchanged_while_others_are_terminated() {
+    for v6 in families() {
+        let mut lab = Lab::new(v6, &["match=[\"pass tcp dport 22\", \"tcp dport 80\"]"], &[], &[]);
+        let srv = lab.listen(80, 65536);
+        let cli = lab.connect(80, 65536);
+        let mut c = Pump::new(pattern(8, 50_000), true);
+        let mut s = Pump::new(Vec::new(), false);
+        let (app, server) = (lab.app_addr(), lab.server_addr());
+        let others = vec![
+            tcp(sa(app, 41000), sa(server, 22), 1, 0, SYN, &[], &[], false), // excepted by `pass`
+            tcp(sa(app, 41001), sa(server, 443), 1, 0, SYN, &[], &[], false), // no rule
+            tcp(sa(app, 41002), sa(server, 80), 5, 9, ACK, &[], b"x", false), // port 80, but not a SYN
+            udp(sa(app, 5000), sa(server, 123), b"ntp"),
+            ip(app, server, if v6 { 58 } else { 1 }, &[8, 0, 0xf7, 0xff, 0, 0, 0, 0]),
+            ip(app, server, 47, b"a raw protocol"),
+        ];
+        lab.step();
+        lab.inject("t", "in", others.clone(), Direction::Down);
+        let mut passed = Vec::new();
+        let done = lab.until(5_000, |lab| {
+            c.drive(lab.app.tcp(cli));
+            s.drive(lab.server.tcp(srv));
+            passed.extend(lab.passed());
+            s.got.len() == 50_000
+        });
+        assert!(done && s.got == pattern(8, 50_000), "v6 {v6}: the terminated flow works alongside");
+        let passed: Vec<Vec<u8>> = passed.into_iter().map(|p| p.data).collect();
+        assert_eq!(passed, others, "the others pass unchanged, in order");
+        assert_eq!(lab.meter("module.t.passed_total"), others.len() as u64);
+        assert_eq!(lab.meter("module.t.rule1_matches_total"), 1);
+        assert_eq!(lab.meter("module.t.rule2_matches_total"), 1);
+        // From the network, packets of no flow of originate's pass too.
+        let stray = udp(sa(server, 53), sa(app, 9999), b"stray");
+        lab.inject("o", "in", vec![stray.clone()], Direction::Up);
+        lab.run_switch();
+        assert_eq!(lab.net_passed().iter().map(|p| p.data.clone()).collect::<Vec<_>>(), vec![stray]);
+    }
+}
+
+#[test]
+fn a_thousand_concurrent_connections_with_bounded_memory() {
+    let small = ["rx_buffer=4096", "tx_buffer=4096", "budget=8192"];
+    let mut lab = Lab::new(false, &small, &small, &[("p", "stream-pass", vec![])]);
+    let n = 1000;
+    let srv: Vec<_> = (0..n).map(|_| lab.listen(80, 4096)).collect();
+    let cli: Vec<_> = (0..n).map(|_| lab.connect(80, 4096)).collect();
+    let mut c: Vec<Pump> = (0..n).map(|i| Pump::new(pattern(i as u64, 1000), false)).collect();
+    let mut s: Vec<Pump> = (0..n).map(|_| Pump::new(Vec::new(), false)).collect();
+    // First every connection is established: all are open at once, at both endpoints.
+    let open = lab.until(5_000, |lab| cli.iter().all(|&h| lab.app.tcp(h).state() == State::Established));
+    assert!(open);
+    assert_eq!(lab.meter("module.t.connections_active"), n as u64, "all open at once");
+    assert_eq!(lab.meter("module.o.connections_active"), n as u64);
+    let done = lab.until(20_000, |lab| {
+        for i in 0..n {
+            c[i].drive(lab.app.tcp(cli[i]));
+            let ss = lab.server.tcp(srv[i]);
+            s[i].drive(ss);
+            // Each server echoes the request back once it has it all, then closes; the client closes when it has
+            // the echo.
+            if s[i].got.len() == 1000 && s[i].out.is_empty() {
+                s[i].out = s[i].got.clone();
+                s[i].close_after = true;
+            }
+            if c[i].got.len() == 1000 && !c[i].closed {
+                lab.app.tcp(cli[i]).close();
+                c[i].closed = true;
+            }
+        }
+        c.iter().all(|p| p.got.len() == 1000)
+    });
+    assert!(done, "{} of {n} done", c.iter().filter(|p| p.got.len() == 1000).count());
+    for (i, p) in c.iter().enumerate() {
+        assert_eq!(p.got, pattern(i as u64, 1000), "connection {i}");
+    }
+    assert_eq!(lab.meter("module.t.connections_total"), n as u64);
+    // Memory: a few pooled packets per connection at most, and nothing held once they close.
+    let pool = lab.sw.pool().stats();
+    assert!(pool.allocated < 4 * n as u64, "pool slots {}", pool.allocated);
+    lab.run(11_000); // TIME-WAIT is 10 s (reading the registry of 2,000 flows at every step would be slow)
+    assert_eq!(lab.meter("module.t.connections_active") + lab.meter("module.o.connections_active"), 0);
+    assert_eq!(lab.meter("module.t.buffered_bytes") + lab.meter("module.o.buffered_bytes"), 0);
+    assert_eq!(lab.meter("module.t.in_flight_bytes") + lab.meter("module.o.in_flight_bytes"), 0);
+}
+
+#[test]
+fn transport_meters_and_the_cc_knob_of_a_flow() {
+    for v6 in families() {
+        let mut lab = Lab::new(v6, &[], &["cc=\"reno\""], &[]);
+        let srv = lab.listen(80, 65536);
+        let cli = lab.connect(80, 65536);
+        let mut c = Pump::new(pattern(9, 500_000), false);
+        let mut s = Pump::new(Vec::new(), false);
+        assert!(lab.until(5_000, |lab| {
+            c.drive(lab.app.tcp(cli));
+            s.drive(lab.server.tcp(srv));
+            s.got.len() > 100_000
+        }));
+        for side in ["terminate", "originate"] {
+            assert_eq!(lab.text(&format!("flow.{side}.1.tcp.state")).as_deref(), Some("established"));
+            assert!(lab.meter(&format!("flow.{side}.1.tcp.srtt_us")) > 0, "{side}: an RTT was measured");
+            let tuple = lab.text(&format!("flow.{side}.1.tuple")).unwrap();
+            assert!(tuple.starts_with("tcp "), "{tuple}");
+        }
+        assert_eq!(lab.text("flow.terminate.1.tcp.cc").as_deref(), Some("cubic"));
+        assert_eq!(lab.text("flow.originate.1.tcp.cc").as_deref(), Some("reno"));
+        lab.sw
+            .apply(vec![Edit::SetVar { name: "flow.originate.1.tcp.cc".into(), value: Value::Str("none".into()) }])
+            .unwrap();
+        assert_eq!(lab.text("flow.originate.1.tcp.cc").as_deref(), Some("none"));
+        let bad = Edit::SetVar { name: "flow.originate.1.tcp.cc".into(), value: Value::Str("bbr".into()) };
+        let notes = lab.sw.apply(vec![bad]).unwrap();
+        assert!(notes[0].contains("expected none, reno or cubic"), "smoltcp has no bbr: {notes:?}");
+        assert_eq!(lab.text("flow.originate.1.tcp.cc").as_deref(), Some("none"));
+        assert!(lab.until(10_000, |lab| {
+            c.drive(lab.app.tcp(cli));
+            s.drive(lab.server.tcp(srv));
+            s.got.len() == 500_000
+        }));
+        assert!(s.got == pattern(9, 500_000));
+        assert_eq!(lab.meter("flow.originate.1.bytes_down_total"), 500_000);
+    }
+}
+
+#[test]
+fn hostile_segments_are_counted_bounded_and_harmless() {
+    for v6 in families() {
+        let t_limits = ["max_connections=50", "connect_timeout_ms=5000"];
+        let mut lab = Lab::new(v6, &t_limits, &["connect_timeout_ms=2000"], &[]);
+        lab.keep_seen = true;
+        lab.blackhole = true; // nobody answers on the network side
+        let (app, server) = (lab.app_addr(), lab.server_addr());
+        // SYNs its TCP does not take: a bad checksum, an option longer than the header, a zero-length option.
+        let bad = vec![
+            tcp(sa(app, 30000), sa(server, 80), 1, 0, SYN, &[2, 4, 5, 0xb4], &[], true),
+            tcp(sa(app, 30001), sa(server, 80), 1, 0, SYN, &[2, 40, 5, 0xb4], &[], false),
+            tcp(sa(app, 30002), sa(server, 80), 1, 0, SYN, &[3, 0, 0, 0], &[], false),
+        ];
+        lab.inject("t", "in", bad, Direction::Down);
+        lab.run_switch();
+        assert_eq!(lab.meter("module.t.invalid_syns_total"), 3, "v6 {v6}");
+        assert_eq!(lab.meter("module.t.connections_total"), 0);
+        // A SYN flood beyond the limit: 50 half-open connections, the rest answered with RST at once.
+        let flood: Vec<Vec<u8>> = (0..200)
+            .map(|i| tcp(sa(app, 20000 + i), sa(server, 80), 7, 0, SYN, &[2, 4, 5, 0xb4], &[], false))
+            .collect();
+        lab.inject("t", "in", flood, Direction::Down);
+        lab.run_switch();
+        lab.step();
+        assert_eq!(lab.meter("module.t.connections_active"), 50);
+        assert_eq!(lab.meter("module.t.refused_total"), 150);
+        let rsts = lab.seen_to_app.iter().filter(|p| tcp_flags(p).is_some_and(|f| f & RST != 0)).count();
+        assert_eq!(rsts, 150, "one RST per refused SYN");
+        assert!(lab.seen_to_app.iter().all(|p| tcp_flags(p).is_some_and(|f| f & SYN == 0)), "no SYN-ACK yet");
+        // Segments of no connection are not terminated: they pass.
+        let stray = tcp(sa(app, 31000), sa(server, 80), 1, 1, ACK | RST, &[], &[], false);
+        lab.inject("t", "in", vec![stray.clone()], Direction::Down);
+        lab.run_switch();
+        assert_eq!(lab.passed().into_iter().map(|p| p.data).collect::<Vec<_>>(), vec![stray]);
+        // The half-open connections time out: nothing is left, nothing was sent to the app for them.
+        lab.run(2500);
+        assert_eq!(lab.meter("module.t.connections_active") + lab.meter("module.o.connections_active"), 0);
+        assert_eq!(lab.meter("module.o.timeouts_total"), 50, "originate gave up; terminate was told");
+        assert_eq!(lab.meter("module.t.timeouts_total"), 0);
+        let after = lab.seen_to_app.iter().filter(|p| tcp_flags(p).is_some_and(|f| f & RST != 0)).count();
+        assert_eq!(after, 150, "a connection the app never got a SYN-ACK for ends silently");
+        let pool = lab.sw.pool().stats();
+        assert!(pool.allocated < 1000, "pool slots {}", pool.allocated);
+    }
+}
+
+#[test]
+fn out_of_window_data_changes_nothing() {
+    for v6 in families() {
+        let mut lab = Lab::new(v6, &[], &[], &[]);
+        let srv = lab.listen(80, 65536);
+        let cli = lab.connect(80, 65536);
+        let data = pattern(10, 300_000);
+        let mut c = Pump::new(data.clone(), true);
+        let mut s = Pump::new(Vec::new(), false);
+        assert!(lab.until(5_000, |lab| {
+            c.drive(lab.app.tcp(cli));
+            s.drive(lab.server.tcp(srv));
+            s.got.len() > 100_000
+        }));
+        // Forged segments on the connection's tuple: data far outside the window, and an ACK of bytes never sent.
+        let (app, server) = (sa(lab.app_addr(), 40001), sa(lab.server_addr(), 80));
+        let forged = vec![
+            tcp(app, server, 0x8000_0000, 0, ACK, &[], &[0xee; 1000], false),
+            tcp(app, server, 0x1234_5678, 0x7777_7777, ACK, &[], &[0xdd; 500], false),
+        ];
+        lab.inject("t", "in", forged, Direction::Down);
+        assert!(lab.until(10_000, |lab| {
+            c.drive(lab.app.tcp(cli));
+            s.drive(lab.server.tcp(srv));
+            s.got.len() == data.len() && !lab.server.tcp(srv).may_recv()
+        }));
+        assert!(s.got == data, "v6 {v6}: exactly the client's bytes");
+        assert_eq!(lab.meter("module.t.aborts_sent_total"), 0);
+    }
+}
+
+#[test]
+fn an_app_that_never_reads_keeps_buffers_bounded() {
+    for v6 in families() {
+        let budget = 64 * 1024;
+        let b = format!("budget={budget}");
+        let mut lab = Lab::new(v6, &[&b], &[&b], &[]);
+        let srv = lab.listen(80, 65536);
+        let cli = lab.connect(80, 65536);
+        let mut s = Pump::new(pattern(11, MB2), false);
+        let mut sent = Vec::new();
+        for _ in 0..2000 {
+            lab.step();
+            s.drive(lab.server.tcp(srv)); // the app's window closes: it never reads
+            assert!(lab.meter("module.o.in_flight_bytes") <= budget);
+            sent.push(s.sent);
+        }
+        assert_eq!(sent[1000], sent[1999], "v6 {v6}: the server's send blocked");
+        assert!(lab.meter("module.t.buffered_bytes") <= budget);
+        let mut c = Pump::new(Vec::new(), false);
+        assert!(lab.until(30_000, |lab| {
+            s.drive(lab.server.tcp(srv));
+            c.drive(lab.app.tcp(cli));
+            c.got.len() == MB2
+        }));
+        assert!(c.got == pattern(11, MB2));
+    }
+}
+
+#[test]
+fn an_unreachable_destination_reaches_the_app_as_icmp_and_a_silent_one_times_out() {
+    for v6 in families() {
+        let mut lab = Lab::new(v6, &[], &["connect_timeout_ms=1000"], &[]);
+        lab.keep_seen = true;
+        lab.blackhole = true;
+        let cli = lab.connect(80, 65536);
+        lab.step();
+        let syn = lab.seen_to_net.first().cloned().expect("originate sent a SYN");
+        let router = if v6 { "2001:db8:ffff::1" } else { "198.51.100.1" }.parse().unwrap();
+        let mut icmp = icmp_unreachable(router, lab.app_addr(), &syn);
+        // Host unreachable rather than port (code 1 / 3).
+        icmp[if v6 { 41 } else { 21 }] = if v6 { 3 } else { 1 };
+        fix_icmp_checksum(&mut icmp, v6);
+        lab.inject("o", "in", vec![icmp], Direction::Up);
+        lab.run_switch();
+        lab.step();
+        assert_eq!(lab.meter("module.o.icmp_errors_total"), 1, "v6 {v6}");
+        let to_app: Vec<_> =
+            lab.seen_to_app.iter().filter_map(|p| flexstack_wire::packet::PacketInfo::parse(p).ok()).collect();
+        assert_eq!(to_app.len(), 1);
+        assert_eq!(to_app[0].icmp, Some(if v6 { (1, 3) } else { (3, 1) }), "host unreachable");
+        assert_eq!(to_app[0].src, lab.server_addr(), "from the original destination");
+        assert_eq!(lab.meter("module.t.connections_active") + lab.meter("module.o.connections_active"), 0);
+        lab.app.tcp(cli).abort();
+
+        // No answer at all: originate gives up after connect_timeout_ms, and the app hears nothing.
+        lab.seen_to_app.clear();
+        let _cli = lab.connect(80, 65536);
+        lab.run(1100);
+        assert_eq!(lab.meter("module.o.timeouts_total"), 1);
+        assert_eq!(lab.meter("module.t.connections_active") + lab.meter("module.o.connections_active"), 0);
+        assert!(lab.seen_to_app.is_empty(), "{:?}", lab.seen_to_app);
+    }
+}
+
+fn fix_icmp_checksum(p: &mut [u8], v6: bool) {
+    use flexstack_wire::checksum;
+    let l4 = if v6 { 40 } else { 20 };
+    p[l4 + 2] = 0;
+    p[l4 + 3] = 0;
+    let init = if v6 {
+        let info = flexstack_wire::packet::PacketInfo::parse(p).unwrap();
+        checksum::pseudo_header(info.src, info.dst, 58, (p.len() - l4) as u32)
+    } else {
+        0
+    };
+    let c = checksum::finish(checksum::sum(init, &p[l4..]));
+    p[l4 + 2..l4 + 4].copy_from_slice(&c.to_be_bytes());
+}
+
+#[test]
+fn a_stream_tap_in_the_chain_records_both_directions() {
+    let dir = tempfile::tempdir().unwrap();
+    let folder = format!("folder={:?}", dir.path().display().to_string());
+    let mut lab = Lab::new(false, &["app=\"curl\""], &[], &[("tap", "stream-tap", args(&[&folder]))]);
+    let srv = lab.listen(80, 65536);
+    let cli = lab.connect(80, 65536);
+    let mut c = Pump::new(pattern(12, 200_000), true);
+    let mut s = Pump::new(pattern(13, 300_000), true);
+    assert!(lab.until(10_000, |lab| {
+        c.drive(lab.app.tcp(cli));
+        s.drive(lab.server.tcp(srv));
+        c.got.len() == 300_000 && s.got.len() == 200_000
+    }));
+    lab.run(100);
+    assert!(std::fs::read(dir.path().join("1.down")).unwrap() == pattern(12, 200_000));
+    assert!(std::fs::read(dir.path().join("1.up")).unwrap() == pattern(13, 300_000));
+    let index = std::fs::read_to_string(dir.path().join("index")).unwrap();
+    assert_eq!(
+        index,
+        "1 open tcp 10.0.0.2:40001 -> 192.0.2.1:80 app \"curl\" client\n1 end fin down 200000 up 300000\n"
+    );
+}

@@ -1,0 +1,513 @@
+//! A two-endpoint lab for the stream endpoints, with simulated time: an app-side smoltcp host (the "app", its own
+//! `Interface`) <-> `terminate` <-> [stream modules] <-> `originate` <-> a server-side smoltcp host, all IP packets
+//! moved between them by the test loop, the endpoints and the stream modules in one `Switch`.
+//!
+//! ```text
+//!  app host ──Down──▶ t[in]          t[stream] ─▶ mid… ─▶ sdir ─[down]▶ o[stream_in]     o[out] ──▶ server host
+//!  app host ◀──Up──── t[out]         o[stream] ─▶ mid…        ─[up]──▶ t[stream_in]     o[in] ◀── server host
+//!                     t[pass] ─▶ `passed` log                                            o[pass] ─▶ `net_passed` log
+//! ```
+#![allow(dead_code)] // each test file uses what it needs
+
+use flexstack_core::testing::{take, Log, Recorder, Seen};
+use flexstack_core::{Batch, Direction, Edit, Frame, LinkSpec, Settings, Switch, Time, Value};
+use smoltcp::iface::{Config, Interface, SocketHandle, SocketSet};
+use smoltcp::phy::{self, DeviceCapabilities, Medium};
+use smoltcp::socket::tcp;
+use smoltcp::time::Instant;
+use smoltcp::wire::{HardwareAddress, IpAddress, IpCidr, Ipv4Address, Ipv6Address};
+use std::collections::VecDeque;
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+
+pub const APP4: &str = "10.0.0.2";
+pub const SERVER4: &str = "192.0.2.1";
+pub const APP6: &str = "fd77::2";
+pub const SERVER6: &str = "2001:db8::1";
+
+/// A smoltcp `Device` over two queues of byte vectors.
+#[derive(Default)]
+pub struct Wire {
+    pub rx: VecDeque<Vec<u8>>,
+    pub tx: Vec<Vec<u8>>,
+}
+
+pub struct RxT(Vec<u8>);
+pub struct TxT<'a>(&'a mut Vec<Vec<u8>>);
+
+impl phy::RxToken for RxT {
+    fn consume<R, F: FnOnce(&[u8]) -> R>(self, f: F) -> R {
+        f(&self.0)
+    }
+}
+
+impl phy::TxToken for TxT<'_> {
+    fn consume<R, F: FnOnce(&mut [u8]) -> R>(self, len: usize, f: F) -> R {
+        let mut b = vec![0; len];
+        let r = f(&mut b);
+        self.0.push(b);
+        r
+    }
+}
+
+impl phy::Device for Wire {
+    type RxToken<'a> = RxT;
+    type TxToken<'a> = TxT<'a>;
+    fn receive(&mut self, _: Instant) -> Option<(RxT, TxT<'_>)> {
+        let p = self.rx.pop_front()?;
+        Some((RxT(p), TxT(&mut self.tx)))
+    }
+    fn transmit(&mut self, _: Instant) -> Option<TxT<'_>> {
+        Some(TxT(&mut self.tx))
+    }
+    fn capabilities(&self) -> DeviceCapabilities {
+        let mut c = DeviceCapabilities::default();
+        c.medium = Medium::Ip;
+        c.max_transmission_unit = 1500;
+        c
+    }
+}
+
+/// A host: one smoltcp interface and its sockets.
+pub struct Host {
+    pub iface: Interface,
+    pub wire: Wire,
+    pub sockets: SocketSet<'static>,
+    pub addr: IpAddr,
+}
+
+fn smol(t: Time) -> Instant {
+    Instant::from_micros((t.as_nanos() / 1000) as i64)
+}
+
+impl Host {
+    pub fn new(addr4: &str, addr6: &str, v6: bool, seed: u64) -> Host {
+        let mut wire = Wire::default();
+        let mut c = Config::new(HardwareAddress::Ip);
+        c.random_seed = seed;
+        let mut iface = Interface::new(c, &mut wire, Instant::ZERO);
+        let a4: Ipv4Address = addr4.parse().unwrap();
+        let a6: Ipv6Address = addr6.parse().unwrap();
+        iface.update_ip_addrs(|a| {
+            a.push(IpCidr::new(IpAddress::Ipv4(a4), 24)).unwrap();
+            a.push(IpCidr::new(IpAddress::Ipv6(a6), 64)).unwrap();
+        });
+        // Everything else through a gateway: the device is IP, so any gateway address does.
+        let g4 = Ipv4Address::from_octets({
+            let mut o = a4.octets();
+            o[3] = 254;
+            o
+        });
+        let mut g6 = a6.octets();
+        g6[15] = 0xfe;
+        iface.routes_mut().add_default_ipv4_route(g4).unwrap();
+        iface.routes_mut().add_default_ipv6_route(Ipv6Address::from_octets(g6)).unwrap();
+        let addr = if v6 { IpAddr::V6(a6) } else { IpAddr::V4(a4) };
+        Host { iface, wire, sockets: SocketSet::new(Vec::new()), addr }
+    }
+
+    /// Polls the interface; returns what it sent.
+    pub fn poll(&mut self, now: Time) -> Vec<Vec<u8>> {
+        self.iface.poll(smol(now), &mut self.wire, &mut self.sockets);
+        std::mem::take(&mut self.wire.tx)
+    }
+
+    pub fn tcp(&mut self, h: SocketHandle) -> &mut tcp::Socket<'static> {
+        self.sockets.get_mut::<tcp::Socket>(h)
+    }
+
+    pub fn socket(&mut self, buffer: usize) -> tcp::Socket<'static> {
+        let mut s = tcp::Socket::new(tcp::SocketBuffer::new(vec![0; buffer]), tcp::SocketBuffer::new(vec![0; buffer]));
+        s.set_nagle_enabled(false);
+        s
+    }
+}
+
+/// The lab.
+pub struct Lab {
+    pub sw: Switch,
+    pub now: Time,
+    pub app: Host,
+    pub server: Host,
+    pub v6: bool,
+    pub to_app: Log,
+    pub to_net: Log,
+    pub passed: Log,
+    pub net_passed: Log,
+    /// Packets towards the server are lost (an unreachable network) while true.
+    pub blackhole: bool,
+    /// Every packet that went to the app or to the network, for tests that look at segments.
+    pub seen_to_app: Vec<Vec<u8>>,
+    pub seen_to_net: Vec<Vec<u8>>,
+    pub keep_seen: bool,
+    /// One-way delay between originate and the server (both ways); 0: none.
+    pub net_delay: Duration,
+    to_server: VecDeque<(Time, Vec<u8>)>,
+    from_server: VecDeque<(Time, Vec<u8>)>,
+    next_port: u16,
+}
+
+pub fn load(name: &str, kind: &str, args: &[String]) -> Edit {
+    let settings = Settings::from_args(args).expect("settings");
+    let builder =
+        flexstack_modules::catalog().configure(kind, &settings, None).unwrap_or_else(|e| panic!("{kind}: {e}"));
+    Edit::Load { name: name.into(), kind: kind.into(), settings, builder }
+}
+
+pub fn link(text: &str) -> Edit {
+    Edit::Link(LinkSpec::parse(text).expect("link"))
+}
+
+pub fn args(a: &[&str]) -> Vec<String> {
+    a.iter().map(|s| s.to_string()).collect()
+}
+
+impl Lab {
+    /// `terminate` with `t_args` (plus a fixed seed), `originate` with `o_args`, and `middle` stream modules
+    /// (name, kind, settings) chained between them.
+    pub fn new(v6: bool, t_args: &[&str], o_args: &[&str], middle: &[(&str, &str, Vec<String>)]) -> Lab {
+        let mut sw = Switch::default();
+        let mut t = args(&["seed=11"]);
+        t.extend(args(t_args));
+        let mut o = args(&["seed=12"]);
+        o.extend(args(o_args));
+        let (r1, to_app) = Recorder::load("to_app");
+        let (r2, to_net) = Recorder::load("to_net");
+        let (r3, passed) = Recorder::load("passed");
+        let (r4, net_passed) = Recorder::load("net_passed");
+        let mut edits = vec![load("t", "terminate", &t), load("o", "originate", &o), load("sdir", "direction", &[])];
+        edits.extend([r1, r2, r3, r4]);
+        for (name, kind, a) in middle {
+            edits.push(load(name, kind, a));
+        }
+        let first = middle.first().map_or("sdir", |m| m.0);
+        edits.push(link(&format!("t[stream] -> {first}")));
+        edits.push(link(&format!("o[stream] -> {first}")));
+        for w in middle.windows(2) {
+            edits.push(link(&format!("{} -> {}", w[0].0, w[1].0)));
+        }
+        if let Some(last) = middle.last() {
+            edits.push(link(&format!("{} -> sdir", last.0)));
+        }
+        edits.extend([
+            link("sdir[down] -> o[stream_in]"),
+            link("sdir[up] -> t[stream_in]"),
+            link("t[out] -> to_app"),
+            link("t[pass] -> passed"),
+            link("o[out] -> to_net"),
+            link("o[pass] -> net_passed"),
+        ]);
+        sw.apply(edits).unwrap();
+        Lab {
+            sw,
+            now: Time::from_millis(1),
+            app: Host::new(APP4, APP6, v6, 1),
+            server: Host::new(SERVER4, SERVER6, v6, 2),
+            v6,
+            to_app,
+            to_net,
+            passed,
+            net_passed,
+            blackhole: false,
+            seen_to_app: Vec::new(),
+            seen_to_net: Vec::new(),
+            keep_seen: false,
+            net_delay: Duration::ZERO,
+            to_server: VecDeque::new(),
+            from_server: VecDeque::new(),
+            next_port: 40000,
+        }
+    }
+
+    pub fn server_addr(&self) -> IpAddr {
+        self.server.addr
+    }
+
+    pub fn app_addr(&self) -> IpAddr {
+        self.app.addr
+    }
+
+    /// Injects raw packets into module `m`'s `port`, travelling `dir`.
+    pub fn inject(&mut self, m: &str, port: &str, packets: Vec<Vec<u8>>, dir: Direction) {
+        if packets.is_empty() {
+            return;
+        }
+        let mut batch: Batch = packets
+            .into_iter()
+            .map(|d| {
+                let mut p = self.sw.pool().alloc_from(&d);
+                p.set_direction(dir);
+                Frame::Data(p)
+            })
+            .collect();
+        self.sw.inject(m, port, &mut batch).unwrap();
+    }
+
+    /// Runs the switch at the current time until nothing is pending.
+    pub fn run_switch(&mut self) {
+        for _ in 0..1000 {
+            self.sw.run(self.now);
+            if !self.sw.has_pending() {
+                return;
+            }
+        }
+        panic!("the switch never settles");
+    }
+
+    /// One exchange at the current time: hosts send, the switch runs, packets are delivered. True if anything moved.
+    pub fn round(&mut self) -> bool {
+        let now = self.now;
+        while self.to_server.front().is_some_and(|(t, _)| *t <= now) {
+            let (_, p) = self.to_server.pop_front().unwrap();
+            self.server.wire.rx.push_back(p);
+        }
+        let a = self.app.poll(now);
+        for p in self.server.poll(now) {
+            self.from_server.push_back((now + self.net_delay, p));
+        }
+        let mut s = Vec::new();
+        while self.from_server.front().is_some_and(|(t, _)| *t <= now) {
+            s.push(self.from_server.pop_front().unwrap().1);
+        }
+        let moved = !a.is_empty() || !s.is_empty();
+        self.inject("t", "in", a, Direction::Down);
+        self.inject("o", "in", s, Direction::Up);
+        self.run_switch();
+        let to_app = take(&self.to_app);
+        let to_net = take(&self.to_net);
+        let moved = moved || !to_app.is_empty() || !to_net.is_empty();
+        for p in to_app {
+            assert_eq!(p.direction, Direction::Up, "packets to the app travel up");
+            if self.keep_seen {
+                self.seen_to_app.push(p.data.clone());
+            }
+            self.app.wire.rx.push_back(p.data);
+        }
+        for p in to_net {
+            assert_eq!(p.direction, Direction::Down, "packets to the network travel down");
+            if self.keep_seen {
+                self.seen_to_net.push(p.data.clone());
+            }
+            if !self.blackhole {
+                self.to_server.push_back((now + self.net_delay, p.data));
+            }
+        }
+        moved
+    }
+
+    /// Exchanges until quiet, then advances the clock by 1 ms.
+    pub fn step(&mut self) {
+        for _ in 0..10_000 {
+            if !self.round() {
+                break;
+            }
+        }
+        self.now = self.now + Duration::from_millis(1);
+    }
+
+    /// Steps until `done` holds (checked after each step) or `max_ms` passed; true if it held.
+    pub fn until(&mut self, max_ms: u64, mut done: impl FnMut(&mut Lab) -> bool) -> bool {
+        for _ in 0..max_ms {
+            self.step();
+            if done(self) {
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Steps for `ms` milliseconds.
+    pub fn run(&mut self, ms: u64) {
+        for _ in 0..ms {
+            self.step();
+        }
+    }
+
+    /// A server socket listening on `port` (buffers of `buffer` bytes).
+    pub fn listen(&mut self, port: u16, buffer: usize) -> SocketHandle {
+        let mut s = self.server.socket(buffer);
+        s.listen(port).unwrap();
+        self.server.sockets.add(s)
+    }
+
+    /// An app socket connecting to the server's `port` (buffers of `buffer` bytes).
+    pub fn connect(&mut self, port: u16, buffer: usize) -> SocketHandle {
+        let mut s = self.app.socket(buffer);
+        self.next_port += 1;
+        let dst = (IpAddress::from(self.server_addr()), port);
+        s.connect(self.app.iface.context(), dst, self.next_port).unwrap();
+        self.app.sockets.add(s)
+    }
+
+    /// A u64 meter of the registry.
+    pub fn meter(&self, name: &str) -> u64 {
+        match self.sw.registry().snapshot().get(name).unwrap_or_else(|| panic!("no variable {name}")).get() {
+            Value::U64(v) => v,
+            other => panic!("{name} is {other:?}"),
+        }
+    }
+
+    /// A text meter of the registry.
+    pub fn text(&self, name: &str) -> Option<String> {
+        match self.sw.registry().snapshot().get(name)?.get() {
+            Value::Str(s) => Some(s),
+            other => panic!("{name} is {other:?}"),
+        }
+    }
+
+    pub fn passed(&self) -> Vec<Seen> {
+        take(&self.passed)
+    }
+
+    pub fn net_passed(&self) -> Vec<Seen> {
+        take(&self.net_passed)
+    }
+}
+
+/// Deterministic pseudo-random bytes.
+pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+/// A transfer in progress on one socket: what to send, what was sent, what arrived.
+#[derive(Default)]
+pub struct Pump {
+    pub out: Vec<u8>,
+    pub sent: usize,
+    pub got: Vec<u8>,
+    pub close_after: bool,
+    pub closed: bool,
+}
+
+impl Pump {
+    pub fn new(out: Vec<u8>, close_after: bool) -> Pump {
+        Pump { out, close_after, ..Pump::default() }
+    }
+
+    /// Sends what the socket takes, reads what it has, closes when all was sent (if asked).
+    pub fn drive(&mut self, s: &mut tcp::Socket<'static>) {
+        if s.can_send() && self.sent < self.out.len() {
+            self.sent += s.send_slice(&self.out[self.sent..]).unwrap_or(0);
+        }
+        while s.can_recv() {
+            let got = &mut self.got;
+            let _ = s.recv(|b| {
+                got.extend_from_slice(b);
+                (b.len(), ())
+            });
+        }
+        if self.close_after && !self.closed && self.sent == self.out.len() && s.may_send() {
+            s.close();
+            self.closed = true;
+        }
+    }
+}
+
+/// The TCP flags of each packet, for packets that are TCP (IPv4 without options, or IPv6 without extension headers).
+pub fn tcp_flags(packet: &[u8]) -> Option<u8> {
+    let l4 = match packet.first()? >> 4 {
+        4 if packet.get(9) == Some(&6) => usize::from(packet[0] & 0x0f) * 4,
+        6 if packet.get(6) == Some(&6) => 40,
+        _ => return None,
+    };
+    packet.get(l4 + 13).copied()
+}
+
+/// The endpoints of an address family as socket addresses.
+pub fn sa(ip: IpAddr, port: u16) -> SocketAddr {
+    SocketAddr::new(ip, port)
+}
+
+/// An IP packet from `src` to `dst` carrying `l4` (the transport bytes, checksum already in place).
+pub fn ip(src: IpAddr, dst: IpAddr, protocol: u8, l4: &[u8]) -> Vec<u8> {
+    use flexstack_wire::checksum;
+    let mut p = Vec::new();
+    match (src, dst) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => {
+            let total = 20 + l4.len();
+            p.extend_from_slice(&[0x45, 0, (total >> 8) as u8, total as u8, 0, 1, 0x40, 0, 64, protocol, 0, 0]);
+            p.extend_from_slice(&s.octets());
+            p.extend_from_slice(&d.octets());
+            let c = checksum::ipv4_header(&p);
+            p[10..12].copy_from_slice(&c.to_be_bytes());
+        }
+        (IpAddr::V6(s), IpAddr::V6(d)) => {
+            let len = l4.len();
+            p.extend_from_slice(&[0x60, 0, 0, 0, (len >> 8) as u8, len as u8, protocol, 64]);
+            p.extend_from_slice(&s.octets());
+            p.extend_from_slice(&d.octets());
+        }
+        _ => panic!("mixed families"),
+    }
+    p.extend_from_slice(l4);
+    p
+}
+
+/// A UDP datagram with a right checksum.
+pub fn udp(src: SocketAddr, dst: SocketAddr, payload: &[u8]) -> Vec<u8> {
+    use flexstack_wire::checksum;
+    let len = 8 + payload.len();
+    let mut u = Vec::with_capacity(len);
+    u.extend_from_slice(&src.port().to_be_bytes());
+    u.extend_from_slice(&dst.port().to_be_bytes());
+    u.extend_from_slice(&(len as u16).to_be_bytes());
+    u.extend_from_slice(&[0, 0]);
+    u.extend_from_slice(payload);
+    let c = checksum::finish(checksum::sum(checksum::pseudo_header(src.ip(), dst.ip(), 17, len as u32), &u));
+    u[6..8].copy_from_slice(&(if c == 0 { 0xffff } else { c }).to_be_bytes());
+    ip(src.ip(), dst.ip(), 17, &u)
+}
+
+/// A TCP segment with `options` (padded to 4 bytes), `flags` and a right checksum (unless `bad_checksum`).
+#[allow(clippy::too_many_arguments)]
+pub fn tcp(
+    src: SocketAddr,
+    dst: SocketAddr,
+    seq: u32,
+    ack: u32,
+    flags: u8,
+    options: &[u8],
+    payload: &[u8],
+    bad_checksum: bool,
+) -> Vec<u8> {
+    use flexstack_wire::checksum;
+    let mut opts = options.to_vec();
+    while !opts.len().is_multiple_of(4) {
+        opts.push(0);
+    }
+    let doff = (20 + opts.len()) / 4;
+    let mut t = Vec::new();
+    t.extend_from_slice(&src.port().to_be_bytes());
+    t.extend_from_slice(&dst.port().to_be_bytes());
+    t.extend_from_slice(&seq.to_be_bytes());
+    t.extend_from_slice(&ack.to_be_bytes());
+    t.extend_from_slice(&[(doff as u8) << 4, flags, 0xff, 0xff, 0, 0, 0, 0]);
+    t.extend_from_slice(&opts);
+    t.extend_from_slice(payload);
+    let mut c = checksum::finish(checksum::sum(checksum::pseudo_header(src.ip(), dst.ip(), 6, t.len() as u32), &t));
+    if bad_checksum {
+        c ^= 0x5555;
+    }
+    t[16..18].copy_from_slice(&c.to_be_bytes());
+    ip(src.ip(), dst.ip(), 6, &t)
+}
+
+/// The payload of a UDP packet (IPv4 without options, or IPv6 without extension headers) and its endpoints.
+pub fn parse_udp(p: &[u8]) -> Option<(SocketAddr, SocketAddr, Vec<u8>)> {
+    let info = flexstack_wire::packet::PacketInfo::parse(p).ok()?;
+    (info.protocol == 17).then(|| {
+        (
+            SocketAddr::new(info.src, info.src_port),
+            SocketAddr::new(info.dst, info.dst_port),
+            p[info.l4_offset + 8..info.total_len].to_vec(),
+        )
+    })
+}

@@ -13,7 +13,7 @@
 
 mod common;
 
-use common::{privileged_serial, sh, text, unique, Daemon, LinkGuard, Netns};
+use common::{ping_rtts, privileged_serial, sh, text, unique, Daemon, LinkGuard, Netns};
 use serde_json::Value as Json;
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
@@ -90,11 +90,8 @@ kind = "emulator"
     /// Median RTT in ms of `count` pings from h1 to h2, 50 ms apart.
     fn ping_median(&self, count: u32) -> f64 {
         let out = self.h1.run(&["ping", "-n", "-c", &count.to_string(), "-i", "0.05", "-W", "2", &self.h2_addr()]);
-        let t = String::from_utf8_lossy(&out.stdout).to_string();
         assert!(out.status.success(), "ping: {}", text(&out));
-        let mut rtts: Vec<f64> =
-            t.split("time=").skip(1).filter_map(|r| r.split_whitespace().next()?.parse().ok()).collect();
-        assert_eq!(rtts.len(), count as usize, "every ping answered: {t}");
+        let mut rtts = ping_rtts(&String::from_utf8_lossy(&out.stdout), count);
         rtts.sort_by(f64::total_cmp);
         let n = rtts.len();
         if n % 2 == 1 {

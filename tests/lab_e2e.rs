@@ -13,7 +13,7 @@
 
 mod common;
 
-use common::{answer, as_u64, bin, path_str, privileged_serial, repo, text, LabScratch};
+use common::{answer, as_u64, bin, path_str, ping_rtts, privileged_serial, repo, text, upper_median, LabScratch};
 use flexstack_api::ops::Get;
 use serde_json::Value as Json;
 use std::collections::BTreeSet;
@@ -444,12 +444,7 @@ fn gilbert_elliott_loss_gives_bursts_of_the_configured_mean_length() {
 fn ping_median(t: &TestLab, host: &str, to: &str, count: u32) -> f64 {
     let out = t.cli(&["lab", "exec", host, "--", "ping", "-n", "-c", &count.to_string(), "-i", "0.2", "-W", "2", to]);
     assert!(out.status.success(), "ping from {host} to {to}: {}", text(&out));
-    let s = String::from_utf8_lossy(&out.stdout);
-    let mut rtts: Vec<f64> =
-        s.split("time=").skip(1).filter_map(|r| r.split_whitespace().next()?.parse().ok()).collect();
-    assert_eq!(rtts.len(), count as usize, "every ping answered: {s}");
-    rtts.sort_by(f64::total_cmp);
-    rtts[rtts.len() / 2]
+    upper_median(ping_rtts(&String::from_utf8_lossy(&out.stdout), count))
 }
 
 #[test]

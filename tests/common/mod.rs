@@ -536,6 +536,20 @@ pub fn server_and_daemon(offset: u8, blob: &[u8]) -> (Server, SandboxDaemon) {
     (Server::new(srv_octet.wrapping_add(offset), blob), SandboxDaemon::start(app_octet.wrapping_add(offset)))
 }
 
+/// The round-trip times, in ms, that ping printed in `output`; asserts that each of `count` pings was answered.
+pub fn ping_rtts(output: &str, count: u32) -> Vec<f64> {
+    let rtts: Vec<f64> =
+        output.split("time=").skip(1).filter_map(|r| r.split_whitespace().next()?.parse().ok()).collect();
+    assert_eq!(rtts.len(), count as usize, "every ping answered: {output}");
+    rtts
+}
+
+/// The middle of `values` once sorted (of an even number of them, the upper of the two in the middle).
+pub fn upper_median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
 /// stdout and stderr of a finished command, for messages.
 pub fn text(o: &Output) -> String {
     format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))

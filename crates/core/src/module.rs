@@ -185,6 +185,12 @@ pub trait Module {
     }
 }
 
+/// The state a module of the same kind handed over ([`Module::take_state`]), as the `T` it is; when it is something
+/// else, the error says it is not `what` (`"a counter's state"`).
+pub fn handed_over<T: Any>(state: Box<dyn Any>, what: &str) -> Result<T, String> {
+    state.downcast::<T>().map(|s| *s).map_err(|_| format!("not {what}"))
+}
+
 /// An I/O device a face module stands for (a TUN device, a raw socket on an interface ...). Implemented at the
 /// edge (the daemon); the core and the modules never call it — the data plane does, outside the switch.
 pub trait FaceDevice: Send + Sync {

@@ -1,6 +1,9 @@
 //! Mutations of `labs/demo.toml` through the shared fuzz engine (`flexstack-fuzzkit`): no input panics the parser,
 //! and every error is located inside the file.
 
+mod common;
+
+use common::located;
 use flexstack_fuzzkit::{iters_from_env, mutate_input, run_guarded, seed_from_env, target_seed, Dict, Rng};
 use flexstack_lab::Lab;
 
@@ -87,16 +90,7 @@ fn mutated_demo_never_panics_and_errors_are_located() {
                     }
                     Ok(())
                 }
-                Err(e) => {
-                    let loc = e.location.as_ref().ok_or_else(|| format!("error without a location: {e}"))?;
-                    let lines = text.split('\n').count();
-                    let ok_line = loc.line >= 1 && loc.line <= lines;
-                    let width = text.split('\n').nth(loc.line.saturating_sub(1)).map_or(0, |l| l.chars().count());
-                    if &*loc.file != "fuzz.toml" || !ok_line || loc.column < 1 || loc.column > width + 1 {
-                        return Err(format!("location outside the file ({lines} lines): {e}"));
-                    }
-                    Ok(())
-                }
+                Err(e) => located(&e, "fuzz.toml", text),
             }
         });
     }

@@ -3,7 +3,9 @@
 //! error is located inside its file, and what parses holds its invariants. `FLEXSTACK_FUZZ_ITERS` and
 //! `FLEXSTACK_FUZZ_SEED` as for the other fuzz tests.
 
-use flexstack_core::config::ConfigError;
+mod common;
+
+use common::located;
 use flexstack_fuzzkit::{iters_from_env, mutate_input, run_guarded, seed_from_env, target_seed, Dict, Rng};
 use flexstack_lab::report::data::{
     counter_rate, counter_total, parse_iperf3, parse_meters, parse_status, parse_timeline,
@@ -74,17 +76,6 @@ const JSON_DICT: Dict<'static> = Dict {
     max_len: 16 * 1024,
     ..Dict::EMPTY
 };
-
-/// The error is located in `file` at a line of `text` (or just after its end) and a column of that line.
-fn located(e: &ConfigError, file: &str, text: &str) -> Result<(), String> {
-    let loc = e.location.as_ref().ok_or_else(|| format!("error without a location: {e}"))?;
-    let lines: Vec<&str> = text.split('\n').collect();
-    let width = lines.get(loc.line.wrapping_sub(1)).map_or(0, |l| l.chars().count());
-    if &*loc.file != file || loc.line < 1 || loc.line > lines.len() || loc.column < 1 || loc.column > width + 1 {
-        return Err(format!("location outside the file ({} lines, line width {width}): {e}", lines.len()));
-    }
-    Ok(())
-}
 
 fn fuzz(target: &str, bases: &[&str], dict: &Dict<'_>, check: impl Fn(&str) -> Result<(), String>) {
     let seed = target_seed(seed_from_env(0x1ab5_eed0_0000_0002), target);

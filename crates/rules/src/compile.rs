@@ -834,52 +834,51 @@ mod tests {
 
     #[test]
     fn every_error_kind_has_its_place_and_expectation() {
-        let e = errors("a: Frobnicate(1)");
-        assert!(e[0].starts_with("1:4: error: unknown unit `Frobnicate`: expected one of get, set"), "{e:?}");
-        let e = errors("a: get(\"iface.wlan0.rssi\")\nb: History(a)");
-        assert!(e[0].starts_with("2:4: error: wrong arity: History takes 2 arguments"), "{e:?}");
-        let e = errors("a: Less(\"x\", 3)");
-        assert!(
-            e[0].starts_with("1:9: error: type mismatch: Less expects a number as argument 1, got a string"),
-            "{e:?}"
-        );
-        let e = errors("a: Greater(get(\"module.sel.select\"), true)");
-        assert!(
-            e[0].starts_with("1:38: error: type mismatch: Greater expects a number as argument 2, got a boolean"),
-            "{e:?}"
-        );
-        let e = errors("a: Not(get(\"iface.wlan0.rssi\"))");
-        assert!(
-            e[0].starts_with("1:8: error: type mismatch: Not expects a boolean as argument 1, got a number"),
-            "{e:?}"
-        );
-        let e = errors("a: And(true,\n  5)");
-        assert!(e[0].starts_with("2:3: error: type mismatch: And expects a boolean as argument 2"), "{e:?}");
-        let e = errors("a: get(\"module.nope.x\")");
-        assert!(e[0].starts_with("1:8: error: unknown meter name `module.nope.x`"), "{e:?}");
-        let e = errors("a: get(\"flow.*.rtt\")\nb: get(\"iface.eth9.rx\")");
-        assert!(e[0].starts_with("1:8: warning: unknown meter name `flow.*.rtt`"), "{e:?}");
-        assert!(e[1].starts_with("2:8: warning: unknown meter name `iface.eth9.rx`"), "{e:?}");
+        // The text, and how its first messages start.
+        for (text, starts) in [
+            ("a: Frobnicate(1)", &["1:4: error: unknown unit `Frobnicate`: expected one of get, set"][..]),
+            ("a: get(\"iface.wlan0.rssi\")\nb: History(a)", &["2:4: error: wrong arity: History takes 2 arguments"]),
+            ("a: Less(\"x\", 3)", &["1:9: error: type mismatch: Less expects a number as argument 1, got a string"]),
+            (
+                "a: Greater(get(\"module.sel.select\"), true)",
+                &["1:38: error: type mismatch: Greater expects a number as argument 2, got a boolean"],
+            ),
+            (
+                "a: Not(get(\"iface.wlan0.rssi\"))",
+                &["1:8: error: type mismatch: Not expects a boolean as argument 1, got a number"],
+            ),
+            ("a: And(true,\n  5)", &["2:3: error: type mismatch: And expects a boolean as argument 2"]),
+            ("a: get(\"module.nope.x\")", &["1:8: error: unknown meter name `module.nope.x`"]),
+            (
+                "a: get(\"flow.*.rtt\")\nb: get(\"iface.eth9.rx\")",
+                &["1:8: warning: unknown meter name `flow.*.rtt`", "2:8: warning: unknown meter name `iface.eth9.rx`"],
+            ),
+            ("a: get(\"iface.wlan0.rssi\")\nb: Forwarder(a)\nb -> a", &["3:1: error: trigger cycle: "]),
+            (
+                "a: get(\"iface.wlan0.rssi\")\nb: Avg(a)\nc: Max(a, 0)",
+                &["2:4: error: unbounded window: Avg(x)", "3:11: error: unbounded window: Max needs a window above 0"],
+            ),
+            (
+                "[contextEnter]\na: get(\"iface.wlan0.rssi\")\na -> unload(a)",
+                &["3:1: error: misplaced action after `->`: expected load(...) or replace(...)"],
+            ),
+            ("a -> b", &["1:1: error: unknown rule `a` before `->`"]),
+            (
+                "h: History(get(\"iface.wlan0.rssi\"), 4)\nm: Avg(h)\nx: Timer(0)",
+                &["3:10: error: Timer period must be above 0"],
+            ),
+        ] {
+            let e = errors(text);
+            for (i, start) in starts.iter().enumerate() {
+                assert!(e.get(i).is_some_and(|m| m.starts_with(start)), "{text:?}: {e:?}");
+            }
+        }
         let e = errors("a: Not(b)\nb: Not(c)\nc: Not(a)");
         assert!(e.iter().any(|m| m.contains("error: definition cycle")), "{e:?}");
-        let e = errors("a: get(\"iface.wlan0.rssi\")\nb: Forwarder(a)\nb -> a");
-        assert!(e[0].starts_with("3:1: error: trigger cycle: "), "{e:?}");
-        let e = errors("a: get(\"iface.wlan0.rssi\")\nb: Avg(a)\nc: Max(a, 0)");
-        assert!(e[0].starts_with("2:4: error: unbounded window: Avg(x)"), "{e:?}");
-        assert!(e[1].starts_with("3:11: error: unbounded window: Max needs a window above 0"), "{e:?}");
         let e = errors("a: set(\"flow.*.cc\", 1)");
         assert!(e.iter().any(|m| m.contains("reads none")), "{e:?}");
         let e = errors("a: get(\"flow.x*.rtt\")");
         assert!(e[0].contains("not a whole segment"), "{e:?}");
-        let e = errors("[contextEnter]\na: get(\"iface.wlan0.rssi\")\na -> unload(a)");
-        assert!(
-            e[0].starts_with("3:1: error: misplaced action after `->`: expected load(...) or replace(...)"),
-            "{e:?}"
-        );
-        let e = errors("a -> b");
-        assert!(e[0].starts_with("1:1: error: unknown rule `a` before `->`"), "{e:?}");
-        let e = errors("h: History(get(\"iface.wlan0.rssi\"), 4)\nm: Avg(h)\nx: Timer(0)");
-        assert!(e[0].starts_with("3:10: error: Timer period must be above 0"), "{e:?}");
     }
 
     #[test]

@@ -10,7 +10,7 @@
 //!
 //! On `module replace` with state kept, the new counter continues the counts (and the rate window) of the old one.
 
-use flexstack_core::module::port_type;
+use flexstack_core::module::{handed_over, port_type};
 use flexstack_core::{
     kind_from_decl, Batch, ConfigError, Frame, KindDecl, Meter, MeterDecl, Module, ModuleBuilder, ModuleKind, Output,
     PortDecl, Settings, Time, ValueType,
@@ -149,8 +149,7 @@ impl Module for Counter {
     }
 
     fn adopt_state(&mut self, state: Box<dyn Any>) -> Result<(), String> {
-        let state = state.downcast::<CounterState>().map_err(|_| "not a counter's state".to_string())?;
-        self.state = *state;
+        self.state = handed_over(state, "a counter's state")?;
         self.publish();
         Ok(())
     }

@@ -20,7 +20,7 @@
 //!
 //! On `module replace` with state kept, the new source continues the sequence numbers and counts.
 
-use flexstack_core::module::port_type;
+use flexstack_core::module::{handed_over, port_type};
 use flexstack_core::{
     field, kind_from_decl, Batch, ConfigError, KindDecl, MetaKey, Meter, MeterDecl, Module, ModuleBuilder, ModuleKind,
     Output, Param, PortDecl, Settings, Time, Value, ValueType,
@@ -234,8 +234,7 @@ impl Module for Source {
     }
 
     fn adopt_state(&mut self, state: Box<dyn Any>) -> Result<(), String> {
-        let state = state.downcast::<SourceState>().map_err(|_| "not a source's state".to_string())?;
-        self.state = *state;
+        self.state = handed_over(state, "a source's state")?;
         self.publish();
         Ok(())
     }

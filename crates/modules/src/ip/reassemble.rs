@@ -40,7 +40,7 @@
 //! `out.wake_at` / `poll` at the earliest deadline.
 
 use flexstack_core::frame::Metadata;
-use flexstack_core::module::port_type;
+use flexstack_core::module::{handed_over, port_type};
 use flexstack_core::{
     field, kind_from_decl, Batch, ConfigError, Direction, Frame, KindDecl, Meter, MeterDecl, Module, ModuleBuilder,
     ModuleKind, Output, Packet, Param, PortDecl, Settings, Time, Value,
@@ -222,17 +222,10 @@ impl ModuleKind for ReassembleKind {
 
     fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
         DECL.configure(settings, Limits::default(), |limits, m, vars| {
+            let index = HashMap::with_capacity(limits.max_datagrams.min(1024) as usize);
             Box::new(Reassembler {
                 limits,
-                slots: Vec::new(),
-                free: Vec::new(),
-                index: HashMap::with_capacity(limits.max_datagrams.min(1024) as usize),
-                order: VecDeque::new(),
-                next_seq: 0,
-                bytes: 0,
-                spare: 0,
-                live: 0,
-                held: 0,
+                table: Table { index, ..Table::default() },
                 m,
                 parse: ParseDrops::new(vars),
             })
@@ -280,22 +273,9 @@ struct Piece {
     header_len: usize,
 }
 
-/// What a reassembler hands to its replacement (`module replace` keeping state): the datagrams in progress.
-struct State {
-    slots: Vec<Datagram>,
-    free: Vec<usize>,
-    index: HashMap<Key, usize>,
-    order: VecDeque<(u64, usize)>,
-    next_seq: u64,
-    bytes: usize,
-    spare: usize,
-    live: u64,
-    held: u64,
-}
-
-/// A running `reassemble` module.
-pub struct Reassembler {
-    limits: Limits,
+/// The datagrams in progress, and what a reassembler hands to its replacement (`module replace` keeping state).
+#[derive(Default)]
+struct Table {
     slots: Vec<Datagram>,
     free: Vec<usize>,
     index: HashMap<Key, usize>,
@@ -310,6 +290,12 @@ pub struct Reassembler {
     live: u64,
     /// Fragments held.
     held: u64,
+}
+
+/// A running `reassemble` module.
+pub struct Reassembler {
+    limits: Limits,
+    table: Table,
     m: Meters,
     parse: ParseDrops,
 }
@@ -320,23 +306,23 @@ impl Reassembler {
     }
 
     fn publish(&self) {
-        self.m.datagrams_pending.set(self.live);
-        self.m.fragments_pending.set(self.held);
-        self.m.bytes_pending.set(self.bytes as u64);
-        self.m.bytes_spare.set(self.spare as u64);
+        self.m.datagrams_pending.set(self.table.live);
+        self.m.fragments_pending.set(self.table.held);
+        self.m.bytes_pending.set(self.table.bytes as u64);
+        self.m.bytes_spare.set(self.table.spare as u64);
     }
 
     fn is_current(&self, seq: u64, slot: usize) -> bool {
-        self.slots.get(slot).is_some_and(|d| d.active && d.seq == seq)
+        self.table.slots.get(slot).is_some_and(|d| d.active && d.seq == seq)
     }
 
     /// The oldest active datagram's slot, dropping stale order entries on the way.
     fn oldest(&mut self) -> Option<usize> {
-        while let Some(&(seq, slot)) = self.order.front() {
+        while let Some(&(seq, slot)) = self.table.order.front() {
             if self.is_current(seq, slot) {
                 return Some(slot);
             }
-            self.order.pop_front();
+            self.table.order.pop_front();
         }
         None
     }
@@ -344,75 +330,75 @@ impl Reassembler {
     /// The earliest deadline.
     fn next_deadline(&mut self) -> Option<Time> {
         let slot = self.oldest()?;
-        Some(self.slots[slot].created + self.timeout())
+        Some(self.table.slots[slot].created + self.timeout())
     }
 
     /// A new datagram for `key`, in a free slot or a new one.
     fn create(&mut self, key: Key, now: Time) -> usize {
-        let slot = match self.free.pop() {
+        let slot = match self.table.free.pop() {
             Some(s) => {
-                self.spare -= self.slots[s].capacity();
+                self.table.spare -= self.table.slots[s].capacity();
                 s
             }
             None => {
-                self.slots.push(Datagram::empty());
-                self.slots.len() - 1
+                self.table.slots.push(Datagram::empty());
+                self.table.slots.len() - 1
             }
         };
-        let d = &mut self.slots[slot];
+        let d = &mut self.table.slots[slot];
         d.reset();
         d.key = key;
-        d.seq = self.next_seq;
+        d.seq = self.table.next_seq;
         d.created = now;
         d.active = true;
-        self.bytes += d.capacity();
-        self.next_seq += 1;
-        self.index.insert(key, slot);
-        self.order.push_back((d.seq, slot));
-        self.live += 1;
+        self.table.bytes += d.capacity();
+        self.table.next_seq += 1;
+        self.table.index.insert(key, slot);
+        self.table.order.push_back((d.seq, slot));
+        self.table.live += 1;
         // Entries of finished datagrams are skipped lazily; compact when they pile up.
-        if self.order.len() > 2 * self.index.len() + 64 {
-            let slots = &self.slots;
-            self.order.retain(|&(seq, s)| slots[s].active && slots[s].seq == seq);
+        if self.table.order.len() > 2 * self.table.index.len() + 64 {
+            let slots = &self.table.slots;
+            self.table.order.retain(|&(seq, s)| slots[s].active && slots[s].seq == seq);
         }
         slot
     }
 
     /// Frees `slot`: its key is forgotten, its buffers kept for reuse within a quarter of `max_bytes`.
     fn free_slot(&mut self, slot: usize) {
-        let d = &mut self.slots[slot];
+        let d = &mut self.table.slots[slot];
         debug_assert!(d.active);
-        self.bytes -= d.capacity();
+        self.table.bytes -= d.capacity();
         if d.dead.is_none() {
-            self.live -= 1;
+            self.table.live -= 1;
         }
-        self.held -= d.pieces.len() as u64;
+        self.table.held -= d.pieces.len() as u64;
         d.active = false;
         d.reset();
-        if self.spare + d.capacity() > (self.limits.max_bytes / 4) as usize {
+        if self.table.spare + d.capacity() > (self.limits.max_bytes / 4) as usize {
             d.release_buffers();
         }
-        self.spare += d.capacity();
-        self.index.remove(&d.key);
-        self.free.push(slot);
+        self.table.spare += d.capacity();
+        self.table.index.remove(&d.key);
+        self.table.free.push(slot);
     }
 
     /// Discards the datagram in `slot`, counting its held fragments under `reason`. With `tombstone`, its key
     /// stays known (without buffers) until its deadline, so that its later fragments are dropped too.
     fn discard(&mut self, slot: usize, reason: Reason, tombstone: bool, out: &mut Output<'_>) {
-        let n = self.slots[slot].pieces.len() as u64;
+        let n = self.table.slots[slot].pieces.len() as u64;
         self.m.drop(reason, n);
         count_held_drops(out, n);
         if !tombstone {
             self.free_slot(slot);
             return;
         }
-        let d = &mut self.slots[slot];
+        let d = &mut self.table.slots[slot];
         if d.dead.is_none() {
-            self.live -= 1;
+            self.table.live -= 1;
         }
-        self.held -= n;
-        self.bytes -= d.capacity();
+        self.table.held -= n;
+        self.table.bytes -= d.capacity();
         d.reset();
         d.dead = Some(reason);
         d.release_buffers(); // a tombstone holds no buffers
@@ -421,7 +407,7 @@ impl Reassembler {
     /// Discards oldest datagrams (not `keep`) until `fits()` holds or none is left; true if it holds.
     fn evict_until(&mut self, keep: Option<usize>, out: &mut Output<'_>, fits: impl Fn(&Reassembler) -> bool) -> bool {
         while !fits(self) {
-            let victim = self.order.iter().copied().find(|&(seq, s)| Some(s) != keep && self.is_current(seq, s));
+            let victim = self.table.order.iter().copied().find(|&(seq, s)| Some(s) != keep && self.is_current(seq, s));
             let Some((_, slot)) = victim else { return false };
             self.discard(slot, Reason::Memory, false, out);
         }
@@ -433,21 +419,21 @@ impl Reassembler {
         let now = out.now();
         let timeout = self.timeout();
         while let Some(slot) = self.oldest() {
-            if self.slots[slot].created + timeout > now {
+            if self.table.slots[slot].created + timeout > now {
                 break;
             }
-            if self.slots[slot].dead.is_some() {
+            if self.table.slots[slot].dead.is_some() {
                 self.free_slot(slot);
             } else {
                 self.discard(slot, Reason::Timeout, false, out);
             }
         }
         let (max_d, max_b) = (self.limits.max_datagrams as usize, self.limits.max_bytes as usize);
-        self.evict_until(None, out, |r| r.index.len() <= max_d && r.bytes <= max_b);
-        while self.spare > max_b / 4 {
-            let Some(&s) = self.free.iter().find(|&&s| self.slots[s].capacity() > 0) else { break };
-            self.spare -= self.slots[s].capacity();
-            self.slots[s].release_buffers();
+        self.evict_until(None, out, |r| r.table.index.len() <= max_d && r.table.bytes <= max_b);
+        while self.table.spare > max_b / 4 {
+            let Some(&s) = self.table.free.iter().find(|&&s| self.table.slots[s].capacity() > 0) else { break };
+            self.table.spare -= self.table.slots[s].capacity();
+            self.table.slots[s].release_buffers();
         }
     }
 
@@ -489,9 +475,9 @@ impl Reassembler {
                 return;
             }
         };
-        let existing = self.index.get(&piece.key).copied();
+        let existing = self.table.index.get(&piece.key).copied();
         if Self::datagram_len(info.version, piece.header_len, piece.end) > MAX_LEN {
-            if let Some(slot) = existing.filter(|&s| self.slots[s].dead.is_none()) {
+            if let Some(slot) = existing.filter(|&s| self.table.slots[s].dead.is_none()) {
                 self.discard(slot, Reason::TooBig, true, out);
             }
             self.m.drop(Reason::TooBig, 1);
@@ -502,17 +488,17 @@ impl Reassembler {
             Some(slot) => slot,
             None => {
                 let max_d = self.limits.max_datagrams as usize;
-                self.evict_until(None, out, |r| r.index.len() < max_d);
+                self.evict_until(None, out, |r| r.table.index.len() < max_d);
                 self.create(piece.key, out.now())
             }
         };
-        if let Some(reason) = self.slots[slot].dead {
+        if let Some(reason) = self.table.slots[slot].dead {
             self.m.drop(reason, 1);
             out.drop_frame(p.into());
             return;
         }
         // Where it goes among the pieces held, and whether it fits with them.
-        let d = &self.slots[slot];
+        let d = &self.table.slots[slot];
         let payload = &p.data()[piece.data_offset..piece.total_len];
         let at = d.pieces.partition_point(|&(o, _)| o < piece.offset);
         if d.pieces.get(at) == Some(&(piece.offset, piece.end))
@@ -540,21 +526,21 @@ impl Reassembler {
         // Room: the buffer growth this piece needs, within max_bytes, evicting older datagrams if need be.
         let need = self.growth(slot, &piece);
         let max_b = self.limits.max_bytes as usize;
-        if !self.evict_until(Some(slot), out, |r| r.bytes + need <= max_b) {
+        if !self.evict_until(Some(slot), out, |r| r.table.bytes + need <= max_b) {
             self.discard(slot, Reason::Memory, false, out);
             self.m.drop(Reason::Memory, 1);
             out.drop_frame(p.into());
             return;
         }
         self.store(slot, &piece, info.version, &p);
-        self.held += 1;
+        self.table.held += 1;
         drop(p); // copied: the frame goes back to the pool
         self.complete(slot, info.version, out);
     }
 
     /// Bytes of buffer capacity `piece` would add to the datagram in `slot`.
     fn growth(&self, slot: usize, piece: &Piece) -> usize {
-        let d = &self.slots[slot];
+        let d = &self.table.slots[slot];
         let mut need = 0;
         let end = piece.end as usize;
         if end > d.data.capacity() {
@@ -581,7 +567,7 @@ impl Reassembler {
 
     /// Copies the fragment into the datagram in `slot`.
     fn store(&mut self, slot: usize, piece: &Piece, version: u8, p: &Packet) {
-        let d = &mut self.slots[slot];
+        let d = &mut self.table.slots[slot];
         let before = d.capacity();
         let data = p.data();
         let (offset, end) = (piece.offset as usize, piece.end as usize);
@@ -616,12 +602,12 @@ impl Reassembler {
             }
             d.first = Some((p.direction(), *p.meta()));
         }
-        self.bytes = self.bytes + d.capacity() - before;
+        self.table.bytes = self.table.bytes + d.capacity() - before;
     }
 
     /// Emits the datagram in `slot` if it is complete.
     fn complete(&mut self, slot: usize, version: u8, out: &mut Output<'_>) {
-        let d = &self.slots[slot];
+        let d = &self.table.slots[slot];
         let Some(total) = d.total.filter(|&t| t == d.received) else { return };
         if Self::datagram_len(version, d.header.len(), total) > MAX_LEN {
             self.discard(slot, Reason::TooBig, true, out);
@@ -712,34 +698,22 @@ impl Module for Reassembler {
         DECL.write(&mut self.limits, knob, value)?;
         if knob == "max_datagrams" {
             let want = (self.limits.max_datagrams as usize).min(1024);
-            self.index.reserve(want.saturating_sub(self.index.len()));
+            self.table.index.reserve(want.saturating_sub(self.table.index.len()));
         }
         // The switch polls the module next: maintain() applies lower limits there.
         Ok(())
     }
 
     fn take_state(&mut self) -> Option<Box<dyn Any>> {
-        let state = State {
-            slots: std::mem::take(&mut self.slots),
-            free: std::mem::take(&mut self.free),
-            index: std::mem::take(&mut self.index),
-            order: std::mem::take(&mut self.order),
-            next_seq: self.next_seq,
-            bytes: std::mem::take(&mut self.bytes),
-            spare: std::mem::take(&mut self.spare),
-            live: std::mem::take(&mut self.live),
-            held: std::mem::take(&mut self.held),
-        };
+        let next_seq = self.table.next_seq;
+        let state = std::mem::replace(&mut self.table, Table { next_seq, ..Table::default() });
         self.publish();
         Some(Box::new(state))
     }
 
     /// Takes over the datagrams in progress; the new limits apply at the poll that follows a load.
     fn adopt_state(&mut self, state: Box<dyn Any>) -> Result<(), String> {
-        let s = state.downcast::<State>().map_err(|_| "not a reassembler's state".to_string())?;
-        let s = *s;
-        (self.slots, self.free, self.index, self.order) = (s.slots, s.free, s.index, s.order);
-        (self.next_seq, self.bytes, self.spare, self.live, self.held) = (s.next_seq, s.bytes, s.spare, s.live, s.held);
+        self.table = handed_over(state, "a reassembler's state")?;
         self.publish();
         Ok(())
     }

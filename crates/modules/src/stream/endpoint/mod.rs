@@ -1119,3 +1119,16 @@ impl Module for Endpoint {
         self.decl.write(&mut self.cfg, knob, value)
     }
 }
+#[cfg(test)]
+mod tests {
+    use std::mem::size_of;
+
+    /// The state of one TCP connection besides its socket's buffers and its meters (docs/streams.md, "Memory").
+    #[test]
+    fn a_connection_state_is_small() {
+        let socket = size_of::<smoltcp::iface::SocketStorage>(); // the socket, in its set's vector
+        let state = size_of::<super::Conn>() + size_of::<super::Tcp>() + size_of::<super::Key>() + 8;
+        assert!(socket <= 640, "socket {socket}");
+        assert!(state <= 640, "state {state}");
+    }
+}

@@ -422,6 +422,26 @@ mod tests {
     }
 
     #[test]
+    fn a_file_that_cannot_be_created_is_counted_and_frames_still_pass() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut sw, log) = stack(dir.path(), &[]);
+        std::fs::create_dir(dir.path().join("1.down")).unwrap(); // even root cannot create a file there
+        let pool = sw.pool().clone();
+        let mut batch: Batch = vec![
+            StreamFrame::data(&pool, 1, Direction::Down, b"lost").into(),
+            StreamFrame::data(&pool, 1, Direction::Down, b"lost too").into(),
+            StreamFrame::data(&pool, 2, Direction::Down, b"kept").into(),
+        ];
+        sw.inject("t", "in", &mut batch).unwrap();
+        sw.run(Time::from_millis(100));
+        assert_eq!(take(&log).len(), 3, "traffic never stops");
+        assert_eq!(u64_var(&sw, "module.t.write_errors_total"), 1, "counted once for the flow");
+        assert_eq!(u64_var(&sw, "module.t.flows_recorded_total"), 1);
+        sw.run(Time::from_millis(200)); // the flush
+        assert_eq!(std::fs::read(dir.path().join("2.down")).unwrap(), b"kept");
+    }
+
+    #[test]
     fn settings_are_checked_where_written() {
         let e = configure_toml("[modules.t]\nkind = \"stream-tap\"\nmax_flows = 5\n").err().unwrap();
         assert!(e.to_string().contains("`folder`"), "{e}");

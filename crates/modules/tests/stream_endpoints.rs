@@ -554,7 +554,7 @@ fn fix_icmp_checksum(p: &mut [u8], v6: bool) {
 #[test]
 fn a_stream_tap_in_the_chain_records_both_directions() {
     let dir = tempfile::tempdir().unwrap();
-    let folder = format!("folder={:?}", dir.path().display().to_string());
+    let folder = format!("path={:?}", dir.path().display().to_string());
     let mut lab = Lab::new(false, &["app=\"curl\""], &[], &[("tap", "stream-tap", args(&[&folder]))]);
     let srv = lab.listen(80, 65536);
     let cli = lab.connect(80, 65536);

@@ -613,3 +613,27 @@ fn replacing_an_endpoint_keeps_its_connections() {
         assert_eq!(lab.passed().into_iter().map(|p| p.data).collect::<Vec<_>>(), vec![syn]);
     }
 }
+
+#[test]
+fn a_slow_destination_survives_the_apps_syn_retransmissions() {
+    for v6 in families() {
+        let mut lab = Lab::new(v6, &[], &[], &[]);
+        lab.keep_seen = true;
+        lab.net_delay = Duration::from_millis(600); // a 1.2 s round trip: the app sends its SYN again meanwhile
+        let srv = lab.listen(80, 65536);
+        let cli = lab.connect(80, 65536);
+        let mut c = Pump::new(pattern(16, 100_000), true);
+        let mut s = Pump::new(Vec::new(), false);
+        let done = lab.until(30_000, |lab| {
+            c.drive(lab.app.tcp(cli));
+            s.drive(lab.server.tcp(srv));
+            s.got.len() == 100_000
+        });
+        assert!(done, "v6 {v6}: got {}", s.got.len());
+        let syns = lab.seen_from_app.iter().filter(|p| tcp_flags(p) == Some(SYN)).count();
+        assert!(syns >= 2, "the app sent its SYN {syns} times");
+        assert!(s.got == pattern(16, 100_000));
+        assert_eq!(lab.meter("module.t.connections_total"), 1, "one connection despite the repeated SYNs");
+        assert_eq!(lab.meter("module.t.aborts_sent_total") + lab.meter("module.o.aborts_sent_total"), 0);
+    }
+}

@@ -9,7 +9,8 @@
 //! | [`stream`] | `terminate`, `originate` (user-space TCP/UDP endpoints), `stream-pass`, `stream-tap` (docs/streams.md) |
 //!
 //! Every kind is a sans-IO state machine: it reads no clock (time comes from [`Output::now`]), sleeps never and
-//! spawns no thread; only the tap touches a file, which it opens when it is configured. Every knob is also
+//! spawns no thread; only the taps touch files (`tap` opens its file when it is configured; `stream-tap` creates
+//! its folder then, and one file per direction of each flow it records when the flow starts). Every knob is also
 //! accepted as a setting of the same name, so a stack saved with its current knob values loads again.
 //!
 //! A new kind goes in its family's folder and gets one line in [`kinds`]. A renamed kind keeps its old name as an

@@ -554,7 +554,7 @@ fn fix_icmp_checksum(p: &mut [u8], v6: bool) {
 #[test]
 fn a_stream_tap_in_the_chain_records_both_directions() {
     let dir = tempfile::tempdir().unwrap();
-    let folder = format!("folder={:?}", dir.path().display().to_string());
+    let folder = format!("path={:?}", dir.path().display().to_string());
     let mut lab = Lab::new(false, &["app=\"curl\""], &[], &[("tap", "stream-tap", args(&[&folder]))]);
     let srv = lab.listen(80, 65536);
     let cli = lab.connect(80, 65536);
@@ -573,4 +573,67 @@ fn a_stream_tap_in_the_chain_records_both_directions() {
         index,
         "1 open tcp 10.0.0.2:40001 -> 192.0.2.1:80 app \"curl\" client\n1 end fin down 200000 up 300000\n"
     );
+}
+
+#[test]
+fn replacing_an_endpoint_keeps_its_connections() {
+    for v6 in families() {
+        let mut lab = Lab::new(v6, &["match=[\"tcp dport 80\"]"], &[], &[]);
+        let srv = lab.listen(80, 65536);
+        let cli = lab.connect(80, 65536);
+        let mut c = Pump::new(pattern(14, 1_000_000), true);
+        let mut s = Pump::new(pattern(15, 1_000_000), true);
+        assert!(lab.until(5_000, |lab| {
+            c.drive(lab.app.tcp(cli));
+            s.drive(lab.server.tcp(srv));
+            s.got.len() > 200_000 && c.got.len() > 200_000
+        }));
+        // A new match table for terminate, and a fresh originate, both taking over the running connection.
+        for (name, kind, a) in
+            [("t", "terminate", vec!["seed=21", "match=[\"tcp dport 8080\"]"]), ("o", "originate", vec![])]
+        {
+            let settings = flexstack_core::Settings::from_args(&args(&a)).unwrap();
+            let builder = flexstack_modules::catalog().configure(kind, &settings, None).unwrap();
+            let edit = Edit::Replace { name: name.into(), kind: kind.into(), settings, builder, keep_state: true };
+            let notes = lab.sw.apply(vec![edit]).unwrap();
+            assert!(notes.is_empty(), "{notes:?}");
+        }
+        assert_eq!(lab.text("flow.terminate.1.tcp.state").as_deref(), Some("established"), "its meters stay");
+        assert!(lab.until(20_000, |lab| {
+            c.drive(lab.app.tcp(cli));
+            s.drive(lab.server.tcp(srv));
+            c.got.len() == 1_000_000 && s.got.len() == 1_000_000
+        }));
+        assert!(c.got == pattern(15, 1_000_000) && s.got == pattern(14, 1_000_000), "v6 {v6}: intact across");
+        // The new table applies to new flows: port 80 is no longer terminated.
+        let (app, server) = (lab.app_addr(), lab.server_addr());
+        let syn = tcp(sa(app, 45000), sa(server, 80), 1, 0, SYN, &[], &[], false);
+        lab.inject("t", "in", vec![syn.clone()], Direction::Down);
+        lab.run_switch();
+        assert_eq!(lab.passed().into_iter().map(|p| p.data).collect::<Vec<_>>(), vec![syn]);
+    }
+}
+
+#[test]
+fn a_slow_destination_survives_the_apps_syn_retransmissions() {
+    for v6 in families() {
+        let mut lab = Lab::new(v6, &[], &[], &[]);
+        lab.keep_seen = true;
+        lab.net_delay = Duration::from_millis(600); // a 1.2 s round trip: the app sends its SYN again meanwhile
+        let srv = lab.listen(80, 65536);
+        let cli = lab.connect(80, 65536);
+        let mut c = Pump::new(pattern(16, 100_000), true);
+        let mut s = Pump::new(Vec::new(), false);
+        let done = lab.until(30_000, |lab| {
+            c.drive(lab.app.tcp(cli));
+            s.drive(lab.server.tcp(srv));
+            s.got.len() == 100_000
+        });
+        assert!(done, "v6 {v6}: got {}", s.got.len());
+        let syns = lab.seen_from_app.iter().filter(|p| tcp_flags(p) == Some(SYN)).count();
+        assert!(syns >= 2, "the app sent its SYN {syns} times");
+        assert!(s.got == pattern(16, 100_000));
+        assert_eq!(lab.meter("module.t.connections_total"), 1, "one connection despite the repeated SYNs");
+        assert_eq!(lab.meter("module.t.aborts_sent_total") + lab.meter("module.o.aborts_sent_total"), 0);
+    }
 }

@@ -58,9 +58,29 @@ const DECL: KindDecl<Config, Meters> = endpoint_decl!(
         PortDecl::new("pass", port_type::IP, "packets from the network of none of its flows, unchanged"),
     ],
     extra: [
-        P::text("backend", "how flows are opened: smoltcp (user-space TCP in the data plane)", "smoltcp", |_| "smoltcp".into(), check_backend).setting(),
-        P::text("source", "source address of its connections, at most one IPv4 and one IPv6, comma-separated; empty: the app's original source", "", |c| c.source.iter().map(|a| a.to_string()).collect::<Vec<_>>().join(","), |c, t| parse_sources(t).map(|v| c.source = v)).setting(),
-        P::text("ports", "local ports of connections from `source`", "32768-60999", |c| c.ports.to_string(), |c, t| PortRange::parse(t).map(|v| c.ports = v)).setting(),
+        P::text(
+            "backend",
+            "how flows are opened: smoltcp (user-space TCP in the data plane)",
+            "smoltcp",
+            |_| "smoltcp".into(),
+            check_backend,
+        ).setting(),
+        P::text(
+            "source",
+            "source addresses of its connections (one IPv4, one IPv6, comma-separated); empty: the app's own",
+            "",
+            |c| c.source.iter().map(|a| a.to_string()).collect::<Vec<_>>().join(","),
+            |c,
+            t| parse_sources(t).map(|v| c.source = v),
+        ).setting(),
+        P::text(
+            "ports",
+            "local ports of connections from `source`",
+            "32768-60999",
+            |c| c.ports.to_string(),
+            |c,
+            t| PortRange::parse(t).map(|v| c.ports = v),
+        ).setting(),
     ]
 );
 

@@ -1,15 +1,17 @@
 //! `stream-tap`: records each flow's bytes, in both directions, to files in a folder, and passes every frame on
 //! unchanged.
 //!
-//! - Files: `<folder>/<flow>.down` holds the bytes of the flow's `Data` travelling down (from the app), in order,
-//!   and `<folder>/<flow>.up` those travelling up; for UDP, the datagrams one after the other (their boundaries are
-//!   not recorded). `<folder>/index` gets one line when a flow starts, `<flow> open <FlowInfo>` (e.g.
+//! - Files, in the folder named by `path` (which must exist): `<path>/<flow>.down` holds the bytes of the flow's
+//!   `Data` travelling down (from the app), in order, and `<path>/<flow>.up` those travelling up; for UDP, the
+//!   datagrams one after the other (their boundaries are not recorded). `<path>/index` gets one line when a flow
+//!   starts, `<flow> open <FlowInfo>` (e.g.
 //!   `7 open tcp 10.0.0.2:40000 -> 192.0.2.1:80 app "curl" client`, or `7 open unknown` for a flow that was already
 //!   running when the tap was added), and one when it ends, `<flow> end fin down <bytes> up <bytes>` (TCP: both
 //!   directions saw `Fin`; UDP: one `Fin`) or `<flow> end abort <reason> down <bytes> up <bytes>`.
-//! - When: the folder is created if needed, and `index` created (or truncated), when the module is configured; the
-//!   files of a flow are created when its first frame passes (flows are not known before), so this is the one
-//!   stream module that opens files in the data plane — one `open` per flow, then buffered writes. Writes go
+//! - When: `index` is created (or truncated) when the module is configured (the folder is not created: a setting
+//!   with a typo then fails instead of creating folders somewhere); the files of a flow are created when its first
+//!   frame passes (flows are not known before), so this is the one stream module that opens files in the data
+//!   plane — one `open` per flow, then buffered writes. Writes go
 //!   through an 8 KiB buffer per file, flushed at least every 50 ms (the module asks to be polled), when the flow
 //!   ends and when the module is unloaded.
 //! - Bounds: at most `max_flows` flows are recorded at once (knob, 64 by default: two open files each); frames of
@@ -54,7 +56,12 @@ const DECL: KindDecl<Config, Meters> = KindDecl {
     inputs: &[PortDecl::new("in", port_type::STREAM, "stream frames, both directions")],
     outputs: &[PortDecl::new("out", port_type::STREAM, "the same frames, unchanged and in order")],
     params: &[
-        P::manual("folder", "str", "the folder of the recordings, created if needed when configured", "required"),
+        P::manual(
+            "path",
+            "str",
+            "the folder of the recordings (it must exist); `index` is created in it when configured",
+            "required",
+        ),
         P::u64("max_flows", "flows", "most flows recorded at once (two open files each)", 64, field!(max_flows))
             .range(0.0, 4096.0),
         P::bool("enabled", "false passes frames without recording them", true, field!(enabled)),
@@ -79,19 +86,21 @@ impl ModuleKind for StreamTapKind {
         let mut r = settings.reader(KIND);
         let mut cfg = Config { max_flows: 0, enabled: true };
         DECL.read(&mut r, &mut cfg)?;
-        let folder = match r.string("folder")? {
+        let folder = match r.string("path")? {
             Some(f) if !f.is_empty() => PathBuf::from(f),
-            Some(_) => return Err(r.error("folder", "must name a folder, e.g. folder = \"flows\"")),
-            None => return Err(r.error("folder", "is required: where to write, e.g. folder = \"flows\"")),
+            Some(_) => return Err(r.error("path", "must name a folder, e.g. path = \"flows\"")),
+            None => return Err(r.error("path", "is required: the folder to write in, e.g. path = \"flows\"")),
         };
         r.finish()?;
         let at_folder = |message: String| {
             ConfigError::new(
-                settings.get("folder").and_then(|s| s.location.clone()),
-                format!("setting `folder` of a {KIND} module: {message}"),
+                settings.get("path").and_then(|s| s.location.clone()),
+                format!("setting `path` of a {KIND} module: {message}"),
             )
         };
-        std::fs::create_dir_all(&folder).map_err(|e| at_folder(format!("cannot create {folder:?}: {e}")))?;
+        if !folder.is_dir() {
+            return Err(at_folder(format!("{folder:?} is not a folder (create it first)")));
+        }
         let index = File::create(folder.join("index"))
             .map_err(|e| at_folder(format!("cannot create {:?}: {e}", folder.join("index"))))?;
         Ok(Box::new(TapBuilder { cfg, folder, index }))
@@ -320,7 +329,7 @@ mod tests {
     fn stack(folder: &std::path::Path, extra: &[&str]) -> (Switch, Log) {
         let mut sw = Switch::default();
         let (rec, log) = Recorder::load("r");
-        let folder = format!("folder={:?}", folder.display().to_string());
+        let folder = format!("path={:?}", folder.display().to_string());
         let mut args = vec![folder.as_str()];
         args.extend_from_slice(extra);
         sw.apply(vec![load("t", "stream-tap", &args), rec, link("t -> r")]).unwrap();
@@ -340,6 +349,7 @@ mod tests {
     fn records_both_directions_and_an_index_and_passes_frames_on() {
         let dir = tempfile::tempdir().unwrap();
         let folder = dir.path().join("rec");
+        std::fs::create_dir(&folder).unwrap();
         let (mut sw, log) = stack(&folder, &[]);
         let pool = sw.pool().clone();
         let mut batch: Batch = vec![
@@ -422,13 +432,36 @@ mod tests {
     }
 
     #[test]
+    fn a_file_that_cannot_be_created_is_counted_and_frames_still_pass() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut sw, log) = stack(dir.path(), &[]);
+        std::fs::create_dir(dir.path().join("1.down")).unwrap(); // even root cannot create a file there
+        let pool = sw.pool().clone();
+        let mut batch: Batch = vec![
+            StreamFrame::data(&pool, 1, Direction::Down, b"lost").into(),
+            StreamFrame::data(&pool, 1, Direction::Down, b"lost too").into(),
+            StreamFrame::data(&pool, 2, Direction::Down, b"kept").into(),
+        ];
+        sw.inject("t", "in", &mut batch).unwrap();
+        sw.run(Time::from_millis(100));
+        assert_eq!(take(&log).len(), 3, "traffic never stops");
+        assert_eq!(u64_var(&sw, "module.t.write_errors_total"), 1, "counted once for the flow");
+        assert_eq!(u64_var(&sw, "module.t.flows_recorded_total"), 1);
+        sw.run(Time::from_millis(200)); // the flush
+        assert_eq!(std::fs::read(dir.path().join("2.down")).unwrap(), b"kept");
+    }
+
+    #[test]
     fn settings_are_checked_where_written() {
         let e = configure_toml("[modules.t]\nkind = \"stream-tap\"\nmax_flows = 5\n").err().unwrap();
-        assert!(e.to_string().contains("`folder`"), "{e}");
+        assert!(e.to_string().contains("`path`"), "{e}");
         let file = tempfile::NamedTempFile::new().unwrap();
-        let text = format!("[modules.t]\nkind = \"stream-tap\"\nfolder = {:?}\n", file.path().display().to_string());
-        let e = configure_toml(&text).err().unwrap();
-        assert_eq!(e.location.as_ref().unwrap().line, 3, "{e}");
-        assert!(e.message.contains("cannot create"), "{e}");
+        for bad in [file.path().to_path_buf(), file.path().join("missing")] {
+            let text = format!("[modules.t]\nkind = \"stream-tap\"\npath = {:?}\n", bad.display().to_string());
+            let e = configure_toml(&text).err().unwrap();
+            assert_eq!(e.location.as_ref().unwrap().line, 3, "{e}");
+            assert!(e.message.contains("is not a folder (create it first)"), "{e}");
+        }
+        assert!(!file.path().join("missing").exists(), "nothing was created");
     }
 }

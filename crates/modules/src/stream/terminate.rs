@@ -58,9 +58,27 @@ const DECL: KindDecl<Config, Meters> = endpoint_decl!(
         PortDecl::new("pass", port_type::IP, "packets of flows it does not terminate, unchanged"),
     ],
     extra: [
-        P::text("backend", "how flows are terminated: smoltcp (user-space TCP in the data plane)", "smoltcp", |_| "smoltcp".into(), check_backend).setting(),
-        P::manual("match", "array of strings", "the flows it terminates, first match wins (`tcp dport 80,443`, `pass tcp dport 22`, `udp *`)", "[\"tcp *\"]"),
-        P::text("app", "the app's name: in `Open` frames and for `app` rules", "", |c| c.app.clone(), |c, t| { c.app = t.into(); Ok(()) }).setting(),
+        P::text(
+            "backend",
+            "how flows are terminated: smoltcp (user-space TCP in the data plane)",
+            "smoltcp",
+            |_| "smoltcp".into(),
+            check_backend,
+        ).setting(),
+        P::manual(
+            "match",
+            "array of strings",
+            "the flows it terminates, first match wins (`tcp dport 80,443`, `pass tcp dport 22`, `udp *`)",
+            "[\"tcp *\"]",
+        ),
+        P::text(
+            "app",
+            "the app's name: in `Open` frames and for `app` rules",
+            "",
+            |c| c.app.clone(),
+            |c,
+            t| { c.app = t.into(); Ok(()) },
+        ).setting(),
     ]
 );
 

@@ -139,6 +139,8 @@ pub struct Lab {
     /// Every packet that went to the app or to the network, for tests that look at segments.
     pub seen_to_app: Vec<Vec<u8>>,
     pub seen_to_net: Vec<Vec<u8>>,
+    /// Every packet the app sent.
+    pub seen_from_app: Vec<Vec<u8>>,
     pub keep_seen: bool,
     /// One-way delay between originate and the server (both ways); 0: none.
     pub net_delay: Duration,
@@ -211,6 +213,7 @@ impl Lab {
             blackhole: false,
             seen_to_app: Vec::new(),
             seen_to_net: Vec::new(),
+            seen_from_app: Vec::new(),
             keep_seen: false,
             net_delay: Duration::ZERO,
             to_server: VecDeque::new(),
@@ -270,6 +273,9 @@ impl Lab {
             s.push(self.from_server.pop_front().unwrap().1);
         }
         let moved = !a.is_empty() || !s.is_empty();
+        if self.keep_seen {
+            self.seen_from_app.extend(a.iter().cloned());
+        }
         self.inject("t", "in", a, Direction::Down);
         self.inject("o", "in", s, Direction::Up);
         self.run_switch();

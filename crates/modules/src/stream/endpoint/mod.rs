@@ -33,6 +33,7 @@ use smoltcp::iface::{Config as IfaceConfig, Interface, SocketHandle, SocketSet};
 use smoltcp::socket::tcp;
 use smoltcp::time::{Duration as SmolDuration, Instant};
 use smoltcp::wire::{HardwareAddress, IpAddress, IpCidr, IpEndpoint, IpListenEndpoint, Ipv4Address, Ipv6Address};
+use std::any::Any;
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
@@ -160,6 +161,40 @@ impl FlowMeters {
     }
 }
 
+/// The endpoint's smoltcp interface: any-IP, with addresses of its own only so that the default routes have a
+/// gateway (every destination is accepted, and it may send to any address: the device is IP, no neighbour is
+/// looked up).
+fn interface(seed: u64, dev: &mut Queues) -> Interface {
+    let mut ic = IfaceConfig::new(HardwareAddress::Ip);
+    ic.random_seed = seed;
+    let mut iface = Interface::new(ic, dev, Instant::ZERO);
+    iface.set_any_ip(true);
+    let (v4, v6) = (Ipv4Address::new(192, 0, 0, 8), Ipv6Address::new(0x100, 0, 0, 0, 0, 0, 0, 1));
+    iface.update_ip_addrs(|a| {
+        let _ = a.push(IpCidr::new(IpAddress::Ipv4(v4), 32));
+        let _ = a.push(IpCidr::new(IpAddress::Ipv6(v6), 128));
+    });
+    let _ = iface.routes_mut().add_default_ipv4_route(v4);
+    let _ = iface.routes_mut().add_default_ipv6_route(v6);
+    iface
+}
+
+/// What an endpoint hands to its replacement (`module replace` with state kept): its interface and every flow,
+/// with their sockets, queues, credit, timers and meters.
+struct Flows {
+    side: Side,
+    iface: Interface,
+    conns: HashMap<u64, Conn>,
+    by_key: HashMap<Key, u64>,
+    timers: BTreeSet<(Time, u64)>,
+    next_id: u64,
+    next_port: u32,
+    tcp_count: usize,
+    udp_count: usize,
+    buffered: u64,
+    in_flight: u64,
+}
+
 fn instant(t: Time) -> Instant {
     Instant::from_micros((t.as_nanos() / 1000) as i64)
 }
@@ -237,19 +272,7 @@ impl Endpoint {
         rule_hits: Vec<Meter>,
     ) -> Endpoint {
         let mut dev = Queues::new(cfg.mtu as usize);
-        let mut ic = IfaceConfig::new(HardwareAddress::Ip);
-        ic.random_seed = cfg.seed;
-        let mut iface = Interface::new(ic, &mut dev, Instant::ZERO);
-        iface.set_any_ip(true);
-        // Addresses of its own only so that routes have a gateway: with any-IP, every destination is accepted, and
-        // the default routes let it send to any address (the device is IP, no neighbour is looked up).
-        let (v4, v6) = (Ipv4Address::new(192, 0, 0, 8), Ipv6Address::new(0x100, 0, 0, 0, 0, 0, 0, 1));
-        iface.update_ip_addrs(|a| {
-            let _ = a.push(IpCidr::new(IpAddress::Ipv4(v4), 32));
-            let _ = a.push(IpCidr::new(IpAddress::Ipv6(v6), 128));
-        });
-        let _ = iface.routes_mut().add_default_ipv4_route(v4);
-        let _ = iface.routes_mut().add_default_ipv6_route(v6);
+        let iface = interface(cfg.seed, &mut dev);
         let next_port = u32::from(cfg.ports.first) + (cfg.seed % u64::from(cfg.ports.count())) as u32;
         Endpoint {
             side,
@@ -1117,5 +1140,65 @@ impl Module for Endpoint {
             return r;
         }
         self.decl.write(&mut self.cfg, knob, value)
+    }
+
+    fn take_state(&mut self) -> Option<Box<dyn Any>> {
+        let iface = std::mem::replace(&mut self.iface, interface(self.cfg.seed, &mut self.dev));
+        let flows = Flows {
+            side: self.side,
+            iface,
+            conns: std::mem::take(&mut self.conns),
+            by_key: std::mem::take(&mut self.by_key),
+            timers: std::mem::take(&mut self.timers),
+            next_id: self.next_id,
+            next_port: self.next_port,
+            tcp_count: std::mem::take(&mut self.tcp_count),
+            udp_count: std::mem::take(&mut self.udp_count),
+            buffered: std::mem::take(&mut self.buffered),
+            in_flight: std::mem::take(&mut self.in_flight),
+        };
+        Some(Box::new(flows))
+    }
+
+    /// Takes over the flows of the endpoint it replaces (same side): they keep their sockets (with the buffers they
+    /// were made with) and meters; the new settings and knobs apply from now on (the match table to new flows).
+    fn adopt_state(&mut self, state: Box<dyn Any>) -> Result<(), String> {
+        let f = state.downcast::<Flows>().map_err(|_| "not an endpoint's flows".to_string())?;
+        if f.side != self.side {
+            return Err("the flows of a terminate cannot go to an originate, nor the reverse".into());
+        }
+        self.iface = f.iface;
+        self.conns = f.conns;
+        self.by_key = f.by_key;
+        self.timers = f.timers;
+        self.next_id = f.next_id;
+        self.next_port = f.next_port;
+        self.tcp_count = f.tcp_count;
+        self.udp_count = f.udp_count;
+        self.buffered = f.buffered;
+        self.in_flight = f.in_flight;
+        for c in self.conns.values_mut() {
+            c.touched = false;
+        }
+        self.publish_counts();
+        // Every flow is serviced at the first poll (the switch polls a module once after it is loaded).
+        let ids: Vec<u64> = self.conns.keys().copied().collect();
+        for id in ids {
+            self.schedule(id, Some(Time::ZERO));
+        }
+        Ok(())
+    }
+}
+#[cfg(test)]
+mod tests {
+    use std::mem::size_of;
+
+    /// The state of one TCP connection besides its socket's buffers and its meters (docs/streams.md, "Memory").
+    #[test]
+    fn a_connection_state_is_small() {
+        let socket = size_of::<smoltcp::iface::SocketStorage>(); // the socket, in its set's vector
+        let state = size_of::<super::Conn>() + size_of::<super::Tcp>() + size_of::<super::Key>() + 8;
+        assert!(socket <= 640, "socket {socket}");
+        assert!(state <= 640, "state {state}");
     }
 }

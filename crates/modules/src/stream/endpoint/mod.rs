@@ -1048,7 +1048,11 @@ impl Endpoint {
             (t.abort_in || (t.fin_sent && t.closed), t.obs.rst, t.established, t.accepted);
         let expired = c.deadline.is_some_and(|d| d <= now);
         let deadline = c.deadline;
-        let next = self.iface.poll_at(instant(now), &t.sockets).map(time);
+        let mut next = self.iface.poll_at(instant(now), &t.sockets).map(time);
+        let more = accepted && sock.can_recv() && c.credit.room(self.cfg.budget) > 0;
+        if more {
+            next = Some(now); // bytes to read and credit to send them: at once (a service does a bounded amount)
+        }
         self.publish_counts();
         if gone {
             if quiet {
@@ -1077,8 +1081,8 @@ impl Endpoint {
             }
             return self.abort_and_remove(id, "timeout", out);
         }
-        // Nothing more to do now means smoltcp's next tick, not a spin at the same instant.
-        let next = next.map(|n| if n <= now { now + Duration::from_millis(1) } else { n });
+        // Nothing more for smoltcp to do now means its next tick, not a spin at the same instant.
+        let next = next.map(|n| if n < now || (n == now && !more) { now + Duration::from_millis(1) } else { n });
         let next = match (next, deadline) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),

@@ -234,6 +234,14 @@ fn udp_datagrams_are_counted_exactly_and_idle_flows_go_away() {
         assert_eq!(lab.meter("flow.terminate.1.bytes_down_total"), queries.iter().map(|q| q.len() as u64).sum());
         assert_eq!(lab.meter("flow.originate.1.bytes_up_total"), answers.iter().map(|a| a.len() as u64).sum());
         assert_eq!(lab.meter("module.t.udp_budget_drops_total"), 0);
+        // A datagram with a wrong checksum goes nowhere, counted.
+        let mut bad = udp(app, dns, b"corrupt");
+        let last = bad.len() - 1;
+        bad[last] ^= 0x20;
+        lab.inject("t", "in", vec![bad], Direction::Down);
+        lab.run_switch();
+        assert!(flexstack_core::testing::take(&lab.to_net).is_empty());
+        assert_eq!(lab.meter("module.t.bad_datagrams_total"), 1);
         // Idle: both ends forget the flow.
         lab.run(2500);
         assert_eq!(lab.meter("module.t.udp_flows_active"), 0);

@@ -276,6 +276,7 @@ pub struct Meters {
     pub overflows: Meter,
     pub not_packet: Meter,
     pub invalid_syns: Meter,
+    pub bad_datagrams: Meter,
 }
 
 /// The meters both kinds declare.
@@ -332,6 +333,12 @@ pub const METERS: &[MeterDecl<Meters>] = &[
         "frames",
         "SYNs its TCP did not take (bad checksum or options): no flow",
         |m| &mut m.invalid_syns,
+    ),
+    MeterDecl::u64(
+        "bad_datagrams_total",
+        "frames",
+        "UDP datagrams of its flows with a bad length or checksum (dropped)",
+        |m| &mut m.bad_datagrams,
     ),
 ];
 

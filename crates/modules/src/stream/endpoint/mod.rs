@@ -469,10 +469,13 @@ impl Endpoint {
                 self.m.segments_in.add(1);
                 self.touch(id);
             }
-            None => {
-                let payload = &p.data()[(info.l4_offset + 8).min(info.total_len)..info.total_len];
-                self.udp_datagram(id, payload, out);
-            }
+            None => match wire::udp_payload(p.data(), info) {
+                Some(payload) => self.udp_datagram(id, payload, out),
+                None => {
+                    self.m.bad_datagrams.add(1);
+                    out.drop_frame(Frame::Data(p));
+                }
+            },
         }
     }
 
@@ -525,6 +528,11 @@ impl Endpoint {
         let info_out = FlowInfo { protocol, src, dst, app: self.cfg.app.clone(), role: Role::Client };
         let now = out.now();
         if !tcp {
+            if wire::udp_payload(p.data(), info).is_none() {
+                self.m.bad_datagrams.add(1); // as a kernel would: no flow for a datagram that is not one
+                out.drop_frame(Frame::Data(p));
+                return None;
+            }
             if self.udp_count as u64 >= self.cfg.max_udp_flows {
                 self.m.refused.add(1);
                 out.drop_frame(Frame::Data(p));
@@ -534,7 +542,7 @@ impl Endpoint {
             let open = StreamFrame::open(out.pool(), id, Direction::Down, &info_out);
             self.insert(id, (proto::UDP, src, dst), info_out, None, out);
             self.emit_stream(out, open);
-            let payload = &p.data()[(info.l4_offset + 8).min(info.total_len)..info.total_len];
+            let payload = wire::udp_payload(p.data(), info).expect("checked");
             self.udp_datagram(id, payload, out);
             return None;
         }
@@ -1040,7 +1048,11 @@ impl Endpoint {
             (t.abort_in || (t.fin_sent && t.closed), t.obs.rst, t.established, t.accepted);
         let expired = c.deadline.is_some_and(|d| d <= now);
         let deadline = c.deadline;
-        let next = self.iface.poll_at(instant(now), &t.sockets).map(time);
+        let mut next = self.iface.poll_at(instant(now), &t.sockets).map(time);
+        let more = accepted && sock.can_recv() && c.credit.room(self.cfg.budget) > 0;
+        if more {
+            next = Some(now); // bytes to read and credit to send them: at once (a service does a bounded amount)
+        }
         self.publish_counts();
         if gone {
             if quiet {
@@ -1069,8 +1081,8 @@ impl Endpoint {
             }
             return self.abort_and_remove(id, "timeout", out);
         }
-        // Nothing more to do now means smoltcp's next tick, not a spin at the same instant.
-        let next = next.map(|n| if n <= now { now + Duration::from_millis(1) } else { n });
+        // Nothing more for smoltcp to do now means its next tick, not a spin at the same instant.
+        let next = next.map(|n| if n < now || (n == now && !more) { now + Duration::from_millis(1) } else { n });
         let next = match (next, deadline) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),

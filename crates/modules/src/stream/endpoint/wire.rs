@@ -4,7 +4,7 @@
 use crate::ip::icmp;
 use flexstack_core::{Packet, PacketPool};
 use flexstack_wire::checksum;
-use flexstack_wire::packet::proto;
+use flexstack_wire::packet::{proto, PacketInfo};
 use std::net::{IpAddr, SocketAddr};
 
 /// Hop limit of the packets an endpoint writes.
@@ -66,6 +66,24 @@ pub fn udp(pool: &PacketPool, src: SocketAddr, dst: SocketAddr, payload: &[u8]) 
     let c = if c == 0 { 0xffff } else { c };
     buf[l4 + 6..l4 + 8].copy_from_slice(&c.to_be_bytes());
     p
+}
+
+/// The payload of a UDP datagram whose headers `info` describes, if it is one: its length field within the packet
+/// and at least 8, its checksum right (or absent, over IPv4).
+pub fn udp_payload<'a>(data: &'a [u8], info: &PacketInfo) -> Option<&'a [u8]> {
+    let l4 = data.get(info.l4_offset..info.total_len)?;
+    let len = usize::from(u16::from_be_bytes([*l4.get(4)?, *l4.get(5)?]));
+    if len < 8 || len > l4.len() {
+        return None;
+    }
+    let udp = &l4[..len];
+    let stated = u16::from_be_bytes([udp[6], udp[7]]);
+    let ok = match (stated, info.version) {
+        (0, 4) => true,
+        (0, _) => false,
+        _ => checksum::verify(checksum::pseudo_header(info.src, info.dst, proto::UDP, len as u32), udp),
+    };
+    ok.then(|| &udp[8..])
 }
 
 /// Why an ICMP error is sent to the app.
@@ -143,7 +161,6 @@ pub fn quoted(message: &[u8]) -> Option<Quoted> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use flexstack_wire::packet::PacketInfo;
 
     #[test]
     fn udp_datagrams_parse_back_with_right_checksums() {
@@ -156,6 +173,14 @@ mod tests {
             assert_eq!(&p.data()[info.l4_offset + 8..], b"query");
             let l4 = &p.data()[info.l4_offset..];
             assert!(checksum::verify(checksum::pseudo_header(s.ip(), d.ip(), 17, l4.len() as u32), l4));
+            assert_eq!(udp_payload(p.data(), &info), Some(&b"query"[..]));
+            let mut bad = p.data().to_vec();
+            let at = bad.len() - 1;
+            bad[at] ^= 1;
+            assert_eq!(udp_payload(&bad, &info), None, "a wrong checksum");
+            let mut long = p.data().to_vec();
+            long[info.l4_offset + 5] += 1;
+            assert_eq!(udp_payload(&long, &info), None, "a length beyond the packet");
             // An ICMP error about it quotes it, and the quote reads back.
             let e = unreachable(&pool, d.ip(), p.data(), Unreachable::Port).unwrap();
             let ei = PacketInfo::parse(e.data()).unwrap();

@@ -108,6 +108,34 @@ struct Tcp {
     cc: Cc,
 }
 
+impl Tcp {
+    /// A connection in its first `state`, with nothing fed, sent or received yet.
+    fn new(
+        sockets: SocketSet<'static>,
+        handle: SocketHandle,
+        syn: Vec<u8>,
+        obs: Observer,
+        state: tcp::State,
+        cc: Cc,
+    ) -> Box<Tcp> {
+        Box::new(Tcp {
+            sockets,
+            handle,
+            rx: Vec::new(),
+            accepted: false,
+            established: false,
+            fin_sent: false,
+            fin_in: false,
+            closed: false,
+            abort_in: false,
+            syn,
+            obs,
+            state,
+            cc,
+        })
+    }
+}
+
 /// One flow.
 struct Conn {
     key: Key,
@@ -575,21 +603,7 @@ impl Endpoint {
             return None;
         }
         let id = self.new_id();
-        let t = Box::new(Tcp {
-            sockets,
-            handle,
-            rx: Vec::new(),
-            accepted: false,
-            established: false,
-            fin_sent: false,
-            fin_in: false,
-            closed: false,
-            abort_in: false,
-            syn,
-            obs,
-            state: tcp::State::SynReceived,
-            cc: self.cfg.cc,
-        });
+        let t = Tcp::new(sockets, handle, syn, obs, tcp::State::SynReceived, self.cfg.cc);
         let open = StreamFrame::open(out.pool(), id, Direction::Down, &info_out);
         self.insert(id, (proto::TCP, src, dst), info_out, Some(t), out);
         self.m.segments_in.add(1);
@@ -830,21 +844,7 @@ impl Endpoint {
         }
         let mut sockets = SocketSet::new(Vec::with_capacity(1));
         let handle = sockets.add(s);
-        let t = Box::new(Tcp {
-            sockets,
-            handle,
-            rx: Vec::new(),
-            accepted: false,
-            established: false,
-            fin_sent: false,
-            fin_in: false,
-            closed: false,
-            abort_in: false,
-            syn: Vec::new(),
-            obs: Observer::default(),
-            state: tcp::State::SynSent,
-            cc: self.cfg.cc,
-        });
+        let t = Tcp::new(sockets, handle, Vec::new(), Observer::default(), tcp::State::SynSent, self.cfg.cc);
         let mut mine = info;
         mine.src = local;
         self.insert(id, key, mine, Some(t), out);

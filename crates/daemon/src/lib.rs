@@ -24,6 +24,7 @@ pub fn catalog() -> flexstack_core::Catalog {
     let mut catalog = flexstack_modules::catalog();
     catalog.register(Box::new(flexstack_faces::TunKind));
     catalog.register(Box::new(flexstack_faces::PacketKind));
+    flexstack_faces::stream::install(); // backend = "kernel" of terminate and originate
     catalog.on_alias(|old, new| {
         tracing::warn!("`{old}` is deprecated: it was renamed `{new}`; the old name still works for now")
     });

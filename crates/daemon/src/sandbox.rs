@@ -246,7 +246,7 @@ impl Sandboxes {
     }
 
     /// Creates the namespace, devices and modules for a new app, from `template` (a stack description with
-    /// `{app}`, `{app_dev}`, `{host_dev}` placeholders).
+    /// `{app}`, `{app_dev}`, `{host_dev}`, `{app_v4}`, `{app_v6}` and `{netns}` placeholders).
     pub fn attach(
         &self,
         stack: &dyn AppModules,
@@ -283,6 +283,9 @@ impl Sandboxes {
             template,
             &TemplateValues { app: &name, app_dev: &app_dev, host_dev: &host_dev, ipv4: &ipv4, ipv6: &ipv6 },
         );
+        // `{netns}`: the app's namespace, for modules that act inside it (terminate's kernel back-end listens
+        // there and redirects the app's TCP to itself).
+        let text = text.replace("{netns}", &netns);
         let spec =
             StackSpec::parse("app stack", &text).map_err(|e| ApiError::new(ErrorCode::ConfigError, e.to_string()))?;
         let modules: Vec<String> = spec.modules.iter().map(|m| m.name.clone()).collect();

@@ -3,6 +3,8 @@
 //! - [`face`] holds the module kinds that stand for devices (`tun`, `packet`) and the face module they build;
 //!   [`tun`] and [`packet`] the devices behind them (what those share is in `device`). The virtio-net header a packet
 //!   socket puts before each frame is read and written with `flexstack_wire::vnet`.
+//! - [`stream`] is the `kernel` back-end of the stream endpoints `terminate` and `originate`: kernel sockets in the
+//!   data plane's epoll loop, as faces are.
 //! - [`linkwatch`] tells the data plane when a face's interface loses its carrier or goes down.
 //!
 //! The system calls that `nix` has no safe wrapper for are in `flexstack-sys`, the workspace's one crate of
@@ -14,6 +16,7 @@ mod device;
 pub mod face;
 pub mod linkwatch;
 pub mod packet;
+pub mod stream;
 pub mod tun;
 
 pub use face::{PacketKind, TunKind};

@@ -3,7 +3,8 @@
 //!
 //! - The few system calls that have no safe wrapper in `nix`: binding an AF_PACKET socket to an interface, setting
 //!   packet-socket options, reading a frame into a buffer's spare capacity, and a thread's scheduling policy.
-//! - [`tcp_info`]: a TCP socket's `TCP_INFO` with the fields glibc's struct lacks (the delivery rate).
+//! - [`tcp_info`]: a TCP socket's `TCP_INFO` with the fields glibc's struct lacks (the delivery rate), and
+//!   [`socket_queues`]: the bytes in a socket's send and receive queues.
 //! - [`prefetch`]: the CPU's hint to load a cache line, for the late-binding scheduler's deep backlogs.
 #![allow(unsafe_code)]
 #![warn(missing_docs)]
@@ -290,6 +291,18 @@ pub fn tcp_info(fd: BorrowedFd<'_>) -> io::Result<TcpInfo> {
     })
 }
 
+/// The bytes in socket `fd`'s send queue (not yet acknowledged by the peer, for TCP: `SIOCOUTQ`) and receive queue
+/// (not yet read: `SIOCINQ`/`FIONREAD`).
+pub fn socket_queues(fd: BorrowedFd<'_>) -> io::Result<(u32, u32)> {
+    let (mut out, mut inq): (libc::c_int, libc::c_int) = (0, 0);
+    // SAFETY: both requests write one c_int through the pointer, which points to a live c_int for the call; `fd`
+    // is an open socket borrowed for the duration of the calls.
+    checked(unsafe { libc::ioctl(fd.as_raw_fd(), libc::TIOCOUTQ, &mut out as *mut libc::c_int) })?;
+    // SAFETY: as above.
+    checked(unsafe { libc::ioctl(fd.as_raw_fd(), libc::FIONREAD, &mut inq as *mut libc::c_int) })?;
+    Ok((out.max(0) as u32, inq.max(0) as u32))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -318,6 +331,9 @@ mod tests {
         assert_eq!(info.state, 1, "{info:?}");
         assert!(info.srtt_us > 0 && info.cwnd >= 2 && info.snd_mss > 0, "{info:?}");
         assert_eq!(info.bytes_acked, 100_001, "{info:?}"); // the SYN counts one
+        client.write_all(&[1u8; 1000]).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert_eq!(socket_queues(server.as_fd()).unwrap(), (0, 1000));
         // Not a TCP socket: an error, not garbage.
         let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
         assert!(tcp_info(udp.as_fd()).is_err());

@@ -8,8 +8,10 @@
 //! | [`terminate`] | ends the app's TCP and UDP flows (smoltcp, in user space) and turns them into streams |
 //! | [`originate`] | opens those flows again towards their original destination and relays their streams |
 //!
-//! [`matcher`] is `terminate`'s match table; `endpoint` the engine both endpoints share.
+//! [`matcher`] is `terminate`'s match table; `endpoint` the engine both endpoints share; [`backend`] the `backend`
+//! setting and the hook that builds the `kernel` back-end (in `flexstack-faces`).
 
+pub mod backend;
 pub(crate) mod endpoint;
 pub mod matcher;
 pub mod originate;

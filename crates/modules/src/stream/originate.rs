@@ -24,7 +24,8 @@
 use crate::stream::endpoint::config::{endpoint_decl, parse_sources, Config, Meters};
 use crate::stream::endpoint::{Endpoint, Ports, Side};
 use crate::stream::matcher::MatchTable;
-use crate::stream::terminate::{check_backend, seed};
+use crate::stream::backend::{self, Backend, KernelRequest};
+use crate::stream::terminate::seed;
 use flexstack_core::module::port_type;
 use flexstack_core::{
     field, kind_from_decl, ConfigError, KindDecl, Module, ModuleBuilder, ModuleInterface, ModuleKind, ModuleVars,
@@ -58,13 +59,12 @@ const DECL: KindDecl<Config, Meters> = endpoint_decl!(
         PortDecl::new("pass", port_type::IP, "packets from the network of none of its flows, unchanged"),
     ],
     extra: [
-        P::text(
+        P::manual(
             "backend",
-            "how flows are opened: smoltcp (user-space TCP in the data plane)",
-            "smoltcp",
-            |_| "smoltcp".into(),
-            check_backend,
-        ).setting(),
+            "str",
+            "how flows are opened: smoltcp (user-space TCP in the data plane) or kernel (kernel sockets; docs/streams.md)",
+            "\"smoltcp\"",
+        ),
         P::text(
             "source",
             "source addresses of its connections (one IPv4, one IPv6, comma-separated); empty: the app's own",
@@ -91,9 +91,16 @@ impl ModuleKind for OriginateKind {
         let mut r = settings.reader(KIND);
         let mut cfg = Config::blank();
         DECL.read(&mut r, &mut cfg)?;
+        let backend = backend::read(&mut r)?;
         r.finish()?;
         seed(&mut cfg);
-        Ok(Box::new(OriginateBuilder { cfg }))
+        let b = OriginateBuilder { cfg };
+        if backend == Backend::Kernel {
+            let (side, interface, decl) = (Side::Net, b.interface(), &DECL);
+            let req = KernelRequest { side, cfg: b.cfg, matcher: MatchTable::default(), netns: String::new(), interface, decl };
+            return backend::build_kernel(settings, KIND, req);
+        }
+        Ok(Box::new(b))
     }
 }
 

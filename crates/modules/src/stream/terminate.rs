@@ -23,6 +23,7 @@
 //!
 //! Its ports, settings, knobs and meters are declared once, in `DECL` below; docs/modules.md lists them.
 
+use crate::stream::backend::{self, Backend, KernelRequest};
 use crate::stream::endpoint::config::{endpoint_decl, Config, Meters};
 use crate::stream::endpoint::{Endpoint, Ports, Side};
 use crate::stream::matcher::MatchTable;
@@ -58,13 +59,18 @@ const DECL: KindDecl<Config, Meters> = endpoint_decl!(
         PortDecl::new("pass", port_type::IP, "packets of flows it does not terminate, unchanged"),
     ],
     extra: [
-        P::text(
+        P::manual(
             "backend",
-            "how flows are terminated: smoltcp (user-space TCP in the data plane)",
-            "smoltcp",
-            |_| "smoltcp".into(),
-            check_backend,
-        ).setting(),
+            "str",
+            "how flows are terminated: smoltcp (user-space TCP in the data plane) or kernel (the host's TCP; docs/streams.md)",
+            "\"smoltcp\"",
+        ),
+        P::manual(
+            "netns",
+            "str",
+            "kernel back-end: the app's network namespace (under /run/netns), where its TCP is redirected to a listener",
+            "none",
+        ),
         P::manual(
             "match",
             "array of strings",
@@ -81,15 +87,6 @@ const DECL: KindDecl<Config, Meters> = endpoint_decl!(
         ).setting(),
     ]
 );
-
-/// Only `smoltcp` is built; `kernel` (the host's TCP, sockets in the daemon) is the next phase.
-pub(crate) fn check_backend(_: &mut Config, text: &str) -> Result<(), String> {
-    match text {
-        "smoltcp" => Ok(()),
-        "kernel" => Err("the kernel back-end is not built yet: use \"smoltcp\"".into()),
-        other => Err(format!("expected \"smoltcp\", got {other:?}")),
-    }
-}
 
 /// Draws a seed when none was given (on the control side, once per module).
 pub(crate) fn seed(cfg: &mut Config) {
@@ -108,9 +105,17 @@ impl ModuleKind for TerminateKind {
         DECL.read(&mut r, &mut cfg)?;
         let rules = r.strings("match")?.unwrap_or_else(|| vec!["tcp *".into()]);
         let matcher = MatchTable::parse(&rules).map_err(|e| r.error("match", e))?;
+        let backend = backend::read(&mut r)?;
+        let netns = r.string("netns")?.unwrap_or_default();
         r.finish()?;
         seed(&mut cfg);
-        Ok(Box::new(TerminateBuilder { cfg, matcher }))
+        let b = TerminateBuilder { cfg, matcher };
+        if backend == Backend::Kernel {
+            let (side, interface, decl) = (Side::App, b.interface(), &DECL);
+            let req = KernelRequest { side, cfg: b.cfg, matcher: b.matcher, netns, interface, decl };
+            return backend::build_kernel(settings, KIND, req);
+        }
+        Ok(Box::new(b))
     }
 }
 

@@ -14,6 +14,8 @@
 //! | data it reads (producer) | from the app, sent Down | from the server, sent Up |
 //! | data it writes (consumer) | Up data, to the app | Down data, to the server |
 
+// Its fields are the settings, documented in their declarations; the kernel back-end reads them (`backend`).
+#[allow(missing_docs)]
 pub(crate) mod config;
 mod device;
 pub(crate) mod observe;

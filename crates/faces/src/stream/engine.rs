@@ -1,0 +1,771 @@
+//! What both kernel endpoints share: their flows (a kernel socket each), the stream protocol with its credit, and
+//! the inner epoll the data plane waits on.
+//!
+//! The data plane sees one file descriptor per endpoint, an epoll instance holding the endpoint's sockets (and, for
+//! `terminate`, its listeners) and an eventfd ("kick"). When it is readable the data plane calls
+//! [`Engine::read_frame`] until it answers false: each call hands out one stream frame — an event waiting
+//! (`Open`, `Fin`, `Abort`, `Ack`), or one chunk read from a socket straight into the pooled buffer (`Data`). Stream
+//! frames for the endpoint reach [`Engine::write_frames`] (through the module's egress queue); what they cause
+//! (acks, an `Open` after a connect) waits as events, and the kick wakes the data plane to take them.
+//!
+//! Backpressure: a socket is in the epoll set for reading only while its flow may send (`Credit::room` above 0,
+//! and the flow accepted); without credit it is left unread, its receive buffer fills and the kernel closes the
+//! peer's window. Bytes for a socket whose send buffer is full wait in the flow's queue (at most what the other
+//! endpoint's budget lets it send, and `queue_limit`), and are acked once the kernel took them.
+
+use flexstack_core::frame::{MetaKey, Metadata};
+use flexstack_core::stream::{Credit, FlowInfo, StreamEvent, StreamKind};
+use flexstack_core::{Direction, Packet};
+use flexstack_modules::stream::backend::{Config, Meters, Side};
+use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
+use nix::sys::eventfd::{EfdFlags, EventFd};
+use nix::sys::socket::{setsockopt, sockopt};
+use std::collections::{HashMap, VecDeque};
+use std::io::{ErrorKind, Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream, UdpSocket};
+use std::os::fd::{AsFd, BorrowedFd};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Epoll token of the kick eventfd.
+const KICK: u64 = 0;
+/// Epoll token of listener `i`: `LISTENER + i` (flow ids stay far below).
+const LISTENER: u64 = 1 << 62;
+/// Largest UDP datagram read.
+const MAX_DATAGRAM: usize = 65_535;
+
+/// A flow's kernel socket.
+pub(crate) enum Sock {
+    Tcp(TcpStream),
+    Udp(UdpSocket),
+}
+
+impl Sock {
+    pub(crate) fn fd(&self) -> BorrowedFd<'_> {
+        match self {
+            Sock::Tcp(s) => s.as_fd(),
+            Sock::Udp(s) => s.as_fd(),
+        }
+    }
+}
+
+/// One flow.
+pub(crate) struct Flow {
+    /// The flow as described in its `Open` (originate: with the source address its socket got).
+    pub(crate) info: FlowInfo,
+    pub(crate) sock: Sock,
+    pub(crate) credit: Credit,
+    /// Bytes its socket did not take yet (copied out of their frames: packets stay on the data-plane thread).
+    queue: VecDeque<Vec<u8>>,
+    queue_off: usize,
+    pub(crate) queued: u64,
+    to_ack: u64,
+    /// It may read its socket: terminate, once `Open` came back up; originate, once connected (UDP: at once).
+    accepted: bool,
+    /// originate TCP: the connect is under way.
+    connecting: bool,
+    /// Its socket's read side ended (`Fin` sent).
+    eof: bool,
+    /// `Fin` arrived for the direction it writes.
+    fin_in: bool,
+    /// Its socket's write side was shut after that `Fin`.
+    shut: bool,
+    /// In the readable list.
+    listed: bool,
+    /// What it is registered for in the epoll set (`None`: not registered).
+    interest: Option<EpollFlags>,
+    /// TCP: the far side must have accepted by then; UDP: the idle deadline.
+    deadline: Option<Instant>,
+    /// Stream bytes it read and sent (`Data` out), and wrote to its socket (`Data` in).
+    pub(crate) bytes_out: u64,
+    pub(crate) bytes_in: u64,
+    /// The congestion control of its socket, as last set.
+    pub(crate) cc: String,
+}
+
+impl Flow {
+    pub(crate) fn new(info: FlowInfo, sock: Sock) -> Flow {
+        Flow {
+            info,
+            sock,
+            credit: Credit::default(),
+            queue: VecDeque::new(),
+            queue_off: 0,
+            queued: 0,
+            to_ack: 0,
+            accepted: false,
+            connecting: false,
+            eof: false,
+            fin_in: false,
+            shut: false,
+            listed: false,
+            interest: None,
+            deadline: None,
+            bytes_out: 0,
+            bytes_in: 0,
+            cc: String::new(),
+        }
+    }
+
+    fn tcp(&self) -> bool {
+        matches!(self.sock, Sock::Tcp(_))
+    }
+
+    /// What it should be registered for: reading while it may send, writing while it connects or has bytes queued.
+    fn wanted(&self, budget: u64) -> EpollFlags {
+        let mut f = EpollFlags::empty();
+        if self.accepted && !self.eof && (!self.tcp() || self.credit.room(budget) > 0) {
+            f |= EpollFlags::EPOLLIN;
+        }
+        if self.connecting || !self.queue.is_empty() {
+            f |= EpollFlags::EPOLLOUT;
+        }
+        f
+    }
+}
+
+/// What one read of a flow's socket gave.
+enum Got {
+    /// `n` bytes (or one datagram of `n` bytes) in the buffer.
+    Got(usize),
+    /// It may not read now (no credit, not accepted, ended).
+    Stop,
+    /// The peer's FIN.
+    End,
+    Failed(std::io::Error),
+}
+
+/// A stream frame waiting to be handed out (every kind but `Data`, which is read when handed out).
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Event {
+    Open(u64, FlowInfo),
+    Fin(u64),
+    Abort(u64, &'static str),
+    Ack(u64, u64),
+}
+
+/// Writes `event` as a stream frame: its bytes into `buf`, its flow and kind into `meta`.
+pub(crate) fn encode(event: &Event, buf: &mut Vec<u8>, meta: &mut Metadata) {
+    buf.clear();
+    let (id, kind, extra) = match event {
+        Event::Open(id, info) => {
+            info.encode(buf);
+            (*id, StreamKind::Open, 0)
+        }
+        Event::Fin(id) => (*id, StreamKind::Fin, 0),
+        Event::Abort(id, reason) => {
+            buf.extend_from_slice(reason.as_bytes());
+            (*id, StreamKind::Abort, 0)
+        }
+        Event::Ack(id, n) => (*id, StreamKind::Ack, *n),
+    };
+    set_meta(meta, id, kind, extra);
+}
+
+fn set_meta(meta: &mut Metadata, id: u64, kind: StreamKind, extra: u64) {
+    *meta = Metadata::default();
+    meta.set(MetaKey::FLOW_ID, id);
+    meta.set(MetaKey::STREAM, kind as u64 | extra << 8);
+}
+
+/// The reason an `Abort` gives for a socket error.
+pub(crate) fn reason(e: &std::io::Error, connecting: bool) -> &'static str {
+    match e.raw_os_error() {
+        Some(libc::ECONNREFUSED) if connecting => "refused",
+        Some(libc::EHOSTUNREACH | libc::ENETUNREACH | libc::EHOSTDOWN | libc::ENETDOWN) => "unreachable",
+        Some(libc::ETIMEDOUT) => "timeout",
+        _ => "reset",
+    }
+}
+
+/// Resets a TCP connection: SO_LINGER 0, then close sends RST instead of FIN.
+pub(crate) fn reset(sock: Sock) {
+    if let Sock::Tcp(s) = &sock {
+        let _ = setsockopt(s, sockopt::Linger, &libc::linger { l_onoff: 1, l_linger: 0 });
+    }
+    drop(sock);
+}
+
+/// The engine of one kernel endpoint.
+pub(crate) struct Engine {
+    pub(crate) side: Side,
+    epoll: Arc<Epoll>,
+    kick: EventFd,
+    pub(crate) listeners: Vec<TcpListener>,
+    pub(crate) flows: HashMap<u64, Flow>,
+    pending: VecDeque<Event>,
+    readable: VecDeque<u64>,
+    pub(crate) cfg: Config,
+    pub(crate) m: Meters,
+    /// Flows started and ended since the module last looked (it registers and removes their meters).
+    pub(crate) born: Vec<u64>,
+    pub(crate) gone: Vec<u64>,
+    pub(crate) next_id: u64,
+    /// Congestion control of new TCP sockets (None: the kernel's default).
+    pub(crate) cc: Option<String>,
+    tcp_count: u64,
+    udp_count: u64,
+    /// terminate: its match table, app and redirect.
+    pub(crate) app: Option<super::kernel_app::AppSide>,
+}
+
+impl Engine {
+    /// An engine with an empty epoll set (and the kick in it).
+    pub(crate) fn new(side: Side, cfg: Config, m: Meters) -> std::io::Result<Engine> {
+        let epoll = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC)?;
+        let kick = EventFd::from_value_and_flags(0, EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC)?;
+        epoll.add(&kick, EpollEvent::new(EpollFlags::EPOLLIN, KICK))?;
+        let cc = match cfg.cc.name() {
+            "none" => None,
+            name => Some(name.to_string()),
+        };
+        Ok(Engine {
+            side,
+            epoll: Arc::new(epoll),
+            kick,
+            listeners: Vec::new(),
+            flows: HashMap::new(),
+            pending: VecDeque::new(),
+            readable: VecDeque::new(),
+            cfg,
+            m,
+            born: Vec::new(),
+            gone: Vec::new(),
+            next_id: 0,
+            cc,
+            tcp_count: 0,
+            udp_count: 0,
+            app: None,
+        })
+    }
+
+    /// The epoll instance the data plane waits on.
+    pub(crate) fn epoll(&self) -> Arc<Epoll> {
+        self.epoll.clone()
+    }
+
+    /// The direction of the stream frames it emits.
+    fn dir(&self) -> Direction {
+        self.side.out_dir()
+    }
+
+    pub(crate) fn add_listener(&mut self, l: TcpListener) -> std::io::Result<()> {
+        let token = LISTENER + self.listeners.len() as u64;
+        self.epoll.add(&l, EpollEvent::new(EpollFlags::EPOLLIN, token))?;
+        self.listeners.push(l);
+        Ok(())
+    }
+
+    pub(crate) fn push(&mut self, e: Event) {
+        self.pending.push_back(e);
+    }
+
+    /// Wakes the data plane if frames wait to be handed out.
+    pub(crate) fn kick_if_pending(&self) {
+        if !self.pending.is_empty() || !self.readable.is_empty() {
+            let _ = self.kick.write(1);
+        }
+    }
+
+    pub(crate) fn tcp_count(&self) -> u64 {
+        self.tcp_count
+    }
+
+    pub(crate) fn udp_count(&self) -> u64 {
+        self.udp_count
+    }
+
+    /// Files a new flow (accepted or opened) and registers its socket as it needs.
+    pub(crate) fn insert(&mut self, id: u64, mut f: Flow, accepted: bool, connecting: bool, deadline: Option<Instant>) {
+        f.accepted = accepted;
+        f.connecting = connecting;
+        f.deadline = deadline;
+        if f.tcp() {
+            self.tcp_count += 1;
+            self.m.tcp_total.add(1);
+        } else {
+            self.udp_count += 1;
+            self.m.udp_total.add(1);
+        }
+        self.flows.insert(id, f);
+        self.born.push(id);
+        self.update(id);
+        self.counts();
+    }
+
+    fn counts(&self) {
+        self.m.tcp_active.set(self.tcp_count);
+        self.m.udp_active.set(self.udp_count);
+        let (mut buffered, mut in_flight) = (0, 0);
+        for f in self.flows.values() {
+            buffered += f.queued;
+            in_flight += f.credit.in_flight();
+        }
+        self.m.buffered.set(buffered);
+        self.m.in_flight.set(in_flight);
+    }
+
+    /// Registers flow `id`'s socket for what it needs now.
+    fn update(&mut self, id: u64) {
+        let budget = self.cfg.budget;
+        let Some(f) = self.flows.get_mut(&id) else { return };
+        let want = f.wanted(budget);
+        if f.interest == Some(want) {
+            return;
+        }
+        let fd = f.sock.fd();
+        let result = match (f.interest, want.is_empty()) {
+            (None, true) => Ok(()),
+            (Some(_), true) => self.epoll.delete(fd),
+            (None, false) => self.epoll.add(fd, EpollEvent::new(want, id)),
+            (Some(_), false) => self.epoll.modify(fd, &mut EpollEvent::new(want, id)),
+        };
+        match result {
+            Ok(()) => f.interest = (!want.is_empty()).then_some(want),
+            Err(e) => tracing::warn!(flow = id, error = %e, "cannot watch a flow's socket"),
+        }
+        // A flow that may read again is read at once (level-triggered epoll reports it too, a round later).
+        if want.contains(EpollFlags::EPOLLIN) && !f.listed {
+            f.listed = true;
+            self.readable.push_back(id);
+        }
+    }
+
+    /// Forgets flow `id` (its socket closes normally).
+    pub(crate) fn remove(&mut self, id: u64) -> Option<Flow> {
+        let f = self.flows.remove(&id)?;
+        if f.interest.is_some() {
+            let _ = self.epoll.delete(f.sock.fd());
+        }
+        if f.tcp() {
+            self.tcp_count -= 1;
+        } else {
+            self.udp_count -= 1;
+        }
+        self.gone.push(id);
+        self.counts();
+        Some(f)
+    }
+
+    /// Sends `Abort(reason)` for flow `id`, resets its socket and forgets it.
+    pub(crate) fn abort(&mut self, id: u64, reason: &'static str) {
+        self.m.aborts_sent.add(1);
+        self.pending.push_back(Event::Abort(id, reason));
+        if let Some(f) = self.remove(id) {
+            reset(f.sock);
+        }
+    }
+
+    /// Hands out one stream frame, if one is ready; `Ok(false)` when none is.
+    pub(crate) fn read_frame(&mut self, buf: &mut Vec<u8>, meta: &mut Metadata) -> std::io::Result<bool> {
+        let mut polled = false;
+        loop {
+            if let Some(e) = self.pending.pop_front() {
+                encode(&e, buf, meta);
+                return Ok(true);
+            }
+            while let Some(id) = self.readable.pop_front() {
+                if let Some(f) = self.flows.get_mut(&id) {
+                    f.listed = false;
+                }
+                if self.read_one(id, buf, meta) {
+                    return Ok(true);
+                }
+                if !self.pending.is_empty() {
+                    break;
+                }
+            }
+            if !self.pending.is_empty() {
+                continue;
+            }
+            if polled {
+                buf.clear();
+                return Ok(false);
+            }
+            polled = true;
+            self.poll_events()?;
+        }
+    }
+
+    /// Takes the events of the epoll set without waiting: new connections, sockets readable or writable.
+    fn poll_events(&mut self) -> std::io::Result<()> {
+        let mut events = [EpollEvent::empty(); 64];
+        let n = match self.epoll.wait(&mut events, EpollTimeout::ZERO) {
+            Ok(n) => n,
+            Err(nix::errno::Errno::EINTR) => 0,
+            Err(e) => return Err(e.into()),
+        };
+        for ev in &events[..n] {
+            let (token, flags) = (ev.data(), ev.events());
+            if token == KICK {
+                let _ = self.kick.read();
+            } else if token >= LISTENER {
+                self.accept_all((token - LISTENER) as usize);
+            } else {
+                if flags.contains(EpollFlags::EPOLLOUT) {
+                    self.writable(token);
+                }
+                let readish = EpollFlags::EPOLLIN | EpollFlags::EPOLLHUP | EpollFlags::EPOLLERR;
+                if flags.intersects(readish) {
+                    if let Some(f) = self.flows.get_mut(&token) {
+                        if !f.listed {
+                            f.listed = true;
+                            self.readable.push_back(token);
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads one chunk (TCP) or datagram (UDP) of flow `id` into `buf` as `Data`, if it may; true if it did.
+    /// The end of its stream or an error becomes an event.
+    fn read_one(&mut self, id: u64, buf: &mut Vec<u8>, meta: &mut Metadata) -> bool {
+        let (budget, chunk, idle) = (self.cfg.budget, self.cfg.chunk, self.cfg.udp_timeout_ms);
+        let Some(f) = self.flows.get_mut(&id) else { return false };
+        buf.clear();
+        let outcome: Got = if !f.accepted || f.eof {
+            Got::Stop
+        } else {
+            match &mut f.sock {
+                Sock::Tcp(s) => {
+                    let room = f.credit.room(budget).min(chunk) as usize;
+                    if room == 0 {
+                        Got::Stop
+                    } else {
+                        buf.resize(room, 0);
+                        match s.read(&mut buf[..room]) {
+                            Ok(0) => Got::End,
+                            Ok(n) => Got::Got(n),
+                            Err(e) => Got::Failed(e),
+                        }
+                    }
+                }
+                Sock::Udp(s) => loop {
+                    buf.resize(MAX_DATAGRAM, 0);
+                    match s.recv(buf) {
+                        Ok(n) => {
+                            f.deadline = Some(Instant::now() + Duration::from_millis(idle));
+                            if f.credit.room(budget) < (n as u64).max(1) {
+                                self.m.udp_budget_drops.add(1); // as a full socket buffer drops it
+                                continue;
+                            }
+                            break Got::Got(n);
+                        }
+                        Err(e) => break Got::Failed(e),
+                    }
+                },
+            }
+        };
+        match outcome {
+            Got::Got(n) => {
+                buf.truncate(n);
+                set_meta(meta, id, StreamKind::Data, 0);
+                f.credit.send(n as u64);
+                f.bytes_out += n as u64;
+                self.m.bytes_out.add(n as u64);
+                // More may wait: come back to it after the others.
+                if !f.listed {
+                    f.listed = true;
+                    self.readable.push_back(id);
+                }
+                true
+            }
+            Got::Stop => {
+                buf.clear();
+                self.update(id);
+                false
+            }
+            Got::End => {
+                buf.clear();
+                f.eof = true;
+                self.pending.push_back(Event::Fin(id));
+                self.update(id);
+                self.maybe_done(id);
+                false
+            }
+            Got::Failed(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => {
+                buf.clear();
+                false
+            }
+            Got::Failed(e) => {
+                buf.clear();
+                // An ICMP port unreachable reaches a connected UDP socket as ECONNREFUSED.
+                let udp = !f.tcp();
+                let r = if udp && e.raw_os_error() == Some(libc::ECONNREFUSED) {
+                    self.m.icmp_errors.add(1);
+                    "unreachable"
+                } else {
+                    reason(&e, false)
+                };
+                self.abort(id, r);
+                false
+            }
+        }
+    }
+
+    /// Flow `id`'s socket is writable: its connect finished, or its queue can move.
+    fn writable(&mut self, id: u64) {
+        let Some(f) = self.flows.get_mut(&id) else { return };
+        if f.connecting {
+            let Sock::Tcp(s) = &f.sock else { return };
+            let error = match s.take_error() {
+                Ok(None) => s.peer_addr().err(),
+                Ok(Some(e)) | Err(e) => Some(e),
+            };
+            f.connecting = false;
+            if let Some(e) = error {
+                let r = reason(&e, true);
+                if r == "timeout" {
+                    self.m.timeouts.add(1);
+                }
+                self.m.refused.add(u64::from(r == "refused"));
+                return self.abort(id, r);
+            }
+            if let Ok(local) = s.local_addr() {
+                f.info.src = local;
+            }
+            f.accepted = true;
+            f.deadline = None;
+            let info = f.info.clone();
+            self.pending.push_back(Event::Open(id, info));
+        }
+        self.flush(id);
+        // What the kernel took is acked now (in `write_frames`, acks of a whole batch go out together).
+        self.ack(id);
+    }
+
+    /// Writes what flow `id` has queued into its socket (acking it), shuts its write side after `Fin`, and forgets
+    /// it when both directions are done.
+    fn flush(&mut self, id: u64) {
+        let Some(f) = self.flows.get_mut(&id) else { return };
+        if f.connecting {
+            return;
+        }
+        let mut failed = None;
+        if let Sock::Tcp(s) = &mut f.sock {
+            while let Some(front) = f.queue.front() {
+                match s.write(&front[f.queue_off..]) {
+                    Ok(n) => {
+                        f.queue_off += n;
+                        f.to_ack += n as u64;
+                        f.queued -= n as u64;
+                        if f.queue_off == front.len() {
+                            f.queue.pop_front();
+                            f.queue_off = 0;
+                        }
+                    }
+                    Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                    Err(e) => {
+                        failed = Some(e);
+                        break;
+                    }
+                }
+            }
+            if failed.is_none() && f.queue.is_empty() && f.fin_in && !f.shut {
+                f.shut = true;
+                let _ = s.shutdown(Shutdown::Write);
+            }
+        }
+        if let Some(e) = failed {
+            return self.abort(id, reason(&e, false));
+        }
+        self.update(id);
+        self.maybe_done(id);
+    }
+
+    /// A TCP flow whose both directions ended is forgotten (its socket closes normally).
+    fn maybe_done(&mut self, id: u64) {
+        if self.flows.get(&id).is_some_and(|f| f.tcp() && f.eof && f.shut && f.queue.is_empty()) {
+            self.ack(id);
+            self.remove(id);
+        }
+    }
+
+    /// Handles the stream frames that arrived for this endpoint, in order (an `Open` down makes a new flow's socket:
+    /// `kernel_net`). Acks for what was written go out as events.
+    pub(crate) fn write_frames(&mut self, packets: &[&Packet]) {
+        for p in packets {
+            self.stream_in(p);
+        }
+        let ids: Vec<u64> = self.flows.iter().filter(|(_, f)| f.to_ack > 0).map(|(id, _)| *id).collect();
+        for id in ids {
+            self.ack(id);
+        }
+        self.counts();
+        self.kick_if_pending();
+    }
+
+    /// Sends an ack of what flow `id` handed to its socket since the last one.
+    fn ack(&mut self, id: u64) {
+        let Some(f) = self.flows.get_mut(&id) else { return };
+        let n = std::mem::take(&mut f.to_ack);
+        if n > 0 {
+            f.bytes_in += n;
+            self.m.bytes_in.add(n);
+            self.pending.push_back(Event::Ack(id, n));
+        }
+    }
+
+    fn stream_in(&mut self, p: &Packet) {
+        let (Some(id), Some(event)) = (p.stream_flow(), p.stream()) else {
+            self.m.stream_bad.add(1);
+            return;
+        };
+        if p.direction() == self.dir() {
+            self.m.stream_bad.add(1); // its own direction: a loop in the links
+            return;
+        }
+        if let StreamEvent::Open(info) = &event {
+            if self.side == Side::Net {
+                if self.flows.contains_key(&id) {
+                    self.m.stream_bad.add(1);
+                } else {
+                    self.open_net(id, info.clone());
+                }
+                return;
+            }
+        }
+        let Some(f) = self.flows.get_mut(&id) else {
+            self.m.stream_orphans.add(1);
+            return;
+        };
+        match event {
+            StreamEvent::Open(_) => {
+                // terminate: the far side accepted; the app's bytes may flow.
+                f.accepted = true;
+                f.deadline = None;
+                self.update(id);
+            }
+            StreamEvent::Data(bytes) => {
+                let len = bytes.len() as u64;
+                match &f.sock {
+                    Sock::Udp(s) => {
+                        if s.send(bytes).is_err() {
+                            self.m.stream_bad.add(1); // as a kernel drops a datagram it cannot send
+                        }
+                        f.to_ack += len;
+                        f.deadline = Some(Instant::now() + Duration::from_millis(self.cfg.udp_timeout_ms));
+                    }
+                    Sock::Tcp(_) => {
+                        if f.fin_in {
+                            self.m.stream_bad.add(1); // data after Fin
+                            return;
+                        }
+                        if f.queued + len > self.cfg.queue_limit {
+                            self.m.overflows.add(1);
+                            return self.abort(id, "overflow");
+                        }
+                        // Straight into the socket when nothing waits before it; what it does not take is queued.
+                        let mut done = 0;
+                        let mut failed = None;
+                        if let (Sock::Tcp(s), true) = (&mut f.sock, f.queue.is_empty() && !f.connecting) {
+                            while done < bytes.len() {
+                                match s.write(&bytes[done..]) {
+                                    Ok(n) => done += n,
+                                    Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                                    Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                                    Err(e) => {
+                                        failed = Some(e);
+                                        break;
+                                    }
+                                }
+                            }
+                        }
+                        if let Some(e) = failed {
+                            return self.abort(id, reason(&e, false));
+                        }
+                        f.to_ack += done as u64;
+                        if done < bytes.len() {
+                            f.queued += (bytes.len() - done) as u64;
+                            f.queue.push_back(bytes[done..].to_vec());
+                        }
+                        self.update(id);
+                    }
+                }
+            }
+            StreamEvent::Fin => {
+                if f.tcp() {
+                    f.fin_in = true;
+                    self.flush(id);
+                } else {
+                    self.remove(id); // a UDP flow ended at the other end
+                }
+            }
+            StreamEvent::Abort(_) => {
+                self.m.aborts_received.add(1);
+                if let Some(f) = self.remove(id) {
+                    reset(f.sock);
+                }
+            }
+            StreamEvent::Ack(n) => {
+                if !f.credit.ack(n) {
+                    self.m.stream_bad.add(1);
+                }
+                self.update(id);
+            }
+        }
+    }
+
+    /// Ends what is due at `now`: TCP flows whose far side did not accept in time, idle UDP flows.
+    pub(crate) fn tick(&mut self, now: Instant) {
+        let due: Vec<u64> =
+            self.flows.iter().filter(|(_, f)| f.deadline.is_some_and(|d| d <= now)).map(|(id, _)| *id).collect();
+        for id in due {
+            if self.flows[&id].tcp() {
+                self.m.timeouts.add(1);
+                self.abort(id, "timeout");
+            } else {
+                self.pending.push_back(Event::Fin(id));
+                self.remove(id);
+            }
+        }
+        self.kick_if_pending();
+    }
+
+    /// The direction of TCP bytes it reads (`bytes_out`) is down for terminate, up for originate.
+    pub(crate) fn out_is_down(&self) -> bool {
+        self.dir() == Direction::Down
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use flexstack_core::stream::Role;
+    use flexstack_core::PacketPool;
+
+    /// Events become stream frames that the core decodes back to the same events.
+    #[test]
+    fn events_encode_as_stream_frames() {
+        let pool = PacketPool::default();
+        let info = FlowInfo::tcp("[2001:db8::2]:40000".parse().unwrap(), "[2001:db8::1]:80".parse().unwrap(), "curl", Role::Client);
+        let cases = [Event::Open(3, info.clone()), Event::Fin(4), Event::Abort(5, "refused"), Event::Ack(6, 1 << 40)];
+        for e in &cases {
+            let (mut buf, mut meta) = (Vec::new(), Metadata::default());
+            encode(e, &mut buf, &mut meta);
+            let mut p = pool.alloc_from(&buf);
+            *p.meta_mut() = meta;
+            let back = match p.stream().expect("a stream frame") {
+                StreamEvent::Open(i) => Event::Open(p.stream_flow().unwrap(), i),
+                StreamEvent::Fin => Event::Fin(p.stream_flow().unwrap()),
+                StreamEvent::Abort(r) => Event::Abort(p.stream_flow().unwrap(), if r == "refused" { "refused" } else { "?" }),
+                StreamEvent::Ack(n) => Event::Ack(p.stream_flow().unwrap(), n),
+                StreamEvent::Data(_) => panic!("no data"),
+            };
+            assert_eq!(&back, e);
+        }
+    }
+
+    #[test]
+    fn socket_errors_map_to_abort_reasons() {
+        let e = |n| std::io::Error::from_raw_os_error(n);
+        assert_eq!(reason(&e(libc::ECONNREFUSED), true), "refused");
+        assert_eq!(reason(&e(libc::ECONNREFUSED), false), "reset");
+        assert_eq!(reason(&e(libc::EHOSTUNREACH), true), "unreachable");
+        assert_eq!(reason(&e(libc::ETIMEDOUT), true), "timeout");
+        assert_eq!(reason(&e(libc::ECONNRESET), false), "reset");
+    }
+}

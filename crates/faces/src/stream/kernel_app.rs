@@ -1,0 +1,282 @@
+//! `terminate` with `backend = "kernel"`: the app's TCP connections end at the host kernel's TCP, in a listener
+//! the daemon opens inside the app's network namespace, and become streams.
+//!
+//! When the module is configured (on the control side, which holds CAP_SYS_ADMIN and CAP_NET_ADMIN), it
+//! - opens two listeners, IPv4 `0.0.0.0:P` and IPv6 `[::]:P` (the same port), inside the namespace `netns` (the
+//!   thread enters it with setns and comes back; a socket stays in the namespace it was made in);
+//! - installs there an nftables table `inet flexstack_kernel_P` whose `output` nat chain redirects the TCP flows its
+//!   match table selects to that port (`redirect to :P`), in the table's order (`pass` rules `return`), loopback
+//!   destinations excepted.
+//!
+//! An accepted connection's original destination comes from conntrack (`SO_ORIGINAL_DST`, `IP6T_SO_ORIGINAL_DST`);
+//! its source is the app's own address and port. `Open` goes down at once; the app's bytes are read only when
+//! `Open` comes back up (the far side accepted). UDP rules are refused: app-side UDP has no kernel transport state to
+//! use, and the kernel back-end does not terminate it (see docs/streams.md, "The kernel back-end").
+
+use super::engine::{reset, Engine, Event, Flow, Sock};
+use flexstack_core::stream::{FlowInfo, Protocol, Role};
+use flexstack_core::Meter;
+use flexstack_modules::stream::matcher::{Candidate, MatchTable};
+use nix::sys::socket::{
+    bind, getsockopt, listen, setsockopt, socket, sockopt, AddressFamily, Backlog, SockFlag, SockType, SockaddrStorage,
+};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6, TcpListener};
+use std::os::fd::AsFd;
+use std::time::{Duration, Instant};
+
+/// What only the app's side has.
+pub(crate) struct AppSide {
+    pub(crate) matcher: MatchTable,
+    pub(crate) hits: Vec<Meter>,
+    pub(crate) app: String,
+    /// The namespace and the nftables table installed there (removed when the module goes).
+    pub(crate) netns: String,
+    pub(crate) table: String,
+}
+
+impl Drop for AppSide {
+    /// Removes the redirect (the namespace may be gone already: then there is nothing to remove). On a thread of
+    /// its own: the module is dropped on the data-plane thread, which must not wait for `nft`.
+    fn drop(&mut self) {
+        let (netns, table) = (self.netns.clone(), self.table.clone());
+        let _ = std::thread::Builder::new().name("nft-cleanup".into()).spawn(move || {
+            let _ = std::process::Command::new("ip")
+                .args(["netns", "exec", &netns, "nft", "delete", "table", "inet", &table])
+                .stderr(std::process::Stdio::null())
+                .status();
+        });
+    }
+}
+
+/// A listening TCP socket on `addr` (IPv6: v6 only), non-blocking.
+fn listener(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let family = if addr.is_ipv4() { AddressFamily::Inet } else { AddressFamily::Inet6 };
+    let fd = socket(family, SockType::Stream, SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC, None)?;
+    setsockopt(&fd, sockopt::ReuseAddr, &true)?;
+    if addr.is_ipv6() {
+        setsockopt(&fd, sockopt::Ipv6V6Only, &true)?;
+    }
+    bind(std::os::fd::AsRawFd::as_raw_fd(&fd), &SockaddrStorage::from(addr))?;
+    listen(&fd, Backlog::new(4096).unwrap_or(Backlog::MAXCONN))?;
+    Ok(TcpListener::from(fd))
+}
+
+/// Runs `f` with the calling thread in network namespace `netns` (a name under /run/netns), then returns it to
+/// the namespace it was in.
+fn in_netns<T>(netns: &str, f: impl FnOnce() -> std::io::Result<T>) -> std::io::Result<T> {
+    use nix::sched::{setns, CloneFlags};
+    let own = std::fs::File::open("/proc/thread-self/ns/net")?;
+    let target = std::fs::File::open(format!("/run/netns/{netns}"))
+        .map_err(|e| std::io::Error::new(e.kind(), format!("network namespace {netns}: {e}")))?;
+    setns(&target, CloneFlags::CLONE_NEWNET)?;
+    let result = f();
+    // Coming back cannot fail where going there worked (same privileges, a namespace we hold open); if it did,
+    // this thread would go on in the app's namespace, which must not happen silently.
+    setns(&own, CloneFlags::CLONE_NEWNET).expect("returning to the daemon's network namespace");
+    result
+}
+
+/// Opens the listeners in `netns` and installs the redirect of `matcher`'s TCP flows to them. Returns the
+/// listeners and the table's name.
+pub(crate) fn open(netns: &str, matcher: &MatchTable, app: &str) -> Result<(Vec<TcpListener>, String), String> {
+    if netns.is_empty() {
+        return Err("the kernel back-end of terminate needs `netns`, the app's network namespace (a sandbox's \
+                    template gives it as netns = \"{netns}\")"
+            .into());
+    }
+    let (listeners, port) = in_netns(netns, || {
+        let v4 = listener(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0))?;
+        let port = v4.local_addr()?.port();
+        let v6 = listener(SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), port))?;
+        Ok((vec![v4, v6], port))
+    })
+    .map_err(|e| format!("cannot listen in network namespace {netns}: {e}"))?;
+    let table = format!("flexstack_kernel_{port}");
+    let script = nft_script(&table, &redirect_rules(matcher, app, port)?);
+    nft_in(netns, &script)?;
+    Ok((listeners, table))
+}
+
+/// Runs an nftables script in namespace `netns`.
+fn nft_in(netns: &str, script: &str) -> Result<(), String> {
+    use std::io::Write;
+    let mut child = std::process::Command::new("ip")
+        .args(["netns", "exec", netns, "nft", "-f", "-"])
+        .stdin(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("cannot run nft: {e}"))?;
+    if let Some(mut stdin) = child.stdin.take() {
+        let _ = stdin.write_all(script.as_bytes());
+    }
+    let out = child.wait_with_output().map_err(|e| format!("nft: {e}"))?;
+    if !out.status.success() {
+        return Err(format!("nft refused the redirect: {}", String::from_utf8_lossy(&out.stderr).trim()));
+    }
+    Ok(())
+}
+
+/// The nftables table holding `rules` in a nat `output` chain, loopback destinations excepted.
+pub(crate) fn nft_script(table: &str, rules: &[String]) -> String {
+    let mut s = format!(
+        "table inet {table} {{\n  chain output {{\n    type nat hook output priority -100; policy accept;\n    \
+         ip daddr 127.0.0.0/8 return\n    ip6 daddr ::1 return\n"
+    );
+    for r in rules {
+        s.push_str("    ");
+        s.push_str(r);
+        s.push('\n');
+    }
+    s.push_str("  }\n}\n");
+    s
+}
+
+/// The nftables rules, in order, that send the TCP flows `matcher` terminates for app `app` to port `port`: a
+/// `pass` rule returns (the flow is not redirected), another redirects. Rules for the server role or another app
+/// can select none of this app's outgoing connections and are left out. A UDP rule that terminates is refused.
+pub(crate) fn redirect_rules(matcher: &MatchTable, app: &str, port: u16) -> Result<Vec<String>, String> {
+    let list = |ranges: &[flexstack_wire::cidr::PortRange]| {
+        let items: Vec<String> = ranges.iter().map(ToString::to_string).collect();
+        format!("{{ {} }}", items.join(", "))
+    };
+    let mut out = Vec::new();
+    for (i, r) in matcher.rules.iter().enumerate() {
+        if r.role == Some(Role::Server) || r.app.as_deref().is_some_and(|a| a != "*" && a != app) {
+            continue;
+        }
+        if r.protocol == Some(Protocol::Udp) {
+            if r.pass {
+                continue;
+            }
+            return Err(format!(
+                "match rule {} ({r}) selects UDP flows: the kernel back-end of terminate takes TCP only (use backend \
+                 = \"smoltcp\" for UDP; originate's kernel back-end does carry UDP)",
+                i + 1
+            ));
+        }
+        let mut words = vec!["meta l4proto tcp".to_string()];
+        if let Some(to) = &r.to {
+            let family = if to.addr().is_ipv4() { "ip" } else { "ip6" };
+            words.push(format!("{family} daddr {to}"));
+        }
+        if let Some(p) = &r.sport {
+            words.push(format!("tcp sport {}", list(p)));
+        }
+        if let Some(p) = &r.dport {
+            words.push(format!("tcp dport {}", list(p)));
+        }
+        words.push(if r.pass { "return".into() } else { format!("redirect to :{port}") });
+        out.push(words.join(" "));
+    }
+    Ok(out)
+}
+
+/// The original destination of a redirected connection, from conntrack.
+fn original_dst(s: &std::net::TcpStream, v4: bool) -> std::io::Result<SocketAddr> {
+    if v4 {
+        let a = getsockopt(&s.as_fd(), sockopt::OriginalDst)?;
+        let ip = Ipv4Addr::from(u32::from_be(a.sin_addr.s_addr));
+        Ok(SocketAddr::V4(SocketAddrV4::new(ip, u16::from_be(a.sin_port))))
+    } else {
+        let a = getsockopt(&s.as_fd(), sockopt::Ip6tOriginalDst)?;
+        let ip = Ipv6Addr::from(a.sin6_addr.s6_addr);
+        Ok(SocketAddr::V6(SocketAddrV6::new(ip, u16::from_be(a.sin6_port), 0, 0)))
+    }
+}
+
+impl Engine {
+    /// Accepts every connection waiting at listener `index`: each becomes a flow, and `Open` goes down.
+    pub(crate) fn accept_all(&mut self, index: usize) {
+        loop {
+            let Some(l) = self.listeners.get(index) else { return };
+            let (stream, peer) = match l.accept() {
+                Ok(c) => c,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    // ECONNABORTED (the app gave up before we accepted), EMFILE ...: counted, and on.
+                    tracing::debug!(error = %e, "accept failed");
+                    self.m.refused.add(1);
+                    return;
+                }
+            };
+            let v4 = peer.is_ipv4();
+            let dst = match original_dst(&stream, v4) {
+                Ok(d) => d,
+                Err(_) => {
+                    // Not redirected (the app connected to the listener's port itself): no destination to open.
+                    self.m.stream_bad.add(1);
+                    reset(Sock::Tcp(stream));
+                    continue;
+                }
+            };
+            if self.tcp_count() >= self.cfg.max_connections || stream.set_nonblocking(true).is_err() {
+                self.m.refused.add(1);
+                reset(Sock::Tcp(stream));
+                continue;
+            }
+            let _ = stream.set_nodelay(!self.cfg.nagle);
+            let Some(side) = self.app.as_ref() else { return };
+            let c = Candidate { protocol: Protocol::Tcp, src: peer, dst, role: Role::Client, app: &side.app };
+            if let Some((rule, _)) = side.matcher.decide(&c) {
+                side.hits[rule].add(1);
+            }
+            let info = FlowInfo::tcp(peer, dst, &side.app, Role::Client);
+            self.next_id += 1;
+            let id = self.next_id;
+            let deadline = Instant::now() + Duration::from_millis(self.cfg.connect_timeout_ms);
+            self.push(Event::Open(id, info.clone()));
+            self.insert(id, Flow::new(info, Sock::Tcp(stream)), false, false, Some(deadline));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table(rules: &[&str]) -> MatchTable {
+        MatchTable::parse(&rules.iter().map(|s| s.to_string()).collect::<Vec<_>>()).unwrap()
+    }
+
+    #[test]
+    fn the_match_table_becomes_redirect_rules_in_order() {
+        let t = table(&[
+            "pass tcp dport 22",
+            "tcp dport 80,443,8000-8099",
+            "tcp to 192.0.2.0/24 sport 1000-2000",
+            "* to 2001:db8::/32",
+            "tcp role server",
+            "tcp app other",
+            "pass udp dport 53",
+            "tcp app curl",
+        ]);
+        let rules = redirect_rules(&t, "curl", 40000).unwrap();
+        assert_eq!(
+            rules,
+            [
+                "meta l4proto tcp tcp dport { 22 } return",
+                "meta l4proto tcp tcp dport { 80, 443, 8000-8099 } redirect to :40000",
+                "meta l4proto tcp ip daddr 192.0.2.0/24 tcp sport { 1000-2000 } redirect to :40000",
+                "meta l4proto tcp ip6 daddr 2001:db8::/32 redirect to :40000",
+                "meta l4proto tcp redirect to :40000",
+            ]
+        );
+        let script = nft_script("flexstack_kernel_40000", &rules);
+        assert!(script.starts_with("table inet flexstack_kernel_40000 {\n  chain output {\n"), "{script}");
+        assert!(script.contains("ip daddr 127.0.0.0/8 return\n    ip6 daddr ::1 return\n    meta l4proto tcp tcp dport { 22 } return\n"));
+    }
+
+    #[test]
+    fn a_udp_rule_that_terminates_is_refused() {
+        let e = redirect_rules(&table(&["tcp dport 80", "udp dport 53"]), "a", 1).unwrap_err();
+        assert!(e.starts_with("match rule 2 (udp dport 53) selects UDP flows"), "{e}");
+        assert_eq!(redirect_rules(&table(&["*"]), "a", 7).unwrap(), ["meta l4proto tcp redirect to :7"]);
+    }
+
+    #[test]
+    fn without_a_namespace_nothing_is_opened() {
+        let e = open("", &table(&["tcp *"]), "a").unwrap_err();
+        assert!(e.contains("needs `netns`"), "{e}");
+    }
+}

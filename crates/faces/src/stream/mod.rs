@@ -1,0 +1,323 @@
+//! The `kernel` back-end of the stream endpoints (`terminate`, `originate` with `backend = "kernel"`;
+//! docs/streams.md, "The kernel back-end"): the host kernel's TCP does the transport, and the flows' sockets live
+//! at the edge like faces, in the data plane's epoll loop.
+//!
+//! - [`install`] hands the builder to `flexstack_modules::stream::backend` (the daemon's catalog calls it once).
+//! - `engine`: what both sides share: flows and their sockets, the stream protocol and its credit, one epoll set.
+//! - `kernel_app`: `terminate`'s listener in the app's namespace and the nftables redirect to it.
+//! - `kernel_net`: `originate`'s non-blocking sockets towards the original destinations (TCP and UDP).
+//!
+//! The module is a face: its device is the engine's epoll set, which the data plane waits on with the other
+//! devices. Frames read from it (every stream frame the endpoint emits) leave on its first output port, `stream`
+//! (the back-end's interface lists it first; the ports have the smoltcp back-end's names, so a stack changes back-end
+//! by its setting alone). Stream frames arriving on `stream_in` are queued for the device; packets arriving on `in`
+//! are none of its business (nothing of its flows travels as packets) and leave on `pass` unchanged. The module is
+//! polled every [`METER_PERIOD`] while it holds flows: timeouts, and the per-flow meters (registered for new flows,
+//! refreshed from `TCP_INFO` and the socket queues, removed for flows that ended).
+
+mod engine;
+mod kernel_app;
+mod kernel_net;
+
+use engine::{Engine, Sock};
+use flexstack_core::frame::Metadata;
+use flexstack_core::{
+    Batch, Direction, FaceDevice, Module, ModuleBuilder, ModuleInterface, ModuleVars, Output, Packet,
+    Time, Value, ValueType, VarSpec,
+};
+use flexstack_modules::stream::backend::{self, Config, KernelRequest, Meters, Side};
+use std::collections::HashMap;
+use std::os::fd::{AsFd, BorrowedFd};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// How often the module refreshes its flows' meters and checks their timeouts.
+pub const METER_PERIOD: Duration = Duration::from_millis(100);
+
+/// Installs the kernel back-end of `terminate` and `originate` (once per process; later calls change nothing).
+pub fn install() {
+    backend::install_kernel(build);
+}
+
+/// Builds the kernel back-end from what the kind read.
+fn build(req: KernelRequest) -> Result<Box<dyn ModuleBuilder>, String> {
+    let KernelRequest { side, cfg, matcher, netns, mut interface, decl } = req;
+    // The device's frames leave on output 0: put `stream` first.
+    if let Some(i) = interface.outputs.iter().position(|p| p.name == "stream") {
+        let stream = interface.outputs.remove(i);
+        interface.outputs.insert(0, stream);
+    }
+    let app = match side {
+        Side::App => {
+            let (listeners, table) = kernel_app::open(&netns, &matcher, &cfg.app)?;
+            Some((listeners, kernel_app::AppSide { matcher, hits: Vec::new(), app: cfg.app.clone(), netns, table }))
+        }
+        Side::Net => None,
+    };
+    Ok(Box::new(KernelBuilder { side, cfg, interface, decl, app }))
+}
+
+type Decl = &'static flexstack_core::KindDecl<Config, Meters>;
+
+struct KernelBuilder {
+    side: Side,
+    cfg: Config,
+    interface: ModuleInterface,
+    decl: Decl,
+    app: Option<(Vec<std::net::TcpListener>, kernel_app::AppSide)>,
+}
+
+impl ModuleBuilder for KernelBuilder {
+    fn interface(&self) -> ModuleInterface {
+        self.interface.clone()
+    }
+
+    fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module> {
+        let KernelBuilder { side, cfg, interface, decl, app } = *self;
+        decl.publish(&cfg, vars);
+        let m = decl.meters(vars);
+        let port = |list: &[flexstack_core::PortSpec], name: &str| list.iter().position(|p| p.name == name);
+        let pass = port(&interface.outputs, "pass").unwrap_or(2);
+        let stream_in = port(&interface.inputs, "stream_in").unwrap_or(0);
+        let prefix = cfg.vars_prefix.clone();
+        let mut engine = Engine::new(side, cfg.clone(), m).expect("an epoll instance and an eventfd");
+        if let Some((listeners, mut a)) = app {
+            a.hits = (1..=a.matcher.rules.len()).map(|i| vars.meter(&format!("rule{i}_matches_total"))).collect();
+            for l in listeners {
+                if let Err(e) = engine.add_listener(l) {
+                    tracing::error!(error = %e, "cannot watch the kernel listener");
+                }
+            }
+            engine.app = Some(a);
+        }
+        let epoll = engine.epoll();
+        let name = format!("kernel-{}", if side == Side::App { "terminate" } else { "originate" });
+        let device = Arc::new(KernelDevice { name, dir: side.out_dir(), epoll, engine: Mutex::new(engine) });
+        Box::new(KernelEndpoint {
+            device,
+            decl,
+            cfg,
+            prefix,
+            pass,
+            stream_in,
+            egress: Vec::new(),
+            flows: HashMap::new(),
+        })
+    }
+}
+
+/// The device the data plane sees: the engine's epoll set.
+struct KernelDevice {
+    name: String,
+    dir: Direction,
+    epoll: Arc<nix::sys::epoll::Epoll>,
+    engine: Mutex<Engine>,
+}
+
+impl KernelDevice {
+    fn engine(&self) -> MutexGuard<'_, Engine> {
+        self.engine.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+impl FaceDevice for KernelDevice {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn fd(&self) -> BorrowedFd<'_> {
+        self.epoll.0.as_fd()
+    }
+
+    fn direction(&self) -> Direction {
+        self.dir
+    }
+
+    fn read_packet(&self, buf: &mut Vec<u8>) -> std::io::Result<bool> {
+        // The data plane reads with read_frame (stream frames are their metadata); this is that without it.
+        self.read_frame(buf, &mut Metadata::default())
+    }
+
+    fn read_frame(&self, buf: &mut Vec<u8>, meta: &mut Metadata) -> std::io::Result<bool> {
+        self.engine().read_frame(buf, meta)
+    }
+
+    fn write_packet(&self, _packet: &[u8]) -> std::io::Result<()> {
+        Err(std::io::Error::new(std::io::ErrorKind::Unsupported, "a kernel endpoint takes stream frames"))
+    }
+
+    fn write_frames(&self, packets: &[&Packet]) -> std::io::Result<()> {
+        self.engine().write_frames(packets);
+        Ok(())
+    }
+}
+
+/// The meters of one flow.
+struct FlowVars {
+    name: String,
+    vars: ModuleVars,
+}
+
+/// A running kernel endpoint.
+struct KernelEndpoint {
+    device: Arc<KernelDevice>,
+    decl: Decl,
+    cfg: Config,
+    prefix: String,
+    pass: usize,
+    stream_in: usize,
+    egress: Batch,
+    flows: HashMap<u64, FlowVars>,
+}
+
+/// The runtime variables of one TCP flow of the kernel back-end, under `<vars_prefix>.<flow>`.
+fn tcp_specs() -> Vec<VarSpec> {
+    let mut v = backend::flow_specs();
+    v.extend([
+        VarSpec::meter("tcp.state", ValueType::Str, "", "TCP state of the endpoint's kernel socket (TCP_INFO)"),
+        VarSpec::meter("tcp.srtt_us", ValueType::U64, "us", "smoothed round-trip time (TCP_INFO)"),
+        VarSpec::meter("tcp.cwnd", ValueType::U64, "segments", "congestion window (TCP_INFO)"),
+        VarSpec::meter("tcp.bytes_in_flight", ValueType::U64, "bytes", "sent, not acknowledged: unacked segments x MSS"),
+        VarSpec::meter("tcp.retrans_total", ValueType::U64, "frames", "segments sent again (TCP_INFO)"),
+        VarSpec::meter("tcp.delivery_rate", ValueType::U64, "bytes/s", "the latest delivery rate (TCP_INFO)"),
+        VarSpec::meter("tcp.send_queue", ValueType::U64, "bytes", "bytes in the socket's send queue (SIOCOUTQ)"),
+        VarSpec::meter("tcp.recv_queue", ValueType::U64, "bytes", "bytes in the socket's receive queue (SIOCINQ)"),
+        VarSpec::knob("tcp.cc", ValueType::Str, "", "congestion control of this connection (TCP_CONGESTION)"),
+    ]);
+    v
+}
+
+/// The kernel's names of TCP states (`tcp_states.h`).
+fn state_name(s: u8) -> &'static str {
+    match s {
+        1 => "established",
+        2 => "syn-sent",
+        3 => "syn-received",
+        4 => "fin-wait-1",
+        5 => "fin-wait-2",
+        6 => "time-wait",
+        7 => "closed",
+        8 => "close-wait",
+        9 => "last-ack",
+        10 => "listen",
+        11 => "closing",
+        _ => "unknown",
+    }
+}
+
+impl KernelEndpoint {
+    /// Registers the meters of new flows, removes those of ended ones, and refreshes the others.
+    fn meters(&mut self, e: &mut Engine, out: &mut Output<'_>) {
+        for id in std::mem::take(&mut e.gone) {
+            if let Some(v) = self.flows.remove(&id) {
+                out.unregister_vars(&v.name);
+            }
+        }
+        let (tcp, udp) = (tcp_specs(), backend::flow_specs());
+        for id in std::mem::take(&mut e.born) {
+            let Some(f) = e.flows.get(&id) else { continue };
+            let name = format!("{}.{id}", self.prefix);
+            let specs = if matches!(f.sock, Sock::Tcp(_)) { &tcp } else { &udp };
+            // Another module owning the prefix (a misconfiguration) leaves the meters unpublished, never the flow.
+            let vars = out.register_vars(&name, specs).unwrap_or_else(|_| ModuleVars::new(specs));
+            let i = &f.info;
+            vars.meter("tuple").store(&Value::Str(format!("{} {} -> {} app {:?}", i.protocol.name(), i.src, i.dst, i.app)));
+            self.flows.insert(id, FlowVars { name, vars });
+        }
+        let down = e.out_is_down();
+        for (id, v) in &self.flows {
+            let Some(f) = e.flows.get(id) else { continue };
+            let m = |n: &str| v.vars.meter(n);
+            let (out_m, in_m) = if down { ("bytes_down_total", "bytes_up_total") } else { ("bytes_up_total", "bytes_down_total") };
+            m(out_m).set(f.bytes_out);
+            m(in_m).set(f.bytes_in);
+            m("in_flight_bytes").set(f.credit.in_flight());
+            m("queued_bytes").set(f.queued);
+            let Sock::Tcp(s) = &f.sock else { continue };
+            if let Ok(t) = flexstack_sys::tcp_info(s.as_fd()) {
+                m("tcp.state").store(&Value::Str(state_name(t.state).into()));
+                m("tcp.srtt_us").set(u64::from(t.srtt_us));
+                m("tcp.cwnd").set(u64::from(t.cwnd));
+                m("tcp.bytes_in_flight").set(u64::from(t.unacked) * u64::from(t.snd_mss));
+                m("tcp.retrans_total").set(u64::from(t.total_retrans));
+                m("tcp.delivery_rate").set(t.delivery_rate);
+            }
+            if let Ok((outq, inq)) = flexstack_sys::socket_queues(s.as_fd()) {
+                m("tcp.send_queue").set(u64::from(outq));
+                m("tcp.recv_queue").set(u64::from(inq));
+            }
+            m("tcp.cc").store(&Value::Str(f.cc.clone()));
+        }
+    }
+
+    /// A write of `<vars_prefix>.<flow>.tcp.cc`: the flow's socket gets that congestion control at once.
+    fn flow_cc(&mut self, knob: &str, value: &Value) -> Option<Result<(), String>> {
+        let rest = knob.strip_prefix(&self.prefix)?.strip_prefix('.')?;
+        let id: u64 = rest.strip_suffix(".tcp.cc")?.parse().ok()?;
+        let Value::Str(name) = value else { return Some(Err(format!("{knob} takes a string"))) };
+        let mut e = self.device.engine();
+        let Some(f) = e.flows.get_mut(&id) else { return Some(Err(format!("no flow {id}"))) };
+        let Sock::Tcp(s) = &f.sock else { return Some(Err(format!("flow {id} is not TCP"))) };
+        Some(match kernel_net::set_cc(s, name) {
+            Ok(()) => {
+                f.cc = kernel_net::cc_of(s);
+                Ok(())
+            }
+            Err(err) => Err(format!("congestion control {name:?}: {err} (offered: {})", available_cc())),
+        })
+    }
+}
+
+/// What `net.ipv4.tcp_available_congestion_control` lists.
+fn available_cc() -> String {
+    std::fs::read_to_string("/proc/sys/net/ipv4/tcp_available_congestion_control")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default()
+}
+
+impl Module for KernelEndpoint {
+    fn process(&mut self, port: usize, input: &mut Batch, out: &mut Output<'_>) {
+        if port == self.stream_in {
+            self.egress.append(input);
+        } else {
+            // Packets: none of its flows travels as packets (the app's are redirected, the server's reach its
+            // sockets), so they pass unchanged.
+            out.emit_all(self.pass, input);
+        }
+    }
+
+    fn poll(&mut self, out: &mut Output<'_>) -> Option<Time> {
+        let device = self.device.clone();
+        let mut e = device.engine();
+        e.tick(Instant::now());
+        self.meters(&mut e, out);
+        Some(out.now() + METER_PERIOD)
+    }
+
+    fn write_knob(&mut self, knob: &str, value: &Value) -> Result<(), String> {
+        if let Some(r) = self.flow_cc(knob, value) {
+            return r;
+        }
+        if knob == "cc" {
+            // Any the kernel offers (`none`: the kernel's default), for new connections.
+            let Value::Str(name) = value else { return Err("cc takes a string".into()) };
+            let offered = available_cc();
+            if name != "none" && !offered.split_whitespace().any(|c| c == name) {
+                return Err(format!("expected one of: none {offered}, got {name:?}"));
+            }
+            self.device.engine().cc = (name != "none").then(|| name.clone());
+            return Ok(());
+        }
+        self.decl.write(&mut self.cfg, knob, value)?;
+        self.device.engine().cfg = self.cfg.clone();
+        Ok(())
+    }
+
+    fn device(&self) -> Option<Arc<dyn FaceDevice>> {
+        Some(self.device.clone())
+    }
+
+    fn take_egress(&mut self, into: &mut Batch) {
+        into.append(&mut self.egress);
+    }
+}

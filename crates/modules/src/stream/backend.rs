@@ -1,0 +1,66 @@
+//! The `backend` setting of `terminate` and `originate`, and the hook through which the daemon builds the `kernel`
+//! back-end (`flexstack_faces::stream`): kernel sockets are I/O at the edge, like faces, so their code lives above
+//! this crate and is installed at startup ([`install_kernel`]). Without it (a catalog of this crate alone, as in
+//! its tests), `backend = "kernel"` is refused with a message that says so.
+
+use crate::stream::matcher::MatchTable;
+use flexstack_core::config::SettingsReader;
+use flexstack_core::{ConfigError, KindDecl, ModuleBuilder, ModuleInterface, Settings};
+use std::sync::OnceLock;
+
+pub use crate::stream::endpoint::config::{flow_specs, Cc, Config, Meters};
+pub use crate::stream::endpoint::Side;
+
+/// The back-ends an endpoint can have.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    /// smoltcp, in the data plane.
+    Smoltcp,
+    /// The host kernel's TCP, sockets in the daemon.
+    Kernel,
+}
+
+/// What the kernel back-end is built from: everything the kind read, as the smoltcp back-end would get it.
+pub struct KernelRequest {
+    /// `terminate` (App) or `originate` (Net).
+    pub side: Side,
+    /// The settings and knobs read.
+    pub cfg: Config,
+    /// terminate: its match table.
+    pub matcher: MatchTable,
+    /// terminate: the network namespace of the app (`netns`, a name under /run/netns); empty: none given.
+    pub netns: String,
+    /// The interface the smoltcp back-end would have (ports, knobs, meters, match rule meters).
+    pub interface: ModuleInterface,
+    /// The kind's declaration (publishing knobs, binding meters, writing knobs).
+    pub decl: &'static KindDecl<Config, Meters>,
+}
+
+/// Builds the kernel back-end of an endpoint; the error is a message about the setting `backend`.
+pub type KernelHook = fn(KernelRequest) -> Result<Box<dyn ModuleBuilder>, String>;
+
+static KERNEL: OnceLock<KernelHook> = OnceLock::new();
+
+/// Installs the kernel back-end (the daemon does, once); later calls change nothing.
+pub fn install_kernel(hook: KernelHook) {
+    let _ = KERNEL.set(hook);
+}
+
+/// Reads `backend` (`smoltcp` by default).
+pub(crate) fn read(r: &mut SettingsReader<'_>) -> Result<Backend, ConfigError> {
+    match r.string("backend")?.as_deref() {
+        None | Some("smoltcp") => Ok(Backend::Smoltcp),
+        Some("kernel") => Ok(Backend::Kernel),
+        Some(other) => Err(r.error("backend", format_args!("expected \"smoltcp\" or \"kernel\", got {other:?}"))),
+    }
+}
+
+/// Builds the kernel back-end through the installed hook; errors are located at the `backend` setting.
+pub(crate) fn build_kernel(settings: &Settings, kind: &str, req: KernelRequest) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
+    let at = |m: String| {
+        let location = settings.get("backend").and_then(|s| s.location.clone());
+        ConfigError::new(location, format!("setting `backend` of a {kind} module: {m}"))
+    };
+    let hook = KERNEL.get().ok_or_else(|| at("the kernel back-end is built by the daemon (flexstack-faces), not available here".into()))?;
+    hook(req).map_err(at)
+}

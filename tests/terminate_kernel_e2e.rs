@@ -1,0 +1,295 @@
+//! End-to-end: the `kernel` back-end of `terminate` and `originate` (docs/streams.md, "The kernel back-end").
+//! Unmodified programs run in a sandbox whose TCP is redirected (nftables, in the app's namespace) to a listener of
+//! the daemon and opened again by the daemon's kernel sockets towards a server in another namespace: curl (2 MB,
+//! sha256) and iperf3 both ways, over IPv4 and IPv6; a mix of back-ends (kernel app side, smoltcp network side; and
+//! smoltcp app side with kernel UDP sockets on the network side, dig against dnsmasq); the per-flow `tcp.cc` knob
+//! switched while iperf3 runs, seen in `ss -ti`; and the TCP_INFO meters. Needs root (skips with a reason outside
+//! CI).
+
+mod common;
+
+use common::{bin, octets, path_str, privileged, sh, text, Background, SandboxDaemon, Server};
+use serde_json::Value as Json;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// An app chain with termination (the wiring of stacks/app-terminate.toml): `term` and `orig` with the given
+/// back-ends and match table. `{netns}` is the app's namespace, where the kernel back-end of `terminate` listens.
+fn stack(term: &str, orig: &str, matches: &str) -> String {
+    format!(
+        r#"links = [
+  "{{app}} -> {{app}}-ip", "{{app}}-host -> {{app}}-ip",
+  "{{app}}-ip[out] -> {{app}}-frag", "{{app}}-ip[icmp] -> {{app}}-dir", "{{app}}-frag -> {{app}}-flows",
+  "{{app}}-flows[tcp] -> {{app}}-dir", "{{app}}-flows[udp] -> {{app}}-dir",
+  "{{app}}-flows[icmp] -> {{app}}-dir", "{{app}}-flows[other] -> {{app}}-dir",
+  "{{app}}-dir[down] -> {{app}}-term[in]", "{{app}}-dir[up] -> {{app}}-orig[in]",
+  "{{app}}-term[pass] -> {{app}}-host", "{{app}}-term[out] -> {{app}}",
+  "{{app}}-orig[pass] -> {{app}}", "{{app}}-orig[out] -> {{app}}-host",
+  "{{app}}-term[stream] -> {{app}}-streams", "{{app}}-orig[stream] -> {{app}}-streams",
+  "{{app}}-streams -> {{app}}-sdir",
+  "{{app}}-sdir[down] -> {{app}}-orig[stream_in]", "{{app}}-sdir[up] -> {{app}}-term[stream_in]",
+]
+[modules."{{app}}"]
+kind = "tun"
+name = "{{app_dev}}"
+direction = "down"
+[modules."{{app}}-host"]
+kind = "tun"
+name = "{{host_dev}}"
+direction = "up"
+[modules."{{app}}-ip"]
+kind = "ip"
+[modules."{{app}}-frag"]
+kind = "reassemble"
+[modules."{{app}}-flows"]
+kind = "classify"
+vars_prefix = "flow.{{app}}"
+[modules."{{app}}-dir"]
+kind = "direction"
+[modules."{{app}}-term"]
+kind = "terminate"
+backend = "{term}"
+app = "{{app}}"
+match = {matches}
+vars_prefix = "flow.{{app}}.term"
+{netns}
+[modules."{{app}}-streams"]
+kind = "stream-pass"
+[modules."{{app}}-sdir"]
+kind = "direction"
+[modules."{{app}}-orig"]
+kind = "originate"
+backend = "{orig}"
+vars_prefix = "flow.{{app}}.orig"
+rx_buffer = 262144
+tx_buffer = 262144
+"#,
+        netns = if term == "kernel" { "netns = \"{netns}\"" } else { "rx_buffer = 262144\ntx_buffer = 262144" }
+    )
+}
+
+/// A server (HTTP on 8080 serving `blob`, iperf3 on 5201, DNS on 53), a daemon, and a stack file.
+struct Rig {
+    srv: Server,
+    d: SandboxDaemon,
+    dir: tempfile::TempDir,
+    _iperf: Background,
+}
+
+impl Rig {
+    fn new(offset: u8, blob: &[u8]) -> Option<Rig> {
+        if !privileged() {
+            return None;
+        }
+        let (app_octet, srv_octet) = octets();
+        // Apart from the subnets of the other stream tests (terminate_e2e uses small offsets).
+        let srv = Server::new(srv_octet.wrapping_add(100 + offset), blob);
+        let iperf = srv.ns.spawn(&["iperf3", "-s", "-p", "5201"]);
+        let d = SandboxDaemon::start(app_octet.wrapping_add(100 + offset));
+        let dir = tempfile::tempdir().expect("temp dir");
+        Some(Rig { srv, d, dir, _iperf: iperf })
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    fn stack(&self, term: &str, orig: &str, matches: &str) -> PathBuf {
+        let p = self.path(&format!("stack-{term}-{orig}.toml"));
+        std::fs::write(&p, stack(term, orig, matches)).expect("write the stack");
+        p
+    }
+
+    /// Runs `script` (sh) as app `app` behind `stack`, then (still attached) prints the daemon's variables matching
+    /// `vars` after a marker; returns the output and those variables.
+    fn run(&self, stack: &Path, app: &str, script: &str, vars: &str) -> (std::process::Output, Json) {
+        let get = format!("echo @@vars@@; {} --state-dir {} -j get '{vars}'", bin(), path_str(self.d.state.path()));
+        let full = format!("{script}\nrc=$?\nsleep 0.3\n{get}\nexit $rc\n");
+        let out = self.d.run(&["--stack", path_str(stack), "--name", app, "--", "sh", "-c", &full]);
+        let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+        let vars = stdout
+            .split_once("@@vars@@")
+            .map(|(_, j)| serde_json::from_str(j.trim()).unwrap_or_else(|e| panic!("not JSON ({e}): {j}")))
+            .unwrap_or(Json::Null);
+        (out, vars)
+    }
+}
+
+fn value(vars: &Json, name: &str) -> u64 {
+    vars[name]["value"].as_u64().unwrap_or_else(|| panic!("{name} in {vars}"))
+}
+
+/// `n` bytes that do not repeat (xorshift).
+fn pattern(n: usize) -> Vec<u8> {
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut v = Vec::with_capacity(n + 8);
+    while v.len() < n {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.extend_from_slice(&x.to_le_bytes());
+    }
+    v.truncate(n);
+    v
+}
+
+fn sha256(file: &Path) -> String {
+    sh("sha256sum", &[path_str(file)]).split_whitespace().next().expect("a sum").to_string()
+}
+
+/// curl of 2 MB over IPv4 and IPv6 through `term`/`orig`; the copies are intact and went through the endpoints.
+fn curl_both_families(rig: &Rig, term: &str, orig: &str, app: &str) {
+    let stack = rig.stack(term, orig, r#"["tcp *"]"#);
+    let (a, b) = (rig.path(&format!("{app}-v4")), rig.path(&format!("{app}-v6")));
+    let script = format!(
+        "curl -sSf -m 20 -o {} http://{}:8080/blob && curl -sSf -m 20 -o {} 'http://[{}]:8080/blob'",
+        path_str(&a),
+        rig.srv.v4,
+        path_str(&b),
+        rig.srv.v6
+    );
+    let (out, vars) = rig.run(&stack, app, &script, &format!("module.{app}-*.*"));
+    assert!(out.status.success(), "{term}/{orig}: {}", text(&out));
+    let want = sha256(&rig.srv.www.path().join("blob"));
+    assert_eq!(sha256(&a), want, "IPv4 copy");
+    assert_eq!(sha256(&b), want, "IPv6 copy");
+    // Both connections were terminated and opened again; the server's 2 x 2 MB went up through originate.
+    assert!(value(&vars, &format!("module.{app}-term.connections_total")) >= 2, "{vars}");
+    assert!(value(&vars, &format!("module.{app}-orig.connections_total")) >= 2, "{vars}");
+    assert!(value(&vars, &format!("module.{app}-orig.data_bytes_out_total")) >= 4_000_000, "{vars}");
+    assert!(value(&vars, &format!("module.{app}-term.data_bytes_in_total")) >= 4_000_000, "{vars}");
+}
+
+#[test]
+fn curl_2mb_through_kernel_endpoints_both_families() {
+    let Some(rig) = Rig::new(0, &pattern(2_000_000)) else { return };
+    curl_both_families(&rig, "kernel", "kernel", "kk");
+    // The redirect and listener went with the app: nothing is left of the namespace.
+    assert!(rig.d.namespaces_left().is_empty(), "{:?}", rig.d.namespaces_left());
+}
+
+#[test]
+fn curl_2mb_through_a_kernel_app_side_and_a_smoltcp_network_side() {
+    let Some(rig) = Rig::new(1, &pattern(2_000_000)) else { return };
+    curl_both_families(&rig, "kernel", "smoltcp", "ks");
+}
+
+#[test]
+fn iperf3_both_directions_both_families_through_kernel_endpoints() {
+    let Some(rig) = Rig::new(2, &pattern(1000)) else { return };
+    let stack = rig.stack("kernel", "kernel", r#"["tcp *"]"#);
+    let (v4, v6) = (&rig.srv.v4, &rig.srv.v6);
+    let script = format!(
+        "set -e\nfor a in {v4} {v6}; do\n  iperf3 -c $a -p 5201 -t 1 -J > {dir}/up-$a.json\n  \
+         iperf3 -c $a -p 5201 -t 1 -R -J > {dir}/down-$a.json\ndone",
+        dir = path_str(rig.dir.path())
+    );
+    let (out, _) = rig.run(&stack, "ki", &script, "module.ki-orig.connections_total");
+    assert!(out.status.success(), "{}", text(&out));
+    for way in ["up", "down"] {
+        for a in [v4, v6] {
+            let file = rig.path(&format!("{way}-{a}.json"));
+            let j: Json = serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+            let bytes = j["end"]["sum_received"]["bytes"].as_u64().unwrap_or(0);
+            // At least 10 MB in a second: far below what the kernel does, far above a stall.
+            assert!(bytes > 10_000_000, "{way} {a}: {bytes} bytes received\n{j}");
+        }
+    }
+}
+
+/// The network-side flows of app `app`: (id, tcp.cc, bytes down) of each TCP flow `originate` holds.
+fn orig_flows(rig: &Rig, app: &str) -> Vec<(u64, String, u64)> {
+    let out = rig.d.cli(&["-j", "get", &format!("flow.{app}.orig.**")]);
+    let j: Json = serde_json::from_slice(&out.stdout).unwrap_or(Json::Null);
+    let mut flows = Vec::new();
+    let Some(map) = j.as_object() else { return flows };
+    let prefix = format!("flow.{app}.orig.");
+    for (name, v) in map {
+        let Some(id) = name.strip_prefix(&prefix).and_then(|r| r.strip_suffix(".tcp.cc")) else { continue };
+        let cc = v["value"].as_str().unwrap_or_default().to_string();
+        let down = map.get(&format!("{prefix}{id}.bytes_down_total")).and_then(|v| v["value"].as_u64()).unwrap_or(0);
+        flows.push((id.parse().unwrap_or(0), cc, down));
+    }
+    flows
+}
+
+#[test]
+fn the_cc_knob_switches_a_running_flow_and_tcp_info_meters_are_plausible() {
+    let Some(rig) = Rig::new(3, &pattern(1000)) else { return };
+    let stack = rig.stack("kernel", "kernel", r#"["tcp *"]"#);
+    let mut app = rig.d.spawn_run(&[
+        "--stack",
+        path_str(&stack),
+        "--name",
+        "kc",
+        "--",
+        "iperf3",
+        "-c",
+        &rig.srv.v4,
+        "-p",
+        "5201",
+        "-t",
+        "4",
+    ]);
+    // The data connection: the flow that carries the most bytes down (the daemon's socket sends them, so its
+    // congestion control is the one that matters).
+    let deadline = Instant::now() + Duration::from_secs(3);
+    let mut data = None;
+    while Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(200));
+        let flows = orig_flows(&rig, "kc");
+        if let Some(f) = flows.into_iter().filter(|f| f.2 > 1_000_000).max_by_key(|f| f.2) {
+            data = Some(f);
+            break;
+        }
+    }
+    let (id, cc, _) = data.expect("a data connection carrying bytes");
+    assert_eq!(cc, "cubic", "new connections get the module's `cc`");
+    let ss = || sh("ss", &["-tin", "dst", &format!("{}:5201", rig.srv.v4)]);
+    assert!(ss().contains("cubic"), "{}", ss());
+    let knob = format!("flow.kc.orig.{id}.tcp.cc");
+    let set = rig.d.cli(&["set", &knob, "bbr"]);
+    assert!(set.status.success(), "{}", text(&set));
+    // At once: the socket's congestion control is bbr while the transfer goes on.
+    let listing = ss();
+    assert!(listing.contains("bbr"), "{listing}");
+    let get = |m: &str| {
+        let out = rig.d.cli(&["-j", "get", &format!("flow.kc.orig.{id}.{m}")]);
+        let j: Json = serde_json::from_slice(&out.stdout).unwrap_or(Json::Null);
+        j[format!("flow.kc.orig.{id}.{m}")]["value"].clone()
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(get("tcp.cc"), Json::String("bbr".into()));
+    assert_eq!(get("tcp.state"), Json::String("established".into()));
+    // The server is a veth away: a round trip of microseconds to a few milliseconds, a window of segments, and
+    // a delivery rate of at least 1 MB/s while iperf3 sends.
+    let srtt = get("tcp.srtt_us").as_u64().unwrap_or(0);
+    assert!((1..200_000).contains(&srtt), "srtt {srtt}");
+    assert!(get("tcp.cwnd").as_u64().unwrap_or(0) >= 2, "cwnd {}", get("tcp.cwnd"));
+    assert!(get("tcp.delivery_rate").as_u64().unwrap_or(0) > 1_000_000, "rate {}", get("tcp.delivery_rate"));
+    // A name the kernel does not offer is refused, and says what it offers.
+    let bad = rig.d.cli(&["set", &knob, "nosuchcc"]);
+    assert!(!bad.status.success() && text(&bad).contains("offered"), "{}", text(&bad));
+    let status = app.wait().expect("iperf3 ends");
+    assert!(status.success(), "iperf3 failed");
+}
+
+#[test]
+fn udp_over_kernel_sockets_on_the_network_side_and_dns() {
+    let Some(rig) = Rig::new(4, &pattern(1000)) else { return };
+    let _dns = rig.srv.ns.serve_dns(&rig.srv.v4, &rig.srv.v6);
+    std::thread::sleep(Duration::from_millis(300));
+    let stack = rig.stack("smoltcp", "kernel", r#"["udp dport 53", "tcp *"]"#);
+    let script = format!(
+        "dig +short +tries=1 +time=3 @{} flexstack.test A && dig +short +tries=1 +time=3 @{} flexstack.test AAAA \
+         && dig +tcp +short +time=3 @{} flexstack.test A",
+        rig.srv.v4, rig.srv.v6, rig.srv.v4
+    );
+    let (out, vars) = rig.run(&stack, "ku", &script, "module.ku-orig.*");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(stdout.matches("10.1.2.3").count(), 2, "{stdout}");
+    assert!(stdout.contains("fd00:1:2::3"), "{stdout}");
+    assert!(value(&vars, "module.ku-orig.udp_flows_total") >= 2, "{vars}");
+    assert!(value(&vars, "module.ku-orig.connections_total") >= 1, "{vars}");
+}

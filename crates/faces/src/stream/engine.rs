@@ -15,8 +15,9 @@
 
 use flexstack_core::frame::{MetaKey, Metadata};
 use flexstack_core::stream::{Credit, FlowInfo, StreamEvent, StreamKind};
-use flexstack_core::{Direction, Packet};
+use flexstack_core::{Direction, Meter, Packet};
 use flexstack_modules::stream::backend::{Config, Meters, Side};
+use flexstack_modules::stream::matcher::MatchTable;
 use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
 use nix::sys::eventfd::{EfdFlags, EventFd};
 use nix::sys::socket::{setsockopt, sockopt};
@@ -125,9 +126,9 @@ impl Flow {
 }
 
 /// What one read of a flow's socket gave.
-enum Got {
+enum ReadOutcome {
     /// `n` bytes (or one datagram of `n` bytes) in the buffer.
-    Got(usize),
+    Bytes(usize),
     /// It may not read now (no credit, not accepted, ended).
     Stop,
     /// The peer's FIN.
@@ -186,6 +187,14 @@ pub(crate) fn reset(sock: Sock) {
     drop(sock);
 }
 
+/// What only the app's side (terminate) has: its match table (to count which rule selected each connection), one
+/// meter per rule, and the app's name.
+pub(crate) struct AppSide {
+    pub(crate) matcher: MatchTable,
+    pub(crate) hits: Vec<Meter>,
+    pub(crate) app: String,
+}
+
 /// The engine of one kernel endpoint.
 pub(crate) struct Engine {
     pub(crate) side: Side,
@@ -205,8 +214,8 @@ pub(crate) struct Engine {
     pub(crate) cc: Option<String>,
     tcp_count: u64,
     udp_count: u64,
-    /// terminate: its match table, app and redirect.
-    pub(crate) app: Option<super::kernel_app::AppSide>,
+    /// terminate: its match table and app.
+    pub(crate) app: Option<AppSide>,
 }
 
 impl Engine {
@@ -425,20 +434,20 @@ impl Engine {
         let (budget, chunk, idle) = (self.cfg.budget, self.cfg.chunk, self.cfg.udp_timeout_ms);
         let Some(f) = self.flows.get_mut(&id) else { return false };
         buf.clear();
-        let outcome: Got = if !f.accepted || f.eof {
-            Got::Stop
+        let outcome: ReadOutcome = if !f.accepted || f.eof {
+            ReadOutcome::Stop
         } else {
             match &mut f.sock {
                 Sock::Tcp(s) => {
                     let room = f.credit.room(budget).min(chunk) as usize;
                     if room == 0 {
-                        Got::Stop
+                        ReadOutcome::Stop
                     } else {
                         buf.resize(room, 0);
                         match s.read(&mut buf[..room]) {
-                            Ok(0) => Got::End,
-                            Ok(n) => Got::Got(n),
-                            Err(e) => Got::Failed(e),
+                            Ok(0) => ReadOutcome::End,
+                            Ok(n) => ReadOutcome::Bytes(n),
+                            Err(e) => ReadOutcome::Failed(e),
                         }
                     }
                 }
@@ -451,15 +460,15 @@ impl Engine {
                                 self.m.udp_budget_drops.add(1); // as a full socket buffer drops it
                                 continue;
                             }
-                            break Got::Got(n);
+                            break ReadOutcome::Bytes(n);
                         }
-                        Err(e) => break Got::Failed(e),
+                        Err(e) => break ReadOutcome::Failed(e),
                     }
                 },
             }
         };
         match outcome {
-            Got::Got(n) => {
+            ReadOutcome::Bytes(n) => {
                 buf.truncate(n);
                 set_meta(meta, id, StreamKind::Data, 0);
                 f.credit.send(n as u64);
@@ -472,12 +481,12 @@ impl Engine {
                 }
                 true
             }
-            Got::Stop => {
+            ReadOutcome::Stop => {
                 buf.clear();
                 self.update(id);
                 false
             }
-            Got::End => {
+            ReadOutcome::End => {
                 buf.clear();
                 f.eof = true;
                 self.pending.push_back(Event::Fin(id));
@@ -485,11 +494,11 @@ impl Engine {
                 self.maybe_done(id);
                 false
             }
-            Got::Failed(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => {
+            ReadOutcome::Failed(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => {
                 buf.clear();
                 false
             }
-            Got::Failed(e) => {
+            ReadOutcome::Failed(e) => {
                 buf.clear();
                 // An ICMP port unreachable reaches a connected UDP socket as ECONNREFUSED.
                 let udp = !f.tcp();
@@ -741,7 +750,12 @@ mod tests {
     #[test]
     fn events_encode_as_stream_frames() {
         let pool = PacketPool::default();
-        let info = FlowInfo::tcp("[2001:db8::2]:40000".parse().unwrap(), "[2001:db8::1]:80".parse().unwrap(), "curl", Role::Client);
+        let info = FlowInfo::tcp(
+            "[2001:db8::2]:40000".parse().unwrap(),
+            "[2001:db8::1]:80".parse().unwrap(),
+            "curl",
+            Role::Client,
+        );
         let cases = [Event::Open(3, info.clone()), Event::Fin(4), Event::Abort(5, "refused"), Event::Ack(6, 1 << 40)];
         for e in &cases {
             let (mut buf, mut meta) = (Vec::new(), Metadata::default());
@@ -751,7 +765,9 @@ mod tests {
             let back = match p.stream().expect("a stream frame") {
                 StreamEvent::Open(i) => Event::Open(p.stream_flow().unwrap(), i),
                 StreamEvent::Fin => Event::Fin(p.stream_flow().unwrap()),
-                StreamEvent::Abort(r) => Event::Abort(p.stream_flow().unwrap(), if r == "refused" { "refused" } else { "?" }),
+                StreamEvent::Abort(r) => {
+                    Event::Abort(p.stream_flow().unwrap(), if r == "refused" { "refused" } else { "?" })
+                }
                 StreamEvent::Ack(n) => Event::Ack(p.stream_flow().unwrap(), n),
                 StreamEvent::Data(_) => panic!("no data"),
             };

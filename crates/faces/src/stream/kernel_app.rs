@@ -15,7 +15,6 @@
 
 use super::engine::{reset, Engine, Event, Flow, Sock};
 use flexstack_core::stream::{FlowInfo, Protocol, Role};
-use flexstack_core::Meter;
 use flexstack_modules::stream::matcher::{Candidate, MatchTable};
 use nix::sys::socket::{
     bind, getsockopt, listen, setsockopt, socket, sockopt, AddressFamily, Backlog, SockFlag, SockType, SockaddrStorage,
@@ -24,17 +23,14 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV
 use std::os::fd::AsFd;
 use std::time::{Duration, Instant};
 
-/// What only the app's side has.
-pub(crate) struct AppSide {
-    pub(crate) matcher: MatchTable,
-    pub(crate) hits: Vec<Meter>,
-    pub(crate) app: String,
-    /// The namespace and the nftables table installed there (removed when the module goes).
+/// The redirect installed in the app's namespace: removed when this is dropped (with the module).
+#[derive(Debug)]
+pub(crate) struct Redirect {
     pub(crate) netns: String,
     pub(crate) table: String,
 }
 
-impl Drop for AppSide {
+impl Drop for Redirect {
     /// Removes the redirect (the namespace may be gone already: then there is nothing to remove). On a thread of
     /// its own: the module is dropped on the data-plane thread, which must not wait for `nft`.
     fn drop(&mut self) {
@@ -77,8 +73,8 @@ fn in_netns<T>(netns: &str, f: impl FnOnce() -> std::io::Result<T>) -> std::io::
 }
 
 /// Opens the listeners in `netns` and installs the redirect of `matcher`'s TCP flows to them. Returns the
-/// listeners and the table's name.
-pub(crate) fn open(netns: &str, matcher: &MatchTable, app: &str) -> Result<(Vec<TcpListener>, String), String> {
+/// listeners and the redirect.
+pub(crate) fn open(netns: &str, matcher: &MatchTable, app: &str) -> Result<(Vec<TcpListener>, Redirect), String> {
     if netns.is_empty() {
         return Err("the kernel back-end of terminate needs `netns`, the app's network namespace (a sandbox's \
                     template gives it as netns = \"{netns}\")"
@@ -94,7 +90,7 @@ pub(crate) fn open(netns: &str, matcher: &MatchTable, app: &str) -> Result<(Vec<
     let table = format!("flexstack_kernel_{port}");
     let script = nft_script(&table, &redirect_rules(matcher, app, port)?);
     nft_in(netns, &script)?;
-    Ok((listeners, table))
+    Ok((listeners, Redirect { netns: netns.to_string(), table }))
 }
 
 /// Runs an nftables script in namespace `netns`.
@@ -264,7 +260,9 @@ mod tests {
         );
         let script = nft_script("flexstack_kernel_40000", &rules);
         assert!(script.starts_with("table inet flexstack_kernel_40000 {\n  chain output {\n"), "{script}");
-        assert!(script.contains("ip daddr 127.0.0.0/8 return\n    ip6 daddr ::1 return\n    meta l4proto tcp tcp dport { 22 } return\n"));
+        assert!(script.contains(
+            "ip daddr 127.0.0.0/8 return\n    ip6 daddr ::1 return\n    meta l4proto tcp tcp dport { 22 } return\n"
+        ));
     }
 
     #[test]

@@ -12,7 +12,9 @@
 
 use super::engine::{Engine, Flow, Sock};
 use flexstack_core::stream::{FlowInfo, Protocol};
-use nix::sys::socket::{bind, connect, setsockopt, socket, sockopt, AddressFamily, SockFlag, SockType, SockaddrStorage};
+use nix::sys::socket::{
+    bind, connect, setsockopt, socket, sockopt, AddressFamily, SockFlag, SockType, SockaddrStorage,
+};
 use std::ffi::OsString;
 use std::net::{IpAddr, SocketAddr, TcpStream, UdpSocket};
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -45,11 +47,8 @@ impl Engine {
     /// originate: `Open` of flow `id`: its socket, connecting (TCP) or ready (UDP).
     pub(crate) fn open_net(&mut self, id: u64, mut info: FlowInfo) {
         let tcp = info.protocol == Protocol::Tcp;
-        let (count, max) = if tcp {
-            (self.tcp_count(), self.cfg.max_connections)
-        } else {
-            (self.udp_count(), self.cfg.max_udp_flows)
-        };
+        let (count, max) =
+            if tcp { (self.tcp_count(), self.cfg.max_connections) } else { (self.udp_count(), self.cfg.max_udp_flows) };
         if count >= max {
             self.m.refused.add(1);
             return self.refuse(id, "limit");

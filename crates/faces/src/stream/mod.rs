@@ -19,11 +19,11 @@ mod engine;
 mod kernel_app;
 mod kernel_net;
 
-use engine::{Engine, Sock};
+use engine::{AppSide, Engine, Sock};
 use flexstack_core::frame::Metadata;
 use flexstack_core::{
-    Batch, Direction, FaceDevice, Module, ModuleBuilder, ModuleInterface, ModuleVars, Output, Packet,
-    Time, Value, ValueType, VarSpec,
+    Batch, Direction, FaceDevice, Module, ModuleBuilder, ModuleInterface, ModuleVars, Output, Packet, Time, Value,
+    ValueType, VarSpec,
 };
 use flexstack_modules::stream::backend::{self, Config, KernelRequest, Meters, Side};
 use std::collections::HashMap;
@@ -49,8 +49,8 @@ fn build(req: KernelRequest) -> Result<Box<dyn ModuleBuilder>, String> {
     }
     let app = match side {
         Side::App => {
-            let (listeners, table) = kernel_app::open(&netns, &matcher, &cfg.app)?;
-            Some((listeners, kernel_app::AppSide { matcher, hits: Vec::new(), app: cfg.app.clone(), netns, table }))
+            let (listeners, redirect) = kernel_app::open(&netns, &matcher, &cfg.app)?;
+            Some((listeners, redirect, AppSide { matcher, hits: Vec::new(), app: cfg.app.clone() }))
         }
         Side::Net => None,
     };
@@ -64,7 +64,7 @@ struct KernelBuilder {
     cfg: Config,
     interface: ModuleInterface,
     decl: Decl,
-    app: Option<(Vec<std::net::TcpListener>, kernel_app::AppSide)>,
+    app: Option<(Vec<std::net::TcpListener>, kernel_app::Redirect, AppSide)>,
 }
 
 impl ModuleBuilder for KernelBuilder {
@@ -81,7 +81,9 @@ impl ModuleBuilder for KernelBuilder {
         let stream_in = port(&interface.inputs, "stream_in").unwrap_or(0);
         let prefix = cfg.vars_prefix.clone();
         let mut engine = Engine::new(side, cfg.clone(), m).expect("an epoll instance and an eventfd");
-        if let Some((listeners, mut a)) = app {
+        let mut redirect = None;
+        if let Some((listeners, r, mut a)) = app {
+            redirect = Some(r);
             a.hits = (1..=a.matcher.rules.len()).map(|i| vars.meter(&format!("rule{i}_matches_total"))).collect();
             for l in listeners {
                 if let Err(e) = engine.add_listener(l) {
@@ -102,6 +104,7 @@ impl ModuleBuilder for KernelBuilder {
             stream_in,
             egress: Vec::new(),
             flows: HashMap::new(),
+            _redirect: redirect,
         })
     }
 }
@@ -168,6 +171,8 @@ struct KernelEndpoint {
     stream_in: usize,
     egress: Batch,
     flows: HashMap<u64, FlowVars>,
+    /// terminate: the redirect in the app's namespace, removed with the module.
+    _redirect: Option<kernel_app::Redirect>,
 }
 
 /// The runtime variables of one TCP flow of the kernel back-end, under `<vars_prefix>.<flow>`.
@@ -177,7 +182,12 @@ fn tcp_specs() -> Vec<VarSpec> {
         VarSpec::meter("tcp.state", ValueType::Str, "", "TCP state of the endpoint's kernel socket (TCP_INFO)"),
         VarSpec::meter("tcp.srtt_us", ValueType::U64, "us", "smoothed round-trip time (TCP_INFO)"),
         VarSpec::meter("tcp.cwnd", ValueType::U64, "segments", "congestion window (TCP_INFO)"),
-        VarSpec::meter("tcp.bytes_in_flight", ValueType::U64, "bytes", "sent, not acknowledged: unacked segments x MSS"),
+        VarSpec::meter(
+            "tcp.bytes_in_flight",
+            ValueType::U64,
+            "bytes",
+            "sent, not acknowledged: unacked segments x MSS",
+        ),
         VarSpec::meter("tcp.retrans_total", ValueType::U64, "frames", "segments sent again (TCP_INFO)"),
         VarSpec::meter("tcp.delivery_rate", ValueType::U64, "bytes/s", "the latest delivery rate (TCP_INFO)"),
         VarSpec::meter("tcp.send_queue", ValueType::U64, "bytes", "bytes in the socket's send queue (SIOCOUTQ)"),
@@ -221,14 +231,21 @@ impl KernelEndpoint {
             // Another module owning the prefix (a misconfiguration) leaves the meters unpublished, never the flow.
             let vars = out.register_vars(&name, specs).unwrap_or_else(|_| ModuleVars::new(specs));
             let i = &f.info;
-            vars.meter("tuple").store(&Value::Str(format!("{} {} -> {} app {:?}", i.protocol.name(), i.src, i.dst, i.app)));
+            vars.meter("tuple").store(&Value::Str(format!(
+                "{} {} -> {} app {:?}",
+                i.protocol.name(),
+                i.src,
+                i.dst,
+                i.app
+            )));
             self.flows.insert(id, FlowVars { name, vars });
         }
         let down = e.out_is_down();
         for (id, v) in &self.flows {
             let Some(f) = e.flows.get(id) else { continue };
             let m = |n: &str| v.vars.meter(n);
-            let (out_m, in_m) = if down { ("bytes_down_total", "bytes_up_total") } else { ("bytes_up_total", "bytes_down_total") };
+            let (out_m, in_m) =
+                if down { ("bytes_down_total", "bytes_up_total") } else { ("bytes_up_total", "bytes_down_total") };
             m(out_m).set(f.bytes_out);
             m(in_m).set(f.bytes_in);
             m("in_flight_bytes").set(f.credit.in_flight());

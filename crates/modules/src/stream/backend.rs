@@ -56,11 +56,17 @@ pub(crate) fn read(r: &mut SettingsReader<'_>) -> Result<Backend, ConfigError> {
 }
 
 /// Builds the kernel back-end through the installed hook; errors are located at the `backend` setting.
-pub(crate) fn build_kernel(settings: &Settings, kind: &str, req: KernelRequest) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
+pub(crate) fn build_kernel(
+    settings: &Settings,
+    kind: &str,
+    req: KernelRequest,
+) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
     let at = |m: String| {
         let location = settings.get("backend").and_then(|s| s.location.clone());
         ConfigError::new(location, format!("setting `backend` of a {kind} module: {m}"))
     };
-    let hook = KERNEL.get().ok_or_else(|| at("the kernel back-end is built by the daemon (flexstack-faces), not available here".into()))?;
+    let hook = KERNEL
+        .get()
+        .ok_or_else(|| at("the kernel back-end is built by the daemon (flexstack-faces), not available here".into()))?;
     hook(req).map_err(at)
 }

@@ -21,10 +21,10 @@
 //!
 //! Its ports, settings, knobs and meters are declared once, in `DECL` below; docs/modules.md lists them.
 
+use crate::stream::backend::{self, Backend, KernelRequest};
 use crate::stream::endpoint::config::{endpoint_decl, parse_sources, Config, Meters};
 use crate::stream::endpoint::{Endpoint, Ports, Side};
 use crate::stream::matcher::MatchTable;
-use crate::stream::backend::{self, Backend, KernelRequest};
 use crate::stream::terminate::seed;
 use flexstack_core::module::port_type;
 use flexstack_core::{
@@ -97,7 +97,14 @@ impl ModuleKind for OriginateKind {
         let b = OriginateBuilder { cfg };
         if backend == Backend::Kernel {
             let (side, interface, decl) = (Side::Net, b.interface(), &DECL);
-            let req = KernelRequest { side, cfg: b.cfg, matcher: MatchTable::default(), netns: String::new(), interface, decl };
+            let req = KernelRequest {
+                side,
+                cfg: b.cfg,
+                matcher: MatchTable::default(),
+                netns: String::new(),
+                interface,
+                decl,
+            };
             return backend::build_kernel(settings, KIND, req);
         }
         Ok(Box::new(b))

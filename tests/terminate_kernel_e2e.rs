@@ -293,3 +293,59 @@ fn udp_over_kernel_sockets_on_the_network_side_and_dns() {
     assert!(value(&vars, "module.ku-orig.udp_flows_total") >= 2, "{vars}");
     assert!(value(&vars, "module.ku-orig.connections_total") >= 1, "{vars}");
 }
+
+/// A server that reads until the client's FIN, then answers 300,000 bytes and closes (half-close).
+const HALF_CLOSE_SERVER: &str = "import socket,sys
+l=socket.socket(socket.AF_INET6); l.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1)
+l.bind(('::',9000)); l.listen(8)
+while True:
+    c,_=l.accept(); n=0
+    while True:
+        b=c.recv(65536)
+        if not b: break
+        n+=len(b)
+    c.sendall(str(n).encode()+b' '+b'y'*300000); c.close()
+";
+
+/// A client that sends 100,000 bytes, shuts its write side, and still reads the whole answer.
+const HALF_CLOSE_CLIENT: &str = "import socket,sys
+s=socket.create_connection((sys.argv[1],9000)); s.sendall(b'x'*100000); s.shutdown(socket.SHUT_WR)
+d=b''
+while True:
+    b=s.recv(65536)
+    if not b: break
+    d+=b
+print(d[:7].decode(), len(d))
+";
+
+#[test]
+fn half_close_and_a_refused_port_through_kernel_endpoints() {
+    let Some(rig) = Rig::new(5, &pattern(1000)) else { return };
+    let _server = rig.srv.ns.spawn(&["python3", "-c", HALF_CLOSE_SERVER]);
+    std::thread::sleep(Duration::from_millis(500));
+    let stack = rig.stack("kernel", "kernel", r#"["tcp *"]"#);
+    let client = rig.path("client.py");
+    std::fs::write(&client, HALF_CLOSE_CLIENT).unwrap();
+    // Half-close both families; then a port where nothing listens.
+    let script = format!(
+        "python3 {c} {v4} && python3 {c} {v6} && curl -sS -m 5 http://{v4}:9001/; echo curl=$?",
+        c = path_str(&client),
+        v4 = rig.srv.v4,
+        v6 = rig.srv.v6
+    );
+    let (out, vars) = rig.run(&stack, "kh", &script, "module.kh-*.*");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", text(&out));
+    // The server saw the client's 100,000 bytes end (FIN through the chain), and its 300,000 came back.
+    assert_eq!(stdout.matches("100000  300007").count() + stdout.matches("100000 300007").count(), 2, "{stdout}");
+    // Refused: the kernel listener had accepted the app's connection, so the app sees a reset, not a refused
+    // connect: curl, still waiting for its non-blocking connect to be confirmed, reports the reset as a failed
+    // connect (7, "Couldn't connect"); had it sent its request already, a failed read (56). The refusal is counted
+    // on both sides.
+    assert!(stdout.contains("curl=7") || stdout.contains("curl=56"), "{}", text(&out));
+    assert!(value(&vars, "module.kh-orig.refused_total") >= 1, "{vars}");
+    assert!(value(&vars, "module.kh-term.aborts_received_total") >= 1, "{vars}");
+    // No state left: every connection ended on both sides.
+    assert_eq!(value(&vars, "module.kh-term.connections_active"), 0, "{vars}");
+    assert_eq!(value(&vars, "module.kh-orig.connections_active"), 0, "{vars}");
+}

@@ -191,6 +191,8 @@ fn iperf3_both_directions_both_families_through_kernel_endpoints() {
             let file = rig.path(&format!("{way}-{a}.json"));
             let j: Json = serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
             let bytes = j["end"]["sum_received"]["bytes"].as_u64().unwrap_or(0);
+            let rate = j["end"]["sum_received"]["bits_per_second"].as_f64().unwrap_or(0.0);
+            eprintln!("iperf3 {way} {a}: {bytes} bytes, {:.2} Gbit/s", rate / 1e9);
             // At least 10 MB in a second: far below what the kernel does, far above a stall.
             assert!(bytes > 10_000_000, "{way} {a}: {bytes} bytes received\n{j}");
         }

@@ -230,14 +230,7 @@ impl KernelEndpoint {
             let specs = if matches!(f.sock, Sock::Tcp(_)) { &tcp } else { &udp };
             // Another module owning the prefix (a misconfiguration) leaves the meters unpublished, never the flow.
             let vars = out.register_vars(&name, specs).unwrap_or_else(|_| ModuleVars::new(specs));
-            let i = &f.info;
-            vars.meter("tuple").store(&Value::Str(format!(
-                "{} {} -> {} app {:?}",
-                i.protocol.name(),
-                i.src,
-                i.dst,
-                i.app
-            )));
+            vars.meter("tuple").store(&Value::Str(f.info.to_string()));
             self.flows.insert(id, FlowVars { name, vars });
         }
         let down = e.out_is_down();

@@ -351,3 +351,71 @@ fn half_close_and_a_refused_port_through_kernel_endpoints() {
     assert_eq!(value(&vars, "module.kh-term.connections_active"), 0, "{vars}");
     assert_eq!(value(&vars, "module.kh-orig.connections_active"), 0, "{vars}");
 }
+
+/// A server that accepts, reads nothing for 3 s (its window closes), then reads everything and answers the count.
+const STALLED_SERVER: &str = "import socket,time
+l=socket.socket(socket.AF_INET6); l.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1)
+l.bind(('::',9002)); l.listen(8)
+c,_=l.accept(); time.sleep(3); n=0
+while True:
+    b=c.recv(65536)
+    if not b: break
+    n+=len(b)
+c.sendall(str(n).encode()); c.close()
+";
+
+/// CPU time (user + system) of process `pid`, in clock ticks.
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let after = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or_default();
+    let f: Vec<&str> = after.split_whitespace().collect();
+    f.get(11).and_then(|u| u.parse::<u64>().ok()).unwrap_or(0)
+        + f.get(12).and_then(|s| s.parse::<u64>().ok()).unwrap_or(0)
+}
+
+#[test]
+fn a_stalled_server_holds_the_app_at_its_budget_without_spinning() {
+    let Some(rig) = Rig::new(6, &pattern(1000)) else { return };
+    let _server = rig.srv.ns.spawn(&["python3", "-c", STALLED_SERVER]);
+    std::thread::sleep(Duration::from_millis(500));
+    let stack = rig.stack("kernel", "kernel", r#"["tcp *"]"#);
+    let client = rig.path("client.py");
+    std::fs::write(
+        &client,
+        HALF_CLOSE_CLIENT.replace("9000", "9002").replace("b'x'*100000", "b'x'*20000000").replace("d[:7]", "d"),
+    )
+    .unwrap();
+    let app = rig.d.spawn_run(&[
+        "--stack",
+        path_str(&stack),
+        "--name",
+        "kst",
+        "--",
+        "python3",
+        path_str(&client),
+        &rig.srv.v4,
+    ]);
+    // Mid-stall: the daemon holds at most the budget between its sockets, and does not spin on the sockets it
+    // stopped reading.
+    std::thread::sleep(Duration::from_millis(1200));
+    let pid = rig.d.child.id();
+    let before = cpu_ticks(pid);
+    std::thread::sleep(Duration::from_millis(1000));
+    let used = cpu_ticks(pid) - before;
+    let get = |n: &str| {
+        let out = rig.d.cli(&["-j", "get", n]);
+        let j: Json = serde_json::from_slice(&out.stdout).unwrap_or(Json::Null);
+        j[n]["value"].as_u64().unwrap_or(u64::MAX)
+    };
+    let (in_flight, buffered) = (get("module.kst-term.in_flight_bytes"), get("module.kst-orig.buffered_bytes"));
+    eprintln!("stall: {in_flight} bytes in flight, {buffered} queued, {used} ticks of daemon CPU in 1 s");
+    assert!(in_flight <= 262_144, "in flight {in_flight}");
+    assert!(buffered <= 262_144, "queued for the stalled server {buffered}");
+    assert!(get("module.kst-term.data_bytes_out_total") < 20_000_000, "the stall did not hold the app back");
+    // 100 ticks a second: a daemon spinning on a socket would use about 100 here.
+    assert!(used < 20, "the daemon used {used} ticks of CPU in 1 s of stall");
+    let out = app.wait_with_output().expect("the client ends");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    // Every byte arrived: the server counted 20,000,000.
+    assert!(out.status.success() && stdout.contains("20000000 8"), "{stdout}");
+}

@@ -1,8 +1,8 @@
 //! End-to-end: the `kernel` back-end of `terminate` and `originate` (docs/streams.md, "The kernel back-end").
 //! Unmodified programs run in a sandbox whose TCP is redirected (nftables, in the app's namespace) to a listener of
 //! the daemon and opened again by the daemon's kernel sockets towards a server in another namespace: curl (2 MB,
-//! sha256) and iperf3 both ways, over IPv4 and IPv6; a mix of back-ends (kernel app side, smoltcp network side; and
-//! smoltcp app side with kernel UDP sockets on the network side, dig against dnsmasq); the per-flow `tcp.cc` knob
+//! sha256) and iperf3 both ways, over IPv4 and IPv6; a mix of back-ends (kernel app side, smoltcp network side); UDP
+//! with kernel sockets on the network side (dig against dnsmasq, behind either app side); the per-flow `tcp.cc` knob
 //! switched while iperf3 runs, seen in `ss -ti`; and the TCP_INFO meters. Needs root (skips with a reason outside
 //! CI).
 
@@ -281,19 +281,27 @@ fn udp_over_kernel_sockets_on_the_network_side_and_dns() {
     let Some(rig) = Rig::new(4, &pattern(1000)) else { return };
     let _dns = rig.srv.ns.serve_dns(&rig.srv.v4, &rig.srv.v6);
     std::thread::sleep(Duration::from_millis(300));
-    let stack = rig.stack("smoltcp", "kernel", r#"["udp dport 53", "tcp *"]"#);
     let script = format!(
         "dig +short +tries=1 +time=3 @{} flexstack.test A && dig +short +tries=1 +time=3 @{} flexstack.test AAAA \
          && dig +tcp +short +time=3 @{} flexstack.test A",
         rig.srv.v4, rig.srv.v6, rig.srv.v4
     );
-    let (out, vars) = rig.run(&stack, "ku", &script, "module.ku-orig.*");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{}", text(&out));
-    assert_eq!(stdout.matches("10.1.2.3").count(), 2, "{stdout}");
-    assert!(stdout.contains("fd00:1:2::3"), "{stdout}");
-    assert!(value(&vars, "module.ku-orig.udp_flows_total") >= 2, "{vars}");
-    assert!(value(&vars, "module.ku-orig.connections_total") >= 1, "{vars}");
+    // smoltcp app side; and the kernel's, whose UDP flows stay in the data plane (its TCP is redirected).
+    for (term, app) in [("smoltcp", "ku"), ("kernel", "kku")] {
+        let stack = rig.stack(term, "kernel", r#"["udp dport 53", "tcp *"]"#);
+        let (out, vars) = rig.run(&stack, app, &script, &format!("module.{app}-*.*"));
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{term}: {}", text(&out));
+        assert_eq!(stdout.matches("10.1.2.3").count(), 2, "{term}: {stdout}");
+        assert!(stdout.contains("fd00:1:2::3"), "{term}: {stdout}");
+        // Two UDP flows terminated on the app side (rule 1) and opened by kernel sockets; the TCP query (rule 2)
+        // through both endpoints.
+        assert_eq!(value(&vars, &format!("module.{app}-term.rule1_matches_total")), 2, "{term}: {vars}");
+        assert_eq!(value(&vars, &format!("module.{app}-term.udp_flows_total")), 2, "{term}: {vars}");
+        assert!(value(&vars, &format!("module.{app}-orig.udp_flows_total")) >= 2, "{term}: {vars}");
+        assert_eq!(value(&vars, &format!("module.{app}-term.connections_total")), 1, "{term}: {vars}");
+        assert!(value(&vars, &format!("module.{app}-orig.connections_total")) >= 1, "{term}: {vars}");
+    }
 }
 
 /// A server that reads until the client's FIN, then answers 300,000 bytes and closes (half-close).

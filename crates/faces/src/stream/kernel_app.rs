@@ -10,8 +10,9 @@
 //!
 //! An accepted connection's original destination comes from conntrack (`SO_ORIGINAL_DST`, `IP6T_SO_ORIGINAL_DST`);
 //! its source is the app's own address and port. `Open` goes down at once; the app's bytes are read only when
-//! `Open` comes back up (the far side accepted). UDP rules are refused: app-side UDP has no kernel transport state to
-//! use, and the kernel back-end does not terminate it (see docs/streams.md, "The kernel back-end").
+//! `Open` comes back up (the far side accepted). App-side UDP has no kernel transport state to take over: the UDP flows
+//! the match table selects stay in the data plane, terminated as the smoltcp back-end does (`udp_rules`; see
+//! docs/streams.md, "The kernel back-end").
 
 use super::engine::{reset, Engine, Event, Flow, Sock};
 use flexstack_core::stream::{FlowInfo, Protocol, Role};
@@ -88,7 +89,7 @@ pub(crate) fn open(netns: &str, matcher: &MatchTable, app: &str) -> Result<(Vec<
     })
     .map_err(|e| format!("cannot listen in network namespace {netns}: {e}"))?;
     let table = format!("flexstack_kernel_{port}");
-    let script = nft_script(&table, &redirect_rules(matcher, app, port)?);
+    let script = nft_script(&table, &redirect_rules(matcher, app, port));
     nft_in(netns, &script)?;
     Ok((listeners, Redirect { netns: netns.to_string(), table }))
 }
@@ -130,25 +131,18 @@ pub(crate) fn nft_script(table: &str, rules: &[String]) -> String {
 /// The nftables rules, in order, that send the TCP flows `matcher` terminates for app `app` to port `port`: a
 /// `pass` rule returns (the flow is not redirected), another redirects. Rules for the server role or another app
 /// can select none of this app's outgoing connections and are left out. A UDP rule that terminates is refused.
-pub(crate) fn redirect_rules(matcher: &MatchTable, app: &str, port: u16) -> Result<Vec<String>, String> {
+pub(crate) fn redirect_rules(matcher: &MatchTable, app: &str, port: u16) -> Vec<String> {
     let list = |ranges: &[flexstack_wire::cidr::PortRange]| {
         let items: Vec<String> = ranges.iter().map(ToString::to_string).collect();
         format!("{{ {} }}", items.join(", "))
     };
     let mut out = Vec::new();
-    for (i, r) in matcher.rules.iter().enumerate() {
+    for r in &matcher.rules {
         if r.role == Some(Role::Server) || r.app.as_deref().is_some_and(|a| a != "*" && a != app) {
             continue;
         }
         if r.protocol == Some(Protocol::Udp) {
-            if r.pass {
-                continue;
-            }
-            return Err(format!(
-                "match rule {} ({r}) selects UDP flows: the kernel back-end of terminate takes TCP only (use backend \
-                 = \"smoltcp\" for UDP; originate's kernel back-end does carry UDP)",
-                i + 1
-            ));
+            continue; // UDP stays in the data plane (`udp_rules`)
         }
         let mut words = vec!["meta l4proto tcp".to_string()];
         if let Some(to) = &r.to {
@@ -164,7 +158,24 @@ pub(crate) fn redirect_rules(matcher: &MatchTable, app: &str, port: u16) -> Resu
         words.push(if r.pass { "return".into() } else { format!("redirect to :{port}") });
         out.push(words.join(" "));
     }
-    Ok(out)
+    out
+}
+
+/// The UDP part of `matcher` for the data plane's UDP termination (the smoltcp back-end's, which uses no
+/// sockets): its UDP rules and its `*` rules as UDP rules, each with the index of the rule it came from (for its
+/// meter). `None` if no rule terminates UDP.
+pub(crate) fn udp_rules(matcher: &MatchTable) -> Option<(MatchTable, Vec<usize>)> {
+    let mut rules = Vec::new();
+    let mut from = Vec::new();
+    for (i, r) in matcher.rules.iter().enumerate() {
+        if r.protocol != Some(Protocol::Tcp) {
+            let mut u = r.clone();
+            u.protocol = Some(Protocol::Udp);
+            rules.push(u);
+            from.push(i);
+        }
+    }
+    rules.iter().any(|r| !r.pass).then_some((MatchTable { rules }, from))
 }
 
 /// The original destination of a redirected connection, from conntrack.
@@ -247,7 +258,7 @@ mod tests {
             "pass udp dport 53",
             "tcp app curl",
         ]);
-        let rules = redirect_rules(&t, "curl", 40000).unwrap();
+        let rules = redirect_rules(&t, "curl", 40000);
         assert_eq!(
             rules,
             [
@@ -266,10 +277,15 @@ mod tests {
     }
 
     #[test]
-    fn a_udp_rule_that_terminates_is_refused() {
-        let e = redirect_rules(&table(&["tcp dport 80", "udp dport 53"]), "a", 1).unwrap_err();
-        assert!(e.starts_with("match rule 2 (udp dport 53) selects UDP flows"), "{e}");
-        assert_eq!(redirect_rules(&table(&["*"]), "a", 7).unwrap(), ["meta l4proto tcp redirect to :7"]);
+    fn udp_rules_stay_in_the_data_plane() {
+        let t = table(&["tcp dport 80", "pass udp dport 5353", "udp dport 53", "* to 192.0.2.0/24"]);
+        assert_eq!(redirect_rules(&t, "a", 7).len(), 2, "no UDP rule is redirected");
+        let (u, from) = udp_rules(&t).expect("UDP is terminated");
+        let texts: Vec<String> = u.rules.iter().map(ToString::to_string).collect();
+        assert_eq!(texts, ["pass udp dport 5353", "udp dport 53", "udp to 192.0.2.0/24"]);
+        assert_eq!(from, [1, 2, 3]);
+        assert!(udp_rules(&table(&["tcp *", "pass udp *"])).is_none());
+        assert_eq!(redirect_rules(&table(&["*"]), "a", 7), ["meta l4proto tcp redirect to :7"]);
     }
 
     #[test]

@@ -10,8 +10,11 @@
 //! The module is a face: its device is the engine's epoll set, which the data plane waits on with the other
 //! devices. Frames read from it (every stream frame the endpoint emits) leave on its first output port, `stream`
 //! (the back-end's interface lists it first; the ports have the smoltcp back-end's names, so a stack changes back-end
-//! by its setting alone). Stream frames arriving on `stream_in` are queued for the device; packets arriving on `in`
-//! are none of its business (nothing of its flows travels as packets) and leave on `pass` unchanged. The module is
+//! by its setting alone). Stream frames arriving on `stream_in` are queued for the device. Packets arriving on `in`
+//! carry none of its sockets' flows: they leave on `pass` unchanged, except, for a `terminate` whose match table
+//! selects UDP, the app's UDP flows, which the smoltcp back-end's engine terminates in the data plane beside the
+//! sockets (UDP has no kernel state to take over; its flows keep ids from 1, the sockets' count from
+//! [`KERNEL_IDS`]). The module is
 //! polled every [`METER_PERIOD`] while it holds flows: timeouts, and the per-flow meters (registered for new flows,
 //! refreshed from `TCP_INFO` and the socket queues, removed for flows that ended).
 
@@ -22,14 +25,17 @@ mod kernel_net;
 use engine::{AppSide, Engine, Sock};
 use flexstack_core::frame::Metadata;
 use flexstack_core::{
-    Batch, Direction, FaceDevice, Module, ModuleBuilder, ModuleInterface, ModuleVars, Output, Packet, Time, Value,
-    ValueType, VarSpec,
+    Batch, Direction, FaceDevice, Frame, Module, ModuleBuilder, ModuleInterface, ModuleVars, Output, Packet, Time,
+    Value, ValueType, VarSpec,
 };
-use flexstack_modules::stream::backend::{self, Config, KernelRequest, Meters, Side};
+use flexstack_modules::stream::backend::{self, Config, Endpoint, KernelRequest, Meters, Ports, Side};
 use std::collections::HashMap;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
+
+/// The first flow id of a kernel `terminate` that also terminates UDP in the data plane (whose ids count from 1).
+pub const KERNEL_IDS: u64 = 1 << 32;
 
 /// How often the module refreshes its flows' meters and checks their timeouts.
 pub const METER_PERIOD: Duration = Duration::from_millis(100);
@@ -80,11 +86,37 @@ impl ModuleBuilder for KernelBuilder {
         let pass = port(&interface.outputs, "pass").unwrap_or(2);
         let stream_in = port(&interface.inputs, "stream_in").unwrap_or(0);
         let prefix = cfg.vars_prefix.clone();
+        let hits = |n: usize| (1..=n).map(|i| vars.meter(&format!("rule{i}_matches_total"))).collect::<Vec<_>>();
+        // terminate: the UDP flows its match table selects are terminated in the data plane, by the smoltcp
+        // back-end's engine (which uses no sockets for UDP), with the UDP part of the table.
+        let inner = app.as_ref().and_then(|(_, _, a)| kernel_app::udp_rules(&a.matcher)).map(|(udp, from)| {
+            let all = hits(from.iter().max().map_or(0, |m| m + 1));
+            let udp_hits = from.iter().map(|&i| all[i].clone()).collect();
+            let ports = Ports {
+                ip_in: port(&interface.inputs, "in").unwrap_or(0),
+                stream_in,
+                ip_out: port(&interface.outputs, "out").unwrap_or(1),
+                stream_out: 0,
+                pass,
+            };
+            // The gauges of TCP and of bytes held are the kernel engine's.
+            let mut im = decl.meters(vars);
+            (im.tcp_active, im.buffered, im.in_flight) = Default::default();
+            Endpoint::new(Side::App, ports, decl, cfg.clone(), im, udp, udp_hits)
+        });
+        let mut m = m;
+        if inner.is_some() {
+            m.udp_active = Default::default(); // the inner engine's
+        }
         let mut engine = Engine::new(side, cfg.clone(), m).expect("an epoll instance and an eventfd");
+        if inner.is_some() {
+            // Flow ids apart from the inner engine's (which counts from 1).
+            engine.next_id = KERNEL_IDS;
+        }
         let mut redirect = None;
         if let Some((listeners, r, mut a)) = app {
             redirect = Some(r);
-            a.hits = (1..=a.matcher.rules.len()).map(|i| vars.meter(&format!("rule{i}_matches_total"))).collect();
+            a.hits = hits(a.matcher.rules.len());
             for l in listeners {
                 if let Err(e) = engine.add_listener(l) {
                     tracing::error!(error = %e, "cannot watch the kernel listener");
@@ -104,6 +136,7 @@ impl ModuleBuilder for KernelBuilder {
             stream_in,
             egress: Vec::new(),
             flows: HashMap::new(),
+            inner,
             _redirect: redirect,
         })
     }
@@ -171,6 +204,8 @@ struct KernelEndpoint {
     stream_in: usize,
     egress: Batch,
     flows: HashMap<u64, FlowVars>,
+    /// terminate with UDP rules: the data plane's UDP termination.
+    inner: Option<Endpoint>,
     /// terminate: the redirect in the app's namespace, removed with the module.
     _redirect: Option<kernel_app::Redirect>,
 }
@@ -287,12 +322,31 @@ fn available_cc() -> String {
 
 impl Module for KernelEndpoint {
     fn process(&mut self, port: usize, input: &mut Batch, out: &mut Output<'_>) {
-        if port == self.stream_in {
-            self.egress.append(input);
-        } else {
-            // Packets: none of its flows travels as packets (the app's are redirected, the server's reach its
-            // sockets), so they pass unchanged.
-            out.emit_all(self.pass, input);
+        let Some(inner) = self.inner.as_mut() else {
+            if port == self.stream_in {
+                self.egress.append(input);
+            } else {
+                // Packets: none of its flows travels as packets (the app's TCP is redirected, the server's reaches
+                // its sockets), so they pass unchanged.
+                out.emit_all(self.pass, input);
+            }
+            return;
+        };
+        if port != self.stream_in {
+            return inner.process(port, input, out); // UDP it terminates; the rest passes
+        }
+        // Stream frames of its kernel flows to the sockets, the others to the data plane's UDP flows.
+        let kernel = |f: &Frame| f.packet().and_then(Packet::stream_flow).is_some_and(|id| id >= KERNEL_IDS);
+        let mut udp: Batch = Vec::new();
+        for f in input.drain(..) {
+            if kernel(&f) {
+                self.egress.push(f);
+            } else {
+                udp.push(f);
+            }
+        }
+        if !udp.is_empty() {
+            inner.process(port, &mut udp, out);
         }
     }
 
@@ -301,7 +355,11 @@ impl Module for KernelEndpoint {
         let mut e = device.engine();
         e.tick(Instant::now());
         self.meters(&mut e, out);
-        Some(out.now() + METER_PERIOD)
+        let next = out.now() + METER_PERIOD;
+        match self.inner.as_mut().and_then(|i| i.poll(out)) {
+            Some(t) => Some(t.min(next)),
+            None => Some(next),
+        }
     }
 
     fn write_knob(&mut self, knob: &str, value: &Value) -> Result<(), String> {
@@ -320,6 +378,9 @@ impl Module for KernelEndpoint {
         }
         self.decl.write(&mut self.cfg, knob, value)?;
         self.device.engine().cfg = self.cfg.clone();
+        if let Some(inner) = self.inner.as_mut() {
+            inner.write_knob(knob, value)?;
+        }
         Ok(())
     }
 

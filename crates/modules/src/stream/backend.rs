@@ -9,7 +9,7 @@ use flexstack_core::{ConfigError, KindDecl, ModuleBuilder, ModuleInterface, Sett
 use std::sync::OnceLock;
 
 pub use crate::stream::endpoint::config::{flow_specs, Cc, Config, Meters};
-pub use crate::stream::endpoint::Side;
+pub use crate::stream::endpoint::{Endpoint, Ports, Side};
 
 /// The back-ends an endpoint can have.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -70,3 +70,32 @@ pub(crate) fn build_kernel(
         .ok_or_else(|| at("the kernel back-end is built by the daemon (flexstack-faces), not available here".into()))?;
     hook(req).map_err(at)
 }
+
+#[cfg(test)]
+mod tests {
+    use flexstack_core::StackSpec;
+
+    fn configure(kind: &str, backend: &str) -> String {
+        let text = format!("[modules.e]\nkind = \"{kind}\"\nbackend = \"{backend}\"\n");
+        let spec = StackSpec::parse("s.toml", &text).unwrap();
+        match crate::catalog().configure(kind, &spec.modules[0].settings, None) {
+            Ok(_) => "ok".into(),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    /// Without the daemon's hook (this crate alone), `kernel` is refused where it is written, saying why.
+    #[test]
+    fn the_kernel_back_end_needs_the_daemon_and_other_names_are_refused() {
+        for kind in ["terminate", "originate"] {
+            assert_eq!(configure(kind, "smoltcp"), "ok");
+            let e = configure(kind, "kernel");
+            assert!(
+                e.starts_with(&format!("s.toml:3:11: setting `backend` of a {kind} module: the kernel back-end")),
+                "{e}"
+            );
+            let e = configure(kind, "dpdk");
+            assert!(e.ends_with("expected \"smoltcp\" or \"kernel\", got \"dpdk\""), "{e}");
+        }
+    }
+}

@@ -427,3 +427,23 @@ fn a_stalled_server_holds_the_app_at_its_budget_without_spinning() {
     // Every byte arrived: the server counted 20,000,000.
     assert!(out.status.success() && stdout.contains("20000000 8"), "{stdout}");
 }
+
+#[test]
+fn an_app_killed_mid_transfer_leaves_no_connection_behind() {
+    let Some(rig) = Rig::new(7, &pattern(4_000_000)) else { return };
+    let stack = rig.stack("kernel", "kernel", r#"["tcp *"]"#);
+    // curl, slowed to 200 KB/s, is killed after a second; the sandbox lives on.
+    let script = format!(
+        "curl -s --limit-rate 200k -o /dev/null http://{}:8080/blob & sleep 1; kill -9 $!; wait; sleep 1",
+        rig.srv.v4
+    );
+    let (out, vars) = rig.run(&stack, "kk9", &script, "module.kk9-*.*");
+    assert!(out.status.code().is_some(), "{}", text(&out));
+    assert_eq!(value(&vars, "module.kk9-term.connections_total"), 1, "{vars}");
+    // The killed app's socket reset its connection: the abort went to the server, and neither side holds anything.
+    assert_eq!(value(&vars, "module.kk9-term.aborts_sent_total"), 1, "{vars}");
+    assert_eq!(value(&vars, "module.kk9-orig.aborts_received_total"), 1, "{vars}");
+    assert_eq!(value(&vars, "module.kk9-term.connections_active"), 0, "{vars}");
+    assert_eq!(value(&vars, "module.kk9-orig.connections_active"), 0, "{vars}");
+    assert_eq!(value(&vars, "module.kk9-orig.buffered_bytes"), 0, "{vars}");
+}

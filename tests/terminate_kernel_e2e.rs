@@ -94,6 +94,16 @@ impl Rig {
         self.dir.path().join(name)
     }
 
+    /// Starts the python server `script` in the server's namespace (stopped when the guard goes), and writes the
+    /// python client `client` for the app; returns both.
+    fn python(&self, script: &str, client: &str) -> (Background, PathBuf) {
+        let server = self.srv.ns.spawn(&["python3", "-c", script]);
+        std::thread::sleep(Duration::from_millis(500));
+        let path = self.path("client.py");
+        std::fs::write(&path, client).expect("write the client");
+        (server, path)
+    }
+
     fn stack(&self, term: &str, orig: &str, matches: &str) -> PathBuf {
         let p = self.path(&format!("stack-{term}-{orig}.toml"));
         std::fs::write(&p, stack(term, orig, matches)).expect("write the stack");
@@ -331,11 +341,8 @@ print(d[:7].decode(), len(d))
 #[test]
 fn half_close_and_a_refused_port_through_kernel_endpoints() {
     let Some(rig) = Rig::new(5, &pattern(1000)) else { return };
-    let _server = rig.srv.ns.spawn(&["python3", "-c", HALF_CLOSE_SERVER]);
-    std::thread::sleep(Duration::from_millis(500));
+    let (_server, client) = rig.python(HALF_CLOSE_SERVER, HALF_CLOSE_CLIENT);
     let stack = rig.stack("kernel", "kernel", r#"["tcp *"]"#);
-    let client = rig.path("client.py");
-    std::fs::write(&client, HALF_CLOSE_CLIENT).unwrap();
     // Half-close both families; then a port where nothing listens.
     let script = format!(
         "python3 {c} {v4} && python3 {c} {v6} && curl -sS -m 5 http://{v4}:9001/; echo curl=$?",
@@ -384,15 +391,9 @@ fn cpu_ticks(pid: u32) -> u64 {
 #[test]
 fn a_stalled_server_holds_the_app_at_its_budget_without_spinning() {
     let Some(rig) = Rig::new(6, &pattern(1000)) else { return };
-    let _server = rig.srv.ns.spawn(&["python3", "-c", STALLED_SERVER]);
-    std::thread::sleep(Duration::from_millis(500));
+    let big = HALF_CLOSE_CLIENT.replace("9000", "9002").replace("b'x'*100000", "b'x'*20000000").replace("d[:7]", "d");
+    let (_server, client) = rig.python(STALLED_SERVER, &big);
     let stack = rig.stack("kernel", "kernel", r#"["tcp *"]"#);
-    let client = rig.path("client.py");
-    std::fs::write(
-        &client,
-        HALF_CLOSE_CLIENT.replace("9000", "9002").replace("b'x'*100000", "b'x'*20000000").replace("d[:7]", "d"),
-    )
-    .unwrap();
     let app = rig.d.spawn_run(&[
         "--stack",
         path_str(&stack),

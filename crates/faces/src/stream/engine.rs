@@ -204,6 +204,8 @@ pub(crate) struct Engine {
     pub(crate) flows: HashMap<u64, Flow>,
     pending: VecDeque<Event>,
     readable: VecDeque<u64>,
+    /// Flows written to by the current `write_frames` (to ack).
+    written: Vec<u64>,
     pub(crate) cfg: Config,
     pub(crate) m: Meters,
     /// Flows started and ended since the module last looked (it registers and removes their meters).
@@ -236,6 +238,7 @@ impl Engine {
             flows: HashMap::new(),
             pending: VecDeque::new(),
             readable: VecDeque::new(),
+            written: Vec::new(),
             cfg,
             m,
             born: Vec::new(),
@@ -305,6 +308,10 @@ impl Engine {
     fn counts(&self) {
         self.m.tcp_active.set(self.tcp_count);
         self.m.udp_active.set(self.udp_count);
+    }
+
+    /// The gauges of bytes held, over all flows (the module's poll refreshes them: a walk of every flow).
+    pub(crate) fn gauges(&self) {
         let (mut buffered, mut in_flight) = (0, 0);
         for f in self.flows.values() {
             buffered += f.queued;
@@ -599,11 +606,15 @@ impl Engine {
         for p in packets {
             self.stream_in(p);
         }
-        let ids: Vec<u64> = self.flows.iter().filter(|(_, f)| f.to_ack > 0).map(|(id, _)| *id).collect();
-        for id in ids {
+        // Each flow written to in this batch, once: one ack of all it took.
+        let mut ids = std::mem::take(&mut self.written);
+        ids.sort_unstable();
+        ids.dedup();
+        for &id in &ids {
             self.ack(id);
         }
-        self.counts();
+        ids.clear();
+        self.written = ids;
         self.kick_if_pending();
     }
 
@@ -656,6 +667,7 @@ impl Engine {
                             self.m.stream_bad.add(1); // as a kernel drops a datagram it cannot send
                         }
                         f.to_ack += len;
+                        self.written.push(id);
                         f.deadline = Some(Instant::now() + Duration::from_millis(self.cfg.udp_timeout_ms));
                     }
                     Sock::Tcp(_) => {
@@ -687,6 +699,7 @@ impl Engine {
                             return self.abort(id, reason(&e, false));
                         }
                         f.to_ack += done as u64;
+                        self.written.push(id);
                         if done < bytes.len() {
                             f.queued += (bytes.len() - done) as u64;
                             f.queue.push_back(bytes[done..].to_vec());

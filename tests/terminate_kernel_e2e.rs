@@ -448,3 +448,49 @@ fn an_app_killed_mid_transfer_leaves_no_connection_behind() {
     assert_eq!(value(&vars, "module.kk9-orig.connections_active"), 0, "{vars}");
     assert_eq!(value(&vars, "module.kk9-orig.buffered_bytes"), 0, "{vars}");
 }
+
+/// An echo server (asyncio) on port 9003.
+const ECHO_SERVER: &str = "import asyncio
+async def echo(r, w):
+    while True:
+        b = await r.read(65536)
+        if not b: break
+        w.write(b); await w.drain()
+    w.close()
+async def main():
+    s = await asyncio.start_server(echo, None, 9003, backlog=4096)
+    async with s: await s.serve_forever()
+asyncio.run(main())
+";
+
+/// Opens 1,000 connections at once, sends 1 KB on each, checks each echo, then closes them all.
+const THOUSAND_CLIENTS: &str = "import asyncio,sys
+async def one(i):
+    r, w = await asyncio.open_connection(sys.argv[1], 9003)
+    msg = bytes([i % 251]) * 1024
+    w.write(msg); await w.drain()
+    got = await r.readexactly(1024)
+    return r, w, got == msg
+async def main():
+    res = await asyncio.gather(*[one(i) for i in range(1000)])
+    print('ok', sum(1 for _, _, good in res if good))
+    for _, w, _ in res: w.close()
+asyncio.run(main())
+";
+
+#[test]
+fn a_thousand_concurrent_connections_through_kernel_endpoints() {
+    let Some(rig) = Rig::new(8, &pattern(1000)) else { return };
+    let (_server, client) = rig.python(ECHO_SERVER, THOUSAND_CLIENTS);
+    let stack = rig.stack("kernel", "kernel", r#"["tcp *"]"#);
+    let script = format!("python3 {} {} && sleep 1", path_str(&client), rig.srv.v4);
+    let (out, vars) = rig.run(&stack, "kt", &script, "module.kt-*.*");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && stdout.contains("ok 1000"), "{}", text(&out));
+    assert_eq!(value(&vars, "module.kt-term.connections_total"), 1000, "{vars}");
+    assert_eq!(value(&vars, "module.kt-orig.connections_total"), 1000, "{vars}");
+    assert_eq!(value(&vars, "module.kt-term.refused_total"), 0, "{vars}");
+    // All closed again on both sides.
+    assert_eq!(value(&vars, "module.kt-term.connections_active"), 0, "{vars}");
+    assert_eq!(value(&vars, "module.kt-orig.connections_active"), 0, "{vars}");
+}

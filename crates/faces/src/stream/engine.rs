@@ -201,6 +201,8 @@ pub(crate) struct Engine {
     epoll: Arc<Epoll>,
     kick: EventFd,
     pub(crate) listeners: Vec<TcpListener>,
+    /// The listeners are out of the epoll set (see `pause_listeners`).
+    listeners_paused: bool,
     pub(crate) flows: HashMap<u64, Flow>,
     pending: VecDeque<Event>,
     readable: VecDeque<u64>,
@@ -235,6 +237,7 @@ impl Engine {
             epoll: Arc::new(epoll),
             kick,
             listeners: Vec::new(),
+            listeners_paused: false,
             flows: HashMap::new(),
             pending: VecDeque::new(),
             readable: VecDeque::new(),
@@ -266,6 +269,16 @@ impl Engine {
         self.epoll.add(&l, EpollEvent::new(EpollFlags::EPOLLIN, token))?;
         self.listeners.push(l);
         Ok(())
+    }
+
+    /// Takes the listeners out of the epoll set until the next [`Engine::tick`] (accepting failed).
+    pub(crate) fn pause_listeners(&mut self) {
+        if !self.listeners_paused {
+            self.listeners_paused = true;
+            for l in &self.listeners {
+                let _ = self.epoll.delete(l);
+            }
+        }
     }
 
     pub(crate) fn push(&mut self, e: Event) {
@@ -733,6 +746,11 @@ impl Engine {
 
     /// Ends what is due at `now`: TCP flows whose far side did not accept in time, idle UDP flows.
     pub(crate) fn tick(&mut self, now: Instant) {
+        if std::mem::take(&mut self.listeners_paused) {
+            for (i, l) in self.listeners.iter().enumerate() {
+                let _ = self.epoll.add(l, EpollEvent::new(EpollFlags::EPOLLIN, LISTENER + i as u64));
+            }
+        }
         let due: Vec<u64> =
             self.flows.iter().filter(|(_, f)| f.deadline.is_some_and(|d| d <= now)).map(|(id, _)| *id).collect();
         for id in due {

@@ -200,10 +200,14 @@ impl Engine {
                 Ok(c) => c,
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) if e.raw_os_error() == Some(libc::ECONNABORTED) => continue, // the app gave up first
                 Err(e) => {
-                    // ECONNABORTED (the app gave up before we accepted), EMFILE ...: counted, and on.
-                    tracing::debug!(error = %e, "accept failed");
+                    // Out of file descriptors (EMFILE, ENFILE) or memory: the connection stays in the backlog and
+                    // the listener readable. The listeners leave the epoll set until the next tick, or the data
+                    // plane would spin on them.
+                    tracing::warn!(error = %e, "cannot accept the app's connection; trying again shortly");
                     self.m.refused.add(1);
+                    self.pause_listeners();
                     return;
                 }
             };

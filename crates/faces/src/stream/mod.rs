@@ -48,8 +48,26 @@ pub fn install() {
     backend::install_kernel(build);
 }
 
+/// Raises the process's soft limit of open files to its hard limit, once: each terminated connection holds one
+/// socket per kernel endpoint, and the usual soft limit (1,024) would stop a kernel `terminate` and `originate`
+/// at about 500 connections.
+fn more_files() {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        if let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) {
+            if soft < hard {
+                if let Err(e) = setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+                    tracing::warn!(error = %e, "cannot raise the limit of open files");
+                }
+            }
+        }
+    });
+}
+
 /// Builds the kernel back-end from what the kind read.
 fn build(req: KernelRequest) -> Result<Box<dyn ModuleBuilder>, String> {
+    more_files();
     let KernelRequest { side, cfg, matcher, netns, mut interface, decl } = req;
     // The device's frames leave on output 0: put `stream` first.
     if let Some(i) = interface.outputs.iter().position(|p| p.name == "stream") {

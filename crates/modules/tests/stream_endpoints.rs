@@ -231,8 +231,8 @@ fn udp_datagrams_are_counted_exactly_and_idle_flows_go_away() {
         }
         assert_eq!(lab.meter("module.t.udp_flows_total"), 1);
         assert_eq!(lab.meter("module.o.udp_flows_active"), 1);
-        assert_eq!(lab.meter("flow.terminate.1.bytes_down_total"), queries.iter().map(|q| q.len() as u64).sum());
-        assert_eq!(lab.meter("flow.originate.1.bytes_up_total"), answers.iter().map(|a| a.len() as u64).sum());
+        assert_eq!(lab.meter("flow.terminate.1.bytes_down_total"), queries.iter().map(|q| q.len() as u64).sum::<u64>());
+        assert_eq!(lab.meter("flow.originate.1.bytes_up_total"), answers.iter().map(|a| a.len() as u64).sum::<u64>());
         assert_eq!(lab.meter("module.t.udp_budget_drops_total"), 0);
         // A datagram with a wrong checksum goes nowhere, counted.
         let mut bad = udp(app, dns, b"corrupt");

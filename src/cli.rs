@@ -48,6 +48,9 @@ pub enum Command {
     /// Sandboxed apps: `app list`.
     #[command(subcommand)]
     App(AppCmd),
+    /// Flows, forwarded and terminated: `flow list`, `flow show ID`.
+    #[command(subcommand)]
+    Flow(FlowCmd),
     /// Daemon status.
     Status,
     /// Modules: list, kinds, load, unload, replace.
@@ -245,6 +248,18 @@ pub enum AppCmd {
     Vars,
 }
 
+/// `flexstack flow ...`
+#[derive(Subcommand, Debug)]
+pub enum FlowCmd {
+    /// The flows: id, app, how handled, back-end, 5-tuple, bytes down and up, TCP state, srtt and cwnd.
+    List,
+    /// One flow and every variable under `flow.<ID>`.
+    Show {
+        /// The flow's id (`app1.3`, as `flow list` shows it) or its prefix (`flow.app1.3`).
+        id: String,
+    },
+}
+
 /// `flexstack rules ...`
 #[derive(Subcommand, Debug)]
 pub enum RulesCmd {
@@ -421,6 +436,8 @@ fn run(cli: Cli) -> Result<(), CliError> {
         Command::Daemon(_) | Command::Run(_) | Command::Lab(_) => unreachable!("handled above"),
         Command::App(AppCmd::List) => print(json, &client.call(AppList)?, |a| render::app_list(a)),
         Command::App(AppCmd::Vars) => print(json, &client.call(AppVarList)?, |a| render::app_vars(a)),
+        Command::Flow(FlowCmd::List) => print(json, &client.call(FlowList)?, |f| render::flow_list(f)),
+        Command::Flow(FlowCmd::Show { id }) => print(json, &client.call(FlowShow { flow: id })?, render::flow_show),
         Command::Rules(cmd) => rules_command(&mut client, cmd, json),
         Command::Monitor { names, interval, csv, json_lines, count } => {
             let format = if csv {
@@ -644,6 +661,9 @@ mod tests {
         let c = Cli::try_parse_from(["flexstack", "monitor", "-i", "50", "--csv", "module.*.x"]).unwrap();
         assert!(matches!(c.command, Command::Monitor { interval: 50, csv: true, .. }));
         assert!(Cli::try_parse_from(["flexstack", "monitor", "--csv", "--json-lines", "x"]).is_err());
+        let c = Cli::try_parse_from(["flexstack", "-j", "flow", "show", "app1.3"]).unwrap();
+        assert!(c.json && matches!(c.command, Command::Flow(FlowCmd::Show { id }) if id == "app1.3"));
+        assert!(Cli::try_parse_from(["flexstack", "flow", "show"]).is_err(), "an id is needed");
     }
 
     #[test]

@@ -231,6 +231,61 @@ pub fn app_vars(apps: &[RegisteredApp]) -> String {
     table(&["NAME", "KIND", "TYPE", "VALUE", "UID", "PID"], rows)
 }
 
+/// A number, or `-` when there is none.
+fn number(n: Option<u64>) -> String {
+    n.map_or_else(|| "-".to_string(), |n| n.to_string())
+}
+
+/// An address and port as one endpoint: `10.0.0.2:80`, `[fd00::2]:80`, `10.0.0.2`, `-`.
+fn endpoint(ip: Option<std::net::IpAddr>, port: Option<u16>) -> String {
+    match (ip, port) {
+        (Some(ip), Some(p)) => std::net::SocketAddr::new(ip, p).to_string(),
+        (Some(ip), None) => ip.to_string(),
+        (None, _) => "-".into(),
+    }
+}
+
+/// The columns of one flow in `flow list` and `flow show`.
+fn flow_row(f: &FlowInfo) -> Vec<String> {
+    let tcp = f.tcp.clone().unwrap_or_default();
+    vec![
+        f.id.clone(),
+        f.app.clone().unwrap_or_else(|| "-".into()),
+        f.handling.name().to_string(),
+        f.backend.clone().unwrap_or_else(|| "-".into()),
+        f.protocol.clone(),
+        endpoint(f.src, f.src_port),
+        endpoint(f.dst, f.dst_port),
+        number(f.bytes_down),
+        number(f.bytes_up),
+        tcp.state.unwrap_or_else(|| "-".into()),
+        number(tcp.srtt_us),
+        number(tcp.cwnd),
+    ]
+}
+
+const FLOW_HEADER: [&str; 12] =
+    ["ID", "APP", "HANDLING", "BACKEND", "PROTO", "SRC", "DST", "BYTES_DOWN", "BYTES_UP", "STATE", "SRTT_US", "CWND"];
+
+/// `flow list`: a row per flow.
+pub fn flow_list(flows: &[FlowInfo]) -> String {
+    table(&FLOW_HEADER, flows.iter().map(flow_row).collect())
+}
+
+/// `flow show`: the flow's row, its module and peer, then its variables.
+pub fn flow_show(d: &FlowDetail) -> String {
+    let f = &d.flow;
+    let mut out = table(&FLOW_HEADER, vec![flow_row(f)]);
+    let module = if f.module.is_empty() { "-" } else { f.module.as_str() };
+    out.push_str(&format!("module {module}  tuple {}\n", f.tuple));
+    if let Some(peer) = &f.peer {
+        out.push_str(&format!("peer {peer}\n"));
+    }
+    out.push('\n');
+    out.push_str(&values(&d.vars));
+    out
+}
+
 /// `rules load`.
 pub fn rules_loaded(r: &RulesLoaded) -> String {
     let mut out = format!(

@@ -169,6 +169,13 @@ pub struct DaemonArgs {
     /// real-time throttling still leaves them 5 % of each second. The lab's daemons use 10.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=99))]
     pub realtime: u8,
+    /// Milliseconds between reads of the transport meters of sandboxed apps' forwarded TCP flows from their own
+    /// sockets (sock_diag; `flow.<id>.tcp.*`); 0: never.
+    #[arg(long, default_value_t = 1000)]
+    pub flow_meters_interval_ms: u64,
+    /// Most flows whose transport meters are read per interval (the rest at the next ones).
+    #[arg(long, default_value_t = 1024)]
+    pub flow_meters_max: usize,
 }
 
 /// `flexstack module ...`
@@ -416,6 +423,10 @@ fn run(cli: Cli) -> Result<(), CliError> {
             dataplane: flexstack_daemon::dataplane::DataPlaneOptions {
                 rx_hold: Duration::from_micros(d.rx_hold_us),
                 realtime: d.realtime,
+            },
+            flow_meters: flexstack_daemon::sockdiag::PollOptions {
+                interval: Duration::from_millis(d.flow_meters_interval_ms),
+                max_flows: d.flow_meters_max.max(1),
             },
         };
         return run_daemon(opts, flexstack_daemon::catalog()).map_err(CliError::Message);

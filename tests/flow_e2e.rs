@@ -97,6 +97,7 @@ fn a_forwarded_iperf3_flow_is_listed_with_its_tuple_bytes_and_tcp_info() {
         std::thread::sleep(Duration::from_millis(1200));
         let later = data_flow(&d, server).unwrap();
         assert_eq!(later.id, first.id);
+        eprintln!("{}", text(&d.cli(&["flow", "list"])));
         assert!(later.bytes_down > first.bytes_down, "{first:?}\n{later:?}");
         assert!(later.bytes_down.unwrap() > 10 * later.bytes_up.unwrap(), "{later:?}");
 

@@ -429,6 +429,49 @@ mod tests {
     use super::*;
 
     #[test]
+    fn flows_render_as_a_table_with_dashes_for_what_is_absent() {
+        let f = FlowInfo {
+            id: "perf.3".into(),
+            app: Some("perf".into()),
+            module: "perf-flows".into(),
+            handling: Handling::Forwarded,
+            backend: None,
+            protocol: "tcp".into(),
+            src: Some("fd77::2".parse().unwrap()),
+            src_port: Some(40000),
+            dst: Some("10.1.7.2".parse().unwrap()),
+            dst_port: Some(5201),
+            tuple: "tcp [fd77::2]:40000 <-> 10.1.7.2:5201".into(),
+            bytes_down: Some(1000),
+            bytes_up: Some(20),
+            packets: Some(5),
+            tcp: Some(TcpMeters { state: Some("established".into()), srtt_us: Some(300), ..TcpMeters::default() }),
+            peer: None,
+        };
+        let text = flow_list(std::slice::from_ref(&f));
+        let row: Vec<&str> = text.lines().nth(1).unwrap().split_whitespace().collect();
+        assert_eq!(
+            row,
+            [
+                "perf.3",
+                "perf",
+                "forwarded",
+                "-",
+                "tcp",
+                "[fd77::2]:40000",
+                "10.1.7.2:5201",
+                "1000",
+                "20",
+                "established",
+                "300",
+                "-"
+            ]
+        );
+        let detail = FlowDetail { flow: f, vars: Values::new() };
+        assert!(flow_show(&detail).contains("module perf-flows  tuple tcp [fd77::2]:40000 <-> 10.1.7.2:5201\n"));
+    }
+
+    #[test]
     fn time_format() {
         assert_eq!(fmt_time(0), "1970-01-01 00:00:00");
         assert_eq!(fmt_time(1_795_000_000_000), "2026-11-18 11:06:40");

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{privileged_serial, server_and_daemon, text, SandboxDaemon};
+use common::{privileged_serial, server_and_daemon, text, upper_median, SandboxDaemon};
 use flexstack_api::ops::{FlowDetail, FlowInfo, FlowList, FlowShow, Handling};
 use std::net::IpAddr;
 use std::process::Command;
@@ -35,11 +35,6 @@ fn ss(netns: &str, port: u16) -> Option<(f64, u64, String, String)> {
     // The congestion control's name is printed alone, before `wscale:`.
     let cc = line.split(' ').take_while(|w| !w.starts_with("wscale:")).last()?.to_string();
     Some((rtt_ms * 1000.0, cwnd, cc, line))
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 #[test]
@@ -123,7 +118,7 @@ fn a_forwarded_iperf3_flow_is_listed_with_its_tuple_bytes_and_tcp_info() {
             cwnd_ratios.push(meter_cwnd as f64 / cwnd as f64);
             std::thread::sleep(Duration::from_millis(1000));
         }
-        let (r, c) = (median(rtt_ratios), median(cwnd_ratios));
+        let (r, c) = (upper_median(rtt_ratios), upper_median(cwnd_ratios));
         assert!((1.0 / 3.0..=3.0).contains(&r), "IPv{family}: srtt meter / ss rtt median {r}");
         assert!((0.5..=2.0).contains(&c), "IPv{family}: cwnd meter / ss cwnd median {c}");
         let out = app.wait_with_output().unwrap();

@@ -283,6 +283,9 @@ struct Poller {
 impl Poller {
     /// One poll: read the sockets of the apps with forwarded TCP flows and publish the flows' meters.
     fn poll(&mut self, control: &Control) -> Result<(), Fatal> {
+        if control.sandboxes.count() == 0 && self.published.is_empty() && self.sockets.is_empty() {
+            return Ok(()); // no app: nothing to read (and the data plane is not asked for a snapshot)
+        }
         let flows = control.flows().map_err(|e| Fatal::No(e.message))?;
         let apps = control.sandboxes.list();
         let mut todo: Vec<Target> = flows.iter().filter_map(target).collect();

@@ -11,7 +11,9 @@
 //! - Bounded: at most `max_flows` flows are updated per poll (the rest wait for later polls, oldest ids first), and
 //!   at most [`MAX_SOCKETS`] sockets are read from one dump.
 //! - A flow whose socket is gone (the app closed it, or exited) keeps its last values with `state` `closed`; its
-//!   meters go at the first poll after its flow leaves the flow table.
+//!   meters go at the first poll after its flow leaves the flow table. A flow table made anew (an app attached
+//!   again under the same name, a classifier replaced with `--fresh`) numbers its flows from 1 again: until the
+//!   next poll, a new flow with the id of an old one may show the old one's meters.
 //! - Where the meters come from (`tcp_info` of the app's socket, as `ss -ti` shows it): `srtt_us` = `tcpi_rtt`,
 //!   `cwnd` = `tcpi_snd_cwnd` (segments), `bytes_in_flight` = `tcpi_bytes_sent - tcpi_bytes_retrans -
 //!   tcpi_bytes_acked` (new bytes sent minus bytes acked: `snd_nxt - snd_una`), `retrans_total` =

@@ -103,9 +103,9 @@ fn u64_opt(reg: &Registry, name: &str) -> Option<u64> {
 /// The transport meters under `<prefix>.tcp.`, if there are any.
 fn tcp_meters(reg: &Registry, prefix: &str) -> Option<TcpMeters> {
     let p = format!("{prefix}.tcp.");
-    reg.matching(&format!("{p}*")).next()?;
+    // Looked up by name, not by pattern: a pattern scans every variable, and this runs for every flow.
     let n = |k: &str| u64_opt(reg, &format!("{p}{k}"));
-    Some(TcpMeters {
+    let m = TcpMeters {
         state: str_var(reg, &format!("{p}state")),
         srtt_us: n("srtt_us"),
         cwnd: n("cwnd"),
@@ -115,7 +115,8 @@ fn tcp_meters(reg: &Registry, prefix: &str) -> Option<TcpMeters> {
         send_queue: n("send_queue"),
         recv_queue: n("recv_queue"),
         cc: str_var(reg, &format!("{p}cc")),
-    })
+    };
+    (m != TcpMeters::default()).then_some(m)
 }
 
 /// The app a flow belongs to: the app whose modules include `module`, else the app an endpoint named, else the app
@@ -135,10 +136,11 @@ fn app_of(apps: &[AppInfo], module: &str, t: &Tuple) -> Option<String> {
 
 /// The flows in `reg`, each matched to its publisher among `publishers` and to its app among `apps`.
 fn flows_in(reg: &Registry, publishers: &[Publisher], apps: &[AppInfo]) -> Vec<FlowInfo> {
+    // Every `flow.<id>.tuple`: one pass over the names with plain comparisons (there may be many thousands).
     let mut flows: Vec<FlowInfo> = reg
-        .matching("flow.**.tuple")
+        .iter()
         .filter_map(|(name, cell)| {
-            let prefix = name.strip_suffix(".tuple")?;
+            let prefix = name.strip_suffix(".tuple").filter(|p| p.starts_with("flow."))?;
             let Value::Str(text) = cell.get() else { return None };
             let parent = prefix.rsplit_once('.').map_or("", |(p, _)| p);
             let publisher = publishers.iter().find(|p| p.prefix == parent);

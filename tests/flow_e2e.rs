@@ -132,3 +132,88 @@ fn a_forwarded_iperf3_flow_is_listed_with_its_tuple_bytes_and_tcp_info() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("no flow \"perf.999999\"") && err.contains("flow list"), "{err}");
 }
+
+/// An app chain that terminates the app's TCP flows (smoltcp on both sides) and sends the rest on unchanged.
+const TERMINATING: &str = r#"
+links = [
+  "{app} -> {app}-ip", "{app}-host -> {app}-ip",
+  "{app}-ip[out] -> {app}-split", "{app}-ip[icmp] -> {app}-split",
+  "{app}-split[down] -> {app}-t[in]", "{app}-split[up] -> {app}-o[in]",
+  "{app}-t[out] -> {app}", "{app}-t[pass] -> {app}-host",
+  "{app}-o[out] -> {app}-host", "{app}-o[pass] -> {app}",
+  "{app}-t[stream] -> {app}-sdir", "{app}-o[stream] -> {app}-sdir",
+  "{app}-sdir[down] -> {app}-o[stream_in]", "{app}-sdir[up] -> {app}-t[stream_in]",
+]
+[modules."{app}"]
+kind = "tun"
+name = "{app_dev}"
+direction = "down"
+[modules."{app}-host"]
+kind = "tun"
+name = "{host_dev}"
+direction = "up"
+[modules."{app}-ip"]
+kind = "ip"
+[modules."{app}-split"]
+kind = "direction"
+[modules."{app}-t"]
+kind = "terminate"
+vars_prefix = "flow.{app}-t"
+[modules."{app}-o"]
+kind = "originate"
+vars_prefix = "flow.{app}-o"
+[modules."{app}-sdir"]
+kind = "direction"
+"#;
+
+#[test]
+fn a_terminated_flow_is_listed_on_both_sides() {
+    let Some(_serial) = privileged_serial() else { return };
+    let blob = vec![7u8; 4 << 20];
+    let (srv, d) = server_and_daemon(31, &blob);
+    let dir = tempfile::tempdir().unwrap();
+    let stack = dir.path().join("terminating.toml");
+    std::fs::write(&stack, TERMINATING).unwrap();
+    // curl at 1 MB/s: the flow lives for about 4 s.
+    let url = format!("http://{}:8080/blob", srv.v4);
+    let args = [
+        "--stack",
+        stack.to_str().unwrap(),
+        "--name",
+        "term",
+        "--",
+        "curl",
+        "-sf",
+        "--limit-rate",
+        "1M",
+        "-o",
+        "/dev/null",
+        &url,
+    ];
+    let app = d.spawn_run(&args);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let flows = loop {
+        let flows = common::answer::<FlowList>(&d.cli(&["-j", "flow", "list"])).unwrap_or_default();
+        if flows.iter().filter(|f| f.bytes_up.unwrap_or(0) > 100_000).count() == 2 {
+            break flows;
+        }
+        assert!(Instant::now() < deadline, "no terminated flow:\n{}", text(&d.cli(&["flow", "list"])));
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    eprintln!("{}", text(&d.cli(&["flow", "list"])));
+    let t = flows.iter().find(|f| f.handling == Handling::Terminated).expect("the app's side");
+    let o = flows.iter().find(|f| f.handling == Handling::Originated).expect("the network's side");
+    let server: IpAddr = srv.v4.parse().unwrap();
+    for f in [t, o] {
+        assert_eq!(
+            (f.app.as_deref(), f.backend.as_deref(), f.protocol.as_str()),
+            (Some("term"), Some("smoltcp"), "tcp")
+        );
+        assert_eq!((f.dst, f.dst_port), (Some(server), Some(8080)), "{f:?}");
+        assert!(f.tcp.as_ref().and_then(|m| m.srtt_us).is_some(), "{f:?}");
+    }
+    assert_eq!((t.id.as_str(), t.module.as_str()), ("term-t.1", "term-t"));
+    assert_eq!((t.peer.as_deref(), o.peer.as_deref()), (Some(o.id.as_str()), Some(t.id.as_str())));
+    let out = app.wait_with_output().unwrap();
+    assert!(out.status.success(), "curl failed: {}", text(&out));
+}

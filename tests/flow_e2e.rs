@@ -8,7 +8,7 @@ mod common;
 
 use common::{privileged_serial, server_and_daemon, text, upper_median, SandboxDaemon};
 use flexstack_api::ops::{FlowDetail, FlowInfo, FlowList, FlowShow, Handling};
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -113,6 +113,9 @@ fn a_forwarded_iperf3_flow_is_listed_with_its_tuple_bytes_and_tcp_info() {
             assert_eq!(tcp.cc.as_deref(), Some(cc.as_str()), "ss: {line}");
             assert!(tcp.bytes_in_flight.is_some() && tcp.delivery_rate.unwrap_or(0) > 0, "{tcp:?}");
             assert!(vars.contains_key(&format!("flow.{}.tcp.srtt_us", first.id)), "{vars:?}");
+            let socket = vars.get(&format!("flow.{}.tcp.socket", first.id)).map(|v| v.value.clone());
+            let want = format!("{} -> {}", SocketAddr::new(app_addr, port), SocketAddr::new(server, 5201));
+            assert_eq!(socket, Some(flexstack_api::Value::Str(want)));
             eprintln!("IPv{family}: meter srtt {srtt} us cwnd {meter_cwnd}; ss rtt {rtt_us} us cwnd {cwnd}");
             rtt_ratios.push(srtt as f64 / rtt_us.max(1.0));
             cwnd_ratios.push(meter_cwnd as f64 / cwnd as f64);

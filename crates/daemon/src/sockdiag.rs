@@ -13,7 +13,8 @@
 //! - A flow whose socket is gone (the app closed it, or exited) keeps its last values with `state` `closed`; its
 //!   meters go at the first poll after its flow leaves the flow table. A flow table made anew (an app attached
 //!   again under the same name, a classifier replaced with `--fresh`) numbers its flows from 1 again: until the
-//!   next poll, a new flow with the id of an old one may show the old one's meters.
+//!   next poll, a new flow may have an old one's id and meters; `socket` (the socket's two ends) tells them apart,
+//!   and `flow list` leaves out meters whose socket is not the flow's.
 //! - Where the meters come from (`tcp_info` of the app's socket, as `ss -ti` shows it): `srtt_us` = `tcpi_rtt`,
 //!   `cwnd` = `tcpi_snd_cwnd` (segments), `bytes_in_flight` = `tcpi_bytes_sent - tcpi_bytes_retrans -
 //!   tcpi_bytes_acked` (new bytes sent minus bytes acked: `snd_nxt - snd_una`), `retrans_total` =
@@ -69,6 +70,7 @@ pub fn specs() -> Vec<VarSpec> {
         u("send_queue", "bytes", "bytes written by the app and not yet acknowledged"),
         u("recv_queue", "bytes", "bytes received and not yet read by the app"),
         VarSpec::meter("cc", ValueType::Str, "", "congestion control of the app's socket"),
+        VarSpec::meter("socket", ValueType::Str, "", "the app's socket they are read from: local -> remote"),
     ]
 }
 
@@ -149,8 +151,13 @@ pub fn socket_of(
     sockets: &HashMap<SocketKey, SocketStats>,
     a: (IpAddr, u16),
     b: (IpAddr, u16),
-) -> Option<&SocketStats> {
-    sockets.get(&(a, b)).or_else(|| sockets.get(&(b, a)))
+) -> Option<(SocketKey, &SocketStats)> {
+    [(a, b), (b, a)].into_iter().find_map(|k| sockets.get(&k).map(|s| (k, s)))
+}
+
+/// A socket's two ends as the `socket` meter shows them: `local -> remote`.
+pub fn socket_text(((l, lp), (r, rp)): SocketKey) -> String {
+    format!("{} -> {}", std::net::SocketAddr::new(l, lp), std::net::SocketAddr::new(r, rp))
 }
 
 /// A forwarded TCP flow of an app, whose socket is looked for.
@@ -255,8 +262,9 @@ struct Published {
 }
 
 impl Published {
-    fn store(&self, s: &SocketStats) {
+    fn store(&self, key: SocketKey, s: &SocketStats) {
         let m = |n: &str| self.vars.meter(n);
+        m("socket").store(&Value::Str(socket_text(key)));
         m("state").store(&Value::Str(s.state.into()));
         m("srtt_us").set(s.srtt_us);
         m("cwnd").set(s.cwnd);
@@ -353,13 +361,13 @@ impl Poller {
             }
             for Target { id, tuple, a, b, .. } in flows {
                 match (socket_of(&sockets, a, b), self.published.get(&id)) {
-                    (Some(s), Some(p)) => p.store(s),
-                    (Some(s), None) => {
+                    (Some((k, s)), Some(p)) => p.store(k, s),
+                    (Some((k, s)), None) => {
                         let prefix = format!("flow.{id}.tcp");
                         match self.dynamic.register(OWNER, &prefix, &self.specs) {
                             Ok(vars) => {
                                 let p = Published { tuple, vars };
-                                p.store(s);
+                                p.store(k, s);
                                 self.published.insert(id, p);
                             }
                             Err(e) => tracing::debug!(prefix, error = %e, "cannot publish a flow's TCP meters"),
@@ -503,8 +511,9 @@ mod tests {
             }
         );
         let sockets = HashMap::from([(key, s.clone())]);
-        assert_eq!(socket_of(&sockets, a, b), Some(&s), "the app sent first");
-        assert_eq!(socket_of(&sockets, b, a), Some(&s), "the peer sent first");
+        assert_eq!(socket_of(&sockets, a, b), Some(((a, b), &s)), "the app sent first");
+        assert_eq!(socket_of(&sockets, b, a), Some(((a, b), &s)), "the peer sent first");
+        assert_eq!(socket_text((a, b)), "10.9.1.2:40000 -> 10.1.1.1:5201");
         assert_eq!(socket_of(&sockets, a, ("10.1.1.1".parse().unwrap(), 5202)), None);
         // Without TCP_INFO (a socket in TIME_WAIT): state and queues only.
         let (_, s) = stats_of(&response(6, None));

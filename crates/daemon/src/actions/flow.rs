@@ -119,6 +119,17 @@ fn tcp_meters(reg: &Registry, prefix: &str) -> Option<TcpMeters> {
     (m != TcpMeters::default()).then_some(m)
 }
 
+/// False when the flow's TCP meters say they were read from a socket (`tcp.socket`, `local -> remote`) that is not
+/// the flow's: meters of an earlier flow with the same id, left until the poller's next round.
+fn same_socket(reg: &Registry, prefix: &str, t: &Tuple) -> bool {
+    let Some(text) = str_var(reg, &format!("{prefix}.tcp.socket")) else { return true };
+    let ends: Vec<Option<(IpAddr, Option<u16>)>> = text.split(" -> ").map(endpoint).collect();
+    match ends.as_slice() {
+        [Some(l), Some(r)] => (Some(*l), Some(*r)) == (t.src, t.dst) || (Some(*r), Some(*l)) == (t.src, t.dst),
+        _ => false,
+    }
+}
+
 /// The app a flow belongs to: the app whose modules include `module`, else the app an endpoint named, else the app
 /// with one of the tuple's addresses.
 fn app_of(apps: &[AppInfo], module: &str, t: &Tuple) -> Option<String> {
@@ -161,7 +172,7 @@ fn flows_in(reg: &Registry, publishers: &[Publisher], apps: &[AppInfo]) -> Vec<F
                 bytes_down: u64_opt(reg, &format!("{prefix}.bytes_down_total")),
                 bytes_up: u64_opt(reg, &format!("{prefix}.bytes_up_total")),
                 packets: u64_opt(reg, &format!("{prefix}.packets_total")),
-                tcp: tcp_meters(reg, prefix),
+                tcp: tcp_meters(reg, prefix).filter(|_| same_socket(reg, prefix, &t)),
                 peer: None,
                 module,
             })
@@ -318,13 +329,13 @@ mod tests {
             ("packets_total", Value::U64(9)),
         ];
         publish(&mut dynamic, "a-flows", "flow.a.3", "tcp 10.9.1.2:4000 <-> 10.1.1.1:5201", &fwd);
-        publish(
-            &mut dynamic,
-            "sockdiag",
-            "flow.a.3.tcp",
-            "",
-            &[("srtt_us", Value::U64(250)), ("cwnd", Value::U64(10))],
-        );
+        let sock = Value::Str("10.9.1.2:4000 -> 10.1.1.1:5201".into());
+        let tcp = [("srtt_us", Value::U64(250)), ("cwnd", Value::U64(10)), ("socket", sock)];
+        publish(&mut dynamic, "sockdiag", "flow.a.3.tcp", "", &tcp);
+        // Meters left from an earlier flow 4 of another connection: not this flow's.
+        publish(&mut dynamic, "a-flows", "flow.a.4", "tcp 10.9.1.2:4001 <-> 10.1.1.1:5201", &[]);
+        let stale = [("srtt_us", Value::U64(9)), ("socket", Value::Str("10.9.1.2:3999 -> 10.1.1.1:5201".into()))];
+        publish(&mut dynamic, "sockdiag", "flow.a.4.tcp", "", &stale);
         let tuple = r#"tcp 10.9.2.2:5000 -> 10.1.1.1:80 app "b""#;
         publish(&mut dynamic, "t", "flow.terminate.1", tuple, &[("tcp.state", Value::Str("established".into()))]);
         publish(&mut dynamic, "o", "flow.originate.1", tuple, &[]);
@@ -347,14 +358,15 @@ mod tests {
         let apps = [app("a", "10.9.1.2", &["a", "a-flows"]), app("c", "10.9.3.2", &["c"])];
         let flows = flows_in(&shared.snapshot(), &publishers, &apps);
         let ids: Vec<&str> = flows.iter().map(|f| f.id.as_str()).collect();
-        assert_eq!(ids, ["a.3", "originate.1", "other.1", "terminate.1"]);
+        assert_eq!(ids, ["a.3", "a.4", "originate.1", "other.1", "terminate.1"]);
+        assert_eq!(flows[1].tcp, None, "stale meters are left out");
         let a = &flows[0];
         assert_eq!((a.app.as_deref(), a.module.as_str(), a.handling), (Some("a"), "a-flows", Handling::Forwarded));
         assert_eq!((a.src, a.src_port, a.dst_port), (Some(ip("10.9.1.2")), Some(4000), Some(5201)));
         assert_eq!((a.bytes_down, a.bytes_up, a.packets, a.backend.as_deref()), (Some(100), Some(2000), Some(9), None));
         let tcp = a.tcp.as_ref().unwrap();
         assert_eq!((tcp.srtt_us, tcp.cwnd, tcp.state.as_deref()), (Some(250), Some(10), None));
-        let (o, x, t) = (&flows[1], &flows[2], &flows[3]);
+        let (o, x, t) = (&flows[2], &flows[3], &flows[4]);
         assert_eq!(
             (t.handling, t.app.as_deref(), t.peer.as_deref()),
             (Handling::Terminated, Some("b"), Some("originate.1"))

@@ -9,10 +9,10 @@
 //!   flow. A new flow gets the next id (1, 2, ...), which is stamped into each of its packets' metadata
 //!   ([`MetaKey::FLOW_ID`]), and runtime meters under `flow.<id>` (see `vars_prefix`): `packets_total`,
 //!   `bytes_total`, `packets_up_total` / `packets_down_total` and `bytes_up_total` / `bytes_down_total` (by the
-//!   frame's direction), `first_seen_ns`,
-//!   `last_seen_ns` (switch time) and `tuple` (text, e.g. `udp 10.0.0.2:5000 <-> 10.0.0.1:53`, the side that sent
-//!   the first packet first). Non-first fragments carry no ports: they pass untracked (counted in
-//!   `fragments_untracked_total`); put reassembly before the classifier to track fragmented datagrams.
+//!   frame's direction), `first_seen_ns`, `last_seen_ns` (switch time) and `tuple` (text, e.g.
+//!   `udp 10.0.0.2:5000 <-> 10.0.0.1:53`, the side that sent the first packet first; `flexstack flow list` reads
+//!   it). Non-first fragments carry no ports: they pass untracked (counted in `fragments_untracked_total`); put
+//!   reassembly before the classifier to track fragmented datagrams.
 //! - Idle timeouts: a flow expires when it has seen no packet for its protocol's timeout; a TCP flow that saw a RST,
 //!   or a FIN from both sides, uses `tcp_closing_timeout_ms` instead. Expired flows leave the table and their
 //!   `flow.<id>` meters are unregistered. Expiry runs from the module's poll, at the earliest deadline.

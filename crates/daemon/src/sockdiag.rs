@@ -170,6 +170,19 @@ struct Target {
     b: (IpAddr, u16),
 }
 
+/// Keeps at most `max` of `todo`, in the order of their ids, starting after the id `resume_after` (where the last
+/// poll stopped) and wrapping around; returns where this one stops, `None` when all fit.
+fn window(todo: &mut Vec<Target>, max: usize, resume_after: Option<&str>) -> Option<String> {
+    todo.sort_by(|a, b| a.id.cmp(&b.id));
+    if todo.len() <= max {
+        return None;
+    }
+    let start = resume_after.map_or(0, |last| todo.iter().position(|t| t.id.as_str() > last).unwrap_or(0));
+    todo.rotate_left(start);
+    todo.truncate(max);
+    todo.last().map(|t| t.id.clone())
+}
+
 /// The target of `f`, if it is a forwarded TCP flow of an app.
 fn target(f: &FlowInfo) -> Option<Target> {
     if f.handling != Handling::Forwarded || f.protocol != "tcp" {
@@ -314,16 +327,7 @@ impl Poller {
         // Sockets of namespaces that are gone, or whose name is now another namespace's (an app attached again).
         self.sockets
             .retain(|netns, (ino, _)| apps.iter().any(|a| &a.netns == netns) && namespace_inode(netns) == Some(*ino));
-        // At most max_flows, going on after where the last poll stopped.
-        if todo.len() > self.max_flows {
-            let start =
-                self.resume_after.as_ref().map_or(0, |last| todo.iter().position(|t| &t.id > last).unwrap_or(0));
-            todo.rotate_left(start);
-            todo.truncate(self.max_flows);
-            self.resume_after = todo.last().map(|t| t.id.clone());
-        } else {
-            self.resume_after = None;
-        }
+        self.resume_after = window(&mut todo, self.max_flows, self.resume_after.as_deref());
         let mut by_app: BTreeMap<String, Vec<Target>> = BTreeMap::new();
         for t in todo {
             by_app.entry(t.app.clone()).or_default().push(t);
@@ -519,6 +523,27 @@ mod tests {
         let (_, s) = stats_of(&response(6, None));
         assert_eq!((s.state, s.srtt_us, s.send_queue), ("time-wait", 0, 70_000));
         assert_eq!(state_name(99), "unknown");
+    }
+
+    #[test]
+    fn polls_beyond_max_flows_go_round_all_flows() {
+        let ip: IpAddr = "10.0.0.1".parse().unwrap();
+        let all = || -> Vec<Target> {
+            ["e", "b", "a", "d", "c"]
+                .map(|id| Target { id: id.into(), tuple: String::new(), app: String::new(), a: (ip, 1), b: (ip, 2) })
+                .into()
+        };
+        let mut resume = None;
+        let mut seen = Vec::new();
+        for _ in 0..4 {
+            let mut todo = all();
+            resume = window(&mut todo, 2, resume.as_deref());
+            seen.push(todo.iter().map(|t| t.id.clone()).collect::<Vec<_>>().join(""));
+        }
+        assert_eq!(seen, ["ab", "cd", "ea", "bc"]);
+        let mut todo = all();
+        assert_eq!(window(&mut todo, 5, Some("c")), None, "all fit: no window");
+        assert_eq!(todo.len(), 5);
     }
 
     #[test]

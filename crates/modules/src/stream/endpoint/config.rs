@@ -320,28 +320,41 @@ pub const METERS: &[MeterDecl<Meters>] = u64_meters![
         "UDP datagrams of its flows with a bad length or checksum (dropped)";
 ];
 
+/// A runtime variable of a flow: name, type, unit, description.
+type FlowVar = (&'static str, ValueType, &'static str, &'static str);
+
+/// The runtime meters of every flow, under `<vars_prefix>.<flow>`.
+const FLOW_METERS: [FlowVar; 5] = [
+    ("tuple", ValueType::Str, "", "protocol, the app's side and the original destination, app"),
+    ("bytes_down_total", ValueType::U64, "bytes", "stream bytes travelling down (from the app)"),
+    ("bytes_up_total", ValueType::U64, "bytes", "stream bytes travelling up (to the app)"),
+    ("in_flight_bytes", ValueType::U64, "bytes", "`Data` bytes this endpoint sent, not yet acked"),
+    ("queued_bytes", ValueType::U64, "bytes", "`Data` bytes waiting for room in the socket"),
+];
+
+/// The transport meters a TCP flow adds, in the order the endpoint updates them.
+pub const TCP_METERS: [FlowVar; 6] = [
+    ("tcp.state", ValueType::Str, "", "TCP state of the endpoint's socket (established ...)"),
+    ("tcp.srtt_us", ValueType::U64, "us", "smoothed round-trip time, from the segments seen"),
+    ("tcp.bytes_in_flight", ValueType::U64, "bytes", "sent and not acknowledged by the peer"),
+    ("tcp.retrans_total", ValueType::U64, "frames", "segments sent again"),
+    ("tcp.send_queue", ValueType::U64, "bytes", "bytes in the socket's send buffer"),
+    ("tcp.recv_queue", ValueType::U64, "bytes", "bytes in the socket's receive buffer"),
+];
+
+fn meter_specs(vars: &[FlowVar]) -> impl Iterator<Item = VarSpec> + '_ {
+    vars.iter().map(|&(name, ty, unit, what)| VarSpec::meter(name, ty, unit, what))
+}
+
 /// The runtime variables of one TCP flow, under `<vars_prefix>.<flow>`.
 pub fn tcp_flow_specs() -> Vec<VarSpec> {
     let mut v = flow_specs();
-    v.extend([
-        VarSpec::meter("tcp.state", ValueType::Str, "", "TCP state of the endpoint's socket (established ...)"),
-        VarSpec::meter("tcp.srtt_us", ValueType::U64, "us", "smoothed round-trip time, from the segments seen"),
-        VarSpec::meter("tcp.bytes_in_flight", ValueType::U64, "bytes", "sent and not acknowledged by the peer"),
-        VarSpec::meter("tcp.retrans_total", ValueType::U64, "frames", "segments sent again"),
-        VarSpec::meter("tcp.send_queue", ValueType::U64, "bytes", "bytes in the socket's send buffer"),
-        VarSpec::meter("tcp.recv_queue", ValueType::U64, "bytes", "bytes in the socket's receive buffer"),
-        VarSpec::knob("tcp.cc", ValueType::Str, "", "congestion control of this connection: none, reno or cubic"),
-    ]);
+    v.extend(meter_specs(&TCP_METERS));
+    v.push(VarSpec::knob("tcp.cc", ValueType::Str, "", "congestion control of this connection: none, reno or cubic"));
     v
 }
 
 /// The runtime variables of one flow (UDP; TCP adds its own).
 pub fn flow_specs() -> Vec<VarSpec> {
-    vec![
-        VarSpec::meter("tuple", ValueType::Str, "", "protocol, the app's side and the original destination, app"),
-        VarSpec::meter("bytes_down_total", ValueType::U64, "bytes", "stream bytes travelling down (from the app)"),
-        VarSpec::meter("bytes_up_total", ValueType::U64, "bytes", "stream bytes travelling up (to the app)"),
-        VarSpec::meter("in_flight_bytes", ValueType::U64, "bytes", "`Data` bytes this endpoint sent, not yet acked"),
-        VarSpec::meter("queued_bytes", ValueType::U64, "bytes", "`Data` bytes waiting for room in the socket"),
-    ]
+    meter_specs(&FLOW_METERS).collect()
 }

@@ -176,16 +176,7 @@ impl FlowMeters {
             up: m("bytes_up_total"),
             in_flight: m("in_flight_bytes"),
             queued: m("queued_bytes"),
-            tcp: tcp.then(|| {
-                [
-                    m("tcp.state"),
-                    m("tcp.srtt_us"),
-                    m("tcp.bytes_in_flight"),
-                    m("tcp.retrans_total"),
-                    m("tcp.send_queue"),
-                    m("tcp.recv_queue"),
-                ]
-            }),
+            tcp: tcp.then(|| std::array::from_fn(|i| m(config::TCP_METERS[i].0))),
         }
     }
 }

@@ -2,7 +2,8 @@
 //! flows terminated in the daemon and opened again towards a server in another namespace (docs/streams.md,
 //! "Running an app with termination"). Real programs: curl, iperf3, dig + dnsmasq, nginx + wrk, a static Go binary,
 //! python3 clients and servers for the connection semantics (refusal, unreachable, half-close, reset, a killed app,
-//! 1,000 connections at once), and the match table (what it does not choose is forwarded as before).
+//! a stalled server, 1,000 connections at once), and the match table (what it does not choose is forwarded as
+//! before).
 //!
 //! Each scenario is a function of the back-end (`terminate`'s and `originate`'s `backend` setting), with one test per
 //! back-end: a new back-end is one more line per scenario. Needs root (skips with a reason outside CI).
@@ -161,6 +162,14 @@ def serve(mode, port):
                 n += len(b)
             c.sendall(f"{n} {h.hexdigest()}\n".encode() + ANSWER)
             c.close()
+        elif mode == "stall":
+            time.sleep(3)  # reads nothing: its window closes
+            h, n = hashlib.sha256(), 0
+            while b := c.recv(1 << 20):
+                h.update(b)
+                n += len(b)
+            c.sendall(f"{n} {h.hexdigest()}\n".encode())
+            c.close()
         elif mode == "rst":
             c.sendall(b"x" * 200_000)
             time.sleep(0.5)
@@ -190,6 +199,27 @@ def rst(host, port):
     except ConnectionResetError:
         print(f"reset after {n}")
 
+def stall(host, port):
+    import threading
+    s = socket.create_connection((host, port), timeout=30)
+    block = os.urandom(1 << 16)
+    total, sent = 128 << 20, [0]
+    def send():
+        while sent[0] < total:
+            sent[0] += s.send(block)
+    t = threading.Thread(target=send)
+    t.start()
+    time.sleep(2)
+    print(f"sent during the stall {sent[0]}", flush=True)
+    t.join()
+    s.shutdown(socket.SHUT_WR)
+    h = hashlib.sha256()
+    for _ in range(total >> 16):
+        h.update(block)
+    line = s.makefile().readline().strip()
+    assert line == f"{sent[0]} {h.hexdigest()}", (line, sent[0])
+    print("stall ok")
+
 def many(host, port, count):
     async def one(i):
         r, w = await asyncio.open_connection(host, port)
@@ -213,7 +243,7 @@ if sys.argv[1] == "serve":
 elif sys.argv[1] == "many":
     many(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
 else:
-    {"halfclose": halfclose, "rst": rst}[sys.argv[1]](sys.argv[2], int(sys.argv[3]))
+    {"halfclose": halfclose, "rst": rst, "stall": stall}[sys.argv[1]](sys.argv[2], int(sys.argv[3]))
 "#;
 
 /// Starts a helper server (`mode` on `port`) in the server's namespace and waits until it accepts connections.
@@ -555,6 +585,42 @@ fn app_killed(backend: &str) {
     let _ = run.wait();
 }
 
+/// The server reads nothing for 3 s while the app sends 128 MiB: the app's send blocks, the daemon's memory stays
+/// bounded (the flow's budget and buffers, not the bytes offered), and then every byte arrives intact.
+fn stalled_server(backend: &str) {
+    let Some(_serial) = privileged_serial() else { return };
+    let Some(r) = Rig::new(backend, 14, b"small", None) else { return };
+    let helper = python_helper(r.dir.path());
+    let _srv = helper_server(&r, &helper, "stall", 7004);
+    let rss = || {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", r.d.child.id())).unwrap_or_default();
+        let kib = status.lines().find_map(|l| l.strip_prefix("VmRSS:")).and_then(|v| v.trim().strip_suffix(" kB"));
+        kib.and_then(|v| v.trim().parse::<u64>().ok()).expect("the daemon's VmRSS") * 1024
+    };
+    let before = rss();
+    let script = format!("python3 {} stall {} 7004", path_str(&helper), r.srv.v4);
+    let mut run = r.d.spawn_run(&["--stack", path_str(&r.stack), "--name", "stall", "--", "sh", "-c", &script]);
+    let mut peak = before;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while run.try_wait().expect("try_wait").is_none() {
+        assert!(Instant::now() < deadline, "the transfer did not complete");
+        peak = peak.max(rss());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = run.wait_with_output().expect("the run's output");
+    let t = ok(&out);
+    assert!(t.contains("stall ok"), "every byte arrived after the stall: {t}");
+    let during: u64 = t
+        .lines()
+        .find_map(|l| l.strip_prefix("sent during the stall "))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{t}"));
+    let grown = peak.saturating_sub(before);
+    eprintln!("{backend}: {during} bytes accepted during the stall; the daemon grew by {} KiB", grown / 1024);
+    assert!(during < 48 << 20, "the app's send blocked: {during} of 128 MiB accepted during the stall");
+    assert!(grown < 64 << 20, "the daemon's memory stays bounded: it grew by {grown} bytes");
+}
+
 /// 1,000 connections open at once, each echoing 1 KB intact.
 fn thousand_connections(backend: &str) {
     let Some(_serial) = privileged_serial() else { return };
@@ -679,6 +745,11 @@ fn server_reset_smoltcp() {
 #[test]
 fn app_killed_smoltcp() {
     app_killed("smoltcp")
+}
+
+#[test]
+fn stalled_server_smoltcp() {
+    stalled_server("smoltcp")
 }
 
 #[test]

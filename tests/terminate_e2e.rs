@@ -545,11 +545,13 @@ fn server_reset(backend: &str) {
 fn app_killed(backend: &str) {
     let blob = pattern(4_000_000);
     let Some(r) = Rig::new(backend, 11, &blob, None) else { return };
-    let killed = r.path("killed");
+    let (go, killed) = (r.path("go"), r.path("killed"));
     let script = format!(
-        "curl -s --limit-rate 500k -o /dev/null http://{}:8080/blob & sleep 1; kill -9 $!; touch {}; sleep 30",
+        "curl -s --limit-rate 500k -o /dev/null http://{}:8080/blob & while [ ! -e {go} ]; do sleep 0.05; done; \
+         kill -9 $!; touch {killed}; sleep 30",
         r.srv.v4,
-        path_str(&killed)
+        go = path_str(&go),
+        killed = path_str(&killed)
     );
     let mut run = r.d.spawn_run(&["--stack", path_str(&r.stack), "--name", "killed", "--", "sh", "-c", &script]);
     let get = |short: &str| -> Option<u64> {
@@ -557,28 +559,36 @@ fn app_killed(backend: &str) {
         let j: Json = serde_json::from_slice(&out.stdout).ok()?;
         j[meter_name("killed", short)]["value"].as_u64()
     };
+    // The per-flow variables of each endpoint (`flow.killed.term.1.*`, `flow.killed.orig.1.*`).
     let flow_vars = || {
         let out = r.d.cli(&["var", "list"]);
-        String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .filter(|l| l.starts_with("flow.killed.term.") || l.starts_with("flow.killed.orig."))
-            .count()
+        let list = String::from_utf8_lossy(&out.stdout).to_string();
+        let count = |prefix: &str| list.lines().filter(|l| l.starts_with(prefix)).count();
+        (count("flow.killed.term."), count("flow.killed.orig."))
     };
     let deadline = Instant::now() + Duration::from_secs(20);
+    // Mid-transfer: the flow is held on both sides, with its meters.
+    while get("term.data_bytes_in_total").unwrap_or(0) < 100_000 {
+        assert!(Instant::now() < deadline, "the transfer did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (term_vars, orig_vars) = flow_vars();
+    assert!(term_vars > 5 && orig_vars > 5, "per-flow meters while it runs: {term_vars}, {orig_vars}");
+    std::fs::write(&go, b"").unwrap();
     while !killed.exists() {
         assert!(Instant::now() < deadline, "the script did not kill curl");
         std::thread::sleep(Duration::from_millis(20));
     }
     assert_eq!(get("term.connections_total"), Some(1), "the transfer was terminated");
-    let mut left = (u64::MAX, u64::MAX, usize::MAX);
+    let mut left = (u64::MAX, u64::MAX, (usize::MAX, usize::MAX));
     while Instant::now() < deadline {
         left = (get("term.connections_active").unwrap_or(9), get("orig.connections_active").unwrap_or(9), flow_vars());
-        if left == (0, 0, 0) {
+        if left == (0, 0, (0, 0)) {
             break;
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    assert_eq!(left, (0, 0, 0), "connections and per-flow meters left (terminate, originate, variables)");
+    assert_eq!(left, (0, 0, (0, 0)), "connections and per-flow variables left (terminate, originate)");
     let aborts = get("term.aborts_sent_total").unwrap_or(0);
     assert_eq!(aborts, 1, "the app's reset became an abort");
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(run.id() as i32), nix::sys::signal::Signal::SIGTERM).unwrap();

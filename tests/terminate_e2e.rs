@@ -234,6 +234,20 @@ def stall(host, port):
     assert line == f"{sent[0]} {h.hexdigest()}", (line, sent[0])
     print("stall ok")
 
+def raw_listen(path):
+    s = socket.socket(socket.AF_INET, socket.SOCK_RAW, 253)
+    while True:
+        d = s.recv(4096)
+        if b"raw protocol 253" in d:
+            with open(path, "wb") as f:
+                f.write(d)
+
+def raw_send(host):
+    s = socket.socket(socket.AF_INET, socket.SOCK_RAW, 253)
+    for _ in range(5):
+        s.sendto(b"raw protocol 253", (host, 0))
+        time.sleep(0.1)
+
 def many(host, port, count):
     async def one(i):
         r, w = await asyncio.open_connection(host, port)
@@ -254,6 +268,10 @@ def many(host, port, count):
 
 if sys.argv[1] == "serve":
     serve(sys.argv[2], int(sys.argv[3]))
+elif sys.argv[1] == "rawlisten":
+    raw_listen(sys.argv[2])
+elif sys.argv[1] == "rawsend":
+    raw_send(sys.argv[2])
 elif sys.argv[1] == "many":
     many(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
 else:
@@ -705,11 +723,14 @@ fn thousand_connections(backend: &str) {
     assert_eq!(m["term.refused_total"], 0, "{m:?}");
 }
 
-/// In one sandbox at the same time: a flow the match table chooses is terminated, while ping, TCP to a port it
-/// does not name and UDP it does not name are forwarded as before.
+/// In one sandbox at the same time: a flow the match table chooses is terminated, while ping, a raw IP protocol,
+/// TCP to a port it does not name and UDP to a port it does not name are forwarded as before.
 fn match_table_leaves_the_rest(backend: &str) {
     let blob = pattern(500_000);
-    let Some(r) = Rig::new(backend, 13, &blob, Some(r#"["tcp dport 8080"]"#)) else { return };
+    let Some(r) = Rig::new(backend, 13, &blob, Some(r#"["tcp dport 8080", "udp dport 5353"]"#)) else { return };
+    let helper = python_helper(r.dir.path());
+    let raw = r.path("raw");
+    let _raw = r.srv.ns.spawn(&["python3", path_str(&helper), "rawlisten", path_str(&raw)]);
     let _other = r.srv.ns.spawn(&[
         "python3",
         "-m",
@@ -729,11 +750,13 @@ fn match_table_leaves_the_rest(backend: &str) {
     let script = format!(
         "curl -sSf -m 30 --limit-rate 1m http://{v4}:8080/blob | sha256sum > {t} & \
          ping -c 3 -i 0.2 -W 2 {v4} && curl -sSf -m 10 http://{v4}:8082/blob | sha256sum && \
-         dig +short +time=3 +tries=1 @{v4} flexstack.test A && wait $! && cat {t}",
-        t = path_str(&r.path("terminated"))
+         dig +short +time=3 +tries=1 @{v4} flexstack.test A && python3 {h} rawsend {v4} && wait $! && cat {t}",
+        t = path_str(&r.path("terminated")),
+        h = path_str(&helper)
     );
     let meters = [
         "term.rule1_matches_total",
+        "term.rule2_matches_total",
         "term.connections_total",
         "term.udp_flows_total",
         "term.passed_total",
@@ -745,10 +768,14 @@ fn match_table_leaves_the_rest(backend: &str) {
     assert_eq!(t.matches(&want).count(), 2, "both downloads intact: {t}");
     assert!(t.contains("10.1.2.3"), "DNS answered: {t}");
     assert_eq!(m["term.rule1_matches_total"], 1, "one flow chosen: {m:?}");
+    assert_eq!(m["term.rule2_matches_total"], 0, "DNS (port 53) is not the UDP rule's: {m:?}");
+    let got = std::fs::read(&raw).unwrap_or_default();
+    assert!(got.ends_with(b"raw protocol 253"), "the raw protocol's packet reached the server: {got:?}");
     assert_eq!(m["term.connections_total"], 1, "only it was terminated (not port 8082): {m:?}");
     assert_eq!(m["term.udp_flows_total"], 0, "no UDP flow was terminated: {m:?}");
-    // ping (3), the other download and DNS pass terminate towards the network, and originate towards the app.
-    assert!(m["term.passed_total"] > 3 + 5, "{m:?}");
+    // ping (3), the other download, DNS and the raw packets (5) pass terminate towards the network; all but the raw
+    // ones have answers that pass originate towards the app.
+    assert!(m["term.passed_total"] > 3 + 5 + 5, "{m:?}");
     assert!(m["orig.passed_total"] > 3 + 5, "{m:?}");
 }
 

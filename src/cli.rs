@@ -48,6 +48,9 @@ pub enum Command {
     /// Sandboxed apps: `app list`.
     #[command(subcommand)]
     App(AppCmd),
+    /// Flows, forwarded and terminated: `flow list`, `flow show ID`.
+    #[command(subcommand)]
+    Flow(FlowCmd),
     /// Daemon status.
     Status,
     /// Modules: list, kinds, load, unload, replace.
@@ -166,6 +169,13 @@ pub struct DaemonArgs {
     /// real-time throttling still leaves them 5 % of each second. The lab's daemons use 10.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=99))]
     pub realtime: u8,
+    /// Milliseconds between reads of the transport meters of sandboxed apps' forwarded TCP flows from their own
+    /// sockets (sock_diag; `flow.<id>.tcp.*`); 0: never.
+    #[arg(long, default_value_t = 1000)]
+    pub flow_meters_interval_ms: u64,
+    /// Most flows whose transport meters are read per interval (the rest at the next ones).
+    #[arg(long, default_value_t = 1024)]
+    pub flow_meters_max: usize,
 }
 
 /// `flexstack module ...`
@@ -243,6 +253,18 @@ pub enum AppCmd {
     List,
     /// Variables applications registered over the app socket (`app.<name>.*`), with uid and pid.
     Vars,
+}
+
+/// `flexstack flow ...`
+#[derive(Subcommand, Debug)]
+pub enum FlowCmd {
+    /// The flows: id, app, how handled, back-end, 5-tuple, bytes down and up, TCP state, srtt and cwnd.
+    List,
+    /// One flow and every variable under `flow.<ID>`.
+    Show {
+        /// The flow's id (`app1.3`, as `flow list` shows it) or its prefix (`flow.app1.3`).
+        id: String,
+    },
 }
 
 /// `flexstack rules ...`
@@ -402,6 +424,10 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 rx_hold: Duration::from_micros(d.rx_hold_us),
                 realtime: d.realtime,
             },
+            flow_meters: flexstack_daemon::sockdiag::PollOptions {
+                interval: Duration::from_millis(d.flow_meters_interval_ms),
+                max_flows: d.flow_meters_max.max(1),
+            },
         };
         return run_daemon(opts, flexstack_daemon::catalog()).map_err(CliError::Message);
     }
@@ -421,6 +447,8 @@ fn run(cli: Cli) -> Result<(), CliError> {
         Command::Daemon(_) | Command::Run(_) | Command::Lab(_) => unreachable!("handled above"),
         Command::App(AppCmd::List) => print(json, &client.call(AppList)?, |a| render::app_list(a)),
         Command::App(AppCmd::Vars) => print(json, &client.call(AppVarList)?, |a| render::app_vars(a)),
+        Command::Flow(FlowCmd::List) => print(json, &client.call(FlowList)?, |f| render::flow_list(f)),
+        Command::Flow(FlowCmd::Show { id }) => print(json, &client.call(FlowShow { flow: id })?, render::flow_show),
         Command::Rules(cmd) => rules_command(&mut client, cmd, json),
         Command::Monitor { names, interval, csv, json_lines, count } => {
             let format = if csv {
@@ -644,6 +672,9 @@ mod tests {
         let c = Cli::try_parse_from(["flexstack", "monitor", "-i", "50", "--csv", "module.*.x"]).unwrap();
         assert!(matches!(c.command, Command::Monitor { interval: 50, csv: true, .. }));
         assert!(Cli::try_parse_from(["flexstack", "monitor", "--csv", "--json-lines", "x"]).is_err());
+        let c = Cli::try_parse_from(["flexstack", "-j", "flow", "show", "app1.3"]).unwrap();
+        assert!(c.json && matches!(c.command, Command::Flow(FlowCmd::Show { id }) if id == "app1.3"));
+        assert!(Cli::try_parse_from(["flexstack", "flow", "show"]).is_err(), "an id is needed");
     }
 
     #[test]

@@ -231,6 +231,61 @@ pub fn app_vars(apps: &[RegisteredApp]) -> String {
     table(&["NAME", "KIND", "TYPE", "VALUE", "UID", "PID"], rows)
 }
 
+/// A number, or `-` when there is none.
+fn number(n: Option<u64>) -> String {
+    n.map_or_else(|| "-".to_string(), |n| n.to_string())
+}
+
+/// An address and port as one endpoint: `10.0.0.2:80`, `[fd00::2]:80`, `10.0.0.2`, `-`.
+fn endpoint(ip: Option<std::net::IpAddr>, port: Option<u16>) -> String {
+    match (ip, port) {
+        (Some(ip), Some(p)) => std::net::SocketAddr::new(ip, p).to_string(),
+        (Some(ip), None) => ip.to_string(),
+        (None, _) => "-".into(),
+    }
+}
+
+/// The columns of one flow in `flow list` and `flow show`.
+fn flow_row(f: &FlowInfo) -> Vec<String> {
+    let tcp = f.tcp.clone().unwrap_or_default();
+    vec![
+        f.id.clone(),
+        f.app.clone().unwrap_or_else(|| "-".into()),
+        f.handling.name().to_string(),
+        f.backend.clone().unwrap_or_else(|| "-".into()),
+        f.protocol.clone(),
+        endpoint(f.src, f.src_port),
+        endpoint(f.dst, f.dst_port),
+        number(f.bytes_down),
+        number(f.bytes_up),
+        tcp.state.unwrap_or_else(|| "-".into()),
+        number(tcp.srtt_us),
+        number(tcp.cwnd),
+    ]
+}
+
+const FLOW_HEADER: [&str; 12] =
+    ["ID", "APP", "HANDLING", "BACKEND", "PROTO", "SRC", "DST", "BYTES_DOWN", "BYTES_UP", "STATE", "SRTT_US", "CWND"];
+
+/// `flow list`: a row per flow.
+pub fn flow_list(flows: &[FlowInfo]) -> String {
+    table(&FLOW_HEADER, flows.iter().map(flow_row).collect())
+}
+
+/// `flow show`: the flow's row, its module and peer, then its variables.
+pub fn flow_show(d: &FlowDetail) -> String {
+    let f = &d.flow;
+    let mut out = table(&FLOW_HEADER, vec![flow_row(f)]);
+    let module = if f.module.is_empty() { "-" } else { f.module.as_str() };
+    out.push_str(&format!("module {module}  tuple {}\n", f.tuple));
+    if let Some(peer) = &f.peer {
+        out.push_str(&format!("peer {peer}\n"));
+    }
+    out.push('\n');
+    out.push_str(&values(&d.vars));
+    out
+}
+
 /// `rules load`.
 pub fn rules_loaded(r: &RulesLoaded) -> String {
     let mut out = format!(
@@ -372,6 +427,49 @@ pub fn fmt_time(ms: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn flows_render_as_a_table_with_dashes_for_what_is_absent() {
+        let f = FlowInfo {
+            id: "perf.3".into(),
+            app: Some("perf".into()),
+            module: "perf-flows".into(),
+            handling: Handling::Forwarded,
+            backend: None,
+            protocol: "tcp".into(),
+            src: Some("fd77::2".parse().unwrap()),
+            src_port: Some(40000),
+            dst: Some("10.1.7.2".parse().unwrap()),
+            dst_port: Some(5201),
+            tuple: "tcp [fd77::2]:40000 <-> 10.1.7.2:5201".into(),
+            bytes_down: Some(1000),
+            bytes_up: Some(20),
+            packets: Some(5),
+            tcp: Some(TcpMeters { state: Some("established".into()), srtt_us: Some(300), ..TcpMeters::default() }),
+            peer: None,
+        };
+        let text = flow_list(std::slice::from_ref(&f));
+        let row: Vec<&str> = text.lines().nth(1).unwrap().split_whitespace().collect();
+        assert_eq!(
+            row,
+            [
+                "perf.3",
+                "perf",
+                "forwarded",
+                "-",
+                "tcp",
+                "[fd77::2]:40000",
+                "10.1.7.2:5201",
+                "1000",
+                "20",
+                "established",
+                "300",
+                "-"
+            ]
+        );
+        let detail = FlowDetail { flow: f, vars: Values::new() };
+        assert!(flow_show(&detail).contains("module perf-flows  tuple tcp [fd77::2]:40000 <-> 10.1.7.2:5201\n"));
+    }
 
     #[test]
     fn time_format() {

@@ -89,6 +89,10 @@ pub enum Request {
     RulesRollback(RulesRollback),
     /// The applications' registered variables, with the registering process ([`AppVarList`]).
     AppVarList,
+    /// The flows, forwarded and terminated ([`FlowList`]).
+    FlowList,
+    /// One flow with all its variables.
+    FlowShow(FlowShow),
 }
 
 /// A request whose result has a type: [`Client::call`](crate::Client::call) sends it and decodes the result as
@@ -152,6 +156,8 @@ calls! {
     RulesDiff(..) => Vec<String>;
     RulesRollback(..) => RulesRevision;
     AppVarList => Vec<RegisteredApp>;
+    FlowList => Vec<FlowInfo>;
+    FlowShow(..) => FlowDetail;
 }
 
 impl From<Watch> for Request {

@@ -89,6 +89,8 @@ fn check(op: &str, sample: &Json) -> Result<(), String> {
         "rules_diff" => result_of::<RulesDiff>(sample),
         "rules_rollback" => result_of::<RulesRollback>(sample),
         "app_var_list" => result_of::<AppVarList>(sample),
+        "flow_list" => result_of::<FlowList>(sample),
+        "flow_show" => result_of::<FlowShow>(sample),
         other => Err(format!("no operation {other}")),
     }
 }

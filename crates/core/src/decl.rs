@@ -77,6 +77,16 @@ macro_rules! field {
     };
 }
 
+/// A u64 [`MeterDecl`] counted in frames whose handle is one element of an array of the meters, indexed by an
+/// enum: `frames_meter!("drop_tiny_total", "fragments dropped: too short", drops[Reason::Tiny])`, for modules that
+/// count by reason.
+#[macro_export]
+macro_rules! frames_meter {
+    ($name:literal, $description:literal, $field:ident[$index:expr]) => {
+        $crate::MeterDecl::u64($name, "frames", $description, |m| &mut m.$field[$index as usize])
+    };
+}
+
 /// The `name`, `summary` and `reference` methods of a [`crate::ModuleKind`] declared by `$decl` (a
 /// [`KindDecl`]) and, if its settings repeat per item, `$group` (a [`GroupDecl`]), for use inside the
 /// `impl ModuleKind` block, which then only adds `configure`.

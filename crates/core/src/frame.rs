@@ -560,7 +560,7 @@ pub enum ControlOp {
 }
 
 /// A control frame: an operation from one module (or the control plane) to another, routed by the switch.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct ControlFrame {
     /// What is asked or reported.
     pub op: ControlOp,

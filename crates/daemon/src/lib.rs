@@ -5,7 +5,8 @@
 //! - [`dataplane`] owns the switch on its own thread and applies queued edits between batches.
 //! - [`actions`] holds one action function per control operation, behind both the API and the CLI.
 //! - [`rules`] runs the cross-layer rules on a thread of their own; [`appvars`] serves applications' variables.
-//! - [`sandbox`] builds and removes the namespaces of sandboxed apps.
+//! - [`sandbox`] builds and removes the namespaces of sandboxed apps; [`sockdiag`] reads the transport meters of
+//!   their forwarded TCP flows from their own sockets.
 //! - [`catalog`] lists every module kind the daemon can load.
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
@@ -17,6 +18,7 @@ pub mod privileges;
 pub mod rules;
 pub mod sandbox;
 pub mod server;
+pub mod sockdiag;
 
 /// Every module kind the daemon can load: the built-in modules and the faces. A renamed kind still loads by its
 /// old name, and the first use of each old name logs a deprecation warning.

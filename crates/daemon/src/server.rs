@@ -41,6 +41,8 @@ pub struct DaemonOptions {
     pub rules_interval: Duration,
     /// How the data-plane thread runs.
     pub dataplane: crate::dataplane::DataPlaneOptions,
+    /// How often the transport meters of forwarded TCP flows are read from the apps' sockets (zero: never).
+    pub flow_meters: crate::sockdiag::PollOptions,
 }
 
 /// Runs the daemon in the foreground until SIGINT or SIGTERM. Errors (a bad stack file, a daemon already
@@ -115,6 +117,11 @@ pub fn run_daemon(opts: DaemonOptions, catalog: Catalog) -> Result<(), String> {
 
     // Rules run on a thread of their own; applications register variables on a socket of their own.
     control.start_rules(opts.rules_interval)?;
+    let _flow_meters = if opts.flow_meters.interval.is_zero() {
+        None
+    } else {
+        Some(crate::sockdiag::FlowMeterPoller::start(&control, opts.flow_meters)?)
+    };
     let _ = std::fs::remove_file(&app_sock);
     let app_listener =
         UnixListener::bind(&app_sock).map_err(|e| format!("{}: cannot listen: {e}", app_sock.display()))?;

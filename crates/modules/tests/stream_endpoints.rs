@@ -10,8 +10,7 @@ const MB2: usize = 2 * 1024 * 1024;
 fn transfers_2mb_both_ways_intact() {
     for v6 in [false, true] {
         let mut lab = Lab::new(v6, &[], &[], &[("p", "stream-pass", vec![])]);
-        let srv = lab.listen(80, 65536);
-        let cli = lab.connect(80, 65536);
+        let (srv, cli) = lab.pair();
         let mut c = Pump::new(pattern(1, MB2), true);
         let mut s = Pump::new(pattern(2, MB2), true);
         let done = lab.until(60_000, |lab| {
@@ -52,8 +51,7 @@ fn families() -> [bool; 2] {
 fn half_close_lets_the_other_direction_finish() {
     for v6 in families() {
         let mut lab = Lab::new(v6, &[], &[], &[("p", "stream-pass", vec![])]);
-        let srv = lab.listen(80, 65536);
-        let cli = lab.connect(80, 65536);
+        let (srv, cli) = lab.pair();
         let request = pattern(3, 10_000);
         let reply = pattern(4, 300_000);
         let mut c = Pump::new(request.clone(), true); // sends, then shuts down its write side
@@ -84,10 +82,8 @@ fn half_close_lets_the_other_direction_finish() {
 #[test]
 fn server_reset_mid_transfer_reaches_the_client_as_rst() {
     for v6 in families() {
-        let mut lab = Lab::new(v6, &[], &[], &[]);
-        lab.keep_seen = true;
-        let srv = lab.listen(80, 65536);
-        let cli = lab.connect(80, 65536);
+        let mut lab = Lab::watched(v6);
+        let (srv, cli) = lab.pair();
         let mut c = Pump::new(pattern(5, MB2), false);
         let mut s = Pump::new(Vec::new(), false);
         let done = lab.until(10_000, |lab| {
@@ -100,19 +96,17 @@ fn server_reset_mid_transfer_reaches_the_client_as_rst() {
         });
         assert!(done, "v6 {v6}: the client's connection ends");
         assert!(c.sent < MB2, "it ended mid-transfer");
-        assert!(lab.seen_to_app.iter().any(|p| tcp_flags(p).is_some_and(|f| f & RST != 0)), "an RST to the app");
+        assert!(lab.seen_to_app.iter().any(|p| is_rst(p)), "an RST to the app");
         assert_eq!(lab.meter("module.o.aborts_sent_total"), 1);
         assert_eq!(lab.meter("module.t.aborts_received_total"), 1);
-        lab.run(10);
-        assert_eq!(lab.meter("module.t.connections_active") + lab.meter("module.o.connections_active"), 0);
+        lab.assert_empty_after(10);
     }
 }
 
 #[test]
 fn a_refused_port_reaches_the_client_as_rst_before_any_syn_ack() {
     for v6 in families() {
-        let mut lab = Lab::new(v6, &[], &[], &[]);
-        lab.keep_seen = true;
+        let mut lab = Lab::watched(v6);
         lab.net_delay = Duration::from_millis(20); // the refusal takes 40 ms to come back
         let cli = lab.connect(81, 65536); // nobody listens on 81: the server's stack answers RST
         let mut states = Vec::new();
@@ -126,18 +120,15 @@ fn a_refused_port_reaches_the_client_as_rst_before_any_syn_ack() {
         assert!(flags.iter().any(|f| f & RST != 0), "{flags:?}");
         assert!(!flags.iter().any(|f| f & (SYN | ACK) == SYN | ACK), "no SYN-ACK was sent: {flags:?}");
         assert_eq!(lab.meter("module.o.aborts_sent_total"), 1);
-        lab.run(5);
-        assert_eq!(lab.meter("module.t.connections_active") + lab.meter("module.o.connections_active"), 0);
+        lab.assert_empty_after(5);
     }
 }
 
 #[test]
 fn an_app_abort_reaches_the_server() {
     for v6 in families() {
-        let mut lab = Lab::new(v6, &[], &[], &[]);
-        lab.keep_seen = true;
-        let srv = lab.listen(80, 65536);
-        let cli = lab.connect(80, 65536);
+        let mut lab = Lab::watched(v6);
+        let (srv, cli) = lab.pair();
         let mut c = Pump::new(pattern(6, 100_000), false);
         let mut s = Pump::new(Vec::new(), false);
         assert!(lab.until(5_000, |lab| {
@@ -151,10 +142,10 @@ fn an_app_abort_reaches_the_server() {
             lab.server.tcp(srv).state() == State::Closed
         });
         assert!(done, "v6 {v6}: the server's connection is reset");
-        assert!(lab.seen_to_net.iter().any(|p| tcp_flags(p).is_some_and(|f| f & RST != 0)));
+        assert!(lab.seen_to_net.iter().any(|p| is_rst(p)));
         assert_eq!(lab.meter("module.t.aborts_sent_total"), 1);
         assert_eq!(lab.meter("module.o.aborts_received_total"), 1);
-        assert_eq!(lab.meter("module.t.connections_active") + lab.meter("module.o.connections_active"), 0);
+        assert_eq!(lab.connections(), 0);
     }
 }
 
@@ -164,8 +155,7 @@ fn a_stalled_server_keeps_buffers_bounded_and_the_transfer_completes() {
         let budget = 128 * 1024;
         let b = format!("budget={budget}");
         let mut lab = Lab::new(v6, &[&b], &[&b], &[("p", "stream-pass", vec![])]);
-        let srv = lab.listen(80, 65536);
-        let cli = lab.connect(80, 65536);
+        let (srv, cli) = lab.pair();
         let data = pattern(7, MB2);
         let mut c = Pump::new(data.clone(), true);
         // The server accepts but does not read for 3 s: its window closes.
@@ -231,8 +221,8 @@ fn udp_datagrams_are_counted_exactly_and_idle_flows_go_away() {
         }
         assert_eq!(lab.meter("module.t.udp_flows_total"), 1);
         assert_eq!(lab.meter("module.o.udp_flows_active"), 1);
-        assert_eq!(lab.meter("flow.terminate.1.bytes_down_total"), queries.iter().map(|q| q.len() as u64).sum());
-        assert_eq!(lab.meter("flow.originate.1.bytes_up_total"), answers.iter().map(|a| a.len() as u64).sum());
+        assert_eq!(lab.meter("flow.terminate.1.bytes_down_total"), queries.iter().map(|q| q.len() as u64).sum::<u64>());
+        assert_eq!(lab.meter("flow.originate.1.bytes_up_total"), answers.iter().map(|a| a.len() as u64).sum::<u64>());
         assert_eq!(lab.meter("module.t.udp_budget_drops_total"), 0);
         // A datagram with a wrong checksum goes nowhere, counted.
         let mut bad = udp(app, dns, b"corrupt");
@@ -281,8 +271,7 @@ fn icmp_unreachable(from: std::net::IpAddr, to: std::net::IpAddr, original: &[u8
 fn flows_not_matched_pass_unchanged_while_others_are_terminated() {
     for v6 in families() {
         let mut lab = Lab::new(v6, &["match=[\"pass tcp dport 22\", \"tcp dport 80\"]"], &[], &[]);
-        let srv = lab.listen(80, 65536);
-        let cli = lab.connect(80, 65536);
+        let (srv, cli) = lab.pair();
         let mut c = Pump::new(pattern(8, 50_000), true);
         let mut s = Pump::new(Vec::new(), false);
         let (app, server) = (lab.app_addr(), lab.server_addr());
@@ -358,7 +347,7 @@ fn a_thousand_concurrent_connections_with_bounded_memory() {
     let pool = lab.sw.pool().stats();
     assert!(pool.allocated < 4 * n as u64, "pool slots {}", pool.allocated);
     lab.run(11_000); // TIME-WAIT is 10 s (reading the registry of 2,000 flows at every step would be slow)
-    assert_eq!(lab.meter("module.t.connections_active") + lab.meter("module.o.connections_active"), 0);
+    assert_eq!(lab.connections(), 0);
     assert_eq!(lab.meter("module.t.buffered_bytes") + lab.meter("module.o.buffered_bytes"), 0);
     assert_eq!(lab.meter("module.t.in_flight_bytes") + lab.meter("module.o.in_flight_bytes"), 0);
 }
@@ -367,8 +356,7 @@ fn a_thousand_concurrent_connections_with_bounded_memory() {
 fn transport_meters_and_the_cc_knob_of_a_flow() {
     for v6 in families() {
         let mut lab = Lab::new(v6, &[], &["cc=\"reno\""], &[]);
-        let srv = lab.listen(80, 65536);
-        let cli = lab.connect(80, 65536);
+        let (srv, cli) = lab.pair();
         let mut c = Pump::new(pattern(9, 500_000), false);
         let mut s = Pump::new(Vec::new(), false);
         assert!(lab.until(5_000, |lab| {
@@ -429,7 +417,7 @@ fn hostile_segments_are_counted_bounded_and_harmless() {
         lab.step();
         assert_eq!(lab.meter("module.t.connections_active"), 50);
         assert_eq!(lab.meter("module.t.refused_total"), 150);
-        let rsts = lab.seen_to_app.iter().filter(|p| tcp_flags(p).is_some_and(|f| f & RST != 0)).count();
+        let rsts = lab.seen_to_app.iter().filter(|p| is_rst(p)).count();
         assert_eq!(rsts, 150, "one RST per refused SYN");
         assert!(lab.seen_to_app.iter().all(|p| tcp_flags(p).is_some_and(|f| f & SYN == 0)), "no SYN-ACK yet");
         // Segments of no connection are not terminated: they pass.
@@ -438,11 +426,10 @@ fn hostile_segments_are_counted_bounded_and_harmless() {
         lab.run_switch();
         assert_eq!(lab.passed().into_iter().map(|p| p.data).collect::<Vec<_>>(), vec![stray]);
         // The half-open connections time out: nothing is left, nothing was sent to the app for them.
-        lab.run(2500);
-        assert_eq!(lab.meter("module.t.connections_active") + lab.meter("module.o.connections_active"), 0);
+        lab.assert_empty_after(2500);
         assert_eq!(lab.meter("module.o.timeouts_total"), 50, "originate gave up; terminate was told");
         assert_eq!(lab.meter("module.t.timeouts_total"), 0);
-        let after = lab.seen_to_app.iter().filter(|p| tcp_flags(p).is_some_and(|f| f & RST != 0)).count();
+        let after = lab.seen_to_app.iter().filter(|p| is_rst(p)).count();
         assert_eq!(after, 150, "a connection the app never got a SYN-ACK for ends silently");
         let pool = lab.sw.pool().stats();
         assert!(pool.allocated < 1000, "pool slots {}", pool.allocated);
@@ -453,8 +440,7 @@ fn hostile_segments_are_counted_bounded_and_harmless() {
 fn out_of_window_data_changes_nothing() {
     for v6 in families() {
         let mut lab = Lab::new(v6, &[], &[], &[]);
-        let srv = lab.listen(80, 65536);
-        let cli = lab.connect(80, 65536);
+        let (srv, cli) = lab.pair();
         let data = pattern(10, 300_000);
         let mut c = Pump::new(data.clone(), true);
         let mut s = Pump::new(Vec::new(), false);
@@ -486,8 +472,7 @@ fn an_app_that_never_reads_keeps_buffers_bounded() {
         let budget = 64 * 1024;
         let b = format!("budget={budget}");
         let mut lab = Lab::new(v6, &[&b], &[&b], &[]);
-        let srv = lab.listen(80, 65536);
-        let cli = lab.connect(80, 65536);
+        let (srv, cli) = lab.pair();
         let mut s = Pump::new(pattern(11, MB2), false);
         let mut sent = Vec::new();
         for _ in 0..2000 {
@@ -531,7 +516,7 @@ fn an_unreachable_destination_reaches_the_app_as_icmp_and_a_silent_one_times_out
         assert_eq!(to_app.len(), 1);
         assert_eq!(to_app[0].icmp, Some(if v6 { (1, 3) } else { (3, 1) }), "host unreachable");
         assert_eq!(to_app[0].src, lab.server_addr(), "from the original destination");
-        assert_eq!(lab.meter("module.t.connections_active") + lab.meter("module.o.connections_active"), 0);
+        assert_eq!(lab.connections(), 0);
         lab.app.tcp(cli).abort();
 
         // No answer at all: originate gives up after connect_timeout_ms, and the app hears nothing.
@@ -539,7 +524,7 @@ fn an_unreachable_destination_reaches_the_app_as_icmp_and_a_silent_one_times_out
         let _cli = lab.connect(80, 65536);
         lab.run(1100);
         assert_eq!(lab.meter("module.o.timeouts_total"), 1);
-        assert_eq!(lab.meter("module.t.connections_active") + lab.meter("module.o.connections_active"), 0);
+        assert_eq!(lab.connections(), 0);
         assert!(lab.seen_to_app.is_empty(), "{:?}", lab.seen_to_app);
     }
 }
@@ -564,8 +549,7 @@ fn a_stream_tap_in_the_chain_records_both_directions() {
     let dir = tempfile::tempdir().unwrap();
     let folder = format!("path={:?}", dir.path().display().to_string());
     let mut lab = Lab::new(false, &["app=\"curl\""], &[], &[("tap", "stream-tap", args(&[&folder]))]);
-    let srv = lab.listen(80, 65536);
-    let cli = lab.connect(80, 65536);
+    let (srv, cli) = lab.pair();
     let mut c = Pump::new(pattern(12, 200_000), true);
     let mut s = Pump::new(pattern(13, 300_000), true);
     assert!(lab.until(10_000, |lab| {
@@ -587,8 +571,7 @@ fn a_stream_tap_in_the_chain_records_both_directions() {
 fn replacing_an_endpoint_keeps_its_connections() {
     for v6 in families() {
         let mut lab = Lab::new(v6, &["match=[\"tcp dport 80\"]"], &[], &[]);
-        let srv = lab.listen(80, 65536);
-        let cli = lab.connect(80, 65536);
+        let (srv, cli) = lab.pair();
         let mut c = Pump::new(pattern(14, 1_000_000), true);
         let mut s = Pump::new(pattern(15, 1_000_000), true);
         assert!(lab.until(5_000, |lab| {
@@ -625,11 +608,9 @@ fn replacing_an_endpoint_keeps_its_connections() {
 #[test]
 fn a_slow_destination_survives_the_apps_syn_retransmissions() {
     for v6 in families() {
-        let mut lab = Lab::new(v6, &[], &[], &[]);
-        lab.keep_seen = true;
+        let mut lab = Lab::watched(v6);
         lab.net_delay = Duration::from_millis(600); // a 1.2 s round trip: the app sends its SYN again meanwhile
-        let srv = lab.listen(80, 65536);
-        let cli = lab.connect(80, 65536);
+        let (srv, cli) = lab.pair();
         let mut c = Pump::new(pattern(16, 100_000), true);
         let mut s = Pump::new(Vec::new(), false);
         let done = lab.until(30_000, |lab| {

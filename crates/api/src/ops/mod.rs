@@ -7,6 +7,7 @@
 mod app;
 mod change;
 mod config;
+mod flow;
 mod link;
 mod module;
 mod rules;
@@ -17,6 +18,7 @@ mod var;
 pub use app::*;
 pub use change::*;
 pub use config::*;
+pub use flow::*;
 pub use link::*;
 pub use module::*;
 pub use rules::*;

@@ -6,12 +6,13 @@
 //!   [`Revision`] (`revisions`) holding the whole stack description.
 //! - one file per object: `module`, `link`, `var` (get, set, watch, var list), `config` (revisions, rollback),
 //!   `tap`, `app` (sandboxed apps, applications' variables), `rules`, `runtime` (status, show runtime, pause,
-//!   resume).
+//!   resume), `flow` (flows read from the registry).
 //! - [`Control::handle`] (here) dispatches a request to its action.
 
 mod app;
 mod config;
 mod control;
+mod flow;
 mod link;
 mod module;
 mod revisions;
@@ -21,6 +22,7 @@ mod tap;
 mod var;
 
 pub use control::{Caller, Control};
+pub use flow::Tuple;
 pub use revisions::{Revision, RevisionLog};
 
 use flexstack_api::ops::*;
@@ -75,6 +77,8 @@ impl Control {
             Request::RulesShow(r) => reply::<RulesShow>(self.rules().and_then(|s| s.show(r.name))),
             Request::RulesLog => reply::<RulesLog>(self.rules().and_then(|s| s.log())),
             Request::RulesDiff(r) => reply::<RulesDiff>(self.rules().and_then(|s| s.diff(r.from, r.to))),
+            Request::FlowList => reply::<FlowList>(self.flows()),
+            Request::FlowShow(r) => reply::<FlowShow>(self.flow_show(&r.flow)),
             Request::RulesRollback(r) => reply::<RulesRollback>(self.rules().and_then(|s| s.rollback(r.rev))),
         }
     }

@@ -218,6 +218,10 @@ pub(crate) struct Engine {
     pub(crate) cc: Option<String>,
     tcp_count: u64,
     udp_count: u64,
+    /// Bytes queued and in flight, as last summed.
+    held: (u64, u64),
+    /// terminate: the smoltcp back-end beside it has the UDP flows (see `counts`).
+    pub(crate) shares_udp: bool,
     /// terminate: its match table and app.
     pub(crate) app: Option<AppSide>,
 }
@@ -250,6 +254,8 @@ impl Engine {
             cc,
             tcp_count: 0,
             udp_count: 0,
+            held: (0, 0),
+            shares_udp: false,
             app: None,
         })
     }
@@ -318,20 +324,27 @@ impl Engine {
         self.counts();
     }
 
-    fn counts(&self) {
+    /// Sets its gauges: connections, and the bytes held as last summed. With `shares_udp`, the UDP flows and the
+    /// bytes the smoltcp back-end beside it holds for them are that one's (it writes the same gauges: the module
+    /// calls this after each of its calls, so the kernel's connections are what the gauges show).
+    pub(crate) fn counts(&self) {
         self.m.tcp_active.set(self.tcp_count);
-        self.m.udp_active.set(self.udp_count);
+        if !self.shares_udp {
+            self.m.udp_active.set(self.udp_count);
+        }
+        self.m.buffered.set(self.held.0);
+        self.m.in_flight.set(self.held.1);
     }
 
-    /// The gauges of bytes held, over all flows (the module's poll refreshes them: a walk of every flow).
-    pub(crate) fn gauges(&self) {
+    /// Sums the bytes held over all flows (the module's poll does: a walk of every flow).
+    pub(crate) fn gauges(&mut self) {
         let (mut buffered, mut in_flight) = (0, 0);
         for f in self.flows.values() {
             buffered += f.queued;
             in_flight += f.credit.in_flight();
         }
-        self.m.buffered.set(buffered);
-        self.m.in_flight.set(in_flight);
+        self.held = (buffered, in_flight);
+        self.counts();
     }
 
     /// Registers flow `id`'s socket for what it needs now.

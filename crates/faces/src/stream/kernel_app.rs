@@ -11,7 +11,7 @@
 //! An accepted connection's original destination comes from conntrack (`SO_ORIGINAL_DST`, `IP6T_SO_ORIGINAL_DST`);
 //! its source is the app's own address and port. `Open` goes down at once; the app's bytes are read only when
 //! `Open` comes back up (the far side accepted). App-side UDP has no kernel transport state to take over: the UDP flows
-//! the match table selects stay in the data plane, terminated as the smoltcp back-end does (`udp_rules`; see
+//! the match table selects stay in the data plane, terminated by the smoltcp back-end (`terminates_udp`; see
 //! docs/streams.md, "The kernel back-end").
 
 use super::engine::{reset, Engine, Event, Flow, Sock};
@@ -161,21 +161,9 @@ pub(crate) fn redirect_rules(matcher: &MatchTable, app: &str, port: u16) -> Vec<
     out
 }
 
-/// The UDP part of `matcher` for the data plane's UDP termination (the smoltcp back-end's, which uses no
-/// sockets): its UDP rules and its `*` rules as UDP rules, each with the index of the rule it came from (for its
-/// meter). `None` if no rule terminates UDP.
-pub(crate) fn udp_rules(matcher: &MatchTable) -> Option<(MatchTable, Vec<usize>)> {
-    let mut rules = Vec::new();
-    let mut from = Vec::new();
-    for (i, r) in matcher.rules.iter().enumerate() {
-        if r.protocol != Some(Protocol::Tcp) {
-            let mut u = r.clone();
-            u.protocol = Some(Protocol::Udp);
-            rules.push(u);
-            from.push(i);
-        }
-    }
-    rules.iter().any(|r| !r.pass).then_some((MatchTable { rules }, from))
+/// Whether `matcher` terminates UDP flows (a `udp` or `*` rule that is not `pass`): they stay in the data plane.
+pub(crate) fn terminates_udp(matcher: &MatchTable) -> bool {
+    matcher.rules.iter().any(|r| !r.pass && r.protocol != Some(Protocol::Tcp))
 }
 
 /// The original destination of a redirected connection, from conntrack.
@@ -284,11 +272,9 @@ mod tests {
     fn udp_rules_stay_in_the_data_plane() {
         let t = table(&["tcp dport 80", "pass udp dport 5353", "udp dport 53", "* to 192.0.2.0/24"]);
         assert_eq!(redirect_rules(&t, "a", 7).len(), 2, "no UDP rule is redirected");
-        let (u, from) = udp_rules(&t).expect("UDP is terminated");
-        let texts: Vec<String> = u.rules.iter().map(ToString::to_string).collect();
-        assert_eq!(texts, ["pass udp dport 5353", "udp dport 53", "udp to 192.0.2.0/24"]);
-        assert_eq!(from, [1, 2, 3]);
-        assert!(udp_rules(&table(&["tcp *", "pass udp *"])).is_none());
+        assert!(terminates_udp(&t));
+        assert!(terminates_udp(&table(&["*"])));
+        assert!(!terminates_udp(&table(&["tcp *", "pass udp *"])));
         assert_eq!(redirect_rules(&table(&["*"]), "a", 7), ["meta l4proto tcp redirect to :7"]);
     }
 

@@ -28,7 +28,7 @@ use flexstack_core::{
     Batch, Direction, FaceDevice, Frame, Module, ModuleBuilder, ModuleInterface, ModuleVars, Output, Packet, Time,
     Value, ValueType, VarSpec,
 };
-use flexstack_modules::stream::backend::{self, Config, Endpoint, KernelRequest, Meters, Ports, Side};
+use flexstack_modules::stream::backend::{self, Config, KernelRequest, Meters, Ports, Side};
 use std::collections::HashMap;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -68,12 +68,24 @@ fn more_files() {
 /// Builds the kernel back-end from what the kind read.
 fn build(req: KernelRequest) -> Result<Box<dyn ModuleBuilder>, String> {
     more_files();
-    let KernelRequest { side, cfg, matcher, netns, mut interface, decl } = req;
+    let KernelRequest { side, cfg, matcher, netns, mut interface, decl, smoltcp } = req;
     // The device's frames leave on output 0: put `stream` first.
     if let Some(i) = interface.outputs.iter().position(|p| p.name == "stream") {
         let stream = interface.outputs.remove(i);
         interface.outputs.insert(0, stream);
     }
+    // terminate: the UDP flows its match table selects are terminated in the data plane by the smoltcp back-end
+    // (which uses no sockets for UDP), with the whole table (the TCP flows it selects are redirected before they
+    // reach it) and this back-end's ports.
+    let port = |list: &[flexstack_core::PortSpec], name: &str| list.iter().position(|p| p.name == name);
+    let ports = Ports {
+        ip_in: port(&interface.inputs, "in").unwrap_or(0),
+        stream_in: port(&interface.inputs, "stream_in").unwrap_or(1),
+        ip_out: port(&interface.outputs, "out").unwrap_or(1),
+        stream_out: 0,
+        pass: port(&interface.outputs, "pass").unwrap_or(2),
+    };
+    let udp = (side == Side::App && kernel_app::terminates_udp(&matcher)).then(|| smoltcp(ports));
     let app = match side {
         Side::App => {
             let (listeners, redirect) = kernel_app::open(&netns, &matcher, &cfg.app)?;
@@ -81,7 +93,7 @@ fn build(req: KernelRequest) -> Result<Box<dyn ModuleBuilder>, String> {
         }
         Side::Net => None,
     };
-    Ok(Box::new(KernelBuilder { side, cfg, interface, decl, app }))
+    Ok(Box::new(KernelBuilder { side, cfg, interface, decl, app, udp }))
 }
 
 type Decl = &'static flexstack_core::KindDecl<Config, Meters>;
@@ -92,6 +104,8 @@ struct KernelBuilder {
     interface: ModuleInterface,
     decl: Decl,
     app: Option<(Vec<std::net::TcpListener>, kernel_app::Redirect, AppSide)>,
+    /// terminate with UDP rules: the smoltcp back-end, for them.
+    udp: Option<Box<dyn ModuleBuilder>>,
 }
 
 impl ModuleBuilder for KernelBuilder {
@@ -100,7 +114,10 @@ impl ModuleBuilder for KernelBuilder {
     }
 
     fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module> {
-        let KernelBuilder { side, cfg, interface, decl, app } = *self;
+        let KernelBuilder { side, cfg, interface, decl, app, udp } = *self;
+        // The smoltcp back-end for UDP binds the same knobs and meters; the gauges it would share are told apart
+        // (see `Engine::counts`).
+        let inner = udp.map(|b| b.build(vars));
         decl.publish(&cfg, vars);
         let m = decl.meters(vars);
         let port = |list: &[flexstack_core::PortSpec], name: &str| list.iter().position(|p| p.name == name);
@@ -108,31 +125,11 @@ impl ModuleBuilder for KernelBuilder {
         let stream_in = port(&interface.inputs, "stream_in").unwrap_or(0);
         let prefix = cfg.vars_prefix.clone();
         let hits = |n: usize| (1..=n).map(|i| vars.meter(&format!("rule{i}_matches_total"))).collect::<Vec<_>>();
-        // terminate: the UDP flows its match table selects are terminated in the data plane, by the smoltcp
-        // back-end's engine (which uses no sockets for UDP), with the UDP part of the table.
-        let inner = app.as_ref().and_then(|(_, _, a)| kernel_app::udp_rules(&a.matcher)).map(|(udp, from)| {
-            let all = hits(from.iter().max().map_or(0, |m| m + 1));
-            let udp_hits = from.iter().map(|&i| all[i].clone()).collect();
-            let ports = Ports {
-                ip_in: port(&interface.inputs, "in").unwrap_or(0),
-                stream_in,
-                ip_out: port(&interface.outputs, "out").unwrap_or(1),
-                stream_out: 0,
-                pass,
-            };
-            // The gauges of TCP and of bytes held are the kernel engine's.
-            let mut im = decl.meters(vars);
-            (im.tcp_active, im.buffered, im.in_flight) = Default::default();
-            Endpoint::new(Side::App, ports, decl, cfg.clone(), im, udp, udp_hits)
-        });
-        let mut m = m;
-        if inner.is_some() {
-            m.udp_active = Default::default(); // the inner engine's
-        }
         let mut engine = Engine::new(side, cfg.clone(), m).expect("an epoll instance and an eventfd");
         if inner.is_some() {
-            // Flow ids apart from the inner engine's (which counts from 1).
+            // Flow ids apart from the smoltcp back-end's (which counts from 1), and its gauge of UDP flows.
             engine.next_id = KERNEL_IDS;
+            engine.shares_udp = true;
         }
         let mut redirect = None;
         if let Some((listeners, r, mut a)) = app {
@@ -228,8 +225,8 @@ struct KernelEndpoint {
     stream_in: usize,
     egress: Batch,
     flows: HashMap<u64, FlowVars>,
-    /// terminate with UDP rules: the data plane's UDP termination.
-    inner: Option<Endpoint>,
+    /// terminate with UDP rules: the data plane's UDP termination (the smoltcp back-end).
+    inner: Option<Box<dyn Module>>,
     /// terminate: the redirect in the app's namespace, removed with the module.
     _redirect: Option<kernel_app::Redirect>,
 }
@@ -366,21 +363,23 @@ impl Module for KernelEndpoint {
             return;
         };
         if port != self.stream_in {
-            return inner.process(port, input, out); // UDP it terminates; the rest passes
-        }
-        // Stream frames of its kernel flows to the sockets, the others to the data plane's UDP flows.
-        let kernel = |f: &Frame| f.packet().and_then(Packet::stream_flow).is_some_and(|id| id >= KERNEL_IDS);
-        let mut udp: Batch = Vec::new();
-        for f in input.drain(..) {
-            if kernel(&f) {
-                self.egress.push(f);
-            } else {
-                udp.push(f);
+            inner.process(port, input, out); // UDP it terminates; the rest passes
+        } else {
+            // Stream frames of its kernel flows to the sockets, the others to the data plane's UDP flows.
+            let kernel = |f: &Frame| f.packet().and_then(Packet::stream_flow).is_some_and(|id| id >= KERNEL_IDS);
+            let mut udp: Batch = Vec::new();
+            for f in input.drain(..) {
+                if kernel(&f) {
+                    self.egress.push(f);
+                } else {
+                    udp.push(f);
+                }
+            }
+            if !udp.is_empty() {
+                inner.process(port, &mut udp, out);
             }
         }
-        if !udp.is_empty() {
-            inner.process(port, &mut udp, out);
-        }
+        self.device.engine().counts();
     }
 
     fn poll(&mut self, out: &mut Output<'_>) -> Option<Time> {
@@ -389,10 +388,9 @@ impl Module for KernelEndpoint {
         e.tick(Instant::now());
         self.meters(&mut e, out);
         let next = out.now() + METER_PERIOD;
-        match self.inner.as_mut().and_then(|i| i.poll(out)) {
-            Some(t) => Some(t.min(next)),
-            None => Some(next),
-        }
+        let inner = self.inner.as_mut().and_then(|i| i.poll(out));
+        e.counts();
+        Some(inner.map_or(next, |t| t.min(next)))
     }
 
     fn write_knob(&mut self, knob: &str, value: &Value) -> Result<(), String> {

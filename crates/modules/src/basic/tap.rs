@@ -23,15 +23,14 @@
 
 use flexstack_core::module::port_type;
 use flexstack_core::{
-    field, kind_from_decl, Batch, ConfigError, ControlFrame, ControlOp, Frame, KindDecl, Meter, MeterDecl, Module,
-    ModuleBuilder, ModuleInterface, ModuleKind, ModuleVars, Output, Param, PortDecl, Settings, Time, Value,
+    field, kind_from_decl, Batch, ConfigError, ControlFrame, Frame, KindDecl, Meter, MeterDecl, Module, ModuleBuilder,
+    ModuleInterface, ModuleKind, ModuleVars, Output, Param, PortDecl, Settings, Time, Value,
 };
 use pcap_file::pcapng::blocks::enhanced_packet::EnhancedPacketBlock;
 use pcap_file::pcapng::blocks::interface_description::{InterfaceDescriptionBlock, InterfaceDescriptionOption};
 use pcap_file::pcapng::PcapNgWriter;
 use pcap_file::{DataLink, PcapResult};
 use std::borrow::Cow;
-use std::fmt::Write as _;
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::time::Duration;
@@ -329,68 +328,16 @@ impl<W: Write> Drop for Tap<W> {
     }
 }
 
-/// The snake_case name of a control operation, as in the control API.
-fn op_name(op: ControlOp) -> &'static str {
-    match op {
-        ControlOp::ReadParam => "read_param",
-        ControlOp::ReadParamReply => "read_param_reply",
-        ControlOp::SetParam => "set_param",
-        ControlOp::SetParamReply => "set_param_reply",
-        ControlOp::Exec => "exec",
-        ControlOp::ExecReply => "exec_reply",
-        ControlOp::Listen => "listen",
-        ControlOp::Unlisten => "unlisten",
-        ControlOp::Alert => "alert",
-        ControlOp::Error => "error",
-    }
-}
-
-/// Appends `s` as a JSON string.
-fn push_json_str(out: &mut String, s: &str) {
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            c if u32::from(c) < 0x20 => {
-                let _ = write!(out, "\\u{:04x}", u32::from(c));
-            }
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-}
-
 /// One line of JSON describing a control frame.
 pub fn control_text(cf: &ControlFrame) -> String {
-    let mut s = String::with_capacity(96 + cf.sender.len() + cf.dest.len() + cf.param.len());
-    s.push_str("{\"op\":\"");
-    s.push_str(op_name(cf.op));
-    s.push_str("\",\"sender\":");
-    push_json_str(&mut s, &cf.sender);
-    s.push_str(",\"dest\":");
-    push_json_str(&mut s, &cf.dest);
-    let _ = write!(s, ",\"serial\":{},\"param\":", cf.serial);
-    push_json_str(&mut s, &cf.param);
-    s.push_str(",\"value\":");
-    match &cf.value {
-        Value::Str(v) => push_json_str(&mut s, v),
-        Value::F64(v) if !v.is_finite() => s.push_str("null"),
-        v => {
-            let _ = write!(s, "{v}");
-        }
-    }
-    s.push('}');
-    s
+    serde_json::to_string(cf).unwrap_or_else(|e| serde_json::json!({ "error": e.to_string() }).to_string())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::testutil::*;
+    use flexstack_core::ControlOp;
     use flexstack_core::{PacketPool, Switch};
     use pcap_file::pcapng::{Block, PcapNgReader};
     use std::path::Path;

@@ -8,10 +8,11 @@
 //!   echo and 0 otherwise; the two sides are put in a fixed order, so both directions of a conversation are one
 //!   flow. A new flow gets the next id (1, 2, ...), which is stamped into each of its packets' metadata
 //!   ([`MetaKey::FLOW_ID`]), and runtime meters under `flow.<id>` (see `vars_prefix`): `packets_total`,
-//!   `bytes_total`, `packets_up_total` / `packets_down_total` (by the frame's direction), `first_seen_ns`,
-//!   `last_seen_ns` (switch time) and `tuple` (text, e.g. `udp 10.0.0.2:5000 <-> 10.0.0.1:53`, the side that sent
-//!   the first packet first). Non-first fragments carry no ports: they pass untracked (counted in
-//!   `fragments_untracked_total`); put reassembly before the classifier to track fragmented datagrams.
+//!   `bytes_total`, `packets_up_total` / `packets_down_total` and `bytes_up_total` / `bytes_down_total` (by the
+//!   frame's direction), `first_seen_ns`, `last_seen_ns` (switch time) and `tuple` (text, e.g.
+//!   `udp 10.0.0.2:5000 <-> 10.0.0.1:53`, the side that sent the first packet first; `flexstack flow list` reads
+//!   it). Non-first fragments carry no ports: they pass untracked (counted in `fragments_untracked_total`); put
+//!   reassembly before the classifier to track fragmented datagrams.
 //! - Idle timeouts: a flow expires when it has seen no packet for its protocol's timeout; a TCP flow that saw a RST,
 //!   or a FIN from both sides, uses `tcp_closing_timeout_ms` instead. Expired flows leave the table and their
 //!   `flow.<id>` meters are unregistered. Expiry runs from the module's poll, at the earliest deadline.
@@ -178,6 +179,8 @@ fn flow_specs() -> Vec<VarSpec> {
         VarSpec::meter("bytes_total", ValueType::U64, "bytes", "bytes of the flow's packets, both directions"),
         VarSpec::meter("packets_up_total", ValueType::U64, "frames", "packets travelling up (from the network)"),
         VarSpec::meter("packets_down_total", ValueType::U64, "frames", "packets travelling down (to the network)"),
+        VarSpec::meter("bytes_up_total", ValueType::U64, "bytes", "bytes of the packets travelling up"),
+        VarSpec::meter("bytes_down_total", ValueType::U64, "bytes", "bytes of the packets travelling down"),
         VarSpec::meter("first_seen_ns", ValueType::U64, "ns", "switch time of the flow's first packet"),
         VarSpec::meter("last_seen_ns", ValueType::U64, "ns", "switch time of the flow's last packet"),
         VarSpec::meter("tuple", ValueType::Str, "", "protocol and endpoints, the first sender first"),
@@ -206,6 +209,8 @@ struct FlowMeters {
     bytes: Meter,
     up: Meter,
     down: Meter,
+    bytes_up: Meter,
+    bytes_down: Meter,
     last: Meter,
 }
 
@@ -271,8 +276,10 @@ impl Classify {
         let Some(f) = self.table.flows.get_mut(slot) else { return };
         f.meters.packets.add(1);
         f.meters.bytes.add(len);
-        let dir_meter = if up { &f.meters.up } else { &f.meters.down };
-        dir_meter.add(1);
+        let (packets, bytes) =
+            if up { (&f.meters.up, &f.meters.bytes_up) } else { (&f.meters.down, &f.meters.bytes_down) };
+        packets.add(1);
+        bytes.add(len);
         f.meters.last.set(now);
         let tcp = flags.map(|flags| ((info.src, info.src_port) == f.first, flags));
         if let Some(d) = self.table.timers.seen(slot, &mut f.idle, now, tcp, closing_ns) {
@@ -298,6 +305,8 @@ impl Classify {
             bytes: vars.meter("bytes_total"),
             up: vars.meter("packets_up_total"),
             down: vars.meter("packets_down_total"),
+            bytes_up: vars.meter("bytes_up_total"),
+            bytes_down: vars.meter("bytes_down_total"),
             last: vars.meter("last_seen_ns"),
         };
         let idle = Idle::new(id, key.protocol, now, &self.cfg.timeouts);
@@ -477,6 +486,8 @@ mod tests {
         assert_eq!(flow_var(&sw, 1, "bytes_total"), Some(Value::U64((q.len() + r.len()) as u64)));
         assert_eq!(flow_var(&sw, 1, "packets_down_total"), Some(Value::U64(1)));
         assert_eq!(flow_var(&sw, 1, "packets_up_total"), Some(Value::U64(1)));
+        assert_eq!(flow_var(&sw, 1, "bytes_down_total"), Some(Value::U64(q.len() as u64)));
+        assert_eq!(flow_var(&sw, 1, "bytes_up_total"), Some(Value::U64(r.len() as u64)));
         assert_eq!(flow_var(&sw, 1, "first_seen_ns"), Some(Value::U64(1_000_000)));
         assert_eq!(flow_var(&sw, 1, "last_seen_ns"), Some(Value::U64(2_000_000)));
         assert_eq!(flow_var(&sw, 1, "tuple"), Some(Value::Str("udp 10.0.0.2:5000 <-> 10.0.0.1:53".into())));

@@ -42,8 +42,8 @@
 use flexstack_core::frame::Metadata;
 use flexstack_core::module::{handed_over, port_type};
 use flexstack_core::{
-    field, kind_from_decl, Batch, ConfigError, Direction, Frame, KindDecl, Meter, MeterDecl, Module, ModuleBuilder,
-    ModuleKind, Output, Packet, Param, PortDecl, Settings, Time, Value,
+    field, frames_meter, kind_from_decl, Batch, ConfigError, Direction, Frame, KindDecl, Meter, MeterDecl, Module,
+    ModuleBuilder, ModuleKind, Output, Packet, Param, PortDecl, Settings, Time, Value,
 };
 use flexstack_wire::packet::ParseDrops;
 use flexstack_wire::packet::{proto, PacketInfo};
@@ -188,27 +188,24 @@ const DECL: KindDecl<Limits, Meters> = KindDecl {
         }),
         MeterDecl::u64("bytes_pending", "bytes", "buffer bytes held by pending datagrams", |m| &mut m.bytes_pending),
         MeterDecl::u64("bytes_spare", "bytes", "buffer bytes kept for reuse", |m| &mut m.bytes_spare),
-        MeterDecl::u64(
+        frames_meter!(
             "drop_overlap_total",
-            "frames",
             "fragments dropped: overlapping or inconsistent (whole datagram)",
-            |m| &mut m.drops[Reason::Overlap as usize],
+            drops[Reason::Overlap]
         ),
-        MeterDecl::u64("drop_duplicate_total", "frames", "fragments dropped: exact duplicates", |m| {
-            &mut m.drops[Reason::Duplicate as usize]
-        }),
-        MeterDecl::u64("drop_tiny_total", "frames", "fragments dropped: too short or not a multiple of 8", |m| {
-            &mut m.drops[Reason::Tiny as usize]
-        }),
-        MeterDecl::u64("drop_too_big_total", "frames", "fragments dropped: datagram longer than 65535 bytes", |m| {
-            &mut m.drops[Reason::TooBig as usize]
-        }),
-        MeterDecl::u64("drop_timeout_total", "frames", "fragments dropped: datagram not complete in time", |m| {
-            &mut m.drops[Reason::Timeout as usize]
-        }),
-        MeterDecl::u64("drop_memory_total", "frames", "fragments dropped: oldest datagram discarded for room", |m| {
-            &mut m.drops[Reason::Memory as usize]
-        }),
+        frames_meter!("drop_duplicate_total", "fragments dropped: exact duplicates", drops[Reason::Duplicate]),
+        frames_meter!("drop_tiny_total", "fragments dropped: too short or not a multiple of 8", drops[Reason::Tiny]),
+        frames_meter!(
+            "drop_too_big_total",
+            "fragments dropped: datagram longer than 65535 bytes",
+            drops[Reason::TooBig]
+        ),
+        frames_meter!("drop_timeout_total", "fragments dropped: datagram not complete in time", drops[Reason::Timeout]),
+        frames_meter!(
+            "drop_memory_total",
+            "fragments dropped: oldest datagram discarded for room",
+            drops[Reason::Memory]
+        ),
     ],
     more_meters: || ParseDrops::specs(false),
     ..KindDecl::new(

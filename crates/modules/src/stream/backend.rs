@@ -9,7 +9,7 @@ use flexstack_core::{ConfigError, KindDecl, ModuleBuilder, ModuleInterface, Sett
 use std::sync::OnceLock;
 
 pub use crate::stream::endpoint::config::{flow_specs, Cc, Config, Meters};
-pub use crate::stream::endpoint::{Endpoint, Ports, Side};
+pub use crate::stream::endpoint::{EndpointBuilder, Ports, Side};
 
 /// The back-ends an endpoint can have.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -34,6 +34,9 @@ pub struct KernelRequest {
     pub interface: ModuleInterface,
     /// The kind's declaration (publishing knobs, binding meters, writing knobs).
     pub decl: &'static KindDecl<Config, Meters>,
+    /// The smoltcp back-end of the same settings, with the kernel back-end's `ports`: `terminate`'s kernel back-end
+    /// runs it for the UDP flows it selects (app-side UDP has no kernel state to take over).
+    pub smoltcp: Box<dyn FnOnce(Ports) -> Box<dyn ModuleBuilder> + Send>,
 }
 
 /// Builds the kernel back-end of an endpoint; the error is a message about the setting `backend`.
@@ -47,7 +50,7 @@ pub fn install_kernel(hook: KernelHook) {
 }
 
 /// Reads `backend` (`smoltcp` by default).
-pub(crate) fn read(r: &mut SettingsReader<'_>) -> Result<Backend, ConfigError> {
+fn read(r: &mut SettingsReader<'_>) -> Result<Backend, ConfigError> {
     match r.string("backend")?.as_deref() {
         None | Some("smoltcp") => Ok(Backend::Smoltcp),
         Some("kernel") => Ok(Backend::Kernel),
@@ -55,12 +58,28 @@ pub(crate) fn read(r: &mut SettingsReader<'_>) -> Result<Backend, ConfigError> {
     }
 }
 
-/// Builds the kernel back-end through the installed hook; errors are located at the `backend` setting.
-pub(crate) fn build_kernel(
+/// Reads an endpoint's settings (`EndpointBuilder::read`, with `more` what only its kind has) and `backend` (and
+/// `terminate`'s `netns`), and builds that back-end: smoltcp, or the kernel one through the installed hook (errors
+/// located at the `backend` setting).
+pub fn configure(
     settings: &Settings,
     kind: &str,
-    req: KernelRequest,
+    decl: &'static KindDecl<Config, Meters>,
+    (side, ports): (Side, Ports),
+    more: impl FnOnce(&mut SettingsReader<'_>) -> Result<MatchTable, ConfigError>,
 ) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
+    let (mut backend, mut netns) = (Backend::Smoltcp, String::new());
+    let b = EndpointBuilder::read(settings, kind, decl, (side, ports), |r| {
+        let matcher = more(r)?;
+        backend = read(r)?;
+        if side == Side::App {
+            netns = r.string("netns")?.unwrap_or_default();
+        }
+        Ok(matcher)
+    })?;
+    if backend == Backend::Smoltcp {
+        return Ok(Box::new(b));
+    }
     let at = |m: String| {
         let location = settings.get("backend").and_then(|s| s.location.clone());
         ConfigError::new(location, format!("setting `backend` of a {kind} module: {m}"))
@@ -68,6 +87,15 @@ pub(crate) fn build_kernel(
     let hook = KERNEL
         .get()
         .ok_or_else(|| at("the kernel back-end is built by the daemon (flexstack-faces), not available here".into()))?;
+    let req = KernelRequest {
+        side,
+        cfg: b.cfg.clone(),
+        matcher: b.matcher.clone(),
+        netns,
+        interface: b.interface(),
+        decl,
+        smoltcp: Box::new(move |ports| Box::new(EndpointBuilder { ports, ..b })),
+    };
     hook(req).map_err(at)
 }
 

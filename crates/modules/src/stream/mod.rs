@@ -18,3 +18,22 @@ pub mod originate;
 pub mod pass;
 pub mod tap;
 pub mod terminate;
+
+use flexstack_core::module::port_type;
+use flexstack_core::PortDecl;
+
+/// The input of a stream module that sees both directions on one port (`stream-pass`, `stream-tap`).
+pub(crate) const BOTH_WAYS_IN: &[PortDecl] =
+    &[PortDecl::new("in", port_type::STREAM, "stream frames, both directions")];
+
+/// Its output: every frame, unchanged and in order.
+pub(crate) const BOTH_WAYS_OUT: &[PortDecl] =
+    &[PortDecl::new("out", port_type::STREAM, "the same frames, unchanged and in order")];
+
+/// Counter meters (`MeterDecl::u64`), one line each: `field: "name", "unit", "what it counts";`.
+macro_rules! u64_meters {
+    ($($field:ident: $name:expr, $unit:expr, $desc:expr);* $(;)?) => {
+        &[$(flexstack_core::MeterDecl::u64($name, $unit, $desc, |m| &mut m.$field)),*]
+    };
+}
+pub(crate) use u64_meters;

@@ -21,16 +21,12 @@
 //!
 //! Its ports, settings, knobs and meters are declared once, in `DECL` below; docs/modules.md lists them.
 
-use crate::stream::backend::{self, Backend, KernelRequest};
+use crate::stream::backend;
 use crate::stream::endpoint::config::{endpoint_decl, parse_sources, Config, Meters};
-use crate::stream::endpoint::{Endpoint, Ports, Side};
+use crate::stream::endpoint::{Ports, Side};
 use crate::stream::matcher::MatchTable;
-use crate::stream::terminate::seed;
 use flexstack_core::module::port_type;
-use flexstack_core::{
-    field, kind_from_decl, ConfigError, KindDecl, Module, ModuleBuilder, ModuleInterface, ModuleKind, ModuleVars,
-    Param, PortDecl, Settings,
-};
+use flexstack_core::{kind_from_decl, ConfigError, KindDecl, ModuleBuilder, ModuleKind, Param, PortDecl, Settings};
 use flexstack_wire::cidr::PortRange;
 
 /// The kind's name in stack files.
@@ -49,6 +45,7 @@ const DECL: KindDecl<Config, Meters> = endpoint_decl!(
     KIND,
     "opens terminated flows again towards their original destination (smoltcp) and relays their streams",
     "flow.originate",
+    "how flows are opened: smoltcp (user-space TCP in the data plane) or kernel (kernel sockets; docs/streams.md)",
     inputs: &[
         PortDecl::new("stream_in", port_type::STREAM, "stream frames travelling down, from `terminate`"),
         PortDecl::new("in", port_type::IP, "packets from the network (up)"),
@@ -59,12 +56,6 @@ const DECL: KindDecl<Config, Meters> = endpoint_decl!(
         PortDecl::new("pass", port_type::IP, "packets from the network of none of its flows, unchanged"),
     ],
     extra: [
-        P::manual(
-            "backend",
-            "str",
-            "how flows are opened: smoltcp (user-space TCP in the data plane) or kernel (kernel sockets; docs/streams.md)",
-            "\"smoltcp\"",
-        ),
         P::text(
             "source",
             "source addresses of its connections (one IPv4, one IPv6, comma-separated); empty: the app's own",
@@ -88,41 +79,6 @@ impl ModuleKind for OriginateKind {
     kind_from_decl!(DECL);
 
     fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
-        let mut r = settings.reader(KIND);
-        let mut cfg = Config::blank();
-        DECL.read(&mut r, &mut cfg)?;
-        let backend = backend::read(&mut r)?;
-        r.finish()?;
-        seed(&mut cfg);
-        let b = OriginateBuilder { cfg };
-        if backend == Backend::Kernel {
-            let (side, interface, decl) = (Side::Net, b.interface(), &DECL);
-            let req = KernelRequest {
-                side,
-                cfg: b.cfg,
-                matcher: MatchTable::default(),
-                netns: String::new(),
-                interface,
-                decl,
-            };
-            return backend::build_kernel(settings, KIND, req);
-        }
-        Ok(Box::new(b))
-    }
-}
-
-struct OriginateBuilder {
-    cfg: Config,
-}
-
-impl ModuleBuilder for OriginateBuilder {
-    fn interface(&self) -> ModuleInterface {
-        DECL.interface(&self.cfg)
-    }
-
-    fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module> {
-        DECL.publish(&self.cfg, vars);
-        let m = DECL.meters(vars);
-        Box::new(Endpoint::new(Side::Net, PORTS, &DECL, self.cfg, m, MatchTable::default(), Vec::new()))
+        backend::configure(settings, KIND, &DECL, (Side::Net, PORTS), |_| Ok(MatchTable::default()))
     }
 }

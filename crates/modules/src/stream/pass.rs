@@ -5,11 +5,11 @@
 //! a stream module never drops). Its ports and meters are declared once, in `DECL` below; docs/modules.md lists
 //! them.
 
-use flexstack_core::module::port_type;
+use crate::stream::{u64_meters, BOTH_WAYS_IN, BOTH_WAYS_OUT};
 use flexstack_core::stream::StreamKind;
 use flexstack_core::{
-    kind_from_decl, Batch, ConfigError, Direction, Frame, KindDecl, Meter, MeterDecl, Module, ModuleBuilder,
-    ModuleKind, Output, PortDecl, Settings,
+    kind_from_decl, Batch, ConfigError, Direction, Frame, KindDecl, Meter, Module, ModuleBuilder, ModuleKind, Output,
+    Settings,
 };
 
 /// The kind's name in stack files.
@@ -20,19 +20,17 @@ pub struct StreamPassKind;
 
 /// The kind's ports and meters.
 const DECL: KindDecl<(), Meters> = KindDecl {
-    inputs: &[PortDecl::new("in", port_type::STREAM, "stream frames, both directions")],
-    outputs: &[PortDecl::new("out", port_type::STREAM, "the same frames, unchanged and in order")],
-    meters: &[
-        MeterDecl::u64("frames_total", "frames", "frames passed (stream frames or not)", |m| &mut m.frames),
-        MeterDecl::u64("data_bytes_down_total", "bytes", "bytes of `Data` travelling down", |m| &mut m.down),
-        MeterDecl::u64("data_bytes_up_total", "bytes", "bytes of `Data` travelling up", |m| &mut m.up),
-        MeterDecl::u64("opens_total", "frames", "`Open` frames (both directions)", |m| &mut m.opens),
-        MeterDecl::u64("fins_total", "frames", "`Fin` frames", |m| &mut m.fins),
-        MeterDecl::u64("aborts_total", "frames", "`Abort` frames", |m| &mut m.aborts),
-        MeterDecl::u64("acks_total", "frames", "`Ack` frames", |m| &mut m.acks),
-        MeterDecl::u64("not_stream_total", "frames", "frames that are not stream frames (passed too)", |m| {
-            &mut m.other
-        }),
+    inputs: BOTH_WAYS_IN,
+    outputs: BOTH_WAYS_OUT,
+    meters: u64_meters![
+        frames: "frames_total", "frames", "frames passed (stream frames or not)";
+        down: "data_bytes_down_total", "bytes", "bytes of `Data` travelling down";
+        up: "data_bytes_up_total", "bytes", "bytes of `Data` travelling up";
+        opens: "opens_total", "frames", "`Open` frames (both directions)";
+        fins: "fins_total", "frames", "`Fin` frames";
+        aborts: "aborts_total", "frames", "`Abort` frames";
+        acks: "acks_total", "frames", "`Ack` frames";
+        other: "not_stream_total", "frames", "frames that are not stream frames (passed too)";
     ],
     ..KindDecl::new(KIND, "passes stream frames unchanged both ways and counts them")
 };

@@ -22,11 +22,11 @@
 //!
 //! Its ports, settings, knobs and meters are declared once, in `DECL` below; docs/modules.md lists them.
 
-use flexstack_core::module::port_type;
+use crate::stream::{u64_meters, BOTH_WAYS_IN, BOTH_WAYS_OUT};
 use flexstack_core::stream::{Protocol, StreamEvent};
 use flexstack_core::{
-    field, kind_from_decl, Batch, ConfigError, Direction, Frame, KindDecl, Meter, MeterDecl, Module, ModuleBuilder,
-    ModuleInterface, ModuleKind, ModuleVars, Output, Param, PortDecl, Settings, Time, Value,
+    field, kind_from_decl, Batch, ConfigError, Direction, Frame, KindDecl, Meter, Module, ModuleBuilder,
+    ModuleInterface, ModuleKind, ModuleVars, Output, Param, Settings, Time, Value,
 };
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
@@ -53,8 +53,8 @@ type P = Param<Config>;
 
 /// The kind: ports, settings, knobs and meters.
 const DECL: KindDecl<Config, Meters> = KindDecl {
-    inputs: &[PortDecl::new("in", port_type::STREAM, "stream frames, both directions")],
-    outputs: &[PortDecl::new("out", port_type::STREAM, "the same frames, unchanged and in order")],
+    inputs: BOTH_WAYS_IN,
+    outputs: BOTH_WAYS_OUT,
     params: &[
         P::manual(
             "path",
@@ -66,15 +66,13 @@ const DECL: KindDecl<Config, Meters> = KindDecl {
             .range(0.0, 4096.0),
         P::bool("enabled", "false passes frames without recording them", true, field!(enabled)),
     ],
-    meters: &[
-        MeterDecl::u64("flows_recorded_total", "flows", "flows whose files were created", |m| &mut m.recorded),
-        MeterDecl::u64("flows_active", "flows", "flows being recorded", |m| &mut m.active),
-        MeterDecl::u64("flows_skipped_total", "flows", "flows not recorded: `max_flows` reached", |m| &mut m.skipped),
-        MeterDecl::u64("bytes_down_total", "bytes", "bytes recorded travelling down", |m| &mut m.down),
-        MeterDecl::u64("bytes_up_total", "bytes", "bytes recorded travelling up", |m| &mut m.up),
-        MeterDecl::u64("write_errors_total", "errors", "files that could not be created, written or flushed", |m| {
-            &mut m.errors
-        }),
+    meters: u64_meters![
+        recorded: "flows_recorded_total", "flows", "flows whose files were created";
+        active: "flows_active", "flows", "flows being recorded";
+        skipped: "flows_skipped_total", "flows", "flows not recorded: `max_flows` reached";
+        down: "bytes_down_total", "bytes", "bytes recorded travelling down";
+        up: "bytes_up_total", "bytes", "bytes recorded travelling up";
+        errors: "write_errors_total", "errors", "files that could not be created, written or flushed";
     ],
     ..KindDecl::new(KIND, "records each flow's bytes both ways to files in a folder, and passes stream frames on")
 };

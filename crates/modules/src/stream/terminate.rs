@@ -23,15 +23,12 @@
 //!
 //! Its ports, settings, knobs and meters are declared once, in `DECL` below; docs/modules.md lists them.
 
-use crate::stream::backend::{self, Backend, KernelRequest};
+use crate::stream::backend;
 use crate::stream::endpoint::config::{endpoint_decl, Config, Meters};
-use crate::stream::endpoint::{Endpoint, Ports, Side};
+use crate::stream::endpoint::{Ports, Side};
 use crate::stream::matcher::MatchTable;
 use flexstack_core::module::port_type;
-use flexstack_core::{
-    field, kind_from_decl, ConfigError, KindDecl, Module, ModuleBuilder, ModuleInterface, ModuleKind, ModuleVars,
-    Param, PortDecl, Settings, ValueType, VarSpec,
-};
+use flexstack_core::{kind_from_decl, ConfigError, KindDecl, ModuleBuilder, ModuleKind, Param, PortDecl, Settings};
 
 /// The kind's name in stack files.
 pub const KIND: &str = "terminate";
@@ -49,6 +46,7 @@ const DECL: KindDecl<Config, Meters> = endpoint_decl!(
     KIND,
     "ends the app's TCP and UDP flows chosen by a match table (smoltcp) and turns them into streams",
     "flow.terminate",
+    "how flows are terminated: smoltcp (user-space TCP in the data plane) or kernel (the host's TCP; docs/streams.md)",
     inputs: &[
         PortDecl::new("in", port_type::IP, "packets from the app (down)"),
         PortDecl::new("stream_in", port_type::STREAM, "stream frames travelling up, from `originate`"),
@@ -59,12 +57,6 @@ const DECL: KindDecl<Config, Meters> = endpoint_decl!(
         PortDecl::new("pass", port_type::IP, "packets of flows it does not terminate, unchanged"),
     ],
     extra: [
-        P::manual(
-            "backend",
-            "str",
-            "how flows are terminated: smoltcp (user-space TCP in the data plane) or kernel (the host's TCP; docs/streams.md)",
-            "\"smoltcp\"",
-        ),
         P::manual(
             "netns",
             "str",
@@ -88,55 +80,13 @@ const DECL: KindDecl<Config, Meters> = endpoint_decl!(
     ]
 );
 
-/// Draws a seed when none was given (on the control side, once per module).
-pub(crate) fn seed(cfg: &mut Config) {
-    use std::hash::BuildHasher;
-    if cfg.seed == 0 {
-        cfg.seed = std::collections::hash_map::RandomState::new().hash_one(0x5eed_u64) | 1;
-    }
-}
-
 impl ModuleKind for TerminateKind {
     kind_from_decl!(DECL);
 
     fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
-        let mut r = settings.reader(KIND);
-        let mut cfg = Config::blank();
-        DECL.read(&mut r, &mut cfg)?;
-        let rules = r.strings("match")?.unwrap_or_else(|| vec!["tcp *".into()]);
-        let matcher = MatchTable::parse(&rules).map_err(|e| r.error("match", e))?;
-        let backend = backend::read(&mut r)?;
-        let netns = r.string("netns")?.unwrap_or_default();
-        r.finish()?;
-        seed(&mut cfg);
-        let b = TerminateBuilder { cfg, matcher };
-        if backend == Backend::Kernel {
-            let (side, interface, decl) = (Side::App, b.interface(), &DECL);
-            let req = KernelRequest { side, cfg: b.cfg, matcher: b.matcher, netns, interface, decl };
-            return backend::build_kernel(settings, KIND, req);
-        }
-        Ok(Box::new(b))
-    }
-}
-
-struct TerminateBuilder {
-    cfg: Config,
-    matcher: MatchTable,
-}
-
-impl ModuleBuilder for TerminateBuilder {
-    fn interface(&self) -> ModuleInterface {
-        let mut iface = DECL.interface(&self.cfg);
-        for (i, rule) in self.matcher.rules.iter().enumerate() {
-            let desc = format!("new flows decided by match rule {}: {rule}", i + 1);
-            iface.vars.push(VarSpec::meter(&format!("rule{}_matches_total", i + 1), ValueType::U64, "flows", &desc));
-        }
-        iface
-    }
-
-    fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module> {
-        DECL.publish(&self.cfg, vars);
-        let hits = (1..=self.matcher.rules.len()).map(|i| vars.meter(&format!("rule{i}_matches_total"))).collect();
-        Box::new(Endpoint::new(Side::App, PORTS, &DECL, self.cfg, DECL.meters(vars), self.matcher, hits))
+        backend::configure(settings, KIND, &DECL, (Side::App, PORTS), |r| {
+            let rules = r.strings("match")?.unwrap_or_else(|| vec!["tcp *".into()]);
+            MatchTable::parse(&rules).map_err(|e| r.error("match", e))
+        })
     }
 }

@@ -345,6 +345,29 @@ impl Lab {
         self.app.sockets.add(s)
     }
 
+    /// A server socket on port 80 and an app socket connected to it (buffers of 64 KiB): (server, app).
+    pub fn pair(&mut self) -> (SocketHandle, SocketHandle) {
+        (self.listen(80, 65536), self.connect(80, 65536))
+    }
+
+    /// A lab with no settings that keeps the packets it sees (`seen_to_app`, `seen_to_net`).
+    pub fn watched(v6: bool) -> Lab {
+        let mut lab = Lab::new(v6, &[], &[], &[]);
+        lab.keep_seen = true;
+        lab
+    }
+
+    /// Runs `ms` more milliseconds, then neither endpoint may hold a connection.
+    pub fn assert_empty_after(&mut self, ms: u64) {
+        self.run(ms);
+        assert_eq!(self.connections(), 0, "connections left after {ms} ms");
+    }
+
+    /// TCP connections both endpoints (`t`, `o`) still hold.
+    pub fn connections(&self) -> u64 {
+        self.meter("module.t.connections_active") + self.meter("module.o.connections_active")
+    }
+
     /// A u64 meter of the registry.
     pub fn meter(&self, name: &str) -> u64 {
         match self.sw.registry().snapshot().get(name).unwrap_or_else(|| panic!("no variable {name}")).get() {
@@ -428,6 +451,11 @@ pub fn tcp_flags(packet: &[u8]) -> Option<u8> {
 }
 
 /// The endpoints of an address family as socket addresses.
+/// True for a TCP segment with RST set.
+pub fn is_rst(packet: &[u8]) -> bool {
+    tcp_flags(packet).is_some_and(|f| f & 0x04 != 0)
+}
+
 pub fn sa(ip: IpAddr, port: u16) -> SocketAddr {
     SocketAddr::new(ip, port)
 }

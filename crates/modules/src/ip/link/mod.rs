@@ -107,8 +107,8 @@ pub(crate) use neighbours::{Cache, Entry, State};
 
 use flexstack_core::module::port_type;
 use flexstack_core::{
-    field, kind_from_decl, Batch, ConfigError, Direction, Frame, KindDecl, Meter, MeterDecl, Module, ModuleBuilder,
-    ModuleInterface, ModuleKind, ModuleVars, Output, Packet, Param, PortDecl, Settings, Time, Value,
+    field, frames_meter, kind_from_decl, Batch, ConfigError, Direction, Frame, KindDecl, Meter, MeterDecl, Module,
+    ModuleBuilder, ModuleInterface, ModuleKind, ModuleVars, Output, Packet, Param, PortDecl, Settings, Time, Value,
 };
 use flexstack_wire::checksum;
 use flexstack_wire::packet::proto;
@@ -257,118 +257,98 @@ const DECL: KindDecl<Config, Meters> = KindDecl {
 const METERS: [MeterDecl<Meters>; 34] = [
     MeterDecl::u64("neighbours", "", "entries in the neighbour cache, resolved or not", |m| &mut m.neighbours),
     MeterDecl::u64("queued", "frames", "packets waiting for their next hop to be resolved", |m| &mut m.queued),
-    MeterDecl::u64("passed_up_total", "frames", "IP packets received and emitted on `ip`", |m| {
-        &mut m.counts[Count::PassedUp as usize]
-    }),
-    MeterDecl::u64("sent_total", "frames", "IP packets emitted on `wire` with an Ethernet header", |m| {
-        &mut m.counts[Count::Sent as usize]
-    }),
-    MeterDecl::u64("arp_requests_received_total", "frames", "ARP requests received", |m| {
-        &mut m.counts[Count::ArpRequestsReceived as usize]
-    }),
-    MeterDecl::u64("arp_replies_received_total", "frames", "ARP replies received", |m| {
-        &mut m.counts[Count::ArpRepliesReceived as usize]
-    }),
-    MeterDecl::u64("arp_requests_answered_total", "frames", "ARP replies sent for our addresses", |m| {
-        &mut m.counts[Count::ArpRequestsAnswered as usize]
-    }),
-    MeterDecl::u64("arp_requests_sent_total", "frames", "ARP requests sent (resolution and probes)", |m| {
-        &mut m.counts[Count::ArpRequestsSent as usize]
-    }),
-    MeterDecl::u64("ns_received_total", "frames", "neighbour solicitations received", |m| {
-        &mut m.counts[Count::NsReceived as usize]
-    }),
-    MeterDecl::u64("na_received_total", "frames", "neighbour advertisements received", |m| {
-        &mut m.counts[Count::NaReceived as usize]
-    }),
-    MeterDecl::u64("rs_received_total", "frames", "router solicitations received (ignored)", |m| {
-        &mut m.counts[Count::RsReceived as usize]
-    }),
-    MeterDecl::u64("ra_received_total", "frames", "router advertisements received (ignored)", |m| {
-        &mut m.counts[Count::RaReceived as usize]
-    }),
-    MeterDecl::u64("redirects_received_total", "frames", "redirects received (ignored)", |m| {
-        &mut m.counts[Count::RedirectsReceived as usize]
-    }),
-    MeterDecl::u64("ns_sent_total", "frames", "neighbour solicitations sent (resolution and probes)", |m| {
-        &mut m.counts[Count::NsSent as usize]
-    }),
-    MeterDecl::u64("na_sent_total", "frames", "neighbour advertisements sent for our addresses", |m| {
-        &mut m.counts[Count::NaSent as usize]
-    }),
-    MeterDecl::u64("resolved_total", "frames", "next hops resolved", |m| &mut m.counts[Count::Resolved as usize]),
-    MeterDecl::u64("resolution_failed_total", "frames", "next hops or probed neighbours that did not answer", |m| {
-        &mut m.counts[Count::ResolutionFailed as usize]
-    }),
-    MeterDecl::u64("expired_total", "frames", "neighbours removed unused after their timeout", |m| {
-        &mut m.counts[Count::Expired as usize]
-    }),
-    MeterDecl::u64("evicted_total", "frames", "neighbours evicted to make room", |m| {
-        &mut m.counts[Count::Evicted as usize]
-    }),
-    MeterDecl::u64("address_conflicts_total", "frames", "ARP/NA from another MAC claiming one of our addresses", |m| {
-        &mut m.counts[Count::AddressConflicts as usize]
-    }),
-    MeterDecl::u64("drop_truncated_total", "frames", "frames shorter than their Ethernet or IP header", |m| {
-        &mut m.drops[Reason::Truncated as usize]
-    }),
-    MeterDecl::u64(
+    frames_meter!("passed_up_total", "IP packets received and emitted on `ip`", counts[Count::PassedUp]),
+    frames_meter!("sent_total", "IP packets emitted on `wire` with an Ethernet header", counts[Count::Sent]),
+    frames_meter!("arp_requests_received_total", "ARP requests received", counts[Count::ArpRequestsReceived]),
+    frames_meter!("arp_replies_received_total", "ARP replies received", counts[Count::ArpRepliesReceived]),
+    frames_meter!(
+        "arp_requests_answered_total",
+        "ARP replies sent for our addresses",
+        counts[Count::ArpRequestsAnswered]
+    ),
+    frames_meter!(
+        "arp_requests_sent_total",
+        "ARP requests sent (resolution and probes)",
+        counts[Count::ArpRequestsSent]
+    ),
+    frames_meter!("ns_received_total", "neighbour solicitations received", counts[Count::NsReceived]),
+    frames_meter!("na_received_total", "neighbour advertisements received", counts[Count::NaReceived]),
+    frames_meter!("rs_received_total", "router solicitations received (ignored)", counts[Count::RsReceived]),
+    frames_meter!("ra_received_total", "router advertisements received (ignored)", counts[Count::RaReceived]),
+    frames_meter!("redirects_received_total", "redirects received (ignored)", counts[Count::RedirectsReceived]),
+    frames_meter!("ns_sent_total", "neighbour solicitations sent (resolution and probes)", counts[Count::NsSent]),
+    frames_meter!("na_sent_total", "neighbour advertisements sent for our addresses", counts[Count::NaSent]),
+    frames_meter!("resolved_total", "next hops resolved", counts[Count::Resolved]),
+    frames_meter!(
+        "resolution_failed_total",
+        "next hops or probed neighbours that did not answer",
+        counts[Count::ResolutionFailed]
+    ),
+    frames_meter!("expired_total", "neighbours removed unused after their timeout", counts[Count::Expired]),
+    frames_meter!("evicted_total", "neighbours evicted to make room", counts[Count::Evicted]),
+    frames_meter!(
+        "address_conflicts_total",
+        "ARP/NA from another MAC claiming one of our addresses",
+        counts[Count::AddressConflicts]
+    ),
+    frames_meter!("drop_truncated_total", "frames shorter than their Ethernet or IP header", drops[Reason::Truncated]),
+    frames_meter!(
         "drop_not_for_us_total",
-        "frames",
         "frames to another MAC, or multicast not matching their EtherType",
-        |m| &mut m.drops[Reason::NotForUs as usize],
+        drops[Reason::NotForUs]
     ),
-    MeterDecl::u64("drop_bad_source_mac_total", "frames", "frames from a multicast source MAC or our own", |m| {
-        &mut m.drops[Reason::BadSourceMac as usize]
-    }),
-    MeterDecl::u64("drop_bad_ethertype_total", "frames", "frames of an EtherType other than ARP, IPv4, IPv6", |m| {
-        &mut m.drops[Reason::BadEthertype as usize]
-    }),
-    MeterDecl::u64("drop_bad_version_total", "frames", "IP frames whose version disagrees with the EtherType", |m| {
-        &mut m.drops[Reason::BadVersion as usize]
-    }),
-    MeterDecl::u64(
+    frames_meter!(
+        "drop_bad_source_mac_total",
+        "frames from a multicast source MAC or our own",
+        drops[Reason::BadSourceMac]
+    ),
+    frames_meter!(
+        "drop_bad_ethertype_total",
+        "frames of an EtherType other than ARP, IPv4, IPv6",
+        drops[Reason::BadEthertype]
+    ),
+    frames_meter!(
+        "drop_bad_version_total",
+        "IP frames whose version disagrees with the EtherType",
+        drops[Reason::BadVersion]
+    ),
+    frames_meter!(
         "drop_arp_malformed_total",
-        "frames",
         "ARP messages that are not Ethernet/IPv4 requests or replies",
-        |m| &mut m.drops[Reason::ArpMalformed as usize],
+        drops[Reason::ArpMalformed]
     ),
-    MeterDecl::u64("drop_ndp_malformed_total", "frames", "neighbour discovery messages that do not parse", |m| {
-        &mut m.drops[Reason::NdpMalformed as usize]
-    }),
-    MeterDecl::u64(
+    frames_meter!(
+        "drop_ndp_malformed_total",
+        "neighbour discovery messages that do not parse",
+        drops[Reason::NdpMalformed]
+    ),
+    frames_meter!(
         "drop_ndp_invalid_total",
-        "frames",
         "neighbour discovery messages failing RFC 4861 validity checks",
-        |m| &mut m.drops[Reason::NdpInvalid as usize],
+        drops[Reason::NdpInvalid]
     ),
-    MeterDecl::u64(
+    frames_meter!(
         "drop_bad_icmpv6_checksum_total",
-        "frames",
         "neighbour discovery messages with a wrong checksum",
-        |m| &mut m.drops[Reason::BadIcmpv6Checksum as usize],
+        drops[Reason::BadIcmpv6Checksum]
     ),
-    MeterDecl::u64(
+    frames_meter!(
         "drop_bad_packet_total",
-        "frames",
         "packets to send that are not IPv4/IPv6 with a whole fixed header",
-        |m| &mut m.drops[Reason::BadPacket as usize],
+        drops[Reason::BadPacket]
     ),
-    MeterDecl::u64("drop_no_route_total", "frames", "packets to send with no next hop", |m| {
-        &mut m.drops[Reason::NoRoute as usize]
-    }),
-    MeterDecl::u64(
+    frames_meter!("drop_no_route_total", "packets to send with no next hop", drops[Reason::NoRoute]),
+    frames_meter!(
         "drop_resolution_queue_full_total",
-        "frames",
         "packets to send while their next hop's queue was full",
-        |m| &mut m.drops[Reason::QueueFull as usize],
+        drops[Reason::QueueFull]
     ),
-    MeterDecl::u64("drop_unresolved_total", "frames", "queued packets whose next hop never answered", |m| {
-        &mut m.drops[Reason::Unresolved as usize]
-    }),
-    MeterDecl::u64("drop_evicted_total", "frames", "queued packets whose next hop was evicted from the cache", |m| {
-        &mut m.drops[Reason::Evicted as usize]
-    }),
+    frames_meter!("drop_unresolved_total", "queued packets whose next hop never answered", drops[Reason::Unresolved]),
+    frames_meter!(
+        "drop_evicted_total",
+        "queued packets whose next hop was evicted from the cache",
+        drops[Reason::Evicted]
+    ),
 ];
 
 impl ModuleKind for LinkKind {

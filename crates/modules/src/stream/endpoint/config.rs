@@ -1,6 +1,7 @@
 //! The settings, knobs and meters `terminate` and `originate` share, declared once (each kind's `DECL` adds its
 //! ports and its own settings with `endpoint_decl!`).
 
+use crate::stream::u64_meters;
 use flexstack_core::{Meter, MeterDecl, ValueType, VarSpec};
 use flexstack_wire::cidr::PortRange;
 use smoltcp::socket::tcp::CongestionControl;
@@ -128,11 +129,12 @@ pub fn parse_sources(text: &str) -> Result<Vec<IpAddr>, String> {
     Ok(out)
 }
 
-/// The shared parameters, then `$extra` (each kind's own), and the shared meters: an endpoint kind's declaration.
-/// The caller has `P` (`Param<Config>`) and `field!` in scope.
+/// The shared parameters (`$backend` describes the back-end setting), then `$extra` (each kind's own), and the shared
+/// meters: an endpoint kind's declaration.
+/// The caller has `P` (`Param<Config>`) in scope.
 macro_rules! endpoint_decl {
     (
-        $name:expr, $summary:expr, $prefix:expr,
+        $name:expr, $summary:expr, $prefix:expr, $backend:expr,
         inputs: $inputs:expr, outputs: $outputs:expr, extra: [$($extra:expr),* $(,)?]
     ) => {
         flexstack_core::KindDecl {
@@ -144,78 +146,78 @@ macro_rules! endpoint_decl {
                     "bytes",
                     "most bytes of a flow's data in flight in the stream chain (sent, not acked), per direction",
                     262_144,
-                    field!(budget),
+                    flexstack_core::field!(budget),
                 ).range(1024.0, 1073741824.0),
                 P::u64(
                     "queue_limit",
                     "bytes",
                     "most bytes queued for one flow's socket, else the flow is aborted (above the other end's budget)",
                     4_194_304,
-                    field!(queue_limit),
+                    flexstack_core::field!(queue_limit),
                 ).range(1024.0, 4294967296.0),
-                P::u64("chunk", "bytes", "most bytes in one Data frame", 16_384, field!(chunk)).range(64.0, 65536.0),
+                P::u64("chunk", "bytes", "most bytes in one Data frame", 16_384, flexstack_core::field!(chunk)).range(64.0, 65536.0),
                 P::u64(
                     "rx_buffer",
                     "bytes",
                     "receive buffer of each TCP socket: its largest window",
                     65_536,
-                    field!(rx_buffer),
+                    flexstack_core::field!(rx_buffer),
                 ).range(1024.0, 67108864.0).setting(),
                 P::u64(
                     "tx_buffer",
                     "bytes",
                     "send buffer of each TCP socket",
                     65_536,
-                    field!(tx_buffer),
+                    flexstack_core::field!(tx_buffer),
                 ).range(1024.0, 67108864.0).setting(),
                 P::u64(
                     "mtu",
                     "bytes",
                     "largest IP packet it sends (the MSS follows)",
                     1500,
-                    field!(mtu),
+                    flexstack_core::field!(mtu),
                 ).range(1280.0, 65535.0).setting(),
                 P::u64(
                     "max_connections",
                     "connections",
                     "most TCP connections at once; beyond, new ones are refused",
                     4096,
-                    field!(max_connections),
+                    flexstack_core::field!(max_connections),
                 ).range(0.0, 1048576.0),
                 P::u64(
                     "max_udp_flows",
                     "flows",
                     "most UDP flows at once; beyond, new ones are refused",
                     4096,
-                    field!(max_udp_flows),
+                    flexstack_core::field!(max_udp_flows),
                 ).range(0.0, 1048576.0),
                 P::u64(
                     "connect_timeout_ms",
                     "ms",
                     "a TCP connection not established after this long is given up (`timeout`)",
                     30_000,
-                    field!(connect_timeout_ms),
+                    flexstack_core::field!(connect_timeout_ms),
                 ).range(1.0, 3600000.0),
                 P::u64(
                     "udp_timeout_ms",
                     "ms",
                     "a UDP flow idle this long ends (`Fin`)",
                     30_000,
-                    field!(udp_timeout_ms),
+                    flexstack_core::field!(udp_timeout_ms),
                 ).range(1.0, 86400000.0),
                 P::u64(
                     "keepalive_ms",
                     "ms",
                     "keep-alive interval of idle TCP connections; 0: none",
                     60_000,
-                    field!(keepalive_ms),
+                    flexstack_core::field!(keepalive_ms),
                 ).range(0.0, 86400000.0),
                 P::u64(
                     "timeout_ms",
                     "ms",
                     "a TCP peer silent this long with data or keep-alives outstanding is given up; 0: never",
                     180_000,
-                    field!(timeout_ms),
+                    flexstack_core::field!(timeout_ms),
                 ).range(0.0, 86400000.0),
                 P::text(
                     "cc",
@@ -225,7 +227,7 @@ macro_rules! endpoint_decl {
                     |c,
                     t| $crate::stream::endpoint::config::Cc::parse(t).map(|v| c.cc = v),
                 ),
-                P::bool("nagle", "Nagle's algorithm on new TCP connections", false, field!(nagle)),
+                P::bool("nagle", "Nagle's algorithm on new TCP connections", false, flexstack_core::field!(nagle)),
                 P::text(
                     "vars_prefix",
                     "per-flow meters go under `<vars_prefix>.<flow>`",
@@ -239,8 +241,10 @@ macro_rules! endpoint_decl {
                     "",
                     "seed of initial sequence numbers and local ports; 0: random, drawn when configured",
                     0,
-                    field!(seed),
+                    flexstack_core::field!(seed),
                 ).setting(),
+                // Read by `stream::backend::configure`, which builds the back-end (`kernel` through the daemon's hook).
+                P::manual("backend", "str", $backend, "\"smoltcp\""),
                 $($extra),*
             ],
             meters: $crate::stream::endpoint::config::METERS,
@@ -280,90 +284,68 @@ pub struct Meters {
 }
 
 /// The meters both kinds declare.
-pub const METERS: &[MeterDecl<Meters>] = &[
-    MeterDecl::u64("connections_active", "connections", "TCP connections held", |m| &mut m.tcp_active),
-    MeterDecl::u64("connections_total", "connections", "TCP connections started", |m| &mut m.tcp_total),
-    MeterDecl::u64("udp_flows_active", "flows", "UDP flows held", |m| &mut m.udp_active),
-    MeterDecl::u64("udp_flows_total", "flows", "UDP flows started", |m| &mut m.udp_total),
-    MeterDecl::u64("refused_total", "flows", "new flows refused: a limit was reached", |m| &mut m.refused),
-    MeterDecl::u64("aborts_sent_total", "flows", "flows this endpoint aborted (`Abort` sent)", |m| &mut m.aborts_sent),
-    MeterDecl::u64("aborts_received_total", "flows", "flows aborted by the other endpoint", |m| &mut m.aborts_received),
-    MeterDecl::u64("timeouts_total", "flows", "flows given up on a timeout", |m| &mut m.timeouts),
-    MeterDecl::u64("data_bytes_out_total", "bytes", "stream bytes read from sockets and sent as `Data`", |m| {
-        &mut m.bytes_out
-    }),
-    MeterDecl::u64("data_bytes_in_total", "bytes", "stream bytes received as `Data` and handed to sockets", |m| {
-        &mut m.bytes_in
-    }),
-    MeterDecl::u64("buffered_bytes", "bytes", "`Data` bytes waiting for room in their sockets, all flows", |m| {
-        &mut m.buffered
-    }),
-    MeterDecl::u64("in_flight_bytes", "bytes", "`Data` bytes sent and not yet acked, all flows", |m| &mut m.in_flight),
-    MeterDecl::u64("passed_total", "frames", "packets not terminated, sent out `pass` unchanged", |m| &mut m.passed),
-    MeterDecl::u64("segments_in_total", "frames", "TCP segments handed to the endpoint's sockets", |m| {
-        &mut m.segments_in
-    }),
-    MeterDecl::u64("segments_out_total", "frames", "TCP segments the sockets sent", |m| &mut m.segments_out),
-    MeterDecl::u64(
-        "stream_bad_total",
-        "frames",
-        "stream frames it could not use (malformed, wrong way, bad ack)",
-        |m| &mut m.stream_bad,
-    ),
-    MeterDecl::u64(
-        "stream_orphans_total",
-        "frames",
-        "stream frames of flows it does not hold (ended, or never seen)",
-        |m| &mut m.stream_orphans,
-    ),
-    MeterDecl::u64("udp_budget_drops_total", "frames", "datagrams dropped: their flow's budget was in flight", |m| {
-        &mut m.udp_budget_drops
-    }),
-    MeterDecl::u64("icmp_errors_total", "frames", "ICMP errors about its connections that it acted on", |m| {
-        &mut m.icmp_errors
-    }),
-    MeterDecl::u64("queue_overflows_total", "flows", "flows aborted: more queued than `queue_limit`", |m| {
-        &mut m.overflows
-    }),
-    MeterDecl::u64("not_packet_total", "frames", "control frames that arrived on a data port (dropped)", |m| {
-        &mut m.not_packet
-    }),
-    MeterDecl::u64(
-        "invalid_syns_total",
-        "frames",
-        "SYNs its TCP did not take (bad checksum or options): no flow",
-        |m| &mut m.invalid_syns,
-    ),
-    MeterDecl::u64(
-        "bad_datagrams_total",
-        "frames",
-        "UDP datagrams of its flows with a bad length or checksum (dropped)",
-        |m| &mut m.bad_datagrams,
-    ),
+pub const METERS: &[MeterDecl<Meters>] = u64_meters![
+    tcp_active: "connections_active", "connections", "TCP connections held";
+    tcp_total: "connections_total", "connections", "TCP connections started";
+    udp_active: "udp_flows_active", "flows", "UDP flows held";
+    udp_total: "udp_flows_total", "flows", "UDP flows started";
+    refused: "refused_total", "flows", "new flows refused: a limit was reached";
+    aborts_sent: "aborts_sent_total", "flows", "flows this endpoint aborted (`Abort` sent)";
+    aborts_received: "aborts_received_total", "flows", "flows aborted by the other endpoint";
+    timeouts: "timeouts_total", "flows", "flows given up on a timeout";
+    bytes_out: "data_bytes_out_total", "bytes", "stream bytes read from sockets and sent as `Data`";
+    bytes_in: "data_bytes_in_total", "bytes", "stream bytes received as `Data` and handed to sockets";
+    buffered: "buffered_bytes", "bytes", "`Data` bytes waiting for room in their sockets, all flows";
+    in_flight: "in_flight_bytes", "bytes", "`Data` bytes sent and not yet acked, all flows";
+    passed: "passed_total", "frames", "packets not terminated, sent out `pass` unchanged";
+    segments_in: "segments_in_total", "frames", "TCP segments handed to the endpoint's sockets";
+    segments_out: "segments_out_total", "frames", "TCP segments the sockets sent";
+    stream_bad: "stream_bad_total", "frames", "stream frames it could not use (malformed, wrong way, bad ack)";
+    stream_orphans: "stream_orphans_total", "frames", "stream frames of flows it does not hold (ended, or never seen)";
+    udp_budget_drops: "udp_budget_drops_total", "frames", "datagrams dropped: their flow's budget was in flight";
+    icmp_errors: "icmp_errors_total", "frames", "ICMP errors about its connections that it acted on";
+    overflows: "queue_overflows_total", "flows", "flows aborted: more queued than `queue_limit`";
+    not_packet: "not_packet_total", "frames", "control frames that arrived on a data port (dropped)";
+    invalid_syns: "invalid_syns_total", "frames", "SYNs its TCP did not take (bad checksum or options): no flow";
+    bad_datagrams: "bad_datagrams_total", "frames",
+        "UDP datagrams of its flows with a bad length or checksum (dropped)";
 ];
+
+/// A runtime variable of a flow: name, type, unit, description.
+type FlowVar = (&'static str, ValueType, &'static str, &'static str);
+
+/// The runtime meters of every flow, under `<vars_prefix>.<flow>`.
+const FLOW_METERS: [FlowVar; 5] = [
+    ("tuple", ValueType::Str, "", "protocol, the app's side and the original destination, app"),
+    ("bytes_down_total", ValueType::U64, "bytes", "stream bytes travelling down (from the app)"),
+    ("bytes_up_total", ValueType::U64, "bytes", "stream bytes travelling up (to the app)"),
+    ("in_flight_bytes", ValueType::U64, "bytes", "`Data` bytes this endpoint sent, not yet acked"),
+    ("queued_bytes", ValueType::U64, "bytes", "`Data` bytes waiting for room in the socket"),
+];
+
+/// The transport meters a TCP flow adds, in the order the endpoint updates them.
+pub const TCP_METERS: [FlowVar; 6] = [
+    ("tcp.state", ValueType::Str, "", "TCP state of the endpoint's socket (established ...)"),
+    ("tcp.srtt_us", ValueType::U64, "us", "smoothed round-trip time, from the segments seen"),
+    ("tcp.bytes_in_flight", ValueType::U64, "bytes", "sent and not acknowledged by the peer"),
+    ("tcp.retrans_total", ValueType::U64, "frames", "segments sent again"),
+    ("tcp.send_queue", ValueType::U64, "bytes", "bytes in the socket's send buffer"),
+    ("tcp.recv_queue", ValueType::U64, "bytes", "bytes in the socket's receive buffer"),
+];
+
+fn meter_specs(vars: &[FlowVar]) -> impl Iterator<Item = VarSpec> + '_ {
+    vars.iter().map(|&(name, ty, unit, what)| VarSpec::meter(name, ty, unit, what))
+}
 
 /// The runtime variables of one TCP flow, under `<vars_prefix>.<flow>`.
 pub fn tcp_flow_specs() -> Vec<VarSpec> {
     let mut v = flow_specs();
-    v.extend([
-        VarSpec::meter("tcp.state", ValueType::Str, "", "TCP state of the endpoint's socket (established ...)"),
-        VarSpec::meter("tcp.srtt_us", ValueType::U64, "us", "smoothed round-trip time, from the segments seen"),
-        VarSpec::meter("tcp.bytes_in_flight", ValueType::U64, "bytes", "sent and not acknowledged by the peer"),
-        VarSpec::meter("tcp.retrans_total", ValueType::U64, "frames", "segments sent again"),
-        VarSpec::meter("tcp.send_queue", ValueType::U64, "bytes", "bytes in the socket's send buffer"),
-        VarSpec::meter("tcp.recv_queue", ValueType::U64, "bytes", "bytes in the socket's receive buffer"),
-        VarSpec::knob("tcp.cc", ValueType::Str, "", "congestion control of this connection: none, reno or cubic"),
-    ]);
+    v.extend(meter_specs(&TCP_METERS));
+    v.push(VarSpec::knob("tcp.cc", ValueType::Str, "", "congestion control of this connection: none, reno or cubic"));
     v
 }
 
 /// The runtime variables of one flow (UDP; TCP adds its own).
 pub fn flow_specs() -> Vec<VarSpec> {
-    vec![
-        VarSpec::meter("tuple", ValueType::Str, "", "protocol, the app's side and the original destination, app"),
-        VarSpec::meter("bytes_down_total", ValueType::U64, "bytes", "stream bytes travelling down (from the app)"),
-        VarSpec::meter("bytes_up_total", ValueType::U64, "bytes", "stream bytes travelling up (to the app)"),
-        VarSpec::meter("in_flight_bytes", ValueType::U64, "bytes", "`Data` bytes this endpoint sent, not yet acked"),
-        VarSpec::meter("queued_bytes", ValueType::U64, "bytes", "`Data` bytes waiting for room in the socket"),
-    ]
+    meter_specs(&FLOW_METERS).collect()
 }

@@ -26,7 +26,8 @@ use config::{Cc, Config, Meters};
 use device::Queues;
 use flexstack_core::stream::{Credit, FlowInfo, Protocol, Role, StreamEvent, StreamFrame};
 use flexstack_core::{
-    Batch, Direction, Frame, KindDecl, Meter, Module, ModuleVars, Output, Packet, Time, Value, VarSpec,
+    Batch, ConfigError, Direction, Frame, KindDecl, Meter, Module, ModuleBuilder, ModuleInterface, ModuleVars, Output,
+    Packet, Settings, Time, Value, ValueType, VarSpec,
 };
 use flexstack_wire::checksum;
 use flexstack_wire::packet::{proto, PacketInfo};
@@ -177,16 +178,7 @@ impl FlowMeters {
             up: m("bytes_up_total"),
             in_flight: m("in_flight_bytes"),
             queued: m("queued_bytes"),
-            tcp: tcp.then(|| {
-                [
-                    m("tcp.state"),
-                    m("tcp.srtt_us"),
-                    m("tcp.bytes_in_flight"),
-                    m("tcp.retrans_total"),
-                    m("tcp.send_queue"),
-                    m("tcp.recv_queue"),
-                ]
-            }),
+            tcp: tcp.then(|| std::array::from_fn(|i| m(config::TCP_METERS[i].0))),
         }
     }
 }
@@ -223,6 +215,25 @@ struct Flows {
     udp_count: usize,
     buffered: u64,
     in_flight: u64,
+}
+
+impl Flows {
+    /// No flows yet.
+    fn new(side: Side, iface: Interface, next_port: u32) -> Flows {
+        Flows {
+            side,
+            iface,
+            conns: HashMap::new(),
+            by_key: HashMap::new(),
+            timers: BTreeSet::new(),
+            next_id: 0,
+            next_port,
+            tcp_count: 0,
+            udp_count: 0,
+            buffered: 0,
+            in_flight: 0,
+        }
+    }
 }
 
 fn instant(t: Time) -> Instant {
@@ -263,6 +274,55 @@ fn peer_fin(s: tcp::State) -> bool {
     matches!(s, tcp::State::CloseWait | tcp::State::LastAck | tcp::State::Closing | tcp::State::TimeWait)
 }
 
+/// The builder of both kinds: they differ in their declaration, side and ports, and only `terminate` has a match
+/// table (one meter per rule).
+pub struct EndpointBuilder {
+    pub(crate) side: Side,
+    pub(crate) ports: Ports,
+    pub(crate) decl: &'static KindDecl<Config, Meters>,
+    pub(crate) cfg: Config,
+    pub(crate) matcher: MatchTable,
+}
+
+impl EndpointBuilder {
+    /// Reads an endpoint's settings for kind `kind` (declared in `decl`), and with `more` what only that kind has
+    /// (its match table, and the back-end: `stream::backend::configure`, which builds the one chosen); draws a seed
+    /// when none was given (on the control side, once per module).
+    pub fn read(
+        settings: &Settings,
+        kind: &str,
+        decl: &'static KindDecl<Config, Meters>,
+        (side, ports): (Side, Ports),
+        more: impl FnOnce(&mut flexstack_core::config::SettingsReader<'_>) -> Result<MatchTable, ConfigError>,
+    ) -> Result<EndpointBuilder, ConfigError> {
+        let mut r = settings.reader(kind);
+        let mut cfg = Config::blank();
+        decl.read(&mut r, &mut cfg)?;
+        let matcher = more(&mut r)?;
+        r.finish()?;
+        if cfg.seed == 0 {
+            use std::hash::BuildHasher;
+            cfg.seed = std::collections::hash_map::RandomState::new().hash_one(0x5eed_u64) | 1;
+        }
+        Ok(EndpointBuilder { side, ports, decl, cfg, matcher })
+    }
+}
+
+impl ModuleBuilder for EndpointBuilder {
+    fn interface(&self) -> ModuleInterface {
+        let mut iface = self.decl.interface(&self.cfg);
+        for (i, rule) in self.matcher.rules.iter().enumerate() {
+            let desc = format!("new flows decided by match rule {}: {rule}", i + 1);
+            iface.vars.push(VarSpec::meter(&format!("rule{}_matches_total", i + 1), ValueType::U64, "flows", &desc));
+        }
+        iface
+    }
+
+    fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module> {
+        Box::new(Endpoint::new(*self, vars))
+    }
+}
+
 /// A running `terminate` or `originate`.
 pub struct Endpoint {
     side: Side,
@@ -272,38 +332,27 @@ pub struct Endpoint {
     m: Meters,
     matcher: MatchTable,
     rule_hits: Vec<Meter>,
-    iface: Interface,
+    /// Its interface and flows (handed to a replacement as they are).
+    f: Flows,
     dev: Queues,
     /// A socket set with no socket: a TCP packet fed through it is answered with RST.
     empty: SocketSet<'static>,
-    conns: HashMap<u64, Conn>,
-    by_key: HashMap<Key, u64>,
-    timers: BTreeSet<(Time, u64)>,
     touched: Vec<u64>,
-    next_id: u64,
-    next_port: u32,
-    tcp_count: usize,
-    udp_count: usize,
-    buffered: u64,
-    in_flight: u64,
     tcp_specs: Vec<VarSpec>,
     udp_specs: Vec<VarSpec>,
 }
 
 impl Endpoint {
-    /// An endpoint on `side` with its configuration and meters (`rule_hits`: one meter per match rule).
-    pub fn new(
-        side: Side,
-        ports: Ports,
-        decl: &'static KindDecl<Config, Meters>,
-        cfg: Config,
-        m: Meters,
-        matcher: MatchTable,
-        rule_hits: Vec<Meter>,
-    ) -> Endpoint {
+    /// The endpoint `b` built, its settings and knobs published in `vars`, its meters bound there (one per match
+    /// rule too).
+    fn new(b: EndpointBuilder, vars: &ModuleVars) -> Endpoint {
+        let EndpointBuilder { side, ports, decl, cfg, matcher } = b;
+        decl.publish(&cfg, vars);
+        let m = decl.meters(vars);
+        let rule_hits = (1..=matcher.rules.len()).map(|i| vars.meter(&format!("rule{i}_matches_total"))).collect();
         let mut dev = Queues::new(cfg.mtu as usize);
-        let iface = interface(cfg.seed, &mut dev);
         let next_port = u32::from(cfg.ports.first) + (cfg.seed % u64::from(cfg.ports.count())) as u32;
+        let f = Flows::new(side, interface(cfg.seed, &mut dev), next_port);
         Endpoint {
             side,
             ports,
@@ -312,26 +361,17 @@ impl Endpoint {
             m,
             matcher,
             rule_hits,
-            iface,
+            f,
             dev,
             empty: SocketSet::new(Vec::new()),
-            conns: HashMap::new(),
-            by_key: HashMap::new(),
-            timers: BTreeSet::new(),
             touched: Vec::new(),
-            next_id: 0,
-            next_port,
-            tcp_count: 0,
-            udp_count: 0,
-            buffered: 0,
-            in_flight: 0,
             tcp_specs: config::tcp_flow_specs(),
             udp_specs: config::flow_specs(),
         }
     }
 
     fn touch(&mut self, id: u64) {
-        if let Some(c) = self.conns.get_mut(&id) {
+        if let Some(c) = self.f.conns.get_mut(&id) {
             if !c.touched {
                 c.touched = true;
                 self.touched.push(id);
@@ -340,15 +380,15 @@ impl Endpoint {
     }
 
     fn schedule(&mut self, id: u64, at: Option<Time>) {
-        let Some(c) = self.conns.get_mut(&id) else { return };
+        let Some(c) = self.f.conns.get_mut(&id) else { return };
         if c.timer == at {
             return;
         }
         if let Some(old) = c.timer.take() {
-            self.timers.remove(&(old, id));
+            self.f.timers.remove(&(old, id));
         }
         if let Some(t) = at {
-            self.timers.insert((t, id));
+            self.f.timers.insert((t, id));
             c.timer = Some(t);
         }
     }
@@ -388,15 +428,15 @@ impl Endpoint {
         )));
         if let Some(t) = &tcp {
             vars.meter("tcp.cc").store(&Value::Str(t.cc.name().into()));
-            self.tcp_count += 1;
+            self.f.tcp_count += 1;
             self.m.tcp_total.add(1);
         } else {
-            self.udp_count += 1;
+            self.f.udp_count += 1;
             self.m.udp_total.add(1);
         }
         let fm = FlowMeters::new(&vars, tcp.is_some());
-        self.by_key.insert(key, id);
-        self.conns.insert(
+        self.f.by_key.insert(key, id);
+        self.f.conns.insert(
             id,
             Conn {
                 key,
@@ -418,25 +458,25 @@ impl Endpoint {
     }
 
     fn publish_counts(&self) {
-        self.m.tcp_active.set(self.tcp_count as u64);
-        self.m.udp_active.set(self.udp_count as u64);
-        self.m.buffered.set(self.buffered);
-        self.m.in_flight.set(self.in_flight);
+        self.m.tcp_active.set(self.f.tcp_count as u64);
+        self.m.udp_active.set(self.f.udp_count as u64);
+        self.m.buffered.set(self.f.buffered);
+        self.m.in_flight.set(self.f.in_flight);
     }
 
     /// Forgets flow `id`: its key, timer, queue and meters.
     fn remove(&mut self, id: u64, out: &mut Output<'_>) {
-        let Some(c) = self.conns.remove(&id) else { return };
-        self.by_key.remove(&c.key);
+        let Some(c) = self.f.conns.remove(&id) else { return };
+        self.f.by_key.remove(&c.key);
         if let Some(t) = c.timer {
-            self.timers.remove(&(t, id));
+            self.f.timers.remove(&(t, id));
         }
-        self.buffered -= c.queued;
-        self.in_flight -= c.credit.in_flight();
+        self.f.buffered -= c.queued;
+        self.f.in_flight -= c.credit.in_flight();
         if c.tcp.is_some() {
-            self.tcp_count -= 1;
+            self.f.tcp_count -= 1;
         } else {
-            self.udp_count -= 1;
+            self.f.udp_count -= 1;
         }
         out.unregister_vars(&c.vars_name);
         self.publish_counts();
@@ -469,7 +509,7 @@ impl Endpoint {
         match info.protocol {
             proto::TCP | proto::UDP => {
                 let key = (info.protocol, src, dst);
-                if let Some(&id) = self.by_key.get(&key) {
+                if let Some(&id) = self.f.by_key.get(&key) {
                     checksum::complete_partial(&mut p);
                     return self.flow_packet(id, p, &info, out);
                 }
@@ -492,7 +532,7 @@ impl Endpoint {
 
     /// A packet of a flow it holds.
     fn flow_packet(&mut self, id: u64, p: Packet, info: &PacketInfo, out: &mut Output<'_>) {
-        let Some(c) = self.conns.get_mut(&id) else { return };
+        let Some(c) = self.f.conns.get_mut(&id) else { return };
         match &mut c.tcp {
             Some(t) => {
                 t.rx.push(p);
@@ -512,14 +552,14 @@ impl Endpoint {
     /// A datagram of UDP flow `id` from the socket side: `Data` if its budget allows.
     fn udp_datagram(&mut self, id: u64, payload: &[u8], out: &mut Output<'_>) {
         let (budget, dir, timeout) = (self.cfg.budget, self.side.out_dir(), self.cfg.udp_timeout_ms);
-        let Some(c) = self.conns.get_mut(&id) else { return };
+        let Some(c) = self.f.conns.get_mut(&id) else { return };
         let len = payload.len() as u64;
         if c.credit.room(budget) < len.max(1) {
             self.m.udp_budget_drops.add(1);
             return;
         }
         c.credit.send(len);
-        self.in_flight += len;
+        self.f.in_flight += len;
         let m = if dir == Direction::Down { &c.vars.down } else { &c.vars.up };
         m.add(len);
         c.vars.in_flight.set(c.credit.in_flight());
@@ -563,7 +603,7 @@ impl Endpoint {
                 out.drop_frame(Frame::Data(p));
                 return None;
             }
-            if self.udp_count as u64 >= self.cfg.max_udp_flows {
+            if self.f.udp_count as u64 >= self.cfg.max_udp_flows {
                 self.m.refused.add(1);
                 out.drop_frame(Frame::Data(p));
                 return None;
@@ -576,11 +616,11 @@ impl Endpoint {
             self.udp_datagram(id, payload, out);
             return None;
         }
-        if self.tcp_count as u64 >= self.cfg.max_connections {
+        if self.f.tcp_count as u64 >= self.cfg.max_connections {
             // Refused: the SYN goes through a socket set without sockets, which answers with RST.
             self.m.refused.add(1);
             self.dev.rx.push_back(p);
-            self.iface.poll(instant(now), &mut self.dev, &mut self.empty);
+            self.f.iface.poll(instant(now), &mut self.dev, &mut self.empty);
             self.flush_tx(None, now, out);
             return None;
         }
@@ -598,7 +638,7 @@ impl Endpoint {
         }
         // The SYN goes in at once: a SYN smoltcp does not take (a bad checksum, bad options) makes no connection.
         self.dev.rx.push_back(p);
-        self.iface.poll(instant(now), &mut self.dev, &mut sockets);
+        self.f.iface.poll(instant(now), &mut self.dev, &mut sockets);
         self.dev.tx.clear(); // nothing: the SYN-ACK is held
         if sockets.get::<tcp::Socket>(handle).state() != tcp::State::SynReceived {
             self.m.invalid_syns.add(1);
@@ -609,7 +649,7 @@ impl Endpoint {
         let open = StreamFrame::open(out.pool(), id, Direction::Down, &info_out);
         self.insert(id, (proto::TCP, src, dst), info_out, Some(t), out);
         self.m.segments_in.add(1);
-        if let Some(c) = self.conns.get_mut(&id) {
+        if let Some(c) = self.f.conns.get_mut(&id) {
             c.deadline = Some(now + Duration::from_millis(self.cfg.connect_timeout_ms));
         }
         self.emit_stream(out, open);
@@ -618,8 +658,8 @@ impl Endpoint {
     }
 
     fn new_id(&mut self) -> u64 {
-        self.next_id += 1;
-        self.next_id
+        self.f.next_id += 1;
+        self.f.next_id
     }
 
     /// An ICMP error from the network about one of its flows: a connection being made, or a UDP flow, ends as
@@ -632,8 +672,8 @@ impl Endpoint {
         }
         let Some(q) = wire::quoted(&p.data()[info.l4_offset..info.total_len]) else { return Some(p) };
         // The quoted packet is one we sent: its destination is the far end, its source the near end.
-        let Some(&id) = self.by_key.get(&(q.protocol, q.dst, q.src)) else { return Some(p) };
-        let connecting = self.conns.get(&id).and_then(|c| c.tcp.as_ref()).map(|t| !t.established);
+        let Some(&id) = self.f.by_key.get(&(q.protocol, q.dst, q.src)) else { return Some(p) };
+        let connecting = self.f.conns.get(&id).and_then(|c| c.tcp.as_ref()).map(|t| !t.established);
         // An established connection takes it as a soft error, as a kernel socket does: nothing changes.
         if connecting != Some(false) {
             self.m.icmp_errors.add(1);
@@ -667,14 +707,14 @@ impl Endpoint {
                 return self.open_net(id, info, out);
             }
         }
-        if !self.conns.contains_key(&id) {
+        if !self.f.conns.contains_key(&id) {
             self.m.stream_orphans.add(1);
             return;
         }
         match event {
             StreamEvent::Open(_) => {
                 // terminate: the far side accepted; release the SYN-ACK.
-                if let Some(t) = self.conns.get_mut(&id).and_then(|c| c.tcp.as_mut()) {
+                if let Some(t) = self.f.conns.get_mut(&id).and_then(|c| c.tcp.as_mut()) {
                     if !t.accepted {
                         t.accepted = true;
                         t.sockets.get_mut::<tcp::Socket>(t.handle).pause_synack(false);
@@ -684,12 +724,12 @@ impl Endpoint {
             }
             StreamEvent::Data(bytes) => {
                 let len = bytes.len() as u64;
-                if self.conns[&id].tcp.is_none() {
+                if self.f.conns[&id].tcp.is_none() {
                     self.udp_send(id, &p, out);
                     return;
                 }
                 let limit = self.cfg.queue_limit;
-                let c = self.conns.get_mut(&id).expect("checked");
+                let c = self.f.conns.get_mut(&id).expect("checked");
                 if c.tcp.as_ref().is_some_and(|t| t.fin_in || t.abort_in) {
                     self.m.stream_bad.add(1); // data after Fin
                     return;
@@ -708,11 +748,11 @@ impl Endpoint {
                 }
                 c.queued += len;
                 c.queue.push_back(p);
-                self.buffered += len;
+                self.f.buffered += len;
                 self.touch(id);
             }
             StreamEvent::Fin => {
-                let c = self.conns.get_mut(&id).expect("checked");
+                let c = self.f.conns.get_mut(&id).expect("checked");
                 match c.tcp.as_mut() {
                     Some(t) => {
                         t.fin_in = true;
@@ -727,12 +767,12 @@ impl Endpoint {
                 self.abort_in(id, &reason, out);
             }
             StreamEvent::Ack(n) => {
-                let c = self.conns.get_mut(&id).expect("checked");
+                let c = self.f.conns.get_mut(&id).expect("checked");
                 let before = c.credit.in_flight();
                 if !c.credit.ack(n) {
                     self.m.stream_bad.add(1);
                 }
-                self.in_flight -= before - c.credit.in_flight();
+                self.f.in_flight -= before - c.credit.in_flight();
                 c.vars.in_flight.set(c.credit.in_flight());
                 self.touch(id);
             }
@@ -742,7 +782,7 @@ impl Endpoint {
     /// `Data` for UDP flow `id`: the datagram goes out at once, and is acked.
     fn udp_send(&mut self, id: u64, p: &Packet, out: &mut Output<'_>) {
         let (dir, ip_dir, timeout) = (self.side.out_dir(), self.side.ip_dir(), self.cfg.udp_timeout_ms);
-        let c = self.conns.get_mut(&id).expect("checked");
+        let c = self.f.conns.get_mut(&id).expect("checked");
         let (far, near) = (c.key.1, c.key.2);
         let mut d = wire::udp(out.pool(), near, far, p.data());
         d.set_direction(ip_dir);
@@ -759,7 +799,7 @@ impl Endpoint {
     /// The other endpoint aborted flow `id`.
     fn abort_in(&mut self, id: u64, reason: &str, out: &mut Output<'_>) {
         let pool = out.pool().clone();
-        let c = self.conns.get_mut(&id).expect("checked");
+        let c = self.f.conns.get_mut(&id).expect("checked");
         let far = c.info.dst.ip();
         match c.tcp.as_mut() {
             None => {
@@ -800,14 +840,14 @@ impl Endpoint {
 
     /// originate: `Open` of a new flow.
     fn open_net(&mut self, id: u64, info: FlowInfo, out: &mut Output<'_>) {
-        if self.conns.contains_key(&id) {
+        if self.f.conns.contains_key(&id) {
             self.m.stream_bad.add(1); // a second Open for a flow it holds
             return;
         }
         let now = out.now();
         let tcp = info.protocol == Protocol::Tcp;
         let (count, max) =
-            if tcp { (self.tcp_count, self.cfg.max_connections) } else { (self.udp_count, self.cfg.max_udp_flows) };
+            if tcp { (self.f.tcp_count, self.cfg.max_connections) } else { (self.f.udp_count, self.cfg.max_udp_flows) };
         let refuse = |this: &mut Self, out: &mut Output<'_>, reason: &str| {
             this.m.refused.add(1);
             this.m.aborts_sent.add(1);
@@ -827,21 +867,21 @@ impl Endpoint {
             None => info.src,
         };
         let key = (protocol, info.dst, local);
-        if self.by_key.contains_key(&key) || local.is_ipv4() != info.dst.is_ipv4() {
+        if self.f.by_key.contains_key(&key) || local.is_ipv4() != info.dst.is_ipv4() {
             return refuse(self, out, "busy");
         }
         if !tcp {
             let mut mine = info;
             mine.src = local;
             self.insert(id, key, mine, None, out);
-            if let Some(c) = self.conns.get_mut(&id) {
+            if let Some(c) = self.f.conns.get_mut(&id) {
                 c.deadline = Some(now + Duration::from_millis(self.cfg.udp_timeout_ms));
             }
             self.touch(id);
             return;
         }
         let mut s = self.new_socket();
-        if s.connect(self.iface.context(), endpoint(info.dst), endpoint(local)).is_err() {
+        if s.connect(self.f.iface.context(), endpoint(info.dst), endpoint(local)).is_err() {
             return refuse(self, out, "unreachable");
         }
         let mut sockets = SocketSet::new(Vec::with_capacity(1));
@@ -850,7 +890,7 @@ impl Endpoint {
         let mut mine = info;
         mine.src = local;
         self.insert(id, key, mine, Some(t), out);
-        if let Some(c) = self.conns.get_mut(&id) {
+        if let Some(c) = self.f.conns.get_mut(&id) {
             c.deadline = Some(now + Duration::from_millis(self.cfg.connect_timeout_ms));
         }
         self.touch(id);
@@ -861,10 +901,10 @@ impl Endpoint {
         let range = self.cfg.ports;
         let count = range.count();
         for _ in 0..count {
-            let port = self.next_port as u16;
-            self.next_port =
-                if self.next_port >= u32::from(range.last) { u32::from(range.first) } else { self.next_port + 1 };
-            if !self.by_key.contains_key(&(protocol, far, SocketAddr::new(ip, port))) {
+            let port = self.f.next_port as u16;
+            self.f.next_port =
+                if self.f.next_port >= u32::from(range.last) { u32::from(range.first) } else { self.f.next_port + 1 };
+            if !self.f.by_key.contains_key(&(protocol, far, SocketAddr::new(ip, port))) {
                 return Some(port);
             }
         }
@@ -880,7 +920,7 @@ impl Endpoint {
         if self.dev.tx.is_empty() {
             return;
         }
-        let mut obs = conn.and_then(|id| self.conns.get_mut(&id)).and_then(|c| c.tcp.as_mut()).map(|t| &mut t.obs);
+        let mut obs = conn.and_then(|id| self.f.conns.get_mut(&id)).and_then(|c| c.tcp.as_mut()).map(|t| &mut t.obs);
         let ip_dir = self.side.ip_dir();
         for mut p in self.dev.tx.drain(..) {
             if let (Some(o), Ok(info)) = (obs.as_deref_mut(), PacketInfo::parse(p.data())) {
@@ -896,7 +936,7 @@ impl Endpoint {
 
     fn service(&mut self, id: u64, out: &mut Output<'_>) {
         let now = out.now();
-        let Some(c) = self.conns.get_mut(&id) else { return };
+        let Some(c) = self.f.conns.get_mut(&id) else { return };
         c.touched = false;
         if c.tcp.is_none() {
             if c.to_ack > 0 {
@@ -904,7 +944,7 @@ impl Endpoint {
                 c.to_ack = 0;
                 self.emit_stream(out, a);
             }
-            let c = self.conns.get_mut(&id).expect("present");
+            let c = self.f.conns.get_mut(&id).expect("present");
             if c.deadline.is_some_and(|d| d <= now) {
                 let fin = StreamFrame::fin(out.pool(), id, self.side.out_dir());
                 self.emit_stream(out, fin);
@@ -922,7 +962,7 @@ impl Endpoint {
         let dir = side.out_dir();
         // Feed what arrived for it, watching the segments.
         {
-            let c = self.conns.get_mut(&id).expect("present");
+            let c = self.f.conns.get_mut(&id).expect("present");
             let t = c.tcp.as_mut().expect("tcp");
             for p in t.rx.drain(..) {
                 if let Ok(info) = PacketInfo::parse(p.data()) {
@@ -935,13 +975,13 @@ impl Endpoint {
         }
         for _round in 0..64 {
             {
-                let c = self.conns.get_mut(&id).expect("present");
+                let c = self.f.conns.get_mut(&id).expect("present");
                 let t = c.tcp.as_mut().expect("tcp");
-                self.iface.poll(inst, &mut self.dev, &mut t.sockets);
+                self.f.iface.poll(inst, &mut self.dev, &mut t.sockets);
             }
             self.flush_tx(Some(id), now, out);
             let pool = out.pool().clone();
-            let c = self.conns.get_mut(&id).expect("present");
+            let c = self.f.conns.get_mut(&id).expect("present");
             let Conn { tcp: Some(t), credit, queue, queue_off, queued, to_ack, deadline, vars, info, key, .. } = c
             else {
                 unreachable!("a TCP flow")
@@ -970,7 +1010,7 @@ impl Endpoint {
                 *queue_off += n;
                 *to_ack += n as u64;
                 *queued -= n as u64;
-                self.buffered -= n as u64;
+                self.f.buffered -= n as u64;
                 if *queue_off == front.len() {
                     queue.pop_front();
                     *queue_off = 0;
@@ -999,7 +1039,7 @@ impl Endpoint {
                 }
                 let n = p.len() as u64;
                 credit.send(n);
-                self.in_flight += n;
+                self.f.in_flight += n;
                 self.m.bytes_out.add(n);
                 let m = if dir == Direction::Down { &vars.down } else { &vars.up };
                 m.add(n);
@@ -1014,7 +1054,7 @@ impl Endpoint {
                 break;
             }
         }
-        let c = self.conns.get_mut(&id).expect("present");
+        let c = self.f.conns.get_mut(&id).expect("present");
         if c.to_ack > 0 {
             self.m.bytes_in.add(c.to_ack);
             // It consumes the direction it does not produce.
@@ -1030,7 +1070,7 @@ impl Endpoint {
     /// After a service: the flow's meters, its end if its socket closed or its connect timed out, or its next
     /// wakeup.
     fn finish_tcp(&mut self, id: u64, now: Time, out: &mut Output<'_>) {
-        let c = self.conns.get_mut(&id).expect("present");
+        let c = self.f.conns.get_mut(&id).expect("present");
         let t = c.tcp.as_mut().expect("tcp");
         let sock = t.sockets.get::<tcp::Socket>(t.handle);
         let state = sock.state();
@@ -1050,7 +1090,7 @@ impl Endpoint {
             (t.abort_in || (t.fin_sent && t.closed), t.obs.rst, t.established, t.accepted);
         let expired = c.deadline.is_some_and(|d| d <= now);
         let deadline = c.deadline;
-        let mut next = self.iface.poll_at(instant(now), &t.sockets).map(time);
+        let mut next = self.f.iface.poll_at(instant(now), &t.sockets).map(time);
         let more = accepted && sock.can_recv() && c.credit.room(self.cfg.budget) > 0;
         if more {
             next = Some(now); // bytes to read and credit to send them: at once (a service does a bounded amount)
@@ -1075,10 +1115,10 @@ impl Endpoint {
             // SYN-ACK was never sent; otherwise the socket resets its peer.
             self.m.timeouts.add(1);
             if accepted || self.side == Side::Net {
-                let c = self.conns.get_mut(&id).expect("present");
+                let c = self.f.conns.get_mut(&id).expect("present");
                 let t = c.tcp.as_mut().expect("tcp");
                 t.sockets.get_mut::<tcp::Socket>(t.handle).abort();
-                self.iface.poll(instant(now), &mut self.dev, &mut t.sockets);
+                self.f.iface.poll(instant(now), &mut self.dev, &mut t.sockets);
                 self.flush_tx(Some(id), now, out);
             }
             return self.abort_and_remove(id, "timeout", out);
@@ -1100,7 +1140,7 @@ impl Endpoint {
             Ok(cc) => cc,
             Err(e) => return Some(Err(e)),
         };
-        let Some(t) = self.conns.get_mut(&id).and_then(|c| c.tcp.as_mut()) else {
+        let Some(t) = self.f.conns.get_mut(&id).and_then(|c| c.tcp.as_mut()) else {
             return Some(Err(format!("no TCP flow {id}")));
         };
         t.cc = cc;
@@ -1112,7 +1152,7 @@ impl Endpoint {
         while let Some(id) = self.touched.pop() {
             self.service(id, out);
         }
-        if let Some(&(t, _)) = self.timers.first() {
+        if let Some(&(t, _)) = self.f.timers.first() {
             out.wake_at(t);
         }
     }
@@ -1135,18 +1175,18 @@ impl Module for Endpoint {
     fn poll(&mut self, out: &mut Output<'_>) -> Option<Time> {
         self.dev.pool = out.pool().clone();
         let now = out.now();
-        while let Some(&(t, id)) = self.timers.first() {
+        while let Some(&(t, id)) = self.f.timers.first() {
             if t > now {
                 break;
             }
-            self.timers.remove(&(t, id));
-            if let Some(c) = self.conns.get_mut(&id) {
+            self.f.timers.remove(&(t, id));
+            if let Some(c) = self.f.conns.get_mut(&id) {
                 c.timer = None;
             }
             self.touch(id);
         }
         self.run_touched(out);
-        self.timers.first().map(|&(t, _)| t)
+        self.f.timers.first().map(|&(t, _)| t)
     }
 
     fn write_knob(&mut self, knob: &str, value: &Value) -> Result<(), String> {
@@ -1157,21 +1197,8 @@ impl Module for Endpoint {
     }
 
     fn take_state(&mut self) -> Option<Box<dyn Any>> {
-        let iface = std::mem::replace(&mut self.iface, interface(self.cfg.seed, &mut self.dev));
-        let flows = Flows {
-            side: self.side,
-            iface,
-            conns: std::mem::take(&mut self.conns),
-            by_key: std::mem::take(&mut self.by_key),
-            timers: std::mem::take(&mut self.timers),
-            next_id: self.next_id,
-            next_port: self.next_port,
-            tcp_count: std::mem::take(&mut self.tcp_count),
-            udp_count: std::mem::take(&mut self.udp_count),
-            buffered: std::mem::take(&mut self.buffered),
-            in_flight: std::mem::take(&mut self.in_flight),
-        };
-        Some(Box::new(flows))
+        let empty = Flows::new(self.side, interface(self.cfg.seed, &mut self.dev), self.f.next_port);
+        Some(Box::new(std::mem::replace(&mut self.f, empty)))
     }
 
     /// Takes over the flows of the endpoint it replaces (same side): they keep their sockets (with the buffers they
@@ -1181,22 +1208,13 @@ impl Module for Endpoint {
         if f.side != self.side {
             return Err("the flows of a terminate cannot go to an originate, nor the reverse".into());
         }
-        self.iface = f.iface;
-        self.conns = f.conns;
-        self.by_key = f.by_key;
-        self.timers = f.timers;
-        self.next_id = f.next_id;
-        self.next_port = f.next_port;
-        self.tcp_count = f.tcp_count;
-        self.udp_count = f.udp_count;
-        self.buffered = f.buffered;
-        self.in_flight = f.in_flight;
-        for c in self.conns.values_mut() {
+        self.f = *f;
+        for c in self.f.conns.values_mut() {
             c.touched = false;
         }
         self.publish_counts();
         // Every flow is serviced at the first poll (the switch polls a module once after it is loaded).
-        let ids: Vec<u64> = self.conns.keys().copied().collect();
+        let ids: Vec<u64> = self.f.conns.keys().copied().collect();
         for id in ids {
             self.schedule(id, Some(Time::ZERO));
         }

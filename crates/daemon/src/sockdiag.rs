@@ -1,0 +1,575 @@
+//! Transport meters of forwarded TCP flows, read from the app's own kernel socket: a thread of the control side
+//! (never the data plane) that, every `interval`, lists the forwarded TCP flows of sandboxed apps (the `classify`
+//! flows of [`Control::flows`]), asks each app's network namespace for its TCP sockets with sock_diag (INET_DIAG
+//! over NETLINK_SOCK_DIAG, with the TCP_INFO and congestion-control extensions), matches sockets to flows by
+//! 5-tuple, and publishes, read-only, under `flow.<id>.tcp.`: `state`, `srtt_us`, `cwnd`, `bytes_in_flight`,
+//! `retrans_total`, `delivery_rate`, `send_queue`, `recv_queue` and `cc`.
+//!
+//! - The namespace: a netlink socket belongs to the namespace it was created in, so the thread enters the app's
+//!   namespace (`setns`, on this thread only), creates the socket and goes back at once; the socket is kept for the
+//!   app's next polls and dropped when the app goes.
+//! - Bounded: at most `max_flows` flows are updated per poll (the rest wait for later polls, oldest ids first), and
+//!   at most [`MAX_SOCKETS`] sockets are read from one dump.
+//! - A flow whose socket is gone (the app closed it, or exited) keeps its last values with `state` `closed`; its
+//!   meters go at the first poll after its flow leaves the flow table. A flow table made anew (an app attached
+//!   again under the same name, a classifier replaced with `--fresh`) numbers its flows from 1 again: until the
+//!   next poll, a new flow may have an old one's id and meters; `socket` (the socket's two ends) tells them apart,
+//!   and `flow list` leaves out meters whose socket is not the flow's.
+//! - Where the meters come from (`tcp_info` of the app's socket, as `ss -ti` shows it): `srtt_us` = `tcpi_rtt`,
+//!   `cwnd` = `tcpi_snd_cwnd` (segments), `bytes_in_flight` = `tcpi_bytes_sent - tcpi_bytes_retrans -
+//!   tcpi_bytes_acked` (new bytes sent minus bytes acked: `snd_nxt - snd_una`), `retrans_total` =
+//!   `tcpi_total_retrans`, `delivery_rate` = `tcpi_delivery_rate` (bytes/s); `send_queue` and `recv_queue` are the
+//!   diag header's (bytes written and not acked, bytes received and not read).
+
+use crate::actions::Control;
+use flexstack_api::ops::{FlowInfo, Handling};
+use flexstack_core::vars::{DynamicVars, ModuleVars, VarSpec};
+use flexstack_core::{Value, ValueType};
+use netlink_packet_core::{NetlinkHeader, NetlinkMessage, NetlinkPayload, NLM_F_DUMP, NLM_F_REQUEST};
+use netlink_packet_sock_diag::constants::{AF_INET, AF_INET6, IPPROTO_TCP};
+use netlink_packet_sock_diag::inet::{nlas::Nla, ExtensionFlags, InetRequest, InetResponse, SocketId, StateFlags};
+use netlink_packet_sock_diag::SockDiagMessage;
+use netlink_sys::{protocols::NETLINK_SOCK_DIAG, Socket, SocketAddr};
+use std::collections::{BTreeMap, HashMap};
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+/// Most sockets read from one namespace's dump in one poll.
+pub const MAX_SOCKETS: usize = 16_384;
+
+/// The owner the meters are registered for.
+const OWNER: &str = "sockdiag";
+
+/// How the poller runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PollOptions {
+    /// Time between polls (zero: no poller).
+    pub interval: Duration,
+    /// Most flows updated per poll.
+    pub max_flows: usize,
+}
+
+impl Default for PollOptions {
+    fn default() -> Self {
+        PollOptions { interval: Duration::from_secs(1), max_flows: 1024 }
+    }
+}
+
+/// The meters published under `flow.<id>.tcp.`.
+pub fn specs() -> Vec<VarSpec> {
+    let u = |name: &str, unit: &str, doc: &str| VarSpec::meter(name, ValueType::U64, unit, doc);
+    vec![
+        VarSpec::meter("state", ValueType::Str, "", "TCP state of the app's socket (established ...; closed: gone)"),
+        u("srtt_us", "us", "smoothed round-trip time of the app's socket (tcpi_rtt)"),
+        u("cwnd", "segments", "congestion window of the app's socket (tcpi_snd_cwnd)"),
+        u("bytes_in_flight", "bytes", "bytes sent and not acknowledged (snd_nxt - snd_una)"),
+        u("retrans_total", "frames", "segments retransmitted (tcpi_total_retrans)"),
+        u("delivery_rate", "bytes/s", "delivery rate (tcpi_delivery_rate)"),
+        u("send_queue", "bytes", "bytes written by the app and not yet acknowledged"),
+        u("recv_queue", "bytes", "bytes received and not yet read by the app"),
+        VarSpec::meter("cc", ValueType::Str, "", "congestion control of the app's socket"),
+        VarSpec::meter("socket", ValueType::Str, "", "the app's socket they are read from: local -> remote"),
+    ]
+}
+
+/// What one socket told.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SocketStats {
+    /// `established` ...
+    pub state: &'static str,
+    /// µs.
+    pub srtt_us: u64,
+    /// Segments.
+    pub cwnd: u64,
+    /// Bytes.
+    pub bytes_in_flight: u64,
+    /// Segments.
+    pub retrans_total: u64,
+    /// Bytes/s.
+    pub delivery_rate: u64,
+    /// Bytes.
+    pub send_queue: u64,
+    /// Bytes.
+    pub recv_queue: u64,
+    /// Congestion control.
+    pub cc: String,
+}
+
+/// A socket's two ends: (local address, port), (remote address, port).
+pub type SocketKey = ((IpAddr, u16), (IpAddr, u16));
+
+/// The name of a kernel TCP state (`TCP_ESTABLISHED` ...), as smoltcp's are written.
+pub fn state_name(state: u8) -> &'static str {
+    match state {
+        1 => "established",
+        2 => "syn-sent",
+        3 => "syn-received",
+        4 => "fin-wait-1",
+        5 => "fin-wait-2",
+        6 => "time-wait",
+        7 => "closed",
+        8 => "close-wait",
+        9 => "last-ack",
+        10 => "listen",
+        11 => "closing",
+        12 => "new-syn-received",
+        _ => "unknown",
+    }
+}
+
+/// The key and stats of one INET_DIAG answer.
+pub fn stats_of(r: &InetResponse) -> (SocketKey, SocketStats) {
+    let id = &r.header.socket_id;
+    let key = ((id.source_address, id.source_port), (id.destination_address, id.destination_port));
+    let mut s = SocketStats {
+        state: state_name(r.header.state),
+        send_queue: u64::from(r.header.send_queue),
+        recv_queue: u64::from(r.header.recv_queue),
+        ..SocketStats::default()
+    };
+    for nla in &r.nlas {
+        match nla {
+            Nla::TcpInfo(i) => {
+                s.srtt_us = u64::from(i.rtt);
+                s.cwnd = u64::from(i.snd_cwnd);
+                s.bytes_in_flight = i.bytes_sent.saturating_sub(i.bytes_retrans).saturating_sub(i.bytes_acked);
+                s.retrans_total = u64::from(i.total_retrans);
+                s.delivery_rate = i.delivery_rate;
+            }
+            Nla::Congestion(cc) => s.cc = cc.clone(),
+            _ => {}
+        }
+    }
+    (key, s)
+}
+
+/// The socket of a flow among `sockets`: the one whose two ends are the tuple's, in either order (the app may be
+/// the flow's first sender or not).
+pub fn socket_of(
+    sockets: &HashMap<SocketKey, SocketStats>,
+    a: (IpAddr, u16),
+    b: (IpAddr, u16),
+) -> Option<(SocketKey, &SocketStats)> {
+    [(a, b), (b, a)].into_iter().find_map(|k| sockets.get(&k).map(|s| (k, s)))
+}
+
+/// A socket's two ends as the `socket` meter shows them: `local -> remote`.
+pub fn socket_text(((l, lp), (r, rp)): SocketKey) -> String {
+    format!("{} -> {}", std::net::SocketAddr::new(l, lp), std::net::SocketAddr::new(r, rp))
+}
+
+/// A forwarded TCP flow of an app, whose socket is looked for.
+struct Target {
+    id: String,
+    tuple: String,
+    app: String,
+    /// Its two ends, the first sender first.
+    a: (IpAddr, u16),
+    b: (IpAddr, u16),
+}
+
+/// Keeps at most `max` of `todo`, in the order of their ids, starting after the id `resume_after` (where the last
+/// poll stopped) and wrapping around; returns where this one stops, `None` when all fit.
+fn window(todo: &mut Vec<Target>, max: usize, resume_after: Option<&str>) -> Option<String> {
+    todo.sort_by(|a, b| a.id.cmp(&b.id));
+    if todo.len() <= max {
+        return None;
+    }
+    let start = resume_after.map_or(0, |last| todo.iter().position(|t| t.id.as_str() > last).unwrap_or(0));
+    todo.rotate_left(start);
+    todo.truncate(max);
+    todo.last().map(|t| t.id.clone())
+}
+
+/// The target of `f`, if it is a forwarded TCP flow of an app.
+fn target(f: &FlowInfo) -> Option<Target> {
+    if f.handling != Handling::Forwarded || f.protocol != "tcp" {
+        return None;
+    }
+    let (app, a, b) = (f.app.clone()?, (f.src?, f.src_port?), (f.dst?, f.dst_port?));
+    Some(Target { id: f.id.clone(), tuple: f.tuple.clone(), app, a, b })
+}
+
+/// Sends one INET_DIAG dump request for TCP sockets of `family` and reads the answers, at most [`MAX_SOCKETS`].
+fn dump(socket: &Socket, family: u8, into: &mut HashMap<SocketKey, SocketStats>) -> Result<(), String> {
+    let mut header = NetlinkHeader::default();
+    header.flags = NLM_F_REQUEST | NLM_F_DUMP;
+    let socket_id = if family == AF_INET { SocketId::new_v4() } else { SocketId::new_v6() };
+    let request = SockDiagMessage::InetRequest(InetRequest {
+        family,
+        protocol: IPPROTO_TCP,
+        extensions: ExtensionFlags::INFO | ExtensionFlags::CONG,
+        states: StateFlags::all() - StateFlags::LISTEN,
+        socket_id,
+    });
+    let mut message = NetlinkMessage::new(header, request.into());
+    message.finalize();
+    let mut bytes = vec![0; message.buffer_len()];
+    message.serialize(&mut bytes);
+    socket.send(&bytes, 0).map_err(|e| format!("sock_diag request: {e}"))?;
+    let mut buf = vec![0u8; 1 << 16];
+    let mut read = 0;
+    loop {
+        let n = socket.recv(&mut &mut buf[..], 0).map_err(|e| format!("sock_diag answer: {e}"))?;
+        let mut offset = 0;
+        while offset < n {
+            let m = NetlinkMessage::<SockDiagMessage>::deserialize(&buf[offset..n])
+                .map_err(|e| format!("sock_diag answer: {e}"))?;
+            let len = m.header.length as usize;
+            match m.payload {
+                NetlinkPayload::InnerMessage(SockDiagMessage::InetResponse(r)) => {
+                    read += 1;
+                    if read <= MAX_SOCKETS {
+                        let (k, s) = stats_of(&r);
+                        into.insert(k, s);
+                    }
+                }
+                NetlinkPayload::Done(_) => return Ok(()),
+                NetlinkPayload::Error(e) => return Err(format!("sock_diag: {e}")),
+                _ => {}
+            }
+            if len == 0 {
+                break;
+            }
+            offset += len;
+        }
+    }
+}
+
+/// A NETLINK_SOCK_DIAG socket in network namespace `netns` (under /run/netns): this thread enters it, creates the
+/// socket and returns to `home`. An error returning is fatal to the caller: the thread would be left elsewhere.
+fn socket_in(netns: &str, home: &std::fs::File) -> Result<Socket, Fatal> {
+    use nix::sched::{setns, CloneFlags};
+    let target =
+        std::fs::File::open(format!("/run/netns/{netns}")).map_err(|e| Fatal::No(format!("namespace {netns}: {e}")))?;
+    setns(&target, CloneFlags::CLONE_NEWNET).map_err(|e| Fatal::No(format!("setns into {netns}: {e}")))?;
+    let socket = Socket::new(NETLINK_SOCK_DIAG);
+    setns(home, CloneFlags::CLONE_NEWNET).map_err(|e| Fatal::Yes(format!("setns back from {netns}: {e}")))?;
+    let mut socket = socket.map_err(|e| Fatal::No(format!("sock_diag socket in {netns}: {e}")))?;
+    socket.bind_auto().map_err(|e| Fatal::No(format!("sock_diag bind: {e}")))?;
+    socket.connect(&SocketAddr::new(0, 0)).map_err(|e| Fatal::No(format!("sock_diag connect: {e}")))?;
+    let timeout = nix::sys::time::TimeVal::new(1, 0);
+    nix::sys::socket::setsockopt(&socket, nix::sys::socket::sockopt::ReceiveTimeout, &timeout)
+        .map_err(|e| Fatal::No(format!("sock_diag timeout: {e}")))?;
+    Ok(socket)
+}
+
+/// The inode of network namespace `netns` (under /run/netns), which tells it from a later one of the same name.
+fn namespace_inode(netns: &str) -> Option<u64> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(format!("/run/netns/{netns}")).ok().map(|m| m.ino())
+}
+
+/// An error, and whether the thread must stop.
+enum Fatal {
+    No(String),
+    Yes(String),
+}
+
+/// One flow's published meters.
+struct Published {
+    tuple: String,
+    vars: ModuleVars,
+}
+
+impl Published {
+    fn store(&self, key: SocketKey, s: &SocketStats) {
+        let m = |n: &str| self.vars.meter(n);
+        m("socket").store(&Value::Str(socket_text(key)));
+        m("state").store(&Value::Str(s.state.into()));
+        m("srtt_us").set(s.srtt_us);
+        m("cwnd").set(s.cwnd);
+        m("bytes_in_flight").set(s.bytes_in_flight);
+        m("retrans_total").set(s.retrans_total);
+        m("delivery_rate").set(s.delivery_rate);
+        m("send_queue").set(s.send_queue);
+        m("recv_queue").set(s.recv_queue);
+        m("cc").store(&Value::Str(s.cc.clone()));
+    }
+}
+
+/// The poller's state between polls.
+struct Poller {
+    dynamic: DynamicVars,
+    specs: Vec<VarSpec>,
+    published: BTreeMap<String, Published>,
+    /// By namespace name: the namespace's inode (a name can be given to a new namespace) and the socket in it.
+    sockets: HashMap<String, (u64, Socket)>,
+    home: std::fs::File,
+    max_flows: usize,
+    /// Where the last poll stopped, for the next one to go on from (flows beyond `max_flows`).
+    resume_after: Option<String>,
+}
+
+impl Poller {
+    /// One poll: read the sockets of the apps with forwarded TCP flows and publish the flows' meters.
+    fn poll(&mut self, control: &Control) -> Result<(), Fatal> {
+        if control.sandboxes.count() == 0 && self.published.is_empty() && self.sockets.is_empty() {
+            return Ok(()); // no app: nothing to read (and the data plane is not asked for a snapshot)
+        }
+        let flows = control.flows().map_err(|e| Fatal::No(e.message))?;
+        let apps = control.sandboxes.list();
+        let mut todo: Vec<Target> = flows.iter().filter_map(target).collect();
+        // Forget the meters of flows that are gone (or whose id now names another connection).
+        let live: HashMap<&str, &str> = flows.iter().map(|f| (f.id.as_str(), f.tuple.as_str())).collect();
+        let gone: Vec<String> = self
+            .published
+            .iter()
+            .filter(|(id, p)| live.get(id.as_str()) != Some(&p.tuple.as_str()))
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in gone {
+            self.published.remove(&id);
+            self.dynamic.unregister(OWNER, &format!("flow.{id}.tcp"));
+        }
+        // Sockets of namespaces that are gone, or whose name is now another namespace's (an app attached again).
+        self.sockets
+            .retain(|netns, (ino, _)| apps.iter().any(|a| &a.netns == netns) && namespace_inode(netns) == Some(*ino));
+        self.resume_after = window(&mut todo, self.max_flows, self.resume_after.as_deref());
+        let mut by_app: BTreeMap<String, Vec<Target>> = BTreeMap::new();
+        for t in todo {
+            by_app.entry(t.app.clone()).or_default().push(t);
+        }
+        for (app, flows) in by_app {
+            let Some(info) = apps.iter().find(|a| a.name == app) else { continue };
+            if !self.sockets.contains_key(&info.netns) {
+                let Some(ino) = namespace_inode(&info.netns) else { continue };
+                match socket_in(&info.netns, &self.home) {
+                    Ok(s) => {
+                        self.sockets.insert(info.netns.clone(), (ino, s));
+                    }
+                    Err(Fatal::No(e)) => {
+                        tracing::debug!(app, error = %e, "cannot read the app's sockets");
+                        continue;
+                    }
+                    Err(fatal) => return Err(fatal),
+                }
+            }
+            let Some((_, socket)) = self.sockets.get(&info.netns) else { continue };
+            let mut sockets = HashMap::new();
+            let families =
+                [(AF_INET, flows.iter().any(|f| f.a.0.is_ipv4())), (AF_INET6, flows.iter().any(|f| f.a.0.is_ipv6()))];
+            let mut failed = None;
+            for (family, _) in families.iter().filter(|f| f.1) {
+                if let Err(e) = dump(socket, *family, &mut sockets) {
+                    failed = Some(e);
+                }
+            }
+            if let Some(e) = failed {
+                // A socket that failed once is made again at the next poll.
+                tracing::debug!(app, error = %e, "sock_diag dump failed");
+                self.sockets.remove(&info.netns);
+                continue;
+            }
+            for Target { id, tuple, a, b, .. } in flows {
+                match (socket_of(&sockets, a, b), self.published.get(&id)) {
+                    (Some((k, s)), Some(p)) => p.store(k, s),
+                    (Some((k, s)), None) => {
+                        let prefix = format!("flow.{id}.tcp");
+                        match self.dynamic.register(OWNER, &prefix, &self.specs) {
+                            Ok(vars) => {
+                                let p = Published { tuple, vars };
+                                p.store(k, s);
+                                self.published.insert(id, p);
+                            }
+                            Err(e) => tracing::debug!(prefix, error = %e, "cannot publish a flow's TCP meters"),
+                        }
+                    }
+                    (None, Some(p)) => p.vars.meter("state").store(&Value::Str("closed".into())),
+                    (None, None) => {}
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The running poller; stops (and its meters go) when dropped.
+pub struct FlowMeterPoller {
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl FlowMeterPoller {
+    /// Starts the poller thread for the apps of `control` (kept weakly: the thread ends with the daemon).
+    pub fn start(control: &Arc<Control>, opts: PollOptions) -> Result<FlowMeterPoller, String> {
+        let home = std::fs::File::open("/proc/thread-self/ns/net")
+            .map_err(|e| format!("flow meters: cannot open this thread's network namespace: {e}"))?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let weak: Weak<Control> = Arc::downgrade(control);
+        let mut poller = Poller {
+            dynamic: DynamicVars::new(control.registry()),
+            specs: specs(),
+            published: BTreeMap::new(),
+            sockets: HashMap::new(),
+            home,
+            max_flows: opts.max_flows.max(1),
+            resume_after: None,
+        };
+        let flag = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("flow-meters".into())
+            .spawn(move || {
+                while !flag.load(Ordering::Relaxed) {
+                    std::thread::park_timeout(opts.interval);
+                    let Some(control) = weak.upgrade() else { break };
+                    if flag.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    match poller.poll(&control) {
+                        Ok(()) => {}
+                        Err(Fatal::No(e)) => tracing::debug!(error = %e, "flow meters: poll failed"),
+                        Err(Fatal::Yes(e)) => {
+                            tracing::error!(error = %e, "flow meters: stopped");
+                            break;
+                        }
+                    }
+                }
+                poller.dynamic.unregister_owner(OWNER);
+            })
+            .map_err(|e| format!("flow meters thread: {e}"))?;
+        Ok(FlowMeterPoller { stop, thread: Some(thread) })
+    }
+}
+
+impl Drop for FlowMeterPoller {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            t.thread().unpark();
+            let _ = t.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use netlink_packet_core::{Emitable, Parseable};
+    use netlink_packet_sock_diag::inet::nlas::TcpInfo;
+    use netlink_packet_sock_diag::inet::InetResponseHeader;
+
+    fn response(state: u8, info: Option<TcpInfo>) -> InetResponse {
+        let mut socket_id = SocketId::new_v4();
+        socket_id.source_address = "10.9.1.2".parse().unwrap();
+        socket_id.source_port = 40000;
+        socket_id.destination_address = "10.1.1.1".parse().unwrap();
+        socket_id.destination_port = 5201;
+        let nlas = info.map(Nla::TcpInfo).into_iter().chain([Nla::Congestion("cubic".into())]).collect();
+        InetResponse {
+            header: InetResponseHeader {
+                family: AF_INET,
+                state,
+                timer: None,
+                socket_id,
+                recv_queue: 3,
+                send_queue: 70_000,
+                uid: 0,
+                inode: 1,
+            },
+            nlas,
+        }
+    }
+
+    /// A kernel-sized `tcp_info` with the fields we read set, decoded by the crate as an answer would be.
+    fn tcp_info() -> TcpInfo {
+        let mut raw = vec![0u8; 512];
+        let put32 = |raw: &mut Vec<u8>, at: usize, v: u32| raw[at..at + 4].copy_from_slice(&v.to_ne_bytes());
+        let put64 = |raw: &mut Vec<u8>, at: usize, v: u64| raw[at..at + 8].copy_from_slice(&v.to_ne_bytes());
+        // Offsets of struct tcp_info (linux/tcp.h).
+        put32(&mut raw, 68, 1234); // tcpi_rtt
+        put32(&mut raw, 80, 42); // tcpi_snd_cwnd
+        put32(&mut raw, 100, 7); // tcpi_total_retrans
+        put64(&mut raw, 120, 1_000_000); // tcpi_bytes_acked
+        put64(&mut raw, 160, 5_000_000); // tcpi_delivery_rate
+        put64(&mut raw, 200, 1_070_000); // tcpi_bytes_sent
+        put64(&mut raw, 208, 20_000); // tcpi_bytes_retrans
+        TcpInfo::parse(&raw).unwrap()
+    }
+
+    #[test]
+    fn an_answer_gives_the_flow_meters() {
+        let sent = response(1, Some(tcp_info()));
+        // Through the wire format and back, as the kernel's answer is read.
+        let mut bytes = vec![0; sent.buffer_len()];
+        sent.emit(&mut bytes);
+        let r = InetResponse::parse(&bytes[..]).unwrap();
+        let (key, s) = stats_of(&r);
+        let a = ("10.9.1.2".parse().unwrap(), 40000);
+        let b = ("10.1.1.1".parse().unwrap(), 5201);
+        assert_eq!(key, (a, b));
+        assert_eq!(
+            s,
+            SocketStats {
+                state: "established",
+                srtt_us: 1234,
+                cwnd: 42,
+                bytes_in_flight: 50_000,
+                retrans_total: 7,
+                delivery_rate: 5_000_000,
+                send_queue: 70_000,
+                recv_queue: 3,
+                cc: "cubic".into(),
+            }
+        );
+        let sockets = HashMap::from([(key, s.clone())]);
+        assert_eq!(socket_of(&sockets, a, b), Some(((a, b), &s)), "the app sent first");
+        assert_eq!(socket_of(&sockets, b, a), Some(((a, b), &s)), "the peer sent first");
+        assert_eq!(socket_text((a, b)), "10.9.1.2:40000 -> 10.1.1.1:5201");
+        assert_eq!(socket_of(&sockets, a, ("10.1.1.1".parse().unwrap(), 5202)), None);
+        // Without TCP_INFO (a socket in TIME_WAIT): state and queues only.
+        let (_, s) = stats_of(&response(6, None));
+        assert_eq!((s.state, s.srtt_us, s.send_queue), ("time-wait", 0, 70_000));
+        assert_eq!(state_name(99), "unknown");
+    }
+
+    #[test]
+    fn polls_beyond_max_flows_go_round_all_flows() {
+        let ip: IpAddr = "10.0.0.1".parse().unwrap();
+        let all = || -> Vec<Target> {
+            ["e", "b", "a", "d", "c"]
+                .map(|id| Target { id: id.into(), tuple: String::new(), app: String::new(), a: (ip, 1), b: (ip, 2) })
+                .into()
+        };
+        let mut resume = None;
+        let mut seen = Vec::new();
+        for _ in 0..4 {
+            let mut todo = all();
+            resume = window(&mut todo, 2, resume.as_deref());
+            seen.push(todo.iter().map(|t| t.id.clone()).collect::<Vec<_>>().join(""));
+        }
+        assert_eq!(seen, ["ab", "cd", "ea", "bc"]);
+        let mut todo = all();
+        assert_eq!(window(&mut todo, 5, Some("c")), None, "all fit: no window");
+        assert_eq!(todo.len(), 5);
+    }
+
+    #[test]
+    fn only_forwarded_tcp_flows_of_apps_are_polled() {
+        let f = FlowInfo {
+            id: "a.1".into(),
+            app: Some("a".into()),
+            module: "a-flows".into(),
+            handling: Handling::Forwarded,
+            backend: None,
+            protocol: "tcp".into(),
+            src: Some("10.9.1.2".parse().unwrap()),
+            src_port: Some(1),
+            dst: Some("10.1.1.1".parse().unwrap()),
+            dst_port: Some(2),
+            tuple: String::new(),
+            bytes_down: None,
+            bytes_up: None,
+            packets: None,
+            tcp: None,
+            peer: None,
+        };
+        let t = target(&f).unwrap();
+        assert_eq!((t.app.as_str(), t.a.1, t.b.1), ("a", 1, 2));
+        assert!(target(&FlowInfo { protocol: "udp".into(), ..f.clone() }).is_none());
+        assert!(target(&FlowInfo { handling: Handling::Terminated, ..f.clone() }).is_none());
+        assert!(target(&FlowInfo { app: None, ..f.clone() }).is_none());
+    }
+}

@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# Flow-termination benchmark (issue 13). The same sandboxed client (`flexstack run`) and the same servers, in a
+# namespace joined to the host by a veth pair, over
+#   (a) the plain forwarding chain (stacks/app-default.toml),
+#   (b) termination with the kernel back-ends (stacks/app-terminate.toml with backend = "kernel"),
+#   (c) termination with smoltcp on both sides (stacks/app-terminate.toml),
+# the three alternating in every round, RUNS rounds, medians printed with the ratios to (a):
+#   - TCP one stream: iperf3 -t SECS, Gbit/s received;
+#   - new connections per second: wrk -H "Connection: close" (one small HTTP request per connection) to nginx;
+#   - round-trip time of a 1-byte request/response: bench/tcp_rr.c, the median of RR_N round trips;
+#   - IDLE idle terminated connections (b, c): the daemon's RSS while they are held, and its CPU over IDLE_SECS.
+# Targets (issue 13): (b) >= 0.8 x (a) and (c) >= 0.5 x (a) in throughput; (b), (c) >= 0.7 x (a) in connections/s;
+# added RTT <= 50 us; RSS <= 256 MiB for 10,000 idle connections, CPU near 0. Needs root.
+# CONFIGS (default "a b c") picks configurations, e.g. CONFIGS="a c" while a back-end is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RUNS=${RUNS:-5}
+SECS=${SECS:-5}
+RR_N=${RR_N:-5000}
+IDLE=${IDLE:-10000}
+IDLE_SECS=${IDLE_SECS:-10}
+CONFIGS=${CONFIGS:-a b c}
+[[ $(id -u) == 0 ]] || { echo "bench-flows: needs root (namespaces, TUN devices)" >&2; exit 1; }
+for p in iperf3 wrk nginx cc; do
+  command -v $p >/dev/null || { echo "bench-flows: needs $p (scripts/setup.sh)" >&2; exit 1; }
+done
+echo "bench-flows: building (release)" >&2
+cargo build --release --quiet
+fs=$PWD/target/release/flexstack
+tag=fsf$$
+state=$(mktemp -d)
+chmod 755 "$state"
+cleanup() {
+  [[ -n "${daemon:-}" ]] && kill "$daemon" 2>/dev/null && wait "$daemon" 2>/dev/null || true
+  ip netns pids ${tag}s 2>/dev/null | xargs -r kill 2>/dev/null || true
+  ip netns del ${tag}s 2>/dev/null || true
+  ip link del ${tag}h 2>/dev/null || true
+  rm -rf "$state"
+}
+trap cleanup EXIT INT TERM
+. scripts/lib/bench.sh # median
+
+# The server namespace: veth to the host, iperf3, nginx (a 1 KiB page), the echo server.
+ip netns add ${tag}s
+ip -n ${tag}s link set lo up
+ip link add ${tag}h type veth peer name ${tag}p
+ip link set ${tag}p netns ${tag}s
+ip addr add 10.213.7.1/24 dev ${tag}h; ip link set ${tag}h up
+ip -n ${tag}s addr add 10.213.7.2/24 dev ${tag}p; ip -n ${tag}s link set ${tag}p up
+ip -n ${tag}s route add default via 10.213.7.1
+srv=10.213.7.2
+cc -O2 -o "$state/tcp_rr" bench/tcp_rr.c
+mkdir -p "$state/www"
+head -c 1024 /dev/zero | tr '\0' x > "$state/www/small"
+cat > "$state/nginx.conf" <<EOF
+worker_processes 1;
+pid $state/nginx.pid;
+error_log $state/nginx.err;
+events { worker_connections 4096; }
+http {
+  access_log off;
+  client_body_temp_path $state; proxy_temp_path $state; fastcgi_temp_path $state;
+  uwsgi_temp_path $state; scgi_temp_path $state;
+  server { listen 8080; root $state/www; }
+}
+EOF
+ip netns exec ${tag}s nginx -c "$state/nginx.conf"
+ip netns exec ${tag}s iperf3 -s -D -p 5201 -I "$state/iperf.pid" >/dev/null
+ip netns exec ${tag}s "$state/tcp_rr" server 7 > "$state/rr.out" &
+for _ in $(seq 100); do grep -q ready "$state/rr.out" 2>/dev/null && break; sleep 0.05; done
+
+"$fs" daemon --state-dir "$state/d" --app-subnet 10.214.0.0 2>"$state/daemon.log" &
+daemon=$!
+for _ in $(seq 200); do "$fs" --state-dir "$state/d" status >/dev/null 2>&1 && break; sleep 0.05; done
+
+# The stack of a configuration.
+[[ -f stacks/app-terminate.toml ]] && sed 's/backend = "smoltcp"/backend = "kernel"/' stacks/app-terminate.toml > "$state/kernel.toml"
+stack() {
+  case $1 in
+    a) echo stacks/app-default.toml ;;
+    b) echo "$state/kernel.toml" ;;
+    c) echo stacks/app-terminate.toml ;;
+  esac
+}
+run() { # $1 = configuration, then the command
+  local c=$1; shift
+  "$fs" --state-dir "$state/d" run --stack "$(stack "$c")" -- "$@"
+}
+
+tput() { run "$1" iperf3 -c $srv -p 5201 -t "$SECS" -J | python3 -c \
+  'import json,sys; print(json.load(sys.stdin)["end"]["sum_received"]["bits_per_second"]/1e9)'; }
+cps() { run "$1" wrk -t1 -c8 -d"${SECS}s" -H "Connection: close" "http://$srv:8080/small" |
+  awk '/Requests\/sec/ {print $2}'; }
+rtt() { run "$1" "$state/tcp_rr" rr $srv 7 "$RR_N" | sed -n 's/.*median_us=\([0-9.]*\).*/\1/p'; }
+
+declare -A results
+for r in $(seq "$RUNS"); do
+  for c in $CONFIGS; do
+    echo "bench-flows: round $r/$RUNS, configuration $c" >&2
+    results[tput_$c]+="$(tput "$c") "
+    results[cps_$c]+="$(cps "$c") "
+    results[rtt_$c]+="$(rtt "$c") "
+  done
+done
+med() { tr ' ' '\n' <<<"${results[$1]}" | grep . | median; }
+
+idle() { # $1 = configuration; prints "RSS_MiB CPU_percent"
+  local c=$1 out=$state/hold.out
+  run "$c" sh -c "ulimit -n 65536; exec $state/tcp_rr hold $srv 7 $IDLE $((IDLE_SECS + 5))" > "$out" &
+  local holder=$!
+  for _ in $(seq 1200); do grep -q held "$out" 2>/dev/null && break; sleep 0.1; done
+  grep -q held "$out" || { echo "bench-flows: $c: the $IDLE connections were not all opened" >&2; echo "- -"; return; }
+  sleep 1
+  local t0 t1 rss
+  t0=$(awk '{print $14 + $15}' /proc/$daemon/stat)
+  sleep "$IDLE_SECS"
+  t1=$(awk '{print $14 + $15}' /proc/$daemon/stat)
+  rss=$(awk '/VmRSS/ {printf "%.1f", $2 / 1024}' /proc/$daemon/status)
+  echo "$rss $(awk -v a="$t0" -v b="$t1" -v s="$IDLE_SECS" -v hz="$(getconf CLK_TCK)" 'BEGIN {printf "%.1f", (b - a) / hz / s * 100}')"
+  wait "$holder" || true
+}
+
+echo
+echo "flow termination, medians of $RUNS (iperf3 ${SECS}s; wrk ${SECS}s, Connection: close; $RR_N round trips)"
+printf '%-28s %10s %10s %10s\n' configuration "Gbit/s" "conn/s" "RTT us"
+a_t=$(med tput_a 2>/dev/null || echo 0); a_c=$(med cps_a 2>/dev/null || echo 0); a_r=$(med rtt_a 2>/dev/null || echo 0)
+for c in $CONFIGS; do
+  case $c in a) name="(a) forwarding" ;; b) name="(b) terminate, kernel" ;; c) name="(c) terminate, smoltcp" ;; esac
+  printf '%-28s %10.2f %10.0f %10.1f\n' "$name" "$(med tput_$c)" "$(med cps_$c)" "$(med rtt_$c)"
+done
+if [[ " $CONFIGS " == *" a "* ]]; then
+  for c in $CONFIGS; do
+    [[ $c == a ]] && continue
+    awk -v c=$c -v t="$(med tput_$c)" -v at="$a_t" -v p="$(med cps_$c)" -v ap="$a_c" -v r="$(med rtt_$c)" -v ar="$a_r" \
+      'BEGIN {printf "(%s)/(a): throughput %.2f, connections/s %.2f, added RTT %+.1f us\n", c, t/at, p/ap, r-ar}'
+  done
+fi
+for c in $CONFIGS; do
+  [[ $c == a ]] && continue
+  read -r rss cpu < <(idle "$c")
+  echo "($c) $IDLE idle terminated connections: daemon RSS $rss MiB, daemon CPU $cpu % over ${IDLE_SECS}s"
+done
+echo "code version: $(git rev-parse --short HEAD)$(git diff --quiet || echo -dirty)"

@@ -1,0 +1,864 @@
+//! End-to-end: unmodified programs run with `flexstack run --stack stacks/app-terminate.toml`, their TCP and UDP
+//! flows terminated in the daemon and opened again towards a server in another namespace (docs/streams.md,
+//! "Running an app with termination"). Real programs: curl, iperf3, dig + dnsmasq, nginx + wrk, a static Go binary,
+//! python3 clients and servers for the connection semantics (refusal, unreachable, half-close, reset, a killed app,
+//! a stalled server, 1,000 connections at once), and the match table (what it does not choose is forwarded as
+//! before).
+//!
+//! Each scenario is a function of the back-end (`terminate`'s and `originate`'s `backend` setting), with one test per
+//! back-end: a new back-end is one more line per scenario. Needs root (skips with a reason outside CI).
+
+mod common;
+
+use common::{bin, octets, path_str, privileged, privileged_serial, repo, sh, text, Background, SandboxDaemon, Server};
+use serde_json::Value as Json;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Output;
+use std::time::{Duration, Instant};
+
+/// The line the scripts print before the meters they read.
+const MARK: &str = "@@meters@@";
+
+/// A server namespace (HTTP on 8080 serving `blob`), a daemon of its own, and the terminating app stack with the
+/// back-end (and optionally a match table) filled in.
+struct Rig {
+    srv: Server,
+    d: SandboxDaemon,
+    dir: tempfile::TempDir,
+    stack: PathBuf,
+}
+
+impl Rig {
+    /// `None` when the test cannot run here (see `privileged`). `offset` keeps the tests of this file apart (their
+    /// subnets); `matches` replaces the template's match table (a TOML array).
+    fn new(backend: &str, offset: u8, blob: &[u8], matches: Option<&str>) -> Option<Rig> {
+        if !privileged() {
+            return None;
+        }
+        let (app_octet, srv_octet) = octets();
+        let srv = Server::new(srv_octet.wrapping_add(offset), blob);
+        let d = SandboxDaemon::start(app_octet.wrapping_add(offset));
+        let dir = tempfile::tempdir().expect("temp dir");
+        let stack = dir.path().join("app-terminate.toml");
+        std::fs::write(&stack, terminate_stack(backend, matches)).expect("write the stack");
+        Some(Rig { srv, d, dir, stack })
+    }
+
+    /// A path in the test's own folder.
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    /// Runs `script` (sh) as app `app` behind the terminating stack; then, still in the sandbox, reads `meters`
+    /// (`term.X` is `module.<app>-term.X`, `orig.X` `module.<app>-orig.X`). Returns the run's output (what the
+    /// script printed; its exit code) and the meters.
+    fn run(&self, app: &str, script: &str, meters: &[&str]) -> (Output, BTreeMap<String, u64>) {
+        let args = self.args(app, script, meters);
+        let out = self.d.run(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        let values = read_meters(&out, app, meters);
+        (out, values)
+    }
+
+    /// The arguments of `flexstack run` for [`Rig::run`] (to start it with `spawn_run`; then [`read_meters`]).
+    fn args(&self, app: &str, script: &str, meters: &[&str]) -> Vec<String> {
+        let names: Vec<String> = meters.iter().map(|m| meter_name(app, m)).collect();
+        let read = if names.is_empty() {
+            String::new()
+        } else {
+            format!("echo {MARK}; {} --state-dir {} -j get {}", bin(), path_str(self.d.state.path()), names.join(" "))
+        };
+        let full = format!("{script}\nrc=$?\n{read}\nexit $rc\n");
+        let stack = path_str(&self.stack);
+        ["--stack", stack, "--name", app, "--", "sh", "-c", &full].map(String::from).to_vec()
+    }
+}
+
+/// The meters a run started with [`Rig::args`] printed after its script.
+fn read_meters(out: &Output, app: &str, meters: &[&str]) -> BTreeMap<String, u64> {
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    let mut values = BTreeMap::new();
+    if let Some((_, json)) = stdout.split_once(MARK) {
+        let parsed: Json = serde_json::from_str(json.trim())
+            .unwrap_or_else(|e| panic!("meters are not JSON ({e}): {json}\n{}", text(out)));
+        for short in meters {
+            let name = meter_name(app, short);
+            let v = parsed[&name]["value"].as_u64().unwrap_or_else(|| panic!("{name}: {parsed}"));
+            values.insert(short.to_string(), v);
+        }
+    }
+    values
+}
+
+/// The full name of a meter given as `term.X` / `orig.X` for app `app`.
+fn meter_name(app: &str, short: &str) -> String {
+    let (module, meter) = short.split_once('.').expect("term.X or orig.X");
+    format!("module.{app}-{module}.{meter}")
+}
+
+/// stacks/app-terminate.toml with `backend = "<backend>"` on both endpoints and, if given, another match table.
+fn terminate_stack(backend: &str, matches: Option<&str>) -> String {
+    let template = std::fs::read_to_string(repo().join("stacks/app-terminate.toml")).expect("the template");
+    assert_eq!(template.matches("backend = \"smoltcp\"").count(), 2, "both endpoints name their back-end");
+    let mut out = String::new();
+    for line in template.lines() {
+        match (matches, line.starts_with("match = ")) {
+            (Some(m), true) => out.push_str(&format!("match = {m}")),
+            _ => out.push_str(&line.replace("backend = \"smoltcp\"", &format!("backend = \"{backend}\""))),
+        }
+        out.push('\n');
+    }
+    out
+}
+
+/// `n` bytes of a pattern that does not repeat within a file (each 8 bytes different).
+fn pattern(n: usize) -> Vec<u8> {
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut v = Vec::with_capacity(n + 8);
+    while v.len() < n {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.extend_from_slice(&x.to_le_bytes());
+    }
+    v.truncate(n);
+    v
+}
+
+/// The sha256 of a file, as `sha256sum` prints it.
+fn sha256(file: &Path) -> String {
+    sh("sha256sum", &[path_str(file)]).split_whitespace().next().expect("a sum").to_string()
+}
+
+/// Asserts that a run succeeded; returns its stdout and stderr.
+fn ok(out: &Output) -> String {
+    let t = text(out);
+    assert!(out.status.success(), "the program failed ({:?}): {t}", out.status.code());
+    t
+}
+
+/// Writes the python3 helper (servers and clients of the semantic tests) to `dir`; returns its path.
+fn python_helper(dir: &Path) -> PathBuf {
+    let path = dir.join("helper.py");
+    std::fs::write(&path, PYTHON_HELPER).expect("write helper.py");
+    path
+}
+
+/// Servers (`serve MODE PORT`) and clients (`MODE HOST PORT`) for the semantic tests.
+const PYTHON_HELPER: &str = r#"
+import asyncio, hashlib, os, resource, socket, struct, sys, time
+
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+ANSWER = bytes(range(256)) * 1200  # 300 KB
+
+def serve(mode, port):
+    if mode == "echo":
+        async def handle(r, w):
+            try:
+                while data := await r.read(65536):
+                    w.write(data)
+                    await w.drain()
+            finally:
+                w.close()
+        async def main():
+            srv = await asyncio.start_server(handle, host=None, port=port, backlog=4096)
+            async with srv:
+                await srv.serve_forever()
+        asyncio.run(main())
+    s = socket.create_server(("::", port), family=socket.AF_INET6, dualstack_ipv6=True, backlog=128)
+    while True:
+        c, _ = s.accept()
+        if mode == "halfclose":
+            h, n = hashlib.sha256(), 0
+            while b := c.recv(65536):
+                h.update(b)
+                n += len(b)
+            c.sendall(f"{n} {h.hexdigest()}\n".encode() + ANSWER)
+            c.close()
+        elif mode == "stall":
+            time.sleep(3)  # reads nothing: its window closes
+            h, n = hashlib.sha256(), 0
+            while b := c.recv(1 << 20):
+                h.update(b)
+                n += len(b)
+            c.sendall(f"{n} {h.hexdigest()}\n".encode())
+            c.close()
+        elif mode == "rst":
+            c.sendall(b"x" * 200_000)
+            time.sleep(0.5)
+            c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            c.close()
+
+def halfclose(host, port):
+    s = socket.create_connection((host, port), timeout=20)
+    data = os.urandom(100_000)
+    s.sendall(data)
+    s.shutdown(socket.SHUT_WR)
+    got = b""
+    while b := s.recv(65536):
+        got += b
+    line, rest = got.split(b"\n", 1)
+    assert line.decode() == f"{len(data)} {hashlib.sha256(data).hexdigest()}", line
+    assert rest == ANSWER, len(rest)
+    print("halfclose ok")
+
+def rst(host, port):
+    s = socket.create_connection((host, port), timeout=20)
+    n = 0
+    try:
+        while b := s.recv(65536):
+            n += len(b)
+        print(f"eof after {n}")
+    except ConnectionResetError:
+        print(f"reset after {n}")
+
+def stall(host, port):
+    import threading
+    s = socket.create_connection((host, port), timeout=30)
+    block = os.urandom(1 << 16)
+    total, sent = 128 << 20, [0]
+    def send():
+        while sent[0] < total:
+            sent[0] += s.send(block)
+    t = threading.Thread(target=send)
+    t.start()
+    time.sleep(2)
+    print(f"sent during the stall {sent[0]}", flush=True)
+    t.join()
+    s.shutdown(socket.SHUT_WR)
+    h = hashlib.sha256()
+    for _ in range(total >> 16):
+        h.update(block)
+    line = s.makefile().readline().strip()
+    assert line == f"{sent[0]} {h.hexdigest()}", (line, sent[0])
+    print("stall ok")
+
+def raw_listen(path):
+    s = socket.socket(socket.AF_INET, socket.SOCK_RAW, 253)
+    while True:
+        d = s.recv(4096)
+        if b"raw protocol 253" in d:
+            with open(path, "wb") as f:
+                f.write(d)
+
+def raw_send(host):
+    s = socket.socket(socket.AF_INET, socket.SOCK_RAW, 253)
+    for _ in range(5):
+        s.sendto(b"raw protocol 253", (host, 0))
+        time.sleep(0.1)
+
+def many(host, port, count):
+    async def one(i):
+        r, w = await asyncio.open_connection(host, port)
+        return i, r, w
+    async def echo(i, r, w):
+        msg = (f"{i:06d}" * 200).encode()[:1000]
+        w.write(msg)
+        await w.drain()
+        got = await r.readexactly(len(msg))
+        w.close()
+        return got == msg
+    async def main():
+        conns = await asyncio.gather(*(one(i) for i in range(count)))
+        print(f"open {len(conns)}", flush=True)
+        results = await asyncio.gather(*(echo(*c) for c in conns))
+        print(f"echoed {sum(results)} of {count}")
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+if sys.argv[1] == "serve":
+    serve(sys.argv[2], int(sys.argv[3]))
+elif sys.argv[1] == "rawlisten":
+    raw_listen(sys.argv[2])
+elif sys.argv[1] == "rawsend":
+    raw_send(sys.argv[2])
+elif sys.argv[1] == "many":
+    many(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+else:
+    {"halfclose": halfclose, "rst": rst, "stall": stall}[sys.argv[1]](sys.argv[2], int(sys.argv[3]))
+"#;
+
+/// Starts a helper server (`mode` on `port`) in the server's namespace and waits until it accepts connections.
+fn helper_server(r: &Rig, helper: &Path, mode: &str, port: u16) -> Background {
+    let bg = r.srv.ns.spawn(&["python3", path_str(helper), "serve", mode, &port.to_string()]);
+    wait_listening(r, port);
+    bg
+}
+
+/// Waits until something listens on TCP `port` in the server's namespace.
+fn wait_listening(r: &Rig, port: u16) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        let out = r.srv.ns.run(&["ss", "-Htln", &format!("sport = :{port}")]);
+        if !String::from_utf8_lossy(&out.stdout).trim().is_empty() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("nothing listens on port {port} in the server's namespace");
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Scenarios
+// ---------------------------------------------------------------------------------------------------------------
+
+/// curl fetches 2 MB over IPv4 and IPv6, intact; both connections were terminated.
+fn curl_2mb(backend: &str) {
+    let blob = pattern(2_000_000);
+    let Some(r) = Rig::new(backend, 0, &blob, None) else { return };
+    let want = sha256(&r.srv.www.path().join("blob"));
+    let script = format!(
+        "curl -sSf -m 30 http://{v4}:8080/blob | sha256sum && curl -sSf -m 30 'http://[{v6}]:8080/blob' | sha256sum",
+        v4 = r.srv.v4,
+        v6 = r.srv.v6
+    );
+    let (out, m) = r.run("curl", &script, &["term.connections_total", "orig.connections_total", "term.passed_total"]);
+    let t = ok(&out);
+    assert_eq!(t.matches(&want).count(), 2, "both downloads are intact: {t}");
+    assert_eq!(m["term.connections_total"], 2, "both connections were terminated: {m:?}");
+    assert_eq!(m["orig.connections_total"], 2, "and opened again: {m:?}");
+}
+
+/// Two apps behind the terminating stack on one daemon at the same time: each downloads intact through its own
+/// endpoints, and their per-flow meters do not collide.
+fn two_apps_at_once(backend: &str) {
+    let blob = pattern(2_000_000);
+    let Some(r) = Rig::new(backend, 15, &blob, None) else { return };
+    let want = sha256(&r.srv.www.path().join("blob"));
+    let go = r.path("go");
+    let script = format!(
+        "while [ ! -e {go} ]; do sleep 0.05; done; curl -sSf -m 30 --limit-rate 1m http://{}:8080/blob | sha256sum",
+        r.srv.v4,
+        go = path_str(&go)
+    );
+    let meters = ["term.connections_total", "orig.connections_total"];
+    let runs: Vec<_> = ["one", "two"]
+        .iter()
+        .map(|app| {
+            let args = r.args(app, &script, &meters);
+            (app, r.d.spawn_run(&args.iter().map(String::as_str).collect::<Vec<_>>()))
+        })
+        .collect();
+    r.d.wait_for_apps(2);
+    // While both run, each app's flow has its own variables (with a shared prefix, the second app's would be
+    // refused and never appear).
+    std::fs::write(&go, b"").unwrap();
+    let prefixes = ["flow.one.term.1.", "flow.two.term.1.", "flow.one.orig.1.", "flow.two.orig.1."];
+    let mut seen = [false; 4];
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while seen.contains(&false) {
+        assert!(Instant::now() < deadline, "each app's flow has its meters: {seen:?} of {prefixes:?}");
+        let list = String::from_utf8_lossy(&r.d.cli(&["var", "list"]).stdout).to_string();
+        for (p, s) in prefixes.iter().zip(&mut seen) {
+            *s |= list.lines().any(|l| l.starts_with(p));
+        }
+    }
+    for (app, run) in runs {
+        let out = run.wait_with_output().expect("the run's output");
+        let t = ok(&out);
+        assert!(t.contains(&want), "{app}: the download is intact: {t}");
+        let m = read_meters(&out, app, &meters);
+        assert_eq!((m["term.connections_total"], m["orig.connections_total"]), (1, 1), "{app}: {m:?}");
+    }
+}
+
+/// A large file (1 GiB) arrives intact; prints how long it took.
+fn curl_large(backend: &str) {
+    let Some(_serial) = privileged_serial() else { return };
+    let Some(r) = Rig::new(backend, 1, b"small", None) else { return };
+    const SIZE: usize = 1 << 30;
+    let big = r.srv.www.path().join("big");
+    {
+        use std::io::Write;
+        let mut f = std::io::BufWriter::new(std::fs::File::create(&big).expect("create"));
+        let chunk = pattern(1 << 20);
+        for i in 0..SIZE / chunk.len() {
+            f.write_all(&(i as u64).to_le_bytes()).unwrap();
+            f.write_all(&chunk[8..]).unwrap();
+        }
+        f.flush().unwrap();
+    }
+    let want = sha256(&big);
+    let t0 = Instant::now();
+    let script = format!("curl -sSf -m 120 http://{}:8080/big | sha256sum", r.srv.v4);
+    let (out, m) = r.run("big", &script, &["term.data_bytes_in_total"]);
+    let took = t0.elapsed();
+    let t = ok(&out);
+    eprintln!("{backend}: 1 GiB through termination in {took:?}");
+    assert!(t.contains(&want), "the 1 GiB file arrives intact: {t}");
+    assert!(m["term.data_bytes_in_total"] > SIZE as u64, "its bytes went through the endpoint: {m:?}");
+}
+
+/// iperf3 TCP, both directions (-R), IPv4 and IPv6.
+fn iperf3_tcp(backend: &str) {
+    let Some(_serial) = privileged_serial() else { return };
+    let Some(r) = Rig::new(backend, 2, b"small", None) else { return };
+    let _iperf = r.srv.ns.spawn(&["iperf3", "-s", "-p", "5201"]);
+    wait_listening(&r, 5201);
+    for (addr, family) in [(&r.srv.v4, "v4"), (&r.srv.v6, "v6")] {
+        for reverse in [false, true] {
+            let flag = if reverse { "-R" } else { "" };
+            let script = format!("iperf3 -c {addr} -p 5201 -t 2 -J {flag}");
+            let (out, m) = r.run("iperf", &script, &["term.data_bytes_out_total", "term.data_bytes_in_total"]);
+            let t = ok(&out);
+            let json: Json = serde_json::from_str(t.split(MARK).next().unwrap()).unwrap_or_else(|e| panic!("{e}: {t}"));
+            let received = json["end"]["sum_received"]["bytes"].as_u64().unwrap_or(0);
+            assert!(received > 10_000_000, "{family} {flag}: iperf3 moved {received} bytes: {t}");
+            // The test's data went through the terminating endpoint, in its direction.
+            let through = if reverse { m["term.data_bytes_in_total"] } else { m["term.data_bytes_out_total"] };
+            assert!(through >= received, "{family} {flag}: {through} bytes through terminate, {received} received");
+            eprintln!("{backend} {family} {flag}: {} Mbit/s", received * 8 / 2_000_000);
+        }
+    }
+}
+
+/// iperf3 UDP: every datagram sent arrives (the server's count equals the client's), IPv4 and IPv6.
+fn iperf3_udp(backend: &str) {
+    let Some(_serial) = privileged_serial() else { return };
+    let Some(r) = Rig::new(backend, 3, b"small", None) else { return };
+    let _iperf = r.srv.ns.spawn(&["iperf3", "-s", "-p", "5202"]);
+    wait_listening(&r, 5202);
+    for addr in [&r.srv.v4, &r.srv.v6] {
+        // -w: socket buffers of 2 MB at both ends, so that a busy machine does not make the server's socket drop.
+        let script = format!("iperf3 -c {addr} -p 5202 -u -b 20M -l 1200 -t 2 -w 2M -J --get-server-output");
+        let (out, m) = r.run("iperfu", &script, &["term.udp_flows_total", "term.udp_budget_drops_total"]);
+        let t = ok(&out);
+        let json: Json = serde_json::from_str(t.split(MARK).next().unwrap()).unwrap_or_else(|e| panic!("{e}: {t}"));
+        let sent = json["end"]["sum_sent"]["packets"].as_u64().expect("datagrams sent");
+        let received = &json["end"]["sum_received"]; // the server's report
+        let server = json["server_output_text"].as_str().unwrap_or_default();
+        assert!(sent > 1000, "{addr}: {sent} datagrams sent");
+        assert_eq!(received["packets"].as_u64(), Some(sent), "{addr}: every datagram arrived: {received}");
+        let drops = r.srv.ns.run(&["nstat", "-az", "UdpRcvbufErrors", "Udp6RcvbufErrors"]);
+        assert_eq!(received["lost_packets"], 0, "{addr}: {received} {m:?}; the server's socket: {}", text(&drops));
+        assert!(server.contains(&format!(" 0/{sent} (0%)  receiver")), "{addr}: the server's own count: {server}");
+        assert!(m["term.udp_flows_total"] >= 1, "the datagrams were terminated: {m:?}");
+        assert_eq!(m["term.udp_budget_drops_total"], 0, "{m:?}");
+    }
+}
+
+/// dig over UDP and TCP against dnsmasq, IPv4 and IPv6.
+fn dig_udp_and_tcp(backend: &str) {
+    let Some(r) = Rig::new(backend, 4, b"small", None) else { return };
+    let _dns = r.srv.ns.serve_dns(&r.srv.v4, &r.srv.v6);
+    wait_listening(&r, 53);
+    let q =
+        |server: &str, ty: &str, tcp: &str| format!("dig +short +time=3 +tries=1 {tcp} @{server} flexstack.test {ty}");
+    let script =
+        [q(&r.srv.v4, "A", ""), q(&r.srv.v4, "A", "+tcp"), q(&r.srv.v6, "AAAA", ""), q(&r.srv.v6, "AAAA", "+tcp")]
+            .join(" && ");
+    let (out, m) = r.run("dig", &script, &["term.udp_flows_total", "term.connections_total"]);
+    let t = ok(&out);
+    assert_eq!(t.matches("10.1.2.3").count(), 2, "A over UDP and TCP: {t}");
+    assert_eq!(t.matches("fd00:1:2::3").count(), 2, "AAAA over UDP and TCP: {t}");
+    assert_eq!(m["term.udp_flows_total"], 2, "both UDP queries were terminated: {m:?}");
+    assert_eq!(m["term.connections_total"], 2, "both TCP queries were terminated: {m:?}");
+}
+
+/// nginx (in the server's namespace) and wrk, with keep-alive and with a new connection per request: no socket
+/// errors, every answer 2xx.
+fn nginx_wrk(backend: &str) {
+    let Some(_serial) = privileged_serial() else { return };
+    let Some(r) = Rig::new(backend, 5, b"small", None) else { return };
+    let root = r.path("nginx");
+    std::fs::create_dir_all(root.join("www")).unwrap();
+    std::fs::write(root.join("www/index.html"), pattern(4096)).unwrap();
+    let conf = root.join("nginx.conf");
+    std::fs::write(
+        &conf,
+        format!(
+            "user root;\nworker_processes 1;\ndaemon off;\npid {d}/nginx.pid;\nerror_log {d}/error.log;\n\
+             events {{ worker_connections 4096; }}\n\
+             http {{\n  access_log off;\n  client_body_temp_path {d}/body;\n  proxy_temp_path {d}/proxy;\n  \
+             fastcgi_temp_path {d}/fcgi;\n  uwsgi_temp_path {d}/uwsgi;\n  scgi_temp_path {d}/scgi;\n  \
+             keepalive_requests 1000000;\n  server {{\n    listen 8081;\n    listen [::]:8081;\n    root {d}/www;\n  }}\n}}\n",
+            d = root.display()
+        ),
+    )
+    .unwrap();
+    let _nginx = r.srv.ns.spawn(&["nginx", "-c", path_str(&conf), "-e", path_str(&root.join("error.log"))]);
+    wait_listening(&r, 8081);
+    for (addr, close) in [(r.srv.v4.clone(), false), (r.srv.v4.clone(), true), (format!("[{}]", r.srv.v6), false)] {
+        let header = if close { "-H 'Connection: close'" } else { "" };
+        let script = format!("wrk -t2 -c16 -d2s {header} http://{addr}:8081/index.html");
+        let (out, m) = r.run("wrk", &script, &["term.connections_total", "term.refused_total"]);
+        let t = ok(&out);
+        assert!(!t.contains("Socket errors"), "{addr} close={close}: no socket errors: {t}");
+        assert!(!t.contains("Non-2xx"), "{addr} close={close}: every answer 2xx: {t}");
+        let requests: u64 = t
+            .lines()
+            .find_map(|l| l.split_once(" requests in ").map(|(n, _)| n.trim().parse().unwrap_or(0)))
+            .unwrap_or(0);
+        assert!(requests > 200, "{addr} close={close}: {requests} requests: {t}");
+        if close {
+            assert!(m["term.connections_total"] >= requests, "a connection per request, terminated: {m:?} {t}");
+        } else {
+            assert!(m["term.connections_total"] >= 16, "wrk's connections were terminated: {m:?}");
+        }
+        assert_eq!(m["term.refused_total"], 0, "{m:?}");
+        eprintln!("{backend} {addr} close={close}: {requests} requests in 2 s");
+    }
+}
+
+/// A static Go binary (no libc resolver, its own TCP use) fetches the file.
+fn go_static_binary(backend: &str) {
+    let go = Path::new("/usr/local/go/bin/go");
+    if !go.exists() {
+        let ci = std::env::var("CI").is_ok_and(|v| !v.is_empty() && v != "false");
+        assert!(!ci, "go is missing at {}", go.display());
+        eprintln!("skipping the Go binary: no go at {}", go.display());
+        return;
+    }
+    let blob = pattern(2_000_000);
+    let Some(r) = Rig::new(backend, 6, &blob, None) else { return };
+    let src = r.path("go");
+    std::fs::create_dir_all(&src).unwrap();
+    std::fs::write(src.join("go.mod"), "module fetch\n\ngo 1.20\n").unwrap();
+    std::fs::write(
+        src.join("main.go"),
+        "package main\n\nimport (\n\t\"crypto/sha256\"\n\t\"fmt\"\n\t\"io\"\n\t\"net/http\"\n\t\"os\"\n)\n\n\
+         func main() {\n\tfor _, url := range os.Args[1:] {\n\t\tresp, err := http.Get(url)\n\t\tif err != nil {\n\t\t\t\
+         fmt.Println(err)\n\t\t\tos.Exit(1)\n\t\t}\n\t\th := sha256.New()\n\t\tif _, err := io.Copy(h, resp.Body); err != nil {\n\t\t\t\
+         fmt.Println(err)\n\t\t\tos.Exit(1)\n\t\t}\n\t\tresp.Body.Close()\n\t\tfmt.Printf(\"%x\\n\", h.Sum(nil))\n\t}\n}\n",
+    )
+    .unwrap();
+    let build = std::process::Command::new(go)
+        .args(["build", "-o", "fetch", "."])
+        .current_dir(&src)
+        .env("CGO_ENABLED", "0")
+        .env("GOTOOLCHAIN", "local")
+        .env("GOFLAGS", "-mod=mod")
+        .output()
+        .expect("go build");
+    assert!(build.status.success(), "go build: {}", text(&build));
+    let binary = std::fs::read(src.join("fetch")).expect("the binary");
+    assert!(!binary.windows(8).any(|w| w == b"ld-linux"), "statically linked: no dynamic loader named");
+    let want = sha256(&r.srv.www.path().join("blob"));
+    let script =
+        format!("{} http://{}:8080/blob 'http://[{}]:8080/blob'", path_str(&src.join("fetch")), r.srv.v4, r.srv.v6);
+    let (out, m) = r.run("go", &script, &["term.connections_total"]);
+    let t = ok(&out);
+    assert_eq!(t.matches(&want).count(), 2, "both fetches intact: {t}");
+    assert_eq!(m["term.connections_total"], 2, "terminated: {m:?}");
+}
+
+/// A refused port reaches the app as a refusal, at once (curl exit 7, not a timeout); IPv4 and IPv6.
+fn refused_port(backend: &str) {
+    let Some(r) = Rig::new(backend, 7, b"small", None) else { return };
+    let script = format!(
+        "for u in http://{}:9/ 'http://[{}]:9/'; do s=$(date +%s%N); curl -sS -m 10 \"$u\"; echo \"exit $? $(( ($(date +%s%N) - s) / 1000000 )) ms\"; done",
+        r.srv.v4, r.srv.v6
+    );
+    let (out, m) = r.run("refused", &script, &["term.connections_total", "orig.aborts_sent_total"]);
+    let t = text(&out);
+    let exits: Vec<(i32, u64)> = t
+        .lines()
+        .filter_map(|l| {
+            let mut w = l.strip_prefix("exit ")?.split_whitespace();
+            Some((w.next()?.parse().ok()?, w.next()?.parse().ok()?))
+        })
+        .collect();
+    assert_eq!(exits.len(), 2, "{t}");
+    for (code, ms) in exits {
+        assert_eq!(code, 7, "curl could not connect (refused): {t}");
+        assert!(ms < 2000, "refused at once, not after a timeout: {ms} ms: {t}");
+    }
+    assert!(t.contains("refused"), "curl says refused: {t}");
+    assert_eq!(m["term.connections_total"], 2, "{m:?}");
+    assert_eq!(m["orig.aborts_sent_total"], 2, "originate told terminate both were refused: {m:?}");
+}
+
+/// An address routed into the server's namespace where nothing answers: an error for the app, not a success nor a
+/// hang; IPv4 and IPv6.
+fn unreachable_address(backend: &str) {
+    let Some(r) = Rig::new(backend, 8, b"small", None) else { return };
+    let (v4, v6) = (r.srv.v4.replace(".7.2", ".7.99"), r.srv.v6.replace("::2", "::99"));
+    let script =
+        format!("for u in http://{v4}:8080/ 'http://[{v6}]:8080/'; do curl -sS -m 15 \"$u\"; echo \"exit $?\"; done");
+    let t0 = Instant::now();
+    let (out, m) = r.run("unreach", &script, &["term.connections_total", "orig.icmp_errors_total"]);
+    let t = text(&out);
+    let codes: Vec<&str> = t.lines().filter_map(|l| l.strip_prefix("exit ")).collect();
+    assert_eq!(codes, ["7", "7"], "curl could not connect (no route to host), no success: {t}");
+    assert!(t0.elapsed() < Duration::from_secs(25), "the errors came before curl's own timeout");
+    // (An app's SYN sent again just as the error comes back may make one more flow, ended by its own error.)
+    assert!(m["term.connections_total"] >= 2, "{m:?}");
+    assert!(m["orig.icmp_errors_total"] >= 2, "the host's ICMP errors ended the connections: {m:?}");
+}
+
+/// Half-close: the app sends, shuts down its write side and still reads the whole answer.
+fn half_close(backend: &str) {
+    let Some(r) = Rig::new(backend, 9, b"small", None) else { return };
+    let helper = python_helper(r.dir.path());
+    let _srv = helper_server(&r, &helper, "halfclose", 7001);
+    let script = format!(
+        "python3 {h} halfclose {} 7001 && python3 {h} halfclose {} 7001",
+        r.srv.v4,
+        r.srv.v6,
+        h = path_str(&helper)
+    );
+    let (out, m) = r.run("halfclose", &script, &["term.connections_total"]);
+    let t = ok(&out);
+    assert_eq!(t.matches("halfclose ok").count(), 2, "{t}");
+    assert_eq!(m["term.connections_total"], 2, "{m:?}");
+}
+
+/// The server resets the connection mid-transfer: the app sees a reset, not a clean end.
+fn server_reset(backend: &str) {
+    let Some(r) = Rig::new(backend, 10, b"small", None) else { return };
+    let helper = python_helper(r.dir.path());
+    let _srv = helper_server(&r, &helper, "rst", 7002);
+    let script =
+        format!("python3 {h} rst {} 7002 && python3 {h} rst {} 7002", r.srv.v4, r.srv.v6, h = path_str(&helper));
+    let (out, m) = r.run("rst", &script, &["term.connections_total", "orig.aborts_sent_total"]);
+    let t = ok(&out);
+    assert_eq!(t.matches("reset after").count(), 2, "both connections were reset for the app: {t}");
+    assert!(!t.contains("eof after"), "{t}");
+    assert_eq!(m["term.connections_total"], 2, "{m:?}");
+    assert_eq!(m["orig.aborts_sent_total"], 2, "the resets came through originate: {m:?}");
+}
+
+/// The app is killed mid-transfer: afterwards, within the timeouts, neither endpoint holds anything of its flow.
+fn app_killed(backend: &str) {
+    let blob = pattern(4_000_000);
+    let Some(r) = Rig::new(backend, 11, &blob, None) else { return };
+    let (go, killed) = (r.path("go"), r.path("killed"));
+    let script = format!(
+        "curl -s --limit-rate 500k -o /dev/null http://{}:8080/blob & while [ ! -e {go} ]; do sleep 0.05; done; \
+         kill -9 $!; touch {killed}; sleep 30",
+        r.srv.v4,
+        go = path_str(&go),
+        killed = path_str(&killed)
+    );
+    let mut run = r.d.spawn_run(&["--stack", path_str(&r.stack), "--name", "killed", "--", "sh", "-c", &script]);
+    let get = |short: &str| -> Option<u64> {
+        let out = r.d.cli(&["-j", "get", &meter_name("killed", short)]);
+        let j: Json = serde_json::from_slice(&out.stdout).ok()?;
+        j[meter_name("killed", short)]["value"].as_u64()
+    };
+    // The per-flow variables of each endpoint (`flow.killed.term.1.*`, `flow.killed.orig.1.*`).
+    let flow_vars = || {
+        let out = r.d.cli(&["var", "list"]);
+        let list = String::from_utf8_lossy(&out.stdout).to_string();
+        let count = |prefix: &str| list.lines().filter(|l| l.starts_with(prefix)).count();
+        (count("flow.killed.term."), count("flow.killed.orig."))
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    // Mid-transfer: the flow is held on both sides, with its meters.
+    while get("term.data_bytes_in_total").unwrap_or(0) < 100_000 {
+        assert!(Instant::now() < deadline, "the transfer did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (term_vars, orig_vars) = flow_vars();
+    assert!(term_vars > 5 && orig_vars > 5, "per-flow meters while it runs: {term_vars}, {orig_vars}");
+    std::fs::write(&go, b"").unwrap();
+    while !killed.exists() {
+        assert!(Instant::now() < deadline, "the script did not kill curl");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(get("term.connections_total"), Some(1), "the transfer was terminated");
+    let mut left = (u64::MAX, u64::MAX, (usize::MAX, usize::MAX));
+    while Instant::now() < deadline {
+        left = (get("term.connections_active").unwrap_or(9), get("orig.connections_active").unwrap_or(9), flow_vars());
+        if left == (0, 0, (0, 0)) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(left, (0, 0, (0, 0)), "connections and per-flow variables left (terminate, originate)");
+    let aborts = get("term.aborts_sent_total").unwrap_or(0);
+    assert_eq!(aborts, 1, "the app's reset became an abort");
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(run.id() as i32), nix::sys::signal::Signal::SIGTERM).unwrap();
+    let _ = run.wait();
+}
+
+/// The server reads nothing for 3 s while the app sends 128 MiB: the app's send blocks, the daemon's memory stays
+/// bounded (the flow's budget and buffers, not the bytes offered), and then every byte arrives intact.
+fn stalled_server(backend: &str) {
+    let Some(_serial) = privileged_serial() else { return };
+    let Some(r) = Rig::new(backend, 14, b"small", None) else { return };
+    let helper = python_helper(r.dir.path());
+    let _srv = helper_server(&r, &helper, "stall", 7004);
+    let rss = || {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", r.d.child.id())).unwrap_or_default();
+        let kib = status.lines().find_map(|l| l.strip_prefix("VmRSS:")).and_then(|v| v.trim().strip_suffix(" kB"));
+        kib.and_then(|v| v.trim().parse::<u64>().ok()).expect("the daemon's VmRSS") * 1024
+    };
+    let before = rss();
+    let script = format!("python3 {} stall {} 7004", path_str(&helper), r.srv.v4);
+    let mut run = r.d.spawn_run(&["--stack", path_str(&r.stack), "--name", "stall", "--", "sh", "-c", &script]);
+    let mut peak = before;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while run.try_wait().expect("try_wait").is_none() {
+        assert!(Instant::now() < deadline, "the transfer did not complete");
+        peak = peak.max(rss());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = run.wait_with_output().expect("the run's output");
+    let t = ok(&out);
+    assert!(t.contains("stall ok"), "every byte arrived after the stall: {t}");
+    let during: u64 = t
+        .lines()
+        .find_map(|l| l.strip_prefix("sent during the stall "))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{t}"));
+    let grown = peak.saturating_sub(before);
+    eprintln!("{backend}: {during} bytes accepted during the stall; the daemon grew by {} KiB", grown / 1024);
+    assert!(during < 48 << 20, "the app's send blocked: {during} of 128 MiB accepted during the stall");
+    assert!(grown < 64 << 20, "the daemon's memory stays bounded: it grew by {grown} bytes");
+}
+
+/// 1,000 connections open at once, each echoing 1 KB intact.
+fn thousand_connections(backend: &str) {
+    let Some(_serial) = privileged_serial() else { return };
+    let Some(r) = Rig::new(backend, 12, b"small", None) else { return };
+    let helper = python_helper(r.dir.path());
+    let _srv = helper_server(&r, &helper, "echo", 7003);
+    let script = format!("python3 {} many {} 7003 1000", path_str(&helper), r.srv.v4);
+    let (out, m) = r.run("many", &script, &["term.connections_total", "term.refused_total"]);
+    let t = ok(&out);
+    assert!(t.contains("open 1000"), "{t}");
+    assert!(t.contains("echoed 1000 of 1000"), "{t}");
+    assert_eq!(m["term.connections_total"], 1000, "{m:?}");
+    assert_eq!(m["term.refused_total"], 0, "{m:?}");
+}
+
+/// In one sandbox at the same time: a flow the match table chooses is terminated, while ping, a raw IP protocol,
+/// TCP to a port it does not name and UDP to a port it does not name are forwarded as before.
+fn match_table_leaves_the_rest(backend: &str) {
+    let blob = pattern(500_000);
+    let Some(r) = Rig::new(backend, 13, &blob, Some(r#"["tcp dport 8080", "udp dport 5353"]"#)) else { return };
+    let helper = python_helper(r.dir.path());
+    let raw = r.path("raw");
+    let _raw = r.srv.ns.spawn(&["python3", path_str(&helper), "rawlisten", path_str(&raw)]);
+    let _other = r.srv.ns.spawn(&[
+        "python3",
+        "-m",
+        "http.server",
+        "8082",
+        "--bind",
+        "::",
+        "--directory",
+        path_str(r.srv.www.path()),
+    ]);
+    let _dns = r.srv.ns.serve_dns(&r.srv.v4, &r.srv.v6);
+    wait_listening(&r, 8082);
+    wait_listening(&r, 53);
+    let want = sha256(&r.srv.www.path().join("blob"));
+    let v4 = &r.srv.v4;
+    // The terminated download runs while the others happen.
+    let script = format!(
+        "curl -sSf -m 30 --limit-rate 1m http://{v4}:8080/blob | sha256sum > {t} & \
+         ping -c 3 -i 0.2 -W 2 {v4} && curl -sSf -m 10 http://{v4}:8082/blob | sha256sum && \
+         dig +short +time=3 +tries=1 @{v4} flexstack.test A && python3 {h} rawsend {v4} && wait $! && cat {t}",
+        t = path_str(&r.path("terminated")),
+        h = path_str(&helper)
+    );
+    let meters = [
+        "term.rule1_matches_total",
+        "term.rule2_matches_total",
+        "term.connections_total",
+        "term.udp_flows_total",
+        "term.passed_total",
+        "orig.passed_total",
+    ];
+    let (out, m) = r.run("mixed", &script, &meters);
+    let t = ok(&out);
+    assert!(t.contains(" 0% packet loss"), "ping answered: {t}");
+    assert_eq!(t.matches(&want).count(), 2, "both downloads intact: {t}");
+    assert!(t.contains("10.1.2.3"), "DNS answered: {t}");
+    assert_eq!(m["term.rule1_matches_total"], 1, "one flow chosen: {m:?}");
+    assert_eq!(m["term.rule2_matches_total"], 0, "DNS (port 53) is not the UDP rule's: {m:?}");
+    let got = std::fs::read(&raw).unwrap_or_default();
+    assert!(got.ends_with(b"raw protocol 253"), "the raw protocol's packet reached the server: {got:?}");
+    assert_eq!(m["term.connections_total"], 1, "only it was terminated (not port 8082): {m:?}");
+    assert_eq!(m["term.udp_flows_total"], 0, "no UDP flow was terminated: {m:?}");
+    // ping (3), the other download, DNS and the raw packets (5) pass terminate towards the network; all but the raw
+    // ones have answers that pass originate towards the app.
+    assert!(m["term.passed_total"] > 3 + 5 + 5, "{m:?}");
+    assert!(m["orig.passed_total"] > 3 + 5, "{m:?}");
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// One test per scenario and back-end
+// ---------------------------------------------------------------------------------------------------------------
+
+#[test]
+fn curl_2mb_smoltcp() {
+    curl_2mb("smoltcp")
+}
+
+#[test]
+fn two_apps_at_once_smoltcp() {
+    two_apps_at_once("smoltcp")
+}
+
+#[test]
+fn curl_large_smoltcp() {
+    curl_large("smoltcp")
+}
+
+#[test]
+fn iperf3_tcp_smoltcp() {
+    iperf3_tcp("smoltcp")
+}
+
+#[test]
+fn iperf3_udp_smoltcp() {
+    iperf3_udp("smoltcp")
+}
+
+#[test]
+fn dig_udp_and_tcp_smoltcp() {
+    dig_udp_and_tcp("smoltcp")
+}
+
+#[test]
+fn nginx_wrk_smoltcp() {
+    nginx_wrk("smoltcp")
+}
+
+#[test]
+fn go_static_binary_smoltcp() {
+    go_static_binary("smoltcp")
+}
+
+#[test]
+fn refused_port_smoltcp() {
+    refused_port("smoltcp")
+}
+
+#[test]
+fn unreachable_address_smoltcp() {
+    unreachable_address("smoltcp")
+}
+
+#[test]
+fn half_close_smoltcp() {
+    half_close("smoltcp")
+}
+
+#[test]
+fn server_reset_smoltcp() {
+    server_reset("smoltcp")
+}
+
+#[test]
+fn app_killed_smoltcp() {
+    app_killed("smoltcp")
+}
+
+#[test]
+fn stalled_server_smoltcp() {
+    stalled_server("smoltcp")
+}
+
+#[test]
+fn thousand_connections_smoltcp() {
+    thousand_connections("smoltcp")
+}
+
+#[test]
+fn match_table_leaves_the_rest_smoltcp() {
+    match_table_leaves_the_rest("smoltcp")
+}

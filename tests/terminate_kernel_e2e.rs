@@ -499,3 +499,28 @@ fn a_thousand_concurrent_connections_through_kernel_endpoints() {
     assert_eq!(value(&vars, "module.kt-term.connections_active"), 0, "{vars}");
     assert_eq!(value(&vars, "module.kt-orig.connections_active"), 0, "{vars}");
 }
+
+/// stacks/app-terminate.toml (TCP and UDP terminated) with `backend = "kernel"` on both endpoints and nothing else
+/// changed: a stack changes back-end by its setting alone. curl over TCP, dig over UDP.
+#[test]
+fn the_terminating_template_runs_on_the_kernel_back_end_by_its_setting_alone() {
+    let Some(rig) = Rig::new(9, &pattern(2_000_000)) else { return };
+    let _dns = rig.srv.ns.serve_dns(&rig.srv.v4, &rig.srv.v6);
+    let template = std::fs::read_to_string(common::repo().join("stacks/app-terminate.toml")).expect("the template");
+    assert_eq!(template.matches("backend = \"smoltcp\"").count(), 2, "{template}");
+    let stack = rig.path("app-terminate-kernel.toml");
+    std::fs::write(&stack, template.replace("backend = \"smoltcp\"", "backend = \"kernel\"")).unwrap();
+    let copy = rig.path("copy");
+    let script = format!(
+        "curl -sSf -m 20 -o {} http://{v4}:8080/blob && dig +short +tries=2 +time=2 @{v4} flexstack.test A",
+        path_str(&copy),
+        v4 = rig.srv.v4
+    );
+    let (out, vars) = rig.run(&stack, "kt2", &script, "module.kt2-*.*");
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(sha256(&copy), sha256(&rig.srv.www.path().join("blob")));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("10.1.2.3"), "{}", text(&out));
+    assert_eq!(value(&vars, "module.kt2-term.connections_total"), 1, "{vars}");
+    assert_eq!(value(&vars, "module.kt2-term.udp_flows_total"), 1, "{vars}");
+    assert_eq!(value(&vars, "module.kt2-orig.udp_flows_total"), 1, "{vars}");
+}

@@ -10,7 +10,10 @@
 
 mod common;
 
-use common::{bin, octets, path_str, privileged, privileged_serial, repo, sh, text, Background, SandboxDaemon, Server};
+use common::{
+    bin, octets, path_str, pattern, privileged, privileged_serial, repo, sha256, text, Background, SandboxDaemon,
+    Server,
+};
 use serde_json::Value as Json;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -109,25 +112,6 @@ fn terminate_stack(backend: &str, matches: Option<&str>) -> String {
         out.push('\n');
     }
     out
-}
-
-/// `n` bytes of a pattern that does not repeat within a file (each 8 bytes different).
-fn pattern(n: usize) -> Vec<u8> {
-    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
-    let mut v = Vec::with_capacity(n + 8);
-    while v.len() < n {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        v.extend_from_slice(&x.to_le_bytes());
-    }
-    v.truncate(n);
-    v
-}
-
-/// The sha256 of a file, as `sha256sum` prints it.
-fn sha256(file: &Path) -> String {
-    sh("sha256sum", &[path_str(file)]).split_whitespace().next().expect("a sum").to_string()
 }
 
 /// Asserts that a run succeeded; returns its stdout and stderr.

@@ -8,64 +8,27 @@
 
 mod common;
 
-use common::{bin, octets, path_str, privileged, sh, text, Background, SandboxDaemon, Server};
+use common::{bin, octets, path_str, pattern, privileged, repo, sh, sha256, text, Background, SandboxDaemon, Server};
 use serde_json::Value as Json;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-/// An app chain with termination (the wiring of stacks/app-terminate.toml): `term` and `orig` with the given
-/// back-ends and match table. `{netns}` is the app's namespace, where the kernel back-end of `terminate` listens.
+/// stacks/app-terminate.toml with `term` and `orig` as the back-ends of `terminate` and `originate` (in that order
+/// in the file) and `matches` as the match table.
 fn stack(term: &str, orig: &str, matches: &str) -> String {
-    format!(
-        r#"links = [
-  "{{app}} -> {{app}}-ip", "{{app}}-host -> {{app}}-ip",
-  "{{app}}-ip[out] -> {{app}}-frag", "{{app}}-ip[icmp] -> {{app}}-dir", "{{app}}-frag -> {{app}}-flows",
-  "{{app}}-flows[tcp] -> {{app}}-dir", "{{app}}-flows[udp] -> {{app}}-dir",
-  "{{app}}-flows[icmp] -> {{app}}-dir", "{{app}}-flows[other] -> {{app}}-dir",
-  "{{app}}-dir[down] -> {{app}}-term[in]", "{{app}}-dir[up] -> {{app}}-orig[in]",
-  "{{app}}-term[pass] -> {{app}}-host", "{{app}}-term[out] -> {{app}}",
-  "{{app}}-orig[pass] -> {{app}}", "{{app}}-orig[out] -> {{app}}-host",
-  "{{app}}-term[stream] -> {{app}}-streams", "{{app}}-orig[stream] -> {{app}}-streams",
-  "{{app}}-streams -> {{app}}-sdir",
-  "{{app}}-sdir[down] -> {{app}}-orig[stream_in]", "{{app}}-sdir[up] -> {{app}}-term[stream_in]",
-]
-[modules."{{app}}"]
-kind = "tun"
-name = "{{app_dev}}"
-direction = "down"
-[modules."{{app}}-host"]
-kind = "tun"
-name = "{{host_dev}}"
-direction = "up"
-[modules."{{app}}-ip"]
-kind = "ip"
-[modules."{{app}}-frag"]
-kind = "reassemble"
-[modules."{{app}}-flows"]
-kind = "classify"
-vars_prefix = "flow.{{app}}"
-[modules."{{app}}-dir"]
-kind = "direction"
-[modules."{{app}}-term"]
-kind = "terminate"
-backend = "{term}"
-app = "{{app}}"
-match = {matches}
-vars_prefix = "flow.{{app}}.term"
-{netns}
-[modules."{{app}}-streams"]
-kind = "stream-pass"
-[modules."{{app}}-sdir"]
-kind = "direction"
-[modules."{{app}}-orig"]
-kind = "originate"
-backend = "{orig}"
-vars_prefix = "flow.{{app}}.orig"
-rx_buffer = 262144
-tx_buffer = 262144
-"#,
-        netns = if term == "kernel" { "netns = \"{netns}\"" } else { "rx_buffer = 262144\ntx_buffer = 262144" }
-    )
+    let template = std::fs::read_to_string(repo().join("stacks/app-terminate.toml")).expect("the template");
+    assert_eq!(template.matches("backend = \"smoltcp\"").count(), 2, "both endpoints name their back-end");
+    let template = template.replacen("backend = \"smoltcp\"", &format!("backend = \"{term}\""), 1);
+    let template = template.replacen("backend = \"smoltcp\"", &format!("backend = \"{orig}\""), 1);
+    let mut out = String::new();
+    for line in template.lines() {
+        out.push_str(if line.starts_with("match = ") { "" } else { line });
+        if line.starts_with("match = ") {
+            out.push_str(&format!("match = {matches}"));
+        }
+        out.push('\n');
+    }
+    out
 }
 
 /// A server (HTTP on 8080 serving `blob`, iperf3 on 5201, DNS on 53), a daemon, and a stack file.
@@ -127,24 +90,6 @@ impl Rig {
 
 fn value(vars: &Json, name: &str) -> u64 {
     vars[name]["value"].as_u64().unwrap_or_else(|| panic!("{name} in {vars}"))
-}
-
-/// `n` bytes that do not repeat (xorshift).
-fn pattern(n: usize) -> Vec<u8> {
-    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
-    let mut v = Vec::with_capacity(n + 8);
-    while v.len() < n {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        v.extend_from_slice(&x.to_le_bytes());
-    }
-    v.truncate(n);
-    v
-}
-
-fn sha256(file: &Path) -> String {
-    sh("sha256sum", &[path_str(file)]).split_whitespace().next().expect("a sum").to_string()
 }
 
 /// curl of 2 MB over IPv4 and IPv6 through `term`/`orig`; the copies are intact and went through the endpoints.
@@ -506,10 +451,7 @@ fn a_thousand_concurrent_connections_through_kernel_endpoints() {
 fn the_terminating_template_runs_on_the_kernel_back_end_by_its_setting_alone() {
     let Some(rig) = Rig::new(9, &pattern(2_000_000)) else { return };
     let _dns = rig.srv.ns.serve_dns(&rig.srv.v4, &rig.srv.v6);
-    let template = std::fs::read_to_string(common::repo().join("stacks/app-terminate.toml")).expect("the template");
-    assert_eq!(template.matches("backend = \"smoltcp\"").count(), 2, "{template}");
-    let stack = rig.path("app-terminate-kernel.toml");
-    std::fs::write(&stack, template.replace("backend = \"smoltcp\"", "backend = \"kernel\"")).unwrap();
+    let stack = rig.stack("kernel", "kernel", r#"["tcp *", "udp *"]"#);
     let copy = rig.path("copy");
     let script = format!(
         "curl -sSf -m 20 -o {} http://{v4}:8080/blob && dig +short +tries=2 +time=2 @{v4} flexstack.test A",

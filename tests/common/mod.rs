@@ -636,3 +636,22 @@ impl Drop for LinkGuard {
         let _ = Command::new("ip").args(["link", "del", &self.0]).status();
     }
 }
+
+/// `n` bytes of a pattern that does not repeat within a file (each 8 bytes different): a test blob.
+pub fn pattern(n: usize) -> Vec<u8> {
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut v = Vec::with_capacity(n + 8);
+    while v.len() < n {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.extend_from_slice(&x.to_le_bytes());
+    }
+    v.truncate(n);
+    v
+}
+
+/// The sha256 of a file, as `sha256sum` prints it.
+pub fn sha256(file: &Path) -> String {
+    sh("sha256sum", &[path_str(file)]).split_whitespace().next().expect("a sum").to_string()
+}

@@ -102,21 +102,7 @@ pub type SocketKey = ((IpAddr, u16), (IpAddr, u16));
 
 /// The name of a kernel TCP state (`TCP_ESTABLISHED` ...), as smoltcp's are written.
 pub fn state_name(state: u8) -> &'static str {
-    match state {
-        1 => "established",
-        2 => "syn-sent",
-        3 => "syn-received",
-        4 => "fin-wait-1",
-        5 => "fin-wait-2",
-        6 => "time-wait",
-        7 => "closed",
-        8 => "close-wait",
-        9 => "last-ack",
-        10 => "listen",
-        11 => "closing",
-        12 => "new-syn-received",
-        _ => "unknown",
-    }
+    flexstack_sys::tcp_state_name(state)
 }
 
 /// The key and stats of one INET_DIAG answer.

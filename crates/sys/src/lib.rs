@@ -262,6 +262,26 @@ pub struct TcpInfo {
     pub bytes_received: u64,
 }
 
+/// The name of a kernel TCP state (`TcpInfo::state`, sock_diag's `idiag_state`: `TCP_ESTABLISHED` = 1 ...), as
+/// smoltcp's are written.
+pub fn tcp_state_name(state: u8) -> &'static str {
+    match state {
+        1 => "established",
+        2 => "syn-sent",
+        3 => "syn-received",
+        4 => "fin-wait-1",
+        5 => "fin-wait-2",
+        6 => "time-wait",
+        7 => "closed",
+        8 => "close-wait",
+        9 => "last-ack",
+        10 => "listen",
+        11 => "closing",
+        12 => "new-syn-received",
+        _ => "unknown",
+    }
+}
+
 /// Reads `TCP_INFO` of TCP socket `fd`.
 pub fn tcp_info(fd: BorrowedFd<'_>) -> io::Result<TcpInfo> {
     let mut raw = RawTcpInfo::default();

@@ -253,24 +253,6 @@ fn tcp_specs() -> Vec<VarSpec> {
     v
 }
 
-/// The kernel's names of TCP states (`tcp_states.h`).
-fn state_name(s: u8) -> &'static str {
-    match s {
-        1 => "established",
-        2 => "syn-sent",
-        3 => "syn-received",
-        4 => "fin-wait-1",
-        5 => "fin-wait-2",
-        6 => "time-wait",
-        7 => "closed",
-        8 => "close-wait",
-        9 => "last-ack",
-        10 => "listen",
-        11 => "closing",
-        _ => "unknown",
-    }
-}
-
 impl KernelEndpoint {
     /// Registers the meters of new flows, removes those of ended ones, and refreshes the others.
     fn meters(&mut self, e: &mut Engine, out: &mut Output<'_>) {
@@ -310,7 +292,7 @@ impl KernelEndpoint {
             m("queued_bytes").set(f.queued);
             let Sock::Tcp(s) = &f.sock else { continue };
             if let Ok(t) = flexstack_sys::tcp_info(s.as_fd()) {
-                m("tcp.state").store(&Value::Str(state_name(t.state).into()));
+                m("tcp.state").store(&Value::Str(flexstack_sys::tcp_state_name(t.state).into()));
                 m("tcp.srtt_us").set(u64::from(t.srtt_us));
                 m("tcp.cwnd").set(u64::from(t.cwnd));
                 m("tcp.bytes_in_flight").set(u64::from(t.unacked) * u64::from(t.snd_mss));

@@ -11,9 +11,10 @@ use flexstack_api::ops::{FlowInfo, ModuleInfo, VarInfo, VarList};
 use flexstack_api::protocol::Request;
 use mapping::Series;
 use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, MetricEncoder};
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Registry, Unit};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::SocketAddr;
@@ -166,6 +167,15 @@ impl RegistryCollector {
     }
 }
 
+/// One sample: a counter whole in its own unit as an integer (scaled, ns → s, it is a float), a gauge as a float.
+fn encode_value(counter: bool, v: f64, e: MetricEncoder) -> Result<(), std::fmt::Error> {
+    match counter {
+        true if v.fract() == 0.0 && (0.0..u64::MAX as f64).contains(&v) => ConstCounter::new(v as u64).encode(e),
+        true => ConstCounter::new(v.max(0.0)).encode(e),
+        false => ConstGauge::new(v).encode(e),
+    }
+}
+
 impl Collector for RegistryCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let families = self.families().map_err(|e| {
@@ -173,31 +183,15 @@ impl Collector for RegistryCollector {
             std::fmt::Error
         })?;
         for (name, f) in &families {
-            if f.counter {
-                let mut d = encoder.encode_descriptor(
-                    name,
-                    &f.help,
-                    f.unit.as_ref(),
-                    prometheus_client::metrics::MetricType::Counter,
-                )?;
-                for (labels, v) in &f.samples {
-                    // A counter is whole in its own unit; scaled (ns → s) it is a float.
-                    let e = d.encode_family(labels)?;
-                    if v.fract() == 0.0 && *v >= 0.0 && *v < u64::MAX as f64 {
-                        ConstCounter::new(*v as u64).encode(e)?;
-                    } else {
-                        ConstCounter::new(v.max(0.0)).encode(e)?;
+            let ty = if f.counter { MetricType::Counter } else { MetricType::Gauge };
+            let mut d = encoder.encode_descriptor(name, &f.help, f.unit.as_ref(), ty)?;
+            match f.samples.as_slice() {
+                // A family of one unlabelled sample (the switch's, the endpoint's own): `name value`, no `{}`.
+                [(labels, v)] if labels.is_empty() => encode_value(f.counter, *v, d)?,
+                samples => {
+                    for (labels, v) in samples {
+                        encode_value(f.counter, *v, d.encode_family(labels)?)?;
                     }
-                }
-            } else {
-                let mut d = encoder.encode_descriptor(
-                    name,
-                    &f.help,
-                    f.unit.as_ref(),
-                    prometheus_client::metrics::MetricType::Gauge,
-                )?;
-                for (labels, v) in &f.samples {
-                    ConstGauge::new(*v).encode(d.encode_family(labels)?)?;
                 }
             }
         }

@@ -25,8 +25,9 @@ pub struct Series {
     pub counter: bool,
     /// Label pairs, in a fixed order.
     pub labels: Vec<(String, String)>,
-    /// `# HELP` text; for drop counters the generic one (the reason is a label).
-    pub help: String,
+    /// `# HELP` text when it is not the variable's description ([`help_text`]): the drop counters' (the reason
+    /// is a label), the endpoint's own.
+    pub help: Option<String>,
 }
 
 /// Letters, digits and `_` as they are; anything else becomes `_` (metric names and label names).
@@ -49,7 +50,7 @@ fn base_unit(unit: &str) -> Option<(Unit, f64, &'static [&'static str])> {
 }
 
 /// One line of help: no newlines, no backslashes left unescaped.
-fn help_text(description: &str, unit: &str) -> String {
+pub fn help_text(description: &str, unit: &str) -> String {
     let d = description.replace('\\', "\\\\").replace('\n', " ");
     match unit {
         "" => d,
@@ -58,16 +59,10 @@ fn help_text(description: &str, unit: &str) -> String {
     }
 }
 
-/// Maps the registry variable `name` (declared as `kind` with `unit` and `description`) to its series.
+/// Maps the registry variable `name` (declared as `var_kind` with `unit`) to its series.
 /// `module_kind` gives a module's kind by its name. `None`: not exported here (flows are handled by the caller,
 /// which decides which ones; text values have no number).
-pub fn map(
-    name: &str,
-    var_kind: VarKind,
-    unit: &str,
-    description: &str,
-    module_kind: &dyn Fn(&str) -> Option<String>,
-) -> Option<Series> {
+pub fn map(name: &str, var_kind: VarKind, unit: &str, module_kind: &dyn Fn(&str) -> Option<String>) -> Option<Series> {
     let mut parts = name.splitn(2, '.');
     let (scope, rest) = (parts.next()?, parts.next()?);
     let (prefix, short, labels, help): (String, &str, Vec<(String, String)>, Option<String>) = match scope {
@@ -122,7 +117,6 @@ pub fn map(
         family.push('_');
         family.push_str(&sanitize(&words.join("_")));
     }
-    let help = help.unwrap_or_else(|| help_text(description, unit));
     Some(Series { family, unit: unit_enum, scale, counter, labels, help })
 }
 
@@ -151,7 +145,7 @@ mod tests {
     }
 
     fn m(name: &str, unit: &str) -> Series {
-        map(name, VarKind::Meter, unit, "d", &kinds).unwrap()
+        map(name, VarKind::Meter, unit, &kinds).unwrap()
     }
 
     fn labels(s: &Series) -> Vec<(&str, &str)> {
@@ -171,7 +165,7 @@ mod tests {
         let s = m("module.a-ip.drop_bad_checksum_total", "frames");
         assert_eq!((s.family.as_str(), s.counter), ("flexstack_module_drops", true));
         assert_eq!(labels(&s), [("module", "a-ip"), ("kind", "ip"), ("reason", "bad_checksum")]);
-        assert!(!s.help.contains("checksum"), "the help is the family's, not one reason's: {}", s.help);
+        assert!(!s.help.unwrap().contains("checksum"), "the help is the family's, not one reason's");
     }
 
     #[test]
@@ -186,7 +180,7 @@ mod tests {
         let s = m("module.a-ip.busy_ns_total", "ns");
         assert_eq!((s.family.as_str(), s.unit.as_ref().map(Unit::as_str)), ("flexstack_module_busy", Some("seconds")));
         assert_eq!(s.scale, 1e-9);
-        let k = map("module.a-ip.timeout_ms", VarKind::Knob, "ms", "d", &kinds).unwrap();
+        let k = map("module.a-ip.timeout_ms", VarKind::Knob, "ms", &kinds).unwrap();
         assert_eq!((k.family.as_str(), k.counter, k.scale), ("flexstack_ip_timeout", false, 1e-3));
         let b = m("module.tun0.rx_bytes_total", "bytes");
         assert_eq!(
@@ -205,7 +199,7 @@ mod tests {
         // A kind that is named like one of the mapping's own prefixes is set apart.
         assert_eq!(m("module.p.queue_frames", "frames").family, "flexstack_kind_port_queue_frames");
         // A knob ending in _total is still a gauge.
-        assert!(!map("module.tun0.max_total", VarKind::Knob, "", "d", &kinds).unwrap().counter);
+        assert!(!map("module.tun0.max_total", VarKind::Knob, "", &kinds).unwrap().counter);
     }
 
     #[test]
@@ -222,11 +216,12 @@ mod tests {
 
     #[test]
     fn odd_names_are_sanitized_and_help_is_one_line() {
-        let s = map("module.x.a-b_total", VarKind::Meter, "pkt/s", "line\none \\", &kinds).unwrap();
+        let s = map("module.x.a-b_total", VarKind::Meter, "pkt/s", &kinds).unwrap();
         assert_eq!(s.family, "flexstack_module_a_b");
-        assert_eq!(s.help, "line one \\\\ (pkt/s)");
-        assert!(map("module", VarKind::Meter, "", "", &kinds).is_none());
-        assert!(map("module.nodot", VarKind::Meter, "", "", &kinds).is_none());
+        assert_eq!(help_text("line\none \\", "pkt/s"), "line one \\\\ (pkt/s)");
+        assert_eq!(help_text("t", "ns"), "t", "a base unit is in the name, not the help");
+        assert!(map("module", VarKind::Meter, "", &kinds).is_none());
+        assert!(map("module.nodot", VarKind::Meter, "", &kinds).is_none());
     }
 
     #[test]

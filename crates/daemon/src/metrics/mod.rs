@@ -7,8 +7,10 @@ pub mod http;
 pub mod mapping;
 
 use crate::actions::{Caller, Control};
-use flexstack_api::ops::{FlowInfo, ModuleInfo, VarInfo, VarList};
+use flexstack_api::ops::ModuleInfo;
 use flexstack_api::protocol::Request;
+use flexstack_core::vars::{Registry as VarRegistry, VarCell};
+use flexstack_core::Value;
 use mapping::Series;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, MetricEncoder};
@@ -16,7 +18,7 @@ use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Registry, Unit};
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
@@ -59,14 +61,45 @@ fn call<T: serde::de::DeserializeOwned>(control: &Control, request: Request) -> 
     serde_json::from_value(json).map_err(|e| e.to_string())
 }
 
-/// The ids of the `top` flows with the most bytes (both directions), and how many flows there are.
-pub fn top_flows(flows: &[FlowInfo], top: usize) -> (HashSet<String>, usize) {
-    let mut by_bytes: Vec<(u64, &str)> = flows
-        .iter()
-        .map(|f| (f.bytes_down.unwrap_or(0).saturating_add(f.bytes_up.unwrap_or(0)), f.id.as_str()))
-        .collect();
-    by_bytes.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(b.1)));
-    (by_bytes.into_iter().take(top).map(|(_, id)| id.to_string()).collect(), flows.len())
+/// The flow id of a variable `flow.<app>.<n>.<meter>`: `<app>.<n>`.
+fn flow_id(name: &str) -> Option<&str> {
+    let rest = name.strip_prefix("flow.")?;
+    let app_end = rest.find('.')?;
+    let n_len = rest[app_end + 1..].find('.')?;
+    Some(&rest[..app_end + 1 + n_len])
+}
+
+/// A flow's bytes and its `tuple` cell.
+type FlowBytes<'a> = (u64, Option<&'a Arc<VarCell>>);
+
+/// Each flow's bytes (`bytes_total`, else the sum of its `bytes_*_total`) and its `tuple` cell, by id. Only
+/// those meters are read.
+fn flow_bytes(reg: &VarRegistry) -> HashMap<&str, FlowBytes<'_>> {
+    let mut flows: HashMap<&str, (u64, Option<&Arc<VarCell>>, bool)> = HashMap::new();
+    for (name, cell) in reg.iter() {
+        let Some(id) = flow_id(name) else { continue };
+        let meter = &name["flow.".len() + id.len() + 1..];
+        let f = flows.entry(id).or_insert((0, None, false));
+        if meter == "tuple" {
+            f.1 = Some(cell);
+        } else if meter == "bytes_total" {
+            (f.0, f.2) = (cell.load_u64(), true);
+        } else if !f.2 && meter.starts_with("bytes_") && meter.ends_with("_total") {
+            f.0 = f.0.saturating_add(cell.load_u64());
+        }
+    }
+    flows.into_iter().map(|(id, (bytes, tuple, _))| (id, (bytes, tuple))).collect()
+}
+
+/// The `top` flows with the most bytes: their ids and tuples.
+fn top_flows(flows: HashMap<&str, FlowBytes<'_>>, top: usize) -> HashMap<String, String> {
+    let mut by_bytes: Vec<(&str, FlowBytes<'_>)> = flows.into_iter().collect();
+    by_bytes.sort_unstable_by(|a, b| b.1 .0.cmp(&a.1 .0).then(a.0.cmp(b.0)));
+    let tuple = |c: Option<&Arc<VarCell>>| match c.map(|c| c.get()) {
+        Some(Value::Str(t)) => t,
+        _ => String::new(),
+    };
+    by_bytes.into_iter().take(top).map(|(id, (_, c))| (id.to_string(), tuple(c))).collect()
 }
 
 impl RegistryCollector {
@@ -76,33 +109,21 @@ impl RegistryCollector {
         let modules: Vec<ModuleInfo> = call(&self.control, Request::ModuleList)?;
         let kinds: HashMap<String, String> = modules.iter().map(|m| (m.name.clone(), m.kind.clone())).collect();
         let kind_of = |m: &str| kinds.get(m).cloned();
-        let mut vars: Vec<VarInfo> = Vec::new();
-        for pattern in ["switch.**", "module.**", "app.**", "iface.**"] {
-            // A pattern nothing matches is an empty list (no apps yet), not an error.
-            vars.extend(call::<Vec<VarInfo>>(
-                &self.control,
-                Request::VarList(VarList { pattern: Some(pattern.into()) }),
-            )?);
-        }
+        // The registry itself, walked once or twice: no copy of it through the control API's JSON (10,000 flows
+        // are 90,000 variables).
+        let reg = self.control.registry().snapshot();
         let (top, flow_count) = if self.flows_top > 0 {
-            let flows: Vec<FlowInfo> = call(&self.control, Request::FlowList)?;
-            let (top, n) = top_flows(&flows, self.flows_top);
-            for id in &top {
-                vars.extend(call::<Vec<VarInfo>>(
-                    &self.control,
-                    Request::VarList(VarList { pattern: Some(format!("flow.{id}.**")) }),
-                )?);
-            }
-            let tuples = flows.iter().filter(|f| top.contains(&f.id));
-            (tuples.map(|f| (f.id.clone(), f.tuple.clone(), f.protocol.clone())).collect::<Vec<_>>(), n)
+            let flows = flow_bytes(&reg);
+            let n = flows.len();
+            (top_flows(flows, self.flows_top), n)
         } else {
-            (Vec::new(), 0)
+            (HashMap::new(), 0)
         };
         let mut out: BTreeMap<String, Family> = BTreeMap::new();
         let conflicts = std::cell::Cell::new(0u64);
-        let add = |s: Series, value: f64, out: &mut BTreeMap<String, Family>| {
+        let add = |s: Series, value: f64, description: &str, unit: &str, out: &mut BTreeMap<String, Family>| {
             let f = out.entry(s.family.clone()).or_insert_with(|| Family {
-                help: s.help.clone(),
+                help: s.help.clone().unwrap_or_else(|| mapping::help_text(description, unit)),
                 unit: s.unit.clone(),
                 counter: s.counter,
                 samples: Vec::new(),
@@ -115,11 +136,15 @@ impl RegistryCollector {
             }
             f.samples.push((s.labels, value * s.scale));
         };
-        for v in &vars {
-            let Some(x) = mapping::number(&v.value) else { continue };
-            let spec = &v.spec;
-            if let Some(s) = mapping::map(&spec.name, spec.kind, &spec.unit, &spec.description, &kind_of) {
-                add(s, x, &mut out);
+        for (name, cell) in reg.iter() {
+            let spec = cell.spec();
+            // An old name of a renamed variable would export its series twice.
+            if spec.alias_of.is_some() || flow_id(name).is_some_and(|id| !top.contains_key(id)) {
+                continue;
+            }
+            let Some(x) = mapping::number(&cell.get()) else { continue };
+            if let Some(s) = mapping::map(name, spec.kind, &spec.unit, &kind_of) {
+                add(s, x, &spec.description, &spec.unit, &mut out);
             }
         }
         let info = |family: &str, help: &str, labels: Vec<(String, String)>| Series {
@@ -128,17 +153,30 @@ impl RegistryCollector {
             scale: 1.0,
             counter: false,
             labels,
-            help: help.into(),
+            help: Some(help.into()),
         };
         for m in &modules {
             let labels = vec![("module".into(), m.name.clone()), ("kind".into(), m.kind.clone())];
-            add(info("flexstack_module_info", "a loaded module (always 1), with its kind", labels), 1.0, &mut out);
+            add(
+                info("flexstack_module_info", "a loaded module (always 1), with its kind", labels),
+                1.0,
+                "",
+                "",
+                &mut out,
+            );
         }
-        for (id, tuple, protocol) in top {
+        for (id, tuple) in top {
             let app = id.split('.').next().unwrap_or_default().to_string();
+            let protocol = tuple.split(' ').next().unwrap_or_default().to_string();
             let labels =
                 vec![("flow".into(), id), ("app".into(), app), ("protocol".into(), protocol), ("tuple".into(), tuple)];
-            add(info("flexstack_flow_info", "an exported flow (always 1), with its endpoints", labels), 1.0, &mut out);
+            add(
+                info("flexstack_flow_info", "an exported flow (always 1), with its endpoints", labels),
+                1.0,
+                "",
+                "",
+                &mut out,
+            );
         }
         let own = [
             ("flexstack_metrics_flows", "flows the daemon holds (those exported: --metrics-flows)", flow_count as f64),
@@ -154,14 +192,14 @@ impl RegistryCollector {
             ),
         ];
         for (family, help, value) in own {
-            add(info(family, help, Vec::new()), value, &mut out);
+            add(info(family, help, Vec::new()), value, "", "", &mut out);
         }
         for (reason, n) in self.stats.rejected() {
             let s = Series {
                 counter: true,
                 ..info("flexstack_metrics_http_rejected", "requests refused", vec![("reason".into(), reason.into())])
             };
-            add(s, n as f64, &mut out);
+            add(s, n as f64, "", "", &mut out);
         }
         Ok(out)
     }
@@ -242,28 +280,6 @@ pub fn serve(control: Arc<Control>, opts: &MetricsOptions) -> Result<http::Serve
 #[cfg(test)]
 mod tests {
     use super::*;
-    use flexstack_api::ops::Handling;
-
-    fn flow(id: &str, down: u64, up: Option<u64>) -> FlowInfo {
-        FlowInfo {
-            id: id.into(),
-            app: None,
-            module: String::new(),
-            handling: Handling::Forwarded,
-            backend: None,
-            protocol: "udp".into(),
-            src: None,
-            src_port: None,
-            dst: None,
-            dst_port: None,
-            tuple: String::new(),
-            bytes_down: Some(down),
-            bytes_up: up,
-            packets: None,
-            tcp: None,
-            peer: None,
-        }
-    }
 
     #[test]
     fn only_loopback_unless_public() {
@@ -275,12 +291,35 @@ mod tests {
     }
 
     #[test]
-    fn top_flows_keeps_the_k_with_most_bytes_both_ways() {
-        let flows = [flow("a.1", 10, Some(0)), flow("a.2", 5, Some(100)), flow("b.1", 50, None), flow("b.2", 1, None)];
-        let (top, n) = top_flows(&flows, 2);
-        assert_eq!(n, 4);
-        assert_eq!(top, ["a.2", "b.1"].iter().map(|s| s.to_string()).collect());
-        assert_eq!(top_flows(&flows, 0).0.len(), 0);
-        assert_eq!(top_flows(&flows, 10).0.len(), 4);
+    fn flow_ids_are_the_two_parts_after_flow() {
+        assert_eq!(flow_id("flow.web.3.tcp.srtt_us"), Some("web.3"));
+        assert_eq!(flow_id("flow.web.3.bytes_total"), Some("web.3"));
+        assert_eq!(flow_id("flow.web.3"), None);
+        assert_eq!(flow_id("module.web.3.x"), None);
+    }
+
+    #[test]
+    fn top_flows_keeps_the_k_with_most_bytes() {
+        let mut reg = VarRegistry::default();
+        let mut put = |name: &str, v: Value| {
+            let cell = flexstack_core::vars::VarCell::new(flexstack_core::VarSpec::meter("x", v.value_type(), "", ""));
+            cell.store(&v);
+            reg.insert(name.into(), Arc::new(cell));
+        };
+        put("flow.a.1.bytes_total", Value::U64(10));
+        put("flow.a.1.bytes_down_total", Value::U64(999));
+        put("flow.a.1.tuple", Value::Str("udp a <-> b".into()));
+        put("flow.a.2.bytes_total", Value::U64(100));
+        put("flow.t.1.bytes_down_total", Value::U64(30));
+        put("flow.t.1.bytes_up_total", Value::U64(30));
+        put("module.m.bytes_total", Value::U64(1000));
+        let flows = flow_bytes(&reg);
+        assert_eq!(flows.len(), 3);
+        assert_eq!(flows["a.1"].0, 10, "bytes_total wins over the directions");
+        assert_eq!(flows["t.1"].0, 60);
+        assert_eq!(top_flows(flow_bytes(&reg), 3)["a.1"], "udp a <-> b");
+        let top = top_flows(flows, 2);
+        assert_eq!(top.keys().map(String::as_str).collect::<std::collections::BTreeSet<_>>(), ["a.2", "t.1"].into());
+        assert!(top_flows(flow_bytes(&reg), 0).is_empty());
     }
 }

@@ -2,7 +2,8 @@
 //! and storage) scrapes a daemon whose sandboxed app sends a known packet rate with iperf3, and its HTTP API
 //! returns the expected series and that rate; `promtool check metrics` is clean on the exposition; malformed
 //! requests, a 100 KiB header and 200 idle connections are refused while the data plane keeps forwarding and
-//! /metrics is served again. Needs root (skips with a reason outside CI).
+//! /metrics is served again; every metric the Grafana dashboard (contrib/grafana) queries is in a live scrape.
+//! Needs root (skips with a reason outside CI).
 
 mod common;
 
@@ -130,6 +131,40 @@ impl Prometheus {
     }
 }
 
+/// The metric names in every query of contrib/grafana/flexstack.json (panels' targets and template variables),
+/// after checking that it is a Grafana dashboard: a uid, a title, panels each with a type, a position and
+/// Prometheus targets.
+fn dashboard_metrics() -> std::collections::BTreeSet<String> {
+    let path = common::repo().join("contrib/grafana/flexstack.json");
+    let d: Json = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    assert!(d["uid"].is_string() && d["title"].is_string() && d["schemaVersion"].is_u64(), "{}", path.display());
+    let mut queries: Vec<String> = Vec::new();
+    for p in d["panels"].as_array().expect("panels") {
+        assert!(p["type"].is_string() && p["gridPos"]["w"].is_u64() && p["gridPos"]["h"].is_u64(), "{p}");
+        let targets = p["targets"].as_array().unwrap_or_else(|| panic!("a panel without targets: {p}"));
+        assert!(!targets.is_empty(), "{p}");
+        for t in targets {
+            assert_eq!(t["datasource"]["type"], "prometheus", "{t}");
+            queries.push(t["expr"].as_str().unwrap_or_else(|| panic!("a target without expr: {t}")).to_string());
+        }
+    }
+    for v in d["templating"]["list"].as_array().expect("templating") {
+        if let Some(q) = v["query"]["query"].as_str() {
+            queries.push(q.to_string());
+        }
+    }
+    let mut names = std::collections::BTreeSet::new();
+    for q in &queries {
+        let mut rest = q.as_str();
+        while let Some(i) = rest.find("flexstack_") {
+            let name: String = rest[i..].chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
+            rest = &rest[i + name.len()..];
+            names.insert(name);
+        }
+    }
+    names
+}
+
 #[test]
 fn prometheus_scrapes_the_series_and_the_packet_rate_of_real_traffic() {
     if !privileged() {
@@ -207,6 +242,13 @@ fn prometheus_scrapes_the_series_and_the_packet_rate_of_real_traffic() {
     // The OpenMetrics exposition ends in # EOF; how long a scrape takes is exported.
     let om = scrape(port, true);
     assert!(om.ends_with("# EOF\n"), "{:.200}", &om[om.len().saturating_sub(200)..]);
+    // Every metric the shipped Grafana dashboard queries is in this live scrape.
+    let exposed: std::collections::BTreeSet<&str> =
+        om.lines().filter(|l| !l.starts_with('#')).filter_map(|l| l.split(['{', ' ']).next()).collect();
+    let queried = dashboard_metrics();
+    assert!(queried.len() >= 10, "{queried:?}");
+    let missing: Vec<&String> = queried.iter().filter(|m| !exposed.contains(m.as_str())).collect();
+    assert!(missing.is_empty(), "the dashboard queries metrics no scrape exposes: {missing:?}");
     let collect = sample(&om, "flexstack_metrics_collect_seconds").unwrap();
     eprintln!("one scrape read the registry in {:.2} ms ({} lines)", collect * 1e3, om.lines().count());
 }

@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{answer, as_u64, bin, octets, privileged, text, Background, SandboxDaemon, Server};
+use common::{answer, as_u64, octets, privileged, text, Background, SandboxDaemon, Server};
 use flexstack_api::ops::Get;
 use serde_json::Value as Json;
 use std::io::{Read, Write};
@@ -22,21 +22,10 @@ fn free_port() -> u16 {
 
 /// A sandbox daemon (app subnet 10.`octet`.0.0/16) serving /metrics on `port`, with `extra` arguments.
 fn metrics_daemon(octet: u8, port: u16, extra: &[&str]) -> SandboxDaemon {
-    let state = tempfile::tempdir().unwrap();
-    let child = Command::new(bin())
-        .args(["daemon", "--app-subnet", &format!("10.{octet}.0.0"), "--metrics", &format!("127.0.0.1:{port}")])
-        .args(extra)
-        .arg("--state-dir")
-        .arg(state.path())
-        .env("FLEXSTACK_LOG", "warn")
-        .spawn()
-        .unwrap();
-    let d = SandboxDaemon { child, state };
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !d.cli(&["status"]).status.success() {
-        assert!(Instant::now() < deadline, "the daemon did not start");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let mut args = vec!["--metrics".to_string(), format!("127.0.0.1:{port}")];
+    args.extend(extra.iter().map(|a| a.to_string()));
+    let d = SandboxDaemon::start_with(octet, &args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(d.cli(&["status"]).status.success(), "the daemon did not start");
     d
 }
 

@@ -2,7 +2,7 @@
 # Installs the programs the end-to-end tests run for real (Debian 12). Needs root; does nothing that is already
 # done. Used by .ci/run; run it once by hand (sudo scripts/setup.sh) before the privileged tests.
 set -euo pipefail
-packages=(iproute2 iputils-ping curl python3 iperf3 dnsutils dnsmasq-base nftables tshark procps nginx-light wrk)
+packages=(iproute2 iputils-ping curl python3 iperf3 dnsutils dnsmasq-base nftables tshark procps nginx-light wrk prometheus)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -21,5 +21,9 @@ if ((${#missing[@]})); then
   # The tests start nginx with their own configuration inside namespaces; the host's own service is not wanted.
   if [[ " ${missing[*]} " == *" nginx-light "* ]] && command -v systemctl >/dev/null; then
     systemctl disable --now nginx >/dev/null 2>&1 || true
+  fi
+  # Likewise prometheus (tests/metrics_e2e.rs runs its own on loopback with a temporary configuration).
+  if [[ " ${missing[*]} " == *" prometheus "* ]] && command -v systemctl >/dev/null; then
+    systemctl disable --now prometheus prometheus-node-exporter >/dev/null 2>&1 || true
   fi
 fi

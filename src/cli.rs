@@ -176,6 +176,16 @@ pub struct DaemonArgs {
     /// Most flows whose transport meters are read per interval (the rest at the next ones).
     #[arg(long, default_value_t = 1024)]
     pub flow_meters_max: usize,
+    /// Serve every meter and knob in OpenMetrics text at http://ADDR/metrics for Prometheus (docs/metrics.md);
+    /// off by default. A loopback address unless --metrics-public.
+    #[arg(long, value_name = "ADDR")]
+    pub metrics: Option<std::net::SocketAddr>,
+    /// Allow --metrics on an address other than loopback: whoever reaches it reads every meter, unauthenticated.
+    #[arg(long, requires = "metrics")]
+    pub metrics_public: bool,
+    /// Also export the per-flow series (`flexstack_flow_*`) of the N flows with the most bytes (0: none).
+    #[arg(long, default_value_t = 0, value_name = "N", requires = "metrics")]
+    pub metrics_flows: usize,
 }
 
 /// `flexstack module ...`
@@ -428,6 +438,11 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 interval: Duration::from_millis(d.flow_meters_interval_ms),
                 max_flows: d.flow_meters_max.max(1),
             },
+            metrics: d.metrics.map(|addr| flexstack_daemon::metrics::MetricsOptions {
+                addr,
+                public: d.metrics_public,
+                flows_top: d.metrics_flows,
+            }),
         };
         return run_daemon(opts, flexstack_daemon::catalog()).map_err(CliError::Message);
     }

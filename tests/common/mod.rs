@@ -446,9 +446,16 @@ pub struct SandboxDaemon {
 
 impl SandboxDaemon {
     pub fn start(subnet_octet: u8) -> SandboxDaemon {
+        SandboxDaemon::start_with(subnet_octet, &[])
+    }
+
+    /// [`SandboxDaemon::start`] with `extra` arguments of `flexstack daemon`.
+    pub fn start_with(subnet_octet: u8, extra: &[&str]) -> SandboxDaemon {
         let state = tempfile::tempdir().unwrap();
         let child = Command::new(bin())
-            .args(["daemon", "--app-subnet", &format!("10.{subnet_octet}.0.0"), "--state-dir"])
+            .args(["daemon", "--app-subnet", &format!("10.{subnet_octet}.0.0")])
+            .args(extra)
+            .arg("--state-dir")
             .arg(state.path())
             .env("FLEXSTACK_LOG", "warn")
             .spawn()

@@ -14,6 +14,7 @@
 pub mod actions;
 pub mod appvars;
 pub mod dataplane;
+pub mod metrics;
 pub mod privileges;
 pub mod rules;
 pub mod sandbox;

@@ -43,11 +43,16 @@ pub struct DaemonOptions {
     pub dataplane: crate::dataplane::DataPlaneOptions,
     /// How often the transport meters of forwarded TCP flows are read from the apps' sockets (zero: never).
     pub flow_meters: crate::sockdiag::PollOptions,
+    /// Serve the registry in OpenMetrics text at `GET /metrics` (`--metrics`; none: off).
+    pub metrics: Option<crate::metrics::MetricsOptions>,
 }
 
 /// Runs the daemon in the foreground until SIGINT or SIGTERM. Errors (a bad stack file, a daemon already
 /// running) are returned before anything is left behind.
 pub fn run_daemon(opts: DaemonOptions, catalog: Catalog) -> Result<(), String> {
+    if let Some(m) = &opts.metrics {
+        m.check()?;
+    }
     let spec = match &opts.stack {
         Some(path) => {
             let text = std::fs::read_to_string(path).map_err(|e| format!("{}: cannot read: {e}", path.display()))?;
@@ -121,6 +126,10 @@ pub fn run_daemon(opts: DaemonOptions, catalog: Catalog) -> Result<(), String> {
         None
     } else {
         Some(crate::sockdiag::FlowMeterPoller::start(&control, opts.flow_meters)?)
+    };
+    let _metrics = match &opts.metrics {
+        Some(m) => Some(crate::metrics::serve(control.clone(), m)?),
+        None => None,
     };
     let _ = std::fs::remove_file(&app_sock);
     let app_listener =

@@ -1,0 +1,325 @@
+//! `flexstack daemon --metrics ADDR`: every meter and knob of the registry in OpenMetrics text at `GET /metrics`
+//! (docs/metrics.md). A [`Collector`] of the official `prometheus-client` crate walks the registry at each scrape
+//! through the same typed control API the CLI uses (`module_list`, `var_list`, `flow_list`); [`mapping`] names
+//! the families; [`http`] is the small blocking server on its own thread.
+
+pub mod http;
+pub mod mapping;
+
+use crate::actions::{Caller, Control};
+use flexstack_api::ops::ModuleInfo;
+use flexstack_api::protocol::Request;
+use flexstack_core::vars::{Registry as VarRegistry, VarCell};
+use flexstack_core::Value;
+use mapping::Series;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, MetricEncoder};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::{Registry, Unit};
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// What `--metrics` asked for.
+#[derive(Clone, Debug)]
+pub struct MetricsOptions {
+    /// Address to listen on.
+    pub addr: SocketAddr,
+    /// Listen on an address other than loopback (`--metrics-public`): anyone who reaches it reads every meter.
+    pub public: bool,
+    /// Export the per-flow series of the this many flows with the most bytes (0: none, the default).
+    pub flows_top: usize,
+}
+
+/// One family of a scrape: its descriptor and samples.
+struct Family {
+    help: String,
+    unit: Option<Unit>,
+    counter: bool,
+    samples: Vec<(Vec<(String, String)>, f64)>,
+}
+
+/// Collects the whole registry at each scrape.
+pub struct RegistryCollector {
+    control: Arc<Control>,
+    flows_top: usize,
+    stats: Arc<http::Stats>,
+}
+
+impl std::fmt::Debug for RegistryCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RegistryCollector").field("flows_top", &self.flows_top).finish()
+    }
+}
+
+fn call<T: serde::de::DeserializeOwned>(control: &Control, request: Request) -> Result<T, String> {
+    let caller = Caller { user: "metrics".into(), pid: None };
+    let json = control.handle(request, &caller).map_err(|e| e.message)?;
+    serde_json::from_value(json).map_err(|e| e.to_string())
+}
+
+/// The flow id of a variable `flow.<app>.<n>.<meter>`: `<app>.<n>`.
+fn flow_id(name: &str) -> Option<&str> {
+    let rest = name.strip_prefix("flow.")?;
+    let app_end = rest.find('.')?;
+    let n_len = rest[app_end + 1..].find('.')?;
+    Some(&rest[..app_end + 1 + n_len])
+}
+
+/// A flow's bytes and its `tuple` cell.
+type FlowBytes<'a> = (u64, Option<&'a Arc<VarCell>>);
+
+/// Each flow's bytes (`bytes_total`, else the sum of its `bytes_*_total`) and its `tuple` cell, by id. Only
+/// those meters are read.
+fn flow_bytes(reg: &VarRegistry) -> HashMap<&str, FlowBytes<'_>> {
+    let mut flows: HashMap<&str, (u64, Option<&Arc<VarCell>>, bool)> = HashMap::new();
+    for (name, cell) in reg.iter() {
+        let Some(id) = flow_id(name) else { continue };
+        let meter = &name["flow.".len() + id.len() + 1..];
+        let f = flows.entry(id).or_insert((0, None, false));
+        if meter == "tuple" {
+            f.1 = Some(cell);
+        } else if meter == "bytes_total" {
+            (f.0, f.2) = (cell.load_u64(), true);
+        } else if !f.2 && meter.starts_with("bytes_") && meter.ends_with("_total") {
+            f.0 = f.0.saturating_add(cell.load_u64());
+        }
+    }
+    flows.into_iter().map(|(id, (bytes, tuple, _))| (id, (bytes, tuple))).collect()
+}
+
+/// The `top` flows with the most bytes: their ids and tuples.
+fn top_flows(flows: HashMap<&str, FlowBytes<'_>>, top: usize) -> HashMap<String, String> {
+    let mut by_bytes: Vec<(&str, FlowBytes<'_>)> = flows.into_iter().collect();
+    by_bytes.sort_unstable_by(|a, b| b.1 .0.cmp(&a.1 .0).then(a.0.cmp(b.0)));
+    let tuple = |c: Option<&Arc<VarCell>>| match c.map(|c| c.get()) {
+        Some(Value::Str(t)) => t,
+        _ => String::new(),
+    };
+    by_bytes.into_iter().take(top).map(|(id, (_, c))| (id.to_string(), tuple(c))).collect()
+}
+
+impl RegistryCollector {
+    /// Every family of one scrape, by name.
+    fn families(&self) -> Result<BTreeMap<String, Family>, String> {
+        let start = Instant::now();
+        let modules: Vec<ModuleInfo> = call(&self.control, Request::ModuleList)?;
+        let kinds: HashMap<String, String> = modules.iter().map(|m| (m.name.clone(), m.kind.clone())).collect();
+        let kind_of = |m: &str| kinds.get(m).cloned();
+        // The registry itself, walked once or twice: no copy of it through the control API's JSON (10,000 flows
+        // are 90,000 variables).
+        let reg = self.control.registry().snapshot();
+        let (top, flow_count) = if self.flows_top > 0 {
+            let flows = flow_bytes(&reg);
+            let n = flows.len();
+            (top_flows(flows, self.flows_top), n)
+        } else {
+            (HashMap::new(), 0)
+        };
+        let mut out: BTreeMap<String, Family> = BTreeMap::new();
+        let conflicts = std::cell::Cell::new(0u64);
+        let add = |s: Series, value: f64, description: &str, unit: &str, out: &mut BTreeMap<String, Family>| {
+            let f = out.entry(s.family.clone()).or_insert_with(|| Family {
+                help: s.help.clone().unwrap_or_else(|| mapping::help_text(description, unit)),
+                unit: s.unit.clone(),
+                counter: s.counter,
+                samples: Vec::new(),
+            });
+            // Two declarations that name one family differently (an app's variable typed unlike another app's):
+            // the first one wins, the other is counted, not exported under a wrong type or unit.
+            if f.counter != s.counter || f.unit.as_ref().map(Unit::as_str) != s.unit.as_ref().map(Unit::as_str) {
+                conflicts.set(conflicts.get() + 1);
+                return;
+            }
+            f.samples.push((s.labels, value * s.scale));
+        };
+        for (name, cell) in reg.iter() {
+            let spec = cell.spec();
+            // An old name of a renamed variable would export its series twice.
+            if spec.alias_of.is_some() || flow_id(name).is_some_and(|id| !top.contains_key(id)) {
+                continue;
+            }
+            let Some(x) = mapping::number(&cell.get()) else { continue };
+            if let Some(s) = mapping::map(name, spec.kind, &spec.unit, &kind_of) {
+                add(s, x, &spec.description, &spec.unit, &mut out);
+            }
+        }
+        let info = |family: &str, help: &str, labels: Vec<(String, String)>| Series {
+            family: family.into(),
+            unit: None,
+            scale: 1.0,
+            counter: false,
+            labels,
+            help: Some(help.into()),
+        };
+        for m in &modules {
+            let labels = vec![("module".into(), m.name.clone()), ("kind".into(), m.kind.clone())];
+            add(
+                info("flexstack_module_info", "a loaded module (always 1), with its kind", labels),
+                1.0,
+                "",
+                "",
+                &mut out,
+            );
+        }
+        for (id, tuple) in top {
+            let app = id.split('.').next().unwrap_or_default().to_string();
+            let protocol = tuple.split(' ').next().unwrap_or_default().to_string();
+            let labels =
+                vec![("flow".into(), id), ("app".into(), app), ("protocol".into(), protocol), ("tuple".into(), tuple)];
+            add(
+                info("flexstack_flow_info", "an exported flow (always 1), with its endpoints", labels),
+                1.0,
+                "",
+                "",
+                &mut out,
+            );
+        }
+        let own = [
+            ("flexstack_metrics_flows", "flows the daemon holds (those exported: --metrics-flows)", flow_count as f64),
+            (
+                "flexstack_metrics_conflicts",
+                "variables not exported: their family has another type or unit",
+                conflicts.get() as f64,
+            ),
+            (
+                "flexstack_metrics_collect_seconds",
+                "time this scrape took to read the registry",
+                start.elapsed().as_secs_f64(),
+            ),
+        ];
+        for (family, help, value) in own {
+            add(info(family, help, Vec::new()), value, "", "", &mut out);
+        }
+        for (reason, n) in self.stats.rejected() {
+            let s = Series {
+                counter: true,
+                ..info("flexstack_metrics_http_rejected", "requests refused", vec![("reason".into(), reason.into())])
+            };
+            add(s, n as f64, "", "", &mut out);
+        }
+        Ok(out)
+    }
+}
+
+/// One sample: a counter whole in its own unit as an integer (scaled, ns → s, it is a float), a gauge as a float.
+fn encode_value(counter: bool, v: f64, e: MetricEncoder) -> Result<(), std::fmt::Error> {
+    match counter {
+        true if v.fract() == 0.0 && (0.0..u64::MAX as f64).contains(&v) => ConstCounter::new(v as u64).encode(e),
+        true => ConstCounter::new(v.max(0.0)).encode(e),
+        false => ConstGauge::new(v).encode(e),
+    }
+}
+
+impl Collector for RegistryCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let families = self.families().map_err(|e| {
+            tracing::warn!(error = %e, "metrics: cannot read the registry");
+            std::fmt::Error
+        })?;
+        for (name, f) in &families {
+            let ty = if f.counter { MetricType::Counter } else { MetricType::Gauge };
+            let mut d = encoder.encode_descriptor(name, &f.help, f.unit.as_ref(), ty)?;
+            match f.samples.as_slice() {
+                // A family of one unlabelled sample (the switch's, the endpoint's own): `name value`, no `{}`.
+                [(labels, v)] if labels.is_empty() => encode_value(f.counter, *v, d)?,
+                samples => {
+                    for (labels, v) in samples {
+                        encode_value(f.counter, *v, d.encode_family(labels)?)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The exposition of one scrape: OpenMetrics text ending in `# EOF`.
+pub fn scrape(control: &Arc<Control>, flows_top: usize, stats: &Arc<http::Stats>) -> Result<String, String> {
+    let mut registry = Registry::default();
+    registry.register_collector(Box::new(RegistryCollector {
+        control: control.clone(),
+        flows_top,
+        stats: stats.clone(),
+    }));
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry)
+        .map_err(|_| "cannot read the registry".to_string())?;
+    Ok(text)
+}
+
+impl MetricsOptions {
+    /// Refuses an address other than loopback unless `public` (checked before the daemon starts anything).
+    pub fn check(&self) -> Result<(), String> {
+        if !self.addr.ip().is_loopback() && !self.public {
+            return Err(format!(
+                "--metrics {}: not a loopback address; anyone who reaches it reads every meter (add \
+                 --metrics-public to mean it)",
+                self.addr
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Starts the endpoint (after [`MetricsOptions::check`]).
+pub fn serve(control: Arc<Control>, opts: &MetricsOptions) -> Result<http::Server, String> {
+    opts.check()?;
+    let flows_top = opts.flows_top;
+    let stats = Arc::new(http::Stats::default());
+    let s = stats.clone();
+    let handler = move || scrape(&control, flows_top, &s);
+    let server = http::Server::start(opts.addr, http::Limits::default(), stats, Box::new(handler))?;
+    tracing::info!(addr = %server.addr(), "metrics served at /metrics");
+    Ok(server)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_loopback_unless_public() {
+        let o = |addr: &str, public| MetricsOptions { addr: addr.parse().unwrap(), public, flows_top: 0 };
+        assert!(o("127.0.0.1:9464", false).check().is_ok());
+        assert!(o("[::1]:9464", false).check().is_ok());
+        assert!(o("0.0.0.0:9464", false).check().unwrap_err().contains("--metrics-public"));
+        assert!(o("0.0.0.0:9464", true).check().is_ok());
+    }
+
+    #[test]
+    fn flow_ids_are_the_two_parts_after_flow() {
+        assert_eq!(flow_id("flow.web.3.tcp.srtt_us"), Some("web.3"));
+        assert_eq!(flow_id("flow.web.3.bytes_total"), Some("web.3"));
+        assert_eq!(flow_id("flow.web.3"), None);
+        assert_eq!(flow_id("module.web.3.x"), None);
+    }
+
+    #[test]
+    fn top_flows_keeps_the_k_with_most_bytes() {
+        let mut reg = VarRegistry::default();
+        let mut put = |name: &str, v: Value| {
+            let cell = flexstack_core::vars::VarCell::new(flexstack_core::VarSpec::meter("x", v.value_type(), "", ""));
+            cell.store(&v);
+            reg.insert(name.into(), Arc::new(cell));
+        };
+        put("flow.a.1.bytes_total", Value::U64(10));
+        put("flow.a.1.bytes_down_total", Value::U64(999));
+        put("flow.a.1.tuple", Value::Str("udp a <-> b".into()));
+        put("flow.a.2.bytes_total", Value::U64(100));
+        put("flow.t.1.bytes_down_total", Value::U64(30));
+        put("flow.t.1.bytes_up_total", Value::U64(30));
+        put("module.m.bytes_total", Value::U64(1000));
+        let flows = flow_bytes(&reg);
+        assert_eq!(flows.len(), 3);
+        assert_eq!(flows["a.1"].0, 10, "bytes_total wins over the directions");
+        assert_eq!(flows["t.1"].0, 60);
+        assert_eq!(top_flows(flow_bytes(&reg), 3)["a.1"], "udp a <-> b");
+        let top = top_flows(flows, 2);
+        assert_eq!(top.keys().map(String::as_str).collect::<std::collections::BTreeSet<_>>(), ["a.2", "t.1"].into());
+        assert!(top_flows(flow_bytes(&reg), 0).is_empty());
+    }
+}

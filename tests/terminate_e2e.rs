@@ -773,8 +773,18 @@ fn curl_2mb_smoltcp() {
 }
 
 #[test]
+fn curl_2mb_kernel() {
+    curl_2mb("kernel")
+}
+
+#[test]
 fn two_apps_at_once_smoltcp() {
     two_apps_at_once("smoltcp")
+}
+
+#[test]
+fn two_apps_at_once_kernel() {
+    two_apps_at_once("kernel")
 }
 
 #[test]
@@ -783,8 +793,18 @@ fn curl_large_smoltcp() {
 }
 
 #[test]
+fn curl_large_kernel() {
+    curl_large("kernel")
+}
+
+#[test]
 fn iperf3_tcp_smoltcp() {
     iperf3_tcp("smoltcp")
+}
+
+#[test]
+fn iperf3_tcp_kernel() {
+    iperf3_tcp("kernel")
 }
 
 #[test]
@@ -793,8 +813,18 @@ fn iperf3_udp_smoltcp() {
 }
 
 #[test]
+fn iperf3_udp_kernel() {
+    iperf3_udp("kernel")
+}
+
+#[test]
 fn dig_udp_and_tcp_smoltcp() {
     dig_udp_and_tcp("smoltcp")
+}
+
+#[test]
+fn dig_udp_and_tcp_kernel() {
+    dig_udp_and_tcp("kernel")
 }
 
 #[test]
@@ -803,8 +833,18 @@ fn nginx_wrk_smoltcp() {
 }
 
 #[test]
+fn nginx_wrk_kernel() {
+    nginx_wrk("kernel")
+}
+
+#[test]
 fn go_static_binary_smoltcp() {
     go_static_binary("smoltcp")
+}
+
+#[test]
+fn go_static_binary_kernel() {
+    go_static_binary("kernel")
 }
 
 #[test]
@@ -813,8 +853,18 @@ fn refused_port_smoltcp() {
 }
 
 #[test]
+fn refused_port_kernel() {
+    refused_port("kernel")
+}
+
+#[test]
 fn unreachable_address_smoltcp() {
     unreachable_address("smoltcp")
+}
+
+#[test]
+fn unreachable_address_kernel() {
+    unreachable_address("kernel")
 }
 
 #[test]
@@ -823,8 +873,18 @@ fn half_close_smoltcp() {
 }
 
 #[test]
+fn half_close_kernel() {
+    half_close("kernel")
+}
+
+#[test]
 fn server_reset_smoltcp() {
     server_reset("smoltcp")
+}
+
+#[test]
+fn server_reset_kernel() {
+    server_reset("kernel")
 }
 
 #[test]
@@ -833,8 +893,18 @@ fn app_killed_smoltcp() {
 }
 
 #[test]
+fn app_killed_kernel() {
+    app_killed("kernel")
+}
+
+#[test]
 fn stalled_server_smoltcp() {
     stalled_server("smoltcp")
+}
+
+#[test]
+fn stalled_server_kernel() {
+    stalled_server("kernel")
 }
 
 #[test]
@@ -843,6 +913,16 @@ fn thousand_connections_smoltcp() {
 }
 
 #[test]
+fn thousand_connections_kernel() {
+    thousand_connections("kernel")
+}
+
+#[test]
 fn match_table_leaves_the_rest_smoltcp() {
     match_table_leaves_the_rest("smoltcp")
+}
+
+#[test]
+fn match_table_leaves_the_rest_kernel() {
+    match_table_leaves_the_rest("kernel")
 }

@@ -339,7 +339,8 @@ impl Module for KernelEndpoint {
                 self.egress.append(input);
             } else {
                 // Packets: none of its flows travels as packets (the app's TCP is redirected, the server's reaches
-                // its sockets), so they pass unchanged.
+                // its sockets), so they pass unchanged, counted as the smoltcp back-end counts them.
+                self.device.engine().m.passed.add(input.len() as u64);
                 out.emit_all(self.pass, input);
             }
             return;
@@ -403,5 +404,32 @@ impl Module for KernelEndpoint {
 
     fn take_egress(&mut self, into: &mut Batch) {
         into.append(&mut self.egress);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use flexstack_core::{Frame, ModuleVars, Output, PacketPool, StackSpec, Time, Value};
+
+    /// Packets reaching a kernel endpoint's `in` port belong to none of its flows: they leave on `pass`, unchanged,
+    /// and count in `passed_total` as with the smoltcp back-end (a forwarded flow's answers through `originate`).
+    #[test]
+    fn packets_through_a_kernel_endpoint_pass_and_are_counted() {
+        super::install();
+        let spec = StackSpec::parse("s.toml", "[modules.e]\nkind = \"originate\"\nbackend = \"kernel\"\n").unwrap();
+        let b = flexstack_modules::catalog().configure("originate", &spec.modules[0].settings, None).unwrap();
+        let iface = b.interface();
+        let port = |list: &[flexstack_core::PortSpec], n: &str| list.iter().position(|p| p.name == n).unwrap();
+        let (input, pass) = (port(&iface.inputs, "in"), port(&iface.outputs, "pass"));
+        let vars = ModuleVars::new(&iface.vars);
+        let mut m = b.build(&vars);
+        let pool = PacketPool::default();
+        let mut batch: Vec<Frame> = (0..3u8).map(|i| Frame::from(pool.alloc_from(&[0x45, i]))).collect();
+        let (mut ports, mut control, mut serial) = (vec![Vec::new(); iface.outputs.len()], Vec::new(), 0);
+        let mut out = Output::detached(Time::ZERO, "e", &pool, &mut ports, &mut control, &mut serial);
+        m.process(input, &mut batch, &mut out);
+        let passed: Vec<u8> = ports[pass].iter().filter_map(|f| f.packet()).map(|p| p.data()[1]).collect();
+        assert_eq!(passed, [0, 1, 2], "passed unchanged, in order");
+        assert_eq!(vars.cell("passed_total").unwrap().get(), Value::U64(3));
     }
 }

@@ -783,6 +783,95 @@ fn match_table_leaves_the_rest(backend: &str) {
 // One test per scenario and back-end
 // ---------------------------------------------------------------------------------------------------------------
 
+/// An app started with the plain packet chain (stacks/app-default.toml) gets `terminate`, `originate` and a stream
+/// chain added live (`module load`, `link add/del`): a connection opened before keeps working (its packets are
+/// of no flow the endpoints know, so they pass), while a new one is terminated and opened again.
+fn terminate_added_live(backend: &str) {
+    let Some(_serial) = privileged_serial() else { return };
+    let blob = pattern(2_000_000);
+    let Some(r) = Rig::new(backend, 15, &blob, None) else { return };
+    let helper = python_helper(r.dir.path());
+    let _srv = helper_server(&r, &helper, "echo", 7003);
+    let want = sha256(&r.srv.www.path().join("blob"));
+    let (ready, go) = (r.path("ready"), r.path("go"));
+    let client = r.path("client.py");
+    std::fs::write(
+        &client,
+        format!(
+            r#"import os, socket, subprocess, time
+s = socket.create_connection(("{v4}", 7003), timeout=20)
+def echo(b):
+    s.sendall(b)
+    got = b""
+    while len(got) < len(b):
+        got += s.recv(65536)
+    assert got == b, got
+echo(b"before" * 1000)
+open("{ready}", "w").close()
+while not os.path.exists("{go}"):
+    time.sleep(0.05)
+echo(b"after" * 100000)
+print("old connection ok", flush=True)
+subprocess.run("curl -sSf -m 30 http://{v4}:8080/blob | sha256sum", shell=True, check=True)
+"#,
+            v4 = r.srv.v4,
+            ready = ready.display(),
+            go = go.display()
+        ),
+    )
+    .expect("write client.py");
+    let meters = ["term.connections_total", "orig.connections_total", "term.passed_total"];
+    let mut args = r.args("live", &format!("python3 {}", path_str(&client)), &meters);
+    args[1] = path_str(&repo().join("stacks/app-default.toml")).to_string();
+    let mut run = r.d.spawn_run(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !ready.exists() {
+        assert!(Instant::now() < deadline && run.try_wait().expect("try_wait").is_none(), "the client did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let edit = |args: &[&str]| {
+        let out = r.d.cli(args);
+        assert!(out.status.success(), "flexstack {args:?}: {}", text(&out));
+    };
+    let b = format!("backend=\"{backend}\"");
+    edit(&["module", "load", "live-term", "terminate", &b, "app=\"live\"", "vars_prefix=\"flow.live.term\""]);
+    edit(&["module", "load", "live-orig", "originate", &b, "vars_prefix=\"flow.live.orig\""]);
+    edit(&["module", "load", "live-streams", "stream-pass"]);
+    edit(&["module", "load", "live-sdir", "direction"]);
+    for l in [
+        "live-term[pass] -> live-host",
+        "live-term[out] -> live",
+        "live-orig[pass] -> live",
+        "live-orig[out] -> live-host",
+        "live-term[stream] -> live-streams",
+        "live-orig[stream] -> live-streams",
+        "live-streams -> live-sdir",
+        "live-sdir[down] -> live-orig[stream_in]",
+        "live-sdir[up] -> live-term[stream_in]",
+    ] {
+        edit(&["link", "add", l]);
+    }
+    // The switch: the classified packets go through the endpoints from now on.
+    edit(&["link", "del", "live-dir[down] -> live-host"]);
+    edit(&["link", "add", "live-dir[down] -> live-term[in]"]);
+    edit(&["link", "del", "live-dir[up] -> live"]);
+    edit(&["link", "add", "live-dir[up] -> live-orig[in]"]);
+    std::fs::write(&go, b"").expect("go");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while run.try_wait().expect("try_wait").is_none() {
+        assert!(Instant::now() < deadline, "the client did not finish");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = run.wait_with_output().expect("the run's output");
+    let t = ok(&out);
+    assert!(t.contains("old connection ok"), "the connection opened before kept working: {t}");
+    assert!(t.contains(&want), "the new download is intact: {t}");
+    let m = read_meters(&out, "live", &meters);
+    assert_eq!(m["term.connections_total"], 1, "only the new connection was terminated: {m:?}");
+    assert_eq!(m["orig.connections_total"], 1, "and opened again: {m:?}");
+    assert!(m["term.passed_total"] > 0, "the old connection's packets passed: {m:?}");
+}
+
 #[test]
 fn curl_2mb_smoltcp() {
     curl_2mb("smoltcp")
@@ -861,4 +950,9 @@ fn thousand_connections_smoltcp() {
 #[test]
 fn match_table_leaves_the_rest_smoltcp() {
     match_table_leaves_the_rest("smoltcp")
+}
+
+#[test]
+fn terminate_added_live_smoltcp() {
+    terminate_added_live("smoltcp");
 }

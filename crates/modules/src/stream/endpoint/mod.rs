@@ -340,14 +340,14 @@ pub struct Endpoint {
 }
 
 /// Allocations from this size up are fresh mappings (`flexstack_sys::fix_mmap_threshold`).
-const MMAP_THRESHOLD: usize = 64 * 1024;
+const MMAP_THRESHOLD: usize = 128 * 1024;
 
 impl Endpoint {
     /// The endpoint `b` built, its settings and knobs published in `vars`, its meters bound there (one per match
     /// rule too).
     fn new(b: EndpointBuilder, vars: &ModuleVars) -> Endpoint {
         let EndpointBuilder { side, ports, decl, cfg, matcher } = b;
-        // Socket buffers (64 KiB and more) as fresh mappings: an idle connection's untouched pages cost nothing
+        // Socket buffers of 128 KiB and more (glibc's initial threshold) as fresh mappings: an idle connection's untouched pages cost nothing
         // (docs/streams.md, "Memory"). glibc's own threshold rises after the first large free, and buffers then
         // come from the heap, zeroed by hand, every page resident.
         static LAZY_BUFFERS: std::sync::Once = std::sync::Once::new();

@@ -176,8 +176,8 @@ def serve(mode, port):
                 n += len(b)
             c.sendall(f"{n} {h.hexdigest()}\n".encode() + ANSWER)
             c.close()
-        elif mode == "stall":
-            time.sleep(30)  # reads nothing for 30 s (issue 13): its window closes
+        elif mode.startswith("stall"):
+            time.sleep(int(mode[5:]))  # "stall3": reads nothing for 3 s, its window closed
             h, n = hashlib.sha256(), 0
             while b := c.recv(1 << 20):
                 h.update(b)
@@ -213,7 +213,7 @@ def rst(host, port):
     except ConnectionResetError:
         print(f"reset after {n}")
 
-def stall(host, port):
+def stall(host, port, secs):
     import threading
     s = socket.create_connection((host, port), timeout=60)
     block = os.urandom(1 << 16)
@@ -223,7 +223,7 @@ def stall(host, port):
             sent[0] += s.send(block)
     t = threading.Thread(target=send)
     t.start()
-    time.sleep(28)  # near the stall's end: what the app could send while the server read nothing
+    time.sleep(secs - 1 if secs > 2 else 2)  # near the stall's end: what the app sent while the server read nothing
     print(f"sent during the stall {sent[0]}", flush=True)
     t.join()
     s.shutdown(socket.SHUT_WR)
@@ -274,8 +274,10 @@ elif sys.argv[1] == "rawsend":
     raw_send(sys.argv[2])
 elif sys.argv[1] == "many":
     many(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+elif sys.argv[1] == "stall":
+    stall(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
 else:
-    {"halfclose": halfclose, "rst": rst, "stall": stall}[sys.argv[1]](sys.argv[2], int(sys.argv[3]))
+    {"halfclose": halfclose, "rst": rst}[sys.argv[1]](sys.argv[2], int(sys.argv[3]))
 "#;
 
 /// Starts a helper server (`mode` on `port`) in the server's namespace and waits until it accepts connections.
@@ -672,23 +674,25 @@ fn app_killed(backend: &str) {
     let _ = run.wait();
 }
 
-/// The server reads nothing for 30 s while the app sends 128 MiB: the app's send blocks, the daemon's memory stays
+/// The server reads nothing for 3 s (`FLEXSTACK_STALL_SECS`, 30 in the issue: docs/streams.md has a 30 s run; in
+/// the suite, its 30 s made other tests flaky under load) while the app sends 128 MiB: the app's send blocks, the daemon's memory stays
 /// bounded (the flow's budget and buffers, not the bytes offered), and then every byte arrives intact.
 fn stalled_server(backend: &str) {
     let Some(_serial) = privileged_serial() else { return };
     let Some(r) = Rig::new(backend, 14, b"small", None) else { return };
     let helper = python_helper(r.dir.path());
-    let _srv = helper_server(&r, &helper, "stall", 7004);
+    let secs: u64 = std::env::var("FLEXSTACK_STALL_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(3);
+    let _srv = helper_server(&r, &helper, &format!("stall{secs}"), 7004);
     let rss = || {
         let status = std::fs::read_to_string(format!("/proc/{}/status", r.d.child.id())).unwrap_or_default();
         let kib = status.lines().find_map(|l| l.strip_prefix("VmRSS:")).and_then(|v| v.trim().strip_suffix(" kB"));
         kib.and_then(|v| v.trim().parse::<u64>().ok()).expect("the daemon's VmRSS") * 1024
     };
     let before = rss();
-    let script = format!("python3 {} stall {} 7004", path_str(&helper), r.srv.v4);
+    let script = format!("python3 {} stall {} 7004 {secs}", path_str(&helper), r.srv.v4);
     let mut run = r.d.spawn_run(&["--stack", path_str(&r.stack), "--name", "stall", "--", "sh", "-c", &script]);
     let mut peak = before;
-    let deadline = Instant::now() + Duration::from_secs(120);
+    let deadline = Instant::now() + Duration::from_secs(60 + secs);
     while run.try_wait().expect("try_wait").is_none() {
         assert!(Instant::now() < deadline, "the transfer did not complete");
         peak = peak.max(rss());

@@ -11,7 +11,8 @@
 #   - IDLE idle terminated connections (b, c): the daemon's RSS while they are held, and its CPU over IDLE_SECS.
 # Targets (issue 13): (b) >= 0.8 x (a) and (c) >= 0.5 x (a) in throughput; (b), (c) >= 0.7 x (a) in connections/s;
 # added RTT <= 50 us; RSS <= 256 MiB for 10,000 idle connections, CPU near 0. Needs root.
-# CONFIGS (default "a b c") picks configurations, e.g. CONFIGS="a c" while a back-end is missing.
+# CONFIGS (default "a b c") picks configurations, e.g. CONFIGS="a c" while a back-end is missing; PROFILE (default
+# release) the cargo profile built and run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${RUNS:-5}
@@ -24,9 +25,10 @@ CONFIGS=${CONFIGS:-a b c}
 for p in iperf3 wrk nginx cc; do
   command -v $p >/dev/null || { echo "bench-flows: needs $p (scripts/setup.sh)" >&2; exit 1; }
 done
-echo "bench-flows: building (release)" >&2
-cargo build --release --quiet
-fs=$PWD/target/release/flexstack
+PROFILE=${PROFILE:-release} # e.g. PROFILE=ci to reuse the test build
+echo "bench-flows: building ($PROFILE)" >&2
+cargo build --profile "$PROFILE" --quiet
+fs=$PWD/target/$PROFILE/flexstack
 tag=fsf$$
 state=$(mktemp -d)
 chmod 755 "$state"
@@ -106,7 +108,7 @@ med() { tr ' ' '\n' <<<"${results[$1]}" | grep . | median; }
 
 idle() { # $1 = configuration; prints "RSS_MiB CPU_percent"
   local c=$1 out=$state/hold.out
-  run "$c" sh -c "ulimit -n 65536; exec $state/tcp_rr hold $srv 7 $IDLE $((IDLE_SECS + 5))" > "$out" &
+  run "$c" sh -c "exec $state/tcp_rr hold $srv 7 $IDLE $((IDLE_SECS + 5))" > "$out" &
   local holder=$!
   for _ in $(seq 1200); do grep -q held "$out" 2>/dev/null && break; sleep 0.1; done
   grep -q held "$out" || { echo "bench-flows: $c: the $IDLE connections were not all opened" >&2; echo "- -"; return; }

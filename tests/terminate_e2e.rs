@@ -160,8 +160,8 @@ def serve(mode, port):
                 n += len(b)
             c.sendall(f"{n} {h.hexdigest()}\n".encode() + ANSWER)
             c.close()
-        elif mode == "stall":
-            time.sleep(3)  # reads nothing: its window closes
+        elif mode.startswith("stall"):
+            time.sleep(int(mode[5:]))  # "stall3": reads nothing for 3 s, its window closed
             h, n = hashlib.sha256(), 0
             while b := c.recv(1 << 20):
                 h.update(b)
@@ -197,9 +197,9 @@ def rst(host, port):
     except ConnectionResetError:
         print(f"reset after {n}")
 
-def stall(host, port):
+def stall(host, port, secs):
     import threading
-    s = socket.create_connection((host, port), timeout=30)
+    s = socket.create_connection((host, port), timeout=60)
     block = os.urandom(1 << 16)
     total, sent = 128 << 20, [0]
     def send():
@@ -207,7 +207,7 @@ def stall(host, port):
             sent[0] += s.send(block)
     t = threading.Thread(target=send)
     t.start()
-    time.sleep(2)
+    time.sleep(secs - 1 if secs > 2 else 2)  # near the stall's end: what the app sent while the server read nothing
     print(f"sent during the stall {sent[0]}", flush=True)
     t.join()
     s.shutdown(socket.SHUT_WR)
@@ -258,8 +258,10 @@ elif sys.argv[1] == "rawsend":
     raw_send(sys.argv[2])
 elif sys.argv[1] == "many":
     many(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+elif sys.argv[1] == "stall":
+    stall(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
 else:
-    {"halfclose": halfclose, "rst": rst, "stall": stall}[sys.argv[1]](sys.argv[2], int(sys.argv[3]))
+    {"halfclose": halfclose, "rst": rst}[sys.argv[1]](sys.argv[2], int(sys.argv[3]))
 "#;
 
 /// Starts a helper server (`mode` on `port`) in the server's namespace and waits until it accepts connections.
@@ -670,23 +672,25 @@ fn app_killed(backend: &str) {
     let _ = run.wait();
 }
 
-/// The server reads nothing for 3 s while the app sends 128 MiB: the app's send blocks, the daemon's memory stays
+/// The server reads nothing for 3 s (`FLEXSTACK_STALL_SECS`, 30 in the issue: docs/streams.md has a 30 s run; in
+/// the suite, its 30 s made other tests flaky under load) while the app sends 128 MiB: the app's send blocks, the daemon's memory stays
 /// bounded (the flow's budget and buffers, not the bytes offered), and then every byte arrives intact.
 fn stalled_server(backend: &str) {
     let Some(_serial) = privileged_serial() else { return };
     let Some(r) = Rig::new(backend, 14, b"small", None) else { return };
     let helper = python_helper(r.dir.path());
-    let _srv = helper_server(&r, &helper, "stall", 7004);
+    let secs: u64 = std::env::var("FLEXSTACK_STALL_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(3);
+    let _srv = helper_server(&r, &helper, &format!("stall{secs}"), 7004);
     let rss = || {
         let status = std::fs::read_to_string(format!("/proc/{}/status", r.d.child.id())).unwrap_or_default();
         let kib = status.lines().find_map(|l| l.strip_prefix("VmRSS:")).and_then(|v| v.trim().strip_suffix(" kB"));
         kib.and_then(|v| v.trim().parse::<u64>().ok()).expect("the daemon's VmRSS") * 1024
     };
     let before = rss();
-    let script = format!("python3 {} stall {} 7004", path_str(&helper), r.srv.v4);
+    let script = format!("python3 {} stall {} 7004 {secs}", path_str(&helper), r.srv.v4);
     let mut run = r.d.spawn_run(&["--stack", path_str(&r.stack), "--name", "stall", "--", "sh", "-c", &script]);
     let mut peak = before;
-    let deadline = Instant::now() + Duration::from_secs(60);
+    let deadline = Instant::now() + Duration::from_secs(60 + secs);
     while run.try_wait().expect("try_wait").is_none() {
         assert!(Instant::now() < deadline, "the transfer did not complete");
         peak = peak.max(rss());
@@ -780,6 +784,95 @@ fn match_table_leaves_the_rest(backend: &str) {
 // ---------------------------------------------------------------------------------------------------------------
 // One test per scenario and back-end
 // ---------------------------------------------------------------------------------------------------------------
+
+/// An app started with the plain packet chain (stacks/app-default.toml) gets `terminate`, `originate` and a stream
+/// chain added live (`module load`, `link add/del`): a connection opened before keeps working (its packets are
+/// of no flow the endpoints know, so they pass), while a new one is terminated and opened again.
+fn terminate_added_live(backend: &str) {
+    let Some(_serial) = privileged_serial() else { return };
+    let blob = pattern(2_000_000);
+    let Some(r) = Rig::new(backend, 15, &blob, None) else { return };
+    let helper = python_helper(r.dir.path());
+    let _srv = helper_server(&r, &helper, "echo", 7003);
+    let want = sha256(&r.srv.www.path().join("blob"));
+    let (ready, go) = (r.path("ready"), r.path("go"));
+    let client = r.path("client.py");
+    std::fs::write(
+        &client,
+        format!(
+            r#"import os, socket, subprocess, time
+s = socket.create_connection(("{v4}", 7003), timeout=20)
+def echo(b):
+    s.sendall(b)
+    got = b""
+    while len(got) < len(b):
+        got += s.recv(65536)
+    assert got == b, got
+echo(b"before" * 1000)
+open("{ready}", "w").close()
+while not os.path.exists("{go}"):
+    time.sleep(0.05)
+echo(b"after" * 100000)
+print("old connection ok", flush=True)
+subprocess.run("curl -sSf -m 30 http://{v4}:8080/blob | sha256sum", shell=True, check=True)
+"#,
+            v4 = r.srv.v4,
+            ready = ready.display(),
+            go = go.display()
+        ),
+    )
+    .expect("write client.py");
+    let meters = ["term.connections_total", "orig.connections_total", "term.passed_total"];
+    let mut args = r.args("live", &format!("python3 {}", path_str(&client)), &meters);
+    args[1] = path_str(&repo().join("stacks/app-default.toml")).to_string();
+    let mut run = r.d.spawn_run(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !ready.exists() {
+        assert!(Instant::now() < deadline && run.try_wait().expect("try_wait").is_none(), "the client did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let edit = |args: &[&str]| {
+        let out = r.d.cli(args);
+        assert!(out.status.success(), "flexstack {args:?}: {}", text(&out));
+    };
+    let b = format!("backend=\"{backend}\"");
+    edit(&["module", "load", "live-term", "terminate", &b, "app=\"live\"", "vars_prefix=\"flow.live.term\""]);
+    edit(&["module", "load", "live-orig", "originate", &b, "vars_prefix=\"flow.live.orig\""]);
+    edit(&["module", "load", "live-streams", "stream-pass"]);
+    edit(&["module", "load", "live-sdir", "direction"]);
+    for l in [
+        "live-term[pass] -> live-host",
+        "live-term[out] -> live",
+        "live-orig[pass] -> live",
+        "live-orig[out] -> live-host",
+        "live-term[stream] -> live-streams",
+        "live-orig[stream] -> live-streams",
+        "live-streams -> live-sdir",
+        "live-sdir[down] -> live-orig[stream_in]",
+        "live-sdir[up] -> live-term[stream_in]",
+    ] {
+        edit(&["link", "add", l]);
+    }
+    // The switch: the classified packets go through the endpoints from now on.
+    edit(&["link", "del", "live-dir[down] -> live-host"]);
+    edit(&["link", "add", "live-dir[down] -> live-term[in]"]);
+    edit(&["link", "del", "live-dir[up] -> live"]);
+    edit(&["link", "add", "live-dir[up] -> live-orig[in]"]);
+    std::fs::write(&go, b"").expect("go");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while run.try_wait().expect("try_wait").is_none() {
+        assert!(Instant::now() < deadline, "the client did not finish");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = run.wait_with_output().expect("the run's output");
+    let t = ok(&out);
+    assert!(t.contains("old connection ok"), "the connection opened before kept working: {t}");
+    assert!(t.contains(&want), "the new download is intact: {t}");
+    let m = read_meters(&out, "live", &meters);
+    assert_eq!(m["term.connections_total"], 1, "only the new connection was terminated: {m:?}");
+    assert_eq!(m["orig.connections_total"], 1, "and opened again: {m:?}");
+    assert!(m["term.passed_total"] > 0, "the old connection's packets passed: {m:?}");
+}
 
 #[test]
 fn curl_2mb_smoltcp() {
@@ -939,4 +1032,9 @@ fn match_table_leaves_the_rest_smoltcp() {
 #[test]
 fn match_table_leaves_the_rest_kernel() {
     match_table_leaves_the_rest("kernel")
+}
+
+#[test]
+fn terminate_added_live_smoltcp() {
+    terminate_added_live("smoltcp");
 }

@@ -372,6 +372,9 @@ impl Poller {
     }
 }
 
+/// The poller's pause is at least this many times its last pass (at most 2 % of a core however many flows).
+const MAX_DUTY: u32 = 50;
+
 /// The running poller; stops (and its meters go) when dropped.
 pub struct FlowMeterPoller {
     stop: Arc<AtomicBool>,
@@ -398,13 +401,19 @@ impl FlowMeterPoller {
         let thread = std::thread::Builder::new()
             .name("flow-meters".into())
             .spawn(move || {
+                let mut pause = opts.interval;
                 while !flag.load(Ordering::Relaxed) {
-                    std::thread::park_timeout(opts.interval);
+                    std::thread::park_timeout(pause);
                     let Some(control) = weak.upgrade() else { break };
                     if flag.load(Ordering::Relaxed) {
                         break;
                     }
-                    match poller.poll(&control) {
+                    let started = std::time::Instant::now();
+                    let polled = poller.poll(&control);
+                    // A pass reads every flow's variables: with many thousands of flows (idle terminated connections
+                    // included) it takes long, so the pause grows to keep this thread busy at most 1/MAX_DUTY.
+                    pause = opts.interval.max(started.elapsed() * MAX_DUTY);
+                    match polled {
                         Ok(()) => {}
                         Err(Fatal::No(e)) => tracing::debug!(error = %e, "flow meters: poll failed"),
                         Err(Fatal::Yes(e)) => {

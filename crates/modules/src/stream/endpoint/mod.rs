@@ -342,11 +342,21 @@ pub struct Endpoint {
     udp_specs: Vec<VarSpec>,
 }
 
+/// Allocations from this size up are fresh mappings (`flexstack_sys::fix_mmap_threshold`).
+const MMAP_THRESHOLD: usize = 128 * 1024;
+
 impl Endpoint {
     /// The endpoint `b` built, its settings and knobs published in `vars`, its meters bound there (one per match
     /// rule too).
     fn new(b: EndpointBuilder, vars: &ModuleVars) -> Endpoint {
         let EndpointBuilder { side, ports, decl, cfg, matcher } = b;
+        // Socket buffers of 128 KiB and more (glibc's initial threshold) as fresh mappings: an idle connection's untouched pages cost nothing
+        // (docs/streams.md, "Memory"). glibc's own threshold rises after the first large free, and buffers then
+        // come from the heap, zeroed by hand, every page resident.
+        static LAZY_BUFFERS: std::sync::Once = std::sync::Once::new();
+        LAZY_BUFFERS.call_once(|| {
+            flexstack_sys::fix_mmap_threshold(MMAP_THRESHOLD);
+        });
         decl.publish(&cfg, vars);
         let m = decl.meters(vars);
         let rule_hits = (1..=matcher.rules.len()).map(|i| vars.meter(&format!("rule{i}_matches_total"))).collect();

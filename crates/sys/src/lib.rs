@@ -323,6 +323,25 @@ pub fn socket_queues(fd: BorrowedFd<'_>) -> io::Result<(u32, u32)> {
     Ok((out.max(0) as u32, inq.max(0) as u32))
 }
 
+/// Fixes glibc's threshold above which `malloc` and `calloc` map fresh pages from the kernel (`M_MMAP_THRESHOLD`) to
+/// `bytes`, turning off glibc's dynamic threshold (which otherwise rises to the size of any such block freed, after
+/// which large blocks come from the heap and `calloc` writes their zeros, making every page resident). With a fixed
+/// threshold a large zeroed buffer (`vec![0; n]`, e.g. a socket's ring buffer) stays lazily zeroed: only the pages
+/// written are resident. Process-wide; returns false where the C library has no such setting.
+pub fn fix_mmap_threshold(bytes: usize) -> bool {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        let Ok(bytes) = libc::c_int::try_from(bytes) else { return false };
+        // SAFETY: mallopt only changes the allocator's parameters; it takes no pointers.
+        unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, bytes) == 1 }
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    {
+        let _ = bytes;
+        false
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -357,22 +376,5 @@ mod tests {
         // Not a TCP socket: an error, not garbage.
         let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
         assert!(tcp_info(udp.as_fd()).is_err());
-
-/// Fixes glibc's threshold above which `malloc` and `calloc` map fresh pages from the kernel (`M_MMAP_THRESHOLD`) to
-/// `bytes`, turning off glibc's dynamic threshold (which otherwise rises to the size of any such block freed, after
-/// which large blocks come from the heap and `calloc` writes their zeros, making every page resident). With a fixed
-/// threshold a large zeroed buffer (`vec![0; n]`, e.g. a socket's ring buffer) stays lazily zeroed: only the pages
-/// written are resident. Process-wide; returns false where the C library has no such setting.
-pub fn fix_mmap_threshold(bytes: usize) -> bool {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    {
-        let Ok(bytes) = libc::c_int::try_from(bytes) else { return false };
-        // SAFETY: mallopt only changes the allocator's parameters; it takes no pointers.
-        unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, bytes) == 1 }
-    }
-    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-    {
-        let _ = bytes;
-        false
     }
 }

@@ -111,7 +111,12 @@ idle() { # $1 = configuration; prints "RSS_MiB CPU_percent"
   run "$c" sh -c "exec $state/tcp_rr hold $srv 7 $IDLE $((IDLE_SECS + 5))" > "$out" &
   local holder=$!
   for _ in $(seq 1200); do grep -q held "$out" 2>/dev/null && break; sleep 0.1; done
-  grep -q held "$out" || { echo "bench-flows: $c: the $IDLE connections were not all opened" >&2; echo "- -"; return; }
+  grep -q held "$out" || {
+    echo "bench-flows: $c: the $IDLE connections were not all opened: $(tail -2 "$out" | tr '\n' ' ')" >&2
+    kill "$holder" 2>/dev/null; wait "$holder" 2>/dev/null
+    echo "- -"
+    return
+  }
   sleep 1
   local t0 t1 rss
   t0=$(awk '{print $14 + $15}' /proc/$daemon/stat)

@@ -79,6 +79,41 @@ fn half_close_lets_the_other_direction_finish() {
     }
 }
 
+/// The server closes first, so `terminate` (closing first towards the app) holds the connection in TIME-WAIT; the
+/// app, which keeps no TIME-WAIT, connects again at once from the same port: the new SYN takes over the tuple and
+/// is answered at once, not after the app's SYN retransmission timeout (a stall of a second per reused port).
+#[test]
+fn a_new_syn_on_a_tuple_in_time_wait_starts_a_new_connection() {
+    for v6 in families() {
+        let mut lab = Lab::new(v6, &[], &[], &[("p", "stream-pass", vec![])]);
+        let (srv, cli) = lab.pair();
+        let mut c = Pump::new(b"request".to_vec(), false);
+        let mut s = Pump::new(b"reply".to_vec(), true); // answers, then closes first
+        let done = lab.until(5_000, |lab| {
+            c.drive(lab.app.tcp(cli));
+            s.drive(lab.server.tcp(srv));
+            let a = lab.app.tcp(cli);
+            if !a.may_recv() && a.state() == State::CloseWait {
+                a.close();
+            }
+            c.got == b"reply" && lab.app.tcp(cli).state() == State::Closed
+        });
+        assert!(done, "v6 {v6}: the first connection ends, the app's side closed");
+        assert!(lab.until(1_000, |lab| lab.meter("module.o.connections_active") == 0));
+        assert_eq!(lab.meter("module.t.connections_active"), 1, "v6 {v6}: terminate holds it in TIME-WAIT");
+        lab.app.sockets.remove(cli);
+        lab.server.sockets.remove(srv);
+        lab.next_port -= 1; // the same local port again
+        let (srv2, cli2) = lab.pair();
+        let t0 = lab.now;
+        assert!(lab.until(500, |lab| lab.app.tcp(cli2).state() == State::Established), "v6 {v6}: no stall");
+        assert!(lab.now.saturating_since(t0) < Duration::from_millis(200), "v6 {v6}: answered at once");
+        assert_eq!(lab.meter("module.t.time_wait_reused_total"), 1);
+        assert_eq!(lab.meter("module.t.connections_total"), 2);
+        let _ = srv2;
+    }
+}
+
 #[test]
 fn server_reset_mid_transfer_reaches_the_client_as_rst() {
     for v6 in families() {

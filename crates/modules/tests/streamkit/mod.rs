@@ -146,7 +146,8 @@ pub struct Lab {
     pub net_delay: Duration,
     to_server: VecDeque<(Time, Vec<u8>)>,
     from_server: VecDeque<(Time, Vec<u8>)>,
-    next_port: u16,
+    /// The app's last local port; the next `connect` takes the one after.
+    pub next_port: u16,
 }
 
 pub fn load(name: &str, kind: &str, args: &[String]) -> Edit {

@@ -281,6 +281,7 @@ pub struct Meters {
     pub not_packet: Meter,
     pub invalid_syns: Meter,
     pub bad_datagrams: Meter,
+    pub time_wait_reused: Meter,
 }
 
 /// The meters both kinds declare.
@@ -309,6 +310,8 @@ pub const METERS: &[MeterDecl<Meters>] = u64_meters![
     invalid_syns: "invalid_syns_total", "frames", "SYNs its TCP did not take (bad checksum or options): no flow";
     bad_datagrams: "bad_datagrams_total", "frames",
         "UDP datagrams of its flows with a bad length or checksum (dropped)";
+    time_wait_reused: "time_wait_reused_total", "connections",
+        "connections in TIME-WAIT ended early by a new SYN on their tuple";
 ];
 
 /// A runtime variable of a flow: name, type, unit, description.

@@ -520,8 +520,15 @@ impl Endpoint {
             proto::TCP | proto::UDP => {
                 let key = (info.protocol, src, dst);
                 if let Some(&id) = self.f.by_key.get(&key) {
-                    checksum::complete_partial(&mut p);
-                    return self.flow_packet(id, p, &info, out);
+                    if !self.reused(id, &p, &info) {
+                        checksum::complete_partial(&mut p);
+                        return self.flow_packet(id, p, &info, out);
+                    }
+                    // A new connection on the tuple of one in TIME-WAIT (the app reuses its port at once: it
+                    // closed second, so it keeps no TIME-WAIT of its own): the old one is over both ways; it goes
+                    // and the SYN starts a new flow, as a kernel's TIME-WAIT socket accepts a new SYN.
+                    self.m.time_wait_reused.add(1);
+                    self.remove(id, out);
                 }
                 if self.side == Side::App {
                     if let Some(p) = self.new_app_flow(p, &info, src, dst, out) {
@@ -538,6 +545,13 @@ impl Endpoint {
             }
             _ => self.pass(out, p),
         }
+    }
+
+    /// Whether `p`, for flow `id`, is the SYN of a new connection on the tuple of a TCP connection in TIME-WAIT.
+    fn reused(&self, id: u64, p: &Packet, info: &PacketInfo) -> bool {
+        let Some(t) = self.f.conns.get(&id).and_then(|c| c.tcp.as_ref()) else { return false };
+        t.state == tcp::State::TimeWait
+            && Segment::parse(p.data(), info.l4_offset, info.total_len).is_some_and(|s| s.syn && s.ack.is_none())
     }
 
     /// A packet of a flow it holds.

@@ -32,7 +32,9 @@ fs=$PWD/target/$PROFILE/flexstack
 tag=fsf$$
 state=$(mktemp -d)
 chmod 755 "$state"
+tw_host=$(sysctl -n net.netfilter.nf_conntrack_tcp_timeout_time_wait 2>/dev/null || true)
 cleanup() {
+  [[ -n "$tw_host" ]] && sysctl -qw net.netfilter.nf_conntrack_tcp_timeout_time_wait="$tw_host" || true
   [[ -n "${daemon:-}" ]] && kill "$daemon" 2>/dev/null && wait "$daemon" 2>/dev/null || true
   ip netns pids ${tag}s 2>/dev/null | xargs -r kill 2>/dev/null || true
   ip netns del ${tag}s 2>/dev/null || true
@@ -50,6 +52,12 @@ ip link set ${tag}p netns ${tag}s
 ip addr add 10.213.7.1/24 dev ${tag}h; ip link set ${tag}h up
 ip -n ${tag}s addr add 10.213.7.2/24 dev ${tag}p; ip -n ${tag}s link set ${tag}p up
 ip -n ${tag}s route add default via 10.213.7.1
+# Tens of thousands of short connections per run must not leave the next configuration without ports: the
+# server (which closes first) keeps no TIME-WAIT, and the host's conntrack forgets closed connections after 1 s
+# (restored at exit). Without this, a configuration measured after another one found the (address, port) pairs
+# towards the server still taken and its SYNs waited for retransmission.
+ip netns exec ${tag}s sysctl -qw net.ipv4.tcp_max_tw_buckets=0
+[[ -n "$tw_host" ]] && sysctl -qw net.netfilter.nf_conntrack_tcp_timeout_time_wait=1
 srv=10.213.7.2
 cc -O2 -o "$state/tcp_rr" bench/tcp_rr.c
 mkdir -p "$state/www"
@@ -113,7 +121,8 @@ idle() { # $1 = configuration; prints "RSS_MiB CPU_percent"
   for _ in $(seq 1200); do grep -q held "$out" 2>/dev/null && break; sleep 0.1; done
   grep -q held "$out" || {
     echo "bench-flows: $c: the $IDLE connections were not all opened: $(tail -2 "$out" | tr '\n' ' ')" >&2
-    kill "$holder" 2>/dev/null; wait "$holder" 2>/dev/null
+    kill "$holder" 2>/dev/null || true
+    wait "$holder" 2>/dev/null || true
     echo "- -"
     return
   }

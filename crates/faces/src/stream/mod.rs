@@ -154,6 +154,8 @@ impl ModuleBuilder for KernelBuilder {
             stream_in,
             egress: Vec::new(),
             flows: HashMap::new(),
+            tcp_specs: tcp_specs(),
+            udp_specs: backend::flow_specs(),
             inner,
             _redirect: redirect,
         })
@@ -225,6 +227,9 @@ struct KernelEndpoint {
     stream_in: usize,
     egress: Batch,
     flows: HashMap<u64, FlowVars>,
+    /// The runtime variables of a TCP and of a UDP flow, built once.
+    tcp_specs: Vec<VarSpec>,
+    udp_specs: Vec<VarSpec>,
     /// terminate with UDP rules: the data plane's UDP termination (the smoltcp back-end).
     inner: Option<Box<dyn Module>>,
     /// terminate: the redirect in the app's namespace, removed with the module.
@@ -261,11 +266,10 @@ impl KernelEndpoint {
                 out.unregister_vars(&v.name);
             }
         }
-        let (tcp, udp) = (tcp_specs(), backend::flow_specs());
         for id in std::mem::take(&mut e.born) {
             let Some(f) = e.flows.get(&id) else { continue };
             let name = format!("{}.{id}", self.prefix);
-            let specs = if matches!(f.sock, Sock::Tcp(_)) { &tcp } else { &udp };
+            let specs = if matches!(f.sock, Sock::Tcp(_)) { &self.tcp_specs } else { &self.udp_specs };
             // Another module owning the prefix (a misconfiguration) leaves the meters unpublished, never the flow.
             let vars = out.register_vars(&name, specs).unwrap_or_else(|_| ModuleVars::new(specs));
             vars.meter("tuple").store(&Value::Str(f.info.to_string()));

@@ -11,6 +11,7 @@
 #   - IDLE idle terminated connections (b, c): the daemon's RSS while they are held, and its CPU over IDLE_SECS.
 # Targets (issue 13): (b) >= 0.8 x (a) and (c) >= 0.5 x (a) in throughput; (b), (c) >= 0.7 x (a) in connections/s;
 # added RTT <= 50 us; RSS <= 256 MiB for 10,000 idle connections, CPU near 0. Needs root.
+# PERF=file records a profile of the daemon (file.b, file.c) while the connections are idle.
 # CONFIGS (default "a b c") picks configurations, e.g. CONFIGS="a c" while a back-end is missing; PROFILE (default
 # release) the cargo profile built and run.
 set -euo pipefail
@@ -121,6 +122,8 @@ idle() { # $1 = configuration; prints "RSS_MiB CPU_percent"
   for _ in $(seq 1200); do grep -q held "$out" 2>/dev/null && break; sleep 0.1; done
   grep -q held "$out" || {
     echo "bench-flows: $c: the $IDLE connections were not all opened: $(tail -2 "$out" | tr '\n' ' ')" >&2
+    echo "bench-flows: the daemon's log ends:" >&2
+    tail -5 "$state/daemon.log" >&2
     kill "$holder" 2>/dev/null || true
     wait "$holder" 2>/dev/null || true
     echo "- -"
@@ -129,7 +132,11 @@ idle() { # $1 = configuration; prints "RSS_MiB CPU_percent"
   sleep 1
   local t0 t1 rss
   t0=$(awk '{print $14 + $15}' /proc/$daemon/stat)
-  sleep "$IDLE_SECS"
+  if [[ -n "${PERF:-}" ]]; then # PERF=file: a profile of the daemon while the connections are idle
+    perf record -q -g -o "$PERF.$c" -p "$daemon" -- sleep "$IDLE_SECS" 2>/dev/null
+  else
+    sleep "$IDLE_SECS"
+  fi
   t1=$(awk '{print $14 + $15}' /proc/$daemon/stat)
   rss=$(awk '/VmRSS/ {printf "%.1f", $2 / 1024}' /proc/$daemon/status)
   echo "$rss $(awk -v a="$t0" -v b="$t1" -v s="$IDLE_SECS" -v hz="$(getconf CLK_TCK)" 'BEGIN {printf "%.1f", (b - a) / hz / s * 100}')"

@@ -80,7 +80,9 @@ impl Rig {
         let stdout = String::from_utf8_lossy(&out.stdout).to_string();
         let vars = stdout
             .split_once("@@vars@@")
-            .map(|(_, j)| serde_json::from_str(j.trim()).unwrap_or_else(|e| panic!("not JSON ({e}): {j}")))
+            .map(|(_, j)| {
+                serde_json::from_str(j.trim()).unwrap_or_else(|e| panic!("not JSON ({e}): {j}\n{}", text(&out)))
+            })
             .unwrap_or(Json::Null);
         (out, vars)
     }
@@ -295,4 +297,77 @@ fn a_stalled_server_holds_the_app_at_its_budget_without_spinning() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     // Every byte arrived: the server counted 20,000,000.
     assert!(out.status.success() && stdout.contains("20000000 8"), "{stdout}");
+}
+
+/// An echo server for many connections at once (port 9003).
+const ECHO_SERVER: &str = "import asyncio
+async def echo(r, w):
+    try:
+        while (d := await r.read(4096)):
+            w.write(d); await w.drain()
+    except Exception: pass
+    w.close()
+async def main():
+    s = await asyncio.start_server(echo, host=None, port=9003, backlog=1024)
+    async with s: await s.serve_forever()
+asyncio.run(main())
+";
+
+/// Opens 200 connections one after the other (each echoes one byte or fails within 5 s), keeps those that
+/// worked, prints `ok N failed N slowest_failure_s X`, runs `flexstack status` (argv 2 and 3: the binary and the
+/// state directory) and prints its exit code, closes them all, then prints `after ok` if a new connection echoes
+/// again.
+const MANY_CLIENT: &str = "import socket,sys,time
+held, failed, slowest = [], 0, 0.0
+for i in range(200):
+    t = time.monotonic()
+    try:
+        s = socket.create_connection((sys.argv[1], 9003), timeout=5); s.sendall(b'x')
+        if s.recv(1) != b'x': raise OSError('no echo')
+        held.append(s)
+    except OSError:
+        failed += 1; slowest = max(slowest, time.monotonic() - t)
+print('ok', len(held), 'failed', failed, 'slowest_failure_s', round(slowest, 2), flush=True)
+import subprocess
+st = subprocess.run([sys.argv[2], '--state-dir', sys.argv[3], 'status'], capture_output=True)
+print('status_while_held', st.returncode, flush=True)
+for s in held: s.close()
+time.sleep(1)
+s = socket.create_connection((sys.argv[1], 9003), timeout=5); s.sendall(b'y')
+print('after', 'ok' if s.recv(1) == b'y' else 'bad', flush=True)
+";
+
+/// Near the limit of open files (the daemon's lowered to 400 with prlimit; two per kernel-terminated connection,
+/// 256 left to the rest of the daemon), new connections are refused at once, the ones held keep working, the
+/// control socket still answers, and once they close new ones work again; the refusals are counted.
+#[test]
+fn out_of_descriptors_new_connections_are_refused_at_once_and_service_returns() {
+    let Some(rig) = Rig::new(7, &pattern(1000)) else { return };
+    let limit = std::process::Command::new("prlimit")
+        .args(["--pid", &rig.d.child.id().to_string(), "--nofile=400:400"])
+        .status()
+        .expect("prlimit");
+    assert!(limit.success(), "prlimit");
+    let (_server, client) = rig.python(ECHO_SERVER, MANY_CLIENT);
+    let stack = rig.stack("kernel", "kernel", r#"["tcp *"]"#);
+    let script = format!("python3 {} {} {} {}", path_str(&client), rig.srv.v4, bin(), path_str(rig.d.state.path()));
+    let (out, vars) = rig.run(&stack, "kfd", &script, "module.kfd-*.refused_total");
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "{}", text(&out));
+    let field = |k: &str| -> f64 {
+        let words: Vec<&str> = stdout.split_whitespace().collect();
+        let i = words.iter().position(|w| *w == k).unwrap_or_else(|| panic!("{k} in {stdout}"));
+        words[i + 1].parse().unwrap_or_else(|_| panic!("{k} in {stdout}"))
+    };
+    let (ok, failed, slowest) = (field("ok"), field("failed"), field("slowest_failure_s"));
+    eprintln!("out of descriptors: {ok} held, {failed} refused (slowest refusal {slowest} s), {vars}");
+    // (400 - 256) / 2 are held; the rest are refused, each well before the client's 5 s timeout (a connection left
+    // in the backlog would take all of it).
+    assert!((60.0..=72.0).contains(&ok), "held {ok}: {stdout}");
+    assert!(stdout.contains("status_while_held 0"), "the control socket did not answer: {stdout}");
+    assert_eq!(ok + failed, 200.0, "{stdout}");
+    assert!(slowest < 2.0, "a refusal took {slowest} s: {stdout}");
+    assert!(stdout.contains("after ok"), "no service after the held connections closed: {stdout}");
+    let refused = value(&vars, "module.kfd-term.refused_total") + value(&vars, "module.kfd-orig.refused_total");
+    assert!(refused as f64 >= failed, "refusals counted {refused}, failed {failed}: {vars}");
 }

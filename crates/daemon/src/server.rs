@@ -91,6 +91,10 @@ pub fn run_daemon(opts: DaemonOptions, catalog: Catalog) -> Result<(), String> {
             tracing::warn!(priority = realtime, error = %e, "cannot run the data plane at real-time priority; it runs at normal priority");
         }
     }
+    // Kernel-terminated connections hold two sockets each: raise the limit of open files while the daemon still
+    // may (CAP_SYS_RESOURCE is not kept).
+    let files = flexstack_faces::stream::raise_open_files_limit();
+    tracing::debug!(limit = files, "limit of open files");
     crate::privileges::drop_unneeded()?;
 
     let dataplane = DataPlane::start(opts.dataplane);

@@ -25,6 +25,7 @@ use std::collections::{HashMap, VecDeque};
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream, UdpSocket};
 use std::os::fd::{AsFd, BorrowedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -82,6 +83,10 @@ pub(crate) struct Flow {
     pub(crate) bytes_in: u64,
     /// The congestion control of its socket, as last set.
     pub(crate) cc: String,
+    /// In the touched list (see `Engine::touched`).
+    touched: bool,
+    /// Its bytes queued and in flight as counted in `Engine::held`.
+    counted: (u64, u64),
 }
 
 impl Flow {
@@ -105,11 +110,21 @@ impl Flow {
             bytes_out: 0,
             bytes_in: 0,
             cc: String::new(),
+            touched: false,
+            counted: (0, 0),
         }
     }
 
     fn tcp(&self) -> bool {
         matches!(self.sock, Sock::Tcp(_))
+    }
+
+    /// Files it in `list` (the engine's touched flows) unless it is there.
+    fn touch(&mut self, list: &mut Vec<u64>, id: u64) {
+        if !self.touched {
+            self.touched = true;
+            list.push(id);
+        }
     }
 
     /// What it should be registered for: reading while it may send, writing while it connects or has bytes queued.
@@ -187,6 +202,25 @@ pub(crate) fn reset(sock: Sock) {
     drop(sock);
 }
 
+/// Sockets the kernel endpoints of this process hold (one per flow and endpoint).
+static SOCKETS: AtomicU64 = AtomicU64::new(0);
+
+/// Descriptors left to the rest of the daemon (control and app-variable connections, TUN devices, captures, state
+/// files): the kernel endpoints refuse new flows rather than take them.
+const RESERVED_FILES: u64 = 256;
+
+/// True if the kernel endpoints may open `n` more sockets without eating into [`RESERVED_FILES`] of the process's
+/// limit of open files (read each time: `prlimit` may change it).
+pub(crate) fn room_for_sockets(n: u64) -> bool {
+    let limit = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE).map_or(u64::MAX, |l| l.0);
+    SOCKETS.load(Ordering::Relaxed) + n + RESERVED_FILES <= limit
+}
+
+/// A descriptor to hold in reserve (see `Engine::spare`).
+pub(crate) fn spare_descriptor() -> Option<std::fs::File> {
+    std::fs::File::open("/dev/null").ok()
+}
+
 /// What only the app's side (terminate) has: its match table (to count which rule selected each connection), one
 /// meter per rule, and the app's name.
 pub(crate) struct AppSide {
@@ -218,12 +252,22 @@ pub(crate) struct Engine {
     pub(crate) cc: Option<String>,
     tcp_count: u64,
     udp_count: u64,
-    /// Bytes queued and in flight, as last summed.
+    /// Bytes queued and in flight, summed over the flows as last counted (see `settle`).
     held: (u64, u64),
+    /// Flows whose state changed since the module last looked (`update` files them): only these are counted
+    /// again and have their meters refreshed, so that thousands of idle flows cost nothing per tick.
+    touched: Vec<u64>,
+    /// No deadline of any flow is earlier (`tick` walks the flows only once it has passed).
+    earliest: Option<Instant>,
     /// terminate: the smoltcp back-end beside it has the UDP flows (see `counts`).
     pub(crate) shares_udp: bool,
     /// terminate: its match table and app.
     pub(crate) app: Option<AppSide>,
+    /// A descriptor held in reserve: out of descriptors, the app side closes it to accept and reset the waiting
+    /// connection, so that the app sees a refusal at once instead of waiting in the backlog.
+    pub(crate) spare: Option<std::fs::File>,
+    /// It said once that it ran out of descriptors.
+    pub(crate) warned_no_files: bool,
 }
 
 impl Engine {
@@ -255,8 +299,12 @@ impl Engine {
             tcp_count: 0,
             udp_count: 0,
             held: (0, 0),
+            touched: Vec::new(),
+            earliest: None,
             shares_udp: false,
             app: None,
+            spare: None,
+            warned_no_files: false,
         })
     }
 
@@ -311,6 +359,9 @@ impl Engine {
         f.accepted = accepted;
         f.connecting = connecting;
         f.deadline = deadline;
+        if let Some(d) = deadline {
+            self.note_deadline(d);
+        }
         if f.tcp() {
             self.tcp_count += 1;
             self.m.tcp_total.add(1);
@@ -319,6 +370,7 @@ impl Engine {
             self.m.udp_total.add(1);
         }
         self.flows.insert(id, f);
+        SOCKETS.fetch_add(1, Ordering::Relaxed);
         self.born.push(id);
         self.update(id);
         self.counts();
@@ -336,21 +388,31 @@ impl Engine {
         self.m.in_flight.set(self.held.1);
     }
 
-    /// Sums the bytes held over all flows (the module's poll does: a walk of every flow).
-    pub(crate) fn gauges(&mut self) {
-        let (mut buffered, mut in_flight) = (0, 0);
-        for f in self.flows.values() {
-            buffered += f.queued;
-            in_flight += f.credit.in_flight();
+    /// Counts again the bytes held by the flows touched since the last call, sets the gauges, and returns those
+    /// flows (whose meters the module refreshes).
+    pub(crate) fn gauges(&mut self) -> Vec<u64> {
+        let touched = std::mem::take(&mut self.touched);
+        for id in &touched {
+            let Some(f) = self.flows.get_mut(id) else { continue };
+            f.touched = false;
+            let now = (f.queued, f.credit.in_flight());
+            let was = std::mem::replace(&mut f.counted, now);
+            self.held = (self.held.0 - was.0 + now.0, self.held.1 - was.1 + now.1);
         }
-        self.held = (buffered, in_flight);
         self.counts();
+        touched
+    }
+
+    /// Files a deadline of a flow (see `earliest`).
+    fn note_deadline(&mut self, d: Instant) {
+        self.earliest = Some(self.earliest.map_or(d, |e| e.min(d)));
     }
 
     /// Registers flow `id`'s socket for what it needs now.
     fn update(&mut self, id: u64) {
         let budget = self.cfg.budget;
         let Some(f) = self.flows.get_mut(&id) else { return };
+        f.touch(&mut self.touched, id);
         let want = f.wanted(budget);
         if f.interest == Some(want) {
             return;
@@ -376,6 +438,8 @@ impl Engine {
     /// Forgets flow `id` (its socket closes normally).
     pub(crate) fn remove(&mut self, id: u64) -> Option<Flow> {
         let f = self.flows.remove(&id)?;
+        SOCKETS.fetch_sub(1, Ordering::Relaxed);
+        self.held = (self.held.0 - f.counted.0, self.held.1 - f.counted.1);
         if f.interest.is_some() {
             let _ = self.epoll.delete(f.sock.fd());
         }
@@ -488,6 +552,7 @@ impl Engine {
                     buf.resize(MAX_DATAGRAM, 0);
                     match s.recv(buf) {
                         Ok(n) => {
+                            // Later than the one filed: `earliest` stays a lower bound.
                             f.deadline = Some(Instant::now() + Duration::from_millis(idle));
                             if f.credit.room(budget) < (n as u64).max(1) {
                                 self.m.udp_budget_drops.add(1); // as a full socket buffer drops it
@@ -506,6 +571,7 @@ impl Engine {
                 set_meta(meta, id, StreamKind::Data, 0);
                 f.credit.send(n as u64);
                 f.bytes_out += n as u64;
+                f.touch(&mut self.touched, id);
                 self.m.bytes_out.add(n as u64);
                 // More may wait: come back to it after the others.
                 if !f.listed {
@@ -678,6 +744,7 @@ impl Engine {
             self.m.stream_orphans.add(1);
             return;
         };
+        f.touch(&mut self.touched, id);
         match event {
             StreamEvent::Open(_) => {
                 // terminate: the far side accepted; the app's bytes may flow.
@@ -764,8 +831,13 @@ impl Engine {
                 let _ = self.epoll.add(l, EpollEvent::new(EpollFlags::EPOLLIN, LISTENER + i as u64));
             }
         }
+        if self.earliest.is_none_or(|e| e > now) {
+            self.kick_if_pending();
+            return;
+        }
         let due: Vec<u64> =
             self.flows.iter().filter(|(_, f)| f.deadline.is_some_and(|d| d <= now)).map(|(id, _)| *id).collect();
+        self.earliest = self.flows.values().filter_map(|f| f.deadline).filter(|d| *d > now).min();
         for id in due {
             if self.flows[&id].tcp() {
                 self.m.timeouts.add(1);

@@ -14,7 +14,7 @@
 //! the match table selects stay in the data plane, terminated by the smoltcp back-end (`terminates_udp`; see
 //! docs/streams.md, "The kernel back-end").
 
-use super::engine::{reset, Engine, Event, Flow, Sock};
+use super::engine::{reset, room_for_sockets, spare_descriptor, Engine, Event, Flow, Sock};
 use flexstack_core::stream::{FlowInfo, Protocol, Role};
 use flexstack_modules::stream::matcher::{Candidate, MatchTable};
 use nix::sys::socket::{
@@ -189,10 +189,36 @@ impl Engine {
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                 Err(e) if e.raw_os_error() == Some(libc::ECONNABORTED) => continue, // the app gave up first
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) && self.spare.is_some() => {
+                    // Out of file descriptors: free the one held in reserve, accept and reset the connection (the
+                    // app sees a refusal now rather than a connection that hangs in the backlog), take it back.
+                    if !std::mem::replace(&mut self.warned_no_files, true) {
+                        tracing::warn!(error = %e, "out of file descriptors: refusing the app's new connections \
+                            (each kernel-terminated connection holds two; raise the limit of open files)");
+                    }
+                    // (accept takes the descriptor before it looks at the backlog: EMFILE says nothing about
+                    // whether a connection waits.)
+                    self.spare = None;
+                    let waiting = l.accept();
+                    self.spare = spare_descriptor();
+                    match waiting {
+                        Ok((stream, _)) => {
+                            reset(Sock::Tcp(stream));
+                            self.m.refused.add(1);
+                            if self.spare.is_some() {
+                                continue;
+                            }
+                        }
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && self.spare.is_some() => return,
+                        Err(_) => {}
+                    }
+                    self.pause_listeners();
+                    return;
+                }
                 Err(e) => {
-                    // Out of file descriptors (EMFILE, ENFILE) or memory: the connection stays in the backlog and
-                    // the listener readable. The listeners leave the epoll set until the next tick, or the data
-                    // plane would spin on them.
+                    // Out of memory, or of descriptors with none in reserve: the connection stays in the backlog
+                    // and the listener readable. The listeners leave the epoll set until the next tick, or the
+                    // data plane would spin on them.
                     tracing::warn!(error = %e, "cannot accept the app's connection; trying again shortly");
                     self.m.refused.add(1);
                     self.pause_listeners();
@@ -209,7 +235,11 @@ impl Engine {
                     continue;
                 }
             };
-            if self.tcp_count() >= self.cfg.max_connections || stream.set_nonblocking(true).is_err() {
+            // Room for this socket and the one `originate` opens for it.
+            if self.tcp_count() >= self.cfg.max_connections
+                || !room_for_sockets(2)
+                || stream.set_nonblocking(true).is_err()
+            {
                 self.m.refused.add(1);
                 reset(Sock::Tcp(stream));
                 continue;

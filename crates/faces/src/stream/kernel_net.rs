@@ -49,7 +49,7 @@ impl Engine {
         let tcp = info.protocol == Protocol::Tcp;
         let (count, max) =
             if tcp { (self.tcp_count(), self.cfg.max_connections) } else { (self.udp_count(), self.cfg.max_udp_flows) };
-        if count >= max {
+        if count >= max || !super::engine::room_for_sockets(1) {
             self.m.refused.add(1);
             return self.refuse(id, "limit");
         }
@@ -60,7 +60,10 @@ impl Engine {
                 s.connect(info.dst)?;
                 Ok(s)
             });
-            let Ok(sock) = sock else { return self.refuse(id, "unreachable") };
+            let sock = match sock {
+                Ok(s) => s,
+                Err(e) => return self.refuse_open(id, &e),
+            };
             if let Ok(local) = sock.local_addr() {
                 info.src = local;
             }
@@ -69,7 +72,7 @@ impl Engine {
         }
         let fd = match socket_for(info.dst, SockType::Stream, source) {
             Ok(fd) => fd,
-            Err(_) => return self.refuse(id, "unreachable"),
+            Err(e) => return self.refuse_open(id, &e),
         };
         let _ = setsockopt(&fd, sockopt::TcpNoDelay, &!self.cfg.nagle);
         let stream = TcpStream::from(fd);
@@ -91,6 +94,20 @@ impl Engine {
         flow.cc = cc;
         let deadline = now + Duration::from_millis(self.cfg.connect_timeout_ms);
         self.insert(id, flow, false, true, Some(deadline));
+    }
+
+    /// Answers `Open` of flow `id` whose socket could not be made: out of descriptors or memory is a refusal
+    /// (counted in `refused_total`, as a limit is), anything else (no route, a source address it cannot bind) an
+    /// unreachable destination.
+    fn refuse_open(&mut self, id: u64, e: &std::io::Error) {
+        if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)) {
+            if !std::mem::replace(&mut self.warned_no_files, true) {
+                tracing::warn!(error = %e, "cannot open sockets towards the destinations: refusing new connections");
+            }
+            self.m.refused.add(1);
+            return self.refuse(id, "refused");
+        }
+        self.refuse(id, "unreachable")
     }
 
     /// Answers `Open` of flow `id` with `Abort(reason)`: no flow is made.

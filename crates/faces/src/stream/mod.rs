@@ -22,7 +22,7 @@ mod engine;
 mod kernel_app;
 mod kernel_net;
 
-use engine::{AppSide, Engine, Sock};
+use engine::{spare_descriptor, AppSide, Engine, Sock};
 use flexstack_core::frame::Metadata;
 use flexstack_core::{
     Batch, Direction, FaceDevice, Frame, Module, ModuleBuilder, ModuleInterface, ModuleVars, Output, Packet, Time,
@@ -37,8 +37,8 @@ use std::time::{Duration, Instant};
 /// The first flow id of a kernel `terminate` that also terminates UDP in the data plane (whose ids count from 1).
 pub const KERNEL_IDS: u64 = 1 << 32;
 
-/// An idle flow's meters are read every this many periods.
-const IDLE_PERIODS: u64 = 50;
+/// An idle flow's meters are read every this many periods (10 s).
+const IDLE_PERIODS: u64 = 100;
 
 /// How often the module refreshes its flows' meters and checks their timeouts.
 pub const METER_PERIOD: Duration = Duration::from_millis(100);
@@ -48,27 +48,53 @@ pub fn install() {
     backend::install_kernel(build);
 }
 
-/// Raises the process's soft limit of open files to its hard limit, once: each terminated connection holds one
-/// socket per kernel endpoint, and the usual soft limit (1,024) would stop a kernel `terminate` and `originate`
-/// at about 500 connections.
-fn more_files() {
+/// The limit of open files the daemon asks for: a kernel `terminate` and `originate` hold two sockets per
+/// connection, so `max_connections` (16,384 in the shipped stacks) needs about 33,000.
+const OPEN_FILES: u64 = 1 << 20;
+
+/// Raises the process's limit of open files, once: each terminated connection holds one socket per kernel
+/// endpoint, and the usual soft limit (1,024) would stop a kernel `terminate` and `originate` at about 500
+/// connections, a hard limit of 20,000 at about 10,000. With CAP_SYS_RESOURCE (the daemon calls this at start-up,
+/// before it drops the capabilities it does not keep) both limits go up to [`OPEN_FILES`] or the kernel's
+/// `fs.nr_open`, whichever is lower; without it the soft limit goes up to the hard one. Returns the soft limit in
+/// force afterwards.
+pub fn raise_open_files_limit() -> u64 {
     use nix::sys::resource::{getrlimit, setrlimit, Resource};
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        if let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) {
-            if soft < hard {
-                if let Err(e) = setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
-                    tracing::warn!(error = %e, "cannot raise the limit of open files");
-                }
+    static LIMIT: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *LIMIT.get_or_init(|| {
+        let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) else { return 0 };
+        let nr_open = std::fs::read_to_string("/proc/sys/fs/nr_open")
+            .ok()
+            .and_then(|s| s.trim().parse::<u64>().ok())
+            .unwrap_or(OPEN_FILES);
+        let want = OPEN_FILES.min(nr_open);
+        if hard < want && setrlimit(Resource::RLIMIT_NOFILE, want, want).is_ok() {
+            return want;
+        }
+        if soft < hard {
+            if let Err(e) = setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+                tracing::warn!(error = %e, "cannot raise the limit of open files");
+                return soft;
             }
         }
-    });
+        hard.max(soft)
+    })
 }
 
 /// Builds the kernel back-end from what the kind read.
 fn build(req: KernelRequest) -> Result<Box<dyn ModuleBuilder>, String> {
-    more_files();
+    let files = raise_open_files_limit();
     let KernelRequest { side, cfg, matcher, netns, mut interface, decl, smoltcp } = req;
+    if files < 2 * cfg.max_connections + 256 {
+        // terminate and originate together hold two descriptors per connection.
+        tracing::warn!(
+            limit = files,
+            max_connections = cfg.max_connections,
+            "the limit of open files allows about {} kernel-terminated connections, fewer than max_connections; \
+             beyond, new connections are refused (raise `ulimit -Hn` before starting the daemon)",
+            files.saturating_sub(256) / 2
+        );
+    }
     // The device's frames leave on output 0: put `stream` first.
     if let Some(i) = interface.outputs.iter().position(|p| p.name == "stream") {
         let stream = interface.outputs.remove(i);
@@ -141,9 +167,11 @@ impl ModuleBuilder for KernelBuilder {
                 }
             }
             engine.app = Some(a);
+            engine.spare = spare_descriptor();
         }
         let epoll = engine.epoll();
         let name = format!("kernel-{}", if side == Side::App { "terminate" } else { "originate" });
+        let (tcp, udp) = (tcp_specs(), backend::flow_specs());
         let device = Arc::new(KernelDevice { name, dir: side.out_dir(), epoll, engine: Mutex::new(engine) });
         Box::new(KernelEndpoint {
             device,
@@ -154,8 +182,10 @@ impl ModuleBuilder for KernelBuilder {
             stream_in,
             egress: Vec::new(),
             flows: HashMap::new(),
-            tcp_specs: tcp_specs(),
-            udp_specs: backend::flow_specs(),
+            sweep: Default::default(),
+            slots: slots(&tcp, &udp),
+            tcp_specs: tcp,
+            udp_specs: udp,
             inner,
             _redirect: redirect,
         })
@@ -212,9 +242,6 @@ impl FaceDevice for KernelDevice {
 struct FlowVars {
     name: String,
     vars: ModuleVars,
-    /// Bytes out and in at the last refresh, and the refreshes since they last moved.
-    seen: (u64, u64),
-    idle: u64,
 }
 
 /// A running kernel endpoint.
@@ -227,9 +254,13 @@ struct KernelEndpoint {
     stream_in: usize,
     egress: Batch,
     flows: HashMap<u64, FlowVars>,
+    /// Every flow's id, in the order their meters are next read while idle.
+    sweep: std::collections::VecDeque<u64>,
     /// The runtime variables of a TCP and of a UDP flow, built once.
     tcp_specs: Vec<VarSpec>,
     udp_specs: Vec<VarSpec>,
+    /// Where the variables it refreshes are in a flow's (see [`slots`]).
+    slots: [usize; 13],
     /// terminate with UDP rules: the data plane's UDP termination (the smoltcp back-end).
     inner: Option<Box<dyn Module>>,
     /// terminate: the redirect in the app's namespace, removed with the module.
@@ -237,6 +268,47 @@ struct KernelEndpoint {
 }
 
 /// The runtime variables of one TCP flow of the kernel back-end, under `<vars_prefix>.<flow>`.
+/// The per-flow variables the module refreshes, by their index in [`SLOT_NAMES`] (the first four are a UDP flow's
+/// too: `backend::flow_specs` comes first in both lists).
+const BYTES_UP: usize = 0;
+const BYTES_DOWN: usize = 1;
+const IN_FLIGHT: usize = 2;
+const QUEUED: usize = 3;
+const STATE: usize = 4;
+const SRTT: usize = 5;
+const CWND: usize = 6;
+const BYTES_IN_FLIGHT: usize = 7;
+const RETRANS: usize = 8;
+const DELIVERY_RATE: usize = 9;
+const SEND_QUEUE: usize = 10;
+const RECV_QUEUE: usize = 11;
+const CC: usize = 12;
+const SLOT_NAMES: [&str; 13] = [
+    "bytes_up_total",
+    "bytes_down_total",
+    "in_flight_bytes",
+    "queued_bytes",
+    "tcp.state",
+    "tcp.srtt_us",
+    "tcp.cwnd",
+    "tcp.bytes_in_flight",
+    "tcp.retrans_total",
+    "tcp.delivery_rate",
+    "tcp.send_queue",
+    "tcp.recv_queue",
+    "tcp.cc",
+];
+
+/// Where each of [`SLOT_NAMES`] is in a TCP flow's variables (found once: no lookup by name per refresh).
+fn slots(tcp: &[VarSpec], udp: &[VarSpec]) -> [usize; 13] {
+    let at = |list: &[VarSpec], n: &str| {
+        list.iter().position(|v| v.name == n).unwrap_or_else(|| panic!("a flow declares {n}"))
+    };
+    let s = SLOT_NAMES.map(|n| at(tcp, n));
+    debug_assert!((0..4).all(|i| at(udp, SLOT_NAMES[i]) == s[i]), "a UDP flow's first variables are a TCP flow's");
+    s
+}
+
 fn tcp_specs() -> Vec<VarSpec> {
     let mut v = backend::flow_specs();
     v.extend([
@@ -273,41 +345,49 @@ impl KernelEndpoint {
             // Another module owning the prefix (a misconfiguration) leaves the meters unpublished, never the flow.
             let vars = out.register_vars(&name, specs).unwrap_or_else(|_| ModuleVars::new(specs));
             vars.meter("tuple").store(&Value::Str(f.info.to_string()));
-            self.flows.insert(id, FlowVars { name, vars, seen: (u64::MAX, 0), idle: 0 });
+            self.flows.insert(id, FlowVars { name, vars });
+            self.sweep.push_back(id);
         }
-        e.gauges();
-        let down = e.out_is_down();
-        for (id, v) in &mut self.flows {
-            let Some(f) = e.flows.get(id) else { continue };
-            // The kernel's meters of an idle flow change little: read every period while bytes move, else every
-            // IDLE_PERIODS (10,000 idle connections would otherwise cost 300,000 system calls a second).
-            let moved = (f.bytes_out, f.bytes_in) != v.seen;
-            v.seen = (f.bytes_out, f.bytes_in);
-            v.idle = if moved { 0 } else { v.idle + 1 };
-            if !moved && v.idle % IDLE_PERIODS != 1 {
-                continue;
+        // The meters of the flows touched since the last period, and of a slice of the others, so that every flow's
+        // are read at least every IDLE_PERIODS: 10,000 idle connections cost neither a walk of every flow nor
+        // 300,000 system calls a second.
+        let mut due = e.gauges();
+        for _ in 0..self.flows.len().div_ceil(IDLE_PERIODS as usize) {
+            let Some(id) = self.sweep.pop_front() else { break };
+            if self.flows.contains_key(&id) {
+                due.push(id);
+                self.sweep.push_back(id);
             }
-            let m = |n: &str| v.vars.meter(n);
-            let (out_m, in_m) =
-                if down { ("bytes_down_total", "bytes_up_total") } else { ("bytes_up_total", "bytes_down_total") };
-            m(out_m).set(f.bytes_out);
-            m(in_m).set(f.bytes_in);
-            m("in_flight_bytes").set(f.credit.in_flight());
-            m("queued_bytes").set(f.queued);
+        }
+        let down = e.out_is_down();
+        let (out_m, in_m) = if down { (BYTES_DOWN, BYTES_UP) } else { (BYTES_UP, BYTES_DOWN) };
+        for id in due {
+            let (Some(f), Some(v)) = (e.flows.get(&id), self.flows.get(&id)) else { continue };
+            let cells = v.vars.cells();
+            let m = |i: usize| &cells[self.slots[i]];
+            m(out_m).set_u64(f.bytes_out);
+            m(in_m).set_u64(f.bytes_in);
+            m(IN_FLIGHT).set_u64(f.credit.in_flight());
+            m(QUEUED).set_u64(f.queued);
             let Sock::Tcp(s) = &f.sock else { continue };
             if let Ok(t) = flexstack_sys::tcp_info(s.as_fd()) {
-                m("tcp.state").store(&Value::Str(flexstack_sys::tcp_state_name(t.state).into()));
-                m("tcp.srtt_us").set(u64::from(t.srtt_us));
-                m("tcp.cwnd").set(u64::from(t.cwnd));
-                m("tcp.bytes_in_flight").set(u64::from(t.unacked) * u64::from(t.snd_mss));
-                m("tcp.retrans_total").set(u64::from(t.total_retrans));
-                m("tcp.delivery_rate").set(t.delivery_rate);
+                let state = flexstack_sys::tcp_state_name(t.state);
+                if !matches!(m(STATE).get(), Value::Str(ref now) if now == state) {
+                    m(STATE).store(&Value::Str(state.into()));
+                }
+                m(SRTT).set_u64(u64::from(t.srtt_us));
+                m(CWND).set_u64(u64::from(t.cwnd));
+                m(BYTES_IN_FLIGHT).set_u64(u64::from(t.unacked) * u64::from(t.snd_mss));
+                m(RETRANS).set_u64(u64::from(t.total_retrans));
+                m(DELIVERY_RATE).set_u64(t.delivery_rate);
             }
             if let Ok((outq, inq)) = flexstack_sys::socket_queues(s.as_fd()) {
-                m("tcp.send_queue").set(u64::from(outq));
-                m("tcp.recv_queue").set(u64::from(inq));
+                m(SEND_QUEUE).set_u64(u64::from(outq));
+                m(RECV_QUEUE).set_u64(u64::from(inq));
             }
-            m("tcp.cc").store(&Value::Str(f.cc.clone()));
+            if !matches!(m(CC).get(), Value::Str(ref now) if *now == f.cc) {
+                m(CC).store(&Value::Str(f.cc.clone()));
+            }
         }
     }
 

@@ -410,21 +410,48 @@ fn iperf3_udp(backend: &str) {
     let Some(r) = Rig::new(backend, 3, b"small", None) else { return };
     let _iperf = r.srv.ns.spawn(&["iperf3", "-s", "-p", "5202"]);
     wait_listening(&r, 5202);
+    // Datagrams that reached the server's host: delivered to a socket, or to none (they came after iperf3 closed
+    // it), by the kernel's own counters in the server's namespace.
+    let arrived = |v6: bool| {
+        let names = if v6 { ["Udp6InDatagrams", "Udp6NoPorts"] } else { ["UdpInDatagrams", "UdpNoPorts"] };
+        let out = r.srv.ns.run(&["nstat", "-az", names[0], names[1]]);
+        text(&out).lines().filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok()).sum::<u64>()
+    };
     for addr in [&r.srv.v4, &r.srv.v6] {
+        let v6 = addr.contains(':');
+        let before = arrived(v6);
         // -w: socket buffers of 2 MB at both ends, so that a busy machine does not make the server's socket drop.
-        // 10 Mbit/s: at 20, one datagram in ~4,000 went missing uncounted in some full-suite runs (issue 13 note).
+        // 10 Mbit/s: at 20, with other agents loading this machine (load 10), a few datagrams in some runs left the
+        // daemon (its meters count all of them out) and never reached the server's host (issue 13 note).
         let script = format!("iperf3 -c {addr} -p 5202 -u -b 10M -l 1200 -t 2 -w 2M -J --get-server-output");
-        let (out, m) = r.run("iperfu", &script, &["term.udp_flows_total", "term.udp_budget_drops_total"]);
+        let meters = [
+            "term.udp_flows_total",
+            "term.udp_budget_drops_total",
+            "term.data_bytes_out_total",
+            "orig.data_bytes_in_total",
+            "host.drop_queue_full_total",
+            "host.tx_packets_total",
+            "host.frames_dropped_total",
+            "orig.frames_dropped_total",
+            "term.frames_dropped_total",
+            "streams.frames_dropped_total",
+            "sdir.frames_dropped_total",
+        ];
+        let (out, m) = r.run("iperfu", &script, &meters);
         let t = ok(&out);
         let json: Json = serde_json::from_str(t.split(MARK).next().unwrap()).unwrap_or_else(|e| panic!("{e}: {t}"));
         let sent = json["end"]["sum_sent"]["packets"].as_u64().expect("datagrams sent");
         let received = &json["end"]["sum_received"]; // the server's report
+        let counted = received["packets"].as_u64().expect("datagrams the server counted");
         let server = json["server_output_text"].as_str().unwrap_or_default();
-        assert!(sent > 1000, "{addr}: {sent} datagrams sent");
-        assert_eq!(received["packets"].as_u64(), Some(sent), "{addr}: every datagram arrived: {received}");
-        let drops = r.srv.ns.run(&["nstat", "-az", "UdpRcvbufErrors", "Udp6RcvbufErrors"]);
-        assert_eq!(received["lost_packets"], 0, "{addr}: {received} {m:?}; the server's socket: {}", text(&drops));
-        assert!(server.contains(&format!(" 0/{sent} (0%)  receiver")), "{addr}: the server's own count: {server}");
+        assert!(sent > 2000, "{addr}: {sent} datagrams sent");
+        // Every datagram reached the server's host, exactly: iperf3's own count may miss the last few, which can
+        // arrive after its end-of-test message (on its TCP control connection, another flow) overtook them.
+        let host = arrived(v6) - before;
+        assert!((sent..=sent + 4).contains(&host), "{addr}: {sent} sent, {host} arrived at the server's host: {m:?}");
+        assert!(sent - counted <= 8, "{addr}: {sent} sent, the server counted {counted}: {received}");
+        assert_eq!(received["lost_packets"], 0, "{addr}: no gap in the sequence: {received} {m:?}");
+        assert!(server.contains(" 0/"), "{addr}: the server's own count: {server}");
         assert!(m["term.udp_flows_total"] >= 1, "the datagrams were terminated: {m:?}");
         assert_eq!(m["term.udp_budget_drops_total"], 0, "{m:?}");
     }

@@ -928,8 +928,6 @@ fn two_apps_at_once_smoltcp() {
 }
 
 #[test]
-#[ignore = "fails when run with the rest of this file: one of the two apps' kernel flows shows no per-flow \
-            meters (issue 13 note, session 7); passes alone: cargo test --test terminate_e2e two_apps_at_once_kernel"]
 fn two_apps_at_once_kernel() {
     two_apps_at_once("kernel")
 }

@@ -278,8 +278,8 @@ fn apps_do_not_outlive_their_sandbox() {
             kill9(&mut client);
         }
         if kill_daemon {
-            std::thread::sleep(Duration::from_millis(500));
-            assert!(process_alive(app), "with nobody left to stop it, the app still runs (until a daemon starts)");
+            // Nobody is left to stop it: the first daemon to start (this one, or one of a test running meanwhile)
+            // finds the cgroup of a daemon that is gone and kills it.
             let _next = HostDaemon::start(&net, &[]);
             assert!(eventually(10, || !process_alive(app) && !process_alive(bg)), "the next daemon killed them");
         } else {
@@ -307,6 +307,8 @@ fn two_daemons_share_a_host() {
     let mut cb = b.spawn_run(&net, &["--", "sh", "-c", &fetch]);
     let app_b = b.wait_for_apps(1).remove(0);
     assert_ne!(app_a.ipv4, app_b.ipv4, "each daemon's app has an address of its own");
+    let status = std::fs::read_to_string(format!("/proc/{}/status", a.child.id())).unwrap();
+    assert!(status.contains("NoNewPrivs:\t1"), "the daemon sets no-new-privileges for what it starts: {status}");
     assert_ne!(app_a.netns, app_b.netns);
     assert!(app_a.ipv4.starts_with("10.77.") && app_b.ipv4.starts_with("10.77."), "{app_a:?} {app_b:?}");
 
@@ -346,4 +348,28 @@ fn two_daemons_share_a_host() {
     assert!(out.status.success(), "b's app still reaches the gateway: {}", text(&out));
     kill9(&mut cb);
     b.wait_for_apps(0);
+}
+
+/// Item 8: a tap on an app's chain goes with the app (it recorded nothing else).
+#[test]
+fn a_tap_on_an_apps_chain_goes_with_the_app() {
+    if !privileged() {
+        return;
+    }
+    let net = HostNet::new();
+    let d = HostDaemon::start(&net, &[]);
+    let mut client = d.spawn_run(&net, &["--name", "tapped", "--", "sleep", "30"]);
+    d.wait_for_apps(1);
+    let file = d.state.path().join("app.pcapng");
+    let out = d.cli(&["tap", "add", "tapped", common::path_str(&file)]);
+    assert!(out.status.success(), "{}", text(&out));
+    let taps = || {
+        let list = common::answer::<flexstack_api::ops::ModuleList>(&d.cli(&["-j", "module", "list"])).unwrap();
+        list.into_iter().filter(|m| m.kind == "tap").count()
+    };
+    assert_eq!(taps(), 1);
+    kill9(&mut client);
+    d.wait_for_apps(0);
+    assert_eq!(taps(), 0, "the app's tap was unloaded with it");
+    assert!(file.exists(), "its capture stays");
 }

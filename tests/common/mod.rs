@@ -508,7 +508,7 @@ impl SandboxDaemon {
     }
 
     pub fn namespaces_left(&self) -> Vec<String> {
-        let prefix = format!("fs-{}-", self.child.id() % 100_000);
+        let prefix = format!("fs-{}-", self.child.id());
         sh("ip", &["netns", "list"]).lines().filter(|l| l.starts_with(&prefix)).map(str::to_string).collect()
     }
 
@@ -724,7 +724,8 @@ impl HostNet {
 }
 
 /// A daemon (started by the test, or by `flexstack run`) whose app namespaces and cgroups a test may leave behind on
-/// purpose (SIGKILL): removed, with their processes, on drop.
+/// purpose (SIGKILL): removed, with their processes (those in the cgroups, and those in the namespaces, for a build
+/// without cgroups), on drop.
 pub struct AppLeftovers(pub u32);
 
 impl Drop for AppLeftovers {
@@ -739,6 +740,11 @@ impl Drop for AppLeftovers {
             }
         }
         for ns in sandbox::namespace_names().into_iter().filter(|n| n.starts_with(&prefix)) {
+            if let Ok(out) = Command::new("ip").args(["netns", "pids", &ns]).output() {
+                for pid in String::from_utf8_lossy(&out.stdout).split_whitespace() {
+                    let _ = Command::new("kill").args(["-9", pid]).status();
+                }
+            }
             sandbox::delete_namespace(&ns);
         }
     }

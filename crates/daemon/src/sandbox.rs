@@ -96,7 +96,7 @@ enum Lock {
 }
 
 fn try_lock(pid: u32) -> Lock {
-    match std::fs::OpenOptions::new().write(true).open(lock_path(pid)) {
+    match std::fs::File::open(lock_path(pid)) {
         Err(_) => Lock::Missing,
         Ok(f) => match f.try_lock() {
             Ok(()) => Lock::Taken(f),

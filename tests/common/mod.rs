@@ -519,17 +519,19 @@ impl SandboxDaemon {
 
 impl Drop for SandboxDaemon {
     fn drop(&mut self) {
-        let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(self.child.id() as i32),
-            nix::sys::signal::Signal::SIGTERM,
-        );
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while Instant::now() < deadline && self.child.try_wait().ok().flatten().is_none() {
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        stop_daemon(&mut self.child);
     }
+}
+
+/// Stops a daemon: SIGTERM, SIGKILL if it is still there after 5 s; reaped.
+pub fn stop_daemon(child: &mut Child) {
+    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGTERM);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < deadline && child.try_wait().ok().flatten().is_none() {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
 }
 
 /// Octets for the app subnet (10.A.0.0/16) and the server's subnet (10.S.7.0/24) of this test process.
@@ -831,16 +833,7 @@ impl HostDaemon {
 
 impl Drop for HostDaemon {
     fn drop(&mut self) {
-        let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(self.child.id() as i32),
-            nix::sys::signal::Signal::SIGTERM,
-        );
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while Instant::now() < deadline && self.child.try_wait().ok().flatten().is_none() {
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        stop_daemon(&mut self.child);
     }
 }
 

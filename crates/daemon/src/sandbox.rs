@@ -445,24 +445,26 @@ impl AppNet {
         Ok(AppNet::new([o[0], o[1], o[2]]))
     }
 
+    /// `A.B.n` and `fd77:B:n:`, the common part of the /24's and the /64's addresses.
+    fn stems(&self) -> (String, String) {
+        let ([a, b, c], [x, y, z]) = (self.v4, self.v6);
+        (format!("{a}.{b}.{c}"), format!("{x:x}:{y:x}:{z:x}:"))
+    }
+
     fn ipv4(&self) -> String {
-        let [a, b, c] = self.v4;
-        format!("{a}.{b}.{c}.2")
+        format!("{}.2", self.stems().0)
     }
 
     fn ipv6(&self) -> String {
-        let [a, b, c] = self.v6;
-        format!("{a:x}:{b:x}:{c:x}::2")
+        format!("{}:2", self.stems().1)
     }
 
     fn prefix4(&self) -> String {
-        let [a, b, c] = self.v4;
-        format!("{a}.{b}.{c}.0/24")
+        format!("{}.0/24", self.stems().0)
     }
 
     fn prefix6(&self) -> String {
-        let [a, b, c] = self.v6;
-        format!("{a:x}:{b:x}:{c:x}::/64")
+        format!("{}:/64", self.stems().1)
     }
 
     /// The app's net from its addresses (as in [`AppInfo`]).

@@ -373,3 +373,28 @@ fn a_tap_on_an_apps_chain_goes_with_the_app() {
     assert_eq!(taps(), 0, "the app's tap was unloaded with it");
     assert!(file.exists(), "its capture stays");
 }
+
+/// Item 8: a daemon started by `flexstack run` does not wipe the log of the one before (which may have crashed).
+#[test]
+fn the_log_of_the_daemon_before_is_kept() {
+    if !privileged() {
+        return;
+    }
+    let net = HostNet::new();
+    let state = tempfile::tempdir().unwrap();
+    for (n, code) in [(1, "3"), (2, "4")] {
+        let out = net
+            .command(common::bin())
+            .arg("--state-dir")
+            .arg(state.path())
+            .args(["run", "--name", &format!("run{n}"), "--", "sh", "-c", &format!("exit {code}")])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(code.parse().unwrap()), "{}", text(&out));
+        // The daemon it started exits with its app; the next run starts another.
+        assert!(eventually(10, || !state.path().join("control.sock").exists()), "the daemon exited");
+    }
+    let log = |f: &str| std::fs::read_to_string(state.path().join(f)).unwrap_or_default();
+    assert!(log("daemon.log.1").contains("app=run1"), "the first daemon's log is kept: {:?}", log("daemon.log.1"));
+    assert!(log("daemon.log").contains("app=run2") && !log("daemon.log").contains("app=run1"), "{}", log("daemon.log"));
+}

@@ -191,6 +191,14 @@ fn no_leak_when_killed(kill_daemon: bool, kill_client: bool) {
     if kill_daemon && kill_client {
         // Nobody was left to clean up: the guard holds until the next daemon removes what is left.
         assert!(net.nft_tables().contains("flexstack_"), "the dead daemon's table (the guard) stays");
+        let table = format!("flexstack_{}", d.child.id());
+        let chain = text(&net.host.run(&["nft", "list", "chain", "inet", &table, "guard"]));
+        let dropped: u64 = chain
+            .split("counter packets ")
+            .skip(1)
+            .filter_map(|rest| rest.split_whitespace().next()?.parse::<u64>().ok())
+            .sum();
+        assert!(dropped > 0, "the guard is what stopped the replies: {chain}");
         let _next = HostDaemon::start(&net, &[]);
         assert!(eventually(10, || !process_alive(app_pid)), "the next daemon killed the app left behind");
     }
@@ -240,6 +248,8 @@ fn late_replies_after_a_detach_do_not_leak() {
     assert!(out.status.success(), "{}", text(&out));
     capture.mark();
     assert_eq!(d.wait_for_apps(1)[0].name, "keeper");
+    let tracked = net.host.run(&["conntrack", "-L", "-s", "10.77.0.0/16"]);
+    assert!(text(&tracked).contains(" 0 flow entries"), "the detached app's flows were flushed: {}", text(&tracked));
     std::thread::sleep(Duration::from_secs(2));
     let (leaked, first, late) = capture.stop();
     assert_eq!(leaked, 0, "late replies left the host with the detached app's address (first: {first})");

@@ -25,7 +25,7 @@ pub const KEPT: &[(Capability, &str)] = &[
     (
         Capability::CAP_NET_ADMIN,
         "TUN devices (TUNSETIFF) of faces; `ip link/addr/route` of sandboxes and link faces; the nftables table \
-         (`nft`); the forwarding and disable_ipv6 sysctls",
+         (`nft`) and the flush of apps' conntrack entries (`conntrack -D`); the forwarding and disable_ipv6 sysctls",
     ),
     (Capability::CAP_NET_RAW, "AF_PACKET sockets of link faces (`packet` module)"),
     (

@@ -106,12 +106,6 @@ fn try_lock(pid: u32) -> Lock {
     }
 }
 
-/// True if daemon `pid` runs: this process, the holder of its lock file, or a flexstack daemon with that pid (one
-/// from before lock files, or one that has not locked its file yet).
-pub fn daemon_is_live(pid: u32) -> bool {
-    pid == std::process::id() || matches!(try_lock(pid), Lock::Held) || is_live_daemon(pid)
-}
-
 /// Runs the commands of `script` with `nft -f -`, as one transaction.
 fn nft(script: &str) -> Result<(), String> {
     use std::io::Write;
@@ -255,9 +249,10 @@ fn remove_stale_leftovers(own: &str) {
         if pid == std::process::id() {
             continue;
         }
+        // Live: its lock is held, or a flexstack daemon runs as that pid (one from before lock files, or one that
+        // has not taken its lock yet).
         let lock = match try_lock(pid) {
             Lock::Held => continue,
-            Lock::Missing if is_live_daemon(pid) => continue,
             other => other,
         };
         if is_live_daemon(pid) {

@@ -1,13 +1,19 @@
 //! `flexstack run`: runs an unmodified program in a sandbox behind flexstack.
 //!
 //! 1. Finds the daemon at the state directory, or starts one (`daemon --exit-when-idle`, logging to
-//!    `STATE_DIR/daemon.log`) that stops when its last app ends.
+//!    `STATE_DIR/daemon.log`; the log of the daemon before is kept as `daemon.log.1`) that stops when its last app
+//!    ends.
 //! 2. Attaches the app over a connection that stays open as the app's lease (`app_attach`): the daemon creates
 //!    the app's namespace, TUN devices and modules (see [`flexstack_daemon::sandbox`]).
 //! 3. Runs the program in the namespace with `ip netns exec`, as the invoking user (SUDO_UID/SUDO_GID when run
-//!    through sudo) through `setpriv`, with the terminal's stdio. SIGINT/SIGTERM are passed on to it.
-//! 4. When it exits, detaches (`app_detach`) and exits with its exit code (128 + signal if it was killed). If the
-//!    daemon dies meanwhile, the program is stopped and its namespace removed here.
+//!    through sudo) through `setpriv`, with the terminal's stdio, in the app's cgroup (the daemon made it; this
+//!    process steps into it to start the program and steps back out), so that every process the program starts
+//!    ends with the sandbox. SIGINT/SIGTERM are passed on to it.
+//! 4. When it exits, detaches (`app_detach`), waits for the daemon's answer (the sandbox, its processes, its
+//!    conntrack entries and, with the last app, the host's forwarding settings are then back as they were) and
+//!    exits with its exit code (128 + signal if it was killed). If the daemon dies meanwhile, the program is
+//!    stopped, and its cgroup, namespace, conntrack entries and the daemon's nftables table are removed here
+//!    (forwarding restored) before it returns.
 
 use crate::error::{msg, CliError};
 use clap::Args;
@@ -32,6 +38,10 @@ pub struct RunArgs {
     /// The app's name (default appN).
     #[arg(long)]
     pub name: Option<String>,
+    /// The app's subnet, a /24 such as 10.90.3.0/24 (the app gets .2, and fd77:B:C::2/64); default: the first /24
+    /// of the daemon's --app-subnet that no route of the host's uses.
+    #[arg(long)]
+    pub subnet: Option<String>,
     /// The program and its arguments.
     #[arg(required = true, last = true)]
     pub command: Vec<String>,
@@ -55,7 +65,12 @@ fn ensure_daemon(state_dir: &Path) -> Result<(), CliError> {
         return Ok(());
     }
     std::fs::create_dir_all(state_dir).map_err(|e| msg(format!("{}: {e}", state_dir.display())))?;
-    let log = std::fs::File::create(state_dir.join("daemon.log")).map_err(msg)?;
+    // The log of the daemon before (which may have crashed) is kept, one generation.
+    let log_path = state_dir.join("daemon.log");
+    if log_path.exists() {
+        let _ = std::fs::rename(&log_path, state_dir.join("daemon.log.1"));
+    }
+    let log = std::fs::File::create(&log_path).map_err(msg)?;
     let exe = std::env::current_exe().map_err(msg)?;
     Command::new(exe)
         .args(["daemon", "--exit-when-idle", "--state-dir"])
@@ -126,7 +141,8 @@ pub fn run_app(state_dir: &Path, args: &RunArgs) -> Result<i32, CliError> {
             }
         }
     });
-    let attach = Request::AppAttach(AppAttach { name: args.name.clone(), uid, stack: template });
+    let attach =
+        Request::AppAttach(AppAttach { name: args.name.clone(), uid, stack: template, subnet: args.subnet.clone() });
     // A daemon that exits as its last app ends (--exit-when-idle) may close on us just as we attach: then a new
     // daemon is started and the attach tried once more.
     let (mut writer, reader, reply) = match try_attach(state_dir, &attach)? {
@@ -148,7 +164,8 @@ pub fn run_app(state_dir: &Path, args: &RunArgs) -> Result<i32, CliError> {
         cmd.args(["setpriv", "--reuid", &uid.to_string(), "--regid", &gid.to_string(), "--init-groups", "--"]);
     }
     cmd.args(&args.command);
-    let mut child = cmd.spawn().map_err(|e| msg(format!("cannot run {:?}: {e}", args.command)))?;
+    let mut child =
+        spawn_in_cgroup(&mut cmd, &netns).map_err(|e| msg(format!("cannot run {:?}: {e}", args.command)))?;
 
     let child_pid = nix::unistd::Pid::from_raw(child.id() as i32);
     forward_to.store(child_pid.as_raw(), Ordering::SeqCst);
@@ -156,36 +173,69 @@ pub fn run_app(state_dir: &Path, args: &RunArgs) -> Result<i32, CliError> {
         let _ = nix::sys::signal::kill(child_pid, sig);
     }
 
-    // If the daemon dies, its end of the lease closes: stop the program (and clean up below).
-    let daemon_gone = Arc::new(AtomicBool::new(false));
+    // The lease: the daemon answers `app_detach` and closes it, or closes it when it dies. The watcher reads it to
+    // its end; an end before we detach means the daemon went away: the program is stopped (and cleaned up below).
+    let detaching = Arc::new(AtomicBool::new(false));
+    let (ended, lease_end) = std::sync::mpsc::channel::<Vec<u8>>();
     let mut watch = reader.get_ref().try_clone().map_err(msg)?;
-    let gone = daemon_gone.clone();
+    let asked = detaching.clone();
     std::thread::spawn(move || {
-        let mut byte = [0u8; 1];
-        if matches!(std::io::Read::read(&mut watch, &mut byte), Ok(0) | Err(_)) {
-            gone.store(true, Ordering::SeqCst);
+        let mut got = Vec::new();
+        let _ = std::io::Read::read_to_end(&mut watch, &mut got);
+        if !asked.load(Ordering::SeqCst) {
             eprintln!("flexstack run: the daemon went away; stopping the program");
             let _ = nix::sys::signal::kill(child_pid, nix::sys::signal::Signal::SIGTERM);
         }
+        let _ = ended.send(got);
     });
 
     let status = child.wait().map_err(msg)?;
     let code = status.code().unwrap_or_else(|| 128 + status.signal().unwrap_or(0));
-    if daemon_gone.load(Ordering::SeqCst) {
-        // Its devices went with it; the namespace, files and nftables table are ours to remove.
-        flexstack_daemon::sandbox::delete_namespace(&netns);
-        if app.host_table.starts_with("flexstack_") {
-            flexstack_daemon::sandbox::remove_host_table(&app.host_table);
-        }
-        return Ok(code);
-    }
-    // Detach and wait for the daemon to confirm, so nothing of the sandbox is left when we return.
-    if writer.write_all(request_line(2, &Request::AppDetach).as_bytes()).is_ok() {
-        let _ = writer.shutdown(std::net::Shutdown::Write);
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline && Path::new(&format!("/run/netns/{netns}")).exists() {
-            std::thread::sleep(Duration::from_millis(20));
-        }
+    detaching.store(true, Ordering::SeqCst);
+    let _ = writer.write_all(request_line(2, &Request::AppDetach).as_bytes());
+    let _ = writer.shutdown(std::net::Shutdown::Write);
+    // The daemon answers once the sandbox is gone; without an answer before the end of the lease, it died.
+    match lease_end.recv_timeout(Duration::from_secs(20)) {
+        Ok(got) if String::from_utf8_lossy(&got).contains("\"detached\"") => {}
+        Ok(_) => clean_up_after_daemon(&app),
+        Err(_) => eprintln!("flexstack run: the daemon did not confirm the detach of {} within 20 s", app.name),
     }
     Ok(code)
+}
+
+/// Starts `cmd` in the app's cgroup: this process steps into it, starts the program (which is born there, as are
+/// all its descendants) and steps back into its own cgroup, so that the sandbox's end kills them all but not us.
+fn spawn_in_cgroup(cmd: &mut Command, netns: &str) -> std::io::Result<std::process::Child> {
+    use flexstack_daemon::sandbox::{app_cgroup, enter_cgroup, own_cgroup};
+    let Some(cgroup) = app_cgroup(netns).filter(|c| c.exists()) else {
+        eprintln!("flexstack run: no cgroup for the app (no cgroup v2 here?): its processes may outlive it");
+        return cmd.spawn();
+    };
+    let home = own_cgroup().ok_or_else(|| std::io::Error::other("cannot read our own cgroup"))?;
+    enter_cgroup(&cgroup).map_err(std::io::Error::other)?;
+    let child = cmd.spawn();
+    let back = enter_cgroup(&home);
+    let child = child?;
+    if let Err(e) = back {
+        let _ =
+            nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGKILL);
+        return Err(std::io::Error::other(format!("cannot leave the app's cgroup: {e}")));
+    }
+    Ok(child)
+}
+
+/// After the daemon died: what was left of the app (its processes, namespace and files, its conntrack entries)
+/// and the daemon's nftables table (the host's forwarding settings restored with the last) are removed.
+fn clean_up_after_daemon(app: &AppInfo) {
+    use flexstack_daemon::sandbox;
+    if let Some(cg) = sandbox::app_cgroup(&app.netns) {
+        if let Err(e) = sandbox::kill_cgroup(&cg) {
+            eprintln!("flexstack run: {e}");
+        }
+    }
+    sandbox::delete_namespace(&app.netns);
+    if app.host_table.starts_with("flexstack_") {
+        sandbox::forget_app_flows(app);
+        sandbox::remove_host_table(&app.host_table);
+    }
 }

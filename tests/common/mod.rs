@@ -13,9 +13,11 @@ use std::process::{Child, Command, Output, Stdio};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-/// Path of the built `flexstack` binary.
+/// Path of the built `flexstack` binary, or of the one `FLEXSTACK_TEST_BIN` names (to show that a test fails with
+/// an older build, e.g. main's).
 pub fn bin() -> &'static str {
-    env!("CARGO_BIN_EXE_flexstack")
+    static BIN: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    BIN.get_or_init(|| std::env::var("FLEXSTACK_TEST_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_flexstack").into()))
 }
 
 /// The stack of the daemon, rules and control-protocol tests: a source `src` (its settings in `source`, TOML lines)
@@ -506,7 +508,7 @@ impl SandboxDaemon {
     }
 
     pub fn namespaces_left(&self) -> Vec<String> {
-        let prefix = format!("fs-{}-", self.child.id() % 100_000);
+        let prefix = format!("fs-{}-", self.child.id());
         sh("ip", &["netns", "list"]).lines().filter(|l| l.starts_with(&prefix)).map(str::to_string).collect()
     }
 
@@ -517,17 +519,19 @@ impl SandboxDaemon {
 
 impl Drop for SandboxDaemon {
     fn drop(&mut self) {
-        let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(self.child.id() as i32),
-            nix::sys::signal::Signal::SIGTERM,
-        );
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while Instant::now() < deadline && self.child.try_wait().ok().flatten().is_none() {
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        stop_daemon(&mut self.child);
     }
+}
+
+/// Stops a daemon: SIGTERM, SIGKILL if it is still there after 5 s; reaped.
+pub fn stop_daemon(child: &mut Child) {
+    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGTERM);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < deadline && child.try_wait().ok().flatten().is_none() {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
 }
 
 /// Octets for the app subnet (10.A.0.0/16) and the server's subnet (10.S.7.0/24) of this test process.
@@ -661,4 +665,192 @@ pub fn pattern(n: usize) -> Vec<u8> {
 /// The sha256 of a file, as `sha256sum` prints it.
 pub fn sha256(file: &Path) -> String {
     sh("sha256sum", &[path_str(file)]).split_whitespace().next().expect("a sum").to_string()
+}
+
+/// A dedicated "host" network namespace whose default routes (v4 and v6) lead through a veth pair into a gateway
+/// namespace, for tests that run daemons and `flexstack run` as on a host (`nsenter --net`, as the lab starts its
+/// daemons: no mount namespace of their own, so the app namespaces they add are seen by all) without ever touching
+/// the real host's routes, forwarding settings or nftables. Addresses: the gateway 10.200.9.1/24 and
+/// fd99:c8::1/64, the host .2 of each (private to the two namespaces). The host's forwarding starts off (0).
+pub struct HostNet {
+    pub host: Netns,
+    pub gw: Netns,
+    /// The gateway's end of the veth pair.
+    pub gw_dev: String,
+}
+
+impl HostNet {
+    pub const GW_V4: &'static str = "10.200.9.1";
+    pub const GW_V6: &'static str = "fd99:c8::1";
+    pub const HOST_V4: &'static str = "10.200.9.2";
+
+    pub fn new() -> HostNet {
+        let (host, gw) = (Netns::new("hst"), Netns::new("gw"));
+        let (h, g) = (unique("h"), unique("g"));
+        sh("ip", &["link", "add", &h, "type", "veth", "peer", "name", &g]);
+        let guard = LinkGuard(h.clone());
+        host.adopt(&h, &[&format!("{}/24", Self::HOST_V4), "fd99:c8::2/64"]);
+        std::mem::forget(guard); // the pair now goes with the namespaces
+        gw.adopt(&g, &[&format!("{}/24", Self::GW_V4), &format!("{}/64", Self::GW_V6)]);
+        sh("ip", &["-n", &host.name, "route", "add", "default", "via", Self::GW_V4]);
+        sh("ip", &["-n", &host.name, "-6", "route", "add", "default", "via", Self::GW_V6]);
+        let net = HostNet { host, gw, gw_dev: g };
+        net.set_forwarding("0");
+        net
+    }
+
+    /// `program` started in the host namespace (`nsenter --net`, which execs it: the child's pid is its own).
+    pub fn command(&self, program: &str) -> Command {
+        let mut c = Command::new("nsenter");
+        c.arg(format!("--net=/run/netns/{}", self.host.name)).arg("--").arg(program);
+        c
+    }
+
+    fn set_forwarding(&self, value: &str) {
+        for key in ["net.ipv4.ip_forward", "net.ipv6.conf.all.forwarding"] {
+            let out = self.host.run(&["sysctl", "-qw", &format!("{key}={value}")]);
+            assert!(out.status.success(), "sysctl {key}: {}", text(&out));
+        }
+    }
+
+    /// The host's `net.ipv4.ip_forward` and `net.ipv6.conf.all.forwarding`.
+    pub fn forwarding(&self) -> (String, String) {
+        let read = |key: &str| sh("ip", &["netns", "exec", &self.host.name, "sysctl", "-n", key]).trim().to_string();
+        (read("net.ipv4.ip_forward"), read("net.ipv6.conf.all.forwarding"))
+    }
+
+    /// The host's nftables tables (`nft list tables`).
+    pub fn nft_tables(&self) -> String {
+        sh("ip", &["netns", "exec", &self.host.name, "nft", "list", "tables"])
+    }
+}
+
+/// A daemon (started by the test, or by `flexstack run`) whose app namespaces and cgroups a test may leave behind on
+/// purpose (SIGKILL): removed, with their processes (those in the cgroups, and those in the namespaces, for a build
+/// without cgroups), on drop.
+pub struct AppLeftovers(pub u32);
+
+impl Drop for AppLeftovers {
+    fn drop(&mut self) {
+        use flexstack_daemon::sandbox;
+        let prefix = format!("fs-{}-", self.0);
+        if let Some(base) = sandbox::cgroup_base() {
+            for e in std::fs::read_dir(base).into_iter().flatten().flatten() {
+                if e.file_name().to_string_lossy().starts_with(&prefix) {
+                    let _ = sandbox::kill_cgroup(&e.path());
+                }
+            }
+        }
+        for ns in sandbox::namespace_names().into_iter().filter(|n| n.starts_with(&prefix)) {
+            if let Ok(out) = Command::new("ip").args(["netns", "pids", &ns]).output() {
+                for pid in String::from_utf8_lossy(&out.stdout).split_whitespace() {
+                    let _ = Command::new("kill").args(["-9", pid]).status();
+                }
+            }
+            sandbox::delete_namespace(&ns);
+        }
+    }
+}
+
+/// A daemon in a [`HostNet`]'s host namespace with a temporary state directory, logging to `daemon.log` there;
+/// killed on drop (what it leaves is removed: see [`AppLeftovers`]).
+pub struct HostDaemon {
+    pub child: Child,
+    pub state: tempfile::TempDir,
+    _leftovers: AppLeftovers,
+}
+
+impl HostDaemon {
+    pub fn start(net: &HostNet, extra: &[&str]) -> HostDaemon {
+        let state = tempfile::tempdir().expect("temp dir");
+        let log = std::fs::File::create(state.path().join("daemon.log")).expect("log");
+        let child = net
+            .command(bin())
+            .arg("--state-dir")
+            .arg(state.path())
+            .arg("daemon")
+            .args(extra)
+            .env("FLEXSTACK_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("start the daemon");
+        let d = HostDaemon { _leftovers: AppLeftovers(child.id()), child, state };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !d.cli(&["status"]).status.success() {
+            assert!(Instant::now() < deadline, "the daemon did not start: {}", d.log());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        d
+    }
+
+    pub fn cli(&self, args: &[&str]) -> Output {
+        Command::new(bin()).arg("--state-dir").arg(self.state.path()).args(args).output().expect("flexstack")
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.state.path().join("daemon.log")).unwrap_or_default()
+    }
+
+    /// `flexstack run ARGS` in the host namespace, stdout and stderr piped.
+    pub fn spawn_run(&self, net: &HostNet, args: &[&str]) -> Child {
+        net.command(bin())
+            .arg("--state-dir")
+            .arg(self.state.path())
+            .arg("run")
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("flexstack run")
+    }
+
+    /// The attached apps (empty when `app list` does not answer).
+    pub fn apps(&self) -> Vec<AppInfo> {
+        answer::<AppList>(&self.cli(&["-j", "app", "list"])).unwrap_or_default()
+    }
+
+    /// Waits until `n` apps are attached.
+    pub fn wait_for_apps(&self, n: usize) -> Vec<AppInfo> {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            let apps = self.apps();
+            if apps.len() == n {
+                return apps;
+            }
+            assert!(Instant::now() < deadline, "expected {n} apps, have {apps:?}; log: {}", self.log());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// SIGKILL, and the exit reaped.
+    pub fn kill(&mut self) {
+        self.child.kill().expect("kill the daemon");
+        self.child.wait().expect("reap the daemon");
+    }
+}
+
+impl Drop for HostDaemon {
+    fn drop(&mut self) {
+        stop_daemon(&mut self.child);
+    }
+}
+
+/// True while process `pid` exists and is not a zombie.
+pub fn process_alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .is_ok_and(|s| s.rsplit(')').next().is_some_and(|rest| !rest.trim_start().starts_with('Z')))
+}
+
+/// Waits up to `secs` for `cond`; false if it never held.
+pub fn eventually(secs: u64, mut cond: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while Instant::now() < deadline {
+        if cond() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    cond()
 }

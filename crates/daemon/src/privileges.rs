@@ -1,6 +1,7 @@
 //! The daemon's privileges: it keeps only the capabilities it needs once it runs ([`KEPT`], each with its reason)
 //! and drops every other one from its effective, permitted, inheritable, ambient and bounding sets, so that
-//! neither the daemon nor a program it starts (`ip`, `nft`) can regain them.
+//! neither the daemon nor a program it starts (`ip`, `nft`) can regain them; it also sets no-new-privileges, so that
+//! no program it starts gains privileges by exec (setuid, file capabilities).
 //!
 //! How it is called: [`crate::server::run_daemon`] calls [`drop_unneeded`] once, after the state directory is set
 //! up and before the daemon starts its first thread. Capabilities belong to each thread, and a new thread starts
@@ -24,7 +25,7 @@ pub const KEPT: &[(Capability, &str)] = &[
     (
         Capability::CAP_NET_ADMIN,
         "TUN devices (TUNSETIFF) of faces; `ip link/addr/route` of sandboxes and link faces; the nftables table \
-         (`nft`); the forwarding and disable_ipv6 sysctls",
+         (`nft`) and the flush of apps' conntrack entries (`conntrack -D`); the forwarding and disable_ipv6 sysctls",
     ),
     (Capability::CAP_NET_RAW, "AF_PACKET sockets of link faces (`packet` module)"),
     (
@@ -119,6 +120,9 @@ pub fn drop_unneeded() -> Result<Dropped, String> {
     caps::set(None, CapSet::Effective, &limit(&effective)).map_err(|e| err("effective set", e))?;
     caps::set(None, CapSet::Inheritable, &limit(&inheritable)).map_err(|e| err("inheritable set", e))?;
     caps::set(None, CapSet::Permitted, &keep).map_err(|e| err("permitted set", e))?;
+    // No program the daemon starts (`ip`, `nft`, `conntrack`) gains privileges by exec: setuid bits and file
+    // capabilities are ignored from here on, in every thread and child (the flag is inherited and never cleared).
+    nix::sys::prctl::set_no_new_privs().map_err(|e| format!("cannot set no-new-privileges: {e}"))?;
 
     let names = |v: &[Capability]| names(v).join(",");
     tracing::debug!(

@@ -324,8 +324,8 @@ fn serve(conn: UnixStream, control: &Control, timeout: Duration) -> bool {
             }
             continue;
         }
-        if let Request::AppAttach(AppAttach { name, uid, stack }) = request {
-            let app = match control.sandboxes.attach(control, name, uid, stack.as_deref()) {
+        if let Request::AppAttach(AppAttach { name, uid, stack, subnet }) = request {
+            let app = match control.sandboxes.attach(control, name, uid, stack.as_deref(), subnet.as_deref()) {
                 Ok(app) => app,
                 Err(e) => {
                     // A refused attach still counts: a daemon started for this app has nothing left to do.

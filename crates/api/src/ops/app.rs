@@ -18,6 +18,10 @@ pub struct AppAttach {
     /// The app's stack template (default: stacks/app-default.toml).
     #[serde(default)]
     pub stack: Option<String>,
+    /// The app's subnet, a /24 (`10.90.3.0/24`: the app gets 10.90.3.2 and fd77:5a:3::2); default: the first free
+    /// /24 of the daemon's `--app-subnet`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub subnet: Option<String>,
 }
 
 /// `app_detach`: ends the lease of the app attached on this connection. Result: [`Detached`].
@@ -38,7 +42,7 @@ pub struct AppVarList;
 pub struct AppInfo {
     /// Name (also the name of its face module).
     pub name: String,
-    /// Its number, the third octet of its subnet.
+    /// Its number (in its devices' names); the third octet of its subnet unless it asked for one.
     pub index: u8,
     /// The network namespace it runs in.
     pub netns: String,

@@ -24,9 +24,19 @@ impl AppModules for Control {
     }
 
     fn unload_modules(&self, names: &[String], change: &str) -> Result<(), ApiError> {
-        let loaded: Vec<String> = self.dp().snapshot().map_err(internal)?.modules.into_iter().map(|m| m.name).collect();
-        let edits: Vec<Edit> =
-            names.iter().filter(|n| loaded.contains(n)).map(|n| Edit::Unload { name: n.clone() }).collect();
+        let snap = self.dp().snapshot().map_err(internal)?;
+        let loaded: Vec<&String> = snap.modules.iter().map(|m| &m.name).collect();
+        // Taps that record only these modules' ports (`tap add` on an app's chain) go with them.
+        let taps = snap.modules.iter().filter(|m| m.kind == "tap" && !names.contains(&m.name)).filter(|m| {
+            let mut inputs = snap.edges.iter().filter(|e| e.to == m.name).peekable();
+            inputs.peek().is_some() && inputs.all(|e| names.contains(&e.from))
+        });
+        let edits: Vec<Edit> = names
+            .iter()
+            .filter(|n| loaded.contains(n))
+            .chain(taps.map(|m| &m.name))
+            .map(|n| Edit::Unload { name: n.clone() })
+            .collect();
         if edits.is_empty() {
             return Ok(());
         }

@@ -21,3 +21,11 @@ pub enum CliError {
 pub fn msg(e: impl std::fmt::Display) -> CliError {
     CliError::Message(e.to_string())
 }
+
+/// The error of an operation the kernel refused for want of privileges: says that it needs root (or sudo) and
+/// which operation needed it.
+pub fn needs_root(operation: &str) -> CliError {
+    CliError::Message(format!(
+        "{operation}: permission denied; this needs root: run it as root or with sudo (e.g. `sudo flexstack ...`)"
+    ))
+}

@@ -11,6 +11,7 @@
 //! down|up|set K=V...`, `lab down [NAME] | --all`, `lab list`, `lab check FILE`, `lab report DIR`.
 
 pub mod build;
+pub mod progress;
 pub mod run;
 
 use crate::error::{msg, CliError};
@@ -43,6 +44,9 @@ pub enum LabCmd {
         /// The results folder (default: `results/<lab>-<UTC time>`).
         #[arg(long)]
         results: Option<PathBuf>,
+        /// No progress lines.
+        #[arg(short, long)]
+        quiet: bool,
     },
     /// Run a command on a host of a lab that is up (through its stack on a stacked host), as the invoking user.
     Exec {
@@ -76,6 +80,9 @@ pub enum LabCmd {
         /// Every lab (also those whose runner was killed).
         #[arg(long)]
         all: bool,
+        /// No progress lines.
+        #[arg(short, long)]
+        quiet: bool,
     },
     /// The labs that are up.
     List,
@@ -327,7 +334,7 @@ pub fn command(state_dir: &Path, json: bool, cmd: LabCmd) -> Result<(), CliError
             Ok(())
         }
         LabCmd::Run { file, results, quiet } => run_lab(state_dir, json, &file, results, !quiet),
-        LabCmd::Up { file, results } => {
+        LabCmd::Up { file, results, quiet } => {
             let (lab, plan, text, templates) = load(&file)?;
             let dir = results_dir(&lab, results)?;
             write_resolved(&dir, &text, &plan)?;
@@ -337,6 +344,7 @@ pub fn command(state_dir: &Path, json: bool, cmd: LabCmd) -> Result<(), CliError
                 file: &file.display().to_string(),
                 runner_pid: 0,
                 templates: &templates,
+                progress: !quiet && !json,
             };
             let state = build::create(&lab, &plan, &opts)?;
             let never = std::sync::atomic::AtomicBool::new(false);
@@ -384,14 +392,14 @@ pub fn command(state_dir: &Path, json: bool, cmd: LabCmd) -> Result<(), CliError
             }
             Ok(())
         }
-        LabCmd::Down { name, all } => {
+        LabCmd::Down { name, all, quiet } => {
             let labs = if all { list(state_dir) } else { vec![find(state_dir, name.as_deref())?] };
             for s in &labs {
                 if s.runner_pid != 0 && s.runner_pid != std::process::id() && build::alive(s.runner_pid) {
                     // A runner still at work: stop it first, so it does not build on what is being removed.
                     build::stop_processes(&[s.runner_pid], std::time::Duration::from_secs(10));
                 }
-                build::down(s, !json);
+                build::down(s, !json && !quiet);
             }
             if json {
                 return print_json(&labs.iter().map(|l| &l.name).collect::<Vec<_>>());
@@ -466,13 +474,11 @@ fn run_lab(
         file: &file.display().to_string(),
         runner_pid: std::process::id(),
         templates: &templates,
+        progress,
     };
     let state = build::create(&lab, &plan, &opts)?;
     let outcome = run::run(&state, &lab, &run::RunOptions { whole: true, progress }, &interrupted);
-    if progress {
-        eprintln!("lab {}: tearing down", lab.name);
-    }
-    build::down(&state, false);
+    build::down(&state, progress);
     let outcome = outcome?;
     let reported = flexstack_lab::report::write_report(&dir, &flexstack_lab::report::ReportOptions::default());
     give_to_user(&dir);

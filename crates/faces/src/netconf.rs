@@ -90,14 +90,21 @@ fn prepare_run_dir() -> Result<()> {
     static DONE: std::sync::OnceLock<std::result::Result<(), String>> = std::sync::OnceLock::new();
     let done = DONE.get_or_init(|| {
         std::fs::create_dir_all(NETNS_RUN_DIR).map_err(|e| format!("create {NETNS_RUN_DIR}: {e}"))?;
-        let shared = || mount(None::<&str>, NETNS_RUN_DIR, Some("none"), MsFlags::MS_SHARED | MsFlags::MS_REC, None::<&str>);
+        let shared =
+            || mount(None::<&str>, NETNS_RUN_DIR, Some("none"), MsFlags::MS_SHARED | MsFlags::MS_REC, None::<&str>);
         match shared() {
             Ok(()) => Ok(()),
             Err(nix::errno::Errno::EINVAL) => {
                 // Not a mount point yet: make it one, then shared.
-                mount(Some(NETNS_RUN_DIR), NETNS_RUN_DIR, Some("none"), MsFlags::MS_BIND | MsFlags::MS_REC, None::<&str>)
-                    .and_then(|()| shared())
-                    .map_err(|e| format!("make {NETNS_RUN_DIR} a shared mount: {e}"))
+                mount(
+                    Some(NETNS_RUN_DIR),
+                    NETNS_RUN_DIR,
+                    Some("none"),
+                    MsFlags::MS_BIND | MsFlags::MS_REC,
+                    None::<&str>,
+                )
+                .and_then(|()| shared())
+                .map_err(|e| format!("make {NETNS_RUN_DIR} a shared mount: {e}"))
             }
             Err(e) => Err(format!("make {NETNS_RUN_DIR} a shared mount: {e}")),
         }
@@ -172,6 +179,20 @@ pub fn del_netns(name: &str) -> Result<()> {
     }
 }
 
+/// Removes the named network namespaces `names` ([`del_netns`]) from several threads at once: each removal waits
+/// for an RCU grace period (~10 ms), and removals on different threads wait together. Returns the failures.
+pub fn del_netns_all(names: &[&str]) -> Vec<NetconfError> {
+    const THREADS: usize = 32;
+    let per = names.len().div_ceil(THREADS).max(1);
+    std::thread::scope(|s| {
+        let workers: Vec<_> = names
+            .chunks(per)
+            .map(|chunk| s.spawn(move || chunk.iter().filter_map(|n| del_netns(n).err()).collect::<Vec<_>>()))
+            .collect();
+        workers.into_iter().flat_map(|w| w.join().unwrap_or_default()).collect()
+    })
+}
+
 /// Writes sysctls (`("net.ipv4.ip_forward", "1")`) in the current thread's network namespace.
 pub fn write_sysctls(settings: &[(&str, &str)]) -> io::Result<()> {
     for (name, value) in settings {
@@ -182,7 +203,7 @@ pub fn write_sysctls(settings: &[(&str, &str)]) -> io::Result<()> {
 }
 
 /// A veth pair to create with [`Rtnl::add_veth`]: `name` in the socket's namespace, `peer` in `peer_netns` (or the
-/// socket's namespace). Both ends are created up when `up`.
+/// socket's namespace). With `up`, `name` is created up; the peer is always created down ([`Rtnl::set_up`] it).
 #[derive(Debug, Clone, Default)]
 pub struct Veth<'a> {
     /// This end's name.
@@ -195,7 +216,7 @@ pub struct Veth<'a> {
     pub peer_mac: Option<[u8; 6]>,
     /// The MTU of both ends (default: the kernel's, 1500).
     pub mtu: Option<u32>,
-    /// Create both ends up.
+    /// Create this end up.
     pub up: bool,
 }
 
@@ -276,10 +297,10 @@ impl Rtnl {
             peer.attributes.push(LinkAttribute::Mtu(mtu));
         }
         if v.up {
-            for m in [&mut link, &mut peer] {
-                m.header.flags = LinkFlags::Up;
-                m.header.change_mask = LinkFlags::Up;
-            }
+            // Only this end: the kernel configures the peer before pairing it, and a veth cannot be opened
+            // without its peer (ENOTCONN). The peer is set up afterwards, from its namespace's socket.
+            link.header.flags = LinkFlags::Up;
+            link.header.change_mask = LinkFlags::Up;
         }
         link.attributes.push(LinkAttribute::LinkInfo(vec![
             LinkInfo::Kind(InfoKind::Veth),
@@ -375,7 +396,9 @@ impl Rtnl {
                 chunk[start + 8..start + 12].copy_from_slice(&seq.to_ne_bytes());
             }
             self.seq = base.wrapping_add(window.len() as u32);
-            self.socket.send(&chunk, 0).map_err(|e| NetconfError::new(format!("send to netlink ({})", window[0].1), e))?;
+            self.socket
+                .send(&chunk, 0)
+                .map_err(|e| NetconfError::new(format!("send to netlink ({})", window[0].1), e))?;
             self.sent += window.len() as u64;
             let mut answered = vec![false; window.len()];
             let mut left = window.len();
@@ -466,9 +489,11 @@ impl Rtnl {
 
     /// The index of link `name`.
     pub fn index_of(&mut self, name: &str) -> Result<u32> {
-        self.links()?.into_iter().find(|(_, n)| n == name).map(|(i, _)| i).ok_or_else(|| {
-            NetconfError::new(format!("find link {name}"), io::Error::from(io::ErrorKind::NotFound))
-        })
+        self.links()?
+            .into_iter()
+            .find(|(_, n)| n == name)
+            .map(|(i, _)| i)
+            .ok_or_else(|| NetconfError::new(format!("find link {name}"), io::Error::from(io::ErrorKind::NotFound)))
     }
 }
 

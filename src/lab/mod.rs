@@ -98,6 +98,24 @@ pub enum LabCmd {
     },
 }
 
+/// What a lab command needs before it starts: root for those that create, enter or remove a lab's namespaces,
+/// and for `lab exec` a program that exists.
+pub fn preflight(cmd: &LabCmd) -> Result<(), CliError> {
+    let why = match cmd {
+        LabCmd::Run { .. } => ("flexstack lab run", "it creates network namespaces, veth pairs and daemons"),
+        LabCmd::Up { .. } => ("flexstack lab up", "it creates network namespaces, veth pairs and daemons"),
+        LabCmd::Down { .. } => ("flexstack lab down", "it stops the lab's daemons and removes its namespaces"),
+        LabCmd::Exec { .. } => ("flexstack lab exec", "it enters a host's network namespace"),
+        LabCmd::Link { .. } => ("flexstack lab link", "it changes the lab's interfaces and daemons"),
+        LabCmd::List | LabCmd::Check { .. } | LabCmd::Report { .. } => return Ok(()),
+    };
+    crate::error::require_root(why.0, why.1)?;
+    if let LabCmd::Exec { command, .. } = cmd {
+        crate::error::program_exists("flexstack lab exec", command)?;
+    }
+    Ok(())
+}
+
 /// A lab file read, validated and planned: the lab, its plan, its text and the stacked hosts' stack templates with
 /// the lab's values filled in (by host in file order; `None` for a plain host).
 pub type Loaded = (Lab, Plan, String, Vec<Option<String>>);

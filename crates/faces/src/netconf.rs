@@ -138,7 +138,7 @@ pub fn add_netns(name: &str) -> Result<OwnedFd> {
         .read(true)
         .create_new(true)
         .write(true)
-        .mode(0)
+        .mode(0o000)
         .open(&path)
         .map_err(|e| NetconfError::new(format!("{} ({})", what(), path.display()), e))?;
     let made = std::thread::scope(|s| {

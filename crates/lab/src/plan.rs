@@ -27,7 +27,7 @@
 //! - A stacked host's stack template may use the lab's values of its interfaces: see [`Plan::template_values`].
 
 use crate::{Lab, Link};
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::fmt::Write as _;
 use std::net::Ipv4Addr;
 
@@ -214,7 +214,8 @@ impl Plan {
             return Err(PlanError::TooManyStackedHosts(stacked));
         }
         let prefix = format!("{}{}", namespace_prefix(), lab.name);
-        let host_index = |name: &str| lab.hosts.iter().position(|h| h.name == name).expect("validated host");
+        let positions: HashMap<&str, usize> = lab.hosts.iter().enumerate().map(|(i, h)| (h.name.as_str(), i)).collect();
+        let host_index = |name: &str| positions[name];
         let mut hosts: Vec<HostPlan> = lab
             .hosts
             .iter()
@@ -261,8 +262,9 @@ impl Plan {
         for (k, h) in hosts.iter_mut().filter(|h| h.stack.is_some()).enumerate() {
             h.app_subnet = Some(stacked_app_subnet(k));
         }
+        let by_name: HashMap<String, usize> = hosts.iter().enumerate().map(|(i, h)| (h.name.clone(), i)).collect();
         for h in 0..hosts.len() {
-            hosts[h].routes = routes_from(lab, &hosts, h);
+            hosts[h].routes = routes_from(lab, &hosts, &by_name, h);
             hosts[h].hosts_file = hosts_file(lab, &hosts, h);
         }
         Ok(Plan { wire_netns: prefix, hosts, links })
@@ -347,8 +349,8 @@ fn emulator_settings(l: &Link) -> Vec<(String, String)> {
 }
 
 /// Shortest-path next hops from host `h` to every link subnet it is not on.
-fn routes_from(lab: &Lab, hosts: &[HostPlan], h: usize) -> Vec<Route> {
-    let index = |name: &str| hosts.iter().position(|x| x.name == name).expect("validated host");
+fn routes_from(lab: &Lab, hosts: &[HostPlan], by_name: &HashMap<String, usize>, h: usize) -> Vec<Route> {
+    let index = |name: &str| by_name[name];
     // Breadth-first search over hosts; `first[x]` = the interface of `h` that starts the path to x.
     // `dist[x]` = hops from h to x.
     let mut first: Vec<Option<usize>> = vec![None; hosts.len()];

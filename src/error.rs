@@ -162,7 +162,8 @@ mod tests {
         assert!(
             matches!(e, CliError::Exit(127, ref m) if m == "flexstack run: fs-no-such-program-here: command not found")
         );
-        let e = program_exists("x", &["/etc/hostname".into()]).unwrap_err();
+        let plain = tempfile::NamedTempFile::new().unwrap();
+        let e = program_exists("x", &[plain.path().display().to_string()]).unwrap_err();
         assert!(matches!(e, CliError::Exit(126, _)), "{e}");
     }
 }

@@ -12,8 +12,9 @@
 #   the system calls that take the time, and removed (timed).
 # Part 3, the wire daemon's cost per frame with one emulated link and with LINKS (1000): two labs up at once, a
 #   2-host lab and a star of LINKS + 1 hosts (every link's emulators and packet faces in one wire daemon). In each,
-#   `ping -f -c PINGS` crosses one link; the wire daemon's CPU time (its threads' run time, /proc/PID/task/*/schedstat) over the frames
-#   its two emulators of that link passed (frames_in_total) is the cost per frame. ROUNDS (5) rounds alternate the
+#   `ping -f -c PINGS` crosses one link; the wire daemon's CPU time (its threads' run time,
+#   /proc/PID/task/*/schedstat) over the frames its two emulators of that link passed (frames_in_total) is the cost
+#   per frame. ROUNDS (5) rounds alternate the
 #   labs; the medians and their ratio are printed (issue target: within 20 %).
 # PARTS="1 2 3" (default) selects the parts. FS=PATH benchmarks another binary; NO_BUILD=1 skips the build.
 set -euo pipefail

@@ -27,26 +27,20 @@ fn tree(name: &str, n: usize) -> String {
     t
 }
 
+/// File names in a folder (none if it does not exist).
+fn entries(dir: &str) -> Vec<String> {
+    std::fs::read_dir(dir).into_iter().flatten().flatten().filter_map(|e| e.file_name().into_string().ok()).collect()
+}
+
 /// Names of the network interfaces of the root namespace.
 fn root_links() -> Vec<String> {
-    std::fs::read_dir("/sys/class/net")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| e.file_name().into_string().ok())
-        .collect()
+    entries("/sys/class/net")
 }
 
 /// The namespaces of lab `name` that exist.
 fn namespaces_of(name: &str) -> Vec<String> {
     let wire = format!("fl-lab.{name}");
-    std::fs::read_dir("/run/netns")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| e.file_name().into_string().ok())
-        .filter(|n| *n == wire || n.starts_with(&format!("{wire}.")))
-        .collect()
+    entries("/run/netns").into_iter().filter(|n| *n == wire || n.starts_with(&format!("{wire}."))).collect()
 }
 
 #[test]
@@ -90,13 +84,8 @@ fn a_200_host_tree_is_built_pinged_across_and_removed_within_the_targets() {
     assert!(took <= Duration::from_secs(5), "torn down in {took:?}, the target is 5 s");
 
     assert_eq!(namespaces_of(&lab.name), Vec::<String>::new(), "namespaces left");
-    let etc: Vec<String> = std::fs::read_dir("/etc/netns")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| e.file_name().into_string().ok())
-        .filter(|n| n.starts_with(&format!("fl-lab.{}", lab.name)))
-        .collect();
+    let etc: Vec<String> =
+        entries("/etc/netns").into_iter().filter(|n| n.starts_with(&format!("fl-lab.{}", lab.name))).collect();
     assert_eq!(etc, Vec::<String>::new(), "/etc/netns folders left");
     assert!(!lab.state().join("labs").join(&lab.name).exists(), "state left");
     let new_links: Vec<String> = root_links().into_iter().filter(|l| !links_before.contains(l)).collect();

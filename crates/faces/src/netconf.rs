@@ -41,6 +41,9 @@ pub const NETNS_RUN_DIR: &str = "/run/netns";
 /// socket's receive buffer many times over.
 pub const WINDOW: usize = 128;
 
+/// Seconds a socket waits for the kernel's next answer before the commit fails.
+const ANSWER_TIMEOUT_S: i64 = 30;
+
 /// A request that failed: what it was and the kernel's answer.
 #[derive(Debug)]
 pub struct NetconfError {
@@ -251,6 +254,10 @@ impl Rtnl {
         // Errors without a copy of the request: the acknowledgements stay small.
         socket.set_cap_ack(true).map_err(fail)?;
         let _ = socket.set_rx_buf_sz(1 << 20);
+        // An answer that never comes (lost to a full buffer) is an error after a while, not a hang.
+        let limit = nix::sys::time::TimeVal::new(ANSWER_TIMEOUT_S, 0);
+        nix::sys::socket::setsockopt(&socket, nix::sys::socket::sockopt::ReceiveTimeout, &limit)
+            .map_err(|e| fail(e.into()))?;
         Ok(Rtnl { socket, seq: 1, queued: Vec::new(), buf: vec![0; 64 * 1024], sent: 0 })
     }
 

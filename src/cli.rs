@@ -379,7 +379,21 @@ pub enum ConfigCmd {
 
 /// Runs the command line; returns the process exit code (0 ok, 1 refused or failed, 3 no daemon).
 pub fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let args: Vec<String> = std::env::args().collect();
+    let cli = match Cli::try_parse_from(&args) {
+        Ok(cli) => cli,
+        Err(e) => {
+            let _ = e.print();
+            if e.use_stderr() {
+                if let Some(fixed) = crate::error::missing_separator(&args) {
+                    eprintln!(
+                        "\nhint: the program's arguments go after `--`, or flexstack takes them as its own: {fixed}"
+                    );
+                }
+            }
+            return ExitCode::from(e.exit_code().clamp(0, 255) as u8);
+        }
+    };
     let long_running = matches!(
         &cli.command,
         Command::Daemon(_)
@@ -395,9 +409,19 @@ pub fn main() -> ExitCode {
     tracing_subscriber::fmt().with_env_filter(filter).with_ansi(ansi).with_writer(std::io::stderr).init();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
+        Err(CliError::Client(ClientError::Connect { path, source }))
+            if source.kind() == std::io::ErrorKind::PermissionDenied =>
+        {
+            eprintln!("error: {}", crate::error::needs_root(&format!("connect to the daemon's control socket {path}")));
+            ExitCode::from(3)
+        }
         Err(CliError::Client(e @ ClientError::Connect { .. })) => {
             eprintln!("error: {e}");
             ExitCode::from(3)
+        }
+        Err(CliError::Exit(code, message)) => {
+            eprintln!("{message}");
+            ExitCode::from(code)
         }
         Err(CliError::Config(e)) => {
             eprintln!("error: {e}");
@@ -447,9 +471,12 @@ fn run(cli: Cli) -> Result<(), CliError> {
         return run_daemon(opts, flexstack_daemon::catalog()).map_err(CliError::Message);
     }
     if let Command::Run(r) = &cli.command {
+        crate::error::program_exists("flexstack run", &r.command)?;
+        crate::error::require_root("flexstack run", "it creates a network namespace and devices for the program")?;
         return crate::runner::run_app(&cli.state_dir, r).map(|code| std::process::exit(code));
     }
     if let Command::Lab(cmd) = cli.command {
+        crate::lab::preflight(&cmd)?;
         return crate::lab::command(&cli.state_dir, cli.json, cmd);
     }
     if let Command::Module(ModuleCmd::Kinds { markdown: true }) = cli.command {
@@ -506,7 +533,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
         Command::Link(LinkCmd::Del { link }) => print(json, &client.call(LinkDel { link })?, render::change),
         Command::Pause { module } => print(json, &client.call(Pause { module })?, render::notes),
         Command::Resume { module } => print(json, &client.call(Resume { module })?, render::notes),
-        Command::Get { names } => print(json, &client.call(Get { names })?, render::values),
+        Command::Get { names } => print(json, &get_each(&mut client, names)?, render::values),
         Command::Set { name, value } => {
             print(json, &client.call(Set { name, value: Json::String(value) })?, render::set)
         }
@@ -537,6 +564,33 @@ fn run(cli: Cli) -> Result<(), CliError> {
             }
             Ok(())
         }
+    }
+}
+
+/// `get P1 P2 ...`: the values of every pattern that matches; a pattern that matches nothing gets a warning on
+/// stderr (the daemon refuses the whole request for it), and only when none matches is it an error.
+fn get_each(client: &mut Client, names: Vec<String>) -> Result<Values, CliError> {
+    let all = client.call(Get { names: names.clone() });
+    match all {
+        Err(ClientError::Api(e)) if e.code == ErrorCode::NotFound && names.len() > 1 => {
+            let mut out = Values::new();
+            let mut missing = Vec::new();
+            for n in names {
+                match client.call(Get { names: vec![n.clone()] }) {
+                    Ok(values) => out.extend(values),
+                    Err(ClientError::Api(e)) if e.code == ErrorCode::NotFound => missing.push(e.message),
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            if out.is_empty() {
+                return Err(msg(missing.join("; ")));
+            }
+            for m in missing {
+                eprintln!("warning: {m}");
+            }
+            Ok(out)
+        }
+        other => Ok(other?),
     }
 }
 

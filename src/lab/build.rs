@@ -7,11 +7,16 @@
 //! namespaces themselves (their veth pairs go with them) and the `/etc/netns/<namespace>` folders.
 
 use crate::error::{msg, CliError};
+use crate::lab::progress::Progress;
 use flexstack_api::client::Client;
 use flexstack_api::ops::Set;
-use flexstack_lab::plan::Plan;
+use flexstack_faces::netconf::{self, NetconfError, Rtnl, Veth};
+use flexstack_lab::plan::{HostPlan, Plan};
 use flexstack_lab::Lab;
 use serde::{Deserialize, Serialize};
+use std::collections::{HashMap, HashSet};
+use std::net::IpAddr;
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -120,15 +125,21 @@ pub fn alive(pid: u32) -> bool {
     Path::new(&format!("/proc/{pid}")).exists()
 }
 
-/// Runs a command; an error carries its stderr (see [`flexstack_daemon::sandbox::command_output`]).
-pub fn sh(args: &[&str]) -> Result<(), CliError> {
-    flexstack_daemon::sandbox::command_output(args).map(drop).map_err(msg)
+/// A netlink failure as the CLI's error; a refusal for want of privileges says so.
+pub fn netconf_error(e: NetconfError) -> CliError {
+    if e.is_permission() {
+        return crate::error::needs_root(&e.what);
+    }
+    msg(e.to_string())
 }
 
-fn sysctl(netns: &str, settings: &[String]) -> Result<(), CliError> {
-    let mut args = vec!["ip", "netns", "exec", netns, "sysctl", "-qw"];
-    args.extend(settings.iter().map(String::as_str));
-    sh(&args)
+/// Sets interface `dev` of namespace `netns` up or down, through netlink.
+pub fn set_link_up(netns: &str, dev: &str, up: bool) -> Result<(), CliError> {
+    let ns = netconf::open_netns(netns).map_err(netconf_error)?;
+    let mut nl = Rtnl::open_in(ns.as_fd()).map_err(netconf_error)?;
+    let index = nl.index_of(dev).map_err(netconf_error)?;
+    nl.set_up(index, up);
+    nl.commit().map_err(netconf_error).map(drop)
 }
 
 /// Starts `flexstack daemon` in `netns` with `state_dir`, logging to `log`; waits until it answers. Its data plane
@@ -195,6 +206,8 @@ pub struct CreateOptions<'a> {
     pub runner_pid: u32,
     /// Stack templates of the stacked hosts (lab values filled in), by host (file order).
     pub templates: &'a [Option<String>],
+    /// Print progress and the phases' times on stderr.
+    pub progress: bool,
 }
 
 /// Refuses to build a lab whose namespaces or state already exist.
@@ -248,83 +261,115 @@ pub fn create(lab: &Lab, plan: &Plan, opts: &CreateOptions<'_>) -> Result<LabSta
             .collect(),
     };
     state.write()?;
-    match build(lab, plan, &mut state, opts) {
-        Ok(()) => Ok(state),
+    let mut progress = Progress::new(&lab.name, opts.progress);
+    match build(lab, plan, &mut state, opts, &mut progress) {
+        Ok(()) => {
+            progress.finish("built");
+            Ok(state)
+        }
         Err(e) => {
-            down(&state, false);
+            progress.finish("failed to build");
+            down(&state, opts.progress);
             Err(e)
         }
     }
 }
 
-fn build(lab: &Lab, plan: &Plan, state: &mut LabState, opts: &CreateOptions<'_>) -> Result<(), CliError> {
+/// A namespace the build created: its name, the namespace open, a netlink socket in it.
+struct Made {
+    fd: OwnedFd,
+    nl: Rtnl,
+}
+
+/// Creates namespace `name` with `sysctls` set; returns it open with a netlink socket in it.
+fn make_netns(name: &str, sysctls: &[(&str, &str)]) -> Result<Made, CliError> {
+    let fd = netconf::add_netns(name).map_err(netconf_error)?;
+    let nl = netconf::in_netns(fd.as_fd(), || {
+        netconf::write_sysctls(sysctls)?;
+        Rtnl::open().map_err(|e| e.error)
+    })
+    .map_err(|e| {
+        if e.kind() == std::io::ErrorKind::PermissionDenied {
+            crate::error::needs_root(&format!("configure namespace {name}"))
+        } else {
+            msg(format!("configure namespace {name}: {e}"))
+        }
+    })?;
+    Ok(Made { fd, nl })
+}
+
+/// The index of `lo` in a new namespace.
+const LOOPBACK_INDEX: u32 = 1;
+
+fn build(
+    lab: &Lab,
+    plan: &Plan,
+    state: &mut LabState,
+    opts: &CreateOptions<'_>,
+    progress: &mut Progress,
+) -> Result<(), CliError> {
     let logs = opts.results.join("logs");
     std::fs::create_dir_all(&logs).map_err(|e| msg(format!("{}: {e}", logs.display())))?;
-    let wire = plan.wire_netns.as_str();
-    sh(&["ip", "netns", "add", wire])?;
-    sh(&["ip", "-n", wire, "link", "set", "lo", "up"])?;
-    sysctl(wire, &["net.ipv6.conf.all.disable_ipv6=1".into(), "net.ipv6.conf.default.disable_ipv6=1".into()])?;
+    // 1. Namespaces: the wire's without IPv6, the hosts' forwarding. IPv6 stays off on the hosts' lab interfaces
+    //    (`default` while they are created, back on afterwards for the devices of stacked hosts' daemons), so that
+    //    only the programs' own packets cross the emulated links.
+    progress.phase("namespaces", plan.hosts.len() + 1);
+    let wire_v6_off = [("net.ipv6.conf.all.disable_ipv6", "1"), ("net.ipv6.conf.default.disable_ipv6", "1")];
+    let mut wire = make_netns(&plan.wire_netns, &wire_v6_off)?;
+    wire.nl.set_up(LOOPBACK_INDEX, true);
+    progress.step(1);
+    let host_sysctls = [("net.ipv4.ip_forward", "1"), ("net.ipv6.conf.default.disable_ipv6", "1")];
+    let mut hosts: Vec<Made> = Vec::with_capacity(plan.hosts.len());
     for h in &plan.hosts {
-        sh(&["ip", "netns", "add", &h.netns])?;
-        sh(&["ip", "-n", &h.netns, "link", "set", "lo", "up"])?;
-        sysctl(&h.netns, &["net.ipv4.ip_forward=1".into()])?;
+        hosts.push(make_netns(&h.netns, &host_sysctls)?);
         let etc = format!("/etc/netns/{}", h.netns);
         std::fs::create_dir_all(&etc).map_err(|e| msg(format!("{etc}: {e}")))?;
         std::fs::write(format!("{etc}/hosts"), &h.hosts_file).map_err(|e| msg(format!("{etc}/hosts: {e}")))?;
+        progress.step(1);
     }
-    for h in &plan.hosts {
-        for f in &h.interfaces {
-            sh(&[
-                "ip",
-                "-n",
-                wire,
-                "link",
-                "add",
-                &f.wire_name,
-                "type",
-                "veth",
-                "peer",
-                "name",
-                &f.name,
-                "netns",
-                &h.netns,
-            ])?;
-            sysctl(&h.netns, &[format!("net.ipv6.conf.{}.disable_ipv6=1", f.name)])?;
-            sh(&["ip", "-n", &h.netns, "link", "set", &f.name, "address", &f.mac])?;
-            if let Some(mtu) = f.mtu {
-                let mtu = mtu.to_string();
-                sh(&["ip", "-n", &h.netns, "link", "set", &f.name, "mtu", &mtu])?;
-                sh(&["ip", "-n", wire, "link", "set", &f.wire_name, "mtu", &mtu])?;
-            }
-            sh(&["ip", "-n", &h.netns, "addr", "add", &format!("{}/24", f.address), "dev", &f.name])?;
-            sh(&["ip", "-n", &h.netns, "link", "set", &f.name, "up"])?;
-            sh(&["ip", "-n", wire, "link", "set", &f.wire_name, "up"])?;
-            let peer = f.peer_address.to_string();
-            sh(&[
-                "ip",
-                "-n",
-                &h.netns,
-                "neigh",
-                "replace",
-                &peer,
-                "lladdr",
-                &f.peer_mac,
-                "dev",
-                &f.name,
-                "nud",
-                "permanent",
-            ])?;
+    // 2. Links: one veth pair per host interface, the host end in its namespace with its MAC and MTU.
+    let interfaces: usize = plan.hosts.iter().map(|h| h.interfaces.len()).sum();
+    progress.phase("links", interfaces);
+    let macs: Vec<Vec<[u8; 6]>> = plan
+        .hosts
+        .iter()
+        .map(|h| h.interfaces.iter().map(|f| mac(&f.mac)).collect::<Result<_, _>>())
+        .collect::<Result<_, _>>()?;
+    for ((h, made), macs) in plan.hosts.iter().zip(&hosts).zip(&macs) {
+        for (f, mac) in h.interfaces.iter().zip(macs) {
+            wire.nl.add_veth(&Veth {
+                name: &f.wire_name,
+                peer: &f.name,
+                peer_netns: Some(made.fd.as_fd()),
+                peer_mac: Some(*mac),
+                mtu: f.mtu,
+                up: true,
+            });
         }
+        progress.step(h.interfaces.len());
     }
-    for h in &plan.hosts {
-        for r in &h.routes {
-            sh(&["ip", "-n", &h.netns, "route", "add", &r.destination, "via", &r.via.to_string(), "dev", &r.dev])?;
-        }
+    wire.nl.commit().map_err(netconf_error)?;
+    // 3. In each host: interfaces up, addresses, the peers as permanent neighbours, routes; IPv6 back on for the
+    //    devices created later.
+    progress.phase("addresses and routes", plan.hosts.len());
+    for (h, made) in plan.hosts.iter().zip(&mut hosts) {
+        configure_host(h, &mut made.nl)?;
+        netconf::in_netns(made.fd.as_fd(), || netconf::write_sysctls(&[("net.ipv6.conf.default.disable_ipv6", "0")]))
+            .map_err(|e| msg(format!("{}: {e}", h.netns)))?;
+        progress.step(1);
     }
+    drop(hosts);
+    // 4. The daemons.
+    progress.phase("wire daemon", 0);
     let wire_stack = opts.results.join("wire.toml");
     std::fs::write(&wire_stack, plan.wire_stack(lab)).map_err(|e| msg(format!("{}: {e}", wire_stack.display())))?;
     let stack_arg = wire_stack.display().to_string();
-    start_daemon(wire, &state.wire_dir, lab.realtime, &["--stack", &stack_arg], &logs.join("wire-daemon.log"))?;
+    let wire_ns = plan.wire_netns.as_str();
+    start_daemon(wire_ns, &state.wire_dir, lab.realtime, &["--stack", &stack_arg], &logs.join("wire-daemon.log"))?;
+    let stacked = plan.hosts.iter().filter(|h| h.stack.is_some()).count();
+    if stacked > 0 {
+        progress.phase("stacked hosts' daemons", stacked);
+    }
     for ((h, hp), text) in state.hosts.iter().zip(&plan.hosts).zip(opts.templates) {
         if let (Some(d), Some(path), Some(text), Some(subnet)) = (&h.daemon_dir, &h.template, text, hp.app_subnet) {
             std::fs::create_dir_all(opts.results.join("stacks")).map_err(msg)?;
@@ -333,16 +378,60 @@ fn build(lab: &Lab, plan: &Plan, state: &mut LabState, opts: &CreateOptions<'_>)
             let subnet = subnet.to_string();
             let args = ["--app-subnet", &subnet, "--app-etc", &etc];
             start_daemon(&h.netns, d, lab.realtime, &args, &logs.join(format!("{}-daemon.log", h.name)))?;
+            progress.step(1);
         }
     }
     state.write()
 }
 
-/// The pids of the processes in namespace `netns`.
-fn pids_in(netns: &str) -> Vec<u32> {
-    let out = Command::new("ip").args(["netns", "pids", netns]).stderr(Stdio::null()).output();
-    out.map(|o| String::from_utf8_lossy(&o.stdout).split_whitespace().filter_map(|p| p.parse().ok()).collect())
-        .unwrap_or_default()
+fn mac(text: &str) -> Result<[u8; 6], CliError> {
+    netconf::parse_mac(text).ok_or_else(|| msg(format!("bad MAC address {text:?} in the plan")))
+}
+
+/// Interfaces up, addresses, static neighbours and routes of host `h`, through its namespace's socket `nl`, in one
+/// commit.
+fn configure_host(h: &HostPlan, nl: &mut Rtnl) -> Result<(), CliError> {
+    let index: HashMap<String, u32> = nl.links().map_err(netconf_error)?.into_iter().map(|(i, n)| (n, i)).collect();
+    let index_of = |dev: &str| {
+        index.get(dev).copied().ok_or_else(|| msg(format!("{}: no interface {dev} after creating it", h.netns)))
+    };
+    nl.set_up(LOOPBACK_INDEX, true);
+    for f in &h.interfaces {
+        let i = index_of(&f.name)?;
+        nl.set_up(i, true);
+        nl.add_address(i, IpAddr::V4(f.address), 24);
+        nl.add_neighbour(i, IpAddr::V4(f.peer_address), mac(&f.peer_mac)?);
+    }
+    for r in &h.routes {
+        let (dest, len) = r.prefix().ok_or_else(|| msg(format!("bad route destination {:?}", r.destination)))?;
+        nl.add_route(IpAddr::V4(dest), len, Some(IpAddr::V4(r.via)), index_of(&r.dev)?);
+    }
+    nl.commit().map_err(|e| msg(format!("{} (host {}, namespace {})", e, h.name, h.netns))).map(drop)
+}
+
+/// The processes (not this one) in any of the named network namespaces `names`: one pass over `/proc`, comparing
+/// each process's namespace with the names' (as `ip netns pids` does for one).
+fn processes_in(names: &[&str]) -> Vec<u32> {
+    use std::os::unix::fs::MetadataExt;
+    let wanted: HashSet<(u64, u64)> = names
+        .iter()
+        .filter_map(|n| std::fs::metadata(netconf::netns_path(n)).ok())
+        .map(|m| (m.dev(), m.ino()))
+        .collect();
+    if wanted.is_empty() {
+        return Vec::new();
+    }
+    let me = std::process::id();
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&pid| pid != me)
+        .filter(|pid| {
+            std::fs::metadata(format!("/proc/{pid}/ns/net")).is_ok_and(|m| wanted.contains(&(m.dev(), m.ino())))
+        })
+        .collect()
 }
 
 fn signal(pids: &[u32], sig: nix::sys::signal::Signal) {
@@ -357,7 +446,7 @@ pub fn stop_processes(pids: &[u32], grace: Duration) {
     signal(pids, Signal::SIGTERM);
     let deadline = Instant::now() + grace;
     while Instant::now() < deadline && pids.iter().any(|&p| alive(p) && !zombie(p)) {
-        std::thread::sleep(Duration::from_millis(20));
+        std::thread::sleep(Duration::from_millis(10));
     }
     signal(&pids.iter().copied().filter(|&p| alive(p)).collect::<Vec<_>>(), Signal::SIGKILL);
 }
@@ -378,20 +467,12 @@ fn app_namespaces(pid: u32) -> Vec<String> {
     flexstack_daemon::sandbox::namespace_names().into_iter().filter(|n| n.starts_with(&prefix)).collect()
 }
 
-fn remove_netns(netns: &str) {
-    stop_processes(&pids_in(netns), Duration::from_secs(2));
-    flexstack_daemon::sandbox::delete_namespace(netns);
-}
-
 /// Tears the lab down, each step tried whatever happened before: programs first (SIGTERM, then SIGKILL after 3 s),
 /// then the stacked hosts' daemons (which remove their apps' sandboxes), the wire daemon, leftover app namespaces,
-/// the lab's namespaces, and the state. With `verbose`, says what it removes.
+/// the lab's namespaces (their veth pairs go with them), and the state. With `verbose`, shows its progress and the
+/// phases' times on stderr.
 pub fn down(state: &LabState, verbose: bool) {
-    let say = |what: &str| {
-        if verbose {
-            eprintln!("lab {}: {what}", state.name);
-        }
-    };
+    let mut progress = Progress::new(&state.name, verbose);
     let daemons: Vec<(u32, &Path)> = state
         .hosts
         .iter()
@@ -400,37 +481,39 @@ pub fn down(state: &LabState, verbose: bool) {
         .filter_map(|d| daemon_pid(d).map(|p| (p, d)))
         .collect();
     let daemon_pids: Vec<u32> = daemons.iter().map(|(p, _)| *p).collect();
+    let host_namespaces: Vec<&str> = state.hosts.iter().map(|h| h.netns.as_str()).collect();
     // 1. The programs (and `flexstack run`, which passes SIGTERM on to its app and detaches it).
-    let programs: Vec<u32> = state
-        .hosts
-        .iter()
-        .flat_map(|h| pids_in(&h.netns))
-        .filter(|p| !daemon_pids.contains(p) && *p != std::process::id())
-        .collect();
+    let programs: Vec<u32> = processes_in(&host_namespaces).into_iter().filter(|p| !daemon_pids.contains(p)).collect();
     if !programs.is_empty() {
-        say(&format!("stopping {} program processes", programs.len()));
+        progress.phase("stopping programs", programs.len());
         stop_processes(&programs, Duration::from_secs(3));
     }
     // 2. The daemons.
     if !daemon_pids.is_empty() {
-        say("stopping the daemons");
+        progress.phase("stopping daemons", daemon_pids.len());
         stop_processes(&daemon_pids, Duration::from_secs(5));
     }
-    // 3. Sandboxes the stacked hosts' daemons could not remove (they were killed).
-    for (pid, _) in &daemons {
-        for ns in app_namespaces(*pid) {
-            say(&format!("removing app namespace {ns}"));
-            remove_netns(&ns);
-        }
+    // 3. The lab's namespaces and the sandboxes the stacked hosts' daemons could not remove (they were killed):
+    //    whatever still runs in them is stopped, then their names go (their veth pairs with them).
+    let mut namespaces: Vec<String> = daemons.iter().flat_map(|(pid, _)| app_namespaces(*pid)).collect();
+    namespaces.extend(host_namespaces.iter().map(|n| n.to_string()));
+    namespaces.push(state.wire_netns.clone());
+    let names: Vec<&str> = namespaces.iter().map(String::as_str).collect();
+    let left = processes_in(&names);
+    if !left.is_empty() {
+        progress.phase("stopping what is left", left.len());
+        stop_processes(&left, Duration::from_secs(2));
     }
-    // 4. The lab's namespaces: their veth pairs go with them.
-    for ns in state.hosts.iter().map(|h| h.netns.as_str()).chain([state.wire_netns.as_str()]) {
-        if Path::new(&format!("/run/netns/{ns}")).exists() {
-            say(&format!("removing namespace {ns}"));
-        }
-        remove_netns(ns);
+    progress.phase("removing namespaces", namespaces.len());
+    for e in netconf::del_netns_all(&names) {
+        eprintln!("lab {}: {e}", state.name);
     }
+    for ns in &namespaces {
+        let _ = std::fs::remove_dir_all(format!("/etc/netns/{ns}"));
+    }
+    progress.step(namespaces.len());
     let _ = std::fs::remove_dir_all(&state.dir);
+    progress.finish("torn down");
 }
 
 /// Writes a knob on the wire daemon or a stacked host's daemon.

@@ -11,6 +11,7 @@
 //! down|up|set K=V...`, `lab down [NAME] | --all`, `lab list`, `lab check FILE`, `lab report DIR`.
 
 pub mod build;
+pub mod progress;
 pub mod run;
 
 use crate::error::{msg, CliError};
@@ -43,6 +44,9 @@ pub enum LabCmd {
         /// The results folder (default: `results/<lab>-<UTC time>`).
         #[arg(long)]
         results: Option<PathBuf>,
+        /// No progress lines.
+        #[arg(short, long)]
+        quiet: bool,
     },
     /// Run a command on a host of a lab that is up (through its stack on a stacked host), as the invoking user.
     Exec {
@@ -76,6 +80,9 @@ pub enum LabCmd {
         /// Every lab (also those whose runner was killed).
         #[arg(long)]
         all: bool,
+        /// No progress lines.
+        #[arg(short, long)]
+        quiet: bool,
     },
     /// The labs that are up.
     List,
@@ -89,6 +96,24 @@ pub enum LabCmd {
         /// The results folder.
         dir: PathBuf,
     },
+}
+
+/// What a lab command needs before it starts: root for those that create, enter or remove a lab's namespaces,
+/// and for `lab exec` a program that exists.
+pub fn preflight(cmd: &LabCmd) -> Result<(), CliError> {
+    let why = match cmd {
+        LabCmd::Run { .. } => ("flexstack lab run", "it creates network namespaces, veth pairs and daemons"),
+        LabCmd::Up { .. } => ("flexstack lab up", "it creates network namespaces, veth pairs and daemons"),
+        LabCmd::Down { .. } => ("flexstack lab down", "it stops the lab's daemons and removes its namespaces"),
+        LabCmd::Exec { .. } => ("flexstack lab exec", "it enters a host's network namespace"),
+        LabCmd::Link { .. } => ("flexstack lab link", "it changes the lab's interfaces and daemons"),
+        LabCmd::List | LabCmd::Check { .. } | LabCmd::Report { .. } => return Ok(()),
+    };
+    crate::error::require_root(why.0, why.1)?;
+    if let LabCmd::Exec { command, .. } = cmd {
+        crate::error::program_exists("flexstack lab exec", command)?;
+    }
+    Ok(())
 }
 
 /// A lab file read, validated and planned: the lab, its plan, its text and the stacked hosts' stack templates with
@@ -327,7 +352,7 @@ pub fn command(state_dir: &Path, json: bool, cmd: LabCmd) -> Result<(), CliError
             Ok(())
         }
         LabCmd::Run { file, results, quiet } => run_lab(state_dir, json, &file, results, !quiet),
-        LabCmd::Up { file, results } => {
+        LabCmd::Up { file, results, quiet } => {
             let (lab, plan, text, templates) = load(&file)?;
             let dir = results_dir(&lab, results)?;
             write_resolved(&dir, &text, &plan)?;
@@ -337,6 +362,7 @@ pub fn command(state_dir: &Path, json: bool, cmd: LabCmd) -> Result<(), CliError
                 file: &file.display().to_string(),
                 runner_pid: 0,
                 templates: &templates,
+                progress: !quiet && !json,
             };
             let state = build::create(&lab, &plan, &opts)?;
             let never = std::sync::atomic::AtomicBool::new(false);
@@ -384,14 +410,14 @@ pub fn command(state_dir: &Path, json: bool, cmd: LabCmd) -> Result<(), CliError
             }
             Ok(())
         }
-        LabCmd::Down { name, all } => {
+        LabCmd::Down { name, all, quiet } => {
             let labs = if all { list(state_dir) } else { vec![find(state_dir, name.as_deref())?] };
             for s in &labs {
                 if s.runner_pid != 0 && s.runner_pid != std::process::id() && build::alive(s.runner_pid) {
                     // A runner still at work: stop it first, so it does not build on what is being removed.
                     build::stop_processes(&[s.runner_pid], std::time::Duration::from_secs(10));
                 }
-                build::down(s, !json);
+                build::down(s, !json && !quiet);
             }
             if json {
                 return print_json(&labs.iter().map(|l| &l.name).collect::<Vec<_>>());
@@ -466,13 +492,11 @@ fn run_lab(
         file: &file.display().to_string(),
         runner_pid: std::process::id(),
         templates: &templates,
+        progress,
     };
     let state = build::create(&lab, &plan, &opts)?;
     let outcome = run::run(&state, &lab, &run::RunOptions { whole: true, progress }, &interrupted);
-    if progress {
-        eprintln!("lab {}: tearing down", lab.name);
-    }
-    build::down(&state, false);
+    build::down(&state, progress);
     let outcome = outcome?;
     let reported = flexstack_lab::report::write_report(&dir, &flexstack_lab::report::ReportOptions::default());
     give_to_user(&dir);

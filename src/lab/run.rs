@@ -20,7 +20,7 @@
 //! `_ba` as `.ba.`), its other variables as `wire.<name>`; a stacked host's variables as `host.<host>.<name>`.
 
 use crate::error::{msg, CliError};
-use crate::lab::build::{set_knob, sh, stop_processes, LabState};
+use crate::lab::build::{set_knob, set_link_up, stop_processes, LabState};
 use flexstack_api::client::Client;
 use flexstack_api::ops::{Get, RulesLoad, TapAdd};
 use flexstack_core::vars::name_matches;
@@ -167,7 +167,7 @@ pub fn link_up(state: &LabState, link: &str, up: bool) -> Result<(), CliError> {
     let l = state.links.iter().find(|l| l.name == link).ok_or_else(|| msg(format!("no link {link}")))?;
     let carrier = || -> Result<(), CliError> {
         for end in &l.wire_ends {
-            sh(&["ip", "-n", &state.wire_netns, "link", "set", end, if up { "up" } else { "down" }])?;
+            set_link_up(&state.wire_netns, end, up)?;
         }
         Ok(())
     };

@@ -25,9 +25,9 @@
 //! ```
 
 use crate::ops::{Watch, WatchEvent};
-use crate::protocol::{request_line, ApiError, Call, Request, Response};
+use crate::protocol::{request_line, ApiError, Call, Request, Response, MAX_REQUEST_BYTES};
 use serde::de::DeserializeOwned;
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 
@@ -48,6 +48,15 @@ pub enum ClientError {
     /// The daemon answered with an error.
     #[error("{0}")]
     Api(ApiError),
+    /// The request is longer than the daemon accepts ([`MAX_REQUEST_BYTES`]); it was not sent.
+    #[error(
+        "the request is {bytes} bytes long, over the daemon's limit of {} bytes (1 MiB); nothing was sent",
+        MAX_REQUEST_BYTES
+    )]
+    TooLarge {
+        /// The request's length, without its newline.
+        bytes: usize,
+    },
 }
 
 /// A connection to a daemon.
@@ -67,10 +76,23 @@ impl Client {
         Ok(Client { writer: stream, reader, next_id: 1 })
     }
 
+    /// Sends one request. One over the daemon's limit is refused here, before anything is sent. When the write
+    /// fails because the daemon answered and closed the connection (a timeout, a full house), its answer is the
+    /// error: it says why, where the broken pipe would not.
     fn send(&mut self, request: &Request) -> Result<(), ClientError> {
         let line = request_line(self.next_id, request);
+        let bytes = line.trim_end_matches('\n').len();
+        if bytes > MAX_REQUEST_BYTES {
+            return Err(ClientError::TooLarge { bytes });
+        }
         self.next_id += 1;
-        self.writer.write_all(line.as_bytes()).map_err(|e| ClientError::Protocol(e.to_string()))
+        if let Err(e) = write_all_nosignal(&self.writer, line.as_bytes()) {
+            if let Ok(Some(Response { error: Some(answer), .. })) = self.receive() {
+                return Err(ClientError::Api(answer));
+            }
+            return Err(ClientError::Protocol(e.to_string()));
+        }
+        Ok(())
     }
 
     fn receive(&mut self) -> Result<Option<Response>, ClientError> {
@@ -109,6 +131,21 @@ impl Client {
         }
         Ok(())
     }
+}
+
+/// Writes all of `buf` without raising SIGPIPE when the daemon has closed its end (an error instead).
+fn write_all_nosignal(stream: &UnixStream, mut buf: &[u8]) -> std::io::Result<()> {
+    use nix::sys::socket::{send, MsgFlags};
+    use std::os::fd::AsRawFd;
+    while !buf.is_empty() {
+        match send(stream.as_raw_fd(), buf, MsgFlags::MSG_NOSIGNAL) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => buf = &buf[n..],
+            Err(nix::errno::Errno::EINTR) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
 }
 
 fn unreadable(what: &str, e: serde_json::Error) -> ClientError {

@@ -6,6 +6,8 @@
 //! - [`stream`] is the `kernel` back-end of the stream endpoints `terminate` and `originate`: kernel sockets in the
 //!   data plane's epoll loop, as faces are.
 //! - [`linkwatch`] tells the data plane when a face's interface loses its carrier or goes down.
+//! - [`netconf`] configures namespaces, links, addresses, routes and neighbours through netlink, in batches (the
+//!   lab runner's builder).
 //!
 //! The system calls that `nix` has no safe wrapper for are in `flexstack-sys`, the workspace's one crate of
 //! unsafe code.
@@ -15,6 +17,7 @@
 mod device;
 pub mod face;
 pub mod linkwatch;
+pub mod netconf;
 pub mod packet;
 pub mod stream;
 pub mod tun;

@@ -13,8 +13,28 @@ const MAX_FRAME: usize = 65_535 + 14 + 8;
 /// An AF_PACKET socket bound to one interface, non-blocking: raw Ethernet frames.
 pub struct PacketDevice {
     common: DeviceCommon,
-    socket: OwnedFd,
+    socket: ClosedAside,
     ifindex: u32,
+}
+
+/// A packet socket that is closed on a thread of its own. The kernel waits for an RCU grace period in every
+/// packet socket's release (~10 ms here), so a daemon with hundreds of link faces (a lab's wire) took seconds to
+/// unload them or to exit, one after the other; closed on threads of their own they wait together. At exit, the
+/// threads still closing finish in parallel too (each thread's pending release runs as it exits).
+struct ClosedAside(Option<OwnedFd>);
+
+impl AsFd for ClosedAside {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.0.as_ref().expect("open until dropped").as_fd()
+    }
+}
+
+impl Drop for ClosedAside {
+    fn drop(&mut self) {
+        let Some(fd) = self.0.take() else { return };
+        // When no thread can be made, the closure, and the socket with it, is dropped here.
+        let _ = std::thread::Builder::new().name("fs-close".into()).stack_size(64 * 1024).spawn(move || drop(fd));
+    }
 }
 
 impl PacketDevice {
@@ -22,11 +42,14 @@ impl PacketDevice {
     pub fn open(interface: &str) -> std::io::Result<PacketDevice> {
         use nix::sys::socket::{socket, AddressFamily, SockFlag, SockProtocol, SockType};
         let ifindex = nix::net::if_::if_nametoindex(interface)?;
+        // Protocol 0: no frames until the bind below, which then registers the socket's hook once. A socket made
+        // with a protocol has a hook already, and binding it again waits for an RCU grace period (~10 ms): 5 s
+        // for the 400 faces of a 200-host lab's wire.
         let socket = socket(
             AddressFamily::Packet,
             SockType::Raw,
             SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC,
-            SockProtocol::EthAll,
+            None::<SockProtocol>,
         )?;
         // A burst of frames while the data plane is busy must not overflow the default ~200 KB buffer.
         let rcvbuf = 4 << 20;
@@ -36,7 +59,11 @@ impl PacketDevice {
         flexstack_sys::set_packet_vnet_hdr(socket.as_fd())?;
         flexstack_sys::bind_packet(socket.as_fd(), ifindex)?;
         flexstack_sys::set_qdisc_bypass(socket.as_fd())?;
-        Ok(PacketDevice { common: DeviceCommon::new(interface, Direction::Up), socket, ifindex })
+        Ok(PacketDevice {
+            common: DeviceCommon::new(interface, Direction::Up),
+            socket: ClosedAside(Some(socket)),
+            ifindex,
+        })
     }
 }
 
@@ -129,7 +156,7 @@ impl PacketDevice {
     fn send(&self, parts: &[&[u8]]) -> std::io::Result<()> {
         use nix::sys::socket::{sendmsg, MsgFlags, UnixAddr};
         let iov: Vec<std::io::IoSlice<'_>> = parts.iter().map(|p| std::io::IoSlice::new(p)).collect();
-        sendmsg::<UnixAddr>(self.socket.as_raw_fd(), &iov, &[], MsgFlags::MSG_DONTWAIT, None)
+        sendmsg::<UnixAddr>(self.socket.as_fd().as_raw_fd(), &iov, &[], MsgFlags::MSG_DONTWAIT, None)
             .map(|_| ())
             .map_err(std::io::Error::from)
             .inspect_err(|_| self.common.tx_error())

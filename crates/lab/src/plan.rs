@@ -18,7 +18,8 @@
 //!   so no ARP crosses the emulated link; kernel IPv6 is off on lab interfaces. Only the programs' own packets cross
 //!   a link, which makes the emulators' random draws, and so the drops, reproducible for the same traffic.
 //! - Hosts forward, with static routes along shortest paths (ties broken by file order), so every address is
-//!   reachable from every host. A host name resolves (per host, through `/etc/netns/<namespace>/hosts`) to its
+//!   reachable from every host. The interface that carries the most routes gets a default route instead of them:
+//!   a leaf host has only its default route, a host of a line or a tree only the routes towards its smaller side. A host name resolves (per host, through `/etc/netns/<namespace>/hosts`) to its
 //!   address on a link shared with the asking host, else to its address on its first link.
 //! - The k-th stacked host's apps get addresses from [`stacked_app_subnet`]`(k)` (`172.(16+k).0.0/16`), and every
 //!   other host routes that subnet towards the stacked host (shortest path, or the lab's `[[routes]]`), so apps
@@ -26,7 +27,7 @@
 //! - A stacked host's stack template may use the lab's values of its interfaces: see [`Plan::template_values`].
 
 use crate::{Lab, Link};
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::fmt::Write as _;
 use std::net::Ipv4Addr;
 
@@ -70,15 +71,34 @@ pub struct Interface {
     pub link: usize,
 }
 
-/// A route of a host: `destination` (a /24) via `via` on `dev`.
+/// A route of a host: `destination` via `via` on `dev`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Route {
-    /// The destination subnet, `a.b.c.0/24`.
+    /// The destination subnet, `a.b.c.0/24` (a link), `a.b.0.0/16` (a stacked host's apps) or `default`.
     pub destination: String,
     /// The next hop.
     pub via: Ipv4Addr,
     /// The interface.
     pub dev: String,
+}
+
+impl Route {
+    /// The destination as an address and a prefix length (`default`: `0.0.0.0/0`).
+    pub fn prefix(&self) -> Option<(Ipv4Addr, u8)> {
+        if self.destination == "default" {
+            return Some((Ipv4Addr::UNSPECIFIED, 0));
+        }
+        let (a, len) = self.destination.split_once('/')?;
+        Some((a.parse().ok()?, len.parse().ok().filter(|l| *l <= 32)?))
+    }
+
+    /// True if `address` is in the destination.
+    pub fn covers(&self, address: Ipv4Addr) -> bool {
+        self.prefix().is_some_and(|(net, len)| {
+            let mask = if len == 0 { 0 } else { u32::MAX << (32 - len) };
+            u32::from(address) & mask == u32::from(net) & mask
+        })
+    }
 }
 
 /// What to create for one host.
@@ -119,6 +139,14 @@ pub struct LinkPlan {
     pub seed_ab: u64,
     /// Seed of the b → a emulator.
     pub seed_ba: u64,
+}
+
+impl HostPlan {
+    /// The route the host's kernel takes to `address` (the longest matching prefix), if it is not on one of the
+    /// host's links.
+    pub fn route_to(&self, address: Ipv4Addr) -> Option<&Route> {
+        self.routes.iter().filter(|r| r.covers(address)).max_by_key(|r| r.prefix().map_or(0, |(_, l)| l))
+    }
 }
 
 /// Everything a runner creates for a lab.
@@ -186,7 +214,8 @@ impl Plan {
             return Err(PlanError::TooManyStackedHosts(stacked));
         }
         let prefix = format!("{}{}", namespace_prefix(), lab.name);
-        let host_index = |name: &str| lab.hosts.iter().position(|h| h.name == name).expect("validated host");
+        let positions: HashMap<&str, usize> = lab.hosts.iter().enumerate().map(|(i, h)| (h.name.as_str(), i)).collect();
+        let host_index = |name: &str| positions[name];
         let mut hosts: Vec<HostPlan> = lab
             .hosts
             .iter()
@@ -233,8 +262,9 @@ impl Plan {
         for (k, h) in hosts.iter_mut().filter(|h| h.stack.is_some()).enumerate() {
             h.app_subnet = Some(stacked_app_subnet(k));
         }
+        let by_name: HashMap<String, usize> = hosts.iter().enumerate().map(|(i, h)| (h.name.clone(), i)).collect();
         for h in 0..hosts.len() {
-            hosts[h].routes = routes_from(lab, &hosts, h);
+            hosts[h].routes = routes_from(lab, &hosts, &by_name, h);
             hosts[h].hosts_file = hosts_file(lab, &hosts, h);
         }
         Ok(Plan { wire_netns: prefix, hosts, links })
@@ -319,8 +349,8 @@ fn emulator_settings(l: &Link) -> Vec<(String, String)> {
 }
 
 /// Shortest-path next hops from host `h` to every link subnet it is not on.
-fn routes_from(lab: &Lab, hosts: &[HostPlan], h: usize) -> Vec<Route> {
-    let index = |name: &str| hosts.iter().position(|x| x.name == name).expect("validated host");
+fn routes_from(lab: &Lab, hosts: &[HostPlan], by_name: &HashMap<String, usize>, h: usize) -> Vec<Route> {
+    let index = |name: &str| by_name[name];
     // Breadth-first search over hosts; `first[x]` = the interface of `h` that starts the path to x.
     // `dist[x]` = hops from h to x.
     let mut first: Vec<Option<usize>> = vec![None; hosts.len()];
@@ -378,7 +408,25 @@ fn routes_from(lab: &Lab, hosts: &[HostPlan], h: usize) -> Vec<Route> {
             routes.push(Route { destination: format!("{subnet}/16"), via: f.peer_address, dev: f.name.clone() });
         }
     }
-    routes
+    with_default_route(&hosts[h], routes)
+}
+
+/// Replaces the routes through the interface that carries the most of them (ties: the first interface) by one
+/// default route through it: a leaf host keeps only its default route, a host of a line or a tree only the routes
+/// towards its smaller side. The destinations are disjoint (link /24s in 10/8, app /16s in 172.16/12), so every one
+/// still leaves through the same interface. An address outside the lab, which found no route before, now follows
+/// the default routes until its TTL runs out.
+fn with_default_route(host: &HostPlan, routes: Vec<Route>) -> Vec<Route> {
+    let count = |dev: &str| routes.iter().filter(|r| r.dev == dev).count();
+    let Some(best) = host.interfaces.iter().filter(|f| count(&f.name) > 0).max_by_key(|f| {
+        // max_by_key keeps the last of equals: rank earlier interfaces higher on ties.
+        (count(&f.name), std::cmp::Reverse(f.name.trim_start_matches("eth").parse::<usize>().unwrap_or(0)))
+    }) else {
+        return routes;
+    };
+    let mut out = vec![Route { destination: "default".into(), via: best.peer_address, dev: best.name.clone() }];
+    out.extend(routes.into_iter().filter(|r| r.dev != best.name));
+    out
 }
 
 /// `/etc/hosts` for host `h`: every host's name with the address `h` should use for it.
@@ -450,14 +498,16 @@ bw = 5
     fn routes_follow_shortest_paths() {
         let p = Plan::new(&lab(CHAIN)).unwrap();
         let h1 = p.host("h1").unwrap();
+        // A leaf host: one default route instead of a route per subnet.
         assert_eq!(
             h1.routes,
-            vec![Route { destination: "10.0.1.0/24".into(), via: Ipv4Addr::new(10, 0, 0, 2), dev: "eth0".into() }]
+            vec![Route { destination: "default".into(), via: Ipv4Addr::new(10, 0, 0, 2), dev: "eth0".into() }]
         );
         assert!(p.host("r").unwrap().routes.is_empty());
         let h2 = p.host("h2").unwrap();
-        assert_eq!(h2.routes[0].destination, "10.0.0.0/24");
-        assert_eq!(h2.routes[0].via, Ipv4Addr::new(10, 0, 1, 1));
+        assert_eq!(h2.routes.len(), 1);
+        assert_eq!(h2.route_to(Ipv4Addr::new(10, 0, 0, 1)).unwrap().via, Ipv4Addr::new(10, 0, 1, 1));
+        assert_eq!(h2.route_to(Ipv4Addr::new(10, 0, 1, 1)).unwrap().destination, "default");
     }
 
     #[test]
@@ -470,6 +520,38 @@ bw = 5
         let a2 = p.host("a2").unwrap();
         let r = a2.routes.iter().find(|r| r.destination == "10.0.2.0/24").unwrap();
         assert_eq!((r.dev.as_str(), r.via), ("eth1", Ipv4Addr::new(10, 0, 3, 2)), "{:?}", a2.routes);
+    }
+
+    #[test]
+    fn a_line_keeps_routes_only_towards_its_smaller_side_and_every_address_is_reached() {
+        let n: usize = 12;
+        let mut text = "[lab]\nname = \"line\"\nduration = \"1s\"\n".to_string();
+        for i in 0..n {
+            text += &format!("[hosts.h{i}]\n");
+        }
+        for i in 1..n {
+            text += &format!("[[links]]\na = \"h{}\"\nb = \"h{i}\"\n", i - 1);
+        }
+        let l = lab(&text);
+        let p = Plan::new(&l).unwrap();
+        let total: usize = p.hosts.iter().map(|h| h.routes.len()).sum();
+        // Per host: a default route and the subnets on its smaller side beyond its own links.
+        let expected: usize = (0..n).map(|i| usize::from(n > 2) + i.min(n - 1 - i).saturating_sub(1)).sum();
+        assert_eq!(total, expected, "{:?}", p.hosts.iter().map(|h| &h.routes).collect::<Vec<_>>());
+        // Following the routes from any host reaches every link address in as many hops as the line is long.
+        for from in 0..n {
+            for (li, _) in l.links.iter().enumerate() {
+                let target = link_address(li, 2);
+                let (mut at, mut hops) = (from, 0);
+                while !p.hosts[at].interfaces.iter().any(|f| f.address == target || f.peer_address == target) {
+                    let r = p.hosts[at].route_to(target).unwrap_or_else(|| panic!("no route h{at} -> {target}"));
+                    let f = p.hosts[at].interfaces.iter().find(|f| f.name == r.dev).unwrap();
+                    at = p.hosts.iter().position(|h| h.name == f.peer_host).unwrap();
+                    hops += 1;
+                    assert!(hops <= n, "a loop from h{from} to {target}");
+                }
+            }
+        }
     }
 
     #[test]
@@ -538,15 +620,15 @@ b = "srv"
 "#;
         let p = Plan::new(&lab(text)).unwrap();
         assert_eq!(p.host("mob").unwrap().app_subnet, Some(Ipv4Addr::new(172, 16, 0, 0)));
-        let to_apps =
-            |p: &Plan, h: &str| p.host(h).unwrap().routes.iter().find(|r| r.destination == "172.16.0.0/16").cloned();
+        let to_apps = |p: &Plan, h: &str| p.host(h).unwrap().route_to(Ipv4Addr::new(172, 16, 0, 2)).cloned();
         // Shortest path: srv reaches mob through ap1 (first in file order), ap2 directly.
         assert_eq!(to_apps(&p, "srv").unwrap().via, Ipv4Addr::new(10, 0, 2, 1));
         assert_eq!(to_apps(&p, "ap2").unwrap().via, Ipv4Addr::new(10, 0, 1, 1));
         let routed = format!("{text}[[routes]]\nhost = \"srv\"\nto = \"mob\"\nvia = \"ap2\"\n");
         let p = Plan::new(&lab(&routed)).unwrap();
         assert_eq!(to_apps(&p, "srv").unwrap().via, Ipv4Addr::new(10, 0, 3, 1));
-        assert!(to_apps(&p, "mob").is_none());
+        // The stacked host reaches its own apps through its daemon's device, not a lab route.
+        assert!(p.host("mob").unwrap().routes.iter().all(|r| r.destination != "172.16.0.0/16"));
         let values = p.template_values(&lab(&routed), "mob");
         let get = |k: &str| values.iter().find(|(p, _)| p == k).map(|(_, v)| v.clone()).unwrap();
         assert_eq!(get("{eth0.address}"), "10.0.0.1");

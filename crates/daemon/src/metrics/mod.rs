@@ -1,7 +1,7 @@
 //! `flexstack daemon --metrics ADDR`: every meter and knob of the registry in OpenMetrics text at `GET /metrics`
 //! (docs/metrics.md). A [`Collector`] of the official `prometheus-client` crate walks the registry at each scrape
 //! through the same typed control API the CLI uses (`module_list`, `var_list`, `flow_list`); [`mapping`] names
-//! the families; [`http`] is the small blocking server on its own thread.
+//! the families; [`http`] its routes on the daemon's small blocking HTTP server ([`crate::http`]).
 
 pub mod http;
 pub mod mapping;
@@ -46,7 +46,7 @@ struct Family {
 pub struct RegistryCollector {
     control: Arc<Control>,
     flows_top: usize,
-    stats: Arc<http::Stats>,
+    stats: Arc<crate::http::Stats>,
 }
 
 impl std::fmt::Debug for RegistryCollector {
@@ -238,7 +238,7 @@ impl Collector for RegistryCollector {
 }
 
 /// The exposition of one scrape: OpenMetrics text ending in `# EOF`.
-pub fn scrape(control: &Arc<Control>, flows_top: usize, stats: &Arc<http::Stats>) -> Result<String, String> {
+pub fn scrape(control: &Arc<Control>, flows_top: usize, stats: &Arc<crate::http::Stats>) -> Result<String, String> {
     let mut registry = Registry::default();
     registry.register_collector(Box::new(RegistryCollector {
         control: control.clone(),
@@ -266,13 +266,13 @@ impl MetricsOptions {
 }
 
 /// Starts the endpoint (after [`MetricsOptions::check`]).
-pub fn serve(control: Arc<Control>, opts: &MetricsOptions) -> Result<http::Server, String> {
+pub fn serve(control: Arc<Control>, opts: &MetricsOptions) -> Result<crate::http::Server, String> {
     opts.check()?;
     let flows_top = opts.flows_top;
-    let stats = Arc::new(http::Stats::default());
+    let stats = Arc::new(crate::http::Stats::default());
     let s = stats.clone();
-    let handler = move || scrape(&control, flows_top, &s);
-    let server = http::Server::start(opts.addr, http::Limits::default(), stats, Box::new(handler))?;
+    let handler = http::handler(move || scrape(&control, flows_top, &s));
+    let server = crate::http::Server::start("metrics", opts.addr, crate::http::Limits::default(), stats, handler)?;
     tracing::info!(addr = %server.addr(), "metrics served at /metrics");
     Ok(server)
 }

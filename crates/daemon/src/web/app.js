@@ -10,6 +10,8 @@ let canWrite = false;
 let last = null; // the previous state, for rates
 let current = null;
 let updates = 0;
+// When each link now drawn was first drawn (ms since the epoch, the page's clock): window.flexstackSeen.
+let seenAt = new Map();
 
 function esc(s) {
   return String(s ?? "").replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" })[c]);
@@ -163,7 +165,7 @@ function drawGraph(state, r) {
   };
   const frag = document.createDocumentFragment();
   const defs = el("defs", {});
-  const marker = el("marker", { id: "arrow", viewBox: "0 0 10 10", refX: "10", refY: "5", markerWidth: "7", markerHeight: "7", orient: "auto-start-reverse" });
+  const marker = el("marker", { id: "arrow", viewBox: "0 0 10 10", refX: "10", refY: "5", markerUnits: "userSpaceOnUse", markerWidth: "12", markerHeight: "12", orient: "auto-start-reverse" });
   marker.appendChild(el("path", { d: "M 0 0 L 10 5 L 0 10 z", fill: "#7f8c99" }));
   defs.appendChild(marker);
   frag.appendChild(defs);
@@ -227,7 +229,7 @@ function drawTables(state, r) {
   $("rev-facts").textContent = `${state.revision_count} in all; the latest ${state.revisions.length}`;
   $("revisions").innerHTML = table(
     ["rev", "time", "user", "change", ""],
-    state.revisions.map((v) => `<tr data-rev="${v.revision}"><td class="n">${v.revision}</td><td>${esc(new Date(v.time_ms).toLocaleTimeString())}</td><td>${esc(v.user)}</td><td>${esc(v.change)}</td><td><button type="button" class="diff" data-rev="${v.revision}">diff</button> <button type="button" class="rollback write" data-rev="${v.revision}">rollback</button></td></tr>`)
+    state.revisions.map((v) => `<tr data-rev="${v.revision}"><td class="n">${v.revision}</td><td>${esc(new Date(v.time_ms).toLocaleTimeString())}</td><td>${esc(v.user)}</td><td class="wrap">${esc(v.change)}</td><td><button type="button" class="diff" data-rev="${v.revision}">diff</button> <button type="button" class="rollback write" data-rev="${v.revision}">rollback</button></td></tr>`)
   );
   if (state.rules && state.rules.Err !== undefined) {
     $("rules").innerHTML = `<p class="muted">${esc(state.rules.Err)}</p>`;
@@ -270,6 +272,12 @@ function render(state) {
   last = state;
   current = state;
   updates += 1;
+  const now = Date.now();
+  seenAt = new Map(state.links.edges.map((e) => {
+    const text = `${e.from}[${e.from_port}] -> ${e.to}[${e.to_port}]`;
+    return [text, seenAt.get(text) || now];
+  }));
+  window.flexstackSeen = Object.fromEntries(seenAt);
   document.body.dataset.updates = updates;
   document.body.dataset.revision = state.status.revision;
 }

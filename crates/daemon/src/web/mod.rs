@@ -398,7 +398,8 @@ impl Routes {
             content_type: "text/event-stream",
             writer: Box::new(move |w| {
                 let _slot = slot;
-                let mut seen = 0;
+                // The first event is the one the kick above asks for, not an old one.
+                let mut seen = hub.latest.lock().unwrap_or_else(|p| p.into_inner()).0;
                 loop {
                     let (seq, json) = hub.newer(seen, Duration::from_secs(10));
                     let written = if seq == seen {
@@ -477,7 +478,7 @@ pub fn serve(control: Arc<Control>, opts: &WebOptions) -> Result<Web, String> {
     let limits = Limits {
         max_body: 64 * 1024,
         max_connections: opts.max_streams + 24,
-        write_timeout: Duration::from_secs(5),
+        write_timeout: Duration::from_secs(3),
         ..Limits::default()
     };
     let started = Instant::now();

@@ -28,22 +28,14 @@ cleanup() {
   [[ -n "${scraper:-}" ]] && kill "$scraper" 2>/dev/null || true
   [[ -n "${flows_app:-}" ]] && kill "$flows_app" 2>/dev/null || true
   [[ -n "${daemon:-}" ]] && kill "$daemon" 2>/dev/null && wait "$daemon" 2>/dev/null || true
-  ip netns pids ${tag}s 2>/dev/null | xargs -r kill 2>/dev/null || true
-  ip netns del ${tag}s 2>/dev/null || true
-  ip link del ${tag}h 2>/dev/null || true
+  server_ns_cleanup
   rm -rf "$state"
 }
 trap cleanup EXIT INT TERM
 . scripts/lib/bench.sh # median
 
 # The server namespace: a veth to the host, iperf3.
-ip netns add ${tag}s
-ip -n ${tag}s link set lo up
-ip link add ${tag}h type veth peer name ${tag}p
-ip link set ${tag}p netns ${tag}s
-ip addr add 10.214.7.1/24 dev ${tag}h; ip link set ${tag}h up
-ip -n ${tag}s addr add 10.214.7.2/24 dev ${tag}p; ip -n ${tag}s link set ${tag}p up
-ip -n ${tag}s route add default via 10.214.7.1
+server_ns 214
 srv=10.214.7.2
 ip netns exec ${tag}s iperf3 -s -D -p 5201 -I "$state/iperf.pid" >/dev/null
 

@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::{octets, privileged_serial, repo, Daemon, SandboxDaemon, Server};
+use common::{octets, privileged_serial, repo, tcp_exchange as raw, Daemon, SandboxDaemon, Server};
 use serde_json::{json, Value as Json};
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -57,16 +57,6 @@ fn read_answer(c: &mut TcpStream) -> Vec<u8> {
             Ok(n) => out.extend_from_slice(&buf[..n]),
         }
     }
-}
-
-/// Raw bytes to one loopback exchange; the answer as text (empty if the server reset).
-fn raw(port: u16, request: &[u8]) -> String {
-    let mut c = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let _ = c.write_all(request);
-    let mut out = Vec::new();
-    let _ = c.read_to_end(&mut out);
-    String::from_utf8_lossy(&out).to_string()
 }
 
 fn parse_answer(out: &[u8]) -> (u16, String) {

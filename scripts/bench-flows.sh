@@ -37,22 +37,14 @@ tw_host=$(sysctl -n net.netfilter.nf_conntrack_tcp_timeout_time_wait 2>/dev/null
 cleanup() {
   [[ -n "$tw_host" ]] && sysctl -qw net.netfilter.nf_conntrack_tcp_timeout_time_wait="$tw_host" || true
   [[ -n "${daemon:-}" ]] && kill "$daemon" 2>/dev/null && wait "$daemon" 2>/dev/null || true
-  ip netns pids ${tag}s 2>/dev/null | xargs -r kill 2>/dev/null || true
-  ip netns del ${tag}s 2>/dev/null || true
-  ip link del ${tag}h 2>/dev/null || true
+  server_ns_cleanup
   rm -rf "$state"
 }
 trap cleanup EXIT INT TERM
 . scripts/lib/bench.sh # median
 
 # The server namespace: veth to the host, iperf3, nginx (a 1 KiB page), the echo server.
-ip netns add ${tag}s
-ip -n ${tag}s link set lo up
-ip link add ${tag}h type veth peer name ${tag}p
-ip link set ${tag}p netns ${tag}s
-ip addr add 10.213.7.1/24 dev ${tag}h; ip link set ${tag}h up
-ip -n ${tag}s addr add 10.213.7.2/24 dev ${tag}p; ip -n ${tag}s link set ${tag}p up
-ip -n ${tag}s route add default via 10.213.7.1
+server_ns 213
 # Tens of thousands of short connections per run must not leave the next configuration without ports: the
 # server (which closes first) keeps no TIME-WAIT, and the host's conntrack forgets closed connections after 1 s
 # (restored at exit). Without this, a configuration measured after another one found the (address, port) pairs

@@ -2,7 +2,8 @@
 # Installs the programs the end-to-end tests run for real (Debian 12). Needs root; does nothing that is already
 # done. Used by .ci/run; run it once by hand (sudo scripts/setup.sh) before the privileged tests.
 set -euo pipefail
-packages=(iproute2 iputils-ping curl python3 iperf3 dnsutils dnsmasq-base nftables conntrack tshark procps nginx-light wrk prometheus)
+# chromium and chromium-driver: tests/web_e2e.rs drives the web view (--web) in a headless browser.
+packages=(iproute2 iputils-ping curl python3 iperf3 dnsutils dnsmasq-base nftables conntrack tshark procps nginx-light wrk prometheus chromium chromium-driver)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

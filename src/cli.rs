@@ -186,6 +186,15 @@ pub struct DaemonArgs {
     /// Also export the per-flow series (`flexstack_flow_*`) of the N flows with the most bytes (0: none).
     #[arg(long, default_value_t = 0, value_name = "N", requires = "metrics")]
     pub metrics_flows: usize,
+    /// Serve the web view of the running stack at http://ADDR/ (docs/web.md): live graph, runtime, flows,
+    /// revisions, rules, apps, taps; off by default. Writes need the token it prints (also in STATE_DIR/web.token).
+    /// A loopback address unless --web-public.
+    #[arg(long, value_name = "ADDR")]
+    pub web: Option<std::net::SocketAddr>,
+    /// Allow --web on an address other than loopback: whoever reaches it sees the whole stack (writes still need
+    /// the token).
+    #[arg(long, requires = "web")]
+    pub web_public: bool,
 }
 
 /// `flexstack module ...`
@@ -467,6 +476,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 public: d.metrics_public,
                 flows_top: d.metrics_flows,
             }),
+            web: d.web.map(|addr| flexstack_daemon::web::WebOptions::new(addr, d.web_public, cli.state_dir.clone())),
         };
         return run_daemon(opts, flexstack_daemon::catalog()).map_err(CliError::Message);
     }

@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{answer, as_u64, octets, privileged, text, Background, SandboxDaemon, Server};
+use common::{answer, as_u64, octets, privileged, tcp_exchange as exchange, text, Background, SandboxDaemon, Server};
 use flexstack_api::ops::Get;
 use serde_json::Value as Json;
 use std::io::{Read, Write};
@@ -27,16 +27,6 @@ fn metrics_daemon(octet: u8, port: u16, extra: &[&str]) -> SandboxDaemon {
     let d = SandboxDaemon::start_with(octet, &args.iter().map(String::as_str).collect::<Vec<_>>());
     assert!(d.cli(&["status"]).status.success(), "the daemon did not start");
     d
-}
-
-/// Sends `request` to the metrics port and reads the answer until the server closes (empty if it reset).
-fn exchange(port: u16, request: &[u8]) -> String {
-    let mut c = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let _ = c.write_all(request);
-    let mut out = Vec::new();
-    let _ = c.read_to_end(&mut out);
-    String::from_utf8_lossy(&out).to_string()
 }
 
 /// The body of `GET /metrics` (classic text format unless `openmetrics`); panics on any other status.

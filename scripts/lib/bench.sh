@@ -16,3 +16,22 @@ name = "${tag}tb"
 direction = "up"
 TOML
 }
+
+# Creates the server namespace ${tag}s joined to the host by a veth pair (${tag}h on the host, 10.$1.7.1/24; ${tag}p
+# inside, 10.$1.7.2/24, default route through the host). Remove it with server_ns_cleanup.
+server_ns() {
+  ip netns add ${tag}s
+  ip -n ${tag}s link set lo up
+  ip link add ${tag}h type veth peer name ${tag}p
+  ip link set ${tag}p netns ${tag}s
+  ip addr add 10.$1.7.1/24 dev ${tag}h; ip link set ${tag}h up
+  ip -n ${tag}s addr add 10.$1.7.2/24 dev ${tag}p; ip -n ${tag}s link set ${tag}p up
+  ip -n ${tag}s route add default via 10.$1.7.1
+}
+
+# Kills what runs in ${tag}s and removes it and its veth pair.
+server_ns_cleanup() {
+  ip netns pids ${tag}s 2>/dev/null | xargs -r kill 2>/dev/null || true
+  ip netns del ${tag}s 2>/dev/null || true
+  ip link del ${tag}h 2>/dev/null || true
+}

@@ -854,3 +854,14 @@ pub fn eventually(secs: u64, mut cond: impl FnMut() -> bool) -> bool {
     }
     cond()
 }
+
+/// Sends `request` to a TCP port on loopback and reads the answer until the server closes (empty if it reset).
+pub fn tcp_exchange(port: u16, request: &[u8]) -> String {
+    use std::io::Read;
+    let mut c = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let _ = c.write_all(request);
+    let mut out = Vec::new();
+    let _ = c.read_to_end(&mut out);
+    String::from_utf8_lossy(&out).to_string()
+}

@@ -14,12 +14,14 @@
 pub mod actions;
 pub mod appvars;
 pub mod dataplane;
+pub mod http;
 pub mod metrics;
 pub mod privileges;
 pub mod rules;
 pub mod sandbox;
 pub mod server;
 pub mod sockdiag;
+pub mod web;
 
 /// Every module kind the daemon can load: the built-in modules and the faces. A renamed kind still loads by its
 /// old name, and the first use of each old name logs a deprecation warning.

@@ -45,6 +45,8 @@ pub struct DaemonOptions {
     pub flow_meters: crate::sockdiag::PollOptions,
     /// Serve the registry in OpenMetrics text at `GET /metrics` (`--metrics`; none: off).
     pub metrics: Option<crate::metrics::MetricsOptions>,
+    /// Serve the web view (`--web`; none: off).
+    pub web: Option<crate::web::WebOptions>,
 }
 
 /// Runs the daemon in the foreground until SIGINT or SIGTERM. Errors (a bad stack file, a daemon already
@@ -52,6 +54,9 @@ pub struct DaemonOptions {
 pub fn run_daemon(opts: DaemonOptions, catalog: Catalog) -> Result<(), String> {
     if let Some(m) = &opts.metrics {
         m.check()?;
+    }
+    if let Some(w) = &opts.web {
+        w.check()?;
     }
     let spec = match &opts.stack {
         Some(path) => {
@@ -133,6 +138,10 @@ pub fn run_daemon(opts: DaemonOptions, catalog: Catalog) -> Result<(), String> {
     };
     let _metrics = match &opts.metrics {
         Some(m) => Some(crate::metrics::serve(control.clone(), m)?),
+        None => None,
+    };
+    let _web = match &opts.web {
+        Some(w) => Some(crate::web::serve(control.clone(), w)?),
         None => None,
     };
     let _ = std::fs::remove_file(&app_sock);

@@ -1,16 +1,16 @@
 //! `flexstack daemon --metrics ADDR`: every meter and knob of the registry in OpenMetrics text at `GET /metrics`
 //! (docs/metrics.md). A [`Collector`] of the official `prometheus-client` crate walks the registry at each scrape
 //! through the same typed control API the CLI uses (`module_list`, `var_list`, `flow_list`); [`mapping`] names
-//! the families; [`http`] is the small blocking server on its own thread.
+//! the families; [`http`] its routes on the daemon's small blocking HTTP server ([`crate::http`]).
 
 pub mod http;
 pub mod mapping;
 
 use crate::actions::{Caller, Control};
-use flexstack_api::ops::ModuleInfo;
+use flexstack_api::ops::{ConfigShow, RevisionStack};
 use flexstack_api::protocol::Request;
 use flexstack_core::vars::{Registry as VarRegistry, VarCell};
-use flexstack_core::Value;
+use flexstack_core::{StackSpec, Value};
 use mapping::Series;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, MetricEncoder};
@@ -46,7 +46,7 @@ struct Family {
 pub struct RegistryCollector {
     control: Arc<Control>,
     flows_top: usize,
-    stats: Arc<http::Stats>,
+    stats: Arc<crate::http::Stats>,
 }
 
 impl std::fmt::Debug for RegistryCollector {
@@ -73,22 +73,33 @@ fn flow_id(name: &str) -> Option<&str> {
 type FlowBytes<'a> = (u64, Option<&'a Arc<VarCell>>);
 
 /// Each flow's bytes (`bytes_total`, else the sum of its `bytes_*_total`) and its `tuple` cell, by id. Only
-/// those meters are read.
+/// those meters are read. The registry is sorted by name, so a flow's variables are next to each other: one pass,
+/// no lookup per variable.
 fn flow_bytes(reg: &VarRegistry) -> HashMap<&str, FlowBytes<'_>> {
-    let mut flows: HashMap<&str, (u64, Option<&Arc<VarCell>>, bool)> = HashMap::new();
+    let mut flows: HashMap<&str, FlowBytes<'_>> = HashMap::new();
+    // The flow being read: id, bytes, tuple, whether it has `bytes_total`.
+    let mut current: Option<(&str, u64, Option<&Arc<VarCell>>, bool)> = None;
     for (name, cell) in reg.iter() {
         let Some(id) = flow_id(name) else { continue };
+        if current.as_ref().is_some_and(|c| c.0 != id) {
+            if let Some((id, bytes, tuple, _)) = current.take() {
+                flows.insert(id, (bytes, tuple));
+            }
+        }
+        let f = current.get_or_insert((id, 0, None, false));
         let meter = &name["flow.".len() + id.len() + 1..];
-        let f = flows.entry(id).or_insert((0, None, false));
         if meter == "tuple" {
-            f.1 = Some(cell);
+            f.2 = Some(cell);
         } else if meter == "bytes_total" {
-            (f.0, f.2) = (cell.load_u64(), true);
-        } else if !f.2 && meter.starts_with("bytes_") && meter.ends_with("_total") {
-            f.0 = f.0.saturating_add(cell.load_u64());
+            (f.1, f.3) = (cell.load_u64(), true);
+        } else if !f.3 && meter.starts_with("bytes_") && meter.ends_with("_total") {
+            f.1 = f.1.saturating_add(cell.load_u64());
         }
     }
-    flows.into_iter().map(|(id, (bytes, tuple, _))| (id, (bytes, tuple))).collect()
+    if let Some((id, bytes, tuple, _)) = current {
+        flows.insert(id, (bytes, tuple));
+    }
+    flows
 }
 
 /// The `top` flows with the most bytes: their ids and tuples.
@@ -106,9 +117,18 @@ impl RegistryCollector {
     /// Every family of one scrape, by name.
     fn families(&self) -> Result<BTreeMap<String, Family>, String> {
         let start = Instant::now();
-        let modules: Vec<ModuleInfo> = call(&self.control, Request::ModuleList)?;
-        let kinds: HashMap<String, String> = modules.iter().map(|m| (m.name.clone(), m.kind.clone())).collect();
-        let kind_of = |m: &str| kinds.get(m).cloned();
+        // The modules and their kinds from the running stack's description (`config show`): `module list` would take
+        // a snapshot of the whole registry a second time, flows and all, for meters read here anyway.
+        let running: RevisionStack = call(&self.control, Request::ConfigShow(ConfigShow { rev: None }))?;
+        let spec = StackSpec::parse("running stack", &running.stack).map_err(|e| e.to_string())?;
+        let catalog = self.control.catalog();
+        let modules: Vec<(String, String)> = spec
+            .modules
+            .iter()
+            .map(|m| (m.name.clone(), catalog.canonical(&m.kind).unwrap_or(&m.kind).to_string()))
+            .collect();
+        let kinds: HashMap<&str, &str> = modules.iter().map(|(m, k)| (m.as_str(), k.as_str())).collect();
+        let kind_of = |m: &str| kinds.get(m).map(|k| k.to_string());
         // The registry itself, walked once or twice: no copy of it through the control API's JSON (10,000 flows
         // are 90,000 variables).
         let reg = self.control.registry().snapshot();
@@ -136,10 +156,22 @@ impl RegistryCollector {
             }
             f.samples.push((s.labels, value * s.scale));
         };
+        // Whether the flow of the previous variable is exported (a flow's variables are next to each other).
+        let mut last_flow: Option<(&str, bool)> = None;
         for (name, cell) in reg.iter() {
+            if let Some(id) = flow_id(name) {
+                let exported = match last_flow {
+                    Some((last, exported)) if last == id => exported,
+                    _ => top.contains_key(id),
+                };
+                last_flow = Some((id, exported));
+                if !exported {
+                    continue;
+                }
+            }
             let spec = cell.spec();
             // An old name of a renamed variable would export its series twice.
-            if spec.alias_of.is_some() || flow_id(name).is_some_and(|id| !top.contains_key(id)) {
+            if spec.alias_of.is_some() {
                 continue;
             }
             let Some(x) = mapping::number(&cell.get()) else { continue };
@@ -155,8 +187,8 @@ impl RegistryCollector {
             labels,
             help: Some(help.into()),
         };
-        for m in &modules {
-            let labels = vec![("module".into(), m.name.clone()), ("kind".into(), m.kind.clone())];
+        for (name, kind) in &modules {
+            let labels = vec![("module".into(), name.clone()), ("kind".into(), kind.clone())];
             add(
                 info("flexstack_module_info", "a loaded module (always 1), with its kind", labels),
                 1.0,
@@ -238,7 +270,7 @@ impl Collector for RegistryCollector {
 }
 
 /// The exposition of one scrape: OpenMetrics text ending in `# EOF`.
-pub fn scrape(control: &Arc<Control>, flows_top: usize, stats: &Arc<http::Stats>) -> Result<String, String> {
+pub fn scrape(control: &Arc<Control>, flows_top: usize, stats: &Arc<crate::http::Stats>) -> Result<String, String> {
     let mut registry = Registry::default();
     registry.register_collector(Box::new(RegistryCollector {
         control: control.clone(),
@@ -266,13 +298,13 @@ impl MetricsOptions {
 }
 
 /// Starts the endpoint (after [`MetricsOptions::check`]).
-pub fn serve(control: Arc<Control>, opts: &MetricsOptions) -> Result<http::Server, String> {
+pub fn serve(control: Arc<Control>, opts: &MetricsOptions) -> Result<crate::http::Server, String> {
     opts.check()?;
     let flows_top = opts.flows_top;
-    let stats = Arc::new(http::Stats::default());
+    let stats = Arc::new(crate::http::Stats::default());
     let s = stats.clone();
-    let handler = move || scrape(&control, flows_top, &s);
-    let server = http::Server::start(opts.addr, http::Limits::default(), stats, Box::new(handler))?;
+    let handler = http::handler(move || scrape(&control, flows_top, &s));
+    let server = crate::http::Server::start("metrics", opts.addr, crate::http::Limits::default(), stats, handler)?;
     tracing::info!(addr = %server.addr(), "metrics served at /metrics");
     Ok(server)
 }

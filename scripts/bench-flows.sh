@@ -12,7 +12,8 @@
 # Targets (issue 13): (b) >= 0.8 x (a) and (c) >= 0.5 x (a) in throughput; (b), (c) >= 0.7 x (a) in connections/s;
 # added RTT <= 50 us; RSS <= 256 MiB for 10,000 idle connections, CPU near 0. Needs root.
 # CONFIGS (default "a b c") picks configurations, e.g. CONFIGS="a c" while a back-end is missing; PROFILE (default
-# release) the cargo profile built and run.
+# release) the cargo profile built and run; IDLE_SMAPS=PATH keeps the daemon's /proc/PID/smaps while the idle
+# connections are held, as PATH.<configuration> (where its memory goes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${RUNS:-5}
@@ -132,6 +133,7 @@ idle() { # $1 = configuration; prints "RSS_MiB CPU_percent"
   sleep "$IDLE_SECS"
   t1=$(awk '{print $14 + $15}' /proc/$daemon/stat)
   rss=$(awk '/VmRSS/ {printf "%.1f", $2 / 1024}' /proc/$daemon/status)
+  [[ -n "${IDLE_SMAPS:-}" ]] && cp /proc/$daemon/smaps "$IDLE_SMAPS.$c"
   echo "$rss $(awk -v a="$t0" -v b="$t1" -v s="$IDLE_SECS" -v hz="$(getconf CLK_TCK)" 'BEGIN {printf "%.1f", (b - a) / hz / s * 100}')"
   wait "$holder" || true
 }

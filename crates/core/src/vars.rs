@@ -172,7 +172,8 @@ impl From<&VarSpecs> for VarSpecs {
 pub struct VarCell {
     spec: Arc<VarSpec>,
     bits: AtomicU64,
-    text: Mutex<String>,
+    /// Text cells only (the others stay small: 24 bytes).
+    text: Option<Box<Mutex<String>>>,
 }
 
 impl VarCell {
@@ -187,7 +188,8 @@ impl VarCell {
             ValueType::F64 => 0f64.to_bits(),
             _ => 0,
         };
-        VarCell { spec, bits: AtomicU64::new(bits), text: Mutex::new(String::new()) }
+        let text = (spec.ty == ValueType::Str).then(Box::default);
+        VarCell { spec, bits: AtomicU64::new(bits), text }
     }
 
     /// The declaration.
@@ -203,7 +205,9 @@ impl VarCell {
             ValueType::I64 => Value::I64(bits as i64),
             ValueType::F64 => Value::F64(f64::from_bits(bits)),
             ValueType::Bool => Value::Bool(bits != 0),
-            ValueType::Str => Value::Str(self.text.lock().map(|s| s.clone()).unwrap_or_default()),
+            ValueType::Str => {
+                Value::Str(self.text.as_ref().and_then(|t| t.lock().ok().map(|s| s.clone())).unwrap_or_default())
+            }
         }
     }
 
@@ -218,7 +222,7 @@ impl VarCell {
             Value::F64(x) => x.to_bits(),
             Value::Bool(b) => u64::from(b),
             Value::Str(s) => {
-                if let Ok(mut t) = self.text.lock() {
+                if let Some(Ok(mut t)) = self.text.as_ref().map(|t| t.lock()) {
                     *t = s;
                 }
                 return;

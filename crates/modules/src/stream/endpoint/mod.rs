@@ -792,6 +792,7 @@ impl Endpoint {
                 if let Some(t) = self.f.conns.get_mut(&id).and_then(|c| c.tcp.as_mut()) {
                     if !t.accepted {
                         t.accepted = true;
+                        t.syn = Vec::new(); // quoted only in an error before the SYN-ACK
                         t.sockets.get_mut::<tcp::Socket>(t.handle).pause_synack(false);
                     }
                 }

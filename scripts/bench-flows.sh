@@ -22,6 +22,7 @@ RR_N=${RR_N:-5000}
 IDLE=${IDLE:-10000}
 IDLE_SECS=${IDLE_SECS:-10}
 CONFIGS=${CONFIGS:-a b c}
+NET=${NET:-213} # the server's subnet is 10.NET.7.0/24 and the apps' 10.(NET+1).0.0/16: another NET for a second run
 [[ $(id -u) == 0 ]] || { echo "bench-flows: needs root (namespaces, TUN devices)" >&2; exit 1; }
 for p in iperf3 wrk nginx cc; do
   command -v $p >/dev/null || { echo "bench-flows: needs $p (scripts/setup.sh)" >&2; exit 1; }
@@ -50,16 +51,16 @@ ip netns add ${tag}s
 ip -n ${tag}s link set lo up
 ip link add ${tag}h type veth peer name ${tag}p
 ip link set ${tag}p netns ${tag}s
-ip addr add 10.213.7.1/24 dev ${tag}h; ip link set ${tag}h up
-ip -n ${tag}s addr add 10.213.7.2/24 dev ${tag}p; ip -n ${tag}s link set ${tag}p up
-ip -n ${tag}s route add default via 10.213.7.1
+ip addr add 10.$NET.7.1/24 dev ${tag}h; ip link set ${tag}h up
+ip -n ${tag}s addr add 10.$NET.7.2/24 dev ${tag}p; ip -n ${tag}s link set ${tag}p up
+ip -n ${tag}s route add default via 10.$NET.7.1
 # Tens of thousands of short connections per run must not leave the next configuration without ports: the
 # server (which closes first) keeps no TIME-WAIT, and the host's conntrack forgets closed connections after 1 s
 # (restored at exit). Without this, a configuration measured after another one found the (address, port) pairs
 # towards the server still taken and its SYNs waited for retransmission.
 ip netns exec ${tag}s sysctl -qw net.ipv4.tcp_max_tw_buckets=0
 [[ -n "$tw_host" ]] && sysctl -qw net.netfilter.nf_conntrack_tcp_timeout_time_wait=1
-srv=10.213.7.2
+srv=10.$NET.7.2
 cc -O2 -o "$state/tcp_rr" bench/tcp_rr.c
 mkdir -p "$state/www"
 head -c 1024 /dev/zero | tr '\0' x > "$state/www/small"
@@ -80,7 +81,7 @@ ip netns exec ${tag}s iperf3 -s -D -p 5201 -I "$state/iperf.pid" >/dev/null
 ip netns exec ${tag}s "$state/tcp_rr" server 7 > "$state/rr.out" &
 for _ in $(seq 100); do grep -q ready "$state/rr.out" 2>/dev/null && break; sleep 0.05; done
 
-"$fs" daemon --state-dir "$state/d" --app-subnet 10.214.0.0 2>"$state/daemon.log" &
+"$fs" daemon --state-dir "$state/d" --app-subnet 10.$((NET + 1)).0.0 2>"$state/daemon.log" &
 daemon=$!
 for _ in $(seq 200); do "$fs" --state-dir "$state/d" status >/dev/null 2>&1 && break; sleep 0.05; done
 

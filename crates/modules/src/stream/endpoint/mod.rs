@@ -1242,6 +1242,16 @@ impl Endpoint {
     }
 }
 
+impl Drop for Endpoint {
+    /// An endpoint that held connections leaves their freed state in the allocator's arenas (resident, in pieces
+    /// other allocations rarely fill): it goes back to the kernel when the endpoint goes (an app's chain unloaded).
+    fn drop(&mut self) {
+        if self.m.tcp_total.get() + self.m.udp_total.get() > 0 {
+            flexstack_sys::trim_heap();
+        }
+    }
+}
+
 impl Module for Endpoint {
     fn process(&mut self, port: usize, input: &mut Batch, out: &mut Output<'_>) {
         self.dev.pool = out.pool().clone();

@@ -13,7 +13,8 @@
 # added RTT <= 50 us; RSS <= 256 MiB for 10,000 idle connections, CPU near 0. Needs root.
 # PERF=file records a profile of the daemon (file.b, file.c) while the connections are idle.
 # CONFIGS (default "a b c") picks configurations, e.g. CONFIGS="a c" while a back-end is missing; PROFILE (default
-# release) the cargo profile built and run.
+# release) the cargo profile built and run; IDLE_SMAPS=PATH keeps the daemon's /proc/PID/smaps while the idle
+# connections are held, as PATH.<configuration> (where its memory goes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${RUNS:-5}
@@ -22,6 +23,7 @@ RR_N=${RR_N:-5000}
 IDLE=${IDLE:-10000}
 IDLE_SECS=${IDLE_SECS:-10}
 CONFIGS=${CONFIGS:-a b c}
+NET=${NET:-213} # the server's subnet is 10.NET.7.0/24 and the apps' 10.(NET+1).0.0/16: another NET for a second run
 [[ $(id -u) == 0 ]] || { echo "bench-flows: needs root (namespaces, TUN devices)" >&2; exit 1; }
 for p in iperf3 wrk nginx cc; do
   command -v $p >/dev/null || { echo "bench-flows: needs $p (scripts/setup.sh)" >&2; exit 1; }
@@ -44,14 +46,14 @@ trap cleanup EXIT INT TERM
 . scripts/lib/bench.sh # median
 
 # The server namespace: veth to the host, iperf3, nginx (a 1 KiB page), the echo server.
-server_ns 213
+server_ns "$NET"
 # Tens of thousands of short connections per run must not leave the next configuration without ports: the
 # server (which closes first) keeps no TIME-WAIT, and the host's conntrack forgets closed connections after 1 s
 # (restored at exit). Without this, a configuration measured after another one found the (address, port) pairs
 # towards the server still taken and its SYNs waited for retransmission.
 ip netns exec ${tag}s sysctl -qw net.ipv4.tcp_max_tw_buckets=0
 [[ -n "$tw_host" ]] && sysctl -qw net.netfilter.nf_conntrack_tcp_timeout_time_wait=1
-srv=10.213.7.2
+srv=10.$NET.7.2
 cc -O2 -o "$state/tcp_rr" bench/tcp_rr.c
 mkdir -p "$state/www"
 head -c 1024 /dev/zero | tr '\0' x > "$state/www/small"
@@ -72,7 +74,7 @@ ip netns exec ${tag}s iperf3 -s -D -p 5201 -I "$state/iperf.pid" >/dev/null
 ip netns exec ${tag}s "$state/tcp_rr" server 7 > "$state/rr.out" &
 for _ in $(seq 100); do grep -q ready "$state/rr.out" 2>/dev/null && break; sleep 0.05; done
 
-"$fs" daemon --state-dir "$state/d" --app-subnet 10.214.0.0 2>"$state/daemon.log" &
+"$fs" daemon --state-dir "$state/d" --app-subnet 10.$((NET + 1)).0.0 2>"$state/daemon.log" &
 daemon=$!
 for _ in $(seq 200); do "$fs" --state-dir "$state/d" status >/dev/null 2>&1 && break; sleep 0.05; done
 
@@ -131,6 +133,7 @@ idle() { # $1 = configuration; prints "RSS_MiB CPU_percent"
   fi
   t1=$(awk '{print $14 + $15}' /proc/$daemon/stat)
   rss=$(awk '/VmRSS/ {printf "%.1f", $2 / 1024}' /proc/$daemon/status)
+  [[ -n "${IDLE_SMAPS:-}" ]] && cp /proc/$daemon/smaps "$IDLE_SMAPS.$c"
   echo "$rss $(awk -v a="$t0" -v b="$t1" -v s="$IDLE_SECS" -v hz="$(getconf CLK_TCK)" 'BEGIN {printf "%.1f", (b - a) / hz / s * 100}')"
   wait "$holder" || true
 }

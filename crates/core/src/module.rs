@@ -19,7 +19,7 @@ use crate::frame::{Batch, ControlFrame, ControlOp, Frame, PacketPool};
 use crate::reference::{KindReference, MeterDoc, PortDoc, SettingDoc};
 use crate::time::Time;
 use crate::value::Value;
-use crate::vars::{DynamicVars, ModuleVars, VarKind, VarSpec};
+use crate::vars::{DynamicVars, ModuleVars, VarKind, VarSpec, VarSpecs};
 use std::any::Any;
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -319,11 +319,12 @@ impl<'a> Output<'a> {
     /// Registers variables under `prefix` (`flow.17`, `iface.eth0`, `app.voip`) while the module runs, e.g. per-flow
     /// meters. They are readable by name like declared ones, belong to this module, and go away with
     /// [`Output::unregister_vars`] or when the module is unloaded. Not for every packet: it takes a lock.
-    /// (A detached output, in module unit tests, returns the cells without publishing them.)
-    pub fn register_vars(&mut self, prefix: &str, specs: &[VarSpec]) -> Result<ModuleVars, String> {
+    /// (A detached output, in module unit tests, returns the cells without publishing them.) Pass the same
+    /// [`VarSpecs`] for every flow: the cells then share its declarations.
+    pub fn register_vars(&mut self, prefix: &str, specs: impl Into<VarSpecs>) -> Result<ModuleVars, String> {
         match self.dynamic.as_deref_mut() {
             Some(d) => d.register(self.module, prefix, specs),
-            None => Ok(ModuleVars::new(specs)),
+            None => Ok(ModuleVars::shared(&specs.into())),
         }
     }
 

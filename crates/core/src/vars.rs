@@ -8,7 +8,7 @@
 
 use crate::value::{Value, ValueType};
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
@@ -99,22 +99,97 @@ impl VarSpec {
     }
 }
 
-/// The storage of one variable: written by one thread (the data plane), read by any.
+/// A list of declarations that many registrations share (a module's per-flow variables): every cell made from it
+/// points at its declaration instead of holding a copy, so 10,000 flows keep one copy of each. Cheap to clone.
+#[derive(Clone, Debug, Default)]
+pub struct VarSpecs(Arc<SpecList>);
+
+#[derive(Debug, Default)]
+struct SpecList {
+    specs: Vec<Arc<VarSpec>>,
+    /// Indices into `specs`, in name order.
+    by_name: Vec<usize>,
+}
+
+impl VarSpecs {
+    /// Shares `specs`.
+    pub fn new(specs: impl IntoIterator<Item = VarSpec>) -> VarSpecs {
+        let specs: Vec<Arc<VarSpec>> = specs.into_iter().map(Arc::new).collect();
+        let mut by_name: Vec<usize> = (0..specs.len()).collect();
+        by_name.sort_by(|&a, &b| specs[a].name.cmp(&specs[b].name));
+        VarSpecs(Arc::new(SpecList { specs, by_name }))
+    }
+
+    /// The declarations, in their order.
+    pub fn iter(&self) -> impl Iterator<Item = &VarSpec> {
+        self.0.specs.iter().map(|s| &**s)
+    }
+
+    /// Number of declarations.
+    pub fn len(&self) -> usize {
+        self.0.specs.len()
+    }
+
+    /// True when there is none.
+    pub fn is_empty(&self) -> bool {
+        self.0.specs.is_empty()
+    }
+}
+
+impl From<&[VarSpec]> for VarSpecs {
+    fn from(specs: &[VarSpec]) -> VarSpecs {
+        VarSpecs::new(specs.iter().cloned())
+    }
+}
+
+impl From<&Vec<VarSpec>> for VarSpecs {
+    fn from(specs: &Vec<VarSpec>) -> VarSpecs {
+        VarSpecs::new(specs.iter().cloned())
+    }
+}
+
+impl<const N: usize> From<&[VarSpec; N]> for VarSpecs {
+    fn from(specs: &[VarSpec; N]) -> VarSpecs {
+        VarSpecs::new(specs.iter().cloned())
+    }
+}
+
+impl From<Vec<VarSpec>> for VarSpecs {
+    fn from(specs: Vec<VarSpec>) -> VarSpecs {
+        VarSpecs::new(specs)
+    }
+}
+
+impl From<&VarSpecs> for VarSpecs {
+    fn from(specs: &VarSpecs) -> VarSpecs {
+        specs.clone()
+    }
+}
+
+/// The storage of one variable: written by one thread (the data plane), read by any. It points at its declaration
+/// (shared with every other cell made from the same [`VarSpecs`]).
 #[derive(Debug)]
 pub struct VarCell {
-    spec: VarSpec,
+    spec: Arc<VarSpec>,
     bits: AtomicU64,
-    text: Mutex<String>,
+    /// Text cells only (the others stay small: 24 bytes).
+    text: Option<Box<Mutex<String>>>,
 }
 
 impl VarCell {
     /// A cell for `spec` holding zero / false / "".
     pub fn new(spec: VarSpec) -> VarCell {
+        VarCell::shared(Arc::new(spec))
+    }
+
+    /// A cell for a shared declaration, holding zero / false / "".
+    pub fn shared(spec: Arc<VarSpec>) -> VarCell {
         let bits = match spec.ty {
             ValueType::F64 => 0f64.to_bits(),
             _ => 0,
         };
-        VarCell { spec, bits: AtomicU64::new(bits), text: Mutex::new(String::new()) }
+        let text = (spec.ty == ValueType::Str).then(Box::default);
+        VarCell { spec, bits: AtomicU64::new(bits), text }
     }
 
     /// The declaration.
@@ -130,7 +205,9 @@ impl VarCell {
             ValueType::I64 => Value::I64(bits as i64),
             ValueType::F64 => Value::F64(f64::from_bits(bits)),
             ValueType::Bool => Value::Bool(bits != 0),
-            ValueType::Str => Value::Str(self.text.lock().map(|s| s.clone()).unwrap_or_default()),
+            ValueType::Str => {
+                Value::Str(self.text.as_ref().and_then(|t| t.lock().ok().map(|s| s.clone())).unwrap_or_default())
+            }
         }
     }
 
@@ -145,7 +222,7 @@ impl VarCell {
             Value::F64(x) => x.to_bits(),
             Value::Bool(b) => u64::from(b),
             Value::Str(s) => {
-                if let Ok(mut t) = self.text.lock() {
+                if let Some(Ok(mut t)) = self.text.as_ref().map(|t| t.lock()) {
                     *t = s;
                 }
                 return;
@@ -232,6 +309,11 @@ impl ModuleVars {
         ModuleVars { cells: specs.iter().cloned().map(|s| Arc::new(VarCell::new(s))).collect() }
     }
 
+    /// Cells for shared declarations, all zero; each points at its declaration in `specs`.
+    pub fn shared(specs: &VarSpecs) -> ModuleVars {
+        ModuleVars { cells: specs.0.specs.iter().map(|s| Arc::new(VarCell::shared(s.clone()))).collect() }
+    }
+
     /// The cell of the variable declared as `name`.
     pub fn cell(&self, name: &str) -> Option<&Arc<VarCell>> {
         self.cells.iter().find(|c| c.spec.name == name)
@@ -245,47 +327,197 @@ impl ModuleVars {
         Meter(self.cell(name).unwrap_or_else(|| panic!("variable {name} was not declared")).clone())
     }
 
+    /// The meter handle of the `i`th declared variable.
+    ///
+    /// # Panics
+    /// If fewer were declared.
+    pub fn meter_at(&self, i: usize) -> Meter {
+        Meter(self.cells[i].clone())
+    }
+
     /// All cells, in declaration order.
     pub fn cells(&self) -> &[Arc<VarCell>] {
         &self.cells
     }
 }
 
-/// Full name → cell, as published by the switch.
+/// The variables one module registered at runtime under one prefix: their full names kept once, in one string, in
+/// name order, and their cells in the same order.
+#[derive(Debug)]
+struct Group {
+    /// Which [`DynamicVars`] registered it, and for which module.
+    origin: u64,
+    owner: Arc<str>,
+    /// The key (the prefix and a dot, `flow.17.`), then each full name.
+    text: Box<str>,
+    key_len: u32,
+    /// Where each full name ends in `text` (it starts where the previous one ends, the first after the key).
+    ends: Box<[u32]>,
+    cells: Box<[Arc<VarCell>]>,
+}
+
+impl Group {
+    fn new(origin: u64, owner: Arc<str>, prefix: &str, specs: &VarSpecs, vars: &ModuleVars) -> Group {
+        let order = &specs.0.by_name;
+        let names: usize = order.iter().map(|&i| prefix.len() + 1 + specs.0.specs[i].name.len()).sum();
+        let mut text = String::with_capacity(prefix.len() + 1 + names);
+        text.push_str(prefix);
+        text.push('.');
+        let key_len = text.len() as u32;
+        let mut ends = Vec::with_capacity(order.len());
+        for &i in order {
+            text.push_str(prefix);
+            text.push('.');
+            text.push_str(&specs.0.specs[i].name);
+            ends.push(text.len() as u32);
+        }
+        let cells = order.iter().map(|&i| vars.cells[i].clone()).collect();
+        Group { origin, owner, text: text.into_boxed_str(), key_len, ends: ends.into_boxed_slice(), cells }
+    }
+
+    /// `prefix.`: every name of the group starts with it.
+    fn key(&self) -> &str {
+        &self.text[..self.key_len as usize]
+    }
+
+    /// (full name, cell), in name order.
+    fn entries(&self) -> impl Iterator<Item = (&str, &Arc<VarCell>)> + '_ {
+        let starts = std::iter::once(self.key_len).chain(self.ends.iter().copied());
+        starts.zip(self.ends.iter()).map(|(s, &e)| &self.text[s as usize..e as usize]).zip(self.cells.iter())
+    }
+
+    fn get(&self, name: &str) -> Option<&Arc<VarCell>> {
+        self.entries().find(|(n, _)| *n == name).map(|(_, c)| c)
+    }
+}
+
+/// Declared variables by full name.
+type Names = BTreeMap<String, Arc<VarCell>>;
+
+/// A group in the shared set, ordered and looked up by its key (`prefix.`).
+#[derive(Clone, Debug)]
+struct ByKey(Arc<Group>);
+
+impl PartialEq for ByKey {
+    fn eq(&self, other: &ByKey) -> bool {
+        self.0.key() == other.0.key()
+    }
+}
+
+impl Eq for ByKey {}
+
+impl PartialOrd for ByKey {
+    fn partial_cmp(&self, other: &ByKey) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for ByKey {
+    fn cmp(&self, other: &ByKey) -> std::cmp::Ordering {
+        self.0.key().cmp(other.0.key())
+    }
+}
+
+impl std::borrow::Borrow<str> for ByKey {
+    fn borrow(&self) -> &str {
+        self.0.key()
+    }
+}
+
+/// Full name → cell, as published by the switch: the modules' declared variables, and the runtime ones (in groups,
+/// one per registered prefix, shared with the [`SharedRegistry`] they were taken from: a snapshot copies no name).
 #[derive(Clone, Debug, Default)]
 pub struct Registry {
-    vars: BTreeMap<String, Arc<VarCell>>,
+    vars: Arc<Names>,
+    /// Sorted by key.
+    groups: Vec<Arc<Group>>,
+    /// Some group's key starts with another's (`iface.eth0.` and `iface.eth0.x.`): their names interleave, so
+    /// iterating in name order needs a sort.
+    nested: bool,
 }
 
 impl Registry {
     /// Adds `cell` under the full name `name`.
     pub fn insert(&mut self, name: String, cell: Arc<VarCell>) {
-        self.vars.insert(name, cell);
+        Arc::make_mut(&mut self.vars).insert(name, cell);
     }
 
     /// The cell named exactly `name`.
     pub fn get(&self, name: &str) -> Option<&Arc<VarCell>> {
+        // The group whose key `name` starts with: a binary search per dot of the name.
+        for (i, _) in name.match_indices('.').rev() {
+            let key = &name[..=i];
+            if let Ok(g) = self.groups.binary_search_by(|g| g.key().cmp(key)) {
+                if let Some(c) = self.groups[g].get(name) {
+                    return Some(c);
+                }
+            }
+        }
         self.vars.get(name)
     }
 
     /// The variables whose names match `pattern` (see [`name_matches`]), sorted by name.
     pub fn matching<'a>(&'a self, pattern: &'a str) -> impl Iterator<Item = (&'a str, &'a Arc<VarCell>)> + 'a {
-        self.vars.iter().filter(move |(n, _)| name_matches(pattern, n)).map(|(n, c)| (n.as_str(), c))
+        // What precedes the first wildcard must start the name: a cheap test before the matcher.
+        let literal = &pattern[..pattern.find(['*', '?']).unwrap_or(pattern.len())];
+        let exact = (!is_pattern(pattern)).then(|| self.get(pattern).map(|c| (pattern, c)));
+        let all: Box<dyn Iterator<Item = (&'a str, &'a Arc<VarCell>)> + 'a> = match exact {
+            Some(found) => Box::new(found.into_iter()),
+            None => Box::new(self.iter().filter(move |(n, _)| n.starts_with(literal) && name_matches(pattern, n))),
+        };
+        all
     }
 
     /// All variables, sorted by name.
     pub fn iter(&self) -> impl Iterator<Item = (&str, &Arc<VarCell>)> {
-        self.vars.iter().map(|(n, c)| (n.as_str(), c))
+        let fixed = self.vars.iter().map(|(n, c)| (n.as_str(), c));
+        let runtime: Box<dyn Iterator<Item = (&str, &Arc<VarCell>)>> = if self.nested {
+            let mut all: Vec<(&str, &Arc<VarCell>)> = self.groups.iter().flat_map(|g| g.entries()).collect();
+            all.sort_by(|a, b| a.0.cmp(b.0));
+            Box::new(all.into_iter())
+        } else {
+            Box::new(self.groups.iter().flat_map(|g| g.entries()))
+        };
+        Merge { a: fixed.peekable(), b: runtime.peekable() }
     }
 
     /// Number of variables.
     pub fn len(&self) -> usize {
-        self.vars.len()
+        self.vars.len() + self.groups.iter().map(|g| g.cells.len()).sum::<usize>()
     }
 
     /// True when no variable is registered.
     pub fn is_empty(&self) -> bool {
-        self.vars.is_empty()
+        self.len() == 0
+    }
+}
+
+/// Two name-ordered iterators merged in name order; on a name in both, `b`'s (a runtime variable) wins.
+struct Merge<A: Iterator, B: Iterator> {
+    a: std::iter::Peekable<A>,
+    b: std::iter::Peekable<B>,
+}
+
+impl<'r, A, B> Iterator for Merge<A, B>
+where
+    A: Iterator<Item = (&'r str, &'r Arc<VarCell>)>,
+    B: Iterator<Item = (&'r str, &'r Arc<VarCell>)>,
+{
+    type Item = (&'r str, &'r Arc<VarCell>);
+
+    fn next(&mut self) -> Option<Self::Item> {
+        match (self.a.peek(), self.b.peek()) {
+            (Some(x), Some(y)) => match x.0.cmp(y.0) {
+                std::cmp::Ordering::Less => self.a.next(),
+                std::cmp::Ordering::Equal => {
+                    self.a.next();
+                    self.b.next()
+                }
+                std::cmp::Ordering::Greater => self.b.next(),
+            },
+            (Some(_), None) => self.a.next(),
+            _ => self.b.next(),
+        }
     }
 }
 
@@ -294,52 +526,46 @@ impl Registry {
 /// (`flow.<id>.*`, `iface.<if>.*`, `app.<name>.*`), added and removed one prefix at a time.
 #[derive(Clone, Debug, Default)]
 pub struct SharedRegistry {
-    fixed: Arc<RwLock<Arc<Registry>>>,
-    dynamic: Arc<RwLock<BTreeMap<String, Arc<VarCell>>>>,
+    fixed: Arc<RwLock<Arc<Names>>>,
+    dynamic: Arc<RwLock<BTreeSet<ByKey>>>,
 }
 
 impl SharedRegistry {
-    /// A snapshot of every variable; reading its cells needs no further lock.
+    /// A snapshot of every variable; reading its cells needs no further lock. Cheap: it shares the declared
+    /// variables and each runtime group (one reference count per registered prefix; no name is copied).
     pub fn snapshot(&self) -> Arc<Registry> {
-        let fixed = self.fixed.read().map(|r| r.clone()).unwrap_or_default();
-        let dynamic = match self.dynamic.read() {
-            Ok(d) if !d.is_empty() => d,
-            _ => return fixed,
+        let vars = self.fixed.read().map(|r| r.clone()).unwrap_or_default();
+        let groups: Vec<Arc<Group>> = match self.dynamic.read() {
+            Ok(d) => d.iter().map(|g| g.0.clone()).collect(),
+            Err(_) => Vec::new(),
         };
-        let mut merged = (*fixed).clone();
-        for (name, cell) in dynamic.iter() {
-            merged.insert(name.clone(), cell.clone());
-        }
-        Arc::new(merged)
+        let nested = groups.windows(2).any(|w| w[1].key().starts_with(w[0].key()));
+        Arc::new(Registry { vars, groups, nested })
     }
 
-    /// Publishes a new snapshot of the declared variables.
+    /// Publishes a new snapshot of the declared variables (the runtime ones in `registry`, if any, are not: they
+    /// belong to their [`DynamicVars`]).
     pub fn publish(&self, registry: Registry) {
         if let Ok(mut slot) = self.fixed.write() {
-            *slot = Arc::new(registry);
-        }
-    }
-
-    fn insert_dynamic(&self, name: String, cell: Arc<VarCell>) {
-        if let Ok(mut d) = self.dynamic.write() {
-            d.insert(name, cell);
-        }
-    }
-
-    fn remove_dynamic(&self, names: &[String]) {
-        if let Ok(mut d) = self.dynamic.write() {
-            for n in names {
-                d.remove(n);
-            }
+            *slot = registry.vars;
         }
     }
 }
 
-/// Variables registered at runtime, by prefix, with the module that owns each prefix.
-#[derive(Debug, Default)]
+/// Variables registered at runtime, by prefix, with the module that owns each prefix. Several can publish into the
+/// same [`SharedRegistry`] (the switch, the daemon's own publishers); each sees and removes only its own prefixes.
+#[derive(Debug)]
 pub struct DynamicVars {
     registry: SharedRegistry,
-    owners: BTreeMap<String, (String, Vec<String>)>,
+    origin: u64,
+    /// Owner names, each kept once.
+    owners: Vec<Arc<str>>,
+}
+
+impl Default for DynamicVars {
+    fn default() -> DynamicVars {
+        DynamicVars::new(SharedRegistry::default())
+    }
 }
 
 /// First segments a module may register variables under.
@@ -348,12 +574,23 @@ pub const DYNAMIC_ROOTS: [&str; 3] = ["flow", "iface", "app"];
 impl DynamicVars {
     /// Runtime variables published into `registry`.
     pub fn new(registry: SharedRegistry) -> DynamicVars {
-        DynamicVars { registry, owners: BTreeMap::new() }
+        static ORIGINS: AtomicU64 = AtomicU64::new(1);
+        DynamicVars { registry, origin: ORIGINS.fetch_add(1, Ordering::Relaxed), owners: Vec::new() }
+    }
+
+    fn owner(&mut self, owner: &str) -> Arc<str> {
+        if let Some(o) = self.owners.iter().find(|o| &***o == owner) {
+            return o.clone();
+        }
+        let o: Arc<str> = owner.into();
+        self.owners.push(o.clone());
+        o
     }
 
     /// Registers `specs` under `prefix` (`flow.17`) for module `owner`; a prefix the owner registered before is
     /// replaced. Refused: a prefix outside `flow.`/`iface.`/`app.`, an invalid segment, or another module's prefix.
-    pub fn register(&mut self, owner: &str, prefix: &str, specs: &[VarSpec]) -> Result<ModuleVars, String> {
+    /// Declarations passed as [`VarSpecs`] are shared by the cells (pass the same `VarSpecs` for every flow).
+    pub fn register(&mut self, owner: &str, prefix: &str, specs: impl Into<VarSpecs>) -> Result<ModuleVars, String> {
         let mut segments = prefix.split('.');
         let root = segments.next().unwrap_or_default();
         if !DYNAMIC_ROOTS.contains(&root) {
@@ -367,69 +604,69 @@ impl DynamicVars {
         if !prefix.split('.').all(segment_ok) || prefix.split('.').count() < 2 {
             return Err(format!("invalid variable prefix {prefix:?}: expected e.g. flow.17 or iface.eth0"));
         }
-        match self.owners.get(prefix) {
-            Some((o, _)) if o != owner => return Err(format!("{prefix} belongs to module {o}")),
-            Some(_) => {
-                self.unregister(owner, prefix);
+        let specs = specs.into();
+        let owner = self.owner(owner);
+        let vars = ModuleVars::shared(&specs);
+        let group = ByKey(Arc::new(Group::new(self.origin, owner.clone(), prefix, &specs, &vars)));
+        let mut d = self.registry.dynamic.write().map_err(|_| "the registry is poisoned".to_string())?;
+        if let Some(g) = d.get(group.0.key()) {
+            if g.0.origin != self.origin || g.0.owner != owner {
+                return Err(format!("{prefix} belongs to module {}", g.0.owner));
             }
-            None => {}
         }
-        let vars = ModuleVars::new(specs);
-        let names: Vec<String> = vars.cells().iter().map(|c| format!("{prefix}.{}", c.spec().name)).collect();
-        for (name, cell) in names.iter().zip(vars.cells()) {
-            self.registry.insert_dynamic(name.clone(), cell.clone());
-        }
-        self.owners.insert(prefix.to_string(), (owner.to_string(), names));
+        d.replace(group);
         Ok(vars)
+    }
+
+    /// The group of this registrar at `key` (`prefix.`).
+    fn own(&self, key: &str) -> Option<Arc<Group>> {
+        let d = self.registry.dynamic.read().ok()?;
+        d.get(key).filter(|g| g.0.origin == self.origin).map(|g| g.0.clone())
     }
 
     /// The module that registered runtime variable `name` (the owner of the longest registered prefix of it), and
     /// the variable's cell; `None` if no module registered it.
     pub fn owner_of(&self, name: &str) -> Option<(&str, Arc<VarCell>)> {
-        let mut cut = name.len();
-        while let Some(dot) = name[..cut].rfind('.') {
-            if let Some((owner, names)) = self.owners.get(&name[..dot]) {
-                if names.iter().any(|n| n == name) {
-                    let cell = self.registry.snapshot().get(name).cloned()?;
-                    return Some((owner.as_str(), cell));
-                }
-                return None;
+        for (i, _) in name.match_indices('.').rev() {
+            if let Some(g) = self.own(&name[..=i]) {
+                let cell = g.get(name)?.clone();
+                let owner = self.owners.iter().find(|o| Arc::ptr_eq(o, &g.owner))?;
+                return Some((owner, cell));
             }
-            cut = dot;
         }
         None
     }
 
     /// Removes the variables `owner` registered under `prefix`; false if it had none there.
     pub fn unregister(&mut self, owner: &str, prefix: &str) -> bool {
-        match self.owners.get(prefix) {
-            Some((o, _)) if o == owner => {}
+        let Ok(mut d) = self.registry.dynamic.write() else { return false };
+        let mut key = String::with_capacity(prefix.len() + 1);
+        key.push_str(prefix);
+        key.push('.');
+        match d.get(key.as_str()) {
+            Some(g) if g.0.origin == self.origin && &*g.0.owner == owner => {}
             _ => return false,
         }
-        if let Some((_, names)) = self.owners.remove(prefix) {
-            self.registry.remove_dynamic(&names);
-        }
+        d.remove(key.as_str());
         true
     }
 
     /// Removes every variable `owner` registered (it was unloaded); returns how many prefixes went.
     pub fn unregister_owner(&mut self, owner: &str) -> usize {
-        let prefixes: Vec<String> =
-            self.owners.iter().filter(|(_, (o, _))| o == owner).map(|(p, _)| p.clone()).collect();
-        for p in &prefixes {
-            self.unregister(owner, p);
-        }
-        prefixes.len()
+        let Ok(mut d) = self.registry.dynamic.write() else { return 0 };
+        let before = d.len();
+        d.retain(|g| g.0.origin != self.origin || &*g.0.owner != owner);
+        before - d.len()
     }
 
     /// Number of registered prefixes.
     pub fn len(&self) -> usize {
-        self.owners.len()
+        self.registry.dynamic.read().map(|d| d.iter().filter(|g| g.0.origin == self.origin).count()).unwrap_or(0)
     }
 
     /// True when nothing is registered.
     pub fn is_empty(&self) -> bool {
-        self.owners.is_empty()
+        self.len() == 0
     }
 }
 
@@ -530,6 +767,65 @@ mod tests {
         assert!(name_matches(&"*".repeat(1 << 20), &name));
         assert!(!name_matches(&"*?".repeat(1 << 19), &name));
         assert!(start.elapsed() < std::time::Duration::from_secs(2), "{:?}", start.elapsed());
+    }
+
+    /// Runtime groups and declared variables come out in name order, whatever their prefixes (`-` sorts before
+    /// `.`; a prefix inside another's), and each is found by name.
+    #[test]
+    fn snapshots_list_every_variable_in_name_order() {
+        let shared = SharedRegistry::default();
+        let mut fixed = Registry::default();
+        for name in ["iface.a.0", "module.m.x", "flow.1-b.z"] {
+            fixed.insert(name.into(), Arc::new(VarCell::new(VarSpec::meter("v", ValueType::U64, "", ""))));
+        }
+        shared.publish(fixed);
+        let mut d = DynamicVars::new(shared.clone());
+        let specs = VarSpecs::from(vec![
+            VarSpec::meter("b", ValueType::U64, "", ""),
+            VarSpec::meter("a.c", ValueType::U64, "", ""),
+            VarSpec::meter("a", ValueType::U64, "", ""),
+        ]);
+        for prefix in ["flow.1", "flow.10", "flow.1-b", "iface.a", "iface.a.b"] {
+            let vars = d.register("m", prefix, &specs).unwrap();
+            vars.meter("b").set(prefix.len() as u64);
+        }
+        for nested in [true, false] {
+            if !nested {
+                d.unregister("m", "iface.a.b");
+            }
+            let snap = shared.snapshot();
+            let names: Vec<&str> = snap.iter().map(|(n, _)| n).collect();
+            let mut sorted = names.clone();
+            sorted.sort();
+            assert_eq!(names, sorted);
+            assert_eq!(names.len(), 3 + 3 * if nested { 5 } else { 4 }, "{names:?}");
+            assert_eq!(snap.len(), names.len());
+            for n in &names {
+                assert!(snap.get(n).is_some(), "{n}");
+            }
+            assert_eq!(snap.get("flow.1-b.b").map(|c| c.get()), Some(Value::U64(8)));
+            assert!(snap.get("iface.a.b").is_some(), "a name of group iface.a");
+            assert_eq!(snap.get("iface.a.b.a.c").is_some(), nested, "a name of group iface.a.b");
+            assert_eq!(snap.matching("flow.*.a").count(), 3);
+            assert_eq!(snap.matching("flow.10.b").count(), 1);
+        }
+    }
+
+    /// Registrars sharing a registry see only their own prefixes, and one cannot take another's.
+    #[test]
+    fn registrars_keep_to_their_own_prefixes() {
+        let shared = SharedRegistry::default();
+        let (mut a, mut b) = (DynamicVars::new(shared.clone()), DynamicVars::new(shared.clone()));
+        let spec = [VarSpec::knob("cc", ValueType::Str, "", "")];
+        a.register("m1", "flow.7", &spec).unwrap();
+        assert!(a.register("m2", "flow.7", &spec).unwrap_err().contains("belongs to module m1"));
+        assert!(b.register("m1", "flow.7", &spec).is_err());
+        assert!(b.owner_of("flow.7.cc").is_none());
+        assert!(!b.unregister("m1", "flow.7"));
+        assert_eq!(a.owner_of("flow.7.cc").map(|(o, _)| o.to_string()), Some("m1".into()));
+        assert_eq!((a.len(), b.len()), (1, 0));
+        assert_eq!(a.unregister_owner("m1"), 1);
+        assert!(shared.snapshot().is_empty());
     }
 
     #[test]

@@ -342,6 +342,22 @@ pub fn fix_mmap_threshold(bytes: usize) -> bool {
     }
 }
 
+/// Gives the free memory inside every malloc arena back to the kernel (glibc's `malloc_trim(0)`): memory freed by
+/// the data plane (the state of thousands of ended connections, packets beyond the pool's spare ones) otherwise
+/// stays resident in its arena. Costs a walk of the free lists (a few milliseconds); returns false where the C
+/// library has no such call or nothing was released.
+pub fn trim_heap() -> bool {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // SAFETY: malloc_trim only walks the allocator's own free lists; it takes no pointers of ours.
+        unsafe { libc::malloc_trim(0) == 1 }
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    {
+        false
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

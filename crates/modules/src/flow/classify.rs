@@ -29,7 +29,7 @@ use crate::flow::table::{tcp_flags, timeouts_in_field, Expiring, Idle, Slab, Tim
 use flexstack_core::module::port_type;
 use flexstack_core::{
     field, kind_from_decl, Batch, ConfigError, Direction, KindDecl, MetaKey, Meter, MeterDecl, Module, ModuleBuilder,
-    ModuleKind, ModuleVars, Output, Param, PortDecl, Settings, Time, Value, ValueType, VarSpec,
+    ModuleKind, ModuleVars, Output, Param, PortDecl, Settings, Time, Value, ValueType, VarSpec, VarSpecs,
 };
 use flexstack_wire::packet::{proto, PacketInfo, ParseDrops};
 use std::any::Any;
@@ -155,7 +155,7 @@ impl ModuleKind for ClassifyKind {
                 cfg,
                 flush: false,
                 table: Table::default(),
-                flow_specs: flow_specs(),
+                flow_specs: VarSpecs::new(flow_specs()),
                 m,
                 drops: ParseDrops::new(vars),
             })
@@ -248,7 +248,8 @@ pub struct Classify {
     cfg: Config,
     flush: bool,
     table: Table,
-    flow_specs: Vec<VarSpec>,
+    /// Declared once, shared by every flow's cells.
+    flow_specs: VarSpecs,
     m: Meters,
     drops: ParseDrops,
 }
@@ -295,7 +296,7 @@ impl Classify {
         let id = self.table.next_id;
         let vars_name = format!("{}.{id}", self.cfg.vars_prefix);
         let vars =
-            out.register_vars(&vars_name, &self.flow_specs).unwrap_or_else(|_| ModuleVars::new(&self.flow_specs));
+            out.register_vars(&vars_name, &self.flow_specs).unwrap_or_else(|_| ModuleVars::shared(&self.flow_specs));
         let first = (info.src, info.src_port);
         let tuple = tuple_text(info);
         vars.meter("first_seen_ns").set(now);

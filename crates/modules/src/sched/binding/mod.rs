@@ -112,7 +112,7 @@ use crate::flow::table::Slab;
 use flexstack_core::module::port_type;
 use flexstack_core::{
     kind_from_decl, Batch, ConfigError, Deprecations, Frame, MetaKey, Meter, Module, ModuleBuilder, ModuleInterface,
-    ModuleKind, ModuleVars, Output, Packet, PortSpec, Settings, Time, Value, ValueType, VarSpec,
+    ModuleKind, ModuleVars, Output, Packet, PortSpec, Settings, Time, Value, ValueType, VarSpec, VarSpecs,
 };
 use flexstack_wire::packet::{PacketInfo, ParseDrops};
 use flexstack_wire::rewrite::{self, Layout};
@@ -234,7 +234,7 @@ impl ModuleBuilder for BindingBuilder {
             queued_bytes: 0,
             next_sweep: None,
             downs_pending: false,
-            flow_specs: flow_specs(),
+            flow_specs: VarSpecs::new(flow_specs()),
             deprecations,
         })
     }
@@ -299,7 +299,8 @@ pub struct Binding {
     next_sweep: Option<Time>,
     /// Some interface's `pending_down` is set.
     downs_pending: bool,
-    flow_specs: Vec<VarSpec>,
+    /// Declared once, shared by every flow's cells.
+    flow_specs: VarSpecs,
     meters: Meters,
     drops: ParseDrops,
     /// Where a knob written by its old name is reported.
@@ -351,7 +352,7 @@ impl Binding {
         let vars_name = format!("{}.{id}.binding", self.cfg.vars_prefix);
         let vars = out.register_vars(&vars_name, &self.flow_specs).unwrap_or_else(|_| {
             self.meters.unpublished.add(1);
-            ModuleVars::new(&self.flow_specs)
+            ModuleVars::shared(&self.flow_specs)
         });
         vars.meter("class").store(&Value::Str(class.name().into()));
         let flow = Flow {

@@ -27,7 +27,7 @@ use device::Queues;
 use flexstack_core::stream::{Credit, FlowInfo, Protocol, Role, StreamEvent, StreamFrame};
 use flexstack_core::{
     Batch, ConfigError, Direction, Frame, KindDecl, Meter, Module, ModuleBuilder, ModuleInterface, ModuleVars, Output,
-    Packet, Settings, Time, Value, ValueType, VarSpec,
+    Packet, Settings, Time, Value, ValueType, VarSpec, VarSpecs,
 };
 use flexstack_wire::checksum;
 use flexstack_wire::packet::{proto, PacketInfo};
@@ -215,6 +215,11 @@ struct Flows {
     udp_count: usize,
     buffered: u64,
     in_flight: u64,
+    /// TCP connections over both ways and in TIME-WAIT: only their tuple and when TIME-WAIT ends (their socket,
+    /// buffers and meters are gone). Their segments are absorbed; a new SYN starts a new connection.
+    time_wait: HashMap<Key, Time>,
+    /// The same, oldest first (an entry whose time no longer matches was taken over).
+    time_wait_order: VecDeque<(Time, Key)>,
 }
 
 impl Flows {
@@ -232,6 +237,8 @@ impl Flows {
             udp_count: 0,
             buffered: 0,
             in_flight: 0,
+            time_wait: HashMap::new(),
+            time_wait_order: VecDeque::new(),
         }
     }
 }
@@ -267,6 +274,11 @@ fn state_name(s: tcp::State) -> &'static str {
         LastAck => "last-ack",
         TimeWait => "time-wait",
     }
+}
+
+/// `p` (TCP) is a SYN without ACK: a new connection.
+fn is_syn(p: &Packet, info: &PacketInfo) -> bool {
+    Segment::parse(p.data(), info.l4_offset, info.total_len).is_some_and(|s| s.syn && s.ack.is_none())
 }
 
 /// The peer's FIN has arrived (the socket's receive side is done once its buffer is read).
@@ -338,9 +350,13 @@ pub struct Endpoint {
     /// A socket set with no socket: a TCP packet fed through it is answered with RST.
     empty: SocketSet<'static>,
     touched: Vec<u64>,
-    tcp_specs: Vec<VarSpec>,
-    udp_specs: Vec<VarSpec>,
+    /// Per-flow variables, declared once: every flow's cells share them.
+    tcp_specs: VarSpecs,
+    udp_specs: VarSpecs,
 }
+
+/// How long a connection's tuple stays in TIME-WAIT (smoltcp's own delay).
+const TIME_WAIT: Duration = Duration::from_secs(10);
 
 /// Allocations from this size up are fresh mappings (`flexstack_sys::fix_mmap_threshold`).
 const MMAP_THRESHOLD: usize = 128 * 1024;
@@ -375,8 +391,8 @@ impl Endpoint {
             dev,
             empty: SocketSet::new(Vec::new()),
             touched: Vec::new(),
-            tcp_specs: config::tcp_flow_specs(),
-            udp_specs: config::flow_specs(),
+            tcp_specs: VarSpecs::new(config::tcp_flow_specs()),
+            udp_specs: VarSpecs::new(config::flow_specs()),
         }
     }
 
@@ -428,7 +444,7 @@ impl Endpoint {
         let vars_name = format!("{}.{id}", self.cfg.vars_prefix);
         let specs = if tcp.is_some() { &self.tcp_specs } else { &self.udp_specs };
         // Another module owning the prefix (a misconfiguration) leaves the meters unpublished, never the flow.
-        let vars = out.register_vars(&vars_name, specs).unwrap_or_else(|_| ModuleVars::new(specs));
+        let vars = out.register_vars(&vars_name, specs).unwrap_or_else(|_| ModuleVars::shared(specs));
         vars.meter("tuple").store(&Value::Str(format!(
             "{} {} -> {} app {:?}",
             info.protocol.name(),
@@ -520,15 +536,23 @@ impl Endpoint {
             proto::TCP | proto::UDP => {
                 let key = (info.protocol, src, dst);
                 if let Some(&id) = self.f.by_key.get(&key) {
-                    if !self.reused(id, &p, &info) {
-                        checksum::complete_partial(&mut p);
-                        return self.flow_packet(id, p, &info, out);
+                    checksum::complete_partial(&mut p);
+                    return self.flow_packet(id, p, &info, out);
+                }
+                if info.protocol == proto::TCP && !self.f.time_wait.is_empty() {
+                    self.expire_time_wait(out.now());
+                    if self.f.time_wait.contains_key(&key) {
+                        if !is_syn(&p, &info) {
+                            // A late segment of a connection that ended: absorbed, as by a TIME-WAIT socket.
+                            out.drop_frame(Frame::Data(p));
+                            return;
+                        }
+                        // A new connection on the tuple (the app reuses its port at once: it closed second, so it
+                        // keeps no TIME-WAIT of its own): the SYN starts a new flow, as a kernel's TIME-WAIT
+                        // socket accepts a new SYN.
+                        self.m.time_wait_reused.add(1);
+                        self.f.time_wait.remove(&key);
                     }
-                    // A new connection on the tuple of one in TIME-WAIT (the app reuses its port at once: it
-                    // closed second, so it keeps no TIME-WAIT of its own): the old one is over both ways; it goes
-                    // and the SYN starts a new flow, as a kernel's TIME-WAIT socket accepts a new SYN.
-                    self.m.time_wait_reused.add(1);
-                    self.remove(id, out);
                 }
                 if self.side == Side::App {
                     if let Some(p) = self.new_app_flow(p, &info, src, dst, out) {
@@ -547,11 +571,38 @@ impl Endpoint {
         }
     }
 
-    /// Whether `p`, for flow `id`, is the SYN of a new connection on the tuple of a TCP connection in TIME-WAIT.
-    fn reused(&self, id: u64, p: &Packet, info: &PacketInfo) -> bool {
-        let Some(t) = self.f.conns.get(&id).and_then(|c| c.tcp.as_ref()) else { return false };
-        t.state == tcp::State::TimeWait
-            && Segment::parse(p.data(), info.l4_offset, info.total_len).is_some_and(|s| s.syn && s.ack.is_none())
+    /// Forgets the tuples whose TIME-WAIT is over.
+    fn expire_time_wait(&mut self, now: Time) {
+        while let Some(&(t, key)) = self.f.time_wait_order.front() {
+            if t > now {
+                break;
+            }
+            self.f.time_wait_order.pop_front();
+            if self.f.time_wait.get(&key) == Some(&t) {
+                self.f.time_wait.remove(&key);
+            }
+        }
+    }
+
+    /// TCP flow `id` is over both ways, its socket in TIME-WAIT: the flow goes (socket, buffers, meters), its tuple
+    /// stays until TIME-WAIT ends. At most `4 x max_connections` tuples are kept (the oldest go first).
+    fn enter_time_wait(&mut self, id: u64, now: Time, out: &mut Output<'_>) {
+        let Some(key) = self.f.conns.get(&id).map(|c| c.key) else { return };
+        self.remove(id, out);
+        let until = now + TIME_WAIT;
+        self.f.time_wait.insert(key, until);
+        self.f.time_wait_order.push_back((until, key));
+        let most = self.cfg.max_connections.saturating_mul(4).max(1) as usize;
+        while self.f.time_wait.len() > most {
+            let Some((t, k)) = self.f.time_wait_order.pop_front() else { break };
+            if self.f.time_wait.get(&k) == Some(&t) {
+                self.f.time_wait.remove(&k);
+            }
+        }
+        if self.f.time_wait_order.len() > 2 * most {
+            let live = &self.f.time_wait;
+            self.f.time_wait_order.retain(|(t, k)| live.get(k) == Some(t));
+        }
     }
 
     /// A packet of a flow it holds.
@@ -741,6 +792,7 @@ impl Endpoint {
                 if let Some(t) = self.f.conns.get_mut(&id).and_then(|c| c.tcp.as_mut()) {
                     if !t.accepted {
                         t.accepted = true;
+                        t.syn = Vec::new(); // quoted only in an error before the SYN-ACK
                         t.sockets.get_mut::<tcp::Socket>(t.handle).pause_synack(false);
                     }
                 }
@@ -891,6 +943,9 @@ impl Endpoint {
             None => info.src,
         };
         let key = (protocol, info.dst, local);
+        if self.f.time_wait.remove(&key).is_some() {
+            self.m.time_wait_reused.add(1); // the app's own tuple again (terminate let its SYN take the tuple over)
+        }
         if self.f.by_key.contains_key(&key) || local.is_ipv4() != info.dst.is_ipv4() {
             return refuse(self, out, "busy");
         }
@@ -928,7 +983,8 @@ impl Endpoint {
             let port = self.f.next_port as u16;
             self.f.next_port =
                 if self.f.next_port >= u32::from(range.last) { u32::from(range.first) } else { self.f.next_port + 1 };
-            if !self.f.by_key.contains_key(&(protocol, far, SocketAddr::new(ip, port))) {
+            let key = (protocol, far, SocketAddr::new(ip, port));
+            if !self.f.by_key.contains_key(&key) && !self.f.time_wait.contains_key(&key) {
                 return Some(port);
             }
         }
@@ -1114,12 +1170,16 @@ impl Endpoint {
             (t.abort_in || (t.fin_sent && t.closed), t.obs.rst, t.established, t.accepted);
         let expired = c.deadline.is_some_and(|d| d <= now);
         let deadline = c.deadline;
+        let drained = c.credit.in_flight() == 0 && c.queue.is_empty();
         let mut next = self.f.iface.poll_at(instant(now), &t.sockets).map(time);
         let more = accepted && sock.can_recv() && c.credit.room(self.cfg.budget) > 0;
         if more {
             next = Some(now); // bytes to read and credit to send them: at once (a service does a bounded amount)
         }
         self.publish_counts();
+        if state == tcp::State::TimeWait && quiet && drained {
+            return self.enter_time_wait(id, now, out);
+        }
         if gone {
             if quiet {
                 return self.remove(id, out);
@@ -1178,6 +1238,16 @@ impl Endpoint {
         }
         if let Some(&(t, _)) = self.f.timers.first() {
             out.wake_at(t);
+        }
+    }
+}
+
+impl Drop for Endpoint {
+    /// An endpoint that held connections leaves their freed state in the allocator's arenas (resident, in pieces
+    /// other allocations rarely fill): it goes back to the kernel when the endpoint goes (an app's chain unloaded).
+    fn drop(&mut self) {
+        if self.m.tcp_total.get() + self.m.udp_total.get() > 0 {
+            flexstack_sys::trim_heap();
         }
     }
 }

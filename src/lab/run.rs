@@ -60,7 +60,14 @@ pub struct Outcome {
 pub fn host_command(state: &LabState, host: &str, app: Option<&str>, argv: &[String]) -> Result<Command, CliError> {
     let h = state.host(host)?;
     let mut cmd = Command::new("ip");
-    cmd.args(["netns", "exec", &h.netns]);
+    if h.daemon_dir.is_some() {
+        // `flexstack run` enters only the network namespace, as the host's daemon does (`ip netns exec` would give it
+        // a mount namespace whose /sys has no cgroup hierarchy, and the app no cgroup of its own).
+        cmd = Command::new("nsenter");
+        cmd.arg(format!("--net=/run/netns/{}", h.netns)).arg("--");
+    } else {
+        cmd.args(["netns", "exec", &h.netns]);
+    }
     match (&h.daemon_dir, &h.template) {
         (Some(dir), Some(template)) => {
             // `flexstack run` drops to the invoking user itself (SUDO_UID), and passes signals on.

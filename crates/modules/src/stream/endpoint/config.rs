@@ -59,6 +59,7 @@ pub struct Config {
     pub mtu: u64,
     pub max_connections: u64,
     pub max_udp_flows: u64,
+    pub max_half_open: u64,
     pub connect_timeout_ms: u64,
     pub udp_timeout_ms: u64,
     pub keepalive_ms: u64,
@@ -87,6 +88,7 @@ impl Config {
             mtu: 0,
             max_connections: 0,
             max_udp_flows: 0,
+            max_half_open: 0,
             connect_timeout_ms: 0,
             udp_timeout_ms: 0,
             keepalive_ms: 0,
@@ -192,6 +194,14 @@ macro_rules! endpoint_decl {
                     flexstack_core::field!(max_udp_flows),
                 ).range(0.0, 1048576.0),
                 P::u64(
+                    "max_half_open",
+                    "connections",
+                    "most TCP connections whose app has not finished its handshake; a new SYN beyond gives up the \
+                     oldest of them (a SYN flood cannot fill max_connections)",
+                    1024,
+                    flexstack_core::field!(max_half_open),
+                ).range(1.0, 1048576.0),
+                P::u64(
                     "connect_timeout_ms",
                     "ms",
                     "a TCP connection not established after this long is given up (`timeout`)",
@@ -282,6 +292,7 @@ pub struct Meters {
     pub invalid_syns: Meter,
     pub bad_datagrams: Meter,
     pub time_wait_reused: Meter,
+    pub half_open_evicted: Meter,
 }
 
 /// The meters both kinds declare.
@@ -312,6 +323,8 @@ pub const METERS: &[MeterDecl<Meters>] = u64_meters![
         "UDP datagrams of its flows with a bad length or checksum (dropped)";
     time_wait_reused: "time_wait_reused_total", "connections",
         "connections in TIME-WAIT ended early by a new SYN on their tuple";
+    half_open_evicted: "half_open_evicted_total", "connections",
+        "connections given up before the app finished its handshake: max_half_open were waiting";
 ];
 
 /// A runtime variable of a flow: name, type, unit, description.

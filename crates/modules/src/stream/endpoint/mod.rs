@@ -220,6 +220,9 @@ struct Flows {
     time_wait: HashMap<Key, Time>,
     /// The same, oldest first (an entry whose time no longer matches was taken over).
     time_wait_order: VecDeque<(Time, Key)>,
+    /// TCP connections made by a SYN, oldest first; those whose app has finished its handshake (or that are gone)
+    /// are skipped when the oldest waiting one must give way (`max_half_open`).
+    half_open: VecDeque<u64>,
 }
 
 impl Flows {
@@ -238,6 +241,7 @@ impl Flows {
             buffered: 0,
             in_flight: 0,
             time_wait: HashMap::new(),
+            half_open: VecDeque::new(),
             time_wait_order: VecDeque::new(),
         }
     }
@@ -691,6 +695,16 @@ impl Endpoint {
             self.udp_datagram(id, payload, out);
             return None;
         }
+        // A SYN flood must not fill max_connections with connections that never finish their handshake: beyond
+        // max_half_open waiting ones, the oldest gives way (as a kernel's SYN queue drops its oldest entry).
+        while self.f.half_open.len() as u64 >= self.cfg.max_half_open {
+            let Some(old) = self.f.half_open.pop_front() else { break };
+            if self.f.conns.get(&old).and_then(|c| c.tcp.as_ref()).is_some_and(|t| !t.established) {
+                self.m.half_open_evicted.add(1);
+                self.abort_and_remove(old, "timeout", out);
+                break;
+            }
+        }
         if self.f.tcp_count as u64 >= self.cfg.max_connections {
             // Refused: the SYN goes through a socket set without sockets, which answers with RST.
             self.m.refused.add(1);
@@ -723,6 +737,7 @@ impl Endpoint {
         let t = Tcp::new(sockets, handle, syn, obs, tcp::State::SynReceived, self.cfg.cc);
         let open = StreamFrame::open(out.pool(), id, Direction::Down, &info_out);
         self.insert(id, (proto::TCP, src, dst), info_out, Some(t), out);
+        self.f.half_open.push_back(id);
         self.m.segments_in.add(1);
         if let Some(c) = self.f.conns.get_mut(&id) {
             c.deadline = Some(now + Duration::from_millis(self.cfg.connect_timeout_ms));

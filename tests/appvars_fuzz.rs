@@ -25,18 +25,18 @@ const SEED: u64 = 0x5eed_a995_0000_0005;
 
 const DICT: Dict<'static> = Dict {
     tokens: &[
-        "{",
-        "}",
-        "[",
-        "]",
-        ":",
-        ",",
-        "\"",
-        "\n",
-        "\\",
         "\\u",
         "\\u00",
         "\\\"",
+        "\\",
+        "\"",
+        "\n",
+        "{",
+        "}",
+        ":",
+        "[",
+        "]",
+        ",",
         "null",
         "true",
         "\"op\":\"register\"",
@@ -103,15 +103,18 @@ fn expected_answers(input: &[u8]) -> Option<usize> {
     Some(n)
 }
 
+/// A target's seed, number of mutated inputs, corpus and generator.
+fn start(target: &str) -> (u64, usize, Vec<Vec<u8>>, Rng) {
+    let seed = target_seed(seed_from_env(SEED), target);
+    (seed, iters_from_env(3_000), load_corpus_bytes(target, 4), Rng::new(seed))
+}
+
 #[test]
 fn mutated_sessions_into_the_daemons_app_protocol() {
     let target = "appreq";
-    let seed = target_seed(seed_from_env(SEED), target);
-    let iters = iters_from_env(3_000);
-    let corpus = load_corpus_bytes(target, 4);
+    let (seed, iters, corpus, mut rng) = start(target);
     let registry = SharedRegistry::default();
     let vars = Arc::new(AppVars::new(registry.clone()));
-    let mut rng = Rng::new(seed);
     for i in 0..iters + corpus.len() {
         let input = if i < corpus.len() { corpus[i].clone() } else { mutate(&mut rng, &corpus, &DICT) };
         run_guarded(target, seed, i, &input, || {
@@ -182,12 +185,9 @@ fn run_c_harness(exe: &Path, inputs: &[Vec<u8>]) -> Result<(), String> {
 #[test]
 fn mutated_daemon_lines_into_the_c_librarys_parser() {
     let target = "appevent";
-    let seed = target_seed(seed_from_env(SEED), target);
-    let iters = iters_from_env(3_000);
-    let corpus = load_corpus_bytes(target, 4);
+    let (seed, iters, corpus, mut rng) = start(target);
     let dir = tempfile::tempdir().unwrap();
     let exe = build_c_harness(dir.path());
-    let mut rng = Rng::new(seed);
     let mut inputs: Vec<Vec<u8>> = corpus.clone();
     inputs.extend((0..iters).map(|_| {
         let mut i = mutate(&mut rng, &corpus, &DICT);

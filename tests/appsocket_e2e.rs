@@ -162,6 +162,37 @@ while time.time() < end: a.poll(0.2)
 print("alive", flush=True)"#;
     let out = python_as(NOBODY, "", &sock, app).output().unwrap();
     assert!(String::from_utf8_lossy(&out.stdout).contains("alive"), "{}", common::text(&out));
+
+    // So does the C library.
+    let c = r#"#include "flexstack_app.h"
+#include <stdio.h>
+#include <time.h>
+int main(int argc, char **argv) {
+    fs_app *a = fs_app_open(argv[1]);
+    if (!a || fs_app_knob(a, "k", FS_U64, NULL, NULL, NULL) || fs_app_register(a, "cpoller")) return 1;
+    time_t end = time(NULL) + 4;
+    while (time(NULL) < end)
+        if (fs_app_poll(a, 200) < 0) { fprintf(stderr, "%s\n", fs_app_error(a)); return 1; }
+    puts("alive");
+    return 0;
+}
+"#;
+    let src = d.path("poller.c");
+    std::fs::write(&src, c).unwrap();
+    let lib = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("clients/c");
+    let exe = d.path("poller");
+    let cc = Command::new("cc")
+        .args(["-std=c99", "-Wall", "-Werror", "-I"])
+        .arg(&lib)
+        .arg("-o")
+        .arg(&exe)
+        .arg(&src)
+        .arg(lib.join("flexstack_app.c"))
+        .output()
+        .unwrap();
+    assert!(cc.status.success(), "{}", common::text(&cc));
+    let out = Command::new(&exe).arg(&sock).output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stdout).contains("alive"), "{}", common::text(&out));
 }
 
 #[test]

@@ -126,7 +126,7 @@ fn silent_connections_are_closed_and_pinged_apps_stay() {
     let sock = d.state_dir().join("apps.sock");
     // A connection that never registers: closed with a timeout error after 0.5 s.
     let started = Instant::now();
-    let mut quiet = UnixStream::connect(&sock).unwrap();
+    let quiet = UnixStream::connect(&sock).unwrap();
     quiet.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let mut r = BufReader::new(quiet.try_clone().unwrap());
     let mut line = String::new();

@@ -195,6 +195,19 @@ pub struct DaemonArgs {
     /// the token).
     #[arg(long, requires = "web")]
     pub web_public: bool,
+    /// Restrict the app socket (STATE_DIR/apps.sock) to this group: mode 0660, owned by it (default: mode 0666,
+    /// any local user).
+    #[arg(long, value_name = "NAME")]
+    pub app_socket_group: Option<String>,
+    /// Seconds an application connection has to register before it is closed.
+    #[arg(long, default_value_t = 5.0, value_name = "SECS")]
+    pub app_register_timeout: f64,
+    /// Seconds a registered application may stay silent (it is pinged after half) before it is disconnected.
+    #[arg(long, default_value_t = 60.0, value_name = "SECS")]
+    pub app_idle_timeout: f64,
+    /// Most app-socket connections one user (uid) may hold at once.
+    #[arg(long, default_value_t = 8, value_name = "N")]
+    pub app_max_per_uid: usize,
 }
 
 /// `flexstack module ...`
@@ -477,6 +490,12 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 flows_top: d.metrics_flows,
             }),
             web: d.web.map(|addr| flexstack_daemon::web::WebOptions::new(addr, d.web_public, cli.state_dir.clone())),
+            app_socket: flexstack_daemon::appvars::AppSocketOptions {
+                register_timeout: Duration::from_secs_f64(d.app_register_timeout.clamp(0.05, 86400.0)),
+                idle_timeout: Duration::from_secs_f64(d.app_idle_timeout.clamp(0.1, 86400.0)),
+                max_per_uid: d.app_max_per_uid.max(1),
+                group: d.app_socket_group.clone(),
+            },
         };
         return run_daemon(opts, flexstack_daemon::catalog()).map_err(CliError::Message);
     }

@@ -213,7 +213,13 @@ static int json_string(const char *line, const char *key, char *out, size_t size
             case 'f': c = '\f'; break;
             case 'u': {
                 unsigned v = 0;
-                if (sscanf(p, "%4x", &v) != 1) return -1;
+                for (int i = 0; i < 4; i++) {
+                    char h = p[i];
+                    int d = h >= '0' && h <= '9' ? h - '0' : h >= 'a' && h <= 'f' ? h - 'a' + 10
+                            : h >= 'A' && h <= 'F' ? h - 'A' + 10 : -1;
+                    if (d < 0) return -1; /* also stops at the end of the line */
+                    v = v * 16 + (unsigned)d;
+                }
                 p += 4;
                 c = v < 0x80 ? (char)v : '?';
                 break;
@@ -229,14 +235,16 @@ static int json_string(const char *line, const char *key, char *out, size_t size
 }
 
 static int handle_event(fs_app *a, const char *line) {
-    char name[80], text[4100];
+    char name[80], text[4100], op[16];
     const char *s = strstr(line, "\"serial\":");
-    if (!s || json_string(line, "name", name, sizeof name) || json_string(line, "text", text, sizeof text))
-        return fail(a, "unreadable event from the daemon: %.200s", line);
+    if (!s || json_string(line, "op", op, sizeof op)) return fail(a, "unreadable event from the daemon: %.200s", line);
     uint64_t serial = strtoull(s + 9, NULL, 10);
-    int ok = 0;
+    int ok = 0, ping = strcmp(op, "ping") == 0;
+    if (!ping && (json_string(line, "name", name, sizeof name) || json_string(line, "text", text, sizeof text)))
+        return fail(a, "unreadable event from the daemon: %.200s", line);
     a->refusal[0] = 0;
-    for (int i = 0; i < a->nknobs; i++) {
+    if (ping) ok = 1; /* the daemon checks that the app is alive: ack it */
+    for (int i = 0; !ping && i < a->nknobs; i++) {
         if (strcmp(a->knobs[i].name, name) == 0) {
             ok = a->knobs[i].cb ? a->knobs[i].cb(a, name, text, a->knobs[i].user) == 0 : 1;
             if (!ok && !a->refusal[0]) snprintf(a->refusal, sizeof a->refusal, "refused");

@@ -54,7 +54,8 @@ int fs_app_update_f64(fs_app *app, const char *name, double value);
 int fs_app_update_text(fs_app *app, const char *name, const char *value);
 
 /* Waits up to timeout_ms (0: do not wait, -1: forever) for knob writes and runs their callbacks;
- * returns how many it ran, or -1 if the connection failed. */
+ * returns how many it ran, or -1 if the connection failed. It also answers the daemon's pings: an application
+ * that neither updates nor polls for the daemon's idle timeout (default 60 s) is disconnected. */
 int fs_app_poll(fs_app *app, int timeout_ms);
 
 /* Inside a set callback: the reason sent with a refusal. */

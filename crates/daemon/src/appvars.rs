@@ -7,6 +7,11 @@
 //! the requests below; a client can touch nothing but the variables it registered itself, under the one name it
 //! registered. Who registered is recorded from `SO_PEERCRED` (uid, pid) and shown by `app vars`.
 //!
+//! Against a hostile local user ([`AppSocketOptions`]): each uid may hold only so many connections ([`serve`]),
+//! a connection must register within a deadline and is closed when silent for the idle timeout (it is pinged
+//! at half of it), a name stays bound to the uid that first registered it, and `--app-socket-group` restricts
+//! the socket to a group (mode 0660).
+//!
 //! The protocol, JSON lines as on the control socket (docs/control-api.md, "Application variables"):
 //! 1. `{"id":1,"op":"register","app":"voip","vars":[{"name":"loss","kind":"meter","type":"f64"},
 //!    {"name":"cc","kind":"knob","type":"str","value":"cubic"}]}` — first, once per connection. The variables
@@ -16,6 +21,8 @@
 //!    `{"event":{"op":"set","serial":7,"name":"cc","value":"bbr","text":"bbr"}}`; the app answers
 //!    `{"op":"ack","serial":7,"ok":true}` (or `"ok":false,"error":"why"`) within [`ACK_TIMEOUT`]. Only an
 //!    accepted write changes the knob's value.
+//! 4. A registered connection silent for half the idle timeout gets `{"event":{"op":"ping","serial":8}}`, answered
+//!    by an `ack` like a write.
 //!
 //! How the parts are called: [`serve`] accepts connections (a thread each, see [`AppVars::connection`]);
 //! [`AppVars::write`] is called by the daemon's `set` action for names under `app.`; [`AppVars::list`] by
@@ -29,16 +36,18 @@ use flexstack_core::{SharedRegistry, Value, ValueType};
 use serde::Deserialize;
 use serde_json::{json, Value as Json};
 use std::collections::{BTreeMap, HashMap};
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Name of the app socket inside the state directory.
 pub const APP_SOCKET_NAME: &str = "apps.sock";
-/// Most applications registered at once.
+/// Most application connections open at once (connections of the daemon's own uid, root, are not counted).
 pub const MAX_APPS: usize = 32;
+/// Most application names one uid may hold (registered now or earlier: a name stays bound to its uid).
+pub const MAX_NAMES_PER_UID: usize = 64;
 /// Most variables one application may register.
 pub const MAX_VARS: usize = 64;
 /// Longest line an application may send, in bytes.
@@ -47,6 +56,31 @@ pub const MAX_LINE: u64 = 64 * 1024;
 pub const MAX_TEXT: usize = 4096;
 /// How long a knob write waits for the application's acknowledgement.
 pub const ACK_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// The limits of the app socket (`flexstack daemon --app-*`).
+#[derive(Clone, Debug)]
+pub struct AppSocketOptions {
+    /// Time a connection has, from its start, to register (it is closed otherwise).
+    pub register_timeout: Duration,
+    /// Time a registered connection may stay silent: after half of it the daemon sends a `ping` event, which
+    /// the libraries answer with an `ack`; a connection that sent no line for all of it is closed.
+    pub idle_timeout: Duration,
+    /// Most connections open at once per uid (`SO_PEERCRED`), so one user cannot take every slot.
+    pub max_per_uid: usize,
+    /// The group the socket is restricted to (mode 0660, owned by that group); none: mode 0666.
+    pub group: Option<String>,
+}
+
+impl Default for AppSocketOptions {
+    fn default() -> AppSocketOptions {
+        AppSocketOptions {
+            register_timeout: Duration::from_secs(5),
+            idle_timeout: Duration::from_secs(60),
+            max_per_uid: 8,
+            group: None,
+        }
+    }
+}
 
 /// One variable as an application declares it.
 #[derive(Debug, Deserialize)]
@@ -108,6 +142,8 @@ pub struct AppVars {
     dynamic: Mutex<DynamicVars>,
     registry: SharedRegistry,
     apps: Mutex<BTreeMap<String, App>>,
+    /// Each name ever registered and the uid it is bound to: another uid cannot take it (root can).
+    owners: Mutex<HashMap<String, u32>>,
     serial: AtomicU64,
     on_meter: OnceLock<MeterHook>,
 }
@@ -139,6 +175,7 @@ impl AppVars {
             dynamic: Mutex::new(DynamicVars::new(registry.clone())),
             registry,
             apps: Mutex::new(BTreeMap::new()),
+            owners: Mutex::new(HashMap::new()),
             serial: AtomicU64::new(1),
             on_meter: OnceLock::new(),
         }
@@ -264,7 +301,20 @@ impl AppVars {
         if apps.contains_key(app) {
             return Err(format!("an application named {app} is already registered"));
         }
-        if apps.len() >= MAX_APPS {
+        let mut owners = self.owners.lock().unwrap_or_else(|p| p.into_inner());
+        match owners.get(app) {
+            Some(&owner) if owner != uid && uid != 0 => {
+                return Err(format!(
+                    "the name {app} is bound to uid {owner}, which registered it first; uid {uid} cannot take it"
+                ))
+            }
+            Some(_) => {}
+            None if owners.values().filter(|&&o| o == uid).count() >= MAX_NAMES_PER_UID => {
+                return Err(format!("uid {uid} holds {MAX_NAMES_PER_UID} application names already"));
+            }
+            None => {}
+        }
+        if uid != 0 && apps.values().filter(|a| a.uid != 0).count() >= MAX_APPS {
             return Err(format!("at most {MAX_APPS} applications may register at once"));
         }
         let prefix = format!("app.{app}");
@@ -282,6 +332,7 @@ impl AppVars {
             }
         }
         let names = specs.iter().map(|s| format!("{prefix}.{}", s.name)).collect();
+        owners.insert(app.to_string(), uid);
         apps.insert(app.to_string(), App { uid, pid, vars, writer, pending });
         Ok(names)
     }
@@ -310,117 +361,196 @@ impl AppVars {
         Ok(())
     }
 
-    /// Serves one application connection until it closes; its variables go with it.
-    pub fn connection(&self, conn: UnixStream) {
-        let (uid, pid) = match nix::sys::socket::getsockopt(&conn, nix::sys::socket::sockopt::PeerCredentials) {
-            Ok(c) => (c.uid(), c.pid()),
-            Err(_) => (u32::MAX, -1),
-        };
+    /// Serves one application connection until it closes, fails to register within
+    /// [`AppSocketOptions::register_timeout`], or stays silent for [`AppSocketOptions::idle_timeout`] (a ping
+    /// event is sent at half of it); its variables go with it.
+    pub fn connection(&self, conn: UnixStream, opts: &AppSocketOptions) {
+        let (uid, pid) = peer(&conn);
         let _ = conn.set_write_timeout(Some(ACK_TIMEOUT));
         let Ok(read_half) = conn.try_clone() else { return };
-        let writer = Arc::new(Mutex::new(conn));
-        let pending: Pending = Arc::default();
+        let mut c = Conn { uid, pid, writer: Arc::new(Mutex::new(conn)), pending: Arc::default(), app: None };
         let mut reader = BufReader::new(read_half);
-        let mut app: Option<String> = None;
+        let started = Instant::now();
+        let mut last_line = started;
+        let mut pinged = false;
+        let mut line = Vec::new();
         loop {
-            let mut line = String::new();
-            match reader.by_ref().take(MAX_LINE + 1).read_line(&mut line) {
-                Ok(0) | Err(_) => break,
-                Ok(n) if n as u64 > MAX_LINE => {
+            let now = Instant::now();
+            let (deadline, why) = match &c.app {
+                None => (started + opts.register_timeout, "registered"),
+                Some(_) => (last_line + opts.idle_timeout, "sent a line"),
+            };
+            if now >= deadline {
+                let limit = if c.app.is_none() { opts.register_timeout } else { opts.idle_timeout };
+                let message = format!("closed: the application has not {why} within {} ms", limit.as_millis());
+                tracing::info!(app = ?c.app, uid, pid, "{message}");
+                send_line(&c.writer, &json!({"ok": false, "error": {"code": "timeout", "message": message}}));
+                break;
+            }
+            let ping_at = last_line + opts.idle_timeout / 2;
+            if c.app.is_some() && !pinged && now >= ping_at {
+                let serial = self.serial.fetch_add(1, Ordering::Relaxed);
+                pinged = true;
+                if !send_line(&c.writer, &json!({"event": {"op": "ping", "serial": serial}})) {
+                    break;
+                }
+            }
+            let wake = if c.app.is_some() && !pinged { ping_at.min(deadline) } else { deadline };
+            let _ = reader.get_ref().set_read_timeout(Some(wake.saturating_duration_since(now).max(MIN_WAIT)));
+            let room = (MAX_LINE + 1).saturating_sub(line.len() as u64);
+            match reader.by_ref().take(room).read_until(b'\n', &mut line) {
+                Ok(0) => break,
+                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted) => {
+                    continue
+                }
+                Err(_) => break,
+                Ok(_) if line.len() as u64 > MAX_LINE => {
                     send_line(
-                        &writer,
+                        &c.writer,
                         &json!({"ok": false, "error": {"code": "too_large", "message": format!("line longer than {MAX_LINE} bytes")}}),
                     );
                     break;
                 }
                 Ok(_) => {}
             }
-            if line.trim().is_empty() {
-                continue;
-            }
-            let mut value: Json = match serde_json::from_str(&line) {
-                Ok(v) => v,
-                Err(e) => {
-                    send_line(
-                        &writer,
-                        &json!({"ok": false, "error": {"code": "invalid_json", "message": format!("invalid JSON: {e}")}}),
-                    );
-                    continue;
+            last_line = Instant::now();
+            pinged = false;
+            let text = String::from_utf8_lossy(&line).into_owned();
+            line.clear();
+            if let Some(reply) = self.handle_line(&mut c, &text) {
+                if !send_line(&c.writer, &reply) {
+                    break;
                 }
-            };
-            let id = value.as_object_mut().and_then(|o| o.remove("id"));
-            let reply = |r: Result<Json, (&str, String)>| {
-                let mut out = match r {
-                    Ok(result) => json!({"ok": true, "result": result}),
-                    Err((code, message)) => json!({"ok": false, "error": {"code": code, "message": message}}),
-                };
-                if let Some(id) = &id {
-                    out["id"] = id.clone();
-                }
-                send_line(&writer, &out)
-            };
-            let request = match serde_json::from_value::<AppRequest>(value) {
-                Ok(r) => r,
-                Err(e) => {
-                    reply(Err(("invalid_request", format!("invalid request: {e}: expected register, update or ack"))));
-                    continue;
-                }
-            };
-            let ok = match (request, &app) {
-                (AppRequest::Register { app: name, vars }, None) => {
-                    match self.register(&name, &vars, uid, pid, writer.clone(), pending.clone()) {
-                        Ok(names) => {
-                            tracing::info!(app = %name, uid, pid, vars = names.len(), "application registered variables");
-                            app = Some(name.clone());
-                            reply(Ok(json!({"prefix": format!("app.{name}"), "vars": names})))
-                        }
-                        Err(e) => reply(Err(("invalid_request", e))),
-                    }
-                }
-                (AppRequest::Register { .. }, Some(a)) => {
-                    reply(Err(("invalid_request", format!("this connection registered {a} already"))))
-                }
-                (_, None) => reply(Err(("invalid_request", "register first".to_string()))),
-                (AppRequest::Update { name, value }, Some(a)) => match self.update(a, &name, &value) {
-                    Ok(()) => reply(Ok(json!({}))),
-                    Err(e) => reply(Err(("invalid_value", e))),
-                },
-                (AppRequest::Ack { serial, ok, error }, Some(_)) => {
-                    if let Some(tx) = pending.lock().unwrap_or_else(|p| p.into_inner()).remove(&serial) {
-                        let _ = tx.send(if ok { Ok(()) } else { Err(error.unwrap_or_else(|| "refused".into())) });
-                    }
-                    true
-                }
-            };
-            if !ok {
-                break;
             }
         }
-        if let Some(a) = app {
+        if let Some(a) = c.app {
             self.unregister(&a);
         }
     }
+
+    /// The response to one line from an application (none for an `ack` or an empty line).
+    fn handle_line(&self, c: &mut Conn, line: &str) -> Option<Json> {
+        if line.trim().is_empty() {
+            return None;
+        }
+        let mut value: Json = match serde_json::from_str(line) {
+            Ok(v) => v,
+            Err(e) => {
+                return Some(
+                    json!({"ok": false, "error": {"code": "invalid_json", "message": format!("invalid JSON: {e}")}}),
+                )
+            }
+        };
+        let id = value.as_object_mut().and_then(|o| o.remove("id"));
+        let result = match serde_json::from_value::<AppRequest>(value) {
+            Err(e) => Err(("invalid_request", format!("invalid request: {e}: expected register, update or ack"))),
+            Ok(AppRequest::Register { app: name, vars }) => match &c.app {
+                Some(a) => Err(("invalid_request", format!("this connection registered {a} already"))),
+                None => match self.register(&name, &vars, c.uid, c.pid, c.writer.clone(), c.pending.clone()) {
+                    Ok(names) => {
+                        let (uid, pid) = (c.uid, c.pid);
+                        tracing::info!(app = %name, uid, pid, vars = names.len(), "application registered variables");
+                        c.app = Some(name.clone());
+                        Ok(json!({"prefix": format!("app.{name}"), "vars": names}))
+                    }
+                    Err(e) => Err(("invalid_request", e)),
+                },
+            },
+            Ok(_) if c.app.is_none() => Err(("invalid_request", "register first".to_string())),
+            Ok(AppRequest::Update { name, value }) => {
+                match self.update(c.app.as_deref().unwrap_or_default(), &name, &value) {
+                    Ok(()) => Ok(json!({})),
+                    Err(e) => Err(("invalid_value", e)),
+                }
+            }
+            Ok(AppRequest::Ack { serial, ok, error }) => {
+                if let Some(tx) = c.pending.lock().unwrap_or_else(|p| p.into_inner()).remove(&serial) {
+                    let _ = tx.send(if ok { Ok(()) } else { Err(error.unwrap_or_else(|| "refused".into())) });
+                }
+                return None;
+            }
+        };
+        let mut out = match result {
+            Ok(result) => json!({"ok": true, "result": result}),
+            Err((code, message)) => json!({"ok": false, "error": {"code": code, "message": message}}),
+        };
+        if let Some(id) = id {
+            out["id"] = id;
+        }
+        Some(out)
+    }
 }
 
-/// Accepts application connections on `listener`, a thread each, while fewer than [`MAX_APPS`] are open.
-pub fn serve(listener: UnixListener, appvars: Arc<AppVars>) {
-    let open = Arc::new(AtomicU64::new(0));
+/// The shortest read wait: a deadline just passed is checked on the next turn, not spun on.
+const MIN_WAIT: Duration = Duration::from_millis(1);
+
+/// One application connection's state.
+struct Conn {
+    uid: u32,
+    pid: i32,
+    writer: Arc<Mutex<UnixStream>>,
+    pending: Pending,
+    app: Option<String>,
+}
+
+/// The peer's uid and pid (`SO_PEERCRED`); unknown peers count as uid `u32::MAX`.
+fn peer(conn: &UnixStream) -> (u32, i32) {
+    match nix::sys::socket::getsockopt(conn, nix::sys::socket::sockopt::PeerCredentials) {
+        Ok(c) => (c.uid(), c.pid()),
+        Err(_) => (u32::MAX, -1),
+    }
+}
+
+/// Refuses a connection with a `busy` line.
+fn refuse(mut conn: UnixStream, message: String) {
+    let _ = conn.set_write_timeout(Some(Duration::from_secs(1)));
+    let msg = json!({"ok": false, "error": {"code": "busy", "message": message}});
+    let _ = conn.write_all(format!("{msg}\n").as_bytes());
+}
+
+/// Accepts application connections on `listener`, a thread each: at most [`MAX_APPS`] of other uids than the
+/// daemon's, and at most [`AppSocketOptions::max_per_uid`] of each uid.
+pub fn serve(listener: UnixListener, appvars: Arc<AppVars>, opts: AppSocketOptions) {
+    let own_uid = nix::unistd::geteuid().as_raw();
+    let open: Arc<Mutex<HashMap<u32, usize>>> = Arc::default();
+    let opts = Arc::new(opts);
     for conn in listener.incoming() {
-        let Ok(mut conn) = conn else { continue };
-        if open.load(Ordering::SeqCst) >= MAX_APPS as u64 {
-            let _ = conn.set_write_timeout(Some(Duration::from_secs(1)));
-            let msg = json!({"ok": false, "error": {"code": "busy", "message": format!("at most {MAX_APPS} application connections")}});
-            let _ = conn.write_all(format!("{msg}\n").as_bytes());
-            continue;
+        let Ok(conn) = conn else { continue };
+        let (uid, _) = peer(&conn);
+        {
+            let mut open = open.lock().unwrap_or_else(|p| p.into_inner());
+            let mine = open.get(&uid).copied().unwrap_or(0);
+            let others: usize = open.iter().filter(|(&u, _)| u != own_uid).map(|(_, n)| n).sum();
+            if mine >= opts.max_per_uid {
+                refuse(
+                    conn,
+                    format!("uid {uid} has {mine} application connections open (at most {})", opts.max_per_uid),
+                );
+                continue;
+            }
+            if uid != own_uid && others >= MAX_APPS {
+                refuse(conn, format!("at most {MAX_APPS} application connections"));
+                continue;
+            }
+            *open.entry(uid).or_default() += 1;
         }
-        open.fetch_add(1, Ordering::SeqCst);
-        let (appvars, open) = (appvars.clone(), open.clone());
+        let (appvars, open2, opts) = (appvars.clone(), open.clone(), opts.clone());
         let spawned = std::thread::Builder::new().name("app-vars".into()).spawn(move || {
-            appvars.connection(conn);
-            open.fetch_sub(1, Ordering::SeqCst);
+            appvars.connection(conn, &opts);
+            let mut open = open2.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(n) = open.get_mut(&uid) {
+                *n -= 1;
+                if *n == 0 {
+                    open.remove(&uid);
+                }
+            }
         });
         if let Err(e) = spawned {
             tracing::warn!(error = %e, "cannot start an application thread");
+            let mut open = open.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(n) = open.get_mut(&uid) {
+                *n = n.saturating_sub(1);
+            }
         }
     }
 }
@@ -442,7 +572,7 @@ mod tests {
         let vars = Arc::new(AppVars::new(registry.clone()));
         let (mut client, server) = UnixStream::pair().unwrap();
         let v2 = vars.clone();
-        let t = std::thread::spawn(move || v2.connection(server));
+        let t = std::thread::spawn(move || v2.connection(server, &AppSocketOptions::default()));
         let mut r = BufReader::new(client.try_clone().unwrap());
         let bad = request(&mut r, &mut client, json!({"op": "update", "name": "x", "value": 1}));
         assert_eq!(bad["error"]["message"], "register first");
@@ -517,5 +647,21 @@ mod tests {
         assert!(reg("ok", &[decl("x"), decl("x")]).unwrap_err().contains("twice"));
         reg("ok", &[decl("x")]).unwrap();
         assert!(reg("ok", &[decl("y")]).unwrap_err().contains("already registered"));
+
+        // A name stays bound to the uid that registered it first, after its application is gone; root may take it.
+        let as_uid = |uid: u32, app: &str| vars.register(app, &[decl("x")], uid, 0, w.clone(), Pending::default());
+        as_uid(1000, "voip").unwrap();
+        vars.unregister("voip");
+        assert!(as_uid(1001, "voip").unwrap_err().contains("bound to uid 1000"), "another uid took the name");
+        as_uid(1000, "voip").unwrap();
+        vars.unregister("voip");
+        as_uid(0, "voip").unwrap();
+        vars.unregister("voip");
+        assert!(as_uid(1000, "voip").unwrap_err().contains("bound to uid 0"));
+        for i in 0..MAX_NAMES_PER_UID {
+            as_uid(1000, &format!("n{i}")).unwrap();
+            vars.unregister(&format!("n{i}"));
+        }
+        assert!(as_uid(1000, "onemore").unwrap_err().contains("holds 64 application names"));
     }
 }

@@ -47,6 +47,30 @@ pub struct DaemonOptions {
     pub metrics: Option<crate::metrics::MetricsOptions>,
     /// Serve the web view (`--web`; none: off).
     pub web: Option<crate::web::WebOptions>,
+    /// The app socket's limits and group (`--app-*`).
+    pub app_socket: crate::appvars::AppSocketOptions,
+}
+
+/// Binds the app socket at `path`: mode 0666, or 0660 and owned by `group` when one is given.
+fn bind_app_socket(path: &std::path::Path, group: Option<&str>) -> Result<UnixListener, String> {
+    let gid = match group {
+        Some(name) => match nix::unistd::Group::from_name(name) {
+            Ok(Some(g)) => Some(g.gid),
+            Ok(None) => return Err(format!("--app-socket-group {name}: no such group")),
+            Err(e) => return Err(format!("--app-socket-group {name}: cannot look it up: {e}")),
+        },
+        None => None,
+    };
+    let _ = std::fs::remove_file(path);
+    let listener = UnixListener::bind(path).map_err(|e| format!("{}: cannot listen: {e}", path.display()))?;
+    let mode = if gid.is_some() { 0o660 } else { 0o666 };
+    if let Some(gid) = gid {
+        nix::unistd::chown(path, None, Some(gid))
+            .map_err(|e| format!("{}: cannot give it to group {}: {e}", path.display(), group.unwrap_or_default()))?;
+    }
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+        .map_err(|e| format!("{}: cannot set mode {mode:o}: {e}", path.display()))?;
+    Ok(listener)
 }
 
 /// Runs the daemon in the foreground until SIGINT or SIGTERM. Errors (a bad stack file, a daemon already
@@ -100,6 +124,8 @@ pub fn run_daemon(opts: DaemonOptions, catalog: Catalog) -> Result<(), String> {
     // may (CAP_SYS_RESOURCE is not kept).
     let files = flexstack_faces::stream::raise_open_files_limit();
     tracing::debug!(limit = files, "limit of open files");
+    // The app socket is set up while the daemon may still give it to a group (CAP_CHOWN is not kept).
+    let app_listener = bind_app_socket(&app_sock, opts.app_socket.group.as_deref())?;
     crate::privileges::drop_unneeded()?;
 
     let dataplane = DataPlane::start(opts.dataplane);
@@ -144,15 +170,11 @@ pub fn run_daemon(opts: DaemonOptions, catalog: Catalog) -> Result<(), String> {
         Some(w) => Some(crate::web::serve(control.clone(), w)?),
         None => None,
     };
-    let _ = std::fs::remove_file(&app_sock);
-    let app_listener =
-        UnixListener::bind(&app_sock).map_err(|e| format!("{}: cannot listen: {e}", app_sock.display()))?;
-    std::fs::set_permissions(&app_sock, std::fs::Permissions::from_mode(0o666))
-        .map_err(|e| format!("{}: cannot set mode 0666: {e}", app_sock.display()))?;
     let appvars = control.appvars.clone();
+    let app_opts = opts.app_socket.clone();
     std::thread::Builder::new()
         .name("app-socket".into())
-        .spawn(move || crate::appvars::serve(app_listener, appvars))
+        .spawn(move || crate::appvars::serve(app_listener, appvars, app_opts))
         .map_err(|e| format!("app socket thread: {e}"))?;
 
     install_shutdown(control.clone(), vec![sock.clone(), app_sock.clone(), pid_file.clone()])?;

@@ -3,8 +3,9 @@
 //!
 //! The loop: apply queued commands; read every face device that epoll reported readable (at most a batch each)
 //! and hand the packets to its module ([`Switch::face_ingress`]); run the switch; write what face modules queued
-//! ([`Switch::face_egress`]); wait in epoll for a device, a command (an eventfd the control plane signals) or the
-//! next module timer.
+//! ([`Switch::face_egress`], only for the faces the switch called: [`Switch::take_egress_ready`]); wait in epoll for
+//! a device, a command (an eventfd the control plane signals) or the next module timer. No step visits every module
+//! or face: the switch keeps lists of the modules with work, so a frame costs the same with 1 link or 1,000.
 //!
 //! Wake-ups by a face can be moderated as a NIC moderates its interrupts ([`RxModeration`], off by default:
 //! `flexstack daemon --rx-hold-us N`): while frames stream in (wake-ups closer together than a gap), the loop waits

@@ -16,7 +16,8 @@
 #   /proc/PID/task/*/schedstat) over the frames its two emulators of that link passed (frames_in_total) is the cost
 #   per frame. ROUNDS (5) rounds alternate the
 #   labs; the medians and their ratio are printed (issue target: within 20 %).
-# PARTS="1 2 3" (default) selects the parts. FS=PATH benchmarks another binary; NO_BUILD=1 skips the build.
+# PARTS="1 2 3" (default) selects the parts. FS=PATH benchmarks another binary; NO_BUILD=1 skips the build;
+# PROFILE=ci builds and runs target/ci/flexstack instead of the release binary (quicker to build; say so with figures).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/lib/bench.sh
@@ -31,8 +32,9 @@ PARTS=${PARTS:-1 2 3}
 for c in python3 ping strace bc; do
   command -v $c >/dev/null || { echo "bench-lab: needs $c (scripts/setup.sh)" >&2; exit 1; }
 done
-[[ -n ${NO_BUILD:-}${FS:-} ]] || cargo build --release --quiet
-fs=${FS:-$PWD/target/release/flexstack}
+PROFILE=${PROFILE:-release}
+[[ -n ${NO_BUILD:-}${FS:-} ]] || cargo build --profile "$PROFILE" --quiet
+fs=${FS:-$PWD/target/$PROFILE/flexstack}
 tag=fsb$$
 work=$(mktemp -d /tmp/${tag}.XXXX)
 state=$work/state
@@ -42,7 +44,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-echo "bench-lab: $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- src crates || echo '+changes'), $(nproc) cores, kernel $(uname -r), load $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "bench-lab: $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- src crates || echo '+changes'), ${FS:-profile $PROFILE}, $(nproc) cores, kernel $(uname -r), load $(cut -d' ' -f1-3 /proc/loadavg)"
 
 # tree NAME N: a lab file of N hosts, host i linked to (i - 1) / 2.
 tree() {

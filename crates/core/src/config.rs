@@ -45,6 +45,30 @@ impl Location {
     }
 }
 
+/// The starts of the lines of a text, built once, so that locating many offsets in a long file (a generated stack of
+/// thousands of lines) costs a binary search each rather than a count of newlines from the top.
+pub struct LineIndex<'a> {
+    text: &'a str,
+    starts: Vec<usize>,
+}
+
+impl<'a> LineIndex<'a> {
+    /// Indexes the lines of `text`.
+    pub fn new(text: &'a str) -> LineIndex<'a> {
+        let starts = std::iter::once(0).chain(text.match_indices('\n').map(|(i, _)| i + 1)).collect();
+        LineIndex { text, starts }
+    }
+
+    /// The location of byte offset `offset`, as [`Location::of_offset`] gives it.
+    pub fn locate(&self, file: &Arc<str>, offset: usize) -> Location {
+        let offset = offset.min(self.text.len());
+        let line = self.starts.partition_point(|&s| s <= offset);
+        let start = self.starts[line - 1];
+        let column = self.text[start..offset].chars().count() + 1;
+        Location { file: file.clone(), line, column }
+    }
+}
+
 impl fmt::Display for Location {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}:{}:{}", self.file, self.line, self.column)
@@ -410,13 +434,14 @@ impl StackSpec {
     /// Parses a stack description; `file` names it in errors.
     pub fn parse(file: &str, text: &str) -> Result<StackSpec, ConfigError> {
         let file: Arc<str> = Arc::from(file);
-        let at = |span: Range<usize>| Some(Location::of_offset(&file, text, span.start));
         if text.len() > MAX_STACK_FILE_BYTES {
             return Err(ConfigError::new(
                 None,
                 format!("{file}: stack description larger than {MAX_STACK_FILE_BYTES} bytes"),
             ));
         }
+        let lines = LineIndex::new(text);
+        let at = |span: Range<usize>| Some(lines.locate(&file, span.start));
         let (spans, table) = parse_located(&file, text)?;
         let root = spans.get_ref();
         let empty = toml::de::DeTable::default();
@@ -578,6 +603,27 @@ kind = "counter"
         assert_eq!(spec.links[3].link.to.len(), 2);
         assert_eq!(spec.links[3].location.as_ref().unwrap().line, 5);
         assert_eq!(spec.links[2].link.from.port.as_deref(), Some("0"));
+    }
+
+    #[test]
+    fn the_line_index_locates_every_offset_as_counting_newlines_does() {
+        let file: Arc<str> = Arc::from("x.toml");
+        let text = "a = 1\n\n[modules.é]\nkind = \"ü\" # ñ\n\nlast";
+        let lines = LineIndex::new(text);
+        for offset in (0..=text.len() + 2).filter(|&o| o >= text.len() || text.is_char_boundary(o)) {
+            assert_eq!(lines.locate(&file, offset), Location::of_offset(&file, text, offset), "offset {offset}");
+        }
+        assert_eq!(lines.locate(&file, text.len()).line, 6);
+    }
+
+    #[test]
+    fn settings_far_down_a_generated_stack_have_their_lines() {
+        let n = 4_000;
+        let text: String = (0..n).map(|i| format!("[modules.m{i}]\nkind = \"counter\"\nrate = {i}\n\n")).collect();
+        let spec = StackSpec::parse("big.toml", &text).unwrap();
+        assert_eq!(spec.modules.len(), n);
+        let last = spec.modules[n - 1].settings.get("rate").unwrap();
+        assert_eq!(last.location.as_ref().unwrap().line, 4 * (n - 1) + 3);
     }
 
     #[test]

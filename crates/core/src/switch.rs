@@ -20,7 +20,8 @@ use crate::module::{port_type, FaceDevice, Module, ModuleBuilder, ModuleInterfac
 use crate::time::Time;
 use crate::value::{Value, ValueType};
 use crate::vars::{DynamicVars, Meter, ModuleVars, Registry, SharedRegistry, VarCell, VarKind, VarSpec};
-use std::collections::{BTreeSet, HashMap};
+use std::cmp::Reverse;
+use std::collections::{BTreeSet, BinaryHeap, HashMap};
 use std::fmt;
 use std::sync::Arc;
 
@@ -269,6 +270,10 @@ struct Slot {
     routes: Vec<Vec<(usize, usize)>>,
     paused: bool,
     wake_at: Option<Time>,
+    /// The module has a device (a face): what it queues for it is taken by [`Switch::face_egress`].
+    face: bool,
+    /// The face is on [`Switch::egress`] already.
+    egress_listed: bool,
 }
 
 impl Slot {
@@ -285,6 +290,7 @@ impl Slot {
             }
         }
         let module = builder.build(&vars);
+        let face = module.device().is_some();
         let meters = SlotMeters::new(&iface);
         Slot {
             paths,
@@ -301,6 +307,8 @@ impl Slot {
             paused: false,
             // Every module is polled once right after it is loaded.
             wake_at: Some(Time::ZERO),
+            face,
+            egress_listed: false,
         }
     }
 
@@ -334,6 +342,18 @@ pub struct Switch {
     profiler: Option<Box<dyn FnMut() -> u64>>,
     switch_vars: ModuleVars,
     hot: HotMeters,
+    /// Position of each module in `order`.
+    rank: Vec<usize>,
+    /// Ranks of the modules that may have frames waiting at their inputs: every module with some is in it, so a
+    /// run visits only these (in topological order) rather than every module.
+    ready: BTreeSet<usize>,
+    /// (time, module) for each module's poll time: every module not paused whose `wake_at` is set has an entry
+    /// with that time; entries whose time no longer matches are stale and skipped.
+    timers: BinaryHeap<Reverse<(Time, usize)>>,
+    /// Reused list of the modules due in a run.
+    due: Vec<usize>,
+    /// Faces that were called (and so may have queued frames for their device) since [`Switch::take_egress_ready`].
+    egress: Vec<usize>,
 }
 
 /// Handles of the switch meters written on every run, so the hot path does no lookup by name.
@@ -398,6 +418,11 @@ impl Switch {
                 pool_free: switch_vars.meter("pool_free"),
             },
             switch_vars,
+            rank: Vec::new(),
+            ready: BTreeSet::new(),
+            timers: BinaryHeap::new(),
+            due: Vec::new(),
+            egress: Vec::new(),
         };
         s.publish();
         s
@@ -599,7 +624,7 @@ impl Switch {
         slot.module.write_knob(knob, &v)?;
         cell.store(&v);
         // Polled at the next run, so the module can act on the new value (e.g. a source resuming).
-        slot.wake_at = Some(Time::ZERO);
+        self.wake_now(i);
         Ok(())
     }
 
@@ -622,7 +647,7 @@ impl Switch {
         let slot = &mut self.slots[i];
         slot.module.write_knob(name, &v)?;
         cell.store(&v);
-        slot.wake_at = Some(Time::ZERO);
+        self.wake_now(i);
         Ok(())
     }
 
@@ -675,10 +700,85 @@ impl Switch {
             ready.extend(next.into_iter().rev());
         }
         // Validation rejected cycles; should one slip through, run the rest in load order rather than never.
-        for i in 0..n {
-            if !self.order.contains(&i) {
-                self.order.push(i);
+        let mut placed = vec![false; n];
+        for &i in &self.order {
+            placed[i] = true;
+        }
+        for (i, _) in placed.iter().enumerate().filter(|(_, p)| !**p) {
+            self.order.push(i);
+        }
+        self.rebuild_work();
+    }
+
+    /// Rebuilds the bookkeeping of work from the modules (after an edit: indices and order may have changed): the
+    /// ranks, the modules with frames waiting, the timers, and every face as possibly having egress.
+    fn rebuild_work(&mut self) {
+        self.rank = vec![0; self.slots.len()];
+        for (r, &i) in self.order.iter().enumerate() {
+            self.rank[i] = r;
+        }
+        self.ready = (0..self.slots.len()).filter(|&i| self.slots[i].held() > 0).map(|i| self.rank[i]).collect();
+        self.rebuild_timers();
+        self.egress.clear();
+        for (i, slot) in self.slots.iter_mut().enumerate() {
+            slot.egress_listed = slot.face;
+            if slot.face {
+                self.egress.push(i);
             }
+        }
+    }
+
+    fn rebuild_timers(&mut self) {
+        self.timers = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| !s.paused)
+            .filter_map(|(i, s)| s.wake_at.map(|t| Reverse((t, i))))
+            .collect();
+    }
+
+    /// True if the timer entry (t, i) is current: module `i` is not paused and is due at `t`.
+    fn timer_current(&self, t: Time, i: usize) -> bool {
+        self.slots.get(i).is_some_and(|s| !s.paused && s.wake_at == Some(t))
+    }
+
+    /// Sets module `i`'s poll time and, when it changed, its timer entry.
+    fn set_wake(&mut self, i: usize, wake: Option<Time>) {
+        let slot = &mut self.slots[i];
+        if slot.wake_at != wake {
+            slot.wake_at = wake;
+            self.arm(i);
+        }
+    }
+
+    /// Adds the timer entry of module `i`'s current poll time (if it has one and is not paused).
+    fn arm(&mut self, i: usize) {
+        let slot = &self.slots[i];
+        if let (Some(t), false) = (slot.wake_at, slot.paused) {
+            self.timers.push(Reverse((t, i)));
+        }
+    }
+
+    /// Module `i` is polled at the next run.
+    fn wake_now(&mut self, i: usize) {
+        self.set_wake(i, Some(Time::ZERO));
+        self.note_called(i);
+    }
+
+    /// Module `i` was called: if it is a face it may have queued frames for its device.
+    fn note_called(&mut self, i: usize) {
+        let slot = &mut self.slots[i];
+        if slot.face && !slot.egress_listed {
+            slot.egress_listed = true;
+            self.egress.push(i);
+        }
+    }
+
+    /// Module `i` has frames waiting at an input.
+    fn mark_ready(&mut self, i: usize) {
+        if let Some(&r) = self.rank.get(i) {
+            self.ready.insert(r);
         }
     }
 
@@ -720,6 +820,7 @@ impl Switch {
         } else {
             dest.append(frames);
         }
+        self.mark_ready(i);
         Ok(())
     }
 
@@ -770,9 +871,21 @@ impl Switch {
         if let Some(cell) = slot.vars.cell("carrier_changes_total") {
             cell.add_u64(1);
         }
-        for slot in &mut self.slots {
-            if slot.module.link_changed(&face, up) {
-                slot.wake_at = Some(Time::ZERO);
+        for i in 0..self.slots.len() {
+            if self.slots[i].module.link_changed(&face, up) {
+                self.wake_now(i);
+            }
+        }
+    }
+
+    /// The face modules that may have queued frames for their devices since the last call (those called since,
+    /// and after an edit every face), into `into` (cleared first): only these need [`Switch::face_egress`].
+    pub fn take_egress_ready(&mut self, into: &mut Vec<usize>) {
+        into.clear();
+        std::mem::swap(into, &mut self.egress);
+        for &i in into.iter() {
+            if let Some(slot) = self.slots.get_mut(i) {
+                slot.egress_listed = false;
             }
         }
     }
@@ -799,12 +912,22 @@ impl Switch {
         if self.paused {
             return None;
         }
-        self.slots.iter().filter(|s| !s.paused).filter_map(|s| s.wake_at).min()
+        match self.timers.peek() {
+            None => None,
+            Some(&Reverse((t, i))) if self.timer_current(t, i) => Some(t),
+            // Stale entries are cleared at the end of each run and the timers rebuilt after each edit, so this
+            // does not happen; should it, the answer is still right.
+            Some(_) => self.slots.iter().filter(|s| !s.paused).filter_map(|s| s.wake_at).min(),
+        }
     }
 
     /// True if frames wait at inputs of modules that are not paused.
     pub fn has_pending(&self) -> bool {
-        !self.paused && self.slots.iter().any(|s| !s.paused && s.pending.iter().any(|b| !b.is_empty()))
+        !self.paused
+            && self.ready.iter().any(|&r| {
+                let s = &self.slots[self.order[r]];
+                !s.paused && s.pending.iter().any(|b| !b.is_empty())
+            })
     }
 
     /// Runs everything that is due at `now`: polls, control frames, and the pending frames through the graph.
@@ -818,22 +941,44 @@ impl Switch {
         }
         self.hot.runs.add(1);
         let mut calls = 0;
-        for i in 0..self.slots.len() {
+        // The modules due are polled in load order; a poll arms the module's next time (after this loop: a poll
+        // asking for a time already past is polled again at the next run, not in this one).
+        let mut due = std::mem::take(&mut self.due);
+        while let Some(&Reverse((t, i))) = self.timers.peek() {
+            if t > now {
+                break;
+            }
+            self.timers.pop();
+            if self.timer_current(t, i) {
+                due.push(i);
+            }
+        }
+        due.sort_unstable();
+        due.dedup();
+        for &i in &due {
             if !self.slots[i].paused && self.slots[i].wake_at.is_some_and(|t| t <= now) {
                 self.call(i, None, now);
                 calls += 1;
             }
         }
+        due.clear();
+        self.due = due;
         self.deliver_control(now);
-        // One topological pass drains a DAG; further passes pick up frames from control handling.
+        // One topological pass drains a DAG; further passes pick up frames from control handling and those sent
+        // back to earlier modules (out of cycle-breaking ones). A pass visits, in order, the modules with frames
+        // waiting at or after its cursor; those that get frames behind the cursor wait for the next pass.
         for _ in 0..4 {
             let mut progressed = false;
-            for k in 0..self.order.len() {
-                let i = self.order[k];
+            let mut cursor = 0;
+            while let Some(&r) = self.ready.range(cursor..).next() {
+                cursor = r + 1;
+                let i = self.order[r];
                 if self.slots[i].paused {
+                    // Stays ready: it runs when resumed.
                     self.slots[i].meters.held.set_u64(self.slots[i].held());
                     continue;
                 }
+                self.ready.remove(&r);
                 for port in 0..self.slots[i].pending.len() {
                     if !self.slots[i].pending[port].is_empty() {
                         self.call(i, Some(port), now);
@@ -847,10 +992,25 @@ impl Switch {
                 break;
             }
         }
+        self.tidy_timers();
         let ps = self.pool.stats();
         self.hot.pool_allocated.set(ps.allocated);
         self.hot.pool_free.set(ps.free);
         calls
+    }
+
+    /// Drops stale timer entries from the top of the heap (so [`Switch::next_wakeup`] reads the top), and rebuilds
+    /// the heap when stale entries further down have piled up.
+    fn tidy_timers(&mut self) {
+        while let Some(&Reverse((t, i))) = self.timers.peek() {
+            if self.timer_current(t, i) {
+                break;
+            }
+            self.timers.pop();
+        }
+        if self.timers.len() > 4 * self.slots.len() + 64 {
+            self.rebuild_timers();
+        }
     }
 
     /// One call into module `i`: `process` for input `port`, or `poll` when `port` is `None`; then routes outputs.
@@ -871,13 +1031,18 @@ impl Switch {
             None => Some(module.poll(&mut out)),
         };
         let (out_dropped, wake) = (out.dropped, out.wake);
-        let slot = &mut self.slots[i];
-        if let Some(next) = polled {
-            slot.wake_at = next;
-        }
+        let before = self.slots[i].wake_at;
+        let mut after = polled.unwrap_or(before);
         if let Some(w) = wake {
-            slot.wake_at = Some(slot.wake_at.map_or(w, |t| t.min(w)));
+            after = Some(after.map_or(w, |t| t.min(w)));
         }
+        self.slots[i].wake_at = after;
+        // A poll took the module's timer entry (if it was due): it is armed again even at the same time.
+        if polled.is_some() || after != before {
+            self.arm(i);
+        }
+        self.note_called(i);
+        let slot = &mut self.slots[i];
         let mut dropped = out_dropped + input.len() as u64;
         input.clear();
         if let Some(p) = port {
@@ -919,6 +1084,9 @@ impl Switch {
                 count => {
                     for (k, &(d, q)) in routes.iter().enumerate() {
                         let last = k + 1 == count;
+                        if let Some(&r) = self.rank.get(d) {
+                            self.ready.insert(r);
+                        }
                         let dest_slot = &mut self.slots[d];
                         let dest = &mut dest_slot.pending[q];
                         let room = if dest_slot.paused || self.paused {
@@ -1072,10 +1240,11 @@ impl Switch {
         let (module, mut out) = self.module_and_output(i, now);
         let result = f(module, &mut out);
         let (dropped, wake) = (out.dropped, out.wake);
-        let slot = &mut self.slots[i];
         if let Some(w) = wake {
-            slot.wake_at = Some(slot.wake_at.map_or(w, |t| t.min(w)));
+            let t = self.slots[i].wake_at.map_or(w, |t| t.min(w));
+            self.set_wake(i, Some(t));
         }
+        self.note_called(i);
         let routed = self.route(i);
         self.slots[i].meters.dropped.add_u64(dropped + routed);
         result

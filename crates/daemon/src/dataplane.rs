@@ -3,8 +3,9 @@
 //!
 //! The loop: apply queued commands; read every face device that epoll reported readable (at most a batch each)
 //! and hand the packets to its module ([`Switch::face_ingress`]); run the switch; write what face modules queued
-//! ([`Switch::face_egress`]); wait in epoll for a device, a command (an eventfd the control plane signals) or the
-//! next module timer.
+//! ([`Switch::face_egress`], only for the faces the switch called: [`Switch::take_egress_ready`]); wait in epoll for
+//! a device, a command (an eventfd the control plane signals) or the next module timer. No step visits every module
+//! or face: the switch keeps lists of the modules with work, so a frame costs the same with 1 link or 1,000.
 //!
 //! Wake-ups by a face can be moderated as a NIC moderates its interrupts ([`RxModeration`], off by default:
 //! `flexstack daemon --rx-hold-us N`): while frames stream in (wake-ups closer together than a gap), the loop waits
@@ -28,6 +29,7 @@ use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTime
 use nix::sys::eventfd::{EfdFlags, EventFd};
 use nix::sys::time::TimeSpec;
 use nix::sys::timerfd::{ClockId, Expiration, TimerFd, TimerFlags, TimerSetTimeFlags};
+use std::collections::HashMap;
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -209,6 +211,8 @@ impl DataPlane {
                 wake: thread_wake,
                 timer,
                 faces: Vec::new(),
+                face_at: HashMap::new(),
+                egress_ready: Vec::new(),
                 generation: u64::MAX,
                 moderation,
                 links,
@@ -296,6 +300,10 @@ struct Loop {
     wake: Arc<EventFd>,
     timer: TimerFd,
     faces: Vec<(usize, Arc<dyn FaceDevice>)>,
+    /// Module index of each face to its position in `faces`.
+    face_at: HashMap<usize, usize>,
+    /// Reused list of the faces that may have frames for their devices ([`Switch::take_egress_ready`]).
+    egress_ready: Vec<usize>,
     generation: u64,
     moderation: RxModeration,
     links: Option<LinkWatch>,
@@ -440,6 +448,7 @@ impl Loop {
             let _ = self.epoll.delete(dev.fd());
         }
         self.faces = self.switch.faces();
+        self.face_at = self.faces.iter().enumerate().map(|(k, (index, _))| (*index, k)).collect();
         for (k, (_, dev)) in self.faces.iter().enumerate() {
             let event = EpollEvent::new(EpollFlags::EPOLLIN, k as u64 + 1);
             if let Err(e) = self.epoll.add(dev.fd(), event) {
@@ -483,9 +492,13 @@ impl Loop {
         }
     }
 
-    /// Writes what the face modules queued for their devices.
+    /// Writes what the face modules queued for their devices: those the switch called since the last flush (with
+    /// 1,000 faces, visiting every one each round cost more than the frames).
     fn flush_egress(&mut self, batch: &mut Batch) {
-        for (index, dev) in &self.faces {
+        self.switch.take_egress_ready(&mut self.egress_ready);
+        for index in &self.egress_ready {
+            let Some(&k) = self.face_at.get(index) else { continue };
+            let dev = &self.faces[k].1;
             self.switch.face_egress(*index, batch);
             if batch.is_empty() {
                 continue;

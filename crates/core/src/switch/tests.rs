@@ -1687,3 +1687,191 @@ fn inject_port(sw: &mut Switch, module: &str, port: &str, seqs: impl IntoIterato
     let mut batch = packets(&pool, seqs);
     sw.inject(module, port, &mut batch).unwrap();
 }
+
+// ---------------------------------------------------------------------------------------------------------------
+// Bookkeeping of work: only modules with input, a due timer or (faces) output are visited
+// ---------------------------------------------------------------------------------------------------------------
+
+/// Logs its name on every process call and forwards what it gets; polls count in `polls` and ask for the next poll
+/// `period` later (never, when `None`).
+struct Named {
+    name: String,
+    log: Log<String>,
+    polls: Arc<Mutex<u64>>,
+    period: Option<std::time::Duration>,
+    probe: Probe,
+}
+
+impl Module for Named {
+    fn process(&mut self, _port: usize, input: &mut Batch, out: &mut Output<'_>) {
+        self.log.lock().unwrap().push(self.name.clone());
+        for f in input.iter() {
+            self.probe.record(f);
+        }
+        out.emit_all(0, input);
+    }
+    fn poll(&mut self, out: &mut Output<'_>) -> Option<Time> {
+        *self.polls.lock().unwrap() += 1;
+        self.period.map(|p| out.now() + p)
+    }
+}
+
+#[derive(Clone, Default)]
+struct NamedLog {
+    log: Log<String>,
+    polls: Arc<Mutex<u64>>,
+    probe: Probe,
+}
+
+fn named(name: &str, log: &NamedLog, period: Option<std::time::Duration>) -> Box<dyn ModuleBuilder> {
+    let (name, log) = (name.to_string(), log.clone());
+    built(&[("in", port_type::ANY)], &[("out", port_type::ANY)], vec![], move |_| {
+        Box::new(Named { name, log: log.log, polls: log.polls, period, probe: log.probe })
+    })
+}
+
+#[test]
+fn a_module_with_a_timer_far_away_is_not_polled_while_others_work() {
+    let mut sw = Switch::default();
+    let (far, near) = (NamedLog::default(), NamedLog::default());
+    let probe = Probe::default();
+    sw.apply(vec![
+        load("far", named("far", &far, Some(std::time::Duration::from_secs(3600)))),
+        load("near", named("near", &near, Some(std::time::Duration::from_millis(10)))),
+        load("sink", sink(&probe)),
+        link("near -> sink"),
+    ])
+    .unwrap();
+    sw.run(Time::ZERO);
+    assert_eq!((*far.polls.lock().unwrap(), *near.polls.lock().unwrap()), (1, 1), "every module is polled once");
+    assert_eq!(sw.next_wakeup(), Some(Time::from_millis(10)));
+    for ms in 1..=100u64 {
+        inject(&mut sw, "near", [ms]);
+        sw.run(Time::from_millis(ms));
+    }
+    assert_eq!(*far.polls.lock().unwrap(), 1, "the far timer is not due: never polled again");
+    assert_eq!(meter(&sw, "module.far.calls_total"), 1);
+    assert_eq!(*near.polls.lock().unwrap(), 11, "polled at 0, 10, ..., 100 ms");
+    assert_eq!(probe.seqs(), (1..=100).collect::<Vec<_>>());
+    assert_eq!(sw.next_wakeup(), Some(Time::from_millis(110)));
+    // Pausing the near one leaves the far timer as the next wake-up; resuming brings the near one back.
+    sw.apply(vec![pause(Some("near"))]).unwrap();
+    assert_eq!(sw.next_wakeup(), Some(Time::from_millis(3_600_000)));
+    sw.apply(vec![resume(Some("near"))]).unwrap();
+    assert_eq!(sw.next_wakeup(), Some(Time::from_millis(110)));
+}
+
+#[test]
+fn only_modules_with_input_run_in_topological_order() {
+    let mut sw = Switch::default();
+    let log = NamedLog::default();
+    let idle = NamedLog::default();
+    // Loaded out of order: c, b, a; linked a -> b -> c; 200 idle modules in between.
+    let mut edits = vec![load("c", named("c", &log, None)), load("b", named("b", &log, None))];
+    edits.extend((0..200).map(|k| load(&format!("idle{k}"), named("idle", &idle, None))));
+    edits.extend([load("a", named("a", &log, None)), link("a -> b"), link("b -> c")]);
+    sw.apply(edits).unwrap();
+    sw.run(Time::ZERO);
+    let calls_after_load = meter(&sw, "module.idle7.calls_total");
+    inject(&mut sw, "c", [100]);
+    inject(&mut sw, "a", [1]);
+    assert!(sw.has_pending());
+    let calls = sw.run(Time::from_millis(1));
+    assert_eq!(calls, 3, "a, b and c once each; no idle module called");
+    assert_eq!(*log.log.lock().unwrap(), ["a", "b", "c"], "in topological order, c once with both frames");
+    assert_eq!(log.probe.seqs(), [1, 1, 100, 1], "a and b saw 1; c its own frame first, then a's");
+    assert!(idle.log.lock().unwrap().is_empty());
+    assert_eq!(meter(&sw, "module.idle7.calls_total"), calls_after_load);
+    assert!(!sw.has_pending());
+    assert_eq!(sw.run(Time::from_millis(2)), 0, "nothing to do: no call");
+}
+
+#[test]
+fn a_queue_emits_what_it_holds_when_its_timer_comes() {
+    let mut sw = Switch::default();
+    let log = NamedLog::default();
+    let probe = Probe::default();
+    sw.apply(vec![
+        load("a", named("a", &log, None)),
+        load("q", queue()),
+        load("sink", sink(&probe)),
+        link("a -> q"),
+        link("q -> sink"),
+    ])
+    .unwrap();
+    sw.run(Time::ZERO);
+    assert_eq!(sw.next_wakeup(), Some(Time::from_millis(1)), "the queue polled at 0 asks for 1 ms");
+    sw.run(Time::ZERO + std::time::Duration::from_micros(500));
+    assert_eq!(sw.next_wakeup(), Some(Time::from_millis(1)), "not due yet: not polled");
+    inject(&mut sw, "a", [5]);
+    sw.run(Time::from_millis(1));
+    assert!(probe.seqs().is_empty(), "polled before the frame arrived: held until the next poll");
+    assert_eq!(sw.next_wakeup(), Some(Time::from_millis(2)));
+    sw.run(Time::from_millis(2));
+    assert_eq!(probe.seqs(), [5]);
+    assert_eq!(sw.next_wakeup(), Some(Time::from_millis(3)));
+}
+
+/// A face over /dev/null: the switch only needs it to have a device.
+struct NullDevice(std::fs::File);
+
+impl FaceDevice for NullDevice {
+    fn name(&self) -> &str {
+        "null"
+    }
+    fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self.0.as_fd()
+    }
+    fn read_packet(&self, _buf: &mut Vec<u8>) -> std::io::Result<bool> {
+        Ok(false)
+    }
+    fn write_packet(&self, _packet: &[u8]) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+struct NullFace(Arc<NullDevice>, Batch);
+
+impl Module for NullFace {
+    fn process(&mut self, _port: usize, input: &mut Batch, _out: &mut Output<'_>) {
+        self.1.append(input);
+    }
+    fn device(&self) -> Option<Arc<dyn FaceDevice>> {
+        Some(self.0.clone())
+    }
+    fn take_egress(&mut self, into: &mut Batch) {
+        into.append(&mut self.1);
+    }
+}
+
+fn null_face() -> Box<dyn ModuleBuilder> {
+    let dev = Arc::new(NullDevice(std::fs::File::open("/dev/null").unwrap()));
+    built(&[("in", port_type::ANY)], &[("out", port_type::ANY)], vec![], move |_| Box::new(NullFace(dev, Vec::new())))
+}
+
+#[test]
+fn only_faces_that_were_called_are_listed_for_egress() {
+    let mut sw = Switch::default();
+    sw.apply(vec![load("f1", null_face()), load("f2", null_face()), load("p", pass())]).unwrap();
+    let (f1, f2) = (sw.index_of("f1").unwrap(), sw.index_of("f2").unwrap());
+    let mut ready = Vec::new();
+    sw.take_egress_ready(&mut ready);
+    assert_eq!(ready, [f1, f2], "after an edit every face is listed");
+    sw.run(Time::ZERO);
+    sw.take_egress_ready(&mut ready);
+    assert_eq!(ready, [f1, f2], "both polled after load");
+    sw.run(Time::from_millis(1));
+    sw.take_egress_ready(&mut ready);
+    assert!(ready.is_empty(), "nothing called: nothing listed");
+    inject(&mut sw, "f2", [3, 4]);
+    inject(&mut sw, "p", [9]);
+    sw.run(Time::from_millis(2));
+    sw.take_egress_ready(&mut ready);
+    assert_eq!(ready, [f2]);
+    let mut out = Vec::new();
+    sw.face_egress(f2, &mut out);
+    assert_eq!(out.len(), 2);
+    sw.take_egress_ready(&mut ready);
+    assert!(ready.is_empty());
+}

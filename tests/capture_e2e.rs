@@ -56,10 +56,11 @@ fn a_restarted_daemon_keeps_the_capture_of_the_one_before() {
     // The same stack again: the first capture stays whole, the second goes to a suffix file.
     let mut d = Daemon::start(&stack(&file, "rate = 100000\ncount = 200\nsize = 100", ""), &[]);
     d.wait_for("200 frames in the file", 10, |d| written(d) == 200);
+    assert_eq!(tshark_count(&file), 300, "the first daemon's capture is kept");
     let suffix = tmp.path().join("cap.1.pcapng");
     assert_eq!(only_tap(&d).file.as_deref(), Some(suffix.to_str().unwrap()));
     assert!(d.terminate().success());
-    assert_eq!(tshark_count(&file), 300, "the first daemon's capture is kept");
+    assert_eq!(tshark_count(&file), 300);
     assert_eq!(tshark_count(&suffix), 200);
 
     // exists = "append": the next daemon adds a section to the first file.
@@ -85,9 +86,9 @@ fn a_rollback_that_loads_a_tap_again_keeps_its_capture() {
     assert_eq!(tshark_count(&file), 300);
     // Revision 1 has the tap: the rollback loads it again, on a new file.
     d.ok(&["config", "rollback", "1"]);
+    assert_eq!(tshark_count(&file), 300, "the rollback kept the capture");
     let tap = only_tap(&d);
     assert_eq!(tap.file.as_deref(), Some(tmp.path().join("roll.1.pcapng").to_str().unwrap()));
-    assert_eq!(tshark_count(&file), 300, "the rollback kept the capture");
     // `tap add` says which file it writes: the path asked for is taken, so a suffix file.
     let out = d.ok(&["tap", "add", "src", file.to_str().unwrap()]);
     assert!(out.contains("roll.2.pcapng"), "{out}");

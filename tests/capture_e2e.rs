@@ -44,18 +44,23 @@ fn written(d: &Daemon) -> u64 {
     d.get_u64("module.tap.frames_total")
 }
 
+/// A daemon whose source sends `count` frames to the tap on `file`, returned once they are all in the file.
+fn captured(file: &Path, count: u64, extra: &str) -> Daemon {
+    let d = Daemon::start(&stack(file, &format!("rate = 100000\ncount = {count}\nsize = 100"), extra), &[]);
+    d.wait_for("every frame in the file", 10, |d| written(d) == count);
+    d
+}
+
 #[test]
 fn a_restarted_daemon_keeps_the_capture_of_the_one_before() {
     let tmp = tempfile::tempdir().unwrap();
     let file = tmp.path().join("cap.pcapng");
-    let mut d = Daemon::start(&stack(&file, "rate = 100000\ncount = 300\nsize = 100", ""), &[]);
-    d.wait_for("300 frames in the file", 10, |d| written(d) == 300);
+    let mut d = captured(&file, 300, "");
     assert!(d.terminate().success());
     assert_eq!(tshark_count(&file), 300);
 
     // The same stack again: the first capture stays whole, the second goes to a suffix file.
-    let mut d = Daemon::start(&stack(&file, "rate = 100000\ncount = 200\nsize = 100", ""), &[]);
-    d.wait_for("200 frames in the file", 10, |d| written(d) == 200);
+    let mut d = captured(&file, 200, "");
     assert_eq!(tshark_count(&file), 300, "the first daemon's capture is kept");
     let suffix = tmp.path().join("cap.1.pcapng");
     assert_eq!(only_tap(&d).file.as_deref(), Some(suffix.to_str().unwrap()));
@@ -64,8 +69,7 @@ fn a_restarted_daemon_keeps_the_capture_of_the_one_before() {
     assert_eq!(tshark_count(&suffix), 200);
 
     // exists = "append": the next daemon adds a section to the first file.
-    let mut d = Daemon::start(&stack(&file, "rate = 100000\ncount = 100\nsize = 100", "exists = \"append\""), &[]);
-    d.wait_for("100 frames in the file", 10, |d| written(d) == 100);
+    let mut d = captured(&file, 100, "exists = \"append\"");
     assert_eq!(only_tap(&d).file.as_deref(), Some(file.to_str().unwrap()));
     assert!(d.terminate().success());
     assert_eq!(tshark_count(&file), 400);
@@ -80,8 +84,7 @@ fn a_restarted_daemon_keeps_the_capture_of_the_one_before() {
 fn a_rollback_that_loads_a_tap_again_keeps_its_capture() {
     let tmp = tempfile::tempdir().unwrap();
     let file = tmp.path().join("roll.pcapng");
-    let mut d = Daemon::start(&stack(&file, "rate = 100000\ncount = 300\nsize = 100", ""), &[]);
-    d.wait_for("300 frames in the file", 10, |d| written(d) == 300);
+    let mut d = captured(&file, 300, "");
     d.ok(&["tap", "del", "tap"]);
     assert_eq!(tshark_count(&file), 300);
     // Revision 1 has the tap: the rollback loads it again, on a new file.

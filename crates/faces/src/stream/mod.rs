@@ -55,7 +55,7 @@ const OPEN_FILES: u64 = 1 << 20;
 /// Raises the process's limit of open files, once: each terminated connection holds one socket per kernel
 /// endpoint, and the usual soft limit (1,024) would stop a kernel `terminate` and `originate` at about 500
 /// connections, a hard limit of 20,000 at about 10,000. With CAP_SYS_RESOURCE (the daemon calls this at start-up,
-/// before it drops the capabilities it does not keep) both limits go up to [`OPEN_FILES`] or the kernel's
+/// before it drops the capabilities it does not keep) both limits go up to 1,048,576 (`OPEN_FILES`) or the kernel's
 /// `fs.nr_open`, whichever is lower; without it the soft limit goes up to the hard one. Returns the soft limit in
 /// force afterwards.
 pub fn raise_open_files_limit() -> u64 {

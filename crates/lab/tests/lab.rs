@@ -46,7 +46,7 @@ fn demo_parses_into_the_expected_lab() {
         ("0s", "start on srv (background): iperf3 -s -p 5202"),
         ("0s", "start on srv (background): head -c 8000000 /dev/zero > $LAB_SCRATCH/blob && exec python3 -m http.server 8080 --directory $LAB_SCRATCH"),
         ("2s", "start on h1 (foreground): iperf3 -c srv -p 5201 -t 16 -J"),
-        ("2s", "start on app (foreground): curl -sS -o /dev/null -w '%{json}' http://srv:8080/blob"),
+        ("2s", "start on app (foreground): curl -sS --retry 5 --retry-connrefused --retry-delay 1 -o /dev/null -w '%{json}' http://srv:8080/blob"),
         ("8s", "link h1-srv set delay_ms=20 rate_mbit=15"),
         ("9s", "start on app (foreground): iperf3 -c srv -p 5202 -t 9 -J"),
         ("13s", "link app-srv down"),

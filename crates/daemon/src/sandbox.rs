@@ -108,22 +108,7 @@ fn try_lock(pid: u32) -> Lock {
 
 /// Runs the commands of `script` with `nft -f -`, as one transaction.
 fn nft(script: &str) -> Result<(), String> {
-    use std::io::Write;
-    let mut child = Command::new("nft")
-        .args(["-f", "-"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .map_err(|e| format!("nft: {e} (is nftables installed?)"))?;
-    if let Some(mut stdin) = child.stdin.take() {
-        let _ = stdin.write_all(script.as_bytes());
-    }
-    let out = child.wait_with_output().map_err(|e| format!("nft: {e}"))?;
-    if !out.status.success() {
-        return Err(format!("nft failed: {}", String::from_utf8_lossy(&out.stderr).trim()));
-    }
-    Ok(())
+    flexstack_faces::netconf::nft(None, script)
 }
 
 /// The prefixes (`a.b.c.d/n`, `x::/n`) written in `text`, as nft lists a table or a set.

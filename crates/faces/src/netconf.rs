@@ -535,6 +535,35 @@ fn for_each_message(
     Ok(())
 }
 
+/// Runs an nftables script as one transaction (`nft -f -`), in namespace `netns` (`ip netns exec`) or in this
+/// process's own; the error carries nft's message.
+pub fn nft(netns: Option<&str>, script: &str) -> std::result::Result<(), String> {
+    use std::io::Write;
+    let mut cmd = match netns {
+        Some(ns) => {
+            let mut c = std::process::Command::new("ip");
+            c.args(["netns", "exec", ns, "nft"]);
+            c
+        }
+        None => std::process::Command::new("nft"),
+    };
+    let mut child = cmd
+        .args(["-f", "-"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("nft: {e} (is nftables installed?)"))?;
+    if let Some(mut stdin) = child.stdin.take() {
+        let _ = stdin.write_all(script.as_bytes());
+    }
+    let out = child.wait_with_output().map_err(|e| format!("nft: {e}"))?;
+    if !out.status.success() {
+        return Err(format!("nft failed: {}", String::from_utf8_lossy(&out.stderr).trim()));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

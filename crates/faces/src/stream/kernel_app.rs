@@ -96,21 +96,7 @@ pub(crate) fn open(netns: &str, matcher: &MatchTable, app: &str) -> Result<(Vec<
 
 /// Runs an nftables script in namespace `netns`.
 fn nft_in(netns: &str, script: &str) -> Result<(), String> {
-    use std::io::Write;
-    let mut child = std::process::Command::new("ip")
-        .args(["netns", "exec", netns, "nft", "-f", "-"])
-        .stdin(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .map_err(|e| format!("cannot run nft: {e}"))?;
-    if let Some(mut stdin) = child.stdin.take() {
-        let _ = stdin.write_all(script.as_bytes());
-    }
-    let out = child.wait_with_output().map_err(|e| format!("nft: {e}"))?;
-    if !out.status.success() {
-        return Err(format!("nft refused the redirect: {}", String::from_utf8_lossy(&out.stderr).trim()));
-    }
-    Ok(())
+    crate::netconf::nft(Some(netns), script).map_err(|e| format!("the redirect: {e}"))
 }
 
 /// The nftables table holding `rules` in a nat `output` chain, loopback destinations excepted.

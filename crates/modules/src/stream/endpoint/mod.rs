@@ -458,14 +458,8 @@ impl Endpoint {
         (sockets, handle)
     }
 
-    /// Keeps an ended connection's socket for a new one while the pool has room. It is closed at once, without a
-    /// word to the far end (what the connection had to say was said); `listen` or `connect` resets it.
-    fn recycle(&mut self, t: Box<Tcp>) {
-        let Tcp { sockets, handle, .. } = *t;
-        self.put_back(sockets, handle);
-    }
-
-    /// Keeps a socket (alone in its set) for a new connection while the pool has room.
+    /// Keeps a socket (alone in its set) for a new connection while the pool has room. It is closed at once,
+    /// without a word to the far end (what its connection had to say was said); `listen` or `connect` resets it.
     fn put_back(&mut self, mut sockets: SocketSet<'static>, handle: SocketHandle) {
         if (self.f.pool.len() as u64) < self.cfg.socket_pool {
             sockets.get_mut::<tcp::Socket>(handle).abort();
@@ -538,7 +532,8 @@ impl Endpoint {
         self.f.in_flight -= c.credit.in_flight();
         if let Some(t) = c.tcp {
             self.f.tcp_count -= 1;
-            self.recycle(t);
+            let Tcp { sockets, handle, .. } = *t;
+            self.put_back(sockets, handle);
         } else {
             self.f.udp_count -= 1;
         }

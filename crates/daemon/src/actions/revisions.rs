@@ -152,11 +152,11 @@ mod tests {
     #[test]
     fn a_flapping_rule_makes_one_entry_per_window_and_never_pushes_out_an_operator() {
         let mut log = RevisionLog::default();
-        let op = log.push(0, "root", "set module.e.delay_ms = 5".into(), Vec::new(), "[modules.e]".into());
+        let op = log.push(0, "root", "set module.e.delay_ms 5".into(), Vec::new(), "[modules.e]".into());
         // Two rules writing every millisecond for 5 seconds, interleaved: one entry per rule and second.
         for t in 1..=5000u64 {
             let rule = if t % 2 == 0 { "flip" } else { "flop" };
-            log.push_rule_write(t, rule, format!("set module.sel.select = {}", t % 2), Vec::new(), format!("s{t}"));
+            log.push_rule_write(t, rule, format!("set module.sel.select {}", t % 2), Vec::new(), format!("s{t}"));
         }
         let entries: Vec<_> = log.iter().filter_map(|r| r.rule.clone()).collect();
         assert_eq!(entries.len(), 10, "{entries:?}");
@@ -164,7 +164,7 @@ mod tests {
         assert!(entries.iter().all(|w| w.writes == 500), "{entries:?}");
         let last = log.iter().last().unwrap();
         assert_eq!((last.number, last.stack.as_str(), last.user.as_str()), (log.latest(), "s5000", "rules"));
-        assert_eq!(log.get(op).unwrap().change, "set module.e.delay_ms = 5");
+        assert_eq!(log.get(op).unwrap().change, "set module.e.delay_ms 5");
         // Rules' entries beyond their cap go, oldest first; the operator's revision stays.
         for k in 0..(RevisionLog::KEPT_RULE_ENTRIES as u64 * 3) {
             log.push_rule_write(

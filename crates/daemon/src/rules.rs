@@ -382,6 +382,10 @@ fn run(rx: &mpsc::Receiver<Msg>, registry: &SharedRegistry, writer: &KnobWriter,
     let origin = Instant::now();
     let clock = || Time(u64::try_from(origin.elapsed().as_nanos()).unwrap_or(u64::MAX));
     let mut state = RulesState { engine: RuleEngine::with_limits(limits), notices: VecDeque::new() };
+    // Blocks of 128 KiB and more (the runtime's dense arrays) as fresh mappings, given back when freed: glibc's
+    // own threshold rises to the size of the first such block freed, after which they come from this thread's
+    // arena, whose free top `trim_heap` does not give back (an unloaded runtime stayed resident).
+    flexstack_sys::fix_mmap_threshold(128 * 1024);
     let (_registration, _vars, meters) = EngineMeters::register(registry);
     meters.update(&state.engine);
     let mut next_sample = clock();

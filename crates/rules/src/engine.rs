@@ -164,10 +164,12 @@ pub struct RevisionInfo {
     pub loaded: Vec<String>,
 }
 
+/// A revision: its log entry (whose `loaded` is filled in from `explicit` when listed), its program and the rules
+/// loaded by themselves, both shared with the other revisions that have the same.
 struct Revision {
     info: RevisionInfo,
     program: Arc<Program>,
-    explicit: BTreeSet<String>,
+    explicit: Arc<BTreeSet<String>>,
 }
 
 /// A unit as `show` presents it.
@@ -580,7 +582,7 @@ impl RuleEngine {
     pub fn handle_rollback(&mut self, revision: u64, now: Time, env: &dyn Environment) -> Result<u64, RuleError> {
         let rev =
             self.revisions.iter().find(|r| r.info.number == revision).ok_or(RuleError::UnknownRevision(revision))?;
-        let (program, explicit) = (rev.program.clone(), rev.explicit.clone());
+        let (program, explicit) = (rev.program.clone(), (*rev.explicit).clone());
         let (old_program, old_explicit) =
             (std::mem::replace(&mut self.program, program), std::mem::replace(&mut self.explicit, explicit));
         let what = format!("rollback to {revision}");
@@ -806,7 +808,8 @@ impl RuleEngine {
 
     /// The repository's log, oldest first.
     pub fn log(&self) -> Vec<RevisionInfo> {
-        self.revisions.iter().map(|r| r.info.clone()).collect()
+        let info = |r: &Revision| RevisionInfo { loaded: r.explicit.iter().cloned().collect(), ..r.info.clone() };
+        self.revisions.iter().map(info).collect()
     }
 
     /// The differences between two revisions' commands, as `-`/`+` lines under a `rule NAME` header per rule,
@@ -836,16 +839,15 @@ impl RuleEngine {
     fn commit(&mut self, what: String, now: Time) -> u64 {
         let number = self.next_revision;
         self.next_revision += 1;
+        // Load/unload cycles come back to the same sets of loaded rules: share them.
+        let explicit = match self.revisions.iter().rev().find(|r| *r.explicit == self.explicit) {
+            Some(r) => r.explicit.clone(),
+            None => Arc::new(self.explicit.clone()),
+        };
         self.revisions.push_back(Revision {
-            info: RevisionInfo {
-                number,
-                what,
-                at: now,
-                rules: self.program.rules.len(),
-                loaded: self.explicit.iter().cloned().collect(),
-            },
+            info: RevisionInfo { number, what, at: now, rules: self.program.rules.len(), loaded: Vec::new() },
             program: self.program.clone(),
-            explicit: self.explicit.clone(),
+            explicit,
         });
         self.trim_revisions();
         number
@@ -1562,6 +1564,8 @@ leave -> unload(extra)
         }
         assert_eq!(e.revisions.len(), 6);
         assert!(e.revisions.iter().all(|r| Arc::ptr_eq(&r.program, &e.program)));
+        assert!(Arc::ptr_eq(&e.revisions[0].explicit, &e.revisions[4].explicit));
+        assert!(Arc::ptr_eq(&e.revisions[1].explicit, &e.revisions[5].explicit));
         e.handle_load_text("other", "z: Not(true)", ms(9), &env).unwrap();
         assert!(!Arc::ptr_eq(&e.revisions[0].program, &e.program));
     }

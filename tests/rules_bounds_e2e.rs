@@ -117,7 +117,10 @@ fn ten_load_unload_cycles_give_the_memory_back() {
         after.push(rss_kb(&d));
     }
     eprintln!("resident memory after each cycle (kB): {after:?}");
-    let (first, last) = (after[0], after[9]);
+    // After the last cycles against after the first: the least of the last three, so that one sample taken while
+    // a client thread's arena held a transient block does not count; growth shows in all three (main's binary:
+    // from 26 MB after the first cycle to 59 MB after the tenth).
+    let (first, last) = (after[0], after[7..].iter().copied().min().unwrap_or(u64::MAX));
     assert!(last * 10 <= first * 11, "resident memory grew from {first} kB to {last} kB over 10 cycles: {after:?}");
 }
 

@@ -8,8 +8,10 @@
 //! - A rule that flaps a knob for 5 s leaves the operator's earlier revision in `config log` and writes a handful of
 //!   coalesced entries, each marked with the rule and its number of writes.
 //!
-//! Each fails with main's binary (`FLEXSTACK_TEST_BIN=...`): the over-cap load succeeds there, there is no
-//! `rules delete`, the memory grows with every cycle, and every write of the flapping rule is an entry of its own.
+//! Each fails with main's binary (`FLEXSTACK_TEST_BIN=...`): its daemon has no `--rules-max-instances` (and no cap:
+//! the load would succeed), there is no `rules delete`, the memory grows with every cycle (26 MB after the first,
+//! 67 MB after the tenth), and every write of the flapping rule is a revision of its own, so that the operator's
+//! revision is pushed out of the log within the 5 s.
 //! None needs privileges: the daemons run plain stacks (no TUN devices, no namespaces).
 
 mod common;
@@ -88,7 +90,6 @@ fn delete_removes_the_definitions_that_unload_all_keeps() {
     let names =
         |d: &Daemon| -> Vec<String> { d.answer::<RulesList>(&["rules", "list"]).into_iter().map(|r| r.name).collect() };
     assert_eq!(names(&d), ["busy", "calm", "fps"], "unload ALL keeps the definitions");
-    assert_eq!(d.get_u64("rules.engine.definitions"), 3);
     // A rule another one uses is refused, nothing deleted.
     let err = d.fails(&["rules", "delete", "fps"]);
     assert!(err.contains("rule fps is used by busy"), "{err}");

@@ -76,7 +76,8 @@ fn the_instance_cap_refuses_a_load_whole_and_counts_names_refused_later() {
         log.notices.iter().map(|n| n.message.as_str()).filter(|m| m.contains("not created")).collect();
     let counted: u64 = notices.iter().filter_map(|m| m.split(' ').next()?.parse::<u64>().ok()).sum();
     assert_eq!(counted, 25, "{notices:?}");
-    assert!(notices.iter().all(|m| m.contains("more than the cap of 200 (max_instances)")), "{notices:?}");
+    let why = "more than the cap of 200 (max_instances); raise the cap with `flexstack daemon --rules-max-instances N`";
+    assert!(notices.iter().all(|m| m.contains(why)), "{notices:?}");
     assert_eq!((log.refused_instances_total, log.limits.max_instances), (25, 200));
 }
 

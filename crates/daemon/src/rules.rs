@@ -183,18 +183,27 @@ fn rule_error(source: Option<&str>, e: RuleError) -> ApiError {
             ApiError::new(ErrorCode::InvalidRules, lines.join("\n"))
         }
         RuleError::Limit { cap, .. } => {
-            let flag = match cap {
-                Cap::Instances => "--rules-max-instances N",
-                Cap::Memory => "--rules-max-memory-mb N",
-            };
-            let how = format!(
-                "; nothing changed: raise the cap with `flexstack daemon {flag}`, or unload or delete rules \
-                 (`rules unload`, `rules delete`)"
-            );
-            ApiError::new(ErrorCode::LimitReached, format!("{e}{how}"))
+            ApiError::new(ErrorCode::LimitReached, format!("{e}; nothing changed: {}", raise(cap)))
         }
         RuleError::InUse(..) => ApiError::new(ErrorCode::InvalidEdit, e.to_string()),
         other => ApiError::new(ErrorCode::NotFound, other.to_string()),
+    }
+}
+
+/// How to raise `cap`, or make room under it.
+fn raise(cap: Cap) -> String {
+    let flag = match cap {
+        Cap::Instances => "--rules-max-instances N",
+        Cap::Memory => "--rules-max-memory-mb N",
+    };
+    format!("raise the cap with `flexstack daemon {flag}`, or unload or delete rules (`rules unload`, `rules delete`)")
+}
+
+/// A notice of the engine, with how to raise the cap it names (instances a cap kept from being created).
+fn with_hint(message: String) -> String {
+    match [Cap::Instances, Cap::Memory].into_iter().find(|c| message.ends_with(&format!("({})", c.name()))) {
+        Some(cap) => format!("{message}; {}", raise(cap)),
+        None => message,
     }
 }
 
@@ -438,6 +447,7 @@ fn run(rx: &mpsc::Receiver<Msg>, registry: &SharedRegistry, writer: &KnobWriter,
             state.engine.handle_write_result(w, result, now);
         }
         while let Some(n) = state.engine.poll_notice() {
+            let n = flexstack_rules::Notice { message: with_hint(n.message), ..n };
             tracing::info!(at = %n.at, "rules: {}", n.message);
             if state.notices.len() >= MAX_NOTICES {
                 state.notices.pop_front();

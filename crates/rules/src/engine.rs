@@ -476,7 +476,12 @@ impl RuleEngine {
         }
         self.reconcile(now, env);
         self.run_actions(now, env);
-        let revision = self.commit(format!("{what}: {}", c.defined.join(", ")), now);
+        // The names, up to ten of them (a file may define thousands: the log keeps this text per revision).
+        let mut names = c.defined.iter().take(10).cloned().collect::<Vec<_>>().join(", ");
+        if c.defined.len() > 10 {
+            names.push_str(&format!(", ... ({} rules)", c.defined.len()));
+        }
+        let revision = self.commit(format!("{what}: {names}"), now);
         Ok(LoadReport { revision, defined: c.defined, loaded: c.to_load, warnings: c.warnings })
     }
 

@@ -146,10 +146,14 @@ fn the_repository_keeps_the_last_revisions_and_goes_on_numbering() {
         let text = format!("a: Greater(get(\"app.x.v\"), {i})");
         assert_eq!(e.handle_load_text("a.rules", &text, ms(i), &env).unwrap().revision, i);
     }
+    // A load names ten rules at most in the log (a file may define thousands; the log keeps the text).
+    let many: String = (0..12).map(|i| format!("[manual]\nm{i}: Not(true)\n")).collect();
+    e.handle_load_text("m.rules", &many, ms(5), &env).unwrap();
+    assert_eq!(e.log().last().unwrap().what, "load m.rules: m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, ... (12 rules)");
     let numbers: Vec<u64> = e.log().iter().map(|r| r.number).collect();
-    assert_eq!(numbers, [3, 4, 5]);
-    assert_eq!(e.handle_rollback(2, ms(6), &env).unwrap_err(), RuleError::UnknownRevision(2));
-    assert_eq!(e.handle_rollback(3, ms(7), &env).unwrap(), 6);
+    assert_eq!(numbers, [4, 5, 6]);
+    assert_eq!(e.handle_rollback(3, ms(6), &env).unwrap_err(), RuleError::UnknownRevision(3));
+    assert_eq!(e.handle_rollback(4, ms(7), &env).unwrap(), 7);
     assert_eq!(e.usage().revisions, 3);
     e.set_limits(Limits { max_revisions: 1, ..Limits::DEFAULT });
     assert_eq!(e.log().len(), 1);

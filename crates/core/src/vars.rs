@@ -588,8 +588,8 @@ impl Default for DynamicVars {
     }
 }
 
-/// First segments a module may register variables under.
-pub const DYNAMIC_ROOTS: [&str; 3] = ["flow", "iface", "app"];
+/// First segments a module may register variables under (`rules`: the daemon's rules engine, `rules.engine.*`).
+pub const DYNAMIC_ROOTS: [&str; 4] = ["flow", "iface", "app", "rules"];
 
 impl DynamicVars {
     /// Runtime variables published into `registry`.
@@ -614,7 +614,7 @@ impl DynamicVars {
         let mut segments = prefix.split('.');
         let root = segments.next().unwrap_or_default();
         if !DYNAMIC_ROOTS.contains(&root) {
-            return Err(format!("runtime variables go under flow., iface. or app., not {prefix:?}"));
+            return Err(format!("runtime variables go under flow., iface., app. or rules., not {prefix:?}"));
         }
         let segment_ok = |s: &str| {
             !s.is_empty()

@@ -194,6 +194,11 @@ pub struct DaemonArgs {
     /// Allow --metrics on an address other than loopback: whoever reaches it reads every meter, unauthenticated.
     #[arg(long, requires = "metrics")]
     pub metrics_public: bool,
+    /// Listen for --metrics in the network namespace of this file (`/proc/PID/ns/net`, `/run/netns/NAME`) instead
+    /// of the daemon's own: how `flexstack lab run --metrics` lets Prometheus on the host scrape daemons that run
+    /// in the lab's namespaces.
+    #[arg(long, value_name = "PATH", requires = "metrics")]
+    pub metrics_netns: Option<PathBuf>,
     /// Also export the per-flow series (`flexstack_flow_*`) of the N flows with the most bytes (0: none).
     #[arg(long, default_value_t = 0, value_name = "N", requires = "metrics")]
     pub metrics_flows: usize,
@@ -510,6 +515,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 addr,
                 public: d.metrics_public,
                 flows_top: d.metrics_flows,
+                netns: d.metrics_netns.clone(),
             }),
             web: d.web.map(|addr| flexstack_daemon::web::WebOptions::new(addr, d.web_public, cli.state_dir.clone())),
             app_socket: flexstack_daemon::appvars::AppSocketOptions {

@@ -47,6 +47,8 @@ pub struct Control {
     rules: OnceLock<RulesService>,
     /// Variables registered by applications over the app socket.
     pub appvars: Arc<AppVars>,
+    /// Where the daemon's HTTP endpoints listen (`metrics`, `web`), for `status`.
+    pub(super) served: Mutex<Vec<(&'static str, std::net::SocketAddr)>>,
 }
 
 pub(super) fn internal(e: impl std::fmt::Display) -> ApiError {
@@ -82,7 +84,13 @@ impl Control {
             sandboxes,
             rules: OnceLock::new(),
             appvars: Arc::new(AppVars::new(registry_for_apps)),
+            served: Mutex::new(Vec::new()),
         }
+    }
+
+    /// Notes that the endpoint `what` (`metrics`, `web`) listens at `addr` (`status` reports it).
+    pub fn served_at(&self, what: &'static str, addr: std::net::SocketAddr) {
+        self.served.lock().unwrap_or_else(|p| p.into_inner()).push((what, addr));
     }
 
     /// Starts the rules thread: it samples meters every `interval` while rules are loaded, within `limits`, and

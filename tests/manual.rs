@@ -115,3 +115,34 @@ fn man_pages_render() {
     let daemon = render(&pages.join("flexstack-daemon.1"));
     assert!(daemon.contains("--metrics"), "{daemon}");
 }
+
+/// scripts/deb.sh packages this build and checks the package in a scratch root (dpkg -x): `flexstack --help`,
+/// `man flexstack`, bash completion and the examples.
+#[test]
+fn debian_package_installs_and_works() {
+    let out = tempfile::tempdir().unwrap();
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/deb.sh");
+    let o = Command::new(script)
+        .args(["--binary", bin(), "--out", out.path().to_str().unwrap(), "--check"])
+        .output()
+        .expect("run scripts/deb.sh");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "scripts/deb.sh: {}\n{err}", o.status);
+    assert!(err.contains("checked in a scratch root"), "{err}");
+    let deb = String::from_utf8_lossy(&o.stdout).trim().to_string();
+    assert!(deb.ends_with(".deb") && std::path::Path::new(&deb).starts_with(out.path()), "{deb}");
+    let contents = Command::new("dpkg-deb").args(["--contents", &deb]).output().expect("dpkg-deb");
+    let contents = String::from_utf8_lossy(&contents.stdout);
+    for path in [
+        "./usr/bin/flexstack",
+        "./usr/share/bash-completion/completions/flexstack",
+        "./usr/share/zsh/vendor-completions/_flexstack",
+        "./usr/share/fish/vendor_completions.d/flexstack.fish",
+        "./usr/share/man/man1/flexstack.1.gz",
+        "./usr/share/man/man1/flexstack-lab-run.1.gz",
+        "./usr/share/doc/flexstack/examples/stacks/example.toml",
+        "./usr/share/doc/flexstack/examples/labs/demo.toml",
+    ] {
+        assert!(contents.lines().any(|l| l.ends_with(path)), "{path} not in the package:\n{contents}");
+    }
+}

@@ -76,19 +76,19 @@ campaign() {
   # New inputs go to the scratch corpus (first folder); the repository's are read only.
   TMPDIR=$work/tmp-$t "${isolate[@]}" cargo +nightly fuzz run "${build_args[@]}" "$t" "$corpus" "${seeds[@]}" -- \
     -max_total_time="$secs" -timeout="$timeout" -rss_limit_mb=4096 -print_final_stats=1 >"$log" 2>&1 || status=$?
-  local done runs cov ft corp execs
-  done=$(grep -E '^#[0-9]+\s+DONE' "$log" | tail -1 || true)
-  [[ -n $done ]] || done=$(grep -E '^#[0-9]+\s+(pulse|NEW|REDUCE|INITED)' "$log" | tail -1 || true)
-  runs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1)
-  execs=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$log" | tail -1)
-  cov=$(grep -oE 'cov: [0-9]+' <<<"$done" | awk '{print $2}')
-  ft=$(grep -oE 'ft: [0-9]+' <<<"$done" | awk '{print $2}')
-  corp=$(grep -oE 'corp: [0-9]+/[0-9]+[a-zA-Z]*' <<<"$done" | awk '{print $2}')
-  local crash=""
+  # What libFuzzer printed last (the DONE line, or the last status line before a crash); missing fields stay "-".
+  local done runs cov ft corp execs crash="" kind
+  done=$(grep -E '^#[0-9]+\s+(DONE|pulse|NEW|REDUCE|INITED)' "$log" | tail -1) || true
+  runs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1) || true
+  execs=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$log" | tail -1) || true
+  cov=$(grep -oE 'cov: [0-9]+' <<<"$done" | awk '{print $2}') || true
+  ft=$(grep -oE 'ft: [0-9]+' <<<"$done" | awk '{print $2}') || true
+  corp=$(grep -oE 'corp: [0-9]+/[0-9]+[a-zA-Z]*' <<<"$done" | awk '{print $2}') || true
   if ((status != 0)); then
-    crash=$(grep -oE '(Test unit|artifact) written to \S+' "$log" | tail -1 | awk '{print $NF}')
-    local kind
-    kind=$(grep -oE 'ERROR: libFuzzer: [a-z-]+|deadly signal|panicked at' "$log" | head -1)
+    crash=$(grep -oE '(Test unit|artifact) written to \S+' "$log" | tail -1 | awk '{print $NF}') || true
+    # A Rust panic (the check's message is on the line after "panicked at"), else libFuzzer's own error.
+    kind=$(grep -A1 -m1 'panicked at' "$log" | sed -n '2s/^/panic: /p' | cut -c1-120) || true
+    [[ -n $kind ]] || kind=$(grep -oE 'ERROR: libFuzzer: [a-z -]+' "$log" | head -1) || true
     crash="${kind:-exit $status}: ${crash:-(no artifact; see the log)}"
     cp "$log" "artifacts/$t/last-failure.log"
   fi

@@ -8,8 +8,9 @@ use flexstack_wire::packet::PacketInfo;
 use std::net::{Ipv4Addr, Ipv6Addr};
 
 /// Sets the IPv4 header checksum (and the total length when `total_len`), or the IPv6 payload length, from the
-/// buffer, so that a mutated packet gets past the first checks.
-pub fn repair(p: &mut [u8], total_len: bool) {
+/// buffer, so that a mutated packet gets past the first checks; returns where the header after the IP header starts
+/// and its protocol (the IPv6 next header), or `None` when the input is too short for an IP header.
+pub fn repair(p: &mut [u8], total_len: bool) -> Option<(usize, u8)> {
     match p.first().map(|b| b >> 4) {
         Some(4) if p.len() >= 20 => {
             if total_len {
@@ -21,12 +22,14 @@ pub fn repair(p: &mut [u8], total_len: bool) {
             p[11] = 0;
             let c = checksum::ipv4_header(&p[..ihl]);
             p[10..12].copy_from_slice(&c.to_be_bytes());
+            Some((ihl, p[9]))
         }
         Some(6) if p.len() >= 40 => {
             let n = (p.len() - 40).min(65535) as u16;
             p[4..6].copy_from_slice(&n.to_be_bytes());
+            Some((40, p[6]))
         }
-        _ => {}
+        _ => None,
     }
 }
 

@@ -34,11 +34,13 @@ fi
 if command -v cargo >/dev/null; then
   if command -v rustup >/dev/null && ! rustup run nightly rustc --version >/dev/null 2>&1; then
     echo "setup: installing the nightly toolchain (cargo-fuzz)"
-    rustup toolchain install nightly --profile minimal
+    rustup toolchain install nightly --profile minimal ||
+      echo "setup: warning: the nightly toolchain could not be installed; scripts/fuzz.sh cannot run" >&2
   fi
   if ! cargo fuzz --version >/dev/null 2>&1; then
     echo "setup: installing cargo-fuzz"
-    cargo install cargo-fuzz --locked
+    cargo install cargo-fuzz --locked ||
+      echo "setup: warning: cargo-fuzz could not be installed; scripts/fuzz.sh cannot run" >&2
   fi
 else
   echo "setup: no cargo in PATH: cargo-fuzz (scripts/fuzz.sh) not installed" >&2

@@ -551,10 +551,13 @@ fn run(cli: Cli) -> Result<(), CliError> {
         crate::lab::preflight(&cmd)?;
         return crate::lab::command(&cli.state_dir, cli.json, cmd);
     }
+    use clap::CommandFactory;
     match &cli.command {
-        Command::Completions { shell } => return crate::manual::completions(*shell, &mut std::io::stdout()),
-        Command::Man { dir: Some(dir) } => return crate::manual::man_pages(dir).map(|_| ()),
-        Command::Man { dir: None } => return crate::manual::man_page(&mut std::io::stdout()),
+        Command::Completions { shell } => {
+            return crate::manual::completions(Cli::command(), *shell, &mut std::io::stdout())
+        }
+        Command::Man { dir: Some(dir) } => return crate::manual::man_pages(Cli::command(), dir).map(|_| ()),
+        Command::Man { dir: None } => return crate::manual::man_page(Cli::command(), &mut std::io::stdout()),
         _ => {}
     }
     if let Command::Module(ModuleCmd::Kinds { markdown: true }) = cli.command {

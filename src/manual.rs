@@ -1,10 +1,10 @@
-//! Shell completions and man pages, generated from the command line's definition ([`crate::cli::Cli`]) so that
+//! Shell completions and man pages, generated from the command line's definition (the `clap::Command` of
+//! `crate::cli::Cli`, passed in by the CLI, which dispatches to here) so that
 //! they never fall behind it: `flexstack completions bash|zsh|fish`, `flexstack man [--dir DIR]` (hidden commands;
 //! scripts/setup.sh and the .deb of scripts/deb.sh install what they print).
 
-use crate::cli::Cli;
 use crate::error::CliError;
-use clap::CommandFactory;
+use clap::Command;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -13,26 +13,24 @@ fn io_error(what: &str, e: std::io::Error) -> CliError {
 }
 
 /// Writes the completion script of `shell` for `flexstack` to `out`.
-pub fn completions(shell: clap_complete::Shell, out: &mut dyn Write) -> Result<(), CliError> {
-    let mut cmd = Cli::command();
+pub fn completions(mut cmd: Command, shell: clap_complete::Shell, out: &mut dyn Write) -> Result<(), CliError> {
     clap_complete::generate(shell, &mut cmd, "flexstack", out);
     out.flush().map_err(|e| io_error("writing the completion script", e))
 }
 
 /// Writes the man page flexstack(1) (roff) to `out`: the same page as the one [`man_pages`] writes.
-pub fn man_page(out: &mut dyn Write) -> Result<(), CliError> {
+pub fn man_page(cmd: Command, out: &mut dyn Write) -> Result<(), CliError> {
     // As clap_mangen::generate_to prepares it: no `help` command (it has no page), subcommands' names complete.
-    let mut cmd = Cli::command().disable_help_subcommand(true);
+    let mut cmd = cmd.disable_help_subcommand(true);
     cmd.build();
     clap_mangen::Man::new(cmd).render(out).and_then(|()| out.flush()).map_err(|e| io_error("writing the man page", e))
 }
 
 /// Writes flexstack.1 and a page per command that is not hidden (flexstack-lab.1, flexstack-lab-run.1 ...) into
 /// `dir`, creating it; returns the files written, sorted.
-pub fn man_pages(dir: &Path) -> Result<Vec<PathBuf>, CliError> {
+pub fn man_pages(cmd: Command, dir: &Path) -> Result<Vec<PathBuf>, CliError> {
     std::fs::create_dir_all(dir).map_err(|e| io_error(&format!("creating {}", dir.display()), e))?;
-    clap_mangen::generate_to(Cli::command(), dir)
-        .map_err(|e| io_error(&format!("writing into {}", dir.display()), e))?;
+    clap_mangen::generate_to(cmd, dir).map_err(|e| io_error(&format!("writing into {}", dir.display()), e))?;
     let mut pages: Vec<PathBuf> = std::fs::read_dir(dir)
         .map_err(|e| io_error(&format!("reading {}", dir.display()), e))?
         .filter_map(|e| e.ok().map(|e| e.path()))

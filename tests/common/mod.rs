@@ -59,6 +59,15 @@ impl Daemon {
     /// Starts `flexstack daemon` with `stack` (TOML text, written to the state dir) and extra arguments, and
     /// waits until it answers.
     pub fn start(stack: &str, extra: &[&str]) -> Daemon {
+        Daemon::start_with_stderr(stack, extra, Stdio::inherit())
+    }
+
+    /// Like [`Daemon::start`], with the daemon's log (its stderr, level warn) written to `log`.
+    pub fn start_logged(stack: &str, extra: &[&str], log: &Path) -> Daemon {
+        Daemon::start_with_stderr(stack, extra, std::fs::File::create(log).expect("create the log").into())
+    }
+
+    fn start_with_stderr(stack: &str, extra: &[&str], stderr: Stdio) -> Daemon {
         let dir = tempfile::tempdir().expect("temp dir");
         let stack_path = dir.path().join("stack.toml");
         std::fs::write(&stack_path, stack).expect("write stack");
@@ -71,7 +80,7 @@ impl Daemon {
             .args(extra)
             .env("FLEXSTACK_LOG", "warn")
             .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
+            .stderr(stderr)
             .spawn()
             .expect("spawn daemon");
         let d = Daemon { child, dir };

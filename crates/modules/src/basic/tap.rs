@@ -27,6 +27,15 @@
 //! counted in `frames_unwritten_total`, a block written in part is cut off again, the error is kept in the `error`
 //! meter and logged once with the path and errno, and later writes are tried again.
 //!
+//! **Pages hold whole blocks.** A process killed (SIGKILL) in the middle of a `write()` leaves the part written so
+//! far: the kernel copies a write into the page cache page by page and stops at a page boundary when a fatal signal
+//! is pending. So a block never straddles a 4 KiB boundary of the file: when it would, a padding block (type
+//! [`PADDING_BLOCK`], from the range the pcapng format leaves for local use; readers skip it) fills the page first,
+//! and no block ends 4 or 8 bytes before a page boundary (too little room for a padding block). A file cut at any
+//! page boundary then ends with a whole block. Only a block longer than a page (a frame of more than about 4 KiB)
+//! still straddles boundaries; a file cut in one is cut back to its last complete block when a tap opens it again.
+//! For frames of about 1,500 bytes the padding is up to a quarter of the file; `whole_pages = false` turns it off.
+//!
 //! Used inline, frames continue on `out`. As an extra receiver of a fan-out link, either leave `out` unlinked (the
 //! switch then counts the frames as dropped on it) or set `passthrough = false`: the tap then has no output and lets
 //! the frames go without counting them as drops. Its ports, settings, knob and meters are declared once, in `DECL`
@@ -68,6 +77,36 @@ const SECTION_HEADER: u32 = 0x0A0D_0D0A;
 
 /// The byte-order magic of a section header, as written in the section's byte order.
 const BYTE_ORDER_MAGIC: u32 = 0x1A2B_3C4D;
+
+/// The type of the padding blocks that keep blocks within pages (a local-use type: readers skip it).
+pub const PADDING_BLOCK: u32 = 0x8F5F_0001;
+
+/// The unit in which a killed writer's data reaches the file: a page.
+pub const PAGE: u64 = 4096;
+
+/// The padding to put before a block of `size` bytes that would start at offset `at`: 0, or the rest of the page
+/// (at least 12 bytes), so that the block does not straddle a page boundary and does not end 4 or 8 bytes before
+/// one (room no padding block fits in).
+fn padding_before(at: u64, size: u64) -> u64 {
+    let room = PAGE - at % PAGE;
+    let fits = size <= room && !matches!(room - size, 4 | 8);
+    if fits || size > PAGE || room < 12 || room == PAGE {
+        0
+    } else {
+        room
+    }
+}
+
+/// A padding block of `len` bytes (a multiple of 4, at least 12), in this machine's byte order (the section's).
+fn padding_block(len: u64) -> Vec<u8> {
+    let len32 = len as u32;
+    let mut block = Vec::with_capacity(len as usize);
+    block.extend_from_slice(&PADDING_BLOCK.to_ne_bytes());
+    block.extend_from_slice(&len32.to_ne_bytes());
+    block.resize(len as usize - 4, 0);
+    block.extend_from_slice(&len32.to_ne_bytes());
+    block
+}
 
 /// The link type of the data frames a tap captures.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -146,6 +185,8 @@ pub struct TapOptions {
     pub enabled: bool,
     /// What to do with a file that holds data.
     pub exists: Exists,
+    /// Keep blocks within 4 KiB pages, with padding blocks (see the module's documentation).
+    pub whole_pages: bool,
 }
 
 /// Starts a pcapng capture on `writer`: section header, then interface 0 (data) and interface 1 (control frames).
@@ -350,6 +391,14 @@ const DECL: KindDecl<TapOptions, Meters> = KindDecl {
         .range(0.0, u32::MAX as f64)
         .setting(),
         P::bool("passthrough", "false: no `out` port, frames end here", true, field!(passthrough)).setting(),
+        P::bool(
+            "whole_pages",
+            "pad so that no block straddles a 4 KiB page: a file cut by SIGKILL ends with a whole block (costs up to \
+             a quarter of the file for 1,500-byte frames); false: no padding",
+            true,
+            field!(whole_pages),
+        )
+        .setting(),
         P::bool("enabled", "false passes frames without writing them", true, field!(enabled)),
     ],
     meters: &[
@@ -376,6 +425,7 @@ impl ModuleKind for TapKind {
             passthrough: true,
             enabled: true,
             exists: Exists::Suffix,
+            whole_pages: true,
         };
         DECL.read(&mut r, &mut options)?;
         let path = match r.string("path")? {
@@ -602,7 +652,14 @@ impl<S: CaptureSink> Tap<S> {
         let w = &mut self.writer;
         let before = w.buffered();
         match w.encoder.write_pcapng_block(block) {
-            Ok(_) => w.ends.push((w.buffered(), bytes)),
+            Ok(_) => {
+                let size = (w.buffered() - before) as u64;
+                let pad = if self.options.whole_pages { padding_before(w.committed + before as u64, size) } else { 0 };
+                if pad > 0 {
+                    w.encoder.get_mut().splice(before..before, padding_block(pad));
+                }
+                w.ends.push((w.buffered(), bytes))
+            }
             Err(e) => {
                 // Cannot happen for the two interfaces the section declares; keep the buffer whole blocks anyway.
                 w.encoder.get_mut().truncate(before);
@@ -714,6 +771,7 @@ mod tests {
                     c.packets.push((p.interface_id, p.timestamp.as_nanos() as u64, p.data.to_vec(), p.original_len))
                 }
                 Block::SectionHeader(_) => {}
+                Block::Unknown(b) if b.type_ == PADDING_BLOCK => {}
                 other => panic!("unexpected block {other:?}"),
             }
         }
@@ -861,7 +919,14 @@ mod tests {
     }
 
     fn options() -> TapOptions {
-        TapOptions { linktype: LinkType::Raw, snaplen: 0, passthrough: true, enabled: true, exists: Exists::Suffix }
+        TapOptions {
+            linktype: LinkType::Raw,
+            snaplen: 0,
+            passthrough: true,
+            enabled: true,
+            exists: Exists::Suffix,
+            whole_pages: true,
+        }
     }
 
     #[test]
@@ -916,7 +981,8 @@ mod tests {
 
     #[test]
     fn big_bursts_are_written_in_whole_blocks_before_the_interval() {
-        let options = options();
+        // Without padding, so that the blocks are simply one after the other.
+        let options = TapOptions { whole_pages: false, ..options() };
         let vars = ModuleVars::new(&interface(&options).vars);
         let writer =
             CaptureWriter::start(Failing { data: Vec::new(), room: usize::MAX / 2 }, LinkType::Raw, 0, "m").unwrap();
@@ -930,6 +996,65 @@ mod tests {
         // 100 blocks of 1032 bytes: 64 KiB fill after 64 of them, which are written at once.
         assert_eq!(vars.meter("frames_total").get(), 64);
         assert_eq!(tap.writer.sink.data.len(), header + 64 * 1032);
+    }
+
+    #[test]
+    fn a_file_cut_at_any_page_boundary_ends_with_a_whole_block() {
+        let options = options();
+        let vars = ModuleVars::new(&interface(&options).vars);
+        let writer =
+            CaptureWriter::start(Failing { data: Vec::new(), room: usize::MAX / 2 }, LinkType::Raw, 0, "p").unwrap();
+        let mut tap = Tap::new(writer, options, &vars);
+        let pool = PacketPool::default();
+        let (mut ports, mut control, mut serial) = (vec![Vec::new()], Vec::new(), 0);
+        // Frames of every size from 1 to 1500 bytes (blocks of 36 to 1532), in a few flushes.
+        let mut sizes = (1..=1500).map(|n| (n * 7919) % 1500 + 1);
+        for flush in 1..=20u64 {
+            let mut input: Batch = Vec::new();
+            for size in sizes.by_ref().take(75) {
+                input.extend(packets(&pool, 1, size));
+            }
+            let mut out = Output::detached(Time::from_millis(flush), "t", &pool, &mut ports, &mut control, &mut serial);
+            tap.process(0, &mut input, &mut out);
+            tap.flush(None);
+        }
+        assert_eq!(vars.meter("frames_total").get(), 1500);
+        let data = tap.writer.sink.data.clone();
+        assert!(data.len() as u64 > 100 * PAGE, "{}", data.len());
+        // Walk the blocks: every page boundary is a block boundary, and padding is all there is besides packets.
+        let (mut at, mut padding, mut boundaries) = (0usize, 0usize, std::collections::BTreeSet::new());
+        while at < data.len() {
+            boundaries.insert(at);
+            let word = |i: usize| u32::from_ne_bytes(data[i..i + 4].try_into().unwrap());
+            let (kind, len) = (word(at), word(at + 4) as usize);
+            assert_eq!(word(at + len - 4) as usize, len);
+            if kind == PADDING_BLOCK {
+                padding += len;
+                assert!(data[at + 8..at + len - 4].iter().all(|b| *b == 0));
+            }
+            at += len;
+        }
+        for page in (0..data.len()).step_by(PAGE as usize) {
+            assert!(boundaries.contains(&page), "the page at {page} starts inside a block");
+        }
+        assert!(padding < data.len() / 10, "padding {padding} of {}", data.len());
+        let mut r = PcapNgReader::new(&data[..]).unwrap();
+        let mut frames = 0;
+        while let Some(b) = r.next_block() {
+            match b.unwrap() {
+                Block::EnhancedPacket(_) => frames += 1,
+                Block::Unknown(b) => assert_eq!(b.type_, PADDING_BLOCK),
+                _ => {}
+            }
+        }
+        assert_eq!(frames, 1500);
+        assert_eq!(padding_before(4096 - 40, 40), 0, "fills the page");
+        assert_eq!(padding_before(4096 - 40, 28), 0, "leaves room for a padding block");
+        assert_eq!(padding_before(4096 - 40, 36), 40, "would leave 4 bytes: padded to the page's end");
+        assert_eq!(padding_before(4096 - 40, 32), 40, "would leave 8 bytes: padded to the page's end");
+        assert_eq!(padding_before(4096 - 40, 100), 40, "would straddle: padded");
+        assert_eq!(padding_before(8192 - 8, 100), 0, "8 bytes left: cannot pad");
+        assert_eq!(padding_before(0, 9000), 0, "longer than a page: cannot help");
     }
 
     #[test]

@@ -204,11 +204,12 @@ pub fn tap_list(taps: &[TapInfo]) -> String {
     let rows = taps
         .iter()
         .map(|t| {
-            let (frames, unwritten) = (t.frames.to_string(), t.frames_unwritten.to_string());
-            vec![t.name.clone(), t.taps.join(","), setting(&t.linktype), frames, unwritten, setting(&t.file)]
+            let counts = [t.frames, t.frames_pending, t.frames_unwritten].map(|n| n.to_string());
+            let [frames, pending, unwritten] = counts;
+            vec![t.name.clone(), t.taps.join(","), setting(&t.linktype), frames, pending, unwritten, setting(&t.file)]
         })
         .collect();
-    let mut out = table(&["NAME", "TAPS", "LINKTYPE", "FRAMES", "UNWRITTEN", "FILE"], rows);
+    let mut out = table(&["NAME", "TAPS", "LINKTYPE", "FRAMES", "PENDING", "UNWRITTEN", "FILE"], rows);
     for t in taps {
         if let Some(e) = &t.error {
             out.push_str(&format!("{}: error: {e}\n", t.name));

@@ -54,6 +54,9 @@ pub struct TapInfo {
     pub taps: Vec<String>,
     /// Frames whose block reached the file whole.
     pub frames: u64,
+    /// Frames encoded and waiting for the tap's next write (at most 50 ms); not in the file yet.
+    #[serde(default)]
+    pub frames_pending: u64,
     /// Frames lost to failed writes (a full disk).
     #[serde(default)]
     pub frames_unwritten: u64,

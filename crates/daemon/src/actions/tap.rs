@@ -90,6 +90,7 @@ impl Control {
                     linktype: setting("linktype"),
                     taps,
                     frames: u64_var(&reg, &var("frames_total")),
+                    frames_pending: u64_var(&reg, &var("frames_pending")),
                     frames_unwritten: u64_var(&reg, &var("frames_unwritten_total")),
                     error: text_var(&reg, &var("error")),
                 }

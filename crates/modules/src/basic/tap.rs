@@ -23,7 +23,7 @@
 //! 64 KiB are waiting, after a `process` call when at least 50 ms (of `now`) have passed since the last flush, on
 //! every poll, and when the module is dropped. The tap asks to be polled every 50 ms (a heartbeat), so buffered
 //! frames reach the file within about 50 ms even when traffic stops. `frames_total` counts only frames whose block
-//! reached the file whole. A failed write (a full disk) never stops traffic: the frames of the failed write are
+//! reached the file whole; `frames_pending` those waiting in the buffer (`tap list` shows both). A failed write (a full disk) never stops traffic: the frames of the failed write are
 //! counted in `frames_unwritten_total`, a block written in part is cut off again, the error is kept in the `error`
 //! meter and logged once with the path and errno, and later writes are tried again.
 //!
@@ -405,6 +405,12 @@ const DECL: KindDecl<TapOptions, Meters> = KindDecl {
         MeterDecl::u64("frames_total", "frames", "frames whose block reached the file whole", |m| &mut m.frames),
         MeterDecl::u64("bytes_total", "bytes", "bytes of data frames written (after snaplen)", |m| &mut m.bytes),
         MeterDecl::u64("frames_unwritten_total", "frames", "frames lost to failed writes", |m| &mut m.unwritten),
+        MeterDecl::u64(
+            "frames_pending",
+            "frames",
+            "frames encoded and waiting for the next write (at most 50 ms)",
+            |m| &mut m.pending,
+        ),
         MeterDecl::u64("write_errors_total", "errors", "failed writes", |m| &mut m.errors),
         MeterDecl::new("file", ValueType::Str, "", "the file written (`path`, or a suffix file)", |m| &mut m.file),
         MeterDecl::new("error", ValueType::Str, "", "the first write error, with the path; empty if none", |m| {
@@ -490,6 +496,7 @@ struct Meters {
     frames: Meter,
     bytes: Meter,
     unwritten: Meter,
+    pending: Meter,
     errors: Meter,
     file: Meter,
     error: Meter,
@@ -681,6 +688,7 @@ impl<S: CaptureSink> Tap<S> {
         self.m.frames.add(f.frames);
         self.m.bytes.add(f.bytes);
         self.m.unwritten.add(f.unwritten);
+        self.m.pending.set(0);
         if let Some(error) = f.error {
             self.m.errors.add(1);
             self.record_error(error);
@@ -717,6 +725,7 @@ impl<S: CaptureSink> Module for Tap<S> {
             Some(t) if now - t >= FLUSH_INTERVAL => self.flush(Some(now)),
             Some(_) => {}
         }
+        self.m.pending.set(self.writer.ends.len() as u64);
     }
 
     fn poll(&mut self, out: &mut Output<'_>) -> Option<Time> {

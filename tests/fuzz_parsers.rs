@@ -16,7 +16,9 @@
 //! - `FLEXSTACK_FUZZ_ARTIFACTS`: a directory; failing inputs are also written there as files.
 //!
 //! The tap kind creates the file named by its `path` setting when configured: every `path` that could create a
-//! file is rewritten to a file inside a temporary directory before configuring, here and in the daemon test.
+//! file is rewritten to a file inside a temporary directory before configuring, here and in the daemon test, and
+//! its `exists` setting, unless it refuses (or is not valid), to `"append"`: a tap never overwrites a capture, so
+//! with the default (`"suffix"`) each of the thousands of taps configured would leave a file of its own.
 
 mod common;
 
@@ -385,12 +387,22 @@ fn same_settings(a: &Settings, b: &Settings) -> bool {
     a.iter().count() == b.iter().count() && a.iter().all(|(k, s)| b.get(k).is_some_and(|o| toml_eq(&s.value, &o.value)))
 }
 
-/// Settings safe to configure: a `path` that could create a file points into `dir` instead.
+/// True if a tap's `exists` setting makes a new file for each tap: absent (`None`) or the text `"suffix"` (an
+/// `exists` that is not text is `Some(None)`: it fails the configuration and is kept).
+fn multiplies_files(exists: Option<Option<&str>>) -> bool {
+    exists.is_none_or(|e| e == Some("suffix"))
+}
+
+/// Settings safe to configure: a `path` that could create a file points into `dir` instead, and adds to one file.
 fn contained(settings: &Settings, dir: &Path) -> Settings {
     let mut s = settings.clone();
     if let Some(p) = settings.get("path") {
         if p.value.as_str().is_some_and(|p| !p.is_empty()) {
             s.insert("path", toml::Value::String(dir.join("fuzz.pcapng").display().to_string()));
+            let exists = settings.get("exists").map(|e| e.value.as_str());
+            if multiplies_files(exists) {
+                s.insert("exists", toml::Value::String("append".into()));
+            }
         }
     }
     s
@@ -789,6 +801,10 @@ fn prepare_line(line: &[u8], capture: &Path) -> Option<(Vec<u8>, bool)> {
             | Request::ModuleReplace(ModuleReplace { settings, .. }) = &mut r
             {
                 settings.insert("path".into(), Json::String(capture.display().to_string()));
+                let exists = settings.get("exists").map(|e| e.as_str());
+                if multiplies_files(exists) {
+                    settings.insert("exists".into(), Json::String("append".into()));
+                }
             }
             let id = id.and_then(|i| i.as_u64()).unwrap_or(0);
             Some((request_line(id, &r).trim_end().as_bytes().to_vec(), true))
@@ -901,11 +917,18 @@ fn fuzz_live_daemon() {
     assert_eq!(status["id"], Json::from("last"));
     let revision = status["result"]["revision"].as_u64().expect("revision");
     assert!(revision > first_revision, "no request changed the stack: revision {revision}");
-    // Taps wrote only the contained capture file.
+    // Taps wrote only the contained capture file, or, while a tap still loaded held it (a tap never appends to a
+    // file another one writes), a suffix file next to it: one per tap loaded at the same time, not one per load.
     let mut written: Vec<_> = std::fs::read_dir(daemon.dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
     written.sort();
+    let suffix_file = |n: &str| {
+        n.strip_prefix("fuzz.").and_then(|n| n.strip_suffix(".pcapng")).is_some_and(|n| n.parse::<u8>().is_ok())
+    };
     assert!(
-        written.iter().all(|n| ["fuzz.pcapng", "stack.toml", "state"].contains(&n.to_str().unwrap_or(""))),
+        written
+            .iter()
+            .map(|n| n.to_str().unwrap_or(""))
+            .all(|n| ["fuzz.pcapng", "stack.toml", "state"].contains(&n) || suffix_file(n)),
         "{written:?}"
     );
 }

@@ -59,19 +59,33 @@ impl Daemon {
     /// Starts `flexstack daemon` with `stack` (TOML text, written to the state dir) and extra arguments, and
     /// waits until it answers.
     pub fn start(stack: &str, extra: &[&str]) -> Daemon {
-        Daemon::start_with_stderr(stack, extra, Stdio::inherit())
+        Daemon::spawn(None, stack, extra, Stdio::inherit())
+    }
+
+    /// Like [`Daemon::start`], with the daemon in the network namespace `netns` (`ip netns exec`, which execs: the
+    /// child is the daemon).
+    pub fn start_in(netns: &Netns, stack: &str, extra: &[&str]) -> Daemon {
+        Daemon::spawn(Some(&netns.name), stack, extra, Stdio::inherit())
     }
 
     /// Like [`Daemon::start`], with the daemon's log (its stderr, level warn) written to `log`.
     pub fn start_logged(stack: &str, extra: &[&str], log: &Path) -> Daemon {
-        Daemon::start_with_stderr(stack, extra, std::fs::File::create(log).expect("create the log").into())
+        Daemon::spawn(None, stack, extra, std::fs::File::create(log).expect("create the log").into())
     }
 
-    fn start_with_stderr(stack: &str, extra: &[&str], stderr: Stdio) -> Daemon {
+    fn spawn(netns: Option<&str>, stack: &str, extra: &[&str], stderr: Stdio) -> Daemon {
         let dir = tempfile::tempdir().expect("temp dir");
         let stack_path = dir.path().join("stack.toml");
         std::fs::write(&stack_path, stack).expect("write stack");
-        let child = Command::new(bin())
+        let mut command = match netns {
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns, bin()]);
+                c
+            }
+            None => Command::new(bin()),
+        };
+        let child = command
             .arg("daemon")
             .arg("--stack")
             .arg(&stack_path)

@@ -293,6 +293,25 @@ fn create_new(path: &Path) -> Result<Option<File>, String> {
     }
 }
 
+/// How long a file's lock may stay held by a tap that is gone: a process forked at that moment (the daemon starts
+/// `ip`, `nft`, ...) shares the open file, and with it the lock, until it executes its program.
+const LOCK_GRACE: Duration = Duration::from_millis(50);
+
+/// Locks `file`; `Ok(false)` if it stays locked by someone else for [`LOCK_GRACE`].
+fn lock_soon(file: &File) -> io::Result<bool> {
+    let deadline = std::time::Instant::now() + LOCK_GRACE;
+    loop {
+        match file.try_lock() {
+            Ok(()) => return Ok(true),
+            Err(TryLockError::WouldBlock) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(2))
+            }
+            Err(TryLockError::WouldBlock) => return Ok(false),
+            Err(TryLockError::Error(e)) => return Err(e),
+        }
+    }
+}
+
 /// Opens the capture file `path` for a new capture, never losing what it holds (see the module's documentation).
 pub fn open_capture(path: &Path, exists: Exists) -> Result<OpenedCapture, String> {
     let opened = |file, path: &Path, start, notes| Ok(OpenedCapture { file, path: path.to_path_buf(), start, notes });
@@ -301,11 +320,7 @@ pub fn open_capture(path: &Path, exists: Exists) -> Result<OpenedCapture, String
     }
     let mut file =
         OpenOptions::new().read(true).write(true).open(path).map_err(|e| format!("cannot open {path:?}: {e}"))?;
-    let in_use = match file.try_lock() {
-        Ok(()) => false,
-        Err(TryLockError::WouldBlock) => true,
-        Err(TryLockError::Error(e)) => return Err(format!("cannot lock {path:?}: {e}")),
-    };
+    let in_use = !lock_soon(&file).map_err(|e| format!("cannot lock {path:?}: {e}"))?;
     let len = file.metadata().map_err(|e| format!("cannot read {path:?}: {e}"))?.len();
     if len == 0 && !in_use {
         // Nothing to lose.
@@ -1126,6 +1141,27 @@ mod tests {
         assert_eq!(open_capture(&other, Exists::Suffix).unwrap().path, dir.path().join("notes.1.txt"));
         assert_eq!(std::fs::read(&other).unwrap(), b"hello");
         assert_eq!(suffixed(Path::new("/a/b"), 3), Path::new("/a/b.3"));
+    }
+
+    #[test]
+    fn a_lock_let_go_of_within_the_grace_is_not_a_file_in_use() {
+        // As when a process forked by the daemon shares the file of a tap just unloaded until it executes.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("g.pcapng");
+        std::fs::write(&path, start_capture(Vec::new(), LinkType::Raw, 0).unwrap().get_ref()).unwrap();
+        let held = File::open(&path).unwrap();
+        held.lock().unwrap();
+        let release = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(10));
+            drop(held);
+        });
+        let opened = open_capture(&path, Exists::Append).unwrap();
+        release.join().unwrap();
+        assert_eq!(opened.path, path, "appended to, not a suffix file: {:?}", opened.notes);
+        drop(opened);
+        let held = File::open(&path).unwrap();
+        held.lock().unwrap();
+        assert_eq!(open_capture(&path, Exists::Append).unwrap().path, dir.path().join("g.1.pcapng"));
     }
 
     #[test]

@@ -7,7 +7,7 @@
 mod common;
 
 use common::{bin, eventually, privileged, sh, unique, Daemon, Netns};
-use std::process::Command;
+use std::process::{Command, Stdio};
 
 /// The addresses the owned end starts with.
 const ADDRESSES: [&str; 3] = ["10.250.1.1/24", "10.250.2.1/24", "fd42:1::1/64"];
@@ -74,19 +74,27 @@ impl Link {
         assert_eq!(self.disable_ipv6(), "0", "{when}");
     }
 
-    /// Starts a daemon in the namespace with `stack`, expecting it to refuse; returns its stderr.
+    /// Starts a daemon in the namespace with `stack`, expecting it to refuse within 10 s; returns its stderr.
     fn daemon_fails(&self, stack: &str) -> String {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("stack.toml");
         std::fs::write(&path, stack).unwrap();
-        let out = Command::new("ip")
+        let mut child = Command::new("ip")
             .args(["netns", "exec", &self.ns.name, bin(), "daemon", "--stack"])
             .arg(&path)
             .arg("--state-dir")
             .arg(dir.path().join("state"))
-            .output()
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
             .unwrap();
-        assert!(!out.status.success(), "the daemon should refuse:\n{stack}");
+        let ended = eventually(10, || child.try_wait().unwrap().is_some());
+        if !ended {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let out = child.wait_with_output().unwrap();
+        assert!(ended && !out.status.success(), "the daemon should refuse:\n{stack}");
         String::from_utf8_lossy(&out.stderr).into_owned()
     }
 }

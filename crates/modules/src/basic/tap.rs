@@ -189,6 +189,20 @@ pub struct TapOptions {
     pub whole_pages: bool,
 }
 
+impl Default for TapOptions {
+    /// The defaults `DECL` declares (a blank for the settings to be read into).
+    fn default() -> TapOptions {
+        TapOptions {
+            linktype: LinkType::Raw,
+            snaplen: 65_535,
+            passthrough: true,
+            enabled: true,
+            exists: Exists::Suffix,
+            whole_pages: true,
+        }
+    }
+}
+
 /// Starts a pcapng capture on `writer`: section header, then interface 0 (data) and interface 1 (control frames).
 pub fn start_capture<W: Write>(writer: W, linktype: LinkType, snaplen: u32) -> PcapResult<PcapNgWriter<W>> {
     let mut w = PcapNgWriter::new(writer)?;
@@ -440,14 +454,7 @@ impl ModuleKind for TapKind {
 
     fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
         let mut r = settings.reader(KIND);
-        let mut options = TapOptions {
-            linktype: LinkType::Raw,
-            snaplen: 0,
-            passthrough: true,
-            enabled: true,
-            exists: Exists::Suffix,
-            whole_pages: true,
-        };
+        let mut options = TapOptions::default();
         DECL.read(&mut r, &mut options)?;
         let path = match r.string("path")? {
             Some(p) if !p.is_empty() => p,
@@ -943,14 +950,7 @@ mod tests {
     }
 
     fn options() -> TapOptions {
-        TapOptions {
-            linktype: LinkType::Raw,
-            snaplen: 0,
-            passthrough: true,
-            enabled: true,
-            exists: Exists::Suffix,
-            whole_pages: true,
-        }
+        TapOptions { snaplen: 0, ..TapOptions::default() }
     }
 
     #[test]

@@ -107,7 +107,8 @@ pub enum Command {
     /// Revisions: log, show, rollback, save.
     #[command(subcommand)]
     Config(ConfigCmd),
-    /// Cross-layer rules: `rules load FILE`, `unload NAME|ALL`, `replace OLD NEW`, `list`, `show NAME`, `log`,
+    /// Cross-layer rules: `rules load FILE`, `unload NAME|ALL`, `delete NAME|ALL`, `replace OLD NEW`, `list`,
+    /// `show NAME`, `log`,
     /// `diff REV REV`, `rollback REV` (docs/rules.md).
     #[command(subcommand)]
     Rules(RulesCmd),
@@ -134,6 +135,21 @@ pub enum Command {
     /// `lab down [NAME] | --all`, `lab list`, `lab check FILE`, `lab report DIR`.
     #[command(subcommand)]
     Lab(LabCmd),
+    /// Print the shell completion script for SHELL (generated from this command line; scripts/setup.sh installs
+    /// them): `source <(flexstack completions bash)`.
+    #[command(hide = true)]
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
+    /// Print the man page flexstack(1), or with --dir write it and one page per command (flexstack-lab(1) ...)
+    /// into DIR: `flexstack man | man -l -`.
+    #[command(hide = true)]
+    Man {
+        /// Folder to write every page into (FILE.1), instead of printing flexstack(1).
+        #[arg(long, value_name = "DIR")]
+        dir: Option<PathBuf>,
+    },
 }
 
 /// Options of `flexstack daemon`.
@@ -160,6 +176,16 @@ pub struct DaemonArgs {
     /// Milliseconds between samples of the meters that loaded rules read.
     #[arg(long, default_value_t = 5)]
     pub rules_interval_ms: u64,
+    /// Most rule instances running at once (a per-name rule is one instance per matching name); a load over it is
+    /// refused, and names appearing beyond it are not instantiated (counted in rules.engine.instances_refused_total).
+    #[arg(long, default_value_t = flexstack_rules::Limits::DEFAULT.max_instances)]
+    pub rules_max_instances: usize,
+    /// Most memory, in MiB, the rules' definitions and running units may take (an estimate: docs/rules.md).
+    #[arg(long, default_value_t = flexstack_rules::Limits::DEFAULT.max_memory_bytes >> 20)]
+    pub rules_max_memory_mb: usize,
+    /// Most revisions the rules repository keeps (`rules log`; the oldest go first).
+    #[arg(long, default_value_t = flexstack_rules::Limits::DEFAULT.max_revisions)]
+    pub rules_max_revisions: usize,
     /// Microseconds the data plane waits before reading a face while frames stream in, so that one wake-up reads
     /// several (interrupt moderation; 0, the default: off).
     #[arg(long, default_value_t = flexstack_daemon::dataplane::DEFAULT_RX_HOLD.as_micros() as u64)]
@@ -183,6 +209,11 @@ pub struct DaemonArgs {
     /// Allow --metrics on an address other than loopback: whoever reaches it reads every meter, unauthenticated.
     #[arg(long, requires = "metrics")]
     pub metrics_public: bool,
+    /// Listen for --metrics in the network namespace of this file (`/proc/PID/ns/net`, `/run/netns/NAME`) instead
+    /// of the daemon's own: how `flexstack lab run --metrics` lets Prometheus on the host scrape daemons that run
+    /// in the lab's namespaces.
+    #[arg(long, value_name = "PATH", requires = "metrics")]
+    pub metrics_netns: Option<PathBuf>,
     /// Also export the per-flow series (`flexstack_flow_*`) of the N flows with the most bytes (0: none).
     #[arg(long, default_value_t = 0, value_name = "N", requires = "metrics")]
     pub metrics_flows: usize,
@@ -309,6 +340,12 @@ pub enum RulesCmd {
     },
     /// Unload rules loaded by themselves (`ALL`: every rule).
     Unload {
+        /// Rule names, or ALL.
+        #[arg(required = true)]
+        names: Vec<String>,
+    },
+    /// Delete rule definitions (`ALL`: every rule), unloading them first; `unload` keeps definitions.
+    Delete {
         /// Rule names, or ALL.
         #[arg(required = true)]
         names: Vec<String>,
@@ -476,6 +513,11 @@ fn run(cli: Cli) -> Result<(), CliError> {
             app_etc: d.app_etc.clone(),
             exit_when_idle: d.exit_when_idle,
             rules_interval: Duration::from_millis(d.rules_interval_ms.max(1)),
+            rules_limits: flexstack_rules::Limits {
+                max_instances: d.rules_max_instances,
+                max_memory_bytes: d.rules_max_memory_mb.saturating_mul(1 << 20),
+                max_revisions: d.rules_max_revisions.max(1),
+            },
             dataplane: flexstack_daemon::dataplane::DataPlaneOptions {
                 rx_hold: Duration::from_micros(d.rx_hold_us),
                 realtime: d.realtime,
@@ -488,6 +530,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 addr,
                 public: d.metrics_public,
                 flows_top: d.metrics_flows,
+                netns: d.metrics_netns.clone(),
             }),
             web: d.web.map(|addr| flexstack_daemon::web::WebOptions::new(addr, d.web_public, cli.state_dir.clone())),
             app_socket: flexstack_daemon::appvars::AppSocketOptions {
@@ -508,6 +551,12 @@ fn run(cli: Cli) -> Result<(), CliError> {
         crate::lab::preflight(&cmd)?;
         return crate::lab::command(&cli.state_dir, cli.json, cmd);
     }
+    match &cli.command {
+        Command::Completions { shell } => return crate::manual::completions(*shell, &mut std::io::stdout()),
+        Command::Man { dir: Some(dir) } => return crate::manual::man_pages(dir).map(|_| ()),
+        Command::Man { dir: None } => return crate::manual::man_page(&mut std::io::stdout()),
+        _ => {}
+    }
     if let Command::Module(ModuleCmd::Kinds { markdown: true }) = cli.command {
         print!("{}", flexstack_core::reference::markdown(&flexstack_daemon::catalog().reference()));
         return Ok(());
@@ -515,7 +564,9 @@ fn run(cli: Cli) -> Result<(), CliError> {
     let mut client = Client::connect(&cli.state_dir)?;
     let json = cli.json;
     match cli.command {
-        Command::Daemon(_) | Command::Run(_) | Command::Lab(_) => unreachable!("handled above"),
+        Command::Daemon(_) | Command::Run(_) | Command::Lab(_) | Command::Completions { .. } | Command::Man { .. } => {
+            unreachable!("handled above")
+        }
         Command::App(AppCmd::List) => print(json, &client.call(AppList)?, |a| render::app_list(a)),
         Command::App(AppCmd::Vars) => print(json, &client.call(AppVarList)?, |a| render::app_vars(a)),
         Command::Flow(FlowCmd::List) => print(json, &client.call(FlowList)?, |f| render::flow_list(f)),
@@ -653,6 +704,9 @@ fn rules_command(client: &mut Client, cmd: RulesCmd, json: bool) -> Result<(), C
         }
         RulesCmd::Unload { names } => {
             print(json, &client.call(RulesUnload { names }).map_err(rules_error)?, render::rules_revision)
+        }
+        RulesCmd::Delete { names } => {
+            print(json, &client.call(RulesDelete { names }).map_err(rules_error)?, render::rules_revision)
         }
         RulesCmd::Replace { old, new } => {
             print(json, &client.call(RulesReplace { old, new }).map_err(rules_error)?, render::rules_revision)

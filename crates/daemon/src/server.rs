@@ -39,6 +39,8 @@ pub struct DaemonOptions {
     pub exit_when_idle: bool,
     /// How often the rules thread samples the meters its rules read (while rules are loaded).
     pub rules_interval: Duration,
+    /// The rules engine's caps (`--rules-max-instances`, `--rules-max-memory-mb`, `--rules-max-revisions`).
+    pub rules_limits: flexstack_rules::Limits,
     /// How the data-plane thread runs.
     pub dataplane: crate::dataplane::DataPlaneOptions,
     /// How often the transport meters of forwarded TCP flows are read from the apps' sockets (zero: never).
@@ -126,6 +128,8 @@ pub fn run_daemon(opts: DaemonOptions, catalog: Catalog) -> Result<(), String> {
     tracing::debug!(limit = files, "limit of open files");
     // The app socket is set up while the daemon may still give it to a group (CAP_CHOWN is not kept).
     let app_listener = bind_app_socket(&app_sock, opts.app_socket.group.as_deref())?;
+    // The metrics endpoint may listen in another namespace, which needs privileges the daemon does not keep.
+    let metrics_listener = opts.metrics.as_ref().map(crate::metrics::bind).transpose()?;
     crate::privileges::drop_unneeded()?;
 
     let dataplane = DataPlane::start(opts.dataplane);
@@ -158,15 +162,15 @@ pub fn run_daemon(opts: DaemonOptions, catalog: Catalog) -> Result<(), String> {
     let _ = std::fs::write(&pid_file, format!("{}\n", std::process::id()));
 
     // Rules run on a thread of their own; applications register variables on a socket of their own.
-    control.start_rules(opts.rules_interval)?;
+    control.start_rules(opts.rules_interval, opts.rules_limits)?;
     let _flow_meters = if opts.flow_meters.interval.is_zero() {
         None
     } else {
         Some(crate::sockdiag::FlowMeterPoller::start(&control, opts.flow_meters)?)
     };
-    let _metrics = match &opts.metrics {
-        Some(m) => Some(crate::metrics::serve(control.clone(), m)?),
-        None => None,
+    let _metrics = match (&opts.metrics, metrics_listener) {
+        (Some(m), Some(listener)) => Some(crate::metrics::serve(control.clone(), m, listener)?),
+        _ => None,
     };
     let _web = match &opts.web {
         Some(w) => Some(crate::web::serve(control.clone(), w)?),

@@ -25,6 +25,13 @@ pub struct Caller {
     pub pid: Option<i32>,
 }
 
+/// Who made a change to the stack: an operator (a user of the socket), or a rule (coalesced in the log).
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Author<'a> {
+    User(&'a str),
+    Rule(&'a str),
+}
+
 /// The control plane's state, shared by all client connections.
 pub struct Control {
     dataplane: Mutex<DataPlane>,
@@ -40,6 +47,8 @@ pub struct Control {
     rules: OnceLock<RulesService>,
     /// Variables registered by applications over the app socket.
     pub appvars: Arc<AppVars>,
+    /// Where the daemon's HTTP endpoints listen (`metrics`, `web`), for `status`.
+    pub(super) served: Mutex<Vec<(&'static str, std::net::SocketAddr)>>,
 }
 
 pub(super) fn internal(e: impl std::fmt::Display) -> ApiError {
@@ -75,18 +84,25 @@ impl Control {
             sandboxes,
             rules: OnceLock::new(),
             appvars: Arc::new(AppVars::new(registry_for_apps)),
+            served: Mutex::new(Vec::new()),
         }
     }
 
-    /// Starts the rules thread: it samples meters every `interval` while rules are loaded and writes knobs
-    /// through [`Control::set_value`] as the user `rules`. Updates of application meters are pushed to it.
-    pub fn start_rules(self: &Arc<Self>, interval: Duration) -> Result<(), String> {
+    /// Notes that the endpoint `what` (`metrics`, `web`) listens at `addr` (`status` reports it).
+    pub fn served_at(&self, what: &'static str, addr: std::net::SocketAddr) {
+        self.served.lock().unwrap_or_else(|p| p.into_inner()).push((what, addr));
+    }
+
+    /// Starts the rules thread: it samples meters every `interval` while rules are loaded, within `limits`, and
+    /// writes knobs through [`Control::set_by_rule`] (the user `rules`; their revisions are coalesced per rule).
+    /// Updates of application meters are pushed to it.
+    pub fn start_rules(self: &Arc<Self>, interval: Duration, limits: flexstack_rules::Limits) -> Result<(), String> {
         let weak: Weak<Control> = Arc::downgrade(self);
-        let writer = Box::new(move |name: &str, value: &Value| match weak.upgrade() {
-            Some(c) => c.set_value(name, value, "rules").map(|_| ()).map_err(|e| e.message),
+        let writer = Box::new(move |rule: &str, name: &str, value: &Value| match weak.upgrade() {
+            Some(c) => c.set_by_rule(name, value, rule).map(|_| ()).map_err(|e| e.message),
             None => Err("the daemon is stopping".to_string()),
         });
-        let svc = RulesService::start(self.registry.clone(), writer, interval)
+        let svc = RulesService::start(self.registry.clone(), writer, interval, limits)
             .map_err(|e| format!("cannot start the rules thread: {e}"))?;
         if self.rules.set(svc).is_err() {
             return Err("the rules thread runs already".into());
@@ -136,18 +152,23 @@ impl Control {
             edits.push(Edit::Link(l.link.clone()));
             locations.push(l.location.clone());
         }
-        self.edit_located(who, change.to_string(), edits, &locations)
+        self.edit_located(Author::User(who), change.to_string(), edits, &locations)
     }
 
     /// Applies edits atomically and records a revision.
     pub(super) fn edit(&self, who: &str, change: String, edits: Vec<Edit>) -> Result<Change, ApiError> {
-        self.edit_located(who, change, edits, &[])
+        self.edit_located(Author::User(who), change, edits, &[])
+    }
+
+    /// Applies a knob write made by rule `rule`: recorded in the rule's coalesced entry of the revision log.
+    pub(super) fn edit_by_rule(&self, rule: &str, edit: Edit) -> Result<Change, ApiError> {
+        self.edit_located(Author::Rule(rule), edit.to_string(), vec![edit], &[])
     }
 
     /// Like [`Control::edit`]; a refused edit `i` is reported at `locations[i]` when it came from a file.
     fn edit_located(
         &self,
-        who: &str,
+        author: Author<'_>,
         change: String,
         edits: Vec<Edit>,
         locations: &[Option<Location>],
@@ -166,8 +187,16 @@ impl Control {
         let snap = dp.snapshot().map_err(internal)?;
         drop(dp);
         let mut revs = self.revisions.lock().unwrap_or_else(|p| p.into_inner());
-        tracing::info!(revision = revs.latest() + 1, user = who, change = %change, "stack changed");
-        let revision = revs.push(now_ms(), who, change, notes.clone(), snap.spec.to_toml());
+        let revision = match author {
+            Author::User(who) => {
+                tracing::info!(revision = revs.latest() + 1, user = who, change = %change, "stack changed");
+                revs.push(now_ms(), who, change, notes.clone(), snap.spec.to_toml())
+            }
+            Author::Rule(rule) => {
+                tracing::debug!(rule, change = %change, "stack changed by a rule");
+                revs.push_rule_write(now_ms(), rule, change, notes.clone(), snap.spec.to_toml())
+            }
+        };
         Ok(Change { revision, notes })
     }
 

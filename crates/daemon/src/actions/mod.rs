@@ -72,6 +72,7 @@ impl Control {
             Request::ConfigRollback(r) => reply::<ConfigRollback>(self.config_rollback(r.rev, who)),
             Request::RulesLoad(r) => reply::<RulesLoad>(self.rules_load(r.name, r.text, who)),
             Request::RulesUnload(r) => reply::<RulesUnload>(self.rules().and_then(|s| s.unload(r.names))),
+            Request::RulesDelete(r) => reply::<RulesDelete>(self.rules_delete(r.names, who)),
             Request::RulesReplace(r) => reply::<RulesReplace>(self.rules().and_then(|s| s.replace(r.old, r.new))),
             Request::RulesList => reply::<RulesList>(self.rules().and_then(|s| s.list())),
             Request::RulesShow(r) => reply::<RulesShow>(self.rules().and_then(|s| s.show(r.name))),

@@ -204,7 +204,8 @@ pub fn revision_stack(r: &RevisionStack) -> String {
 
 /// `tap add`.
 pub fn tap_added(r: &TapAdded) -> String {
-    format!("ok: {} records to the file (revision {})\n", r.tap, r.revision)
+    let file = if r.file.is_empty() { "the file" } else { r.file.as_str() };
+    format!("ok: {} records to {file} (revision {})\n", r.tap, r.revision)
 }
 
 /// `tap list`.
@@ -212,9 +213,19 @@ pub fn tap_list(taps: &[TapInfo]) -> String {
     let setting = |s: &Option<String>| s.clone().unwrap_or_else(|| "null".into());
     let rows = taps
         .iter()
-        .map(|t| vec![t.name.clone(), t.taps.join(","), setting(&t.linktype), t.frames.to_string(), setting(&t.file)])
+        .map(|t| {
+            let counts = [t.frames, t.frames_pending, t.frames_unwritten].map(|n| n.to_string());
+            let [frames, pending, unwritten] = counts;
+            vec![t.name.clone(), t.taps.join(","), setting(&t.linktype), frames, pending, unwritten, setting(&t.file)]
+        })
         .collect();
-    table(&["NAME", "TAPS", "LINKTYPE", "FRAMES", "FILE"], rows)
+    let mut out = table(&["NAME", "TAPS", "LINKTYPE", "FRAMES", "PENDING", "UNWRITTEN", "FILE"], rows);
+    for t in taps {
+        if let Some(e) = &t.error {
+            out.push_str(&format!("{}: error: {e}\n", t.name));
+        }
+    }
+    out
 }
 
 /// `app list`.

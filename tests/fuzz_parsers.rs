@@ -16,7 +16,9 @@
 //! - `FLEXSTACK_FUZZ_ARTIFACTS`: a directory; failing inputs are also written there as files.
 //!
 //! The tap kind creates the file named by its `path` setting when configured: every `path` that could create a
-//! file is rewritten to a file inside a temporary directory before configuring, here and in the daemon test.
+//! file is rewritten to a file inside a temporary directory before configuring, here and in the daemon test, and
+//! its `exists` setting, unless it refuses (or is not valid), to `"append"`: a tap never overwrites a capture, so
+//! with the default (`"suffix"`) each of the thousands of taps configured would leave a file of its own.
 
 mod common;
 // The checks, one function per parser, shared with the libFuzzer targets (fuzz/fuzz_targets/).
@@ -24,7 +26,10 @@ mod common;
 #[path = "../fuzz/src/parsers.rs"]
 mod checks;
 
-use checks::{check_args, check_link, check_pattern, check_request, check_stack, check_value, ensure, json_opt_eq};
+use checks::{
+    check_args, check_link, check_pattern, check_request, check_stack, check_value, ensure, json_opt_eq,
+    multiplies_files,
+};
 use flexstack_api::ops::{ModuleLoad, ModuleReplace};
 use flexstack_api::protocol::{parse_request, request_line, ErrorCode, Request, Response};
 use flexstack_fuzzkit::{
@@ -379,6 +384,10 @@ fn prepare_line(line: &[u8], capture: &Path) -> Option<(Vec<u8>, bool)> {
             | Request::ModuleReplace(ModuleReplace { settings, .. }) = &mut r
             {
                 settings.insert("path".into(), Json::String(capture.display().to_string()));
+                let exists = settings.get("exists").map(|e| e.as_str());
+                if multiplies_files(exists) {
+                    settings.insert("exists".into(), Json::String("append".into()));
+                }
             }
             let id = id.and_then(|i| i.as_u64()).unwrap_or(0);
             Some((request_line(id, &r).trim_end().as_bytes().to_vec(), true))
@@ -491,11 +500,18 @@ fn fuzz_live_daemon() {
     assert_eq!(status["id"], Json::from("last"));
     let revision = status["result"]["revision"].as_u64().expect("revision");
     assert!(revision > first_revision, "no request changed the stack: revision {revision}");
-    // Taps wrote only the contained capture file.
+    // Taps wrote only the contained capture file, or, while a tap still loaded held it (a tap never appends to a
+    // file another one writes), a suffix file next to it: one per tap loaded at the same time, not one per load.
     let mut written: Vec<_> = std::fs::read_dir(daemon.dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
     written.sort();
+    let suffix_file = |n: &str| {
+        n.strip_prefix("fuzz.").and_then(|n| n.strip_suffix(".pcapng")).is_some_and(|n| n.parse::<u8>().is_ok())
+    };
     assert!(
-        written.iter().all(|n| ["fuzz.pcapng", "stack.toml", "state"].contains(&n.to_str().unwrap_or(""))),
+        written
+            .iter()
+            .map(|n| n.to_str().unwrap_or(""))
+            .all(|n| ["fuzz.pcapng", "stack.toml", "state"].contains(&n) || suffix_file(n)),
         "{written:?}"
     );
 }

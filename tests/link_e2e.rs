@@ -6,7 +6,8 @@
 mod common;
 
 use common::{
-    answer, as_u64, octets, privileged, sh, text, unique, LinkGuard, Netns, SandboxDaemon, INJECTOR, MALFORMED_DROPS,
+    answer, as_u64, eventually, octets, privileged, sh, text, unique, LinkGuard, Netns, SandboxDaemon, INJECTOR,
+    MALFORMED_DROPS,
 };
 use flexstack_api::ops::Get;
 use serde_json::Value as Json;
@@ -74,13 +75,15 @@ fn apps_reach_a_server_over_a_link_face_with_flexstack_arp_ndp_and_nat() {
     assert_eq!(r["end"]["sum"]["lost_packets"].as_u64(), Some(0), "UDP: {}", r["end"]);
     assert!(t.contains("10.1.2.3") && t.contains("fd00:1:2::3"), "dig over the link face: {t}");
 
-    // The server saw flexstack's link address, resolved by ARP / NDP that flexstack answered, and no kernel
-    // address was left on the owned interface.
+    // The server saw flexstack's link address, resolved by ARP / NDP that flexstack answered.
     let neigh = String::from_utf8_lossy(&srv.run(&["ip", "neigh", "show"]).stdout).to_string();
     assert!(neigh.contains(&format!("10.{s}.9.2")) && neigh.contains(&mac), "{neigh}");
     assert!(neigh.contains(&format!("fd99:{s:x}::2")), "{neigh}");
-    let addrs = sh("ip", &["-br", "addr", "show", &owned]);
-    assert!(!addrs.contains("10.") && !addrs.contains("fe80"), "{addrs}");
+    // The app's face went with it and gave the interface back its kernel IPv6 (tests/takeover_e2e.rs in detail):
+    // the data plane lets go of the device right after the detach is answered.
+    let disable_ipv6 = format!("/proc/sys/net/ipv6/conf/{owned}/disable_ipv6");
+    let ipv6_of_owned = || std::fs::read_to_string(&disable_ipv6).unwrap().trim().to_string();
+    assert!(eventually(5, || ipv6_of_owned() == "0"), "kernel IPv6 given back");
 
     // Malformed input on the link side while a transfer runs: frames injected from the server towards
     // flexstack's MAC. Each is dropped and counted with its reason; the transfer completes intact.
@@ -90,6 +93,10 @@ fn apps_reach_a_server_over_a_link_face_with_flexstack_arp_ndp_and_nat() {
     let app = d.spawn_run(&["--stack", template_file.to_str().unwrap(), "--name", "lk", "--", "sh", "-c", &script]);
     d.wait_for_apps(1);
     std::thread::sleep(Duration::from_millis(300));
+    // While flexstack holds the interface, the kernel has no address on it.
+    let addrs = sh("ip", &["-br", "addr", "show", &owned]);
+    assert!(!addrs.contains("10.") && !addrs.contains("fe80"), "{addrs}");
+    assert_eq!(ipv6_of_owned(), "1");
     let (src4, dst4, src6, dst6) =
         (format!("10.{s}.9.1"), format!("10.{s}.9.2"), format!("fd99:{s:x}::1"), format!("fd99:{s:x}::2"));
     let out = srv.run(&["python3", INJECTOR, &peer, &src4, &dst4, &src6, &dst6, "--mac", &mac]);

@@ -79,12 +79,24 @@ pub fn same_settings(a: &Settings, b: &Settings) -> bool {
     a.iter().count() == b.iter().count() && a.iter().all(|(k, s)| b.get(k).is_some_and(|o| toml_eq(&s.value, &o.value)))
 }
 
-/// Settings safe to configure: a `path` that could create a file points into `dir` instead.
+/// True if a tap's `exists` setting makes a new file for each tap: absent (`None`) or the text `"suffix"` (an
+/// `exists` that is not text is `Some(None)`: it fails the configuration and is kept).
+pub fn multiplies_files(exists: Option<Option<&str>>) -> bool {
+    exists.is_none_or(|e| e == Some("suffix"))
+}
+
+/// Settings safe to configure: a `path` that could create a file points into `dir` instead, and adds to one file
+/// (a tap never overwrites a capture: with the default `exists = "suffix"` each tap configured would leave a file
+/// of its own).
 pub fn contained(settings: &Settings, dir: &Path) -> Settings {
     let mut s = settings.clone();
     if let Some(p) = settings.get("path") {
         if p.value.as_str().is_some_and(|p| !p.is_empty()) {
             s.insert("path", toml::Value::String(dir.join("fuzz.pcapng").display().to_string()));
+            let exists = settings.get("exists").map(|e| e.value.as_str());
+            if multiplies_files(exists) {
+                s.insert("exists", toml::Value::String("append".into()));
+            }
         }
     }
     s

@@ -61,10 +61,33 @@ impl Daemon {
     /// Starts `flexstack daemon` with `stack` (TOML text, written to the state dir) and extra arguments, and
     /// waits until it answers.
     pub fn start(stack: &str, extra: &[&str]) -> Daemon {
+        Daemon::spawn(None, stack, extra, Stdio::inherit())
+    }
+
+    /// Like [`Daemon::start`], with the daemon in the network namespace `netns` (`ip netns exec`, which execs: the
+    /// child is the daemon).
+    pub fn start_in(netns: &Netns, stack: &str, extra: &[&str]) -> Daemon {
+        Daemon::spawn(Some(&netns.name), stack, extra, Stdio::inherit())
+    }
+
+    /// Like [`Daemon::start`], with the daemon's log (its stderr, level warn) written to `log`.
+    pub fn start_logged(stack: &str, extra: &[&str], log: &Path) -> Daemon {
+        Daemon::spawn(None, stack, extra, std::fs::File::create(log).expect("create the log").into())
+    }
+
+    fn spawn(netns: Option<&str>, stack: &str, extra: &[&str], stderr: Stdio) -> Daemon {
         let dir = tempfile::tempdir().expect("temp dir");
         let stack_path = dir.path().join("stack.toml");
         std::fs::write(&stack_path, stack).expect("write stack");
-        let child = Command::new(bin())
+        let mut command = match netns {
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns, bin()]);
+                c
+            }
+            None => Command::new(bin()),
+        };
+        let child = command
             .arg("daemon")
             .arg("--stack")
             .arg(&stack_path)
@@ -73,7 +96,7 @@ impl Daemon {
             .args(extra)
             .env("FLEXSTACK_LOG", "warn")
             .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
+            .stderr(stderr)
             .spawn()
             .expect("spawn daemon");
         let d = Daemon { child, dir };

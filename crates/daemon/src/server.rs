@@ -139,6 +139,8 @@ pub fn run_daemon(opts: DaemonOptions, catalog: Catalog) -> Result<(), String> {
     }
     let dataplane = dataplane.map_err(|e| format!("cannot start the data plane: {e}"))?;
     tracing::info!(scheduling = dataplane.scheduling(), "data plane started");
+    // Interfaces that link faces of daemons now gone had taken over get their addresses and IPv6 back first.
+    flexstack_faces::takeover::restore_stale();
     let control =
         Arc::new(Control::new(dataplane, catalog, Sandboxes::new(opts.app_subnet).with_etc_dir(opts.app_etc.clone())));
     if let (Some(spec), Some(path)) = (&spec, &opts.stack) {

@@ -19,8 +19,10 @@
 //!   possible (GRO), so that the kernel gets few large packets.
 //! - Kind `packet`: a link face: an AF_PACKET socket on an existing interface that flexstack takes over, carrying
 //!   Ethernet frames (put an `ethernet` module behind it for ARP/NDP and addresses). With `take_over`, the
-//!   kernel's addresses on the interface are flushed and kernel IPv6 is disabled on it, so that only flexstack
-//!   answers ARP and neighbour discovery there; they are not restored. Frames the kernel itself sends out on the
+//!   kernel's addresses on the interface are removed and kernel IPv6 is disabled on it, so that only flexstack
+//!   answers ARP and neighbour discovery there; both are given back when the face goes, or, after a crash, when
+//!   the next daemon starts ([`crate::takeover`]). An interface that carries a default route of the daemon's
+//!   network namespace is refused unless `force = true`. Frames the kernel itself sends out on the
 //!   interface are not read back; frames are sent past the interface's queueing discipline (PACKET_QDISC_BYPASS).
 //!   The socket uses virtio-net headers (PACKET_VNET_HDR): a frame whose sender offloaded its transport checksum keeps it partial
 //!   and carries `MetaKey::CSUM_PARTIAL` (see there for the rule modules follow: `link` completes it, so the IP
@@ -36,7 +38,7 @@
 //!   face's name; e.g. `late-binding` takes an interface down whose `face` setting names it).
 
 use crate::device::{Device, DeviceMeters};
-use crate::packet::{take_over_interface, PacketDevice};
+use crate::packet::PacketDevice;
 use crate::tun::TunDevice;
 use flexstack_core::config::{ConfigError, Settings};
 use flexstack_core::decl::{KindDecl, MeterDecl, Param, PortDecl};
@@ -61,6 +63,7 @@ struct Config {
     offload: bool,
     direction: Direction,
     take_over: bool,
+    force: bool,
 }
 
 type P = Param<Config>;
@@ -134,9 +137,16 @@ const PACKET: KindDecl<Config, Meters> = KindDecl {
         P::manual("interface", "str", "the interface to take over", "required"),
         P::bool(
             "take_over",
-            "flush the kernel's addresses on the interface and disable its IPv6 (not restored)",
+            "remove the kernel's addresses from the interface and disable its IPv6, given back when the face goes",
             true,
             field!(take_over),
+        )
+        .setting(),
+        P::bool(
+            "force",
+            "take over an interface that carries a default route of the daemon's network namespace (refused without)",
+            false,
+            field!(force),
         )
         .setting(),
         QUEUE,
@@ -189,12 +199,20 @@ impl ModuleKind for PacketKind {
         if !valid_ifname(&interface) {
             return Err(r.error("interface", format_args!("{interface:?} is not an interface name")));
         }
-        if cfg.take_over {
-            take_over_interface(&interface).map_err(|e| r.error("interface", e))?;
-        }
-        let device = PacketDevice::open(&interface)
-            .map_err(|e| r.error("interface", format_args!("cannot open {interface}: {e} (needs CAP_NET_RAW)")))?;
+        // Unknown settings are refused before the interface is touched.
         r.finish()?;
+        let at_interface = |message: String| {
+            let location = settings.get("interface").and_then(|s| s.location.clone());
+            ConfigError::new(location, format!("setting `interface` of a {} module: {message}", PACKET.name))
+        };
+        let taken = if cfg.take_over {
+            Some(crate::takeover::take_over(&interface, cfg.force).map_err(at_interface)?)
+        } else {
+            None
+        };
+        let device = PacketDevice::open(&interface)
+            .map_err(|e| at_interface(format!("cannot open {interface}: {e} (needs CAP_NET_RAW)")))?
+            .holding(taken);
         Ok(Box::new(FaceBuilder { device: Arc::new(device), cfg, decl: &PACKET }))
     }
 }

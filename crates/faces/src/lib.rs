@@ -8,6 +8,8 @@
 //! - [`linkwatch`] tells the data plane when a face's interface loses its carrier or goes down.
 //! - [`netconf`] configures namespaces, links, addresses, routes and neighbours through netlink, in batches (the
 //!   lab runner's builder).
+//! - [`takeover`] takes an interface over for a link face and gives its addresses and IPv6 back afterwards (also
+//!   after a crash, at the next daemon's start).
 //!
 //! The system calls that `nix` has no safe wrapper for are in `flexstack-sys`, the workspace's one crate of
 //! unsafe code.
@@ -20,6 +22,7 @@ pub mod linkwatch;
 pub mod netconf;
 pub mod packet;
 pub mod stream;
+pub mod takeover;
 pub mod tun;
 
 pub use face::{PacketKind, TunKind};

@@ -205,6 +205,17 @@ pub fn write_sysctls(settings: &[(&str, &str)]) -> io::Result<()> {
     Ok(())
 }
 
+/// An address of a link, as [`Rtnl::addresses`] lists it and [`Rtnl::restore_address`] puts it back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Address {
+    /// The address.
+    pub address: IpAddr,
+    /// Its prefix length.
+    pub prefix: u8,
+    /// Its broadcast address (IPv4), if it has one.
+    pub broadcast: Option<std::net::Ipv4Addr>,
+}
+
 /// A veth pair to create with [`Rtnl::add_veth`]: `name` in the socket's namespace, `peer` in `peer_netns` (or the
 /// socket's namespace). With `up`, `name` is created up; the peer is always created down ([`Rtnl::set_up`] it).
 #[derive(Debug, Clone, Default)]
@@ -444,22 +455,116 @@ impl Rtnl {
 
     /// The links of the socket's namespace: `(index, name)`. Fails if requests are queued (commit them first).
     pub fn links(&mut self) -> Result<Vec<(u32, String)>> {
+        let mut out = Vec::new();
+        self.dump("list links", RouteNetlinkMessage::GetLink(LinkMessage::default()), |m| {
+            if let RouteNetlinkMessage::NewLink(l) = m {
+                let name = l.attributes.iter().find_map(|a| match a {
+                    LinkAttribute::IfName(n) => Some(n.clone()),
+                    _ => None,
+                });
+                out.push((l.header.index, name.unwrap_or_default()));
+            }
+        })?;
+        Ok(out)
+    }
+
+    /// The addresses of link `index`, IPv4 and IPv6 (link-local ones too).
+    pub fn addresses(&mut self, index: u32) -> Result<Vec<Address>> {
+        let mut out = Vec::new();
+        self.dump("list addresses", RouteNetlinkMessage::GetAddress(AddressMessage::default()), |m| {
+            let RouteNetlinkMessage::NewAddress(a) = m else { return };
+            if a.header.index != index {
+                return;
+            }
+            let (mut local, mut address, mut broadcast) = (None, None, None);
+            for attr in a.attributes {
+                match attr {
+                    AddressAttribute::Local(l) => local = Some(l),
+                    AddressAttribute::Address(l) => address = Some(l),
+                    AddressAttribute::Broadcast(b) => broadcast = Some(b),
+                    _ => {}
+                }
+            }
+            if let Some(address) = local.or(address) {
+                out.push(Address { address, prefix: a.header.prefix_len, broadcast });
+            }
+        })?;
+        Ok(out)
+    }
+
+    /// The default routes (`0.0.0.0/0`, `::/0`, unicast, in any table) that leave through link `index`, directly or
+    /// as one of their next hops, as `ip route` would print their destination and gateway.
+    pub fn default_routes_via(&mut self, index: u32) -> Result<Vec<String>> {
+        let mut out = Vec::new();
+        self.dump("list routes", RouteNetlinkMessage::GetRoute(RouteMessage::default()), |m| {
+            let RouteNetlinkMessage::NewRoute(r) = m else { return };
+            if r.header.destination_prefix_length != 0 || r.header.kind != RouteType::Unicast {
+                return;
+            }
+            let mut oifs = Vec::new();
+            let mut gateway = None;
+            for attr in &r.attributes {
+                match attr {
+                    RouteAttribute::Oif(i) => oifs.push(*i),
+                    RouteAttribute::Gateway(RouteAddress::Inet(g)) => gateway = Some(g.to_string()),
+                    RouteAttribute::Gateway(RouteAddress::Inet6(g)) => gateway = Some(g.to_string()),
+                    RouteAttribute::MultiPath(hops) => oifs.extend(hops.iter().map(|h| h.interface_index)),
+                    _ => {}
+                }
+            }
+            if oifs.contains(&index) {
+                let dest = if r.header.address_family == AddressFamily::Inet6 { "::/0" } else { "0.0.0.0/0" };
+                let via = gateway.map(|g| format!(" via {g}")).unwrap_or_default();
+                out.push(format!("{dest}{via}"));
+            }
+        })?;
+        Ok(out)
+    }
+
+    /// Queues removing `address/prefix` from link `index`.
+    pub fn del_address(&mut self, index: u32, address: IpAddr, prefix: u8) {
+        let mut m = AddressMessage::default();
+        m.header.family = family(address);
+        m.header.prefix_len = prefix;
+        m.header.index = index;
+        m.attributes.push(AddressAttribute::Local(address));
+        let what = format!("remove address {address}/{prefix} from link {index}");
+        self.queue(0, RouteNetlinkMessage::DelAddress(m), what);
+    }
+
+    /// Queues adding `a` to link `index` again (as [`Rtnl::addresses`] listed it, with its broadcast address);
+    /// an address the link has already is left as it is.
+    pub fn restore_address(&mut self, index: u32, a: &Address) {
+        let mut m = AddressMessage::default();
+        m.header.family = family(a.address);
+        m.header.prefix_len = a.prefix;
+        m.header.index = index;
+        m.attributes.push(AddressAttribute::Local(a.address));
+        m.attributes.push(AddressAttribute::Address(a.address));
+        if let Some(b) = a.broadcast {
+            m.attributes.push(AddressAttribute::Broadcast(b));
+        }
+        let what = format!("add address {}/{} to link {index}", a.address, a.prefix);
+        self.queue(NLM_F_CREATE | NLM_F_REPLACE, RouteNetlinkMessage::NewAddress(m), what);
+    }
+
+    /// Sends the dump request `request` and calls `f` with each message of the answer. Fails if requests are
+    /// queued (commit them first).
+    fn dump(&mut self, what: &str, request: RouteNetlinkMessage, mut f: impl FnMut(RouteNetlinkMessage)) -> Result<()> {
         if !self.queued.is_empty() {
-            return Err(NetconfError::new("list links", io::Error::other("requests are queued: commit them first")));
+            return Err(NetconfError::new(what, io::Error::other("requests are queued: commit them first")));
         }
         let mut header = NetlinkHeader::default();
         header.flags = NLM_F_REQUEST | NLM_F_DUMP;
         header.sequence_number = self.seq;
         let seq = self.seq;
         self.seq = self.seq.wrapping_add(1);
-        let mut message =
-            NetlinkMessage::new(header, NetlinkPayload::from(RouteNetlinkMessage::GetLink(LinkMessage::default())));
+        let mut message = NetlinkMessage::new(header, NetlinkPayload::from(request));
         message.finalize();
         let mut bytes = vec![0u8; message.buffer_len()];
         message.serialize(&mut bytes);
-        let fail = |e| NetconfError::new("list links", e);
+        let fail = |e| NetconfError::new(what, e);
         self.socket.send(&bytes, 0).map_err(fail)?;
-        let mut out = Vec::new();
         let mut done = false;
         let mut error = None;
         while !done {
@@ -476,13 +581,7 @@ impl Rtnl {
                             error = Some(e.to_io());
                         }
                     }
-                    NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewLink(l)) => {
-                        let name = l.attributes.iter().find_map(|a| match a {
-                            LinkAttribute::IfName(n) => Some(n.clone()),
-                            _ => None,
-                        });
-                        out.push((l.header.index, name.unwrap_or_default()));
-                    }
+                    NetlinkPayload::InnerMessage(m) => f(m),
                     _ => {}
                 }
             })
@@ -490,7 +589,7 @@ impl Rtnl {
         }
         match error {
             Some(e) => Err(fail(e)),
-            None => Ok(out),
+            None => Ok(()),
         }
     }
 

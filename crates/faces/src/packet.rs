@@ -15,6 +15,8 @@ pub struct PacketDevice {
     common: DeviceCommon,
     socket: ClosedAside,
     ifindex: u32,
+    /// The hold on the interface when the face took it over: given back when the device goes (after the socket).
+    _taken: Option<std::sync::Arc<crate::takeover::TakenOver>>,
 }
 
 /// A packet socket that is closed on a thread of its own. The kernel waits for an RCU grace period in every
@@ -63,7 +65,13 @@ impl PacketDevice {
             common: DeviceCommon::new(interface, Direction::Up),
             socket: ClosedAside(Some(socket)),
             ifindex,
+            _taken: None,
         })
+    }
+
+    /// The device, holding `taken` (the interface taken over) for as long as it lives.
+    pub fn holding(self, taken: Option<std::sync::Arc<crate::takeover::TakenOver>>) -> PacketDevice {
+        PacketDevice { _taken: taken, ..self }
     }
 }
 
@@ -161,21 +169,4 @@ impl PacketDevice {
             .map_err(std::io::Error::from)
             .inspect_err(|_| self.common.tx_error())
     }
-}
-
-/// Removes the kernel's addresses from `interface`, disables kernel IPv6 there and brings it up, so that only
-/// flexstack answers for addresses on that link.
-pub(crate) fn take_over_interface(interface: &str) -> Result<(), String> {
-    let run = |args: &[&str]| -> Result<(), String> {
-        let out = std::process::Command::new("ip").args(args).output().map_err(|e| format!("ip: {e}"))?;
-        if out.status.success() {
-            Ok(())
-        } else {
-            Err(format!("`ip {}` failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()))
-        }
-    };
-    run(&["addr", "flush", "dev", interface])?;
-    std::fs::write(format!("/proc/sys/net/ipv6/conf/{interface}/disable_ipv6"), "1")
-        .map_err(|e| format!("cannot disable kernel IPv6 on {interface}: {e}"))?;
-    run(&["link", "set", interface, "up"])
 }

@@ -36,6 +36,9 @@ pub struct TapAdded {
     pub tap: String,
     /// The capture's link type: `ethernet` or `raw` (IP).
     pub linktype: String,
+    /// The file it writes: the one asked for, or a suffix file next to it when that one held a capture.
+    #[serde(default)]
+    pub file: String,
 }
 
 /// A tap of `tap_list`.
@@ -43,12 +46,21 @@ pub struct TapAdded {
 pub struct TapInfo {
     /// The tap's module name.
     pub name: String,
-    /// The file it writes (its `path` setting).
+    /// The file it writes: its `path` setting, or the suffix file it chose because that one held a capture.
     pub file: Option<String>,
     /// The capture's link type (its `linktype` setting).
     pub linktype: Option<String>,
     /// The ports it records (`a[out]`).
     pub taps: Vec<String>,
-    /// Frames written.
+    /// Frames whose block reached the file whole.
     pub frames: u64,
+    /// Frames encoded and waiting for the tap's next write (at most 50 ms); not in the file yet.
+    #[serde(default)]
+    pub frames_pending: u64,
+    /// Frames lost to failed writes (a full disk).
+    #[serde(default)]
+    pub frames_unwritten: u64,
+    /// The first write error, with the path and errno; `None` if every write succeeded.
+    #[serde(default)]
+    pub error: Option<String>,
 }

@@ -4,7 +4,16 @@ use crate::actions::control::{internal, u64_var, Control};
 use flexstack_api::ops::{Change, TapAdd, TapAdded, TapInfo};
 use flexstack_api::protocol::{ApiError, ErrorCode};
 use flexstack_core::config::{LinkSpec, Settings};
-use flexstack_core::Edit;
+use flexstack_core::vars::Registry;
+use flexstack_core::{Edit, Value};
+
+/// A text variable's value; `None` when it is absent or empty.
+fn text_var(reg: &Registry, name: &str) -> Option<String> {
+    match reg.get(name).map(|c| c.get()) {
+        Some(Value::Str(s)) if !s.is_empty() => Some(s),
+        _ => None,
+    }
+}
 
 impl Control {
     /// Loads a tap recording the frames that leave the sender port of `link`, as one more receiver of that port.
@@ -52,7 +61,8 @@ impl Control {
         let change = format!("tap add {}[{port}] {file} (as {name})", module.name);
         let edits = vec![Edit::Load { name: name.clone(), kind: "tap".into(), settings, builder }, Edit::Link(link)];
         let Change { revision, notes } = self.edit(who, change, edits)?;
-        Ok(TapAdded { revision, notes, tap: name, linktype: linktype.to_string() })
+        let file = text_var(&self.registry.snapshot(), &format!("module.{name}.file")).unwrap_or(file);
+        Ok(TapAdded { revision, notes, tap: name, linktype: linktype.to_string(), file })
     }
 
     pub(super) fn tap_list(&self) -> Result<Vec<TapInfo>, ApiError> {
@@ -73,12 +83,16 @@ impl Control {
                     .filter(|e| e.to == m.name)
                     .map(|e| format!("{}[{}]", e.from, e.from_port))
                     .collect();
+                let var = |v: &str| format!("module.{}.{v}", m.name);
                 TapInfo {
                     name: m.name.clone(),
-                    file: setting("path"),
+                    file: text_var(&reg, &var("file")).or_else(|| setting("path")),
                     linktype: setting("linktype"),
                     taps,
-                    frames: u64_var(&reg, &format!("module.{}.frames_total", m.name)),
+                    frames: u64_var(&reg, &var("frames_total")),
+                    frames_pending: u64_var(&reg, &var("frames_pending")),
+                    frames_unwritten: u64_var(&reg, &var("frames_unwritten_total")),
+                    error: text_var(&reg, &var("error")),
                 }
             })
             .collect();

@@ -1,0 +1,172 @@
+//! A link face that takes an interface over gives it back (issue 18, item 8): the interface's addresses (IPv4 and
+//! IPv6) and its `disable_ipv6` come back when the daemon ends on SIGTERM, and, after SIGKILL, when the next
+//! daemon starts; an interface that carries the default route is refused unless `force = true`. Each test runs its
+//! daemons in a namespace of its own with a veth pair (never a real interface). Needs root (skips with a reason
+//! outside CI).
+
+mod common;
+
+use common::{bin, eventually, privileged, sh, unique, Daemon, Netns};
+use std::process::{Command, Stdio};
+
+/// The addresses the owned end starts with.
+const ADDRESSES: [&str; 3] = ["10.250.1.1/24", "10.250.2.1/24", "fd42:1::1/64"];
+
+/// A namespace with a veth pair: `owned` (with [`ADDRESSES`], IPv6 on) for the face, and its peer, both up.
+struct Link {
+    ns: Netns,
+    owned: String,
+}
+
+impl Link {
+    fn new() -> Link {
+        let ns = Netns::new("to");
+        let (owned, peer) = (unique("o"), unique("p"));
+        sh("ip", &["link", "add", &owned, "type", "veth", "peer", "name", &peer]);
+        ns.adopt(&peer, &[]);
+        ns.adopt(&owned, &ADDRESSES);
+        let link = Link { ns, owned };
+        assert_eq!(link.disable_ipv6(), "0");
+        link.assert_addresses_back("at the start");
+        link
+    }
+
+    /// `ip -br addr` of the owned end.
+    fn addresses(&self) -> String {
+        sh("ip", &["-n", &self.ns.name, "-br", "addr", "show", "dev", &self.owned])
+    }
+
+    fn disable_ipv6(&self) -> String {
+        let path = format!("/proc/sys/net/ipv6/conf/{}/disable_ipv6", self.owned);
+        let out = self.ns.run(&["cat", &path]);
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    }
+
+    /// A stack whose link face takes the owned end over (`extra`: more settings of the face).
+    fn stack(&self, extra: &str) -> String {
+        format!(
+            "links = [\"f -> s\"]\n\n[modules.f]\nkind = \"packet\"\ninterface = \"{}\"\n{extra}\n\n\
+             [modules.s]\nkind = \"sink\"\n",
+            self.owned
+        )
+    }
+
+    /// The take-over records of the owned end (any namespace: its name is unique).
+    fn records(&self) -> Vec<String> {
+        let suffix = format!("-{}", self.owned);
+        std::fs::read_dir("/run/flexstack/links")
+            .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect::<Vec<_>>())
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|n| n.ends_with(&suffix))
+            .collect()
+    }
+
+    fn assert_taken(&self, when: &str) {
+        let addrs = self.addresses();
+        assert!(ADDRESSES.iter().all(|a| !addrs.contains(a)) && !addrs.contains("fe80"), "{when}: {addrs}");
+        assert_eq!(self.disable_ipv6(), "1", "{when}");
+    }
+
+    fn assert_addresses_back(&self, when: &str) {
+        let addrs = self.addresses();
+        assert!(ADDRESSES.iter().all(|a| addrs.contains(a)), "{when}: {addrs}");
+        assert_eq!(self.disable_ipv6(), "0", "{when}");
+    }
+
+    /// Starts a daemon in the namespace with `stack`, expecting it to refuse within 10 s; returns its stderr.
+    fn daemon_fails(&self, stack: &str) -> String {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("stack.toml");
+        std::fs::write(&path, stack).unwrap();
+        let mut child = Command::new("ip")
+            .args(["netns", "exec", &self.ns.name, bin(), "daemon", "--stack"])
+            .arg(&path)
+            .arg("--state-dir")
+            .arg(dir.path().join("state"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let ended = eventually(10, || child.try_wait().unwrap().is_some());
+        if !ended {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let out = child.wait_with_output().unwrap();
+        assert!(ended && !out.status.success(), "the daemon should refuse:\n{stack}");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    }
+}
+
+fn kill(mut d: Daemon) {
+    d.child.kill().unwrap();
+    d.child.wait().unwrap();
+}
+
+#[test]
+fn a_taken_over_interface_gets_its_addresses_and_ipv6_back() {
+    if !privileged() {
+        return;
+    }
+    let link = Link::new();
+    let stack = link.stack("");
+
+    // SIGTERM: given back as the daemon ends.
+    let mut d = Daemon::start_in(&link.ns, &stack, &[]);
+    link.assert_taken("taken over");
+    assert_eq!(link.records().len(), 1, "a record while the interface is held");
+    assert!(d.terminate().success());
+    link.assert_addresses_back("after SIGTERM");
+    assert!(link.records().is_empty(), "{:?}", link.records());
+
+    // SIGKILL: nothing is given back until the next daemon starts, even one without the face.
+    let d = Daemon::start_in(&link.ns, &stack, &[]);
+    link.assert_taken("taken over again");
+    kill(d);
+    link.assert_taken("after SIGKILL, before the next daemon");
+    assert_eq!(link.records().len(), 1, "the dead daemon's record stays");
+    let mut d = Daemon::start_in(&link.ns, "[modules.s]\nkind = \"sink\"\n", &[]);
+    link.assert_addresses_back("after the next daemon started");
+    assert!(link.records().is_empty(), "{:?}", link.records());
+    assert!(d.terminate().success());
+
+    // SIGKILL, then a daemon that takes the interface over again: it keeps the addresses from before the crash as
+    // the ones to give back (not the flushed state it finds).
+    kill(Daemon::start_in(&link.ns, &stack, &[]));
+    let mut d = Daemon::start_in(&link.ns, &stack, &[]);
+    link.assert_taken("taken over after a crash");
+    assert!(d.terminate().success());
+    link.assert_addresses_back("after the crash and SIGTERM");
+
+    // A face unloaded at runtime gives the interface back at once.
+    let d = Daemon::start_in(&link.ns, &stack, &[]);
+    link.assert_taken("taken over for the unload");
+    d.ok(&["module", "unload", "f"]);
+    // The data plane lets go of the device right after it answers the edit.
+    assert!(eventually(5, || link.addresses().contains(ADDRESSES[0])), "{}", link.addresses());
+    link.assert_addresses_back("after the unload");
+}
+
+#[test]
+fn an_interface_with_the_default_route_is_refused_unless_forced() {
+    if !privileged() {
+        return;
+    }
+    let link = Link::new();
+    sh("ip", &["-n", &link.ns.name, "route", "add", "default", "via", "10.250.1.2", "dev", &link.owned]);
+    let err = link.daemon_fails(&link.stack(""));
+    assert!(
+        err.contains(&format!("{} carries the default route", link.owned))
+            && err.contains("0.0.0.0/0 via 10.250.1.2")
+            && err.contains("force = true"),
+        "{err}"
+    );
+    link.assert_addresses_back("after the refusal");
+    assert!(link.records().is_empty(), "{:?}", link.records());
+
+    let mut d = Daemon::start_in(&link.ns, &link.stack("force = true"), &[]);
+    link.assert_taken("forced");
+    assert!(d.terminate().success());
+    link.assert_addresses_back("after the forced take-over");
+}

@@ -2,6 +2,7 @@
 //! `Control::edit` sends edits to the data plane, which validates and commits them between batches, and records
 //! each accepted change as a numbered revision ([`crate::actions::revisions`]).
 
+use crate::actions::persist_state::Persist;
 use crate::actions::revisions::RevisionLog;
 use crate::appvars::AppVars;
 use crate::dataplane::DataPlane;
@@ -40,6 +41,8 @@ pub struct Control {
     rules: OnceLock<RulesService>,
     /// Variables registered by applications over the app socket.
     pub appvars: Arc<AppVars>,
+    /// The journal and what it needs ([`crate::actions::persist`]).
+    pub(super) persist: Persist,
 }
 
 pub(super) fn internal(e: impl std::fmt::Display) -> ApiError {
@@ -75,6 +78,7 @@ impl Control {
             sandboxes,
             rules: OnceLock::new(),
             appvars: Arc::new(AppVars::new(registry_for_apps)),
+            persist: Persist::default(),
         }
     }
 
@@ -120,6 +124,12 @@ impl Control {
 
     /// Loads a whole stack description into the (empty) daemon as revision 1. Errors carry file:line.
     pub fn load_stack(&self, spec: &StackSpec, who: &str, change: &str) -> Result<Change, ApiError> {
+        let (edits, locations) = self.load_edits(spec)?;
+        self.edit_located(who, change.to_string(), edits, &locations)
+    }
+
+    /// The edits that load `spec`'s modules and links, with where each was written.
+    pub(super) fn load_edits(&self, spec: &StackSpec) -> Result<(Vec<Edit>, Vec<Option<Location>>), ApiError> {
         let mut edits = Vec::new();
         let mut locations = Vec::new();
         for m in &spec.modules {
@@ -136,7 +146,7 @@ impl Control {
             edits.push(Edit::Link(l.link.clone()));
             locations.push(l.location.clone());
         }
-        self.edit_located(who, change.to_string(), edits, &locations)
+        Ok((edits, locations))
     }
 
     /// Applies edits atomically and records a revision.
@@ -144,7 +154,31 @@ impl Control {
         self.edit_located(who, change, edits, &[])
     }
 
-    /// Like [`Control::edit`]; a refused edit `i` is reported at `locations[i]` when it came from a file.
+    /// Held while the stack is changed: one change at a time.
+    pub(super) fn edit_guard(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.edit_lock.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Applies edits atomically (with [`Control::edit_guard`] held); a refused edit `i` is reported at
+    /// `locations[i]` when it came from a file. Returns the switch's notes.
+    pub(super) fn apply_edits(
+        &self,
+        edits: Vec<Edit>,
+        locations: &[Option<Location>],
+    ) -> Result<Vec<String>, ApiError> {
+        let single = edits.len() == 1;
+        self.dp().apply(edits).map_err(internal)?.map_err(|e| {
+            let message = match locations.get(e.index) {
+                Some(Some(loc)) => format!("{loc}: {}", e.message),
+                _ if single => e.message,
+                _ => e.to_string(),
+            };
+            ApiError::new(ErrorCode::InvalidEdit, message)
+        })
+    }
+
+    /// Like [`Control::edit`]; a refused edit `i` is reported at `locations[i]` when it came from a file. The
+    /// revision is in the journal before this returns.
     fn edit_located(
         &self,
         who: &str,
@@ -152,22 +186,16 @@ impl Control {
         edits: Vec<Edit>,
         locations: &[Option<Location>],
     ) -> Result<Change, ApiError> {
-        let _guard = self.edit_lock.lock().unwrap_or_else(|p| p.into_inner());
-        let dp = self.dp();
-        let single = edits.len() == 1;
-        let notes = dp.apply(edits).map_err(internal)?.map_err(|e| {
-            let message = match locations.get(e.index) {
-                Some(Some(loc)) => format!("{loc}: {}", e.message),
-                _ if single => e.message,
-                _ => e.to_string(),
-            };
-            ApiError::new(ErrorCode::InvalidEdit, message)
-        })?;
-        let snap = dp.snapshot().map_err(internal)?;
-        drop(dp);
+        let _guard = self.edit_guard();
+        let notes = self.apply_edits(edits, locations)?;
+        let snap = self.dp().snapshot().map_err(internal)?;
         let mut revs = self.revisions.lock().unwrap_or_else(|p| p.into_inner());
         tracing::info!(revision = revs.latest() + 1, user = who, change = %change, "stack changed");
         let revision = revs.push(now_ms(), who, change, notes.clone(), snap.spec.to_toml());
+        let written = self.journal_revision(&revs, revision, who);
+        drop(revs);
+        self.after_change();
+        written?;
         Ok(Change { revision, notes })
     }
 

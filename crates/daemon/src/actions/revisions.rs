@@ -45,6 +45,19 @@ impl RevisionLog {
         self.latest
     }
 
+    /// Puts back a revision read from the journal ([`crate::journal`]), with its number: it becomes the latest
+    /// (one with the latest's number replaces it; an older number is ignored).
+    pub fn restore(&mut self, rev: Revision) {
+        if rev.number == 0 || rev.number < self.latest {
+            return;
+        }
+        if rev.number == self.latest {
+            self.kept.pop_back();
+        }
+        self.latest = rev.number - 1;
+        self.push(rev.time_ms, &rev.user, rev.change, rev.notes, rev.stack);
+    }
+
     /// Revision `n`, or why there is none.
     pub fn get(&self, n: u64) -> Result<&Revision, String> {
         let first = self.kept.front().map_or(1, |r| r.number);

@@ -60,23 +60,37 @@ impl Daemon {
     /// waits until it answers.
     pub fn start(stack: &str, extra: &[&str]) -> Daemon {
         let dir = tempfile::tempdir().expect("temp dir");
-        let stack_path = dir.path().join("stack.toml");
-        std::fs::write(&stack_path, stack).expect("write stack");
-        let child = Command::new(bin())
-            .arg("daemon")
-            .arg("--stack")
-            .arg(&stack_path)
-            .arg("--state-dir")
-            .arg(dir.path().join("state"))
-            .args(extra)
-            .env("FLEXSTACK_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn daemon");
+        std::fs::write(dir.path().join("stack.toml"), stack).expect("write stack");
+        let child = Self::spawn(dir.path(), extra, Stdio::inherit());
         let d = Daemon { child, dir };
         d.wait_ready();
         d
+    }
+
+    /// `flexstack daemon --stack DIR/stack.toml --state-dir DIR/state EXTRA...`, its stderr to `stderr`.
+    fn spawn(dir: &Path, extra: &[&str], stderr: Stdio) -> Child {
+        Command::new(bin())
+            .arg("daemon")
+            .arg("--stack")
+            .arg(dir.join("stack.toml"))
+            .arg("--state-dir")
+            .arg(dir.join("state"))
+            .args(extra)
+            .env("FLEXSTACK_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(stderr)
+            .spawn()
+            .expect("spawn daemon")
+    }
+
+    /// Kills the daemon with SIGKILL (nothing flushed or cleaned up) and starts another in the same state directory
+    /// with the same stack file and the arguments `extra`; its stderr goes to `self.path(log)`.
+    pub fn kill_and_restart(&mut self, extra: &[&str], log: &str) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let stderr = std::fs::File::create(self.path(log)).expect("create the daemon's log");
+        self.child = Self::spawn(self.dir.path(), extra, stderr.into());
+        self.wait_ready();
     }
 
     pub fn state_dir(&self) -> PathBuf {

@@ -1,0 +1,171 @@
+//! Fuzzing of the persistence journal's reader (`flexstack_daemon::journal::scan`, issue 18 item 3) with the shared
+//! engine (`flexstack-fuzzkit`; see `fuzz/README.md`; `FLEXSTACK_FUZZ_SEED` and `FLEXSTACK_FUZZ_ITERS` as for the
+//! other fuzz tests). The seeds in `fuzz/corpus/journal/` are journals the writer makes (rewrite them with
+//! `cargo test --test journal_fuzz -- --ignored`).
+//!
+//! Checked besides "no panic": the good part is a prefix of the input made of whole records that read back the
+//! same when written again; the damage, if any, starts right after it and covers the rest; the records fold into a
+//! state that a revision log takes back without overflowing, and that writes back as the same state.
+
+use flexstack_daemon::actions::RevisionLog;
+use flexstack_daemon::journal::{self, Record, RulesChange, RulesOp, State, StoredRevision, MAGIC};
+use flexstack_fuzzkit::{
+    iters_from_env, load_corpus_bytes, mutate, run_guarded, seed_from_env, target_seed, Dict, Rng,
+};
+
+const SEED: u64 = 0x5eed_10a2_0000_0003;
+
+const DICT: Dict<'static> = Dict {
+    tokens: &[
+        "FSJRNL1\n",
+        "{\"record\":\"revision\"",
+        "{\"record\":\"rules\"",
+        "\"number\":",
+        "\"op\":\"load\"",
+        "\"op\":\"rollback\"",
+        "\"stack\":\"",
+        "\\u0000",
+        "\"",
+        "}",
+        "😀",
+    ],
+    bytes: b"\x00\xff\x7f\x80{}\":,",
+    words: &[0, 0xffff, 0x0100, 0x7fff],
+    patches: &[&[0xff, 0xff, 0xff, 0xff], &[0, 0, 0, 0], &[0, 0, 0, 1]],
+    numbers: &["0", "18446744073709551615", "9007199254740993", "-1"],
+    runs: &[8, 300],
+    run_bytes: b"\x00a",
+    max_len: 32 * 1024,
+    ..Dict::EMPTY
+};
+
+/// The journal `records` make.
+fn journal_of(records: &[Record]) -> Vec<u8> {
+    let mut bytes = MAGIC.to_vec();
+    for r in records {
+        bytes.extend_from_slice(&journal::encode(r));
+    }
+    bytes
+}
+
+fn check(input: &[u8]) -> Result<(), String> {
+    let scan = journal::scan(input);
+    let good = usize::try_from(scan.good_bytes).map_err(|e| e.to_string())?;
+    if good > input.len() {
+        return Err(format!("good part of {good} bytes in an input of {}", input.len()));
+    }
+    // The good part is the records, written again byte for byte (they were written by `encode`, or their
+    // checksum would not match) — or, when a mutation planted a valid record, read back equal.
+    if !scan.records.is_empty() {
+        let again = journal::scan(&journal_of(&scan.records));
+        if again.records != scan.records || again.damage.is_some() {
+            return Err(format!("the records do not read back: {again:?}"));
+        }
+        let good_only = journal::Scan { damage: None, ..scan.clone() };
+        if journal::scan(&input[..good]) != good_only {
+            return Err("the good part alone does not read as the same records".into());
+        }
+    }
+    match &scan.damage {
+        None if good != input.len() && !input.is_empty() => return Err(format!("{good} good bytes, no damage")),
+        Some(d) => {
+            let header = d.record == 0;
+            if d.offset != scan.good_bytes && !header {
+                return Err(format!("damage at {} but the good part ends at {good}", d.offset));
+            }
+            if d.offset + d.ignored != input.len() as u64 {
+                return Err(format!("damage {d} does not cover the rest of {} bytes", input.len()));
+            }
+            if !header && d.record != scan.records.len() as u64 + 1 {
+                return Err(format!("damage in record {} after {} good ones", d.record, scan.records.len()));
+            }
+            if d.to_string().is_empty() || d.reason.contains('\n') {
+                return Err(format!("a damage report is one line: {d:?}"));
+            }
+        }
+        None => {}
+    }
+    let state = State::from_records(scan.records);
+    if State::from_records(state.records().collect()) != state {
+        return Err("the state does not write back as itself".into());
+    }
+    let mut log = RevisionLog::default();
+    for r in &state.revisions {
+        log.restore(flexstack_daemon::actions::Revision {
+            number: r.number,
+            time_ms: r.time_ms,
+            user: r.user.clone(),
+            change: r.change.clone(),
+            notes: r.notes.clone(),
+            stack: r.stack.clone(),
+        });
+    }
+    let latest = state.revisions.last().map_or(0, |r| r.number);
+    if log.latest() != latest {
+        return Err(format!("the log's latest is {} after restoring up to {latest}", log.latest()));
+    }
+    // The numbering goes on.
+    let next = log.push(0, "fuzz", String::new(), Vec::new(), String::new());
+    if next != latest + 1 {
+        return Err(format!("revision {next} after {latest}"));
+    }
+    Ok(())
+}
+
+#[test]
+fn mutated_journals_into_the_reader() {
+    let target = "journal";
+    let seed = target_seed(seed_from_env(SEED), target);
+    let (iters, corpus, mut rng) = (iters_from_env(15_000), load_corpus_bytes(target, 4), Rng::new(seed));
+    for i in 0..iters + corpus.len() {
+        let input = if i < corpus.len() { corpus[i].clone() } else { mutate(&mut rng, &corpus, &DICT) };
+        run_guarded(target, seed, i, &input, || check(&input));
+    }
+}
+
+fn revision(number: u64, stack: &str, apps: &[&str]) -> Record {
+    Record::Revision(StoredRevision {
+        number,
+        time_ms: 1_764_150_000_000 + number,
+        user: "root".into(),
+        change: format!("set module.src.rate {number}"),
+        notes: vec!["note".into()],
+        stack: stack.into(),
+        app_modules: apps.iter().map(|a| a.to_string()).collect(),
+    })
+}
+
+/// Writes the seeds of `fuzz/corpus/journal/` from the writer (run by hand with `-- --ignored`).
+#[test]
+#[ignore]
+fn write_journal_corpus() {
+    let stack = "links = [\"src -> count\"]\n\n[modules.src]\nkind = \"source\"\nrate = 10.0\n\n[modules.count]\nkind = \"counter\"\n";
+    let load = |n, source: &str, text: &str| {
+        Record::Rules(RulesChange { revision: n, op: RulesOp::Load { source: source.into(), text: text.into() } })
+    };
+    let seeds: Vec<(&str, Vec<Record>)> = vec![
+        ("empty-header", vec![]),
+        ("one-revision", vec![revision(1, stack, &[])]),
+        (
+            "rules-and-revisions",
+            vec![
+                load(1, "hot.rules", "hot: Threshold(get(\"module.count.frames_in_total\"), 5, 1)\n"),
+                Record::Rules(RulesChange { revision: 2, op: RulesOp::Unload { names: vec!["hot".into()] } }),
+                Record::Rules(RulesChange { revision: 3, op: RulesOp::Rollback { revision: 1 } }),
+                Record::Rules(RulesChange {
+                    revision: 4,
+                    op: RulesOp::Replace { old: "hot".into(), new: "cold".into() },
+                }),
+                revision(7, stack, &[]),
+                revision(8, stack, &["app1", "app1-host"]),
+                revision(8, "", &[]),
+            ],
+        ),
+        ("many-revisions", (1..=12).map(|n| revision(n, stack, &[])).collect()),
+    ];
+    let dir = flexstack_fuzzkit::corpus_dir("journal");
+    std::fs::create_dir_all(&dir).unwrap();
+    for (name, records) in seeds {
+        std::fs::write(dir.join(name), journal_of(&records)).unwrap();
+    }
+}

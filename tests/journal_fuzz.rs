@@ -91,14 +91,7 @@ fn check(input: &[u8]) -> Result<(), String> {
     }
     let mut log = RevisionLog::default();
     for r in &state.revisions {
-        log.restore(flexstack_daemon::actions::Revision {
-            number: r.number,
-            time_ms: r.time_ms,
-            user: r.user.clone(),
-            change: r.change.clone(),
-            notes: r.notes.clone(),
-            stack: r.stack.clone(),
-        });
+        log.restore(flexstack_daemon::actions::Revision::from(r));
     }
     let latest = state.revisions.last().map_or(0, |r| r.number);
     if log.latest() != latest {

@@ -192,3 +192,57 @@ fn compaction_keeps_the_state_and_bounds_the_journal() {
     d.ok(&["set", "module.src.rate", "7"]);
     assert_eq!(revisions(&d).last().unwrap().0, 62);
 }
+
+/// A sandboxed app's modules are in the journal's stack, but its namespace and program go with the daemon: a restore
+/// leaves them out (with their links) and says so in `config log`, and keeps the rest.
+#[test]
+fn a_restore_leaves_out_the_modules_of_sandboxed_apps() {
+    if !common::privileged() {
+        return;
+    }
+    let (octet, _) = common::octets();
+    let subnet = format!("10.{}.0.0", octet.wrapping_add(60));
+    let mut d = Daemon::start(&chain("rate = 1000", "", ""), &["--app-subnet", &subnet]);
+    let app = common::unique("p");
+    let mut client = std::process::Command::new(common::bin())
+        .arg("--state-dir")
+        .arg(d.state_dir())
+        .args(["run", "--name", &app, "--", "sleep", "30"])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("flexstack run");
+    struct Reap<'a>(&'a mut std::process::Child);
+    impl Drop for Reap<'_> {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let client = Reap(&mut client);
+    d.wait_for("the app to attach", 15, |d| d.answer::<ModuleList>(&["module", "list"]).iter().any(|m| m.name == app));
+    let app_modules: Vec<String> = d
+        .answer::<ModuleList>(&["module", "list"])
+        .into_iter()
+        .map(|m| m.name)
+        .filter(|n| n.starts_with(&app))
+        .collect();
+    assert!(app_modules.len() >= 2, "{app_modules:?}");
+    d.ok(&["set", "module.src.rate", "432"]);
+    let before = revisions(&d);
+
+    d.kill_and_restart(&["--restore", "--app-subnet", &subnet], "apps.log");
+    // The client sees its daemon gone, removes what is left of the sandbox and ends.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while client.0.try_wait().expect("try_wait").is_none() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    drop(client);
+    let names: Vec<String> = d.answer::<ModuleList>(&["module", "list"]).into_iter().map(|m| m.name).collect();
+    assert!(names.iter().all(|n| !n.starts_with(&app)), "no app module is restored: {names:?}");
+    assert!(["src", "count", "sel", "sink0", "sink1"].iter().all(|m| names.iter().any(|n| n == m)), "{names:?}");
+    assert_eq!(d.get("module.src.rate"), 432.0);
+    let after = revisions(&d);
+    assert_eq!(after[..before.len()], before[..], "the history is kept");
+    let last = &after.last().unwrap().2;
+    assert!(last.contains("modules of sandboxed apps not restored") && last.contains(&app_modules[0]), "{last}");
+}

@@ -50,6 +50,20 @@ fn stored(rev: &Revision, app_modules: Vec<String>) -> StoredRevision {
     }
 }
 
+/// A revision read from the journal, as the revision log holds it.
+impl From<&StoredRevision> for Revision {
+    fn from(r: &StoredRevision) -> Revision {
+        Revision {
+            number: r.number,
+            time_ms: r.time_ms,
+            user: r.user.clone(),
+            change: r.change.clone(),
+            notes: r.notes.clone(),
+            stack: r.stack.clone(),
+        }
+    }
+}
+
 /// An environment that reads the registry but lets a replayed rules text name variables that do not exist now
 /// (it was checked when it was first loaded, against the stack of then).
 struct Replaying<'a>(&'a RegistryEnv);
@@ -120,14 +134,7 @@ impl Control {
         let mut revs = lock(&self.revisions);
         let mut writer = lock(&self.persist.writer);
         for r in &state.revisions {
-            revs.restore(Revision {
-                number: r.number,
-                time_ms: r.time_ms,
-                user: r.user.clone(),
-                change: r.change.clone(),
-                notes: r.notes.clone(),
-                stack: r.stack.clone(),
-            });
+            revs.restore(Revision::from(r));
             if !r.app_modules.is_empty() {
                 writer.apps.insert(r.number, r.app_modules.clone());
             }

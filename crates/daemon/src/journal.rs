@@ -348,8 +348,9 @@ pub fn read(path: &Path) -> Result<Scan, String> {
     }
 }
 
-/// Moves the journal at `path` aside as `journal.<kind><UTC time>` (`kind` is "" or "damaged."), keeping the last
-/// [`KEEP_SET_ASIDE`] of that kind; returns the new name.
+/// Keeps the journal at `path` as `journal.<kind><UTC time>` too (`kind` is "" or "damaged."), for when a new
+/// journal is about to replace it ([`Journal::rewrite`]); keeps the last [`KEEP_SET_ASIDE`] of that kind; returns
+/// the new name.
 pub fn set_aside(path: &Path, kind: &str) -> Result<PathBuf, String> {
     let dir = path.parent().unwrap_or(Path::new("."));
     let stem = format!("{JOURNAL_NAME}.{kind}");
@@ -360,7 +361,9 @@ pub fn set_aside(path: &Path, kind: &str) -> Result<PathBuf, String> {
         to = dir.join(format!("{stem}{time}.{n}"));
         n += 1;
     }
-    std::fs::rename(path, &to).map_err(|e| io_error(path, &format!("move it to {}", to.display()), e))?;
+    // A second name for the file: the journal keeps its own until the daemon's new one is renamed over it, so a
+    // daemon that dies before then leaves it where it was.
+    std::fs::hard_link(path, &to).map_err(|e| io_error(path, &format!("keep it as {}", to.display()), e))?;
     // The set-aside journals of this kind, oldest first (the names sort by time), the last few kept.
     let mut old: Vec<PathBuf> = std::fs::read_dir(dir)
         .map_err(|e| io_error(dir, "list", e))?
@@ -463,17 +466,18 @@ mod tests {
         assert_eq!(j.size(), std::fs::metadata(&path).unwrap().len());
         let s = read(&path).unwrap();
         assert_eq!((s.records.len(), s.damage), (2, None));
-        for _ in 0..KEEP_SET_ASIDE + 2 {
-            std::fs::write(&path, b"x").unwrap();
+        for i in 0..KEEP_SET_ASIDE as u64 + 2 {
             std::thread::sleep(std::time::Duration::from_millis(2));
             let to = set_aside(&path, "").unwrap();
-            assert!(to.exists() && !path.exists());
+            assert_eq!(std::fs::read(&to).unwrap(), std::fs::read(&path).unwrap());
+            Journal::rewrite(&path, [revision(3 + i, "c")].into_iter()).unwrap();
+            assert_ne!(std::fs::read(&to).unwrap(), std::fs::read(&path).unwrap(), "the kept one is not replaced");
         }
         let names: Vec<String> = std::fs::read_dir(dir.path())
             .unwrap()
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
             .collect();
-        assert_eq!(names.len(), KEEP_SET_ASIDE, "{names:?}");
-        assert!(names.iter().all(|n| n.starts_with("journal.2")), "{names:?}");
+        assert_eq!(names.len(), KEEP_SET_ASIDE + 1, "{names:?}");
+        assert!(names.iter().all(|n| n == "journal" || n.starts_with("journal.2")), "{names:?}");
     }
 }

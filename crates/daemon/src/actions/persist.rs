@@ -362,3 +362,34 @@ pub fn open_journal(dir: &Path, restore: bool) -> Result<Found, String> {
     }
     journal::set_aside(&path, "").map(|p| Found::Fresh(Some(p)))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::without_apps;
+    use flexstack_core::config::StackSpec;
+
+    #[test]
+    fn without_apps_drops_their_modules_links_and_the_taps_that_recorded_only_them() {
+        let text = r#"links = ["a -> a-ip", "a-ip -> keep, a", "keep -> both", "a-ip -> only", "a -> both"]
+[modules.a]
+kind = "counter"
+[modules.a-ip]
+kind = "counter"
+[modules.keep]
+kind = "counter"
+[modules.only]
+kind = "tap"
+path = "/dev/null"
+[modules.both]
+kind = "tap"
+path = "/dev/null"
+"#;
+        let spec = StackSpec::parse("t.toml", text).unwrap();
+        let apps = ["a".to_string(), "a-ip".to_string()];
+        let left = without_apps(spec, &apps);
+        let names: Vec<&str> = left.modules.iter().map(|m| m.name.as_str()).collect();
+        assert_eq!(names, ["keep", "both"], "`only` recorded app modules alone; `both` also `keep`");
+        let links: Vec<String> = left.links.iter().map(|l| l.link.to_string()).collect();
+        assert_eq!(links, ["keep -> both"]);
+    }
+}

@@ -246,3 +246,53 @@ fn a_restore_leaves_out_the_modules_of_sandboxed_apps() {
     let last = &after.last().unwrap().2;
     assert!(last.contains("modules of sandboxed apps not restored") && last.contains(&app_modules[0]), "{last}");
 }
+
+/// A full disk: a change whose record cannot be written stays made but is not acknowledged as saved (the client
+/// gets an error saying so), nothing half-written is left in the journal, and once there is room again the next
+/// change rewrites the journal from memory, so a restore brings back both.
+#[test]
+fn a_change_that_cannot_be_journaled_is_reported_and_saved_once_there_is_room() {
+    if !common::privileged() {
+        return;
+    }
+    let mut d = Daemon::start(&chain("rate = 1000", "", ""), &[]);
+    d.kill();
+    // The state directory on a small tmpfs of its own, unmounted (lazily: the daemon may still hold it) on drop.
+    struct Tmpfs(PathBuf);
+    impl Drop for Tmpfs {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount").arg("-l").arg(&self.0).status();
+        }
+    }
+    common::sh("mount", &["-t", "tmpfs", "-o", "size=256k,mode=0711", "fs-persist", common::path_str(&d.state_dir())]);
+    let _mount = Tmpfs(d.state_dir());
+    d.restart(&[], "full.log");
+    let fill = d.state_dir().join("fill");
+    {
+        use std::io::Write;
+        let mut f = std::fs::File::create(&fill).unwrap();
+        while f.write_all(&[0u8; 4096]).is_ok() {}
+    }
+    // Records go into the journal's last page as long as they fit: change until one does not.
+    let mut refused = None;
+    for rate in 1..=20u64 {
+        let out = d.cli(&["set", "module.src.rate", &rate.to_string()]);
+        if !out.status.success() {
+            refused = Some((rate, String::from_utf8_lossy(&out.stderr).into_owned()));
+            break;
+        }
+    }
+    let (rate, message) = refused.expect("a change on a full disk is reported");
+    assert!(message.contains("could not be written to the journal"), "{message}");
+    assert_eq!(d.get("module.src.rate"), rate as f64, "the change itself is made");
+    let scan = journal::scan(&std::fs::read(journal_path(&d)).unwrap());
+    assert_eq!(scan.damage, None, "no half record is left behind");
+
+    std::fs::remove_file(&fill).unwrap();
+    d.ok(&["set", "module.src.rate", "999"]);
+    let before = revisions(&d);
+    assert!(before.iter().any(|r| r.2 == format!("set module.src.rate {rate}")), "{before:?}");
+    d.kill_and_restart(&["--restore"], "after-full.log");
+    assert_eq!(revisions(&d), before, "the refused change's revision was written with the next change");
+    assert_eq!(d.get("module.src.rate"), 999.0);
+}

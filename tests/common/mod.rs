@@ -86,8 +86,18 @@ impl Daemon {
     /// Kills the daemon with SIGKILL (nothing flushed or cleaned up) and starts another in the same state directory
     /// with the same stack file and the arguments `extra`; its stderr goes to `self.path(log)`.
     pub fn kill_and_restart(&mut self, extra: &[&str], log: &str) {
+        self.kill();
+        self.restart(extra, log);
+    }
+
+    /// Kills the daemon with SIGKILL and reaps it.
+    pub fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+
+    /// Starts the daemon again (after [`Daemon::kill`]) as [`Daemon::kill_and_restart`] does.
+    pub fn restart(&mut self, extra: &[&str], log: &str) {
         let stderr = std::fs::File::create(self.path(log)).expect("create the daemon's log");
         self.child = Self::spawn(self.dir.path(), extra, stderr.into());
         self.wait_ready();

@@ -320,7 +320,11 @@ impl Journal {
         if bytes.len() - RECORD_HEADER > MAX_RECORD {
             return Err(format!("{}: a record of {} bytes is over the limit", self.path.display(), bytes.len()));
         }
-        self.file.write_all(&bytes).map_err(|e| io_error(&self.path, "append", e))?;
+        if let Err(e) = self.file.write_all(&bytes) {
+            // Part of the record may be there (a full disk): cut it off, so that what follows is read.
+            let _ = self.file.set_len(self.size);
+            return Err(io_error(&self.path, "append", e));
+        }
         self.size += bytes.len() as u64;
         if sync {
             self.file.sync_data().map_err(|e| io_error(&self.path, "sync", e))?;

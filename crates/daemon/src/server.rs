@@ -125,12 +125,16 @@ pub fn run_daemon(opts: DaemonOptions, catalog: Catalog) -> Result<(), String> {
         Found::Restore(state, damage) => (state, damage),
     };
     if let Some(d) = &damage {
-        let last = restore.revisions.last().map_or(0, |r| r.number);
+        let from = match restore.revisions.last() {
+            Some(r) => format!("restoring the last good revision ({}) and the rules changes before it", r.number),
+            None if restore.rules.is_empty() => "nothing before it to restore".to_string(),
+            None => "restoring the rules changes before it (no stack revision)".to_string(),
+        };
         tracing::error!(
             journal = %journal_path.display(),
             offset = d.offset,
             record = d.record,
-            "the journal is damaged at {d}; restoring from the last good revision ({last}) and the rules changes before it"
+            "the journal is damaged at {d}; {from}"
         );
     }
 

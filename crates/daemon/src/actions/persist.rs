@@ -244,7 +244,7 @@ impl Control {
                 journal = %path.display(),
                 bytes = journal.size(),
                 max = writer.max_bytes,
-                "the journal stays over its limit after compaction (the rules changes alone are this large)"
+                "the journal stays over its limit after compaction (its rules changes and latest revision alone are this large)"
             );
         }
         writer.stale = false;

@@ -11,7 +11,8 @@
 #   - IDLE idle terminated connections (b, c): the daemon's RSS while they are held, and its CPU over IDLE_SECS.
 # Targets (issue 13): (b) >= 0.8 x (a) and (c) >= 0.5 x (a) in throughput; (b), (c) >= 0.7 x (a) in connections/s;
 # added RTT <= 50 us; RSS <= 256 MiB for 10,000 idle connections, CPU near 0. Needs root.
-# PERF=file records a profile of the daemon (file.b, file.c) while the connections are idle.
+# PERF=file records a profile of the daemon (file.b, file.c) while the connections are idle; PERF_CPS=file while
+# wrk opens connections (file.a, file.b, file.c; overwritten each round).
 # CONFIGS (default "a b c") picks configurations, e.g. CONFIGS="a c" while a back-end is missing; PROFILE (default
 # release) the cargo profile built and run; IDLE_SMAPS=PATH keeps the daemon's /proc/PID/smaps while the idle
 # connections are held, as PATH.<configuration> (where its memory goes).
@@ -94,8 +95,13 @@ run() { # $1 = configuration, then the command
 
 tput() { run "$1" iperf3 -c $srv -p 5201 -t "$SECS" -J | python3 -c \
   'import json,sys; print(json.load(sys.stdin)["end"]["sum_received"]["bits_per_second"]/1e9)'; }
-cps() { run "$1" wrk -t1 -c8 -d"${SECS}s" -H "Connection: close" "http://$srv:8080/small" |
-  awk '/Requests\/sec/ {print $2}'; }
+cps() {
+  if [[ -n "${PERF_CPS:-}" ]]; then # PERF_CPS=file: a profile of the daemon while wrk opens connections
+    (sleep 1; perf record -q -g -o "$PERF_CPS.$1" -p "$daemon" -- sleep $((SECS - 2)) 2>/dev/null) &
+  fi
+  run "$1" wrk -t1 -c8 -d"${SECS}s" -H "Connection: close" "http://$srv:8080/small" | awk '/Requests\/sec/ {print $2}'
+  wait
+}
 rtt() { run "$1" "$state/tcp_rr" rr $srv 7 "$RR_N" | sed -n 's/.*median_us=\([0-9.]*\).*/\1/p'; }
 
 declare -A results

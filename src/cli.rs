@@ -107,7 +107,8 @@ pub enum Command {
     /// Revisions: log, show, rollback, save.
     #[command(subcommand)]
     Config(ConfigCmd),
-    /// Cross-layer rules: `rules load FILE`, `unload NAME|ALL`, `replace OLD NEW`, `list`, `show NAME`, `log`,
+    /// Cross-layer rules: `rules load FILE`, `unload NAME|ALL`, `delete NAME|ALL`, `replace OLD NEW`, `list`,
+    /// `show NAME`, `log`,
     /// `diff REV REV`, `rollback REV` (docs/rules.md).
     #[command(subcommand)]
     Rules(RulesCmd),
@@ -160,6 +161,16 @@ pub struct DaemonArgs {
     /// Milliseconds between samples of the meters that loaded rules read.
     #[arg(long, default_value_t = 5)]
     pub rules_interval_ms: u64,
+    /// Most rule instances running at once (a per-name rule is one instance per matching name); a load over it is
+    /// refused, and names appearing beyond it are not instantiated (counted in rules.engine.instances_refused_total).
+    #[arg(long, default_value_t = flexstack_rules::Limits::DEFAULT.max_instances)]
+    pub rules_max_instances: usize,
+    /// Most memory, in MiB, the rules' definitions and running units may take (an estimate: docs/rules.md).
+    #[arg(long, default_value_t = flexstack_rules::Limits::DEFAULT.max_memory_bytes >> 20)]
+    pub rules_max_memory_mb: usize,
+    /// Most revisions the rules repository keeps (`rules log`; the oldest go first).
+    #[arg(long, default_value_t = flexstack_rules::Limits::DEFAULT.max_revisions)]
+    pub rules_max_revisions: usize,
     /// Microseconds the data plane waits before reading a face while frames stream in, so that one wake-up reads
     /// several (interrupt moderation; 0, the default: off).
     #[arg(long, default_value_t = flexstack_daemon::dataplane::DEFAULT_RX_HOLD.as_micros() as u64)]
@@ -318,6 +329,12 @@ pub enum RulesCmd {
     },
     /// Unload rules loaded by themselves (`ALL`: every rule).
     Unload {
+        /// Rule names, or ALL.
+        #[arg(required = true)]
+        names: Vec<String>,
+    },
+    /// Delete rule definitions (`ALL`: every rule), unloading them first; `unload` keeps definitions.
+    Delete {
         /// Rule names, or ALL.
         #[arg(required = true)]
         names: Vec<String>,
@@ -485,6 +502,11 @@ fn run(cli: Cli) -> Result<(), CliError> {
             app_etc: d.app_etc.clone(),
             exit_when_idle: d.exit_when_idle,
             rules_interval: Duration::from_millis(d.rules_interval_ms.max(1)),
+            rules_limits: flexstack_rules::Limits {
+                max_instances: d.rules_max_instances,
+                max_memory_bytes: d.rules_max_memory_mb.saturating_mul(1 << 20),
+                max_revisions: d.rules_max_revisions.max(1),
+            },
             dataplane: flexstack_daemon::dataplane::DataPlaneOptions {
                 rx_hold: Duration::from_micros(d.rx_hold_us),
                 realtime: d.realtime,
@@ -664,6 +686,9 @@ fn rules_command(client: &mut Client, cmd: RulesCmd, json: bool) -> Result<(), C
         }
         RulesCmd::Unload { names } => {
             print(json, &client.call(RulesUnload { names }).map_err(rules_error)?, render::rules_revision)
+        }
+        RulesCmd::Delete { names } => {
+            print(json, &client.call(RulesDelete { names }).map_err(rules_error)?, render::rules_revision)
         }
         RulesCmd::Replace { old, new } => {
             print(json, &client.call(RulesReplace { old, new }).map_err(rules_error)?, render::rules_revision)

@@ -182,7 +182,17 @@ pub fn runtime(rows: &[RuntimeInfo]) -> String {
 pub fn config_log(log: &[RevisionInfo]) -> String {
     let rows = log
         .iter()
-        .map(|v| vec![v.revision.to_string(), fmt_time(v.time_ms), v.user.clone(), v.change.clone()])
+        .map(|v| {
+            let (user, change) = match &v.rule {
+                // A rule's writes in one entry: `rules:cc`, the last write, how many since when.
+                Some(w) => (
+                    format!("{}:{}", v.user, w.rule),
+                    format!("{} ({} writes since {})", v.change, w.writes, fmt_time(w.first_ms)),
+                ),
+                None => (v.user.clone(), v.change.clone()),
+            };
+            vec![v.revision.to_string(), fmt_time(v.time_ms), user, change]
+        })
         .collect();
     table(&["REV", "TIME", "USER", "CHANGE"], rows)
 }
@@ -395,6 +405,18 @@ pub fn rules_history(r: &RulesHistory) -> String {
         })
         .collect();
     let mut out = table(&["REV", "T", "RULES", "LOADED", "CHANGE"], rows);
+    let l = &r.limits;
+    out.push_str(&format!(
+        "running: {} instances (cap {}), {} units, {} definitions, {:.1} MiB estimated (cap {:.1} MiB); {} \
+         instances refused by a cap\n",
+        r.instances,
+        l.max_instances,
+        r.units,
+        r.definitions,
+        r.memory_bytes as f64 / f64::from(1 << 20),
+        l.max_memory_bytes as f64 / f64::from(1 << 20),
+        r.refused_instances_total
+    ));
     for n in &r.notices {
         let t = n.t_ms as f64 / 1e3;
         out.push_str(&format!("notice {t:.3}s: {}\n", n.message));

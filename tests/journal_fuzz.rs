@@ -8,7 +8,7 @@
 //! state that a revision log takes back without overflowing, and that writes back as the same state.
 
 use flexstack_daemon::actions::RevisionLog;
-use flexstack_daemon::journal::{self, Record, RulesChange, RulesOp, State, StoredRevision, MAGIC};
+use flexstack_daemon::journal::{self, Record, RuleWrites, RulesChange, RulesOp, State, StoredRevision, MAGIC};
 use flexstack_fuzzkit::{
     iters_from_env, load_corpus_bytes, mutate, run_guarded, seed_from_env, target_seed, Dict, Rng,
 };
@@ -125,7 +125,16 @@ fn revision(number: u64, stack: &str, apps: &[&str]) -> Record {
         notes: vec!["note".into()],
         stack: stack.into(),
         app_modules: apps.iter().map(|a| a.to_string()).collect(),
+        rule: None,
     })
+}
+
+/// An entry of rule `rule`'s knob writes: `writes` of them since `first_ms`.
+fn rule_entry(number: u64, rule: &str, writes: u64, first_ms: u64) -> Record {
+    let Record::Revision(mut r) = revision(number, "", &[]) else { unreachable!() };
+    r.user = "rules".into();
+    r.rule = Some(RuleWrites { rule: rule.into(), writes, first_ms });
+    Record::Revision(r)
 }
 
 /// Writes the seeds of `fuzz/corpus/journal/` from the writer (run by hand with `-- --ignored`).
@@ -149,9 +158,13 @@ fn write_journal_corpus() {
                     revision: 4,
                     op: RulesOp::Replace { old: "hot".into(), new: "cold".into() },
                 }),
+                Record::Rules(RulesChange { revision: 5, op: RulesOp::Delete { names: vec!["ALL".into()] } }),
                 revision(7, stack, &[]),
                 revision(8, stack, &["app1", "app1-host"]),
                 revision(8, "", &[]),
+                rule_entry(9, "flip", 1, 5000),
+                rule_entry(10, "flop", 1, 5001),
+                rule_entry(11, "flip", 2, 5000),
             ],
         ),
         ("many-revisions", (1..=12).map(|n| revision(n, stack, &[])).collect()),

@@ -57,7 +57,7 @@ fn rules_file(d: &Daemon, name: &str, text: &str) -> String {
     path.display().to_string()
 }
 
-/// A knob changed, a module loaded and linked, two rules files loaded and one rule unloaded; SIGKILL; `--restore`:
+/// A knob changed, a module loaded and linked, rules files loaded, a rule unloaded and one deleted; SIGKILL; `--restore`:
 /// the revision history and its numbering, the module (with its link: it counts frames), the knob's value and the
 /// rules with their revisions are back.
 #[test]
@@ -71,10 +71,13 @@ fn a_killed_daemon_comes_back_with_its_revisions_module_knob_and_rules() {
     d.ok(&["rules", "load", &hot]);
     d.ok(&["rules", "load", &cold]);
     d.ok(&["rules", "unload", "cold"]);
+    let warm = rules_file(&d, "warm.rules", "warm: Not(hot)\n");
+    d.ok(&["rules", "load", &warm]);
+    d.ok(&["rules", "delete", "warm"]);
     let before = revisions(&d);
     assert_eq!(before.len(), 4, "{before:?}");
     let rules_before = rules_revisions(&d);
-    assert_eq!(rules_before.len(), 3, "{rules_before:?}");
+    assert_eq!(rules_before.len(), 5, "{rules_before:?}");
 
     d.kill_and_restart(&["--restore"], "restored.log");
     assert_eq!(revisions(&d), before, "config log after --restore");
@@ -88,15 +91,15 @@ fn a_killed_daemon_comes_back_with_its_revisions_module_knob_and_rules() {
     });
     let rules = d.answer::<RulesList>(&["rules", "list"]);
     let loaded = |name: &str| rules.iter().find(|r| r.name == name).map(|r| r.explicit);
-    assert_eq!((loaded("hot"), loaded("cold")), (Some(true), Some(false)), "{rules:?}");
+    assert_eq!((loaded("hot"), loaded("cold"), loaded("warm")), (Some(true), Some(false), None), "{rules:?}");
     // The numbering goes on, and the new revision is in the journal too.
     d.ok(&["set", "module.src.rate", "500"]);
     assert_eq!(revisions(&d).last().unwrap().0, 5);
     d.ok(&["rules", "load", &cold]);
-    assert_eq!(rules_revisions(&d).last().unwrap().0, 4);
+    assert_eq!(rules_revisions(&d).last().unwrap().0, 6);
     d.kill_and_restart(&["--restore"], "restored2.log");
     assert_eq!(d.get("module.src.rate"), 500.0);
-    assert_eq!(rules_revisions(&d).len(), 4);
+    assert_eq!(rules_revisions(&d).len(), 6);
     let journal_mode =
         std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(journal_path(&d)).unwrap().permissions());
     assert_eq!(journal_mode & 0o777, 0o600, "the journal holds the rules texts: only its owner reads it");
@@ -295,4 +298,32 @@ fn a_change_that_cannot_be_journaled_is_reported_and_saved_once_there_is_room() 
     d.kill_and_restart(&["--restore"], "after-full.log");
     assert_eq!(revisions(&d), before, "the refused change's revision was written with the next change");
     assert_eq!(d.get("module.src.rate"), 999.0);
+}
+
+/// The knob writes of rules are coalesced entries of the log (one per rule and window): they come back as entries
+/// of the same rule and window, and the knob keeps the value the rule wrote.
+#[test]
+fn entries_of_rules_knob_writes_come_back_as_such() {
+    let mut d = Daemon::start(&chain("rate = 1000", "", ""), &[]);
+    let route = rules_file(
+        &d,
+        "route.rules",
+        "busy: Threshold(get(\"module.count.frames_in_total\"), 5, 1)\nroute: set(\"module.sel.select\", If(busy, 1, 0))\n",
+    );
+    d.ok(&["rules", "load", &route]);
+    d.wait_for("the rule to route", 10, |d| d.get_u64("module.sel.select") == 1);
+    let log: Vec<RevisionInfo> = d.answer::<ConfigLog>(&["config", "log"]);
+    let entries: Vec<&RevisionInfo> = log.iter().filter(|r| r.rule.is_some()).collect();
+    assert!(!entries.is_empty() && entries.iter().all(|r| r.user == "rules"), "{log:?}");
+
+    d.kill_and_restart(&["--restore"], "rules-writes.log");
+    let after: Vec<RevisionInfo> = d.answer::<ConfigLog>(&["config", "log"]);
+    assert_eq!(after[0], log[0]);
+    // The rules run again after the restore, and their first writes, within a second of the restored entry's
+    // first one, are merged into it (a later number, more writes); later ones make entries of their own.
+    let (was, now) = (entries.last().unwrap(), after.iter().find(|r| r.rule.is_some()).expect("the entry is back"));
+    let (w, n) = (was.rule.as_ref().unwrap(), now.rule.as_ref().unwrap());
+    assert_eq!((&n.rule, n.first_ms), (&w.rule, w.first_ms), "{after:?}");
+    assert!(n.writes >= w.writes && now.revision >= was.revision, "{was:?} -> {now:?}");
+    assert_eq!(d.get_u64("module.sel.select"), 1);
 }

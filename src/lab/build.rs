@@ -11,7 +11,7 @@ use crate::lab::progress::Progress;
 use flexstack_api::client::Client;
 use flexstack_api::ops::Set;
 use flexstack_faces::netconf::{self, NetconfError, Rtnl, Veth};
-use flexstack_lab::plan::{HostPlan, Plan};
+use flexstack_lab::plan::{HostPlan, Plan, RESOLV_CONF};
 use flexstack_lab::Lab;
 use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, HashSet};
@@ -325,6 +325,8 @@ fn build(
         let etc = format!("/etc/netns/{}", h.netns);
         std::fs::create_dir_all(&etc).map_err(|e| msg(format!("{etc}: {e}")))?;
         std::fs::write(format!("{etc}/hosts"), &h.hosts_file).map_err(|e| msg(format!("{etc}/hosts: {e}")))?;
+        std::fs::write(format!("{etc}/resolv.conf"), RESOLV_CONF)
+            .map_err(|e| msg(format!("{etc}/resolv.conf: {e}")))?;
         progress.step(1);
     }
     // 2. Links: one veth pair per host interface, the host end in its namespace with its MAC and MTU.

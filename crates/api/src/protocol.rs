@@ -75,6 +75,8 @@ pub enum Request {
     RulesLoad(RulesLoad),
     /// Unloads rules loaded by themselves.
     RulesUnload(RulesUnload),
+    /// Deletes rule definitions.
+    RulesDelete(RulesDelete),
     /// Replaces a rule by another wherever it is used.
     RulesReplace(RulesReplace),
     /// Every defined rule ([`RulesList`]).
@@ -149,6 +151,7 @@ calls! {
     ConfigRollback(..) => Change;
     RulesLoad(..) => RulesLoaded;
     RulesUnload(..) => RulesRevision;
+    RulesDelete(..) => RulesRevision;
     RulesReplace(..) => RulesRevision;
     RulesList => Vec<RuleSummary>;
     RulesShow(..) => RuleInfo;
@@ -192,6 +195,9 @@ pub enum ErrorCode {
     InvalidRules,
     /// An application did not answer a knob write in time.
     AppTimeout,
+    /// A cap refused the request (rule instances, rules memory); the message names it and how to raise it; nothing
+    /// changed.
+    LimitReached,
     /// Something failed inside the daemon.
     Internal,
 }

@@ -82,6 +82,7 @@ fn check(op: &str, sample: &Json) -> Result<(), String> {
         "config_rollback" => result_of::<ConfigRollback>(sample),
         "rules_load" => result_of::<RulesLoad>(sample),
         "rules_unload" => result_of::<RulesUnload>(sample),
+        "rules_delete" => result_of::<RulesDelete>(sample),
         "rules_replace" => result_of::<RulesReplace>(sample),
         "rules_list" => result_of::<RulesList>(sample),
         "rules_show" => result_of::<RulesShow>(sample),

@@ -75,6 +75,22 @@ pub struct StoredRevision {
     /// The modules of the stack that belong to sandboxed apps (not restored: their namespaces are gone).
     #[serde(default)]
     pub app_modules: Vec<String>,
+    /// For an entry of a rule's knob writes (coalesced, `config log`): the rule, how many writes, since when. A
+    /// later entry of the same rule and window replaces it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rule: Option<RuleWrites>,
+}
+
+/// The knob writes of one rule that a revision stands for.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RuleWrites {
+    /// The rule that wrote.
+    pub rule: String,
+    /// How many writes.
+    pub writes: u64,
+    /// When the first of them was made, in milliseconds since the Unix epoch.
+    pub first_ms: u64,
 }
 
 /// A change of the rules and the rules revision it made.
@@ -100,6 +116,11 @@ pub enum RulesOp {
     },
     /// `rules unload NAME...` (`ALL`).
     Unload {
+        /// The names.
+        names: Vec<String>,
+    },
+    /// `rules delete NAME...` (`ALL`).
+    Delete {
         /// The names.
         names: Vec<String>,
     },
@@ -248,6 +269,13 @@ impl State {
         for r in records {
             match r {
                 Record::Revision(rev) => {
+                    if let Some(w) = &rev.rule {
+                        // The same rule's entry of the same window, merged into this one.
+                        let same = |r: &StoredRevision| {
+                            r.rule.as_ref().is_some_and(|o| o.rule == w.rule && o.first_ms == w.first_ms)
+                        };
+                        revisions.retain(|_, r| !same(r));
+                    }
                     revisions.insert(rev.number, rev);
                 }
                 Record::Rules(change) => rules.push(change),
@@ -401,6 +429,7 @@ mod tests {
             notes: vec![],
             stack: stack.into(),
             app_modules: vec![],
+            rule: None,
         })
     }
 
@@ -428,6 +457,19 @@ mod tests {
         assert_eq!(state.revisions.iter().map(|r| r.stack.as_str()).collect::<Vec<_>>(), ["a", "b2"]);
         assert_eq!(state.rules.len(), 1);
         assert_eq!(State::from_records(state.records().collect()), state);
+    }
+
+    #[test]
+    fn a_rules_entry_replaces_the_earlier_entry_of_its_rule_and_window() {
+        let entry = |number, rule: &str, writes, first_ms| {
+            let Record::Revision(mut r) = revision(number, "s") else { unreachable!() };
+            r.rule = Some(RuleWrites { rule: rule.into(), writes, first_ms });
+            Record::Revision(r)
+        };
+        let records =
+            vec![entry(2, "flip", 1, 10), entry(3, "flop", 1, 10), entry(4, "flip", 2, 10), entry(5, "flip", 1, 2000)];
+        let numbers: Vec<u64> = State::from_records(records).revisions.iter().map(|r| r.number).collect();
+        assert_eq!(numbers, [3, 4, 5]);
     }
 
     #[test]

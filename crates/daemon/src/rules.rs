@@ -16,26 +16,102 @@
 //!   registry.
 //!
 //! Rule changes are revisions of the engine's own repository (`rules log`), separate from the stack's revisions;
-//! the knob writes rules make go through `set` and so are stack revisions by the user `rules`.
+//! the knob writes rules make go through `set` and so are stack revisions by the user `rules`, coalesced per rule
+//! ([`crate::actions::RevisionLog`]).
+//!
+//! The engine is bounded by its [`Limits`] (`daemon --rules-max-instances`, `--rules-max-memory-mb`,
+//! `--rules-max-revisions`): a change over a cap fails with `limit_reached`, and what it holds is published as the
+//! meters `rules.engine.*` ([`ENGINE`]). After a change that freed memory, the thread gives the allocator's free
+//! memory back to the kernel (`trim_heap`), so the daemon's resident memory returns after an unload.
 
 use flexstack_api::ops::{
-    RuleInfo, RuleInstance, RuleSection, RuleSummary, RulesHistory, RulesLoaded, RulesNotice, RulesRevision,
-    RulesRevisionInfo, UnitInfo, UnitState,
+    RuleInfo, RuleInstance, RuleSection, RuleSummary, RulesHistory, RulesLimits, RulesLoaded, RulesNotice,
+    RulesRevision, RulesRevisionInfo, UnitInfo, UnitState,
 };
 use flexstack_api::protocol::{ApiError, ErrorCode};
-use flexstack_core::vars::{is_pattern, Registry};
-use flexstack_core::{SharedRegistry, Time, Value};
+use flexstack_core::decl::{KindDecl, MeterDecl};
+use flexstack_core::vars::{is_pattern, DynamicVars, Registry};
+use flexstack_core::{Meter, ModuleVars, SharedRegistry, Time, Value};
 use flexstack_rules::env::absent;
 use flexstack_rules::syntax::Section;
 use flexstack_rules::units::StateValue;
-use flexstack_rules::{Environment, Existence, RuleEngine, RuleError};
+use flexstack_rules::{Cap, Environment, Existence, Limits, RuleEngine, RuleError};
 use std::collections::VecDeque;
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// Applies one knob write as `flexstack set` would (validated, between batches); the error says why it was refused.
-pub type KnobWriter = Box<dyn Fn(&str, &Value) -> Result<(), String> + Send>;
+/// Applies one knob write as `flexstack set` would (validated, between batches): `(rule, knob, value)`, the rule
+/// being the one whose `set` wrote; the error says why it was refused.
+pub type KnobWriter = Box<dyn Fn(&str, &str, &Value) -> Result<(), String> + Send>;
+
+/// The prefix of the engine's meters.
+pub const METERS_PREFIX: &str = "rules.engine";
+
+/// The handles of the engine's meters.
+#[derive(Default)]
+pub struct EngineMeters {
+    instances: Meter,
+    units: Meter,
+    definitions: Meter,
+    memory: Meter,
+    refused: Meter,
+    max_instances: Meter,
+    max_memory: Meter,
+}
+
+/// The engine's meters, `rules.engine.<name>`, declared once.
+pub const ENGINE: KindDecl<(), EngineMeters> = KindDecl {
+    meters: &[
+        MeterDecl::u64("instances", "instances", "rule instances running", |m| &mut m.instances),
+        MeterDecl::u64("units", "units", "functional units running", |m| &mut m.units),
+        MeterDecl::u64("definitions", "rules", "rules defined, loaded or not (`rules delete` removes them)", |m| {
+            &mut m.definitions
+        }),
+        MeterDecl::u64("memory_bytes", "bytes", "estimated bytes of the definitions and running units", |m| {
+            &mut m.memory
+        }),
+        MeterDecl::u64(
+            "instances_refused_total",
+            "instances",
+            "per-name instances not created because a cap was reached (each name counted once)",
+            |m| &mut m.refused,
+        ),
+        MeterDecl::u64("max_instances", "instances", "the cap on instances (daemon --rules-max-instances)", |m| {
+            &mut m.max_instances
+        }),
+        MeterDecl::u64(
+            "max_memory_bytes",
+            "bytes",
+            "the cap on the estimated memory (daemon --rules-max-memory-mb)",
+            |m| &mut m.max_memory,
+        ),
+    ],
+    ..KindDecl::new("rules", "the daemon's rules engine")
+};
+
+impl EngineMeters {
+    /// Registers the meters in `registry`; the registration lasts as long as the returned [`DynamicVars`].
+    fn register(registry: &SharedRegistry) -> (DynamicVars, ModuleVars, EngineMeters) {
+        let mut dynamic = DynamicVars::new(registry.clone());
+        let specs = ENGINE.interface(&()).vars;
+        let vars = dynamic.register("rules", METERS_PREFIX, specs).expect("rules.engine is a valid prefix");
+        let meters = ENGINE.meters(&vars);
+        (dynamic, vars, meters)
+    }
+
+    /// Publishes what `engine` holds.
+    fn update(&self, engine: &RuleEngine) {
+        let (u, l) = (engine.usage(), engine.limits());
+        self.instances.set(u.instances as u64);
+        self.units.set(u.units as u64);
+        self.definitions.set(u.definitions as u64);
+        self.memory.set(u.memory_bytes as u64);
+        self.refused.set(u.refused_instances_total);
+        self.max_instances.set(l.max_instances as u64);
+        self.max_memory.set(l.max_memory_bytes as u64);
+    }
+}
 
 /// Most notices kept for `rules log` (older ones are dropped).
 const MAX_NOTICES: usize = 200;
@@ -106,16 +182,44 @@ fn rule_error(source: Option<&str>, e: RuleError) -> ApiError {
             let lines: Vec<String> = diags.iter().map(|d| format!("{prefix}{d}")).collect();
             ApiError::new(ErrorCode::InvalidRules, lines.join("\n"))
         }
+        RuleError::Limit { cap, .. } => {
+            ApiError::new(ErrorCode::LimitReached, format!("{e}; nothing changed: {}", raise(cap)))
+        }
+        RuleError::InUse(..) => ApiError::new(ErrorCode::InvalidEdit, e.to_string()),
         other => ApiError::new(ErrorCode::NotFound, other.to_string()),
+    }
+}
+
+/// How to raise `cap`, or make room under it.
+fn raise(cap: Cap) -> String {
+    let flag = match cap {
+        Cap::Instances => "--rules-max-instances N",
+        Cap::Memory => "--rules-max-memory-mb N",
+    };
+    format!("raise the cap with `flexstack daemon {flag}`, or unload or delete rules (`rules unload`, `rules delete`)")
+}
+
+/// A notice of the engine, with how to raise the cap it names (instances a cap kept from being created).
+fn with_hint(message: String) -> String {
+    match [Cap::Instances, Cap::Memory].into_iter().find(|c| message.ends_with(&format!("({})", c.name()))) {
+        Some(cap) => format!("{message}; {}", raise(cap)),
+        None => message,
     }
 }
 
 impl RulesService {
     /// Starts the rules thread over `registry`, applying knob writes with `writer`, advancing the engine every
     /// `interval` while rules are loaded (and sleeping until a request comes while none are).
-    pub fn start(registry: SharedRegistry, writer: KnobWriter, interval: Duration) -> std::io::Result<RulesService> {
+    pub fn start(
+        registry: SharedRegistry,
+        writer: KnobWriter,
+        interval: Duration,
+        limits: Limits,
+    ) -> std::io::Result<RulesService> {
         let (tx, rx) = mpsc::channel();
-        std::thread::Builder::new().name("rules".into()).spawn(move || run(&rx, &registry, &writer, interval))?;
+        std::thread::Builder::new()
+            .name("rules".into())
+            .spawn(move || run(&rx, &registry, &writer, interval, limits))?;
         Ok(RulesService { tx })
     }
 
@@ -158,6 +262,14 @@ impl RulesService {
         })?
     }
 
+    /// `rules delete NAME...` (`ALL`: every rule): the definitions go, unloaded first.
+    pub fn delete(&self, names: Vec<String>) -> Result<RulesRevision, ApiError> {
+        self.call(move |s, now, env| {
+            let names: Vec<&str> = names.iter().map(String::as_str).collect();
+            revision(s.engine.handle_delete(&names, now, env))
+        })?
+    }
+
     /// `rules replace OLD NEW`.
     pub fn replace(&self, old: String, new: String) -> Result<RulesRevision, ApiError> {
         self.call(move |s, now, env| revision(s.engine.handle_replace(&old, &new, now, env)))?
@@ -184,11 +296,22 @@ impl RulesService {
 
     /// `rules log`: the repository's revisions, the recent notices, and how many units and instances run.
     pub fn log(&self) -> Result<RulesHistory, ApiError> {
-        self.call(|s, _, _| RulesHistory {
-            revisions: s.engine.log().into_iter().map(revision_info).collect(),
-            notices: s.notices.iter().cloned().collect(),
-            units: s.engine.unit_count(),
-            instances: s.engine.loaded().len(),
+        self.call(|s, _, _| {
+            let (u, l) = (s.engine.usage(), s.engine.limits());
+            RulesHistory {
+                revisions: s.engine.log().into_iter().map(revision_info).collect(),
+                notices: s.notices.iter().cloned().collect(),
+                units: u.units,
+                instances: u.instances,
+                definitions: u.definitions,
+                memory_bytes: u.memory_bytes,
+                refused_instances_total: u.refused_instances_total,
+                limits: RulesLimits {
+                    max_instances: l.max_instances,
+                    max_memory_bytes: l.max_memory_bytes,
+                    max_revisions: l.max_revisions,
+                },
+            }
         })
     }
 
@@ -263,11 +386,27 @@ fn revision_info(r: flexstack_rules::RevisionInfo) -> RulesRevisionInfo {
     RulesRevisionInfo { number: r.number, what: r.what, at: r.at.as_nanos(), rules: r.rules, loaded: r.loaded }
 }
 
+/// Gives the memory this thread freed back to the kernel. glibc's `malloc_trim` (`trim_heap`) releases the free
+/// blocks inside every arena, but not the free top of a thread's arena, where an unloaded runtime's many small
+/// blocks end up; glibc shrinks that top only when a block of 64 KiB or more that borders it is freed. So this
+/// frees one first: below the mmap threshold (128 KiB), it comes from this thread's arena, whose small free blocks
+/// glibc merges before serving it.
+fn give_back_memory() {
+    drop(std::hint::black_box(Vec::<u8>::with_capacity(96 << 10)));
+    flexstack_sys::trim_heap();
+}
+
 /// The rules thread.
-fn run(rx: &mpsc::Receiver<Msg>, registry: &SharedRegistry, writer: &KnobWriter, interval: Duration) {
+fn run(rx: &mpsc::Receiver<Msg>, registry: &SharedRegistry, writer: &KnobWriter, interval: Duration, limits: Limits) {
     let origin = Instant::now();
     let clock = || Time(u64::try_from(origin.elapsed().as_nanos()).unwrap_or(u64::MAX));
-    let mut state = RulesState { engine: RuleEngine::new(), notices: VecDeque::new() };
+    let mut state = RulesState { engine: RuleEngine::with_limits(limits), notices: VecDeque::new() };
+    // Blocks of 128 KiB and more (the runtime's dense arrays) as fresh mappings, given back when freed: glibc's
+    // own threshold rises to the size of the first such block freed, after which they come from this thread's
+    // arena, whose free top `trim_heap` does not give back (an unloaded runtime stayed resident).
+    flexstack_sys::fix_mmap_threshold(128 * 1024);
+    let (_registration, _vars, meters) = EngineMeters::register(registry);
+    meters.update(&state.engine);
     let mut next_sample = clock();
     loop {
         let now = clock();
@@ -279,6 +418,7 @@ fn run(rx: &mpsc::Receiver<Msg>, registry: &SharedRegistry, writer: &KnobWriter,
             rx.recv_timeout(deadline.saturating_since(now))
         };
         let now = clock();
+        let before = state.engine.usage();
         match msg {
             Ok(Msg::Call(job)) => job(&mut state, now, &RegistryEnv::new(registry)),
             Ok(Msg::MeterChanged(name, value)) => {
@@ -296,7 +436,9 @@ fn run(rx: &mpsc::Receiver<Msg>, registry: &SharedRegistry, writer: &KnobWriter,
         }
         writes.extend(state.engine.poll_writes());
         for w in &writes {
-            let result = writer(&w.name, &w.value);
+            // The rule is the first part of the set unit's key (`cc[a]/1` was written by rule cc).
+            let rule = w.unit.split(['[', '/']).next().unwrap_or_default();
+            let result = writer(rule, &w.name, &w.value);
             if let Err(e) = &result {
                 tracing::warn!(unit = %w.unit, knob = %w.name, value = %w.value, error = %e, "rule write refused");
             } else {
@@ -305,11 +447,21 @@ fn run(rx: &mpsc::Receiver<Msg>, registry: &SharedRegistry, writer: &KnobWriter,
             state.engine.handle_write_result(w, result, now);
         }
         while let Some(n) = state.engine.poll_notice() {
+            let n = flexstack_rules::Notice { message: with_hint(n.message), ..n };
             tracing::info!(at = %n.at, "rules: {}", n.message);
             if state.notices.len() >= MAX_NOTICES {
                 state.notices.pop_front();
             }
             state.notices.push_back(RulesNotice { t_ms: n.at.as_nanos() / 1_000_000, message: n.message });
+        }
+        let after = state.engine.usage();
+        if after != before {
+            meters.update(&state.engine);
+            // Units, instances or definitions went: their memory goes back to the kernel, not only to the
+            // allocator (a few milliseconds, only after such a change).
+            if after.memory_bytes < before.memory_bytes || after.revisions < before.revisions {
+                give_back_memory();
+            }
         }
     }
 }
@@ -355,7 +507,8 @@ mod tests {
         let (shared, _dynamic, vars) = registry_with_loss();
         let written: Arc<Mutex<Vec<(String, Value)>>> = Arc::default();
         let log = written.clone();
-        let writer: KnobWriter = Box::new(move |name, value| {
+        let writer: KnobWriter = Box::new(move |rule, name, value| {
+            assert_eq!(rule, "cc");
             log.lock().unwrap().push((name.to_string(), value.clone()));
             if value == &Value::Str("refuse".into()) {
                 Err("refused by the test".into())
@@ -363,7 +516,7 @@ mod tests {
                 Ok(())
             }
         });
-        let svc = RulesService::start(shared, writer, Duration::from_millis(2)).unwrap();
+        let svc = RulesService::start(shared, writer, Duration::from_millis(2), Limits::DEFAULT).unwrap();
         let text = "lossy: Threshold(get(\"app.t.loss\"), 0.4, 0.2)\n\
                     cc: set(\"app.t.cc\", If(lossy, \"bbr\", \"refuse\"))\n";
         let r = svc.load("t.rules".into(), text.into()).unwrap();
@@ -395,8 +548,13 @@ mod tests {
 
     #[test]
     fn errors_carry_the_file_name_line_and_column() {
-        let svc =
-            RulesService::start(SharedRegistry::default(), Box::new(|_, _| Ok(())), Duration::from_millis(5)).unwrap();
+        let svc = RulesService::start(
+            SharedRegistry::default(),
+            Box::new(|_, _, _| Ok(())),
+            Duration::from_millis(5),
+            Limits::DEFAULT,
+        )
+        .unwrap();
         let e = svc.load("bad.rules".into(), "a: get(\"app.x.y\")\nb: Frobnicate(a)\n".into()).unwrap_err();
         assert_eq!(e.code, ErrorCode::InvalidRules);
         // Warnings come along with the errors, each located.

@@ -39,6 +39,8 @@ pub struct DaemonOptions {
     pub exit_when_idle: bool,
     /// How often the rules thread samples the meters its rules read (while rules are loaded).
     pub rules_interval: Duration,
+    /// The rules engine's caps (`--rules-max-instances`, `--rules-max-memory-mb`, `--rules-max-revisions`).
+    pub rules_limits: flexstack_rules::Limits,
     /// How the data-plane thread runs.
     pub dataplane: crate::dataplane::DataPlaneOptions,
     /// How often the transport meters of forwarded TCP flows are read from the apps' sockets (zero: never).
@@ -206,7 +208,7 @@ pub fn run_daemon(opts: DaemonOptions, catalog: Catalog) -> Result<(), String> {
     let _ = std::fs::write(&pid_file, format!("{}\n", std::process::id()));
 
     // Rules run on a thread of their own; applications register variables on a socket of their own.
-    control.start_rules(opts.rules_interval)?;
+    control.start_rules(opts.rules_interval, opts.rules_limits)?;
     if !restore.rules.is_empty() {
         for w in control.restore_rules(&restore.rules)? {
             tracing::warn!(journal = %journal_path.display(), "{w}");

@@ -295,7 +295,7 @@ impl Poller {
         if control.sandboxes.count() == 0 && self.published.is_empty() && self.sockets.is_empty() {
             return Ok(()); // no app: nothing to read (and the data plane is not asked for a snapshot)
         }
-        let flows = control.flows().map_err(|e| Fatal::No(e.message))?;
+        let flows = control.flows_handled(Some(Handling::Forwarded)).map_err(|e| Fatal::No(e.message))?;
         let apps = control.sandboxes.list();
         let mut todo: Vec<Target> = flows.iter().filter_map(target).collect();
         // Forget the meters of flows that are gone (or whose id now names another connection).

@@ -429,6 +429,13 @@ fn with_default_route(host: &HostPlan, routes: Vec<Route>) -> Vec<Route> {
     out
 }
 
+/// `/etc/resolv.conf` for every lab host: the lab has no name server unless it runs one, so lookups go to the
+/// host's own loopback and fail at once. Without it, they go to the machine's name server, which lab hosts cannot
+/// reach: a program that looks a name up (Python's `http.server` resolves the address it binds to) waits seconds for
+/// it while the packets wander the lab along its default routes.
+pub const RESOLV_CONF: &str =
+    "# written by flexstack lab: no name server in the lab (host names are in /etc/hosts)\nnameserver 127.0.0.1\noptions timeout:1 attempts:1\n";
+
 /// `/etc/hosts` for host `h`: every host's name with the address `h` should use for it.
 fn hosts_file(lab: &Lab, hosts: &[HostPlan], h: usize) -> String {
     let mut out =

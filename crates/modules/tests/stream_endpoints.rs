@@ -670,3 +670,34 @@ fn a_slow_destination_survives_the_apps_syn_retransmissions() {
         assert_eq!(lab.meter("module.t.aborts_sent_total") + lab.meter("module.o.aborts_sent_total"), 0);
     }
 }
+
+#[test]
+fn connections_one_after_another_reuse_pooled_sockets_intact() {
+    for v6 in families() {
+        let mut lab = Lab::new(v6, &["socket_pool=1"], &["socket_pool=1"], &[("p", "stream-pass", vec![])]);
+        for round in 0..3u64 {
+            let (srv, cli) = lab.pair();
+            // More than the buffers hold, so that each round's bytes wrap around the reused buffers.
+            let size = 300_000;
+            let mut c = Pump::new(pattern(10 + round, size), true);
+            let mut s = Pump::new(pattern(20 + round, size), true);
+            let done = lab.until(30_000, |lab| {
+                c.drive(lab.app.tcp(cli));
+                s.drive(lab.server.tcp(srv));
+                c.got.len() == size && s.got.len() == size
+            });
+            assert!(done, "v6 {v6} round {round}: client got {} server got {}", c.got.len(), s.got.len());
+            assert!(c.got == pattern(20 + round, size), "v6 {v6} round {round}: the server's bytes, intact");
+            assert!(s.got == pattern(10 + round, size), "v6 {v6} round {round}: the client's bytes, intact");
+            let ended = lab.until(15_000, |lab| lab.connections() == 0);
+            assert!(ended, "v6 {v6} round {round}: the connection ends at both endpoints");
+            // Both endpoints kept the ended connection's socket, and no more than socket_pool.
+            assert_eq!(lab.meter("module.t.sockets_pooled"), 1, "v6 {v6} round {round}");
+            assert_eq!(lab.meter("module.o.sockets_pooled"), 1, "v6 {v6} round {round}");
+            lab.app.sockets.remove(cli);
+            lab.server.sockets.remove(srv);
+        }
+        assert_eq!(lab.meter("module.t.connections_total"), 3);
+        assert_eq!(lab.meter("module.t.aborts_sent_total") + lab.meter("module.o.aborts_sent_total"), 0);
+    }
+}

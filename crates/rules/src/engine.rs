@@ -32,6 +32,7 @@
 use crate::compile::{self, compile, Program, RuleAction, RuleDef};
 use crate::diag::Diagnostic;
 use crate::env::Environment;
+use crate::limits::{instance_bytes, Cap, Limits, Usage};
 use crate::plan::{InstanceShape, Plans, UnitStep, WaveStep};
 use crate::syntax::Section;
 use crate::units::{
@@ -76,9 +77,42 @@ pub enum RuleError {
     /// The rule is defined but not loaded by itself (it may run as another rule's dependency).
     #[error("rule {0} is not loaded by itself: expected one of the loaded rules (see `rules list`)")]
     NotLoaded(String),
-    /// No revision by that number.
+    /// No revision by that number (never made, or no longer kept: see [`Limits::max_revisions`]).
     #[error("unknown revision {0}: expected one listed by `rules log`")]
     UnknownRevision(u64),
+    /// A cap of the engine's [`Limits`] refused the change; nothing changed.
+    #[error("{what} refused: {}", over(*.cap, *.wanted, *.limit))]
+    Limit {
+        /// The change refused (`load cc.rules`).
+        what: String,
+        /// The cap.
+        cap: Cap,
+        /// How much the change would take (instances, or estimated bytes).
+        wanted: usize,
+        /// The cap's value.
+        limit: usize,
+    },
+    /// Rules to delete are still used by rules that stay.
+    #[error("rule {0} is used by {1}: expected those deleted too (in the same command) or first")]
+    InUse(String, String),
+}
+
+/// `it would run 20000 rule instances, more than the cap of 10000 (max_instances)`.
+fn over(cap: Cap, wanted: usize, limit: usize) -> String {
+    match cap {
+        Cap::Instances => {
+            format!("it would run {wanted} rule instances, more than the cap of {limit} ({})", cap.name())
+        }
+        Cap::Memory => {
+            let mib = |b: usize| b as f64 / (1u64 << 20) as f64;
+            format!(
+                "its rules would take an estimated {:.1} MiB, more than the cap of {:.1} MiB ({})",
+                mib(wanted),
+                mib(limit),
+                cap.name()
+            )
+        }
+    }
 }
 
 /// What [`RuleEngine::advance`] returns.
@@ -130,10 +164,12 @@ pub struct RevisionInfo {
     pub loaded: Vec<String>,
 }
 
+/// A revision: its log entry (whose `loaded` is filled in from `explicit` when listed), its program and the rules
+/// loaded by themselves, both shared with the other revisions that have the same.
 struct Revision {
     info: RevisionInfo,
     program: Arc<Program>,
-    explicit: BTreeSet<String>,
+    explicit: Arc<BTreeSet<String>>,
 }
 
 /// A unit as `show` presents it.
@@ -265,7 +301,18 @@ pub struct RuleEngine {
     program: Arc<Program>,
     explicit: BTreeSet<String>,
     rt: Runtime,
-    revisions: Vec<Revision>,
+    revisions: VecDeque<Revision>,
+    /// The number the next revision gets (revisions beyond [`Limits::max_revisions`] go, the numbers go on).
+    next_revision: u64,
+    limits: Limits,
+    /// Estimated bytes of the definitions (of `program`).
+    def_bytes: usize,
+    /// Estimated bytes of the running instances.
+    running_bytes: usize,
+    /// The instances (rule, captures) a cap kept from being created at the last rebuild, by rule.
+    refused: HashMap<String, BTreeSet<Vec<String>>>,
+    /// Instances refused since the engine started (each refusal of a name counted once, until it is created).
+    refused_total: u64,
     notices: VecDeque<Notice>,
     writes: Vec<KnobWrite>,
     actions: Vec<(RuleAction, String)>,
@@ -347,7 +394,13 @@ impl RuleEngine {
             program: Arc::new(Program::default()),
             explicit: BTreeSet::new(),
             rt: Runtime::default(),
-            revisions: Vec::new(),
+            revisions: VecDeque::new(),
+            next_revision: 1,
+            limits: Limits::DEFAULT,
+            def_bytes: 0,
+            running_bytes: 0,
+            refused: HashMap::new(),
+            refused_total: 0,
             notices: VecDeque::new(),
             writes: Vec::new(),
             actions: Vec::new(),
@@ -361,11 +414,41 @@ impl RuleEngine {
         }
     }
 
+    /// An engine with no rules, bounded by `limits`.
+    pub fn with_limits(limits: Limits) -> RuleEngine {
+        RuleEngine { limits, ..RuleEngine::new() }
+    }
+
+    /// The engine's caps.
+    pub fn limits(&self) -> Limits {
+        self.limits
+    }
+
+    /// Changes the caps; what runs now stays (a lower cap refuses what comes next). Revisions beyond a lower
+    /// [`Limits::max_revisions`] go at once.
+    pub fn set_limits(&mut self, limits: Limits) {
+        self.limits = limits;
+        self.trim_revisions();
+    }
+
+    /// What the engine holds now, against its limits.
+    pub fn usage(&self) -> Usage {
+        Usage {
+            instances: self.rt.instances.len(),
+            units: self.rt.units.len(),
+            definitions: self.program.rules.len(),
+            revisions: self.revisions.len(),
+            memory_bytes: self.def_bytes + self.running_bytes,
+            refused_instances_total: self.refused_total,
+        }
+    }
+
     // ---- changes (each a revision) ----
 
     /// Checks and loads a rule text named `source`: its definitions replace rules of the same name (units at
     /// the same place keep their state), rules outside `[manual]` are loaded, and keywords on lines of their own
-    /// run. Refused as a whole, with every error located, if anything is wrong.
+    /// run. Refused as a whole, with every error located, if anything is wrong, or if the rules would exceed a
+    /// cap of the engine's [`Limits`].
     pub fn handle_load_text(
         &mut self,
         source: &str,
@@ -375,34 +458,53 @@ impl RuleEngine {
     ) -> Result<LoadReport, RuleError> {
         let c = compile(source, text, &self.program, env).map_err(RuleError::Invalid)?;
         let (old_program, old_explicit) = (self.program.clone(), self.explicit.clone());
-        self.program = Arc::new(c.program);
+        // Loading the same text again keeps the program it made (the revisions share it).
+        if c.program != *self.program {
+            self.program = Arc::new(c.program);
+        }
         self.explicit.extend(c.to_load.iter().cloned());
-        for a in &c.actions {
-            if let Err(e) = self.apply_action(a, source) {
-                self.program = old_program;
-                self.explicit = old_explicit;
-                return Err(e);
-            }
+        let what = format!("load {source}");
+        let checked = c
+            .actions
+            .iter()
+            .try_for_each(|a| self.apply_action(a, source))
+            .and_then(|()| self.check_limits(&what, env));
+        if let Err(e) = checked {
+            self.program = old_program;
+            self.explicit = old_explicit;
+            return Err(e);
         }
         self.reconcile(now, env);
         self.run_actions(now, env);
-        let revision = self.commit(format!("load {source}: {}", c.defined.join(", ")), now);
+        // The names, up to ten of them (a file may define thousands: the log keeps this text per revision).
+        let mut names = c.defined.iter().take(10).cloned().collect::<Vec<_>>().join(", ");
+        if c.defined.len() > 10 {
+            names.push_str(&format!(", ... ({} rules)", c.defined.len()));
+        }
+        let revision = self.commit(format!("{what}: {names}"), now);
         Ok(LoadReport { revision, defined: c.defined, loaded: c.to_load, warnings: c.warnings })
     }
 
-    /// Loads defined rules by name (with their dependencies).
+    /// Loads defined rules by name (with their dependencies); refused if that would exceed a cap.
     pub fn handle_load(&mut self, names: &[&str], now: Time, env: &dyn Environment) -> Result<u64, RuleError> {
         if let Some(n) = names.iter().find(|n| !self.program.rules.contains_key(**n)) {
             return Err(RuleError::UnknownRule(n.to_string()));
         }
+        let old = self.explicit.clone();
         self.explicit.extend(names.iter().map(|n| n.to_string()));
+        let what = format!("load {}", names.join(", "));
+        if let Err(e) = self.check_limits(&what, env) {
+            self.explicit = old;
+            return Err(e);
+        }
         self.reconcile(now, env);
         self.run_actions(now, env);
-        Ok(self.commit(format!("load {}", names.join(", ")), now))
+        Ok(self.commit(what, now))
     }
 
-    /// Unloads rules loaded by themselves (`["ALL"]`: every rule). A rule that another loaded rule uses keeps
-    /// running, with its state, as that rule's dependency (its reference count drops by one).
+    /// Unloads rules loaded by themselves (`["ALL"]`: every rule, those of context sections too). A rule that
+    /// another loaded rule uses keeps running, with its state, as that rule's dependency (its reference count
+    /// drops by one). Definitions stay: [`RuleEngine::handle_delete`] removes them.
     pub fn handle_unload(&mut self, names: &[&str], now: Time, env: &dyn Environment) -> Result<u64, RuleError> {
         if names == ["ALL"] {
             self.explicit.clear();
@@ -423,26 +525,80 @@ impl RuleEngine {
         Ok(self.commit(format!("unload {}", names.join(", ")), now))
     }
 
-    /// Replaces rule `old` by rule `new` everywhere: rules that used `old` use `new` (their units keep their
-    /// state: only the wiring changes), triggers of and by `old` move to `new`, and `old` is unloaded unless
-    /// still needed.
-    pub fn handle_replace(&mut self, old: &str, new: &str, now: Time, env: &dyn Environment) -> Result<u64, RuleError> {
-        self.apply_action(&RuleAction::Replace(old.to_string(), new.to_string()), "")?;
+    /// Deletes definitions (`["ALL"]`: every rule): each is unloaded and its definition, triggers and actions
+    /// go. Refused, with nothing changed, if a rule that stays uses one (by reference or in a `load`, `unload` or
+    /// `replace` action); a trigger from a deleted rule to one that stays goes with it.
+    pub fn handle_delete(&mut self, names: &[&str], now: Time, env: &dyn Environment) -> Result<u64, RuleError> {
+        let mut program = Program::default();
+        let mut explicit = BTreeSet::new();
+        if names != ["ALL"] {
+            if let Some(n) = names.iter().find(|n| !self.program.rules.contains_key(**n)) {
+                return Err(RuleError::UnknownRule(n.to_string()));
+            }
+            let gone: BTreeSet<&str> = names.iter().copied().collect();
+            program = (*self.program).clone();
+            program.rules.retain(|n, _| !gone.contains(n.as_str()));
+            for def in program.rules.values_mut() {
+                def.triggered_by.retain(|t| !gone.contains(t.as_str()));
+                let mut used = Vec::new();
+                compile_refs(&def.node, &mut used);
+                for a in &def.actions {
+                    match a {
+                        RuleAction::Load(v) | RuleAction::Unload(Some(v)) => used.extend(v.iter().cloned()),
+                        RuleAction::Replace(a, b) => used.extend([a.clone(), b.clone()]),
+                        RuleAction::Unload(None) => {}
+                    }
+                }
+                if let Some(u) = used.iter().find(|u| gone.contains(u.as_str())) {
+                    return Err(RuleError::InUse(u.clone(), def.name.clone()));
+                }
+            }
+            compile::recheck(&mut program).map_err(RuleError::Invalid)?;
+            explicit = self.explicit.iter().filter(|n| !gone.contains(n.as_str())).cloned().collect();
+        }
+        self.program = Arc::new(program);
+        self.explicit = explicit;
         self.reconcile(now, env);
         self.run_actions(now, env);
-        Ok(self.commit(format!("replace {old} {new}"), now))
+        Ok(self.commit(format!("delete {}", names.join(", ")), now))
+    }
+
+    /// Replaces rule `old` by rule `new` everywhere: rules that used `old` use `new` (their units keep their
+    /// state: only the wiring changes), triggers of and by `old` move to `new`, and `old` is unloaded unless
+    /// still needed. Refused if that would exceed a cap.
+    pub fn handle_replace(&mut self, old: &str, new: &str, now: Time, env: &dyn Environment) -> Result<u64, RuleError> {
+        let (old_program, old_explicit) = (self.program.clone(), self.explicit.clone());
+        let what = format!("replace {old} {new}");
+        let checked = self
+            .apply_action(&RuleAction::Replace(old.to_string(), new.to_string()), "")
+            .and_then(|()| self.check_limits(&what, env));
+        if let Err(e) = checked {
+            self.program = old_program;
+            self.explicit = old_explicit;
+            return Err(e);
+        }
+        self.reconcile(now, env);
+        self.run_actions(now, env);
+        Ok(self.commit(what, now))
     }
 
     /// Switches to the rules of an earlier revision, from its stored commands (no parsing). Units that exist in
-    /// both keep their state.
+    /// both keep their state. Refused if that would exceed a cap.
     pub fn handle_rollback(&mut self, revision: u64, now: Time, env: &dyn Environment) -> Result<u64, RuleError> {
         let rev =
             self.revisions.iter().find(|r| r.info.number == revision).ok_or(RuleError::UnknownRevision(revision))?;
-        self.program = rev.program.clone();
-        self.explicit = rev.explicit.clone();
+        let (program, explicit) = (rev.program.clone(), (*rev.explicit).clone());
+        let (old_program, old_explicit) =
+            (std::mem::replace(&mut self.program, program), std::mem::replace(&mut self.explicit, explicit));
+        let what = format!("rollback to {revision}");
+        if let Err(e) = self.check_limits(&what, env) {
+            self.program = old_program;
+            self.explicit = old_explicit;
+            return Err(e);
+        }
         self.reconcile(now, env);
         self.run_actions(now, env);
-        Ok(self.commit(format!("rollback to {revision}"), now))
+        Ok(self.commit(what, now))
     }
 
     // ---- signals ----
@@ -580,7 +736,8 @@ impl RuleEngine {
             .rules
             .values()
             .map(|r| {
-                let inst: Vec<&Instance> = self.rt.instances.iter().filter(|i| i.rule == r.name).collect();
+                let of_rule = self.rt.of_rule.get(&r.name).map_or(&[][..], Vec::as_slice);
+                let inst: Vec<&Instance> = of_rule.iter().map(|&i| &self.rt.instances[i as usize]).collect();
                 RuleSummary {
                     name: r.name.clone(),
                     section: r.section,
@@ -599,11 +756,10 @@ impl RuleEngine {
     /// A rule's text, commands and live unit graph per instance.
     pub fn show(&self, name: &str) -> Option<RuleView> {
         let def = self.program.rules.get(name)?;
-        let instances = self
-            .rt
-            .instances
+        let of_rule = self.rt.of_rule.get(name).map_or(&[][..], Vec::as_slice);
+        let instances = of_rule
             .iter()
-            .filter(|i| i.rule == name)
+            .map(|&i| &self.rt.instances[i as usize])
             .map(|i| InstanceView {
                 captures: i.captures.clone(),
                 refcount: i.refcount,
@@ -657,7 +813,8 @@ impl RuleEngine {
 
     /// The repository's log, oldest first.
     pub fn log(&self) -> Vec<RevisionInfo> {
-        self.revisions.iter().map(|r| r.info.clone()).collect()
+        let info = |r: &Revision| RevisionInfo { loaded: r.explicit.iter().cloned().collect(), ..r.info.clone() };
+        self.revisions.iter().map(info).collect()
     }
 
     /// The differences between two revisions' commands, as `-`/`+` lines under a `rule NAME` header per rule,
@@ -685,19 +842,48 @@ impl RuleEngine {
     // ---- internals ----
 
     fn commit(&mut self, what: String, now: Time) -> u64 {
-        let number = self.revisions.len() as u64 + 1;
-        self.revisions.push(Revision {
-            info: RevisionInfo {
-                number,
-                what,
-                at: now,
-                rules: self.program.rules.len(),
-                loaded: self.explicit.iter().cloned().collect(),
-            },
+        let number = self.next_revision;
+        self.next_revision += 1;
+        // Load/unload cycles come back to the same sets of loaded rules: share them.
+        let explicit = match self.revisions.iter().rev().find(|r| *r.explicit == self.explicit) {
+            Some(r) => r.explicit.clone(),
+            None => Arc::new(self.explicit.clone()),
+        };
+        self.revisions.push_back(Revision {
+            info: RevisionInfo { number, what, at: now, rules: self.program.rules.len(), loaded: Vec::new() },
             program: self.program.clone(),
-            explicit: self.explicit.clone(),
+            explicit,
         });
+        self.trim_revisions();
         number
+    }
+
+    /// Drops the oldest revisions beyond [`Limits::max_revisions`] (the newest is always kept).
+    fn trim_revisions(&mut self) {
+        while self.revisions.len() > self.limits.max_revisions.max(1) {
+            self.revisions.pop_front();
+        }
+    }
+
+    /// Refuses the change named `what` if the program and loaded rules as they are now (not yet rebuilt) would
+    /// run more instances, or take more memory, than the caps allow.
+    fn check_limits(&self, what: &str, env: &dyn Environment) -> Result<(), RuleError> {
+        let mut rt = Runtime::default();
+        self.instances(&mut rt, &self.program, &HashMap::new(), None, env);
+        let refuse = |cap, wanted, limit| Err(RuleError::Limit { what: what.to_string(), cap, wanted, limit });
+        if rt.instances.len() > self.limits.max_instances {
+            return refuse(Cap::Instances, rt.instances.len(), self.limits.max_instances);
+        }
+        let bytes = crate::limits::program_bytes(&self.program) + self.bytes_of(&rt, &self.program);
+        if bytes > self.limits.max_memory_bytes {
+            return refuse(Cap::Memory, bytes, self.limits.max_memory_bytes);
+        }
+        Ok(())
+    }
+
+    /// The estimated bytes of the instances of `rt`.
+    fn bytes_of(&self, rt: &Runtime, program: &Program) -> usize {
+        rt.instances.iter().filter_map(|i| program.rules.get(&i.rule).map(|d| instance_bytes(d, &i.captures))).sum()
     }
 
     /// Applies a keyword to the program and the set of loaded rules (not yet to the units).
@@ -809,13 +995,19 @@ impl RuleEngine {
     }
 
     /// True if a per-name rule loaded by itself has gained or lost a matching name (instances of dependencies
-    /// follow their users).
+    /// follow their users). A name whose instance a cap refused counts as had, so that it is not tried again on
+    /// every call; it is when something else changes. Rules with the same driver share one listing of names.
     fn captures_changed(&self, env: &dyn Environment) -> bool {
+        let mut listed: HashMap<&str, Vec<Vec<String>>> = HashMap::new();
         self.explicit.iter().any(|name| {
             let Some(def) = self.program.rules.get(name).filter(|d| d.stars > 0) else { return false };
-            let want = Self::all_captures(def, env);
-            let have: BTreeSet<&Vec<String>> =
-                self.rt.instances.iter().filter(|i| i.rule == *name).map(|i| &i.captures).collect();
+            let want =
+                listed.entry(def.driver.as_deref().unwrap_or_default()).or_insert_with(|| Self::all_captures(def, env));
+            let instances = self.rt.of_rule.get(name).into_iter().flatten();
+            let have: BTreeSet<&Vec<String>> = instances
+                .map(|&i| &self.rt.instances[i as usize].captures)
+                .chain(self.refused.get(name).into_iter().flatten())
+                .collect();
             want.len() != have.len() || want.iter().any(|b| !have.contains(b))
         })
     }
@@ -1365,6 +1557,22 @@ leave -> unload(extra)
             seen.push(snapshot(&mut engine));
         }
         seen
+    }
+
+    #[test]
+    fn loading_the_same_text_again_shares_its_program_with_the_earlier_revisions() {
+        let env = env();
+        let mut e = RuleEngine::new();
+        for t in 0..3 {
+            e.handle_load_text("mixed", MIXED, ms(2 * t), &env).unwrap();
+            e.handle_unload(&["ALL"], ms(2 * t + 1), &env).unwrap();
+        }
+        assert_eq!(e.revisions.len(), 6);
+        assert!(e.revisions.iter().all(|r| Arc::ptr_eq(&r.program, &e.program)));
+        assert!(Arc::ptr_eq(&e.revisions[0].explicit, &e.revisions[4].explicit));
+        assert!(Arc::ptr_eq(&e.revisions[1].explicit, &e.revisions[5].explicit));
+        e.handle_load_text("other", "z: Not(true)", ms(9), &env).unwrap();
+        assert!(!Arc::ptr_eq(&e.revisions[0].program, &e.program));
     }
 
     #[test]

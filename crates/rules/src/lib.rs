@@ -15,7 +15,8 @@
 //! is parsed ([`syntax`]), checked into a [`Program`] of unit trees ([`mod@compile`]), and run by a [`RuleEngine`]
 //! ([`engine`]) as functional units ([`units`]) wired by query and event signalling. The engine reads variables
 //! through an [`Environment`] ([`mod@env`]) and returns the knob writes its rules make; it never reads a clock
-//! (every call takes `now`). Each load, unload, replace or rollback is a revision in the engine's repository.
+//! (every call takes `now`). Each load, unload, delete, replace or rollback is a revision in the engine's
+//! repository. The engine is bounded ([`Limits`]: instances, memory, revisions kept).
 //! The language and every unit are described in docs/rules.md.
 //!
 //! Typical use, as the daemon's control thread would:
@@ -42,6 +43,7 @@ pub mod compile;
 pub mod diag;
 pub mod engine;
 pub mod env;
+pub mod limits;
 mod plan;
 pub mod syntax;
 pub mod testing;
@@ -53,4 +55,5 @@ pub use engine::{
     drive, InstanceView, LoadReport, Notice, RevisionInfo, RuleEngine, RuleError, RuleSummary, RuleView, Step, UnitView,
 };
 pub use env::{Environment, Existence, MemoryEnv};
+pub use limits::{Cap, Limits, Usage};
 pub use units::{KnobWrite, UnitKind};

@@ -38,6 +38,21 @@ pub struct RevisionInfo {
     pub change: String,
     /// Side effects the switch reported.
     pub notes: Vec<String>,
+    /// Present for an entry of a rule's knob writes (user `rules`), which stands for all the writes of that rule
+    /// within a window (`change` and the stack are those of the last one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rule: Option<RuleWrites>,
+}
+
+/// The knob writes of one rule that a revision stands for.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RuleWrites {
+    /// The rule that wrote.
+    pub rule: String,
+    /// How many writes the entry stands for.
+    pub writes: u64,
+    /// When the first of them was made, in milliseconds since the Unix epoch.
+    pub first_ms: u64,
 }
 
 /// The result of `config_show`.

@@ -1,4 +1,4 @@
-//! Rules (docs/rules.md): load, unload, replace, list, show, log, diff, rollback.
+//! Rules (docs/rules.md): load, unload, delete, replace, list, show, log, diff, rollback.
 
 use flexstack_core::Value;
 use serde::{Deserialize, Serialize};
@@ -18,6 +18,15 @@ pub struct RulesLoad {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RulesUnload {
+    /// Rule names.
+    pub names: Vec<String>,
+}
+
+/// `rules_delete`: deletes rule definitions (`["ALL"]`: every rule), unloading them first; refused if a rule that
+/// stays uses one. Result: [`RulesRevision`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RulesDelete {
     /// Rule names.
     pub names: Vec<String>,
 }
@@ -208,6 +217,29 @@ pub struct RulesHistory {
     pub units: usize,
     /// Rule instances loaded.
     pub instances: usize,
+    /// Rules defined (loaded or not).
+    #[serde(default)]
+    pub definitions: usize,
+    /// Estimated bytes of the definitions and the running units.
+    #[serde(default)]
+    pub memory_bytes: usize,
+    /// Instances not created because a cap was reached, since the daemon started.
+    #[serde(default)]
+    pub refused_instances_total: u64,
+    /// The caps (`daemon --rules-max-instances`, `--rules-max-memory-mb`, `--rules-max-revisions`).
+    #[serde(default)]
+    pub limits: RulesLimits,
+}
+
+/// The rules engine's caps.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RulesLimits {
+    /// Most rule instances running at once.
+    pub max_instances: usize,
+    /// Most estimated bytes of definitions and running units.
+    pub max_memory_bytes: usize,
+    /// Most revisions the rules repository keeps.
+    pub max_revisions: usize,
 }
 
 /// A revision of the rules repository.

@@ -2,7 +2,7 @@
 
 use crate::actions::control::{config_error, internal, Control};
 use crate::actions::revisions::Revision;
-use flexstack_api::ops::{Change, RevisionInfo, RevisionStack};
+use flexstack_api::ops::{Change, RevisionInfo, RevisionStack, RuleWrites};
 use flexstack_api::protocol::{ApiError, ErrorCode};
 use flexstack_core::config::{Settings, StackSpec};
 use flexstack_core::vars::VarKind;
@@ -17,6 +17,7 @@ impl Control {
             user: r.user.clone(),
             change: r.change.clone(),
             notes: r.notes.clone(),
+            rule: r.rule.as_ref().map(|w| RuleWrites { rule: w.rule.clone(), writes: w.writes, first_ms: w.first_ms }),
         });
         Ok(log.collect())
     }

@@ -26,6 +26,13 @@ pub struct Caller {
     pub pid: Option<i32>,
 }
 
+/// Who made a change to the stack: an operator (a user of the socket), or a rule (coalesced in the log).
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Author<'a> {
+    User(&'a str),
+    Rule(&'a str),
+}
+
 /// The control plane's state, shared by all client connections.
 pub struct Control {
     dataplane: Mutex<DataPlane>,
@@ -82,15 +89,16 @@ impl Control {
         }
     }
 
-    /// Starts the rules thread: it samples meters every `interval` while rules are loaded and writes knobs
-    /// through [`Control::set_value`] as the user `rules`. Updates of application meters are pushed to it.
-    pub fn start_rules(self: &Arc<Self>, interval: Duration) -> Result<(), String> {
+    /// Starts the rules thread: it samples meters every `interval` while rules are loaded, within `limits`, and
+    /// writes knobs through [`Control::set_by_rule`] (the user `rules`; their revisions are coalesced per rule).
+    /// Updates of application meters are pushed to it.
+    pub fn start_rules(self: &Arc<Self>, interval: Duration, limits: flexstack_rules::Limits) -> Result<(), String> {
         let weak: Weak<Control> = Arc::downgrade(self);
-        let writer = Box::new(move |name: &str, value: &Value| match weak.upgrade() {
-            Some(c) => c.set_value(name, value, "rules").map(|_| ()).map_err(|e| e.message),
+        let writer = Box::new(move |rule: &str, name: &str, value: &Value| match weak.upgrade() {
+            Some(c) => c.set_by_rule(name, value, rule).map(|_| ()).map_err(|e| e.message),
             None => Err("the daemon is stopping".to_string()),
         });
-        let svc = RulesService::start(self.registry.clone(), writer, interval)
+        let svc = RulesService::start(self.registry.clone(), writer, interval, limits)
             .map_err(|e| format!("cannot start the rules thread: {e}"))?;
         if self.rules.set(svc).is_err() {
             return Err("the rules thread runs already".into());
@@ -125,7 +133,7 @@ impl Control {
     /// Loads a whole stack description into the (empty) daemon as revision 1. Errors carry file:line.
     pub fn load_stack(&self, spec: &StackSpec, who: &str, change: &str) -> Result<Change, ApiError> {
         let (edits, locations) = self.load_edits(spec)?;
-        self.edit_located(who, change.to_string(), edits, &locations)
+        self.edit_located(Author::User(who), change.to_string(), edits, &locations)
     }
 
     /// The edits that load `spec`'s modules and links, with where each was written.
@@ -151,7 +159,12 @@ impl Control {
 
     /// Applies edits atomically and records a revision.
     pub(super) fn edit(&self, who: &str, change: String, edits: Vec<Edit>) -> Result<Change, ApiError> {
-        self.edit_located(who, change, edits, &[])
+        self.edit_located(Author::User(who), change, edits, &[])
+    }
+
+    /// Applies a knob write made by rule `rule`: recorded in the rule's coalesced entry of the revision log.
+    pub(super) fn edit_by_rule(&self, rule: &str, edit: Edit) -> Result<Change, ApiError> {
+        self.edit_located(Author::Rule(rule), edit.to_string(), vec![edit], &[])
     }
 
     /// Held while the stack is changed: one change at a time.
@@ -181,7 +194,7 @@ impl Control {
     /// revision is in the journal before this returns.
     fn edit_located(
         &self,
-        who: &str,
+        author: Author<'_>,
         change: String,
         edits: Vec<Edit>,
         locations: &[Option<Location>],
@@ -190,9 +203,17 @@ impl Control {
         let notes = self.apply_edits(edits, locations)?;
         let snap = self.dp().snapshot().map_err(internal)?;
         let mut revs = self.revisions.lock().unwrap_or_else(|p| p.into_inner());
-        tracing::info!(revision = revs.latest() + 1, user = who, change = %change, "stack changed");
-        let revision = revs.push(now_ms(), who, change, notes.clone(), snap.spec.to_toml());
-        let written = self.journal_revision(&revs, revision, who);
+        let revision = match author {
+            Author::User(who) => {
+                tracing::info!(revision = revs.latest() + 1, user = who, change = %change, "stack changed");
+                revs.push(now_ms(), who, change, notes.clone(), snap.spec.to_toml())
+            }
+            Author::Rule(rule) => {
+                tracing::debug!(rule, change = %change, "stack changed by a rule");
+                revs.push_rule_write(now_ms(), rule, change, notes.clone(), snap.spec.to_toml())
+            }
+        };
+        let written = self.journal_revision(&revs, revision, matches!(author, Author::User(_)));
         drop(revs);
         self.after_change();
         written?;

@@ -7,6 +7,7 @@
 use crate::actions::control::{internal, Control};
 use flexstack_api::ops::{AppInfo, FlowDetail, FlowInfo, Handling, TcpMeters, VarValue};
 use flexstack_api::protocol::{ApiError, ErrorCode};
+use flexstack_core::vars::GroupVars;
 use flexstack_core::{Registry, SharedRegistry, Value};
 use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, SocketAddr};
@@ -86,27 +87,37 @@ struct Publisher {
     backend: Option<String>,
 }
 
-fn str_var(reg: &Registry, name: &str) -> Option<String> {
-    match reg.get(name)?.get() {
+fn str_var(g: Option<GroupVars<'_>>, leaf: &str) -> Option<String> {
+    match g?.get(leaf)?.get() {
         Value::Str(s) => Some(s),
         _ => None,
     }
 }
 
-fn u64_opt(reg: &Registry, name: &str) -> Option<u64> {
-    match reg.get(name)?.get() {
+fn u64_opt(g: Option<GroupVars<'_>>, leaf: &str) -> Option<u64> {
+    match g?.get(leaf)?.get() {
         Value::U64(n) => Some(n),
         _ => None,
     }
 }
 
-/// The transport meters under `<prefix>.tcp.`, if there are any.
-fn tcp_meters(reg: &Registry, prefix: &str) -> Option<TcpMeters> {
-    let p = format!("{prefix}.tcp.");
-    // Looked up by name, not by pattern: a pattern scans every variable, and this runs for every flow.
-    let n = |k: &str| u64_opt(reg, &format!("{p}{k}"));
+/// The transport meters of a flow: its own `tcp.*` variables (an endpoint's), or the group `<prefix>.tcp` that the
+/// flow-meters thread publishes; None if there are none.
+fn tcp_meters(own: Option<GroupVars<'_>>, tcp: Option<GroupVars<'_>>) -> Option<TcpMeters> {
+    let cell = |k: &str| match tcp {
+        Some(g) => g.get(k),
+        None => own?.get(&format!("tcp.{k}")),
+    };
+    let n = |k: &str| match cell(k)?.get() {
+        Value::U64(n) => Some(n),
+        _ => None,
+    };
+    let text = |k: &str| match cell(k)?.get() {
+        Value::Str(s) => Some(s),
+        _ => None,
+    };
     let m = TcpMeters {
-        state: str_var(reg, &format!("{p}state")),
+        state: text("state"),
         srtt_us: n("srtt_us"),
         cwnd: n("cwnd"),
         bytes_in_flight: n("bytes_in_flight"),
@@ -114,15 +125,15 @@ fn tcp_meters(reg: &Registry, prefix: &str) -> Option<TcpMeters> {
         delivery_rate: n("delivery_rate"),
         send_queue: n("send_queue"),
         recv_queue: n("recv_queue"),
-        cc: str_var(reg, &format!("{p}cc")),
+        cc: text("cc"),
     };
     (m != TcpMeters::default()).then_some(m)
 }
 
-/// False when the flow's TCP meters say they were read from a socket (`tcp.socket`, `local -> remote`) that is not
-/// the flow's: meters of an earlier flow with the same id, left until the poller's next round.
-fn same_socket(reg: &Registry, prefix: &str, t: &Tuple) -> bool {
-    let Some(text) = str_var(reg, &format!("{prefix}.tcp.socket")) else { return true };
+/// False when the flow's TCP meters (group `tcp`) say they were read from a socket (`tcp.socket`, `local ->
+/// remote`) that is not the flow's: meters of an earlier flow with the same id, left until the poller's next round.
+fn same_socket(tcp: Option<GroupVars<'_>>, t: &Tuple) -> bool {
+    let Some(text) = str_var(tcp, "socket") else { return true };
     let ends: Vec<Option<(IpAddr, Option<u16>)>> = text.split(" -> ").map(endpoint).collect();
     match ends.as_slice() {
         [Some(l), Some(r)] => (Some(*l), Some(*r)) == (t.src, t.dst) || (Some(*r), Some(*l)) == (t.src, t.dst),
@@ -146,15 +157,20 @@ fn app_of(apps: &[AppInfo], module: &str, t: &Tuple) -> Option<String> {
 }
 
 /// The flows in `reg`, each matched to its publisher among `publishers` and to its app among `apps`.
-fn flows_in(reg: &Registry, publishers: &[Publisher], apps: &[AppInfo]) -> Vec<FlowInfo> {
+fn flows_in(reg: &Registry, publishers: &[Publisher], apps: &[AppInfo], only: Option<Handling>) -> Vec<FlowInfo> {
     // Every `flow.<id>.tuple`: one pass over the names with plain comparisons (there may be many thousands).
     let mut flows: Vec<FlowInfo> = reg
         .iter()
         .filter_map(|(name, cell)| {
             let prefix = name.strip_suffix(".tuple").filter(|p| p.starts_with("flow."))?;
-            let Value::Str(text) = cell.get() else { return None };
             let parent = prefix.rsplit_once('.').map_or("", |(p, _)| p);
             let publisher = publishers.iter().find(|p| p.prefix == parent);
+            if only.is_some_and(|h| publisher.map(|p| handling(&p.kind)) != Some(h)) {
+                return None;
+            }
+            let Value::Str(text) = cell.get() else { return None };
+            // The flow's meters, and the transport meters the flow-meters thread adds under `<prefix>.tcp`.
+            let (own, tcp) = (reg.group(prefix), reg.group(&format!("{prefix}.tcp")));
             let t = Tuple::parse(&text);
             let module = publisher.map_or(String::new(), |p| p.name.clone());
             let kind = publisher.map_or("", |p| p.kind.as_str());
@@ -169,10 +185,10 @@ fn flows_in(reg: &Registry, publishers: &[Publisher], apps: &[AppInfo]) -> Vec<F
                 dst: t.dst.map(|e| e.0),
                 dst_port: t.dst.and_then(|e| e.1),
                 tuple: text,
-                bytes_down: u64_opt(reg, &format!("{prefix}.bytes_down_total")),
-                bytes_up: u64_opt(reg, &format!("{prefix}.bytes_up_total")),
-                packets: u64_opt(reg, &format!("{prefix}.packets_total")),
-                tcp: tcp_meters(reg, prefix).filter(|_| same_socket(reg, prefix, &t)),
+                bytes_down: u64_opt(own, "bytes_down_total"),
+                bytes_up: u64_opt(own, "bytes_up_total"),
+                packets: u64_opt(own, "packets_total"),
+                tcp: tcp_meters(own, tcp).filter(|_| same_socket(tcp, &t)),
                 peer: None,
                 module,
             })
@@ -233,9 +249,15 @@ impl Control {
 
     /// `flow_list`: every flow, sorted by id.
     pub fn flows(&self) -> Result<Vec<FlowInfo>, ApiError> {
+        self.flows_handled(None)
+    }
+
+    /// The flows handled as `only` says (all of them: `None`), sorted by id. Only those are read: the flow-meters
+    /// thread asks every second for the forwarded ones among, it may be, tens of thousands of terminated ones.
+    pub fn flows_handled(&self, only: Option<Handling>) -> Result<Vec<FlowInfo>, ApiError> {
         let publishers = self.publishers()?;
         let apps = self.sandboxes.list();
-        Ok(flows_in(&self.registry.snapshot(), &publishers, &apps))
+        Ok(flows_in(&self.registry.snapshot(), &publishers, &apps, only))
     }
 
     /// `flow_show`: one flow and every variable under its prefix.
@@ -356,9 +378,12 @@ mod tests {
             },
         ];
         let apps = [app("a", "10.9.1.2", &["a", "a-flows"]), app("c", "10.9.3.2", &["c"])];
-        let flows = flows_in(&shared.snapshot(), &publishers, &apps);
+        let flows = flows_in(&shared.snapshot(), &publishers, &apps, None);
         let ids: Vec<&str> = flows.iter().map(|f| f.id.as_str()).collect();
         assert_eq!(ids, ["a.3", "a.4", "originate.1", "other.1", "terminate.1"]);
+        let forwarded = flows_in(&shared.snapshot(), &publishers, &apps, Some(Handling::Forwarded));
+        assert_eq!(forwarded.iter().map(|f| f.id.as_str()).collect::<Vec<_>>(), ["a.3", "a.4"]);
+        assert_eq!(forwarded, flows[..2], "the same flows, read alike");
         assert_eq!(flows[1].tcp, None, "stale meters are left out");
         let a = &flows[0];
         assert_eq!((a.app.as_deref(), a.module.as_str(), a.handling), (Some("a"), "a-flows", Handling::Forwarded));

@@ -76,6 +76,7 @@ impl Control {
             Request::ConfigRollback(r) => reply::<ConfigRollback>(self.config_rollback(r.rev, who)),
             Request::RulesLoad(r) => reply::<RulesLoad>(self.rules_load(r.name, r.text, who)),
             Request::RulesUnload(r) => reply::<RulesUnload>(self.rules_revision(RulesOp::Unload { names: r.names })),
+            Request::RulesDelete(r) => reply::<RulesDelete>(self.rules_delete(r.names, who)),
             Request::RulesReplace(r) => {
                 reply::<RulesReplace>(self.rules_revision(RulesOp::Replace { old: r.old, new: r.new }))
             }

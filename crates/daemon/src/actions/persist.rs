@@ -9,7 +9,7 @@
 
 use crate::actions::control::{now_ms, Control};
 use crate::actions::persist_state::Writer;
-use crate::actions::revisions::{Revision, RevisionLog};
+use crate::actions::revisions::{Revision, RevisionLog, RuleWrites};
 use crate::journal::{self, Damage, Journal, Record, RulesChange, RulesOp, State, StoredRevision};
 use crate::rules::RegistryEnv;
 use flexstack_api::protocol::{ApiError, ErrorCode};
@@ -18,10 +18,6 @@ use flexstack_core::Value;
 use flexstack_rules::{Environment, Existence};
 use std::path::Path;
 use std::sync::{Mutex, MutexGuard};
-
-/// The user the rules thread writes knobs as: its revisions are written without waiting for the disk (a rule may
-/// write a knob at every sample; a daemon killed still leaves them in the kernel's cache, only a power loss not).
-const RULES_USER: &str = "rules";
 
 /// What a restore brought back.
 #[derive(Clone, Debug, Default)]
@@ -47,6 +43,11 @@ fn stored(rev: &Revision, app_modules: Vec<String>) -> StoredRevision {
         notes: rev.notes.clone(),
         stack: rev.stack.clone(),
         app_modules,
+        rule: rev.rule.as_ref().map(|w| journal::RuleWrites {
+            rule: w.rule.clone(),
+            writes: w.writes,
+            first_ms: w.first_ms,
+        }),
     }
 }
 
@@ -60,6 +61,7 @@ impl From<&StoredRevision> for Revision {
             change: r.change.clone(),
             notes: r.notes.clone(),
             stack: r.stack.clone(),
+            rule: r.rule.as_ref().map(|w| RuleWrites { rule: w.rule.clone(), writes: w.writes, first_ms: w.first_ms }),
         }
     }
 }
@@ -176,6 +178,10 @@ impl Control {
                             let names: Vec<&str> = names.iter().map(String::as_str).collect();
                             s.engine.handle_unload(&names, now, &env)
                         }
+                        RulesOp::Delete { names } => {
+                            let names: Vec<&str> = names.iter().map(String::as_str).collect();
+                            s.engine.handle_delete(&names, now, &env)
+                        }
                         RulesOp::Replace { old, new } => s.engine.handle_replace(old, new, now, &env),
                         RulesOp::Rollback { revision } => s.engine.handle_rollback(*revision, now, &env),
                     };
@@ -286,15 +292,17 @@ impl Control {
         result
     }
 
-    /// Records revision `number` of `revs` (just pushed by `who`) in the journal; called with the revisions locked.
-    pub(super) fn journal_revision(&self, revs: &RevisionLog, number: u64, who: &str) -> Result<(), ApiError> {
+    /// Records revision `number` of `revs` (just pushed) in the journal, synced to disk with `sync` (not for the
+    /// knob writes of rules: a rule may write at every sample; a killed daemon still leaves them in the kernel's
+    /// cache, only a power loss not); called with the revisions locked.
+    pub(super) fn journal_revision(&self, revs: &RevisionLog, number: u64, sync: bool) -> Result<(), ApiError> {
         let Ok(rev) = revs.get(number) else { return Ok(()) };
         let apps: Vec<String> = lock(&self.persist.app_modules).iter().cloned().collect();
         let mut writer = lock(&self.persist.writer);
         if !apps.is_empty() {
             writer.apps.insert(number, apps.clone());
         }
-        Self::append(&mut writer, &Record::Revision(stored(rev, apps)), who != RULES_USER).map_err(|e| {
+        Self::append(&mut writer, &Record::Revision(stored(rev, apps)), sync).map_err(|e| {
             let msg = format!("the change is revision {number}, but it could not be written to the journal: {e}");
             ApiError::new(ErrorCode::Internal, msg)
         })

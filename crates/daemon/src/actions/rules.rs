@@ -1,5 +1,5 @@
 //! Rules: the `rules_*` requests, answered by the rules thread ([`crate::rules`]). The changes (load, unload,
-//! replace, rollback) are written to the journal before they are acknowledged ([`crate::actions::persist`]).
+//! delete, replace, rollback) are written to the journal before they are acknowledged ([`crate::actions::persist`]).
 
 use crate::actions::control::Control;
 use crate::journal::RulesOp;
@@ -15,12 +15,13 @@ impl Control {
         Ok(r)
     }
 
-    /// `rules unload`, `rules replace`, `rules rollback`: a change that makes a rules revision.
+    /// `rules unload`, `rules delete`, `rules replace`, `rules rollback`: a change that makes a rules revision.
     pub(super) fn rules_revision(&self, op: RulesOp) -> Result<RulesRevision, ApiError> {
         let svc = self.rules()?;
         let run = || {
             let r = match op.clone() {
                 RulesOp::Unload { names } => svc.unload(names),
+                RulesOp::Delete { names } => svc.delete(names),
                 RulesOp::Replace { old, new } => svc.replace(old, new),
                 RulesOp::Rollback { revision } => svc.rollback(revision),
                 RulesOp::Load { source, text } => {
@@ -30,5 +31,12 @@ impl Control {
             Ok((r, r.revision))
         };
         self.rules_change(op.clone(), run)
+    }
+
+    /// `rules delete NAME...|ALL`: definitions removed (unloaded first).
+    pub(super) fn rules_delete(&self, names: Vec<String>, who: &str) -> Result<RulesRevision, ApiError> {
+        let r = self.rules_revision(RulesOp::Delete { names: names.clone() })?;
+        tracing::info!(user = who, rules = %names.join(","), revision = r.revision, "rules deleted");
+        Ok(r)
     }
 }

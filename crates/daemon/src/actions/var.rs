@@ -1,6 +1,6 @@
 //! Meters and knobs: get, set (module, runtime and application knobs), watch, var list.
 
-use crate::actions::control::{now_ms, Control};
+use crate::actions::control::{now_ms, Author, Control};
 use flexstack_api::ops::{SetResult, Values, VarInfo, VarValue, WatchEvent};
 use flexstack_api::protocol::{ApiError, ErrorCode};
 use flexstack_core::vars::{is_pattern, VarCell, VarKind, VarSpec};
@@ -60,14 +60,15 @@ impl Control {
                 .and_then(|v| v.coerce(spec.ty)),
         }
         .map_err(|e| ApiError::new(ErrorCode::InvalidValue, format!("{name}: {e}")))?;
-        self.write_knob(name, &spec, &cell, &v, who)
+        self.write_knob(name, &spec, &cell, &v, Author::User(who))
     }
 
-    /// Writes a knob from a typed value (the rules' writes): the same validation and path as `set`.
-    pub fn set_value(&self, name: &str, value: &Value, who: &str) -> Result<SetResult, ApiError> {
+    /// Writes a knob from a typed value made by rule `rule`: the same validation and path as `set`, as the user
+    /// `rules`; a module knob's revision goes into the rule's coalesced entry of the log.
+    pub fn set_by_rule(&self, name: &str, value: &Value, rule: &str) -> Result<SetResult, ApiError> {
         let (spec, cell) = self.knob_spec(name)?;
         let v = value.coerce(spec.ty).map_err(|e| ApiError::new(ErrorCode::InvalidValue, format!("{name}: {e}")))?;
-        self.write_knob(name, &spec, &cell, &v, who)
+        self.write_knob(name, &spec, &cell, &v, Author::Rule(rule))
     }
 
     /// Validates `v` against the knob's declaration, then applies it: a module knob through an edit between
@@ -78,8 +79,12 @@ impl Control {
         spec: &VarSpec,
         cell: &VarCell,
         v: &Value,
-        who: &str,
+        author: Author<'_>,
     ) -> Result<SetResult, ApiError> {
+        let who = match author {
+            Author::User(who) => who,
+            Author::Rule(_) => "rules",
+        };
         let v = spec.validate(v).map_err(|e| ApiError::new(ErrorCode::InvalidValue, format!("{name}: {e}")))?;
         if name.starts_with("app.") && self.appvars.owns(name) {
             self.appvars.write(name, &v)?;
@@ -103,7 +108,10 @@ impl Control {
             .and_then(|r| r.split_once('.'))
             .ok_or_else(|| ApiError::new(ErrorCode::NotFound, format!("{name} is not a module knob")))?;
         let e = Edit::SetKnob { module: module.to_string(), knob: knob.to_string(), value: v };
-        let change = self.edit_one(who, e)?;
+        let change = match author {
+            Author::User(who) => self.edit_one(who, e)?,
+            Author::Rule(rule) => self.edit_by_rule(rule, e)?,
+        };
         Ok(SetResult { revision: Some(change.revision), notes: change.notes, value: cell.get() })
     }
 

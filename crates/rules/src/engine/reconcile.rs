@@ -31,14 +31,37 @@ impl Previous {
 /// Per instance: the instances it uses, each with whether it is a reference (rather than a trigger).
 type Deps = Vec<Vec<(u32, bool)>>;
 
+/// What the caps leave to the instances being created, and what they refused.
+pub(super) struct Budget {
+    max_instances: usize,
+    max_bytes: usize,
+    /// Estimated bytes of the instances created so far.
+    bytes: usize,
+    /// The loaded instances (rule, captures) not created, by rule.
+    refused: HashMap<String, BTreeSet<Vec<String>>>,
+    /// The first refusal: the cap, what was wanted, the cap's value.
+    first: Option<(Cap, usize, usize)>,
+}
+
 impl RuleEngine {
     /// Rebuilds the running units from the program and the loaded rules. Units whose key (rule, captures, place)
-    /// and kind are unchanged keep their state and value; new instances and rewired ones are evaluated.
+    /// and kind are unchanged keep their state and value; new instances and rewired ones are evaluated. Loaded
+    /// instances beyond a cap of the limits are not created (those that ran before go first), and counted.
     pub(super) fn reconcile(&mut self, now: Time, env: &dyn Environment) {
         let program = self.program.clone();
+        self.def_bytes = crate::limits::program_bytes(&program);
+        let had = std::mem::take(&mut self.rt.by_rule);
         let previous = Previous::from(std::mem::take(&mut self.rt));
         let mut rt = Runtime { epoch: previous.epoch + 1, ..Runtime::default() };
-        let deps = self.instances(&mut rt, &program, env);
+        let mut budget = Budget {
+            max_instances: self.limits.max_instances,
+            max_bytes: self.limits.max_memory_bytes.saturating_sub(self.def_bytes),
+            bytes: 0,
+            refused: HashMap::new(),
+            first: None,
+        };
+        let deps = self.instances(&mut rt, &program, &had, Some(&mut budget), env);
+        self.count_refused(budget, now);
         let deps = in_rank_order(&mut rt, deps);
         build_units(&mut rt, &program, &deps);
         let fresh = adopt_state(&mut rt, previous, now);
@@ -58,8 +81,41 @@ impl RuleEngine {
         self.wave(&seeds, now, env);
     }
 
-    /// The instances: loaded rules and, transitively, what they use and what triggers them.
-    fn instances(&self, rt: &mut Runtime, program: &Program, env: &dyn Environment) -> Deps {
+    /// Keeps what `budget` refused, counts the refusals that are new and reports them in a notice.
+    fn count_refused(&mut self, budget: Budget, now: Time) {
+        self.running_bytes = budget.bytes;
+        let mut new: Vec<String> = Vec::new();
+        for (rule, all) in &budget.refused {
+            let before = self.refused.get(rule);
+            new.extend(all.iter().filter(|c| !before.is_some_and(|b| b.contains(*c))).map(|c| instance_name(rule, c)));
+        }
+        self.refused = budget.refused;
+        let Some((cap, wanted, limit)) = budget.first.filter(|_| !new.is_empty()) else { return };
+        self.refused_total += new.len() as u64;
+        new.sort();
+        self.notices.push_back(Notice {
+            at: now,
+            message: format!(
+                "{} rule instance(s) not created ({}{}): {}",
+                new.len(),
+                new.iter().take(3).cloned().collect::<Vec<_>>().join(", "),
+                if new.len() > 3 { ", ..." } else { "" },
+                super::over(cap, wanted, limit)
+            ),
+        });
+    }
+
+    /// The instances: loaded rules and, transitively, what they use and what triggers them. With a `budget`, a
+    /// loaded instance whose creation (with what it needs) would exceed a cap is left out; the instances whose
+    /// key is in `had` (those that ran before) are created first, so a new name never displaces them.
+    pub(super) fn instances(
+        &self,
+        rt: &mut Runtime,
+        program: &Program,
+        had: &HashMap<(String, Vec<String>), u32>,
+        mut budget: Option<&mut Budget>,
+        env: &dyn Environment,
+    ) -> Deps {
         let ranks: HashMap<String, u32> = compile::topo_order(program)
             .unwrap_or_default()
             .into_iter()
@@ -67,26 +123,58 @@ impl RuleEngine {
             .map(|(i, n)| (n, i as u32))
             .collect();
         let mut new = NewInstances { ranks, deps_of: Vec::new(), work: Vec::new() };
+        let mut roots: Vec<(String, Vec<String>)> = Vec::new();
         for name in &self.explicit {
             let Some(def) = program.rules.get(name) else { continue };
-            for b in Self::all_captures(def, env) {
-                let i = new.ensure(rt, name, b);
-                rt.instances[i as usize].explicit = true;
-                rt.instances[i as usize].refcount += 1;
-            }
+            roots.extend(Self::all_captures(def, env).into_iter().map(|b| (name.clone(), b)));
         }
-        while let Some(i) = new.work.pop() {
-            let (rule, captures) = (rt.instances[i as usize].rule.clone(), rt.instances[i as usize].captures.clone());
-            let def = &program.rules[&rule];
-            let mut refs = Vec::new();
-            compile_refs(&def.node, &mut refs);
-            for d in def.deps() {
-                let Some(dd) = program.rules.get(&d) else { continue };
-                let b = if dd.stars > 0 { captures.clone() } else { vec![] };
-                let j = new.ensure(rt, &d, b);
-                rt.instances[j as usize].refcount += 1;
-                new.deps_of[i as usize].push((j, refs.contains(&d)));
+        roots.sort_by_key(|k| !had.contains_key(k));
+        for (name, b) in roots {
+            let mark = rt.instances.len();
+            let mut raised = Vec::new();
+            let i = new.ensure(rt, &name, b.clone());
+            raised.push(i);
+            rt.instances[i as usize].refcount += 1;
+            while let Some(k) = new.work.pop() {
+                let (rule, captures) =
+                    (rt.instances[k as usize].rule.clone(), rt.instances[k as usize].captures.clone());
+                let def = &program.rules[&rule];
+                let mut refs = Vec::new();
+                compile_refs(&def.node, &mut refs);
+                for d in def.deps() {
+                    let Some(dd) = program.rules.get(&d) else { continue };
+                    let c = if dd.stars > 0 { captures.clone() } else { vec![] };
+                    let j = new.ensure(rt, &d, c);
+                    raised.push(j);
+                    rt.instances[j as usize].refcount += 1;
+                    new.deps_of[k as usize].push((j, refs.contains(&d)));
+                }
             }
+            if let Some(budget) = budget.as_deref_mut() {
+                let bytes: usize =
+                    rt.instances[mark..].iter().map(|x| instance_bytes(&program.rules[&x.rule], &x.captures)).sum();
+                let over = if rt.instances.len() > budget.max_instances {
+                    Some((Cap::Instances, rt.instances.len(), budget.max_instances))
+                } else if budget.bytes + bytes > budget.max_bytes {
+                    Some((Cap::Memory, budget.bytes + bytes + self.def_bytes, budget.max_bytes + self.def_bytes))
+                } else {
+                    None
+                };
+                if let Some(over) = over {
+                    for j in raised {
+                        rt.instances[j as usize].refcount -= 1;
+                    }
+                    for x in rt.instances.drain(mark..) {
+                        rt.by_rule.remove(&(x.rule, x.captures));
+                    }
+                    new.deps_of.truncate(mark);
+                    budget.first.get_or_insert(over);
+                    budget.refused.entry(name).or_default().insert(b);
+                    continue;
+                }
+                budget.bytes += bytes;
+            }
+            rt.instances[i as usize].explicit = true;
         }
         new.deps_of
     }

@@ -60,6 +60,7 @@ pub struct Config {
     pub max_connections: u64,
     pub max_udp_flows: u64,
     pub max_half_open: u64,
+    pub socket_pool: u64,
     pub connect_timeout_ms: u64,
     pub udp_timeout_ms: u64,
     pub keepalive_ms: u64,
@@ -89,6 +90,7 @@ impl Config {
             max_connections: 0,
             max_udp_flows: 0,
             max_half_open: 0,
+            socket_pool: 0,
             connect_timeout_ms: 0,
             udp_timeout_ms: 0,
             keepalive_ms: 0,
@@ -202,6 +204,14 @@ macro_rules! endpoint_decl {
                     flexstack_core::field!(max_half_open),
                 ).range(1.0, 1048576.0),
                 P::u64(
+                    "socket_pool",
+                    "sockets",
+                    "TCP sockets kept, with their buffers, after their connections end, for new ones: no buffer is \
+                     allocated and zeroed per connection while it holds enough",
+                    32,
+                    flexstack_core::field!(socket_pool),
+                ).range(0.0, 65536.0),
+                P::u64(
                     "connect_timeout_ms",
                     "ms",
                     "a TCP connection not established after this long is given up (`timeout`)",
@@ -293,6 +303,7 @@ pub struct Meters {
     pub bad_datagrams: Meter,
     pub time_wait_reused: Meter,
     pub half_open_evicted: Meter,
+    pub pooled: Meter,
 }
 
 /// The meters both kinds declare.
@@ -325,6 +336,7 @@ pub const METERS: &[MeterDecl<Meters>] = u64_meters![
         "connections in TIME-WAIT ended early by a new SYN on their tuple";
     half_open_evicted: "half_open_evicted_total", "connections",
         "connections given up before the app finished its handshake: max_half_open were waiting";
+    pooled: "sockets_pooled", "sockets", "TCP sockets kept for new connections (`socket_pool`)";
 ];
 
 /// A runtime variable of a flow: name, type, unit, description.

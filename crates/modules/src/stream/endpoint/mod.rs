@@ -223,6 +223,8 @@ struct Flows {
     /// TCP connections made by a SYN, oldest first; those whose app has finished its handshake (or that are gone)
     /// are skipped when the oldest waiting one must give way (`max_half_open`).
     half_open: VecDeque<u64>,
+    /// Sockets of ended connections, each alone in its set, kept for new ones (at most `socket_pool`).
+    pool: Vec<(SocketSet<'static>, SocketHandle)>,
 }
 
 impl Flows {
@@ -243,6 +245,7 @@ impl Flows {
             time_wait: HashMap::new(),
             half_open: VecDeque::new(),
             time_wait_order: VecDeque::new(),
+            pool: Vec::new(),
         }
     }
 }
@@ -432,15 +435,39 @@ impl Endpoint {
         out.emit(self.ports.pass, p);
     }
 
-    fn new_socket(&self) -> tcp::Socket<'static> {
-        let rx = tcp::SocketBuffer::new(vec![0u8; self.cfg.rx_buffer as usize]);
-        let tx = tcp::SocketBuffer::new(vec![0u8; self.cfg.tx_buffer as usize]);
-        let mut s = tcp::Socket::new(rx, tx);
+    /// A closed socket alone in its set, configured: from the pool, else new. Buffers cost their allocation and
+    /// zeroing per connection (a tenth of the data plane's time when connections are short), hence the pool.
+    fn new_socket(&mut self) -> (SocketSet<'static>, SocketHandle) {
+        let (mut sockets, handle) = match self.f.pool.pop() {
+            Some(pooled) => pooled,
+            None => {
+                let rx = tcp::SocketBuffer::new(vec![0u8; self.cfg.rx_buffer as usize]);
+                let tx = tcp::SocketBuffer::new(vec![0u8; self.cfg.tx_buffer as usize]);
+                let mut sockets = SocketSet::new(Vec::with_capacity(1));
+                let handle = sockets.add(tcp::Socket::new(rx, tx));
+                (sockets, handle)
+            }
+        };
+        self.m.pooled.set(self.f.pool.len() as u64);
+        let s = sockets.get_mut::<tcp::Socket>(handle);
         s.set_nagle_enabled(self.cfg.nagle);
         s.set_keep_alive(ms(self.cfg.keepalive_ms));
         s.set_timeout(ms(self.cfg.timeout_ms));
         s.set_congestion_control(self.cfg.cc.smoltcp());
-        s
+        s.pause_synack(false);
+        (sockets, handle)
+    }
+
+    /// Keeps a socket (alone in its set) for a new connection while the pool has room. It is closed at once,
+    /// without a word to the far end (what its connection had to say was said); `listen` or `connect` resets it.
+    fn put_back(&mut self, mut sockets: SocketSet<'static>, handle: SocketHandle) {
+        if (self.f.pool.len() as u64) < self.cfg.socket_pool {
+            sockets.get_mut::<tcp::Socket>(handle).abort();
+            self.f.pool.push((sockets, handle));
+        } else {
+            self.f.pool.truncate(self.cfg.socket_pool as usize);
+        }
+        self.m.pooled.set(self.f.pool.len() as u64);
     }
 
     /// Files a new flow: its id, key, meters and counts.
@@ -503,8 +530,10 @@ impl Endpoint {
         }
         self.f.buffered -= c.queued;
         self.f.in_flight -= c.credit.in_flight();
-        if c.tcp.is_some() {
+        if let Some(t) = c.tcp {
             self.f.tcp_count -= 1;
+            let Tcp { sockets, handle, .. } = *t;
+            self.put_back(sockets, handle);
         } else {
             self.f.udp_count -= 1;
         }
@@ -713,13 +742,13 @@ impl Endpoint {
             self.flush_tx(None, now, out);
             return None;
         }
-        let mut s = self.new_socket();
+        let (mut sockets, handle) = self.new_socket();
+        let s = sockets.get_mut::<tcp::Socket>(handle);
         if s.listen(IpListenEndpoint { addr: Some(IpAddress::from(dst.ip())), port: dst.port() }).is_err() {
+            self.put_back(sockets, handle);
             return Some(p); // port 0: not a connection smoltcp can accept
         }
         s.pause_synack(true);
-        let mut sockets = SocketSet::new(Vec::with_capacity(1));
-        let handle = sockets.add(s);
         let syn = p.data()[..info.total_len.min(info.l4_offset + 60)].to_vec();
         let mut obs = Observer::default();
         if let Some(seg) = Segment::parse(p.data(), info.l4_offset, info.total_len) {
@@ -731,6 +760,7 @@ impl Endpoint {
         self.dev.tx.clear(); // nothing: the SYN-ACK is held
         if sockets.get::<tcp::Socket>(handle).state() != tcp::State::SynReceived {
             self.m.invalid_syns.add(1);
+            self.put_back(sockets, handle);
             return None;
         }
         let id = self.new_id();
@@ -974,12 +1004,12 @@ impl Endpoint {
             self.touch(id);
             return;
         }
-        let mut s = self.new_socket();
+        let (mut sockets, handle) = self.new_socket();
+        let s = sockets.get_mut::<tcp::Socket>(handle);
         if s.connect(self.f.iface.context(), endpoint(info.dst), endpoint(local)).is_err() {
+            self.put_back(sockets, handle);
             return refuse(self, out, "unreachable");
         }
-        let mut sockets = SocketSet::new(Vec::with_capacity(1));
-        let handle = sockets.add(s);
         let t = Tcp::new(sockets, handle, Vec::new(), Observer::default(), tcp::State::SynSent, self.cfg.cc);
         let mut mine = info;
         mine.src = local;

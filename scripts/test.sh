@@ -21,6 +21,14 @@ before=$(leftovers | sort || true)
 
 status=0
 cargo test --workspace --profile ci --no-fail-fast -- --test-threads="$(nproc)" || status=$?
+# Every libFuzzer target briefly (cargo-fuzz on nightly; nothing is added to the corpus): a crash fails the suite.
+# Outside CI it is skipped, with a reason, where the nightly toolchain or cargo-fuzz is missing.
+if cargo +nightly fuzz --version >/dev/null 2>&1; then
+  FUZZ_JOBS=$(nproc) ./scripts/fuzz.sh --check 4 || status=1
+else
+  # (The stable-Rust fuzz tests above ran all the same.)
+  echo "test: libFuzzer targets NOT run: no nightly toolchain or cargo-fuzz (scripts/setup.sh installs them)" >&2
+fi
 
 left=$(comm -13 <(echo "$before") <(leftovers | sort || true))
 if [[ -n "$left" ]]; then

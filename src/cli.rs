@@ -135,6 +135,21 @@ pub enum Command {
     /// `lab down [NAME] | --all`, `lab list`, `lab check FILE`, `lab report DIR`.
     #[command(subcommand)]
     Lab(LabCmd),
+    /// Print the shell completion script for SHELL (generated from this command line; scripts/setup.sh installs
+    /// them): `source <(flexstack completions bash)`.
+    #[command(hide = true)]
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
+    /// Print the man page flexstack(1), or with --dir write it and one page per command (flexstack-lab(1) ...)
+    /// into DIR: `flexstack man | man -l -`.
+    #[command(hide = true)]
+    Man {
+        /// Folder to write every page into (FILE.1), instead of printing flexstack(1).
+        #[arg(long, value_name = "DIR")]
+        dir: Option<PathBuf>,
+    },
 }
 
 /// Options of `flexstack daemon`.
@@ -194,6 +209,11 @@ pub struct DaemonArgs {
     /// Allow --metrics on an address other than loopback: whoever reaches it reads every meter, unauthenticated.
     #[arg(long, requires = "metrics")]
     pub metrics_public: bool,
+    /// Listen for --metrics in the network namespace of this file (`/proc/PID/ns/net`, `/run/netns/NAME`) instead
+    /// of the daemon's own: how `flexstack lab run --metrics` lets Prometheus on the host scrape daemons that run
+    /// in the lab's namespaces.
+    #[arg(long, value_name = "PATH", requires = "metrics")]
+    pub metrics_netns: Option<PathBuf>,
     /// Also export the per-flow series (`flexstack_flow_*`) of the N flows with the most bytes (0: none).
     #[arg(long, default_value_t = 0, value_name = "N", requires = "metrics")]
     pub metrics_flows: usize,
@@ -519,6 +539,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 addr,
                 public: d.metrics_public,
                 flows_top: d.metrics_flows,
+                netns: d.metrics_netns.clone(),
             }),
             web: d.web.map(|addr| flexstack_daemon::web::WebOptions::new(addr, d.web_public, cli.state_dir.clone())),
             app_socket: flexstack_daemon::appvars::AppSocketOptions {
@@ -541,6 +562,12 @@ fn run(cli: Cli) -> Result<(), CliError> {
         crate::lab::preflight(&cmd)?;
         return crate::lab::command(&cli.state_dir, cli.json, cmd);
     }
+    match &cli.command {
+        Command::Completions { shell } => return crate::manual::completions(*shell, &mut std::io::stdout()),
+        Command::Man { dir: Some(dir) } => return crate::manual::man_pages(dir).map(|_| ()),
+        Command::Man { dir: None } => return crate::manual::man_page(&mut std::io::stdout()),
+        _ => {}
+    }
     if let Command::Module(ModuleCmd::Kinds { markdown: true }) = cli.command {
         print!("{}", flexstack_core::reference::markdown(&flexstack_daemon::catalog().reference()));
         return Ok(());
@@ -548,7 +575,9 @@ fn run(cli: Cli) -> Result<(), CliError> {
     let mut client = Client::connect(&cli.state_dir)?;
     let json = cli.json;
     match cli.command {
-        Command::Daemon(_) | Command::Run(_) | Command::Lab(_) => unreachable!("handled above"),
+        Command::Daemon(_) | Command::Run(_) | Command::Lab(_) | Command::Completions { .. } | Command::Man { .. } => {
+            unreachable!("handled above")
+        }
         Command::App(AppCmd::List) => print(json, &client.call(AppList)?, |a| render::app_list(a)),
         Command::App(AppCmd::Vars) => print(json, &client.call(AppVarList)?, |a| render::app_vars(a)),
         Command::Flow(FlowCmd::List) => print(json, &client.call(FlowList)?, |f| render::flow_list(f)),

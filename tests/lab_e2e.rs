@@ -700,3 +700,45 @@ at = "1s"
     let programs = dir.join("programs");
     assert_eq!(read(&programs.join("app-1.out")).trim(), "200", "curl: {}", read(&programs.join("app-1.err")));
 }
+
+/// `lab up --metrics`: every daemon of the lab (the wire's, a stacked host's), each in its namespace, serves its
+/// meters on the host's loopback; the `prometheus.yml` written into the results is valid, and a real Prometheus
+/// started with it scrapes every daemon (`up` 1), with the lab's emulated links among the series.
+#[test]
+fn lab_daemons_are_scraped_by_prometheus_with_the_written_configuration() {
+    let Some(_serial) = privileged_serial() else { return };
+    let t = TestLab::new("prom");
+    let lab = format!(
+        "[lab]\nname = \"{name}\"\nduration = \"5s\"\n[hosts.st]\nstack = \"{stack}\"\n[hosts.srv]\n\
+         [[links]]\na = \"st\"\nb = \"srv\"\nbw = 50\n",
+        name = t.name,
+        stack = repo().join("stacks/app-default.toml").display()
+    );
+    let file = t.write("prom.toml", &lab);
+    let results = t.path("r");
+    t.ok(&["lab", "up", path_str(&file), "--results", path_str(&results), "--metrics"]);
+    let config = results.join("prometheus.yml");
+    let check = Command::new("promtool").arg("check").arg("config").arg(&config).output().expect("promtool");
+    assert!(check.status.success(), "promtool: {}", text(&check));
+    let targets = read(&config).matches("targets:").count();
+    assert_eq!(targets, 2, "the wire daemon and the stacked host's:\n{}", read(&config));
+    let prom = common::prometheus::Prometheus::with_config(&config, tempfile::tempdir().unwrap());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let up = loop {
+        let up = prom.query(&format!("up{{lab=\"{}\"}}", t.name));
+        if up.len() == 2 && up.iter().all(|s| s["value"][1] == "1") || Instant::now() > deadline {
+            break up;
+        }
+        std::thread::sleep(Duration::from_millis(300));
+    };
+    let hosts: BTreeSet<&str> =
+        up.iter().filter(|s| s["value"][1] == "1").filter_map(|s| s["metric"]["host"].as_str()).collect();
+    assert_eq!(hosts, BTreeSet::from(["st", "wire"]), "every daemon scraped: {up:?}");
+    // The wire daemon's emulators of link st-srv, one per direction, with the rate the lab gave them.
+    let rates = prom.query(&format!("flexstack_emulator_rate_mbit{{lab=\"{}\", host=\"wire\"}}", t.name));
+    let modules: BTreeSet<&str> = rates.iter().filter_map(|s| s["metric"]["module"].as_str()).collect();
+    assert_eq!(modules, BTreeSet::from(["st-srv_ab", "st-srv_ba"]), "{rates:?}");
+    assert!(rates.iter().all(|s| s["value"][1] == "50"), "50 Mbit/s: {rates:?}");
+    t.ok(&["lab", "down", &t.name]);
+    t.assert_gone();
+}

@@ -7,18 +7,14 @@
 
 mod common;
 
+use common::prometheus::{free_port, Prometheus};
 use common::{answer, as_u64, octets, privileged, tcp_exchange as exchange, text, Background, SandboxDaemon, Server};
 use flexstack_api::ops::Get;
 use serde_json::Value as Json;
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-
-/// A loopback port free right now.
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
 
 /// A sandbox daemon (app subnet 10.`octet`.0.0/16) serving /metrics on `port`, with `extra` arguments.
 fn metrics_daemon(octet: u8, port: u16, extra: &[&str]) -> SandboxDaemon {
@@ -40,74 +36,6 @@ fn scrape(port: u16, openmetrics: bool) -> String {
 /// The value of the sample `line_start` (a metric name with its labels, as exposed) in an exposition.
 fn sample(exposition: &str, line_start: &str) -> Option<f64> {
     exposition.lines().find_map(|l| l.strip_prefix(line_start)?.strip_prefix(' ')?.trim().parse().ok())
-}
-
-/// A Prometheus server on loopback scraping `target` every second; killed when dropped.
-struct Prometheus {
-    _proc: Background,
-    port: u16,
-    _dir: tempfile::TempDir,
-}
-
-impl Prometheus {
-    fn start(target: u16) -> Prometheus {
-        let dir = tempfile::tempdir().unwrap();
-        let config = dir.path().join("prometheus.yml");
-        std::fs::write(
-            &config,
-            format!(
-                "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n  - job_name: flexstack\n    \
-                 static_configs:\n      - targets: ['127.0.0.1:{target}']\n"
-            ),
-        )
-        .unwrap();
-        let port = free_port();
-        let child = Command::new("prometheus")
-            .arg(format!("--config.file={}", config.display()))
-            .arg(format!("--storage.tsdb.path={}", dir.path().join("data").display()))
-            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(dir.path().join("log")).unwrap())
-            .spawn()
-            .expect("prometheus (Debian package `prometheus`, see scripts/setup.sh)");
-        let p = Prometheus { _proc: Background(child), port, _dir: dir };
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while p.get("/-/ready").is_none_or(|(status, _)| status != 200) {
-            assert!(Instant::now() < deadline, "prometheus did not get ready");
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        p
-    }
-
-    /// Status and body of a GET on Prometheus's web API; `None` when it does not answer.
-    fn get(&self, path_and_query: &str) -> Option<(u16, String)> {
-        let out = Command::new("curl")
-            .args(["-s", "-m", "5", "-w", "\n%{http_code}", &format!("http://127.0.0.1:{}{path_and_query}", self.port)])
-            .output()
-            .ok()?;
-        let text = String::from_utf8_lossy(&out.stdout).to_string();
-        let (body, code) = text.rsplit_once('\n')?;
-        Some((code.parse().ok()?, body.to_string()))
-    }
-
-    /// The result vector of an instant PromQL query.
-    fn query(&self, promql: &str) -> Vec<Json> {
-        let out = Command::new("curl")
-            .args(["-s", "-m", "5", &format!("http://127.0.0.1:{}/api/v1/query", self.port)])
-            .args(["--data-urlencode", &format!("query={promql}")])
-            .output()
-            .unwrap();
-        let j: Json = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{promql}: {e}: {}", text(&out)));
-        assert_eq!(j["status"], "success", "{promql}: {j}");
-        j["data"]["result"].as_array().cloned().unwrap_or_default()
-    }
-
-    /// The single value of an instant query.
-    fn value(&self, promql: &str) -> f64 {
-        let r = self.query(promql);
-        assert_eq!(r.len(), 1, "{promql}: {r:?}");
-        r[0]["value"][1].as_str().unwrap().parse().unwrap()
-    }
 }
 
 /// The metric names in every query of contrib/grafana/flexstack.json (panels' targets and template variables),

@@ -208,6 +208,8 @@ pub struct CreateOptions<'a> {
     pub templates: &'a [Option<String>],
     /// Print progress and the phases' times on stderr.
     pub progress: bool,
+    /// Serve each daemon's meters for Prometheus on the host's loopback and write `prometheus.yml` (`--metrics`).
+    pub metrics: bool,
 }
 
 /// Refuses to build a lab whose namespaces or state already exist.
@@ -367,7 +369,12 @@ fn build(
     std::fs::write(&wire_stack, plan.wire_stack(lab)).map_err(|e| msg(format!("{}: {e}", wire_stack.display())))?;
     let stack_arg = wire_stack.display().to_string();
     let wire_ns = plan.wire_netns.as_str();
-    start_daemon(wire_ns, &state.wire_dir, lab.realtime, &["--stack", &stack_arg], &logs.join("wire-daemon.log"))?;
+    // With --metrics, every daemon listens on a free port of the loopback of the runner's own namespace.
+    let runner_netns = format!("/proc/{}/ns/net", std::process::id());
+    let metrics: Vec<&str> =
+        if opts.metrics { vec!["--metrics", "127.0.0.1:0", "--metrics-netns", &runner_netns] } else { Vec::new() };
+    let wire_args = [&["--stack", stack_arg.as_str()][..], &metrics].concat();
+    start_daemon(wire_ns, &state.wire_dir, lab.realtime, &wire_args, &logs.join("wire-daemon.log"))?;
     let stacked = plan.hosts.iter().filter(|h| h.stack.is_some()).count();
     if stacked > 0 {
         progress.phase("stacked hosts' daemons", stacked);
@@ -378,12 +385,42 @@ fn build(
             std::fs::write(path, text).map_err(|e| msg(format!("{}: {e}", path.display())))?;
             let etc = format!("/etc/netns/{}", h.netns);
             let subnet = subnet.to_string();
-            let args = ["--app-subnet", &subnet, "--app-etc", &etc];
+            let args = [&["--app-subnet", subnet.as_str(), "--app-etc", etc.as_str()][..], &metrics].concat();
             start_daemon(&h.netns, d, lab.realtime, &args, &logs.join(format!("{}-daemon.log", h.name)))?;
             progress.step(1);
         }
     }
+    if opts.metrics {
+        write_prometheus_config(lab, state, opts.results)?;
+    }
     state.write()
+}
+
+/// `<results>/prometheus.yml`: a scrape job of the lab's daemons, each target at the address its `status` reports,
+/// labelled with the lab and the host (`wire` for the wire daemon).
+fn write_prometheus_config(lab: &Lab, state: &LabState, results: &Path) -> Result<(), CliError> {
+    let mut daemons = vec![("wire".to_string(), state.wire_dir.clone())];
+    daemons.extend(state.hosts.iter().filter_map(|h| Some((h.name.clone(), h.daemon_dir.clone()?))));
+    let mut targets = String::new();
+    for (host, dir) in daemons {
+        let status = Client::connect(&dir)
+            .and_then(|mut c| c.call(flexstack_api::ops::Status))
+            .map_err(|e| msg(format!("the daemon of {host}: {e}")))?;
+        let addr = status.metrics.ok_or_else(|| msg(format!("the daemon of {host} serves no metrics")))?;
+        targets.push_str(&format!(
+            "      - targets: [\"{addr}\"]\n        labels: {{lab: \"{}\", host: \"{host}\"}}\n",
+            lab.name
+        ));
+    }
+    let text = format!(
+        "# Prometheus scrape configuration of lab {name}'s daemons, written by `flexstack lab run --metrics`; valid \
+         while the lab runs:\n# prometheus --config.file={file}\nglobal:\n  scrape_interval: 1s\nscrape_configs:\n  \
+         - job_name: flexstack-lab-{name}\n    static_configs:\n{targets}",
+        name = lab.name,
+        file = results.join("prometheus.yml").display()
+    );
+    let path = results.join("prometheus.yml");
+    std::fs::write(&path, text).map_err(|e| msg(format!("{}: {e}", path.display())))
 }
 
 fn mac(text: &str) -> Result<[u8; 6], CliError> {

@@ -36,6 +36,10 @@ pub enum LabCmd {
         /// No progress lines.
         #[arg(short, long)]
         quiet: bool,
+        /// Serve each daemon's meters for Prometheus on this host's loopback (a free port each) and write the
+        /// scrape configuration into the results (`prometheus.yml`).
+        #[arg(long)]
+        metrics: bool,
     },
     /// Build the lab and start its background programs; it stays up until `lab down`.
     Up {
@@ -47,6 +51,10 @@ pub enum LabCmd {
         /// No progress lines.
         #[arg(short, long)]
         quiet: bool,
+        /// Serve each daemon's meters for Prometheus on this host's loopback (a free port each) and write the
+        /// scrape configuration into the results (`prometheus.yml`).
+        #[arg(long)]
+        metrics: bool,
     },
     /// Run a command on a host of a lab that is up (through its stack on a stacked host), as the invoking user.
     Exec {
@@ -351,8 +359,8 @@ pub fn command(state_dir: &Path, json: bool, cmd: LabCmd) -> Result<(), CliError
             }
             Ok(())
         }
-        LabCmd::Run { file, results, quiet } => run_lab(state_dir, json, &file, results, !quiet),
-        LabCmd::Up { file, results, quiet } => {
+        LabCmd::Run { file, results, quiet, metrics } => run_lab(state_dir, json, &file, results, !quiet, metrics),
+        LabCmd::Up { file, results, quiet, metrics } => {
             let (lab, plan, text, templates) = load(&file)?;
             let dir = results_dir(&lab, results)?;
             write_resolved(&dir, &text, &plan)?;
@@ -363,6 +371,7 @@ pub fn command(state_dir: &Path, json: bool, cmd: LabCmd) -> Result<(), CliError
                 runner_pid: 0,
                 templates: &templates,
                 progress: !quiet && !json,
+                metrics,
             };
             let state = build::create(&lab, &plan, &opts)?;
             let never = std::sync::atomic::AtomicBool::new(false);
@@ -478,6 +487,7 @@ fn run_lab(
     file: &Path,
     results: Option<PathBuf>,
     progress: bool,
+    metrics: bool,
 ) -> Result<(), CliError> {
     let (lab, plan, text, templates) = load(file)?;
     let interrupted = interrupt_flag()?;
@@ -493,6 +503,7 @@ fn run_lab(
         runner_pid: std::process::id(),
         templates: &templates,
         progress,
+        metrics,
     };
     let state = build::create(&lab, &plan, &opts)?;
     let outcome = run::run(&state, &lab, &run::RunOptions { whole: true, progress }, &interrupted);

@@ -2,6 +2,8 @@
 //! real `flexstack` binary.
 #![allow(dead_code)]
 
+pub mod prometheus;
+
 use flexstack_api::ops::{AppInfo, AppList, Get};
 use flexstack_api::protocol::Call;
 use flexstack_api::Value;

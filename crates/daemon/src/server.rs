@@ -157,6 +157,8 @@ pub fn run_daemon(opts: DaemonOptions, catalog: Catalog) -> Result<(), String> {
     tracing::debug!(limit = files, "limit of open files");
     // The app socket is set up while the daemon may still give it to a group (CAP_CHOWN is not kept).
     let app_listener = bind_app_socket(&app_sock, opts.app_socket.group.as_deref())?;
+    // The metrics endpoint may listen in another namespace, which needs privileges the daemon does not keep.
+    let metrics_listener = opts.metrics.as_ref().map(crate::metrics::bind).transpose()?;
     crate::privileges::drop_unneeded()?;
 
     let dataplane = DataPlane::start(opts.dataplane);
@@ -225,9 +227,9 @@ pub fn run_daemon(opts: DaemonOptions, catalog: Catalog) -> Result<(), String> {
     } else {
         Some(crate::sockdiag::FlowMeterPoller::start(&control, opts.flow_meters)?)
     };
-    let _metrics = match &opts.metrics {
-        Some(m) => Some(crate::metrics::serve(control.clone(), m)?),
-        None => None,
+    let _metrics = match (&opts.metrics, metrics_listener) {
+        (Some(m), Some(listener)) => Some(crate::metrics::serve(control.clone(), m, listener)?),
+        _ => None,
     };
     let _web = match &opts.web {
         Some(w) => Some(crate::web::serve(control.clone(), w)?),

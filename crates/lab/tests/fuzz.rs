@@ -3,9 +3,8 @@
 
 mod common;
 
-use common::located;
+use common::check_lab;
 use flexstack_fuzzkit::{iters_from_env, mutate_input, run_guarded, seed_from_env, target_seed, Dict, Rng};
-use flexstack_lab::Lab;
 
 const DEMO: &str = include_str!("../../../labs/demo.toml");
 
@@ -78,20 +77,6 @@ fn mutated_demo_never_panics_and_errors_are_located() {
     let corpus = vec![DEMO.as_bytes().to_vec()];
     for i in 0..iters {
         let input = mutate_input(&mut rng, DEMO.as_bytes(), &corpus, &DICT);
-        run_guarded("lab", seed, i, &input, || {
-            let Ok(text) = std::str::from_utf8(&input) else { return Ok(()) };
-            match Lab::parse("fuzz.toml", text) {
-                Ok(lab) => {
-                    if lab.timeline() != lab.timeline() {
-                        return Err("timeline not deterministic".into());
-                    }
-                    if lab.events.windows(2).any(|w| w[0].at > w[1].at) {
-                        return Err("events not sorted".into());
-                    }
-                    Ok(())
-                }
-                Err(e) => located(&e, "fuzz.toml", text),
-            }
-        });
+        run_guarded("lab", seed, i, &input, || check_lab(&input));
     }
 }

@@ -19,6 +19,11 @@
 
 mod common;
 use common::{catalog, link, load, meter, verdict};
+// The checks of the parsers, shared with the libFuzzer target `packet` (fuzz/fuzz_targets/packet.rs).
+#[allow(dead_code)]
+#[path = "../../../fuzz/src/packet.rs"]
+mod checks;
+use checks::{check_icmp, check_parse, checksum_error, repair};
 
 use flexstack_core::{
     Batch, Edit, Frame, Module, ModuleBuilder, ModuleInterface, ModuleVars, Output, PortSpec, Switch, Time,
@@ -26,10 +31,8 @@ use flexstack_core::{
 use flexstack_fuzzkit::{
     hex, iters_from_env, load_corpus, mutate_input, run_guarded, seed_from_env, target_seed, Dict, Rng,
 };
-use flexstack_modules::ip::icmp;
 use flexstack_wire::checksum;
 use flexstack_wire::packet::{PacketInfo, ParseError};
-use std::net::{Ipv4Addr, Ipv6Addr};
 use std::sync::{Arc, Mutex};
 
 /// Inputs per target by default: the whole file runs in a few seconds in a debug build.
@@ -51,28 +54,6 @@ const BYTES: &[u8] =
 const WORDS: &[u16] =
     &[0, 1, 7, 8, 20, 40, 0x2000, 0x2001, 0x1fff, 0x3fff, 0x4000, 576, 1280, 1500, 0x7fff, 0xfff8, 0xffff];
 
-/// Sets the IPv4 total length (sometimes) and header checksum, or the IPv6 payload length, from the buffer.
-fn repair(rng: &mut Rng, p: &mut [u8]) {
-    match p.first().map(|b| b >> 4) {
-        Some(4) if p.len() >= 20 => {
-            if rng.one_in(2) {
-                let n = p.len().min(65535) as u16;
-                p[2..4].copy_from_slice(&n.to_be_bytes());
-            }
-            let ihl = (usize::from(p[0] & 0x0f) * 4).clamp(20, p.len());
-            p[10] = 0;
-            p[11] = 0;
-            let c = checksum::ipv4_header(&p[..ihl]);
-            p[10..12].copy_from_slice(&c.to_be_bytes());
-        }
-        Some(6) if p.len() >= 40 => {
-            let n = (p.len() - 40).min(65535) as u16;
-            p[4..6].copy_from_slice(&n.to_be_bytes());
-        }
-        _ => {}
-    }
-}
-
 /// The mutations: IP header bytes and fields (mostly within the first 64 bytes), long runs.
 const DICT: Dict<'static> =
     Dict { bytes: BYTES, words: WORDS, runs: &[8, 64, 600, 1500], head: 64, max_len: MAX_INPUT, ..Dict::EMPTY };
@@ -81,7 +62,8 @@ const DICT: Dict<'static> =
 fn mutate(rng: &mut Rng, input: &[u8], corpus: &[(String, Vec<u8>)]) -> Vec<u8> {
     let mut out = mutate_input(rng, input, corpus, &DICT);
     if rng.one_in(2) {
-        repair(rng, &mut out);
+        let total_len = rng.one_in(2);
+        repair(&mut out, total_len);
     }
     out
 }
@@ -89,64 +71,6 @@ fn mutate(rng: &mut Rng, input: &[u8], corpus: &[(String, Vec<u8>)]) -> Vec<u8> 
 /// Runs `check` on `input` under catch_unwind; panics with a reproducible report on failure.
 fn run_case(target: &str, iteration: usize, input: &[u8], check: impl FnOnce() -> Result<(), String>) {
     run_guarded(target, seed_from_env(DEFAULT_SEED), iteration, input, check);
-}
-
-/// Recomputes a packet's IPv4 header and transport checksum; `None` when right (or not checkable).
-fn checksum_error(packet: &[u8]) -> Option<String> {
-    let info = match PacketInfo::parse(packet) {
-        Ok(i) => i,
-        Err(e) => return Some(format!("does not parse: {e}")),
-    };
-    if info.fragment.is_some() {
-        return None;
-    }
-    let l4 = &packet[info.l4_offset..info.total_len];
-    let ok = match (info.version, info.protocol) {
-        (4, 1) => checksum::verify(0, l4),
-        (6, 58) | (_, 6) | (_, 17) => {
-            checksum::verify(checksum::pseudo_header(info.src, info.dst, info.protocol, l4.len() as u32), l4)
-        }
-        _ => true,
-    };
-    (!ok).then(|| "wrong transport checksum".to_string())
-}
-
-fn check_parse(input: &[u8]) -> Result<(), String> {
-    if let Ok(info) = PacketInfo::parse(input) {
-        if !(info.l4_offset <= info.total_len && info.total_len <= input.len()) {
-            return Err(format!("offsets out of the packet: {info:?}"));
-        }
-        if info.fragment.is_some_and(|f| f.data_offset > info.total_len) {
-            return Err(format!("fragment data beyond the packet: {info:?}"));
-        }
-        if (info.version == 4) != info.src.is_ipv4() {
-            return Err(format!("version and addresses disagree: {info:?}"));
-        }
-    }
-    Ok(())
-}
-
-fn check_icmp(input: &[u8]) -> Result<(), String> {
-    let src4 = Ipv4Addr::new(192, 0, 2, 1);
-    let src6: Ipv6Addr = "2001:db8::1".parse().unwrap();
-    let e4 = icmp::error_v4(src4, input, 11, 0, [0; 4]);
-    let e6 = icmp::error_v6(src6, input, 2, 0, 1280u32.to_be_bytes());
-    if e4.len() > icmp::MAX_ERROR_V4 || e6.len() > icmp::MAX_ERROR_V6 {
-        return Err(format!("error too long: {} / {}", e4.len(), e6.len()));
-    }
-    for (e, at) in [(&e4, 28), (&e6, 48)] {
-        if let Some(m) = checksum_error(e) {
-            return Err(format!("ICMP error: {m}"));
-        }
-        if !input.starts_with(&e[at..]) {
-            return Err("the quote is not a prefix of the original".into());
-        }
-    }
-    if let Ok(info) = PacketInfo::parse(input) {
-        let _ = icmp::may_send_error(&info, true);
-        let _ = icmp::may_send_error(&info, false);
-    }
-    Ok(())
 }
 
 #[test]

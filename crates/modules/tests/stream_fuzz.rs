@@ -20,6 +20,10 @@
 
 mod streamkit;
 use streamkit::*;
+// The IP part of `repair`, shared with the packet checks (fuzz/src/packet.rs).
+#[allow(dead_code)]
+#[path = "../../../fuzz/src/packet.rs"]
+mod packet_checks;
 
 use flexstack_core::Direction;
 use flexstack_fuzzkit::{
@@ -71,27 +75,10 @@ const WORDS: &[u16] = &[0, 1, 80, 53, 536, 1460, 0x7fff, 0x8000, 0xfffe, 0xffff]
 const DICT: Dict<'static> =
     Dict { bytes: BYTES, words: WORDS, runs: &[4, 40, 1400], head: 80, max_len: 3000, ..Dict::EMPTY };
 
-/// Sets lengths and checksums from the bytes, so a mutated packet gets past the first checks.
+/// Sets lengths and checksums from the bytes (the IP header's as `packets_fuzz` does, then TCP's or UDP's), so a
+/// mutated packet gets past the first checks.
 fn repair(p: &mut [u8]) {
-    let Some(v) = p.first().map(|b| b >> 4) else { return };
-    let (l4, protocol) = match v {
-        4 if p.len() >= 20 => {
-            let n = p.len().min(65535) as u16;
-            p[2..4].copy_from_slice(&n.to_be_bytes());
-            let ihl = (usize::from(p[0] & 0x0f) * 4).clamp(20, p.len());
-            p[10] = 0;
-            p[11] = 0;
-            let c = checksum::ipv4_header(&p[..ihl]);
-            p[10..12].copy_from_slice(&c.to_be_bytes());
-            (ihl, p[9])
-        }
-        6 if p.len() >= 40 => {
-            let n = (p.len() - 40).min(65535) as u16;
-            p[4..6].copy_from_slice(&n.to_be_bytes());
-            (40, p[6])
-        }
-        _ => return,
-    };
+    let Some((l4, protocol)) = packet_checks::repair(p, true) else { return };
     let Ok(info) = PacketInfo::parse(p) else { return };
     let field = match protocol {
         6 => l4 + 16,

@@ -258,7 +258,9 @@ fn lex(text: &str, diags: &mut Vec<Diagnostic>) -> Vec<(Tok, Span)> {
                                 Some('\\') => s.push('\\'),
                                 Some('n') => s.push('\n'),
                                 Some('t') => s.push('\t'),
-                                other => bad_escape = bad_escape.or(Some(other.copied())),
+                                // A backslash at the end of the line escapes nothing: the string is unterminated.
+                                Some('\n') | None => break,
+                                Some(&other) => bad_escape = bad_escape.or(Some(other)),
                             }
                         }
                         ch => s.push(ch),
@@ -274,7 +276,8 @@ fn lex(text: &str, diags: &mut Vec<Diagnostic>) -> Vec<(Tok, Span)> {
                     continue;
                 }
                 if let Some(e) = bad_escape {
-                    let what = e.map_or("end of line".to_string(), |c| format!("`\\{c}`"));
+                    // Shown escaped: a control character must not break the one-line message.
+                    let what = format!("`\\{}`", e.escape_debug());
                     diags.push(Diagnostic::error(
                         span,
                         format!("bad escape {what} in string: expected \\\" \\\\ \\n or \\t"),
@@ -701,6 +704,17 @@ mod tests {
         assert!(shown[4].starts_with("5:4: error: unterminated string"), "{shown:?}");
         assert!(shown[5].starts_with("6:11: error: expected `,` or `)`"), "{shown:?}");
         assert_eq!(shown.len(), 6, "{shown:?}");
+    }
+
+    /// Found by the libFuzzer target `rules`: a backslash before the end of the line took the newline into the
+    /// string, and the message about it held that newline.
+    #[test]
+    fn a_backslash_at_the_end_of_a_line_ends_the_string_unterminated() {
+        let (_, d) = parse("a: get(\"x\\\nb: 1\")\nc: get(\"y\\\u{f}\")\n");
+        let shown: Vec<String> = d.iter().map(|d| d.to_string()).collect();
+        assert!(shown[0].starts_with("1:8: error: unterminated string"), "{shown:?}");
+        assert!(shown.iter().any(|m| m.contains("bad escape `\\\\u{f}`")), "{shown:?}");
+        assert!(shown.iter().all(|m| !m.contains(|c: char| c.is_control())), "{shown:?}");
     }
 
     #[test]

@@ -9,11 +9,14 @@
 //! - loading it into an engine and advancing the clock a few times neither panics nor hangs, and
 //!   every knob write names a variable without `*`.
 
-use flexstack_core::{Time, Value};
 use flexstack_fuzzkit::{
     iters_from_env, load_corpus_bytes, mutate, run_guarded, seed_from_env, target_seed, Dict, Rng,
 };
-use flexstack_rules::{compile, render_rules, syntax, MemoryEnv, Program, RuleEngine};
+// The check, shared with the libFuzzer target `rules` (fuzz/fuzz_targets/rules.rs).
+#[allow(dead_code)]
+#[path = "../../../fuzz/src/rules.rs"]
+mod checks;
+use checks::check;
 use std::time::{Duration, Instant};
 
 const DEFAULT_ITERS: usize = 8_000;
@@ -69,58 +72,6 @@ const DICT: Dict<'static> = Dict {
     head: 0,
     max_len: 16 * 1024,
 };
-
-fn env() -> MemoryEnv {
-    let mut env = MemoryEnv::new();
-    env.meter("iface.wlan0.rssi", Value::U64(50))
-        .meter("module.src.rate", Value::F64(3.0))
-        .meter("flow.a.loss", Value::F64(0.05))
-        .meter("flow.a.rtt", Value::U64(20))
-        .meter("app.switchCwnd.loadOpt", Value::Bool(true))
-        .meter("app.switchCwnd.packetLossRate", Value::F64(5.0))
-        .knob("flow.a.cc", Value::Str("cubic".into()))
-        .knob("module.sel.select", Value::I64(0));
-    env
-}
-
-fn check(text: &str) -> Result<(), String> {
-    let lines = text.split('\n').count() as u32;
-    let (_, diags) = syntax::parse(text);
-    let env = env();
-    let all = match compile("fuzz", text, &Program::default(), &env) {
-        Ok(c) => {
-            // Round trip through the rendered rules.
-            let rendered = render_rules(c.defined.iter().map(|n| &c.program.rules[n]));
-            let again = compile("fuzz", &rendered, &Program::default(), &env)
-                .map_err(|d| format!("rendered text does not check: {d:?}\n{rendered}"))?;
-            for n in &c.defined {
-                if again.program.rules[n].node != c.program.rules[n].node {
-                    return Err(format!("rule {n} renders to a different tree: {rendered}"));
-                }
-            }
-            let mut engine = RuleEngine::new();
-            let mut env = env.clone();
-            engine
-                .handle_load_text("fuzz", text, Time::ZERO, &env)
-                .map_err(|e| format!("checked text refused: {e}"))?;
-            for t in [1u64, 50, 1000] {
-                env.meter("module.src.rate", Value::F64(t as f64));
-                let step = flexstack_rules::drive(&mut engine, &mut env, Time::from_millis(t));
-                if let Some(w) = step.writes.iter().find(|w| w.name.contains('*')) {
-                    return Err(format!("write to an unbound name {}", w.name));
-                }
-            }
-            c.warnings
-        }
-        Err(d) => d,
-    };
-    for d in diags.iter().chain(&all) {
-        if d.span.line < 1 || d.span.line > lines + 1 || d.span.column < 1 || d.message.contains('\n') {
-            return Err(format!("diagnostic out of place or multi-line: {d}"));
-        }
-    }
-    Ok(())
-}
 
 #[test]
 fn fuzz_rules() {

@@ -51,6 +51,12 @@ pub struct DaemonStatus {
     pub dataplane_scheduling: String,
     /// The capabilities the daemon holds.
     pub capabilities: Capabilities,
+    /// Where `--metrics` is served (`127.0.0.1:9464`), if it is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metrics: Option<String>,
+    /// Where `--web` is served, if it is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub web: Option<String>,
 }
 
 /// Capability sets, by name (`CAP_NET_ADMIN`, ...).

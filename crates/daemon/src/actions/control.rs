@@ -48,6 +48,8 @@ pub struct Control {
     rules: OnceLock<RulesService>,
     /// Variables registered by applications over the app socket.
     pub appvars: Arc<AppVars>,
+    /// Where the daemon's HTTP endpoints listen (`metrics`, `web`), for `status`.
+    pub(super) served: Mutex<Vec<(&'static str, std::net::SocketAddr)>>,
     /// The journal and what it needs ([`crate::actions::persist`]).
     pub(super) persist: Persist,
 }
@@ -85,8 +87,14 @@ impl Control {
             sandboxes,
             rules: OnceLock::new(),
             appvars: Arc::new(AppVars::new(registry_for_apps)),
+            served: Mutex::new(Vec::new()),
             persist: Persist::default(),
         }
+    }
+
+    /// Notes that the endpoint `what` (`metrics`, `web`) listens at `addr` (`status` reports it).
+    pub fn served_at(&self, what: &'static str, addr: std::net::SocketAddr) {
+        self.served.lock().unwrap_or_else(|p| p.into_inner()).push((what, addr));
     }
 
     /// Starts the rules thread: it samples meters every `interval` while rules are loaded, within `limits`, and

@@ -15,6 +15,8 @@ impl Control {
         drop(dp);
         let revision = self.revisions.lock().unwrap_or_else(|p| p.into_inner()).latest();
         let capabilities = crate::privileges::current().map_err(|e| ApiError::new(ErrorCode::Internal, e))?;
+        let served = self.served.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let at = |what: &str| served.iter().find(|(w, _)| *w == what).map(|(_, a)| a.to_string());
         Ok(DaemonStatus {
             version: env!("CARGO_PKG_VERSION").to_string(),
             pid: std::process::id(),
@@ -25,6 +27,8 @@ impl Control {
             paused: snap.paused,
             dataplane_scheduling: scheduling,
             capabilities,
+            metrics: at("metrics"),
+            web: at("web"),
         })
     }
 

@@ -199,6 +199,17 @@ impl Server {
         handler: Handler,
     ) -> Result<Server, String> {
         let listener = TcpListener::bind(addr).map_err(|e| format!("--{name} {addr}: cannot listen: {e}"))?;
+        Server::start_on(name, listener, limits, stats, handler)
+    }
+
+    /// Serves on `listener` (bound by the caller: in another network namespace, before privileges are dropped).
+    pub fn start_on(
+        name: &str,
+        listener: TcpListener,
+        limits: Limits,
+        stats: Arc<Stats>,
+        handler: Handler,
+    ) -> Result<Server, String> {
         let addr = listener.local_addr().map_err(|e| e.to_string())?;
         let stop = Arc::new(AtomicBool::new(false));
         let (stop2, handler) = (stop.clone(), Arc::new(handler));

@@ -32,6 +32,9 @@ pub struct MetricsOptions {
     pub public: bool,
     /// Export the per-flow series of the this many flows with the most bytes (0: none, the default).
     pub flows_top: usize,
+    /// Listen in this network namespace (a file such as `/proc/PID/ns/net`) instead of the daemon's own
+    /// (`--metrics-netns`): how the lab's daemons, each in its namespace, are scraped from the host.
+    pub netns: Option<std::path::PathBuf>,
 }
 
 /// One family of a scrape: its descriptor and samples.
@@ -297,15 +300,38 @@ impl MetricsOptions {
     }
 }
 
-/// Starts the endpoint (after [`MetricsOptions::check`]).
-pub fn serve(control: Arc<Control>, opts: &MetricsOptions) -> Result<crate::http::Server, String> {
+/// Binds the endpoint's socket (after [`MetricsOptions::check`]), in `--metrics-netns` if given: done at start,
+/// while the daemon may still enter another namespace.
+pub fn bind(opts: &MetricsOptions) -> Result<std::net::TcpListener, String> {
     opts.check()?;
+    let addr = opts.addr;
+    let listen = || std::net::TcpListener::bind(addr);
+    let bound = match &opts.netns {
+        None => listen(),
+        Some(path) => {
+            let ns = std::fs::File::open(path)
+                .map_err(|e| format!("--metrics-netns {}: cannot open: {e}", path.display()))?;
+            flexstack_faces::netconf::in_netns(std::os::fd::AsFd::as_fd(&ns), listen)
+        }
+    };
+    let place = opts.netns.as_ref().map_or(String::new(), |p| format!(" in {}", p.display()));
+    bound.map_err(|e| format!("--metrics {addr}{place}: cannot listen: {e}"))
+}
+
+/// Serves the endpoint on `listener` (from [`bind`]).
+pub fn serve(
+    control: Arc<Control>,
+    opts: &MetricsOptions,
+    listener: std::net::TcpListener,
+) -> Result<crate::http::Server, String> {
     let flows_top = opts.flows_top;
     let stats = Arc::new(crate::http::Stats::default());
     let s = stats.clone();
-    let handler = http::handler(move || scrape(&control, flows_top, &s));
-    let server = crate::http::Server::start("metrics", opts.addr, crate::http::Limits::default(), stats, handler)?;
+    let c = control.clone();
+    let handler = http::handler(move || scrape(&c, flows_top, &s));
+    let server = crate::http::Server::start_on("metrics", listener, crate::http::Limits::default(), stats, handler)?;
     tracing::info!(addr = %server.addr(), "metrics served at /metrics");
+    control.served_at("metrics", server.addr());
     Ok(server)
 }
 
@@ -315,7 +341,7 @@ mod tests {
 
     #[test]
     fn only_loopback_unless_public() {
-        let o = |addr: &str, public| MetricsOptions { addr: addr.parse().unwrap(), public, flows_top: 0 };
+        let o = |addr: &str, public| MetricsOptions { addr: addr.parse().unwrap(), public, flows_top: 0, netns: None };
         assert!(o("127.0.0.1:9464", false).check().is_ok());
         assert!(o("[::1]:9464", false).check().is_ok());
         assert!(o("0.0.0.0:9464", false).check().unwrap_err().contains("--metrics-public"));

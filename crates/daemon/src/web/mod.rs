@@ -472,7 +472,8 @@ pub fn serve(control: Arc<Control>, opts: &WebOptions) -> Result<Web, String> {
         .name("web-publish".into())
         .spawn(move || publish_loop(c, h, t, interval, kicks))
         .map_err(|e| format!("cannot start the web thread: {e}"))?;
-    let routes = Routes { control, hub, token: token.clone(), tap_dir, kick, max_streams: opts.max_streams };
+    let routes =
+        Routes { control: control.clone(), hub, token: token.clone(), tap_dir, kick, max_streams: opts.max_streams };
     let handler: Handler = Box::new(move |r| routes.answer(r));
     // Room for the event streams and the page's own requests; a request body is one control request.
     let limits = Limits {
@@ -484,6 +485,7 @@ pub fn serve(control: Arc<Control>, opts: &WebOptions) -> Result<Web, String> {
     let started = Instant::now();
     let server = Server::start("web", opts.addr, limits, Arc::new(Stats::default()), handler)?;
     let web = Web { server, token, token_file };
+    control.served_at("web", web.addr());
     tracing::info!(addr = %web.addr(), token_file = %web.token_file.display(), ms = started.elapsed().as_millis() as u64, "web view served");
     println!("flexstack web view: {}", web.url_with_token());
     Ok(web)

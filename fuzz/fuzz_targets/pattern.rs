@@ -1,0 +1,4 @@
+//! libFuzzer target `pattern`: [`flexstack_fuzz::parsers::check_pattern`].
+#![no_main]
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| flexstack_fuzz::require(flexstack_fuzz::parsers::check_pattern(data)));

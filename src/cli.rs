@@ -239,6 +239,15 @@ pub struct DaemonArgs {
     /// Most app-socket connections one user (uid) may hold at once.
     #[arg(long, default_value_t = 8, value_name = "N")]
     pub app_max_per_uid: usize,
+    /// Come back to the last state kept in STATE_DIR/journal: the stack's revisions and current stack, the rules
+    /// and their revisions (not sandboxed apps; docs/persistence.md). Without it the daemon starts fresh and sets
+    /// the old journal aside as journal.<time>. A damaged journal is reported and restored up to the damage.
+    #[arg(long)]
+    pub restore: bool,
+    /// Compact the journal when it grows past this many bytes (it keeps the rules changes and the latest revisions).
+    #[arg(long, default_value_t = flexstack_daemon::journal::DEFAULT_MAX_BYTES, value_name = "BYTES",
+          value_parser = clap::value_parser!(u64).range(4096..))]
+    pub journal_max_bytes: u64,
 }
 
 /// `flexstack module ...`
@@ -539,6 +548,8 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 max_per_uid: d.app_max_per_uid.max(1),
                 group: d.app_socket_group.clone(),
             },
+            restore: d.restore,
+            journal_max_bytes: d.journal_max_bytes,
         };
         return run_daemon(opts, flexstack_daemon::catalog()).map_err(CliError::Message);
     }

@@ -5,6 +5,7 @@
 #![deny(unsafe_code)]
 
 pub mod appvars;
+pub mod journal;
 pub mod lab;
 pub mod packet;
 pub mod parsers;

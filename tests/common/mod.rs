@@ -77,8 +77,16 @@ impl Daemon {
 
     fn spawn(netns: Option<&str>, stack: &str, extra: &[&str], stderr: Stdio) -> Daemon {
         let dir = tempfile::tempdir().expect("temp dir");
-        let stack_path = dir.path().join("stack.toml");
-        std::fs::write(&stack_path, stack).expect("write stack");
+        std::fs::write(dir.path().join("stack.toml"), stack).expect("write stack");
+        let child = Self::spawn_child(netns, dir.path(), extra, stderr);
+        let d = Daemon { child, dir };
+        d.wait_ready();
+        d
+    }
+
+    /// `flexstack daemon --stack DIR/stack.toml --state-dir DIR/state EXTRA...`, its stderr to `stderr`, in the
+    /// network namespace `netns` if given (`ip netns exec`, which execs: the child is the daemon).
+    fn spawn_child(netns: Option<&str>, dir: &Path, extra: &[&str], stderr: Stdio) -> Child {
         let mut command = match netns {
             Some(ns) => {
                 let mut c = Command::new("ip");
@@ -87,21 +95,38 @@ impl Daemon {
             }
             None => Command::new(bin()),
         };
-        let child = command
+        command
             .arg("daemon")
             .arg("--stack")
-            .arg(&stack_path)
+            .arg(dir.join("stack.toml"))
             .arg("--state-dir")
-            .arg(dir.path().join("state"))
+            .arg(dir.join("state"))
             .args(extra)
             .env("FLEXSTACK_LOG", "warn")
             .stdout(Stdio::null())
             .stderr(stderr)
             .spawn()
-            .expect("spawn daemon");
-        let d = Daemon { child, dir };
-        d.wait_ready();
-        d
+            .expect("spawn daemon")
+    }
+
+    /// Kills the daemon with SIGKILL (nothing flushed or cleaned up) and starts another in the same state directory
+    /// with the same stack file and the arguments `extra`; its stderr goes to `self.path(log)`.
+    pub fn kill_and_restart(&mut self, extra: &[&str], log: &str) {
+        self.kill();
+        self.restart(extra, log);
+    }
+
+    /// Kills the daemon with SIGKILL and reaps it.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Starts the daemon again (after [`Daemon::kill`]) as [`Daemon::kill_and_restart`] does.
+    pub fn restart(&mut self, extra: &[&str], log: &str) {
+        let stderr = std::fs::File::create(self.path(log)).expect("create the daemon's log");
+        self.child = Self::spawn_child(None, self.dir.path(), extra, stderr.into());
+        self.wait_ready();
     }
 
     pub fn state_dir(&self) -> PathBuf {

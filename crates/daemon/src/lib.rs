@@ -7,6 +7,7 @@
 //! - [`rules`] runs the cross-layer rules on a thread of their own; [`appvars`] serves applications' variables.
 //! - [`sandbox`] builds and removes the namespaces of sandboxed apps; [`sockdiag`] reads the transport meters of
 //!   their forwarded TCP flows from their own sockets.
+//! - [`journal`] keeps every stack revision and rules change in the state directory, for `daemon --restore`.
 //! - [`catalog`] lists every module kind the daemon can load.
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
@@ -15,6 +16,7 @@ pub mod actions;
 pub mod appvars;
 pub mod dataplane;
 pub mod http;
+pub mod journal;
 pub mod metrics;
 pub mod privileges;
 pub mod rules;

@@ -4,7 +4,7 @@
 //! is dropped rather than waited for. None of this can stall the data plane, which only ever sees queued edits.
 //! It also starts the rules thread ([`crate::rules`]) and the applications' socket ([`crate::appvars`]).
 
-use crate::actions::{Caller, Control};
+use crate::actions::{Caller, Control, Found};
 use crate::appvars::APP_SOCKET_NAME;
 use crate::dataplane::DataPlane;
 use crate::sandbox::Sandboxes;
@@ -51,6 +51,10 @@ pub struct DaemonOptions {
     pub web: Option<crate::web::WebOptions>,
     /// The app socket's limits and group (`--app-*`).
     pub app_socket: crate::appvars::AppSocketOptions,
+    /// Come back to the state in the journal (`--restore`): revisions, stack, rules (docs/persistence.md).
+    pub restore: bool,
+    /// Compact the journal when it grows past this many bytes (`--journal-max-bytes`).
+    pub journal_max_bytes: u64,
 }
 
 /// Binds the app socket at `path`: mode 0666, or 0660 and owned by `group` when one is given.
@@ -111,6 +115,31 @@ pub fn run_daemon(opts: DaemonOptions, catalog: Catalog) -> Result<(), String> {
         std::fs::remove_file(&sock).map_err(|e| format!("{}: cannot remove stale socket: {e}", sock.display()))?;
     }
 
+    // The journal: read for --restore, otherwise set aside (kept under a name with the time) for a fresh start.
+    let journal_path = crate::journal::Journal::path_in(&opts.state_dir);
+    let (restore, damage) = match crate::actions::open_journal(&opts.state_dir, opts.restore)? {
+        Found::Fresh(aside) => {
+            if let Some(p) = aside {
+                tracing::info!(kept = %p.display(), "starting fresh (no --restore): the old journal was set aside");
+            }
+            (crate::journal::State::default(), None)
+        }
+        Found::Restore(state, damage) => (state, damage),
+    };
+    if let Some(d) = &damage {
+        let from = match restore.revisions.last() {
+            Some(r) => format!("restoring the last good revision ({}) and the rules changes before it", r.number),
+            None if restore.rules.is_empty() => "nothing before it to restore".to_string(),
+            None => "restoring the rules changes before it (no stack revision)".to_string(),
+        };
+        tracing::error!(
+            journal = %journal_path.display(),
+            offset = d.offset,
+            record = d.record,
+            "the journal is damaged at {d}; {from}"
+        );
+    }
+
     // Set up, before the first thread starts (capabilities are per thread and inherited): from here on the daemon
     // and what it starts hold only the capabilities it needs (crate::privileges).
     // A real-time data plane: CAP_SYS_NICE is dropped below, so this thread takes SCHED_FIFO now, the data-plane
@@ -143,7 +172,28 @@ pub fn run_daemon(opts: DaemonOptions, catalog: Catalog) -> Result<(), String> {
     flexstack_faces::takeover::restore_stale();
     let control =
         Arc::new(Control::new(dataplane, catalog, Sandboxes::new(opts.app_subnet).with_etc_dir(opts.app_etc.clone())));
-    if let (Some(spec), Some(path)) = (&spec, &opts.stack) {
+    let restored = match control.restore_stack(&restore, &journal_path, damage.as_ref()) {
+        Ok(r) => r,
+        Err(e) => {
+            control.shutdown();
+            return Err(format!(
+                "{}: {e} (without --restore the daemon starts fresh and keeps this journal under another name)",
+                journal_path.display()
+            ));
+        }
+    };
+    if restored.revision > 0 {
+        tracing::info!(
+            journal = %journal_path.display(),
+            revision = restored.revision,
+            revisions = restored.revisions,
+            apps_left_out = ?restored.apps_left_out,
+            "stack restored"
+        );
+        if let Some(path) = &opts.stack {
+            tracing::info!(stack = %path.display(), "--stack not loaded: the journal's stack was restored");
+        }
+    } else if let (Some(spec), Some(path)) = (&spec, &opts.stack) {
         if let Err(e) = control.load_stack(spec, "daemon", &format!("daemon --stack {}", path.display())) {
             control.shutdown();
             return Err(e.message);
@@ -163,6 +213,17 @@ pub fn run_daemon(opts: DaemonOptions, catalog: Catalog) -> Result<(), String> {
 
     // Rules run on a thread of their own; applications register variables on a socket of their own.
     control.start_rules(opts.rules_interval, opts.rules_limits)?;
+    if !restore.rules.is_empty() {
+        for w in control.restore_rules(&restore.rules)? {
+            tracing::warn!(journal = %journal_path.display(), "{w}");
+        }
+        tracing::info!(changes = restore.rules.len(), "rules restored");
+    }
+    if damage.is_some() {
+        let kept = crate::journal::set_aside(&journal_path, "damaged.")?;
+        tracing::warn!(kept = %kept.display(), "the damaged journal was kept; a new one holds what was restored");
+    }
+    control.start_journal(&journal_path, opts.journal_max_bytes)?;
     let _flow_meters = if opts.flow_meters.interval.is_zero() {
         None
     } else {

@@ -20,7 +20,14 @@ impl Control {
 /// The sandboxes load and unload their apps' modules through the control plane, as revisions.
 impl AppModules for Control {
     fn load_modules(&self, spec: &StackSpec, who: &str, change: &str) -> Result<(), ApiError> {
-        self.load_stack(spec, who, change).map(drop)
+        // Recorded as an app's before the revision is written, so that a restore leaves them out.
+        let names = || spec.modules.iter().map(|m| m.name.clone());
+        self.app_modules_changed(names(), true);
+        let loaded = self.load_stack(spec, who, change).map(drop);
+        if loaded.is_err() {
+            self.app_modules_changed(names(), false);
+        }
+        loaded
     }
 
     fn unload_modules(&self, names: &[String], change: &str) -> Result<(), ApiError> {
@@ -37,6 +44,7 @@ impl AppModules for Control {
             .chain(taps.map(|m| &m.name))
             .map(|n| Edit::Unload { name: n.clone() })
             .collect();
+        self.app_modules_changed(names.iter().cloned(), false);
         if edits.is_empty() {
             return Ok(());
         }

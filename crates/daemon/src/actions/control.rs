@@ -2,6 +2,7 @@
 //! `Control::edit` sends edits to the data plane, which validates and commits them between batches, and records
 //! each accepted change as a numbered revision ([`crate::actions::revisions`]).
 
+use crate::actions::persist_state::Persist;
 use crate::actions::revisions::RevisionLog;
 use crate::appvars::AppVars;
 use crate::dataplane::DataPlane;
@@ -49,6 +50,8 @@ pub struct Control {
     pub appvars: Arc<AppVars>,
     /// Where the daemon's HTTP endpoints listen (`metrics`, `web`), for `status`.
     pub(super) served: Mutex<Vec<(&'static str, std::net::SocketAddr)>>,
+    /// The journal and what it needs ([`crate::actions::persist`]).
+    pub(super) persist: Persist,
 }
 
 pub(super) fn internal(e: impl std::fmt::Display) -> ApiError {
@@ -85,6 +88,7 @@ impl Control {
             rules: OnceLock::new(),
             appvars: Arc::new(AppVars::new(registry_for_apps)),
             served: Mutex::new(Vec::new()),
+            persist: Persist::default(),
         }
     }
 
@@ -136,6 +140,12 @@ impl Control {
 
     /// Loads a whole stack description into the (empty) daemon as revision 1. Errors carry file:line.
     pub fn load_stack(&self, spec: &StackSpec, who: &str, change: &str) -> Result<Change, ApiError> {
+        let (edits, locations) = self.load_edits(spec)?;
+        self.edit_located(Author::User(who), change.to_string(), edits, &locations)
+    }
+
+    /// The edits that load `spec`'s modules and links, with where each was written.
+    pub(super) fn load_edits(&self, spec: &StackSpec) -> Result<(Vec<Edit>, Vec<Option<Location>>), ApiError> {
         let mut edits = Vec::new();
         let mut locations = Vec::new();
         for m in &spec.modules {
@@ -152,7 +162,7 @@ impl Control {
             edits.push(Edit::Link(l.link.clone()));
             locations.push(l.location.clone());
         }
-        self.edit_located(Author::User(who), change.to_string(), edits, &locations)
+        Ok((edits, locations))
     }
 
     /// Applies edits atomically and records a revision.
@@ -165,7 +175,31 @@ impl Control {
         self.edit_located(Author::Rule(rule), edit.to_string(), vec![edit], &[])
     }
 
-    /// Like [`Control::edit`]; a refused edit `i` is reported at `locations[i]` when it came from a file.
+    /// Held while the stack is changed: one change at a time.
+    pub(super) fn edit_guard(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.edit_lock.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Applies edits atomically (with [`Control::edit_guard`] held); a refused edit `i` is reported at
+    /// `locations[i]` when it came from a file. Returns the switch's notes.
+    pub(super) fn apply_edits(
+        &self,
+        edits: Vec<Edit>,
+        locations: &[Option<Location>],
+    ) -> Result<Vec<String>, ApiError> {
+        let single = edits.len() == 1;
+        self.dp().apply(edits).map_err(internal)?.map_err(|e| {
+            let message = match locations.get(e.index) {
+                Some(Some(loc)) => format!("{loc}: {}", e.message),
+                _ if single => e.message,
+                _ => e.to_string(),
+            };
+            ApiError::new(ErrorCode::InvalidEdit, message)
+        })
+    }
+
+    /// Like [`Control::edit`]; a refused edit `i` is reported at `locations[i]` when it came from a file. The
+    /// revision is in the journal before this returns.
     fn edit_located(
         &self,
         author: Author<'_>,
@@ -173,19 +207,9 @@ impl Control {
         edits: Vec<Edit>,
         locations: &[Option<Location>],
     ) -> Result<Change, ApiError> {
-        let _guard = self.edit_lock.lock().unwrap_or_else(|p| p.into_inner());
-        let dp = self.dp();
-        let single = edits.len() == 1;
-        let notes = dp.apply(edits).map_err(internal)?.map_err(|e| {
-            let message = match locations.get(e.index) {
-                Some(Some(loc)) => format!("{loc}: {}", e.message),
-                _ if single => e.message,
-                _ => e.to_string(),
-            };
-            ApiError::new(ErrorCode::InvalidEdit, message)
-        })?;
-        let snap = dp.snapshot().map_err(internal)?;
-        drop(dp);
+        let _guard = self.edit_guard();
+        let notes = self.apply_edits(edits, locations)?;
+        let snap = self.dp().snapshot().map_err(internal)?;
         let mut revs = self.revisions.lock().unwrap_or_else(|p| p.into_inner());
         let revision = match author {
             Author::User(who) => {
@@ -197,6 +221,10 @@ impl Control {
                 revs.push_rule_write(now_ms(), rule, change, notes.clone(), snap.spec.to_toml())
             }
         };
+        let written = self.journal_revision(&revs, revision, matches!(author, Author::User(_)));
+        drop(revs);
+        self.after_change();
+        written?;
         Ok(Change { revision, notes })
     }
 

@@ -15,6 +15,8 @@ mod control;
 mod flow;
 mod link;
 mod module;
+mod persist;
+mod persist_state;
 mod revisions;
 mod rules;
 mod runtime;
@@ -23,8 +25,10 @@ mod var;
 
 pub use control::{Caller, Control};
 pub use flow::Tuple;
+pub use persist::{open_journal, Found, Restored};
 pub use revisions::{Revision, RevisionLog};
 
+use crate::journal::RulesOp;
 use flexstack_api::ops::*;
 use flexstack_api::protocol::{ApiError, Call, ErrorCode, Request};
 use serde_json::Value as Json;
@@ -71,16 +75,20 @@ impl Control {
             Request::ConfigShow(r) => reply::<ConfigShow>(self.config_show(r.rev)),
             Request::ConfigRollback(r) => reply::<ConfigRollback>(self.config_rollback(r.rev, who)),
             Request::RulesLoad(r) => reply::<RulesLoad>(self.rules_load(r.name, r.text, who)),
-            Request::RulesUnload(r) => reply::<RulesUnload>(self.rules().and_then(|s| s.unload(r.names))),
+            Request::RulesUnload(r) => reply::<RulesUnload>(self.rules_revision(RulesOp::Unload { names: r.names })),
             Request::RulesDelete(r) => reply::<RulesDelete>(self.rules_delete(r.names, who)),
-            Request::RulesReplace(r) => reply::<RulesReplace>(self.rules().and_then(|s| s.replace(r.old, r.new))),
+            Request::RulesReplace(r) => {
+                reply::<RulesReplace>(self.rules_revision(RulesOp::Replace { old: r.old, new: r.new }))
+            }
             Request::RulesList => reply::<RulesList>(self.rules().and_then(|s| s.list())),
             Request::RulesShow(r) => reply::<RulesShow>(self.rules().and_then(|s| s.show(r.name))),
             Request::RulesLog => reply::<RulesLog>(self.rules().and_then(|s| s.log())),
             Request::RulesDiff(r) => reply::<RulesDiff>(self.rules().and_then(|s| s.diff(r.from, r.to))),
             Request::FlowList => reply::<FlowList>(self.flows()),
             Request::FlowShow(r) => reply::<FlowShow>(self.flow_show(&r.flow)),
-            Request::RulesRollback(r) => reply::<RulesRollback>(self.rules().and_then(|s| s.rollback(r.rev))),
+            Request::RulesRollback(r) => {
+                reply::<RulesRollback>(self.rules_revision(RulesOp::Rollback { revision: r.rev }))
+            }
         }
     }
 }

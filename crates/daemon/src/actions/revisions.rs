@@ -103,6 +103,19 @@ impl RevisionLog {
         self.latest
     }
 
+    /// Puts back a revision read from the journal ([`crate::journal`]), with its number: it becomes the latest
+    /// (one with the latest's number replaces it; an older number is ignored).
+    pub fn restore(&mut self, rev: Revision) {
+        if rev.number == 0 || rev.number < self.latest {
+            return;
+        }
+        if rev.number == self.latest {
+            self.kept.pop_back();
+        }
+        self.latest = rev.number - 1;
+        self.append(rev);
+    }
+
     /// Revision `n`, or why there is none.
     pub fn get(&self, n: u64) -> Result<&Revision, String> {
         if n == 0 || n > self.latest {

@@ -241,7 +241,7 @@ pub struct DaemonArgs {
     pub app_max_per_uid: usize,
     /// Come back to the last state kept in STATE_DIR/journal: the stack's revisions and current stack, the rules
     /// and their revisions (not sandboxed apps; docs/persistence.md). Without it the daemon starts fresh and sets
-    /// the old journal aside as journal.<time>. A damaged journal is reported and restored up to the damage.
+    /// the old journal aside as `journal.<time>`. A damaged journal is reported and restored up to the damage.
     #[arg(long)]
     pub restore: bool,
     /// Compact the journal when it grows past this many bytes (it keeps the rules changes and the latest revisions).

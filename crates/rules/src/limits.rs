@@ -8,7 +8,7 @@
 //! `refused_instances_total`). The memory bound is checked against an estimate made from the definitions, not
 //! measured: every definition and every running unit counts its fixed size, its names and, for windows, the samples
 //! the window may hold at most (a duration window counts one sample per millisecond, at most
-//! [`MAX_SAMPLES`](crate::units::MAX_SAMPLES)).
+//! [`crate::units::MAX_SAMPLES`]).
 
 use crate::compile::{Program, RuleAction, RuleDef};
 use crate::units::{Node, Param, Window, MAX_SAMPLES};

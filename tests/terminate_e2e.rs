@@ -448,7 +448,18 @@ fn iperf3_udp(backend: &str) {
         // Every datagram reached the server's host, exactly: iperf3's own count may miss the last few, which can
         // arrive after its end-of-test message (on its TCP control connection, another flow) overtook them.
         let host = arrived(v6) - before;
-        assert!((sent..=sent + 4).contains(&host), "{addr}: {sent} sent, {host} arrived at the server's host: {m:?}");
+        // On a shortfall, what the server's kernel says of the rest (socket buffer full, bad checksums) and of the
+        // packets its interfaces dropped, to tell where they went.
+        let diagnosis = || {
+            let udp = r.srv.ns.run(&["nstat", "-az", "Udp*Errors", "Udp6*Errors", "IpInDiscards", "Ip6InDiscards"]);
+            let links = r.srv.ns.run(&["ip", "-s", "link"]);
+            format!("{}\n{}", text(&udp), text(&links))
+        };
+        assert!(
+            (sent..=sent + 4).contains(&host),
+            "{addr}: {sent} sent, {host} arrived at the server's host: {m:?}\n{}",
+            diagnosis()
+        );
         assert!(sent - counted <= 8, "{addr}: {sent} sent, the server counted {counted}: {received}");
         assert_eq!(received["lost_packets"], 0, "{addr}: no gap in the sequence: {received} {m:?}");
         assert!(server.contains(" 0/"), "{addr}: the server's own count: {server}");

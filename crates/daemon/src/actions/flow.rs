@@ -7,10 +7,11 @@
 use crate::actions::control::{internal, Control};
 use flexstack_api::ops::{AppInfo, FlowDetail, FlowInfo, Handling, TcpMeters, VarValue};
 use flexstack_api::protocol::{ApiError, ErrorCode};
-use flexstack_core::vars::GroupVars;
+use flexstack_core::vars::{GroupVars, VarCell};
 use flexstack_core::{Registry, SharedRegistry, Value};
 use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
 
 /// A flow's `tuple` meter, parsed: `tcp 10.0.0.2:40000 <-> 10.0.0.1:80` (classify), `icmp A <-> B id 7`,
 /// `proto 47 A <-> B`, `tcp 10.0.0.2:40000 -> 10.0.0.1:80 app "curl"` (terminate, originate).
@@ -87,15 +88,17 @@ struct Publisher {
     backend: Option<String>,
 }
 
-fn str_var(g: Option<GroupVars<'_>>, leaf: &str) -> Option<String> {
-    match g?.get(leaf)?.get() {
+/// The text of a cell, if it holds text.
+fn text_of(cell: Option<&Arc<VarCell>>) -> Option<String> {
+    match cell?.get() {
         Value::Str(s) => Some(s),
         _ => None,
     }
 }
 
-fn u64_opt(g: Option<GroupVars<'_>>, leaf: &str) -> Option<u64> {
-    match g?.get(leaf)?.get() {
+/// The number of a cell, if it holds an unsigned one.
+fn u64_of(cell: Option<&Arc<VarCell>>) -> Option<u64> {
+    match cell?.get() {
         Value::U64(n) => Some(n),
         _ => None,
     }
@@ -108,14 +111,7 @@ fn tcp_meters(own: Option<GroupVars<'_>>, tcp: Option<GroupVars<'_>>) -> Option<
         Some(g) => g.get(k),
         None => own?.get(&format!("tcp.{k}")),
     };
-    let n = |k: &str| match cell(k)?.get() {
-        Value::U64(n) => Some(n),
-        _ => None,
-    };
-    let text = |k: &str| match cell(k)?.get() {
-        Value::Str(s) => Some(s),
-        _ => None,
-    };
+    let (n, text) = (|k: &str| u64_of(cell(k)), |k: &str| text_of(cell(k)));
     let m = TcpMeters {
         state: text("state"),
         srtt_us: n("srtt_us"),
@@ -133,7 +129,7 @@ fn tcp_meters(own: Option<GroupVars<'_>>, tcp: Option<GroupVars<'_>>) -> Option<
 /// False when the flow's TCP meters (group `tcp`) say they were read from a socket (`tcp.socket`, `local ->
 /// remote`) that is not the flow's: meters of an earlier flow with the same id, left until the poller's next round.
 fn same_socket(tcp: Option<GroupVars<'_>>, t: &Tuple) -> bool {
-    let Some(text) = str_var(tcp, "socket") else { return true };
+    let Some(text) = text_of(tcp.and_then(|g| g.get("socket"))) else { return true };
     let ends: Vec<Option<(IpAddr, Option<u16>)>> = text.split(" -> ").map(endpoint).collect();
     match ends.as_slice() {
         [Some(l), Some(r)] => (Some(*l), Some(*r)) == (t.src, t.dst) || (Some(*r), Some(*l)) == (t.src, t.dst),
@@ -185,9 +181,9 @@ fn flows_in(reg: &Registry, publishers: &[Publisher], apps: &[AppInfo], only: Op
                 dst: t.dst.map(|e| e.0),
                 dst_port: t.dst.and_then(|e| e.1),
                 tuple: text,
-                bytes_down: u64_opt(own, "bytes_down_total"),
-                bytes_up: u64_opt(own, "bytes_up_total"),
-                packets: u64_opt(own, "packets_total"),
+                bytes_down: u64_of(own.and_then(|g| g.get("bytes_down_total"))),
+                bytes_up: u64_of(own.and_then(|g| g.get("bytes_up_total"))),
+                packets: u64_of(own.and_then(|g| g.get("packets_total"))),
                 tcp: tcp_meters(own, tcp).filter(|_| same_socket(tcp, &t)),
                 peer: None,
                 module,

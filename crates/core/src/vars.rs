@@ -456,13 +456,10 @@ impl Registry {
 
     /// The cell named exactly `name`.
     pub fn get(&self, name: &str) -> Option<&Arc<VarCell>> {
-        // The group whose key `name` starts with: a binary search per dot of the name.
+        // The group whose prefix `name` starts with: a search per dot of the name.
         for (i, _) in name.match_indices('.').rev() {
-            let key = &name[..=i];
-            if let Ok(g) = self.groups.binary_search_by(|g| g.key().cmp(key)) {
-                if let Some(c) = self.groups[g].get(name) {
-                    return Some(c);
-                }
+            if let Some(c) = self.group(&name[..i]).and_then(|g| g.get(&name[i + 1..])) {
+                return Some(c);
             }
         }
         self.vars.get(name)

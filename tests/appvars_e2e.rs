@@ -83,7 +83,8 @@ fn exercise(d: &Daemon, mut ex: Example, app: &str) {
     std::fs::write(&file, rule).unwrap();
     d.ok(&["rules", "load", file.to_str().unwrap()]);
     d.wait_for("the rule's write to reach the callback", 10, |_| ex.printed("level=42"));
-    assert_eq!(d.get(&level), 42);
+    // The callback prints before its acceptance travels back to the daemon: wait for the value.
+    d.wait_for("the knob to read 42", 5, |d| d.get(&level) == 42);
     d.ok(&["rules", "unload", "lvl"]);
 
     // The lease: the variables go with the program.

@@ -491,3 +491,91 @@ fn two_hundred_modules_and_ten_thousand_flows_keep_the_dom_bounded() {
     let _ = app.kill();
     let _ = app.wait();
 }
+
+/// Sets an input of the page and clicks a button, as a user does.
+fn type_and_click(c: &Chrome, inputs: &[(&str, &str)], button: &str) {
+    let sets: String = inputs.iter().map(|(id, v)| format!("document.getElementById({id:?}).value = {v:?};")).collect();
+    c.js(&format!("{sets} document.getElementById({button:?}).click();"));
+}
+
+/// The message line once it names `what` (the page's answer to an action).
+fn message_of(c: &Chrome, what: &str) -> String {
+    let script = format!("const t = document.getElementById('msg').textContent; return t.startsWith({what:?}) && t");
+    c.wait(what, 5.0, &script).as_str().unwrap().to_string()
+}
+
+#[test]
+fn the_pages_actions_change_the_running_stack() {
+    let Some(chrome) = Chrome::start() else { return };
+    let (d, port) = web_daemon(&stack(20_000, 0));
+    let token = token(&d.state_dir());
+    let has_link = |d: &Daemon| stack_of(d).1.iter().any(|e| e == "sel[0] -> sink1[in]");
+    chrome.go(&format!("http://127.0.0.1:{port}/#token={token}"));
+    chrome.wait("read-write", 10.0, "return document.getElementById('mode').textContent === 'read-write'");
+
+    // Link edit: add, then remove, each a revision of the stack, made by the page (the control API's user "web").
+    type_and_click(&chrome, &[("link-text", "sel[0] -> sink1")], "link-add");
+    let msg = message_of(&chrome, "link add");
+    assert!(msg.contains("done"), "{msg}");
+    d.wait_for("the link", 5, has_link);
+    let log = d.json(&["config", "log"]);
+    assert_eq!(log.as_array().unwrap().last().unwrap()["user"], "web", "{log}");
+    chrome.wait(
+        "the page to draw it",
+        5.0,
+        "return !!document.querySelector('#graph [data-link=\"sel[0] -> sink1[in]\"]')",
+    );
+    type_and_click(&chrome, &[("link-text", "sel[0] -> sink1")], "link-del");
+    d.wait_for("the link to go", 5, |d| !has_link(d));
+    // A link naming no module: the daemon's error is shown, nothing changes.
+    let revision = d.json(&["status"])["revision"].as_u64().unwrap();
+    type_and_click(&chrome, &[("link-text", "sel[0] -> nowhere")], "link-add");
+    let msg = message_of(&chrome, "link add");
+    assert!(!msg.contains("done") && msg.contains("nowhere"), "{msg}");
+    assert_eq!(d.json(&["status"])["revision"].as_u64().unwrap(), revision);
+
+    // Knob set: the selector sends to its other output, so sink1 starts receiving frames.
+    let sink1 = |d: &Daemon| d.get_u64("module.sink1.frames_in_total");
+    let before = sink1(&d);
+    type_and_click(&chrome, &[("knob-name", "module.sel.select"), ("knob-value", "1")], "knob-set");
+    let msg = message_of(&chrome, "set");
+    assert!(msg.contains("done"), "{msg}");
+    assert_eq!(d.get("module.sel.select"), 1);
+    d.wait_for("frames at sink1", 5, |d| sink1(d) > before + 1000);
+    // A value out of the knob's type is refused with the daemon's message; the knob keeps its value.
+    type_and_click(&chrome, &[("knob-name", "module.sel.select"), ("knob-value", "\"many\"")], "knob-set");
+    let msg = message_of(&chrome, "set");
+    assert!(!msg.contains("done"), "{msg}");
+    assert_eq!(d.get("module.sel.select"), 1);
+
+    // Tap add on the link the frames take, then download its pcapng from the page (the blob the page saves).
+    chrome.wait(
+        "the tap's link in the list",
+        5.0,
+        "return [...document.querySelectorAll('#tap-link option')].some(o => o.textContent === 'sel[1] -> sink1')",
+    );
+    chrome.js(
+        "document.getElementById('tap-link').value = 'sel[1] -> sink1'; document.getElementById('tap-add').click();",
+    );
+    let msg = message_of(&chrome, "tap add");
+    assert!(msg.contains("done"), "{msg}");
+    let taps = d.json(&["tap", "list"]);
+    let tap = taps.as_array().unwrap().first().unwrap_or_else(|| panic!("no tap: {taps}")).clone();
+    let file = tap["file"].as_str().unwrap().to_string();
+    assert!(file.starts_with(d.state_dir().join("web-taps").to_str().unwrap()), "{file}");
+    d.wait_for("frames in the tap", 5, |_| std::fs::metadata(&file).map_or(0, |m| m.len()) > 4096);
+    chrome.wait("the tap's row", 5.0, "return !!document.querySelector('#taps button.download')");
+    chrome.js(
+        "window.got = null; const make = URL.createObjectURL; \
+         URL.createObjectURL = (b) => { b.arrayBuffer().then(a => { window.got = [...new Uint8Array(a.slice(0, 4))].concat([a.byteLength]); }); return make(b); }; \
+         HTMLAnchorElement.prototype.click = function () { window.saved = this.download; }; \
+         document.querySelector('#taps button.download').click();",
+    );
+    let got = chrome.wait("the downloaded blob", 10.0, "return window.got");
+    let got: Vec<u64> = got.as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+    println!("downloaded {} bytes of pcapng from the page", got[4]);
+    assert_eq!(&got[..4], &[0x0a, 0x0d, 0x0d, 0x0a], "a pcapng section header block");
+    assert!(got[4] > 4096, "the download holds the tapped frames: {} bytes", got[4]);
+    let saved = chrome.wait("the save", 5.0, "return window.saved");
+    assert_eq!(saved, format!("{}.pcapng", tap["name"].as_str().unwrap()), "the page saves it under the tap's name");
+}

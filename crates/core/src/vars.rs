@@ -473,6 +473,16 @@ impl Registry {
         Some(GroupVars(&self.groups[g]))
     }
 
+    /// The runtime groups whose `prefix.` starts with `start` (`flow.`: every flow's), in the order of `prefix.`, each
+    /// with its prefix: one search, then no name is compared or sorted, however many there are.
+    pub fn groups_under<'a>(&'a self, start: &'a str) -> impl Iterator<Item = (&'a str, GroupVars<'a>)> + 'a {
+        let first = self.groups.partition_point(|g| g.key() < start);
+        self.groups[first..]
+            .iter()
+            .take_while(move |g| g.key().starts_with(start))
+            .map(|g| (&g.key()[..g.key().len() - 1], GroupVars(g)))
+    }
+
     /// The variables whose names match `pattern` (see [`name_matches`]), sorted by name.
     pub fn matching<'a>(&'a self, pattern: &'a str) -> impl Iterator<Item = (&'a str, &'a Arc<VarCell>)> + 'a {
         // What precedes the first wildcard must start the name: a cheap test before the matcher.
@@ -832,6 +842,13 @@ mod tests {
                 assert!(snap.group(prefix).is_some_and(|g| g.get("a.c").is_some() && g.get("c").is_none()));
             }
             assert_eq!(snap.group("iface.a.b").is_some(), nested);
+            // The groups under a start, in prefix order, nested ones included.
+            let under = |start| snap.groups_under(start).map(|(p, g)| (p, g.get("b").is_some())).collect::<Vec<_>>();
+            assert_eq!(under("flow."), [("flow.1-b", true), ("flow.1", true), ("flow.10", true)], "in key order");
+            let iface = if nested { vec![("iface.a", true), ("iface.a.b", true)] } else { vec![("iface.a", true)] };
+            assert_eq!(under("iface."), iface);
+            assert_eq!(under("iface.a.b"), if nested { vec![("iface.a.b", true)] } else { vec![] });
+            assert!(under("module.").is_empty() && under("zzz").is_empty());
             for absent in ["flow", "flow.", "flow.2", "flow.1.b", "iface.a.b.a", "module.m"] {
                 assert!(snap.group(absent).is_none(), "{absent}");
             }

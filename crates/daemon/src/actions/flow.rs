@@ -154,11 +154,11 @@ fn app_of(apps: &[AppInfo], module: &str, t: &Tuple) -> Option<String> {
 
 /// The flows in `reg`, each matched to its publisher among `publishers` and to its app among `apps`.
 fn flows_in(reg: &Registry, publishers: &[Publisher], apps: &[AppInfo], only: Option<Handling>) -> Vec<FlowInfo> {
-    // Every `flow.<id>.tuple`: one pass over the names with plain comparisons (there may be many thousands).
+    // Every flow group with a `tuple`: one search, no name compared or sorted (there may be many thousands).
     let mut flows: Vec<FlowInfo> = reg
-        .iter()
-        .filter_map(|(name, cell)| {
-            let prefix = name.strip_suffix(".tuple").filter(|p| p.starts_with("flow."))?;
+        .groups_under("flow.")
+        .filter_map(|(prefix, own)| {
+            let cell = own.get("tuple")?;
             let parent = prefix.rsplit_once('.').map_or("", |(p, _)| p);
             let publisher = publishers.iter().find(|p| p.prefix == parent);
             if only.is_some_and(|h| publisher.map(|p| handling(&p.kind)) != Some(h)) {
@@ -166,7 +166,7 @@ fn flows_in(reg: &Registry, publishers: &[Publisher], apps: &[AppInfo], only: Op
             }
             let Value::Str(text) = cell.get() else { return None };
             // The flow's meters, and the transport meters the flow-meters thread adds under `<prefix>.tcp`.
-            let (own, tcp) = (reg.group(prefix), reg.group(&format!("{prefix}.tcp")));
+            let (own, tcp) = (Some(own), reg.group(&format!("{prefix}.tcp")));
             let t = Tuple::parse(&text);
             let module = publisher.map_or(String::new(), |p| p.name.clone());
             let kind = publisher.map_or("", |p| p.kind.as_str());

@@ -10,6 +10,9 @@
 //!   app's next polls and dropped when the app goes.
 //! - Bounded: at most `max_flows` flows are updated per poll (the rest wait for later polls, oldest ids first), and
 //!   at most [`MAX_SOCKETS`] sockets are read from one dump.
+//! - Idle flows cost nothing: a flow whose packet count did not change since its socket was last read is read again
+//!   only every [`REFRESH_POLLS`] polls, and an app none of whose flows is due is not dumped at all (10,000 idle
+//!   connections of an app are one dump every ten seconds, not every second).
 //! - A flow whose socket is gone (the app closed it, or exited) keeps its last values with `state` `closed`; its
 //!   meters go at the first poll after its flow leaves the flow table. A flow table made anew (an app attached
 //!   again under the same name, a classifier replaced with `--fresh`) numbers its flows from 1 again: until the
@@ -154,6 +157,8 @@ struct Target {
     /// Its two ends, the first sender first.
     a: (IpAddr, u16),
     b: (IpAddr, u16),
+    /// Its packets so far: a flow whose count did not change since its socket was last read is not read again.
+    packets: u64,
 }
 
 /// Keeps at most `max` of `todo`, in the order of their ids, starting after the id `resume_after` (where the last
@@ -175,7 +180,7 @@ fn target(f: &FlowInfo) -> Option<Target> {
         return None;
     }
     let (app, a, b) = (f.app.clone()?, (f.src?, f.src_port?), (f.dst?, f.dst_port?));
-    Some(Target { id: f.id.clone(), tuple: f.tuple.clone(), app, a, b })
+    Some(Target { id: f.id.clone(), tuple: f.tuple.clone(), app, a, b, packets: f.packets.unwrap_or(0) })
 }
 
 /// Sends one INET_DIAG dump request for TCP sockets of `family` and reads the answers, at most [`MAX_SOCKETS`].
@@ -276,6 +281,17 @@ impl Published {
     }
 }
 
+/// An idle flow's socket is read again after this many polls.
+const REFRESH_POLLS: u64 = 10;
+
+/// Whether `t`'s socket is read at poll `polls`, given what it was when last read (tuple, packets, poll): when it is
+/// new, another connection under its id, has moved packets since, or was last read [`REFRESH_POLLS`] polls ago.
+fn due(last: Option<&(String, u64, u64)>, t: &Target, polls: u64) -> bool {
+    last.is_none_or(|(tuple, packets, poll)| {
+        *tuple != t.tuple || *packets != t.packets || polls.saturating_sub(*poll) >= REFRESH_POLLS
+    })
+}
+
 /// The poller's state between polls.
 struct Poller {
     dynamic: DynamicVars,
@@ -287,6 +303,12 @@ struct Poller {
     max_flows: usize,
     /// Where the last poll stopped, for the next one to go on from (flows beyond `max_flows`).
     resume_after: Option<String>,
+    /// By flow id: its tuple, its packets and the poll when its socket was last read. Without a packet a TCP
+    /// socket's state, round-trip time and window do not change (keep-alives and closes are packets), so an idle
+    /// flow is read again only every [`REFRESH_POLLS`] polls (its queues may change as the app reads or writes).
+    read_at: HashMap<String, (String, u64, u64)>,
+    /// Polls so far.
+    polls: u64,
 }
 
 impl Poller {
@@ -295,9 +317,11 @@ impl Poller {
         if control.sandboxes.count() == 0 && self.published.is_empty() && self.sockets.is_empty() {
             return Ok(()); // no app: nothing to read (and the data plane is not asked for a snapshot)
         }
+        self.polls += 1;
         let flows = control.flows_handled(Some(Handling::Forwarded)).map_err(|e| Fatal::No(e.message))?;
         let apps = control.sandboxes.list();
-        let mut todo: Vec<Target> = flows.iter().filter_map(target).collect();
+        let mut todo: Vec<Target> =
+            flows.iter().filter_map(target).filter(|t| due(self.read_at.get(&t.id), t, self.polls)).collect();
         // Forget the meters of flows that are gone (or whose id now names another connection).
         let live: HashMap<&str, &str> = flows.iter().map(|f| (f.id.as_str(), f.tuple.as_str())).collect();
         let gone: Vec<String> = self
@@ -306,6 +330,7 @@ impl Poller {
             .filter(|(id, p)| live.get(id.as_str()) != Some(&p.tuple.as_str()))
             .map(|(id, _)| id.clone())
             .collect();
+        self.read_at.retain(|id, _| live.contains_key(id.as_str()));
         for id in gone {
             self.published.remove(&id);
             self.dynamic.unregister(OWNER, &format!("flow.{id}.tcp"));
@@ -349,7 +374,8 @@ impl Poller {
                 self.sockets.remove(&info.netns);
                 continue;
             }
-            for Target { id, tuple, a, b, .. } in flows {
+            for Target { id, tuple, a, b, packets, .. } in flows {
+                self.read_at.insert(id.clone(), (tuple.clone(), packets, self.polls));
                 match (socket_of(&sockets, a, b), self.published.get(&id)) {
                     (Some((k, s)), Some(p)) => p.store(k, s),
                     (Some((k, s)), None) => {
@@ -396,6 +422,8 @@ impl FlowMeterPoller {
             home,
             max_flows: opts.max_flows.max(1),
             resume_after: None,
+            read_at: HashMap::new(),
+            polls: 0,
         };
         let flag = stop.clone();
         let thread = std::thread::Builder::new()
@@ -521,11 +549,38 @@ mod tests {
     }
 
     #[test]
+    fn idle_flows_are_read_again_only_now_and_then() {
+        let ip: IpAddr = "10.0.0.1".parse().unwrap();
+        let t = |tuple: &str, packets| Target {
+            id: "a.1".into(),
+            tuple: tuple.into(),
+            app: "a".into(),
+            a: (ip, 1),
+            b: (ip, 2),
+            packets,
+        };
+        let read = ("tcp x".to_string(), 10, 5);
+        assert!(due(None, &t("tcp x", 10), 5), "never read");
+        assert!(!due(Some(&read), &t("tcp x", 10), 6), "idle since the last read");
+        assert!(!due(Some(&read), &t("tcp x", 10), 5 + REFRESH_POLLS - 1));
+        assert!(due(Some(&read), &t("tcp x", 10), 5 + REFRESH_POLLS), "refreshed now and then");
+        assert!(due(Some(&read), &t("tcp x", 11), 6), "a packet moved");
+        assert!(due(Some(&read), &t("tcp y", 10), 6), "another connection under the id");
+    }
+
+    #[test]
     fn polls_beyond_max_flows_go_round_all_flows() {
         let ip: IpAddr = "10.0.0.1".parse().unwrap();
         let all = || -> Vec<Target> {
             ["e", "b", "a", "d", "c"]
-                .map(|id| Target { id: id.into(), tuple: String::new(), app: String::new(), a: (ip, 1), b: (ip, 2) })
+                .map(|id| Target {
+                    id: id.into(),
+                    tuple: String::new(),
+                    app: String::new(),
+                    a: (ip, 1),
+                    b: (ip, 2),
+                    packets: 0,
+                })
                 .into()
         };
         let mut resume = None;

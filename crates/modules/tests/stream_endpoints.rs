@@ -298,19 +298,6 @@ fn udp_datagrams_are_counted_exactly_and_idle_flows_go_away() {
     }
 }
 
-/// An ICMP destination unreachable (port) from `from` to `to` quoting `original`.
-fn icmp_unreachable(from: std::net::IpAddr, to: std::net::IpAddr, original: &[u8]) -> Vec<u8> {
-    use flexstack_wire::checksum;
-    let quote = &original[..original.len().min(if from.is_ipv4() { 28 } else { 48 })];
-    let mut m = vec![if from.is_ipv4() { 3 } else { 1 }, if from.is_ipv4() { 3 } else { 4 }, 0, 0, 0, 0, 0, 0];
-    m.extend_from_slice(quote);
-    let proto = if from.is_ipv4() { 1 } else { 58 };
-    let init = if from.is_ipv4() { 0 } else { checksum::pseudo_header(from, to, 58, m.len() as u32) };
-    let c = checksum::finish(checksum::sum(init, &m));
-    m[2..4].copy_from_slice(&c.to_be_bytes());
-    ip(from, to, proto, &m)
-}
-
 #[test]
 fn flows_not_matched_pass_unchanged_while_others_are_terminated() {
     for v6 in families() {
@@ -408,6 +395,13 @@ fn transport_meters_and_the_cc_knob_of_a_flow() {
             s.drive(lab.server.tcp(srv));
             s.got.len() > 100_000
         }));
+        // originate sends the app's bytes: the window it is seen to use and the rate the server acknowledges them
+        // at (500 KB in a few ms of simulated time over a lossless wire: far above 1 MB/s).
+        let cwnd = lab.meter("flow.originate.1.tcp.cwnd");
+        assert!(cwnd >= 2 * 1460, "v6 {v6}: more than two segments in flight at once: {cwnd}");
+        assert!(cwnd <= 65536 + 1, "v6 {v6}: within the server's window: {cwnd}");
+        let rate = lab.meter("flow.originate.1.tcp.delivery_rate");
+        assert!(rate > 1_000_000, "v6 {v6}: delivery rate {rate} B/s");
         for side in ["terminate", "originate"] {
             assert_eq!(lab.text(&format!("flow.{side}.1.tcp.state")).as_deref(), Some("established"));
             assert!(lab.meter(&format!("flow.{side}.1.tcp.srtt_us")) > 0, "{side}: an RTT was measured");

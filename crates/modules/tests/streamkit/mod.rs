@@ -346,6 +346,22 @@ impl Lab {
         self.app.sockets.add(s)
     }
 
+    /// The server role: an app socket listening on `port` (buffers of `buffer` bytes).
+    pub fn app_listen(&mut self, port: u16, buffer: usize) -> SocketHandle {
+        let mut s = self.app.socket(buffer);
+        s.listen(port).unwrap();
+        self.app.sockets.add(s)
+    }
+
+    /// The server role: a socket of the network's host connecting to the app's `port` (buffers of `buffer` bytes).
+    pub fn net_connect(&mut self, port: u16, buffer: usize) -> SocketHandle {
+        let mut s = self.server.socket(buffer);
+        self.next_port += 1;
+        let dst = (IpAddress::from(self.app_addr()), port);
+        s.connect(self.server.iface.context(), dst, self.next_port).unwrap();
+        self.server.sockets.add(s)
+    }
+
     /// A server socket on port 80 and an app socket connected to it (buffers of 64 KiB): (server, app).
     pub fn pair(&mut self) -> (SocketHandle, SocketHandle) {
         (self.listen(80, 65536), self.connect(80, 65536))
@@ -545,4 +561,17 @@ pub fn parse_udp(p: &[u8]) -> Option<(SocketAddr, SocketAddr, Vec<u8>)> {
             p[info.l4_offset + 8..info.total_len].to_vec(),
         )
     })
+}
+
+/// An ICMP destination unreachable (port) from `from` to `to` quoting `original`.
+pub fn icmp_unreachable(from: std::net::IpAddr, to: std::net::IpAddr, original: &[u8]) -> Vec<u8> {
+    use flexstack_wire::checksum;
+    let quote = &original[..original.len().min(if from.is_ipv4() { 28 } else { 48 })];
+    let mut m = vec![if from.is_ipv4() { 3 } else { 1 }, if from.is_ipv4() { 3 } else { 4 }, 0, 0, 0, 0, 0, 0];
+    m.extend_from_slice(quote);
+    let proto = if from.is_ipv4() { 1 } else { 58 };
+    let init = if from.is_ipv4() { 0 } else { checksum::pseudo_header(from, to, 58, m.len() as u32) };
+    let c = checksum::finish(checksum::sum(init, &m));
+    m[2..4].copy_from_slice(&c.to_be_bytes());
+    ip(from, to, proto, &m)
 }

@@ -1000,6 +1000,7 @@ fn server_role(backend: &str) {
     }
     let list = text(&r.d.cli(&["flow", "list"]));
     assert!(seen.0 && seen.1, "flow list shows the flow terminated and originated with role server: {list}");
+    assert!(list.contains("terminated/server") && list.contains("originated/server"), "and says so: {list}");
     assert!(cwnd > 1000, "more than a segment seen in flight at once: {cwnd}: {list}");
     assert!(rate > 10_000, "a delivery rate was measured: {rate} B/s: {list}");
     eprintln!("server role: cwnd seen {cwnd} bytes, delivery rate {rate} B/s");

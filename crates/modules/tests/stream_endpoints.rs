@@ -153,16 +153,7 @@ fn a_refused_port_reaches_the_client_as_rst_before_any_syn_ack() {
         let mut lab = Lab::watched(v6);
         lab.net_delay = Duration::from_millis(20); // the refusal takes 40 ms to come back
         let cli = lab.connect(81, 65536); // nobody listens on 81: the server's stack answers RST
-        let mut states = Vec::new();
-        let done = lab.until(5_000, |lab| {
-            states.push(lab.app.tcp(cli).state());
-            lab.app.tcp(cli).state() == State::Closed
-        });
-        assert!(done, "v6 {v6}");
-        assert!(!states.contains(&State::Established), "never connected: {states:?}");
-        let flags: Vec<u8> = lab.seen_to_app.iter().filter_map(|p| tcp_flags(p)).collect();
-        assert!(flags.iter().any(|f| f & RST != 0), "{flags:?}");
-        assert!(!flags.iter().any(|f| f & (SYN | ACK) == SYN | ACK), "no SYN-ACK was sent: {flags:?}");
+        lab.assert_refused(true, cli, &format!("v6 {v6}"));
         assert_eq!(lab.meter("module.o.aborts_sent_total"), 1);
         lab.assert_empty_after(5);
     }

@@ -102,16 +102,7 @@ fn a_closed_port_in_the_app_refuses_the_client_without_a_syn_ack() {
         let mut lab = lab(v6, &[]);
         lab.net_delay = Duration::from_millis(20); // a SYN-ACK sent early would reach the client before the RST
         let cli = lab.net_connect(8081, 65536); // the app listens on nothing: its stack answers RST
-        let mut states = Vec::new();
-        let done = lab.until(5_000, |lab| {
-            states.push(lab.server.tcp(cli).state());
-            lab.server.tcp(cli).state() == State::Closed
-        });
-        assert!(done, "v6 {v6}: the client's connection ends");
-        assert!(!states.contains(&State::Established), "never connected: {states:?}");
-        let flags: Vec<u8> = lab.seen_to_net.iter().filter_map(|p| tcp_flags(p)).collect();
-        assert!(flags.iter().any(|f| f & 0x04 != 0), "v6 {v6}: an RST to the client: {flags:?}");
-        assert!(!flags.iter().any(|f| f & (SYN | ACK) == SYN | ACK), "no SYN-ACK to the client: {flags:?}");
+        lab.assert_refused(false, cli, &format!("v6 {v6}: the network's client"));
         assert_eq!(lab.meter("module.t.aborts_sent_total"), 1, "terminate: Abort(refused)");
         assert_eq!(lab.meter("module.o.aborts_received_total"), 1);
         lab.assert_empty_after(5);

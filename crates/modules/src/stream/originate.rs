@@ -38,9 +38,7 @@ use flexstack_wire::cidr::PortRange;
 /// The kind's name in stack files.
 pub const KIND: &str = "originate";
 
-/// The ids of the flows it opens itself (the server role) start after this, far from `terminate`'s (1, 2, ...) and
-/// from its kernel back-end's (2^32 + 1 ...), so the two endpoints never give one id to two flows.
-pub const SERVER_IDS: u64 = 1 << 40;
+pub use crate::stream::endpoint::SERVER_IDS;
 
 /// Its ports.
 pub const PORTS: Ports = Ports { stream_in: 0, ip_in: 1, stream_out: 0, ip_out: 1, pass: 2 };

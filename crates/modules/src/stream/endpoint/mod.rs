@@ -27,7 +27,6 @@ pub(crate) mod observe;
 pub(crate) mod wire;
 
 use crate::stream::matcher::{Candidate, MatchTable};
-use crate::stream::originate::SERVER_IDS;
 use config::{Cc, Config, Meters};
 use device::Queues;
 use flexstack_core::stream::{Credit, FlowInfo, Protocol, Role, StreamEvent, StreamFrame};
@@ -80,6 +79,10 @@ impl Side {
 pub fn listens(side: Side, role: Role) -> bool {
     (side == Side::App) == (role == Role::Client)
 }
+
+/// The ids of the flows `originate` opens itself (the server role) start after this, far from `terminate`'s (1, 2,
+/// ...) and from its kernel back-end's (2^32 + 1 ...), so the two endpoints never give one id to two flows.
+pub const SERVER_IDS: u64 = 1 << 40;
 
 /// Port indices of an endpoint.
 #[derive(Clone, Copy, Debug)]

@@ -924,26 +924,36 @@ subprocess.run("curl -sSf -m 30 http://{v4}:8080/blob | sha256sum", shell=True, 
     assert!(m["term.passed_total"] > 0, "the old connection's packets passed: {m:?}");
 }
 
+/// A UDP echo server (python3, IPv4 and IPv6 on port 5353) that answers each datagram reversed.
+const UDP_ECHO: &str = "import socket
+s = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+s.bind((\"::\", 5353))
+while True:
+    d, a = s.recvfrom(65536)
+    s.sendto(d[::-1], a)";
+
 /// The server role (`role server` rules, applied by `originate`): a python3 http.server inside the sandbox serves a
 /// 2 MB file to curl in the host's namespace (a client on the network side of the app's host face, connecting to
 /// the app's address), IPv4 and IPv6, intact; `flow list` shows the flow terminated and originated with role server while it
 /// runs; the app fetches from the server at the same time (the client role, through the same endpoints); a port the
 /// app does not serve refuses the client at once (`originate` held the SYN-ACK until the app's RST came back as
-/// `Abort(refused)`). The kernel back-end of `originate` cannot accept: the stack is refused, saying why.
+/// `Abort(refused)`); UDP datagrams from the host to an echo server in the sandbox come back exact. The kernel back-end of `originate` cannot accept: the stack is refused, saying why.
 fn server_role(backend: &str) {
     let blob = pattern(2_000_000);
-    let table = r#"["tcp dport 8080,8081 role server", "tcp *", "udp *"]"#;
+    let table = r#"["tcp dport 8080,8081 role server", "udp dport 5353 role server", "tcp *", "udp *"]"#;
     let Some(r) = Rig::new(backend, 18, &blob, Some(table)) else { return };
     let www = path_str(r.srv.www.path()).to_string();
     let want = sha256(&r.srv.www.path().join("blob"));
     let (ready, go) = (r.path("ready"), r.path("go"));
     let script = format!(
         "cd {www} && python3 -m http.server 8080 --bind :: >/dev/null 2>&1 & py=$!\n\
+         python3 -c '{UDP_ECHO}' & echo=$!\n\
          while ! ss -Htln 'sport = :8080' | grep -q .; do sleep 0.05; done\n\
          touch {ready}\n\
          curl -sSf -m 30 --limit-rate 1m http://{srv}:8080/blob | sha256sum\n\
          while [ ! -e {go} ]; do sleep 0.05; done\n\
-         kill $py",
+         kill $py $echo",
         ready = path_str(&ready),
         go = path_str(&go),
         srv = r.srv.v4,
@@ -954,6 +964,9 @@ fn server_role(backend: &str) {
         "orig.rule1_matches_total",
         "term.aborts_sent_total",
         "orig.aborts_received_total",
+        "orig.rule2_matches_total",
+        "orig.udp_flows_total",
+        "term.udp_flows_total",
     ];
     let args = r.args("web", &script, &meters);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
@@ -985,7 +998,7 @@ fn server_role(backend: &str) {
     // delivery rate move (the largest of each while it runs).
     let (mut seen, mut cwnd, mut rate) = ((false, false), 0, 0);
     let deadline = Instant::now() + Duration::from_secs(10);
-    while !(seen.0 && seen.1 && cwnd > 0 && rate > 0) && Instant::now() < deadline {
+    while !(seen.0 && seen.1 && cwnd > 1000 && rate > 10_000) && Instant::now() < deadline {
         let flows = common::answer::<FlowList>(&r.d.cli(&["-j", "flow", "list"])).unwrap_or_default();
         for f in flows.iter().filter(|f| f.tuple.contains(" role server ") && f.dst_port == Some(8080)) {
             let to_app = f.dst.map(|a| a.to_string()) == Some(app.ipv4.clone());
@@ -1022,11 +1035,24 @@ fn server_role(backend: &str) {
         assert!(t.starts_with("ConnectionRefusedError"), "{host}: refused: {t}");
         assert!(ms < 2000, "{host}: at once: {t}");
     }
+    // UDP (`udp dport 5353 role server`): 20 datagrams to a python3 echo in the sandbox (it answers each reversed),
+    // IPv4 and IPv6: each answer exact.
+    for host in [app.ipv4.as_str(), app.ipv6.as_str()] {
+        let client = "import socket, sys\nf = socket.AF_INET6 if ':' in sys.argv[1] else socket.AF_INET\n\
+                      s = socket.socket(f, socket.SOCK_DGRAM)\ns.settimeout(5)\nok = 0\nfor i in range(20):\n    \
+                      m = bytes(j % 256 for j in range(i, i + 100 + 37 * i))\n    s.sendto(m, (sys.argv[1], 5353))\n    \
+                      ok += s.recv(65536) == m[::-1]\nprint('echoed', ok)";
+        let out = std::process::Command::new("python3").args(["-c", client, host]).output().expect("python3");
+        assert!(text(&out).contains("echoed 20"), "{host}: every datagram answered exactly: {}", text(&out));
+    }
     std::fs::write(&go, b"").unwrap();
     let out = run.wait_with_output().expect("the run's output");
     let t = ok(&out);
     assert!(t.contains(&want), "the app's own download (client role, at the same time) is intact: {t}");
     let m = read_meters(&out, "web", &meters);
+    // One UDP flow per family from the network (the app itself sent no UDP).
+    let udp = (m["orig.rule2_matches_total"], m["orig.udp_flows_total"], m["term.udp_flows_total"]);
+    assert_eq!(udp, (2, 2, 2), "rule 2 chose two UDP flows, terminated on both ends: {m:?}");
     // Two downloads from the network and two refusals (server role), one download of the app (client role).
     assert_eq!(m["orig.rule1_matches_total"], 4, "the server role's rule chose four connections: {m:?}");
     assert_eq!((m["term.connections_total"], m["orig.connections_total"]), (5, 5), "{m:?}");

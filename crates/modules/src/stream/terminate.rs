@@ -23,7 +23,9 @@
 //!   `Abort(unreachable)` becomes ICMP port unreachable to the app.
 //! - Per-flow meters under `<vars_prefix>.<flow>` (`flow.terminate` by default): `tuple`, `bytes_down_total`,
 //!   `bytes_up_total`, `in_flight_bytes`, `queued_bytes`, and for TCP `tcp.state`, `tcp.srtt_us`,
-//!   `tcp.bytes_in_flight`, `tcp.retrans_total`, `tcp.send_queue`, `tcp.recv_queue` and the knob `tcp.cc`.
+//!   `tcp.bytes_in_flight`, `tcp.retrans_total`, `tcp.send_queue`, `tcp.recv_queue`, `tcp.cwnd` (observed: the most
+//!   bytes in flight in the last round trip), `tcp.delivery_rate` (bytes/s acked in the last round trip) and the
+//!   knob `tcp.cc`.
 //!
 //! Its ports, settings, knobs and meters are declared once, in `DECL` below; docs/modules.md lists them.
 

@@ -272,7 +272,12 @@ fn flow_row(f: &FlowInfo) -> Vec<String> {
     vec![
         f.id.clone(),
         f.app.clone().unwrap_or_else(|| "-".into()),
-        f.handling.name().to_string(),
+        // A terminated flow the app accepted from the network (its endpoints' tuple says `role server`).
+        if f.tuple.contains(" role server ") {
+            format!("{}/server", f.handling.name())
+        } else {
+            f.handling.name().into()
+        },
         f.backend.clone().unwrap_or_else(|| "-".into()),
         f.protocol.clone(),
         endpoint(f.src, f.src_port),
@@ -500,8 +505,16 @@ mod tests {
                 "-"
             ]
         );
-        let detail = FlowDetail { flow: f, vars: Values::new() };
+        let detail = FlowDetail { flow: f.clone(), vars: Values::new() };
         assert!(flow_show(&detail).contains("module perf-flows  tuple tcp [fd77::2]:40000 <-> 10.1.7.2:5201\n"));
+        // The server role of a terminated flow shows in its handling.
+        let served = FlowInfo {
+            handling: Handling::Terminated,
+            tuple: "tcp 10.200.9.2:40000 -> 10.77.1.2:8080 role server app \"web\"".into(),
+            ..f
+        };
+        let text = flow_list(std::slice::from_ref(&served));
+        assert_eq!(text.lines().nth(1).unwrap().split_whitespace().nth(2), Some("terminated/server"), "{text}");
     }
 
     #[test]

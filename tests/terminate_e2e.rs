@@ -14,6 +14,7 @@ use common::{
     bin, octets, path_str, pattern, privileged, privileged_serial, repo, sha256, text, Background, SandboxDaemon,
     Server,
 };
+use flexstack_api::ops::{FlowList, Handling};
 use serde_json::Value as Json;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -923,6 +924,141 @@ subprocess.run("curl -sSf -m 30 http://{v4}:8080/blob | sha256sum", shell=True, 
     assert!(m["term.passed_total"] > 0, "the old connection's packets passed: {m:?}");
 }
 
+/// A UDP echo server (python3, IPv4 and IPv6 on port 5353) that answers each datagram reversed.
+const UDP_ECHO: &str = "import socket
+s = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+s.bind((\"::\", 5353))
+while True:
+    d, a = s.recvfrom(65536)
+    s.sendto(d[::-1], a)";
+
+/// The server role (`role server` rules, applied by `originate`): a python3 http.server inside the sandbox serves a
+/// 2 MB file to curl in the host's namespace (a client on the network side of the app's host face, connecting to
+/// the app's address), IPv4 and IPv6, intact; `flow list` shows the flow terminated and originated with role server while it
+/// runs; the app fetches from the server at the same time (the client role, through the same endpoints); a port the
+/// app does not serve refuses the client at once (`originate` held the SYN-ACK until the app's RST came back as
+/// `Abort(refused)`); UDP datagrams from the host to an echo server in the sandbox come back exact. The kernel back-end of `originate` cannot accept: the stack is refused, saying why.
+fn server_role(backend: &str) {
+    let blob = pattern(2_000_000);
+    let table = r#"["tcp dport 8080,8081 role server", "udp dport 5353 role server", "tcp *", "udp *"]"#;
+    let Some(r) = Rig::new(backend, 18, &blob, Some(table)) else { return };
+    let www = path_str(r.srv.www.path()).to_string();
+    let want = sha256(&r.srv.www.path().join("blob"));
+    let (ready, go) = (r.path("ready"), r.path("go"));
+    let script = format!(
+        "cd {www} && python3 -m http.server 8080 --bind :: >/dev/null 2>&1 & py=$!\n\
+         python3 -c '{UDP_ECHO}' & echo=$!\n\
+         while ! ss -Htln 'sport = :8080' | grep -q .; do sleep 0.05; done\n\
+         touch {ready}\n\
+         curl -sSf -m 30 --limit-rate 1m http://{srv}:8080/blob | sha256sum\n\
+         while [ ! -e {go} ]; do sleep 0.05; done\n\
+         kill $py $echo",
+        ready = path_str(&ready),
+        go = path_str(&go),
+        srv = r.srv.v4,
+    );
+    let meters = [
+        "term.connections_total",
+        "orig.connections_total",
+        "orig.rule1_matches_total",
+        "term.aborts_sent_total",
+        "orig.aborts_received_total",
+        "orig.rule2_matches_total",
+        "orig.udp_flows_total",
+        "term.udp_flows_total",
+    ];
+    let args = r.args("web", &script, &meters);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    if backend == "kernel" {
+        let out = r.d.run(&args);
+        let t = text(&out);
+        assert!(!out.status.success(), "a kernel originate with a role server rule is refused: {t}");
+        assert!(t.contains("role server needs backend smoltcp"), "the refusal says why: {t}");
+        return;
+    }
+    let run = r.d.spawn_run(&args);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !ready.exists() {
+        assert!(Instant::now() < deadline, "the app's server never listened");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let app = r.d.apps().expect("app list").into_iter().next().expect("the app");
+    // IPv4, slowly (about 2 s), while `flow list` is read; then IPv6 at full speed.
+    let fetched = r.path("fetched4");
+    let url = format!("http://{}:8080/blob", app.ipv4);
+    // From the host's namespace: the sandbox's guard drops what leaves an app's prefix un-masqueraded through any
+    // interface but its host face, so a client in another namespace, routed through the host, gets no answer.
+    let curl = |args: &[&str]| std::process::Command::new("curl").args(args).output().expect("curl");
+    let mut slow = std::process::Command::new("curl")
+        .args(["-sSf", "-m", "30", "--limit-rate", "1m", "-o", path_str(&fetched), &url])
+        .spawn()
+        .expect("curl");
+    // Also the transport meters of originate's side, which sends the file to curl: the window seen and the
+    // delivery rate move (the largest of each while it runs).
+    let (mut seen, mut cwnd, mut rate) = ((false, false), 0, 0);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !(seen.0 && seen.1 && cwnd > 1000 && rate > 10_000) && Instant::now() < deadline {
+        let flows = common::answer::<FlowList>(&r.d.cli(&["-j", "flow", "list"])).unwrap_or_default();
+        for f in flows.iter().filter(|f| f.tuple.contains(" role server ") && f.dst_port == Some(8080)) {
+            let to_app = f.dst.map(|a| a.to_string()) == Some(app.ipv4.clone());
+            seen.0 |= to_app && f.handling == Handling::Terminated;
+            seen.1 |= to_app && f.handling == Handling::Originated;
+            if let (true, Handling::Originated, Some(tcp)) = (to_app, f.handling, &f.tcp) {
+                cwnd = cwnd.max(tcp.cwnd.unwrap_or(0));
+                rate = rate.max(tcp.delivery_rate.unwrap_or(0));
+            }
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let list = text(&r.d.cli(&["flow", "list"]));
+    assert!(seen.0 && seen.1, "flow list shows the flow terminated and originated with role server: {list}");
+    assert!(list.contains("terminated/server") && list.contains("originated/server"), "and says so: {list}");
+    assert!(cwnd > 1000, "more than a segment seen in flight at once: {cwnd}: {list}");
+    assert!(rate > 10_000, "a delivery rate was measured: {rate} B/s: {list}");
+    eprintln!("server role: cwnd seen {cwnd} bytes, delivery rate {rate} B/s");
+    assert!(slow.wait().expect("curl").success(), "curl from the network fetched the file (IPv4)");
+    assert_eq!(sha256(&fetched), want, "IPv4: intact");
+    let url6 = format!("http://[{}]:8080/blob", app.ipv6);
+    let fetched6 = r.path("fetched6");
+    let out = curl(&["-sSf", "-m", "30", "-o", path_str(&fetched6), &url6]);
+    assert!(out.status.success(), "IPv6: {}", text(&out));
+    assert_eq!(sha256(&fetched6), want, "IPv6: intact");
+    // Nobody listens on 8081 in the sandbox: refused (ECONNREFUSED: an RST, no accepted connection), at once.
+    for host in [app.ipv4.as_str(), app.ipv6.as_str()] {
+        let connect = "import socket, sys, time\nt = time.monotonic()\ntry:\n    \
+                       socket.create_connection((sys.argv[1], 8081), timeout=10)\n    print('connected')\n\
+                       except OSError as e:\n    print(type(e).__name__, int((time.monotonic() - t) * 1000), 'ms')";
+        let out = std::process::Command::new("python3").args(["-c", connect, host]).output().expect("python3");
+        let t = text(&out);
+        let ms: u64 = t.split_whitespace().nth(1).and_then(|w| w.parse().ok()).unwrap_or(u64::MAX);
+        assert!(t.starts_with("ConnectionRefusedError"), "{host}: refused: {t}");
+        assert!(ms < 2000, "{host}: at once: {t}");
+    }
+    // UDP (`udp dport 5353 role server`): 20 datagrams to a python3 echo in the sandbox (it answers each reversed),
+    // IPv4 and IPv6: each answer exact.
+    for host in [app.ipv4.as_str(), app.ipv6.as_str()] {
+        let client = "import socket, sys\nf = socket.AF_INET6 if ':' in sys.argv[1] else socket.AF_INET\n\
+                      s = socket.socket(f, socket.SOCK_DGRAM)\ns.settimeout(5)\nok = 0\nfor i in range(20):\n    \
+                      m = bytes(j % 256 for j in range(i, i + 100 + 37 * i))\n    s.sendto(m, (sys.argv[1], 5353))\n    \
+                      ok += s.recv(65536) == m[::-1]\nprint('echoed', ok)";
+        let out = std::process::Command::new("python3").args(["-c", client, host]).output().expect("python3");
+        assert!(text(&out).contains("echoed 20"), "{host}: every datagram answered exactly: {}", text(&out));
+    }
+    std::fs::write(&go, b"").unwrap();
+    let out = run.wait_with_output().expect("the run's output");
+    let t = ok(&out);
+    assert!(t.contains(&want), "the app's own download (client role, at the same time) is intact: {t}");
+    let m = read_meters(&out, "web", &meters);
+    // One UDP flow per family from the network (the app itself sent no UDP).
+    let udp = (m["orig.rule2_matches_total"], m["orig.udp_flows_total"], m["term.udp_flows_total"]);
+    assert_eq!(udp, (2, 2, 2), "rule 2 chose two UDP flows, terminated on both ends: {m:?}");
+    // Two downloads from the network and two refusals (server role), one download of the app (client role).
+    assert_eq!(m["orig.rule1_matches_total"], 4, "the server role's rule chose four connections: {m:?}");
+    assert_eq!((m["term.connections_total"], m["orig.connections_total"]), (5, 5), "{m:?}");
+    assert_eq!((m["term.aborts_sent_total"], m["orig.aborts_received_total"]), (2, 2), "the refusals: {m:?}");
+}
+
 #[test]
 fn curl_2mb_smoltcp() {
     curl_2mb("smoltcp")
@@ -1088,6 +1224,16 @@ fn match_table_leaves_the_rest_kernel() {
 #[test]
 fn terminate_added_live_smoltcp() {
     terminate_added_live("smoltcp");
+}
+
+#[test]
+fn server_role_smoltcp() {
+    server_role("smoltcp");
+}
+
+#[test]
+fn server_role_kernel() {
+    server_role("kernel");
 }
 
 /// Hostile TCP from inside the sandbox, by raw sockets (python3, no library): `flood` sends 20,000 SYNs from

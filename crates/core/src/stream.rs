@@ -8,7 +8,7 @@
 //!
 //! | kind | bytes | means |
 //! |---|---|---|
-//! | `Open` | a [`FlowInfo`], encoded | Down: a new flow, with its original 5-tuple, app and role. Up (TCP): the far side accepted it |
+//! | `Open` | a [`FlowInfo`], encoded | A new flow, with its original 5-tuple, app and role: Down for the client role, Up for the server role (docs/streams.md). Back the other way (TCP): the far side accepted it |
 //! | `Data` | the next chunk of the byte stream (TCP), or exactly one datagram (UDP) | in order, never lost |
 //! | `Fin` | none | this direction is done (TCP half-close); UDP: the flow ended |
 //! | `Abort` | a reason (`reset`, `refused`, `unreachable`, `timeout` ...) | both directions end; the other side resets |
@@ -221,7 +221,7 @@ pub struct FlowInfo {
     pub protocol: Protocol,
     /// The app's side for a client (its address and port), the peer's for a server.
     pub src: SocketAddr,
-    /// The original destination (for a client: where the app wanted to go).
+    /// The original destination (for a client: where the app wanted to go; for a server: the app's address and port).
     pub dst: SocketAddr,
     /// The application's name (at most [`FlowInfo::MAX_APP`] bytes; longer names are cut when encoded).
     pub app: String,

@@ -1,5 +1,6 @@
 //! Deterministic, bounded mutational fuzzing of the stream endpoints (the approach of `packets_fuzz.rs`): random
-//! and mutated segments into `terminate`, as if from the app, while a real connection runs beside them.
+//! and mutated segments into `terminate`, as if from the app, and one in four into `originate`, as if from the
+//! network (its match table takes every flow for the server role), while a real connection runs beside them.
 //!
 //! Seeds are the files in `fuzz/corpus/endpoint/` (IPv4 and IPv6 packets from the app to the server: SYNs with and
 //! without options, data, FIN, RST, a SYN with data, bad option lengths, a bad checksum, out-of-window data, a DNS
@@ -59,7 +60,8 @@ fn lab() -> Lab {
     let mut t = settings();
     t.push("match=[\"tcp *\", \"udp *\"]".into());
     let t: Vec<&str> = t.iter().map(|s| s.as_str()).collect();
-    let o = settings();
+    let mut o = settings();
+    o.push("match=[\"tcp role server\", \"udp role server\"]".into());
     let o: Vec<&str> = o.iter().map(|s| s.as_str()).collect();
     let mut lab = Lab::new(false, &t, &o, &[("p", "stream-pass", vec![])]);
     for _ in 0..8 {
@@ -183,8 +185,13 @@ fn fuzz_endpoint() {
             pump = Pump::new(pattern(i as u64, 1 + rng.below(60_000)), true);
         }
         let jump = rng.one_in(60);
+        let from_net = rng.one_in(4);
         run_guarded("endpoint", base, i + 1, &input, || {
-            lab.inject("t", "in", vec![input.clone()], Direction::Down);
+            if from_net {
+                lab.inject("o", "in", vec![input.clone()], Direction::Up);
+            } else {
+                lab.inject("t", "in", vec![input.clone()], Direction::Down);
+            }
             lab.step();
             if let Some(h) = client {
                 pump.drive(lab.app.tcp(h));
@@ -205,6 +212,11 @@ fn fuzz_endpoint() {
             check(&mut lab)
         });
     }
+    println!(
+        "server role: {} connections and {} UDP flows from the network chosen by its rules",
+        lab.meter("module.o.rule1_matches_total"),
+        lab.meter("module.o.rule2_matches_total")
+    );
     let m = |n: &str| lab.meter(&format!("module.t.{n}"));
     println!(
         "endpoint fuzz: {} connections, {} UDP flows, {} invalid SYNs, {} refused, {} passed, {} segments in, {} bytes \

@@ -5,6 +5,7 @@
 
 use crate::stream::matcher::MatchTable;
 use flexstack_core::config::SettingsReader;
+use flexstack_core::stream::Role;
 use flexstack_core::{ConfigError, KindDecl, ModuleBuilder, ModuleInterface, Settings};
 use std::sync::OnceLock;
 
@@ -84,6 +85,10 @@ pub fn configure(
         let location = settings.get("backend").and_then(|s| s.location.clone());
         ConfigError::new(location, format!("setting `backend` of a {kind} module: {m}"))
     };
+    // The kernel back-end has no listener on the network side: the server role is smoltcp's alone.
+    if let Some(rule) = b.matcher.rules.iter().find(|r| side == Side::Net && !r.pass && r.role == Some(Role::Server)) {
+        return Err(at(format!("role server needs backend smoltcp (match rule `{rule}`)")));
+    }
     let hook = KERNEL
         .get()
         .ok_or_else(|| at("the kernel back-end is built by the daemon (flexstack-faces), not available here".into()))?;
@@ -104,7 +109,11 @@ mod tests {
     use flexstack_core::StackSpec;
 
     fn configure(kind: &str, backend: &str) -> String {
-        let text = format!("[modules.e]\nkind = \"{kind}\"\nbackend = \"{backend}\"\n");
+        configure_with(kind, backend, "")
+    }
+
+    fn configure_with(kind: &str, backend: &str, more: &str) -> String {
+        let text = format!("[modules.e]\nkind = \"{kind}\"\nbackend = \"{backend}\"\n{more}");
         let spec = StackSpec::parse("s.toml", &text).unwrap();
         match crate::catalog().configure(kind, &spec.modules[0].settings, None) {
             Ok(_) => "ok".into(),
@@ -125,5 +134,22 @@ mod tests {
             let e = configure(kind, "dpdk");
             assert!(e.ends_with("expected \"smoltcp\" or \"kernel\", got \"dpdk\""), "{e}");
         }
+    }
+
+    /// originate's kernel back-end cannot accept connections from the network: a `role server` rule is refused at
+    /// configuration, before the back-end is built.
+    #[test]
+    fn the_server_role_needs_smoltcp_on_the_network_side() {
+        let rules = "match = [\"pass tcp dport 22 role server\", \"tcp dport 8080 role server\"]\n";
+        assert_eq!(configure_with("originate", "smoltcp", rules), "ok");
+        let e = configure_with("originate", "kernel", rules);
+        assert_eq!(
+            e,
+            "s.toml:3:11: setting `backend` of a originate module: role server needs backend smoltcp (match rule `tcp \
+             dport 8080 role server`)"
+        );
+        // A table without server rules (the client role's rules are terminate's) goes on to the back-end.
+        let e = configure_with("originate", "kernel", "match = [\"tcp *\", \"pass tcp dport 22 role server\"]\n");
+        assert!(e.contains("the kernel back-end is built by the daemon"), "{e}");
     }
 }

@@ -1,5 +1,7 @@
-//! The match table of `terminate`: which flows it terminates. The first rule that matches decides; a flow no rule
-//! matches is not terminated (its packets leave on `pass`, unchanged).
+//! The match table of `terminate` and `originate`: which flows they terminate. The first rule that matches decides;
+//! a flow no rule matches is not terminated (its packets leave on `pass`, unchanged). `terminate` asks about the
+//! flows the app opens (role client: its SYNs and first datagrams), `originate` about those the network opens
+//! towards the app (role server), so both can be given the same table.
 //!
 //! A rule is `[pass] PROTOCOL [CONDITION ...]`, or `PROTOCOL *` / `*` for "any":
 //!
@@ -7,7 +9,9 @@
 //! - `dport PORTS`, `sport PORTS`: the destination / source port, as the app sent it; `PORTS` is a comma-separated
 //!   list of ports and ranges (`80,443,8000-8099`);
 //! - `to PREFIX`: the original destination address (`192.0.2.0/24`, `2001:db8::1`);
-//! - `role client|server`: the app opened the flow (client) or accepted it (server);
+//! - `role client|server`: the app opened the flow (client) or accepts it (server: a connection or a first datagram
+//!   from the network); a rule without `role` is about the client role only, so that a broad rule (`tcp *`) never
+//!   takes over the connections the network opens towards the app: those need a `role server` rule;
 //! - `app NAME`: the app's name (the module's `app` setting), or `*`;
 //! - a leading `pass` makes a matching flow *not* terminated (an exception before a broader rule).
 //!
@@ -34,20 +38,21 @@ pub struct MatchRule {
     pub sport: Option<Vec<PortRange>>,
     /// The original destination's prefix (`None`: any).
     pub to: Option<Prefix>,
-    /// The app's role (`None`: either).
+    /// The app's role (`None`: client).
     pub role: Option<Role>,
     /// The app's name (`None`: any).
     pub app: Option<String>,
 }
 
-/// What a rule is asked about: one new flow.
+/// What a rule is asked about: one new flow. Its source and destination are the opening side's: for the server role
+/// the network's client is the source and the app's address and port the destination.
 #[derive(Clone, Copy, Debug)]
 pub struct Candidate<'a> {
     /// Its protocol.
     pub protocol: Protocol,
-    /// Source as the app sent it.
+    /// Source as the opening side sent it (the app's for the client role).
     pub src: SocketAddr,
-    /// Original destination.
+    /// Original destination (the app's address for the server role).
     pub dst: SocketAddr,
     /// The app's role.
     pub role: Role,
@@ -114,7 +119,7 @@ impl MatchRule {
             && in_list(&self.dport, c.dst.port())
             && in_list(&self.sport, c.src.port())
             && self.to.is_none_or(|p| p.contains(c.dst.ip()))
-            && self.role.is_none_or(|r| r == c.role)
+            && self.role.unwrap_or(Role::Client) == c.role
             && self.app.as_ref().is_none_or(|a| a == c.app)
     }
 }
@@ -229,6 +234,22 @@ mod tests {
         c.src = "10.0.0.2:50000".parse().unwrap();
         assert!(t.decide(&c).is_none());
         assert!(table(&["tcp app *"]).decide(&c).is_some());
+    }
+
+    /// A rule without `role` is about the client role: a flow the network opens needs a `role server` rule.
+    #[test]
+    fn the_server_role_needs_a_rule_of_its_own() {
+        let t = table(&["pass tcp dport 22 role server", "tcp dport 22,8080 role server", "tcp *", "udp *"]);
+        let mut c = flow(Protocol::Tcp, "10.0.0.2:8080");
+        assert_eq!(t.decide(&c), Some((2, true)), "the client role: `tcp *`");
+        c.role = Role::Server;
+        assert_eq!(t.decide(&c), Some((1, true)));
+        c.dst = "10.0.0.2:22".parse().unwrap();
+        assert_eq!(t.decide(&c), Some((0, false)), "an exception first");
+        c.dst = "10.0.0.2:9000".parse().unwrap();
+        assert_eq!(t.decide(&c), None, "`tcp *` is not about the server role");
+        c.protocol = Protocol::Udp;
+        assert_eq!(t.decide(&c), None);
     }
 
     #[test]

@@ -11,6 +11,12 @@
 //!   `Abort(reset)`. The server's bytes go up as `Data` while the flow's credit allows (`budget`), its FIN as
 //!   `Fin`; bytes coming down are written as the socket's send buffer allows and acked; `Fin` closes the socket's
 //!   send side, `Abort` resets it. Opens beyond `max_connections` are answered with `Abort(limit)`.
+//! - The server role: a SYN (or a first datagram) from the network that its `match` table selects with a `role
+//!   server` rule (`tcp dport 8080 role server`; rules without `role` are the client role's, which `terminate`
+//!   applies) is accepted here, as `terminate` accepts the app's: a socket listens on that exact destination (the
+//!   app's address and port, any-IP), holds its SYN-ACK and sends `Open` up (role server); `terminate` connects to
+//!   the app and answers with `Open` down when the app accepted, which releases the SYN-ACK. A refusal comes back
+//!   as `Abort(refused)` and the client gets RST. These flows' ids are its own, from [`SERVER_IDS`] + 1.
 //! - UDP: on `Open` a per-flow state (no socket: the datagrams are written directly); each `Data` is one
 //!   datagram to the destination, each datagram from it one `Data` up; `udp_timeout_ms` of silence ends the flow
 //!   (`Fin`); an ICMP port unreachable ends it with `Abort(unreachable)`.
@@ -22,7 +28,7 @@
 //! Its ports, settings, knobs and meters are declared once, in `DECL` below; docs/modules.md lists them.
 
 use crate::stream::backend;
-use crate::stream::endpoint::config::{endpoint_decl, parse_sources, Config, Meters};
+use crate::stream::endpoint::config::{endpoint_decl, parse_sources, Config, Meters, APP};
 use crate::stream::endpoint::{Ports, Side};
 use crate::stream::matcher::MatchTable;
 use flexstack_core::module::port_type;
@@ -31,6 +37,8 @@ use flexstack_wire::cidr::PortRange;
 
 /// The kind's name in stack files.
 pub const KIND: &str = "originate";
+
+pub use crate::stream::endpoint::SERVER_IDS;
 
 /// Its ports.
 pub const PORTS: Ports = Ports { stream_in: 0, ip_in: 1, stream_out: 0, ip_out: 1, pass: 2 };
@@ -56,6 +64,14 @@ const DECL: KindDecl<Config, Meters> = endpoint_decl!(
         PortDecl::new("pass", port_type::IP, "packets from the network of none of its flows, unchanged"),
     ],
     extra: [
+        P::manual(
+            "match",
+            "array of strings",
+            "the connections and flows from the network towards the app it terminates (its `role server` rules; the \
+             same table as `terminate`'s may be given), first match wins",
+            "[]",
+        ),
+        APP,
         P::text(
             "source",
             "source addresses of its connections (one IPv4, one IPv6, comma-separated); empty: the app's own",
@@ -79,6 +95,9 @@ impl ModuleKind for OriginateKind {
     kind_from_decl!(DECL);
 
     fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
-        backend::configure(settings, KIND, &DECL, (Side::Net, PORTS), |_| Ok(MatchTable::default()))
+        backend::configure(settings, KIND, &DECL, (Side::Net, PORTS), |r| {
+            let rules = r.strings("match")?.unwrap_or_default();
+            MatchTable::parse(&rules).map_err(|e| r.error("match", e))
+        })
     }
 }

@@ -5,9 +5,13 @@
 //!   from `originate`); outputs `out` (ip: packets to the app, up), `stream` (stream: frames travelling down) and
 //!   `pass` (ip: the packets of flows it does not terminate, unchanged, partial checksums included).
 //! - Which flows: the `match` table (`flexstack_modules::stream::matcher`), first match wins, e.g.
-//!   `match = ["pass tcp dport 22", "tcp dport 80,443", "udp dport 53", "tcp *"]`; by default `["tcp *"]`. The app
-//!   is the client of every flow it sees here (its SYNs and first datagrams arrive on `in`). TCP packets of
-//!   connections it did not see start (opened before it was added) pass.
+//!   `match = ["pass tcp dport 22", "tcp dport 80,443", "udp dport 53", "tcp *"]`; by default `["tcp *"]`. Its rules
+//!   are about the flows the app opens (the client role: its SYNs and first datagrams arrive on `in`); `role server`
+//!   rules are `originate`'s. TCP packets of connections it did not see start (opened before it was added) pass.
+//! - The server role: `Open` coming up for a flow `originate` accepted from the network (role server) makes a
+//!   socket that connects to the app (from the network client's own address and port); when the app accepted,
+//!   `Open` goes down (the client's SYN-ACK is released there); a refusal (the app's RST) goes down as
+//!   `Abort(refused)`. UDP: the datagrams coming up are sent to the app from the client's address.
 //! - TCP: a selected SYN gets a smoltcp socket listening in any-IP mode on that exact destination, so it accepts for
 //!   the original destination; the SYN-ACK is held until `originate` says the far side accepted (`Open` up), so a
 //!   refused destination reaches the app as RST, an unreachable one as ICMP host unreachable, and a timeout as no
@@ -19,12 +23,14 @@
 //!   `Abort(unreachable)` becomes ICMP port unreachable to the app.
 //! - Per-flow meters under `<vars_prefix>.<flow>` (`flow.terminate` by default): `tuple`, `bytes_down_total`,
 //!   `bytes_up_total`, `in_flight_bytes`, `queued_bytes`, and for TCP `tcp.state`, `tcp.srtt_us`,
-//!   `tcp.bytes_in_flight`, `tcp.retrans_total`, `tcp.send_queue`, `tcp.recv_queue` and the knob `tcp.cc`.
+//!   `tcp.bytes_in_flight`, `tcp.retrans_total`, `tcp.send_queue`, `tcp.recv_queue`, `tcp.cwnd` (observed: the most
+//!   bytes in flight in the last round trip), `tcp.delivery_rate` (bytes/s acked in the last round trip) and the
+//!   knob `tcp.cc`.
 //!
 //! Its ports, settings, knobs and meters are declared once, in `DECL` below; docs/modules.md lists them.
 
 use crate::stream::backend;
-use crate::stream::endpoint::config::{endpoint_decl, Config, Meters};
+use crate::stream::endpoint::config::{endpoint_decl, Config, Meters, APP};
 use crate::stream::endpoint::{Ports, Side};
 use crate::stream::matcher::MatchTable;
 use flexstack_core::module::port_type;
@@ -69,14 +75,7 @@ const DECL: KindDecl<Config, Meters> = endpoint_decl!(
             "the flows it terminates, first match wins (`tcp dport 80,443`, `pass tcp dport 22`, `udp *`)",
             "[\"tcp *\"]",
         ),
-        P::text(
-            "app",
-            "the app's name: in `Open` frames and for `app` rules",
-            "",
-            |c| c.app.clone(),
-            |c,
-            t| { c.app = t.into(); Ok(()) },
-        ).setting(),
+        APP,
     ]
 );
 

@@ -116,6 +116,20 @@ impl Host {
         self.sockets.get_mut::<tcp::Socket>(h)
     }
 
+    /// A socket listening on `port`.
+    pub fn listen(&mut self, port: u16, buffer: usize) -> SocketHandle {
+        let mut s = self.socket(buffer);
+        s.listen(port).unwrap();
+        self.sockets.add(s)
+    }
+
+    /// A socket connecting from local port `local` to `to`:`port`.
+    pub fn connect(&mut self, to: IpAddr, port: u16, local: u16, buffer: usize) -> SocketHandle {
+        let mut s = self.socket(buffer);
+        s.connect(self.iface.context(), (IpAddress::from(to), port), local).unwrap();
+        self.sockets.add(s)
+    }
+
     pub fn socket(&mut self, buffer: usize) -> tcp::Socket<'static> {
         let mut s = tcp::Socket::new(tcp::SocketBuffer::new(vec![0; buffer]), tcp::SocketBuffer::new(vec![0; buffer]));
         s.set_nagle_enabled(false);
@@ -332,18 +346,42 @@ impl Lab {
 
     /// A server socket listening on `port` (buffers of `buffer` bytes).
     pub fn listen(&mut self, port: u16, buffer: usize) -> SocketHandle {
-        let mut s = self.server.socket(buffer);
-        s.listen(port).unwrap();
-        self.server.sockets.add(s)
+        self.server.listen(port, buffer)
     }
 
     /// An app socket connecting to the server's `port` (buffers of `buffer` bytes).
     pub fn connect(&mut self, port: u16, buffer: usize) -> SocketHandle {
-        let mut s = self.app.socket(buffer);
         self.next_port += 1;
-        let dst = (IpAddress::from(self.server_addr()), port);
-        s.connect(self.app.iface.context(), dst, self.next_port).unwrap();
-        self.app.sockets.add(s)
+        self.app.connect(self.server.addr, port, self.next_port, buffer)
+    }
+
+    /// The server role: an app socket listening on `port` (buffers of `buffer` bytes).
+    pub fn app_listen(&mut self, port: u16, buffer: usize) -> SocketHandle {
+        self.app.listen(port, buffer)
+    }
+
+    /// The server role: a socket of the network's host connecting to the app's `port` (buffers of `buffer` bytes).
+    pub fn net_connect(&mut self, port: u16, buffer: usize) -> SocketHandle {
+        self.next_port += 1;
+        self.server.connect(self.app.addr, port, self.next_port, buffer)
+    }
+
+    /// Steps until socket `h` (of the app's host if `app`, else of the network's) is closed, then asserts that it
+    /// was refused: never established, an RST and no SYN-ACK among the packets sent to it (the lab must keep them:
+    /// `keep_seen`).
+    pub fn assert_refused(&mut self, app: bool, h: SocketHandle, what: &str) {
+        let mut states = Vec::new();
+        let done = self.until(5_000, |lab| {
+            let s = if app { lab.app.tcp(h) } else { lab.server.tcp(h) };
+            states.push(s.state());
+            s.state() == tcp::State::Closed
+        });
+        assert!(done, "{what}: the connection ends");
+        assert!(!states.contains(&tcp::State::Established), "{what}: never connected: {states:?}");
+        let seen = if app { &self.seen_to_app } else { &self.seen_to_net };
+        let flags: Vec<u8> = seen.iter().filter_map(|p| tcp_flags(p)).collect();
+        assert!(flags.iter().any(|f| f & 0x04 != 0), "{what}: an RST: {flags:?}");
+        assert!(!flags.iter().any(|f| f & 0x12 == 0x12), "{what}: no SYN-ACK was sent: {flags:?}");
     }
 
     /// A server socket on port 80 and an app socket connected to it (buffers of 64 KiB): (server, app).
@@ -545,4 +583,17 @@ pub fn parse_udp(p: &[u8]) -> Option<(SocketAddr, SocketAddr, Vec<u8>)> {
             p[info.l4_offset + 8..info.total_len].to_vec(),
         )
     })
+}
+
+/// An ICMP destination unreachable (port) from `from` to `to` quoting `original`.
+pub fn icmp_unreachable(from: std::net::IpAddr, to: std::net::IpAddr, original: &[u8]) -> Vec<u8> {
+    use flexstack_wire::checksum;
+    let quote = &original[..original.len().min(if from.is_ipv4() { 28 } else { 48 })];
+    let mut m = vec![if from.is_ipv4() { 3 } else { 1 }, if from.is_ipv4() { 3 } else { 4 }, 0, 0, 0, 0, 0, 0];
+    m.extend_from_slice(quote);
+    let proto = if from.is_ipv4() { 1 } else { 58 };
+    let init = if from.is_ipv4() { 0 } else { checksum::pseudo_header(from, to, 58, m.len() as u32) };
+    let c = checksum::finish(checksum::sum(init, &m));
+    m[2..4].copy_from_slice(&c.to_be_bytes());
+    ip(from, to, proto, &m)
 }

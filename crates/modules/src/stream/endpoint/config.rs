@@ -69,7 +69,7 @@ pub struct Config {
     pub nagle: bool,
     pub vars_prefix: String,
     pub seed: u64,
-    /// terminate: the app's name.
+    /// The app's name.
     pub app: String,
     /// originate: source addresses (at most one per family); empty: the app's original source.
     pub source: Vec<IpAddr>,
@@ -275,6 +275,20 @@ macro_rules! endpoint_decl {
 }
 pub(crate) use endpoint_decl;
 
+/// The `app` setting both kinds have: the app's name, in the `Open` frames of the flows they start and for `app`
+/// rules.
+pub const APP: flexstack_core::Param<Config> = flexstack_core::Param::<Config>::text(
+    "app",
+    "the app's name: in `Open` frames and for `app` rules",
+    "",
+    |c| c.app.clone(),
+    |c, t| {
+        c.app = t.into();
+        Ok(())
+    },
+)
+.setting();
+
 /// The module's meter handles.
 #[derive(Default)]
 pub struct Meters {
@@ -352,13 +366,15 @@ const FLOW_METERS: [FlowVar; 5] = [
 ];
 
 /// The transport meters a TCP flow adds, in the order the endpoint updates them.
-pub const TCP_METERS: [FlowVar; 6] = [
+pub const TCP_METERS: [FlowVar; 8] = [
     ("tcp.state", ValueType::Str, "", "TCP state of the endpoint's socket (established ...)"),
     ("tcp.srtt_us", ValueType::U64, "us", "smoothed round-trip time, from the segments seen"),
     ("tcp.bytes_in_flight", ValueType::U64, "bytes", "sent and not acknowledged by the peer"),
     ("tcp.retrans_total", ValueType::U64, "frames", "segments sent again"),
     ("tcp.send_queue", ValueType::U64, "bytes", "bytes in the socket's send buffer"),
     ("tcp.recv_queue", ValueType::U64, "bytes", "bytes in the socket's receive buffer"),
+    ("tcp.cwnd", ValueType::U64, "bytes", "congestion window as seen: the most bytes in flight in the last round trip"),
+    ("tcp.delivery_rate", ValueType::U64, "bytes/s", "bytes acknowledged per second over the last round trip"),
 ];
 
 fn meter_specs(vars: &[FlowVar]) -> impl Iterator<Item = VarSpec> + '_ {

@@ -10,9 +10,14 @@
 //! |---|---|---|
 //! | IP `in` | packets from the app (Down) | packets from the network (Up) |
 //! | IP `out` | packets to the app (Up) | packets to the network (Down) |
-//! | a TCP flow starts | the app's SYN, selected by the match table: a socket listens on its exact destination, holds its SYN-ACK, emits `Open` Down | `Open` arrives: a socket connects to the original destination, and `Open` goes Up when it is established |
-//! | data it reads (producer) | from the app, sent Down | from the server, sent Up |
-//! | data it writes (consumer) | Up data, to the app | Down data, to the server |
+//! | a TCP flow starts (client role) | the app's SYN, selected by the match table: a socket listens on its exact destination, holds its SYN-ACK, emits `Open` Down | `Open` arrives: a socket connects to the original destination, and `Open` goes Up when it is established |
+//! | a TCP flow starts (server role) | `Open` arrives: a socket connects to the app, and `Open` goes Down when the app accepted | the network client's SYN, selected by a `role server` rule: a socket listens on its exact destination (the app), holds its SYN-ACK, emits `Open` Up |
+//! | data it reads (producer) | from the app, sent Down | from the network peer, sent Up |
+//! | data it writes (consumer) | Up data, to the app | Down data, to the network peer |
+//!
+//! So each flow has a *listening* end (it took the first packet, and for TCP holds the SYN-ACK until the other
+//! end's `Open` says the far side accepted) and a *connecting* end (it opened the flow towards its side when `Open`
+//! arrived): [`listens`] tells which, from the side and the flow's role.
 
 // Its fields are the settings, documented in their declarations; the kernel back-end reads them (`backend`).
 #[allow(missing_docs)]
@@ -68,6 +73,17 @@ impl Side {
     }
 }
 
+/// Whether the endpoint on `side` is the listening end of a flow of `role` (it took the flow's first packet), not
+/// the connecting end (it opened the flow when `Open` arrived): terminate for the client role, originate for the
+/// server role.
+pub fn listens(side: Side, role: Role) -> bool {
+    (side == Side::App) == (role == Role::Client)
+}
+
+/// The ids of the flows `originate` opens itself (the server role) start after this, far from `terminate`'s (1, 2,
+/// ...) and from its kernel back-end's (2^32 + 1 ...), so the two endpoints never give one id to two flows.
+pub const SERVER_IDS: u64 = 1 << 40;
+
 /// Port indices of an endpoint.
 #[derive(Clone, Copy, Debug)]
 pub struct Ports {
@@ -92,7 +108,8 @@ struct Tcp {
     handle: SocketHandle,
     /// Packets for the socket, fed at the next service.
     rx: Vec<Packet>,
-    /// App: the far side accepted (`Open` Up arrived, SYN-ACK released). Net: established and `Open` Up sent.
+    /// Listening end: the far side accepted (`Open` arrived, SYN-ACK released). Connecting end: established and
+    /// `Open` sent.
     accepted: bool,
     /// The connection was established once.
     established: bool,
@@ -104,7 +121,7 @@ struct Tcp {
     closed: bool,
     /// `Abort` received: the socket was reset; nothing is echoed.
     abort_in: bool,
-    /// App: the SYN, quoted in an ICMP error if the far side is unreachable before the SYN-ACK.
+    /// Listening end: the SYN, quoted in an ICMP error if the far side is unreachable before the SYN-ACK.
     syn: Vec<u8>,
     obs: Observer,
     state: tcp::State,
@@ -167,7 +184,7 @@ struct FlowMeters {
     up: Meter,
     in_flight: Meter,
     queued: Meter,
-    tcp: Option<[Meter; 6]>,
+    tcp: Option<[Meter; 8]>,
 }
 
 impl FlowMeters {
@@ -228,7 +245,7 @@ struct Flows {
 }
 
 impl Flows {
-    /// No flows yet.
+    /// No flows yet. originate's own ids (the server role) start after `SERVER_IDS`.
     fn new(side: Side, iface: Interface, next_port: u32) -> Flows {
         Flows {
             side,
@@ -236,7 +253,7 @@ impl Flows {
             conns: HashMap::new(),
             by_key: HashMap::new(),
             timers: BTreeSet::new(),
-            next_id: 0,
+            next_id: if side == Side::Net { SERVER_IDS } else { 0 },
             next_port,
             tcp_count: 0,
             udp_count: 0,
@@ -476,8 +493,9 @@ impl Endpoint {
         let specs = if tcp.is_some() { &self.tcp_specs } else { &self.udp_specs };
         // Another module owning the prefix (a misconfiguration) leaves the meters unpublished, never the flow.
         let vars = out.register_vars(&vars_name, specs).unwrap_or_else(|_| ModuleVars::shared(specs));
+        let role = if info.role == Role::Server { " role server" } else { "" };
         vars.meter("tuple").store(&Value::Str(format!(
-            "{} {} -> {} app {:?}",
+            "{} {} -> {}{role} app {:?}",
             info.protocol.name(),
             info.src,
             info.dst,
@@ -587,15 +605,11 @@ impl Endpoint {
                         self.f.time_wait.remove(&key);
                     }
                 }
-                if self.side == Side::App {
-                    if let Some(p) = self.new_app_flow(p, &info, src, dst, out) {
-                        self.pass(out, p);
-                    }
-                    return;
+                if let Some(p) = self.new_flow(p, &info, src, dst, out) {
+                    self.pass(out, p);
                 }
-                self.pass(out, p)
             }
-            proto::ICMP | proto::ICMPV6 if self.side == Side::Net => {
+            proto::ICMP | proto::ICMPV6 => {
                 if let Some(p) = self.icmp_error(p, &info, out) {
                     self.pass(out, p);
                 }
@@ -678,9 +692,9 @@ impl Endpoint {
         self.touch(id);
     }
 
-    /// A TCP or UDP packet from the app that matches no flow: a new flow if the match table selects it (the packet
-    /// is consumed), else the packet back (to pass).
-    fn new_app_flow(
+    /// A TCP or UDP packet that matches no flow (from the app: the client role; from the network: the server role):
+    /// a new flow if the match table selects it (the packet is consumed), else the packet back (to pass).
+    fn new_flow(
         &mut self,
         mut p: Packet,
         info: &PacketInfo,
@@ -696,15 +710,16 @@ impl Endpoint {
             }
         }
         let protocol = if tcp { Protocol::Tcp } else { Protocol::Udp };
-        let c = Candidate { protocol, src, dst, role: Role::Client, app: &self.cfg.app };
+        let role = if self.side == Side::App { Role::Client } else { Role::Server };
+        let c = Candidate { protocol, src, dst, role, app: &self.cfg.app };
         let Some((rule, terminate)) = self.matcher.decide(&c) else { return Some(p) };
         self.rule_hits[rule].add(1);
         if !terminate {
             return Some(p);
         }
         checksum::complete_partial(&mut p);
-        let info_out = FlowInfo { protocol, src, dst, app: self.cfg.app.clone(), role: Role::Client };
-        let now = out.now();
+        let info_out = FlowInfo { protocol, src, dst, app: self.cfg.app.clone(), role };
+        let (now, dir) = (out.now(), self.side.out_dir());
         if !tcp {
             if wire::udp_payload(p.data(), info).is_none() {
                 self.m.bad_datagrams.add(1); // as a kernel would: no flow for a datagram that is not one
@@ -717,7 +732,7 @@ impl Endpoint {
                 return None;
             }
             let id = self.new_id();
-            let open = StreamFrame::open(out.pool(), id, Direction::Down, &info_out);
+            let open = StreamFrame::open(out.pool(), id, dir, &info_out);
             self.insert(id, (proto::UDP, src, dst), info_out, None, out);
             self.emit_stream(out, open);
             let payload = wire::udp_payload(p.data(), info).expect("checked");
@@ -765,7 +780,7 @@ impl Endpoint {
         }
         let id = self.new_id();
         let t = Tcp::new(sockets, handle, syn, obs, tcp::State::SynReceived, self.cfg.cc);
-        let open = StreamFrame::open(out.pool(), id, Direction::Down, &info_out);
+        let open = StreamFrame::open(out.pool(), id, dir, &info_out);
         self.insert(id, (proto::TCP, src, dst), info_out, Some(t), out);
         self.f.half_open.push_back(id);
         self.m.segments_in.add(1);
@@ -782,8 +797,9 @@ impl Endpoint {
         self.f.next_id
     }
 
-    /// An ICMP error from the network about one of its flows: a connection being made, or a UDP flow, ends as
-    /// `unreachable`. Returns the packet if it is not about one of its flows.
+    /// An ICMP error about one of the flows it opened as the connecting end (originate: from the network; terminate:
+    /// from the app, about a flow of the server role): a connection being made, or a UDP flow, ends as
+    /// `unreachable`. Returns the packet if it is not about such a flow.
     fn icmp_error(&mut self, p: Packet, info: &PacketInfo, out: &mut Output<'_>) -> Option<Packet> {
         let dest_unreachable = matches!(info.icmp, Some((3, _))) && info.protocol == proto::ICMP
             || matches!(info.icmp, Some((1, _))) && info.protocol == proto::ICMPV6;
@@ -793,6 +809,9 @@ impl Endpoint {
         let Some(q) = wire::quoted(&p.data()[info.l4_offset..info.total_len]) else { return Some(p) };
         // The quoted packet is one we sent: its destination is the far end, its source the near end.
         let Some(&id) = self.f.by_key.get(&(q.protocol, q.dst, q.src)) else { return Some(p) };
+        if self.f.conns.get(&id).is_none_or(|c| listens(self.side, c.info.role)) {
+            return Some(p);
+        }
         let connecting = self.f.conns.get(&id).and_then(|c| c.tcp.as_ref()).map(|t| !t.established);
         // An established connection takes it as a soft error, as a kernel socket does: nothing changes.
         if connecting != Some(false) {
@@ -822,9 +841,15 @@ impl Endpoint {
             return;
         }
         if let StreamEvent::Open(info) = &event {
-            if self.side == Side::Net {
-                let info = info.clone();
-                return self.open_net(id, info, out);
+            // A new flow this end opens (originate: the client role; terminate: the server role), or the far side's
+            // acceptance of one it listens for.
+            match self.f.conns.get(&id) {
+                None if !listens(self.side, info.role) => return self.open_connect(id, info.clone(), out),
+                Some(c) if !listens(self.side, c.info.role) => {
+                    self.m.stream_bad.add(1); // a second Open for a flow it opened
+                    return;
+                }
+                _ => {}
             }
         }
         if !self.f.conns.contains_key(&id) {
@@ -833,7 +858,7 @@ impl Endpoint {
         }
         match event {
             StreamEvent::Open(_) => {
-                // terminate: the far side accepted; release the SYN-ACK.
+                // The listening end: the far side accepted; release the SYN-ACK.
                 if let Some(t) = self.f.conns.get_mut(&id).and_then(|c| c.tcp.as_mut()) {
                     if !t.accepted {
                         t.accepted = true;
@@ -919,16 +944,17 @@ impl Endpoint {
 
     /// The other endpoint aborted flow `id`.
     fn abort_in(&mut self, id: u64, reason: &str, out: &mut Output<'_>) {
-        let pool = out.pool().clone();
+        let (pool, ip_dir) = (out.pool().clone(), self.side.ip_dir());
         let c = self.f.conns.get_mut(&id).expect("checked");
         let far = c.info.dst.ip();
+        let listening_end = listens(self.side, c.info.role);
         match c.tcp.as_mut() {
             None => {
-                // UDP: an unreachable destination is told to the app as ICMP port unreachable.
-                if self.side == Side::App && reason == "unreachable" {
+                // UDP: an unreachable destination is told to the flow's opener as ICMP port unreachable.
+                if listening_end && reason == "unreachable" {
                     let quote = wire::udp(&pool, c.info.src, c.info.dst, &[]);
                     if let Some(mut e) = wire::unreachable(&pool, far, quote.data(), wire::Unreachable::Port) {
-                        e.set_direction(Direction::Up);
+                        e.set_direction(ip_dir);
                         out.emit(self.ports.ip_out, e);
                     }
                 }
@@ -936,9 +962,10 @@ impl Endpoint {
             }
             Some(t) => {
                 t.abort_in = true;
-                if self.side == Side::App && !t.accepted {
-                    // The app is still waiting for its SYN-ACK: refused becomes RST (below), unreachable an ICMP
-                    // error, a timeout nothing (the app's own connect timeout applies).
+                if listening_end && !t.accepted {
+                    // The opener (the app, or the network client) is still waiting for its SYN-ACK: refused
+                    // becomes RST (below), unreachable an ICMP error, a timeout nothing (its own connect timeout
+                    // applies).
                     let tell = match reason {
                         "unreachable" => wire::unreachable(&pool, far, &t.syn, wire::Unreachable::Host),
                         "timeout" => None,
@@ -948,7 +975,7 @@ impl Endpoint {
                         }
                     };
                     if let Some(mut e) = tell {
-                        e.set_direction(Direction::Up);
+                        e.set_direction(ip_dir);
                         out.emit(self.ports.ip_out, e);
                     }
                     return self.remove(id, out);
@@ -959,8 +986,10 @@ impl Endpoint {
         }
     }
 
-    /// originate: `Open` of a new flow.
-    fn open_net(&mut self, id: u64, info: FlowInfo, out: &mut Output<'_>) {
+    /// `Open` of a new flow this end connects: originate towards the original destination (the client role),
+    /// terminate towards the app (the server role), from the opener's own address and port (originate: or from
+    /// `source`).
+    fn open_connect(&mut self, id: u64, info: FlowInfo, out: &mut Output<'_>) {
         if self.f.conns.contains_key(&id) {
             self.m.stream_bad.add(1); // a second Open for a flow it holds
             return;
@@ -972,7 +1001,7 @@ impl Endpoint {
         let refuse = |this: &mut Self, out: &mut Output<'_>, reason: &str| {
             this.m.refused.add(1);
             this.m.aborts_sent.add(1);
-            let a = StreamFrame::abort(out.pool(), id, Side::Net.out_dir(), reason);
+            let a = StreamFrame::abort(out.pool(), id, this.side.out_dir(), reason);
             out.emit(this.ports.stream_out, a);
         };
         if count as u64 >= max {
@@ -1118,7 +1147,7 @@ impl Endpoint {
             if !t.established && matches!(state, tcp::State::Established | tcp::State::CloseWait) {
                 t.established = true;
                 *deadline = None;
-                if side == Side::Net && !t.accepted {
+                if !listens(side, info.role) && !t.accepted {
                     t.accepted = true;
                     let mut info = info.clone();
                     info.src = key.2;
@@ -1206,6 +1235,8 @@ impl Endpoint {
             m[3].set(t.obs.retrans);
             m[4].set(sock.send_queue() as u64);
             m[5].set(sock.recv_queue() as u64);
+            m[6].set(u64::from(t.obs.cwnd));
+            m[7].set(t.obs.delivery_rate);
         }
         c.vars.in_flight.set(c.credit.in_flight());
         c.vars.queued.set(c.queued);
@@ -1213,6 +1244,7 @@ impl Endpoint {
         let gone = state == tcp::State::Closed || (state == tcp::State::Listen && t.obs.rst);
         let (quiet, rst, established, accepted) =
             (t.abort_in || (t.fin_sent && t.closed), t.obs.rst, t.established, t.accepted);
+        let connecting_end = !listens(self.side, c.info.role);
         let expired = c.deadline.is_some_and(|d| d <= now);
         let deadline = c.deadline;
         let drained = c.credit.in_flight() == 0 && c.queue.is_empty();
@@ -1229,8 +1261,8 @@ impl Endpoint {
             if quiet {
                 return self.remove(id, out);
             }
-            let reason = match (rst, self.side, established) {
-                (true, Side::Net, false) => "refused",
+            let reason = match (rst, connecting_end, established) {
+                (true, true, false) => "refused",
                 (true, ..) => "reset",
                 (false, ..) => {
                     self.m.timeouts.add(1);
@@ -1240,10 +1272,10 @@ impl Endpoint {
             return self.abort_and_remove(id, reason, out);
         }
         if expired {
-            // Not established in time: give up. The app's side drops a half-open connection without a word if its
-            // SYN-ACK was never sent; otherwise the socket resets its peer.
+            // Not established in time: give up. The listening end drops a half-open connection without a word if
+            // its SYN-ACK was never sent; otherwise the socket resets its peer.
             self.m.timeouts.add(1);
-            if accepted || self.side == Side::Net {
+            if accepted || connecting_end {
                 let c = self.f.conns.get_mut(&id).expect("present");
                 let t = c.tcp.as_mut().expect("tcp");
                 t.sockets.get_mut::<tcp::Socket>(t.handle).abort();
@@ -1370,6 +1402,6 @@ mod tests {
         let socket = size_of::<smoltcp::iface::SocketStorage>(); // the socket, in its set's vector
         let state = size_of::<super::Conn>() + size_of::<super::Tcp>() + size_of::<super::Key>() + 8;
         assert!(socket <= 640, "socket {socket}");
-        assert!(state <= 640, "state {state}");
+        assert!(state <= 672, "state {state}");
     }
 }

@@ -7,8 +7,13 @@
 //! - `bytes_in_flight`: sequence space sent and not acknowledged (highest sent minus highest acked).
 //! - `retrans_total`: segments sent again (data, SYN or FIN below the highest sequence sent).
 //! - `rst`: a reset was received (tells a refusal or a reset from a timeout when the socket closes).
-//!
-//! The congestion window cannot be seen from outside and is not reported.
+//! - `cwnd`: the congestion window as seen from outside: the most bytes in flight during the last round trip (from
+//!   one RTT sample to the next). smoltcp's window itself is private (its controllers' `window()` is `pub(super)`);
+//!   what the socket may have in flight is the smallest of that window, the peer's window and the data it has, so
+//!   this is the window while the sender is limited by it (a bulk transfer), and less while the peer's window or the
+//!   application limits it.
+//! - `delivery_rate`: bytes acknowledged per second over the last round trip (the acked bytes between two RTT
+//!   samples over the time between them), as the kernel's `tcpi_delivery_rate` samples it per round.
 
 use flexstack_core::Time;
 
@@ -59,6 +64,15 @@ pub(crate) struct Observer {
     pub srtt_us: u64,
     pub retrans: u64,
     pub rst: bool,
+    /// The most bytes in flight since the last RTT sample.
+    round_max: u32,
+    pub cwnd: u32,
+    /// Bytes acknowledged in all, modulo 2^32 (sequence space: a SYN and a FIN count one each).
+    delivered: u32,
+    /// `delivered` when the current round began, at `round_start` (`None`: no round yet).
+    round_delivered: u32,
+    round_start: Option<Time>,
+    pub delivery_rate: u64,
 }
 
 impl Observer {
@@ -89,7 +103,11 @@ impl Observer {
         // Only a segment of new data is timed: an ack after a retransmission is ambiguous (Karn).
         if new && self.timed.is_none() && (s.len > 0 || s.syn) {
             self.timed = Some((end, now));
+            if self.round_start.is_none() {
+                (self.round_start, self.round_delivered) = (Some(now), self.delivered);
+            }
         }
+        self.round_max = self.round_max.max(self.in_flight() as u32);
     }
 
     /// A segment the socket received at `now`.
@@ -102,14 +120,30 @@ impl Observer {
         if before(max, ack) || before(ack, self.snd_una) {
             return; // acks something never sent, or old
         }
+        self.delivered = self.delivered.wrapping_add(ack.wrapping_sub(self.snd_una));
         self.snd_una = ack;
         if let Some((end, at)) = self.timed {
             if !before(ack, end) {
                 let sample = (now - at).as_micros() as u64;
                 self.srtt_us = if self.srtt_us == 0 { sample.max(1) } else { (7 * self.srtt_us + sample).div_ceil(8) };
                 self.timed = None;
+                self.end_round(now);
             }
         }
+    }
+
+    /// An RTT sample closes a round: its largest flight is the window seen, its acked bytes over its time the rate.
+    fn end_round(&mut self, now: Time) {
+        self.cwnd = self.round_max;
+        self.round_max = self.in_flight() as u32;
+        if let Some(t0) = self.round_start {
+            let ns = now.as_nanos().saturating_sub(t0.as_nanos());
+            if ns > 0 {
+                let bytes = self.delivered.wrapping_sub(self.round_delivered);
+                self.delivery_rate = (u128::from(bytes) * 1_000_000_000 / u128::from(ns)) as u64;
+            }
+        }
+        (self.round_start, self.round_delivered) = (Some(now), self.delivered);
     }
 
     /// Sequence space sent and not acknowledged.
@@ -149,6 +183,33 @@ mod tests {
         assert_eq!(o.in_flight(), 0);
         o.received(&Segment { rst: true, ..seg(8, None, 0) }, t(330));
         assert!(o.rst);
+    }
+
+    /// The window seen is the largest flight of a round; the rate, the bytes acked in a round over its length.
+    #[test]
+    fn estimates_the_window_and_the_delivery_rate_per_round() {
+        let mut o = Observer::default();
+        let t = |ms| Time::from_millis(ms);
+        o.sent(&Segment { syn: true, ..seg(0, None, 0) }, t(0));
+        o.received(&seg(0, Some(1), 0), t(10)); // the handshake: the first round
+        assert_eq!((o.cwnd, o.srtt_us), (1, 10_000));
+        // A round of 10 segments of 1000 bytes, all acked 10 ms later.
+        for i in 0..10 {
+            o.sent(&seg(1 + i * 1000, Some(1), 1000), t(10));
+        }
+        assert_eq!(o.in_flight(), 10_000);
+        o.received(&seg(1, Some(5001), 0), t(20)); // covers the timed (first) segment: the round ends
+        assert_eq!(o.cwnd, 10_000, "the most in flight during the round");
+        assert_eq!(o.delivery_rate, 500_000, "5,000 bytes in 10 ms");
+        // The next round: 20 segments in flight at most, 20,000 bytes acked in 20 ms.
+        for i in 10..30 {
+            o.sent(&seg(1 + i * 1000, Some(1), 1000), t(20));
+        }
+        o.received(&seg(1, Some(25_001), 0), t(40));
+        assert_eq!(o.cwnd, 25_000, "5,000 left of the round before and 20,000 sent");
+        assert_eq!(o.delivery_rate, 1_000_000, "20,000 bytes in 20 ms");
+        o.received(&seg(1, Some(30_001), 0), t(45));
+        assert_eq!(o.in_flight(), 0);
     }
 
     #[test]

@@ -987,10 +987,13 @@ fn server_role(backend: &str) {
     // IPv4, slowly (about 2 s), while `flow list` is read; then IPv6 at full speed.
     let fetched = r.path("fetched4");
     let url = format!("http://{}:8080/blob", app.ipv4);
-    // From the host's namespace: the sandbox's guard drops what leaves an app's prefix un-masqueraded through any
-    // interface but its host face, so a client in another namespace, routed through the host, gets no answer.
-    let curl = |args: &[&str]| std::process::Command::new("curl").args(args).output().expect("curl");
-    let mut slow = std::process::Command::new("curl")
+    // From the server's namespace, routed through the host: the sandbox's guard lets the app's answers to
+    // connections opened from the network leave through the host's interfaces.
+    let ns = r.srv.ns.name.clone();
+    let in_ns = ["netns", "exec", ns.as_str(), "curl"];
+    let curl = |args: &[&str]| std::process::Command::new("ip").args(in_ns).args(args).output().expect("curl");
+    let mut slow = std::process::Command::new("ip")
+        .args(in_ns)
         .args(["-sSf", "-m", "30", "--limit-rate", "1m", "-o", path_str(&fetched), &url])
         .spawn()
         .expect("curl");

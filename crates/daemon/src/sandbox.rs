@@ -812,7 +812,8 @@ impl Sandboxes {
 /// (the daemon's app prefixes, v4 and v6) and of its apps' ones, the masquerading of the guarded prefixes on the
 /// way out, and the guard, after it: a packet from or to a guarded prefix that leaves through anything but a host
 /// face is dropped (one from a sandbox that was not masqueraded, or a reply translated back to a sandbox whose
-/// route has gone).
+/// route has gone), except a sandbox's answer to a connection the network opened to it (a server in a sandbox, or
+/// the server role of termination): conntrack's reply direction, from the sandbox's own address.
 fn host_table_script(table: &str, v4: &str, v6: &str) -> String {
     format!(
         "table inet {table} {{}}\ndelete table inet {table}\ntable inet {table} {{\n  \
@@ -825,6 +826,7 @@ fn host_table_script(table: &str, v4: &str, v6: &str) -> String {
          ip6 saddr @guard6 oifname != \"fsh*\" masquerade\n  }}\n  \
          chain guard {{\n    type filter hook postrouting priority 110; policy accept;\n    \
          oifname \"fsh*\" accept\n    \
+         ct direction reply ip saddr @guard4 accept\n    ct direction reply ip6 saddr @guard6 accept\n    \
          ip saddr @guard4 counter drop\n    ip daddr @guard4 counter drop\n    \
          ip6 saddr @guard6 counter drop\n    ip6 daddr @guard6 counter drop\n  }}\n}}\n"
     )

@@ -9,12 +9,15 @@ mod common;
 use common::{
     bin, octets, path_str, pattern, privileged, repo, sh, text, unique, Background, Daemon, Netns, SandboxDaemon,
 };
+use flexstack_api::ops::{FlowInfo, Handling};
 use std::path::PathBuf;
 use std::process::Output;
 use std::time::Duration;
 
 /// The line the scripts print before the meters they read.
 const MARK: &str = "@@meters@@";
+/// The line a script prints before `flow list`.
+const FLOWS: &str = "@@flows@@";
 
 /// Two peers and a server behind B: A (sandbox daemon, host namespace) ─ veth 10.S.1.0/24 ─ B (namespace) ─ veth
 /// 10.S.2.0/24 ─ server namespace.
@@ -29,8 +32,9 @@ struct Rig {
     www: tempfile::TempDir,
     dir: tempfile::TempDir,
     stack: PathBuf,
-    /// The server's address (behind B).
+    /// The server's addresses (behind B).
     srv: String,
+    srv6: String,
     /// B's carrier address.
     b_addr: String,
 }
@@ -65,7 +69,7 @@ impl Rig {
         let srv_addr = format!("10.{s}.2.2");
         let www = tempfile::tempdir().expect("temp dir");
         std::fs::write(www.path().join("blob"), pattern(2_000_000)).expect("write the blob");
-        let http = srv.serve_http("0.0.0.0", www.path());
+        let http = srv.serve_http("::", www.path());
         let dns = srv.serve_dns(&srv_addr, &format!("fd97:{s:x}::2"));
         // B: accepts carriers on its side of the first veth and opens the flows again with kernel sockets.
         let b_addr = format!("10.{s}.1.2:7300");
@@ -112,6 +116,7 @@ impl Rig {
             dir,
             stack,
             srv: srv_addr,
+            srv6: format!("fd97:{s:x}::2"),
             b_addr,
         })
     }
@@ -161,9 +166,14 @@ fn curl_and_dig_are_carried_to_the_peer() {
     // A cannot reach the server itself: only the carrier can bring the answers.
     let direct = sh("ip", &["route", "get", &r.srv]);
     assert!(!direct.contains(&r.host_dev), "A must not route to the server directly: {direct}");
+    // IPv4 and IPv6 downloads, then dig; the UDP flow is still open (its idle timeout) when the flows are listed.
     let script = format!(
-        "curl -sSf -m 30 http://{srv}:8080/blob | sha256sum\ndig +short +time=2 +tries=2 @{srv} flexstack.test",
-        srv = r.srv
+        "curl -sSf -m 30 http://{srv}:8080/blob | sha256sum\ncurl -sSf -m 30 'http://[{v6}]:8080/blob' | sha256sum\n\
+         dig +short +time=2 +tries=2 @{srv} flexstack.test\necho {FLOWS}; {bin} --state-dir {state} -j flow list",
+        srv = r.srv,
+        v6 = r.srv6,
+        bin = bin(),
+        state = path_str(r.a.state.path()),
     );
     let meters = [
         "peer.flows_total",
@@ -175,14 +185,26 @@ fn curl_and_dig_are_carried_to_the_peer() {
     let (out, m) = r.run("carried", &script, &meters);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{}", text(&out));
-    assert!(stdout.contains(&want), "sha256 of the download differs: {}", text(&out));
+    assert_eq!(stdout.matches(&want).count(), 2, "sha256 of the downloads (IPv4, IPv6): {}", text(&out));
     assert!(stdout.lines().any(|l| l.trim() == "10.1.2.3"), "dig's answer: {}", text(&out));
     let [flows, conns, bytes_in, refusals, orig] = m[..] else { unreachable!() };
-    assert!(flows >= 2, "the TCP and UDP flows were carried: {flows}");
+    assert!(flows >= 3, "the TCP and UDP flows were carried: {flows}");
+    // `flow list`: the UDP flow's app side is terminated, its network side carried to the peer, each naming the other.
+    let listed = stdout.split_once(FLOWS).and_then(|(_, rest)| rest.split_once(MARK)).expect("flow list printed").0;
+    let list: Vec<FlowInfo> = serde_json::from_str(listed.trim()).unwrap_or_else(|e| panic!("{e}: {listed}"));
+    let dns = |h: Handling| {
+        list.iter()
+            .find(|f| f.handling == h && f.protocol == "udp" && f.dst_port == Some(53))
+            .unwrap_or_else(|| panic!("no {h:?} DNS flow in {listed}"))
+    };
+    let (carried, terminated) = (dns(Handling::Carried), dns(Handling::Terminated));
+    assert_eq!(carried.module, "carried-peer");
+    assert_eq!(carried.peer.as_deref(), Some(terminated.id.as_str()), "{listed}");
+    assert_eq!(terminated.peer.as_deref(), Some(carried.id.as_str()), "{listed}");
     assert_eq!((conns, refusals), (1, 0), "one connection, authenticated");
     assert!(bytes_in > 2_000_000, "the download came through the carrier: {bytes_in} bytes");
     assert_eq!(orig, 0, "nothing was opened on A");
-    assert!(r.b_meter("flows_total") >= 2, "B opened the flows");
+    assert!(r.b_meter("flows_total") >= 3, "B opened the flows");
     assert_eq!(r.b_meter("refusals_total"), 0);
     assert_eq!(r.b_meter("malformed_total"), 0);
     let peers = r.a.cli(&["-j", "peer", "show", "gateway"]);

@@ -17,13 +17,14 @@
 //!   is a peer's) and its `Hello` has the same version: anything else closes it and counts in `refusals_total`;
 //!   after that, input that is not the protocol closes it and counts in `malformed_total`.
 
-use super::{client_config, identity, report, server_config, server_name, Peer};
+use super::trust::{self, client_config, identity, report, server_config, server_name, Peer};
 use flexstack_core::frame::{MetaKey, Metadata};
-use flexstack_core::stream::{StreamFrame, StreamKind};
+use flexstack_core::stream::{FlowInfo, StreamEvent, StreamFrame, StreamKind};
 use flexstack_core::{
     Batch, Direction, FaceDevice, Module, ModuleBuilder, ModuleInterface, ModuleVars, Output, Packet, Time, Value,
+    VarSpec,
 };
-use flexstack_modules::stream::carrier::{wire, CarrierRequest, Config, Meters, Route, Router};
+use flexstack_modules::stream::carrier::{self, wire, CarrierRequest, Config, Meters, Route, Router};
 use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
 use nix::sys::eventfd::{EfdFlags, EventFd};
 use nix::sys::socket::{connect, socket, AddressFamily, SockFlag, SockType, SockaddrStorage};
@@ -61,7 +62,7 @@ pub(crate) fn build(req: CarrierRequest) -> Result<Box<dyn ModuleBuilder>, Strin
         Mode::Accept { listener, tls: server_config(id)?, flows: HashMap::new(), next_local: 1 }
     } else {
         let name = &req.cfg.peer;
-        let peer = super::get(name).ok_or_else(|| format!("no peer {name:?} (add it with `flexstack peer add`)"))?;
+        let peer = trust::get(name).ok_or_else(|| format!("no peer {name:?} (add it with `flexstack peer add`)"))?;
         let tls = client_config(id, peer.fingerprint)?;
         Mode::Connect { peer, tls, router: Router::default(), retry_at: None, conn: None }
     };
@@ -93,6 +94,9 @@ impl ModuleBuilder for CarrierBuilder {
         }
         let connect = matches!(mode, Mode::Connect { .. });
         let inner = Inner {
+            refusal_log: LogLimit::default(),
+            born: Vec::new(),
+            gone: Vec::new(),
             mode,
             conns: HashMap::new(),
             next_token: FIRST_CONN,
@@ -111,7 +115,16 @@ impl ModuleBuilder for CarrierBuilder {
         }
         let device =
             Arc::new(CarrierDevice { name: format!("carrier-{}", req.cfg.peer), dir, epoll, inner: Mutex::new(inner) });
-        Box::new(Carrier { device, decl: req.decl, cfg: req.cfg, egress: Vec::new(), connect })
+        let specs = carrier::flow_specs();
+        Box::new(Carrier {
+            device,
+            decl: req.decl,
+            cfg: req.cfg,
+            egress: Vec::new(),
+            connect,
+            specs,
+            flows: HashMap::new(),
+        })
     }
 }
 
@@ -174,7 +187,29 @@ enum End {
     Closed(String),
 }
 
+/// At most one log line a second for refused connections (a flood of them must not flood the log); the next line
+/// says how many were left out.
+#[derive(Default)]
+struct LogLimit {
+    last: Option<Instant>,
+    suppressed: u64,
+}
+
+impl LogLimit {
+    fn allow(&mut self, now: Instant) -> bool {
+        if self.last.is_some_and(|t| now.duration_since(t) < Duration::from_secs(1)) {
+            return false;
+        }
+        self.last = Some(now);
+        true
+    }
+}
+
 struct Inner {
+    refusal_log: LogLimit,
+    /// Flows carried since the module last looked, with their tuple (it registers their meters), and flows ended.
+    born: Vec<(u64, String)>,
+    gone: Vec<u64>,
     mode: Mode,
     conns: HashMap<u64, Conn>,
     next_token: u64,
@@ -347,8 +382,11 @@ impl Inner {
         if c.up {
             self.m.connections_active.set(self.m.connections_active.get().saturating_sub(1));
             tracing::info!(peer = %peer, "carrier connection closed: {why}");
+        } else if self.refusal_log.allow(Instant::now()) {
+            let more = std::mem::take(&mut self.refusal_log.suppressed);
+            tracing::warn!(peer = %peer, addr = ?c.sock.peer_addr().ok(), suppressed = more, "carrier connection refused: {why}");
         } else {
-            tracing::warn!(peer = %peer, addr = ?c.sock.peer_addr().ok(), "carrier connection refused: {why}");
+            self.refusal_log.suppressed += 1;
         }
         let _ = c.sock.shutdown(std::net::Shutdown::Both);
         let now = Instant::now();
@@ -366,6 +404,7 @@ impl Inner {
                 for id in &ids {
                     flows.remove(id);
                 }
+                self.gone.extend(&ids);
                 ids
             }
         };
@@ -513,13 +552,15 @@ impl Inner {
             }
             if c.peer.is_empty() {
                 // Accepting: who it is (the verifier let only peers of the table through).
-                let fp = c.tls.peer_certificates().and_then(|v| v.first()).map(|d| super::fingerprint_of(d));
-                let Some(name) = fp.and_then(|fp| super::by_fingerprint(&fp)) else {
+                let fp = c.tls.peer_certificates().and_then(|v| v.first()).map(|d| trust::fingerprint_of(d));
+                let Some(name) = fp.and_then(|fp| trust::by_fingerprint(&fp)) else {
                     return Err(End::Refused("not a peer (removed?)".into()));
                 };
                 c.peer = name;
                 let mut hello = Vec::new();
                 wire::hello(&mut hello, CAPS);
+                self.m.bytes_out.add(hello.len() as u64);
+                self.m.frames_out.add(1);
                 c.send(&hello)?;
             }
             c.up = true;
@@ -563,6 +604,8 @@ impl Inner {
                     c.remote.insert(flow, local);
                     flows.insert(local, Accepted { token, remote: flow, fins: (false, false) });
                     self.m.flows.add(1);
+                    let tuple = FlowInfo::decode(bytes).map(|i| carrier::tuple(&i)).unwrap_or_default();
+                    self.born.push((local, tuple));
                     self.push(local, kind, ack, bytes);
                     return Ok(());
                 }
@@ -581,6 +624,7 @@ impl Inner {
                 if done {
                     flows.remove(&local);
                     c.remote.remove(&flow);
+                    self.gone.push(local);
                 }
                 self.push(local, kind, ack, bytes);
             }
@@ -622,6 +666,7 @@ impl Inner {
                     };
                     if done {
                         flows.remove(&flow);
+                        self.gone.push(flow);
                         if let Some(c) = self.conns.get_mut(&t.0) {
                             c.remote.remove(&t.1);
                         }
@@ -773,6 +818,39 @@ struct Carrier {
     cfg: Config,
     egress: Batch,
     connect: bool,
+    /// A flow's variables.
+    specs: Vec<VarSpec>,
+    /// Flows whose meters are registered: id -> (name, peer).
+    flows: HashMap<u64, String>,
+}
+
+impl Carrier {
+    /// Registers the meters of flows carried since the last look, and removes those of flows that ended.
+    fn flow_meters(&mut self, inner: &mut Inner, out: &mut Output<'_>) {
+        if let Mode::Connect { router, .. } = &mut inner.mode {
+            inner.gone.append(&mut router.gone);
+        }
+        for (id, tuple) in std::mem::take(&mut inner.born) {
+            let name = format!("{}.{id}", self.cfg.vars_prefix);
+            // Another module owning the prefix (a misconfiguration) leaves the meters unpublished, never the flow.
+            let vars = out.register_vars(&name, &self.specs).unwrap_or_else(|_| ModuleVars::new(&self.specs));
+            vars.meter("tuple").store(&Value::Str(tuple));
+            let peer = match &inner.mode {
+                Mode::Connect { peer, .. } => peer.name.clone(),
+                Mode::Accept { flows, .. } => {
+                    let token = flows.get(&id).map(|f| f.token);
+                    token.and_then(|t| inner.conns.get(&t)).map(|c| c.peer.clone()).unwrap_or_default()
+                }
+            };
+            vars.meter("peer").store(&Value::Str(peer));
+            self.flows.insert(id, name);
+        }
+        for id in std::mem::take(&mut inner.gone) {
+            if let Some(name) = self.flows.remove(&id) {
+                out.unregister_vars(&name);
+            }
+        }
+    }
 }
 
 impl Module for Carrier {
@@ -793,7 +871,12 @@ impl Module for Carrier {
                 None => (Route::Pass, 0),
             };
             match route {
-                (Route::Carry, _) => self.egress.push(f),
+                (Route::Carry, flow) => {
+                    if let Some(StreamEvent::Open(info)) = f.stream() {
+                        inner.born.push((flow, carrier::tuple(&info)));
+                    }
+                    self.egress.push(f);
+                }
                 (Route::Pass, _) => {
                     if f.packet().and_then(Packet::stream_kind) == Some(StreamKind::Open) {
                         inner.m.flows_passed.add(1);
@@ -807,13 +890,15 @@ impl Module for Carrier {
                 }
             }
         }
+        self.flow_meters(&mut inner, out);
     }
 
     fn poll(&mut self, out: &mut Output<'_>) -> Option<Time> {
-        let mut inner = self.device.inner();
-        let now = Instant::now();
-        inner.tick(now);
+        let device = self.device.clone();
+        let mut inner = device.inner();
+        inner.tick(Instant::now());
         inner.kick();
+        self.flow_meters(&mut inner, out);
         Some(out.now() + PERIOD)
     }
 

@@ -21,7 +21,7 @@ use flexstack_core::module::port_type;
 use flexstack_core::stream::{FlowInfo, StreamKind};
 use flexstack_core::{
     field, kind_from_decl, ConfigError, KindDecl, Meter, ModuleBuilder, ModuleInterface, ModuleKind, Param, PortDecl,
-    Settings,
+    Settings, ValueType, VarSpec,
 };
 use flexstack_wire::cidr::Prefix;
 use std::collections::HashMap;
@@ -43,6 +43,8 @@ pub struct Config {
     pub max_flows: u64,
     /// Milliseconds between attempts to reach the peer again after the connection failed.
     pub retry_ms: u64,
+    /// Where each carried flow's meters go (`<vars_prefix>.<flow>`).
+    pub vars_prefix: String,
 }
 
 /// The meters.
@@ -155,6 +157,17 @@ pub const DECL: KindDecl<Config, Meters> = KindDecl {
             field!(retry_ms),
         )
         .range(10.0, 600_000.0),
+        P::text(
+            "vars_prefix",
+            "per-flow meters go under <vars_prefix>.<flow> (tuple, peer)",
+            "flow.carrier",
+            |c| c.vars_prefix.clone(),
+            |c, t| {
+                c.vars_prefix = t.to_string();
+                Ok(())
+            },
+        )
+        .setting(),
     ],
     meters: u64_meters![
         connections: "connections_total", "connections", "connections established (authenticated, hello exchanged)";
@@ -177,6 +190,25 @@ pub const DECL: KindDecl<Config, Meters> = KindDecl {
     breaks_cycles: true,
     ..KindDecl::new(KIND, "carries terminated flows to a flexstack peer over mutual TLS (docs/peers.md)")
 };
+
+/// The meters of one carried flow, under `<vars_prefix>.<flow>` (`flexstack flow list` shows them as `carried`).
+pub fn flow_specs() -> Vec<VarSpec> {
+    vec![
+        VarSpec::meter(
+            "tuple",
+            ValueType::Str,
+            "",
+            "the flow: protocol, the app's address, the original destination, the app",
+        ),
+        VarSpec::meter("peer", ValueType::Str, "", "the peer it is carried to, or came from"),
+    ]
+}
+
+/// A carried flow's `tuple` meter: as `terminate` writes its flows' (`tcp 10.0.0.2:40000 -> 10.9.9.9:80 app
+/// "curl"`), so that `flow list` pairs the two sides of a flow.
+pub fn tuple(info: &FlowInfo) -> String {
+    format!("{} {} -> {} app {:?}", info.protocol.name(), info.src, info.dst, info.app)
+}
 
 /// What the hook builds the carrier from.
 pub struct CarrierRequest {
@@ -243,6 +275,8 @@ pub enum Route {
 pub struct Router {
     /// Carried flows: whether Fin went down, and up.
     flows: HashMap<u64, (bool, bool)>,
+    /// Flows forgotten since the module last looked (it removes their meters).
+    pub gone: Vec<u64>,
 }
 
 impl Router {
@@ -264,7 +298,7 @@ impl Router {
             }
             _ if !self.flows.contains_key(&flow) => Route::Pass,
             Some(StreamKind::Abort) => {
-                self.flows.remove(&flow);
+                self.forget(flow);
                 Route::Carry
             }
             Some(StreamKind::Fin) => {
@@ -281,9 +315,7 @@ impl Router {
             return false;
         }
         match kind {
-            StreamKind::Abort => {
-                self.flows.remove(&flow);
-            }
+            StreamKind::Abort => self.forget(flow),
             StreamKind::Fin => self.fin(flow, false),
             _ => {}
         }
@@ -298,14 +330,22 @@ impl Router {
                 f.1 = true;
             }
             if f.0 && f.1 {
-                self.flows.remove(&flow);
+                self.forget(flow);
             }
+        }
+    }
+
+    fn forget(&mut self, flow: u64) {
+        if self.flows.remove(&flow).is_some() {
+            self.gone.push(flow);
         }
     }
 
     /// Forgets every flow (the connection went) and returns their ids.
     pub fn drain(&mut self) -> Vec<u64> {
-        self.flows.drain().map(|(id, _)| id).collect()
+        let ids: Vec<u64> = self.flows.drain().map(|(id, _)| id).collect();
+        self.gone.extend(&ids);
+        ids
     }
 
     /// Flows carried now.
@@ -350,6 +390,7 @@ mod tests {
         assert!(!r.up(1, StreamKind::Data), "forgotten");
         assert!(r.up(3, StreamKind::Abort));
         assert!(r.is_empty());
+        assert_eq!(r.gone, [1, 3], "the flows forgotten, for their meters");
     }
 
     /// Without the daemon's hook (this crate alone), the kind is refused where it is configured, saying why; a

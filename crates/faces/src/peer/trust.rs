@@ -250,28 +250,33 @@ impl Pinned {
             Err(TlsError::InvalidCertificate(rustls::CertificateError::ApplicationVerificationFailure))
         }
     }
+}
 
-    fn schemes(&self) -> Vec<SignatureScheme> {
-        self.provider.signature_verification_algorithms.supported_schemes()
-    }
+/// The handshake's signatures, checked as rustls's own verifiers do (the same methods in both verifier traits).
+macro_rules! signatures {
+    () => {
+        fn verify_tls12_signature(
+            &self,
+            m: &[u8],
+            c: &CertificateDer<'_>,
+            d: &DigitallySignedStruct,
+        ) -> Result<HandshakeSignatureValid, TlsError> {
+            verify_tls12_signature(m, c, d, &self.provider.signature_verification_algorithms)
+        }
 
-    fn tls12(
-        &self,
-        m: &[u8],
-        c: &CertificateDer<'_>,
-        d: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, TlsError> {
-        verify_tls12_signature(m, c, d, &self.provider.signature_verification_algorithms)
-    }
+        fn verify_tls13_signature(
+            &self,
+            m: &[u8],
+            c: &CertificateDer<'_>,
+            d: &DigitallySignedStruct,
+        ) -> Result<HandshakeSignatureValid, TlsError> {
+            verify_tls13_signature(m, c, d, &self.provider.signature_verification_algorithms)
+        }
 
-    fn tls13(
-        &self,
-        m: &[u8],
-        c: &CertificateDer<'_>,
-        d: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, TlsError> {
-        verify_tls13_signature(m, c, d, &self.provider.signature_verification_algorithms)
-    }
+        fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+            self.provider.signature_verification_algorithms.supported_schemes()
+        }
+    };
 }
 
 impl ServerCertVerifier for Pinned {
@@ -286,27 +291,7 @@ impl ServerCertVerifier for Pinned {
         self.check(end_entity, intermediates).map(|()| ServerCertVerified::assertion())
     }
 
-    fn verify_tls12_signature(
-        &self,
-        m: &[u8],
-        c: &CertificateDer<'_>,
-        d: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, TlsError> {
-        self.tls12(m, c, d)
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        m: &[u8],
-        c: &CertificateDer<'_>,
-        d: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, TlsError> {
-        self.tls13(m, c, d)
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.schemes()
-    }
+    signatures!();
 }
 
 impl ClientCertVerifier for Pinned {
@@ -323,27 +308,7 @@ impl ClientCertVerifier for Pinned {
         self.check(end_entity, intermediates).map(|()| ClientCertVerified::assertion())
     }
 
-    fn verify_tls12_signature(
-        &self,
-        m: &[u8],
-        c: &CertificateDer<'_>,
-        d: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, TlsError> {
-        self.tls12(m, c, d)
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        m: &[u8],
-        c: &CertificateDer<'_>,
-        d: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, TlsError> {
-        self.tls13(m, c, d)
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.schemes()
-    }
+    signatures!();
 }
 
 #[cfg(test)]

@@ -267,3 +267,35 @@ fn garbage_on_the_peer_port_is_refused_while_flows_continue() {
     assert_eq!(r.b_meter("connections_total"), 1, "the peer's own connection only");
     let _ = r.dir.path();
 }
+
+/// `flexstack peer`: the key is stable across restarts of the daemon (it lives in the state directory); names,
+/// addresses and fingerprints are checked; a name, a fingerprint or the daemon's own key cannot be added twice.
+/// Needs no privileges.
+#[test]
+fn peer_commands_check_their_input_and_the_key_persists() {
+    let mut d = Daemon::start("", &[]);
+    let key = d.ok(&["peer", "key"]).trim().to_string();
+    assert_eq!(key.len(), 64, "{key}");
+    let fp = "ab".repeat(32);
+    d.ok(&["peer", "add", "b-1", "192.0.2.1:7300", &fp]);
+    for (args, why) in [
+        (vec!["peer", "add", "b-1", "192.0.2.2:7300", &"cd".repeat(32)], "exists"),
+        (vec!["peer", "add", "c", "192.0.2.2:7300", &fp], "fingerprint is peer \"b-1\""),
+        (vec!["peer", "add", "self", "192.0.2.2:7300", &key], "this daemon's own"),
+        (vec!["peer", "add", "c", "192.0.2.2", &"cd".repeat(32)], "ADDR:PORT"),
+        (vec!["peer", "add", "c", "192.0.2.2:1", "xyz"], "64 hex digits"),
+        (vec!["peer", "add", "a b", "192.0.2.2:1", &"cd".repeat(32)], "A-Z a-z 0-9"),
+        (vec!["peer", "show", "nobody"], "no peer"),
+    ] {
+        let e = d.fails(&args);
+        assert!(e.contains(why), "{args:?}: {e}");
+    }
+    let list = d.json(&["peer", "list"]);
+    assert_eq!(list.as_array().map(Vec::len), Some(1), "{list}");
+    assert_eq!((list[0]["name"].as_str(), list[0]["fingerprint"].as_str()), (Some("b-1"), Some(fp.as_str())));
+    d.ok(&["peer", "del", "b-1"]);
+    assert_eq!(d.json(&["peer", "list"]), serde_json::json!([]));
+    d.kill();
+    d.restart(&[], "restarted.log");
+    assert_eq!(d.ok(&["peer", "key"]).trim(), key, "the same key after a restart");
+}

@@ -51,6 +51,10 @@ pub enum Command {
     /// Flows, forwarded and terminated: `flow list`, `flow show ID`.
     #[command(subcommand)]
     Flow(FlowCmd),
+    /// flexstack peers (docs/peers.md): `peer key`, `peer add NAME ADDR:PORT FINGERPRINT`, `peer list`,
+    /// `peer show NAME`, `peer del NAME`.
+    #[command(subcommand)]
+    Peer(PeerCmd),
     /// Daemon status.
     Status,
     /// Modules: list, kinds, load, unload, replace.
@@ -339,6 +343,34 @@ pub enum FlowCmd {
     },
 }
 
+/// `flexstack peer ...`
+#[derive(Subcommand, Debug)]
+pub enum PeerCmd {
+    /// This daemon's SHA-256 fingerprint: what its peers add it with.
+    Key,
+    /// Add a peer: flows are carried to it by carriers naming it, and its carriers are accepted.
+    Add {
+        /// Its name (1-32 of A-Z a-z 0-9 - _).
+        name: String,
+        /// Where its daemon accepts carriers (ADDR:PORT).
+        addr: String,
+        /// Its fingerprint (its `flexstack peer key`).
+        fingerprint: String,
+    },
+    /// The peers: name, address, state, connections, flows, bytes.
+    List,
+    /// One peer.
+    Show {
+        /// The peer's name.
+        name: String,
+    },
+    /// Forget a peer.
+    Del {
+        /// The peer's name.
+        name: String,
+    },
+}
+
 /// `flexstack rules ...`
 #[derive(Subcommand, Debug)]
 pub enum RulesCmd {
@@ -583,6 +615,19 @@ fn run(cli: Cli) -> Result<(), CliError> {
         }
         Command::App(AppCmd::List) => print(json, &client.call(AppList)?, |a| render::app_list(a)),
         Command::App(AppCmd::Vars) => print(json, &client.call(AppVarList)?, |a| render::app_vars(a)),
+        Command::Peer(PeerCmd::Key) => print(json, &client.call(PeerKey)?, |k| format!("{}\n", k.fingerprint)),
+        Command::Peer(PeerCmd::Add { name, addr, fingerprint }) => {
+            print(json, &client.call(PeerAdd { name, addr, fingerprint })?, |p| {
+                render::peer_list(std::slice::from_ref(p))
+            })
+        }
+        Command::Peer(PeerCmd::List) => print(json, &client.call(PeerList)?, |p| render::peer_list(p)),
+        Command::Peer(PeerCmd::Show { name }) => {
+            print(json, &client.call(PeerShow { name })?, |p| render::peer_list(std::slice::from_ref(p)))
+        }
+        Command::Peer(PeerCmd::Del { name }) => {
+            print(json, &client.call(PeerDel { name })?, |p| format!("removed peer {}\n", p.name))
+        }
         Command::Flow(FlowCmd::List) => print(json, &client.call(FlowList)?, |f| render::flow_list(f)),
         Command::Flow(FlowCmd::Show { id }) => print(json, &client.call(FlowShow { flow: id })?, render::flow_show),
         Command::Rules(cmd) => rules_command(&mut client, cmd, json),

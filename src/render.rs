@@ -228,6 +228,20 @@ pub fn tap_list(taps: &[TapInfo]) -> String {
     out
 }
 
+/// `peer list`, `peer show`, `peer add`.
+pub fn peer_list(peers: &[PeerInfo]) -> String {
+    let rows = peers
+        .iter()
+        .map(|p| {
+            let state = if p.state.is_empty() { "-".to_string() } else { p.state.clone() };
+            let n = [p.connections, p.flows_active, p.bytes_out, p.bytes_in].map(|n| n.to_string());
+            let [conns, flows, out, inb] = n;
+            vec![p.name.clone(), p.addr.clone(), state, conns, flows, out, inb, p.fingerprint.clone()]
+        })
+        .collect();
+    table(&["NAME", "ADDR", "STATE", "CONNECTIONS", "FLOWS", "BYTES_OUT", "BYTES_IN", "FINGERPRINT"], rows)
+}
+
 /// `app list`.
 pub fn app_list(apps: &[AppInfo]) -> String {
     let rows = apps

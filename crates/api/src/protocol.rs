@@ -95,6 +95,16 @@ pub enum Request {
     FlowList,
     /// One flow with all its variables.
     FlowShow(FlowShow),
+    /// This daemon's peer identity ([`PeerKey`]).
+    PeerKey,
+    /// Adds a peer (docs/peers.md).
+    PeerAdd(PeerAdd),
+    /// Forgets a peer.
+    PeerDel(PeerDel),
+    /// One peer.
+    PeerShow(PeerShow),
+    /// The peers ([`PeerList`]).
+    PeerList,
 }
 
 /// A request whose result has a type: [`Client::call`](crate::Client::call) sends it and decodes the result as
@@ -161,6 +171,11 @@ calls! {
     AppVarList => Vec<RegisteredApp>;
     FlowList => Vec<FlowInfo>;
     FlowShow(..) => FlowDetail;
+    PeerKey => PeerKeyInfo;
+    PeerAdd(..) => PeerInfo;
+    PeerDel(..) => PeerInfo;
+    PeerShow(..) => PeerInfo;
+    PeerList => Vec<PeerInfo>;
 }
 
 impl From<Watch> for Request {

@@ -92,6 +92,11 @@ fn check(op: &str, sample: &Json) -> Result<(), String> {
         "app_var_list" => result_of::<AppVarList>(sample),
         "flow_list" => result_of::<FlowList>(sample),
         "flow_show" => result_of::<FlowShow>(sample),
+        "peer_key" => result_of::<PeerKey>(sample),
+        "peer_add" => result_of::<PeerAdd>(sample),
+        "peer_del" => result_of::<PeerDel>(sample),
+        "peer_show" => result_of::<PeerShow>(sample),
+        "peer_list" => result_of::<PeerList>(sample),
         other => Err(format!("no operation {other}")),
     }
 }

@@ -32,6 +32,7 @@ pub fn catalog() -> flexstack_core::Catalog {
     catalog.register(Box::new(flexstack_faces::TunKind));
     catalog.register(Box::new(flexstack_faces::PacketKind));
     flexstack_faces::stream::install(); // backend = "kernel" of terminate and originate
+    flexstack_faces::peer::install(); // the `carrier` kind's connections (docs/peers.md)
     catalog.on_alias(|old, new| {
         tracing::warn!("`{old}` is deprecated: it was renamed `{new}`; the old name still works for now")
     });

@@ -105,6 +105,9 @@ pub fn run_daemon(opts: DaemonOptions, catalog: Catalog) -> Result<(), String> {
         .map_err(|e| format!("{}: cannot create state directory: {e}", opts.state_dir.display()))?;
     std::fs::set_permissions(&opts.state_dir, std::fs::Permissions::from_mode(0o711))
         .map_err(|e| format!("{}: cannot set mode 0711: {e}", opts.state_dir.display()))?;
+    // The peer identity (docs/peers.md): made the first time, in the state directory.
+    let key = flexstack_faces::peer::init(&opts.state_dir)?;
+    tracing::debug!(fingerprint = %flexstack_faces::peer::fingerprint_hex(&key.fingerprint), "peer identity");
     let sock = socket_path(&opts.state_dir);
     let app_sock = opts.state_dir.join(APP_SOCKET_NAME);
     if sock.exists() {

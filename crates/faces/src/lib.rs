@@ -21,6 +21,7 @@ pub mod face;
 pub mod linkwatch;
 pub mod netconf;
 pub mod packet;
+pub mod peer;
 pub mod stream;
 pub mod takeover;
 pub mod tun;

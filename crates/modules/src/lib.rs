@@ -51,6 +51,7 @@ pub fn kinds() -> Vec<Box<dyn ModuleKind>> {
         Box::new(stream::tap::StreamTapKind),
         Box::new(stream::terminate::TerminateKind),
         Box::new(stream::originate::OriginateKind),
+        Box::new(stream::carrier::CarrierKind),
     ]
 }
 
@@ -206,6 +207,7 @@ mod tests {
             "early-binding",
             "emulator",
             "ethernet",
+            "carrier",
             "firewall",
             "icmp",
             "ip",

@@ -30,6 +30,9 @@ pub enum Handling {
     /// Opened again by flexstack towards the original destination (`originate`): the network side of a terminated
     /// flow.
     Originated,
+    /// Carried to a flexstack peer (`carrier`, docs/peers.md): the network side of a terminated flow, opened again
+    /// by the peer.
+    Carried,
     /// Published by a module of another kind.
     Other,
 }
@@ -41,6 +44,7 @@ impl Handling {
             Handling::Forwarded => "forwarded",
             Handling::Terminated => "terminated",
             Handling::Originated => "originated",
+            Handling::Carried => "carried",
             Handling::Other => "other",
         }
     }

@@ -76,6 +76,7 @@ fn handling(kind: &str) -> Handling {
         "classify" => Handling::Forwarded,
         "terminate" => Handling::Terminated,
         "originate" => Handling::Originated,
+        "carrier" => Handling::Carried,
         _ => Handling::Other,
     }
 }
@@ -190,20 +191,21 @@ fn flows_in(reg: &Registry, publishers: &[Publisher], apps: &[AppInfo], only: Op
             })
         })
         .collect();
-    // The two sides of a terminated flow carry the same tuple (the app's side, the original destination, the app).
+    // The two sides of a terminated flow carry the same tuple (the app's side, the original destination, the app);
+    // a carried flow's network side is its carrier's.
     let mut sides: HashMap<(Handling, String), String> = HashMap::new();
     for f in &flows {
-        if matches!(f.handling, Handling::Terminated | Handling::Originated) {
+        if matches!(f.handling, Handling::Terminated | Handling::Originated | Handling::Carried) {
             sides.entry((f.handling, f.tuple.clone())).or_insert_with(|| f.id.clone());
         }
     }
     for f in &mut flows {
-        let other = match f.handling {
-            Handling::Terminated => Handling::Originated,
-            Handling::Originated => Handling::Terminated,
+        let others: &[Handling] = match f.handling {
+            Handling::Terminated => &[Handling::Originated, Handling::Carried],
+            Handling::Originated | Handling::Carried => &[Handling::Terminated],
             _ => continue,
         };
-        f.peer = sides.get(&(other, f.tuple.clone())).cloned();
+        f.peer = others.iter().find_map(|h| sides.get(&(*h, f.tuple.clone())).cloned());
     }
     flows
 }

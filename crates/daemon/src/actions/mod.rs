@@ -6,7 +6,7 @@
 //!   [`Revision`] (`revisions`) holding the whole stack description.
 //! - one file per object: `module`, `link`, `var` (get, set, watch, var list), `config` (revisions, rollback),
 //!   `tap`, `app` (sandboxed apps, applications' variables), `rules`, `runtime` (status, show runtime, pause,
-//!   resume), `flow` (flows read from the registry).
+//!   resume), `flow` (flows read from the registry), `peer` (this daemon's key and its peers).
 //! - [`Control::handle`] (here) dispatches a request to its action.
 
 mod app;
@@ -15,6 +15,7 @@ mod control;
 mod flow;
 mod link;
 mod module;
+mod peer;
 mod persist;
 mod persist_state;
 mod revisions;
@@ -89,6 +90,11 @@ impl Control {
             Request::RulesRollback(r) => {
                 reply::<RulesRollback>(self.rules_revision(RulesOp::Rollback { revision: r.rev }))
             }
+            Request::PeerKey => reply::<PeerKey>(self.peer_key()),
+            Request::PeerAdd(r) => reply::<PeerAdd>(self.peer_add(r)),
+            Request::PeerDel(r) => reply::<PeerDel>(self.peer_del(&r.name)),
+            Request::PeerShow(r) => reply::<PeerShow>(self.peer_show(&r.name)),
+            Request::PeerList => reply::<PeerList>(self.peer_list()),
         }
     }
 }

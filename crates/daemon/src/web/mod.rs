@@ -222,6 +222,9 @@ pub fn reads_only(request: &Request) -> bool {
             | Request::RulesDiff(_)
             | Request::FlowList
             | Request::FlowShow(_)
+            | Request::PeerKey
+            | Request::PeerShow(_)
+            | Request::PeerList
     )
 }
 

@@ -7,11 +7,13 @@
 //! | [`tap`] `stream-tap` | records each flow's bytes in both directions to files, and passes the frames on |
 //! | [`terminate`] | ends the app's TCP and UDP flows (smoltcp, in user space) and turns them into streams |
 //! | [`originate`] | opens those flows again towards their original destination and relays their streams |
+//! | [`carrier`] | carries flows to a flexstack peer (docs/peers.md) |
 //!
 //! [`matcher`] is `terminate`'s match table; `endpoint` the engine both endpoints share; [`backend`] the `backend`
 //! setting and the hook that builds the `kernel` back-end (in `flexstack-faces`).
 
 pub mod backend;
+pub mod carrier;
 pub(crate) mod endpoint;
 pub mod matcher;
 pub mod originate;

@@ -1,0 +1,918 @@
+//! The `tcp` carrier (docs/peers.md): one mutually authenticated TLS 1.3 connection over TCP per peer, carrying
+//! every flow's stream frames as length-prefixed messages ([`wire`]), multiplexed by flow id.
+//!
+//! Like the kernel back-end of the endpoints, the module is a face: its device is an epoll set holding the
+//! connection(s) (and a listener when accepting, and an eventfd), which the data plane waits on with its other
+//! devices. Frames the connection brings are read from it one per call (`read_frame`); the frames the module takes
+//! on `stream_in` are queued as a face queues packets and written to the connection after the switch runs
+//! (`write_frames`). All sockets are non-blocking: nothing here waits.
+//!
+//! - Connect mode (`peer`): the connection is opened when the module is built and again, at most every
+//!   `retry_ms`, when a flow opens while it is down. A flow that opens while the peer is unreachable is answered
+//!   `Abort(unreachable)`; when the connection goes, every flow on it is (`flows_aborted_total`).
+//! - Accept mode (`listen`): any number of peers (at most [`MAX_CONNECTIONS`]) connect; each flow gets an id of
+//!   this module's own (peers number their flows independently), and a connection that goes aborts its flows
+//!   towards the chain (`Abort(unreachable)` Down).
+//! - Nothing is read from a connection before TLS has authenticated the other side (its certificate's fingerprint
+//!   is a peer's) and its `Hello` has the same version: anything else closes it and counts in `refusals_total`;
+//!   after that, input that is not the protocol closes it and counts in `malformed_total`.
+
+use super::trust::{self, client_config, identity, report, server_config, server_name, Peer};
+use flexstack_core::frame::{MetaKey, Metadata};
+use flexstack_core::stream::{FlowInfo, StreamEvent, StreamFrame, StreamKind};
+use flexstack_core::{
+    Batch, Direction, FaceDevice, Module, ModuleBuilder, ModuleInterface, ModuleVars, Output, Packet, Time, Value,
+    VarSpec,
+};
+use flexstack_modules::stream::carrier::{self, wire, CarrierRequest, Config, Meters, Route, Router};
+use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
+use nix::sys::eventfd::{EfdFlags, EventFd};
+use nix::sys::socket::{connect, socket, AddressFamily, SockFlag, SockType, SockaddrStorage};
+use rustls::{ClientConfig, ClientConnection, Connection, ServerConfig, ServerConnection};
+use std::collections::{HashMap, VecDeque};
+use std::io::{ErrorKind, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// Most connections an accepting carrier holds (authenticated or not).
+pub const MAX_CONNECTIONS: usize = 256;
+/// A connection must authenticate and say hello within this time.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+/// How often the module checks timers and refreshes its meters.
+const PERIOD: Duration = Duration::from_millis(100);
+/// The capabilities this carrier announces.
+const CAPS: &[&str] = &["tcp"];
+
+const KICK: u64 = 0;
+const LISTENER: u64 = 1;
+const FIRST_CONN: u64 = 2;
+/// Output ports.
+const STREAM: usize = 0;
+const PASS: usize = 1;
+
+/// Builds the carrier from what the kind read (the hook installed into `flexstack_modules::stream::carrier`).
+pub(crate) fn build(req: CarrierRequest) -> Result<Box<dyn ModuleBuilder>, String> {
+    let id = identity().ok_or("no peer identity: the daemon makes one in its state directory when it starts")?;
+    let mode = if req.cfg.peer.is_empty() {
+        let addr: std::net::SocketAddr = req.cfg.listen.parse().map_err(|e| format!("{e}"))?;
+        let listener = TcpListener::bind(addr).map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+        listener.set_nonblocking(true).map_err(|e| e.to_string())?;
+        Mode::Accept { listener, tls: server_config(id)?, flows: HashMap::new(), next_local: 1 }
+    } else {
+        let name = &req.cfg.peer;
+        let peer = trust::get(name).ok_or_else(|| format!("no peer {name:?} (add it with `flexstack peer add`)"))?;
+        let tls = client_config(id, peer.fingerprint)?;
+        Mode::Connect { peer, tls, router: Router::default(), retry_at: None, conn: None }
+    };
+    Ok(Box::new(CarrierBuilder { req, mode }))
+}
+
+struct CarrierBuilder {
+    req: CarrierRequest,
+    mode: Mode,
+}
+
+impl ModuleBuilder for CarrierBuilder {
+    fn interface(&self) -> ModuleInterface {
+        self.req.interface.clone()
+    }
+
+    fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module> {
+        let CarrierBuilder { req, mode } = *self;
+        req.decl.publish(&req.cfg, vars);
+        let m = req.decl.meters(vars);
+        let epoll = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC).expect("an epoll instance");
+        let kick =
+            EventFd::from_value_and_flags(0, EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC).expect("an eventfd");
+        epoll.add(&kick, EpollEvent::new(EpollFlags::EPOLLIN, KICK)).expect("the eventfd in the epoll set");
+        if let Mode::Accept { listener, .. } = &mode {
+            if let Err(e) = epoll.add(listener, EpollEvent::new(EpollFlags::EPOLLIN, LISTENER)) {
+                tracing::error!(error = %e, "cannot watch the carrier's listener");
+            }
+        }
+        let connect = matches!(mode, Mode::Connect { .. });
+        let inner = Inner {
+            refusal_log: LogLimit::default(),
+            born: Vec::new(),
+            gone: Vec::new(),
+            mode,
+            conns: HashMap::new(),
+            next_token: FIRST_CONN,
+            ready: VecDeque::new(),
+            cfg: req.cfg.clone(),
+            m,
+            epoll: Arc::new(epoll),
+            kick,
+            dir: if connect { Direction::Up } else { Direction::Down },
+        };
+        let dir = inner.dir;
+        let epoll = inner.epoll.clone();
+        let mut inner = inner;
+        if connect {
+            inner.connect(Instant::now());
+        }
+        let device =
+            Arc::new(CarrierDevice { name: format!("carrier-{}", req.cfg.peer), dir, epoll, inner: Mutex::new(inner) });
+        let specs = carrier::flow_specs();
+        Box::new(Carrier {
+            device,
+            decl: req.decl,
+            cfg: req.cfg,
+            egress: Vec::new(),
+            connect,
+            specs,
+            flows: HashMap::new(),
+        })
+    }
+}
+
+/// A frame ready to hand to the chain.
+struct Ready {
+    flow: u64,
+    kind: StreamKind,
+    extra: u64,
+    bytes: Vec<u8>,
+}
+
+/// A flow of an accepting carrier: whose it is, and which directions saw `Fin`.
+struct Accepted {
+    token: u64,
+    remote: u64,
+    fins: (bool, bool),
+}
+
+enum Mode {
+    Connect {
+        peer: Peer,
+        tls: Arc<ClientConfig>,
+        router: Router,
+        /// Down (a connection failed): no new attempt before this.
+        retry_at: Option<Instant>,
+        /// The connection's token.
+        conn: Option<u64>,
+    },
+    Accept {
+        listener: TcpListener,
+        tls: Arc<ServerConfig>,
+        /// Local flow id -> its connection and the peer's id.
+        flows: HashMap<u64, Accepted>,
+        next_local: u64,
+    },
+}
+
+struct Conn {
+    sock: TcpStream,
+    tls: Connection,
+    /// Bytes decrypted and not decoded yet.
+    plain: Vec<u8>,
+    /// The peer's name (accepting: known once authenticated).
+    peer: String,
+    /// Authenticated and hello received.
+    up: bool,
+    /// The TCP connect has not completed yet.
+    connecting: bool,
+    since: Instant,
+    /// EPOLLOUT is in its interest set.
+    want_out: bool,
+    /// Accepting: the peer's flow id -> the local one.
+    remote: HashMap<u64, u64>,
+}
+
+/// Why a connection ended: before authentication (a refusal), for bad input, or otherwise.
+enum End {
+    Refused(String),
+    Malformed(String),
+    Closed(String),
+}
+
+/// At most one log line a second for refused connections (a flood of them must not flood the log); the next line
+/// says how many were left out.
+#[derive(Default)]
+struct LogLimit {
+    last: Option<Instant>,
+    suppressed: u64,
+}
+
+impl LogLimit {
+    fn allow(&mut self, now: Instant) -> bool {
+        if self.last.is_some_and(|t| now.duration_since(t) < Duration::from_secs(1)) {
+            return false;
+        }
+        self.last = Some(now);
+        true
+    }
+}
+
+struct Inner {
+    refusal_log: LogLimit,
+    /// Flows carried since the module last looked, with their tuple (it registers their meters), and flows ended.
+    born: Vec<(u64, String)>,
+    gone: Vec<u64>,
+    mode: Mode,
+    conns: HashMap<u64, Conn>,
+    next_token: u64,
+    ready: VecDeque<Ready>,
+    cfg: Config,
+    m: Meters,
+    epoll: Arc<Epoll>,
+    kick: EventFd,
+    dir: Direction,
+}
+
+fn tcp_connect(addr: std::net::SocketAddr) -> std::io::Result<TcpStream> {
+    let family = if addr.is_ipv4() { AddressFamily::Inet } else { AddressFamily::Inet6 };
+    let fd = socket(family, SockType::Stream, SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC, None)?;
+    match connect(fd.as_raw_fd(), &SockaddrStorage::from(addr)) {
+        Ok(()) | Err(nix::errno::Errno::EINPROGRESS) => {}
+        Err(e) => return Err(e.into()),
+    }
+    let s = TcpStream::from(fd);
+    let _ = s.set_nodelay(true);
+    Ok(s)
+}
+
+impl Conn {
+    fn new(sock: TcpStream, tls: Connection, peer: String, connecting: bool) -> Conn {
+        Conn {
+            sock,
+            tls,
+            plain: Vec::new(),
+            peer,
+            up: false,
+            connecting,
+            since: Instant::now(),
+            want_out: true,
+            remote: HashMap::new(),
+        }
+    }
+
+    /// Reads what the socket holds through TLS into `plain`; true at the end of the stream.
+    fn read(&mut self) -> Result<bool, End> {
+        let before = self.up;
+        let end = |m: String| if before { End::Closed(m) } else { End::Refused(m) };
+        loop {
+            match self.tls.read_tls(&mut self.sock) {
+                Ok(0) => return Ok(true),
+                Ok(_) => {
+                    let st = self.tls.process_new_packets().map_err(|e| {
+                        let _ = self.tls.write_tls(&mut self.sock); // the alert, if it fits
+                        End::Refused(format!("TLS: {e}"))
+                    })?;
+                    let n = st.plaintext_bytes_to_read();
+                    if n > 0 {
+                        let at = self.plain.len();
+                        self.plain.resize(at + n, 0);
+                        self.tls.reader().read_exact(&mut self.plain[at..]).map_err(|e| end(e.to_string()))?;
+                    }
+                    if st.peer_has_closed() {
+                        return Ok(true);
+                    }
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(false),
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => return Err(end(e.to_string())),
+            }
+        }
+    }
+
+    /// Writes what TLS holds as far as the socket takes it.
+    fn flush(&mut self) -> Result<(), End> {
+        while self.tls.wants_write() {
+            match self.tls.write_tls(&mut self.sock) {
+                Ok(_) => {}
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => return Err(if self.up { End::Closed(e.to_string()) } else { End::Refused(e.to_string()) }),
+            }
+        }
+        Ok(())
+    }
+
+    /// Queues `bytes` (encoded messages) for the peer.
+    fn send(&mut self, bytes: &[u8]) -> Result<(), End> {
+        let _ = self.tls.writer().write_all(bytes);
+        if self.tls.wants_write() && !self.connecting {
+            self.flush()?;
+        }
+        Ok(())
+    }
+}
+
+impl Inner {
+    fn kick(&self) {
+        if !self.ready.is_empty() {
+            let _ = self.kick.write(1);
+        }
+    }
+
+    fn push(&mut self, flow: u64, kind: StreamKind, extra: u64, bytes: &[u8]) {
+        self.ready.push_back(Ready { flow, kind, extra, bytes: bytes.to_vec() });
+    }
+
+    fn add_conn(&mut self, c: Conn) -> u64 {
+        let token = self.next_token;
+        self.next_token += 1;
+        let flags = EpollFlags::EPOLLIN | EpollFlags::EPOLLOUT | EpollFlags::EPOLLRDHUP;
+        if let Err(e) = self.epoll.add(&c.sock, EpollEvent::new(flags, token)) {
+            tracing::error!(error = %e, "cannot watch a carrier connection");
+        }
+        self.conns.insert(token, c);
+        token
+    }
+
+    /// Connect mode: opens the connection (if none and not waiting to retry).
+    fn connect(&mut self, now: Instant) {
+        let Mode::Connect { peer, tls, retry_at, conn, .. } = &mut self.mode else { return };
+        if conn.is_some() || retry_at.is_some_and(|t| now < t) {
+            return;
+        }
+        let (addr, name, tls) = (peer.addr, peer.name.clone(), tls.clone());
+        let made = tcp_connect(addr)
+            .map_err(|e| e.to_string())
+            .and_then(|s| ClientConnection::new(tls, server_name()).map(|c| (s, c)).map_err(|e| e.to_string()));
+        match made {
+            Ok((sock, tls)) => {
+                let mut tls = Connection::Client(tls);
+                tls.set_buffer_limit(None);
+                let mut hello = Vec::new();
+                wire::hello(&mut hello, CAPS);
+                let _ = tls.writer().write_all(&hello);
+                let token = self.add_conn(Conn::new(sock, tls, name.clone(), true));
+                if let Mode::Connect { conn, .. } = &mut self.mode {
+                    *conn = Some(token);
+                }
+                report(&name, |s| s.state = "connecting".into());
+            }
+            Err(e) => self.connect_failed(now, &e),
+        }
+    }
+
+    fn connect_failed(&mut self, now: Instant, why: &str) {
+        let retry = Duration::from_millis(self.cfg.retry_ms);
+        if let Mode::Connect { peer, retry_at, conn, .. } = &mut self.mode {
+            *retry_at = Some(now + retry);
+            *conn = None;
+            tracing::warn!(peer = %peer.name, addr = %peer.addr, "carrier to the peer is down: {why}");
+            report(&peer.name, |s| s.state = format!("down: {why}"));
+        }
+    }
+
+    /// Closes connection `token` and aborts its flows.
+    fn close(&mut self, token: u64, end: End) {
+        let Some(mut c) = self.conns.remove(&token) else { return };
+        let _ = self.epoll.delete(&c.sock);
+        let why = match &end {
+            End::Refused(w) => {
+                self.m.refusals.add(1);
+                format!("refused: {w}")
+            }
+            End::Malformed(w) => {
+                self.m.malformed.add(1);
+                let mut bye = Vec::new();
+                wire::close(&mut bye, "malformed");
+                let _ = c.send(&bye);
+                let _ = c.flush();
+                format!("malformed input: {w}")
+            }
+            End::Closed(w) => w.clone(),
+        };
+        let peer = if c.peer.is_empty() { "unknown".to_string() } else { c.peer.clone() };
+        if c.up {
+            self.m.connections_active.set(self.m.connections_active.get().saturating_sub(1));
+            tracing::info!(peer = %peer, "carrier connection closed: {why}");
+        } else if self.refusal_log.allow(Instant::now()) {
+            let more = std::mem::take(&mut self.refusal_log.suppressed);
+            tracing::warn!(peer = %peer, addr = ?c.sock.peer_addr().ok(), suppressed = more, "carrier connection refused: {why}");
+        } else {
+            self.refusal_log.suppressed += 1;
+        }
+        let _ = c.sock.shutdown(std::net::Shutdown::Both);
+        let now = Instant::now();
+        let aborted: Vec<u64> = match &mut self.mode {
+            Mode::Connect { router, conn, .. } => {
+                if *conn == Some(token) {
+                    *conn = None;
+                    router.drain()
+                } else {
+                    Vec::new()
+                }
+            }
+            Mode::Accept { flows, .. } => {
+                let ids: Vec<u64> = c.remote.values().copied().collect();
+                for id in &ids {
+                    flows.remove(id);
+                }
+                self.gone.extend(&ids);
+                ids
+            }
+        };
+        self.m.flows_aborted.add(aborted.len() as u64);
+        for id in aborted {
+            self.push(id, StreamKind::Abort, 0, b"unreachable");
+        }
+        if matches!(self.mode, Mode::Connect { .. }) {
+            self.connect_failed(now, &why);
+        }
+        self.kick();
+    }
+
+    /// Handles the epoll events waiting, without blocking.
+    fn poll_events(&mut self) {
+        let mut events = [EpollEvent::empty(); 64];
+        let n = self.epoll.wait(&mut events, EpollTimeout::ZERO).unwrap_or(0);
+        for ev in &events[..n] {
+            match ev.data() {
+                KICK => {
+                    let _ = self.kick.read();
+                }
+                LISTENER => self.accept_all(),
+                token => self.service(token, ev.events()),
+            }
+        }
+    }
+
+    fn accept_all(&mut self) {
+        loop {
+            let Mode::Accept { listener, tls, .. } = &self.mode else { return };
+            let (sock, from) = match listener.accept() {
+                Ok(x) => x,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    tracing::warn!(error = %e, "carrier: accept failed");
+                    return;
+                }
+            };
+            if self.conns.len() >= MAX_CONNECTIONS {
+                self.m.refusals.add(1);
+                tracing::warn!(%from, "carrier: too many connections, refused");
+                continue;
+            }
+            let tls = tls.clone();
+            let _ = sock.set_nonblocking(true);
+            let _ = sock.set_nodelay(true);
+            match ServerConnection::new(tls) {
+                Ok(mut c) => {
+                    c.set_buffer_limit(None);
+                    self.add_conn(Conn::new(sock, Connection::Server(c), String::new(), false));
+                }
+                Err(e) => tracing::error!(error = %e, "carrier: TLS"),
+            }
+        }
+    }
+
+    /// A connection is readable or writable.
+    fn service(&mut self, token: u64, flags: EpollFlags) {
+        let Some(c) = self.conns.get_mut(&token) else { return };
+        if c.connecting {
+            if !flags.intersects(EpollFlags::EPOLLOUT | EpollFlags::EPOLLERR | EpollFlags::EPOLLHUP) {
+                return;
+            }
+            match c.sock.take_error() {
+                Ok(None) => c.connecting = false,
+                Ok(Some(e)) | Err(e) => return self.close(token, End::Closed(format!("cannot connect: {e}"))),
+            }
+        }
+        let r = c.flush().and_then(|()| c.read());
+        let eof = match r {
+            Ok(eof) => eof,
+            Err(end) => return self.close(token, end),
+        };
+        if let Err(end) = self.take_messages(token) {
+            return self.close(token, end);
+        }
+        let Some(c) = self.conns.get_mut(&token) else { return };
+        if let Err(end) = c.flush() {
+            return self.close(token, end);
+        }
+        if eof {
+            let end = if c.up {
+                End::Closed("the peer closed".into())
+            } else {
+                End::Refused("closed in the handshake".into())
+            };
+            return self.close(token, end);
+        }
+        let want = c.tls.wants_write();
+        if want != c.want_out {
+            c.want_out = want;
+            let mut f = EpollFlags::EPOLLIN | EpollFlags::EPOLLRDHUP;
+            if want {
+                f |= EpollFlags::EPOLLOUT;
+            }
+            let _ = self.epoll.modify(&c.sock, &mut EpollEvent::new(f, token));
+        }
+        self.kick();
+    }
+
+    /// Decodes the messages connection `token` brought.
+    fn take_messages(&mut self, token: u64) -> Result<(), End> {
+        let Some(c) = self.conns.get_mut(&token) else { return Ok(()) };
+        let plain = std::mem::take(&mut c.plain);
+        let mut at = 0;
+        let result = loop {
+            let msg = match wire::decode(&plain[at..]) {
+                Ok(Some(x)) => x,
+                Ok(None) => break Ok(()),
+                Err(e) => {
+                    let up = self.conns.get(&token).is_some_and(|c| c.up);
+                    break Err(if up { End::Malformed(e.to_string()) } else { End::Refused(format!("no hello: {e}")) });
+                }
+            };
+            let (m, used) = msg;
+            self.m.frames_in.add(1);
+            self.m.bytes_in.add(used as u64);
+            at += used;
+            if let Err(e) = self.message(token, m) {
+                break Err(e);
+            }
+        };
+        if let Some(c) = self.conns.get_mut(&token) {
+            c.plain = plain[at..].to_vec();
+        }
+        result
+    }
+
+    fn message(&mut self, token: u64, m: wire::Message<'_>) -> Result<(), End> {
+        let Some(mut c) = self.conns.remove(&token) else { return Ok(()) };
+        let r = self.message_on(&mut c, token, m);
+        self.conns.insert(token, c);
+        r
+    }
+
+    fn message_on(&mut self, c: &mut Conn, token: u64, m: wire::Message<'_>) -> Result<(), End> {
+        if !c.up {
+            let wire::Message::Hello { version, .. } = m else {
+                return Err(End::Refused("the first message is not a hello".into()));
+            };
+            if version != wire::VERSION {
+                return Err(End::Refused(format!("version {version}, this daemon speaks {}", wire::VERSION)));
+            }
+            if c.peer.is_empty() {
+                // Accepting: who it is (the verifier let only peers of the table through).
+                let fp = c.tls.peer_certificates().and_then(|v| v.first()).map(|d| trust::fingerprint_of(d));
+                let Some(name) = fp.and_then(|fp| trust::by_fingerprint(&fp)) else {
+                    return Err(End::Refused("not a peer (removed?)".into()));
+                };
+                c.peer = name;
+                let mut hello = Vec::new();
+                wire::hello(&mut hello, CAPS);
+                self.m.bytes_out.add(hello.len() as u64);
+                self.m.frames_out.add(1);
+                c.send(&hello)?;
+            }
+            c.up = true;
+            self.m.connections.add(1);
+            self.m.connections_active.add(1);
+            let peer = c.peer.clone();
+            tracing::info!(peer = %peer, "carrier connection up");
+            report(&peer, |s| {
+                s.state = "connected".into();
+                s.connections += 1;
+            });
+            return Ok(());
+        }
+        let (flow, kind, ack, bytes) = match m {
+            wire::Message::Hello { .. } => return Err(End::Malformed("a second hello".into())),
+            wire::Message::Close { reason } => return Err(End::Closed(format!("the peer closed: {reason}"))),
+            wire::Message::Frame { flow, kind, ack, bytes } => (flow, kind, ack, bytes),
+        };
+        let max = self.cfg.max_flows;
+        match &mut self.mode {
+            Mode::Connect { router, .. } => {
+                if router.up(flow, kind) {
+                    self.push(flow, kind, ack, bytes);
+                } else {
+                    self.m.orphans.add(1);
+                }
+            }
+            Mode::Accept { flows, next_local, .. } => {
+                if kind == StreamKind::Open {
+                    if c.remote.contains_key(&flow) {
+                        return Err(End::Malformed(format!("flow {flow} opened twice")));
+                    }
+                    if c.remote.len() as u64 >= max {
+                        self.m.flows_limited.add(1);
+                        let mut b = Vec::new();
+                        wire::frame(&mut b, flow, StreamKind::Abort, 0, b"limit");
+                        return c.send(&b);
+                    }
+                    let local = *next_local;
+                    *next_local += 1;
+                    c.remote.insert(flow, local);
+                    flows.insert(local, Accepted { token, remote: flow, fins: (false, false) });
+                    self.m.flows.add(1);
+                    let tuple = FlowInfo::decode(bytes).map(|i| carrier::tuple(&i)).unwrap_or_default();
+                    self.born.push((local, tuple));
+                    self.push(local, kind, ack, bytes);
+                    return Ok(());
+                }
+                let Some(&local) = c.remote.get(&flow) else {
+                    self.m.orphans.add(1);
+                    return Ok(());
+                };
+                let done = match kind {
+                    StreamKind::Abort => true,
+                    StreamKind::Fin => flows.get_mut(&local).is_some_and(|f| {
+                        f.fins.0 = true;
+                        f.fins.1
+                    }),
+                    _ => false,
+                };
+                if done {
+                    flows.remove(&local);
+                    c.remote.remove(&flow);
+                    self.gone.push(local);
+                }
+                self.push(local, kind, ack, bytes);
+            }
+        }
+        Ok(())
+    }
+
+    /// Frames from the chain to the peer(s).
+    fn write_frames(&mut self, packets: &[&Packet]) {
+        let now = Instant::now();
+        let mut out: HashMap<u64, Vec<u8>> = HashMap::new();
+        for p in packets {
+            let (Some(flow), Some(kind)) = (p.stream_flow(), p.stream_kind()) else {
+                self.m.orphans.add(1);
+                continue;
+            };
+            let extra = p.meta().get(MetaKey::STREAM).unwrap_or(0) >> 8;
+            // Where it goes: the connection, and the id the peer knows the flow by.
+            let target = match &mut self.mode {
+                Mode::Connect { conn, .. } => {
+                    if kind == StreamKind::Open {
+                        self.m.flows.add(1);
+                    }
+                    (*conn).map(|t| (t, flow))
+                }
+                Mode::Accept { flows, .. } => {
+                    let Some(f) = flows.get_mut(&flow) else {
+                        self.m.orphans.add(1);
+                        continue;
+                    };
+                    let t = (f.token, f.remote);
+                    let done = match kind {
+                        StreamKind::Abort => true,
+                        StreamKind::Fin => {
+                            f.fins.1 = true;
+                            f.fins.0
+                        }
+                        _ => false,
+                    };
+                    if done {
+                        flows.remove(&flow);
+                        self.gone.push(flow);
+                        if let Some(c) = self.conns.get_mut(&t.0) {
+                            c.remote.remove(&t.1);
+                        }
+                    }
+                    Some(t)
+                }
+            };
+            let Some((token, remote)) = target else {
+                // Connect mode, no connection: try (again), and answer the flow at once if it cannot be carried.
+                if kind == StreamKind::Open {
+                    self.connect(now);
+                    let conn = match &self.mode {
+                        Mode::Connect { conn, .. } => *conn,
+                        Mode::Accept { .. } => None,
+                    };
+                    if let Some(t) = conn {
+                        let b = out.entry(t).or_default();
+                        wire::frame(b, flow, kind, 0, p.data());
+                        continue;
+                    }
+                }
+                if let Mode::Connect { router, .. } = &mut self.mode {
+                    if router.up(flow, StreamKind::Abort) {
+                        self.m.flows_aborted.add(1);
+                        self.push(flow, StreamKind::Abort, 0, b"unreachable");
+                    }
+                }
+                continue;
+            };
+            let b = out.entry(token).or_default();
+            if kind == StreamKind::Data && p.len() > wire::MAX_DATA {
+                for chunk in p.data().chunks(wire::MAX_DATA) {
+                    wire::frame(b, remote, kind, 0, chunk);
+                    self.m.frames_out.add(1);
+                }
+                continue;
+            }
+            wire::frame(b, remote, kind, extra, p.data());
+            self.m.frames_out.add(1);
+        }
+        for (token, bytes) in out {
+            let Some(c) = self.conns.get_mut(&token) else { continue };
+            self.m.bytes_out.add(bytes.len() as u64);
+            let r = c.send(&bytes);
+            let queued = c.tls.wants_write();
+            if let Err(end) = r {
+                self.close(token, end);
+                continue;
+            }
+            if queued && !c.want_out {
+                c.want_out = true;
+                let f = EpollFlags::EPOLLIN | EpollFlags::EPOLLOUT | EpollFlags::EPOLLRDHUP;
+                let _ = self.epoll.modify(&c.sock, &mut EpollEvent::new(f, token));
+            }
+        }
+        self.kick();
+    }
+
+    /// Timers: handshakes that take too long, the retry of a connection, and the meters.
+    fn tick(&mut self, now: Instant) {
+        let late: Vec<u64> =
+            self.conns.iter().filter(|(_, c)| !c.up && now - c.since > HANDSHAKE_TIMEOUT).map(|(t, _)| *t).collect();
+        for t in late {
+            self.close(t, End::Refused("no handshake within 5 s".into()));
+        }
+        let active = match &self.mode {
+            Mode::Connect { router, .. } => router.len(),
+            Mode::Accept { flows, .. } => flows.len(),
+        };
+        self.m.flows_active.set(active as u64);
+        if let Some(c) = self.conns.values().filter(|c| c.up).max_by_key(|c| c.since) {
+            if let Ok(t) = flexstack_sys::tcp_info(c.sock.as_fd()) {
+                self.m.rtt_us.set(u64::from(t.srtt_us));
+            }
+        }
+        let (bin, bout) = (self.m.bytes_in.get(), self.m.bytes_out.get());
+        if let Mode::Connect { peer, .. } = &self.mode {
+            report(&peer.name, |s| {
+                s.flows_active = active as u64;
+                s.bytes_in = bin;
+                s.bytes_out = bout;
+            });
+        }
+    }
+}
+
+/// The device the data plane sees: the carrier's epoll set.
+struct CarrierDevice {
+    name: String,
+    dir: Direction,
+    epoll: Arc<Epoll>,
+    inner: Mutex<Inner>,
+}
+
+impl CarrierDevice {
+    fn inner(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+impl FaceDevice for CarrierDevice {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn fd(&self) -> BorrowedFd<'_> {
+        self.epoll.0.as_fd()
+    }
+
+    fn direction(&self) -> Direction {
+        self.dir
+    }
+
+    fn read_packet(&self, buf: &mut Vec<u8>) -> std::io::Result<bool> {
+        self.read_frame(buf, &mut Metadata::default())
+    }
+
+    fn read_frame(&self, buf: &mut Vec<u8>, meta: &mut Metadata) -> std::io::Result<bool> {
+        let mut inner = self.inner();
+        if inner.ready.is_empty() {
+            inner.poll_events();
+        }
+        let Some(r) = inner.ready.pop_front() else {
+            buf.clear();
+            return Ok(false);
+        };
+        buf.clear();
+        buf.extend_from_slice(&r.bytes);
+        *meta = Metadata::default();
+        meta.set(MetaKey::FLOW_ID, r.flow);
+        meta.set(MetaKey::STREAM, r.kind as u64 | r.extra << 8);
+        Ok(true)
+    }
+
+    fn write_packet(&self, _packet: &[u8]) -> std::io::Result<()> {
+        Err(std::io::Error::new(ErrorKind::Unsupported, "a carrier takes stream frames"))
+    }
+
+    fn write_frames(&self, packets: &[&Packet]) -> std::io::Result<()> {
+        self.inner().write_frames(packets);
+        Ok(())
+    }
+}
+
+/// A running carrier.
+struct Carrier {
+    device: Arc<CarrierDevice>,
+    decl: &'static flexstack_core::KindDecl<Config, Meters>,
+    cfg: Config,
+    egress: Batch,
+    connect: bool,
+    /// A flow's variables.
+    specs: Vec<VarSpec>,
+    /// Flows whose meters are registered: id -> (name, peer).
+    flows: HashMap<u64, String>,
+}
+
+impl Carrier {
+    /// Registers the meters of flows carried since the last look, and removes those of flows that ended.
+    fn flow_meters(&mut self, inner: &mut Inner, out: &mut Output<'_>) {
+        if let Mode::Connect { router, .. } = &mut inner.mode {
+            inner.gone.append(&mut router.gone);
+        }
+        for (id, tuple) in std::mem::take(&mut inner.born) {
+            let name = format!("{}.{id}", self.cfg.vars_prefix);
+            // Another module owning the prefix (a misconfiguration) leaves the meters unpublished, never the flow.
+            let vars = out.register_vars(&name, &self.specs).unwrap_or_else(|_| ModuleVars::new(&self.specs));
+            vars.meter("tuple").store(&Value::Str(tuple));
+            let peer = match &inner.mode {
+                Mode::Connect { peer, .. } => peer.name.clone(),
+                Mode::Accept { flows, .. } => {
+                    let token = flows.get(&id).map(|f| f.token);
+                    token.and_then(|t| inner.conns.get(&t)).map(|c| c.peer.clone()).unwrap_or_default()
+                }
+            };
+            vars.meter("peer").store(&Value::Str(peer));
+            self.flows.insert(id, name);
+        }
+        for id in std::mem::take(&mut inner.gone) {
+            if let Some(name) = self.flows.remove(&id) {
+                out.unregister_vars(&name);
+            }
+        }
+    }
+}
+
+impl Module for Carrier {
+    fn process(&mut self, _port: usize, input: &mut Batch, out: &mut Output<'_>) {
+        if !self.connect {
+            self.egress.append(input);
+            return;
+        }
+        let device = self.device.clone();
+        let mut inner = device.inner();
+        let cfg = self.cfg.clone();
+        for f in input.drain(..) {
+            let route = match f.packet().and_then(|p| Some((p.stream_flow()?, p))) {
+                Some((flow, p)) => match &mut inner.mode {
+                    Mode::Connect { router, .. } => (router.down(&cfg, flow, p.stream_kind(), p.data()), flow),
+                    Mode::Accept { .. } => (Route::Carry, flow),
+                },
+                None => (Route::Pass, 0),
+            };
+            match route {
+                (Route::Carry, flow) => {
+                    if let Some(StreamEvent::Open(info)) = f.stream() {
+                        inner.born.push((flow, carrier::tuple(&info)));
+                    }
+                    self.egress.push(f);
+                }
+                (Route::Pass, _) => {
+                    if f.packet().and_then(Packet::stream_kind) == Some(StreamKind::Open) {
+                        inner.m.flows_passed.add(1);
+                    }
+                    out.emit(PASS, f);
+                }
+                (Route::Limit, flow) => {
+                    inner.m.flows_limited.add(1);
+                    let abort = StreamFrame::abort(out.pool(), flow, Direction::Up, "limit");
+                    out.emit(STREAM, abort);
+                }
+            }
+        }
+        self.flow_meters(&mut inner, out);
+    }
+
+    fn poll(&mut self, out: &mut Output<'_>) -> Option<Time> {
+        let device = self.device.clone();
+        let mut inner = device.inner();
+        inner.tick(Instant::now());
+        inner.kick();
+        self.flow_meters(&mut inner, out);
+        Some(out.now() + PERIOD)
+    }
+
+    fn write_knob(&mut self, knob: &str, value: &Value) -> Result<(), String> {
+        self.decl.write(&mut self.cfg, knob, value)?;
+        self.device.inner().cfg = self.cfg.clone();
+        Ok(())
+    }
+
+    fn device(&self) -> Option<Arc<dyn FaceDevice>> {
+        Some(self.device.clone())
+    }
+
+    fn take_egress(&mut self, into: &mut Batch) {
+        into.append(&mut self.egress);
+    }
+}

@@ -1,0 +1,15 @@
+//! flexstack peers (docs/peers.md): the daemon's identity (a key pair and a self-signed certificate in its state
+//! directory, known to peers by the certificate's SHA-256 fingerprint), the table of peers it knows (`NAME
+//! ADDR:PORT FINGERPRINT`, managed by `flexstack peer`), and the rustls configurations of mutual TLS with
+//! fingerprints pinned both ways: a connection completes only when the other side's certificate is one the table
+//! names ([`trust`]). [`carrier`] is the `tcp` carrier's connection, installed into the `carrier` kind by [`install`].
+
+pub mod carrier;
+pub mod trust;
+
+pub use trust::*;
+
+/// Installs the `tcp` carrier into the `carrier` kind (the daemon's catalog calls it once).
+pub fn install() {
+    flexstack_modules::stream::carrier::install(carrier::build);
+}

@@ -1,0 +1,414 @@
+//! `carrier`: carries terminated flows to a flexstack peer (docs/peers.md). On the host of the app it stands where
+//! `originate` would (`peer = NAME`): the Down frames of the flows whose destination is in `prefixes` go to the
+//! peer, over one mutually authenticated TLS connection, and the peer's Up frames come back on `stream`; the
+//! frames of other flows leave on `pass` unchanged (to an `originate`). On the peer (`listen = ADDR:PORT`) it
+//! accepts the connections of known peers and puts their flows into its own chain (towards an `originate`), giving
+//! them ids of its own.
+//!
+//! The connection is I/O at the edge, like the kernel back-end of the endpoints: the daemon installs the builder
+//! (`flexstack_faces::peer`, through [`install`]); this crate holds the settings, meters, the peer protocol's
+//! parser ([`wire`]) and the choice of flows ([`Router`]). Without the daemon's hook the kind is refused with a
+//! message that says so.
+//!
+//! Ports: input `stream_in` (stream frames: Down on the app's host, Up on the peer); outputs `stream` (what the
+//! connection brings: Up frames on the app's host, Down on the peer) and `pass` (frames of flows not carried).
+
+pub mod wire;
+
+use crate::stream::u64_meters;
+use flexstack_core::config::SettingsReader;
+use flexstack_core::module::port_type;
+use flexstack_core::stream::{FlowInfo, StreamKind};
+use flexstack_core::{
+    field, kind_from_decl, ConfigError, KindDecl, Meter, ModuleBuilder, ModuleInterface, ModuleKind, Param, PortDecl,
+    Settings, ValueType, VarSpec,
+};
+use flexstack_wire::cidr::Prefix;
+use std::collections::HashMap;
+use std::sync::OnceLock;
+
+/// The kind's name in stack files.
+pub const KIND: &str = "carrier";
+
+/// The kind's settings and knobs.
+#[derive(Clone, Debug, Default)]
+pub struct Config {
+    /// Connect mode: the peer's name (in the daemon's peer table).
+    pub peer: String,
+    /// Accept mode: the address and port to accept peers on.
+    pub listen: String,
+    /// Connect mode: destinations whose flows are carried (empty: all).
+    pub prefixes: Vec<Prefix>,
+    /// Most flows carried at once (per connection on the accepting side).
+    pub max_flows: u64,
+    /// Milliseconds between attempts to reach the peer again after the connection failed.
+    pub retry_ms: u64,
+    /// Where each carried flow's meters go (`<vars_prefix>.<flow>`).
+    pub vars_prefix: String,
+}
+
+/// The meters.
+#[derive(Default)]
+pub struct Meters {
+    /// Connections established (authenticated, hello exchanged).
+    pub connections: Meter,
+    /// Connections up now.
+    pub connections_active: Meter,
+    /// Connections refused: unknown or wrong fingerprint, failed TLS handshake, wrong version.
+    pub refusals: Meter,
+    /// Connections closed for input that is not the peer protocol (after authentication).
+    pub malformed: Meter,
+    /// Bytes written to the connection(s), framing included (before TLS).
+    pub bytes_out: Meter,
+    /// Bytes read from them.
+    pub bytes_in: Meter,
+    /// Messages written.
+    pub frames_out: Meter,
+    /// Messages read.
+    pub frames_in: Meter,
+    /// Flows carried since the start.
+    pub flows: Meter,
+    /// Flows carried now.
+    pub flows_active: Meter,
+    /// Flows passed (connect mode: destination not in `prefixes`).
+    pub flows_passed: Meter,
+    /// Flows refused at `max_flows` (`Abort(limit)`).
+    pub flows_limited: Meter,
+    /// Flows aborted because their connection went (`Abort(unreachable)`).
+    pub flows_aborted: Meter,
+    /// Smoothed round-trip time of the (latest) connection, from its TCP_INFO.
+    pub rtt_us: Meter,
+    /// Frames of flows the carrier does not know (dropped, counted).
+    pub orphans: Meter,
+}
+
+type P = Param<Config>;
+
+fn prefixes_text(c: &Config) -> String {
+    c.prefixes.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(",")
+}
+
+fn parse_prefixes(c: &mut Config, t: &str) -> Result<(), String> {
+    c.prefixes = t.split(',').map(str::trim).filter(|s| !s.is_empty()).map(Prefix::parse).collect::<Result<_, _>>()?;
+    Ok(())
+}
+
+/// The kind: ports, settings, knobs and meters.
+pub const DECL: KindDecl<Config, Meters> = KindDecl {
+    inputs: &[PortDecl::new(
+        "stream_in",
+        port_type::STREAM,
+        "stream frames to carry (Down on the app's host, Up on the peer)",
+    )],
+    outputs: &[
+        PortDecl::new(
+            "stream",
+            port_type::STREAM,
+            "stream frames the connection brings (Up on the app's host, Down on the peer)",
+        ),
+        PortDecl::new("pass", port_type::STREAM, "frames of flows it does not carry, unchanged"),
+    ],
+    params: &[
+        P::text(
+            "peer",
+            "connect mode: the peer's name in the daemon's peer table (`flexstack peer add`)",
+            "",
+            |c| c.peer.clone(),
+            |c, t| {
+                c.peer = t.to_string();
+                Ok(())
+            },
+        )
+        .setting(),
+        P::text(
+            "listen",
+            "accept mode: the address and port peers connect to (`ADDR:PORT`)",
+            "",
+            |c| c.listen.clone(),
+            |c, t| {
+                if !t.is_empty() {
+                    t.parse::<std::net::SocketAddr>().map_err(|e| format!("expected ADDR:PORT: {e}"))?;
+                }
+                c.listen = t.to_string();
+                Ok(())
+            },
+        )
+        .setting(),
+        P::text(
+            "prefixes",
+            "connect mode: destinations whose flows are carried, comma-separated (empty: all)",
+            "",
+            prefixes_text,
+            parse_prefixes,
+        ),
+        P::u64(
+            "max_flows",
+            "flows",
+            "most flows carried at once (per connection when accepting)",
+            4096,
+            field!(max_flows),
+        )
+        .range(1.0, 1_000_000.0),
+        P::u64(
+            "retry_ms",
+            "ms",
+            "connect mode: wait before reaching the peer again after a failure",
+            1000,
+            field!(retry_ms),
+        )
+        .range(10.0, 600_000.0),
+        P::text(
+            "vars_prefix",
+            "per-flow meters go under <vars_prefix>.<flow> (tuple, peer)",
+            "flow.carrier",
+            |c| c.vars_prefix.clone(),
+            |c, t| {
+                c.vars_prefix = t.to_string();
+                Ok(())
+            },
+        )
+        .setting(),
+    ],
+    meters: u64_meters![
+        connections: "connections_total", "connections", "connections established (authenticated, hello exchanged)";
+        connections_active: "connections_active", "connections", "connections up now";
+        refusals: "refusals_total", "connections", "connections refused: unknown fingerprint, failed handshake, wrong version";
+        malformed: "malformed_total", "connections", "connections closed for input that is not the peer protocol";
+        bytes_out: "bytes_out_total", "bytes", "bytes written to the connection (framing included, before TLS)";
+        bytes_in: "bytes_in_total", "bytes", "bytes read from the connection (framing included, after TLS)";
+        frames_out: "messages_out_total", "messages", "messages written (stream frames, hello, close)";
+        frames_in: "messages_in_total", "messages", "messages read";
+        flows: "flows_total", "flows", "flows carried";
+        flows_active: "flows_active", "flows", "flows carried now";
+        flows_passed: "flows_passed_total", "flows", "flows passed on `pass` (destination not in `prefixes`)";
+        flows_limited: "flows_limited_total", "flows", "flows refused at max_flows (Abort limit)";
+        flows_aborted: "flows_aborted_total", "flows", "flows aborted because their connection went (Abort unreachable)";
+        rtt_us: "rtt_us", "us", "smoothed round-trip time of the latest connection (TCP_INFO)";
+        orphans: "orphans_total", "frames", "frames of flows it does not know, dropped";
+    ],
+    // Its frames wait in its connection between calls, as an endpoint's do in its sockets.
+    breaks_cycles: true,
+    ..KindDecl::new(KIND, "carries terminated flows to a flexstack peer over mutual TLS (docs/peers.md)")
+};
+
+/// The meters of one carried flow, under `<vars_prefix>.<flow>` (`flexstack flow list` shows them as `carried`).
+pub fn flow_specs() -> Vec<VarSpec> {
+    vec![
+        VarSpec::meter(
+            "tuple",
+            ValueType::Str,
+            "",
+            "the flow: protocol, the app's address, the original destination, the app",
+        ),
+        VarSpec::meter("peer", ValueType::Str, "", "the peer it is carried to, or came from"),
+    ]
+}
+
+/// A carried flow's `tuple` meter: as `terminate` writes its flows' (`tcp 10.0.0.2:40000 -> 10.9.9.9:80 app
+/// "curl"`), so that `flow list` pairs the two sides of a flow.
+pub fn tuple(info: &FlowInfo) -> String {
+    format!("{} {} -> {} app {:?}", info.protocol.name(), info.src, info.dst, info.app)
+}
+
+/// What the hook builds the carrier from.
+pub struct CarrierRequest {
+    /// The settings and knobs read.
+    pub cfg: Config,
+    /// The interface (ports, knobs, meters).
+    pub interface: ModuleInterface,
+    /// The declaration (publishing knobs, binding meters, writing knobs).
+    pub decl: &'static KindDecl<Config, Meters>,
+}
+
+/// Builds a carrier's I/O; the error is a message about its settings.
+pub type CarrierHook = fn(CarrierRequest) -> Result<Box<dyn ModuleBuilder>, String>;
+
+static HOOK: OnceLock<CarrierHook> = OnceLock::new();
+
+/// Installs the builder of the carrier's connection (the daemon does, once); later calls change nothing.
+pub fn install(hook: CarrierHook) {
+    let _ = HOOK.set(hook);
+}
+
+/// The `carrier` module kind.
+pub struct CarrierKind;
+
+impl ModuleKind for CarrierKind {
+    kind_from_decl!(DECL);
+
+    fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
+        let mut r: SettingsReader<'_> = settings.reader(KIND);
+        let mut cfg = Config::default();
+        DECL.read(&mut r, &mut cfg)?;
+        if cfg.peer.is_empty() == cfg.listen.is_empty() {
+            return Err(r.error("peer", "give exactly one of `peer` (connect) and `listen` (accept)"));
+        }
+        r.finish()?;
+        let at = |m: String| {
+            let key = if cfg.peer.is_empty() { "listen" } else { "peer" };
+            ConfigError::new(
+                settings.get(key).and_then(|s| s.location.clone()),
+                format!("setting `{key}` of a carrier module: {m}"),
+            )
+        };
+        let hook = HOOK.get().ok_or_else(|| {
+            at("the carrier's connection is built by the daemon (flexstack-faces), not available here".into())
+        })?;
+        let interface = DECL.interface(&cfg);
+        hook(CarrierRequest { cfg: cfg.clone(), interface, decl: &DECL }).map_err(at)
+    }
+}
+
+/// Where a Down frame goes on the app's host.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Route {
+    /// To the peer.
+    Carry,
+    /// Out on `pass`, unchanged.
+    Pass,
+    /// Refused: answer `Abort(limit)` Up (an `Open` beyond `max_flows`).
+    Limit,
+}
+
+/// The choice of flows on the app's host (sans-IO): which Down frames are carried and when a carried flow ends.
+#[derive(Debug, Default)]
+pub struct Router {
+    /// Carried flows: whether Fin went down, and up.
+    flows: HashMap<u64, (bool, bool)>,
+    /// Flows forgotten since the module last looked (it removes their meters).
+    pub gone: Vec<u64>,
+}
+
+impl Router {
+    /// The route of a Down frame of `flow`: an `Open` chooses by `prefixes` and `max_flows`, the other frames
+    /// follow their flow's (frames of flows never opened here pass: the contract's "pass what you do not know").
+    pub fn down(&mut self, cfg: &Config, flow: u64, kind: Option<StreamKind>, bytes: &[u8]) -> Route {
+        match kind {
+            Some(StreamKind::Open) => {
+                let carried = FlowInfo::decode(bytes)
+                    .is_ok_and(|i| cfg.prefixes.is_empty() || cfg.prefixes.iter().any(|p| p.contains(i.dst.ip())));
+                if !carried {
+                    return Route::Pass;
+                }
+                if self.flows.len() as u64 >= cfg.max_flows {
+                    return Route::Limit;
+                }
+                self.flows.insert(flow, (false, false));
+                Route::Carry
+            }
+            _ if !self.flows.contains_key(&flow) => Route::Pass,
+            Some(StreamKind::Abort) => {
+                self.forget(flow);
+                Route::Carry
+            }
+            Some(StreamKind::Fin) => {
+                self.fin(flow, true);
+                Route::Carry
+            }
+            _ => Route::Carry,
+        }
+    }
+
+    /// An Up frame from the peer: forgets the flow on `Abort` or its second `Fin`. False if the flow is unknown.
+    pub fn up(&mut self, flow: u64, kind: StreamKind) -> bool {
+        if !self.flows.contains_key(&flow) {
+            return false;
+        }
+        match kind {
+            StreamKind::Abort => self.forget(flow),
+            StreamKind::Fin => self.fin(flow, false),
+            _ => {}
+        }
+        true
+    }
+
+    fn fin(&mut self, flow: u64, down: bool) {
+        if let Some(f) = self.flows.get_mut(&flow) {
+            if down {
+                f.0 = true;
+            } else {
+                f.1 = true;
+            }
+            if f.0 && f.1 {
+                self.forget(flow);
+            }
+        }
+    }
+
+    fn forget(&mut self, flow: u64) {
+        if self.flows.remove(&flow).is_some() {
+            self.gone.push(flow);
+        }
+    }
+
+    /// Forgets every flow (the connection went) and returns their ids.
+    pub fn drain(&mut self) -> Vec<u64> {
+        let ids: Vec<u64> = self.flows.drain().map(|(id, _)| id).collect();
+        self.gone.extend(&ids);
+        ids
+    }
+
+    /// Flows carried now.
+    pub fn len(&self) -> usize {
+        self.flows.len()
+    }
+
+    /// True when no flow is carried.
+    pub fn is_empty(&self) -> bool {
+        self.flows.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use flexstack_core::stream::Role;
+    use flexstack_core::StackSpec;
+
+    fn open(dst: &str) -> Vec<u8> {
+        let info = FlowInfo::tcp("10.0.0.2:1000".parse().unwrap(), dst.parse().unwrap(), "a", Role::Client);
+        let mut v = Vec::new();
+        info.encode(&mut v);
+        v
+    }
+
+    #[test]
+    fn flows_are_chosen_by_prefix_and_limited() {
+        let mut cfg = Config { max_flows: 2, ..Config::default() };
+        parse_prefixes(&mut cfg, "10.9.0.0/16, fd00::/8").unwrap();
+        let mut r = Router::default();
+        assert_eq!(r.down(&cfg, 1, Some(StreamKind::Open), &open("10.9.9.9:80")), Route::Carry);
+        assert_eq!(r.down(&cfg, 2, Some(StreamKind::Open), &open("10.8.9.9:80")), Route::Pass);
+        assert_eq!(r.down(&cfg, 2, Some(StreamKind::Data), b"x"), Route::Pass, "follows its flow");
+        assert_eq!(r.down(&cfg, 1, Some(StreamKind::Data), b"x"), Route::Carry);
+        assert_eq!(r.down(&cfg, 3, Some(StreamKind::Open), &open("[fd00::1]:80")), Route::Carry);
+        assert_eq!(r.down(&cfg, 4, Some(StreamKind::Open), &open("10.9.0.1:80")), Route::Limit);
+        assert_eq!(r.len(), 2);
+        // Both Fins end a flow, an Abort at once.
+        r.down(&cfg, 1, Some(StreamKind::Fin), b"");
+        assert!(r.up(1, StreamKind::Fin));
+        assert!(!r.up(1, StreamKind::Data), "forgotten");
+        assert!(r.up(3, StreamKind::Abort));
+        assert!(r.is_empty());
+        assert_eq!(r.gone, [1, 3], "the flows forgotten, for their meters");
+    }
+
+    /// Without the daemon's hook (this crate alone), the kind is refused where it is configured, saying why; a
+    /// carrier with neither or both modes is refused too.
+    #[test]
+    fn needs_the_daemon_and_exactly_one_mode() {
+        let configure = |body: &str| {
+            let spec = StackSpec::parse("s.toml", &format!("[modules.c]\nkind = \"carrier\"\n{body}")).unwrap();
+            match crate::catalog().configure(KIND, &spec.modules[0].settings, None) {
+                Ok(_) => "ok".to_string(),
+                Err(e) => e.to_string(),
+            }
+        };
+        let e = configure("peer = \"b\"\n");
+        assert!(e.starts_with("s.toml:3:8: setting `peer` of a carrier module: the carrier's connection"), "{e}");
+        assert!(configure("").contains("exactly one"));
+        assert!(configure("peer = \"b\"\nlisten = \"0.0.0.0:1\"\n").contains("exactly one"));
+        assert!(configure("listen = \"nope\"\n").contains("ADDR:PORT"));
+        assert!(configure("peer = \"b\"\nprefixes = \"10.0.0.0/33\"\n").contains("prefixes"));
+    }
+}

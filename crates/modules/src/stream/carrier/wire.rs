@@ -1,0 +1,329 @@
+//! The peer protocol's messages on a carrier connection (docs/peers.md, "Framing"): length-prefixed, one parser for
+//! every input a peer (or anyone reaching the port) can send, sans-IO.
+//!
+//! A message is a 4-byte big-endian length of what follows (1 to [`MAX_BODY`] bytes), a type byte and its body:
+//!
+//! | type | body |
+//! |---|---|
+//! | 1 `Hello` | `FSPR`, version (u16), capability count (u8), each capability as a length (u8, 1-32) and ASCII |
+//! | 2 `Frame` | flow id (u64), stream kind (u8), then by kind: `Open` an encoded `FlowInfo`; `Data` 0 to [`MAX_DATA`] bytes; `Fin` nothing; `Abort` a reason (1-32 ASCII); `Ack` a count (u64, below 2^56) |
+//! | 3 `Close` | a reason (0-64 ASCII) |
+//!
+//! Everything else (an unknown type, a length out of range, trailing bytes, a `FlowInfo` that does not decode) is
+//! an error: the connection that sent it is closed.
+
+use flexstack_core::stream::{FlowInfo, StreamKind};
+use std::fmt;
+
+/// The magic at the start of `Hello`.
+pub const MAGIC: [u8; 4] = *b"FSPR";
+/// The protocol version this code speaks.
+pub const VERSION: u16 = 1;
+/// The largest `Data` a frame carries (bigger stream chunks are split by the sender).
+pub const MAX_DATA: usize = 65536;
+/// The largest body of a message (type byte included).
+pub const MAX_BODY: usize = MAX_DATA + 16;
+/// The most capabilities a `Hello` lists.
+pub const MAX_CAPS: usize = 32;
+
+const HELLO: u8 = 1;
+const FRAME: u8 = 2;
+const CLOSE: u8 = 3;
+
+/// A decoded message; `Frame` borrows its bytes from the input.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Message<'a> {
+    /// The first message each side sends: version and capabilities (`tcp`, ...).
+    Hello {
+        /// The sender's protocol version.
+        version: u16,
+        /// What it offers (carrier kinds, later congestion controls and services).
+        caps: Vec<String>,
+    },
+    /// One stream frame of flow `flow` (the sender's id).
+    Frame {
+        /// The flow id, as the side that opened the flow numbers it.
+        flow: u64,
+        /// The event.
+        kind: StreamKind,
+        /// `Ack`: the count; otherwise 0.
+        ack: u64,
+        /// `Open`: the encoded `FlowInfo`; `Data`: the bytes; `Abort`: the reason; else empty.
+        bytes: &'a [u8],
+    },
+    /// The sender closes the connection (every flow on it ends).
+    Close {
+        /// Why.
+        reason: String,
+    },
+}
+
+/// Why input was refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WireError(pub &'static str);
+
+impl fmt::Display for WireError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.0)
+    }
+}
+
+impl std::error::Error for WireError {}
+
+fn ascii(b: &[u8], min: usize, max: usize) -> Result<String, WireError> {
+    if b.len() < min || b.len() > max || !b.iter().all(|c| c.is_ascii_graphic() || *c == b' ') {
+        return Err(WireError("bad text"));
+    }
+    Ok(String::from_utf8_lossy(b).into_owned())
+}
+
+fn u64_at(b: &[u8], at: usize) -> Result<u64, WireError> {
+    let s = b.get(at..at + 8).ok_or(WireError("short"))?;
+    Ok(u64::from_be_bytes(s.try_into().expect("8 bytes")))
+}
+
+/// Decodes the message at the start of `buf`: `Ok(None)` while it is incomplete, else the message and the bytes it
+/// took. An error means the stream is not the peer protocol (or is damaged): the reader closes the connection.
+pub fn decode(buf: &[u8]) -> Result<Option<(Message<'_>, usize)>, WireError> {
+    let Some(head) = buf.get(..4) else { return Ok(None) };
+    let len = u32::from_be_bytes(head.try_into().expect("4 bytes")) as usize;
+    if len == 0 || len > MAX_BODY {
+        return Err(WireError("length out of range"));
+    }
+    let Some(body) = buf.get(4..4 + len) else { return Ok(None) };
+    let (ty, b) = (body[0], &body[1..]);
+    let m = match ty {
+        HELLO => {
+            if b.get(..4) != Some(&MAGIC[..]) || b.len() < 7 {
+                return Err(WireError("not a hello"));
+            }
+            let version = u16::from_be_bytes([b[4], b[5]]);
+            let n = b[6] as usize;
+            if n > MAX_CAPS {
+                return Err(WireError("too many capabilities"));
+            }
+            let (mut caps, mut at) = (Vec::with_capacity(n), 7);
+            for _ in 0..n {
+                let l = *b.get(at).ok_or(WireError("short"))? as usize;
+                let text = b.get(at + 1..at + 1 + l).ok_or(WireError("short"))?;
+                caps.push(ascii(text, 1, 32)?);
+                at += 1 + l;
+            }
+            if at != b.len() {
+                return Err(WireError("trailing bytes"));
+            }
+            Message::Hello { version, caps }
+        }
+        FRAME => {
+            let flow = u64_at(b, 0)?;
+            let kind = StreamKind::from_u8(*b.get(8).ok_or(WireError("short"))?).ok_or(WireError("bad kind"))?;
+            let rest = &b[9..];
+            let mut ack = 0;
+            match kind {
+                StreamKind::Open => {
+                    FlowInfo::decode(rest).map_err(|_| WireError("bad flow info"))?;
+                }
+                StreamKind::Data if rest.len() > MAX_DATA => return Err(WireError("data too long")),
+                StreamKind::Data => {}
+                StreamKind::Fin if !rest.is_empty() => return Err(WireError("trailing bytes")),
+                StreamKind::Fin => {}
+                StreamKind::Abort => {
+                    ascii(rest, 1, 32)?;
+                }
+                StreamKind::Ack => {
+                    if rest.len() != 8 {
+                        return Err(WireError("bad ack"));
+                    }
+                    ack = u64_at(rest, 0)?;
+                    if ack >= 1 << 56 {
+                        return Err(WireError("ack out of range"));
+                    }
+                }
+            }
+            let bytes = if kind == StreamKind::Ack { &rest[..0] } else { rest };
+            Message::Frame { flow, kind, ack, bytes }
+        }
+        CLOSE => Message::Close { reason: ascii(b, 0, 64)? },
+        _ => return Err(WireError("unknown message type")),
+    };
+    Ok(Some((m, 4 + len)))
+}
+
+fn begin(out: &mut Vec<u8>, ty: u8) -> usize {
+    let at = out.len();
+    out.extend_from_slice(&[0, 0, 0, 0, ty]);
+    at
+}
+
+fn finish(out: &mut [u8], at: usize) {
+    let len = (out.len() - at - 4) as u32;
+    out[at..at + 4].copy_from_slice(&len.to_be_bytes());
+}
+
+/// Appends a `Hello` with this code's version and `caps` (each 1-32 ASCII, at most [`MAX_CAPS`]).
+pub fn hello(out: &mut Vec<u8>, caps: &[&str]) {
+    let at = begin(out, HELLO);
+    out.extend_from_slice(&MAGIC);
+    out.extend_from_slice(&VERSION.to_be_bytes());
+    out.push(caps.len().min(MAX_CAPS) as u8);
+    for c in caps.iter().take(MAX_CAPS) {
+        out.push(c.len() as u8);
+        out.extend_from_slice(c.as_bytes());
+    }
+    finish(out, at);
+}
+
+/// Appends one stream frame: `bytes` as the frame carries them (`Data` at most [`MAX_DATA`]: the caller splits),
+/// `ack` the count of an `Ack`.
+pub fn frame(out: &mut Vec<u8>, flow: u64, kind: StreamKind, ack: u64, bytes: &[u8]) {
+    debug_assert!(kind != StreamKind::Data || bytes.len() <= MAX_DATA);
+    let at = begin(out, FRAME);
+    out.extend_from_slice(&flow.to_be_bytes());
+    out.push(kind as u8);
+    if kind == StreamKind::Ack {
+        out.extend_from_slice(&ack.to_be_bytes());
+    } else {
+        out.extend_from_slice(bytes);
+    }
+    finish(out, at);
+}
+
+/// Appends a `Close` with `reason` (cut to 64 bytes).
+pub fn close(out: &mut Vec<u8>, reason: &str) {
+    let at = begin(out, CLOSE);
+    out.extend_from_slice(&reason.as_bytes()[..reason.len().min(64)]);
+    finish(out, at);
+}
+
+/// Decodes every message in `buf` as a reader would (a property check for the fuzz targets and the malformed-input
+/// test): never panics; whatever decodes encodes back to the same bytes (frames) or to an equal message.
+pub fn check_roundtrip(buf: &[u8]) {
+    let mut at = 0;
+    while let Ok(Some((m, used))) = decode(&buf[at..]) {
+        let mut again = Vec::new();
+        match &m {
+            Message::Hello { caps, .. } => {
+                let caps: Vec<&str> = caps.iter().map(String::as_str).collect();
+                hello(&mut again, &caps);
+                let Ok(Some((m2, _))) = decode(&again) else { panic!("a hello re-encoded does not decode") };
+                match (&m, m2) {
+                    (Message::Hello { caps: a, .. }, Message::Hello { caps: b, .. }) => assert_eq!(*a, b),
+                    _ => panic!("a hello became something else"),
+                }
+            }
+            Message::Frame { flow, kind, ack, bytes } => {
+                frame(&mut again, *flow, *kind, *ack, bytes);
+                assert_eq!(again, &buf[at..at + used], "a frame re-encodes to its bytes");
+            }
+            Message::Close { reason } => {
+                close(&mut again, reason);
+                assert_eq!(again, &buf[at..at + used]);
+            }
+        }
+        at += used;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use flexstack_core::stream::Role;
+
+    fn one(buf: &[u8]) -> Result<Option<Message<'_>>, WireError> {
+        decode(buf).map(|o| {
+            o.map(|(m, used)| {
+                assert_eq!(used, buf.len());
+                m
+            })
+        })
+    }
+
+    #[test]
+    fn every_message_round_trips() {
+        let info = FlowInfo::tcp("10.0.0.2:1000".parse().unwrap(), "10.9.9.9:80".parse().unwrap(), "a", Role::Client);
+        let mut open = Vec::new();
+        info.encode(&mut open);
+        let mut buf = Vec::new();
+        hello(&mut buf, &["tcp", "udp"]);
+        frame(&mut buf, 7, StreamKind::Open, 0, &open);
+        frame(&mut buf, 7, StreamKind::Data, 0, b"GET /");
+        frame(&mut buf, 7, StreamKind::Data, 0, b"");
+        frame(&mut buf, 7, StreamKind::Ack, 123_456, &[]);
+        frame(&mut buf, 7, StreamKind::Fin, 0, &[]);
+        frame(&mut buf, 7, StreamKind::Abort, 0, b"reset");
+        close(&mut buf, "bye");
+        let mut got = Vec::new();
+        let mut at = 0;
+        while at < buf.len() {
+            let (m, used) = decode(&buf[at..]).unwrap().expect("complete");
+            got.push(format!("{m:?}"));
+            at += used;
+        }
+        assert_eq!(got.len(), 8);
+        assert!(got[0].contains("version: 1") && got[0].contains("\"udp\""), "{}", got[0]);
+        assert!(got[4].contains("ack: 123456"), "{}", got[4]);
+        check_roundtrip(&buf);
+        // Every prefix of a message is incomplete, never an error.
+        for cut in 0..buf.len().min(40) {
+            assert!(decode(&buf[..cut]).is_ok(), "prefix of {cut} bytes");
+        }
+    }
+
+    /// Malformed input of every kind is refused with a reason, never read as something else, never a panic.
+    #[test]
+    fn malformed_input_is_refused() {
+        let msg = |ty: u8, body: &[u8]| {
+            let mut v = ((body.len() + 1) as u32).to_be_bytes().to_vec();
+            v.push(ty);
+            v.extend_from_slice(body);
+            v
+        };
+        let frame_of = |kind: u8, rest: &[u8]| {
+            let mut b = 7u64.to_be_bytes().to_vec();
+            b.push(kind);
+            b.extend_from_slice(rest);
+            msg(FRAME, &b)
+        };
+        let cases: Vec<(Vec<u8>, &str)> = vec![
+            (vec![0, 0, 0, 0], "length out of range"),
+            (vec![0xff, 0xff, 0xff, 0xff], "length out of range"),
+            (((MAX_BODY + 1) as u32).to_be_bytes().to_vec(), "length out of range"),
+            (b"GET / HTTP/1.1\r\n".to_vec(), "length out of range"),
+            (msg(9, b"x"), "unknown message type"),
+            (msg(HELLO, b"NOPE\0\x01\0"), "not a hello"),
+            (msg(HELLO, b"FSPR\0\x01\x01\x05tcp"), "short"),
+            (msg(HELLO, b"FSPR\0\x01\0extra"), "trailing bytes"),
+            (msg(HELLO, b"FSPR\0\x01\x01\x03t\x01p"), "bad text"),
+            (msg(FRAME, b"\0\0\0"), "short"),
+            (frame_of(0, b""), "bad kind"),
+            (frame_of(6, b""), "bad kind"),
+            (frame_of(1, b"\x01\x06"), "bad flow info"),
+            (frame_of(2, &vec![0; MAX_DATA + 1]), "data too long"),
+            (frame_of(3, b"x"), "trailing bytes"),
+            (frame_of(4, b""), "bad text"),
+            (frame_of(4, b"\xff\xfe"), "bad text"),
+            (frame_of(5, b"\0\0\0"), "bad ack"),
+            (frame_of(5, &u64::MAX.to_be_bytes()), "ack out of range"),
+            (msg(CLOSE, &[b'x'; 65]), "bad text"),
+        ];
+        for (input, why) in cases {
+            assert_eq!(one(&input), Err(WireError(why)), "{input:?}");
+            check_roundtrip(&input);
+        }
+        // Deterministic random bytes: never a panic; what decodes re-encodes identically.
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        for _ in 0..20_000 {
+            let n = (x % 48) as usize;
+            let mut b = Vec::with_capacity(n + 5);
+            b.extend_from_slice(&((n as u32 + 1).to_be_bytes()));
+            b.push((x >> 8) as u8 % 4);
+            for _ in 0..n {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                b.push(x as u8);
+            }
+            check_roundtrip(&b);
+        }
+    }
+}

@@ -1,0 +1,39 @@
+//! Deterministic, bounded mutational fuzzing of the peer protocol's parser (`stream::carrier::wire`, docs/peers.md),
+//! on stable Rust, as part of `cargo test` (the approach of `packets_fuzz.rs`). Seeds: `fuzz/corpus/carrier/` (a
+//! session's messages: hello, open, data, ack, fin, abort, close) mutated by the shared engine; each input is
+//! decoded message by message as a connection would read it (`wire::check_roundtrip`): no panic, and whatever
+//! decodes encodes back to the same bytes. The libFuzzer target `carrier` runs the same check.
+//!
+//! `FLEXSTACK_FUZZ_SEED` sets the base seed, `FLEXSTACK_FUZZ_ITERS` the inputs (default [`DEFAULT_ITERS`]).
+
+use flexstack_fuzzkit::{
+    iters_from_env, load_corpus, mutate_input, run_guarded, seed_from_env, target_seed, Dict, Rng,
+};
+use flexstack_modules::stream::carrier::wire;
+
+const DEFAULT_ITERS: usize = 100_000;
+const DEFAULT_SEED: u64 = 0x5eed_ca77_1e70_0001;
+
+#[test]
+fn fuzz_carrier_wire() {
+    let corpus = load_corpus("carrier", 2);
+    let seed = target_seed(seed_from_env(DEFAULT_SEED), "carrier");
+    let mut rng = Rng::new(seed);
+    // Lengths and kinds that sit on the parser's edges.
+    let words: &[u16] = &[0, 1, 2, 9, 10, 17, 0x0100, 0x0101, 0xffff];
+    let dict = Dict { words, bytes: &[0, 1, 2, 3, 4, 5, 6, 0x7f, 0xff], head: 16, max_len: 4096, ..Dict::EMPTY };
+    let (mut decoded, iters) = (0usize, iters_from_env(DEFAULT_ITERS));
+    for i in 0..iters {
+        let (_, base) = &corpus[rng.below(corpus.len())];
+        let input = mutate_input(&mut rng, base, &corpus, &dict);
+        if matches!(wire::decode(&input), Ok(Some(_))) {
+            decoded += 1;
+        }
+        run_guarded("carrier", seed, i, &input, || {
+            wire::check_roundtrip(&input);
+            Ok(())
+        });
+    }
+    // The mutations keep a good share of inputs valid, so the checks after decoding are exercised.
+    assert!(decoded * 20 > iters, "only {decoded} of {iters} inputs decoded");
+}

@@ -1,0 +1,301 @@
+//! End-to-end: flows of an app on daemon A carried to peer daemon B over the `tcp` carrier (docs/peers.md) and
+//! opened again by B towards a server that only B can reach. Daemon A runs with the host's sandboxes (the app in
+//! `stacks/app-peer.toml`), daemon B in a namespace of its own (`stacks/peer-in.toml`), joined to A by a veth pair;
+//! the server (python3 http.server, dnsmasq) sits in a third namespace behind B, on a subnet A has no route to, so
+//! an answer can only come through the carrier. Needs root (skips with a reason outside CI).
+
+mod common;
+
+use common::{
+    bin, octets, path_str, pattern, privileged, repo, sh, text, unique, Background, Daemon, Netns, SandboxDaemon,
+};
+use flexstack_api::ops::{FlowInfo, Handling};
+use std::path::PathBuf;
+use std::process::Output;
+use std::time::Duration;
+
+/// The line the scripts print before the meters they read.
+const MARK: &str = "@@meters@@";
+/// The line a script prints before `flow list`.
+const FLOWS: &str = "@@flows@@";
+
+/// Two peers and a server behind B: A (sandbox daemon, host namespace) ─ veth 10.S.1.0/24 ─ B (namespace) ─ veth
+/// 10.S.2.0/24 ─ server namespace.
+struct Rig {
+    a: SandboxDaemon,
+    b: Daemon,
+    _srv: Netns,
+    _nb: Netns,
+    host_dev: String,
+    _http: Background,
+    _dns: Background,
+    www: tempfile::TempDir,
+    dir: tempfile::TempDir,
+    stack: PathBuf,
+    /// The server's addresses (behind B).
+    srv: String,
+    srv6: String,
+    /// B's carrier address.
+    b_addr: String,
+}
+
+impl Drop for Rig {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("ip").args(["link", "del", &self.host_dev]).status();
+    }
+}
+
+impl Rig {
+    /// `offset` keeps the tests of this file apart (their subnets). `introduce`: whether B knows A's key (A always
+    /// knows B's).
+    fn new(offset: u8, introduce: bool) -> Option<Rig> {
+        if !privileged() {
+            return None;
+        }
+        let (app_octet, srv_octet) = octets();
+        let s = srv_octet.wrapping_add(60 + offset);
+        let (nb, srv) = (Netns::new("pb"), Netns::new("ps"));
+        // A (host) <-> B.
+        let (h, b1) = (unique("h"), unique("b"));
+        sh("ip", &["link", "add", &h, "type", "veth", "peer", "name", &b1]);
+        sh("ip", &["addr", "add", &format!("10.{s}.1.1/24"), "dev", &h]);
+        sh("ip", &["link", "set", &h, "up"]);
+        nb.adopt(&b1, &[&format!("10.{s}.1.2/24")]);
+        // B <-> server.
+        let (b2, s1) = (unique("b"), unique("s"));
+        sh("ip", &["link", "add", &b2, "type", "veth", "peer", "name", &s1]);
+        nb.adopt(&b2, &[&format!("10.{s}.2.1/24"), &format!("fd97:{s:x}::1/64")]);
+        srv.adopt(&s1, &[&format!("10.{s}.2.2/24"), &format!("fd97:{s:x}::2/64")]);
+        let srv_addr = format!("10.{s}.2.2");
+        let www = tempfile::tempdir().expect("temp dir");
+        std::fs::write(www.path().join("blob"), pattern(2_000_000)).expect("write the blob");
+        let http = srv.serve_http("::", www.path());
+        let dns = srv.serve_dns(&srv_addr, &format!("fd97:{s:x}::2"));
+        // B: accepts carriers on its side of the first veth and opens the flows again with kernel sockets.
+        let b_addr = format!("10.{s}.1.2:7300");
+        let template = std::fs::read_to_string(repo().join("stacks/peer-in.toml")).expect("stacks/peer-in.toml");
+        assert!(template.contains("listen = \"0.0.0.0:7300\""), "the template listens on 0.0.0.0:7300");
+        let b_stack = template.replace("listen = \"0.0.0.0:7300\"", &format!("listen = \"{b_addr}\""));
+        let b = Daemon::start_in(&nb, &b_stack, &[]);
+        let a = SandboxDaemon::start(app_octet.wrapping_add(60 + offset));
+        let key = |out: Output| {
+            assert!(out.status.success(), "peer key: {}", text(&out));
+            String::from_utf8_lossy(&out.stdout).trim().to_string()
+        };
+        let (fa, fb) = (key(a.cli(&["peer", "key"])), key(b.cli(&["peer", "key"])));
+        assert_eq!((fa.len(), fb.len()), (64, 64), "fingerprints: {fa} {fb}");
+        assert_ne!(fa, fb, "each daemon has its own key");
+        let added = a.cli(&["peer", "add", "gateway", &b_addr, &fb]);
+        assert!(added.status.success(), "{}", text(&added));
+        if introduce {
+            b.ok(&["peer", "add", "a", &format!("10.{s}.1.1:0"), &fa]);
+        } else {
+            // B knows another key under A's name: A's certificate is not it.
+            b.ok(&["peer", "add", "a", &format!("10.{s}.1.1:0"), &"ab".repeat(32)]);
+        }
+        let dir = tempfile::tempdir().expect("temp dir");
+        let stack = dir.path().join("app-peer.toml");
+        std::fs::copy(repo().join("stacks/app-peer.toml"), &stack).expect("copy stacks/app-peer.toml");
+        // Wait for the server to answer in its namespace.
+        for _ in 0..100 {
+            let url = format!("http://{srv_addr}:8080/blob");
+            if srv.run(&["curl", "-sf", "-m", "2", "-o", "/dev/null", &url]).status.success() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Some(Rig {
+            a,
+            b,
+            _srv: srv,
+            _nb: nb,
+            host_dev: h,
+            _http: http,
+            _dns: dns,
+            www,
+            dir,
+            stack,
+            srv: srv_addr,
+            srv6: format!("fd97:{s:x}::2"),
+            b_addr,
+        })
+    }
+
+    /// The arguments of `flexstack run` for `script` as app `app`, which then reads A's `meters` (`peer.X` is
+    /// `module.<app>-peer.X`) and prints them after [`MARK`].
+    fn args(&self, app: &str, script: &str, meters: &[&str]) -> Vec<String> {
+        let names: Vec<String> = meters.iter().map(|m| format!("module.{app}-{m}")).collect();
+        let read =
+            format!("echo {MARK}; {} --state-dir {} -j get {}", bin(), path_str(self.a.state.path()), names.join(" "));
+        let full = format!("{script}\nrc=$?\n{read}\nexit $rc\n");
+        ["--stack", path_str(&self.stack), "--name", app, "--", "sh", "-c", &full].map(String::from).to_vec()
+    }
+
+    /// The meters a run printed, by their short names.
+    fn meters(out: &Output, app: &str, meters: &[&str]) -> Vec<u64> {
+        let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+        let (_, json) = stdout.split_once(MARK).unwrap_or_else(|| panic!("no meters: {}", text(out)));
+        let parsed: serde_json::Value = serde_json::from_str(json.trim()).expect("meters as JSON");
+        meters
+            .iter()
+            .map(|m| {
+                let name = format!("module.{app}-{m}");
+                parsed[&name]["value"].as_u64().unwrap_or_else(|| panic!("{name}: {parsed}"))
+            })
+            .collect()
+    }
+
+    fn run(&self, app: &str, script: &str, meters: &[&str]) -> (Output, Vec<u64>) {
+        let args = self.args(app, script, meters);
+        let out = self.a.run(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        let values = Rig::meters(&out, app, meters);
+        (out, values)
+    }
+
+    fn b_meter(&self, name: &str) -> u64 {
+        self.b.get_u64(&format!("module.peers.{name}"))
+    }
+}
+
+/// curl of a 2 MB file and dig, from an app on A, to servers only B reaches: both arrive intact through the carrier,
+/// both flows counted as carried on both sides, nothing opened on A.
+#[test]
+fn curl_and_dig_are_carried_to_the_peer() {
+    let Some(r) = Rig::new(0, true) else { return };
+    let want = common::sha256(&r.www.path().join("blob"));
+    // A cannot reach the server itself: only the carrier can bring the answers.
+    let direct = sh("ip", &["route", "get", &r.srv]);
+    assert!(!direct.contains(&r.host_dev), "A must not route to the server directly: {direct}");
+    // IPv4 and IPv6 downloads, then dig; the UDP flow is still open (its idle timeout) when the flows are listed.
+    let script = format!(
+        "curl -sSf -m 30 http://{srv}:8080/blob | sha256sum\ncurl -sSf -m 30 'http://[{v6}]:8080/blob' | sha256sum\n\
+         dig +short +time=2 +tries=2 @{srv} flexstack.test\necho {FLOWS}; {bin} --state-dir {state} -j flow list",
+        srv = r.srv,
+        v6 = r.srv6,
+        bin = bin(),
+        state = path_str(r.a.state.path()),
+    );
+    let meters = [
+        "peer.flows_total",
+        "peer.connections_total",
+        "peer.bytes_in_total",
+        "peer.refusals_total",
+        "orig.connections_total",
+    ];
+    let (out, m) = r.run("carried", &script, &meters);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(stdout.matches(&want).count(), 2, "sha256 of the downloads (IPv4, IPv6): {}", text(&out));
+    assert!(stdout.lines().any(|l| l.trim() == "10.1.2.3"), "dig's answer: {}", text(&out));
+    let [flows, conns, bytes_in, refusals, orig] = m[..] else { unreachable!() };
+    assert!(flows >= 3, "the TCP and UDP flows were carried: {flows}");
+    // `flow list`: the UDP flow's app side is terminated, its network side carried to the peer, each naming the other.
+    let listed = stdout.split_once(FLOWS).and_then(|(_, rest)| rest.split_once(MARK)).expect("flow list printed").0;
+    let list: Vec<FlowInfo> = serde_json::from_str(listed.trim()).unwrap_or_else(|e| panic!("{e}: {listed}"));
+    let dns = |h: Handling| {
+        list.iter()
+            .find(|f| f.handling == h && f.protocol == "udp" && f.dst_port == Some(53))
+            .unwrap_or_else(|| panic!("no {h:?} DNS flow in {listed}"))
+    };
+    let (carried, terminated) = (dns(Handling::Carried), dns(Handling::Terminated));
+    assert_eq!(carried.module, "carried-peer");
+    assert_eq!(carried.peer.as_deref(), Some(terminated.id.as_str()), "{listed}");
+    assert_eq!(terminated.peer.as_deref(), Some(carried.id.as_str()), "{listed}");
+    assert_eq!((conns, refusals), (1, 0), "one connection, authenticated");
+    assert!(bytes_in > 2_000_000, "the download came through the carrier: {bytes_in} bytes");
+    assert_eq!(orig, 0, "nothing was opened on A");
+    assert!(r.b_meter("flows_total") >= 3, "B opened the flows");
+    assert_eq!(r.b_meter("refusals_total"), 0);
+    assert_eq!(r.b_meter("malformed_total"), 0);
+    let peers = r.a.cli(&["-j", "peer", "show", "gateway"]);
+    let p: serde_json::Value = serde_json::from_slice(&peers.stdout).expect("peer show as JSON");
+    assert_eq!(p["addr"], r.b_addr.as_str());
+    assert!(p["connections"].as_u64() >= Some(1), "{p}");
+}
+
+/// A peer whose key B does not know gets nothing: the connection is refused and counted on both sides, no flow
+/// is opened by B, and the app's connection fails instead of hanging.
+#[test]
+fn a_peer_with_an_unknown_key_gets_nothing_and_is_counted() {
+    let Some(r) = Rig::new(1, false) else { return };
+    let script = format!("curl -sS -m 10 -o /dev/null http://{}:8080/blob; echo curl=$?", r.srv);
+    let (out, m) =
+        r.run("refused", &script, &["peer.refusals_total", "peer.connections_total", "peer.flows_aborted_total"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(!stdout.contains("curl=0"), "curl must fail: {}", text(&out));
+    assert!(m[0] >= 1 && m[1] == 0, "A counts the refusal, no connection: {m:?}");
+    assert!(m[2] >= 1, "the flow was aborted: {m:?}");
+    assert!(r.b_meter("refusals_total") >= 1, "B counts the refusal");
+    assert_eq!(r.b_meter("connections_total"), 0);
+    assert_eq!(r.b_meter("flows_total"), 0, "B opened nothing");
+    let peers = r.a.cli(&["-j", "peer", "list"]);
+    let list: serde_json::Value = serde_json::from_slice(&peers.stdout).expect("peer list as JSON");
+    assert!(list[0]["state"].as_str().is_some_and(|s| s.starts_with("down")), "{list}");
+}
+
+/// Garbage on B's carrier port (random bytes, a plain HTTP request) is refused and counted while a transfer
+/// through the carrier goes on: B survives and the download arrives intact.
+#[test]
+fn garbage_on_the_peer_port_is_refused_while_flows_continue() {
+    let Some(mut r) = Rig::new(2, true) else { return };
+    let want = common::sha256(&r.www.path().join("blob"));
+    // A slow reader (64 KiB every 40 ms: about 1.3 s for the 2 MB), so the flow is open while the garbage comes.
+    let reader = format!(
+        "import hashlib, time, urllib.request\nh = hashlib.sha256()\nwith urllib.request.urlopen('http://{}:8080/blob', \
+         timeout=30) as f:\n    while True:\n        b = f.read(65536)\n        if not b:\n            break\n        \
+         h.update(b)\n        time.sleep(0.04)\nprint(h.hexdigest())\n",
+        r.srv
+    );
+    let script = format!("python3 -c \"{reader}\"");
+    let args = r.args("steady", &script, &["peer.connections_total"]);
+    let run = r.a.spawn_run(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    r.b.wait_for("the app's flow at B", 10, |b| b.get_u64("module.peers.flows_active") == 1);
+    let (host, port) = r.b_addr.split_once(':').unwrap();
+    let garbage = format!(
+        "import os, socket\nfor i in range(30):\n    s = socket.create_connection(('{host}', {port}), timeout=5)\n    \
+         s.sendall(os.urandom(3000) if i % 2 else b'GET / HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n')\n    \
+         try:\n        s.recv(65536)\n    except OSError:\n        pass\n    s.close()\n"
+    );
+    sh("python3", &["-c", &garbage]);
+    assert_eq!(r.b_meter("flows_active"), 1, "the transfer was open while the garbage came");
+    let out = run.wait_with_output().expect("the app");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && stdout.contains(&want), "the transfer survives: {stdout}");
+    assert!(r.b.alive(), "B is still running");
+    assert!(r.b_meter("refusals_total") >= 30, "every garbage connection refused: {}", r.b_meter("refusals_total"));
+    assert_eq!(r.b_meter("malformed_total"), 0, "garbage never got past authentication");
+    assert_eq!(r.b_meter("connections_total"), 1, "the peer's own connection only");
+    let _ = r.dir.path();
+}
+
+/// `flexstack peer`: the key is stable across restarts of the daemon (it lives in the state directory); names,
+/// addresses and fingerprints are checked; a name, a fingerprint or the daemon's own key cannot be added twice.
+/// Needs no privileges.
+#[test]
+fn peer_commands_check_their_input_and_the_key_persists() {
+    let mut d = Daemon::start("", &[]);
+    let key = d.ok(&["peer", "key"]).trim().to_string();
+    assert_eq!(key.len(), 64, "{key}");
+    let fp = "ab".repeat(32);
+    d.ok(&["peer", "add", "b-1", "192.0.2.1:7300", &fp]);
+    for (args, why) in [
+        (vec!["peer", "add", "b-1", "192.0.2.2:7300", &"cd".repeat(32)], "exists"),
+        (vec!["peer", "add", "c", "192.0.2.2:7300", &fp], "fingerprint is peer \"b-1\""),
+        (vec!["peer", "add", "self", "192.0.2.2:7300", &key], "this daemon's own"),
+        (vec!["peer", "add", "c", "192.0.2.2", &"cd".repeat(32)], "ADDR:PORT"),
+        (vec!["peer", "add", "c", "192.0.2.2:1", "xyz"], "64 hex digits"),
+        (vec!["peer", "add", "a b", "192.0.2.2:1", &"cd".repeat(32)], "A-Z a-z 0-9"),
+        (vec!["peer", "show", "nobody"], "no peer"),
+    ] {
+        let e = d.fails(&args);
+        assert!(e.contains(why), "{args:?}: {e}");
+    }
+    let list = d.json(&["peer", "list"]);
+    assert_eq!(list.as_array().map(Vec::len), Some(1), "{list}");
+    assert_eq!((list[0]["name"].as_str(), list[0]["fingerprint"].as_str()), (Some("b-1"), Some(fp.as_str())));
+    d.ok(&["peer", "del", "b-1"]);
+    assert_eq!(d.json(&["peer", "list"]), serde_json::json!([]));
+    d.kill();
+    d.restart(&[], "restarted.log");
+    assert_eq!(d.ok(&["peer", "key"]).trim(), key, "the same key after a restart");
+}

@@ -51,6 +51,11 @@ pub fn kinds() -> Vec<Box<dyn ModuleKind>> {
         Box::new(stream::tap::StreamTapKind),
         Box::new(stream::terminate::TerminateKind),
         Box::new(stream::originate::OriginateKind),
+        Box::new(stream::services::null::NullKind),
+        Box::new(stream::services::shape::ShapeKind),
+        Box::new(stream::services::inspect::InspectKind),
+        Box::new(stream::services::record::RecordKind),
+        Box::new(stream::services::compress::CompressKind),
     ]
 }
 

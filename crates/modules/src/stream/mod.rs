@@ -7,6 +7,7 @@
 //! | [`tap`] `stream-tap` | records each flow's bytes in both directions to files, and passes the frames on |
 //! | [`terminate`] | ends the app's TCP and UDP flows (smoltcp, in user space) and turns them into streams |
 //! | [`originate`] | opens those flows again towards their original destination and relays their streams |
+//! | [`services`] | `null`, `shape`, `inspect`, `record`, `compress`: stream services an app's flows pass through |
 //!
 //! [`matcher`] is `terminate`'s match table; `endpoint` the engine both endpoints share; [`backend`] the `backend`
 //! setting and the hook that builds the `kernel` back-end (in `flexstack-faces`).
@@ -16,6 +17,7 @@ pub(crate) mod endpoint;
 pub mod matcher;
 pub mod originate;
 pub mod pass;
+pub mod services;
 pub mod tap;
 pub mod terminate;
 

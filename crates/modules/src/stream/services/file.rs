@@ -1,0 +1,1 @@
+//! Services files (placeholder, filled below).

@@ -158,7 +158,17 @@ impl Compress {
         (d == Direction::Down) != self.cfg.decompress
     }
 
-    /// Compresses a chunk into blocks, emitted; returns the bytes emitted.
+    /// `input` bytes travelling `d` became `output` bytes: acks at once what the flow's map frees.
+    fn produced(&mut self, flow: u64, d: Direction, input: u64, output: u64, out: &mut Output<'_>) {
+        self.m.bytes_out.add(output);
+        let st = self.flows.get_mut(flow).expect("a flow it works on");
+        let free = st.acks[slot(d)].produced(input, output);
+        if free > 0 {
+            out.emit(0, StreamFrame::ack(out.pool(), flow, back(d), free));
+        }
+    }
+
+    /// Compresses a chunk into blocks, emitted (and mapped for the acks, block by block); returns the bytes emitted.
     fn pack(&mut self, flow: u64, d: Direction, bytes: &[u8], out: &mut Output<'_>) -> u64 {
         let mut total = 0;
         for piece in bytes.chunks(MAX_BLOCK) {
@@ -183,8 +193,10 @@ impl Compress {
             if stored {
                 self.m.stored.add(1);
             }
-            total += frame.len() as u64;
+            let made = frame.len() as u64;
+            total += made;
             out.emit(0, frame);
+            self.produced(flow, d, piece.len() as u64, made, out);
         }
         self.m.plain.add(bytes.len() as u64);
         self.m.packed.add(total);
@@ -259,21 +271,13 @@ impl Module for Compress {
                 Seen::Data(flow) => {
                     let bytes = p.data();
                     self.m.bytes_in.add(bytes.len() as u64);
-                    let made = if self.compresses(d) {
-                        Ok(self.pack(flow, d, bytes, out))
+                    if self.compresses(d) {
+                        self.pack(flow, d, bytes, out);
                     } else {
-                        self.unpack(flow, d, bytes, out)
-                    };
-                    match made {
-                        Ok(n) => {
-                            self.m.bytes_out.add(n);
-                            let st = self.flows.get_mut(flow).expect("a flow it works on");
-                            let free = st.acks[slot(d)].produced(bytes.len() as u64, n);
-                            if free > 0 {
-                                out.emit(0, StreamFrame::ack(out.pool(), flow, back(d), free));
-                            }
+                        match self.unpack(flow, d, bytes, out) {
+                            Ok(n) => self.produced(flow, d, bytes.len() as u64, n, out),
+                            Err(why) => self.abort(flow, &why, out),
                         }
-                        Err(why) => self.abort(flow, &why, out),
                     }
                     // `p` is consumed: its bytes left in the frames just made.
                 }

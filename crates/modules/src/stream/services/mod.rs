@@ -34,6 +34,18 @@ use flexstack_wire::cidr::{PortRange, Words};
 use std::collections::HashMap;
 use std::fmt;
 
+/// Every service kind: the registration list of the family (`flexstack_modules::kinds` takes them all; a services
+/// file may name any of them).
+pub fn kinds() -> Vec<Box<dyn flexstack_core::ModuleKind>> {
+    vec![
+        Box::new(null::NullKind),
+        Box::new(shape::ShapeKind),
+        Box::new(inspect::InspectKind),
+        Box::new(record::RecordKind),
+        Box::new(compress::CompressKind),
+    ]
+}
+
 /// The setting that holds a service's selection rules.
 pub const SELECT: &str = "select";
 

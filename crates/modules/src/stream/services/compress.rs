@@ -54,10 +54,13 @@ const DECL: KindDecl<Config, Meters> = KindDecl {
             "compress: compresses data going down, restores data coming up (the app's end); decompress: the opposite",
             "compress",
             |c| if c.decompress { "decompress".into() } else { "compress".into() },
-            |c, t| match t {
-                "compress" => Ok(c.decompress = false),
-                "decompress" => Ok(c.decompress = true),
-                _ => Err(format!("expected compress or decompress, got {t:?}")),
+            |c, t| {
+                c.decompress = match t {
+                    "compress" => false,
+                    "decompress" => true,
+                    _ => return Err(format!("expected compress or decompress, got {t:?}")),
+                };
+                Ok(())
             },
         )
         .setting(),

@@ -275,15 +275,13 @@ impl Module for Inspect {
                 continue;
             };
             match self.flows.see(&p, |_| [Vec::new(), Vec::new()]).0 {
-                Seen::Data(flow) => {
-                    if self.scan(flow, p.direction(), p.data(), out) {
-                        self.flows.forget(flow);
-                        self.m.closed.add(1);
-                        tracing::info!(flow, "inspect: closing the flow");
-                        out.emit(0, StreamFrame::abort(out.pool(), flow, Direction::Down, "inspect"));
-                        out.emit(0, StreamFrame::abort(out.pool(), flow, Direction::Up, "inspect"));
-                        continue; // the chunk that matched goes nowhere
-                    }
+                Seen::Data(flow) if self.scan(flow, p.direction(), p.data(), out) => {
+                    self.flows.forget(flow);
+                    self.m.closed.add(1);
+                    tracing::info!(flow, "inspect: closing the flow");
+                    out.emit(0, StreamFrame::abort(out.pool(), flow, Direction::Down, "inspect"));
+                    out.emit(0, StreamFrame::abort(out.pool(), flow, Direction::Up, "inspect"));
+                    continue; // the chunk that matched goes nowhere
                 }
                 Seen::Fin(flow) => {
                     self.flows.fin(flow, p.direction());

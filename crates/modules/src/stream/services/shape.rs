@@ -58,10 +58,13 @@ const DECL: KindDecl<Config, Meters> = KindDecl {
             "flow: a bucket per flow and direction; app: one per direction shared by every flow of the module",
             "flow",
             |c| if c.per_app { "app".into() } else { "flow".into() },
-            |c, t| match t {
-                "flow" => Ok(c.per_app = false),
-                "app" => Ok(c.per_app = true),
-                _ => Err(format!("expected flow or app, got {t:?}")),
+            |c, t| {
+                c.per_app = match t {
+                    "flow" => false,
+                    "app" => true,
+                    _ => return Err(format!("expected flow or app, got {t:?}")),
+                };
+                Ok(())
             },
         )
         .setting(),
@@ -257,7 +260,7 @@ impl Module for Shape {
                     let st = self.flows.get_mut(flow).expect("seen");
                     if st.queue[d].is_empty() {
                         self.backlog[d].push_back(flow);
-                    } else if p.len() > 0 {
+                    } else if !p.is_empty() {
                         self.m.delayed.add(1);
                     }
                     self.held += p.len() as u64;

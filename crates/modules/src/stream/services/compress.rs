@@ -14,7 +14,7 @@
 //!   `compress`), counted in `errors_total`.
 //! - `level` is a knob (zstd levels 1 to 19; the next block uses it).
 
-use super::{read_select, slot, Flows, Seen, SelectRule, SelectionMeters, SELECT, SELECT_DOC};
+use super::flows::{read_select, slot, Flows, Seen, SelectRule, SelectionMeters, SELECT, SELECT_DOC};
 use crate::stream::{BOTH_WAYS_IN, BOTH_WAYS_OUT};
 use flexstack_core::stream::{AckMap, StreamFrame};
 use flexstack_core::{

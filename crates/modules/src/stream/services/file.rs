@@ -27,7 +27,7 @@
 //! of [`kinds`]), optionally `name` (its module is `{app}-NAME`; default: its kind, numbered from the second of a
 //! kind: `compress2`), its own `rule`s, and its settings, as in a stack file. Errors say `file:line:column`.
 
-use super::{parse_ports, parse_protocol, parse_role, selects, SelectRule, SELECT};
+use super::flows::{parse_ports, parse_protocol, parse_role, selects, SelectRule, SELECT};
 use flexstack_core::config::{entry, key_span, parse_located, valid_name, ConfigError, LineIndex, Location, Settings};
 use flexstack_core::stream::{FlowInfo, Protocol, Role};
 use std::net::{Ipv4Addr, SocketAddr};

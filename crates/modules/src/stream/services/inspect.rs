@@ -14,7 +14,7 @@
 //! when it ends in the new chunk (so once). Memory: two tails of at most `window` bytes per flow, and one scratch
 //! buffer. Frames of flows its `select` rules left out pass unexamined.
 
-use super::{read_select, slot, Flows, Seen, SelectRule, SelectionMeters, SELECT, SELECT_DOC};
+use super::flows::{read_select, slot, Flows, Seen, SelectRule, SelectionMeters, SELECT, SELECT_DOC};
 use crate::stream::{BOTH_WAYS_IN, BOTH_WAYS_OUT};
 use flexstack_core::stream::StreamFrame;
 use flexstack_core::{

@@ -2,7 +2,7 @@
 //! each flow's `Open`, its table of flows, its meters) and nothing else, so a chain of them measures what a service
 //! costs (issue 15's overhead benchmark).
 
-use super::{read_select, Flows, Seen, SelectRule, SelectionMeters, SELECT, SELECT_DOC};
+use super::flows::{read_select, Flows, Seen, SelectRule, SelectionMeters, SELECT, SELECT_DOC};
 use crate::stream::{u64_meters, BOTH_WAYS_IN, BOTH_WAYS_OUT};
 use flexstack_core::{
     kind_from_decl, Batch, ConfigError, Direction, Frame, KindDecl, Meter, Module, ModuleBuilder, ModuleInterface,

@@ -7,7 +7,7 @@
 //! Bounds, flushing and errors as `stream-tap` (docs/modules.md): at most `max_flows` flows at once, three files
 //! each.
 
-use super::{read_select, Flows, Seen, SelectRule, SelectionMeters, SELECT, SELECT_DOC};
+use super::flows::{read_select, Flows, Seen, SelectRule, SelectionMeters, SELECT, SELECT_DOC};
 use crate::stream::tap::{open_folder, Config, FlowFiles, Meters, MAX_FLOWS, METERS, PATH};
 use crate::stream::{BOTH_WAYS_IN, BOTH_WAYS_OUT};
 use flexstack_core::{

@@ -12,7 +12,7 @@
 //!   docs/streams.md) per direction, since it passes acks unchanged and only bytes that left it are acked.
 //! - `rate` and `burst` are knobs (`rate = 0`: no limit, everything held leaves at once).
 
-use super::{read_select, slot, Flows, Seen, SelectRule, SelectionMeters, SELECT, SELECT_DOC};
+use super::flows::{read_select, slot, Flows, Seen, SelectRule, SelectionMeters, SELECT, SELECT_DOC};
 use crate::stream::{u64_meters, BOTH_WAYS_IN, BOTH_WAYS_OUT};
 use flexstack_core::{
     field, kind_from_decl, Batch, ConfigError, Frame, KindDecl, Meter, Module, ModuleBuilder, ModuleInterface,

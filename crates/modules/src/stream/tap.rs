@@ -289,7 +289,7 @@ impl FlowFiles {
     }
 
     /// Records what a frame carries (a frame that is not a stream frame is ignored).
-    pub(crate) fn record(&mut self, frame: &Frame, max_flows: u64, now: Time) {
+    fn record(&mut self, frame: &Frame, max_flows: u64, now: Time) {
         let Frame::Data(p) = frame else { return };
         let (Some(flow), Some(event)) = (p.stream_flow(), p.stream()) else { return };
         let dir = slot(p.direction());
@@ -350,9 +350,22 @@ impl FlowFiles {
         self.m.errors.add(errors);
     }
 
-    /// After a batch: flushes when `FLUSH_INTERVAL` passed, and asks to be polled for the first flush.
-    pub(crate) fn after_batch(&mut self, out: &mut Output<'_>) {
+    /// A module's batch: records the frames `wanted` chooses, passes every frame on, and flushes when
+    /// `FLUSH_INTERVAL` passed (asking to be polled for the first flush).
+    pub(crate) fn pass(
+        &mut self,
+        input: &mut Batch,
+        out: &mut Output<'_>,
+        max_flows: u64,
+        mut wanted: impl FnMut(&Frame) -> bool,
+    ) {
         let now = out.now();
+        for f in input.iter() {
+            if wanted(f) {
+                self.record(f, max_flows, now);
+            }
+        }
+        out.emit_all(0, input);
         match self.last_flush {
             None => {
                 self.last_flush = Some(now);
@@ -372,14 +385,8 @@ impl FlowFiles {
 
 impl Module for StreamTap {
     fn process(&mut self, _port: usize, input: &mut Batch, out: &mut Output<'_>) {
-        if self.cfg.enabled {
-            let now = out.now();
-            for f in input.iter() {
-                self.files.record(f, self.cfg.max_flows, now);
-            }
-        }
-        out.emit_all(0, input);
-        self.files.after_batch(out);
+        let enabled = self.cfg.enabled;
+        self.files.pass(input, out, self.cfg.max_flows, |_| enabled);
     }
 
     fn poll(&mut self, out: &mut Output<'_>) -> Option<Time> {

@@ -78,24 +78,18 @@ pub struct Record {
 
 impl Module for Record {
     fn process(&mut self, _port: usize, input: &mut Batch, out: &mut Output<'_>) {
-        let now = out.now();
-        for f in input.iter() {
-            let Frame::Data(p) = f else { continue };
-            let record = match self.flows.see(p, |_| ()) {
-                (Seen::Opened(..) | Seen::Aborted(_), _) => true,
-                (Seen::Fin(flow), _) => {
-                    self.flows.fin(flow, p.direction());
+        let flows = &mut self.flows;
+        self.files.pass(input, out, self.cfg.max_flows, |f| {
+            let Frame::Data(p) = f else { return false };
+            match flows.see(p, |_| ()).0 {
+                Seen::Opened(..) | Seen::Aborted(_) | Seen::Data(_) => true,
+                Seen::Fin(flow) => {
+                    flows.fin(flow, p.direction());
                     true
                 }
-                (Seen::Data(_), _) => true,
                 _ => false,
-            };
-            if record {
-                self.files.record(f, self.cfg.max_flows, now);
             }
-        }
-        out.emit_all(0, input);
-        self.files.after_batch(out);
+        });
     }
 
     fn poll(&mut self, out: &mut Output<'_>) -> Option<Time> {

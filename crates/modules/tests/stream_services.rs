@@ -513,3 +513,74 @@ fn the_stream_event_of_an_open_survives_the_services() {
         assert!(matches!(StreamEvent::Open(info), StreamEvent::Open(_)));
     }
 }
+
+/// `module replace` of a service, keeping its state.
+fn replace(name: &str, kind: &str, a: &[&str]) -> Edit {
+    let settings = flexstack_core::Settings::from_args(&args(a)).unwrap();
+    let builder = flexstack_modules::catalog().configure(kind, &settings, None).unwrap();
+    Edit::Replace { name: name.into(), kind: kind.into(), settings, builder, keep_state: true }
+}
+
+#[test]
+fn a_replaced_shape_keeps_what_it_held_and_goes_on_at_its_new_rate() {
+    let (mut sw, log) = alone("shape", &["rate=10000", "burst=1000"]);
+    let pool = sw.pool().clone();
+    let chunks: Vec<Vec<u8>> = (0..50u8).map(|i| vec![i; 1000]).collect();
+    let refs: Vec<&[u8]> = chunks.iter().map(|c| &c[..]).collect();
+    let mut b = flow_frames(&pool, 1, 80, &refs);
+    sw.inject("m", "in", &mut b).unwrap();
+    sw.run(Time::from_millis(1));
+    let mut got: Vec<u8> = take(&log).iter().filter(|s| kind_of(s) == 2).flat_map(|s| s.data.clone()).collect();
+    assert_eq!(got.len(), 2000, "the burst and one chunk");
+    // A new module, ten times faster; the 48 chunks held go on from it, in order.
+    let notes = sw.apply(vec![replace("m", "shape", &["rate=100000", "burst=1000"])]).unwrap();
+    assert!(notes.iter().all(|n| !n.contains("not handed over")), "{notes:?}");
+    assert_eq!(meter(&sw, "module.m.held_bytes"), 48_000);
+    let mut now = Time::from_millis(2);
+    sw.run(now);
+    while let Some(next) = sw.next_wakeup().filter(|_| got.len() < 50_000) {
+        now = next;
+        sw.run(now);
+        got.extend(take(&log).iter().filter(|s| kind_of(s) == 2).flat_map(|s| s.data.clone()));
+    }
+    assert_eq!(got, chunks.concat(), "every byte, in order");
+    let end = now.as_nanos() as f64 / 1e9;
+    assert!(end < 0.6, "at 100 KB/s, not 10 KB/s: done at {end} s");
+}
+
+#[test]
+fn compress_replaced_mid_transfer_keeps_its_flows_and_acks() {
+    let mut lab = chained(&[("z", "compress", args(&["level=1"])), ("u", "compress", args(&["mode=\"decompress\""]))]);
+    let (srv, cli) = lab.pair();
+    let up = text_bytes(2_000_000);
+    let mut c = Pump::new(Vec::new(), false);
+    let mut s = Pump::new(up.clone(), true);
+    let mut replaced = false;
+    let done = lab.until(60_000, |lab| {
+        c.drive(lab.app.tcp(cli));
+        s.drive(lab.server.tcp(srv));
+        if !replaced && c.got.len() > 500_000 {
+            // Both ends, mid-stream, with another level: the flow goes on through the new modules.
+            let edits = vec![
+                replace("z", "compress", &["level=9"]),
+                replace("u", "compress", &["mode=\"decompress\"", "level=9"]),
+            ];
+            lab.sw.apply(edits).unwrap();
+            replaced = true;
+        }
+        c.got.len() == up.len()
+    });
+    assert!(replaced && done, "got {}", c.got.len());
+    assert!(c.got == up, "intact across the replacement");
+    assert_eq!(lab.meter("module.u.selected_flows_active"), 1, "the new module has the flow");
+    assert_eq!(lab.meter("module.t.stream_bad_total") + lab.meter("module.o.stream_bad_total"), 0, "no ack was wrong");
+}
+
+#[test]
+fn the_example_services_file_is_valid() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../stacks/services-example.toml");
+    let f = ServiceFile::parse(path, &std::fs::read_to_string(path).unwrap()).unwrap();
+    f.check(&flexstack_modules::catalog()).unwrap();
+    assert_eq!(f.match_table(256).unwrap(), ["tcp *"]);
+    assert_eq!(f.services.iter().map(|s| s.name.as_str()).collect::<Vec<_>>(), ["inspect", "shape"]);
+}

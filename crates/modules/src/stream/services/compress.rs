@@ -14,8 +14,9 @@
 //!   `compress`), counted in `errors_total`.
 //! - `level` is a knob (zstd levels 1 to 19; the next block uses it).
 
-use super::flows::{read_select, slot, Flows, Seen, SelectRule, SelectionMeters, SELECT, SELECT_DOC};
+use super::flows::{read_select, slot, Flows, HandedFlows, Seen, SelectRule, SelectionMeters, SELECT, SELECT_DOC};
 use crate::stream::{BOTH_WAYS_IN, BOTH_WAYS_OUT};
+use flexstack_core::module::handed_over;
 use flexstack_core::stream::{AckMap, StreamFrame};
 use flexstack_core::{
     field, kind_from_decl, Batch, ConfigError, Direction, Frame, KindDecl, Meter, MeterDecl, Module, ModuleBuilder,
@@ -313,6 +314,15 @@ impl Module for Compress {
         if knob == "level" {
             self.zc.set_compression_level(self.cfg.level as i32).map_err(|e| format!("zstd: {e}"))?;
         }
+        Ok(())
+    }
+
+    fn take_state(&mut self) -> Option<Box<dyn std::any::Any>> {
+        Some(Box::new(self.flows.take()))
+    }
+
+    fn adopt_state(&mut self, state: Box<dyn std::any::Any>) -> Result<(), String> {
+        self.flows.adopt(handed_over::<HandedFlows<Flow>>(state, "a compress's flows")?);
         Ok(())
     }
 }

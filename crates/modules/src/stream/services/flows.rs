@@ -170,6 +170,10 @@ struct Tracked<F> {
     udp: bool,
 }
 
+/// The flows of a service and their states, as it hands them to its replacement (`module replace`): the flows keep
+/// the decision taken on their `Open`; the new module's rules apply to flows opened after.
+pub struct HandedFlows<F>(HashMap<u64, Tracked<F>>);
+
 /// What a stream frame is to a service (its bytes: the packet's).
 pub enum Seen {
     /// A Down `Open` its rules chose: its state was just made.
@@ -257,6 +261,18 @@ impl<F> Flows<F> {
         let t = self.map.remove(&flow)?;
         self.m.active.set(self.map.len() as u64);
         Some(t.state)
+    }
+
+    /// Gives every flow away (to the replacement).
+    pub fn take(&mut self) -> HandedFlows<F> {
+        self.m.active.set(0);
+        HandedFlows(std::mem::take(&mut self.map))
+    }
+
+    /// Takes over the flows of the module this one replaces.
+    pub fn adopt(&mut self, handed: HandedFlows<F>) {
+        self.map.extend(handed.0);
+        self.m.active.set(self.map.len() as u64);
     }
 
     /// Flows it works on.

@@ -14,8 +14,9 @@
 //! when it ends in the new chunk (so once). Memory: two tails of at most `window` bytes per flow, and one scratch
 //! buffer. Frames of flows its `select` rules left out pass unexamined.
 
-use super::flows::{read_select, slot, Flows, Seen, SelectRule, SelectionMeters, SELECT, SELECT_DOC};
+use super::flows::{read_select, slot, Flows, HandedFlows, Seen, SelectRule, SelectionMeters, SELECT, SELECT_DOC};
 use crate::stream::{BOTH_WAYS_IN, BOTH_WAYS_OUT};
+use flexstack_core::module::handed_over;
 use flexstack_core::stream::StreamFrame;
 use flexstack_core::{
     field, kind_from_decl, Batch, ConfigError, Direction, Frame, KindDecl, Meter, MeterDecl, Module, ModuleBuilder,
@@ -290,5 +291,14 @@ impl Module for Inspect {
             }
             out.emit(0, p);
         }
+    }
+
+    fn take_state(&mut self) -> Option<Box<dyn std::any::Any>> {
+        Some(Box::new(self.flows.take()))
+    }
+
+    fn adopt_state(&mut self, state: Box<dyn std::any::Any>) -> Result<(), String> {
+        self.flows.adopt(handed_over::<HandedFlows<[Vec<u8>; 2]>>(state, "an inspect's flows")?);
+        Ok(())
     }
 }

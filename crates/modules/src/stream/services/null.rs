@@ -2,8 +2,9 @@
 //! each flow's `Open`, its table of flows, its meters) and nothing else, so a chain of them measures what a service
 //! costs (issue 15's overhead benchmark).
 
-use super::flows::{read_select, Flows, Seen, SelectRule, SelectionMeters, SELECT, SELECT_DOC};
+use super::flows::{read_select, Flows, HandedFlows, Seen, SelectRule, SelectionMeters, SELECT, SELECT_DOC};
 use crate::stream::{u64_meters, BOTH_WAYS_IN, BOTH_WAYS_OUT};
+use flexstack_core::module::handed_over;
 use flexstack_core::{
     kind_from_decl, Batch, ConfigError, Direction, Frame, KindDecl, Meter, Module, ModuleBuilder, ModuleInterface,
     ModuleKind, ModuleVars, Output, Param, Settings,
@@ -81,5 +82,14 @@ impl Module for Null {
             }
         }
         out.emit_all(0, input);
+    }
+
+    fn take_state(&mut self) -> Option<Box<dyn std::any::Any>> {
+        Some(Box::new(self.flows.take()))
+    }
+
+    fn adopt_state(&mut self, state: Box<dyn std::any::Any>) -> Result<(), String> {
+        self.flows.adopt(handed_over::<HandedFlows<()>>(state, "a null's flows")?);
+        Ok(())
     }
 }

@@ -12,8 +12,9 @@
 //!   docs/streams.md) per direction, since it passes acks unchanged and only bytes that left it are acked.
 //! - `rate` and `burst` are knobs (`rate = 0`: no limit, everything held leaves at once).
 
-use super::flows::{read_select, slot, Flows, Seen, SelectRule, SelectionMeters, SELECT, SELECT_DOC};
+use super::flows::{read_select, slot, Flows, HandedFlows, Seen, SelectRule, SelectionMeters, SELECT, SELECT_DOC};
 use crate::stream::{u64_meters, BOTH_WAYS_IN, BOTH_WAYS_OUT};
+use flexstack_core::module::handed_over;
 use flexstack_core::{
     field, kind_from_decl, Batch, ConfigError, Frame, KindDecl, Meter, Module, ModuleBuilder, ModuleInterface,
     ModuleKind, ModuleVars, Output, Packet, Param, Settings, Time, Value,
@@ -156,6 +157,14 @@ struct ShapeFlow {
     bucket: [Bucket; 2],
 }
 
+/// What a `shape` hands its replacement: its flows with what waits, its buckets and turns.
+struct ShapeState {
+    flows: HandedFlows<ShapeFlow>,
+    app: [Bucket; 2],
+    backlog: [VecDeque<u64>; 2],
+    held: u64,
+}
+
 /// A running `shape`.
 pub struct Shape {
     cfg: Config,
@@ -280,5 +289,22 @@ impl Module for Shape {
 
     fn write_knob(&mut self, knob: &str, value: &Value) -> Result<(), String> {
         DECL.write(&mut self.cfg, knob, value)
+    }
+
+    fn take_state(&mut self) -> Option<Box<dyn std::any::Any>> {
+        Some(Box::new(ShapeState {
+            flows: self.flows.take(),
+            app: std::mem::take(&mut self.app),
+            backlog: std::mem::take(&mut self.backlog),
+            held: std::mem::replace(&mut self.held, 0),
+        }))
+    }
+
+    fn adopt_state(&mut self, state: Box<dyn std::any::Any>) -> Result<(), String> {
+        let s: ShapeState = handed_over(state, "a shape's state")?;
+        self.flows.adopt(s.flows);
+        (self.app, self.backlog, self.held) = (s.app, s.backlog, s.held);
+        self.m.held.set(self.held); // what waits leaves from the poll every new module gets
+        Ok(())
     }
 }

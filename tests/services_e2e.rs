@@ -246,3 +246,22 @@ fn a_bad_services_file_is_refused_with_its_line() {
     assert!(t.contains(&format!("{}:6:8: setting `rate` of a shape module", file.display())), "{t}");
     assert!(!dir.path().join("state").exists(), "no daemon was started for a file with errors");
 }
+
+#[test]
+fn a_shape_replaced_during_a_download_hands_over_what_it_holds() {
+    let Some(r) = Rig::new(4) else { return };
+    let file = r.file("slow.toml", &format!("{EVERY_TCP_FLOW}[[service]]\nkind = \"shape\"\nrate = 400000\n"));
+    // At 400 KB/s the download takes 5 s; after 1 s the module is replaced by one without a limit, state kept.
+    let script = format!(
+        "{curl} &\nsleep 1\n{bin} --state-dir {state} module replace web-shape shape rate=0 || exit 9\nwait $!",
+        curl = r.curl(),
+        bin = bin(),
+        state = path_str(r.d.state.path())
+    );
+    let (out, m) = r.run("web", &file, &script, &["shape.held_bytes", "shape.selected_flows_active"]);
+    let t = ok(&out);
+    assert!(t.contains(&r.sum), "the download is intact across the replacement: {t}");
+    let time: f64 = t.lines().find_map(|l| l.strip_prefix("time ")).and_then(|s| s.trim().parse().ok()).unwrap();
+    assert!(time < 3.0, "the new module's rate (none) took over: {time} s");
+    assert_eq!(m["shape.held_bytes"], 0, "{m:?}");
+}

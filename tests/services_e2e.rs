@@ -265,3 +265,69 @@ fn a_shape_replaced_during_a_download_hands_over_what_it_holds() {
     assert!(time < 3.0, "the new module's rate (none) took over: {time} s");
     assert_eq!(m["shape.held_bytes"], 0, "{m:?}");
 }
+
+/// A CA (`NAME-ca.pem`) and a server certificate it signed for `ip` with its key (`NAME.pem`, `NAME.key`) in `dir`.
+fn certificate(dir: &Path, name: &str, ip: &str) -> (PathBuf, PathBuf, PathBuf) {
+    let f = |suffix: &str| dir.join(format!("{name}{suffix}"));
+    let (ca, ca_key, cert, key, csr, ext) = (f("-ca.pem"), f("-ca.key"), f(".pem"), f(".key"), f(".csr"), f(".ext"));
+    let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"];
+    let p = path_str;
+    let mut a =
+        vec!["req", "-x509", "-days", "1", "-subj", "/CN=flexstack test CA", "-keyout", p(&ca_key), "-out", p(&ca)];
+    a.extend(ec);
+    common::sh("openssl", &a);
+    let mut a = vec!["req", "-subj", "/CN=flexstack test server", "-keyout", p(&key), "-out", p(&csr)];
+    a.extend(ec);
+    common::sh("openssl", &a);
+    std::fs::write(&ext, format!("subjectAltName=IP:{ip}\nbasicConstraints=CA:FALSE\n")).unwrap();
+    common::sh(
+        "openssl",
+        &["x509", "-req", "-days", "1", "-in", p(&csr), "-CA", p(&ca), "-CAkey", p(&ca_key), "-CAcreateserial"]
+            .into_iter()
+            .chain(["-extfile", p(&ext), "-out", p(&cert)])
+            .collect::<Vec<_>>(),
+    );
+    (ca, cert, key)
+}
+
+#[test]
+fn tls_client_mode_lets_plaintext_curl_reach_openssl_s_server() {
+    let Some(r) = Rig::new(5) else { return };
+    let (ca, cert, key) = certificate(r.dir.path(), "server", &r.srv.v4);
+    let (other, _, _) = certificate(r.dir.path(), "other", &r.srv.v4);
+    let _tls = r.srv.ns.spawn(&[
+        "openssl",
+        "s_server",
+        "-quiet",
+        "-accept",
+        "4433",
+        "-cert",
+        path_str(&cert),
+        "-key",
+        path_str(&key),
+        "-www",
+    ]);
+    let ready = (0..100).any(|_| {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        r.srv.ns.run(&["sh", "-c", "ss -ltn | grep -q ':4433 '"]).status.success()
+    });
+    assert!(ready, "s_server listens");
+    let file = |ca: &Path| {
+        format!(
+            "[[service]]\nkind = \"tls\"\nca = \"{}\"\n[[service.rule]]\nuse = true\ntransport = \"tcp\"\nport = 4433\n",
+            path_str(ca)
+        )
+    };
+    let good = r.file("tls.toml", &file(&ca));
+    let script = format!("curl -sS -m 10 http://{}:4433/", r.srv.v4);
+    let (out, m) =
+        r.run("tls", &good, &script, &["tls.handshakes_total", "tls.failures_total", "term.connections_total"]);
+    let t = ok(&out);
+    assert!(t.contains("s_server") && t.contains("Cipher is"), "s_server's page, over TLS: {t}");
+    assert_eq!((m["tls.handshakes_total"], m["tls.failures_total"]), (1, 0), "{m:?}");
+    // A server whose certificate the CA file does not vouch for: the flow fails, and says why.
+    let bad = r.file("bad-ca.toml", &file(&other));
+    let (out, m) = r.run("tls", &bad, &script, &["tls.handshakes_total", "tls.failures_total"]);
+    assert!(!out.status.success(), "curl gets no answer: {}", text(&out));
+    assert_eq!((m["tls.handshakes_total"], m["tls.failures_total"]), (0, 1), "{m:?}");
+}

@@ -488,6 +488,8 @@ fn a_services_file_with_errors_says_where() {
         ("[[rule]]\nuse = true\n[[service]]\nkind = \"compress\"\nlevel = 30\n", 5, "within 1..=19"),
         ("[[rule]]\nuse = true\n[[service]]\nkind = \"inspect\"\n\npatterns = [\"close regex (\"]\n", 6, "bad regex"),
         ("[[rule]]\nuse = true\n[[service]]\nkind = \"null\"\nbogus = 1\n", 5, "unknown setting `bogus`"),
+        ("[[rule]]\nuse = true\n[[service]]\nkind = \"tls\"\nca = \"/nonexistent/ca.pem\"\n", 5, "cannot read"),
+        ("[[rule]]\nuse = true\n[[service]]\nkind = \"tls\"\n", 3, "`ca`"),
     ] {
         let f = ServiceFile::parse("bad.toml", text).unwrap();
         let e = f.check(&flexstack_modules::catalog()).err().unwrap_or_else(|| panic!("accepted: {text}"));

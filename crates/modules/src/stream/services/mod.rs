@@ -8,6 +8,7 @@
 //! | [`inspect`] `inspect` | literal and regex patterns on the byte stream; count, alert or close |
 //! | [`record`] `record` | a flow's bytes both ways to files, with timestamps (the code of `stream-tap`) |
 //! | [`compress`] `compress` | zstd blocks, length-prefixed; `mode = "decompress"` restores them |
+//! | [`tls`] `tls` | TLS client: the app's plaintext reaches a TLS server (rustls) |
 //!
 //! What they share lives here: in [`flows`]: the selection rules (`SelectRule`, setting `select`), the table of the flows a
 //! service works on (`Flows`), their meters (`SelectionMeters`), and the chain of an app's services between its
@@ -27,6 +28,7 @@ pub mod inspect;
 pub mod null;
 pub mod record;
 pub mod shape;
+pub mod tls;
 
 /// Every service kind: the registration list of the family (`flexstack_modules::kinds` takes them all; a services
 /// file may name any of them).
@@ -37,6 +39,7 @@ pub fn kinds() -> Vec<Box<dyn flexstack_core::ModuleKind>> {
         Box::new(inspect::InspectKind),
         Box::new(record::RecordKind),
         Box::new(compress::CompressKind),
+        Box::new(tls::TlsKind),
     ]
 }
 

@@ -197,7 +197,7 @@ impl Tls {
     }
 
     /// Takes TLS bytes from the server: emits the plaintext up, answers the handshake down.
-    fn from_server(&mut self, flow: u64, mut bytes: &[u8], out: &mut Output<'_>) -> Result<(), String> {
+    fn server_bytes(&mut self, flow: u64, mut bytes: &[u8], out: &mut Output<'_>) -> Result<(), String> {
         let total = bytes.len() as u64;
         self.m.tls.add(total);
         let mut plain = 0u64;
@@ -274,7 +274,7 @@ impl Module for Tls {
                     }
                 }
                 Seen::Data(flow) => {
-                    if let Err(e) = self.from_server(flow, p.data(), out) {
+                    if let Err(e) = self.server_bytes(flow, p.data(), out) {
                         self.fail(flow, &e, out);
                     }
                 }

@@ -14,7 +14,9 @@
 //!   `compress`), counted in `errors_total`.
 //! - `level` is a knob (zstd levels 1 to 19; the next block uses it).
 
-use super::flows::{read_select, slot, Flows, HandedFlows, Seen, SelectRule, SelectionMeters, SELECT, SELECT_DOC};
+use super::flows::{
+    ack, read_select, slot, translate_ack, Flows, HandedFlows, Seen, SelectRule, SelectionMeters, SELECT, SELECT_DOC,
+};
 use crate::stream::{BOTH_WAYS_IN, BOTH_WAYS_OUT};
 use flexstack_core::module::handed_over;
 use flexstack_core::stream::{AckMap, StreamFrame};
@@ -167,9 +169,7 @@ impl Compress {
         self.m.bytes_out.add(output);
         let st = self.flows.get_mut(flow).expect("a flow it works on");
         let free = st.acks[slot(d)].produced(input, output);
-        if free > 0 {
-            out.emit(0, StreamFrame::ack(out.pool(), flow, back(d), free));
-        }
+        ack(out, flow, back(d), free);
     }
 
     /// Compresses a chunk into blocks, emitted (and mapped for the acks, block by block); returns the bytes emitted.
@@ -257,9 +257,7 @@ impl Compress {
     fn abort(&mut self, flow: u64, why: &str, out: &mut Output<'_>) {
         tracing::warn!(flow, why, "compress: aborting the flow");
         self.m.errors.add(1);
-        self.flows.forget(flow);
-        out.emit(0, StreamFrame::abort(out.pool(), flow, Direction::Down, "compress"));
-        out.emit(0, StreamFrame::abort(out.pool(), flow, Direction::Up, "compress"));
+        self.flows.close(flow, KIND, out);
     }
 }
 
@@ -286,13 +284,9 @@ impl Module for Compress {
                     // `p` is consumed: its bytes left in the frames just made.
                 }
                 Seen::Ack(flow, n) => {
-                    // An ack travelling `d` acknowledges data that travelled the other way.
-                    let st = self.flows.get_mut(flow).expect("a flow it works on");
-                    let input = st.acks[slot(back(d))].acked(n);
-                    if input > 0 {
-                        out.emit(0, StreamFrame::ack(out.pool(), flow, d, input));
-                    }
                     // `p` is consumed: translated.
+                    let st = self.flows.get_mut(flow).expect("a flow it works on");
+                    translate_ack(&mut st.acks, flow, d, n, out);
                 }
                 Seen::Fin(flow) => {
                     let partial = self.flows.get_mut(flow).is_some_and(|st| !st.partial[slot(d)].is_empty());

@@ -192,6 +192,26 @@ pub enum Seen {
     Other,
 }
 
+/// Emits an ack of `n` bytes of `flow` travelling `dir` (nothing if `n` is 0).
+pub fn ack(out: &mut flexstack_core::Output<'_>, flow: u64, dir: Direction, n: u64) {
+    if n > 0 {
+        out.emit(0, flexstack_core::StreamFrame::ack(out.pool(), flow, dir, n));
+    }
+}
+
+/// For a service that changes lengths (an `AckMap` per data direction): an ack travelling `dir` of `n` output
+/// bytes becomes an ack of the input bytes it frees.
+pub fn translate_ack(
+    acks: &mut [flexstack_core::AckMap; 2],
+    flow: u64,
+    dir: Direction,
+    n: u64,
+    out: &mut flexstack_core::Output<'_>,
+) {
+    let input = acks[slot(dir) ^ 1].acked(n);
+    ack(out, flow, dir, input);
+}
+
 /// Down is 0, Up is 1 (per-direction arrays).
 pub fn slot(d: Direction) -> usize {
     match d {
@@ -261,6 +281,14 @@ impl<F> Flows<F> {
         let t = self.map.remove(&flow)?;
         self.m.active.set(self.map.len() as u64);
         Some(t.state)
+    }
+
+    /// Closes a flow the service cannot go on with: forgets it and aborts it both ways with `reason`, so that both
+    /// endpoints reset their connections.
+    pub fn close(&mut self, flow: u64, reason: &str, out: &mut flexstack_core::Output<'_>) {
+        self.forget(flow);
+        out.emit(0, flexstack_core::StreamFrame::abort(out.pool(), flow, Direction::Down, reason));
+        out.emit(0, flexstack_core::StreamFrame::abort(out.pool(), flow, Direction::Up, reason));
     }
 
     /// Gives every flow away (to the replacement).

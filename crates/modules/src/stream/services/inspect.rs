@@ -17,7 +17,6 @@
 use super::flows::{read_select, slot, Flows, HandedFlows, Seen, SelectRule, SelectionMeters, SELECT, SELECT_DOC};
 use crate::stream::{BOTH_WAYS_IN, BOTH_WAYS_OUT};
 use flexstack_core::module::handed_over;
-use flexstack_core::stream::StreamFrame;
 use flexstack_core::{
     field, kind_from_decl, Batch, ConfigError, Direction, Frame, KindDecl, Meter, MeterDecl, Module, ModuleBuilder,
     ModuleInterface, ModuleKind, ModuleVars, Output, Param, Settings, Value, ValueType, VarSpec,
@@ -277,11 +276,9 @@ impl Module for Inspect {
             };
             match self.flows.see(&p, |_| [Vec::new(), Vec::new()]).0 {
                 Seen::Data(flow) if self.scan(flow, p.direction(), p.data(), out) => {
-                    self.flows.forget(flow);
                     self.m.closed.add(1);
                     tracing::info!(flow, "inspect: closing the flow");
-                    out.emit(0, StreamFrame::abort(out.pool(), flow, Direction::Down, "inspect"));
-                    out.emit(0, StreamFrame::abort(out.pool(), flow, Direction::Up, "inspect"));
+                    self.flows.close(flow, KIND, out);
                     continue; // the chunk that matched goes nowhere
                 }
                 Seen::Fin(flow) => {

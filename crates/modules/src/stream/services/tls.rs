@@ -13,7 +13,9 @@
 //! - A `Fin` going down sends `close_notify` first; the server's `close_notify` is answered with ours and ends the
 //!   direction for the app (`Fin` up; the transport's own `Fin` after it is not passed again).
 
-use super::flows::{read_select, slot, Flows, HandedFlows, Seen, SelectRule, SelectionMeters, SELECT, SELECT_DOC};
+use super::flows::{
+    ack, read_select, translate_ack, Flows, HandedFlows, Seen, SelectRule, SelectionMeters, SELECT, SELECT_DOC,
+};
 use crate::stream::{BOTH_WAYS_IN, BOTH_WAYS_OUT};
 use flexstack_core::module::handed_over;
 use flexstack_core::stream::{AckMap, FlowInfo, StreamFrame};
@@ -176,9 +178,7 @@ impl Tls {
             out.emit(0, frame);
             let input = if conn.is_handshaking() { 0 } else { std::mem::take(&mut st.pending_plain) };
             let free = st.acks[0].produced(input, n);
-            if free > 0 {
-                out.emit(0, StreamFrame::ack(out.pool(), flow, Direction::Up, free));
-            }
+            ack(out, flow, Direction::Up, free);
         }
         if !st.handshaken && !conn.is_handshaking() {
             st.handshaken = true;
@@ -191,9 +191,7 @@ impl Tls {
         tracing::warn!(flow, error = why, "tls: the flow failed");
         self.flush(flow, out);
         self.m.failures.add(1);
-        self.flows.forget(flow);
-        out.emit(0, StreamFrame::abort(out.pool(), flow, Direction::Down, "tls"));
-        out.emit(0, StreamFrame::abort(out.pool(), flow, Direction::Up, "tls"));
+        self.flows.close(flow, KIND, out);
     }
 
     /// Takes TLS bytes from the server: emits the plaintext up, answers the handshake down.
@@ -232,9 +230,7 @@ impl Tls {
         }
         self.m.plain.add(plain);
         let free = st.acks[1].produced(total, plain);
-        if free > 0 {
-            out.emit(0, StreamFrame::ack(out.pool(), flow, Direction::Down, free));
-        }
+        ack(out, flow, Direction::Down, free);
         self.flush(flow, out);
         if closed {
             out.emit(0, StreamFrame::fin(out.pool(), flow, Direction::Up));
@@ -279,12 +275,8 @@ impl Module for Tls {
                     }
                 }
                 Seen::Ack(flow, n) => {
-                    // An ack travelling `d` acknowledges data that travelled the other way.
                     let st = self.flows.get_mut(flow).expect("a flow it works on");
-                    let input = st.acks[slot(d) ^ 1].acked(n);
-                    if input > 0 {
-                        out.emit(0, StreamFrame::ack(out.pool(), flow, d, input));
-                    }
+                    translate_ack(&mut st.acks, flow, d, n, out);
                 }
                 Seen::Fin(flow)
                     if d == Direction::Up && self.flows.get_mut(flow).is_some_and(|st| st.server_closed) =>

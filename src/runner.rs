@@ -35,6 +35,11 @@ pub struct RunArgs {
     /// The app's stack template (placeholders {app}, {app_dev}, {host_dev}, {app_v4}, {app_v6}); default: stacks/app-default.toml.
     #[arg(long)]
     pub stack: Option<PathBuf>,
+    /// A services file (docs/services.md): the app's flows go through these stream services, each where its rules
+    /// choose; the chain is built on --stack (default: stacks/app-terminate.toml), whose `{app}-streams` it
+    /// replaces, and only flows some service selects are terminated.
+    #[arg(long, value_name = "FILE")]
+    pub services: Option<PathBuf>,
     /// The app's name (default appN).
     #[arg(long)]
     pub name: Option<String>,
@@ -118,9 +123,17 @@ fn pending_signal(interrupted: &AtomicI32) -> Option<nix::sys::signal::Signal> {
 
 /// Runs the program; returns its exit code.
 pub fn run_app(state_dir: &Path, args: &RunArgs) -> Result<i32, CliError> {
-    let template = match &args.stack {
-        Some(p) => Some(std::fs::read_to_string(p).map_err(|e| msg(format!("{}: cannot read: {e}", p.display())))?),
-        None => None,
+    let read = |p: &Path| std::fs::read_to_string(p).map_err(|e| msg(format!("{}: cannot read: {e}", p.display())));
+    let template = match (&args.services, &args.stack) {
+        (Some(file), stack) => {
+            let base = match stack {
+                Some(p) => read(p)?,
+                None => TERMINATE_TEMPLATE.to_string(),
+            };
+            Some(services_template(file, &read(file)?, &base)?)
+        }
+        (None, Some(p)) => Some(read(p)?),
+        (None, None) => None,
     };
     let (uid, gid) = invoking_user();
     // SIGINT/SIGTERM are caught from here on: passed on to the program once it runs, or, if they come earlier,
@@ -201,6 +214,22 @@ pub fn run_app(state_dir: &Path, args: &RunArgs) -> Result<i32, CliError> {
         Err(_) => eprintln!("flexstack run: the daemon did not confirm the detach of {} within 20 s", app.name),
     }
     Ok(code)
+}
+
+/// The app template with termination (docs/streams.md), the base of `--services` without `--stack`.
+const TERMINATE_TEMPLATE: &str = include_str!("../stacks/app-terminate.toml");
+
+/// The app's stack template for a services file (`--services`): read, checked (every error at its file:line) and
+/// turned into the chain of services on `base`.
+pub fn services_template(file: &Path, text: &str, base: &str) -> Result<String, CliError> {
+    use flexstack_modules::stream::{matcher, services::file::ServiceFile};
+    let mut spec = ServiceFile::parse(&file.display().to_string(), text).map_err(|e| msg(e.to_string()))?;
+    let dir = std::path::absolute(file).map_err(msg)?;
+    spec.resolve_paths(dir.parent().unwrap_or(Path::new("/")));
+    spec.check(&flexstack_daemon::catalog()).map_err(|e| msg(e.to_string()))?;
+    let template = spec.template(base, matcher::MAX_RULES).map_err(|e| msg(format!("{}: {e}", file.display())))?;
+    tracing::debug!(%template, "the app's stack with its services");
+    Ok(template)
 }
 
 /// Starts `cmd` in the app's cgroup: this process steps into it, starts the program (which is born there, as are

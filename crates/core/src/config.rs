@@ -147,6 +147,12 @@ impl Settings {
         }
     }
 
+    /// Inserts or replaces a setting written at `location` (for files other than stack descriptions that hold
+    /// module settings, e.g. services files).
+    pub fn insert_located(&mut self, key: &str, value: toml::Value, location: Option<Location>) {
+        self.entries.insert(key.to_string(), Setting { value, location });
+    }
+
     /// The setting named `key`.
     pub fn get(&self, key: &str) -> Option<&Setting> {
         self.entries.get(key)

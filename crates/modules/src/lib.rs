@@ -30,7 +30,7 @@ use flexstack_core::{Catalog, ModuleKind};
 
 /// Every built-in kind: the registration list (the catalog lists them by name).
 pub fn kinds() -> Vec<Box<dyn ModuleKind>> {
-    vec![
+    let built_in: Vec<Box<dyn ModuleKind>> = vec![
         Box::new(basic::counter::CounterKind),
         Box::new(basic::direction::DirectionKind),
         Box::new(sched::emulator::EmulatorKind),
@@ -52,7 +52,8 @@ pub fn kinds() -> Vec<Box<dyn ModuleKind>> {
         Box::new(stream::terminate::TerminateKind),
         Box::new(stream::originate::OriginateKind),
         Box::new(stream::carrier::CarrierKind),
-    ]
+    ];
+    built_in.into_iter().chain(stream::services::kinds()).collect()
 }
 
 /// Old names of renamed kinds, and their new names: `switch` is the runtime that drives the graph, and a link is an

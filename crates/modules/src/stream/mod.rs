@@ -8,6 +8,7 @@
 //! | [`terminate`] | ends the app's TCP and UDP flows (smoltcp, in user space) and turns them into streams |
 //! | [`originate`] | opens those flows again towards their original destination and relays their streams |
 //! | [`carrier`] | carries flows to a flexstack peer (docs/peers.md) |
+//! | [`services`] | `null`, `shape`, `inspect`, `record`, `compress`, `tls`: stream services an app's flows pass through |
 //!
 //! [`matcher`] is `terminate`'s match table; `endpoint` the engine both endpoints share; [`backend`] the `backend`
 //! setting and the hook that builds the `kernel` back-end (in `flexstack-faces`).
@@ -18,6 +19,7 @@ pub(crate) mod endpoint;
 pub mod matcher;
 pub mod originate;
 pub mod pass;
+pub mod services;
 pub mod tap;
 pub mod terminate;
 

@@ -23,9 +23,10 @@
 //! Its ports, settings, knobs and meters are declared once, in `DECL` below; docs/modules.md lists them.
 
 use crate::stream::{u64_meters, BOTH_WAYS_IN, BOTH_WAYS_OUT};
+use flexstack_core::config::SettingsReader;
 use flexstack_core::stream::{Protocol, StreamEvent};
 use flexstack_core::{
-    field, kind_from_decl, Batch, ConfigError, Direction, Frame, KindDecl, Meter, Module, ModuleBuilder,
+    field, kind_from_decl, Batch, ConfigError, Direction, Frame, KindDecl, Meter, MeterDecl, Module, ModuleBuilder,
     ModuleInterface, ModuleKind, ModuleVars, Output, Param, Settings, Time, Value,
 };
 use std::collections::{HashMap, HashSet};
@@ -43,37 +44,43 @@ pub const FLUSH_INTERVAL: Duration = Duration::from_millis(50);
 /// The `stream-tap` module kind.
 pub struct StreamTapKind;
 
-/// The knobs.
-struct Config {
-    max_flows: u64,
-    enabled: bool,
+/// The knobs (`record` has them too).
+pub(crate) struct Config {
+    pub(crate) max_flows: u64,
+    pub(crate) enabled: bool,
 }
 
 type P = Param<Config>;
+
+/// The `path` setting (`record` has it too).
+pub(crate) const PATH: P = P::manual(
+    "path",
+    "str",
+    "the folder of the recordings (it must exist); `index` is created in it when configured",
+    "required",
+);
+
+/// The `max_flows` knob (`record` has it too).
+pub(crate) const MAX_FLOWS: P =
+    P::u64("max_flows", "flows", "most flows recorded at once (two open files each)", 64, field!(max_flows))
+        .range(0.0, 4096.0);
+
+/// The recording's meters (`record` has them too).
+pub(crate) const METERS: &[MeterDecl<Meters>] = u64_meters![
+    recorded: "flows_recorded_total", "flows", "flows whose files were created";
+    active: "flows_active", "flows", "flows being recorded";
+    skipped: "flows_skipped_total", "flows", "flows not recorded: `max_flows` reached";
+    down: "bytes_down_total", "bytes", "bytes recorded travelling down";
+    up: "bytes_up_total", "bytes", "bytes recorded travelling up";
+    errors: "write_errors_total", "errors", "files that could not be created, written or flushed";
+];
 
 /// The kind: ports, settings, knobs and meters.
 const DECL: KindDecl<Config, Meters> = KindDecl {
     inputs: BOTH_WAYS_IN,
     outputs: BOTH_WAYS_OUT,
-    params: &[
-        P::manual(
-            "path",
-            "str",
-            "the folder of the recordings (it must exist); `index` is created in it when configured",
-            "required",
-        ),
-        P::u64("max_flows", "flows", "most flows recorded at once (two open files each)", 64, field!(max_flows))
-            .range(0.0, 4096.0),
-        P::bool("enabled", "false passes frames without recording them", true, field!(enabled)),
-    ],
-    meters: u64_meters![
-        recorded: "flows_recorded_total", "flows", "flows whose files were created";
-        active: "flows_active", "flows", "flows being recorded";
-        skipped: "flows_skipped_total", "flows", "flows not recorded: `max_flows` reached";
-        down: "bytes_down_total", "bytes", "bytes recorded travelling down";
-        up: "bytes_up_total", "bytes", "bytes recorded travelling up";
-        errors: "write_errors_total", "errors", "files that could not be created, written or flushed";
-    ],
+    params: &[PATH, MAX_FLOWS, P::bool("enabled", "false passes frames without recording them", true, field!(enabled))],
+    meters: METERS,
     ..KindDecl::new(KIND, "records each flow's bytes both ways to files in a folder, and passes stream frames on")
 };
 
@@ -84,25 +91,35 @@ impl ModuleKind for StreamTapKind {
         let mut r = settings.reader(KIND);
         let mut cfg = Config { max_flows: 0, enabled: true };
         DECL.read(&mut r, &mut cfg)?;
-        let folder = match r.string("path")? {
-            Some(f) if !f.is_empty() => PathBuf::from(f),
-            Some(_) => return Err(r.error("path", "must name a folder, e.g. path = \"flows\"")),
-            None => return Err(r.error("path", "is required: the folder to write in, e.g. path = \"flows\"")),
-        };
+        let (folder, index) = open_folder(settings, &mut r, KIND)?;
         r.finish()?;
-        let at_folder = |message: String| {
-            ConfigError::new(
-                settings.get("path").and_then(|s| s.location.clone()),
-                format!("setting `path` of a {KIND} module: {message}"),
-            )
-        };
-        if !folder.is_dir() {
-            return Err(at_folder(format!("{folder:?} is not a folder (create it first)")));
-        }
-        let index = File::create(folder.join("index"))
-            .map_err(|e| at_folder(format!("cannot create {:?}: {e}", folder.join("index"))))?;
         Ok(Box::new(TapBuilder { cfg, folder, index }))
     }
+}
+
+/// Reads `path` and creates `index` in that folder (which must exist), with errors at the setting's file:line.
+pub(crate) fn open_folder(
+    settings: &Settings,
+    r: &mut SettingsReader<'_>,
+    kind: &str,
+) -> Result<(PathBuf, File), ConfigError> {
+    let folder = match r.string("path")? {
+        Some(f) if !f.is_empty() => PathBuf::from(f),
+        Some(_) => return Err(r.error("path", "must name a folder, e.g. path = \"flows\"")),
+        None => return Err(r.error("path", "is required: the folder to write in, e.g. path = \"flows\"")),
+    };
+    let at_folder = |message: String| {
+        ConfigError::new(
+            settings.get("path").and_then(|s| s.location.clone()),
+            format!("setting `path` of a {kind} module: {message}"),
+        )
+    };
+    if !folder.is_dir() {
+        return Err(at_folder(format!("{folder:?} is not a folder (create it first)")));
+    }
+    let index = File::create(folder.join("index"))
+        .map_err(|e| at_folder(format!("cannot create {:?}: {e}", folder.join("index"))))?;
+    Ok((folder, index))
 }
 
 struct TapBuilder {
@@ -118,21 +135,14 @@ impl ModuleBuilder for TapBuilder {
 
     fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module> {
         DECL.publish(&self.cfg, vars);
-        Box::new(StreamTap {
-            cfg: self.cfg,
-            m: DECL.meters(vars),
-            folder: self.folder,
-            index: BufWriter::new(self.index),
-            flows: HashMap::new(),
-            skipped: HashSet::new(),
-            last_flush: None,
-        })
+        let files = FlowFiles::new(self.folder, self.index, DECL.meters(vars), false);
+        Box::new(StreamTap { cfg: self.cfg, files })
     }
 }
 
 /// The meters.
 #[derive(Default)]
-struct Meters {
+pub(crate) struct Meters {
     recorded: Meter,
     active: Meter,
     skipped: Meter,
@@ -145,15 +155,16 @@ struct Meters {
 struct Recording {
     down: BufWriter<File>,
     up: BufWriter<File>,
+    /// `<flow>.times` (`record`): a line per event.
+    times: Option<BufWriter<File>>,
     bytes: [u64; 2],
     udp: bool,
     fins: [bool; 2],
     failed: bool,
 }
 
-/// A running `stream-tap`.
-pub struct StreamTap {
-    cfg: Config,
+/// The files of the flows being recorded, in one folder: what `stream-tap` and `record` share.
+pub(crate) struct FlowFiles {
     m: Meters,
     folder: PathBuf,
     index: BufWriter<File>,
@@ -161,6 +172,14 @@ pub struct StreamTap {
     /// Flows not recorded (over `max_flows`, or a file failed), so they are counted once.
     skipped: HashSet<u64>,
     last_flush: Option<Time>,
+    /// Also write `<flow>.times` and the time on each index line.
+    timestamps: bool,
+}
+
+/// A running `stream-tap`.
+pub struct StreamTap {
+    cfg: Config,
+    files: FlowFiles,
 }
 
 fn slot(dir: Direction) -> usize {
@@ -170,21 +189,61 @@ fn slot(dir: Direction) -> usize {
     }
 }
 
-impl StreamTap {
+fn dir_name(d: usize) -> &'static str {
+    if d == 0 {
+        "down"
+    } else {
+        "up"
+    }
+}
+
+impl FlowFiles {
+    /// Recording into `folder`, whose `index` is open; `timestamps` as `record` writes them.
+    pub(crate) fn new(folder: PathBuf, index: File, m: Meters, timestamps: bool) -> FlowFiles {
+        FlowFiles {
+            m,
+            folder,
+            index: BufWriter::new(index),
+            flows: HashMap::new(),
+            skipped: HashSet::new(),
+            last_flush: None,
+            timestamps,
+        }
+    }
+
+    /// An index line (with the time first when timestamps are on).
+    fn index_line(&mut self, now: Time, line: &str) {
+        let ok = if self.timestamps {
+            write!(self.index, "{} {line}", now.as_nanos()).is_ok()
+        } else {
+            self.index.write_all(line.as_bytes()).is_ok()
+        };
+        if !ok {
+            self.m.errors.add(1);
+        }
+    }
+
     /// The recording of `flow`, created (with its index line) if this frame may start one.
-    fn recording(&mut self, flow: u64, open: Option<&StreamEvent<'_>>) -> Option<&mut Recording> {
+    fn recording(
+        &mut self,
+        flow: u64,
+        open: Option<&StreamEvent<'_>>,
+        max_flows: u64,
+        now: Time,
+    ) -> Option<&mut Recording> {
         if self.skipped.contains(&flow) {
             return None;
         }
         if !self.flows.contains_key(&flow) {
-            if self.flows.len() as u64 >= self.cfg.max_flows {
+            if self.flows.len() as u64 >= max_flows {
                 self.skipped.insert(flow);
                 self.m.skipped.add(1);
                 return None;
             }
             let create = |dir: &str| File::create(self.folder.join(format!("{flow}.{dir}"))).map(BufWriter::new);
-            let (down, up) = match (create("down"), create("up")) {
-                (Ok(d), Ok(u)) => (d, u),
+            let times = if self.timestamps { Some(create("times")) } else { None };
+            let (down, up, times) = match (create("down"), create("up"), times.transpose()) {
+                (Ok(d), Ok(u), Ok(t)) => (d, u, t),
                 _ => {
                     self.m.errors.add(1);
                     self.skipped.insert(flow);
@@ -195,10 +254,8 @@ impl StreamTap {
                 Some(StreamEvent::Open(info)) => (format!("{flow} open {info}\n"), info.protocol == Protocol::Udp),
                 _ => (format!("{flow} open unknown\n"), false),
             };
-            if self.index.write_all(line.as_bytes()).is_err() {
-                self.m.errors.add(1);
-            }
-            self.flows.insert(flow, Recording { down, up, bytes: [0; 2], udp, fins: [false; 2], failed: false });
+            self.index_line(now, &line);
+            self.flows.insert(flow, Recording { down, up, times, bytes: [0; 2], udp, fins: [false; 2], failed: false });
             self.m.recorded.add(1);
             self.m.active.set(self.flows.len() as u64);
         }
@@ -206,31 +263,51 @@ impl StreamTap {
     }
 
     /// Ends `flow`'s recording with `how` (`fin`, `abort REASON`): flushes its files and writes its index line.
-    fn end(&mut self, flow: u64, how: &str) {
+    pub(crate) fn end(&mut self, flow: u64, how: &str, now: Time) {
         let Some(mut r) = self.flows.remove(&flow) else { return };
-        let ok = r.down.flush().is_ok() & r.up.flush().is_ok();
+        let mut ok = r.down.flush().is_ok() & r.up.flush().is_ok();
+        if let Some(t) = &mut r.times {
+            ok &= writeln!(t, "{} end {how}", now.as_nanos()).is_ok() && t.flush().is_ok();
+        }
+        if !ok {
+            self.m.errors.add(1);
+        }
         let line = format!("{flow} end {how} down {} up {}\n", r.bytes[0], r.bytes[1]);
-        if !ok || self.index.write_all(line.as_bytes()).is_err() || self.index.flush().is_err() {
+        self.index_line(now, &line);
+        if self.index.flush().is_err() {
             self.m.errors.add(1);
         }
         self.m.active.set(self.flows.len() as u64);
     }
 
-    fn record(&mut self, frame: &Frame) {
+    /// Ends every recording with `how`.
+    pub(crate) fn end_all(&mut self, how: &str, now: Time) {
+        let flows: Vec<u64> = self.flows.keys().copied().collect();
+        for f in flows {
+            self.end(f, how, now);
+        }
+    }
+
+    /// Records what a frame carries (a frame that is not a stream frame is ignored).
+    fn record(&mut self, frame: &Frame, max_flows: u64, now: Time) {
         let Frame::Data(p) = frame else { return };
         let (Some(flow), Some(event)) = (p.stream_flow(), p.stream()) else { return };
         let dir = slot(p.direction());
         match &event {
             StreamEvent::Open(_) if p.direction() == Direction::Down => {
-                self.recording(flow, Some(&event));
+                self.recording(flow, Some(&event), max_flows, now);
             }
             StreamEvent::Data(bytes) => {
-                let Some(r) = self.recording(flow, None) else { return };
+                let Some(r) = self.recording(flow, None, max_flows, now) else { return };
                 if r.failed {
                     return;
                 }
                 let w = if dir == 0 { &mut r.down } else { &mut r.up };
-                if w.write_all(bytes).is_err() {
+                let mut ok = w.write_all(bytes).is_ok();
+                if let Some(t) = &mut r.times {
+                    ok &= writeln!(t, "{} {} {} {}", now.as_nanos(), dir_name(dir), r.bytes[dir], bytes.len()).is_ok();
+                }
+                if !ok {
                     r.failed = true;
                     self.m.errors.add(1);
                     return;
@@ -242,13 +319,16 @@ impl StreamTap {
             StreamEvent::Fin => {
                 let Some(r) = self.flows.get_mut(&flow) else { return };
                 r.fins[dir] = true;
+                if let Some(t) = &mut r.times {
+                    let _ = writeln!(t, "{} fin {}", now.as_nanos(), dir_name(dir));
+                }
                 if r.udp || r.fins == [true, true] {
-                    self.end(flow, "fin");
+                    self.end(flow, "fin", now);
                 }
             }
             StreamEvent::Abort(reason) => {
                 let how = format!("abort {reason}");
-                self.end(flow, &how);
+                self.end(flow, &how, now);
                 self.skipped.remove(&flow);
             }
             _ => {}
@@ -259,7 +339,8 @@ impl StreamTap {
         self.last_flush = Some(now);
         let mut errors = 0;
         for r in self.flows.values_mut() {
-            if r.down.flush().is_err() || r.up.flush().is_err() {
+            if r.down.flush().is_err() || r.up.flush().is_err() || r.times.as_mut().is_some_and(|t| t.flush().is_err())
+            {
                 errors += 1;
             }
         }
@@ -268,17 +349,23 @@ impl StreamTap {
         }
         self.m.errors.add(errors);
     }
-}
 
-impl Module for StreamTap {
-    fn process(&mut self, _port: usize, input: &mut Batch, out: &mut Output<'_>) {
-        if self.cfg.enabled {
-            for f in input.iter() {
-                self.record(f);
+    /// A module's batch: records the frames `wanted` chooses, passes every frame on, and flushes when
+    /// `FLUSH_INTERVAL` passed (asking to be polled for the first flush).
+    pub(crate) fn pass(
+        &mut self,
+        input: &mut Batch,
+        out: &mut Output<'_>,
+        max_flows: u64,
+        mut wanted: impl FnMut(&Frame) -> bool,
+    ) {
+        let now = out.now();
+        for f in input.iter() {
+            if wanted(f) {
+                self.record(f, max_flows, now);
             }
         }
         out.emit_all(0, input);
-        let now = out.now();
         match self.last_flush {
             None => {
                 self.last_flush = Some(now);
@@ -289,29 +376,41 @@ impl Module for StreamTap {
         }
     }
 
-    fn poll(&mut self, out: &mut Output<'_>) -> Option<Time> {
-        let now = out.now();
+    /// The poll: flushes, and says when to come back.
+    pub(crate) fn poll(&mut self, now: Time) -> Option<Time> {
         self.flush(now);
         (!self.flows.is_empty() || self.last_flush.is_some()).then_some(now + FLUSH_INTERVAL)
+    }
+}
+
+impl Module for StreamTap {
+    fn process(&mut self, _port: usize, input: &mut Batch, out: &mut Output<'_>) {
+        let enabled = self.cfg.enabled;
+        self.files.pass(input, out, self.cfg.max_flows, |_| enabled);
+    }
+
+    fn poll(&mut self, out: &mut Output<'_>) -> Option<Time> {
+        self.files.poll(out.now())
     }
 
     fn write_knob(&mut self, knob: &str, value: &Value) -> Result<(), String> {
         DECL.write(&mut self.cfg, knob, value)?;
         if !self.cfg.enabled {
-            let flows: Vec<u64> = self.flows.keys().copied().collect();
-            for f in flows {
-                self.end(f, "disabled");
-            }
+            let now = self.files.last_flush.unwrap_or_default();
+            self.files.end_all("disabled", now);
         }
         Ok(())
     }
 }
 
-impl Drop for StreamTap {
+impl Drop for FlowFiles {
     fn drop(&mut self) {
         for r in self.flows.values_mut() {
             let _ = r.down.flush();
             let _ = r.up.flush();
+            if let Some(t) = &mut r.times {
+                let _ = t.flush();
+            }
         }
         let _ = self.index.flush();
     }

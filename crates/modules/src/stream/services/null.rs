@@ -1,0 +1,95 @@
+//! `null`: a service that passes every frame unchanged; it does what every service does (its selection rules on
+//! each flow's `Open`, its table of flows, its meters) and nothing else, so a chain of them measures what a service
+//! costs (issue 15's overhead benchmark).
+
+use super::flows::{read_select, Flows, HandedFlows, Seen, SelectRule, SelectionMeters, SELECT, SELECT_DOC};
+use crate::stream::{u64_meters, BOTH_WAYS_IN, BOTH_WAYS_OUT};
+use flexstack_core::module::handed_over;
+use flexstack_core::{
+    kind_from_decl, Batch, ConfigError, Direction, Frame, KindDecl, Meter, Module, ModuleBuilder, ModuleInterface,
+    ModuleKind, ModuleVars, Output, Param, Settings,
+};
+
+/// The kind's name in stack files.
+pub const KIND: &str = "null";
+
+/// The `null` module kind.
+pub struct NullKind;
+
+/// The kind: ports, settings and meters.
+const DECL: KindDecl<(), Meters> = KindDecl {
+    inputs: BOTH_WAYS_IN,
+    outputs: BOTH_WAYS_OUT,
+    params: &[Param::manual(SELECT, "array of strings", SELECT_DOC, "[\"use *\"]")],
+    meters: u64_meters![
+        down: "bytes_down_total", "bytes", "bytes of chosen flows passed down";
+        up: "bytes_up_total", "bytes", "bytes of chosen flows passed up";
+    ],
+    more_meters: SelectionMeters::specs,
+    breaks_cycles: true,
+    ..KindDecl::new(KIND, "a stream service that passes its flows' bytes unchanged (to measure what a service costs)")
+};
+
+/// The meters.
+#[derive(Default)]
+struct Meters {
+    down: Meter,
+    up: Meter,
+}
+
+impl ModuleKind for NullKind {
+    kind_from_decl!(DECL);
+
+    fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
+        let mut r = settings.reader(KIND);
+        let rules = read_select(&mut r)?;
+        r.finish()?;
+        Ok(Box::new(NullBuilder { rules }))
+    }
+}
+
+struct NullBuilder {
+    rules: Vec<SelectRule>,
+}
+
+impl ModuleBuilder for NullBuilder {
+    fn interface(&self) -> ModuleInterface {
+        DECL.interface(&())
+    }
+
+    fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module> {
+        Box::new(Null { flows: Flows::new(self.rules, vars), m: DECL.meters(vars) })
+    }
+}
+
+/// A running `null`.
+pub struct Null {
+    flows: Flows<()>,
+    m: Meters,
+}
+
+impl Module for Null {
+    fn process(&mut self, _port: usize, input: &mut Batch, out: &mut Output<'_>) {
+        for f in input.iter() {
+            let Frame::Data(p) = f else { continue };
+            match self.flows.see(p, |_| ()).0 {
+                Seen::Data(_) if p.direction() == Direction::Down => self.m.down.add(p.len() as u64),
+                Seen::Data(_) => self.m.up.add(p.len() as u64),
+                Seen::Fin(flow) => {
+                    self.flows.fin(flow, p.direction());
+                }
+                _ => {}
+            }
+        }
+        out.emit_all(0, input);
+    }
+
+    fn take_state(&mut self) -> Option<Box<dyn std::any::Any>> {
+        Some(Box::new(self.flows.take()))
+    }
+
+    fn adopt_state(&mut self, state: Box<dyn std::any::Any>) -> Result<(), String> {
+        self.flows.adopt(handed_over::<HandedFlows<()>>(state, "a null's flows")?);
+        Ok(())
+    }
+}

@@ -1,0 +1,309 @@
+//! `tls` (client mode): the app speaks plaintext, the server hears TLS — stunnel's client case, done on the flow's
+//! stream with rustls (ring as the crypto provider).
+//!
+//! - On a chosen flow's `Open` it starts a TLS client connection to the flow's destination, checked against the CA
+//!   certificates of `ca` (a PEM file, read when the module is configured) and the name `server_name` (default: the
+//!   destination's IP address, which the server's certificate must then name). The app's bytes going down are
+//!   encrypted; the server's bytes coming up are decrypted.
+//! - Acks: the lengths change, so it keeps an `AckMap` per direction (docs/streams.md). Plaintext the app sends
+//!   during the handshake waits inside rustls and is mapped to the records that carry it once they leave.
+//! - Failures: a handshake or record that fails (bad certificate, garbage, an alert from the server) aborts the flow
+//!   both ways (reason `tls`), after sending the server the alert rustls chose; counted in `failures_total`, and
+//!   logged with the flow and the error (which names the alert).
+//! - A `Fin` going down sends `close_notify` first; the server's `close_notify` is answered with ours and ends the
+//!   direction for the app (`Fin` up; the transport's own `Fin` after it is not passed again).
+
+use super::flows::{
+    ack, read_select, translate_ack, Flows, HandedFlows, Seen, SelectRule, SelectionMeters, SELECT, SELECT_DOC,
+};
+use crate::stream::{BOTH_WAYS_IN, BOTH_WAYS_OUT};
+use flexstack_core::module::handed_over;
+use flexstack_core::stream::{AckMap, FlowInfo, StreamFrame};
+use flexstack_core::{
+    kind_from_decl, Batch, ConfigError, Direction, Frame, KindDecl, Meter, MeterDecl, Module, ModuleBuilder,
+    ModuleInterface, ModuleKind, ModuleVars, Output, Param, Settings,
+};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, ServerName};
+use rustls::{ClientConfig, ClientConnection, RootCertStore};
+use std::io::{Read, Write};
+use std::sync::Arc;
+
+/// The kind's name in stack files.
+pub const KIND: &str = "tls";
+
+/// The `tls` module kind.
+pub struct TlsKind;
+
+const DECL: KindDecl<(), Meters> = KindDecl {
+    inputs: BOTH_WAYS_IN,
+    outputs: BOTH_WAYS_OUT,
+    params: &[
+        Param::manual(
+            "ca",
+            "str",
+            "PEM file of the CA certificates the server's certificate must chain to",
+            "required",
+        ),
+        Param::manual(
+            "server_name",
+            "str",
+            "the name the server's certificate must carry (default: its IP address)",
+            "the destination's address",
+        ),
+        Param::manual(SELECT, "array of strings", SELECT_DOC, "[\"use *\"]"),
+    ],
+    meters: &[
+        MeterDecl::u64("handshakes_total", "flows", "handshakes completed", |m| &mut m.handshakes),
+        MeterDecl::u64("failures_total", "flows", "flows aborted: a failed handshake or a bad record", |m| {
+            &mut m.failures
+        }),
+        MeterDecl::u64("plain_bytes_total", "bytes", "plaintext bytes, both directions", |m| &mut m.plain),
+        MeterDecl::u64("tls_bytes_total", "bytes", "TLS bytes, both directions", |m| &mut m.tls),
+    ],
+    more_meters: SelectionMeters::specs,
+    breaks_cycles: true,
+    ..KindDecl::new(KIND, "a stream service: TLS client — the app's plaintext flows reach a TLS server (rustls)")
+};
+
+/// The meters.
+#[derive(Default)]
+struct Meters {
+    handshakes: Meter,
+    failures: Meter,
+    plain: Meter,
+    tls: Meter,
+}
+
+impl ModuleKind for TlsKind {
+    kind_from_decl!(DECL);
+
+    fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
+        let mut r = settings.reader(KIND);
+        let ca = r.string("ca")?.ok_or_else(|| r.error("ca", "is required: a PEM file of CA certificates"))?;
+        let name = match r.string("server_name")? {
+            Some(n) => {
+                Some(ServerName::try_from(n.clone()).map_err(|e| r.error("server_name", format!("{n:?}: {e}")))?)
+            }
+            None => None,
+        };
+        let select = read_select(&mut r)?;
+        let mut roots = RootCertStore::empty();
+        let certs =
+            CertificateDer::pem_file_iter(&ca).map_err(|e| r.error("ca", format!("cannot read {ca:?}: {e}")))?;
+        for cert in certs {
+            let cert = cert.map_err(|e| r.error("ca", format!("{ca:?}: {e}")))?;
+            roots.add(cert).map_err(|e| r.error("ca", format!("{ca:?}: {e}")))?;
+        }
+        if roots.is_empty() {
+            return Err(r.error("ca", format!("{ca:?} holds no certificate")));
+        }
+        r.finish()?;
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let config = ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| ConfigError::new(None, format!("tls: {e}")))?
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        Ok(Box::new(TlsBuilder { config: Arc::new(config), name, select }))
+    }
+}
+
+struct TlsBuilder {
+    config: Arc<ClientConfig>,
+    name: Option<ServerName<'static>>,
+    select: Vec<SelectRule>,
+}
+
+impl ModuleBuilder for TlsBuilder {
+    fn interface(&self) -> ModuleInterface {
+        DECL.interface(&())
+    }
+
+    fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module> {
+        Box::new(Tls {
+            config: self.config,
+            name: self.name,
+            m: DECL.meters(vars),
+            flows: Flows::new(self.select, vars),
+            buf: vec![0; 16 * 1024],
+        })
+    }
+}
+
+/// One flow: its TLS connection (`None` when it could not start), its ack maps, and plaintext not yet in records.
+struct Flow {
+    conn: Option<ClientConnection>,
+    acks: [AckMap; 2],
+    pending_plain: u64,
+    handshaken: bool,
+    /// The server's close_notify came: its direction ended (our `Fin` up went, the transport's is not passed).
+    server_closed: bool,
+}
+
+/// A running `tls`.
+pub struct Tls {
+    config: Arc<ClientConfig>,
+    name: Option<ServerName<'static>>,
+    m: Meters,
+    flows: Flows<Flow>,
+    buf: Vec<u8>,
+}
+
+impl Tls {
+    fn new_flow(config: &Arc<ClientConfig>, name: &Option<ServerName<'static>>, info: &FlowInfo) -> Flow {
+        let name = name.clone().unwrap_or_else(|| ServerName::IpAddress(info.dst.ip().into()));
+        let conn = ClientConnection::new(config.clone(), name).ok();
+        let mut conn = conn;
+        if let Some(c) = &mut conn {
+            c.set_buffer_limit(None); // bounded by the producer's budget: plaintext is acked only once sent
+        }
+        Flow { conn, acks: Default::default(), pending_plain: 0, handshaken: false, server_closed: false }
+    }
+
+    /// Sends what rustls has for the server (down), mapping it for the acks.
+    fn flush(&mut self, flow: u64, out: &mut Output<'_>) {
+        let Some(st) = self.flows.get_mut(flow) else { return };
+        let Some(conn) = &mut st.conn else { return };
+        while conn.wants_write() {
+            let frame = StreamFrame::data_with(out.pool(), flow, Direction::Down, |b| {
+                b.clear();
+                let _ = conn.write_tls(b);
+            });
+            if frame.is_empty() {
+                break;
+            }
+            let n = frame.len() as u64;
+            self.m.tls.add(n);
+            out.emit(0, frame);
+            let input = if conn.is_handshaking() { 0 } else { std::mem::take(&mut st.pending_plain) };
+            let free = st.acks[0].produced(input, n);
+            ack(out, flow, Direction::Up, free);
+        }
+        if !st.handshaken && !conn.is_handshaking() {
+            st.handshaken = true;
+            self.m.handshakes.add(1);
+        }
+    }
+
+    /// Ends a flow that failed: the alert (if rustls has one) to the server, then aborts both ways.
+    fn fail(&mut self, flow: u64, why: &str, out: &mut Output<'_>) {
+        tracing::warn!(flow, error = why, "tls: the flow failed");
+        self.flush(flow, out);
+        self.m.failures.add(1);
+        self.flows.close(flow, KIND, out);
+    }
+
+    /// Takes TLS bytes from the server: emits the plaintext up, answers the handshake down.
+    fn server_bytes(&mut self, flow: u64, mut bytes: &[u8], out: &mut Output<'_>) -> Result<(), String> {
+        let total = bytes.len() as u64;
+        self.m.tls.add(total);
+        let mut plain = 0u64;
+        let mut closed = false;
+        let st = self.flows.get_mut(flow).expect("a flow it works on");
+        let conn = st.conn.as_mut().ok_or("no TLS connection")?;
+        while !bytes.is_empty() {
+            if conn.read_tls(&mut bytes).map_err(|e| e.to_string())? == 0 {
+                break; // after the server's close_notify: nothing more is read (what follows is not TLS of this flow)
+            }
+            conn.process_new_packets().map_err(|e| e.to_string())?;
+            loop {
+                match conn.reader().read(&mut self.buf) {
+                    Ok(0) => {
+                        // The server's close_notify: answer it (as OpenSSL does; a server may wait for it before
+                        // closing) and end the direction for the app.
+                        if !st.server_closed {
+                            st.server_closed = true;
+                            conn.send_close_notify();
+                            closed = true;
+                        }
+                        break;
+                    }
+                    Ok(n) => {
+                        plain += n as u64;
+                        out.emit(0, StreamFrame::data(out.pool(), flow, Direction::Up, &self.buf[..n]));
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                    Err(e) => return Err(e.to_string()),
+                }
+            }
+        }
+        self.m.plain.add(plain);
+        let free = st.acks[1].produced(total, plain);
+        ack(out, flow, Direction::Down, free);
+        self.flush(flow, out);
+        if closed {
+            out.emit(0, StreamFrame::fin(out.pool(), flow, Direction::Up));
+            self.flows.fin(flow, Direction::Up);
+        }
+        Ok(())
+    }
+}
+
+impl Module for Tls {
+    fn process(&mut self, _port: usize, input: &mut Batch, out: &mut Output<'_>) {
+        for frame in input.drain(..) {
+            let Frame::Data(p) = frame else {
+                out.emit(0, frame);
+                continue;
+            };
+            let d = p.direction();
+            let (config, name) = (&self.config, &self.name);
+            match self.flows.see(&p, |info| Tls::new_flow(config, name, info)).0 {
+                Seen::Opened(flow, _) => {
+                    out.emit(0, p);
+                    if self.flows.get_mut(flow).is_some_and(|st| st.conn.is_none()) {
+                        self.fail(flow, "cannot start a TLS connection", out);
+                    } else {
+                        self.flush(flow, out); // the ClientHello
+                    }
+                }
+                Seen::Data(flow) if d == Direction::Down => {
+                    let st = self.flows.get_mut(flow).expect("a flow it works on");
+                    self.m.plain.add(p.len() as u64);
+                    st.pending_plain += p.len() as u64;
+                    let written = st.conn.as_mut().map(|c| c.writer().write_all(p.data()));
+                    match written {
+                        Some(Ok(())) => self.flush(flow, out),
+                        Some(Err(e)) => self.fail(flow, &e.to_string(), out),
+                        None => self.fail(flow, "no TLS connection", out),
+                    }
+                }
+                Seen::Data(flow) => {
+                    if let Err(e) = self.server_bytes(flow, p.data(), out) {
+                        self.fail(flow, &e, out);
+                    }
+                }
+                Seen::Ack(flow, n) => {
+                    let st = self.flows.get_mut(flow).expect("a flow it works on");
+                    translate_ack(&mut st.acks, flow, d, n, out);
+                }
+                Seen::Fin(flow)
+                    if d == Direction::Up && self.flows.get_mut(flow).is_some_and(|st| st.server_closed) =>
+                {
+                    // Its end went up with the close_notify; `p` is consumed.
+                }
+                Seen::Fin(flow) => {
+                    if d == Direction::Down {
+                        if let Some(c) = self.flows.get_mut(flow).and_then(|st| st.conn.as_mut()) {
+                            c.send_close_notify();
+                        }
+                        self.flush(flow, out);
+                    }
+                    self.flows.fin(flow, d);
+                    out.emit(0, p);
+                }
+                _ => out.emit(0, p),
+            }
+        }
+    }
+
+    fn take_state(&mut self) -> Option<Box<dyn std::any::Any>> {
+        Some(Box::new(self.flows.take()))
+    }
+
+    fn adopt_state(&mut self, state: Box<dyn std::any::Any>) -> Result<(), String> {
+        self.flows.adopt(handed_over::<HandedFlows<Flow>>(state, "a tls's flows")?);
+        Ok(())
+    }
+}

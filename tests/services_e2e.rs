@@ -1,0 +1,333 @@
+//! End-to-end: unmodified programs run with `flexstack run --services FILE` (docs/services.md): their flows go
+//! through the stream services the file's rules choose, between `terminate` and `originate`, and a flow no service
+//! selects is not terminated at all. Real programs: curl against an HTTP server in another namespace, python3 for a
+//! client that splits a pattern over two writes. Needs root (skips with a reason outside CI); the file-error test
+//! runs anywhere.
+
+mod common;
+
+use common::{bin, octets, path_str, privileged, text, SandboxDaemon, Server};
+use serde_json::Value as Json;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Output;
+
+/// The line the scripts print before the meters they read.
+const MARK: &str = "@@meters@@";
+
+/// 2 MB of text lines (compressible, with the line `line 20000: ...` once).
+fn blob() -> Vec<u8> {
+    let mut v = Vec::with_capacity(2_000_100);
+    let mut i = 0u64;
+    while v.len() < 2_000_000 {
+        let x = i.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 40;
+        v.extend_from_slice(format!("line {i}: value {x:x} the quick brown fox\n").as_bytes());
+        i += 1;
+    }
+    v.truncate(2_000_000);
+    v
+}
+
+/// A server namespace serving [`blob`] on port 8080, a daemon, and a folder for the services files.
+struct Rig {
+    srv: Server,
+    d: SandboxDaemon,
+    dir: tempfile::TempDir,
+    sum: String,
+}
+
+impl Rig {
+    /// `None` when the test cannot run here (see `privileged`); `offset` keeps the tests of this file apart.
+    fn new(offset: u8) -> Option<Rig> {
+        if !privileged() {
+            return None;
+        }
+        let (app_octet, srv_octet) = octets();
+        let blob = blob();
+        let srv = Server::new(srv_octet.wrapping_add(offset), &blob);
+        let d = SandboxDaemon::start(app_octet.wrapping_add(offset));
+        let dir = tempfile::tempdir().expect("temp dir");
+        let sum = common::sha256(&srv.www.path().join("blob"));
+        Some(Rig { srv, d, dir, sum })
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    /// Writes services file `name`.
+    fn file(&self, name: &str, body: &str) -> PathBuf {
+        let p = self.path(name);
+        std::fs::write(&p, body).expect("write the services file");
+        p
+    }
+
+    /// Runs `script` (sh) as app `app` with services file `file`; then, still in the sandbox, reads `meters`
+    /// (`M.X` is `module.<app>-M.X`).
+    fn run(&self, app: &str, file: &Path, script: &str, meters: &[&str]) -> (Output, BTreeMap<String, u64>) {
+        let names: Vec<String> = meters.iter().map(|m| format!("module.{app}-{m}")).collect();
+        let read =
+            format!("echo {MARK}; {} --state-dir {} -j get {}", bin(), path_str(self.d.state.path()), names.join(" "));
+        let full = format!("{script}\nrc=$?\n{read}\nexit $rc\n");
+        let out = self.d.run(&["--services", path_str(file), "--name", app, "--", "sh", "-c", &full]);
+        let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+        let mut values = BTreeMap::new();
+        if let Some((_, json)) = stdout.split_once(MARK) {
+            let parsed: Json = serde_json::from_str(json.trim())
+                .unwrap_or_else(|e| panic!("meters are not JSON ({e}): {json}\n{}", text(&out)));
+            for (short, name) in meters.iter().zip(&names) {
+                let v = parsed[name]["value"].as_u64().unwrap_or_else(|| panic!("{name}: {parsed}"));
+                values.insert(short.to_string(), v);
+            }
+        }
+        (out, values)
+    }
+
+    /// curl's download of the blob, its sha256 and time: `sum`, then `time` (seconds) on the next line.
+    fn curl(&self) -> String {
+        format!(
+            "curl -sSf -m 30 -o {out} -w 'time %{{time_total}}\\n' http://{v4}:8080/blob && sha256sum {out}",
+            out = path_str(&self.path("got")),
+            v4 = self.srv.v4
+        )
+    }
+}
+
+/// Asserts that a run succeeded; returns its stdout and stderr.
+fn ok(out: &Output) -> String {
+    let t = text(out);
+    assert!(out.status.success(), "the program failed ({:?}): {t}", out.status.code());
+    t
+}
+
+const EVERY_TCP_FLOW: &str = "[[rule]]\nuse = true\ntransport = \"tcp\"\n\n";
+
+#[test]
+fn curl_through_null_and_through_compress_then_decompress() {
+    let Some(r) = Rig::new(0) else { return };
+    let null = r.file("null.toml", &format!("{EVERY_TCP_FLOW}[[service]]\nkind = \"null\"\n"));
+    let (out, m) =
+        r.run("web", &null, &r.curl(), &["null.bytes_up_total", "null.flows_selected_total", "term.connections_total"]);
+    let t = ok(&out);
+    assert!(t.contains(&r.sum), "the download is intact: {t}");
+    assert_eq!(m["term.connections_total"], 1, "{m:?}");
+    assert_eq!(m["null.flows_selected_total"], 1, "{m:?}");
+    assert!(m["null.bytes_up_total"] > 2_000_000, "the body and headers went through null: {m:?}");
+
+    let zip = r.file(
+        "zip.toml",
+        &format!("{EVERY_TCP_FLOW}[[service]]\nkind = \"compress\"\nlevel = 3\n\n[[service]]\nkind = \"compress\"\nname = \"far\"\nmode = \"decompress\"\n"),
+    );
+    let meters =
+        ["compress.plain_bytes_total", "far.plain_bytes_total", "far.packed_bytes_total", "compress.errors_total"];
+    let (out, m) = r.run("web", &zip, &r.curl(), &meters);
+    let t = ok(&out);
+    assert!(t.contains(&r.sum), "the download is intact through compress and decompress: {t}");
+    // The far end compressed the server's bytes coming up; the app's end restored them.
+    assert!(m["far.plain_bytes_total"] > 2_000_000, "{m:?}");
+    assert!(m["far.packed_bytes_total"] * 3 < m["far.plain_bytes_total"], "the text shrank: {m:?}");
+    assert!(m["compress.plain_bytes_total"] > 50, "the request went down compressed: {m:?}");
+    assert_eq!(m["compress.errors_total"], 0);
+}
+
+#[test]
+fn curl_through_inspect_shape_and_record() {
+    let Some(r) = Rig::new(1) else { return };
+    std::fs::create_dir(r.path("rec")).unwrap();
+    const RATE: f64 = 700_000.0;
+    const BURST: f64 = 16_384.0;
+    let file = r.file(
+        "chain.toml",
+        &format!(
+            "{EVERY_TCP_FLOW}[[service]]\nkind = \"inspect\"\npatterns = [\"count up literal line 20000: \", \"alert down regex GET /blo+b\"]\n\n\
+             [[service]]\nkind = \"shape\"\nrate = {RATE}\nburst = {BURST}\n\n[[service]]\nkind = \"record\"\npath = \"rec\"\n"
+        ),
+    );
+    let meters =
+        ["inspect.rule1_matches_total", "inspect.alerts_total", "shape.bytes_up_total", "record.flows_recorded_total"];
+    let (out, m) = r.run("web", &file, &r.curl(), &meters);
+    let t = ok(&out);
+    assert!(t.contains(&r.sum), "the download is intact: {t}");
+    assert_eq!((m["inspect.rule1_matches_total"], m["inspect.alerts_total"]), (1, 1), "{m:?}");
+    assert_eq!(m["record.flows_recorded_total"], 1, "{m:?}");
+    // The shaped bytes (body and headers) took what the rate says after the burst: within 5 %.
+    let bytes = m["shape.bytes_up_total"] as f64;
+    let time: f64 = t
+        .lines()
+        .find_map(|l| l.strip_prefix("time "))
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no time: {t}"));
+    let expected = (bytes - BURST) / RATE;
+    eprintln!("shaped: {bytes} bytes in {time:.3} s; the rate gives {expected:.3} s");
+    assert!((time - expected).abs() / expected < 0.05, "took {time:.3} s, the rate gives {expected:.3} s");
+    // The recording holds the request and the response, with their times.
+    let index = std::fs::read_to_string(r.path("rec/index")).unwrap();
+    let flow = index.split_whitespace().nth(1).unwrap_or_else(|| panic!("index: {index}"));
+    let up = std::fs::read(r.path(&format!("rec/{flow}.up"))).unwrap();
+    assert!(up.ends_with(&blob()), "the recorded response ends with the blob");
+    let down = std::fs::read_to_string(r.path(&format!("rec/{flow}.down"))).unwrap();
+    assert!(down.starts_with("GET /blob HTTP/1.1\r\n"), "{down}");
+    let times = std::fs::read_to_string(r.path(&format!("rec/{flow}.times"))).unwrap();
+    let recorded: u64 = times
+        .lines()
+        .filter(|l| l.contains(" up "))
+        .map(|l| l.split(' ').nth(3).unwrap().parse::<u64>().unwrap())
+        .sum();
+    assert_eq!(recorded, up.len() as u64, "a line per chunk");
+    assert!(index.contains(" end fin down "), "{index}");
+}
+
+/// A client that sends an HTTP request with `DROP T` in one write and `ABLE` in another 0.5 s later, then reads.
+const SPLIT_CLIENT: &str = r#"
+import socket, sys, time
+s = socket.create_connection((sys.argv[1], 8080), timeout=10)
+s.sendall(b"GET /blob HTTP/1.0\r\nX-Query: DROP T")
+time.sleep(0.5)
+try:
+    s.sendall(b"ABLE users\r\n\r\n")
+    n = 0
+    while b := s.recv(65536):
+        n += len(b)
+    print(f"eof after {n}")
+except ConnectionResetError:
+    print("reset")
+"#;
+
+#[test]
+fn inspect_closes_a_flow_whose_pattern_straddles_two_writes() {
+    let Some(r) = Rig::new(2) else { return };
+    let py = r.path("split.py");
+    std::fs::write(&py, SPLIT_CLIENT).unwrap();
+    let file = r.file(
+        "fw.toml",
+        &format!("{EVERY_TCP_FLOW}[[service]]\nkind = \"inspect\"\npatterns = [\"close down literal DROP TABLE\"]\n"),
+    );
+    // First an innocent flow through the same file, which must not be closed, then the split one.
+    let script = format!("{} && python3 {} {}", r.curl(), path_str(&py), r.srv.v4);
+    let meters = ["inspect.closed_total", "inspect.rule1_matches_total", "inspect.bytes_scanned_total"];
+    let (out, m) = r.run("fw", &file, &script, &meters);
+    let t = ok(&out);
+    assert!(t.contains(&r.sum), "the innocent download is intact: {t}");
+    assert!(t.contains("reset") || t.contains("eof after 0"), "the split request got no answer: {t}");
+    assert_eq!((m["inspect.closed_total"], m["inspect.rule1_matches_total"]), (1, 1), "{m:?}");
+}
+
+#[test]
+fn a_flow_no_rule_selects_is_not_terminated() {
+    let Some(r) = Rig::new(3) else { return };
+    let file = r.file(
+        "other.toml",
+        "[[service]]\nkind = \"null\"\n[[service.rule]]\nuse = true\ntransport = \"tcp\"\nport = \"9000-9099\"\n",
+    );
+    let meters = ["term.connections_total", "orig.connections_total", "term.passed_total", "null.flows_selected_total"];
+    let (out, m) = r.run("web", &file, &r.curl(), &meters);
+    let t = ok(&out);
+    assert!(t.contains(&r.sum), "the download is intact: {t}");
+    assert_eq!(m.len(), meters.len(), "{t}");
+    assert_eq!(m["term.connections_total"] + m["orig.connections_total"], 0, "port 8080 is no service's: {m:?}");
+    // The handshake, the request and the acks of the download: forwarded as packets.
+    assert!(m["term.passed_total"] >= 3, "its packets passed terminate unchanged: {m:?}");
+    assert_eq!(m["null.flows_selected_total"], 0);
+}
+
+#[test]
+fn a_bad_services_file_is_refused_with_its_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("bad.toml");
+    std::fs::write(&file, "[[rule]]\nuse = true\n\n[[service]]\nkind = \"shape\"\nrate = \"fast\"\n").unwrap();
+    let out = std::process::Command::new(bin())
+        .arg("--state-dir")
+        .arg(dir.path().join("state"))
+        .args(["run", "--services", path_str(&file), "--", "true"])
+        .output()
+        .unwrap();
+    let t = text(&out);
+    assert!(!out.status.success(), "{t}");
+    assert!(t.contains(&format!("{}:6:8: setting `rate` of a shape module", file.display())), "{t}");
+    assert!(!dir.path().join("state").exists(), "no daemon was started for a file with errors");
+}
+
+#[test]
+fn a_shape_replaced_during_a_download_hands_over_what_it_holds() {
+    let Some(r) = Rig::new(4) else { return };
+    let file = r.file("slow.toml", &format!("{EVERY_TCP_FLOW}[[service]]\nkind = \"shape\"\nrate = 400000\n"));
+    // At 400 KB/s the download takes 5 s; after 1 s the module is replaced by one without a limit, state kept.
+    let script = format!(
+        "{curl} &\nsleep 1\n{bin} --state-dir {state} module replace web-shape shape rate=0 || exit 9\nwait $!",
+        curl = r.curl(),
+        bin = bin(),
+        state = path_str(r.d.state.path())
+    );
+    let (out, m) = r.run("web", &file, &script, &["shape.held_bytes", "shape.selected_flows_active"]);
+    let t = ok(&out);
+    assert!(t.contains(&r.sum), "the download is intact across the replacement: {t}");
+    let time: f64 = t.lines().find_map(|l| l.strip_prefix("time ")).and_then(|s| s.trim().parse().ok()).unwrap();
+    assert!(time < 3.0, "the new module's rate (none) took over: {time} s");
+    assert_eq!(m["shape.held_bytes"], 0, "{m:?}");
+}
+
+/// A CA (`NAME-ca.pem`) and a server certificate it signed for `ip` with its key (`NAME.pem`, `NAME.key`) in `dir`.
+fn certificate(dir: &Path, name: &str, ip: &str) -> (PathBuf, PathBuf, PathBuf) {
+    let f = |suffix: &str| dir.join(format!("{name}{suffix}"));
+    let (ca, ca_key, cert, key, csr, ext) = (f("-ca.pem"), f("-ca.key"), f(".pem"), f(".key"), f(".csr"), f(".ext"));
+    let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"];
+    let p = path_str;
+    let mut a =
+        vec!["req", "-x509", "-days", "1", "-subj", "/CN=flexstack test CA", "-keyout", p(&ca_key), "-out", p(&ca)];
+    a.extend(ec);
+    common::sh("openssl", &a);
+    let mut a = vec!["req", "-subj", "/CN=flexstack test server", "-keyout", p(&key), "-out", p(&csr)];
+    a.extend(ec);
+    common::sh("openssl", &a);
+    std::fs::write(&ext, format!("subjectAltName=IP:{ip}\nbasicConstraints=CA:FALSE\n")).unwrap();
+    common::sh(
+        "openssl",
+        &["x509", "-req", "-days", "1", "-in", p(&csr), "-CA", p(&ca), "-CAkey", p(&ca_key), "-CAcreateserial"]
+            .into_iter()
+            .chain(["-extfile", p(&ext), "-out", p(&cert)])
+            .collect::<Vec<_>>(),
+    );
+    (ca, cert, key)
+}
+
+#[test]
+fn tls_client_mode_lets_plaintext_curl_reach_openssl_s_server() {
+    let Some(r) = Rig::new(5) else { return };
+    let (ca, cert, key) = certificate(r.dir.path(), "server", &r.srv.v4);
+    let (other, _, _) = certificate(r.dir.path(), "other", &r.srv.v4);
+    let _tls = r.srv.ns.spawn(&[
+        "openssl",
+        "s_server",
+        "-quiet",
+        "-accept",
+        "4433",
+        "-cert",
+        path_str(&cert),
+        "-key",
+        path_str(&key),
+        "-www",
+    ]);
+    let ready = (0..100).any(|_| {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        r.srv.ns.run(&["sh", "-c", "ss -ltn | grep -q ':4433 '"]).status.success()
+    });
+    assert!(ready, "s_server listens");
+    let file = |ca: &Path| {
+        format!(
+            "[[service]]\nkind = \"tls\"\nca = \"{}\"\n[[service.rule]]\nuse = true\ntransport = \"tcp\"\nport = 4433\n",
+            path_str(ca)
+        )
+    };
+    let good = r.file("tls.toml", &file(&ca));
+    let script = format!("curl -sS -m 10 http://{}:4433/", r.srv.v4);
+    let (out, m) =
+        r.run("tls", &good, &script, &["tls.handshakes_total", "tls.failures_total", "term.connections_total"]);
+    let t = ok(&out);
+    assert!(t.contains("s_server") && t.contains("Cipher is"), "s_server's page, over TLS: {t}");
+    assert_eq!((m["tls.handshakes_total"], m["tls.failures_total"]), (1, 0), "{m:?}");
+    // A server whose certificate the CA file does not vouch for: the flow fails, and says why.
+    let bad = r.file("bad-ca.toml", &file(&other));
+    let (out, m) = r.run("tls", &bad, &script, &["tls.handshakes_total", "tls.failures_total"]);
+    assert!(!out.status.success(), "curl gets no answer: {}", text(&out));
+    assert_eq!((m["tls.handshakes_total"], m["tls.failures_total"]), (0, 1), "{m:?}");
+}

@@ -74,6 +74,8 @@ const DECL: KindDecl<Config, Meters> = KindDecl {
         up: "bytes_up_total", "bytes", "bytes recorded travelling up";
         errors: "write_errors_total", "errors", "files that could not be created, written or flushed";
     ],
+    // One folder of files: the stack runs on one data-plane worker.
+    global_view: true,
     ..KindDecl::new(KIND, "records each flow's bytes both ways to files in a folder, and passes stream frames on")
 };
 
@@ -112,6 +114,10 @@ struct TapBuilder {
 }
 
 impl ModuleBuilder for TapBuilder {
+    fn global_view(&self) -> bool {
+        DECL.global_view
+    }
+
     fn interface(&self) -> ModuleInterface {
         DECL.interface(&self.cfg)
     }

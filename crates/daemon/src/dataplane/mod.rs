@@ -1,37 +1,45 @@
-//! The data-plane thread: owns the [`Switch`], runs it, does the I/O of face modules, and applies commands from
-//! the control plane between batches.
+//! The data plane: one or more worker threads, each with a [`Switch`] of its own, that do the I/O of face modules
+//! and apply commands from the control plane between batches.
 //!
-//! The loop: apply queued commands; read every face device that epoll reported readable (at most a batch each)
-//! and hand the packets to its module ([`Switch::face_ingress`]); run the switch; write what face modules queued
-//! ([`Switch::face_egress`], only for the faces the switch called: [`Switch::take_egress_ready`]); wait in epoll for
-//! a device, a command (an eventfd the control plane signals) or the next module timer. No step visits every module
-//! or face: the switch keeps lists of the modules with work, so a frame costs the same with 1 link or 1,000.
+//! A worker's loop ([`worker`]): apply queued commands; read every face device that epoll reported readable (at
+//! most a batch each; each worker reads its own queue of the device) and hand the packets to its module
+//! ([`Switch::face_ingress`]); run the switch; write what face modules queued ([`Switch::face_egress`], only for the
+//! faces the switch called: [`Switch::take_egress_ready`]); wait in epoll for a device, a command (an eventfd the
+//! control plane signals) or the next module timer. No step visits every module or face: the switch keeps lists of
+//! the modules with work, so a frame costs the same with 1 link or 1,000.
+//!
+//! With `flexstack daemon --workers N`, N workers run the same stack, each with its own modules, pools and flow
+//! state; frames of a flow another worker owns (a symmetric hash of the flow, [`steer`]) go to it over a bounded
+//! single-producer/single-consumer ring, so that both directions of a flow always meet on one worker. Edits are
+//! applied by all workers together (the control plane's reply comes after all applied), knob writes go to all,
+//! and a meter reads the sum over the workers (docs/architecture.md, "Workers"). A stack with a module that needs
+//! a global view ([`ModuleBuilder::global_view`]) runs on worker 0 alone.
 //!
 //! Wake-ups by a face can be moderated as a NIC moderates its interrupts ([`RxModeration`], off by default:
 //! `flexstack daemon --rx-hold-us N`): while frames stream in (wake-ups closer together than a gap), the loop waits
 //! a short hold before reading, so that one wake-up reads several frames instead of one or two. Sparse traffic (a
 //! ping) is read at once.
 //!
-//! The thread can run under the real-time policy SCHED_FIFO (`flexstack daemon --realtime PRIO`; the lab's daemons
+//! The threads can run under the real-time policy SCHED_FIFO (`flexstack daemon --realtime PRIO`; the lab's daemons
 //! use it): see [`DataPlane::start`].
 //!
 //! The control plane talks to it only through [`DataPlane`]: [`DataPlane::apply`] sends edits and waits for the
 //! verdict, [`DataPlane::snapshot`] asks for the stack's shape. Meters are never read through here: readers use
 //! the [`SharedRegistry`], whose cells the data plane updates without locks.
 
+mod steer;
+mod worker;
+
 use flexstack_core::config::StackSpec;
-use flexstack_core::switch::CONTROL_PLANE;
 use flexstack_core::switch::{Edge, ModuleInfo};
-use flexstack_core::{Batch, FaceDevice, Frame};
-use flexstack_core::{ControlFrame, Edit, EditError, PacketPool, SharedRegistry, Switch, Time};
-use flexstack_faces::linkwatch::{CarrierBook, LinkWatch};
-use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
+use flexstack_core::{Catalog, ControlFrame, Edit, EditError, ModuleBuilder, PacketPool, SharedRegistry, Switch, Time};
+use flexstack_faces::linkwatch::LinkWatch;
+use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags};
 use nix::sys::eventfd::{EfdFlags, EventFd};
-use nix::sys::time::TimeSpec;
-use nix::sys::timerfd::{ClockId, Expiration, TimerFd, TimerFlags, TimerSetTimeFlags};
-use std::collections::HashMap;
-use std::sync::mpsc::{self, Receiver, Sender};
-use std::sync::Arc;
+use nix::sys::timerfd::{ClockId, TimerFd, TimerFlags};
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::mpsc::{self, Sender};
+use std::sync::{Arc, Barrier, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -51,41 +59,72 @@ pub struct Snapshot {
     pub paused: bool,
 }
 
+/// The edits of one [`Command::Apply`].
+enum Edits {
+    These(Vec<Edit>),
+    /// Every module, in reverse load order (a worker leaving the stack to worker 0).
+    UnloadAll,
+}
+
 enum Command {
-    Apply(Vec<Edit>, Sender<Result<Vec<String>, EditError>>),
+    /// Edits to apply between batches. With a barrier, all workers apply theirs together: each waits at the
+    /// barrier (so none reads its devices any more, and none hands frames over), takes what was handed to it and
+    /// runs it to completion, applies its edits, and waits again before reading on. `active`: how many workers
+    /// run the stack afterwards, if that changes.
+    Apply {
+        edits: Edits,
+        active: Option<usize>,
+        barrier: Option<Arc<Barrier>>,
+        reply: Sender<Result<Vec<String>, EditError>>,
+    },
     Snapshot(Sender<Snapshot>),
     Control(ControlFrame, Sender<Option<ControlFrame>>),
     Shutdown(Sender<()>),
 }
 
-/// Packets read from one face per wakeup, at most.
-const READ_BATCH: usize = 256;
-
-/// Frames of at most this many bytes (acknowledgements, MTU-sized packets) are copied out of the buffer they were
-/// read into, which must hold the largest frame (64 KiB); larger ones (GSO super-frames) keep it.
-const COPY_AT_MOST: usize = 2048;
-
-/// Handle to the data-plane thread.
+/// Handle to the data-plane threads.
 pub struct DataPlane {
+    workers: Vec<WorkerHandle>,
+    registry: SharedRegistry,
+    scheduling: String,
+    /// Configures the modules of workers other than the first from their kind and settings.
+    catalog: Catalog,
+    sharding: Mutex<Sharding>,
+}
+
+/// One worker thread.
+struct WorkerHandle {
     tx: Sender<Command>,
     wake: Arc<EventFd>,
     registry: SharedRegistry,
-    scheduling: String,
     thread: Option<JoinHandle<()>>,
 }
 
-/// How the data-plane thread runs.
+/// Whether the stack runs on every worker, and why not.
+#[derive(Debug, Default)]
+struct Sharding {
+    /// Workers running the stack: all, or 1.
+    active: usize,
+    /// Loaded modules.
+    modules: BTreeSet<String>,
+    /// Loaded modules that keep the stack on one worker, with the reason.
+    single: BTreeMap<String, String>,
+}
+
+/// How the data-plane threads run.
 #[derive(Clone, Copy, Debug)]
 pub struct DataPlaneOptions {
     /// The hold of [`RxModeration`] (zero: read as soon as a face is readable).
     pub rx_hold: Duration,
     /// SCHED_FIFO priority the data-plane thread was asked to run at (1-99; 0: none). See [`DataPlane::start`].
     pub realtime: u8,
+    /// Data-plane workers (threads with a switch of their own); at least 1.
+    pub workers: usize,
 }
 
 impl Default for DataPlaneOptions {
     fn default() -> DataPlaneOptions {
-        DataPlaneOptions { rx_hold: DEFAULT_RX_HOLD, realtime: 0 }
+        DataPlaneOptions { rx_hold: DEFAULT_RX_HOLD, realtime: 0, workers: 1 }
     }
 }
 
@@ -160,80 +199,62 @@ impl RxModeration {
 }
 
 impl DataPlane {
-    /// Starts the data-plane thread with an empty switch. The thread inherits the caller's scheduling policy: the
-    /// daemon (`crate::server`) calls this under SCHED_FIFO when `options.realtime` asks for it (and goes back to
-    /// the normal policy afterwards), so that the data plane runs as soon as a face or timer wakes it, instead of
-    /// waiting for a core behind the programs whose packets it carries (on the emulator benchmark, 2 cores shared
-    /// by an iperf3 sender, its receiver and the daemon, this raised the emulated link's throughput from about
-    /// 0.66 to 0.71-0.80 of a plain veth's; BENCHMARKS.md, issue 4). `options.realtime` itself only says what was
-    /// asked, for [`DataPlane::scheduling`].
+    /// Starts the data-plane threads (`options.workers`) with empty switches. The threads inherit the caller's
+    /// scheduling policy: the daemon (`crate::server`) calls this under SCHED_FIFO when `options.realtime` asks for
+    /// it (and goes back to the normal policy afterwards), so that the data plane runs as soon as a face or timer
+    /// wakes it, instead of waiting for a core behind the programs whose packets it carries (on the emulator
+    /// benchmark, 2 cores shared by an iperf3 sender, its receiver and the daemon, this raised the emulated link's
+    /// throughput from about 0.66 to 0.71-0.80 of a plain veth's; BENCHMARKS.md, issue 4). `options.realtime`
+    /// itself only says what was asked, for [`DataPlane::scheduling`].
     pub fn start(options: DataPlaneOptions) -> std::io::Result<DataPlane> {
-        let (tx, rx) = mpsc::channel();
-        let (reg_tx, reg_rx) = mpsc::channel();
-        let wake = Arc::new(EventFd::from_value_and_flags(0, EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC)?);
-        let epoll = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC)?;
-        epoll.add(wake.as_ref(), EpollEvent::new(EpollFlags::EPOLLIN, WAKE_TOKEN))?;
-        let timer = TimerFd::new(ClockId::CLOCK_MONOTONIC, TimerFlags::TFD_NONBLOCK | TimerFlags::TFD_CLOEXEC)?;
-        epoll.add(&timer, EpollEvent::new(EpollFlags::EPOLLIN, TIMER_TOKEN))?;
-        // Without a link watcher (no netlink here?) faces work as before; only their carrier goes unwatched.
-        let links = match LinkWatch::open() {
-            Ok(w) => match epoll.add(w.fd(), EpollEvent::new(EpollFlags::EPOLLIN, LINK_TOKEN)) {
-                Ok(()) => Some(w),
-                Err(e) => {
-                    tracing::warn!(error = %e, "cannot watch link events; face carriers are not watched");
-                    None
-                }
-            },
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot open a netlink socket; face carriers are not watched");
-                None
+        let n = options.workers.max(1);
+        flexstack_faces::set_workers(n);
+        let wakes: Vec<Arc<EventFd>> = (0..n)
+            .map(|_| EventFd::from_value_and_flags(0, EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC).map(Arc::new))
+            .collect::<Result<_, _>>()?;
+        let first = SharedRegistry::default();
+        let mut workers = Vec::with_capacity(n);
+        let mut scheduling = String::new();
+        for (id, rings) in worker::rings(n, &wakes).into_iter().enumerate() {
+            let registry = if id == 0 { first.clone() } else { first.sharing_runtime() };
+            let (handle, sched) = start_worker(id, n, options, registry, rings)?;
+            if id == 0 {
+                scheduling = sched;
             }
-        };
-        let thread_wake = wake.clone();
-        let thread = std::thread::Builder::new().name("dataplane".into()).spawn(move || {
-            let scheduling = scheduling_of_this_thread(options.realtime);
-            let mut switch = Switch::new(PacketPool::default());
-            let origin = Instant::now();
-            switch.set_profiler(Some(Box::new(move || u64::try_from(origin.elapsed().as_nanos()).unwrap_or(u64::MAX))));
-            let _ = reg_tx.send((switch.registry(), scheduling));
-            // The hold is a sleep: keep the kernel's timer slack (50 us by default) from stretching it.
-            if !options.rx_hold.is_zero() {
-                if let Err(e) = nix::sys::prctl::set_timerslack(1_000) {
-                    tracing::debug!(error = %e, "cannot set the data plane's timer slack");
-                }
-            }
-            let moderation = RxModeration::new(options.rx_hold);
-            Loop {
-                switch,
-                origin,
-                rx,
-                epoll,
-                wake: thread_wake,
-                timer,
-                faces: Vec::new(),
-                face_at: HashMap::new(),
-                egress_ready: Vec::new(),
-                generation: u64::MAX,
-                moderation,
-                links,
-                carriers: CarrierBook::default(),
-            }
-            .run();
-        })?;
-        let (registry, scheduling) = reg_rx.recv().map_err(|_| std::io::Error::other("data plane did not start"))?;
-        Ok(DataPlane { tx, wake, registry, scheduling, thread: Some(thread) })
+            workers.push(handle);
+        }
+        let catalog = crate::catalog_quiet();
+        let sharding = Mutex::new(Sharding { active: n, ..Sharding::default() });
+        Ok(DataPlane { workers, registry: first, scheduling, catalog, sharding })
     }
 
-    fn send(&self, cmd: Command) -> Result<(), DataPlaneGone> {
-        self.tx.send(cmd).map_err(|_| DataPlaneGone)?;
-        self.wake.write(1).map_err(|_| DataPlaneGone)?;
+    fn send_to(&self, worker: usize, cmd: Command) -> Result<(), DataPlaneGone> {
+        let w = &self.workers[worker];
+        w.tx.send(cmd).map_err(|_| DataPlaneGone)?;
+        w.wake.write(1).map_err(|_| DataPlaneGone)?;
         Ok(())
     }
 
-    /// How the data-plane thread is scheduled: `normal`, `fifo N`, or `normal (real-time priority N was refused:
+    /// How the data-plane threads are scheduled: `normal`, `fifo N`, or `normal (real-time priority N was refused:
     /// ...)`.
     pub fn scheduling(&self) -> &str {
         &self.scheduling
+    }
+
+    /// How many workers the data plane has, and how many run the stack now, with why only one if so
+    /// (`2 of 2`, `1 of 2: module e (emulator) needs a global view`).
+    pub fn workers(&self) -> String {
+        let n = self.workers.len();
+        let s = lock(&self.sharding);
+        match s.single.iter().next() {
+            Some((name, why)) if n > 1 => format!("1 of {n}: module {name} {why}"),
+            _ => format!("{} of {n}", s.active),
+        }
+    }
+
+    /// How many workers the data plane has (`--workers`); their meters are `worker.<k>.*`.
+    pub fn worker_count(&self) -> usize {
+        self.workers.len()
     }
 
     /// The registry of meters and knobs.
@@ -241,315 +262,310 @@ impl DataPlane {
         self.registry.clone()
     }
 
-    /// Applies `edits` atomically between two batches; returns the switch's notes or why nothing changed.
+    /// Applies `edits` atomically between two batches, on every worker that runs the stack; returns the switch's
+    /// notes or why nothing changed.
     pub fn apply(&self, edits: Vec<Edit>) -> Result<Result<Vec<String>, EditError>, DataPlaneGone> {
-        let (tx, rx) = mpsc::channel();
-        self.send(Command::Apply(edits, tx))?;
-        rx.recv().map_err(|_| DataPlaneGone)
+        let n = self.workers.len();
+        let mut s = lock(&self.sharding);
+        if n == 1 {
+            let result = self.apply_on(&[0], vec![Edits::These(edits)], None)?;
+            return Ok(result.into_iter().next().unwrap_or_else(|| Ok(Vec::new())));
+        }
+        let mut single = s.single.clone();
+        let mut modules = s.modules.clone();
+        for e in &edits {
+            note_edit(e, &mut modules, &mut single);
+        }
+        if s.active > 1 && single.is_empty() {
+            // Flow variables live on the worker that owns the flow: a write goes to the one that registered it.
+            let (vars, edits): (Vec<Edit>, Vec<Edit>) =
+                edits.into_iter().partition(|e| matches!(e, Edit::SetVar { .. }));
+            let mut copies = Vec::with_capacity(n);
+            let mut refused = None;
+            for k in 1..n {
+                match self.replicate(&edits, k) {
+                    Ok(c) => copies.push(Edits::These(c)),
+                    Err((name, why)) => {
+                        refused = Some((name, why));
+                        break;
+                    }
+                }
+            }
+            if let Some((name, why)) = refused {
+                drop(copies);
+                single.insert(name, why);
+                let mut edits = edits;
+                edits.extend(vars);
+                return self.apply_collapsing(&mut s, edits, modules, single);
+            }
+            copies.insert(0, Edits::These(edits));
+            let everyone: Vec<usize> = (0..n).collect();
+            let results = self.apply_on(&everyone, copies, None)?;
+            let first = results[0].clone();
+            if results.iter().any(|r| r.is_ok() != first.is_ok()) {
+                tracing::error!(?results, "workers disagreed on an edit; the stack goes on worker 0 alone");
+                s.single.insert(String::new(), "disagreed with worker 0 on an edit".into());
+                let others: Vec<usize> = (1..n).collect();
+                self.apply_on(&others, others.iter().map(|_| Edits::UnloadAll).collect(), Some(1))?;
+                return Ok(first);
+            }
+            let mut result = first;
+            if result.is_ok() {
+                s.modules = modules;
+                self.registry.link_workers(&self.workers[1..].iter().map(|w| w.registry.clone()).collect::<Vec<_>>());
+                for var in vars {
+                    let r = self.set_var(var)?;
+                    if let (Ok(notes), Err(e)) = (&mut result, r) {
+                        let _ = notes;
+                        result = Err(e);
+                        break;
+                    }
+                }
+            }
+            return Ok(result);
+        }
+        if s.active > 1 {
+            return self.apply_collapsing(&mut s, edits, modules, single);
+        }
+        // On worker 0 alone: back on every worker once the stack is empty.
+        let result = self.apply_on(&[0], vec![Edits::These(edits)], None)?.remove(0);
+        if result.is_ok() {
+            s.modules = modules;
+            s.single = single;
+            if s.modules.is_empty() {
+                s.single.clear();
+                let everyone: Vec<usize> = (0..n).collect();
+                self.apply_on(&everyone, everyone.iter().map(|_| Edits::These(Vec::new())).collect(), Some(n))?;
+                s.active = n;
+                tracing::info!(workers = n, "the stack is empty: the data plane runs on every worker again");
+            }
+        }
+        Ok(result)
     }
 
-    /// The stack's current shape.
+    /// Applies `edits` on worker 0 and, if they hold, leaves the stack to it alone (the other workers unload
+    /// theirs): `single` names the module that needs it.
+    fn apply_collapsing(
+        &self,
+        s: &mut Sharding,
+        edits: Vec<Edit>,
+        modules: BTreeSet<String>,
+        single: BTreeMap<String, String>,
+    ) -> Result<Result<Vec<String>, EditError>, DataPlaneGone> {
+        let n = self.workers.len();
+        let mut plan = vec![Edits::These(edits)];
+        plan.extend((1..n).map(|_| Edits::UnloadAll));
+        let everyone: Vec<usize> = (0..n).collect();
+        // Worker 0 first, alone: if its edit fails, nothing changes anywhere.
+        let mut plan = plan.into_iter();
+        let first = self.apply_on(&[0], vec![plan.next().unwrap_or(Edits::UnloadAll)], None)?.remove(0);
+        if first.is_ok() {
+            self.apply_on(&everyone[1..], plan.collect(), Some(1))?;
+            self.apply_on(&[0], vec![Edits::These(Vec::new())], Some(1))?;
+            s.active = 1;
+            s.modules = modules;
+            if let Some((name, why)) = single.iter().next() {
+                tracing::info!(module = %name, reason = %why, workers = n, "the stack runs on one data-plane worker");
+            }
+            s.single = single;
+        }
+        Ok(first)
+    }
+
+    /// Sends `plan[i]` to worker `workers[i]` (all together, behind one barrier when more than one) and waits for
+    /// every verdict, in the same order.
+    fn apply_on(
+        &self,
+        workers: &[usize],
+        plan: Vec<Edits>,
+        active: Option<usize>,
+    ) -> Result<Vec<Result<Vec<String>, EditError>>, DataPlaneGone> {
+        let barrier = (workers.len() > 1).then(|| Arc::new(Barrier::new(workers.len())));
+        let mut replies = Vec::with_capacity(workers.len());
+        for (&k, edits) in workers.iter().zip(plan) {
+            let (tx, rx) = mpsc::channel();
+            self.send_to(k, Command::Apply { edits, active, barrier: barrier.clone(), reply: tx })?;
+            replies.push(rx);
+        }
+        replies.into_iter().map(|rx| rx.recv().map_err(|_| DataPlaneGone)).collect()
+    }
+
+    /// Writes a flow's variable on the worker that registered it (the first that accepts it).
+    fn set_var(&self, edit: Edit) -> Result<Result<Vec<String>, EditError>, DataPlaneGone> {
+        let Edit::SetVar { name, value } = edit else { return Ok(Ok(Vec::new())) };
+        let mut last = Ok(Vec::new());
+        for k in 0..self.workers.len() {
+            let e = Edit::SetVar { name: name.clone(), value: value.clone() };
+            last = self.apply_on(&[k], vec![Edits::These(vec![e])], None)?.remove(0);
+            if last.is_ok() {
+                break;
+            }
+        }
+        Ok(last)
+    }
+
+    /// The edits of worker `k`: the same, with modules built again for it (a face opens another queue of its
+    /// device). Err: the module that cannot run on several workers, and why.
+    fn replicate(&self, edits: &[Edit], k: usize) -> Result<Vec<Edit>, (String, String)> {
+        let again = |name: &str, kind: &str, settings, builder: &dyn ModuleBuilder| match builder.replica(k) {
+            Some(Ok(b)) => Ok(b),
+            Some(Err(why)) => Err((name.to_string(), why)),
+            None => self
+                .catalog
+                .configure(kind, settings, None)
+                .map_err(|e| (name.to_string(), format!("cannot be configured again for another worker: {e}"))),
+        };
+        edits
+            .iter()
+            .map(|e| {
+                Ok(match e {
+                    Edit::Load { name, kind, settings, builder } => Edit::Load {
+                        name: name.clone(),
+                        kind: kind.clone(),
+                        settings: settings.clone(),
+                        builder: again(name, kind, settings, builder.as_ref())?,
+                    },
+                    Edit::Replace { name, kind, settings, builder, keep_state } => Edit::Replace {
+                        name: name.clone(),
+                        kind: kind.clone(),
+                        settings: settings.clone(),
+                        builder: again(name, kind, settings, builder.as_ref())?,
+                        keep_state: *keep_state,
+                    },
+                    Edit::Unload { name } => Edit::Unload { name: name.clone() },
+                    Edit::Link(l) => Edit::Link(l.clone()),
+                    Edit::Unlink(l) => Edit::Unlink(l.clone()),
+                    Edit::SetKnob { module, knob, value } => {
+                        Edit::SetKnob { module: module.clone(), knob: knob.clone(), value: value.clone() }
+                    }
+                    Edit::SetVar { name, value } => Edit::SetVar { name: name.clone(), value: value.clone() },
+                    Edit::Pause { module } => Edit::Pause { module: module.clone() },
+                    Edit::Resume { module } => Edit::Resume { module: module.clone() },
+                })
+            })
+            .collect()
+    }
+
+    /// The stack's current shape (worker 0's; every worker runs the same).
     pub fn snapshot(&self) -> Result<Snapshot, DataPlaneGone> {
         let (tx, rx) = mpsc::channel();
-        self.send(Command::Snapshot(tx))?;
+        self.send_to(0, Command::Snapshot(tx))?;
         rx.recv().map_err(|_| DataPlaneGone)
     }
 
-    /// Sends a control frame from the control plane through the switch and returns the reply addressed back to
-    /// the control plane with the same serial, if one came within the same run.
+    /// Sends a control frame from the control plane through worker 0's switch and returns the reply addressed back
+    /// to the control plane with the same serial, if one came within the same run.
     pub fn control(&self, frame: ControlFrame) -> Result<Option<ControlFrame>, DataPlaneGone> {
         let (tx, rx) = mpsc::channel();
-        self.send(Command::Control(frame, tx))?;
+        self.send_to(0, Command::Control(frame, tx))?;
         rx.recv().map_err(|_| DataPlaneGone)
     }
 
-    /// Stops the thread, dropping every module (taps flush their files).
+    /// Stops the threads, dropping every module (taps flush their files).
     pub fn shutdown(&mut self) {
-        let (tx, rx) = mpsc::channel();
-        if self.send(Command::Shutdown(tx)).is_ok() {
-            let _ = rx.recv_timeout(Duration::from_secs(5));
+        for k in 0..self.workers.len() {
+            let (tx, rx) = mpsc::channel();
+            if self.send_to(k, Command::Shutdown(tx)).is_ok() {
+                let _ = rx.recv_timeout(Duration::from_secs(5));
+            }
         }
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
+        for w in &mut self.workers {
+            if let Some(t) = w.thread.take() {
+                let _ = t.join();
+            }
         }
     }
+}
+
+/// Follows one edit in the set of loaded modules and of those that keep the stack on one worker.
+fn note_edit(edit: &Edit, modules: &mut BTreeSet<String>, single: &mut BTreeMap<String, String>) {
+    let global = |kind: &str, b: &dyn ModuleBuilder| b.global_view().then(|| format!("({kind}) needs a global view"));
+    match edit {
+        Edit::Load { name, kind, builder, .. } | Edit::Replace { name, kind, builder, .. } => {
+            modules.insert(name.clone());
+            match global(kind, builder.as_ref()) {
+                Some(why) => single.insert(name.clone(), why),
+                None => single.remove(name),
+            };
+        }
+        Edit::Unload { name } => {
+            modules.remove(name);
+            single.remove(name);
+        }
+        _ => {}
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Starts worker `id` of `n`; returns its handle and how its thread is scheduled.
+fn start_worker(
+    id: usize,
+    n: usize,
+    options: DataPlaneOptions,
+    registry: SharedRegistry,
+    rings: worker::Rings,
+) -> std::io::Result<(WorkerHandle, String)> {
+    let (tx, rx) = mpsc::channel();
+    let (ready_tx, ready_rx) = mpsc::channel();
+    let wake = rings.wakes[id].clone();
+    let epoll = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC)?;
+    epoll.add(wake.as_ref(), EpollEvent::new(EpollFlags::EPOLLIN, worker::WAKE_TOKEN))?;
+    let timer = TimerFd::new(ClockId::CLOCK_MONOTONIC, TimerFlags::TFD_NONBLOCK | TimerFlags::TFD_CLOEXEC)?;
+    epoll.add(&timer, EpollEvent::new(EpollFlags::EPOLLIN, worker::TIMER_TOKEN))?;
+    // Without a link watcher (no netlink here?) faces work as before; only their carrier goes unwatched.
+    let links = match LinkWatch::open() {
+        Ok(w) => match epoll.add(w.fd(), EpollEvent::new(EpollFlags::EPOLLIN, worker::LINK_TOKEN)) {
+            Ok(()) => Some(w),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot watch link events; face carriers are not watched");
+                None
+            }
+        },
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot open a netlink socket; face carriers are not watched");
+            None
+        }
+    };
+    let thread_registry = registry.clone();
+    let name = if id == 0 { "dataplane".to_string() } else { format!("dataplane-{id}") };
+    let thread = std::thread::Builder::new().name(name).spawn(move || {
+        let scheduling = scheduling_of_this_thread(options.realtime);
+        let mut switch = Switch::for_worker(PacketPool::default(), thread_registry.clone(), id as u32, n as u32);
+        let origin = Instant::now();
+        switch.set_profiler(Some(Box::new(move || u64::try_from(origin.elapsed().as_nanos()).unwrap_or(u64::MAX))));
+        let _ = ready_tx.send(scheduling);
+        // The hold is a sleep: keep the kernel's timer slack (50 us by default) from stretching it.
+        if !options.rx_hold.is_zero() {
+            if let Err(e) = nix::sys::prctl::set_timerslack(1_000) {
+                tracing::debug!(error = %e, "cannot set the data plane's timer slack");
+            }
+        }
+        worker::Loop {
+            id,
+            active: n,
+            switch,
+            origin,
+            rx,
+            epoll,
+            timer,
+            rings,
+            moderation: RxModeration::new(options.rx_hold),
+            links,
+            dynamic: flexstack_core::vars::DynamicVars::new(thread_registry),
+        }
+        .run();
+    })?;
+    let scheduling = ready_rx.recv().map_err(|_| std::io::Error::other("data plane did not start"))?;
+    Ok((WorkerHandle { tx, wake, registry, thread: Some(thread) }, scheduling))
 }
 
 /// The data-plane thread has stopped (it panicked or was shut down).
 #[derive(Debug, thiserror::Error)]
 #[error("the data plane has stopped")]
 pub struct DataPlaneGone;
-
-fn now(origin: Instant) -> Time {
-    Time(u64::try_from(origin.elapsed().as_nanos()).unwrap_or(u64::MAX))
-}
-
-/// The epoll token of the command eventfd; faces use their index + 1.
-const WAKE_TOKEN: u64 = 0;
-/// The epoll token of the link watcher's netlink socket.
-const LINK_TOKEN: u64 = u64::MAX - 1;
-
-/// The epoll token of the wake-up timer.
-const TIMER_TOKEN: u64 = u64::MAX;
-
-struct Loop {
-    switch: Switch,
-    origin: Instant,
-    rx: Receiver<Command>,
-    epoll: Epoll,
-    wake: Arc<EventFd>,
-    timer: TimerFd,
-    faces: Vec<(usize, Arc<dyn FaceDevice>)>,
-    /// Module index of each face to its position in `faces`.
-    face_at: HashMap<usize, usize>,
-    /// Reused list of the faces that may have frames for their devices ([`Switch::take_egress_ready`]).
-    egress_ready: Vec<usize>,
-    generation: u64,
-    moderation: RxModeration,
-    links: Option<LinkWatch>,
-    carriers: CarrierBook,
-}
-
-impl Loop {
-    fn run(mut self) {
-        let clock = move || now(self.origin);
-        let mut events = vec![EpollEvent::empty(); 64];
-        let mut ready: Vec<usize> = Vec::new();
-        let mut batch: Batch = Vec::with_capacity(READ_BATCH);
-        // The pooled packet the next read goes into (kept when a read found nothing).
-        let mut spare: Option<flexstack_core::Packet> = None;
-        let mut meta = flexstack_core::frame::Metadata::default();
-        loop {
-            // Commands first: they are applied between batches, never inside one.
-            loop {
-                match self.rx.try_recv() {
-                    Ok(cmd) => {
-                        if !handle(&mut self.switch, cmd, &clock) {
-                            return;
-                        }
-                    }
-                    Err(mpsc::TryRecvError::Empty) => break,
-                    Err(mpsc::TryRecvError::Disconnected) => return,
-                }
-            }
-            if self.refresh_faces() {
-                ready.clear();
-            }
-            // Read the devices that were ready; a device with more waiting stays ready for the next round.
-            let mut more = false;
-            for &k in &ready {
-                let Some((index, dev)) = self.faces.get(k).cloned() else { continue };
-                let pool = self.switch.pool().clone();
-                while batch.len() < READ_BATCH {
-                    // Read straight into a pooled buffer: no copy, and a buffer that held a large frame is not
-                    // zeroed again (PacketPool::alloc_for_overwrite; the device sets the length it read).
-                    let mut p = spare.take().unwrap_or_else(|| pool.alloc_for_overwrite());
-                    match dev.read_frame(p.make_mut(), &mut meta) {
-                        Ok(true) if p.len() <= COPY_AT_MOST => {
-                            // A small frame is copied into a packet of its own and the large buffer read into
-                            // again: held frames (a delay line of small packets) keep small buffers.
-                            let mut q = pool.alloc_from(p.data());
-                            q.set_direction(dev.direction());
-                            if !meta.is_empty() {
-                                *q.meta_mut() = meta;
-                            }
-                            batch.push(Frame::Data(q));
-                            spare = Some(p);
-                        }
-                        Ok(true) => {
-                            p.set_direction(dev.direction());
-                            if !meta.is_empty() {
-                                *p.meta_mut() = meta;
-                            }
-                            batch.push(Frame::Data(p));
-                        }
-                        Ok(false) => {
-                            spare = Some(p);
-                            break;
-                        }
-                        Err(e) => {
-                            spare = Some(p);
-                            tracing::debug!(device = dev.name(), error = %e, "read failed (counted)");
-                            break;
-                        }
-                    }
-                }
-                more |= batch.len() == READ_BATCH;
-                self.switch.face_ingress(index, &mut batch);
-            }
-            if !more {
-                ready.clear();
-            }
-            self.switch.run(clock());
-            self.flush_egress(&mut batch);
-            let wait = if more || self.switch.has_pending() {
-                Duration::ZERO
-            } else {
-                match self.switch.next_wakeup() {
-                    Some(w) => (w - clock()).min(MAX_IDLE),
-                    None => MAX_IDLE,
-                }
-            };
-            // epoll's timeout counts whole milliseconds: a module's wake-up (a modelled transmission ending, a
-            // delayed frame due) is kept to the nanosecond by a timerfd, and epoll waits for it.
-            let wait = if wait.is_zero() || wait >= MAX_IDLE {
-                wait
-            } else {
-                let when = TimeSpec::from_duration(wait);
-                match self.timer.set(Expiration::OneShot(when), TimerSetTimeFlags::empty()) {
-                    Ok(()) => MAX_IDLE,
-                    Err(_) => wait,
-                }
-            };
-            let timeout = EpollTimeout::try_from(wait).unwrap_or(EpollTimeout::NONE);
-            let n = match self.epoll.wait(&mut events, timeout) {
-                Ok(n) => n,
-                Err(nix::errno::Errno::EINTR) => 0,
-                Err(e) => {
-                    tracing::error!(error = %e, "epoll failed; data plane stops");
-                    return;
-                }
-            };
-            if events[..n].iter().any(|e| e.data() != WAKE_TOKEN && e.data() != TIMER_TOKEN && e.data() != LINK_TOKEN) {
-                let hold = self.moderation.hold(clock(), self.switch.next_wakeup());
-                if !hold.is_zero() {
-                    std::thread::sleep(hold);
-                }
-            }
-            for ev in &events[..n] {
-                match ev.data() {
-                    WAKE_TOKEN => {
-                        let _ = self.wake.read();
-                    }
-                    LINK_TOKEN => self.link_events(),
-                    TIMER_TOKEN => {
-                        // Expired: reading clears it (non-blocking; nothing else to do, the loop runs the switch).
-                        let _ = nix::unistd::read(&self.timer, &mut [0u8; 8]);
-                    }
-                    token => {
-                        let k = (token - 1) as usize;
-                        if !ready.contains(&k) {
-                            ready.push(k);
-                        }
-                    }
-                }
-            }
-        }
-    }
-
-    /// After an edit, registers the current face devices with epoll (and forgets the old ones); true if it did.
-    fn refresh_faces(&mut self) -> bool {
-        let generation = self.switch.generation();
-        if generation == self.generation {
-            return false;
-        }
-        self.generation = generation;
-        for (_, dev) in self.faces.drain(..) {
-            let _ = self.epoll.delete(dev.fd());
-        }
-        self.faces = self.switch.faces();
-        self.face_at = self.faces.iter().enumerate().map(|(k, (index, _))| (*index, k)).collect();
-        for (k, (_, dev)) in self.faces.iter().enumerate() {
-            let event = EpollEvent::new(EpollFlags::EPOLLIN, k as u64 + 1);
-            if let Err(e) = self.epoll.add(dev.fd(), event) {
-                tracing::warn!(device = dev.name(), error = %e, "cannot watch device");
-            }
-        }
-        // Learn the links' current state: a face may be loaded on an interface that is already down.
-        let watched: Vec<u32> = self.faces.iter().filter_map(|(_, d)| d.ifindex()).collect();
-        self.carriers.retain(&watched);
-        if let Some(links) = self.links.as_mut().filter(|_| !watched.is_empty()) {
-            if let Err(e) = links.request_dump() {
-                tracing::warn!(error = %e, "cannot ask for the links' state");
-            }
-        }
-        true
-    }
-
-    /// Reads the kernel's link events and tells the switch about each face whose link changed state.
-    fn link_events(&mut self) {
-        let Some(links) = self.links.as_mut() else { return };
-        let mut states = Vec::new();
-        match links.read(&mut states) {
-            Ok(0) => {}
-            Ok(malformed) => tracing::warn!(malformed, "link events that did not parse (skipped)"),
-            Err(e) => {
-                // Typically ENOBUFS: events were lost; the current state is asked for again.
-                tracing::debug!(error = %e, "link events lost; asking for the links' state");
-                let _ = links.request_dump();
-            }
-        }
-        for (ifindex, up) in states {
-            let faces: Vec<usize> =
-                self.faces.iter().filter(|(_, d)| d.ifindex() == Some(ifindex)).map(|(i, _)| *i).collect();
-            if faces.is_empty() || !self.carriers.update(ifindex, up) {
-                continue;
-            }
-            for index in faces {
-                tracing::info!(face = index, ifindex, up, "face link changed");
-                self.switch.face_link_changed(index, up);
-            }
-        }
-    }
-
-    /// Writes what the face modules queued for their devices: those the switch called since the last flush (with
-    /// 1,000 faces, visiting every one each round cost more than the frames).
-    fn flush_egress(&mut self, batch: &mut Batch) {
-        self.switch.take_egress_ready(&mut self.egress_ready);
-        for index in &self.egress_ready {
-            let Some(&k) = self.face_at.get(index) else { continue };
-            let dev = &self.faces[k].1;
-            self.switch.face_egress(*index, batch);
-            if batch.is_empty() {
-                continue;
-            }
-            let packets: Vec<&flexstack_core::Packet> = batch
-                .iter()
-                .filter_map(|f| match f {
-                    Frame::Data(p) => Some(p),
-                    _ => None,
-                })
-                .collect();
-            if let Err(e) = dev.write_frames(&packets) {
-                tracing::debug!(device = dev.name(), error = %e, "write failed (counted)");
-            }
-            drop(packets);
-            batch.clear();
-        }
-    }
-}
-
-/// Handles one command; false means stop.
-fn handle(switch: &mut Switch, cmd: Command, clock: &dyn Fn() -> Time) -> bool {
-    match cmd {
-        Command::Apply(edits, reply) => {
-            let _ = reply.send(switch.apply(edits));
-        }
-        Command::Snapshot(reply) => {
-            let _ = reply.send(Snapshot {
-                spec: switch.describe(),
-                modules: switch.module_infos(),
-                edges: switch.edges().to_vec(),
-                paused: switch.is_paused(),
-            });
-        }
-        Command::Control(frame, reply) => {
-            let serial = frame.serial;
-            switch.send_control(frame);
-            switch.run(clock());
-            let mut inbox = switch.take_control_inbox();
-            let found = inbox.iter().position(|f| f.serial == serial && f.dest == CONTROL_PLANE);
-            let _ = reply.send(found.map(|i| inbox.swap_remove(i)));
-        }
-        Command::Shutdown(reply) => {
-            let names: Vec<String> = switch.module_names().map(str::to_string).collect();
-            let _ = switch.apply(names.into_iter().rev().map(|name| Edit::Unload { name }).collect());
-            let _ = reply.send(());
-            return false;
-        }
-    }
-    true
-}
 
 #[cfg(test)]
 mod tests {

@@ -19,7 +19,7 @@ use crate::frame::{Batch, ControlFrame, ControlOp, Frame, PacketPool};
 use crate::module::{port_type, FaceDevice, Module, ModuleBuilder, ModuleInterface, Output, PortSpec, CONTROL_PORT};
 use crate::time::Time;
 use crate::value::{Value, ValueType};
-use crate::vars::{DynamicVars, Meter, ModuleVars, Registry, SharedRegistry, VarCell, VarKind, VarSpec};
+use crate::vars::{Across, DynamicVars, Meter, ModuleVars, Registry, SharedRegistry, VarCell, VarKind, VarSpec};
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, BinaryHeap, HashMap};
 use std::fmt;
@@ -400,7 +400,8 @@ impl Switch {
         let switch_vars = ModuleVars::new(&[
             VarSpec::meter("runs_total", ValueType::U64, "runs", "times the switch ran its modules"),
             VarSpec::meter("frames_injected_total", ValueType::U64, "frames", "frames injected by faces"),
-            VarSpec::meter("edits_total", ValueType::U64, "edits", "edits committed"),
+            // Every worker commits every edit: the count is one worker's, not their sum.
+            VarSpec::meter("edits_total", ValueType::U64, "edits", "edits committed").with_across(Across::Max),
             VarSpec::meter("paused", ValueType::Bool, "", "true while the whole stack is paused"),
             VarSpec::meter("pool_allocated_total", ValueType::U64, "buffers", "packet buffers allocated from the heap"),
             VarSpec::meter("pool_free", ValueType::U64, "buffers", "packet buffers on the free list"),

@@ -280,6 +280,16 @@ impl DataPlane {
             // Flow variables live on the worker that owns the flow: a write goes to the one that registered it.
             let (vars, edits): (Vec<Edit>, Vec<Edit>) =
                 edits.into_iter().partition(|e| matches!(e, Edit::SetVar { .. }));
+            if edits.is_empty() && !vars.is_empty() {
+                let mut result = Ok(Vec::new());
+                for var in vars {
+                    result = self.set_var(var)?;
+                    if result.is_err() {
+                        break;
+                    }
+                }
+                return Ok(result);
+            }
             let mut copies = Vec::with_capacity(n);
             let mut refused = None;
             for k in 1..n {
@@ -314,9 +324,7 @@ impl DataPlane {
                 s.modules = modules;
                 self.registry.link_workers(&self.workers[1..].iter().map(|w| w.registry.clone()).collect::<Vec<_>>());
                 for var in vars {
-                    let r = self.set_var(var)?;
-                    if let (Ok(notes), Err(e)) = (&mut result, r) {
-                        let _ = notes;
+                    if let Err(e) = self.set_var(var)? {
                         result = Err(e);
                         break;
                     }
@@ -353,15 +361,13 @@ impl DataPlane {
         single: BTreeMap<String, String>,
     ) -> Result<Result<Vec<String>, EditError>, DataPlaneGone> {
         let n = self.workers.len();
-        let mut plan = vec![Edits::These(edits)];
-        plan.extend((1..n).map(|_| Edits::UnloadAll));
-        let everyone: Vec<usize> = (0..n).collect();
-        // Worker 0 first, alone: if its edit fails, nothing changes anywhere.
-        let mut plan = plan.into_iter();
-        let first = self.apply_on(&[0], vec![plan.next().unwrap_or(Edits::UnloadAll)], None)?.remove(0);
+        // Worker 0 first, alone: if its edit fails, nothing changes anywhere. From then on it keeps every frame
+        // it reads; what the others handed it meanwhile, under the old stack, is dropped and counted
+        // (`drop_stale_total`) until they have unloaded theirs.
+        let first = self.apply_on(&[0], vec![Edits::These(edits)], Some(1))?.remove(0);
         if first.is_ok() {
-            self.apply_on(&everyone[1..], plan.collect(), Some(1))?;
-            self.apply_on(&[0], vec![Edits::These(Vec::new())], Some(1))?;
+            let others: Vec<usize> = (1..n).collect();
+            self.apply_on(&others, others.iter().map(|_| Edits::UnloadAll).collect(), Some(1))?;
             s.active = 1;
             s.modules = modules;
             if let Some((name, why)) = single.iter().next() {

@@ -417,7 +417,8 @@ impl Loop {
                         self.switch.apply(names.into_iter().rev().map(|name| Edit::Unload { name }).collect())
                     }
                 };
-                if let Some(active) = active {
+                // The stack's spread changes with an edit that holds (a failed one changed nothing).
+                if let Some(active) = active.filter(|_| result.is_ok()) {
                     self.active = active;
                     st.meters.active.set(u64::from(self.id < active));
                 }

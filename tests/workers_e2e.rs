@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{privileged, unique, Daemon, Netns};
+use common::{privileged, through_tun_faces, Daemon, Netns};
 use flexstack_api::ops::{Get, ShowRuntime, Status};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -15,27 +15,19 @@ use std::path::Path;
 /// A daemon with `workers` workers whose stack joins TUN faces `a` (namespace A, 10.77.0.1 and fd77::1) and `b`
 /// (namespace B, .2 and ::2) through a classifier and a direction splitter, plus `more` (TOML tables).
 fn two_namespaces(workers: &str, more: &str) -> (Daemon, Netns, Netns) {
-    let (dev_a, dev_b) = (unique("wa"), unique("wb"));
-    let stack = format!(
-        r#"links = ["a -> cls", "b -> cls", "cls[tcp] -> dir", "cls[udp] -> dir", "cls[icmp] -> dir", "cls[other] -> dir", "dir[down] -> b", "dir[up] -> a"]
-[modules.a]
-kind = "tun"
-name = "{dev_a}"
-[modules.b]
-kind = "tun"
-name = "{dev_b}"
-direction = "up"
-[modules.cls]
-kind = "classify"
-[modules.dir]
-kind = "direction"
-{more}"#
-    );
-    let d = Daemon::start(&stack, &["--workers", workers]);
-    let (ns_a, ns_b) = (Netns::new("wa"), Netns::new("wb"));
-    ns_a.adopt(&dev_a, &["10.77.0.1/24", "fd77::1/64"]);
-    ns_b.adopt(&dev_b, &["10.77.0.2/24", "fd77::2/64"]);
-    (d, ns_a, ns_b)
+    through_tun_faces(
+        r#"["a -> cls", "b -> cls", "cls[tcp] -> dir", "cls[udp] -> dir", "cls[icmp] -> dir", "cls[other] -> dir",
+            "dir[down] -> b", "dir[up] -> a"]"#,
+        "direction = \"up\"\n",
+        &format!("[modules.cls]\nkind = \"classify\"\n[modules.dir]\nkind = \"direction\"\n{more}"),
+        (&["10.77.0.1/24", "fd77::1/64"], &["10.77.0.2/24", "fd77::2/64"]),
+        &["--workers", workers],
+    )
+}
+
+/// What `status` says of the data plane (its scheduling, and its workers when it has several).
+fn data_plane(d: &Daemon) -> String {
+    d.answer::<Status>(&["status"]).dataplane_scheduling
 }
 
 /// Every variable matching `pattern`, by name, as u64 (text values are left out).
@@ -165,8 +157,8 @@ fn many_flows_cross_two_workers_intact_and_each_stays_on_one() {
         return;
     }
     let (d, ns_a, ns_b) = two_namespaces("2", "");
-    let status = d.answer::<Status>(&["status"]);
-    assert!(status.dataplane_scheduling.ends_with("workers 2 of 2"), "{status:?}");
+    let status = data_plane(&d);
+    assert!(status.ends_with("workers 2 of 2"), "{status}");
 
     let lines = run_flows(&ns_a, &ns_b, 64, 16, 200, 200_000);
     let tcp_ok = lines.iter().filter(|l| *l == "tcp ok").count();
@@ -291,11 +283,8 @@ fn a_module_with_a_global_view_keeps_the_stack_on_one_worker_until_it_is_emptied
     let (d, ns_a, _ns_b) = two_namespaces("2", "");
     assert_eq!(d.get_u64("worker.1.active"), 1);
     d.ok(&["module", "load", "e", "emulator"]);
-    let status = d.answer::<Status>(&["status"]);
-    assert!(
-        status.dataplane_scheduling.ends_with("workers 1 of 2: module e (emulator) needs a global view"),
-        "{status:?}"
-    );
+    let status = data_plane(&d);
+    assert!(status.ends_with("workers 1 of 2: module e (emulator) needs a global view"), "{status}");
     assert_eq!(d.get_u64("worker.1.active"), 0);
     // Worker 0 alone carries the traffic now.
     let before = d.get_u64("worker.1.frames_total");
@@ -305,12 +294,12 @@ fn a_module_with_a_global_view_keeps_the_stack_on_one_worker_until_it_is_emptied
     assert_eq!(d.get_u64("worker.1.frames_total"), before);
     // Unloading it leaves the stack on one worker (until the stack is empty); an empty stack is on both again.
     d.ok(&["module", "unload", "e"]);
-    assert!(d.answer::<Status>(&["status"]).dataplane_scheduling.contains("1 of 2"));
+    assert!(data_plane(&d).contains("1 of 2"));
     for m in ["dir", "cls", "b", "a"] {
         d.ok(&["module", "unload", m]);
     }
-    let status = d.answer::<Status>(&["status"]);
-    assert!(status.dataplane_scheduling.ends_with("workers 2 of 2"), "{status:?}");
+    let status = data_plane(&d);
+    assert!(status.ends_with("workers 2 of 2"), "{status}");
 }
 
 #[test]
@@ -319,8 +308,8 @@ fn one_worker_runs_as_before() {
         return;
     }
     let (d, ns_a, _ns_b) = two_namespaces("1", "");
-    let status = d.answer::<Status>(&["status"]);
-    assert!(!status.dataplane_scheduling.contains("workers"), "{status:?}");
+    let status = data_plane(&d);
+    assert!(!status.contains("workers"), "{status}");
     reachable(&ns_a, "10.77.0.2");
     assert_eq!(d.get("flow.1.worker"), 0, "flows are numbered 1, 2, ... as before");
     assert!(d.answer::<ShowRuntime>(&["show", "runtime"]).iter().all(|r| r.kind != "worker"));

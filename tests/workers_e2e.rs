@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{privileged, through_tun_faces, Daemon, Netns};
+use common::{privileged, sh, through_tun_faces, unique, Daemon, LinkGuard, Netns};
 use flexstack_api::ops::{Get, ShowRuntime, Status};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -314,4 +314,40 @@ fn one_worker_runs_as_before() {
     assert_eq!(d.get("flow.1.worker"), 0, "flows are numbered 1, 2, ... as before");
     assert!(d.answer::<ShowRuntime>(&["show", "runtime"]).iter().all(|r| r.kind != "worker"));
     assert_eq!(d.get_u64("module.a.handoff_total"), 0);
+}
+
+#[test]
+fn link_faces_spread_their_frames_over_two_workers_with_packet_fanout() {
+    if !privileged() {
+        return;
+    }
+    // Two veth pairs: flexstack bridges the ends left in this namespace (`packet` faces, a socket per worker in a
+    // fanout group); the other ends are the two namespaces' interfaces.
+    let (ns_a, ns_b) = (Netns::new("fa"), Netns::new("fb"));
+    let (o1, p1, o2, p2) = (unique("o"), unique("p"), unique("o"), unique("p"));
+    sh("ip", &["link", "add", &o1, "type", "veth", "peer", "name", &p1]);
+    let _l1 = LinkGuard(o1.clone());
+    sh("ip", &["link", "add", &o2, "type", "veth", "peer", "name", &p2]);
+    let _l2 = LinkGuard(o2.clone());
+    ns_a.adopt(&p1, &["10.77.0.1/24", "fd77::1/64"]);
+    ns_b.adopt(&p2, &["10.77.0.2/24", "fd77::2/64"]);
+    for o in [&o1, &o2] {
+        sh("ip", &["link", "set", o, "up"]);
+    }
+    let stack = format!(
+        "links = [\"l1 -> l2\", \"l2 -> l1\"]\n[modules.l1]\nkind = \"packet\"\ninterface = \"{o1}\"\ntake_over = false\n\
+         [modules.l2]\nkind = \"packet\"\ninterface = \"{o2}\"\ntake_over = false\n"
+    );
+    let d = Daemon::start(&stack, &["--workers", "2"]);
+    assert!(data_plane(&d).ends_with("workers 2 of 2"));
+
+    let lines = run_flows(&ns_a, &ns_b, 32, 8, 100, 100_000);
+    assert_eq!(lines.iter().filter(|l| *l == "tcp ok").count(), 32, "{lines:?}");
+    assert!(lines.iter().filter(|l| l.starts_with("udp ")).all(|l| l == "udp 100"), "{lines:?}");
+    let frames = u64s(&d, "worker.*.frames_total");
+    assert!(frames.values().all(|&n| n > 0), "the fanout gave both workers frames: {frames:?}");
+    let read = d.get_u64("module.l1.rx_packets_total") + d.get_u64("module.l2.rx_packets_total");
+    let handed = d.get_u64("module.l1.handoff_total") + d.get_u64("module.l2.handoff_total");
+    assert_eq!(handed, sum(&d, "worker.*.handoff_in_total"));
+    eprintln!("link faces: frames per worker {frames:?}, read {read}, handed over {handed}");
 }

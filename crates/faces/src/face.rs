@@ -102,7 +102,11 @@ const METERS: &[MeterDecl<Meters>] = &[
         |m: &mut Meters| &mut m.carrier,
     )
     .max_across_workers(),
-    MeterDecl::u64("carrier_changes_total", "changes", "carrier losses and returns seen", |m| &mut m.carrier_changes),
+    // Every worker's replica of the face sees the same link events: the count is one worker's, not their sum.
+    MeterDecl::u64("carrier_changes_total", "changes", "carrier losses and returns seen", |m: &mut Meters| {
+        &mut m.carrier_changes
+    })
+    .max_across_workers(),
 ];
 
 /// The `tun` kind.

@@ -73,6 +73,9 @@ enum Command {
     /// run the stack afterwards, if that changes.
     Apply {
         edits: Edits,
+        /// The count of edit commands: the same for every worker of one command, so that frames handed over
+        /// between workers name faces of the same stack.
+        epoch: u64,
         active: Option<usize>,
         barrier: Option<Arc<Barrier>>,
         reply: Sender<Result<Vec<String>, EditError>>,
@@ -90,6 +93,8 @@ pub struct DataPlane {
     /// Configures the modules of workers other than the first from their kind and settings.
     catalog: Catalog,
     sharding: Mutex<Sharding>,
+    /// Edit commands sent (see [`Command::Apply`]).
+    epoch: std::sync::atomic::AtomicU64,
 }
 
 /// One worker thread.
@@ -225,7 +230,8 @@ impl DataPlane {
         }
         let catalog = crate::catalog_quiet();
         let sharding = Mutex::new(Sharding { active: n, ..Sharding::default() });
-        Ok(DataPlane { workers, registry: first, scheduling, catalog, sharding })
+        let epoch = std::sync::atomic::AtomicU64::new(0);
+        Ok(DataPlane { workers, registry: first, scheduling, catalog, sharding, epoch })
     }
 
     fn send_to(&self, worker: usize, cmd: Command) -> Result<(), DataPlaneGone> {
@@ -387,10 +393,11 @@ impl DataPlane {
         active: Option<usize>,
     ) -> Result<Vec<Result<Vec<String>, EditError>>, DataPlaneGone> {
         let barrier = (workers.len() > 1).then(|| Arc::new(Barrier::new(workers.len())));
+        let epoch = self.epoch.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
         let mut replies = Vec::with_capacity(workers.len());
         for (&k, edits) in workers.iter().zip(plan) {
             let (tx, rx) = mpsc::channel();
-            self.send_to(k, Command::Apply { edits, active, barrier: barrier.clone(), reply: tx })?;
+            self.send_to(k, Command::Apply { edits, epoch, active, barrier: barrier.clone(), reply: tx })?;
             replies.push(rx);
         }
         replies.into_iter().map(|rx| rx.recv().map_err(|_| DataPlaneGone)).collect()
@@ -552,6 +559,7 @@ fn start_worker(
         worker::Loop {
             id,
             active: n,
+            epoch: 0,
             switch,
             origin,
             rx,

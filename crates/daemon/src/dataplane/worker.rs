@@ -37,11 +37,11 @@ pub(super) const LINK_TOKEN: u64 = u64::MAX - 1;
 pub(super) const TIMER_TOKEN: u64 = u64::MAX;
 
 /// A frame one worker read and another owns: the bytes (the pool's packets stay on their thread), what the device
-/// told about it, and which face it was read from, by module index in the stack of `generation` (all workers apply
-/// the same edits, so indices agree).
+/// told about it, and which face it was read from, by module index in the stack of `epoch` (the count of the data
+/// plane's edit commands: all workers that run the stack apply the same edits, so their indices agree).
 pub(super) struct Handoff {
     face: u32,
-    generation: u64,
+    epoch: u64,
     direction: Direction,
     meta: Metadata,
     data: Vec<u8>,
@@ -135,6 +135,8 @@ pub(super) struct Loop {
     pub(super) id: usize,
     /// How many workers run the stack now (1: this one alone, or the stack is on worker 0 only).
     pub(super) active: usize,
+    /// The epoch of the last edit command applied (see [`Handoff`]).
+    pub(super) epoch: u64,
     pub(super) switch: Switch,
     pub(super) origin: Instant,
     pub(super) rx: Receiver<Command>,
@@ -218,7 +220,7 @@ impl Loop {
                             read += 1;
                             let owner = steer::owner(p.data(), ethernet, self.active);
                             if owner != self.id {
-                                match self.hand_over(owner, index, st.generation, dev.direction(), &meta, p.data()) {
+                                match self.hand_over(owner, index, dev.direction(), &meta, p.data()) {
                                     true => sent += 1,
                                     false => dropped += 1,
                                 }
@@ -329,15 +331,7 @@ impl Loop {
     }
 
     /// Hands a frame to worker `owner` over the ring to it; false (dropped) when the ring is full.
-    fn hand_over(
-        &mut self,
-        owner: usize,
-        face: usize,
-        generation: u64,
-        direction: Direction,
-        meta: &Metadata,
-        data: &[u8],
-    ) -> bool {
+    fn hand_over(&mut self, owner: usize, face: usize, direction: Direction, meta: &Metadata, data: &[u8]) -> bool {
         let Some(ring) = self.rings.to[owner].as_mut() else { return false };
         if ring.is_full() {
             return false;
@@ -345,7 +339,7 @@ impl Loop {
         let mut buf = self.rings.reuse[owner].as_mut().and_then(|r| r.pop().ok()).unwrap_or_default();
         buf.clear();
         buf.extend_from_slice(data);
-        let h = Handoff { face: face as u32, generation, direction, meta: *meta, data: buf };
+        let h = Handoff { face: face as u32, epoch: self.epoch, direction, meta: *meta, data: buf };
         ring.push(h).is_ok()
     }
 
@@ -371,7 +365,7 @@ impl Loop {
             let n = ring.slots();
             for _ in 0..n {
                 let Ok(h) = ring.pop() else { break };
-                if h.generation != st.generation || !st.face_at.contains_key(&(h.face as usize)) {
+                if h.epoch != self.epoch || !st.face_at.contains_key(&(h.face as usize)) {
                     st.meters.drop_stale.add(1);
                 } else {
                     let mut p = pool.alloc_from(&h.data);
@@ -400,7 +394,7 @@ impl Loop {
     /// Handles one command; false means stop.
     fn handle(&mut self, cmd: Command, st: &mut State, batch: &mut Batch) -> bool {
         match cmd {
-            Command::Apply { edits, active, barrier, reply } => {
+            Command::Apply { edits, epoch, active, barrier, reply } => {
                 if let Some(b) = &barrier {
                     // No worker reads its devices past this point, so no frame is handed over any more: take what
                     // was, run it to completion under the old stack, then change the stack together.
@@ -417,6 +411,7 @@ impl Loop {
                         self.switch.apply(names.into_iter().rev().map(|name| Edit::Unload { name }).collect())
                     }
                 };
+                self.epoch = epoch;
                 // The stack's spread changes with an edit that holds (a failed one changed nothing).
                 if let Some(active) = active.filter(|_| result.is_ok()) {
                     self.active = active;

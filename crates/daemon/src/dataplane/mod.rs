@@ -27,12 +27,16 @@
 //! verdict, [`DataPlane::snapshot`] asks for the stack's shape. Meters are never read through here: readers use
 //! the [`SharedRegistry`], whose cells the data plane updates without locks.
 
+mod command;
+mod moderation;
 mod steer;
 mod worker;
 
-use flexstack_core::config::StackSpec;
-use flexstack_core::switch::{Edge, ModuleInfo};
-use flexstack_core::{Catalog, ControlFrame, Edit, EditError, ModuleBuilder, PacketPool, SharedRegistry, Switch, Time};
+pub use command::Snapshot;
+use command::{Command, Edits};
+pub use moderation::{RxModeration, DEFAULT_RX_HOLD};
+
+use flexstack_core::{Catalog, ControlFrame, Edit, EditError, ModuleBuilder, PacketPool, SharedRegistry, Switch};
 use flexstack_faces::linkwatch::LinkWatch;
 use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags};
 use nix::sys::eventfd::{EfdFlags, EventFd};
@@ -42,48 +46,6 @@ use std::sync::mpsc::{self, Sender};
 use std::sync::{Arc, Barrier, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
-
-/// Longest sleep of the loop when nothing is due (bounds the latency of commands only when none arrive).
-const MAX_IDLE: Duration = Duration::from_millis(50);
-
-/// The shape of the running stack at one moment.
-#[derive(Clone, Debug)]
-pub struct Snapshot {
-    /// The stack as a description (knob values as settings).
-    pub spec: StackSpec,
-    /// Modules with kind, state and ports.
-    pub modules: Vec<ModuleInfo>,
-    /// Resolved links.
-    pub edges: Vec<Edge>,
-    /// True while the whole stack is paused.
-    pub paused: bool,
-}
-
-/// The edits of one [`Command::Apply`].
-enum Edits {
-    These(Vec<Edit>),
-    /// Every module, in reverse load order (a worker leaving the stack to worker 0).
-    UnloadAll,
-}
-
-enum Command {
-    /// Edits to apply between batches. With a barrier, all workers apply theirs together: each waits at the
-    /// barrier (so none reads its devices any more, and none hands frames over), takes what was handed to it and
-    /// runs it to completion, applies its edits, and waits again before reading on. `active`: how many workers
-    /// run the stack afterwards, if that changes.
-    Apply {
-        edits: Edits,
-        /// The count of edit commands: the same for every worker of one command, so that frames handed over
-        /// between workers name faces of the same stack.
-        epoch: u64,
-        active: Option<usize>,
-        barrier: Option<Arc<Barrier>>,
-        reply: Sender<Result<Vec<String>, EditError>>,
-    },
-    Snapshot(Sender<Snapshot>),
-    Control(ControlFrame, Sender<Option<ControlFrame>>),
-    Shutdown(Sender<()>),
-}
 
 /// Handle to the data-plane threads.
 pub struct DataPlane {
@@ -146,60 +108,6 @@ fn scheduling_of_this_thread(asked: u8) -> String {
         Ok(None) if asked == 0 => "normal".into(),
         Ok(None) => format!("normal (real-time priority {asked} was refused: see the daemon's log)"),
         Err(e) => format!("unknown ({e})"),
-    }
-}
-
-/// The default hold of face wake-ups while frames stream (see [`RxModeration`]): none. A hold of 30 us doubled
-/// the frames read per wake-up on the emulator benchmark (2 to 4) but changed neither its throughput nor the
-/// daemon's CPU time per byte on a quiet machine (BENCHMARKS.md, issue 4), so it is not on by default.
-pub const DEFAULT_RX_HOLD: Duration = Duration::ZERO;
-
-/// Interrupt moderation of face wake-ups, sans-IO: the loop asks [`RxModeration::hold`] each time epoll reports a
-/// face readable, and waits what it answers before reading.
-///
-/// Frames are streaming in when the last two gaps between face wake-ups were both shorter than
-/// [`RxModeration::STREAMING_GAP`] holds: the loop then waits `hold` (at most until the next module timer is due),
-/// and the frames that arrive meanwhile are read by the same wake-up. Each wake-up costs a context switch on both
-/// sides (the writer's wake and the reader's schedule), a cost per frame that is worth more than the hold's latency
-/// while frames stream (the TCP benchmark of the emulator reads about 2 frames per wake-up without it). Sparse
-/// traffic is read at once: a ping's request and its reply make one short gap, not two. Request/response traffic
-/// faster than one exchange per 4 holds does stream, and each frame then waits up to one hold.
-#[derive(Clone, Debug)]
-pub struct RxModeration {
-    hold: Duration,
-    last_face_wake: Option<Time>,
-    /// Whether the gap before the last face wake-up was short.
-    last_gap_short: bool,
-}
-
-impl RxModeration {
-    /// Wake-ups closer together than this many holds are streaming.
-    pub const STREAMING_GAP: u32 = 4;
-
-    /// Moderation with this hold (zero: off).
-    pub fn new(hold: Duration) -> RxModeration {
-        RxModeration { hold, last_face_wake: None, last_gap_short: false }
-    }
-
-    /// A face woke the loop at `now`; `next_due` is the earliest module timer. Returns how long to wait before
-    /// reading (zero: read at once).
-    pub fn hold(&mut self, now: Time, next_due: Option<Time>) -> Duration {
-        let previous = self.last_face_wake.replace(now);
-        if self.hold.is_zero() {
-            return Duration::ZERO;
-        }
-        let limit = self.hold * Self::STREAMING_GAP;
-        let gap_short = previous.is_some_and(|p| now.0.saturating_sub(p.0) < limit.as_nanos() as u64);
-        let streaming = gap_short && self.last_gap_short;
-        self.last_gap_short = gap_short;
-        if !streaming {
-            return Duration::ZERO;
-        }
-        match next_due {
-            Some(due) if due.0 <= now.0 => Duration::ZERO,
-            Some(due) => self.hold.min(Duration::from_nanos(due.0 - now.0)),
-            None => self.hold,
-        }
     }
 }
 
@@ -580,59 +488,3 @@ fn start_worker(
 #[derive(Debug, thiserror::Error)]
 #[error("the data plane has stopped")]
 pub struct DataPlaneGone;
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    const HOLD: Duration = Duration::from_micros(30);
-
-    fn at_us(us: u64) -> Time {
-        Time(us * 1_000)
-    }
-
-    #[test]
-    fn sparse_wake_ups_are_read_at_once() {
-        let mut m = RxModeration::new(HOLD);
-        assert_eq!(m.hold(at_us(1_000), None), Duration::ZERO);
-        // A ping's reply 100 us after its request: one short gap.
-        assert_eq!(m.hold(at_us(1_100), None), Duration::ZERO);
-        // The next ping 10 ms later, and its reply.
-        assert_eq!(m.hold(at_us(11_000), None), Duration::ZERO);
-        assert_eq!(m.hold(at_us(11_100), None), Duration::ZERO);
-        // A gap of exactly 4 holds (120 us) is not short.
-        assert_eq!(m.hold(at_us(11_220), None), Duration::ZERO);
-        assert_eq!(m.hold(at_us(11_340), None), Duration::ZERO);
-    }
-
-    #[test]
-    fn wake_ups_in_close_succession_are_held_until_a_quiet_gap() {
-        let mut m = RxModeration::new(HOLD);
-        assert_eq!(m.hold(at_us(1_000), None), Duration::ZERO);
-        assert_eq!(m.hold(at_us(1_050), None), Duration::ZERO);
-        assert_eq!(m.hold(at_us(1_100), None), HOLD);
-        assert_eq!(m.hold(at_us(1_219), None), HOLD);
-        assert_eq!(m.hold(at_us(2_000), None), Duration::ZERO);
-        assert_eq!(m.hold(at_us(2_010), None), Duration::ZERO);
-        assert_eq!(m.hold(at_us(2_020), None), HOLD);
-    }
-
-    #[test]
-    fn the_hold_ends_before_a_module_timer_is_due() {
-        let mut m = RxModeration::new(HOLD);
-        m.hold(at_us(1_000), None);
-        m.hold(at_us(1_005), None);
-        assert_eq!(m.hold(at_us(1_010), Some(at_us(1_020))), Duration::from_micros(10));
-        assert_eq!(m.hold(at_us(1_020), Some(at_us(1_020))), Duration::ZERO);
-        assert_eq!(m.hold(at_us(1_030), Some(at_us(1_000))), Duration::ZERO);
-        assert_eq!(m.hold(at_us(1_040), Some(at_us(2_000))), HOLD);
-    }
-
-    #[test]
-    fn a_zero_hold_turns_moderation_off() {
-        let mut m = RxModeration::new(Duration::ZERO);
-        for us in [1_000, 1_001, 1_002] {
-            assert_eq!(m.hold(at_us(us), None), Duration::ZERO);
-        }
-    }
-}

@@ -2,8 +2,9 @@
 //! frames of flows another worker owns over rings ([`super::steer`]), and applying the control plane's commands
 //! between batches (together with the other workers, see [`Command::Apply`]).
 
+use super::command::{Command, Edits, Snapshot, MAX_IDLE};
+use super::moderation::RxModeration;
 use super::steer;
-use super::{Command, Edits, RxModeration, Snapshot, MAX_IDLE};
 use flexstack_core::frame::Metadata;
 use flexstack_core::switch::CONTROL_PLANE;
 use flexstack_core::vars::DynamicVars;

@@ -5,15 +5,21 @@
 #       faces), both measured in the same run;
 #   (2) through flexstack: two TUN faces wired to each other ("a -> b", "b -> a");
 #   (3) through flexstack with the modules of the default app chain on the way (ip, reassemble, classify).
-# Prints the median of RUNS runs of SECS seconds each, and the ratios to the reference. Needs root.
+# Each with STREAMS parallel iperf3 streams (-P; default "1 4"), flexstack with each of WORKERS data-plane workers
+# (`daemon --workers`; default "1 2"). Prints the median of RUNS runs of SECS seconds each, and the ratios to the
+# reference. PROFILE=ci uses the ci profile's binary (optimised, with debug info) instead of building a release.
+# Needs root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${RUNS:-3}
 SECS=${SECS:-5}
 [[ $(id -u) == 0 ]] || { echo "bench-datapath: needs root (namespaces, TUN devices)" >&2; exit 1; }
 command -v iperf3 >/dev/null || { echo "bench-datapath: needs iperf3 (scripts/setup.sh)" >&2; exit 1; }
-cargo build --release --quiet
-fs=$PWD/target/release/flexstack
+STREAMS=${STREAMS:-1 4}
+WORKERS=${WORKERS:-1 2}
+PROFILE=${PROFILE:-release}
+cargo build --profile "$PROFILE" --quiet
+fs=$PWD/target/$PROFILE/flexstack
 tag=fsb$$
 state=$(mktemp -d)
 cleanup() {
@@ -27,11 +33,11 @@ ip netns add ${tag}a; ip netns add ${tag}b
 ip -n ${tag}a link set lo up; ip -n ${tag}b link set lo up
 
 . scripts/lib/bench.sh   # median, tun_faces
-measure() { # $1 = server address; prints Gbit/s of each run, one per line
+measure() { # $1 = server address, $2 = parallel streams; prints Gbit/s of each run, one per line
   ip netns exec ${tag}b iperf3 -s -D -p 5299 -I "$state/iperf.pid" >/dev/null
   sleep 0.3
   for _ in $(seq "$RUNS"); do
-    ip netns exec ${tag}a iperf3 -c "$1" -p 5299 -t "$SECS" -J | python3 -c 'import json,sys; print(json.load(sys.stdin)["end"]["sum_received"]["bits_per_second"]/1e9)'
+    ip netns exec ${tag}a iperf3 -c "$1" -p 5299 -P "$2" -t "$SECS" -J | python3 -c 'import json,sys; print(json.load(sys.stdin)["end"]["sum_received"]["bits_per_second"]/1e9)'
   done
   kill "$(cat "$state/iperf.pid")" 2>/dev/null || true
   sleep 0.3
@@ -42,7 +48,8 @@ ip link add ${tag}v type veth peer name ${tag}w
 ip link set ${tag}v netns ${tag}a; ip link set ${tag}w netns ${tag}b
 ip -n ${tag}a addr add 10.201.0.1/24 dev ${tag}v; ip -n ${tag}a link set ${tag}v up
 ip -n ${tag}b addr add 10.201.0.2/24 dev ${tag}w; ip -n ${tag}b link set ${tag}w up
-veth=$(measure 10.201.0.2 | median)
+declare -A veth cfwd wire chain
+for p in $STREAMS; do veth[$p]=$(measure 10.201.0.2 "$p" | median); done
 ip -n ${tag}a link del ${tag}v
 
 # (1b) the trivial C forwarder
@@ -53,17 +60,17 @@ for _ in $(seq 100); do grep -q ready "$state/fwd.out" 2>/dev/null && break; sle
 ip link set ${tag}ta netns ${tag}a; ip link set ${tag}tb netns ${tag}b
 ip -n ${tag}a addr add 10.202.0.1/24 dev ${tag}ta; ip -n ${tag}a link set ${tag}ta up
 ip -n ${tag}b addr add 10.202.0.2/24 dev ${tag}tb; ip -n ${tag}b link set ${tag}tb up
-cfwd=$(measure 10.202.0.2 | median)
+for p in $STREAMS; do cfwd[$p]=$(measure 10.202.0.2 "$p" | median); done
 kill "$fwd"; wait "$fwd" 2>/dev/null || true
 
-run_stack() { # $1 = stack file; prints the median Gbit/s
-  "$fs" daemon --stack "$1" --state-dir "$state/d" 2>"$state/daemon.log" &
+run_stack() { # $1 = stack file, $2 = workers, $3 = streams; prints the median Gbit/s
+  "$fs" daemon --stack "$1" --state-dir "$state/d" --workers "$2" 2>"$state/daemon.log" &
   daemon=$!
   for _ in $(seq 100); do "$fs" --state-dir "$state/d" status >/dev/null 2>&1 && break; sleep 0.05; done
   ip link set ${tag}ta netns ${tag}a; ip link set ${tag}tb netns ${tag}b
   ip -n ${tag}a addr add 10.202.0.1/24 dev ${tag}ta; ip -n ${tag}a link set ${tag}ta up
   ip -n ${tag}b addr add 10.202.0.2/24 dev ${tag}tb; ip -n ${tag}b link set ${tag}tb up
-  measure 10.202.0.2 | median
+  measure 10.202.0.2 "$3" | median
   kill "$daemon"; wait "$daemon" 2>/dev/null || true; daemon=
 }
 
@@ -71,7 +78,7 @@ run_stack() { # $1 = stack file; prints the median Gbit/s
   echo 'links = ["a -> b", "b -> a"]'
   tun_faces
 } > "$state/wire.toml"
-wire=$(run_stack "$state/wire.toml")
+for w in $WORKERS; do for p in $STREAMS; do wire[$w,$p]=$(run_stack "$state/wire.toml" "$w" "$p"); done; done
 
 {
   cat <<'TOML'
@@ -91,10 +98,16 @@ kind = "classify"
 kind = "direction"
 TOML
 } > "$state/chain.toml"
-chain=$(run_stack "$state/chain.toml")
+for w in $WORKERS; do for p in $STREAMS; do chain[$w,$p]=$(run_stack "$state/chain.toml" "$w" "$p"); done; done
 
 printf 'data-path benchmark: iperf3 TCP, median of %s runs of %s s (Gbit/s)\n' "$RUNS" "$SECS"
-printf '  kernel veth (reference)                 %6.2f\n' "$veth"
-printf '  C TUN <-> TUN forwarder (reference)     %6.2f\n' "$cfwd"
-printf '  flexstack TUN <-> TUN                   %6.2f   ratio to C forwarder %.2f, to veth %.2f\n' "$wire" "$(echo "$wire / $cfwd" | bc -l)" "$(echo "$wire / $veth" | bc -l)"
-printf '  flexstack TUN <-> TUN, default modules  %6.2f   ratio to C forwarder %.2f, to veth %.2f\n' "$chain" "$(echo "$chain / $cfwd" | bc -l)" "$(echo "$chain / $veth" | bc -l)"
+for p in $STREAMS; do
+  printf '%s stream(s):\n' "$p"
+  printf '  kernel veth (reference)                            %6.2f\n' "${veth[$p]}"
+  printf '  C TUN <-> TUN forwarder (reference)                %6.2f\n' "${cfwd[$p]}"
+  for w in $WORKERS; do
+    x=${wire[$w,$p]}; y=${chain[$w,$p]}
+    printf '  flexstack TUN <-> TUN, %s worker(s)                 %6.2f   ratio to C forwarder %.2f, to veth %.2f\n' "$w" "$x" "$(echo "$x / ${cfwd[$p]}" | bc -l)" "$(echo "$x / ${veth[$p]}" | bc -l)"
+    printf '  flexstack default modules, %s worker(s)             %6.2f   ratio to C forwarder %.2f, to veth %.2f\n' "$w" "$y" "$(echo "$y / ${cfwd[$p]}" | bc -l)" "$(echo "$y / ${veth[$p]}" | bc -l)"
+  done
+done

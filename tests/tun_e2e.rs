@@ -5,35 +5,8 @@
 
 mod common;
 
-use common::{privileged, unique, Daemon, Netns};
+use common::{privileged, through_tun_faces};
 use flexstack_api::ops::{TapAdd, TapList};
-
-/// A daemon whose stack has the links `links` (a TOML array), the TUN faces `a` and `b` (`b` with the extra settings
-/// `b_settings`, TOML lines) and the modules `modules` (TOML tables), and two namespaces, each holding one face's
-/// device with its addresses (CIDR strings) of `addrs`.
-fn through_tun_faces(
-    links: &str,
-    b_settings: &str,
-    modules: &str,
-    addrs: (&[&str], &[&str]),
-) -> (Daemon, Netns, Netns) {
-    let (dev_a, dev_b) = (unique("a"), unique("b"));
-    let stack = format!(
-        r#"links = {links}
-[modules.a]
-kind = "tun"
-name = "{dev_a}"
-[modules.b]
-kind = "tun"
-name = "{dev_b}"
-{b_settings}{modules}"#
-    );
-    let d = Daemon::start(&stack, &[]);
-    let (ns_a, ns_b) = (Netns::new("a"), Netns::new("b"));
-    ns_a.adopt(&dev_a, addrs.0);
-    ns_b.adopt(&dev_b, addrs.1);
-    (d, ns_a, ns_b)
-}
 
 #[test]
 fn apps_in_two_namespaces_talk_through_flexstack_tun_faces() {
@@ -50,6 +23,7 @@ kind = "switch"
 outputs = 2
 "#,
         (&["10.99.0.1/24", "fd99::1/64"], &["10.99.0.2/24", "fd99::2/64"]),
+        &[],
     );
 
     // Ping over IPv4 and IPv6, through the counter and the selector.
@@ -145,6 +119,7 @@ kind = "firewall"
 rules = ["drop out tcp to any port 8080", "accept icmp"]
 "#,
         (&["10.98.0.1/24"], &["10.98.0.2/24"]),
+        &[],
     );
     let www = tempfile::tempdir().unwrap();
     std::fs::write(www.path().join("f"), b"through the firewall").unwrap();

@@ -406,6 +406,34 @@ impl Netns {
     }
 }
 
+/// A daemon (started with the arguments `extra`) whose stack has the links `links` (a TOML array), the TUN faces `a` and `b` (`b` with the extra settings
+/// `b_settings`, TOML lines) and the modules `modules` (TOML tables), and two namespaces, each holding one face's
+/// device with its addresses (CIDR strings) of `addrs`.
+pub fn through_tun_faces(
+    links: &str,
+    b_settings: &str,
+    modules: &str,
+    addrs: (&[&str], &[&str]),
+    extra: &[&str],
+) -> (Daemon, Netns, Netns) {
+    let (dev_a, dev_b) = (unique("a"), unique("b"));
+    let stack = format!(
+        r#"links = {links}
+[modules.a]
+kind = "tun"
+name = "{dev_a}"
+[modules.b]
+kind = "tun"
+name = "{dev_b}"
+{b_settings}{modules}"#
+    );
+    let d = Daemon::start(&stack, extra);
+    let (ns_a, ns_b) = (Netns::new("a"), Netns::new("b"));
+    ns_a.adopt(&dev_a, addrs.0);
+    ns_b.adopt(&dev_b, addrs.1);
+    (d, ns_a, ns_b)
+}
+
 impl Drop for Netns {
     fn drop(&mut self) {
         if let Ok(out) = Command::new("ip").args(["netns", "pids", &self.name]).output() {

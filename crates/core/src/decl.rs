@@ -55,7 +55,7 @@ use crate::config::{ConfigError, Settings, SettingsReader};
 use crate::module::{Module, ModuleBuilder, ModuleInterface, PortSpec};
 use crate::reference::{KindReference, MeterDoc, PortDoc, SettingDoc};
 use crate::value::{Value, ValueType};
-use crate::vars::{Meter, ModuleVars, VarSpec};
+use crate::vars::{Across, Meter, ModuleVars, VarSpec};
 use std::borrow::Cow;
 use std::fmt;
 
@@ -421,6 +421,8 @@ pub struct MeterDecl<M> {
     /// The field holding the meter's handle; `None` for meters named by a pattern (`rule<N>_matches_total`), which
     /// the module declares itself and which are listed in the reference only.
     pub field: Option<fn(&mut M) -> &mut Meter>,
+    /// How the meter's cells on several data-plane workers combine ([`Across`]: summed unless said otherwise).
+    pub across: Across,
 }
 
 impl<M> MeterDecl<M> {
@@ -432,7 +434,7 @@ impl<M> MeterDecl<M> {
         description: &'static str,
         field: fn(&mut M) -> &mut Meter,
     ) -> Self {
-        MeterDecl { name, ty, unit, description, field: Some(field) }
+        MeterDecl { name, ty, unit, description, field: Some(field), across: Across::Sum }
     }
 
     /// A u64 meter (a counter or a gauge).
@@ -448,7 +450,12 @@ impl<M> MeterDecl<M> {
     /// Meters named by `pattern`, which the module declares itself (their number depends on its settings): listed in
     /// the reference only.
     pub const fn pattern(pattern: &'static str, unit: &'static str, description: &'static str) -> Self {
-        MeterDecl { name: pattern, ty: ValueType::U64, unit, description, field: None }
+        MeterDecl { name: pattern, ty: ValueType::U64, unit, description, field: None, across: Across::Sum }
+    }
+
+    /// A gauge that every worker sees alike (a link's carrier): readers see the largest of its cells, not the sum.
+    pub const fn max_across_workers(self) -> Self {
+        MeterDecl { across: Across::Max, ..self }
     }
 
     fn doc(&self, name: &str) -> MeterDoc {
@@ -475,6 +482,10 @@ pub struct KindDecl<S: 'static, M: 'static> {
     pub more_meters: fn() -> Vec<VarSpec>,
     /// See [`ModuleInterface::breaks_cycles`].
     pub breaks_cycles: bool,
+    /// The module needs a global view of the traffic (a shared queue model, a scheduler across flows, a file it
+    /// writes, frames it makes itself): a stack with one runs its data plane on one worker
+    /// ([`ModuleBuilder::global_view`]; docs/architecture.md, "Workers").
+    pub global_view: bool,
 }
 
 impl<S, M> KindDecl<S, M> {
@@ -489,6 +500,7 @@ impl<S, M> KindDecl<S, M> {
             meters: &[],
             more_meters: Vec::new,
             breaks_cycles: false,
+            global_view: false,
         }
     }
 
@@ -710,7 +722,7 @@ impl<S, M> Declared<'_, S, M> {
             .meters
             .iter()
             .filter(|m| m.field.is_some())
-            .map(|m| VarSpec::meter(&self.name(m.name), m.ty, m.unit, m.description));
+            .map(|m| VarSpec::meter(&self.name(m.name), m.ty, m.unit, m.description).with_across(m.across));
         knobs.chain(meters).collect()
     }
 
@@ -769,6 +781,10 @@ impl<S: Send, M: Default> ModuleBuilder for DeclBuilder<S, M> {
     fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module> {
         self.decl.publish(&self.state, vars);
         (self.make)(self.state, self.decl.meters(vars), vars)
+    }
+
+    fn global_view(&self) -> bool {
+        self.decl.global_view
     }
 }
 

@@ -119,6 +119,22 @@ pub trait ModuleBuilder: Send {
     fn deprecations(&mut self, deprecations: &Deprecations) {
         let _ = deprecations;
     }
+
+    /// True if the module needs a global view of the traffic (a shared queue model, a scheduler across flows, a
+    /// file it writes, frames it makes itself): a stack with one runs its data plane on one worker. Declared in
+    /// the kind's [`crate::decl::KindDecl::global_view`].
+    fn global_view(&self) -> bool {
+        false
+    }
+
+    /// A builder of the same module for data-plane worker `worker` (1..), which runs a switch of its own: `None`
+    /// (the default) when configuring the kind again from the same settings makes one; a face opens another queue
+    /// of its device here; `Some(Err(why))` when the module cannot run on several workers (the stack then runs on
+    /// one).
+    fn replica(&self, worker: usize) -> Option<Result<Box<dyn ModuleBuilder>, String>> {
+        let _ = worker;
+        None
+    }
 }
 
 /// A running module: a sans-IO state machine driven by the switch.
@@ -207,6 +223,15 @@ pub trait FaceDevice: Send + Sync {
     fn ifindex(&self) -> Option<u32> {
         None
     }
+    /// True if its frames start with an Ethernet header (a link face), false for raw IP packets.
+    fn ethernet(&self) -> bool {
+        false
+    }
+    /// Counts, on the face's meters, frames read here whose flow another data-plane worker owns: `sent` handed
+    /// to it, `dropped` lost because the ring to it was full. The default counts nothing.
+    fn count_handoff(&self, sent: u64, dropped: u64) {
+        let _ = (sent, dropped);
+    }
     /// Reads one packet into `buf` (cleared first) without blocking; `Ok(false)` when none is waiting.
     fn read_packet(&self, buf: &mut Vec<u8>) -> std::io::Result<bool>;
     /// Writes one packet.
@@ -250,6 +275,8 @@ pub struct Output<'a> {
     pub(crate) next_serial: &'a mut u32,
     pub(crate) wake: Option<Time>,
     pub(crate) dynamic: Option<&'a mut DynamicVars>,
+    /// The data-plane worker running the switch, and how many there are.
+    pub(crate) worker: (u32, u32),
 }
 
 impl<'a> Output<'a> {
@@ -262,13 +289,26 @@ impl<'a> Output<'a> {
         control: &'a mut Vec<Box<ControlFrame>>,
         next_serial: &'a mut u32,
     ) -> Output<'a> {
-        Output { now, module, pool, ports, dropped: 0, control, next_serial, wake: None, dynamic: None }
+        Output { now, module, pool, ports, dropped: 0, control, next_serial, wake: None, dynamic: None, worker: (0, 1) }
     }
 
     /// The current time.
     #[inline]
     pub fn now(&self) -> Time {
         self.now
+    }
+
+    /// The data-plane worker this module runs on (0..[`Output::workers`]): each runs a switch of its own, and a
+    /// flow's frames always meet on one (docs/architecture.md, "Workers").
+    #[inline]
+    pub fn worker(&self) -> u32 {
+        self.worker.0
+    }
+
+    /// How many data-plane workers run the stack (1 unless the daemon runs several and the stack allows it).
+    #[inline]
+    pub fn workers(&self) -> u32 {
+        self.worker.1
     }
 
     /// The pool to allocate new packets from.

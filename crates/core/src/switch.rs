@@ -19,7 +19,7 @@ use crate::frame::{Batch, ControlFrame, ControlOp, Frame, PacketPool};
 use crate::module::{port_type, FaceDevice, Module, ModuleBuilder, ModuleInterface, Output, PortSpec, CONTROL_PORT};
 use crate::time::Time;
 use crate::value::{Value, ValueType};
-use crate::vars::{DynamicVars, Meter, ModuleVars, Registry, SharedRegistry, VarCell, VarKind, VarSpec};
+use crate::vars::{Across, DynamicVars, Meter, ModuleVars, Registry, SharedRegistry, VarCell, VarKind, VarSpec};
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, BinaryHeap, HashMap};
 use std::fmt;
@@ -232,7 +232,7 @@ impl SlotMeters {
             (&self.calls, &old.calls),
             (&self.busy_ns, &old.busy_ns),
         ] {
-            a.set_u64(b.load_u64());
+            a.set_u64(b.local_u64());
         }
         for new in self.port_in.iter().chain(&self.port_out).chain(&self.port_dropped) {
             if let Some(o) = old
@@ -242,7 +242,7 @@ impl SlotMeters {
                 .chain(&old.port_dropped)
                 .find(|o| o.spec().name == new.spec().name)
             {
-                new.set_u64(o.load_u64());
+                new.set_u64(o.local_u64());
             }
         }
     }
@@ -342,6 +342,8 @@ pub struct Switch {
     profiler: Option<Box<dyn FnMut() -> u64>>,
     switch_vars: ModuleVars,
     hot: HotMeters,
+    /// The data-plane worker this switch is (0..n), and n ([`Output::worker`]).
+    worker: (u32, u32),
     /// Position of each module in `order`.
     rank: Vec<usize>,
     /// Ranks of the modules that may have frames waiting at their inputs: every module with some is in it, so a
@@ -388,11 +390,18 @@ impl Default for Switch {
 impl Switch {
     /// An empty switch using `pool` for packets.
     pub fn new(pool: PacketPool) -> Switch {
-        let registry = SharedRegistry::default();
+        Switch::for_worker(pool, SharedRegistry::default(), 0, 1)
+    }
+
+    /// An empty switch for data-plane worker `worker` of `workers`, publishing into `registry` (for a worker
+    /// other than the first: [`SharedRegistry::sharing_runtime`] of the first's, so that flows' variables are
+    /// found in one place and the first worker's cells stand for the others').
+    pub fn for_worker(pool: PacketPool, registry: SharedRegistry, worker: u32, workers: u32) -> Switch {
         let switch_vars = ModuleVars::new(&[
             VarSpec::meter("runs_total", ValueType::U64, "runs", "times the switch ran its modules"),
             VarSpec::meter("frames_injected_total", ValueType::U64, "frames", "frames injected by faces"),
-            VarSpec::meter("edits_total", ValueType::U64, "edits", "edits committed"),
+            // Every worker commits every edit: the count is one worker's, not their sum.
+            VarSpec::meter("edits_total", ValueType::U64, "edits", "edits committed").with_across(Across::Max),
             VarSpec::meter("paused", ValueType::Bool, "", "true while the whole stack is paused"),
             VarSpec::meter("pool_allocated_total", ValueType::U64, "buffers", "packet buffers allocated from the heap"),
             VarSpec::meter("pool_free", ValueType::U64, "buffers", "packet buffers on the free list"),
@@ -418,6 +427,7 @@ impl Switch {
                 pool_free: switch_vars.meter("pool_free"),
             },
             switch_vars,
+            worker: (worker, workers.max(1)),
             rank: Vec::new(),
             ready: BTreeSet::new(),
             timers: BinaryHeap::new(),
@@ -832,7 +842,7 @@ impl Switch {
 
     /// Counts committed edits: face indices from [`Switch::faces`] are valid while it does not change.
     pub fn generation(&self) -> u64 {
-        self.switch_vars.cell("edits_total").map_or(0, |c| c.load_u64())
+        self.switch_vars.cell("edits_total").map_or(0, |c| c.local_u64())
     }
 
     /// Frames read from the device of face module `index`: they leave the module on its first output port and
@@ -1230,6 +1240,7 @@ impl Switch {
             next_serial: &mut self.next_serial,
             wake: None,
             dynamic: Some(&mut self.dynamic),
+            worker: self.worker,
         };
         (slot.module.as_mut(), out)
     }

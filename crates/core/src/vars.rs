@@ -10,7 +10,7 @@ use crate::value::{Value, ValueType};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
 /// Whether a variable can be written.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -43,6 +43,21 @@ pub struct VarSpec {
     /// The stack's description leaves it out: it writes the new name.
     #[serde(skip)]
     pub alias_of: Option<String>,
+    /// How a meter of a module that runs on several data-plane workers reads: its cells summed (the default), or
+    /// the largest ([`Across::Max`], for a gauge such as a link's carrier). Knobs read worker 0's value (a write
+    /// goes to every worker).
+    #[serde(skip)]
+    pub across: Across,
+}
+
+/// How the cells of one meter on several data-plane workers combine into the value a reader sees.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Across {
+    /// The sum (counters, and gauges that add up: frames held, buffers free).
+    #[default]
+    Sum,
+    /// The largest (a gauge every worker sees alike: a link's carrier).
+    Max,
 }
 
 impl VarSpec {
@@ -56,6 +71,7 @@ impl VarSpec {
             description: description.into(),
             range: None,
             alias_of: None,
+            across: Across::Sum,
         }
     }
 
@@ -69,12 +85,19 @@ impl VarSpec {
             description: description.into(),
             range: None,
             alias_of: None,
+            across: Across::Sum,
         }
     }
 
     /// Marks a knob as the old name of knob `new`.
     pub fn as_alias_of(mut self, new: &str) -> VarSpec {
         self.alias_of = Some(new.into());
+        self
+    }
+
+    /// Says how the meter's cells on several workers combine ([`Across`]).
+    pub fn with_across(mut self, across: Across) -> VarSpec {
+        self.across = across;
         self
     }
 
@@ -168,12 +191,21 @@ impl From<&VarSpecs> for VarSpecs {
 
 /// The storage of one variable: written by one thread (the data plane), read by any. It points at its declaration
 /// (shared with every other cell made from the same [`VarSpecs`]).
+///
+/// With several data-plane workers, each worker's switch has a cell of its own for a module's variable; the cell
+/// readers find (worker 0's) knows the others as its siblings ([`VarCell::set_siblings`]), and a meter read
+/// ([`VarCell::get`], [`VarCell::load_u64`]) combines them as the declaration says ([`Across`]). Writers and the
+/// module itself use the cell's own word ([`VarCell::local_u64`]).
 #[derive(Debug)]
 pub struct VarCell {
     spec: Arc<VarSpec>,
     bits: AtomicU64,
-    /// Text cells only (the others stay small: 24 bytes).
+    /// Text cells only (the others stay small).
     text: Option<Box<Mutex<String>>>,
+    /// The same variable's cells on the other workers (set once, after the module was loaded on every worker).
+    /// Boxed: a thin pointer keeps every cell (10,000 flows have many) 8 bytes larger, not 24.
+    #[allow(clippy::box_collection)]
+    siblings: OnceLock<Box<Vec<Arc<VarCell>>>>,
 }
 
 impl VarCell {
@@ -189,7 +221,26 @@ impl VarCell {
             _ => 0,
         };
         let text = (spec.ty == ValueType::Str).then(Box::default);
-        VarCell { spec, bits: AtomicU64::new(bits), text }
+        VarCell { spec, bits: AtomicU64::new(bits), text, siblings: OnceLock::new() }
+    }
+
+    /// Makes `siblings` (the same variable's cells on the other workers) part of what readers see; a cell takes
+    /// siblings once (false if it had some already).
+    pub fn set_siblings(&self, siblings: Vec<Arc<VarCell>>) -> bool {
+        self.siblings.set(Box::new(siblings)).is_ok()
+    }
+
+    /// The cells on the other workers combined with this one: a meter's, if it has siblings.
+    fn others(&self) -> Option<&[Arc<VarCell>]> {
+        if self.spec.kind != VarKind::Meter {
+            return None;
+        }
+        self.siblings.get().map(|s| s.as_slice())
+    }
+
+    /// This cell's own word, without the siblings.
+    fn own(&self) -> u64 {
+        self.bits.load(Ordering::Relaxed)
     }
 
     /// The declaration.
@@ -197,9 +248,12 @@ impl VarCell {
         &self.spec
     }
 
-    /// The current value.
+    /// The current value (a meter's combined over the workers it has cells on).
     pub fn get(&self) -> Value {
-        let bits = self.bits.load(Ordering::Relaxed);
+        let bits = match self.others() {
+            Some(others) => combine(self.spec.ty, self.spec.across, self.own(), others.iter().map(|c| c.own())),
+            None => self.own(),
+        };
         match self.spec.ty {
             ValueType::U64 => Value::U64(bits),
             ValueType::I64 => Value::I64(bits as i64),
@@ -231,9 +285,17 @@ impl VarCell {
         self.bits.store(bits, Ordering::Relaxed);
     }
 
-    /// The raw word of a u64 cell (cheap read for counters).
+    /// The raw word of a u64 cell (cheap read for counters), combined over the workers it has cells on.
     pub fn load_u64(&self) -> u64 {
-        self.bits.load(Ordering::Relaxed)
+        match self.others() {
+            Some(others) => combine(ValueType::U64, self.spec.across, self.own(), others.iter().map(|c| c.own())),
+            None => self.own(),
+        }
+    }
+
+    /// The raw word of this cell alone (the worker's own count; what the module and the switch work with).
+    pub fn local_u64(&self) -> u64 {
+        self.own()
     }
 
     /// Adds to a u64 counter. Single writer: a relaxed load and store, no locked instruction.
@@ -252,6 +314,20 @@ impl VarCell {
     #[inline]
     pub fn set_f64(&self, x: f64) {
         self.bits.store(x.to_bits(), Ordering::Relaxed);
+    }
+}
+
+/// Combines the words of one variable's cells on several workers.
+fn combine(ty: ValueType, across: Across, first: u64, others: impl Iterator<Item = u64>) -> u64 {
+    match (ty, across) {
+        (ValueType::U64, Across::Sum) => others.fold(first, u64::wrapping_add),
+        (ValueType::U64, Across::Max) => others.fold(first, u64::max),
+        (ValueType::I64, Across::Sum) => others.fold(first as i64, |a, b| a.wrapping_add(b as i64)) as u64,
+        (ValueType::I64, Across::Max) => others.fold(first as i64, |a, b| a.max(b as i64)) as u64,
+        (ValueType::F64, Across::Sum) => others.fold(f64::from_bits(first), |a, b| a + f64::from_bits(b)).to_bits(),
+        (ValueType::F64, Across::Max) => others.fold(f64::from_bits(first), |a, b| a.max(f64::from_bits(b))).to_bits(),
+        (ValueType::Bool, _) => u64::from(others.fold(first != 0, |a, b| a || b != 0)),
+        (ValueType::Str, _) => first,
     }
 }
 
@@ -291,9 +367,9 @@ impl Meter {
         self.0.store(v);
     }
 
-    /// The current value as u64.
+    /// The current value as u64 (this worker's own).
     pub fn get(&self) -> u64 {
-        self.0.load_u64()
+        self.0.local_u64()
     }
 }
 
@@ -570,6 +646,34 @@ impl SharedRegistry {
         Arc::new(Registry { vars, groups, nested })
     }
 
+    /// A registry with the same runtime variables as this one but a declared-variables slot of its own: a data-plane
+    /// worker other than the first publishes its modules' cells there (readers see them through the first worker's
+    /// cells, [`VarCell::set_siblings`]) and its flows' variables, under names of their own, with everyone's.
+    pub fn sharing_runtime(&self) -> SharedRegistry {
+        SharedRegistry { fixed: Arc::default(), dynamic: self.dynamic.clone() }
+    }
+
+    /// Makes each declared variable of this registry (data-plane worker 0's) stand for the same variable of the
+    /// other workers' registries ([`VarCell::set_siblings`]): readers of a meter see it combined over the workers.
+    /// Called after every edit, which all workers applied; cells linked before are left as they are. Returns how
+    /// many cells were linked.
+    pub fn link_workers(&self, others: &[SharedRegistry]) -> usize {
+        let read = |r: &SharedRegistry| r.fixed.read().map(|f| f.clone()).unwrap_or_default();
+        let own = read(self);
+        let others: Vec<Arc<Names>> = others.iter().map(read).collect();
+        let mut linked = 0;
+        for (name, cell) in own.iter() {
+            if cell.siblings.get().is_some() {
+                continue;
+            }
+            let siblings: Option<Vec<Arc<VarCell>>> = others.iter().map(|o| o.get(name).cloned()).collect();
+            if let Some(siblings) = siblings.filter(|s| s.iter().all(|c| !Arc::ptr_eq(c, cell))) {
+                linked += usize::from(cell.set_siblings(siblings));
+            }
+        }
+        linked
+    }
+
     /// Publishes a new snapshot of the declared variables (the runtime ones in `registry`, if any, are not: they
     /// belong to their [`DynamicVars`]).
     pub fn publish(&self, registry: Registry) {
@@ -595,8 +699,9 @@ impl Default for DynamicVars {
     }
 }
 
-/// First segments a module may register variables under (`rules`: the daemon's rules engine, `rules.engine.*`).
-pub const DYNAMIC_ROOTS: [&str; 4] = ["flow", "iface", "app", "rules"];
+/// First segments a module may register variables under (`rules`: the daemon's rules engine, `rules.engine.*`;
+/// `worker`: the data plane's workers, `worker.<k>.*`).
+pub const DYNAMIC_ROOTS: [&str; 5] = ["flow", "iface", "app", "rules", "worker"];
 
 impl DynamicVars {
     /// Runtime variables published into `registry`.
@@ -621,7 +726,7 @@ impl DynamicVars {
         let mut segments = prefix.split('.');
         let root = segments.next().unwrap_or_default();
         if !DYNAMIC_ROOTS.contains(&root) {
-            return Err(format!("runtime variables go under flow., iface., app. or rules., not {prefix:?}"));
+            return Err(format!("runtime variables go under flow., iface., app., rules. or worker., not {prefix:?}"));
         }
         let segment_ok = |s: &str| {
             !s.is_empty()
@@ -870,6 +975,50 @@ mod tests {
         assert_eq!((a.len(), b.len()), (1, 0));
         assert_eq!(a.unregister_owner("m1"), 1);
         assert!(shared.snapshot().is_empty());
+    }
+
+    /// Worker 0's cells stand for the other workers': meters combine (summed, or the largest where declared),
+    /// knobs and the workers' own words do not, and flows' variables (shared, one worker's) are never doubled.
+    #[test]
+    fn linked_workers_read_combined() {
+        let first = SharedRegistry::default();
+        let second = first.sharing_runtime();
+        let specs = [
+            VarSpec::meter("frames_total", ValueType::U64, "frames", ""),
+            VarSpec::meter("carrier", ValueType::U64, "", "").with_across(Across::Max),
+            VarSpec::meter("rate", ValueType::F64, "", ""),
+            VarSpec::knob("limit", ValueType::U64, "", ""),
+        ];
+        let (a, b) = (ModuleVars::new(&specs), ModuleVars::new(&specs));
+        for (reg, vars) in [(&first, &a), (&second, &b)] {
+            let mut r = Registry::default();
+            for c in vars.cells() {
+                r.insert(format!("module.m.{}", c.spec().name), c.clone());
+            }
+            reg.publish(r);
+        }
+        let mut flows = DynamicVars::new(second.clone());
+        flows.register("m", "flow.2", &specs[..1]).unwrap().meter("frames_total").set(7);
+        assert_eq!(first.link_workers(std::slice::from_ref(&second)), 4);
+        assert_eq!(first.link_workers(std::slice::from_ref(&second)), 0, "linked once");
+        a.meter("frames_total").set(3);
+        b.meter("frames_total").set(4);
+        a.meter("carrier").set(1);
+        b.meter("carrier").set(1);
+        a.meter("rate").set_f64(1.5);
+        b.meter("rate").set_f64(2.0);
+        a.meter("limit").set(10);
+        b.meter("limit").set(10);
+        let snap = first.snapshot();
+        let read = |n: &str| snap.get(n).unwrap().get();
+        assert_eq!(read("module.m.frames_total"), Value::U64(7));
+        assert_eq!(snap.get("module.m.frames_total").unwrap().load_u64(), 7);
+        assert_eq!(snap.get("module.m.frames_total").unwrap().local_u64(), 3);
+        assert_eq!(a.meter("frames_total").get(), 3, "a module sees its own count");
+        assert_eq!(read("module.m.carrier"), Value::U64(1));
+        assert_eq!(read("module.m.rate"), Value::F64(3.5));
+        assert_eq!(read("module.m.limit"), Value::U64(10));
+        assert_eq!(read("flow.2.frames_total"), Value::U64(7));
     }
 
     #[test]

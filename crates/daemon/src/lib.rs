@@ -28,14 +28,21 @@ pub mod web;
 /// Every module kind the daemon can load: the built-in modules and the faces. A renamed kind still loads by its
 /// old name, and the first use of each old name logs a deprecation warning.
 pub fn catalog() -> flexstack_core::Catalog {
+    let mut catalog = catalog_quiet();
+    catalog.on_alias(|old, new| {
+        tracing::warn!("`{old}` is deprecated: it was renamed `{new}`; the old name still works for now")
+    });
+    catalog
+}
+
+/// The same kinds as [`catalog`], with no warning for old names: the data plane configures with it the modules of
+/// its other workers, whose first configuration already warned.
+pub(crate) fn catalog_quiet() -> flexstack_core::Catalog {
     let mut catalog = flexstack_modules::catalog();
     catalog.register(Box::new(flexstack_faces::TunKind));
     catalog.register(Box::new(flexstack_faces::PacketKind));
     flexstack_faces::stream::install(); // backend = "kernel" of terminate and originate
     flexstack_faces::peer::install(); // the `carrier` kind's connections (docs/peers.md)
-    catalog.on_alias(|old, new| {
-        tracing::warn!("`{old}` is deprecated: it was renamed `{new}`; the old name still works for now")
-    });
     catalog
 }
 

@@ -10,6 +10,8 @@ pub(crate) struct DeviceMeters {
     pub(crate) rx_bytes: Meter,
     pub(crate) rx_errors: Meter,
     pub(crate) tx_errors: Meter,
+    pub(crate) handoff: Meter,
+    pub(crate) drop_handoff: Meter,
 }
 
 /// What both kinds of device share: a name, the direction of what is read, and I/O counters.
@@ -37,6 +39,13 @@ impl DeviceCommon {
         }
     }
 
+    pub(crate) fn handed_off(&self, sent: u64, dropped: u64) {
+        if let Some(m) = self.meters.get() {
+            m.handoff.add(sent);
+            m.drop_handoff.add(dropped);
+        }
+    }
+
     pub(crate) fn tx_error(&self) {
         if let Some(m) = self.meters.get() {
             m.tx_errors.add(1);
@@ -45,8 +54,12 @@ impl DeviceCommon {
 }
 
 /// A device a face module stands for, with the parts the module itself needs.
-pub(crate) trait Device: FaceDevice {
+pub(crate) trait Device: FaceDevice + Sized {
     fn common(&self) -> &DeviceCommon;
+
+    /// Another queue of the same device, for another data-plane worker (a multi-queue TUN device's next queue, a
+    /// packet socket in the first one's fanout group).
+    fn another_queue(&self) -> std::io::Result<Self>;
 }
 
 /// Turns the result of a non-blocking read into `read_packet`'s answer, counting it.

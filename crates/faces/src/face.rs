@@ -84,12 +84,29 @@ const METERS: &[MeterDecl<Meters>] = &[
     MeterDecl::u64("rx_errors_total", "errors", "failed reads", |m| &mut m.io.rx_errors),
     MeterDecl::u64("tx_errors_total", "errors", "failed writes (the packet is lost)", |m| &mut m.io.tx_errors),
     MeterDecl::u64(
+        "handoff_total",
+        "packets",
+        "packets read here whose flow another data-plane worker owns, handed to it",
+        |m| &mut m.io.handoff,
+    ),
+    MeterDecl::u64(
+        "drop_handoff_total",
+        "packets",
+        "dropped: packets for another data-plane worker whose ring was full",
+        |m| &mut m.io.drop_handoff,
+    ),
+    MeterDecl::u64(
         "carrier",
         "",
         "1 while the interface is up with carrier, 0 while not (watched for link faces)",
-        |m| &mut m.carrier,
-    ),
-    MeterDecl::u64("carrier_changes_total", "changes", "carrier losses and returns seen", |m| &mut m.carrier_changes),
+        |m: &mut Meters| &mut m.carrier,
+    )
+    .max_across_workers(),
+    // Every worker's replica of the face sees the same link events: the count is one worker's, not their sum.
+    MeterDecl::u64("carrier_changes_total", "changes", "carrier losses and returns seen", |m: &mut Meters| {
+        &mut m.carrier_changes
+    })
+    .max_across_workers(),
 ];
 
 /// The `tun` kind.
@@ -175,7 +192,7 @@ impl ModuleKind for TunKind {
                 r.error("name", format_args!("{name:?} is not an interface name (1-15 letters, digits, '-', '_')"))
             );
         }
-        let device = TunDevice::create(&name, cfg.mtu as u16, cfg.direction, cfg.offload)
+        let device = TunDevice::create(&name, cfg.mtu as u16, cfg.direction, cfg.offload, crate::workers() > 1)
             .map_err(|e| r.error("name", format_args!("cannot create TUN device {name}: {e} (needs CAP_NET_ADMIN)")))?;
         r.finish()?;
         Ok(Box::new(FaceBuilder { device: Arc::new(device), cfg, decl: &TUN }))
@@ -238,6 +255,14 @@ struct Meters {
 impl<D: Device + 'static> ModuleBuilder for FaceBuilder<D> {
     fn interface(&self) -> ModuleInterface {
         self.decl.interface(&self.cfg)
+    }
+
+    /// The face on another worker: the same device's next queue.
+    fn replica(&self, _worker: usize) -> Option<Result<Box<dyn ModuleBuilder>, String>> {
+        let device = self.device.another_queue().map_err(|e| {
+            format!("cannot open another queue of {} for a data-plane worker: {e}", self.device.common().name)
+        });
+        Some(device.map(|d| Box::new(FaceBuilder { device: Arc::new(d), cfg: self.cfg, decl: self.decl }) as _))
     }
 
     fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module> {

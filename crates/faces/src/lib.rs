@@ -27,3 +27,18 @@ pub mod takeover;
 pub mod tun;
 
 pub use face::{PacketKind, TunKind};
+
+/// How many data-plane workers the daemon runs: with more than one, `tun` faces open their device with
+/// IFF_MULTI_QUEUE, so that each worker's replica of the face reads and writes a queue of its own
+/// (`ModuleBuilder::replica`). Set once, by the data plane, before any face is configured.
+static WORKERS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(1);
+
+/// Says how many data-plane workers faces are opened for (see [`WORKERS`]).
+pub fn set_workers(n: usize) {
+    WORKERS.store(n.max(1), std::sync::atomic::Ordering::Relaxed);
+}
+
+/// How many data-plane workers faces are opened for.
+pub fn workers() -> usize {
+    WORKERS.load(std::sync::atomic::Ordering::Relaxed)
+}

@@ -15,8 +15,11 @@ pub struct PacketDevice {
     common: DeviceCommon,
     socket: ClosedAside,
     ifindex: u32,
-    /// The hold on the interface when the face took it over: given back when the device goes (after the socket).
+    /// The hold on the interface when the face took it over: given back when the device goes (after the socket);
+    /// shared by the sockets of a fanout group.
     _taken: Option<std::sync::Arc<crate::takeover::TakenOver>>,
+    /// Whether the socket joined its interface's fanout group (when the first other queue was opened).
+    fanout: std::sync::OnceLock<()>,
 }
 
 /// A packet socket that is closed on a thread of its own. The kernel waits for an RCU grace period in every
@@ -66,7 +69,13 @@ impl PacketDevice {
             socket: ClosedAside(Some(socket)),
             ifindex,
             _taken: None,
+            fanout: std::sync::OnceLock::new(),
         })
+    }
+
+    /// The fanout group of the interface's sockets: one per interface (and network namespace).
+    fn fanout_group(&self) -> u16 {
+        (self.ifindex & 0xffff) as u16
     }
 
     /// The device, holding `taken` (the interface taken over) for as long as it lives.
@@ -78,6 +87,19 @@ impl PacketDevice {
 impl Device for PacketDevice {
     fn common(&self) -> &DeviceCommon {
         &self.common
+    }
+
+    /// Another socket on the interface; both join the interface's fanout group (PACKET_FANOUT, by flow hash), so
+    /// that each frame reaches one of them.
+    fn another_queue(&self) -> std::io::Result<PacketDevice> {
+        if self.fanout.get().is_none() {
+            flexstack_sys::join_packet_fanout(self.socket.as_fd(), self.fanout_group())?;
+            let _ = self.fanout.set(());
+        }
+        let other = PacketDevice::open(&self.common.name)?;
+        flexstack_sys::join_packet_fanout(other.socket.as_fd(), self.fanout_group())?;
+        let _ = other.fanout.set(());
+        Ok(other.holding(self._taken.clone()))
     }
 }
 
@@ -96,6 +118,14 @@ impl FaceDevice for PacketDevice {
 
     fn direction(&self) -> Direction {
         self.common.direction
+    }
+
+    fn count_handoff(&self, sent: u64, dropped: u64) {
+        self.common.handed_off(sent, dropped);
+    }
+
+    fn ethernet(&self) -> bool {
+        true
     }
 
     fn read_packet(&self, buf: &mut Vec<u8>) -> std::io::Result<bool> {

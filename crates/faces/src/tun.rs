@@ -16,6 +16,7 @@ pub struct TunDevice {
     dev: tun_rs::SyncDevice,
     /// Present when the device uses virtio-net headers (offloads on).
     offload: Option<Offload>,
+    mtu: u16,
 }
 
 /// The buffers of a TUN device with offloads. Only the data-plane thread uses them; the mutexes (never
@@ -73,15 +74,44 @@ impl Offload {
 }
 
 impl TunDevice {
-    /// Creates TUN device `name` with `mtu`, up, non-blocking, with offloads if `offload`. Needs CAP_NET_ADMIN.
-    pub fn create(name: &str, mtu: u16, direction: Direction, offload: bool) -> std::io::Result<TunDevice> {
+    /// Creates TUN device `name` with `mtu`, up, non-blocking, with offloads if `offload`; with `multi_queue`,
+    /// as a multi-queue device (IFF_MULTI_QUEUE) whose further queues [`TunDevice::another_queue`] opens. Needs
+    /// CAP_NET_ADMIN.
+    pub fn create(
+        name: &str,
+        mtu: u16,
+        direction: Direction,
+        offload: bool,
+        multi_queue: bool,
+    ) -> std::io::Result<TunDevice> {
         // A longer kernel queue than the default 500 absorbs bursts while the data plane is busy elsewhere.
-        let dev = tun_rs::DeviceBuilder::new().name(name).mtu(mtu).tx_queue_len(4096).offload(offload).build_sync()?;
+        let dev = tun_rs::DeviceBuilder::new()
+            .name(name)
+            .mtu(mtu)
+            .tx_queue_len(4096)
+            .offload(offload)
+            .multi_queue(multi_queue)
+            .build_sync()?;
         dev.set_nonblocking(true)?;
         dev.enabled(true)?;
         // tcp_gso() tells whether the device really uses virtio-net headers.
         let offload = (offload && dev.tcp_gso()).then(|| Offload::new(mtu));
-        Ok(TunDevice { common: DeviceCommon::new(name, direction), dev, offload })
+        Ok(TunDevice { common: DeviceCommon::new(name, direction), dev, offload, mtu })
+    }
+
+    /// Another queue of this multi-queue device (for another data-plane worker): a file descriptor of its own,
+    /// with its own buffers and I/O meters. The kernel spreads the packets it sends to the device over the
+    /// queues by flow; a packet written to any queue goes to the kernel.
+    pub fn another_queue(&self) -> std::io::Result<TunDevice> {
+        let dev = self.dev.try_clone()?;
+        dev.set_nonblocking(true)?;
+        let offload = self.offload.as_ref().map(|_| Offload::new(self.mtu));
+        Ok(TunDevice {
+            common: DeviceCommon::new(&self.common.name, self.common.direction),
+            dev,
+            offload,
+            mtu: self.mtu,
+        })
     }
 
     /// Hands out the next segment, reading the device when none is left.
@@ -136,6 +166,10 @@ impl Device for TunDevice {
     fn common(&self) -> &DeviceCommon {
         &self.common
     }
+
+    fn another_queue(&self) -> std::io::Result<TunDevice> {
+        TunDevice::another_queue(self)
+    }
 }
 
 impl FaceDevice for TunDevice {
@@ -149,6 +183,10 @@ impl FaceDevice for TunDevice {
 
     fn direction(&self) -> Direction {
         self.common.direction
+    }
+
+    fn count_handoff(&self, sent: u64, dropped: u64) {
+        self.common.handed_off(sent, dropped);
     }
 
     fn read_packet(&self, buf: &mut Vec<u8>) -> std::io::Result<bool> {

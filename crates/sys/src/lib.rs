@@ -52,6 +52,14 @@ pub fn set_packet_vnet_hdr(fd: BorrowedFd<'_>) -> io::Result<()> {
     set_packet_option(fd, libc::PACKET_VNET_HDR, 1)
 }
 
+/// Joins packet socket `fd` (bound to an interface) to fanout group `group` of its network namespace, in hash mode
+/// with defragmentation: the kernel spreads the interface's frames over the group's sockets by a hash of each
+/// frame's flow (fragments reassembled first, so a datagram's fragments reach one socket).
+pub fn join_packet_fanout(fd: BorrowedFd<'_>, group: u16) -> io::Result<()> {
+    let mode = (libc::PACKET_FANOUT_HASH | libc::PACKET_FANOUT_FLAG_DEFRAG) as libc::c_int;
+    set_packet_option(fd, libc::PACKET_FANOUT, libc::c_int::from(group) | (mode << 16))
+}
+
 /// Sets the SOL_PACKET integer option `name` of `fd` to `value`.
 fn set_packet_option(fd: BorrowedFd<'_>, name: libc::c_int, value: libc::c_int) -> io::Result<()> {
     // SAFETY: the option value points to a c_int that outlives the call, with its size as the length; `fd` is an

@@ -11,7 +11,10 @@ impl Control {
     pub(super) fn status(&self) -> Result<DaemonStatus, ApiError> {
         let dp = self.dp();
         let snap = dp.snapshot().map_err(internal)?;
-        let scheduling = dp.scheduling().to_string();
+        let scheduling = match dp.worker_count() {
+            1 => dp.scheduling().to_string(),
+            _ => format!("{}, workers {}", dp.scheduling(), dp.workers()),
+        };
         drop(dp);
         let revision = self.revisions.lock().unwrap_or_else(|p| p.into_inner()).latest();
         let capabilities = crate::privileges::current().map_err(|e| ApiError::new(ErrorCode::Internal, e))?;
@@ -32,8 +35,11 @@ impl Control {
         })
     }
 
+    /// A row per module and, with several data-plane workers, one per worker (`worker.<k>`, kind `worker`: its
+    /// loop's rounds, the frames it ran and its busy time).
     pub(super) fn show_runtime(&self) -> Result<Vec<RuntimeInfo>, ApiError> {
-        self.module_rows(|m, v| {
+        let workers = self.dp().worker_count();
+        let mut rows = self.module_rows(|m, v| {
             let calls = v("calls_total");
             let frames = if m.inputs.is_empty() { v("frames_out_total") } else { v("frames_in_total") };
             let ns = v("busy_ns_total");
@@ -47,7 +53,25 @@ impl Control {
                 frames,
                 busy_ns: ns,
             }
-        })
+        })?;
+        if workers > 1 {
+            let reg = self.registry.snapshot();
+            for k in 0..workers {
+                let v = |var: &str| reg.get(&format!("worker.{k}.{var}")).map_or(0, |c| c.load_u64());
+                let (calls, frames, ns) = (v("rounds_total"), v("frames_total"), v("busy_ns_total"));
+                let ratio = |a: u64, b: u64| if b == 0 { 0.0 } else { a as f64 / b as f64 };
+                rows.push(RuntimeInfo {
+                    module: format!("worker.{k}"),
+                    kind: "worker".into(),
+                    calls,
+                    frames,
+                    frames_per_call: ratio(frames, calls),
+                    ns_per_frame: ratio(ns, frames),
+                    busy_ns: ns,
+                });
+            }
+        }
+        Ok(rows)
     }
 
     /// Holds frames at `module` (the whole stack when `None`): a runtime state, not a revision.

@@ -102,6 +102,11 @@ pub fn map(name: &str, var_kind: VarKind, unit: &str, module_kind: &dyn Fn(&str)
             let (iface, var) = rest.split_once('.')?;
             ("iface".into(), var, vec![("iface".to_string(), iface.to_string())], None)
         }
+        "worker" => {
+            // worker.<k>.<meter>: the data plane's workers (docs/architecture.md, "Workers").
+            let (worker, var) = rest.split_once('.')?;
+            ("worker".into(), var, vec![("worker".to_string(), worker.to_string())], None)
+        }
         other => (sanitize(other), rest, Vec::new(), None),
     };
     let counter = var_kind == VarKind::Meter && short.ends_with("_total");
@@ -208,6 +213,9 @@ mod tests {
         let f = m("flow.web.3.tcp.srtt_us", "us");
         assert_eq!((f.family.as_str(), f.scale), ("flexstack_flow_tcp_srtt", 1e-6));
         assert_eq!(labels(&f), [("flow", "web.3"), ("app", "web")]);
+        let w = m("worker.1.busy_ns_total", "ns");
+        assert_eq!((w.family.as_str(), w.scale, w.counter), ("flexstack_worker_busy", 1e-9, true));
+        assert_eq!(labels(&w), [("worker", "1")]);
         let a = m("app.voip.loss", "");
         assert_eq!((a.family.as_str(), labels(&a)), ("flexstack_app_loss", vec![("app", "voip")]));
         let i = m("iface.eth-0.queue_frames", "frames");

@@ -75,6 +75,10 @@ struct CarrierBuilder {
 }
 
 impl ModuleBuilder for CarrierBuilder {
+    fn global_view(&self) -> bool {
+        self.req.decl.global_view
+    }
+
     fn interface(&self) -> ModuleInterface {
         self.req.interface.clone()
     }

@@ -139,6 +139,12 @@ impl ModuleBuilder for KernelBuilder {
         self.interface.clone()
     }
 
+    /// Its sockets, listener and redirect are one set (as the smoltcp back-end's endpoints, which declare it):
+    /// the stack runs on one data-plane worker.
+    fn global_view(&self) -> bool {
+        true
+    }
+
     fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module> {
         let KernelBuilder { side, cfg, interface, decl, app, udp } = *self;
         // The smoltcp back-end for UDP binds the same knobs and meters; the gauges it would share are told apart

@@ -76,6 +76,8 @@ const DECL: KindDecl<SourceConfig, Meters> = KindDecl {
         MeterDecl::u64("bytes_total", "bytes", "bytes sent", |m| &mut m.bytes),
         MeterDecl::new("done", ValueType::Bool, "", "true once `count` frames were sent", |m| &mut m.done),
     ],
+    // Frames it makes itself, at one rate: the stack runs on one data-plane worker.
+    global_view: true,
     ..KindDecl::new(KIND, "generates sequence-numbered test packets at a paced rate")
 };
 

@@ -446,6 +446,8 @@ const DECL: KindDecl<TapOptions, Meters> = KindDecl {
             &mut m.error
         }),
     ],
+    // One pcapng file: the stack runs on one data-plane worker.
+    global_view: true,
     ..KindDecl::new(KIND, "writes frames (and observed control frames) to a pcapng file and passes them on")
 };
 
@@ -503,6 +505,10 @@ struct TapBuilder {
 }
 
 impl ModuleBuilder for TapBuilder {
+    fn global_view(&self) -> bool {
+        DECL.global_view
+    }
+
     fn interface(&self) -> ModuleInterface {
         interface(&self.options)
     }

@@ -11,7 +11,8 @@
 //!   `bytes_total`, `packets_up_total` / `packets_down_total` and `bytes_up_total` / `bytes_down_total` (by the
 //!   frame's direction), `first_seen_ns`, `last_seen_ns` (switch time) and `tuple` (text, e.g.
 //!   `udp 10.0.0.2:5000 <-> 10.0.0.1:53`, the side that sent the first packet first; `flexstack flow list` reads
-//!   it). Non-first fragments carry no ports: they pass untracked (counted in `fragments_untracked_total`); put
+//!   it) and `worker` (the data-plane worker that owns the flow; with N workers, worker k numbers its flows k+1,
+//!   k+1+N, ..., so that ids stay unique). Non-first fragments carry no ports: they pass untracked (counted in `fragments_untracked_total`); put
 //!   reassembly before the classifier to track fragmented datagrams.
 //! - Idle timeouts: a flow expires when it has seen no packet for its protocol's timeout; a TCP flow that saw a RST,
 //!   or a FIN from both sides, uses `tcp_closing_timeout_ms` instead. Expired flows leave the table and their
@@ -184,6 +185,7 @@ fn flow_specs() -> Vec<VarSpec> {
         VarSpec::meter("first_seen_ns", ValueType::U64, "ns", "switch time of the flow's first packet"),
         VarSpec::meter("last_seen_ns", ValueType::U64, "ns", "switch time of the flow's last packet"),
         VarSpec::meter("tuple", ValueType::Str, "", "protocol and endpoints, the first sender first"),
+        VarSpec::meter("worker", ValueType::U64, "", "the data-plane worker that owns the flow (0 with one worker)"),
     ]
 }
 
@@ -293,7 +295,7 @@ impl Classify {
     fn create(&mut self, key: FlowKey, info: &PacketInfo, out: &mut Output<'_>) -> u32 {
         let now = out.now().as_nanos();
         self.table.next_id += 1;
-        let id = self.table.next_id;
+        let id = (self.table.next_id - 1) * u64::from(out.workers()) + u64::from(out.worker()) + 1;
         let vars_name = format!("{}.{id}", self.cfg.vars_prefix);
         let vars =
             out.register_vars(&vars_name, &self.flow_specs).unwrap_or_else(|_| ModuleVars::shared(&self.flow_specs));
@@ -301,6 +303,7 @@ impl Classify {
         let tuple = tuple_text(info);
         vars.meter("first_seen_ns").set(now);
         vars.meter("tuple").store(&Value::Str(tuple));
+        vars.meter("worker").set(u64::from(out.worker()));
         let meters = FlowMeters {
             packets: vars.meter("packets_total"),
             bytes: vars.meter("bytes_total"),

@@ -476,6 +476,8 @@ const DECL: KindDecl<Config, Meters> = KindDecl {
         ),
     ],
     more_meters: || ParseDrops::specs(true),
+    // A translated flow hashes to another worker than its original: the stack runs on one worker.
+    global_view: true,
     ..KindDecl::new(KIND, "source and destination NAT for IPv4/IPv6 TCP, UDP and ICMP echo, with incremental checksums")
 };
 
@@ -499,6 +501,10 @@ struct NatBuilder {
 }
 
 impl ModuleBuilder for NatBuilder {
+    fn global_view(&self) -> bool {
+        DECL.global_view
+    }
+
     fn interface(&self) -> ModuleInterface {
         DECL.interface(&self.cfg)
     }

@@ -172,6 +172,8 @@ const DECL: KindDecl<Config, Meters> = KindDecl {
         ),
     ],
     breaks_cycles: true,
+    // One queue model of the whole link: the stack runs on one data-plane worker.
+    global_view: true,
     ..KindDecl::new(
         KIND,
         "emulates a link direction: delay, jitter, rate, queue, loss (random, Gilbert-Elliott), duplicate, corrupt, up/down",

@@ -81,6 +81,8 @@ const DECL: KindDecl<Config, Meters> = KindDecl {
     outputs: BOTH_WAYS_OUT,
     params: &[PATH, MAX_FLOWS, P::bool("enabled", "false passes frames without recording them", true, field!(enabled))],
     meters: METERS,
+    // One folder of files: the stack runs on one data-plane worker.
+    global_view: true,
     ..KindDecl::new(KIND, "records each flow's bytes both ways to files in a folder, and passes stream frames on")
 };
 
@@ -129,6 +131,10 @@ struct TapBuilder {
 }
 
 impl ModuleBuilder for TapBuilder {
+    fn global_view(&self) -> bool {
+        DECL.global_view
+    }
+
     fn interface(&self) -> ModuleInterface {
         DECL.interface(&self.cfg)
     }

@@ -246,6 +246,8 @@ const DECL: KindDecl<Config, Meters> = KindDecl {
         .range(1.0, (1u64 << 20) as f64),
     ],
     meters: &METERS,
+    // One neighbour table (ARP/NDP answers reach one worker): the stack runs on one data-plane worker.
+    global_view: true,
     ..KindDecl::new(
         KIND,
         "Ethernet for a link face: owns the link's addresses, answers ARP and neighbour discovery, resolves next hops",
@@ -362,6 +364,10 @@ impl ModuleKind for LinkKind {
 struct LinkBuilder(Config);
 
 impl ModuleBuilder for LinkBuilder {
+    fn global_view(&self) -> bool {
+        DECL.global_view
+    }
+
     fn interface(&self) -> ModuleInterface {
         DECL.interface(&self.0)
     }

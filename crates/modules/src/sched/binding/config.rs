@@ -263,6 +263,8 @@ const LATE: KindDecl<Config, Meters> = KindDecl {
     params: &[INTERFACES, POLICY, FLOW_IDLE, QUANTUM, QUEUE_LIMIT, CLASS_RULES, VIRTUAL_V4, VIRTUAL_V6, VARS_PREFIX],
     meters: METERS,
     more_meters: || ParseDrops::specs(true),
+    // Schedules every flow of its interfaces together: the stack runs on one data-plane worker.
+    global_view: true,
     ..KindDecl::new(
         LATE_KIND,
         "per-flow queues above a binding point; each packet bound to an interface (policy, address) only when it has room",

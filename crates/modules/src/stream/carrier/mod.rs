@@ -188,6 +188,8 @@ pub const DECL: KindDecl<Config, Meters> = KindDecl {
     ],
     // Its frames wait in its connection between calls, as an endpoint's do in its sockets.
     breaks_cycles: true,
+    // One connection per peer, shared by its flows: the stack runs on one data-plane worker.
+    global_view: true,
     ..KindDecl::new(KIND, "carries terminated flows to a flexstack peer over mutual TLS (docs/peers.md)")
 };
 

@@ -269,6 +269,8 @@ macro_rules! endpoint_decl {
             ],
             meters: $crate::stream::endpoint::config::METERS,
             breaks_cycles: true,
+            // Both ends of a terminated flow (two tuples) and its sockets: the stack runs on one worker.
+            global_view: true,
             ..flexstack_core::KindDecl::new($name, $summary)
         }
     };

@@ -345,6 +345,10 @@ impl EndpointBuilder {
 }
 
 impl ModuleBuilder for EndpointBuilder {
+    fn global_view(&self) -> bool {
+        self.decl.global_view
+    }
+
     fn interface(&self) -> ModuleInterface {
         let mut iface = self.decl.interface(&self.cfg);
         for (i, rule) in self.matcher.rules.iter().enumerate() {

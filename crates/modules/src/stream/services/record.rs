@@ -30,6 +30,8 @@ const DECL: KindDecl<Config, Meters> = KindDecl {
     meters: METERS,
     more_meters: SelectionMeters::specs,
     breaks_cycles: true,
+    // One folder of files: the stack runs on one data-plane worker.
+    global_view: true,
     ..KindDecl::new(KIND, "a stream service: records its flows' bytes both ways to files, with timestamps")
 };
 
@@ -55,6 +57,10 @@ struct RecordBuilder {
 }
 
 impl ModuleBuilder for RecordBuilder {
+    fn global_view(&self) -> bool {
+        DECL.global_view
+    }
+
     fn interface(&self) -> ModuleInterface {
         DECL.interface(&self.cfg)
     }

@@ -79,6 +79,8 @@ const DECL: KindDecl<Config, Meters> = KindDecl {
     ],
     more_meters: SelectionMeters::specs,
     breaks_cycles: true,
+    // A bucket per app is shared by the app's flows: the stack runs on one data-plane worker.
+    global_view: true,
     ..KindDecl::new(KIND, "a stream service: token buckets per flow or per app, per direction, in bytes/s")
 };
 
@@ -110,6 +112,10 @@ struct ShapeBuilder {
 }
 
 impl ModuleBuilder for ShapeBuilder {
+    fn global_view(&self) -> bool {
+        DECL.global_view
+    }
+
     fn interface(&self) -> ModuleInterface {
         DECL.interface(&self.cfg)
     }

@@ -11,7 +11,7 @@
 //! - Bounded: at most `max_flows` flows are updated per poll (the rest wait for later polls, oldest ids first), and
 //!   at most [`MAX_SOCKETS`] sockets are read from one dump.
 //! - Idle flows cost nothing: a flow whose packet count did not change since its socket was last read is read again
-//!   only every [`REFRESH_POLLS`] polls, and an app none of whose flows is due is not dumped at all (10,000 idle
+//!   only every ten polls, and an app none of whose flows is due is not dumped at all (10,000 idle
 //!   connections of an app are one dump every ten seconds, not every second).
 //! - A flow whose socket is gone (the app closed it, or exited) keeps its last values with `state` `closed`; its
 //!   meters go at the first poll after its flow leaves the flow table. A flow table made anew (an app attached

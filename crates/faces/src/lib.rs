@@ -33,7 +33,7 @@ pub use face::{PacketKind, TunKind};
 /// (`ModuleBuilder::replica`). Set once, by the data plane, before any face is configured.
 static WORKERS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(1);
 
-/// Says how many data-plane workers faces are opened for (see [`WORKERS`]).
+/// Says how many data-plane workers faces are opened for.
 pub fn set_workers(n: usize) {
     WORKERS.store(n.max(1), std::sync::atomic::Ordering::Relaxed);
 }

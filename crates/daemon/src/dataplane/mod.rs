@@ -1,7 +1,7 @@
 //! The data plane: one or more worker threads, each with a [`Switch`] of its own, that do the I/O of face modules
 //! and apply commands from the control plane between batches.
 //!
-//! A worker's loop ([`worker`]): apply queued commands; read every face device that epoll reported readable (at
+//! A worker's loop (`worker.rs`): apply queued commands; read every face device that epoll reported readable (at
 //! most a batch each; each worker reads its own queue of the device) and hand the packets to its module
 //! ([`Switch::face_ingress`]); run the switch; write what face modules queued ([`Switch::face_egress`], only for the
 //! faces the switch called: [`Switch::take_egress_ready`]); wait in epoll for a device, a command (an eventfd the
@@ -9,7 +9,7 @@
 //! the modules with work, so a frame costs the same with 1 link or 1,000.
 //!
 //! With `flexstack daemon --workers N`, N workers run the same stack, each with its own modules, pools and flow
-//! state; frames of a flow another worker owns (a symmetric hash of the flow, [`steer`]) go to it over a bounded
+//! state; frames of a flow another worker owns (a symmetric hash of the flow, `steer.rs`) go to it over a bounded
 //! single-producer/single-consumer ring, so that both directions of a flow always meet on one worker. Edits are
 //! applied by all workers together (the control plane's reply comes after all applied), knob writes go to all,
 //! and a meter reads the sum over the workers (docs/architecture.md, "Workers"). A stack with a module that needs

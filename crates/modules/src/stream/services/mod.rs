@@ -12,7 +12,7 @@
 //!
 //! What they share lives here: in [`flows`]: the selection rules (`SelectRule`, setting `select`), the table of the flows a
 //! service works on (`Flows`), their meters (`SelectionMeters`), and the chain of an app's services between its
-//! endpoints ([`chain_links`]). [`file`] reads the services files of `flexstack run --services` (FreeNA's
+//! endpoints ([`chain_links`]). [`file`](mod@file) reads the services files of `flexstack run --services` (FreeNA's
 //! configuration files).
 //!
 //! Each service has one `stream` input and one output, both directions through them, like `stream-pass`. In a chain

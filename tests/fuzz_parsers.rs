@@ -27,8 +27,8 @@ mod common;
 mod checks;
 
 use checks::{
-    check_args, check_link, check_pattern, check_request, check_stack, check_value, ensure, json_opt_eq,
-    multiplies_files,
+    check_args, check_link, check_pattern, check_request, check_services, check_stack, check_value, ensure,
+    json_opt_eq, multiplies_files,
 };
 use flexstack_api::ops::{ModuleLoad, ModuleReplace};
 use flexstack_api::protocol::{parse_request, request_line, ErrorCode, Request, Response};
@@ -336,6 +336,7 @@ fn fuzz_parsers() {
         fuzz("value", iters, &check_value),
         fuzz("pattern", iters, &check_pattern),
         fuzz("args", iters, &|i| check_args(i, dir.path())),
+        fuzz("services", iters, &check_services),
     ]
     .into_iter()
     .flatten()

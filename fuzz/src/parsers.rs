@@ -8,6 +8,7 @@ use flexstack_api::protocol::{parse_request, request_line, ErrorCode, Request, R
 use flexstack_core::config::{valid_name, LinkSpec, Settings, StackSpec, MAX_STACK_FILE_BYTES};
 use flexstack_core::value::{Value, ValueType};
 use flexstack_core::vars::{is_pattern, name_matches};
+use flexstack_core::ConfigError;
 use flexstack_core::ModuleVars;
 use serde_json::Value as Json;
 use std::path::Path;
@@ -145,19 +146,54 @@ pub fn check_location(
     ensure(loc.column >= 1, || format!("{what}: column {}", loc.column))
 }
 
+/// A configuration file's error: a message on one line, at a place in the file (unless the file was too large).
+fn check_config_error(e: &ConfigError, file: &str, text: &str, max_bytes: usize) -> Result<(), String> {
+    ensure(!e.message.is_empty(), || "error without a message".to_string())?;
+    ensure(!e.message.contains('\n'), || format!("message of several lines: {e}"))?;
+    ensure(e.location.is_some() || text.len() > max_bytes, || format!("error without a location: {e}"))?;
+    check_location("error", e.location.as_ref(), file, text)
+}
+
+/// A services file (`flexstack run --services`): parsed, every service and rule located in it, the settings
+/// checked by the kinds, the terminate match table derived; errors located, on one line.
+pub fn check_services(input: &[u8]) -> Result<bool, String> {
+    use flexstack_modules::stream::services::file::{ServiceFile, MAX_FILE_BYTES, MAX_SERVICES};
+    const FILE: &str = "fuzz-services.toml";
+    let text = text(input);
+    let file = match ServiceFile::parse(FILE, &text) {
+        Ok(file) => file,
+        Err(e) => return check_config_error(&e, FILE, &text, MAX_FILE_BYTES).map(|()| false),
+    };
+    ensure(file.services.len() <= MAX_SERVICES, || format!("{} services accepted", file.services.len()))?;
+    for s in &file.services {
+        check_location("service", s.location.as_ref(), FILE, &text)?;
+        for r in &s.rules {
+            check_location("service rule", r.location.as_ref(), FILE, &text)?;
+        }
+    }
+    for r in &file.rules {
+        check_location("rule", r.location.as_ref(), FILE, &text)?;
+    }
+    if let Err(e) = file.check(&flexstack_modules::catalog()) {
+        return check_config_error(&e, FILE, &text, MAX_FILE_BYTES).map(|()| false);
+    }
+    match file.match_table(64) {
+        Ok(table) => {
+            for rule in &table {
+                ensure(!rule.is_empty() && !rule.contains('\n'), || format!("match rule {rule:?}"))?;
+            }
+        }
+        Err(e) => ensure(!e.is_empty() && !e.contains('\n'), || format!("match table error {e:?}"))?,
+    }
+    Ok(true)
+}
+
 pub fn check_stack(input: &[u8], dir: &Path) -> Result<bool, String> {
     const FILE: &str = "fuzz.toml";
     let text = text(input);
     let spec = match StackSpec::parse(FILE, &text) {
         Ok(spec) => spec,
-        Err(e) => {
-            ensure(!e.message.is_empty(), || "error without a message".to_string())?;
-            ensure(!e.message.contains('\n'), || format!("message of several lines: {e}"))?;
-            ensure(e.location.is_some() || text.len() > MAX_STACK_FILE_BYTES, || {
-                format!("error without a location: {e}")
-            })?;
-            return check_location("error", e.location.as_ref(), FILE, &text).map(|()| false);
-        }
+        Err(e) => return check_config_error(&e, FILE, &text, MAX_STACK_FILE_BYTES).map(|()| false),
     };
     let mut names = std::collections::HashSet::new();
     for m in &spec.modules {

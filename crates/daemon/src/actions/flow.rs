@@ -107,10 +107,10 @@ fn u64_of(cell: Option<&Arc<VarCell>>) -> Option<u64> {
 
 /// The transport meters of a flow: its own `tcp.*` variables (an endpoint's), or the group `<prefix>.tcp` that the
 /// flow-meters thread publishes; None if there are none.
-fn tcp_meters(own: Option<GroupVars<'_>>, tcp: Option<GroupVars<'_>>) -> Option<TcpMeters> {
+fn tcp_meters(own: GroupVars<'_>, tcp: Option<GroupVars<'_>>) -> Option<TcpMeters> {
     let cell = |k: &str| match tcp {
         Some(g) => g.get(k),
-        None => own?.get(&format!("tcp.{k}")),
+        None => own.get(&format!("tcp.{k}")),
     };
     let (n, text) = (|k: &str| u64_of(cell(k)), |k: &str| text_of(cell(k)));
     let m = TcpMeters {
@@ -166,8 +166,8 @@ fn flows_in(reg: &Registry, publishers: &[Publisher], apps: &[AppInfo], only: Op
                 return None;
             }
             let Value::Str(text) = cell.get() else { return None };
-            // The flow's meters, and the transport meters the flow-meters thread adds under `<prefix>.tcp`.
-            let (own, tcp) = (Some(own), reg.group(&format!("{prefix}.tcp")));
+            // The transport meters the flow-meters thread adds under `<prefix>.tcp` (the flow's own: `own`).
+            let tcp = reg.group(&format!("{prefix}.tcp"));
             let t = Tuple::parse(&text);
             let module = publisher.map_or(String::new(), |p| p.name.clone());
             let kind = publisher.map_or("", |p| p.kind.as_str());
@@ -182,9 +182,9 @@ fn flows_in(reg: &Registry, publishers: &[Publisher], apps: &[AppInfo], only: Op
                 dst: t.dst.map(|e| e.0),
                 dst_port: t.dst.and_then(|e| e.1),
                 tuple: text,
-                bytes_down: u64_of(own.and_then(|g| g.get("bytes_down_total"))),
-                bytes_up: u64_of(own.and_then(|g| g.get("bytes_up_total"))),
-                packets: u64_of(own.and_then(|g| g.get("packets_total"))),
+                bytes_down: u64_of(own.get("bytes_down_total")),
+                bytes_up: u64_of(own.get("bytes_up_total")),
+                packets: u64_of(own.get("packets_total")),
                 tcp: tcp_meters(own, tcp).filter(|_| same_socket(tcp, &t)),
                 peer: None,
                 module,

@@ -26,9 +26,13 @@ cargo test --workspace --profile ci --no-fail-fast -- --test-threads="$(nproc)" 
 FLEXSTACK_WORKERS=2 cargo test --profile ci --no-fail-fast --test datapath_e2e --test run_e2e --test daemon_e2e \
   --test tun_e2e --test flow_e2e --test link_e2e --test emulated_link_e2e -- --test-threads="$(nproc)" || status=$?
 # Every libFuzzer target briefly (cargo-fuzz on nightly; nothing is added to the corpus): a crash fails the suite.
-# Outside CI it is skipped, with a reason, where the nightly toolchain or cargo-fuzz is missing.
+# Outside CI it is skipped, with a reason, where the nightly toolchain or cargo-fuzz is missing; in CI (CI=true)
+# that fails the suite, as a privileged test that cannot run does.
 if cargo +nightly fuzz --version >/dev/null 2>&1; then
   FUZZ_JOBS=$(nproc) ./scripts/fuzz.sh --check 4 || status=1
+elif [[ ${CI:-} == true ]]; then
+  echo "test: error: libFuzzer targets cannot run in CI: no nightly toolchain or cargo-fuzz (scripts/setup.sh)" >&2
+  status=1
 else
   # (The stable-Rust fuzz tests above ran all the same.)
   echo "test: libFuzzer targets NOT run: no nightly toolchain or cargo-fuzz (scripts/setup.sh installs them)" >&2

@@ -141,3 +141,59 @@ fn apps_reach_a_server_over_a_link_face_with_flexstack_arp_ndp_and_nat() {
     assert_eq!(String::from_utf8_lossy(&out.stdout).split_whitespace().next(), Some(want.trim()), "intact under fire");
     assert!(d.cli(&["status"]).status.success(), "the daemon survived");
 }
+
+/// Frames a link face's socket could not queue while flexstack did not read it (the daemon stopped with SIGSTOP)
+/// are counted on the face (`drop_kernel_queue_total`, from the socket's PACKET_STATISTICS): what the peer sent,
+/// less what the face read, is what the meter says (issue 16).
+#[test]
+fn frames_a_link_face_socket_drops_are_counted() {
+    if !privileged() {
+        return;
+    }
+    let peer_ns = Netns::new("lq");
+    let (owned, peer) = (unique("o"), unique("p"));
+    sh("ip", &["link", "add", &owned, "type", "veth", "peer", "name", &peer]);
+    let _link = LinkGuard(owned.clone());
+    sh("sysctl", &["-qw", &format!("net.ipv6.conf.{owned}.disable_ipv6=1")]);
+    sh("ip", &["link", "set", &owned, "up"]);
+    sh("ip", &["link", "set", &peer, "netns", &peer_ns.name]);
+    peer_ns.run(&["sysctl", "-qw", &format!("net.ipv6.conf.{peer}.disable_ipv6=1")]);
+    peer_ns.run(&["ip", "addr", "add", "10.96.0.1/24", "dev", &peer]);
+    peer_ns.run(&["ip", "link", "set", &peer, "up"]);
+    // No ARP: the frames go to a made-up neighbour, and nothing answers them.
+    peer_ns.run(&["ip", "neigh", "add", "10.96.0.2", "lladdr", "02:00:00:00:00:02", "dev", &peer]);
+    let d = common::Daemon::start(
+        &format!(
+            "links = [\"p -> s\"]\n[modules.p]\nkind = \"packet\"\ninterface = \"{owned}\"\n\
+             [modules.s]\nkind = \"sink\"\n"
+        ),
+        &[],
+    );
+    const SENT: u64 = 40_000;
+    let pid = d.child.id().to_string();
+    sh("kill", &["-STOP", &pid]);
+    let sent = peer_ns.run(&[
+        "python3",
+        "-c",
+        &format!(
+            "import socket, time\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n\
+             for i in range({SENT}):\n    s.sendto(b'x' * 64, ('10.96.0.2', 9000))\n    \
+             if i % 500 == 499: time.sleep(0.01)\n"
+        ),
+    ]);
+    sh("kill", &["-CONT", &pid]);
+    assert!(sent.status.success(), "{}", text(&sent));
+    let mut read = 0;
+    let mut counted = 0;
+    for _ in 0..50 {
+        read = d.get_u64("module.p.rx_packets_total");
+        counted = d.get_u64("module.p.drop_kernel_queue_total");
+        if counted > 0 && read + counted >= SENT {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    eprintln!("sent {SENT}, read by the face {read}, counted as dropped {counted}");
+    assert!(read < SENT, "the socket's queue held some, not all: read {read} of {SENT}");
+    assert!((read + counted).abs_diff(SENT) * 100 <= SENT, "sent {SENT}, read {read}, counted {counted}");
+}

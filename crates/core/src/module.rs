@@ -232,6 +232,10 @@ pub trait FaceDevice: Send + Sync {
     fn count_handoff(&self, sent: u64, dropped: u64) {
         let _ = (sent, dropped);
     }
+    /// Reads what the kernel dropped in the device's own queues since the last call and counts it on the face's
+    /// meters (`drop_kernel_queue_total`); the data plane calls it about once a second. The default counts
+    /// nothing.
+    fn refresh_kernel_drops(&self) {}
     /// Reads one packet into `buf` (cleared first) without blocking; `Ok(false)` when none is waiting.
     fn read_packet(&self, buf: &mut Vec<u8>) -> std::io::Result<bool>;
     /// Writes one packet.

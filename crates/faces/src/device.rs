@@ -12,6 +12,7 @@ pub(crate) struct DeviceMeters {
     pub(crate) tx_errors: Meter,
     pub(crate) handoff: Meter,
     pub(crate) drop_handoff: Meter,
+    pub(crate) kernel_drops: Meter,
 }
 
 /// What both kinds of device share: a name, the direction of what is read, and I/O counters.
@@ -43,6 +44,13 @@ impl DeviceCommon {
         if let Some(m) = self.meters.get() {
             m.handoff.add(sent);
             m.drop_handoff.add(dropped);
+        }
+    }
+
+    /// Adds `n` packets the kernel dropped in the device's own queues.
+    pub(crate) fn kernel_dropped(&self, n: u64) {
+        if let Some(m) = self.meters.get() {
+            m.kernel_drops.add(n);
         }
     }
 

@@ -8,7 +8,9 @@
 //! Both kinds' ports, settings and meters are declared once, in `TUN` and `PACKET` below; docs/modules.md lists
 //! them. Frames beyond `queue` waiting for the device are dropped (`drop_queue_full_total`); the `rx_*` and
 //! `tx_errors_total` meters are counted as the data plane does the device's I/O; `carrier` is 1 while the link is
-//! up (for `tun`, always).
+//! up (for `tun`, always). What the kernel drops in the device's own queues before flexstack reads a packet (a
+//! TUN queue full while the data plane is busy; a packet socket's receive queue overflowing) is read from the
+//! kernel about once a second into `drop_kernel_queue_total`, so that such loss is never reported as 0.
 //!
 //! - Kind `tun`: a TUN device carrying raw IP packets (an app's virtual NIC, or the host face). `direction` is that
 //!   of the frames read from it: `"down"` for an app's NIC, whose packets go towards the network; `"up"` for a face
@@ -94,6 +96,14 @@ const METERS: &[MeterDecl<Meters>] = &[
         "packets",
         "dropped: packets for another data-plane worker whose ring was full",
         |m| &mut m.io.drop_handoff,
+    ),
+    MeterDecl::u64(
+        "drop_kernel_queue_total",
+        "packets",
+        "dropped by the kernel in the device's own queues, read from the kernel about once a second: for tun, packets \
+         it could not queue for flexstack or that failed on their way in (the device's tx_dropped + rx_dropped); \
+         for packet, frames lost to a full socket receive queue (PACKET_STATISTICS)",
+        |m| &mut m.io.kernel_drops,
     ),
     MeterDecl::u64(
         "carrier",

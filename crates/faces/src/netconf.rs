@@ -468,6 +468,23 @@ impl Rtnl {
         Ok(out)
     }
 
+    /// Packets link `name` dropped, as the kernel counts them (`tx_dropped + rx_dropped` of its 64-bit
+    /// statistics); `None` if no link has that name here. Fails if requests are queued (commit them first).
+    pub fn dropped(&mut self, name: &str) -> Result<Option<u64>> {
+        let mut out = None;
+        self.dump("list links", RouteNetlinkMessage::GetLink(LinkMessage::default()), |m| {
+            let RouteNetlinkMessage::NewLink(l) = m else { return };
+            if !l.attributes.iter().any(|a| matches!(a, LinkAttribute::IfName(n) if n == name)) {
+                return;
+            }
+            out = l.attributes.iter().find_map(|a| match a {
+                LinkAttribute::Stats64(s) => Some(s.tx_dropped + s.rx_dropped),
+                _ => None,
+            });
+        })?;
+        Ok(out)
+    }
+
     /// The addresses of link `index`, IPv4 and IPv6 (link-local ones too).
     pub fn addresses(&mut self, index: u32) -> Result<Vec<Address>> {
         let mut out = Vec::new();

@@ -124,6 +124,14 @@ impl FaceDevice for PacketDevice {
         self.common.handed_off(sent, dropped);
     }
 
+    fn refresh_kernel_drops(&self) {
+        // Each socket of a fanout group has its own queue and counters: the workers' meters add up.
+        match flexstack_sys::packet_drops(self.socket.as_fd()) {
+            Ok(n) => self.common.kernel_dropped(u64::from(n)),
+            Err(e) => tracing::debug!(device = %self.common.name, error = %e, "cannot read the socket's drops"),
+        }
+    }
+
     fn ethernet(&self) -> bool {
         true
     }

@@ -17,6 +17,17 @@ pub struct TunDevice {
     /// Present when the device uses virtio-net headers (offloads on).
     offload: Option<Offload>,
     mtu: u16,
+    /// The kernel's drop counters of the device, read by its first queue only (they are the device's, not a
+    /// queue's); `None` on the other queues.
+    kernel: Option<Mutex<KernelDrops>>,
+}
+
+/// Where the device's drop counters are read: a netlink socket in the namespace the device is in now (an app's
+/// device is moved into the app's namespace after it is created), and the total read last.
+#[derive(Default)]
+struct KernelDrops {
+    netns: Option<(u64, crate::netconf::Rtnl)>,
+    last: u64,
 }
 
 /// The buffers of a TUN device with offloads. Only the data-plane thread uses them; the mutexes (never
@@ -96,7 +107,13 @@ impl TunDevice {
         dev.enabled(true)?;
         // tcp_gso() tells whether the device really uses virtio-net headers.
         let offload = (offload && dev.tcp_gso()).then(|| Offload::new(mtu));
-        Ok(TunDevice { common: DeviceCommon::new(name, direction), dev, offload, mtu })
+        Ok(TunDevice {
+            common: DeviceCommon::new(name, direction),
+            dev,
+            offload,
+            mtu,
+            kernel: Some(Mutex::new(KernelDrops::default())),
+        })
     }
 
     /// Another queue of this multi-queue device (for another data-plane worker): a file descriptor of its own,
@@ -111,7 +128,24 @@ impl TunDevice {
             dev,
             offload,
             mtu: self.mtu,
+            kernel: None,
         })
+    }
+
+    /// The device's dropped packets as the kernel counts them now, from the namespace it is in.
+    fn read_kernel_drops(&self, k: &mut KernelDrops) -> Result<Option<u64>, String> {
+        use std::os::unix::fs::MetadataExt;
+        let ns = flexstack_sys::tun_netns(self.dev.as_fd()).map_err(|e| format!("cannot find its namespace: {e}"))?;
+        let inode = std::fs::File::from(ns.try_clone().map_err(|e| e.to_string())?)
+            .metadata()
+            .map_err(|e| e.to_string())?
+            .ino();
+        if k.netns.as_ref().is_none_or(|(i, _)| *i != inode) {
+            let rtnl = crate::netconf::Rtnl::open_in(ns.as_fd()).map_err(|e| e.to_string())?;
+            k.netns = Some((inode, rtnl));
+        }
+        let (_, rtnl) = k.netns.as_mut().expect("just set");
+        rtnl.dropped(&self.common.name).map_err(|e| e.to_string())
     }
 
     /// Hands out the next segment, reading the device when none is left.
@@ -187,6 +221,22 @@ impl FaceDevice for TunDevice {
 
     fn count_handoff(&self, sent: u64, dropped: u64) {
         self.common.handed_off(sent, dropped);
+    }
+
+    fn refresh_kernel_drops(&self) {
+        let Some(kernel) = &self.kernel else { return };
+        let mut k = lock(kernel);
+        match self.read_kernel_drops(&mut k) {
+            Ok(Some(total)) => {
+                self.common.kernel_dropped(total.saturating_sub(k.last));
+                k.last = total;
+            }
+            Ok(None) => {}
+            Err(e) => {
+                k.netns = None;
+                tracing::debug!(device = %self.common.name, error = %e, "cannot read the device's drops");
+            }
+        }
     }
 
     fn read_packet(&self, buf: &mut Vec<u8>) -> std::io::Result<bool> {

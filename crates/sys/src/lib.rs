@@ -319,6 +319,39 @@ pub fn tcp_info(fd: BorrowedFd<'_>) -> io::Result<TcpInfo> {
     })
 }
 
+/// Frames packet socket `fd` dropped since the last call because its receive queue was full (`PACKET_STATISTICS`'s
+/// `tp_drops`; reading the statistics resets the kernel's counters, so the caller adds up what each call returns).
+pub fn packet_drops(fd: BorrowedFd<'_>) -> io::Result<u32> {
+    // SAFETY: tpacket_stats is plain old data (two u32s); zeroed is a valid value.
+    let mut stats: libc::tpacket_stats = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tpacket_stats>() as libc::socklen_t;
+    // SAFETY: the kernel writes at most `len` bytes into `stats`, which lives for the call, and updates `len`;
+    // `fd` is an open socket borrowed for the duration of the call.
+    checked(unsafe {
+        libc::getsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_PACKET,
+            libc::PACKET_STATISTICS,
+            &mut stats as *mut libc::tpacket_stats as *mut libc::c_void,
+            &mut len,
+        )
+    })?;
+    Ok(stats.tp_drops)
+}
+
+/// The network namespace the TUN device behind `fd` lives in now (`TUNGETDEVNETNS`, Linux 5.2): the device may have
+/// been moved since it was created (an app's NIC is moved into the app's namespace).
+pub fn tun_netns(fd: BorrowedFd<'_>) -> io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    /// `_IO('T', 227)` from linux/if_tun.h (the libc crate does not name it).
+    const TUNGETDEVNETNS: libc::Ioctl = 0x54e3;
+    // SAFETY: the request takes no argument and returns a new file descriptor or -1; `fd` is an open TUN file
+    // borrowed for the duration of the call.
+    let ns = checked(unsafe { libc::ioctl(fd.as_raw_fd(), TUNGETDEVNETNS) })?;
+    // SAFETY: `ns` was just returned by the kernel as a new descriptor that nothing else owns.
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(ns) })
+}
+
 /// The bytes in socket `fd`'s send queue (not yet acknowledged by the peer, for TCP: `SIOCOUTQ`) and receive queue
 /// (not yet read: `SIOCINQ`/`FIONREAD`).
 pub fn socket_queues(fd: BorrowedFd<'_>) -> io::Result<(u32, u32)> {

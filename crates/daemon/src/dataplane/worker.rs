@@ -163,6 +163,8 @@ struct State {
     woken: Vec<bool>,
     /// Frames handed in, by face, to inject.
     handed_in: Vec<(usize, Batch)>,
+    /// When the devices' kernel drop counters were read last.
+    kernel_drops_at: Time,
 }
 
 impl Loop {
@@ -180,6 +182,7 @@ impl Loop {
             meters,
             woken: vec![false; self.rings.wakes.len()],
             handed_in: Vec::new(),
+            kernel_drops_at: clock(),
         };
         let mut events = vec![EpollEvent::empty(); 64];
         let mut ready: Vec<usize> = Vec::new();
@@ -272,6 +275,12 @@ impl Loop {
             self.take_handed_in(&mut st);
             self.switch.run(clock());
             self.flush_egress(&mut st, &mut batch);
+            if clock().0.saturating_sub(st.kernel_drops_at.0) >= KERNEL_DROPS_EVERY.as_nanos() as u64 {
+                st.kernel_drops_at = clock();
+                for (_, dev) in &st.faces {
+                    dev.refresh_kernel_drops();
+                }
+            }
             let wait = if more || self.switch.has_pending() || self.has_handed_in() {
                 Duration::ZERO
             } else {
@@ -533,6 +542,9 @@ impl Loop {
         }
     }
 }
+
+/// How often the devices' kernel drop counters are read (the loop wakes at least every `MAX_IDLE`).
+const KERNEL_DROPS_EVERY: Duration = Duration::from_secs(1);
 
 pub(super) fn now(origin: Instant) -> Time {
     Time(u64::try_from(origin.elapsed().as_nanos()).unwrap_or(u64::MAX))

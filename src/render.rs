@@ -172,10 +172,11 @@ pub fn runtime(rows: &[RuntimeInfo]) -> String {
                 m.frames.to_string(),
                 format!("{:.2}", m.frames_per_call),
                 format!("{:.1}", m.ns_per_frame),
+                m.drops.to_string(),
             ]
         })
         .collect();
-    table(&["MODULE", "KIND", "CALLS", "FRAMES", "FRAMES/CALL", "NS/FRAME"], rows)
+    table(&["MODULE", "KIND", "CALLS", "FRAMES", "FRAMES/CALL", "NS/FRAME", "DROPS"], rows)
 }
 
 /// `config log`.

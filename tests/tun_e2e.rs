@@ -201,4 +201,9 @@ fn packets_the_kernel_drops_in_a_tun_queue_are_counted() {
     let lost = SENT - received;
     eprintln!("sent {SENT}, received {received}, lost {lost}, counted by the faces {counted}");
     assert!(counted.abs_diff(lost) * 100 <= SENT, "lost {lost} (sent {SENT}, received {received}), counted {counted}");
+    // `show runtime` says it too, in the face's row.
+    let rows = d.answer::<flexstack_api::ops::ShowRuntime>(&["show", "runtime"]);
+    let a = rows.iter().find(|r| r.module == "a").expect("a row for face a");
+    assert_eq!(a.drops, d.get_u64("module.a.drop_kernel_queue_total"), "{rows:?}");
+    assert!(d.ok(&["show", "runtime"]).lines().next().unwrap_or_default().contains("DROPS"));
 }

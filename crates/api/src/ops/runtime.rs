@@ -87,4 +87,8 @@ pub struct RuntimeInfo {
     pub ns_per_frame: f64,
     /// Nanoseconds spent in the module.
     pub busy_ns: u64,
+    /// Frames the module dropped (the switch's `frames_dropped_total`) and, for a face, packets the kernel dropped
+    /// in its device's queues (`drop_kernel_queue_total`); for a worker, frames lost to full hand-over rings.
+    #[serde(default)]
+    pub drops: u64,
 }

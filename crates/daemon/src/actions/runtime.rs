@@ -52,6 +52,7 @@ impl Control {
                 calls,
                 frames,
                 busy_ns: ns,
+                drops: v("frames_dropped_total") + v("drop_kernel_queue_total"),
             }
         })?;
         if workers > 1 {
@@ -68,6 +69,7 @@ impl Control {
                     frames_per_call: ratio(frames, calls),
                     ns_per_frame: ratio(ns, frames),
                     busy_ns: ns,
+                    drops: v("drop_handoff_total"),
                 });
             }
         }

@@ -201,9 +201,10 @@ pub struct DaemonArgs {
     pub realtime: u8,
     /// Data-plane workers: threads with a switch of their own each, flows spread over them by a hash of their
     /// addresses and ports (docs/architecture.md, "Workers"). A stack with a module that needs a global view
-    /// (an emulator, a binding scheduler, a tap ...) runs on one; `status` says how many run it.
-    #[arg(long, env = "FLEXSTACK_WORKERS", default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=256))]
-    pub workers: u16,
+    /// (an emulator, a binding scheduler, a tap ...) runs on one; `status` says how many run it. Default: one per
+    /// CPU this process may run on.
+    #[arg(long, env = "FLEXSTACK_WORKERS", value_parser = clap::value_parser!(u16).range(1..=256))]
+    pub workers: Option<u16>,
     /// Milliseconds between reads of the transport meters of sandboxed apps' forwarded TCP flows from their own
     /// sockets (sock_diag; `flow.<id>.tcp.*`); 0: never.
     #[arg(long, default_value_t = 1000)]
@@ -567,7 +568,10 @@ fn run(cli: Cli) -> Result<(), CliError> {
             dataplane: flexstack_daemon::dataplane::DataPlaneOptions {
                 rx_hold: Duration::from_micros(d.rx_hold_us),
                 realtime: d.realtime,
-                workers: usize::from(d.workers),
+                workers: d.workers.map_or_else(
+                    || std::thread::available_parallelism().map_or(1, |n| n.get().min(256)),
+                    usize::from,
+                ),
             },
             flow_meters: flexstack_daemon::sockdiag::PollOptions {
                 interval: Duration::from_millis(d.flow_meters_interval_ms),

@@ -205,6 +205,11 @@ pub struct DaemonArgs {
     /// CPU this process may run on.
     #[arg(long, env = "FLEXSTACK_WORKERS", value_parser = clap::value_parser!(u16).range(1..=256))]
     pub workers: Option<u16>,
+    /// Busy-poll: microseconds the data-plane workers keep polling their devices after their last frame before they
+    /// sleep (lower latency while traffic flows, a core busy meanwhile; 0, the default: sleep at once). The knob
+    /// `worker.all.busy_poll_us` changes it at runtime.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=1_000_000))]
+    pub busy_poll_us: u64,
     /// Milliseconds between reads of the transport meters of sandboxed apps' forwarded TCP flows from their own
     /// sockets (sock_diag; `flow.<id>.tcp.*`); 0: never.
     #[arg(long, default_value_t = 1000)]
@@ -567,11 +572,11 @@ fn run(cli: Cli) -> Result<(), CliError> {
             },
             dataplane: flexstack_daemon::dataplane::DataPlaneOptions {
                 rx_hold: Duration::from_micros(d.rx_hold_us),
+                busy_poll_us: d.busy_poll_us,
                 realtime: d.realtime,
-                workers: d.workers.map_or_else(
-                    || std::thread::available_parallelism().map_or(1, |n| n.get().min(256)),
-                    usize::from,
-                ),
+                workers: d
+                    .workers
+                    .map_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get().min(256)), usize::from),
             },
             flow_meters: flexstack_daemon::sockdiag::PollOptions {
                 interval: Duration::from_millis(d.flow_meters_interval_ms),

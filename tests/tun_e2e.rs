@@ -207,3 +207,57 @@ fn packets_the_kernel_drops_in_a_tun_queue_are_counted() {
     assert_eq!(a.drops, d.get_u64("module.a.drop_kernel_queue_total"), "{rows:?}");
     assert!(d.ok(&["show", "runtime"]).lines().next().unwrap_or_default().contains("DROPS"));
 }
+
+/// CPU time (ns) of the daemon's data-plane threads so far.
+fn dataplane_cpu_ns(pid: u32) -> u64 {
+    let mut total = 0;
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap().flatten() {
+        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+        if comm.starts_with("dataplane") {
+            let sched = std::fs::read_to_string(task.path().join("schedstat")).unwrap_or_default();
+            total += sched.split_whitespace().next().and_then(|t| t.parse::<u64>().ok()).unwrap_or(0);
+        }
+    }
+    total
+}
+
+/// Share of one core the data plane used over the next `ms` milliseconds.
+fn dataplane_share(pid: u32, ms: u64) -> f64 {
+    let before = dataplane_cpu_ns(pid);
+    std::thread::sleep(std::time::Duration::from_millis(ms));
+    (dataplane_cpu_ns(pid) - before) as f64 / (ms as f64 * 1e6)
+}
+
+/// Busy-poll (`--busy-poll-us`, knob `worker.all.busy_poll_us`): after a frame the data plane keeps polling for
+/// the set time, then sleeps again; off, it sleeps at once.
+#[test]
+fn busy_poll_spins_after_traffic_and_sleeps_when_idle() {
+    if !privileged() {
+        return;
+    }
+    let (d, ns_a, _ns_b) = through_tun_faces(
+        r#"["a -> b", "b -> a"]"#,
+        "",
+        "",
+        (&["10.95.0.1/24"], &["10.95.0.2/24"]),
+        &["--busy-poll-us", "1000000"],
+    );
+    let pid = d.child.id();
+    assert_eq!(d.get_u64("worker.all.busy_poll_us"), 1_000_000);
+    let ping = || assert!(ns_a.run(&["ping", "-c", "1", "-W", "2", "10.95.0.2"]).status.success());
+    ping();
+    let spinning = dataplane_share(pid, 500);
+    // Idle again: the second is over.
+    std::thread::sleep(std::time::Duration::from_millis(700));
+    let after = dataplane_share(pid, 500);
+    d.ok(&["set", "worker.all.busy_poll_us", "0"]);
+    assert_eq!(d.get_u64("worker.all.busy_poll_us"), 0);
+    ping();
+    let off = dataplane_share(pid, 500);
+    eprintln!("data plane's share of a core: busy-polling {spinning:.2}, after it {after:.2}, off {off:.2}");
+    // (A spinning thread gets a whole core on an idle machine; the bound leaves room for a busy one.)
+    assert!(spinning > 0.1, "it polls after a frame: {spinning:.2} of a core");
+    assert!(after < 0.05, "it sleeps once the time is over: {after:.2}");
+    assert!(off < 0.05, "off, it sleeps at once: {off:.2}");
+    assert!(!d.fails(&["set", "worker.all.busy_poll_us", "2000000"]).is_empty(), "over the range: refused");
+}

@@ -91,6 +91,12 @@ impl Control {
             tracing::info!(user = who, knob = name, value = %v, "application knob written");
             return Ok(SetResult { revision: None, notes: Vec::new(), value: cell.get() });
         }
+        if name.starts_with("worker.all.") {
+            // A setting of the data plane's loop that every worker loads each round: stored, nothing to edit.
+            cell.store(&v);
+            tracing::info!(user = who, knob = name, value = %v, "data-plane knob written");
+            return Ok(SetResult { revision: None, notes: Vec::new(), value: cell.get() });
+        }
         if name.starts_with("flow.") || name.starts_with("iface.") {
             // A knob a module registered at runtime (a flow's class): the module that owns it applies it. Not part
             // of the stack description, so no revision.

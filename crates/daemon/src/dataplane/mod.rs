@@ -36,7 +36,10 @@ pub use command::Snapshot;
 use command::{Command, Edits};
 pub use moderation::{RxModeration, DEFAULT_RX_HOLD};
 
-use flexstack_core::{Catalog, ControlFrame, Edit, EditError, ModuleBuilder, PacketPool, SharedRegistry, Switch};
+use flexstack_core::vars::VarCell;
+use flexstack_core::{
+    Catalog, ControlFrame, Edit, EditError, ModuleBuilder, PacketPool, SharedRegistry, Switch, ValueType, VarSpec,
+};
 use flexstack_faces::linkwatch::LinkWatch;
 use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags};
 use nix::sys::eventfd::{EfdFlags, EventFd};
@@ -87,11 +90,14 @@ pub struct DataPlaneOptions {
     pub realtime: u8,
     /// Data-plane workers (threads with a switch of their own); at least 1.
     pub workers: usize,
+    /// Microseconds a worker keeps polling its devices without sleeping after its last frame (0: never; it
+    /// sleeps in epoll as soon as nothing is waiting). The knob `worker.all.busy_poll_us` changes it at runtime.
+    pub busy_poll_us: u64,
 }
 
 impl Default for DataPlaneOptions {
     fn default() -> DataPlaneOptions {
-        DataPlaneOptions { rx_hold: DEFAULT_RX_HOLD, realtime: 0, workers: 1 }
+        DataPlaneOptions { rx_hold: DEFAULT_RX_HOLD, realtime: 0, workers: 1, busy_poll_us: 0 }
     }
 }
 
@@ -126,11 +132,12 @@ impl DataPlane {
             .map(|_| EventFd::from_value_and_flags(0, EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC).map(Arc::new))
             .collect::<Result<_, _>>()?;
         let first = SharedRegistry::default();
+        let busy_poll = busy_poll_knob(&first, options.busy_poll_us);
         let mut workers = Vec::with_capacity(n);
         let mut scheduling = String::new();
         for (id, rings) in worker::rings(n, &wakes).into_iter().enumerate() {
             let registry = if id == 0 { first.clone() } else { first.sharing_runtime() };
-            let (handle, sched) = start_worker(id, n, options, registry, rings)?;
+            let (handle, sched) = start_worker(id, n, options, registry, rings, busy_poll.clone())?;
             if id == 0 {
                 scheduling = sched;
             }
@@ -422,12 +429,32 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 /// Starts worker `id` of `n`; returns its handle and how its thread is scheduled.
+/// The knob every worker reads each round: how long to poll on after the last frame (registered as
+/// `worker.all.busy_poll_us`, set to `us`). A write stores it at once (workers load it; no edit needed).
+fn busy_poll_knob(registry: &SharedRegistry, us: u64) -> Arc<VarCell> {
+    let spec = VarSpec::knob(
+        "busy_poll_us",
+        ValueType::U64,
+        "us",
+        "how long the data-plane workers keep polling their devices after their last frame before they sleep \
+         (busy-poll: lower latency, a core busy while traffic flows; 0: sleep at once)",
+    )
+    .with_range(0.0, 1_000_000.0);
+    let vars = flexstack_core::vars::DynamicVars::new(registry.clone())
+        .register("dataplane", "worker.all", std::slice::from_ref(&spec))
+        .unwrap_or_else(|_| flexstack_core::ModuleVars::new(&[spec]));
+    let cell = vars.cell("busy_poll_us").expect("declared above").clone();
+    cell.set_u64(us.min(1_000_000));
+    cell
+}
+
 fn start_worker(
     id: usize,
     n: usize,
     options: DataPlaneOptions,
     registry: SharedRegistry,
     rings: worker::Rings,
+    busy_poll: Arc<VarCell>,
 ) -> std::io::Result<(WorkerHandle, String)> {
     let (tx, rx) = mpsc::channel();
     let (ready_tx, ready_rx) = mpsc::channel();
@@ -477,6 +504,7 @@ fn start_worker(
             moderation: RxModeration::new(options.rx_hold),
             links,
             dynamic: flexstack_core::vars::DynamicVars::new(thread_registry),
+            busy_poll,
         }
         .run();
     })?;

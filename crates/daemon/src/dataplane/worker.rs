@@ -7,7 +7,7 @@ use super::moderation::RxModeration;
 use super::steer;
 use flexstack_core::frame::Metadata;
 use flexstack_core::switch::CONTROL_PLANE;
-use flexstack_core::vars::DynamicVars;
+use flexstack_core::vars::{DynamicVars, VarCell};
 use flexstack_core::{Batch, Direction, Edit, FaceDevice, Frame, Meter, Packet, Switch, Time, ValueType, VarSpec};
 use flexstack_faces::linkwatch::{CarrierBook, LinkWatch};
 use nix::sys::epoll::{Epoll, EpollEvent, EpollFlags, EpollTimeout};
@@ -147,6 +147,8 @@ pub(super) struct Loop {
     pub(super) moderation: RxModeration,
     pub(super) links: Option<LinkWatch>,
     pub(super) dynamic: DynamicVars,
+    /// `worker.all.busy_poll_us`: how long to keep polling after the last frame.
+    pub(super) busy_poll: Arc<VarCell>,
 }
 
 /// What the loop keeps between rounds besides [`Loop`]'s fields.
@@ -191,6 +193,8 @@ impl Loop {
         let mut spare: Option<Packet> = None;
         let mut meta = Metadata::default();
         let mut busy_since = clock();
+        // When this worker last read or was handed a frame (busy-poll goes on this long after it).
+        let mut last_frame = clock();
         loop {
             // Commands first: they are applied between batches, never inside one.
             loop {
@@ -265,6 +269,9 @@ impl Loop {
                     st.meters.drop_handoff.add(dropped);
                 }
                 more |= read == READ_BATCH;
+                if read > 0 {
+                    last_frame = clock();
+                }
                 st.meters.frames.add(batch.len() as u64);
                 self.switch.face_ingress(index, &mut batch);
             }
@@ -281,7 +288,11 @@ impl Loop {
                     dev.refresh_kernel_drops();
                 }
             }
-            let wait = if more || self.switch.has_pending() || self.has_handed_in() {
+            let polling = match self.busy_poll.local_u64() {
+                0 => false,
+                us => clock().0.saturating_sub(last_frame.0) < us.saturating_mul(1_000),
+            };
+            let wait = if more || polling || self.switch.has_pending() || self.has_handed_in() {
                 Duration::ZERO
             } else {
                 match self.switch.next_wakeup() {

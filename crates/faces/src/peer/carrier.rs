@@ -18,6 +18,7 @@
 //!   after that, input that is not the protocol closes it and counts in `malformed_total`.
 
 use super::trust::{self, client_config, identity, report, server_config, server_name, Peer};
+use crate::stream::{EpollDevice, FrameEngine};
 use flexstack_core::frame::{MetaKey, Metadata};
 use flexstack_core::stream::{FlowInfo, StreamEvent, StreamFrame, StreamKind};
 use flexstack_core::{
@@ -32,8 +33,8 @@ use rustls::{ClientConfig, ClientConnection, Connection, ServerConfig, ServerCon
 use std::collections::{HashMap, VecDeque};
 use std::io::{ErrorKind, Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::os::fd::{AsFd, AsRawFd};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Most connections an accepting carrier holds (authenticated or not).
@@ -117,8 +118,7 @@ impl ModuleBuilder for CarrierBuilder {
         if connect {
             inner.connect(Instant::now());
         }
-        let device =
-            Arc::new(CarrierDevice { name: format!("carrier-{}", req.cfg.peer), dir, epoll, inner: Mutex::new(inner) });
+        let device = Arc::new(CarrierDevice::new(format!("carrier-{}", req.cfg.peer), dir, epoll, inner));
         let specs = carrier::flow_specs();
         Box::new(Carrier {
             device,
@@ -758,46 +758,15 @@ impl Inner {
 }
 
 /// The device the data plane sees: the carrier's epoll set.
-struct CarrierDevice {
-    name: String,
-    dir: Direction,
-    epoll: Arc<Epoll>,
-    inner: Mutex<Inner>,
-}
+type CarrierDevice = EpollDevice<Inner>;
 
-impl CarrierDevice {
-    fn inner(&self) -> MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-}
-
-impl FaceDevice for CarrierDevice {
-    fn name(&self) -> &str {
-        &self.name
-    }
-
-    fn fd(&self) -> BorrowedFd<'_> {
-        self.epoll.0.as_fd()
-    }
-
-    fn direction(&self) -> Direction {
-        self.dir
-    }
-
-    fn read_packet(&self, buf: &mut Vec<u8>) -> std::io::Result<bool> {
-        self.read_frame(buf, &mut Metadata::default())
-    }
-
-    fn read_frame(&self, buf: &mut Vec<u8>, meta: &mut Metadata) -> std::io::Result<bool> {
-        let mut inner = self.inner();
-        if inner.ready.is_empty() {
-            inner.poll_events();
+impl FrameEngine for Inner {
+    fn read_frame(&mut self, buf: &mut Vec<u8>, meta: &mut Metadata) -> std::io::Result<bool> {
+        if self.ready.is_empty() {
+            self.poll_events();
         }
-        let Some(r) = inner.ready.pop_front() else {
-            buf.clear();
-            return Ok(false);
-        };
         buf.clear();
+        let Some(r) = self.ready.pop_front() else { return Ok(false) };
         buf.extend_from_slice(&r.bytes);
         *meta = Metadata::default();
         meta.set(MetaKey::FLOW_ID, r.flow);
@@ -805,13 +774,8 @@ impl FaceDevice for CarrierDevice {
         Ok(true)
     }
 
-    fn write_packet(&self, _packet: &[u8]) -> std::io::Result<()> {
-        Err(std::io::Error::new(ErrorKind::Unsupported, "a carrier takes stream frames"))
-    }
-
-    fn write_frames(&self, packets: &[&Packet]) -> std::io::Result<()> {
-        self.inner().write_frames(packets);
-        Ok(())
+    fn write_frames(&mut self, packets: &[&Packet]) {
+        Inner::write_frames(self, packets);
     }
 }
 
@@ -864,7 +828,7 @@ impl Module for Carrier {
             return;
         }
         let device = self.device.clone();
-        let mut inner = device.inner();
+        let mut inner = device.engine();
         let cfg = self.cfg.clone();
         for f in input.drain(..) {
             let route = match f.packet().and_then(|p| Some((p.stream_flow()?, p))) {
@@ -899,7 +863,7 @@ impl Module for Carrier {
 
     fn poll(&mut self, out: &mut Output<'_>) -> Option<Time> {
         let device = self.device.clone();
-        let mut inner = device.inner();
+        let mut inner = device.engine();
         inner.tick(Instant::now());
         inner.kick();
         self.flow_meters(&mut inner, out);
@@ -908,7 +872,7 @@ impl Module for Carrier {
 
     fn write_knob(&mut self, knob: &str, value: &Value) -> Result<(), String> {
         self.decl.write(&mut self.cfg, knob, value)?;
-        self.device.inner().cfg = self.cfg.clone();
+        self.device.engine().cfg = self.cfg.clone();
         Ok(())
     }
 

@@ -42,7 +42,7 @@ pub const MAX_CONNECTIONS: usize = 256;
 /// A connection must authenticate and say hello within this time.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often the module checks timers and refreshes its meters.
-const PERIOD: Duration = Duration::from_millis(100);
+pub(crate) const PERIOD: Duration = Duration::from_millis(100);
 /// The capabilities this carrier announces.
 const CAPS: &[&str] = &["tcp"];
 
@@ -50,8 +50,8 @@ const KICK: u64 = 0;
 const LISTENER: u64 = 1;
 const FIRST_CONN: u64 = 2;
 /// Output ports.
-const STREAM: usize = 0;
-const PASS: usize = 1;
+pub(crate) const STREAM: usize = 0;
+pub(crate) const PASS: usize = 1;
 
 /// Builds the carrier from what the kind read (the hook installed into `flexstack_modules::stream::carrier`).
 pub(crate) fn build(req: CarrierRequest) -> Result<Box<dyn ModuleBuilder>, String> {
@@ -119,32 +119,34 @@ impl ModuleBuilder for CarrierBuilder {
             inner.connect(Instant::now());
         }
         let device = Arc::new(CarrierDevice::new(format!("carrier-{}", req.cfg.peer), dir, epoll, inner));
-        let specs = carrier::flow_specs();
-        Box::new(Carrier {
-            device,
-            decl: req.decl,
-            cfg: req.cfg,
-            egress: Vec::new(),
-            connect,
-            specs,
-            flows: HashMap::new(),
-        })
+        Box::new(Carrier::new(device, req, connect))
     }
 }
 
 /// A frame ready to hand to the chain.
-struct Ready {
-    flow: u64,
-    kind: StreamKind,
-    extra: u64,
-    bytes: Vec<u8>,
+pub(crate) struct Ready {
+    pub(crate) flow: u64,
+    pub(crate) kind: StreamKind,
+    pub(crate) extra: u64,
+    pub(crate) bytes: Vec<u8>,
+}
+
+/// Hands the next ready frame to the data plane (its bytes in `buf`, flow and kind in `meta`); false if none.
+pub(crate) fn pop_ready(ready: &mut VecDeque<Ready>, buf: &mut Vec<u8>, meta: &mut Metadata) -> bool {
+    buf.clear();
+    let Some(r) = ready.pop_front() else { return false };
+    buf.extend_from_slice(&r.bytes);
+    *meta = Metadata::default();
+    meta.set(MetaKey::FLOW_ID, r.flow);
+    meta.set(MetaKey::STREAM, r.kind as u64 | r.extra << 8);
+    true
 }
 
 /// A flow of an accepting carrier: whose it is, and which directions saw `Fin`.
-struct Accepted {
-    token: u64,
-    remote: u64,
-    fins: (bool, bool),
+pub(crate) struct Accepted {
+    pub(crate) token: u64,
+    pub(crate) remote: u64,
+    pub(crate) fins: (bool, bool),
 }
 
 enum Mode {
@@ -185,7 +187,7 @@ struct Conn {
 }
 
 /// Why a connection ended: before authentication (a refusal), for bad input, or otherwise.
-enum End {
+pub(crate) enum End {
     Refused(String),
     Malformed(String),
     Closed(String),
@@ -194,13 +196,13 @@ enum End {
 /// At most one log line a second for refused connections (a flood of them must not flood the log); the next line
 /// says how many were left out.
 #[derive(Default)]
-struct LogLimit {
+pub(crate) struct LogLimit {
     last: Option<Instant>,
-    suppressed: u64,
+    pub(crate) suppressed: u64,
 }
 
 impl LogLimit {
-    fn allow(&mut self, now: Instant) -> bool {
+    pub(crate) fn allow(&mut self, now: Instant) -> bool {
         if self.last.is_some_and(|t| now.duration_since(t) < Duration::from_secs(1)) {
             return false;
         }
@@ -765,13 +767,7 @@ impl FrameEngine for Inner {
         if self.ready.is_empty() {
             self.poll_events();
         }
-        buf.clear();
-        let Some(r) = self.ready.pop_front() else { return Ok(false) };
-        buf.extend_from_slice(&r.bytes);
-        *meta = Metadata::default();
-        meta.set(MetaKey::FLOW_ID, r.flow);
-        meta.set(MetaKey::STREAM, r.kind as u64 | r.extra << 8);
-        Ok(true)
+        Ok(pop_ready(&mut self.ready, buf, meta))
     }
 
     fn write_frames(&mut self, packets: &[&Packet]) {
@@ -779,41 +775,103 @@ impl FrameEngine for Inner {
     }
 }
 
-/// A running carrier.
-struct Carrier {
-    device: Arc<CarrierDevice>,
-    decl: &'static flexstack_core::KindDecl<Config, Meters>,
-    cfg: Config,
-    egress: Batch,
-    connect: bool,
-    /// A flow's variables.
-    specs: Vec<VarSpec>,
-    /// Flows whose meters are registered: id -> (name, peer).
-    flows: HashMap<u64, String>,
+/// What the carrier module needs of its transport's engine (TLS over TCP here, QUIC in `quic.rs`), behind the
+/// device's mutex.
+pub(crate) trait CarrierEngine: FrameEngine + 'static {
+    /// Connect mode: the choice of flows; `None` when accepting.
+    fn router(&mut self) -> Option<&mut Router>;
+    fn meters(&self) -> &Meters;
+    /// Flows carried since the module last looked, with their tuple.
+    fn born(&mut self) -> &mut Vec<(u64, String)>;
+    /// Flows ended since the module last looked.
+    fn take_gone(&mut self) -> Vec<u64>;
+    /// The name of the peer flow `id` is carried to or came from.
+    fn peer_of(&self, id: u64) -> String;
+    /// Timers, meters, and a kick of the device when frames wait.
+    fn tick(&mut self, now: Instant);
+    fn set_cfg(&mut self, cfg: Config);
 }
 
-impl Carrier {
-    /// Registers the meters of flows carried since the last look, and removes those of flows that ended.
-    fn flow_meters(&mut self, inner: &mut Inner, out: &mut Output<'_>) {
-        if let Mode::Connect { router, .. } = &mut inner.mode {
-            inner.gone.append(&mut router.gone);
+impl CarrierEngine for Inner {
+    fn router(&mut self) -> Option<&mut Router> {
+        match &mut self.mode {
+            Mode::Connect { router, .. } => Some(router),
+            Mode::Accept { .. } => None,
         }
-        for (id, tuple) in std::mem::take(&mut inner.born) {
+    }
+
+    fn meters(&self) -> &Meters {
+        &self.m
+    }
+
+    fn born(&mut self) -> &mut Vec<(u64, String)> {
+        &mut self.born
+    }
+
+    fn take_gone(&mut self) -> Vec<u64> {
+        if let Mode::Connect { router, .. } = &mut self.mode {
+            self.gone.append(&mut router.gone);
+        }
+        std::mem::take(&mut self.gone)
+    }
+
+    fn peer_of(&self, id: u64) -> String {
+        match &self.mode {
+            Mode::Connect { peer, .. } => peer.name.clone(),
+            Mode::Accept { flows, .. } => {
+                let token = flows.get(&id).map(|f| f.token);
+                token.and_then(|t| self.conns.get(&t)).map(|c| c.peer.clone()).unwrap_or_default()
+            }
+        }
+    }
+
+    fn tick(&mut self, now: Instant) {
+        Inner::tick(self, now);
+        self.kick();
+    }
+
+    fn set_cfg(&mut self, cfg: Config) {
+        self.cfg = cfg;
+    }
+}
+
+/// A running carrier over engine `E`.
+pub(crate) struct Carrier<E> {
+    pub(crate) device: Arc<EpollDevice<E>>,
+    pub(crate) decl: &'static flexstack_core::KindDecl<Config, Meters>,
+    pub(crate) cfg: Config,
+    pub(crate) egress: Batch,
+    pub(crate) connect: bool,
+    /// A flow's variables.
+    pub(crate) specs: Vec<VarSpec>,
+    /// Flows whose meters are registered: id -> name.
+    pub(crate) flows: HashMap<u64, String>,
+}
+
+impl<E: CarrierEngine> Carrier<E> {
+    pub(crate) fn new(device: Arc<EpollDevice<E>>, req: CarrierRequest, connect: bool) -> Self {
+        Carrier {
+            device,
+            decl: req.decl,
+            cfg: req.cfg,
+            egress: Vec::new(),
+            connect,
+            specs: carrier::flow_specs(),
+            flows: HashMap::new(),
+        }
+    }
+
+    /// Registers the meters of flows carried since the last look, and removes those of flows that ended.
+    fn flow_meters(&mut self, e: &mut E, out: &mut Output<'_>) {
+        for (id, tuple) in std::mem::take(e.born()) {
             let name = format!("{}.{id}", self.cfg.vars_prefix);
             // Another module owning the prefix (a misconfiguration) leaves the meters unpublished, never the flow.
             let vars = out.register_vars(&name, &self.specs).unwrap_or_else(|_| ModuleVars::new(&self.specs));
             vars.meter("tuple").store(&Value::Str(tuple));
-            let peer = match &inner.mode {
-                Mode::Connect { peer, .. } => peer.name.clone(),
-                Mode::Accept { flows, .. } => {
-                    let token = flows.get(&id).map(|f| f.token);
-                    token.and_then(|t| inner.conns.get(&t)).map(|c| c.peer.clone()).unwrap_or_default()
-                }
-            };
-            vars.meter("peer").store(&Value::Str(peer));
+            vars.meter("peer").store(&Value::Str(e.peer_of(id)));
             self.flows.insert(id, name);
         }
-        for id in std::mem::take(&mut inner.gone) {
+        for id in e.take_gone() {
             if let Some(name) = self.flows.remove(&id) {
                 out.unregister_vars(&name);
             }
@@ -821,58 +879,57 @@ impl Carrier {
     }
 }
 
-impl Module for Carrier {
+impl<E: CarrierEngine> Module for Carrier<E> {
     fn process(&mut self, _port: usize, input: &mut Batch, out: &mut Output<'_>) {
         if !self.connect {
             self.egress.append(input);
             return;
         }
         let device = self.device.clone();
-        let mut inner = device.engine();
+        let mut e = device.engine();
         let cfg = self.cfg.clone();
         for f in input.drain(..) {
             let route = match f.packet().and_then(|p| Some((p.stream_flow()?, p))) {
-                Some((flow, p)) => match &mut inner.mode {
-                    Mode::Connect { router, .. } => (router.down(&cfg, flow, p.stream_kind(), p.data()), flow),
-                    Mode::Accept { .. } => (Route::Carry, flow),
+                Some((flow, p)) => match e.router() {
+                    Some(router) => (router.down(&cfg, flow, p.stream_kind(), p.data()), flow),
+                    None => (Route::Carry, flow),
                 },
                 None => (Route::Pass, 0),
             };
             match route {
                 (Route::Carry, flow) => {
                     if let Some(StreamEvent::Open(info)) = f.stream() {
-                        inner.born.push((flow, carrier::tuple(&info)));
+                        e.born().push((flow, carrier::tuple(&info)));
                     }
                     self.egress.push(f);
                 }
                 (Route::Pass, _) => {
                     if f.packet().and_then(Packet::stream_kind) == Some(StreamKind::Open) {
-                        inner.m.flows_passed.add(1);
+                        e.meters().flows_passed.add(1);
                     }
                     out.emit(PASS, f);
                 }
                 (Route::Limit, flow) => {
-                    inner.m.flows_limited.add(1);
+                    e.meters().flows_limited.add(1);
                     let abort = StreamFrame::abort(out.pool(), flow, Direction::Up, "limit");
                     out.emit(STREAM, abort);
                 }
             }
         }
-        self.flow_meters(&mut inner, out);
+        self.flow_meters(&mut e, out);
     }
 
     fn poll(&mut self, out: &mut Output<'_>) -> Option<Time> {
         let device = self.device.clone();
-        let mut inner = device.engine();
-        inner.tick(Instant::now());
-        inner.kick();
-        self.flow_meters(&mut inner, out);
+        let mut e = device.engine();
+        e.tick(Instant::now());
+        self.flow_meters(&mut e, out);
         Some(out.now() + PERIOD)
     }
 
     fn write_knob(&mut self, knob: &str, value: &Value) -> Result<(), String> {
         self.decl.write(&mut self.cfg, knob, value)?;
-        self.device.engine().cfg = self.cfg.clone();
+        self.device.engine().set_cfg(self.cfg.clone());
         Ok(())
     }
 

@@ -367,6 +367,10 @@ fn each_quic_congestion_control_carries_a_download() {
         assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).contains(&want), "{cc}: {}", text(&out));
         assert_eq!(m[0], 1, "{cc}: one QUIC connection");
         assert!(m[1] > 2_000_000, "{cc}: the download came over QUIC: {} bytes", m[1]);
+        // The controller the connection ran, as quinn-proto reports it.
+        let p = r.a.cli(&["-j", "peer", "show", "gateway"]);
+        let p: serde_json::Value = serde_json::from_slice(&p.stdout).expect("peer show as JSON");
+        assert_eq!(p["state"], format!("connected over quic ({cc})").as_str(), "{p}");
     }
     assert_eq!(r.b_meter("connections_total"), 3, "one connection per app's carrier");
 }

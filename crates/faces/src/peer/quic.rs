@@ -664,9 +664,10 @@ impl Quic {
         self.m.connections.add(1);
         self.m.connections_active.add(1);
         let peer = c.peer.clone();
-        tracing::info!(peer = %peer, "quic carrier connection up");
+        let cc = controller(&c.conn);
+        tracing::info!(peer = %peer, cc, "quic carrier connection up");
         report(&peer, |s| {
-            s.state = "connected".into();
+            s.state = format!("connected over quic ({cc})");
             s.connections += 1;
         });
         for (flow, kind, extra, data) in std::mem::take(&mut self.waiting) {
@@ -1002,6 +1003,31 @@ fn open_control(c: &mut Conn, m: &Meters) {
     m.bytes_out.add(hello.len() as u64);
     m.frames_out.add(1);
     c.send(id, &hello);
+}
+
+impl Drop for Quic {
+    /// The module goes (its stack unloaded): the peers are told at once rather than by the idle timeout.
+    fn drop(&mut self) {
+        let now = Instant::now();
+        for c in self.conns.values_mut() {
+            c.conn.close(now, VarInt::from_u32(CLOSE_CODE), Bytes::from_static(b"unloaded"));
+        }
+        self.transmit(now);
+    }
+}
+
+/// The name of the congestion controller connection `c` runs (read back from quinn-proto, not from the setting).
+fn controller(c: &quinn_proto::Connection) -> &'static str {
+    let any = c.congestion_state().clone_box().into_any();
+    if any.is::<quinn_proto::congestion::Bbr>() {
+        "bbr"
+    } else if any.is::<quinn_proto::congestion::Cubic>() {
+        "cubic"
+    } else if any.is::<quinn_proto::congestion::NewReno>() {
+        "newreno"
+    } else {
+        "other"
+    }
 }
 
 fn self_connects(mode: &Mode) -> bool {

@@ -293,35 +293,46 @@ fn a_peer_with_an_unknown_key_gets_nothing_and_is_counted() {
     assert!(list[0]["state"].as_str().is_some_and(|s| s.starts_with("down")), "{list}");
 }
 
-/// Garbage on B's carrier port (random bytes, a plain HTTP request) is refused and counted while a transfer
-/// through the carrier goes on: B survives and the download arrives intact.
-#[test]
-fn garbage_on_the_peer_port_is_refused_while_flows_continue() {
-    let Some(mut r) = Rig::new(2, true) else { return };
+/// Starts a slow download by app `app` (64 KiB every 40 ms: about 1.3 s for the 2 MB, so that the flow is open
+/// while a test disturbs the carrier) and waits until B carries its flow; returns the sha256 it must print.
+fn slow_download(r: &Rig, app: &str) -> (String, std::process::Child) {
     let want = common::sha256(&r.www.path().join("blob"));
-    // A slow reader (64 KiB every 40 ms: about 1.3 s for the 2 MB), so the flow is open while the garbage comes.
     let reader = format!(
         "import hashlib, time, urllib.request\nh = hashlib.sha256()\nwith urllib.request.urlopen('http://{}:8080/blob', \
          timeout=30) as f:\n    while True:\n        b = f.read(65536)\n        if not b:\n            break\n        \
          h.update(b)\n        time.sleep(0.04)\nprint(h.hexdigest())\n",
         r.srv
     );
-    let script = format!("python3 -c \"{reader}\"");
-    let args = r.args("steady", &script, &["peer.connections_total"]);
+    let args = r.args(app, &format!("python3 -c \"{reader}\""), &["peer.connections_total"]);
     let run = r.a.spawn_run(&args.iter().map(String::as_str).collect::<Vec<_>>());
     r.b.wait_for("the app's flow at B", 10, |b| b.get_u64("module.peers.flows_active") == 1);
+    (want, run)
+}
+
+/// Sends `garbage` (a python3 script) while the slow download `run` goes on: the download arrives intact (`want`)
+/// and B is still running.
+fn survives_garbage(r: &mut Rig, garbage: &str, run: std::process::Child, want: &str) {
+    sh("python3", &["-c", garbage]);
+    assert_eq!(r.b_meter("flows_active"), 1, "the transfer was open while the garbage came");
+    let out = run.wait_with_output().expect("the app");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && stdout.contains(want), "the transfer survives: {stdout}");
+    assert!(r.b.alive(), "B is still running");
+}
+
+/// Garbage on B's carrier port (random bytes, a plain HTTP request) is refused and counted while a transfer
+/// through the carrier goes on: B survives and the download arrives intact.
+#[test]
+fn garbage_on_the_peer_port_is_refused_while_flows_continue() {
+    let Some(mut r) = Rig::new(2, true) else { return };
+    let (want, run) = slow_download(&r, "steady");
     let (host, port) = r.b_addr.split_once(':').unwrap();
     let garbage = format!(
         "import os, socket\nfor i in range(30):\n    s = socket.create_connection(('{host}', {port}), timeout=5)\n    \
          s.sendall(os.urandom(3000) if i % 2 else b'GET / HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n')\n    \
          try:\n        s.recv(65536)\n    except OSError:\n        pass\n    s.close()\n"
     );
-    sh("python3", &["-c", &garbage]);
-    assert_eq!(r.b_meter("flows_active"), 1, "the transfer was open while the garbage came");
-    let out = run.wait_with_output().expect("the app");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success() && stdout.contains(&want), "the transfer survives: {stdout}");
-    assert!(r.b.alive(), "B is still running");
+    survives_garbage(&mut r, &garbage, run, &want);
     assert!(r.b_meter("refusals_total") >= 30, "every garbage connection refused: {}", r.b_meter("refusals_total"));
     assert_eq!(r.b_meter("malformed_total"), 0, "garbage never got past authentication");
     assert_eq!(r.b_meter("connections_total"), 1, "the peer's own connection only");
@@ -397,16 +408,7 @@ fn quic_from_an_unknown_peer_gets_nothing_and_is_counted() {
 #[test]
 fn garbage_datagrams_on_the_quic_port_do_not_disturb_flows() {
     let Some(mut r) = Rig::with(7, true, QUIC) else { return };
-    let want = common::sha256(&r.www.path().join("blob"));
-    let reader = format!(
-        "import hashlib, time, urllib.request\nh = hashlib.sha256()\nwith urllib.request.urlopen('http://{}:8080/blob', \
-         timeout=30) as f:\n    while True:\n        b = f.read(65536)\n        if not b:\n            break\n        \
-         h.update(b)\n        time.sleep(0.04)\nprint(h.hexdigest())\n",
-        r.srv
-    );
-    let args = r.args("qsteady", &format!("python3 -c \"{reader}\""), &["peer.connections_total"]);
-    let run = r.a.spawn_run(&args.iter().map(String::as_str).collect::<Vec<_>>());
-    r.b.wait_for("the app's flow at B", 10, |b| b.get_u64("module.peers.flows_active") == 1);
+    let (want, run) = slow_download(&r, "qsteady");
     let (host, port) = r.b_addr.rsplit_once(':').unwrap();
     // 0xc0-0xcf: a long header (Initial), version 1, then random or truncated content; some padded to 1200 bytes
     // as a real Initial must be.
@@ -417,12 +419,7 @@ fn garbage_datagrams_on_the_quic_port_do_not_disturb_flows() {
          os.urandom(8)\n        b = head + os.urandom(1200 - len(head) if k == 1 else random.randint(0, 40))\n        \
          b = b[:random.randint(1, len(b))] if k == 3 else b\n    s.sendto(b, ('{host}', {port}))\n"
     );
-    sh("python3", &["-c", &garbage]);
-    assert_eq!(r.b_meter("flows_active"), 1, "the transfer was open while the garbage came");
-    let out = run.wait_with_output().expect("the app");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success() && stdout.contains(&want), "the transfer survives: {stdout}");
-    assert!(r.b.alive(), "B is still running");
+    survives_garbage(&mut r, &garbage, run, &want);
     assert_eq!(r.b_meter("connections_total"), 1, "the peer's own connection only");
     assert_eq!(r.b_meter("malformed_total"), 0, "garbage never got past authentication");
 }

@@ -19,17 +19,18 @@
 //!   `udp_bytes_out_total`, `udp_bytes_in_total` (every connection's, closed ones included).
 
 use super::carrier::{
-    pop_ready, Accepted, Carrier, CarrierEngine, End, LogLimit, Ready, HANDSHAKE_TIMEOUT, MAX_CONNECTIONS,
+    carrier_engine_common, check_open, epoll_with_kick, log_end, pop_ready, Builder, CarrierEngine, End, LogLimit,
+    Modes, Ready, HANDSHAKE_TIMEOUT, MAX_CONNECTIONS,
 };
-use super::trust::{self, client_config, identity, report, server_config, Peer, TLS_NAME};
+use super::trust::{self, client_config, identity, report, server_config, TLS_NAME};
 use crate::stream::{EpollDevice, FrameEngine};
 use bytes::{Bytes, BytesMut};
 use flexstack_core::frame::{MetaKey, Metadata};
 use flexstack_core::stream::{FlowInfo, Protocol, StreamKind};
-use flexstack_core::{Direction, Module, ModuleBuilder, ModuleInterface, ModuleVars, Packet};
+use flexstack_core::{Direction, ModuleBuilder, Packet};
 use flexstack_modules::stream::carrier::{self, wire, CarrierRequest, Config, Meters, Router};
-use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags};
-use nix::sys::eventfd::{EfdFlags, EventFd};
+use nix::sys::epoll::{EpollEvent, EpollFlags};
+use nix::sys::eventfd::EventFd;
 use nix::sys::time::TimeSpec;
 use nix::sys::timerfd::{ClockId, Expiration, TimerFd, TimerFlags, TimerSetTimeFlags};
 use quinn_proto::congestion::{BbrConfig, ControllerFactory, CubicConfig, NewRenoConfig};
@@ -48,7 +49,6 @@ use std::time::{Duration, Instant};
 /// The capabilities this carrier announces.
 const CAPS: &[&str] = &["quic"];
 /// Epoll tokens.
-const KICK: u64 = 0;
 const SOCKET: u64 = 1;
 const TIMER: u64 = 2;
 /// Most UDP datagrams read from the socket per call (the rest wait for the next).
@@ -85,7 +85,7 @@ pub(crate) fn build(req: CarrierRequest) -> Result<Box<dyn ModuleBuilder>, Strin
         let crypto = QuicServerConfig::try_from(server_config(id)?).map_err(|e| format!("QUIC TLS: {e}"))?;
         let mut sc = ServerConfig::with_crypto(Arc::new(crypto));
         sc.transport_config(tp);
-        (socket, Some(Arc::new(sc)), Mode::Accept { flows: HashMap::new(), next_local: 1 })
+        (socket, Some(Arc::new(sc)), Mode::Accept { server: (), flows: HashMap::new(), next_local: 1 })
     } else {
         let name = &req.cfg.peer;
         let peer = trust::get(name).ok_or_else(|| format!("no peer {name:?} (add it with `flexstack peer add`)"))?;
@@ -98,87 +98,57 @@ pub(crate) fn build(req: CarrierRequest) -> Result<Box<dyn ModuleBuilder>, Strin
         (socket, None, Mode::Connect { peer, client: cc, router: Router::default(), retry_at: None, conn: None })
     };
     socket.set_nonblocking(true).map_err(|e| e.to_string())?;
-    Ok(Box::new(QuicBuilder { req, socket, server, mode }))
+    let make = move |cfg: &Config, m| quic_device(socket, server, mode, cfg, m);
+    Ok(Box::new(Builder { req, make: Box::new(make) }))
 }
 
-struct QuicBuilder {
-    req: CarrierRequest,
+/// The quic carrier's device.
+fn quic_device(
     socket: UdpSocket,
     server: Option<Arc<ServerConfig>>,
     mode: Mode,
+    cfg: &Config,
+    m: Meters,
+) -> (Arc<EpollDevice<Quic>>, bool) {
+    let (epoll, kick) = epoll_with_kick();
+    let timer =
+        TimerFd::new(ClockId::CLOCK_MONOTONIC, TimerFlags::TFD_NONBLOCK | TimerFlags::TFD_CLOEXEC).expect("a timerfd");
+    let watch = |fd: BorrowedFd<'_>, token| {
+        epoll.add(fd, EpollEvent::new(EpollFlags::EPOLLIN, token)).expect("the carrier's fds in its epoll set")
+    };
+    watch(socket.as_fd(), SOCKET);
+    watch(timer.as_fd(), TIMER);
+    let connect = matches!(mode, Mode::Connect { .. });
+    let endpoint = Endpoint::new(Arc::new(EndpointConfig::default()), server, true, None);
+    let epoll = Arc::new(epoll);
+    let mut q = Quic {
+        socket,
+        endpoint,
+        mode,
+        conns: HashMap::new(),
+        ready: VecDeque::new(),
+        born: Vec::new(),
+        gone: Vec::new(),
+        cfg: cfg.clone(),
+        m,
+        kick,
+        timer,
+        timer_at: None,
+        refusal_log: LogLimit::default(),
+        closed: Totals::default(),
+        buf: Vec::new(),
+        waiting: Vec::new(),
+    };
+    if connect {
+        q.connect(Instant::now());
+        q.drive(Instant::now());
+    }
+    let dir = if connect { Direction::Up } else { Direction::Down };
+    let name = format!("quic-{}", if connect { &cfg.peer } else { &cfg.listen });
+    (Arc::new(EpollDevice::new(name, dir, epoll, q)), connect)
 }
 
-impl ModuleBuilder for QuicBuilder {
-    fn global_view(&self) -> bool {
-        self.req.decl.global_view
-    }
-
-    fn interface(&self) -> ModuleInterface {
-        self.req.interface.clone()
-    }
-
-    fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module> {
-        let QuicBuilder { req, socket, server, mode } = *self;
-        req.decl.publish(&req.cfg, vars);
-        let m = req.decl.meters(vars);
-        let epoll = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC).expect("an epoll instance");
-        let kick =
-            EventFd::from_value_and_flags(0, EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC).expect("an eventfd");
-        let timer = TimerFd::new(ClockId::CLOCK_MONOTONIC, TimerFlags::TFD_NONBLOCK | TimerFlags::TFD_CLOEXEC)
-            .expect("a timerfd");
-        let watch = |fd: BorrowedFd<'_>, token| {
-            epoll.add(fd, EpollEvent::new(EpollFlags::EPOLLIN, token)).expect("the carrier's fds in its epoll set")
-        };
-        watch(kick.as_fd(), KICK);
-        watch(socket.as_fd(), SOCKET);
-        watch(timer.as_fd(), TIMER);
-        let connect = matches!(mode, Mode::Connect { .. });
-        let endpoint = Endpoint::new(Arc::new(EndpointConfig::default()), server, true, None);
-        let epoll = Arc::new(epoll);
-        let mut q = Quic {
-            socket,
-            endpoint,
-            mode,
-            conns: HashMap::new(),
-            ready: VecDeque::new(),
-            born: Vec::new(),
-            gone: Vec::new(),
-            cfg: req.cfg.clone(),
-            m,
-            kick,
-            timer,
-            timer_at: None,
-            refusal_log: LogLimit::default(),
-            closed: Totals::default(),
-            buf: Vec::new(),
-            waiting: Vec::new(),
-        };
-        if connect {
-            q.connect(Instant::now());
-            q.drive(Instant::now());
-        }
-        let dir = if connect { Direction::Up } else { Direction::Down };
-        let name = format!("quic-{}", if connect { &req.cfg.peer } else { &req.cfg.listen });
-        let device = Arc::new(EpollDevice::new(name, dir, epoll, q));
-        Box::new(Carrier::new(device, req, connect))
-    }
-}
-
-enum Mode {
-    Connect {
-        peer: Peer,
-        client: ClientConfig,
-        router: Router,
-        /// Down (a connection failed): no new attempt before this.
-        retry_at: Option<Instant>,
-        conn: Option<ConnectionHandle>,
-    },
-    Accept {
-        /// Local flow id -> its connection and the peer's id.
-        flows: HashMap<u64, Accepted>,
-        next_local: u64,
-    },
-}
+type Mode = Modes<ClientConfig, (), ConnectionHandle>;
 
 /// Statistics of the connections that are gone (the meters add the live ones').
 #[derive(Default, Clone, Copy)]
@@ -386,44 +356,13 @@ impl Quic {
             return;
         }
         c.dead = true;
-        let why = match &end {
-            End::Refused(w) => {
-                self.m.refusals.add(1);
-                w.clone()
-            }
-            End::Malformed(w) => {
-                self.m.malformed.add(1);
-                format!("malformed input: {w}")
-            }
-            End::Closed(w) => w.clone(),
-        };
-        let peer = if c.peer.is_empty() { "unknown".to_string() } else { c.peer.clone() };
-        if c.up {
-            self.m.connections_active.set(self.m.connections_active.get().saturating_sub(1));
-            tracing::info!(peer = %peer, "quic carrier connection closed: {why}");
-        } else if self.refusal_log.allow(Instant::now()) {
-            let more = std::mem::take(&mut self.refusal_log.suppressed);
-            let addr = c.conn.remote_address();
-            tracing::warn!(peer = %peer, %addr, suppressed = more, "quic carrier connection refused: {why}");
-        } else {
-            self.refusal_log.suppressed += 1;
+        let addr = c.conn.remote_address();
+        let why = log_end(&self.m, &mut self.refusal_log, &end, c.up, &c.peer, &addr);
+        let remote = c.remote.values().copied().collect();
+        if matches!(self.mode, Mode::Connect { conn, .. } if conn == Some(ch)) {
+            self.waiting.clear();
         }
-        let aborted: Vec<u64> = match &mut self.mode {
-            Mode::Connect { router, conn, .. } if *conn == Some(ch) => {
-                *conn = None;
-                self.waiting.clear();
-                router.drain()
-            }
-            Mode::Connect { .. } => Vec::new(),
-            Mode::Accept { flows, .. } => {
-                let ids: Vec<u64> = c.remote.values().copied().collect();
-                for id in &ids {
-                    flows.remove(id);
-                }
-                self.gone.extend(&ids);
-                ids
-            }
-        };
+        let aborted = self.mode.conn_ended(ch, remote, &mut self.gone);
         self.m.flows_aborted.add(aborted.len() as u64);
         for id in aborted {
             self.push(id, StreamKind::Abort, 0, b"unreachable");
@@ -687,33 +626,25 @@ impl Quic {
             Some(&f) if f != flow => return Err(End::Malformed(format!("flow {flow} on flow {f}'s stream"))),
             Some(_) => {}
             None => {
-                let Mode::Accept { flows, next_local } = &mut self.mode else {
+                if !matches!(self.mode, Mode::Accept { .. }) {
                     return Err(End::Malformed("a stream the connecting side did not open".into()));
-                };
+                }
                 if kind != StreamKind::Open {
                     return Err(End::Malformed("a flow's stream starts with its open".into()));
                 }
-                if c.remote.contains_key(&flow) {
-                    return Err(End::Malformed(format!("flow {flow} opened twice")));
-                }
-                if c.remote.len() as u64 >= max {
-                    self.m.flows_limited.add(1);
-                    let mut b = Vec::new();
-                    wire::frame(&mut b, flow, StreamKind::Abort, 0, b"limit");
-                    c.send(id, &b);
+                if let Some(abort) = check_open(&c.remote, flow, max, &self.m)? {
+                    c.send(id, &abort);
                     let _ = c.conn.send_stream(id).finish();
                     return Ok(());
                 }
                 let info = FlowInfo::decode(bytes).map_err(|e| End::Malformed(format!("open: {e}")))?;
-                let local = *next_local;
-                *next_local += 1;
+                let local = self.mode.new_flow(ch, flow);
                 c.remote.insert(flow, local);
                 c.flow_stream.insert(flow, id);
                 c.stream_flow.insert(id, flow);
                 if info.protocol == Protocol::Udp {
                     c.udp.insert(flow);
                 }
-                flows.insert(local, Accepted { token: ch.0 as u64, remote: flow, fins: (false, false) });
                 self.m.flows.add(1);
                 self.born.push((local, carrier::tuple(&info)));
                 self.push(local, kind, ack, bytes);
@@ -738,24 +669,14 @@ impl Quic {
                     self.m.orphans.add(1);
                 }
             }
-            Mode::Accept { flows, .. } => {
+            Mode::Accept { .. } => {
                 let Some(&local) = c.remote.get(&flow) else {
                     self.m.orphans.add(1);
                     return;
                 };
-                let done = match kind {
-                    StreamKind::Abort => true,
-                    StreamKind::Fin => flows.get_mut(&local).is_some_and(|f| {
-                        f.fins.0 = true;
-                        f.fins.1
-                    }),
-                    _ => false,
-                };
-                if done {
-                    flows.remove(&local);
+                if self.mode.accepted_ends(local, kind, false, &mut self.gone) {
                     c.remote.remove(&flow);
                     c.end_flow(flow);
-                    self.gone.push(local);
                 }
                 self.push(local, kind, ack, bytes);
             }
@@ -817,23 +738,12 @@ impl Quic {
         let target = match &mut self.mode {
             Mode::Connect { conn, .. } => conn.map(|ch| (ch, flow, false)),
             Mode::Accept { flows, .. } => {
-                let Some(f) = flows.get_mut(&flow) else {
+                let Some(f) = flows.get(&flow) else {
                     self.m.orphans.add(1);
                     return;
                 };
-                let t = (ConnectionHandle(f.token as usize), f.remote);
-                let done = match kind {
-                    StreamKind::Abort => true,
-                    StreamKind::Fin => {
-                        f.fins.1 = true;
-                        f.fins.0
-                    }
-                    _ => false,
-                };
-                if done {
-                    flows.remove(&flow);
-                    self.gone.push(flow);
-                }
+                let t = (f.token, f.remote);
+                let done = self.mode.accepted_ends(flow, kind, true, &mut self.gone);
                 Some((t.0, t.1, done))
             }
         };
@@ -968,11 +878,7 @@ impl Quic {
             self.close(ch, End::Refused("no handshake within 5 s".into()), now);
         }
         self.drive(now);
-        let active = match &self.mode {
-            Mode::Connect { router, .. } => router.len(),
-            Mode::Accept { flows, .. } => flows.len(),
-        };
-        self.m.flows_active.set(active as u64);
+        self.m.flows_active.set(self.mode.active() as u64);
         let live = self.conns.values().fold(Totals::default(), |t, c| t.add(Totals::of(&c.conn)));
         let all = self.closed.add(live);
         self.m.lost_packets.set(all.lost);
@@ -983,14 +889,7 @@ impl Quic {
             self.m.rtt_us.set(s.path.rtt.as_micros() as u64);
             self.m.cwnd.set(s.path.cwnd);
         }
-        let (bin, bout) = (self.m.bytes_in.get(), self.m.bytes_out.get());
-        if let Mode::Connect { peer, .. } = &self.mode {
-            report(&peer.name, |s| {
-                s.flows_active = active as u64;
-                s.bytes_in = bin;
-                s.bytes_out = bout;
-            });
-        }
+        self.mode.report_counts(&self.m);
     }
 }
 
@@ -1051,44 +950,10 @@ impl FrameEngine for Quic {
 }
 
 impl CarrierEngine for Quic {
-    fn router(&mut self) -> Option<&mut Router> {
-        match &mut self.mode {
-            Mode::Connect { router, .. } => Some(router),
-            Mode::Accept { .. } => None,
-        }
-    }
-
-    fn meters(&self) -> &Meters {
-        &self.m
-    }
-
-    fn born(&mut self) -> &mut Vec<(u64, String)> {
-        &mut self.born
-    }
-
-    fn take_gone(&mut self) -> Vec<u64> {
-        if let Mode::Connect { router, .. } = &mut self.mode {
-            self.gone.append(&mut router.gone);
-        }
-        std::mem::take(&mut self.gone)
-    }
-
-    fn peer_of(&self, id: u64) -> String {
-        match &self.mode {
-            Mode::Connect { peer, .. } => peer.name.clone(),
-            Mode::Accept { flows, .. } => {
-                let ch = flows.get(&id).map(|f| ConnectionHandle(f.token as usize));
-                ch.and_then(|ch| self.conns.get(&ch)).map(|c| c.peer.clone()).unwrap_or_default()
-            }
-        }
-    }
+    carrier_engine_common!();
 
     fn tick(&mut self, now: Instant) {
         Quic::tick(self, now);
         self.kick();
-    }
-
-    fn set_cfg(&mut self, cfg: Config) {
-        self.cfg = cfg;
     }
 }

@@ -224,10 +224,12 @@ fn curl_and_dig_with(r: &Rig, app: &str, more: &[&str]) -> Vec<u64> {
     // A cannot reach the server itself: only the carrier can bring the answers.
     let direct = sh("ip", &["route", "get", &r.srv]);
     assert!(!direct.contains(&r.host_dev), "A must not route to the server directly: {direct}");
-    // IPv4 and IPv6 downloads, then dig; the UDP flow is still open (its idle timeout) when the flows are listed.
+    // IPv4 and IPv6 downloads, then dig to both server addresses; the UDP flows are still open (their idle timeout)
+    // when the flows are listed.
     let script = format!(
         "curl -sSf -m 30 http://{srv}:8080/blob | sha256sum\ncurl -sSf -m 30 'http://[{v6}]:8080/blob' | sha256sum\n\
-         dig +short +time=2 +tries=2 @{srv} flexstack.test\necho {FLOWS}; {bin} --state-dir {state} -j flow list",
+         dig +short +time=2 +tries=2 @{srv} flexstack.test\ndig +short +time=2 +tries=2 @{v6} flexstack.test AAAA\n\
+         echo {FLOWS}; {bin} --state-dir {state} -j flow list",
         srv = r.srv,
         v6 = r.srv6,
         bin = bin(),
@@ -246,8 +248,9 @@ fn curl_and_dig_with(r: &Rig, app: &str, more: &[&str]) -> Vec<u64> {
     assert!(out.status.success(), "{}", text(&out));
     assert_eq!(stdout.matches(&want).count(), 2, "sha256 of the downloads (IPv4, IPv6): {}", text(&out));
     assert!(stdout.lines().any(|l| l.trim() == "10.1.2.3"), "dig's answer: {}", text(&out));
+    assert!(stdout.lines().any(|l| l.trim() == "fd00:1:2::3"), "dig's answer from the IPv6 server: {}", text(&out));
     let [flows, conns, bytes_in, refusals, orig] = m[..5] else { unreachable!() };
-    assert!(flows >= 3, "the TCP and UDP flows were carried: {flows}");
+    assert!(flows >= 4, "the TCP and UDP flows were carried: {flows}");
     // `flow list`: the UDP flow's app side is terminated, its network side carried to the peer, each naming the other.
     let listed = stdout.split_once(FLOWS).and_then(|(_, rest)| rest.split_once(MARK)).expect("flow list printed").0;
     let list: Vec<FlowInfo> = serde_json::from_str(listed.trim()).unwrap_or_else(|e| panic!("{e}: {listed}"));

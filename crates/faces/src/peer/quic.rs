@@ -183,6 +183,8 @@ struct Conn {
     rx: HashMap<StreamId, Vec<u8>>,
     /// Bytes waiting for a stream's send window.
     tx: HashMap<StreamId, Vec<u8>>,
+    /// Streams of flows that ended: finished once their `tx` is written.
+    finishing: HashSet<StreamId>,
     /// Streams with data to read.
     readable: Vec<StreamId>,
     /// A flow's stream, by the flow's id in messages (the connecting side's).
@@ -207,6 +209,7 @@ impl Conn {
             control: None,
             rx: HashMap::new(),
             tx: HashMap::new(),
+            finishing: HashSet::new(),
             readable: Vec::new(),
             flow_stream: HashMap::new(),
             stream_flow: HashMap::new(),
@@ -239,6 +242,9 @@ impl Conn {
         buf.drain(..at);
         if buf.is_empty() {
             self.tx.remove(&id);
+            if self.finishing.remove(&id) {
+                let _ = self.conn.send_stream(id).finish();
+            }
         }
     }
 
@@ -247,10 +253,10 @@ impl Conn {
         self.udp.remove(&flow);
         if let Some(id) = self.flow_stream.remove(&flow) {
             self.stream_flow.remove(&id);
+            // Finished once what waits for its window is written.
+            self.finishing.insert(id);
+            self.tx.entry(id).or_default();
             self.flush(id);
-            if !self.tx.contains_key(&id) {
-                let _ = self.conn.send_stream(id).finish();
-            }
         }
     }
 

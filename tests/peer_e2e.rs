@@ -1,4 +1,4 @@
-//! End-to-end: flows of an app on daemon A carried to peer daemon B over the `tcp` carrier (docs/peers.md) and
+//! End-to-end: flows of an app on daemon A carried to peer daemon B over the `tcp` and `quic` carriers (docs/peers.md) and
 //! opened again by B towards a server that only B can reach. Daemon A runs with the host's sandboxes (the app in
 //! `stacks/app-peer.toml`), daemon B in a namespace of its own (`stacks/peer-in.toml`), joined to A by a veth pair;
 //! the server (python3 http.server, dnsmasq) sits in a third namespace behind B, on a subnet A has no route to, so
@@ -37,7 +37,22 @@ struct Rig {
     srv6: String,
     /// B's carrier address.
     b_addr: String,
+    /// The carrier settings the app's stacks get (`transport`, `cc`).
+    carrier: String,
 }
+
+/// How the peers are joined.
+#[derive(Clone, Copy)]
+struct Link {
+    /// The carrier's transport: `tcp` or `quic`.
+    transport: &'static str,
+    /// The peers reach each other over IPv6 (else IPv4).
+    v6: bool,
+}
+
+const TCP: Link = Link { transport: "tcp", v6: false };
+const QUIC: Link = Link { transport: "quic", v6: false };
+const QUIC6: Link = Link { transport: "quic", v6: true };
 
 impl Drop for Rig {
     fn drop(&mut self) {
@@ -49,6 +64,10 @@ impl Rig {
     /// `offset` keeps the tests of this file apart (their subnets). `introduce`: whether B knows A's key (A always
     /// knows B's).
     fn new(offset: u8, introduce: bool) -> Option<Rig> {
+        Rig::with(offset, introduce, TCP)
+    }
+
+    fn with(offset: u8, introduce: bool, link: Link) -> Option<Rig> {
         if !privileged() {
             return None;
         }
@@ -59,8 +78,9 @@ impl Rig {
         let (h, b1) = (unique("h"), unique("b"));
         sh("ip", &["link", "add", &h, "type", "veth", "peer", "name", &b1]);
         sh("ip", &["addr", "add", &format!("10.{s}.1.1/24"), "dev", &h]);
+        sh("ip", &["addr", "add", &format!("fd96:{s:x}::1/64"), "dev", &h, "nodad"]);
         sh("ip", &["link", "set", &h, "up"]);
-        nb.adopt(&b1, &[&format!("10.{s}.1.2/24")]);
+        nb.adopt(&b1, &[&format!("10.{s}.1.2/24"), &format!("fd96:{s:x}::2/64")]);
         // B <-> server.
         let (b2, s1) = (unique("b"), unique("s"));
         sh("ip", &["link", "add", &b2, "type", "veth", "peer", "name", &s1]);
@@ -72,10 +92,12 @@ impl Rig {
         let http = srv.serve_http("::", www.path());
         let dns = srv.serve_dns(&srv_addr, &format!("fd97:{s:x}::2"));
         // B: accepts carriers on its side of the first veth and opens the flows again with kernel sockets.
-        let b_addr = format!("10.{s}.1.2:7300");
+        let b_addr = if link.v6 { format!("[fd96:{s:x}::2]:7300") } else { format!("10.{s}.1.2:7300") };
+        let a_addr = if link.v6 { format!("[fd96:{s:x}::1]:0") } else { format!("10.{s}.1.1:0") };
         let template = std::fs::read_to_string(repo().join("stacks/peer-in.toml")).expect("stacks/peer-in.toml");
         assert!(template.contains("listen = \"0.0.0.0:7300\""), "the template listens on 0.0.0.0:7300");
-        let b_stack = template.replace("listen = \"0.0.0.0:7300\"", &format!("listen = \"{b_addr}\""));
+        let listen = format!("listen = \"{b_addr}\"\ntransport = \"{}\"", link.transport);
+        let b_stack = template.replace("listen = \"0.0.0.0:7300\"", &listen);
         let b = Daemon::start_in(&nb, &b_stack, &[]);
         let a = SandboxDaemon::start(app_octet.wrapping_add(60 + offset));
         let key = |out: Output| {
@@ -88,14 +110,15 @@ impl Rig {
         let added = a.cli(&["peer", "add", "gateway", &b_addr, &fb]);
         assert!(added.status.success(), "{}", text(&added));
         if introduce {
-            b.ok(&["peer", "add", "a", &format!("10.{s}.1.1:0"), &fa]);
+            b.ok(&["peer", "add", "a", &a_addr, &fa]);
         } else {
             // B knows another key under A's name: A's certificate is not it.
-            b.ok(&["peer", "add", "a", &format!("10.{s}.1.1:0"), &"ab".repeat(32)]);
+            b.ok(&["peer", "add", "a", &a_addr, &"ab".repeat(32)]);
         }
         let dir = tempfile::tempdir().expect("temp dir");
         let stack = dir.path().join("app-peer.toml");
-        std::fs::copy(repo().join("stacks/app-peer.toml"), &stack).expect("copy stacks/app-peer.toml");
+        let carrier = format!("transport = \"{}\"", link.transport);
+        write_app_stack(&stack, &carrier);
         // Wait for the server to answer in its namespace.
         for _ in 0..100 {
             let url = format!("http://{srv_addr}:8080/blob");
@@ -118,17 +141,29 @@ impl Rig {
             srv: srv_addr,
             srv6: format!("fd97:{s:x}::2"),
             b_addr,
+            carrier,
         })
+    }
+
+    /// An app stack whose carrier has these settings besides the transport (e.g. `cc = "bbr"`).
+    fn stack_with(&self, settings: &str) -> PathBuf {
+        let path = self.dir.path().join(format!("app-peer-{}.toml", unique("s")));
+        write_app_stack(&path, &format!("{}\n{settings}", self.carrier));
+        path
     }
 
     /// The arguments of `flexstack run` for `script` as app `app`, which then reads A's `meters` (`peer.X` is
     /// `module.<app>-peer.X`) and prints them after [`MARK`].
     fn args(&self, app: &str, script: &str, meters: &[&str]) -> Vec<String> {
+        self.args_in(&self.stack, app, script, meters)
+    }
+
+    fn args_in(&self, stack: &std::path::Path, app: &str, script: &str, meters: &[&str]) -> Vec<String> {
         let names: Vec<String> = meters.iter().map(|m| format!("module.{app}-{m}")).collect();
         let read =
             format!("echo {MARK}; {} --state-dir {} -j get {}", bin(), path_str(self.a.state.path()), names.join(" "));
         let full = format!("{script}\nrc=$?\n{read}\nexit $rc\n");
-        ["--stack", path_str(&self.stack), "--name", app, "--", "sh", "-c", &full].map(String::from).to_vec()
+        ["--stack", path_str(stack), "--name", app, "--", "sh", "-c", &full].map(String::from).to_vec()
     }
 
     /// The meters a run printed, by their short names.
@@ -146,7 +181,11 @@ impl Rig {
     }
 
     fn run(&self, app: &str, script: &str, meters: &[&str]) -> (Output, Vec<u64>) {
-        let args = self.args(app, script, meters);
+        self.run_in(&self.stack, app, script, meters)
+    }
+
+    fn run_in(&self, stack: &std::path::Path, app: &str, script: &str, meters: &[&str]) -> (Output, Vec<u64>) {
+        let args = self.args_in(stack, app, script, meters);
         let out = self.a.run(&args.iter().map(String::as_str).collect::<Vec<_>>());
         let values = Rig::meters(&out, app, meters);
         (out, values)
@@ -157,38 +196,61 @@ impl Rig {
     }
 }
 
+/// `stacks/app-peer.toml` with `settings` (TOML lines) added to its carrier.
+fn write_app_stack(path: &std::path::Path, settings: &str) {
+    let template = std::fs::read_to_string(repo().join("stacks/app-peer.toml")).expect("stacks/app-peer.toml");
+    let line = "peer = \"gateway\"";
+    assert!(template.contains(line), "the template's carrier connects to `gateway`");
+    let text = template.replacen(line, &format!("{line}\n{settings}"), 1);
+    std::fs::write(path, text).expect("write the app's stack");
+}
+
 /// curl of a 2 MB file and dig, from an app on A, to servers only B reaches: both arrive intact through the carrier,
 /// both flows counted as carried on both sides, nothing opened on A.
 #[test]
 fn curl_and_dig_are_carried_to_the_peer() {
     let Some(r) = Rig::new(0, true) else { return };
+    curl_and_dig(&r, "carried");
+}
+
+/// The checks of [`curl_and_dig_are_carried_to_the_peer`] for app `app` on rig `r` (any carrier); returns A's
+/// meters `quic` (the carrier's, `peer.` prefixed) read after the transfers.
+fn curl_and_dig(r: &Rig, app: &str) -> Vec<u64> {
+    curl_and_dig_with(r, app, &[])
+}
+
+fn curl_and_dig_with(r: &Rig, app: &str, more: &[&str]) -> Vec<u64> {
     let want = common::sha256(&r.www.path().join("blob"));
     // A cannot reach the server itself: only the carrier can bring the answers.
     let direct = sh("ip", &["route", "get", &r.srv]);
     assert!(!direct.contains(&r.host_dev), "A must not route to the server directly: {direct}");
-    // IPv4 and IPv6 downloads, then dig; the UDP flow is still open (its idle timeout) when the flows are listed.
+    // IPv4 and IPv6 downloads, then dig to both server addresses; the UDP flows are still open (their idle timeout)
+    // when the flows are listed.
     let script = format!(
         "curl -sSf -m 30 http://{srv}:8080/blob | sha256sum\ncurl -sSf -m 30 'http://[{v6}]:8080/blob' | sha256sum\n\
-         dig +short +time=2 +tries=2 @{srv} flexstack.test\necho {FLOWS}; {bin} --state-dir {state} -j flow list",
+         dig +short +time=2 +tries=2 @{srv} flexstack.test\ndig +short +time=2 +tries=2 @{v6} flexstack.test AAAA\n\
+         echo {FLOWS}; {bin} --state-dir {state} -j flow list",
         srv = r.srv,
         v6 = r.srv6,
         bin = bin(),
         state = path_str(r.a.state.path()),
     );
-    let meters = [
+    let mut meters = vec![
         "peer.flows_total",
         "peer.connections_total",
         "peer.bytes_in_total",
         "peer.refusals_total",
         "orig.connections_total",
     ];
-    let (out, m) = r.run("carried", &script, &meters);
+    meters.extend(more);
+    let (out, m) = r.run(app, &script, &meters);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{}", text(&out));
     assert_eq!(stdout.matches(&want).count(), 2, "sha256 of the downloads (IPv4, IPv6): {}", text(&out));
     assert!(stdout.lines().any(|l| l.trim() == "10.1.2.3"), "dig's answer: {}", text(&out));
-    let [flows, conns, bytes_in, refusals, orig] = m[..] else { unreachable!() };
-    assert!(flows >= 3, "the TCP and UDP flows were carried: {flows}");
+    assert!(stdout.lines().any(|l| l.trim() == "fd00:1:2::3"), "dig's answer from the IPv6 server: {}", text(&out));
+    let [flows, conns, bytes_in, refusals, orig] = m[..5] else { unreachable!() };
+    assert!(flows >= 4, "the TCP and UDP flows were carried: {flows}");
     // `flow list`: the UDP flow's app side is terminated, its network side carried to the peer, each naming the other.
     let listed = stdout.split_once(FLOWS).and_then(|(_, rest)| rest.split_once(MARK)).expect("flow list printed").0;
     let list: Vec<FlowInfo> = serde_json::from_str(listed.trim()).unwrap_or_else(|e| panic!("{e}: {listed}"));
@@ -198,7 +260,7 @@ fn curl_and_dig_are_carried_to_the_peer() {
             .unwrap_or_else(|| panic!("no {h:?} DNS flow in {listed}"))
     };
     let (carried, terminated) = (dns(Handling::Carried), dns(Handling::Terminated));
-    assert_eq!(carried.module, "carried-peer");
+    assert_eq!(carried.module, format!("{app}-peer"));
     assert_eq!(carried.peer.as_deref(), Some(terminated.id.as_str()), "{listed}");
     assert_eq!(terminated.peer.as_deref(), Some(carried.id.as_str()), "{listed}");
     assert_eq!((conns, refusals), (1, 0), "one connection, authenticated");
@@ -211,6 +273,7 @@ fn curl_and_dig_are_carried_to_the_peer() {
     let p: serde_json::Value = serde_json::from_slice(&peers.stdout).expect("peer show as JSON");
     assert_eq!(p["addr"], r.b_addr.as_str());
     assert!(p["connections"].as_u64() >= Some(1), "{p}");
+    m[5..].to_vec()
 }
 
 /// A peer whose key B does not know gets nothing: the connection is refused and counted on both sides, no flow
@@ -233,39 +296,135 @@ fn a_peer_with_an_unknown_key_gets_nothing_and_is_counted() {
     assert!(list[0]["state"].as_str().is_some_and(|s| s.starts_with("down")), "{list}");
 }
 
-/// Garbage on B's carrier port (random bytes, a plain HTTP request) is refused and counted while a transfer
-/// through the carrier goes on: B survives and the download arrives intact.
-#[test]
-fn garbage_on_the_peer_port_is_refused_while_flows_continue() {
-    let Some(mut r) = Rig::new(2, true) else { return };
+/// Starts a slow download by app `app` (64 KiB every 40 ms: about 1.3 s for the 2 MB, so that the flow is open
+/// while a test disturbs the carrier) and waits until B carries its flow; returns the sha256 it must print.
+fn slow_download(r: &Rig, app: &str) -> (String, std::process::Child) {
     let want = common::sha256(&r.www.path().join("blob"));
-    // A slow reader (64 KiB every 40 ms: about 1.3 s for the 2 MB), so the flow is open while the garbage comes.
     let reader = format!(
         "import hashlib, time, urllib.request\nh = hashlib.sha256()\nwith urllib.request.urlopen('http://{}:8080/blob', \
          timeout=30) as f:\n    while True:\n        b = f.read(65536)\n        if not b:\n            break\n        \
          h.update(b)\n        time.sleep(0.04)\nprint(h.hexdigest())\n",
         r.srv
     );
-    let script = format!("python3 -c \"{reader}\"");
-    let args = r.args("steady", &script, &["peer.connections_total"]);
+    let args = r.args(app, &format!("python3 -c \"{reader}\""), &["peer.connections_total"]);
     let run = r.a.spawn_run(&args.iter().map(String::as_str).collect::<Vec<_>>());
     r.b.wait_for("the app's flow at B", 10, |b| b.get_u64("module.peers.flows_active") == 1);
+    (want, run)
+}
+
+/// Sends `garbage` (a python3 script) while the slow download `run` goes on: the download arrives intact (`want`)
+/// and B is still running.
+fn survives_garbage(r: &mut Rig, garbage: &str, run: std::process::Child, want: &str) {
+    sh("python3", &["-c", garbage]);
+    assert_eq!(r.b_meter("flows_active"), 1, "the transfer was open while the garbage came");
+    let out = run.wait_with_output().expect("the app");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && stdout.contains(want), "the transfer survives: {stdout}");
+    assert!(r.b.alive(), "B is still running");
+}
+
+/// Garbage on B's carrier port (random bytes, a plain HTTP request) is refused and counted while a transfer
+/// through the carrier goes on: B survives and the download arrives intact.
+#[test]
+fn garbage_on_the_peer_port_is_refused_while_flows_continue() {
+    let Some(mut r) = Rig::new(2, true) else { return };
+    let (want, run) = slow_download(&r, "steady");
     let (host, port) = r.b_addr.split_once(':').unwrap();
     let garbage = format!(
         "import os, socket\nfor i in range(30):\n    s = socket.create_connection(('{host}', {port}), timeout=5)\n    \
          s.sendall(os.urandom(3000) if i % 2 else b'GET / HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n')\n    \
          try:\n        s.recv(65536)\n    except OSError:\n        pass\n    s.close()\n"
     );
-    sh("python3", &["-c", &garbage]);
-    assert_eq!(r.b_meter("flows_active"), 1, "the transfer was open while the garbage came");
-    let out = run.wait_with_output().expect("the app");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success() && stdout.contains(&want), "the transfer survives: {stdout}");
-    assert!(r.b.alive(), "B is still running");
+    survives_garbage(&mut r, &garbage, run, &want);
     assert!(r.b_meter("refusals_total") >= 30, "every garbage connection refused: {}", r.b_meter("refusals_total"));
     assert_eq!(r.b_meter("malformed_total"), 0, "garbage never got past authentication");
     assert_eq!(r.b_meter("connections_total"), 1, "the peer's own connection only");
     let _ = r.dir.path();
+}
+
+/// The `quic` carrier: the same curl (IPv4 and IPv6 apps) and dig, the peers joined over IPv4; the TCP flows on
+/// QUIC streams, the DNS query in a DATAGRAM frame; quinn-proto's meters move.
+#[test]
+fn quic_carries_curl_and_dig() {
+    let Some(r) = Rig::with(3, true, QUIC) else { return };
+    let quic = ["peer.udp_bytes_in_total", "peer.rtt_us", "peer.cwnd_bytes", "peer.datagrams_dropped_total"];
+    let m = curl_and_dig_with(&r, "quic4", &quic);
+    let [udp_in, rtt, cwnd, dropped] = m[..] else { unreachable!() };
+    // (Read within a meter period, 100 ms, of the second download's end: at least the first's are in.)
+    assert!(udp_in > 2_000_000, "the downloads came as QUIC packets: {udp_in} bytes");
+    assert!(rtt > 0 && cwnd > 0, "quinn-proto's path meters: rtt {rtt} us, cwnd {cwnd}");
+    assert_eq!(dropped, 0, "the DNS query fits a datagram");
+    let b_out = r.b_meter("udp_bytes_out_total");
+    assert!(b_out > 2 * 2_000_000, "B sent both downloads over QUIC: {b_out} bytes");
+}
+
+/// The `quic` carrier between peers that reach each other over IPv6.
+#[test]
+fn quic_carries_curl_and_dig_between_ipv6_peers() {
+    let Some(r) = Rig::with(4, true, QUIC6) else { return };
+    assert!(r.b_addr.starts_with("[fd96:"), "{}", r.b_addr);
+    curl_and_dig(&r, "quic6");
+}
+
+/// Each congestion control of the `quic` carrier (`cc`: quinn-proto's NewReno, Cubic, BBR) carries a download intact;
+/// each app's carrier has a connection of its own.
+#[test]
+fn each_quic_congestion_control_carries_a_download() {
+    let Some(r) = Rig::with(5, true, QUIC) else { return };
+    let want = common::sha256(&r.www.path().join("blob"));
+    for (i, cc) in ["newreno", "cubic", "bbr"].iter().enumerate() {
+        let stack = r.stack_with(&format!("cc = \"{cc}\""));
+        // The sleep: the carrier refreshes quinn-proto's meters every 100 ms.
+        let script = format!("curl -sSf -m 30 http://{}:8080/blob | sha256sum; sleep 0.3", r.srv);
+        let app = format!("cc{i}");
+        let (out, m) = r.run_in(&stack, &app, &script, &["peer.connections_total", "peer.udp_bytes_in_total"]);
+        assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).contains(&want), "{cc}: {}", text(&out));
+        assert_eq!(m[0], 1, "{cc}: one QUIC connection");
+        assert!(m[1] > 2_000_000, "{cc}: the download came over QUIC: {} bytes", m[1]);
+        // The controller the connection ran, as quinn-proto reports it.
+        let p = r.a.cli(&["-j", "peer", "show", "gateway"]);
+        let p: serde_json::Value = serde_json::from_slice(&p.stdout).expect("peer show as JSON");
+        assert_eq!(p["state"], format!("connected over quic ({cc})").as_str(), "{p}");
+    }
+    assert_eq!(r.b_meter("connections_total"), 3, "one connection per app's carrier");
+}
+
+/// A QUIC handshake from a peer whose key B does not know fails: counted on both sides, no flow opened by B, the
+/// app's connection fails instead of hanging.
+#[test]
+fn quic_from_an_unknown_peer_gets_nothing_and_is_counted() {
+    let Some(r) = Rig::with(6, false, QUIC) else { return };
+    let script = format!("curl -sS -m 10 -o /dev/null http://{}:8080/blob; echo curl=$?", r.srv);
+    let (out, m) =
+        r.run("qrefused", &script, &["peer.refusals_total", "peer.connections_total", "peer.flows_aborted_total"]);
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("curl=0"), "curl must fail: {}", text(&out));
+    assert!(m[0] >= 1 && m[1] == 0, "A counts the refusal, no connection: {m:?}");
+    assert!(m[2] >= 1, "the flow was aborted: {m:?}");
+    assert!(r.b_meter("refusals_total") >= 1, "B counts the refusal");
+    assert_eq!(r.b_meter("connections_total"), 0);
+    assert_eq!(r.b_meter("flows_total"), 0, "B opened nothing");
+}
+
+/// Garbage UDP datagrams on B's QUIC port (random bytes, QUIC long headers cut short, Initial packets of random
+/// content) while a transfer goes on over the carrier: B survives, no connection is made of them, the download
+/// arrives intact.
+#[test]
+fn garbage_datagrams_on_the_quic_port_do_not_disturb_flows() {
+    let Some(mut r) = Rig::with(7, true, QUIC) else { return };
+    let (want, run) = slow_download(&r, "qsteady");
+    let (host, port) = r.b_addr.rsplit_once(':').unwrap();
+    // 0xc0-0xcf: a long header (Initial), version 1, then random or truncated content; some padded to 1200 bytes
+    // as a real Initial must be.
+    let garbage = format!(
+        "import os, random, socket\nrandom.seed(14)\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n\
+         for i in range(3000):\n    k = i % 4\n    if k == 0:\n        b = os.urandom(random.randint(1, 1500))\n    \
+         else:\n        head = bytes([0xc0 | random.randint(0, 15), 0, 0, 0, 1, 8]) + os.urandom(8) + bytes([8]) + \
+         os.urandom(8)\n        b = head + os.urandom(1200 - len(head) if k == 1 else random.randint(0, 40))\n        \
+         b = b[:random.randint(1, len(b))] if k == 3 else b\n    s.sendto(b, ('{host}', {port}))\n"
+    );
+    survives_garbage(&mut r, &garbage, run, &want);
+    assert_eq!(r.b_meter("connections_total"), 1, "the peer's own connection only");
+    assert_eq!(r.b_meter("malformed_total"), 0, "garbage never got past authentication");
 }
 
 /// `flexstack peer`: the key is stable across restarts of the daemon (it lives in the state directory); names,

@@ -37,3 +37,33 @@ fn fuzz_carrier_wire() {
     // The mutations keep a good share of inputs valid, so the checks after decoding are exercised.
     assert!(decoded * 20 > iters, "only {decoded} of {iters} inputs decoded");
 }
+
+/// The `quic` carrier's DATAGRAM payloads (`wire::check_datagram`, the libFuzzer target `carrier_datagram`): random
+/// lengths around the 8-byte head and the largest payload, mutated by the shared engine.
+#[test]
+fn fuzz_carrier_datagrams() {
+    let seed = target_seed(seed_from_env(DEFAULT_SEED), "carrier_datagram");
+    let mut rng = Rng::new(seed);
+    let mut base = Vec::new();
+    wire::datagram(&mut base, 42, b"a DNS query");
+    let corpus = vec![(String::from("seed"), base.clone()), (String::from("empty"), Vec::new())];
+    let dict = Dict {
+        bytes: &[0, 1, 0x7f, 0xff],
+        head: 8,
+        runs: &[wire::MAX_DATA],
+        max_len: wire::MAX_DATA + 64,
+        ..Dict::EMPTY
+    };
+    let (mut decoded, iters) = (0usize, iters_from_env(DEFAULT_ITERS) / 10);
+    for i in 0..iters {
+        let (_, b) = &corpus[rng.below(corpus.len())];
+        let input = mutate_input(&mut rng, b, &corpus, &dict);
+        decoded += usize::from(wire::decode_datagram(&input).is_ok());
+        run_guarded("carrier_datagram", seed, i, &input, || {
+            wire::check_datagram(&input);
+            Ok(())
+        });
+    }
+    assert!(decoded * 4 > iters, "only {decoded} of {iters} inputs decoded");
+    assert!(wire::decode_datagram(&base[..7]).is_err(), "a head cut short is refused");
+}

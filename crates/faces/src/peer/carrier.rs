@@ -18,6 +18,7 @@
 //!   after that, input that is not the protocol closes it and counts in `malformed_total`.
 
 use super::trust::{self, client_config, identity, report, server_config, server_name, Peer};
+use crate::stream::{EpollDevice, FrameEngine};
 use flexstack_core::frame::{MetaKey, Metadata};
 use flexstack_core::stream::{FlowInfo, StreamEvent, StreamFrame, StreamKind};
 use flexstack_core::{
@@ -32,8 +33,8 @@ use rustls::{ClientConfig, ClientConnection, Connection, ServerConfig, ServerCon
 use std::collections::{HashMap, VecDeque};
 use std::io::{ErrorKind, Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::os::fd::{AsFd, AsRawFd};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Most connections an accepting carrier holds (authenticated or not).
@@ -41,7 +42,7 @@ pub const MAX_CONNECTIONS: usize = 256;
 /// A connection must authenticate and say hello within this time.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often the module checks timers and refreshes its meters.
-const PERIOD: Duration = Duration::from_millis(100);
+pub(crate) const PERIOD: Duration = Duration::from_millis(100);
 /// The capabilities this carrier announces.
 const CAPS: &[&str] = &["tcp"];
 
@@ -49,8 +50,8 @@ const KICK: u64 = 0;
 const LISTENER: u64 = 1;
 const FIRST_CONN: u64 = 2;
 /// Output ports.
-const STREAM: usize = 0;
-const PASS: usize = 1;
+pub(crate) const STREAM: usize = 0;
+pub(crate) const PASS: usize = 1;
 
 /// Builds the carrier from what the kind read (the hook installed into `flexstack_modules::stream::carrier`).
 pub(crate) fn build(req: CarrierRequest) -> Result<Box<dyn ModuleBuilder>, String> {
@@ -59,22 +60,26 @@ pub(crate) fn build(req: CarrierRequest) -> Result<Box<dyn ModuleBuilder>, Strin
         let addr: std::net::SocketAddr = req.cfg.listen.parse().map_err(|e| format!("{e}"))?;
         let listener = TcpListener::bind(addr).map_err(|e| format!("cannot listen on {addr}: {e}"))?;
         listener.set_nonblocking(true).map_err(|e| e.to_string())?;
-        Mode::Accept { listener, tls: server_config(id)?, flows: HashMap::new(), next_local: 1 }
+        Mode::Accept { server: (listener, server_config(id)?), flows: HashMap::new(), next_local: 1 }
     } else {
         let name = &req.cfg.peer;
         let peer = trust::get(name).ok_or_else(|| format!("no peer {name:?} (add it with `flexstack peer add`)"))?;
         let tls = client_config(id, peer.fingerprint)?;
-        Mode::Connect { peer, tls, router: Router::default(), retry_at: None, conn: None }
+        Mode::Connect { peer, client: tls, router: Router::default(), retry_at: None, conn: None }
     };
-    Ok(Box::new(CarrierBuilder { req, mode }))
+    Ok(Box::new(Builder { req, make: Box::new(move |cfg: &Config, m| tcp_device(mode, cfg, m)) }))
 }
 
-struct CarrierBuilder {
-    req: CarrierRequest,
-    mode: Mode,
+/// Makes a carrier's device from its meters, once the switch gives the module its variables.
+pub(crate) type MakeDevice<E> = Box<dyn FnOnce(&Config, Meters) -> (Arc<EpollDevice<E>>, bool) + Send>;
+
+/// The builder of a carrier over engine `E`: `make` returns the device and whether it connects.
+pub(crate) struct Builder<E> {
+    pub(crate) req: CarrierRequest,
+    pub(crate) make: MakeDevice<E>,
 }
 
-impl ModuleBuilder for CarrierBuilder {
+impl<E: CarrierEngine> ModuleBuilder for Builder<E> {
     fn global_view(&self) -> bool {
         self.req.decl.global_view
     }
@@ -84,86 +89,243 @@ impl ModuleBuilder for CarrierBuilder {
     }
 
     fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module> {
-        let CarrierBuilder { req, mode } = *self;
+        let Builder { req, make } = *self;
         req.decl.publish(&req.cfg, vars);
-        let m = req.decl.meters(vars);
-        let epoll = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC).expect("an epoll instance");
-        let kick =
-            EventFd::from_value_and_flags(0, EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC).expect("an eventfd");
-        epoll.add(&kick, EpollEvent::new(EpollFlags::EPOLLIN, KICK)).expect("the eventfd in the epoll set");
-        if let Mode::Accept { listener, .. } = &mode {
-            if let Err(e) = epoll.add(listener, EpollEvent::new(EpollFlags::EPOLLIN, LISTENER)) {
-                tracing::error!(error = %e, "cannot watch the carrier's listener");
-            }
-        }
-        let connect = matches!(mode, Mode::Connect { .. });
-        let inner = Inner {
-            refusal_log: LogLimit::default(),
-            born: Vec::new(),
-            gone: Vec::new(),
-            mode,
-            conns: HashMap::new(),
-            next_token: FIRST_CONN,
-            ready: VecDeque::new(),
-            cfg: req.cfg.clone(),
-            m,
-            epoll: Arc::new(epoll),
-            kick,
-            dir: if connect { Direction::Up } else { Direction::Down },
-        };
-        let dir = inner.dir;
-        let epoll = inner.epoll.clone();
-        let mut inner = inner;
-        if connect {
-            inner.connect(Instant::now());
-        }
-        let device =
-            Arc::new(CarrierDevice { name: format!("carrier-{}", req.cfg.peer), dir, epoll, inner: Mutex::new(inner) });
-        let specs = carrier::flow_specs();
-        Box::new(Carrier {
-            device,
-            decl: req.decl,
-            cfg: req.cfg,
-            egress: Vec::new(),
-            connect,
-            specs,
-            flows: HashMap::new(),
-        })
+        let (device, connect) = make(&req.cfg, req.decl.meters(vars));
+        Box::new(Carrier::new(device, req, connect))
     }
 }
 
+/// A carrier's epoll set with its kick (an eventfd, token 0: frames wait to be read).
+pub(crate) fn epoll_with_kick() -> (Epoll, EventFd) {
+    let epoll = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC).expect("an epoll instance");
+    let kick = EventFd::from_value_and_flags(0, EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC).expect("an eventfd");
+    epoll.add(&kick, EpollEvent::new(EpollFlags::EPOLLIN, KICK)).expect("the eventfd in the epoll set");
+    (epoll, kick)
+}
+
+/// The tcp carrier's device.
+fn tcp_device(mode: Mode, cfg: &Config, m: Meters) -> (Arc<CarrierDevice>, bool) {
+    let (epoll, kick) = epoll_with_kick();
+    if let Mode::Accept { server: (listener, _), .. } = &mode {
+        if let Err(e) = epoll.add(listener, EpollEvent::new(EpollFlags::EPOLLIN, LISTENER)) {
+            tracing::error!(error = %e, "cannot watch the carrier's listener");
+        }
+    }
+    let connect = matches!(mode, Mode::Connect { .. });
+    let inner = Inner {
+        refusal_log: LogLimit::default(),
+        born: Vec::new(),
+        gone: Vec::new(),
+        mode,
+        conns: HashMap::new(),
+        next_token: FIRST_CONN,
+        ready: VecDeque::new(),
+        cfg: cfg.clone(),
+        m,
+        epoll: Arc::new(epoll),
+        kick,
+        dir: if connect { Direction::Up } else { Direction::Down },
+    };
+    let dir = inner.dir;
+    let epoll = inner.epoll.clone();
+    let mut inner = inner;
+    if connect {
+        inner.connect(Instant::now());
+    }
+    (Arc::new(CarrierDevice::new(format!("carrier-{}", cfg.peer), dir, epoll, inner)), connect)
+}
+
 /// A frame ready to hand to the chain.
-struct Ready {
-    flow: u64,
-    kind: StreamKind,
-    extra: u64,
-    bytes: Vec<u8>,
+pub(crate) struct Ready {
+    pub(crate) flow: u64,
+    pub(crate) kind: StreamKind,
+    pub(crate) extra: u64,
+    pub(crate) bytes: Vec<u8>,
+}
+
+/// Hands the next ready frame to the data plane (its bytes in `buf`, flow and kind in `meta`); false if none.
+pub(crate) fn pop_ready(ready: &mut VecDeque<Ready>, buf: &mut Vec<u8>, meta: &mut Metadata) -> bool {
+    buf.clear();
+    let Some(r) = ready.pop_front() else { return false };
+    buf.extend_from_slice(&r.bytes);
+    *meta = Metadata::default();
+    meta.set(MetaKey::FLOW_ID, r.flow);
+    meta.set(MetaKey::STREAM, r.kind as u64 | r.extra << 8);
+    true
 }
 
 /// A flow of an accepting carrier: whose it is, and which directions saw `Fin`.
-struct Accepted {
-    token: u64,
-    remote: u64,
-    fins: (bool, bool),
+pub(crate) struct Accepted<H> {
+    pub(crate) token: H,
+    pub(crate) remote: u64,
+    pub(crate) fins: (bool, bool),
 }
 
-enum Mode {
+type Mode = Modes<Arc<ClientConfig>, (TcpListener, Arc<ServerConfig>), u64>;
+
+/// A carrier's mode and its flows, whatever its transport: `C` is what connects (a TLS configuration), `S` what
+/// accepts (a listener and TLS), `H` names a connection.
+pub(crate) enum Modes<C, S, H> {
     Connect {
         peer: Peer,
-        tls: Arc<ClientConfig>,
+        client: C,
         router: Router,
         /// Down (a connection failed): no new attempt before this.
         retry_at: Option<Instant>,
-        /// The connection's token.
-        conn: Option<u64>,
+        /// The connection.
+        conn: Option<H>,
     },
     Accept {
-        listener: TcpListener,
-        tls: Arc<ServerConfig>,
+        server: S,
         /// Local flow id -> its connection and the peer's id.
-        flows: HashMap<u64, Accepted>,
+        flows: HashMap<u64, Accepted<H>>,
         next_local: u64,
     },
+}
+
+impl<C, S, H: Copy + PartialEq> Modes<C, S, H> {
+    pub(crate) fn router(&mut self) -> Option<&mut Router> {
+        match self {
+            Modes::Connect { router, .. } => Some(router),
+            Modes::Accept { .. } => None,
+        }
+    }
+
+    /// The flows ended since the module last looked (`gone`, and the router's).
+    pub(crate) fn take_gone(&mut self, gone: &mut Vec<u64>) -> Vec<u64> {
+        if let Modes::Connect { router, .. } = self {
+            gone.append(&mut router.gone);
+        }
+        std::mem::take(gone)
+    }
+
+    /// Flows carried now.
+    pub(crate) fn active(&self) -> usize {
+        match self {
+            Modes::Connect { router, .. } => router.len(),
+            Modes::Accept { flows, .. } => flows.len(),
+        }
+    }
+
+    /// The name of the peer flow `id` goes to: connecting, the peer; accepting, its connection's (`conn_peer`).
+    pub(crate) fn peer_of(&self, id: u64, conn_peer: impl Fn(&H) -> Option<String>) -> String {
+        match self {
+            Modes::Connect { peer, .. } => peer.name.clone(),
+            Modes::Accept { flows, .. } => flows.get(&id).and_then(|f| conn_peer(&f.token)).unwrap_or_default(),
+        }
+    }
+
+    /// Connecting: the peer's counts in the table (`flexstack peer list`).
+    pub(crate) fn report_counts(&self, m: &Meters) {
+        if let Modes::Connect { peer, .. } = self {
+            let (active, bin, bout) = (self.active() as u64, m.bytes_in.get(), m.bytes_out.get());
+            report(&peer.name, |s| {
+                s.flows_active = active;
+                s.bytes_in = bin;
+                s.bytes_out = bout;
+            });
+        }
+    }
+
+    /// Connection `h` ended; `remote` are its flows' local ids (accepting). Returns the flows to abort towards the
+    /// chain (connecting: every flow, if `h` was the connection), forgotten (`gone`).
+    pub(crate) fn conn_ended(&mut self, h: H, remote: Vec<u64>, gone: &mut Vec<u64>) -> Vec<u64> {
+        match self {
+            Modes::Connect { router, conn, .. } if *conn == Some(h) => {
+                *conn = None;
+                router.drain()
+            }
+            Modes::Connect { .. } => Vec::new(),
+            Modes::Accept { flows, .. } => {
+                for id in &remote {
+                    flows.remove(id);
+                }
+                gone.extend(&remote);
+                remote
+            }
+        }
+    }
+
+    /// Accepting: a new flow of connection `token`, `remote` by the peer's numbering; returns its local id.
+    pub(crate) fn new_flow(&mut self, token: H, remote: u64) -> u64 {
+        let Modes::Accept { flows, next_local, .. } = self else { return 0 };
+        let local = *next_local;
+        *next_local += 1;
+        flows.insert(local, Accepted { token, remote, fins: (false, false) });
+        local
+    }
+
+    /// Accepting: a frame of flow `local` from the peer (`up`: false) or the chain (true). True when it ends the
+    /// flow (its `Abort`, or the second `Fin`), which is then forgotten (`gone`).
+    pub(crate) fn accepted_ends(&mut self, local: u64, kind: StreamKind, up: bool, gone: &mut Vec<u64>) -> bool {
+        let Modes::Accept { flows, .. } = self else { return false };
+        let done = match kind {
+            StreamKind::Abort => true,
+            StreamKind::Fin => flows.get_mut(&local).is_some_and(|f| {
+                if up {
+                    f.fins.1 = true;
+                    f.fins.0
+                } else {
+                    f.fins.0 = true;
+                    f.fins.1
+                }
+            }),
+            _ => false,
+        };
+        if done && flows.remove(&local).is_some() {
+            gone.push(local);
+        }
+        done
+    }
+}
+
+/// Accepting: checks an `Open` of the peer's flow `flow` on a connection that carries `remote` (peer's id -> local).
+/// A flow opened twice is malformed; beyond `max` flows, the answer to send, `Abort(limit)` (counted).
+pub(crate) fn check_open(remote: &HashMap<u64, u64>, flow: u64, max: u64, m: &Meters) -> Result<Option<Vec<u8>>, End> {
+    if remote.contains_key(&flow) {
+        return Err(End::Malformed(format!("flow {flow} opened twice")));
+    }
+    if remote.len() as u64 >= max {
+        m.flows_limited.add(1);
+        let mut b = Vec::new();
+        wire::frame(&mut b, flow, StreamKind::Abort, 0, b"limit");
+        return Ok(Some(b));
+    }
+    Ok(None)
+}
+
+/// Counts and logs a connection's end (at most one line a second for refusals); returns why, as logged.
+pub(crate) fn log_end(
+    m: &Meters,
+    log: &mut LogLimit,
+    end: &End,
+    up: bool,
+    peer: &str,
+    addr: &dyn std::fmt::Debug,
+) -> String {
+    let why = match end {
+        End::Refused(w) => {
+            m.refusals.add(1);
+            w.clone()
+        }
+        End::Malformed(w) => {
+            m.malformed.add(1);
+            format!("malformed input: {w}")
+        }
+        End::Closed(w) => w.clone(),
+    };
+    let peer = if peer.is_empty() { "unknown" } else { peer };
+    if up {
+        m.connections_active.set(m.connections_active.get().saturating_sub(1));
+        tracing::info!(peer = %peer, "carrier connection closed: {why}");
+    } else if log.allow(Instant::now()) {
+        let more = std::mem::take(&mut log.suppressed);
+        tracing::warn!(peer = %peer, addr = ?addr, suppressed = more, "carrier connection refused: {why}");
+    } else {
+        log.suppressed += 1;
+    }
+    why
 }
 
 struct Conn {
@@ -185,7 +347,7 @@ struct Conn {
 }
 
 /// Why a connection ended: before authentication (a refusal), for bad input, or otherwise.
-enum End {
+pub(crate) enum End {
     Refused(String),
     Malformed(String),
     Closed(String),
@@ -194,13 +356,13 @@ enum End {
 /// At most one log line a second for refused connections (a flood of them must not flood the log); the next line
 /// says how many were left out.
 #[derive(Default)]
-struct LogLimit {
+pub(crate) struct LogLimit {
     last: Option<Instant>,
-    suppressed: u64,
+    pub(crate) suppressed: u64,
 }
 
 impl LogLimit {
-    fn allow(&mut self, now: Instant) -> bool {
+    pub(crate) fn allow(&mut self, now: Instant) -> bool {
         if self.last.is_some_and(|t| now.duration_since(t) < Duration::from_secs(1)) {
             return false;
         }
@@ -328,7 +490,7 @@ impl Inner {
 
     /// Connect mode: opens the connection (if none and not waiting to retry).
     fn connect(&mut self, now: Instant) {
-        let Mode::Connect { peer, tls, retry_at, conn, .. } = &mut self.mode else { return };
+        let Mode::Connect { peer, client: tls, retry_at, conn, .. } = &mut self.mode else { return };
         if conn.is_some() || retry_at.is_some_and(|t| now < t) {
             return;
         }
@@ -367,51 +529,17 @@ impl Inner {
     fn close(&mut self, token: u64, end: End) {
         let Some(mut c) = self.conns.remove(&token) else { return };
         let _ = self.epoll.delete(&c.sock);
-        let why = match &end {
-            End::Refused(w) => {
-                self.m.refusals.add(1);
-                format!("refused: {w}")
-            }
-            End::Malformed(w) => {
-                self.m.malformed.add(1);
-                let mut bye = Vec::new();
-                wire::close(&mut bye, "malformed");
-                let _ = c.send(&bye);
-                let _ = c.flush();
-                format!("malformed input: {w}")
-            }
-            End::Closed(w) => w.clone(),
-        };
-        let peer = if c.peer.is_empty() { "unknown".to_string() } else { c.peer.clone() };
-        if c.up {
-            self.m.connections_active.set(self.m.connections_active.get().saturating_sub(1));
-            tracing::info!(peer = %peer, "carrier connection closed: {why}");
-        } else if self.refusal_log.allow(Instant::now()) {
-            let more = std::mem::take(&mut self.refusal_log.suppressed);
-            tracing::warn!(peer = %peer, addr = ?c.sock.peer_addr().ok(), suppressed = more, "carrier connection refused: {why}");
-        } else {
-            self.refusal_log.suppressed += 1;
+        if matches!(end, End::Malformed(_)) {
+            let mut bye = Vec::new();
+            wire::close(&mut bye, "malformed");
+            let _ = c.send(&bye);
+            let _ = c.flush();
         }
+        let addr = c.sock.peer_addr().ok();
+        let why = log_end(&self.m, &mut self.refusal_log, &end, c.up, &c.peer, &addr);
         let _ = c.sock.shutdown(std::net::Shutdown::Both);
         let now = Instant::now();
-        let aborted: Vec<u64> = match &mut self.mode {
-            Mode::Connect { router, conn, .. } => {
-                if *conn == Some(token) {
-                    *conn = None;
-                    router.drain()
-                } else {
-                    Vec::new()
-                }
-            }
-            Mode::Accept { flows, .. } => {
-                let ids: Vec<u64> = c.remote.values().copied().collect();
-                for id in &ids {
-                    flows.remove(id);
-                }
-                self.gone.extend(&ids);
-                ids
-            }
-        };
+        let aborted = self.mode.conn_ended(token, c.remote.values().copied().collect(), &mut self.gone);
         self.m.flows_aborted.add(aborted.len() as u64);
         for id in aborted {
             self.push(id, StreamKind::Abort, 0, b"unreachable");
@@ -439,7 +567,7 @@ impl Inner {
 
     fn accept_all(&mut self) {
         loop {
-            let Mode::Accept { listener, tls, .. } = &self.mode else { return };
+            let Mode::Accept { server: (listener, tls), .. } = &self.mode else { return };
             let (sock, from) = match listener.accept() {
                 Ok(x) => x,
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return,
@@ -592,21 +720,13 @@ impl Inner {
                     self.m.orphans.add(1);
                 }
             }
-            Mode::Accept { flows, next_local, .. } => {
+            Mode::Accept { .. } => {
                 if kind == StreamKind::Open {
-                    if c.remote.contains_key(&flow) {
-                        return Err(End::Malformed(format!("flow {flow} opened twice")));
+                    if let Some(abort) = check_open(&c.remote, flow, max, &self.m)? {
+                        return c.send(&abort);
                     }
-                    if c.remote.len() as u64 >= max {
-                        self.m.flows_limited.add(1);
-                        let mut b = Vec::new();
-                        wire::frame(&mut b, flow, StreamKind::Abort, 0, b"limit");
-                        return c.send(&b);
-                    }
-                    let local = *next_local;
-                    *next_local += 1;
+                    let local = self.mode.new_flow(token, flow);
                     c.remote.insert(flow, local);
-                    flows.insert(local, Accepted { token, remote: flow, fins: (false, false) });
                     self.m.flows.add(1);
                     let tuple = FlowInfo::decode(bytes).map(|i| carrier::tuple(&i)).unwrap_or_default();
                     self.born.push((local, tuple));
@@ -617,18 +737,8 @@ impl Inner {
                     self.m.orphans.add(1);
                     return Ok(());
                 };
-                let done = match kind {
-                    StreamKind::Abort => true,
-                    StreamKind::Fin => flows.get_mut(&local).is_some_and(|f| {
-                        f.fins.0 = true;
-                        f.fins.1
-                    }),
-                    _ => false,
-                };
-                if done {
-                    flows.remove(&local);
+                if self.mode.accepted_ends(local, kind, false, &mut self.gone) {
                     c.remote.remove(&flow);
-                    self.gone.push(local);
                 }
                 self.push(local, kind, ack, bytes);
             }
@@ -655,22 +765,12 @@ impl Inner {
                     (*conn).map(|t| (t, flow))
                 }
                 Mode::Accept { flows, .. } => {
-                    let Some(f) = flows.get_mut(&flow) else {
+                    let Some(f) = flows.get(&flow) else {
                         self.m.orphans.add(1);
                         continue;
                     };
                     let t = (f.token, f.remote);
-                    let done = match kind {
-                        StreamKind::Abort => true,
-                        StreamKind::Fin => {
-                            f.fins.1 = true;
-                            f.fins.0
-                        }
-                        _ => false,
-                    };
-                    if done {
-                        flows.remove(&flow);
-                        self.gone.push(flow);
+                    if self.mode.accepted_ends(flow, kind, true, &mut self.gone) {
                         if let Some(c) = self.conns.get_mut(&t.0) {
                             c.remote.remove(&t.1);
                         }
@@ -736,120 +836,126 @@ impl Inner {
         for t in late {
             self.close(t, End::Refused("no handshake within 5 s".into()));
         }
-        let active = match &self.mode {
-            Mode::Connect { router, .. } => router.len(),
-            Mode::Accept { flows, .. } => flows.len(),
-        };
-        self.m.flows_active.set(active as u64);
+        self.m.flows_active.set(self.mode.active() as u64);
         if let Some(c) = self.conns.values().filter(|c| c.up).max_by_key(|c| c.since) {
             if let Ok(t) = flexstack_sys::tcp_info(c.sock.as_fd()) {
                 self.m.rtt_us.set(u64::from(t.srtt_us));
             }
         }
-        let (bin, bout) = (self.m.bytes_in.get(), self.m.bytes_out.get());
-        if let Mode::Connect { peer, .. } = &self.mode {
-            report(&peer.name, |s| {
-                s.flows_active = active as u64;
-                s.bytes_in = bin;
-                s.bytes_out = bout;
-            });
-        }
+        self.mode.report_counts(&self.m);
     }
 }
 
 /// The device the data plane sees: the carrier's epoll set.
-struct CarrierDevice {
-    name: String,
-    dir: Direction,
-    epoll: Arc<Epoll>,
-    inner: Mutex<Inner>,
-}
+type CarrierDevice = EpollDevice<Inner>;
 
-impl CarrierDevice {
-    fn inner(&self) -> MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-}
-
-impl FaceDevice for CarrierDevice {
-    fn name(&self) -> &str {
-        &self.name
-    }
-
-    fn fd(&self) -> BorrowedFd<'_> {
-        self.epoll.0.as_fd()
-    }
-
-    fn direction(&self) -> Direction {
-        self.dir
-    }
-
-    fn read_packet(&self, buf: &mut Vec<u8>) -> std::io::Result<bool> {
-        self.read_frame(buf, &mut Metadata::default())
-    }
-
-    fn read_frame(&self, buf: &mut Vec<u8>, meta: &mut Metadata) -> std::io::Result<bool> {
-        let mut inner = self.inner();
-        if inner.ready.is_empty() {
-            inner.poll_events();
+impl FrameEngine for Inner {
+    fn read_frame(&mut self, buf: &mut Vec<u8>, meta: &mut Metadata) -> std::io::Result<bool> {
+        if self.ready.is_empty() {
+            self.poll_events();
         }
-        let Some(r) = inner.ready.pop_front() else {
-            buf.clear();
-            return Ok(false);
-        };
-        buf.clear();
-        buf.extend_from_slice(&r.bytes);
-        *meta = Metadata::default();
-        meta.set(MetaKey::FLOW_ID, r.flow);
-        meta.set(MetaKey::STREAM, r.kind as u64 | r.extra << 8);
-        Ok(true)
+        Ok(pop_ready(&mut self.ready, buf, meta))
     }
 
-    fn write_packet(&self, _packet: &[u8]) -> std::io::Result<()> {
-        Err(std::io::Error::new(ErrorKind::Unsupported, "a carrier takes stream frames"))
-    }
-
-    fn write_frames(&self, packets: &[&Packet]) -> std::io::Result<()> {
-        self.inner().write_frames(packets);
-        Ok(())
+    fn write_frames(&mut self, packets: &[&Packet]) {
+        Inner::write_frames(self, packets);
     }
 }
 
-/// A running carrier.
-struct Carrier {
-    device: Arc<CarrierDevice>,
-    decl: &'static flexstack_core::KindDecl<Config, Meters>,
-    cfg: Config,
-    egress: Batch,
-    connect: bool,
+/// What the carrier module needs of its transport's engine (TLS over TCP here, QUIC in `quic.rs`), behind the
+/// device's mutex.
+pub(crate) trait CarrierEngine: FrameEngine + 'static {
+    /// Connect mode: the choice of flows; `None` when accepting.
+    fn router(&mut self) -> Option<&mut Router>;
+    fn meters(&self) -> &Meters;
+    /// Flows carried since the module last looked, with their tuple.
+    fn born(&mut self) -> &mut Vec<(u64, String)>;
+    /// Flows ended since the module last looked.
+    fn take_gone(&mut self) -> Vec<u64>;
+    /// The name of the peer flow `id` is carried to or came from.
+    fn peer_of(&self, id: u64) -> String;
+    /// Timers, meters, and a kick of the device when frames wait.
+    fn tick(&mut self, now: Instant);
+    fn set_cfg(&mut self, cfg: Config);
+}
+
+/// The [`CarrierEngine`] methods every engine implements the same way, from its fields `mode` ([`Modes`]), `m`,
+/// `born`, `gone`, `cfg` and `conns` (whose values have a `peer`).
+macro_rules! carrier_engine_common {
+    () => {
+        fn router(&mut self) -> Option<&mut Router> {
+            self.mode.router()
+        }
+
+        fn meters(&self) -> &Meters {
+            &self.m
+        }
+
+        fn born(&mut self) -> &mut Vec<(u64, String)> {
+            &mut self.born
+        }
+
+        fn take_gone(&mut self) -> Vec<u64> {
+            self.mode.take_gone(&mut self.gone)
+        }
+
+        fn peer_of(&self, id: u64) -> String {
+            self.mode.peer_of(id, |h| self.conns.get(h).map(|c| c.peer.clone()))
+        }
+
+        fn set_cfg(&mut self, cfg: Config) {
+            self.cfg = cfg;
+        }
+    };
+}
+pub(crate) use carrier_engine_common;
+
+impl CarrierEngine for Inner {
+    carrier_engine_common!();
+
+    fn tick(&mut self, now: Instant) {
+        Inner::tick(self, now);
+        self.kick();
+    }
+}
+
+/// A running carrier over engine `E`.
+pub(crate) struct Carrier<E> {
+    pub(crate) device: Arc<EpollDevice<E>>,
+    pub(crate) decl: &'static flexstack_core::KindDecl<Config, Meters>,
+    pub(crate) cfg: Config,
+    pub(crate) egress: Batch,
+    pub(crate) connect: bool,
     /// A flow's variables.
-    specs: Vec<VarSpec>,
-    /// Flows whose meters are registered: id -> (name, peer).
-    flows: HashMap<u64, String>,
+    pub(crate) specs: Vec<VarSpec>,
+    /// Flows whose meters are registered: id -> name.
+    pub(crate) flows: HashMap<u64, String>,
 }
 
-impl Carrier {
-    /// Registers the meters of flows carried since the last look, and removes those of flows that ended.
-    fn flow_meters(&mut self, inner: &mut Inner, out: &mut Output<'_>) {
-        if let Mode::Connect { router, .. } = &mut inner.mode {
-            inner.gone.append(&mut router.gone);
+impl<E: CarrierEngine> Carrier<E> {
+    pub(crate) fn new(device: Arc<EpollDevice<E>>, req: CarrierRequest, connect: bool) -> Self {
+        Carrier {
+            device,
+            decl: req.decl,
+            cfg: req.cfg,
+            egress: Vec::new(),
+            connect,
+            specs: carrier::flow_specs(),
+            flows: HashMap::new(),
         }
-        for (id, tuple) in std::mem::take(&mut inner.born) {
+    }
+
+    /// Registers the meters of flows carried since the last look, and removes those of flows that ended.
+    fn flow_meters(&mut self, e: &mut E, out: &mut Output<'_>) {
+        for (id, tuple) in std::mem::take(e.born()) {
             let name = format!("{}.{id}", self.cfg.vars_prefix);
             // Another module owning the prefix (a misconfiguration) leaves the meters unpublished, never the flow.
             let vars = out.register_vars(&name, &self.specs).unwrap_or_else(|_| ModuleVars::new(&self.specs));
             vars.meter("tuple").store(&Value::Str(tuple));
-            let peer = match &inner.mode {
-                Mode::Connect { peer, .. } => peer.name.clone(),
-                Mode::Accept { flows, .. } => {
-                    let token = flows.get(&id).map(|f| f.token);
-                    token.and_then(|t| inner.conns.get(&t)).map(|c| c.peer.clone()).unwrap_or_default()
-                }
-            };
-            vars.meter("peer").store(&Value::Str(peer));
+            vars.meter("peer").store(&Value::Str(e.peer_of(id)));
             self.flows.insert(id, name);
         }
-        for id in std::mem::take(&mut inner.gone) {
+        for id in e.take_gone() {
             if let Some(name) = self.flows.remove(&id) {
                 out.unregister_vars(&name);
             }
@@ -857,58 +963,57 @@ impl Carrier {
     }
 }
 
-impl Module for Carrier {
+impl<E: CarrierEngine> Module for Carrier<E> {
     fn process(&mut self, _port: usize, input: &mut Batch, out: &mut Output<'_>) {
         if !self.connect {
             self.egress.append(input);
             return;
         }
         let device = self.device.clone();
-        let mut inner = device.inner();
+        let mut e = device.engine();
         let cfg = self.cfg.clone();
         for f in input.drain(..) {
             let route = match f.packet().and_then(|p| Some((p.stream_flow()?, p))) {
-                Some((flow, p)) => match &mut inner.mode {
-                    Mode::Connect { router, .. } => (router.down(&cfg, flow, p.stream_kind(), p.data()), flow),
-                    Mode::Accept { .. } => (Route::Carry, flow),
+                Some((flow, p)) => match e.router() {
+                    Some(router) => (router.down(&cfg, flow, p.stream_kind(), p.data()), flow),
+                    None => (Route::Carry, flow),
                 },
                 None => (Route::Pass, 0),
             };
             match route {
                 (Route::Carry, flow) => {
                     if let Some(StreamEvent::Open(info)) = f.stream() {
-                        inner.born.push((flow, carrier::tuple(&info)));
+                        e.born().push((flow, carrier::tuple(&info)));
                     }
                     self.egress.push(f);
                 }
                 (Route::Pass, _) => {
                     if f.packet().and_then(Packet::stream_kind) == Some(StreamKind::Open) {
-                        inner.m.flows_passed.add(1);
+                        e.meters().flows_passed.add(1);
                     }
                     out.emit(PASS, f);
                 }
                 (Route::Limit, flow) => {
-                    inner.m.flows_limited.add(1);
+                    e.meters().flows_limited.add(1);
                     let abort = StreamFrame::abort(out.pool(), flow, Direction::Up, "limit");
                     out.emit(STREAM, abort);
                 }
             }
         }
-        self.flow_meters(&mut inner, out);
+        self.flow_meters(&mut e, out);
     }
 
     fn poll(&mut self, out: &mut Output<'_>) -> Option<Time> {
         let device = self.device.clone();
-        let mut inner = device.inner();
-        inner.tick(Instant::now());
-        inner.kick();
-        self.flow_meters(&mut inner, out);
+        let mut e = device.engine();
+        e.tick(Instant::now());
+        self.flow_meters(&mut e, out);
         Some(out.now() + PERIOD)
     }
 
     fn write_knob(&mut self, knob: &str, value: &Value) -> Result<(), String> {
         self.decl.write(&mut self.cfg, knob, value)?;
-        self.device.inner().cfg = self.cfg.clone();
+        self.device.engine().set_cfg(self.cfg.clone());
         Ok(())
     }
 

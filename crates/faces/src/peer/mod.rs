@@ -2,14 +2,27 @@
 //! directory, known to peers by the certificate's SHA-256 fingerprint), the table of peers it knows (`NAME
 //! ADDR:PORT FINGERPRINT`, managed by `flexstack peer`), and the rustls configurations of mutual TLS with
 //! fingerprints pinned both ways: a connection completes only when the other side's certificate is one the table
-//! names ([`trust`]). [`carrier`] is the `tcp` carrier's connection, installed into the `carrier` kind by [`install`].
+//! names ([`trust`]). [`carrier`] is the `tcp` carrier's connection and [`quic`] the `quic` carrier's, installed into the `carrier`
+//! kind by [`install`].
 
 pub mod carrier;
+pub mod quic;
 pub mod trust;
 
 pub use trust::*;
 
-/// Installs the `tcp` carrier into the `carrier` kind (the daemon's catalog calls it once).
+use flexstack_core::ModuleBuilder;
+use flexstack_modules::stream::carrier::{CarrierRequest, Transport};
+
+/// Installs the `tcp` and `quic` carriers into the `carrier` kind (the daemon's catalog calls it once).
 pub fn install() {
-    flexstack_modules::stream::carrier::install(carrier::build);
+    flexstack_modules::stream::carrier::install(build);
+}
+
+/// Builds a carrier of the transport its settings name.
+fn build(req: CarrierRequest) -> Result<Box<dyn ModuleBuilder>, String> {
+    match req.cfg.transport {
+        Transport::Tcp => carrier::build(req),
+        Transport::Quic => quic::build(req),
+    }
 }

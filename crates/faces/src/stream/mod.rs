@@ -178,7 +178,7 @@ impl ModuleBuilder for KernelBuilder {
         let epoll = engine.epoll();
         let name = format!("kernel-{}", if side == Side::App { "terminate" } else { "originate" });
         let (tcp, udp) = (tcp_specs(), backend::flow_specs());
-        let device = Arc::new(KernelDevice { name, dir: side.out_dir(), epoll, engine: Mutex::new(engine) });
+        let device = Arc::new(KernelDevice::new(name, side.out_dir(), epoll, engine));
         Box::new(KernelEndpoint {
             device,
             decl,
@@ -198,21 +198,35 @@ impl ModuleBuilder for KernelBuilder {
     }
 }
 
-/// The device the data plane sees: the engine's epoll set.
-struct KernelDevice {
+/// What an [`EpollDevice`] serves: the I/O state of a face whose frames are stream frames (the kernel back-end's
+/// engine, a carrier's connections), behind the device's mutex.
+pub(crate) trait FrameEngine: Send {
+    /// Reads one frame into `buf` and its metadata into `meta` without blocking; `Ok(false)` when none is waiting.
+    fn read_frame(&mut self, buf: &mut Vec<u8>, meta: &mut Metadata) -> std::io::Result<bool>;
+    /// Takes the frames the module queued for the device.
+    fn write_frames(&mut self, packets: &[&Packet]);
+}
+
+/// The device the data plane sees for an engine whose sockets are in one epoll set: the data plane waits on the
+/// set, reads frames and writes them through the engine, which the module reaches through [`EpollDevice::engine`].
+pub(crate) struct EpollDevice<E> {
     name: String,
     dir: Direction,
     epoll: Arc<nix::sys::epoll::Epoll>,
-    engine: Mutex<Engine>,
+    engine: Mutex<E>,
 }
 
-impl KernelDevice {
-    fn engine(&self) -> MutexGuard<'_, Engine> {
+impl<E> EpollDevice<E> {
+    pub(crate) fn new(name: String, dir: Direction, epoll: Arc<nix::sys::epoll::Epoll>, engine: E) -> Self {
+        EpollDevice { name, dir, epoll, engine: Mutex::new(engine) }
+    }
+
+    pub(crate) fn engine(&self) -> MutexGuard<'_, E> {
         self.engine.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
 
-impl FaceDevice for KernelDevice {
+impl<E: FrameEngine> FaceDevice for EpollDevice<E> {
     fn name(&self) -> &str {
         &self.name
     }
@@ -235,12 +249,24 @@ impl FaceDevice for KernelDevice {
     }
 
     fn write_packet(&self, _packet: &[u8]) -> std::io::Result<()> {
-        Err(std::io::Error::new(std::io::ErrorKind::Unsupported, "a kernel endpoint takes stream frames"))
+        Err(std::io::Error::new(std::io::ErrorKind::Unsupported, format!("{} takes stream frames", self.name)))
     }
 
     fn write_frames(&self, packets: &[&Packet]) -> std::io::Result<()> {
         self.engine().write_frames(packets);
         Ok(())
+    }
+}
+
+type KernelDevice = EpollDevice<Engine>;
+
+impl FrameEngine for Engine {
+    fn read_frame(&mut self, buf: &mut Vec<u8>, meta: &mut Metadata) -> std::io::Result<bool> {
+        Engine::read_frame(self, buf, meta)
+    }
+
+    fn write_frames(&mut self, packets: &[&Packet]) {
+        Engine::write_frames(self, packets);
     }
 }
 

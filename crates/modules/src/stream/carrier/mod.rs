@@ -45,7 +45,34 @@ pub struct Config {
     pub retry_ms: u64,
     /// Where each carried flow's meters go (`<vars_prefix>.<flow>`).
     pub vars_prefix: String,
+    /// The transport to the peer: `tcp` (TLS over TCP) or `quic`.
+    pub transport: Transport,
+    /// `quic`: the connection's congestion control (`newreno`, `cubic`, `bbr`).
+    pub cc: String,
 }
+
+/// A carrier's transport to its peer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Transport {
+    /// One TLS 1.3 connection over TCP, every flow multiplexed on it.
+    #[default]
+    Tcp,
+    /// One QUIC connection: a stream per TCP flow, DATAGRAM frames for UDP flows.
+    Quic,
+}
+
+impl Transport {
+    /// Its name in settings and in the peers' `Hello`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Transport::Tcp => "tcp",
+            Transport::Quic => "quic",
+        }
+    }
+}
+
+/// The congestion controls a `quic` carrier offers (quinn-proto's).
+pub const QUIC_CCS: &[&str] = &["newreno", "cubic", "bbr"];
 
 /// The meters.
 #[derive(Default)]
@@ -80,6 +107,16 @@ pub struct Meters {
     pub rtt_us: Meter,
     /// Frames of flows the carrier does not know (dropped, counted).
     pub orphans: Meter,
+    /// `quic`: the congestion window of the (latest) connection.
+    pub cwnd: Meter,
+    /// `quic`: packets the connection(s) declared lost.
+    pub lost_packets: Meter,
+    /// `quic`: UDP payload bytes sent and received (QUIC headers, encryption and retransmissions included).
+    pub udp_bytes_out: Meter,
+    /// See `udp_bytes_out`.
+    pub udp_bytes_in: Meter,
+    /// `quic`: UDP app datagrams not carried: larger than the path's DATAGRAM frames take, or refused by QUIC.
+    pub datagrams_dropped: Meter,
 }
 
 type P = Param<Config>;
@@ -168,6 +205,36 @@ pub const DECL: KindDecl<Config, Meters> = KindDecl {
             },
         )
         .setting(),
+        P::text(
+            "transport",
+            "tcp (TLS 1.3 over one TCP connection) or quic (one QUIC connection: a stream per TCP flow, DATAGRAM \
+             frames for UDP flows); both ends must say the same",
+            "tcp",
+            |c| c.transport.name().to_string(),
+            |c, t| {
+                c.transport = match t {
+                    "tcp" => Transport::Tcp,
+                    "quic" => Transport::Quic,
+                    _ => return Err(format!("expected tcp or quic, got {t:?}")),
+                };
+                Ok(())
+            },
+        )
+        .setting(),
+        P::text(
+            "cc",
+            "quic: congestion control of the connection (newreno, cubic, bbr; quinn-proto's)",
+            "cubic",
+            |c| c.cc.clone(),
+            |c, t| {
+                if !QUIC_CCS.contains(&t) {
+                    return Err(format!("expected one of {}, got {t:?}", QUIC_CCS.join(", ")));
+                }
+                c.cc = t.to_string();
+                Ok(())
+            },
+        )
+        .setting(),
     ],
     meters: u64_meters![
         connections: "connections_total", "connections", "connections established (authenticated, hello exchanged)";
@@ -183,8 +250,13 @@ pub const DECL: KindDecl<Config, Meters> = KindDecl {
         flows_passed: "flows_passed_total", "flows", "flows passed on `pass` (destination not in `prefixes`)";
         flows_limited: "flows_limited_total", "flows", "flows refused at max_flows (Abort limit)";
         flows_aborted: "flows_aborted_total", "flows", "flows aborted because their connection went (Abort unreachable)";
-        rtt_us: "rtt_us", "us", "smoothed round-trip time of the latest connection (TCP_INFO)";
+        rtt_us: "rtt_us", "us", "smoothed round-trip time of the latest connection (TCP_INFO; quic: quinn-proto's)";
         orphans: "orphans_total", "frames", "frames of flows it does not know, dropped";
+        cwnd: "cwnd_bytes", "bytes", "quic: congestion window of the latest connection";
+        lost_packets: "lost_packets_total", "packets", "quic: packets declared lost";
+        udp_bytes_out: "udp_bytes_out_total", "bytes", "quic: UDP payload bytes sent (QUIC's overhead and retransmissions included)";
+        udp_bytes_in: "udp_bytes_in_total", "bytes", "quic: UDP payload bytes received";
+        datagrams_dropped: "datagrams_dropped_total", "datagrams", "quic: app UDP datagrams not carried (over the path's DATAGRAM size, or refused)";
     ],
     // Its frames wait in its connection between calls, as an endpoint's do in its sockets.
     breaks_cycles: true,
@@ -348,6 +420,11 @@ impl Router {
         let ids: Vec<u64> = self.flows.drain().map(|(id, _)| id).collect();
         self.gone.extend(&ids);
         ids
+    }
+
+    /// True while `flow` is carried (opened, not ended both ways or aborted).
+    pub fn carries(&self, flow: u64) -> bool {
+        self.flows.contains_key(&flow)
     }
 
     /// Flows carried now.

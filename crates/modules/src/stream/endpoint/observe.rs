@@ -73,11 +73,17 @@ pub(crate) struct Observer {
     round_delivered: u32,
     round_start: Option<Time>,
     pub delivery_rate: u64,
+    /// The end of the highest sequence received (data or FIN), and the last acknowledgement sent.
+    rcv_max: Option<u32>,
+    ack_sent: Option<u32>,
 }
 
 impl Observer {
     /// A segment the socket sent at `now`.
     pub fn sent(&mut self, s: &Segment, now: Time) {
+        if let Some(ack) = s.ack.filter(|_| !s.rst) {
+            self.ack_sent = Some(ack);
+        }
         if s.rst || (s.len == 0 && !s.syn && !s.fin) {
             return;
         }
@@ -116,6 +122,12 @@ impl Observer {
             self.rst = true;
             return;
         }
+        if s.len > 0 || s.fin {
+            let end = s.end();
+            if self.rcv_max.is_none_or(|m| before(m, end)) {
+                self.rcv_max = Some(end);
+            }
+        }
         let (Some(ack), Some(max)) = (s.ack, self.snd_max) else { return };
         if before(max, ack) || before(ack, self.snd_una) {
             return; // acks something never sent, or old
@@ -144,6 +156,16 @@ impl Observer {
             }
         }
         (self.round_start, self.round_delivered) = (Some(now), self.delivered);
+    }
+
+    /// Bytes were received beyond what the socket acknowledged last: it may hold them out of order, or has not
+    /// acknowledged them yet.
+    pub fn out_of_order(&self) -> bool {
+        match (self.rcv_max, self.ack_sent) {
+            (None, _) => false,
+            (Some(m), Some(a)) => before(a, m),
+            (Some(_), None) => true,
+        }
     }
 
     /// Sequence space sent and not acknowledged.

@@ -1123,13 +1123,14 @@ impl Endpoint {
         {
             let c = self.f.conns.get_mut(&id).expect("present");
             let t = c.tcp.as_mut().expect("tcp");
-            if !t.rx.is_empty() {
-                (t.resident, t.last_active) = (true, now);
-            }
             for p in t.rx.drain(..) {
                 if let Ok(info) = PacketInfo::parse(p.data()) {
                     if let Some(s) = Segment::parse(p.data(), info.l4_offset, info.total_len) {
                         t.obs.received(&s, now);
+                        // Only a payload is written to a ring (a keep-alive or a bare ACK touches no buffer).
+                        if s.len > 0 {
+                            (t.resident, t.last_active) = (true, now);
+                        }
                     }
                 }
                 self.dev.rx.push_back(p);

@@ -246,4 +246,29 @@ mod tests {
         assert_eq!(Segment::parse(&p, 20, 30), None, "header beyond the end");
         assert_eq!(Segment::parse(&p[..30], 20, 30), None);
     }
+
+    /// Bytes received beyond the last acknowledgement sent (held out of order, or not acked yet) keep the
+    /// buffers from being discarded; old or repeated bytes do not.
+    #[test]
+    fn out_of_order_until_acknowledged() {
+        let mut o = Observer::default();
+        assert!(!o.out_of_order(), "nothing received");
+        o.received(&seg(1000, Some(1), 0), Time::ZERO);
+        assert!(!o.out_of_order(), "a bare ack");
+        o.received(&seg(1200, Some(1), 100), Time::ZERO); // a hole at 1000..1200
+        assert!(o.out_of_order());
+        o.sent(&seg(1, Some(1000), 0), Time::ZERO);
+        assert!(o.out_of_order(), "acked up to the hole only");
+        o.received(&seg(1000, Some(1), 200), Time::ZERO);
+        o.sent(&seg(1, Some(1300), 0), Time::ZERO);
+        assert!(!o.out_of_order(), "all acked");
+        o.received(&seg(1100, Some(1), 100), Time::ZERO);
+        assert!(!o.out_of_order(), "a repeated segment");
+        let mut fin = seg(1300, Some(1), 0);
+        fin.fin = true;
+        o.received(&fin, Time::ZERO);
+        assert!(o.out_of_order(), "a FIN not acked yet");
+        o.sent(&seg(1, Some(1301), 0), Time::ZERO);
+        assert!(!o.out_of_order());
+    }
 }

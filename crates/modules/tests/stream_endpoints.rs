@@ -693,7 +693,10 @@ fn idle_connections_give_their_buffers_back_and_carry_bytes_intact_after() {
         // No pool: every ended socket goes to the process's spare ones, discarded, and the next rounds take them.
         let s = ["socket_pool=0", "idle_discard_ms=500"];
         let mut lab = Lab::new(v6, &s, &s, &[("p", "stream-pass", vec![])]);
+        let discarded =
+            |lab: &Lab| lab.meter("module.t.buffers_discarded_total") + lab.meter("module.o.buffers_discarded_total");
         for round in 0..3u64 {
+            let start = discarded(&lab);
             let (srv, cli) = lab.pair();
             // Three phases of bytes both ways, each more than a buffer holds (the rings wrap, and stop mid-buffer),
             // with an idle second between them in which both endpoints discard their buffers.
@@ -720,10 +723,10 @@ fn idle_connections_give_their_buffers_back_and_carry_bytes_intact_after() {
                 assert!(done, "{at}: client got {} server got {}", c.got.len(), s.got.len());
                 assert!(c.got == pattern(b, size), "{at}: the server's bytes, intact");
                 assert!(s.got == pattern(a, size), "{at}: the client's bytes, intact");
+                if phase == 0 {
+                    assert_eq!(discarded(&lab), start, "{at}: nothing discarded while bytes flow");
+                }
                 if phase < 2 {
-                    let discarded = |lab: &Lab| {
-                        lab.meter("module.t.buffers_discarded_total") + lab.meter("module.o.buffers_discarded_total")
-                    };
                     let before = discarded(&lab);
                     lab.until(1_000, |_| false);
                     assert_eq!(discarded(&lab), before + 2, "{at}: each endpoint discarded once in the idle second");

@@ -137,15 +137,16 @@ struct Tcp {
 }
 
 impl Tcp {
-    /// A connection in its first `state`, with nothing fed, sent or received yet.
-    fn new(sock: Sock, syn: Vec<u8>, obs: Observer, state: tcp::State, cc: Cc) -> Box<Tcp> {
+    /// A connection in its first `state` at `now`, with nothing fed, sent or received yet. Its socket may come from
+    /// the pool with pages resident: its idle time starts now.
+    fn new(sock: Sock, syn: Vec<u8>, obs: Observer, (state, now): (tcp::State, Time), cc: Cc) -> Box<Tcp> {
         let Sock { sockets, handle, bufs } = sock;
         Box::new(Tcp {
             sockets,
             handle,
             bufs,
             resident: true,
-            last_active: Time::ZERO,
+            last_active: now,
             rx: Vec::new(),
             accepted: false,
             established: false,
@@ -784,7 +785,7 @@ impl Endpoint {
             return None;
         }
         let id = self.new_id();
-        let t = Tcp::new(sock, syn, obs, tcp::State::SynReceived, self.cfg.cc);
+        let t = Tcp::new(sock, syn, obs, (tcp::State::SynReceived, now), self.cfg.cc);
         let open = StreamFrame::open(out.pool(), id, dir, &info_out);
         self.insert(id, (proto::TCP, src, dst), info_out, Some(t), out);
         self.f.half_open.push_back(id);
@@ -1044,7 +1045,7 @@ impl Endpoint {
             self.put_back(sock);
             return refuse(self, out, "unreachable");
         }
-        let t = Tcp::new(sock, Vec::new(), Observer::default(), tcp::State::SynSent, self.cfg.cc);
+        let t = Tcp::new(sock, Vec::new(), Observer::default(), (tcp::State::SynSent, now), self.cfg.cc);
         let mut mine = info;
         mine.src = local;
         self.insert(id, key, mine, Some(t), out);

@@ -14,7 +14,8 @@
 # PERF=file records a profile of the daemon (file.b, file.c) while the connections are idle; PERF_CPS=file while
 # wrk opens connections (file.a, file.b, file.c; overwritten each round).
 # CONFIGS (default "a b c") picks configurations, e.g. CONFIGS="a c" while a back-end is missing; PROFILE (default
-# release) the cargo profile built and run; IDLE_SMAPS=PATH keeps the daemon's /proc/PID/smaps while the idle
+# release) the cargo profile built and run (FS_BIN=path runs that binary instead, unbuilt: an A/B of two
+# versions, e.g. one built from main); IDLE_SMAPS=PATH keeps the daemon's /proc/PID/smaps while the idle
 # connections are held, as PATH.<configuration> (where its memory goes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,9 +31,13 @@ for p in iperf3 wrk nginx cc; do
   command -v $p >/dev/null || { echo "bench-flows: needs $p (scripts/setup.sh)" >&2; exit 1; }
 done
 PROFILE=${PROFILE:-release} # e.g. PROFILE=ci to reuse the test build
-echo "bench-flows: building ($PROFILE)" >&2
-cargo build --profile "$PROFILE" --quiet
-fs=$PWD/target/$PROFILE/flexstack
+if [[ -n "${FS_BIN:-}" ]]; then # FS_BIN=path: that binary, not built (an A/B against another version)
+  fs=$(realpath "$FS_BIN")
+else
+  echo "bench-flows: building ($PROFILE)" >&2
+  cargo build --profile "$PROFILE" --quiet
+  fs=$PWD/target/$PROFILE/flexstack
+fi
 tag=fsf$$
 state=$(mktemp -d)
 chmod 755 "$state"
@@ -164,4 +169,4 @@ for c in $CONFIGS; do
   read -r rss cpu < <(idle "$c")
   echo "($c) $IDLE idle terminated connections: daemon RSS $rss MiB, daemon CPU $cpu % over ${IDLE_SECS}s"
 done
-echo "code version: $(git rev-parse --short HEAD)$(git diff --quiet || echo -dirty)"
+echo "code version: ${FS_BIN:-$(git rev-parse --short HEAD)$(git diff --quiet || echo -dirty)}"

@@ -686,3 +686,58 @@ fn connections_one_after_another_reuse_pooled_sockets_intact() {
         assert_eq!(lab.meter("module.t.aborts_sent_total") + lab.meter("module.o.aborts_sent_total"), 0);
     }
 }
+
+#[test]
+fn idle_connections_give_their_buffers_back_and_carry_bytes_intact_after() {
+    for v6 in families() {
+        // No pool: every ended socket goes to the process's spare ones, discarded, and the next rounds take them.
+        let s = ["socket_pool=0", "idle_discard_ms=500"];
+        let mut lab = Lab::new(v6, &s, &s, &[("p", "stream-pass", vec![])]);
+        let discarded =
+            |lab: &Lab| lab.meter("module.t.buffers_discarded_total") + lab.meter("module.o.buffers_discarded_total");
+        for round in 0..3u64 {
+            let start = discarded(&lab);
+            let (srv, cli) = lab.pair();
+            // Three phases of bytes both ways, each more than a buffer holds (the rings wrap, and stop mid-buffer),
+            // with an idle second between them in which both endpoints discard their buffers.
+            for phase in 0..3u64 {
+                let size = 150_000 + 7_777 * phase as usize;
+                let (a, b) = (100 * round + 10 * phase, 100 * round + 10 * phase + 1);
+                let mut c = Pump::new(pattern(a, size), phase == 2);
+                let mut s = Pump::new(pattern(b, size), phase == 2);
+                if phase == 1 {
+                    // The app reads nothing for 1.5 s: the server's bytes wait in terminate's send ring (and the
+                    // app's socket), which must not be discarded meanwhile however long they wait.
+                    lab.until(1_500, |lab| {
+                        s.drive(lab.server.tcp(srv));
+                        false
+                    });
+                    assert!(s.sent > 100_000, "{v6}: the server sent {}", s.sent);
+                }
+                let done = lab.until(30_000, |lab| {
+                    c.drive(lab.app.tcp(cli));
+                    s.drive(lab.server.tcp(srv));
+                    c.got.len() == size && s.got.len() == size
+                });
+                let at = format!("v6 {v6} round {round} phase {phase}");
+                assert!(done, "{at}: client got {} server got {}", c.got.len(), s.got.len());
+                assert!(c.got == pattern(b, size), "{at}: the server's bytes, intact");
+                assert!(s.got == pattern(a, size), "{at}: the client's bytes, intact");
+                if phase == 0 {
+                    assert_eq!(discarded(&lab), start, "{at}: nothing discarded while bytes flow");
+                }
+                if phase < 2 {
+                    let before = discarded(&lab);
+                    lab.until(1_000, |_| false);
+                    assert_eq!(discarded(&lab), before + 2, "{at}: each endpoint discarded once in the idle second");
+                }
+            }
+            let ended = lab.until(15_000, |lab| lab.connections() == 0);
+            assert!(ended, "v6 {v6} round {round}: the connection ends at both endpoints");
+            assert_eq!(lab.meter("module.t.sockets_pooled"), 0);
+            lab.app.sockets.remove(cli);
+            lab.server.sockets.remove(srv);
+        }
+        assert_eq!(lab.meter("module.t.aborts_sent_total") + lab.meter("module.o.aborts_sent_total"), 0);
+    }
+}

@@ -6,8 +6,11 @@
 //! - [`tcp_info`]: a TCP socket's `TCP_INFO` with the fields glibc's struct lacks (the delivery rate), and
 //!   [`socket_queues`]: the bytes in a socket's send and receive queues.
 //! - [`prefetch`]: the CPU's hint to load a cache line, for the late-binding scheduler's deep backlogs.
+//! - [`pages`]: page-aligned socket buffers whose pages can be given back to the kernel while they hold nothing.
 #![allow(unsafe_code)]
 #![warn(missing_docs)]
+
+pub mod pages;
 
 use nix::errno::Errno;
 use std::io;

@@ -61,6 +61,7 @@ pub struct Config {
     pub max_udp_flows: u64,
     pub max_half_open: u64,
     pub socket_pool: u64,
+    pub idle_discard_ms: u64,
     pub connect_timeout_ms: u64,
     pub udp_timeout_ms: u64,
     pub keepalive_ms: u64,
@@ -91,6 +92,7 @@ impl Config {
             max_udp_flows: 0,
             max_half_open: 0,
             socket_pool: 0,
+            idle_discard_ms: 0,
             connect_timeout_ms: 0,
             udp_timeout_ms: 0,
             keepalive_ms: 0,
@@ -212,6 +214,14 @@ macro_rules! endpoint_decl {
                     flexstack_core::field!(socket_pool),
                 ).range(0.0, 65536.0),
                 P::u64(
+                    "idle_discard_ms",
+                    "ms",
+                    "a TCP connection with nothing queued either way this long gives its buffers' pages back to the \
+                     kernel (they cost memory again when bytes come); 0: never",
+                    1000,
+                    flexstack_core::field!(idle_discard_ms),
+                ).range(0.0, 86400000.0),
+                P::u64(
                     "connect_timeout_ms",
                     "ms",
                     "a TCP connection not established after this long is given up (`timeout`)",
@@ -320,6 +330,7 @@ pub struct Meters {
     pub time_wait_reused: Meter,
     pub half_open_evicted: Meter,
     pub pooled: Meter,
+    pub discarded: Meter,
 }
 
 /// The meters both kinds declare.
@@ -353,6 +364,8 @@ pub const METERS: &[MeterDecl<Meters>] = u64_meters![
     half_open_evicted: "half_open_evicted_total", "connections",
         "connections given up before the app finished its handshake: max_half_open were waiting";
     pooled: "sockets_pooled", "sockets", "TCP sockets kept for new connections (`socket_pool`)";
+    discarded: "buffers_discarded_total", "connections",
+        "times an idle connection's buffers gave their pages back to the kernel (`idle_discard_ms`)";
 ];
 
 /// A runtime variable of a flow: name, type, unit, description.

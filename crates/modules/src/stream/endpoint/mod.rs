@@ -20,6 +20,7 @@
 //! arrived): [`listens`] tells which, from the side and the flow's role.
 
 // Its fields are the settings, documented in their declarations; the kernel back-end reads them (`backend`).
+mod buffers;
 #[allow(missing_docs)]
 pub(crate) mod config;
 mod device;
@@ -27,6 +28,7 @@ pub(crate) mod observe;
 pub(crate) mod wire;
 
 use crate::stream::matcher::{Candidate, MatchTable};
+use buffers::Sock;
 use config::{Cc, Config, Meters};
 use device::Queues;
 use flexstack_core::stream::{Credit, FlowInfo, Protocol, Role, StreamEvent, StreamFrame};
@@ -126,21 +128,25 @@ struct Tcp {
     obs: Observer,
     state: tcp::State,
     cc: Cc,
+    /// Where its buffers are (`Sock::bufs`).
+    bufs: Option<(usize, usize)>,
+    /// Its buffers may hold resident pages: bytes or segments went through since they were last discarded.
+    resident: bool,
+    /// When bytes or segments last went through.
+    last_active: Time,
 }
 
 impl Tcp {
-    /// A connection in its first `state`, with nothing fed, sent or received yet.
-    fn new(
-        sockets: SocketSet<'static>,
-        handle: SocketHandle,
-        syn: Vec<u8>,
-        obs: Observer,
-        state: tcp::State,
-        cc: Cc,
-    ) -> Box<Tcp> {
+    /// A connection in its first `state` at `now`, with nothing fed, sent or received yet. Its socket may come from
+    /// the pool with pages resident: its idle time starts now.
+    fn new(sock: Sock, syn: Vec<u8>, obs: Observer, (state, now): (tcp::State, Time), cc: Cc) -> Box<Tcp> {
+        let Sock { sockets, handle, bufs } = sock;
         Box::new(Tcp {
             sockets,
             handle,
+            bufs,
+            resident: true,
+            last_active: now,
             rx: Vec::new(),
             accepted: false,
             established: false,
@@ -241,7 +247,7 @@ struct Flows {
     /// are skipped when the oldest waiting one must give way (`max_half_open`).
     half_open: VecDeque<u64>,
     /// Sockets of ended connections, each alone in its set, kept for new ones (at most `socket_pool`).
-    pool: Vec<(SocketSet<'static>, SocketHandle)>,
+    pool: Vec<Sock>,
 }
 
 impl Flows {
@@ -456,37 +462,33 @@ impl Endpoint {
         out.emit(self.ports.pass, p);
     }
 
-    /// A closed socket alone in its set, configured: from the pool, else new. Buffers cost their allocation and
-    /// zeroing per connection (a tenth of the data plane's time when connections are short), hence the pool.
-    fn new_socket(&mut self) -> (SocketSet<'static>, SocketHandle) {
-        let (mut sockets, handle) = match self.f.pool.pop() {
-            Some(pooled) => pooled,
-            None => {
-                let rx = tcp::SocketBuffer::new(vec![0u8; self.cfg.rx_buffer as usize]);
-                let tx = tcp::SocketBuffer::new(vec![0u8; self.cfg.tx_buffer as usize]);
-                let mut sockets = SocketSet::new(Vec::with_capacity(1));
-                let handle = sockets.add(tcp::Socket::new(rx, tx));
-                (sockets, handle)
-            }
-        };
+    /// A closed socket alone in its set, configured: from the pool, else one of the process's spare sockets, else
+    /// new (`buffers`). Buffers cost their mapping and first touch per connection, hence the pool.
+    fn new_socket(&mut self) -> Sock {
+        let (rx, tx) = (self.cfg.rx_buffer as usize, self.cfg.tx_buffer as usize);
+        let mut sock = self.f.pool.pop().or_else(|| buffers::take_spare(rx, tx)).unwrap_or_else(|| Sock::new(rx, tx));
         self.m.pooled.set(self.f.pool.len() as u64);
-        let s = sockets.get_mut::<tcp::Socket>(handle);
+        let s = sock.socket();
         s.set_nagle_enabled(self.cfg.nagle);
         s.set_keep_alive(ms(self.cfg.keepalive_ms));
         s.set_timeout(ms(self.cfg.timeout_ms));
         s.set_congestion_control(self.cfg.cc.smoltcp());
         s.pause_synack(false);
-        (sockets, handle)
+        sock
     }
 
-    /// Keeps a socket (alone in its set) for a new connection while the pool has room. It is closed at once,
-    /// without a word to the far end (what its connection had to say was said); `listen` or `connect` resets it.
-    fn put_back(&mut self, mut sockets: SocketSet<'static>, handle: SocketHandle) {
+    /// Keeps a socket (alone in its set) for a new connection while the pool has room, else gives it to the
+    /// process's spare sockets (its buffers discarded). It is closed at once, without a word to the far end (what
+    /// its connection had to say was said); `listen` or `connect` resets it.
+    fn put_back(&mut self, mut sock: Sock) {
         if (self.f.pool.len() as u64) < self.cfg.socket_pool {
-            sockets.get_mut::<tcp::Socket>(handle).abort();
-            self.f.pool.push((sockets, handle));
+            sock.socket().abort();
+            self.f.pool.push(sock);
         } else {
-            self.f.pool.truncate(self.cfg.socket_pool as usize);
+            buffers::give_spare(sock);
+            while self.f.pool.len() as u64 > self.cfg.socket_pool {
+                buffers::give_spare(self.f.pool.pop().expect("longer than the pool"));
+            }
         }
         self.m.pooled.set(self.f.pool.len() as u64);
     }
@@ -554,8 +556,8 @@ impl Endpoint {
         self.f.in_flight -= c.credit.in_flight();
         if let Some(t) = c.tcp {
             self.f.tcp_count -= 1;
-            let Tcp { sockets, handle, .. } = *t;
-            self.put_back(sockets, handle);
+            let Tcp { sockets, handle, bufs, .. } = *t;
+            self.put_back(Sock { sockets, handle, bufs });
         } else {
             self.f.udp_count -= 1;
         }
@@ -761,10 +763,10 @@ impl Endpoint {
             self.flush_tx(None, now, out);
             return None;
         }
-        let (mut sockets, handle) = self.new_socket();
-        let s = sockets.get_mut::<tcp::Socket>(handle);
+        let mut sock = self.new_socket();
+        let s = sock.socket();
         if s.listen(IpListenEndpoint { addr: Some(IpAddress::from(dst.ip())), port: dst.port() }).is_err() {
-            self.put_back(sockets, handle);
+            self.put_back(sock);
             return Some(p); // port 0: not a connection smoltcp can accept
         }
         s.pause_synack(true);
@@ -775,15 +777,15 @@ impl Endpoint {
         }
         // The SYN goes in at once: a SYN smoltcp does not take (a bad checksum, bad options) makes no connection.
         self.dev.rx.push_back(p);
-        self.f.iface.poll(instant(now), &mut self.dev, &mut sockets);
+        self.f.iface.poll(instant(now), &mut self.dev, &mut sock.sockets);
         self.dev.tx.clear(); // nothing: the SYN-ACK is held
-        if sockets.get::<tcp::Socket>(handle).state() != tcp::State::SynReceived {
+        if sock.socket().state() != tcp::State::SynReceived {
             self.m.invalid_syns.add(1);
-            self.put_back(sockets, handle);
+            self.put_back(sock);
             return None;
         }
         let id = self.new_id();
-        let t = Tcp::new(sockets, handle, syn, obs, tcp::State::SynReceived, self.cfg.cc);
+        let t = Tcp::new(sock, syn, obs, (tcp::State::SynReceived, now), self.cfg.cc);
         let open = StreamFrame::open(out.pool(), id, dir, &info_out);
         self.insert(id, (proto::TCP, src, dst), info_out, Some(t), out);
         self.f.half_open.push_back(id);
@@ -1037,13 +1039,13 @@ impl Endpoint {
             self.touch(id);
             return;
         }
-        let (mut sockets, handle) = self.new_socket();
-        let s = sockets.get_mut::<tcp::Socket>(handle);
+        let mut sock = self.new_socket();
+        let s = sock.socket();
         if s.connect(self.f.iface.context(), endpoint(info.dst), endpoint(local)).is_err() {
-            self.put_back(sockets, handle);
+            self.put_back(sock);
             return refuse(self, out, "unreachable");
         }
-        let t = Tcp::new(sockets, handle, Vec::new(), Observer::default(), tcp::State::SynSent, self.cfg.cc);
+        let t = Tcp::new(sock, Vec::new(), Observer::default(), (tcp::State::SynSent, now), self.cfg.cc);
         let mut mine = info;
         mine.src = local;
         self.insert(id, key, mine, Some(t), out);
@@ -1126,6 +1128,10 @@ impl Endpoint {
                 if let Ok(info) = PacketInfo::parse(p.data()) {
                     if let Some(s) = Segment::parse(p.data(), info.l4_offset, info.total_len) {
                         t.obs.received(&s, now);
+                        // Only a payload is written to a ring (a keep-alive or a bare ACK touches no buffer).
+                        if s.len > 0 {
+                            (t.resident, t.last_active) = (true, now);
+                        }
                     }
                 }
                 self.dev.rx.push_back(p);
@@ -1211,6 +1217,7 @@ impl Endpoint {
             if !progress {
                 break;
             }
+            (t.resident, t.last_active) = (true, now);
         }
         let c = self.f.conns.get_mut(&id).expect("present");
         if c.to_ack > 0 {
@@ -1253,6 +1260,21 @@ impl Endpoint {
         let deadline = c.deadline;
         let drained = c.credit.in_flight() == 0 && c.queue.is_empty();
         let mut next = self.f.iface.poll_at(instant(now), &t.sockets).map(time);
+        // Idle: both rings empty and no out-of-order bytes held (they sit in the receive ring beyond its queue):
+        // after `idle_discard_ms` the buffers' pages go back to the kernel (an empty ring's bytes are never read).
+        let idle = self.cfg.idle_discard_ms;
+        if t.resident && idle > 0 && sock.send_queue() == 0 && sock.recv_queue() == 0 && !t.obs.out_of_order() {
+            let at = t.last_active + Duration::from_millis(idle);
+            if at <= now {
+                t.resident = false;
+                if t.bufs.is_some_and(|(addr, len)| flexstack_sys::pages::discard(addr, len)) {
+                    self.m.discarded.add(1);
+                }
+            } else {
+                next = Some(next.map_or(at, |n| n.min(at)));
+            }
+        }
+        let sock = t.sockets.get::<tcp::Socket>(t.handle);
         let more = accepted && sock.can_recv() && c.credit.room(self.cfg.budget) > 0;
         if more {
             next = Some(now); // bytes to read and credit to send them: at once (a service does a bounded amount)
@@ -1327,6 +1349,16 @@ impl Drop for Endpoint {
     /// An endpoint that held connections leaves their freed state in the allocator's arenas (resident, in pieces
     /// other allocations rarely fill): it goes back to the kernel when the endpoint goes (an app's chain unloaded).
     fn drop(&mut self) {
+        // Its sockets go to the process's spare ones (their buffers are never freed: `buffers`).
+        for sock in self.f.pool.drain(..) {
+            buffers::give_spare(sock);
+        }
+        for (_, c) in self.f.conns.drain() {
+            if let Some(t) = c.tcp {
+                let Tcp { sockets, handle, bufs, .. } = *t;
+                buffers::give_spare(Sock { sockets, handle, bufs });
+            }
+        }
         if self.m.tcp_total.get() + self.m.udp_total.get() > 0 {
             flexstack_sys::trim_heap();
         }
@@ -1406,6 +1438,6 @@ mod tests {
         let socket = size_of::<smoltcp::iface::SocketStorage>(); // the socket, in its set's vector
         let state = size_of::<super::Conn>() + size_of::<super::Tcp>() + size_of::<super::Key>() + 8;
         assert!(socket <= 640, "socket {socket}");
-        assert!(state <= 672, "state {state}");
+        assert!(state <= 720, "state {state}");
     }
 }

@@ -73,11 +73,17 @@ pub(crate) struct Observer {
     round_delivered: u32,
     round_start: Option<Time>,
     pub delivery_rate: u64,
+    /// The end of the highest sequence received (data or FIN), and the last acknowledgement sent.
+    rcv_max: Option<u32>,
+    ack_sent: Option<u32>,
 }
 
 impl Observer {
     /// A segment the socket sent at `now`.
     pub fn sent(&mut self, s: &Segment, now: Time) {
+        if let Some(ack) = s.ack.filter(|_| !s.rst) {
+            self.ack_sent = Some(ack);
+        }
         if s.rst || (s.len == 0 && !s.syn && !s.fin) {
             return;
         }
@@ -116,6 +122,12 @@ impl Observer {
             self.rst = true;
             return;
         }
+        if s.len > 0 || s.fin {
+            let end = s.end();
+            if self.rcv_max.is_none_or(|m| before(m, end)) {
+                self.rcv_max = Some(end);
+            }
+        }
         let (Some(ack), Some(max)) = (s.ack, self.snd_max) else { return };
         if before(max, ack) || before(ack, self.snd_una) {
             return; // acks something never sent, or old
@@ -144,6 +156,16 @@ impl Observer {
             }
         }
         (self.round_start, self.round_delivered) = (Some(now), self.delivered);
+    }
+
+    /// Bytes were received beyond what the socket acknowledged last: it may hold them out of order, or has not
+    /// acknowledged them yet.
+    pub fn out_of_order(&self) -> bool {
+        match (self.rcv_max, self.ack_sent) {
+            (None, _) => false,
+            (Some(m), Some(a)) => before(a, m),
+            (Some(_), None) => true,
+        }
     }
 
     /// Sequence space sent and not acknowledged.
@@ -223,5 +245,30 @@ mod tests {
         assert_eq!(s, Segment { seq: 7, ack: Some(9), syn: false, fin: true, rst: false, len: 5 });
         assert_eq!(Segment::parse(&p, 20, 30), None, "header beyond the end");
         assert_eq!(Segment::parse(&p[..30], 20, 30), None);
+    }
+
+    /// Bytes received beyond the last acknowledgement sent (held out of order, or not acked yet) keep the
+    /// buffers from being discarded; old or repeated bytes do not.
+    #[test]
+    fn out_of_order_until_acknowledged() {
+        let mut o = Observer::default();
+        assert!(!o.out_of_order(), "nothing received");
+        o.received(&seg(1000, Some(1), 0), Time::ZERO);
+        assert!(!o.out_of_order(), "a bare ack");
+        o.received(&seg(1200, Some(1), 100), Time::ZERO); // a hole at 1000..1200
+        assert!(o.out_of_order());
+        o.sent(&seg(1, Some(1000), 0), Time::ZERO);
+        assert!(o.out_of_order(), "acked up to the hole only");
+        o.received(&seg(1000, Some(1), 200), Time::ZERO);
+        o.sent(&seg(1, Some(1300), 0), Time::ZERO);
+        assert!(!o.out_of_order(), "all acked");
+        o.received(&seg(1100, Some(1), 100), Time::ZERO);
+        assert!(!o.out_of_order(), "a repeated segment");
+        let mut fin = seg(1300, Some(1), 0);
+        fin.fin = true;
+        o.received(&fin, Time::ZERO);
+        assert!(o.out_of_order(), "a FIN not acked yet");
+        o.sent(&seg(1, Some(1301), 0), Time::ZERO);
+        assert!(!o.out_of_order());
     }
 }

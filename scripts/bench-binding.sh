@@ -38,15 +38,12 @@ REALTIME=${REALTIME:-0}        # every daemon's --realtime (0: the normal policy
 [[ $EMIT == start || $EMIT == admit ]] || { echo "bench-binding: EMIT must be start or admit, got '$EMIT'" >&2; exit 1; }
 SECS=${SECS:-4}
 STREAMS=${STREAMS:-4}
-[[ $(id -u) == 0 ]] || { echo "bench-binding: needs root (namespaces, TUN devices)" >&2; exit 1; }
-command -v iperf3 >/dev/null || { echo "bench-binding: needs iperf3 (scripts/setup.sh)" >&2; exit 1; }
 if [[ -n ${BIN:-} ]]; then
   [[ -x $BIN ]] || { echo "bench-binding: BIN=$BIN is not an executable" >&2; exit 1; }
-  fs=$(realpath "$BIN")   # another build of flexstack, to compare (nothing is built)
-else
-  cargo build --release --quiet
-  fs=$PWD/target/release/flexstack
+  FS=$(realpath "$BIN")   # another build of flexstack, to compare (nothing is built)
 fi
+. scripts/lib/bench.sh   # median, tun_faces, bench_setup
+bench_setup bench-binding "namespaces, TUN devices" iperf3
 tag=fsl$$
 state=$(mktemp -d)
 daemon=
@@ -67,7 +64,6 @@ ip -n ${tag}b link set lo up
 ip netns exec ${tag}b sysctl -qw net.ipv4.conf.all.rp_filter=0 net.ipv4.conf.default.rp_filter=0
 ip netns exec ${tag}b iperf3 -s -D -p 5299 -I "$state/iperf.pid" >/dev/null
 
-. scripts/lib/bench.sh   # median, tun_faces
 
 # The stacks. Common: the app's TUN a (its packets go down), ip, classify; b (and c) face the server (up).
 common_modules() {

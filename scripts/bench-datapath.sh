@@ -13,13 +13,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${RUNS:-3}
 SECS=${SECS:-5}
-[[ $(id -u) == 0 ]] || { echo "bench-datapath: needs root (namespaces, TUN devices)" >&2; exit 1; }
-command -v iperf3 >/dev/null || { echo "bench-datapath: needs iperf3 (scripts/setup.sh)" >&2; exit 1; }
 STREAMS=${STREAMS:-1 4}
 WORKERS=${WORKERS:-1 2}
-PROFILE=${PROFILE:-release}
-cargo build --profile "$PROFILE" --quiet
-fs=$PWD/target/$PROFILE/flexstack
+. scripts/lib/bench.sh   # median, tun_faces, bench_setup
+bench_setup bench-datapath "namespaces, TUN devices" iperf3
 tag=fsb$$
 state=$(mktemp -d)
 cleanup() {
@@ -31,8 +28,6 @@ cleanup() {
 trap cleanup EXIT INT TERM
 ip netns add ${tag}a; ip netns add ${tag}b
 ip -n ${tag}a link set lo up; ip -n ${tag}b link set lo up
-
-. scripts/lib/bench.sh   # median, tun_faces
 measure() { # $1 = server address, $2 = parallel streams; prints Gbit/s of each run, one per line
   ip netns exec ${tag}b iperf3 -s -D -p 5299 -I "$state/iperf.pid" >/dev/null
   sleep 0.3

@@ -51,12 +51,9 @@ PINGS=${PINGS:-200}
 DELAY=${DELAY:-10}
 RATES=${RATES:-100 500 1000 2000 4000 6000 8000}
 PARTS=${PARTS:-1 2}
-[[ $(id -u) == 0 ]] || { echo "bench-emulator: needs root (namespaces, veth, AF_PACKET)" >&2; exit 1; }
-for c in iperf3 ping python3 bc; do
-  command -v $c >/dev/null || { echo "bench-emulator: needs $c (scripts/setup.sh)" >&2; exit 1; }
-done
-[[ -n ${NO_BUILD:-}${FS:-} ]] || cargo build --release --quiet   # NO_BUILD=1: use target/release/flexstack as it is
-fs=${FS:-$PWD/target/release/flexstack}   # FS=PATH: benchmark another build (NO_BUILD implied)
+. scripts/lib/bench.sh   # median, bench_setup
+# NO_BUILD=1: use target/release/flexstack as it is; FS=PATH: benchmark another build (NO_BUILD implied).
+bench_setup bench-emulator "namespaces, veth, AF_PACKET" iperf3 ping python3 bc
 tag=fse$$
 h1=${tag}h1 h2=${tag}h2
 state=$(mktemp -d)
@@ -79,7 +76,6 @@ for ns in "$h1" "$h2"; do
   ip netns exec "$ns" sysctl -qw net.ipv4.tcp_rmem="4096 131072 67108864" net.ipv4.tcp_wmem="4096 16384 67108864"
 done
 
-. scripts/lib/bench.sh   # median
 gbps() { python3 -c 'import json,sys; print(json.load(sys.stdin)["end"]["sum_received"]["bits_per_second"]/1e9)'; }
 retransmits() { python3 -c 'import json,sys; print(json.load(sys.stdin)["end"]["sum_sent"].get("retransmits", 0))'; }
 cpu_now() { awk '/^cpu / {print $2 + $3 + $4 + $7 + $8 + $9, $2 + $3 + $4 + $5 + $6 + $7 + $8 + $9}' /proc/stat; }

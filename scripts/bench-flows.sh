@@ -14,7 +14,7 @@
 # PERF=file records a profile of the daemon (file.b, file.c) while the connections are idle; PERF_CPS=file while
 # wrk opens connections (file.a, file.b, file.c; overwritten each round).
 # CONFIGS (default "a b c") picks configurations, e.g. CONFIGS="a c" while a back-end is missing; PROFILE (default
-# release) the cargo profile built and run (FS_BIN=path runs that binary instead, unbuilt: an A/B of two
+# release) the cargo profile built and run (FS=path runs that binary instead, unbuilt: an A/B of two
 # versions, e.g. one built from main); IDLE_SMAPS=PATH keeps the daemon's /proc/PID/smaps while the idle
 # connections are held, as PATH.<configuration> (where its memory goes).
 set -euo pipefail
@@ -26,18 +26,8 @@ IDLE=${IDLE:-10000}
 IDLE_SECS=${IDLE_SECS:-10}
 CONFIGS=${CONFIGS:-a b c}
 NET=${NET:-213} # the server's subnet is 10.NET.7.0/24 and the apps' 10.(NET+1).0.0/16: another NET for a second run
-[[ $(id -u) == 0 ]] || { echo "bench-flows: needs root (namespaces, TUN devices)" >&2; exit 1; }
-for p in iperf3 wrk nginx cc; do
-  command -v $p >/dev/null || { echo "bench-flows: needs $p (scripts/setup.sh)" >&2; exit 1; }
-done
-PROFILE=${PROFILE:-release} # e.g. PROFILE=ci to reuse the test build
-if [[ -n "${FS_BIN:-}" ]]; then # FS_BIN=path: that binary, not built (an A/B against another version)
-  fs=$(realpath "$FS_BIN")
-else
-  echo "bench-flows: building ($PROFILE)" >&2
-  cargo build --profile "$PROFILE" --quiet
-  fs=$PWD/target/$PROFILE/flexstack
-fi
+. scripts/lib/bench.sh # median, bench_setup
+bench_setup bench-flows "namespaces, TUN devices" iperf3 wrk nginx cc # PROFILE=ci reuses the test build
 tag=fsf$$
 state=$(mktemp -d)
 chmod 755 "$state"
@@ -49,7 +39,6 @@ cleanup() {
   rm -rf "$state"
 }
 trap cleanup EXIT INT TERM
-. scripts/lib/bench.sh # median
 
 # The server namespace: veth to the host, iperf3, nginx (a 1 KiB page), the echo server.
 server_ns "$NET"

@@ -28,13 +28,7 @@ LINKS=${LINKS:-1000}
 ROUNDS=${ROUNDS:-5}
 PINGS=${PINGS:-20000}
 PARTS=${PARTS:-1 2 3}
-[[ $(id -u) == 0 ]] || { echo "bench-lab: needs root (namespaces, veth pairs, daemons): run it with sudo" >&2; exit 1; }
-for c in python3 ping strace bc; do
-  command -v $c >/dev/null || { echo "bench-lab: needs $c (scripts/setup.sh)" >&2; exit 1; }
-done
-PROFILE=${PROFILE:-release}
-[[ -n ${NO_BUILD:-}${FS:-} ]] || cargo build --profile "$PROFILE" --quiet
-fs=${FS:-$PWD/target/$PROFILE/flexstack}
+bench_setup bench-lab "namespaces, veth pairs, daemons: run it with sudo" python3 ping strace bc
 tag=fsb$$
 work=$(mktemp -d /tmp/${tag}.XXXX)
 state=$work/state

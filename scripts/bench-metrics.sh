@@ -13,14 +13,8 @@ RUNS=${RUNS:-5}
 SECS=${SECS:-5}
 SCRAPES=${SCRAPES:-9}
 FLOWS=${FLOWS:-10000}
-[[ $(id -u) == 0 ]] || { echo "bench-metrics: needs root (namespaces, TUN devices)" >&2; exit 1; }
-for p in iperf3 curl python3; do
-  command -v $p >/dev/null || { echo "bench-metrics: needs $p (scripts/setup.sh)" >&2; exit 1; }
-done
-PROFILE=${PROFILE:-release}
-echo "bench-metrics: building ($PROFILE)" >&2
-cargo build --profile "$PROFILE" --quiet
-fs=$PWD/target/$PROFILE/flexstack
+. scripts/lib/bench.sh # median, bench_setup
+bench_setup bench-metrics "namespaces, TUN devices" iperf3 curl python3
 tag=fsm$$
 state=$(mktemp -d)
 chmod 755 "$state"
@@ -32,7 +26,6 @@ cleanup() {
   rm -rf "$state"
 }
 trap cleanup EXIT INT TERM
-. scripts/lib/bench.sh # median
 
 # The server namespace: a veth to the host, iperf3.
 server_ns 214

@@ -1,5 +1,23 @@
 # Shell helpers shared by the benchmark scripts (scripts/bench-*.sh source this file).
 
+# The checks and the build every benchmark starts with: `$1` (the script's name) must run as root (`$2` says what
+# for) with the programs `$3...` installed; then the cargo profile $PROFILE (default release) is built and `fs` set to
+# its daemon binary. FS=PATH benchmarks another build instead, NO_BUILD=1 the binary as it is (nothing is built).
+bench_setup() {
+  local name=$1 why=$2 p
+  shift 2
+  [[ $(id -u) == 0 ]] || { echo "$name: needs root ($why)" >&2; exit 1; }
+  for p in "$@"; do
+    command -v "$p" >/dev/null || { echo "$name: needs $p (scripts/setup.sh)" >&2; exit 1; }
+  done
+  PROFILE=${PROFILE:-release}
+  if [[ -z ${NO_BUILD:-}${FS:-} ]]; then
+    echo "$name: building ($PROFILE)" >&2
+    cargo build --profile "$PROFILE" --quiet
+  fi
+  fs=${FS:-$PWD/target/$PROFILE/flexstack}
+}
+
 # Prints the median of the numbers on stdin, one a line (the mean of the middle two for an even count).
 median() { sort -g | awk '{a[NR]=$1} END {print (NR%2) ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2}'; }
 

@@ -61,11 +61,10 @@ pub enum Across {
 }
 
 impl VarSpec {
-    /// Declares a meter.
-    pub fn meter(name: &str, ty: ValueType, unit: &str, description: &str) -> VarSpec {
+    fn new(kind: VarKind, name: &str, ty: ValueType, unit: &str, description: &str) -> VarSpec {
         VarSpec {
             name: name.into(),
-            kind: VarKind::Meter,
+            kind,
             ty,
             unit: unit.into(),
             description: description.into(),
@@ -75,18 +74,14 @@ impl VarSpec {
         }
     }
 
+    /// Declares a meter.
+    pub fn meter(name: &str, ty: ValueType, unit: &str, description: &str) -> VarSpec {
+        VarSpec::new(VarKind::Meter, name, ty, unit, description)
+    }
+
     /// Declares a knob.
     pub fn knob(name: &str, ty: ValueType, unit: &str, description: &str) -> VarSpec {
-        VarSpec {
-            name: name.into(),
-            kind: VarKind::Knob,
-            ty,
-            unit: unit.into(),
-            description: description.into(),
-            range: None,
-            alias_of: None,
-            across: Across::Sum,
-        }
+        VarSpec::new(VarKind::Knob, name, ty, unit, description)
     }
 
     /// Marks a knob as the old name of knob `new`.

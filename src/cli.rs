@@ -509,7 +509,7 @@ pub fn main() -> ExitCode {
         &cli.command,
         Command::Daemon(_)
             | Command::Run(_)
-            | Command::Lab(LabCmd::Run { .. } | LabCmd::Up { .. } | LabCmd::Exec { .. } | LabCmd::Down { .. })
+            | Command::Lab(LabCmd::Run(_) | LabCmd::Up(_) | LabCmd::Exec { .. } | LabCmd::Down { .. })
     );
     if !long_running {
         flexstack_sys::default_sigpipe();

@@ -15,7 +15,7 @@ pub mod progress;
 pub mod run;
 
 use crate::error::{msg, CliError};
-use clap::Subcommand;
+use clap::{Args, Subcommand};
 use flexstack_lab::plan::Plan;
 use flexstack_lab::Lab;
 use serde::{Deserialize, Serialize};
@@ -23,39 +23,30 @@ use std::path::{Path, PathBuf};
 
 pub use build::{down, labs_dir, LabState};
 
+/// What `lab run` and `lab up` take.
+#[derive(Args, Debug)]
+pub struct Start {
+    /// The lab file (TOML).
+    file: PathBuf,
+    /// The results folder (default: `results/<lab>-<UTC time>`).
+    #[arg(long)]
+    results: Option<PathBuf>,
+    /// No progress lines.
+    #[arg(short, long)]
+    quiet: bool,
+    /// Serve each daemon's meters for Prometheus on this host's loopback (a free port each) and write the
+    /// scrape configuration into the results (`prometheus.yml`).
+    #[arg(long)]
+    metrics: bool,
+}
+
 /// `flexstack lab ...`
 #[derive(Subcommand, Debug)]
 pub enum LabCmd {
     /// Build the lab, run its programs and events for its duration, tear it down and write the results and report.
-    Run {
-        /// The lab file (TOML).
-        file: PathBuf,
-        /// The results folder (default: `results/<lab>-<UTC time>`).
-        #[arg(long)]
-        results: Option<PathBuf>,
-        /// No progress lines.
-        #[arg(short, long)]
-        quiet: bool,
-        /// Serve each daemon's meters for Prometheus on this host's loopback (a free port each) and write the
-        /// scrape configuration into the results (`prometheus.yml`).
-        #[arg(long)]
-        metrics: bool,
-    },
+    Run(Start),
     /// Build the lab and start its background programs; it stays up until `lab down`.
-    Up {
-        /// The lab file (TOML).
-        file: PathBuf,
-        /// The results folder (default: `results/<lab>-<UTC time>`).
-        #[arg(long)]
-        results: Option<PathBuf>,
-        /// No progress lines.
-        #[arg(short, long)]
-        quiet: bool,
-        /// Serve each daemon's meters for Prometheus on this host's loopback (a free port each) and write the
-        /// scrape configuration into the results (`prometheus.yml`).
-        #[arg(long)]
-        metrics: bool,
-    },
+    Up(Start),
     /// Run a command on a host of a lab that is up (through its stack on a stacked host), as the invoking user.
     Exec {
         /// The lab (default: the only one up).
@@ -110,8 +101,8 @@ pub enum LabCmd {
 /// and for `lab exec` a program that exists.
 pub fn preflight(cmd: &LabCmd) -> Result<(), CliError> {
     let why = match cmd {
-        LabCmd::Run { .. } => ("flexstack lab run", "it creates network namespaces, veth pairs and daemons"),
-        LabCmd::Up { .. } => ("flexstack lab up", "it creates network namespaces, veth pairs and daemons"),
+        LabCmd::Run(_) => ("flexstack lab run", "it creates network namespaces, veth pairs and daemons"),
+        LabCmd::Up(_) => ("flexstack lab up", "it creates network namespaces, veth pairs and daemons"),
         LabCmd::Down { .. } => ("flexstack lab down", "it stops the lab's daemons and removes its namespaces"),
         LabCmd::Exec { .. } => ("flexstack lab exec", "it enters a host's network namespace"),
         LabCmd::Link { .. } => ("flexstack lab link", "it changes the lab's interfaces and daemons"),
@@ -359,8 +350,10 @@ pub fn command(state_dir: &Path, json: bool, cmd: LabCmd) -> Result<(), CliError
             }
             Ok(())
         }
-        LabCmd::Run { file, results, quiet, metrics } => run_lab(state_dir, json, &file, results, !quiet, metrics),
-        LabCmd::Up { file, results, quiet, metrics } => {
+        LabCmd::Run(Start { file, results, quiet, metrics }) => {
+            run_lab(state_dir, json, &file, results, !quiet, metrics)
+        }
+        LabCmd::Up(Start { file, results, quiet, metrics }) => {
             let (lab, plan, text, templates) = load(&file)?;
             let dir = results_dir(&lab, results)?;
             write_resolved(&dir, &text, &plan)?;

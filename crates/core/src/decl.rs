@@ -87,7 +87,7 @@ macro_rules! frames_meter {
     };
 }
 
-/// The `name`, `summary` and `reference` methods of a [`crate::ModuleKind`] declared by `$decl` (a
+/// The `name`, `summary`, `global_view` and `reference` methods of a [`crate::ModuleKind`] declared by `$decl` (a
 /// [`KindDecl`]) and, if its settings repeat per item, `$group` (a [`GroupDecl`]), for use inside the
 /// `impl ModuleKind` block, which then only adds `configure`.
 #[macro_export]
@@ -99,6 +99,10 @@ macro_rules! kind_from_decl {
 
         fn summary(&self) -> &'static str {
             $decl.summary
+        }
+
+        fn global_view(&self) -> bool {
+            $decl.global_view
         }
 
         fn reference(&self) -> $crate::KindReference {

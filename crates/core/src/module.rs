@@ -95,6 +95,12 @@ pub trait ModuleKind: Send + Sync {
     fn reference(&self) -> KindReference {
         configured_reference(self)
     }
+
+    /// True if every module of the kind needs a global view of the traffic (see
+    /// [`ModuleBuilder::global_view`]): a kind with a [`crate::decl::KindDecl`] returns its `global_view`.
+    fn global_view(&self) -> bool {
+        false
+    }
 }
 
 /// A configured module, ready to be built on the data-plane thread.
@@ -121,8 +127,9 @@ pub trait ModuleBuilder: Send {
     }
 
     /// True if the module needs a global view of the traffic (a shared queue model, a scheduler across flows, a
-    /// file it writes, frames it makes itself): a stack with one runs its data plane on one worker. Declared in
-    /// the kind's [`crate::decl::KindDecl::global_view`].
+    /// file it writes, frames it makes itself): a stack with one runs its data plane on one worker. Most kinds
+    /// declare it for all their modules ([`ModuleKind::global_view`], from
+    /// [`crate::decl::KindDecl::global_view`]); a builder answers here when its settings decide.
     fn global_view(&self) -> bool {
         false
     }

@@ -13,7 +13,8 @@
 //! single-producer/single-consumer ring, so that both directions of a flow always meet on one worker. Edits are
 //! applied by all workers together (the control plane's reply comes after all applied), knob writes go to all,
 //! and a meter reads the sum over the workers (docs/architecture.md, "Workers"). A stack with a module that needs
-//! a global view ([`ModuleBuilder::global_view`]) runs on worker 0 alone.
+//! a global view (its kind's [`global_view`](flexstack_core::ModuleKind::global_view), or its builder's
+//! [`ModuleBuilder::global_view`]) runs on worker 0 alone.
 //!
 //! Wake-ups by a face can be moderated as a NIC moderates its interrupts ([`RxModeration`], off by default:
 //! `flexstack daemon --rx-hold-us N`): while frames stream in (wake-ups closer together than a gap), the loop waits
@@ -195,7 +196,7 @@ impl DataPlane {
         let mut single = s.single.clone();
         let mut modules = s.modules.clone();
         for e in &edits {
-            note_edit(e, &mut modules, &mut single);
+            note_edit(&self.catalog, e, &mut modules, &mut single);
         }
         if s.active > 1 && single.is_empty() {
             // Flow variables live on the worker that owns the flow: a write goes to the one that registered it.
@@ -406,8 +407,11 @@ impl DataPlane {
 }
 
 /// Follows one edit in the set of loaded modules and of those that keep the stack on one worker.
-fn note_edit(edit: &Edit, modules: &mut BTreeSet<String>, single: &mut BTreeMap<String, String>) {
-    let global = |kind: &str, b: &dyn ModuleBuilder| b.global_view().then(|| format!("({kind}) needs a global view"));
+fn note_edit(catalog: &Catalog, edit: &Edit, modules: &mut BTreeSet<String>, single: &mut BTreeMap<String, String>) {
+    let global = |kind: &str, b: &dyn ModuleBuilder| {
+        let all = catalog.get(kind).is_some_and(|k| k.global_view());
+        (all || b.global_view()).then(|| format!("({kind}) needs a global view"))
+    };
     match edit {
         Edit::Load { name, kind, builder, .. } | Edit::Replace { name, kind, builder, .. } => {
             modules.insert(name.clone());

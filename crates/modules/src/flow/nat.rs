@@ -501,10 +501,6 @@ struct NatBuilder {
 }
 
 impl ModuleBuilder for NatBuilder {
-    fn global_view(&self) -> bool {
-        DECL.global_view
-    }
-
     fn interface(&self) -> ModuleInterface {
         DECL.interface(&self.cfg)
     }

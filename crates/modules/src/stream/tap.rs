@@ -131,10 +131,6 @@ struct TapBuilder {
 }
 
 impl ModuleBuilder for TapBuilder {
-    fn global_view(&self) -> bool {
-        DECL.global_view
-    }
-
     fn interface(&self) -> ModuleInterface {
         DECL.interface(&self.cfg)
     }

@@ -364,10 +364,6 @@ impl ModuleKind for LinkKind {
 struct LinkBuilder(Config);
 
 impl ModuleBuilder for LinkBuilder {
-    fn global_view(&self) -> bool {
-        DECL.global_view
-    }
-
     fn interface(&self) -> ModuleInterface {
         DECL.interface(&self.0)
     }

@@ -171,10 +171,6 @@ impl BindingBuilder {
 }
 
 impl ModuleBuilder for BindingBuilder {
-    fn global_view(&self) -> bool {
-        self.cfg.mode.decl().global_view
-    }
-
     fn interface(&self) -> ModuleInterface {
         let (c, ifaces) = (&self.cfg, &self.ifaces);
         let mut iface = c.mode.decl().interface(c);

@@ -158,4 +158,4 @@ for c in $CONFIGS; do
   read -r rss cpu < <(idle "$c")
   echo "($c) $IDLE idle terminated connections: daemon RSS $rss MiB, daemon CPU $cpu % over ${IDLE_SECS}s"
 done
-echo "code version: ${FS_BIN:-$(git rev-parse --short HEAD)$(git diff --quiet || echo -dirty)}"
+echo "code version: ${FS:-$(git rev-parse --short HEAD)$(git diff --quiet || echo -dirty)}"

@@ -85,8 +85,13 @@ impl Rig {
 
     /// curl's download of the blob, its sha256 and time: `sum`, then `time` (seconds) on the next line.
     fn curl(&self) -> String {
+        self.curl_with("")
+    }
+
+    /// [`Rig::curl`] with more options for curl.
+    fn curl_with(&self, options: &str) -> String {
         format!(
-            "curl -sSf -m 30 -o {out} -w 'time %{{time_total}}\\n' http://{v4}:8080/blob && sha256sum {out}",
+            "curl -sSf -m 30 {options} -o {out} -w 'time %{{time_total}}\\n' http://{v4}:8080/blob && sha256sum {out}",
             out = path_str(&self.path("got")),
             v4 = self.srv.v4
         )
@@ -330,4 +335,77 @@ fn tls_client_mode_lets_plaintext_curl_reach_openssl_s_server() {
     let (out, m) = r.run("tls", &bad, &script, &["tls.handshakes_total", "tls.failures_total"]);
     assert!(!out.status.success(), "curl gets no answer: {}", text(&out));
     assert_eq!((m["tls.handshakes_total"], m["tls.failures_total"]), (0, 1), "{m:?}");
+}
+
+/// An HTTP/1.0 server on port 8081 sending the file `argv[1]` in writes of 2 KB, 2 ms apart.
+const SLOW_SERVER: &str = r#"
+import socket, sys, time
+data = open(sys.argv[1], "rb").read()
+s = socket.socket(socket.AF_INET6)
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("::", 8081))
+s.listen(8)
+while True:
+    c, _ = s.accept()
+    c.recv(65536)
+    c.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: %d\r\n\r\n" % len(data))
+    for i in range(0, len(data), 2048):
+        c.sendall(data[i:i + 2048])
+        time.sleep(0.002)
+    c.close()
+"#;
+
+#[test]
+fn a_rule_takes_compress_out_and_puts_it_back_100_times_during_a_download() {
+    let Some(r) = Rig::new(6) else { return };
+    let zip = r.file(
+        "zip.toml",
+        &format!("{EVERY_TCP_FLOW}[[service]]\nkind = \"compress\"\nlevel = 1\n\n[[service]]\nkind = \"compress\"\nname = \"far\"\nmode = \"decompress\"\n"),
+    );
+    // A CRAWLER rule flips the far end's knob each time the rules engine sees new bytes at it (it samples every
+    // 5 ms; the server's bytes come up through it, it compresses them) and the app's end follows it; the pulled
+    // rules run only when `moved` emits.
+    let rules = r.file(
+        "flip.rules",
+        "moved: get(\"module.web-far.bytes_in_total\")\nmoved -> flip\nmoved -> follow\n\
+         flip: set(\"module.web-far.active\", Not(get(\"module.web-far.active\")))\n\
+         follow: set(\"module.web-compress.active\", get(\"module.web-far.active\"))\n",
+    );
+    let cli = format!("{} --state-dir {}", bin(), path_str(r.d.state.path()));
+    // The server sends the 2 MB in writes of 2 KB, 2 ms apart (about 2.5 s), so that the flow's bytes come in
+    // many chunks and the rule's flips fall between them.
+    let _slow = r.srv.ns.spawn(&["python3", "-c", SLOW_SERVER, path_str(&r.srv.www.path().join("blob"))]);
+    let url = format!("http://{}:8081/blob", r.srv.v4);
+    let ready = (0..100).any(|_| {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        r.srv.ns.run(&["curl", "-sf", "-m", "5", "-o", "/dev/null", &url]).status.success()
+    });
+    assert!(ready, "the slow server answers");
+    let got = path_str(&r.path("got")).to_string();
+    let script = format!(
+        "{cli} rules load {rules} || exit 8\n\
+         curl -sSf -m 30 -o {got} {url} && sha256sum {got} || exit 7\n\
+         {cli} rules unload ALL || exit 9",
+        rules = path_str(&rules),
+    );
+    let meters = [
+        "far.switches_total",
+        "far.plain_bytes_total",
+        "far.packed_bytes_total",
+        "far.raw_bytes_total",
+        "compress.raw_bytes_total",
+        "compress.errors_total",
+        "far.errors_total",
+    ];
+    let (out, m) = r.run("web", &zip, &script, &meters);
+    let t = ok(&out);
+    assert!(t.contains(&r.sum), "the download is intact across the switches: {t}\n{m:?}");
+    eprintln!("switches during the download: {m:?}");
+    // Each switch the far end made in the stream is a mark: out of the path, then back in (about 400 here).
+    assert!(m["far.switches_total"] >= 200, "compress left and rejoined the path mid-stream: {m:?}");
+    assert!(m["far.plain_bytes_total"] > 100_000, "part went compressed: {m:?}");
+    assert!(m["far.packed_bytes_total"] * 2 < m["far.plain_bytes_total"], "and shrank: {m:?}");
+    assert!(m["far.raw_bytes_total"] > 100_000, "part went as it was: {m:?}");
+    assert!(m["compress.raw_bytes_total"] >= m["far.raw_bytes_total"], "the app's end followed the marks: {m:?}");
+    assert_eq!(m["compress.errors_total"] + m["far.errors_total"], 0, "{m:?}");
 }

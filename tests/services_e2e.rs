@@ -409,3 +409,68 @@ fn a_rule_takes_compress_out_and_puts_it_back_100_times_during_a_download() {
     assert!(m["compress.raw_bytes_total"] >= m["far.raw_bytes_total"], "the app's end followed the marks: {m:?}");
     assert_eq!(m["compress.errors_total"] + m["far.errors_total"], 0, "{m:?}");
 }
+
+#[test]
+fn service_commands_list_show_add_and_del_the_services_of_a_running_app() {
+    let Some(r) = Rig::new(7) else { return };
+    let file = r.file("null.toml", &format!("{EVERY_TCP_FLOW}[[service]]\nkind = \"null\"\n"));
+    let cli = format!("{} --state-dir {}", bin(), path_str(r.d.state.path()));
+    // The app is this script: it changes its own chain between two downloads, printing what each command said
+    // after a line `== STEP`.
+    let script = format!(
+        "exec 2>&1\n\
+         echo '== list'; {cli} service list web\n\
+         echo '== add'; {cli} service add web compress level=1 && {cli} service add web compress --name far mode=decompress || exit 3\n\
+         echo '== list2'; {cli} -j service list web\n\
+         echo '== curl1'; {curl}\n\
+         echo '== show'; {cli} service show web far\n\
+         sleep 0.5\n\
+         echo '== del'; {cli} service del web far && {cli} service del web compress || exit 4\n\
+         echo '== last'; {cli} service del web null; echo \"rc $?\"\n\
+         echo '== unknown'; {cli} service show web nosuch; {cli} service list nosuch; {cli} service add web counter\n\
+         echo '== list3'; {cli} service list web\n\
+         echo '== curl2'; {curl}\n\
+         echo '== extra'; {cli} service add web null --name extra\n\
+         echo '== end'",
+        curl = r.curl(),
+    );
+    let (out, m) = r.run("web", &file, &script, &["null.flows_selected_total"]);
+    let t = ok(&out);
+    let step = |name: &str| {
+        let from = t.find(&format!("== {name}\n")).unwrap_or_else(|| panic!("no step {name}: {t}"));
+        let rest = &t[from + name.len() + 4..];
+        rest[..rest.find("\n== ").unwrap_or(rest.len())].to_string()
+    };
+    let list = step("list");
+    assert!(list.contains("null") && list.contains("web-null") && !list.contains("compress"), "{list}");
+    // Added nearest the network, in order: null, compress, far.
+    let list2: Json = serde_json::from_str(
+        step("list2").lines().skip_while(|l| !l.starts_with('[')).collect::<Vec<_>>().join("\n").as_str(),
+    )
+    .unwrap_or_else(|e| panic!("{e}: {t}"));
+    let names: Vec<&str> = list2.as_array().unwrap().iter().map(|s| s["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["null", "compress", "far"], "{list2}");
+    assert_eq!(list2[1]["active"], true, "{list2}");
+    // The download after the add went through both ends of compress, intact.
+    assert!(step("curl1").contains(&r.sum), "{t}");
+    let show = step("show");
+    let plain: u64 = show
+        .lines()
+        .find(|l| l.starts_with("module.web-far.plain_bytes_total"))
+        .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        .unwrap_or_else(|| panic!("{show}"));
+    assert!(plain > 2_000_000, "the server's bytes went through the added far end: {show}");
+    assert!(step("last").contains("only service") && step("last").contains("rc 1"), "{t}");
+    let unknown = step("unknown");
+    assert!(unknown.contains("no service \"nosuch\"; its services: null"), "{unknown}");
+    assert!(unknown.contains("no app \"nosuch\"; running apps: web"), "{unknown}");
+    assert!(unknown.contains("not a service kind"), "{unknown}");
+    let list3 = step("list3");
+    assert!(list3.contains("null") && !list3.contains("compress") && !list3.contains("far"), "{list3}");
+    assert!(step("curl2").contains(&r.sum), "the chain still carries the flows after the del: {t}");
+    assert_eq!(m["null.flows_selected_total"], 2, "both downloads went through null: {m:?}");
+    // A service added and never removed goes with the app.
+    assert!(step("extra").contains("ok: revision"), "{t}");
+    let modules = text(&r.d.cli(&["module", "list"]));
+    assert!(!modules.contains("web-"), "the app's modules, the added ones too, are gone: {modules}");
+}

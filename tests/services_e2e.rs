@@ -474,3 +474,107 @@ fn service_commands_list_show_add_and_del_the_services_of_a_running_app() {
     let modules = text(&r.d.cli(&["module", "list"]));
     assert!(!modules.contains("web-"), "the app's modules, the added ones too, are gone: {modules}");
 }
+
+/// A TLS client that sends garbage instead of a ClientHello; prints the first byte it gets back (21: an alert
+/// record; None: nothing) and `closed` when the connection ends (`reset` too if it was reset).
+const GARBAGE_CLIENT: &str = r#"
+import socket, sys
+s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=10)
+s.sendall(b"GET / HTTP/1.0 this is not a ClientHello\r\n" * 8)
+got = b""
+try:
+    while True:
+        b = s.recv(4096)
+        if not b:
+            break
+        got += b
+except ConnectionResetError:
+    print("reset")
+print("first", got[0] if got else None)
+print("closed")
+"#;
+
+#[test]
+fn tls_server_mode_offers_a_plaintext_server_over_tls_and_fails_garbage_per_flow() {
+    let Some(r) = Rig::new(8) else { return };
+    // The first app of the daemon's subnet 10.A.0.0/16 gets 10.A.1.2: its certificate names that address.
+    let ip = format!("10.{}.1.2", octets().0.wrapping_add(8));
+    let (ca, cert, key) = certificate(r.dir.path(), "app", &ip);
+    let file = r.file(
+        "tls-server.toml",
+        &format!(
+            "[[rule]]\nuse = true\ntransport = \"tcp\"\nport = 8443\nrole = \"server\"\n\n\
+             [[service]]\nkind = \"tls\"\nmode = \"server\"\ncert = \"{}\"\nkey = \"{}\"\n",
+            path_str(&cert),
+            path_str(&key)
+        ),
+    );
+    let (ready, go) = (r.path("ready"), r.path("go"));
+    let cli = format!("{} --state-dir {}", bin(), path_str(r.d.state.path()));
+    // The app: a plaintext HTTP server on 8443 serving the blob, until told to stop; then the meters.
+    let script = format!(
+        "cd {www} && python3 -m http.server 8443 --bind :: >/dev/null 2>&1 & py=$!\n\
+         while ! ss -Htln 'sport = :8443' | grep -q .; do sleep 0.05; done\n\
+         touch {ready}\n\
+         while [ ! -e {go} ]; do sleep 0.05; done\n\
+         kill $py\n\
+         echo {MARK}; {cli} -j get module.web-tls.handshakes_total module.web-tls.failures_total",
+        www = path_str(r.srv.www.path()),
+        ready = path_str(&ready),
+        go = path_str(&go),
+    );
+    let run = r.d.spawn_run(&["--services", path_str(&file), "--name", "web", "--", "sh", "-c", &script]);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
+    while !ready.exists() {
+        assert!(std::time::Instant::now() < deadline, "the app's server never listened");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let app = r.d.apps().expect("app list").into_iter().next().expect("the app");
+    assert_eq!(app.ipv4, ip, "the address the certificate names");
+    let ns = r.srv.ns.name.clone();
+    let in_ns = |args: &[&str]| {
+        std::process::Command::new("ip").args(["netns", "exec", &ns]).args(args).output().expect("ip netns exec")
+    };
+    // A slow download over TLS from another namespace, while a client sends garbage: its flow alone fails.
+    let got = r.path("got");
+    let url = format!("https://{ip}:8443/blob");
+    let slow = std::process::Command::new("ip")
+        .args(["netns", "exec", &ns, "curl", "-sSf", "-m", "30", "--limit-rate", "1m", "--cacert"])
+        .args([path_str(&ca), "-o", path_str(&got), &url])
+        .spawn()
+        .expect("curl");
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let garbage = in_ns(&["python3", "-c", GARBAGE_CLIENT, &ip, "8443"]);
+    let g = text(&garbage);
+    // tls sends rustls's alert and aborts the flow both ways; originate's reset follows the alert so closely that
+    // the client mostly sees the reset alone. Never the app's plaintext answer (`first 60`, its `<html>`).
+    assert!((g.contains("first 21") || g.contains("first None")) && g.contains("closed"), "alert or reset: {g}");
+    let mut slow = slow;
+    assert!(slow.wait().expect("curl").success(), "the download over TLS went on");
+    assert_eq!(common::sha256(&got), r.sum, "intact");
+    // openssl s_client: the certificate checks out against the CA, and the page comes over TLS 1.3.
+    let s_client = std::process::Command::new("ip")
+        .args(["netns", "exec", &ns, "openssl", "s_client", "-connect", &format!("{ip}:8443"), "-CAfile"])
+        .args([path_str(&ca), "-verify_return_error", "-ign_eof"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("openssl");
+    let mut s_client = s_client;
+    {
+        use std::io::Write;
+        let mut stdin = s_client.stdin.take().unwrap();
+        stdin.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+    }
+    let o = s_client.wait_with_output().expect("openssl");
+    let t = text(&o);
+    assert!(t.contains("Verify return code: 0 (ok)") && t.contains("HTTP/1.0 200"), "{t}");
+    std::fs::write(&go, "").unwrap();
+    let out = run.wait_with_output().expect("the run");
+    let t = text(&out);
+    let (_, json) = t.split_once(MARK).unwrap_or_else(|| panic!("no meters: {t}"));
+    let m: Json = serde_json::from_str(json.trim()).unwrap_or_else(|e| panic!("{e}: {t}"));
+    assert_eq!(m["module.web-tls.failures_total"]["value"], 1, "the garbage flow alone failed: {m}");
+    assert!(m["module.web-tls.handshakes_total"]["value"].as_u64() >= Some(2), "{m}");
+}

@@ -5,25 +5,13 @@
 
 mod common;
 
-use common::{octets, privileged, text, SandboxDaemon};
-use std::time::{Duration, Instant};
+use common::{eventually, octets, privileged, text, SandboxDaemon};
+use std::time::Duration;
 
 /// The state letter of process `pid` (`R`, `S`, `T` for stopped ...), `None` once it is gone.
 fn state(pid: i32) -> Option<char> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     s.rsplit_once(") ").and_then(|(_, rest)| rest.chars().next())
-}
-
-/// Waits up to 5 s for `done`.
-fn until(mut done: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while Instant::now() < deadline {
-        if done() {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    false
 }
 
 #[test]
@@ -47,7 +35,7 @@ fn app_commands_list_stop_continue_kill_and_show_the_output() {
     // app list: the app with its processes and cgroup.
     let mut pids = Vec::new();
     assert!(
-        until(|| {
+        eventually(5, || {
             pids = d.apps().unwrap_or_default().first().map(|a| a.pids.clone()).unwrap_or_default();
             pids.len() >= 2
         }),
@@ -68,7 +56,7 @@ fn app_commands_list_stop_continue_kill_and_show_the_output() {
         let states: Vec<char> = now().iter().filter_map(|&p| state(p)).collect();
         states.len() >= 2 && states.iter().all(|&s| s == 'T')
     };
-    assert!(until(stopped), "all stopped: {:?}", now().iter().map(|&p| (p, state(p))).collect::<Vec<_>>());
+    assert!(eventually(5, stopped), "all stopped: {:?}", now().iter().map(|&p| (p, state(p))).collect::<Vec<_>>());
     pids = now().into_iter().filter(|&p| state(p).is_some()).collect();
     let size = |_: ()| std::fs::metadata(&ticks).map(|m| m.len()).unwrap_or(0);
     let frozen = size(());
@@ -78,7 +66,7 @@ fn app_commands_list_stop_continue_kill_and_show_the_output() {
     // continue: they run again.
     let out = cli(&["-j", "app", "continue", "looper"]);
     assert!(out.status.success() && text(&out).contains("SIGCONT"), "{}", text(&out));
-    assert!(until(|| size(()) > frozen), "the loop goes on");
+    assert!(eventually(5, || size(()) > frozen), "the loop goes on");
     assert!(pids.iter().all(|&p| state(p) != Some('T')), "none of them stopped");
 
     // Unknown apps: the error names the running ones.
@@ -90,7 +78,7 @@ fn app_commands_list_stop_continue_kill_and_show_the_output() {
     assert!(out.status.success(), "{}", text(&out));
     let status = run.wait().unwrap();
     assert_eq!(status.code(), Some(137), "run ends as its program was killed");
-    assert!(until(|| pids.iter().all(|&p| state(p).is_none())), "every process gone");
+    assert!(eventually(5, || pids.iter().all(|&p| state(p).is_none())), "every process gone");
     let out = cli(&["app", "output", "looper"]);
     let t = text(&out);
     assert!(out.status.success() && t.contains("out-line") && t.contains("err-line"), "{t}");

@@ -45,9 +45,13 @@ pub enum Command {
     /// Packet captures on links: `tap add LINK FILE`, `tap del NAME`, `tap list`.
     #[command(subcommand)]
     Tap(TapCmd),
-    /// Sandboxed apps: `app list`.
+    /// Sandboxed apps: `app list`, `app vars`, and FreeNA's client commands `app stop|continue|kill|output NAME`.
     #[command(subcommand)]
     App(AppCmd),
+    /// A running app's stream services (docs/services.md): `service list APP`, `service show APP NAME`,
+    /// `service add APP KIND [--name N] [KEY=VALUE ...]`, `service del APP NAME [--force]`.
+    #[command(subcommand)]
+    Service(ServiceCmd),
     /// Flows, forwarded and terminated: `flow list`, `flow show ID`.
     #[command(subcommand)]
     Flow(FlowCmd),
@@ -336,10 +340,70 @@ pub enum TapCmd {
 /// `flexstack app ...`
 #[derive(Subcommand, Debug)]
 pub enum AppCmd {
-    /// The sandboxed apps: name, namespace, addresses, user.
+    /// The sandboxed apps: name, namespace, addresses, user, processes (pids of its cgroup) and the cgroup.
     List,
     /// Variables applications registered over the app socket (`app.<name>.*`), with uid and pid.
     Vars,
+    /// Stop every process of the app (SIGSTOP to each process of its sandbox's cgroup).
+    Stop {
+        /// The app's name.
+        name: String,
+    },
+    /// Let every process of the app go on (SIGCONT).
+    Continue {
+        /// The app's name.
+        name: String,
+    },
+    /// Kill every process of the app (SIGKILL); `flexstack run` then ends and the sandbox goes.
+    Kill {
+        /// The app's name.
+        name: String,
+    },
+    /// What the app wrote on stdout and stderr (`flexstack run` keeps it in STATE_DIR/apps/NAME.out, kept after
+    /// the app ends until an app of that name runs again).
+    Output {
+        /// The app's name.
+        name: String,
+    },
+}
+
+/// `flexstack service ...`
+#[derive(Subcommand, Debug)]
+pub enum ServiceCmd {
+    /// The app's services in order (Down frames first to last): name, kind, in the path (`active`), flows, rules.
+    List {
+        /// The app's name.
+        app: String,
+    },
+    /// One service of the app and all its variables.
+    Show {
+        /// The app's name.
+        app: String,
+        /// The service's name (its module is APP-NAME).
+        name: String,
+    },
+    /// Add a service nearest the network; flows opened after go through it as its `select` says.
+    Add {
+        /// The app's name.
+        app: String,
+        /// The service's kind (null, shape, inspect, record, compress, tls).
+        kind: String,
+        /// Its name (default: the kind).
+        #[arg(long)]
+        name: Option<String>,
+        /// Its settings, `KEY=VALUE` (values are TOML: `rate=500000`, `select=["use tcp port 80"]`).
+        settings: Vec<String>,
+    },
+    /// Remove a service (refused while it works on flows, unless --force).
+    Del {
+        /// The app's name.
+        app: String,
+        /// The service's name.
+        name: String,
+        /// Remove it even while it works on flows (they lose what it keeps for them).
+        #[arg(long)]
+        force: bool,
+    },
 }
 
 /// `flexstack flow ...`
@@ -605,6 +669,9 @@ fn run(cli: Cli) -> Result<(), CliError> {
         crate::error::require_root("flexstack run", "it creates a network namespace and devices for the program")?;
         return crate::runner::run_app(&cli.state_dir, r).map(|code| std::process::exit(code));
     }
+    if let Command::App(AppCmd::Output { name }) = &cli.command {
+        return crate::runner::print_output(&cli.state_dir, name);
+    }
     if let Command::Lab(cmd) = cli.command {
         crate::lab::preflight(&cmd)?;
         return crate::lab::command(&cli.state_dir, cli.json, cmd);
@@ -629,6 +696,23 @@ fn run(cli: Cli) -> Result<(), CliError> {
             unreachable!("handled above")
         }
         Command::App(AppCmd::List) => print(json, &client.call(AppList)?, |a| render::app_list(a)),
+        Command::App(AppCmd::Output { .. }) => unreachable!("handled above"),
+        Command::App(AppCmd::Stop { name }) => signal(&mut client, json, name, "stop"),
+        Command::App(AppCmd::Continue { name }) => signal(&mut client, json, name, "continue"),
+        Command::App(AppCmd::Kill { name }) => signal(&mut client, json, name, "kill"),
+        Command::Service(ServiceCmd::List { app }) => {
+            print(json, &client.call(ServiceList { app })?, |s| render::service_list(s))
+        }
+        Command::Service(ServiceCmd::Show { app, name }) => {
+            print(json, &client.call(ServiceShow { app, name })?, render::service_show)
+        }
+        Command::Service(ServiceCmd::Add { app, kind, name, settings }) => {
+            let add = ServiceAdd { app, kind, name, settings: settings_json(&settings)? };
+            print(json, &client.call(add)?, render::change)
+        }
+        Command::Service(ServiceCmd::Del { app, name, force }) => {
+            print(json, &client.call(ServiceDel { app, name, force })?, render::change)
+        }
         Command::App(AppCmd::Vars) => print(json, &client.call(AppVarList)?, |a| render::app_vars(a)),
         Command::Peer(PeerCmd::Key) => print(json, &client.call(PeerKey)?, |k| format!("{}\n", k.fingerprint)),
         Command::Peer(PeerCmd::Add { name, addr, fingerprint }) => {
@@ -749,6 +833,12 @@ fn get_each(client: &mut Client, names: Vec<String>) -> Result<Values, CliError>
 }
 
 /// Prints a result: with `-j` as the JSON the daemon sent (keys sorted, pretty), else as `text` renders it.
+/// `app stop|continue|kill NAME`.
+fn signal(client: &mut Client, json: bool, name: String, signal: &str) -> Result<(), CliError> {
+    let done = client.call(AppSignal { name, signal: signal.to_string() })?;
+    print(json, &done, |s| format!("{}: {} to {} process(es): {:?}\n", s.app, s.signal, s.pids.len(), s.pids))
+}
+
 fn print<T: Serialize>(json: bool, result: &T, text: impl FnOnce(&T) -> String) -> Result<(), CliError> {
     if json {
         let value = serde_json::to_value(result).map_err(msg)?;

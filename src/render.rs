@@ -249,10 +249,33 @@ pub fn app_list(apps: &[AppInfo]) -> String {
         .iter()
         .map(|a| {
             let (name, netns, ipv4, ipv6) = (a.name.clone(), a.netns.clone(), a.ipv4.clone(), a.ipv6.clone());
-            vec![name, netns, ipv4, ipv6, a.uid.to_string(), a.modules.join(",")]
+            let pids: Vec<String> = a.pids.iter().map(|p| p.to_string()).collect();
+            let pids = if pids.is_empty() { "-".to_string() } else { pids.join(",") };
+            let cgroup = if a.cgroup.is_empty() { "-".to_string() } else { a.cgroup.clone() };
+            vec![name, netns, ipv4, ipv6, a.uid.to_string(), pids, cgroup, a.modules.join(",")]
         })
         .collect();
-    table(&["NAME", "NETNS", "IPV4", "IPV6", "UID", "MODULES"], rows)
+    table(&["NAME", "NETNS", "IPV4", "IPV6", "UID", "PIDS", "CGROUP", "MODULES"], rows)
+}
+
+/// `service list`.
+pub fn service_list(services: &[ServiceInfo]) -> String {
+    let rows = services
+        .iter()
+        .map(|s| {
+            let active = s.active.map_or_else(|| "-".to_string(), |a| a.to_string());
+            vec![s.name.clone(), s.kind.clone(), s.module.clone(), active, s.flows.to_string(), s.select.join("; ")]
+        })
+        .collect();
+    table(&["NAME", "KIND", "MODULE", "ACTIVE", "FLOWS", "SELECT"], rows)
+}
+
+/// `service show`: the service's row, then its variables.
+pub fn service_show(d: &ServiceDetail) -> String {
+    let mut out = service_list(std::slice::from_ref(&d.service));
+    out.push('\n');
+    out.push_str(&values(&d.vars));
+    out
 }
 
 /// `app vars`: a row per variable.

@@ -8,7 +8,8 @@
 //! 3. Runs the program in the namespace with `ip netns exec`, as the invoking user (SUDO_UID/SUDO_GID when run
 //!    through sudo) through `setpriv`, with the terminal's stdio, in the app's cgroup (the daemon made it; this
 //!    process steps into it to start the program and steps back out), so that every process the program starts
-//!    ends with the sandbox. SIGINT/SIGTERM are passed on to it.
+//!    ends with the sandbox. SIGINT/SIGTERM are passed on to it. Unless our stdin is a terminal, its stdout and
+//!    stderr pass through pipes and are also kept in `STATE_DIR/apps/NAME.out` (`flexstack app output NAME`).
 //! 4. When it exits, detaches (`app_detach`), waits for the daemon's answer (the sandbox, its processes, its
 //!    conntrack entries and, with the last app, the host's forwarding settings are then back as they were) and
 //!    exits with its exit code (128 + signal if it was killed). If the daemon dies meanwhile, the program is
@@ -177,8 +178,10 @@ pub fn run_app(state_dir: &Path, args: &RunArgs) -> Result<i32, CliError> {
         cmd.args(["setpriv", "--reuid", &uid.to_string(), "--regid", &gid.to_string(), "--init-groups", "--"]);
     }
     cmd.args(&args.command);
+    let dump = Dump::start(state_dir, &app.name, &mut cmd);
     let mut child =
         spawn_in_cgroup(&mut cmd, &netns).map_err(|e| msg(format!("cannot run {:?}: {e}", args.command)))?;
+    let copies = dump.copy(&mut child);
 
     let child_pid = nix::unistd::Pid::from_raw(child.id() as i32);
     forward_to.store(child_pid.as_raw(), Ordering::SeqCst);
@@ -213,7 +216,90 @@ pub fn run_app(state_dir: &Path, args: &RunArgs) -> Result<i32, CliError> {
         Ok(_) => clean_up_after_daemon(&app),
         Err(_) => eprintln!("flexstack run: the daemon did not confirm the detach of {} within 20 s", app.name),
     }
+    // The sandbox's processes are gone: the pipes are closed and the copies end.
+    for c in copies {
+        let _ = c.join();
+    }
     Ok(code)
+}
+
+/// The app's output file: `STATE_DIR/apps/NAME.out` (FreeNA's dumpfile, `flexstack app output NAME`).
+pub fn output_path(state_dir: &Path, app: &str) -> std::path::PathBuf {
+    state_dir.join("apps").join(format!("{app}.out"))
+}
+
+/// `flexstack app output NAME`: prints what the app wrote; the error names the apps with an output file.
+pub fn print_output(state_dir: &Path, app: &str) -> Result<(), CliError> {
+    let path = output_path(state_dir, app);
+    match std::fs::read(&path) {
+        Ok(bytes) => {
+            std::io::stdout().write_all(&bytes).map_err(msg)?;
+            Ok(())
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let mut apps: Vec<String> = std::fs::read_dir(state_dir.join("apps"))
+                .map(|d| {
+                    d.filter_map(|e| e.ok()?.file_name().to_str()?.strip_suffix(".out").map(str::to_string)).collect()
+                })
+                .unwrap_or_default();
+            apps.sort();
+            let known = if apps.is_empty() { "none".to_string() } else { apps.join(", ") };
+            Err(msg(format!("no output of app {app:?} (kept for: {known}; an app run on a terminal keeps none)")))
+        }
+        Err(e) => Err(msg(format!("{}: {e}", path.display()))),
+    }
+}
+
+/// Keeps the app's stdout and stderr in its output file while passing them on to ours, unless our stdin is a
+/// terminal (an interactive program keeps the terminal; nothing is kept).
+struct Dump(Option<std::sync::Arc<std::sync::Mutex<std::fs::File>>>);
+
+impl Dump {
+    /// Opens the file (truncated) and makes the program's stdout and stderr pipes; without a file, changes nothing.
+    fn start(state_dir: &Path, app: &str, cmd: &mut Command) -> Dump {
+        use std::io::IsTerminal;
+        if std::io::stdin().is_terminal() {
+            return Dump(None);
+        }
+        let path = output_path(state_dir, app);
+        let file = std::fs::create_dir_all(path.parent().expect("a folder")).and_then(|_| std::fs::File::create(&path));
+        match file {
+            Ok(f) => {
+                cmd.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
+                Dump(Some(Arc::new(std::sync::Mutex::new(f))))
+            }
+            Err(e) => {
+                eprintln!("flexstack run: {}: {e}; the app's output is not kept", path.display());
+                Dump(None)
+            }
+        }
+    }
+
+    /// Copies the program's pipes to ours and to the file, until they close.
+    fn copy(&self, child: &mut std::process::Child) -> Vec<std::thread::JoinHandle<()>> {
+        let Some(file) = &self.0 else { return Vec::new() };
+        let mut threads = Vec::new();
+        fn pump(mut from: impl std::io::Read, mut to: impl Write, file: Arc<std::sync::Mutex<std::fs::File>>) {
+            let mut buf = [0u8; 16384];
+            while let Ok(n) = from.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                let _ = to.write_all(&buf[..n]);
+                let _ = to.flush();
+                let _ = file.lock().unwrap_or_else(|p| p.into_inner()).write_all(&buf[..n]);
+            }
+        }
+        if let Some(out) = child.stdout.take() {
+            let f = file.clone();
+            threads.push(std::thread::spawn(move || pump(out, std::io::stdout(), f)));
+        }
+        if let Some(err) = child.stderr.take() {
+            let f = file.clone();
+            threads.push(std::thread::spawn(move || pump(err, std::io::stderr(), f)));
+        }
+        threads
+    }
 }
 
 /// The app template with termination (docs/streams.md), the base of `--services` without `--stack`.

@@ -85,8 +85,13 @@ impl Rig {
 
     /// curl's download of the blob, its sha256 and time: `sum`, then `time` (seconds) on the next line.
     fn curl(&self) -> String {
+        self.curl_with("")
+    }
+
+    /// [`Rig::curl`] with more options for curl.
+    fn curl_with(&self, options: &str) -> String {
         format!(
-            "curl -sSf -m 30 -o {out} -w 'time %{{time_total}}\\n' http://{v4}:8080/blob && sha256sum {out}",
+            "curl -sSf -m 30 {options} -o {out} -w 'time %{{time_total}}\\n' http://{v4}:8080/blob && sha256sum {out}",
             out = path_str(&self.path("got")),
             v4 = self.srv.v4
         )
@@ -330,4 +335,246 @@ fn tls_client_mode_lets_plaintext_curl_reach_openssl_s_server() {
     let (out, m) = r.run("tls", &bad, &script, &["tls.handshakes_total", "tls.failures_total"]);
     assert!(!out.status.success(), "curl gets no answer: {}", text(&out));
     assert_eq!((m["tls.handshakes_total"], m["tls.failures_total"]), (0, 1), "{m:?}");
+}
+
+/// An HTTP/1.0 server on port 8081 sending the file `argv[1]` in writes of 2 KB, 2 ms apart.
+const SLOW_SERVER: &str = r#"
+import socket, sys, time
+data = open(sys.argv[1], "rb").read()
+s = socket.socket(socket.AF_INET6)
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("::", 8081))
+s.listen(8)
+while True:
+    c, _ = s.accept()
+    c.recv(65536)
+    c.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: %d\r\n\r\n" % len(data))
+    for i in range(0, len(data), 2048):
+        c.sendall(data[i:i + 2048])
+        time.sleep(0.002)
+    c.close()
+"#;
+
+#[test]
+fn a_rule_takes_compress_out_and_puts_it_back_100_times_during_a_download() {
+    let Some(r) = Rig::new(6) else { return };
+    let zip = r.file(
+        "zip.toml",
+        &format!("{EVERY_TCP_FLOW}[[service]]\nkind = \"compress\"\nlevel = 1\n\n[[service]]\nkind = \"compress\"\nname = \"far\"\nmode = \"decompress\"\n"),
+    );
+    // A CRAWLER rule flips the far end's knob each time the rules engine sees new bytes at it (it samples every
+    // 5 ms; the server's bytes come up through it, it compresses them) and the app's end follows it; the pulled
+    // rules run only when `moved` emits.
+    let rules = r.file(
+        "flip.rules",
+        "moved: get(\"module.web-far.bytes_in_total\")\nmoved -> flip\nmoved -> follow\n\
+         flip: set(\"module.web-far.active\", Not(get(\"module.web-far.active\")))\n\
+         follow: set(\"module.web-compress.active\", get(\"module.web-far.active\"))\n",
+    );
+    let cli = format!("{} --state-dir {}", bin(), path_str(r.d.state.path()));
+    // The server sends the 2 MB in writes of 2 KB, 2 ms apart (about 2.5 s), so that the flow's bytes come in
+    // many chunks and the rule's flips fall between them.
+    let _slow = r.srv.ns.spawn(&["python3", "-c", SLOW_SERVER, path_str(&r.srv.www.path().join("blob"))]);
+    let url = format!("http://{}:8081/blob", r.srv.v4);
+    let ready = (0..100).any(|_| {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        r.srv.ns.run(&["curl", "-sf", "-m", "5", "-o", "/dev/null", &url]).status.success()
+    });
+    assert!(ready, "the slow server answers");
+    let got = path_str(&r.path("got")).to_string();
+    let script = format!(
+        "{cli} rules load {rules} || exit 8\n\
+         curl -sSf -m 30 -o {got} {url} && sha256sum {got} || exit 7\n\
+         {cli} rules unload ALL || exit 9",
+        rules = path_str(&rules),
+    );
+    let meters = [
+        "far.switches_total",
+        "far.plain_bytes_total",
+        "far.packed_bytes_total",
+        "far.raw_bytes_total",
+        "compress.raw_bytes_total",
+        "compress.errors_total",
+        "far.errors_total",
+    ];
+    let (out, m) = r.run("web", &zip, &script, &meters);
+    let t = ok(&out);
+    assert!(t.contains(&r.sum), "the download is intact across the switches: {t}\n{m:?}");
+    eprintln!("switches during the download: {m:?}");
+    // Each switch the far end made in the stream is a mark: out of the path, then back in (about 400 here).
+    assert!(m["far.switches_total"] >= 200, "compress left and rejoined the path mid-stream: {m:?}");
+    assert!(m["far.plain_bytes_total"] > 100_000, "part went compressed: {m:?}");
+    assert!(m["far.packed_bytes_total"] * 2 < m["far.plain_bytes_total"], "and shrank: {m:?}");
+    assert!(m["far.raw_bytes_total"] > 100_000, "part went as it was: {m:?}");
+    assert!(m["compress.raw_bytes_total"] >= m["far.raw_bytes_total"], "the app's end followed the marks: {m:?}");
+    assert_eq!(m["compress.errors_total"] + m["far.errors_total"], 0, "{m:?}");
+}
+
+#[test]
+fn service_commands_list_show_add_and_del_the_services_of_a_running_app() {
+    let Some(r) = Rig::new(7) else { return };
+    let file = r.file("null.toml", &format!("{EVERY_TCP_FLOW}[[service]]\nkind = \"null\"\n"));
+    let cli = format!("{} --state-dir {}", bin(), path_str(r.d.state.path()));
+    // The app is this script: it changes its own chain between two downloads, printing what each command said
+    // after a line `== STEP`.
+    let script = format!(
+        "exec 2>&1\n\
+         echo '== list'; {cli} service list web\n\
+         echo '== add'; {cli} service add web compress level=1 && {cli} service add web compress --name far mode=decompress || exit 3\n\
+         echo '== list2'; {cli} -j service list web\n\
+         echo '== curl1'; {curl}\n\
+         echo '== show'; {cli} service show web far\n\
+         sleep 0.5\n\
+         echo '== del'; {cli} service del web far && {cli} service del web compress || exit 4\n\
+         echo '== last'; {cli} service del web null; echo \"rc $?\"\n\
+         echo '== unknown'; {cli} service show web nosuch; {cli} service list nosuch; {cli} service add web counter\n\
+         echo '== list3'; {cli} service list web\n\
+         echo '== curl2'; {curl}\n\
+         echo '== extra'; {cli} service add web null --name extra\n\
+         echo '== end'",
+        curl = r.curl(),
+    );
+    let (out, m) = r.run("web", &file, &script, &["null.flows_selected_total"]);
+    let t = ok(&out);
+    let step = |name: &str| {
+        let from = t.find(&format!("== {name}\n")).unwrap_or_else(|| panic!("no step {name}: {t}"));
+        let rest = &t[from + name.len() + 4..];
+        rest[..rest.find("\n== ").unwrap_or(rest.len())].to_string()
+    };
+    let list = step("list");
+    assert!(list.contains("null") && list.contains("web-null") && !list.contains("compress"), "{list}");
+    // Added nearest the network, in order: null, compress, far.
+    let list2: Json = serde_json::from_str(
+        step("list2").lines().skip_while(|l| !l.starts_with('[')).collect::<Vec<_>>().join("\n").as_str(),
+    )
+    .unwrap_or_else(|e| panic!("{e}: {t}"));
+    let names: Vec<&str> = list2.as_array().unwrap().iter().map(|s| s["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["null", "compress", "far"], "{list2}");
+    assert_eq!(list2[1]["active"], true, "{list2}");
+    // The download after the add went through both ends of compress, intact.
+    assert!(step("curl1").contains(&r.sum), "{t}");
+    let show = step("show");
+    let plain: u64 = show
+        .lines()
+        .find(|l| l.starts_with("module.web-far.plain_bytes_total"))
+        .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        .unwrap_or_else(|| panic!("{show}"));
+    assert!(plain > 2_000_000, "the server's bytes went through the added far end: {show}");
+    assert!(step("last").contains("only service") && step("last").contains("rc 1"), "{t}");
+    let unknown = step("unknown");
+    assert!(unknown.contains("no service \"nosuch\"; its services: null"), "{unknown}");
+    assert!(unknown.contains("no app \"nosuch\"; running apps: web"), "{unknown}");
+    assert!(unknown.contains("not a service kind"), "{unknown}");
+    let list3 = step("list3");
+    assert!(list3.contains("null") && !list3.contains("compress") && !list3.contains("far"), "{list3}");
+    assert!(step("curl2").contains(&r.sum), "the chain still carries the flows after the del: {t}");
+    assert_eq!(m["null.flows_selected_total"], 2, "both downloads went through null: {m:?}");
+    // A service added and never removed goes with the app.
+    assert!(step("extra").contains("ok: revision"), "{t}");
+    let modules = text(&r.d.cli(&["module", "list"]));
+    assert!(!modules.contains("web-"), "the app's modules, the added ones too, are gone: {modules}");
+}
+
+/// A TLS client that sends garbage instead of a ClientHello; prints the first byte it gets back (21: an alert
+/// record; None: nothing) and `closed` when the connection ends (`reset` too if it was reset).
+const GARBAGE_CLIENT: &str = r#"
+import socket, sys
+s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=10)
+s.sendall(b"GET / HTTP/1.0 this is not a ClientHello\r\n" * 8)
+got = b""
+try:
+    while True:
+        b = s.recv(4096)
+        if not b:
+            break
+        got += b
+except ConnectionResetError:
+    print("reset")
+print("first", got[0] if got else None)
+print("closed")
+"#;
+
+#[test]
+fn tls_server_mode_offers_a_plaintext_server_over_tls_and_fails_garbage_per_flow() {
+    let Some(r) = Rig::new(8) else { return };
+    // The first app of the daemon's subnet 10.A.0.0/16 gets 10.A.1.2: its certificate names that address.
+    let ip = format!("10.{}.1.2", octets().0.wrapping_add(8));
+    let (ca, cert, key) = certificate(r.dir.path(), "app", &ip);
+    let file = r.file(
+        "tls-server.toml",
+        &format!(
+            "[[rule]]\nuse = true\ntransport = \"tcp\"\nport = 8443\nrole = \"server\"\n\n\
+             [[service]]\nkind = \"tls\"\nmode = \"server\"\ncert = \"{}\"\nkey = \"{}\"\n",
+            path_str(&cert),
+            path_str(&key)
+        ),
+    );
+    let (ready, go) = (r.path("ready"), r.path("go"));
+    let cli = format!("{} --state-dir {}", bin(), path_str(r.d.state.path()));
+    // The app: a plaintext HTTP server on 8443 serving the blob, until told to stop; then the meters.
+    let script = format!(
+        "cd {www} && python3 -m http.server 8443 --bind :: >/dev/null 2>&1 & py=$!\n\
+         while ! ss -Htln 'sport = :8443' | grep -q .; do sleep 0.05; done\n\
+         touch {ready}\n\
+         while [ ! -e {go} ]; do sleep 0.05; done\n\
+         kill $py\n\
+         echo {MARK}; {cli} -j get module.web-tls.handshakes_total module.web-tls.failures_total",
+        www = path_str(r.srv.www.path()),
+        ready = path_str(&ready),
+        go = path_str(&go),
+    );
+    let run = r.d.spawn_run(&["--services", path_str(&file), "--name", "web", "--", "sh", "-c", &script]);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
+    while !ready.exists() {
+        assert!(std::time::Instant::now() < deadline, "the app's server never listened");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let app = r.d.apps().expect("app list").into_iter().next().expect("the app");
+    assert_eq!(app.ipv4, ip, "the address the certificate names");
+    let ns = r.srv.ns.name.clone();
+    let in_ns = |args: &[&str]| {
+        std::process::Command::new("ip").args(["netns", "exec", &ns]).args(args).output().expect("ip netns exec")
+    };
+    // A slow download over TLS from another namespace, while a client sends garbage: its flow alone fails.
+    let got = r.path("got");
+    let url = format!("https://{ip}:8443/blob");
+    let slow = std::process::Command::new("ip")
+        .args(["netns", "exec", &ns, "curl", "-sSf", "-m", "30", "--limit-rate", "1m", "--cacert"])
+        .args([path_str(&ca), "-o", path_str(&got), &url])
+        .spawn()
+        .expect("curl");
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let garbage = in_ns(&["python3", "-c", GARBAGE_CLIENT, &ip, "8443"]);
+    let g = text(&garbage);
+    // tls sends rustls's alert and aborts the flow both ways; originate's reset follows the alert so closely that
+    // the client mostly sees the reset alone. Never the app's plaintext answer (`first 60`, its `<html>`).
+    assert!((g.contains("first 21") || g.contains("first None")) && g.contains("closed"), "alert or reset: {g}");
+    let mut slow = slow;
+    assert!(slow.wait().expect("curl").success(), "the download over TLS went on");
+    assert_eq!(common::sha256(&got), r.sum, "intact");
+    // openssl s_client: the certificate checks out against the CA, and the page comes over TLS 1.3.
+    let s_client = std::process::Command::new("ip")
+        .args(["netns", "exec", &ns, "openssl", "s_client", "-connect", &format!("{ip}:8443"), "-CAfile"])
+        .args([path_str(&ca), "-verify_return_error", "-ign_eof"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("openssl");
+    let mut s_client = s_client;
+    {
+        use std::io::Write;
+        let mut stdin = s_client.stdin.take().unwrap();
+        stdin.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+    }
+    let o = s_client.wait_with_output().expect("openssl");
+    let t = text(&o);
+    assert!(t.contains("Verify return code: 0 (ok)") && t.contains("HTTP/1.0 200"), "{t}");
+    std::fs::write(&go, "").unwrap();
+    let out = run.wait_with_output().expect("the run");
+    let t = text(&out);
+    let (_, json) = t.split_once(MARK).unwrap_or_else(|| panic!("no meters: {t}"));
+    let m: Json = serde_json::from_str(json.trim()).unwrap_or_else(|e| panic!("{e}: {t}"));
+    assert_eq!(m["module.web-tls.failures_total"]["value"], 1, "the garbage flow alone failed: {m}");
+    assert!(m["module.web-tls.handshakes_total"]["value"].as_u64() >= Some(2), "{m}");
 }

@@ -105,6 +105,16 @@ pub enum Request {
     PeerShow(PeerShow),
     /// The peers ([`PeerList`]).
     PeerList,
+    /// An app's services ([`ServiceInfo`]).
+    ServiceList(ServiceList),
+    /// One service of an app with its variables.
+    ServiceShow(ServiceShow),
+    /// Adds a service to a running app's chain.
+    ServiceAdd(ServiceAdd),
+    /// Removes a service from a running app's chain.
+    ServiceDel(ServiceDel),
+    /// Signals every process of a sandboxed app: stop, continue, kill.
+    AppSignal(AppSignal),
 }
 
 /// A request whose result has a type: [`Client::call`](crate::Client::call) sends it and decodes the result as
@@ -176,6 +186,11 @@ calls! {
     PeerDel(..) => PeerInfo;
     PeerShow(..) => PeerInfo;
     PeerList => Vec<PeerInfo>;
+    ServiceList(..) => Vec<ServiceInfo>;
+    ServiceShow(..) => ServiceDetail;
+    ServiceAdd(..) => Change;
+    ServiceDel(..) => Change;
+    AppSignal(..) => Signalled;
 }
 
 impl From<Watch> for Request {

@@ -97,6 +97,11 @@ fn check(op: &str, sample: &Json) -> Result<(), String> {
         "peer_del" => result_of::<PeerDel>(sample),
         "peer_show" => result_of::<PeerShow>(sample),
         "peer_list" => result_of::<PeerList>(sample),
+        "app_signal" => result_of::<AppSignal>(sample),
+        "service_list" => result_of::<ServiceList>(sample),
+        "service_show" => result_of::<ServiceShow>(sample),
+        "service_add" => result_of::<ServiceAdd>(sample),
+        "service_del" => result_of::<ServiceDel>(sample),
         other => Err(format!("no operation {other}")),
     }
 }

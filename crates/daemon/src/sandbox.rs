@@ -678,6 +678,8 @@ impl Sandboxes {
             modules,
             uid,
             host_table: if host_face { format!("flexstack_{pid}") } else { String::new() },
+            pids: Vec::new(),
+            cgroup: app_cgroup(&netns).map(|c| c.display().to_string()).unwrap_or_default(),
         };
         let result = (|| {
             if host_face {

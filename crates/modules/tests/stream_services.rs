@@ -586,3 +586,52 @@ fn the_example_services_file_is_valid() {
     assert_eq!(f.match_table(256).unwrap(), ["tcp *"]);
     assert_eq!(f.services.iter().map(|s| s.name.as_str()).collect::<Vec<_>>(), ["inspect", "shape"]);
 }
+
+/// Sets a knob of a module of the lab.
+fn set_knob(lab: &mut Lab, module: &str, knob: &str, value: Value) {
+    lab.sw.apply(vec![Edit::SetKnob { module: module.into(), knob: knob.into(), value }]).unwrap();
+}
+
+#[test]
+fn compress_taken_out_and_put_back_while_flows_run_keeps_both_directions_intact() {
+    let mut lab = chained(&[("z", "compress", args(&["level=1"])), ("u", "compress", args(&["mode=\"decompress\""]))]);
+    let (srv, cli) = lab.pair();
+    let (up, down) = (text_bytes(2_000_000), text_bytes(600_000));
+    let mut c = Pump::new(down.clone(), true);
+    let mut s = Pump::new(up.clone(), true);
+    let (mut flips, mut last) = (0u32, 0usize);
+    let done = lab.until(120_000, |lab| {
+        c.drive(lab.app.tcp(cli));
+        s.drive(lab.server.tcp(srv));
+        // Each time bytes reached the app, flip: both ends together, or one alone (the marks, not the knobs, decide).
+        if c.got.len() > last && flips < 100 {
+            last = c.got.len();
+            let on = Value::Bool(flips % 2 == 1);
+            match flips % 3 {
+                0 => set_knob(lab, "u", "active", on),
+                1 => set_knob(lab, "z", "active", on),
+                _ => {
+                    set_knob(lab, "z", "active", on.clone());
+                    set_knob(lab, "u", "active", on);
+                }
+            }
+            flips += 1;
+        }
+        c.got.len() == up.len() && s.got.len() == down.len()
+    });
+    assert!(done, "client got {} server got {} after {flips} flips", c.got.len(), s.got.len());
+    assert!(flips >= 20, "the knobs flipped during the transfer: {flips}");
+    assert!(c.got == up, "the server's bytes reach the app intact");
+    assert!(s.got == down, "the app's bytes reach the server intact");
+    // Up, u compresses: part of the text went as blocks, part as it was (u's raw bytes also count what it passed
+    // down as z sent it), and u marked each switch it made.
+    let (plain, raw) = (lab.meter("module.u.plain_bytes_total"), lab.meter("module.u.raw_bytes_total"));
+    assert!(plain > 100_000 && raw > 100_000, "{plain} packed, {raw} raw");
+    assert!((up.len()..=up.len() + down.len()).contains(&((plain + raw) as usize)), "{plain} packed, {raw} raw");
+    assert!(lab.meter("module.u.switches_total") >= 10, "u switched mid-stream");
+    assert!(lab.meter("module.z.raw_bytes_total") > 0, "z passed what u sent as it was");
+    assert_eq!(lab.meter("module.z.errors_total") + lab.meter("module.u.errors_total"), 0);
+    lab.run(12_000);
+    assert_eq!(lab.connections(), 0, "both closed: every ack found its way back");
+    assert_eq!(lab.meter("module.t.stream_bad_total") + lab.meter("module.o.stream_bad_total"), 0, "no ack was wrong");
+}

@@ -60,6 +60,12 @@ pub struct AppInfo {
     pub host_table: String,
     /// The user it runs as.
     pub uid: u32,
+    /// Its processes (those of its cgroup, FreeNA's proclist); empty before it starts.
+    #[serde(default)]
+    pub pids: Vec<i32>,
+    /// Its sandbox's cgroup (v2), "" without one.
+    #[serde(default)]
+    pub cgroup: String,
 }
 
 /// The result of `app_detach`.

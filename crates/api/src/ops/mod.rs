@@ -13,6 +13,7 @@ mod module;
 mod peer;
 mod rules;
 mod runtime;
+mod service;
 mod tap;
 mod var;
 
@@ -25,5 +26,6 @@ pub use module::*;
 pub use peer::*;
 pub use rules::*;
 pub use runtime::*;
+pub use service::*;
 pub use tap::*;
 pub use var::*;

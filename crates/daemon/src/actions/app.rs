@@ -9,7 +9,7 @@ use flexstack_core::Edit;
 
 impl Control {
     pub(super) fn app_list(&self) -> Result<Vec<AppInfo>, ApiError> {
-        Ok(self.sandboxes.list())
+        Ok(self.apps_with_processes())
     }
 
     pub(super) fn app_var_list(&self) -> Result<Vec<RegisteredApp>, ApiError> {
@@ -32,6 +32,9 @@ impl AppModules for Control {
 
     fn unload_modules(&self, names: &[String], change: &str) -> Result<(), ApiError> {
         let snap = self.dp().snapshot().map_err(internal)?;
+        // Services added while the app ran (`service add`) go with it too.
+        let added = self.services_added(names, &snap);
+        let names: &Vec<String> = &names.iter().cloned().chain(added).collect();
         let loaded: Vec<&String> = snap.modules.iter().map(|m| &m.name).collect();
         // Taps that record only these modules' ports (`tap add` on an app's chain) go with them.
         let taps = snap.modules.iter().filter(|m| m.kind == "tap" && !names.contains(&m.name)).filter(|m| {

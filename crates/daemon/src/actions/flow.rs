@@ -336,6 +336,8 @@ mod tests {
             modules: modules.iter().map(|m| m.to_string()).collect(),
             host_table: String::new(),
             uid: 0,
+            pids: Vec::new(),
+            cgroup: String::new(),
         }
     }
 

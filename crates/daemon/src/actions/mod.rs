@@ -6,7 +6,8 @@
 //!   [`Revision`] (`revisions`) holding the whole stack description.
 //! - one file per object: `module`, `link`, `var` (get, set, watch, var list), `config` (revisions, rollback),
 //!   `tap`, `app` (sandboxed apps, applications' variables), `rules`, `runtime` (status, show runtime, pause,
-//!   resume), `flow` (flows read from the registry), `peer` (this daemon's key and its peers).
+//!   resume), `flow` (flows read from the registry), `peer` (this daemon's key and its peers), `service` (an
+//!   app's stream services while it runs, signals to its processes).
 //! - [`Control::handle`] (here) dispatches a request to its action.
 
 mod app;
@@ -21,6 +22,7 @@ mod persist_state;
 mod revisions;
 mod rules;
 mod runtime;
+mod service;
 mod tap;
 mod var;
 
@@ -66,6 +68,11 @@ impl Control {
                 "app_attach holds its connection as a lease; see the server",
             )),
             Request::AppList => reply::<AppList>(self.app_list()),
+            Request::AppSignal(r) => reply::<AppSignal>(self.app_signal(&r.name, &r.signal)),
+            Request::ServiceList(r) => reply::<ServiceList>(self.service_list(&r.app)),
+            Request::ServiceShow(r) => reply::<ServiceShow>(self.service_show(&r.app, &r.name)),
+            Request::ServiceAdd(r) => reply::<ServiceAdd>(self.service_add(r, who)),
+            Request::ServiceDel(r) => reply::<ServiceDel>(self.service_del(r, who)),
             Request::AppVarList => reply::<AppVarList>(self.app_var_list()),
             Request::TapAdd(r) => reply::<TapAdd>(self.tap_add(r, who)),
             Request::TapDel(r) => reply::<TapDel>(self.tap_del(r.name, who)),

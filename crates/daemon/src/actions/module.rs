@@ -12,7 +12,7 @@ use serde_json::Value as Json;
 use std::sync::atomic::Ordering;
 
 /// Converts JSON settings of an API request into module settings.
-fn settings_from_json(map: &serde_json::Map<String, Json>) -> Result<Settings, ApiError> {
+pub(super) fn settings_from_json(map: &serde_json::Map<String, Json>) -> Result<Settings, ApiError> {
     let mut s = Settings::default();
     for (k, v) in map {
         let tv = toml::Value::try_from(v).map_err(|e| {

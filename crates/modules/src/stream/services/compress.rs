@@ -13,6 +13,12 @@
 //! - A header that announces more than a block, or a payload zstd cannot read, aborts the flow both ways (reason
 //!   `compress`), counted in `errors_total`.
 //! - `level` is a knob (zstd levels 1 to 19; the next block uses it).
+//! - `active` is a knob: false takes the service out of its flows' paths while they run, true puts it back. Each
+//!   direction switches at a point both ends agree on, marked in the stream by the end that compresses it: a block
+//!   header with bit 30 set and length 0 ends the blocks (the bytes after it pass as they are), and a `Data` frame
+//!   with no bytes starts them again. The restoring end follows the marks, whatever its own knob says, so the two
+//!   ends need not be switched together; both start framed, and a flow opened while inactive begins with the end
+//!   mark (docs/services.md, "Changing services while flows run").
 
 use super::flows::{
     ack, read_select, slot, translate_ack, Flows, HandedFlows, Seen, SelectRule, SelectionMeters, SELECT, SELECT_DOC,
@@ -37,6 +43,9 @@ pub const MAX_PAYLOAD: usize = MAX_BLOCK + 1024;
 /// Header bit: the payload is stored, not compressed.
 const STORED: u32 = 1 << 31;
 
+/// Header bit (with length 0): the blocks end here; the bytes after pass as they are (the service was taken out).
+const SWITCH_OFF: u32 = 1 << 30;
+
 /// The `compress` module kind.
 pub struct CompressKind;
 
@@ -44,6 +53,7 @@ pub struct CompressKind;
 struct Config {
     level: u64,
     decompress: bool,
+    active: bool,
 }
 
 type P = Param<Config>;
@@ -68,6 +78,12 @@ const DECL: KindDecl<Config, Meters> = KindDecl {
         )
         .setting(),
         P::u64("level", "", "zstd's compression level (higher: smaller and slower)", 3, field!(level)).range(1.0, 19.0),
+        P::bool(
+            "active",
+            "false: out of its flows' paths, bytes pass as they are (running flows switch at a mark in the stream)",
+            true,
+            field!(active),
+        ),
         P::manual(SELECT, "array of strings", SELECT_DOC, "[\"use *\"]"),
     ],
     meters: &[
@@ -84,6 +100,13 @@ const DECL: KindDecl<Config, Meters> = KindDecl {
             |m| &mut m.stored,
         ),
         MeterDecl::u64("errors_total", "flows", "flows aborted: a block that could not be read", |m| &mut m.errors),
+        MeterDecl::u64(
+            "switches_total",
+            "marks",
+            "marks sent: a direction taken out of or put back into the path",
+            |m| &mut m.switches,
+        ),
+        MeterDecl::u64("raw_bytes_total", "bytes", "data bytes passed as they were (out of the path)", |m| &mut m.raw),
     ],
     more_meters: SelectionMeters::specs,
     breaks_cycles: true,
@@ -101,6 +124,8 @@ struct Meters {
     blocks: Meter,
     stored: Meter,
     errors: Meter,
+    switches: Meter,
+    raw: Meter,
 }
 
 impl ModuleKind for CompressKind {
@@ -108,7 +133,7 @@ impl ModuleKind for CompressKind {
 
     fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
         let mut r = settings.reader(KIND);
-        let mut cfg = Config { level: 0, decompress: false };
+        let mut cfg = Config { level: 0, decompress: false, active: true };
         DECL.read(&mut r, &mut cfg)?;
         let select = read_select(&mut r)?;
         r.finish()?;
@@ -134,11 +159,13 @@ impl ModuleBuilder for CompressBuilder {
     }
 }
 
-/// One flow: per direction, the map of its acks and (decompressing) the bytes of a block not yet whole.
+/// One flow: per direction, the map of its acks, (restoring) the bytes of a block not yet whole, and whether its
+/// bytes pass as they are (after an end mark; both directions start framed).
 #[derive(Default)]
 struct Flow {
     acks: [AckMap; 2],
     partial: [Vec<u8>; 2],
+    raw: [bool; 2],
 }
 
 /// A running `compress`.
@@ -221,7 +248,23 @@ impl Compress {
         let mut total = 0;
         while buf.len() - at >= 4 {
             let header = u32::from_be_bytes(buf[at..at + 4].try_into().expect("4 bytes"));
-            let len = (header & !STORED) as usize;
+            if header == SWITCH_OFF {
+                // The blocks end: what follows passes as it is.
+                at += 4;
+                st.raw[slot(d)] = true;
+                if at < buf.len() {
+                    let rest = StreamFrame::data(out.pool(), flow, d, &buf[at..]);
+                    total += rest.len() as u64;
+                    self.m.raw.add(rest.len() as u64);
+                    out.emit(0, rest);
+                }
+                at = buf.len();
+                break;
+            }
+            let len = (header & !(STORED | SWITCH_OFF)) as usize;
+            if header & SWITCH_OFF != 0 {
+                return Err(format!("a bad mark {header:#010x}"));
+            }
             if len > MAX_PAYLOAD {
                 return Err(format!("a block of {len} bytes announced (at most {MAX_PAYLOAD})"));
             }
@@ -254,6 +297,26 @@ impl Compress {
         Ok(total)
     }
 
+    /// Marks in the stream that this direction leaves the path (the end mark) or comes back (a `Data` frame with no
+    /// bytes), as `raw` now says.
+    fn switch(&mut self, flow: u64, d: Direction, out: &mut Output<'_>) {
+        self.m.switches.add(1);
+        if self.cfg.active {
+            out.emit(0, StreamFrame::data(out.pool(), flow, d, &[]));
+        } else {
+            out.emit(0, StreamFrame::data(out.pool(), flow, d, &SWITCH_OFF.to_be_bytes()));
+            self.produced(flow, d, 0, 4, out);
+        }
+    }
+
+    /// Passes a chunk as it is (this direction is out of the path).
+    fn pass_raw(&mut self, flow: u64, d: Direction, p: flexstack_core::Packet, out: &mut Output<'_>) {
+        let n = p.len() as u64;
+        self.m.raw.add(n);
+        out.emit(0, p);
+        self.produced(flow, d, n, n, out);
+    }
+
     fn abort(&mut self, flow: u64, why: &str, out: &mut Output<'_>) {
         tracing::warn!(flow, why, "compress: aborting the flow");
         self.m.errors.add(1);
@@ -271,17 +334,36 @@ impl Module for Compress {
             let d = p.direction();
             match self.flows.see(&p, |_| Flow::default()).0 {
                 Seen::Data(flow) => {
-                    let bytes = p.data();
-                    self.m.bytes_in.add(bytes.len() as u64);
-                    if self.compresses(d) {
-                        self.pack(flow, d, bytes, out);
+                    let n = p.len() as u64;
+                    self.m.bytes_in.add(n);
+                    let compresses = self.compresses(d);
+                    let st = self.flows.get_mut(flow).expect("a flow it works on");
+                    let raw = st.raw[slot(d)];
+                    if compresses {
+                        let active = self.cfg.active;
+                        if raw == active {
+                            // The knob changed since this direction's last chunk: mark the switch here.
+                            st.raw[slot(d)] = !active;
+                            self.switch(flow, d, out);
+                        }
+                        if active {
+                            self.pack(flow, d, p.data(), out);
+                        } else {
+                            self.pass_raw(flow, d, p, out);
+                        }
+                    } else if raw {
+                        if n == 0 {
+                            st.raw[slot(d)] = false; // the blocks start again
+                        } else {
+                            self.pass_raw(flow, d, p, out);
+                        }
                     } else {
-                        match self.unpack(flow, d, bytes, out) {
-                            Ok(n) => self.produced(flow, d, bytes.len() as u64, n, out),
+                        match self.unpack(flow, d, p.data(), out) {
+                            Ok(made) => self.produced(flow, d, n, made, out),
                             Err(why) => self.abort(flow, &why, out),
                         }
                     }
-                    // `p` is consumed: its bytes left in the frames just made.
+                    // Otherwise `p` is consumed: its bytes left in the frames just made.
                 }
                 Seen::Ack(flow, n) => {
                     // `p` is consumed: translated.

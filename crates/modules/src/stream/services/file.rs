@@ -385,7 +385,8 @@ impl ServiceFile {
     /// modules `{app}-term`, `{app}-orig`, `{app}-sdir` and, optionally, `{app}-streams`) with `{app}-streams`
     /// replaced by the services (modules `{app}-NAME`, a `direction` module `{app}-NAME-dir` after each but the
     /// last, which uses `{app}-sdir`), chained so that Down frames go through them in order and Up frames in
-    /// reverse (`chain_links`), and `{app}-term`'s match table derived from the rules.
+    /// reverse (`chain_links`), and the endpoints' match table (`{app}-term`'s and `{app}-orig`'s) derived from the
+    /// rules.
     pub fn template(&self, base: &str, max_match_rules: usize) -> Result<String, String> {
         let mut doc: toml::Table =
             base.parse().map_err(|e: toml::de::Error| format!("the base stack: {}", e.message()))?;
@@ -418,8 +419,12 @@ impl ServiceFile {
             }
         }
         let table = self.match_table(max_match_rules)?;
-        let term = modules.get_mut(TERM).and_then(|t| t.as_table_mut()).ok_or("\"{app}-term\" is not a table")?;
-        term.insert("match".into(), toml::Value::Array(table.into_iter().map(toml::Value::String).collect()));
+        // Both endpoints take the table: `terminate` applies its client-role rules, `originate` its server-role ones.
+        let table = toml::Value::Array(table.into_iter().map(toml::Value::String).collect());
+        for m in [TERM, ORIG] {
+            let t = modules.get_mut(m).and_then(|t| t.as_table_mut()).ok_or(format!("\"{m}\" is not a table"))?;
+            t.insert("match".into(), table.clone());
+        }
         let links = doc.get_mut("links").and_then(|l| l.as_array_mut()).ok_or("the base stack has no links")?;
         // The base's stream chain goes; the services' takes its place.
         links.retain(|l| {

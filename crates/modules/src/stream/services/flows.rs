@@ -176,7 +176,8 @@ pub struct HandedFlows<F>(HashMap<u64, Tracked<F>>);
 
 /// What a stream frame is to a service (its bytes: the packet's).
 pub enum Seen {
-    /// A Down `Open` its rules chose: its state was just made.
+    /// An opening `Open` (Down for the client role, Up for the server role) its rules chose: its state was just
+    /// made.
     Opened(u64, FlowInfo),
     /// `Data` of a flow it works on.
     Data(u64),
@@ -184,7 +185,7 @@ pub enum Seen {
     Fin(u64),
     /// `Ack` of so many bytes, of a flow it works on.
     Ack(u64, u64),
-    /// An Up `Open` of a flow it works on.
+    /// The acceptance `Open` (the other way) of a flow it works on.
     Accepted(u64),
     /// An `Abort` of a flow it worked on: forgotten, with its state.
     Aborted(u64),
@@ -226,12 +227,14 @@ impl<F> Flows<F> {
         Flows { rules, map: HashMap::new(), m: SelectionMeters::new(vars) }
     }
 
-    /// Looks at a frame: on a Down `Open` the rules decide, and `make` builds the state of a chosen flow (a flow
+    /// Looks at a frame: on a flow's opening `Open` the rules decide, and `make` builds the state of a chosen flow (a flow
     /// opened again replaces its state). Returns the state removed by an `Abort` through `aborted`.
     pub fn see(&mut self, p: &Packet, make: impl FnOnce(&FlowInfo) -> F) -> (Seen, Option<F>) {
         let (Some(flow), Some(event)) = (p.stream_flow(), p.stream()) else { return (Seen::Other, None) };
         match event {
-            StreamEvent::Open(info) if p.direction() == Direction::Down => {
+            // A flow opens where its first packet was taken: Down from `terminate` for the client role, Up from
+            // `originate` for the server role; the `Open` the other way is the far side's acceptance.
+            StreamEvent::Open(info) if (p.direction() == Direction::Down) == (info.role == Role::Client) => {
                 let chosen = selects(&self.rules, &info);
                 if !chosen {
                     self.m.unselected.add(1);

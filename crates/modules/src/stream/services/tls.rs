@@ -1,5 +1,11 @@
-//! `tls` (client mode): the app speaks plaintext, the server hears TLS — stunnel's client case, done on the flow's
-//! stream with rustls (ring as the crypto provider).
+//! `tls`: the app speaks plaintext, the network TLS — stunnel's two cases, done on the flow's stream with rustls
+//! (ring as the crypto provider).
+//!
+//! - `mode = "client"` (default): the app is the client; its flows reach a TLS server.
+//! - `mode = "server"`: the app is a server in the sandbox (server-role flows); clients on the network reach it over
+//!   TLS with the certificate chain of `cert` and the key of `key` (PEM files, read when configured). The flow's
+//!   bytes from the network (Up) are decrypted for the app, the app's (Down) encrypted; the client sends the first
+//!   handshake bytes. Everything below holds for both, with "the server" read as "the network's end".
 //!
 //! - On a chosen flow's `Open` it starts a TLS client connection to the flow's destination, checked against the CA
 //!   certificates of `ca` (a PEM file, read when the module is configured) and the name `server_name` (default: the
@@ -24,8 +30,8 @@ use flexstack_core::{
     ModuleInterface, ModuleKind, ModuleVars, Output, Param, Settings,
 };
 use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, ServerName};
-use rustls::{ClientConfig, ClientConnection, RootCertStore};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use rustls::{ClientConfig, ClientConnection, Connection, RootCertStore, ServerConfig, ServerConnection};
 use std::io::{Read, Write};
 use std::sync::Arc;
 
@@ -40,15 +46,33 @@ const DECL: KindDecl<(), Meters> = KindDecl {
     outputs: BOTH_WAYS_OUT,
     params: &[
         Param::manual(
+            "mode",
+            "str",
+            "client: the app's flows reach a TLS server; server: network clients reach the app (a server) over TLS",
+            "\"client\"",
+        ),
+        Param::manual(
             "ca",
             "str",
-            "PEM file of the CA certificates the server's certificate must chain to",
-            "required",
+            "client mode: PEM file of the CA certificates the server's certificate must chain to",
+            "required in client mode",
+        ),
+        Param::manual(
+            "cert",
+            "str",
+            "server mode: PEM file of the certificate chain offered to clients (the server's first)",
+            "required in server mode",
+        ),
+        Param::manual(
+            "key",
+            "str",
+            "server mode: PEM file of the certificate's private key",
+            "required in server mode",
         ),
         Param::manual(
             "server_name",
             "str",
-            "the name the server's certificate must carry (default: its IP address)",
+            "client mode: the name the server's certificate must carry (default: its IP address)",
             "the destination's address",
         ),
         Param::manual(SELECT, "array of strings", SELECT_DOC, "[\"use *\"]"),
@@ -63,7 +87,10 @@ const DECL: KindDecl<(), Meters> = KindDecl {
     ],
     more_meters: SelectionMeters::specs,
     breaks_cycles: true,
-    ..KindDecl::new(KIND, "a stream service: TLS client — the app's plaintext flows reach a TLS server (rustls)")
+    ..KindDecl::new(
+        KIND,
+        "a stream service: TLS (rustls) for a plaintext app: as a client to TLS servers, or as a server to TLS clients",
+    )
 };
 
 /// The meters.
@@ -80,38 +107,74 @@ impl ModuleKind for TlsKind {
 
     fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
         let mut r = settings.reader(KIND);
-        let ca = r.string("ca")?.ok_or_else(|| r.error("ca", "is required: a PEM file of CA certificates"))?;
-        let name = match r.string("server_name")? {
-            Some(n) => {
-                Some(ServerName::try_from(n.clone()).map_err(|e| r.error("server_name", format!("{n:?}: {e}")))?)
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mode = r.string("mode")?.unwrap_or_else(|| "client".into());
+        let config = match mode.as_str() {
+            "client" => {
+                let ca = r.string("ca")?.ok_or_else(|| r.error("ca", "is required: a PEM file of CA certificates"))?;
+                let name = match r.string("server_name")? {
+                    Some(n) => Some(
+                        ServerName::try_from(n.clone()).map_err(|e| r.error("server_name", format!("{n:?}: {e}")))?,
+                    ),
+                    None => None,
+                };
+                let mut roots = RootCertStore::empty();
+                for cert in read_certs(&mut r, "ca", &ca)? {
+                    roots.add(cert).map_err(|e| r.error("ca", format!("{ca:?}: {e}")))?;
+                }
+                let config = ClientConfig::builder_with_provider(provider)
+                    .with_safe_default_protocol_versions()
+                    .map_err(|e| ConfigError::new(None, format!("tls: {e}")))?
+                    .with_root_certificates(roots)
+                    .with_no_client_auth();
+                Config::Client(Arc::new(config), name)
             }
-            None => None,
+            "server" => {
+                let cert =
+                    r.string("cert")?.ok_or_else(|| r.error("cert", "is required in server mode: a PEM file"))?;
+                let key = r.string("key")?.ok_or_else(|| r.error("key", "is required in server mode: a PEM file"))?;
+                let chain = read_certs(&mut r, "cert", &cert)?;
+                let private = PrivateKeyDer::from_pem_file(&key)
+                    .map_err(|e| r.error("key", format!("cannot read a private key from {key:?}: {e}")))?;
+                let config = ServerConfig::builder_with_provider(provider)
+                    .with_safe_default_protocol_versions()
+                    .map_err(|e| ConfigError::new(None, format!("tls: {e}")))?
+                    .with_no_client_auth()
+                    .with_single_cert(chain, private)
+                    .map_err(|e| r.error("key", format!("{cert:?} and {key:?}: {e}")))?;
+                Config::Server(Arc::new(config))
+            }
+            other => return Err(r.error("mode", format!("expected client or server, got {other:?}"))),
         };
         let select = read_select(&mut r)?;
-        let mut roots = RootCertStore::empty();
-        let certs =
-            CertificateDer::pem_file_iter(&ca).map_err(|e| r.error("ca", format!("cannot read {ca:?}: {e}")))?;
-        for cert in certs {
-            let cert = cert.map_err(|e| r.error("ca", format!("{ca:?}: {e}")))?;
-            roots.add(cert).map_err(|e| r.error("ca", format!("{ca:?}: {e}")))?;
-        }
-        if roots.is_empty() {
-            return Err(r.error("ca", format!("{ca:?} holds no certificate")));
-        }
         r.finish()?;
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let config = ClientConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()
-            .map_err(|e| ConfigError::new(None, format!("tls: {e}")))?
-            .with_root_certificates(roots)
-            .with_no_client_auth();
-        Ok(Box::new(TlsBuilder { config: Arc::new(config), name, select }))
+        Ok(Box::new(TlsBuilder { config, select }))
     }
 }
 
+/// The certificates of PEM file `path` (setting `key`); none is an error.
+fn read_certs(
+    r: &mut flexstack_core::config::SettingsReader<'_>,
+    key: &str,
+    path: &str,
+) -> Result<Vec<CertificateDer<'static>>, ConfigError> {
+    let certs = CertificateDer::pem_file_iter(path).map_err(|e| r.error(key, format!("cannot read {path:?}: {e}")))?;
+    let certs = certs.collect::<Result<Vec<_>, _>>().map_err(|e| r.error(key, format!("{path:?}: {e}")))?;
+    if certs.is_empty() {
+        return Err(r.error(key, format!("{path:?} holds no certificate")));
+    }
+    Ok(certs)
+}
+
+/// The side it plays: a client (with the name to check, default the destination's address) or a server.
+#[derive(Clone)]
+enum Config {
+    Client(Arc<ClientConfig>, Option<ServerName<'static>>),
+    Server(Arc<ServerConfig>),
+}
+
 struct TlsBuilder {
-    config: Arc<ClientConfig>,
-    name: Option<ServerName<'static>>,
+    config: Config,
     select: Vec<SelectRule>,
 }
 
@@ -123,7 +186,6 @@ impl ModuleBuilder for TlsBuilder {
     fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module> {
         Box::new(Tls {
             config: self.config,
-            name: self.name,
             m: DECL.meters(vars),
             flows: Flows::new(self.select, vars),
             buf: vec![0; 16 * 1024],
@@ -133,7 +195,7 @@ impl ModuleBuilder for TlsBuilder {
 
 /// One flow: its TLS connection (`None` when it could not start), its ack maps, and plaintext not yet in records.
 struct Flow {
-    conn: Option<ClientConnection>,
+    conn: Option<Connection>,
     acks: [AckMap; 2],
     pending_plain: u64,
     handshaken: bool,
@@ -143,18 +205,21 @@ struct Flow {
 
 /// A running `tls`.
 pub struct Tls {
-    config: Arc<ClientConfig>,
-    name: Option<ServerName<'static>>,
+    config: Config,
     m: Meters,
     flows: Flows<Flow>,
     buf: Vec<u8>,
 }
 
 impl Tls {
-    fn new_flow(config: &Arc<ClientConfig>, name: &Option<ServerName<'static>>, info: &FlowInfo) -> Flow {
-        let name = name.clone().unwrap_or_else(|| ServerName::IpAddress(info.dst.ip().into()));
-        let conn = ClientConnection::new(config.clone(), name).ok();
-        let mut conn = conn;
+    fn new_flow(config: &Config, info: &FlowInfo) -> Flow {
+        let mut conn = match config {
+            Config::Client(config, name) => {
+                let name = name.clone().unwrap_or_else(|| ServerName::IpAddress(info.dst.ip().into()));
+                ClientConnection::new(config.clone(), name).ok().map(Connection::Client)
+            }
+            Config::Server(config) => ServerConnection::new(config.clone()).ok().map(Connection::Server),
+        };
         if let Some(c) = &mut conn {
             c.set_buffer_limit(None); // bounded by the producer's budget: plaintext is acked only once sent
         }
@@ -248,14 +313,14 @@ impl Module for Tls {
                 continue;
             };
             let d = p.direction();
-            let (config, name) = (&self.config, &self.name);
-            match self.flows.see(&p, |info| Tls::new_flow(config, name, info)).0 {
+            let config = &self.config;
+            match self.flows.see(&p, |info| Tls::new_flow(config, info)).0 {
                 Seen::Opened(flow, _) => {
                     out.emit(0, p);
                     if self.flows.get_mut(flow).is_some_and(|st| st.conn.is_none()) {
                         self.fail(flow, "cannot start a TLS connection", out);
                     } else {
-                        self.flush(flow, out); // the ClientHello
+                        self.flush(flow, out); // a client's ClientHello (a server waits for one)
                     }
                 }
                 Seen::Data(flow) if d == Direction::Down => {

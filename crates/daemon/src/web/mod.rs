@@ -225,6 +225,8 @@ pub fn reads_only(request: &Request) -> bool {
             | Request::PeerKey
             | Request::PeerShow(_)
             | Request::PeerList
+            | Request::ServiceList(_)
+            | Request::ServiceShow(_)
     )
 }
 

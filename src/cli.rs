@@ -205,10 +205,9 @@ pub struct DaemonArgs {
     pub realtime: u8,
     /// Data-plane workers: threads with a switch of their own each, flows spread over them by a hash of their
     /// addresses and ports (docs/architecture.md, "Workers"). A stack with a module that needs a global view
-    /// (an emulator, a binding scheduler, a tap ...) runs on one; `status` says how many run it. Default: one per
-    /// CPU this process may run on.
-    #[arg(long, env = "FLEXSTACK_WORKERS", value_parser = clap::value_parser!(u16).range(1..=256))]
-    pub workers: Option<u16>,
+    /// (an emulator, a binding scheduler, a tap ...) runs on one; `status` says how many run it.
+    #[arg(long, env = "FLEXSTACK_WORKERS", default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=256))]
+    pub workers: u16,
     /// Busy-poll: microseconds the data-plane workers keep polling their devices after their last frame before they
     /// sleep (lower latency while traffic flows, a core busy meanwhile; 0, the default: sleep at once). The knob
     /// `worker.all.busy_poll_us` changes it at runtime.
@@ -638,9 +637,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 rx_hold: Duration::from_micros(d.rx_hold_us),
                 busy_poll_us: d.busy_poll_us,
                 realtime: d.realtime,
-                workers: d
-                    .workers
-                    .map_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get().min(256)), usize::from),
+                workers: usize::from(d.workers),
             },
             flow_meters: flexstack_daemon::sockdiag::PollOptions {
                 interval: Duration::from_millis(d.flow_meters_interval_ms),

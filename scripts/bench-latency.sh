@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# Latency benchmark (issue 16): round-trip time of a 64-byte UDP ping-pong, one datagram in flight
+# (bench/udp_pp.c), between two namespaces over
+#   (v) a veth pair (the reference),
+#   (c) the trivial C TUN <-> TUN forwarder of bench/tun_forward.c (blocking read/write, one packet per call),
+#   (f) flexstack TUN <-> TUN with the default modules (ip, reassemble, classify, direction), busy-poll off,
+#   (p) the same daemon with busy-poll on (`worker.all.busy_poll_us` = BUSY_US, 200 by default).
+# All four paths exist at once (their own subnets), and each round measures them in turn; RUNS (5) rounds of N
+# (5000) round trips. Printed: the medians over the rounds of each round's median and 99th percentile, and the
+# time each path adds to the veth's median. Needs root. PROFILE=ci builds and runs target/ci/flexstack (say so
+# with figures); FS=PATH runs that binary unbuilt.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. scripts/lib/bench.sh # median, tun_faces, bench_setup
+RUNS=${RUNS:-5}
+N=${N:-5000}
+BUSY_US=${BUSY_US:-200}
+bench_setup bench-latency "namespaces, TUN devices" cc python3
+tag=fsl$$
+state=$(mktemp -d)
+daemon=
+fwd=
+cleanup() {
+  [[ -n "$daemon" ]] && kill "$daemon" 2>/dev/null && wait "$daemon" 2>/dev/null || true
+  [[ -n "$fwd" ]] && kill "$fwd" 2>/dev/null && wait "$fwd" 2>/dev/null || true
+  for ns in ${tag}a ${tag}b; do
+    ip netns pids "$ns" 2>/dev/null | xargs -r kill 2>/dev/null || true
+    ip netns del "$ns" 2>/dev/null || true
+  done
+  rm -rf "$state"
+}
+trap cleanup EXIT INT TERM
+cc -O2 -o "$state/udp_pp" bench/udp_pp.c
+cc -O2 -o "$state/tun_forward" bench/tun_forward.c
+ip netns add ${tag}a; ip netns add ${tag}b
+ip -n ${tag}a link set lo up; ip -n ${tag}b link set lo up
+# place DEV NET: moves a device's two ends (or a TUN pair) into the namespaces as 10.NET.0.1 and 10.NET.0.2.
+place() {
+  ip link set "$1" netns ${tag}a; ip link set "$2" netns ${tag}b
+  ip -n ${tag}a addr add 10.$3.0.1/24 dev "$1"; ip -n ${tag}a link set "$1" up
+  ip -n ${tag}b addr add 10.$3.0.2/24 dev "$2"; ip -n ${tag}b link set "$2" up
+}
+# (v) veth
+ip link add ${tag}v type veth peer name ${tag}w
+place ${tag}v ${tag}w 211
+# (c) the C forwarder between two TUN devices of its own
+"$state/tun_forward" ${tag}ca ${tag}cb > "$state/fwd.out" &
+fwd=$!
+for _ in $(seq 100); do grep -q ready "$state/fwd.out" 2>/dev/null && break; sleep 0.05; done
+place ${tag}ca ${tag}cb 212
+# (f, p) flexstack with the default modules
+{
+  cat <<'TOML'
+links = ["a -> ip", "b -> ip", "ip[out] -> frag", "frag -> flows",
+         "flows[tcp] -> dir", "flows[udp] -> dir", "flows[icmp] -> dir", "flows[other] -> dir",
+         "dir[down] -> b", "dir[up] -> a"]
+TOML
+  tun_faces
+  cat <<'TOML'
+[modules.ip]
+kind = "ip"
+[modules.frag]
+kind = "reassemble"
+[modules.flows]
+kind = "classify"
+[modules.dir]
+kind = "direction"
+TOML
+} > "$state/chain.toml"
+"$fs" daemon --stack "$state/chain.toml" --state-dir "$state/d" 2>"$state/daemon.log" &
+daemon=$!
+for _ in $(seq 100); do "$fs" --state-dir "$state/d" status >/dev/null 2>&1 && break; sleep 0.05; done
+place ${tag}ta ${tag}tb 213
+ip netns exec ${tag}b "$state/udp_pp" server 7000 &
+sleep 0.3
+busy() { "$fs" --state-dir "$state/d" set worker.all.busy_poll_us "$1" >/dev/null; }
+pp() { ip netns exec ${tag}a "$state/udp_pp" pp "10.$1.0.2" 7000 "$N"; }
+declare -A med p99
+for r in $(seq "$RUNS"); do
+  echo "bench-latency: round $r/$RUNS" >&2
+  for c in v c f p; do
+    case $c in
+      v) out=$(pp 211) ;;
+      c) out=$(pp 212) ;;
+      f) busy 0; out=$(pp 213) ;;
+      p) busy "$BUSY_US"; out=$(pp 213); busy 0 ;;
+    esac
+    med[$c]+="$(sed -n 's/.*median_us=\([0-9.]*\).*/\1/p' <<<"$out") "
+    p99[$c]+="$(sed -n 's/.*p99_us=\([0-9.]*\).*/\1/p' <<<"$out") "
+  done
+done
+m() { tr ' ' '\n' <<<"$1" | grep . | median; }
+v=$(m "${med[v]}")
+printf 'UDP ping-pong, 64 bytes, one in flight: medians of %s rounds of %s round trips (us)\n' "$RUNS" "$N"
+printf '%-44s %9s %9s %9s\n' path median p99 added
+for c in v c f p; do
+  case $c in
+    v) name="(v) veth (reference)" ;;
+    c) name="(c) C TUN <-> TUN forwarder (reference)" ;;
+    f) name="(f) flexstack default modules, busy-poll off" ;;
+    p) name="(p) flexstack default modules, busy-poll ${BUSY_US} us" ;;
+  esac
+  x=$(m "${med[$c]}")
+  printf '%-44s %9.1f %9.1f %+9.1f\n' "$name" "$x" "$(m "${p99[$c]}")" "$(echo "$x - $v" | bc -l)"
+done
+echo "rounds (median us): v ${med[v]}| c ${med[c]}| f ${med[f]}| p ${med[p]}"
+echo "code version: $(git rev-parse --short HEAD)$(git diff --quiet || echo -dirty), fs $fs"

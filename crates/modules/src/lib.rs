@@ -231,12 +231,13 @@ mod tests {
         }
     }
 
-    /// Stack files written with the old names of renamed kinds still load them.
     #[test]
     fn kinds_say_whether_their_modules_need_a_global_view() {
         // The data plane asks the kind (its declaration's `global_view`), then the builder.
         let c = super::catalog();
-        for kind in ["nat", "ethernet", "tap", "stream-tap", "late-binding", "early-binding", "emulator"] {
+        for kind in
+            ["nat", "ethernet", "tap", "stream-tap", "late-binding", "early-binding", "emulator", "record", "shape"]
+        {
             assert!(c.get(kind).unwrap().global_view(), "{kind}");
         }
         for kind in ["counter", "classify", "ip"] {
@@ -244,6 +245,7 @@ mod tests {
         }
     }
 
+    /// Stack files written with the old names of renamed kinds still load them.
     #[test]
     fn old_kind_names_still_load() {
         let c = super::catalog();

@@ -57,10 +57,6 @@ struct RecordBuilder {
 }
 
 impl ModuleBuilder for RecordBuilder {
-    fn global_view(&self) -> bool {
-        DECL.global_view
-    }
-
     fn interface(&self) -> ModuleInterface {
         DECL.interface(&self.cfg)
     }

@@ -112,10 +112,6 @@ struct ShapeBuilder {
 }
 
 impl ModuleBuilder for ShapeBuilder {
-    fn global_view(&self) -> bool {
-        DECL.global_view
-    }
-
     fn interface(&self) -> ModuleInterface {
         DECL.interface(&self.cfg)
     }

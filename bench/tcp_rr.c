@@ -20,16 +20,7 @@
 #include <time.h>
 #include <unistd.h>
 
-static void die(const char *what) {
-  perror(what);
-  exit(1);
-}
-
-static double now_us(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return t.tv_sec * 1e6 + t.tv_nsec / 1e3;
-}
+#include "bench.h"
 
 static void raise_nofile(void) {
   struct rlimit r;
@@ -59,11 +50,6 @@ static void echo_one(int fd) {
   char c = 'x';
   if (write(fd, &c, 1) != 1) die("write");
   if (read(fd, &c, 1) != 1) die("read");
-}
-
-static int cmp(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return (x > y) - (x < y);
 }
 
 static int serve(int port) {

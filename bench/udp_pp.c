@@ -16,21 +16,7 @@
 #include <time.h>
 #include <unistd.h>
 
-static void die(const char *what) {
-  perror(what);
-  exit(1);
-}
-
-static double now_us(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return t.tv_sec * 1e6 + t.tv_nsec / 1e3;
-}
-
-static int cmp(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return (x > y) - (x < y);
-}
+#include "bench.h"
 
 static struct sockaddr_in addr_of(const char *host, const char *port) {
   struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(atoi(port))};

@@ -15,7 +15,7 @@ RUNS=${RUNS:-3}
 SECS=${SECS:-5}
 STREAMS=${STREAMS:-1 4}
 WORKERS=${WORKERS:-1 2}
-. scripts/lib/bench.sh   # median, tun_faces, bench_setup
+. scripts/lib/bench.sh   # median, tun_faces, default_modules_stack, bench_setup
 bench_setup bench-datapath "namespaces, TUN devices" iperf3
 tag=fsb$$
 state=$(mktemp -d)
@@ -75,24 +75,7 @@ run_stack() { # $1 = stack file, $2 = workers, $3 = streams; prints the median G
 } > "$state/wire.toml"
 for w in $WORKERS; do for p in $STREAMS; do wire[$w,$p]=$(run_stack "$state/wire.toml" "$w" "$p"); done; done
 
-{
-  cat <<'TOML'
-links = ["a -> ip", "b -> ip", "ip[out] -> frag", "frag -> flows",
-         "flows[tcp] -> dir", "flows[udp] -> dir", "flows[icmp] -> dir", "flows[other] -> dir",
-         "dir[down] -> b", "dir[up] -> a"]
-TOML
-  tun_faces
-  cat <<'TOML'
-[modules.ip]
-kind = "ip"
-[modules.frag]
-kind = "reassemble"
-[modules.flows]
-kind = "classify"
-[modules.dir]
-kind = "direction"
-TOML
-} > "$state/chain.toml"
+default_modules_stack > "$state/chain.toml"
 for w in $WORKERS; do for p in $STREAMS; do chain[$w,$p]=$(run_stack "$state/chain.toml" "$w" "$p"); done; done
 
 printf 'data-path benchmark: iperf3 TCP, median of %s runs of %s s (Gbit/s)\n' "$RUNS" "$SECS"

@@ -11,7 +11,7 @@
 # with figures); FS=PATH runs that binary unbuilt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-. scripts/lib/bench.sh # median, tun_faces, bench_setup
+. scripts/lib/bench.sh # median, default_modules_stack, bench_setup
 RUNS=${RUNS:-5}
 N=${N:-5000}
 BUSY_US=${BUSY_US:-200}
@@ -49,24 +49,7 @@ fwd=$!
 for _ in $(seq 100); do grep -q ready "$state/fwd.out" 2>/dev/null && break; sleep 0.05; done
 place ${tag}ca ${tag}cb 212
 # (f, p) flexstack with the default modules
-{
-  cat <<'TOML'
-links = ["a -> ip", "b -> ip", "ip[out] -> frag", "frag -> flows",
-         "flows[tcp] -> dir", "flows[udp] -> dir", "flows[icmp] -> dir", "flows[other] -> dir",
-         "dir[down] -> b", "dir[up] -> a"]
-TOML
-  tun_faces
-  cat <<'TOML'
-[modules.ip]
-kind = "ip"
-[modules.frag]
-kind = "reassemble"
-[modules.flows]
-kind = "classify"
-[modules.dir]
-kind = "direction"
-TOML
-} > "$state/chain.toml"
+default_modules_stack > "$state/chain.toml"
 "$fs" daemon --stack "$state/chain.toml" --state-dir "$state/d" 2>"$state/daemon.log" &
 daemon=$!
 for _ in $(seq 100); do "$fs" --state-dir "$state/d" status >/dev/null 2>&1 && break; sleep 0.05; done

@@ -35,6 +35,27 @@ direction = "up"
 TOML
 }
 
+# Prints the TOML of a stack with the default app modules (ip, reassemble, classify, direction) between the TUN
+# faces of tun_faces.
+default_modules_stack() {
+  cat <<'TOML'
+links = ["a -> ip", "b -> ip", "ip[out] -> frag", "frag -> flows",
+         "flows[tcp] -> dir", "flows[udp] -> dir", "flows[icmp] -> dir", "flows[other] -> dir",
+         "dir[down] -> b", "dir[up] -> a"]
+TOML
+  tun_faces
+  cat <<'TOML'
+[modules.ip]
+kind = "ip"
+[modules.frag]
+kind = "reassemble"
+[modules.flows]
+kind = "classify"
+[modules.dir]
+kind = "direction"
+TOML
+}
+
 # Creates the server namespace ${tag}s joined to the host by a veth pair (${tag}h on the host, 10.$1.7.1/24; ${tag}p
 # inside, 10.$1.7.2/24, default route through the host). Remove it with server_ns_cleanup.
 server_ns() {

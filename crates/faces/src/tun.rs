@@ -134,12 +134,8 @@ impl TunDevice {
 
     /// The device's dropped packets as the kernel counts them now, from the namespace it is in.
     fn read_kernel_drops(&self, k: &mut KernelDrops) -> Result<Option<u64>, String> {
-        use std::os::unix::fs::MetadataExt;
         let ns = flexstack_sys::tun_netns(self.dev.as_fd()).map_err(|e| format!("cannot find its namespace: {e}"))?;
-        let inode = std::fs::File::from(ns.try_clone().map_err(|e| e.to_string())?)
-            .metadata()
-            .map_err(|e| e.to_string())?
-            .ino();
+        let inode = nix::sys::stat::fstat(&ns).map_err(|e| e.to_string())?.st_ino;
         if k.netns.as_ref().is_none_or(|(i, _)| *i != inode) {
             let rtnl = crate::netconf::Rtnl::open_in(ns.as_fd()).map_err(|e| e.to_string())?;
             k.netns = Some((inode, rtnl));

@@ -1,8 +1,8 @@
 // UDP sender of many flows for scripts/bench-flowscale.sh (issue 16):
 //   udp_flows BASE FLOWS PPS SECS
 // sends 64-byte datagrams at PPS per second for SECS seconds, round-robin over FLOWS destinations: ports 1024 to
-// 65023 of the addresses BASE, BASE+1, ... (64,000 flows an address), from one socket (one source port), so that
-// FLOWS distinct 5-tuples cross the path. SECS = 0 sends each flow once (as fast as the socket takes them).
+// 65023 of the addresses BASE, BASE+1, ... (64,000 flows an address), from one socket bound to source port 40000,
+// so that FLOWS distinct 5-tuples cross the path, the same in every run.
 // Prints "sent=N" (datagrams the kernel took; a full queue's refusal is retried, never counted as sent).
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -19,6 +19,7 @@
 
 #define PORTS 64000
 #define BATCH 32
+#define SRC_PORT 40000
 
 int main(int argc, char **argv) {
   if (argc != 5) {
@@ -38,6 +39,9 @@ int main(int argc, char **argv) {
   }
   int fd = socket(AF_INET, SOCK_DGRAM, 0);
   if (fd < 0) die("socket");
+  // One source port for every run, so that a second run sends the flows of the first one again.
+  struct sockaddr_in src = {.sin_family = AF_INET, .sin_port = htons(SRC_PORT)};
+  if (bind(fd, (struct sockaddr *)&src, sizeof src)) die("bind");
   static struct sockaddr_in to[BATCH];
   static struct mmsghdr msg[BATCH];
   static struct iovec iov[BATCH];

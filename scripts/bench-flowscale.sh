@@ -11,7 +11,8 @@
 # - VmRSS at the end is the daemon's resident memory with that table.
 # Prints medians over RUNS rounds and the ratio of each FLOWS value's cost to the first's. Targets (issue 16):
 # 100,000 flows within 1.2 x the cost of 10, RSS <= 128 MiB. Needs root. PROFILE/FS/NO_BUILD as in the other
-# benchmarks (scripts/lib/bench.sh); WORKERS (default 1) is passed to `daemon --workers`.
+# benchmarks (scripts/lib/bench.sh); WORKERS (default 1) is passed to `daemon --workers`. PERF=file records a profile
+# of the daemon while it sends (file.FLOWS, overwritten each round).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${RUNS:-5}
@@ -72,7 +73,10 @@ for round in $(seq "$RUNS"); do
     send "$f" "$(python3 -c 'import sys; print(max(0.1, int(sys.argv[1]) / int(sys.argv[2])))' "$f" "$PPS")" >/dev/null
     sleep 0.5
     c0=$(cpu_ns); r0=$(rx)
+    perf=
+    if [[ -n ${PERF:-} ]]; then perf record -q -g -p "$daemon" -o "$PERF.$f" -- sleep "$SECS" 2>/dev/null & perf=$!; fi
     sent=$(send "$f" "$SECS")
+    [[ -z $perf ]] || wait "$perf" || true
     sleep 0.3
     c1=$(cpu_ns); r1=$(rx)
     got=$((r1 - r0))

@@ -12,6 +12,8 @@
 #   - UDP: iperf3 -u -b 0 with 1400-byte and 64-byte datagrams, thousands of datagrams per second delivered
 #     (sent - lost as the server counted them), and the loss in percent;
 #   - round-trip time of a 64-byte UDP ping-pong (bench/udp_pp.c), median and p99 of RR_N round trips.
+# Then flexstack's daemon: its peak RSS (VmHWM, under the load above) and its CPU over IDLE_SECS (10) with nothing
+# flowing (targets, issue 16: <= 64 MiB, 0 %).
 # Traffic goes only to the server namespace's address; slirp4netns and pasta are given no DNS and no port
 # forwarding. Needs root. PROFILE/FS/NO_BUILD as in the other benchmarks (scripts/lib/bench.sh).
 set -euo pipefail
@@ -66,7 +68,8 @@ ip link set ${tag}cb up
 
 # (f) flexstack: a daemon whose apps run in sandboxes of their own (one per measurement).
 "$fs" daemon --state-dir "$state/d" --app-subnet 10.$((NET + 1)).0.0 2>"$state/daemon.log" &
-pids+=($!)
+daemon=$!
+pids+=($daemon)
 wait_for '"$fs" --state-dir "$state/d" status >/dev/null 2>&1' "the daemon did not start"
 
 # (s) slirp4netns, attached to a namespace of its own.
@@ -142,6 +145,14 @@ if [[ " $PATHS " == *" c "* ]]; then
       "$(ratio "$(m $p.u1400)" "$(m c.u1400)")" "$(ratio "$(m $p.u64)" "$(m c.u64)")" \
       "$(python3 -c 'import sys; print(float(sys.argv[1]) - float(sys.argv[2]))' "$(m $p.rtt)" "$(m c.rtt)")"
   done
+fi
+if [[ " $PATHS " == *" f "* ]]; then
+  # The daemon's peak memory over all the rounds, and its CPU while nothing flows (apps gone, busy-poll off).
+  ticks() { awk '{print $14 + $15}' /proc/"$daemon"/stat; }
+  t0=$(ticks); sleep "${IDLE_SECS:-10}"; t1=$(ticks)
+  printf 'flexstack daemon: peak RSS %.1f MiB under load; idle CPU %.2f %% over %s s\n' \
+    "$(awk '/VmHWM/ {print $2 / 1024}' /proc/"$daemon"/status)" \
+    "$(python3 -c 'import os, sys; print(100 * (int(sys.argv[2]) - int(sys.argv[1])) / os.sysconf("SC_CLK_TCK") / float(sys.argv[3]))' "$t0" "$t1" "${IDLE_SECS:-10}")" "${IDLE_SECS:-10}"
 fi
 for k in $(printf '%s\n' "${!r[@]}" | sort); do echo "rounds $k: ${r[$k]}"; done
 echo "code version: $(git rev-parse --short HEAD)$(git diff --quiet || echo -dirty), fs $fs"

@@ -13,6 +13,16 @@
 //! - Idle flows cost nothing: a flow whose packet count did not change since its socket was last read is read again
 //!   only every ten polls, and an app none of whose flows is due is not dumped at all (10,000 idle
 //!   connections of an app are one dump every ten seconds, not every second).
+//! - Terminated flows are not polled: `classify` also publishes the packets between the app and a `terminate`
+//!   endpoint as a flow, but the app's socket then talks to the endpoint, whose own `tcp.*` meters are the flow's.
+//!   A flow whose (protocol, two ends) is a `terminate` flow's (parsed from both `tuple` texts, either end first)
+//!   is left out, and so are its meters.
+//! - Polls are cheap however many flows: the classifiers' flow groups are walked only when a runtime prefix was
+//!   registered or removed since the last walk ([`flexstack_core::vars::SharedRegistry::runtime_changes`]); each new flow is judged once
+//!   (terminated or not: the endpoints' flows are walked only then), and between walks a poll reads the packet
+//!   counters of the flows it reads sockets for, nothing else. 10,000 idle terminated connections cost the
+//!   thread nothing (bench-flows: the daemon's idle CPU went from 1.9 % to 0.3-0.5 %, all of it the data plane's
+//!   own wake-ups).
 //! - A flow whose socket is gone (the app closed it, or exited) keeps its last values with `state` `closed`; its
 //!   meters go at the first poll after its flow leaves the flow table. A flow table made anew (an app attached
 //!   again under the same name, a classifier replaced with `--fresh`) numbers its flows from 1 again: until the

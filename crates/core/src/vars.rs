@@ -626,6 +626,8 @@ where
 pub struct SharedRegistry {
     fixed: Arc<RwLock<Arc<Names>>>,
     dynamic: Arc<RwLock<BTreeSet<ByKey>>>,
+    /// Runtime prefixes registered and removed so far: a reader that saw no change needs no new snapshot.
+    changes: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl SharedRegistry {
@@ -645,7 +647,17 @@ impl SharedRegistry {
     /// worker other than the first publishes its modules' cells there (readers see them through the first worker's
     /// cells, [`VarCell::set_siblings`]) and its flows' variables, under names of their own, with everyone's.
     pub fn sharing_runtime(&self) -> SharedRegistry {
-        SharedRegistry { fixed: Arc::default(), dynamic: self.dynamic.clone() }
+        SharedRegistry { fixed: Arc::default(), dynamic: self.dynamic.clone(), changes: self.changes.clone() }
+    }
+
+    /// How many times a runtime prefix was registered or removed so far: while it stays the same, the runtime
+    /// groups of a snapshot are the current ones (their cells' values move; no group came or went).
+    pub fn runtime_changes(&self) -> u64 {
+        self.changes.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    fn changed(&self) {
+        self.changes.fetch_add(1, std::sync::atomic::Ordering::Release);
     }
 
     /// Makes each declared variable of this registry (data-plane worker 0's) stand for the same variable of the
@@ -742,6 +754,7 @@ impl DynamicVars {
             }
         }
         d.replace(group);
+        self.registry.changed();
         Ok(vars)
     }
 
@@ -775,6 +788,7 @@ impl DynamicVars {
             _ => return false,
         }
         d.remove(key.as_str());
+        self.registry.changed();
         true
     }
 
@@ -783,6 +797,9 @@ impl DynamicVars {
         let Ok(mut d) = self.registry.dynamic.write() else { return 0 };
         let before = d.len();
         d.retain(|g| g.0.origin != self.origin || &*g.0.owner != owner);
+        if d.len() != before {
+            self.registry.changed();
+        }
         before - d.len()
     }
 

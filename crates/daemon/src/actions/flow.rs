@@ -71,7 +71,7 @@ fn unquote(s: &str) -> String {
 }
 
 /// How a module of `kind` handles the flows it publishes.
-fn handling(kind: &str) -> Handling {
+pub(crate) fn handling(kind: &str) -> Handling {
     match kind {
         "classify" => Handling::Forwarded,
         "terminate" => Handling::Terminated,
@@ -82,11 +82,11 @@ fn handling(kind: &str) -> Handling {
 }
 
 /// A loaded module that publishes flows: its name, kind, prefix and back-end.
-struct Publisher {
-    name: String,
-    kind: String,
-    prefix: String,
-    backend: Option<String>,
+pub(crate) struct Publisher {
+    pub(crate) name: String,
+    pub(crate) kind: String,
+    pub(crate) prefix: String,
+    pub(crate) backend: Option<String>,
 }
 
 /// The text of a cell, if it holds text.
@@ -140,7 +140,7 @@ fn same_socket(tcp: Option<GroupVars<'_>>, t: &Tuple) -> bool {
 
 /// The app a flow belongs to: the app whose modules include `module`, else the app an endpoint named, else the app
 /// with one of the tuple's addresses.
-fn app_of(apps: &[AppInfo], module: &str, t: &Tuple) -> Option<String> {
+pub(crate) fn app_of(apps: &[AppInfo], module: &str, t: &Tuple) -> Option<String> {
     if let Some(a) = apps.iter().find(|a| a.modules.iter().any(|m| m == module)) {
         return Some(a.name.clone());
     }
@@ -222,7 +222,7 @@ impl Control {
     }
 
     /// The loaded modules that publish flows, with their prefix: the `vars_prefix` setting, or the kind's default.
-    fn publishers(&self) -> Result<Vec<Publisher>, ApiError> {
+    pub(crate) fn publishers(&self) -> Result<Vec<Publisher>, ApiError> {
         let snap = self.dp().snapshot().map_err(internal)?;
         let reference = self.catalog.reference();
         let default = |kind: &str, setting: &str| {

@@ -28,6 +28,7 @@ mod var;
 
 pub use control::{Caller, Control};
 pub use flow::Tuple;
+pub(crate) use flow::{app_of, handling, Publisher};
 pub use persist::{open_journal, Found, Restored};
 pub use revisions::{Revision, RevisionLog};
 

@@ -16,7 +16,8 @@
 # with each configuration's cost in percent of `none`'s throughput and, for compress/tls/both, the ratio of the
 # app's own time to flexstack's. Targets: a `null` costs <= 1 % of `none`'s throughput; compress and tls within 5 %
 # of the app doing it. The data is text (zstd shrinks it about 4 times). Needs root.
-# PROFILE (default release) the cargo profile built and run (FS=path runs that binary, unbuilt); CONFIGS picks
+# PERF=file records a profile of the daemon during each configuration's bulk transfer (file.CONFIG; overwritten
+# each round). PROFILE (default release) the cargo profile built and run (FS=path runs that binary, unbuilt); CONFIGS picks
 # configurations (default: all, in the order above); NET the server's subnet 10.NET.7.0/24 (apps: 10.(NET+1).0.0/16).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -101,7 +102,12 @@ for r in $(seq "$RUNS"); do
   for c in $CONFIGS; do
     echo "bench-services: round $r/$RUNS, $c" >&2
     results[small_$c]+="$(measure "$c" "$SMALL_N" 1024 | awk '{print $1}') "
+    if [[ -n "${PERF:-}" ]]; then # PERF=file: a profile of the daemon during the bulk transfer (file.CONFIG)
+      (sleep 0.5; perf record -q -g -o "$PERF.$c" -p "$daemon" -- sleep 2 2>/dev/null) &
+      perf=$!
+    fi
     results[bulk_$c]+="$(measure "$c" "$bulk_n" 65536 | awk '{print $1}') "
+    [[ -n "${PERF:-}" ]] && wait "$perf"
   done
 done
 med() { tr ' ' '\n' <<<"${results[$1]}" | grep . | median; }

@@ -17,7 +17,7 @@ static double now_us(void) {
   return t.tv_sec * 1e6 + t.tv_nsec / 1e3;
 }
 
-static int cmp(const void *a, const void *b) {
+static inline int cmp(const void *a, const void *b) {
   double x = *(const double *)a, y = *(const double *)b;
   return (x > y) - (x < y);
 }

@@ -2,13 +2,19 @@
 # Latency benchmark (issue 16): round-trip time of a 64-byte UDP ping-pong, one datagram in flight
 # (bench/udp_pp.c), between two namespaces over
 #   (v) a veth pair (the reference),
-#   (c) the trivial C TUN <-> TUN forwarder of bench/tun_forward.c (blocking read/write, one packet per call),
+#   (c) the trivial C TUN <-> TUN forwarder of bench/tun_forward.c (one thread polling both devices, one packet per
+#       call),
+#   (t) the same forwarder with offloads and one thread per direction, each blocked in read() (tun_forward -o -t:
+#       the issue's reference),
 #   (f) flexstack TUN <-> TUN with the default modules (ip, reassemble, classify, direction), busy-poll off,
 #   (p) the same daemon with busy-poll on (`worker.all.busy_poll_us` = BUSY_US, 200 by default).
-# All four paths exist at once (their own subnets), and each round measures them in turn; RUNS (5) rounds of N
+# All five paths exist at once (their own subnets), and each round measures them in turn; RUNS (5) rounds of N
 # (5000) round trips. Printed: the medians over the rounds of each round's median and 99th percentile, and the
 # time each path adds to the veth's median. Needs root. PROFILE=ci builds and runs target/ci/flexstack (say so
-# with figures); FS=PATH runs that binary unbuilt.
+# with figures); FS=PATH runs that binary unbuilt. SPIN=1 keeps every CPU busy with a spinning process at nice 19
+# during the rounds, so that no vCPU halts between round trips: on a virtual machine an idle vCPU's wake-up (an
+# exit to the host and back) costs tens of microseconds, which a round trip pays at each sleeping hop; with SPIN=1
+# the figures show the paths' own cost.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib/bench.sh # median, default_modules_stack, bench_setup
@@ -20,9 +26,13 @@ tag=fsl$$
 state=$(mktemp -d)
 daemon=
 fwd=
+fwd2=
+spinners=()
 cleanup() {
+  for p in "${spinners[@]}"; do kill "$p" 2>/dev/null || true; done
   [[ -n "$daemon" ]] && kill "$daemon" 2>/dev/null && wait "$daemon" 2>/dev/null || true
   [[ -n "$fwd" ]] && kill "$fwd" 2>/dev/null && wait "$fwd" 2>/dev/null || true
+  [[ -n "$fwd2" ]] && kill "$fwd2" 2>/dev/null && wait "$fwd2" 2>/dev/null || true
   for ns in ${tag}a ${tag}b; do
     ip netns pids "$ns" 2>/dev/null | xargs -r kill 2>/dev/null || true
     ip netns del "$ns" 2>/dev/null || true
@@ -31,7 +41,7 @@ cleanup() {
 }
 trap cleanup EXIT INT TERM
 cc -O2 -o "$state/udp_pp" bench/udp_pp.c
-cc -O2 -o "$state/tun_forward" bench/tun_forward.c
+cc -O2 -pthread -o "$state/tun_forward" bench/tun_forward.c
 ip netns add ${tag}a; ip netns add ${tag}b
 ip -n ${tag}a link set lo up; ip -n ${tag}b link set lo up
 # place DEV NET: moves a device's two ends (or a TUN pair) into the namespaces as 10.NET.0.1 and 10.NET.0.2.
@@ -48,6 +58,11 @@ place ${tag}v ${tag}w 211
 fwd=$!
 for _ in $(seq 100); do grep -q ready "$state/fwd.out" 2>/dev/null && break; sleep 0.05; done
 place ${tag}ca ${tag}cb 212
+# (t) the same forwarder, offloads and a thread per direction
+"$state/tun_forward" -o -t ${tag}ka ${tag}kb > "$state/fwd2.out" &
+fwd2=$!
+for _ in $(seq 100); do grep -q ready "$state/fwd2.out" 2>/dev/null && break; sleep 0.05; done
+place ${tag}ka ${tag}kb 214
 # (f, p) flexstack with the default modules
 default_modules_stack > "$state/chain.toml"
 "$fs" daemon --stack "$state/chain.toml" --state-dir "$state/d" 2>"$state/daemon.log" &
@@ -56,15 +71,19 @@ for _ in $(seq 100); do "$fs" --state-dir "$state/d" status >/dev/null 2>&1 && b
 place ${tag}ta ${tag}tb 213
 ip netns exec ${tag}b "$state/udp_pp" server 7000 &
 sleep 0.3
+if [[ -n ${SPIN:-} ]]; then
+  for _ in $(seq "$(nproc)"); do nice -n 19 sh -c 'while :; do :; done' & spinners+=($!); done
+fi
 busy() { "$fs" --state-dir "$state/d" set worker.all.busy_poll_us "$1" >/dev/null; }
 pp() { ip netns exec ${tag}a "$state/udp_pp" pp "10.$1.0.2" 7000 "$N"; }
 declare -A med p99
 for r in $(seq "$RUNS"); do
   echo "bench-latency: round $r/$RUNS" >&2
-  for c in v c f p; do
+  for c in v c t f p; do
     case $c in
       v) out=$(pp 211) ;;
       c) out=$(pp 212) ;;
+      t) out=$(pp 214) ;;
       f) busy 0; out=$(pp 213) ;;
       p) busy "$BUSY_US"; out=$(pp 213); busy 0 ;;
     esac
@@ -74,17 +93,19 @@ for r in $(seq "$RUNS"); do
 done
 m() { tr ' ' '\n' <<<"$1" | grep . | median; }
 v=$(m "${med[v]}")
-printf 'UDP ping-pong, 64 bytes, one in flight: medians of %s rounds of %s round trips (us)\n' "$RUNS" "$N"
+printf 'UDP ping-pong, 64 bytes, one in flight: medians of %s rounds of %s round trips (us)%s\n' "$RUNS" "$N" \
+  "${SPIN:+, CPUs kept busy at nice 19 (SPIN=1)}"
 printf '%-44s %9s %9s %9s\n' path median p99 added
-for c in v c f p; do
+for c in v c t f p; do
   case $c in
     v) name="(v) veth (reference)" ;;
     c) name="(c) C TUN <-> TUN forwarder (reference)" ;;
+    t) name="(t) C forwarder, offloads, 2 threads (ref.)" ;;
     f) name="(f) flexstack default modules, busy-poll off" ;;
     p) name="(p) flexstack default modules, busy-poll ${BUSY_US} us" ;;
   esac
   x=$(m "${med[$c]}")
   printf '%-44s %9.1f %9.1f %+9.1f\n' "$name" "$x" "$(m "${p99[$c]}")" "$(echo "$x - $v" | bc -l)"
 done
-echo "rounds (median us): v ${med[v]}| c ${med[c]}| f ${med[f]}| p ${med[p]}"
+echo "rounds (median us): v ${med[v]}| c ${med[c]}| t ${med[t]}| f ${med[f]}| p ${med[p]}"
 echo "code version: $(git rev-parse --short HEAD)$(git diff --quiet || echo -dirty), fs $fs"

@@ -26,7 +26,7 @@
 //! On `module replace` with state kept, the new classifier continues the old one's flows (ids, meters, timers)
 //! under its own timeouts.
 
-use crate::flow::table::{tcp_flags, timeouts_in_field, Expiring, Idle, Slab, Timeouts, Timers};
+use crate::flow::table::{tcp_flags, timeouts_in_field, Expiring, FlowIndex, Idle, Slab, Timeouts, Timers};
 use flexstack_core::module::port_type;
 use flexstack_core::{
     field, kind_from_decl, Batch, ConfigError, Direction, KindDecl, MetaKey, Meter, MeterDecl, Module, ModuleBuilder,
@@ -34,7 +34,6 @@ use flexstack_core::{
 };
 use flexstack_wire::packet::{proto, PacketInfo, ParseDrops};
 use std::any::Any;
-use std::collections::HashMap;
 use std::net::IpAddr;
 
 /// The kind's name in stack files.
@@ -159,6 +158,7 @@ impl ModuleKind for ClassifyKind {
                 flow_specs: VarSpecs::new(flow_specs()),
                 m,
                 drops: ParseDrops::new(vars),
+                work: Vec::new(),
             })
         })
     }
@@ -237,7 +237,7 @@ impl Expiring for Flow {
 #[derive(Default)]
 struct Table {
     flows: Slab<Flow>,
-    index: HashMap<FlowKey, u32>,
+    index: FlowIndex,
     timers: Timers,
     next_id: u64,
     created: u64,
@@ -254,22 +254,36 @@ pub struct Classify {
     flow_specs: VarSpecs,
     m: Meters,
     drops: ParseDrops,
+    /// The batch being processed, parsed, with each packet's flow key and its hash (kept for its capacity).
+    work: Vec<(flexstack_core::Packet, PacketInfo, Option<FlowKey>, u64)>,
 }
 
 impl Classify {
+    /// The slot of the flow of `key` (whose hash is `hash`).
+    fn find(&self, key: &FlowKey, hash: u64) -> Option<u32> {
+        let flows = &self.table.flows;
+        self.table.index.find(hash, |s| flows.get(s).is_some_and(|f| f.key == *key))
+    }
+
     /// Accounts `p` to its flow (creating it if needed) and stamps the flow id.
-    fn account(&mut self, p: &mut flexstack_core::Packet, info: &PacketInfo, out: &mut Output<'_>) {
-        let key = FlowKey::of(info);
+    fn account(
+        &mut self,
+        p: &mut flexstack_core::Packet,
+        info: &PacketInfo,
+        key: FlowKey,
+        hash: u64,
+        out: &mut Output<'_>,
+    ) {
         let now = out.now().as_nanos();
-        let slot = match self.table.index.get(&key) {
-            Some(&s) => s,
+        let slot = match self.find(&key, hash) {
+            Some(s) => s,
             None => {
                 if self.table.flows.len() as u64 >= self.cfg.max_flows {
                     self.table.untracked += 1;
                     self.m.untracked.add(1);
                     return;
                 }
-                self.create(key, info, out)
+                self.create(key, hash, info, out)
             }
         };
         let flags = tcp_flags(p.data(), info);
@@ -292,7 +306,7 @@ impl Classify {
         p.meta_mut().set(MetaKey::FLOW_ID, id);
     }
 
-    fn create(&mut self, key: FlowKey, info: &PacketInfo, out: &mut Output<'_>) -> u32 {
+    fn create(&mut self, key: FlowKey, hash: u64, info: &PacketInfo, out: &mut Output<'_>) -> u32 {
         let now = out.now().as_nanos();
         self.table.next_id += 1;
         let id = (self.table.next_id - 1) * u64::from(out.workers()) + u64::from(out.worker()) + 1;
@@ -315,7 +329,7 @@ impl Classify {
         };
         let idle = Idle::new(id, key.protocol, now, &self.cfg.timeouts);
         let slot = self.table.flows.insert(Flow { idle, key, first, vars_name, meters });
-        self.table.index.insert(key, slot);
+        self.table.index.insert(hash, slot);
         self.table.timers.start(slot, &idle);
         out.wake_at(Time(idle.queued));
         self.table.created += 1;
@@ -352,15 +366,33 @@ fn tuple_text(info: &PacketInfo) -> String {
 }
 
 impl Module for Classify {
+    /// In passes over the batch, so that the cache misses of a large table overlap instead of adding up: parse every
+    /// packet and prefetch the first bucket of its flow's lookup; then prefetch the likely flow entry of each; then
+    /// look up (or create) and account each flow, and emit the packets in their order.
     fn process(&mut self, _port: usize, input: &mut Batch, out: &mut Output<'_>) {
+        let mut work = std::mem::take(&mut self.work);
         for frame in input.drain(..) {
-            let Some((mut p, info)) = self.drops.parse(frame, out) else { continue };
-            if self.cfg.track {
-                if info.fragment.is_some_and(|f| f.offset != 0) {
-                    self.m.fragments.add(1);
-                } else {
-                    self.account(&mut p, &info, out);
+            let Some((p, info)) = self.drops.parse(frame, out) else { continue };
+            let key = (self.cfg.track && info.fragment.is_none_or(|f| f.offset == 0)).then(|| FlowKey::of(&info));
+            let hash = key.map_or(0, |k| self.table.index.hash(&k));
+            if key.is_some() {
+                self.table.index.prefetch(hash);
+            }
+            work.push((p, info, key, hash));
+        }
+        for (_, _, key, hash) in &work {
+            if key.is_some() {
+                if let Some((at, end)) = self.table.index.candidate(*hash).and_then(|s| self.table.flows.span(s)) {
+                    flexstack_sys::prefetch(at);
+                    flexstack_sys::prefetch(end);
                 }
+            }
+        }
+        for (mut p, info, key, hash) in work.drain(..) {
+            match key {
+                Some(key) => self.account(&mut p, &info, key, hash, out),
+                None if self.cfg.track => self.m.fragments.add(1),
+                None => {}
             }
             let port = match info.protocol {
                 proto::TCP => OUT_TCP,
@@ -370,14 +402,15 @@ impl Module for Classify {
             };
             out.emit(port, p);
         }
+        self.work = work;
     }
 
     fn poll(&mut self, out: &mut Output<'_>) -> Option<Time> {
         let now = out.now().as_nanos();
         let Table { flows, index, timers, expired, .. } = &mut self.table;
         let meter = &self.m.expired;
-        let mut forget = |f: Flow| {
-            index.remove(&f.key);
+        let mut forget = |slot: u32, f: Flow| {
+            index.remove(index.hash(&f.key), slot);
             out.unregister_vars(&f.vars_name);
             *expired += 1;
             meter.add(1);
@@ -385,12 +418,14 @@ impl Module for Classify {
         if self.flush {
             self.flush = false;
             let slots: Vec<u32> = flows.iter().map(|(s, _)| s).collect();
-            for f in slots.into_iter().filter_map(|s| flows.remove(s)) {
-                forget(f);
+            for s in slots {
+                if let Some(f) = flows.remove(s) {
+                    forget(s, f);
+                }
             }
             timers.clear();
         }
-        let next = timers.expire(flows, &self.cfg.timeouts, now, |_, f| forget(f));
+        let next = timers.expire(flows, &self.cfg.timeouts, now, forget);
         self.m.active.set(flows.len() as u64);
         next.map(Time)
     }

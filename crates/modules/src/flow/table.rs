@@ -2,6 +2,8 @@
 //! `nat` (its binding table) and the late-binding scheduler (its flows).
 //!
 //! - [`Slab`]: entries with stable indices that timers (or a flow's queue) can refer to, holes reused.
+//! - [`FlowIndex`]: from a key's hash to its entry's slot, with the first bucket of a lookup known from the hash
+//!   alone, so that a batch's lookups can be prefetched before any is made.
 //! - [`Timers`]: idle timers over such entries, a heap that is touched only when a timer is due; each entry keeps
 //!   its [`Idle`] state, and [`Timers::expire`] takes out the entries whose time has come.
 //! - [`Timeouts`]: the idle timeouts by protocol, with their knobs' declarations.
@@ -14,7 +16,9 @@ use flexstack_core::decl::Access;
 use flexstack_core::Param;
 use flexstack_wire::packet::{proto, PacketInfo};
 use std::cmp::Reverse;
+use std::collections::hash_map::RandomState;
 use std::collections::BinaryHeap;
+use std::hash::{BuildHasher, Hash};
 
 /// The idle timeouts of flows or bindings, by protocol, in ns; knobs and settings of the same names in ms.
 /// `Default` is a blank to read them into: the defaults are declared in [`Timeouts::params`].
@@ -337,5 +341,173 @@ impl Timers {
             }
         }
         Some(now)
+    }
+}
+
+/// An index from keys to the slots of their entries: open addressing with linear probing over 8-byte buckets, each
+/// holding the high 32 bits of the key's hash (which also give its first bucket) and its slot + 1 (0: empty).
+/// Keys stay in the entries; a lookup compares the key of each bucket whose hash bits match. The hash is keyed at
+/// random per index (SipHash), so a sender cannot aim keys at one bucket. At most half the buckets are used;
+/// removal shifts the following buckets back (no tombstones), so a long-lived table does not degrade.
+#[derive(Debug)]
+pub(crate) struct FlowIndex {
+    buckets: Vec<u64>,
+    len: usize,
+    hasher: RandomState,
+}
+
+impl Default for FlowIndex {
+    fn default() -> Self {
+        FlowIndex { buckets: Vec::new(), len: 0, hasher: RandomState::new() }
+    }
+}
+
+impl FlowIndex {
+    /// The hash of `key`, which every other call takes.
+    pub(crate) fn hash<K: Hash>(&self, key: &K) -> u64 {
+        self.hasher.hash_one(key)
+    }
+
+    fn home(&self, hash: u64) -> usize {
+        (hash >> 32) as usize & (self.buckets.len() - 1)
+    }
+
+    /// Starts loading the bucket where the lookup of `hash` begins into the cache.
+    pub(crate) fn prefetch(&self, hash: u64) {
+        if !self.buckets.is_empty() {
+            flexstack_sys::prefetch(self.buckets.as_ptr().wrapping_add(self.home(hash)) as usize);
+        }
+    }
+
+    /// The slot of the first bucket of `hash`'s probe whose hash bits match: the likely entry, to prefetch.
+    pub(crate) fn candidate(&self, hash: u64) -> Option<u32> {
+        self.find(hash, |_| true)
+    }
+
+    /// The slot of the entry of `hash` that `is` accepts (it compares the entry's key).
+    pub(crate) fn find(&self, hash: u64, mut is: impl FnMut(u32) -> bool) -> Option<u32> {
+        if self.buckets.is_empty() {
+            return None;
+        }
+        let (tag, mask) = (hash >> 32, self.buckets.len() - 1);
+        let mut i = self.home(hash);
+        loop {
+            let b = self.buckets[i];
+            if b == 0 {
+                return None;
+            }
+            if b >> 32 == tag && is((b as u32) - 1) {
+                return Some((b as u32) - 1);
+            }
+            i = (i + 1) & mask;
+        }
+    }
+
+    /// Adds `slot` under `hash` (the caller knows the key is not there yet).
+    pub(crate) fn insert(&mut self, hash: u64, slot: u32) {
+        if (self.len + 1) * 2 > self.buckets.len() {
+            self.grow();
+        }
+        self.place((hash >> 32) << 32 | (u64::from(slot) + 1));
+        self.len += 1;
+    }
+
+    fn place(&mut self, bucket: u64) {
+        let mask = self.buckets.len() - 1;
+        let mut i = self.home(bucket);
+        while self.buckets[i] != 0 {
+            i = (i + 1) & mask;
+        }
+        self.buckets[i] = bucket;
+    }
+
+    fn grow(&mut self) {
+        let size = (self.buckets.len() * 2).max(16);
+        let old = std::mem::replace(&mut self.buckets, vec![0; size]);
+        for b in old.into_iter().filter(|&b| b != 0) {
+            self.place(b);
+        }
+    }
+
+    /// Removes `slot`, indexed under `hash`; false if it was not there.
+    pub(crate) fn remove(&mut self, hash: u64, slot: u32) -> bool {
+        if self.buckets.is_empty() {
+            return false;
+        }
+        let want = (hash >> 32) << 32 | (u64::from(slot) + 1);
+        let mask = self.buckets.len() - 1;
+        let mut i = self.home(hash);
+        loop {
+            match self.buckets[i] {
+                0 => return false,
+                b if b == want => break,
+                _ => i = (i + 1) & mask,
+            }
+        }
+        // Shift back each following bucket of the run whose first bucket is not between the hole and it.
+        self.buckets[i] = 0;
+        let mut j = i;
+        loop {
+            j = (j + 1) & mask;
+            let b = self.buckets[j];
+            if b == 0 {
+                break;
+            }
+            let k = self.home(b);
+            let stays = if i <= j { i < k && k <= j } else { i < k || k <= j };
+            if !stays {
+                self.buckets[i] = b;
+                self.buckets[j] = 0;
+                i = j;
+            }
+        }
+        self.len -= 1;
+        true
+    }
+
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+}
+
+#[cfg(test)]
+mod index_tests {
+    use super::FlowIndex;
+    use std::collections::HashMap;
+
+    /// Inserts and removes keys in a pseudo-random order (with hashes forced into few buckets, so that runs wrap
+    /// and removals shift), checking every lookup against a HashMap.
+    #[test]
+    fn agrees_with_a_hash_map_through_inserts_and_removals() {
+        let mut index = FlowIndex::default();
+        let mut model: HashMap<u32, u64> = HashMap::new();
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        for step in 0..20_000u32 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let key = (x % 512) as u32;
+            // Few distinct first buckets: the high bits take 8 values, the low bits keep keys apart.
+            let hash = ((x % 8) << 61) | u64::from(key) << 32 >> 32;
+            let hash = model.get(&key).copied().unwrap_or(hash);
+            match index.find(hash, |s| s == key) {
+                Some(s) => {
+                    assert_eq!(model.get(&key), Some(&hash), "step {step}: found {s} not in the model");
+                    assert!(index.remove(hash, key), "step {step}");
+                    model.remove(&key);
+                }
+                None => {
+                    assert!(!model.contains_key(&key), "step {step}: lost key {key}");
+                    index.insert(hash, key);
+                    model.insert(key, hash);
+                }
+            }
+            assert_eq!(index.len(), model.len());
+        }
+        for (&key, &hash) in &model {
+            assert_eq!(index.find(hash, |s| s == key), Some(key));
+        }
+        assert!(!index.remove(0, 999_999));
     }
 }

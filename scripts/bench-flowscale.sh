@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# Flow-table scale benchmark (issue 16): what a packet costs the data plane when the flow table holds FLOWS flows,
+# and the daemon's memory. flexstack TUN <-> TUN with the default app modules (ip, reassemble, classify with
+# max_flows = MAX_FLOWS, direction) between two namespaces; bench/udp_flows.c sends 64-byte UDP datagrams
+# round-robin over FLOWS distinct 5-tuples (ports 1024-65023 of consecutive addresses, which the receiving
+# namespace drops silently: it does not forward). For each FLOWS value (default "10 100000"), in every round a fresh
+# daemon: first every flow once (the table fills), then PPS datagrams a second for SECS seconds, during which
+# - the daemon's CPU time (all its threads, /proc/PID/task/*/schedstat) over the datagrams it passed to namespace b
+#   gives ns per packet;
+# - delivered / sent shows that nothing was lost (a saturated data plane would make the cost figure meaningless);
+# - VmRSS at the end is the daemon's resident memory with that table.
+# Prints medians over RUNS rounds and the ratio of each FLOWS value's cost to the first's. Targets (issue 16):
+# 100,000 flows within 1.2 x the cost of 10, RSS <= 128 MiB. Needs root. PROFILE/FS/NO_BUILD as in the other
+# benchmarks (scripts/lib/bench.sh); WORKERS (default 1) is passed to `daemon --workers`. PERF=file records a profile
+# of the daemon while it sends (file.FLOWS, overwritten each round).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RUNS=${RUNS:-5}
+SECS=${SECS:-5}
+PPS=${PPS:-50000}
+FLOWS=${FLOWS:-10 100000}
+MAX_FLOWS=${MAX_FLOWS:-262144}
+WORKERS=${WORKERS:-1}
+NET=${NET:-217}
+. scripts/lib/bench.sh # median, default_modules_stack, bench_setup
+bench_setup bench-flowscale "namespaces, TUN devices" cc python3
+tag=fsk$$
+state=$(mktemp -d)
+daemon=
+stop_daemon() {
+  [[ -n "$daemon" ]] && kill "$daemon" 2>/dev/null && wait "$daemon" 2>/dev/null || true
+  daemon=
+}
+cleanup() {
+  stop_daemon
+  for ns in ${tag}a ${tag}b; do
+    ip netns pids "$ns" 2>/dev/null | xargs -r kill 2>/dev/null || true
+    ip netns del "$ns" 2>/dev/null || true
+  done
+  rm -rf "$state"
+}
+trap cleanup EXIT INT TERM
+cc -O2 -o "$state/udp_flows" bench/udp_flows.c
+ip netns add ${tag}a; ip netns add ${tag}b
+ip -n ${tag}a link set lo up; ip -n ${tag}b link set lo up
+default_modules_stack | sed "s/^kind = \"classify\"$/kind = \"classify\"\nmax_flows = $MAX_FLOWS/" > "$state/chain.toml"
+grep -q "max_flows = $MAX_FLOWS" "$state/chain.toml" || { echo "bench-flowscale: could not set max_flows" >&2; exit 1; }
+
+# Starts a daemon and places its TUN devices: ${tag}ta in a (10.NET.0.1, and the route to every destination),
+# ${tag}tb in b (10.NET.0.2).
+start_daemon() {
+  "$fs" daemon --workers "$WORKERS" --stack "$state/chain.toml" --state-dir "$state/d" 2>"$state/daemon.log" &
+  daemon=$!
+  for _ in $(seq 200); do "$fs" --state-dir "$state/d" status >/dev/null 2>&1 && break; sleep 0.05; done
+  ip link set ${tag}ta netns ${tag}a; ip link set ${tag}tb netns ${tag}b
+  ip -n ${tag}a addr add 10.$NET.0.1/24 dev ${tag}ta; ip -n ${tag}a link set ${tag}ta up
+  ip -n ${tag}a route add 10.$NET.0.0/16 dev ${tag}ta
+  ip -n ${tag}b addr add 10.$NET.0.2/24 dev ${tag}tb; ip -n ${tag}b link set ${tag}tb up
+}
+cpu_ns() { cat /proc/"$daemon"/task/*/schedstat | awk '{s += $1} END {printf "%d\n", s}'; }
+# The datagrams the data plane handed to the face of namespace b. (Namespace b's own counters cannot tell: the TUN
+# face writes consecutive datagrams of a flow as one UDP GSO packet, which the device's rx_packets and the IP
+# counters count once.)
+rx() { "$fs" --state-dir "$state/d" get module.b.frames_in_total --json | python3 -c \
+  'import json, sys; print(json.load(sys.stdin)["module.b.frames_in_total"]["value"])'; }
+send() { ip netns exec ${tag}a "$state/udp_flows" 10.$NET.1.0 "$1" "$PPS" "$2" | sed -n 's/^sent=//p'; }
+
+declare -A cost loss rss
+for round in $(seq "$RUNS"); do
+  echo "bench-flowscale: round $round/$RUNS" >&2
+  for f in $FLOWS; do
+    start_daemon
+    send "$f" "$(python3 -c 'import sys; print(max(0.1, int(sys.argv[1]) / int(sys.argv[2])))' "$f" "$PPS")" >/dev/null
+    sleep 0.5
+    c0=$(cpu_ns); r0=$(rx)
+    perf=
+    if [[ -n ${PERF:-} ]]; then perf record -q -g -p "$daemon" -o "$PERF.$f" -- sleep "$SECS" 2>/dev/null & perf=$!; fi
+    sent=$(send "$f" "$SECS")
+    [[ -z $perf ]] || wait "$perf" || true
+    sleep 0.3
+    c1=$(cpu_ns); r1=$(rx)
+    got=$((r1 - r0))
+    cost[$f]+="$(python3 -c 'import sys; c, n = map(int, sys.argv[1:]); print(f"{c / n:.0f}" if n else "nan")' $((c1 - c0)) "$got") "
+    loss[$f]+="$(python3 -c 'import sys; s, g = map(int, sys.argv[1:]); print(f"{100 * (s - g) / s:.2f}")' "$sent" "$got") "
+    rss[$f]+="$(awk '/VmRSS/ {printf "%.1f", $2 / 1024}' /proc/"$daemon"/status) "
+    stop_daemon
+  done
+done
+m() { tr ' ' '\n' <<<"$1" | grep . | median; }
+first=${FLOWS%% *}
+printf 'UDP 64 bytes at %s datagrams/s, %s s, default modules, %s worker(s): medians of %s rounds\n' "$PPS" "$SECS" "$WORKERS" "$RUNS"
+printf '%10s %14s %10s %12s %10s\n' flows "ns/packet" "x first" "lost %" "RSS MiB"
+for f in $FLOWS; do
+  c=$(m "${cost[$f]}")
+  printf '%10s %14.0f %10.2f %12.2f %10.1f\n' "$f" "$c" "$(python3 -c 'import sys; print(float(sys.argv[1]) / float(sys.argv[2]))' "$c" "$(m "${cost[$first]}")")" \
+    "$(m "${loss[$f]}")" "$(m "${rss[$f]}")"
+done
+for f in $FLOWS; do echo "rounds $f: ns/packet ${cost[$f]}| lost % ${loss[$f]}| RSS ${rss[$f]}"; done
+echo "code version: $(git rev-parse --short HEAD)$(git diff --quiet || echo -dirty), fs $fs"

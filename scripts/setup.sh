@@ -5,8 +5,10 @@ set -euo pipefail
 # chromium and chromium-driver: tests/web_e2e.rs drives the web view (--web) in a headless browser.
 # man-db: tests/manual.rs and scripts/deb.sh render the generated man pages; dpkg-dev: deb.sh runs dpkg-shlibdeps.
 # openssl: tests/services_e2e.rs makes certificates and runs s_server for the tls service.
+# tcpdump: tests/services_e2e.rs captures the link; libzstd-dev, libssl-dev: bench/svc_app.c (bench-services.sh and
+# tests/services_e2e.rs build it).
 # slirp4netns, passt (pasta): scripts/bench-hostpath.sh measures them beside `flexstack run`.
-packages=(iproute2 iputils-ping curl python3 iperf3 dnsutils dnsmasq-base nftables conntrack tshark procps nginx-light wrk prometheus chromium chromium-driver man-db dpkg-dev openssl slirp4netns passt)
+packages=(iproute2 iputils-ping curl python3 iperf3 dnsutils dnsmasq-base nftables conntrack tshark procps nginx-light wrk prometheus chromium chromium-driver man-db dpkg-dev openssl tcpdump libzstd-dev libssl-dev slirp4netns passt)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -635,3 +635,122 @@ fn compress_taken_out_and_put_back_while_flows_run_keeps_both_directions_intact(
     assert_eq!(lab.connections(), 0, "both closed: every ack found its way back");
     assert_eq!(lab.meter("module.t.stream_bad_total") + lab.meter("module.o.stream_bad_total"), 0, "no ack was wrong");
 }
+
+#[test]
+fn every_switchable_service_leaves_and_rejoins_running_flows_by_its_active_knob() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = format!("path={:?}", dir.path().display().to_string());
+    let mut lab = chained(&[
+        ("i", "inspect", args(&["patterns=[\"count literal fox\"]"])),
+        ("s", "shape", args(&["rate=400000"])),
+        ("r", "record", args(&[&path])),
+        ("n", "null", vec![]),
+    ]);
+    let (srv, cli) = lab.pair();
+    let (up, down) = (text_bytes(1_000_000), text_bytes(200_000));
+    let mut c = Pump::new(down.clone(), true);
+    let mut s = Pump::new(up.clone(), true);
+    let (mut flips, mut last) = (0u32, 0usize);
+    let mut elapsed = 0;
+    let done = lab.until(20_000, |lab| {
+        elapsed += 1;
+        c.drive(lab.app.tcp(cli));
+        s.drive(lab.server.tcp(srv));
+        // Each time bytes reached the app, every service leaves the path or comes back.
+        if c.got.len() > last {
+            last = c.got.len();
+            let on = Value::Bool(flips % 2 == 1);
+            for m in ["i", "s", "r", "n"] {
+                set_knob(lab, m, "active", on.clone());
+            }
+            flips += 1;
+        }
+        c.got.len() == up.len() && s.got.len() == down.len()
+    });
+    assert!(done, "client got {} server got {} after {flips} flips", c.got.len(), s.got.len());
+    assert!(flips >= 10, "{flips} flips");
+    assert!(c.got == up && s.got == down, "both directions intact");
+    let total = (up.len() + down.len()) as u64;
+    let scanned = lab.meter("module.i.bytes_scanned_total");
+    assert!(scanned > 0 && scanned < total, "inspect searched part of the bytes: {scanned} of {total}");
+    let (n_up, n_down) = (lab.meter("module.n.bytes_up_total"), lab.meter("module.n.bytes_down_total"));
+    assert!(n_up > 0 && n_up < up.len() as u64, "null counted part of the bytes up: {n_up}");
+    assert!(n_down <= down.len() as u64, "{n_down}");
+    // At 400 kB/s the megabyte up would take 2.5 s with shape always in the path.
+    assert!(elapsed < 2_200, "shape let part through unshaped: {elapsed} ms");
+    // record wrote the chunks that passed while it was in the path, and kept the flow's files open.
+    let ups: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "up"))
+        .collect();
+    assert_eq!(ups.len(), 1, "{ups:?}");
+    let recorded = std::fs::metadata(&ups[0]).unwrap().len();
+    assert!(recorded > 0 && recorded < up.len() as u64, "record wrote part of the bytes up: {recorded}");
+    lab.run(12_000);
+    assert_eq!(lab.connections(), 0, "both closed");
+    assert_eq!(lab.meter("module.t.stream_bad_total") + lab.meter("module.o.stream_bad_total"), 0, "no ack was wrong");
+}
+
+/// A self-signed certificate for `ip` and its key, PEM files in `dir`, made by openssl.
+fn self_signed(dir: &std::path::Path, ip: &str) -> (String, String) {
+    let (cert, key) = (dir.join("c.pem"), dir.join("k.pem"));
+    let out = std::process::Command::new("openssl")
+        .args(["req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1"])
+        .args(["-subj", "/CN=t", "-addext", &format!("subjectAltName=IP:{ip}"), "-keyout"])
+        .arg(&key)
+        .arg("-out")
+        .arg(&cert)
+        .output()
+        .expect("openssl");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    (cert.display().to_string(), key.display().to_string())
+}
+
+#[test]
+fn tls_refuses_to_leave_the_path_and_a_failure_sends_the_alert_then_the_close() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cert, key) = self_signed(dir.path(), "10.0.0.2");
+    let (c, k) = (format!("cert={cert:?}"), format!("key={key:?}"));
+    let e = configure_error("tls", &["mode=\"server\"", &c, &k, "active=false"]);
+    assert!(e.contains("tls cannot leave a running flow's path"), "{e}");
+    let (mut sw, log) = alone("tls", &["mode=\"server\"", &c, &k]);
+    // The switch reports a knob its module refused as a note of the edit.
+    let notes =
+        sw.apply(vec![Edit::SetKnob { module: "m".into(), knob: "active".into(), value: Value::Bool(false) }]).unwrap();
+    let e = notes.join("\n");
+    assert!(e.contains("tls cannot leave a running flow's path"), "{e}");
+    sw.apply(vec![Edit::SetKnob { module: "m".into(), knob: "active".into(), value: Value::Bool(true) }]).unwrap();
+    // A network client (server role: its frames come up) sends garbage instead of a ClientHello.
+    let pool = sw.pool().clone();
+    let info = FlowInfo::tcp("192.0.2.1:40000".parse().unwrap(), "10.0.0.2:8443".parse().unwrap(), "app", Role::Server);
+    let garbage = b"GET / HTTP/1.0 this is not a ClientHello\r\n";
+    let mut b: Batch = vec![
+        StreamFrame::open(&pool, 1, Direction::Up, &info).into(),
+        StreamFrame::data(&pool, 1, Direction::Up, garbage).into(),
+    ];
+    sw.inject("m", "in", &mut b).unwrap();
+    sw.run(Time::from_millis(1));
+    let seen = take(&log);
+    let order: Vec<(u64, Direction)> = seen.iter().map(|s| (kind_of(s), s.direction)).collect();
+    // Open passed; then the alert down, the close down, the app's end aborted.
+    assert_eq!(
+        order,
+        [(1, Direction::Up), (2, Direction::Down), (3, Direction::Down), (4, Direction::Up)],
+        "{order:?}"
+    );
+    assert_eq!(seen[1].data[0], 21, "an alert record: {:?}", seen[1].data);
+    assert_eq!(meter(&sw, "module.m.failures_total"), 1);
+    // What the client sends until it closes is acked and dropped; its Fin ends the flow.
+    let mut b: Batch = vec![
+        StreamFrame::data(&pool, 1, Direction::Up, b"more").into(),
+        StreamFrame::fin(&pool, 1, Direction::Up).into(),
+    ];
+    sw.inject("m", "in", &mut b).unwrap();
+    sw.run(Time::from_millis(2));
+    let seen = take(&log);
+    let order: Vec<(u64, Direction)> = seen.iter().map(|s| (kind_of(s), s.direction)).collect();
+    assert_eq!(order, [(5, Direction::Down)], "only an ack of the 4 bytes: {order:?}");
+    assert_eq!(seen[0].meta.get(MetaKey::STREAM).unwrap() >> 8, 4);
+    assert_eq!(meter(&sw, "module.m.selected_flows_active"), 0, "the flow ended");
+}

@@ -20,6 +20,7 @@
 //!   ends need not be switched together; both start framed, and a flow opened while inactive begins with the end
 //!   mark (docs/services.md, "Changing services while flows run").
 
+use super::active;
 use super::flows::{
     ack, read_select, slot, translate_ack, Flows, HandedFlows, Seen, SelectRule, SelectionMeters, SELECT, SELECT_DOC,
 };
@@ -78,12 +79,7 @@ const DECL: KindDecl<Config, Meters> = KindDecl {
         )
         .setting(),
         P::u64("level", "", "zstd's compression level (higher: smaller and slower)", 3, field!(level)).range(1.0, 19.0),
-        P::bool(
-            "active",
-            "false: out of its flows' paths, bytes pass as they are (running flows switch at a mark in the stream)",
-            true,
-            field!(active),
-        ),
+        active::param(field!(active)),
         P::manual(SELECT, "array of strings", SELECT_DOC, "[\"use *\"]"),
     ],
     meters: &[

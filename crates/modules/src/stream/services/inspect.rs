@@ -13,7 +13,11 @@
 //! each new chunk, so a match up to `window` bytes long is found wherever the chunks were cut; a match is reported
 //! when it ends in the new chunk (so once). Memory: two tails of at most `window` bytes per flow, and one scratch
 //! buffer. Frames of flows its `select` rules left out pass unexamined.
+//!
+//! `active` is a knob: false takes it out of its flows' paths (their bytes pass unexamined, and the tails are
+//! dropped, so no match spans the time it was out); true searches again from the next chunk.
 
+use super::active;
 use super::flows::{read_select, slot, Flows, HandedFlows, Seen, SelectRule, SelectionMeters, SELECT, SELECT_DOC};
 use crate::stream::{BOTH_WAYS_IN, BOTH_WAYS_OUT};
 use flexstack_core::module::handed_over;
@@ -39,6 +43,7 @@ pub struct InspectKind;
 /// Settings.
 struct Config {
     window: u64,
+    active: bool,
 }
 
 type P = Param<Config>;
@@ -62,6 +67,7 @@ const DECL: KindDecl<Config, Meters> = KindDecl {
         )
         .range(1.0, 65536.0)
         .setting(),
+        active::param(field!(active)),
         P::manual(SELECT, "array of strings", SELECT_DOC, "[\"use *\"]"),
     ],
     meters: &[
@@ -172,7 +178,7 @@ impl ModuleKind for InspectKind {
 
     fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
         let mut r = settings.reader(KIND);
-        let mut cfg = Config { window: 0 };
+        let mut cfg = Config { window: 0, active: true };
         DECL.read(&mut r, &mut cfg)?;
         let texts = r.strings("patterns")?.unwrap_or_default();
         if texts.len() > MAX_RULES {
@@ -210,6 +216,7 @@ impl ModuleBuilder for InspectBuilder {
         let per_rule = (1..=self.rules.len()).map(|n| vars.meter(&format!("rule{n}_matches_total"))).collect();
         Box::new(Inspect {
             window: self.cfg.window as usize,
+            cfg: self.cfg,
             rules: self.rules,
             per_rule,
             m: DECL.meters(vars),
@@ -221,6 +228,7 @@ impl ModuleBuilder for InspectBuilder {
 
 /// A running `inspect`.
 pub struct Inspect {
+    cfg: Config,
     window: usize,
     rules: Vec<Rule>,
     per_rule: Vec<Meter>,
@@ -275,6 +283,7 @@ impl Module for Inspect {
                 continue;
             };
             match self.flows.see(&p, |_| [Vec::new(), Vec::new()]).0 {
+                Seen::Data(_) if !self.cfg.active => {}
                 Seen::Data(flow) if self.scan(flow, p.direction(), p.data(), out) => {
                     self.m.closed.add(1);
                     tracing::info!(flow, "inspect: closing the flow");
@@ -288,6 +297,16 @@ impl Module for Inspect {
             }
             out.emit(0, p);
         }
+    }
+
+    fn write_knob(&mut self, knob: &str, value: &Value) -> Result<(), String> {
+        DECL.write(&mut self.cfg, knob, value)?;
+        if !self.cfg.active {
+            for (_, tails) in self.flows.iter_mut() {
+                *tails = Default::default();
+            }
+        }
+        Ok(())
     }
 
     fn take_state(&mut self) -> Option<Box<dyn std::any::Any>> {

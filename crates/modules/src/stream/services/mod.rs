@@ -10,7 +10,7 @@
 //! | [`compress`] `compress` | zstd blocks, length-prefixed; `mode = "decompress"` restores them |
 //! | [`tls`] `tls` | TLS client: the app's plaintext reaches a TLS server (rustls) |
 //!
-//! What they share lives here: in [`flows`]: the selection rules (`SelectRule`, setting `select`), the table of the flows a
+//! What they share lives here: in [`active`], their knob `active` (out of their flows' paths, and back); in [`flows`]: the selection rules (`SelectRule`, setting `select`), the table of the flows a
 //! service works on (`Flows`), their meters (`SelectionMeters`), and the chain of an app's services between its
 //! endpoints ([`chain_links`]). [`file`](mod@file) reads the services files of `flexstack run --services` (FreeNA's
 //! configuration files).
@@ -21,6 +21,7 @@
 //! its own output first, as layers do; services therefore declare `breaks_cycles` (frames never loop: each hop is
 //! one way).
 
+pub mod active;
 pub mod compress;
 pub mod file;
 pub mod flows;

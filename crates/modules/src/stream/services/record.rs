@@ -5,13 +5,15 @@
 //! <length>` for each chunk (the time it passed, in the data plane's clock, in nanoseconds; the offset of its first
 //! byte in that direction's file), `<ns> fin down|up`, `<ns> end <how>`; the index lines start with the time too.
 //! Bounds, flushing and errors as `stream-tap` (docs/modules.md): at most `max_flows` flows at once, three files
-//! each.
+//! each. `active` is a knob: false writes no chunk (the flows' files stay open; the chunks that pass meanwhile are
+//! missing from them, their `.times` lines too), true records again from the next chunk.
 
+use super::active;
 use super::flows::{read_select, Flows, Seen, SelectRule, SelectionMeters, SELECT, SELECT_DOC};
 use crate::stream::tap::{open_folder, Config, FlowFiles, Meters, MAX_FLOWS, METERS, PATH};
 use crate::stream::{BOTH_WAYS_IN, BOTH_WAYS_OUT};
 use flexstack_core::{
-    kind_from_decl, Batch, ConfigError, Frame, KindDecl, Module, ModuleBuilder, ModuleInterface, ModuleKind,
+    field, kind_from_decl, Batch, ConfigError, Frame, KindDecl, Module, ModuleBuilder, ModuleInterface, ModuleKind,
     ModuleVars, Output, Param, Settings, Time, Value,
 };
 use std::fs::File;
@@ -26,7 +28,13 @@ pub struct RecordKind;
 const DECL: KindDecl<Config, Meters> = KindDecl {
     inputs: BOTH_WAYS_IN,
     outputs: BOTH_WAYS_OUT,
-    params: &[PATH, MAX_FLOWS, Param::manual(SELECT, "array of strings", SELECT_DOC, "[\"use *\"]")],
+    params: &[
+        PATH,
+        MAX_FLOWS,
+        // `stream-tap`'s `enabled` is its `active`.
+        active::param(field!(enabled)),
+        Param::manual(SELECT, "array of strings", SELECT_DOC, "[\"use *\"]"),
+    ],
     meters: METERS,
     more_meters: SelectionMeters::specs,
     breaks_cycles: true,
@@ -80,11 +88,12 @@ pub struct Record {
 
 impl Module for Record {
     fn process(&mut self, _port: usize, input: &mut Batch, out: &mut Output<'_>) {
-        let flows = &mut self.flows;
+        let (flows, active) = (&mut self.flows, self.cfg.enabled);
         self.files.pass(input, out, self.cfg.max_flows, |f| {
             let Frame::Data(p) = f else { return false };
             match flows.see(p, |_| ()).0 {
-                Seen::Opened(..) | Seen::Aborted(_) | Seen::Data(_) => true,
+                Seen::Data(_) => active,
+                Seen::Opened(..) | Seen::Aborted(_) => true,
                 Seen::Fin(flow) => {
                     flows.fin(flow, p.direction());
                     true

@@ -10,8 +10,10 @@
 //!   are never held. An `Abort` passes at once and discards what was held for the flow.
 //! - Bounds: it holds at most what the producer upstream may have in flight, the flow's budget (256 KiB by default,
 //!   docs/streams.md) per direction, since it passes acks unchanged and only bytes that left it are acked.
-//! - `rate` and `burst` are knobs (`rate = 0`: no limit, everything held leaves at once).
+//! - `rate` and `burst` are knobs (`rate = 0`: no limit, everything held leaves at once); so is `active` (false:
+//!   out of the path, as at `rate = 0`; true: the buckets apply again, starting full).
 
+use super::active;
 use super::flows::{read_select, slot, Flows, HandedFlows, Seen, SelectRule, SelectionMeters, SELECT, SELECT_DOC};
 use crate::stream::{u64_meters, BOTH_WAYS_IN, BOTH_WAYS_OUT};
 use flexstack_core::module::handed_over;
@@ -36,6 +38,7 @@ struct Config {
     rate: u64,
     burst: u64,
     per_app: bool,
+    active: bool,
 }
 
 type P = Param<Config>;
@@ -69,6 +72,7 @@ const DECL: KindDecl<Config, Meters> = KindDecl {
             },
         )
         .setting(),
+        active::param(field!(active)),
         P::manual(SELECT, "array of strings", SELECT_DOC, "[\"use *\"]"),
     ],
     meters: u64_meters![
@@ -98,7 +102,7 @@ impl ModuleKind for ShapeKind {
 
     fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
         let mut r = settings.reader(KIND);
-        let mut cfg = Config { rate: 0, burst: 0, per_app: false };
+        let mut cfg = Config { rate: 0, burst: 0, per_app: false, active: true };
         DECL.read(&mut r, &mut cfg)?;
         let rules = read_select(&mut r)?;
         r.finish()?;
@@ -182,7 +186,9 @@ pub struct Shape {
 impl Shape {
     /// Sends what the buckets allow; returns when to look again, if anything still waits.
     fn release(&mut self, now: Time, out: &mut Output<'_>) -> Option<Time> {
-        let (rate, burst, per_app) = (self.cfg.rate, self.cfg.burst, self.cfg.per_app);
+        // Out of the path: no limit.
+        let rate = if self.cfg.active { self.cfg.rate } else { 0 };
+        let (burst, per_app) = (self.cfg.burst, self.cfg.per_app);
         let mut next: Option<Duration> = None;
         for d in 0..2 {
             let mut blocked = 0;
@@ -290,7 +296,16 @@ impl Module for Shape {
     }
 
     fn write_knob(&mut self, knob: &str, value: &Value) -> Result<(), String> {
-        DECL.write(&mut self.cfg, knob, value)
+        let was = self.cfg.active;
+        DECL.write(&mut self.cfg, knob, value)?;
+        if self.cfg.active && !was {
+            // Back in the path: the buckets start full, as new ones do (no debt from the time out of it).
+            self.app = Default::default();
+            for (_, st) in self.flows.iter_mut() {
+                st.bucket = Default::default();
+            }
+        }
+        Ok(())
     }
 
     fn take_state(&mut self) -> Option<Box<dyn std::any::Any>> {

@@ -13,12 +13,18 @@
 //!   encrypted; the server's bytes coming up are decrypted.
 //! - Acks: the lengths change, so it keeps an `AckMap` per direction (docs/streams.md). Plaintext the app sends
 //!   during the handshake waits inside rustls and is mapped to the records that carry it once they leave.
-//! - Failures: a handshake or record that fails (bad certificate, garbage, an alert from the server) aborts the flow
-//!   both ways (reason `tls`), after sending the server the alert rustls chose; counted in `failures_total`, and
-//!   logged with the flow and the error (which names the alert).
+//! - Failures: a handshake or record that fails (bad certificate, garbage, an alert from the server) is counted in
+//!   `failures_total` and logged with the flow and the error (which names the alert). The network's end gets the
+//!   alert rustls chose, then the close (`Fin` down: `originate` sends the alert, then FIN, so the peer reads the
+//!   alert first), and the app's end an `Abort` (reason `tls`); the flow stays, failed, until the network's end
+//!   closes too (what it sends meanwhile is acked and dropped). Without an alert to send (rustls has none, or the
+//!   app's `Fin` went already) the flow is aborted both ways.
 //! - A `Fin` going down sends `close_notify` first; the server's `close_notify` is answered with ours and ends the
 //!   direction for the app (`Fin` up; the transport's own `Fin` after it is not passed again).
+//! - `active` cannot be false: a running flow cannot leave TLS without the peer's agreement (the knob exists, so
+//!   that `service list` shows it and a write says why it is refused).
 
+use super::active::{self, refuse_inactive, TLS_REFUSAL};
 use super::flows::{
     ack, read_select, translate_ack, Flows, HandedFlows, Seen, SelectRule, SelectionMeters, SELECT, SELECT_DOC,
 };
@@ -27,7 +33,7 @@ use flexstack_core::module::handed_over;
 use flexstack_core::stream::{AckMap, FlowInfo, StreamFrame};
 use flexstack_core::{
     kind_from_decl, Batch, ConfigError, Direction, Frame, KindDecl, Meter, MeterDecl, Module, ModuleBuilder,
-    ModuleInterface, ModuleKind, ModuleVars, Output, Param, Settings,
+    ModuleInterface, ModuleKind, ModuleVars, Output, Param, Settings, Value,
 };
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
@@ -41,7 +47,12 @@ pub const KIND: &str = "tls";
 /// The `tls` module kind.
 pub struct TlsKind;
 
-const DECL: KindDecl<(), Meters> = KindDecl {
+/// Its knob: `active`, always true.
+struct Knobs {
+    active: bool,
+}
+
+const DECL: KindDecl<Knobs, Meters> = KindDecl {
     inputs: BOTH_WAYS_IN,
     outputs: BOTH_WAYS_OUT,
     params: &[
@@ -75,6 +86,7 @@ const DECL: KindDecl<(), Meters> = KindDecl {
             "client mode: the name the server's certificate must carry (default: its IP address)",
             "the destination's address",
         ),
+        active::param(flexstack_core::field!(active)),
         Param::manual(SELECT, "array of strings", SELECT_DOC, "[\"use *\"]"),
     ],
     meters: &[
@@ -146,6 +158,11 @@ impl ModuleKind for TlsKind {
             }
             other => return Err(r.error("mode", format!("expected client or server, got {other:?}"))),
         };
+        let mut knobs = Knobs { active: true };
+        DECL.read(&mut r, &mut knobs)?;
+        if !knobs.active {
+            return Err(r.error(active::ACTIVE, TLS_REFUSAL));
+        }
         let select = read_select(&mut r)?;
         r.finish()?;
         Ok(Box::new(TlsBuilder { config, select }))
@@ -180,10 +197,11 @@ struct TlsBuilder {
 
 impl ModuleBuilder for TlsBuilder {
     fn interface(&self) -> ModuleInterface {
-        DECL.interface(&())
+        DECL.interface(&Knobs { active: true })
     }
 
     fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module> {
+        DECL.publish(&Knobs { active: true }, vars);
         Box::new(Tls {
             config: self.config,
             m: DECL.meters(vars),
@@ -201,6 +219,10 @@ struct Flow {
     handshaken: bool,
     /// The server's close_notify came: its direction ended (our `Fin` up went, the transport's is not passed).
     server_closed: bool,
+    /// A `Fin` went down (the app's, or ours after a failure).
+    fin_down: bool,
+    /// The flow failed: the alert and `Fin` went down, `Abort` up; the network's end is waited for.
+    failed: bool,
 }
 
 /// A running `tls`.
@@ -223,13 +245,22 @@ impl Tls {
         if let Some(c) = &mut conn {
             c.set_buffer_limit(None); // bounded by the producer's budget: plaintext is acked only once sent
         }
-        Flow { conn, acks: Default::default(), pending_plain: 0, handshaken: false, server_closed: false }
+        Flow {
+            conn,
+            acks: Default::default(),
+            pending_plain: 0,
+            handshaken: false,
+            server_closed: false,
+            fin_down: false,
+            failed: false,
+        }
     }
 
-    /// Sends what rustls has for the server (down), mapping it for the acks.
-    fn flush(&mut self, flow: u64, out: &mut Output<'_>) {
-        let Some(st) = self.flows.get_mut(flow) else { return };
-        let Some(conn) = &mut st.conn else { return };
+    /// Sends what rustls has for the server (down), mapping it for the acks; returns the bytes sent.
+    fn flush(&mut self, flow: u64, out: &mut Output<'_>) -> u64 {
+        let Some(st) = self.flows.get_mut(flow) else { return 0 };
+        let Some(conn) = &mut st.conn else { return 0 };
+        let mut sent = 0;
         while conn.wants_write() {
             let frame = StreamFrame::data_with(out.pool(), flow, Direction::Down, |b| {
                 b.clear();
@@ -239,6 +270,7 @@ impl Tls {
                 break;
             }
             let n = frame.len() as u64;
+            sent += n;
             self.m.tls.add(n);
             out.emit(0, frame);
             let input = if conn.is_handshaking() { 0 } else { std::mem::take(&mut st.pending_plain) };
@@ -249,14 +281,39 @@ impl Tls {
             st.handshaken = true;
             self.m.handshakes.add(1);
         }
+        sent
     }
 
-    /// Ends a flow that failed: the alert (if rustls has one) to the server, then aborts both ways.
+    /// Ends a flow that failed: the alert (if rustls has one) to the network's end, then the close; `Abort` to the
+    /// app's end (or both ways without an alert).
     fn fail(&mut self, flow: u64, why: &str, out: &mut Output<'_>) {
         tracing::warn!(flow, error = why, "tls: the flow failed");
-        self.flush(flow, out);
         self.m.failures.add(1);
-        self.flows.close(flow, KIND, out);
+        let alerted = self.flush(flow, out) > 0;
+        let Some(st) = self.flows.get_mut(flow) else { return };
+        if !alerted || st.fin_down {
+            self.flows.close(flow, KIND, out);
+            return;
+        }
+        (st.failed, st.fin_down, st.conn) = (true, true, None);
+        out.emit(0, StreamFrame::fin(out.pool(), flow, Direction::Down));
+        out.emit(0, StreamFrame::abort(out.pool(), flow, Direction::Up, KIND));
+        self.flows.fin(flow, Direction::Down);
+    }
+
+    /// A frame of a failed flow: the network's data is acked and dropped, its `Fin` ends the flow; the rest (the
+    /// app's frames still on their way, acks) is dropped.
+    fn after_failure(&mut self, flow: u64, p: &flexstack_core::Packet, out: &mut Output<'_>) {
+        if p.direction() != Direction::Up {
+            return;
+        }
+        match p.stream_kind() {
+            Some(flexstack_core::StreamKind::Data) => ack(out, flow, Direction::Down, p.len() as u64),
+            Some(flexstack_core::StreamKind::Fin) => {
+                self.flows.fin(flow, Direction::Up);
+            }
+            _ => {}
+        }
     }
 
     /// Takes TLS bytes from the server: emits the plaintext up, answers the handshake down.
@@ -314,7 +371,15 @@ impl Module for Tls {
             };
             let d = p.direction();
             let config = &self.config;
-            match self.flows.see(&p, |info| Tls::new_flow(config, info)).0 {
+            let (seen, gone) = self.flows.see(&p, |info| Tls::new_flow(config, info));
+            match seen {
+                Seen::Data(flow) | Seen::Ack(flow, _) | Seen::Fin(flow)
+                    if self.flows.get_mut(flow).is_some_and(|st| st.failed) =>
+                {
+                    self.after_failure(flow, &p, out); // `p` is consumed
+                }
+                // The network's end of a failed flow reset it: the app's end was aborted already.
+                Seen::Aborted(_) if gone.is_some_and(|st| st.failed) => {}
                 Seen::Opened(flow, _) => {
                     out.emit(0, p);
                     if self.flows.get_mut(flow).is_some_and(|st| st.conn.is_none()) {
@@ -329,7 +394,9 @@ impl Module for Tls {
                     st.pending_plain += p.len() as u64;
                     let written = st.conn.as_mut().map(|c| c.writer().write_all(p.data()));
                     match written {
-                        Some(Ok(())) => self.flush(flow, out),
+                        Some(Ok(())) => {
+                            self.flush(flow, out);
+                        }
                         Some(Err(e)) => self.fail(flow, &e.to_string(), out),
                         None => self.fail(flow, "no TLS connection", out),
                     }
@@ -350,8 +417,11 @@ impl Module for Tls {
                 }
                 Seen::Fin(flow) => {
                     if d == Direction::Down {
-                        if let Some(c) = self.flows.get_mut(flow).and_then(|st| st.conn.as_mut()) {
-                            c.send_close_notify();
+                        if let Some(st) = self.flows.get_mut(flow) {
+                            st.fin_down = true;
+                            if let Some(c) = st.conn.as_mut() {
+                                c.send_close_notify();
+                            }
                         }
                         self.flush(flow, out);
                     }
@@ -361,6 +431,11 @@ impl Module for Tls {
                 _ => out.emit(0, p),
             }
         }
+    }
+
+    fn write_knob(&mut self, knob: &str, value: &Value) -> Result<(), String> {
+        refuse_inactive(knob, value, TLS_REFUSAL)?;
+        DECL.write(&mut Knobs { active: true }, knob, value)
     }
 
     fn take_state(&mut self) -> Option<Box<dyn std::any::Any>> {

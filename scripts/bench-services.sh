@@ -1,0 +1,134 @@
+#!/usr/bin/env bash
+# Services overhead benchmark (issue 15, "Overhead": FreeNA's Tables 4 and 5). The same sandboxed client
+# (bench/svc_app.c, `flexstack run`) sends to the same server in a namespace joined to the host by a veth pair, over
+# a terminated flow (stacks/app-terminate.toml) with
+#   none      no service (the template's stream-pass)
+#   null1/4/16  chains of 1, 4 and 16 `null` services
+#   compress  the `compress` service (the server decodes its blocks)
+#   tls       the `tls` service, client mode (the server speaks TLS, OpenSSL)
+#   both      compress then tls
+# and, against these, the app doing the same work itself over the terminated flow with no service:
+#   app-zstd  the app compresses each write into one block of the same framing (libzstd, level 3)
+#   app-tls   the app speaks TLS (OpenSSL)
+#   app-both  both
+# Two workloads each: SMALL_N sends of 1,024 bytes (FreeNA: 300,000) and a bulk transfer of BULK_MB MiB in writes
+# of 64 KiB. The configurations alternate in every round; RUNS rounds; medians of the time (s) and Gbit/s printed,
+# with each configuration's cost in percent of `none`'s throughput and, for compress/tls/both, the ratio of the
+# app's own time to flexstack's. Targets: a `null` costs <= 1 % of `none`'s throughput; compress and tls within 5 %
+# of the app doing it. The data is text (zstd shrinks it about 4 times). Needs root.
+# PERF=file records a profile of the daemon during each configuration's bulk transfer (file.CONFIG; overwritten
+# each round). PROFILE (default release) the cargo profile built and run (FS=path runs that binary, unbuilt); CONFIGS picks
+# configurations (default: all, in the order above); NET the server's subnet 10.NET.7.0/24 (apps: 10.(NET+1).0.0/16).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RUNS=${RUNS:-5}
+SMALL_N=${SMALL_N:-300000}
+BULK_MB=${BULK_MB:-512}
+CONFIGS=${CONFIGS:-none null1 null4 null16 compress tls both app-zstd app-tls app-both}
+NET=${NET:-215}
+. scripts/lib/bench.sh # median, bench_setup, server_ns
+bench_setup bench-services "namespaces, TUN devices" cc openssl
+tag=fss$$
+state=$(mktemp -d)
+chmod 755 "$state"
+cleanup() {
+  [[ -n "${daemon:-}" ]] && kill "$daemon" 2>/dev/null && wait "$daemon" 2>/dev/null || true
+  server_ns_cleanup
+  rm -rf "$state"
+}
+trap cleanup EXIT INT TERM
+
+server_ns "$NET"
+srv=10.$NET.7.2
+cc -O2 -o "$state/svc_app" bench/svc_app.c -lzstd -lssl -lcrypto
+# A CA and the server's certificate for its address (EC P-256, as the tests make them).
+ec=(-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes)
+openssl req -x509 -days 1 -subj "/CN=bench CA" "${ec[@]}" -keyout "$state/ca.key" -out "$state/ca.pem" 2>/dev/null
+openssl req -subj "/CN=bench server" "${ec[@]}" -keyout "$state/srv.key" -out "$state/srv.csr" 2>/dev/null
+printf 'subjectAltName=IP:%s\nbasicConstraints=CA:FALSE\n' "$srv" > "$state/ext"
+openssl x509 -req -days 1 -in "$state/srv.csr" -CA "$state/ca.pem" -CAkey "$state/ca.key" -CAcreateserial \
+  -extfile "$state/ext" -out "$state/srv.pem" 2>/dev/null
+chmod 644 "$state"/*.pem
+# One server per mode: plain 9001, zstd 9002, tls 9003, tls+zstd 9004.
+port=9000
+for m in plain zstd tls tls+zstd; do
+  port=$((port + 1))
+  ip netns exec ${tag}s "$state/svc_app" server $port $m "$state/srv.pem" "$state/srv.key" 2>>"$state/server.log" &
+done
+for _ in $(seq 100); do [[ $(ip netns exec ${tag}s ss -Htln 'sport >= :9001 and sport <= :9004' | wc -l) == 4 ]] && break; sleep 0.05; done
+
+"$fs" daemon --state-dir "$state/d" --app-subnet 10.$((NET + 1)).0.0 2>"$state/daemon.log" &
+daemon=$!
+for _ in $(seq 200); do "$fs" --state-dir "$state/d" status >/dev/null 2>&1 && break; sleep 0.05; done
+
+# The services files: every TCP flow through the services.
+services() { # $1 = file name, then one kind (with its settings, TOML lines joined by ";") per argument
+  local f=$state/$1.toml
+  shift
+  printf '[[rule]]\nuse = true\ntransport = "tcp"\n' > "$f"
+  for s in "$@"; do printf '\n[[service]]\n%s\n' "${s//;/$'\n'}" >> "$f"; done
+  echo "$f"
+}
+nulls() { local n=$1 i a=(); for ((i = 0; i < n; i++)); do a+=("kind = \"null\""); done; services "null$n" "${a[@]}"; }
+nulls 1 >/dev/null; nulls 4 >/dev/null; nulls 16 >/dev/null
+services compress 'kind = "compress"' >/dev/null
+services tls "kind = \"tls\";ca = \"$state/ca.pem\"" >/dev/null
+services both 'kind = "compress"' "kind = \"tls\";ca = \"$state/ca.pem\"" >/dev/null
+
+# A configuration's `run` options, the app's mode and the server's port.
+config() {
+  case $1 in
+    none) echo "--stack stacks/app-terminate.toml plain 9001" ;;
+    null1 | null4 | null16) echo "--services $state/$1.toml plain 9001" ;;
+    compress) echo "--services $state/compress.toml plain 9002" ;;
+    tls) echo "--services $state/tls.toml plain 9003" ;;
+    both) echo "--services $state/both.toml plain 9004" ;;
+    app-zstd) echo "--stack stacks/app-terminate.toml zstd 9002" ;;
+    app-tls) echo "--stack stacks/app-terminate.toml tls 9003" ;;
+    app-both) echo "--stack stacks/app-terminate.toml tls+zstd 9004" ;;
+    *) echo "bench-services: unknown configuration $1" >&2; exit 2 ;;
+  esac
+}
+measure() { # $1 = configuration, $2 = sends, $3 = bytes each; prints "SECONDS BYTES"
+  local opt file mode p
+  read -r opt file mode p < <(config "$1")
+  "$fs" --state-dir "$state/d" run "$opt" "$file" -- "$state/svc_app" client $srv "$p" "$mode" "$2" "$3" "$state/ca.pem" ||
+    { echo "bench-services: $1 failed; the daemon's log ends:" >&2; tail -5 "$state/daemon.log" >&2; exit 1; }
+}
+
+bulk_n=$((BULK_MB * 16))
+declare -A results
+for r in $(seq "$RUNS"); do
+  for c in $CONFIGS; do
+    echo "bench-services: round $r/$RUNS, $c" >&2
+    results[small_$c]+="$(measure "$c" "$SMALL_N" 1024 | awk '{print $1}') "
+    if [[ -n "${PERF:-}" ]]; then # PERF=file: a profile of the daemon during the bulk transfer (file.CONFIG)
+      (sleep 0.5; perf record -q -g -o "$PERF.$c" -p "$daemon" -- sleep 2 2>/dev/null) &
+      perf=$!
+    fi
+    results[bulk_$c]+="$(measure "$c" "$bulk_n" 65536 | awk '{print $1}') "
+    [[ -n "${PERF:-}" ]] && wait "$perf"
+  done
+done
+med() { tr ' ' '\n' <<<"${results[$1]}" | grep . | median; }
+
+echo
+echo "services overhead, medians of $RUNS rounds: $SMALL_N sends of 1,024 bytes; $BULK_MB MiB in writes of 64 KiB"
+printf '%-10s %10s %10s %9s   %10s %10s %9s\n' configuration "small s" "Gbit/s" "vs none" "bulk s" "Gbit/s" "vs none"
+small_bytes=$((SMALL_N * 1024))
+bulk_bytes=$((bulk_n * 65536))
+for c in $CONFIGS; do
+  awk -v c="$c" -v s="$(med small_$c)" -v b="$(med bulk_$c)" -v sn="${results[small_none]:+$(med small_none)}" \
+    -v bn="${results[bulk_none]:+$(med bulk_none)}" -v sb="$small_bytes" -v bb="$bulk_bytes" 'BEGIN {
+      ps = (sn > 0) ? sprintf("%+8.1f%%", (sn / s - 1) * 100) : "        -"
+      pb = (bn > 0) ? sprintf("%+8.1f%%", (bn / b - 1) * 100) : "        -"
+      printf "%-10s %10.3f %10.3f %s   %10.3f %10.3f %s\n", c, s, sb * 8 / s / 1e9, ps, b, bb * 8 / b / 1e9, pb }'
+done
+echo "(vs none: the change of throughput against the terminated flow with no service; negative: slower)"
+for pair in compress:app-zstd tls:app-tls both:app-both; do
+  f=${pair%%:*} a=${pair##*:}
+  [[ -n "${results[small_$f]:-}" && -n "${results[small_$a]:-}" ]] || continue
+  awk -v f="$f" -v a="$a" -v fs="$(med small_$f)" -v as="$(med small_$a)" -v fb="$(med bulk_$f)" -v ab="$(med bulk_$a)" \
+    'BEGIN {printf "%s / %s (app time / flexstack time): small %.2f, bulk %.2f\n", f, a, as / fs, ab / fb}'
+done
+echo "code version: ${FS:-$(git rev-parse --short HEAD)$(git diff --quiet || echo -dirty)}; $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg)"

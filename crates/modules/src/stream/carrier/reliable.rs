@@ -235,7 +235,7 @@ impl Sender {
                 self.rttvar = rtt / 2;
             }
             Some(s) => {
-                let diff = if s > rtt { s - rtt } else { rtt - s };
+                let diff = s.abs_diff(rtt);
                 self.rttvar = (self.rttvar * 3 + diff) / 4;
                 self.srtt = Some((s * 7 + rtt) / 8);
             }
@@ -362,7 +362,8 @@ mod tests {
         let start = Instant::now();
         let mut now = start;
         let mut wire: Vec<(Instant, u64, Vec<u8>)> = Vec::new();
-        let mut acks: Vec<(Instant, (u64, u32, Vec<(u64, u64)>))> = Vec::new();
+        type Ack = (u64, u32, Vec<(u64, u64)>);
+        let mut acks: Vec<(Instant, Ack)> = Vec::new();
         let (mut got, mut count) = (Vec::new(), 0);
         let mut buf = Vec::new();
         while got.len() < n {

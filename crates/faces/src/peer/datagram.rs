@@ -378,6 +378,19 @@ fn send_item(socket: &UdpSocket, s: &mut Sess, item: &Item<'_>, m: &Meters, now:
     }
 }
 
+/// Sends what the reliable stream of session `s` may send now.
+fn pump(socket: &UdpSocket, s: &mut Sess, m: &Meters, now: Instant) {
+    if s.keys.is_none() {
+        return;
+    }
+    let mut seg = Vec::new();
+    while let Some(offset) = s.tx.poll(now, &mut seg) {
+        let bytes = std::mem::take(&mut seg);
+        send_item(socket, s, &Item::Segment { offset, bytes: &bytes }, m, now, false);
+        seg = bytes;
+    }
+}
+
 /// Statistics of the sessions that are gone.
 #[derive(Default, Clone, Copy)]
 struct Totals {
@@ -588,6 +601,8 @@ impl Dgram {
         }
         // A sealed datagram: the session's keys, or those of an answered `Init` from the same address.
         let token = self.by_addr.get(&from).copied();
+        // Opening fails in place: an answered `Init` from the same address gets its own copy.
+        let mut backup = self.pending.contains_key(&from).then(|| buf.to_vec());
         let mut opened = None;
         if let Some(s) = token.and_then(|t| self.conns.get_mut(&t)) {
             if let Some(keys) = s.keys.as_mut() {
@@ -595,8 +610,8 @@ impl Dgram {
             }
         }
         if !matches!(opened, Some(Ok(_))) {
-            if let Some(p) = self.pending.get_mut(&from) {
-                if let Ok(plain) = p.keys.open(number, buf) {
+            if let (Some(p), Some(copy)) = (self.pending.get_mut(&from), backup.as_mut()) {
+                if let Ok(plain) = p.keys.open(number, copy) {
                     let plain = plain.to_vec();
                     let t = self.promote(now, from);
                     opened = Some(Ok((t, plain)));
@@ -748,6 +763,8 @@ impl Dgram {
             Item::Ping => s.rx.ack_due = true,
             Item::Close { reason } => return Err(End::Closed(format!("the peer closed: {reason}"))),
             Item::Datagram { flow, payload } => {
+                self.m.frames_in.add(1);
+                self.m.bytes_in.add((dgram::SEALED_HEAD + payload.len()) as u64);
                 if s.up && s.udp.contains(&flow) {
                     self.frame_in(token, flow, StreamKind::Data, 0, payload);
                 } else {
@@ -755,6 +772,8 @@ impl Dgram {
                 }
             }
             Item::Numbered { flow, seq, payload } => {
+                self.m.frames_in.add(1);
+                self.m.bytes_in.add((dgram::SEALED_HEAD + payload.len()) as u64);
                 if !(s.up && s.udp.contains(&flow)) {
                     self.m.orphans.add(1);
                     return Ok(());
@@ -972,10 +991,12 @@ impl Dgram {
             return; // acks of datagrams received: the sender acked them when it sent them
         }
         if udp && kind == StreamKind::Data {
+            // The flow's `Open` (on the stream) goes first, so that the peer knows the flow when its datagram comes.
+            pump(&self.socket, s, &self.m, now);
             if data.len() > MAX_APP_DATAGRAM {
                 self.m.datagrams_dropped.add(1);
             } else if plus {
-                let (seq, parity) = s.plus_tx.entry(wire_flow).or_default().send(data, arq, fec_k);
+                let (seq, parity) = s.plus_tx.entry(wire_flow).or_default().send(now, data, arq, fec_k);
                 send_item(&self.socket, s, &Item::Numbered { flow: wire_flow, seq, payload: data }, &self.m, now, true);
                 if let Some(p) = parity {
                     let item =
@@ -1006,16 +1027,11 @@ impl Dgram {
 
     /// What the sessions' streams may send now, and their due acks.
     fn transmit(&mut self, now: Instant) {
-        let mut seg = Vec::new();
         for s in self.conns.values_mut() {
             if s.keys.is_none() {
                 continue;
             }
-            while let Some(offset) = s.tx.poll(now, &mut seg) {
-                let bytes = std::mem::take(&mut seg);
-                send_item(&self.socket, s, &Item::Segment { offset, bytes: &bytes }, &self.m, now, false);
-                seg = bytes;
-            }
+            pump(&self.socket, s, &self.m, now);
             if s.rx.ack_due {
                 let (cum, window, sacks) = s.rx.ack();
                 s.segs_unacked = 0;
@@ -1032,6 +1048,12 @@ impl Dgram {
             s.tx.on_timeout(now);
             if s.keys.is_none() {
                 continue;
+            }
+            let flows: Vec<u64> = s.plus_tx.keys().copied().collect();
+            for flow in flows {
+                let Some(p) = s.plus_tx.get_mut(&flow).and_then(|t| t.flush(now)) else { continue };
+                let item = Item::Parity { flow, first: p.first, k: p.k, len_xor: p.len_xor, bytes: &p.bytes };
+                send_item(&self.socket, s, &item, &self.m, now, false);
             }
             if arq {
                 let rtt = s.rtt();
@@ -1051,7 +1073,7 @@ impl Dgram {
         }
     }
 
-    /// The timerfd at the earliest timer: retransmission, a NACK (5 ms while datagrams are missing), the `Init`.
+    /// The timerfd at the earliest timer: retransmission, a NACK, an FEC group's tail, the `Init`.
     fn arm_timer(&mut self, now: Instant) {
         let mut next: Option<Instant> = None;
         let mut at = |t: Instant| next = Some(next.map_or(t, |n| n.min(t)));
@@ -1062,8 +1084,13 @@ impl Dgram {
             if let Some(d) = &s.dial {
                 at(d.next_send);
             }
-            if self.cfg.arq && s.plus_rx.values().any(|r| r.missing() > 0) {
-                at(now + Duration::from_millis(5));
+            for t in s.plus_tx.values().filter_map(PlusTx::flush_at) {
+                at(t);
+            }
+            if self.cfg.arq {
+                for t in s.plus_rx.values().filter_map(PlusRx::next_nack) {
+                    at(t);
+                }
             }
         }
         if next == self.timer_at {

@@ -18,7 +18,10 @@ pub const KEEP: usize = 256;
 /// Most numbers one gap makes missing (a larger jump counts the rest as lost).
 pub const MAX_GAP: u32 = 256;
 /// NACKs per missing datagram.
-pub const NACK_TRIES: u8 = 3;
+pub const NACK_TRIES: u8 = 5;
+/// A group not full this long after its first datagram is closed with the parity of what it has (a stream's tail
+/// is protected too, and the receiver learns of the numbers it misses there).
+pub const GROUP_WAIT: Duration = Duration::from_millis(20);
 
 /// A parity to send: the XOR of the group's datagrams.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -49,12 +52,14 @@ pub struct PlusTx {
     next: u32,
     history: VecDeque<(u32, Vec<u8>)>,
     group: Option<Parity>,
+    /// When the open group got its first datagram.
+    group_at: Option<Instant>,
 }
 
 impl PlusTx {
     /// Numbers `payload`: returns its number and, when it completes a group of `fec_k` (`Some` when `fec` is on),
     /// the group's parity. With `arq` the datagram is kept for retransmission.
-    pub fn send(&mut self, payload: &[u8], arq: bool, fec_k: Option<u8>) -> (u32, Option<Parity>) {
+    pub fn send(&mut self, now: Instant, payload: &[u8], arq: bool, fec_k: Option<u8>) -> (u32, Option<Parity>) {
         let seq = self.next;
         self.next = self.next.wrapping_add(1);
         if arq {
@@ -68,13 +73,29 @@ impl PlusTx {
             return (seq, None);
         };
         let g = self.group.get_or_insert_with(|| Parity { first: seq, k: 0, len_xor: 0, bytes: Vec::new() });
+        self.group_at.get_or_insert(now);
         g.k += 1;
         g.len_xor ^= payload.len() as u16;
         xor_into(&mut g.bytes, payload);
         if g.k >= k {
+            self.group_at = None;
             return (seq, self.group.take());
         }
         (seq, None)
+    }
+
+    /// When the open group is due to be closed ([`GROUP_WAIT`]).
+    pub fn flush_at(&self) -> Option<Instant> {
+        self.group_at.map(|t| t + GROUP_WAIT)
+    }
+
+    /// The parity of the open group if it is due (a group of one is its datagram again, which is fine).
+    pub fn flush(&mut self, now: Instant) -> Option<Parity> {
+        if self.flush_at().is_none_or(|t| now < t) {
+            return None;
+        }
+        self.group_at = None;
+        self.group.take().filter(|g| g.k >= 2)
     }
 
     /// A datagram asked for again, if still kept.
@@ -151,7 +172,18 @@ impl PlusRx {
             return None;
         }
         let absent: Vec<u32> = (first..end).filter(|s| !self.seen.contains(s)).collect();
-        let [gone] = absent[..] else { return None };
+        let [gone] = absent[..] else {
+            // Two or more missing: at least the receiver now knows of those at the stream's tail (to NACK).
+            if let Some(&last) = absent.last() {
+                if last >= self.next && last - self.next < MAX_GAP {
+                    for s in self.next..=last {
+                        self.missing.entry(s).or_insert(Miss { nacks: 0, next_at: now });
+                    }
+                    self.next = last + 1;
+                }
+            }
+            return None;
+        };
         let mut acc = bytes.to_vec();
         let mut len = len_xor;
         for s in (first..end).filter(|&s| s != gone) {
@@ -190,6 +222,11 @@ impl PlusRx {
         out
     }
 
+    /// When the next NACK is due (none when every missing number was asked for [`NACK_TRIES`] times).
+    pub fn next_nack(&self) -> Option<Instant> {
+        self.missing.values().filter(|m| m.nacks < NACK_TRIES).map(|m| m.next_at).min()
+    }
+
     /// Numbers missing now.
     pub fn missing(&self) -> usize {
         self.missing.len()
@@ -211,7 +248,7 @@ mod tests {
         let mut parities = Vec::new();
         let mut delivered = BTreeSet::new();
         for i in 0..40u32 {
-            let (seq, parity) = tx.send(&payload(i), false, Some(4));
+            let (seq, parity) = tx.send(now, &payload(i), false, Some(4));
             assert_eq!(seq, i);
             // One lost in every group of 4 (the last of the last group too).
             if i % 4 != 3 && rx.on_data(now, seq, &payload(i)) {
@@ -233,6 +270,24 @@ mod tests {
         rx.on_data(now, 3, &payload(3));
         let p = &parities[0];
         assert_eq!(rx.on_parity(now, p.first, p.k, p.len_xor, &p.bytes), None);
+        assert_eq!(rx.nacks(now, Duration::ZERO, 64), [1, 2], "the numbers the parity told of");
+    }
+
+    #[test]
+    fn a_groups_tail_is_closed_after_a_wait() {
+        let now = Instant::now();
+        let (mut tx, mut rx) = (PlusTx::default(), PlusRx::default());
+        for i in 0..6u32 {
+            let (_, parity) = tx.send(now, &payload(i), false, Some(4));
+            if i != 5 {
+                rx.on_data(now, i, &payload(i));
+            }
+            assert_eq!(parity.is_some(), i == 3);
+        }
+        assert!(tx.flush(now).is_none(), "not yet");
+        let p = tx.flush(tx.flush_at().expect("a group is open")).expect("the tail's parity");
+        assert_eq!((p.first, p.k), (4, 2));
+        assert_eq!(rx.on_parity(now, p.first, p.k, p.len_xor, &p.bytes), Some((5, payload(5))), "the lost last one");
     }
 
     #[test]
@@ -240,7 +295,7 @@ mod tests {
         let now = Instant::now();
         let (mut tx, mut rx) = (PlusTx::default(), PlusRx::default());
         for i in 0..10u32 {
-            let (seq, _) = tx.send(&payload(i), true, None);
+            let (seq, _) = tx.send(now, &payload(i), true, None);
             if ![2, 5, 6].contains(&i) {
                 assert!(rx.on_data(now, seq, &payload(i)));
             }
@@ -248,6 +303,7 @@ mod tests {
         let rtt = Duration::from_millis(10);
         assert_eq!(rx.nacks(now, rtt, 64), [2, 5, 6]);
         assert!(rx.nacks(now + Duration::from_millis(1), rtt, 64).is_empty(), "not again before a round trip");
+        assert_eq!(rx.next_nack(), Some(now + Duration::from_millis(15)));
         assert_eq!(rx.nacks(now + Duration::from_millis(20), rtt, 1), [2], "at most `max`");
         for s in [2, 5] {
             let p = tx.resend(s).expect("kept").to_vec();

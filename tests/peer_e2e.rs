@@ -548,9 +548,9 @@ fn make_lossy(r: &Rig) {
 }
 
 /// A UDP stream of [`STREAM_LEN`] numbered datagrams (200 bytes, one a millisecond) from app `app` (its stack
-/// `stack`) to a counter behind B; returns the distinct numbers and the datagrams the counter received, and A's
-/// `meters`.
-fn lossy_stream(r: &Rig, app: &str, stack: &std::path::Path, meters: &[&str]) -> (u64, u64, Vec<u64>) {
+/// `stack`, `before` run first in the app's shell) to a counter behind B; returns the distinct numbers and the
+/// datagrams the counter received, and A's `meters`.
+fn lossy_stream(r: &Rig, app: &str, stack: &std::path::Path, before: &str, meters: &[&str]) -> (u64, u64, Vec<u64>) {
     let out = r.dir.path().join(format!("count-{app}"));
     let counter = format!(
         "import os, socket\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\ns.bind(('{srv}', 9000))\n\
@@ -569,7 +569,7 @@ fn lossy_stream(r: &Rig, app: &str, stack: &std::path::Path, meters: &[&str]) ->
         r.srv
     );
     // The sleep: what is retransmitted arrives, and the meters are refreshed, before they are read.
-    let (run, m) = r.run_in(stack, app, &format!("python3 -c \"{sender}\"; sleep 2"), meters);
+    let (run, m) = r.run_in(stack, app, &format!("{before}\npython3 -c \"{sender}\"; sleep 2"), meters);
     assert!(run.status.success(), "{}", text(&run));
     // The counter writes what it has when nothing came for 0.3 s.
     let read = || std::fs::read_to_string(&out).unwrap_or_default();
@@ -594,7 +594,7 @@ fn lossy_stream(r: &Rig, app: &str, stack: &std::path::Path, meters: &[&str]) ->
 fn udp_loses_datagrams_on_a_lossy_link_and_tcp_still_arrives() {
     let Some(r) = Rig::with(10, true, UDP) else { return };
     make_lossy(&r);
-    let (distinct, total, _) = lossy_stream(&r, "udplossy", &r.stack, &["peer.flows_total"]);
+    let (distinct, total, _) = lossy_stream(&r, "udplossy", &r.stack, "", &["peer.flows_total"]);
     let n = u64::from(STREAM_LEN);
     assert!(distinct < n && distinct > n / 2, "udp loses some: {distinct} of {n}");
     assert_eq!(distinct, total, "no duplicates");
@@ -608,18 +608,20 @@ fn udp_loses_datagrams_on_a_lossy_link_and_tcp_still_arrives() {
 
 /// Over the same lossy link, `udpplus` with ARQ and FEC delivers every datagram of the stream, each once: lost
 /// ones are rebuilt from parities (`fec_recovered_total` at B) or asked for again (`nacks_total` at B) and resent
-/// (`retransmits_total` at A).
+/// (`retransmits_total` at A). FEC is off in the app's stack and turned on by its knob while the carrier runs.
 #[test]
 fn udpplus_with_arq_and_fec_delivers_a_whole_stream_on_a_lossy_link() {
     let Some(r) = Rig::with(11, true, UDPPLUS) else { return };
     make_lossy(&r);
-    let stack = r.stack_with("arq = true\nfec = true\nfec_k = 4");
-    let (distinct, total, m) = lossy_stream(&r, "pluslossy", &stack, &["peer.retransmits_total"]);
+    let stack = r.stack_with("arq = true\nfec = false\nfec_k = 4");
+    let knob =
+        format!("{} --state-dir {} set module.pluslossy-peer.fec true || exit 1", bin(), path_str(r.a.state.path()));
+    let (distinct, total, m) = lossy_stream(&r, "pluslossy", &stack, &knob, &["peer.retransmits_total"]);
     let n = u64::from(STREAM_LEN);
     assert_eq!(distinct, n, "udpplus delivers every datagram");
     assert_eq!(total, n, "each once");
     let (recovered, nacks) = (r.b_meter("fec_recovered_total"), r.b_meter("nacks_total"));
-    assert!(recovered > 0, "FEC rebuilt some: {recovered}");
+    assert!(recovered > 0, "FEC (turned on by its knob) rebuilt some: {recovered}");
     assert!(nacks > 0 && m[0] > 0, "ARQ asked for and resent the rest: {nacks} NACKs, {} resent", m[0]);
     assert_eq!(r.b_meter("datagrams_lost_total"), 0);
 }

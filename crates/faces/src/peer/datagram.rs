@@ -18,8 +18,8 @@
 //!   `replayed_total`; both are dropped and the session stays.
 
 use super::carrier::{
-    carrier_engine_common, check_open, epoll_with_kick, log_end, pop_ready, Builder, CarrierEngine, End, LogLimit,
-    Modes, Ready, HANDSHAKE_TIMEOUT, MAX_CONNECTIONS,
+    carrier_engine_common, check_hello, each_message, epoll_with_kick, log_end, pop_ready, Builder, CarrierEngine, End,
+    LogLimit, Modes, Ready, HANDSHAKE_TIMEOUT, MAX_CONNECTIONS,
 };
 use super::trust::{self, identity, report, Identity, Peer};
 use crate::stream::{EpollDevice, FrameEngine};
@@ -29,7 +29,7 @@ use flexstack_core::{Direction, ModuleBuilder, Packet};
 use flexstack_modules::stream::carrier::dgram::{self, Handshake, Item};
 use flexstack_modules::stream::carrier::plus::{PlusRx, PlusTx};
 use flexstack_modules::stream::carrier::reliable::{Receiver, Sender};
-use flexstack_modules::stream::carrier::{self, wire, CarrierRequest, Config, Meters, Router, Transport};
+use flexstack_modules::stream::carrier::{wire, CarrierRequest, Config, Meters, Router, Transport};
 use nix::sys::epoll::{EpollEvent, EpollFlags};
 use nix::sys::eventfd::EventFd;
 use nix::sys::socket::{setsockopt, sockopt};
@@ -809,39 +809,18 @@ impl Dgram {
     fn messages(&mut self, token: u64) -> Result<(), End> {
         let Some(s) = self.conns.get_mut(&token) else { return Ok(()) };
         let plain = std::mem::take(&mut s.plain);
-        let mut at = 0;
-        let result = loop {
-            let (m, used) = match wire::decode(&plain[at..]) {
-                Ok(Some(x)) => x,
-                Ok(None) => break Ok(()),
-                Err(e) => {
-                    let up = self.conns.get(&token).is_some_and(|c| c.up);
-                    break Err(if up { End::Malformed(e.to_string()) } else { End::Refused(format!("no hello: {e}")) });
-                }
-            };
-            self.m.frames_in.add(1);
-            self.m.bytes_in.add(used as u64);
-            at += used;
-            if let Err(e) = self.message(token, m) {
-                break Err(e);
-            }
-        };
-        if let Some(s) = self.conns.get_mut(&token) {
-            s.plain = plain[at..].to_vec();
-        }
-        result
+        let m = self.m.clone();
+        let (at, result) = each_message(&plain, &m, |msg| self.message(token, msg));
+        let Some(s) = self.conns.get_mut(&token) else { return result };
+        s.plain = plain[at..].to_vec();
+        result.map_err(|e| e.before_hello(s.up))
     }
 
     fn message(&mut self, token: u64, m: wire::Message<'_>) -> Result<(), End> {
         let kind_name = self.kind();
         let Some(s) = self.conns.get_mut(&token) else { return Ok(()) };
         if !s.up {
-            let wire::Message::Hello { version, .. } = m else {
-                return Err(End::Refused("the first message is not a hello".into()));
-            };
-            if version != wire::VERSION {
-                return Err(End::Refused(format!("version {version}, this daemon speaks {}", wire::VERSION)));
-            }
+            check_hello(&m)?;
             if matches!(self.mode, Mode::Accept { .. }) {
                 let mut hello = Vec::new();
                 wire::hello(&mut hello, &[kind_name]);
@@ -865,18 +844,18 @@ impl Dgram {
             wire::Message::Frame { flow, kind, ack, bytes } => (flow, kind, ack, bytes),
         };
         if matches!(self.mode, Mode::Accept { .. }) && kind == StreamKind::Open {
-            if let Some(abort) = check_open(&s.remote, flow, self.cfg.max_flows, &self.m)? {
-                s.write(&abort, &self.m);
-                return Ok(());
-            }
-            let info = FlowInfo::decode(bytes).map_err(|e| End::Malformed(format!("open: {e}")))?;
-            let local = self.mode.new_flow(token, flow);
-            s.remote.insert(flow, local);
+            let max = self.cfg.max_flows;
+            let (local, info) =
+                match self.mode.accept_open(token, &mut s.remote, flow, bytes, max, &self.m, &mut self.born)? {
+                    Ok(x) => x,
+                    Err(abort) => {
+                        s.write(&abort, &self.m);
+                        return Ok(());
+                    }
+                };
             if info.protocol == Protocol::Udp {
                 s.udp.insert(flow);
             }
-            self.m.flows.add(1);
-            self.born.push((local, carrier::tuple(&info)));
             self.push(local, kind, ack, bytes);
             return Ok(());
         }
@@ -887,28 +866,14 @@ impl Dgram {
     /// A frame of a known flow from the peer (from the stream, or a datagram's `Data`), towards the chain.
     fn frame_in(&mut self, token: u64, flow: u64, kind: StreamKind, ack: u64, bytes: &[u8]) {
         let Some(s) = self.conns.get_mut(&token) else { return };
-        match &mut self.mode {
-            Mode::Connect { router, .. } => {
-                if router.up(flow, kind) {
-                    if !router.carries(flow) {
-                        s.end_flow(flow);
-                    }
-                    self.push(flow, kind, ack, bytes);
-                } else {
-                    self.m.orphans.add(1);
-                }
-            }
-            Mode::Accept { .. } => {
-                let Some(&local) = s.remote.get(&flow) else {
-                    self.m.orphans.add(1);
-                    return;
-                };
-                if self.mode.accepted_ends(local, kind, false, &mut self.gone) {
-                    s.remote.remove(&flow);
+        match self.mode.peer_frame(&mut s.remote, flow, kind, &mut self.gone) {
+            Some((local, ended)) => {
+                if ended {
                     s.end_flow(flow);
                 }
                 self.push(local, kind, ack, bytes);
             }
+            None => self.m.orphans.add(1),
         }
     }
 

@@ -91,7 +91,7 @@ impl Transport {
 pub const QUIC_CCS: &[&str] = &["newreno", "cubic", "bbr"];
 
 /// The meters.
-#[derive(Default)]
+#[derive(Default, Clone)]
 pub struct Meters {
     /// Connections established (authenticated, hello exchanged).
     pub connections: Meter,

@@ -1,4 +1,5 @@
-//! End-to-end: flows of an app on daemon A carried to peer daemon B over the `tcp` and `quic` carriers (docs/peers.md) and
+//! End-to-end: flows of an app on daemon A carried to peer daemon B over the `tcp`, `quic`, `udp` and `udpplus` carriers
+//! (docs/peers.md) and
 //! opened again by B towards a server that only B can reach. Daemon A runs with the host's sandboxes (the app in
 //! `stacks/app-peer.toml`), daemon B in a namespace of its own (`stacks/peer-in.toml`), joined to A by a veth pair;
 //! the server (python3 http.server, dnsmasq) sits in a third namespace behind B, on a subnet A has no route to, so
@@ -27,6 +28,8 @@ struct Rig {
     _srv: Netns,
     _nb: Netns,
     host_dev: String,
+    /// B's end of the veth pair to A (in `_nb`).
+    b_dev: String,
     _http: Background,
     _dns: Background,
     www: tempfile::TempDir,
@@ -44,7 +47,7 @@ struct Rig {
 /// How the peers are joined.
 #[derive(Clone, Copy)]
 struct Link {
-    /// The carrier's transport: `tcp` or `quic`.
+    /// The carrier's transport: `tcp`, `quic`, `udp` or `udpplus`.
     transport: &'static str,
     /// The peers reach each other over IPv6 (else IPv4).
     v6: bool,
@@ -53,6 +56,9 @@ struct Link {
 const TCP: Link = Link { transport: "tcp", v6: false };
 const QUIC: Link = Link { transport: "quic", v6: false };
 const QUIC6: Link = Link { transport: "quic", v6: true };
+const UDP: Link = Link { transport: "udp", v6: false };
+const UDPPLUS: Link = Link { transport: "udpplus", v6: false };
+const UDPPLUS6: Link = Link { transport: "udpplus", v6: true };
 
 impl Drop for Rig {
     fn drop(&mut self) {
@@ -133,6 +139,7 @@ impl Rig {
             _srv: srv,
             _nb: nb,
             host_dev: h,
+            b_dev: b1,
             _http: http,
             _dns: dns,
             www,
@@ -457,4 +464,214 @@ fn peer_commands_check_their_input_and_the_key_persists() {
     d.kill();
     d.restart(&[], "restarted.log");
     assert_eq!(d.ok(&["peer", "key"]).trim(), key, "the same key after a restart");
+}
+
+/// Writes a file of `mib` MiB behind B and downloads it as app `app` (from the server's IPv6 address if `v6`):
+/// sha256 equal. Returns A's `meters` read after it.
+fn large_download(r: &Rig, app: &str, mib: usize, v6: bool, meters: &[&str]) -> Vec<u64> {
+    let name = format!("large-{app}");
+    std::fs::write(r.www.path().join(&name), pattern(mib << 20)).expect("write the file");
+    let want = common::sha256(&r.www.path().join(&name));
+    let host = if v6 { format!("[{}]", r.srv6) } else { r.srv.clone() };
+    // The sleep: the carrier refreshes its meters every 100 ms.
+    let script = format!("curl -sSf -m 60 http://{host}:8080/{name} | sha256sum; sleep 0.3");
+    let (out, m) = r.run(app, &script, meters);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && stdout.contains(&want), "{mib} MiB ({}): {}", r.carrier, text(&out));
+    m
+}
+
+/// iperf3 UDP at 20 Mbit/s for 2 s from app `app` to a server behind B (its control connection a TCP flow, its
+/// datagrams a UDP flow, both carried): returns the datagrams sent and the share iperf3's server reports lost.
+fn iperf_udp(r: &Rig, app: &str) -> (u64, f64) {
+    let _server = r._srv.spawn(&["iperf3", "-s", "-1", "-p", "5201"]);
+    std::thread::sleep(Duration::from_millis(500));
+    let script = format!("iperf3 -c {} -p 5201 -u -b 20M -l 1200 -t 2 -J", r.srv);
+    let (out, _) = r.run(app, &script, &["peer.flows_total"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "iperf3: {}", text(&out));
+    let json = stdout.split_once(MARK).expect("iperf3's report").0;
+    let v: serde_json::Value = serde_json::from_str(json.trim()).unwrap_or_else(|e| panic!("{e}: {json}"));
+    let sum = &v["end"]["sum"];
+    (sum["packets"].as_u64().unwrap_or(0), sum["lost_percent"].as_f64().unwrap_or(100.0))
+}
+
+/// The `udp` carrier: curl (IPv4 and IPv6 apps) and dig as over the others, a 32 MiB download (TCP over the
+/// carrier's reliable stream) and iperf3 UDP; the carrier's meters move, nothing is replayed or malformed.
+#[test]
+fn udp_carries_curl_dig_a_large_download_and_iperf3() {
+    let Some(r) = Rig::with(8, true, UDP) else { return };
+    let meters = ["peer.udp_bytes_in_total", "peer.rtt_us", "peer.cwnd_bytes", "peer.replayed_total"];
+    let m = curl_and_dig_with(&r, "udp4", &meters);
+    let [udp_in, rtt, cwnd, replayed] = m[..] else { unreachable!() };
+    assert!(udp_in > 2_000_000, "the downloads came as datagrams: {udp_in} bytes");
+    assert!(rtt > 0 && cwnd > 0, "the reliable stream's meters: rtt {rtt} us, cwnd {cwnd}");
+    assert_eq!(replayed, 0);
+    let m = large_download(&r, "udpbig", 32, false, &["peer.udp_bytes_in_total"]);
+    assert!(m[0] > 32 << 20, "32 MiB came through the carrier: {} bytes", m[0]);
+    let (packets, lost) = iperf_udp(&r, "udpiperf");
+    assert!(packets > 3000, "iperf3 sent its datagrams: {packets}");
+    assert!(lost < 5.0, "iperf3's datagrams arrived on a clean link: {lost} % lost");
+    assert_eq!(r.b_meter("malformed_total"), 0);
+    assert_eq!(r.b_meter("replayed_total"), 0);
+}
+
+/// The `udpplus` carrier between peers that reach each other over IPv6: curl (IPv4 and IPv6 apps) and dig, a
+/// 32 MiB download from the IPv6 server, and iperf3 UDP.
+#[test]
+fn udpplus_carries_curl_dig_a_large_download_and_iperf3_between_ipv6_peers() {
+    let Some(r) = Rig::with(9, true, UDPPLUS6) else { return };
+    assert!(r.b_addr.starts_with("[fd96:"), "{}", r.b_addr);
+    curl_and_dig(&r, "plus6");
+    let m = large_download(&r, "plusbig", 32, true, &["peer.udp_bytes_in_total"]);
+    assert!(m[0] > 32 << 20, "32 MiB came through the carrier: {} bytes", m[0]);
+    let (packets, lost) = iperf_udp(&r, "plusiperf");
+    assert!(packets > 3000, "iperf3 sent its datagrams: {packets}");
+    assert!(lost < 5.0, "{lost} % lost");
+}
+
+/// Datagrams a seq-numbered stream sends in [`lossy_stream`].
+const STREAM_LEN: u32 = 1500;
+
+/// Makes the link between A and B lose 5 % of the UDP packets each way: nftables rules in B's namespace (gone with
+/// it), on B's end of the veth, in and out (`numgen random`; this kernel has no netem).
+fn make_lossy(r: &Rig) {
+    let nft = |args: &str| {
+        let out = r._nb.run(&["nft", args]);
+        assert!(out.status.success(), "nft {args}: {}", text(&out));
+    };
+    nft("add table inet fsloss");
+    nft("add chain inet fsloss in { type filter hook input priority 0; }");
+    nft("add chain inet fsloss out { type filter hook output priority 0; }");
+    nft(&format!("add rule inet fsloss in iifname {} meta l4proto udp numgen random mod 20 == 0 drop", r.b_dev));
+    nft(&format!("add rule inet fsloss out oifname {} meta l4proto udp numgen random mod 20 == 0 drop", r.b_dev));
+}
+
+/// A UDP stream of [`STREAM_LEN`] numbered datagrams (200 bytes, one a millisecond) from app `app` (its stack
+/// `stack`, `before` run first in the app's shell) to a counter behind B; returns the distinct numbers and the
+/// datagrams the counter received, and A's `meters`.
+fn lossy_stream(r: &Rig, app: &str, stack: &std::path::Path, before: &str, meters: &[&str]) -> (u64, u64, Vec<u64>) {
+    let out = r.dir.path().join(format!("count-{app}"));
+    let counter = format!(
+        "import os, socket\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\ns.bind(('{srv}', 9000))\n\
+         s.settimeout(0.3)\nseen = set()\ntotal = 0\nlast = None\nwhile True:\n    try:\n        \
+         d, _ = s.recvfrom(65536)\n        total += 1\n        seen.add(int(d.split(b' ')[0]))\n    \
+         except socket.timeout:\n        if (len(seen), total) != last:\n            last = (len(seen), total)\n            \
+         open('{out}.tmp', 'w').write('%d %d' % last)\n            os.rename('{out}.tmp', '{out}')\n",
+        srv = r.srv,
+        out = path_str(&out),
+    );
+    let _counter = r._srv.spawn(&["python3", "-c", &counter]);
+    std::thread::sleep(Duration::from_millis(300));
+    let sender = format!(
+        "import socket, time\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\nfor i in range({STREAM_LEN}):\n    \
+         s.sendto(b'%d ' % i + b'x' * 200, ('{}', 9000))\n    time.sleep(0.001)\n",
+        r.srv
+    );
+    // The sleep: what is retransmitted arrives, and the meters are refreshed, before they are read.
+    let (run, m) = r.run_in(stack, app, &format!("{before}\npython3 -c \"{sender}\"; sleep 2"), meters);
+    assert!(run.status.success(), "{}", text(&run));
+    // The counter writes what it has when nothing came for 0.3 s.
+    let read = || std::fs::read_to_string(&out).unwrap_or_default();
+    let mut last = read();
+    for _ in 0..20 {
+        std::thread::sleep(Duration::from_millis(400));
+        let now = read();
+        if !now.is_empty() && now == last {
+            break;
+        }
+        last = now;
+    }
+    let v: Vec<u64> = last.split_whitespace().filter_map(|x| x.parse().ok()).collect();
+    assert_eq!(v.len(), 2, "the counter's result: {last:?}");
+    (v[0], v[1], m)
+}
+
+/// Over a link that loses 5 % each way, the `udp` carrier loses some of a numbered UDP stream (one datagram per
+/// app datagram, nothing resent), while TCP flows still arrive intact through its reliable stream, which
+/// retransmits what was lost.
+#[test]
+fn udp_loses_datagrams_on_a_lossy_link_and_tcp_still_arrives() {
+    let Some(r) = Rig::with(10, true, UDP) else { return };
+    make_lossy(&r);
+    let (distinct, total, _) = lossy_stream(&r, "udplossy", &r.stack, "", &["peer.flows_total"]);
+    let n = u64::from(STREAM_LEN);
+    assert!(distinct < n && distinct > n / 2, "udp loses some: {distinct} of {n}");
+    assert_eq!(distinct, total, "no duplicates");
+    let want = common::sha256(&r.www.path().join("blob"));
+    let script = format!("curl -sSf -m 60 http://{}:8080/blob | sha256sum; sleep 0.3", r.srv);
+    let (out, m) = r.run("udptcp", &script, &["peer.retransmits_total", "peer.lost_packets_total"]);
+    assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).contains(&want), "{}", text(&out));
+    assert!(r.b_meter("retransmits_total") > 0, "B resent the download's lost segments");
+    assert!(m[0] > 0 || m[1] > 0 || r.b_meter("lost_packets_total") > 0, "losses were seen: {m:?}");
+}
+
+/// Over the same lossy link, `udpplus` with ARQ and FEC delivers every datagram of the stream, each once: lost
+/// ones are rebuilt from parities (`fec_recovered_total` at B) or asked for again (`nacks_total` at B) and resent
+/// (`retransmits_total` at A). FEC is off in the app's stack and turned on by its knob while the carrier runs.
+#[test]
+fn udpplus_with_arq_and_fec_delivers_a_whole_stream_on_a_lossy_link() {
+    let Some(r) = Rig::with(11, true, UDPPLUS) else { return };
+    make_lossy(&r);
+    let stack = r.stack_with("arq = true\nfec = false\nfec_k = 4");
+    let knob =
+        format!("{} --state-dir {} set module.pluslossy-peer.fec true || exit 1", bin(), path_str(r.a.state.path()));
+    let (distinct, total, m) = lossy_stream(&r, "pluslossy", &stack, &knob, &["peer.retransmits_total"]);
+    let n = u64::from(STREAM_LEN);
+    assert_eq!(distinct, n, "udpplus delivers every datagram");
+    assert_eq!(total, n, "each once");
+    let (recovered, nacks) = (r.b_meter("fec_recovered_total"), r.b_meter("nacks_total"));
+    assert!(recovered > 0, "FEC (turned on by its knob) rebuilt some: {recovered}");
+    assert!(nacks > 0 && m[0] > 0, "ARQ asked for and resent the rest: {nacks} NACKs, {} resent", m[0]);
+    assert_eq!(r.b_meter("datagrams_lost_total"), 0);
+}
+
+/// Captured datagrams of a running session sent again (from the session's address: the frames themselves,
+/// re-injected on A's veth) are counted as replayed and dropped; forged sealed datagrams and garbage as malformed;
+/// the download on the session is not disturbed and no other session is made.
+#[test]
+fn replayed_and_forged_datagrams_are_counted_and_dropped() {
+    let Some(mut r) = Rig::with(12, true, UDP) else { return };
+    let (want, run) = slow_download(&r, "replay");
+    let (host, port) = r.b_addr.rsplit_once(':').unwrap();
+    let script = format!(
+        "import os, random, socket, struct, time\nrandom.seed(14)\n\
+         raw = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(3))\nraw.bind(('{dev}', 0))\n\
+         raw.settimeout(1)\ncaught = []\nend = time.time() + 5\nwhile len(caught) < 40 and time.time() < end:\n    \
+         try:\n        f = raw.recv(65535)\n    except socket.timeout:\n        continue\n    \
+         if len(f) < 43 or f[12:14] != b'\\x08\\x00' or f[23] != 17:\n        continue\n    \
+         ihl = (f[14] & 15) * 4\n    udp = 14 + ihl\n    \
+         if struct.unpack('!H', f[udp + 2:udp + 4])[0] == {port} and f[udp + 8] == 3:\n        \
+         caught.append(f[:udp + 6] + b'\\x00\\x00' + f[udp + 8:])\n\
+         for f in caught:\n    raw.send(f)\n\
+         s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n\
+         for i in range(200):\n    s.sendto(bytes([3]) + os.urandom(random.randint(8, 1400)), ('{host}', {port}))\n\
+         for i in range(100):\n    s.sendto(bytes([random.randint(4, 255)]) + os.urandom(random.randint(0, 1500)), ('{host}', {port}))\n\
+         open('{out}', 'w').write(str(len(caught)))\n",
+        dev = r.host_dev,
+        out = path_str(&r.dir.path().join("caught")),
+    );
+    survives_garbage(&mut r, &script, run, &want);
+    let caught: u64 = std::fs::read_to_string(r.dir.path().join("caught")).unwrap().trim().parse().unwrap();
+    assert!(caught >= 20, "datagrams of the session captured: {caught}");
+    let replayed = r.b_meter("replayed_total");
+    assert!(replayed >= caught, "every replayed datagram counted: {replayed} of {caught}");
+    assert!(r.b_meter("malformed_total") >= 300, "forged and garbage counted: {}", r.b_meter("malformed_total"));
+    assert_eq!(r.b_meter("connections_total"), 1, "the peer's own session only");
+}
+
+/// A `udp` handshake from a peer whose key B does not know gets no answer: counted on both sides, no flow opened
+/// by B, the app's connection fails instead of hanging.
+#[test]
+fn udp_from_an_unknown_peer_gets_nothing_and_is_counted() {
+    let Some(r) = Rig::with(13, false, UDP) else { return };
+    let script = format!("curl -sS -m 10 -o /dev/null http://{}:8080/blob; echo curl=$?", r.srv);
+    let (out, m) =
+        r.run("urefused", &script, &["peer.refusals_total", "peer.connections_total", "peer.flows_aborted_total"]);
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("curl=0"), "curl must fail: {}", text(&out));
+    assert!(m[0] >= 1 && m[1] == 0, "A counts the refusal, no session: {m:?}");
+    assert!(m[2] >= 1, "the flow was aborted: {m:?}");
+    assert!(r.b_meter("refusals_total") >= 1, "B counts the refusal");
+    assert_eq!(r.b_meter("connections_total"), 0);
+    assert_eq!(r.b_meter("flows_total"), 0, "B opened nothing");
 }

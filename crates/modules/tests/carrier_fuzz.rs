@@ -9,7 +9,7 @@
 use flexstack_fuzzkit::{
     iters_from_env, load_corpus, mutate_input, run_guarded, seed_from_env, target_seed, Dict, Rng,
 };
-use flexstack_modules::stream::carrier::wire;
+use flexstack_modules::stream::carrier::{dgram, wire};
 
 const DEFAULT_ITERS: usize = 100_000;
 const DEFAULT_SEED: u64 = 0x5eed_ca77_1e70_0001;
@@ -66,4 +66,26 @@ fn fuzz_carrier_datagrams() {
     }
     assert!(decoded * 4 > iters, "only {decoded} of {iters} inputs decoded");
     assert!(wire::decode_datagram(&base[..7]).is_err(), "a head cut short is refused");
+}
+
+/// The `udp` and `udpplus` carriers' datagrams and items (`dgram::check`, the libFuzzer target `carrier_udp`): seeds
+/// in `fuzz/corpus/carrier_udp/` (a handshake, a sealed head, each item) mutated by the shared engine.
+#[test]
+fn fuzz_carrier_udp() {
+    let corpus = load_corpus("carrier_udp", 8);
+    let seed = target_seed(seed_from_env(DEFAULT_SEED), "carrier_udp");
+    let mut rng = Rng::new(seed);
+    let words: &[u16] = &[0, 1, 2, 4, 16, 32, 64, 0x0100, 0x1000, 0xffff];
+    let dict = Dict { words, bytes: &[0, 1, 2, 3, 4, 5, 6, 7, 8, 0x7f, 0xff], head: 16, max_len: 4096, ..Dict::EMPTY };
+    let (mut decoded, iters) = (0usize, iters_from_env(DEFAULT_ITERS));
+    for i in 0..iters {
+        let (_, base) = &corpus[rng.below(corpus.len())];
+        let input = mutate_input(&mut rng, base, &corpus, &dict);
+        decoded += usize::from(dgram::decode(&input).is_ok() || dgram::decode_item(&input).is_ok());
+        run_guarded("carrier_udp", seed, i, &input, || {
+            dgram::check(&input);
+            Ok(())
+        });
+    }
+    assert!(decoded * 10 > iters, "only {decoded} of {iters} inputs decoded");
 }

@@ -280,6 +280,91 @@ impl<C, S, H: Copy + PartialEq> Modes<C, S, H> {
     }
 }
 
+impl<C, S, H: Copy + PartialEq> Modes<C, S, H> {
+    /// A frame of the peer's flow `flow` (its id in messages) on a connection that carries `remote` (accepting: the
+    /// peer's id -> local): the id to hand it to the chain with and whether it ends the flow (then forgotten, and
+    /// `gone` when accepting); `None` for a flow not known (an orphan).
+    pub(crate) fn peer_frame(
+        &mut self,
+        remote: &mut HashMap<u64, u64>,
+        flow: u64,
+        kind: StreamKind,
+        gone: &mut Vec<u64>,
+    ) -> Option<(u64, bool)> {
+        match self {
+            Modes::Connect { router, .. } => router.up(flow, kind).then(|| (flow, !router.carries(flow))),
+            Modes::Accept { .. } => {
+                let local = *remote.get(&flow)?;
+                let ended = self.accepted_ends(local, kind, false, gone);
+                if ended {
+                    remote.remove(&flow);
+                }
+                Some((local, ended))
+            }
+        }
+    }
+
+    /// Accepting: the peer's `Open` of `flow` on connection `token` (which carries `remote`). `Ok(Err(abort))`:
+    /// refused at `max` flows, the answer to send; `Ok(Ok((local, info)))`: the flow is carried (counted, its
+    /// meters due in `born`). A flow opened twice or an open that does not decode is malformed.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn accept_open(
+        &mut self,
+        token: H,
+        remote: &mut HashMap<u64, u64>,
+        flow: u64,
+        bytes: &[u8],
+        max: u64,
+        m: &Meters,
+        born: &mut Vec<(u64, String)>,
+    ) -> Result<Result<(u64, FlowInfo), Vec<u8>>, End> {
+        if let Some(abort) = check_open(remote, flow, max, m)? {
+            return Ok(Err(abort));
+        }
+        let info = FlowInfo::decode(bytes).map_err(|e| End::Malformed(format!("open: {e}")))?;
+        let local = self.new_flow(token, flow);
+        remote.insert(flow, local);
+        m.flows.add(1);
+        born.push((local, carrier::tuple(&info)));
+        Ok(Ok((local, info)))
+    }
+}
+
+/// Hands each whole message at the start of `plain` to `on` (counted in `messages_in_total` and `bytes_in_total`)
+/// until one is incomplete or `on` fails; returns the bytes used and why it stopped (a message that does not decode
+/// is malformed: see [`End::before_hello`]).
+pub(crate) fn each_message(
+    plain: &[u8],
+    m: &Meters,
+    mut on: impl FnMut(wire::Message<'_>) -> Result<(), End>,
+) -> (usize, Result<(), End>) {
+    let mut at = 0;
+    loop {
+        let (msg, used) = match wire::decode(&plain[at..]) {
+            Ok(Some(x)) => x,
+            Ok(None) => return (at, Ok(())),
+            Err(e) => return (at, Err(End::Malformed(e.to_string()))),
+        };
+        m.frames_in.add(1);
+        m.bytes_in.add(used as u64);
+        at += used;
+        if let Err(e) = on(msg) {
+            return (at, Err(e));
+        }
+    }
+}
+
+/// Checks that the first message of a connection is a `Hello` of this version (a refusal otherwise).
+pub(crate) fn check_hello(m: &wire::Message<'_>) -> Result<(), End> {
+    let wire::Message::Hello { version, .. } = m else {
+        return Err(End::Refused("the first message is not a hello".into()));
+    };
+    if *version != wire::VERSION {
+        return Err(End::Refused(format!("version {version}, this daemon speaks {}", wire::VERSION)));
+    }
+    Ok(())
+}
+
 /// Accepting: checks an `Open` of the peer's flow `flow` on a connection that carries `remote` (peer's id -> local).
 /// A flow opened twice is malformed; beyond `max` flows, the answer to send, `Abort(limit)` (counted).
 pub(crate) fn check_open(remote: &HashMap<u64, u64>, flow: u64, max: u64, m: &Meters) -> Result<Option<Vec<u8>>, End> {
@@ -351,6 +436,16 @@ pub(crate) enum End {
     Refused(String),
     Malformed(String),
     Closed(String),
+}
+
+impl End {
+    /// Before the peer said hello, input that is not the protocol is a refusal (nothing was authenticated).
+    pub(crate) fn before_hello(self, up: bool) -> End {
+        match self {
+            End::Malformed(w) if !up => End::Refused(format!("no hello: {w}")),
+            e => e,
+        }
+    }
 }
 
 /// At most one log line a second for refused connections (a flood of them must not flood the log); the next line
@@ -643,28 +738,11 @@ impl Inner {
     fn take_messages(&mut self, token: u64) -> Result<(), End> {
         let Some(c) = self.conns.get_mut(&token) else { return Ok(()) };
         let plain = std::mem::take(&mut c.plain);
-        let mut at = 0;
-        let result = loop {
-            let msg = match wire::decode(&plain[at..]) {
-                Ok(Some(x)) => x,
-                Ok(None) => break Ok(()),
-                Err(e) => {
-                    let up = self.conns.get(&token).is_some_and(|c| c.up);
-                    break Err(if up { End::Malformed(e.to_string()) } else { End::Refused(format!("no hello: {e}")) });
-                }
-            };
-            let (m, used) = msg;
-            self.m.frames_in.add(1);
-            self.m.bytes_in.add(used as u64);
-            at += used;
-            if let Err(e) = self.message(token, m) {
-                break Err(e);
-            }
-        };
-        if let Some(c) = self.conns.get_mut(&token) {
-            c.plain = plain[at..].to_vec();
-        }
-        result
+        let m = self.m.clone();
+        let (at, result) = each_message(&plain, &m, |msg| self.message(token, msg));
+        let Some(c) = self.conns.get_mut(&token) else { return result };
+        c.plain = plain[at..].to_vec();
+        result.map_err(|e| e.before_hello(c.up))
     }
 
     fn message(&mut self, token: u64, m: wire::Message<'_>) -> Result<(), End> {
@@ -676,12 +754,7 @@ impl Inner {
 
     fn message_on(&mut self, c: &mut Conn, token: u64, m: wire::Message<'_>) -> Result<(), End> {
         if !c.up {
-            let wire::Message::Hello { version, .. } = m else {
-                return Err(End::Refused("the first message is not a hello".into()));
-            };
-            if version != wire::VERSION {
-                return Err(End::Refused(format!("version {version}, this daemon speaks {}", wire::VERSION)));
-            }
+            check_hello(&m)?;
             if c.peer.is_empty() {
                 // Accepting: who it is (the verifier let only peers of the table through).
                 let fp = c.tls.peer_certificates().and_then(|v| v.first()).map(|d| trust::fingerprint_of(d));

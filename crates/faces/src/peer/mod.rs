@@ -2,10 +2,11 @@
 //! directory, known to peers by the certificate's SHA-256 fingerprint), the table of peers it knows (`NAME
 //! ADDR:PORT FINGERPRINT`, managed by `flexstack peer`), and the rustls configurations of mutual TLS with
 //! fingerprints pinned both ways: a connection completes only when the other side's certificate is one the table
-//! names ([`trust`]). [`carrier`] is the `tcp` carrier's connection and [`quic`] the `quic` carrier's, installed into the `carrier`
-//! kind by [`install`].
+//! names ([`trust`]). [`carrier`] is the `tcp` carrier's connection, [`quic`] the `quic` carrier's and [`datagram`]
+//! the `udp` and `udpplus` carriers', installed into the `carrier` kind by [`install`].
 
 pub mod carrier;
+pub mod datagram;
 pub mod quic;
 pub mod trust;
 
@@ -14,7 +15,7 @@ pub use trust::*;
 use flexstack_core::ModuleBuilder;
 use flexstack_modules::stream::carrier::{CarrierRequest, Transport};
 
-/// Installs the `tcp` and `quic` carriers into the `carrier` kind (the daemon's catalog calls it once).
+/// Installs the `tcp`, `quic`, `udp` and `udpplus` carriers into the `carrier` kind (the daemon's catalog calls it once).
 pub fn install() {
     flexstack_modules::stream::carrier::install(build);
 }
@@ -24,5 +25,6 @@ fn build(req: CarrierRequest) -> Result<Box<dyn ModuleBuilder>, String> {
     match req.cfg.transport {
         Transport::Tcp => carrier::build(req),
         Transport::Quic => quic::build(req),
+        Transport::Udp | Transport::Udpplus => datagram::build(req),
     }
 }

@@ -19,8 +19,8 @@
 //!   `udp_bytes_out_total`, `udp_bytes_in_total` (every connection's, closed ones included).
 
 use super::carrier::{
-    carrier_engine_common, check_open, epoll_with_kick, log_end, pop_ready, Builder, CarrierEngine, End, LogLimit,
-    Modes, Ready, HANDSHAKE_TIMEOUT, MAX_CONNECTIONS,
+    carrier_engine_common, check_hello, each_message, epoll_with_kick, log_end, pop_ready, Builder, CarrierEngine, End,
+    LogLimit, Modes, Ready, HANDSHAKE_TIMEOUT, MAX_CONNECTIONS,
 };
 use super::trust::{self, client_config, identity, report, server_config, TLS_NAME};
 use crate::stream::{EpollDevice, FrameEngine};
@@ -28,7 +28,7 @@ use bytes::{Bytes, BytesMut};
 use flexstack_core::frame::{MetaKey, Metadata};
 use flexstack_core::stream::{FlowInfo, Protocol, StreamKind};
 use flexstack_core::{Direction, ModuleBuilder, Packet};
-use flexstack_modules::stream::carrier::{self, wire, CarrierRequest, Config, Meters, Router};
+use flexstack_modules::stream::carrier::{wire, CarrierRequest, Config, Meters, Router};
 use nix::sys::epoll::{EpollEvent, EpollFlags};
 use nix::sys::eventfd::EventFd;
 use nix::sys::time::TimeSpec;
@@ -545,30 +545,24 @@ impl Quic {
     fn take_messages(&mut self, ch: ConnectionHandle, id: StreamId, control: bool) -> Result<(), End> {
         let Some(c) = self.conns.get_mut(&ch) else { return Ok(()) };
         let plain = c.rx.remove(&id).unwrap_or_default();
-        let mut at = 0;
-        let result = loop {
-            let (m, used) = match wire::decode(&plain[at..]) {
-                Ok(Some(x)) => x,
-                Ok(None) => break Ok(()),
-                Err(e) => {
-                    let up = self.conns.get(&ch).is_some_and(|c| c.up);
-                    break Err(if up { End::Malformed(e.to_string()) } else { End::Refused(format!("no hello: {e}")) });
-                }
-            };
-            self.m.frames_in.add(1);
-            self.m.bytes_in.add(used as u64);
-            at += used;
-            let r = if control { self.control(ch, m) } else { self.flow_message(ch, id, m) };
-            if let Err(e) = r {
-                break Err(e);
-            }
-        };
-        if let Some(c) = self.conns.get_mut(&ch) {
-            if at < plain.len() {
-                c.rx.insert(id, plain[at..].to_vec());
-            }
+        let m = self.m.clone();
+        let (at, result) =
+            each_message(
+                &plain,
+                &m,
+                |msg| {
+                    if control {
+                        self.control(ch, msg)
+                    } else {
+                        self.flow_message(ch, id, msg)
+                    }
+                },
+            );
+        let Some(c) = self.conns.get_mut(&ch) else { return result };
+        if at < plain.len() {
+            c.rx.insert(id, plain[at..].to_vec());
         }
-        result
+        result.map_err(|e| e.before_hello(c.up))
     }
 
     /// A message on the control stream: `Hello` first, then only `Close`.
@@ -580,12 +574,7 @@ impl Quic {
                 _ => Err(End::Malformed("only close follows hello on the control stream".into())),
             };
         }
-        let wire::Message::Hello { version, .. } = m else {
-            return Err(End::Refused("the first message is not a hello".into()));
-        };
-        if version != wire::VERSION {
-            return Err(End::Refused(format!("version {version}, this daemon speaks {}", wire::VERSION)));
-        }
+        check_hello(&m)?;
         if c.peer.is_empty() {
             // Accepting: who it is (the verifier let only peers of the table through).
             let name = c
@@ -638,21 +627,20 @@ impl Quic {
                 if kind != StreamKind::Open {
                     return Err(End::Malformed("a flow's stream starts with its open".into()));
                 }
-                if let Some(abort) = check_open(&c.remote, flow, max, &self.m)? {
-                    c.send(id, &abort);
-                    let _ = c.conn.send_stream(id).finish();
-                    return Ok(());
-                }
-                let info = FlowInfo::decode(bytes).map_err(|e| End::Malformed(format!("open: {e}")))?;
-                let local = self.mode.new_flow(ch, flow);
-                c.remote.insert(flow, local);
+                let (local, info) =
+                    match self.mode.accept_open(ch, &mut c.remote, flow, bytes, max, &self.m, &mut self.born)? {
+                        Ok(x) => x,
+                        Err(abort) => {
+                            c.send(id, &abort);
+                            let _ = c.conn.send_stream(id).finish();
+                            return Ok(());
+                        }
+                    };
                 c.flow_stream.insert(flow, id);
                 c.stream_flow.insert(id, flow);
                 if info.protocol == Protocol::Udp {
                     c.udp.insert(flow);
                 }
-                self.m.flows.add(1);
-                self.born.push((local, carrier::tuple(&info)));
                 self.push(local, kind, ack, bytes);
                 return Ok(());
             }
@@ -664,28 +652,14 @@ impl Quic {
     /// A frame of a known flow from the peer (on its stream, or a datagram's `Data`), towards the chain.
     fn frame_in(&mut self, ch: ConnectionHandle, flow: u64, kind: StreamKind, ack: u64, bytes: &[u8]) {
         let Some(c) = self.conns.get_mut(&ch) else { return };
-        match &mut self.mode {
-            Mode::Connect { router, .. } => {
-                if router.up(flow, kind) {
-                    if !router.carries(flow) {
-                        c.end_flow(flow);
-                    }
-                    self.push(flow, kind, ack, bytes);
-                } else {
-                    self.m.orphans.add(1);
-                }
-            }
-            Mode::Accept { .. } => {
-                let Some(&local) = c.remote.get(&flow) else {
-                    self.m.orphans.add(1);
-                    return;
-                };
-                if self.mode.accepted_ends(local, kind, false, &mut self.gone) {
-                    c.remote.remove(&flow);
+        match self.mode.peer_frame(&mut c.remote, flow, kind, &mut self.gone) {
+            Some((local, ended)) => {
+                if ended {
                     c.end_flow(flow);
                 }
                 self.push(local, kind, ack, bytes);
             }
+            None => self.m.orphans.add(1),
         }
     }
 

@@ -24,6 +24,18 @@ pub struct Identity {
     pub fingerprint: [u8; 32],
 }
 
+impl Identity {
+    /// The key pair (PKCS#8 DER): the datagram carriers sign their handshakes with it.
+    pub(crate) fn key_der(&self) -> &[u8] {
+        &self.key
+    }
+
+    /// The certificate (DER), whose fingerprint names this daemon to its peers.
+    pub(crate) fn cert_der(&self) -> &[u8] {
+        &self.cert
+    }
+}
+
 static IDENTITY: OnceLock<Identity> = OnceLock::new();
 
 /// The SHA-256 fingerprint of a certificate.

@@ -13,6 +13,9 @@
 //! Ports: input `stream_in` (stream frames: Down on the app's host, Up on the peer); outputs `stream` (what the
 //! connection brings: Up frames on the app's host, Down on the peer) and `pass` (frames of flows not carried).
 
+pub mod dgram;
+pub mod plus;
+pub mod reliable;
 pub mod wire;
 
 use crate::stream::u64_meters;
@@ -49,6 +52,12 @@ pub struct Config {
     pub transport: Transport,
     /// `quic`: the connection's congestion control (`newreno`, `cubic`, `bbr`).
     pub cc: String,
+    /// `udpplus`: UDP flows' lost datagrams are asked for again (NACKs) and resent.
+    pub arq: bool,
+    /// `udpplus`: a parity (XOR) after every `fec_k` datagrams of a UDP flow.
+    pub fec: bool,
+    /// `udpplus`: datagrams per FEC group.
+    pub fec_k: u64,
 }
 
 /// A carrier's transport to its peer.
@@ -59,6 +68,11 @@ pub enum Transport {
     Tcp,
     /// One QUIC connection: a stream per TCP flow, DATAGRAM frames for UDP flows.
     Quic,
+    /// Authenticated, encrypted UDP datagrams: a reliable stream ([`reliable`]) for the protocol's messages and
+    /// TCP flows' bytes, one datagram per app datagram of UDP flows.
+    Udp,
+    /// `udp`, with UDP flows' datagrams numbered, NACKs and retransmission (`arq`) and XOR FEC (`fec`, `fec_k`).
+    Udpplus,
 }
 
 impl Transport {
@@ -67,6 +81,8 @@ impl Transport {
         match self {
             Transport::Tcp => "tcp",
             Transport::Quic => "quic",
+            Transport::Udp => "udp",
+            Transport::Udpplus => "udpplus",
         }
     }
 }
@@ -75,7 +91,7 @@ impl Transport {
 pub const QUIC_CCS: &[&str] = &["newreno", "cubic", "bbr"];
 
 /// The meters.
-#[derive(Default)]
+#[derive(Default, Clone)]
 pub struct Meters {
     /// Connections established (authenticated, hello exchanged).
     pub connections: Meter,
@@ -117,6 +133,18 @@ pub struct Meters {
     pub udp_bytes_in: Meter,
     /// `quic`: UDP app datagrams not carried: larger than the path's DATAGRAM frames take, or refused by QUIC.
     pub datagrams_dropped: Meter,
+    /// `udp`, `udpplus`: authentic datagrams that came again.
+    pub replayed: Meter,
+    /// `udp`, `udpplus`: segments (and `udpplus` datagrams) sent again.
+    pub retransmits: Meter,
+    /// `udpplus`: numbers asked for again.
+    pub nacks: Meter,
+    /// `udpplus`: datagrams rebuilt from a parity.
+    pub fec_recovered: Meter,
+    /// `udpplus`: datagrams given up.
+    pub datagrams_lost: Meter,
+    /// `udp`, `udpplus`: UDP payload bits sent per second.
+    pub rate: Meter,
 }
 
 type P = Param<Config>;
@@ -207,15 +235,18 @@ pub const DECL: KindDecl<Config, Meters> = KindDecl {
         .setting(),
         P::text(
             "transport",
-            "tcp (TLS 1.3 over one TCP connection) or quic (one QUIC connection: a stream per TCP flow, DATAGRAM \
-             frames for UDP flows); both ends must say the same",
+            "tcp (TLS 1.3 over one TCP connection), quic (one QUIC connection: a stream per TCP flow, DATAGRAM \
+             frames for UDP flows), udp (authenticated encrypted datagrams, a reliable stream for TCP flows) or \
+             udpplus (udp with numbered UDP datagrams, ARQ and FEC); both ends must say the same",
             "tcp",
             |c| c.transport.name().to_string(),
             |c, t| {
                 c.transport = match t {
                     "tcp" => Transport::Tcp,
                     "quic" => Transport::Quic,
-                    _ => return Err(format!("expected tcp or quic, got {t:?}")),
+                    "udp" => Transport::Udp,
+                    "udpplus" => Transport::Udpplus,
+                    _ => return Err(format!("expected tcp, quic, udp or udpplus, got {t:?}")),
                 };
                 Ok(())
             },
@@ -235,12 +266,25 @@ pub const DECL: KindDecl<Config, Meters> = KindDecl {
             },
         )
         .setting(),
+        P::bool(
+            "arq",
+            "udpplus: UDP flows' lost datagrams are asked for again (NACK) and resent by the sender (its knob governs)",
+            true,
+            field!(arq),
+        ),
+        P::bool(
+            "fec",
+            "udpplus: the sender adds the XOR of every fec_k datagrams of a UDP flow, which rebuilds one lost of them",
+            false,
+            field!(fec),
+        ),
+        P::u64("fec_k", "datagrams", "udpplus: datagrams per FEC group", 4, field!(fec_k)).range(2.0, 32.0),
     ],
     meters: u64_meters![
         connections: "connections_total", "connections", "connections established (authenticated, hello exchanged)";
         connections_active: "connections_active", "connections", "connections up now";
         refusals: "refusals_total", "connections", "connections refused: unknown fingerprint, failed handshake, wrong version";
-        malformed: "malformed_total", "connections", "connections closed for input that is not the peer protocol";
+        malformed: "malformed_total", "connections", "connections closed for input that is not the peer protocol; udp, udpplus: datagrams that do not decode or authenticate, dropped (the session stays)";
         bytes_out: "bytes_out_total", "bytes", "bytes written to the connection (framing included, before TLS)";
         bytes_in: "bytes_in_total", "bytes", "bytes read from the connection (framing included, after TLS)";
         frames_out: "messages_out_total", "messages", "messages written (stream frames, hello, close)";
@@ -250,13 +294,19 @@ pub const DECL: KindDecl<Config, Meters> = KindDecl {
         flows_passed: "flows_passed_total", "flows", "flows passed on `pass` (destination not in `prefixes`)";
         flows_limited: "flows_limited_total", "flows", "flows refused at max_flows (Abort limit)";
         flows_aborted: "flows_aborted_total", "flows", "flows aborted because their connection went (Abort unreachable)";
-        rtt_us: "rtt_us", "us", "smoothed round-trip time of the latest connection (TCP_INFO; quic: quinn-proto's)";
+        rtt_us: "rtt_us", "us", "smoothed round-trip time of the latest connection (TCP_INFO; quic: quinn-proto's; udp, udpplus: the reliable stream's)";
         orphans: "orphans_total", "frames", "frames of flows it does not know, dropped";
-        cwnd: "cwnd_bytes", "bytes", "quic: congestion window of the latest connection";
-        lost_packets: "lost_packets_total", "packets", "quic: packets declared lost";
-        udp_bytes_out: "udp_bytes_out_total", "bytes", "quic: UDP payload bytes sent (QUIC's overhead and retransmissions included)";
-        udp_bytes_in: "udp_bytes_in_total", "bytes", "quic: UDP payload bytes received";
-        datagrams_dropped: "datagrams_dropped_total", "datagrams", "quic: app UDP datagrams not carried (over the path's DATAGRAM size, or refused)";
+        cwnd: "cwnd_bytes", "bytes", "quic, udp, udpplus: congestion window of the latest connection";
+        lost_packets: "lost_packets_total", "packets", "quic: packets declared lost; udp, udpplus: reliable-stream segments declared lost";
+        udp_bytes_out: "udp_bytes_out_total", "bytes", "quic, udp, udpplus: UDP payload bytes sent (headers, encryption and retransmissions included)";
+        udp_bytes_in: "udp_bytes_in_total", "bytes", "quic, udp, udpplus: UDP payload bytes received";
+        datagrams_dropped: "datagrams_dropped_total", "datagrams", "quic: app UDP datagrams not carried (over the path's DATAGRAM size, or refused); udp, udpplus: larger than a datagram takes, or sent before the session was up";
+        replayed: "replayed_total", "datagrams", "udp, udpplus: authentic datagrams that came again (replay window), dropped";
+        retransmits: "retransmits_total", "packets", "udp, udpplus: reliable-stream segments sent again; udpplus: datagrams resent on a NACK";
+        nacks: "nacks_total", "datagrams", "udpplus: datagrams asked for again (sent NACKs' numbers)";
+        fec_recovered: "fec_recovered_total", "datagrams", "udpplus: UDP datagrams rebuilt from a parity";
+        datagrams_lost: "datagrams_lost_total", "datagrams", "udpplus: UDP datagrams never received (missing when the window passed)";
+        rate: "rate_out_bps", "bit/s", "udp, udpplus: UDP payload sent per second over the last meter period";
     ],
     // Its frames wait in its connection between calls, as an endpoint's do in its sockets.
     breaks_cycles: true,

@@ -1,0 +1,458 @@
+//! The reliable byte stream of the datagram carriers (`udp`, `udpplus`; docs/peers.md, "Reliability"), sans-IO:
+//! the peer protocol's messages (every frame of TCP flows, the `Open`, `Fin` and `Abort` of UDP flows) travel in it
+//! as they do in the `tcp` carrier's TLS stream.
+//!
+//! - Bytes are numbered by their offset in the stream (u64); a segment is at most [`MSS`] bytes and is always
+//!   retransmitted with the boundaries it was first sent with.
+//! - The receiver acknowledges cumulatively (every byte below `cum` arrived) with SACK ranges of what arrived beyond,
+//!   and the window it takes ([`WINDOW`] less what waits out of order): flow control, so that its memory is bounded.
+//! - The sender declares a segment lost when [`DUPTHRESH`] segments' worth of bytes beyond it were SACKed (fast
+//!   retransmit) or when the retransmission timer (RFC 6298: `srtt + 4 rttvar`, at least [`MIN_RTO`], doubled on
+//!   each expiry) fires; retransmissions are counted.
+//! - Congestion control is NewReno-like AIMD over bytes: slow start from 10 segments, +1 segment per window after
+//!   `ssthresh`, halved once per recovery episode on loss, 2 segments after a timeout.
+
+use super::dgram::MAX_SACKS;
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::time::{Duration, Instant};
+
+/// The largest segment (bytes of the stream in one datagram).
+pub const MSS: usize = 1200;
+/// What a receiver takes beyond its cumulative point.
+pub const WINDOW: u64 = 4 << 20;
+/// Segments' worth of SACKed bytes beyond a segment that declare it lost.
+pub const DUPTHRESH: u64 = 3;
+/// The shortest retransmission timeout.
+pub const MIN_RTO: Duration = Duration::from_millis(100);
+/// The longest.
+pub const MAX_RTO: Duration = Duration::from_secs(5);
+const INITIAL_RTO: Duration = Duration::from_millis(500);
+const MSS64: u64 = MSS as u64;
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum State {
+    InFlight,
+    Sacked,
+    Lost,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Seg {
+    len: u32,
+    sent: Instant,
+    retransmitted: bool,
+    state: State,
+}
+
+/// The sending side of a stream.
+#[derive(Debug)]
+pub struct Sender {
+    /// The first byte not acknowledged.
+    una: u64,
+    /// The bytes from `una` on (sent and not acknowledged, then not sent).
+    buf: VecDeque<u8>,
+    /// The next byte never sent.
+    next: u64,
+    segs: BTreeMap<u64, Seg>,
+    lost: BTreeSet<u64>,
+    /// Bytes in flight (sent, neither acknowledged, SACKed nor declared lost).
+    flight: u64,
+    cwnd: u64,
+    ssthresh: u64,
+    /// In recovery until `una` passes this.
+    recovery: Option<u64>,
+    /// What the receiver takes: bytes below `peer_limit`.
+    peer_limit: u64,
+    srtt: Option<Duration>,
+    rttvar: Duration,
+    rto: Duration,
+    rto_at: Option<Instant>,
+    /// Segments sent again.
+    pub retransmits: u64,
+    /// Segments declared lost.
+    pub lost_total: u64,
+}
+
+impl Default for Sender {
+    fn default() -> Self {
+        Sender {
+            una: 0,
+            buf: VecDeque::new(),
+            next: 0,
+            segs: BTreeMap::new(),
+            lost: BTreeSet::new(),
+            flight: 0,
+            cwnd: 10 * MSS64,
+            ssthresh: u64::MAX,
+            recovery: None,
+            peer_limit: WINDOW,
+            srtt: None,
+            rttvar: Duration::ZERO,
+            rto: INITIAL_RTO,
+            rto_at: None,
+            retransmits: 0,
+            lost_total: 0,
+        }
+    }
+}
+
+impl Sender {
+    /// Queues bytes to send.
+    pub fn write(&mut self, bytes: &[u8]) {
+        self.buf.extend(bytes);
+    }
+
+    /// Bytes held: not acknowledged yet, or not sent.
+    pub fn held(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// The congestion window (bytes).
+    pub fn cwnd(&self) -> u64 {
+        self.cwnd
+    }
+
+    /// The smoothed round-trip time, once measured.
+    pub fn srtt(&self) -> Option<Duration> {
+        self.srtt
+    }
+
+    /// The next segment to send now, its bytes in `out`: a lost one first, then new bytes that the congestion
+    /// window and the receiver's window take. Returns its offset.
+    pub fn poll(&mut self, now: Instant, out: &mut Vec<u8>) -> Option<u64> {
+        out.clear();
+        while let Some(off) = self.lost.pop_first() {
+            let Some(seg) = self.segs.get_mut(&off) else { continue };
+            if seg.state != State::Lost || off < self.una {
+                continue;
+            }
+            seg.state = State::InFlight;
+            seg.retransmitted = true;
+            seg.sent = now;
+            self.flight += u64::from(seg.len);
+            self.retransmits += 1;
+            let at = (off - self.una) as usize;
+            out.extend(self.buf.range(at..at + seg.len as usize));
+            self.rto_at.get_or_insert(now + self.rto);
+            return Some(off);
+        }
+        let end = self.una + self.buf.len() as u64;
+        let len = (end - self.next).min(MSS64);
+        if len == 0 || self.flight + len > self.cwnd.max(MSS64) || self.next + len > self.peer_limit {
+            return None;
+        }
+        let off = self.next;
+        let at = (off - self.una) as usize;
+        out.extend(self.buf.range(at..at + len as usize));
+        self.segs.insert(off, Seg { len: len as u32, sent: now, retransmitted: false, state: State::InFlight });
+        self.flight += len;
+        self.next += len;
+        self.rto_at.get_or_insert(now + self.rto);
+        Some(off)
+    }
+
+    /// The receiver's acknowledgement.
+    pub fn on_ack(&mut self, now: Instant, cum: u64, window: u32, sacks: &[(u64, u64)]) {
+        let cum = cum.min(self.next);
+        self.peer_limit = self.peer_limit.max(cum + u64::from(window));
+        if cum > self.una {
+            let mut acked = 0;
+            let mut sample = None;
+            while let Some((&off, &seg)) = self.segs.first_key_value() {
+                if off >= cum {
+                    break;
+                }
+                self.segs.remove(&off);
+                if seg.state == State::InFlight {
+                    self.flight -= u64::from(seg.len);
+                }
+                if !seg.retransmitted {
+                    sample = Some(now.saturating_duration_since(seg.sent));
+                }
+                acked += u64::from(seg.len);
+            }
+            let n = ((cum - self.una) as usize).min(self.buf.len());
+            self.buf.drain(..n);
+            self.una = cum;
+            if let Some(rtt) = sample {
+                self.rtt_sample(rtt);
+            }
+            if self.recovery.is_some_and(|r| self.una >= r) {
+                self.recovery = None;
+            }
+            if self.recovery.is_none() {
+                if self.cwnd < self.ssthresh {
+                    self.cwnd += acked;
+                } else {
+                    self.cwnd += (MSS64 * acked / self.cwnd).max(1);
+                }
+                self.cwnd = self.cwnd.min(2 * WINDOW);
+            }
+            self.rto_at = (!self.segs.is_empty()).then(|| now + self.rto);
+        }
+        let mut highest = 0;
+        for &(s, e) in sacks {
+            let keys: Vec<u64> = self.segs.range(s..e).map(|(k, _)| *k).collect();
+            for off in keys {
+                let seg = self.segs.get_mut(&off).expect("listed");
+                if off + u64::from(seg.len) > e {
+                    continue;
+                }
+                match seg.state {
+                    State::InFlight => self.flight -= u64::from(seg.len),
+                    State::Lost => {
+                        self.lost.remove(&off);
+                    }
+                    State::Sacked => {}
+                }
+                seg.state = State::Sacked;
+                highest = highest.max(e);
+            }
+        }
+        if highest > 0 {
+            let mut newly = false;
+            for (&off, seg) in self.segs.range_mut(..highest) {
+                if seg.state == State::InFlight && off + u64::from(seg.len) + DUPTHRESH * MSS64 <= highest {
+                    seg.state = State::Lost;
+                    self.flight -= u64::from(seg.len);
+                    self.lost.insert(off);
+                    self.lost_total += 1;
+                    newly = true;
+                }
+            }
+            if newly && self.recovery.is_none() {
+                self.ssthresh = (self.cwnd / 2).max(2 * MSS64);
+                self.cwnd = self.ssthresh;
+                self.recovery = Some(self.next);
+            }
+        }
+    }
+
+    fn rtt_sample(&mut self, rtt: Duration) {
+        match self.srtt {
+            None => {
+                self.srtt = Some(rtt);
+                self.rttvar = rtt / 2;
+            }
+            Some(s) => {
+                let diff = s.abs_diff(rtt);
+                self.rttvar = (self.rttvar * 3 + diff) / 4;
+                self.srtt = Some((s * 7 + rtt) / 8);
+            }
+        }
+        let s = self.srtt.unwrap_or(rtt);
+        self.rto = (s + self.rttvar * 4).clamp(MIN_RTO, MAX_RTO);
+    }
+
+    /// When the retransmission timer fires.
+    pub fn timeout(&self) -> Option<Instant> {
+        self.rto_at
+    }
+
+    /// The timer fired (if due): every segment in flight is declared lost, the window drops to 2 segments, the
+    /// timeout doubles.
+    pub fn on_timeout(&mut self, now: Instant) {
+        if self.rto_at.is_none_or(|t| now < t) {
+            return;
+        }
+        if self.segs.is_empty() {
+            self.rto_at = None;
+            return;
+        }
+        for (&off, seg) in self.segs.iter_mut() {
+            if seg.state == State::InFlight {
+                seg.state = State::Lost;
+                self.lost.insert(off);
+                self.lost_total += 1;
+            }
+        }
+        self.flight = 0;
+        self.ssthresh = (self.cwnd / 2).max(2 * MSS64);
+        self.cwnd = 2 * MSS64;
+        self.recovery = Some(self.next);
+        self.rto = (self.rto * 2).min(MAX_RTO);
+        self.rto_at = Some(now + self.rto);
+    }
+}
+
+/// The receiving side of a stream.
+#[derive(Debug, Default)]
+pub struct Receiver {
+    /// Every byte below arrived.
+    cum: u64,
+    /// Segments beyond `cum`, by offset.
+    ooo: BTreeMap<u64, Vec<u8>>,
+    ooo_bytes: u64,
+    /// Bytes in order, not taken yet.
+    ready: Vec<u8>,
+    /// An acknowledgement is due.
+    pub ack_due: bool,
+    /// Segments that came again, or beyond the window.
+    pub duplicates: u64,
+}
+
+impl Receiver {
+    /// A segment arrived. False if nothing in it was new (or it was beyond the window).
+    pub fn on_segment(&mut self, offset: u64, bytes: &[u8]) -> bool {
+        self.ack_due = true;
+        let end = offset + bytes.len() as u64;
+        if end <= self.cum || self.ooo.contains_key(&offset) {
+            self.duplicates += 1;
+            return false;
+        }
+        if end > self.cum + WINDOW || (offset > self.cum && self.ooo_bytes + bytes.len() as u64 > WINDOW) {
+            self.duplicates += 1;
+            return false;
+        }
+        if offset > self.cum {
+            self.ooo_bytes += bytes.len() as u64;
+            self.ooo.insert(offset, bytes.to_vec());
+            return true;
+        }
+        self.ready.extend_from_slice(&bytes[(self.cum - offset) as usize..]);
+        self.cum = end;
+        while let Some(entry) = self.ooo.first_entry() {
+            if *entry.key() > self.cum {
+                break;
+            }
+            let (off, b) = entry.remove_entry();
+            self.ooo_bytes -= b.len() as u64;
+            let e = off + b.len() as u64;
+            if e > self.cum {
+                self.ready.extend_from_slice(&b[(self.cum - off) as usize..]);
+                self.cum = e;
+            }
+        }
+        true
+    }
+
+    /// The bytes that arrived in order since the last call.
+    pub fn take(&mut self) -> Vec<u8> {
+        std::mem::take(&mut self.ready)
+    }
+
+    /// The acknowledgement to send: `cum`, the window, the first SACK ranges.
+    pub fn ack(&mut self) -> (u64, u32, Vec<(u64, u64)>) {
+        self.ack_due = false;
+        let mut sacks: Vec<(u64, u64)> = Vec::new();
+        for (&off, b) in &self.ooo {
+            let end = off + b.len() as u64;
+            let full = sacks.len() == MAX_SACKS;
+            match sacks.last_mut() {
+                Some(last) if last.1 >= off => last.1 = last.1.max(end),
+                _ if full => break,
+                _ => sacks.push((off, end)),
+            }
+        }
+        let window = WINDOW.saturating_sub(self.ooo_bytes).min(u64::from(u32::MAX)) as u32;
+        (self.cum, window, sacks)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs a transfer of `n` bytes through a path that drops the datagrams `drop` says (by their count), with
+    /// 10 ms one way; returns what arrived and the sender.
+    fn transfer(n: usize, drop: impl Fn(usize) -> bool) -> (Vec<u8>, Sender) {
+        let data: Vec<u8> = (0..n).map(|i| (i * 7 % 251) as u8).collect();
+        let (mut s, mut r) = (Sender::default(), Receiver::default());
+        s.write(&data);
+        let start = Instant::now();
+        let mut now = start;
+        let mut wire: Vec<(Instant, u64, Vec<u8>)> = Vec::new();
+        type Ack = (u64, u32, Vec<(u64, u64)>);
+        let mut acks: Vec<(Instant, Ack)> = Vec::new();
+        let (mut got, mut count) = (Vec::new(), 0);
+        let mut buf = Vec::new();
+        while got.len() < n {
+            assert!(now - start < Duration::from_secs(120), "stalled at {} of {n}", got.len());
+            while let Some(off) = s.poll(now, &mut buf) {
+                count += 1;
+                if !drop(count) {
+                    wire.push((now + Duration::from_millis(10), off, buf.clone()));
+                }
+            }
+            now += Duration::from_millis(1);
+            let (due, later): (Vec<_>, Vec<_>) = wire.drain(..).partition(|(t, ..)| *t <= now);
+            wire = later;
+            for (_, off, b) in due {
+                r.on_segment(off, &b);
+            }
+            got.extend(r.take());
+            if r.ack_due {
+                acks.push((now + Duration::from_millis(10), r.ack()));
+            }
+            let (due, later): (Vec<_>, Vec<_>) = acks.drain(..).partition(|(t, _)| *t <= now);
+            acks = later;
+            for (_, (cum, w, sacks)) in due {
+                s.on_ack(now, cum, w, &sacks);
+            }
+            s.on_timeout(now);
+        }
+        assert_eq!(got, data, "every byte, in order");
+        (got, s)
+    }
+
+    #[test]
+    fn a_clean_path_delivers_in_order_without_retransmissions() {
+        let (_, s) = transfer(500_000, |_| false);
+        assert_eq!(s.retransmits, 0);
+        assert!(s.cwnd() > 10 * MSS64, "slow start grew the window: {}", s.cwnd());
+        let rtt = s.srtt().expect("measured");
+        assert!(rtt >= Duration::from_millis(20) && rtt < Duration::from_millis(30), "{rtt:?}");
+    }
+
+    #[test]
+    fn losses_are_retransmitted_and_the_window_shrinks() {
+        // Every 50th datagram lost, and a burst of 30.
+        let (_, s) = transfer(1_000_000, |i| i % 50 == 0 || (300..330).contains(&i));
+        assert!(s.retransmits >= 40, "{}", s.retransmits);
+        assert!(s.lost_total >= 40);
+        assert!(s.cwnd() < 2 * WINDOW);
+    }
+
+    #[test]
+    fn a_lost_tail_is_recovered_by_the_timer() {
+        // The last datagrams of a short transfer: no SACK can reveal them.
+        let (_, s) = transfer(5 * MSS, |i| i == 5);
+        assert_eq!(s.retransmits, 1);
+    }
+
+    #[test]
+    fn the_receiver_bounds_what_waits_out_of_order() {
+        let mut r = Receiver::default();
+        assert!(r.on_segment(MSS64, &[1; MSS]), "out of order, kept");
+        assert!(!r.on_segment(MSS64, &[1; MSS]), "again: a duplicate");
+        assert!(!r.on_segment(WINDOW, &[1; MSS]), "beyond the window");
+        let (cum, window, sacks) = r.ack();
+        assert_eq!((cum, sacks), (0, vec![(MSS64, 2 * MSS64)]));
+        assert_eq!(u64::from(window), WINDOW - MSS64);
+        assert!(r.on_segment(0, &[0; MSS]));
+        assert_eq!(r.take().len(), 2 * MSS, "the gap filled: both in order");
+        assert_eq!(r.ack().0, 2 * MSS64);
+    }
+
+    #[test]
+    fn the_sender_keeps_to_the_receivers_window() {
+        let mut s = Sender::default();
+        s.write(&vec![0; 2 * WINDOW as usize]);
+        let now = Instant::now();
+        let mut buf = Vec::new();
+        let mut sent = 0;
+        for _ in 0..10_000 {
+            let mut any = false;
+            while s.poll(now, &mut buf).is_some() {
+                sent += buf.len() as u64;
+                any = true;
+            }
+            if !any {
+                break;
+            }
+            // Everything acknowledged, but the receiver takes nothing more.
+            s.on_ack(now, sent, 0, &[]);
+        }
+        assert!(sent <= WINDOW && sent > WINDOW - MSS64, "up to what the receiver said it takes, never beyond: {sent}");
+    }
+}

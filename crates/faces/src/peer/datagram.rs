@@ -10,10 +10,12 @@
 //!   with ChaCha20-Poly1305 (`ring`), its packet number the nonce, and checked against a replay window. The
 //!   accepting side keeps a session only once a sealed datagram from the other side opens (a replayed `Init` gets an
 //!   answer nobody can use and no session).
-//! - **Reliable stream** ([`reliable`]): the peer protocol's messages (`Hello`, and every frame but UDP flows' data
-//!   and acks) travel as on the `tcp` carrier, in one reliable byte stream per session (SACK, AIMD, flow control).
+//! - **Reliable stream** ([`reliable`](flexstack_modules::stream::carrier::reliable)): the peer protocol's
+//!   messages (`Hello`, and every frame but UDP flows' data and acks) travel as on the `tcp` carrier, in one
+//!   reliable byte stream per session (SACK, AIMD, flow control).
 //! - **UDP flows' datagrams**: one sealed datagram each (`udp`); numbered, with NACKs and XOR parity (`udpplus`,
-//!   [`plus`]). Unreliable as UDP is: the producer gets its credit back when the carrier sends.
+//!   [`plus`](flexstack_modules::stream::carrier::plus)). Unreliable as UDP is: the producer gets its credit back
+//!   when the carrier sends.
 //! - Datagrams that do not decode or authenticate count in `malformed_total`, authentic ones that come again in
 //!   `replayed_total`; both are dropped and the session stays.
 

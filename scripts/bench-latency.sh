@@ -11,10 +11,9 @@
 # All five paths exist at once (their own subnets), and each round measures them in turn; RUNS (5) rounds of N
 # (5000) round trips. Printed: the medians over the rounds of each round's median and 99th percentile, and the
 # time each path adds to the veth's median. Needs root. PROFILE=ci builds and runs target/ci/flexstack (say so
-# with figures); FS=PATH runs that binary unbuilt. SPIN=1 keeps every CPU busy with a spinning process at nice 19
-# during the rounds, so that no vCPU halts between round trips: on a virtual machine an idle vCPU's wake-up (an
-# exit to the host and back) costs tens of microseconds, which a round trip pays at each sleeping hop; with SPIN=1
-# the figures show the paths' own cost.
+# with figures); FS=PATH runs that binary unbuilt.
+# On a virtual machine the figures depend on what else runs: a vCPU that halted when idle pays a wake-up (an exit
+# to the host and back, tens of microseconds) at each sleeping hop of a round trip; say how busy the machine was.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib/bench.sh # median, default_modules_stack, bench_setup
@@ -27,9 +26,7 @@ state=$(mktemp -d)
 daemon=
 fwd=
 fwd2=
-spinners=()
 cleanup() {
-  for p in "${spinners[@]}"; do kill "$p" 2>/dev/null || true; done
   [[ -n "$daemon" ]] && kill "$daemon" 2>/dev/null && wait "$daemon" 2>/dev/null || true
   [[ -n "$fwd" ]] && kill "$fwd" 2>/dev/null && wait "$fwd" 2>/dev/null || true
   [[ -n "$fwd2" ]] && kill "$fwd2" 2>/dev/null && wait "$fwd2" 2>/dev/null || true
@@ -71,9 +68,6 @@ for _ in $(seq 100); do "$fs" --state-dir "$state/d" status >/dev/null 2>&1 && b
 place ${tag}ta ${tag}tb 213
 ip netns exec ${tag}b "$state/udp_pp" server 7000 &
 sleep 0.3
-if [[ -n ${SPIN:-} ]]; then
-  for _ in $(seq "$(nproc)"); do nice -n 19 sh -c 'while :; do :; done' & spinners+=($!); done
-fi
 busy() { "$fs" --state-dir "$state/d" set worker.all.busy_poll_us "$1" >/dev/null; }
 pp() { ip netns exec ${tag}a "$state/udp_pp" pp "10.$1.0.2" 7000 "$N"; }
 declare -A med p99
@@ -93,8 +87,8 @@ for r in $(seq "$RUNS"); do
 done
 m() { tr ' ' '\n' <<<"$1" | grep . | median; }
 v=$(m "${med[v]}")
-printf 'UDP ping-pong, 64 bytes, one in flight: medians of %s rounds of %s round trips (us)%s\n' "$RUNS" "$N" \
-  "${SPIN:+, CPUs kept busy at nice 19 (SPIN=1)}"
+printf 'UDP ping-pong, 64 bytes, one in flight: medians of %s rounds of %s round trips (us), load average %s\n' \
+  "$RUNS" "$N" "$(cut -d' ' -f1 /proc/loadavg)"
 printf '%-44s %9s %9s %9s\n' path median p99 added
 for c in v c t f p; do
   case $c in

@@ -13,6 +13,9 @@ pub(crate) struct DeviceMeters {
     pub(crate) handoff: Meter,
     pub(crate) drop_handoff: Meter,
     pub(crate) kernel_drops: Meter,
+    pub(crate) rx_gso: Meter,
+    pub(crate) tx_gso: Meter,
+    pub(crate) tx_gso_cut: Meter,
 }
 
 /// What both kinds of device share: a name, the direction of what is read, and I/O counters.
@@ -31,6 +34,27 @@ impl DeviceCommon {
         if let Some(m) = self.meters.get() {
             m.rx_packets.add(1);
             m.rx_bytes.add(n as u64);
+        }
+    }
+
+    /// A GSO super-packet was read whole (it is also counted as one packet read).
+    pub(crate) fn received_gso(&self) {
+        if let Some(m) = self.meters.get() {
+            m.rx_gso.add(1);
+        }
+    }
+
+    /// A GSO super-packet was written whole.
+    pub(crate) fn sent_gso(&self) {
+        if let Some(m) = self.meters.get() {
+            m.tx_gso.add(1);
+        }
+    }
+
+    /// A GSO super-packet was cut into segments because the device cannot take it whole.
+    pub(crate) fn cut_gso(&self) {
+        if let Some(m) = self.meters.get() {
+            m.tx_gso_cut.add(1);
         }
     }
 

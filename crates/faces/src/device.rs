@@ -37,24 +37,11 @@ impl DeviceCommon {
         }
     }
 
-    /// A GSO super-packet was read whole (it is also counted as one packet read).
-    pub(crate) fn received_gso(&self) {
+    /// Counts one on the meter `which` picks: a GSO super-packet read whole (`rx_gso`; it is also counted as one
+    /// packet read), written whole (`tx_gso`), or cut because the device cannot take it whole (`tx_gso_cut`).
+    pub(crate) fn count(&self, which: fn(&DeviceMeters) -> &Meter) {
         if let Some(m) = self.meters.get() {
-            m.rx_gso.add(1);
-        }
-    }
-
-    /// A GSO super-packet was written whole.
-    pub(crate) fn sent_gso(&self) {
-        if let Some(m) = self.meters.get() {
-            m.tx_gso.add(1);
-        }
-    }
-
-    /// A GSO super-packet was cut into segments because the device cannot take it whole.
-    pub(crate) fn cut_gso(&self) {
-        if let Some(m) = self.meters.get() {
-            m.tx_gso_cut.add(1);
+            which(m).add(1);
         }
     }
 

@@ -175,7 +175,7 @@ impl TunDevice {
                         match vnet.gso_at(buf, 0).filter(|g| g.segments(buf.len()) > 1) {
                             Some(gso) => {
                                 meta.set(MetaKey::GSO, gso.pack());
-                                self.common.received_gso();
+                                self.common.count(|m| &m.rx_gso);
                             }
                             // One segment's worth: an ordinary packet (its checksum completed below).
                             None if vnet.gso_at(buf, 0).is_some() => {}
@@ -251,7 +251,7 @@ impl TunDevice {
         ];
         let result = self.dev.send_vectored(&parts).map(|_| ()).inspect_err(|_| self.common.tx_error());
         if result.is_ok() {
-            self.common.sent_gso();
+            self.common.count(|m| &m.tx_gso);
         }
         Some(result)
     }
@@ -318,7 +318,7 @@ impl TunDevice {
     /// Cuts a super-packet the device cannot take whole, counting it; one whose bytes do not match its description
     /// is written as it is (one long packet).
     fn cut_for_device(&self, data: &[u8], gso: &Gso, segments: &mut Vec<Vec<u8>>) -> usize {
-        self.common.cut_gso();
+        self.common.count(|m| &m.tx_gso_cut);
         match cut(data, gso, segments) {
             0 => {
                 segments.resize_with(segments.len().max(1), Vec::new);

@@ -261,3 +261,71 @@ fn busy_poll_spins_after_traffic_and_sleeps_when_idle() {
     assert!(off < 0.05, "off, it sleeps at once: {off:.2}");
     assert!(!d.fails(&["set", "worker.all.busy_poll_us", "2000000"]).is_empty(), "over the range: refused");
 }
+
+/// Fetches `url` with curl in `ns` into `into` (retrying while the server starts) and asserts the bytes are `want`.
+fn fetch_intact(ns: &common::Netns, url: &str, into: &std::path::Path, want: &[u8]) {
+    let mut fetched = false;
+    for _ in 0..50 {
+        let out = ns.run(&["curl", "-sf", "--max-time", "30", "-o", into.to_str().unwrap(), url]);
+        if out.status.success() {
+            fetched = true;
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    assert!(fetched, "curl {url}");
+    assert!(std::fs::read(into).unwrap() == want, "{url}: the downloaded file is identical");
+}
+
+#[test]
+fn gso_super_packets_cross_whole_and_are_cut_only_for_a_device_without_offloads() {
+    if !privileged() {
+        return;
+    }
+    // The default app modules between the faces: every one takes super-packets whole.
+    let chain = r#"["a -> ip", "b -> ip", "ip[out] -> frag", "frag -> flows", "flows[tcp] -> dir",
+        "flows[udp] -> dir", "flows[icmp] -> dir", "flows[other] -> dir", "dir[down] -> b", "dir[up] -> a"]"#;
+    let modules = "[modules.ip]\nkind = \"ip\"\n[modules.frag]\nkind = \"reassemble\"\n[modules.flows]\nkind = \
+                   \"classify\"\n[modules.dir]\nkind = \"direction\"\n";
+    let dir = tempfile::tempdir().unwrap();
+    let payload: Vec<u8> = (0..20_000_000u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8).collect();
+    std::fs::write(dir.path().join("blob.bin"), &payload).unwrap();
+    let got = dir.path().join("got.bin");
+
+    // Both devices with offloads: the server's TCP super-packets are read from b whole and written to a whole.
+    let (d, ns_a, ns_b) = through_tun_faces(
+        chain,
+        "direction = \"up\"\n",
+        modules,
+        (&["10.96.0.1/24", "fd96::1/64"], &["10.96.0.2/24", "fd96::2/64"]),
+        &[],
+    );
+    let _server = ns_b.serve_http("::", dir.path());
+    fetch_intact(&ns_a, "http://10.96.0.2:8080/blob.bin", &got, &payload);
+    fetch_intact(&ns_a, "http://[fd96::2]:8080/blob.bin", &got, &payload);
+    let read_whole = d.get_u64("module.b.rx_gso_total");
+    let written_whole = d.get_u64("module.a.tx_gso_total");
+    eprintln!("super-packets read whole from b: {read_whole}, written whole to a: {written_whole}");
+    assert!(read_whole > 0, "the kernel handed b super-packets");
+    assert!(written_whole > 0 && written_whole <= read_whole, "a wrote them whole: {written_whole}");
+    assert_eq!(d.get_u64("module.a.tx_gso_cut_total"), 0, "a takes them whole");
+    assert_eq!(d.get_u64("switch.gso_cut_total"), 0, "no module needed them cut");
+    // The modules count segments: more packets than the faces read.
+    let read = d.get_u64("module.a.rx_packets_total") + d.get_u64("module.b.rx_packets_total");
+    assert!(d.get_u64("module.ip.packets_total") > read, "ip counts the segments of what the faces read");
+    drop((d, ns_a, ns_b));
+
+    // b without offloads: what a reads whole from the server's side is cut for b, and arrives intact.
+    let (d, ns_a, ns_b) = through_tun_faces(
+        chain,
+        "direction = \"up\"\noffload = false\n",
+        modules,
+        (&["10.96.1.1/24"], &["10.96.1.2/24"]),
+        &[],
+    );
+    let _server = ns_a.serve_http("::", dir.path());
+    fetch_intact(&ns_b, "http://10.96.1.1:8080/blob.bin", &got, &payload);
+    assert!(d.get_u64("module.a.rx_gso_total") > 0, "a read super-packets whole");
+    assert!(d.get_u64("module.b.tx_gso_cut_total") > 0, "b cut them: its device has no offloads");
+    assert_eq!(d.get_u64("module.b.tx_gso_total"), 0);
+}

@@ -98,6 +98,7 @@ impl ModuleBuilder for Builder {
             outputs: if self.outputs { vec![PortSpec::new("out", port_type::ANY)] } else { vec![] },
             vars: vec![],
             breaks_cycles: false,
+            accepts_gso: false,
         }
     }
     fn build(self: Box<Self>, _vars: &ModuleVars) -> Box<dyn Module> {

@@ -490,6 +490,10 @@ pub struct KindDecl<S: 'static, M: 'static> {
     /// writes, frames it makes itself): a stack with one runs its data plane on one worker
     /// ([`ModuleBuilder::global_view`]; docs/architecture.md, "Workers").
     pub global_view: bool,
+    /// The module takes GSO super-packets whole (see [`ModuleInterface::accepts_gso`]): it handles their length
+    /// fields and counts what it says it counts of them; the switch cuts them into segments before a module that
+    /// does not.
+    pub accepts_gso: bool,
 }
 
 impl<S, M> KindDecl<S, M> {
@@ -505,6 +509,7 @@ impl<S, M> KindDecl<S, M> {
             more_meters: Vec::new,
             breaks_cycles: false,
             global_view: false,
+            accepts_gso: false,
         }
     }
 
@@ -543,6 +548,7 @@ impl<S, M> KindDecl<S, M> {
             outputs: self.outputs.iter().map(PortDecl::spec).collect(),
             vars: self.vars(state),
             breaks_cycles: self.breaks_cycles,
+            accepts_gso: self.accepts_gso,
         }
     }
 
@@ -605,6 +611,7 @@ impl<S, M> KindDecl<S, M> {
             settings,
             meters,
             breaks_cycles: self.breaks_cycles,
+            accepts_gso: self.accepts_gso,
             aliases: Vec::new(),
             note: None,
         }

@@ -44,11 +44,18 @@ impl MetaKey {
     /// The packet is a GSO super-frame (several on-wire segments carried as one packet): a [`Gso`] packed with
     /// [`Gso::pack`]. Absent on ordinary packets.
     ///
-    /// The rule for modules: a module may parse it and rewrite addresses or ports (updating checksums as usual,
-    /// after completing a partial one, see [`MetaKey::CSUM_PARTIAL`]) and keep the key; the face that writes it
-    /// recomputes the partial checksum the kernel expects. A module that changes the packet's length, its header
-    /// lengths or the position of its IP header must either update the key or remove it (and then cut the packet
-    /// into segments itself, or it cannot leave through a link of ordinary MTU).
+    /// Super-packets reach only modules whose kind takes them whole ([`crate::ModuleInterface::accepts_gso`]); the
+    /// switch cuts them into their segments before any other ([`crate::switch::segment_batch`]). The IP length
+    /// fields of a super-packet (IPv4 total length, IPv6 payload length) count all of it; its transport checksum
+    /// field means nothing (a TUN face leaves the pseudo-header sum there): whoever cuts it or writes it to a
+    /// device computes the segments' checksums, or the pseudo-header sum the kernel expects, afresh.
+    ///
+    /// The rule for modules that take them: a module may parse it and rewrite addresses or ports and keep the key
+    /// (no checksum needs updating for it); meters that count packets or bytes count its segments and their bytes
+    /// on the wire ([`Packet::wire_packets`], [`Packet::wire_bytes`]), so that they read the same as if it had been
+    /// cut first. A module that moves the IP header (adds or strips a link header) moves the key with it
+    /// ([`Packet::move_gso`]); one that changes the packet's length or its header lengths, or needs the segments
+    /// (per-packet drops, fragmentation), cuts it itself ([`crate::switch::segment_packet`]).
     pub const GSO: MetaKey = MetaKey(7);
     /// The packet's transport checksum is partial (Linux's CHECKSUM_PARTIAL, a virtio-net header's NEEDS_CSUM): a
     /// [`CsumPartial`] packed with [`CsumPartial::pack`]. The field at `start + offset` holds only the sum of the
@@ -215,6 +222,18 @@ impl Gso {
     /// Bytes on the wire of a packet of `len` bytes with this description: every segment repeats the headers.
     pub fn wire_bytes(&self, len: usize) -> usize {
         len + (self.segments(len) - 1) * usize::from(self.hdr_len)
+    }
+
+    /// The description of the same packet after `by` bytes were put in front of it (a link header; negative: taken
+    /// away); `None` if its IP header would then start before the packet, or lie beyond 255 bytes.
+    pub fn moved(self, by: isize) -> Option<Gso> {
+        let shift = |v: u16| u16::try_from((v as isize).checked_add(by)?).ok();
+        Some(Gso {
+            hdr_len: shift(self.hdr_len)?,
+            csum_start: shift(self.csum_start)?,
+            l3_offset: u8::try_from(isize::from(self.l3_offset).checked_add(by)?).ok()?,
+            ..self
+        })
     }
 }
 
@@ -494,6 +513,33 @@ impl Packet {
         &mut self.slot_mut().meta
     }
 
+    /// The on-wire packets this one stands for: the segments of a GSO super-packet ([`MetaKey::GSO`]), else 1.
+    /// Meters that count packets count these, so that they read the same whether a super-packet was cut first.
+    pub fn wire_packets(&self) -> u64 {
+        Gso::of(self.meta()).map_or(1, |g| g.segments(self.len()) as u64)
+    }
+
+    /// The bytes on the wire of the packets it stands for ([`Packet::wire_packets`]): a super-packet's segments each
+    /// repeat its headers.
+    pub fn wire_bytes(&self) -> u64 {
+        Gso::of(self.meta()).map_or(self.len(), |g| g.wire_bytes(self.len())) as u64
+    }
+
+    /// Keeps the GSO description right after `by` bytes were put in front of the packet (negative: taken away),
+    /// e.g. a link header; the key is removed if it cannot be (the packet then travels as one long packet).
+    pub fn move_gso(&mut self, by: isize) {
+        if let Some(g) = Gso::of(self.meta()) {
+            match g.moved(by) {
+                Some(moved) => {
+                    self.meta_mut().set(MetaKey::GSO, moved.pack());
+                }
+                None => {
+                    self.meta_mut().remove(MetaKey::GSO);
+                }
+            }
+        }
+    }
+
     /// True when another packet shares these bytes.
     #[inline]
     pub fn is_shared(&self) -> bool {
@@ -640,6 +686,23 @@ pub type Batch = Vec<Frame>;
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_super_packet_counts_its_segments_and_moves_its_description_with_a_link_header() {
+        use super::{Gso, GsoKind, MetaKey, PacketPool};
+        let g = Gso { kind: GsoKind::TcpV4, gso_size: 1000, hdr_len: 40, csum_start: 20, l3_offset: 0, ecn: false };
+        let pool = PacketPool::default();
+        let mut p = pool.alloc_from(&[0u8; 2540]);
+        assert_eq!((p.wire_packets(), p.wire_bytes()), (1, 2540), "no key: one packet");
+        p.meta_mut().set(MetaKey::GSO, g.pack());
+        assert_eq!((p.wire_packets(), p.wire_bytes()), (3, 2540 + 2 * 40));
+        p.move_gso(14);
+        assert_eq!(Gso::of(p.meta()), Some(Gso { hdr_len: 54, csum_start: 34, l3_offset: 14, ..g }));
+        p.move_gso(-14);
+        assert_eq!(Gso::of(p.meta()), Some(g));
+        p.move_gso(-1);
+        assert_eq!(p.meta().get(MetaKey::GSO), None, "the IP header cannot start before the packet");
+    }
+
     #[test]
     fn gso_packs_into_one_metadata_value_and_back() {
         use super::{Gso, GsoKind, Metadata};

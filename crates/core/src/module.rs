@@ -75,6 +75,10 @@ pub struct ModuleInterface {
     /// True if the module holds frames and emits them only on a later poll, so a cycle through it cannot loop
     /// within one batch; cycles through no such module are rejected.
     pub breaks_cycles: bool,
+    /// True if the module takes GSO super-packets whole ([`crate::frame::MetaKey::GSO`]: the headers of the first
+    /// segment and the payload of all). The switch cuts a super-packet into its segments before a module that does
+    /// not ([`crate::switch`], "GSO super-packets").
+    pub accepts_gso: bool,
 }
 
 /// A kind of module that the catalog can create.
@@ -428,6 +432,7 @@ fn configured_reference<K: ModuleKind + ?Sized>(kind: &K) -> KindReference {
         settings: Vec::new(),
         meters: Vec::new(),
         breaks_cycles: false,
+        accepts_gso: false,
         aliases: Vec::new(),
         note: None,
     };
@@ -449,6 +454,7 @@ fn configured_reference<K: ModuleKind + ?Sized>(kind: &K) -> KindReference {
     r.inputs = iface.inputs.iter().map(port).collect();
     r.outputs = iface.outputs.iter().map(port).collect();
     r.breaks_cycles = iface.breaks_cycles;
+    r.accepts_gso = iface.accepts_gso;
     for c in vars.cells() {
         let s = c.spec();
         if s.kind == VarKind::Meter {

@@ -83,6 +83,8 @@ pub struct KindReference {
     pub meters: Vec<MeterDoc>,
     /// True if the module holds frames and may sit in a cycle of links.
     pub breaks_cycles: bool,
+    /// True if the module takes GSO super-packets whole (otherwise the switch cuts them into segments first).
+    pub accepts_gso: bool,
     /// Old names of the kind that still load (filled in by [`crate::Catalog::reference`]).
     pub aliases: Vec<String>,
     /// A remark on how the entry was made, for kinds not described by declarations.
@@ -100,6 +102,11 @@ impl KindReference {
         }
         if self.breaks_cycles {
             out.push_str("\nHolds frames and releases them on a later poll, so it may sit in a cycle of links.\n");
+        }
+        if self.accepts_gso {
+            out.push_str(
+                "\nTakes GSO super-packets whole (the switch cuts them into segments before kinds that do not).\n",
+            );
         }
         if let Some(note) = &self.note {
             let _ = writeln!(out, "\n*{note}*");

@@ -13,6 +13,12 @@
 //! The linking table is compiled into, for each (module, output port), the list of (module, input port)
 //! receivers; several receivers get shared copies (reference counts, copy on write). Frames emitted on a port with
 //! no receiver are dropped and counted on that port.
+//!
+//! GSO super-packets ([`crate::frame::MetaKey::GSO`]) travel whole between modules that take them
+//! ([`ModuleInterface::accepts_gso`]); before a module that does not, the switch cuts each into its on-wire
+//! segments ([`segment_batch`]), so that such a module sees only ordinary packets. The switch meters
+//! `gso_cut_total` and `gso_mismatch_total` count the super-packets cut, and those left whole (without the key)
+//! because their bytes did not match their description.
 
 use crate::config::{valid_name, Endpoint, LinkEntry, LinkSpec, ModuleSpec, Settings, StackSpec};
 use crate::frame::{Batch, ControlFrame, ControlOp, Frame, PacketPool};
@@ -364,6 +370,8 @@ struct HotMeters {
     injected: Meter,
     pool_allocated: Meter,
     pool_free: Meter,
+    gso_cut: Meter,
+    gso_mismatch: Meter,
 }
 
 /// One row of `show runtime`, read from the registry.
@@ -405,6 +413,18 @@ impl Switch {
             VarSpec::meter("paused", ValueType::Bool, "", "true while the whole stack is paused"),
             VarSpec::meter("pool_allocated_total", ValueType::U64, "buffers", "packet buffers allocated from the heap"),
             VarSpec::meter("pool_free", ValueType::U64, "buffers", "packet buffers on the free list"),
+            VarSpec::meter(
+                "gso_cut_total",
+                ValueType::U64,
+                "frames",
+                "GSO super-packets cut into segments before a module that does not take them whole",
+            ),
+            VarSpec::meter(
+                "gso_mismatch_total",
+                ValueType::U64,
+                "frames",
+                "GSO super-packets whose bytes did not match their description: passed on whole, without the key",
+            ),
         ]);
         let mut s = Switch {
             slots: Vec::new(),
@@ -425,6 +445,8 @@ impl Switch {
                 injected: switch_vars.meter("frames_injected_total"),
                 pool_allocated: switch_vars.meter("pool_allocated_total"),
                 pool_free: switch_vars.meter("pool_free"),
+                gso_cut: switch_vars.meter("gso_cut_total"),
+                gso_mismatch: switch_vars.meter("gso_mismatch_total"),
             },
             switch_vars,
             worker: (worker, workers.max(1)),
@@ -1031,6 +1053,13 @@ impl Switch {
             Some(p) => std::mem::take(&mut slot.pending[p]),
             None => Vec::new(),
         };
+        if port.is_some() && !slot.iface.accepts_gso {
+            let done = segment_batch(&self.pool, &mut input);
+            if done != Segmented::default() {
+                self.hot.gso_cut.add(done.cut);
+                self.hot.gso_mismatch.add(done.mismatched);
+            }
+        }
         let arrived = input.len() as u64;
         let (module, mut out) = self.module_and_output(i, now);
         let polled = match port {
@@ -1583,6 +1612,9 @@ impl Model {
         Err(format!("the links would form a cycle through {} with no queueing module to break it", stuck.join(", ")))
     }
 }
+
+mod gso;
+pub use gso::{fold64, ones_complement_sum, segment_batch, segment_packet, Segmented};
 
 #[cfg(test)]
 mod tests;

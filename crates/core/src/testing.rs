@@ -57,7 +57,8 @@ struct RecorderBuilder(Log);
 
 impl ModuleBuilder for RecorderBuilder {
     fn interface(&self) -> ModuleInterface {
-        ModuleInterface { inputs: vec![PortSpec::new("in", "any")], ..Default::default() }
+        // It records what reaches it, GSO super-packets whole.
+        ModuleInterface { inputs: vec![PortSpec::new("in", "any")], accepts_gso: true, ..Default::default() }
     }
 
     fn build(self: Box<Self>, _vars: &ModuleVars) -> Box<dyn Module> {

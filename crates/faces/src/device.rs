@@ -13,6 +13,9 @@ pub(crate) struct DeviceMeters {
     pub(crate) handoff: Meter,
     pub(crate) drop_handoff: Meter,
     pub(crate) kernel_drops: Meter,
+    pub(crate) rx_gso: Meter,
+    pub(crate) tx_gso: Meter,
+    pub(crate) tx_gso_cut: Meter,
 }
 
 /// What both kinds of device share: a name, the direction of what is read, and I/O counters.
@@ -31,6 +34,14 @@ impl DeviceCommon {
         if let Some(m) = self.meters.get() {
             m.rx_packets.add(1);
             m.rx_bytes.add(n as u64);
+        }
+    }
+
+    /// Counts one on the meter `which` picks: a GSO super-packet read whole (`rx_gso`; it is also counted as one
+    /// packet read), written whole (`tx_gso`), or cut because the device cannot take it whole (`tx_gso_cut`).
+    pub(crate) fn count(&self, which: fn(&DeviceMeters) -> &Meter) {
+        if let Some(m) = self.meters.get() {
+            which(m).add(1);
         }
     }
 

@@ -16,9 +16,14 @@
 //!   of the frames read from it: `"down"` for an app's NIC, whose packets go towards the network; `"up"` for a face
 //!   on the network side, such as the host face. With `offload`, the device uses virtio-net headers
 //!   (IFF_VNET_HDR) with TCP (TSO, checksum) and, where the kernel has them, UDP (USO) offloads: the kernel hands
-//!   over large GSO packets, which are cut here into segments of at most the MTU with complete checksums, so that
-//!   modules see only ordinary packets; packets written to the device are coalesced per flow into GSO writes where
-//!   possible (GRO), so that the kernel gets few large packets.
+//!   over GSO super-packets (up to 64 KiB of one TCP or UDP flow), which stay whole, carrying `MetaKey::GSO` (the
+//!   switch cuts them into segments only before a module that does not take them whole,
+//!   `ModuleInterface::accepts_gso`); a super-packet written goes to the kernel whole with its virtio-net header,
+//!   and is cut here only if the device cannot take it (offloads off, UDP segmentation the kernel lacks, segments
+//!   beyond the MTU: `tx_gso_cut_total`). A packet whose checksum the kernel left to offload gets it completed on
+//!   read. Ordinary packets written to the device are coalesced per flow into GSO writes where possible (GRO), so
+//!   that the kernel gets few large packets. `rx_gso_total` and `tx_gso_total` count the super-packets read and
+//!   written whole.
 //! - Kind `packet`: a link face: an AF_PACKET socket on an existing interface that flexstack takes over, carrying
 //!   Ethernet frames (put an `ethernet` module behind it for ARP/NDP and addresses). With `take_over`, the
 //!   kernel's addresses on the interface are removed and kernel IPv6 is disabled on it, so that only flexstack
@@ -77,13 +82,39 @@ const QUEUE: P = P::u64("queue", "frames", "most frames waiting for the device; 
 
 /// The meters both kinds share.
 const METERS: &[MeterDecl<Meters>] = &[
-    MeterDecl::u64("tx_packets_total", "packets", "packets queued for the device", |m| &mut m.tx_packets),
+    MeterDecl::u64(
+        "tx_packets_total",
+        "packets",
+        "packets queued for the device (a GSO super-packet counts once)",
+        |m| &mut m.tx_packets,
+    ),
     MeterDecl::u64("tx_bytes_total", "bytes", "bytes queued for the device", |m| &mut m.tx_bytes),
     MeterDecl::u64("drop_queue_full_total", "packets", "dropped: the device queue was full", |m| &mut m.drop_full),
     MeterDecl::new("device", ValueType::Str, "", "the interface name", |m| &mut m.device),
-    MeterDecl::u64("rx_packets_total", "packets", "packets read from the device", |m| &mut m.io.rx_packets),
+    MeterDecl::u64(
+        "rx_packets_total",
+        "packets",
+        "packets read from the device (a GSO super-packet counts once)",
+        |m| &mut m.io.rx_packets,
+    ),
     MeterDecl::u64("rx_bytes_total", "bytes", "bytes read from the device", |m| &mut m.io.rx_bytes),
     MeterDecl::u64("rx_errors_total", "errors", "failed reads", |m| &mut m.io.rx_errors),
+    MeterDecl::u64(
+        "rx_gso_total",
+        "packets",
+        "GSO super-packets read whole (each also counts once in rx_packets_total, however many segments it holds)",
+        |m| &mut m.io.rx_gso,
+    ),
+    MeterDecl::u64("tx_gso_total", "packets", "GSO super-packets written whole, for the kernel to cut", |m| {
+        &mut m.io.tx_gso
+    }),
+    MeterDecl::u64(
+        "tx_gso_cut_total",
+        "packets",
+        "GSO super-packets cut into segments here because the device cannot take them whole (offloads off, a \
+         segmentation the kernel does not offer, segments beyond the MTU)",
+        |m| &mut m.io.tx_gso_cut,
+    ),
     MeterDecl::u64("tx_errors_total", "errors", "failed writes (the packet is lost)", |m| &mut m.io.tx_errors),
     MeterDecl::u64(
         "handoff_total",
@@ -129,7 +160,7 @@ const TUN: KindDecl<Config, Meters> = KindDecl {
         QUEUE,
         P::bool(
             "offload",
-            "virtio-net offloads: GSO packets read are cut, packets written coalesced",
+            "virtio-net offloads: GSO super-packets read and written whole, other packets written coalesced",
             true,
             field!(offload),
         )
@@ -153,6 +184,8 @@ const TUN: KindDecl<Config, Meters> = KindDecl {
     meters: METERS,
     // Its output comes from the device, not from its input: a cycle through a face cannot loop in a batch.
     breaks_cycles: true,
+    // It writes super-packets whole, or cuts them itself where the device cannot take them.
+    accepts_gso: true,
     ..KindDecl::new("tun", "a TUN device: raw IP packets to and from the kernel (an app's virtual NIC, or the host)")
 };
 
@@ -180,6 +213,7 @@ const PACKET: KindDecl<Config, Meters> = KindDecl {
     ],
     meters: METERS,
     breaks_cycles: true,
+    accepts_gso: true,
     ..KindDecl::new("packet", "a link face: Ethernet frames to and from an interface flexstack takes over (AF_PACKET)")
 };
 

@@ -164,6 +164,9 @@ impl FaceDevice for PacketDevice {
                     }
                     if let Some(gso) = vnet.gso(buf) {
                         meta.set(MetaKey::GSO, gso.pack());
+                        if gso.segments(buf.len()) > 1 {
+                            self.common.count(|m| &m.rx_gso);
+                        }
                     }
                     let n = buf.len();
                     return finish_read(&self.common, buf, Ok(n));
@@ -183,7 +186,9 @@ impl FaceDevice for PacketDevice {
         for p in packets {
             let data = p.data();
             let sent = match Gso::of(p.meta()).and_then(|g| gso_write_parts(data, &g)) {
-                Some(w) => self.send(&[&w.header, &data[..w.field], &w.field_value, &data[w.field + 2..]]),
+                Some(w) => self
+                    .send(&[&w.header, &data[..w.field], &w.field_value, &data[w.field + 2..]])
+                    .inspect(|_| self.common.count(|m| &m.tx_gso)),
                 None => match CsumPartial::of(p.meta()).and_then(|c| partial_write_header(data.len(), c)) {
                     Some(header) => self.send(&[&header, data]),
                     None => self.write_packet(data),

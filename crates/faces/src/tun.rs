@@ -1,8 +1,12 @@
-//! The TUN device behind a `tun` face: raw IP packets, with virtio-net offloads where the kernel has them (GSO
-//! packets read are cut into segments, packets written are coalesced into GSO writes; both by tun-rs).
+//! The TUN device behind a `tun` face: raw IP packets, with virtio-net offloads where the kernel has them. A GSO
+//! super-packet read stays whole (`MetaKey::GSO`) and one written goes to the kernel whole, with its virtio-net
+//! header; ordinary packets written are coalesced per flow into GSO writes (tun-rs's GRO). A super-packet is cut
+//! only where the device cannot take it (offloads off, UDP segmentation the kernel lacks, segments beyond the MTU).
 
 use crate::device::{finish_read, Device, DeviceCommon};
-use flexstack_core::{Direction, FaceDevice};
+use flexstack_core::frame::{Gso, GsoKind, MetaKey, Metadata};
+use flexstack_core::{Direction, FaceDevice, Packet};
+use flexstack_wire::vnet::{gso_write_parts, VnetHeader, VNET_HDR_LEN};
 use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::{Mutex, MutexGuard};
 use tun_rs::{GROTable, IDEAL_BATCH_SIZE, VIRTIO_NET_HDR_LEN};
@@ -35,25 +39,24 @@ struct KernelDrops {
 struct Offload {
     rx: Mutex<RxState>,
     tx: Mutex<TxState>,
+    /// The kernel takes UDP segmentation offload (USO) on this device.
+    udp_gso: bool,
 }
 
-/// Segments of the last packet read (a GSO packet cut into segments, or one packet), handed out one by one.
+/// For [`FaceDevice::read_packet`], which hands out one packet at a time: the segments of the last super-packet
+/// read, `next..` still to be handed out.
+#[derive(Default)]
 struct RxState {
-    /// One read from the device: virtio-net header and packet (up to 64 KiB).
-    raw: Vec<u8>,
-    /// Segment buffers: the first holds up to 64 KiB (a packet that came whole), the others the MTU.
     segments: Vec<Vec<u8>>,
-    sizes: Vec<usize>,
-    /// Segments `next..count` are still to be handed out.
     next: usize,
-    count: usize,
 }
 
 /// Buffers for coalesced writes: each packet behind room for a virtio-net header, with capacity to grow into a
-/// GSO packet.
+/// GSO packet; and for the segments of super-packets the device cannot take whole.
 struct TxState {
     gro: GROTable,
     bufs: Vec<Vec<u8>>,
+    segments: Vec<Vec<u8>>,
 }
 
 /// Capacity of a write buffer: the largest GSO packet with room for the headers the coalescing asks for.
@@ -64,24 +67,34 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Offload {
-    fn new(mtu: u16) -> Offload {
-        let mtu = usize::from(mtu);
-        // Enough segments for the largest GSO packet at the smallest payload a segment of this MTU can carry.
-        let payload = mtu.saturating_sub(120).max(8);
-        let n = (MAX_PACKET / payload + 2).max(IDEAL_BATCH_SIZE);
-        let mut segments = vec![vec![0u8; mtu]; n];
-        segments[0] = vec![0u8; MAX_PACKET];
+    fn new(udp_gso: bool) -> Offload {
         Offload {
-            rx: Mutex::new(RxState {
-                raw: vec![0u8; VIRTIO_NET_HDR_LEN + MAX_PACKET],
-                segments,
-                sizes: vec![0; n],
-                next: 0,
-                count: 0,
-            }),
-            tx: Mutex::new(TxState { gro: GROTable::new(), bufs: Vec::new() }),
+            rx: Mutex::new(RxState::default()),
+            tx: Mutex::new(TxState { gro: GROTable::new(), bufs: Vec::new(), segments: Vec::new() }),
+            udp_gso,
         }
     }
+}
+
+/// The super-packet description of `p`, if it is one of more than one segment.
+fn super_packet(p: &Packet) -> Option<Gso> {
+    Gso::of(p.meta()).filter(|g| g.segments(p.len()) > 1)
+}
+
+/// Cuts `data` (described by `gso`) into `segments` (reused buffers, grown as needed); returns how many, 0 if the
+/// bytes do not match the description.
+fn cut(data: &[u8], gso: &Gso, segments: &mut Vec<Vec<u8>>) -> usize {
+    if !gso.matches(data) {
+        return 0;
+    }
+    let n = gso.segments(data.len());
+    if segments.len() < n {
+        segments.resize_with(n, Vec::new);
+    }
+    for (i, s) in segments[..n].iter_mut().enumerate() {
+        gso.segment_into(data, i, s);
+    }
+    n
 }
 
 impl TunDevice {
@@ -106,7 +119,7 @@ impl TunDevice {
         dev.set_nonblocking(true)?;
         dev.enabled(true)?;
         // tcp_gso() tells whether the device really uses virtio-net headers.
-        let offload = (offload && dev.tcp_gso()).then(|| Offload::new(mtu));
+        let offload = (offload && dev.tcp_gso()).then(|| Offload::new(dev.udp_gso()));
         Ok(TunDevice {
             common: DeviceCommon::new(name, direction),
             dev,
@@ -122,7 +135,7 @@ impl TunDevice {
     pub fn another_queue(&self) -> std::io::Result<TunDevice> {
         let dev = self.dev.try_clone()?;
         dev.set_nonblocking(true)?;
-        let offload = self.offload.as_ref().map(|_| Offload::new(self.mtu));
+        let offload = self.offload.as_ref().map(|o| Offload::new(o.udp_gso));
         Ok(TunDevice {
             common: DeviceCommon::new(&self.common.name, self.common.direction),
             dev,
@@ -144,32 +157,108 @@ impl TunDevice {
         rtnl.dropped(&self.common.name).map_err(|e| e.to_string())
     }
 
-    /// Hands out the next segment, reading the device when none is left.
-    fn read_offloaded(&self, off: &Offload, buf: &mut Vec<u8>) -> std::io::Result<bool> {
-        let mut rx = lock(&off.rx);
-        let RxState { raw, segments, sizes, next, count } = &mut *rx;
+    /// Reads one packet with its virtio-net header: a super-packet stays whole, with `MetaKey::GSO` (its transport
+    /// checksum field holds the pseudo-header sum, which whoever cuts or writes it replaces); a packet whose
+    /// checksum the kernel left to offload gets it completed (modules see complete checksums on ordinary packets).
+    fn read_vnet(&self, buf: &mut Vec<u8>, meta: &mut Metadata) -> std::io::Result<bool> {
+        let mut header = [0u8; VNET_HDR_LEN];
         loop {
-            if *next < *count {
-                let segment = &segments[*next][..sizes[*next]];
-                *next += 1;
-                buf.clear();
-                buf.extend_from_slice(segment);
-                self.common.received(buf.len());
-                return Ok(true);
-            }
-            *next = 0;
-            *count = 0;
-            match self.dev.recv_multiple(raw, segments, sizes, 0) {
-                Ok(n) => *count = n,
+            let read = flexstack_sys::read_with_header(self.dev.as_fd(), &mut header, buf, MAX_PACKET);
+            match read {
+                Ok(n) if n <= VNET_HDR_LEN => {
+                    self.common.rx_error();
+                    continue;
+                }
+                Ok(_) => {
+                    let vnet = VnetHeader::decode(&header);
+                    if vnet.gso_type != 0 {
+                        match vnet.gso_at(buf, 0).filter(|g| g.segments(buf.len()) > 1) {
+                            Some(gso) => {
+                                meta.set(MetaKey::GSO, gso.pack());
+                                self.common.count(|m| &m.rx_gso);
+                            }
+                            // One segment's worth: an ordinary packet (its checksum completed below).
+                            None if vnet.gso_at(buf, 0).is_some() => {}
+                            None => {
+                                // A kind the device was not offered (it only takes TCP and UDP segmentation).
+                                self.common.rx_error();
+                                tracing::debug!(device = %self.common.name, gso_type = vnet.gso_type, "unknown GSO type");
+                                continue;
+                            }
+                        }
+                    }
+                    if meta.get(MetaKey::GSO).is_none() {
+                        if let Some(partial) = vnet.partial_checksum(buf.len()) {
+                            flexstack_wire::checksum::complete_partial_bytes(buf, partial);
+                        }
+                    }
+                    let n = buf.len();
+                    return finish_read(&self.common, buf, Ok(n));
+                }
                 Err(e) => return finish_read(&self.common, buf, Err(e)),
             }
         }
     }
 
+    /// Hands out the next segment of the last super-packet read, reading the device when none is left.
+    fn read_segment(&self, off: &Offload, buf: &mut Vec<u8>) -> std::io::Result<bool> {
+        let mut rx = lock(&off.rx);
+        let RxState { segments, next } = &mut *rx;
+        if let Some(s) = segments.get(*next) {
+            *next += 1;
+            buf.clear();
+            buf.extend_from_slice(s);
+            return Ok(true);
+        }
+        let mut meta = Metadata::default();
+        if !self.read_vnet(buf, &mut meta)? {
+            return Ok(false);
+        }
+        let Some(gso) = Gso::of(&meta) else { return Ok(true) };
+        let n = cut(buf, &gso, segments);
+        segments.truncate(n);
+        *next = 0;
+        match segments.first() {
+            Some(first) => {
+                *next = 1;
+                buf.clear();
+                buf.extend_from_slice(first);
+                Ok(true)
+            }
+            None => {
+                self.common.rx_error();
+                Ok(false)
+            }
+        }
+    }
+
+    /// Whether the device takes super-packet `gso` whole: its kind is offered, and each segment fits the MTU.
+    fn takes_whole(&self, off: &Offload, gso: &Gso) -> bool {
+        (gso.kind != GsoKind::UdpL4 || off.udp_gso)
+            && gso.l3_offset == 0
+            && usize::from(gso.hdr_len) + usize::from(gso.gso_size) <= usize::from(self.mtu)
+    }
+
+    /// Writes super-packet `data` whole: the virtio-net header, then the packet with the pseudo-header sum in its
+    /// checksum field. False if it does not match its description (the caller cuts it).
+    fn write_whole(&self, data: &[u8], gso: &Gso) -> Option<std::io::Result<()>> {
+        let w = gso_write_parts(data, gso)?;
+        let parts = [
+            std::io::IoSlice::new(&w.header),
+            std::io::IoSlice::new(&data[..w.field]),
+            std::io::IoSlice::new(&w.field_value),
+            std::io::IoSlice::new(&data[w.field + 2..]),
+        ];
+        let result = self.dev.send_vectored(&parts).map(|_| ()).inspect_err(|_| self.common.tx_error());
+        if result.is_ok() {
+            self.common.count(|m| &m.tx_gso);
+        }
+        Some(result)
+    }
+
     /// Writes `packets`, coalescing segments of a flow into GSO packets.
-    fn write_offloaded(&self, off: &Offload, packets: &[&[u8]]) -> std::io::Result<()> {
-        let mut tx = lock(&off.tx);
-        let TxState { gro, bufs } = &mut *tx;
+    fn write_offloaded(&self, tx: &mut TxState, packets: &[&[u8]]) -> std::io::Result<()> {
+        let TxState { gro, bufs, .. } = tx;
         let mut result = Ok(());
         for chunk in packets.chunks(IDEAL_BATCH_SIZE) {
             let mut n = 0;
@@ -189,6 +278,56 @@ impl TunDevice {
             }
         }
         result
+    }
+
+    /// Writes packets on a device with offloads: runs of ordinary packets coalesced ([`TunDevice::write_offloaded`]),
+    /// super-packets whole where the device takes them, their segments otherwise; in order.
+    fn write_frames_offloaded(&self, off: &Offload, packets: &[&Packet]) -> std::io::Result<()> {
+        let mut tx = lock(&off.tx);
+        let mut result = Ok(());
+        let mut keep = |r: std::io::Result<()>| {
+            if let Err(e) = r {
+                result = Err(e);
+            }
+        };
+        let mut run: Vec<&[u8]> = Vec::new();
+        for p in packets {
+            let Some(gso) = super_packet(p) else {
+                run.push(p.data());
+                continue;
+            };
+            keep(self.write_offloaded(&mut tx, &run));
+            run.clear();
+            if self.takes_whole(off, &gso) {
+                if let Some(r) = self.write_whole(p.data(), &gso) {
+                    keep(r);
+                    continue;
+                }
+            }
+            let mut segments = std::mem::take(&mut tx.segments);
+            let n = self.cut_for_device(p.data(), &gso, &mut segments);
+            let refs: Vec<&[u8]> = segments[..n].iter().map(Vec::as_slice).collect();
+            keep(self.write_offloaded(&mut tx, &refs));
+            drop(refs);
+            tx.segments = segments;
+        }
+        keep(self.write_offloaded(&mut tx, &run));
+        result
+    }
+
+    /// Cuts a super-packet the device cannot take whole, counting it; one whose bytes do not match its description
+    /// is written as it is (one long packet).
+    fn cut_for_device(&self, data: &[u8], gso: &Gso, segments: &mut Vec<Vec<u8>>) -> usize {
+        self.common.count(|m| &m.tx_gso_cut);
+        match cut(data, gso, segments) {
+            0 => {
+                segments.resize_with(segments.len().max(1), Vec::new);
+                segments[0].clear();
+                segments[0].extend_from_slice(data);
+                1
+            }
+            n => n,
+        }
     }
 }
 
@@ -237,7 +376,7 @@ impl FaceDevice for TunDevice {
 
     fn read_packet(&self, buf: &mut Vec<u8>) -> std::io::Result<bool> {
         if let Some(off) = &self.offload {
-            return self.read_offloaded(off, buf);
+            return self.read_segment(off, buf);
         }
         buf.clear();
         buf.resize(MAX_PACKET, 0);
@@ -245,16 +384,24 @@ impl FaceDevice for TunDevice {
         finish_read(&self.common, buf, result)
     }
 
+    fn read_frame(&self, buf: &mut Vec<u8>, meta: &mut Metadata) -> std::io::Result<bool> {
+        *meta = Metadata::default();
+        match &self.offload {
+            Some(_) => self.read_vnet(buf, meta),
+            None => self.read_packet(buf),
+        }
+    }
+
     fn write_packet(&self, packet: &[u8]) -> std::io::Result<()> {
         if let Some(off) = &self.offload {
-            return self.write_offloaded(off, &[packet]);
+            return self.write_offloaded(&mut lock(&off.tx), &[packet]);
         }
         self.dev.send(packet).map(|_| ()).inspect_err(|_| self.common.tx_error())
     }
 
     fn write_batch(&self, packets: &[&[u8]]) -> std::io::Result<()> {
         match &self.offload {
-            Some(off) => self.write_offloaded(off, packets),
+            Some(off) => self.write_offloaded(&mut lock(&off.tx), packets),
             None => {
                 let mut result = Ok(());
                 for p in packets {
@@ -263,6 +410,101 @@ impl FaceDevice for TunDevice {
                     }
                 }
                 result
+            }
+        }
+    }
+
+    fn write_frames(&self, packets: &[&Packet]) -> std::io::Result<()> {
+        if let Some(off) = &self.offload {
+            return self.write_frames_offloaded(off, packets);
+        }
+        // No offloads: super-packets are cut, each segment written as one packet.
+        let mut result = Ok(());
+        let mut segments = Vec::new();
+        for p in packets {
+            let written = match super_packet(p) {
+                Some(gso) => {
+                    let n = self.cut_for_device(p.data(), &gso, &mut segments);
+                    let refs: Vec<&[u8]> = segments[..n].iter().map(Vec::as_slice).collect();
+                    self.write_batch(&refs)
+                }
+                None => self.write_packet(p.data()),
+            };
+            if let Err(e) = written {
+                result = Err(e);
+            }
+        }
+        result
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An IP super-packet: IPv4 (with 8 bytes of options) or IPv6, TCP with 12 bytes of options (ECN: CWR, and
+    /// FIN|PSH) or UDP, `payload` bytes.
+    fn super_packet(v6: bool, tcp: bool, payload: usize) -> (Vec<u8>, Gso) {
+        let ip = if v6 { 40 } else { 28 };
+        let transport = if tcp { 32 } else { 8 };
+        let hdr = ip + transport;
+        let mut d = vec![0u8; hdr + payload];
+        if v6 {
+            d[0] = 0x60;
+            let len = (transport + payload) as u16;
+            d[4..6].copy_from_slice(&len.to_be_bytes());
+            d[6] = if tcp { 6 } else { 17 };
+            d[8] = 0xfd;
+            d[23] = 1;
+            d[24] = 0xfd;
+            d[39] = 2;
+        } else {
+            d[0] = 0x47;
+            let len = d.len() as u16;
+            d[2..4].copy_from_slice(&len.to_be_bytes());
+            d[4..6].copy_from_slice(&0xfff0u16.to_be_bytes());
+            d[9] = if tcp { 6 } else { 17 };
+            d[12..16].copy_from_slice(&[10, 1, 0, 1]);
+            d[16..20].copy_from_slice(&[10, 1, 0, 2]);
+        }
+        if tcp {
+            d[ip + 4..ip + 8].copy_from_slice(&0xffff_ff00u32.to_be_bytes());
+            d[ip + 12] = 8 << 4;
+            d[ip + 13] = 0x80 | 0x10 | 0x08 | 0x01;
+        }
+        for (i, b) in d[hdr..].iter_mut().enumerate() {
+            *b = (i * 31 + 7) as u8;
+        }
+        let kind = match (tcp, v6) {
+            (true, false) => GsoKind::TcpV4,
+            (true, true) => GsoKind::TcpV6,
+            (false, _) => GsoKind::UdpL4,
+        };
+        (d, Gso { kind, gso_size: 1300, hdr_len: hdr as u16, csum_start: ip as u16, l3_offset: 0, ecn: tcp })
+    }
+
+    /// The switch's segmentation (flexstack_core) gives the bytes tun-rs's (wireguard-go's) gives, as the TUN face
+    /// cut super-packets before.
+    #[test]
+    fn super_packets_are_cut_as_tun_rs_cuts_them() {
+        for (v6, tcp) in [(false, true), (true, true), (false, false), (true, false)] {
+            let (d, gso) = super_packet(v6, tcp, 5000);
+            let mut ours = Vec::new();
+            assert_eq!(cut(&d, &gso, &mut ours), 4, "v6 {v6} tcp {tcp}");
+            let hdr = tun_rs::VirtioNetHdr {
+                flags: 1,
+                gso_type: gso.kind.virtio_type(),
+                hdr_len: gso.hdr_len,
+                gso_size: gso.gso_size,
+                csum_start: gso.csum_start,
+                csum_offset: gso.kind.csum_offset(),
+            };
+            let mut theirs = vec![vec![0u8; 1500]; 4];
+            let mut sizes = vec![0; 4];
+            let n = tun_rs::gso_split(&mut d.clone(), hdr, &mut theirs, &mut sizes, 0, v6).unwrap();
+            assert_eq!(n, 4);
+            for i in 0..4 {
+                assert_eq!(ours[i], theirs[i][..sizes[i]], "v6 {v6} tcp {tcp} segment {i}");
             }
         }
     }

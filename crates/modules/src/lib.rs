@@ -81,9 +81,11 @@ pub fn catalog() -> Catalog {
 pub(crate) mod testutil {
     //! Helpers shared by the modules' tests: loading modules into a switch, reading meters, a recording module.
 
+    use flexstack_core::frame::{Gso, GsoKind};
     use flexstack_core::{
         Batch, ConfigError, Direction, Edit, Frame, ModuleBuilder, PacketPool, Settings, StackSpec, Switch, Time, Value,
     };
+    use std::net::IpAddr;
 
     /// Settings from `key=value` words.
     pub fn settings(args: &[&str]) -> Settings {
@@ -176,6 +178,106 @@ pub(crate) mod testutil {
         let (rec, log) = Recorder::load("r");
         sw.apply(vec![load(name, kind, args), rec, link(&format!("{name} -> r"))]).unwrap();
         (sw, log)
+    }
+
+    /// A TCP super-packet as a TUN face reads it: IPv4 (DF) or IPv6 from `src` to `dst`, ports 1000 -> 2000,
+    /// flags ACK|PSH, `payload` bytes, segments of `mss`; its checksum field holds the pseudo-header sum only.
+    pub fn tcp_super_packet(src: IpAddr, dst: IpAddr, payload: usize, mss: u16) -> (Vec<u8>, Gso) {
+        use flexstack_wire::packet::build;
+        let data: Vec<u8> = (0..payload).map(|i| (i * 7 + 3) as u8).collect();
+        let mut tcp = build::tcp(src, dst, 1000, 2000, &data);
+        tcp[13] = 0x18;
+        let pseudo = flexstack_wire::checksum::pseudo_header(src, dst, 6, tcp.len() as u32);
+        tcp[16..18].copy_from_slice(&(!flexstack_wire::checksum::finish(pseudo)).to_be_bytes());
+        let (packet, ip, kind) = match (src, dst) {
+            (IpAddr::V4(s), IpAddr::V4(d)) => (build::ipv4(s, d, 6, 64, &tcp), 20, GsoKind::TcpV4),
+            (IpAddr::V6(s), IpAddr::V6(d)) => (build::ipv6(s, d, 6, 64, &tcp), 40, GsoKind::TcpV6),
+            _ => panic!("addresses of one family"),
+        };
+        (packet, Gso { kind, gso_size: mss, hdr_len: ip + 20, csum_start: ip, l3_offset: 0, ecn: false })
+    }
+
+    /// The on-wire packets a recorded frame stands for: a super-packet's segments, cut, or the frame itself.
+    fn cut_seen(s: &flexstack_core::testing::Seen) -> Vec<Vec<u8>> {
+        match Gso::of(&s.meta) {
+            Some(g) if g.segments(s.data.len()) > 1 => (0..g.segments(s.data.len()))
+                .map(|i| {
+                    let mut v = Vec::new();
+                    g.segment_into(&s.data, i, &mut v);
+                    v
+                })
+                .collect(),
+            _ => vec![s.data.clone()],
+        }
+    }
+
+    /// Asserts that a module of `kind` (which must take GSO super-packets whole) does to super-packets what it does
+    /// to their segments: `packets` (bytes, description, direction) go into input `input` of a module `m` once as
+    /// super-packets and once cut first, each time into a fresh switch; what leaves each of `outputs`, cut, is
+    /// the same bytes (checksums included) in the same order, and the meters `meters` of `m` (or, named
+    /// `flow.…`, those of its flows) read the same.
+    /// Returns how many frames left whole as super-packets (so that a test can tell they were not cut).
+    pub fn assert_same_as_cut_first(
+        kind: &str,
+        args: &[&str],
+        input: &str,
+        outputs: &[&str],
+        packets: &[(Vec<u8>, Gso, Direction)],
+        meters: &[&str],
+    ) -> usize {
+        let takes = crate::catalog().get(kind).is_some_and(|k| k.reference().accepts_gso);
+        assert!(takes, "{kind} does not take super-packets whole: the switch would cut them before it");
+        let run = |cut_first: bool| {
+            let mut sw = Switch::default();
+            let mut edits = vec![load("m", kind, args)];
+            let mut logs = Vec::new();
+            for (i, port) in outputs.iter().enumerate() {
+                let (rec, log) = Recorder::load(&format!("r{i}"));
+                edits.extend([rec, link(&format!("m[{port}] -> r{i}"))]);
+                logs.push(log);
+            }
+            sw.apply(edits).unwrap();
+            let pool = sw.pool().clone();
+            let mut batch: Batch = packets
+                .iter()
+                .map(|(bytes, gso, direction)| {
+                    let mut p = pool.alloc_from(bytes);
+                    p.set_direction(*direction);
+                    p.meta_mut().set(flexstack_core::MetaKey::GSO, gso.pack());
+                    Frame::Data(p)
+                })
+                .collect();
+            if cut_first {
+                flexstack_core::switch::segment_batch(&pool, &mut batch);
+            }
+            sw.inject("m", input, &mut batch).unwrap();
+            sw.run(Time::ZERO);
+            let seen: Vec<Vec<flexstack_core::testing::Seen>> =
+                logs.iter().map(flexstack_core::testing::take).collect();
+            let whole = seen.iter().flatten().filter(|s| cut_seen(s).len() > 1).count();
+            let bytes: Vec<Vec<Vec<u8>>> = seen.iter().map(|l| l.iter().flat_map(cut_seen).collect()).collect();
+            let name = |m: &str| if m.starts_with("flow.") { m.to_string() } else { format!("module.m.{m}") };
+            let read: Vec<u64> = meters.iter().map(|m| u64_var(&sw, &name(m))).collect();
+            (bytes, read, whole)
+        };
+        let (whole_bytes, whole_meters, whole) = run(false);
+        let (cut_bytes, cut_meters, _) = run(true);
+        assert!(whole_bytes.iter().any(|o| !o.is_empty()), "nothing left {kind}");
+        // Where they first differ, without printing kilobytes of packets.
+        for (port, (w, c)) in outputs.iter().zip(whole_bytes.iter().zip(&cut_bytes)) {
+            assert_eq!(w.len(), c.len(), "{kind}[{port}]: packets out, super-packets cut vs segments handled");
+            for (i, (a, b)) in w.iter().zip(c).enumerate() {
+                let at = a.iter().zip(b).position(|(x, y)| x != y);
+                assert!(
+                    a == b,
+                    "{kind}[{port}] packet {i}: {} vs {} bytes, first difference at {at:?}",
+                    a.len(),
+                    b.len()
+                );
+            }
+        }
+        assert_eq!(whole_meters, cut_meters, "{kind}: meters {meters:?}");
+        whole
     }
 
     /// Drives a switch with `run` at every `step` from `from` up to and including `to`.

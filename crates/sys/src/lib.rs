@@ -129,6 +129,32 @@ pub fn recv_packet(fd: BorrowedFd<'_>, header: &mut [u8], buf: &mut Vec<u8>, roo
     })
 }
 
+/// Reads one packet from `fd` (a TUN device with virtio-net headers) with `readv`: the first `header.len()` bytes
+/// into `header`, the rest into `buf`, whose length is set to what was read there; as [`recv_packet`], `buf` is
+/// cleared and given room for `room` bytes but not zeroed (a pooled 64 KiB buffer read into again after a small
+/// packet is not cleared first). Returns the bytes read, header included.
+pub fn read_with_header(fd: BorrowedFd<'_>, header: &mut [u8], buf: &mut Vec<u8>, room: usize) -> io::Result<usize> {
+    buf.clear();
+    buf.reserve(room);
+    let spare = buf.spare_capacity_mut();
+    let iov = [
+        libc::iovec { iov_base: header.as_mut_ptr().cast(), iov_len: header.len() },
+        libc::iovec { iov_base: spare.as_mut_ptr().cast(), iov_len: spare.len() },
+    ];
+    // SAFETY: both iovecs name buffers valid for writes of their lengths that outlive the call; `fd` is an open
+    // file borrowed for the call.
+    let n = unsafe { libc::readv(fd.as_raw_fd(), iov.as_ptr(), iov.len() as libc::c_int) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let bytes = n as usize;
+    let body = bytes.saturating_sub(header.len()).min(iov[1].iov_len);
+    // SAFETY: readv filled the iovecs in order, the header first, then `body` bytes of the spare capacity, and
+    // `body` is at most its capacity.
+    unsafe { buf.set_len(body) };
+    Ok(bytes)
+}
+
 /// Restores the default action of SIGPIPE (terminate quietly), which the Rust runtime sets to "ignore": a command
 /// whose output goes to a pipe that closed early (`flexstack monitor ... | head`) then ends as other Unix tools do,
 /// instead of panicking in `println!`. Only for commands that do nothing but talk and print: the daemon and the

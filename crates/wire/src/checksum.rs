@@ -17,22 +17,8 @@ use std::net::IpAddr;
 /// and the result folded and byte-swapped (RFC 1071 section 2: the sum does not depend on the byte order, up to
 /// a swap): a 64 KiB GSO frame is summed at memory speed rather than 16 bits at a time.
 pub fn sum(initial: u32, data: &[u8]) -> u32 {
-    let mut acc: u64 = 0;
-    let mut words = data.chunks_exact(4);
-    for w in &mut words {
-        acc += u64::from(u32::from_ne_bytes([w[0], w[1], w[2], w[3]]));
-    }
-    let mut tail = [0u8; 4];
-    let rest = words.remainder();
-    tail[..rest.len()].copy_from_slice(rest);
-    acc += u64::from(u32::from_ne_bytes(tail));
-    // Fold to 16 bits of native-endian words, then to big-endian words.
-    let mut folded = fold32(acc);
-    while folded > 0xffff {
-        folded = (folded & 0xffff) + (folded >> 16);
-    }
-    let be = u16::from_be_bytes((folded as u16).to_ne_bytes());
-    fold32(u64::from(initial) + u64::from(be))
+    // The switch cuts GSO super-packets with the same sum: it lives in the core crate, below this one.
+    flexstack_core::switch::ones_complement_sum(initial, data)
 }
 
 /// Completes the partial transport checksum of `packet` (`MetaKey::CSUM_PARTIAL`: the field holds the
@@ -55,13 +41,6 @@ pub fn complete_partial_bytes(data: &mut [u8], partial: CsumPartial) -> bool {
     let c = finish(sum(0, &data[start..]));
     data[field..field + 2].copy_from_slice(&c.to_be_bytes());
     true
-}
-
-fn fold32(mut acc: u64) -> u32 {
-    while acc > 0xffff_ffff {
-        acc = (acc & 0xffff_ffff) + (acc >> 32);
-    }
-    acc as u32
 }
 
 /// Folds a sum to 16 bits and complements it: the checksum to store.
@@ -181,7 +160,7 @@ mod tests {
         for c in data.chunks(2) {
             acc += u64::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)]));
         }
-        fold32(acc)
+        flexstack_core::switch::fold64(acc)
     }
 
     #[test]

@@ -50,11 +50,15 @@ impl VnetHeader {
     /// (TCPv4, TCPv6, UDP_L4) and its headers are where the header says; `None` otherwise (the frame then travels
     /// as one long packet, as any other).
     pub fn gso(&self, frame: &[u8]) -> Option<Gso> {
+        self.gso_at(frame, l3_offset(frame)?)
+    }
+
+    /// As [`VnetHeader::gso`], for a packet whose IP header starts at `l3` (0 for an IP packet from a TUN device).
+    pub fn gso_at(&self, frame: &[u8], l3: usize) -> Option<Gso> {
         let kind = GsoKind::from_virtio_type(self.gso_type)?;
         if self.gso_size == 0 || self.flags & VNET_F_NEEDS_CSUM == 0 || self.csum_offset != kind.csum_offset() {
             return None;
         }
-        let l3 = l3_offset(frame)?;
         let start = usize::from(self.csum_start);
         let transport = match kind {
             GsoKind::UdpL4 => 8,
@@ -75,7 +79,7 @@ impl VnetHeader {
             gso_size: self.gso_size,
             hdr_len: hdr_len as u16,
             csum_start: self.csum_start,
-            l3_offset: l3 as u8,
+            l3_offset: u8::try_from(l3).ok()?,
             ecn: self.gso_type & VNET_GSO_ECN != 0,
         })
     }

@@ -88,7 +88,13 @@ fn built(
     make: impl FnOnce(&ModuleVars) -> Box<dyn Module> + Send + 'static,
 ) -> Box<dyn ModuleBuilder> {
     Box::new(Built {
-        iface: ModuleInterface { inputs: ports(inputs), outputs: ports(outputs), vars, breaks_cycles: false },
+        iface: ModuleInterface {
+            inputs: ports(inputs),
+            outputs: ports(outputs),
+            vars,
+            breaks_cycles: false,
+            accepts_gso: false,
+        },
         make: Box::new(make),
     })
 }
@@ -306,6 +312,7 @@ fn queue() -> Box<dyn ModuleBuilder> {
             outputs: ports(&[("out", port_type::ANY)]),
             vars: vec![],
             breaks_cycles: true,
+            accepts_gso: false,
         },
         make: Box::new(|_| Box::new(Queue(VecDeque::new()))),
     })
@@ -1624,6 +1631,7 @@ impl ModuleBuilder for TwoWayBuilder {
             outputs: ports(&[("to_down", port_type::ANY), ("to_up", port_type::ANY)]),
             vars: vec![],
             breaks_cycles: false,
+            accepts_gso: false,
         }
     }
     fn paths(&self) -> Option<Vec<(String, String)>> {
@@ -1874,4 +1882,69 @@ fn only_faces_that_were_called_are_listed_for_egress() {
     assert_eq!(out.len(), 2);
     sw.take_egress_ready(&mut ready);
     assert!(ready.is_empty());
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// GSO super-packets
+// ---------------------------------------------------------------------------------------------------------------
+
+/// A stateless pass-through that takes GSO super-packets whole if `gso`.
+fn forward(gso: bool) -> Box<dyn ModuleBuilder> {
+    struct Forward;
+    impl Module for Forward {
+        fn process(&mut self, _port: usize, input: &mut Batch, out: &mut Output<'_>) {
+            out.emit_all(0, input);
+        }
+    }
+    Box::new(Built {
+        iface: ModuleInterface {
+            inputs: ports(&[("in", port_type::ANY)]),
+            outputs: ports(&[("out", port_type::ANY)]),
+            vars: vec![],
+            breaks_cycles: false,
+            accepts_gso: gso,
+        },
+        make: Box::new(|_| Box::new(Forward)),
+    })
+}
+
+#[test]
+fn super_packets_are_cut_only_before_a_module_that_does_not_take_them() {
+    use crate::frame::{Gso, GsoKind};
+    let mut sw = Switch::default();
+    let (whole_edit, whole_log) = crate::testing::Recorder::load("seen_whole");
+    let (cut_edit, cut_log) = crate::testing::Recorder::load("seen_cut");
+    sw.apply(vec![
+        load("whole", forward(true)),
+        load("cut", forward(false)),
+        whole_edit,
+        cut_edit,
+        link("whole -> seen_whole"),
+        link("whole -> cut"),
+        link("cut -> seen_cut"),
+    ])
+    .unwrap();
+    // IPv4 + TCP headers (40 bytes) and 2,500 bytes of payload in segments of 1,000.
+    let mut d = vec![0u8; 2540];
+    d[0] = 0x45;
+    d[2..4].copy_from_slice(&2540u16.to_be_bytes());
+    d[9] = 6;
+    d[32] = 5 << 4;
+    let gso = Gso { kind: GsoKind::TcpV4, gso_size: 1000, hdr_len: 40, csum_start: 20, l3_offset: 0, ecn: false };
+    let mut p = sw.pool().alloc_from(&d);
+    p.meta_mut().set(MetaKey::GSO, gso.pack());
+    let mut batch = vec![Frame::Data(p)];
+    sw.inject("whole", "in", &mut batch).unwrap();
+    sw.run(Time::ZERO);
+    let whole = crate::testing::take(&whole_log);
+    assert_eq!(whole.len(), 1, "a module that takes super-packets gets it whole");
+    assert_eq!(whole[0].data.len(), 2540);
+    assert!(Gso::of(&whole[0].meta).is_some());
+    let cut = crate::testing::take(&cut_log);
+    let lens: Vec<usize> = cut.iter().map(|s| s.data.len()).collect();
+    assert_eq!(lens, [1040, 1040, 540], "cut before the module that does not (the recorder after it takes them)");
+    assert!(cut.iter().all(|s| Gso::of(&s.meta).is_none()));
+    assert_eq!(meter(&sw, "switch.gso_cut_total"), 1);
+    assert_eq!(meter(&sw, "switch.gso_mismatch_total"), 0);
+    assert_eq!(meter(&sw, "module.cut.frames_in_total"), 3, "the module's meters count the segments it saw");
 }

@@ -32,14 +32,25 @@ const DECL: KindDecl<(), Meters> = KindDecl {
     inputs: &[PortDecl::new("in", port_type::ANY, "frames to count")],
     outputs: &[PortDecl::new("out", port_type::ANY, "the same frames, unchanged")],
     meters: &[
-        MeterDecl::u64("frames_total", "frames", "frames seen (data and control)", |m| &mut m.frames),
-        MeterDecl::u64("bytes_total", "bytes", "bytes of the data frames seen", |m| &mut m.bytes),
+        MeterDecl::u64(
+            "frames_total",
+            "frames",
+            "frames seen (data and control; a GSO super-packet counts its segments)",
+            |m| &mut m.frames,
+        ),
+        MeterDecl::u64(
+            "bytes_total",
+            "bytes",
+            "bytes of the data frames seen (of a GSO super-packet: its segments' on the wire)",
+            |m| &mut m.bytes,
+        ),
         MeterDecl::u64("control_frames_total", "frames", "control frames seen", |m| &mut m.control),
         MeterDecl::new("rate_fps", ValueType::F64, "frames/s", "frame rate over the last completed ~1 s window", |m| {
             &mut m.rate
         }),
         MeterDecl::u64("last_frame_ns", "ns", "switch time of the last frame seen", |m| &mut m.last),
     ],
+    accepts_gso: true,
     ..KindDecl::new(KIND, "counts frames, bytes and the frame rate, and passes frames through")
 };
 
@@ -117,15 +128,19 @@ impl Module for Counter {
     fn process(&mut self, _port: usize, input: &mut Batch, out: &mut Output<'_>) {
         let now = out.now();
         self.roll(now);
-        let mut bytes = 0u64;
-        let mut control = 0u64;
+        let (mut bytes, mut control, mut n) = (0u64, 0u64, 0u64);
         for f in input.iter() {
             match f {
-                Frame::Data(p) => bytes += p.len() as u64,
-                Frame::Control(_) => control += 1,
+                Frame::Data(p) => {
+                    bytes += p.wire_bytes();
+                    n += p.wire_packets();
+                }
+                Frame::Control(_) => {
+                    control += 1;
+                    n += 1;
+                }
             }
         }
-        let n = input.len() as u64;
         let s = &mut self.state;
         s.frames += n;
         s.bytes += bytes;

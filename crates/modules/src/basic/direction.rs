@@ -28,9 +28,20 @@ const DECL: KindDecl<(), Demux> = KindDecl {
         PortDecl::new("down", port_type::ANY, "data frames travelling down (from the applications)"),
     ],
     meters: &[
-        MeterDecl::u64("up_total", "frames", "frames sent up (towards the applications)", |m| &mut m.up),
-        MeterDecl::u64("down_total", "frames", "frames sent down (towards the network)", |m| &mut m.down),
+        MeterDecl::u64(
+            "up_total",
+            "frames",
+            "packets sent up (towards the applications; a GSO super-packet counts its segments)",
+            |m| &mut m.up,
+        ),
+        MeterDecl::u64(
+            "down_total",
+            "frames",
+            "packets sent down (towards the network; a GSO super-packet counts its segments)",
+            |m| &mut m.down,
+        ),
     ],
+    accepts_gso: true,
     ..KindDecl::new(KIND, "sends frames to `up` or `down` by their direction of travel")
 };
 
@@ -55,11 +66,11 @@ impl Module for Demux {
         for f in input.drain(..) {
             match &f {
                 Frame::Data(p) if p.direction() == Direction::Up => {
-                    up += 1;
+                    up += p.wire_packets();
                     out.emit(UP, f);
                 }
-                Frame::Data(_) => {
-                    down += 1;
+                Frame::Data(p) => {
+                    down += p.wire_packets();
                     out.emit(DOWN, f);
                 }
                 Frame::Control(_) => out.drop_frame(f),

@@ -448,6 +448,8 @@ const DECL: KindDecl<TapOptions, Meters> = KindDecl {
     ],
     // One pcapng file: the stack runs on one data-plane worker.
     global_view: true,
+    // A GSO super-packet is recorded as one long packet, as a capture on the host that sent it shows it.
+    accepts_gso: true,
     ..KindDecl::new(KIND, "writes frames (and observed control frames) to a pcapng file and passes them on")
 };
 

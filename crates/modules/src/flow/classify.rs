@@ -140,6 +140,7 @@ const DECL: KindDecl<Config, Meters> = KindDecl {
         }),
     ],
     more_meters: || ParseDrops::specs(true),
+    accepts_gso: true,
     ..KindDecl::new(
         KIND,
         "sorts IP packets by protocol; bidirectional 5-tuple flows with ids, per-flow meters and idle timeouts",
@@ -287,15 +288,16 @@ impl Classify {
             }
         };
         let flags = tcp_flags(p.data(), info);
-        let len = p.len() as u64;
+        // A GSO super-packet counts its segments and their bytes on the wire.
+        let (n, len) = (p.wire_packets(), p.wire_bytes());
         let up = p.direction() == Direction::Up;
         let closing_ns = self.cfg.timeouts.of(proto::TCP, true);
         let Some(f) = self.table.flows.get_mut(slot) else { return };
-        f.meters.packets.add(1);
+        f.meters.packets.add(n);
         f.meters.bytes.add(len);
         let (packets, bytes) =
             if up { (&f.meters.up, &f.meters.bytes_up) } else { (&f.meters.down, &f.meters.bytes_down) };
-        packets.add(1);
+        packets.add(n);
         bytes.add(len);
         f.meters.last.set(now);
         let tcp = flags.map(|flags| ((info.src, info.src_port) == f.first, flags));

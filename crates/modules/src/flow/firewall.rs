@@ -317,6 +317,7 @@ const DECL: KindDecl<Config, Meters> = KindDecl {
         }),
     ],
     more_meters: || ParseDrops::specs(true),
+    accepts_gso: true,
     ..KindDecl::new(KIND, "accepts or drops IP packets by ordered rules on direction, protocol, addresses and ports")
 };
 
@@ -400,25 +401,28 @@ impl Module for Firewall {
                 }
             };
             let direction = p.direction();
+            // The rules read the headers, which a GSO super-packet's segments share: it is judged whole, and its
+            // segments counted.
+            let n = p.wire_packets();
             let action = match self.rules.iter().position(|r| r.matches(&info, direction)) {
                 Some(i) => {
-                    self.matches[i].add(1);
+                    self.matches[i].add(n);
                     let a = self.rules[i].action;
                     if a == Action::Drop {
-                        self.m.drop_rule.add(1);
+                        self.m.drop_rule.add(n);
                     }
                     a
                 }
                 None => {
                     if self.cfg.default == Action::Drop {
-                        self.m.drop_default.add(1);
+                        self.m.drop_default.add(n);
                     }
                     self.cfg.default
                 }
             };
             match action {
                 Action::Accept => {
-                    self.m.accepted.add(1);
+                    self.m.accepted.add(n);
                     out.emit(0, frame);
                 }
                 Action::Drop => out.drop_frame(frame),

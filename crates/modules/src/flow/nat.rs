@@ -478,6 +478,7 @@ const DECL: KindDecl<Config, Meters> = KindDecl {
     more_meters: || ParseDrops::specs(true),
     // A translated flow hashes to another worker than its original: the stack runs on one worker.
     global_view: true,
+    accepts_gso: true,
     ..KindDecl::new(KIND, "source and destination NAT for IPv4/IPv6 TCP, UDP and ICMP echo, with incremental checksums")
 };
 
@@ -802,16 +803,19 @@ impl Module for Nat {
         let to = if from_inside { TO_OUTSIDE } else { TO_INSIDE };
         for frame in input.drain(..) {
             let Some((mut p, info)) = self.drops.parse(frame, out) else { continue };
+            // A GSO super-packet is translated whole (its segments share its headers; its checksum field, updated
+            // here as any, is computed afresh when it is cut or written) and counts its segments.
+            let n = p.wire_packets();
             match self.translate(&mut p, &info, from_inside, out) {
-                Ok(true) => self.m.translated.add(1),
-                Ok(false) => self.m.untranslated.add(1),
+                Ok(true) => self.m.translated.add(n),
+                Ok(false) => self.m.untranslated.add(n),
                 Err(refused) => {
                     match refused {
                         Refused::PortsExhausted => &self.m.exhausted,
                         Refused::BindingsFull => &self.m.full,
                         Refused::Conflict => &self.m.conflict,
                     }
-                    .add(1);
+                    .add(n);
                     out.drop_frame(p.into());
                     continue;
                 }

@@ -32,8 +32,16 @@
 //! Bytes beyond the length the IP header states (link padding) are cut from forwarded packets. Accounting: every
 //! data frame received is either emitted on `out` (whole, or replaced by `fragments_made_total -
 //! packets_fragmented_total` more frames) or dropped with exactly one reason; ICMP errors are new frames.
+//!
+//! GSO super-packets (`MetaKey::GSO`) pass whole, their TTL / hop limit decremented once for all their segments,
+//! while their segments fit the MTU and their TTL / hop limit is not exhausted; otherwise (and for one whose IP
+//! length does not match its bytes) the module cuts it and handles each segment as any packet. Its transport
+//! checksum is not verified (it is computed when the super-packet is cut, or by the kernel). The meters count
+//! segments and their bytes on the wire (`Packet::wire_packets`, `wire_bytes`), as if the packet had been cut
+//! before; parse errors count frames.
 
 use crate::ip::icmp::{self, types};
+use flexstack_core::frame::Gso;
 use flexstack_core::module::port_type;
 use flexstack_core::{
     field, kind_from_decl, Batch, ConfigError, Direction, Frame, KindDecl, MetaKey, Meter, MeterDecl, Module,
@@ -164,6 +172,7 @@ const DECL: KindDecl<IpConfig, Meters> = KindDecl {
         MeterDecl::u64("packets_fragmented_total", "frames", "packets cut into fragments", |m| &mut m.fragmented),
     ],
     more_meters: || ParseDrops::specs(false),
+    accepts_gso: true,
     ..KindDecl::new(KIND, "validates IPv4/IPv6 packets, decrements TTL, enforces an MTU (fragments or ICMP errors)")
 };
 
@@ -351,9 +360,33 @@ impl Ip {
         true
     }
 
+    /// True if super-packet `p` (described by `gso`) can be forwarded whole: it parses, its IP length is its
+    /// length, its TTL / hop limit is not exhausted and its segments fit the MTU.
+    fn takes_whole(&self, p: &Packet, gso: &Gso) -> bool {
+        let Ok(info) = PacketInfo::parse(p.data()) else { return false };
+        let c = &self.config;
+        let segment = u64::from(gso.hdr_len) + u64::from(gso.gso_size);
+        info.total_len == p.len() && !(c.decrement_ttl && info.hop_limit <= 1) && (c.mtu == 0 || segment <= c.mtu)
+    }
+
     fn handle(&mut self, mut p: Packet, out: &mut Output<'_>) {
-        self.m.packets.add(1);
-        self.m.bytes.add(p.len() as u64);
+        let whole = Gso::of(p.meta()).filter(|g| g.segments(p.len()) > 1);
+        if let Some(gso) = whole.filter(|g| !self.takes_whole(&p, g)) {
+            let mut segments = Batch::new();
+            if flexstack_core::switch::segment_packet(out.pool(), &p, &gso, &mut segments).is_some() {
+                for s in segments {
+                    if let Frame::Data(s) = s {
+                        self.handle(s, out);
+                    }
+                }
+                return;
+            }
+            // Its bytes do not match its description: one long packet.
+            p.meta_mut().remove(MetaKey::GSO);
+            return self.handle(p, out);
+        }
+        self.m.packets.add(p.wire_packets());
+        self.m.bytes.add(p.wire_bytes());
         let info = match PacketInfo::parse(p.data()) {
             Ok(info) => info,
             Err(e) => {
@@ -363,7 +396,8 @@ impl Ip {
             }
         };
         let c = &self.config;
-        if c.verify_l4_checksums && !l4_checksum_ok(&info, p.data()) {
+        // A super-packet's checksum field holds no checksum yet (see MetaKey::GSO).
+        if c.verify_l4_checksums && whole.is_none() && !l4_checksum_ok(&info, p.data()) {
             self.m.bad_l4.add(1);
             out.drop_frame(p.into());
             return;
@@ -374,7 +408,7 @@ impl Ip {
             out.drop_frame(p.into());
             return;
         }
-        let too_big = c.mtu != 0 && info.total_len as u64 > c.mtu;
+        let too_big = whole.is_none() && c.mtu != 0 && info.total_len as u64 > c.mtu;
         if too_big && (info.version == 6 || Ipv4Packet::new_unchecked(p.data()).dont_frag()) {
             self.m.too_big.add(1);
             self.send_error(&info, &p, Error::TooBig, out);

@@ -6,3 +6,6 @@ pub mod icmp;
 pub mod ip;
 pub mod link;
 pub mod reassemble;
+
+#[cfg(test)]
+mod gso_tests;

@@ -208,6 +208,7 @@ const DECL: KindDecl<Limits, Meters> = KindDecl {
         ),
     ],
     more_meters: || ParseDrops::specs(false),
+    accepts_gso: true,
     ..KindDecl::new(
         KIND,
         "reassembles IPv4/IPv6 fragments with bounded memory; drops overlaps, duplicates, tiny fragments",
@@ -673,7 +674,8 @@ impl Module for Reassembler {
                     out.drop_frame(p.into());
                 }
                 Ok(info) if info.fragment.is_none() => {
-                    self.m.passed.add(1);
+                    // A GSO super-packet (never a fragment) counts its segments.
+                    self.m.passed.add(p.wire_packets());
                     out.emit(0, p);
                 }
                 Ok(info) => self.handle_fragment(&info, p, out),

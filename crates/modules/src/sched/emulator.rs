@@ -174,6 +174,8 @@ const DECL: KindDecl<Config, Meters> = KindDecl {
     breaks_cycles: true,
     // One queue model of the whole link: the stack runs on one data-plane worker.
     global_view: true,
+    // It cuts super-packets itself when an impairment acts per on-wire packet (step 0).
+    accepts_gso: true,
     ..KindDecl::new(
         KIND,
         "emulates a link direction: delay, jitter, rate, queue, loss (random, Gilbert-Elliott), duplicate, corrupt, up/down",

@@ -28,7 +28,9 @@
 //!
 //! # Receiving (`wire` in)
 //! A frame whose transport checksum a link face left partial (`MetaKey::CSUM_PARTIAL`) has it completed first
-//! ([`flexstack_wire::checksum::complete_partial`]): the modules behind the link see complete checksums.
+//! ([`flexstack_wire::checksum::complete_partial`]): the modules behind the link see complete checksums. A GSO
+//! super-packet (`MetaKey::GSO`) only loses the key (its checksum is computed when it is cut or written); its
+//! description moves with the IP header as the Ethernet header is stripped, and back when one is put in front.
 //! Frames shorter than an Ethernet header are `truncated`; unicast frames to another MAC, and multicast frames
 //! that do not match their EtherType (IPv4: `01:00:5e:…`, IPv6: `33:33:…`; ARP: broadcast only) are
 //! `not_for_us`; frames from a multicast or broadcast source MAC, or from our own MAC (our frames looped back), are
@@ -248,6 +250,7 @@ const DECL: KindDecl<Config, Meters> = KindDecl {
     meters: &METERS,
     // One neighbour table (ARP/NDP answers reach one worker): the stack runs on one data-plane worker.
     global_view: true,
+    accepts_gso: true,
     ..KindDecl::new(
         KIND,
         "Ethernet for a link face: owns the link's addresses, answers ARP and neighbour discovery, resolves next hops",
@@ -259,8 +262,16 @@ const DECL: KindDecl<Config, Meters> = KindDecl {
 const METERS: [MeterDecl<Meters>; 34] = [
     MeterDecl::u64("neighbours", "", "entries in the neighbour cache, resolved or not", |m| &mut m.neighbours),
     MeterDecl::u64("queued", "frames", "packets waiting for their next hop to be resolved", |m| &mut m.queued),
-    frames_meter!("passed_up_total", "IP packets received and emitted on `ip`", counts[Count::PassedUp]),
-    frames_meter!("sent_total", "IP packets emitted on `wire` with an Ethernet header", counts[Count::Sent]),
+    frames_meter!(
+        "passed_up_total",
+        "IP packets received and emitted on `ip` (a GSO super-packet counts its segments)",
+        counts[Count::PassedUp]
+    ),
+    frames_meter!(
+        "sent_total",
+        "IP packets emitted on `wire` with an Ethernet header (a GSO super-packet counts its segments)",
+        counts[Count::Sent]
+    ),
     frames_meter!("arp_requests_received_total", "ARP requests received", counts[Count::ArpRequestsReceived]),
     frames_meter!("arp_replies_received_total", "ARP replies received", counts[Count::ArpRepliesReceived]),
     frames_meter!(
@@ -442,8 +453,14 @@ impl Link {
     // --- receiving ---------------------------------------------------------------------------------------------
 
     fn receive(&mut self, mut p: Packet, out: &mut Output<'_>) {
-        // The modules behind the link see complete transport checksums (the rule of MetaKey::CSUM_PARTIAL).
-        checksum::complete_partial(&mut p);
+        // The modules behind the link see complete transport checksums (the rule of MetaKey::CSUM_PARTIAL); a GSO
+        // super-packet's checksum is computed afresh when it is cut or written (the rule of MetaKey::GSO), so its
+        // up to 64 KiB are not summed here.
+        if p.wire_packets() > 1 {
+            p.meta_mut().remove(flexstack_core::MetaKey::CSUM_PARTIAL);
+        } else {
+            checksum::complete_partial(&mut p);
+        }
         let repr = match EthernetFrame::new_checked(p.data()).and_then(|f| EthernetRepr::parse(&f)) {
             Ok(r) => r,
             Err(_) => return self.discard(Reason::Truncated, p, out),
@@ -492,8 +509,10 @@ impl Link {
         let v = p.make_mut();
         v.truncate(ETHERNET_HEADER_LEN + keep);
         v.drain(..ETHERNET_HEADER_LEN);
+        p.move_gso(-(ETHERNET_HEADER_LEN as isize));
         p.set_direction(Direction::Up);
-        self.count(Count::PassedUp);
+        // A GSO super-packet counts its segments.
+        self.m.counts[Count::PassedUp as usize].add(p.wire_packets());
         out.emit(OUT_IP, p);
     }
 
@@ -554,8 +573,9 @@ impl Link {
         v.resize(len + ETHERNET_HEADER_LEN, 0);
         v.copy_within(..len, ETHERNET_HEADER_LEN);
         write_ethernet(v, dst, self.cfg.mac, ethertype);
+        p.move_gso(ETHERNET_HEADER_LEN as isize);
         p.set_direction(Direction::Down);
-        self.count(Count::Sent);
+        self.m.counts[Count::Sent as usize].add(p.wire_packets());
         out.emit(OUT_WIRE, p);
     }
 }

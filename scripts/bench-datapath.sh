@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Data-path benchmark (issue 3): iperf3 TCP throughput between two network namespaces
-#   (1) through the kernel: a veth pair (reference), and through a trivial C TUN <-> TUN forwarder
-#       (bench/tun_forward.c: read()/write(), one packet per system call, no offloads: the fair reference for TUN
-#       faces), both measured in the same run;
+#   (1) through the kernel: a veth pair (reference), and through the C TUN <-> TUN forwarder of bench/tun_forward.c
+#       twice: read()/write(), one packet per system call, no offloads; and with virtio-net headers and offloads
+#       and a thread per direction (`-o -t`: GSO packets pass whole, issue 16's reference, which the ratios are
+#       to); all measured in the same run;
 #   (2) through flexstack: two TUN faces wired to each other ("a -> b", "b -> a");
 #   (3) through flexstack with the modules of the default app chain on the way (ip, reassemble, classify).
 # Each with STREAMS parallel iperf3 streams (-P; default "1 4"), flexstack with each of WORKERS data-plane workers
@@ -43,20 +44,27 @@ ip link add ${tag}v type veth peer name ${tag}w
 ip link set ${tag}v netns ${tag}a; ip link set ${tag}w netns ${tag}b
 ip -n ${tag}a addr add 10.201.0.1/24 dev ${tag}v; ip -n ${tag}a link set ${tag}v up
 ip -n ${tag}b addr add 10.201.0.2/24 dev ${tag}w; ip -n ${tag}b link set ${tag}w up
-declare -A veth cfwd wire chain
+declare -A veth cfwd cfwdo wire chain
 for p in $STREAMS; do veth[$p]=$(measure 10.201.0.2 "$p" | median); done
 ip -n ${tag}a link del ${tag}v
 
 # (1b) the trivial C forwarder
-cc -O2 -o "$state/tun_forward" bench/tun_forward.c
-"$state/tun_forward" ${tag}ta ${tag}tb > "$state/fwd.out" &
-fwd=$!
-for _ in $(seq 100); do grep -q ready "$state/fwd.out" 2>/dev/null && break; sleep 0.05; done
-ip link set ${tag}ta netns ${tag}a; ip link set ${tag}tb netns ${tag}b
-ip -n ${tag}a addr add 10.202.0.1/24 dev ${tag}ta; ip -n ${tag}a link set ${tag}ta up
-ip -n ${tag}b addr add 10.202.0.2/24 dev ${tag}tb; ip -n ${tag}b link set ${tag}tb up
-for p in $STREAMS; do cfwd[$p]=$(measure 10.202.0.2 "$p" | median); done
-kill "$fwd"; wait "$fwd" 2>/dev/null || true
+cc -O2 -pthread -o "$state/tun_forward" bench/tun_forward.c
+forwarder() { # $@ = the forwarder's options; prints the median Gbit/s of each of STREAMS, one a line
+  "$state/tun_forward" "$@" ${tag}ta ${tag}tb > "$state/fwd.out" &
+  fwd=$!
+  for _ in $(seq 100); do grep -q ready "$state/fwd.out" 2>/dev/null && break; sleep 0.05; done
+  ip link set ${tag}ta netns ${tag}a; ip link set ${tag}tb netns ${tag}b
+  ip -n ${tag}a addr add 10.202.0.1/24 dev ${tag}ta; ip -n ${tag}a link set ${tag}ta up
+  ip -n ${tag}b addr add 10.202.0.2/24 dev ${tag}tb; ip -n ${tag}b link set ${tag}tb up
+  for p in $STREAMS; do measure 10.202.0.2 "$p" | median; done
+  kill "$fwd"; wait "$fwd" 2>/dev/null || true
+}
+mapfile -t got < <(forwarder)
+i=0; for p in $STREAMS; do cfwd[$p]=${got[$i]}; i=$((i + 1)); done
+# (1c) the same forwarder with offloads and a thread per direction: the issue's reference
+mapfile -t got < <(forwarder -o -t)
+i=0; for p in $STREAMS; do cfwdo[$p]=${got[$i]}; i=$((i + 1)); done
 
 run_stack() { # $1 = stack file, $2 = workers, $3 = streams; prints the median Gbit/s
   "$fs" daemon --stack "$1" --state-dir "$state/d" --workers "$2" 2>"$state/daemon.log" &
@@ -82,10 +90,11 @@ printf 'data-path benchmark: iperf3 TCP, median of %s runs of %s s (Gbit/s)\n' "
 for p in $STREAMS; do
   printf '%s stream(s):\n' "$p"
   printf '  kernel veth (reference)                            %6.2f\n' "${veth[$p]}"
-  printf '  C TUN <-> TUN forwarder (reference)                %6.2f\n' "${cfwd[$p]}"
+  printf '  C TUN <-> TUN forwarder, no offloads (reference)   %6.2f\n' "${cfwd[$p]}"
+  printf '  C forwarder, offloads, 2 threads (reference)       %6.2f\n' "${cfwdo[$p]}"
   for w in $WORKERS; do
     x=${wire[$w,$p]}; y=${chain[$w,$p]}
-    printf '  flexstack TUN <-> TUN, %s worker(s)                 %6.2f   ratio to C forwarder %.2f, to veth %.2f\n' "$w" "$x" "$(echo "$x / ${cfwd[$p]}" | bc -l)" "$(echo "$x / ${veth[$p]}" | bc -l)"
-    printf '  flexstack default modules, %s worker(s)             %6.2f   ratio to C forwarder %.2f, to veth %.2f\n' "$w" "$y" "$(echo "$y / ${cfwd[$p]}" | bc -l)" "$(echo "$y / ${veth[$p]}" | bc -l)"
+    printf '  flexstack TUN <-> TUN, %s worker(s)                 %6.2f   ratio to C forwarder with offloads %.2f, to veth %.2f\n' "$w" "$x" "$(echo "$x / ${cfwdo[$p]}" | bc -l)" "$(echo "$x / ${veth[$p]}" | bc -l)"
+    printf '  flexstack default modules, %s worker(s)             %6.2f   ratio to C forwarder with offloads %.2f, to veth %.2f\n' "$w" "$y" "$(echo "$y / ${cfwdo[$p]}" | bc -l)" "$(echo "$y / ${veth[$p]}" | bc -l)"
   done
 done

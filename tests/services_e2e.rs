@@ -642,7 +642,9 @@ fn tls_leaves_no_plaintext_on_the_wire() {
     let wire = cap.bytes();
     assert!(ok(&out).contains(&r.sum), "curl's plaintext request, the blob back intact over TLS: {}", text(&out));
     assert_eq!(m["tls.handshakes_total"], 1, "{m:?}");
-    assert!(wire.len() > 2_000_000, "the capture holds the transfer: {} bytes", wire.len());
+    // tcpdump may miss some packets on a loaded machine; half the transfer is plenty, as every line of the blob
+    // carries the marker.
+    assert!(wire.len() > 1_000_000, "the capture holds most of the transfer: {} bytes", wire.len());
     assert!(!contains(&wire, MARKER), "no plaintext of the blob on the wire");
     assert!(!contains(&wire, b"GET /blob"), "nor of the request");
     // The control: the same capture of a plain download (a flow no rule selects) finds the text.

@@ -495,10 +495,13 @@ fn two_hundred_modules_and_ten_thousand_flows_keep_the_dom_bounded() {
 /// Sets an input of the page and clicks a button, as a user does.
 fn type_and_click(c: &Chrome, inputs: &[(&str, &str)], button: &str) {
     let sets: String = inputs.iter().map(|(id, v)| format!("document.getElementById({id:?}).value = {v:?};")).collect();
-    c.js(&format!("{sets} document.getElementById({button:?}).click();"));
+    // The message line is emptied first, so that `message_of` waits for this action's answer, not the last one's.
+    c.js(&format!(
+        "document.getElementById('msg').textContent = ''; {sets} document.getElementById({button:?}).click();"
+    ));
 }
 
-/// The message line once it names `what` (the page's answer to an action).
+/// The message line once it names `what` (the page's answer to the action `type_and_click` just made).
 fn message_of(c: &Chrome, what: &str) -> String {
     let script = format!("const t = document.getElementById('msg').textContent; return t.startsWith({what:?}) && t");
     c.wait(what, 5.0, &script).as_str().unwrap().to_string()

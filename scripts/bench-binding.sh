@@ -49,10 +49,7 @@ state=$(mktemp -d)
 daemon=
 cleanup() {
   if [[ -n "$daemon" ]]; then kill "$daemon" 2>/dev/null || true; wait "$daemon" 2>/dev/null || true; fi
-  for ns in ${tag}a ${tag}b; do
-    ip netns pids "$ns" 2>/dev/null | xargs -r kill 2>/dev/null || true
-    ip netns del "$ns" 2>/dev/null || true
-  done
+  ns_cleanup ${tag}a ${tag}b
   rm -rf "$state"
 }
 trap cleanup EXIT INT TERM

@@ -33,10 +33,7 @@ stop_daemon() {
 }
 cleanup() {
   stop_daemon
-  for ns in ${tag}a ${tag}b; do
-    ip netns pids "$ns" 2>/dev/null | xargs -r kill 2>/dev/null || true
-    ip netns del "$ns" 2>/dev/null || true
-  done
+  ns_cleanup ${tag}a ${tag}b
   rm -rf "$state"
 }
 trap cleanup EXIT INT TERM

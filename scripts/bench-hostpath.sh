@@ -33,10 +33,7 @@ pids=()
 fwd_old=$(sysctl -n net.ipv4.ip_forward)
 cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null && wait "$p" 2>/dev/null || true; done
-  for ns in ${tag}c ${tag}l ${tag}q; do
-    ip netns pids "$ns" 2>/dev/null | xargs -r kill 2>/dev/null || true
-    ip netns del "$ns" 2>/dev/null || true
-  done
+  ns_cleanup ${tag}c ${tag}l ${tag}q
   server_ns_cleanup
   sysctl -qw net.ipv4.ip_forward="$fwd_old"
   rm -rf "$state"

@@ -30,10 +30,7 @@ cleanup() {
   [[ -n "$daemon" ]] && kill "$daemon" 2>/dev/null && wait "$daemon" 2>/dev/null || true
   [[ -n "$fwd" ]] && kill "$fwd" 2>/dev/null && wait "$fwd" 2>/dev/null || true
   [[ -n "$fwd2" ]] && kill "$fwd2" 2>/dev/null && wait "$fwd2" 2>/dev/null || true
-  for ns in ${tag}a ${tag}b; do
-    ip netns pids "$ns" 2>/dev/null | xargs -r kill 2>/dev/null || true
-    ip netns del "$ns" 2>/dev/null || true
-  done
+  ns_cleanup ${tag}a ${tag}b
   rm -rf "$state"
 }
 trap cleanup EXIT INT TERM

@@ -68,6 +68,15 @@ server_ns() {
   ip -n ${tag}s route add default via 10.$1.7.1
 }
 
+# Kills what runs in each of the namespaces named and removes them (none need exist).
+ns_cleanup() {
+  local ns
+  for ns in "$@"; do
+    ip netns pids "$ns" 2>/dev/null | xargs -r kill 2>/dev/null || true
+    ip netns del "$ns" 2>/dev/null || true
+  done
+}
+
 # Kills what runs in ${tag}s and removes it and its veth pair.
 server_ns_cleanup() {
   ip netns pids ${tag}s 2>/dev/null | xargs -r kill 2>/dev/null || true

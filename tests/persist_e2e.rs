@@ -9,7 +9,7 @@
 mod common;
 
 use common::{chain, Daemon};
-use flexstack_api::ops::{ConfigLog, ModuleList, RevisionInfo, RulesList, RulesLog};
+use flexstack_api::ops::{ConfigLog, ModuleList, PeerList, RevisionInfo, RulesList, RulesLog};
 use flexstack_daemon::journal::{self, Record, MAGIC};
 use std::path::PathBuf;
 
@@ -105,6 +105,32 @@ fn a_killed_daemon_comes_back_with_its_revisions_module_knob_and_rules() {
     assert_eq!(journal_mode & 0o777, 0o600, "the journal holds the rules texts: only its owner reads it");
 }
 
+/// The peer table is in the journal: `--restore` brings the peers back as they were (one added, one removed), and
+/// before the stack, whose carrier names one of them (a carrier looks its peer up when it is loaded). A carrier that
+/// connects does so only for a flow, so nothing is sent to the made-up address.
+#[test]
+fn peers_come_back_before_the_stack_whose_carrier_names_them() {
+    let mut d = Daemon::start(&chain("rate = 1000", "", ""), &[]);
+    let fp = "ab".repeat(32);
+    d.ok(&["peer", "add", "gw", "127.0.0.1:7300", &fp]);
+    d.ok(&["peer", "add", "old", "127.0.0.1:7301", &"cd".repeat(32)]);
+    d.ok(&["peer", "del", "old"]);
+    d.ok(&["module", "load", "car", "carrier", "peer=\"gw\""]);
+    let table = |d: &Daemon| {
+        let peers = d.answer::<PeerList>(&["peer", "list"]);
+        peers.into_iter().map(|p| (p.name, p.addr, p.fingerprint)).collect::<Vec<_>>()
+    };
+    let before = table(&d);
+    assert_eq!(before, [("gw".to_string(), "127.0.0.1:7300".to_string(), fp)]);
+    d.kill_and_restart(&["--restore"], "peers.log");
+    assert_eq!(table(&d), before, "peer list after --restore");
+    let modules = d.answer::<ModuleList>(&["module", "list"]);
+    assert!(modules.iter().any(|m| m.name == "car" && m.kind == "carrier"), "{modules:?}");
+    // A fresh start forgets them, like the stack.
+    d.kill_and_restart(&[], "fresh-peers.log");
+    assert!(table(&d).is_empty());
+}
+
 /// Without --restore the daemon starts fresh, and the old journal is kept under a name with the time.
 #[test]
 fn without_restore_the_daemon_starts_fresh_and_keeps_the_old_journal() {
@@ -179,7 +205,7 @@ fn compaction_keeps_the_state_and_bounds_the_journal() {
     assert!(largest <= limit + record_max, "the journal grew to {largest} bytes with a limit of {limit}");
     let first = recs.iter().find_map(|(_, r)| match r {
         Record::Revision(r) => Some(r.number),
-        Record::Rules(_) => None,
+        Record::Rules(_) | Record::Peers(_) => None,
     });
     assert!(first.is_some_and(|n| n > 1), "compaction dropped the oldest revisions: first kept {first:?}");
     assert!(matches!(recs[0].1, Record::Rules(_)), "the rules change is kept");

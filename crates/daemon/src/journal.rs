@@ -53,6 +53,28 @@ pub enum Record {
     Revision(StoredRevision),
     /// A change of the rules (`rules log`), replayed in order at a restore.
     Rules(RulesChange),
+    /// The peer table after a change (`peer add`, `peer del`); the last one is the table a restore brings back.
+    Peers(StoredPeers),
+}
+
+/// The peer table as the journal holds it (docs/peers.md).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StoredPeers {
+    /// Every peer, by name.
+    pub peers: Vec<StoredPeer>,
+}
+
+/// One peer as `peer add` took it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StoredPeer {
+    /// Its name.
+    pub name: String,
+    /// `ADDR:PORT`.
+    pub addr: String,
+    /// Its certificate's SHA-256, 64 hex digits.
+    pub fingerprint: String,
 }
 
 /// A stack revision as the journal holds it.
@@ -259,6 +281,8 @@ pub struct State {
     pub revisions: Vec<StoredRevision>,
     /// The rules' changes, in order.
     pub rules: Vec<RulesChange>,
+    /// The peer table of the last peers record (None: the journal has none).
+    pub peers: Option<StoredPeers>,
 }
 
 impl State {
@@ -266,6 +290,7 @@ impl State {
     pub fn from_records(records: Vec<Record>) -> State {
         let mut revisions = BTreeMap::new();
         let mut rules = Vec::new();
+        let mut peers = None;
         for r in records {
             match r {
                 Record::Revision(rev) => {
@@ -279,20 +304,22 @@ impl State {
                     revisions.insert(rev.number, rev);
                 }
                 Record::Rules(change) => rules.push(change),
+                Record::Peers(table) => peers = Some(table),
             }
         }
-        State { revisions: revisions.into_values().collect(), rules }
+        State { revisions: revisions.into_values().collect(), rules, peers }
     }
 
-    /// The records that write this state again: rules changes first, then revisions.
+    /// The records that write this state again: the peer table first, then rules changes, then revisions.
     pub fn records(&self) -> impl Iterator<Item = Record> + '_ {
+        let peers = self.peers.iter().cloned().map(Record::Peers);
         let rules = self.rules.iter().cloned().map(Record::Rules);
-        rules.chain(self.revisions.iter().cloned().map(Record::Revision))
+        peers.chain(rules).chain(self.revisions.iter().cloned().map(Record::Revision))
     }
 
     /// True when there is nothing to restore.
     pub fn is_empty(&self) -> bool {
-        self.revisions.is_empty() && self.rules.is_empty()
+        self.revisions.is_empty() && self.rules.is_empty() && self.peers.is_none()
     }
 }
 
@@ -457,6 +484,21 @@ mod tests {
         assert_eq!(state.revisions.iter().map(|r| r.stack.as_str()).collect::<Vec<_>>(), ["a", "b2"]);
         assert_eq!(state.rules.len(), 1);
         assert_eq!(State::from_records(state.records().collect()), state);
+    }
+
+    #[test]
+    fn the_last_peer_table_wins_and_is_written_first() {
+        let peer =
+            |name: &str| StoredPeer { name: name.into(), addr: "10.0.0.2:7300".into(), fingerprint: "ab".repeat(32) };
+        let table = |names: &[&str]| Record::Peers(StoredPeers { peers: names.iter().map(|n| peer(n)).collect() });
+        let records = vec![table(&["a"]), revision(1, "s"), table(&["a", "b"]), table(&["b"])];
+        let bytes = journal(&records);
+        let state = State::from_records(scan(&bytes).records);
+        assert_eq!(state.peers, Some(StoredPeers { peers: vec![peer("b")] }));
+        let again: Vec<Record> = state.records().collect();
+        assert_eq!(again.first(), Some(&table(&["b"])));
+        assert_eq!(State::from_records(again), state);
+        assert!(!State::from_records(vec![table(&[])]).is_empty(), "an emptied table is still restored");
     }
 
     #[test]

@@ -175,6 +175,12 @@ pub fn run_daemon(opts: DaemonOptions, catalog: Catalog) -> Result<(), String> {
     flexstack_faces::takeover::restore_stale();
     let control =
         Arc::new(Control::new(dataplane, catalog, Sandboxes::new(opts.app_subnet).with_etc_dir(opts.app_etc.clone())));
+    if let Some(table) = &restore.peers {
+        for w in control.restore_peers(table) {
+            tracing::warn!(journal = %journal_path.display(), "{w}");
+        }
+        tracing::info!(peers = table.peers.len(), "peers restored");
+    }
     let restored = match control.restore_stack(&restore, &journal_path, damage.as_ref()) {
         Ok(r) => r,
         Err(e) => {

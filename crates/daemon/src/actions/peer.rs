@@ -29,8 +29,15 @@ impl Control {
         Ok(PeerKeyInfo { fingerprint: peer::fingerprint_hex(&id.fingerprint) })
     }
 
-    /// Adds a peer to the table.
+    /// Adds a peer to the table and records the table in the journal.
     pub(super) fn peer_add(&self, add: PeerAdd) -> Result<PeerInfo, ApiError> {
+        let info = self.add_peer(add)?;
+        self.journal_peers()?;
+        Ok(info)
+    }
+
+    /// Adds a peer to the table (not recorded).
+    pub(super) fn add_peer(&self, add: PeerAdd) -> Result<PeerInfo, ApiError> {
         let bad = |m: String| ApiError::new(ErrorCode::InvalidValue, m);
         let addr = add.addr.parse().map_err(|e| bad(format!("address {:?}: {e} (expected ADDR:PORT)", add.addr)))?;
         let fingerprint = peer::parse_fingerprint(&add.fingerprint).map_err(bad)?;
@@ -44,6 +51,7 @@ impl Control {
     pub(super) fn peer_del(&self, name: &str) -> Result<PeerInfo, ApiError> {
         let p = peer::del(name).ok_or_else(|| not_found(name))?;
         tracing::info!(peer = %p.name, "peer removed");
+        self.journal_peers()?;
         Ok(info(&p, &PeerStatus::default()))
     }
 

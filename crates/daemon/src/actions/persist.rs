@@ -10,7 +10,9 @@
 use crate::actions::control::{now_ms, Control};
 use crate::actions::persist_state::Writer;
 use crate::actions::revisions::{Revision, RevisionLog, RuleWrites};
-use crate::journal::{self, Damage, Journal, Record, RulesChange, RulesOp, State, StoredRevision};
+use crate::journal::{
+    self, Damage, Journal, Record, RulesChange, RulesOp, State, StoredPeer, StoredPeers, StoredRevision,
+};
 use crate::rules::RegistryEnv;
 use flexstack_api::protocol::{ApiError, ErrorCode};
 use flexstack_core::config::{LinkEntry, StackSpec};
@@ -226,7 +228,14 @@ impl Control {
     /// the limit (at least the latest); sets the next limit.
     fn compacted(&self, revs: &RevisionLog, writer: &mut Writer, path: &Path) -> Result<Journal, String> {
         let budget = writer.max_bytes / 2;
-        let mut used: u64 = writer.rules.iter().map(|c| journal::encode(&Record::Rules(c.clone())).len() as u64).sum();
+        let head: Vec<Record> = writer
+            .peers
+            .iter()
+            .cloned()
+            .map(Record::Peers)
+            .chain(writer.rules.iter().cloned().map(Record::Rules))
+            .collect();
+        let mut used: u64 = head.iter().map(|r| journal::encode(r).len() as u64).sum();
         let mut kept = Vec::new();
         for r in revs.iter().collect::<Vec<_>>().into_iter().rev() {
             let record = Record::Revision(stored(r, writer.apps.get(&r.number).cloned().unwrap_or_default()));
@@ -239,10 +248,10 @@ impl Control {
         }
         let oldest = kept.last().map_or(0, |r| match r {
             Record::Revision(r) => r.number,
-            Record::Rules(_) => 0,
+            Record::Rules(_) | Record::Peers(_) => 0,
         });
         writer.apps.retain(|n, _| *n >= oldest);
-        let records = writer.rules.iter().cloned().map(Record::Rules).chain(kept.into_iter().rev());
+        let records = head.into_iter().chain(kept.into_iter().rev());
         let journal = Journal::rewrite(path, records)?;
         writer.limit = writer.max_bytes.max(journal.size().saturating_mul(2));
         if journal.size() > writer.max_bytes {
@@ -304,6 +313,46 @@ impl Control {
         }
         Self::append(&mut writer, &Record::Revision(stored(rev, apps)), sync).map_err(|e| {
             let msg = format!("the change is revision {number}, but it could not be written to the journal: {e}");
+            ApiError::new(ErrorCode::Internal, msg)
+        })
+    }
+
+    /// Adds the peers of a journal's last peer table (before the stack is restored: its carriers look their peers
+    /// up when they are loaded); returns a warning for each peer that could not be added.
+    pub fn restore_peers(&self, table: &StoredPeers) -> Vec<String> {
+        let mut warnings = Vec::new();
+        for p in &table.peers {
+            let add = flexstack_api::ops::PeerAdd {
+                name: p.name.clone(),
+                addr: p.addr.clone(),
+                fingerprint: p.fingerprint.clone(),
+            };
+            if let Err(e) = self.add_peer(add) {
+                warnings.push(format!("peer {:?} not restored: {}", p.name, e.message));
+            }
+        }
+        lock(&self.persist.writer).peers = Some(table.clone());
+        warnings
+    }
+
+    /// Records the peer table, as it is now, in the journal, synced (a `peer add` or `peer del` was just made).
+    pub(super) fn journal_peers(&self) -> Result<(), ApiError> {
+        let peers = flexstack_faces::peer::list()
+            .into_iter()
+            .map(|(p, _)| StoredPeer {
+                name: p.name,
+                addr: p.addr.to_string(),
+                fingerprint: flexstack_faces::peer::fingerprint_hex(&p.fingerprint),
+            })
+            .collect();
+        let table = StoredPeers { peers };
+        let mut writer = lock(&self.persist.writer);
+        let written = Self::append(&mut writer, &Record::Peers(table.clone()), true);
+        writer.peers = Some(table);
+        drop(writer);
+        self.compact_if_needed();
+        written.map_err(|e| {
+            let msg = format!("the peer table changed, but it could not be written to the journal: {e}");
             ApiError::new(ErrorCode::Internal, msg)
         })
     }

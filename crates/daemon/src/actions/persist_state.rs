@@ -1,7 +1,7 @@
 //! The control plane's persistence state (the journal, the rules changes, the apps' modules), used by
 //! [`crate::actions::persist`]; apart so that `control` holds it without importing the code that uses `Control`.
 
-use crate::journal::{Journal, RulesChange};
+use crate::journal::{Journal, RulesChange, StoredPeers};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
 
@@ -31,4 +31,6 @@ pub(super) struct Writer {
     pub(super) rules: Vec<RulesChange>,
     /// The app modules of revisions that had some (by number).
     pub(super) apps: BTreeMap<u64, Vec<String>>,
+    /// The peer table since it was first changed or restored (compaction writes it first).
+    pub(super) peers: Option<StoredPeers>,
 }

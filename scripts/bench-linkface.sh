@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The link face (issue 16: "Link face >= 0.8 x the TUN<->TUN figure, one stream"): iperf3 TCP, STREAMS parallel
+# streams (default "1"), SECS seconds, medians of RUNS rounds, the two paths alternating in every round:
+#   (t) flexstack TUN <-> TUN with the default app modules between two namespaces (as scripts/bench-datapath.sh);
+#   (l) `flexstack run --stack stacks/app-link.toml`: the app's TUN face, ip, nat and the link module (ARP, NDP),
+#       out through a packet face on one end of a veth pair that flexstack takes over; the server in a namespace
+#       at the other end.
+# Prints both medians and the ratio (l) / (t). PROFILE=ci uses the ci profile's binary; NO_BUILD=1 / FS=PATH as in
+# scripts/lib/bench.sh. Needs root.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RUNS=${RUNS:-5}
+SECS=${SECS:-4}
+STREAMS=${STREAMS:-1}
+NET=${NET:-221} # the link 10.NET.9.0/24 (server .1, flexstack .2); TUN <-> TUN 10.(NET+1).0.0/24; apps 10.(NET+2)/16
+. scripts/lib/bench.sh # median, bench_setup, tun_faces, default_modules_stack, ns_cleanup
+bench_setup bench-linkface "namespaces, veth, TUN devices" iperf3 python3
+tag=fsk$$
+state=$(mktemp -d)
+chmod 755 "$state"
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null && wait "$p" 2>/dev/null || true; done
+  ns_cleanup ${tag}a ${tag}b ${tag}s
+  ip link del ${tag}o 2>/dev/null || true
+  rm -rf "$state"
+}
+trap cleanup EXIT INT TERM
+wait_for() { for _ in $(seq 200); do eval "$1" && return 0; sleep 0.05; done; echo "bench-linkface: $2" >&2; exit 1; }
+gbits() { python3 -c 'import json,sys; print(json.load(sys.stdin)["end"]["sum_received"]["bits_per_second"]/1e9)'; }
+
+# (l): the server at one end of a veth pair; the other end (${tag}o) stays in the host for flexstack to take over.
+ip netns add ${tag}s
+ip -n ${tag}s link set lo up
+ip link add ${tag}o type veth peer name ${tag}p
+ip link set ${tag}p netns ${tag}s
+ip -n ${tag}s addr add 10.$NET.9.1/24 dev ${tag}p
+ip -n ${tag}s link set ${tag}p up
+ip netns exec ${tag}s iperf3 -s -D -p 5201 -I "$state/iperf-l.pid" >/dev/null
+mac=$(cat /sys/class/net/${tag}o/address)
+sed -e "s|10.77.0.0/16|10.$((NET + 2)).0.0/16|" -e "s|192.0.2.2|10.$NET.9.2|" -e "s|192.0.2.1|10.$NET.9.1|" \
+  -e "s|02:00:00:00:00:01|$mac|" -e "s|\"eth1\"|\"${tag}o\"|" stacks/app-link.toml > "$state/link-app.toml"
+"$fs" daemon --state-dir "$state/l" --app-subnet 10.$((NET + 2)).0.0 2>"$state/daemon-l.log" &
+pids+=($!)
+wait_for '"$fs" --state-dir "$state/l" status >/dev/null 2>&1' "the daemon did not start"
+link() {
+  "$fs" --state-dir "$state/l" run --stack "$state/link-app.toml" -- \
+    iperf3 -c 10.$NET.9.1 -p 5201 -P "$STREAMS" -t "$SECS" -J | gbits
+}
+
+# (t): TUN <-> TUN between two namespaces, the default app modules between the faces.
+ip netns add ${tag}a; ip netns add ${tag}b
+ip -n ${tag}a link set lo up; ip -n ${tag}b link set lo up
+default_modules_stack > "$state/chain.toml"
+"$fs" daemon --stack "$state/chain.toml" --state-dir "$state/t" 2>"$state/daemon-t.log" &
+pids+=($!)
+wait_for '"$fs" --state-dir "$state/t" status >/dev/null 2>&1' "the TUN <-> TUN daemon did not start"
+ip link set ${tag}ta netns ${tag}a; ip link set ${tag}tb netns ${tag}b
+ip -n ${tag}a addr add 10.$((NET + 1)).0.1/24 dev ${tag}ta; ip -n ${tag}a link set ${tag}ta up
+ip -n ${tag}b addr add 10.$((NET + 1)).0.2/24 dev ${tag}tb; ip -n ${tag}b link set ${tag}tb up
+ip netns exec ${tag}b iperf3 -s -D -p 5201 -I "$state/iperf-t.pid" >/dev/null
+sleep 0.3
+tuntun() { ip netns exec ${tag}a iperf3 -c 10.$((NET + 1)).0.2 -p 5201 -P "$STREAMS" -t "$SECS" -J | gbits; }
+
+for i in $(seq "$RUNS"); do
+  t=$(tuntun); l=$(link)
+  echo "round $i: TUN<->TUN $t, link face $l Gbit/s" >&2
+  echo "$t" >> "$state/t.txt"; echo "$l" >> "$state/l.txt"
+done
+t=$(median < "$state/t.txt"); l=$(median < "$state/l.txt")
+printf 'link face benchmark: iperf3 TCP, %s stream(s), median of %s rounds of %s s (Gbit/s)\n' "$STREAMS" "$RUNS" "$SECS"
+printf '  (t) flexstack TUN <-> TUN, default modules   %6.2f\n' "$t"
+printf '  (l) flexstack run over a link face           %6.2f   ratio to (t) %.2f (target >= 0.8)\n' "$l" \
+  "$(echo "$l / $t" | bc -l)"

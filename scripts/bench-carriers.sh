@@ -1,0 +1,129 @@
+#!/usr/bin/env bash
+# Peak throughput through terminate + carrier + re-originate (issue 14, experiment 2): an app on daemon A
+# (`flexstack run`, host namespace) reaches an iperf3 server behind daemon B (namespace ${tag}b, joined to the host
+# by a veth pair; the server in ${tag}s behind B), over
+#   (f)  plain forwarding: the default app chain into the host, which routes through B's namespace (the kernel
+#        forwards there; no daemon B in the path);
+#   (K)  for each carrier kind K of KINDS (default "tcp quic udp udpplus"): `stacks/app-peer.toml` with
+#        `transport = K` on A, `stacks/peer-in.toml` with the same transport on B (restarted for each kind), so the
+#        app's flow is terminated on A, carried to B and opened again by B's kernel sockets.
+# Each path: iperf3 TCP (one stream, SECS seconds) and iperf3 UDP (-b 0, LEN-byte datagrams, what the server
+# received); the paths alternate in every round, medians of RUNS rounds, in Gbit/s and Gibit/s (VirtualStack's unit),
+# with the ratios to (f) and, for quic, to the udp carrier. PROFILE=ci uses the ci profile's binary; NO_BUILD=1 /
+# FS=PATH as in scripts/lib/bench.sh. Needs root.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RUNS=${RUNS:-5}
+SECS=${SECS:-4}
+LEN=${LEN:-1400}
+KINDS=${KINDS:-tcp quic udp udpplus}
+NET=${NET:-225} # A-B 10.NET.1.0/24, B-server 10.NET.2.0/24, apps 10.(NET+1).0.0/16
+. scripts/lib/bench.sh # median, bench_setup, ns_cleanup
+bench_setup bench-carriers "namespaces, veth, TUN devices" iperf3 python3
+tag=fsc$$
+state=$(mktemp -d)
+chmod 755 "$state"
+pids=()
+b_daemon=
+fwd_old=$(sysctl -n net.ipv4.ip_forward)
+cleanup() {
+  [[ -n $b_daemon ]] && kill "$b_daemon" 2>/dev/null && wait "$b_daemon" 2>/dev/null || true
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null && wait "$p" 2>/dev/null || true; done
+  ns_cleanup ${tag}b ${tag}s
+  ip link del ${tag}h 2>/dev/null || true
+  ip route del 10.$NET.2.0/24 2>/dev/null || true
+  sysctl -qw net.ipv4.ip_forward="$fwd_old"
+  rm -rf "$state"
+}
+trap cleanup EXIT INT TERM
+wait_for() { for _ in $(seq 200); do eval "$1" && return 0; sleep 0.05; done; echo "bench-carriers: $2" >&2; exit 1; }
+
+# Host <-> B <-> server.
+ip netns add ${tag}b; ip netns add ${tag}s
+ip -n ${tag}b link set lo up; ip -n ${tag}s link set lo up
+ip link add ${tag}h type veth peer name ${tag}i
+ip link set ${tag}i netns ${tag}b
+ip addr add 10.$NET.1.1/24 dev ${tag}h; ip link set ${tag}h up
+ip -n ${tag}b addr add 10.$NET.1.2/24 dev ${tag}i; ip -n ${tag}b link set ${tag}i up
+ip -n ${tag}b link add ${tag}j type veth peer name ${tag}k
+ip -n ${tag}b link set ${tag}k netns ${tag}s
+ip -n ${tag}b addr add 10.$NET.2.1/24 dev ${tag}j; ip -n ${tag}b link set ${tag}j up
+ip -n ${tag}s addr add 10.$NET.2.2/24 dev ${tag}k; ip -n ${tag}s link set ${tag}k up
+ip -n ${tag}s route add default via 10.$NET.2.1
+ip -n ${tag}b route add default via 10.$NET.1.1
+ip netns exec ${tag}b sysctl -qw net.ipv4.ip_forward=1
+sysctl -qw net.ipv4.ip_forward=1
+ip route add 10.$NET.2.0/24 via 10.$NET.1.2
+srv=10.$NET.2.2
+ip netns exec ${tag}s iperf3 -s -D -p 5201 -I "$state/iperf.pid" >/dev/null
+
+# A: the daemon of the apps.
+"$fs" daemon --state-dir "$state/a" --app-subnet 10.$((NET + 1)).0.0 2>"$state/daemon-a.log" &
+pids+=($!)
+wait_for '"$fs" --state-dir "$state/a" status >/dev/null 2>&1' "daemon A did not start"
+fa=$("$fs" --state-dir "$state/a" peer key)
+
+# B, restarted for each kind with its carrier's transport; its key stays in its state directory.
+start_b() { # $1 = transport
+  [[ -n $b_daemon ]] && { kill "$b_daemon"; wait "$b_daemon" 2>/dev/null || true; }
+  sed -e "s|listen = \"0.0.0.0:7300\"|listen = \"10.$NET.1.2:7300\"\ntransport = \"$1\"|" stacks/peer-in.toml \
+    > "$state/peer-in.toml"
+  ip netns exec ${tag}b "$fs" daemon --stack "$state/peer-in.toml" --state-dir "$state/b" 2>>"$state/daemon-b.log" &
+  b_daemon=$!
+  wait_for '"$fs" --state-dir "$state/b" status >/dev/null 2>&1' "daemon B did not start ($1)"
+  "$fs" --state-dir "$state/b" peer add a 10.$NET.1.1:0 "$fa" >/dev/null
+}
+start_b tcp
+"$fs" --state-dir "$state/a" peer add gateway 10.$NET.1.2:7300 "$("$fs" --state-dir "$state/b" peer key)" >/dev/null
+for k in $KINDS; do
+  sed -e "s|peer = \"gateway\"|peer = \"gateway\"\ntransport = \"$k\"|" stacks/app-peer.toml > "$state/app-$k.toml"
+done
+
+# iperf3 on PATH with the options given; prints what the server received in Gbit/s (or the error, and fails).
+iperf() {
+  local run=("$fs" --state-dir "$state/a" run) p=$1
+  shift
+  [[ $p != f ]] && run+=(--stack "$state/app-$p.toml")
+  "${run[@]}" -- iperf3 -c $srv -p 5201 -t "$SECS" -J "$@" > "$state/iperf.json" || true
+  python3 - "$state/iperf.json" "$p" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+if "error" in r:
+    sys.exit(f"bench-carriers: iperf3 over {sys.argv[2]}: {r['error']}")
+e = r["end"]["sum_received"]
+print(e["bytes"] * 8 / e["seconds"] / 1e9)
+PY
+}
+# measure PATH: prints "TCP UDP" in Gbit/s.
+measure() { echo "$(iperf "$1") $(iperf "$1" -u -b 0 -l "$LEN")"; }
+
+for i in $(seq "$RUNS"); do
+  read -r t u < <(measure f)
+  echo "$t" >> "$state/f.tcp"; echo "$u" >> "$state/f.udp"
+  line="round $i: f $t/$u"
+  for k in $KINDS; do
+    start_b "$k"
+    read -r t u < <(measure "$k")
+    echo "$t" >> "$state/$k.tcp"; echo "$u" >> "$state/$k.udp"
+    line+=", $k $t/$u"
+  done
+  echo "$line (TCP/UDP Gbit/s)" >&2
+done
+
+printf 'carriers: iperf3 TCP (1 stream) and UDP (-b 0, %s-byte datagrams, received), medians of %s rounds of %s s\n' \
+  "$LEN" "$RUNS" "$SECS"
+printf '%-22s %9s %9s %9s %9s %8s %8s\n' path "TCP Gb/s" "TCP Gib/s" "UDP Gb/s" "UDP Gib/s" "TCP x f" "UDP x f"
+ft=$(median < "$state/f.tcp"); fu=$(median < "$state/f.udp")
+row() { # $1 = label, $2 = TCP, $3 = UDP
+  printf '%-22s %9.2f %9.2f %9.2f %9.2f %8.2f %8.2f\n' "$1" "$2" "$(echo "$2 * 10^9 / 2^30" | bc -l)" "$3" \
+    "$(echo "$3 * 10^9 / 2^30" | bc -l)" "$(echo "$2 / $ft" | bc -l)" "$(echo "$3 / $fu" | bc -l)"
+}
+row "(f) forwarding" "$ft" "$fu"
+for k in $KINDS; do
+  row "($k) carrier" "$(median < "$state/$k.tcp")" "$(median < "$state/$k.udp")"
+done
+if [[ " $KINDS " == *" quic "* && " $KINDS " == *" udp "* ]]; then
+  printf 'quic / udp carrier: TCP %.2f, UDP %.2f (goal >= 0.5); VirtualStack UDP: 4.36 Gibit/s\n' \
+    "$(echo "$(median < "$state/quic.tcp") / $(median < "$state/udp.tcp")" | bc -l)" \
+    "$(echo "$(median < "$state/quic.udp") / $(median < "$state/udp.udp")" | bc -l)"
+fi

@@ -12,7 +12,7 @@
 mod checks;
 
 use checks::{check, journal_of};
-use flexstack_daemon::journal::{Record, RuleWrites, RulesChange, RulesOp, StoredRevision};
+use flexstack_daemon::journal::{Record, RuleWrites, RulesChange, RulesOp, StoredPeer, StoredPeers, StoredRevision};
 use flexstack_fuzzkit::{
     iters_from_env, load_corpus_bytes, mutate, run_guarded, seed_from_env, target_seed, Dict, Rng,
 };
@@ -24,6 +24,8 @@ const DICT: Dict<'static> = Dict {
         "FSJRNL1\n",
         "{\"record\":\"revision\"",
         "{\"record\":\"rules\"",
+        "{\"record\":\"peers\"",
+        "\"fingerprint\":\"",
         "\"number\":",
         "\"op\":\"load\"",
         "\"op\":\"rollback\"",
@@ -75,6 +77,16 @@ fn rule_entry(number: u64, rule: &str, writes: u64, first_ms: u64) -> Record {
     Record::Revision(r)
 }
 
+/// A peers record of `(name, addr)` pairs, each with a made-up fingerprint.
+fn peers(table: &[(&str, &str)]) -> Record {
+    let peer = |(name, addr): &(&str, &str)| StoredPeer {
+        name: name.to_string(),
+        addr: addr.to_string(),
+        fingerprint: "5f".repeat(32),
+    };
+    Record::Peers(StoredPeers { peers: table.iter().map(peer).collect() })
+}
+
 /// Writes the seeds of `fuzz/corpus/journal/` from the writer (run by hand with `-- --ignored`).
 #[test]
 #[ignore]
@@ -106,6 +118,15 @@ fn write_journal_corpus() {
             ],
         ),
         ("many-revisions", (1..=12).map(|n| revision(n, stack, &[])).collect()),
+        (
+            "peers",
+            vec![
+                peers(&[("gateway", "10.0.0.2:7300"), ("b", "[fd00::2]:7300")]),
+                revision(1, stack, &[]),
+                peers(&[("b", "[fd00::2]:7300")]),
+                peers(&[]),
+            ],
+        ),
     ];
     let dir = flexstack_fuzzkit::corpus_dir("journal");
     std::fs::create_dir_all(&dir).unwrap();

@@ -190,6 +190,11 @@ struct Conn {
     /// A flow's stream, by the flow's id in messages (the connecting side's).
     flow_stream: HashMap<u64, StreamId>,
     stream_flow: HashMap<StreamId, u64>,
+    /// Streams of flows that ended whose peer may still send on them (an `Ack` after both `Fin`s, a late `Abort`):
+    /// what comes on them is an orphan, not a new flow. Forgotten when the peer finishes the stream.
+    ended: HashSet<StreamId>,
+    /// Streams of flows not ended yet that the peer already finished (so [`Conn::end_flow`] keeps no entry).
+    recv_done: HashSet<StreamId>,
     /// UDP flows (their `Data` travel in datagrams), by their id in messages.
     udp: HashSet<u64>,
     /// Accepting: the peer's flow id -> the local one.
@@ -213,6 +218,8 @@ impl Conn {
             readable: Vec::new(),
             flow_stream: HashMap::new(),
             stream_flow: HashMap::new(),
+            ended: HashSet::new(),
+            recv_done: HashSet::new(),
             udp: HashSet::new(),
             remote: HashMap::new(),
             dead: false,
@@ -253,6 +260,9 @@ impl Conn {
         self.udp.remove(&flow);
         if let Some(id) = self.flow_stream.remove(&flow) {
             self.stream_flow.remove(&id);
+            if !self.recv_done.remove(&id) {
+                self.ended.insert(id);
+            }
             // Finished once what waits for its window is written.
             self.finishing.insert(id);
             self.tx.entry(id).or_default();
@@ -533,6 +543,9 @@ impl Quic {
             if let Some(c) = self.conns.get_mut(&ch) {
                 if end {
                     c.rx.remove(&id);
+                    if !c.ended.remove(&id) && c.stream_flow.contains_key(&id) {
+                        c.recv_done.insert(id);
+                    }
                 }
             }
         }
@@ -620,6 +633,10 @@ impl Quic {
         match c.stream_flow.get(&id) {
             Some(&f) if f != flow => return Err(End::Malformed(format!("flow {flow} on flow {f}'s stream"))),
             Some(_) => {}
+            None if c.ended.contains(&id) => {
+                self.m.orphans.add(1);
+                return Ok(());
+            }
             None => {
                 if !matches!(self.mode, Mode::Accept { .. }) {
                     return Err(End::Malformed("a stream the connecting side did not open".into()));

@@ -7,7 +7,10 @@
 #   (fwd)     end-to-end kernel TCP with cubic (iperf3 -C cubic; Linux's default, though this machine's is bbr): the
 #             default app chain, the host routes through B's namespace; (fwdbbr, not in the default PATHS) with bbr;
 #   (quic)    terminate on A + the quic carrier with BBR + B's kernel sockets (stacks/app-peer.toml, peer-in.toml);
-#   (udpplus) terminate on A + the udpplus carrier with FEC (fec_k FEC_K) and ARQ.
+#   (udpplus) terminate on A + the udpplus carrier with FEC (fec_k FEC_K) and ARQ; not in the default PATHS:
+#             (udpplus_nofec) the same without FEC, (udp) the udp carrier.
+# A terminated flow moves at most its budget per round trip (docs/streams.md): both ends get BUDGET (4 MiB), above
+# the path's bandwidth-delay product (100 Mbit/s x 100 ms = 1.25 MB), where the default 256 KiB caps it near 20 Mbit/s.
 # For each LOSSES level and each of SEEDS, the goodput the server received; writes results.csv and, through
 # scripts/experiments/lossy_report.py, docs/experiments/lossy-path.md and its SVG into OUT (default
 # docs/experiments). PROFILE=ci uses the ci profile's binary; NO_BUILD=1 / FS=PATH as in scripts/lib/bench.sh.
@@ -21,6 +24,7 @@ DELAY_MS=${DELAY_MS:-50}
 RATE_MBIT=${RATE_MBIT:-100}
 BURST=${BURST:-2}
 FEC_K=${FEC_K:-8}
+BUDGET=${BUDGET:-4194304} # each terminated flow's budget (bytes in flight per direction), above the path's BDP
 PATHS=${PATHS:-fwd quic udpplus}
 OUT=${OUT:-docs/experiments}
 NET=${NET:-229} # A-B link 10.NET.1.0/24 (A .1, B .2), B-server 10.NET.2.0/24, apps 10.(NET+1).0.0/16
@@ -112,8 +116,8 @@ pids+=($!)
 wait_for '"$fs" --state-dir "$state/a" status >/dev/null 2>&1' "daemon A did not start"
 start_b() { # $1 = transport
   [[ -n $b_daemon ]] && { kill "$b_daemon"; wait "$b_daemon" 2>/dev/null || true; }
-  sed -e "s|listen = \"0.0.0.0:7300\"|listen = \"10.$NET.1.2:7300\"\ntransport = \"$1\"|" stacks/peer-in.toml \
-    > "$state/peer-in.toml"
+  sed -e "s|listen = \"0.0.0.0:7300\"|listen = \"10.$NET.1.2:7300\"\ntransport = \"$1\"|" \
+    -e "s|backend = \"kernel\"|backend = \"kernel\"\nbudget = $BUDGET|" stacks/peer-in.toml > "$state/peer-in.toml"
   ip netns exec ${tag}b "$fs" daemon --stack "$state/peer-in.toml" --state-dir "$state/b" 2>>"$state/daemon-b.log" &
   b_daemon=$!
   wait_for '"$fs" --state-dir "$state/b" status >/dev/null 2>&1' "daemon B did not start ($1)"
@@ -125,10 +129,13 @@ carrier_stack() { # $1 = name, $2... = the carrier's settings
   local name=$1 settings
   shift
   settings=$(printf '%s\\n' "$@")
-  sed -e "s|peer = \"gateway\"|peer = \"gateway\"\\n$settings|" stacks/app-peer.toml > "$state/app-$name.toml"
+  sed -e "s|peer = \"gateway\"|peer = \"gateway\"\\n$settings|" \
+    -e "s|backend = \"smoltcp\"|backend = \"smoltcp\"\nbudget = $BUDGET|" stacks/app-peer.toml > "$state/app-$name.toml"
 }
 carrier_stack quic 'transport = "quic"' "cc = \"${QUIC_CC:-bbr}\""
 carrier_stack udpplus 'transport = "udpplus"' 'fec = true' "fec_k = $FEC_K" 'arq = true'
+carrier_stack udpplus_nofec 'transport = "udpplus"' 'fec = false' 'arq = true'
+carrier_stack udp 'transport = "udp"'
 
 # goodput PATH: what the server received, Mbit/s (0 when the transfer failed, with the reason on stderr).
 goodput() {
@@ -139,7 +146,7 @@ goodput() {
     fwdbbr) cc=(-C bbr) ;;
     *) run+=(--stack "$state/app-$1.toml") ;;
   esac
-  timeout $((TIME * 3 + 30)) "${run[@]}" -- iperf3 -c $srv -p 5201 -t "$TIME" "${cc[@]}" -J > "$state/iperf.json" 2>&1 ||
+  timeout $((TIME * 3 + 90)) "${run[@]}" -- iperf3 -c $srv -p 5201 -t "$TIME" "${cc[@]}" -J > "$state/iperf.json" 2>&1 ||
     true
   python3 - "$state/iperf.json" "$1" <<'PY'
 import json, sys
@@ -164,7 +171,7 @@ for loss in $LOSSES; do
     n=$((n + 1))
     line="[$n/$total] loss $loss %, seed $seed:"
     for p in $PATHS; do
-      want=$p; [[ $p == fwd* ]] && want=$current_b
+      want=${p%%_*}; [[ $p == fwd* ]] && want=$current_b
       if [[ $want != "$current_b" ]]; then start_b "$want"; current_b=$want; fi
       set_loss "$loss" "$seed"
       g=$(goodput "$p")

@@ -14,7 +14,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from binding_report import line_plot  # noqa: E402
 
 LABELS = {"fwd": "end-to-end kernel TCP (cubic)", "fwdbbr": "end-to-end kernel TCP (bbr)", "quic": "terminate + quic (BBR)",
-          "udpplus": "terminate + udpplus (FEC, ARQ)"}
+          "udpplus": "terminate + udpplus (FEC, ARQ)", "udpplus_nofec": "terminate + udpplus (ARQ)",
+          "udp": "terminate + udp"}
 
 
 def main():

@@ -395,6 +395,65 @@ mod tests {
         (got, s)
     }
 
+    /// A long path (50 ms one way) with bursts of loss both ways, data and acks: every byte arrives.
+    #[test]
+    fn a_long_lossy_path_with_lost_acks_delivers_everything() {
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut rnd = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % 1000
+        };
+        let mut bad = false;
+        let mut lose = move || {
+            // Gilbert-Elliott: 2 % mean loss in bursts of 2.
+            bad = if bad { rnd() >= 500 } else { rnd() < 10 };
+            bad
+        };
+        let n = 3_000_000;
+        let data: Vec<u8> = (0..n).map(|i| (i * 7 % 251) as u8).collect();
+        let (mut s, mut r) = (Sender::default(), Receiver::default());
+        s.write(&data);
+        let start = Instant::now();
+        let mut now = start;
+        let one_way = Duration::from_millis(50);
+        let mut wire: Vec<(Instant, u64, Vec<u8>)> = Vec::new();
+        type Ack = (u64, u32, Vec<(u64, u64)>);
+        let mut acks: Vec<(Instant, Ack)> = Vec::new();
+        let mut got = Vec::new();
+        let mut buf = Vec::new();
+        while got.len() < n {
+            assert!(now - start < Duration::from_secs(600), "stalled at {} of {n}", got.len());
+            while let Some(off) = s.poll(now, &mut buf) {
+                if !lose() {
+                    wire.push((now + one_way, off, buf.clone()));
+                }
+            }
+            now += Duration::from_millis(1);
+            let (due, later): (Vec<_>, Vec<_>) = wire.drain(..).partition(|(t, ..)| *t <= now);
+            wire = later;
+            for (_, off, b) in due {
+                r.on_segment(off, &b);
+            }
+            got.extend(r.take());
+            if r.ack_due {
+                let a = r.ack();
+                if !lose() {
+                    acks.push((now + one_way, a));
+                }
+            }
+            let (due, later): (Vec<_>, Vec<_>) = acks.drain(..).partition(|(t, _)| *t <= now);
+            acks = later;
+            for (_, (cum, w, sacks)) in due {
+                s.on_ack(now, cum, w, &sacks);
+            }
+            s.on_timeout(now);
+        }
+        assert_eq!(got, data, "every byte, in order");
+        eprintln!("3 MB over 100 ms RTT, 2 % loss: {:?}", now - start);
+    }
+
     #[test]
     fn a_clean_path_delivers_in_order_without_retransmissions() {
         let (_, s) = transfer(500_000, |_| false);

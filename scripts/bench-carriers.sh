@@ -18,66 +18,22 @@ SECS=${SECS:-4}
 LEN=${LEN:-1400}
 KINDS=${KINDS:-tcp quic udp udpplus}
 NET=${NET:-225} # A-B 10.NET.1.0/24, B-server 10.NET.2.0/24, apps 10.(NET+1).0.0/16
-. scripts/lib/bench.sh # median, bench_setup, ns_cleanup
+. scripts/lib/bench.sh # median, bench_setup, peer_topology, start_peers, start_peer_b, carrier_stack
 bench_setup bench-carriers "namespaces, veth, TUN devices" iperf3 python3
 tag=fsc$$
 state=$(mktemp -d)
 chmod 755 "$state"
 pids=()
-b_daemon=
-fwd_old=$(sysctl -n net.ipv4.ip_forward)
 cleanup() {
-  [[ -n $b_daemon ]] && kill "$b_daemon" 2>/dev/null && wait "$b_daemon" 2>/dev/null || true
+  peer_topology_cleanup "$NET"
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null && wait "$p" 2>/dev/null || true; done
-  ns_cleanup ${tag}b ${tag}s
-  ip link del ${tag}h 2>/dev/null || true
-  ip route del 10.$NET.2.0/24 2>/dev/null || true
-  sysctl -qw net.ipv4.ip_forward="$fwd_old"
   rm -rf "$state"
 }
 trap cleanup EXIT INT TERM
-wait_for() { for _ in $(seq 200); do eval "$1" && return 0; sleep 0.05; done; echo "bench-carriers: $2" >&2; exit 1; }
-
-# Host <-> B <-> server.
-ip netns add ${tag}b; ip netns add ${tag}s
-ip -n ${tag}b link set lo up; ip -n ${tag}s link set lo up
-ip link add ${tag}h type veth peer name ${tag}i
-ip link set ${tag}i netns ${tag}b
-ip addr add 10.$NET.1.1/24 dev ${tag}h; ip link set ${tag}h up
-ip -n ${tag}b addr add 10.$NET.1.2/24 dev ${tag}i; ip -n ${tag}b link set ${tag}i up
-ip -n ${tag}b link add ${tag}j type veth peer name ${tag}k
-ip -n ${tag}b link set ${tag}k netns ${tag}s
-ip -n ${tag}b addr add 10.$NET.2.1/24 dev ${tag}j; ip -n ${tag}b link set ${tag}j up
-ip -n ${tag}s addr add 10.$NET.2.2/24 dev ${tag}k; ip -n ${tag}s link set ${tag}k up
-ip -n ${tag}s route add default via 10.$NET.2.1
-ip -n ${tag}b route add default via 10.$NET.1.1
-ip netns exec ${tag}b sysctl -qw net.ipv4.ip_forward=1
-sysctl -qw net.ipv4.ip_forward=1
-ip route add 10.$NET.2.0/24 via 10.$NET.1.2
-srv=10.$NET.2.2
-ip netns exec ${tag}s iperf3 -s -D -p 5201 -I "$state/iperf.pid" >/dev/null
-
-# A: the daemon of the apps.
-"$fs" daemon --state-dir "$state/a" --app-subnet 10.$((NET + 1)).0.0 2>"$state/daemon-a.log" &
-pids+=($!)
-wait_for '"$fs" --state-dir "$state/a" status >/dev/null 2>&1' "daemon A did not start"
-fa=$("$fs" --state-dir "$state/a" peer key)
-
-# B, restarted for each kind with its carrier's transport; its key stays in its state directory.
-start_b() { # $1 = transport
-  [[ -n $b_daemon ]] && { kill "$b_daemon"; wait "$b_daemon" 2>/dev/null || true; }
-  sed -e "s|listen = \"0.0.0.0:7300\"|listen = \"10.$NET.1.2:7300\"\ntransport = \"$1\"|" stacks/peer-in.toml \
-    > "$state/peer-in.toml"
-  ip netns exec ${tag}b "$fs" daemon --stack "$state/peer-in.toml" --state-dir "$state/b" 2>>"$state/daemon-b.log" &
-  b_daemon=$!
-  wait_for '"$fs" --state-dir "$state/b" status >/dev/null 2>&1' "daemon B did not start ($1)"
-  "$fs" --state-dir "$state/b" peer add a 10.$NET.1.1:0 "$fa" >/dev/null
-}
-start_b tcp
-"$fs" --state-dir "$state/a" peer add gateway 10.$NET.1.2:7300 "$("$fs" --state-dir "$state/b" peer key)" >/dev/null
-for k in $KINDS; do
-  sed -e "s|peer = \"gateway\"|peer = \"gateway\"\ntransport = \"$k\"|" stacks/app-peer.toml > "$state/app-$k.toml"
-done
+peer_topology "$NET"
+start_peers "$NET" tcp
+app_sed=()
+for k in $KINDS; do carrier_stack "$k" "transport = \"$k\""; done
 
 # iperf3 on PATH with the options given; prints what the server received in Gbit/s (or the error, and fails).
 iperf() {
@@ -102,7 +58,7 @@ for i in $(seq "$RUNS"); do
   echo "$t" >> "$state/f.tcp"; echo "$u" >> "$state/f.udp"
   line="round $i: f $t/$u"
   for k in $KINDS; do
-    start_b "$k"
+    start_peer_b "$NET" "$k"
     read -r t u < <(measure "$k")
     echo "$t" >> "$state/$k.tcp"; echo "$u" >> "$state/$k.udp"
     line+=", $k $t/$u"

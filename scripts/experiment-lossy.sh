@@ -28,49 +28,21 @@ BUDGET=${BUDGET:-4194304} # each terminated flow's budget (bytes in flight per d
 PATHS=${PATHS:-fwd quic udpplus}
 OUT=${OUT:-docs/experiments}
 NET=${NET:-229} # A-B link 10.NET.1.0/24 (A .1, B .2), B-server 10.NET.2.0/24, apps 10.(NET+1).0.0/16
-. scripts/lib/bench.sh # bench_setup, ns_cleanup
+. scripts/lib/bench.sh # bench_setup, peer_topology, start_peers, start_peer_b, carrier_stack
 bench_setup experiment-lossy "namespaces, veth, TUN devices" iperf3 python3
 tag=fsy$$
 state=$(mktemp -d)
 chmod 755 "$state"
 pids=()
-b_daemon=
-fwd_old=$(sysctl -n net.ipv4.ip_forward)
 cleanup() {
-  [[ -n $b_daemon ]] && kill "$b_daemon" 2>/dev/null && wait "$b_daemon" 2>/dev/null || true
+  peer_topology_cleanup "$NET"
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null && wait "$p" 2>/dev/null || true; done
-  ns_cleanup ${tag}m ${tag}b ${tag}s
-  ip link del ${tag}h 2>/dev/null || true
-  ip route del 10.$NET.2.0/24 2>/dev/null || true
-  sysctl -qw net.ipv4.ip_forward="$fwd_old"
   if [[ -n ${KEEP_STATE:-} ]]; then echo "experiment-lossy: logs kept in $state" >&2; else rm -rf "$state"; fi
 }
 trap cleanup EXIT INT TERM
 wait_for() { for _ in $(seq 200); do eval "$1" && return 0; sleep 0.05; done; echo "experiment-lossy: $2" >&2; exit 1; }
-
-# host (A, 10.NET.1.1) ─ veth ─ [m1 ─ emulators ─ m2] (namespace m) ─ veth ─ B (10.NET.1.2) ─ veth ─ server.
-for ns in m b s; do ip netns add ${tag}$ns; ip -n ${tag}$ns link set lo up; done
-ip link add ${tag}h type veth peer name ${tag}1
-ip link set ${tag}1 netns ${tag}m
-ip -n ${tag}m link add ${tag}2 type veth peer name ${tag}i
-ip -n ${tag}m link set ${tag}i netns ${tag}b
-for d in 1 2; do
-  ip netns exec ${tag}m sysctl -qw net.ipv6.conf.${tag}$d.disable_ipv6=1
-  ip -n ${tag}m link set ${tag}$d up
-done
-ip addr add 10.$NET.1.1/24 dev ${tag}h; ip link set ${tag}h up
-ip -n ${tag}b addr add 10.$NET.1.2/24 dev ${tag}i; ip -n ${tag}b link set ${tag}i up
-ip -n ${tag}b link add ${tag}j type veth peer name ${tag}k
-ip -n ${tag}b link set ${tag}k netns ${tag}s
-ip -n ${tag}b addr add 10.$NET.2.1/24 dev ${tag}j; ip -n ${tag}b link set ${tag}j up
-ip -n ${tag}s addr add 10.$NET.2.2/24 dev ${tag}k; ip -n ${tag}s link set ${tag}k up
-ip -n ${tag}s route add default via 10.$NET.2.1
-ip -n ${tag}b route add default via 10.$NET.1.1
-ip netns exec ${tag}b sysctl -qw net.ipv4.ip_forward=1
-sysctl -qw net.ipv4.ip_forward=1
-ip route add 10.$NET.2.0/24 via 10.$NET.1.2
-srv=10.$NET.2.2
-ip netns exec ${tag}s iperf3 -s -D -p 5201 -I "$state/iperf.pid" >/dev/null
+# host (A, 10.NET.1.1) ─ veth ─ [${tag}1 ─ emulators ─ ${tag}2] (namespace m) ─ veth ─ B (10.NET.1.2) ─ veth ─ server.
+peer_topology "$NET" bridge
 
 # M: the emulated path.
 cat > "$state/path.toml" <<TOML
@@ -110,28 +82,10 @@ set_loss() { # $1 = mean loss %, $2 = seed: Gilbert-Elliott, 100 % loss in the b
   done
 }
 
-# A and B.
-"$fs" daemon --state-dir "$state/a" --app-subnet 10.$((NET + 1)).0.0 2>"$state/daemon-a.log" &
-pids+=($!)
-wait_for '"$fs" --state-dir "$state/a" status >/dev/null 2>&1' "daemon A did not start"
-start_b() { # $1 = transport
-  [[ -n $b_daemon ]] && { kill "$b_daemon"; wait "$b_daemon" 2>/dev/null || true; }
-  sed -e "s|listen = \"0.0.0.0:7300\"|listen = \"10.$NET.1.2:7300\"\ntransport = \"$1\"|" \
-    -e "s|backend = \"kernel\"|backend = \"kernel\"\nbudget = $BUDGET|" stacks/peer-in.toml > "$state/peer-in.toml"
-  ip netns exec ${tag}b "$fs" daemon --stack "$state/peer-in.toml" --state-dir "$state/b" 2>>"$state/daemon-b.log" &
-  b_daemon=$!
-  wait_for '"$fs" --state-dir "$state/b" status >/dev/null 2>&1' "daemon B did not start ($1)"
-  "$fs" --state-dir "$state/b" peer add a 10.$NET.1.1:0 "$("$fs" --state-dir "$state/a" peer key)" >/dev/null
-}
-start_b quic
-"$fs" --state-dir "$state/a" peer add gateway 10.$NET.1.2:7300 "$("$fs" --state-dir "$state/b" peer key)" >/dev/null
-carrier_stack() { # $1 = name, $2... = the carrier's settings
-  local name=$1 settings
-  shift
-  settings=$(printf '%s\\n' "$@")
-  sed -e "s|peer = \"gateway\"|peer = \"gateway\"\\n$settings|" \
-    -e "s|backend = \"smoltcp\"|backend = \"smoltcp\"\nbudget = $BUDGET|" stacks/app-peer.toml > "$state/app-$name.toml"
-}
+# A and B; each terminated flow gets BUDGET at both ends.
+budget=(-e "s|backend = \"kernel\"|backend = \"kernel\"\nbudget = $BUDGET|")
+start_peers "$NET" quic "${budget[@]}"
+app_sed=(-e "s|backend = \"smoltcp\"|backend = \"smoltcp\"\nbudget = $BUDGET|")
 carrier_stack quic 'transport = "quic"' "cc = \"${QUIC_CC:-bbr}\""
 carrier_stack udpplus 'transport = "udpplus"' 'fec = true' "fec_k = $FEC_K" 'arq = true'
 carrier_stack udpplus_nofec 'transport = "udpplus"' 'fec = false' 'arq = true'
@@ -172,7 +126,7 @@ for loss in $LOSSES; do
     line="[$n/$total] loss $loss %, seed $seed:"
     for p in $PATHS; do
       want=${p%%_*}; [[ $p == fwd* ]] && want=$current_b
-      if [[ $want != "$current_b" ]]; then start_b "$want"; current_b=$want; fi
+      if [[ $want != "$current_b" ]]; then start_peer_b "$NET" "$want" "${budget[@]}"; current_b=$want; fi
       set_loss "$loss" "$seed"
       g=$(goodput "$p")
       echo "$loss,$seed,$p,$g" >> "$csv"

@@ -83,3 +83,84 @@ server_ns_cleanup() {
   ip netns del ${tag}s 2>/dev/null || true
   ip link del ${tag}h 2>/dev/null || true
 }
+
+# Two peers and a server (scripts/bench-carriers.sh, scripts/experiment-lossy.sh): the host (daemon A's, 10.$1.1.1)
+# ─ veth ─ namespace ${tag}b (daemon B's, 10.$1.1.2) ─ veth ─ ${tag}s (the server, 10.$1.2.2, iperf3 on 5201). B's
+# namespace forwards, so a plain app on A reaches the server through it. With $2 = bridge, the A-B link passes through
+# namespace ${tag}m as two veth ends (${tag}1 towards A, ${tag}2 towards B, kernel IPv6 off) for a daemon to join.
+# Sets srv; remove everything with peer_topology_cleanup.
+peer_topology() {
+  local net=$1 ns d
+  fwd_old=$(sysctl -n net.ipv4.ip_forward)
+  for ns in b s ${2:+m}; do ip netns add ${tag}$ns; ip -n ${tag}$ns link set lo up; done
+  ip link add ${tag}h type veth peer name ${tag}1
+  if [[ -n ${2:-} ]]; then
+    ip link set ${tag}1 netns ${tag}m
+    ip -n ${tag}m link add ${tag}2 type veth peer name ${tag}i
+    ip -n ${tag}m link set ${tag}i netns ${tag}b
+    for d in 1 2; do
+      ip netns exec ${tag}m sysctl -qw net.ipv6.conf.${tag}$d.disable_ipv6=1
+      ip -n ${tag}m link set ${tag}$d up
+    done
+  else
+    ip link set ${tag}1 netns ${tag}b
+    ip -n ${tag}b link set ${tag}1 name ${tag}i
+  fi
+  ip addr add 10.$net.1.1/24 dev ${tag}h; ip link set ${tag}h up
+  ip -n ${tag}b addr add 10.$net.1.2/24 dev ${tag}i; ip -n ${tag}b link set ${tag}i up
+  ip -n ${tag}b link add ${tag}j type veth peer name ${tag}k
+  ip -n ${tag}b link set ${tag}k netns ${tag}s
+  ip -n ${tag}b addr add 10.$net.2.1/24 dev ${tag}j; ip -n ${tag}b link set ${tag}j up
+  ip -n ${tag}s addr add 10.$net.2.2/24 dev ${tag}k; ip -n ${tag}s link set ${tag}k up
+  ip -n ${tag}s route add default via 10.$net.2.1
+  ip -n ${tag}b route add default via 10.$net.1.1
+  ip netns exec ${tag}b sysctl -qw net.ipv4.ip_forward=1
+  sysctl -qw net.ipv4.ip_forward=1
+  ip route add 10.$net.2.0/24 via 10.$net.1.2
+  srv=10.$net.2.2
+  ip netns exec ${tag}s iperf3 -s -D -p 5201 -I "$state/iperf.pid" >/dev/null
+}
+
+# Removes what peer_topology made (daemon B first, when b_daemon is set) and restores the host's forwarding.
+peer_topology_cleanup() {
+  [[ -n ${b_daemon:-} ]] && kill "$b_daemon" 2>/dev/null && wait "$b_daemon" 2>/dev/null || true
+  ns_cleanup ${tag}m ${tag}b ${tag}s
+  ip link del ${tag}h 2>/dev/null || true
+  ip route del 10.$1.2.0/24 2>/dev/null || true
+  [[ -n ${fwd_old:-} ]] && sysctl -qw net.ipv4.ip_forward="$fwd_old"
+  return 0
+}
+
+# Starts daemon A (state $state/a, apps in 10.($1+1).0.0/16), then calls start_peer_b $2 and makes A and B peers
+# (A calls B `gateway`, B calls A `a`).
+start_peers() {
+  "$fs" daemon --state-dir "$state/a" --app-subnet 10.$(($1 + 1)).0.0 2>"$state/daemon-a.log" &
+  pids+=($!)
+  for _ in $(seq 200); do "$fs" --state-dir "$state/a" status >/dev/null 2>&1 && break; sleep 0.05; done
+  start_peer_b "$1" "$2"
+  "$fs" --state-dir "$state/a" peer add gateway 10.$1.1.2:7300 "$("$fs" --state-dir "$state/b" peer key)" >/dev/null
+}
+
+# (Re)starts daemon B in ${tag}b with stacks/peer-in.toml listening on 10.$1.1.2:7300 with transport $2, the sed
+# expressions $3... applied to the stack too; B's key stays in its state directory, and it is told A's key again.
+start_peer_b() {
+  local net=$1 transport=$2 _
+  shift 2
+  [[ -n ${b_daemon:-} ]] && { kill "$b_daemon"; wait "$b_daemon" 2>/dev/null || true; }
+  sed -e "s|listen = \"0.0.0.0:7300\"|listen = \"10.$net.1.2:7300\"\ntransport = \"$transport\"|" "$@" \
+    stacks/peer-in.toml > "$state/peer-in.toml"
+  ip netns exec ${tag}b "$fs" daemon --stack "$state/peer-in.toml" --state-dir "$state/b" 2>>"$state/daemon-b.log" &
+  b_daemon=$!
+  for _ in $(seq 200); do "$fs" --state-dir "$state/b" status >/dev/null 2>&1 && break; sleep 0.05; done
+  "$fs" --state-dir "$state/b" peer add a 10.$net.1.1:0 "$("$fs" --state-dir "$state/a" peer key)" >/dev/null
+}
+
+# Writes $state/app-$1.toml: stacks/app-peer.toml whose carrier has the settings $2... (TOML lines), with the sed
+# expressions of the array app_sed applied too.
+carrier_stack() {
+  local name=$1 settings
+  shift
+  settings=$(printf '%s\\n' "$@")
+  sed -e "s|peer = \"gateway\"|peer = \"gateway\"\\n$settings|" "${app_sed[@]}" stacks/app-peer.toml \
+    > "$state/app-$name.toml"
+}

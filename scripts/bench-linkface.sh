@@ -4,8 +4,17 @@
 #   (t) flexstack TUN <-> TUN with the default app modules between two namespaces (as scripts/bench-datapath.sh);
 #   (l) `flexstack run --stack stacks/app-link.toml`: the app's TUN face, ip, nat and the link module (ARP, NDP),
 #       out through a packet face on one end of a veth pair that flexstack takes over; the server in a namespace
-#       at the other end.
-# Prints both medians and the ratio (l) / (t). PROFILE=ci uses the ci profile's binary; NO_BUILD=1 / FS=PATH as in
+#       at the other end;
+# and three bridges between two namespaces, each joined by a veth pair to the host, where the bridge joins the two
+# host ends at layer 2 (the designs of a link face, compared):
+#   (b) flexstack: two packet faces linked to each other (`take_over = false`);
+#   (v) bench/packet_forward.c -m vnet: AF_PACKET with virtio-net headers, a frame per system call, GSO super-frames
+#       whole (the packet face's design, in C);
+#   (r) bench/packet_forward.c -m ring: PACKET_MMAP rings (TPACKET_V3 in, TPACKET_V2 out), which carry no virtio-net
+#       header: every frame must be whole and checksummed, so the four veth ends have their offloads off
+#       (ethtool -K: tx checksums, TSO, GSO, GRO) for this path only;
+#   (r0) the same with (v)'s program (-m vnet), offloads off too: the rings' gain where both must segment.
+# Prints the medians and the ratios (l) / (t), (b) / (v), (r) / (v). PROFILE=ci uses the ci profile's binary; NO_BUILD=1 / FS=PATH as in
 # scripts/lib/bench.sh. Needs root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,15 +23,17 @@ SECS=${SECS:-4}
 STREAMS=${STREAMS:-1}
 NET=${NET:-221} # the link 10.NET.9.0/24 (server .1, flexstack .2); TUN <-> TUN 10.(NET+1).0.0/24; apps 10.(NET+2)/16
 . scripts/lib/bench.sh # median, bench_setup, tun_faces, default_modules_stack, ns_cleanup
-bench_setup bench-linkface "namespaces, veth, TUN devices" iperf3 python3
+bench_setup bench-linkface "namespaces, veth, TUN devices" iperf3 python3 cc ethtool
 tag=fsk$$
 state=$(mktemp -d)
 chmod 755 "$state"
 pids=()
 cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null && wait "$p" 2>/dev/null || true; done
-  ns_cleanup ${tag}a ${tag}b ${tag}s
+  ns_cleanup ${tag}a ${tag}b ${tag}s ${tag}x ${tag}y
   ip link del ${tag}o 2>/dev/null || true
+  ip link del ${tag}xa 2>/dev/null || true
+  ip link del ${tag}ya 2>/dev/null || true
   rm -rf "$state"
 }
 trap cleanup EXIT INT TERM
@@ -62,13 +73,68 @@ ip netns exec ${tag}b iperf3 -s -D -p 5201 -I "$state/iperf-t.pid" >/dev/null
 sleep 0.3
 tuntun() { ip netns exec ${tag}a iperf3 -c 10.$((NET + 1)).0.2 -p 5201 -P "$STREAMS" -t "$SECS" -J | gbits; }
 
-for i in $(seq "$RUNS"); do
-  t=$(tuntun); l=$(link)
-  echo "round $i: TUN<->TUN $t, link face $l Gbit/s" >&2
-  echo "$t" >> "$state/t.txt"; echo "$l" >> "$state/l.txt"
+# The bridges: ${tag}x (10.(NET+3).0.1) ─ ${tag}xb|${tag}xa ─ bridge ─ ${tag}ya|${tag}yb ─ ${tag}y (10.(NET+3).0.2).
+cc -O2 -pthread -o "$state/packet_forward" bench/packet_forward.c
+for n in x y; do
+  ip netns add ${tag}$n
+  ip -n ${tag}$n link set lo up
+  ip link add ${tag}${n}a type veth peer name ${tag}${n}b
+  ip link set ${tag}${n}b netns ${tag}$n
+  echo 1 > /proc/sys/net/ipv6/conf/${tag}${n}a/disable_ipv6
+  ip link set ${tag}${n}a up
 done
-t=$(median < "$state/t.txt"); l=$(median < "$state/l.txt")
+ip -n ${tag}x addr add 10.$((NET + 3)).0.1/24 dev ${tag}xb; ip -n ${tag}x link set ${tag}xb up
+ip -n ${tag}y addr add 10.$((NET + 3)).0.2/24 dev ${tag}yb; ip -n ${tag}y link set ${tag}yb up
+ip netns exec ${tag}y iperf3 -s -D -p 5201 -I "$state/iperf-b.pid" >/dev/null
+cat > "$state/bridge.toml" <<TOML
+links = ["x -> y", "y -> x"]
+[modules.x]
+kind = "packet"
+interface = "${tag}xa"
+take_over = false
+[modules.y]
+kind = "packet"
+interface = "${tag}ya"
+take_over = false
+TOML
+bridged() { ip netns exec ${tag}x iperf3 -c 10.$((NET + 3)).0.2 -p 5201 -P "$STREAMS" -t "$SECS" -J | gbits; }
+# offloads on|off: the four veth ends' checksum and segmentation offloads (on: veth's defaults).
+offloads() {
+  local gro=off n
+  for n in x y; do
+    ip netns exec ${tag}$n ethtool -K ${tag}${n}b tx "$1" tso "$1" gso "$1" gro $gro >/dev/null 2>&1
+    ethtool -K ${tag}${n}a tx "$1" tso "$1" gso "$1" gro $gro >/dev/null 2>&1
+  done
+}
+bridge() { # $1 = b, v, r or r0: prints the Gbit/s through that bridge
+  local pid
+  [[ $1 == r* ]] && offloads off
+  case $1 in
+    b) "$fs" daemon --stack "$state/bridge.toml" --state-dir "$state/bridge" 2>"$state/daemon-b.log" &
+       pid=$!
+       wait_for '"$fs" --state-dir "$state/bridge" status >/dev/null 2>&1' "the bridge daemon did not start" ;;
+    *) "$state/packet_forward" -m "$([[ $1 == r ]] && echo ring || echo vnet)" ${tag}xa ${tag}ya > "$state/fwd.out" &
+       pid=$!
+       wait_for 'grep -q ready "$state/fwd.out"' "packet_forward did not start" ;;
+  esac
+  sleep 0.2
+  bridged
+  kill "$pid"; wait "$pid" 2>/dev/null || true
+  [[ $1 == r* ]] && offloads on
+  return 0
+}
+
+for i in $(seq "$RUNS"); do
+  t=$(tuntun); l=$(link); b=$(bridge b); v=$(bridge v); r=$(bridge r); r0=$(bridge r0)
+  echo "round $i: TUN<->TUN $t, link face $l, bridges: flexstack $b, vnet $v, ring $r, vnet no offloads $r0" >&2
+  for k in t l b v r r0; do echo "${!k}" >> "$state/$k.txt"; done
+done
+for k in t l b v r r0; do declare "$k=$(median < "$state/$k.txt")"; done
 printf 'link face benchmark: iperf3 TCP, %s stream(s), median of %s rounds of %s s (Gbit/s)\n' "$STREAMS" "$RUNS" "$SECS"
-printf '  (t) flexstack TUN <-> TUN, default modules   %6.2f\n' "$t"
-printf '  (l) flexstack run over a link face           %6.2f   ratio to (t) %.2f (target >= 0.8)\n' "$l" \
+printf '  (t) flexstack TUN <-> TUN, default modules        %6.2f\n' "$t"
+printf '  (l) flexstack run over a link face                %6.2f   ratio to (t) %.2f (target >= 0.8)\n' "$l" \
   "$(echo "$l / $t" | bc -l)"
+printf '  (b) bridge: flexstack, two packet faces           %6.2f   ratio to (v) %.2f\n' "$b" "$(echo "$b / $v" | bc -l)"
+printf '  (v) bridge: C, AF_PACKET + virtio-net headers     %6.2f\n' "$v"
+printf '  (r) bridge: C, TPACKET_V3/V2 rings, no offloads  %6.2f   ratio to (v) %.2f\n' "$r" "$(echo "$r / $v" | bc -l)"
+printf '  (r0) bridge: C, as (v) but no offloads            %6.2f   (r) / (r0) %.2f\n' "$r0" "$(echo "$r / $r0" | bc -l)"

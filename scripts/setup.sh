@@ -8,7 +8,8 @@ set -euo pipefail
 # tcpdump: tests/services_e2e.rs captures the link; libzstd-dev, libssl-dev: bench/svc_app.c (bench-services.sh and
 # tests/services_e2e.rs build it).
 # slirp4netns, passt (pasta): scripts/bench-hostpath.sh measures them beside `flexstack run`.
-packages=(iproute2 iputils-ping curl python3 iperf3 dnsutils dnsmasq-base nftables conntrack tshark procps nginx-light wrk prometheus chromium chromium-driver man-db dpkg-dev openssl tcpdump libzstd-dev libssl-dev slirp4netns passt)
+# ethtool: scripts/bench-linkface.sh turns the offloads of its veth pairs off for the packet-ring bridge.
+packages=(iproute2 iputils-ping curl python3 iperf3 dnsutils dnsmasq-base nftables conntrack tshark procps nginx-light wrk prometheus chromium chromium-driver man-db dpkg-dev openssl tcpdump libzstd-dev libssl-dev slirp4netns passt ethtool)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

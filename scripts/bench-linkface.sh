@@ -7,7 +7,8 @@
 #       at the other end;
 # and three bridges between two namespaces, each joined by a veth pair to the host, where the bridge joins the two
 # host ends at layer 2 (the designs of a link face, compared):
-#   (b) flexstack: two packet faces linked to each other (`take_over = false`);
+#   (b) flexstack: two packet faces linked to each other (`take_over = false`), BRIDGE_WORKERS data-plane workers
+#       (default 1);
 #   (v) bench/packet_forward.c -m vnet: AF_PACKET with virtio-net headers, a frame per system call, GSO super-frames
 #       whole (the packet face's design, in C);
 #   (r) bench/packet_forward.c -m ring: PACKET_MMAP rings (TPACKET_V3 in, TPACKET_V2 out), which carry no virtio-net
@@ -110,7 +111,8 @@ bridge() { # $1 = b, v, r or r0: prints the Gbit/s through that bridge
   local pid
   [[ $1 == r* ]] && offloads off
   case $1 in
-    b) "$fs" daemon --stack "$state/bridge.toml" --state-dir "$state/bridge" 2>"$state/daemon-b.log" &
+    b) "$fs" daemon --stack "$state/bridge.toml" --state-dir "$state/bridge" --workers "${BRIDGE_WORKERS:-1}" \
+         2>"$state/daemon-b.log" &
        pid=$!
        wait_for '"$fs" --state-dir "$state/bridge" status >/dev/null 2>&1' "the bridge daemon did not start" ;;
     *) "$state/packet_forward" -m "$([[ $1 == r ]] && echo ring || echo vnet)" ${tag}xa ${tag}ya > "$state/fwd.out" &

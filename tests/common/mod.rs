@@ -55,6 +55,8 @@ kind = "sink"
 pub struct Daemon {
     pub child: Child,
     pub dir: tempfile::TempDir,
+    /// The network namespace it runs in (None: this process's); a restart starts it there again.
+    pub netns: Option<String>,
 }
 
 impl Daemon {
@@ -79,7 +81,7 @@ impl Daemon {
         let dir = tempfile::tempdir().expect("temp dir");
         std::fs::write(dir.path().join("stack.toml"), stack).expect("write stack");
         let child = Self::spawn_child(netns, dir.path(), extra, stderr);
-        let d = Daemon { child, dir };
+        let d = Daemon { child, dir, netns: netns.map(String::from) };
         d.wait_ready();
         d
     }
@@ -125,7 +127,7 @@ impl Daemon {
     /// Starts the daemon again (after [`Daemon::kill`]) as [`Daemon::kill_and_restart`] does.
     pub fn restart(&mut self, extra: &[&str], log: &str) {
         let stderr = std::fs::File::create(self.path(log)).expect("create the daemon's log");
-        self.child = Self::spawn_child(None, self.dir.path(), extra, stderr.into());
+        self.child = Self::spawn_child(self.netns.as_deref(), self.dir.path(), extra, stderr.into());
         self.wait_ready();
     }
 

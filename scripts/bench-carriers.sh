@@ -7,7 +7,8 @@
 #   (K)  for each carrier kind K of KINDS (default "tcp quic udp udpplus"): `stacks/app-peer.toml` with
 #        `transport = K` on A, `stacks/peer-in.toml` with the same transport on B (restarted for each kind), so the
 #        app's flow is terminated on A, carried to B and opened again by B's kernel sockets.
-# Each path: iperf3 TCP (one stream, SECS seconds) and iperf3 UDP (-b 0, LEN-byte datagrams, what the server
+# Each path: iperf3 TCP (one stream, SECS seconds) and iperf3 UDP (-b 0, LEN-byte datagrams, 4 MiB socket
+# buffers: a GSO super-packet of datagrams arrives at once and overflows the default buffer; what the server
 # received); the paths alternate in every round, medians of RUNS rounds, in Gbit/s and Gibit/s (VirtualStack's unit),
 # with the ratios to (f) and, for quic, to the udp carrier. PROFILE=ci uses the ci profile's binary; NO_BUILD=1 /
 # FS=PATH as in scripts/lib/bench.sh. Needs root.
@@ -51,7 +52,7 @@ print(e["bytes"] * 8 / e["seconds"] / 1e9)
 PY
 }
 # measure PATH: prints "TCP UDP" in Gbit/s.
-measure() { echo "$(iperf "$1") $(iperf "$1" -u -b 0 -l "$LEN")"; }
+measure() { echo "$(iperf "$1") $(iperf "$1" -u -b 0 -l "$LEN" -w 4M)"; }
 
 for i in $(seq "$RUNS"); do
   read -r t u < <(measure f)

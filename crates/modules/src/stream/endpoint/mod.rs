@@ -31,7 +31,9 @@ use crate::stream::matcher::{Candidate, MatchTable};
 use buffers::Sock;
 use config::{Cc, Config, Meters};
 use device::Queues;
+use flexstack_core::frame::Gso;
 use flexstack_core::stream::{Credit, FlowInfo, Protocol, Role, StreamEvent, StreamFrame};
+use flexstack_core::switch::segment_packet;
 use flexstack_core::{
     Batch, ConfigError, Direction, Frame, KindDecl, Meter, Module, ModuleBuilder, ModuleInterface, ModuleVars, Output,
     Packet, Settings, Time, Value, ValueType, VarSpec, VarSpecs,
@@ -127,6 +129,8 @@ struct Tcp {
     syn: Vec<u8>,
     obs: Observer,
     state: tcp::State,
+    /// The state its `tcp.state` meter shows (stored again only when it changes: a string behind a lock).
+    shown: Option<tcp::State>,
     cc: Cc,
     /// Where its buffers are (`Sock::bufs`).
     bufs: Option<(usize, usize)>,
@@ -157,6 +161,7 @@ impl Tcp {
             syn,
             obs,
             state,
+            shown: None,
             cc,
         })
     }
@@ -410,7 +415,7 @@ impl Endpoint {
         decl.publish(&cfg, vars);
         let m = decl.meters(vars);
         let rule_hits = (1..=matcher.rules.len()).map(|i| vars.meter(&format!("rule{i}_matches_total"))).collect();
-        let mut dev = Queues::new(cfg.mtu as usize);
+        let mut dev = Queues::new(cfg.mtu as usize, cfg.gso);
         let next_port = u32::from(cfg.ports.first) + (cfg.seed % u64::from(cfg.ports.count())) as u32;
         let f = Flows::new(side, interface(cfg.seed, &mut dev), next_port);
         Endpoint {
@@ -592,8 +597,14 @@ impl Endpoint {
         match info.protocol {
             proto::TCP | proto::UDP => {
                 let key = (info.protocol, src, dst);
+                if info.protocol == proto::UDP && Gso::of(p.meta()).is_some() && self.f.by_key.contains_key(&key) {
+                    return self.cut_datagrams(p, out); // a UDP super-packet of a flow it holds: one datagram each
+                }
                 if let Some(&id) = self.f.by_key.get(&key) {
-                    checksum::complete_partial(&mut p);
+                    // A TCP segment goes to smoltcp whole (a super-packet too), its checksum checked as it is fed.
+                    if info.protocol == proto::UDP {
+                        checksum::complete_partial(&mut p);
+                    }
                     return self.flow_packet(id, p, &info, out);
                 }
                 if info.protocol == proto::TCP && !self.f.time_wait.is_empty() {
@@ -621,6 +632,20 @@ impl Endpoint {
                 }
             }
             _ => self.pass(out, p),
+        }
+    }
+
+    /// A UDP GSO super-packet of a flow it holds: its datagrams, one by one (a UDP flow's `Data` is one datagram).
+    fn cut_datagrams(&mut self, p: Packet, out: &mut Output<'_>) {
+        let mut datagrams = Vec::new();
+        let gso = Gso::of(p.meta()).expect("a super-packet");
+        if segment_packet(out.pool(), &p, &gso, &mut datagrams).is_none() {
+            self.m.bad_datagrams.add(1);
+            out.drop_frame(Frame::Data(p));
+            return;
+        }
+        for d in datagrams {
+            self.ip_in(d, out);
         }
     }
 
@@ -662,6 +687,10 @@ impl Endpoint {
     fn flow_packet(&mut self, id: u64, p: Packet, info: &PacketInfo, out: &mut Output<'_>) {
         let Some(c) = self.f.conns.get_mut(&id) else { return };
         match &mut c.tcp {
+            Some(_) if !device::tcp_checksum_ok(&p, info) => {
+                self.m.bad_checksums.add(1);
+                out.drop_frame(Frame::Data(p));
+            }
             Some(t) => {
                 t.rx.push(p);
                 self.m.segments_in.add(1);
@@ -724,6 +753,11 @@ impl Endpoint {
             return Some(p);
         }
         checksum::complete_partial(&mut p);
+        if tcp && !device::tcp_checksum_ok(&p, info) {
+            self.m.invalid_syns.add(1); // smoltcp does not check checksums (`device`)
+            out.drop_frame(Frame::Data(p));
+            return None;
+        }
         let info_out = FlowInfo { protocol, src, dst, app: self.cfg.app.clone(), role };
         let (now, dir) = (out.now(), self.side.out_dir());
         if !tcp {
@@ -1240,7 +1274,10 @@ impl Endpoint {
         let sock = t.sockets.get::<tcp::Socket>(t.handle);
         let state = sock.state();
         if let Some(m) = &c.vars.tcp {
-            m[0].store(&Value::Str(state_name(state).into()));
+            if t.shown != Some(state) {
+                t.shown = Some(state);
+                m[0].store(&Value::Str(state_name(state).into()));
+            }
             m[1].set(t.obs.srtt_us);
             m[2].set(t.obs.in_flight());
             m[3].set(t.obs.retrans);

@@ -783,3 +783,43 @@ fn super_packets_go_through_the_endpoints_whole() {
         assert_eq!(lab.meter("module.t.bad_checksums_total") + lab.meter("module.o.bad_checksums_total"), 0);
     }
 }
+
+/// `meters_after_ms`: a connection that ends sooner is never registered (no per-flow meters, nothing to remove),
+/// one that lives longer shows its meters from then on, with the bytes it moved before.
+#[test]
+fn a_flows_meters_are_published_once_it_lived_meters_after_ms() {
+    for v6 in families() {
+        let after = ["meters_after_ms=30"];
+        let mut lab = Lab::new(v6, &after, &after, &[("p", "stream-pass", vec![])]);
+        // A short exchange, closed at once.
+        let (srv, cli) = lab.pair();
+        let mut c = Pump::new(b"ping".to_vec(), true);
+        let mut s = Pump::new(b"pong".to_vec(), true);
+        let t0 = lab.now;
+        let done = lab.until(1_000, |lab| {
+            c.drive(lab.app.tcp(cli));
+            s.drive(lab.server.tcp(srv));
+            c.got == b"pong" && s.got == b"ping"
+        });
+        assert!(done && lab.now.saturating_since(t0) < Duration::from_millis(30), "v6 {v6}: a short exchange");
+        assert!(lab.text("flow.terminate.1.tuple").is_none(), "v6 {v6}: not published yet");
+        assert!(lab.text("flow.originate.1.tuple").is_none(), "v6 {v6}: not published yet");
+        assert!(lab.until(15_000, |lab| lab.meter("module.t.connections_active") == 0));
+        assert_eq!(lab.meter("module.t.connections_total"), 1);
+        // A longer one: its meters appear after 30 ms, counting from its start.
+        let (srv, cli) = lab.pair();
+        let mut c = Pump::new(pattern(9, 100_000), false);
+        let mut s = Pump::new(Vec::new(), false);
+        let t0 = lab.now;
+        assert!(lab.until(1_000, |lab| {
+            c.drive(lab.app.tcp(cli));
+            s.drive(lab.server.tcp(srv));
+            s.got.len() == 100_000
+        }));
+        assert!(lab.until(100, |lab| lab.text("flow.terminate.2.tuple").is_some()), "v6 {v6}: published");
+        assert!(lab.now.saturating_since(t0) >= Duration::from_millis(30), "v6 {v6}: not before 30 ms");
+        assert_eq!(lab.meter("flow.terminate.2.bytes_down_total"), 100_000, "v6 {v6}: the bytes before too");
+        assert_eq!(lab.meter("flow.originate.2.bytes_down_total"), 100_000, "v6 {v6}");
+        assert_eq!(lab.text("flow.terminate.2.tcp.state").as_deref(), Some("established"));
+    }
+}

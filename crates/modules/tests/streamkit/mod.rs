@@ -263,9 +263,11 @@ impl Lab {
     /// (name, kind, settings) chained between them.
     pub fn new(v6: bool, t_args: &[&str], o_args: &[&str], middle: &[(&str, &str, Vec<String>)]) -> Lab {
         let mut sw = Switch::default();
-        let mut t = args(&["seed=11"]);
+        // Meters published at once (the tests read them from the first packet on), unless a test says otherwise.
+        let given = |a: &[&str]| a.iter().any(|s| s.starts_with("meters_after_ms="));
+        let mut t = args(if given(t_args) { &["seed=11"] } else { &["seed=11", "meters_after_ms=0"] });
         t.extend(args(t_args));
-        let mut o = args(&["seed=12"]);
+        let mut o = args(if given(o_args) { &["seed=12"] } else { &["seed=12", "meters_after_ms=0"] });
         o.extend(args(o_args));
         let (r1, to_app) = Recorder::load("to_app");
         let (r2, to_net) = Recorder::load("to_net");

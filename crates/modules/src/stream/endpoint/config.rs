@@ -62,6 +62,7 @@ pub struct Config {
     pub max_half_open: u64,
     pub socket_pool: u64,
     pub idle_discard_ms: u64,
+    pub meters_after_ms: u64,
     pub connect_timeout_ms: u64,
     pub udp_timeout_ms: u64,
     pub keepalive_ms: u64,
@@ -94,6 +95,7 @@ impl Config {
             max_half_open: 0,
             socket_pool: 0,
             idle_discard_ms: 0,
+            meters_after_ms: 0,
             connect_timeout_ms: 0,
             udp_timeout_ms: 0,
             keepalive_ms: 0,
@@ -223,6 +225,14 @@ macro_rules! endpoint_decl {
                     1000,
                     flexstack_core::field!(idle_discard_ms),
                 ).range(0.0, 86400000.0),
+                P::u64(
+                    "meters_after_ms",
+                    "ms",
+                    "a flow's meters (`<vars_prefix>.<flow>`) are published once it has lived this long: a shorter \
+                     connection costs no registration; 0: at once",
+                    20,
+                    flexstack_core::field!(meters_after_ms),
+                ).range(0.0, 3600000.0),
                 P::u64(
                     "connect_timeout_ms",
                     "ms",

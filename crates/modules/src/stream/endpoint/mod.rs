@@ -171,8 +171,9 @@ impl Tcp {
 struct Conn {
     key: Key,
     info: FlowInfo,
-    vars_name: String,
     vars: FlowMeters,
+    /// When it started: its meters are published `meters_after_ms` later.
+    born: Time,
     /// What this endpoint produces: bytes sent and acked.
     credit: Credit,
     /// Data for the socket, oldest first, with how much of the first frame was written.
@@ -189,8 +190,16 @@ struct Conn {
     tcp: Option<Box<Tcp>>,
 }
 
-/// A flow's runtime meters.
+/// A flow's runtime meters: its byte counts, and once published (`meters_after_ms`) its cells in the registry.
+#[derive(Default)]
 struct FlowMeters {
+    live: Option<Box<LiveMeters>>,
+    down: u64,
+    up: u64,
+}
+
+/// The registry cells of a published flow.
+struct LiveMeters {
     down: Meter,
     up: Meter,
     in_flight: Meter,
@@ -199,15 +208,47 @@ struct FlowMeters {
 }
 
 impl FlowMeters {
-    fn new(vars: &ModuleVars, tcp: bool) -> FlowMeters {
+    /// Publishes them in `vars`, with the bytes counted so far.
+    fn publish(&mut self, vars: &ModuleVars, tcp: bool) {
         let m = |n: &str| vars.meter(n);
-        FlowMeters {
+        let live = LiveMeters {
             down: m("bytes_down_total"),
             up: m("bytes_up_total"),
             in_flight: m("in_flight_bytes"),
             queued: m("queued_bytes"),
             tcp: tcp.then(|| std::array::from_fn(|i| m(config::TCP_METERS[i].0))),
+        };
+        live.down.add(self.down);
+        live.up.add(self.up);
+        self.live = Some(Box::new(live));
+    }
+
+    /// `n` more bytes travelling down (else up).
+    fn add(&mut self, down: bool, n: u64) {
+        let (total, live) = match (down, &self.live) {
+            (true, l) => (&mut self.down, l.as_ref().map(|l| &l.down)),
+            (false, l) => (&mut self.up, l.as_ref().map(|l| &l.up)),
+        };
+        *total += n;
+        if let Some(m) = live {
+            m.add(n);
         }
+    }
+
+    fn set_in_flight(&self, v: u64) {
+        if let Some(l) = &self.live {
+            l.in_flight.set(v);
+        }
+    }
+
+    fn set_queued(&self, v: u64) {
+        if let Some(l) = &self.live {
+            l.queued.set(v);
+        }
+    }
+
+    fn tcp(&self) -> Option<&[Meter; 8]> {
+        self.live.as_ref().and_then(|l| l.tcp.as_ref())
     }
 }
 
@@ -284,6 +325,14 @@ fn instant(t: Time) -> Instant {
 
 fn time(i: Instant) -> Time {
     Time(i.total_micros().max(0) as u64 * 1000)
+}
+
+/// The earlier of two times, either of which may be none.
+fn soonest(a: Option<Time>, b: Option<Time>) -> Option<Time> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
 }
 
 fn ms(v: u64) -> Option<SmolDuration> {
@@ -498,37 +547,23 @@ impl Endpoint {
         self.m.pooled.set(self.f.pool.len() as u64);
     }
 
-    /// Files a new flow: its id, key, meters and counts.
+    /// Files a new flow: its id, key and counts; its meters are published `meters_after_ms` later (at once if 0).
     fn insert(&mut self, id: u64, key: Key, info: FlowInfo, tcp: Option<Box<Tcp>>, out: &mut Output<'_>) {
-        let vars_name = format!("{}.{id}", self.cfg.vars_prefix);
-        let specs = if tcp.is_some() { &self.tcp_specs } else { &self.udp_specs };
-        // Another module owning the prefix (a misconfiguration) leaves the meters unpublished, never the flow.
-        let vars = out.register_vars(&vars_name, specs).unwrap_or_else(|_| ModuleVars::shared(specs));
-        let role = if info.role == Role::Server { " role server" } else { "" };
-        vars.meter("tuple").store(&Value::Str(format!(
-            "{} {} -> {}{role} app {:?}",
-            info.protocol.name(),
-            info.src,
-            info.dst,
-            info.app
-        )));
-        if let Some(t) = &tcp {
-            vars.meter("tcp.cc").store(&Value::Str(t.cc.name().into()));
+        if tcp.is_some() {
             self.f.tcp_count += 1;
             self.m.tcp_total.add(1);
         } else {
             self.f.udp_count += 1;
             self.m.udp_total.add(1);
         }
-        let fm = FlowMeters::new(&vars, tcp.is_some());
         self.f.by_key.insert(key, id);
         self.f.conns.insert(
             id,
             Conn {
                 key,
                 info,
-                vars_name,
-                vars: fm,
+                vars: FlowMeters::default(),
+                born: out.now(),
                 credit: Credit::default(),
                 queue: VecDeque::new(),
                 queue_off: 0,
@@ -540,7 +575,44 @@ impl Endpoint {
                 tcp,
             },
         );
+        if self.cfg.meters_after_ms == 0 {
+            self.publish_flow(id, out);
+        }
         self.publish_counts();
+    }
+
+    /// When flow `c`'s meters are to be published, if they are not yet.
+    fn publish_at(&self, c: &Conn) -> Option<Time> {
+        c.vars.live.is_none().then(|| c.born + Duration::from_millis(self.cfg.meters_after_ms))
+    }
+
+    /// Publishes the meters of flow `id` under `<vars_prefix>.<id>`: a connection that ends sooner than
+    /// `meters_after_ms` costs no registration (a short connection's largest cost after its packets).
+    fn publish_flow(&mut self, id: u64, out: &mut Output<'_>) {
+        let Some(c) = self.f.conns.get_mut(&id) else { return };
+        if c.vars.live.is_some() {
+            return;
+        }
+        let name = format!("{}.{id}", self.cfg.vars_prefix);
+        let specs = if c.tcp.is_some() { &self.tcp_specs } else { &self.udp_specs };
+        // Another module owning the prefix (a misconfiguration) leaves the meters unpublished, never the flow.
+        let vars = out.register_vars(&name, specs).unwrap_or_else(|_| ModuleVars::shared(specs));
+        let info = &c.info;
+        let role = if info.role == Role::Server { " role server" } else { "" };
+        vars.meter("tuple").store(&Value::Str(format!(
+            "{} {} -> {}{role} app {:?}",
+            info.protocol.name(),
+            info.src,
+            info.dst,
+            info.app
+        )));
+        if let Some(t) = c.tcp.as_mut() {
+            vars.meter("tcp.cc").store(&Value::Str(t.cc.name().into()));
+            t.shown = None;
+        }
+        c.vars.publish(&vars, c.tcp.is_some());
+        c.vars.set_in_flight(c.credit.in_flight());
+        c.vars.set_queued(c.queued);
     }
 
     fn publish_counts(&self) {
@@ -566,7 +638,9 @@ impl Endpoint {
         } else {
             self.f.udp_count -= 1;
         }
-        out.unregister_vars(&c.vars_name);
+        if c.vars.live.is_some() {
+            out.unregister_vars(&format!("{}.{id}", self.cfg.vars_prefix));
+        }
         self.publish_counts();
     }
 
@@ -717,9 +791,8 @@ impl Endpoint {
         }
         c.credit.send(len);
         self.f.in_flight += len;
-        let m = if dir == Direction::Down { &c.vars.down } else { &c.vars.up };
-        m.add(len);
-        c.vars.in_flight.set(c.credit.in_flight());
+        c.vars.add(dir == Direction::Down, len);
+        c.vars.set_in_flight(c.credit.in_flight());
         c.deadline = Some(out.now() + Duration::from_millis(timeout));
         self.m.bytes_out.add(len);
         let d = StreamFrame::data(out.pool(), id, dir, payload);
@@ -959,7 +1032,7 @@ impl Endpoint {
                     self.m.stream_bad.add(1);
                 }
                 self.f.in_flight -= before - c.credit.in_flight();
-                c.vars.in_flight.set(c.credit.in_flight());
+                c.vars.set_in_flight(c.credit.in_flight());
                 self.touch(id);
             }
         }
@@ -974,8 +1047,7 @@ impl Endpoint {
         d.set_direction(ip_dir);
         let len = p.len() as u64;
         c.to_ack += len;
-        let m = if dir == Direction::Down { &c.vars.up } else { &c.vars.down };
-        m.add(len);
+        c.vars.add(dir != Direction::Down, len);
         c.deadline = Some(out.now() + Duration::from_millis(timeout));
         self.m.bytes_in.add(len);
         out.emit(self.ports.ip_out, d);
@@ -1132,6 +1204,10 @@ impl Endpoint {
         let now = out.now();
         let Some(c) = self.f.conns.get_mut(&id) else { return };
         c.touched = false;
+        if self.publish_at(&self.f.conns[&id]).is_some_and(|t| t <= now) {
+            self.publish_flow(id, out);
+        }
+        let c = self.f.conns.get_mut(&id).expect("present");
         if c.tcp.is_none() {
             if c.to_ack > 0 {
                 let a = StreamFrame::ack(out.pool(), id, self.side.out_dir(), c.to_ack);
@@ -1144,7 +1220,7 @@ impl Endpoint {
                 self.emit_stream(out, fin);
                 return self.remove(id, out);
             }
-            let d = c.deadline;
+            let d = soonest(c.deadline, self.publish_at(&self.f.conns[&id]));
             return self.schedule(id, d);
         }
         self.service_tcp(id, now, out);
@@ -1239,8 +1315,7 @@ impl Endpoint {
                 credit.send(n);
                 self.f.in_flight += n;
                 self.m.bytes_out.add(n);
-                let m = if dir == Direction::Down { &vars.down } else { &vars.up };
-                m.add(n);
+                vars.add(dir == Direction::Down, n);
                 out.emit(self.ports.stream_out, p);
                 progress = true;
             }
@@ -1257,8 +1332,8 @@ impl Endpoint {
         if c.to_ack > 0 {
             self.m.bytes_in.add(c.to_ack);
             // It consumes the direction it does not produce.
-            let m = if dir == Direction::Down { &c.vars.up } else { &c.vars.down };
-            m.add(c.to_ack);
+            let n = c.to_ack;
+            c.vars.add(dir != Direction::Down, n);
             let a = StreamFrame::ack(out.pool(), id, self.side.out_dir(), c.to_ack);
             c.to_ack = 0;
             out.emit(self.ports.stream_out, a);
@@ -1273,7 +1348,7 @@ impl Endpoint {
         let t = c.tcp.as_mut().expect("tcp");
         let sock = t.sockets.get::<tcp::Socket>(t.handle);
         let state = sock.state();
-        if let Some(m) = &c.vars.tcp {
+        if let Some(m) = c.vars.tcp() {
             if t.shown != Some(state) {
                 t.shown = Some(state);
                 m[0].store(&Value::Str(state_name(state).into()));
@@ -1286,8 +1361,8 @@ impl Endpoint {
             m[6].set(u64::from(t.obs.cwnd));
             m[7].set(t.obs.delivery_rate);
         }
-        c.vars.in_flight.set(c.credit.in_flight());
-        c.vars.queued.set(c.queued);
+        c.vars.set_in_flight(c.credit.in_flight());
+        c.vars.set_queued(c.queued);
         // A listening socket that fell back to Listen (an RST during the handshake) is closed too.
         let gone = state == tcp::State::Closed || (state == tcp::State::Listen && t.obs.rst);
         let (quiet, rst, established, accepted) =
@@ -1349,10 +1424,8 @@ impl Endpoint {
         }
         // Nothing more for smoltcp to do now means its next tick, not a spin at the same instant.
         let next = next.map(|n| if n < now || (n == now && !more) { now + Duration::from_millis(1) } else { n });
-        let next = match (next, deadline) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
+        let next = soonest(next, deadline);
+        let next = soonest(next, self.publish_at(&self.f.conns[&id]));
         self.schedule(id, next);
     }
 

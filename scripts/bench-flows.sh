@@ -15,11 +15,14 @@
 # Targets (issue 13): (b) >= 0.8 x (a) and (c) >= 0.5 x (a) in throughput; (b), (c) >= 0.7 x (a) in connections/s;
 # added RTT <= 50 us; RSS <= 256 MiB for 10,000 idle connections, CPU near 0. Needs root.
 # PERF=file records a profile of the daemon (file.b, file.c) while the connections are idle; PERF_CPS=file while
-# wrk opens connections (file.a, file.b, file.c; overwritten each round).
+# wrk opens connections (file.a, file.b, file.c; overwritten each round); PERF_TPUT=file the same during iperf3.
 # CONFIGS (default "a b c") picks configurations, e.g. CONFIGS="a c" while a back-end is missing; PROFILE (default
 # release) the cargo profile built and run (FS=path runs that binary instead, unbuilt: an A/B of two
 # versions, e.g. one built from main); IDLE_SMAPS=PATH keeps the daemon's /proc/PID/smaps while the idle
 # connections are held, as PATH.<configuration> (where its memory goes).
+# STACK_X=file runs configuration X (a, b, c, or with FS_OLD a0, b0, c0) with that stack file instead: an A/B of
+# two settings with one binary when FS_OLD is the same binary (e.g. STACK_c0=my-terminate.toml).
+# IDLE=0 skips the idle connections (throughput, connections/s and RTT only).
 # FS_OLD=path: an A/B in the same run: a second daemon runs that binary (one built from main, say; its apps in
 # 10.(NET+2).0.0/16), and every configuration X is measured with it too, as X0 ("old"), right after X in every round
 # (so both see the same machine); X0's ratios are to a0. PERF, PERF_CPS and IDLE_SMAPS name its files X0.
@@ -93,7 +96,9 @@ pid_of() { if [[ $1 == *0 ]]; then echo "$daemon0"; else echo "$daemon"; fi; }
 # The stack of a configuration.
 [[ -f stacks/app-terminate.toml ]] && sed 's/backend = "smoltcp"/backend = "kernel"/' stacks/app-terminate.toml > "$state/kernel.toml"
 stack() {
-  case $1 in
+  local own="STACK_$1"
+  [[ -n "${!own:-}" ]] && { echo "${!own}"; return; }
+  case ${1%0} in
     a) echo stacks/app-default.toml ;;
     b) echo "$state/kernel.toml" ;;
     c) echo stacks/app-terminate.toml ;;
@@ -102,14 +107,20 @@ stack() {
 run() { # $1 = configuration, then the command
   local c=$1; shift
   if [[ $c == *0 ]]; then
-    "$FS_OLD" --state-dir "$state/d0" run --stack "$(stack "${c%0}")" -- "$@"
+    "$FS_OLD" --state-dir "$state/d0" run --stack "$(stack "$c")" -- "$@"
   else
     "$fs" --state-dir "$state/d" run --stack "$(stack "$c")" -- "$@"
   fi
 }
 
-tput() { run "$1" iperf3 -c $srv -p 5201 -t "$SECS" -J | python3 -c \
-  'import json,sys; print(json.load(sys.stdin)["end"]["sum_received"]["bits_per_second"]/1e9)'; }
+tput() {
+  if [[ -n "${PERF_TPUT:-}" ]]; then # PERF_TPUT=file: a profile of the daemon during the TCP stream
+    (sleep 1; perf record -q -g -o "$PERF_TPUT.$1" -p "$(pid_of "$1")" -- sleep $((SECS - 2)) 2>/dev/null) &
+  fi
+  run "$1" iperf3 -c $srv -p 5201 -t "$SECS" -J | python3 -c \
+  'import json,sys; print(json.load(sys.stdin)["end"]["sum_received"]["bits_per_second"]/1e9)'
+  wait
+}
 cps() {
   if [[ -n "${PERF_CPS:-}" ]]; then # PERF_CPS=file: a profile of the daemon while wrk opens connections
     (sleep 1; perf record -q -g -o "$PERF_CPS.$1" -p "$(pid_of "$1")" -- sleep $((SECS - 2)) 2>/dev/null) &
@@ -179,7 +190,7 @@ if [[ " $CONFIGS " == *" a "* ]]; then
   done
 fi
 for c in $all; do
-  [[ ${c%0} == a ]] && continue
+  [[ ${c%0} == a || $IDLE == 0 ]] && continue
   read -r rss cpu < <(idle "$c")
   echo "($c) $IDLE idle terminated connections: daemon RSS $rss MiB, daemon CPU $cpu % over ${IDLE_SECS}s (from ${IDLE_SETTLE}s after they opened)"
 done

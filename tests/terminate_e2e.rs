@@ -96,10 +96,13 @@ fn read_meters(out: &Output, app: &str, meters: &[&str]) -> BTreeMap<String, u64
     values
 }
 
-/// The full name of a meter given as `term.X` / `orig.X` for app `app`.
+/// The full name of a meter given as `term.X` / `orig.X` / `host.X` for app `app` (`app.X`: the app's own face).
 fn meter_name(app: &str, short: &str) -> String {
     let (module, meter) = short.split_once('.').expect("term.X or orig.X");
-    format!("module.{app}-{module}.{meter}")
+    match module {
+        "app" => format!("module.{app}.{meter}"),
+        _ => format!("module.{app}-{module}.{meter}"),
+    }
 }
 
 /// stacks/app-terminate.toml with `backend = "<backend>"` on both endpoints and, if given, another match table.
@@ -394,17 +397,25 @@ fn curl_large(backend: &str) {
     assert!(m["term.data_bytes_in_total"] > SIZE as u64, "its bytes went through the endpoint: {m:?}");
 }
 
-/// iperf3 TCP, both directions (-R), IPv4 and IPv6.
+/// iperf3 TCP, both directions (-R), IPv4 and IPv6. With smoltcp, the bytes move in super-packets: the app's
+/// kernel's reach `terminate` whole (far fewer segments than MSS-sized ones would be), and over IPv4 the sending
+/// endpoint writes segments of many MSS, which the TUN faces write whole (`tx_gso_total`).
 fn iperf3_tcp(backend: &str) {
     let Some(_serial) = privileged_serial() else { return };
     let Some(r) = Rig::new(backend, 2, b"small", None) else { return };
     let _iperf = r.srv.ns.spawn(&["iperf3", "-s", "-p", "5201"]);
     wait_listening(&r, 5201);
+    let mut meters = vec!["term.data_bytes_out_total", "term.data_bytes_in_total"];
+    let gso = ["term.segments_in_total", "term.segments_out_total", "orig.segments_out_total"];
+    let faces = ["app.rx_gso_total", "app.tx_gso_total", "host.tx_gso_total"];
+    if backend == "smoltcp" {
+        meters.extend(gso.iter().chain(&faces));
+    }
     for (addr, family) in [(&r.srv.v4, "v4"), (&r.srv.v6, "v6")] {
         for reverse in [false, true] {
             let flag = if reverse { "-R" } else { "" };
             let script = format!("iperf3 -c {addr} -p 5201 -t 2 -J {flag}");
-            let (out, m) = r.run("iperf", &script, &["term.data_bytes_out_total", "term.data_bytes_in_total"]);
+            let (out, m) = r.run("iperf", &script, &meters);
             let t = ok(&out);
             let json: Json = serde_json::from_str(t.split(MARK).next().unwrap()).unwrap_or_else(|e| panic!("{e}: {t}"));
             let received = json["end"]["sum_received"]["bytes"].as_u64().unwrap_or(0);
@@ -412,7 +423,28 @@ fn iperf3_tcp(backend: &str) {
             // The test's data went through the terminating endpoint, in its direction.
             let through = if reverse { m["term.data_bytes_in_total"] } else { m["term.data_bytes_out_total"] };
             assert!(through >= received, "{family} {flag}: {through} bytes through terminate, {received} received");
-            eprintln!("{backend} {family} {flag}: {} Mbit/s", received * 8 / 2_000_000);
+            eprintln!("{backend} {family} {flag}: {} Mbit/s {m:?}", received * 8 / 2_000_000);
+            if backend != "smoltcp" {
+                continue;
+            }
+            // Segments of one MSS (1,448 bytes) would be received / 1,448; whole super-packets, a small part.
+            let mss_segments = received / 1448;
+            let few = |meter: &str| assert!(m[meter] * 4 < mss_segments, "{family} {flag}: {meter} {m:?}");
+            match (reverse, family) {
+                (false, _) => {
+                    assert!(m["app.rx_gso_total"] > 0, "{family}: the app's kernel sent super-packets: {m:?}");
+                    few("term.segments_in_total");
+                    if family == "v4" {
+                        few("orig.segments_out_total");
+                        assert!(m["host.tx_gso_total"] > 0, "{family}: written whole: {m:?}");
+                    }
+                }
+                (true, "v4") => {
+                    few("term.segments_out_total");
+                    assert!(m["app.tx_gso_total"] > 0, "{family} {flag}: written whole to the app: {m:?}");
+                }
+                (true, _) => {}
+            }
         }
     }
 }

@@ -741,3 +741,85 @@ fn idle_connections_give_their_buffers_back_and_carry_bytes_intact_after() {
         assert_eq!(lab.meter("module.t.aborts_sent_total") + lab.meter("module.o.aborts_sent_total"), 0);
     }
 }
+
+/// Segmentation offload at both edges: the hosts send TCP super-packets (TSO, IPv4 only in smoltcp), which the
+/// endpoints take whole (far fewer segments than the bytes' MSS-sized count), and the endpoints send super-packets
+/// of their own towards both hosts (cut at the MSS by whoever receives them, here the lab as a kernel would). The
+/// bytes arrive intact both ways. IPv6: smoltcp 0.14 drops an IPv6 packet beyond the MTU, so neither the hosts
+/// nor the endpoints send super-packets (the bytes still arrive intact); `gso = false` makes the endpoints send
+/// none over IPv4 either, while they still take the hosts' whole.
+#[test]
+fn super_packets_go_through_the_endpoints_whole() {
+    for (v6, gso) in [(false, true), (true, true), (false, false)] {
+        let setting = format!("gso={gso}");
+        let mut lab = Lab::new(v6, &[&setting], &[&setting], &[("p", "stream-pass", vec![])]);
+        lab.tso();
+        let (srv, cli) = lab.pair();
+        let mut c = Pump::new(pattern(7, MB2), true);
+        let mut s = Pump::new(pattern(8, MB2), true);
+        let done = lab.until(60_000, |lab| {
+            c.drive(lab.app.tcp(cli));
+            s.drive(lab.server.tcp(srv));
+            c.got.len() == MB2 && s.got.len() == MB2
+        });
+        let what = format!("v6 {v6} gso {gso}");
+        assert!(done, "{what}: client got {} server got {}", c.got.len(), s.got.len());
+        assert!(c.got == pattern(8, MB2) && s.got == pattern(7, MB2), "{what}: bytes intact both ways");
+        // 2 MiB in MSS-sized segments is over 1,400 segments each way; taken whole, a small part of that.
+        let mss_segments = (MB2 / 1460) as u64;
+        let (t_in, o_in) = (lab.meter("module.t.segments_in_total"), lab.meter("module.o.segments_in_total"));
+        if !v6 {
+            assert!(lab.gso_from_app > 10 && lab.gso_from_server > 10, "{what}: the hosts sent super-packets");
+            assert!(t_in < mss_segments / 2 && o_in < mss_segments / 2, "{what}: segments in {t_in} {o_in}");
+        }
+        let (t_out, o_out) = (lab.meter("module.t.segments_out_total"), lab.meter("module.o.segments_out_total"));
+        if gso && !v6 {
+            assert!(lab.gso_to_app > 10 && lab.gso_to_net > 10, "{what}: {} {}", lab.gso_to_app, lab.gso_to_net);
+            assert!(t_out < mss_segments / 2 && o_out < mss_segments / 2, "{what}: segments out {t_out} {o_out}");
+        } else {
+            assert_eq!((lab.gso_to_app, lab.gso_to_net), (0, 0), "{what}");
+            assert!(t_out > mss_segments / 2 && o_out > mss_segments / 2, "{what}: segments out {t_out} {o_out}");
+        }
+        assert_eq!(lab.meter("module.t.bad_checksums_total") + lab.meter("module.o.bad_checksums_total"), 0);
+    }
+}
+
+/// `meters_after_ms`: a connection that ends sooner is never registered (no per-flow meters, nothing to remove),
+/// one that lives longer shows its meters from then on, with the bytes it moved before.
+#[test]
+fn a_flows_meters_are_published_once_it_lived_meters_after_ms() {
+    for v6 in families() {
+        let after = ["meters_after_ms=30"];
+        let mut lab = Lab::new(v6, &after, &after, &[("p", "stream-pass", vec![])]);
+        // A short exchange, closed at once.
+        let (srv, cli) = lab.pair();
+        let mut c = Pump::new(b"ping".to_vec(), true);
+        let mut s = Pump::new(b"pong".to_vec(), true);
+        let t0 = lab.now;
+        let done = lab.until(1_000, |lab| {
+            c.drive(lab.app.tcp(cli));
+            s.drive(lab.server.tcp(srv));
+            c.got == b"pong" && s.got == b"ping"
+        });
+        assert!(done && lab.now.saturating_since(t0) < Duration::from_millis(30), "v6 {v6}: a short exchange");
+        assert!(lab.text("flow.terminate.1.tuple").is_none(), "v6 {v6}: not published yet");
+        assert!(lab.text("flow.originate.1.tuple").is_none(), "v6 {v6}: not published yet");
+        assert!(lab.until(15_000, |lab| lab.meter("module.t.connections_active") == 0));
+        assert_eq!(lab.meter("module.t.connections_total"), 1);
+        // A longer one: its meters appear after 30 ms, counting from its start.
+        let (srv, cli) = lab.pair();
+        let mut c = Pump::new(pattern(9, 100_000), false);
+        let mut s = Pump::new(Vec::new(), false);
+        let t0 = lab.now;
+        assert!(lab.until(1_000, |lab| {
+            c.drive(lab.app.tcp(cli));
+            s.drive(lab.server.tcp(srv));
+            s.got.len() == 100_000
+        }));
+        assert!(lab.until(100, |lab| lab.text("flow.terminate.2.tuple").is_some()), "v6 {v6}: published");
+        assert!(lab.now.saturating_since(t0) >= Duration::from_millis(30), "v6 {v6}: not before 30 ms");
+        assert_eq!(lab.meter("flow.terminate.2.bytes_down_total"), 100_000, "v6 {v6}: the bytes before too");
+        assert_eq!(lab.meter("flow.originate.2.bytes_down_total"), 100_000, "v6 {v6}");
+        assert_eq!(lab.text("flow.terminate.2.tcp.state").as_deref(), Some("established"));
+    }
+}

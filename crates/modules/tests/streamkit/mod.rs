@@ -9,8 +9,9 @@
 //! ```
 #![allow(dead_code)] // each test file uses what it needs
 
+use flexstack_core::frame::{Gso, GsoKind};
 use flexstack_core::testing::{take, Log, Recorder, Seen};
-use flexstack_core::{Batch, Direction, Edit, Frame, LinkSpec, Settings, Switch, Time, Value};
+use flexstack_core::{Batch, Direction, Edit, Frame, LinkSpec, MetaKey, Settings, Switch, Time, Value};
 use smoltcp::iface::{Config, Interface, SocketHandle, SocketSet};
 use smoltcp::phy::{self, DeviceCapabilities, Medium};
 use smoltcp::socket::tcp;
@@ -25,15 +26,18 @@ pub const SERVER4: &str = "192.0.2.1";
 pub const APP6: &str = "fd77::2";
 pub const SERVER6: &str = "2001:db8::1";
 
-/// A smoltcp `Device` over two queues of byte vectors.
+/// A smoltcp `Device` over two queues of byte vectors. With `tso`, smoltcp may write TCP segments over IPv4 larger
+/// than the MSS (as a kernel with TSO does): the size to cut them at is in `tx_mss`, one entry per packet of `tx`.
 #[derive(Default)]
 pub struct Wire {
     pub rx: VecDeque<Vec<u8>>,
     pub tx: Vec<Vec<u8>>,
+    pub tx_mss: Vec<Option<u16>>,
+    pub tso: bool,
 }
 
 pub struct RxT(Vec<u8>);
-pub struct TxT<'a>(&'a mut Vec<Vec<u8>>);
+pub struct TxT<'a>(&'a mut Vec<Vec<u8>>, &'a mut Vec<Option<u16>>, Option<u16>, bool);
 
 impl phy::RxToken for RxT {
     fn consume<R, F: FnOnce(&[u8]) -> R>(self, f: F) -> R {
@@ -45,8 +49,16 @@ impl phy::TxToken for TxT<'_> {
     fn consume<R, F: FnOnce(&mut [u8]) -> R>(self, len: usize, f: F) -> R {
         let mut b = vec![0; len];
         let r = f(&mut b);
+        if self.3 && tcp_gso(&b, self.2).is_none() {
+            fill_tcp_checksum(&mut b);
+        }
         self.0.push(b);
+        self.1.push(self.2);
         r
+    }
+
+    fn set_meta(&mut self, meta: phy::PacketMeta) {
+        self.2 = meta.segmentation_offload_size.map(u16::from);
     }
 }
 
@@ -55,17 +67,65 @@ impl phy::Device for Wire {
     type TxToken<'a> = TxT<'a>;
     fn receive(&mut self, _: Instant) -> Option<(RxT, TxT<'_>)> {
         let p = self.rx.pop_front()?;
-        Some((RxT(p), TxT(&mut self.tx)))
+        Some((RxT(p), TxT(&mut self.tx, &mut self.tx_mss, None, self.tso)))
     }
     fn transmit(&mut self, _: Instant) -> Option<TxT<'_>> {
-        Some(TxT(&mut self.tx))
+        Some(TxT(&mut self.tx, &mut self.tx_mss, None, self.tso))
     }
     fn capabilities(&self) -> DeviceCapabilities {
         let mut c = DeviceCapabilities::default();
         c.medium = Medium::Ip;
         c.max_transmission_unit = 1500;
+        if self.tso {
+            // smoltcp leaves the checksums of TCP segments to such a device: `TxT` computes those of the others.
+            c.segmentation.tcpv4 = std::num::NonZeroUsize::new(65_535);
+            c.checksum.tcp = phy::Checksum::Rx;
+        }
         c
     }
+}
+
+/// The GSO description of TCP packet `data` to be cut at `mss`, if it is longer than one segment.
+pub fn tcp_gso(data: &[u8], mss: Option<u16>) -> Option<Gso> {
+    let mss = mss?;
+    let (l4, kind) =
+        if data[0] >> 4 == 4 { (usize::from(data[0] & 0x0f) * 4, GsoKind::TcpV4) } else { (40, GsoKind::TcpV6) };
+    let hdr = l4 + usize::from(data[l4 + 12] >> 4) * 4;
+    (data.len() > hdr + usize::from(mss)).then_some(Gso {
+        kind,
+        gso_size: mss,
+        hdr_len: hdr as u16,
+        csum_start: l4 as u16,
+        l3_offset: 0,
+        ecn: false,
+    })
+}
+
+/// Computes the checksum of TCP packet `data` (the stack left it to a device with TSO).
+fn fill_tcp_checksum(data: &mut [u8]) {
+    use flexstack_wire::checksum;
+    let Ok(info) = flexstack_wire::packet::PacketInfo::parse(data) else { return };
+    if info.protocol != 6 {
+        return;
+    }
+    let (start, end) = (info.l4_offset, info.total_len);
+    data[start + 16..start + 18].fill(0);
+    let sum = checksum::pseudo_header(info.src, info.dst, 6, (end - start) as u32);
+    let c = checksum::finish(checksum::sum(sum, &data[start..end]));
+    data[start + 16..start + 18].copy_from_slice(&c.to_be_bytes());
+}
+
+/// What a host's kernel makes of a packet it is given: a GSO super-packet is cut into its segments.
+fn segments(p: Seen) -> (Vec<Vec<u8>>, bool) {
+    let Some(gso) = Gso::of(&p.meta) else { return (vec![p.data], false) };
+    let cut = (0..gso.segments(p.data.len()))
+        .map(|i| {
+            let mut s = Vec::new();
+            gso.segment_into(&p.data, i, &mut s);
+            s
+        })
+        .collect();
+    (cut, true)
 }
 
 /// A host: one smoltcp interface and its sockets.
@@ -82,7 +142,12 @@ fn smol(t: Time) -> Instant {
 
 impl Host {
     pub fn new(addr4: &str, addr6: &str, v6: bool, seed: u64) -> Host {
-        let mut wire = Wire::default();
+        Host::with_tso(addr4, addr6, v6, seed, false)
+    }
+
+    /// A host whose wire has `tso` (smoltcp reads it when the interface is made).
+    pub fn with_tso(addr4: &str, addr6: &str, v6: bool, seed: u64, tso: bool) -> Host {
+        let mut wire = Wire { tso, ..Wire::default() };
         let mut c = Config::new(HardwareAddress::Ip);
         c.random_seed = seed;
         let mut iface = Interface::new(c, &mut wire, Instant::ZERO);
@@ -108,8 +173,14 @@ impl Host {
 
     /// Polls the interface; returns what it sent.
     pub fn poll(&mut self, now: Time) -> Vec<Vec<u8>> {
+        self.poll_mss(now).into_iter().map(|(p, _)| p).collect()
+    }
+
+    /// Polls the interface; returns what it sent, each packet with the size to cut it at (`Wire::tso`).
+    pub fn poll_mss(&mut self, now: Time) -> Vec<Sent> {
         self.iface.poll(smol(now), &mut self.wire, &mut self.sockets);
-        std::mem::take(&mut self.wire.tx)
+        let mss = std::mem::take(&mut self.wire.tx_mss);
+        std::mem::take(&mut self.wire.tx).into_iter().zip(mss).collect()
     }
 
     pub fn tcp(&mut self, h: SocketHandle) -> &mut tcp::Socket<'static> {
@@ -137,6 +208,9 @@ impl Host {
     }
 }
 
+/// A packet a host sent, with the size to cut it at (`Wire::tso`).
+pub type Sent = (Vec<u8>, Option<u16>);
+
 /// The lab.
 pub struct Lab {
     pub sw: Switch,
@@ -158,10 +232,15 @@ pub struct Lab {
     pub keep_seen: bool,
     /// One-way delay between originate and the server (both ways); 0: none.
     pub net_delay: Duration,
-    to_server: VecDeque<(Time, Vec<u8>)>,
-    from_server: VecDeque<(Time, Vec<u8>)>,
+    to_server: VecDeque<(Time, Sent)>,
+    from_server: VecDeque<(Time, Sent)>,
     /// The app's last local port; the next `connect` takes the one after.
     pub next_port: u16,
+    /// GSO super-packets the hosts sent (TSO: `Wire::tso`) and received (cut into segments, as a kernel does).
+    pub gso_from_app: usize,
+    pub gso_from_server: usize,
+    pub gso_to_app: usize,
+    pub gso_to_net: usize,
 }
 
 pub fn load(name: &str, kind: &str, args: &[String]) -> Edit {
@@ -184,9 +263,11 @@ impl Lab {
     /// (name, kind, settings) chained between them.
     pub fn new(v6: bool, t_args: &[&str], o_args: &[&str], middle: &[(&str, &str, Vec<String>)]) -> Lab {
         let mut sw = Switch::default();
-        let mut t = args(&["seed=11"]);
+        // Meters published at once (the tests read them from the first packet on), unless a test says otherwise.
+        let given = |a: &[&str]| a.iter().any(|s| s.starts_with("meters_after_ms="));
+        let mut t = args(if given(t_args) { &["seed=11"] } else { &["seed=11", "meters_after_ms=0"] });
         t.extend(args(t_args));
-        let mut o = args(&["seed=12"]);
+        let mut o = args(if given(o_args) { &["seed=12"] } else { &["seed=12", "meters_after_ms=0"] });
         o.extend(args(o_args));
         let (r1, to_app) = Recorder::load("to_app");
         let (r2, to_net) = Recorder::load("to_net");
@@ -234,7 +315,17 @@ impl Lab {
             to_server: VecDeque::new(),
             from_server: VecDeque::new(),
             next_port: 40000,
+            gso_from_app: 0,
+            gso_from_server: 0,
+            gso_to_app: 0,
+            gso_to_net: 0,
         }
+    }
+
+    /// Both hosts send TCP super-packets (`Wire::tso`): made again, before any connection.
+    pub fn tso(&mut self) {
+        self.app = Host::with_tso(APP4, APP6, self.v6, 1, true);
+        self.server = Host::with_tso(SERVER4, SERVER6, self.v6, 2, true);
     }
 
     pub fn server_addr(&self) -> IpAddr {
@@ -247,18 +338,30 @@ impl Lab {
 
     /// Injects raw packets into module `m`'s `port`, travelling `dir`.
     pub fn inject(&mut self, m: &str, port: &str, packets: Vec<Vec<u8>>, dir: Direction) {
+        self.inject_mss(m, port, packets.into_iter().map(|p| (p, None)).collect(), dir);
+    }
+
+    /// Injects raw packets, each with the size to cut it at: those longer than one segment as GSO super-packets.
+    /// Returns how many were super-packets.
+    pub fn inject_mss(&mut self, m: &str, port: &str, packets: Vec<Sent>, dir: Direction) -> usize {
         if packets.is_empty() {
-            return;
+            return 0;
         }
+        let mut supers = 0;
         let mut batch: Batch = packets
             .into_iter()
-            .map(|d| {
+            .map(|(d, mss)| {
                 let mut p = self.sw.pool().alloc_from(&d);
                 p.set_direction(dir);
+                if let Some(g) = tcp_gso(&d, mss) {
+                    p.meta_mut().set(MetaKey::GSO, g.pack());
+                    supers += 1;
+                }
                 Frame::Data(p)
             })
             .collect();
         self.sw.inject(m, port, &mut batch).unwrap();
+        supers
     }
 
     /// Runs the switch at the current time until nothing is pending.
@@ -276,11 +379,11 @@ impl Lab {
     pub fn round(&mut self) -> bool {
         let now = self.now;
         while self.to_server.front().is_some_and(|(t, _)| *t <= now) {
-            let (_, p) = self.to_server.pop_front().unwrap();
+            let (_, (p, _)) = self.to_server.pop_front().unwrap();
             self.server.wire.rx.push_back(p);
         }
-        let a = self.app.poll(now);
-        for p in self.server.poll(now) {
+        let a = self.app.poll_mss(now);
+        for p in self.server.poll_mss(now) {
             self.from_server.push_back((now + self.net_delay, p));
         }
         let mut s = Vec::new();
@@ -289,28 +392,36 @@ impl Lab {
         }
         let moved = !a.is_empty() || !s.is_empty();
         if self.keep_seen {
-            self.seen_from_app.extend(a.iter().cloned());
+            self.seen_from_app.extend(a.iter().map(|(p, _)| p.clone()));
         }
-        self.inject("t", "in", a, Direction::Down);
-        self.inject("o", "in", s, Direction::Up);
+        self.gso_from_app += self.inject_mss("t", "in", a, Direction::Down);
+        self.gso_from_server += self.inject_mss("o", "in", s, Direction::Up);
         self.run_switch();
         let to_app = take(&self.to_app);
         let to_net = take(&self.to_net);
         let moved = moved || !to_app.is_empty() || !to_net.is_empty();
         for p in to_app {
             assert_eq!(p.direction, Direction::Up, "packets to the app travel up");
-            if self.keep_seen {
-                self.seen_to_app.push(p.data.clone());
+            let (cut, whole) = segments(p);
+            self.gso_to_app += usize::from(whole);
+            for p in cut {
+                if self.keep_seen {
+                    self.seen_to_app.push(p.clone());
+                }
+                self.app.wire.rx.push_back(p);
             }
-            self.app.wire.rx.push_back(p.data);
         }
         for p in to_net {
             assert_eq!(p.direction, Direction::Down, "packets to the network travel down");
-            if self.keep_seen {
-                self.seen_to_net.push(p.data.clone());
-            }
-            if !self.blackhole {
-                self.to_server.push_back((now + self.net_delay, p.data));
+            let (cut, whole) = segments(p);
+            self.gso_to_net += usize::from(whole);
+            for p in cut {
+                if self.keep_seen {
+                    self.seen_to_net.push(p.clone());
+                }
+                if !self.blackhole {
+                    self.to_server.push_back((now + self.net_delay, (p, None)));
+                }
             }
         }
         moved

@@ -62,12 +62,14 @@ pub struct Config {
     pub max_half_open: u64,
     pub socket_pool: u64,
     pub idle_discard_ms: u64,
+    pub meters_after_ms: u64,
     pub connect_timeout_ms: u64,
     pub udp_timeout_ms: u64,
     pub keepalive_ms: u64,
     pub timeout_ms: u64,
     pub cc: Cc,
     pub nagle: bool,
+    pub gso: bool,
     pub vars_prefix: String,
     pub seed: u64,
     /// The app's name.
@@ -93,12 +95,14 @@ impl Config {
             max_half_open: 0,
             socket_pool: 0,
             idle_discard_ms: 0,
+            meters_after_ms: 0,
             connect_timeout_ms: 0,
             udp_timeout_ms: 0,
             keepalive_ms: 0,
             timeout_ms: 0,
             cc: Cc::Cubic,
             nagle: false,
+            gso: true,
             vars_prefix: String::new(),
             seed: 0,
             app: String::new(),
@@ -222,6 +226,14 @@ macro_rules! endpoint_decl {
                     flexstack_core::field!(idle_discard_ms),
                 ).range(0.0, 86400000.0),
                 P::u64(
+                    "meters_after_ms",
+                    "ms",
+                    "a flow's meters (`<vars_prefix>.<flow>`) are published once it has lived this long: a shorter \
+                     connection costs no registration; 0: at once",
+                    20,
+                    flexstack_core::field!(meters_after_ms),
+                ).range(0.0, 3600000.0),
+                P::u64(
                     "connect_timeout_ms",
                     "ms",
                     "a TCP connection not established after this long is given up (`timeout`)",
@@ -258,6 +270,13 @@ macro_rules! endpoint_decl {
                     t| $crate::stream::endpoint::config::Cc::parse(t).map(|v| c.cc = v),
                 ),
                 P::bool("nagle", "Nagle's algorithm on new TCP connections", false, flexstack_core::field!(nagle)),
+                P::bool(
+                    "gso",
+                    "TCP over IPv4: send segments of up to 64 KiB as GSO super-packets, cut at the MSS by the switch or \
+                     the kernel (segments come in whole either way)",
+                    true,
+                    flexstack_core::field!(gso),
+                ).setting(),
                 P::text(
                     "vars_prefix",
                     "per-flow meters go under `<vars_prefix>.<flow>`",
@@ -279,6 +298,8 @@ macro_rules! endpoint_decl {
             ],
             meters: $crate::stream::endpoint::config::METERS,
             breaks_cycles: true,
+            // TCP super-packets go to smoltcp whole, UDP ones are cut into datagrams, the rest pass whole.
+            accepts_gso: true,
             // Both ends of a terminated flow (two tuples) and its sockets: the stack runs on one worker.
             global_view: true,
             ..flexstack_core::KindDecl::new($name, $summary)
@@ -326,6 +347,7 @@ pub struct Meters {
     pub overflows: Meter,
     pub not_packet: Meter,
     pub invalid_syns: Meter,
+    pub bad_checksums: Meter,
     pub bad_datagrams: Meter,
     pub time_wait_reused: Meter,
     pub half_open_evicted: Meter,
@@ -357,6 +379,7 @@ pub const METERS: &[MeterDecl<Meters>] = u64_meters![
     overflows: "queue_overflows_total", "flows", "flows aborted: more queued than `queue_limit`";
     not_packet: "not_packet_total", "frames", "control frames that arrived on a data port (dropped)";
     invalid_syns: "invalid_syns_total", "frames", "SYNs its TCP did not take (bad checksum or options): no flow";
+    bad_checksums: "bad_checksums_total", "frames", "TCP segments of its connections with a bad checksum (dropped)";
     bad_datagrams: "bad_datagrams_total", "frames",
         "UDP datagrams of its flows with a bad length or checksum (dropped)";
     time_wait_reused: "time_wait_reused_total", "connections",

@@ -31,7 +31,9 @@ use crate::stream::matcher::{Candidate, MatchTable};
 use buffers::Sock;
 use config::{Cc, Config, Meters};
 use device::Queues;
+use flexstack_core::frame::Gso;
 use flexstack_core::stream::{Credit, FlowInfo, Protocol, Role, StreamEvent, StreamFrame};
+use flexstack_core::switch::segment_packet;
 use flexstack_core::{
     Batch, ConfigError, Direction, Frame, KindDecl, Meter, Module, ModuleBuilder, ModuleInterface, ModuleVars, Output,
     Packet, Settings, Time, Value, ValueType, VarSpec, VarSpecs,
@@ -127,6 +129,8 @@ struct Tcp {
     syn: Vec<u8>,
     obs: Observer,
     state: tcp::State,
+    /// The state its `tcp.state` meter shows (stored again only when it changes: a string behind a lock).
+    shown: Option<tcp::State>,
     cc: Cc,
     /// Where its buffers are (`Sock::bufs`).
     bufs: Option<(usize, usize)>,
@@ -157,6 +161,7 @@ impl Tcp {
             syn,
             obs,
             state,
+            shown: None,
             cc,
         })
     }
@@ -166,8 +171,9 @@ impl Tcp {
 struct Conn {
     key: Key,
     info: FlowInfo,
-    vars_name: String,
     vars: FlowMeters,
+    /// When it started: its meters are published `meters_after_ms` later.
+    born: Time,
     /// What this endpoint produces: bytes sent and acked.
     credit: Credit,
     /// Data for the socket, oldest first, with how much of the first frame was written.
@@ -184,8 +190,16 @@ struct Conn {
     tcp: Option<Box<Tcp>>,
 }
 
-/// A flow's runtime meters.
+/// A flow's runtime meters: its byte counts, and once published (`meters_after_ms`) its cells in the registry.
+#[derive(Default)]
 struct FlowMeters {
+    live: Option<Box<LiveMeters>>,
+    down: u64,
+    up: u64,
+}
+
+/// The registry cells of a published flow.
+struct LiveMeters {
     down: Meter,
     up: Meter,
     in_flight: Meter,
@@ -194,15 +208,47 @@ struct FlowMeters {
 }
 
 impl FlowMeters {
-    fn new(vars: &ModuleVars, tcp: bool) -> FlowMeters {
+    /// Publishes them in `vars`, with the bytes counted so far.
+    fn publish(&mut self, vars: &ModuleVars, tcp: bool) {
         let m = |n: &str| vars.meter(n);
-        FlowMeters {
+        let live = LiveMeters {
             down: m("bytes_down_total"),
             up: m("bytes_up_total"),
             in_flight: m("in_flight_bytes"),
             queued: m("queued_bytes"),
             tcp: tcp.then(|| std::array::from_fn(|i| m(config::TCP_METERS[i].0))),
+        };
+        live.down.add(self.down);
+        live.up.add(self.up);
+        self.live = Some(Box::new(live));
+    }
+
+    /// `n` more bytes travelling down (else up).
+    fn add(&mut self, down: bool, n: u64) {
+        let (total, live) = match (down, &self.live) {
+            (true, l) => (&mut self.down, l.as_ref().map(|l| &l.down)),
+            (false, l) => (&mut self.up, l.as_ref().map(|l| &l.up)),
+        };
+        *total += n;
+        if let Some(m) = live {
+            m.add(n);
         }
+    }
+
+    fn set_in_flight(&self, v: u64) {
+        if let Some(l) = &self.live {
+            l.in_flight.set(v);
+        }
+    }
+
+    fn set_queued(&self, v: u64) {
+        if let Some(l) = &self.live {
+            l.queued.set(v);
+        }
+    }
+
+    fn tcp(&self) -> Option<&[Meter; 8]> {
+        self.live.as_ref().and_then(|l| l.tcp.as_ref())
     }
 }
 
@@ -279,6 +325,14 @@ fn instant(t: Time) -> Instant {
 
 fn time(i: Instant) -> Time {
     Time(i.total_micros().max(0) as u64 * 1000)
+}
+
+/// The earlier of two times, either of which may be none.
+fn soonest(a: Option<Time>, b: Option<Time>) -> Option<Time> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
 }
 
 fn ms(v: u64) -> Option<SmolDuration> {
@@ -410,7 +464,7 @@ impl Endpoint {
         decl.publish(&cfg, vars);
         let m = decl.meters(vars);
         let rule_hits = (1..=matcher.rules.len()).map(|i| vars.meter(&format!("rule{i}_matches_total"))).collect();
-        let mut dev = Queues::new(cfg.mtu as usize);
+        let mut dev = Queues::new(cfg.mtu as usize, cfg.gso);
         let next_port = u32::from(cfg.ports.first) + (cfg.seed % u64::from(cfg.ports.count())) as u32;
         let f = Flows::new(side, interface(cfg.seed, &mut dev), next_port);
         Endpoint {
@@ -493,37 +547,23 @@ impl Endpoint {
         self.m.pooled.set(self.f.pool.len() as u64);
     }
 
-    /// Files a new flow: its id, key, meters and counts.
+    /// Files a new flow: its id, key and counts; its meters are published `meters_after_ms` later (at once if 0).
     fn insert(&mut self, id: u64, key: Key, info: FlowInfo, tcp: Option<Box<Tcp>>, out: &mut Output<'_>) {
-        let vars_name = format!("{}.{id}", self.cfg.vars_prefix);
-        let specs = if tcp.is_some() { &self.tcp_specs } else { &self.udp_specs };
-        // Another module owning the prefix (a misconfiguration) leaves the meters unpublished, never the flow.
-        let vars = out.register_vars(&vars_name, specs).unwrap_or_else(|_| ModuleVars::shared(specs));
-        let role = if info.role == Role::Server { " role server" } else { "" };
-        vars.meter("tuple").store(&Value::Str(format!(
-            "{} {} -> {}{role} app {:?}",
-            info.protocol.name(),
-            info.src,
-            info.dst,
-            info.app
-        )));
-        if let Some(t) = &tcp {
-            vars.meter("tcp.cc").store(&Value::Str(t.cc.name().into()));
+        if tcp.is_some() {
             self.f.tcp_count += 1;
             self.m.tcp_total.add(1);
         } else {
             self.f.udp_count += 1;
             self.m.udp_total.add(1);
         }
-        let fm = FlowMeters::new(&vars, tcp.is_some());
         self.f.by_key.insert(key, id);
         self.f.conns.insert(
             id,
             Conn {
                 key,
                 info,
-                vars_name,
-                vars: fm,
+                vars: FlowMeters::default(),
+                born: out.now(),
                 credit: Credit::default(),
                 queue: VecDeque::new(),
                 queue_off: 0,
@@ -535,7 +575,44 @@ impl Endpoint {
                 tcp,
             },
         );
+        if self.cfg.meters_after_ms == 0 {
+            self.publish_flow(id, out);
+        }
         self.publish_counts();
+    }
+
+    /// When flow `c`'s meters are to be published, if they are not yet.
+    fn publish_at(&self, c: &Conn) -> Option<Time> {
+        c.vars.live.is_none().then(|| c.born + Duration::from_millis(self.cfg.meters_after_ms))
+    }
+
+    /// Publishes the meters of flow `id` under `<vars_prefix>.<id>`: a connection that ends sooner than
+    /// `meters_after_ms` costs no registration (a short connection's largest cost after its packets).
+    fn publish_flow(&mut self, id: u64, out: &mut Output<'_>) {
+        let Some(c) = self.f.conns.get_mut(&id) else { return };
+        if c.vars.live.is_some() {
+            return;
+        }
+        let name = format!("{}.{id}", self.cfg.vars_prefix);
+        let specs = if c.tcp.is_some() { &self.tcp_specs } else { &self.udp_specs };
+        // Another module owning the prefix (a misconfiguration) leaves the meters unpublished, never the flow.
+        let vars = out.register_vars(&name, specs).unwrap_or_else(|_| ModuleVars::shared(specs));
+        let info = &c.info;
+        let role = if info.role == Role::Server { " role server" } else { "" };
+        vars.meter("tuple").store(&Value::Str(format!(
+            "{} {} -> {}{role} app {:?}",
+            info.protocol.name(),
+            info.src,
+            info.dst,
+            info.app
+        )));
+        if let Some(t) = c.tcp.as_mut() {
+            vars.meter("tcp.cc").store(&Value::Str(t.cc.name().into()));
+            t.shown = None;
+        }
+        c.vars.publish(&vars, c.tcp.is_some());
+        c.vars.set_in_flight(c.credit.in_flight());
+        c.vars.set_queued(c.queued);
     }
 
     fn publish_counts(&self) {
@@ -561,7 +638,9 @@ impl Endpoint {
         } else {
             self.f.udp_count -= 1;
         }
-        out.unregister_vars(&c.vars_name);
+        if c.vars.live.is_some() {
+            out.unregister_vars(&format!("{}.{id}", self.cfg.vars_prefix));
+        }
         self.publish_counts();
     }
 
@@ -592,8 +671,14 @@ impl Endpoint {
         match info.protocol {
             proto::TCP | proto::UDP => {
                 let key = (info.protocol, src, dst);
+                if info.protocol == proto::UDP && Gso::of(p.meta()).is_some() && self.f.by_key.contains_key(&key) {
+                    return self.cut_datagrams(p, out); // a UDP super-packet of a flow it holds: one datagram each
+                }
                 if let Some(&id) = self.f.by_key.get(&key) {
-                    checksum::complete_partial(&mut p);
+                    // A TCP segment goes to smoltcp whole (a super-packet too), its checksum checked as it is fed.
+                    if info.protocol == proto::UDP {
+                        checksum::complete_partial(&mut p);
+                    }
                     return self.flow_packet(id, p, &info, out);
                 }
                 if info.protocol == proto::TCP && !self.f.time_wait.is_empty() {
@@ -621,6 +706,20 @@ impl Endpoint {
                 }
             }
             _ => self.pass(out, p),
+        }
+    }
+
+    /// A UDP GSO super-packet of a flow it holds: its datagrams, one by one (a UDP flow's `Data` is one datagram).
+    fn cut_datagrams(&mut self, p: Packet, out: &mut Output<'_>) {
+        let mut datagrams = Vec::new();
+        let gso = Gso::of(p.meta()).expect("a super-packet");
+        if segment_packet(out.pool(), &p, &gso, &mut datagrams).is_none() {
+            self.m.bad_datagrams.add(1);
+            out.drop_frame(Frame::Data(p));
+            return;
+        }
+        for d in datagrams {
+            self.ip_in(d, out);
         }
     }
 
@@ -662,6 +761,10 @@ impl Endpoint {
     fn flow_packet(&mut self, id: u64, p: Packet, info: &PacketInfo, out: &mut Output<'_>) {
         let Some(c) = self.f.conns.get_mut(&id) else { return };
         match &mut c.tcp {
+            Some(_) if !device::tcp_checksum_ok(&p, info) => {
+                self.m.bad_checksums.add(1);
+                out.drop_frame(Frame::Data(p));
+            }
             Some(t) => {
                 t.rx.push(p);
                 self.m.segments_in.add(1);
@@ -688,9 +791,8 @@ impl Endpoint {
         }
         c.credit.send(len);
         self.f.in_flight += len;
-        let m = if dir == Direction::Down { &c.vars.down } else { &c.vars.up };
-        m.add(len);
-        c.vars.in_flight.set(c.credit.in_flight());
+        c.vars.add(dir == Direction::Down, len);
+        c.vars.set_in_flight(c.credit.in_flight());
         c.deadline = Some(out.now() + Duration::from_millis(timeout));
         self.m.bytes_out.add(len);
         let d = StreamFrame::data(out.pool(), id, dir, payload);
@@ -724,6 +826,11 @@ impl Endpoint {
             return Some(p);
         }
         checksum::complete_partial(&mut p);
+        if tcp && !device::tcp_checksum_ok(&p, info) {
+            self.m.invalid_syns.add(1); // smoltcp does not check checksums (`device`)
+            out.drop_frame(Frame::Data(p));
+            return None;
+        }
         let info_out = FlowInfo { protocol, src, dst, app: self.cfg.app.clone(), role };
         let (now, dir) = (out.now(), self.side.out_dir());
         if !tcp {
@@ -925,7 +1032,7 @@ impl Endpoint {
                     self.m.stream_bad.add(1);
                 }
                 self.f.in_flight -= before - c.credit.in_flight();
-                c.vars.in_flight.set(c.credit.in_flight());
+                c.vars.set_in_flight(c.credit.in_flight());
                 self.touch(id);
             }
         }
@@ -940,8 +1047,7 @@ impl Endpoint {
         d.set_direction(ip_dir);
         let len = p.len() as u64;
         c.to_ack += len;
-        let m = if dir == Direction::Down { &c.vars.up } else { &c.vars.down };
-        m.add(len);
+        c.vars.add(dir != Direction::Down, len);
         c.deadline = Some(out.now() + Duration::from_millis(timeout));
         self.m.bytes_in.add(len);
         out.emit(self.ports.ip_out, d);
@@ -1098,6 +1204,10 @@ impl Endpoint {
         let now = out.now();
         let Some(c) = self.f.conns.get_mut(&id) else { return };
         c.touched = false;
+        if self.publish_at(&self.f.conns[&id]).is_some_and(|t| t <= now) {
+            self.publish_flow(id, out);
+        }
+        let c = self.f.conns.get_mut(&id).expect("present");
         if c.tcp.is_none() {
             if c.to_ack > 0 {
                 let a = StreamFrame::ack(out.pool(), id, self.side.out_dir(), c.to_ack);
@@ -1110,7 +1220,7 @@ impl Endpoint {
                 self.emit_stream(out, fin);
                 return self.remove(id, out);
             }
-            let d = c.deadline;
+            let d = soonest(c.deadline, self.publish_at(&self.f.conns[&id]));
             return self.schedule(id, d);
         }
         self.service_tcp(id, now, out);
@@ -1205,8 +1315,7 @@ impl Endpoint {
                 credit.send(n);
                 self.f.in_flight += n;
                 self.m.bytes_out.add(n);
-                let m = if dir == Direction::Down { &vars.down } else { &vars.up };
-                m.add(n);
+                vars.add(dir == Direction::Down, n);
                 out.emit(self.ports.stream_out, p);
                 progress = true;
             }
@@ -1223,8 +1332,8 @@ impl Endpoint {
         if c.to_ack > 0 {
             self.m.bytes_in.add(c.to_ack);
             // It consumes the direction it does not produce.
-            let m = if dir == Direction::Down { &c.vars.up } else { &c.vars.down };
-            m.add(c.to_ack);
+            let n = c.to_ack;
+            c.vars.add(dir != Direction::Down, n);
             let a = StreamFrame::ack(out.pool(), id, self.side.out_dir(), c.to_ack);
             c.to_ack = 0;
             out.emit(self.ports.stream_out, a);
@@ -1239,8 +1348,11 @@ impl Endpoint {
         let t = c.tcp.as_mut().expect("tcp");
         let sock = t.sockets.get::<tcp::Socket>(t.handle);
         let state = sock.state();
-        if let Some(m) = &c.vars.tcp {
-            m[0].store(&Value::Str(state_name(state).into()));
+        if let Some(m) = c.vars.tcp() {
+            if t.shown != Some(state) {
+                t.shown = Some(state);
+                m[0].store(&Value::Str(state_name(state).into()));
+            }
             m[1].set(t.obs.srtt_us);
             m[2].set(t.obs.in_flight());
             m[3].set(t.obs.retrans);
@@ -1249,8 +1361,8 @@ impl Endpoint {
             m[6].set(u64::from(t.obs.cwnd));
             m[7].set(t.obs.delivery_rate);
         }
-        c.vars.in_flight.set(c.credit.in_flight());
-        c.vars.queued.set(c.queued);
+        c.vars.set_in_flight(c.credit.in_flight());
+        c.vars.set_queued(c.queued);
         // A listening socket that fell back to Listen (an RST during the handshake) is closed too.
         let gone = state == tcp::State::Closed || (state == tcp::State::Listen && t.obs.rst);
         let (quiet, rst, established, accepted) =
@@ -1312,10 +1424,8 @@ impl Endpoint {
         }
         // Nothing more for smoltcp to do now means its next tick, not a spin at the same instant.
         let next = next.map(|n| if n < now || (n == now && !more) { now + Duration::from_millis(1) } else { n });
-        let next = match (next, deadline) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
+        let next = soonest(next, deadline);
+        let next = soonest(next, self.publish_at(&self.f.conns[&id]));
         self.schedule(id, next);
     }
 

@@ -7,6 +7,7 @@
 mod common;
 
 use common::{bin, octets, path_str, pattern, privileged, repo, sh, sha256, text, Background, SandboxDaemon, Server};
+use flexstack_api::ops::{FlowList, Handling};
 use serde_json::Value as Json;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -370,4 +371,170 @@ fn out_of_descriptors_new_connections_are_refused_at_once_and_service_returns() 
     assert!(stdout.contains("after ok"), "no service after the held connections closed: {stdout}");
     let refused = value(&vars, "module.kfd-term.refused_total") + value(&vars, "module.kfd-orig.refused_total");
     assert!(refused as f64 >= failed, "refusals counted {refused}, failed {failed}: {vars}");
+}
+
+/// The app's side of the server role test: an HTTP server (its log says who connected), iperf3, and a half-close
+/// server (reads until the client's FIN, then answers 300,000 bytes and the count it read), until `go` exists.
+const SERVER_ROLE_APP: &str = r#"
+cd "$WWW" && python3 -m http.server 8080 --bind :: >/dev/null 2>"$LOG" & http=$!
+iperf3 -s -p 5201 >/dev/null 2>&1 & iperf=$!
+python3 -c '
+import socket
+l = socket.create_server(("::", 8082), family=socket.AF_INET6, dualstack_ipv6=True)
+while True:
+    c, _ = l.accept()
+    n = 0
+    while True:
+        b = c.recv(65536)
+        if not b:
+            break
+        n += len(b)
+    c.sendall(bytes(300000) + str(n).encode())
+    c.close()
+' & half=$!
+while ! ss -Htln "sport = :8082" | grep -q . || ! ss -Htln "sport = :5201" | grep -q . \
+    || ! ss -Htln "sport = :8080" | grep -q .; do sleep 0.05; done
+touch "$READY"
+while [ ! -e "$GO" ]; do sleep 0.05; done
+kill $http $iperf $half
+"#;
+
+/// A client in the server's namespace: connects to the app's port 8081 (nobody listens there) and says what it got;
+/// or sends 100,000 bytes to port 8082, shuts its write side and reads the answer (the half-close).
+const SERVER_ROLE_CLIENT: &str = r#"
+import socket, sys, time
+host, what = sys.argv[1], sys.argv[2]
+t = time.monotonic()
+try:
+    s = socket.create_connection((host, 8081 if what == "refused" else 8082), timeout=10)
+    if what == "refused":
+        print("read", len(s.recv(10)), "bytes")
+    else:
+        s.sendall(bytes(100000))
+        s.shutdown(socket.SHUT_WR)
+        got = b""
+        while True:
+            b = s.recv(65536)
+            if not b:
+                break
+            got += b
+        print("answered", len(got), got[300000:].decode())
+except OSError as e:
+    print(type(e).__name__, int((time.monotonic() - t) * 1000), "ms")
+"#;
+
+/// The server role with the kernel back-ends on both sides (docs/streams.md, "The kernel back-end"): servers in
+/// the sandbox reached from the server's namespace (routed through the host). curl of 4 MB over IPv4 (slowly, while
+/// `flow list` shows the flow terminated and originated by the kernel back-end with role server) and IPv6, intact;
+/// the app's server logs the client's own addresses; iperf3 TCP both directions (IPv4, IPv6); a port where nothing
+/// listens resets the client's connection at once; a half-close (100 KB, FIN, then 300 KB back); the app's own
+/// download (the client role) through the same endpoints; at the end no connection left on either endpoint.
+#[test]
+fn server_role_with_kernel_back_ends() {
+    let blob = pattern(4_000_000);
+    let Some(rig) = Rig::new(9, &blob) else { return };
+    let table = r#"["tcp dport 8080-8082,5201 role server", "tcp *"]"#;
+    let stack = rig.stack("kernel", "kernel", table);
+    let (ready, go, log) = (rig.path("ready"), rig.path("go"), rig.path("http.log"));
+    let vars = "module.ksrv-*.*";
+    let script = format!(
+        "WWW={www} LOG={log} READY={ready} GO={go}\n{SERVER_ROLE_APP}\ncurl -sSf -m 20 http://{srv}:8080/blob | sha256sum",
+        www = path_str(rig.srv.www.path()),
+        log = path_str(&log),
+        ready = path_str(&ready),
+        go = path_str(&go),
+        srv = rig.srv.v4,
+    );
+    let get = format!("echo @@vars@@; {} --state-dir {} -j get '{vars}'", bin(), path_str(rig.d.state.path()));
+    let full = format!("{script}\nrc=$?\nsleep 0.5\n{get}\nexit $rc\n");
+    let run = rig.d.spawn_run(&["--stack", path_str(&stack), "--name", "ksrv", "--", "sh", "-c", &full]);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !ready.exists() {
+        assert!(Instant::now() < deadline, "the app's servers never listened");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let app = rig.d.apps().expect("app list").into_iter().next().expect("the app");
+    let want = sha256(&rig.srv.www.path().join("blob"));
+    let in_ns = |program: &str, args: &[&str]| {
+        let mut c = std::process::Command::new("ip");
+        c.args(["netns", "exec", rig.srv.ns.name.as_str(), program]).args(args);
+        c
+    };
+    // IPv4, about 2 s, while `flow list` is read.
+    let fetched = rig.path("fetched4");
+    let url = format!("http://{}:8080/blob", app.ipv4);
+    let mut slow = in_ns("curl", &["-sSf", "-m", "30", "--limit-rate", "2m", "-o", path_str(&fetched), &url])
+        .spawn()
+        .expect("curl");
+    let (mut term, mut orig) = (None, None);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while (term.is_none() || orig.is_none()) && Instant::now() < deadline {
+        let flows = common::answer::<FlowList>(&rig.d.cli(&["-j", "flow", "list"])).unwrap_or_default();
+        for f in flows.into_iter().filter(|f| f.tuple.ends_with(" server") && f.dst_port == Some(8080)) {
+            let kernel = f.backend.as_deref() == Some("kernel");
+            match f.handling {
+                Handling::Terminated if kernel => term = Some(f),
+                Handling::Originated if kernel => orig = Some(f),
+                _ => {}
+            }
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let list = text(&rig.d.cli(&["flow", "list"]));
+    let (term, orig) = (term.expect(&list), orig.expect(&list));
+    for f in [&term, &orig] {
+        assert_eq!(f.dst.map(|a| a.to_string()), Some(app.ipv4.clone()), "to the app: {list}");
+        assert_eq!(f.src.map(|a| a.to_string()), Some(rig.srv.v4.clone()), "from the client: {list}");
+    }
+    assert!(orig.tcp.as_ref().and_then(|t| t.cwnd).unwrap_or(0) > 0, "TCP_INFO of the network side: {list}");
+    assert!(slow.wait().expect("curl").success(), "curl from the network (IPv4)");
+    assert_eq!(sha256(&fetched), want, "IPv4: intact");
+    let fetched6 = rig.path("fetched6");
+    let url6 = format!("http://[{}]:8080/blob", app.ipv6);
+    let out = in_ns("curl", &["-sSf", "-m", "30", "-o", path_str(&fetched6), &url6]).output().expect("curl");
+    assert!(out.status.success(), "IPv6: {}", text(&out));
+    assert_eq!(sha256(&fetched6), want, "IPv6: intact");
+    // The app's server saw the clients' own addresses (transparent sockets), not the daemon's.
+    let http_log = std::fs::read_to_string(&log).unwrap_or_default();
+    for client in [&rig.srv.v4, &rig.srv.v6] {
+        assert!(http_log.lines().any(|l| l.contains(client.as_str())), "{client} in the server's log: {http_log}");
+    }
+    // iperf3 TCP, both directions, IPv4 and IPv6.
+    for (host, reverse) in [(&app.ipv4, false), (&app.ipv4, true), (&app.ipv6, false), (&app.ipv6, true)] {
+        let mut args = vec!["-c", host.as_str(), "-p", "5201", "-t", "2", "-J"];
+        if reverse {
+            args.push("-R");
+        }
+        let out = in_ns("iperf3", &args).output().expect("iperf3");
+        let j: Json = serde_json::from_slice(&out.stdout).unwrap_or(Json::Null);
+        let bytes = j["end"]["sum_received"]["bytes"].as_u64().unwrap_or(0);
+        assert!(out.status.success() && bytes > 1_000_000, "iperf3 {host} -R {reverse}: {bytes} B: {}", text(&out));
+        eprintln!("server role, iperf3 to {host} reverse {reverse}: {bytes} bytes in 2 s");
+    }
+    let client = rig.path("client.py");
+    std::fs::write(&client, SERVER_ROLE_CLIENT).expect("write the client");
+    for host in [&app.ipv4, &app.ipv6] {
+        let py = |what: &str| text(&in_ns("python3", &[path_str(&client), host, what]).output().expect("python3"));
+        // Nobody listens on 8081: the kernel accepted the client's connection, so it is reset (not refused).
+        let t = py("refused");
+        let ms: u64 = t.split_whitespace().nth(1).and_then(|w| w.parse().ok()).unwrap_or(u64::MAX);
+        assert!(t.starts_with("ConnectionResetError") && ms < 2000, "{host}: reset at once: {t}");
+        let t = py("half");
+        assert!(t.contains("answered 300006 100000"), "{host}: half-close: {t}");
+    }
+    std::fs::write(&go, b"").unwrap();
+    let out = run.wait_with_output().expect("the run's output");
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success() && stdout.contains(&want), "the app's own download: {}", text(&out));
+    let vars: Json = stdout
+        .split_once("@@vars@@")
+        .map(|(_, j)| serde_json::from_str(j.trim()).unwrap_or(Json::Null))
+        .unwrap_or(Json::Null);
+    // Two downloads, 4 x 2 iperf3 connections (control and data), two resets and two half-closes from the network;
+    // one download of the app's own.
+    let orig_conns = value(&vars, "module.ksrv-orig.connections_total");
+    assert!(orig_conns >= 15, "the network's connections went through originate: {vars}");
+    assert_eq!(value(&vars, "module.ksrv-term.refused_total"), 2, "the two refusals: {vars}");
+    assert_eq!(value(&vars, "module.ksrv-term.connections_active"), 0, "nothing left: {vars}");
+    assert_eq!(value(&vars, "module.ksrv-orig.connections_active"), 0, "nothing left: {vars}");
 }

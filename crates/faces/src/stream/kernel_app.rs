@@ -13,6 +13,11 @@
 //! `Open` comes back up (the far side accepted). App-side UDP has no kernel transport state to take over: the UDP flows
 //! the match table selects stay in the data plane, terminated by the smoltcp back-end (`terminates_udp`; see
 //! docs/streams.md, "The kernel back-end").
+//!
+//! The server role: an `Open` coming up for a flow `originate` accepted from the network makes a socket in the
+//! app's namespace, transparent and marked [`MARK`], from the client's own address and port to the app
+//! ([`Engine::open_app`]); the table's `route` chain and the policy routing of [`MARK`] bring the app's answers back
+//! to it (docs/streams.md, "The kernel back-end", "The server role").
 
 use super::engine::{reset, room_for_sockets, spare_descriptor, Engine, Event, Flow, Sock};
 use flexstack_core::stream::{FlowInfo, Protocol, Role};

@@ -410,7 +410,8 @@ kill $http $iperf $half $echo
 "#;
 
 /// A client in the server's namespace: connects to the app's port 8081 (nobody listens there) and says what it got;
-/// or sends 100,000 bytes to port 8082, shuts its write side and reads the answer (the half-close); or sends 20
+/// or sends 100,000 bytes to port 8082, shuts its write side and reads the answer (the half-close), or sends 50,000
+/// and resets the connection (SO_LINGER 0: the abort; the app's server, reset, ends); or sends 20
 /// datagrams to the UDP echo and counts the exact answers.
 const SERVER_ROLE_CLIENT: &str = r#"
 import socket, sys, time
@@ -430,6 +431,11 @@ try:
     s = socket.create_connection((host, 8081 if what == "refused" else 8082), timeout=10)
     if what == "refused":
         print("read", len(s.recv(10)), "bytes")
+    elif what == "abort":
+        s.sendall(bytes(50000))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, bytes(8))
+        s.close()
+        print("aborted")
     else:
         s.sendall(bytes(100000))
         s.shutdown(socket.SHUT_WR)
@@ -534,8 +540,9 @@ impl<'a> ServerRole<'a> {
 /// the sandbox reached from the server's namespace (routed through the host). curl of 4 MB over IPv4 (slowly, while
 /// `flow list` shows the flow terminated and originated by the kernel back-end with role server) and IPv6, intact;
 /// the app's server logs the client's own addresses; iperf3 TCP both directions (IPv4, IPv6); a port where nothing
-/// listens resets the client's connection at once; a half-close (100 KB, FIN, then 300 KB back); the app's own
-/// download (the client role) through the same endpoints; at the end no connection left on either endpoint.
+/// listens resets the client's connection at once; a half-close (100 KB, FIN, then 300 KB back); the client's abort
+/// reaches the app; the app's own download (the client role) through the same endpoints; at the end no connection
+/// left on either endpoint.
 #[test]
 fn server_role_with_kernel_back_ends() {
     let Some(rig) = Rig::new(9, &pattern(4_000_000)) else { return };
@@ -592,7 +599,11 @@ fn server_role_with_kernel_back_ends() {
         let t = r.client(host, "half");
         assert!(t.contains("answered 300006 100000"), "{host}: half-close: {t}");
     }
+    // The client aborts (RST) while the app still reads: the abort crosses both endpoints, and the app's
+    // connection is reset too (were it not, it would be left open: `connections_active` below).
+    assert_eq!(r.client(&r.app.ipv4, "abort").trim(), "aborted");
     let vars = r.finish();
+    assert!(value(&vars, "module.ksrv-term.aborts_received_total") >= 1, "the client's abort: {vars}");
     // Two downloads, 4 x 2 iperf3 connections (control and data), two resets and two half-closes from the network;
     // one download of the app's own.
     assert!(value(&vars, "module.ksrv-orig.connections_total") >= 15, "through originate: {vars}");

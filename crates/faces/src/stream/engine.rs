@@ -202,6 +202,47 @@ pub(crate) fn reset(sock: Sock) {
     drop(sock);
 }
 
+/// The app's network namespace and the daemon's, open: `terminate` enters the app's to open the server role's
+/// connections (see [`Engine::open_app`]).
+pub(crate) struct Namespaces {
+    own: std::fs::File,
+    app: std::fs::File,
+}
+
+impl Namespaces {
+    /// Opens the daemon's namespace (the calling thread's, which the data plane shares) and `netns`.
+    pub(crate) fn open(netns: &str) -> Result<Namespaces, String> {
+        let own = std::fs::File::open("/proc/thread-self/ns/net").map_err(|e| format!("the own namespace: {e}"))?;
+        let app = std::fs::File::open(format!("/run/netns/{netns}"))
+            .map_err(|e| format!("network namespace {netns}: {e}"))?;
+        Ok(Namespaces { own, app })
+    }
+
+    /// Runs `f` with the calling thread in the app's namespace, then back in the daemon's.
+    pub(crate) fn run<T>(&self, f: impl FnOnce() -> std::io::Result<T>) -> std::io::Result<T> {
+        use nix::sched::{setns, CloneFlags};
+        setns(&self.app, CloneFlags::CLONE_NEWNET)?;
+        let result = f();
+        // As in `in_netns`: coming back cannot fail where going there worked; if it did, this thread would go on in
+        // the app's namespace, which must not happen silently.
+        setns(&self.own, CloneFlags::CLONE_NEWNET).expect("returning to the daemon's network namespace");
+        result
+    }
+}
+
+/// Sets the congestion control of TCP socket `s` (`TCP_CONGESTION`): any the kernel offers
+/// (`net.ipv4.tcp_available_congestion_control`).
+pub(crate) fn set_cc(s: &TcpStream, name: &str) -> std::io::Result<()> {
+    setsockopt(s, sockopt::TcpCongestion, &std::ffi::OsString::from(name)).map_err(std::io::Error::from)
+}
+
+/// The congestion control of TCP socket `s`.
+pub(crate) fn cc_of(s: &TcpStream) -> String {
+    nix::sys::socket::getsockopt(s, sockopt::TcpCongestion)
+        .map(|n| n.to_string_lossy().trim_end_matches('\0').to_string())
+        .unwrap_or_default()
+}
+
 /// Sockets the kernel endpoints of this process hold (one per flow and endpoint).
 static SOCKETS: AtomicU64 = AtomicU64::new(0);
 
@@ -264,7 +305,7 @@ pub(crate) struct Engine {
     /// The endpoint that accepts (terminate; originate with the server role): its match table and app.
     pub(crate) app: Option<AppSide>,
     /// terminate: the app's namespace and the daemon's (the server role's connections are opened in the app's).
-    pub(crate) netns: Option<super::kernel_app::Namespaces>,
+    pub(crate) netns: Option<Namespaces>,
     /// A descriptor held in reserve: out of descriptors, the app side closes it to accept and reset the waiting
     /// connection, so that the app sees a refusal at once instead of waiting in the backlog.
     pub(crate) spare: Option<std::fs::File>,

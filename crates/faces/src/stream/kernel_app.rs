@@ -19,7 +19,7 @@
 //! ([`Engine::open_app`]); the table's `route` chain and the policy routing of [`MARK`] bring the app's answers back
 //! to it (docs/streams.md, "The kernel back-end", "The server role").
 
-use super::engine::{reset, room_for_sockets, spare_descriptor, Engine, Event, Flow, Sock};
+use super::engine::{cc_of, reset, room_for_sockets, set_cc, spare_descriptor, Engine, Event, Flow, Sock};
 use flexstack_core::stream::{FlowInfo, Protocol, Role};
 use flexstack_modules::stream::backend::Side;
 use flexstack_modules::stream::matcher::{Candidate, MatchTable};
@@ -241,34 +241,6 @@ fn original_dst(s: &std::net::TcpStream, v4: bool) -> std::io::Result<SocketAddr
     }
 }
 
-/// The app's network namespace and the daemon's, open: `terminate` enters the app's to open the server role's
-/// connections (see [`Engine::open_app`]).
-pub(crate) struct Namespaces {
-    own: std::fs::File,
-    app: std::fs::File,
-}
-
-impl Namespaces {
-    /// Opens the daemon's namespace (the calling thread's, which the data plane shares) and `netns`.
-    pub(crate) fn open(netns: &str) -> Result<Namespaces, String> {
-        let own = std::fs::File::open("/proc/thread-self/ns/net").map_err(|e| format!("the own namespace: {e}"))?;
-        let app = std::fs::File::open(format!("/run/netns/{netns}"))
-            .map_err(|e| format!("network namespace {netns}: {e}"))?;
-        Ok(Namespaces { own, app })
-    }
-
-    /// Runs `f` with the calling thread in the app's namespace, then back in the daemon's.
-    fn run<T>(&self, f: impl FnOnce() -> std::io::Result<T>) -> std::io::Result<T> {
-        use nix::sched::{setns, CloneFlags};
-        setns(&self.app, CloneFlags::CLONE_NEWNET)?;
-        let result = f();
-        // As in `in_netns`: coming back cannot fail where going there worked; if it did, this thread would go on in
-        // the app's namespace, which must not happen silently.
-        setns(&self.own, CloneFlags::CLONE_NEWNET).expect("returning to the daemon's network namespace");
-        result
-    }
-}
-
 /// A non-blocking socket of `ty` for the server role's flow `info`, made in the current namespace: transparent
 /// (`IP_TRANSPARENT`: bound to the client's non-local address and port), marked [`MARK`], connecting (TCP) or
 /// connected (UDP) to the app.
@@ -393,11 +365,11 @@ impl Engine {
             let mut cc = String::new();
             if role == Role::Server {
                 if let Some(name) = self.cc.clone() {
-                    if let Err(e) = super::kernel_net::set_cc(&stream, &name) {
+                    if let Err(e) = set_cc(&stream, &name) {
                         tracing::warn!(cc = %name, error = %e, "cannot set the congestion control of a connection");
                     }
                 }
-                cc = super::kernel_net::cc_of(&stream);
+                cc = cc_of(&stream);
             }
             let Some(side) = self.app.as_ref() else { return };
             let c = Candidate { protocol: Protocol::Tcp, src: peer, dst, role, app: &side.app };

@@ -13,30 +13,16 @@
 //!   connections to the app's addresses to them ([`open_server`]); an accepted connection sends `Open` up (see
 //!   `Engine::accept_all`) and is read once `Open` comes back down (`terminate` connected to the app).
 
-use super::engine::{Engine, Flow, Sock};
+use super::engine::{cc_of, set_cc, Engine, Flow, Sock};
 use super::kernel_app::{listener, nft_table, redirect_rules, Redirect};
 use flexstack_core::stream::{FlowInfo, Protocol, Role};
 use flexstack_modules::stream::matcher::MatchTable;
 use nix::sys::socket::{
     bind, connect, setsockopt, socket, sockopt, AddressFamily, SockFlag, SockType, SockaddrStorage,
 };
-use std::ffi::OsString;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream, UdpSocket};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::time::{Duration, Instant};
-
-/// Sets the congestion control of TCP socket `s` (`TCP_CONGESTION`): any the kernel offers
-/// (`net.ipv4.tcp_available_congestion_control`).
-pub(crate) fn set_cc(s: &TcpStream, name: &str) -> std::io::Result<()> {
-    setsockopt(s, sockopt::TcpCongestion, &OsString::from(name)).map_err(std::io::Error::from)
-}
-
-/// The congestion control of TCP socket `s`.
-pub(crate) fn cc_of(s: &TcpStream) -> String {
-    nix::sys::socket::getsockopt(s, sockopt::TcpCongestion)
-        .map(|n| n.to_string_lossy().trim_end_matches('\0').to_string())
-        .unwrap_or_default()
-}
 
 /// A non-blocking socket of `ty` for `dst`'s family, bound to `source` (its family's address, port 0) if any.
 fn socket_for(dst: SocketAddr, ty: SockType, source: Option<IpAddr>) -> std::io::Result<OwnedFd> {

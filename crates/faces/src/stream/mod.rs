@@ -119,7 +119,7 @@ fn build(req: KernelRequest) -> Result<Box<dyn ModuleBuilder>, String> {
     let (accepting, namespaces) = match side {
         Side::App => {
             let (listeners, redirect) = kernel_app::open(&netns, &matcher, &cfg.app)?;
-            (Some((listeners, redirect)), Some(kernel_app::Namespaces::open(&netns)?))
+            (Some((listeners, redirect)), Some(engine::Namespaces::open(&netns)?))
         }
         Side::Net => (kernel_net::open_server(&host_dev, &matcher, &cfg.app)?, None),
     };
@@ -138,7 +138,7 @@ struct KernelBuilder {
     /// terminate with UDP rules: the smoltcp back-end, for them.
     udp: Option<Box<dyn ModuleBuilder>>,
     /// terminate: the app's namespace (the server role's connections are opened there).
-    namespaces: Option<kernel_app::Namespaces>,
+    namespaces: Option<engine::Namespaces>,
 }
 
 impl ModuleBuilder for KernelBuilder {
@@ -443,9 +443,9 @@ impl KernelEndpoint {
         let mut e = self.device.engine();
         let Some(f) = e.flows.get_mut(&id) else { return Some(Err(format!("no flow {id}"))) };
         let Sock::Tcp(s) = &f.sock else { return Some(Err(format!("flow {id} is not TCP"))) };
-        Some(match kernel_net::set_cc(s, name) {
+        Some(match engine::set_cc(s, name) {
             Ok(()) => {
-                f.cc = kernel_net::cc_of(s);
+                f.cc = engine::cc_of(s);
                 Ok(())
             }
             Err(err) => Err(format!("congestion control {name:?}: {err} (offered: {})", available_cc())),

@@ -7,6 +7,7 @@
 mod common;
 
 use common::{bin, octets, path_str, pattern, privileged, repo, sh, sha256, text, Background, SandboxDaemon, Server};
+use flexstack_api::ops::{FlowList, Handling};
 use serde_json::Value as Json;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -370,4 +371,267 @@ fn out_of_descriptors_new_connections_are_refused_at_once_and_service_returns() 
     assert!(stdout.contains("after ok"), "no service after the held connections closed: {stdout}");
     let refused = value(&vars, "module.kfd-term.refused_total") + value(&vars, "module.kfd-orig.refused_total");
     assert!(refused as f64 >= failed, "refusals counted {refused}, failed {failed}: {vars}");
+}
+
+/// The app's side of the server role tests: an HTTP server (its log says who connected), iperf3, a half-close
+/// server (reads until the client's FIN, then answers 300,000 bytes and the count it read) and a UDP echo (each
+/// datagram back reversed), until `GO` exists.
+const SERVER_ROLE_APP: &str = r#"
+cd "$WWW" && python3 -m http.server 8080 --bind :: >/dev/null 2>"$LOG" & http=$!
+iperf3 -s -p 5201 >/dev/null 2>&1 & iperf=$!
+python3 -c '
+import socket
+l = socket.create_server(("::", 8082), family=socket.AF_INET6, dualstack_ipv6=True)
+while True:
+    c, _ = l.accept()
+    n = 0
+    while True:
+        b = c.recv(65536)
+        if not b:
+            break
+        n += len(b)
+    c.sendall(bytes(300000) + str(n).encode())
+    c.close()
+' & half=$!
+python3 -c '
+import socket
+s = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+s.bind(("::", 5353))
+while True:
+    m, a = s.recvfrom(65536)
+    s.sendto(m[::-1], a)
+' & echo=$!
+while ! ss -Htln "sport = :8082" | grep -q . || ! ss -Htln "sport = :5201" | grep -q . \
+    || ! ss -Htln "sport = :8080" | grep -q . || ! ss -Huln "sport = :5353" | grep -q .; do sleep 0.05; done
+touch "$READY"
+while [ ! -e "$GO" ]; do sleep 0.05; done
+kill $http $iperf $half $echo
+"#;
+
+/// A client in the server's namespace: connects to the app's port 8081 (nobody listens there) and says what it got;
+/// or sends 100,000 bytes to port 8082, shuts its write side and reads the answer (the half-close), or sends 50,000
+/// and resets the connection (SO_LINGER 0: the abort; the app's server, reset, ends); or sends 20
+/// datagrams to the UDP echo and counts the exact answers.
+const SERVER_ROLE_CLIENT: &str = r#"
+import socket, sys, time
+host, what = sys.argv[1], sys.argv[2]
+t = time.monotonic()
+if what == "udp":
+    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM)
+    s.settimeout(5)
+    ok = 0
+    for i in range(20):
+        m = bytes(j % 256 for j in range(i, i + 100 + 37 * i))
+        s.sendto(m, (host, 5353))
+        ok += s.recv(65536) == m[::-1]
+    print("echoed", ok)
+    sys.exit(0)
+try:
+    s = socket.create_connection((host, 8081 if what == "refused" else 8082), timeout=10)
+    if what == "refused":
+        print("read", len(s.recv(10)), "bytes")
+    elif what == "abort":
+        s.sendall(bytes(50000))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, bytes(8))
+        s.close()
+        print("aborted")
+    else:
+        s.sendall(bytes(100000))
+        s.shutdown(socket.SHUT_WR)
+        got = b""
+        while True:
+            b = s.recv(65536)
+            if not b:
+                break
+            got += b
+        print("answered", len(got), got[300000:].decode())
+except OSError as e:
+    print(type(e).__name__, int((time.monotonic() - t) * 1000), "ms")
+"#;
+
+/// A run of the server role's app (`SERVER_ROLE_APP`) behind `term`/`orig` with match table `table`, its servers
+/// listening.
+struct ServerRole<'a> {
+    rig: &'a Rig,
+    run: std::process::Child,
+    go: PathBuf,
+    log: PathBuf,
+    app: flexstack_api::ops::AppInfo,
+    /// sha256 of the server's blob (what the app downloads, and the clients from the app).
+    want: String,
+    client: PathBuf,
+}
+
+impl<'a> ServerRole<'a> {
+    /// Starts app `name` (which also downloads the server's blob, the client role, once its servers listen).
+    fn start(rig: &'a Rig, term: &str, orig: &str, table: &str, name: &str) -> ServerRole<'a> {
+        let stack = rig.stack(term, orig, table);
+        let (ready, go, log) = (rig.path("ready"), rig.path("go"), rig.path("http.log"));
+        let script = format!(
+            "WWW={www} LOG={log} READY={ready} GO={go}\n{SERVER_ROLE_APP}\n\
+             curl -sSf -m 20 http://{srv}:8080/blob | sha256sum",
+            www = path_str(rig.srv.www.path()),
+            log = path_str(&log),
+            ready = path_str(&ready),
+            go = path_str(&go),
+            srv = rig.srv.v4,
+        );
+        let get =
+            format!("echo @@vars@@; {} --state-dir {} -j get 'module.{name}-*.*'", bin(), path_str(rig.d.state.path()));
+        let full = format!("{script}\nrc=$?\nsleep 0.5\n{get}\nexit $rc\n");
+        let run = rig.d.spawn_run(&["--stack", path_str(&stack), "--name", name, "--", "sh", "-c", &full]);
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while !ready.exists() {
+            assert!(Instant::now() < deadline, "the app's servers never listened");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let app = rig.d.apps().expect("app list").into_iter().next().expect("the app");
+        let want = sha256(&rig.srv.www.path().join("blob"));
+        let client = rig.path("client.py");
+        std::fs::write(&client, SERVER_ROLE_CLIENT).expect("write the client");
+        ServerRole { rig, run, go, log, app, want, client }
+    }
+
+    /// `program` with `args` in the server's namespace (the network's client).
+    fn in_ns(&self, program: &str, args: &[&str]) -> std::process::Command {
+        let mut c = std::process::Command::new("ip");
+        c.args(["netns", "exec", self.rig.srv.ns.name.as_str(), program]).args(args);
+        c
+    }
+
+    /// `SERVER_ROLE_CLIENT` doing `what` towards the app's `host`; what it printed.
+    fn client(&self, host: &str, what: &str) -> String {
+        text(&self.in_ns("python3", &[path_str(&self.client), host, what]).output().expect("python3"))
+    }
+
+    /// curl of the blob from the app's `host` (an IPv4 or IPv6 address), intact.
+    fn curl(&self, host: &str, file: &str) {
+        let fetched = self.rig.path(file);
+        let url =
+            if host.contains(':') { format!("http://[{host}]:8080/blob") } else { format!("http://{host}:8080/blob") };
+        let out = self.in_ns("curl", &["-sSf", "-m", "30", "-o", path_str(&fetched), &url]).output().expect("curl");
+        assert!(out.status.success(), "{host}: {}", text(&out));
+        assert_eq!(sha256(&fetched), self.want, "{host}: intact");
+    }
+
+    /// The app's server saw the clients' own addresses (transparent sockets), not the daemon's.
+    fn saw_the_clients(&self) {
+        let http_log = std::fs::read_to_string(&self.log).unwrap_or_default();
+        for client in [&self.rig.srv.v4, &self.rig.srv.v6] {
+            assert!(http_log.lines().any(|l| l.contains(client.as_str())), "{client} in the server's log: {http_log}");
+        }
+    }
+
+    /// Lets the app end; asserts its own download was intact; returns its modules' meters.
+    fn finish(self) -> Json {
+        std::fs::write(&self.go, b"").unwrap();
+        let out = self.run.wait_with_output().expect("the run's output");
+        let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+        assert!(out.status.success() && stdout.contains(&self.want), "the app's own download: {}", text(&out));
+        stdout
+            .split_once("@@vars@@")
+            .map(|(_, j)| serde_json::from_str(j.trim()).unwrap_or(Json::Null))
+            .unwrap_or(Json::Null)
+    }
+}
+
+/// The server role with the kernel back-ends on both sides (docs/streams.md, "The kernel back-end"): servers in
+/// the sandbox reached from the server's namespace (routed through the host). curl of 4 MB over IPv4 (slowly, while
+/// `flow list` shows the flow terminated and originated by the kernel back-end with role server) and IPv6, intact;
+/// the app's server logs the client's own addresses; iperf3 TCP both directions (IPv4, IPv6); a port where nothing
+/// listens resets the client's connection at once; a half-close (100 KB, FIN, then 300 KB back); the client's abort
+/// reaches the app; the app's own download (the client role) through the same endpoints; at the end no connection
+/// left on either endpoint.
+#[test]
+fn server_role_with_kernel_back_ends() {
+    let Some(rig) = Rig::new(9, &pattern(4_000_000)) else { return };
+    let r = ServerRole::start(&rig, "kernel", "kernel", r#"["tcp dport 8080-8082,5201 role server", "tcp *"]"#, "ksrv");
+    // IPv4, about 2 s, while `flow list` is read.
+    let fetched = rig.path("fetched4");
+    let url = format!("http://{}:8080/blob", r.app.ipv4);
+    let mut slow = r
+        .in_ns("curl", &["-sSf", "-m", "30", "--limit-rate", "2m", "-o", path_str(&fetched), &url])
+        .spawn()
+        .expect("curl");
+    let (mut term, mut orig) = (None, None);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while (term.is_none() || orig.is_none()) && Instant::now() < deadline {
+        let flows = common::answer::<FlowList>(&rig.d.cli(&["-j", "flow", "list"])).unwrap_or_default();
+        for f in flows.into_iter().filter(|f| f.tuple.ends_with(" server") && f.dst_port == Some(8080)) {
+            let kernel = f.backend.as_deref() == Some("kernel");
+            match f.handling {
+                Handling::Terminated if kernel => term = Some(f),
+                Handling::Originated if kernel => orig = Some(f),
+                _ => {}
+            }
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let list = text(&rig.d.cli(&["flow", "list"]));
+    let (term, orig) = (term.expect(&list), orig.expect(&list));
+    for f in [&term, &orig] {
+        assert_eq!(f.dst.map(|a| a.to_string()), Some(r.app.ipv4.clone()), "to the app: {list}");
+        assert_eq!(f.src.map(|a| a.to_string()), Some(rig.srv.v4.clone()), "from the client: {list}");
+    }
+    assert!(orig.tcp.as_ref().and_then(|t| t.cwnd).unwrap_or(0) > 0, "TCP_INFO of the network side: {list}");
+    assert!(slow.wait().expect("curl").success(), "curl from the network (IPv4)");
+    assert_eq!(sha256(&fetched), r.want, "IPv4: intact");
+    r.curl(&r.app.ipv6, "fetched6");
+    r.saw_the_clients();
+    // iperf3 TCP, both directions, IPv4 and IPv6.
+    for (host, reverse) in [(&r.app.ipv4, false), (&r.app.ipv4, true), (&r.app.ipv6, false), (&r.app.ipv6, true)] {
+        let mut args = vec!["-c", host.as_str(), "-p", "5201", "-t", "2", "-J"];
+        if reverse {
+            args.push("-R");
+        }
+        let out = r.in_ns("iperf3", &args).output().expect("iperf3");
+        let j: Json = serde_json::from_slice(&out.stdout).unwrap_or(Json::Null);
+        let bytes = j["end"]["sum_received"]["bytes"].as_u64().unwrap_or(0);
+        assert!(out.status.success() && bytes > 1_000_000, "iperf3 {host} -R {reverse}: {bytes} B: {}", text(&out));
+        eprintln!("server role, iperf3 to {host} reverse {reverse}: {bytes} bytes in 2 s");
+    }
+    for host in [&r.app.ipv4, &r.app.ipv6] {
+        // Nobody listens on 8081: the kernel accepted the client's connection, so it is reset (not refused).
+        let t = r.client(host, "refused");
+        let ms: u64 = t.split_whitespace().nth(1).and_then(|w| w.parse().ok()).unwrap_or(u64::MAX);
+        assert!(t.starts_with("ConnectionResetError") && ms < 2000, "{host}: reset at once: {t}");
+        let t = r.client(host, "half");
+        assert!(t.contains("answered 300006 100000"), "{host}: half-close: {t}");
+    }
+    // The client aborts (RST) while the app still reads: the abort crosses both endpoints, and the app's
+    // connection is reset too (were it not, it would be left open: `connections_active` below).
+    assert_eq!(r.client(&r.app.ipv4, "abort").trim(), "aborted");
+    let vars = r.finish();
+    assert!(value(&vars, "module.ksrv-term.aborts_received_total") >= 1, "the client's abort: {vars}");
+    // Two downloads, 4 x 2 iperf3 connections (control and data), two resets and two half-closes from the network;
+    // one download of the app's own.
+    assert!(value(&vars, "module.ksrv-orig.connections_total") >= 15, "through originate: {vars}");
+    assert_eq!(value(&vars, "module.ksrv-term.refused_total"), 2, "the two refusals: {vars}");
+    assert_eq!(value(&vars, "module.ksrv-term.connections_active"), 0, "nothing left: {vars}");
+    assert_eq!(value(&vars, "module.ksrv-orig.connections_active"), 0, "nothing left: {vars}");
+}
+
+/// The server role with a smoltcp network side and a kernel app side: the smoltcp `originate` holds the client's
+/// SYN-ACK, so a port where nothing listens is refused (not reset); the kernel `terminate` opens the connections
+/// and the UDP flows into the sandbox from the clients' own addresses (transparent TCP and UDP sockets). curl of
+/// 4 MB over IPv4 and IPv6, intact; the app's server logs the clients' addresses; 20 datagrams each way to a UDP
+/// echo in the sandbox come back exact (IPv4, IPv6); nothing left afterwards.
+#[test]
+fn server_role_with_a_smoltcp_network_side_and_a_kernel_app_side() {
+    let Some(rig) = Rig::new(11, &pattern(4_000_000)) else { return };
+    let table = r#"["tcp dport 8080,8081 role server", "udp dport 5353 role server", "tcp *"]"#;
+    let r = ServerRole::start(&rig, "kernel", "smoltcp", table, "kmix");
+    for (host, file) in [(&r.app.ipv4, "fetched4"), (&r.app.ipv6, "fetched6")] {
+        r.curl(host, file);
+        let t = r.client(host, "refused");
+        assert!(t.starts_with("ConnectionRefusedError"), "{host}: refused: {t}");
+        let t = r.client(host, "udp");
+        assert!(t.contains("echoed 20"), "{host}: every datagram answered exactly: {t}");
+    }
+    r.saw_the_clients();
+    let vars = r.finish();
+    assert_eq!(value(&vars, "module.kmix-term.refused_total"), 2, "the two refusals: {vars}");
+    assert!(value(&vars, "module.kmix-term.udp_flows_total") >= 2, "two UDP flows into the sandbox: {vars}");
+    assert_eq!(value(&vars, "module.kmix-term.connections_active"), 0, "nothing left: {vars}");
 }

@@ -380,6 +380,32 @@ impl Rtnl {
         self.queue(NLM_F_CREATE | NLM_F_EXCL, RouteNetlinkMessage::NewRoute(m), what);
     }
 
+    /// Queues the policy rule `fwmark MARK lookup TABLE` of `v6`'s family (the server role of the kernel
+    /// back-end: docs/streams.md).
+    pub fn add_fwmark_rule(&mut self, v6: bool, mark: u32, table: u32) {
+        let mut m = netlink_packet_route::rule::RuleMessage::default();
+        m.header.family = if v6 { AddressFamily::Inet6 } else { AddressFamily::Inet };
+        m.header.action = netlink_packet_route::rule::RuleAction::ToTable;
+        m.attributes.push(netlink_packet_route::rule::RuleAttribute::FwMark(mark));
+        m.attributes.push(netlink_packet_route::rule::RuleAttribute::Table(table));
+        let what = format!("add rule fwmark {mark:#x} lookup {table}");
+        self.queue(NLM_F_CREATE | NLM_F_EXCL, RouteNetlinkMessage::NewRule(m), what);
+    }
+
+    /// Queues `local default dev INDEX` (every destination delivered locally) in table `table`, of `v6`'s family.
+    pub fn add_local_default(&mut self, v6: bool, table: u32, index: u32) {
+        let mut m = RouteMessage::default();
+        m.header.address_family = if v6 { AddressFamily::Inet6 } else { AddressFamily::Inet };
+        m.header.table = netlink_packet_route::route::RouteHeader::RT_TABLE_UNSPEC;
+        m.header.protocol = RouteProtocol::Static;
+        m.header.scope = RouteScope::Host;
+        m.header.kind = RouteType::Local;
+        m.attributes.push(RouteAttribute::Table(table));
+        m.attributes.push(RouteAttribute::Oif(index));
+        let what = format!("add route local default on link {index} in table {table}");
+        self.queue(NLM_F_CREATE | NLM_F_EXCL, RouteNetlinkMessage::NewRoute(m), what);
+    }
+
     /// Queues a permanent neighbour: `address` is at `mac` on link `index` (replacing what the kernel knew).
     pub fn add_neighbour(&mut self, index: u32, address: IpAddr, mac: [u8; 6]) {
         let mut m = NeighbourMessage::default();

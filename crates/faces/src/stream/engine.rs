@@ -14,7 +14,7 @@
 //! endpoint's budget lets it send, and `queue_limit`), and are acked once the kernel took them.
 
 use flexstack_core::frame::{MetaKey, Metadata};
-use flexstack_core::stream::{Credit, FlowInfo, StreamEvent, StreamKind};
+use flexstack_core::stream::{Credit, FlowInfo, Role, StreamEvent, StreamKind};
 use flexstack_core::{Direction, Meter, Packet};
 use flexstack_modules::stream::backend::{Config, Meters, Side};
 use flexstack_modules::stream::matcher::MatchTable;
@@ -202,6 +202,47 @@ pub(crate) fn reset(sock: Sock) {
     drop(sock);
 }
 
+/// The app's network namespace and the daemon's, open: `terminate` enters the app's to open the server role's
+/// connections (see [`Engine::open_app`]).
+pub(crate) struct Namespaces {
+    own: std::fs::File,
+    app: std::fs::File,
+}
+
+impl Namespaces {
+    /// Opens the daemon's namespace (the calling thread's, which the data plane shares) and `netns`.
+    pub(crate) fn open(netns: &str) -> Result<Namespaces, String> {
+        let own = std::fs::File::open("/proc/thread-self/ns/net").map_err(|e| format!("the own namespace: {e}"))?;
+        let app = std::fs::File::open(format!("/run/netns/{netns}"))
+            .map_err(|e| format!("network namespace {netns}: {e}"))?;
+        Ok(Namespaces { own, app })
+    }
+
+    /// Runs `f` with the calling thread in the app's namespace, then back in the daemon's.
+    pub(crate) fn run<T>(&self, f: impl FnOnce() -> std::io::Result<T>) -> std::io::Result<T> {
+        use nix::sched::{setns, CloneFlags};
+        setns(&self.app, CloneFlags::CLONE_NEWNET)?;
+        let result = f();
+        // As in `in_netns`: coming back cannot fail where going there worked; if it did, this thread would go on in
+        // the app's namespace, which must not happen silently.
+        setns(&self.own, CloneFlags::CLONE_NEWNET).expect("returning to the daemon's network namespace");
+        result
+    }
+}
+
+/// Sets the congestion control of TCP socket `s` (`TCP_CONGESTION`): any the kernel offers
+/// (`net.ipv4.tcp_available_congestion_control`).
+pub(crate) fn set_cc(s: &TcpStream, name: &str) -> std::io::Result<()> {
+    setsockopt(s, sockopt::TcpCongestion, &std::ffi::OsString::from(name)).map_err(std::io::Error::from)
+}
+
+/// The congestion control of TCP socket `s`.
+pub(crate) fn cc_of(s: &TcpStream) -> String {
+    nix::sys::socket::getsockopt(s, sockopt::TcpCongestion)
+        .map(|n| n.to_string_lossy().trim_end_matches('\0').to_string())
+        .unwrap_or_default()
+}
+
 /// Sockets the kernel endpoints of this process hold (one per flow and endpoint).
 static SOCKETS: AtomicU64 = AtomicU64::new(0);
 
@@ -221,8 +262,8 @@ pub(crate) fn spare_descriptor() -> Option<std::fs::File> {
     std::fs::File::open("/dev/null").ok()
 }
 
-/// What only the app's side (terminate) has: its match table (to count which rule selected each connection), one
-/// meter per rule, and the app's name.
+/// What the endpoint that accepts connections has (terminate; originate with the server role): its match table (to
+/// count which rule selected each connection), one meter per rule, and the app's name.
 pub(crate) struct AppSide {
     pub(crate) matcher: MatchTable,
     pub(crate) hits: Vec<Meter>,
@@ -261,8 +302,10 @@ pub(crate) struct Engine {
     earliest: Option<Instant>,
     /// terminate: the smoltcp back-end beside it has the UDP flows (see `counts`).
     pub(crate) shares_udp: bool,
-    /// terminate: its match table and app.
+    /// The endpoint that accepts (terminate; originate with the server role): its match table and app.
     pub(crate) app: Option<AppSide>,
+    /// terminate: the app's namespace and the daemon's (the server role's connections are opened in the app's).
+    pub(crate) netns: Option<Namespaces>,
     /// A descriptor held in reserve: out of descriptors, the app side closes it to accept and reset the waiting
     /// connection, so that the app sees a refusal at once instead of waiting in the backlog.
     pub(crate) spare: Option<std::fs::File>,
@@ -303,6 +346,7 @@ impl Engine {
             earliest: None,
             shares_udp: false,
             app: None,
+            netns: None,
             spare: None,
             warned_no_files: false,
         })
@@ -731,12 +775,18 @@ impl Engine {
             return;
         }
         if let StreamEvent::Open(info) = &event {
-            if self.side == Side::Net {
-                if self.flows.contains_key(&id) {
-                    self.m.stream_bad.add(1);
-                } else {
-                    self.open_net(id, info.clone());
-                }
+            // A new flow: originate opens the client role's towards the destination, terminate the server role's
+            // into the app's namespace. An `Open` for a flow it has is the answer to its own (the far side
+            // accepted), handled below.
+            let known = self.flows.contains_key(&id);
+            if self.side == Side::Net && !known {
+                return self.open_net(id, info.clone());
+            }
+            if self.side == Side::App && !known && info.role == Role::Server {
+                return self.open_app(id, info.clone());
+            }
+            if known && self.flows.get(&id).is_some_and(|f| f.accepted || f.connecting) {
+                self.m.stream_bad.add(1); // a second Open
                 return;
             }
         }
@@ -747,7 +797,8 @@ impl Engine {
         f.touch(&mut self.touched, id);
         match event {
             StreamEvent::Open(_) => {
-                // terminate: the far side accepted; the app's bytes may flow.
+                // The far side accepted the flow this endpoint accepted (terminate: the client role's, originate: the
+                // server role's): its peer's bytes may flow.
                 f.accepted = true;
                 f.deadline = None;
                 self.update(id);
@@ -859,7 +910,6 @@ impl Engine {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use flexstack_core::stream::Role;
     use flexstack_core::PacketPool;
 
     /// Events become stream frames that the core decodes back to the same events.

@@ -13,9 +13,15 @@
 //! `Open` comes back up (the far side accepted). App-side UDP has no kernel transport state to take over: the UDP flows
 //! the match table selects stay in the data plane, terminated by the smoltcp back-end (`terminates_udp`; see
 //! docs/streams.md, "The kernel back-end").
+//!
+//! The server role: an `Open` coming up for a flow `originate` accepted from the network makes a socket in the
+//! app's namespace, transparent and marked [`MARK`], from the client's own address and port to the app
+//! ([`Engine::open_app`]); the table's `route` chain and the policy routing of [`MARK`] bring the app's answers back
+//! to it (docs/streams.md, "The kernel back-end", "The server role").
 
-use super::engine::{reset, room_for_sockets, spare_descriptor, Engine, Event, Flow, Sock};
+use super::engine::{cc_of, reset, room_for_sockets, set_cc, spare_descriptor, Engine, Event, Flow, Sock};
 use flexstack_core::stream::{FlowInfo, Protocol, Role};
+use flexstack_modules::stream::backend::Side;
 use flexstack_modules::stream::matcher::{Candidate, MatchTable};
 use nix::sys::socket::{
     bind, getsockopt, listen, setsockopt, socket, sockopt, AddressFamily, Backlog, SockFlag, SockType, SockaddrStorage,
@@ -27,7 +33,8 @@ use std::time::{Duration, Instant};
 /// The redirect installed in the app's namespace: removed when this is dropped (with the module).
 #[derive(Debug)]
 pub(crate) struct Redirect {
-    pub(crate) netns: String,
+    /// The namespace it is in (`None`: the daemon's own).
+    pub(crate) netns: Option<String>,
     pub(crate) table: String,
 }
 
@@ -37,16 +44,21 @@ impl Drop for Redirect {
     fn drop(&mut self) {
         let (netns, table) = (self.netns.clone(), self.table.clone());
         let _ = std::thread::Builder::new().name("nft-cleanup".into()).spawn(move || {
-            let _ = std::process::Command::new("ip")
-                .args(["netns", "exec", &netns, "nft", "delete", "table", "inet", &table])
-                .stderr(std::process::Stdio::null())
-                .status();
+            let mut cmd = match &netns {
+                Some(ns) => {
+                    let mut c = std::process::Command::new("ip");
+                    c.args(["netns", "exec", ns, "nft"]);
+                    c
+                }
+                None => std::process::Command::new("nft"),
+            };
+            let _ = cmd.args(["delete", "table", "inet", &table]).stderr(std::process::Stdio::null()).status();
         });
     }
 }
 
 /// A listening TCP socket on `addr` (IPv6: v6 only), non-blocking.
-fn listener(addr: SocketAddr) -> std::io::Result<TcpListener> {
+pub(crate) fn listener(addr: SocketAddr) -> std::io::Result<TcpListener> {
     let family = if addr.is_ipv4() { AddressFamily::Inet } else { AddressFamily::Inet6 };
     let fd = socket(family, SockType::Stream, SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC, None)?;
     setsockopt(&fd, sockopt::ReuseAddr, &true)?;
@@ -89,9 +101,46 @@ pub(crate) fn open(netns: &str, matcher: &MatchTable, app: &str) -> Result<(Vec<
     })
     .map_err(|e| format!("cannot listen in network namespace {netns}: {e}"))?;
     let table = format!("flexstack_kernel_{port}");
-    let script = nft_script(&table, &redirect_rules(matcher, app, port));
+    let script = nft_script(&table, &redirect_rules(matcher, app, port, Role::Client, ""));
     nft_in(netns, &script)?;
-    Ok((listeners, Redirect { netns: netns.to_string(), table }))
+    let redirect = Redirect { netns: Some(netns.to_string()), table };
+    mark_routing(netns).map_err(|e| format!("the server role's routing in network namespace {netns}: {e}"))?;
+    Ok((listeners, redirect))
+}
+
+/// The mark of the packets of the connections `terminate` opens into the app's namespace for the server role,
+/// and of the app's answers to them (by conntrack), which policy routing delivers locally (see [`mark_routing`]).
+pub(crate) const MARK: u32 = 0x6673_0001;
+/// The routing table of [`MARK`]: every destination local.
+const MARK_TABLE: u32 = 0x6673;
+
+/// Makes, in `netns`, the policy rules `fwmark MARK lookup MARK_TABLE` and the routes `local default dev lo` in
+/// that table (IPv4 and IPv6), by netlink: the app's answers to a connection `terminate` opened from a client's
+/// (non-local) address reach that transparent socket, as TPROXY does for locally made traffic. Made once per
+/// namespace (those already there are kept) and left with it: they touch only marked packets.
+fn mark_routing(netns: &str) -> Result<(), String> {
+    use crate::netconf::{open_netns, Rtnl};
+    let ns = open_netns(netns).map_err(|e| e.to_string())?;
+    let mut nl = Rtnl::open_in(std::os::fd::AsFd::as_fd(&ns)).map_err(|e| e.to_string())?;
+    let lo = nl.index_of("lo").map_err(|e| e.to_string())?;
+    // The sandbox sets it up later (the stack is built first); a local route needs it now.
+    nl.set_up(lo, true);
+    nl.commit().map_err(|e| e.to_string())?;
+    // One request per commit: one already there (EEXIST: another module made it) says nothing about the others.
+    for v6 in [false, true] {
+        for rule in [true, false] {
+            if rule {
+                nl.add_fwmark_rule(v6, MARK, MARK_TABLE);
+            } else {
+                nl.add_local_default(v6, MARK_TABLE, lo);
+            }
+            match nl.commit() {
+                Err(e) if e.error.kind() != std::io::ErrorKind::AlreadyExists => return Err(e.to_string()),
+                _ => {}
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Runs an nftables script in namespace `netns`.
@@ -99,38 +148,65 @@ fn nft_in(netns: &str, script: &str) -> Result<(), String> {
     crate::netconf::nft(Some(netns), script).map_err(|e| format!("the redirect: {e}"))
 }
 
-/// The nftables table holding `rules` in a nat `output` chain, loopback destinations excepted.
+/// The nftables table of the app's namespace: `rules` in a nat `output` chain, loopback destinations and the
+/// server role's connections (marked [`MARK`]) excepted, and the `route` chain that marks the app's answers to
+/// those connections (by conntrack) so that policy routing delivers them locally (see [`mark_routing`]).
 pub(crate) fn nft_script(table: &str, rules: &[String]) -> String {
-    let mut s = format!(
-        "table inet {table} {{\n  chain output {{\n    type nat hook output priority -100; policy accept;\n    \
-         ip daddr 127.0.0.0/8 return\n    ip6 daddr ::1 return\n"
-    );
-    for r in rules {
-        s.push_str("    ");
-        s.push_str(r);
-        s.push('\n');
+    let mut nat = vec![
+        "ip daddr 127.0.0.0/8 return".to_string(),
+        "ip6 daddr ::1 return".into(),
+        format!("meta mark {MARK:#x} return"),
+    ];
+    nat.extend(rules.iter().cloned());
+    let marks =
+        [format!("meta mark {MARK:#x} ct mark set meta mark"), format!("ct mark {MARK:#x} meta mark set ct mark")];
+    nft_table(
+        table,
+        &[
+            ("output", "type nat hook output priority -100", &nat),
+            ("route", "type route hook output priority mangle", &marks),
+        ],
+    )
+}
+
+/// An nftables table of `chains` (name, hook line, rules in order), each with policy accept.
+pub(crate) fn nft_table(table: &str, chains: &[(&str, &str, &[String])]) -> String {
+    let mut s = format!("table inet {table} {{\n");
+    for (name, hook, rules) in chains {
+        s.push_str(&format!("  chain {name} {{\n    {hook}; policy accept;\n"));
+        for r in *rules {
+            s.push_str("    ");
+            s.push_str(r);
+            s.push('\n');
+        }
+        s.push_str("  }\n");
     }
-    s.push_str("  }\n}\n");
+    s.push_str("}\n");
     s
 }
 
-/// The nftables rules, in order, that send the TCP flows `matcher` terminates for app `app` to port `port`: a
-/// `pass` rule returns (the flow is not redirected), another redirects. Rules for the server role or another app
-/// can select none of this app's outgoing connections and are left out. A UDP rule that terminates is refused.
-pub(crate) fn redirect_rules(matcher: &MatchTable, app: &str, port: u16) -> Vec<String> {
+/// The nftables rules, in order, that send the TCP flows `matcher` terminates for app `app` in `role` to port
+/// `port`: a `pass` rule returns (the flow is not redirected), another redirects. Rules of the other role or for
+/// another app select none of these connections and are left out, and so are UDP rules (UDP stays in the data
+/// plane: `terminates_udp`). `head`, if not empty, comes first in each rule (the server role: the connections
+/// routed to the app).
+pub(crate) fn redirect_rules(matcher: &MatchTable, app: &str, port: u16, role: Role, head: &str) -> Vec<String> {
     let list = |ranges: &[flexstack_wire::cidr::PortRange]| {
         let items: Vec<String> = ranges.iter().map(ToString::to_string).collect();
         format!("{{ {} }}", items.join(", "))
     };
     let mut out = Vec::new();
     for r in &matcher.rules {
-        if r.role == Some(Role::Server) || r.app.as_deref().is_some_and(|a| a != "*" && a != app) {
+        if r.role.unwrap_or(Role::Client) != role || r.app.as_deref().is_some_and(|a| a != "*" && a != app) {
             continue;
         }
         if r.protocol == Some(Protocol::Udp) {
             continue; // UDP stays in the data plane (`udp_rules`)
         }
         let mut words = vec!["meta l4proto tcp".to_string()];
+        if !head.is_empty() {
+            words.push(head.to_string());
+        }
         if let Some(to) = &r.to {
             let family = if to.addr().is_ipv4() { "ip" } else { "ip6" };
             words.push(format!("{family} daddr {to}"));
@@ -165,8 +241,59 @@ fn original_dst(s: &std::net::TcpStream, v4: bool) -> std::io::Result<SocketAddr
     }
 }
 
+/// A non-blocking socket of `ty` for the server role's flow `info`, made in the current namespace: transparent
+/// (`IP_TRANSPARENT`: bound to the client's non-local address and port), marked [`MARK`], connecting (TCP) or
+/// connected (UDP) to the app.
+fn transparent_socket(info: &FlowInfo, ty: SockType) -> std::io::Result<std::os::fd::OwnedFd> {
+    let family = if info.dst.is_ipv4() { AddressFamily::Inet } else { AddressFamily::Inet6 };
+    let fd = socket(family, ty, SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC, None)?;
+    // IP_TRANSPARENT at SOL_IP also sets an IPv6 socket's transparency (the kernel's ipv6_setsockopt passes SOL_IP on).
+    setsockopt(&fd, sockopt::IpTransparent, &true)?;
+    setsockopt(&fd, sockopt::Mark, &MARK)?;
+    setsockopt(&fd, sockopt::ReuseAddr, &true)?;
+    bind(std::os::fd::AsRawFd::as_raw_fd(&fd), &SockaddrStorage::from(info.src))?;
+    match nix::sys::socket::connect(std::os::fd::AsRawFd::as_raw_fd(&fd), &SockaddrStorage::from(info.dst)) {
+        Ok(()) | Err(nix::errno::Errno::EINPROGRESS) => Ok(fd),
+        Err(e) => Err(e.into()),
+    }
+}
+
 impl Engine {
-    /// Accepts every connection waiting at listener `index`: each becomes a flow, and `Open` goes down.
+    /// terminate: `Open` up of the server role's flow `id` (a client of the network connected to the app through
+    /// `originate`): a transparent socket in the app's namespace, from the client's address and port to the app.
+    /// TCP: `Open` goes down when the app accepted (see `writable`), `Abort(refused)` when it refused; UDP: ready
+    /// at once, each `Data` one datagram to the app.
+    pub(crate) fn open_app(&mut self, id: u64, info: FlowInfo) {
+        let tcp = info.protocol == Protocol::Tcp;
+        let (count, max) =
+            if tcp { (self.tcp_count(), self.cfg.max_connections) } else { (self.udp_count(), self.cfg.max_udp_flows) };
+        if count >= max || !room_for_sockets(1) {
+            self.m.refused.add(1);
+            return self.refuse(id, "limit");
+        }
+        let Some(ns) = self.netns.as_ref() else {
+            self.m.stream_bad.add(1);
+            return self.refuse(id, "refused");
+        };
+        let ty = if tcp { SockType::Stream } else { SockType::Datagram };
+        let fd = match ns.run(|| transparent_socket(&info, ty)) {
+            Ok(fd) => fd,
+            Err(e) if e.raw_os_error() == Some(libc::ECONNREFUSED) => return self.refuse(id, "refused"),
+            Err(e) => return self.refuse_open(id, &e),
+        };
+        let now = Instant::now();
+        if !tcp {
+            let idle = now + Duration::from_millis(self.cfg.udp_timeout_ms);
+            return self.insert(id, Flow::new(info, Sock::Udp(std::net::UdpSocket::from(fd))), true, false, Some(idle));
+        }
+        let stream = std::net::TcpStream::from(fd);
+        let _ = stream.set_nodelay(!self.cfg.nagle);
+        let deadline = now + Duration::from_millis(self.cfg.connect_timeout_ms);
+        self.insert(id, Flow::new(info, Sock::Tcp(stream)), false, true, Some(deadline));
+    }
+
+    /// Accepts every connection waiting at listener `index`: each becomes a flow, and `Open` goes out (terminate:
+    /// down, the client role; originate: up, the server role).
     pub(crate) fn accept_all(&mut self, index: usize) {
         loop {
             let Some(l) = self.listeners.get(index) else { return };
@@ -213,8 +340,9 @@ impl Engine {
             };
             let v4 = peer.is_ipv4();
             let dst = match original_dst(&stream, v4) {
-                Ok(d) => d,
-                Err(_) => {
+                // (Without a translation conntrack answers with the connection's own destination.)
+                Ok(d) if stream.local_addr().is_ok_and(|l| l != d) => d,
+                _ => {
                     // Not redirected (the app connected to the listener's port itself): no destination to open.
                     self.m.stream_bad.add(1);
                     reset(Sock::Tcp(stream));
@@ -231,17 +359,31 @@ impl Engine {
                 continue;
             }
             let _ = stream.set_nodelay(!self.cfg.nagle);
+            // terminate accepts the app's connections (the client role), originate the network's (the server role:
+            // its socket is the one towards the network, whose congestion control the module's `cc` sets).
+            let role = if self.side == Side::App { Role::Client } else { Role::Server };
+            let mut cc = String::new();
+            if role == Role::Server {
+                if let Some(name) = self.cc.clone() {
+                    if let Err(e) = set_cc(&stream, &name) {
+                        tracing::warn!(cc = %name, error = %e, "cannot set the congestion control of a connection");
+                    }
+                }
+                cc = cc_of(&stream);
+            }
             let Some(side) = self.app.as_ref() else { return };
-            let c = Candidate { protocol: Protocol::Tcp, src: peer, dst, role: Role::Client, app: &side.app };
+            let c = Candidate { protocol: Protocol::Tcp, src: peer, dst, role, app: &side.app };
             if let Some((rule, _)) = side.matcher.decide(&c) {
                 side.hits[rule].add(1);
             }
-            let info = FlowInfo::tcp(peer, dst, &side.app, Role::Client);
+            let info = FlowInfo::tcp(peer, dst, &side.app, role);
             self.next_id += 1;
             let id = self.next_id;
             let deadline = Instant::now() + Duration::from_millis(self.cfg.connect_timeout_ms);
             self.push(Event::Open(id, info.clone()));
-            self.insert(id, Flow::new(info, Sock::Tcp(stream)), false, false, Some(deadline));
+            let mut flow = Flow::new(info, Sock::Tcp(stream));
+            flow.cc = cc;
+            self.insert(id, flow, false, false, Some(deadline));
         }
     }
 }
@@ -266,7 +408,7 @@ mod tests {
             "pass udp dport 53",
             "tcp app curl",
         ]);
-        let rules = redirect_rules(&t, "curl", 40000);
+        let rules = redirect_rules(&t, "curl", 40000, Role::Client, "");
         assert_eq!(
             rules,
             [
@@ -280,18 +422,40 @@ mod tests {
         let script = nft_script("flexstack_kernel_40000", &rules);
         assert!(script.starts_with("table inet flexstack_kernel_40000 {\n  chain output {\n"), "{script}");
         assert!(script.contains(
-            "ip daddr 127.0.0.0/8 return\n    ip6 daddr ::1 return\n    meta l4proto tcp tcp dport { 22 } return\n"
+            "ip daddr 127.0.0.0/8 return\n    ip6 daddr ::1 return\n    meta mark 0x66730001 return\n    \
+             meta l4proto tcp tcp dport { 22 } return\n"
         ));
+        assert!(
+            script.ends_with(
+                "  chain route {\n    type route hook output priority mangle; policy accept;\n    \
+                 meta mark 0x66730001 ct mark set meta mark\n    ct mark 0x66730001 meta mark set ct mark\n  }\n}\n"
+            ),
+            "{script}"
+        );
     }
 
     #[test]
     fn udp_rules_stay_in_the_data_plane() {
         let t = table(&["tcp dport 80", "pass udp dport 5353", "udp dport 53", "* to 192.0.2.0/24"]);
-        assert_eq!(redirect_rules(&t, "a", 7).len(), 2, "no UDP rule is redirected");
+        assert_eq!(redirect_rules(&t, "a", 7, Role::Client, "").len(), 2, "no UDP rule is redirected");
         assert!(terminates_udp(&t));
         assert!(terminates_udp(&table(&["*"])));
         assert!(!terminates_udp(&table(&["tcp *", "pass udp *"])));
-        assert_eq!(redirect_rules(&table(&["*"]), "a", 7), ["meta l4proto tcp redirect to :7"]);
+        assert_eq!(redirect_rules(&table(&["*"]), "a", 7, Role::Client, ""), ["meta l4proto tcp redirect to :7"]);
+    }
+
+    /// The server role's rules: those with `role server` (TCP, this app), each after the given head.
+    #[test]
+    fn the_server_role_becomes_redirect_rules_of_its_own() {
+        let t = table(&["tcp *", "pass tcp dport 22 role server", "tcp dport 80 to 10.0.0.0/8 role server", "udp *"]);
+        let rules = redirect_rules(&t, "a", 9, Role::Server, "oifname \"fsh1\"");
+        assert_eq!(
+            rules,
+            [
+                "meta l4proto tcp oifname \"fsh1\" tcp dport { 22 } return",
+                "meta l4proto tcp oifname \"fsh1\" ip daddr 10.0.0.0/8 tcp dport { 80 } redirect to :9",
+            ]
+        );
     }
 
     #[test]

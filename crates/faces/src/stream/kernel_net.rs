@@ -9,29 +9,20 @@
 //! - UDP: a connected UDP socket per flow: each `Data` down is one datagram sent, each datagram from the destination
 //!   one `Data` up; `udp_timeout_ms` without a datagram either way ends the flow (`Fin`); an ICMP port unreachable
 //!   (the socket's ECONNREFUSED) ends it with `Abort(unreachable)`.
+//! - The server role (`role server` TCP rules): listeners in the daemon's namespace and an nftables redirect of the
+//!   connections to the app's addresses to them ([`open_server`]); an accepted connection sends `Open` up (see
+//!   `Engine::accept_all`) and is read once `Open` comes back down (`terminate` connected to the app).
 
-use super::engine::{Engine, Flow, Sock};
-use flexstack_core::stream::{FlowInfo, Protocol};
+use super::engine::{cc_of, set_cc, Engine, Flow, Sock};
+use super::kernel_app::{listener, nft_table, redirect_rules, Redirect};
+use flexstack_core::stream::{FlowInfo, Protocol, Role};
+use flexstack_modules::stream::matcher::MatchTable;
 use nix::sys::socket::{
     bind, connect, setsockopt, socket, sockopt, AddressFamily, SockFlag, SockType, SockaddrStorage,
 };
-use std::ffi::OsString;
-use std::net::{IpAddr, SocketAddr, TcpStream, UdpSocket};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream, UdpSocket};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::time::{Duration, Instant};
-
-/// Sets the congestion control of TCP socket `s` (`TCP_CONGESTION`): any the kernel offers
-/// (`net.ipv4.tcp_available_congestion_control`).
-pub(crate) fn set_cc(s: &TcpStream, name: &str) -> std::io::Result<()> {
-    setsockopt(s, sockopt::TcpCongestion, &OsString::from(name)).map_err(std::io::Error::from)
-}
-
-/// The congestion control of TCP socket `s`.
-pub(crate) fn cc_of(s: &TcpStream) -> String {
-    nix::sys::socket::getsockopt(s, sockopt::TcpCongestion)
-        .map(|n| n.to_string_lossy().trim_end_matches('\0').to_string())
-        .unwrap_or_default()
-}
 
 /// A non-blocking socket of `ty` for `dst`'s family, bound to `source` (its family's address, port 0) if any.
 fn socket_for(dst: SocketAddr, ty: SockType, source: Option<IpAddr>) -> std::io::Result<OwnedFd> {
@@ -99,7 +90,7 @@ impl Engine {
     /// Answers `Open` of flow `id` whose socket could not be made: out of descriptors or memory is a refusal
     /// (counted in `refused_total`, as a limit is), anything else (no route, a source address it cannot bind) an
     /// unreachable destination.
-    fn refuse_open(&mut self, id: u64, e: &std::io::Error) {
+    pub(crate) fn refuse_open(&mut self, id: u64, e: &std::io::Error) {
         if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)) {
             if !std::mem::replace(&mut self.warned_no_files, true) {
                 tracing::warn!(error = %e, "cannot open sockets towards the destinations: refusing new connections");
@@ -111,8 +102,54 @@ impl Engine {
     }
 
     /// Answers `Open` of flow `id` with `Abort(reason)`: no flow is made.
-    fn refuse(&mut self, id: u64, reason: &'static str) {
+    pub(crate) fn refuse(&mut self, id: u64, reason: &'static str) {
         self.m.aborts_sent.add(1);
         self.push(super::engine::Event::Abort(id, reason));
     }
+}
+
+/// Whether `matcher` has rules of the server role that terminate TCP for app `app` (originate then listens).
+pub(crate) fn serves(matcher: &MatchTable, app: &str) -> bool {
+    matcher.rules.iter().any(|r| {
+        !r.pass
+            && r.role == Some(Role::Server)
+            && r.protocol != Some(Protocol::Udp)
+            && r.app.as_deref().is_none_or(|a| a == "*" || a == app)
+    })
+}
+
+/// originate with the server role: opens its listeners, `0.0.0.0:Q` and `[::]:Q`, in the daemon's namespace, and
+/// installs there the table `inet flexstack_kserver_Q` whose nat `prerouting` (clients routed through the host:
+/// `fib daddr oifname DEV`) and `output` (clients on the host: `oifname DEV`) chains redirect to `:Q` the TCP
+/// connections the host routes to the app (through `host_dev`, its host face) that `matcher`'s `role server` rules
+/// select. `None` when it has no such rule.
+pub(crate) fn open_server(
+    host_dev: &str,
+    matcher: &MatchTable,
+    app: &str,
+) -> Result<Option<(Vec<std::net::TcpListener>, Redirect)>, String> {
+    if !serves(matcher, app) {
+        return Ok(None);
+    }
+    if host_dev.is_empty() || host_dev.contains('"') {
+        return Err("the server role of the kernel back-end of originate needs `host_dev`, the app's host face \
+                    (a sandbox's template gives it as host_dev = \"{host_dev}\"): the connections routed there are \
+                    redirected"
+            .into());
+    }
+    let v4 = listener(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0)).map_err(|e| format!("listen: {e}"))?;
+    let port = v4.local_addr().map_err(|e| e.to_string())?.port();
+    let v6 = listener(SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), port)).map_err(|e| format!("listen: {e}"))?;
+    let table = format!("flexstack_kserver_{port}");
+    let routed = redirect_rules(matcher, app, port, Role::Server, &format!("fib daddr oifname \"{host_dev}\""));
+    let local = redirect_rules(matcher, app, port, Role::Server, &format!("oifname \"{host_dev}\""));
+    let script = nft_table(
+        &table,
+        &[
+            ("prerouting", "type nat hook prerouting priority dstnat", &routed),
+            ("output", "type nat hook output priority -100", &local),
+        ],
+    );
+    crate::netconf::nft(None, &script).map_err(|e| format!("the server role's redirect: {e}"))?;
+    Ok(Some((vec![v4, v6], Redirect { netns: None, table })))
 }

@@ -4,8 +4,10 @@
 //!
 //! - [`install`] hands the builder to `flexstack_modules::stream::backend` (the daemon's catalog calls it once).
 //! - `engine`: what both sides share: flows and their sockets, the stream protocol and its credit, one epoll set.
-//! - `kernel_app`: `terminate`'s listener in the app's namespace and the nftables redirect to it.
-//! - `kernel_net`: `originate`'s non-blocking sockets towards the original destinations (TCP and UDP).
+//! - `kernel_app`: `terminate`'s listener in the app's namespace and the nftables redirect to it, and the server
+//!   role's transparent sockets into that namespace.
+//! - `kernel_net`: `originate`'s non-blocking sockets towards the original destinations (TCP and UDP), and the
+//!   server role's listener in the daemon's namespace with its redirect.
 //!
 //! The module is a face: its device is the engine's epoll set, which the data plane waits on with the other
 //! devices. Frames read from it (every stream frame the endpoint emits) leave on its first output port, `stream`
@@ -84,7 +86,7 @@ pub fn raise_open_files_limit() -> u64 {
 /// Builds the kernel back-end from what the kind read.
 fn build(req: KernelRequest) -> Result<Box<dyn ModuleBuilder>, String> {
     let files = raise_open_files_limit();
-    let KernelRequest { side, cfg, matcher, netns, mut interface, decl, smoltcp } = req;
+    let KernelRequest { side, cfg, matcher, netns, host_dev, mut interface, decl, smoltcp } = req;
     if files < 2 * cfg.max_connections + 256 {
         // terminate and originate together hold two descriptors per connection.
         tracing::warn!(
@@ -112,14 +114,17 @@ fn build(req: KernelRequest) -> Result<Box<dyn ModuleBuilder>, String> {
         pass: port(&interface.outputs, "pass").unwrap_or(2),
     };
     let udp = (side == Side::App && kernel_app::terminates_udp(&matcher)).then(|| smoltcp(ports));
-    let app = match side {
+    // terminate listens for the app's connections (and opens the server role's into its namespace); originate
+    // listens for the network's when its table has the server role.
+    let (accepting, namespaces) = match side {
         Side::App => {
             let (listeners, redirect) = kernel_app::open(&netns, &matcher, &cfg.app)?;
-            Some((listeners, redirect, AppSide { matcher, hits: Vec::new(), app: cfg.app.clone() }))
+            (Some((listeners, redirect)), Some(engine::Namespaces::open(&netns)?))
         }
-        Side::Net => None,
+        Side::Net => (kernel_net::open_server(&host_dev, &matcher, &cfg.app)?, None),
     };
-    Ok(Box::new(KernelBuilder { side, cfg, interface, decl, app, udp }))
+    let app = accepting.map(|(l, r)| (l, r, AppSide { matcher, hits: Vec::new(), app: cfg.app.clone() }));
+    Ok(Box::new(KernelBuilder { side, cfg, interface, decl, app, udp, namespaces }))
 }
 
 type Decl = &'static flexstack_core::KindDecl<Config, Meters>;
@@ -132,6 +137,8 @@ struct KernelBuilder {
     app: Option<(Vec<std::net::TcpListener>, kernel_app::Redirect, AppSide)>,
     /// terminate with UDP rules: the smoltcp back-end, for them.
     udp: Option<Box<dyn ModuleBuilder>>,
+    /// terminate: the app's namespace (the server role's connections are opened there).
+    namespaces: Option<engine::Namespaces>,
 }
 
 impl ModuleBuilder for KernelBuilder {
@@ -146,7 +153,7 @@ impl ModuleBuilder for KernelBuilder {
     }
 
     fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module> {
-        let KernelBuilder { side, cfg, interface, decl, app, udp } = *self;
+        let KernelBuilder { side, cfg, interface, decl, app, udp, namespaces } = *self;
         // The smoltcp back-end for UDP binds the same knobs and meters; the gauges it would share are told apart
         // (see `Engine::counts`).
         let inner = udp.map(|b| b.build(vars));
@@ -174,7 +181,12 @@ impl ModuleBuilder for KernelBuilder {
             }
             engine.app = Some(a);
             engine.spare = spare_descriptor();
+            if side == Side::Net {
+                // The server role's flows: ids of their own, as smoltcp's originate numbers them.
+                engine.next_id = flexstack_modules::stream::originate::SERVER_IDS;
+            }
         }
+        engine.netns = namespaces;
         let epoll = engine.epoll();
         let name = format!("kernel-{}", if side == Side::App { "terminate" } else { "originate" });
         let (tcp, udp) = (tcp_specs(), backend::flow_specs());
@@ -431,9 +443,9 @@ impl KernelEndpoint {
         let mut e = self.device.engine();
         let Some(f) = e.flows.get_mut(&id) else { return Some(Err(format!("no flow {id}"))) };
         let Sock::Tcp(s) = &f.sock else { return Some(Err(format!("flow {id} is not TCP"))) };
-        Some(match kernel_net::set_cc(s, name) {
+        Some(match engine::set_cc(s, name) {
             Ok(()) => {
-                f.cc = kernel_net::cc_of(s);
+                f.cc = engine::cc_of(s);
                 Ok(())
             }
             Err(err) => Err(format!("congestion control {name:?}: {err} (offered: {})", available_cc())),

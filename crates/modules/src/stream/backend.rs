@@ -5,7 +5,7 @@
 
 use crate::stream::matcher::MatchTable;
 use flexstack_core::config::SettingsReader;
-use flexstack_core::stream::Role;
+use flexstack_core::stream::{Protocol, Role};
 use flexstack_core::{ConfigError, KindDecl, ModuleBuilder, ModuleInterface, Settings};
 use std::sync::OnceLock;
 
@@ -31,6 +31,9 @@ pub struct KernelRequest {
     pub matcher: MatchTable,
     /// terminate: the network namespace of the app (`netns`, a name under /run/netns); empty: none given.
     pub netns: String,
+    /// originate: the app's host face (`host_dev`), where the host routes the app's addresses (the server role's
+    /// connections to them are redirected); empty: none given.
+    pub host_dev: String,
     /// The interface the smoltcp back-end would have (ports, knobs, meters, match rule meters).
     pub interface: ModuleInterface,
     /// The kind's declaration (publishing knobs, binding meters, writing knobs).
@@ -69,12 +72,14 @@ pub fn configure(
     (side, ports): (Side, Ports),
     more: impl FnOnce(&mut SettingsReader<'_>) -> Result<MatchTable, ConfigError>,
 ) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
-    let (mut backend, mut netns) = (Backend::Smoltcp, String::new());
+    let (mut backend, mut netns, mut host_dev) = (Backend::Smoltcp, String::new(), String::new());
     let b = EndpointBuilder::read(settings, kind, decl, (side, ports), |r| {
         let matcher = more(r)?;
         backend = read(r)?;
         if side == Side::App {
             netns = r.string("netns")?.unwrap_or_default();
+        } else {
+            host_dev = r.string("host_dev")?.unwrap_or_default();
         }
         Ok(matcher)
     })?;
@@ -85,9 +90,13 @@ pub fn configure(
         let location = settings.get("backend").and_then(|s| s.location.clone());
         ConfigError::new(location, format!("setting `backend` of a {kind} module: {m}"))
     };
-    // The kernel back-end has no listener on the network side: the server role is smoltcp's alone.
-    if let Some(rule) = b.matcher.rules.iter().find(|r| side == Side::Net && !r.pass && r.role == Some(Role::Server)) {
-        return Err(at(format!("role server needs backend smoltcp (match rule `{rule}`)")));
+    // The kernel back-end's network side listens for TCP only (a redirected datagram's original destination is
+    // lost): the server role's UDP is smoltcp's.
+    let udp_server = |r: &&crate::stream::matcher::MatchRule| {
+        side == Side::Net && !r.pass && r.role == Some(Role::Server) && r.protocol != Some(Protocol::Tcp)
+    };
+    if let Some(rule) = b.matcher.rules.iter().find(udp_server) {
+        return Err(at(format!("UDP in role server needs backend smoltcp (match rule `{rule}`)")));
     }
     let hook = KERNEL
         .get()
@@ -97,6 +106,7 @@ pub fn configure(
         cfg: b.cfg.clone(),
         matcher: b.matcher.clone(),
         netns,
+        host_dev,
         interface: b.interface(),
         decl,
         smoltcp: Box::new(move |ports| Box::new(EndpointBuilder { ports, ..b })),
@@ -136,20 +146,20 @@ mod tests {
         }
     }
 
-    /// originate's kernel back-end cannot accept connections from the network: a `role server` rule is refused at
-    /// configuration, before the back-end is built.
+    /// originate's kernel back-end accepts TCP connections from the network, not UDP: a UDP (or `*`) `role server`
+    /// rule is refused at configuration, before the back-end is built.
     #[test]
-    fn the_server_role_needs_smoltcp_on_the_network_side() {
-        let rules = "match = [\"pass tcp dport 22 role server\", \"tcp dport 8080 role server\"]\n";
+    fn the_server_role_needs_smoltcp_on_the_network_side_for_udp() {
+        let rules = "match = [\"pass udp dport 22 role server\", \"* dport 8080 role server\"]\n";
         assert_eq!(configure_with("originate", "smoltcp", rules), "ok");
         let e = configure_with("originate", "kernel", rules);
         assert_eq!(
             e,
-            "s.toml:3:11: setting `backend` of a originate module: role server needs backend smoltcp (match rule `tcp \
-             dport 8080 role server`)"
+            "s.toml:3:11: setting `backend` of a originate module: UDP in role server needs backend smoltcp (match \
+             rule `* dport 8080 role server`)"
         );
-        // A table without server rules (the client role's rules are terminate's) goes on to the back-end.
-        let e = configure_with("originate", "kernel", "match = [\"tcp *\", \"pass tcp dport 22 role server\"]\n");
+        // TCP rules of the server role go on to the back-end.
+        let e = configure_with("originate", "kernel", "match = [\"tcp dport 8080 role server\", \"udp *\"]\n");
         assert!(e.contains("the kernel back-end is built by the daemon"), "{e}");
     }
 }

@@ -72,6 +72,12 @@ const DECL: KindDecl<Config, Meters> = endpoint_decl!(
             "[]",
         ),
         APP,
+        P::manual(
+            "host_dev",
+            "str",
+            "kernel back-end with `role server` rules: the app's host face; the connections routed there go to its listener",
+            "none",
+        ),
         P::text(
             "source",
             "source addresses of its connections (one IPv4, one IPv6, comma-separated); empty: the app's own",

@@ -982,7 +982,9 @@ while True:
 /// the app's address), IPv4 and IPv6, intact; `flow list` shows the flow terminated and originated with role server while it
 /// runs; the app fetches from the server at the same time (the client role, through the same endpoints); a port the
 /// app does not serve refuses the client at once (`originate` held the SYN-ACK until the app's RST came back as
-/// `Abort(refused)`); UDP datagrams from the host to an echo server in the sandbox come back exact. The kernel back-end of `originate` cannot accept: the stack is refused, saying why.
+/// `Abort(refused)`); UDP datagrams from the host to an echo server in the sandbox come back exact. With the kernel
+/// back-end the stack is refused, saying why: its table has a UDP server rule, which needs smoltcp on `originate` (the
+/// kernel back-end's TCP server role is tests/terminate_kernel_e2e.rs).
 fn server_role(backend: &str) {
     let blob = pattern(2_000_000);
     let table = r#"["tcp dport 8080,8081 role server", "udp dport 5353 role server", "tcp *", "udp *"]"#;

@@ -16,6 +16,9 @@
 # with each configuration's cost in percent of `none`'s throughput and, for compress/tls/both, the ratio of the
 # app's own time to flexstack's. Targets: a `null` costs <= 1 % of `none`'s throughput; compress and tls within 5 %
 # of the app doing it. The data is text (zstd shrinks it about 4 times). Needs root.
+# Also printed: the daemon's CPU time during each bulk transfer (all its threads, from /proc: on a busy machine a
+# steadier measure of what a service costs than the elapsed time). SMALL_N=0 runs the bulk transfers only;
+# RUNS_PER_MB=1 prints how many times the switch ran per MiB of each bulk transfer.
 # PERF=file records a profile of the daemon during each configuration's bulk transfer (file.CONFIG; overwritten
 # each round). PROFILE (default release) the cargo profile built and run (FS=path runs that binary, unbuilt); CONFIGS picks
 # configurations (default: all, in the order above); NET the server's subnet 10.NET.7.0/24 (apps: 10.(NET+1).0.0/16).
@@ -96,17 +99,28 @@ measure() { # $1 = configuration, $2 = sends, $3 = bytes each; prints "SECONDS B
     { echo "bench-services: $1 failed; the daemon's log ends:" >&2; tail -5 "$state/daemon.log" >&2; exit 1; }
 }
 
+# The daemon's CPU time so far (ns, all its threads): less disturbed by a busy machine than the elapsed time.
+daemon_cpu() { cat /proc/"$daemon"/task/*/schedstat 2>/dev/null | awk '{t += $1} END {printf "%.0f\n", t}'; }
+switch_runs() { "$fs" --state-dir "$state/d" get switch.runs_total | awk 'NR == 2 {print $2}'; }
 bulk_n=$((BULK_MB * 16))
 declare -A results
 for r in $(seq "$RUNS"); do
   for c in $CONFIGS; do
     echo "bench-services: round $r/$RUNS, $c" >&2
-    results[small_$c]+="$(measure "$c" "$SMALL_N" 1024 | awk '{print $1}') "
+    if ((SMALL_N > 0)); then
+      results[small_$c]+="$(measure "$c" "$SMALL_N" 1024 | awk '{print $1}') "
+    else
+      results[small_$c]+="0 " # SMALL_N=0: the bulk transfer only
+    fi
     if [[ -n "${PERF:-}" ]]; then # PERF=file: a profile of the daemon during the bulk transfer (file.CONFIG)
       (sleep 0.5; perf record -q -g -o "$PERF.$c" -p "$daemon" -- sleep 2 2>/dev/null) &
       perf=$!
     fi
+    [[ -n "${RUNS_PER_MB:-}" ]] && runs0=$(switch_runs)
+    cpu0=$(daemon_cpu)
     results[bulk_$c]+="$(measure "$c" "$bulk_n" 65536 | awk '{print $1}') "
+    results[cpu_$c]+="$(($(daemon_cpu) - cpu0)) "
+    [[ -n "${RUNS_PER_MB:-}" ]] && echo "bench-services: $c bulk: $((($(switch_runs) - runs0) / BULK_MB)) switch runs per MiB" >&2
     [[ -n "${PERF:-}" ]] && wait "$perf"
   done
 done
@@ -120,15 +134,23 @@ bulk_bytes=$((bulk_n * 65536))
 for c in $CONFIGS; do
   awk -v c="$c" -v s="$(med small_$c)" -v b="$(med bulk_$c)" -v sn="${results[small_none]:+$(med small_none)}" \
     -v bn="${results[bulk_none]:+$(med bulk_none)}" -v sb="$small_bytes" -v bb="$bulk_bytes" 'BEGIN {
-      ps = (sn > 0) ? sprintf("%+8.1f%%", (sn / s - 1) * 100) : "        -"
+      ps = (sn > 0 && s > 0) ? sprintf("%+8.1f%%", (sn / s - 1) * 100) : "        -"
       pb = (bn > 0) ? sprintf("%+8.1f%%", (bn / b - 1) * 100) : "        -"
-      printf "%-10s %10.3f %10.3f %s   %10.3f %10.3f %s\n", c, s, sb * 8 / s / 1e9, ps, b, bb * 8 / b / 1e9, pb }'
+      rs = (s > 0) ? sb * 8 / s / 1e9 : 0
+      printf "%-10s %10.3f %10.3f %s   %10.3f %10.3f %s\n", c, s, rs, ps, b, bb * 8 / b / 1e9, pb }'
 done
 echo "(vs none: the change of throughput against the terminated flow with no service; negative: slower)"
+echo
+echo "the daemon's CPU time in the bulk transfer (medians; vs none: the change, positive: more CPU)"
+for c in $CONFIGS; do
+  awk -v c="$c" -v t="$(med cpu_$c)" -v tn="${results[cpu_none]:+$(med cpu_none)}" -v mb="$BULK_MB" 'BEGIN {
+    p = (tn > 0) ? sprintf("%+8.1f%%", (t / tn - 1) * 100) : "        -"
+    printf "%-10s %8.3f s %8.2f ms/MiB %s\n", c, t / 1e9, t / 1e6 / mb, p }'
+done
 for pair in compress:app-zstd tls:app-tls both:app-both; do
   f=${pair%%:*} a=${pair##*:}
   [[ -n "${results[small_$f]:-}" && -n "${results[small_$a]:-}" ]] || continue
   awk -v f="$f" -v a="$a" -v fs="$(med small_$f)" -v as="$(med small_$a)" -v fb="$(med bulk_$f)" -v ab="$(med bulk_$a)" \
-    'BEGIN {printf "%s / %s (app time / flexstack time): small %.2f, bulk %.2f\n", f, a, as / fs, ab / fb}'
+    'BEGIN {printf "%s / %s (app time / flexstack time): small %.2f, bulk %.2f\n", f, a, (fs > 0) ? as / fs : 0, ab / fb}'
 done
 echo "code version: ${FS:-$(git rev-parse --short HEAD)$(git diff --quiet || echo -dirty)}; $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg)"

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{bin, octets, path_str, privileged, text, SandboxDaemon, Server};
+use common::{bin, certificate, octets, path_str, privileged, text, SandboxDaemon, Server};
 use serde_json::Value as Json;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -269,30 +269,6 @@ fn a_shape_replaced_during_a_download_hands_over_what_it_holds() {
     let time: f64 = t.lines().find_map(|l| l.strip_prefix("time ")).and_then(|s| s.trim().parse().ok()).unwrap();
     assert!(time < 3.0, "the new module's rate (none) took over: {time} s");
     assert_eq!(m["shape.held_bytes"], 0, "{m:?}");
-}
-
-/// A CA (`NAME-ca.pem`) and a server certificate it signed for `ip` with its key (`NAME.pem`, `NAME.key`) in `dir`.
-fn certificate(dir: &Path, name: &str, ip: &str) -> (PathBuf, PathBuf, PathBuf) {
-    let f = |suffix: &str| dir.join(format!("{name}{suffix}"));
-    let (ca, ca_key, cert, key, csr, ext) = (f("-ca.pem"), f("-ca.key"), f(".pem"), f(".key"), f(".csr"), f(".ext"));
-    let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"];
-    let p = path_str;
-    let mut a =
-        vec!["req", "-x509", "-days", "1", "-subj", "/CN=flexstack test CA", "-keyout", p(&ca_key), "-out", p(&ca)];
-    a.extend(ec);
-    common::sh("openssl", &a);
-    let mut a = vec!["req", "-subj", "/CN=flexstack test server", "-keyout", p(&key), "-out", p(&csr)];
-    a.extend(ec);
-    common::sh("openssl", &a);
-    std::fs::write(&ext, format!("subjectAltName=IP:{ip}\nbasicConstraints=CA:FALSE\n")).unwrap();
-    common::sh(
-        "openssl",
-        &["x509", "-req", "-days", "1", "-in", p(&csr), "-CA", p(&ca), "-CAkey", p(&ca_key), "-CAcreateserial"]
-            .into_iter()
-            .chain(["-extfile", p(&ext), "-out", p(&cert)])
-            .collect::<Vec<_>>(),
-    );
-    (ca, cert, key)
 }
 
 #[test]

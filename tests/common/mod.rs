@@ -945,3 +945,27 @@ pub fn tcp_exchange(port: u16, request: &[u8]) -> String {
     let _ = c.read_to_end(&mut out);
     String::from_utf8_lossy(&out).to_string()
 }
+
+/// A CA (`NAME-ca.pem`) and a server certificate it signed for `ip` with its key (`NAME.pem`, `NAME.key`) in `dir`.
+pub fn certificate(dir: &Path, name: &str, ip: &str) -> (PathBuf, PathBuf, PathBuf) {
+    let f = |suffix: &str| dir.join(format!("{name}{suffix}"));
+    let (ca, ca_key, cert, key, csr, ext) = (f("-ca.pem"), f("-ca.key"), f(".pem"), f(".key"), f(".csr"), f(".ext"));
+    let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"];
+    let p = path_str;
+    let mut a =
+        vec!["req", "-x509", "-days", "1", "-subj", "/CN=flexstack test CA", "-keyout", p(&ca_key), "-out", p(&ca)];
+    a.extend(ec);
+    sh("openssl", &a);
+    let mut a = vec!["req", "-subj", "/CN=flexstack test server", "-keyout", p(&key), "-out", p(&csr)];
+    a.extend(ec);
+    sh("openssl", &a);
+    std::fs::write(&ext, format!("subjectAltName=IP:{ip}\nbasicConstraints=CA:FALSE\n")).unwrap();
+    sh(
+        "openssl",
+        &["x509", "-req", "-days", "1", "-in", p(&csr), "-CA", p(&ca), "-CAkey", p(&ca_key), "-CAcreateserial"]
+            .into_iter()
+            .chain(["-extfile", p(&ext), "-out", p(&cert)])
+            .collect::<Vec<_>>(),
+    );
+    (ca, cert, key)
+}

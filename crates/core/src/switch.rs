@@ -352,6 +352,8 @@ pub struct Switch {
     worker: (u32, u32),
     /// Position of each module in `order`.
     rank: Vec<usize>,
+    /// Passes a run makes at most ([`Switch::run`]): one more than the cycle-breaking modules, at least 4.
+    passes: usize,
     /// Ranks of the modules that may have frames waiting at their inputs: every module with some is in it, so a
     /// run visits only these (in topological order) rather than every module.
     ready: BTreeSet<usize>,
@@ -451,6 +453,7 @@ impl Switch {
             switch_vars,
             worker: (worker, workers.max(1)),
             rank: Vec::new(),
+            passes: 4,
             ready: BTreeSet::new(),
             timers: BinaryHeap::new(),
             due: Vec::new(),
@@ -739,6 +742,10 @@ impl Switch {
         for (i, _) in placed.iter().enumerate().filter(|(_, p)| !**p) {
             self.order.push(i);
         }
+        // A frame moves backwards in the order only out of a cycle-breaking module, and a pass takes it no further
+        // than the next such hop: one pass per cycle-breaking module it crosses (a chain of stream services, each
+        // one, is crossed in one run, not a hop per run with a round of I/O between).
+        self.passes = 4.max(self.slots.iter().filter(|s| s.iface.breaks_cycles).count() + 1);
         self.rebuild_work();
     }
 
@@ -997,9 +1004,10 @@ impl Switch {
         self.due = due;
         self.deliver_control(now);
         // One topological pass drains a DAG; further passes pick up frames from control handling and those sent
-        // back to earlier modules (out of cycle-breaking ones). A pass visits, in order, the modules with frames
-        // waiting at or after its cursor; those that get frames behind the cursor wait for the next pass.
-        for _ in 0..4 {
+        // back to earlier modules (out of cycle-breaking ones; `passes` bounds them). A pass visits, in order, the
+        // modules with frames waiting at or after its cursor; those that get frames behind the cursor wait for the
+        // next pass.
+        for _ in 0..self.passes {
             let mut progressed = false;
             let mut cursor = 0;
             while let Some(&r) = self.ready.range(cursor..).next() {

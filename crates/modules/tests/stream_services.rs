@@ -447,6 +447,37 @@ fn the_freena_example_chooses_services_per_flow_and_what_terminate_takes() {
 }
 
 #[test]
+fn with_a_carrier_the_services_sit_before_it() {
+    let f = ServiceFile::parse(
+        "peer.toml",
+        "[[rule]]\nuse = true\ntransport = \"tcp\"\n[[service]]\nkind = \"null\"\n[[service]]\nkind = \"compress\"\n",
+    )
+    .unwrap();
+    let base = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../stacks/app-peer.toml")).unwrap();
+    let t =
+        f.template(&base, 256).unwrap().replace("{app}", "web").replace("{app_dev}", "a").replace("{host_dev}", "h");
+    let spec = flexstack_core::StackSpec::parse("t", &t).unwrap();
+    let links: Vec<String> = spec.links.iter().map(|l| l.link.to_string()).collect();
+    for l in [
+        "web-term[stream] -> web-null",
+        "web-null-dir[down] -> web-compress",
+        "web-sdir[down] -> web-peer",
+        "web-peer[stream] -> web-compress",
+        "web-orig[stream] -> web-compress",
+        "web-peer[pass] -> web-orig[stream_in]",
+        "web-sdir[up] -> web-null",
+        "web-null-dir[up] -> web-term[stream_in]",
+    ] {
+        assert!(links.contains(&l.to_string()), "{l}: {links:?}");
+    }
+    assert!(!links
+        .iter()
+        .any(|l| l.contains("streams") || l.ends_with("web-orig[stream_in]") && l.starts_with("web-sdir")));
+    let names: Vec<&str> = spec.modules.iter().map(|m| m.name.as_str()).collect();
+    assert!(names.contains(&"web-peer") && !names.contains(&"web-streams"), "{names:?}");
+}
+
+#[test]
 fn a_file_where_every_service_takes_every_flow_terminates_everything() {
     let f = ServiceFile::parse(
         "all.toml",

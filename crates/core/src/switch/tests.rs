@@ -909,6 +909,37 @@ fn a_cycle_through_a_queue_is_accepted_and_bounded() {
     assert_eq!(meter(&sw, "module.a.frames_in_total"), 6, "not due again before another millisecond");
 }
 
+#[test]
+fn a_chain_of_cycle_breaking_modules_is_crossed_in_one_run() {
+    // c0 -> c1 -> ... -> c9 -> sink, loaded last first: every hop goes back in the order (cycle-breaking modules
+    // order nothing), so each needs a pass of its own; a run makes enough passes for all of them.
+    let probe = Probe::default();
+    let hop = || -> Box<dyn ModuleBuilder> {
+        Box::new(Built {
+            iface: ModuleInterface {
+                inputs: ports(&[("in", port_type::ANY)]),
+                outputs: ports(&[("out", port_type::ANY)]),
+                vars: pass_vars(),
+                breaks_cycles: true,
+                accepts_gso: false,
+            },
+            make: Box::new(|vars| {
+                Box::new(Pass { probe: Probe::default(), seen: 0, seen_meter: vars.meter("seen_total"), adopts: true })
+            }),
+        })
+    };
+    let mut sw = Switch::default();
+    let mut edits: Vec<Edit> = (0..10).rev().map(|i| load(&format!("c{i}"), hop())).collect();
+    edits.push(load("sink", sink(&probe)));
+    edits.extend((0..9).map(|i| link(&format!("c{i} -> c{}", i + 1))));
+    edits.push(link("c9 -> sink"));
+    sw.apply(edits).unwrap();
+    inject(&mut sw, "c0", 0..3);
+    sw.run(t(1));
+    assert_eq!(probe.seqs(), vec![0, 1, 2], "through the ten modules in one run");
+    assert!(!sw.has_pending());
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Edits while frames flow
 // ---------------------------------------------------------------------------------------------------------------

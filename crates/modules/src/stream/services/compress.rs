@@ -202,8 +202,9 @@ impl Compress {
             let zc = &mut self.zc;
             let mut stored = false;
             let frame = StreamFrame::data_with(out.pool(), flow, d, |b| {
+                // Zeroed up to zstd's bound for this piece only (not a whole block's for every chunk).
                 b.clear();
-                b.resize(4 + MAX_PAYLOAD, 0);
+                b.resize(4 + zstd::zstd_safe::compress_bound(piece.len()).max(piece.len()), 0);
                 let n = match zc.compress_to_buffer(piece, &mut b[4..]) {
                     Ok(n) if n < piece.len() => n,
                     _ => {

@@ -386,7 +386,10 @@ impl ServiceFile {
     /// replaced by the services (modules `{app}-NAME`, a `direction` module `{app}-NAME-dir` after each but the
     /// last, which uses `{app}-sdir`), chained so that Down frames go through them in order and Up frames in
     /// reverse (`chain_links`), and the endpoints' match table (`{app}-term`'s and `{app}-orig`'s) derived from the
-    /// rules.
+    /// rules. A base with a carrier `{app}-peer` (stacks/app-peer.toml) gets the services before the carrier: Down
+    /// frames leave the chain into the carrier (which passes the flows it does not carry on to `{app}-orig`), and
+    /// the Up frames the peer sends back enter the chain where `{app}-orig`'s do (docs/services.md, "Services
+    /// between two peers").
     pub fn template(&self, base: &str, max_match_rules: usize) -> Result<String, String> {
         let mut doc: toml::Table =
             base.parse().map_err(|e: toml::de::Error| format!("the base stack: {}", e.message()))?;
@@ -394,6 +397,7 @@ impl ServiceFile {
         const ORIG: &str = "{app}-orig";
         const SDIR: &str = "{app}-sdir";
         const STREAMS: &str = "{app}-streams";
+        const PEER: &str = "{app}-peer";
         let modules = doc.get_mut("modules").and_then(|m| m.as_table_mut()).ok_or("the base stack has no [modules]")?;
         for m in [TERM, ORIG, SDIR] {
             if !modules.contains_key(m) {
@@ -403,6 +407,7 @@ impl ServiceFile {
             }
         }
         modules.remove(STREAMS);
+        let carrier = modules.contains_key(PEER);
         let n = self.services.len();
         let names: Vec<String> = self.services.iter().map(|s| format!("{{app}}-{}", s.name)).collect();
         let dirs: Vec<String> =
@@ -434,7 +439,17 @@ impl ServiceFile {
                 || l.starts_with("{app}-term[stream]")
                 || l.starts_with("{app}-orig[stream]"))
         });
-        links.extend(super::chain_links(TERM, ORIG, &names, &dirs).into_iter().map(toml::Value::String));
+        let mut chain = super::chain_links(TERM, ORIG, &names, &dirs);
+        if carrier {
+            // The base's `{app}-sdir -> {app}-peer` and `{app}-peer[stream] -> {app}-streams` went with the base's
+            // chain (its `{app}-peer[pass] -> {app}-orig[stream_in]` stays): the services' chain ends in the carrier.
+            let to_orig = format!("{SDIR}[down] -> {ORIG}[stream_in]");
+            for l in chain.iter_mut().filter(|l| **l == to_orig) {
+                *l = format!("{SDIR}[down] -> {PEER}");
+            }
+            chain.push(format!("{PEER}[stream] -> {}", names[n - 1]));
+        }
+        links.extend(chain.into_iter().map(toml::Value::String));
         Ok(format!("# made by flexstack run --services from a services file and the base stack\n{doc}"))
     }
 }

@@ -21,12 +21,16 @@
 //!   app's `Fin` went already) the flow is aborted both ways.
 //! - A `Fin` going down sends `close_notify` first; the server's `close_notify` is answered with ours and ends the
 //!   direction for the app (`Fin` up; the transport's own `Fin` after it is not passed again).
+//! - `tls_side = "up"` mirrors the directions (default `"down"`: the TLS bytes travel on the network's side): for
+//!   the far end of a flow carried from a flexstack peer (docs/services.md, "Services between two peers"), where
+//!   the TLS bytes come down from the carrier and go back up to it, and the plaintext is on the network's side.
+//!   Everything above holds with "down" and "up" swapped.
 //! - `active` cannot be false: a running flow cannot leave TLS without the peer's agreement (the knob exists, so
 //!   that `service list` shows it and a write says why it is refused).
 
 use super::active::{self, refuse_inactive, TLS_REFUSAL};
 use super::flows::{
-    ack, read_select, translate_ack, Flows, HandedFlows, Seen, SelectRule, SelectionMeters, SELECT, SELECT_DOC,
+    ack, read_select, slot, translate_ack, Flows, HandedFlows, Seen, SelectRule, SelectionMeters, SELECT, SELECT_DOC,
 };
 use crate::stream::{BOTH_WAYS_IN, BOTH_WAYS_OUT};
 use flexstack_core::module::handed_over;
@@ -85,6 +89,13 @@ const DECL: KindDecl<Knobs, Meters> = KindDecl {
             "str",
             "client mode: the name the server's certificate must carry (default: its IP address)",
             "the destination's address",
+        ),
+        Param::manual(
+            "tls_side",
+            "str",
+            "down: the TLS bytes travel on the network's side; up: on the app's side (the far end of a flow carried \
+             from a peer, docs/services.md)",
+            "\"down\"",
         ),
         active::param(flexstack_core::field!(active)),
         Param::manual(SELECT, "array of strings", SELECT_DOC, "[\"use *\"]"),
@@ -158,6 +169,11 @@ impl ModuleKind for TlsKind {
             }
             other => return Err(r.error("mode", format!("expected client or server, got {other:?}"))),
         };
+        let mirrored = match r.string("tls_side")?.as_deref() {
+            None | Some("down") => false,
+            Some("up") => true,
+            Some(other) => return Err(r.error("tls_side", format!("expected down or up, got {other:?}"))),
+        };
         let mut knobs = Knobs { active: true };
         DECL.read(&mut r, &mut knobs)?;
         if !knobs.active {
@@ -165,7 +181,7 @@ impl ModuleKind for TlsKind {
         }
         let select = read_select(&mut r)?;
         r.finish()?;
-        Ok(Box::new(TlsBuilder { config, select }))
+        Ok(Box::new(TlsBuilder { config, select, mirrored }))
     }
 }
 
@@ -193,6 +209,7 @@ enum Config {
 struct TlsBuilder {
     config: Config,
     select: Vec<SelectRule>,
+    mirrored: bool,
 }
 
 impl ModuleBuilder for TlsBuilder {
@@ -207,6 +224,7 @@ impl ModuleBuilder for TlsBuilder {
             m: DECL.meters(vars),
             flows: Flows::new(self.select, vars),
             buf: vec![0; 16 * 1024],
+            mirrored: self.mirrored,
         })
     }
 }
@@ -231,9 +249,21 @@ pub struct Tls {
     m: Meters,
     flows: Flows<Flow>,
     buf: Vec<u8>,
+    /// `tls_side = "up"`: the TLS bytes travel up, the plaintext down.
+    mirrored: bool,
 }
 
 impl Tls {
+    /// The directions of the TLS bytes going out to the TLS peer ("down") and of those coming from it ("up"), as
+    /// `tls_side` sets them.
+    fn sides(&self) -> (Direction, Direction) {
+        if self.mirrored {
+            (Direction::Up, Direction::Down)
+        } else {
+            (Direction::Down, Direction::Up)
+        }
+    }
+
     fn new_flow(config: &Config, info: &FlowInfo) -> Flow {
         let mut conn = match config {
             Config::Client(config, name) => {
@@ -258,11 +288,12 @@ impl Tls {
 
     /// Sends what rustls has for the server (down), mapping it for the acks; returns the bytes sent.
     fn flush(&mut self, flow: u64, out: &mut Output<'_>) -> u64 {
+        let (down, up) = self.sides();
         let Some(st) = self.flows.get_mut(flow) else { return 0 };
         let Some(conn) = &mut st.conn else { return 0 };
         let mut sent = 0;
         while conn.wants_write() {
-            let frame = StreamFrame::data_with(out.pool(), flow, Direction::Down, |b| {
+            let frame = StreamFrame::data_with(out.pool(), flow, down, |b| {
                 b.clear();
                 let _ = conn.write_tls(b);
             });
@@ -274,8 +305,8 @@ impl Tls {
             self.m.tls.add(n);
             out.emit(0, frame);
             let input = if conn.is_handshaking() { 0 } else { std::mem::take(&mut st.pending_plain) };
-            let free = st.acks[0].produced(input, n);
-            ack(out, flow, Direction::Up, free);
+            let free = st.acks[slot(down)].produced(input, n);
+            ack(out, flow, up, free);
         }
         if !st.handshaken && !conn.is_handshaking() {
             st.handshaken = true;
@@ -289,6 +320,7 @@ impl Tls {
     fn fail(&mut self, flow: u64, why: &str, out: &mut Output<'_>) {
         tracing::warn!(flow, error = why, "tls: the flow failed");
         self.m.failures.add(1);
+        let (down, up) = self.sides();
         let alerted = self.flush(flow, out) > 0;
         let Some(st) = self.flows.get_mut(flow) else { return };
         if !alerted || st.fin_down {
@@ -296,21 +328,22 @@ impl Tls {
             return;
         }
         (st.failed, st.fin_down, st.conn) = (true, true, None);
-        out.emit(0, StreamFrame::fin(out.pool(), flow, Direction::Down));
-        out.emit(0, StreamFrame::abort(out.pool(), flow, Direction::Up, KIND));
-        self.flows.fin(flow, Direction::Down);
+        out.emit(0, StreamFrame::fin(out.pool(), flow, down));
+        out.emit(0, StreamFrame::abort(out.pool(), flow, up, KIND));
+        self.flows.fin(flow, down);
     }
 
     /// A frame of a failed flow: the network's data is acked and dropped, its `Fin` ends the flow; the rest (the
     /// app's frames still on their way, acks) is dropped.
     fn after_failure(&mut self, flow: u64, p: &flexstack_core::Packet, out: &mut Output<'_>) {
-        if p.direction() != Direction::Up {
+        let (down, up) = self.sides();
+        if p.direction() != up {
             return;
         }
         match p.stream_kind() {
-            Some(flexstack_core::StreamKind::Data) => ack(out, flow, Direction::Down, p.len() as u64),
+            Some(flexstack_core::StreamKind::Data) => ack(out, flow, down, p.len() as u64),
             Some(flexstack_core::StreamKind::Fin) => {
-                self.flows.fin(flow, Direction::Up);
+                self.flows.fin(flow, up);
             }
             _ => {}
         }
@@ -320,6 +353,7 @@ impl Tls {
     fn server_bytes(&mut self, flow: u64, mut bytes: &[u8], out: &mut Output<'_>) -> Result<(), String> {
         let total = bytes.len() as u64;
         self.m.tls.add(total);
+        let (down, up) = self.sides();
         let mut plain = 0u64;
         let mut closed = false;
         let st = self.flows.get_mut(flow).expect("a flow it works on");
@@ -343,7 +377,7 @@ impl Tls {
                     }
                     Ok(n) => {
                         plain += n as u64;
-                        out.emit(0, StreamFrame::data(out.pool(), flow, Direction::Up, &self.buf[..n]));
+                        out.emit(0, StreamFrame::data(out.pool(), flow, up, &self.buf[..n]));
                     }
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
                     Err(e) => return Err(e.to_string()),
@@ -351,12 +385,12 @@ impl Tls {
             }
         }
         self.m.plain.add(plain);
-        let free = st.acks[1].produced(total, plain);
-        ack(out, flow, Direction::Down, free);
+        let free = st.acks[slot(up)].produced(total, plain);
+        ack(out, flow, down, free);
         self.flush(flow, out);
         if closed {
-            out.emit(0, StreamFrame::fin(out.pool(), flow, Direction::Up));
-            self.flows.fin(flow, Direction::Up);
+            out.emit(0, StreamFrame::fin(out.pool(), flow, up));
+            self.flows.fin(flow, up);
         }
         Ok(())
     }
@@ -370,6 +404,7 @@ impl Module for Tls {
                 continue;
             };
             let d = p.direction();
+            let (down, up) = self.sides();
             let config = &self.config;
             let (seen, gone) = self.flows.see(&p, |info| Tls::new_flow(config, info));
             match seen {
@@ -388,7 +423,7 @@ impl Module for Tls {
                         self.flush(flow, out); // a client's ClientHello (a server waits for one)
                     }
                 }
-                Seen::Data(flow) if d == Direction::Down => {
+                Seen::Data(flow) if d == down => {
                     let st = self.flows.get_mut(flow).expect("a flow it works on");
                     self.m.plain.add(p.len() as u64);
                     st.pending_plain += p.len() as u64;
@@ -410,13 +445,11 @@ impl Module for Tls {
                     let st = self.flows.get_mut(flow).expect("a flow it works on");
                     translate_ack(&mut st.acks, flow, d, n, out);
                 }
-                Seen::Fin(flow)
-                    if d == Direction::Up && self.flows.get_mut(flow).is_some_and(|st| st.server_closed) =>
-                {
+                Seen::Fin(flow) if d == up && self.flows.get_mut(flow).is_some_and(|st| st.server_closed) => {
                     // Its end went up with the close_notify; `p` is consumed.
                 }
                 Seen::Fin(flow) => {
-                    if d == Direction::Down {
+                    if d == down {
                         if let Some(st) = self.flows.get_mut(flow) {
                             st.fin_down = true;
                             if let Some(c) = st.conn.as_mut() {

@@ -445,9 +445,14 @@ impl Poller {
         Ok(())
     }
 
+    /// Nothing to read until an app attaches: none is, and nothing of an earlier one is left to remove.
+    fn idle(&self, control: &Control) -> bool {
+        control.sandboxes.count() == 0 && self.published.is_empty() && self.sockets.is_empty()
+    }
+
     /// One poll: read the sockets of the apps with forwarded TCP flows and publish the flows' meters.
     fn poll(&mut self, control: &Control) -> Result<(), Fatal> {
-        if control.sandboxes.count() == 0 && self.published.is_empty() && self.sockets.is_empty() {
+        if self.idle(control) {
             return Ok(()); // no app: nothing to read (and the data plane is not asked for a snapshot)
         }
         self.polls += 1;
@@ -576,9 +581,14 @@ impl FlowMeterPoller {
         let thread = std::thread::Builder::new()
             .name("flow-meters".into())
             .spawn(move || {
-                let mut pause = opts.interval;
+                let mut pause = Some(opts.interval);
                 while !flag.load(Ordering::Relaxed) {
-                    std::thread::park_timeout(pause);
+                    // With no app attached and nothing published, sleep until an app attaches (or the poller stops):
+                    // an idle daemon has no timer here.
+                    match pause {
+                        Some(pause) => std::thread::park_timeout(pause),
+                        None => std::thread::park(),
+                    }
                     let Some(control) = weak.upgrade() else { break };
                     if flag.load(Ordering::Relaxed) {
                         break;
@@ -587,7 +597,7 @@ impl FlowMeterPoller {
                     let polled = poller.poll(&control);
                     // A pass reads every flow's variables: with many thousands of flows (idle terminated connections
                     // included) it takes long, so the pause grows to keep this thread busy at most 1/MAX_DUTY.
-                    pause = opts.interval.max(started.elapsed() * MAX_DUTY);
+                    pause = (!poller.idle(&control)).then(|| opts.interval.max(started.elapsed() * MAX_DUTY));
                     match polled {
                         Ok(()) => {}
                         Err(Fatal::No(e)) => tracing::debug!(error = %e, "flow meters: poll failed"),
@@ -600,6 +610,7 @@ impl FlowMeterPoller {
                 poller.dynamic.unregister_owner(OWNER);
             })
             .map_err(|e| format!("flow meters thread: {e}"))?;
+        control.sandboxes.wake_on_attach(thread.thread().clone());
         Ok(FlowMeterPoller { stop, thread: Some(thread) })
     }
 }

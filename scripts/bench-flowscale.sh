@@ -12,7 +12,8 @@
 # Prints medians over RUNS rounds and the ratio of each FLOWS value's cost to the first's. Targets (issue 16):
 # 100,000 flows within 1.2 x the cost of 10, RSS <= 128 MiB. Needs root. PROFILE/FS/NO_BUILD as in the other
 # benchmarks (scripts/lib/bench.sh); WORKERS (default 1) is passed to `daemon --workers`. PERF=file records a profile
-# of the daemon while it sends (file.FLOWS, overwritten each round).
+# of the daemon while it sends (file.new.FLOWS, overwritten each round). FS_OLD=binary measures that binary too, in the
+# same rounds, alternating with FS (A/B: the old code against the new on a shared machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${RUNS:-5}
@@ -46,7 +47,7 @@ grep -q "max_flows = $MAX_FLOWS" "$state/chain.toml" || { echo "bench-flowscale:
 # Starts a daemon and places its TUN devices: ${tag}ta in a (10.NET.0.1, and the route to every destination),
 # ${tag}tb in b (10.NET.0.2).
 start_daemon() {
-  "$fs" daemon --workers "$WORKERS" --stack "$state/chain.toml" --state-dir "$state/d" 2>"$state/daemon.log" &
+  "$1" daemon --workers "$WORKERS" --stack "$state/chain.toml" --state-dir "$state/d" 2>"$state/daemon.log" &
   daemon=$!
   for _ in $(seq 200); do "$fs" --state-dir "$state/d" status >/dev/null 2>&1 && break; sleep 0.05; done
   ip link set ${tag}ta netns ${tag}a; ip link set ${tag}tb netns ${tag}b
@@ -54,7 +55,8 @@ start_daemon() {
   ip -n ${tag}a route add 10.$NET.0.0/16 dev ${tag}ta
   ip -n ${tag}b addr add 10.$NET.0.2/24 dev ${tag}tb; ip -n ${tag}b link set ${tag}tb up
 }
-cpu_ns() { cat /proc/"$daemon"/task/*/schedstat | awk '{s += $1} END {printf "%d\n", s}'; }
+# (A thread may end between the listing and its read: a control connection's; what it ran is left out.)
+cpu_ns() { { cat /proc/"$daemon"/task/*/schedstat 2>/dev/null || true; } | awk '{s += $1} END {printf "%d\n", s}'; }
 # The datagrams the data plane handed to the face of namespace b. (Namespace b's own counters cannot tell: the TUN
 # face writes consecutive datagrams of a flow as one UDP GSO packet, which the device's rx_packets and the IP
 # counters count once.)
@@ -62,35 +64,45 @@ rx() { "$fs" --state-dir "$state/d" get module.b.frames_in_total --json | python
   'import json, sys; print(json.load(sys.stdin)["module.b.frames_in_total"]["value"])'; }
 send() { ip netns exec ${tag}a "$state/udp_flows" 10.$NET.1.0 "$1" "$PPS" "$2" | sed -n 's/^sent=//p'; }
 
-declare -A cost loss rss
+declare -A cost loss rss bin
+bin[new]=$fs
+variants=new
+if [[ -n ${FS_OLD:-} ]]; then bin[old]=$FS_OLD; variants="old new"; fi
 for round in $(seq "$RUNS"); do
   echo "bench-flowscale: round $round/$RUNS" >&2
   for f in $FLOWS; do
-    start_daemon
+   for v in $variants; do
+    start_daemon "${bin[$v]}"
     send "$f" "$(python3 -c 'import sys; print(max(0.1, int(sys.argv[1]) / int(sys.argv[2])))' "$f" "$PPS")" >/dev/null
     sleep 0.5
     c0=$(cpu_ns); r0=$(rx)
     perf=
-    if [[ -n ${PERF:-} ]]; then perf record -q -g -p "$daemon" -o "$PERF.$f" -- sleep "$SECS" 2>/dev/null & perf=$!; fi
+    if [[ -n ${PERF:-} ]]; then perf record -q -g -p "$daemon" -o "$PERF.$v.$f" -- sleep "$SECS" 2>/dev/null & perf=$!; fi
     sent=$(send "$f" "$SECS")
     [[ -z $perf ]] || wait "$perf" || true
     sleep 0.3
     c1=$(cpu_ns); r1=$(rx)
     got=$((r1 - r0))
-    cost[$f]+="$(python3 -c 'import sys; c, n = map(int, sys.argv[1:]); print(f"{c / n:.0f}" if n else "nan")' $((c1 - c0)) "$got") "
-    loss[$f]+="$(python3 -c 'import sys; s, g = map(int, sys.argv[1:]); print(f"{100 * (s - g) / s:.2f}")' "$sent" "$got") "
-    rss[$f]+="$(awk '/VmRSS/ {printf "%.1f", $2 / 1024}' /proc/"$daemon"/status) "
+    cost[$v$f]+="$(python3 -c 'import sys; c, n = map(int, sys.argv[1:]); print(f"{c / n:.0f}" if n else "nan")' $((c1 - c0)) "$got") "
+    loss[$v$f]+="$(python3 -c 'import sys; s, g = map(int, sys.argv[1:]); print(f"{100 * (s - g) / s:.2f}")' "$sent" "$got") "
+    rss[$v$f]+="$(awk '/VmRSS/ {printf "%.1f", $2 / 1024}' /proc/"$daemon"/status) "
     stop_daemon
+   done
   done
 done
 m() { tr ' ' '\n' <<<"$1" | grep . | median; }
 first=${FLOWS%% *}
 printf 'UDP 64 bytes at %s datagrams/s, %s s, default modules, %s worker(s): medians of %s rounds\n' "$PPS" "$SECS" "$WORKERS" "$RUNS"
-printf '%10s %14s %10s %12s %10s\n' flows "ns/packet" "x first" "lost %" "RSS MiB"
-for f in $FLOWS; do
-  c=$(m "${cost[$f]}")
-  printf '%10s %14.0f %10.2f %12.2f %10.1f\n' "$f" "$c" "$(python3 -c 'import sys; print(float(sys.argv[1]) / float(sys.argv[2]))' "$c" "$(m "${cost[$first]}")")" \
-    "$(m "${loss[$f]}")" "$(m "${rss[$f]}")"
+printf '%4s %10s %14s %10s %12s %10s\n' code flows "ns/packet" "x first" "lost %" "RSS MiB"
+for v in $variants; do
+  for f in $FLOWS; do
+    c=$(m "${cost[$v$f]}")
+    printf '%4s %10s %14.0f %10.2f %12.2f %10.1f\n' "$v" "$f" "$c" \
+      "$(python3 -c 'import sys; print(float(sys.argv[1]) / float(sys.argv[2]))' "$c" "$(m "${cost[$v$first]}")")" \
+      "$(m "${loss[$v$f]}")" "$(m "${rss[$v$f]}")"
+  done
 done
-for f in $FLOWS; do echo "rounds $f: ns/packet ${cost[$f]}| lost % ${loss[$f]}| RSS ${rss[$f]}"; done
-echo "code version: $(git rev-parse --short HEAD)$(git diff --quiet || echo -dirty), fs $fs"
+for v in $variants; do
+  for f in $FLOWS; do echo "rounds $v $f: ns/packet ${cost[$v$f]}| lost % ${loss[$v$f]}| RSS ${rss[$v$f]}"; done
+done
+echo "code version: $(git rev-parse --short HEAD)$(git diff --quiet || echo -dirty), fs $fs${FS_OLD:+, old $FS_OLD}"

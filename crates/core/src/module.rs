@@ -19,7 +19,7 @@ use crate::frame::{Batch, ControlFrame, ControlOp, Frame, PacketPool};
 use crate::reference::{KindReference, MeterDoc, PortDoc, SettingDoc};
 use crate::time::Time;
 use crate::value::Value;
-use crate::vars::{DynamicVars, ModuleVars, VarKind, VarSpec, VarSpecs};
+use crate::vars::{DynamicVars, ModuleVars, VarBlock, VarKind, VarSpec, VarSpecs};
 use std::any::Any;
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -380,6 +380,15 @@ impl<'a> Output<'a> {
         match self.dynamic.as_deref_mut() {
             Some(d) => d.register(self.module, prefix, specs),
             None => Ok(ModuleVars::shared(&specs.into())),
+        }
+    }
+
+    /// Registers runtime variables under `prefix` as [`Output::register_vars`] does, kept in one [`VarBlock`] (a
+    /// flow's meters: a fraction of the memory of a cell each). Without a registry, the block is published nowhere.
+    pub fn register_block(&mut self, prefix: &str, specs: &VarSpecs) -> Result<VarBlock, String> {
+        match self.dynamic.as_deref_mut() {
+            Some(d) => d.register_block(self.module, prefix, specs),
+            None => Ok(VarBlock::new(specs)),
         }
     }
 

@@ -8,6 +8,7 @@
 
 use crate::value::{Value, ValueType};
 use serde::{Deserialize, Serialize};
+use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
@@ -249,35 +250,12 @@ impl VarCell {
             Some(others) => combine(self.spec.ty, self.spec.across, self.own(), others.iter().map(|c| c.own())),
             None => self.own(),
         };
-        match self.spec.ty {
-            ValueType::U64 => Value::U64(bits),
-            ValueType::I64 => Value::I64(bits as i64),
-            ValueType::F64 => Value::F64(f64::from_bits(bits)),
-            ValueType::Bool => Value::Bool(bits != 0),
-            ValueType::Str => {
-                Value::Str(self.text.as_ref().and_then(|t| t.lock().ok().map(|s| s.clone())).unwrap_or_default())
-            }
-        }
+        decode(self.spec.ty, bits, self.text.as_deref())
     }
 
     /// Stores `value`, converted to the cell's type; values of another type are ignored (callers validate first).
     pub fn store(&self, value: &Value) {
-        let Ok(v) = value.coerce(self.spec.ty) else {
-            return;
-        };
-        let bits = match v {
-            Value::U64(x) => x,
-            Value::I64(x) => x as u64,
-            Value::F64(x) => x.to_bits(),
-            Value::Bool(b) => u64::from(b),
-            Value::Str(s) => {
-                if let Some(Ok(mut t)) = self.text.as_ref().map(|t| t.lock()) {
-                    *t = s;
-                }
-                return;
-            }
-        };
-        self.bits.store(bits, Ordering::Relaxed);
+        encode(self.spec.ty, value, &self.bits, self.text.as_deref());
     }
 
     /// The raw word of a u64 cell (cheap read for counters), combined over the workers it has cells on.
@@ -310,6 +288,37 @@ impl VarCell {
     pub fn set_f64(&self, x: f64) {
         self.bits.store(x.to_bits(), Ordering::Relaxed);
     }
+}
+
+/// The value of a variable of type `ty` held in `bits` (or, for text, in `text`).
+fn decode(ty: ValueType, bits: u64, text: Option<&Mutex<String>>) -> Value {
+    match ty {
+        ValueType::U64 => Value::U64(bits),
+        ValueType::I64 => Value::I64(bits as i64),
+        ValueType::F64 => Value::F64(f64::from_bits(bits)),
+        ValueType::Bool => Value::Bool(bits != 0),
+        ValueType::Str => Value::Str(text.and_then(|t| t.lock().ok().map(|s| s.clone())).unwrap_or_default()),
+    }
+}
+
+/// Stores `value`, converted to `ty`, into `bits` (or, for text, `text`); values of another type are ignored.
+fn encode(ty: ValueType, value: &Value, bits: &AtomicU64, text: Option<&Mutex<String>>) {
+    let Ok(v) = value.coerce(ty) else {
+        return;
+    };
+    let word = match v {
+        Value::U64(x) => x,
+        Value::I64(x) => x as u64,
+        Value::F64(x) => x.to_bits(),
+        Value::Bool(b) => u64::from(b),
+        Value::Str(s) => {
+            if let Some(Ok(mut t)) = text.map(|t| t.lock()) {
+                *t = s;
+            }
+            return;
+        }
+    };
+    bits.store(word, Ordering::Relaxed);
 }
 
 /// Combines the words of one variable's cells on several workers.
@@ -412,53 +421,269 @@ impl ModuleVars {
     }
 }
 
-/// The variables one module registered at runtime under one prefix: their full names kept once, in one string, in
-/// name order, and their cells in the same order.
+/// The variables of one runtime registration kept in one place: a word per variable (numbers, in declaration order)
+/// and a text per text variable. A flow's meters are one block: two allocations, not a cell (and a reference count)
+/// per meter, and the words its packets update share one or two cache lines. The module writes them through its
+/// handle (single writer: relaxed loads and stores, no locked instruction); readers find them in the registry as
+/// [`Var`]s, under names made when read (`<prefix>.<name>`). Cheap to clone (the registry keeps a clone).
+#[derive(Clone, Debug)]
+pub struct VarBlock {
+    specs: VarSpecs,
+    words: Arc<[AtomicU64]>,
+    /// One per text variable, in declaration order.
+    texts: Arc<[Mutex<String>]>,
+}
+
+impl VarBlock {
+    /// A block for `specs`, every variable zero / false / "".
+    pub fn new(specs: &VarSpecs) -> VarBlock {
+        let words =
+            specs.iter().map(|s| AtomicU64::new(if s.ty == ValueType::F64 { 0f64.to_bits() } else { 0 })).collect();
+        let texts = specs.iter().filter(|s| s.ty == ValueType::Str).map(|_| Mutex::default()).collect();
+        VarBlock { specs: specs.clone(), words, texts }
+    }
+
+    /// The text of variable `i`, if it is a text variable.
+    fn text(&self, i: usize) -> Option<&Mutex<String>> {
+        let specs = &self.specs.0.specs;
+        if specs.get(i)?.ty != ValueType::Str {
+            return None;
+        }
+        self.texts.get(specs[..i].iter().filter(|s| s.ty == ValueType::Str).count())
+    }
+
+    /// Variable `i` (in declaration order) as readers see it.
+    fn var(&self, i: usize) -> Var<'_> {
+        Var { spec: &self.specs.0.specs[i], at: At::Block(self, i) }
+    }
+
+    /// The index of the variable declared as `name`.
+    ///
+    /// # Panics
+    /// If it was not declared: a programming error that the module's own tests catch.
+    pub fn index(&self, name: &str) -> usize {
+        self.specs.iter().position(|s| s.name == name).unwrap_or_else(|| panic!("variable {name} was not declared"))
+    }
+
+    /// Adds `n` to u64 variable `i`.
+    #[inline]
+    pub fn add(&self, i: usize, n: u64) {
+        let w = &self.words[i];
+        w.store(w.load(Ordering::Relaxed).wrapping_add(n), Ordering::Relaxed);
+    }
+
+    /// Sets u64 variable `i`.
+    #[inline]
+    pub fn set(&self, i: usize, n: u64) {
+        self.words[i].store(n, Ordering::Relaxed);
+    }
+
+    /// The word of variable `i`.
+    #[inline]
+    pub fn get(&self, i: usize) -> u64 {
+        self.words[i].load(Ordering::Relaxed)
+    }
+
+    /// Stores any value into variable `i` (text included), converted to its type.
+    pub fn store(&self, i: usize, value: &Value) {
+        encode(self.specs.0.specs[i].ty, value, &self.words[i], self.text(i));
+    }
+
+    /// The address of the first word, to prefetch before the writes of a batch.
+    pub fn words_addr(&self) -> usize {
+        self.words.as_ptr() as usize
+    }
+}
+
+/// One variable found in a [`Registry`]: a cell of its own, or a variable of a [`VarBlock`].
+#[derive(Clone, Copy, Debug)]
+pub struct Var<'a> {
+    spec: &'a VarSpec,
+    at: At<'a>,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum At<'a> {
+    Cell(&'a Arc<VarCell>),
+    Block(&'a VarBlock, usize),
+}
+
+impl<'a> Var<'a> {
+    fn cell(cell: &'a Arc<VarCell>) -> Var<'a> {
+        Var { spec: &cell.spec, at: At::Cell(cell) }
+    }
+
+    /// The declaration.
+    pub fn spec(&self) -> &'a VarSpec {
+        self.spec
+    }
+
+    /// The current value (a meter's combined over the workers it has cells on).
+    pub fn get(&self) -> Value {
+        match self.at {
+            At::Cell(c) => c.get(),
+            At::Block(b, i) => decode(self.spec.ty, b.get(i), b.text(i)),
+        }
+    }
+
+    /// The word of a u64 variable, combined over the workers it has cells on.
+    pub fn load_u64(&self) -> u64 {
+        match self.at {
+            At::Cell(c) => c.load_u64(),
+            At::Block(b, i) => b.get(i),
+        }
+    }
+
+    /// The word of this worker's cell alone.
+    pub fn local_u64(&self) -> u64 {
+        match self.at {
+            At::Cell(c) => c.local_u64(),
+            At::Block(b, i) => b.get(i),
+        }
+    }
+
+    /// Stores `value`, converted to the variable's type (callers validate first).
+    pub fn store(&self, value: &Value) {
+        match self.at {
+            At::Cell(c) => c.store(value),
+            At::Block(b, i) => b.store(i, value),
+        }
+    }
+
+    /// The variable's own cell, if it has one (a variable of a block has none).
+    pub fn as_cell(&self) -> Option<&'a Arc<VarCell>> {
+        match self.at {
+            At::Cell(c) => Some(c),
+            At::Block(..) => None,
+        }
+    }
+
+    /// True if `other` is this very variable (the same storage; not merely the same name or value): a flow made
+    /// anew under an old id has variables of its own.
+    pub fn is(&self, other: Var<'_>) -> bool {
+        match (self.at, other.at) {
+            (At::Cell(a), At::Cell(b)) => Arc::ptr_eq(a, b),
+            (At::Block(a, i), At::Block(b, j)) => Arc::ptr_eq(&a.words, &b.words) && i == j,
+            _ => false,
+        }
+    }
+
+    /// A handle that keeps the variable alive after the registry snapshot it came from is gone.
+    pub fn to_handle(&self) -> VarHandle {
+        match self.at {
+            At::Cell(c) => VarHandle(Held::Cell(c.clone())),
+            At::Block(b, i) => VarHandle(Held::Block(b.clone(), i)),
+        }
+    }
+}
+
+/// A variable held beyond a registry snapshot ([`Var::to_handle`]).
+#[derive(Clone, Debug)]
+pub struct VarHandle(Held);
+
+#[derive(Clone, Debug)]
+enum Held {
+    Cell(Arc<VarCell>),
+    Block(VarBlock, usize),
+}
+
+impl VarHandle {
+    /// The variable.
+    pub fn var(&self) -> Var<'_> {
+        match &self.0 {
+            Held::Cell(c) => Var::cell(c),
+            Held::Block(b, i) => b.var(*i),
+        }
+    }
+
+    /// The declaration.
+    pub fn spec(&self) -> &VarSpec {
+        self.var().spec
+    }
+
+    /// The current value.
+    pub fn get(&self) -> Value {
+        self.var().get()
+    }
+
+    /// The word of a u64 variable.
+    pub fn load_u64(&self) -> u64 {
+        self.var().load_u64()
+    }
+
+    /// Stores `value` (callers validate first).
+    pub fn store(&self, value: &Value) {
+        self.var().store(value)
+    }
+}
+
+impl From<Arc<VarCell>> for VarHandle {
+    fn from(cell: Arc<VarCell>) -> VarHandle {
+        VarHandle(Held::Cell(cell))
+    }
+}
+
+/// Where a runtime group keeps its variables.
+#[derive(Debug)]
+enum Stored {
+    /// A cell each (what [`DynamicVars::register`] hands out as [`ModuleVars`]), in declaration order.
+    Cells(Box<[Arc<VarCell>]>),
+    /// One block ([`DynamicVars::register_block`]).
+    Block(VarBlock),
+}
+
+/// The variables one module registered at runtime under one prefix. Only the key is kept as text: the full names
+/// (`key` + each declared name) are made when read.
 #[derive(Debug)]
 struct Group {
     /// Which [`DynamicVars`] registered it, and for which module.
     origin: u64,
     owner: Arc<str>,
-    /// The key (the prefix and a dot, `flow.17.`), then each full name.
-    text: Box<str>,
-    key_len: u32,
-    /// Where each full name ends in `text` (it starts where the previous one ends, the first after the key).
-    ends: Box<[u32]>,
-    cells: Box<[Arc<VarCell>]>,
+    /// The prefix and a dot (`flow.17.`).
+    key: Box<str>,
+    specs: VarSpecs,
+    stored: Stored,
 }
 
 impl Group {
-    fn new(origin: u64, owner: Arc<str>, prefix: &str, specs: &VarSpecs, vars: &ModuleVars) -> Group {
-        let order = &specs.0.by_name;
-        let names: usize = order.iter().map(|&i| prefix.len() + 1 + specs.0.specs[i].name.len()).sum();
-        let mut text = String::with_capacity(prefix.len() + 1 + names);
-        text.push_str(prefix);
-        text.push('.');
-        let key_len = text.len() as u32;
-        let mut ends = Vec::with_capacity(order.len());
-        for &i in order {
-            text.push_str(prefix);
-            text.push('.');
-            text.push_str(&specs.0.specs[i].name);
-            ends.push(text.len() as u32);
-        }
-        let cells = order.iter().map(|&i| vars.cells[i].clone()).collect();
-        Group { origin, owner, text: text.into_boxed_str(), key_len, ends: ends.into_boxed_slice(), cells }
-    }
-
     /// `prefix.`: every name of the group starts with it.
     fn key(&self) -> &str {
-        &self.text[..self.key_len as usize]
+        &self.key
     }
 
-    /// (full name, cell), in name order.
-    fn entries(&self) -> impl Iterator<Item = (&str, &Arc<VarCell>)> + '_ {
-        let starts = std::iter::once(self.key_len).chain(self.ends.iter().copied());
-        starts.zip(self.ends.iter()).map(|(s, &e)| &self.text[s as usize..e as usize]).zip(self.cells.iter())
+    /// Variable `i`, in declaration order.
+    fn var(&self, i: usize) -> Var<'_> {
+        match &self.stored {
+            Stored::Cells(cells) => Var::cell(&cells[i]),
+            Stored::Block(b) => b.var(i),
+        }
     }
 
-    fn get(&self, name: &str) -> Option<&Arc<VarCell>> {
-        self.entries().find(|(n, _)| *n == name).map(|(_, c)| c)
+    /// (full name, variable), in name order.
+    fn entries(&self) -> impl Iterator<Item = (Cow<'_, str>, Var<'_>)> + '_ {
+        self.specs.0.by_name.iter().map(|&i| {
+            let leaf = &self.specs.0.specs[i].name;
+            let mut name = String::with_capacity(self.key.len() + leaf.len());
+            name.push_str(&self.key);
+            name.push_str(leaf);
+            (Cow::Owned(name), self.var(i))
+        })
+    }
+
+    /// The variable `prefix.leaf`.
+    fn leaf(&self, leaf: &str) -> Option<Var<'_>> {
+        let specs = &self.specs.0;
+        let at = specs.by_name.binary_search_by(|&i| specs.specs[i].name.as_str().cmp(leaf)).ok()?;
+        Some(self.var(specs.by_name[at]))
+    }
+
+    /// The variable named `name` in full.
+    fn get(&self, name: &str) -> Option<Var<'_>> {
+        self.leaf(name.strip_prefix(self.key())?)
+    }
+
+    fn len(&self) -> usize {
+        self.specs.len()
     }
 }
 
@@ -467,10 +692,15 @@ impl Group {
 pub struct GroupVars<'a>(&'a Group);
 
 impl<'a> GroupVars<'a> {
-    /// The cell named `prefix.leaf`.
-    pub fn get(&self, leaf: &str) -> Option<&'a Arc<VarCell>> {
+    /// The variable named `prefix.leaf`.
+    pub fn get(&self, leaf: &str) -> Option<Var<'a>> {
+        self.0.leaf(leaf)
+    }
+
+    /// Every variable of the group as (leaf, variable), in name order: no name is made.
+    pub fn iter(&self) -> impl Iterator<Item = (&'a str, Var<'a>)> + 'a {
         let g = self.0;
-        g.entries().find(|(n, _)| &n[g.key_len as usize..] == leaf).map(|(_, c)| c)
+        g.specs.0.by_name.iter().map(move |&i| (g.specs.0.specs[i].name.as_str(), g.var(i)))
     }
 }
 
@@ -525,15 +755,15 @@ impl Registry {
         Arc::make_mut(&mut self.vars).insert(name, cell);
     }
 
-    /// The cell named exactly `name`.
-    pub fn get(&self, name: &str) -> Option<&Arc<VarCell>> {
+    /// The variable named exactly `name`.
+    pub fn get(&self, name: &str) -> Option<Var<'_>> {
         // The group whose prefix `name` starts with: a search per dot of the name.
         for (i, _) in name.match_indices('.').rev() {
             if let Some(c) = self.group(&name[..i]).and_then(|g| g.get(&name[i + 1..])) {
                 return Some(c);
             }
         }
-        self.vars.get(name)
+        self.vars.get(name).map(Var::cell)
     }
 
     /// The variables registered together under `prefix` (a flow's, `flow.a.3`), found with one search: for reading
@@ -555,33 +785,47 @@ impl Registry {
     }
 
     /// The variables whose names match `pattern` (see [`name_matches`]), sorted by name.
-    pub fn matching<'a>(&'a self, pattern: &'a str) -> impl Iterator<Item = (&'a str, &'a Arc<VarCell>)> + 'a {
-        // What precedes the first wildcard must start the name: a cheap test before the matcher.
+    pub fn matching<'a>(&'a self, pattern: &'a str) -> impl Iterator<Item = (Cow<'a, str>, Var<'a>)> + 'a {
+        // What precedes the first wildcard must start the name: a cheap test before the matcher (and before a
+        // group's names are made).
         let literal = &pattern[..pattern.find(['*', '?']).unwrap_or(pattern.len())];
-        let exact = (!is_pattern(pattern)).then(|| self.get(pattern).map(|c| (pattern, c)));
-        let all: Box<dyn Iterator<Item = (&'a str, &'a Arc<VarCell>)> + 'a> = match exact {
+        let exact = (!is_pattern(pattern)).then(|| self.get(pattern).map(|c| (Cow::Borrowed(pattern), c)));
+        let all: Box<dyn Iterator<Item = (Cow<'a, str>, Var<'a>)> + 'a> = match exact {
             Some(found) => Box::new(found.into_iter()),
-            None => Box::new(self.iter().filter(move |(n, _)| n.starts_with(literal) && name_matches(pattern, n))),
+            None => Box::new(
+                self.iter_where(move |key| key.starts_with(literal) || literal.starts_with(key))
+                    .filter(move |(n, _)| n.starts_with(literal) && name_matches(pattern, n)),
+            ),
         };
         all
     }
 
-    /// All variables, sorted by name.
-    pub fn iter(&self) -> impl Iterator<Item = (&str, &Arc<VarCell>)> {
-        let fixed = self.vars.iter().map(|(n, c)| (n.as_str(), c));
-        let runtime: Box<dyn Iterator<Item = (&str, &Arc<VarCell>)>> = if self.nested {
-            let mut all: Vec<(&str, &Arc<VarCell>)> = self.groups.iter().flat_map(|g| g.entries()).collect();
-            all.sort_by(|a, b| a.0.cmp(b.0));
+    /// All variables, sorted by name (a runtime variable's name is made as it is read).
+    pub fn iter(&self) -> impl Iterator<Item = (Cow<'_, str>, Var<'_>)> {
+        self.iter_where(|_| true)
+    }
+
+    /// All declared variables, and those of the runtime groups whose key (`prefix.`) `groups` accepts, sorted by
+    /// name: the names of the groups left out are never made.
+    pub fn iter_where<'a>(
+        &'a self,
+        groups: impl Fn(&str) -> bool + 'a,
+    ) -> impl Iterator<Item = (Cow<'a, str>, Var<'a>)> + 'a {
+        let fixed = self.vars.iter().map(|(n, c)| (Cow::Borrowed(n.as_str()), Var::cell(c)));
+        let chosen = self.groups.iter().filter(move |g| groups(g.key()));
+        let runtime: Box<dyn Iterator<Item = (Cow<'a, str>, Var<'a>)> + 'a> = if self.nested {
+            let mut all: Vec<(Cow<'a, str>, Var<'a>)> = chosen.flat_map(|g| g.entries()).collect();
+            all.sort_by(|a, b| a.0.cmp(&b.0));
             Box::new(all.into_iter())
         } else {
-            Box::new(self.groups.iter().flat_map(|g| g.entries()))
+            Box::new(chosen.flat_map(|g| g.entries()))
         };
         Merge { a: fixed.peekable(), b: runtime.peekable() }
     }
 
     /// Number of variables.
     pub fn len(&self) -> usize {
-        self.vars.len() + self.groups.iter().map(|g| g.cells.len()).sum::<usize>()
+        self.vars.len() + self.groups.iter().map(|g| g.len()).sum::<usize>()
     }
 
     /// True when no variable is registered.
@@ -598,14 +842,14 @@ struct Merge<A: Iterator, B: Iterator> {
 
 impl<'r, A, B> Iterator for Merge<A, B>
 where
-    A: Iterator<Item = (&'r str, &'r Arc<VarCell>)>,
-    B: Iterator<Item = (&'r str, &'r Arc<VarCell>)>,
+    A: Iterator<Item = (Cow<'r, str>, Var<'r>)>,
+    B: Iterator<Item = (Cow<'r, str>, Var<'r>)>,
 {
-    type Item = (&'r str, &'r Arc<VarCell>);
+    type Item = (Cow<'r, str>, Var<'r>);
 
     fn next(&mut self) -> Option<Self::Item> {
         match (self.a.peek(), self.b.peek()) {
-            (Some(x), Some(y)) => match x.0.cmp(y.0) {
+            (Some(x), Some(y)) => match x.0.cmp(&y.0) {
                 std::cmp::Ordering::Less => self.a.next(),
                 std::cmp::Ordering::Equal => {
                     self.a.next();
@@ -730,6 +974,22 @@ impl DynamicVars {
     /// replaced. Refused: a prefix outside `flow.`/`iface.`/`app.`, an invalid segment, or another module's prefix.
     /// Declarations passed as [`VarSpecs`] are shared by the cells (pass the same `VarSpecs` for every flow).
     pub fn register(&mut self, owner: &str, prefix: &str, specs: impl Into<VarSpecs>) -> Result<ModuleVars, String> {
+        let specs = specs.into();
+        let vars = ModuleVars::shared(&specs);
+        let cells = vars.cells.iter().cloned().collect();
+        self.add(owner, prefix, specs, Stored::Cells(cells))?;
+        Ok(vars)
+    }
+
+    /// Registers `specs` under `prefix` as [`register`](DynamicVars::register) does, kept in one [`VarBlock`]: for
+    /// variables registered by the thousand (a flow's meters), which cost a fraction of a cell each.
+    pub fn register_block(&mut self, owner: &str, prefix: &str, specs: &VarSpecs) -> Result<VarBlock, String> {
+        let block = VarBlock::new(specs);
+        self.add(owner, prefix, specs.clone(), Stored::Block(block.clone()))?;
+        Ok(block)
+    }
+
+    fn add(&mut self, owner: &str, prefix: &str, specs: VarSpecs, stored: Stored) -> Result<(), String> {
         let mut segments = prefix.split('.');
         let root = segments.next().unwrap_or_default();
         if !DYNAMIC_ROOTS.contains(&root) {
@@ -743,10 +1003,12 @@ impl DynamicVars {
         if !prefix.split('.').all(segment_ok) || prefix.split('.').count() < 2 {
             return Err(format!("invalid variable prefix {prefix:?}: expected e.g. flow.17 or iface.eth0"));
         }
-        let specs = specs.into();
         let owner = self.owner(owner);
-        let vars = ModuleVars::shared(&specs);
-        let group = ByKey(Arc::new(Group::new(self.origin, owner.clone(), prefix, &specs, &vars)));
+        let mut key = String::with_capacity(prefix.len() + 1);
+        key.push_str(prefix);
+        key.push('.');
+        let group = Group { origin: self.origin, owner: owner.clone(), key: key.into_boxed_str(), specs, stored };
+        let group = ByKey(Arc::new(group));
         let mut d = self.registry.dynamic.write().map_err(|_| "the registry is poisoned".to_string())?;
         if let Some(g) = d.get(group.0.key()) {
             if g.0.origin != self.origin || g.0.owner != owner {
@@ -755,7 +1017,7 @@ impl DynamicVars {
         }
         d.replace(group);
         self.registry.changed();
-        Ok(vars)
+        Ok(())
     }
 
     /// The group of this registrar at `key` (`prefix.`).
@@ -765,13 +1027,13 @@ impl DynamicVars {
     }
 
     /// The module that registered runtime variable `name` (the owner of the longest registered prefix of it), and
-    /// the variable's cell; `None` if no module registered it.
-    pub fn owner_of(&self, name: &str) -> Option<(&str, Arc<VarCell>)> {
+    /// the variable; `None` if no module registered it.
+    pub fn owner_of(&self, name: &str) -> Option<(&str, VarHandle)> {
         for (i, _) in name.match_indices('.').rev() {
             if let Some(g) = self.own(&name[..=i]) {
-                let cell = g.get(name)?.clone();
+                let var = g.get(name)?.to_handle();
                 let owner = self.owners.iter().find(|o| Arc::ptr_eq(o, &g.owner))?;
-                return Some((owner, cell));
+                return Some((owner, var));
             }
         }
         None
@@ -938,7 +1200,7 @@ mod tests {
                 d.unregister("m", "iface.a.b");
             }
             let snap = shared.snapshot();
-            let names: Vec<&str> = snap.iter().map(|(n, _)| n).collect();
+            let names: Vec<String> = snap.iter().map(|(n, _)| n.into_owned()).collect();
             let mut sorted = names.clone();
             sorted.sort();
             assert_eq!(names, sorted);
@@ -970,6 +1232,59 @@ mod tests {
                 assert!(snap.group(absent).is_none(), "{absent}");
             }
         }
+    }
+
+    /// A group kept in one block reads like one of cells: by name, by group, in name order, by pattern; its
+    /// variables are what the module writes through the block, and go when it is unregistered.
+    #[test]
+    fn blocks_read_like_cells() {
+        let shared = SharedRegistry::default();
+        let mut d = DynamicVars::new(shared.clone());
+        let specs = VarSpecs::from(vec![
+            VarSpec::meter("packets_total", ValueType::U64, "frames", ""),
+            VarSpec::meter("tuple", ValueType::Str, "", ""),
+            VarSpec::meter("bytes_total", ValueType::U64, "bytes", ""),
+            VarSpec::meter("rate", ValueType::F64, "", ""),
+        ]);
+        let cells = d.register("m", "flow.1", &specs).unwrap();
+        let block = d.register_block("m", "flow.2", &specs).unwrap();
+        for (i, n) in [(0, 5), (2, 700)] {
+            cells.meter_at(i).set(n);
+            block.set(i, n);
+        }
+        block.add(block.index("packets_total"), 2);
+        for (vars, at) in [(&cells, 1), (&cells, 3)] {
+            let v = if at == 1 { Value::Str("udp a <-> b".into()) } else { Value::F64(1.5) };
+            vars.cells()[at].store(&v);
+            block.store(at, &v);
+        }
+        let snap = shared.snapshot();
+        let names = |p: &str| snap.matching(p).map(|(n, c)| format!("{n}={}", c.get())).collect::<Vec<_>>();
+        assert_eq!(
+            names("flow.2.*"),
+            ["flow.2.bytes_total=700", "flow.2.packets_total=7", "flow.2.rate=1.5", "flow.2.tuple=udp a <-> b"]
+        );
+        assert_eq!(names("flow.1.*").len(), 4);
+        assert_eq!(snap.len(), 8);
+        assert_eq!(snap.iter().count(), 8);
+        assert_eq!(snap.get("flow.2.packets_total").map(|v| v.load_u64()), Some(7));
+        assert!(snap.get("flow.2.packets").is_none() && snap.get("flow.2").is_none());
+        let g = snap.group("flow.2").unwrap();
+        assert_eq!(
+            g.iter().map(|(leaf, _)| leaf).collect::<Vec<_>>(),
+            ["bytes_total", "packets_total", "rate", "tuple"]
+        );
+        let tuple = g.get("tuple").unwrap();
+        assert!(tuple.is(snap.get("flow.2.tuple").unwrap()) && !tuple.is(snap.get("flow.1.tuple").unwrap()));
+        let held = tuple.to_handle();
+        assert!(held.var().is(tuple));
+        // A meter of a block is read-only for writers through the registry; the owner is known.
+        let (owner, var) = d.owner_of("flow.2.rate").unwrap();
+        assert_eq!((owner, var.spec().kind, var.get()), ("m", VarKind::Meter, Value::F64(1.5)));
+        assert!(d.unregister("m", "flow.2"));
+        assert!(shared.snapshot().get("flow.2.tuple").is_none());
+        assert_eq!(held.get(), Value::Str("udp a <-> b".into()), "a handle outlives the registration");
+        assert!(d.register_block("m", "module.x", &specs).is_err());
     }
 
     /// Registrars sharing a registry see only their own prefixes, and one cannot take another's.

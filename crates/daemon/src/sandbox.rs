@@ -497,6 +497,8 @@ pub struct Sandboxes {
     state: Mutex<(BTreeMap<String, AppInfo>, Option<HostState>)>,
     /// This daemon's lock file (or why it could not be taken: then no app can attach).
     instance: Result<Instance, String>,
+    /// Threads that sleep while no app is attached, woken when one attaches ([`Sandboxes::wake_on_attach`]).
+    sleepers: Mutex<Vec<std::thread::Thread>>,
 }
 
 /// Runs a command (stdin closed) and returns its stdout; an error names the command and carries its stderr.
@@ -557,7 +559,8 @@ impl Sandboxes {
             Ok(_) => remove_stale_leftovers(&format!("flexstack_{}", std::process::id())),
             Err(e) => tracing::debug!(error = %e, "no lock file: apps cannot be attached"),
         }
-        Sandboxes { subnet: [o[0], o[1]], etc: None, state: Mutex::new((BTreeMap::new(), None)), instance }
+        let sleepers = Mutex::default();
+        Sandboxes { subnet: [o[0], o[1]], etc: None, state: Mutex::new((BTreeMap::new(), None)), instance, sleepers }
     }
 
     /// Apps get `resolv.conf` and `hosts` from `dir` instead of /etc (a file missing there still comes from /etc):
@@ -565,6 +568,11 @@ impl Sandboxes {
     pub fn with_etc_dir(mut self, dir: Option<std::path::PathBuf>) -> Sandboxes {
         self.etc = dir;
         self
+    }
+
+    /// Unparks `thread` whenever an app attaches (a thread that parks while there is none).
+    pub fn wake_on_attach(&self, thread: std::thread::Thread) {
+        self.sleepers.lock().unwrap_or_else(|p| p.into_inner()).push(thread);
     }
 
     /// The apps now attached.
@@ -703,6 +711,9 @@ impl Sandboxes {
             return Err(e);
         }
         guard.0.insert(name, app.clone());
+        for t in self.sleepers.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+            t.unpark();
+        }
         tracing::info!(app = %app.name, netns = %app.netns, ipv4 = %app.ipv4, "app attached");
         Ok(app)
     }

@@ -36,7 +36,7 @@
 
 use crate::actions::{app_of, handling, Control, Publisher, Tuple};
 use flexstack_api::ops::Handling;
-use flexstack_core::vars::{DynamicVars, GroupVars, ModuleVars, VarCell, VarSpec};
+use flexstack_core::vars::{DynamicVars, GroupVars, ModuleVars, Var, VarHandle, VarSpec};
 use flexstack_core::Registry;
 use flexstack_core::{Value, ValueType};
 use netlink_packet_core::{NetlinkHeader, NetlinkMessage, NetlinkPayload, NLM_F_DUMP, NLM_F_REQUEST};
@@ -186,7 +186,7 @@ fn window(todo: &mut Vec<Target>, max: usize, resume_after: Option<&str>) -> Opt
 }
 
 /// The number in a cell (0 if none).
-fn u64_of(cell: Option<&Arc<VarCell>>) -> u64 {
+fn u64_of(cell: Option<Var<'_>>) -> u64 {
     match cell.map(|c| c.get()) {
         Some(Value::U64(n)) => n,
         _ => 0,
@@ -209,7 +209,7 @@ type TcpFlow = (FlowKey, String, (IpAddr, u16), (IpAddr, u16));
 /// What the poller knows of a `classify` flow between polls.
 struct Known {
     /// Its `tuple` cell: another cell under the same id is another connection (a flow table made anew).
-    cell: Arc<VarCell>,
+    cell: VarHandle,
     tuple: String,
     /// Its key, the app it belongs to and its two ends (the first sender first), if it is a TCP flow of an app.
     tcp: Option<TcpFlow>,
@@ -217,7 +217,7 @@ struct Known {
     /// meters are the endpoint's own (`None`: not judged yet).
     terminated: Option<bool>,
     /// Its `packets_total` cell, read at each poll while no flow comes or goes.
-    packets_cell: Arc<VarCell>,
+    packets_cell: VarHandle,
     packets: u64,
     /// The last poll that saw it.
     seen: u64,
@@ -405,7 +405,7 @@ impl Poller {
                 let (Some(cell), Some(packets_cell)) = (g.get("tuple"), g.get("packets_total")) else { return };
                 let packets = u64_of(Some(packets_cell));
                 match self.known.get_mut(id) {
-                    Some(k) if Arc::ptr_eq(&k.cell, cell) => {
+                    Some(k) if k.cell.var().is(cell) => {
                         k.seen = polls;
                         k.packets = packets;
                     }
@@ -417,7 +417,7 @@ impl Poller {
                             .flatten()
                             .map(|(key, app, (a, pa), (b, pb))| (key, app, (a, pa.unwrap_or(0)), (b, pb.unwrap_or(0))));
                         let terminated = if tcp.is_some() { None } else { Some(true) };
-                        let (cell, packets_cell) = (cell.clone(), packets_cell.clone());
+                        let (cell, packets_cell) = (cell.to_handle(), packets_cell.to_handle());
                         let k = Known { cell, packets_cell, tuple, tcp, terminated, packets, seen: polls };
                         self.known.insert(id.to_string(), k);
                         fresh = true;
@@ -445,9 +445,14 @@ impl Poller {
         Ok(())
     }
 
+    /// Nothing to read until an app attaches: none is, and nothing of an earlier one is left to remove.
+    fn idle(&self, control: &Control) -> bool {
+        control.sandboxes.count() == 0 && self.published.is_empty() && self.sockets.is_empty()
+    }
+
     /// One poll: read the sockets of the apps with forwarded TCP flows and publish the flows' meters.
     fn poll(&mut self, control: &Control) -> Result<(), Fatal> {
-        if control.sandboxes.count() == 0 && self.published.is_empty() && self.sockets.is_empty() {
+        if self.idle(control) {
             return Ok(()); // no app: nothing to read (and the data plane is not asked for a snapshot)
         }
         self.polls += 1;
@@ -456,7 +461,7 @@ impl Poller {
         if self.walked == Some(changes) && self.rejudge_at != Some(polls) {
             // No flow came or went: only the packet counts of the flows whose sockets are read may have moved.
             for k in self.known.values_mut().filter(|k| k.terminated == Some(false)) {
-                k.packets = u64_of(Some(&k.packets_cell));
+                k.packets = u64_of(Some(k.packets_cell.var()));
             }
         } else {
             self.walk(control, changes)?;
@@ -576,9 +581,14 @@ impl FlowMeterPoller {
         let thread = std::thread::Builder::new()
             .name("flow-meters".into())
             .spawn(move || {
-                let mut pause = opts.interval;
+                let mut pause = Some(opts.interval);
                 while !flag.load(Ordering::Relaxed) {
-                    std::thread::park_timeout(pause);
+                    // With no app attached and nothing published, sleep until an app attaches (or the poller stops):
+                    // an idle daemon has no timer here.
+                    match pause {
+                        Some(pause) => std::thread::park_timeout(pause),
+                        None => std::thread::park(),
+                    }
                     let Some(control) = weak.upgrade() else { break };
                     if flag.load(Ordering::Relaxed) {
                         break;
@@ -587,7 +597,7 @@ impl FlowMeterPoller {
                     let polled = poller.poll(&control);
                     // A pass reads every flow's variables: with many thousands of flows (idle terminated connections
                     // included) it takes long, so the pause grows to keep this thread busy at most 1/MAX_DUTY.
-                    pause = opts.interval.max(started.elapsed() * MAX_DUTY);
+                    pause = (!poller.idle(&control)).then(|| opts.interval.max(started.elapsed() * MAX_DUTY));
                     match polled {
                         Ok(()) => {}
                         Err(Fatal::No(e)) => tracing::debug!(error = %e, "flow meters: poll failed"),
@@ -600,6 +610,7 @@ impl FlowMeterPoller {
                 poller.dynamic.unregister_owner(OWNER);
             })
             .map_err(|e| format!("flow meters thread: {e}"))?;
+        control.sandboxes.wake_on_attach(thread.thread().clone());
         Ok(FlowMeterPoller { stop, thread: Some(thread) })
     }
 }
@@ -780,8 +791,8 @@ mod tests {
         // Only a TCP flow judged not terminated is a target.
         let ip = |s: &str| s.parse::<IpAddr>().unwrap();
         let mut k = Known {
-            cell: reg.group("flow.a.3").unwrap().get("tuple").unwrap().clone(),
-            packets_cell: reg.group("flow.a.3").unwrap().get("tuple").unwrap().clone(),
+            cell: reg.group("flow.a.3").unwrap().get("tuple").unwrap().to_handle(),
+            packets_cell: reg.group("flow.a.3").unwrap().get("tuple").unwrap().to_handle(),
             tuple: "tcp x".into(),
             tcp: Some((key_of(&t).unwrap(), "a".into(), (ip("10.9.1.2"), 4000), (ip("10.1.1.1"), 80))),
             terminated: None,

@@ -7,11 +7,10 @@
 use crate::actions::control::{internal, Control};
 use flexstack_api::ops::{AppInfo, FlowDetail, FlowInfo, Handling, TcpMeters, VarValue};
 use flexstack_api::protocol::{ApiError, ErrorCode};
-use flexstack_core::vars::{GroupVars, VarCell};
+use flexstack_core::vars::{GroupVars, Var};
 use flexstack_core::{Registry, SharedRegistry, Value};
 use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, SocketAddr};
-use std::sync::Arc;
 
 /// A flow's `tuple` meter, parsed: `tcp 10.0.0.2:40000 <-> 10.0.0.1:80` (classify), `icmp A <-> B id 7`,
 /// `proto 47 A <-> B`, `tcp 10.0.0.2:40000 -> 10.0.0.1:80 app "curl"` (terminate, originate).
@@ -90,7 +89,7 @@ pub(crate) struct Publisher {
 }
 
 /// The text of a cell, if it holds text.
-fn text_of(cell: Option<&Arc<VarCell>>) -> Option<String> {
+fn text_of(cell: Option<Var<'_>>) -> Option<String> {
     match cell?.get() {
         Value::Str(s) => Some(s),
         _ => None,
@@ -98,7 +97,7 @@ fn text_of(cell: Option<&Arc<VarCell>>) -> Option<String> {
 }
 
 /// The number of a cell, if it holds an unsigned one.
-fn u64_of(cell: Option<&Arc<VarCell>>) -> Option<u64> {
+fn u64_of(cell: Option<Var<'_>>) -> Option<u64> {
     match cell?.get() {
         Value::U64(n) => Some(n),
         _ => None,

@@ -3,11 +3,10 @@
 use crate::actions::control::{now_ms, Author, Control};
 use flexstack_api::ops::{SetResult, Values, VarInfo, VarValue, WatchEvent};
 use flexstack_api::protocol::{ApiError, ErrorCode};
-use flexstack_core::vars::{is_pattern, VarCell, VarKind, VarSpec};
+use flexstack_core::vars::{is_pattern, VarHandle, VarKind, VarSpec};
 use flexstack_core::{Edit, Value};
 use serde_json::Value as Json;
 use std::collections::BTreeMap;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// True if `now` is sent as `last` was: equal values, or floats that are both not finite (JSON has no NaN or
@@ -38,7 +37,7 @@ impl Control {
     }
 
     /// The declaration of the knob `name`, or why it cannot be written.
-    fn knob_spec(&self, name: &str) -> Result<(VarSpec, Arc<VarCell>), ApiError> {
+    fn knob_spec(&self, name: &str) -> Result<(VarSpec, VarHandle), ApiError> {
         let reg = self.registry.snapshot();
         let cell = reg.get(name).ok_or_else(|| {
             ApiError::new(ErrorCode::NotFound, format!("no variable named {name} (see `flexstack var list`)"))
@@ -47,7 +46,7 @@ impl Control {
         if spec.kind != VarKind::Knob {
             return Err(ApiError::new(ErrorCode::InvalidValue, format!("{name} is a meter (read-only)")));
         }
-        Ok((spec, cell.clone()))
+        Ok((spec, cell.to_handle()))
     }
 
     /// `set`: the value is JSON of the knob's type, or text parsed as that type.
@@ -77,7 +76,7 @@ impl Control {
         &self,
         name: &str,
         spec: &VarSpec,
-        cell: &VarCell,
+        cell: &VarHandle,
         v: &Value,
         author: Author<'_>,
     ) -> Result<SetResult, ApiError> {
@@ -150,7 +149,7 @@ impl Control {
             for n in names {
                 for (name, cell) in reg.matching(n) {
                     let v = cell.get();
-                    if !changes || !sent_alike(last.get(name), &v) {
+                    if !changes || !sent_alike(last.get(name.as_ref()), &v) {
                         values.insert(name.to_string(), v.clone());
                     }
                     last.insert(name.to_string(), v);

@@ -7,8 +7,10 @@ use std::sync::mpsc::Sender;
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
-/// Longest sleep of the loop when nothing is due (bounds the latency of commands only when none arrive).
-pub(super) const MAX_IDLE: Duration = Duration::from_millis(50);
+/// Waits for a module's wake-up shorter than this are kept to the nanosecond by the loop's timerfd; longer ones by
+/// epoll's timeout (whole milliseconds). With nothing due the loop sleeps until an event: commands wake it (their
+/// eventfd), so an idle daemon does not wake at all.
+pub(super) const PRECISE_WAIT: Duration = Duration::from_millis(50);
 
 /// The shape of the running stack at one moment.
 #[derive(Clone, Debug)]

@@ -520,3 +520,34 @@ fn start_worker(
 #[derive(Debug, thiserror::Error)]
 #[error("the data plane has stopped")]
 pub struct DataPlaneGone;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An idle data plane sleeps until an event: its loop makes no round while nothing happens (it made one every
+    /// 50 ms before). A link change anywhere on the host is an event, so the quietest of a few windows counts.
+    #[test]
+    fn an_idle_worker_does_not_wake() {
+        let mut dp = DataPlane::start(DataPlaneOptions::default()).unwrap();
+        let rounds = || dp.registry().snapshot().get("worker.0.rounds_total").map(|v| v.load_u64());
+        // The worker registers its meters when it starts.
+        let started = Instant::now();
+        while rounds().is_none() && started.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let quietest = (0..4)
+            .map(|_| {
+                let before = rounds().unwrap();
+                std::thread::sleep(Duration::from_millis(300));
+                rounds().unwrap() - before
+            })
+            .min();
+        assert_eq!(quietest, Some(0), "rounds of an idle worker in 300 ms");
+        // A command still wakes it at once.
+        let snapshot_at = Instant::now();
+        dp.snapshot().unwrap();
+        assert!(snapshot_at.elapsed() < Duration::from_secs(1));
+        dp.shutdown();
+    }
+}

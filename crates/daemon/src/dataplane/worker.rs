@@ -2,7 +2,7 @@
 //! frames of flows another worker owns over rings ([`super::steer`]), and applying the control plane's commands
 //! between batches (together with the other workers, see [`Command::Apply`]).
 
-use super::command::{Command, Edits, Snapshot, MAX_IDLE};
+use super::command::{Command, Edits, Snapshot, PRECISE_WAIT};
 use super::moderation::RxModeration;
 use super::steer;
 use flexstack_core::frame::Metadata;
@@ -165,8 +165,9 @@ struct State {
     woken: Vec<bool>,
     /// Frames handed in, by face, to inject.
     handed_in: Vec<(usize, Batch)>,
-    /// When the devices' kernel drop counters were read last.
-    kernel_drops_at: Time,
+    /// When the devices' kernel drop counters are to be read next: a second after frames moved, while none were
+    /// read since (`None`: nothing moved since the last read, so an idle loop sleeps until an event).
+    kernel_drops_due: Option<Time>,
 }
 
 impl Loop {
@@ -184,7 +185,7 @@ impl Loop {
             meters,
             woken: vec![false; self.rings.wakes.len()],
             handed_in: Vec::new(),
-            kernel_drops_at: clock(),
+            kernel_drops_due: None,
         };
         let mut events = vec![EpollEvent::empty(); 64];
         let mut ready: Vec<usize> = Vec::new();
@@ -213,6 +214,8 @@ impl Loop {
             }
             // Read the devices that were ready; a device with more waiting stays ready for the next round.
             let mut more = false;
+            // Whether frames moved this round (read, handed in or written).
+            let mut moved = false;
             for &k in &ready {
                 let Some((index, dev)) = st.faces.get(k).cloned() else { continue };
                 let pool = self.switch.pool().clone();
@@ -271,6 +274,7 @@ impl Loop {
                 more |= read == READ_BATCH;
                 if read > 0 {
                     last_frame = clock();
+                    moved = true;
                 }
                 st.meters.frames.add(batch.len() as u64);
                 self.switch.face_ingress(index, &mut batch);
@@ -279,39 +283,48 @@ impl Loop {
                 ready.clear();
             }
             self.wake_peers(&mut st);
-            self.take_handed_in(&mut st);
+            let handed_in = self.take_handed_in(&mut st);
             self.switch.run(clock());
-            self.flush_egress(&mut st, &mut batch);
-            if clock().0.saturating_sub(st.kernel_drops_at.0) >= KERNEL_DROPS_EVERY.as_nanos() as u64 {
-                st.kernel_drops_at = clock();
+            let wrote = self.flush_egress(&mut st, &mut batch);
+            let now = clock();
+            if st.kernel_drops_due.is_some_and(|due| due <= now) {
+                st.kernel_drops_due = None;
                 for (_, dev) in &st.faces {
                     dev.refresh_kernel_drops();
                 }
+            }
+            if (moved || handed_in || wrote) && st.kernel_drops_due.is_none() {
+                st.kernel_drops_due = Some(Time(now.0.saturating_add(KERNEL_DROPS_EVERY.as_nanos() as u64)));
             }
             let polling = match self.busy_poll.local_u64() {
                 0 => false,
                 us => clock().0.saturating_sub(last_frame.0) < us.saturating_mul(1_000),
             };
+            // Nothing to do and nothing due: sleep until an event (a frame, a command, a link change), however long.
             let wait = if more || polling || self.switch.has_pending() || self.has_handed_in() {
-                Duration::ZERO
+                Some(Duration::ZERO)
             } else {
-                match self.switch.next_wakeup() {
-                    Some(w) => (w - clock()).min(MAX_IDLE),
-                    None => MAX_IDLE,
-                }
+                let now = clock();
+                let due = [self.switch.next_wakeup(), st.kernel_drops_due].into_iter().flatten().min();
+                due.map(|w| w - now)
             };
-            // epoll's timeout counts whole milliseconds: a module's wake-up (a modelled transmission ending, a
+            // epoll's timeout counts whole milliseconds: a module's wake-up soon (a modelled transmission ending, a
             // delayed frame due) is kept to the nanosecond by a timerfd, and epoll waits for it.
-            let wait = if wait.is_zero() || wait >= MAX_IDLE {
-                wait
-            } else {
-                let when = TimeSpec::from_duration(wait);
-                match self.timer.set(Expiration::OneShot(when), TimerSetTimeFlags::empty()) {
-                    Ok(()) => MAX_IDLE,
-                    Err(_) => wait,
+            let wait = match wait {
+                Some(w) if !w.is_zero() && w < PRECISE_WAIT => {
+                    let when = TimeSpec::from_duration(w);
+                    match self.timer.set(Expiration::OneShot(when), TimerSetTimeFlags::empty()) {
+                        Ok(()) => None,
+                        Err(_) => Some(w),
+                    }
                 }
+                w => w,
             };
-            let timeout = EpollTimeout::try_from(wait).unwrap_or(EpollTimeout::NONE);
+            let timeout = wait.map_or(EpollTimeout::NONE, |w| {
+                // Rounded up to the next millisecond: waking early would only wait again.
+                let ms = w.as_nanos().div_ceil(1_000_000).min(i32::MAX as u128) as u32;
+                EpollTimeout::try_from(ms as i32).unwrap_or(EpollTimeout::NONE)
+            });
             let idle_from = clock();
             st.meters.busy_ns.add(idle_from.0.saturating_sub(busy_since.0));
             let n = match self.epoll.wait(&mut events, timeout) {
@@ -379,7 +392,8 @@ impl Loop {
 
     /// Takes the frames other workers handed over (at most a ring's worth from each) into this worker's pool, and
     /// injects them at the faces they were read from.
-    fn take_handed_in(&mut self, st: &mut State) {
+    /// Returns whether any frame was taken.
+    fn take_handed_in(&mut self, st: &mut State) -> bool {
         let pool = self.switch.pool().clone();
         for j in 0..self.rings.from.len() {
             let Some(ring) = self.rings.from[j].as_mut() else { continue };
@@ -405,11 +419,13 @@ impl Loop {
                 }
             }
         }
+        let took = !st.handed_in.is_empty();
         for (face, mut frames) in st.handed_in.drain(..) {
             st.meters.handoff_in.add(frames.len() as u64);
             st.meters.frames.add(frames.len() as u64);
             self.switch.face_ingress(face, &mut frames);
         }
+        took
     }
 
     /// Handles one command; false means stop.
@@ -529,7 +545,9 @@ impl Loop {
 
     /// Writes what the face modules queued for their devices: those the switch called since the last flush (with
     /// 1,000 faces, visiting every one each round cost more than the frames).
-    fn flush_egress(&mut self, st: &mut State, batch: &mut Batch) {
+    /// Returns whether any frame was written.
+    fn flush_egress(&mut self, st: &mut State, batch: &mut Batch) -> bool {
+        let mut wrote = false;
         self.switch.take_egress_ready(&mut st.egress_ready);
         for index in &st.egress_ready {
             let Some(&k) = st.face_at.get(index) else { continue };
@@ -548,13 +566,15 @@ impl Loop {
             if let Err(e) = dev.write_frames(&packets) {
                 tracing::debug!(device = dev.name(), error = %e, "write failed (counted)");
             }
+            wrote |= !packets.is_empty();
             drop(packets);
             batch.clear();
         }
+        wrote
     }
 }
 
-/// How often the devices' kernel drop counters are read (the loop wakes at least every `MAX_IDLE`).
+/// How often the devices' kernel drop counters are read while frames move (and once this long after the last).
 const KERNEL_DROPS_EVERY: Duration = Duration::from_secs(1);
 
 pub(super) fn now(origin: Instant) -> Time {

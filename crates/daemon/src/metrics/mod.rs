@@ -9,7 +9,7 @@ pub mod mapping;
 use crate::actions::{Caller, Control};
 use flexstack_api::ops::{ConfigShow, RevisionStack};
 use flexstack_api::protocol::Request;
-use flexstack_core::vars::{Registry as VarRegistry, VarCell};
+use flexstack_core::vars::{Registry as VarRegistry, Var};
 use flexstack_core::{StackSpec, Value};
 use mapping::Series;
 use prometheus_client::collector::Collector;
@@ -72,44 +72,48 @@ fn flow_id(name: &str) -> Option<&str> {
     Some(&rest[..app_end + 1 + n_len])
 }
 
-/// A flow's bytes and its `tuple` cell.
-type FlowBytes<'a> = (u64, Option<&'a Arc<VarCell>>);
+/// A flow's bytes and its `tuple` variable.
+type FlowBytes<'a> = (u64, Option<Var<'a>>);
 
-/// Each flow's bytes (`bytes_total`, else the sum of its `bytes_*_total`) and its `tuple` cell, by id. Only
-/// those meters are read. The registry is sorted by name, so a flow's variables are next to each other: one pass,
-/// no lookup per variable.
+/// Each flow's bytes (`bytes_total`, else the sum of its `bytes_*_total`) and its `tuple` variable, by id. Only
+/// those meters are read, group by group: no variable's name is made.
 fn flow_bytes(reg: &VarRegistry) -> HashMap<&str, FlowBytes<'_>> {
     let mut flows: HashMap<&str, FlowBytes<'_>> = HashMap::new();
-    // The flow being read: id, bytes, tuple, whether it has `bytes_total`.
-    let mut current: Option<(&str, u64, Option<&Arc<VarCell>>, bool)> = None;
-    for (name, cell) in reg.iter() {
-        let Some(id) = flow_id(name) else { continue };
-        if current.as_ref().is_some_and(|c| c.0 != id) {
-            if let Some((id, bytes, tuple, _)) = current.take() {
-                flows.insert(id, (bytes, tuple));
+    for (prefix, g) in reg.groups_under("flow.") {
+        let Some(id) = group_flow_id(prefix) else { continue };
+        let f = flows.entry(id).or_insert((0, None));
+        // A group under a flow's (`flow.a.3.tcp`): its variables are not the flow's own meters.
+        if prefix.len() != "flow.".len() + id.len() {
+            continue;
+        }
+        let (mut total, mut parts) = (None, 0u64);
+        for (leaf, var) in g.iter() {
+            if leaf == "tuple" {
+                f.1 = Some(var);
+            } else if leaf == "bytes_total" {
+                total = Some(var.load_u64());
+            } else if leaf.starts_with("bytes_") && leaf.ends_with("_total") {
+                parts = parts.saturating_add(var.load_u64());
             }
         }
-        let f = current.get_or_insert((id, 0, None, false));
-        let meter = &name["flow.".len() + id.len() + 1..];
-        if meter == "tuple" {
-            f.2 = Some(cell);
-        } else if meter == "bytes_total" {
-            (f.1, f.3) = (cell.load_u64(), true);
-        } else if !f.3 && meter.starts_with("bytes_") && meter.ends_with("_total") {
-            f.1 = f.1.saturating_add(cell.load_u64());
-        }
-    }
-    if let Some((id, bytes, tuple, _)) = current {
-        flows.insert(id, (bytes, tuple));
+        f.0 = total.unwrap_or(parts);
     }
     flows
+}
+
+/// The flow id of a group `flow.<app>.<n>` or one under it (`flow.<app>.<n>.tcp`): `<app>.<n>`.
+fn group_flow_id(prefix: &str) -> Option<&str> {
+    let rest = prefix.strip_prefix("flow.")?;
+    let mut dots = rest.match_indices('.').map(|(i, _)| i);
+    let app_end = dots.next()?;
+    Some(dots.next().map_or(rest, |end| &rest[..end])).filter(|id| id.len() > app_end + 1)
 }
 
 /// The `top` flows with the most bytes: their ids and tuples.
 fn top_flows(flows: HashMap<&str, FlowBytes<'_>>, top: usize) -> HashMap<String, String> {
     let mut by_bytes: Vec<(&str, FlowBytes<'_>)> = flows.into_iter().collect();
     by_bytes.sort_unstable_by(|a, b| b.1 .0.cmp(&a.1 .0).then(a.0.cmp(b.0)));
-    let tuple = |c: Option<&Arc<VarCell>>| match c.map(|c| c.get()) {
+    let tuple = |c: Option<Var<'_>>| match c.map(|c| c.get()) {
         Some(Value::Str(t)) => t,
         _ => String::new(),
     };
@@ -159,18 +163,12 @@ impl RegistryCollector {
             }
             f.samples.push((s.labels, value * s.scale));
         };
-        // Whether the flow of the previous variable is exported (a flow's variables are next to each other).
-        let mut last_flow: Option<(&str, bool)> = None;
-        for (name, cell) in reg.iter() {
-            if let Some(id) = flow_id(name) {
-                let exported = match last_flow {
-                    Some((last, exported)) if last == id => exported,
-                    _ => top.contains_key(id),
-                };
-                last_flow = Some((id, exported));
-                if !exported {
-                    continue;
-                }
+        // The variables of the flows not exported are skipped by group, before their names are made.
+        let exported = |key: &str| flow_id(key).is_none_or(|id| top.contains_key(id));
+        for (name, cell) in reg.iter_where(exported) {
+            let name = name.as_ref();
+            if !exported(name) {
+                continue;
             }
             let spec = cell.spec();
             // An old name of a renamed variable would export its series twice.
@@ -358,19 +356,38 @@ mod tests {
 
     #[test]
     fn top_flows_keeps_the_k_with_most_bytes() {
-        let mut reg = VarRegistry::default();
-        let mut put = |name: &str, v: Value| {
-            let cell = flexstack_core::vars::VarCell::new(flexstack_core::VarSpec::meter("x", v.value_type(), "", ""));
-            cell.store(&v);
-            reg.insert(name.into(), Arc::new(cell));
+        use flexstack_core::vars::{DynamicVars, SharedRegistry};
+        let shared = SharedRegistry::default();
+        let mut dynamic = DynamicVars::new(shared.clone());
+        // Flows' meters are runtime groups (a block, as classify registers them, or cells).
+        let mut put = |prefix: &str, vars: &[(&str, Value)], block: bool| {
+            let specs: Vec<_> =
+                vars.iter().map(|(n, v)| flexstack_core::VarSpec::meter(n, v.value_type(), "", "")).collect();
+            let specs = flexstack_core::VarSpecs::from(specs);
+            if block {
+                let b = dynamic.register_block("m", prefix, &specs).unwrap();
+                vars.iter().enumerate().for_each(|(i, (_, v))| b.store(i, v));
+            } else {
+                let c = dynamic.register("m", prefix, &specs).unwrap();
+                vars.iter().zip(c.cells()).for_each(|((_, v), c)| c.store(v));
+            }
         };
-        put("flow.a.1.bytes_total", Value::U64(10));
-        put("flow.a.1.bytes_down_total", Value::U64(999));
-        put("flow.a.1.tuple", Value::Str("udp a <-> b".into()));
-        put("flow.a.2.bytes_total", Value::U64(100));
-        put("flow.t.1.bytes_down_total", Value::U64(30));
-        put("flow.t.1.bytes_up_total", Value::U64(30));
-        put("module.m.bytes_total", Value::U64(1000));
+        let tuple = ("tuple", Value::Str("udp a <-> b".into()));
+        put("flow.a.1", &[("bytes_total", Value::U64(10)), ("bytes_down_total", Value::U64(999)), tuple], true);
+        put("flow.a.1.tcp", &[("bytes_total", Value::U64(5000))], false);
+        put("flow.a.2", &[("bytes_total", Value::U64(100))], false);
+        put("flow.t.1", &[("bytes_down_total", Value::U64(30)), ("bytes_up_total", Value::U64(30))], true);
+        let mut fixed = VarRegistry::default();
+        let cell = flexstack_core::vars::VarCell::new(flexstack_core::VarSpec::meter(
+            "x",
+            flexstack_core::ValueType::U64,
+            "",
+            "",
+        ));
+        cell.store(&Value::U64(1000));
+        fixed.insert("module.m.bytes_total".into(), Arc::new(cell));
+        shared.publish(fixed);
+        let reg = shared.snapshot();
         let flows = flow_bytes(&reg);
         assert_eq!(flows.len(), 3);
         assert_eq!(flows["a.1"].0, 10, "bytes_total wins over the directions");

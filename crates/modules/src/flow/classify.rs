@@ -30,11 +30,12 @@ use crate::flow::table::{tcp_flags, timeouts_in_field, Expiring, FlowIndex, Idle
 use flexstack_core::module::port_type;
 use flexstack_core::{
     field, kind_from_decl, Batch, ConfigError, Direction, KindDecl, MetaKey, Meter, MeterDecl, Module, ModuleBuilder,
-    ModuleKind, ModuleVars, Output, Param, PortDecl, Settings, Time, Value, ValueType, VarSpec, VarSpecs,
+    ModuleKind, Output, Param, PortDecl, Settings, Time, Value, ValueType, VarBlock, VarSpec, VarSpecs,
 };
 use flexstack_wire::packet::{proto, PacketInfo, ParseDrops};
 use std::any::Any;
 use std::net::IpAddr;
+use std::sync::Arc;
 
 /// The kind's name in stack files.
 pub const KIND: &str = "classify";
@@ -157,6 +158,7 @@ impl ModuleKind for ClassifyKind {
                 flush: false,
                 table: Table::default(),
                 flow_specs: VarSpecs::new(flow_specs()),
+                vars_prefix: "".into(),
                 m,
                 drops: ParseDrops::new(vars),
                 work: Vec::new(),
@@ -175,6 +177,19 @@ struct Meters {
     fragments: Meter,
 }
 
+/// The indices of the flow meters in [`flow_specs`], in their block.
+mod fm {
+    pub const PACKETS: usize = 0;
+    pub const BYTES: usize = 1;
+    pub const PACKETS_UP: usize = 2;
+    pub const BYTES_UP: usize = 4;
+    pub const FIRST_SEEN: usize = 6;
+    pub const LAST_SEEN: usize = 7;
+    pub const TUPLE: usize = 8;
+    pub const WORKER: usize = 9;
+}
+
+/// A flow's meters, in the order of the indices in [`fm`] (the per-packet ones first: they share a cache line).
 fn flow_specs() -> Vec<VarSpec> {
     vec![
         VarSpec::meter("packets_total", ValueType::U64, "frames", "packets of the flow, both directions"),
@@ -207,25 +222,23 @@ impl FlowKey {
     }
 }
 
-struct FlowMeters {
-    packets: Meter,
-    bytes: Meter,
-    up: Meter,
-    down: Meter,
-    bytes_up: Meter,
-    bytes_down: Meter,
-    last: Meter,
-}
-
 struct Flow {
     /// Its id, protocol, idle timer and TCP end.
     idle: Idle,
     key: FlowKey,
     /// The endpoint that sent the first packet.
     first: (IpAddr, u16),
-    /// The prefix its meters are registered under.
-    vars_name: String,
-    meters: FlowMeters,
+    /// The prefix its meters are registered under is `<vars_prefix>.<id>`, with the `vars_prefix` of the
+    /// classifier that created it (shared by every flow).
+    vars_prefix: Arc<str>,
+    /// Its meters, in one block ([`fm`]).
+    meters: VarBlock,
+}
+
+impl Flow {
+    fn vars_name(&self) -> String {
+        format!("{}.{}", self.vars_prefix, self.idle.id)
+    }
 }
 
 impl Expiring for Flow {
@@ -251,8 +264,10 @@ pub struct Classify {
     cfg: Config,
     flush: bool,
     table: Table,
-    /// Declared once, shared by every flow's cells.
+    /// Declared once, shared by every flow's block.
     flow_specs: VarSpecs,
+    /// `vars_prefix`, shared by the flows created under it.
+    vars_prefix: Arc<str>,
     m: Meters,
     drops: ParseDrops,
     /// The batch being processed, parsed, with each packet's flow key and its hash (kept for its capacity).
@@ -293,13 +308,14 @@ impl Classify {
         let up = p.direction() == Direction::Up;
         let closing_ns = self.cfg.timeouts.of(proto::TCP, true);
         let Some(f) = self.table.flows.get_mut(slot) else { return };
-        f.meters.packets.add(n);
-        f.meters.bytes.add(len);
-        let (packets, bytes) =
-            if up { (&f.meters.up, &f.meters.bytes_up) } else { (&f.meters.down, &f.meters.bytes_down) };
-        packets.add(n);
-        bytes.add(len);
-        f.meters.last.set(now);
+        let m = &f.meters;
+        m.add(fm::PACKETS, n);
+        m.add(fm::BYTES, len);
+        // The down meters follow their up ones.
+        let d = usize::from(!up);
+        m.add(fm::PACKETS_UP + d, n);
+        m.add(fm::BYTES_UP + d, len);
+        m.set(fm::LAST_SEEN, now);
         let tcp = flags.map(|flags| ((info.src, info.src_port) == f.first, flags));
         if let Some(d) = self.table.timers.seen(slot, &mut f.idle, now, tcp, closing_ns) {
             out.wake_at(Time(d));
@@ -312,25 +328,19 @@ impl Classify {
         let now = out.now().as_nanos();
         self.table.next_id += 1;
         let id = (self.table.next_id - 1) * u64::from(out.workers()) + u64::from(out.worker()) + 1;
-        let vars_name = format!("{}.{id}", self.cfg.vars_prefix);
-        let vars =
-            out.register_vars(&vars_name, &self.flow_specs).unwrap_or_else(|_| ModuleVars::shared(&self.flow_specs));
+        if self.vars_prefix.as_ref() != self.cfg.vars_prefix {
+            self.vars_prefix = self.cfg.vars_prefix.as_str().into();
+        }
+        let vars_name = format!("{}.{id}", self.vars_prefix);
+        let meters =
+            out.register_block(&vars_name, &self.flow_specs).unwrap_or_else(|_| VarBlock::new(&self.flow_specs));
         let first = (info.src, info.src_port);
-        let tuple = tuple_text(info);
-        vars.meter("first_seen_ns").set(now);
-        vars.meter("tuple").store(&Value::Str(tuple));
-        vars.meter("worker").set(u64::from(out.worker()));
-        let meters = FlowMeters {
-            packets: vars.meter("packets_total"),
-            bytes: vars.meter("bytes_total"),
-            up: vars.meter("packets_up_total"),
-            down: vars.meter("packets_down_total"),
-            bytes_up: vars.meter("bytes_up_total"),
-            bytes_down: vars.meter("bytes_down_total"),
-            last: vars.meter("last_seen_ns"),
-        };
+        meters.set(fm::FIRST_SEEN, now);
+        meters.store(fm::TUPLE, &Value::Str(tuple_text(info)));
+        meters.set(fm::WORKER, u64::from(out.worker()));
         let idle = Idle::new(id, key.protocol, now, &self.cfg.timeouts);
-        let slot = self.table.flows.insert(Flow { idle, key, first, vars_name, meters });
+        let vars_prefix = self.vars_prefix.clone();
+        let slot = self.table.flows.insert(Flow { idle, key, first, vars_prefix, meters });
         self.table.index.insert(hash, slot);
         self.table.timers.start(slot, &idle);
         out.wake_at(Time(idle.queued));
@@ -413,7 +423,7 @@ impl Module for Classify {
         let meter = &self.m.expired;
         let mut forget = |slot: u32, f: Flow| {
             index.remove(index.hash(&f.key), slot);
-            out.unregister_vars(&f.vars_name);
+            out.unregister_vars(&f.vars_name());
             *expired += 1;
             meter.add(1);
         };

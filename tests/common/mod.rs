@@ -2,6 +2,7 @@
 //! real `flexstack` binary.
 #![allow(dead_code)]
 
+pub mod peer;
 pub mod prometheus;
 
 use flexstack_api::ops::{AppInfo, AppList, Get};

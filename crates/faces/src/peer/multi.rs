@@ -22,7 +22,7 @@ use super::trust;
 use crate::stream::{EpollDevice, FrameEngine};
 use flexstack_core::frame::{MetaKey, Metadata};
 use flexstack_core::stream::{FlowInfo, Protocol, StreamKind};
-use flexstack_core::{FaceDevice, ModuleBuilder, Packet};
+use flexstack_core::{FaceDevice, KindDecl, ModuleBuilder, Packet};
 use flexstack_modules::stream::carrier::{self, wire, CarrierRequest, Config, FlowIds, Meters, Router, Transport};
 use nix::sys::epoll::{Epoll, EpollEvent, EpollFlags};
 use nix::sys::eventfd::EventFd;
@@ -88,7 +88,8 @@ pub(crate) fn build(req: CarrierRequest) -> Result<Box<dyn ModuleBuilder>, Strin
         makers.push(Some(super::transport(sub)?));
         cfgs.push(cfg);
     }
-    let make: MakeDevice<Multi> = Box::new(move |cfg: &Config, m| multi_device(cfg, m, kinds, cfgs, makers, ids));
+    let decl = req.decl;
+    let make: MakeDevice<Multi> = Box::new(move |cfg: &Config, m| multi_device(cfg, m, decl, kinds, cfgs, makers, ids));
     Ok(Box::new(Builder { req, make }))
 }
 
@@ -98,9 +99,11 @@ fn sub_cfg(cfg: &Config, k: Transport, ids: Option<FlowIds>) -> Config {
     Config { transport: k, transports: cfg.offered(), port_offset: k.port_offset(), ids, ..cfg.clone() }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn multi_device(
     cfg: &Config,
     m: Meters,
+    decl: &'static KindDecl<Config, Meters>,
     kinds: Vec<Transport>,
     cfgs: Vec<Config>,
     makers: Vec<Option<Box<dyn MakeSub>>>,
@@ -112,6 +115,9 @@ fn multi_device(
     let mut e = Multi {
         cfg: cfg.clone(),
         m,
+        own: Meters::default(),
+        sub_m: Vec::new(),
+        decl,
         kinds,
         cfgs,
         subs: vec![None; n],
@@ -196,7 +202,11 @@ impl Flow {
 /// The engine of a carrier with several transports.
 pub(crate) struct Multi {
     cfg: Config,
+    /// The module's meters: what the transports' own meters ([`Multi::sub_m`]) and `own` add up to.
     m: Meters,
+    own: Meters,
+    sub_m: Vec<Meters>,
+    decl: &'static KindDecl<Config, Meters>,
     kinds: Vec<Transport>,
     cfgs: Vec<Config>,
     subs: Vec<Option<Arc<dyn Sub>>>,
@@ -219,7 +229,9 @@ impl Multi {
     fn ensure(&mut self, i: usize) -> Option<Arc<dyn Sub>> {
         if self.subs[i].is_none() {
             let maker = self.makers[i].take()?;
-            let sub = maker.make(self.m.clone());
+            let m = Meters::default();
+            let sub = maker.make(m.clone());
+            self.sub_m.push(m);
             let ev = EpollEvent::new(EpollFlags::EPOLLIN, 1 + i as u64);
             if let Err(e) = self.epoll.add(sub.epoll_fd(), ev) {
                 tracing::error!(error = %e, "cannot watch a carrier transport");
@@ -269,7 +281,7 @@ impl Multi {
             if r.kind == StreamKind::Open && !self.connect {
                 return self.accepted(i, r);
             }
-            self.m.orphans.add(1);
+            self.own.orphans.add(1);
             return;
         };
         if r.kind == StreamKind::Ack || f.udp {
@@ -281,14 +293,14 @@ impl Multi {
             Some(k) => {
                 let id = r.flow;
                 f.recv[k].held.push(r);
-                self.m.switch_held.add(1);
+                self.own.switch_held.add(1);
                 if f.held() > MAX_HELD {
                     tracing::warn!(flow = id, "carrier: a switching flow held back too much, aborted");
                     self.deliver(Ready { flow: id, kind: StreamKind::Abort, extra: 0, bytes: b"switch".to_vec() });
                 }
             }
             None if r.kind == StreamKind::Abort && f.send == i => self.deliver(r),
-            None => self.m.orphans.add(1),
+            None => self.own.orphans.add(1),
         }
     }
 
@@ -308,7 +320,7 @@ impl Multi {
     /// A `Switch` of flow `id` on transport `i`.
     fn marker(&mut self, i: usize, id: u64, flags: u8, offset: u64) {
         let Some(f) = self.flows.get_mut(&id) else {
-            self.m.orphans.add(1);
+            self.own.orphans.add(1);
             return;
         };
         f.on.insert(i);
@@ -328,7 +340,7 @@ impl Multi {
                 self.flush(id);
             }
             Some(k) => f.recv[k].end = Some(offset),
-            None => self.m.orphans.add(1),
+            None => self.own.orphans.add(1),
         }
         self.prune(id);
     }
@@ -387,7 +399,7 @@ impl Multi {
             }
             e.send_switch(id, flags, sent);
         });
-        self.m.switches.add(1);
+        self.own.switches.add(1);
         self.moved.push((id, self.kinds[to].name().to_string()));
         tracing::debug!(flow = id, from = self.kinds[from].name(), to = self.kinds[to].name(), "carrier: flow moved");
         self.prune(id);
@@ -439,13 +451,13 @@ impl Multi {
                     f.want = None;
                     f.recv.push_back(Src::new(to));
                 }
-                self.m.switch_wait_us.set(now.saturating_duration_since(since).as_micros() as u64);
+                self.own.switch_wait_us.set(now.saturating_duration_since(since).as_micros() as u64);
                 self.move_send(id, to);
             } else if now.saturating_duration_since(since) > SWITCH_TIMEOUT {
                 if let Some(f) = self.flows.get_mut(&id) {
                     f.want = None;
                 }
-                self.m.switch_refused.add(1);
+                self.own.switch_refused.add(1);
                 tracing::warn!(
                     flow = id,
                     transport = self.kinds[to].name(),
@@ -455,13 +467,37 @@ impl Multi {
         }
     }
 
+    /// The module's meters: each the sum of the transports' and this engine's own (the round-trip time and the
+    /// congestion window: the largest); the flows carried now are this engine's.
+    fn sum_meters(&mut self) {
+        for d in self.decl.meters {
+            let Some(field) = d.field else { continue };
+            let values = self.sub_m.iter_mut().map(|m| field(m).get());
+            let v = if matches!(d.name, "rtt_us" | "cwnd_bytes") {
+                values.max().unwrap_or(0)
+            } else {
+                values.sum::<u64>() + field(&mut self.own).get()
+            };
+            field(&mut self.m).set(v);
+        }
+        self.m.flows_active.set(self.flows.len() as u64);
+        if self.connect {
+            let (active, bin, bout) = (self.flows.len() as u64, self.m.bytes_in.get(), self.m.bytes_out.get());
+            trust::report(&self.cfg.peer, |s| {
+                s.flows_active = active;
+                s.bytes_in = bin;
+                s.bytes_out = bout;
+            });
+        }
+    }
+
     fn write_frames(&mut self, packets: &[&Packet]) {
         self.pending(Instant::now());
         let mut per: Vec<Vec<&Packet>> = vec![Vec::new(); self.subs.len()];
         let mut touched = Vec::new();
         for p in packets {
             let (Some(id), Some(kind)) = (p.stream_flow(), p.stream_kind()) else {
-                self.m.orphans.add(1);
+                self.own.orphans.add(1);
                 continue;
             };
             if self.connect && kind == StreamKind::Open && !self.flows.contains_key(&id) {
@@ -470,7 +506,7 @@ impl Multi {
                 self.on_sub(0, |e| e.attach(id));
             }
             let Some(f) = self.flows.get_mut(&id) else {
-                self.m.orphans.add(1);
+                self.own.orphans.add(1);
                 continue;
             };
             match kind {
@@ -518,7 +554,7 @@ impl Multi {
         let offered = offers(name) && offers(wire::SWITCH_CAP);
         let refused = known && !offered;
         if refused {
-            self.m.switch_refused.add(1);
+            self.own.switch_refused.add(1);
             return Err(format!(
                 "peer {} does not offer {name} with switching (its hello offers: {}); flow {id} stays on {}",
                 self.cfg.peer,
@@ -588,8 +624,8 @@ impl CarrierEngine for Multi {
                 e.take_gone();
             });
         }
-        self.m.flows_active.set(self.flows.len() as u64);
         self.pending(now);
+        self.sum_meters();
         self.kick();
     }
 

@@ -76,6 +76,7 @@ fn finish(app: &str, run: std::process::Child, want: &str, count: &std::path::Pa
     assert_eq!(distinct, total, "no UDP datagram came twice");
     // Loss: what a switch costs a UDP flow (a datagram on the new transport before its `Switch`), on a clean link.
     assert!(distinct * 100 >= sent * 97, "the UDP stream arrived: {distinct} of {sent}");
+    eprintln!("{app}: UDP datagrams: {distinct} of {sent} arrived, each once");
     let (_, json) = stdout.split_once(MARK).unwrap_or_else(|| panic!("no meters: {}", text(&out)));
     let m: serde_json::Value = serde_json::from_str(json.trim()).expect("meters as JSON");
     let get = |k: &str| {

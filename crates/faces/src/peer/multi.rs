@@ -23,6 +23,7 @@ use crate::stream::{EpollDevice, FrameEngine};
 use flexstack_core::frame::{MetaKey, Metadata};
 use flexstack_core::stream::{FlowInfo, Protocol, StreamKind};
 use flexstack_core::{FaceDevice, KindDecl, ModuleBuilder, Packet};
+use flexstack_modules::stream::carrier::order::{Order, Take};
 use flexstack_modules::stream::carrier::{self, wire, CarrierRequest, Config, FlowIds, Meters, Router, Transport};
 use nix::sys::epoll::{Epoll, EpollEvent, EpollFlags};
 use nix::sys::eventfd::EventFd;
@@ -144,20 +145,6 @@ fn multi_device(
     (Arc::new(EpollDevice::new(name, dir, epoll, e)), connect)
 }
 
-/// Where a flow's frames come from: a transport, what it brought while an earlier one had not ended (held back),
-/// and its end (the offset its `Switch` said) once that came while it was not first.
-struct Src {
-    sub: usize,
-    held: Vec<Ready>,
-    end: Option<u64>,
-}
-
-impl Src {
-    fn new(sub: usize) -> Src {
-        Src { sub, held: Vec::new(), end: None }
-    }
-}
-
 struct Flow {
     udp: bool,
     peer: String,
@@ -166,10 +153,9 @@ struct Flow {
     /// The transport its frames go on.
     send: usize,
     /// Where its frames come from, in order: the first delivers, the others hold back.
-    recv: VecDeque<Src>,
-    /// `Data` bytes sent and delivered.
+    recv: Order<Ready>,
+    /// `Data` bytes sent.
     sent: u64,
-    recvd: u64,
     /// The transports that know the flow.
     on: BTreeSet<usize>,
     /// A switch waiting for its transport to come up: where to, since when.
@@ -185,17 +171,12 @@ impl Flow {
             peer,
             remote,
             send: sub,
-            recv: VecDeque::from([Src::new(sub)]),
+            recv: Order::new(sub),
             sent: 0,
-            recvd: 0,
             on: BTreeSet::from([sub]),
             want: None,
             fins: (false, false),
         }
-    }
-
-    fn held(&self) -> usize {
-        self.recv.iter().map(|s| s.held.len()).sum()
     }
 }
 
@@ -288,19 +269,20 @@ impl Multi {
             // Credit (an increment, in any order) and UDP datagrams: as they come.
             return self.deliver(r);
         }
-        match f.recv.iter().position(|s| s.sub == i && s.end.is_none()) {
-            Some(0) => self.deliver(r),
-            Some(k) => {
-                let id = r.flow;
-                f.recv[k].held.push(r);
+        let (id, len) = (r.flow, if r.kind == StreamKind::Data { r.bytes.len() as u64 } else { 0 });
+        let abort = r.kind == StreamKind::Abort && f.send == i;
+        match f.recv.frame(i, r, len) {
+            Take::Deliver(r) => self.deliver(r),
+            Take::Held => {
                 self.own.switch_held.add(1);
-                if f.held() > MAX_HELD {
+                if f.recv.held() > MAX_HELD {
                     tracing::warn!(flow = id, "carrier: a switching flow held back too much, aborted");
                     self.deliver(Ready { flow: id, kind: StreamKind::Abort, extra: 0, bytes: b"switch".to_vec() });
                 }
             }
-            None if r.kind == StreamKind::Abort && f.send == i => self.deliver(r),
-            None => self.own.orphans.add(1),
+            // Its transport went while it sent there: the flow cannot go on.
+            Take::Unknown(r) if abort => self.deliver(r),
+            Take::Unknown(_) => self.own.orphans.add(1),
         }
     }
 
@@ -325,56 +307,43 @@ impl Multi {
         };
         f.on.insert(i);
         if flags & wire::SWITCH_END == 0 {
-            if !f.recv.iter().any(|s| s.sub == i && s.end.is_none()) {
-                f.recv.push_back(Src::new(i));
-            }
+            f.recv.start(i);
             if f.send != i {
                 // The peer moved the flow: follow it.
                 self.move_send(id, i);
             }
             return;
         }
-        match f.recv.iter().position(|s| s.sub == i && s.end.is_none()) {
-            Some(0) => {
-                f.recv[0].end = Some(offset);
-                self.flush(id);
+        if f.udp {
+            // Its datagrams were delivered as they came: only the end of the source matters.
+            let _ = f.recv.end(i, f.recv.delivered);
+        } else {
+            let before = f.recv.mismatches;
+            match f.recv.end(i, offset) {
+                Some(frames) => {
+                    if f.recv.mismatches != before {
+                        // The peer said it sent `offset` bytes before the switch: fewer or more came before it.
+                        tracing::warn!(
+                            flow = id,
+                            offset,
+                            delivered = f.recv.delivered,
+                            "carrier: a switch's offset does not match"
+                        );
+                    }
+                    for r in frames {
+                        self.deliver(r);
+                    }
+                }
+                None => self.own.orphans.add(1),
             }
-            Some(k) => f.recv[k].end = Some(offset),
-            None => self.own.orphans.add(1),
         }
         self.prune(id);
-    }
-
-    /// Delivers what the first source of flow `id` holds, and moves past the sources that ended.
-    fn flush(&mut self, id: u64) {
-        loop {
-            let Some(f) = self.flows.get_mut(&id) else { return };
-            let Some(front) = f.recv.front_mut() else { return };
-            let held = std::mem::take(&mut front.held);
-            let end = front.end;
-            for r in held {
-                self.deliver(r);
-            }
-            let Some(f) = self.flows.get_mut(&id) else { return };
-            let Some(offset) = end else { return };
-            if f.udp || f.recvd == offset {
-                f.recv.pop_front();
-            } else {
-                // The peer said it sent `offset` bytes before the switch: fewer or more came on the old transport.
-                tracing::warn!(flow = id, offset, delivered = f.recvd, "carrier: a switch's offset does not match");
-                f.recv.pop_front();
-            }
-            if f.recv.is_empty() {
-                return;
-            }
-        }
     }
 
     /// Forgets flow `id` on the transports it neither goes nor comes on any more.
     fn prune(&mut self, id: u64) {
         let Some(f) = self.flows.get_mut(&id) else { return };
-        let done: Vec<usize> =
-            f.on.iter().copied().filter(|i| *i != f.send && !f.recv.iter().any(|s| s.sub == *i)).collect();
+        let done: Vec<usize> = f.on.iter().copied().filter(|i| *i != f.send && !f.recv.uses(*i)).collect();
         for i in &done {
             f.on.remove(i);
         }
@@ -408,9 +377,6 @@ impl Multi {
     /// Hands a frame to the chain; forgets the flow when it ends.
     fn deliver(&mut self, r: Ready) {
         let Some(f) = self.flows.get_mut(&r.flow) else { return };
-        if r.kind == StreamKind::Data {
-            f.recvd += r.bytes.len() as u64;
-        }
         let ended = if self.connect {
             self.router.up(r.flow, r.kind);
             !self.router.carries(r.flow)
@@ -449,7 +415,7 @@ impl Multi {
             if self.on_sub(to, |e| e.is_up()).unwrap_or(false) {
                 if let Some(f) = self.flows.get_mut(&id) {
                     f.want = None;
-                    f.recv.push_back(Src::new(to));
+                    f.recv.start(to);
                 }
                 self.own.switch_wait_us.set(now.saturating_duration_since(since).as_micros() as u64);
                 self.move_send(id, to);
@@ -545,7 +511,7 @@ impl Multi {
         if f.send == to && f.want.is_none() {
             return Ok(());
         }
-        if f.recv.len() > 1 || f.want.is_some() {
+        if f.recv.moving() || f.want.is_some() {
             return Err(format!("flow {id} is still moving; try again"));
         }
         let caps = trust::status(&self.cfg.peer).map(|s| s.caps).unwrap_or_default();

@@ -14,6 +14,7 @@
 //! connection brings: Up frames on the app's host, Down on the peer) and `pass` (frames of flows not carried).
 
 pub mod dgram;
+pub mod order;
 pub mod plus;
 pub mod reliable;
 pub mod wire;

@@ -103,14 +103,14 @@ fn a_peer_with_an_unknown_key_gets_nothing_and_is_counted() {
     assert!(list[0]["state"].as_str().is_some_and(|s| s.starts_with("down")), "{list}");
 }
 
-/// Starts a slow download by app `app` (64 KiB every 40 ms: about 1.3 s for the 2 MB, so that the flow is open
+/// Starts a slow download by app `app` (64 KiB every 250 ms: about 8 s for the 2 MB, so that the flow is open
 /// while a test disturbs the carrier) and waits until B carries its flow; returns the sha256 it must print.
 fn slow_download(r: &Rig, app: &str) -> (String, std::process::Child) {
     let want = common::sha256(&r.www.path().join("blob"));
     let reader = format!(
         "import hashlib, time, urllib.request\nh = hashlib.sha256()\nwith urllib.request.urlopen('http://{}:8080/blob', \
          timeout=30) as f:\n    while True:\n        b = f.read(65536)\n        if not b:\n            break\n        \
-         h.update(b)\n        time.sleep(0.04)\nprint(h.hexdigest())\n",
+         h.update(b)\n        time.sleep(0.25)\nprint(h.hexdigest())\n",
         r.srv
     );
     let args = r.args(app, &format!("python3 -c \"{reader}\""), &["peer.connections_total"]);

@@ -3,7 +3,8 @@
 //! (python3 http.server, dnsmasq) in a third namespace behind B, on a subnet A has no route to.
 
 use crate::common::{
-    bin, octets, path_str, pattern, privileged, repo, sh, text, unique, Background, Daemon, Netns, SandboxDaemon,
+    bin, octets, path_str, pattern, privileged, repo, sh, text, unique, veth_into, Background, Daemon, Netns,
+    SandboxDaemon,
 };
 use std::path::PathBuf;
 use std::process::Output;
@@ -93,12 +94,11 @@ impl Rig {
         let s = srv_octet.wrapping_add(60 + offset);
         let (nb, srv) = (Netns::new("pb"), Netns::new("ps"));
         // A (host) <-> B.
-        let (h, b1) = (unique("h"), unique("b"));
-        sh("ip", &["link", "add", &h, "type", "veth", "peer", "name", &b1]);
-        sh("ip", &["addr", "add", &format!("10.{s}.1.1/24"), "dev", &h]);
-        sh("ip", &["addr", "add", &format!("fd96:{s:x}::1/64"), "dev", &h, "nodad"]);
-        sh("ip", &["link", "set", &h, "up"]);
-        nb.adopt(&b1, &[&format!("10.{s}.1.2/24"), &format!("fd96:{s:x}::2/64")]);
+        let (h, b1) = veth_into(
+            &nb,
+            [&format!("10.{s}.1.1/24"), &format!("fd96:{s:x}::1/64")],
+            [&format!("10.{s}.1.2/24"), &format!("fd96:{s:x}::2/64")],
+        );
         // B <-> server.
         let (b2, s1) = (unique("b"), unique("s"));
         sh("ip", &["link", "add", &b2, "type", "veth", "peer", "name", &s1]);

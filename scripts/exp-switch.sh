@@ -7,7 +7,7 @@
 # wait us) and switch-rx.svg, and prints the figures: per switch, the datagrams in the 10 ms bins around it and
 # the longest gap.
 #
-#   sudo scripts/exp-switch.sh                 # SECS=32 RATE=20000 (datagrams/s) SIZE=1000 (bytes) PERIOD=5
+#   sudo scripts/exp-switch.sh                 # SECS=32 RATE=5000 (datagrams/s) SIZE=1000 (bytes) PERIOD=5
 #
 # SIZE: QUIC DATAGRAM frames take about 1,150 bytes of app datagram without path MTU discovery (docs/peers.md), so
 # the default is 1,000-byte datagrams rather than VirtualStack's 1,500.
@@ -15,7 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/lib/bench.sh
 bench_setup exp-switch.sh "namespaces, TUN devices and a sandboxed app" python3 ip
-SECS=${SECS:-32} RATE=${RATE:-20000} SIZE=${SIZE:-1000} PERIOD=${PERIOD:-5}
+SECS=${SECS:-32} RATE=${RATE:-5000} SIZE=${SIZE:-1000} PERIOD=${PERIOD:-5}
 OUT=${OUT:-docs/experiments}
 tag=fsxs$$
 work=$(mktemp -d /tmp/fs-exp-switch.XXXXXX)

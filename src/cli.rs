@@ -415,6 +415,34 @@ pub enum FlowCmd {
         /// The flow's id (`app1.3`, as `flow list` shows it) or its prefix (`flow.app1.3`).
         id: String,
     },
+    /// Write a flow's knobs: `carrier=udpplus` (the transport of a flow carried to a peer: moves it there, with no
+    /// byte lost; docs/peers.md), `cc=bbr` (its `tcp.cc`: the congestion control of a kernel TCP flow), or any
+    /// `NAME=VALUE` under `flow.<ID>`.
+    Set {
+        /// The flow's id (as `flow list` shows it: `app1.peer.3`) or its prefix (`flow.app1.peer.3`).
+        id: String,
+        /// KNOB=VALUE, one or more (written in order).
+        #[arg(required = true)]
+        settings: Vec<String>,
+    },
+}
+
+/// The knobs `flow set ID KNOB=VALUE...` writes: `carrier` and `cc` (`tcp.cc`) by their short names, others as
+/// given, each under `flow.<ID>`.
+fn flow_knobs(id: &str, settings: &[String]) -> Result<Vec<(String, String)>, CliError> {
+    let id = id.strip_prefix("flow.").unwrap_or(id);
+    settings
+        .iter()
+        .map(|kv| {
+            let (k, v) = kv.split_once('=').ok_or_else(|| msg(format!("expected KNOB=VALUE, got {kv:?}")))?;
+            let knob = match k {
+                "" => return Err(msg(format!("expected KNOB=VALUE, got {kv:?}"))),
+                "cc" => "tcp.cc",
+                k => k,
+            };
+            Ok((format!("flow.{id}.{knob}"), v.to_string()))
+        })
+        .collect()
 }
 
 /// `flexstack peer ...`
@@ -726,6 +754,13 @@ fn run(cli: Cli) -> Result<(), CliError> {
         }
         Command::Flow(FlowCmd::List) => print(json, &client.call(FlowList)?, |f| render::flow_list(f)),
         Command::Flow(FlowCmd::Show { id }) => print(json, &client.call(FlowShow { flow: id })?, render::flow_show),
+        Command::Flow(FlowCmd::Set { id, settings }) => {
+            let mut done = Vec::new();
+            for (name, value) in flow_knobs(&id, &settings)? {
+                done.push(client.call(Set { name, value: Json::String(value) })?);
+            }
+            print(json, &done, |d| d.iter().map(render::set).collect())
+        }
         Command::Rules(cmd) => rules_command(&mut client, cmd, json),
         Command::Monitor { names, interval, csv, json_lines, count } => {
             let format = if csv {
@@ -988,6 +1023,13 @@ mod tests {
         let c = Cli::try_parse_from(["flexstack", "-j", "flow", "show", "app1.3"]).unwrap();
         assert!(c.json && matches!(c.command, Command::Flow(FlowCmd::Show { id }) if id == "app1.3"));
         assert!(Cli::try_parse_from(["flexstack", "flow", "show"]).is_err(), "an id is needed");
+        let c = Cli::try_parse_from(["flexstack", "flow", "set", "flow.a.peer.3", "carrier=udp", "cc=bbr"]).unwrap();
+        let Command::Flow(FlowCmd::Set { id, settings }) = c.command else { panic!("flow set") };
+        let knobs = flow_knobs(&id, &settings).unwrap();
+        let want = [("flow.a.peer.3.carrier", "udp"), ("flow.a.peer.3.tcp.cc", "bbr")];
+        assert_eq!(knobs, want.map(|(k, v)| (k.to_string(), v.to_string())));
+        assert!(flow_knobs("a.1", &["carrier".into()]).is_err(), "KNOB=VALUE");
+        assert!(Cli::try_parse_from(["flexstack", "flow", "set", "a.1"]).is_err(), "a knob is needed");
     }
 
     #[test]

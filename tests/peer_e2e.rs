@@ -7,210 +7,10 @@
 
 mod common;
 
-use common::{
-    bin, octets, path_str, pattern, privileged, repo, sh, text, unique, Background, Daemon, Netns, SandboxDaemon,
-};
+use common::peer::{read_counter, udp_counter, Rig, FLOWS, MARK, QUIC, QUIC6, UDP, UDPPLUS, UDPPLUS6};
+use common::{bin, path_str, pattern, sh, text, Daemon};
 use flexstack_api::ops::{FlowInfo, Handling};
-use std::path::PathBuf;
-use std::process::Output;
 use std::time::Duration;
-
-/// The line the scripts print before the meters they read.
-const MARK: &str = "@@meters@@";
-/// The line a script prints before `flow list`.
-const FLOWS: &str = "@@flows@@";
-
-/// Two peers and a server behind B: A (sandbox daemon, host namespace) ─ veth 10.S.1.0/24 ─ B (namespace) ─ veth
-/// 10.S.2.0/24 ─ server namespace.
-struct Rig {
-    a: SandboxDaemon,
-    b: Daemon,
-    _srv: Netns,
-    _nb: Netns,
-    host_dev: String,
-    /// B's end of the veth pair to A (in `_nb`).
-    b_dev: String,
-    _http: Background,
-    _dns: Background,
-    www: tempfile::TempDir,
-    dir: tempfile::TempDir,
-    stack: PathBuf,
-    /// The server's addresses (behind B).
-    srv: String,
-    srv6: String,
-    /// B's carrier address.
-    b_addr: String,
-    /// The carrier settings the app's stacks get (`transport`, `cc`).
-    carrier: String,
-}
-
-/// How the peers are joined.
-#[derive(Clone, Copy)]
-struct Link {
-    /// The carrier's transport: `tcp`, `quic`, `udp` or `udpplus`.
-    transport: &'static str,
-    /// The peers reach each other over IPv6 (else IPv4).
-    v6: bool,
-}
-
-const TCP: Link = Link { transport: "tcp", v6: false };
-const QUIC: Link = Link { transport: "quic", v6: false };
-const QUIC6: Link = Link { transport: "quic", v6: true };
-const UDP: Link = Link { transport: "udp", v6: false };
-const UDPPLUS: Link = Link { transport: "udpplus", v6: false };
-const UDPPLUS6: Link = Link { transport: "udpplus", v6: true };
-
-impl Drop for Rig {
-    fn drop(&mut self) {
-        let _ = std::process::Command::new("ip").args(["link", "del", &self.host_dev]).status();
-    }
-}
-
-impl Rig {
-    /// `offset` keeps the tests of this file apart (their subnets). `introduce`: whether B knows A's key (A always
-    /// knows B's).
-    fn new(offset: u8, introduce: bool) -> Option<Rig> {
-        Rig::with(offset, introduce, TCP)
-    }
-
-    fn with(offset: u8, introduce: bool, link: Link) -> Option<Rig> {
-        if !privileged() {
-            return None;
-        }
-        let (app_octet, srv_octet) = octets();
-        let s = srv_octet.wrapping_add(60 + offset);
-        let (nb, srv) = (Netns::new("pb"), Netns::new("ps"));
-        // A (host) <-> B.
-        let (h, b1) = (unique("h"), unique("b"));
-        sh("ip", &["link", "add", &h, "type", "veth", "peer", "name", &b1]);
-        sh("ip", &["addr", "add", &format!("10.{s}.1.1/24"), "dev", &h]);
-        sh("ip", &["addr", "add", &format!("fd96:{s:x}::1/64"), "dev", &h, "nodad"]);
-        sh("ip", &["link", "set", &h, "up"]);
-        nb.adopt(&b1, &[&format!("10.{s}.1.2/24"), &format!("fd96:{s:x}::2/64")]);
-        // B <-> server.
-        let (b2, s1) = (unique("b"), unique("s"));
-        sh("ip", &["link", "add", &b2, "type", "veth", "peer", "name", &s1]);
-        nb.adopt(&b2, &[&format!("10.{s}.2.1/24"), &format!("fd97:{s:x}::1/64")]);
-        srv.adopt(&s1, &[&format!("10.{s}.2.2/24"), &format!("fd97:{s:x}::2/64")]);
-        let srv_addr = format!("10.{s}.2.2");
-        let www = tempfile::tempdir().expect("temp dir");
-        std::fs::write(www.path().join("blob"), pattern(2_000_000)).expect("write the blob");
-        let http = srv.serve_http("::", www.path());
-        let dns = srv.serve_dns(&srv_addr, &format!("fd97:{s:x}::2"));
-        // B: accepts carriers on its side of the first veth and opens the flows again with kernel sockets.
-        let b_addr = if link.v6 { format!("[fd96:{s:x}::2]:7300") } else { format!("10.{s}.1.2:7300") };
-        let a_addr = if link.v6 { format!("[fd96:{s:x}::1]:0") } else { format!("10.{s}.1.1:0") };
-        let template = std::fs::read_to_string(repo().join("stacks/peer-in.toml")).expect("stacks/peer-in.toml");
-        assert!(template.contains("listen = \"0.0.0.0:7300\""), "the template listens on 0.0.0.0:7300");
-        let listen = format!("listen = \"{b_addr}\"\ntransport = \"{}\"", link.transport);
-        let b_stack = template.replace("listen = \"0.0.0.0:7300\"", &listen);
-        let b = Daemon::start_in(&nb, &b_stack, &[]);
-        let a = SandboxDaemon::start(app_octet.wrapping_add(60 + offset));
-        let key = |out: Output| {
-            assert!(out.status.success(), "peer key: {}", text(&out));
-            String::from_utf8_lossy(&out.stdout).trim().to_string()
-        };
-        let (fa, fb) = (key(a.cli(&["peer", "key"])), key(b.cli(&["peer", "key"])));
-        assert_eq!((fa.len(), fb.len()), (64, 64), "fingerprints: {fa} {fb}");
-        assert_ne!(fa, fb, "each daemon has its own key");
-        let added = a.cli(&["peer", "add", "gateway", &b_addr, &fb]);
-        assert!(added.status.success(), "{}", text(&added));
-        if introduce {
-            b.ok(&["peer", "add", "a", &a_addr, &fa]);
-        } else {
-            // B knows another key under A's name: A's certificate is not it.
-            b.ok(&["peer", "add", "a", &a_addr, &"ab".repeat(32)]);
-        }
-        let dir = tempfile::tempdir().expect("temp dir");
-        let stack = dir.path().join("app-peer.toml");
-        let carrier = format!("transport = \"{}\"", link.transport);
-        write_app_stack(&stack, &carrier);
-        // Wait for the server to answer in its namespace.
-        for _ in 0..100 {
-            let url = format!("http://{srv_addr}:8080/blob");
-            if srv.run(&["curl", "-sf", "-m", "2", "-o", "/dev/null", &url]).status.success() {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        Some(Rig {
-            a,
-            b,
-            _srv: srv,
-            _nb: nb,
-            host_dev: h,
-            b_dev: b1,
-            _http: http,
-            _dns: dns,
-            www,
-            dir,
-            stack,
-            srv: srv_addr,
-            srv6: format!("fd97:{s:x}::2"),
-            b_addr,
-            carrier,
-        })
-    }
-
-    /// An app stack whose carrier has these settings besides the transport (e.g. `cc = "bbr"`).
-    fn stack_with(&self, settings: &str) -> PathBuf {
-        let path = self.dir.path().join(format!("app-peer-{}.toml", unique("s")));
-        write_app_stack(&path, &format!("{}\n{settings}", self.carrier));
-        path
-    }
-
-    /// The arguments of `flexstack run` for `script` as app `app`, which then reads A's `meters` (`peer.X` is
-    /// `module.<app>-peer.X`) and prints them after [`MARK`].
-    fn args(&self, app: &str, script: &str, meters: &[&str]) -> Vec<String> {
-        self.args_in(&self.stack, app, script, meters)
-    }
-
-    fn args_in(&self, stack: &std::path::Path, app: &str, script: &str, meters: &[&str]) -> Vec<String> {
-        let names: Vec<String> = meters.iter().map(|m| format!("module.{app}-{m}")).collect();
-        let read =
-            format!("echo {MARK}; {} --state-dir {} -j get {}", bin(), path_str(self.a.state.path()), names.join(" "));
-        let full = format!("{script}\nrc=$?\n{read}\nexit $rc\n");
-        ["--stack", path_str(stack), "--name", app, "--", "sh", "-c", &full].map(String::from).to_vec()
-    }
-
-    /// The meters a run printed, by their short names.
-    fn meters(out: &Output, app: &str, meters: &[&str]) -> Vec<u64> {
-        let stdout = String::from_utf8_lossy(&out.stdout).to_string();
-        let (_, json) = stdout.split_once(MARK).unwrap_or_else(|| panic!("no meters: {}", text(out)));
-        let parsed: serde_json::Value = serde_json::from_str(json.trim()).expect("meters as JSON");
-        meters
-            .iter()
-            .map(|m| {
-                let name = format!("module.{app}-{m}");
-                parsed[&name]["value"].as_u64().unwrap_or_else(|| panic!("{name}: {parsed}"))
-            })
-            .collect()
-    }
-
-    fn run(&self, app: &str, script: &str, meters: &[&str]) -> (Output, Vec<u64>) {
-        self.run_in(&self.stack, app, script, meters)
-    }
-
-    fn run_in(&self, stack: &std::path::Path, app: &str, script: &str, meters: &[&str]) -> (Output, Vec<u64>) {
-        let args = self.args_in(stack, app, script, meters);
-        let out = self.a.run(&args.iter().map(String::as_str).collect::<Vec<_>>());
-        let values = Rig::meters(&out, app, meters);
-        (out, values)
-    }
-
-    fn b_meter(&self, name: &str) -> u64 {
-        self.b.get_u64(&format!("module.peers.{name}"))
-    }
-}
-
-/// `stacks/app-peer.toml` with `settings` (TOML lines) added to its carrier.
-fn write_app_stack(path: &std::path::Path, settings: &str) {
-    let template = std::fs::read_to_string(repo().join("stacks/app-peer.toml")).expect("stacks/app-peer.toml");
-    let line = "peer = \"gateway\"";
-    assert!(template.contains(line), "the template's carrier connects to `gateway`");
-    let text = template.replacen(line, &format!("{line}\n{settings}"), 1);
-    std::fs::write(path, text).expect("write the app's stack");
-}
 
 /// curl of a 2 MB file and dig, from an app on A, to servers only B reaches: both arrive intact through the carrier,
 /// both flows counted as carried on both sides, nothing opened on A.
@@ -303,14 +103,14 @@ fn a_peer_with_an_unknown_key_gets_nothing_and_is_counted() {
     assert!(list[0]["state"].as_str().is_some_and(|s| s.starts_with("down")), "{list}");
 }
 
-/// Starts a slow download by app `app` (64 KiB every 40 ms: about 1.3 s for the 2 MB, so that the flow is open
+/// Starts a slow download by app `app` (64 KiB every 250 ms: about 8 s for the 2 MB, so that the flow is open
 /// while a test disturbs the carrier) and waits until B carries its flow; returns the sha256 it must print.
 fn slow_download(r: &Rig, app: &str) -> (String, std::process::Child) {
     let want = common::sha256(&r.www.path().join("blob"));
     let reader = format!(
         "import hashlib, time, urllib.request\nh = hashlib.sha256()\nwith urllib.request.urlopen('http://{}:8080/blob', \
          timeout=30) as f:\n    while True:\n        b = f.read(65536)\n        if not b:\n            break\n        \
-         h.update(b)\n        time.sleep(0.04)\nprint(h.hexdigest())\n",
+         h.update(b)\n        time.sleep(0.25)\nprint(h.hexdigest())\n",
         r.srv
     );
     let args = r.args(app, &format!("python3 -c \"{reader}\""), &["peer.connections_total"]);
@@ -551,18 +351,7 @@ fn make_lossy(r: &Rig) {
 /// `stack`, `before` run first in the app's shell) to a counter behind B; returns the distinct numbers and the
 /// datagrams the counter received, and A's `meters`.
 fn lossy_stream(r: &Rig, app: &str, stack: &std::path::Path, before: &str, meters: &[&str]) -> (u64, u64, Vec<u64>) {
-    let out = r.dir.path().join(format!("count-{app}"));
-    let counter = format!(
-        "import os, socket\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\ns.bind(('{srv}', 9000))\n\
-         s.settimeout(0.3)\nseen = set()\ntotal = 0\nlast = None\nwhile True:\n    try:\n        \
-         d, _ = s.recvfrom(65536)\n        total += 1\n        seen.add(int(d.split(b' ')[0]))\n    \
-         except socket.timeout:\n        if (len(seen), total) != last:\n            last = (len(seen), total)\n            \
-         open('{out}.tmp', 'w').write('%d %d' % last)\n            os.rename('{out}.tmp', '{out}')\n",
-        srv = r.srv,
-        out = path_str(&out),
-    );
-    let _counter = r._srv.spawn(&["python3", "-c", &counter]);
-    std::thread::sleep(Duration::from_millis(300));
+    let (_counter, out) = udp_counter(r, app);
     let sender = format!(
         "import socket, time\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\nfor i in range({STREAM_LEN}):\n    \
          s.sendto(b'%d ' % i + b'x' * 200, ('{}', 9000))\n    time.sleep(0.001)\n",
@@ -571,20 +360,8 @@ fn lossy_stream(r: &Rig, app: &str, stack: &std::path::Path, before: &str, meter
     // The sleep: what is retransmitted arrives, and the meters are refreshed, before they are read.
     let (run, m) = r.run_in(stack, app, &format!("{before}\npython3 -c \"{sender}\"; sleep 2"), meters);
     assert!(run.status.success(), "{}", text(&run));
-    // The counter writes what it has when nothing came for 0.3 s.
-    let read = || std::fs::read_to_string(&out).unwrap_or_default();
-    let mut last = read();
-    for _ in 0..20 {
-        std::thread::sleep(Duration::from_millis(400));
-        let now = read();
-        if !now.is_empty() && now == last {
-            break;
-        }
-        last = now;
-    }
-    let v: Vec<u64> = last.split_whitespace().filter_map(|x| x.parse().ok()).collect();
-    assert_eq!(v.len(), 2, "the counter's result: {last:?}");
-    (v[0], v[1], m)
+    let (distinct, total) = read_counter(&out);
+    (distinct, total, m)
 }
 
 /// Over a link that loses 5 % each way, the `udp` carrier loses some of a numbered UDP stream (one datagram per

@@ -2,6 +2,7 @@
 //! real `flexstack` binary.
 #![allow(dead_code)]
 
+pub mod peer;
 pub mod prometheus;
 
 use flexstack_api::ops::{AppInfo, AppList, Get};
@@ -470,12 +471,11 @@ pub struct Server {
 impl Server {
     pub fn new(octet: u8, blob: &[u8]) -> Server {
         let ns = Netns::new("srv");
-        let (h, s) = (unique("h"), unique("s"));
-        sh("ip", &["link", "add", &h, "type", "veth", "peer", "name", &s]);
-        sh("ip", &["addr", "add", &format!("10.{octet}.7.1/24"), "dev", &h]);
-        sh("ip", &["addr", "add", &format!("fd98:{octet:x}::1/64"), "dev", &h, "nodad"]);
-        sh("ip", &["link", "set", &h, "up"]);
-        ns.adopt(&s, &[&format!("10.{octet}.7.2/24"), &format!("fd98:{octet:x}::2/64")]);
+        let (h, _) = veth_into(
+            &ns,
+            [&format!("10.{octet}.7.1/24"), &format!("fd98:{octet:x}::1/64")],
+            [&format!("10.{octet}.7.2/24"), &format!("fd98:{octet:x}::2/64")],
+        );
         sh("ip", &["-n", &ns.name, "route", "add", "default", "via", &format!("10.{octet}.7.1")]);
         sh("ip", &["-n", &ns.name, "-6", "route", "add", "default", "via", &format!("fd98:{octet:x}::1")]);
         let www = tempfile::tempdir().unwrap();
@@ -968,4 +968,16 @@ pub fn certificate(dir: &Path, name: &str, ip: &str) -> (PathBuf, PathBuf, PathB
             .collect::<Vec<_>>(),
     );
     (ca, cert, key)
+}
+
+/// A veth pair from the host (its end up, with the IPv4 and IPv6 addresses `host`) into namespace `ns` (its end
+/// with `inside`); returns the names of the host's end and of the namespace's.
+pub fn veth_into(ns: &Netns, host: [&str; 2], inside: [&str; 2]) -> (String, String) {
+    let (h, n) = (unique("h"), unique("s"));
+    sh("ip", &["link", "add", &h, "type", "veth", "peer", "name", &n]);
+    sh("ip", &["addr", "add", host[0], "dev", &h]);
+    sh("ip", &["addr", "add", host[1], "dev", &h, "nodad"]);
+    sh("ip", &["link", "set", &h, "up"]);
+    ns.adopt(&n, &inside);
+    (h, n)
 }

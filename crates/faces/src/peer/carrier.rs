@@ -25,7 +25,7 @@ use flexstack_core::{
     Batch, Direction, FaceDevice, Module, ModuleBuilder, ModuleInterface, ModuleVars, Output, Packet, Time, Value,
     VarSpec,
 };
-use flexstack_modules::stream::carrier::{self, wire, CarrierRequest, Config, Meters, Route, Router};
+use flexstack_modules::stream::carrier::{self, wire, CarrierRequest, Config, FlowIds, Meters, Route, Router};
 use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
 use nix::sys::eventfd::{EfdFlags, EventFd};
 use nix::sys::socket::{connect, socket, AddressFamily, SockFlag, SockType, SockaddrStorage};
@@ -43,8 +43,6 @@ pub const MAX_CONNECTIONS: usize = 256;
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often the module checks timers and refreshes its meters.
 pub(crate) const PERIOD: Duration = Duration::from_millis(100);
-/// The capabilities this carrier announces.
-const CAPS: &[&str] = &["tcp"];
 
 const KICK: u64 = 0;
 const LISTENER: u64 = 1;
@@ -54,21 +52,65 @@ pub(crate) const STREAM: usize = 0;
 pub(crate) const PASS: usize = 1;
 
 /// Builds the carrier from what the kind read (the hook installed into `flexstack_modules::stream::carrier`).
-pub(crate) fn build(req: CarrierRequest) -> Result<Box<dyn ModuleBuilder>, String> {
+pub(crate) fn build(req: CarrierRequest) -> Result<Builder<Inner>, String> {
     let id = identity().ok_or("no peer identity: the daemon makes one in its state directory when it starts")?;
     let mode = if req.cfg.peer.is_empty() {
-        let addr: std::net::SocketAddr = req.cfg.listen.parse().map_err(|e| format!("{e}"))?;
+        let addr = listen_of_cfg(&req.cfg)?;
         let listener = TcpListener::bind(addr).map_err(|e| format!("cannot listen on {addr}: {e}"))?;
         listener.set_nonblocking(true).map_err(|e| e.to_string())?;
-        Mode::Accept { server: (listener, server_config(id)?), flows: HashMap::new(), next_local: 1 }
+        Mode::Accept {
+            server: (listener, server_config(id)?),
+            flows: HashMap::new(),
+            next_local: 1,
+            ids: req.cfg.ids.clone(),
+        }
     } else {
-        let name = &req.cfg.peer;
-        let peer = trust::get(name).ok_or_else(|| format!("no peer {name:?} (add it with `flexstack peer add`)"))?;
+        let peer = peer_of_cfg(&req.cfg)?;
         let tls = client_config(id, peer.fingerprint)?;
         Mode::Connect { peer, client: tls, router: Router::default(), retry_at: None, conn: None }
     };
-    Ok(Box::new(Builder { req, make: Box::new(move |cfg: &Config, m| tcp_device(mode, cfg, m)) }))
+    Ok(Builder { req, make: Box::new(move |cfg: &Config, m| tcp_device(mode, cfg, m)) })
 }
+
+/// Connect mode: the peer of the carrier's settings, its port moved by `port_offset` (a carrier with several
+/// transports has a port for each).
+pub(crate) fn peer_of_cfg(cfg: &Config) -> Result<Peer, String> {
+    let name = &cfg.peer;
+    let mut peer = trust::get(name).ok_or_else(|| format!("no peer {name:?} (add it with `flexstack peer add`)"))?;
+    peer.addr.set_port(peer.addr.port().wrapping_add(cfg.port_offset));
+    Ok(peer)
+}
+
+/// Accept mode: the address to listen on, its port moved by `port_offset`.
+pub(crate) fn listen_of_cfg(cfg: &Config) -> Result<std::net::SocketAddr, String> {
+    let mut addr: std::net::SocketAddr = cfg.listen.parse().map_err(|e| format!("{e}"))?;
+    addr.set_port(addr.port().wrapping_add(cfg.port_offset));
+    Ok(addr)
+}
+
+/// The capabilities a carrier of transport `cfg.transport` announces in its `Hello`: its transport, and with
+/// several, the others and `switch`.
+pub(crate) fn caps(cfg: &Config) -> Vec<&'static str> {
+    let mut v: Vec<&'static str> = cfg.offered().iter().map(|t| t.name()).collect();
+    if cfg.switching() {
+        v.push(wire::SWITCH_CAP);
+    }
+    v
+}
+
+/// Hands a `Switch` to the chain side: a `Fin` whose extra bits carry [`SWITCH_MARK`], the flags and (in its
+/// bytes) the offset. Only a carrier with several transports reads its transports' frames; it takes these.
+pub(crate) fn switch_marker(local: u64, flags: u8, offset: u64) -> Ready {
+    Ready {
+        flow: local,
+        kind: StreamKind::Fin,
+        extra: SWITCH_MARK | u64::from(flags),
+        bytes: offset.to_be_bytes().to_vec(),
+    }
+}
+
+/// See [`switch_marker`].
+pub(crate) const SWITCH_MARK: u64 = 1 << 40;
 
 /// Makes a carrier's device from its meters, once the switch gives the module its variables.
 pub(crate) type MakeDevice<E> = Box<dyn FnOnce(&Config, Meters) -> (Arc<EpollDevice<E>>, bool) + Send>;
@@ -181,6 +223,8 @@ pub(crate) enum Modes<C, S, H> {
         /// Local flow id -> its connection and the peer's id.
         flows: HashMap<u64, Accepted<H>>,
         next_local: u64,
+        /// With several transports: the ids they share.
+        ids: Option<FlowIds>,
     },
 }
 
@@ -249,9 +293,14 @@ impl<C, S, H: Copy + PartialEq> Modes<C, S, H> {
 
     /// Accepting: a new flow of connection `token`, `remote` by the peer's numbering; returns its local id.
     pub(crate) fn new_flow(&mut self, token: H, remote: u64) -> u64 {
-        let Modes::Accept { flows, next_local, .. } = self else { return 0 };
-        let local = *next_local;
-        *next_local += 1;
+        let Modes::Accept { flows, next_local, ids, .. } = self else { return 0 };
+        let local = match ids {
+            Some(ids) => ids.next(),
+            None => {
+                *next_local += 1;
+                *next_local - 1
+            }
+        };
         flows.insert(local, Accepted { token, remote, fins: (false, false) });
         local
     }
@@ -281,6 +330,53 @@ impl<C, S, H: Copy + PartialEq> Modes<C, S, H> {
 }
 
 impl<C, S, H: Copy + PartialEq> Modes<C, S, H> {
+    /// A `Switch` of the peer's flow `flow` (`peer`'s) on connection `token`, which carries `remote`: the local id
+    /// to hand its marker to the chain side with, `None` for a flow not known (an orphan). Accepting, a flow that
+    /// starts on this transport is known by the id its peer's flow has on the others ([`FlowIds`]).
+    pub(crate) fn peer_switch(
+        &mut self,
+        token: H,
+        remote: &mut HashMap<u64, u64>,
+        peer: &str,
+        flow: u64,
+        flags: u8,
+    ) -> Option<u64> {
+        match self {
+            Modes::Connect { router, .. } => router.carries(flow).then_some(flow),
+            Modes::Accept { flows, ids, .. } => {
+                if let Some(&local) = remote.get(&flow) {
+                    return Some(local);
+                }
+                if flags & wire::SWITCH_END != 0 {
+                    return None;
+                }
+                let local = ids.as_ref()?.lookup(peer, flow)?;
+                flows.insert(local, Accepted { token, remote: flow, fins: (false, false) });
+                remote.insert(flow, local);
+                Some(local)
+            }
+        }
+    }
+
+    /// Forgets flow `local` (it moved to another transport): its connection and id there, if it has one.
+    pub(crate) fn detach(&mut self, local: u64) -> Option<(H, u64)> {
+        match self {
+            Modes::Connect { router, conn, .. } => {
+                router.detach(local);
+                conn.map(|h| (h, local))
+            }
+            Modes::Accept { flows, .. } => flows.remove(&local).map(|a| (a.token, a.remote)),
+        }
+    }
+
+    /// Where flow `local` goes: its connection and its id there (connecting: the connection, the same id).
+    pub(crate) fn target(&self, local: u64) -> Option<(H, u64)> {
+        match self {
+            Modes::Connect { conn, .. } => conn.map(|h| (h, local)),
+            Modes::Accept { flows, .. } => flows.get(&local).map(|a| (a.token, a.remote)),
+        }
+    }
+
     /// A frame of the peer's flow `flow` (its id in messages) on a connection that carries `remote` (accepting: the
     /// peer's id -> local): the id to hand it to the chain with and whether it ends the flow (then forgotten, and
     /// `gone` when accepting); `None` for a flow not known (an orphan).
@@ -354,15 +450,28 @@ pub(crate) fn each_message(
     }
 }
 
-/// Checks that the first message of a connection is a `Hello` of this version (a refusal otherwise).
-pub(crate) fn check_hello(m: &wire::Message<'_>) -> Result<(), End> {
-    let wire::Message::Hello { version, .. } = m else {
+/// Checks that the first message of a connection is a `Hello` of this version (a refusal otherwise); `peer` (if
+/// known) offers what it lists (kept in the peer table for a carrier that switches flows).
+pub(crate) fn check_hello(m: &wire::Message<'_>, peer: &str) -> Result<(), End> {
+    let wire::Message::Hello { version, caps } = m else {
         return Err(End::Refused("the first message is not a hello".into()));
     };
     if *version != wire::VERSION {
         return Err(End::Refused(format!("version {version}, this daemon speaks {}", wire::VERSION)));
     }
+    if !peer.is_empty() {
+        report(peer, |s| s.caps.clone_from(caps));
+    }
     Ok(())
+}
+
+/// A `Switch` where the carrier does not take them (it has one transport, so it did not offer `switch`).
+pub(crate) fn switch_unasked(cfg: &Config) -> Result<(), End> {
+    if cfg.switching() {
+        Ok(())
+    } else {
+        Err(End::Malformed("a switch, not offered".into()))
+    }
 }
 
 /// Accepting: checks an `Open` of the peer's flow `flow` on a connection that carries `remote` (peer's id -> local).
@@ -466,7 +575,7 @@ impl LogLimit {
     }
 }
 
-struct Inner {
+pub(crate) struct Inner {
     refusal_log: LogLimit,
     /// Flows carried since the module last looked, with their tuple (it registers their meters), and flows ended.
     born: Vec<(u64, String)>,
@@ -598,7 +707,7 @@ impl Inner {
                 let mut tls = Connection::Client(tls);
                 tls.set_buffer_limit(None);
                 let mut hello = Vec::new();
-                wire::hello(&mut hello, CAPS);
+                wire::hello(&mut hello, &caps(&self.cfg));
                 let _ = tls.writer().write_all(&hello);
                 let token = self.add_conn(Conn::new(sock, tls, name.clone(), true));
                 if let Mode::Connect { conn, .. } = &mut self.mode {
@@ -754,7 +863,7 @@ impl Inner {
 
     fn message_on(&mut self, c: &mut Conn, token: u64, m: wire::Message<'_>) -> Result<(), End> {
         if !c.up {
-            check_hello(&m)?;
+            check_hello(&m, &c.peer)?;
             if c.peer.is_empty() {
                 // Accepting: who it is (the verifier let only peers of the table through).
                 let fp = c.tls.peer_certificates().and_then(|v| v.first()).map(|d| trust::fingerprint_of(d));
@@ -763,7 +872,7 @@ impl Inner {
                 };
                 c.peer = name;
                 let mut hello = Vec::new();
-                wire::hello(&mut hello, CAPS);
+                wire::hello(&mut hello, &caps(&self.cfg));
                 self.m.bytes_out.add(hello.len() as u64);
                 self.m.frames_out.add(1);
                 c.send(&hello)?;
@@ -782,6 +891,14 @@ impl Inner {
         let (flow, kind, ack, bytes) = match m {
             wire::Message::Hello { .. } => return Err(End::Malformed("a second hello".into())),
             wire::Message::Close { reason } => return Err(End::Closed(format!("the peer closed: {reason}"))),
+            wire::Message::Switch { flow, flags, offset } => {
+                switch_unasked(&self.cfg)?;
+                match self.mode.peer_switch(token, &mut c.remote, &c.peer, flow, flags) {
+                    Some(local) => self.ready.push_back(switch_marker(local, flags, offset)),
+                    None => self.m.orphans.add(1),
+                }
+                return Ok(());
+            }
             wire::Message::Frame { flow, kind, ack, bytes } => (flow, kind, ack, bytes),
         };
         let max = self.cfg.max_flows;
@@ -885,21 +1002,25 @@ impl Inner {
             self.m.frames_out.add(1);
         }
         for (token, bytes) in out {
-            let Some(c) = self.conns.get_mut(&token) else { continue };
-            self.m.bytes_out.add(bytes.len() as u64);
-            let r = c.send(&bytes);
-            let queued = c.tls.wants_write();
-            if let Err(end) = r {
-                self.close(token, end);
-                continue;
-            }
-            if queued && !c.want_out {
-                c.want_out = true;
-                let f = EpollFlags::EPOLLIN | EpollFlags::EPOLLOUT | EpollFlags::EPOLLRDHUP;
-                let _ = self.epoll.modify(&c.sock, &mut EpollEvent::new(f, token));
-            }
+            self.send_on(token, &bytes);
         }
         self.kick();
+    }
+
+    /// Writes encoded messages on connection `token` (counted), watching for its socket's room if they wait.
+    fn send_on(&mut self, token: u64, bytes: &[u8]) {
+        let Some(c) = self.conns.get_mut(&token) else { return };
+        self.m.bytes_out.add(bytes.len() as u64);
+        let r = c.send(bytes);
+        let queued = c.tls.wants_write();
+        if let Err(end) = r {
+            return self.close(token, end);
+        }
+        if queued && !c.want_out {
+            c.want_out = true;
+            let f = EpollFlags::EPOLLIN | EpollFlags::EPOLLOUT | EpollFlags::EPOLLRDHUP;
+            let _ = self.epoll.modify(&c.sock, &mut EpollEvent::new(f, token));
+        }
     }
 
     /// Timers: handshakes that take too long, the retry of a connection, and the meters.
@@ -950,6 +1071,33 @@ pub(crate) trait CarrierEngine: FrameEngine + 'static {
     /// Timers, meters, and a kick of the device when frames wait.
     fn tick(&mut self, now: Instant);
     fn set_cfg(&mut self, cfg: Config);
+    /// Connect mode: the connection is up (authenticated, hellos exchanged).
+    fn is_up(&self) -> bool;
+    /// Accepting: the peer's name and id of flow `local`.
+    fn remote_of(&self, local: u64) -> Option<(String, u64)>;
+    /// Sends a `Switch` of flow `local` (a carrier with several transports).
+    fn send_switch(&mut self, local: u64, flags: u8, offset: u64);
+    /// Forgets flow `local`, which moved to another transport.
+    fn detach(&mut self, local: u64);
+    /// Connect mode: carries flow `flow` from now on (it moved here).
+    fn attach(&mut self, flow: u64) {
+        if let Some(r) = self.router() {
+            r.attach(flow);
+        }
+    }
+    /// Writes flow `id`'s `carrier` knob: moves it to that transport. Only a carrier with several does.
+    fn set_carrier(&mut self, id: u64, name: &str) -> Result<(), String> {
+        let _ = id;
+        Err(format!(
+            "this carrier has one transport; give it `transports` (and its peer the same) to move flows to {name}"
+        ))
+    }
+    /// The transport carrying flow `id`.
+    fn carrier_of(&self, id: u64) -> String;
+    /// Flows that moved to another transport since the module last looked, and where to.
+    fn take_moved(&mut self) -> Vec<(u64, String)> {
+        Vec::new()
+    }
 }
 
 /// The [`CarrierEngine`] methods every engine implements the same way, from its fields `mode` ([`Modes`]), `m`,
@@ -979,12 +1127,44 @@ macro_rules! carrier_engine_common {
         fn set_cfg(&mut self, cfg: Config) {
             self.cfg = cfg;
         }
+
+        fn is_up(&self) -> bool {
+            match &self.mode {
+                Modes::Connect { conn: Some(h), .. } => self.conns.get(h).is_some_and(|c| c.up),
+                _ => false,
+            }
+        }
+
+        fn remote_of(&self, local: u64) -> Option<(String, u64)> {
+            let (h, remote) = self.mode.target(local)?;
+            Some((self.conns.get(&h)?.peer.clone(), remote))
+        }
+
+        fn carrier_of(&self, _id: u64) -> String {
+            self.cfg.transport.name().to_string()
+        }
     };
 }
 pub(crate) use carrier_engine_common;
 
 impl CarrierEngine for Inner {
     carrier_engine_common!();
+
+    fn send_switch(&mut self, local: u64, flags: u8, offset: u64) {
+        let Some((token, remote)) = self.mode.target(local) else { return };
+        let mut b = Vec::new();
+        wire::switch(&mut b, remote, flags, offset);
+        self.m.frames_out.add(1);
+        self.send_on(token, &b);
+    }
+
+    fn detach(&mut self, local: u64) {
+        if let Some((token, remote)) = self.mode.detach(local) {
+            if let (Some(c), Mode::Accept { .. }) = (self.conns.get_mut(&token), &self.mode) {
+                c.remote.remove(&remote);
+            }
+        }
+    }
 
     fn tick(&mut self, now: Instant) {
         Inner::tick(self, now);
@@ -1001,8 +1181,8 @@ pub(crate) struct Carrier<E> {
     pub(crate) connect: bool,
     /// A flow's variables.
     pub(crate) specs: Vec<VarSpec>,
-    /// Flows whose meters are registered: id -> name.
-    pub(crate) flows: HashMap<u64, String>,
+    /// Flows whose meters are registered: id -> name, and its `carrier` variable.
+    pub(crate) flows: HashMap<u64, (String, flexstack_core::Meter)>,
 }
 
 impl<E: CarrierEngine> Carrier<E> {
@@ -1026,13 +1206,28 @@ impl<E: CarrierEngine> Carrier<E> {
             let vars = out.register_vars(&name, &self.specs).unwrap_or_else(|_| ModuleVars::new(&self.specs));
             vars.meter("tuple").store(&Value::Str(tuple));
             vars.meter("peer").store(&Value::Str(e.peer_of(id)));
-            self.flows.insert(id, name);
+            let carrier = vars.meter("carrier");
+            carrier.store(&Value::Str(e.carrier_of(id)));
+            self.flows.insert(id, (name, carrier));
+        }
+        for (id, to) in e.take_moved() {
+            if let Some((_, carrier)) = self.flows.get(&id) {
+                carrier.store(&Value::Str(to));
+            }
         }
         for id in e.take_gone() {
-            if let Some(name) = self.flows.remove(&id) {
+            if let Some((name, _)) = self.flows.remove(&id) {
                 out.unregister_vars(&name);
             }
         }
+    }
+
+    /// A write of `<vars_prefix>.<flow>.carrier`: the flow moves to that transport.
+    fn flow_carrier(&mut self, knob: &str, value: &Value) -> Option<Result<(), String>> {
+        let rest = knob.strip_prefix(&self.cfg.vars_prefix)?.strip_prefix('.')?;
+        let id: u64 = rest.strip_suffix(".carrier")?.parse().ok()?;
+        let Value::Str(name) = value else { return Some(Err(format!("{knob} takes a string"))) };
+        Some(self.device.engine().set_carrier(id, name))
     }
 }
 
@@ -1085,6 +1280,9 @@ impl<E: CarrierEngine> Module for Carrier<E> {
     }
 
     fn write_knob(&mut self, knob: &str, value: &Value) -> Result<(), String> {
+        if let Some(r) = self.flow_carrier(knob, value) {
+            return r;
+        }
         self.decl.write(&mut self.cfg, knob, value)?;
         self.device.engine().set_cfg(self.cfg.clone());
         Ok(())

@@ -20,14 +20,15 @@
 //!   `replayed_total`; both are dropped and the session stays.
 
 use super::carrier::{
-    carrier_engine_common, check_hello, each_message, epoll_with_kick, log_end, pop_ready, Builder, CarrierEngine, End,
-    LogLimit, Modes, Ready, HANDSHAKE_TIMEOUT, MAX_CONNECTIONS,
+    caps, carrier_engine_common, check_hello, each_message, epoll_with_kick, listen_of_cfg, log_end, peer_of_cfg,
+    pop_ready, switch_marker, switch_unasked, Builder, CarrierEngine, End, LogLimit, Modes, Ready, HANDSHAKE_TIMEOUT,
+    MAX_CONNECTIONS,
 };
 use super::trust::{self, identity, report, Identity, Peer};
 use crate::stream::{EpollDevice, FrameEngine};
 use flexstack_core::frame::{MetaKey, Metadata};
 use flexstack_core::stream::{FlowInfo, Protocol, StreamKind};
-use flexstack_core::{Direction, ModuleBuilder, Packet};
+use flexstack_core::{Direction, Packet};
 use flexstack_modules::stream::carrier::dgram::{self, Handshake, Item};
 use flexstack_modules::stream::carrier::plus::{PlusRx, PlusTx};
 use flexstack_modules::stream::carrier::reliable::{Receiver, Sender};
@@ -73,17 +74,16 @@ const MAX_EARLY: usize = 256;
 const SOCKET_BUFFER: usize = 8 << 20;
 
 /// Builds a `udp` or `udpplus` carrier from what the kind read.
-pub(crate) fn build(req: CarrierRequest) -> Result<Box<dyn ModuleBuilder>, String> {
+pub(crate) fn build(req: CarrierRequest) -> Result<Builder<Dgram>, String> {
     let id = identity().ok_or("no peer identity: the daemon makes one in its state directory when it starts")?;
     let signer = EcdsaKeyPair::from_pkcs8(&ECDSA_P256_SHA256_ASN1_SIGNING, id.key_der(), &SystemRandom::new())
         .map_err(|e| format!("the peer key is not an ECDSA P-256 key: {e}"))?;
     let (socket, mode) = if req.cfg.peer.is_empty() {
-        let addr: SocketAddr = req.cfg.listen.parse().map_err(|e| format!("{e}"))?;
+        let addr = listen_of_cfg(&req.cfg)?;
         let socket = UdpSocket::bind(addr).map_err(|e| format!("cannot listen on {addr} (UDP): {e}"))?;
-        (socket, Mode::Accept { server: (), flows: HashMap::new(), next_local: 1 })
+        (socket, Mode::Accept { server: (), flows: HashMap::new(), next_local: 1, ids: req.cfg.ids.clone() })
     } else {
-        let name = &req.cfg.peer;
-        let peer = trust::get(name).ok_or_else(|| format!("no peer {name:?} (add it with `flexstack peer add`)"))?;
+        let peer = peer_of_cfg(&req.cfg)?;
         let any: SocketAddr = if peer.addr.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" }.parse().expect("an address");
         let socket = UdpSocket::bind(any).map_err(|e| format!("cannot open a UDP socket: {e}"))?;
         (socket, Mode::Connect { peer, client: (), router: Router::default(), retry_at: None, conn: None })
@@ -98,7 +98,7 @@ pub(crate) fn build(req: CarrierRequest) -> Result<Box<dyn ModuleBuilder>, Strin
     }
     let plus = req.cfg.transport == Transport::Udpplus;
     let make = move |cfg: &Config, m| dgram_device(socket, mode, id, signer, plus, cfg, m);
-    Ok(Box::new(Builder { req, make: Box::new(make) }))
+    Ok(Builder { req, make: Box::new(make) })
 }
 
 type Mode = Modes<(), (), u64>;
@@ -482,7 +482,7 @@ impl Dgram {
         let mut s = Sess::new(peer.addr, peer.name.clone(), None, now);
         s.dial = Some(Dial { private: Some(private), public, init, next_send: now });
         let mut hello = Vec::new();
-        wire::hello(&mut hello, &[self.kind()]);
+        wire::hello(&mut hello, &caps(&self.cfg));
         self.m.frames_out.add(1);
         s.write(&hello, &self.m);
         self.conns.insert(token, s);
@@ -822,10 +822,10 @@ impl Dgram {
         let kind_name = self.kind();
         let Some(s) = self.conns.get_mut(&token) else { return Ok(()) };
         if !s.up {
-            check_hello(&m)?;
+            check_hello(&m, &s.peer)?;
             if matches!(self.mode, Mode::Accept { .. }) {
                 let mut hello = Vec::new();
-                wire::hello(&mut hello, &[kind_name]);
+                wire::hello(&mut hello, &caps(&self.cfg));
                 self.m.frames_out.add(1);
                 s.write(&hello, &self.m);
             }
@@ -843,6 +843,17 @@ impl Dgram {
         let (flow, kind, ack, bytes) = match m {
             wire::Message::Hello { .. } => return Err(End::Malformed("a second hello".into())),
             wire::Message::Close { reason } => return Err(End::Closed(format!("the peer closed: {reason}"))),
+            wire::Message::Switch { flow, flags, offset } => {
+                switch_unasked(&self.cfg)?;
+                if flags & wire::SWITCH_UDP != 0 {
+                    s.udp.insert(flow);
+                }
+                match self.mode.peer_switch(token, &mut s.remote, &s.peer, flow, flags) {
+                    Some(local) => self.ready.push_back(switch_marker(local, flags, offset)),
+                    None => self.m.orphans.add(1),
+                }
+                return Ok(());
+            }
             wire::Message::Frame { flow, kind, ack, bytes } => (flow, kind, ack, bytes),
         };
         if matches!(self.mode, Mode::Accept { .. }) && kind == StreamKind::Open {
@@ -1154,6 +1165,30 @@ impl FrameEngine for Dgram {
 
 impl CarrierEngine for Dgram {
     carrier_engine_common!();
+
+    fn send_switch(&mut self, local: u64, flags: u8, offset: u64) {
+        let Some((token, wire_flow)) = self.mode.target(local) else { return };
+        let Some(s) = self.conns.get_mut(&token) else { return };
+        if flags & wire::SWITCH_UDP != 0 {
+            s.udp.insert(wire_flow);
+        }
+        let mut b = Vec::new();
+        wire::switch(&mut b, wire_flow, flags, offset);
+        self.m.frames_out.add(1);
+        s.write(&b, &self.m);
+        let now = Instant::now();
+        self.transmit(now);
+        self.arm_timer(now);
+    }
+
+    fn detach(&mut self, local: u64) {
+        if let Some((token, remote)) = self.mode.detach(local) {
+            if let Some(s) = self.conns.get_mut(&token) {
+                s.remote.remove(&remote);
+                s.end_flow(remote);
+            }
+        }
+    }
 
     fn tick(&mut self, now: Instant) {
         Dgram::tick(self, now);

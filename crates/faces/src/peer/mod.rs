@@ -7,6 +7,7 @@
 
 pub mod carrier;
 pub mod datagram;
+pub mod multi;
 pub mod quic;
 pub mod trust;
 
@@ -20,11 +21,23 @@ pub fn install() {
     flexstack_modules::stream::carrier::install(build);
 }
 
-/// Builds a carrier of the transport its settings name.
+/// Builds a carrier of the transport its settings name, or of several (`transports`).
 fn build(req: CarrierRequest) -> Result<Box<dyn ModuleBuilder>, String> {
-    match req.cfg.transport {
-        Transport::Tcp => carrier::build(req),
-        Transport::Quic => quic::build(req),
-        Transport::Udp | Transport::Udpplus => datagram::build(req),
+    if req.cfg.switching() {
+        return multi::build(req);
     }
+    Ok(match req.cfg.transport {
+        Transport::Tcp => Box::new(carrier::build(req)?),
+        Transport::Quic => Box::new(quic::build(req)?),
+        Transport::Udp | Transport::Udpplus => Box::new(datagram::build(req)?),
+    })
+}
+
+/// The engine of one transport of a carrier with several, made when first needed.
+fn transport(req: CarrierRequest) -> Result<Box<dyn multi::MakeSub>, String> {
+    Ok(match req.cfg.transport {
+        Transport::Tcp => Box::new(carrier::build(req)?),
+        Transport::Quic => Box::new(quic::build(req)?),
+        Transport::Udp | Transport::Udpplus => Box::new(datagram::build(req)?),
+    })
 }

@@ -19,15 +19,16 @@
 //!   `udp_bytes_out_total`, `udp_bytes_in_total` (every connection's, closed ones included).
 
 use super::carrier::{
-    carrier_engine_common, check_hello, each_message, epoll_with_kick, log_end, pop_ready, Builder, CarrierEngine, End,
-    LogLimit, Modes, Ready, HANDSHAKE_TIMEOUT, MAX_CONNECTIONS,
+    caps, carrier_engine_common, check_hello, each_message, epoll_with_kick, listen_of_cfg, log_end, peer_of_cfg,
+    pop_ready, switch_marker, switch_unasked, Builder, CarrierEngine, End, LogLimit, Modes, Ready, HANDSHAKE_TIMEOUT,
+    MAX_CONNECTIONS,
 };
 use super::trust::{self, client_config, identity, report, server_config, TLS_NAME};
 use crate::stream::{EpollDevice, FrameEngine};
 use bytes::{Bytes, BytesMut};
 use flexstack_core::frame::{MetaKey, Metadata};
 use flexstack_core::stream::{FlowInfo, Protocol, StreamKind};
-use flexstack_core::{Direction, ModuleBuilder, Packet};
+use flexstack_core::{Direction, Packet};
 use flexstack_modules::stream::carrier::{wire, CarrierRequest, Config, Meters, Router};
 use nix::sys::epoll::{EpollEvent, EpollFlags};
 use nix::sys::eventfd::EventFd;
@@ -47,7 +48,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// The capabilities this carrier announces.
-const CAPS: &[&str] = &["quic"];
 /// Epoll tokens.
 const SOCKET: u64 = 1;
 const TIMER: u64 = 2;
@@ -76,19 +76,22 @@ fn transport(cfg: &Config) -> Arc<TransportConfig> {
 }
 
 /// Builds a `quic` carrier from what the kind read.
-pub(crate) fn build(req: CarrierRequest) -> Result<Box<dyn ModuleBuilder>, String> {
+pub(crate) fn build(req: CarrierRequest) -> Result<Builder<Quic>, String> {
     let id = identity().ok_or("no peer identity: the daemon makes one in its state directory when it starts")?;
     let tp = transport(&req.cfg);
     let (socket, server, mode) = if req.cfg.peer.is_empty() {
-        let addr: SocketAddr = req.cfg.listen.parse().map_err(|e| format!("{e}"))?;
+        let addr = listen_of_cfg(&req.cfg)?;
         let socket = UdpSocket::bind(addr).map_err(|e| format!("cannot listen on {addr} (UDP): {e}"))?;
         let crypto = QuicServerConfig::try_from(server_config(id)?).map_err(|e| format!("QUIC TLS: {e}"))?;
         let mut sc = ServerConfig::with_crypto(Arc::new(crypto));
         sc.transport_config(tp);
-        (socket, Some(Arc::new(sc)), Mode::Accept { server: (), flows: HashMap::new(), next_local: 1 })
+        (
+            socket,
+            Some(Arc::new(sc)),
+            Mode::Accept { server: (), flows: HashMap::new(), next_local: 1, ids: req.cfg.ids.clone() },
+        )
     } else {
-        let name = &req.cfg.peer;
-        let peer = trust::get(name).ok_or_else(|| format!("no peer {name:?} (add it with `flexstack peer add`)"))?;
+        let peer = peer_of_cfg(&req.cfg)?;
         let any: SocketAddr = if peer.addr.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" }.parse().expect("an address");
         let socket = UdpSocket::bind(any).map_err(|e| format!("cannot open a UDP socket: {e}"))?;
         let crypto =
@@ -99,7 +102,7 @@ pub(crate) fn build(req: CarrierRequest) -> Result<Box<dyn ModuleBuilder>, Strin
     };
     socket.set_nonblocking(true).map_err(|e| e.to_string())?;
     let make = move |cfg: &Config, m| quic_device(socket, server, mode, cfg, m);
-    Ok(Box::new(Builder { req, make: Box::new(make) }))
+    Ok(Builder { req, make: Box::new(make) })
 }
 
 /// The quic carrier's device.
@@ -468,7 +471,7 @@ impl Quic {
                 Event::Connected => {
                     c.connected = true;
                     if self_connects(&self.mode) {
-                        open_control(c, &self.m);
+                        open_control(c, &self.m, &self.cfg);
                     }
                 }
                 Event::ConnectionLost { reason } => {
@@ -587,7 +590,7 @@ impl Quic {
                 _ => Err(End::Malformed("only close follows hello on the control stream".into())),
             };
         }
-        check_hello(&m)?;
+        check_hello(&m, &c.peer)?;
         if c.peer.is_empty() {
             // Accepting: who it is (the verifier let only peers of the table through).
             let name = c
@@ -600,7 +603,7 @@ impl Quic {
             let Some(name) = name else { return Err(End::Refused("not a peer (removed?)".into())) };
             c.peer = name;
             let mut hello = Vec::new();
-            wire::hello(&mut hello, CAPS);
+            wire::hello(&mut hello, &caps(&self.cfg));
             self.m.bytes_out.add(hello.len() as u64);
             self.m.frames_out.add(1);
             if let Some(ctl) = c.control {
@@ -625,6 +628,9 @@ impl Quic {
 
     /// A message on a flow's stream: a frame of that flow (an accepting side learns the flow from its `Open`).
     fn flow_message(&mut self, ch: ConnectionHandle, id: StreamId, m: wire::Message<'_>) -> Result<(), End> {
+        if let wire::Message::Switch { flow, flags, offset } = m {
+            return self.switch_in(ch, id, flow, flags, offset);
+        }
         let wire::Message::Frame { flow, kind, ack, bytes } = m else {
             return Err(End::Malformed("a flow's stream carries only frames".into()));
         };
@@ -663,6 +669,33 @@ impl Quic {
             }
         }
         self.frame_in(ch, flow, kind, ack, bytes);
+        Ok(())
+    }
+
+    /// A `Switch` on a flow's stream: a flow that starts on this connection may open the stream (accepting).
+    fn switch_in(&mut self, ch: ConnectionHandle, id: StreamId, flow: u64, flags: u8, offset: u64) -> Result<(), End> {
+        switch_unasked(&self.cfg)?;
+        let Some(c) = self.conns.get_mut(&ch) else { return Ok(()) };
+        match c.stream_flow.get(&id) {
+            Some(&f) if f != flow => return Err(End::Malformed(format!("flow {flow} on flow {f}'s stream"))),
+            Some(_) => {}
+            None if !matches!(self.mode, Mode::Accept { .. }) => {
+                return Err(End::Malformed("a stream the connecting side did not open".into()));
+            }
+            None => {
+                if let Some(old) = c.flow_stream.insert(flow, id) {
+                    c.stream_flow.remove(&old);
+                }
+                c.stream_flow.insert(id, flow);
+            }
+        }
+        if flags & wire::SWITCH_UDP != 0 {
+            c.udp.insert(flow);
+        }
+        match self.mode.peer_switch(ch, &mut c.remote, &c.peer, flow, flags) {
+            Some(local) => self.ready.push_back(switch_marker(local, flags, offset)),
+            None => self.m.orphans.add(1),
+        }
         Ok(())
     }
 
@@ -891,11 +924,11 @@ impl Quic {
 }
 
 /// The connecting side, once the handshake is done: the control stream and its `Hello`.
-fn open_control(c: &mut Conn, m: &Meters) {
+fn open_control(c: &mut Conn, m: &Meters, cfg: &Config) {
     let Some(id) = c.conn.streams().open(Dir::Bi) else { return };
     c.control = Some(id);
     let mut hello = Vec::new();
-    wire::hello(&mut hello, CAPS);
+    wire::hello(&mut hello, &caps(cfg));
     m.bytes_out.add(hello.len() as u64);
     m.frames_out.add(1);
     c.send(id, &hello);
@@ -948,6 +981,41 @@ impl FrameEngine for Quic {
 
 impl CarrierEngine for Quic {
     carrier_engine_common!();
+
+    fn send_switch(&mut self, local: u64, flags: u8, offset: u64) {
+        let Some((ch, wire_flow)) = self.mode.target(local) else { return };
+        let Some(c) = self.conns.get_mut(&ch) else { return };
+        if !c.flow_stream.contains_key(&wire_flow) {
+            // The connecting side: the flow starts here, on a stream of its own.
+            let Some(id) = c.conn.streams().open(Dir::Bi) else {
+                self.m.flows_limited.add(1);
+                return;
+            };
+            c.flow_stream.insert(wire_flow, id);
+            c.stream_flow.insert(id, wire_flow);
+        }
+        if flags & wire::SWITCH_UDP != 0 {
+            c.udp.insert(wire_flow);
+        }
+        let Some(&id) = c.flow_stream.get(&wire_flow) else { return };
+        let mut b = Vec::new();
+        wire::switch(&mut b, wire_flow, flags, offset);
+        self.m.frames_out.add(1);
+        self.m.bytes_out.add(b.len() as u64);
+        c.send(id, &b);
+        let now = Instant::now();
+        self.transmit(now);
+        self.arm_timer();
+    }
+
+    fn detach(&mut self, local: u64) {
+        if let Some((ch, remote)) = self.mode.detach(local) {
+            if let Some(c) = self.conns.get_mut(&ch) {
+                c.remote.remove(&remote);
+                c.end_flow(remote);
+            }
+        }
+    }
 
     fn tick(&mut self, now: Instant) {
         Quic::tick(self, now);

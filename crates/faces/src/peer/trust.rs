@@ -133,6 +133,8 @@ pub struct PeerStatus {
     pub bytes_out: u64,
     /// See `bytes_out`.
     pub bytes_in: u64,
+    /// What its latest `Hello` offered (transports, `switch`).
+    pub caps: Vec<String>,
 }
 
 type Table = BTreeMap<String, (Peer, PeerStatus)>;
@@ -182,6 +184,11 @@ pub fn get(name: &str) -> Option<Peer> {
 /// The name of the peer whose certificate has fingerprint `fp`.
 pub fn by_fingerprint(fp: &[u8; 32]) -> Option<String> {
     table().values().find(|(p, _)| &p.fingerprint == fp).map(|(p, _)| p.name.clone())
+}
+
+/// The status of peer `name`.
+pub fn status(name: &str) -> Option<PeerStatus> {
+    table().get(name).map(|(_, s)| s.clone())
 }
 
 /// Changes the status of peer `name` (if it is still in the table).

@@ -14,6 +14,7 @@
 //! connection brings: Up frames on the app's host, Down on the peer) and `pass` (frames of flows not carried).
 
 pub mod dgram;
+pub mod order;
 pub mod plus;
 pub mod reliable;
 pub mod wire;
@@ -28,7 +29,7 @@ use flexstack_core::{
 };
 use flexstack_wire::cidr::Prefix;
 use std::collections::HashMap;
-use std::sync::OnceLock;
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// The kind's name in stack files.
 pub const KIND: &str = "carrier";
@@ -58,6 +59,71 @@ pub struct Config {
     pub fec: bool,
     /// `udpplus`: datagrams per FEC group.
     pub fec_k: u64,
+    /// More transports to the same peer, besides `transport` (the first of every flow): kept warm once built, a
+    /// flow moves between them when its `carrier` knob is written (docs/peers.md, "Switching").
+    pub transports: Vec<Transport>,
+    /// Not a setting: added to the port of the peer (connecting) or of `listen` (accepting), so that the
+    /// transports of a carrier with several have a port each ([`Transport::port_offset`]).
+    pub port_offset: u16,
+    /// Not a setting: accepting with several transports, the flow ids they share ([`FlowIds`]).
+    pub ids: Option<FlowIds>,
+}
+
+/// The flow ids of an accepting carrier with several transports: one numbering for all of them, and each flow
+/// known by its peer and the peer's id, so that a flow that moves to another transport keeps its id.
+#[derive(Clone, Debug, Default)]
+pub struct FlowIds(Arc<Mutex<FlowIdsInner>>);
+
+#[derive(Debug, Default)]
+struct FlowIdsInner {
+    last: u64,
+    by_remote: HashMap<(String, u64), u64>,
+}
+
+impl FlowIds {
+    fn lock(&self) -> std::sync::MutexGuard<'_, FlowIdsInner> {
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// A new id (from 1).
+    pub fn next(&self) -> u64 {
+        let mut i = self.lock();
+        i.last += 1;
+        i.last
+    }
+
+    /// Flow `id` is `peer`'s flow `remote`.
+    pub fn register(&self, peer: &str, remote: u64, id: u64) {
+        self.lock().by_remote.insert((peer.to_string(), remote), id);
+    }
+
+    /// The id of `peer`'s flow `remote`, if it is known.
+    pub fn lookup(&self, peer: &str, remote: u64) -> Option<u64> {
+        self.lock().by_remote.get(&(peer.to_string(), remote)).copied()
+    }
+
+    /// Forgets `peer`'s flow `remote` (it ended).
+    pub fn forget(&self, peer: &str, remote: u64) {
+        self.lock().by_remote.remove(&(peer.to_string(), remote));
+    }
+}
+
+impl Config {
+    /// Every transport the carrier offers: `transport` first, then `transports` (without repeats).
+    pub fn offered(&self) -> Vec<Transport> {
+        let mut v = vec![self.transport];
+        for t in &self.transports {
+            if !v.contains(t) {
+                v.push(*t);
+            }
+        }
+        v
+    }
+
+    /// True when the carrier has several transports (flows can switch).
+    pub fn switching(&self) -> bool {
+        self.offered().len() > 1
+    }
 }
 
 /// A carrier's transport to its peer.
@@ -76,6 +142,22 @@ pub enum Transport {
 }
 
 impl Transport {
+    /// Every transport, in the order of their port offsets.
+    pub const ALL: [Transport; 4] = [Transport::Tcp, Transport::Quic, Transport::Udp, Transport::Udpplus];
+
+    /// The transport named `t` (as in settings and `Hello`).
+    pub fn parse(t: &str) -> Result<Transport, String> {
+        Transport::ALL
+            .into_iter()
+            .find(|k| k.name() == t)
+            .ok_or_else(|| format!("expected tcp, quic, udp or udpplus, got {t:?}"))
+    }
+
+    /// In a carrier with several transports, each listens on (and connects to) the port given plus this.
+    pub fn port_offset(self) -> u16 {
+        Transport::ALL.iter().position(|k| *k == self).unwrap_or(0) as u16
+    }
+
     /// Its name in settings and in the peers' `Hello`.
     pub fn name(self) -> &'static str {
         match self {
@@ -145,6 +227,14 @@ pub struct Meters {
     pub datagrams_lost: Meter,
     /// `udp`, `udpplus`: UDP payload bits sent per second.
     pub rate: Meter,
+    /// Flows moved to another transport.
+    pub switches: Meter,
+    /// How long the latest switch waited for its transport to come up (0: it was warm).
+    pub switch_wait_us: Meter,
+    /// Frames held back to keep a flow's order across a switch.
+    pub switch_held: Meter,
+    /// Switches given up: the transport did not come up, or the peer does not offer it.
+    pub switch_refused: Meter,
 }
 
 type P = Param<Config>;
@@ -241,13 +331,26 @@ pub const DECL: KindDecl<Config, Meters> = KindDecl {
             "tcp",
             |c| c.transport.name().to_string(),
             |c, t| {
-                c.transport = match t {
-                    "tcp" => Transport::Tcp,
-                    "quic" => Transport::Quic,
-                    "udp" => Transport::Udp,
-                    "udpplus" => Transport::Udpplus,
-                    _ => return Err(format!("expected tcp, quic, udp or udpplus, got {t:?}")),
-                };
+                c.transport = Transport::parse(t)?;
+                Ok(())
+            },
+        )
+        .setting(),
+        P::text(
+            "transports",
+            "more transports to the same peer, comma-separated (tcp, quic, udp, udpplus): with any, each transport \
+             has a port of its own (the port given plus 0 tcp, 1 quic, 2 udp, 3 udpplus), new flows start on \
+             `transport`, and a flow's `carrier` knob moves it to another without a byte lost, duplicated or \
+             reordered; both ends must say the same",
+            "",
+            |c| c.transports.iter().map(|t| t.name()).collect::<Vec<_>>().join(","),
+            |c, t| {
+                c.transports = t
+                    .split(',')
+                    .map(str::trim)
+                    .filter(|s| !s.is_empty())
+                    .map(Transport::parse)
+                    .collect::<Result<_, _>>()?;
                 Ok(())
             },
         )
@@ -307,6 +410,10 @@ pub const DECL: KindDecl<Config, Meters> = KindDecl {
         fec_recovered: "fec_recovered_total", "datagrams", "udpplus: UDP datagrams rebuilt from a parity";
         datagrams_lost: "datagrams_lost_total", "datagrams", "udpplus: UDP datagrams never received (missing when the window passed)";
         rate: "rate_out_bps", "bit/s", "udp, udpplus: UDP payload sent per second over the last meter period";
+        switches: "switches_total", "flows", "flows moved to another transport (`transports`)";
+        switch_wait_us: "switch_wait_us", "us", "how long the latest switch waited for its transport to come up (its handshake; 0 when warm)";
+        switch_held: "switch_held_total", "frames", "frames held back to keep a flow's order across a switch";
+        switch_refused: "switch_refused_total", "flows", "switches given up: the transport did not come up in 5 s";
     ],
     // Its frames wait in its connection between calls, as an endpoint's do in its sockets.
     breaks_cycles: true,
@@ -325,6 +432,12 @@ pub fn flow_specs() -> Vec<VarSpec> {
             "the flow: protocol, the app's address, the original destination, the app",
         ),
         VarSpec::meter("peer", ValueType::Str, "", "the peer it is carried to, or came from"),
+        VarSpec::knob(
+            "carrier",
+            ValueType::Str,
+            "",
+            "the transport carrying the flow; writing another of the carrier's `transports` moves the flow there",
+        ),
     ]
 }
 
@@ -463,6 +576,16 @@ impl Router {
         if self.flows.remove(&flow).is_some() {
             self.gone.push(flow);
         }
+    }
+
+    /// Carries `flow` from now on, as if it had opened here (a flow that moved to this transport).
+    pub fn attach(&mut self, flow: u64) {
+        self.flows.entry(flow).or_insert((false, false));
+    }
+
+    /// Forgets `flow` without counting it as gone (it moved to another transport).
+    pub fn detach(&mut self, flow: u64) {
+        self.flows.remove(&flow);
     }
 
     /// Forgets every flow (the connection went) and returns their ids.

@@ -8,7 +8,9 @@
 //! | 1 `Hello` | `FSPR`, version (u16), capability count (u8), each capability as a length (u8, 1-32) and ASCII |
 //! | 2 `Frame` | flow id (u64), stream kind (u8), then by kind: `Open` an encoded `FlowInfo`; `Data` 0 to [`MAX_DATA`] bytes; `Fin` nothing; `Abort` a reason (1-32 ASCII); `Ack` a count (u64, below 2^56) |
 //! | 3 `Close` | a reason (0-64 ASCII) |
+//! | 4 `Switch` | flow id (u64), flags (u8: bit 0 `end`, bit 1 `udp`, no others), offset (u64, below 2^56) |
 //!
+//! `Switch` is sent only to a peer whose `Hello` offered [`SWITCH_CAP`] (docs/peers.md, "Switching").
 //! Everything else (an unknown type, a length out of range, trailing bytes, a `FlowInfo` that does not decode) is
 //! an error: the connection that sent it is closed.
 
@@ -25,10 +27,17 @@ pub const MAX_DATA: usize = 65536;
 pub const MAX_BODY: usize = MAX_DATA + 16;
 /// The most capabilities a `Hello` lists.
 pub const MAX_CAPS: usize = 32;
+/// The capability of a peer that takes `Switch` messages (a carrier with several transports).
+pub const SWITCH_CAP: &str = "switch";
+/// `Switch` flag: the flow leaves this transport (else: it starts on it).
+pub const SWITCH_END: u8 = 1;
+/// `Switch` flag: the flow is a UDP flow (its `Data` travels as datagrams).
+pub const SWITCH_UDP: u8 = 2;
 
 const HELLO: u8 = 1;
 const FRAME: u8 = 2;
 const CLOSE: u8 = 3;
+const SWITCH: u8 = 4;
 
 /// A decoded message; `Frame` borrows its bytes from the input.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -55,6 +64,16 @@ pub enum Message<'a> {
     Close {
         /// Why.
         reason: String,
+    },
+    /// Flow `flow` (the id of the side that opened it) moves between transports: on the transport it leaves, the
+    /// last message of the flow there (`flags` has [`SWITCH_END`]); on the one it goes to, the first.
+    Switch {
+        /// The flow id, as in `Frame`.
+        flow: u64,
+        /// [`SWITCH_END`], [`SWITCH_UDP`].
+        flags: u8,
+        /// The `Data` bytes of the flow the sender sent before the switch (on every transport).
+        offset: u64,
     },
 }
 
@@ -144,6 +163,20 @@ pub fn decode(buf: &[u8]) -> Result<Option<(Message<'_>, usize)>, WireError> {
             Message::Frame { flow, kind, ack, bytes }
         }
         CLOSE => Message::Close { reason: ascii(b, 0, 64)? },
+        SWITCH => {
+            if b.len() != 17 {
+                return Err(WireError("bad switch"));
+            }
+            let flags = b[8];
+            if flags & !(SWITCH_END | SWITCH_UDP) != 0 {
+                return Err(WireError("bad switch flags"));
+            }
+            let offset = u64_at(b, 9)?;
+            if offset >= 1 << 56 {
+                return Err(WireError("offset out of range"));
+            }
+            Message::Switch { flow: u64_at(b, 0)?, flags, offset }
+        }
         _ => return Err(WireError("unknown message type")),
     };
     Ok(Some((m, 4 + len)))
@@ -185,6 +218,15 @@ pub fn frame(out: &mut Vec<u8>, flow: u64, kind: StreamKind, ack: u64, bytes: &[
     } else {
         out.extend_from_slice(bytes);
     }
+    finish(out, at);
+}
+
+/// Appends a `Switch` of `flow` (`flags`: [`SWITCH_END`], [`SWITCH_UDP`]; `offset` below 2^56).
+pub fn switch(out: &mut Vec<u8>, flow: u64, flags: u8, offset: u64) {
+    let at = begin(out, SWITCH);
+    out.extend_from_slice(&flow.to_be_bytes());
+    out.push(flags);
+    out.extend_from_slice(&offset.to_be_bytes());
     finish(out, at);
 }
 
@@ -249,6 +291,10 @@ pub fn check_roundtrip(buf: &[u8]) {
                 close(&mut again, reason);
                 assert_eq!(again, &buf[at..at + used]);
             }
+            Message::Switch { flow, flags, offset } => {
+                switch(&mut again, *flow, *flags, *offset);
+                assert_eq!(again, &buf[at..at + used], "a switch re-encodes to its bytes");
+            }
         }
         at += used;
     }
@@ -281,6 +327,7 @@ mod tests {
         frame(&mut buf, 7, StreamKind::Ack, 123_456, &[]);
         frame(&mut buf, 7, StreamKind::Fin, 0, &[]);
         frame(&mut buf, 7, StreamKind::Abort, 0, b"reset");
+        switch(&mut buf, 7, SWITCH_END | SWITCH_UDP, 1 << 40);
         close(&mut buf, "bye");
         let mut got = Vec::new();
         let mut at = 0;
@@ -289,7 +336,8 @@ mod tests {
             got.push(format!("{m:?}"));
             at += used;
         }
-        assert_eq!(got.len(), 8);
+        assert_eq!(got.len(), 9);
+        assert!(got[7].contains("flags: 3") && got[7].contains("offset: 1099511627776"), "{}", got[7]);
         assert!(got[0].contains("version: 1") && got[0].contains("\"udp\""), "{}", got[0]);
         assert!(got[4].contains("ack: 123456"), "{}", got[4]);
         check_roundtrip(&buf);
@@ -335,6 +383,10 @@ mod tests {
             (frame_of(5, b"\0\0\0"), "bad ack"),
             (frame_of(5, &u64::MAX.to_be_bytes()), "ack out of range"),
             (msg(CLOSE, &[b'x'; 65]), "bad text"),
+            (msg(SWITCH, &[0; 16]), "bad switch"),
+            (msg(SWITCH, &[0; 18]), "bad switch"),
+            (msg(SWITCH, &[0, 0, 0, 0, 0, 0, 0, 7, 4, 0, 0, 0, 0, 0, 0, 0, 0]), "bad switch flags"),
+            (msg(SWITCH, &[0, 0, 0, 0, 0, 0, 0, 7, 1, 1, 0, 0, 0, 0, 0, 0, 0]), "offset out of range"),
         ];
         for (input, why) in cases {
             assert_eq!(one(&input), Err(WireError(why)), "{input:?}");
@@ -346,7 +398,7 @@ mod tests {
             let n = (x % 48) as usize;
             let mut b = Vec::with_capacity(n + 5);
             b.extend_from_slice(&((n as u32 + 1).to_be_bytes()));
-            b.push((x >> 8) as u8 % 4);
+            b.push((x >> 8) as u8 % 5);
             for _ in 0..n {
                 x ^= x << 13;
                 x ^= x >> 7;

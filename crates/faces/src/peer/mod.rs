@@ -32,12 +32,3 @@ fn build(req: CarrierRequest) -> Result<Box<dyn ModuleBuilder>, String> {
         Transport::Udp | Transport::Udpplus => Box::new(datagram::build(req)?),
     })
 }
-
-/// The engine of one transport of a carrier with several, made when first needed.
-fn transport(req: CarrierRequest) -> Result<Box<dyn multi::MakeSub>, String> {
-    Ok(match req.cfg.transport {
-        Transport::Tcp => Box::new(carrier::build(req)?),
-        Transport::Quic => Box::new(quic::build(req)?),
-        Transport::Udp | Transport::Udpplus => Box::new(datagram::build(req)?),
-    })
-}

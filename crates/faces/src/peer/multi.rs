@@ -86,7 +86,7 @@ pub(crate) fn build(req: CarrierRequest) -> Result<Box<dyn ModuleBuilder>, Strin
     for k in &kinds {
         let cfg = sub_cfg(&req.cfg, *k, ids.clone());
         let sub = CarrierRequest { cfg: cfg.clone(), interface: req.interface.clone(), decl: req.decl };
-        makers.push(Some(super::transport(sub)?));
+        makers.push(Some(transport(sub)?));
         cfgs.push(cfg);
     }
     let decl = req.decl;
@@ -628,4 +628,13 @@ impl CarrierEngine for Multi {
     fn take_moved(&mut self) -> Vec<(u64, String)> {
         std::mem::take(&mut self.moved)
     }
+}
+
+/// The engine of one transport of a carrier with several, made when first needed.
+fn transport(req: CarrierRequest) -> Result<Box<dyn MakeSub>, String> {
+    Ok(match req.cfg.transport {
+        Transport::Tcp => Box::new(super::carrier::build(req)?),
+        Transport::Quic => Box::new(super::quic::build(req)?),
+        Transport::Udp | Transport::Udpplus => Box::new(super::datagram::build(req)?),
+    })
 }

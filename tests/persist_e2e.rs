@@ -249,6 +249,7 @@ fn a_restore_leaves_out_the_modules_of_sandboxed_apps() {
     }
     let client = Reap(&mut client);
     d.wait_for("the app to attach", 15, |d| d.answer::<ModuleList>(&["module", "list"]).iter().any(|m| m.name == app));
+
     let app_modules: Vec<String> = d
         .answer::<ModuleList>(&["module", "list"])
         .into_iter()
@@ -259,23 +260,24 @@ fn a_restore_leaves_out_the_modules_of_sandboxed_apps() {
     d.ok(&["set", "module.src.rate", "432"]);
     let before = revisions(&d);
 
+    // The client is stopped first: seeing its daemon gone, it would attach again, starting a daemon of its own in the
+    // state directory when none answers yet (`run` does), and race the restored one for the control socket.
+    let stopped = std::process::Command::new("kill").args(["-STOP", &client.0.id().to_string()]).status();
+    assert!(stopped.is_ok_and(|s| s.success()), "SIGSTOP the client");
     d.kill_and_restart(&["--restore", "--app-subnet", &subnet], "apps.log");
-    // The client sees its daemon gone, removes what is left of the sandbox and ends.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-    while client.0.try_wait().expect("try_wait").is_none() && std::time::Instant::now() < deadline {
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
     drop(client);
     let names: Vec<String> = d.answer::<ModuleList>(&["module", "list"]).into_iter().map(|m| m.name).collect();
     assert!(names.iter().all(|n| !n.starts_with(&app)), "no app module is restored: {names:?}");
-    assert!(["src", "count", "sel", "sink0", "sink1"].iter().all(|m| names.iter().any(|n| n == m)), "{names:?}");
+    let log = || std::fs::read_to_string(d.path("apps.log")).unwrap_or_default();
+    let all = ["src", "count", "sel", "sink0", "sink1"].iter().all(|m| names.iter().any(|n| n == m));
+    assert!(all, "{names:?}\nrevisions: {:?}\nlog: {}", revisions(&d), log());
     assert_eq!(d.get("module.src.rate"), 432.0);
     let after = revisions(&d);
     assert_eq!(after[..before.len()], before[..], "the history is kept");
     // The restore says what it left out (the dropped client's own detach may be logged after it).
     let new = &after[before.len()..];
     let note = new.iter().map(|r| &r.2).find(|c| c.contains("modules of sandboxed apps not restored"));
-    assert!(note.is_some_and(|c| c.contains(&app_modules[0])), "{new:?}");
+    assert!(note.is_some_and(|c| c.contains(&app_modules[0])), "{new:?}\nbefore: {before:?}\nlog: {}", log());
 }
 
 /// A full disk: a change whose record cannot be written stays made but is not acknowledged as saved (the client

@@ -150,7 +150,9 @@ fn a_switch_to_a_transport_the_peer_does_not_offer_is_refused() {
     let Some(r) = Rig::with_links(22, true, a, b) else { return };
     let app = "swref";
     let want = common::sha256(&r.www.path().join("blob"));
-    let script = format!("curl -sSf -m 30 --limit-rate 400000 http://{}:8080/blob | sha256sum", r.srv);
+    // Slow enough (about 20 s for the 2 MB, less what the buffers on the way take at once) that the switch to udp
+    // completes while the flow still runs, even on a loaded machine.
+    let script = format!("curl -sSf -m 60 --limit-rate 100000 http://{}:8080/blob | sha256sum", r.srv);
     let args = r.args(app, &script, &["peer.switches_total", "peer.switch_refused_total"]);
     let run = r.a.spawn_run(&args.iter().map(String::as_str).collect::<Vec<_>>());
     let t0 = Instant::now();
@@ -169,6 +171,18 @@ fn a_switch_to_a_transport_the_peer_does_not_offer_is_refused() {
     assert!(text(&out).contains("not one of this carrier's transports"), "{}", text(&out));
     let out = r.a.cli(&["flow", "set", &id, "carrier=udp"]);
     assert!(out.status.success(), "udp is offered: {}", text(&out));
+    let switches = format!("module.{app}-peer.switches_total");
+    let moved = || {
+        let out = r.a.cli(&["-j", "get", &switches]);
+        common::answer::<flexstack_api::ops::Get>(&out)
+            .and_then(|m| m.get(&switches).and_then(|v| common::as_u64(&v.value)))
+            .unwrap_or(0)
+    };
+    let t0 = Instant::now();
+    while moved() == 0 {
+        assert!(t0.elapsed() < Duration::from_secs(15), "the switch to udp did not complete");
+        std::thread::sleep(Duration::from_millis(100));
+    }
     let out = run.wait_with_output().expect("the app");
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success() && stdout.contains(&want), "the download arrived whole: {}", text(&out));

@@ -21,9 +21,10 @@ pub struct TunDevice {
     /// Present when the device uses virtio-net headers (offloads on).
     offload: Option<Offload>,
     mtu: u16,
-    /// The kernel's drop counters of the device, read by its first queue only (they are the device's, not a
-    /// queue's); `None` on the other queues.
-    kernel: Option<Mutex<KernelDrops>>,
+    /// The kernel's drop counters of the device (the device's, not a queue's), shared by all its queues, so the
+    /// worker that moved frames reads them even when another worker's queue is idle; the delta since the last read
+    /// is counted once, on the queue that read it (the face's meters are the sum of its queues').
+    kernel: Option<std::sync::Arc<Mutex<KernelDrops>>>,
 }
 
 /// Where the device's drop counters are read: a netlink socket in the namespace the device is in now (an app's
@@ -125,7 +126,7 @@ impl TunDevice {
             dev,
             offload,
             mtu,
-            kernel: Some(Mutex::new(KernelDrops::default())),
+            kernel: Some(std::sync::Arc::new(Mutex::new(KernelDrops::default()))),
         })
     }
 
@@ -141,7 +142,8 @@ impl TunDevice {
             dev,
             offload,
             mtu: self.mtu,
-            kernel: None,
+            // The device's counters are shared by its queues: whichever worker moved frames reads them.
+            kernel: self.kernel.clone(),
         })
     }
 

@@ -25,6 +25,7 @@ use super::carrier::{
     MAX_CONNECTIONS,
 };
 use super::trust::{self, identity, report, Identity, Peer};
+use super::uplinks::Sockets;
 use crate::stream::{EpollDevice, FrameEngine};
 use flexstack_core::frame::{MetaKey, Metadata};
 use flexstack_core::stream::{FlowInfo, Protocol, StreamKind};
@@ -50,7 +51,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Epoll tokens.
-const SOCKET: u64 = 1;
 const TIMER: u64 = 2;
 /// Most datagrams read from the socket per call.
 const READ_BATCH: usize = 256;
@@ -70,6 +70,8 @@ const MAX_APP_DATAGRAM: usize = 65_000;
 const ACK_EVERY: u32 = 8;
 /// App datagrams a connecting side holds until its session has keys.
 const MAX_EARLY: usize = 256;
+/// Sealed datagrams from unknown addresses an accepting carrier tries against its sessions' keys per second.
+const MAX_TRIED: u32 = 64;
 /// The sockets' buffers: a congestion window's worth of datagrams.
 const SOCKET_BUFFER: usize = 8 << 20;
 
@@ -81,21 +83,28 @@ pub(crate) fn build(req: CarrierRequest) -> Result<Builder<Dgram>, String> {
     let (socket, mode) = if req.cfg.peer.is_empty() {
         let addr = listen_of_cfg(&req.cfg)?;
         let socket = UdpSocket::bind(addr).map_err(|e| format!("cannot listen on {addr} (UDP): {e}"))?;
-        (socket, Mode::Accept { server: (), flows: HashMap::new(), next_local: 1, ids: req.cfg.ids.clone() })
+        (
+            Sockets::single(socket),
+            Mode::Accept { server: (), flows: HashMap::new(), next_local: 1, ids: req.cfg.ids.clone() },
+        )
     } else {
         let peer = peer_of_cfg(&req.cfg)?;
-        let any: SocketAddr = if peer.addr.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" }.parse().expect("an address");
-        let socket = UdpSocket::bind(any).map_err(|e| format!("cannot open a UDP socket: {e}"))?;
-        (socket, Mode::Connect { peer, client: (), router: Router::default(), retry_at: None, conn: None })
+        (
+            Sockets::connecting(&req.cfg.uplinks, peer.addr)?,
+            Mode::Connect { peer, client: (), router: Router::default(), retry_at: None, conn: None },
+        )
     };
-    socket.set_nonblocking(true).map_err(|e| e.to_string())?;
+    socket.each(|s| s.set_nonblocking(true)).map_err(|e| e.to_string())?;
     // Root may go beyond the system's maximum; others get what it allows.
-    let forced = setsockopt(&socket, sockopt::RcvBufForce, &SOCKET_BUFFER)
-        .and_then(|_| setsockopt(&socket, sockopt::SndBufForce, &SOCKET_BUFFER));
-    if forced.is_err() {
-        let _ = setsockopt(&socket, sockopt::RcvBuf, &SOCKET_BUFFER);
-        let _ = setsockopt(&socket, sockopt::SndBuf, &SOCKET_BUFFER);
-    }
+    let _ = socket.each(|socket| {
+        let forced = setsockopt(socket, sockopt::RcvBufForce, &SOCKET_BUFFER)
+            .and_then(|_| setsockopt(socket, sockopt::SndBufForce, &SOCKET_BUFFER));
+        if forced.is_err() {
+            let _ = setsockopt(socket, sockopt::RcvBuf, &SOCKET_BUFFER);
+            let _ = setsockopt(socket, sockopt::SndBuf, &SOCKET_BUFFER);
+        }
+        Ok(())
+    });
     let plus = req.cfg.transport == Transport::Udpplus;
     let make = move |cfg: &Config, m| dgram_device(socket, mode, id, signer, plus, cfg, m);
     Ok(Builder { req, make: Box::new(make) })
@@ -105,7 +114,7 @@ type Mode = Modes<(), (), u64>;
 
 /// The device of a datagram carrier.
 fn dgram_device(
-    socket: UdpSocket,
+    socket: Sockets,
     mode: Mode,
     id: &'static Identity,
     signer: EcdsaKeyPair,
@@ -119,11 +128,12 @@ fn dgram_device(
     let watch = |fd: BorrowedFd<'_>, token| {
         epoll.add(fd, EpollEvent::new(EpollFlags::EPOLLIN, token)).expect("the carrier's fds in its epoll set")
     };
-    watch(socket.as_fd(), SOCKET);
+    socket.watch_in(&epoll);
+    socket.init_meters(&m);
     watch(timer.as_fd(), TIMER);
     let connect = matches!(mode, Mode::Connect { .. });
     let mut d = Dgram {
-        socket,
+        net: socket,
         plus,
         mode,
         conns: HashMap::new(),
@@ -145,6 +155,7 @@ fn dgram_device(
         closed: Totals::default(),
         resent: 0,
         rate_at: (Instant::now(), 0),
+        tried: (Instant::now(), 0),
     };
     if connect {
         d.connect(Instant::now());
@@ -412,7 +423,11 @@ impl Totals {
 
 /// The engine behind the device.
 pub(crate) struct Dgram {
-    socket: UdpSocket,
+    /// The UDP socket, or one per uplink (`uplinks`).
+    net: Sockets,
+    /// Accepting: sealed datagrams from unknown addresses tried against the sessions' keys in the current second
+    /// (a peer that moved to another uplink), and when that second began.
+    tried: (Instant, u32),
     plus: bool,
     mode: Mode,
     /// Sessions by token.
@@ -499,7 +514,7 @@ impl Dgram {
         for s in self.conns.values_mut() {
             let Some(d) = s.dial.as_mut().filter(|d| d.next_send <= now) else { continue };
             d.next_send = now + INIT_AGAIN;
-            if self.socket.send_to(&d.init, s.addr).is_ok() {
+            if self.net.socket().send_to(&d.init, s.addr).is_ok() {
                 self.m.udp_bytes_out.add(d.init.len() as u64);
             }
         }
@@ -529,7 +544,7 @@ impl Dgram {
                 End::Refused(_) => "refused",
                 End::Closed(_) => "closed",
             };
-            send_item(&self.socket, &mut s, &Item::Close { reason }, &self.m, now, false);
+            send_item(self.net.socket(), &mut s, &Item::Close { reason }, &self.m, now, false);
         }
         if self.by_addr.get(&s.addr) == Some(&token) {
             self.by_addr.remove(&s.addr);
@@ -549,6 +564,13 @@ impl Dgram {
 
     /// Everything due: datagrams from the socket, timers, what the sessions send.
     fn drive(&mut self, now: Instant) {
+        if self.net.moved(now, &self.m) {
+            // Re-binding: the sessions' keys hold whatever the address; a `Ping` from the new uplink at once shows
+            // the peer where the session is now (its `Ack` comes back there).
+            for s in self.conns.values_mut() {
+                send_item(self.net.socket(), s, &Item::Ping, &self.m, now, false);
+            }
+        }
         self.receive(now);
         self.timers(now);
         self.transmit(now);
@@ -559,15 +581,18 @@ impl Dgram {
     fn receive(&mut self, now: Instant) {
         let mut data = vec![0u8; 65536];
         let mut touched = HashSet::new();
-        for _ in 0..READ_BATCH {
-            let (n, from) = match self.socket.recv_from(&mut data) {
-                Ok(x) => x,
-                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-                Err(_) => break, // WouldBlock, or an ICMP error reported on the socket
-            };
-            self.m.udp_bytes_in.add(n as u64);
-            if let Some(t) = self.datagram(now, from, &mut data[..n]) {
-                touched.insert(t);
+        for i in 0..self.net.len() {
+            for _ in 0..READ_BATCH {
+                let (n, from) = match self.net.get(i).recv_from(&mut data) {
+                    Ok(x) => x,
+                    Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                    Err(_) => break, // WouldBlock, or an ICMP error reported on the socket
+                };
+                self.net.received(i, now, &self.m);
+                self.m.udp_bytes_in.add(n as u64);
+                if let Some(t) = self.datagram(now, from, &mut data[..n]) {
+                    touched.insert(t);
+                }
             }
         }
         // Acks at the end of the batch.
@@ -576,7 +601,7 @@ impl Dgram {
                 if s.rx.ack_due {
                     let (cum, window, sacks) = s.rx.ack();
                     s.segs_unacked = 0;
-                    send_item(&self.socket, s, &Item::Ack { cum, window, sacks }, &self.m, now, false);
+                    send_item(self.net.socket(), s, &Item::Ack { cum, window, sacks }, &self.m, now, false);
                 }
             }
         }
@@ -620,6 +645,9 @@ impl Dgram {
                 }
             }
         }
+        if opened.is_none() && token.is_none() {
+            opened = self.moved_peer(now, from, number, buf).map(Ok);
+        }
         let (token, plain) = match opened {
             Some(Ok(x)) => x,
             Some(Err(Opened::Replayed)) => {
@@ -648,12 +676,46 @@ impl Dgram {
         Some(token)
     }
 
+    /// Accepting: a sealed datagram from an address without a session. A peer that moved to another uplink sends
+    /// its session's datagrams from there: the sessions' keys are tried (at most [`MAX_TRIED`] such datagrams a
+    /// second, so garbage from random addresses costs bounded work), and the session whose keys open it (authentic,
+    /// not replayed) moves to `from`. Returns its token and the item.
+    fn moved_peer(&mut self, now: Instant, from: SocketAddr, number: u64, buf: &[u8]) -> Option<(u64, Vec<u8>)> {
+        if !matches!(self.mode, Mode::Accept { .. }) {
+            return None;
+        }
+        if now.duration_since(self.tried.0) >= Duration::from_secs(1) {
+            self.tried = (now, 0);
+        }
+        if self.tried.1 >= MAX_TRIED {
+            return None;
+        }
+        self.tried.1 += 1;
+        let mut copy = Vec::with_capacity(buf.len());
+        let (token, plain) = self.conns.iter_mut().find_map(|(t, s)| {
+            let keys = s.keys.as_mut()?;
+            copy.clear();
+            copy.extend_from_slice(buf);
+            keys.open(number, &mut copy).ok().map(|p| (*t, p.to_vec()))
+        })?;
+        let kind = self.kind();
+        let s = self.conns.get_mut(&token)?;
+        tracing::info!(peer = %s.peer, from = %s.addr, to = %from, "{kind} carrier: the peer moved");
+        if self.by_addr.get(&s.addr) == Some(&token) {
+            self.by_addr.remove(&s.addr);
+        }
+        s.addr = from;
+        self.by_addr.insert(from, token);
+        self.m.migrations.add(1);
+        Some((token, plain))
+    }
+
     /// Accepting: an `Init`. Answered only for a certificate of the table whose signature holds; refused (counted,
     /// logged, no answer) otherwise.
     fn on_init(&mut self, now: Instant, from: SocketAddr, h: &Handshake<'_>) {
         if let Some(p) = self.pending.get(&from).filter(|p| p.init_key == h.key) {
             // The answer was lost: the same again.
-            let _ = self.socket.send_to(&p.resp, from);
+            let _ = self.net.socket().send_to(&p.resp, from);
             return;
         }
         let fp = trust::fingerprint_of(h.cert);
@@ -681,7 +743,7 @@ impl Dgram {
         let sig = self.sign(&[dgram::RESP_CONTEXT, &h.key, &public].concat());
         let mut resp = Vec::new();
         dgram::handshake(&mut resp, &Handshake { ty: dgram::RESP, key: public, cert: self.id.cert_der(), sig: &sig });
-        if self.socket.send_to(&resp, from).is_ok() {
+        if self.net.socket().send_to(&resp, from).is_ok() {
             self.m.udp_bytes_out.add(resp.len() as u64);
         }
         self.pending.insert(from, Pending { init_key: h.key, resp, keys, peer, since: now });
@@ -737,7 +799,7 @@ impl Dgram {
         for item in std::mem::take(&mut s.early) {
             let k = s.keys.as_mut().expect("keys");
             let d = k.seal(&item);
-            if self.socket.send_to(&d, s.addr).is_ok() {
+            if self.net.socket().send_to(&d, s.addr).is_ok() {
                 self.m.udp_bytes_out.add(d.len() as u64);
             }
         }
@@ -756,7 +818,7 @@ impl Dgram {
                 if s.segs_unacked >= ACK_EVERY {
                     s.segs_unacked = 0;
                     let (cum, window, sacks) = s.rx.ack();
-                    send_item(&self.socket, s, &Item::Ack { cum, window, sacks }, &self.m, now, false);
+                    send_item(self.net.socket(), s, &Item::Ack { cum, window, sacks }, &self.m, now, false);
                 }
                 self.messages(token)?;
                 // New acks may open the window: what waits goes out with the next transmit.
@@ -800,7 +862,14 @@ impl Dgram {
                     seqs.iter().filter_map(|&q| tx.resend(q).map(|p| (q, p.to_vec()))).collect();
                 for (seq, payload) in again {
                     self.resent += 1;
-                    send_item(&self.socket, s, &Item::Numbered { flow, seq, payload: &payload }, &self.m, now, false);
+                    send_item(
+                        self.net.socket(),
+                        s,
+                        &Item::Numbered { flow, seq, payload: &payload },
+                        &self.m,
+                        now,
+                        false,
+                    );
                 }
             }
         }
@@ -970,19 +1039,26 @@ impl Dgram {
         }
         if udp && kind == StreamKind::Data {
             // The flow's `Open` (on the stream) goes first, so that the peer knows the flow when its datagram comes.
-            pump(&self.socket, s, &self.m, now);
+            pump(self.net.socket(), s, &self.m, now);
             if data.len() > MAX_APP_DATAGRAM {
                 self.m.datagrams_dropped.add(1);
             } else if plus {
                 let (seq, parity) = s.plus_tx.entry(wire_flow).or_default().send(now, data, arq, fec_k);
-                send_item(&self.socket, s, &Item::Numbered { flow: wire_flow, seq, payload: data }, &self.m, now, true);
+                send_item(
+                    self.net.socket(),
+                    s,
+                    &Item::Numbered { flow: wire_flow, seq, payload: data },
+                    &self.m,
+                    now,
+                    true,
+                );
                 if let Some(p) = parity {
                     let item =
                         Item::Parity { flow: wire_flow, first: p.first, k: p.k, len_xor: p.len_xor, bytes: &p.bytes };
-                    send_item(&self.socket, s, &item, &self.m, now, true);
+                    send_item(self.net.socket(), s, &item, &self.m, now, true);
                 }
             } else {
-                send_item(&self.socket, s, &Item::Datagram { flow: wire_flow, payload: data }, &self.m, now, true);
+                send_item(self.net.socket(), s, &Item::Datagram { flow: wire_flow, payload: data }, &self.m, now, true);
             }
             self.m.frames_out.add(1);
             self.m.bytes_out.add((dgram::SEALED_HEAD + data.len()) as u64);
@@ -1009,11 +1085,11 @@ impl Dgram {
             if s.keys.is_none() {
                 continue;
             }
-            pump(&self.socket, s, &self.m, now);
+            pump(self.net.socket(), s, &self.m, now);
             if s.rx.ack_due {
                 let (cum, window, sacks) = s.rx.ack();
                 s.segs_unacked = 0;
-                send_item(&self.socket, s, &Item::Ack { cum, window, sacks }, &self.m, now, false);
+                send_item(self.net.socket(), s, &Item::Ack { cum, window, sacks }, &self.m, now, false);
             }
         }
     }
@@ -1031,7 +1107,7 @@ impl Dgram {
             for flow in flows {
                 let Some(p) = s.plus_tx.get_mut(&flow).and_then(|t| t.flush(now)) else { continue };
                 let item = Item::Parity { flow, first: p.first, k: p.k, len_xor: p.len_xor, bytes: &p.bytes };
-                send_item(&self.socket, s, &item, &self.m, now, false);
+                send_item(self.net.socket(), s, &item, &self.m, now, false);
             }
             if arq {
                 let rtt = s.rtt();
@@ -1041,12 +1117,12 @@ impl Dgram {
                         s.plus_rx.get_mut(&flow).map(|r| r.nacks(now, rtt, dgram::MAX_NACKS)).unwrap_or_default();
                     if !seqs.is_empty() {
                         self.m.nacks.add(seqs.len() as u64);
-                        send_item(&self.socket, s, &Item::Nack { flow, seqs }, &self.m, now, false);
+                        send_item(self.net.socket(), s, &Item::Nack { flow, seqs }, &self.m, now, false);
                     }
                 }
             }
             if now.duration_since(s.last_tx) >= KEEPALIVE {
-                send_item(&self.socket, s, &Item::Ping, &self.m, now, false);
+                send_item(self.net.socket(), s, &Item::Ping, &self.m, now, false);
             }
         }
     }
@@ -1141,7 +1217,7 @@ impl Drop for Dgram {
         let now = Instant::now();
         for s in self.conns.values_mut() {
             if s.keys.is_some() {
-                send_item(&self.socket, s, &Item::Close { reason: "unloaded" }, &self.m, now, false);
+                send_item(self.net.socket(), s, &Item::Close { reason: "unloaded" }, &self.m, now, false);
             }
         }
     }

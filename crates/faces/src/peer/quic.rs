@@ -24,6 +24,7 @@ use super::carrier::{
     MAX_CONNECTIONS,
 };
 use super::trust::{self, client_config, identity, report, server_config, TLS_NAME};
+use super::uplinks::Sockets;
 use crate::stream::{EpollDevice, FrameEngine};
 use bytes::{Bytes, BytesMut};
 use flexstack_core::frame::{MetaKey, Metadata};
@@ -49,7 +50,6 @@ use std::time::{Duration, Instant};
 
 /// The capabilities this carrier announces.
 /// Epoll tokens.
-const SOCKET: u64 = 1;
 const TIMER: u64 = 2;
 /// Most UDP datagrams read from the socket per call (the rest wait for the next).
 const READ_BATCH: usize = 256;
@@ -82,6 +82,7 @@ pub(crate) fn build(req: CarrierRequest) -> Result<Builder<Quic>, String> {
     let (socket, server, mode) = if req.cfg.peer.is_empty() {
         let addr = listen_of_cfg(&req.cfg)?;
         let socket = UdpSocket::bind(addr).map_err(|e| format!("cannot listen on {addr} (UDP): {e}"))?;
+        let socket = Sockets::single(socket);
         let crypto = QuicServerConfig::try_from(server_config(id)?).map_err(|e| format!("QUIC TLS: {e}"))?;
         let mut sc = ServerConfig::with_crypto(Arc::new(crypto));
         sc.transport_config(tp);
@@ -92,22 +93,21 @@ pub(crate) fn build(req: CarrierRequest) -> Result<Builder<Quic>, String> {
         )
     } else {
         let peer = peer_of_cfg(&req.cfg)?;
-        let any: SocketAddr = if peer.addr.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" }.parse().expect("an address");
-        let socket = UdpSocket::bind(any).map_err(|e| format!("cannot open a UDP socket: {e}"))?;
+        let socket = Sockets::connecting(&req.cfg.uplinks, peer.addr)?;
         let crypto =
             QuicClientConfig::try_from(client_config(id, peer.fingerprint)?).map_err(|e| format!("QUIC TLS: {e}"))?;
         let mut cc = ClientConfig::new(Arc::new(crypto));
         cc.transport_config(tp);
         (socket, None, Mode::Connect { peer, client: cc, router: Router::default(), retry_at: None, conn: None })
     };
-    socket.set_nonblocking(true).map_err(|e| e.to_string())?;
+    socket.each(|s| s.set_nonblocking(true)).map_err(|e| e.to_string())?;
     let make = move |cfg: &Config, m| quic_device(socket, server, mode, cfg, m);
     Ok(Builder { req, make: Box::new(make) })
 }
 
 /// The quic carrier's device.
 fn quic_device(
-    socket: UdpSocket,
+    socket: Sockets,
     server: Option<Arc<ServerConfig>>,
     mode: Mode,
     cfg: &Config,
@@ -119,13 +119,14 @@ fn quic_device(
     let watch = |fd: BorrowedFd<'_>, token| {
         epoll.add(fd, EpollEvent::new(EpollFlags::EPOLLIN, token)).expect("the carrier's fds in its epoll set")
     };
-    watch(socket.as_fd(), SOCKET);
+    socket.watch_in(&epoll);
+    socket.init_meters(&m);
     watch(timer.as_fd(), TIMER);
     let connect = matches!(mode, Mode::Connect { .. });
     let endpoint = Endpoint::new(Arc::new(EndpointConfig::default()), server, true, None);
     let epoll = Arc::new(epoll);
     let mut q = Quic {
-        socket,
+        net: socket,
         endpoint,
         mode,
         conns: HashMap::new(),
@@ -204,12 +205,13 @@ struct Conn {
     remote: HashMap<u64, u64>,
     /// Ended (counted, flows aborted); kept until quinn-proto has drained it.
     dead: bool,
+    /// The peer's address as last seen (accepting: a change is a migration of the peer's).
+    addr: SocketAddr,
 }
 
 impl Conn {
     fn new(conn: quinn_proto::Connection, peer: String) -> Conn {
         Conn {
-            conn,
             peer,
             up: false,
             connected: false,
@@ -226,6 +228,8 @@ impl Conn {
             udp: HashSet::new(),
             remote: HashMap::new(),
             dead: false,
+            addr: conn.remote_address(),
+            conn,
         }
     }
 
@@ -294,7 +298,8 @@ impl Conn {
 
 /// The engine behind the device.
 pub(crate) struct Quic {
-    socket: UdpSocket,
+    /// The UDP socket, or one per uplink (`uplinks`).
+    net: Sockets,
     endpoint: Endpoint,
     mode: Mode,
     conns: HashMap<ConnectionHandle, Conn>,
@@ -393,6 +398,13 @@ impl Quic {
 
     /// Everything due: datagrams from the socket, the connections' events and timers, what they transmit.
     fn drive(&mut self, now: Instant) {
+        if self.net.moved(now, &self.m) {
+            // Connection migration: the next packets leave from the new uplink, on a fresh connection ID, and a
+            // PING shows the peer the new path at once.
+            for c in self.conns.values_mut() {
+                c.conn.local_address_changed();
+            }
+        }
         self.receive(now);
         let handles: Vec<ConnectionHandle> = self.conns.keys().copied().collect();
         for ch in handles {
@@ -405,12 +417,20 @@ impl Quic {
 
     fn receive(&mut self, now: Instant) {
         let mut data = [0u8; 65536];
+        for i in 0..self.net.len() {
+            self.receive_on(i, now, &mut data);
+        }
+    }
+
+    /// What socket `i` received.
+    fn receive_on(&mut self, i: usize, now: Instant, data: &mut [u8; 65536]) {
         for _ in 0..READ_BATCH {
-            let (n, from) = match self.socket.recv_from(&mut data) {
+            let (n, from) = match self.net.get(i).recv_from(data) {
                 Ok(x) => x,
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
                 Err(_) => break, // WouldBlock, or an ICMP error reported on the socket
             };
+            self.net.received(i, now, &self.m);
             let bytes = BytesMut::from(&data[..n]);
             let mut buf = std::mem::take(&mut self.buf);
             match self.endpoint.handle(now, from, None, None, bytes, &mut buf) {
@@ -455,7 +475,7 @@ impl Quic {
 
     fn send_to(&self, bytes: &[u8], to: SocketAddr) {
         // A full socket buffer loses the datagram, as the network may: QUIC recovers.
-        let _ = self.socket.send_to(bytes, to);
+        let _ = self.net.socket().send_to(bytes, to);
     }
 
     /// A connection's timers, events and streams.
@@ -463,6 +483,11 @@ impl Quic {
         let Some(c) = self.conns.get_mut(&ch) else { return };
         if c.conn.poll_timeout().is_some_and(|t| t <= now) {
             c.conn.handle_timeout(now);
+        }
+        if c.conn.remote_address() != c.addr {
+            tracing::info!(peer = %c.peer, from = %c.addr, to = %c.conn.remote_address(), "quic carrier: the peer moved");
+            c.addr = c.conn.remote_address();
+            self.m.migrations.add(1);
         }
         let mut lost = None;
         let mut datagrams = false;
@@ -871,7 +896,7 @@ impl Quic {
             loop {
                 buf.clear();
                 let Some(t) = c.conn.poll_transmit(now, 1, &mut buf) else { break };
-                let _ = self.socket.send_to(&buf[..t.size], t.destination);
+                let _ = self.net.socket().send_to(&buf[..t.size], t.destination);
             }
         }
         self.buf = buf;

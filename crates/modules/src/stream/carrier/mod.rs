@@ -62,6 +62,9 @@ pub struct Config {
     /// More transports to the same peer, besides `transport` (the first of every flow): kept warm once built, a
     /// flow moves between them when its `carrier` knob is written (docs/peers.md, "Switching").
     pub transports: Vec<Transport>,
+    /// Connect mode: local addresses of the uplinks, in order of preference (empty: the kernel's routing picks);
+    /// the carrier moves to the next usable one when the one in use goes down (docs/peers.md, "Several uplinks").
+    pub uplinks: Vec<std::net::IpAddr>,
     /// Not a setting: added to the port of the peer (connecting) or of `listen` (accepting), so that the
     /// transports of a carrier with several have a port each ([`Transport::port_offset`]).
     pub port_offset: u16,
@@ -235,6 +238,12 @@ pub struct Meters {
     pub switch_held: Meter,
     /// Switches given up: the transport did not come up, or the peer does not offer it.
     pub switch_refused: Meter,
+    /// `uplinks`: moves to another uplink (accepting: sessions or paths that moved to a new address).
+    pub migrations: Meter,
+    /// `uplinks`: the position of the uplink in use.
+    pub uplink_active: Meter,
+    /// `uplinks`: the latest move's time without delivery.
+    pub migration_gap_us: Meter,
 }
 
 type P = Param<Config>;
@@ -356,6 +365,24 @@ pub const DECL: KindDecl<Config, Meters> = KindDecl {
         )
         .setting(),
         P::text(
+            "uplinks",
+            "connect mode, quic, udp, udpplus: local addresses of the uplinks, comma-separated, in order of \
+             preference: one socket each, and a move to the next usable one when the one in use goes down (QUIC \
+             migration, udp re-binding); empty: one socket, the kernel's routing picks",
+            "",
+            |c| c.uplinks.iter().map(|a| a.to_string()).collect::<Vec<_>>().join(","),
+            |c, t| {
+                c.uplinks = t
+                    .split(',')
+                    .map(str::trim)
+                    .filter(|s| !s.is_empty())
+                    .map(|a| a.parse().map_err(|e| format!("expected IP addresses: {a:?}: {e}")))
+                    .collect::<Result<_, String>>()?;
+                Ok(())
+            },
+        )
+        .setting(),
+        P::text(
             "cc",
             "quic: congestion control of the connection (newreno, cubic, bbr; quinn-proto's)",
             "cubic",
@@ -414,6 +441,9 @@ pub const DECL: KindDecl<Config, Meters> = KindDecl {
         switch_wait_us: "switch_wait_us", "us", "how long the latest switch waited for its transport to come up (its handshake; 0 when warm)";
         switch_held: "switch_held_total", "frames", "frames held back to keep a flow's order across a switch";
         switch_refused: "switch_refused_total", "flows", "switches given up: the transport did not come up in 5 s";
+        migrations: "migrations_total", "moves", "uplinks: moves to another uplink (accepting: sessions and paths that moved to a new address)";
+        uplink_active: "uplink_active", "index", "uplinks: the position in `uplinks` of the uplink in use (0 the first)";
+        migration_gap_us: "migration_gap_us", "us", "uplinks: the latest move's time without delivery (last datagram received before it to the first after)";
     ],
     // Its frames wait in its connection between calls, as an endpoint's do in its sockets.
     breaks_cycles: true,

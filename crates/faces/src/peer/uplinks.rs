@@ -1,0 +1,204 @@
+//! The UDP sockets of a `quic`, `udp` or `udpplus` carrier (docs/peers.md, "Several uplinks"): one bound to the
+//! wildcard address (the kernel's routing picks the way), or, with `uplinks`, one per uplink bound to its local
+//! address, of which the carrier sends from the **active** one and reads them all. A NETLINK_ROUTE socket joined to
+//! the link and address groups, in the carrier's epoll set, says when something changed; the uplinks are then looked
+//! at again (getifaddrs: which interface holds each address, up with carrier or not), and when the active one is not
+//! usable any more the carrier moves to the first usable one. The engines do what moving means for them (quinn-proto's
+//! migration, the datagram carriers' re-binding).
+
+use flexstack_modules::stream::carrier::Meters;
+use netlink_sys::{protocols::NETLINK_ROUTE, Socket, SocketAddr as NetlinkAddr};
+use nix::ifaddrs::getifaddrs;
+use nix::net::if_::InterfaceFlags;
+use nix::sys::epoll::{Epoll, EpollEvent, EpollFlags};
+use std::io::ErrorKind;
+use std::net::{IpAddr, SocketAddr, UdpSocket};
+use std::os::fd::AsFd;
+use std::time::Instant;
+
+/// The rtnetlink groups watched: links (RTMGRP_LINK), IPv4 and IPv6 addresses (RTMGRP_IPV4_IFADDR, _IPV6_IFADDR).
+const GROUPS: u32 = 0x1 | 0x10 | 0x100;
+/// Epoll tokens: the netlink socket, then the sockets from `SOCKETS`.
+const WATCH: u64 = 10;
+const SOCKETS: u64 = 16;
+
+/// A carrier's UDP sockets and, with uplinks, which one it sends from.
+pub(crate) struct Sockets {
+    /// The uplinks' local addresses (empty: one wildcard socket).
+    addrs: Vec<IpAddr>,
+    sockets: Vec<UdpSocket>,
+    active: usize,
+    watch: Option<Socket>,
+    /// When a datagram was last received.
+    last_rx: Option<Instant>,
+    /// After a move: when the last datagram before it came (the gap ends with the first on the new uplink).
+    gap_from: Option<Instant>,
+    /// No uplink was usable when last looked at (logged once).
+    stranded: bool,
+}
+
+impl Sockets {
+    /// One socket bound to `addr` (accepting: `listen`; connecting without uplinks: the wildcard address).
+    pub(crate) fn single(socket: UdpSocket) -> Sockets {
+        Sockets::new(Vec::new(), vec![socket], None)
+    }
+
+    fn new(addrs: Vec<IpAddr>, sockets: Vec<UdpSocket>, watch: Option<Socket>) -> Sockets {
+        Sockets { addrs, sockets, active: 0, watch, last_rx: None, gap_from: None, stranded: false }
+    }
+
+    /// A connecting carrier's sockets towards `peer`: one per uplink of `uplinks` (the wildcard one when empty).
+    pub(crate) fn connecting(uplinks: &[IpAddr], peer: SocketAddr) -> Result<Sockets, String> {
+        if uplinks.is_empty() {
+            let any: SocketAddr = if peer.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" }.parse().expect("an address");
+            let socket = UdpSocket::bind(any).map_err(|e| format!("cannot open a UDP socket: {e}"))?;
+            return Ok(Sockets::single(socket));
+        }
+        let mut sockets = Vec::new();
+        for a in uplinks {
+            if a.is_ipv4() != peer.is_ipv4() {
+                return Err(format!("uplink {a} is not of the peer's address family ({peer})"));
+            }
+            let s = UdpSocket::bind(SocketAddr::new(*a, 0))
+                .map_err(|e| format!("cannot open a UDP socket on uplink {a}: {e}"))?;
+            sockets.push(s);
+        }
+        let mut watch = Socket::new(NETLINK_ROUTE).map_err(|e| format!("cannot watch the uplinks (netlink): {e}"))?;
+        watch
+            .bind(&NetlinkAddr::new(0, GROUPS))
+            .and_then(|_| watch.set_non_blocking(true))
+            .map_err(|e| format!("cannot watch the uplinks (netlink): {e}"))?;
+        let mut s = Sockets::new(uplinks.to_vec(), sockets, Some(watch));
+        // Start on the first usable uplink.
+        let usable = usable(&s.addrs);
+        s.active = usable.iter().position(|u| *u).unwrap_or(0);
+        Ok(s)
+    }
+
+    /// Applies `f` to every socket (buffer sizes, non-blocking).
+    pub(crate) fn each(&self, mut f: impl FnMut(&UdpSocket) -> std::io::Result<()>) -> std::io::Result<()> {
+        self.sockets.iter().try_for_each(&mut f)
+    }
+
+    /// Adds the sockets and the watch to the carrier's epoll set.
+    pub(crate) fn watch_in(&self, epoll: &Epoll) {
+        for (i, s) in self.sockets.iter().enumerate() {
+            epoll
+                .add(s.as_fd(), EpollEvent::new(EpollFlags::EPOLLIN, SOCKETS + i as u64))
+                .expect("the carrier's sockets in its epoll set");
+        }
+        if let Some(w) = &self.watch {
+            epoll
+                .add(w.as_fd(), EpollEvent::new(EpollFlags::EPOLLIN, WATCH))
+                .expect("the uplink watch in the epoll set");
+        }
+    }
+
+    /// The socket to send from.
+    pub(crate) fn socket(&self) -> &UdpSocket {
+        &self.sockets[self.active]
+    }
+
+    /// How many sockets there are, to read from each.
+    pub(crate) fn len(&self) -> usize {
+        self.sockets.len()
+    }
+
+    /// Socket `i`.
+    pub(crate) fn get(&self, i: usize) -> &UdpSocket {
+        &self.sockets[i]
+    }
+
+    /// The module's meters at the start.
+    pub(crate) fn init_meters(&self, m: &Meters) {
+        m.uplink_active.set(self.active as u64);
+    }
+
+    /// A datagram came on socket `i` at `now`: the end of the latest move's gap if it is the first on the new uplink.
+    pub(crate) fn received(&mut self, i: usize, now: Instant, m: &Meters) {
+        if i == self.active {
+            if let Some(from) = self.gap_from.take() {
+                m.migration_gap_us.set(now.duration_since(from).as_micros() as u64);
+            }
+        }
+        self.last_rx = Some(now);
+    }
+
+    /// Reads the watch's events; when something changed, looks at the uplinks and moves off an active one that is
+    /// not usable any more. True when the carrier moved (the engine then does what moving means for it).
+    pub(crate) fn moved(&mut self, now: Instant, m: &Meters) -> bool {
+        let Some(w) = self.watch.as_mut() else { return false };
+        let mut events = false;
+        let mut buf = vec![0u8; 16 * 1024];
+        loop {
+            match w.recv(&mut &mut buf[..], 0) {
+                Ok(_) => events = true,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                // ENOBUFS: events were lost; look again anyway.
+                Err(_) => {
+                    events = true;
+                    break;
+                }
+            }
+        }
+        if !events {
+            return false;
+        }
+        let usable = usable(&self.addrs);
+        if usable[self.active] {
+            self.stranded = false;
+            return false;
+        }
+        let Some(next) = usable.iter().position(|u| *u) else {
+            if !self.stranded {
+                tracing::warn!(uplinks = ?self.addrs, "carrier: no uplink is usable; staying on {}", self.addrs[self.active]);
+            }
+            self.stranded = true;
+            return false;
+        };
+        self.stranded = false;
+        tracing::info!(from = %self.addrs[self.active], to = %self.addrs[next], "carrier: uplink down, moving");
+        self.active = next;
+        self.gap_from = self.last_rx.or(Some(now));
+        m.migrations.add(1);
+        m.uplink_active.set(next as u64);
+        true
+    }
+}
+
+/// Whether each address is held by an interface that is up with carrier (IFF_UP and IFF_RUNNING).
+fn usable(addrs: &[IpAddr]) -> Vec<bool> {
+    let mut up = vec![false; addrs.len()];
+    let Ok(list) = getifaddrs() else { return up };
+    for ifa in list {
+        let Some(ip) = ifa.address.as_ref().and_then(|a| {
+            a.as_sockaddr_in().map(|s| IpAddr::V4(s.ip())).or_else(|| a.as_sockaddr_in6().map(|s| IpAddr::V6(s.ip())))
+        }) else {
+            continue;
+        };
+        let running = ifa.flags.contains(InterfaceFlags::IFF_UP | InterfaceFlags::IFF_RUNNING);
+        for (i, a) in addrs.iter().enumerate() {
+            if *a == ip && running {
+                up[i] = true;
+            }
+        }
+    }
+    up
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn loopback_is_usable_and_an_address_nobody_holds_is_not() {
+        let u = usable(&["127.0.0.1".parse().unwrap(), "192.0.2.77".parse().unwrap()]);
+        assert_eq!(u, vec![true, false]);
+    }
+
+    #[test]
+    fn uplinks_of_another_family_than_the_peer_are_refused() {
+        let e = Sockets::connecting(&["::1".parse().unwrap()], "127.0.0.1:7300".parse().unwrap()).err();
+        assert!(e.is_some_and(|e| e.contains("family")));
+    }
+}

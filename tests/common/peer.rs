@@ -258,3 +258,81 @@ pub fn read_counter(out: &std::path::Path) -> (u64, u64) {
     assert_eq!(v.len(), 2, "the counter's result: {last:?}");
     (v[0], v[1])
 }
+
+/// A second link between A and B with addresses of its own (A 10.S.3.1/24, B 10.S.3.2/24, S the rig's subnet
+/// octet) and the source-based policy routing of a multi-homed host on A: what leaves from the second uplink's
+/// address goes out of it (`ip rule from 10.S.3.1 table T`, B's carrier address via 10.S.3.2 there), everything
+/// else by the main table, through the rig's first link. An `unreachable` route behind each keeps a carrier's packets
+/// on these links when one is down (never out of the host's default route). Removed when dropped.
+pub struct SecondUplink {
+    /// A's end of the second link (in the host namespace).
+    pub host_dev: String,
+    /// A's address on the rig's first link and on this one: a carrier's `uplinks`.
+    pub first: String,
+    pub second: String,
+    table: String,
+    guard: String,
+}
+
+impl Rig {
+    /// Adds [`SecondUplink`] (IPv4 peers only).
+    pub fn second_uplink(&self) -> SecondUplink {
+        use std::sync::atomic::{AtomicU32, Ordering};
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        let b_ip = self.b_addr.rsplit_once(':').expect("ADDR:PORT").0;
+        let s = b_ip.split('.').nth(1).expect("B's carrier address is 10.S.1.2").to_string();
+        let (h, _) = veth_into(
+            &self._nb,
+            [&format!("10.{s}.3.1/24"), &format!("fd98:{s}::1/64")],
+            [&format!("10.{s}.3.2/24"), &format!("fd98:{s}::2/64")],
+        );
+        // A routing table of this process's own.
+        let table = (40_000 + (std::process::id() % 20_000) * 8 + NEXT.fetch_add(1, Ordering::Relaxed) % 8).to_string();
+        let second = format!("10.{s}.3.1");
+        let guard = format!("10.{s}.1.0/24");
+        let up = SecondUplink { host_dev: h.clone(), first: format!("10.{s}.1.1"), second, table, guard };
+        sh("ip", &["rule", "add", "from", &up.second, "table", &up.table]);
+        sh(
+            "ip",
+            &["route", "add", &format!("{b_ip}/32"), "via", &format!("10.{s}.3.2"), "dev", &h, "table", &up.table],
+        );
+        sh("ip", &["route", "add", "unreachable", "default", "table", &up.table]);
+        sh("ip", &["route", "add", "unreachable", &up.guard, "metric", "9999"]);
+        up
+    }
+}
+
+impl Drop for SecondUplink {
+    fn drop(&mut self) {
+        let ip = |args: &[&str]| {
+            let _ = std::process::Command::new("ip").args(args).status();
+        };
+        ip(&["rule", "del", "from", &self.second, "table", &self.table]);
+        ip(&["route", "flush", "table", &self.table]);
+        ip(&["route", "del", "unreachable", &self.guard, "metric", "9999"]);
+        ip(&["link", "del", &self.host_dev]);
+    }
+}
+
+/// A download of the rig's 2 MB blob by app `app` with stack `stack`, read slowly (64 KiB every `pause` s) and
+/// hashed by python3, which prints the sha256; the running `flexstack run`, once B carries the flow, and the sha256
+/// it should print. The script then prints A's `meters` (see [`Rig::meters`]).
+pub fn slow_download(
+    r: &Rig,
+    stack: &std::path::Path,
+    app: &str,
+    pause: f64,
+    meters: &[&str],
+) -> (String, std::process::Child) {
+    let want = crate::common::sha256(&r.www.path().join("blob"));
+    let reader = format!(
+        "import hashlib, time, urllib.request\nh = hashlib.sha256()\nwith urllib.request.urlopen('http://{}:8080/blob', \
+         timeout=60) as f:\n    while True:\n        b = f.read(65536)\n        if not b:\n            break\n        \
+         h.update(b)\n        time.sleep({pause})\nprint(h.hexdigest())\n",
+        r.srv
+    );
+    let args = r.args_in(stack, app, &format!("python3 -c \"{reader}\""), meters);
+    let run = r.a.spawn_run(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    r.b.wait_for("the app's flow at B", 10, |b| b.get_u64("module.peers.flows_active") == 1);
+    (want.trim().to_string(), run)
+}

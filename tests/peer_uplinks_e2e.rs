@@ -1,0 +1,87 @@
+//! Issue 14, "Several uplinks" (docs/peers.md): A and B joined by two links with different addresses, A's carrier
+//! with `uplinks` (one socket per uplink). A slow TCP download by a sandboxed app on A runs through B; mid-way A's
+//! end of the active uplink is set down: the carrier moves to the other uplink (QUIC connection migration, the
+//! datagram carriers' re-binding) and the download completes intact. Without `uplinks` (one wildcard socket, the
+//! kernel's routing) the same cut stalls the carrier until its idle timeout ends the flow: the download fails.
+//! Needs root (skips with a reason outside CI).
+
+mod common;
+
+use common::peer::{slow_download, Link, Rig, QUIC, UDPPLUS};
+use std::time::{Duration, Instant};
+
+const METERS: [&str; 4] =
+    ["peer.migrations_total", "peer.uplink_active", "peer.migration_gap_us", "peer.flows_aborted_total"];
+
+/// Waits for `run` at most `secs` seconds: its output, or a panic saying it hung.
+fn wait(mut run: std::process::Child, secs: u64, what: &str) -> std::process::Output {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while run.try_wait().expect("wait").is_none() {
+        if Instant::now() > deadline {
+            let _ = run.kill();
+            panic!("{what}: the app still ran after {secs} s (hung)");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    run.wait_with_output().expect("output")
+}
+
+/// The download over `link`, A's first uplink set down 2 s into it; with `uplinks` or not. Returns whether the
+/// download arrived intact, A's meters (see [`METERS`]) and B's `migrations_total`.
+fn cut(link: Link, offset: u8, uplinks: bool) -> Option<(bool, Vec<u64>, u64)> {
+    let r = Rig::with(offset, true, link)?;
+    let second = r.second_uplink();
+    let settings = if uplinks { format!("uplinks = \"{},{}\"", second.first, second.second) } else { String::new() };
+    let stack = r.stack_with(&settings);
+    // 32 reads 0.25 s apart: about 8 s.
+    let app = if uplinks { "moves" } else { "stays" };
+    let (want, run) = slow_download(&r, &stack, app, 0.25, &METERS);
+    std::thread::sleep(Duration::from_secs(2));
+    common::sh("ip", &["link", "set", &r.host_dev, "down"]);
+    let out = wait(run, 60, link.transport);
+    let text = common::text(&out);
+    let intact = out.status.success() && text.contains(&want);
+    let m = Rig::meters(&out, app, &METERS);
+    eprintln!("{} uplinks={uplinks}: intact {intact}, A's meters {METERS:?} = {m:?}\n{text}", link.transport);
+    Some((intact, m, r.b_meter("migrations_total")))
+}
+
+fn survives(link: Link, offset: u8) {
+    let Some((intact, m, b_moves)) = cut(link, offset, true) else { return };
+    assert!(intact, "{}: the download arrived intact across the handoff", link.transport);
+    assert!(m[0] >= 1, "{}: A moved to the second uplink: migrations_total {}", link.transport, m[0]);
+    assert_eq!(m[1], 1, "{}: the second uplink is the active one", link.transport);
+    assert!(m[2] > 0, "{}: the move's time without delivery was measured", link.transport);
+    assert_eq!(m[3], 0, "{}: no flow was aborted", link.transport);
+    assert!(b_moves >= 1, "{}: B saw its peer move to the new address", link.transport);
+}
+
+fn fails_without_uplinks(link: Link, offset: u8) {
+    let Some((intact, m, _)) = cut(link, offset, false) else { return };
+    assert!(
+        !intact,
+        "{}: with one socket the cut must break the download (else the test proves nothing)",
+        link.transport
+    );
+    assert_eq!(m[0], 0, "{}: nothing moved", link.transport);
+}
+
+#[test]
+fn quic_migrates_to_the_second_uplink_and_the_download_survives() {
+    survives(QUIC, 24);
+}
+
+#[test]
+fn udpplus_rebinds_to_the_second_uplink_and_the_download_survives() {
+    survives(UDPPLUS, 25);
+}
+
+#[test]
+fn without_uplinks_the_same_cut_breaks_the_quic_download() {
+    fails_without_uplinks(QUIC, 26);
+}
+
+#[test]
+fn without_uplinks_the_same_cut_breaks_the_udpplus_download() {
+    fails_without_uplinks(UDPPLUS, 27);
+}

@@ -314,9 +314,10 @@ impl Drop for SecondUplink {
     }
 }
 
-/// A download of the rig's 2 MB blob by app `app` with stack `stack`, read slowly (64 KiB every `pause` s) and
-/// hashed by python3, which prints the sha256; the running `flexstack run`, once B carries the flow, and the sha256
-/// it should print. The script then prints A's `meters` (see [`Rig::meters`]).
+/// A download of the rig's 2 MB blob by app `app` with stack `stack`, read slowly (64 KiB every `pause` s) through
+/// a socket with a 64 KiB receive buffer (so that little waits on A: most of the rest is still to cross the carrier)
+/// and hashed by python3, which prints the sha256; the running `flexstack run`, once B carries the flow, and the
+/// sha256 it should print. The script then prints A's `meters` (see [`Rig::meters`]).
 pub fn slow_download(
     r: &Rig,
     stack: &std::path::Path,
@@ -326,10 +327,12 @@ pub fn slow_download(
 ) -> (String, std::process::Child) {
     let want = crate::common::sha256(&r.www.path().join("blob"));
     let reader = format!(
-        "import hashlib, time, urllib.request\nh = hashlib.sha256()\nwith urllib.request.urlopen('http://{}:8080/blob', \
-         timeout=60) as f:\n    while True:\n        b = f.read(65536)\n        if not b:\n            break\n        \
-         h.update(b)\n        time.sleep({pause})\nprint(h.hexdigest())\n",
-        r.srv
+        "import hashlib, socket, time\ns = socket.socket()\ns.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)\n\
+         s.settimeout(60)\ns.connect(('{srv}', 8080))\ns.sendall(b'GET /blob HTTP/1.0\\r\\nHost: x\\r\\n\\r\\n')\n\
+         data = b''\nwhile True:\n    b = s.recv(65536)\n    if not b:\n        break\n    data += b\n    \
+         time.sleep({pause})\nhead, body = data.split(b'\\r\\n\\r\\n', 1)\n\
+         print(hashlib.sha256(body).hexdigest())\n",
+        srv = r.srv
     );
     let args = r.args_in(stack, app, &format!("python3 -c \"{reader}\""), meters);
     let run = r.a.spawn_run(&args.iter().map(String::as_str).collect::<Vec<_>>());

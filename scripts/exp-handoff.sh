@@ -10,7 +10,8 @@
 #
 #   sudo scripts/exp-handoff.sh              # KINDS="quic udp udpplus" SECS=10 CUT=4 RATE=4000000
 #
-# Writes docs/experiments/handoff-rx.csv (kind, ms, bytes per 10 ms), handoff-rx.svg and prints the figures.
+# Writes docs/experiments/handoff-rx.csv (kind, ms, bytes per 10 ms), handoff-cuts.csv (kind, ms of the cut,
+# migration_gap_us), handoff-rx.svg (bytes per 10 ms around the cut, a panel per kind) and prints the figures.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/lib/bench.sh
@@ -51,9 +52,10 @@ start_peers $net quic
 
 # The server: per connection, RATE bytes/s of a deterministic pattern for SECS s, in 10 ms slices.
 cat >"$state/srv.py" <<PY
-import socket, threading, time
+import hashlib, socket, threading, time
 def pattern(n):
-    return bytes((i * 7 + (i >> 13)) & 0xff for i in range(n))
+    block = b''.join(hashlib.sha256(b'%d' % i).digest() for i in range(32768))
+    return (block * (n // len(block) + 1))[:n]
 slice_ = $RATE // 100
 data = pattern(slice_ * 100 * $SECS)
 def serve(c):
@@ -76,7 +78,8 @@ pids+=($!)
 cat >"$state/app.py" <<PY
 import hashlib, socket, sys, time
 n = $RATE // 100 * 100 * $SECS
-want = hashlib.sha256(bytes((i * 7 + (i >> 13)) & 0xff for i in range(n))).hexdigest()
+block = b''.join(hashlib.sha256(b'%d' % i).digest() for i in range(32768))
+want = hashlib.sha256((block * (n // len(block) + 1))[:n]).hexdigest()
 s = socket.create_connection(('$srv', 9100), timeout=30)
 open(sys.argv[1] + '.t0', 'w').write(repr(time.time()))
 h, got, bins, t0 = hashlib.sha256(), 0, {}, time.time()
@@ -129,63 +132,68 @@ with open(state + '/rx.csv', 'a') as f:
     for ms, b in rows:
         f.write('%s,%d,%d\n' % (kind, ms, b))
 cut_ms = int((cut - t0) * 1000)
-# The longest run of 10 ms bins without a byte that starts within 1 s of the cut.
-longest, run, start = 0, 0, None
-for ms, b in rows:
-    if b == 0:
-        run += 10
-        if start is None:
-            start = ms
-    else:
-        if start is not None and abs(start - cut_ms) <= 1000:
+with open(state + '/cuts.csv', 'a') as f:
+    f.write('%s,%d,%s\n' % (kind, cut_ms, meters.get('migration_gap_us', '')))
+def longest_gap(lo, hi):
+    # The longest run of empty 10 ms bins that starts in [lo, hi) ms.
+    longest, run, start = 0, 0, None
+    for ms, b in rows + [(1 << 40, 1)]:
+        if b == 0:
+            run += 10
+            start = ms if start is None else start
+            continue
+        if start is not None and lo <= start < hi:
             longest = max(longest, run)
         run, start = 0, None
-if start is not None and abs(start - cut_ms) <= 1000:
-    longest = max(longest, run)
-print('%s: cut at %d ms; %s; longest time without delivery around the cut %d ms; migrations_total %s, '
-      'migration_gap_us %s, uplink_active %s' % (kind, cut_ms, line, longest, meters.get('migrations_total', '?'),
-                                                  meters.get('migration_gap_us', '?'), meters.get('uplink_active', '?')))
+    return longest
+longest, before = longest_gap(cut_ms, cut_ms + 1000), longest_gap(cut_ms - 1000, cut_ms)
+print('%s: cut at %d ms; %s; longest time without delivery in the 1 s after the cut %d ms (in the 1 s before it, '
+      'no cut: %d ms); migrations_total %s, migration_gap_us %s, uplink_active %s'
+      % (kind, cut_ms, line, longest, before, meters.get('migrations_total', '?'),
+         meters.get('migration_gap_us', '?'), meters.get('uplink_active', '?')))
 PY
 done
 
 mkdir -p "$OUT"
 cp "$state/rx.csv" "$OUT/handoff-rx.csv"
 cat "$state/summary"
-python3 - "$OUT" "$state/rx.csv" "$RATE" "$CUT" <<'PY'
+cp "$state/cuts.csv" "$OUT/handoff-cuts.csv"
+python3 - "$OUT" "$state/rx.csv" "$state/cuts.csv" "$RATE" <<'PY'
 import sys
-out, path, rate, cut = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+out, path, cuts_path, rate = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 series = {}
 for l in open(path).read().split('\n')[1:]:
     if l:
         k, ms, b = l.split(',')
         series.setdefault(k, []).append((int(ms), int(b)))
-W, H, L, B = 1000, 380, 70, 40
-xmax = max((ms for s in series.values() for ms, _ in s), default=1)
-ymax = max((b for s in series.values() for _, b in s), default=1) * 1.1
-x = lambda t: L + (W - L - 20) * t / xmax
-y = lambda v: H - B - (H - B - 20) * v / ymax
-colors = ['#1f77b4', '#ff7f0e', '#2ca02c', '#9467bd']
+cuts = {l.split(',')[0]: int(l.split(',')[1]) for l in open(cuts_path).read().split('\n') if l}
+# One panel per carrier kind: bytes per 10 ms from 1 s before the cut to 2 s after it.
+BEFORE, AFTER = 1000, 2000
+W, PH, L, TOP = 1000, 150, 80, 30
+H = TOP + PH * len(series) + 50
+ymax = max((b for s in series.values() for _, b in s), default=1) * 1.15
+x = lambda t: L + (W - L - 20) * (t + BEFORE) / (BEFORE + AFTER)
 svg = ['<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" font-family="sans-serif" font-size="12">' % (W, H),
        '<rect width="100%" height="100%" fill="white"/>',
-       '<line x1="%d" y1="%d" x2="%d" y2="%d" stroke="black"/>' % (L, H - B, W - 20, H - B),
-       '<line x1="%d" y1="20" x2="%d" y2="%d" stroke="black"/>' % (L, L, H - B),
-       '<line x1="%.1f" y1="20" x2="%.1f" y2="%d" stroke="#d62728" stroke-dasharray="4,3"/>' % (x(cut * 1000), x(cut * 1000), H - B),
-       '<text x="%.1f" y="16" fill="#d62728">first uplink down (about %g s)</text>' % (x(cut * 1000) + 3, cut)]
+       '<line x1="%.1f" y1="%d" x2="%.1f" y2="%d" stroke="#d62728" stroke-dasharray="4,3"/>'
+       % (x(0), TOP - 10, x(0), TOP + PH * len(series)),
+       '<text x="%.1f" y="%d" fill="#d62728">first uplink set down</text>' % (x(0) + 4, TOP - 14)]
 for i, (k, s) in enumerate(series.items()):
-    pts = ' '.join('%.1f,%.1f' % (x(t), y(v)) for t, v in s)
-    c = colors[i % len(colors)]
-    svg.append('<polyline fill="none" stroke="%s" stroke-width="1" points="%s"/>' % (c, pts))
-    svg.append('<text x="%d" y="%d" fill="%s">%s</text>' % (W - 120, 40 + 16 * i, c, k))
-for s in range(0, xmax + 1, 1000):
-    svg.append('<text x="%.1f" y="%d" text-anchor="middle">%d</text>' % (x(s), H - B + 16, s // 1000))
-step = max(1, int(ymax / 5) // 1000 * 1000)
-for v in range(0, int(ymax) + 1, step):
-    svg.append('<text x="%d" y="%.1f" text-anchor="end">%d</text>' % (L - 6, y(v) + 4, v))
-svg.append('<text x="%d" y="%d" text-anchor="middle">time since the first byte (s); a TCP stream of %d bytes/s, the '
-           'carrier moving to the second uplink</text>' % (W // 2, H - 6, rate))
-svg.append('<text x="14" y="%d" transform="rotate(-90 14 %d)" text-anchor="middle">bytes delivered per 10 ms</text>'
-           % (H // 2, H // 2))
+    top, base = TOP + PH * i, TOP + PH * (i + 1) - 25
+    y = lambda v: base - (base - top - 5) * v / ymax
+    c0 = cuts.get(k, 0)
+    pts = ' '.join('%.1f,%.1f' % (x(t - c0), y(v)) for t, v in s if -BEFORE <= t - c0 <= AFTER)
+    svg.append('<polyline fill="none" stroke="#1f77b4" stroke-width="1" points="%s"/>' % pts)
+    svg.append('<line x1="%d" y1="%.1f" x2="%d" y2="%.1f" stroke="black"/>' % (L, base, W - 20, base))
+    svg.append('<line x1="%d" y1="%d" x2="%d" y2="%.1f" stroke="black"/>' % (L, top + 5, L, base))
+    svg.append('<text x="%d" y="%d" font-weight="bold">%s</text>' % (L + 6, top + 14, k))
+    for v in (0, rate // 100):
+        svg.append('<text x="%d" y="%.1f" text-anchor="end">%d</text>' % (L - 6, y(v) + 4, v))
+for t in range(-BEFORE, AFTER + 1, 500):
+    svg.append('<text x="%.1f" y="%d" text-anchor="middle">%d</text>' % (x(t), TOP + PH * len(series) - 8, t))
+svg.append('<text x="%d" y="%d" text-anchor="middle">ms from the cut; app bytes delivered per 10 ms of a TCP stream of '
+           '%d bytes/s, the carrier moving to the second uplink</text>' % (W // 2, H - 20, rate))
 svg.append('</svg>')
 open(out + '/handoff-rx.svg', 'w').write('\n'.join(svg) + '\n')
 PY
-echo "exp-handoff.sh: wrote $OUT/handoff-rx.csv and $OUT/handoff-rx.svg" >&2
+echo "exp-handoff.sh: wrote $OUT/handoff-rx.csv, $OUT/handoff-cuts.csv and $OUT/handoff-rx.svg" >&2

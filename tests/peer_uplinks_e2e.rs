@@ -85,3 +85,22 @@ fn without_uplinks_the_same_cut_breaks_the_quic_download() {
 fn without_uplinks_the_same_cut_breaks_the_udpplus_download() {
     fails_without_uplinks(UDPPLUS, 27);
 }
+
+/// `uplinks` on a `tcp` carrier (which cannot move a connection yet) or on an accepting one is refused when the
+/// stack is loaded, with a message that says why, rather than ignored.
+#[test]
+fn uplinks_where_they_cannot_work_are_refused_with_a_reason() {
+    if !common::privileged() {
+        return;
+    }
+    let a = common::SandboxDaemon::start(common::octets().0.wrapping_add(28));
+    let dir = tempfile::tempdir().expect("temp dir");
+    let stack = dir.path().join("tcp-uplinks.toml");
+    common::peer::write_app_stack(&stack, "transport = \"tcp\"\nuplinks = \"127.0.0.1\"");
+    let out = a.run(&["--stack", common::path_str(&stack), "--name", "tcpup", "--", "true"]);
+    let text = common::text(&out);
+    assert!(!out.status.success() && text.contains("tcp cannot move between uplinks"), "{text}");
+    let out = a.cli(&["module", "load", "acc", "carrier", "listen=127.0.0.1:0", "transport=quic", "uplinks=127.0.0.1"]);
+    let text = common::text(&out);
+    assert!(!out.status.success() && text.contains("connecting carrier's setting"), "{text}");
+}

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::peer::{Link, Rig, QUIC, TCP, UDP, UDPPLUS};
+use common::peer::{wait_app as finish, Link, Rig, QUIC, TCP, UDP, UDPPLUS};
 use std::time::{Duration, Instant};
 
 /// A download of the rig's 2 MB blob read slowly (64 KiB every `pause`), as app `app`; returns the sha256 it should
@@ -22,19 +22,6 @@ fn slow_download(r: &Rig, app: &str, pause: f64) -> (String, std::process::Child
     let run = r.a.spawn_run(&args.iter().map(String::as_str).collect::<Vec<_>>());
     r.b.wait_for("the app's flow at B", 10, |b| b.get_u64("module.peers.flows_active") == 1);
     (want, run)
-}
-
-/// Waits for `run` at most `secs` seconds: its output, or a panic saying it hung.
-fn finish(mut run: std::process::Child, secs: u64, what: &str) -> std::process::Output {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    while run.try_wait().expect("wait").is_none() {
-        if Instant::now() > deadline {
-            let _ = run.kill();
-            panic!("{what}: the app still ran after {secs} s (hung)");
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    run.wait_with_output().expect("output")
 }
 
 fn outage(link: Link, offset: u8) {

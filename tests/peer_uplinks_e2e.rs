@@ -7,24 +7,11 @@
 
 mod common;
 
-use common::peer::{slow_download, Link, Rig, QUIC, UDPPLUS};
-use std::time::{Duration, Instant};
+use common::peer::{slow_download, wait_app, Link, Rig, QUIC, UDPPLUS};
+use std::time::Duration;
 
 const METERS: [&str; 4] =
     ["peer.migrations_total", "peer.uplink_active", "peer.migration_gap_us", "peer.flows_aborted_total"];
-
-/// Waits for `run` at most `secs` seconds: its output, or a panic saying it hung.
-fn wait(mut run: std::process::Child, secs: u64, what: &str) -> std::process::Output {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    while run.try_wait().expect("wait").is_none() {
-        if Instant::now() > deadline {
-            let _ = run.kill();
-            panic!("{what}: the app still ran after {secs} s (hung)");
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    run.wait_with_output().expect("output")
-}
 
 /// The download over `link`, A's first uplink set down 2 s into it; with `uplinks` or not. Returns whether the
 /// download arrived intact, A's meters (see [`METERS`]) and B's `migrations_total`.
@@ -38,7 +25,7 @@ fn cut(link: Link, offset: u8, uplinks: bool) -> Option<(bool, Vec<u64>, u64)> {
     let (want, run) = slow_download(&r, &stack, app, 0.25, &METERS);
     std::thread::sleep(Duration::from_secs(2));
     common::sh("ip", &["link", "set", &r.host_dev, "down"]);
-    let out = wait(run, 60, link.transport);
+    let out = wait_app(run, 60, link.transport);
     let text = common::text(&out);
     let intact = out.status.success() && text.contains(&want);
     let m = Rig::meters(&out, app, &METERS);

@@ -339,3 +339,16 @@ pub fn slow_download(
     r.b.wait_for("the app's flow at B", 10, |b| b.get_u64("module.peers.flows_active") == 1);
     (want.trim().to_string(), run)
 }
+
+/// Waits for `run` at most `secs` seconds: its output, or a panic saying it hung.
+pub fn wait_app(mut run: std::process::Child, secs: u64, what: &str) -> std::process::Output {
+    let deadline = std::time::Instant::now() + Duration::from_secs(secs);
+    while run.try_wait().expect("wait").is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = run.kill();
+            panic!("{what}: the app still ran after {secs} s (hung)");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    run.wait_with_output().expect("output")
+}

@@ -257,6 +257,11 @@ fn parse_prefixes(c: &mut Config, t: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// The items of a comma-separated setting (blanks ignored), each read by `item`.
+fn comma_list<T>(t: &str, item: impl Fn(&str) -> Result<T, String>) -> Result<Vec<T>, String> {
+    t.split(',').map(str::trim).filter(|s| !s.is_empty()).map(item).collect()
+}
+
 /// The kind: ports, settings, knobs and meters.
 pub const DECL: KindDecl<Config, Meters> = KindDecl {
     inputs: &[PortDecl::new(
@@ -354,12 +359,7 @@ pub const DECL: KindDecl<Config, Meters> = KindDecl {
             "",
             |c| c.transports.iter().map(|t| t.name()).collect::<Vec<_>>().join(","),
             |c, t| {
-                c.transports = t
-                    .split(',')
-                    .map(str::trim)
-                    .filter(|s| !s.is_empty())
-                    .map(Transport::parse)
-                    .collect::<Result<_, _>>()?;
+                c.transports = comma_list(t, Transport::parse)?;
                 Ok(())
             },
         )
@@ -372,12 +372,7 @@ pub const DECL: KindDecl<Config, Meters> = KindDecl {
             "",
             |c| c.uplinks.iter().map(|a| a.to_string()).collect::<Vec<_>>().join(","),
             |c, t| {
-                c.uplinks = t
-                    .split(',')
-                    .map(str::trim)
-                    .filter(|s| !s.is_empty())
-                    .map(|a| a.parse().map_err(|e| format!("expected IP addresses: {a:?}: {e}")))
-                    .collect::<Result<_, String>>()?;
+                c.uplinks = comma_list(t, |a| a.parse().map_err(|e| format!("expected IP addresses: {a:?}: {e}")))?;
                 Ok(())
             },
         )

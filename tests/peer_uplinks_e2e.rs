@@ -1,5 +1,5 @@
 //! Issue 14, "Several uplinks" (docs/peers.md): A and B joined by two links with different addresses, A's carrier
-//! with `uplinks` (one socket per uplink). A slow TCP download by a sandboxed app on A runs through B; mid-way A's
+//! with `uplinks` (one socket per uplink). A slow TCP download (over quic, udp and udpplus) by a sandboxed app on A runs through B; mid-way A's
 //! end of the active uplink is set down: the carrier moves to the other uplink (QUIC connection migration, the
 //! datagram carriers' re-binding) and the download completes intact. Without `uplinks` (one wildcard socket, the
 //! kernel's routing) the same cut stalls the carrier until its idle timeout ends the flow: the download fails.
@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::peer::{slow_download, wait_app, Link, Rig, QUIC, UDPPLUS};
+use common::peer::{slow_download, wait_app, Link, Rig, QUIC, UDP, UDPPLUS};
 use std::time::Duration;
 
 const METERS: [&str; 4] =
@@ -61,6 +61,11 @@ fn quic_migrates_to_the_second_uplink_and_the_download_survives() {
 #[test]
 fn udpplus_rebinds_to_the_second_uplink_and_the_download_survives() {
     survives(UDPPLUS, 25);
+}
+
+#[test]
+fn udp_rebinds_to_the_second_uplink_and_the_download_survives() {
+    survives(UDP, 29);
 }
 
 #[test]

@@ -1,7 +1,7 @@
 //! Issue 14, "Several uplinks" (docs/peers.md): A and B joined by two links with different addresses, A's carrier
-//! with `uplinks` (one socket per uplink). A slow TCP download (over quic, udp and udpplus) by a sandboxed app on A runs through B; mid-way A's
-//! end of the active uplink is set down: the carrier moves to the other uplink (QUIC connection migration, the
-//! datagram carriers' re-binding) and the download completes intact. Without `uplinks` (one wildcard socket, the
+//! with `uplinks` (one socket per uplink). A slow TCP download (over quic, udp and udpplus) by a sandboxed app on A
+//! runs through B; mid-way A's end of the active uplink is set down: the carrier moves to the other uplink (QUIC
+//! connection migration, the datagram carriers' re-binding) and the download completes intact. Without `uplinks` (one wildcard socket, the
 //! kernel's routing) the same cut stalls the carrier until its idle timeout ends the flow: the download fails.
 //! Needs root (skips with a reason outside CI).
 

@@ -35,6 +35,8 @@ pub(crate) struct Sockets {
     gap_from: Option<Instant>,
     /// No uplink was usable when last looked at (logged once).
     stranded: bool,
+    /// Where the watch's events are read (with uplinks).
+    events: Vec<u8>,
 }
 
 impl Sockets {
@@ -44,7 +46,8 @@ impl Sockets {
     }
 
     fn new(addrs: Vec<IpAddr>, sockets: Vec<UdpSocket>, watch: Option<Socket>) -> Sockets {
-        Sockets { addrs, sockets, active: 0, watch, last_rx: None, gap_from: None, stranded: false }
+        let events = if watch.is_some() { vec![0; 16 * 1024] } else { Vec::new() };
+        Sockets { addrs, sockets, active: 0, watch, last_rx: None, gap_from: None, stranded: false, events }
     }
 
     /// A connecting carrier's sockets towards `peer`: one per uplink of `uplinks` (the wildcard one when empty).
@@ -129,9 +132,8 @@ impl Sockets {
     pub(crate) fn moved(&mut self, now: Instant, m: &Meters) -> bool {
         let Some(w) = self.watch.as_mut() else { return false };
         let mut events = false;
-        let mut buf = vec![0u8; 16 * 1024];
         loop {
-            match w.recv(&mut &mut buf[..], 0) {
+            match w.recv(&mut &mut self.events[..], 0) {
                 Ok(_) => events = true,
                 Err(e) if e.kind() == ErrorKind::WouldBlock => break,
                 // ENOBUFS: events were lost; look again anyway.

@@ -155,8 +155,9 @@ for f in text random; do
   echo "exp-compress-lab: $f: $bytes bytes intact (sha256 of the file's prefix), compress inserted by the rule" \
     "($switches marks)" >&2
 done
-echo "exp-compress-lab: B's compress: $(b get module.unzip.plain_bytes_total | awk 'NR == 2 {print $2}') bytes" \
-  "packed into $(b get module.unzip.packed_bytes_total | awk 'NR == 2 {print $2}')" >&2
+bm() { b get "module.unzip.$1" | awk 'NR == 2 {print $2}'; }
+echo "exp-compress-lab: B's compress: $(bm plain_bytes_total) bytes packed into $(bm packed_bytes_total)" \
+  "in $(bm blocks_total) blocks ($(bm stored_blocks_total) stored as they were)" >&2
 
 mkdir -p "$OUT"
 python3 - "$state" "$OUT" "$BIN_MS" "$RATE_MBIT" "$DELAY_MS" <<'PY'

@@ -31,7 +31,7 @@ RUNS=${RUNS:-5}
 SMALL_N=${SMALL_N:-300000}
 BULK_MB=${BULK_MB:-512}
 CONFIGS=${CONFIGS:-none null1 null4 null16 compress tls both app-zstd app-tls app-both}
-NET=${NET:-215}
+NET=${NET:-243} # not 215: bench-hostpath.sh uses it, and the two may run at once
 . scripts/lib/bench.sh # median, bench_setup, server_ns
 bench_setup bench-services "namespaces, TUN devices" cc openssl
 tag=fss$$

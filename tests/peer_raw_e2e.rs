@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::peer::{write_stack_from, Link, Rig, QUIC, TCP};
+use common::peer::{write_stack_from, Link, Rig, QUIC, TCP, UDPPLUS6};
 use common::text;
 use std::path::PathBuf;
 
@@ -66,15 +66,27 @@ fn received(stdout: &str, tag: &str) -> u64 {
 /// over the quic carrier (DATAGRAM frames), leave from B through its NAT, and the replies come back the same way.
 #[test]
 fn ping_v4_and_v6_goes_through_the_raw_tunnel() {
-    let Some(r) = raw_rig(40, QUIC) else { return };
+    ping_through(40, QUIC, "rawping");
+}
+
+/// The same over udpplus (numbered datagrams) between IPv6 peers, and over tcp (messages on the TLS stream).
+#[test]
+fn ping_goes_raw_over_udpplus_and_tcp() {
+    ping_through(48, UDPPLUS6, "rawplus");
+    ping_through(49, TCP, "rawtcp");
+}
+
+/// The checks of [`ping_v4_and_v6_goes_through_the_raw_tunnel`] over `link`, rig subnet `offset`, app `app`.
+fn ping_through(offset: u8, link: Link, app: &str) {
+    let Some(r) = raw_rig(offset, link) else { return };
     let stack = raw_app_stack(&r, |t| t);
     let script =
         format!("echo @v4; ping -n -c 5 -i 0.3 -W 2 {}\necho @v6; ping -n -c 5 -i 0.3 -W 2 {}\ntrue", r.srv, r.srv6);
     let meters = ["peer.raw_packets_out_total", "peer.raw_packets_in_total", "peer.raw_drop_refused_total"];
-    let (out, m) = r.run_in(&stack, "rawping", &script, &meters);
+    let (out, m) = r.run_in(&stack, app, &script, &meters);
     let stdout = String::from_utf8_lossy(&out.stdout);
     // The first request may go while the carrier's connection is still being made (dropped, counted as down).
-    assert!(received(&stdout, "@v4") >= 4, "IPv4 ping through the tunnel: {}", text(&out));
+    assert!(received(&stdout, "@v4") >= 4, "{}: IPv4 ping through the tunnel: {}", link.transport, text(&out));
     assert!(received(&stdout, "@v6") >= 4, "IPv6 ping through the tunnel: {}", text(&out));
     assert!(m[0] >= 8 && m[1] >= 8, "A's raw meters (out, in): {m:?}");
     assert_eq!(m[2], 0, "B offers raw");

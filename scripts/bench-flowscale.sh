@@ -13,7 +13,8 @@
 # 100,000 flows within 1.2 x the cost of 10, RSS <= 128 MiB. Needs root. PROFILE/FS/NO_BUILD as in the other
 # benchmarks (scripts/lib/bench.sh); WORKERS (default 1) is passed to `daemon --workers`. PERF=file records a profile
 # of the daemon while it sends (file.new.FLOWS, overwritten each round). FS_OLD=binary measures that binary too, in the
-# same rounds, alternating with FS (A/B: the old code against the new on a shared machine).
+# same rounds, alternating with FS (A/B: the old code against the new on a shared machine). PERF_STAT=events (perf
+# stat -e syntax) prints each event per delivered datagram, e.g. PERF_STAT=cache-misses,syscalls:sys_enter_write.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${RUNS:-5}
@@ -78,11 +79,18 @@ for round in $(seq "$RUNS"); do
     c0=$(cpu_ns); r0=$(rx)
     perf=
     if [[ -n ${PERF:-} ]]; then perf record -q -g -p "$daemon" -o "$PERF.$v.$f" -- sleep "$SECS" 2>/dev/null & perf=$!; fi
+    if [[ -n ${PERF_STAT:-} ]]; then
+      perf stat -x, -e "$PERF_STAT" -p "$daemon" -o "$state/stat" -- sleep "$SECS" 2>/dev/null & perf=$!
+    fi
     sent=$(send "$f" "$SECS")
     [[ -z $perf ]] || wait "$perf" || true
     sleep 0.3
     c1=$(cpu_ns); r1=$(rx)
     got=$((r1 - r0))
+    if [[ -n ${PERF_STAT:-} ]]; then # each event per datagram delivered (over about the same window)
+      awk -F, -v n="$got" -v tag="$v $f" '$1 ~ /^[0-9]+$/ {printf "perf-stat %s %s %.3f per packet\n", tag, $3, $1 / n}' \
+        "$state/stat" >&2
+    fi
     cost[$v$f]+="$(python3 -c 'import sys; c, n = map(int, sys.argv[1:]); print(f"{c / n:.0f}" if n else "nan")' $((c1 - c0)) "$got") "
     loss[$v$f]+="$(python3 -c 'import sys; s, g = map(int, sys.argv[1:]); print(f"{100 * (s - g) / s:.2f}")' "$sent" "$got") "
     rss[$v$f]+="$(awk '/VmRSS/ {printf "%.1f", $2 / 1024}' /proc/"$daemon"/status) "

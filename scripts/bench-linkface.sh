@@ -16,12 +16,15 @@
 #       (ethtool -K: tx checksums, TSO, GSO, GRO) for this path only;
 #   (r0) the same with (v)'s program (-m vnet), offloads off too: the rings' gain where both must segment.
 # Prints the medians and the ratios (l) / (t), (b) / (v), (r) / (v). PROFILE=ci uses the ci profile's binary; NO_BUILD=1 / FS=PATH as in
-# scripts/lib/bench.sh. Needs root.
+# scripts/lib/bench.sh. Needs root. PATHS (default "t l b v r r0") picks the paths measured. FS_OLD=binary adds
+# (lo): (l) through that binary's daemon, in the same rounds (A/B: the old code against the new). PERF=file records
+# a profile of the (l) daemon during each (l) run (file.l, overwritten each round).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${RUNS:-5}
 SECS=${SECS:-4}
 STREAMS=${STREAMS:-1}
+PATHS=${PATHS:-t l b v r r0}
 NET=${NET:-221} # the link 10.NET.9.0/24 (server .1, flexstack .2); TUN <-> TUN 10.(NET+1).0.0/24; apps 10.(NET+2)/16
 . scripts/lib/bench.sh # median, bench_setup, tun_faces, default_modules_stack, ns_cleanup
 bench_setup bench-linkface "namespaces, veth, TUN devices" iperf3 python3 cc ethtool
@@ -52,12 +55,23 @@ ip netns exec ${tag}s iperf3 -s -D -p 5201 -I "$state/iperf-l.pid" >/dev/null
 mac=$(cat /sys/class/net/${tag}o/address)
 sed -e "s|10.77.0.0/16|10.$((NET + 2)).0.0/16|" -e "s|192.0.2.2|10.$NET.9.2|" -e "s|192.0.2.1|10.$NET.9.1|" \
   -e "s|02:00:00:00:00:01|$mac|" -e "s|\"eth1\"|\"${tag}o\"|" stacks/app-link.toml > "$state/link-app.toml"
-"$fs" daemon --state-dir "$state/l" --app-subnet 10.$((NET + 2)).0.0 2>"$state/daemon-l.log" &
-pids+=($!)
-wait_for '"$fs" --state-dir "$state/l" status >/dev/null 2>&1' "the daemon did not start"
-link() {
-  "$fs" --state-dir "$state/l" run --stack "$state/link-app.toml" -- \
+declare -A ldaemon
+ldaemon[l]=$fs
+[[ -z ${FS_OLD:-} ]] || { ldaemon[lo]=$FS_OLD; PATHS+=" lo"; }
+for k in "${!ldaemon[@]}"; do
+  "${ldaemon[$k]}" daemon --state-dir "$state/$k" --app-subnet 10.$((NET + 2)).0.0 2>"$state/daemon-$k.log" &
+  pids+=($!)
+  echo $! > "$state/daemon-$k.pid"
+  wait_for '"$fs" --state-dir "$state/$k" status >/dev/null 2>&1' "the daemon did not start"
+done
+link() { # $1 = l or lo: the daemon
+  local perf=
+  if [[ -n ${PERF:-} ]]; then
+    perf record -q -g -p "$(cat "$state/daemon-$1.pid")" -o "$PERF.$1" -- sleep "$SECS" 2>/dev/null & perf=$!
+  fi
+  "${ldaemon[$1]}" --state-dir "$state/$1" run --stack "$state/link-app.toml" -- \
     iperf3 -c 10.$NET.9.1 -p 5201 -P "$STREAMS" -t "$SECS" -J | gbits
+  [[ -z $perf ]] || wait "$perf" || true
 }
 
 # (t): TUN <-> TUN between two namespaces, the default app modules between the faces.
@@ -126,17 +140,31 @@ bridge() { # $1 = b, v, r or r0: prints the Gbit/s through that bridge
   return 0
 }
 
+ratio() { python3 -c 'import sys; a, b = map(float, sys.argv[1:]); print(a / b if b else float("nan"))' "$1" "$2"; }
+measure() { # $1: a path
+  case $1 in
+    t) tuntun ;;
+    l | lo) link "$1" ;;
+    *) bridge "$1" ;;
+  esac
+}
 for i in $(seq "$RUNS"); do
-  t=$(tuntun); l=$(link); b=$(bridge b); v=$(bridge v); r=$(bridge r); r0=$(bridge r0)
-  echo "round $i: TUN<->TUN $t, link face $l, bridges: flexstack $b, vnet $v, ring $r, vnet no offloads $r0" >&2
-  for k in t l b v r r0; do echo "${!k}" >> "$state/$k.txt"; done
+  line=
+  for k in $PATHS; do
+    g=$(measure "$k")
+    echo "$g" >> "$state/$k.txt"
+    line+=" ($k) $g"
+  done
+  echo "round $i:$line" >&2
 done
-for k in t l b v r r0; do declare "$k=$(median < "$state/$k.txt")"; done
+for k in t l lo b v r r0; do declare "$k=nan"; [[ ! -s $state/$k.txt ]] || declare "$k=$(median < "$state/$k.txt")"; done
 printf 'link face benchmark: iperf3 TCP, %s stream(s), median of %s rounds of %s s (Gbit/s)\n' "$STREAMS" "$RUNS" "$SECS"
 printf '  (t) flexstack TUN <-> TUN, default modules        %6.2f\n' "$t"
 printf '  (l) flexstack run over a link face                %6.2f   ratio to (t) %.2f (target >= 0.8)\n' "$l" \
-  "$(echo "$l / $t" | bc -l)"
-printf '  (b) bridge: flexstack, two packet faces           %6.2f   ratio to (v) %.2f\n' "$b" "$(echo "$b / $v" | bc -l)"
+  "$(ratio "$l" "$t")"
+[[ -z ${FS_OLD:-} ]] || printf '  (lo) as (l), the old binary                       %6.2f   ratio to (t) %.2f\n' "$lo" \
+  "$(ratio "$lo" "$t")"
+printf '  (b) bridge: flexstack, two packet faces           %6.2f   ratio to (v) %.2f\n' "$b" "$(ratio "$b" "$v")"
 printf '  (v) bridge: C, AF_PACKET + virtio-net headers     %6.2f\n' "$v"
-printf '  (r) bridge: C, TPACKET_V3/V2 rings, no offloads  %6.2f   ratio to (v) %.2f\n' "$r" "$(echo "$r / $v" | bc -l)"
-printf '  (r0) bridge: C, as (v) but no offloads            %6.2f   (r) / (r0) %.2f\n' "$r0" "$(echo "$r / $r0" | bc -l)"
+printf '  (r) bridge: C, TPACKET_V3/V2 rings, no offloads  %6.2f   ratio to (v) %.2f\n' "$r" "$(ratio "$r" "$v")"
+printf '  (r0) bridge: C, as (v) but no offloads            %6.2f   (r) / (r0) %.2f\n' "$r0" "$(ratio "$r" "$r0")"

@@ -22,13 +22,16 @@
 # PERF=file records a profile of the daemon during each configuration's bulk transfer (file.CONFIG; overwritten
 # each round). PROFILE (default release) the cargo profile built and run (FS=path runs that binary, unbuilt); CONFIGS picks
 # configurations (default: all, in the order above); NET the server's subnet 10.NET.7.0/24 (apps: 10.(NET+1).0.0/16).
+# FS_OLD=path (A/B): a second daemon runs that binary (apps in 10.(NET+2).0.0/16), and each configuration but the
+# app's own (app-*) is measured on it too, right after the same one on the daemon under test, as `old-CONFIG`;
+# printed at the end: each configuration's time on the old binary / on the new one (above 1: the new is faster).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${RUNS:-5}
 SMALL_N=${SMALL_N:-300000}
 BULK_MB=${BULK_MB:-512}
 CONFIGS=${CONFIGS:-none null1 null4 null16 compress tls both app-zstd app-tls app-both}
-NET=${NET:-215}
+NET=${NET:-243} # not 215: bench-hostpath.sh uses it, and the two may run at once
 . scripts/lib/bench.sh # median, bench_setup, server_ns
 bench_setup bench-services "namespaces, TUN devices" cc openssl
 tag=fss$$
@@ -36,6 +39,7 @@ state=$(mktemp -d)
 chmod 755 "$state"
 cleanup() {
   [[ -n "${daemon:-}" ]] && kill "$daemon" 2>/dev/null && wait "$daemon" 2>/dev/null || true
+  [[ -n "${daemon_old:-}" ]] && kill "$daemon_old" 2>/dev/null && wait "$daemon_old" 2>/dev/null || true
   server_ns_cleanup
   rm -rf "$state"
 }
@@ -63,6 +67,14 @@ for _ in $(seq 100); do [[ $(ip netns exec ${tag}s ss -Htln 'sport >= :9001 and 
 "$fs" daemon --state-dir "$state/d" --app-subnet 10.$((NET + 1)).0.0 2>"$state/daemon.log" &
 daemon=$!
 for _ in $(seq 200); do "$fs" --state-dir "$state/d" status >/dev/null 2>&1 && break; sleep 0.05; done
+if [[ -n ${FS_OLD:-} ]]; then
+  "$FS_OLD" daemon --state-dir "$state/d-old" --app-subnet 10.$((NET + 2)).0.0 2>"$state/daemon-old.log" &
+  daemon_old=$!
+  for _ in $(seq 200); do "$FS_OLD" --state-dir "$state/d-old" status >/dev/null 2>&1 && break; sleep 0.05; done
+  all=()
+  for c in $CONFIGS; do all+=("$c"); [[ $c == app-* ]] || all+=("old-$c"); done
+  CONFIGS=${all[*]}
+fi
 
 # The services files: every TCP flow through the services.
 services() { # $1 = file name, then one kind (with its settings, TOML lines joined by ";") per argument
@@ -92,15 +104,21 @@ config() {
     *) echo "bench-services: unknown configuration $1" >&2; exit 2 ;;
   esac
 }
-measure() { # $1 = configuration, $2 = sends, $3 = bytes each; prints "SECONDS BYTES"
-  local opt file mode p
-  read -r opt file mode p < <(config "$1")
-  "$fs" --state-dir "$state/d" run "$opt" "$file" -- "$state/svc_app" client $srv "$p" "$mode" "$2" "$3" "$state/ca.pem" ||
+measure() { # $1 = configuration (old-CONFIG: on the old daemon), $2 = sends, $3 = bytes each; prints "SECONDS BYTES"
+  local opt file mode p bin=$fs d=d
+  [[ $1 == old-* ]] && bin=$FS_OLD d=d-old
+  read -r opt file mode p < <(config "${1#old-}")
+  "$bin" --state-dir "$state/$d" run "$opt" "$file" -- "$state/svc_app" client $srv "$p" "$mode" "$2" "$3" "$state/ca.pem" ||
     { echo "bench-services: $1 failed; the daemon's log ends:" >&2; tail -5 "$state/daemon.log" >&2; exit 1; }
 }
 
-# The daemon's CPU time so far (ns, all its threads): less disturbed by a busy machine than the elapsed time.
-daemon_cpu() { cat /proc/"$daemon"/task/*/schedstat 2>/dev/null | awk '{t += $1} END {printf "%.0f\n", t}'; }
+# The daemon's CPU time so far (ns, all its threads; $1 = old: the old daemon's): less disturbed by a busy machine
+# than the elapsed time.
+daemon_cpu() {
+  local pid=$daemon
+  [[ ${1:-} == old ]] && pid=$daemon_old
+  cat /proc/"$pid"/task/*/schedstat 2>/dev/null | awk '{t += $1} END {printf "%.0f\n", t}'
+}
 switch_runs() { "$fs" --state-dir "$state/d" get switch.runs_total | awk 'NR == 2 {print $2}'; }
 bulk_n=$((BULK_MB * 16))
 declare -A results
@@ -117,9 +135,10 @@ for r in $(seq "$RUNS"); do
       perf=$!
     fi
     [[ -n "${RUNS_PER_MB:-}" ]] && runs0=$(switch_runs)
-    cpu0=$(daemon_cpu)
+    which=${c%%-*}
+    cpu0=$(daemon_cpu "$which")
     results[bulk_$c]+="$(measure "$c" "$bulk_n" 65536 | awk '{print $1}') "
-    results[cpu_$c]+="$(($(daemon_cpu) - cpu0)) "
+    results[cpu_$c]+="$(($(daemon_cpu "$which") - cpu0)) "
     [[ -n "${RUNS_PER_MB:-}" ]] && echo "bench-services: $c bulk: $((($(switch_runs) - runs0) / BULK_MB)) switch runs per MiB" >&2
     [[ -n "${PERF:-}" ]] && wait "$perf"
   done
@@ -128,7 +147,7 @@ med() { tr ' ' '\n' <<<"${results[$1]}" | grep . | median; }
 
 echo
 echo "services overhead, medians of $RUNS rounds: $SMALL_N sends of 1,024 bytes; $BULK_MB MiB in writes of 64 KiB"
-printf '%-10s %10s %10s %9s   %10s %10s %9s\n' configuration "small s" "Gbit/s" "vs none" "bulk s" "Gbit/s" "vs none"
+printf '%-13s %10s %10s %9s   %10s %10s %9s\n' configuration "small s" "Gbit/s" "vs none" "bulk s" "Gbit/s" "vs none"
 small_bytes=$((SMALL_N * 1024))
 bulk_bytes=$((bulk_n * 65536))
 for c in $CONFIGS; do
@@ -137,7 +156,7 @@ for c in $CONFIGS; do
       ps = (sn > 0 && s > 0) ? sprintf("%+8.1f%%", (sn / s - 1) * 100) : "        -"
       pb = (bn > 0) ? sprintf("%+8.1f%%", (bn / b - 1) * 100) : "        -"
       rs = (s > 0) ? sb * 8 / s / 1e9 : 0
-      printf "%-10s %10.3f %10.3f %s   %10.3f %10.3f %s\n", c, s, rs, ps, b, bb * 8 / b / 1e9, pb }'
+      printf "%-13s %10.3f %10.3f %s   %10.3f %10.3f %s\n", c, s, rs, ps, b, bb * 8 / b / 1e9, pb }'
 done
 echo "(vs none: the change of throughput against the terminated flow with no service; negative: slower)"
 echo
@@ -145,7 +164,7 @@ echo "the daemon's CPU time in the bulk transfer (medians; vs none: the change, 
 for c in $CONFIGS; do
   awk -v c="$c" -v t="$(med cpu_$c)" -v tn="${results[cpu_none]:+$(med cpu_none)}" -v mb="$BULK_MB" 'BEGIN {
     p = (tn > 0) ? sprintf("%+8.1f%%", (t / tn - 1) * 100) : "        -"
-    printf "%-10s %8.3f s %8.2f ms/MiB %s\n", c, t / 1e9, t / 1e6 / mb, p }'
+    printf "%-13s %8.3f s %8.2f ms/MiB %s\n", c, t / 1e9, t / 1e6 / mb, p }'
 done
 for pair in compress:app-zstd tls:app-tls both:app-both; do
   f=${pair%%:*} a=${pair##*:}
@@ -153,4 +172,13 @@ for pair in compress:app-zstd tls:app-tls both:app-both; do
   awk -v f="$f" -v a="$a" -v fs="$(med small_$f)" -v as="$(med small_$a)" -v fb="$(med bulk_$f)" -v ab="$(med bulk_$a)" \
     'BEGIN {printf "%s / %s (app time / flexstack time): small %.2f, bulk %.2f\n", f, a, (fs > 0) ? as / fs : 0, ab / fb}'
 done
+ if [[ -n ${FS_OLD:-} ]]; then
+  echo "A/B against $FS_OLD (old time / new time, medians; above 1: the new binary is faster):"
+  for c in $CONFIGS; do
+    [[ $c == old-* || -z "${results[bulk_old-$c]:-}" ]] && continue
+    awk -v c="$c" -v s="$(med small_$c)" -v so="$(med small_old-$c)" -v b="$(med bulk_$c)" \
+      -v bo="$(med bulk_old-$c)" -v t="$(med cpu_$c)" -v to="$(med cpu_old-$c)" \
+      'BEGIN {printf "%-10s small %.3f, bulk %.3f, daemon CPU in bulk %.3f\n", c, (s > 0) ? so / s : 0, bo / b, to / t}'
+  done
+fi
 echo "code version: ${FS:-$(git rev-parse --short HEAD)$(git diff --quiet || echo -dirty)}; $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg)"

@@ -226,3 +226,52 @@ fn tls_between_two_peers_carries_the_download_in_records() {
     assert!(m("tls_bytes_total") > m("plain_bytes_total"), "records are longer than their plaintext");
     assert_eq!(r.b.get_u64("module.unzip.flows_selected_total"), 0, "compress took no flow of port 8082");
 }
+
+/// `service add` and `del` on a running app whose chain ends in its carrier: the chain changed stays linked to the
+/// carrier (not to `{app}-orig`, which cannot reach the server), so the downloads after each change still reach
+/// the server through B, compressed by A's `compress` and restored by B's.
+#[test]
+fn service_add_and_del_keep_a_peer_apps_chain_on_its_carrier() {
+    let Some(r) = Rig::new(2) else { return };
+    let stack = repo().join("stacks/app-peer.toml");
+    let file = r.path("compress.toml");
+    std::fs::write(&file, A_COMPRESS).expect("the services file");
+    let cli = format!("{} --state-dir {}", common::bin(), path_str(r.a.state.path()));
+    let curl = format!("curl -sSf -m 30 http://{}:8081/blob | sha256sum", r.srv);
+    // The app is this script: it adds `null` to its own chain (nearest the network: linked to the carrier),
+    // downloads, removes it again, downloads.
+    let script = format!(
+        "exec 2>&1\n\
+         echo '== add'; {cli} service add addpeer null || exit 3\n\
+         echo '== list'; {cli} service list addpeer\n\
+         echo '== curl1'; {curl}\n\
+         echo '== del'; {cli} service del addpeer null || exit 4\n\
+         echo '== curl2'; {curl}\n\
+         echo '== end'"
+    );
+    let out = r.a.run(&[
+        "--stack",
+        path_str(&stack),
+        "--services",
+        path_str(&file),
+        "--name",
+        "addpeer",
+        "--",
+        "sh",
+        "-c",
+        &script,
+    ]);
+    let t = text(&out);
+    assert!(out.status.success(), "{t}");
+    let step = |name: &str| {
+        let from = t.find(&format!("== {name}\n")).unwrap_or_else(|| panic!("no step {name}: {t}"));
+        let rest = &t[from + name.len() + 4..];
+        rest[..rest.find("\n== ").unwrap_or(rest.len())].to_string()
+    };
+    assert!(step("list").contains("addpeer-null"), "{t}");
+    assert!(step("curl1").contains(&r.sum), "the download after the add arrived intact: {t}");
+    assert!(step("curl2").contains(&r.sum), "the download after the del arrived intact: {t}");
+    assert_eq!(r.b.get_u64("module.unzip.flows_selected_total"), 2, "both went through the carrier to B's compress");
+    assert!(r.b.get_u64("module.unzip.plain_bytes_total") >= 2 * SIZE as u64, "B compressed both downloads");
+    assert_eq!(r.b.get_u64("module.unzip.errors_total"), 0);
+}

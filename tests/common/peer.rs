@@ -37,6 +37,8 @@ pub struct Rig {
     pub b_addr: String,
     /// The carrier settings the app's stacks get (`transport`, `cc`).
     pub carrier: String,
+    /// The octet of the rig's subnets (`10.S.1.0/24` between the peers, `10.S.2.0/24` to the server).
+    pub s: u8,
 }
 
 /// How the peers are joined.
@@ -87,6 +89,19 @@ impl Rig {
 
     /// A rig whose carriers have settings of their own: A's `link`, B's `b_link` (the same addresses).
     pub fn with_links(offset: u8, introduce: bool, link: Link, b_link: Link) -> Option<Rig> {
+        Rig::with_b_stack(offset, introduce, link, b_link, "stacks/peer-in.toml", &|t, _| t.to_string())
+    }
+
+    /// A rig whose B runs `b_template` (a file of the repo that listens on `0.0.0.0:7300`), changed by `edit` (the
+    /// template and the rig's subnet octet `S`) before the listening address is put in.
+    pub fn with_b_stack(
+        offset: u8,
+        introduce: bool,
+        link: Link,
+        b_link: Link,
+        b_template: &str,
+        edit: &dyn Fn(&str, u8) -> String,
+    ) -> Option<Rig> {
         if !privileged() {
             return None;
         }
@@ -112,7 +127,7 @@ impl Rig {
         // B: accepts carriers on its side of the first veth and opens the flows again with kernel sockets.
         let b_addr = if link.v6 { format!("[fd96:{s:x}::2]:7300") } else { format!("10.{s}.1.2:7300") };
         let a_addr = if link.v6 { format!("[fd96:{s:x}::1]:0") } else { format!("10.{s}.1.1:0") };
-        let template = std::fs::read_to_string(repo().join("stacks/peer-in.toml")).expect("stacks/peer-in.toml");
+        let template = edit(&std::fs::read_to_string(repo().join(b_template)).expect("B's stack"), s);
         assert!(template.contains("listen = \"0.0.0.0:7300\""), "the template listens on 0.0.0.0:7300");
         let listen = format!("listen = \"{b_addr}\"\n{}", b_link.settings());
         let b_stack = template.replace("listen = \"0.0.0.0:7300\"", &listen);
@@ -161,6 +176,7 @@ impl Rig {
             srv6: format!("fd97:{s:x}::2"),
             b_addr,
             carrier,
+            s,
         })
     }
 
@@ -217,7 +233,13 @@ impl Rig {
 
 /// `stacks/app-peer.toml` with `settings` (TOML lines) added to its carrier.
 pub fn write_app_stack(path: &std::path::Path, settings: &str) {
-    let template = std::fs::read_to_string(repo().join("stacks/app-peer.toml")).expect("stacks/app-peer.toml");
+    write_stack_from("stacks/app-peer.toml", path, settings);
+}
+
+/// An app's stack from `template` (a file of the repo whose carrier connects to `gateway`) with `settings` (TOML
+/// lines) added to its carrier.
+pub fn write_stack_from(template: &str, path: &std::path::Path, settings: &str) {
+    let template = std::fs::read_to_string(repo().join(template)).expect("the app's stack template");
     let line = "peer = \"gateway\"";
     assert!(template.contains(line), "the template's carrier connects to `gateway`");
     let text = template.replacen(line, &format!("{line}\n{settings}"), 1);

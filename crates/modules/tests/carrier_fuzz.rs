@@ -9,7 +9,7 @@
 use flexstack_fuzzkit::{
     iters_from_env, load_corpus, mutate_input, run_guarded, seed_from_env, target_seed, Dict, Rng,
 };
-use flexstack_modules::stream::carrier::{dgram, wire};
+use flexstack_modules::stream::carrier::{dgram, raw, wire};
 
 const DEFAULT_ITERS: usize = 100_000;
 const DEFAULT_SEED: u64 = 0x5eed_ca77_1e70_0001;
@@ -88,4 +88,33 @@ fn fuzz_carrier_udp() {
         });
     }
     assert!(decoded * 10 > iters, "only {decoded} of {iters} inputs decoded");
+}
+
+/// The raw stack's packets from a peer (`raw::check`, the libFuzzer target `carrier_raw`): an ICMP echo over IPv4
+/// and over IPv6, mutated by the shared engine (lengths, versions, header lengths).
+#[test]
+fn fuzz_carrier_raw() {
+    let seed = target_seed(seed_from_env(DEFAULT_SEED), "carrier_raw");
+    let mut rng = Rng::new(seed);
+    let mut v4 = vec![0x45, 0, 0, 28, 0, 1, 0, 0, 64, 1, 0, 0, 10, 0, 0, 2, 10, 9, 9, 9];
+    v4.extend_from_slice(&[8, 0, 0, 0, 0, 1, 0, 1]);
+    let mut v6 = vec![0x60, 0, 0, 0, 0, 8, 58, 64];
+    v6.extend_from_slice(&[0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2]);
+    v6.extend_from_slice(&[0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 9]);
+    v6.extend_from_slice(&[128, 0, 0, 0, 0, 1, 0, 1]);
+    let corpus = vec![(String::from("v4"), v4), (String::from("v6"), v6)];
+    let words: &[u16] = &[0, 8, 20, 28, 40, 48, 0xffff];
+    let dict = Dict { words, bytes: &[0, 0x40, 0x45, 0x46, 0x4f, 0x60, 0xff], head: 8, max_len: 256, ..Dict::EMPTY };
+    let (mut passed, iters) = (0usize, iters_from_env(DEFAULT_ITERS) / 10);
+    for i in 0..iters {
+        let (_, b) = &corpus[rng.below(corpus.len())];
+        let input = mutate_input(&mut rng, b, &corpus, &dict);
+        passed += usize::from(raw::check_packet(&input).is_ok());
+        run_guarded("carrier_raw", seed, i, &input, || {
+            raw::check(&input);
+            Ok(())
+        });
+    }
+    assert!(passed * 20 > iters, "only {passed} of {iters} inputs passed");
+    assert!(passed < iters, "some inputs are refused");
 }

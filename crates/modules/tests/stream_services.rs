@@ -141,6 +141,66 @@ fn flow_frames(pool: &flexstack_core::PacketPool, flow: u64, port: u16, chunks: 
     b
 }
 
+/// Restores the blocks `compress` made (its framing: a 4-byte header, bit 31 set for a stored payload).
+fn unframe(blocks: &[Seen]) -> Vec<u8> {
+    let mut plain = Vec::new();
+    for s in blocks {
+        let header = u32::from_be_bytes(s.data[..4].try_into().unwrap());
+        assert_eq!((header & 0x3fff_ffff) as usize, s.data.len() - 4, "one block a frame");
+        if header & 1 << 31 != 0 {
+            plain.extend_from_slice(&s.data[4..]);
+        } else {
+            plain.extend(zstd::decode_all(&s.data[4..]).unwrap());
+        }
+    }
+    plain
+}
+
+#[test]
+fn compress_gathers_a_batchs_chunks_into_blocks_and_sends_a_lone_message_at_once() {
+    let (mut sw, log) = alone("compress", &[]);
+    let pool = sw.pool().clone();
+    // Five 16 KiB chunks of one flow in one batch (as `terminate` hands over what its socket holds): one block of
+    // 64 KiB and one of the rest, not five.
+    let text = text_bytes(5 * 16384);
+    let chunks: Vec<&[u8]> = text.chunks(16384).collect();
+    let mut b = flow_frames(&pool, 1, 80, &chunks);
+    sw.inject("m", "in", &mut b).unwrap();
+    sw.run(Time::from_millis(1));
+    let seen = take(&log);
+    assert_eq!(seen.len(), 3, "open and two blocks");
+    assert_eq!(meter(&sw, "module.m.blocks_total"), 2);
+    assert!(unframe(&seen[1..]) == text, "the blocks restore the chunks");
+    // An interactive request alone in its batch leaves at once, as one block, in the same run (nothing waits for
+    // more input, no timer): its response is not delayed by the gathering.
+    let request = b"GET /status HTTP/1.1\r\nHost: x\r\n\r\n";
+    let mut b: Batch = vec![StreamFrame::data(&pool, 1, Direction::Down, request).into()];
+    sw.inject("m", "in", &mut b).unwrap();
+    sw.run(Time::from_millis(2));
+    let seen = take(&log);
+    assert_eq!(seen.len(), 1, "the request's block");
+    assert_eq!(seen[0].at, Time::from_millis(2), "sent in the run that took it");
+    assert_eq!(unframe(&seen), request);
+    // Two flows' chunks interleaved, and a Fin: each flow's bytes keep their order, and the Fin follows its data.
+    let mut b: Batch = vec![StreamFrame::open(&pool, 2, Direction::Down, &tcp(81)).into()];
+    for c in chunks.iter().take(2) {
+        b.push(StreamFrame::data(&pool, 1, Direction::Down, c).into());
+        b.push(StreamFrame::data(&pool, 1, Direction::Down, c).into());
+        b.push(StreamFrame::data(&pool, 2, Direction::Down, c).into());
+    }
+    b.push(StreamFrame::fin(&pool, 1, Direction::Down).into());
+    sw.inject("m", "in", &mut b).unwrap();
+    sw.run(Time::from_millis(3));
+    let seen = take(&log);
+    let flow = |s: &Seen| s.meta.get(MetaKey::FLOW_ID).unwrap();
+    let (one, two): (Vec<Seen>, Vec<Seen>) = seen[1..].iter().cloned().partition(|s| flow(s) == 1);
+    assert_eq!(kind_of(one.last().unwrap()), 3, "flow 1's Fin comes after its data");
+    let pair = [chunks[0], chunks[0], chunks[1], chunks[1]].concat();
+    assert!(unframe(&one[..one.len() - 1]) == pair);
+    assert!(unframe(&two) == [chunks[0], chunks[1]].concat());
+    assert_eq!(one.len() - 1 + two.len(), 4, "a block for each run of one flow's chunks");
+}
+
 #[test]
 fn inspect_finds_patterns_across_chunk_boundaries_and_closes_the_flow() {
     let (mut sw, log) = alone(

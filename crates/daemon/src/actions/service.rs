@@ -3,8 +3,9 @@
 //!
 //! The chain is read from the links, not from names: from `{app}-term[stream]` to the first element, from each
 //! element to the `direction` module after it, and from that one's `down` port to the next element, until
-//! `{app}-orig`. `service add` and `del` change it as one edit: the modules loaded or unloaded and the difference
-//! between the chain's links before and after (`flexstack_modules::stream::services::chain_links`).
+//! `{app}-orig`, or the app's carrier `{app}-peer` (stacks/app-peer.toml) for an app whose flows go to a peer.
+//! `service add` and `del` change it as one edit: the modules loaded or unloaded and the difference between the
+//! chain's links before and after (`flexstack_modules::stream::services::chain_links_to`).
 
 use crate::actions::control::{internal, Control};
 use crate::dataplane::Snapshot;
@@ -12,7 +13,7 @@ use flexstack_api::ops::{AppInfo, Change, ServiceAdd, ServiceDel, ServiceDetail,
 use flexstack_api::protocol::{ApiError, ErrorCode};
 use flexstack_core::config::{LinkSpec, Settings};
 use flexstack_core::Edit;
-use flexstack_modules::stream::services::{chain_links, file};
+use flexstack_modules::stream::services::{chain_links_to, file};
 use std::collections::BTreeMap;
 
 /// An app's chain: its elements (services, or the `stream-pass` of an app without) and the `direction` module
@@ -21,13 +22,15 @@ use std::collections::BTreeMap;
 struct Chain {
     term: String,
     orig: String,
+    /// The carrier the chain ends in (its Down frames go there, its peer's Up frames come from there), if any.
+    carrier: Option<String>,
     elements: Vec<String>,
     dirs: Vec<String>,
 }
 
 impl Chain {
     fn links(&self) -> Vec<String> {
-        chain_links(&self.term, &self.orig, &self.elements, &self.dirs)
+        chain_links_to(&self.term, &self.orig, self.carrier.as_deref(), &self.elements, &self.dirs)
     }
 }
 
@@ -67,9 +70,14 @@ impl Control {
                 format!("app {app:?} has no chain of stream services (run it with --services)"),
             )
         };
+        let peer = format!("{app}-peer");
         let mut at = next(&term, Some("stream")).ok_or_else(none)?;
-        let mut chain = Chain { term, orig: orig.clone(), elements: Vec::new(), dirs: Vec::new() };
+        let mut chain = Chain { term, orig: orig.clone(), carrier: None, elements: Vec::new(), dirs: Vec::new() };
         while at != orig {
+            if at == peer && kind(&peer) == Some("carrier") {
+                chain.carrier = Some(peer);
+                break;
+            }
             let dir = snap
                 .edges
                 .iter()

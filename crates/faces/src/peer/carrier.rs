@@ -25,6 +25,7 @@ use flexstack_core::{
     Batch, Direction, FaceDevice, Module, ModuleBuilder, ModuleInterface, ModuleVars, Output, Packet, Time, Value,
     VarSpec,
 };
+use flexstack_modules::stream::carrier::raw::{self, RawMode, RawPeers};
 use flexstack_modules::stream::carrier::{self, wire, CarrierRequest, Config, FlowIds, Meters, Route, Router};
 use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
 use nix::sys::eventfd::{EfdFlags, EventFd};
@@ -50,6 +51,12 @@ const FIRST_CONN: u64 = 2;
 /// Output ports.
 pub(crate) const STREAM: usize = 0;
 pub(crate) const PASS: usize = 1;
+const RAW: usize = 2;
+const RAW_PASS: usize = 3;
+const PEER_STREAM: usize = 4;
+/// Input ports besides `stream_in` (0).
+const RAW_IN: usize = 1;
+const DEMUX: usize = 2;
 
 /// Builds the carrier from what the kind read (the hook installed into `flexstack_modules::stream::carrier`).
 pub(crate) fn build(req: CarrierRequest) -> Result<Builder<Inner>, String> {
@@ -94,6 +101,9 @@ pub(crate) fn caps(cfg: &Config) -> Vec<&'static str> {
     let mut v: Vec<&'static str> = cfg.offered().iter().map(|t| t.name()).collect();
     if cfg.switching() {
         v.push(wire::SWITCH_CAP);
+    }
+    if cfg.raw != RawMode::None {
+        v.push(raw::RAW_CAP);
     }
     v
 }
@@ -1183,6 +1193,9 @@ pub(crate) struct Carrier<E> {
     pub(crate) specs: Vec<VarSpec>,
     /// Flows whose meters are registered: id -> name, and its `carrier` variable.
     pub(crate) flows: HashMap<u64, (String, flexstack_core::Meter)>,
+    /// The raw stack: connecting, whether the raw pseudo-flow is open; accepting, the peers' raw flows.
+    raw_open: bool,
+    raw_peers: RawPeers,
 }
 
 impl<E: CarrierEngine> Carrier<E> {
@@ -1195,6 +1208,117 @@ impl<E: CarrierEngine> Carrier<E> {
             connect,
             specs: carrier::flow_specs(),
             flows: HashMap::new(),
+            raw_open: false,
+            raw_peers: RawPeers::default(),
+        }
+    }
+
+    /// Packets of `raw_in` (docs/peers.md, "The raw stack"): connecting, the app's packets that are not terminated go
+    /// to the peer as `Data` of the raw pseudo-flow (opened first); accepting, replies go back on the raw flow that
+    /// brought their destination. The others leave on `raw_pass`, or are dropped and counted.
+    fn raw_in(&mut self, e: &mut E, input: &mut Batch, out: &mut Output<'_>) {
+        let m = e.meters().clone();
+        for f in input.drain(..) {
+            let Some(p) = f.packet() else {
+                out.drop_frame(f);
+                continue;
+            };
+            let dst = raw::check_packet(p.data()).map(|(_, dst)| dst);
+            let carried = self.cfg.raw != RawMode::None
+                && dst.is_ok_and(|d| !self.connect || raw::carried(d, &self.cfg.prefixes));
+            if !carried {
+                m.raw_passed.add(1);
+                out.emit(RAW_PASS, f);
+                continue;
+            }
+            let (len, dir) = (p.len() as u64, if self.connect { Direction::Down } else { Direction::Up });
+            let flow = if self.connect {
+                let offered = trust::status(&self.cfg.peer).is_some_and(|s| s.caps.iter().any(|c| c == raw::RAW_CAP));
+                if !e.is_up() {
+                    m.raw_drop_down.add(1);
+                    out.drop_frame(f);
+                    continue;
+                }
+                if !offered {
+                    m.raw_drop_refused.add(1);
+                    out.drop_frame(f);
+                    continue;
+                }
+                if !self.raw_open {
+                    if let Some(r) = e.router() {
+                        r.attach(raw::RAW_FLOW);
+                    }
+                    self.egress.push(StreamFrame::open(out.pool(), raw::RAW_FLOW, dir, &raw::open_info()).into());
+                    self.raw_open = true;
+                }
+                raw::RAW_FLOW
+            } else {
+                match dst.ok().and_then(|d| self.raw_peers.route(d)) {
+                    Some(flow) => flow,
+                    None => {
+                        m.raw_drop_unknown.add(1);
+                        out.drop_frame(f);
+                        continue;
+                    }
+                }
+            };
+            m.raw_packets_out.add(1);
+            m.raw_bytes_out.add(len);
+            self.egress.push(StreamFrame::data(out.pool(), flow, dir, p.data()).into());
+        }
+    }
+
+    /// Frames of `demux` (the carrier's own `stream`, linked back): the raw pseudo-flows' packets leave on `raw`, as
+    /// IP packets; their other frames (acks, the open, the end) are taken here; every other frame leaves on
+    /// `peer_stream` unchanged.
+    fn demux(&mut self, m: &Meters, input: &mut Batch, out: &mut Output<'_>) {
+        for f in input.drain(..) {
+            let Some((flow, kind)) = f.packet().and_then(|p| Some((p.stream_flow()?, p.stream_kind()?))) else {
+                out.emit(PEER_STREAM, f);
+                continue;
+            };
+            let ours = if self.connect {
+                flow == raw::RAW_FLOW && self.cfg.raw != RawMode::None
+            } else if kind == StreamKind::Open && self.cfg.raw != RawMode::None {
+                let opens = f.packet().is_some_and(|p| raw::is_raw_open(p.data()));
+                if opens {
+                    self.raw_peers.open(flow);
+                }
+                opens
+            } else {
+                self.raw_peers.is_raw(flow)
+            };
+            if !ours {
+                out.emit(PEER_STREAM, f);
+                continue;
+            }
+            match kind {
+                StreamKind::Data => {
+                    let Some(p) = f.packet() else { continue };
+                    let Ok((src, _)) = raw::check_packet(p.data()) else {
+                        m.raw_drop_malformed.add(1);
+                        out.drop_frame(f);
+                        continue;
+                    };
+                    if !self.connect {
+                        self.raw_peers.learn(flow, src);
+                    }
+                    m.raw_packets_in.add(1);
+                    m.raw_bytes_in.add(p.len() as u64);
+                    let mut q = out.pool().alloc_from(p.data());
+                    q.set_direction(p.direction());
+                    out.emit(RAW, q);
+                }
+                StreamKind::Abort | StreamKind::Fin => {
+                    if self.connect {
+                        self.raw_open = false;
+                    } else {
+                        self.raw_peers.close(flow);
+                    }
+                    out.drop_frame(f);
+                }
+                _ => out.drop_frame(f),
+            }
         }
     }
 
@@ -1232,7 +1356,19 @@ impl<E: CarrierEngine> Carrier<E> {
 }
 
 impl<E: CarrierEngine> Module for Carrier<E> {
-    fn process(&mut self, _port: usize, input: &mut Batch, out: &mut Output<'_>) {
+    fn process(&mut self, port: usize, input: &mut Batch, out: &mut Output<'_>) {
+        if port == RAW_IN || port == DEMUX {
+            let device = self.device.clone();
+            let mut e = device.engine();
+            if port == RAW_IN {
+                self.raw_in(&mut e, input, out);
+            } else {
+                let m = e.meters().clone();
+                drop(e);
+                self.demux(&m, input, out);
+            }
+            return;
+        }
         if !self.connect {
             self.egress.append(input);
             return;

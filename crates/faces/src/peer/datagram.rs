@@ -1127,12 +1127,15 @@ impl Dgram {
         }
     }
 
-    /// The timerfd at the earliest timer: retransmission, a NACK, an FEC group's tail, the `Init`.
+    /// The timerfd at the earliest timer: retransmission, pacing, a NACK, an FEC group's tail, the `Init`.
     fn arm_timer(&mut self, now: Instant) {
         let mut next: Option<Instant> = None;
         let mut at = |t: Instant| next = Some(next.map_or(t, |n| n.min(t)));
         for s in self.conns.values() {
             if let Some(t) = s.tx.timeout() {
+                at(t);
+            }
+            if let Some(t) = s.tx.pace_at() {
                 at(t);
             }
             if let Some(d) = &s.dial {

@@ -226,8 +226,9 @@ struct Flow {
     /// Its id, protocol, idle timer and TCP end.
     idle: Idle,
     key: FlowKey,
-    /// The endpoint that sent the first packet.
-    first: (IpAddr, u16),
+    /// Whether the endpoint that sent the first packet is the key's `a` (else `b`): a bit, not the endpoint's 20
+    /// bytes, so that the slot stays small.
+    first_is_a: bool,
     /// The prefix its meters are registered under is `<vars_prefix>.<id>`, with the `vars_prefix` of the
     /// classifier that created it (shared by every flow).
     vars_prefix: Arc<str>,
@@ -316,7 +317,8 @@ impl Classify {
         m.add(fm::PACKETS_UP + d, n);
         m.add(fm::BYTES_UP + d, len);
         m.set(fm::LAST_SEEN, now);
-        let tcp = flags.map(|flags| ((info.src, info.src_port) == f.first, flags));
+        let from_a = (info.src, info.src_port) == f.key.a;
+        let tcp = flags.map(|flags| (from_a == f.first_is_a, flags));
         if let Some(d) = self.table.timers.seen(slot, &mut f.idle, now, tcp, closing_ns) {
             out.wake_at(Time(d));
         }
@@ -334,13 +336,13 @@ impl Classify {
         let vars_name = format!("{}.{id}", self.vars_prefix);
         let meters =
             out.register_block(&vars_name, &self.flow_specs).unwrap_or_else(|_| VarBlock::new(&self.flow_specs));
-        let first = (info.src, info.src_port);
+        let first_is_a = (info.src, info.src_port) == key.a;
         meters.set(fm::FIRST_SEEN, now);
         meters.store(fm::TUPLE, &Value::Str(tuple_text(info)));
         meters.set(fm::WORKER, u64::from(out.worker()));
         let idle = Idle::new(id, key.protocol, now, &self.cfg.timeouts);
         let vars_prefix = self.vars_prefix.clone();
-        let slot = self.table.flows.insert(Flow { idle, key, first, vars_prefix, meters });
+        let slot = self.table.flows.insert(Flow { idle, key, first_is_a, vars_prefix, meters });
         self.table.index.insert(hash, slot);
         self.table.timers.start(slot, &idle);
         out.wake_at(Time(idle.queued));
@@ -629,6 +631,23 @@ mod tests {
         assert_eq!(u64_var(&sw, "module.c.flows_active"), 1);
         sw.run(Time::from_millis(302_000));
         assert_eq!(u64_var(&sw, "module.c.flows_active"), 0);
+    }
+
+    /// The side that opened the flow is kept as a bit of the key (`first_is_a`): FINs count by side whichever end
+    /// of the key opened it.
+    #[test]
+    fn fins_count_by_side_whichever_end_opened_the_flow() {
+        for (opener, other) in [(A, B), (B, A)] {
+            let (mut sw, _logs) = stack(&["tcp_closing_timeout_ms=100"]);
+            send(&mut sw, "c", "in", &[tcp4(opener, other, 1000, 80, 0x02)], Direction::Down, 0);
+            send(&mut sw, "c", "in", &[tcp4(opener, other, 1000, 80, 0x11)], Direction::Down, 1);
+            send(&mut sw, "c", "in", &[tcp4(opener, other, 1000, 80, 0x11)], Direction::Down, 2);
+            sw.run(Time::from_millis(200));
+            assert_eq!(u64_var(&sw, "module.c.flows_active"), 1, "two FINs of one side are not the end ({opener})");
+            send(&mut sw, "c", "in", &[tcp4(other, opener, 80, 1000, 0x11)], Direction::Up, 300);
+            sw.run(Time::from_millis(400));
+            assert_eq!(u64_var(&sw, "module.c.flows_active"), 0, "a FIN from each side ends it ({opener})");
+        }
     }
 
     #[test]

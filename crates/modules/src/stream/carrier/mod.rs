@@ -16,6 +16,7 @@
 pub mod dgram;
 pub mod order;
 pub mod plus;
+pub mod raw;
 pub mod reliable;
 pub mod wire;
 
@@ -70,6 +71,9 @@ pub struct Config {
     pub port_offset: u16,
     /// Not a setting: accepting with several transports, the flow ids they share ([`FlowIds`]).
     pub ids: Option<FlowIds>,
+    /// The raw stack ([`raw`]): which packets of `raw_in` go to the peer (connecting), whether raw packets are
+    /// taken from peers (accepting).
+    pub raw: raw::RawMode,
 }
 
 /// The flow ids of an accepting carrier with several transports: one numbering for all of them, and each flow
@@ -244,6 +248,24 @@ pub struct Meters {
     pub uplink_active: Meter,
     /// `uplinks`: the latest move's time without delivery.
     pub migration_gap_us: Meter,
+    /// Raw packets sent to the peer(s), and their bytes.
+    pub raw_packets_out: Meter,
+    /// See `raw_packets_out`.
+    pub raw_bytes_out: Meter,
+    /// Raw packets received from the peer(s), and their bytes.
+    pub raw_packets_in: Meter,
+    /// See `raw_packets_in`.
+    pub raw_bytes_in: Meter,
+    /// Packets of `raw_in` left on `raw_pass` (raw off, or a destination not carried).
+    pub raw_passed: Meter,
+    /// Raw packets dropped: the peer did not offer `raw`.
+    pub raw_drop_refused: Meter,
+    /// Raw packets dropped: no connection to the peer up.
+    pub raw_drop_down: Meter,
+    /// Raw packets from the peer dropped: not one whole IP packet.
+    pub raw_drop_malformed: Meter,
+    /// Packets to carry back dropped: no raw flow brought their destination (accepting), or the table is full.
+    pub raw_drop_unknown: Meter,
 }
 
 type P = Param<Config>;
@@ -264,11 +286,23 @@ fn comma_list<T>(t: &str, item: impl Fn(&str) -> Result<T, String>) -> Result<Ve
 
 /// The kind: ports, settings, knobs and meters.
 pub const DECL: KindDecl<Config, Meters> = KindDecl {
-    inputs: &[PortDecl::new(
-        "stream_in",
-        port_type::STREAM,
-        "stream frames to carry (Down on the app's host, Up on the peer)",
-    )],
+    inputs: &[
+        PortDecl::new(
+            "stream_in",
+            port_type::STREAM,
+            "stream frames to carry (Down on the app's host, Up on the peer)",
+        ),
+        PortDecl::new(
+            "raw_in",
+            port_type::IP,
+            "with `raw` only: IP packets to carry as packets (the app's host: what `terminate` passes; the peer: the replies)",
+        ),
+        PortDecl::new(
+            "demux",
+            port_type::STREAM,
+            "with `raw` only: link its own `stream` here; raw packets leave on `raw`, the other frames on `peer_stream`",
+        ),
+    ],
     outputs: &[
         PortDecl::new(
             "stream",
@@ -276,6 +310,9 @@ pub const DECL: KindDecl<Config, Meters> = KindDecl {
             "stream frames the connection brings (Up on the app's host, Down on the peer)",
         ),
         PortDecl::new("pass", port_type::STREAM, "frames of flows it does not carry, unchanged"),
+        PortDecl::new("raw", port_type::IP, "with `raw` only: IP packets that came from the peer (through `demux`)"),
+        PortDecl::new("raw_pass", port_type::IP, "with `raw` only: packets of `raw_in` not carried, unchanged"),
+        PortDecl::new("peer_stream", port_type::STREAM, "with `raw` only: the frames of `demux` that are not raw packets"),
     ],
     params: &[
         P::text(
@@ -404,6 +441,19 @@ pub const DECL: KindDecl<Config, Meters> = KindDecl {
             field!(fec),
         ),
         P::u64("fec_k", "datagrams", "udpplus: datagrams per FEC group", 4, field!(fec_k)).range(2.0, 32.0),
+        P::text(
+            "raw",
+            "the raw stack: none, or all-unterminated (connecting: the packets of `raw_in` to a destination in \
+             `prefixes` go to the peer as packets, over its raw pseudo-flow; accepting: peers' raw packets are taken \
+             and leave on `raw`); link `stream` to `demux` (docs/peers.md)",
+            "none",
+            |c| c.raw.name().to_string(),
+            |c, t| {
+                c.raw = raw::RawMode::parse(t)?;
+                Ok(())
+            },
+        )
+        .setting(),
     ],
     meters: u64_meters![
         connections: "connections_total", "connections", "connections established (authenticated, hello exchanged)";
@@ -439,6 +489,15 @@ pub const DECL: KindDecl<Config, Meters> = KindDecl {
         migrations: "migrations_total", "moves", "uplinks: moves to another uplink (accepting: sessions and paths that moved to a new address)";
         uplink_active: "uplink_active", "index", "uplinks: the position in `uplinks` of the uplink in use (0 the first)";
         migration_gap_us: "migration_gap_us", "us", "uplinks: the latest move's time without delivery (last datagram received before it to the first after)";
+        raw_packets_out: "raw_packets_out_total", "packets", "raw: IP packets sent to the peer(s)";
+        raw_bytes_out: "raw_bytes_out_total", "bytes", "raw: bytes of the IP packets sent to the peer(s)";
+        raw_packets_in: "raw_packets_in_total", "packets", "raw: IP packets received from the peer(s)";
+        raw_bytes_in: "raw_bytes_in_total", "bytes", "raw: bytes of the IP packets received from the peer(s)";
+        raw_passed: "raw_passed_total", "packets", "raw: packets of raw_in left on raw_pass (raw none, or a destination not carried)";
+        raw_drop_refused: "raw_drop_refused_total", "packets", "raw: packets dropped because the peer did not offer `raw`";
+        raw_drop_down: "raw_drop_down_total", "packets", "raw: packets dropped because no connection to the peer was up";
+        raw_drop_malformed: "raw_drop_malformed_total", "packets", "raw: packets from the peer dropped: not one whole IPv4 or IPv6 packet";
+        raw_drop_unknown: "raw_drop_unknown_total", "packets", "raw: replies dropped: no raw flow brought their destination (accepting), or its table was full";
     ],
     // Its frames wait in its connection between calls, as an endpoint's do in its sockets.
     breaks_cycles: true,
@@ -505,6 +564,9 @@ impl ModuleKind for CarrierKind {
         if cfg.peer.is_empty() == cfg.listen.is_empty() {
             return Err(r.error("peer", "give exactly one of `peer` (connect) and `listen` (accept)"));
         }
+        if cfg.raw != raw::RawMode::None && cfg.switching() {
+            return Err(r.error("raw", "the raw stack with several `transports` is not done yet: give one transport"));
+        }
         r.finish()?;
         let at = |m: String| {
             let key = if cfg.peer.is_empty() { "listen" } else { "peer" };
@@ -516,7 +578,12 @@ impl ModuleKind for CarrierKind {
         let hook = HOOK.get().ok_or_else(|| {
             at("the carrier's connection is built by the daemon (flexstack-faces), not available here".into())
         })?;
-        let interface = DECL.interface(&cfg);
+        let mut interface = DECL.interface(&cfg);
+        if cfg.raw == raw::RawMode::None {
+            // The raw stack's ports only with it, so that a stack without it may link the carrier without naming them.
+            interface.inputs.truncate(1);
+            interface.outputs.truncate(2);
+        }
         hook(CarrierRequest { cfg: cfg.clone(), interface, decl: &DECL }).map_err(at)
     }
 }

@@ -11,6 +11,9 @@
 //!   each expiry) fires; retransmissions are counted.
 //! - Congestion control is NewReno-like AIMD over bytes: slow start from 10 segments, +1 segment per window after
 //!   `ssthresh`, halved once per recovery episode on loss, 2 segments after a timeout.
+//! - Segments are paced once the round-trip time is known: the window spread over `srtt` (twice as fast in slow
+//!   start, 1.25 times after), with bursts of at most [`PACE_BURST`], so that a window does not leave at once and
+//!   overflow a queue on the path (an emulated link, a socket buffer) that its average rate fits.
 
 use super::dgram::MAX_SACKS;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -27,6 +30,8 @@ pub const MIN_RTO: Duration = Duration::from_millis(100);
 /// The longest.
 pub const MAX_RTO: Duration = Duration::from_secs(5);
 const INITIAL_RTO: Duration = Duration::from_millis(500);
+/// The longest burst pacing lets out at once (as time at the pacing rate).
+pub const PACE_BURST: Duration = Duration::from_millis(1);
 const MSS64: u64 = MSS as u64;
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -67,6 +72,10 @@ pub struct Sender {
     rttvar: Duration,
     rto: Duration,
     rto_at: Option<Instant>,
+    /// When the next segment may leave (pacing).
+    pace_next: Option<Instant>,
+    /// The last `poll` held a segment back for pacing.
+    paced: bool,
     /// Segments sent again.
     pub retransmits: u64,
     /// Segments declared lost.
@@ -90,6 +99,8 @@ impl Default for Sender {
             rttvar: Duration::ZERO,
             rto: INITIAL_RTO,
             rto_at: None,
+            pace_next: None,
+            paced: false,
             retransmits: 0,
             lost_total: 0,
         }
@@ -118,9 +129,40 @@ impl Sender {
     }
 
     /// The next segment to send now, its bytes in `out`: a lost one first, then new bytes that the congestion
-    /// window and the receiver's window take. Returns its offset.
+    /// window and the receiver's window take, when pacing lets one leave. Returns its offset.
     pub fn poll(&mut self, now: Instant, out: &mut Vec<u8>) -> Option<u64> {
         out.clear();
+        self.paced = false;
+        let off = self.next_segment(now, out)?;
+        self.pace(now, out.len());
+        Some(off)
+    }
+
+    /// When pacing lets the segment it held back leave (None when nothing is held back for pacing).
+    pub fn pace_at(&self) -> Option<Instant> {
+        self.pace_next.filter(|_| self.paced)
+    }
+
+    /// Whether pacing holds segments back now (and marks it, for [`Sender::pace_at`]).
+    fn pacing_holds(&mut self, now: Instant) -> bool {
+        self.paced = self.pace_next.is_some_and(|t| t > now);
+        self.paced
+    }
+
+    /// A segment of `len` bytes left at `now`: when the next may.
+    fn pace(&mut self, now: Instant, len: usize) {
+        let Some(srtt) = self.srtt.filter(|r| !r.is_zero()) else { return };
+        let factor = if self.cwnd < self.ssthresh { 2.0 } else { 1.25 };
+        let rate = factor * self.cwnd.max(MSS64) as f64 / srtt.as_secs_f64();
+        let gap = Duration::from_secs_f64(len as f64 / rate);
+        let floor = now.checked_sub(PACE_BURST).unwrap_or(now);
+        self.pace_next = Some(self.pace_next.map_or(floor, |t| t.max(floor)) + gap);
+    }
+
+    fn next_segment(&mut self, now: Instant, out: &mut Vec<u8>) -> Option<u64> {
+        if !self.lost.is_empty() && self.pacing_holds(now) {
+            return None;
+        }
         while let Some(off) = self.lost.pop_first() {
             let Some(seg) = self.segs.get_mut(&off) else { continue };
             if seg.state != State::Lost || off < self.una {
@@ -141,6 +183,9 @@ impl Sender {
         if len == 0 || self.flight + len > self.cwnd.max(MSS64) || self.next + len > self.peer_limit {
             return None;
         }
+        if self.pacing_holds(now) {
+            return None;
+        }
         let off = self.next;
         let at = (off - self.una) as usize;
         out.extend(self.buf.range(at..at + len as usize));
@@ -154,6 +199,7 @@ impl Sender {
     /// The receiver's acknowledgement.
     pub fn on_ack(&mut self, now: Instant, cum: u64, window: u32, sacks: &[(u64, u64)]) {
         let cum = cum.min(self.next);
+        let mut newest_cum: Option<Instant> = None;
         self.peer_limit = self.peer_limit.max(cum + u64::from(window));
         if cum > self.una {
             let mut acked = 0;
@@ -168,6 +214,9 @@ impl Sender {
                 }
                 if !seg.retransmitted {
                     sample = Some(now.saturating_duration_since(seg.sent));
+                }
+                if seg.state != State::Sacked {
+                    newest_cum = newest_cum.max(Some(seg.sent));
                 }
                 acked += u64::from(seg.len);
             }
@@ -191,6 +240,10 @@ impl Sender {
             self.rto_at = (!self.segs.is_empty()).then(|| now + self.rto);
         }
         let mut highest = 0;
+        // The latest transmission among what this acknowledgement reports delivered for the first time: only a
+        // segment sent before it (or in the same batch) can be lost, so a retransmission is not declared lost
+        // again by SACKs of data sent before it.
+        let mut newest = newest_cum;
         for &(s, e) in sacks {
             let keys: Vec<u64> = self.segs.range(s..e).map(|(k, _)| *k).collect();
             for off in keys {
@@ -198,21 +251,25 @@ impl Sender {
                 if off + u64::from(seg.len) > e {
                     continue;
                 }
+                highest = highest.max(e);
                 match seg.state {
                     State::InFlight => self.flight -= u64::from(seg.len),
                     State::Lost => {
                         self.lost.remove(&off);
                     }
-                    State::Sacked => {}
+                    State::Sacked => continue,
                 }
+                newest = newest.max(Some(seg.sent));
                 seg.state = State::Sacked;
-                highest = highest.max(e);
             }
         }
         if highest > 0 {
             let mut newly = false;
             for (&off, seg) in self.segs.range_mut(..highest) {
-                if seg.state == State::InFlight && off + u64::from(seg.len) + DUPTHRESH * MSS64 <= highest {
+                if seg.state == State::InFlight
+                    && off + u64::from(seg.len) + DUPTHRESH * MSS64 <= highest
+                    && newest.is_some_and(|t| seg.sent <= t)
+                {
                     seg.state = State::Lost;
                     self.flight -= u64::from(seg.len);
                     self.lost.insert(off);
@@ -444,6 +501,76 @@ mod tests {
         assert!(s.retransmits >= 40, "{}", s.retransmits);
         assert!(s.lost_total >= 40);
         assert!(s.cwnd() < 2 * WINDOW);
+    }
+
+    /// A retransmission is declared lost again only by a SACK of data sent after it, not by SACKs of older data
+    /// that keep arriving (before, a carrier resent it on every acknowledgement while the old SACKs came in).
+    #[test]
+    fn a_retransmission_is_not_declared_lost_by_older_sacks() {
+        let mut s = Sender::default();
+        s.write(&vec![7; 40 * MSS]);
+        let t0 = Instant::now();
+        let ms = |n| t0 + Duration::from_millis(n);
+        let mut buf = Vec::new();
+        for i in 0..10 {
+            assert_eq!(s.poll(ms(i), &mut buf), Some(i * MSS64), "the initial window, one segment a millisecond");
+        }
+        // Segment 0 lost; 1..=4 SACKed: 0 is declared lost and sent again at 20 ms.
+        s.on_ack(ms(20), 0, WINDOW as u32, &[(MSS64, 5 * MSS64)]);
+        assert_eq!(s.poll(ms(20), &mut buf), Some(0));
+        // The SACKs of 5..=9, sent before the retransmission, arrive: 0 stays in flight.
+        let mut sent_after = Vec::new();
+        for k in 5..10 {
+            s.on_ack(ms(21 + k), 0, WINDOW as u32, &[(MSS64, (k + 1) * MSS64)]);
+            while let Some(off) = s.poll(ms(21 + k), &mut buf) {
+                assert_ne!(off, 0, "not resent on the SACK of segment {k}");
+                sent_after.push(off);
+            }
+        }
+        assert_eq!((s.retransmits, s.lost_total), (1, 1));
+        // New data sent after the retransmission is SACKed while 0 is still missing: now it is lost again.
+        let last = *sent_after.last().expect("the window opened");
+        s.on_ack(ms(60), 0, WINDOW as u32, &[(MSS64, last + MSS64)]);
+        assert_eq!(s.poll(ms(60), &mut buf), Some(0), "lost again, resent");
+        assert_eq!(s.retransmits, 2);
+    }
+
+    /// Once the round-trip time is known, a window is spread over it instead of leaving at once.
+    #[test]
+    fn segments_are_paced_over_the_round_trip() {
+        let mut s = Sender::default();
+        s.write(&vec![1; 100 * MSS]);
+        let t0 = Instant::now();
+        let mut buf = Vec::new();
+        let mut sent = 0;
+        while s.poll(t0, &mut buf).is_some() {
+            sent += 1;
+        }
+        assert_eq!(sent, 10, "the initial window at once: no round trip measured yet");
+        let t1 = t0 + Duration::from_millis(100);
+        s.on_ack(t1, 10 * MSS64, WINDOW as u32, &[]);
+        assert_eq!(s.cwnd(), 20 * MSS64);
+        let (mut first, mut last, mut n) = (0, None, 0);
+        let mut now = t1;
+        while n < 20 {
+            assert!(now < t1 + Duration::from_millis(200), "the window went out: {n} segments");
+            while s.poll(now, &mut buf).is_some() {
+                n += 1;
+                last = Some(now);
+                if now == t1 {
+                    first += 1;
+                }
+            }
+            if n < 20 {
+                let at = s.pace_at().expect("held back by pacing, with a time to go on");
+                assert!(at > now);
+                now = at;
+            }
+        }
+        // 20 segments at 2 x cwnd / srtt (slow start): 2.5 ms apart, after a burst of at most 1 ms.
+        assert!(first <= 2, "at once: {first}");
+        let spread = last.expect("sent") - t1;
+        assert!(spread >= Duration::from_millis(40) && spread <= Duration::from_millis(55), "{spread:?}");
     }
 
     #[test]

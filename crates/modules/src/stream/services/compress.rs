@@ -4,9 +4,12 @@
 //! - `mode = "compress"` (the app's end) compresses the data travelling down and decompresses the data coming up;
 //!   `mode = "decompress"` (the far end) does the opposite. So one of each, in either order of a chain, give both
 //!   directions back as they were.
-//! - The frame: each `Data` chunk becomes blocks of at most 64 KiB of input, each a 4-byte big-endian header and a
-//!   payload: bit 31 of the header set means the payload is the bytes as they were (stored, when zstd would not
+//! - The frame: the input becomes blocks of at most 64 KiB, each a 4-byte big-endian header and a payload: bit 31 of the header set means the payload is the bytes as they were (stored, when zstd would not
 //!   make them smaller), bits 0-30 are the payload's length. A UDP datagram is one block, so one datagram still.
+//! - Blocks are as big as the input at hand allows: the consecutive `Data` chunks of a TCP flow's direction in one
+//!   batch are compressed together (up to 64 KiB a block; `terminate` hands over what its socket holds in chunks of
+//!   16 KiB), and what is gathered leaves as a block at the end of the batch, so nothing waits for more input (a
+//!   small message is sent as it comes; zstd's cost per call and its ratio favour big blocks).
 //! - Acks: the lengths change, so it keeps an `AckMap` per flow and direction (docs/streams.md): the input bytes of
 //!   a block are acknowledged upstream when the output made from them is. Bytes of a block not yet whole wait in a
 //!   buffer of the flow (at most one block: 64 KiB + 1 KiB).
@@ -26,7 +29,7 @@ use super::flows::{
 };
 use crate::stream::{BOTH_WAYS_IN, BOTH_WAYS_OUT};
 use flexstack_core::module::handed_over;
-use flexstack_core::stream::{AckMap, StreamFrame};
+use flexstack_core::stream::{AckMap, Protocol, StreamFrame, StreamKind};
 use flexstack_core::{
     field, kind_from_decl, Batch, ConfigError, Direction, Frame, KindDecl, Meter, MeterDecl, Module, ModuleBuilder,
     ModuleInterface, ModuleKind, ModuleVars, Output, Param, Settings, Value, ValueType,
@@ -151,7 +154,15 @@ impl ModuleBuilder for CompressBuilder {
         DECL.publish(&self.cfg, vars);
         let zc = zstd::bulk::Compressor::new(self.cfg.level as i32).expect("zstd context");
         let zd = zstd::bulk::Decompressor::new().expect("zstd context");
-        Box::new(Compress { cfg: self.cfg, m: DECL.meters(vars), flows: Flows::new(self.select, vars), zc, zd })
+        Box::new(Compress {
+            cfg: self.cfg,
+            m: DECL.meters(vars),
+            flows: Flows::new(self.select, vars),
+            zc,
+            zd,
+            gathering: None,
+            gathered: Vec::with_capacity(MAX_BLOCK),
+        })
     }
 }
 
@@ -162,6 +173,8 @@ struct Flow {
     acks: [AckMap; 2],
     partial: [Vec<u8>; 2],
     raw: [bool; 2],
+    /// A UDP flow: each datagram stays one block (never gathered with the next).
+    udp: bool,
 }
 
 /// A running `compress`.
@@ -171,6 +184,10 @@ pub struct Compress {
     flows: Flows<Flow>,
     zc: zstd::bulk::Compressor<'static>,
     zd: zstd::bulk::Decompressor<'static>,
+    /// The flow and direction whose chunks are being gathered into a block in this batch, and their bytes (less
+    /// than a block; empty between batches).
+    gathering: Option<(u64, Direction)>,
+    gathered: Vec<u8>,
 }
 
 /// The other direction.
@@ -294,6 +311,45 @@ impl Compress {
         Ok(total)
     }
 
+    /// Adds a chunk to the block being gathered for `flow` going `d` (a TCP flow's data to compress); full blocks
+    /// leave at once, the rest with [`Self::flush`]. A chunk of a block's size or more with nothing gathered is
+    /// packed as it is (no copy).
+    fn gather(&mut self, flow: u64, d: Direction, bytes: &[u8], out: &mut Output<'_>) {
+        if self.gathering != Some((flow, d)) {
+            self.flush(out);
+            self.gathering = Some((flow, d));
+        }
+        let mut bytes = bytes;
+        if !self.gathered.is_empty() {
+            let take = bytes.len().min(MAX_BLOCK - self.gathered.len());
+            self.gathered.extend_from_slice(&bytes[..take]);
+            bytes = &bytes[take..];
+            if self.gathered.len() < MAX_BLOCK {
+                return;
+            }
+            let block = std::mem::take(&mut self.gathered);
+            self.pack(flow, d, &block, out);
+            self.gathered = block;
+            self.gathered.clear();
+        }
+        let whole = bytes.len() - bytes.len() % MAX_BLOCK;
+        if whole > 0 {
+            self.pack(flow, d, &bytes[..whole], out);
+        }
+        self.gathered.extend_from_slice(&bytes[whole..]);
+    }
+
+    /// The block being gathered leaves (the batch ended, or another frame comes between).
+    fn flush(&mut self, out: &mut Output<'_>) {
+        let Some((flow, d)) = self.gathering.take() else { return };
+        if !self.gathered.is_empty() {
+            let block = std::mem::take(&mut self.gathered);
+            self.pack(flow, d, &block, out);
+            self.gathered = block;
+            self.gathered.clear();
+        }
+    }
+
     /// Marks in the stream that this direction leaves the path (the end mark) or comes back (a `Data` frame with no
     /// bytes), as `raw` now says.
     fn switch(&mut self, flow: u64, d: Direction, out: &mut Output<'_>) {
@@ -325,25 +381,37 @@ impl Module for Compress {
     fn process(&mut self, _port: usize, input: &mut Batch, out: &mut Output<'_>) {
         for frame in input.drain(..) {
             let Frame::Data(p) = frame else {
+                self.flush(out);
                 out.emit(0, frame);
                 continue;
             };
             let d = p.direction();
-            match self.flows.see(&p, |_| Flow::default()).0 {
+            // Only more data of the flow and direction being gathered joins the block; anything else sends it first.
+            let joins = self.gathering.is_some_and(|(flow, dir)| {
+                dir == d && p.stream_flow() == Some(flow) && p.stream_kind() == Some(StreamKind::Data)
+            });
+            if !joins {
+                self.flush(out);
+            }
+            match self.flows.see(&p, |info| Flow { udp: info.protocol == Protocol::Udp, ..Flow::default() }).0 {
                 Seen::Data(flow) => {
                     let n = p.len() as u64;
                     self.m.bytes_in.add(n);
                     let compresses = self.compresses(d);
                     let st = self.flows.get_mut(flow).expect("a flow it works on");
-                    let raw = st.raw[slot(d)];
+                    let (raw, udp) = (st.raw[slot(d)], st.udp);
                     if compresses {
                         let active = self.cfg.active;
                         if raw == active {
                             // The knob changed since this direction's last chunk: mark the switch here.
+                            self.flush(out);
+                            let st = self.flows.get_mut(flow).expect("a flow it works on");
                             st.raw[slot(d)] = !active;
                             self.switch(flow, d, out);
                         }
-                        if active {
+                        if active && !udp {
+                            self.gather(flow, d, p.data(), out);
+                        } else if active {
                             self.pack(flow, d, p.data(), out);
                         } else {
                             self.pass_raw(flow, d, p, out);
@@ -380,6 +448,7 @@ impl Module for Compress {
                 _ => out.emit(0, p),
             }
         }
+        self.flush(out);
     }
 
     fn write_knob(&mut self, knob: &str, value: &Value) -> Result<(), String> {

@@ -439,16 +439,9 @@ impl ServiceFile {
                 || l.starts_with("{app}-term[stream]")
                 || l.starts_with("{app}-orig[stream]"))
         });
-        let mut chain = super::chain_links(TERM, ORIG, &names, &dirs);
-        if carrier {
-            // The base's `{app}-sdir -> {app}-peer` and `{app}-peer[stream] -> {app}-streams` went with the base's
-            // chain (its `{app}-peer[pass] -> {app}-orig[stream_in]` stays): the services' chain ends in the carrier.
-            let to_orig = format!("{SDIR}[down] -> {ORIG}[stream_in]");
-            for l in chain.iter_mut().filter(|l| **l == to_orig) {
-                *l = format!("{SDIR}[down] -> {PEER}");
-            }
-            chain.push(format!("{PEER}[stream] -> {}", names[n - 1]));
-        }
+        // With a carrier, the base's `{app}-sdir -> {app}-peer` and `{app}-peer[stream] -> {app}-streams` went with
+        // the base's chain (its `{app}-peer[pass] -> {app}-orig[stream_in]` stays): the services' chain ends in it.
+        let chain = super::chain_links_to(TERM, ORIG, carrier.then_some(PEER), &names, &dirs);
         links.extend(chain.into_iter().map(toml::Value::String));
         Ok(format!("# made by flexstack run --services from a services file and the base stack\n{doc}"))
     }

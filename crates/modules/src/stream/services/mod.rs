@@ -12,7 +12,7 @@
 //!
 //! What they share lives here: in [`active`], their knob `active` (out of their flows' paths, and back); in [`flows`]: the selection rules (`SelectRule`, setting `select`), the table of the flows a
 //! service works on (`Flows`), their meters (`SelectionMeters`), and the chain of an app's services between its
-//! endpoints ([`chain_links`]). [`file`](mod@file) reads the services files of `flexstack run --services` (FreeNA's
+//! endpoints ([`chain_links`], [`chain_links_to`] when it ends in a carrier). [`file`](mod@file) reads the services files of `flexstack run --services` (FreeNA's
 //! configuration files).
 //!
 //! Each service has one `stream` input and one output, both directions through them, like `stream-pass`. In a chain
@@ -42,6 +42,28 @@ pub fn kinds() -> Vec<Box<dyn flexstack_core::ModuleKind>> {
         Box::new(compress::CompressKind),
         Box::new(tls::TlsKind),
     ]
+}
+
+/// The links of an app's chain of services between its endpoints (`term`, `orig`) that ends in a carrier
+/// (`Some`, stacks/app-peer.toml's `{app}-peer`) or not: as [`chain_links`], but the last `direction`'s `down` goes
+/// to the carrier (which passes the flows it does not carry on to `orig`), and the Up frames the peer sends back
+/// enter the chain where `orig`'s do (docs/services.md, "Services between two peers").
+pub fn chain_links_to(
+    term: &str,
+    orig: &str,
+    carrier: Option<&str>,
+    services: &[String],
+    dirs: &[String],
+) -> Vec<String> {
+    let mut links = chain_links(term, orig, services, dirs);
+    if let (Some(peer), Some(last), Some(dir)) = (carrier, services.last(), dirs.last()) {
+        let to_orig = format!("{dir}[down] -> {orig}[stream_in]");
+        for l in links.iter_mut().filter(|l| **l == to_orig) {
+            *l = format!("{dir}[down] -> {peer}");
+        }
+        links.push(format!("{peer}[stream] -> {last}"));
+    }
+    links
 }
 
 /// The links of an app's chain of services between its endpoints (`term`, `orig`): Down frames through the

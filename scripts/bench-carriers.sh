@@ -22,15 +22,7 @@ NET=${NET:-225} # A-B 10.NET.1.0/24, B-server 10.NET.2.0/24, apps 10.(NET+1).0.0
 . scripts/lib/bench.sh # median, bench_setup, peer_topology, start_peers, start_peer_b, carrier_stack
 bench_setup bench-carriers "namespaces, veth, TUN devices" iperf3 python3
 tag=fsc$$
-state=$(mktemp -d)
-chmod 755 "$state"
-pids=()
-cleanup() {
-  peer_topology_cleanup "$NET"
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null && wait "$p" 2>/dev/null || true; done
-  rm -rf "$state"
-}
-trap cleanup EXIT INT TERM
+peer_bench_state bench-carriers "$NET"
 peer_topology "$NET"
 start_peers "$NET" tcp
 app_sed=()

@@ -30,16 +30,7 @@ NET=${NET:-233} # A-B link 10.NET.1.0/24 (A .1, B .2), B-server 10.NET.2.0/24, a
 . scripts/lib/bench.sh # bench_setup, peer_topology, start_peer_b
 bench_setup exp-compress-lab "namespaces, veth, TUN devices" python3
 tag=fsz$$
-state=$(mktemp -d)
-chmod 755 "$state"
-pids=()
-cleanup() {
-  peer_topology_cleanup "$NET"
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null && wait "$p" 2>/dev/null || true; done
-  if [[ -n ${KEEP_STATE:-} ]]; then echo "exp-compress-lab: logs kept in $state" >&2; else rm -rf "$state"; fi
-}
-trap cleanup EXIT INT TERM
-wait_for() { for _ in $(seq 200); do eval "$1" && return 0; sleep 0.05; done; echo "exp-compress-lab: $2" >&2; exit 1; }
+peer_bench_state exp-compress-lab "$NET"
 
 # host (A, 10.NET.1.1) ─ veth ─ [${tag}1 ─ emulators ─ ${tag}2] (namespace m) ─ veth ─ B (10.NET.1.2) ─ veth ─ server.
 peer_topology "$NET" bridge

@@ -131,12 +131,36 @@ peer_topology_cleanup() {
   return 0
 }
 
+# The state of a script on the two-peer topology (peer_topology $2): $state, a directory the sandboxed apps can read;
+# $pids, the daemons the script starts; a trap that removes the topology, stops those daemons and B (start_peer_b)
+# and removes $state (kept, with the daemons' logs, when KEEP_STATE=1). $1 names the script in messages.
+peer_bench_state() {
+  bench_name=$1 bench_net=$2
+  state=$(mktemp -d)
+  chmod 755 "$state"
+  pids=()
+  trap peer_bench_cleanup EXIT INT TERM
+}
+peer_bench_cleanup() {
+  local p
+  peer_topology_cleanup "$bench_net"
+  for p in "${pids[@]}" ${b_daemon:-}; do kill "$p" 2>/dev/null && wait "$p" 2>/dev/null || true; done
+  if [[ -n ${KEEP_STATE:-} ]]; then echo "$bench_name: logs kept in $state" >&2; else rm -rf "$state"; fi
+}
+
+# Waits up to 10 s for the command line $1 to succeed; otherwise fails the script, saying $2.
+wait_for() {
+  for _ in $(seq 200); do eval "$1" && return 0; sleep 0.05; done
+  echo "${bench_name:-benchmark}: $2" >&2
+  exit 1
+}
+
 # Starts daemon A (state $state/a, apps in 10.($1+1).0.0/16), then calls start_peer_b $2 and makes A and B peers
 # (A calls B `gateway`, B calls A `a`).
 start_peers() {
   "$fs" daemon --state-dir "$state/a" --app-subnet 10.$(($1 + 1)).0.0 2>"$state/daemon-a.log" &
   pids+=($!)
-  for _ in $(seq 200); do "$fs" --state-dir "$state/a" status >/dev/null 2>&1 && break; sleep 0.05; done
+  wait_for '"$fs" --state-dir "$state/a" status >/dev/null 2>&1' "daemon A did not start (its log: $state/daemon-a.log)"
   start_peer_b "$1" "$2"
   "$fs" --state-dir "$state/a" peer add gateway 10.$1.1.2:7300 "$("$fs" --state-dir "$state/b" peer key)" >/dev/null
 }
@@ -151,7 +175,7 @@ start_peer_b() {
     stacks/peer-in.toml > "$state/peer-in.toml"
   ip netns exec ${tag}b "$fs" daemon --stack "$state/peer-in.toml" --state-dir "$state/b" 2>>"$state/daemon-b.log" &
   b_daemon=$!
-  for _ in $(seq 200); do "$fs" --state-dir "$state/b" status >/dev/null 2>&1 && break; sleep 0.05; done
+  wait_for '"$fs" --state-dir "$state/b" status >/dev/null 2>&1' "daemon B did not start (its log: $state/daemon-b.log)"
   "$fs" --state-dir "$state/b" peer add a 10.$net.1.1:0 "$("$fs" --state-dir "$state/a" peer key)" >/dev/null
 }
 

@@ -671,15 +671,28 @@ fn udp_server_role_with_kernel_back_ends() {
             r.in_ns("dig", &["+short", "+tries=1", "+time=3", &at, "flexstack.test", kind]).output().expect("dig");
         assert!(out.status.success() && text(&out).contains(answer), "dig {host} {kind}: {}", text(&out));
     }
-    // Both DNS flows (they live until udp_timeout_ms) on both endpoints, kernel sockets, from the clients.
-    let flows = common::answer::<FlowList>(&rig.d.cli(&["-j", "flow", "list"])).expect("flow list");
-    let list = text(&rig.d.cli(&["flow", "list"]));
-    for handling in [Handling::Terminated, Handling::Originated] {
-        let dns: Vec<_> = flows
+    // Both DNS flows (they live until udp_timeout_ms) on both endpoints, kernel sockets, from the clients (a kernel
+    // endpoint registers a new flow's meters within its meter period, 100 ms).
+    let dns = |flows: &[flexstack_api::ops::FlowInfo], handling: Handling| -> Vec<flexstack_api::ops::FlowInfo> {
+        flows
             .iter()
             .filter(|f| f.protocol == "udp" && f.dst_port == Some(53) && f.tuple.ends_with(" server"))
             .filter(|f| f.handling == handling && f.backend.as_deref() == Some("kernel"))
-            .collect();
+            .cloned()
+            .collect()
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut flows = Vec::new();
+    while Instant::now() < deadline {
+        flows = common::answer::<FlowList>(&rig.d.cli(&["-j", "flow", "list"])).expect("flow list");
+        if [Handling::Terminated, Handling::Originated].iter().all(|h| dns(&flows, *h).len() == 2) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let list = text(&rig.d.cli(&["flow", "list"]));
+    for handling in [Handling::Terminated, Handling::Originated] {
+        let dns = dns(&flows, handling);
         assert_eq!(dns.len(), 2, "{handling:?}: the two DNS flows: {list}");
         for client in clients {
             assert!(dns.iter().any(|f| f.src.map(|a| a.to_string()).as_ref() == Some(client)), "{client}: {list}");

@@ -413,10 +413,11 @@ impl Engine {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn table(rules: &[&str]) -> MatchTable {
+    /// A match table of `rules`.
+    pub(crate) fn table(rules: &[&str]) -> MatchTable {
         MatchTable::parse(&rules.iter().map(|s| s.to_string()).collect::<Vec<_>>()).unwrap()
     }
 

@@ -333,11 +333,8 @@ pub(crate) fn open_server(host_dev: &str, matcher: &MatchTable, app: &str) -> Re
 
 #[cfg(test)]
 mod tests {
+    use super::kernel_app::tests::table;
     use super::*;
-
-    fn table(rules: &[&str]) -> MatchTable {
-        MatchTable::parse(&rules.iter().map(|s| s.to_string()).collect::<Vec<_>>()).unwrap()
-    }
 
     /// The server role's UDP and `*` rules (this app's) become TPROXY rules of the UDP socket's port, in order;
     /// `pass` rules return; TCP and client-role rules are not there.

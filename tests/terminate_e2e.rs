@@ -982,9 +982,9 @@ while True:
 /// the app's address), IPv4 and IPv6, intact; `flow list` shows the flow terminated and originated with role server while it
 /// runs; the app fetches from the server at the same time (the client role, through the same endpoints); a port the
 /// app does not serve refuses the client at once (`originate` held the SYN-ACK until the app's RST came back as
-/// `Abort(refused)`); UDP datagrams from the host to an echo server in the sandbox come back exact. With the kernel
-/// back-end the stack is refused, saying why: its table has a UDP server rule, which needs smoltcp on `originate` (the
-/// kernel back-end's TCP server role is tests/terminate_kernel_e2e.rs).
+/// `Abort(refused)`); UDP datagrams from the host to an echo server in the sandbox come back exact. The kernel
+/// back-end's server role (TCP and UDP, where a port nobody serves resets rather than refuses) is
+/// tests/terminate_kernel_e2e.rs.
 fn server_role(backend: &str) {
     let blob = pattern(2_000_000);
     let table = r#"["tcp dport 8080,8081 role server", "udp dport 5353 role server", "tcp *", "udp *"]"#;
@@ -1016,13 +1016,6 @@ fn server_role(backend: &str) {
     ];
     let args = r.args("web", &script, &meters);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    if backend == "kernel" {
-        let out = r.d.run(&args);
-        let t = text(&out);
-        assert!(!out.status.success(), "a kernel originate with a role server rule is refused: {t}");
-        assert!(t.contains("role server needs backend smoltcp"), "the refusal says why: {t}");
-        return;
-    }
     let run = r.d.spawn_run(&args);
     let deadline = Instant::now() + Duration::from_secs(15);
     while !ready.exists() {
@@ -1276,11 +1269,6 @@ fn terminate_added_live_smoltcp() {
 #[test]
 fn server_role_smoltcp() {
     server_role("smoltcp");
-}
-
-#[test]
-fn server_role_kernel() {
-    server_role("kernel");
 }
 
 /// Hostile TCP from inside the sandbox, by raw sockets (python3, no library): `flood` sends 20,000 SYNs from

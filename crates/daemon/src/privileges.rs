@@ -29,6 +29,11 @@ pub const KEPT: &[(Capability, &str)] = &[
     ),
     (Capability::CAP_NET_RAW, "AF_PACKET sockets of link faces (`packet` module)"),
     (
+        Capability::CAP_NET_BIND_SERVICE,
+        "the kernel `originate`'s UDP sockets of the server role, bound to the app's address and port (DNS: 53) to \
+         answer the network's clients from it",
+    ),
+    (
         Capability::CAP_SYS_ADMIN,
         "`ip netns add/del` (unshare, bind mounts under /run/netns) and `ip -n` (setns, its sysfs mount) for \
          sandboxes",
@@ -173,7 +178,7 @@ mod tests {
     fn root_keeps_only_the_listed_capabilities() {
         let all = caps::all();
         let p = plan(&all, &all);
-        assert_eq!(p.keep, vec![CAP_DAC_OVERRIDE, CAP_NET_ADMIN, CAP_NET_RAW, CAP_SYS_ADMIN]);
+        assert_eq!(p.keep, vec![CAP_DAC_OVERRIDE, CAP_NET_BIND_SERVICE, CAP_NET_ADMIN, CAP_NET_RAW, CAP_SYS_ADMIN]);
         for c in [CAP_SYS_MODULE, CAP_SYS_BOOT, CAP_SYS_TIME, CAP_SYS_RAWIO, CAP_MKNOD, CAP_BPF, CAP_SETUID] {
             assert!(p.drop.contains(&c) && p.drop_bounding.contains(&c), "{c} is dropped");
         }

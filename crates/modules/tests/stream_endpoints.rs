@@ -823,3 +823,38 @@ fn a_flows_meters_are_published_once_it_lived_meters_after_ms() {
         assert_eq!(lab.text("flow.terminate.2.tcp.state").as_deref(), Some("established"));
     }
 }
+
+/// Idle terminated connections ask for no wake-up: 300 connections, each carrying a few bytes both ways, then quiet
+/// past `meters_after_ms` and `idle_discard_ms`; from then on neither endpoint asks the switch for a poll before
+/// smoltcp's keep-alive (`keepalive_ms`, 60 s), so an idle data plane sleeps (issue 13: the daemon's CPU near 0
+/// with 10,000 idle connections; a timer per connection or a periodic poll of every one would show here).
+#[test]
+fn idle_connections_ask_for_no_wake_up_before_their_keep_alive() {
+    let s = ["meters_after_ms=20", "idle_discard_ms=1000"];
+    let mut lab = Lab::new(false, &s, &s, &[]);
+    let mut pairs = Vec::new();
+    for _ in 0..300 {
+        pairs.push(lab.pair());
+    }
+    let up = lab.until(5_000, |lab| {
+        pairs.iter().all(|&(srv, cli)| lab.app.tcp(cli).may_send() && lab.server.tcp(srv).may_send())
+    });
+    assert!(up, "the 300 connections are established");
+    for &(srv, cli) in &pairs {
+        assert_eq!(lab.app.tcp(cli).send_slice(b"ping"), Ok(4));
+        assert_eq!(lab.server.tcp(srv).send_slice(b"pong"), Ok(4));
+    }
+    let done = lab.until(5_000, |lab| {
+        pairs.iter().all(|&(srv, cli)| lab.server.tcp(srv).recv_queue() == 4 && lab.app.tcp(cli).recv_queue() == 4)
+    });
+    assert!(done, "the 300 connections carried their bytes both ways");
+    assert_eq!(lab.connections(), 600, "each connection on both endpoints");
+    lab.run(3_000); // past meters_after_ms and idle_discard_ms: nothing left to do
+    let quiet_from = lab.now;
+    let next = lab.sw.next_wakeup();
+    assert!(
+        next.is_none_or(|t| t.0 >= quiet_from.0 + 50_000_000_000),
+        "an idle endpoint asked to be polled {:?} ms from now",
+        next.map(|t| (t.0.saturating_sub(quiet_from.0)) / 1_000_000)
+    );
+}

@@ -33,8 +33,10 @@ use std::time::{Duration, Instant};
 const KICK: u64 = 0;
 /// Epoll token of listener `i`: `LISTENER + i` (flow ids stay far below).
 const LISTENER: u64 = 1 << 62;
+/// Epoll token of the server role's UDP socket `i` (originate): `UDP_LISTENER + i`.
+const UDP_LISTENER: u64 = 1 << 61;
 /// Largest UDP datagram read.
-const MAX_DATAGRAM: usize = 65_535;
+pub(crate) const MAX_DATAGRAM: usize = 65_535;
 
 /// A flow's kernel socket.
 pub(crate) enum Sock {
@@ -87,6 +89,9 @@ pub(crate) struct Flow {
     touched: bool,
     /// Its bytes queued and in flight as counted in `Engine::held`.
     counted: (u64, u64),
+    /// UDP of the server role (originate): datagrams of the flow that reached the endpoint's UDP socket on its port
+    /// (the first, and those before the flow's own socket existed), handed out before its socket is read.
+    pub(crate) inbox: VecDeque<Vec<u8>>,
 }
 
 impl Flow {
@@ -112,6 +117,7 @@ impl Flow {
             cc: String::new(),
             touched: false,
             counted: (0, 0),
+            inbox: VecDeque::new(),
         }
     }
 
@@ -276,6 +282,12 @@ pub(crate) struct Engine {
     epoll: Arc<Epoll>,
     kick: EventFd,
     pub(crate) listeners: Vec<TcpListener>,
+    /// originate with the server role: the UDP sockets its TPROXY rules send the network's datagrams to.
+    pub(crate) udp_listeners: Vec<UdpSocket>,
+    /// Their flows by (client, original destination).
+    pub(crate) udp_server: HashMap<(std::net::SocketAddr, std::net::SocketAddr), u64>,
+    /// The buffer datagrams are received into from them.
+    pub(crate) scratch: Vec<u8>,
     /// The listeners are out of the epoll set (see `pause_listeners`).
     listeners_paused: bool,
     pub(crate) flows: HashMap<u64, Flow>,
@@ -328,6 +340,9 @@ impl Engine {
             epoll: Arc::new(epoll),
             kick,
             listeners: Vec::new(),
+            udp_listeners: Vec::new(),
+            udp_server: HashMap::new(),
+            scratch: Vec::new(),
             listeners_paused: false,
             flows: HashMap::new(),
             pending: VecDeque::new(),
@@ -366,6 +381,14 @@ impl Engine {
         let token = LISTENER + self.listeners.len() as u64;
         self.epoll.add(&l, EpollEvent::new(EpollFlags::EPOLLIN, token))?;
         self.listeners.push(l);
+        Ok(())
+    }
+
+    /// Watches a UDP socket of the server role (see `udp_listeners`).
+    pub(crate) fn add_udp_listener(&mut self, s: UdpSocket) -> std::io::Result<()> {
+        let token = UDP_LISTENER + self.udp_listeners.len() as u64;
+        self.epoll.add(&s, EpollEvent::new(EpollFlags::EPOLLIN, token))?;
+        self.udp_listeners.push(s);
         Ok(())
     }
 
@@ -479,6 +502,16 @@ impl Engine {
         }
     }
 
+    /// Files flow `id` to be read (its socket, or its inbox).
+    pub(crate) fn wake(&mut self, id: u64) {
+        if let Some(f) = self.flows.get_mut(&id) {
+            if !f.listed {
+                f.listed = true;
+                self.readable.push_back(id);
+            }
+        }
+    }
+
     /// Forgets flow `id` (its socket closes normally).
     pub(crate) fn remove(&mut self, id: u64) -> Option<Flow> {
         let f = self.flows.remove(&id)?;
@@ -491,6 +524,9 @@ impl Engine {
             self.tcp_count -= 1;
         } else {
             self.udp_count -= 1;
+            if self.udp_server.get(&(f.info.src, f.info.dst)) == Some(&id) {
+                self.udp_server.remove(&(f.info.src, f.info.dst));
+            }
         }
         self.gone.push(id);
         self.counts();
@@ -551,6 +587,8 @@ impl Engine {
                 let _ = self.kick.read();
             } else if token >= LISTENER {
                 self.accept_all((token - LISTENER) as usize);
+            } else if token >= UDP_LISTENER {
+                self.receive_all((token - UDP_LISTENER) as usize);
             } else {
                 if flags.contains(EpollFlags::EPOLLOUT) {
                     self.writable(token);
@@ -593,8 +631,19 @@ impl Engine {
                     }
                 }
                 Sock::Udp(s) => loop {
-                    buf.resize(MAX_DATAGRAM, 0);
-                    match s.recv(buf) {
+                    // Datagrams the endpoint's UDP socket took for it first (the server role), then its own.
+                    let received = match f.inbox.pop_front() {
+                        Some(d) => {
+                            buf.clear();
+                            buf.extend_from_slice(&d);
+                            Ok(d.len())
+                        }
+                        None => {
+                            buf.resize(MAX_DATAGRAM, 0);
+                            s.recv(buf)
+                        }
+                    };
+                    match received {
                         Ok(n) => {
                             // Later than the one filed: `earliest` stays a lower bound.
                             f.deadline = Some(Instant::now() + Duration::from_millis(idle));

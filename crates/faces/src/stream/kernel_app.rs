@@ -101,10 +101,12 @@ pub(crate) fn open(netns: &str, matcher: &MatchTable, app: &str) -> Result<(Vec<
     })
     .map_err(|e| format!("cannot listen in network namespace {netns}: {e}"))?;
     let table = format!("flexstack_kernel_{port}");
-    let script = nft_script(&table, &redirect_rules(matcher, app, port, Role::Client, ""));
+    let script = nft_script(&table, &redirect_rules(matcher, app, Role::Client, "", Protocol::Tcp, &redirect_to(port)));
     nft_in(netns, &script)?;
     let redirect = Redirect { netns: Some(netns.to_string()), table };
-    mark_routing(netns).map_err(|e| format!("the server role's routing in network namespace {netns}: {e}"))?;
+    let ns = crate::netconf::open_netns(netns).map_err(|e| e.to_string());
+    ns.and_then(|ns| mark_routing(ns.as_fd(), MARK, MARK_TABLE))
+        .map_err(|e| format!("the server role's routing in network namespace {netns}: {e}"))?;
     Ok((listeners, redirect))
 }
 
@@ -114,14 +116,14 @@ pub(crate) const MARK: u32 = 0x6673_0001;
 /// The routing table of [`MARK`]: every destination local.
 const MARK_TABLE: u32 = 0x6673;
 
-/// Makes, in `netns`, the policy rules `fwmark MARK lookup MARK_TABLE` and the routes `local default dev lo` in
-/// that table (IPv4 and IPv6), by netlink: the app's answers to a connection `terminate` opened from a client's
-/// (non-local) address reach that transparent socket, as TPROXY does for locally made traffic. Made once per
+/// Makes, in the network namespace `ns`, the policy rules `fwmark MARK lookup TABLE` and the routes `local default
+/// dev lo` in that table (IPv4 and IPv6), by netlink: packets marked `mark` are delivered locally, to a transparent
+/// socket (`terminate`: the app's answers to a connection it opened from a client's non-local address, as TPROXY
+/// does for locally made traffic; `originate`: the datagrams its TPROXY rules took, see `kernel_net`). Made once per
 /// namespace (those already there are kept) and left with it: they touch only marked packets.
-fn mark_routing(netns: &str) -> Result<(), String> {
-    use crate::netconf::{open_netns, Rtnl};
-    let ns = open_netns(netns).map_err(|e| e.to_string())?;
-    let mut nl = Rtnl::open_in(std::os::fd::AsFd::as_fd(&ns)).map_err(|e| e.to_string())?;
+pub(crate) fn mark_routing(ns: std::os::fd::BorrowedFd<'_>, mark: u32, table: u32) -> Result<(), String> {
+    use crate::netconf::Rtnl;
+    let mut nl = Rtnl::open_in(ns).map_err(|e| e.to_string())?;
     let lo = nl.index_of("lo").map_err(|e| e.to_string())?;
     // The sandbox sets it up later (the stack is built first); a local route needs it now.
     nl.set_up(lo, true);
@@ -130,9 +132,9 @@ fn mark_routing(netns: &str) -> Result<(), String> {
     for v6 in [false, true] {
         for rule in [true, false] {
             if rule {
-                nl.add_fwmark_rule(v6, MARK, MARK_TABLE);
+                nl.add_fwmark_rule(v6, mark, table);
             } else {
-                nl.add_local_default(v6, MARK_TABLE, lo);
+                nl.add_local_default(v6, table, lo);
             }
             match nl.commit() {
                 Err(e) if e.error.kind() != std::io::ErrorKind::AlreadyExists => return Err(e.to_string()),
@@ -185,25 +187,39 @@ pub(crate) fn nft_table(table: &str, chains: &[(&str, &str, &[String])]) -> Stri
     s
 }
 
-/// The nftables rules, in order, that send the TCP flows `matcher` terminates for app `app` in `role` to port
-/// `port`: a `pass` rule returns (the flow is not redirected), another redirects. Rules of the other role or for
-/// another app select none of these connections and are left out, and so are UDP rules (UDP stays in the data
-/// plane: `terminates_udp`). `head`, if not empty, comes first in each rule (the server role: the connections
-/// routed to the app).
-pub(crate) fn redirect_rules(matcher: &MatchTable, app: &str, port: u16, role: Role, head: &str) -> Vec<String> {
+/// The action of a rule that redirects a TCP connection to the listener on `port`.
+pub(crate) fn redirect_to(port: u16) -> String {
+    format!("redirect to :{port}")
+}
+
+/// The nftables rules, in order, that send the flows of `protocol` that `matcher` terminates for app `app` in
+/// `role` to the endpoint's sockets: a `pass` rule returns (the flow is not taken), another ends with `action`
+/// (TCP: [`redirect_to`] a listener; the server role's UDP: TPROXY to one, see `kernel_net`). Rules of the other
+/// role, of the other protocol or for another app select none of these flows and are left out (so are the client
+/// role's UDP rules: UDP stays in the data plane, `terminates_udp`). `head`, if not empty, comes first in each rule
+/// (the server role: the flows routed to the app).
+pub(crate) fn redirect_rules(
+    matcher: &MatchTable,
+    app: &str,
+    role: Role,
+    head: &str,
+    protocol: Protocol,
+    action: &str,
+) -> Vec<String> {
     let list = |ranges: &[flexstack_wire::cidr::PortRange]| {
         let items: Vec<String> = ranges.iter().map(ToString::to_string).collect();
         format!("{{ {} }}", items.join(", "))
     };
+    let l4 = if protocol == Protocol::Udp { "udp" } else { "tcp" };
     let mut out = Vec::new();
     for r in &matcher.rules {
         if r.role.unwrap_or(Role::Client) != role || r.app.as_deref().is_some_and(|a| a != "*" && a != app) {
             continue;
         }
-        if r.protocol == Some(Protocol::Udp) {
-            continue; // UDP stays in the data plane (`udp_rules`)
+        if r.protocol.is_some_and(|p| p != protocol) {
+            continue;
         }
-        let mut words = vec!["meta l4proto tcp".to_string()];
+        let mut words = vec![format!("meta l4proto {l4}")];
         if !head.is_empty() {
             words.push(head.to_string());
         }
@@ -212,12 +228,12 @@ pub(crate) fn redirect_rules(matcher: &MatchTable, app: &str, port: u16, role: R
             words.push(format!("{family} daddr {to}"));
         }
         if let Some(p) = &r.sport {
-            words.push(format!("tcp sport {}", list(p)));
+            words.push(format!("{l4} sport {}", list(p)));
         }
         if let Some(p) = &r.dport {
-            words.push(format!("tcp dport {}", list(p)));
+            words.push(format!("{l4} dport {}", list(p)));
         }
-        words.push(if r.pass { "return".into() } else { format!("redirect to :{port}") });
+        words.push(if r.pass { "return".into() } else { action.to_string() });
         out.push(words.join(" "));
     }
     out
@@ -241,18 +257,26 @@ fn original_dst(s: &std::net::TcpStream, v4: bool) -> std::io::Result<SocketAddr
     }
 }
 
-/// A non-blocking socket of `ty` for the server role's flow `info`, made in the current namespace: transparent
-/// (`IP_TRANSPARENT`: bound to the client's non-local address and port), marked [`MARK`], connecting (TCP) or
-/// connected (UDP) to the app.
-fn transparent_socket(info: &FlowInfo, ty: SockType) -> std::io::Result<std::os::fd::OwnedFd> {
-    let family = if info.dst.is_ipv4() { AddressFamily::Inet } else { AddressFamily::Inet6 };
+/// A non-blocking socket of `ty` for a flow of the server role, made in the current namespace: transparent
+/// (`IP_TRANSPARENT`: bound to `local`, an address that need not be local), marked `mark` if given, connecting
+/// (TCP) or connected (UDP) to `peer`. `terminate` opens one into the app's namespace from the client's address and
+/// port ([`MARK`]); `originate` one per UDP flow in the daemon's, from the app's address and port to the client.
+pub(crate) fn transparent_socket(
+    local: SocketAddr,
+    peer: SocketAddr,
+    ty: SockType,
+    mark: Option<u32>,
+) -> std::io::Result<std::os::fd::OwnedFd> {
+    let family = if peer.is_ipv4() { AddressFamily::Inet } else { AddressFamily::Inet6 };
     let fd = socket(family, ty, SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC, None)?;
     // IP_TRANSPARENT at SOL_IP also sets an IPv6 socket's transparency (the kernel's ipv6_setsockopt passes SOL_IP on).
     setsockopt(&fd, sockopt::IpTransparent, &true)?;
-    setsockopt(&fd, sockopt::Mark, &MARK)?;
+    if let Some(mark) = mark {
+        setsockopt(&fd, sockopt::Mark, &mark)?;
+    }
     setsockopt(&fd, sockopt::ReuseAddr, &true)?;
-    bind(std::os::fd::AsRawFd::as_raw_fd(&fd), &SockaddrStorage::from(info.src))?;
-    match nix::sys::socket::connect(std::os::fd::AsRawFd::as_raw_fd(&fd), &SockaddrStorage::from(info.dst)) {
+    bind(std::os::fd::AsRawFd::as_raw_fd(&fd), &SockaddrStorage::from(local))?;
+    match nix::sys::socket::connect(std::os::fd::AsRawFd::as_raw_fd(&fd), &SockaddrStorage::from(peer)) {
         Ok(()) | Err(nix::errno::Errno::EINPROGRESS) => Ok(fd),
         Err(e) => Err(e.into()),
     }
@@ -276,7 +300,7 @@ impl Engine {
             return self.refuse(id, "refused");
         };
         let ty = if tcp { SockType::Stream } else { SockType::Datagram };
-        let fd = match ns.run(|| transparent_socket(&info, ty)) {
+        let fd = match ns.run(|| transparent_socket(info.src, info.dst, ty, Some(MARK))) {
             Ok(fd) => fd,
             Err(e) if e.raw_os_error() == Some(libc::ECONNREFUSED) => return self.refuse(id, "refused"),
             Err(e) => return self.refuse_open(id, &e),
@@ -389,10 +413,11 @@ impl Engine {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn table(rules: &[&str]) -> MatchTable {
+    /// A match table of `rules`.
+    pub(crate) fn table(rules: &[&str]) -> MatchTable {
         MatchTable::parse(&rules.iter().map(|s| s.to_string()).collect::<Vec<_>>()).unwrap()
     }
 
@@ -408,7 +433,7 @@ mod tests {
             "pass udp dport 53",
             "tcp app curl",
         ]);
-        let rules = redirect_rules(&t, "curl", 40000, Role::Client, "");
+        let rules = redirect_rules(&t, "curl", Role::Client, "", Protocol::Tcp, &redirect_to(40000));
         assert_eq!(
             rules,
             [
@@ -437,18 +462,25 @@ mod tests {
     #[test]
     fn udp_rules_stay_in_the_data_plane() {
         let t = table(&["tcp dport 80", "pass udp dport 5353", "udp dport 53", "* to 192.0.2.0/24"]);
-        assert_eq!(redirect_rules(&t, "a", 7, Role::Client, "").len(), 2, "no UDP rule is redirected");
+        assert_eq!(
+            redirect_rules(&t, "a", Role::Client, "", Protocol::Tcp, &redirect_to(7)).len(),
+            2,
+            "no UDP rule is redirected"
+        );
         assert!(terminates_udp(&t));
         assert!(terminates_udp(&table(&["*"])));
         assert!(!terminates_udp(&table(&["tcp *", "pass udp *"])));
-        assert_eq!(redirect_rules(&table(&["*"]), "a", 7, Role::Client, ""), ["meta l4proto tcp redirect to :7"]);
+        assert_eq!(
+            redirect_rules(&table(&["*"]), "a", Role::Client, "", Protocol::Tcp, &redirect_to(7)),
+            ["meta l4proto tcp redirect to :7"]
+        );
     }
 
     /// The server role's rules: those with `role server` (TCP, this app), each after the given head.
     #[test]
     fn the_server_role_becomes_redirect_rules_of_its_own() {
         let t = table(&["tcp *", "pass tcp dport 22 role server", "tcp dport 80 to 10.0.0.0/8 role server", "udp *"]);
-        let rules = redirect_rules(&t, "a", 9, Role::Server, "oifname \"fsh1\"");
+        let rules = redirect_rules(&t, "a", Role::Server, "oifname \"fsh1\"", Protocol::Tcp, &redirect_to(9));
         assert_eq!(
             rules,
             [

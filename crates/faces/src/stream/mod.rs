@@ -119,11 +119,11 @@ fn build(req: KernelRequest) -> Result<Box<dyn ModuleBuilder>, String> {
     let (accepting, namespaces) = match side {
         Side::App => {
             let (listeners, redirect) = kernel_app::open(&netns, &matcher, &cfg.app)?;
-            (Some((listeners, redirect)), Some(engine::Namespaces::open(&netns)?))
+            (Some((listeners, Vec::new(), redirect)), Some(engine::Namespaces::open(&netns)?))
         }
         Side::Net => (kernel_net::open_server(&host_dev, &matcher, &cfg.app)?, None),
     };
-    let app = accepting.map(|(l, r)| (l, r, AppSide { matcher, hits: Vec::new(), app: cfg.app.clone() }));
+    let app = accepting.map(|(l, u, r)| (l, u, r, AppSide { matcher, hits: Vec::new(), app: cfg.app.clone() }));
     Ok(Box::new(KernelBuilder { side, cfg, interface, decl, app, udp, namespaces }))
 }
 
@@ -134,7 +134,8 @@ struct KernelBuilder {
     cfg: Config,
     interface: ModuleInterface,
     decl: Decl,
-    app: Option<(Vec<std::net::TcpListener>, kernel_app::Redirect, AppSide)>,
+    /// The endpoint that accepts: its TCP listeners, UDP sockets (originate's server role), redirect, match table.
+    app: Option<(Vec<std::net::TcpListener>, Vec<std::net::UdpSocket>, kernel_app::Redirect, AppSide)>,
     /// terminate with UDP rules: the smoltcp back-end, for them.
     udp: Option<Box<dyn ModuleBuilder>>,
     /// terminate: the app's namespace (the server role's connections are opened there).
@@ -171,12 +172,17 @@ impl ModuleBuilder for KernelBuilder {
             engine.shares_udp = true;
         }
         let mut redirect = None;
-        if let Some((listeners, r, mut a)) = app {
+        if let Some((listeners, sockets, r, mut a)) = app {
             redirect = Some(r);
             a.hits = hits(a.matcher.rules.len());
             for l in listeners {
                 if let Err(e) = engine.add_listener(l) {
                     tracing::error!(error = %e, "cannot watch the kernel listener");
+                }
+            }
+            for s in sockets {
+                if let Err(e) = engine.add_udp_listener(s) {
+                    tracing::error!(error = %e, "cannot watch the server role's UDP socket");
                 }
             }
             engine.app = Some(a);

@@ -5,7 +5,6 @@
 
 use crate::stream::matcher::MatchTable;
 use flexstack_core::config::SettingsReader;
-use flexstack_core::stream::{Protocol, Role};
 use flexstack_core::{ConfigError, KindDecl, ModuleBuilder, ModuleInterface, Settings};
 use std::sync::OnceLock;
 
@@ -90,14 +89,6 @@ pub fn configure(
         let location = settings.get("backend").and_then(|s| s.location.clone());
         ConfigError::new(location, format!("setting `backend` of a {kind} module: {m}"))
     };
-    // The kernel back-end's network side listens for TCP only (a redirected datagram's original destination is
-    // lost): the server role's UDP is smoltcp's.
-    let udp_server = |r: &&crate::stream::matcher::MatchRule| {
-        side == Side::Net && !r.pass && r.role == Some(Role::Server) && r.protocol != Some(Protocol::Tcp)
-    };
-    if let Some(rule) = b.matcher.rules.iter().find(udp_server) {
-        return Err(at(format!("UDP in role server needs backend smoltcp (match rule `{rule}`)")));
-    }
     let hook = KERNEL
         .get()
         .ok_or_else(|| at("the kernel back-end is built by the daemon (flexstack-faces), not available here".into()))?;
@@ -146,20 +137,13 @@ mod tests {
         }
     }
 
-    /// originate's kernel back-end accepts TCP connections from the network, not UDP: a UDP (or `*`) `role server`
-    /// rule is refused at configuration, before the back-end is built.
+    /// The server role's rules, TCP and UDP (or `*`), go on to either back-end of originate (the kernel one takes
+    /// the network's datagrams by TPROXY: flexstack_faces::stream).
     #[test]
-    fn the_server_role_needs_smoltcp_on_the_network_side_for_udp() {
+    fn the_server_role_goes_to_either_back_end() {
         let rules = "match = [\"pass udp dport 22 role server\", \"* dport 8080 role server\"]\n";
         assert_eq!(configure_with("originate", "smoltcp", rules), "ok");
         let e = configure_with("originate", "kernel", rules);
-        assert_eq!(
-            e,
-            "s.toml:3:11: setting `backend` of a originate module: UDP in role server needs backend smoltcp (match \
-             rule `* dport 8080 role server`)"
-        );
-        // TCP rules of the server role go on to the back-end.
-        let e = configure_with("originate", "kernel", "match = [\"tcp dport 8080 role server\", \"udp *\"]\n");
         assert!(e.contains("the kernel back-end is built by the daemon"), "{e}");
     }
 }

@@ -26,6 +26,9 @@
 # FS_OLD=path: an A/B in the same run: a second daemon runs that binary (one built from main, say; its apps in
 # 10.(NET+2).0.0/16), and every configuration X is measured with it too, as X0 ("old"), right after X in every round
 # (so both see the same machine); X0's ratios are to a0. PERF, PERF_CPS and IDLE_SMAPS name its files X0.
+# WORKERS=N runs the daemon with --workers N (default: the daemon's default), WORKERS_OLD=N the FS_OLD daemon: with
+# FS_OLD set to the same binary, an A/B of worker counts in one run (e.g. FS_OLD=target/release/flexstack WORKERS=2
+# WORKERS_OLD=1 CONFIGS=a IDLE=0).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${RUNS:-5}
@@ -80,12 +83,15 @@ ip netns exec ${tag}s iperf3 -s -D -p 5201 -I "$state/iperf.pid" >/dev/null
 ip netns exec ${tag}s "$state/tcp_rr" server 7 > "$state/rr.out" &
 for _ in $(seq 100); do grep -q ready "$state/rr.out" 2>/dev/null && break; sleep 0.05; done
 
-"$fs" daemon --state-dir "$state/d" --app-subnet 10.$((NET + 1)).0.0 2>"$state/daemon.log" &
+workers_arg() { [[ -n "$1" ]] && echo "--workers=$1" || true; }
+# shellcheck disable=SC2046 # an empty knob adds no argument
+"$fs" daemon --state-dir "$state/d" $(workers_arg "${WORKERS:-}") --app-subnet 10.$((NET + 1)).0.0 2>"$state/daemon.log" &
 daemon=$!
 for _ in $(seq 200); do "$fs" --state-dir "$state/d" status >/dev/null 2>&1 && break; sleep 0.05; done
 all=$CONFIGS
 if [[ -n "${FS_OLD:-}" ]]; then
-  "$FS_OLD" daemon --state-dir "$state/d0" --app-subnet 10.$((NET + 2)).0.0 2>"$state/daemon0.log" &
+  # shellcheck disable=SC2046
+  "$FS_OLD" daemon --state-dir "$state/d0" $(workers_arg "${WORKERS_OLD:-}") --app-subnet 10.$((NET + 2)).0.0 2>"$state/daemon0.log" &
   daemon0=$!
   for _ in $(seq 200); do "$FS_OLD" --state-dir "$state/d0" status >/dev/null 2>&1 && break; sleep 0.05; done
   all=$(for c in $CONFIGS; do printf '%s %s0 ' "$c" "$c"; done)
@@ -194,4 +200,5 @@ for c in $all; do
   read -r rss cpu < <(idle "$c")
   echo "($c) $IDLE idle terminated connections: daemon RSS $rss MiB, daemon CPU $cpu % over ${IDLE_SECS}s (from ${IDLE_SETTLE}s after they opened)"
 done
-echo "code version: ${FS:-$(git rev-parse --short HEAD)$(git diff --quiet || echo -dirty)}${FS_OLD:+; old (X0): $FS_OLD}"
+echo "code version: ${FS:-$(git rev-parse --short HEAD)$(git diff --quiet || echo -dirty)}${FS_OLD:+; old (X0): $FS_OLD}\
+${WORKERS:+; workers $WORKERS}${WORKERS_OLD:+; old (X0) workers $WORKERS_OLD}"

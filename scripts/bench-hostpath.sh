@@ -4,7 +4,10 @@
 # veth pair: iperf3, the UDP echo of bench/udp_pp.c) is reached over
 #   (c) the C TUN forwarder with offloads and one thread per direction (bench/tun_forward.c -o -t): a TUN device in
 #       the client's namespace, the other in the host, routed by the host (the issue's reference "into the host");
-#   (f) `flexstack run` with the default chain (stacks/app-default.toml), busy-poll off;
+#   (f) `flexstack run` with the default chain (stacks/app-default.toml), busy-poll off, with the daemon's default
+#       data-plane workers (WORKERS=N: --workers N);
+#   (g) the same with a second daemon of the same binary run with --workers WORKERS_G (default 1): workers A/B in
+#       one run (PATHS="c f g");
 #   (s) slirp4netns (user-mode networking with libslirp);
 #   (p) pasta (passt's namespace mode: a tap device, the host's sockets).
 # Each round measures every path in turn (RUNS rounds, medians printed with the ratio to (c)):
@@ -23,7 +26,8 @@ SECS=${SECS:-4}
 MANY=${MANY:-4}
 RR_N=${RR_N:-5000}
 PATHS=${PATHS:-c f s p}
-NET=${NET:-215} # the server is 10.NET.7.2; flexstack's apps 10.(NET+1)/16; (c) 10.(NET+2).0/24; (p) 10.(NET+3).0/24
+NET=${NET:-215} # the server is 10.NET.7.2; flexstack's apps 10.(NET+1)/16; (c) 10.(NET+2).0/24; (p) 10.(NET+3).0/24;
+# (g)'s apps 10.(NET+4)/16
 . scripts/lib/bench.sh # median, bench_setup, server_ns
 bench_setup bench-hostpath "namespaces, TUN devices" iperf3 cc python3 slirp4netns pasta
 tag=fsz$$
@@ -64,10 +68,18 @@ ip addr add 10.$((NET + 2)).0.1/24 dev ${tag}cb
 ip link set ${tag}cb up
 
 # (f) flexstack: a daemon whose apps run in sandboxes of their own (one per measurement).
-"$fs" daemon --state-dir "$state/d" --app-subnet 10.$((NET + 1)).0.0 2>"$state/daemon.log" &
+"$fs" daemon --state-dir "$state/d" ${WORKERS:+--workers=$WORKERS} --app-subnet 10.$((NET + 1)).0.0 \
+  2>"$state/daemon.log" &
 daemon=$!
 pids+=($daemon)
 wait_for '"$fs" --state-dir "$state/d" status >/dev/null 2>&1' "the daemon did not start"
+# (g) flexstack again, a daemon with WORKERS_G workers.
+if [[ " $PATHS " == *" g "* ]]; then
+  "$fs" daemon --state-dir "$state/g" --workers="${WORKERS_G:-1}" --app-subnet 10.$((NET + 4)).0.0 \
+    2>"$state/daemon-g.log" &
+  pids+=($!)
+  wait_for '"$fs" --state-dir "$state/g" status >/dev/null 2>&1' "the second daemon (g) did not start"
+fi
 
 # (s) slirp4netns, attached to a namespace of its own.
 ip netns add ${tag}l
@@ -92,6 +104,7 @@ on() {
   case $p in
     c) ip netns exec ${tag}c "$@" ;;
     f) "$fs" --state-dir "$state/d" run -- "$@" ;;
+    g) "$fs" --state-dir "$state/g" run -- "$@" ;;
     s) ip netns exec ${tag}l "$@" ;;
     p) ip netns exec ${tag}q "$@" ;;
   esac
@@ -127,7 +140,8 @@ printf '%-40s %8s %8s %9s %7s %9s %7s %8s %8s\n' "" Gbit/s Gbit/s kpps % kpps % 
 for p in $PATHS; do
   case $p in
     c) name="(c) C forwarder, offloads, 2 threads" ;;
-    f) name="(f) flexstack run, default chain" ;;
+    f) name="(f) flexstack run, default chain${WORKERS:+, $WORKERS w}" ;;
+    g) name="(g) flexstack run, ${WORKERS_G:-1} worker(s)" ;;
     s) name="(s) slirp4netns" ;;
     p) name="(p) pasta" ;;
   esac

@@ -205,8 +205,10 @@ pub struct DaemonArgs {
     pub realtime: u8,
     /// Data-plane workers: threads with a switch of their own each, flows spread over them by a hash of their
     /// addresses and ports (docs/architecture.md, "Workers"). A stack with a module that needs a global view
-    /// (an emulator, a binding scheduler, a tap ...) runs on one; `status` says how many run it.
-    #[arg(long, env = "FLEXSTACK_WORKERS", default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=256))]
+    /// (an emulator, a binding scheduler, a tap ...) runs on one; `status` says how many run it. Default: the
+    /// machine's cores (as many as this process may run on), at most 8.
+    #[arg(long, env = "FLEXSTACK_WORKERS", default_value_t = default_workers(),
+          value_parser = clap::value_parser!(u16).range(1..=256))]
     pub workers: u16,
     /// Busy-poll: microseconds the data-plane workers keep polling their devices after their last frame before they
     /// sleep (lower latency while traffic flows, a core busy meanwhile; 0, the default: sleep at once). The knob
@@ -1000,6 +1002,12 @@ fn print_watch(ev: &WatchEvent, json: bool) -> bool {
         writeln!(out, "{line}")
     };
     ok.is_ok() && out.flush().is_ok()
+}
+
+/// The default number of data-plane workers: one per core this process may run on, at most 8 (beyond, a stack's
+/// edits wait for more threads at their barriers than most machines' flows need).
+fn default_workers() -> u16 {
+    std::thread::available_parallelism().map_or(1, |n| n.get().min(8) as u16)
 }
 
 #[cfg(test)]

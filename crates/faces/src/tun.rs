@@ -98,6 +98,169 @@ fn cut(data: &[u8], gso: &Gso, segments: &mut Vec<Vec<u8>>) -> usize {
     n
 }
 
+/// Has the kernel put each packet it sends to multi-queue device `dev` on the queue of the worker that owns the
+/// packet's flow ([`steering_program`]; queue k is worker k's, opened in that order). Without it the kernel picks
+/// a queue from its own flow hash and learns a flow's queue from the packets written to it, in a table of 4,096
+/// flows that forgets a flow 3 s after its last packet: with thousands of new connections a second the table is
+/// full, nothing is learnt, and half of all packets arrive at the wrong worker and are handed over. Where the
+/// program cannot be loaded (no CAP_BPF) the kernel's choice stays, which is only slower.
+fn steer_queues(dev: &tun_rs::SyncDevice, name: &str) {
+    static PROGRAM: std::sync::OnceLock<Result<std::os::fd::OwnedFd, String>> = std::sync::OnceLock::new();
+    let program = PROGRAM.get_or_init(|| {
+        flexstack_sys::bpf_load_socket_filter(&steering_program()).map_err(|e| format!("cannot load it: {e}"))
+    });
+    let result = match program {
+        Ok(p) => flexstack_sys::tun_set_steering_ebpf(dev.as_fd(), p.as_fd()).map_err(|e| e.to_string()),
+        Err(e) => Err(e.clone()),
+    };
+    if let Err(e) = result {
+        tracing::warn!(device = name, error = %e, "no flow steering program on the device's queues (frames are handed over instead)");
+    }
+}
+
+/// The eBPF program (a socket filter, as TUNSETSTEERINGEBPF takes) that computes the daemon's flow hash of an IP
+/// packet (`flexstack_daemon`'s `steer::flow_hash`, which its tests check against this program): the XOR of the
+/// source and destination addresses' 32-bit words; for TCP, UDP, UDP-Lite, SCTP and DCCP packets that are not
+/// fragments (and, in IPv6, follow the fixed header), XORed with source port ^ destination port and the protocol
+/// << 16; then mixed (lowbias32). The kernel takes it modulo the queues, as the daemon takes the hash modulo the
+/// workers. Anything else (not IP, too short) returns 0: worker 0.
+pub fn steering_program() -> Vec<u64> {
+    use bpf::*;
+    let mut a = Asm::default();
+    a.op(ALU64 | MOV | X, R6, R1, 0, 0); // r6 = skb (LD_ABS/LD_IND read through it)
+    a.op(LD | ABS | B, 0, 0, 0, 0); // r0 = version << 4 | ihl
+    a.op(ALU | RSH | K, R0, 0, 0, 4);
+    a.jump(JEQ | K, R0, 4, "v4");
+    a.jump(JEQ | K, R0, 6, "v6");
+    a.op(ALU | MOV | K, R0, 0, 0, 0);
+    a.op(JMP | EXIT, 0, 0, 0, 0);
+    // IPv4: the addresses, then the ports unless a fragment.
+    a.label("v4");
+    a.addresses(12..20, 9, "v4frag");
+    a.label("v4frag");
+    a.op(LD | ABS | H, 0, 0, 0, 6);
+    a.op(ALU | AND | K, R0, 0, 0, 0x3fff);
+    a.jump(JNE | K, R0, 0, "mix");
+    a.op(LD | ABS | B, 0, 0, 0, 0);
+    a.op(ALU | AND | K, R0, 0, 0, 0x0f);
+    a.op(ALU | LSH | K, R0, 0, 0, 2);
+    a.op(ALU | MOV | X, R8, R0, 0, 0);
+    a.op(LD | IND | W, 0, R8, 0, 0); // r0 = source port << 16 | destination port
+    a.jump(JA, 0, 0, "fold");
+    // IPv6: the addresses, then the ports when the transport header follows the fixed header.
+    a.label("v6");
+    a.addresses(8..40, 6, "v6ports");
+    a.label("v6ports");
+    a.op(LD | ABS | W, 0, 0, 0, 40);
+    a.label("fold");
+    a.op(ALU | MOV | X, R1, R0, 0, 0);
+    a.op(ALU | RSH | K, R1, 0, 0, 16);
+    a.op(ALU | XOR | X, R0, R1, 0, 0);
+    a.op(ALU | AND | K, R0, 0, 0, 0xffff);
+    a.op(ALU | XOR | X, R7, R0, 0, 0);
+    a.op(ALU | LSH | K, R9, 0, 0, 16);
+    a.op(ALU | XOR | X, R7, R9, 0, 0);
+    // lowbias32: x ^= x >> 16; x *= 0x7feb352d; x ^= x >> 15; x *= 0x846ca68b; x ^= x >> 16.
+    a.label("mix");
+    for (shift, factor) in [(16, Some(0x7feb_352d_u32)), (15, Some(0x846c_a68b)), (16, None)] {
+        a.op(ALU | MOV | X, R0, R7, 0, 0);
+        a.op(ALU | RSH | K, R0, 0, 0, shift);
+        a.op(ALU | XOR | X, R7, R0, 0, 0);
+        if let Some(f) = factor {
+            a.op(ALU | MUL | K, R7, 0, 0, f as i32);
+        }
+    }
+    a.op(ALU | MOV | X, R0, R7, 0, 0);
+    a.op(JMP | EXIT, 0, 0, 0, 0);
+    a.finish()
+}
+
+/// Just enough of an eBPF assembler for [`steering_program`].
+mod bpf {
+    use std::collections::HashMap;
+
+    pub const LD: u8 = 0x00;
+    pub const ALU: u8 = 0x04;
+    pub const JMP: u8 = 0x05;
+    pub const ALU64: u8 = 0x07;
+    pub const W: u8 = 0x00;
+    pub const H: u8 = 0x08;
+    pub const B: u8 = 0x10;
+    pub const ABS: u8 = 0x20;
+    pub const IND: u8 = 0x40;
+    pub const MUL: u8 = 0x20;
+    pub const AND: u8 = 0x50;
+    pub const LSH: u8 = 0x60;
+    pub const RSH: u8 = 0x70;
+    pub const XOR: u8 = 0xa0;
+    pub const MOV: u8 = 0xb0;
+    pub const K: u8 = 0x00;
+    pub const X: u8 = 0x08;
+    pub const JA: u8 = 0x00;
+    pub const JEQ: u8 = 0x10;
+    pub const JNE: u8 = 0x50;
+    pub const EXIT: u8 = 0x90;
+    pub const R0: u8 = 0;
+    pub const R1: u8 = 1;
+    pub const R6: u8 = 6;
+    pub const R7: u8 = 7;
+    pub const R8: u8 = 8;
+    pub const R9: u8 = 9;
+
+    /// Instructions with jumps to labels, resolved by [`Asm::finish`].
+    #[derive(Default)]
+    pub struct Asm {
+        insns: Vec<u64>,
+        labels: HashMap<&'static str, usize>,
+        jumps: Vec<(usize, &'static str)>,
+    }
+
+    impl Asm {
+        pub fn op(&mut self, code: u8, dst: u8, src: u8, off: i16, imm: i32) {
+            let word = u64::from(code)
+                | u64::from(dst | (src << 4)) << 8
+                | u64::from(off as u16) << 16
+                | u64::from(imm as u32) << 32;
+            self.insns.push(word);
+        }
+
+        /// A conditional jump (`JMP | JEQ | K`...) comparing `dst` with `imm`, or `JA`, to `label`.
+        pub fn jump(&mut self, op: u8, dst: u8, imm: i32, label: &'static str) {
+            self.jumps.push((self.insns.len(), label));
+            self.op(JMP | op, dst, 0, 0, imm);
+        }
+
+        pub fn label(&mut self, name: &'static str) {
+            self.labels.insert(name, self.insns.len());
+        }
+
+        /// r7 = the XOR of the packet's 32-bit words in `words` (the addresses), r9 = its byte at `proto`; then
+        /// on to `ports` when that protocol carries ports, else to `mix` (the addresses alone).
+        pub fn addresses(&mut self, words: std::ops::Range<i32>, proto: i32, ports: &'static str) {
+            self.op(ALU | MOV | K, R7, 0, 0, 0);
+            for at in words.step_by(4) {
+                self.op(LD | ABS | W, 0, 0, 0, at);
+                self.op(ALU | XOR | X, R7, R0, 0, 0);
+            }
+            self.op(LD | ABS | B, 0, 0, 0, proto);
+            self.op(ALU | MOV | X, R9, R0, 0, 0);
+            for proto in [6, 17, 33, 132, 136] {
+                self.jump(JEQ | K, R9, proto, ports);
+            }
+            self.jump(JA, 0, 0, "mix");
+        }
+
+        pub fn finish(mut self) -> Vec<u64> {
+            for (at, label) in std::mem::take(&mut self.jumps) {
+                let to = self.labels[label];
+                let off = (to as i64 - at as i64 - 1) as i16;
+                self.insns[at] |= u64::from(off as u16) << 16;
+            }
+            self.insns
+        }
+    }
+}
+
 impl TunDevice {
     /// Creates TUN device `name` with `mtu`, up, non-blocking, with offloads if `offload`; with `multi_queue`,
     /// as a multi-queue device (IFF_MULTI_QUEUE) whose further queues [`TunDevice::another_queue`] opens. Needs
@@ -118,6 +281,9 @@ impl TunDevice {
             .multi_queue(multi_queue)
             .build_sync()?;
         dev.set_nonblocking(true)?;
+        if multi_queue {
+            steer_queues(&dev, name);
+        }
         dev.enabled(true)?;
         // tcp_gso() tells whether the device really uses virtio-net headers.
         let offload = (offload && dev.tcp_gso()).then(|| Offload::new(dev.udp_gso()));

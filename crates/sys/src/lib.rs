@@ -428,6 +428,108 @@ pub fn trim_heap() -> bool {
     }
 }
 
+/// `bpf(2)`'s attributes for BPF_PROG_LOAD (the leading fields of `union bpf_attr`; the kernel reads the rest as 0).
+#[repr(C)]
+#[derive(Default)]
+struct BpfProgLoad {
+    prog_type: u32,
+    insn_cnt: u32,
+    insns: u64,
+    license: u64,
+    log_level: u32,
+    log_size: u32,
+    log_buf: u64,
+}
+
+/// `bpf(2)`'s attributes for BPF_PROG_TEST_RUN (the leading fields).
+#[repr(C)]
+#[derive(Default)]
+struct BpfTestRun {
+    prog_fd: u32,
+    retval: u32,
+    data_size_in: u32,
+    data_size_out: u32,
+    data_in: u64,
+    data_out: u64,
+    repeat: u32,
+    duration: u32,
+}
+
+fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> io::Result<libc::c_long> {
+    // SAFETY: `attr` is a live, initialised `#[repr(C)]` prefix of `union bpf_attr` of the size passed, for the
+    // command given; every pointer in it points to memory that outlives the call (the callers keep it).
+    let rc = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr as *mut T, std::mem::size_of::<T>()) };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(rc)
+}
+
+/// Loads an eBPF program of type BPF_PROG_TYPE_SOCKET_FILTER (license GPL): `insns` are `struct bpf_insn`s, each as
+/// the u64 of its little-endian layout (opcode, registers, offset, immediate). The verifier's log is in the error
+/// when it refuses the program. Needs CAP_BPF (or root).
+pub fn bpf_load_socket_filter(insns: &[u64]) -> io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    const BPF_PROG_LOAD: libc::c_long = 5;
+    let words: Vec<u64> = insns.iter().map(|i| u64::from_le(*i)).collect();
+    let license = c"GPL";
+    let mut log = vec![0u8; 1 << 16];
+    let mut attr = BpfProgLoad {
+        prog_type: 1, // BPF_PROG_TYPE_SOCKET_FILTER
+        insn_cnt: u32::try_from(words.len()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?,
+        insns: words.as_ptr() as u64,
+        license: license.as_ptr() as u64,
+        ..BpfProgLoad::default()
+    };
+    let fd = match bpf(BPF_PROG_LOAD, &mut attr) {
+        Ok(fd) => fd,
+        Err(e) if e.raw_os_error() == Some(libc::EACCES) || e.raw_os_error() == Some(libc::EINVAL) => {
+            // Again with the verifier's log, to say why.
+            attr.log_level = 1;
+            attr.log_size = log.len() as u32;
+            attr.log_buf = log.as_mut_ptr() as u64;
+            let _ = bpf(BPF_PROG_LOAD, &mut attr);
+            let end = log.iter().position(|b| *b == 0).unwrap_or(log.len());
+            return Err(io::Error::new(e.kind(), format!("{e}: {}", String::from_utf8_lossy(&log[..end]).trim())));
+        }
+        Err(e) => return Err(e),
+    };
+    // SAFETY: the kernel just returned `fd` as a new descriptor that nothing else owns.
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as libc::c_int) })
+}
+
+/// Runs a loaded socket-filter program once on `frame` (an Ethernet frame: the program sees what follows the
+/// Ethernet header, as a device's transmit path shows it an IP packet) and returns what it returned
+/// (BPF_PROG_TEST_RUN).
+pub fn bpf_test_run(prog: BorrowedFd<'_>, frame: &[u8]) -> io::Result<u32> {
+    const BPF_PROG_TEST_RUN: libc::c_long = 10;
+    let mut out = vec![0u8; frame.len() + 256];
+    let mut attr = BpfTestRun {
+        prog_fd: prog.as_raw_fd() as u32,
+        data_size_in: frame.len() as u32,
+        data_size_out: out.len() as u32,
+        data_in: frame.as_ptr() as u64,
+        data_out: out.as_mut_ptr() as u64,
+        repeat: 1,
+        ..BpfTestRun::default()
+    };
+    bpf(BPF_PROG_TEST_RUN, &mut attr)?;
+    Ok(attr.retval)
+}
+
+/// Attaches steering program `prog` (a socket filter; see [`bpf_load_socket_filter`]) to the multi-queue TUN device
+/// of `tun`: the kernel then puts each packet it sends to the device on queue `return value % queues`
+/// (TUNSETSTEERINGEBPF) instead of its own flow table's choice.
+pub fn tun_set_steering_ebpf(tun: BorrowedFd<'_>, prog: BorrowedFd<'_>) -> io::Result<()> {
+    /// `_IOR('T', 224, int)` from linux/if_tun.h.
+    const TUNSETSTEERINGEBPF: libc::Ioctl = 0x8004_54e0u32 as libc::Ioctl;
+    let fd: libc::c_int = prog.as_raw_fd();
+    // SAFETY: the request reads one c_int (the program's descriptor) through the pointer, which points to a live
+    // c_int for the call; `tun` is an open TUN file borrowed for the duration of the call.
+    checked(unsafe { libc::ioctl(tun.as_raw_fd(), TUNSETSTEERINGEBPF, &fd as *const libc::c_int) })?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

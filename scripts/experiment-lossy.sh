@@ -31,16 +31,7 @@ NET=${NET:-229} # A-B link 10.NET.1.0/24 (A .1, B .2), B-server 10.NET.2.0/24, a
 . scripts/lib/bench.sh # bench_setup, peer_topology, start_peers, start_peer_b, carrier_stack
 bench_setup experiment-lossy "namespaces, veth, TUN devices" iperf3 python3
 tag=fsy$$
-state=$(mktemp -d)
-chmod 755 "$state"
-pids=()
-cleanup() {
-  peer_topology_cleanup "$NET"
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null && wait "$p" 2>/dev/null || true; done
-  if [[ -n ${KEEP_STATE:-} ]]; then echo "experiment-lossy: logs kept in $state" >&2; else rm -rf "$state"; fi
-}
-trap cleanup EXIT INT TERM
-wait_for() { for _ in $(seq 200); do eval "$1" && return 0; sleep 0.05; done; echo "experiment-lossy: $2" >&2; exit 1; }
+peer_bench_state experiment-lossy "$NET"
 # host (A, 10.NET.1.1) ─ veth ─ [${tag}1 ─ emulators ─ ${tag}2] (namespace m) ─ veth ─ B (10.NET.1.2) ─ veth ─ server.
 peer_topology "$NET" bridge
 

@@ -22,7 +22,7 @@ NET=${NET:-225} # A-B 10.NET.1.0/24, B-server 10.NET.2.0/24, apps 10.(NET+1).0.0
 . scripts/lib/bench.sh # median, bench_setup, peer_topology, start_peers, start_peer_b, carrier_stack
 bench_setup bench-carriers "namespaces, veth, TUN devices" iperf3 python3
 tag=fsc$$
-peer_bench_state bench-carriers "$NET"
+peer_bench_state "$NET"
 peer_topology "$NET"
 start_peers "$NET" tcp
 app_sed=()

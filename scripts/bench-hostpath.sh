@@ -43,7 +43,6 @@ cleanup() {
   rm -rf "$state"
 }
 trap cleanup EXIT INT TERM
-wait_for() { for _ in $(seq 200); do eval "$1" && return 0; sleep 0.05; done; echo "bench-hostpath: $2" >&2; exit 1; }
 
 server_ns "$NET"
 srv=10.$NET.7.2

@@ -41,7 +41,6 @@ cleanup() {
   rm -rf "$state"
 }
 trap cleanup EXIT INT TERM
-wait_for() { for _ in $(seq 200); do eval "$1" && return 0; sleep 0.05; done; echo "bench-linkface: $2" >&2; exit 1; }
 gbits() { python3 -c 'import json,sys; print(json.load(sys.stdin)["end"]["sum_received"]["bits_per_second"]/1e9)'; }
 
 # (l): the server at one end of a veth pair; the other end (${tag}o) stays in the host for flexstack to take over.

@@ -30,7 +30,7 @@ NET=${NET:-233} # A-B link 10.NET.1.0/24 (A .1, B .2), B-server 10.NET.2.0/24, a
 . scripts/lib/bench.sh # bench_setup, peer_topology, start_peer_b
 bench_setup exp-compress-lab "namespaces, veth, TUN devices" python3
 tag=fsz$$
-peer_bench_state exp-compress-lab "$NET"
+peer_bench_state "$NET"
 
 # host (A, 10.NET.1.1) ─ veth ─ [${tag}1 ─ emulators ─ ${tag}2] (namespace m) ─ veth ─ B (10.NET.1.2) ─ veth ─ server.
 peer_topology "$NET" bridge

@@ -31,7 +31,7 @@ NET=${NET:-229} # A-B link 10.NET.1.0/24 (A .1, B .2), B-server 10.NET.2.0/24, a
 . scripts/lib/bench.sh # bench_setup, peer_topology, start_peers, start_peer_b, carrier_stack
 bench_setup experiment-lossy "namespaces, veth, TUN devices" iperf3 python3
 tag=fsy$$
-peer_bench_state experiment-lossy "$NET"
+peer_bench_state "$NET"
 # host (A, 10.NET.1.1) ─ veth ─ [${tag}1 ─ emulators ─ ${tag}2] (namespace m) ─ veth ─ B (10.NET.1.2) ─ veth ─ server.
 peer_topology "$NET" bridge
 

@@ -3,8 +3,10 @@
 # The checks and the build every benchmark starts with: `$1` (the script's name) must run as root (`$2` says what
 # for) with the programs `$3...` installed; then the cargo profile $PROFILE (default release) is built and `fs` set to
 # its daemon binary. FS=PATH benchmarks another build instead, NO_BUILD=1 the binary as it is (nothing is built).
+# `bench_name` keeps `$1` for the messages of the helpers below.
 bench_setup() {
   local name=$1 why=$2 p
+  bench_name=$name
   shift 2
   [[ $(id -u) == 0 ]] || { echo "$name: needs root ($why)" >&2; exit 1; }
   for p in "$@"; do
@@ -131,11 +133,11 @@ peer_topology_cleanup() {
   return 0
 }
 
-# The state of a script on the two-peer topology (peer_topology $2): $state, a directory the sandboxed apps can read;
+# The state of a script on the two-peer topology (peer_topology $1): $state, a directory the sandboxed apps can read;
 # $pids, the daemons the script starts; a trap that removes the topology, stops those daemons and B (start_peer_b)
-# and removes $state (kept, with the daemons' logs, when KEEP_STATE=1). $1 names the script in messages.
+# and removes $state (kept, with the daemons' logs, when KEEP_STATE=1).
 peer_bench_state() {
-  bench_name=$1 bench_net=$2
+  bench_net=$1
   state=$(mktemp -d)
   chmod 755 "$state"
   pids=()

@@ -7,6 +7,8 @@
 //! socket is readable. [`link_states`] is the sans-IO part: it turns the bytes of one netlink datagram into
 //! `(ifindex, up)` pairs, where up means administratively up with carrier (IFF_UP and IFF_LOWER_UP). The data plane
 //! compares them with what it last told ([`CarrierBook`]) and calls `Switch::face_link_changed` on a change.
+//! A carrier with several uplinks opens its own with [`LinkWatch::joined`] (links and addresses) and only asks
+//! [`LinkWatch::drain`] whether anything changed.
 //!
 //! The messages are parsed with `netlink-packet-route` (already in the build through tun-rs): the kernel's link
 //! messages carry many attributes of varying layout, which that crate decodes and keeps up with.
@@ -20,7 +22,9 @@ use std::io;
 use std::os::fd::{AsFd, BorrowedFd};
 
 /// The rtnetlink multicast group of link changes (RTMGRP_LINK).
-const RTMGRP_LINK: u32 = 1;
+pub const RTMGRP_LINK: u32 = 1;
+/// The groups of IPv4 and IPv6 address changes (RTMGRP_IPV4_IFADDR, RTMGRP_IPV6_IFADDR).
+pub const RTMGRP_IFADDR: u32 = 0x10 | 0x100;
 
 /// A NETLINK_ROUTE socket that receives every link change of the daemon's network namespace.
 pub struct LinkWatch {
@@ -31,8 +35,13 @@ pub struct LinkWatch {
 impl LinkWatch {
     /// Opens the socket, non-blocking, joined to the link group.
     pub fn open() -> io::Result<LinkWatch> {
+        LinkWatch::joined(RTMGRP_LINK)
+    }
+
+    /// Opens the socket, non-blocking, joined to the rtnetlink multicast `groups`.
+    pub fn joined(groups: u32) -> io::Result<LinkWatch> {
         let mut socket = Socket::new(NETLINK_ROUTE)?;
-        socket.bind(&SocketAddr::new(0, RTMGRP_LINK))?;
+        socket.bind(&SocketAddr::new(0, groups))?;
         socket.set_non_blocking(true)?;
         Ok(LinkWatch { socket, buf: vec![0; 64 * 1024] })
     }
@@ -69,6 +78,19 @@ impl LinkWatch {
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(malformed),
                 Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Reads every datagram waiting without parsing them: true when any came, or when events were lost (ENOBUFS or
+    /// another error), so that the caller looks at the state again.
+    pub fn drain(&mut self) -> bool {
+        let mut any = false;
+        loop {
+            match self.socket.recv(&mut &mut self.buf[..], 0) {
+                Ok(_) => any = true,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return any,
+                Err(_) => return true,
             }
         }
     }

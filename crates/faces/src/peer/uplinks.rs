@@ -6,18 +6,15 @@
 //! usable any more the carrier moves to the first usable one. The engines do what moving means for them (quinn-proto's
 //! migration, the datagram carriers' re-binding).
 
+use crate::linkwatch::{LinkWatch, RTMGRP_IFADDR, RTMGRP_LINK};
 use flexstack_modules::stream::carrier::Meters;
-use netlink_sys::{protocols::NETLINK_ROUTE, Socket, SocketAddr as NetlinkAddr};
 use nix::ifaddrs::getifaddrs;
 use nix::net::if_::InterfaceFlags;
 use nix::sys::epoll::{Epoll, EpollEvent, EpollFlags};
-use std::io::ErrorKind;
 use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::os::fd::AsFd;
 use std::time::Instant;
 
-/// The rtnetlink groups watched: links (RTMGRP_LINK), IPv4 and IPv6 addresses (RTMGRP_IPV4_IFADDR, _IPV6_IFADDR).
-const GROUPS: u32 = 0x1 | 0x10 | 0x100;
 /// Epoll tokens: the netlink socket, then the sockets from `SOCKETS`.
 const WATCH: u64 = 10;
 const SOCKETS: u64 = 16;
@@ -28,15 +25,14 @@ pub(crate) struct Sockets {
     addrs: Vec<IpAddr>,
     sockets: Vec<UdpSocket>,
     active: usize,
-    watch: Option<Socket>,
+    /// The link and address events (with uplinks).
+    watch: Option<LinkWatch>,
     /// When a datagram was last received.
     last_rx: Option<Instant>,
     /// After a move: when the last datagram before it came (the gap ends with the first on the new uplink).
     gap_from: Option<Instant>,
     /// No uplink was usable when last looked at (logged once).
     stranded: bool,
-    /// Where the watch's events are read (with uplinks).
-    events: Vec<u8>,
 }
 
 impl Sockets {
@@ -45,9 +41,8 @@ impl Sockets {
         Sockets::new(Vec::new(), vec![socket], None)
     }
 
-    fn new(addrs: Vec<IpAddr>, sockets: Vec<UdpSocket>, watch: Option<Socket>) -> Sockets {
-        let events = if watch.is_some() { vec![0; 16 * 1024] } else { Vec::new() };
-        Sockets { addrs, sockets, active: 0, watch, last_rx: None, gap_from: None, stranded: false, events }
+    fn new(addrs: Vec<IpAddr>, sockets: Vec<UdpSocket>, watch: Option<LinkWatch>) -> Sockets {
+        Sockets { addrs, sockets, active: 0, watch, last_rx: None, gap_from: None, stranded: false }
     }
 
     /// A connecting carrier's sockets towards `peer`: one per uplink of `uplinks` (the wildcard one when empty).
@@ -66,10 +61,7 @@ impl Sockets {
                 .map_err(|e| format!("cannot open a UDP socket on uplink {a}: {e}"))?;
             sockets.push(s);
         }
-        let mut watch = Socket::new(NETLINK_ROUTE).map_err(|e| format!("cannot watch the uplinks (netlink): {e}"))?;
-        watch
-            .bind(&NetlinkAddr::new(0, GROUPS))
-            .and_then(|_| watch.set_non_blocking(true))
+        let watch = LinkWatch::joined(RTMGRP_LINK | RTMGRP_IFADDR)
             .map_err(|e| format!("cannot watch the uplinks (netlink): {e}"))?;
         let mut s = Sockets::new(uplinks.to_vec(), sockets, Some(watch));
         // Start on the first usable uplink.
@@ -91,9 +83,7 @@ impl Sockets {
                 .expect("the carrier's sockets in its epoll set");
         }
         if let Some(w) = &self.watch {
-            epoll
-                .add(w.as_fd(), EpollEvent::new(EpollFlags::EPOLLIN, WATCH))
-                .expect("the uplink watch in the epoll set");
+            epoll.add(w.fd(), EpollEvent::new(EpollFlags::EPOLLIN, WATCH)).expect("the uplink watch in the epoll set");
         }
     }
 
@@ -130,20 +120,7 @@ impl Sockets {
     /// Reads the watch's events; when something changed, looks at the uplinks and moves off an active one that is
     /// not usable any more. True when the carrier moved (the engine then does what moving means for it).
     pub(crate) fn moved(&mut self, now: Instant, m: &Meters) -> bool {
-        let Some(w) = self.watch.as_mut() else { return false };
-        let mut events = false;
-        loop {
-            match w.recv(&mut &mut self.events[..], 0) {
-                Ok(_) => events = true,
-                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
-                // ENOBUFS: events were lost; look again anyway.
-                Err(_) => {
-                    events = true;
-                    break;
-                }
-            }
-        }
-        if !events {
+        if !self.watch.as_mut().is_some_and(LinkWatch::drain) {
             return false;
         }
         let usable = usable(&self.addrs);

@@ -33,12 +33,18 @@ pub fn complete_partial(packet: &mut Packet) -> bool {
 /// Completes the partial transport checksum described by `partial` in `data`: the checksum field, which holds the
 /// pseudo-header sum, becomes the complement of the sum of every byte from `partial.start` on. False (nothing
 /// changed) if the field lies beyond the data.
+///
+/// A result of zero is stored as 0xffff (its one's-complement equal), as the kernel does: a UDP checksum of zero
+/// means "none", which IPv6 forbids, so a datagram whose sum came out zero would otherwise be dropped as invalid.
 pub fn complete_partial_bytes(data: &mut [u8], partial: CsumPartial) -> bool {
     let (start, field) = (usize::from(partial.start), partial.field());
     if field + 2 > data.len() {
         return false;
     }
-    let c = finish(sum(0, &data[start..]));
+    let c = match finish(sum(0, &data[start..])) {
+        0 => 0xffff,
+        c => c,
+    };
     data[field..field + 2].copy_from_slice(&c.to_be_bytes());
     true
 }
@@ -242,6 +248,32 @@ mod tests {
         assert!(complete_partial(&mut a));
         assert_eq!(b.data(), &f[..]);
         assert_ne!(a.data(), b.data());
+    }
+
+    #[test]
+    fn a_partial_udp_checksum_that_completes_to_zero_is_stored_as_all_ones() {
+        // A UDP/IPv6 datagram whose last two payload bytes make its checksum come out zero: stored as zero it would
+        // read as "no checksum", which IPv6 forbids, and the datagram would be dropped.
+        let (src, dst): (IpAddr, IpAddr) = ("fd00::1".parse().unwrap(), "fd00::2".parse().unwrap());
+        let mut f = vec![0u8; 40 + 8 + 100];
+        f[0] = 0x60;
+        f[6] = 17;
+        let udp_len = (8 + 100) as u16;
+        f[44..46].copy_from_slice(&udp_len.to_be_bytes());
+        for (i, b) in f[48..146].iter_mut().enumerate() {
+            *b = (i * 7 + 3) as u8;
+        }
+        let pseudo = pseudo_header(src, dst, 17, u32::from(udp_len));
+        let s = fold(sum(pseudo, &f[40..]));
+        f[146..148].copy_from_slice(&(!s).to_be_bytes());
+        assert_eq!(finish(sum(pseudo, &f[40..])), 0, "the datagram's checksum comes out zero");
+        f[46..48].copy_from_slice(&(!finish(pseudo)).to_be_bytes());
+        let pool = flexstack_core::PacketPool::default();
+        let mut p = pool.alloc_from(&f);
+        p.meta_mut().set(MetaKey::CSUM_PARTIAL, CsumPartial { start: 40, offset: 6 }.pack());
+        assert!(complete_partial(&mut p));
+        assert_eq!(&p.data()[46..48], &[0xff, 0xff]);
+        assert!(verify(pseudo, &p.data()[40..]));
     }
 
     #[test]

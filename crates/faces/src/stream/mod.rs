@@ -87,8 +87,10 @@ pub fn raise_open_files_limit() -> u64 {
 fn build(req: KernelRequest) -> Result<Box<dyn ModuleBuilder>, String> {
     let files = raise_open_files_limit();
     let KernelRequest { side, cfg, matcher, netns, host_dev, mut interface, decl, smoltcp } = req;
-    if files < 2 * cfg.max_connections + 256 {
-        // terminate and originate together hold two descriptors per connection.
+    // terminate and originate together hold two descriptors per connection. Said once per process: every app's
+    // kernel modules would repeat it.
+    static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if files < 2 * cfg.max_connections + 256 && !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
         tracing::warn!(
             limit = files,
             max_connections = cfg.max_connections,

@@ -53,7 +53,7 @@ cc -O2 -pthread -o "$state/tun_forward" bench/tun_forward.c
 forwarder() { # $@ = the forwarder's options; prints the median Gbit/s of each of STREAMS, one a line
   "$state/tun_forward" "$@" ${tag}ta ${tag}tb > "$state/fwd.out" &
   fwd=$!
-  for _ in $(seq 100); do grep -q ready "$state/fwd.out" 2>/dev/null && break; sleep 0.05; done
+  wait_for 'grep -q ready "$state/fwd.out" 2>/dev/null' "the forwarder did not start"
   ip link set ${tag}ta netns ${tag}a; ip link set ${tag}tb netns ${tag}b
   ip -n ${tag}a addr add 10.202.0.1/24 dev ${tag}ta; ip -n ${tag}a link set ${tag}ta up
   ip -n ${tag}b addr add 10.202.0.2/24 dev ${tag}tb; ip -n ${tag}b link set ${tag}tb up
@@ -69,7 +69,7 @@ i=0; for p in $STREAMS; do cfwdo[$p]=${got[$i]}; i=$((i + 1)); done
 run_stack() { # $1 = stack file, $2 = workers, $3 = streams; prints the median Gbit/s
   "$fs" daemon --stack "$1" --state-dir "$state/d" --workers "$2" 2>"$state/daemon.log" &
   daemon=$!
-  for _ in $(seq 100); do "$fs" --state-dir "$state/d" status >/dev/null 2>&1 && break; sleep 0.05; done
+  wait_for '"$fs" --state-dir "$state/d" status >/dev/null 2>&1' "the daemon did not start (see its log)"
   ip link set ${tag}ta netns ${tag}a; ip link set ${tag}tb netns ${tag}b
   ip -n ${tag}a addr add 10.202.0.1/24 dev ${tag}ta; ip -n ${tag}a link set ${tag}ta up
   ip -n ${tag}b addr add 10.202.0.2/24 dev ${tag}tb; ip -n ${tag}b link set ${tag}tb up

@@ -130,7 +130,7 @@ FLEXSTACK_LOG=warn "$fs" daemon --stack "$state/link.toml" --state-dir "$state/d
   2>"$state/daemon.log" &
 daemon=$!
 fsc() { "$fs" --state-dir "$state/d" "$@"; }
-for _ in $(seq 100); do fsc status >/dev/null 2>&1 && break; sleep 0.05; done
+wait_for 'fsc status >/dev/null 2>&1' "the daemon did not start (see its log)"
 ip netns exec "$h1" ping -c 1 -W 2 10.204.5.2 >/dev/null || { cat "$state/daemon.log" >&2; exit 1; }
 perf_pid=
 if [[ -n ${PERF_OUT:-} ]]; then

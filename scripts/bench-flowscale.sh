@@ -50,7 +50,7 @@ grep -q "max_flows = $MAX_FLOWS" "$state/chain.toml" || { echo "bench-flowscale:
 start_daemon() {
   "$1" daemon --workers "$WORKERS" --stack "$state/chain.toml" --state-dir "$state/d" 2>"$state/daemon.log" &
   daemon=$!
-  for _ in $(seq 200); do "$fs" --state-dir "$state/d" status >/dev/null 2>&1 && break; sleep 0.05; done
+  wait_for '"$fs" --state-dir "$state/d" status >/dev/null 2>&1' "the daemon did not start (see its log)"
   ip link set ${tag}ta netns ${tag}a; ip link set ${tag}tb netns ${tag}b
   ip -n ${tag}a addr add 10.$NET.0.1/24 dev ${tag}ta; ip -n ${tag}a link set ${tag}ta up
   ip -n ${tag}a route add 10.$NET.0.0/16 dev ${tag}ta

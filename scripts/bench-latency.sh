@@ -50,18 +50,18 @@ place ${tag}v ${tag}w 211
 # (c) the C forwarder between two TUN devices of its own
 "$state/tun_forward" ${tag}ca ${tag}cb > "$state/fwd.out" &
 fwd=$!
-for _ in $(seq 100); do grep -q ready "$state/fwd.out" 2>/dev/null && break; sleep 0.05; done
+wait_for 'grep -q ready "$state/fwd.out" 2>/dev/null' "the forwarder did not start"
 place ${tag}ca ${tag}cb 212
 # (t) the same forwarder, offloads and a thread per direction
 "$state/tun_forward" -o -t ${tag}ka ${tag}kb > "$state/fwd2.out" &
 fwd2=$!
-for _ in $(seq 100); do grep -q ready "$state/fwd2.out" 2>/dev/null && break; sleep 0.05; done
+wait_for 'grep -q ready "$state/fwd2.out" 2>/dev/null' "the forwarder did not start"
 place ${tag}ka ${tag}kb 214
 # (f, p) flexstack with the default modules
 default_modules_stack > "$state/chain.toml"
 "$fs" daemon --stack "$state/chain.toml" --state-dir "$state/d" 2>"$state/daemon.log" &
 daemon=$!
-for _ in $(seq 100); do "$fs" --state-dir "$state/d" status >/dev/null 2>&1 && break; sleep 0.05; done
+wait_for '"$fs" --state-dir "$state/d" status >/dev/null 2>&1' "the daemon did not start (see its log)"
 place ${tag}ta ${tag}tb 213
 ip netns exec ${tag}b "$state/udp_pp" server 7000 &
 sleep 0.3

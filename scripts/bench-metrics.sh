@@ -42,7 +42,7 @@ port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); pr
 "$fs" daemon --stack "$state/stack.toml" --state-dir "$state/d" --app-subnet 10.215.0.0 \
   --metrics 127.0.0.1:$port --metrics-flows 50 2>"$state/daemon.log" &
 daemon=$!
-for _ in $(seq 200); do "$fs" --state-dir "$state/d" status >/dev/null 2>&1 && break; sleep 0.05; done
+wait_for '"$fs" --state-dir "$state/d" status >/dev/null 2>&1' "the daemon did not start (see its log)"
 
 # The app holding the flows: one datagram to each of FLOWS ports, paced, then it stays (its flows with it).
 "$fs" --state-dir "$state/d" run --name flows -- python3 -c "

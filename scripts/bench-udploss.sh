@@ -52,7 +52,7 @@ printf '%-9s %5s %10s %10s %9s %9s %9s %8s\n' workers bytes sent delivered "at s
 for w in $WORKERS; do
   "$fs" daemon --stack "$state/chain.toml" --state-dir "$state/d" --workers "$w" 2>"$state/daemon.log" &
   daemon=$!
-  for _ in $(seq 100); do "$fs" --state-dir "$state/d" status >/dev/null 2>&1 && break; sleep 0.05; done
+  wait_for '"$fs" --state-dir "$state/d" status >/dev/null 2>&1' "the daemon did not start (see its log)"
   ip link set ${tag}ta netns ${tag}a; ip link set ${tag}tb netns ${tag}b
   ip -n ${tag}a addr add 10.203.0.1/24 dev ${tag}ta; ip -n ${tag}a link set ${tag}ta up
   ip -n ${tag}b addr add 10.203.0.2/24 dev ${tag}tb; ip -n ${tag}b link set ${tag}tb up

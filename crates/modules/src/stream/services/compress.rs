@@ -20,9 +20,10 @@
 //!   [`TOTAL_IN_FLIGHT`] in the process are on the threads; the rest wait in their flow's queue as input bytes not
 //!   yet acked, so the flow's credit (its `budget`) stops its producer. A block smaller than [`INLINE_BELOW`] of a
 //!   direction with nothing queued is compressed at once on the worker: a small message does not wait for a hop to
-//!   another thread and back. Why a pool and not zstd's own multithreading (`NbWorkers`): zstdmt cuts a frame into
-//!   jobs of at least 512 KiB and its `flush` waits for them, so our blocks of at most 64 KiB would still be
-//!   compressed on the data-plane thread that waits (docs/architecture.md, "Stream services off the data plane").
+//!   another thread and back. Why a pool and not zstd's own multithreading (`NbWorkers`): a block ends its zstd frame
+//!   before it leaves, and with workers that call waits for the frame, cut into jobs of at least 512 KiB: a block
+//!   of at most 64 KiB would be one job, made while the data-plane thread waits (docs/architecture.md, "Stream
+//!   services off the data plane").
 //!   `offload = false` compresses every block on the worker (the way before; for comparisons). Restoring stays on
 //!   the worker (zstd decompresses several times faster than it compresses).
 //! - Acks: the lengths change, so it keeps an `AckMap` per flow and direction (docs/streams.md): the input bytes of

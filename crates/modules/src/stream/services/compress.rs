@@ -18,7 +18,8 @@
 //!   from the head of each direction's queue. Anything else of that direction that comes meanwhile (a switch mark,
 //!   raw bytes, the `Fin`) queues behind them. Bounded: at most [`FLOW_IN_FLIGHT`] blocks of a flow's direction and
 //!   [`TOTAL_IN_FLIGHT`] in the process are on the threads; the rest wait in their flow's queue as input bytes not
-//!   yet acked, so the flow's credit (its `budget`) stops its producer. A block smaller than [`INLINE_BELOW`] of a
+//!   yet acked, so the flow's credit (its `budget`) stops its producer; input that comes meanwhile joins the last
+//!   block waiting (up to 64 KiB), so blocks stay big while the threads are behind. A block smaller than [`INLINE_BELOW`] of a
 //!   direction with nothing queued is compressed at once on the worker: a small message does not wait for a hop to
 //!   another thread and back. Why a pool and not zstd's own multithreading (`NbWorkers`): a block ends its zstd frame
 //!   before it leaves, and with workers that call waits for the frame, cut into jobs of at least 512 KiB: a block
@@ -231,8 +232,6 @@ struct Flow {
     udp: bool,
     /// (Compressing) what is to leave, in order, once the blocks at its head are made.
     queue: [VecDeque<Pending>; 2],
-    /// (Compressing) the number of the next block handed to the threads.
-    seq: [u64; 2],
     /// (Compressing) blocks on the threads.
     working: [usize; 2],
 }
@@ -367,6 +366,8 @@ struct Offload {
     done_rx: Receiver<Done>,
     /// The flows' directions with something queued (flow, slot).
     busy: Vec<(u64, usize)>,
+    /// The number of the next block handed to the threads.
+    next_seq: u64,
 }
 
 impl Offload {
@@ -378,7 +379,7 @@ impl Offload {
 
     fn to(jobs: Sender<Job>, total: Arc<AtomicUsize>, limit: usize) -> Offload {
         let (done_tx, done_rx) = mpsc::channel();
-        Offload { jobs, total, limit, done_tx, done_rx, busy: Vec::new() }
+        Offload { jobs, total, limit, done_tx, done_rx, busy: Vec::new(), next_seq: 0 }
     }
 }
 
@@ -387,6 +388,7 @@ struct Handed {
     flows: HandedFlows<Flow>,
     done: (Sender<Done>, Receiver<Done>),
     busy: Vec<(u64, usize)>,
+    next_seq: u64,
 }
 
 /// A running `compress`.
@@ -444,8 +446,19 @@ impl Compress {
             self.made(flow, d, piece.len() as u64, frame, stored, out);
             return;
         }
-        let seq = st.seq[s];
-        st.seq[s] += 1;
+        // A block waiting for the threads (the flow has as many out as it may) takes more input while it has room
+        // (not a UDP flow's: a datagram is a block): while the threads are behind, blocks stay big.
+        if let Some(Pending::Block(_, plain, Block::Waiting(waiting))) = st.queue[s].back_mut() {
+            if !st.udp && waiting.len() + piece.len() <= MAX_BLOCK {
+                waiting.extend_from_slice(piece);
+                *plain += piece.len() as u64;
+                return;
+            }
+        }
+        // Numbered across the module's flows: a block of a flow aborted and opened again under the same id cannot
+        // be taken for one of the new flow's.
+        let seq = self.offload.next_seq;
+        self.offload.next_seq += 1;
         if st.queue[s].is_empty() {
             self.offload.busy.push((flow, s));
         }
@@ -798,7 +811,8 @@ impl Module for Compress {
         // The blocks out come back on this module's channel: it goes with the flows (a fresh one stays here).
         let (tx, rx) = mpsc::channel();
         let done = (std::mem::replace(&mut self.offload.done_tx, tx), std::mem::replace(&mut self.offload.done_rx, rx));
-        Some(Box::new(Handed { flows: self.flows.take(), done, busy: std::mem::take(&mut self.offload.busy) }))
+        let busy = std::mem::take(&mut self.offload.busy);
+        Some(Box::new(Handed { flows: self.flows.take(), done, busy, next_seq: self.offload.next_seq }))
     }
 
     fn adopt_state(&mut self, state: Box<dyn std::any::Any>) -> Result<(), String> {
@@ -808,6 +822,7 @@ impl Module for Compress {
         // Its own channel holds nothing yet (adopted before its first block).
         (self.offload.done_tx, self.offload.done_rx) = h.done;
         self.offload.busy.extend(h.busy);
+        self.offload.next_seq = self.offload.next_seq.max(h.next_seq);
         Ok(())
     }
 }
@@ -1025,7 +1040,7 @@ mod tests {
     }
 
     #[test]
-    fn a_bad_block_coming_up_aborts_the_flow_and_its_blocks_out_are_dropped() {
+    fn a_bad_block_coming_up_aborts_the_flow_and_its_blocks_out_are_dropped_even_if_its_id_comes_back() {
         let mut h = Harness::new(TOTAL_IN_FLIGHT);
         let pool = h.pool.clone();
         let input = text(5, 2 * MAX_BLOCK);
@@ -1035,12 +1050,24 @@ mod tests {
         let (seen, _) = h.process(2, vec![StreamFrame::data(&pool, 1, Direction::Up, &[0x7f, 0xff, 0xff, 0xff, 1])]);
         assert_eq!(seen.iter().map(kind).collect::<Vec<_>>(), [Some(StreamKind::Abort); 2]);
         assert_eq!(h.meter("errors_total"), 1);
-        // The blocks out come back after: dropped with the flow, and the module stops asking to be polled.
-        for j in h.jobs() {
+        // The flow's id opens again, with a block of its own out, before the old blocks come back.
+        let stale = h.jobs();
+        let fresh = text(6, MAX_BLOCK);
+        h.process(3, vec![open(&pool, 1), StreamFrame::data(&pool, 1, Direction::Down, &fresh)]);
+        let new = h.jobs();
+        assert_eq!(new.len(), 1);
+        // The old blocks come back: dropped with the flow they were of, not taken for the new flow's.
+        for j in stale {
             finish(j);
         }
-        let (seen, next) = h.poll(3);
+        let (seen, next) = h.poll(4);
         assert!(seen.is_empty(), "nothing of the aborted flow");
+        assert!(next.is_some(), "the new flow's block is out");
+        for j in new {
+            finish(j);
+        }
+        let (seen, next) = h.poll(5);
+        assert!(unframe(&seen) == fresh);
         assert_eq!(next, None);
         assert!(h.m.offload.busy.is_empty());
     }
@@ -1068,6 +1095,33 @@ mod tests {
         }
         let (seen, _) = h.poll(4);
         assert!(unframe(&seen) == [&big[..], request].concat());
+    }
+
+    #[test]
+    fn input_behind_a_full_pipeline_joins_the_block_waiting_for_the_threads() {
+        let mut h = Harness::new(TOTAL_IN_FLIGHT);
+        let pool = h.pool.clone();
+        let first = text(2, FLOW_IN_FLIGHT * MAX_BLOCK);
+        h.process(1, vec![open(&pool, 1), StreamFrame::data(&pool, 1, Direction::Down, &first)]);
+        let mut jobs = h.jobs();
+        assert_eq!(jobs.len(), FLOW_IN_FLIGHT);
+        // Small batches while the flow has as many blocks out as it may: one waiting block gathers them.
+        let more = text(3, 12 * 10_000);
+        for (i, c) in more.chunks(10_000).enumerate() {
+            let (seen, _) = h.process(2 + i as u64, vec![StreamFrame::data(&pool, 1, Direction::Down, c)]);
+            assert!(seen.is_empty());
+        }
+        assert!(h.jobs().is_empty(), "none handed over: the flow is at its limit");
+        assert_eq!(h.m.flows.get_mut(1).unwrap().queue[0].len(), FLOW_IN_FLIGHT + 2, "6 + 6 chunks: two blocks");
+        jobs.drain(..).for_each(finish);
+        let (seen, _) = h.poll(20);
+        assert_eq!(seen.len(), FLOW_IN_FLIGHT);
+        jobs = h.jobs();
+        assert_eq!(jobs.iter().map(|j| j.input.len()).collect::<Vec<_>>(), [60_000, 60_000]);
+        jobs.drain(..).for_each(finish);
+        let (rest, next) = h.poll(21);
+        assert_eq!(next, None);
+        assert!(unframe(&[seen, rest].concat()) == [first, more].concat());
     }
 
     #[test]

@@ -14,7 +14,9 @@
 //!   threads the process shares ([`THREADS`] at most, started at the first block), in parallel with the data plane
 //!   and with each other, and leave strictly in order per flow and direction. The module stays sans-IO: it hands a
 //!   block over and goes on; a block not made yet is not emitted yet; while blocks are out it asks to be polled
-//!   every [`POLL_EVERY`] (and collects finished blocks in every `process` too), and emits the blocks made since,
+//!   every half of the time a block took lately ([`POLL_EVERY`] to start with; from [`POLL_MIN`] to [`POLL_MAX`]:
+//!   two polls per block's time, not one per 50 us of a bulk transfer) and collects finished blocks in every
+//!   `process` too, and emits the blocks made since,
 //!   from the head of each direction's queue. Anything else of that direction that comes meanwhile (a switch mark,
 //!   raw bytes, the `Fin`) queues behind them. Bounded: at most [`FLOW_IN_FLIGHT`] blocks of a flow's direction and
 //!   [`TOTAL_IN_FLIGHT`] in the process are on the threads; the rest wait in their flow's queue as input bytes not
@@ -82,6 +84,12 @@ pub const THREADS: usize = 4;
 
 /// How soon a module with blocks out asks to be polled again.
 pub const POLL_EVERY: Duration = Duration::from_micros(50);
+
+/// The shortest time between two polls while blocks are out.
+pub const POLL_MIN: Duration = Duration::from_micros(20);
+
+/// The longest time between two polls while blocks are out.
+pub const POLL_MAX: Duration = Duration::from_micros(500);
 
 /// Header bit: the payload is stored, not compressed.
 const STORED: u32 = 1 << 31;
@@ -273,6 +281,8 @@ struct Done {
     seq: u64,
     block: Vec<u8>,
     stored: bool,
+    /// How long zstd took for it.
+    took: Duration,
 }
 
 /// The compression threads of the process: where jobs go, and how many are queued or being made.
@@ -325,11 +335,13 @@ fn run(zc: &mut Option<(i32, zstd::bulk::Compressor<'static>)>, job: Job) -> (Se
         *zc = zstd::bulk::Compressor::new(job.level).ok().map(|c| (job.level, c));
     }
     let mut block = Vec::new();
+    let start = std::time::Instant::now();
     let stored = match zc {
         Some((_, c)) => make_block(c, &job.input, &mut block),
         None => store_block(&job.input, &mut block),
     };
-    (job.reply, Done { flow: job.flow, dir: job.dir, seq: job.seq, block, stored })
+    let took = start.elapsed();
+    (job.reply, Done { flow: job.flow, dir: job.dir, seq: job.seq, block, stored, took })
 }
 
 /// Writes the block of `piece` (header and payload) into `b`; returns true if it is stored as it was (zstd would
@@ -368,6 +380,8 @@ struct Offload {
     busy: Vec<(u64, usize)>,
     /// The number of the next block handed to the threads.
     next_seq: u64,
+    /// How long to wait between polls while blocks are out: half of what a block took lately (a moving average).
+    poll_every: Duration,
 }
 
 impl Offload {
@@ -379,7 +393,7 @@ impl Offload {
 
     fn to(jobs: Sender<Job>, total: Arc<AtomicUsize>, limit: usize) -> Offload {
         let (done_tx, done_rx) = mpsc::channel();
-        Offload { jobs, total, limit, done_tx, done_rx, busy: Vec::new(), next_seq: 0 }
+        Offload { jobs, total, limit, done_tx, done_rx, busy: Vec::new(), next_seq: 0, poll_every: POLL_EVERY }
     }
 }
 
@@ -518,6 +532,9 @@ impl Compress {
     fn collect(&mut self, out: &mut Output<'_>) -> bool {
         while let Ok(done) = self.offload.done_rx.try_recv() {
             let s = slot(done.dir);
+            // An average of the last blocks' times (weight 1/8), halved, within bounds.
+            let every = (self.offload.poll_every * 7 + done.took / 2) / 8;
+            self.offload.poll_every = every.clamp(POLL_MIN, POLL_MAX);
             // A flow aborted meanwhile: its blocks go with it.
             let Some(st) = self.flows.get_mut(done.flow) else { continue };
             st.working[s] = st.working[s].saturating_sub(1);
@@ -791,12 +808,12 @@ impl Module for Compress {
         }
         self.flush(out);
         if self.collect(out) {
-            out.wake_at(out.now() + POLL_EVERY);
+            out.wake_at(out.now() + self.offload.poll_every);
         }
     }
 
     fn poll(&mut self, out: &mut Output<'_>) -> Option<Time> {
-        self.collect(out).then(|| out.now() + POLL_EVERY)
+        self.collect(out).then(|| out.now() + self.offload.poll_every)
     }
 
     fn write_knob(&mut self, knob: &str, value: &Value) -> Result<(), String> {

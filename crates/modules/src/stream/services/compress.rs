@@ -906,6 +906,16 @@ mod tests {
         ports.remove(0).into_iter().map(|f| if let Frame::Data(p) = f { p } else { panic!("a data frame") }).collect()
     }
 
+    /// A harness with flow 1 opened and `blocks` blocks of text (from `seed`) sent down in one chunk, at 1 ms;
+    /// returns it, the text, what it emitted and when it asked to be polled.
+    fn sending(seed: usize, blocks: usize) -> (Harness, Vec<u8>, Vec<Packet>, Option<Time>) {
+        let mut h = Harness::new(TOTAL_IN_FLIGHT);
+        let pool = h.pool.clone();
+        let input = text(seed, blocks * MAX_BLOCK);
+        let (seen, wake) = h.process(1, vec![open(&pool, 1), StreamFrame::data(&pool, 1, Direction::Down, &input)]);
+        (h, input, seen, wake)
+    }
+
     /// What a compression thread does with a job.
     fn finish(job: Job) {
         let (reply, done) = run(&mut None, job);
@@ -1030,10 +1040,8 @@ mod tests {
 
     #[test]
     fn a_replacement_takes_over_the_blocks_out_and_emits_them_in_order() {
-        let mut old = Harness::new(TOTAL_IN_FLIGHT);
+        let (mut old, input, seen, _) = sending(3, 3);
         let pool = old.pool.clone();
-        let input = text(3, 3 * MAX_BLOCK);
-        let (seen, _) = old.process(1, vec![open(&pool, 1), StreamFrame::data(&pool, 1, Direction::Down, &input)]);
         assert_eq!(seen.len(), 1);
         let mut jobs = old.jobs();
         assert_eq!(jobs.len(), 3);
@@ -1058,10 +1066,8 @@ mod tests {
 
     #[test]
     fn a_bad_block_coming_up_aborts_the_flow_and_its_blocks_out_are_dropped_even_if_its_id_comes_back() {
-        let mut h = Harness::new(TOTAL_IN_FLIGHT);
+        let (mut h, _, _, wake) = sending(5, 2);
         let pool = h.pool.clone();
-        let input = text(5, 2 * MAX_BLOCK);
-        let (_, wake) = h.process(1, vec![open(&pool, 1), StreamFrame::data(&pool, 1, Direction::Down, &input)]);
         assert!(wake.is_some());
         // Up data is restored here: a block announcing 2 GB is an error; the flow is aborted both ways at once.
         let (seen, _) = h.process(2, vec![StreamFrame::data(&pool, 1, Direction::Up, &[0x7f, 0xff, 0xff, 0xff, 1])]);
@@ -1116,10 +1122,8 @@ mod tests {
 
     #[test]
     fn input_behind_a_full_pipeline_joins_the_block_waiting_for_the_threads() {
-        let mut h = Harness::new(TOTAL_IN_FLIGHT);
+        let (mut h, first, _, _) = sending(2, FLOW_IN_FLIGHT);
         let pool = h.pool.clone();
-        let first = text(2, FLOW_IN_FLIGHT * MAX_BLOCK);
-        h.process(1, vec![open(&pool, 1), StreamFrame::data(&pool, 1, Direction::Down, &first)]);
         let mut jobs = h.jobs();
         assert_eq!(jobs.len(), FLOW_IN_FLIGHT);
         // Small batches while the flow has as many blocks out as it may: one waiting block gathers them.

@@ -117,7 +117,8 @@ measure() { # $1 = configuration (old-CONFIG: on the old daemon), $2 = sends, $3
 daemon_cpu() {
   local pid=$daemon
   [[ ${1:-} == old ]] && pid=$daemon_old
-  cat /proc/"$pid"/task/*/schedstat 2>/dev/null | awk '{t += $1} END {printf "%.0f\n", t}'
+  # A thread may end between the listing and the read (cat then fails, and pipefail would end the script).
+  { cat /proc/"$pid"/task/*/schedstat 2>/dev/null || true; } | awk '{t += $1} END {printf "%.0f\n", t}'
 }
 switch_runs() { "$fs" --state-dir "$state/d" get switch.runs_total | awk 'NR == 2 {print $2}'; }
 bulk_n=$((BULK_MB * 16))

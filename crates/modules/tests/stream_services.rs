@@ -55,7 +55,26 @@ fn chained(services: &[(&str, &str, Vec<String>)]) -> Lab {
     }
     edits.extend(chain_links("t", "o", &names, &dirs).iter().map(|l| link(l)));
     lab.sw.apply(edits).unwrap();
+    if services.iter().any(|s| s.1 == "compress") {
+        // Its blocks are made on threads, in real time.
+        lab.pace = Duration::from_micros(100);
+    }
     lab
+}
+
+/// Runs the switch from `ms` on, a millisecond at a time (and as much in real time), until no module waits for a
+/// poll (a `compress`'s blocks out on its threads are back and sent); returns the time it stopped at.
+fn settle(sw: &mut Switch, ms: u64) -> u64 {
+    let mut t = ms;
+    for _ in 0..10_000 {
+        if sw.next_wakeup().is_none() {
+            return t;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+        t += 1;
+        sw.run(Time::from_millis(t));
+    }
+    panic!("the switch still waits for a poll at {t} ms");
 }
 
 /// Compressible bytes: lines of text with a counter.
@@ -109,24 +128,25 @@ fn compress_acks_input_only_when_its_output_is_acked_and_aborts_on_garbage() {
     ];
     sw.inject("m", "in", &mut b).unwrap();
     sw.run(Time::from_millis(1));
+    let t = settle(&mut sw, 1); // the blocks are made on the compression threads
     let seen = take(&log);
     assert_eq!(seen.len(), 3, "open and two blocks");
     let out: u64 = seen[1..].iter().map(|s| s.data.len() as u64).sum();
     // An ack of all but one output byte frees nothing of the second block's input.
     let mut b: Batch = vec![StreamFrame::ack(&pool, 1, Direction::Up, out - 1).into()];
     sw.inject("m", "in", &mut b).unwrap();
-    sw.run(Time::from_millis(2));
+    sw.run(Time::from_millis(t + 1));
     let acks: Vec<u64> = take(&log).iter().map(|s| s.meta.get(MetaKey::STREAM).unwrap() >> 8).collect();
     assert_eq!(acks, [65536], "the first block's input");
     let mut b: Batch = vec![StreamFrame::ack(&pool, 1, Direction::Up, 1).into()];
     sw.inject("m", "in", &mut b).unwrap();
-    sw.run(Time::from_millis(3));
+    sw.run(Time::from_millis(t + 2));
     let acks: Vec<u64> = take(&log).iter().map(|s| s.meta.get(MetaKey::STREAM).unwrap() >> 8).collect();
     assert_eq!(acks, [100_000 - 65536]);
     // Up data is restored here: a header announcing 2 GB is garbage and aborts the flow both ways.
     let mut b: Batch = vec![StreamFrame::data(&pool, 1, Direction::Up, &[0x7f, 0xff, 0xff, 0xff, 1, 2]).into()];
     sw.inject("m", "in", &mut b).unwrap();
-    sw.run(Time::from_millis(4));
+    sw.run(Time::from_millis(t + 3));
     let seen = take(&log);
     assert_eq!(seen.iter().map(kind_of).collect::<Vec<_>>(), [4, 4], "two aborts");
     assert_eq!((seen[0].direction, seen[1].direction), (Direction::Down, Direction::Up));
@@ -167,6 +187,7 @@ fn compress_gathers_a_batchs_chunks_into_blocks_and_sends_a_lone_message_at_once
     let mut b = flow_frames(&pool, 1, 80, &chunks);
     sw.inject("m", "in", &mut b).unwrap();
     sw.run(Time::from_millis(1));
+    let t = settle(&mut sw, 1); // the blocks are made on the compression threads
     let seen = take(&log);
     assert_eq!(seen.len(), 3, "open and two blocks");
     assert_eq!(meter(&sw, "module.m.blocks_total"), 2);
@@ -176,10 +197,10 @@ fn compress_gathers_a_batchs_chunks_into_blocks_and_sends_a_lone_message_at_once
     let request = b"GET /status HTTP/1.1\r\nHost: x\r\n\r\n";
     let mut b: Batch = vec![StreamFrame::data(&pool, 1, Direction::Down, request).into()];
     sw.inject("m", "in", &mut b).unwrap();
-    sw.run(Time::from_millis(2));
+    sw.run(Time::from_millis(t + 1));
     let seen = take(&log);
     assert_eq!(seen.len(), 1, "the request's block");
-    assert_eq!(seen[0].at, Time::from_millis(2), "sent in the run that took it");
+    assert_eq!(seen[0].at, Time::from_millis(t + 1), "sent in the run that took it (compressed on the worker)");
     assert_eq!(unframe(&seen), request);
     // Two flows' chunks interleaved, and a Fin: each flow's bytes keep their order, and the Fin follows its data.
     let mut b: Batch = vec![StreamFrame::open(&pool, 2, Direction::Down, &tcp(81)).into()];
@@ -190,7 +211,8 @@ fn compress_gathers_a_batchs_chunks_into_blocks_and_sends_a_lone_message_at_once
     }
     b.push(StreamFrame::fin(&pool, 1, Direction::Down).into());
     sw.inject("m", "in", &mut b).unwrap();
-    sw.run(Time::from_millis(3));
+    sw.run(Time::from_millis(t + 2));
+    settle(&mut sw, t + 2);
     let seen = take(&log);
     let flow = |s: &Seen| s.meta.get(MetaKey::FLOW_ID).unwrap();
     let (one, two): (Vec<Seen>, Vec<Seen>) = seen[1..].iter().cloned().partition(|s| flow(s) == 1);
@@ -690,12 +712,15 @@ fn compress_taken_out_and_put_back_while_flows_run_keeps_both_directions_intact(
     let (up, down) = (text_bytes(2_000_000), text_bytes(600_000));
     let mut c = Pump::new(down.clone(), true);
     let mut s = Pump::new(up.clone(), true);
-    let (mut flips, mut last) = (0u32, 0usize);
+    let (mut flips, mut last, mut u_marks, mut u_on, mut u_changes) = (0u32, 0usize, 0u64, true, 0u64);
     let done = lab.until(120_000, |lab| {
         c.drive(lab.app.tcp(cli));
         s.drive(lab.server.tcp(srv));
         // Each time bytes reached the app, flip: both ends together, or one alone (the marks, not the knobs, decide).
-        if c.got.len() > last && flips < 100 {
+        // After a flip of u's knob, not before u marked it in the stream (its blocks are made on threads: flips
+        // coming while it waits for them could cancel out before it sees a chunk to mark the switch at).
+        let u_now = lab.meter("module.u.switches_total");
+        if c.got.len() > last && u_now >= u_marks && flips < 100 {
             last = c.got.len();
             let on = Value::Bool(flips % 2 == 1);
             match flips % 3 {
@@ -705,6 +730,10 @@ fn compress_taken_out_and_put_back_while_flows_run_keeps_both_directions_intact(
                     set_knob(lab, "z", "active", on.clone());
                     set_knob(lab, "u", "active", on);
                 }
+            }
+            if flips % 3 != 1 && u_on != (flips % 2 == 1) {
+                (u_marks, u_on) = (u_now + 1, flips % 2 == 1);
+                u_changes += 1;
             }
             flips += 1;
         }
@@ -719,7 +748,9 @@ fn compress_taken_out_and_put_back_while_flows_run_keeps_both_directions_intact(
     let (plain, raw) = (lab.meter("module.u.plain_bytes_total"), lab.meter("module.u.raw_bytes_total"));
     assert!(plain > 100_000 && raw > 100_000, "{plain} packed, {raw} raw");
     assert!((up.len()..=up.len() + down.len()).contains(&((plain + raw) as usize)), "{plain} packed, {raw} raw");
-    assert!(lab.meter("module.u.switches_total") >= 10, "u switched mid-stream");
+    let u_switches = lab.meter("module.u.switches_total");
+    // Every change of u's knob was marked (the last one maybe not: the data may have ended before it).
+    assert!(u_switches >= 6 && u_switches + 1 >= u_changes, "u switched {u_switches} times for {u_changes} changes");
     assert!(lab.meter("module.z.raw_bytes_total") > 0, "z passed what u sent as it was");
     assert_eq!(lab.meter("module.z.errors_total") + lab.meter("module.u.errors_total"), 0);
     lab.run(12_000);

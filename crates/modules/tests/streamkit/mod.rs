@@ -241,6 +241,9 @@ pub struct Lab {
     pub gso_from_server: usize,
     pub gso_to_app: usize,
     pub gso_to_net: usize,
+    /// Real time each step also waits (for modules whose work runs on threads of their own, as `compress`'s
+    /// blocks do: simulated time would otherwise run ahead of them); zero: none.
+    pub pace: std::time::Duration,
 }
 
 pub fn load(name: &str, kind: &str, args: &[String]) -> Edit {
@@ -319,6 +322,7 @@ impl Lab {
             gso_from_server: 0,
             gso_to_app: 0,
             gso_to_net: 0,
+            pace: std::time::Duration::ZERO,
         }
     }
 
@@ -435,6 +439,9 @@ impl Lab {
             }
         }
         self.now = self.now + Duration::from_millis(1);
+        if !self.pace.is_zero() {
+            std::thread::sleep(self.pace);
+        }
     }
 
     /// Steps until `done` holds (checked after each step) or `max_ms` passed; true if it held.

@@ -10,12 +10,33 @@
 //!   batch are compressed together (up to 64 KiB a block; `terminate` hands over what its socket holds in chunks of
 //!   16 KiB), and what is gathered leaves as a block at the end of the batch, so nothing waits for more input (a
 //!   small message is sent as it comes; zstd's cost per call and its ratio favour big blocks).
+//! - Where zstd runs (setting `offload`, true by default): blocks are compressed on a small pool of compression
+//!   threads the process shares ([`THREADS`] at most, started at the first block), in parallel with the data plane
+//!   and with each other, and leave strictly in order per flow and direction. The module stays sans-IO: it hands a
+//!   block over and goes on; a block not made yet is not emitted yet; while blocks are out it asks to be polled
+//!   every half of the time a block took lately ([`POLL_EVERY`] to start with; from [`POLL_MIN`] to [`POLL_MAX`]:
+//!   two polls per block's time, not one per 50 us of a bulk transfer) and collects finished blocks in every
+//!   `process` too, and emits the blocks made since,
+//!   from the head of each direction's queue. Anything else of that direction that comes meanwhile (a switch mark,
+//!   raw bytes, the `Fin`) queues behind them. Bounded: at most [`FLOW_IN_FLIGHT`] blocks of a flow's direction and
+//!   [`TOTAL_IN_FLIGHT`] in the process are on the threads; the rest wait in their flow's queue as input bytes not
+//!   yet acked, so the flow's credit (its `budget`) stops its producer; input that comes meanwhile joins the last
+//!   block waiting (up to 64 KiB), so blocks stay big while the threads are behind. A block smaller than [`INLINE_BELOW`] of a
+//!   direction with nothing queued is compressed at once on the worker: a small message does not wait for a hop to
+//!   another thread and back. Why a pool and not zstd's own multithreading (`NbWorkers`): a block ends its zstd frame
+//!   before it leaves, and with workers that call waits for the frame, cut into jobs of at least 512 KiB: a block
+//!   of at most 64 KiB would be one job, made while the data-plane thread waits (docs/architecture.md, "Stream
+//!   services off the data plane").
+//!   `offload = false` compresses every block on the worker (the way before; for comparisons). Restoring stays on
+//!   the worker (zstd decompresses several times faster than it compresses).
 //! - Acks: the lengths change, so it keeps an `AckMap` per flow and direction (docs/streams.md): the input bytes of
 //!   a block are acknowledged upstream when the output made from them is. Bytes of a block not yet whole wait in a
 //!   buffer of the flow (at most one block: 64 KiB + 1 KiB).
 //! - A header that announces more than a block, or a payload zstd cannot read, aborts the flow both ways (reason
 //!   `compress`), counted in `errors_total`.
 //! - `level` is a knob (zstd levels 1 to 19; the next block uses it).
+//! - `module replace` with blocks out: the replacement takes over the flows with their queues and the channel the
+//!   threads answer on, so the blocks out are emitted by it, in order; nothing is lost.
 //! - `active` is a knob: false takes the service out of its flows' paths while they run, true puts it back. Each
 //!   direction switches at a point both ends agree on, marked in the stream by the end that compresses it: a block
 //!   header with bit 30 set and length 0 ends the blocks (the bytes after it pass as they are), and a `Data` frame
@@ -32,8 +53,13 @@ use flexstack_core::module::handed_over;
 use flexstack_core::stream::{AckMap, Protocol, StreamFrame, StreamKind};
 use flexstack_core::{
     field, kind_from_decl, Batch, ConfigError, Direction, Frame, KindDecl, Meter, MeterDecl, Module, ModuleBuilder,
-    ModuleInterface, ModuleKind, ModuleVars, Output, Param, Settings, Value, ValueType,
+    ModuleInterface, ModuleKind, ModuleVars, Output, Packet, Param, Settings, Time, Value, ValueType,
 };
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
 
 /// The kind's name in stack files.
 pub const KIND: &str = "compress";
@@ -43,6 +69,27 @@ pub const MAX_BLOCK: usize = 64 * 1024;
 
 /// Longest payload a header may announce (zstd's bound for a block, rounded up).
 pub const MAX_PAYLOAD: usize = MAX_BLOCK + 1024;
+
+/// A block smaller than this, of a direction with nothing queued, is compressed on the data-plane worker at once.
+pub const INLINE_BELOW: usize = 8 * 1024;
+
+/// Most blocks of one flow's direction on the compression threads at once.
+pub const FLOW_IN_FLIGHT: usize = 4;
+
+/// Most blocks on the compression threads at once, all modules of the process together.
+pub const TOTAL_IN_FLIGHT: usize = 64;
+
+/// Most compression threads (fewer on a machine with fewer cores).
+pub const THREADS: usize = 4;
+
+/// How soon a module with blocks out asks to be polled again.
+pub const POLL_EVERY: Duration = Duration::from_micros(50);
+
+/// The shortest time between two polls while blocks are out.
+pub const POLL_MIN: Duration = Duration::from_micros(20);
+
+/// The longest time between two polls while blocks are out.
+pub const POLL_MAX: Duration = Duration::from_micros(500);
 
 /// Header bit: the payload is stored, not compressed.
 const STORED: u32 = 1 << 31;
@@ -58,6 +105,7 @@ struct Config {
     level: u64,
     decompress: bool,
     active: bool,
+    offload: bool,
 }
 
 type P = Param<Config>;
@@ -82,6 +130,14 @@ const DECL: KindDecl<Config, Meters> = KindDecl {
         )
         .setting(),
         P::u64("level", "", "zstd's compression level (higher: smaller and slower)", 3, field!(level)).range(1.0, 19.0),
+        P::bool(
+            "offload",
+            "true: blocks are compressed on the process's compression threads, in parallel with the data plane; \
+             false: on the data-plane worker",
+            true,
+            field!(offload),
+        )
+        .setting(),
         active::param(field!(active)),
         P::manual(SELECT, "array of strings", SELECT_DOC, "[\"use *\"]"),
     ],
@@ -132,7 +188,7 @@ impl ModuleKind for CompressKind {
 
     fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
         let mut r = settings.reader(KIND);
-        let mut cfg = Config { level: 0, decompress: false, active: true };
+        let mut cfg = Config { level: 0, decompress: false, active: true, offload: true };
         DECL.read(&mut r, &mut cfg)?;
         let select = read_select(&mut r)?;
         r.finish()?;
@@ -151,10 +207,16 @@ impl ModuleBuilder for CompressBuilder {
     }
 
     fn build(self: Box<Self>, vars: &ModuleVars) -> Box<dyn Module> {
+        Box::new(self.make(vars))
+    }
+}
+
+impl CompressBuilder {
+    fn make(self, vars: &ModuleVars) -> Compress {
         DECL.publish(&self.cfg, vars);
         let zc = zstd::bulk::Compressor::new(self.cfg.level as i32).expect("zstd context");
         let zd = zstd::bulk::Decompressor::new().expect("zstd context");
-        Box::new(Compress {
+        Compress {
             cfg: self.cfg,
             m: DECL.meters(vars),
             flows: Flows::new(self.select, vars),
@@ -162,7 +224,8 @@ impl ModuleBuilder for CompressBuilder {
             zd,
             gathering: None,
             gathered: Vec::with_capacity(MAX_BLOCK),
-        })
+            offload: Offload::shared(),
+        }
     }
 }
 
@@ -175,6 +238,171 @@ struct Flow {
     raw: [bool; 2],
     /// A UDP flow: each datagram stays one block (never gathered with the next).
     udp: bool,
+    /// (Compressing) what is to leave, in order, once the blocks at its head are made.
+    queue: [VecDeque<Pending>; 2],
+    /// (Compressing) blocks on the threads.
+    working: [usize; 2],
+}
+
+/// What waits in a direction's queue.
+enum Pending {
+    /// A block: its number, its input bytes' length, and where it is.
+    Block(u64, u64, Block),
+    /// A frame to pass after the blocks before it, and the input bytes it stands for.
+    Frame(Packet, u64),
+    /// The direction's `Fin`.
+    Fin(Packet),
+}
+
+/// Where a block is.
+enum Block {
+    /// Not handed to the threads yet (the limits): its input.
+    Waiting(Vec<u8>),
+    /// On a thread.
+    Working,
+    /// Made: the frame's bytes (header and payload), and whether it is stored.
+    Made(Vec<u8>, bool),
+}
+
+/// A block for a compression thread.
+struct Job {
+    flow: u64,
+    dir: Direction,
+    seq: u64,
+    level: i32,
+    input: Vec<u8>,
+    reply: Sender<Done>,
+}
+
+/// A block made by a compression thread.
+struct Done {
+    flow: u64,
+    dir: Direction,
+    seq: u64,
+    block: Vec<u8>,
+    stored: bool,
+    /// How long zstd took for it.
+    took: Duration,
+}
+
+/// The compression threads of the process: where jobs go, and how many are queued or being made.
+struct Pool {
+    jobs: Sender<Job>,
+    total: Arc<AtomicUsize>,
+}
+
+impl Pool {
+    /// The process's pool, started at the first call.
+    fn get() -> &'static Pool {
+        static POOL: OnceLock<Pool> = OnceLock::new();
+        POOL.get_or_init(|| {
+            let (jobs, rx) = mpsc::channel::<Job>();
+            let rx = Arc::new(Mutex::new(rx));
+            let total = Arc::new(AtomicUsize::new(0));
+            let n = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, THREADS);
+            for i in 0..n {
+                let (rx, total) = (rx.clone(), total.clone());
+                std::thread::Builder::new()
+                    .name(format!("fs-compress-{i}"))
+                    .spawn(move || serve(&rx, &total))
+                    .expect("a compression thread");
+            }
+            Pool { jobs, total }
+        })
+    }
+}
+
+/// A compression thread: makes the blocks it is given, one at a time, until the pool goes away.
+fn serve(rx: &Mutex<Receiver<Job>>, total: &AtomicUsize) {
+    let mut zc: Option<(i32, zstd::bulk::Compressor<'static>)> = None;
+    loop {
+        // A poisoned lock: another thread panicked holding it; the receiver itself is still whole.
+        let job = match rx.lock().unwrap_or_else(|e| e.into_inner()).recv() {
+            Ok(job) => job,
+            Err(_) => return,
+        };
+        let done = run(&mut zc, job);
+        total.fetch_sub(1, Ordering::AcqRel);
+        let (reply, done) = done;
+        // The module may be gone (unloaded): its blocks go with it.
+        let _ = reply.send(done);
+    }
+}
+
+/// Makes a job's block with a context kept for its level.
+fn run(zc: &mut Option<(i32, zstd::bulk::Compressor<'static>)>, job: Job) -> (Sender<Done>, Done) {
+    if zc.as_ref().is_none_or(|(l, _)| *l != job.level) {
+        *zc = zstd::bulk::Compressor::new(job.level).ok().map(|c| (job.level, c));
+    }
+    let mut block = Vec::new();
+    let start = std::time::Instant::now();
+    let stored = match zc {
+        Some((_, c)) => make_block(c, &job.input, &mut block),
+        None => store_block(&job.input, &mut block),
+    };
+    let took = start.elapsed();
+    (job.reply, Done { flow: job.flow, dir: job.dir, seq: job.seq, block, stored, took })
+}
+
+/// Writes the block of `piece` (header and payload) into `b`; returns true if it is stored as it was (zstd would
+/// not make it smaller, or failed).
+fn make_block(zc: &mut zstd::bulk::Compressor<'_>, piece: &[u8], b: &mut Vec<u8>) -> bool {
+    // Zeroed up to zstd's bound for this piece only (not a whole block's for every chunk).
+    b.clear();
+    b.resize(4 + zstd::zstd_safe::compress_bound(piece.len()).max(piece.len()), 0);
+    match zc.compress_to_buffer(piece, &mut b[4..]) {
+        Ok(n) if n < piece.len() => {
+            b.truncate(4 + n);
+            b[..4].copy_from_slice(&(n as u32).to_be_bytes());
+            false
+        }
+        _ => store_block(piece, b),
+    }
+}
+
+/// Writes `piece` as a stored block into `b`.
+fn store_block(piece: &[u8], b: &mut Vec<u8>) -> bool {
+    b.clear();
+    b.extend_from_slice(&(piece.len() as u32 | STORED).to_be_bytes());
+    b.extend_from_slice(piece);
+    true
+}
+
+/// A module's way to the compression threads: where its jobs go, the pool's count and limit, and the channel its
+/// blocks come back on (handed to its replacement with the flows).
+struct Offload {
+    jobs: Sender<Job>,
+    total: Arc<AtomicUsize>,
+    limit: usize,
+    done_tx: Sender<Done>,
+    done_rx: Receiver<Done>,
+    /// The flows' directions with something queued (flow, slot).
+    busy: Vec<(u64, usize)>,
+    /// The number of the next block handed to the threads.
+    next_seq: u64,
+    /// How long to wait between polls while blocks are out: half of what a block took lately (a moving average).
+    poll_every: Duration,
+}
+
+impl Offload {
+    /// To the process's pool.
+    fn shared() -> Offload {
+        let pool = Pool::get();
+        Offload::to(pool.jobs.clone(), pool.total.clone(), TOTAL_IN_FLIGHT)
+    }
+
+    fn to(jobs: Sender<Job>, total: Arc<AtomicUsize>, limit: usize) -> Offload {
+        let (done_tx, done_rx) = mpsc::channel();
+        Offload { jobs, total, limit, done_tx, done_rx, busy: Vec::new(), next_seq: 0, poll_every: POLL_EVERY }
+    }
+}
+
+/// What a `compress` hands to its replacement.
+struct Handed {
+    flows: HandedFlows<Flow>,
+    done: (Sender<Done>, Receiver<Done>),
+    busy: Vec<(u64, usize)>,
+    next_seq: u64,
 }
 
 /// A running `compress`.
@@ -188,6 +416,7 @@ pub struct Compress {
     /// than a block; empty between batches).
     gathering: Option<(u64, Direction)>,
     gathered: Vec<u8>,
+    offload: Offload,
 }
 
 /// The other direction.
@@ -212,44 +441,169 @@ impl Compress {
         ack(out, flow, back(d), free);
     }
 
-    /// Compresses a chunk into blocks, emitted (and mapped for the acks, block by block); returns the bytes emitted.
-    fn pack(&mut self, flow: u64, d: Direction, bytes: &[u8], out: &mut Output<'_>) -> u64 {
-        let mut total = 0;
+    /// Compresses a chunk into blocks, each emitted (and mapped for the acks) once made, in order.
+    fn pack(&mut self, flow: u64, d: Direction, bytes: &[u8], out: &mut Output<'_>) {
         for piece in bytes.chunks(MAX_BLOCK) {
-            let zc = &mut self.zc;
-            let mut stored = false;
-            let frame = StreamFrame::data_with(out.pool(), flow, d, |b| {
-                // Zeroed up to zstd's bound for this piece only (not a whole block's for every chunk).
-                b.clear();
-                b.resize(4 + zstd::zstd_safe::compress_bound(piece.len()).max(piece.len()), 0);
-                let n = match zc.compress_to_buffer(piece, &mut b[4..]) {
-                    Ok(n) if n < piece.len() => n,
-                    _ => {
-                        stored = true;
-                        b[4..4 + piece.len()].copy_from_slice(piece);
-                        piece.len()
-                    }
-                };
-                b.truncate(4 + n);
-                let header = n as u32 | if stored { STORED } else { 0 };
-                b[..4].copy_from_slice(&header.to_be_bytes());
-            });
-            self.m.blocks.add(1);
-            if stored {
-                self.m.stored.add(1);
-            }
-            let made = frame.len() as u64;
-            total += made;
-            out.emit(0, frame);
-            self.produced(flow, d, piece.len() as u64, made, out);
+            self.block(flow, d, piece, out);
         }
-        self.m.plain.add(bytes.len() as u64);
-        self.m.packed.add(total);
+    }
+
+    /// One block of input: made here at once (`offload` off, or a small block of a direction with nothing queued),
+    /// or queued for the threads.
+    fn block(&mut self, flow: u64, d: Direction, piece: &[u8], out: &mut Output<'_>) {
+        let st = self.flows.get_mut(flow).expect("a flow it works on");
+        let s = slot(d);
+        if !self.cfg.offload || (piece.len() < INLINE_BELOW && st.queue[s].is_empty()) {
+            let mut b = Vec::new();
+            let stored = make_block(&mut self.zc, piece, &mut b);
+            let frame = StreamFrame::data(out.pool(), flow, d, &b);
+            self.made(flow, d, piece.len() as u64, frame, stored, out);
+            return;
+        }
+        // A block waiting for the threads (the flow has as many out as it may) takes more input while it has room
+        // (not a UDP flow's: a datagram is a block): while the threads are behind, blocks stay big.
+        if let Some(Pending::Block(_, plain, Block::Waiting(waiting))) = st.queue[s].back_mut() {
+            if !st.udp && waiting.len() + piece.len() <= MAX_BLOCK {
+                waiting.extend_from_slice(piece);
+                *plain += piece.len() as u64;
+                return;
+            }
+        }
+        // Numbered across the module's flows: a block of a flow aborted and opened again under the same id cannot
+        // be taken for one of the new flow's.
+        let seq = self.offload.next_seq;
+        self.offload.next_seq += 1;
+        if st.queue[s].is_empty() {
+            self.offload.busy.push((flow, s));
+        }
+        st.queue[s].push_back(Pending::Block(seq, piece.len() as u64, Block::Waiting(piece.to_vec())));
+        self.submit(flow, d);
+    }
+
+    /// A block made: counted and emitted.
+    fn made(&mut self, flow: u64, d: Direction, input: u64, frame: Packet, stored: bool, out: &mut Output<'_>) {
+        self.m.blocks.add(1);
+        if stored {
+            self.m.stored.add(1);
+        }
+        let made = frame.len() as u64;
+        self.m.plain.add(input);
+        self.m.packed.add(made);
         let plain = self.m.plain.get();
         if plain > 0 {
             self.m.ratio.set_f64(self.m.packed.get() as f64 / plain as f64);
         }
-        total
+        out.emit(0, frame);
+        self.produced(flow, d, input, made, out);
+    }
+
+    /// Hands the direction's waiting blocks to the threads, in order, as far as the limits allow.
+    fn submit(&mut self, flow: u64, d: Direction) {
+        let Some(st) = self.flows.get_mut(flow) else { return };
+        let s = slot(d);
+        let level = self.cfg.level as i32;
+        for p in st.queue[s].iter_mut() {
+            if st.working[s] >= FLOW_IN_FLIGHT {
+                return;
+            }
+            let Pending::Block(seq, _, b @ Block::Waiting(_)) = p else { continue };
+            if self.offload.total.fetch_add(1, Ordering::AcqRel) >= self.offload.limit {
+                self.offload.total.fetch_sub(1, Ordering::AcqRel);
+                return;
+            }
+            let Block::Waiting(input) = std::mem::replace(b, Block::Working) else { unreachable!() };
+            let job = Job { flow, dir: d, seq: *seq, level, input, reply: self.offload.done_tx.clone() };
+            match self.offload.jobs.send(job) {
+                Ok(()) => st.working[s] += 1,
+                Err(mpsc::SendError(job)) => {
+                    // No thread left (they panicked): the block is made here.
+                    self.offload.total.fetch_sub(1, Ordering::AcqRel);
+                    tracing::error!("compress: no compression thread left; compressing on the data plane");
+                    let mut block = Vec::new();
+                    let stored = make_block(&mut self.zc, &job.input, &mut block);
+                    *b = Block::Made(block, stored);
+                }
+            }
+        }
+    }
+
+    /// Takes the blocks the threads made, emits what is ready at the head of each queue, hands the threads what
+    /// waits; true if blocks are still out or waiting.
+    fn collect(&mut self, out: &mut Output<'_>) -> bool {
+        while let Ok(done) = self.offload.done_rx.try_recv() {
+            let s = slot(done.dir);
+            // An average of the last blocks' times (weight 1/8), halved, within bounds.
+            let every = (self.offload.poll_every * 7 + done.took / 2) / 8;
+            self.offload.poll_every = every.clamp(POLL_MIN, POLL_MAX);
+            // A flow aborted meanwhile: its blocks go with it.
+            let Some(st) = self.flows.get_mut(done.flow) else { continue };
+            st.working[s] = st.working[s].saturating_sub(1);
+            let entry = st.queue[s].iter_mut().find(|p| matches!(p, Pending::Block(seq, ..) if *seq == done.seq));
+            if let Some(Pending::Block(_, _, b)) = entry {
+                *b = Block::Made(done.block, done.stored);
+            }
+        }
+        let mut i = 0;
+        while i < self.offload.busy.len() {
+            let (flow, s) = self.offload.busy[i];
+            let d = if s == 0 { Direction::Down } else { Direction::Up };
+            self.release(flow, d, out);
+            self.submit(flow, d);
+            if self.flows.get_mut(flow).is_some_and(|st| !st.queue[s].is_empty()) {
+                i += 1;
+            } else {
+                self.offload.busy.swap_remove(i);
+            }
+        }
+        !self.offload.busy.is_empty()
+    }
+
+    /// Emits what is ready at the head of the direction's queue.
+    fn release(&mut self, flow: u64, d: Direction, out: &mut Output<'_>) {
+        let s = slot(d);
+        loop {
+            let Some(st) = self.flows.get_mut(flow) else { return };
+            let ready = matches!(
+                st.queue[s].front(),
+                Some(Pending::Block(_, _, Block::Made(..)) | Pending::Frame(..) | Pending::Fin(_))
+            );
+            if !ready {
+                return;
+            }
+            match st.queue[s].pop_front().expect("a head") {
+                Pending::Block(_, plain, Block::Made(block, stored)) => {
+                    let frame = StreamFrame::data(out.pool(), flow, d, &block);
+                    self.made(flow, d, plain, frame, stored, out);
+                }
+                Pending::Frame(p, input) => {
+                    let n = p.len() as u64;
+                    out.emit(0, p);
+                    self.produced(flow, d, input, n, out);
+                }
+                Pending::Fin(p) => {
+                    self.flows.fin(flow, d);
+                    out.emit(0, p);
+                }
+                Pending::Block(..) => unreachable!("a block not made is not ready"),
+            }
+        }
+    }
+
+    /// True if something of the direction waits for blocks before it.
+    fn queued(&mut self, flow: u64, d: Direction) -> bool {
+        self.flows.get_mut(flow).is_some_and(|st| !st.queue[slot(d)].is_empty())
+    }
+
+    /// Emits a frame of the direction standing for `input` bytes, or queues it behind the blocks not made yet.
+    fn emit_in_order(&mut self, flow: u64, d: Direction, p: Packet, input: u64, out: &mut Output<'_>) {
+        if self.queued(flow, d) {
+            let st = self.flows.get_mut(flow).expect("a flow it works on");
+            st.queue[slot(d)].push_back(Pending::Frame(p, input));
+        } else {
+            let n = p.len() as u64;
+            out.emit(0, p);
+            self.produced(flow, d, input, n, out);
+        }
     }
 
     /// Takes a chunk of framed bytes, emits the blocks it completes, restored; returns the bytes emitted, or an error
@@ -355,19 +709,19 @@ impl Compress {
     fn switch(&mut self, flow: u64, d: Direction, out: &mut Output<'_>) {
         self.m.switches.add(1);
         if self.cfg.active {
-            out.emit(0, StreamFrame::data(out.pool(), flow, d, &[]));
+            let p = StreamFrame::data(out.pool(), flow, d, &[]);
+            self.emit_in_order(flow, d, p, 0, out);
         } else {
-            out.emit(0, StreamFrame::data(out.pool(), flow, d, &SWITCH_OFF.to_be_bytes()));
-            self.produced(flow, d, 0, 4, out);
+            let p = StreamFrame::data(out.pool(), flow, d, &SWITCH_OFF.to_be_bytes());
+            self.emit_in_order(flow, d, p, 0, out);
         }
     }
 
     /// Passes a chunk as it is (this direction is out of the path).
-    fn pass_raw(&mut self, flow: u64, d: Direction, p: flexstack_core::Packet, out: &mut Output<'_>) {
+    fn pass_raw(&mut self, flow: u64, d: Direction, p: Packet, out: &mut Output<'_>) {
         let n = p.len() as u64;
         self.m.raw.add(n);
-        out.emit(0, p);
-        self.produced(flow, d, n, n, out);
+        self.emit_in_order(flow, d, p, n, out);
     }
 
     fn abort(&mut self, flow: u64, why: &str, out: &mut Output<'_>) {
@@ -437,7 +791,11 @@ impl Module for Compress {
                 }
                 Seen::Fin(flow) => {
                     let partial = self.flows.get_mut(flow).is_some_and(|st| !st.partial[slot(d)].is_empty());
-                    if partial {
+                    if self.queued(flow, d) {
+                        // After the blocks not made yet.
+                        let st = self.flows.get_mut(flow).expect("a flow it works on");
+                        st.queue[slot(d)].push_back(Pending::Fin(p));
+                    } else if partial {
                         self.abort(flow, "the stream ended inside a block", out);
                     // replaces the Fin
                     } else {
@@ -449,6 +807,13 @@ impl Module for Compress {
             }
         }
         self.flush(out);
+        if self.collect(out) {
+            out.wake_at(out.now() + self.offload.poll_every);
+        }
+    }
+
+    fn poll(&mut self, out: &mut Output<'_>) -> Option<Time> {
+        self.collect(out).then(|| out.now() + self.offload.poll_every)
     }
 
     fn write_knob(&mut self, knob: &str, value: &Value) -> Result<(), String> {
@@ -460,11 +825,351 @@ impl Module for Compress {
     }
 
     fn take_state(&mut self) -> Option<Box<dyn std::any::Any>> {
-        Some(Box::new(self.flows.take()))
+        // The blocks out come back on this module's channel: it goes with the flows (a fresh one stays here).
+        let (tx, rx) = mpsc::channel();
+        let done = (std::mem::replace(&mut self.offload.done_tx, tx), std::mem::replace(&mut self.offload.done_rx, rx));
+        let busy = std::mem::take(&mut self.offload.busy);
+        Some(Box::new(Handed { flows: self.flows.take(), done, busy, next_seq: self.offload.next_seq }))
     }
 
     fn adopt_state(&mut self, state: Box<dyn std::any::Any>) -> Result<(), String> {
-        self.flows.adopt(handed_over::<HandedFlows<Flow>>(state, "a compress's flows")?);
+        let h = handed_over::<Handed>(state, "a compress's flows")?;
+        self.flows.adopt(h.flows);
+        // Blocks of the handed flows may still be out, and answer on the old channel: this module takes it over.
+        // Its own channel holds nothing yet (adopted before its first block).
+        (self.offload.done_tx, self.offload.done_rx) = h.done;
+        self.offload.busy.extend(h.busy);
+        self.offload.next_seq = self.offload.next_seq.max(h.next_seq);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use flexstack_core::stream::FlowInfo;
+    use flexstack_core::{MetaKey, PacketPool};
+
+    /// A `compress` whose blocks go to a channel the test holds (its own limit of blocks out), run by hand.
+    struct Harness {
+        m: Compress,
+        vars: ModuleVars,
+        jobs: Receiver<Job>,
+        pool: PacketPool,
+    }
+
+    impl Harness {
+        fn new(limit: usize) -> Harness {
+            let cfg = Config { level: 3, decompress: false, active: true, offload: true };
+            let vars = ModuleVars::new(&DECL.interface(&cfg).vars);
+            let mut m = CompressBuilder { cfg, select: vec![SelectRule::ALL] }.make(&vars);
+            let (tx, jobs) = mpsc::channel();
+            m.offload = Offload::to(tx, Arc::new(AtomicUsize::new(0)), limit);
+            Harness { m, vars, jobs, pool: PacketPool::default() }
+        }
+
+        /// Processes `frames` at `ms`; returns what it emitted and when it asks to be polled.
+        fn process(&mut self, ms: u64, frames: Vec<Packet>) -> (Vec<Packet>, Option<Time>) {
+            let mut ports = vec![Vec::new()];
+            let (mut control, mut serial) = (Vec::new(), 0);
+            let mut out =
+                Output::detached(Time::from_millis(ms), "z", &self.pool, &mut ports, &mut control, &mut serial);
+            let mut input: Batch = frames.into_iter().map(Frame::Data).collect();
+            self.m.process(0, &mut input, &mut out);
+            let wake = out.requested_wakeup();
+            (packets(ports), wake)
+        }
+
+        fn poll(&mut self, ms: u64) -> (Vec<Packet>, Option<Time>) {
+            let mut ports = vec![Vec::new()];
+            let (mut control, mut serial) = (Vec::new(), 0);
+            let mut out =
+                Output::detached(Time::from_millis(ms), "z", &self.pool, &mut ports, &mut control, &mut serial);
+            let next = self.m.poll(&mut out);
+            (packets(ports), next)
+        }
+
+        /// The jobs handed to the threads so far.
+        fn jobs(&self) -> Vec<Job> {
+            self.jobs.try_iter().collect()
+        }
+
+        fn meter(&self, name: &str) -> u64 {
+            match self.vars.cell(name).unwrap().get() {
+                Value::U64(v) => v,
+                other => panic!("{name}: {other:?}"),
+            }
+        }
+    }
+
+    fn packets(mut ports: Vec<Batch>) -> Vec<Packet> {
+        ports.remove(0).into_iter().map(|f| if let Frame::Data(p) = f { p } else { panic!("a data frame") }).collect()
+    }
+
+    /// A harness with flow 1 opened and `blocks` blocks of text (from `seed`) sent down in one chunk, at 1 ms;
+    /// returns it, the text, what it emitted and when it asked to be polled.
+    fn sending(seed: usize, blocks: usize) -> (Harness, Vec<u8>, Vec<Packet>, Option<Time>) {
+        let mut h = Harness::new(TOTAL_IN_FLIGHT);
+        let pool = h.pool.clone();
+        let input = text(seed, blocks * MAX_BLOCK);
+        let (seen, wake) = h.process(1, vec![open(&pool, 1), StreamFrame::data(&pool, 1, Direction::Down, &input)]);
+        (h, input, seen, wake)
+    }
+
+    /// What a compression thread does with a job.
+    fn finish(job: Job) {
+        let (reply, done) = run(&mut None, job);
+        reply.send(done).unwrap();
+    }
+
+    fn text(seed: usize, len: usize) -> Vec<u8> {
+        let mut v = Vec::new();
+        let mut i = 0;
+        while v.len() < len {
+            v.extend_from_slice(format!("{seed} line {i}: the quick brown fox jumps over the lazy dog\n").as_bytes());
+            i += 1;
+        }
+        v.truncate(len);
+        v
+    }
+
+    fn open(pool: &PacketPool, flow: u64) -> Packet {
+        let info = FlowInfo::tcp(
+            "10.0.0.2:40000".parse().unwrap(),
+            "192.0.2.1:80".parse().unwrap(),
+            "app",
+            flexstack_core::stream::Role::Client,
+        );
+        StreamFrame::open(pool, flow, Direction::Down, &info)
+    }
+
+    fn kind(p: &Packet) -> Option<StreamKind> {
+        p.stream_kind()
+    }
+
+    fn acked(p: &Packet) -> Option<u64> {
+        (kind(p) == Some(StreamKind::Ack)).then(|| p.meta().get(MetaKey::STREAM).unwrap() >> 8)
+    }
+
+    /// Restores blocks.
+    fn unframe(blocks: &[Packet]) -> Vec<u8> {
+        let mut plain = Vec::new();
+        for p in blocks {
+            let b = p.data();
+            let header = u32::from_be_bytes(b[..4].try_into().unwrap());
+            assert_eq!((header & !STORED) as usize, b.len() - 4, "one block a frame");
+            if header & STORED != 0 {
+                plain.extend_from_slice(&b[4..]);
+            } else {
+                plain.extend(zstd::decode_all(&b[4..]).unwrap());
+            }
+        }
+        plain
+    }
+
+    #[test]
+    fn blocks_made_out_of_order_leave_in_order_with_the_fin_after_them() {
+        let mut h = Harness::new(TOTAL_IN_FLIGHT);
+        let pool = h.pool.clone();
+        let input: Vec<Vec<u8>> = (0..3).map(|i| text(i, MAX_BLOCK)).collect();
+        let mut frames = vec![open(&pool, 1)];
+        frames.extend(input.iter().map(|b| StreamFrame::data(&pool, 1, Direction::Down, b)));
+        frames.push(StreamFrame::fin(&pool, 1, Direction::Down));
+        let (seen, wake) = h.process(1, frames);
+        assert_eq!(seen.len(), 1, "the Open only: the blocks are out, the Fin waits behind them");
+        assert_eq!(wake, Some(Time::from_millis(1) + POLL_EVERY), "polled again soon");
+        let mut jobs = h.jobs();
+        assert_eq!(jobs.iter().map(|j| j.seq).collect::<Vec<_>>(), [0, 1, 2]);
+        // The last block is made first: nothing may leave before the first.
+        finish(jobs.pop().unwrap());
+        let (seen, next) = h.poll(2);
+        assert!(seen.is_empty(), "block 2 waits for blocks 0 and 1");
+        assert!(next.is_some());
+        finish(jobs.remove(0));
+        let (seen, next) = h.poll(3);
+        assert_eq!(seen.len(), 1, "block 0");
+        assert!(unframe(&seen) == input[0]);
+        assert!(next.is_some(), "block 1 is still out");
+        finish(jobs.remove(0));
+        let (seen, next) = h.poll(4);
+        assert_eq!(next, None, "nothing out any more");
+        assert_eq!(
+            seen.iter().map(kind).collect::<Vec<_>>(),
+            [Some(StreamKind::Data); 2].into_iter().chain([Some(StreamKind::Fin)]).collect::<Vec<_>>()
+        );
+        assert!(unframe(&seen[..2]) == [input[1].clone(), input[2].clone()].concat());
+        assert_eq!(h.meter("blocks_total"), 3);
+        assert_eq!(h.meter("plain_bytes_total"), 3 * MAX_BLOCK as u64);
+    }
+
+    #[test]
+    fn blocks_out_are_bounded_per_flow_and_in_total_and_their_input_stays_unacked() {
+        let mut h = Harness::new(6);
+        let pool = h.pool.clone();
+        // Two flows of 10 blocks each, in one batch.
+        let mut frames = vec![open(&pool, 1), open(&pool, 2)];
+        let data = text(7, 10 * MAX_BLOCK);
+        for flow in [1, 2] {
+            frames.push(StreamFrame::data(&pool, flow, Direction::Down, &data));
+        }
+        let (seen, _) = h.process(1, frames);
+        assert_eq!(seen.len(), 2, "the Opens");
+        let jobs = h.jobs();
+        let of = |f: u64| jobs.iter().filter(|j| j.flow == f).count();
+        assert_eq!((of(1), of(2)), (FLOW_IN_FLIGHT, 6 - FLOW_IN_FLIGHT), "4 of flow 1, then the total's 6");
+        assert_eq!(h.m.offload.total.load(Ordering::Acquire), 6);
+        // One block made: it leaves, and one more goes out (flow 2's: flow 1 is at its limit again).
+        let mut jobs = jobs.into_iter();
+        finish(jobs.next().unwrap());
+        h.m.offload.total.fetch_sub(1, Ordering::AcqRel); // as the pool's thread does
+        let (seen, _) = h.poll(2);
+        assert_eq!(seen.len(), 1, "flow 1's first block");
+        let more = h.jobs();
+        assert_eq!(more.len(), 1);
+        assert_eq!(h.m.offload.total.load(Ordering::Acquire), 6, "at the limit again");
+        // Nothing of the input was acked upstream: the flows' credit holds their producers.
+        assert!(seen.iter().all(|p| acked(p).is_none()));
+        let st = h.m.flows.get_mut(1).unwrap();
+        assert_eq!(st.acks[0].unacked_input(), MAX_BLOCK as u64, "the block sent, not acked downstream yet");
+        assert_eq!(st.queue[0].len(), 9, "the rest waits in the flow, as input bytes");
+        // Its output acked: its input is acked upstream.
+        let out = seen[0].len() as u64;
+        let (seen, _) = h.process(3, vec![StreamFrame::ack(&pool, 1, Direction::Up, out)]);
+        assert_eq!(seen.iter().filter_map(acked).collect::<Vec<_>>(), [MAX_BLOCK as u64]);
+    }
+
+    #[test]
+    fn a_replacement_takes_over_the_blocks_out_and_emits_them_in_order() {
+        let (mut old, input, seen, _) = sending(3, 3);
+        let pool = old.pool.clone();
+        assert_eq!(seen.len(), 1);
+        let mut jobs = old.jobs();
+        assert_eq!(jobs.len(), 3);
+        finish(jobs.remove(1)); // made before the replacement, not emitted yet
+        let state = old.m.take_state().unwrap();
+        let mut new = Harness::new(TOTAL_IN_FLIGHT);
+        new.m.adopt_state(state).unwrap();
+        // The others are made after it: they answer on the channel the new module took over.
+        for j in jobs {
+            finish(j);
+        }
+        assert!(old.poll(2).0.is_empty(), "the old module has nothing left");
+        let (seen, next) = new.poll(2);
+        assert_eq!(next, None);
+        assert_eq!(seen.len(), 3, "all three blocks, from the new module");
+        assert!(unframe(&seen) == input, "in order, nothing lost");
+        // Their acks are mapped by the new module: all output acked frees all input.
+        let out: u64 = seen.iter().map(|p| p.len() as u64).sum();
+        let (seen, _) = new.process(3, vec![StreamFrame::ack(&pool, 1, Direction::Up, out)]);
+        assert_eq!(seen.iter().filter_map(acked).sum::<u64>(), input.len() as u64);
+    }
+
+    #[test]
+    fn a_bad_block_coming_up_aborts_the_flow_and_its_blocks_out_are_dropped_even_if_its_id_comes_back() {
+        let (mut h, _, _, wake) = sending(5, 2);
+        let pool = h.pool.clone();
+        assert!(wake.is_some());
+        // Up data is restored here: a block announcing 2 GB is an error; the flow is aborted both ways at once.
+        let (seen, _) = h.process(2, vec![StreamFrame::data(&pool, 1, Direction::Up, &[0x7f, 0xff, 0xff, 0xff, 1])]);
+        assert_eq!(seen.iter().map(kind).collect::<Vec<_>>(), [Some(StreamKind::Abort); 2]);
+        assert_eq!(h.meter("errors_total"), 1);
+        // The flow's id opens again, with a block of its own out, before the old blocks come back.
+        let stale = h.jobs();
+        let fresh = text(6, MAX_BLOCK);
+        h.process(3, vec![open(&pool, 1), StreamFrame::data(&pool, 1, Direction::Down, &fresh)]);
+        let new = h.jobs();
+        assert_eq!(new.len(), 1);
+        // The old blocks come back: dropped with the flow they were of, not taken for the new flow's.
+        for j in stale {
+            finish(j);
+        }
+        let (seen, next) = h.poll(4);
+        assert!(seen.is_empty(), "nothing of the aborted flow");
+        assert!(next.is_some(), "the new flow's block is out");
+        for j in new {
+            finish(j);
+        }
+        let (seen, next) = h.poll(5);
+        assert!(unframe(&seen) == fresh);
+        assert_eq!(next, None);
+        assert!(h.m.offload.busy.is_empty());
+    }
+
+    #[test]
+    fn a_small_message_is_compressed_at_once_and_one_behind_blocks_out_waits_for_them() {
+        let mut h = Harness::new(TOTAL_IN_FLIGHT);
+        let pool = h.pool.clone();
+        let request = b"GET /status HTTP/1.1\r\nHost: x\r\n\r\n";
+        let (seen, wake) = h.process(1, vec![open(&pool, 1), StreamFrame::data(&pool, 1, Direction::Down, request)]);
+        assert_eq!(seen.len(), 2, "the Open and the request's block, in the same call");
+        assert_eq!(wake, None, "nothing out");
+        assert!(h.jobs().is_empty());
+        assert!(unframe(&seen[1..]) == request);
+        // A big block goes out; a small one after it waits behind it (in order), then both leave.
+        let big = text(1, MAX_BLOCK);
+        let (seen, _) = h.process(2, vec![StreamFrame::data(&pool, 1, Direction::Down, &big)]);
+        assert!(seen.is_empty());
+        let (seen, _) = h.process(3, vec![StreamFrame::data(&pool, 1, Direction::Down, request)]);
+        assert!(seen.is_empty(), "behind the big block");
+        let jobs = h.jobs();
+        assert_eq!(jobs.len(), 2, "queued behind a block out, the small one goes to the threads too");
+        for j in jobs.into_iter().rev() {
+            finish(j);
+        }
+        let (seen, _) = h.poll(4);
+        assert!(unframe(&seen) == [&big[..], request].concat());
+    }
+
+    #[test]
+    fn input_behind_a_full_pipeline_joins_the_block_waiting_for_the_threads() {
+        let (mut h, first, _, _) = sending(2, FLOW_IN_FLIGHT);
+        let pool = h.pool.clone();
+        let mut jobs = h.jobs();
+        assert_eq!(jobs.len(), FLOW_IN_FLIGHT);
+        // Small batches while the flow has as many blocks out as it may: one waiting block gathers them.
+        let more = text(3, 12 * 10_000);
+        for (i, c) in more.chunks(10_000).enumerate() {
+            let (seen, _) = h.process(2 + i as u64, vec![StreamFrame::data(&pool, 1, Direction::Down, c)]);
+            assert!(seen.is_empty());
+        }
+        assert!(h.jobs().is_empty(), "none handed over: the flow is at its limit");
+        assert_eq!(h.m.flows.get_mut(1).unwrap().queue[0].len(), FLOW_IN_FLIGHT + 2, "6 + 6 chunks: two blocks");
+        jobs.drain(..).for_each(finish);
+        let (seen, _) = h.poll(20);
+        assert_eq!(seen.len(), FLOW_IN_FLIGHT);
+        jobs = h.jobs();
+        assert_eq!(jobs.iter().map(|j| j.input.len()).collect::<Vec<_>>(), [60_000, 60_000]);
+        jobs.drain(..).for_each(finish);
+        let (rest, next) = h.poll(21);
+        assert_eq!(next, None);
+        assert!(unframe(&[seen, rest].concat()) == [first, more].concat());
+    }
+
+    #[test]
+    fn the_shared_pool_makes_the_blocks() {
+        let cfg = Config { level: 3, decompress: false, active: true, offload: true };
+        let vars = ModuleVars::new(&DECL.interface(&cfg).vars);
+        let mut m = CompressBuilder { cfg, select: vec![SelectRule::ALL] }.make(&vars);
+        let pool = PacketPool::default();
+        let input = text(9, 5 * MAX_BLOCK + 100);
+        let mut got = Vec::new();
+        let mut frames: Batch =
+            vec![open(&pool, 1).into(), StreamFrame::data(&pool, 1, Direction::Down, &input).into()];
+        for ms in 1..10_000 {
+            let mut ports = vec![Vec::new()];
+            let (mut control, mut serial) = (Vec::new(), 0);
+            let mut out = Output::detached(Time::from_millis(ms), "z", &pool, &mut ports, &mut control, &mut serial);
+            if frames.is_empty() {
+                m.poll(&mut out);
+            } else {
+                m.process(0, &mut frames, &mut out);
+            }
+            got.extend(packets(ports).into_iter().filter(|p| kind(p) == Some(StreamKind::Data)));
+            if got.len() == 6 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(unframe(&got) == input);
     }
 }

@@ -611,18 +611,31 @@ impl Session {
         }
     }
 
-    /// The other side took the stream up to `offset`: what is kept before it is forgotten. An offset beyond what
-    /// was sent, or before what is kept (a move that needs bytes already forgotten) is an error.
+    /// Where what is kept starts (bytes before it were taken, or forgotten beyond [`MAX_KEPT`]).
+    fn from(&self) -> u64 {
+        self.sent - self.kept.len() as u64
+    }
+
+    /// The other side took the stream up to `offset` (`Received`): what is kept before it is forgotten. An offset
+    /// beyond what was sent is an error.
     fn took(&mut self, offset: u64) -> Result<(), String> {
-        let from = self.sent - self.kept.len() as u64;
-        if offset > self.sent || offset < from {
-            return Err(format!(
-                "the peer took {offset} bytes of the session; it has {from} to {} to resend",
-                self.sent
-            ));
+        if offset > self.sent {
+            return Err(format!("the peer took {offset} bytes of the session, more than the {} sent", self.sent));
         }
-        self.kept.drain(..(offset - from) as usize);
+        let from = self.from();
+        if offset > from {
+            self.kept.drain(..(offset - from) as usize);
+        }
         Ok(())
+    }
+
+    /// A new connection, whose other side took the stream up to `offset` (`Resume`): what is kept is then what to
+    /// send again. An error if that needs bytes already forgotten.
+    fn resume_from(&mut self, offset: u64) -> Result<(), String> {
+        if offset < self.from() {
+            return Err(format!("the peer took {offset} bytes of the session; those from {} on are kept", self.from()));
+        }
+        self.took(offset)
     }
 }
 
@@ -1059,7 +1072,7 @@ impl Inner {
             let Some(s) = c.session.as_mut().filter(|s| s.id == id) else {
                 return Err(End::Malformed("a resume of another session".into()));
             };
-            s.took(received).map_err(End::Closed)?;
+            s.resume_from(received).map_err(End::Closed)?;
             if std::mem::take(&mut s.held) {
                 let again: Vec<u8> = s.kept.iter().copied().collect();
                 c.send_ctl(&again)?;
@@ -1080,7 +1093,7 @@ impl Inner {
             Some(old) => {
                 let mut o = self.drop_conn(old).expect("the connection found");
                 let mut s = o.session.take().expect("a session");
-                if let Err(e) = s.took(received) {
+                if let Err(e) = s.resume_from(received) {
                     // Its flows cannot go on: aborted as when a connection goes.
                     self.abort_flows(old, &o);
                     return Err(End::Closed(format!("cannot resume: {e}")));
@@ -1693,12 +1706,17 @@ mod tests {
         s.took(4).expect("within what is kept");
         assert_eq!(s.kept.iter().copied().collect::<Vec<_>>(), b"efghij");
         assert!(s.took(11).is_err(), "more than was sent");
-        assert!(s.took(3).is_err(), "before what is kept");
+        s.took(3).expect("a `Received` behind what is kept: nothing to forget");
+        assert_eq!(s.kept.len(), 6);
+        assert!(s.resume_from(3).is_err(), "a resume needing bytes no longer kept");
+        s.resume_from(6).expect("within what is kept");
+        assert_eq!(s.kept.iter().copied().collect::<Vec<_>>(), b"ghij", "what to send again");
         s.took(10).expect("everything");
         assert!(s.kept.is_empty());
         s.keep(&vec![1; MAX_KEPT + 5]);
         assert_eq!(s.kept.len(), MAX_KEPT, "bounded");
-        assert!(s.took(12).is_err(), "forgotten beyond the bound: a move needing it cannot resume");
-        s.took(15).expect("what is still kept");
+        s.took(12).expect("a `Received` of bytes already forgotten");
+        assert!(s.resume_from(12).is_err(), "forgotten beyond the bound: a move needing it cannot resume");
+        s.resume_from(15).expect("what is still kept");
     }
 }

@@ -1,10 +1,11 @@
-//! A connecting carrier's uplinks ([`Uplinks`]), and the UDP sockets of a `quic`, `udp` or `udpplus` carrier (docs/peers.md, "Several uplinks"): one bound to the
-//! wildcard address (the kernel's routing picks the way), or, with `uplinks`, one per uplink bound to its local
-//! address, of which the carrier sends from the **active** one and reads them all. A NETLINK_ROUTE socket joined to
-//! the link and address groups, in the carrier's epoll set, says when something changed; the uplinks are then looked
-//! at again (getifaddrs: which interface holds each address, up with carrier or not), and when the active one is not
-//! usable any more the carrier moves to the first usable one. The engines do what moving means for them (quinn-proto's
-//! migration, the datagram carriers' re-binding, the `tcp` carrier's resumed session).
+//! A connecting carrier's uplinks ([`Uplinks`], docs/peers.md, "Several uplinks"), and the UDP sockets of a `quic`,
+//! `udp` or `udpplus` carrier ([`Sockets`]): one bound to the wildcard address (the kernel's routing picks the way),
+//! or, with `uplinks`, one per uplink bound to its local address, of which the carrier sends from the **active** one
+//! and reads them all. A NETLINK_ROUTE socket joined to the link and address groups, in the carrier's epoll set, says
+//! when something changed; the uplinks are then looked at again (getifaddrs: which interface holds each address, up
+//! with carrier or not), and when the active one is not usable any more the carrier moves to the first usable one.
+//! The engines do what moving means for them (quinn-proto's migration, the datagram carriers' re-binding, the `tcp`
+//! carrier's session resumed on a new connection from the new uplink's address).
 
 use crate::linkwatch::{LinkWatch, RTMGRP_IFADDR, RTMGRP_LINK};
 use flexstack_modules::stream::carrier::Meters;

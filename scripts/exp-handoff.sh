@@ -4,11 +4,12 @@
 # and 10.N.3.0/24; A routes by source address (the second uplink's address through table T, as a multi-homed host
 # does). A server behind B sends a TCP stream at a steady RATE (bytes/s, in 10 ms slices) to an app on A, carried
 # by a carrier with `uplinks` = both of A's addresses; CUT s into the stream A's end of the first link is set down,
-# and the carrier moves (quic: connection migration; udp, udpplus: re-binding). The app counts the bytes it receives
+# and the carrier moves (quic: connection migration; udp, udpplus: re-binding; tcp: its session resumed on a new
+# connection from the second uplink). The app counts the bytes it receives
 # per 10 ms and checks them (sha256, length). Per carrier kind: bytes lost to the app, the longest time without
 # delivery around the cut, and the carrier's meters (migrations_total, migration_gap_us).
 #
-#   sudo scripts/exp-handoff.sh              # KINDS="quic udp udpplus" SECS=10 CUT=4 RATE=4000000
+#   sudo scripts/exp-handoff.sh              # KINDS="quic udp udpplus tcp" SECS=10 CUT=4 RATE=4000000
 #
 # Writes docs/experiments/handoff-rx.csv (kind, ms, bytes per 10 ms), handoff-cuts.csv (kind, ms of the cut,
 # migration_gap_us), handoff-rx.svg (bytes per 10 ms around the cut, a panel per kind) and prints the figures.
@@ -16,7 +17,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/lib/bench.sh
 bench_setup exp-handoff.sh "namespaces, veth links, policy routing and a sandboxed app" python3 ip
-KINDS=${KINDS:-quic udp udpplus} SECS=${SECS:-10} CUT=${CUT:-4} RATE=${RATE:-4000000}
+KINDS=${KINDS:-quic udp udpplus tcp} SECS=${SECS:-10} CUT=${CUT:-4} RATE=${RATE:-4000000}
 OUT=${OUT:-docs/experiments}
 tag=fsxh$$
 net=78

@@ -53,6 +53,7 @@ pub struct Link {
 }
 
 pub const TCP: Link = Link { transport: "tcp", v6: false, transports: "" };
+pub const TCP6: Link = Link { transport: "tcp", v6: true, transports: "" };
 pub const QUIC: Link = Link { transport: "quic", v6: false, transports: "" };
 pub const QUIC6: Link = Link { transport: "quic", v6: true, transports: "" };
 pub const UDP: Link = Link { transport: "udp", v6: false, transports: "" };
@@ -294,15 +295,18 @@ pub struct SecondUplink {
     pub second: String,
     table: String,
     guard: String,
+    /// `-4` or `-6`: the peers' address family (`ip -6 rule` and routes for IPv6 peers).
+    family: String,
 }
 
 impl Rig {
-    /// Adds [`SecondUplink`] (IPv4 peers only).
+    /// Adds [`SecondUplink`] (of the peers' address family: 10.S.3.0/24, or fd98:S::/64 for IPv6 peers).
     pub fn second_uplink(&self) -> SecondUplink {
         use std::sync::atomic::{AtomicU32, Ordering};
         static NEXT: AtomicU32 = AtomicU32::new(0);
-        let b_ip = self.b_addr.rsplit_once(':').expect("ADDR:PORT").0;
-        let s = b_ip.split('.').nth(1).expect("B's carrier address is 10.S.1.2").to_string();
+        let b_ip = self.b_addr.rsplit_once(':').expect("ADDR:PORT").0.trim_matches(['[', ']']).to_string();
+        let v6 = b_ip.contains(':');
+        let s = self.s;
         let (h, _) = veth_into(
             &self._nb,
             [&format!("10.{s}.3.1/24"), &format!("fd98:{s}::1/64")],
@@ -310,16 +314,32 @@ impl Rig {
         );
         // A routing table of this process's own.
         let table = (40_000 + (std::process::id() % 20_000) * 8 + NEXT.fetch_add(1, Ordering::Relaxed) % 8).to_string();
-        let second = format!("10.{s}.3.1");
-        let guard = format!("10.{s}.1.0/24");
-        let up = SecondUplink { host_dev: h.clone(), first: format!("10.{s}.1.1"), second, table, guard };
-        sh("ip", &["rule", "add", "from", &up.second, "table", &up.table]);
-        sh(
-            "ip",
-            &["route", "add", &format!("{b_ip}/32"), "via", &format!("10.{s}.3.2"), "dev", &h, "table", &up.table],
-        );
-        sh("ip", &["route", "add", "unreachable", "default", "table", &up.table]);
-        sh("ip", &["route", "add", "unreachable", &up.guard, "metric", "9999"]);
+        let (family, first, second, via, host, guard) = if v6 {
+            let f = |x: &str| x.to_string();
+            (
+                f("-6"),
+                format!("fd96:{s:x}::1"),
+                format!("fd98:{s}::1"),
+                format!("fd98:{s}::2"),
+                "128",
+                format!("fd96:{s:x}::/64"),
+            )
+        } else {
+            (
+                "-4".to_string(),
+                format!("10.{s}.1.1"),
+                format!("10.{s}.3.1"),
+                format!("10.{s}.3.2"),
+                "32",
+                format!("10.{s}.1.0/24"),
+            )
+        };
+        let up = SecondUplink { host_dev: h.clone(), first, second, table, guard, family };
+        let f = up.family.as_str();
+        sh("ip", &[f, "rule", "add", "from", &up.second, "table", &up.table]);
+        sh("ip", &[f, "route", "add", &format!("{b_ip}/{host}"), "via", &via, "dev", &h, "table", &up.table]);
+        sh("ip", &[f, "route", "add", "unreachable", "default", "table", &up.table]);
+        sh("ip", &[f, "route", "add", "unreachable", &up.guard, "metric", "9999"]);
         up
     }
 }
@@ -329,9 +349,10 @@ impl Drop for SecondUplink {
         let ip = |args: &[&str]| {
             let _ = std::process::Command::new("ip").args(args).status();
         };
-        ip(&["rule", "del", "from", &self.second, "table", &self.table]);
-        ip(&["route", "flush", "table", &self.table]);
-        ip(&["route", "del", "unreachable", &self.guard, "metric", "9999"]);
+        let f = self.family.as_str();
+        ip(&[f, "rule", "del", "from", &self.second, "table", &self.table]);
+        ip(&[f, "route", "flush", "table", &self.table]);
+        ip(&[f, "route", "del", "unreachable", &self.guard, "metric", "9999"]);
         ip(&["link", "del", &self.host_dev]);
     }
 }

@@ -18,6 +18,7 @@
 //!   after that, input that is not the protocol closes it and counts in `malformed_total`.
 
 use super::trust::{self, client_config, identity, report, server_config, server_name, Peer};
+use super::uplinks::Uplinks;
 use crate::stream::{EpollDevice, FrameEngine};
 use flexstack_core::frame::{MetaKey, Metadata};
 use flexstack_core::stream::{FlowInfo, StreamEvent, StreamFrame, StreamKind};
@@ -29,11 +30,11 @@ use flexstack_modules::stream::carrier::raw::{self, RawMode, RawPeers};
 use flexstack_modules::stream::carrier::{self, wire, CarrierRequest, Config, FlowIds, Meters, Route, Router};
 use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
 use nix::sys::eventfd::{EfdFlags, EventFd};
-use nix::sys::socket::{connect, socket, AddressFamily, SockFlag, SockType, SockaddrStorage};
+use nix::sys::socket::{bind, connect, socket, AddressFamily, SockFlag, SockType, SockaddrStorage};
 use rustls::{ClientConfig, ClientConnection, Connection, ServerConfig, ServerConnection};
 use std::collections::{HashMap, VecDeque};
 use std::io::{ErrorKind, Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::{AsFd, AsRawFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -48,6 +49,13 @@ pub(crate) const PERIOD: Duration = Duration::from_millis(100);
 const KICK: u64 = 0;
 const LISTENER: u64 = 1;
 const FIRST_CONN: u64 = 2;
+/// The uplinks' link watch (connect mode with `uplinks`).
+const WATCH: u64 = u64::MAX;
+/// Most bytes a resumable session keeps to resend (what the other side has not said it took); beyond, the oldest
+/// are forgotten, and a move that would need them aborts the flows instead.
+pub const MAX_KEPT: usize = 64 << 20;
+/// A resumable session tells the other side what it took once this much more came (and at every tick).
+const TELL_EVERY: u64 = 256 << 10;
 /// Output ports.
 pub(crate) const STREAM: usize = 0;
 pub(crate) const PASS: usize = 1;
@@ -61,6 +69,7 @@ const DEMUX: usize = 2;
 /// Builds the carrier from what the kind read (the hook installed into `flexstack_modules::stream::carrier`).
 pub(crate) fn build(req: CarrierRequest) -> Result<Builder<Inner>, String> {
     let id = identity().ok_or("no peer identity: the daemon makes one in its state directory when it starts")?;
+    let mut uplinks = None;
     let mode = if req.cfg.peer.is_empty() {
         let addr = listen_of_cfg(&req.cfg)?;
         let listener = TcpListener::bind(addr).map_err(|e| format!("cannot listen on {addr}: {e}"))?;
@@ -73,10 +82,13 @@ pub(crate) fn build(req: CarrierRequest) -> Result<Builder<Inner>, String> {
         }
     } else {
         let peer = peer_of_cfg(&req.cfg)?;
+        if !req.cfg.uplinks.is_empty() {
+            uplinks = Some(Uplinks::new(&req.cfg.uplinks, peer.addr)?);
+        }
         let tls = client_config(id, peer.fingerprint)?;
         Mode::Connect { peer, client: tls, router: Router::default(), retry_at: None, conn: None }
     };
-    Ok(Builder { req, make: Box::new(move |cfg: &Config, m| tcp_device(mode, cfg, m)) })
+    Ok(Builder { req, make: Box::new(move |cfg: &Config, m| tcp_device(mode, uplinks, cfg, m)) })
 }
 
 /// Connect mode: the peer of the carrier's settings, its port moved by `port_offset` (a carrier with several
@@ -157,8 +169,12 @@ pub(crate) fn epoll_with_kick() -> (Epoll, EventFd) {
 }
 
 /// The tcp carrier's device.
-fn tcp_device(mode: Mode, cfg: &Config, m: Meters) -> (Arc<CarrierDevice>, bool) {
+fn tcp_device(mode: Mode, uplinks: Option<Uplinks>, cfg: &Config, m: Meters) -> (Arc<CarrierDevice>, bool) {
     let (epoll, kick) = epoll_with_kick();
+    if let Some(u) = &uplinks {
+        u.watch_in(&epoll, WATCH);
+        u.init_meters(&m);
+    }
     if let Mode::Accept { server: (listener, _), .. } = &mode {
         if let Err(e) = epoll.add(listener, EpollEvent::new(EpollFlags::EPOLLIN, LISTENER)) {
             tracing::error!(error = %e, "cannot watch the carrier's listener");
@@ -170,6 +186,7 @@ fn tcp_device(mode: Mode, cfg: &Config, m: Meters) -> (Arc<CarrierDevice>, bool)
         born: Vec::new(),
         gone: Vec::new(),
         mode,
+        uplinks,
         conns: HashMap::new(),
         next_token: FIRST_CONN,
         ready: VecDeque::new(),
@@ -368,6 +385,15 @@ impl<C, S, H: Copy + PartialEq> Modes<C, S, H> {
         }
     }
 
+    /// Accepting: the flows of connection `from` are on `to` from now on (a resumed session).
+    pub(crate) fn retarget(&mut self, from: H, to: H) {
+        if let Modes::Accept { flows, .. } = self {
+            for f in flows.values_mut().filter(|f| f.token == from) {
+                f.token = to;
+            }
+        }
+    }
+
     /// Forgets flow `local` (it moved to another transport): its connection and id there, if it has one.
     pub(crate) fn detach(&mut self, local: u64) -> Option<(H, u64)> {
         match self {
@@ -436,13 +462,13 @@ impl<C, S, H: Copy + PartialEq> Modes<C, S, H> {
     }
 }
 
-/// Hands each whole message at the start of `plain` to `on` (counted in `messages_in_total` and `bytes_in_total`)
-/// until one is incomplete or `on` fails; returns the bytes used and why it stopped (a message that does not decode
+/// Hands each whole message at the start of `plain` to `on`, with its length (counted in `messages_in_total` and
+/// `bytes_in_total`) until one is incomplete or `on` fails; returns the bytes used and why it stopped (a message that does not decode
 /// is malformed: see [`End::before_hello`]).
 pub(crate) fn each_message(
     plain: &[u8],
     m: &Meters,
-    mut on: impl FnMut(wire::Message<'_>) -> Result<(), End>,
+    mut on: impl FnMut(wire::Message<'_>, usize) -> Result<(), End>,
 ) -> (usize, Result<(), End>) {
     let mut at = 0;
     loop {
@@ -454,7 +480,7 @@ pub(crate) fn each_message(
         m.frames_in.add(1);
         m.bytes_in.add(used as u64);
         at += used;
-        if let Err(e) = on(msg) {
+        if let Err(e) = on(msg, used) {
             return (at, Err(e));
         }
     }
@@ -548,6 +574,69 @@ struct Conn {
     want_out: bool,
     /// Accepting: the peer's flow id -> the local one.
     remote: HashMap<u64, u64>,
+    /// The resumable session it carries (connect mode with `uplinks`, and its accepting side once asked).
+    session: Option<Session>,
+}
+
+/// A resumable session (docs/peers.md, "Several uplinks"): the stream of `Frame` and `Switch` messages each side
+/// sends, numbered by bytes, outlives the connection that carries it. Each side keeps what it sent until the other
+/// says it took it (`Received`); a new connection says how much of the other's stream it took (`Resume`), and each
+/// side sends again from there: no message lost, none twice, in order.
+struct Session {
+    id: u64,
+    /// Bytes of this side's stream sent (queued) since the session began.
+    sent: u64,
+    /// The last of them, that the other side may not have taken: from `sent - kept.len()` to `sent`.
+    kept: VecDeque<u8>,
+    /// Bytes of the other side's stream taken.
+    received: u64,
+    /// `received` as last told.
+    told: u64,
+    /// A resumed connection before the other side's `Resume`: what is sent is only kept.
+    held: bool,
+}
+
+impl Session {
+    fn new(id: u64) -> Session {
+        Session { id, sent: 0, kept: VecDeque::new(), received: 0, told: 0, held: false }
+    }
+
+    /// Queues stream bytes: kept, the oldest forgotten beyond [`MAX_KEPT`].
+    fn keep(&mut self, bytes: &[u8]) {
+        self.sent += bytes.len() as u64;
+        self.kept.extend(bytes);
+        if self.kept.len() > MAX_KEPT {
+            let over = self.kept.len() - MAX_KEPT;
+            self.kept.drain(..over);
+        }
+    }
+
+    /// Where what is kept starts (bytes before it were taken, or forgotten beyond [`MAX_KEPT`]).
+    fn from(&self) -> u64 {
+        self.sent - self.kept.len() as u64
+    }
+
+    /// The other side took the stream up to `offset` (`Received`): what is kept before it is forgotten. An offset
+    /// beyond what was sent is an error.
+    fn took(&mut self, offset: u64) -> Result<(), String> {
+        if offset > self.sent {
+            return Err(format!("the peer took {offset} bytes of the session, more than the {} sent", self.sent));
+        }
+        let from = self.from();
+        if offset > from {
+            self.kept.drain(..(offset - from) as usize);
+        }
+        Ok(())
+    }
+
+    /// A new connection, whose other side took the stream up to `offset` (`Resume`): what is kept is then what to
+    /// send again. An error if that needs bytes already forgotten.
+    fn resume_from(&mut self, offset: u64) -> Result<(), String> {
+        if offset < self.from() {
+            return Err(format!("the peer took {offset} bytes of the session; those from {} on are kept", self.from()));
+        }
+        self.took(offset)
+    }
 }
 
 /// Why a connection ended: before authentication (a refusal), for bad input, or otherwise.
@@ -591,6 +680,8 @@ pub(crate) struct Inner {
     born: Vec<(u64, String)>,
     gone: Vec<u64>,
     mode: Mode,
+    /// Connect mode with `uplinks`: the uplinks, and which one the connection leaves from.
+    uplinks: Option<Uplinks>,
     conns: HashMap<u64, Conn>,
     next_token: u64,
     ready: VecDeque<Ready>,
@@ -601,9 +692,13 @@ pub(crate) struct Inner {
     dir: Direction,
 }
 
-fn tcp_connect(addr: std::net::SocketAddr) -> std::io::Result<TcpStream> {
+/// A non-blocking TCP connection to `addr`, from local address `from` if given (an uplink's).
+fn tcp_connect(addr: SocketAddr, from: Option<IpAddr>) -> std::io::Result<TcpStream> {
     let family = if addr.is_ipv4() { AddressFamily::Inet } else { AddressFamily::Inet6 };
     let fd = socket(family, SockType::Stream, SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC, None)?;
+    if let Some(ip) = from {
+        bind(fd.as_raw_fd(), &SockaddrStorage::from(SocketAddr::new(ip, 0)))?;
+    }
     match connect(fd.as_raw_fd(), &SockaddrStorage::from(addr)) {
         Ok(()) | Err(nix::errno::Errno::EINPROGRESS) => {}
         Err(e) => return Err(e.into()),
@@ -611,6 +706,22 @@ fn tcp_connect(addr: std::net::SocketAddr) -> std::io::Result<TcpStream> {
     let s = TcpStream::from(fd);
     let _ = s.set_nodelay(true);
     Ok(s)
+}
+
+/// Tells the other side how much of its session stream connection `c` took (`Received`).
+fn tell(c: &mut Conn) -> Result<(), End> {
+    let Some(s) = &mut c.session else { return Ok(()) };
+    let mut b = Vec::new();
+    wire::received(&mut b, s.received);
+    s.told = s.received;
+    c.send_ctl(&b)
+}
+
+/// A new session's id: random (the peer tells its sessions apart by it, among those of the same authenticated peer).
+fn session_id() -> u64 {
+    let mut b = [0u8; 8];
+    let _ = ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut b);
+    u64::from_le_bytes(b)
 }
 
 impl Conn {
@@ -625,6 +736,7 @@ impl Conn {
             since: Instant::now(),
             want_out: true,
             remote: HashMap::new(),
+            session: None,
         }
     }
 
@@ -670,8 +782,20 @@ impl Conn {
         Ok(())
     }
 
-    /// Queues `bytes` (encoded messages) for the peer.
+    /// Queues `bytes` (encoded `Frame` and `Switch` messages: the session's stream) for the peer; a resumable
+    /// session keeps a copy (and a resumed connection only that, until the other side's `Resume`).
     fn send(&mut self, bytes: &[u8]) -> Result<(), End> {
+        if let Some(s) = &mut self.session {
+            s.keep(bytes);
+            if s.held {
+                return Ok(());
+            }
+        }
+        self.send_ctl(bytes)
+    }
+
+    /// Queues `bytes` (messages of the connection: `Hello`, `Resume`, `Received`, `Close`) for the peer.
+    fn send_ctl(&mut self, bytes: &[u8]) -> Result<(), End> {
         let _ = self.tls.writer().write_all(bytes);
         if self.tls.wants_write() && !self.connecting {
             self.flush()?;
@@ -704,22 +828,15 @@ impl Inner {
 
     /// Connect mode: opens the connection (if none and not waiting to retry).
     fn connect(&mut self, now: Instant) {
-        let Mode::Connect { peer, client: tls, retry_at, conn, .. } = &mut self.mode else { return };
+        let Mode::Connect { peer, retry_at, conn, .. } = &mut self.mode else { return };
         if conn.is_some() || retry_at.is_some_and(|t| now < t) {
             return;
         }
-        let (addr, name, tls) = (peer.addr, peer.name.clone(), tls.clone());
-        let made = tcp_connect(addr)
-            .map_err(|e| e.to_string())
-            .and_then(|s| ClientConnection::new(tls, server_name()).map(|c| (s, c)).map_err(|e| e.to_string()));
-        match made {
-            Ok((sock, tls)) => {
-                let mut tls = Connection::Client(tls);
-                tls.set_buffer_limit(None);
-                let mut hello = Vec::new();
-                wire::hello(&mut hello, &caps(&self.cfg));
-                let _ = tls.writer().write_all(&hello);
-                let token = self.add_conn(Conn::new(sock, tls, name.clone(), true));
+        let name = peer.name.clone();
+        // With uplinks, a resumable session (a new one: its id, nothing sent or taken yet).
+        let session = self.uplinks.as_ref().map(|_| Session::new(session_id()));
+        match self.open(session) {
+            Ok(token) => {
                 if let Mode::Connect { conn, .. } = &mut self.mode {
                     *conn = Some(token);
                 }
@@ -727,6 +844,66 @@ impl Inner {
             }
             Err(e) => self.connect_failed(now, &e),
         }
+    }
+
+    /// Connect mode: a connection to the peer (from the active uplink, if any) with its `Hello` queued, and with
+    /// `session`, its `Resume`; returns its token.
+    fn open(&mut self, session: Option<Session>) -> Result<u64, String> {
+        let Mode::Connect { peer, client: tls, .. } = &self.mode else { return Err("not connecting".into()) };
+        let (addr, name, tls) = (peer.addr, peer.name.clone(), tls.clone());
+        let from = self.uplinks.as_ref().map(Uplinks::addr);
+        let sock = tcp_connect(addr, from).map_err(|e| e.to_string())?;
+        let tls = ClientConnection::new(tls, server_name()).map_err(|e| e.to_string())?;
+        let mut tls = Connection::Client(tls);
+        tls.set_buffer_limit(None);
+        let mut first = Vec::new();
+        wire::hello(&mut first, &caps(&self.cfg));
+        if let Some(s) = &session {
+            wire::resume(&mut first, s.id, s.received);
+        }
+        let _ = tls.writer().write_all(&first);
+        let mut c = Conn::new(sock, tls, name, true);
+        c.session = session;
+        Ok(self.add_conn(c))
+    }
+
+    /// Connect mode: the active uplink went. The connection is dropped (its flows stay) and its session resumed on
+    /// a new one from the uplink now active; without a session (no connection yet), the next connects from there.
+    fn move_uplink(&mut self) {
+        let Mode::Connect { conn: Some(old), .. } = self.mode else { return };
+        let Some(mut session) = self.conns.get_mut(&old).and_then(|c| c.session.take()) else { return };
+        session.held = true;
+        let received = session.received;
+        match self.open(Some(session)) {
+            Ok(token) => {
+                self.drop_conn(old);
+                if let Mode::Connect { conn, peer, .. } = &mut self.mode {
+                    *conn = Some(token);
+                    tracing::info!(peer = %peer.name, received, "tcp carrier: resuming the session from the new uplink");
+                }
+            }
+            Err(e) => self.close(old, End::Closed(format!("cannot connect from the new uplink: {e}"))),
+        }
+    }
+
+    /// Connection `token` (`c`) ended: its flows are aborted towards the chain.
+    fn abort_flows(&mut self, token: u64, c: &Conn) {
+        let aborted = self.mode.conn_ended(token, c.remote.values().copied().collect(), &mut self.gone);
+        self.m.flows_aborted.add(aborted.len() as u64);
+        for id in aborted {
+            self.push(id, StreamKind::Abort, 0, b"unreachable");
+        }
+    }
+
+    /// Forgets connection `token` without touching its flows (its session moved to another connection).
+    fn drop_conn(&mut self, token: u64) -> Option<Conn> {
+        let c = self.conns.remove(&token)?;
+        let _ = self.epoll.delete(&c.sock);
+        let _ = c.sock.shutdown(std::net::Shutdown::Both);
+        if c.up {
+            self.m.connections_active.set(self.m.connections_active.get().saturating_sub(1));
+        }
+        Some(c)
     }
 
     fn connect_failed(&mut self, now: Instant, why: &str) {
@@ -746,18 +923,14 @@ impl Inner {
         if matches!(end, End::Malformed(_)) {
             let mut bye = Vec::new();
             wire::close(&mut bye, "malformed");
-            let _ = c.send(&bye);
+            let _ = c.send_ctl(&bye);
             let _ = c.flush();
         }
         let addr = c.sock.peer_addr().ok();
         let why = log_end(&self.m, &mut self.refusal_log, &end, c.up, &c.peer, &addr);
         let _ = c.sock.shutdown(std::net::Shutdown::Both);
         let now = Instant::now();
-        let aborted = self.mode.conn_ended(token, c.remote.values().copied().collect(), &mut self.gone);
-        self.m.flows_aborted.add(aborted.len() as u64);
-        for id in aborted {
-            self.push(id, StreamKind::Abort, 0, b"unreachable");
-        }
+        self.abort_flows(token, &c);
         if matches!(self.mode, Mode::Connect { .. }) {
             self.connect_failed(now, &why);
         }
@@ -774,6 +947,11 @@ impl Inner {
                     let _ = self.kick.read();
                 }
                 LISTENER => self.accept_all(),
+                WATCH => {
+                    if self.uplinks.as_mut().is_some_and(|u| u.moved(Instant::now(), &self.m)) {
+                        self.move_uplink();
+                    }
+                }
                 token => self.service(token, ev.events()),
             }
         }
@@ -858,17 +1036,81 @@ impl Inner {
         let Some(c) = self.conns.get_mut(&token) else { return Ok(()) };
         let plain = std::mem::take(&mut c.plain);
         let m = self.m.clone();
-        let (at, result) = each_message(&plain, &m, |msg| self.message(token, msg));
+        let (at, result) = each_message(&plain, &m, |msg, used| self.message(token, msg, used));
+        if at > 0 && matches!(self.mode, Mode::Connect { conn: Some(t), .. } if t == token) {
+            if let Some(u) = &mut self.uplinks {
+                u.received(u.active(), Instant::now(), &self.m);
+            }
+        }
         let Some(c) = self.conns.get_mut(&token) else { return result };
         c.plain = plain[at..].to_vec();
+        if let Some(s) = &mut c.session {
+            if s.received - s.told >= TELL_EVERY {
+                tell(c)?;
+            }
+        }
         result.map_err(|e| e.before_hello(c.up))
     }
 
-    fn message(&mut self, token: u64, m: wire::Message<'_>) -> Result<(), End> {
+    /// Message `m` (`used` bytes) of connection `token`: a stream message counts in its session.
+    fn message(&mut self, token: u64, m: wire::Message<'_>, used: usize) -> Result<(), End> {
         let Some(mut c) = self.conns.remove(&token) else { return Ok(()) };
+        let stream = m.in_stream();
         let r = self.message_on(&mut c, token, m);
+        if let (true, Some(s)) = (stream && r.is_ok(), &mut c.session) {
+            s.received += used as u64;
+        }
         self.conns.insert(token, c);
         r
+    }
+
+    /// A `Resume` on connection `c` (`token`), after the hellos. Connecting: the peer's answer, from where to send
+    /// again. Accepting: a new session (`received` 0), or one that moved here from another connection of the same
+    /// peer, which is dropped (its flows come here); the answer, then what the peer has not taken.
+    fn resume(&mut self, c: &mut Conn, token: u64, id: u64, received: u64) -> Result<(), End> {
+        if matches!(self.mode, Mode::Connect { .. }) {
+            let Some(s) = c.session.as_mut().filter(|s| s.id == id) else {
+                return Err(End::Malformed("a resume of another session".into()));
+            };
+            s.resume_from(received).map_err(End::Closed)?;
+            if std::mem::take(&mut s.held) {
+                let again: Vec<u8> = s.kept.iter().copied().collect();
+                c.send_ctl(&again)?;
+            }
+            return Ok(());
+        }
+        if c.session.is_some() {
+            return Err(End::Malformed("a second resume".into()));
+        }
+        let old = self
+            .conns
+            .iter()
+            .find(|(t, o)| **t != token && o.peer == c.peer && o.session.as_ref().is_some_and(|s| s.id == id))
+            .map(|(t, _)| *t);
+        let mut session = match old {
+            None if received == 0 => Session::new(id),
+            None => return Err(End::Closed("the peer resumes a session this daemon does not know".into())),
+            Some(old) => {
+                let mut o = self.drop_conn(old).expect("the connection found");
+                let mut s = o.session.take().expect("a session");
+                if let Err(e) = s.resume_from(received) {
+                    // Its flows cannot go on: aborted as when a connection goes.
+                    self.abort_flows(old, &o);
+                    return Err(End::Closed(format!("cannot resume: {e}")));
+                }
+                c.remote = std::mem::take(&mut o.remote);
+                self.mode.retarget(old, token);
+                self.m.migrations.add(1);
+                tracing::info!(peer = %c.peer, received, "tcp carrier: the peer resumed its session on a new connection");
+                s
+            }
+        };
+        let mut answer = Vec::new();
+        wire::resume(&mut answer, id, session.received);
+        session.told = session.received;
+        answer.extend(session.kept.iter());
+        c.session = Some(session);
+        c.send_ctl(&answer)
     }
 
     fn message_on(&mut self, c: &mut Conn, token: u64, m: wire::Message<'_>) -> Result<(), End> {
@@ -908,6 +1150,11 @@ impl Inner {
                     None => self.m.orphans.add(1),
                 }
                 return Ok(());
+            }
+            wire::Message::Resume { session, received } => return self.resume(c, token, session, received),
+            wire::Message::Received { offset } => {
+                let Some(s) = &mut c.session else { return Err(End::Malformed("received, with no session".into())) };
+                return s.took(offset).map_err(End::Malformed);
             }
             wire::Message::Frame { flow, kind, ack, bytes } => (flow, kind, ack, bytes),
         };
@@ -1039,6 +1286,17 @@ impl Inner {
             self.conns.iter().filter(|(_, c)| !c.up && now - c.since > HANDSHAKE_TIMEOUT).map(|(t, _)| *t).collect();
         for t in late {
             self.close(t, End::Refused("no handshake within 5 s".into()));
+        }
+        let untold: Vec<u64> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| c.up && c.session.as_ref().is_some_and(|s| s.received != s.told))
+            .map(|(t, _)| *t)
+            .collect();
+        for t in untold {
+            if let Some(Err(end)) = self.conns.get_mut(&t).map(tell) {
+                self.close(t, end);
+            }
         }
         self.m.flows_active.set(self.mode.active() as u64);
         if let Some(c) = self.conns.values().filter(|c| c.up).max_by_key(|c| c.since) {
@@ -1430,5 +1688,35 @@ impl<E: CarrierEngine> Module for Carrier<E> {
 
     fn take_egress(&mut self, into: &mut Batch) {
         into.append(&mut self.egress);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What a resumed connection sends again is exactly what the other side did not take: nothing lost, nothing
+    /// twice; an offset outside what is kept cannot resume.
+    #[test]
+    fn a_session_resends_from_what_the_other_side_took() {
+        let mut s = Session::new(7);
+        s.keep(b"abcdef");
+        s.keep(b"ghij");
+        assert_eq!(s.sent, 10);
+        s.took(4).expect("within what is kept");
+        assert_eq!(s.kept.iter().copied().collect::<Vec<_>>(), b"efghij");
+        assert!(s.took(11).is_err(), "more than was sent");
+        s.took(3).expect("a `Received` behind what is kept: nothing to forget");
+        assert_eq!(s.kept.len(), 6);
+        assert!(s.resume_from(3).is_err(), "a resume needing bytes no longer kept");
+        s.resume_from(6).expect("within what is kept");
+        assert_eq!(s.kept.iter().copied().collect::<Vec<_>>(), b"ghij", "what to send again");
+        s.took(10).expect("everything");
+        assert!(s.kept.is_empty());
+        s.keep(&vec![1; MAX_KEPT + 5]);
+        assert_eq!(s.kept.len(), MAX_KEPT, "bounded");
+        s.took(12).expect("a `Received` of bytes already forgotten");
+        assert!(s.resume_from(12).is_err(), "forgotten beyond the bound: a move needing it cannot resume");
+        s.resume_from(15).expect("what is still kept");
     }
 }

@@ -881,7 +881,7 @@ impl Dgram {
         let Some(s) = self.conns.get_mut(&token) else { return Ok(()) };
         let plain = std::mem::take(&mut s.plain);
         let m = self.m.clone();
-        let (at, result) = each_message(&plain, &m, |msg| self.message(token, msg));
+        let (at, result) = each_message(&plain, &m, |msg, _| self.message(token, msg));
         let Some(s) = self.conns.get_mut(&token) else { return result };
         s.plain = plain[at..].to_vec();
         result.map_err(|e| e.before_hello(s.up))
@@ -924,6 +924,9 @@ impl Dgram {
                 return Ok(());
             }
             wire::Message::Frame { flow, kind, ack, bytes } => (flow, kind, ack, bytes),
+            wire::Message::Resume { .. } | wire::Message::Received { .. } => {
+                return Err(End::Malformed("a resume, which only the tcp carrier takes".into()))
+            }
         };
         if matches!(self.mode, Mode::Accept { .. }) && kind == StreamKind::Open {
             let max = self.cfg.max_flows;

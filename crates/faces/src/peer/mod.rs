@@ -24,13 +24,8 @@ pub fn install() {
 
 /// Builds a carrier of the transport its settings name, or of several (`transports`).
 fn build(req: CarrierRequest) -> Result<Box<dyn ModuleBuilder>, String> {
-    if !req.cfg.uplinks.is_empty() {
-        if req.cfg.peer.is_empty() {
-            return Err("`uplinks` is a connecting carrier's setting (with `peer`)".into());
-        }
-        if req.cfg.offered().contains(&Transport::Tcp) {
-            return Err("`uplinks`: tcp cannot move between uplinks yet (quic, udp and udpplus can)".into());
-        }
+    if !req.cfg.uplinks.is_empty() && req.cfg.peer.is_empty() {
+        return Err("`uplinks` is a connecting carrier's setting (with `peer`)".into());
     }
     if req.cfg.switching() {
         return multi::build(req);

@@ -591,7 +591,7 @@ impl Quic {
             each_message(
                 &plain,
                 &m,
-                |msg| {
+                |msg, _| {
                     if control {
                         self.control(ch, msg)
                     } else {

@@ -403,9 +403,10 @@ pub const DECL: KindDecl<Config, Meters> = KindDecl {
         .setting(),
         P::text(
             "uplinks",
-            "connect mode, quic, udp, udpplus: local addresses of the uplinks, comma-separated, in order of \
-             preference: one socket each, and a move to the next usable one when the one in use goes down (QUIC \
-             migration, udp re-binding); empty: one socket, the kernel's routing picks",
+            "connect mode: local addresses of the uplinks, comma-separated, in order of preference: one socket \
+             each (tcp: its connection from the one in use), and a move to the next usable one when the one in use \
+             goes down (QUIC migration, udp re-binding, tcp's session resumed on a new connection); empty: one \
+             socket, the kernel's routing picks",
             "",
             |c| c.uplinks.iter().map(|a| a.to_string()).collect::<Vec<_>>().join(","),
             |c, t| {

@@ -9,8 +9,12 @@
 //! | 2 `Frame` | flow id (u64), stream kind (u8), then by kind: `Open` an encoded `FlowInfo`; `Data` 0 to [`MAX_DATA`] bytes; `Fin` nothing; `Abort` a reason (1-32 ASCII); `Ack` a count (u64, below 2^56) |
 //! | 3 `Close` | a reason (0-64 ASCII) |
 //! | 4 `Switch` | flow id (u64), flags (u8: bit 0 `end`, bit 1 `udp`, no others), offset (u64, below 2^56) |
+//! | 5 `Resume` | session (u64), received (u64, below 2^56) |
+//! | 6 `Received` | offset (u64, below 2^56) |
 //!
 //! `Switch` is sent only to a peer whose `Hello` offered [`SWITCH_CAP`] (docs/peers.md, "Switching").
+//! `Resume` and `Received` belong to a connection, not to the session's stream: the `tcp` carrier's resumable sessions
+//! (docs/peers.md, "Several uplinks"); `Frame` and `Switch` are the session's stream, numbered by their bytes.
 //! Everything else (an unknown type, a length out of range, trailing bytes, a `FlowInfo` that does not decode) is
 //! an error: the connection that sent it is closed.
 
@@ -38,6 +42,8 @@ const HELLO: u8 = 1;
 const FRAME: u8 = 2;
 const CLOSE: u8 = 3;
 const SWITCH: u8 = 4;
+const RESUME: u8 = 5;
+const RECEIVED: u8 = 6;
 
 /// A decoded message; `Frame` borrows its bytes from the input.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -75,6 +81,28 @@ pub enum Message<'a> {
         /// The `Data` bytes of the flow the sender sent before the switch (on every transport).
         offset: u64,
     },
+    /// A resumable session (the `tcp` carrier with `uplinks`): sent by the connecting side right after its `Hello`
+    /// and answered by the accepting side; `received` is how many bytes of the other side's session stream (its
+    /// `Frame` and `Switch` messages, since the session began) the sender took. A new session says 0.
+    Resume {
+        /// The session's id (the connecting side's choice).
+        session: u64,
+        /// Bytes of the other side's stream taken.
+        received: u64,
+    },
+    /// Bytes of the other side's session stream taken so far: the other side may forget what it kept to resend.
+    Received {
+        /// Bytes taken.
+        offset: u64,
+    },
+}
+
+impl Message<'_> {
+    /// Whether the message is part of the session's stream (`Frame`, `Switch`), counted and resent by a resumable
+    /// session, rather than of the connection.
+    pub fn in_stream(&self) -> bool {
+        matches!(self, Message::Frame { .. } | Message::Switch { .. })
+    }
 }
 
 /// Why input was refused.
@@ -177,9 +205,28 @@ pub fn decode(buf: &[u8]) -> Result<Option<(Message<'_>, usize)>, WireError> {
             }
             Message::Switch { flow: u64_at(b, 0)?, flags, offset }
         }
+        RESUME => {
+            if b.len() != 16 {
+                return Err(WireError("bad resume"));
+            }
+            Message::Resume { session: u64_at(b, 0)?, received: below_2_56(u64_at(b, 8)?)? }
+        }
+        RECEIVED => {
+            if b.len() != 8 {
+                return Err(WireError("bad received"));
+            }
+            Message::Received { offset: below_2_56(u64_at(b, 0)?)? }
+        }
         _ => return Err(WireError("unknown message type")),
     };
     Ok(Some((m, 4 + len)))
+}
+
+fn below_2_56(v: u64) -> Result<u64, WireError> {
+    if v >= 1 << 56 {
+        return Err(WireError("offset out of range"));
+    }
+    Ok(v)
 }
 
 fn begin(out: &mut Vec<u8>, ty: u8) -> usize {
@@ -226,6 +273,21 @@ pub fn switch(out: &mut Vec<u8>, flow: u64, flags: u8, offset: u64) {
     let at = begin(out, SWITCH);
     out.extend_from_slice(&flow.to_be_bytes());
     out.push(flags);
+    out.extend_from_slice(&offset.to_be_bytes());
+    finish(out, at);
+}
+
+/// Appends a `Resume` of `session`, having taken `received` bytes of the other side's stream (below 2^56).
+pub fn resume(out: &mut Vec<u8>, session: u64, received: u64) {
+    let at = begin(out, RESUME);
+    out.extend_from_slice(&session.to_be_bytes());
+    out.extend_from_slice(&received.to_be_bytes());
+    finish(out, at);
+}
+
+/// Appends a `Received` of `offset` bytes (below 2^56).
+pub fn received(out: &mut Vec<u8>, offset: u64) {
+    let at = begin(out, RECEIVED);
     out.extend_from_slice(&offset.to_be_bytes());
     finish(out, at);
 }
@@ -295,6 +357,14 @@ pub fn check_roundtrip(buf: &[u8]) {
                 switch(&mut again, *flow, *flags, *offset);
                 assert_eq!(again, &buf[at..at + used], "a switch re-encodes to its bytes");
             }
+            Message::Resume { session, received: r } => {
+                resume(&mut again, *session, *r);
+                assert_eq!(again, &buf[at..at + used], "a resume re-encodes to its bytes");
+            }
+            Message::Received { offset } => {
+                received(&mut again, *offset);
+                assert_eq!(again, &buf[at..at + used], "a received re-encodes to its bytes");
+            }
         }
         at += used;
     }
@@ -329,6 +399,8 @@ mod tests {
         frame(&mut buf, 7, StreamKind::Abort, 0, b"reset");
         switch(&mut buf, 7, SWITCH_END | SWITCH_UDP, 1 << 40);
         close(&mut buf, "bye");
+        resume(&mut buf, 0xdead_beef, 12_345);
+        received(&mut buf, 1 << 50);
         let mut got = Vec::new();
         let mut at = 0;
         while at < buf.len() {
@@ -336,7 +408,9 @@ mod tests {
             got.push(format!("{m:?}"));
             at += used;
         }
-        assert_eq!(got.len(), 9);
+        assert_eq!(got.len(), 11);
+        assert!(got[9].contains("session: 3735928559") && got[9].contains("received: 12345"), "{}", got[9]);
+        assert!(got[10].contains("offset: 1125899906842624"), "{}", got[10]);
         assert!(got[7].contains("flags: 3") && got[7].contains("offset: 1099511627776"), "{}", got[7]);
         assert!(got[0].contains("version: 1") && got[0].contains("\"udp\""), "{}", got[0]);
         assert!(got[4].contains("ack: 123456"), "{}", got[4]);
@@ -387,6 +461,11 @@ mod tests {
             (msg(SWITCH, &[0; 18]), "bad switch"),
             (msg(SWITCH, &[0, 0, 0, 0, 0, 0, 0, 7, 4, 0, 0, 0, 0, 0, 0, 0, 0]), "bad switch flags"),
             (msg(SWITCH, &[0, 0, 0, 0, 0, 0, 0, 7, 1, 1, 0, 0, 0, 0, 0, 0, 0]), "offset out of range"),
+            (msg(RESUME, &[0; 15]), "bad resume"),
+            (msg(RESUME, &[0; 17]), "bad resume"),
+            (msg(RESUME, &[0, 0, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0]), "offset out of range"),
+            (msg(RECEIVED, &[0; 7]), "bad received"),
+            (msg(RECEIVED, &[1, 0, 0, 0, 0, 0, 0, 0]), "offset out of range"),
         ];
         for (input, why) in cases {
             assert_eq!(one(&input), Err(WireError(why)), "{input:?}");
@@ -398,7 +477,7 @@ mod tests {
             let n = (x % 48) as usize;
             let mut b = Vec::with_capacity(n + 5);
             b.extend_from_slice(&((n as u32 + 1).to_be_bytes()));
-            b.push((x >> 8) as u8 % 5);
+            b.push((x >> 8) as u8 % 7);
             for _ in 0..n {
                 x ^= x << 13;
                 x ^= x >> 7;

@@ -90,14 +90,27 @@ pub struct PacketRead {
     pub truncated: bool,
 }
 
-/// Reads one frame from packet socket `fd` without blocking: the first `header.len()` bytes into `header`, the rest
-/// into `buf`, whose length is set to what was read there. `buf` is cleared and given room for `room` bytes first,
-/// but not zeroed: the kernel writes straight into its spare capacity. nix's `recvmsg` takes initialized buffers
-/// only, and zeroing a 64 KiB buffer before each read (a pooled buffer that held a small frame last) was 4 % of
-/// the emulated link's CPU time.
-pub fn recv_packet(fd: BorrowedFd<'_>, header: &mut [u8], buf: &mut Vec<u8>, room: usize) -> io::Result<PacketRead> {
-    buf.clear();
+/// Makes `buf` `start` bytes long (keeping what it held there, zeroing only what it lacked) with room for `room`
+/// bytes more.
+fn make_room(buf: &mut Vec<u8>, start: usize, room: usize) {
+    buf.resize(start, 0);
     buf.reserve(room);
+}
+
+/// Reads one frame from packet socket `fd` without blocking: the first `header.len()` bytes into `header`, the rest
+/// into `buf` from offset `start` on, and sets `buf`'s length to `start` plus what was read there. `buf` is cut to
+/// `start` bytes (the headroom before the frame: kept, or zeroed where `buf` was shorter) and given room for `room`
+/// bytes more first, but not zeroed: the kernel writes straight into its spare capacity. nix's `recvmsg` takes
+/// initialized buffers only, and zeroing a 64 KiB buffer before each read (a pooled buffer that held a small frame
+/// last) was 4 % of the emulated link's CPU time.
+pub fn recv_packet(
+    fd: BorrowedFd<'_>,
+    header: &mut [u8],
+    buf: &mut Vec<u8>,
+    start: usize,
+    room: usize,
+) -> io::Result<PacketRead> {
+    make_room(buf, start, room);
     let spare = buf.spare_capacity_mut();
     let mut iov = [
         libc::iovec { iov_base: header.as_mut_ptr().cast(), iov_len: header.len() },
@@ -120,7 +133,7 @@ pub fn recv_packet(fd: BorrowedFd<'_>, header: &mut [u8], buf: &mut Vec<u8>, roo
     let body = bytes.saturating_sub(header.len()).min(iov[1].iov_len);
     // SAFETY: the kernel initialized the first `body` bytes of the spare capacity (recvmsg filled the iovecs in
     // order: the header first, then `body` bytes of the second buffer), and `body` is at most its capacity.
-    unsafe { buf.set_len(body) };
+    unsafe { buf.set_len(start + body) };
     let has_addr = msg.msg_namelen as usize > std::mem::offset_of!(libc::sockaddr_ll, sll_pkttype);
     Ok(PacketRead {
         bytes,
@@ -130,12 +143,18 @@ pub fn recv_packet(fd: BorrowedFd<'_>, header: &mut [u8], buf: &mut Vec<u8>, roo
 }
 
 /// Reads one packet from `fd` (a TUN device with virtio-net headers) with `readv`: the first `header.len()` bytes
-/// into `header`, the rest into `buf`, whose length is set to what was read there; as [`recv_packet`], `buf` is
-/// cleared and given room for `room` bytes but not zeroed (a pooled 64 KiB buffer read into again after a small
-/// packet is not cleared first). Returns the bytes read, header included.
-pub fn read_with_header(fd: BorrowedFd<'_>, header: &mut [u8], buf: &mut Vec<u8>, room: usize) -> io::Result<usize> {
-    buf.clear();
-    buf.reserve(room);
+/// into `header`, the rest into `buf` from offset `start` on, whose length is set to `start` plus what was read
+/// there; as [`recv_packet`], `buf` is cut to `start` bytes and given room for `room` more but not zeroed (a
+/// pooled 64 KiB buffer read into again after a small packet is not cleared first). Returns the bytes read, header
+/// included.
+pub fn read_with_header(
+    fd: BorrowedFd<'_>,
+    header: &mut [u8],
+    buf: &mut Vec<u8>,
+    start: usize,
+    room: usize,
+) -> io::Result<usize> {
+    make_room(buf, start, room);
     let spare = buf.spare_capacity_mut();
     let iov = [
         libc::iovec { iov_base: header.as_mut_ptr().cast(), iov_len: header.len() },
@@ -151,7 +170,7 @@ pub fn read_with_header(fd: BorrowedFd<'_>, header: &mut [u8], buf: &mut Vec<u8>
     let body = bytes.saturating_sub(header.len()).min(iov[1].iov_len);
     // SAFETY: readv filled the iovecs in order, the header first, then `body` bytes of the spare capacity, and
     // `body` is at most its capacity.
-    unsafe { buf.set_len(body) };
+    unsafe { buf.set_len(start + body) };
     Ok(bytes)
 }
 

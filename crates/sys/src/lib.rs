@@ -90,11 +90,16 @@ pub struct PacketRead {
     pub truncated: bool,
 }
 
-/// Makes `buf` `start` bytes long (keeping what it held there, zeroing only what it lacked) with room for `room`
-/// bytes more.
-fn make_room(buf: &mut Vec<u8>, start: usize, room: usize) {
+/// The two iovecs of a read with a header: `header`, then `buf`'s spare capacity once `buf` is made `start` bytes
+/// long (keeping what it held there, zeroing only what it lacked) with room for `room` bytes more.
+fn header_and_spare(header: &mut [u8], buf: &mut Vec<u8>, start: usize, room: usize) -> [libc::iovec; 2] {
     buf.resize(start, 0);
     buf.reserve(room);
+    let spare = buf.spare_capacity_mut();
+    [
+        libc::iovec { iov_base: header.as_mut_ptr().cast(), iov_len: header.len() },
+        libc::iovec { iov_base: spare.as_mut_ptr().cast(), iov_len: spare.len() },
+    ]
 }
 
 /// Reads one frame from packet socket `fd` without blocking: the first `header.len()` bytes into `header`, the rest
@@ -110,12 +115,7 @@ pub fn recv_packet(
     start: usize,
     room: usize,
 ) -> io::Result<PacketRead> {
-    make_room(buf, start, room);
-    let spare = buf.spare_capacity_mut();
-    let mut iov = [
-        libc::iovec { iov_base: header.as_mut_ptr().cast(), iov_len: header.len() },
-        libc::iovec { iov_base: spare.as_mut_ptr().cast(), iov_len: spare.len() },
-    ];
+    let mut iov = header_and_spare(header, buf, start, room);
     // SAFETY: sockaddr_ll and msghdr are plain old data; zeroed is a valid value before the fields are set.
     let mut addr: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
@@ -154,12 +154,7 @@ pub fn read_with_header(
     start: usize,
     room: usize,
 ) -> io::Result<usize> {
-    make_room(buf, start, room);
-    let spare = buf.spare_capacity_mut();
-    let iov = [
-        libc::iovec { iov_base: header.as_mut_ptr().cast(), iov_len: header.len() },
-        libc::iovec { iov_base: spare.as_mut_ptr().cast(), iov_len: spare.len() },
-    ];
+    let iov = header_and_spare(header, buf, start, room);
     // SAFETY: both iovecs name buffers valid for writes of their lengths that outlive the call; `fd` is an open
     // file borrowed for the call.
     let n = unsafe { libc::readv(fd.as_raw_fd(), iov.as_ptr(), iov.len() as libc::c_int) };

@@ -421,6 +421,17 @@ impl PacketPool {
         p
     }
 
+    /// A packet holding a copy of `bytes` behind [`PacketPool::HEADROOM`] bytes of headroom, as a face reads one:
+    /// for a frame copied in from elsewhere (another worker's ring) that a module may put a header in front of.
+    pub fn alloc_from_with_headroom(&self, bytes: &[u8]) -> Packet {
+        let mut p = self.alloc_for_overwrite();
+        let buf = p.buffer_for_overwrite();
+        buf.resize(Self::HEADROOM, 0);
+        buf.extend_from_slice(bytes);
+        p.strip_front(Self::HEADROOM);
+        p
+    }
+
     /// Counters of this pool.
     pub fn stats(&self) -> PoolStats {
         PoolStats {
@@ -946,6 +957,9 @@ mod tests {
         assert_eq!(o.headroom(), 0, "a reused slot starts at its front");
         o.buffer_for_overwrite().clear();
         assert!(o.is_empty());
+        drop(o);
+        let h = pool.alloc_from_with_headroom(b"copied");
+        assert_eq!((h.data(), h.headroom()), (&b"copied"[..], PacketPool::HEADROOM));
     }
 
     #[test]

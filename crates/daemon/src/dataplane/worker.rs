@@ -407,7 +407,8 @@ impl Loop {
                 if h.epoch != self.epoch || !st.face_at.contains_key(&(h.face as usize)) {
                     st.meters.drop_stale.add(1);
                 } else {
-                    let mut p = pool.alloc_from(&h.data);
+                    // With room in front, as a face reads: the link module's header goes there in place.
+                    let mut p = pool.alloc_from_with_headroom(&h.data);
                     p.set_direction(h.direction);
                     if !h.meta.is_empty() {
                         *p.meta_mut() = h.meta;

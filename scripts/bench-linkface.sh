@@ -18,7 +18,9 @@
 # Prints the medians and the ratios (l) / (t), (b) / (v), (r) / (v). PROFILE=ci uses the ci profile's binary; NO_BUILD=1 / FS=PATH as in
 # scripts/lib/bench.sh. Needs root. PATHS (default "t l b v r r0") picks the paths measured. FS_OLD=binary adds
 # (lo): (l) through that binary's daemon, in the same rounds (A/B: the old code against the new). PERF=file records
-# a profile of the (l) daemon during each (l) run (file.l, overwritten each round).
+# a profile of the (l) daemon during each (l) run (file.l, overwritten each round). RUNTIME=1 reads `show runtime`
+# near the end of each (l) and (lo) run and prints the medians of the link module's ns per frame and of all the
+# modules' busy ns over the link module's frames (CPU cost, which a loaded machine disturbs less than Gbit/s).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${RUNS:-5}
@@ -68,9 +70,21 @@ link() { # $1 = l or lo: the daemon
   if [[ -n ${PERF:-} ]]; then
     perf record -q -g -p "$(cat "$state/daemon-$1.pid")" -o "$PERF.$1" -- sleep "$SECS" 2>/dev/null & perf=$!
   fi
+  local rt=
+  if [[ -n ${RUNTIME:-} ]]; then
+    (sleep "$((SECS > 1 ? SECS - 1 : 1))"; "${ldaemon[$1]}" --state-dir "$state/$1" show runtime -j > "$state/rt-$1.json") &
+    rt=$!
+  fi
   "${ldaemon[$1]}" --state-dir "$state/$1" run --stack "$state/link-app.toml" -- \
     iperf3 -c 10.$NET.9.1 -p 5201 -P "$STREAMS" -t "$SECS" -J | gbits
   [[ -z $perf ]] || wait "$perf" || true
+  if [[ -n $rt ]] && wait "$rt"; then
+    python3 -c 'import json,sys
+rows = [r for r in json.load(open(sys.argv[1])) if r["kind"] != "worker"]
+link = [r for r in rows if r["kind"] == "ethernet"][0]
+print(link["ns_per_frame"], sum(r["busy_ns"] for r in rows) / max(link["frames"], 1))' "$state/rt-$1.json" \
+      >> "$state/rt-$1.txt" || true
+  fi
 }
 
 # (t): TUN <-> TUN between two namespaces, the default app modules between the faces.
@@ -163,6 +177,13 @@ printf '  (l) flexstack run over a link face                %6.2f   ratio to (t)
   "$(ratio "$l" "$t")"
 [[ -z ${FS_OLD:-} ]] || printf '  (lo) as (l), the old binary                       %6.2f   ratio to (t) %.2f\n' "$lo" \
   "$(ratio "$lo" "$t")"
+if [[ -n ${RUNTIME:-} ]]; then
+  for k in l lo; do
+    [[ -s $state/rt-$k.txt ]] || continue
+    printf '  (%s) show runtime: link module %.0f ns/frame, all modules %.0f ns per link frame\n' "$k" \
+      "$(cut -d' ' -f1 "$state/rt-$k.txt" | median)" "$(cut -d' ' -f2 "$state/rt-$k.txt" | median)"
+  done
+fi
 printf '  (b) bridge: flexstack, two packet faces           %6.2f   ratio to (v) %.2f\n' "$b" "$(ratio "$b" "$v")"
 printf '  (v) bridge: C, AF_PACKET + virtio-net headers     %6.2f\n' "$v"
 printf '  (r) bridge: C, TPACKET_V3/V2 rings, no offloads  %6.2f   ratio to (v) %.2f\n' "$r" "$(ratio "$r" "$v")"

@@ -8,6 +8,12 @@
 //! shared packet is written. When the last reference goes away, the slot, its allocation and its byte buffer return
 //! to the pool, so a warmed-up data path allocates nothing per frame. Pools are single-threaded (`Rc`): each
 //! data-plane worker owns one, and frames never cross threads.
+//!
+//! A packet's bytes need not start at the front of its buffer: the bytes before them are headroom, where
+//! [`Packet::prepend`] puts a header (a link header) without moving the packet, and which
+//! [`Packet::strip_front`] grows by taking a header away. The faces read into buffers
+//! [`PacketPool::HEADROOM`] bytes in ([`crate::FaceDevice::read_frame_at`]), so that the packets they read can be
+//! given a link header in place.
 
 use crate::value::Value;
 use std::cell::{Cell, RefCell};
@@ -324,7 +330,10 @@ struct PoolShared {
 
 struct Slot {
     pool: Weak<PoolShared>,
+    /// The buffer: headroom, then the packet's bytes.
     data: Vec<u8>,
+    /// Where the packet's bytes start in `data` (the headroom's length).
+    head: usize,
     direction: Direction,
     meta: Metadata,
 }
@@ -338,6 +347,10 @@ pub struct PacketPool {
 impl PacketPool {
     /// Default capacity of a packet buffer: a jumbo frame plus headroom for encapsulation.
     pub const DEFAULT_BUFFER_CAPACITY: usize = 9216 + 128;
+
+    /// Bytes of headroom the faces leave in front of the packets they read, and that [`Packet::prepend`] makes
+    /// when a packet has too little: room for an Ethernet header with two VLAN tags, or a small tunnel header.
+    pub const HEADROOM: usize = 64;
 
     /// A pool whose buffers start with `buffer_capacity` bytes of room and which keeps at most `max_free` slots.
     pub fn new(buffer_capacity: usize, max_free: usize) -> PacketPool {
@@ -361,6 +374,7 @@ impl PacketPool {
                 self.shared.reused.set(self.shared.reused.get() + 1);
                 if let Some(s) = Rc::get_mut(&mut slot) {
                     s.data.clear();
+                    s.head = 0;
                     s.direction = Direction::Up;
                     s.meta = Metadata::default();
                 }
@@ -371,6 +385,7 @@ impl PacketPool {
                 Rc::new(Slot {
                     pool: Rc::downgrade(&self.shared),
                     data: Vec::with_capacity(self.shared.buffer_capacity),
+                    head: 0,
                     direction: Direction::Up,
                     meta: Metadata::default(),
                 })
@@ -389,6 +404,7 @@ impl PacketPool {
             Some(mut slot) => {
                 self.shared.reused.set(self.shared.reused.get() + 1);
                 if let Some(s) = Rc::get_mut(&mut slot) {
+                    s.head = 0;
                     s.direction = Direction::Up;
                     s.meta = Metadata::default();
                 }
@@ -402,6 +418,17 @@ impl PacketPool {
     pub fn alloc_from(&self, bytes: &[u8]) -> Packet {
         let mut p = self.alloc();
         p.make_mut().extend_from_slice(bytes);
+        p
+    }
+
+    /// A packet holding a copy of `bytes` behind [`PacketPool::HEADROOM`] bytes of headroom, as a face reads one:
+    /// for a frame copied in from elsewhere (another worker's ring) that a module may put a header in front of.
+    pub fn alloc_from_with_headroom(&self, bytes: &[u8]) -> Packet {
+        let mut p = self.alloc_for_overwrite();
+        let buf = p.buffer_for_overwrite();
+        buf.resize(Self::HEADROOM, 0);
+        buf.extend_from_slice(bytes);
+        p.strip_front(Self::HEADROOM);
         p
     }
 
@@ -449,6 +476,7 @@ impl Packet {
                 None => Rc::new(Slot {
                     pool: Weak::new(),
                     data: Vec::new(),
+                    head: 0,
                     direction: Direction::Up,
                     meta: Metadata::default(),
                 }),
@@ -456,8 +484,10 @@ impl Packet {
             let mut copy = copy;
             {
                 let dst = Rc::get_mut(&mut copy).expect("fresh slot is unique");
+                // The headroom is copied with the bytes (it is short): a header can still be put in front in place.
                 dst.data.clear();
                 dst.data.extend_from_slice(&rc.data);
+                dst.head = rc.head;
                 dst.direction = rc.direction;
                 dst.meta = rc.meta;
             }
@@ -469,24 +499,90 @@ impl Packet {
     /// The packet bytes.
     #[inline]
     pub fn data(&self) -> &[u8] {
-        &self.slot().data
+        let s = self.slot();
+        &s.data[s.head..]
     }
 
-    /// The packet bytes for writing (copying them first if the packet is shared).
+    /// The packet bytes as a growable buffer for writing (copying them first if the packet is shared). The buffer
+    /// holds the packet's bytes only: a packet with headroom ([`Packet::headroom`]) is first moved to the front
+    /// of its buffer, so prefer [`Packet::data_mut`], [`Packet::truncate`], [`Packet::prepend`] and
+    /// [`Packet::strip_front`] on the data path, which never move the bytes.
     pub fn make_mut(&mut self) -> &mut Vec<u8> {
-        &mut self.slot_mut().data
+        let s = self.slot_mut();
+        if s.head != 0 {
+            s.data.drain(..s.head);
+            s.head = 0;
+        }
+        &mut s.data
+    }
+
+    /// The packet bytes for writing in place (copying them first if the packet is shared); the length stays.
+    #[inline]
+    pub fn data_mut(&mut self) -> &mut [u8] {
+        let s = self.slot_mut();
+        &mut s.data[s.head..]
+    }
+
+    /// Shortens the packet to `len` bytes (nothing if it is not longer), copying it first if it is shared.
+    pub fn truncate(&mut self, len: usize) {
+        if len < self.len() {
+            let s = self.slot_mut();
+            s.data.truncate(s.head + len);
+        }
+    }
+
+    /// Bytes free in front of the packet, where [`Packet::prepend`] puts a header without moving it.
+    #[inline]
+    pub fn headroom(&self) -> usize {
+        self.slot().head
+    }
+
+    /// Puts `n` bytes in front of the packet and returns them for the caller to fill (they hold stale bytes). In
+    /// the headroom if it is large enough: nothing moves; else the packet is moved back once to make
+    /// [`PacketPool::HEADROOM`] bytes of it (more if `n` is larger). Copies a shared packet first.
+    pub fn prepend(&mut self, n: usize) -> &mut [u8] {
+        let s = self.slot_mut();
+        if s.head < n {
+            let room = PacketPool::HEADROOM.max(n);
+            let len = s.data.len() - s.head;
+            s.data.resize(room + len, 0);
+            s.data.copy_within(s.head..s.head + len, room);
+            s.head = room;
+        }
+        s.head -= n;
+        &mut s.data[s.head..s.head + n]
+    }
+
+    /// Takes the first `n` bytes (all if there are fewer) off the packet without moving the rest: they become
+    /// headroom. Copies a shared packet first.
+    pub fn strip_front(&mut self, n: usize) {
+        let n = n.min(self.len());
+        if n > 0 {
+            self.slot_mut().head += n;
+        }
+    }
+
+    /// The whole buffer for a reader that fills it from the front, e.g. a face reading a device into it with
+    /// room in front ([`crate::FaceDevice::read_frame_at`]); the bytes then start at offset 0 until
+    /// [`Packet::strip_front`] moves the start to where the reader put them. Nothing is moved: what the buffer
+    /// held is stale (as for [`PacketPool::alloc_for_overwrite`]). Copies a shared packet first.
+    pub fn buffer_for_overwrite(&mut self) -> &mut Vec<u8> {
+        let s = self.slot_mut();
+        s.head = 0;
+        &mut s.data
     }
 
     /// Length in bytes.
     #[inline]
     pub fn len(&self) -> usize {
-        self.slot().data.len()
+        let s = self.slot();
+        s.data.len() - s.head
     }
 
     /// True for a packet of zero bytes.
     #[inline]
     pub fn is_empty(&self) -> bool {
-        self.slot().data.is_empty()
+        self.len() == 0
     }
 
     /// The direction of travel.
@@ -793,6 +889,77 @@ mod tests {
         assert_eq!(pool.stats().copies, 1);
         b.set_direction(Direction::Down);
         assert_eq!(a.direction(), Direction::Up);
+    }
+
+    #[test]
+    fn a_header_goes_into_the_headroom_and_comes_off_without_moving_the_packet() {
+        let pool = PacketPool::new(64, 16);
+        let mut p = pool.alloc();
+        let buf = p.buffer_for_overwrite();
+        buf.resize(PacketPool::HEADROOM, 0xee);
+        buf.extend_from_slice(b"payload");
+        p.strip_front(PacketPool::HEADROOM);
+        assert_eq!((p.data(), p.len(), p.headroom()), (&b"payload"[..], 7, PacketPool::HEADROOM));
+        let at = p.data().as_ptr();
+        p.prepend(3).copy_from_slice(b"hdr");
+        assert_eq!(p.data(), b"hdrpayload");
+        assert_eq!(p.data()[3..].as_ptr(), at, "the payload stayed where it was");
+        assert_eq!(p.headroom(), PacketPool::HEADROOM - 3);
+        p.strip_front(3);
+        assert_eq!((p.data(), p.data().as_ptr()), (&b"payload"[..], at));
+        p.data_mut()[0] = b'P';
+        p.truncate(4);
+        p.truncate(10);
+        assert_eq!((p.data(), p.data().as_ptr()), (&b"Payl"[..], at), "in place, and truncate never grows");
+        p.strip_front(100);
+        assert!(p.is_empty(), "stripping more than the packet empties it");
+    }
+
+    #[test]
+    fn a_header_without_headroom_moves_the_packet_once() {
+        let pool = PacketPool::new(64, 16);
+        let mut p = pool.alloc_from(b"payload");
+        assert_eq!(p.headroom(), 0);
+        p.prepend(2).copy_from_slice(b"h1");
+        assert_eq!(p.data(), b"h1payload");
+        assert_eq!(p.headroom(), PacketPool::HEADROOM - 2, "moved once, with the usual headroom");
+        let at = p.data().as_ptr();
+        p.prepend(1)[0] = b'x';
+        assert_eq!(p.data(), b"xh1payload");
+        assert_eq!(p.data()[1..].as_ptr(), at, "the second header found room");
+        let mut q = pool.alloc_from(b"ab");
+        q.prepend(200).fill(7);
+        assert_eq!((q.len(), &q.data()[200..], q.headroom()), (202, &b"ab"[..], 0), "a header above the headroom");
+        // make_mut hands out the packet's bytes only.
+        p.make_mut().push(b'!');
+        assert_eq!((p.data(), p.headroom()), (&b"xh1payload!"[..], 0));
+    }
+
+    #[test]
+    fn headroom_survives_sharing_and_is_gone_on_reuse() {
+        let pool = PacketPool::new(64, 16);
+        let mut a = pool.alloc_from(b"data");
+        a.prepend(2).copy_from_slice(b"ab");
+        a.strip_front(2);
+        let mut b = a.clone();
+        b.prepend(1)[0] = b'h';
+        assert_eq!((a.data(), b.data()), (&b"data"[..], &b"hdata"[..]), "writing the copy leaves the original");
+        assert_eq!(pool.stats().copies, 1);
+        assert_eq!(b.headroom(), a.headroom() - 1, "the copy keeps the headroom: it prepended in place");
+        let mut c = a.clone();
+        c.strip_front(1);
+        assert_eq!((a.data(), c.data()), (&b"data"[..], &b"ata"[..]));
+        drop((a, b, c));
+        let fresh = pool.alloc();
+        assert_eq!((fresh.len(), fresh.headroom()), (0, 0));
+        drop(fresh);
+        let mut o = pool.alloc_for_overwrite();
+        assert_eq!(o.headroom(), 0, "a reused slot starts at its front");
+        o.buffer_for_overwrite().clear();
+        assert!(o.is_empty());
+        drop(o);
+        let h = pool.alloc_from_with_headroom(b"copied");
+        assert_eq!((h.data(), h.headroom()), (&b"copied"[..], PacketPool::HEADROOM));
     }
 
     #[test]

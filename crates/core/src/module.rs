@@ -268,6 +268,19 @@ pub trait FaceDevice: Send + Sync {
         *meta = crate::frame::Metadata::default();
         self.read_packet(buf)
     }
+    /// Reads one frame as [`FaceDevice::read_frame`] does, into `buf` from the front, but a device that can leaves
+    /// `headroom` bytes free before the frame (stale bytes, not part of it), so that a module can put a header in
+    /// front without moving it ([`crate::frame::Packet::prepend`]). Returns where the frame starts in `buf`
+    /// (`None` when none is waiting): the default reads with [`FaceDevice::read_frame`] and leaves none.
+    fn read_frame_at(
+        &self,
+        buf: &mut Vec<u8>,
+        headroom: usize,
+        meta: &mut crate::frame::Metadata,
+    ) -> std::io::Result<Option<usize>> {
+        let _ = headroom;
+        Ok(self.read_frame(buf, meta)?.then_some(0))
+    }
     /// Writes several packets, in order, with their metadata (a device that understands
     /// [`crate::frame::MetaKey::GSO`] hands super-frames to the kernel for segmentation). The default writes their
     /// bytes with [`FaceDevice::write_batch`].

@@ -87,9 +87,19 @@ pub(crate) fn finish_read(
     buf: &mut Vec<u8>,
     result: std::io::Result<usize>,
 ) -> std::io::Result<bool> {
+    finish_read_at(common, buf, 0, result)
+}
+
+/// [`finish_read`] for a frame of `n` bytes read into `buf` from offset `start` on.
+pub(crate) fn finish_read_at(
+    common: &DeviceCommon,
+    buf: &mut Vec<u8>,
+    start: usize,
+    result: std::io::Result<usize>,
+) -> std::io::Result<bool> {
     match result {
         Ok(n) => {
-            buf.truncate(n);
+            buf.truncate(start + n);
             common.received(n);
             Ok(true)
         }

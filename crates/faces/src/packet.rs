@@ -1,7 +1,7 @@
 //! The AF_PACKET socket behind a `packet` (link) face: Ethernet frames of an interface flexstack takes over, each
 //! with a virtio-net header ([`flexstack_wire::vnet`]) that carries partial checksums and GSO super-frames.
 
-use crate::device::{finish_read, Device, DeviceCommon};
+use crate::device::{finish_read_at, Device, DeviceCommon};
 use flexstack_core::frame::{CsumPartial, Gso, MetaKey, Metadata};
 use flexstack_core::{Direction, FaceDevice, Packet};
 use flexstack_wire::vnet::{gso_write_parts, partial_write_header, VnetHeader, VNET_HDR_LEN};
@@ -142,12 +142,16 @@ impl FaceDevice for PacketDevice {
     }
 
     fn read_frame(&self, buf: &mut Vec<u8>, meta: &mut Metadata) -> std::io::Result<bool> {
+        Ok(self.read_frame_at(buf, 0, meta)?.is_some())
+    }
+
+    fn read_frame_at(&self, buf: &mut Vec<u8>, headroom: usize, meta: &mut Metadata) -> std::io::Result<Option<usize>> {
         *meta = Metadata::default();
         let mut header = [0u8; VNET_HDR_LEN];
         loop {
             // The header and the frame are read into separate buffers: the frame is not moved afterwards. The
             // buffer is not zeroed first (flexstack_sys::recv_packet reads into its spare capacity).
-            match flexstack_sys::recv_packet(self.socket.as_fd(), &mut header, buf, MAX_FRAME) {
+            match flexstack_sys::recv_packet(self.socket.as_fd(), &mut header, buf, headroom, MAX_FRAME) {
                 // Frames the kernel sends out on the interface are seen too: skip them.
                 Ok(read) if read.pkttype == Some(libc::PACKET_OUTGOING) => continue,
                 Ok(read) if read.bytes < VNET_HDR_LEN || read.truncated => {
@@ -155,23 +159,24 @@ impl FaceDevice for PacketDevice {
                     continue;
                 }
                 Ok(_) => {
+                    let frame = &buf[headroom..];
                     let vnet = VnetHeader::decode(&header);
                     // A checksum left to offload stays partial (MetaKey::CSUM_PARTIAL): summing up to 64 KiB here
                     // was the largest single cost of the emulated link, and a frame written back as it came
                     // never needs it (the kernel, or the peer's offloads, complete it).
-                    if let Some(partial) = vnet.partial_checksum(buf.len()) {
+                    if let Some(partial) = vnet.partial_checksum(frame.len()) {
                         meta.set(MetaKey::CSUM_PARTIAL, partial.pack());
                     }
-                    if let Some(gso) = vnet.gso(buf) {
+                    if let Some(gso) = vnet.gso(frame) {
                         meta.set(MetaKey::GSO, gso.pack());
-                        if gso.segments(buf.len()) > 1 {
+                        if gso.segments(frame.len()) > 1 {
                             self.common.count(|m| &m.rx_gso);
                         }
                     }
-                    let n = buf.len();
-                    return finish_read(&self.common, buf, Ok(n));
+                    let n = frame.len();
+                    return Ok(finish_read_at(&self.common, buf, headroom, Ok(n))?.then_some(headroom));
                 }
-                Err(e) => return finish_read(&self.common, buf, Err(e)),
+                Err(e) => return Ok(finish_read_at(&self.common, buf, headroom, Err(e))?.then_some(headroom)),
             }
         }
     }

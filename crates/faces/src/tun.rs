@@ -3,7 +3,7 @@
 //! header; ordinary packets written are coalesced per flow into GSO writes (tun-rs's GRO). A super-packet is cut
 //! only where the device cannot take it (offloads off, UDP segmentation the kernel lacks, segments beyond the MTU).
 
-use crate::device::{finish_read, Device, DeviceCommon};
+use crate::device::{finish_read, finish_read_at, Device, DeviceCommon};
 use flexstack_core::frame::{Gso, GsoKind, MetaKey, Metadata};
 use flexstack_core::{Direction, FaceDevice, Packet};
 use flexstack_wire::vnet::{gso_write_parts, VnetHeader, VNET_HDR_LEN};
@@ -328,25 +328,26 @@ impl TunDevice {
     /// Reads one packet with its virtio-net header: a super-packet stays whole, with `MetaKey::GSO` (its transport
     /// checksum field holds the pseudo-header sum, which whoever cuts or writes it replaces); a packet whose
     /// checksum the kernel left to offload gets it completed (modules see complete checksums on ordinary packets).
-    fn read_vnet(&self, buf: &mut Vec<u8>, meta: &mut Metadata) -> std::io::Result<bool> {
+    fn read_vnet(&self, buf: &mut Vec<u8>, start: usize, meta: &mut Metadata) -> std::io::Result<bool> {
         let mut header = [0u8; VNET_HDR_LEN];
         loop {
-            let read = flexstack_sys::read_with_header(self.dev.as_fd(), &mut header, buf, MAX_PACKET);
+            let read = flexstack_sys::read_with_header(self.dev.as_fd(), &mut header, buf, start, MAX_PACKET);
             match read {
                 Ok(n) if n <= VNET_HDR_LEN => {
                     self.common.rx_error();
                     continue;
                 }
                 Ok(_) => {
+                    let packet = &mut buf[start..];
                     let vnet = VnetHeader::decode(&header);
                     if vnet.gso_type != 0 {
-                        match vnet.gso_at(buf, 0).filter(|g| g.segments(buf.len()) > 1) {
+                        match vnet.gso_at(packet, 0).filter(|g| g.segments(packet.len()) > 1) {
                             Some(gso) => {
                                 meta.set(MetaKey::GSO, gso.pack());
                                 self.common.count(|m| &m.rx_gso);
                             }
                             // One segment's worth: an ordinary packet (its checksum completed below).
-                            None if vnet.gso_at(buf, 0).is_some() => {}
+                            None if vnet.gso_at(packet, 0).is_some() => {}
                             None => {
                                 // A kind the device was not offered (it only takes TCP and UDP segmentation).
                                 self.common.rx_error();
@@ -356,14 +357,14 @@ impl TunDevice {
                         }
                     }
                     if meta.get(MetaKey::GSO).is_none() {
-                        if let Some(partial) = vnet.partial_checksum(buf.len()) {
-                            flexstack_wire::checksum::complete_partial_bytes(buf, partial);
+                        if let Some(partial) = vnet.partial_checksum(packet.len()) {
+                            flexstack_wire::checksum::complete_partial_bytes(packet, partial);
                         }
                     }
-                    let n = buf.len();
-                    return finish_read(&self.common, buf, Ok(n));
+                    let n = packet.len();
+                    return finish_read_at(&self.common, buf, start, Ok(n));
                 }
-                Err(e) => return finish_read(&self.common, buf, Err(e)),
+                Err(e) => return finish_read_at(&self.common, buf, start, Err(e)),
             }
         }
     }
@@ -379,7 +380,7 @@ impl TunDevice {
             return Ok(true);
         }
         let mut meta = Metadata::default();
-        if !self.read_vnet(buf, &mut meta)? {
+        if !self.read_vnet(buf, 0, &mut meta)? {
             return Ok(false);
         }
         let Some(gso) = Gso::of(&meta) else { return Ok(true) };
@@ -553,10 +554,15 @@ impl FaceDevice for TunDevice {
     }
 
     fn read_frame(&self, buf: &mut Vec<u8>, meta: &mut Metadata) -> std::io::Result<bool> {
+        Ok(self.read_frame_at(buf, 0, meta)?.is_some())
+    }
+
+    fn read_frame_at(&self, buf: &mut Vec<u8>, headroom: usize, meta: &mut Metadata) -> std::io::Result<Option<usize>> {
         *meta = Metadata::default();
         match &self.offload {
-            Some(_) => self.read_vnet(buf, meta),
-            None => self.read_packet(buf),
+            // Super-packets are read whole, with room in front (a link header put there moves nothing).
+            Some(_) => Ok(self.read_vnet(buf, headroom, meta)?.then_some(headroom)),
+            None => Ok(self.read_packet(buf)?.then_some(0)),
         }
     }
 

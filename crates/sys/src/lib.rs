@@ -90,19 +90,32 @@ pub struct PacketRead {
     pub truncated: bool,
 }
 
-/// Reads one frame from packet socket `fd` without blocking: the first `header.len()` bytes into `header`, the rest
-/// into `buf`, whose length is set to what was read there. `buf` is cleared and given room for `room` bytes first,
-/// but not zeroed: the kernel writes straight into its spare capacity. nix's `recvmsg` takes initialized buffers
-/// only, and zeroing a 64 KiB buffer before each read (a pooled buffer that held a small frame last) was 4 % of
-/// the emulated link's CPU time.
-pub fn recv_packet(fd: BorrowedFd<'_>, header: &mut [u8], buf: &mut Vec<u8>, room: usize) -> io::Result<PacketRead> {
-    buf.clear();
+/// The two iovecs of a read with a header: `header`, then `buf`'s spare capacity once `buf` is made `start` bytes
+/// long (keeping what it held there, zeroing only what it lacked) with room for `room` bytes more.
+fn header_and_spare(header: &mut [u8], buf: &mut Vec<u8>, start: usize, room: usize) -> [libc::iovec; 2] {
+    buf.resize(start, 0);
     buf.reserve(room);
     let spare = buf.spare_capacity_mut();
-    let mut iov = [
+    [
         libc::iovec { iov_base: header.as_mut_ptr().cast(), iov_len: header.len() },
         libc::iovec { iov_base: spare.as_mut_ptr().cast(), iov_len: spare.len() },
-    ];
+    ]
+}
+
+/// Reads one frame from packet socket `fd` without blocking: the first `header.len()` bytes into `header`, the rest
+/// into `buf` from offset `start` on, and sets `buf`'s length to `start` plus what was read there. `buf` is cut to
+/// `start` bytes (the headroom before the frame: kept, or zeroed where `buf` was shorter) and given room for `room`
+/// bytes more first, but not zeroed: the kernel writes straight into its spare capacity. nix's `recvmsg` takes
+/// initialized buffers only, and zeroing a 64 KiB buffer before each read (a pooled buffer that held a small frame
+/// last) was 4 % of the emulated link's CPU time.
+pub fn recv_packet(
+    fd: BorrowedFd<'_>,
+    header: &mut [u8],
+    buf: &mut Vec<u8>,
+    start: usize,
+    room: usize,
+) -> io::Result<PacketRead> {
+    let mut iov = header_and_spare(header, buf, start, room);
     // SAFETY: sockaddr_ll and msghdr are plain old data; zeroed is a valid value before the fields are set.
     let mut addr: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
@@ -120,7 +133,7 @@ pub fn recv_packet(fd: BorrowedFd<'_>, header: &mut [u8], buf: &mut Vec<u8>, roo
     let body = bytes.saturating_sub(header.len()).min(iov[1].iov_len);
     // SAFETY: the kernel initialized the first `body` bytes of the spare capacity (recvmsg filled the iovecs in
     // order: the header first, then `body` bytes of the second buffer), and `body` is at most its capacity.
-    unsafe { buf.set_len(body) };
+    unsafe { buf.set_len(start + body) };
     let has_addr = msg.msg_namelen as usize > std::mem::offset_of!(libc::sockaddr_ll, sll_pkttype);
     Ok(PacketRead {
         bytes,
@@ -130,17 +143,18 @@ pub fn recv_packet(fd: BorrowedFd<'_>, header: &mut [u8], buf: &mut Vec<u8>, roo
 }
 
 /// Reads one packet from `fd` (a TUN device with virtio-net headers) with `readv`: the first `header.len()` bytes
-/// into `header`, the rest into `buf`, whose length is set to what was read there; as [`recv_packet`], `buf` is
-/// cleared and given room for `room` bytes but not zeroed (a pooled 64 KiB buffer read into again after a small
-/// packet is not cleared first). Returns the bytes read, header included.
-pub fn read_with_header(fd: BorrowedFd<'_>, header: &mut [u8], buf: &mut Vec<u8>, room: usize) -> io::Result<usize> {
-    buf.clear();
-    buf.reserve(room);
-    let spare = buf.spare_capacity_mut();
-    let iov = [
-        libc::iovec { iov_base: header.as_mut_ptr().cast(), iov_len: header.len() },
-        libc::iovec { iov_base: spare.as_mut_ptr().cast(), iov_len: spare.len() },
-    ];
+/// into `header`, the rest into `buf` from offset `start` on, whose length is set to `start` plus what was read
+/// there; as [`recv_packet`], `buf` is cut to `start` bytes and given room for `room` more but not zeroed (a
+/// pooled 64 KiB buffer read into again after a small packet is not cleared first). Returns the bytes read, header
+/// included.
+pub fn read_with_header(
+    fd: BorrowedFd<'_>,
+    header: &mut [u8],
+    buf: &mut Vec<u8>,
+    start: usize,
+    room: usize,
+) -> io::Result<usize> {
+    let iov = header_and_spare(header, buf, start, room);
     // SAFETY: both iovecs name buffers valid for writes of their lengths that outlive the call; `fd` is an open
     // file borrowed for the call.
     let n = unsafe { libc::readv(fd.as_raw_fd(), iov.as_ptr(), iov.len() as libc::c_int) };
@@ -151,7 +165,7 @@ pub fn read_with_header(fd: BorrowedFd<'_>, header: &mut [u8], buf: &mut Vec<u8>
     let body = bytes.saturating_sub(header.len()).min(iov[1].iov_len);
     // SAFETY: readv filled the iovecs in order, the header first, then `body` bytes of the spare capacity, and
     // `body` is at most its capacity.
-    unsafe { buf.set_len(body) };
+    unsafe { buf.set_len(start + body) };
     Ok(bytes)
 }
 

@@ -27,7 +27,7 @@ pub fn sum(initial: u32, data: &[u8]) -> u32 {
 pub fn complete_partial(packet: &mut Packet) -> bool {
     let Some(partial) = CsumPartial::of(packet.meta()) else { return false };
     packet.meta_mut().remove(MetaKey::CSUM_PARTIAL);
-    complete_partial_bytes(packet.make_mut(), partial)
+    complete_partial_bytes(packet.data_mut(), partial)
 }
 
 /// Completes the partial transport checksum described by `partial` in `data`: the checksum field, which holds the

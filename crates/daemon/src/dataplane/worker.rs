@@ -8,7 +8,9 @@ use super::steer;
 use flexstack_core::frame::Metadata;
 use flexstack_core::switch::CONTROL_PLANE;
 use flexstack_core::vars::{DynamicVars, VarCell};
-use flexstack_core::{Batch, Direction, Edit, FaceDevice, Frame, Meter, Packet, Switch, Time, ValueType, VarSpec};
+use flexstack_core::{
+    Batch, Direction, Edit, FaceDevice, Frame, Meter, Packet, PacketPool, Switch, Time, ValueType, VarSpec,
+};
 use flexstack_faces::linkwatch::{CarrierBook, LinkWatch};
 use nix::sys::epoll::{Epoll, EpollEvent, EpollFlags, EpollTimeout};
 use nix::sys::eventfd::EventFd;
@@ -224,10 +226,12 @@ impl Loop {
                 let mut read = 0;
                 while read < READ_BATCH {
                     // Read straight into a pooled buffer: no copy, and a buffer that held a large frame is not
-                    // zeroed again (PacketPool::alloc_for_overwrite; the device sets the length it read).
+                    // zeroed again (PacketPool::alloc_for_overwrite; the device sets the length it read). Room is
+                    // left in front, where the link module puts its header without moving the packet.
                     let mut p = spare.take().unwrap_or_else(|| pool.alloc_for_overwrite());
-                    match dev.read_frame(p.make_mut(), &mut meta) {
-                        Ok(true) => {
+                    match dev.read_frame_at(p.buffer_for_overwrite(), PacketPool::HEADROOM, &mut meta) {
+                        Ok(Some(start)) => {
+                            p.strip_front(start);
                             read += 1;
                             let owner = steer::owner(p.data(), ethernet, self.active);
                             if owner != self.id {
@@ -255,7 +259,7 @@ impl Loop {
                                 batch.push(Frame::Data(p));
                             }
                         }
-                        Ok(false) => {
+                        Ok(None) => {
                             spare = Some(p);
                             break;
                         }
@@ -403,7 +407,8 @@ impl Loop {
                 if h.epoch != self.epoch || !st.face_at.contains_key(&(h.face as usize)) {
                     st.meters.drop_stale.add(1);
                 } else {
-                    let mut p = pool.alloc_from(&h.data);
+                    // With room in front, as a face reads: the link module's header goes there in place.
+                    let mut p = pool.alloc_from_with_headroom(&h.data);
                     p.set_direction(h.direction);
                     if !h.meta.is_empty() {
                         *p.meta_mut() = h.meta;

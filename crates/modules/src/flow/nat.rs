@@ -615,7 +615,7 @@ impl Nat {
         };
         let plan = if from_inside { self.plan_out(&seen, out)? } else { self.plan_in(&seen, out)? };
         let Plan::Rewrite { src, to } = plan else { return Ok(false) };
-        rewrite::endpoint(p.make_mut(), &Layout::of(info), src, to.0, Some(to.1));
+        rewrite::endpoint(p.data_mut(), &Layout::of(info), src, to.0, Some(to.1));
         Ok(true)
     }
 
@@ -773,7 +773,7 @@ impl Nat {
         if outer_addr != old {
             return false;
         }
-        let buf = p.make_mut();
+        let buf = p.data_mut();
         let before = checksum::sum(0, &buf[inner..end]);
         // The quoted packet: from the outside its source is rewritten, from the inside its destination.
         rewrite::endpoint(&mut buf[inner..end], &q.layout, !from_inside, to.0, Some(to.1));

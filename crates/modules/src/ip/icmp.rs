@@ -353,10 +353,10 @@ impl Icmp {
             buf.extend_from_slice(msg);
             *p = fresh;
         } else {
-            p.make_mut().truncate(info.total_len);
+            p.truncate(info.total_len);
         }
         p.set_direction(direction);
-        let d = p.make_mut();
+        let d = p.data_mut();
         let l4 = plain_header;
         if info.version == 4 {
             for i in 0..4 {

@@ -416,10 +416,10 @@ impl Ip {
             return;
         }
         if p.len() > info.total_len {
-            p.make_mut().truncate(info.total_len);
+            p.truncate(info.total_len);
         }
         if c.decrement_ttl {
-            let d = p.make_mut();
+            let d = p.data_mut();
             if info.version == 4 {
                 let old = [d[8], d[9]];
                 d[8] -= 1;

@@ -327,7 +327,7 @@ impl Emulator {
         }
         flexstack_wire::checksum::complete_partial(p);
         let bit = self.rng.next_u64() % (p.len() as u64 * 8);
-        p.make_mut()[(bit / 8) as usize] ^= 1 << (bit % 8);
+        p.data_mut()[(bit / 8) as usize] ^= 1 << (bit % 8);
         true
     }
 
@@ -461,7 +461,7 @@ impl Emulator {
         // Segments carry complete checksums (gso_split computes them): neither key applies to them.
         meta.remove(MetaKey::GSO);
         meta.remove(MetaKey::CSUM_PARTIAL);
-        let data = p.make_mut();
+        let data = p.data_mut();
         let result = match data.get_mut(l3..) {
             Some(ip) if version_ok => {
                 tun_rs::gso_split(ip, hdr, &mut self.scratch[..n], &mut self.sizes[..n], l3, is_v6)

@@ -506,9 +506,9 @@ impl Link {
             payload => 40 + payload,
         };
         let keep = if stated >= min && stated < ip.len() { stated } else { ip.len() };
-        let v = p.make_mut();
-        v.truncate(ETHERNET_HEADER_LEN + keep);
-        v.drain(..ETHERNET_HEADER_LEN);
+        // Neither moves the packet: the Ethernet header becomes headroom.
+        p.truncate(ETHERNET_HEADER_LEN + keep);
+        p.strip_front(ETHERNET_HEADER_LEN);
         p.move_gso(-(ETHERNET_HEADER_LEN as isize));
         p.set_direction(Direction::Up);
         // A GSO super-packet counts its segments.
@@ -568,11 +568,8 @@ impl Link {
     fn transmit(&self, mut p: Packet, dst: Mac, out: &mut Output<'_>) {
         let ethertype =
             if p.data().first().is_some_and(|b| b >> 4 == 6) { EthernetProtocol::Ipv6 } else { EthernetProtocol::Ipv4 };
-        let v = p.make_mut();
-        let len = v.len();
-        v.resize(len + ETHERNET_HEADER_LEN, 0);
-        v.copy_within(..len, ETHERNET_HEADER_LEN);
-        write_ethernet(v, dst, self.cfg.mac, ethertype);
+        // Into the headroom the faces leave in front of what they read: the packet does not move.
+        write_ethernet(p.prepend(ETHERNET_HEADER_LEN), dst, self.cfg.mac, ethertype);
         p.move_gso(ETHERNET_HEADER_LEN as isize);
         p.set_direction(Direction::Down);
         self.m.counts[Count::Sent as usize].add(p.wire_packets());

@@ -734,3 +734,37 @@ fn settings_are_checked() {
     assert_eq!(parse_mac("2-0-0-0-0-A"), Some([2, 0, 0, 0, 0, 10]));
     assert_eq!(format_mac([2, 0, 0, 0xab, 0, 10]), "02:00:00:ab:00:0a");
 }
+
+/// The Ethernet header goes into the headroom the faces leave and comes off by moving the packet's start: the
+/// packet itself never moves (a 64 KiB super-packet used to, twice).
+#[test]
+fn the_link_header_is_added_and_stripped_without_moving_the_packet() {
+    use flexstack_core::{ModuleVars, Output, PacketPool};
+    let builder = LinkKind
+        .configure(&crate::testutil::settings(&["mac=\"02:00:00:00:00:01\"", "addresses=[\"10.0.0.2/24\"]"]))
+        .unwrap();
+    let vars = ModuleVars::new(&builder.interface().vars);
+    let mut link = builder.build(&vars);
+    let pool = PacketPool::default();
+    let (mut ports, mut control, mut serial) = (vec![Vec::new(), Vec::new()], Vec::new(), 0);
+    let bcast = udp4(Ipv4Addr::BROADCAST, 1);
+    // As a face reads it: the packet behind PacketPool::HEADROOM bytes of room.
+    let mut p = pool.alloc();
+    let buf = p.buffer_for_overwrite();
+    buf.resize(PacketPool::HEADROOM, 0);
+    buf.extend_from_slice(&bcast);
+    p.strip_front(PacketPool::HEADROOM);
+    let at = p.data().as_ptr();
+    let mut out = Output::detached(Time::from_millis(1), "l", &pool, &mut ports, &mut control, &mut serial);
+    link.process(IN_IP, &mut vec![Frame::Data(p)], &mut out);
+    let Some(Frame::Data(sent)) = ports[OUT_WIRE].pop() else { panic!("a frame on wire: {ports:?}") };
+    assert_eq!(sent.data(), eth(BROADCAST, ME, 0x0800, &bcast));
+    assert_eq!(sent.data()[ETHERNET_HEADER_LEN..].as_ptr(), at, "the header went in front, in place");
+    // Back in from the wire (as from a peer): the header comes off, the IP packet stays where it is.
+    let mut back = sent;
+    back.data_mut()[..12].copy_from_slice(&[ME, PEER].concat());
+    let mut out = Output::detached(Time::from_millis(2), "l", &pool, &mut ports, &mut control, &mut serial);
+    link.process(IN_WIRE, &mut vec![Frame::Data(back)], &mut out);
+    let Some(Frame::Data(up)) = ports[OUT_IP].pop() else { panic!("a packet on ip: {ports:?}") };
+    assert_eq!((up.data(), up.data().as_ptr()), (&bcast[..], at));
+}

@@ -446,7 +446,7 @@ impl Binding {
         let iface = &mut self.ifaces[k];
         let new = if hdr.v6 { iface.cfg.address_v6.map(IpAddr::V6) } else { iface.cfg.address_v4.map(IpAddr::V4) };
         if let Some(new) = new {
-            rewrite::address(pkt.make_mut(), &hdr, true, new);
+            rewrite::address(pkt.data_mut(), &hdr, true, new);
         }
         let meta = pkt.meta_mut();
         meta.set(MetaKey::OUT_FACE, k as u64);
@@ -511,7 +511,7 @@ impl Binding {
     fn parse_down(&mut self, frame: Frame, out: &mut Output<'_>) -> Option<(Packet, PacketInfo)> {
         let (mut p, info) = self.drops.parse(frame, out)?;
         if p.len() > info.total_len {
-            p.make_mut().truncate(info.total_len);
+            p.truncate(info.total_len);
         }
         Some((p, info))
     }
@@ -591,10 +591,10 @@ impl Binding {
         // The destination address is rewritten in place, with fixed-size arrays (no allocation per packet).
         let mapped = match info.dst {
             IpAddr::V4(d) if self.ifaces.iter().any(|i| i.cfg.address_v4 == Some(d)) => {
-                self.cfg.virtual_v4.map(|v| rewrite::address(p.make_mut(), &Layout::of(&info), false, v.into()))
+                self.cfg.virtual_v4.map(|v| rewrite::address(p.data_mut(), &Layout::of(&info), false, v.into()))
             }
             IpAddr::V6(d) if self.ifaces.iter().any(|i| i.cfg.address_v6 == Some(d)) => {
-                self.cfg.virtual_v6.map(|v| rewrite::address(p.make_mut(), &Layout::of(&info), false, v.into()))
+                self.cfg.virtual_v6.map(|v| rewrite::address(p.data_mut(), &Layout::of(&info), false, v.into()))
             }
             _ => None,
         };

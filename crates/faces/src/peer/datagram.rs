@@ -37,7 +37,6 @@ use flexstack_modules::stream::carrier::reliable::{Receiver, Sender};
 use flexstack_modules::stream::carrier::{wire, CarrierRequest, Config, Meters, Router, Transport};
 use nix::sys::epoll::{EpollEvent, EpollFlags};
 use nix::sys::eventfd::EventFd;
-use nix::sys::socket::{setsockopt, sockopt};
 use nix::sys::time::TimeSpec;
 use nix::sys::timerfd::{ClockId, Expiration, TimerFd, TimerFlags, TimerSetTimeFlags};
 use ring::aead::{Aad, LessSafeKey, Nonce, UnboundKey, CHACHA20_POLY1305};
@@ -71,8 +70,6 @@ const ACK_EVERY: u32 = 8;
 const MAX_EARLY: usize = 256;
 /// Sealed datagrams from unknown addresses an accepting carrier tries against its sessions' keys per second.
 const MAX_TRIED: u32 = 64;
-/// The sockets' buffers: a congestion window's worth of datagrams.
-const SOCKET_BUFFER: usize = 8 << 20;
 
 /// Builds a `udp` or `udpplus` carrier from what the kind read.
 pub(crate) fn build(req: CarrierRequest) -> Result<Builder<Dgram>, String> {
@@ -93,21 +90,8 @@ pub(crate) fn build(req: CarrierRequest) -> Result<Builder<Dgram>, String> {
             Mode::Connect { peer, client: (), router: Router::default(), retry_at: None, conn: None },
         )
     };
-    socket.each(|s| s.set_nonblocking(true)).map_err(|e| e.to_string())?;
-    if let Err(e) = socket.each(|s| batch::enable_gro(s).map_err(std::io::Error::from)) {
-        tracing::info!(error = %e, "udp carrier: no UDP GRO; receiving datagrams singly");
-    }
-    // Root may go beyond the system's maximum; others get what it allows.
-    let _ = socket.each(|socket| {
-        let forced = setsockopt(socket, sockopt::RcvBufForce, &SOCKET_BUFFER)
-            .and_then(|_| setsockopt(socket, sockopt::SndBufForce, &SOCKET_BUFFER));
-        if forced.is_err() {
-            let _ = setsockopt(socket, sockopt::RcvBuf, &SOCKET_BUFFER);
-            let _ = setsockopt(socket, sockopt::SndBuf, &SOCKET_BUFFER);
-        }
-        Ok(())
-    });
     let plus = req.cfg.transport == Transport::Udpplus;
+    socket.prepare(if plus { "udpplus" } else { "udp" })?;
     let make = move |cfg: &Config, m| dgram_device(socket, mode, id, signer, plus, cfg, m);
     Ok(Builder { req, make: Box::new(make) })
 }

@@ -101,10 +101,7 @@ pub(crate) fn build(req: CarrierRequest) -> Result<Builder<Quic>, String> {
         cc.transport_config(tp);
         (socket, None, Mode::Connect { peer, client: cc, router: Router::default(), retry_at: None, conn: None })
     };
-    socket.each(|s| s.set_nonblocking(true)).map_err(|e| e.to_string())?;
-    if let Err(e) = socket.each(|s| batch::enable_gro(s).map_err(std::io::Error::from)) {
-        tracing::info!(error = %e, "quic carrier: no UDP GRO; receiving datagrams singly");
-    }
+    socket.prepare("quic")?;
     let make = move |cfg: &Config, m| quic_device(socket, server, mode, cfg, m);
     Ok(Builder { req, make: Box::new(make) })
 }

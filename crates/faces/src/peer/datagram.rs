@@ -52,7 +52,8 @@ use std::time::{Duration, Instant};
 
 /// Epoll tokens.
 const TIMER: u64 = 2;
-/// Most datagrams read from the socket per call.
+/// Datagrams read from a socket per pass, about (a GRO run counts as its datagrams, and is read whole): more at
+/// once would reach the chain, and the originating side's receivers, in bursts their queues may not hold.
 const READ_BATCH: usize = 256;
 /// A session that hears nothing for this long is gone.
 const IDLE: Duration = Duration::from_secs(10);
@@ -582,7 +583,8 @@ impl Dgram {
         let mut data = vec![0u8; 65536];
         let mut touched = HashSet::new();
         for i in 0..self.net.len() {
-            for _ in 0..READ_BATCH {
+            let mut taken = 0;
+            while taken < READ_BATCH {
                 let (n, from, seg) = match batch::recv(self.net.get(i), &mut data) {
                     Ok(x) => x,
                     Err(e) if e.kind() == ErrorKind::Interrupted => continue,
@@ -591,6 +593,7 @@ impl Dgram {
                 self.net.received(i, now, &self.m);
                 self.m.udp_bytes_in.add(n as u64);
                 for d in batch::datagrams(&mut data, n, seg) {
+                    taken += 1;
                     if let Some(t) = self.datagram(now, from, d) {
                         touched.insert(t);
                     }

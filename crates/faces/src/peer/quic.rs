@@ -52,7 +52,7 @@ use std::time::{Duration, Instant};
 /// The capabilities this carrier announces.
 /// Epoll tokens.
 const TIMER: u64 = 2;
-/// Most UDP datagrams read from the socket per call (the rest wait for the next).
+/// UDP datagrams read from a socket per pass, about (a GRO run counts as its datagrams; the rest wait for the next).
 const READ_BATCH: usize = 256;
 /// A connection that hears nothing for this long is gone (keep-alives every third of it).
 const IDLE: Duration = Duration::from_secs(10);
@@ -428,7 +428,8 @@ impl Quic {
 
     /// What socket `i` received.
     fn receive_on(&mut self, i: usize, now: Instant, data: &mut [u8; 65536]) {
-        for _ in 0..READ_BATCH {
+        let mut taken = 0;
+        while taken < READ_BATCH {
             let (n, from, seg) = match batch::recv(self.net.get(i), data) {
                 Ok(x) => x,
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
@@ -436,6 +437,7 @@ impl Quic {
             };
             self.net.received(i, now, &self.m);
             for d in batch::datagrams(data, n, seg) {
+                taken += 1;
                 let bytes = BytesMut::from(&d[..]);
                 let mut buf = std::mem::take(&mut self.buf);
                 match self.endpoint.handle(now, from, None, None, bytes, &mut buf) {

@@ -11,12 +11,15 @@
 # buffers: a GSO super-packet of datagrams arrives at once and overflows the default buffer; what the server
 # received); the paths alternate in every round, medians of RUNS rounds, in Gbit/s and Gibit/s (VirtualStack's unit),
 # with the ratios to (f) and, for quic, to the udp carrier. PROFILE=ci uses the ci profile's binary; NO_BUILD=1 /
-# FS=PATH as in scripts/lib/bench.sh. Needs root.
+# FS=PATH as in scripts/lib/bench.sh. FS_OLD=binary adds (K0) for each K: the same through daemons A and B of that
+# binary, in the same rounds (A/B: the old code against the new; both daemons restart when the binary changes).
+# STREAMS=N runs N parallel app streams (iperf3 -P) in both tests. Needs root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${RUNS:-5}
 SECS=${SECS:-4}
 LEN=${LEN:-1400}
+STREAMS=${STREAMS:-1}
 KINDS=${KINDS:-tcp quic udp udpplus}
 NET=${NET:-225} # A-B 10.NET.1.0/24, B-server 10.NET.2.0/24, apps 10.(NET+1).0.0/16
 . scripts/lib/bench.sh # median, bench_setup, peer_topology, start_peers, start_peer_b, carrier_stack
@@ -28,12 +31,30 @@ start_peers "$NET" tcp
 app_sed=()
 for k in $KINDS; do carrier_stack "$k" "transport = \"$k\""; done
 
+new=$fs
+# Runs daemons A and B (B with transport $2) of binary $1: A restarts when the binary changes (and is told B's key
+# again), B every time.
+daemons() {
+  [[ $1 == "$fs" ]] && { start_peer_b "$NET" "$2"; return; }
+  kill "${pids[0]}" && wait "${pids[0]}" 2>/dev/null || true
+  fs=$1
+  "$fs" daemon --state-dir "$state/a" --app-subnet 10.$((NET + 1)).0.0 2>>"$state/daemon-a.log" &
+  pids[0]=$!
+  wait_for '"$fs" --state-dir "$state/a" status >/dev/null 2>&1' "daemon A did not start (its log: $state/daemon-a.log)"
+  start_peer_b "$NET" "$2"
+  "$fs" --state-dir "$state/a" peer add gateway 10.$NET.1.2:7300 "$("$fs" --state-dir "$state/b" peer key)" >/dev/null
+}
+
 # iperf3 on PATH with the options given; prints what the server received in Gbit/s (or the error, and fails).
 iperf() {
-  local run=("$fs" --state-dir "$state/a" run) p=$1
+  local run=("$fs" --state-dir "$state/a" run) p=${1%0}
   shift
   [[ $p != f ]] && run+=(--stack "$state/app-$p.toml")
-  "${run[@]}" -- iperf3 -c $srv -p 5201 -t "$SECS" -J "$@" > "$state/iperf.json" || true
+  for _ in 1 2 3; do # the server may still hold a test whose client went away (--rcv-timeout, peer_topology)
+    "${run[@]}" -- iperf3 -c $srv -p 5201 -t "$SECS" -P "$STREAMS" -J "$@" > "$state/iperf.json" || true
+    grep -q '"error":.*busy' "$state/iperf.json" || break
+    sleep 3
+  done
   python3 - "$state/iperf.json" "$p" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
@@ -46,12 +67,15 @@ PY
 # measure PATH: prints "TCP UDP" in Gbit/s.
 measure() { echo "$(iperf "$1") $(iperf "$1" -u -b 0 -l "$LEN" -w 4M)"; }
 
+paths=$KINDS
+[[ -z ${FS_OLD:-} ]] || for k in $KINDS; do paths+=" ${k}0"; done
 for i in $(seq "$RUNS"); do
+  daemons "$new" tcp
   read -r t u < <(measure f)
   echo "$t" >> "$state/f.tcp"; echo "$u" >> "$state/f.udp"
   line="round $i: f $t/$u"
-  for k in $KINDS; do
-    start_peer_b "$NET" "$k"
+  for k in $paths; do
+    if [[ $k == *0 ]]; then daemons "$FS_OLD" "${k%0}"; else daemons "$new" "$k"; fi
     read -r t u < <(measure "$k")
     echo "$t" >> "$state/$k.tcp"; echo "$u" >> "$state/$k.udp"
     line+=", $k $t/$u"
@@ -59,8 +83,9 @@ for i in $(seq "$RUNS"); do
   echo "$line (TCP/UDP Gbit/s)" >&2
 done
 
-printf 'carriers: iperf3 TCP (1 stream) and UDP (-b 0, %s-byte datagrams, received), medians of %s rounds of %s s\n' \
-  "$LEN" "$RUNS" "$SECS"
+printf 'carriers: iperf3 TCP and UDP (-b 0, %s-byte datagrams, received), %s stream(s), medians of %s rounds of %s s\n' \
+  "$LEN" "$STREAMS" "$RUNS" "$SECS"
+echo "code version: $(git rev-parse --short HEAD)$(git diff --quiet || echo -dirty)${FS_OLD:+; old (K0): $FS_OLD}; $(uptime)"
 printf '%-22s %9s %9s %9s %9s %8s %8s\n' path "TCP Gb/s" "TCP Gib/s" "UDP Gb/s" "UDP Gib/s" "TCP x f" "UDP x f"
 ft=$(median < "$state/f.tcp"); fu=$(median < "$state/f.udp")
 row() { # $1 = label, $2 = TCP, $3 = UDP
@@ -68,7 +93,7 @@ row() { # $1 = label, $2 = TCP, $3 = UDP
     "$(echo "$3 * 10^9 / 2^30" | bc -l)" "$(echo "$2 / $ft" | bc -l)" "$(echo "$3 / $fu" | bc -l)"
 }
 row "(f) forwarding" "$ft" "$fu"
-for k in $KINDS; do
+for k in $paths; do
   row "($k) carrier" "$(median < "$state/$k.tcp")" "$(median < "$state/$k.udp")"
 done
 if [[ " $KINDS " == *" quic "* && " $KINDS " == *" udp "* ]]; then

@@ -120,7 +120,9 @@ peer_topology() {
   sysctl -qw net.ipv4.ip_forward=1
   ip route add 10.$net.2.0/24 via 10.$net.1.2
   srv=10.$net.2.2
-  ip netns exec ${tag}s iperf3 -s -D -p 5201 -I "$state/iperf.pid" >/dev/null
+  # A test whose client went away (an app's UDP flood can starve its control connection) holds the server for
+  # --rcv-timeout, not for iperf3's default two minutes.
+  ip netns exec ${tag}s iperf3 -s -D -p 5201 --rcv-timeout 5000 -I "$state/iperf.pid" >/dev/null
 }
 
 # Removes what peer_topology made (daemon B first, when b_daemon is set) and restores the host's forwarding.

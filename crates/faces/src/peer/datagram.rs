@@ -19,6 +19,7 @@
 //! - Datagrams that do not decode or authenticate count in `malformed_total`, authentic ones that come again in
 //!   `replayed_total`; both are dropped and the session stays.
 
+use super::batch::{self, Outbox};
 use super::carrier::{
     caps, carrier_engine_common, check_hello, each_message, epoll_with_kick, listen_of_cfg, log_end, peer_of_cfg,
     pop_ready, switch_marker, switch_unasked, Builder, CarrierEngine, End, LogLimit, Modes, Ready, HANDSHAKE_TIMEOUT,
@@ -36,7 +37,6 @@ use flexstack_modules::stream::carrier::reliable::{Receiver, Sender};
 use flexstack_modules::stream::carrier::{wire, CarrierRequest, Config, Meters, Router, Transport};
 use nix::sys::epoll::{EpollEvent, EpollFlags};
 use nix::sys::eventfd::EventFd;
-use nix::sys::socket::{setsockopt, sockopt};
 use nix::sys::time::TimeSpec;
 use nix::sys::timerfd::{ClockId, Expiration, TimerFd, TimerFlags, TimerSetTimeFlags};
 use ring::aead::{Aad, LessSafeKey, Nonce, UnboundKey, CHACHA20_POLY1305};
@@ -52,7 +52,8 @@ use std::time::{Duration, Instant};
 
 /// Epoll tokens.
 const TIMER: u64 = 2;
-/// Most datagrams read from the socket per call.
+/// Datagrams read from a socket per pass, about (a GRO run counts as its datagrams, and is read whole): more at
+/// once would reach the chain, and the originating side's receivers, in bursts their queues may not hold.
 const READ_BATCH: usize = 256;
 /// A session that hears nothing for this long is gone.
 const IDLE: Duration = Duration::from_secs(10);
@@ -62,8 +63,6 @@ const KEEPALIVE: Duration = Duration::from_secs(1);
 const INIT_AGAIN: Duration = Duration::from_millis(500);
 /// Packet numbers remembered behind the highest (older ones are dropped as replayed).
 const REPLAY_WINDOW: u64 = 8192;
-/// The AEAD's tag.
-const TAG: usize = 16;
 /// The largest app datagram carried (what a UDP datagram takes, less the carrier's headers).
 const MAX_APP_DATAGRAM: usize = 65_000;
 /// Acknowledge after this many segments (and at the end of each batch read).
@@ -72,8 +71,6 @@ const ACK_EVERY: u32 = 8;
 const MAX_EARLY: usize = 256;
 /// Sealed datagrams from unknown addresses an accepting carrier tries against its sessions' keys per second.
 const MAX_TRIED: u32 = 64;
-/// The sockets' buffers: a congestion window's worth of datagrams.
-const SOCKET_BUFFER: usize = 8 << 20;
 
 /// Builds a `udp` or `udpplus` carrier from what the kind read.
 pub(crate) fn build(req: CarrierRequest) -> Result<Builder<Dgram>, String> {
@@ -94,18 +91,8 @@ pub(crate) fn build(req: CarrierRequest) -> Result<Builder<Dgram>, String> {
             Mode::Connect { peer, client: (), router: Router::default(), retry_at: None, conn: None },
         )
     };
-    socket.each(|s| s.set_nonblocking(true)).map_err(|e| e.to_string())?;
-    // Root may go beyond the system's maximum; others get what it allows.
-    let _ = socket.each(|socket| {
-        let forced = setsockopt(socket, sockopt::RcvBufForce, &SOCKET_BUFFER)
-            .and_then(|_| setsockopt(socket, sockopt::SndBufForce, &SOCKET_BUFFER));
-        if forced.is_err() {
-            let _ = setsockopt(socket, sockopt::RcvBuf, &SOCKET_BUFFER);
-            let _ = setsockopt(socket, sockopt::SndBuf, &SOCKET_BUFFER);
-        }
-        Ok(())
-    });
     let plus = req.cfg.transport == Transport::Udpplus;
+    socket.prepare(if plus { "udpplus" } else { "udp" })?;
     let make = move |cfg: &Config, m| dgram_device(socket, mode, id, signer, plus, cfg, m);
     Ok(Builder { req, make: Box::new(make) })
 }
@@ -134,6 +121,7 @@ fn dgram_device(
     let connect = matches!(mode, Mode::Connect { .. });
     let mut d = Dgram {
         net: socket,
+        out: Outbox::default(),
         plus,
         mode,
         conns: HashMap::new(),
@@ -159,6 +147,7 @@ fn dgram_device(
     };
     if connect {
         d.connect(Instant::now());
+        d.flush();
     }
     let dir = if connect { Direction::Up } else { Direction::Down };
     let kind = if plus { "udpplus" } else { "udp" };
@@ -196,18 +185,25 @@ impl Keys {
         Keys { seal, open, number: 0, replay: Replay::default() }
     }
 
-    /// Seals `item` into a datagram.
-    fn seal(&mut self, item: &[u8]) -> Vec<u8> {
-        let mut out = Vec::with_capacity(dgram::SEALED_HEAD + item.len() + TAG);
-        dgram::sealed_head(&mut out, self.number);
-        let head: [u8; dgram::SEALED_HEAD] = out[..].try_into().expect("the head");
-        out.extend_from_slice(item);
+    /// Appends a sealed datagram to `out`: the item is what `plain` appends (sealed in place, where it lies).
+    fn seal_into(&mut self, out: &mut Vec<u8>, plain: impl FnOnce(&mut Vec<u8>)) {
+        let start = out.len();
+        dgram::sealed_head(out, self.number);
+        let head: [u8; dgram::SEALED_HEAD] = out[start..].try_into().expect("the head");
+        plain(out);
         let tag = self
             .seal
-            .seal_in_place_separate_tag(nonce(self.number), Aad::from(head), &mut out[dgram::SEALED_HEAD..])
+            .seal_in_place_separate_tag(nonce(self.number), Aad::from(head), &mut out[start + dgram::SEALED_HEAD..])
             .expect("sealing never fails for these lengths");
         out.extend_from_slice(tag.as_ref());
         self.number += 1;
+    }
+
+    /// Seals `item` into a datagram.
+    #[cfg(test)]
+    fn seal(&mut self, item: &[u8]) -> Vec<u8> {
+        let mut out = Vec::new();
+        self.seal_into(&mut out, |o| o.extend_from_slice(item));
         out
     }
 
@@ -371,35 +367,31 @@ impl Sess {
     }
 }
 
-/// Seals `item` for session `s` and sends it (an app datagram waits for the keys when `early`).
-fn send_item(socket: &UdpSocket, s: &mut Sess, item: &Item<'_>, m: &Meters, now: Instant, early: bool) {
-    let mut plain = Vec::new();
-    dgram::item(&mut plain, item);
+/// Seals `item` for session `s` into the outbox (an app datagram waits for the keys when `early`).
+fn send_item(out: &mut Outbox, s: &mut Sess, item: &Item<'_>, m: &Meters, now: Instant, early: bool) {
     let Some(keys) = s.keys.as_mut() else {
         if early && s.early.len() < MAX_EARLY {
+            let mut plain = Vec::new();
+            dgram::item(&mut plain, item);
             s.early.push(plain);
         } else if early {
             m.datagrams_dropped.add(1);
         }
         return;
     };
-    let d = keys.seal(&plain);
+    out.push_with(s.addr, |b| keys.seal_into(b, |b| dgram::item(b, item)));
     s.last_tx = now;
-    // A full socket buffer loses the datagram, as the network may: the reliable stream recovers.
-    if socket.send_to(&d, s.addr).is_ok() {
-        m.udp_bytes_out.add(d.len() as u64);
-    }
 }
 
 /// Sends what the reliable stream of session `s` may send now.
-fn pump(socket: &UdpSocket, s: &mut Sess, m: &Meters, now: Instant) {
+fn pump(out: &mut Outbox, s: &mut Sess, m: &Meters, now: Instant) {
     if s.keys.is_none() {
         return;
     }
     let mut seg = Vec::new();
     while let Some(offset) = s.tx.poll(now, &mut seg) {
         let bytes = std::mem::take(&mut seg);
-        send_item(socket, s, &Item::Segment { offset, bytes: &bytes }, m, now, false);
+        send_item(out, s, &Item::Segment { offset, bytes: &bytes }, m, now, false);
         seg = bytes;
     }
 }
@@ -425,6 +417,8 @@ impl Totals {
 pub(crate) struct Dgram {
     /// The UDP socket, or one per uplink (`uplinks`).
     net: Sockets,
+    /// What this pass sends, until [`Dgram::flush`].
+    out: Outbox,
     /// Accepting: sealed datagrams from unknown addresses tried against the sessions' keys in the current second
     /// (a peer that moved to another uplink), and when that second began.
     tried: (Instant, u32),
@@ -466,6 +460,14 @@ impl Dgram {
 
     fn push(&mut self, flow: u64, kind: StreamKind, extra: u64, bytes: &[u8]) {
         self.ready.push_back(Ready { flow, kind, extra, bytes: bytes.to_vec() });
+    }
+
+    /// Sends what the outbox holds, from the active socket.
+    fn flush(&mut self) {
+        if !self.out.is_empty() {
+            let sent = self.out.flush(self.net.socket());
+            self.m.udp_bytes_out.add(sent);
+        }
     }
 
     fn kick(&self) {
@@ -514,9 +516,7 @@ impl Dgram {
         for s in self.conns.values_mut() {
             let Some(d) = s.dial.as_mut().filter(|d| d.next_send <= now) else { continue };
             d.next_send = now + INIT_AGAIN;
-            if self.net.socket().send_to(&d.init, s.addr).is_ok() {
-                self.m.udp_bytes_out.add(d.init.len() as u64);
-            }
+            self.out.push(s.addr, &d.init);
         }
     }
 
@@ -544,7 +544,7 @@ impl Dgram {
                 End::Refused(_) => "refused",
                 End::Closed(_) => "closed",
             };
-            send_item(self.net.socket(), &mut s, &Item::Close { reason }, &self.m, now, false);
+            send_item(&mut self.out, &mut s, &Item::Close { reason }, &self.m, now, false);
         }
         if self.by_addr.get(&s.addr) == Some(&token) {
             self.by_addr.remove(&s.addr);
@@ -568,12 +568,13 @@ impl Dgram {
             // Re-binding: the sessions' keys hold whatever the address; a `Ping` from the new uplink at once shows
             // the peer where the session is now (its `Ack` comes back there).
             for s in self.conns.values_mut() {
-                send_item(self.net.socket(), s, &Item::Ping, &self.m, now, false);
+                send_item(&mut self.out, s, &Item::Ping, &self.m, now, false);
             }
         }
         self.receive(now);
         self.timers(now);
         self.transmit(now);
+        self.flush();
         self.arm_timer(now);
         self.kick();
     }
@@ -582,16 +583,20 @@ impl Dgram {
         let mut data = vec![0u8; 65536];
         let mut touched = HashSet::new();
         for i in 0..self.net.len() {
-            for _ in 0..READ_BATCH {
-                let (n, from) = match self.net.get(i).recv_from(&mut data) {
+            let mut taken = 0;
+            while taken < READ_BATCH {
+                let (n, from, seg) = match batch::recv(self.net.get(i), &mut data) {
                     Ok(x) => x,
                     Err(e) if e.kind() == ErrorKind::Interrupted => continue,
                     Err(_) => break, // WouldBlock, or an ICMP error reported on the socket
                 };
                 self.net.received(i, now, &self.m);
                 self.m.udp_bytes_in.add(n as u64);
-                if let Some(t) = self.datagram(now, from, &mut data[..n]) {
-                    touched.insert(t);
+                for d in batch::datagrams(&mut data, n, seg) {
+                    taken += 1;
+                    if let Some(t) = self.datagram(now, from, d) {
+                        touched.insert(t);
+                    }
                 }
             }
         }
@@ -601,7 +606,7 @@ impl Dgram {
                 if s.rx.ack_due {
                     let (cum, window, sacks) = s.rx.ack();
                     s.segs_unacked = 0;
-                    send_item(self.net.socket(), s, &Item::Ack { cum, window, sacks }, &self.m, now, false);
+                    send_item(&mut self.out, s, &Item::Ack { cum, window, sacks }, &self.m, now, false);
                 }
             }
         }
@@ -715,7 +720,7 @@ impl Dgram {
     fn on_init(&mut self, now: Instant, from: SocketAddr, h: &Handshake<'_>) {
         if let Some(p) = self.pending.get(&from).filter(|p| p.init_key == h.key) {
             // The answer was lost: the same again.
-            let _ = self.net.socket().send_to(&p.resp, from);
+            self.out.push(from, &p.resp);
             return;
         }
         let fp = trust::fingerprint_of(h.cert);
@@ -743,9 +748,7 @@ impl Dgram {
         let sig = self.sign(&[dgram::RESP_CONTEXT, &h.key, &public].concat());
         let mut resp = Vec::new();
         dgram::handshake(&mut resp, &Handshake { ty: dgram::RESP, key: public, cert: self.id.cert_der(), sig: &sig });
-        if self.net.socket().send_to(&resp, from).is_ok() {
-            self.m.udp_bytes_out.add(resp.len() as u64);
-        }
+        self.out.push(from, &resp);
         self.pending.insert(from, Pending { init_key: h.key, resp, keys, peer, since: now });
     }
 
@@ -798,10 +801,7 @@ impl Dgram {
         s.last_rx = now;
         for item in std::mem::take(&mut s.early) {
             let k = s.keys.as_mut().expect("keys");
-            let d = k.seal(&item);
-            if self.net.socket().send_to(&d, s.addr).is_ok() {
-                self.m.udp_bytes_out.add(d.len() as u64);
-            }
+            self.out.push_with(s.addr, |b| k.seal_into(b, |b| b.extend_from_slice(&item)));
         }
     }
 
@@ -818,7 +818,7 @@ impl Dgram {
                 if s.segs_unacked >= ACK_EVERY {
                     s.segs_unacked = 0;
                     let (cum, window, sacks) = s.rx.ack();
-                    send_item(self.net.socket(), s, &Item::Ack { cum, window, sacks }, &self.m, now, false);
+                    send_item(&mut self.out, s, &Item::Ack { cum, window, sacks }, &self.m, now, false);
                 }
                 self.messages(token)?;
                 // New acks may open the window: what waits goes out with the next transmit.
@@ -862,14 +862,7 @@ impl Dgram {
                     seqs.iter().filter_map(|&q| tx.resend(q).map(|p| (q, p.to_vec()))).collect();
                 for (seq, payload) in again {
                     self.resent += 1;
-                    send_item(
-                        self.net.socket(),
-                        s,
-                        &Item::Numbered { flow, seq, payload: &payload },
-                        &self.m,
-                        now,
-                        false,
-                    );
+                    send_item(&mut self.out, s, &Item::Numbered { flow, seq, payload: &payload }, &self.m, now, false);
                 }
             }
         }
@@ -1014,6 +1007,7 @@ impl Dgram {
             }
         }
         self.transmit(now);
+        self.flush();
         self.arm_timer(now);
         self.kick();
     }
@@ -1042,13 +1036,13 @@ impl Dgram {
         }
         if udp && kind == StreamKind::Data {
             // The flow's `Open` (on the stream) goes first, so that the peer knows the flow when its datagram comes.
-            pump(self.net.socket(), s, &self.m, now);
+            pump(&mut self.out, s, &self.m, now);
             if data.len() > MAX_APP_DATAGRAM {
                 self.m.datagrams_dropped.add(1);
             } else if plus {
                 let (seq, parity) = s.plus_tx.entry(wire_flow).or_default().send(now, data, arq, fec_k);
                 send_item(
-                    self.net.socket(),
+                    &mut self.out,
                     s,
                     &Item::Numbered { flow: wire_flow, seq, payload: data },
                     &self.m,
@@ -1058,10 +1052,10 @@ impl Dgram {
                 if let Some(p) = parity {
                     let item =
                         Item::Parity { flow: wire_flow, first: p.first, k: p.k, len_xor: p.len_xor, bytes: &p.bytes };
-                    send_item(self.net.socket(), s, &item, &self.m, now, true);
+                    send_item(&mut self.out, s, &item, &self.m, now, true);
                 }
             } else {
-                send_item(self.net.socket(), s, &Item::Datagram { flow: wire_flow, payload: data }, &self.m, now, true);
+                send_item(&mut self.out, s, &Item::Datagram { flow: wire_flow, payload: data }, &self.m, now, true);
             }
             self.m.frames_out.add(1);
             self.m.bytes_out.add((dgram::SEALED_HEAD + data.len()) as u64);
@@ -1088,11 +1082,11 @@ impl Dgram {
             if s.keys.is_none() {
                 continue;
             }
-            pump(self.net.socket(), s, &self.m, now);
+            pump(&mut self.out, s, &self.m, now);
             if s.rx.ack_due {
                 let (cum, window, sacks) = s.rx.ack();
                 s.segs_unacked = 0;
-                send_item(self.net.socket(), s, &Item::Ack { cum, window, sacks }, &self.m, now, false);
+                send_item(&mut self.out, s, &Item::Ack { cum, window, sacks }, &self.m, now, false);
             }
         }
     }
@@ -1110,7 +1104,7 @@ impl Dgram {
             for flow in flows {
                 let Some(p) = s.plus_tx.get_mut(&flow).and_then(|t| t.flush(now)) else { continue };
                 let item = Item::Parity { flow, first: p.first, k: p.k, len_xor: p.len_xor, bytes: &p.bytes };
-                send_item(self.net.socket(), s, &item, &self.m, now, false);
+                send_item(&mut self.out, s, &item, &self.m, now, false);
             }
             if arq {
                 let rtt = s.rtt();
@@ -1120,12 +1114,12 @@ impl Dgram {
                         s.plus_rx.get_mut(&flow).map(|r| r.nacks(now, rtt, dgram::MAX_NACKS)).unwrap_or_default();
                     if !seqs.is_empty() {
                         self.m.nacks.add(seqs.len() as u64);
-                        send_item(self.net.socket(), s, &Item::Nack { flow, seqs }, &self.m, now, false);
+                        send_item(&mut self.out, s, &Item::Nack { flow, seqs }, &self.m, now, false);
                     }
                 }
             }
             if now.duration_since(s.last_tx) >= KEEPALIVE {
-                send_item(self.net.socket(), s, &Item::Ping, &self.m, now, false);
+                send_item(&mut self.out, s, &Item::Ping, &self.m, now, false);
             }
         }
     }
@@ -1223,9 +1217,10 @@ impl Drop for Dgram {
         let now = Instant::now();
         for s in self.conns.values_mut() {
             if s.keys.is_some() {
-                send_item(self.net.socket(), s, &Item::Close { reason: "unloaded" }, &self.m, now, false);
+                send_item(&mut self.out, s, &Item::Close { reason: "unloaded" }, &self.m, now, false);
             }
         }
+        self.flush();
     }
 }
 
@@ -1260,6 +1255,7 @@ impl CarrierEngine for Dgram {
         s.write(&b, &self.m);
         let now = Instant::now();
         self.transmit(now);
+        self.flush();
         self.arm_timer(now);
     }
 

@@ -5,6 +5,7 @@
 //! names ([`trust`]). [`carrier`] is the `tcp` carrier's connection, [`quic`] the `quic` carrier's and [`datagram`]
 //! the `udp` and `udpplus` carriers', installed into the `carrier` kind by [`install`].
 
+pub(crate) mod batch;
 pub mod carrier;
 pub mod datagram;
 pub mod multi;

@@ -18,6 +18,7 @@
 //! - Meters from quinn-proto's statistics: `rtt_us`, `cwnd_bytes` (latest connection), `lost_packets_total`,
 //!   `udp_bytes_out_total`, `udp_bytes_in_total` (every connection's, closed ones included).
 
+use super::batch::{self, Outbox};
 use super::carrier::{
     caps, carrier_engine_common, check_hello, each_message, epoll_with_kick, listen_of_cfg, log_end, peer_of_cfg,
     pop_ready, switch_marker, switch_unasked, Builder, CarrierEngine, End, LogLimit, Modes, Ready, HANDSHAKE_TIMEOUT,
@@ -51,7 +52,7 @@ use std::time::{Duration, Instant};
 /// The capabilities this carrier announces.
 /// Epoll tokens.
 const TIMER: u64 = 2;
-/// Most UDP datagrams read from the socket per call (the rest wait for the next).
+/// UDP datagrams read from a socket per pass, about (a GRO run counts as its datagrams; the rest wait for the next).
 const READ_BATCH: usize = 256;
 /// A connection that hears nothing for this long is gone (keep-alives every third of it).
 const IDLE: Duration = Duration::from_secs(10);
@@ -100,7 +101,7 @@ pub(crate) fn build(req: CarrierRequest) -> Result<Builder<Quic>, String> {
         cc.transport_config(tp);
         (socket, None, Mode::Connect { peer, client: cc, router: Router::default(), retry_at: None, conn: None })
     };
-    socket.each(|s| s.set_nonblocking(true)).map_err(|e| e.to_string())?;
+    socket.prepare("quic")?;
     let make = move |cfg: &Config, m| quic_device(socket, server, mode, cfg, m);
     Ok(Builder { req, make: Box::new(make) })
 }
@@ -141,6 +142,7 @@ fn quic_device(
         refusal_log: LogLimit::default(),
         closed: Totals::default(),
         buf: Vec::new(),
+        out: Outbox::default(),
         waiting: Vec::new(),
     };
     if connect {
@@ -314,6 +316,8 @@ pub(crate) struct Quic {
     refusal_log: LogLimit,
     closed: Totals,
     buf: Vec<u8>,
+    /// What this pass sends (`transmit` flushes it).
+    out: Outbox,
     /// Connect mode: frames that came while the connection was handshaking.
     waiting: Vec<(u64, StreamKind, u64, Vec<u8>)>,
 }
@@ -424,26 +428,30 @@ impl Quic {
 
     /// What socket `i` received.
     fn receive_on(&mut self, i: usize, now: Instant, data: &mut [u8; 65536]) {
-        for _ in 0..READ_BATCH {
-            let (n, from) = match self.net.get(i).recv_from(data) {
+        let mut taken = 0;
+        while taken < READ_BATCH {
+            let (n, from, seg) = match batch::recv(self.net.get(i), data) {
                 Ok(x) => x,
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
                 Err(_) => break, // WouldBlock, or an ICMP error reported on the socket
             };
             self.net.received(i, now, &self.m);
-            let bytes = BytesMut::from(&data[..n]);
-            let mut buf = std::mem::take(&mut self.buf);
-            match self.endpoint.handle(now, from, None, None, bytes, &mut buf) {
-                Some(DatagramEvent::ConnectionEvent(ch, ev)) => {
-                    if let Some(c) = self.conns.get_mut(&ch) {
-                        c.conn.handle_event(ev);
+            for d in batch::datagrams(data, n, seg) {
+                taken += 1;
+                let bytes = BytesMut::from(&d[..]);
+                let mut buf = std::mem::take(&mut self.buf);
+                match self.endpoint.handle(now, from, None, None, bytes, &mut buf) {
+                    Some(DatagramEvent::ConnectionEvent(ch, ev)) => {
+                        if let Some(c) = self.conns.get_mut(&ch) {
+                            c.conn.handle_event(ev);
+                        }
                     }
+                    Some(DatagramEvent::NewConnection(incoming)) => self.incoming(incoming, now, &mut buf),
+                    Some(DatagramEvent::Response(t)) => self.send_to(&buf[..t.size], t.destination),
+                    None => {}
                 }
-                Some(DatagramEvent::NewConnection(incoming)) => self.incoming(incoming, now, &mut buf),
-                Some(DatagramEvent::Response(t)) => self.send_to(&buf[..t.size], t.destination),
-                None => {}
+                self.buf = buf;
             }
-            self.buf = buf;
         }
     }
 
@@ -889,17 +897,23 @@ impl Quic {
         c.send(id, &b);
     }
 
-    /// Writes what the connections have to send.
+    /// Writes what the connections have to send: up to [`batch::MAX_SEGMENTS`] datagrams a poll (quinn-proto makes
+    /// them equal-sized for GSO), sent together by the outbox.
     fn transmit(&mut self, now: Instant) {
         let mut buf = std::mem::take(&mut self.buf);
         for c in self.conns.values_mut() {
             loop {
                 buf.clear();
-                let Some(t) = c.conn.poll_transmit(now, 1, &mut buf) else { break };
-                let _ = self.net.socket().send_to(&buf[..t.size], t.destination);
+                let Some(t) = c.conn.poll_transmit(now, batch::MAX_SEGMENTS, &mut buf) else { break };
+                for d in buf[..t.size].chunks(t.segment_size.unwrap_or(t.size).max(1)) {
+                    self.out.push(t.destination, d);
+                }
             }
         }
         self.buf = buf;
+        if !self.out.is_empty() {
+            self.out.flush(self.net.socket());
+        }
     }
 
     /// The timerfd at the connections' earliest timer (disarmed when none).

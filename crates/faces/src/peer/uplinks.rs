@@ -7,15 +7,19 @@
 //! The engines do what moving means for them (quinn-proto's migration, the datagram carriers' re-binding, the `tcp`
 //! carrier's session resumed on a new connection from the new uplink's address).
 
+use super::batch;
 use crate::linkwatch::{LinkWatch, RTMGRP_IFADDR, RTMGRP_LINK};
 use flexstack_modules::stream::carrier::Meters;
 use nix::ifaddrs::getifaddrs;
 use nix::net::if_::InterfaceFlags;
 use nix::sys::epoll::{Epoll, EpollEvent, EpollFlags};
+use nix::sys::socket::{setsockopt, sockopt};
 use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::os::fd::AsFd;
 use std::time::Instant;
 
+/// The sockets' buffers: a congestion window's worth of datagrams (GSO runs and GRO ones arrive 64 at once).
+const SOCKET_BUFFER: usize = 8 << 20;
 /// Epoll tokens: the netlink socket, then the sockets from `SOCKETS`.
 const WATCH: u64 = 10;
 const SOCKETS: u64 = 16;
@@ -141,6 +145,24 @@ impl Sockets {
     /// Applies `f` to every socket (buffer sizes, non-blocking).
     pub(crate) fn each(&self, mut f: impl FnMut(&UdpSocket) -> std::io::Result<()>) -> std::io::Result<()> {
         self.sockets.iter().try_for_each(&mut f)
+    }
+
+    /// Makes the sockets non-blocking, with [`SOCKET_BUFFER`] buffers (root may go beyond the system's maximum;
+    /// others get what it allows) and UDP GRO where the kernel has it (`kind` names the carrier in the log).
+    pub(crate) fn prepare(&self, kind: &str) -> Result<(), String> {
+        self.each(|s| s.set_nonblocking(true)).map_err(|e| e.to_string())?;
+        for socket in &self.sockets {
+            let forced = setsockopt(socket, sockopt::RcvBufForce, &SOCKET_BUFFER)
+                .and_then(|_| setsockopt(socket, sockopt::SndBufForce, &SOCKET_BUFFER));
+            if forced.is_err() {
+                let _ = setsockopt(socket, sockopt::RcvBuf, &SOCKET_BUFFER);
+                let _ = setsockopt(socket, sockopt::SndBuf, &SOCKET_BUFFER);
+            }
+            if let Err(e) = batch::enable_gro(socket) {
+                tracing::info!(error = %e, "{kind} carrier: no UDP GRO; receiving datagrams singly");
+            }
+        }
+        Ok(())
     }
 
     /// Adds the sockets and the watch to the carrier's epoll set.

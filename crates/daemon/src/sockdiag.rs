@@ -24,7 +24,8 @@
 //!   counters; it reads sockets for those due), not at the terminated ones. 10,000 idle terminated connections
 //!   cost the thread nothing once they are open; the walk after the last of them opened reads one cell per flow
 //!   and parses nothing it parsed before (it parsed all 10,000 again, 30-80 ms, which the idle CPU of
-//!   bench-flows caught as 0.2-1.6 %).
+//!   bench-flows caught as 0.2-1.6 %). The poller's own registrations (a forwarded flow's meters published or
+//!   removed) are not changes to walk for: they used to make the next poll walk every flow again.
 //! - A flow whose socket is gone (the app closed it, or exited) keeps its last values with `state` `closed`; its
 //!   meters go at the first poll after its flow leaves the flow table. A flow table made anew (an app attached
 //!   again under the same name, a classifier replaced with `--fresh`) numbers its flows from 1 again: until the
@@ -438,7 +439,8 @@ struct Poller {
     polls: u64,
     /// The `classify` flows seen at the last walk, by id.
     known: HashMap<String, Known>,
-    /// The registry's [`SharedRegistry::runtime_changes`] at the last walk of the flows.
+    /// The registry's [`SharedRegistry::runtime_changes`] at the last walk of the flows, plus the changes this
+    /// poller made since ([`Poller::own_change`]).
     walked: Option<u64>,
     /// A poll that walks the flows again to judge once more those judged forwarded (an endpoint may have published
     /// its flow just after the snapshot that showed the classifier's).
@@ -506,6 +508,17 @@ impl Poller {
         Ok(())
     }
 
+    /// Counts a runtime prefix this poller registered or removed (one step of
+    /// [`flexstack_core::vars::SharedRegistry::runtime_changes`]) as seen: its own meters are not flows, and
+    /// walking all the flows again after each poll that published or removed some would cost as much as the first
+    /// walk (10,000 idle terminated connections walked again after the meters of one closed forwarded flow went).
+    /// A change by anyone else in between still makes the count differ, and the next poll walk.
+    fn own_change(&mut self) {
+        if let Some(walked) = &mut self.walked {
+            *walked += 1;
+        }
+    }
+
     /// Nothing to read until an app attaches: none is, and nothing of an earlier one is left to remove.
     fn idle(&self, control: &Control) -> bool {
         control.sandboxes.count() == 0 && self.published.is_empty() && self.sockets.is_empty()
@@ -545,7 +558,9 @@ impl Poller {
         self.read_at.retain(|id, _| known.get(id.as_str()).is_some_and(|k| k.terminated == Some(false)));
         for id in gone {
             self.published.remove(&id);
-            self.dynamic.unregister(OWNER, &format!("flow.{id}.tcp"));
+            if self.dynamic.unregister(OWNER, &format!("flow.{id}.tcp")) {
+                self.own_change();
+            }
         }
         // Sockets of namespaces that are gone, or whose name is now another namespace's (an app attached again).
         self.sockets
@@ -594,6 +609,7 @@ impl Poller {
                         let prefix = format!("flow.{id}.tcp");
                         match self.dynamic.register(OWNER, &prefix, &self.specs) {
                             Ok(vars) => {
+                                self.own_change();
                                 let p = Published { tuple, vars };
                                 p.store(k, s);
                                 self.published.insert(id, p);

@@ -463,14 +463,18 @@ impl Poller {
         let mut fresh = false;
         for p in publishers.iter().filter(|p| handling(&p.kind) == Handling::Forwarded) {
             for_flow_groups(&reg, &p.prefix, |id, g| {
-                let (Some(cell), Some(packets_cell)) = (g.get("tuple"), g.get("packets_total")) else { return };
-                let packets = u64_of(Some(packets_cell));
+                let Some(cell) = g.get("tuple") else { return };
                 match self.known.get_mut(id) {
                     Some(k) if k.cell.var().is(cell) => {
                         k.seen = polls;
-                        k.packets = packets;
+                        // Only a forwarded flow's packets matter (its cell is kept: no lookup by name).
+                        if k.terminated == Some(false) {
+                            k.packets = u64_of(Some(k.packets_cell.var()));
+                        }
                     }
                     _ => {
+                        let Some(packets_cell) = g.get("packets_total") else { return };
+                        let packets = u64_of(Some(packets_cell));
                         let Value::Str(tuple) = cell.get() else { return };
                         let t = Tuple::parse(&tuple);
                         let tcp = (t.protocol == "tcp")

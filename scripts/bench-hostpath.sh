@@ -8,6 +8,8 @@
 #       data-plane workers (WORKERS=N: --workers N);
 #   (g) the same with a second daemon of the same binary run with --workers WORKERS_G (default 1): workers A/B in
 #       one run (PATHS="c f g");
+#   (o) with FS_OLD=path (PATHS="c f o"): the same as (f) with another binary (one built from main, say), same
+#       workers: an A/B of two versions in one run;
 #   (s) slirp4netns (user-mode networking with libslirp);
 #   (p) pasta (passt's namespace mode: a tap device, the host's sockets).
 # Each round measures every path in turn (RUNS rounds, medians printed with the ratio to (c)):
@@ -16,7 +18,7 @@
 #     (sent - lost as the server counted them), and the loss in percent;
 #   - round-trip time of a 64-byte UDP ping-pong (bench/udp_pp.c), median and p99 of RR_N round trips.
 # Then flexstack's daemon: its peak RSS (VmHWM, under the load above) and its CPU over IDLE_SECS (10) with nothing
-# flowing (targets, issue 16: <= 64 MiB, 0 %).
+# flowing (targets, issue 16: <= 64 MiB, 0 %); with (o), its peak RSS too and (f)/(o) ratios.
 # Traffic goes only to the server namespace's address; slirp4netns and pasta are given no DNS and no port
 # forwarding. Needs root. PROFILE/FS/NO_BUILD as in the other benchmarks (scripts/lib/bench.sh).
 set -euo pipefail
@@ -27,7 +29,7 @@ MANY=${MANY:-4}
 RR_N=${RR_N:-5000}
 PATHS=${PATHS:-c f s p}
 NET=${NET:-215} # the server is 10.NET.7.2; flexstack's apps 10.(NET+1)/16; (c) 10.(NET+2).0/24; (p) 10.(NET+3).0/24;
-# (g)'s apps 10.(NET+4)/16
+# (g)'s apps 10.(NET+4)/16; (o)'s 10.(NET+5)/16
 . scripts/lib/bench.sh # median, bench_setup, server_ns
 bench_setup bench-hostpath "namespaces, TUN devices" iperf3 cc python3 slirp4netns pasta
 tag=fsz$$
@@ -80,6 +82,16 @@ if [[ " $PATHS " == *" g "* ]]; then
   wait_for '"$fs" --state-dir "$state/g" status >/dev/null 2>&1' "the second daemon (g) did not start"
 fi
 
+# (o) the same as (f) with the binary FS_OLD.
+if [[ " $PATHS " == *" o "* ]]; then
+  [[ -n "${FS_OLD:-}" ]] || { echo "bench-hostpath: path (o) needs FS_OLD=path" >&2; exit 1; }
+  "$FS_OLD" daemon --state-dir "$state/o" ${WORKERS:+--workers=$WORKERS} --app-subnet 10.$((NET + 5)).0.0 \
+    2>"$state/daemon-o.log" &
+  daemon_o=$!
+  pids+=($daemon_o)
+  wait_for '"$FS_OLD" --state-dir "$state/o" status >/dev/null 2>&1' "the old daemon (o) did not start"
+fi
+
 # (s) slirp4netns, attached to a namespace of its own.
 ip netns add ${tag}l
 ip -n ${tag}l link set lo up
@@ -104,6 +116,7 @@ on() {
     c) ip netns exec ${tag}c "$@" ;;
     f) "$fs" --state-dir "$state/d" run -- "$@" ;;
     g) "$fs" --state-dir "$state/g" run -- "$@" ;;
+    o) "$FS_OLD" --state-dir "$state/o" run -- "$@" ;;
     s) ip netns exec ${tag}l "$@" ;;
     p) ip netns exec ${tag}q "$@" ;;
   esac
@@ -141,6 +154,7 @@ for p in $PATHS; do
     c) name="(c) C forwarder, offloads, 2 threads" ;;
     f) name="(f) flexstack run, default chain${WORKERS:+, $WORKERS w}" ;;
     g) name="(g) flexstack run, ${WORKERS_G:-1} worker(s)" ;;
+    o) name="(o) flexstack run, FS_OLD" ;;
     s) name="(s) slirp4netns" ;;
     p) name="(p) pasta" ;;
   esac
@@ -164,5 +178,11 @@ if [[ " $PATHS " == *" f "* ]]; then
     "$(awk '/VmHWM/ {print $2 / 1024}' /proc/"$daemon"/status)" \
     "$(python3 -c 'import os, sys; print(100 * (int(sys.argv[2]) - int(sys.argv[1])) / os.sysconf("SC_CLK_TCK") / float(sys.argv[3]))' "$t0" "$t1" "${IDLE_SECS:-10}")" "${IDLE_SECS:-10}"
 fi
+if [[ " $PATHS " == *" o "* && " $PATHS " == *" f "* ]]; then
+  printf '(f)/(o): TCP 1 %s, TCP %s %s, UDP1400 %s, UDP64 %s; (o) peak RSS %.1f MiB under load\n' \
+    "$(ratio "$(m f.t1)" "$(m o.t1)")" "$MANY" "$(ratio "$(m f.tn)" "$(m o.tn)")" \
+    "$(ratio "$(m f.u1400)" "$(m o.u1400)")" "$(ratio "$(m f.u64)" "$(m o.u64)")" \
+    "$(awk '/VmHWM/ {print $2 / 1024}' /proc/"$daemon_o"/status)"
+fi
 for k in $(printf '%s\n' "${!r[@]}" | sort); do echo "rounds $k: ${r[$k]}"; done
-echo "code version: $(git rev-parse --short HEAD)$(git diff --quiet || echo -dirty), fs $fs"
+echo "code version: $(git rev-parse --short HEAD)$(git diff --quiet || echo -dirty), fs $fs${FS_OLD:+, old (o) $FS_OLD}"

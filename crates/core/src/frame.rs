@@ -315,17 +315,31 @@ pub struct PoolStats {
     pub reused: u64,
     /// Slots currently on the free list.
     pub free: u64,
+    /// Bytes of buffer the free list holds (the slots' capacities).
+    pub free_bytes: u64,
     /// Copies made by copy-on-write.
     pub copies: u64,
 }
 
 struct PoolShared {
     free: RefCell<Vec<Rc<Slot>>>,
+    /// The capacities of the buffers on `free`, summed.
+    free_bytes: Cell<usize>,
     buffer_capacity: usize,
     max_free: usize,
+    max_free_bytes: usize,
     allocated: Cell<u64>,
     reused: Cell<u64>,
     copies: Cell<u64>,
+}
+
+impl PoolShared {
+    /// A slot from the free list.
+    fn pop(&self) -> Option<Rc<Slot>> {
+        let slot = self.free.borrow_mut().pop()?;
+        self.free_bytes.set(self.free_bytes.get().saturating_sub(slot.data.capacity()));
+        Some(slot)
+    }
 }
 
 struct Slot {
@@ -339,6 +353,11 @@ struct Slot {
 }
 
 /// A pool of reusable, reference-counted packet slots. Cloning the pool handle shares the same pool.
+///
+/// Its free list is bounded twice: at most `max_free` slots, and at most `max_free_bytes` bytes of buffer (their
+/// capacities; [`PacketPool::DEFAULT_MAX_FREE_BYTES`] unless set with [`PacketPool::with_max_free_bytes`]). A
+/// buffer grows to the largest frame it held (64 KiB for a GSO super-packet), so a bound in slots alone let a burst
+/// of large frames keep their memory for good; a slot given back beyond either bound is freed.
 #[derive(Clone)]
 pub struct PacketPool {
     shared: Rc<PoolShared>,
@@ -352,13 +371,25 @@ impl PacketPool {
     /// when a packet has too little: room for an Ethernet header with two VLAN tags, or a small tunnel header.
     pub const HEADROOM: usize = 64;
 
-    /// A pool whose buffers start with `buffer_capacity` bytes of room and which keeps at most `max_free` slots.
+    /// Default bound of the free list in bytes of buffer: 8 MiB (128 buffers of 64 KiB, or about 900 of the
+    /// default capacity), per pool, that is per data-plane worker.
+    pub const DEFAULT_MAX_FREE_BYTES: usize = 8 << 20;
+
+    /// A pool whose buffers start with `buffer_capacity` bytes of room and which keeps at most `max_free` slots
+    /// (and at most [`PacketPool::DEFAULT_MAX_FREE_BYTES`] of buffer).
     pub fn new(buffer_capacity: usize, max_free: usize) -> PacketPool {
+        PacketPool::with_max_free_bytes(buffer_capacity, max_free, PacketPool::DEFAULT_MAX_FREE_BYTES)
+    }
+
+    /// A pool as [`PacketPool::new`] makes, whose free list holds at most `max_free_bytes` bytes of buffer.
+    pub fn with_max_free_bytes(buffer_capacity: usize, max_free: usize, max_free_bytes: usize) -> PacketPool {
         PacketPool {
             shared: Rc::new(PoolShared {
                 free: RefCell::new(Vec::new()),
+                free_bytes: Cell::new(0),
                 buffer_capacity,
                 max_free,
+                max_free_bytes,
                 allocated: Cell::new(0),
                 reused: Cell::new(0),
                 copies: Cell::new(0),
@@ -368,7 +399,7 @@ impl PacketPool {
 
     /// An empty packet (length 0, direction up, no metadata) from the free list, or newly allocated.
     pub fn alloc(&self) -> Packet {
-        let reused = self.shared.free.borrow_mut().pop();
+        let reused = self.shared.pop();
         let slot = match reused {
             Some(mut slot) => {
                 self.shared.reused.set(self.shared.reused.get() + 1);
@@ -399,7 +430,7 @@ impl PacketPool {
     /// pool: a buffer that held a large packet is not cleared and zeroed again before each read. Stale bytes never
     /// leave the data plane; the reader must set the length to what it read (or clear the packet).
     pub fn alloc_for_overwrite(&self) -> Packet {
-        let reused = self.shared.free.borrow_mut().pop();
+        let reused = self.shared.pop();
         match reused {
             Some(mut slot) => {
                 self.shared.reused.set(self.shared.reused.get() + 1);
@@ -438,6 +469,7 @@ impl PacketPool {
             allocated: self.shared.allocated.get(),
             reused: self.shared.reused.get(),
             free: self.shared.free.borrow().len() as u64,
+            free_bytes: self.shared.free_bytes.get() as u64,
             copies: self.shared.copies.get(),
         }
     }
@@ -658,7 +690,9 @@ impl Drop for Packet {
         }
         if let Some(shared) = slot.pool.upgrade() {
             let mut free = shared.free.borrow_mut();
-            if free.len() < shared.max_free {
+            let bytes = shared.free_bytes.get() + slot.data.capacity();
+            if free.len() < shared.max_free && bytes <= shared.max_free_bytes {
+                shared.free_bytes.set(bytes);
                 free.push(slot);
             }
         }
@@ -974,6 +1008,26 @@ mod tests {
         copy.make_mut().push(b'y');
         assert_eq!(orphan.data(), b"x");
         assert_eq!(copy.data(), b"xy");
+    }
+
+    #[test]
+    fn free_list_is_bounded_in_bytes() {
+        let pool = PacketPool::with_max_free_bytes(100, 1000, 1000);
+        let mut big = pool.alloc();
+        big.make_mut().resize(900, 0);
+        let big_capacity = big.slot().data.capacity();
+        let small: Vec<_> = (0..5).map(|_| pool.alloc()).collect();
+        drop(big);
+        assert_eq!(pool.stats().free_bytes, big_capacity as u64);
+        drop(small);
+        let s = pool.stats();
+        assert!(s.free_bytes <= 1000, "{s:?}");
+        assert_eq!(s.free, 2, "one small buffer still fits beside the big one: {s:?}");
+        // A slot taken from the free list no longer counts.
+        let again = pool.alloc();
+        assert!(pool.stats().free_bytes < s.free_bytes);
+        drop(again);
+        assert_eq!(pool.stats().free_bytes, s.free_bytes);
     }
 
     #[test]

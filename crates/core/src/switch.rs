@@ -372,6 +372,7 @@ struct HotMeters {
     injected: Meter,
     pool_allocated: Meter,
     pool_free: Meter,
+    pool_free_bytes: Meter,
     gso_cut: Meter,
     gso_mismatch: Meter,
 }
@@ -415,6 +416,7 @@ impl Switch {
             VarSpec::meter("paused", ValueType::Bool, "", "true while the whole stack is paused"),
             VarSpec::meter("pool_allocated_total", ValueType::U64, "buffers", "packet buffers allocated from the heap"),
             VarSpec::meter("pool_free", ValueType::U64, "buffers", "packet buffers on the free list"),
+            VarSpec::meter("pool_free_bytes", ValueType::U64, "bytes", "bytes of buffer the free list holds"),
             VarSpec::meter(
                 "gso_cut_total",
                 ValueType::U64,
@@ -447,6 +449,7 @@ impl Switch {
                 injected: switch_vars.meter("frames_injected_total"),
                 pool_allocated: switch_vars.meter("pool_allocated_total"),
                 pool_free: switch_vars.meter("pool_free"),
+                pool_free_bytes: switch_vars.meter("pool_free_bytes"),
                 gso_cut: switch_vars.meter("gso_cut_total"),
                 gso_mismatch: switch_vars.meter("gso_mismatch_total"),
             },
@@ -1036,6 +1039,7 @@ impl Switch {
         let ps = self.pool.stats();
         self.hot.pool_allocated.set(ps.allocated);
         self.hot.pool_free.set(ps.free);
+        self.hot.pool_free_bytes.set(ps.free_bytes);
         calls
     }
 

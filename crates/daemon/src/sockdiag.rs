@@ -19,10 +19,13 @@
 //!   is left out, and so are its meters.
 //! - Polls are cheap however many flows: the classifiers' flow groups are walked only when a runtime prefix was
 //!   registered or removed since the last walk ([`flexstack_core::vars::SharedRegistry::runtime_changes`]); each new flow is judged once
-//!   (terminated or not: the endpoints' flows are walked only then), and between walks a poll reads the packet
-//!   counters of the flows it reads sockets for, nothing else. 10,000 idle terminated connections cost the
-//!   thread nothing (bench-flows: the daemon's idle CPU went from 1.9 % to 0.3-0.5 %, all of it the data plane's
-//!   own wake-ups).
+//!   (terminated or not: the endpoints' flows are walked only then, and an endpoint flow's tuple is parsed only
+//!   the first time it is seen), and between walks a poll looks only at the flows judged forwarded (their packet
+//!   counters; it reads sockets for those due), not at the terminated ones. 10,000 idle terminated connections
+//!   cost the thread nothing once they are open; the walk after the last of them opened reads one cell per flow
+//!   and parses nothing it parsed before (it parsed all 10,000 again, 30-80 ms, which the idle CPU of
+//!   bench-flows caught as 0.2-1.6 %). The poller's own registrations (a forwarded flow's meters published or
+//!   removed) are not changes to walk for: they used to make the next poll walk every flow again.
 //! - A flow whose socket is gone (the app closed it, or exited) keeps its last values with `state` `closed`; its
 //!   meters go at the first poll after its flow leaves the flow table. A flow table made anew (an app attached
 //!   again under the same name, a classifier replaced with `--fresh`) numbers its flows from 1 again: until the
@@ -44,7 +47,7 @@ use netlink_packet_sock_diag::constants::{AF_INET, AF_INET6, IPPROTO_TCP};
 use netlink_packet_sock_diag::inet::{nlas::Nla, ExtensionFlags, InetRequest, InetResponse, SocketId, StateFlags};
 use netlink_packet_sock_diag::SockDiagMessage;
 use netlink_sys::{protocols::NETLINK_SOCK_DIAG, Socket, SocketAddr};
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
@@ -231,17 +234,69 @@ impl Known {
     }
 }
 
-/// The keys of the flows that the `terminate` modules among `publishers` published in `reg`.
-fn terminated_keys(reg: &Registry, publishers: &[Publisher]) -> HashSet<FlowKey> {
-    let mut keys = HashSet::new();
-    for p in publishers.iter().filter(|p| handling(&p.kind) == Handling::Terminated) {
-        for_flow_groups(reg, &p.prefix, |_, g| {
-            if let Some(Value::Str(text)) = g.get("tuple").map(|c| c.get()) {
-                keys.extend(key_of(&Tuple::parse(&text)));
-            }
-        });
+/// The flows that the `terminate` modules published, kept between walks: each flow's key is parsed from its
+/// `tuple` once, when the flow is first seen, so a walk over 10,000 terminated connections reads one cell per flow
+/// and parses only the new ones.
+#[derive(Default)]
+struct EndpointKeys {
+    /// By group (`app.term.7`): its `tuple` cell (another cell under the same id is another connection), its key,
+    /// and the update that last saw it.
+    flows: HashMap<String, (VarHandle, Option<FlowKey>, u64)>,
+    /// How many endpoint flows have each key.
+    keys: HashMap<FlowKey, usize>,
+    /// Updates so far.
+    updates: u64,
+    /// Tuples parsed so far.
+    parsed: u64,
+}
+
+impl EndpointKeys {
+    /// Reads the flows the `terminate` modules among `publishers` publish in `reg`: new ones are parsed, gone ones
+    /// forgotten.
+    fn update(&mut self, reg: &Registry, publishers: &[Publisher]) {
+        self.updates += 1;
+        let update = self.updates;
+        for p in publishers.iter().filter(|p| handling(&p.kind) == Handling::Terminated) {
+            for_flow_groups(reg, &p.prefix, |id, g| {
+                let Some(cell) = g.get("tuple") else { return };
+                match self.flows.get_mut(id) {
+                    Some((known, _, seen)) if known.var().is(cell) => *seen = update,
+                    _ => {
+                        let key = match cell.get() {
+                            Value::Str(text) => key_of(&Tuple::parse(&text)),
+                            _ => None,
+                        };
+                        self.parsed += 1;
+                        if let Some(k) = &key {
+                            *self.keys.entry(k.clone()).or_default() += 1;
+                        }
+                        if let Some((_, Some(old), _)) = self.flows.insert(id.into(), (cell.to_handle(), key, update)) {
+                            self.forget(&old);
+                        }
+                    }
+                }
+            });
+        }
+        let gone: Vec<FlowKey> =
+            self.flows.extract_if(|_, (_, _, seen)| *seen != update).filter_map(|(_, (_, key, _))| key).collect();
+        for k in gone {
+            self.forget(&k);
+        }
     }
-    keys
+
+    fn forget(&mut self, key: &FlowKey) {
+        if let Some(n) = self.keys.get_mut(key) {
+            *n -= 1;
+            if *n == 0 {
+                self.keys.remove(key);
+            }
+        }
+    }
+
+    /// Whether an endpoint's flow has this key.
+    fn contains(&self, key: &FlowKey) -> bool {
+        self.keys.contains_key(key)
+    }
 }
 
 /// Calls `f` for each flow group a module with `vars_prefix` `prefix` publishes in `reg`: `<prefix>.<id>`, with its
@@ -384,11 +439,17 @@ struct Poller {
     polls: u64,
     /// The `classify` flows seen at the last walk, by id.
     known: HashMap<String, Known>,
-    /// The registry's [`SharedRegistry::runtime_changes`] at the last walk of the flows.
+    /// The registry's [`SharedRegistry::runtime_changes`] at the last walk of the flows, plus the changes this
+    /// poller made since ([`Poller::own_change`]).
     walked: Option<u64>,
     /// A poll that walks the flows again to judge once more those judged forwarded (an endpoint may have published
     /// its flow just after the snapshot that showed the classifier's).
     rejudge_at: Option<u64>,
+    /// The endpoints' flows, as of the last walk that judged flows.
+    endpoints: EndpointKeys,
+    /// The ids of the `known` flows judged forwarded (TCP flows of an app that no endpoint took): the only ones a
+    /// poll between walks looks at, however many terminated connections there are.
+    forwarded: Vec<String>,
 }
 
 impl Poller {
@@ -402,14 +463,18 @@ impl Poller {
         let mut fresh = false;
         for p in publishers.iter().filter(|p| handling(&p.kind) == Handling::Forwarded) {
             for_flow_groups(&reg, &p.prefix, |id, g| {
-                let (Some(cell), Some(packets_cell)) = (g.get("tuple"), g.get("packets_total")) else { return };
-                let packets = u64_of(Some(packets_cell));
+                let Some(cell) = g.get("tuple") else { return };
                 match self.known.get_mut(id) {
                     Some(k) if k.cell.var().is(cell) => {
                         k.seen = polls;
-                        k.packets = packets;
+                        // Only a forwarded flow's packets matter (its cell is kept: no lookup by name).
+                        if k.terminated == Some(false) {
+                            k.packets = u64_of(Some(k.packets_cell.var()));
+                        }
                     }
                     _ => {
+                        let Some(packets_cell) = g.get("packets_total") else { return };
+                        let packets = u64_of(Some(packets_cell));
                         let Value::Str(tuple) = cell.get() else { return };
                         let t = Tuple::parse(&tuple);
                         let tcp = (t.protocol == "tcp")
@@ -430,19 +495,32 @@ impl Poller {
         // there are any, so idle flows cost no walk of the endpoints' flows.
         let again = self.rejudge_at == Some(polls);
         if fresh || again {
-            let terminated = terminated_keys(&reg, &publishers);
+            self.endpoints.update(&reg, &publishers);
             let mut forwarded = false;
             for k in
                 self.known.values_mut().filter(|k| k.terminated.is_none() || (again && k.terminated == Some(false)))
             {
-                let taken = k.tcp.as_ref().is_some_and(|t| terminated.contains(&t.0));
+                let taken = k.tcp.as_ref().is_some_and(|t| self.endpoints.contains(&t.0));
                 forwarded |= !taken && k.terminated.is_none();
                 k.terminated = Some(taken);
             }
             self.rejudge_at = forwarded.then_some(polls + 1);
         }
+        self.forwarded =
+            self.known.iter().filter(|(_, k)| k.terminated == Some(false)).map(|(id, _)| id.clone()).collect();
         self.walked = Some(changes);
         Ok(())
+    }
+
+    /// Counts a runtime prefix this poller registered or removed (one step of
+    /// [`flexstack_core::vars::SharedRegistry::runtime_changes`]) as seen: its own meters are not flows, and
+    /// walking all the flows again after each poll that published or removed some would cost as much as the first
+    /// walk (10,000 idle terminated connections walked again after the meters of one closed forwarded flow went).
+    /// A change by anyone else in between still makes the count differ, and the next poll walk.
+    fn own_change(&mut self) {
+        if let Some(walked) = &mut self.walked {
+            *walked += 1;
+        }
     }
 
     /// Nothing to read until an app attaches: none is, and nothing of an earlier one is left to remove.
@@ -460,17 +538,19 @@ impl Poller {
         let changes = control.registry().runtime_changes();
         if self.walked == Some(changes) && self.rejudge_at != Some(polls) {
             // No flow came or went: only the packet counts of the flows whose sockets are read may have moved.
-            for k in self.known.values_mut().filter(|k| k.terminated == Some(false)) {
-                k.packets = u64_of(Some(k.packets_cell.var()));
+            for id in &self.forwarded {
+                if let Some(k) = self.known.get_mut(id) {
+                    k.packets = u64_of(Some(k.packets_cell.var()));
+                }
             }
         } else {
             self.walk(control, changes)?;
         }
         let apps = control.sandboxes.list();
         let mut todo: Vec<Target> = self
-            .known
+            .forwarded
             .iter()
-            .filter_map(|(id, k)| k.target(id))
+            .filter_map(|id| self.known.get(id)?.target(id))
             .filter(|t| due(self.read_at.get(&t.id), t, polls))
             .collect();
         // Forget the meters of flows that are gone, taken by an endpoint, or whose id now names another connection.
@@ -482,7 +562,9 @@ impl Poller {
         self.read_at.retain(|id, _| known.get(id.as_str()).is_some_and(|k| k.terminated == Some(false)));
         for id in gone {
             self.published.remove(&id);
-            self.dynamic.unregister(OWNER, &format!("flow.{id}.tcp"));
+            if self.dynamic.unregister(OWNER, &format!("flow.{id}.tcp")) {
+                self.own_change();
+            }
         }
         // Sockets of namespaces that are gone, or whose name is now another namespace's (an app attached again).
         self.sockets
@@ -531,6 +613,7 @@ impl Poller {
                         let prefix = format!("flow.{id}.tcp");
                         match self.dynamic.register(OWNER, &prefix, &self.specs) {
                             Ok(vars) => {
+                                self.own_change();
                                 let p = Published { tuple, vars };
                                 p.store(k, s);
                                 self.published.insert(id, p);
@@ -576,6 +659,8 @@ impl FlowMeterPoller {
             known: HashMap::new(),
             walked: None,
             rejudge_at: None,
+            endpoints: EndpointKeys::default(),
+            forwarded: Vec::new(),
         };
         let flag = stop.clone();
         let thread = std::thread::Builder::new()
@@ -783,10 +868,23 @@ mod tests {
             backend: None,
         };
         let publishers = [publisher("a-flows", "classify", "flow.a"), publisher("a-term", "terminate", "flow.a.term")];
-        let keys = terminated_keys(&reg, &publishers);
+        let mut keys = EndpointKeys::default();
+        keys.update(&reg, &publishers);
         let t = Tuple::parse("tcp 10.9.1.2:4000 <-> 10.1.1.1:80");
-        assert_eq!(keys, HashSet::from([key_of(&t).unwrap()]), "the same key from either side");
+        assert_eq!(keys.keys, HashMap::from([(key_of(&t).unwrap(), 1)]), "the same key from either side");
+        assert!(keys.contains(&key_of(&t).unwrap()));
         assert!(!keys.contains(&key_of(&Tuple::parse("tcp 10.9.1.2:4001 <-> 10.1.1.1:80")).unwrap()));
+        // Walked again, an endpoint's flow is not parsed again; a new one is; a gone one is forgotten.
+        keys.update(&reg, &publishers);
+        assert_eq!(keys.parsed, 1, "a flow's tuple is parsed once");
+        publish("a-term", "flow.a.term.2", r#"tcp 10.1.1.1:80 -> 10.9.1.2:4001 role server app "a""#);
+        keys.update(&shared.snapshot(), &publishers);
+        assert_eq!(keys.parsed, 2);
+        assert!(keys.contains(&key_of(&Tuple::parse("tcp 10.9.1.2:4001 <-> 10.1.1.1:80")).unwrap()));
+        dynamic.unregister("a-term", "flow.a.term.1");
+        keys.update(&shared.snapshot(), &publishers);
+        assert!(!keys.contains(&key_of(&t).unwrap()), "its endpoint flow is gone");
+        assert_eq!((keys.flows.len(), keys.keys.len(), keys.parsed), (1, 1, 2));
         assert_eq!(key_of(&Tuple::parse("icmp 10.9.1.2 <-> 10.1.1.1 id 7")), None, "no ports: no key");
         // Only a TCP flow judged not terminated is a target.
         let ip = |s: &str| s.parse::<IpAddr>().unwrap();

@@ -311,6 +311,11 @@ impl fmt::Debug for Metadata {
 pub struct PoolStats {
     /// Slots ever allocated from the heap.
     pub allocated: u64,
+    /// Slots given back to the heap (returned when the free list was full).
+    pub released: u64,
+    /// The most slots that existed at once (in use or on the free list): the pool's high-water mark, what bounds its
+    /// memory. `allocated` alone overstates it once the free list has released slots.
+    pub peak: u64,
     /// Slots handed out again from the free list.
     pub reused: u64,
     /// Slots currently on the free list.
@@ -329,6 +334,8 @@ struct PoolShared {
     max_free: usize,
     max_free_bytes: usize,
     allocated: Cell<u64>,
+    released: Cell<u64>,
+    peak: Cell<u64>,
     reused: Cell<u64>,
     copies: Cell<u64>,
 }
@@ -391,6 +398,8 @@ impl PacketPool {
                 max_free,
                 max_free_bytes,
                 allocated: Cell::new(0),
+                released: Cell::new(0),
+                peak: Cell::new(0),
                 reused: Cell::new(0),
                 copies: Cell::new(0),
             }),
@@ -412,7 +421,9 @@ impl PacketPool {
                 slot
             }
             None => {
-                self.shared.allocated.set(self.shared.allocated.get() + 1);
+                let sh = &self.shared;
+                sh.allocated.set(sh.allocated.get() + 1);
+                sh.peak.set(sh.peak.get().max(sh.allocated.get() - sh.released.get()));
                 Rc::new(Slot {
                     pool: Rc::downgrade(&self.shared),
                     data: Vec::with_capacity(self.shared.buffer_capacity),
@@ -467,6 +478,8 @@ impl PacketPool {
     pub fn stats(&self) -> PoolStats {
         PoolStats {
             allocated: self.shared.allocated.get(),
+            released: self.shared.released.get(),
+            peak: self.shared.peak.get(),
             reused: self.shared.reused.get(),
             free: self.shared.free.borrow().len() as u64,
             free_bytes: self.shared.free_bytes.get() as u64,
@@ -694,6 +707,8 @@ impl Drop for Packet {
             if free.len() < shared.max_free && bytes <= shared.max_free_bytes {
                 shared.free_bytes.set(bytes);
                 free.push(slot);
+            } else {
+                shared.released.set(shared.released.get() + 1);
             }
         }
     }
@@ -1023,6 +1038,11 @@ mod tests {
         let s = pool.stats();
         assert!(s.free_bytes <= 1000, "{s:?}");
         assert_eq!(s.free, 2, "one small buffer still fits beside the big one: {s:?}");
+        assert_eq!((s.allocated, s.released, s.peak), (6, 4, 6), "four went back to the heap: {s:?}");
+        let more: Vec<_> = (0..3).map(|_| pool.alloc()).collect();
+        let t = pool.stats();
+        assert_eq!((t.allocated, t.peak), (7, 6), "two reused, one new: 3 alive, the peak stays: {t:?}");
+        drop(more);
         // A slot taken from the free list no longer counts.
         let again = pool.alloc();
         assert!(pool.stats().free_bytes < s.free_bytes);

@@ -133,7 +133,7 @@ fn check(lab: &mut Lab) -> Result<(), String> {
             return Err(format!("{side}: {queued} bytes queued"));
         }
     }
-    let slots = lab.sw.pool().stats().allocated;
+    let slots = lab.sw.pool().stats().peak;
     if slots > 20_000 {
         return Err(format!("{slots} pool slots"));
     }

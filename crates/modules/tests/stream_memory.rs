@@ -49,10 +49,10 @@ fn idle_connections() {
     assert_eq!(lab.meter("module.o.connections_active"), n as u64);
     let after = rss().unwrap();
     let per = after.saturating_sub(before) / n as u64;
-    let slots = lab.sw.pool().stats().allocated;
+    let slots = lab.sw.pool().stats().peak;
     println!("resident memory per idle terminated connection (both endpoints and the test's hosts): {per} bytes");
     println!(
-        "pool slots allocated: {slots} (each up to one page resident, ~{} bytes per connection)",
+        "pool slots at most: {slots} (each up to one page resident, ~{} bytes per connection)",
         slots * 4096 / n as u64
     );
     // Both endpoints' sockets reserve 4 x 256 KiB; resident is far less while connections are idle.

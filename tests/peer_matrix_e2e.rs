@@ -37,21 +37,33 @@ fn report(path: &Path) -> serde_json::Value {
     serde_json::from_str(&t).unwrap_or_else(|e| panic!("{}: {e}: {t}", path.display()))
 }
 
+/// An iperf3 report for a failure message: its last interval only, at most 4,000 characters.
+fn brief(rep: &serde_json::Value) -> String {
+    let mut rep = rep.clone();
+    if let Some(iv) = rep.get_mut("intervals").and_then(|v| v.as_array_mut()) {
+        let n = iv.len();
+        iv.drain(..n.saturating_sub(1));
+    }
+    rep.to_string().chars().take(4000).collect()
+}
+
 /// The acceptance items over `link` (its kind and the peers' family), rig subnet `offset`; `big_v6`: the 1 GiB curl
 /// from the server's IPv6 address (iperf3 then from its IPv4 one), else the other way round.
 fn acceptance(offset: u8, link: Link, big_v6: bool) {
     let start = std::time::Instant::now();
     let Some(r) = Rig::with(offset, true, link) else { return };
     let want = big_file(r.www.path());
-    let _iperf = r._srv.spawn(&["iperf3", "-s", "-p", "5201"]);
+    // A server per iperf3 run: the app's side of a terminated connection closes before the server's does, so a
+    // second run against the same server can find it still busy with the first ("the server is busy").
+    let _iperf: Vec<_> = ["5201", "5202", "5203"].iter().map(|p| r._srv.spawn(&["iperf3", "-s", "-p", p])).collect();
     let (big, perf) = if big_v6 { (format!("[{}]", r.srv6), r.srv.clone()) } else { (r.srv.clone(), r.srv6.clone()) };
     let log = |name: &str| r.dir.path().join(format!("iperf-{name}.json"));
     let (up, down, udp) = (log("up"), log("down"), log("udp"));
     let script = format!(
         "set -e\ncurl -sSf -m 50 http://{big}:8080/big | sha256sum\n\
          iperf3 -c {perf} -p 5201 -t 3 -J --logfile {up}\n\
-         iperf3 -c {perf} -p 5201 -t 3 -R -J --logfile {down}\n\
-         iperf3 -c {perf} -p 5201 -u -b 20M -l 1000 -t 2 -J --logfile {udp}\n\
+         iperf3 -c {perf} -p 5202 -t 3 -R -J --logfile {down}\n\
+         iperf3 -c {perf} -p 5203 -u -b 20M -l 1000 -t 2 -J --logfile {udp}\n\
          dig +short +time=2 +tries=2 @{v4} flexstack.test\ndig +short +time=2 +tries=2 @{v6} flexstack.test AAAA",
         up = path_str(&up),
         down = path_str(&down),
@@ -68,11 +80,21 @@ fn acceptance(offset: u8, link: Link, big_v6: bool) {
     let (up, down, udp) = (report(&up), report(&down), report(&udp));
     for (name, rep) in [("up", &up), ("down", &down)] {
         let bytes = rep["end"]["sum_received"]["bytes"].as_u64().unwrap_or(0);
-        assert!(bytes > 1_000_000, "{}: iperf3 TCP {name}: {bytes} bytes received", link.transport);
+        assert!(
+            bytes > 1_000_000,
+            "{}: iperf3 TCP {name}: {bytes} bytes received; its report: {}",
+            link.transport,
+            brief(rep)
+        );
     }
     let sum = &udp["end"]["sum"];
     let (packets, lost) = (sum["packets"].as_u64().unwrap_or(0), sum["lost_percent"].as_f64().unwrap_or(100.0));
-    assert!(packets > 3000, "{}: iperf3 UDP sent its datagrams: {packets}", link.transport);
+    assert!(
+        packets > 3000,
+        "{}: iperf3 UDP sent its datagrams: {packets}; its report: {}",
+        link.transport,
+        brief(&udp)
+    );
     assert!(lost < 5.0, "{}: iperf3 UDP on a clean link: {lost} % lost", link.transport);
     let [flows, bytes_in, orig] = m[..] else { unreachable!() };
     assert!(flows >= 9, "{}: every flow was carried: {flows}", link.transport);

@@ -22,6 +22,7 @@ pub mod linkwatch;
 pub mod netconf;
 pub mod packet;
 pub mod peer;
+mod sock;
 pub mod stream;
 pub mod takeover;
 pub mod tun;

@@ -30,7 +30,7 @@ use flexstack_modules::stream::carrier::raw::{self, RawMode, RawPeers};
 use flexstack_modules::stream::carrier::{self, wire, CarrierRequest, Config, FlowIds, Meters, Route, Router};
 use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
 use nix::sys::eventfd::{EfdFlags, EventFd};
-use nix::sys::socket::{bind, connect, socket, AddressFamily, SockFlag, SockType, SockaddrStorage};
+use nix::sys::socket::{connect, SockType, SockaddrStorage};
 use rustls::{ClientConfig, ClientConnection, Connection, ServerConfig, ServerConnection};
 use std::collections::{HashMap, VecDeque};
 use std::io::{ErrorKind, Read, Write};
@@ -694,11 +694,7 @@ pub(crate) struct Inner {
 
 /// A non-blocking TCP connection to `addr`, from local address `from` if given (an uplink's).
 fn tcp_connect(addr: SocketAddr, from: Option<IpAddr>) -> std::io::Result<TcpStream> {
-    let family = if addr.is_ipv4() { AddressFamily::Inet } else { AddressFamily::Inet6 };
-    let fd = socket(family, SockType::Stream, SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC, None)?;
-    if let Some(ip) = from {
-        bind(fd.as_raw_fd(), &SockaddrStorage::from(SocketAddr::new(ip, 0)))?;
-    }
+    let fd = crate::sock::socket_for(addr, SockType::Stream, from)?;
     match connect(fd.as_raw_fd(), &SockaddrStorage::from(addr)) {
         Ok(()) | Err(nix::errno::Errno::EINPROGRESS) => {}
         Err(e) => return Err(e.into()),

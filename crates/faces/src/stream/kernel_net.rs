@@ -15,6 +15,7 @@
 
 use super::engine::{cc_of, set_cc, Engine, Flow, Sock};
 use super::kernel_app::{self, listener, nft_table, redirect_rules, redirect_to, Redirect};
+use crate::sock::{socket_addr, socket_for};
 use flexstack_core::stream::{FlowInfo, Protocol, Role};
 use flexstack_modules::stream::matcher::{Candidate, MatchTable};
 use nix::sys::socket::{
@@ -22,26 +23,8 @@ use nix::sys::socket::{
 };
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream, UdpSocket};
 use std::os::fd::AsFd;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
-
-/// The address of a socket address nix gives (IPv4 or IPv6).
-fn socket_addr(a: &SockaddrStorage) -> Option<SocketAddr> {
-    if let Some(v4) = a.as_sockaddr_in() {
-        return Some(SocketAddr::V4((*v4).into()));
-    }
-    a.as_sockaddr_in6().map(|v6| SocketAddr::V6((*v6).into()))
-}
-
-/// A non-blocking socket of `ty` for `dst`'s family, bound to `source` (its family's address, port 0) if any.
-fn socket_for(dst: SocketAddr, ty: SockType, source: Option<IpAddr>) -> std::io::Result<OwnedFd> {
-    let family = if dst.is_ipv4() { AddressFamily::Inet } else { AddressFamily::Inet6 };
-    let fd = socket(family, ty, SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC, None)?;
-    if let Some(ip) = source {
-        bind(fd.as_raw_fd(), &SockaddrStorage::from(SocketAddr::new(ip, 0)))?;
-    }
-    Ok(fd)
-}
 
 impl Engine {
     /// originate: `Open` of flow `id`: its socket, connecting (TCP) or ready (UDP).

@@ -5,6 +5,7 @@
 //! them one by one. Where GSO is refused (a device without checksum offload: `EIO`; a segment beyond the path's
 //! MTU: `EINVAL`), the run goes as single datagrams, and the outbox stops trying what failed.
 
+use crate::sock::socket_addr;
 use nix::errno::Errno;
 use nix::sys::socket::{
     recvmsg, sendmsg, setsockopt, sockopt, ControlMessage, ControlMessageOwned, MsgFlags, SockaddrStorage,
@@ -26,7 +27,13 @@ struct Run {
     start: usize,
     end: usize,
     count: usize,
-    closed: bool,
+}
+
+impl Run {
+    /// A datagram shorter than `seg` ended it: nothing more may join.
+    fn closed(&self) -> bool {
+        self.end - self.start < self.count * self.seg
+    }
 }
 
 /// The datagrams a carrier sends in one pass, until [`Outbox::flush`].
@@ -56,18 +63,17 @@ impl Outbox {
         }
         if let Some(r) = self.runs.last_mut() {
             if r.to == to
-                && !r.closed
+                && !r.closed()
                 && r.count < MAX_SEGMENTS
                 && len <= r.seg
                 && r.end - r.start + len <= MAX_RUN_BYTES
             {
                 r.end += len;
                 r.count += 1;
-                r.closed = len < r.seg;
                 return;
             }
         }
-        self.runs.push(Run { to, seg: len, start, end: start + len, count: 1, closed: false });
+        self.runs.push(Run { to, seg: len, start, end: start + len, count: 1 });
     }
 
     /// Adds a datagram to `to`.
@@ -138,13 +144,6 @@ pub(crate) fn recv(socket: &UdpSocket, buf: &mut [u8]) -> std::io::Result<(usize
         })
     });
     Ok((msg.bytes, from, seg.filter(|&s| s < msg.bytes)))
-}
-
-fn socket_addr(a: &SockaddrStorage) -> Option<SocketAddr> {
-    if let Some(v4) = a.as_sockaddr_in() {
-        return Some(SocketAddr::V4((*v4).into()));
-    }
-    a.as_sockaddr_in6().map(|v6| SocketAddr::V6((*v6).into()))
 }
 
 /// The datagrams of what [`recv`] received: `n` bytes of `buf`, `seg` bytes each.

@@ -376,8 +376,8 @@ struct Offload {
     limit: usize,
     done_tx: Sender<Done>,
     done_rx: Receiver<Done>,
-    /// The flows' directions with something queued (flow, slot).
-    busy: Vec<(u64, usize)>,
+    /// The flows' directions with something queued (flow, direction).
+    busy: Vec<(u64, Direction)>,
     /// The number of the next block handed to the threads.
     next_seq: u64,
     /// How long to wait between polls while blocks are out: half of what a block took lately (a moving average).
@@ -401,7 +401,7 @@ impl Offload {
 struct Handed {
     flows: HandedFlows<Flow>,
     done: (Sender<Done>, Receiver<Done>),
-    busy: Vec<(u64, usize)>,
+    busy: Vec<(u64, Direction)>,
     next_seq: u64,
 }
 
@@ -454,9 +454,9 @@ impl Compress {
         let st = self.flows.get_mut(flow).expect("a flow it works on");
         let s = slot(d);
         if !self.cfg.offload || (piece.len() < INLINE_BELOW && st.queue[s].is_empty()) {
-            let mut b = Vec::new();
-            let stored = make_block(&mut self.zc, piece, &mut b);
-            let frame = StreamFrame::data(out.pool(), flow, d, &b);
+            // Made in the pooled packet itself: the block is not copied.
+            let (zc, mut stored) = (&mut self.zc, false);
+            let frame = StreamFrame::data_with(out.pool(), flow, d, |b| stored = make_block(zc, piece, b));
             self.made(flow, d, piece.len() as u64, frame, stored, out);
             return;
         }
@@ -474,7 +474,7 @@ impl Compress {
         let seq = self.offload.next_seq;
         self.offload.next_seq += 1;
         if st.queue[s].is_empty() {
-            self.offload.busy.push((flow, s));
+            self.offload.busy.push((flow, d));
         }
         st.queue[s].push_back(Pending::Block(seq, piece.len() as u64, Block::Waiting(piece.to_vec())));
         self.submit(flow, d);
@@ -545,11 +545,10 @@ impl Compress {
         }
         let mut i = 0;
         while i < self.offload.busy.len() {
-            let (flow, s) = self.offload.busy[i];
-            let d = if s == 0 { Direction::Down } else { Direction::Up };
+            let (flow, d) = self.offload.busy[i];
             self.release(flow, d, out);
             self.submit(flow, d);
-            if self.flows.get_mut(flow).is_some_and(|st| !st.queue[s].is_empty()) {
+            if self.flows.get_mut(flow).is_some_and(|st| !st.queue[slot(d)].is_empty()) {
                 i += 1;
             } else {
                 self.offload.busy.swap_remove(i);

@@ -333,18 +333,41 @@ fn udpplus_carries_curl_dig_a_large_download_and_iperf3_between_ipv6_peers() {
 /// Datagrams a seq-numbered stream sends in [`lossy_stream`].
 const STREAM_LEN: u32 = 1500;
 
-/// Makes the link between A and B lose 5 % of the UDP packets each way: nftables rules in B's namespace (gone with
-/// it), on B's end of the veth, in and out (`numgen random`; this kernel has no netem).
-fn make_lossy(r: &Rig) {
+/// Makes the link between A and B lose 5 % of the UDP packets each way, each datagram on its own, at the receiving
+/// end (`numgen random`; this kernel has no netem): A to B in B's namespace (an input hook on B's end of the veth,
+/// gone with the namespace), B to A in an ingress hook on A's end (a netdev table in the host's namespace, deleted
+/// when the returned guard drops).
+///
+/// The carriers send runs of datagrams as one GSO packet, and a hook before the device sees such a run whole: a
+/// drop there would lose up to 64 datagrams at once, and how much a carrier batches depends on the machine's load.
+/// So UDP segmentation is off on both ends of the veth: each kernel cuts its runs into datagrams before they cross,
+/// and the receiving hook drops datagrams one by one, as a lossy link does.
+fn make_lossy(r: &Rig) -> LossGuard {
+    sh("ethtool", &["-K", &r.host_dev, "tx-udp-segmentation", "off"]);
+    let out = r._nb.run(&["ethtool", "-K", &r.b_dev, "tx-udp-segmentation", "off"]);
+    assert!(out.status.success(), "ethtool in B: {}", text(&out));
     let nft = |args: &str| {
         let out = r._nb.run(&["nft", args]);
         assert!(out.status.success(), "nft {args}: {}", text(&out));
     };
     nft("add table inet fsloss");
     nft("add chain inet fsloss in { type filter hook input priority 0; }");
-    nft("add chain inet fsloss out { type filter hook output priority 0; }");
     nft(&format!("add rule inet fsloss in iifname {} meta l4proto udp numgen random mod 20 == 0 drop", r.b_dev));
-    nft(&format!("add rule inet fsloss out oifname {} meta l4proto udp numgen random mod 20 == 0 drop", r.b_dev));
+    let guard = LossGuard(format!("fsloss{}", r.s));
+    let host = |args: String| sh("nft", &[&args]);
+    host(format!("add table netdev {}", guard.0));
+    host(format!("add chain netdev {} in {{ type filter hook ingress device {} priority 0; }}", guard.0, r.host_dev));
+    host(format!("add rule netdev {} in meta l4proto udp numgen random mod 20 == 0 drop", guard.0));
+    guard
+}
+
+/// The host's loss table of [`make_lossy`], deleted on drop.
+struct LossGuard(String);
+
+impl Drop for LossGuard {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("nft").args(["delete", "table", "netdev", &self.0]).status();
+    }
 }
 
 /// A UDP stream of [`STREAM_LEN`] numbered datagrams (200 bytes, one a millisecond) from app `app` (its stack
@@ -370,7 +393,7 @@ fn lossy_stream(r: &Rig, app: &str, stack: &std::path::Path, before: &str, meter
 #[test]
 fn udp_loses_datagrams_on_a_lossy_link_and_tcp_still_arrives() {
     let Some(r) = Rig::with(10, true, UDP) else { return };
-    make_lossy(&r);
+    let _loss = make_lossy(&r);
     let (distinct, total, _) = lossy_stream(&r, "udplossy", &r.stack, "", &["peer.flows_total"]);
     let n = u64::from(STREAM_LEN);
     assert!(distinct < n && distinct > n / 2, "udp loses some: {distinct} of {n}");
@@ -389,7 +412,7 @@ fn udp_loses_datagrams_on_a_lossy_link_and_tcp_still_arrives() {
 #[test]
 fn udpplus_with_arq_and_fec_delivers_a_whole_stream_on_a_lossy_link() {
     let Some(r) = Rig::with(11, true, UDPPLUS) else { return };
-    make_lossy(&r);
+    let _loss = make_lossy(&r);
     let stack = r.stack_with("arq = true\nfec = false\nfec_k = 4");
     let knob =
         format!("{} --state-dir {} set module.pluslossy-peer.fec true || exit 1", bin(), path_str(r.a.state.path()));

@@ -392,6 +392,21 @@ impl Rtnl {
         self.queue(NLM_F_CREATE | NLM_F_EXCL, RouteNetlinkMessage::NewRule(m), what);
     }
 
+    /// Whether a policy rule `fwmark MARK` of `v6`'s family is in the namespace (whatever its table). Fails if
+    /// requests are queued (commit them first).
+    pub fn has_fwmark_rule(&mut self, v6: bool, mark: u32) -> Result<bool> {
+        use netlink_packet_route::rule::{RuleAttribute, RuleMessage};
+        let mut m = RuleMessage::default();
+        m.header.family = if v6 { AddressFamily::Inet6 } else { AddressFamily::Inet };
+        let mut found = false;
+        self.dump("list rules", RouteNetlinkMessage::GetRule(m), |m| {
+            if let RouteNetlinkMessage::NewRule(r) = m {
+                found |= r.attributes.iter().any(|a| matches!(a, RuleAttribute::FwMark(f) if *f == mark));
+            }
+        })?;
+        Ok(found)
+    }
+
     /// Queues `local default dev INDEX` (every destination delivered locally) in table `table`, of `v6`'s family.
     pub fn add_local_default(&mut self, v6: bool, table: u32, index: u32) {
         let mut m = RouteMessage::default();

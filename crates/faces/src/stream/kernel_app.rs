@@ -44,15 +44,7 @@ impl Drop for Redirect {
     fn drop(&mut self) {
         let (netns, table) = (self.netns.clone(), self.table.clone());
         let _ = std::thread::Builder::new().name("nft-cleanup".into()).spawn(move || {
-            let mut cmd = match &netns {
-                Some(ns) => {
-                    let mut c = std::process::Command::new("ip");
-                    c.args(["netns", "exec", ns, "nft"]);
-                    c
-                }
-                None => std::process::Command::new("nft"),
-            };
-            let _ = cmd.args(["delete", "table", "inet", &table]).stderr(std::process::Stdio::null()).status();
+            let _ = crate::netconf::nft(netns.as_deref(), &format!("delete table inet {table}"));
         });
     }
 }

@@ -280,12 +280,11 @@ pub(crate) fn open_server(host_dev: &str, matcher: &MatchTable, app: &str) -> Re
         sockets.push(udp_listener(any(true, port)).map_err(|e| format!("UDP socket of the server role: {e}"))?);
         // Once per daemon's namespace: the kernel numbers a rule given without a priority below the last one, so
         // the same rule made again is another one, not "already there".
-        let has_rule = |family: &str| {
-            let mark = format!("{NET_MARK:#x}");
-            let out = std::process::Command::new("ip").args([family, "rule", "list", "fwmark", &mark]).output();
-            out.is_ok_and(|o| o.status.success() && !o.stdout.is_empty())
+        let mut nl = crate::netconf::Rtnl::open().map_err(|e| e.to_string())?;
+        let mut has_rule = |v6: bool| {
+            nl.has_fwmark_rule(v6, NET_MARK).map_err(|e| format!("the server role's routing of datagrams: {e}"))
         };
-        if !has_rule("-4") || !has_rule("-6") {
+        if !has_rule(false)? || !has_rule(true)? {
             let own = std::fs::File::open("/proc/thread-self/ns/net").map_err(|e| format!("own namespace: {e}"))?;
             kernel_app::mark_routing(own.as_fd(), NET_MARK, NET_MARK_TABLE)
                 .map_err(|e| format!("the server role's routing of datagrams: {e}"))?;

@@ -80,6 +80,8 @@ pub(crate) struct Flow {
     interest: Option<EpollFlags>,
     /// TCP: the far side must have accepted by then; UDP: the idle deadline.
     deadline: Option<Instant>,
+    /// UDP: the datagrams its socket's full receive buffer dropped, as the kernel last said (`SO_RXQ_OVFL`).
+    rxq_dropped: u32,
     /// Stream bytes it read and sent (`Data` out), and wrote to its socket (`Data` in).
     pub(crate) bytes_out: u64,
     pub(crate) bytes_in: u64,
@@ -106,6 +108,7 @@ impl Flow {
             to_ack: 0,
             accepted: false,
             connecting: false,
+            rxq_dropped: 0,
             eof: false,
             fin_in: false,
             shut: false,
@@ -284,6 +287,8 @@ pub(crate) struct Engine {
     pub(crate) listeners: Vec<TcpListener>,
     /// originate with the server role: the UDP sockets its TPROXY rules send the network's datagrams to.
     pub(crate) udp_listeners: Vec<UdpSocket>,
+    /// Per UDP socket of the server role: its receive buffer's drops, as the kernel last said (`SO_RXQ_OVFL`).
+    pub(crate) udp_listener_dropped: Vec<u32>,
     /// Their flows by (client, original destination).
     pub(crate) udp_server: HashMap<(std::net::SocketAddr, std::net::SocketAddr), u64>,
     /// The buffer datagrams are received into from them.
@@ -341,6 +346,7 @@ impl Engine {
             kick,
             listeners: Vec::new(),
             udp_listeners: Vec::new(),
+            udp_listener_dropped: Vec::new(),
             udp_server: HashMap::new(),
             scratch: Vec::new(),
             listeners_paused: false,
@@ -388,7 +394,9 @@ impl Engine {
     pub(crate) fn add_udp_listener(&mut self, s: UdpSocket) -> std::io::Result<()> {
         let token = UDP_LISTENER + self.udp_listeners.len() as u64;
         self.epoll.add(&s, EpollEvent::new(EpollFlags::EPOLLIN, token))?;
+        count_socket_drops(&s);
         self.udp_listeners.push(s);
+        self.udp_listener_dropped.push(0);
         Ok(())
     }
 
@@ -433,6 +441,9 @@ impl Engine {
             self.tcp_count += 1;
             self.m.tcp_total.add(1);
         } else {
+            if let Sock::Udp(s) = &f.sock {
+                count_socket_drops(s);
+            }
             self.udp_count += 1;
             self.m.udp_total.add(1);
         }
@@ -640,7 +651,7 @@ impl Engine {
                         }
                         None => {
                             buf.resize(MAX_DATAGRAM, 0);
-                            s.recv(buf)
+                            recv_counting(s, buf, &mut f.rxq_dropped, &self.m.udp_socket_drops)
                         }
                     };
                     match received {
@@ -956,10 +967,62 @@ impl Engine {
     }
 }
 
+/// Asks the kernel to tell, with each datagram read, how many its socket's full receive buffer dropped so far
+/// (`SO_RXQ_OVFL`), so that such loss is counted ([`recv_counting`]) rather than unseen.
+pub(crate) fn count_socket_drops(s: &UdpSocket) {
+    if let Err(e) = setsockopt(s, sockopt::RxqOvfl, &1) {
+        tracing::debug!(error = %e, "SO_RXQ_OVFL: the socket's drops will not be counted");
+    }
+}
+
+/// Reads one datagram of `s` into `buf`; adds to `meter` the drops the kernel reports since `last` (its total
+/// for the socket, from [`count_socket_drops`]).
+pub(crate) fn recv_counting(s: &UdpSocket, buf: &mut [u8], last: &mut u32, meter: &Meter) -> std::io::Result<usize> {
+    use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags, SockaddrStorage};
+    let mut cmsg = nix::cmsg_space!(u32);
+    let mut iov = [std::io::IoSliceMut::new(buf)];
+    let msg =
+        recvmsg::<SockaddrStorage>(std::os::fd::AsRawFd::as_raw_fd(s), &mut iov, Some(&mut cmsg), MsgFlags::empty())?;
+    for c in msg.cmsgs().into_iter().flatten() {
+        if let ControlMessageOwned::RxqOvfl(total) = c {
+            meter.add(u64::from(total.wrapping_sub(*last)));
+            *last = total;
+        }
+    }
+    Ok(msg.bytes)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use flexstack_core::PacketPool;
+
+    /// Datagrams a full receive buffer dropped are counted: 2,000 sent to a socket with the smallest buffer, none
+    /// read meanwhile; then every one read, and one more sent (the kernel tells a socket's drops with the datagrams
+    /// queued after them): what was read plus what the meter counts is what was sent.
+    #[test]
+    fn drops_at_a_full_socket_buffer_are_counted() {
+        let rx = UdpSocket::bind("127.0.0.1:0").unwrap();
+        setsockopt(&rx, sockopt::RcvBuf, &1).unwrap(); // the kernel's minimum
+        count_socket_drops(&rx);
+        rx.set_nonblocking(true).unwrap();
+        let tx = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let sent = 2000;
+        for i in 0..sent {
+            tx.send_to(&[i as u8; 200], rx.local_addr().unwrap()).unwrap();
+        }
+        let (meter, mut last, mut buf, mut read) = (Meter::default(), 0, vec![0; 2048], 0u64);
+        let mut drain = |read: &mut u64| {
+            while recv_counting(&rx, &mut buf, &mut last, &meter).is_ok() {
+                *read += 1;
+            }
+        };
+        drain(&mut read);
+        tx.send_to(b"after", rx.local_addr().unwrap()).unwrap();
+        drain(&mut read);
+        assert!(read > 1 && meter.get() > 0, "{read} read, {} counted dropped", meter.get());
+        assert_eq!(read + meter.get(), sent + 1, "each one read or counted");
+    }
 
     /// Events become stream frames that the core decodes back to the same events.
     #[test]

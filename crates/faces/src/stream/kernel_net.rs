@@ -89,11 +89,19 @@ impl Engine {
         let mut buf = std::mem::take(&mut self.scratch);
         buf.resize(super::engine::MAX_DATAGRAM, 0);
         while let Some(sock) = self.udp_listeners.get(index) {
-            let mut cmsg = nix::cmsg_space!(libc::sockaddr_in6);
+            let mut cmsg = nix::cmsg_space!(libc::sockaddr_in6, u32);
             let mut iov = [std::io::IoSliceMut::new(&mut buf)];
             let (n, client, dst) =
                 match recvmsg::<SockaddrStorage>(sock.as_raw_fd(), &mut iov, Some(&mut cmsg), MsgFlags::empty()) {
                     Ok(msg) => {
+                        for c in msg.cmsgs().into_iter().flatten() {
+                            if let (ControlMessageOwned::RxqOvfl(total), Some(last)) =
+                                (c, self.udp_listener_dropped.get_mut(index))
+                            {
+                                self.m.udp_socket_drops.add(u64::from(total.wrapping_sub(*last)));
+                                *last = total;
+                            }
+                        }
                         let dst = msg.cmsgs().ok().into_iter().flatten().find_map(|c| match c {
                             ControlMessageOwned::Ipv4OrigDstAddr(a) => {
                                 Some(SocketAddr::V4(std::net::SocketAddrV4::new(

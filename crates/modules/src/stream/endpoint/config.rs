@@ -343,6 +343,7 @@ pub struct Meters {
     pub stream_bad: Meter,
     pub stream_orphans: Meter,
     pub udp_budget_drops: Meter,
+    pub udp_socket_drops: Meter,
     pub icmp_errors: Meter,
     pub overflows: Meter,
     pub not_packet: Meter,
@@ -375,6 +376,8 @@ pub const METERS: &[MeterDecl<Meters>] = u64_meters![
     stream_bad: "stream_bad_total", "frames", "stream frames it could not use (malformed, wrong way, bad ack)";
     stream_orphans: "stream_orphans_total", "frames", "stream frames of flows it does not hold (ended, or never seen)";
     udp_budget_drops: "udp_budget_drops_total", "frames", "datagrams dropped: their flow's budget was in flight";
+    udp_socket_drops: "udp_socket_drops_total", "frames",
+        "datagrams the kernel dropped at a full receive buffer of a flow's UDP socket (kernel back-end)";
     icmp_errors: "icmp_errors_total", "frames", "ICMP errors about its connections that it acted on";
     overflows: "queue_overflows_total", "flows", "flows aborted: more queued than `queue_limit`";
     not_packet: "not_packet_total", "frames", "control frames that arrived on a data port (dropped)";

@@ -981,3 +981,19 @@ pub fn veth_into(ns: &Netns, host: [&str; 2], inside: [&str; 2]) -> (String, Str
     ns.adopt(&n, &inside);
     (h, n)
 }
+
+/// Runs iperf3 client `command` (made anew for each try); a try the server refused because it was still ending
+/// the previous test ("the server is busy running a test", a race of iperf3's own between one client's exit and
+/// its server's cleanup) is tried again after a second, up to three times, and said on stderr.
+pub fn iperf3_client(command: impl Fn() -> Command) -> Output {
+    let mut tries = 0;
+    loop {
+        let out = command().output().expect("iperf3");
+        tries += 1;
+        if tries == 3 || !String::from_utf8_lossy(&out.stdout).contains("the server is busy running a test") {
+            return out;
+        }
+        eprintln!("iperf3: the server was still busy with the previous test; trying again");
+        std::thread::sleep(Duration::from_secs(1));
+    }
+}

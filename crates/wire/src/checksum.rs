@@ -34,17 +34,14 @@ pub fn complete_partial(packet: &mut Packet) -> bool {
 /// pseudo-header sum, becomes the complement of the sum of every byte from `partial.start` on. False (nothing
 /// changed) if the field lies beyond the data.
 ///
-/// A result of zero is stored as 0xffff (its one's-complement equal), as the kernel does: a UDP checksum of zero
-/// means "none", which IPv6 forbids, so a datagram whose sum came out zero would otherwise be dropped as invalid.
+/// A result of zero is stored as 0xffff ([`finish_transport`]): a datagram whose sum came out zero would otherwise
+/// be dropped as invalid.
 pub fn complete_partial_bytes(data: &mut [u8], partial: CsumPartial) -> bool {
     let (start, field) = (usize::from(partial.start), partial.field());
     if field + 2 > data.len() {
         return false;
     }
-    let c = match finish(sum(0, &data[start..])) {
-        0 => 0xffff,
-        c => c,
-    };
+    let c = finish_transport(sum(0, &data[start..]));
     data[field..field + 2].copy_from_slice(&c.to_be_bytes());
     true
 }
@@ -52,6 +49,15 @@ pub fn complete_partial_bytes(data: &mut [u8], partial: CsumPartial) -> bool {
 /// Folds a sum to 16 bits and complements it: the checksum to store.
 pub fn finish(sum: u32) -> u16 {
     !fold(sum)
+}
+
+/// [`finish`] for a transport checksum: a result of zero is stored as 0xffff, its one's-complement equal, as the
+/// kernel does (a UDP checksum of zero means "none", which IPv6 forbids).
+pub fn finish_transport(sum: u32) -> u16 {
+    match finish(sum) {
+        0 => 0xffff,
+        c => c,
+    }
 }
 
 /// Folds a sum to 16 bits, not complemented (what an ICMP error's checksum changes by when the packet it quotes

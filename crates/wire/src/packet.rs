@@ -408,8 +408,7 @@ pub mod build {
         u.extend_from_slice(&(len as u16).to_be_bytes());
         u.extend_from_slice(&[0, 0]);
         u.extend_from_slice(data);
-        let c = checksum::finish(checksum::sum(checksum::pseudo_header(src, dst, 17, len as u32), &u));
-        let c = if c == 0 { 0xffff } else { c };
+        let c = checksum::finish_transport(checksum::sum(checksum::pseudo_header(src, dst, 17, len as u32), &u));
         u[6..8].copy_from_slice(&c.to_be_bytes());
         u
     }

@@ -652,8 +652,8 @@ pub fn udp(src: SocketAddr, dst: SocketAddr, payload: &[u8]) -> Vec<u8> {
     u.extend_from_slice(&(len as u16).to_be_bytes());
     u.extend_from_slice(&[0, 0]);
     u.extend_from_slice(payload);
-    let c = checksum::finish(checksum::sum(checksum::pseudo_header(src.ip(), dst.ip(), 17, len as u32), &u));
-    u[6..8].copy_from_slice(&(if c == 0 { 0xffff } else { c }).to_be_bytes());
+    let c = checksum::finish_transport(checksum::sum(checksum::pseudo_header(src.ip(), dst.ip(), 17, len as u32), &u));
+    u[6..8].copy_from_slice(&c.to_be_bytes());
     ip(src.ip(), dst.ip(), 17, &u)
 }
 

@@ -59,11 +59,10 @@ pub fn udp(pool: &PacketPool, src: SocketAddr, dst: SocketAddr, payload: &[u8]) 
     buf.extend_from_slice(&(len as u16).to_be_bytes());
     buf.extend_from_slice(&[0, 0]);
     buf.extend_from_slice(payload);
-    let c = checksum::finish(checksum::sum(
+    let c = checksum::finish_transport(checksum::sum(
         checksum::pseudo_header(src.ip(), dst.ip(), proto::UDP, len as u32),
         &buf[l4..],
     ));
-    let c = if c == 0 { 0xffff } else { c };
     buf[l4 + 6..l4 + 8].copy_from_slice(&c.to_be_bytes());
     p
 }

@@ -244,3 +244,50 @@ fn frames_for_a_taken_over_interface_are_not_forwarded_by_the_kernel() {
     send();
     assert!(forwarded() >= before + 5, "forwarding given back: {before} -> {}", forwarded());
 }
+
+/// Turning `net.ipv4.ip_forward` on sets every interface's `forwarding` to 1; the daemon's sandboxes do it for the
+/// host face of an app on a host that did not forward, after which a taken-over interface must still not forward.
+#[test]
+fn an_app_turning_forwarding_on_leaves_a_taken_over_interface_without() {
+    if !privileged() {
+        return;
+    }
+    let ns = Netns::new("tr");
+    let forwarding = |what: &str| {
+        let out = ns.run(&["cat", &format!("/proc/sys/net/ipv4/{what}")]);
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    };
+    // A host that does not forward (a new namespace may inherit the host's setting).
+    ns.run(&["sysctl", "-q", "-w", "net.ipv4.ip_forward=0"]);
+    assert_eq!(forwarding("ip_forward"), "0");
+    let (owned, peer) = (unique("o"), unique("p"));
+    sh("ip", &["link", "add", &owned, "type", "veth", "peer", "name", &peer]);
+    ns.adopt(&owned, &[]);
+    ns.adopt(&peer, &[]);
+    let stack = format!(
+        "links = [\"f -> s\"]\n\n[modules.f]\nkind = \"packet\"\ninterface = \"{owned}\"\n\n[modules.s]\nkind = \
+         \"sink\"\n"
+    );
+    let subnet = format!("10.{}.0.0", 60 + std::process::id() % 60);
+    let mut d = Daemon::start_in(&ns, &stack, &["--app-subnet", &subnet]);
+    let of_owned = format!("conf/{owned}/forwarding");
+    assert_eq!(forwarding(&of_owned), "0");
+    // An app: while it runs, its host face keeps the namespace's forwarding on (given back after the last app).
+    // In the daemon's mount namespace too (`ip netns exec` gave it one), where its apps' namespaces are mounted.
+    let mut app = Command::new("nsenter")
+        .args(["-t", &d.child.id().to_string(), "-n", "-m", bin(), "--state-dir"])
+        .arg(d.state_dir())
+        .args(["run", "--", "sleep", "4"])
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let on = eventually(10, || forwarding("ip_forward") == "1");
+    // Past the moment between the sandbox's write and the face's answer to it.
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let owned_then = forwarding(&of_owned);
+    let status = app.wait().unwrap();
+    assert!(on, "the sandbox did not turn forwarding on");
+    assert!(status.success(), "flexstack run: {status}");
+    assert_eq!(owned_then, "0", "the taken-over interface forwards again");
+    assert!(d.terminate().success());
+}

@@ -235,6 +235,22 @@ pub fn take_over(interface: &str, force: bool) -> Result<Arc<TakenOver>, String>
     Ok(taken)
 }
 
+/// Turns the kernel's IPv4 forwarding off again on every interface this process holds. A change of
+/// `net.ipv4.ip_forward` (or `net.ipv4.conf.all.forwarding`) from 0 to 1 sets every interface's `forwarding` to 1,
+/// a taken-over one's too: whoever makes it (the daemon's sandboxes, for the host face) calls this after.
+pub fn reassert_forwarding_off() {
+    let held = HELD.lock().unwrap_or_else(|p| p.into_inner());
+    for (interface, taken) in held.iter() {
+        let Some(taken) = taken.upgrade() else { continue };
+        if taken.saved.forwarding.is_none() {
+            continue;
+        }
+        if let Err(e) = std::fs::write(forwarding_path(interface), "0") {
+            tracing::warn!(interface, error = %e, "cannot turn kernel IPv4 forwarding off again on a taken-over interface");
+        }
+    }
+}
+
 /// Gives back what `saved` says: the IPv6 and IPv4 forwarding sysctls, then the addresses.
 fn give_back(saved: &Saved) -> Result<(), String> {
     let interface = &saved.interface;

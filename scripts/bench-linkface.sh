@@ -21,6 +21,8 @@
 # a profile of the (l) daemon during each (l) run (file.l, overwritten each round). RUNTIME=1 reads `show runtime`
 # near the end of each (l) and (lo) run and prints the medians of the link module's ns per frame and of all the
 # modules' busy ns over the link module's frames (CPU cost, which a loaded machine disturbs less than Gbit/s).
+# For (t), (l) and (lo) it also prints the median of the daemon's CPU time (user + system, all its threads, from
+# /proc/PID/stat) per GB received: the cost per byte, kernel work in the daemon's context included.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${RUNS:-5}
@@ -93,6 +95,7 @@ ip -n ${tag}a link set lo up; ip -n ${tag}b link set lo up
 default_modules_stack > "$state/chain.toml"
 "$fs" daemon --stack "$state/chain.toml" --state-dir "$state/t" 2>"$state/daemon-t.log" &
 pids+=($!)
+echo $! > "$state/daemon-t.pid"
 wait_for '"$fs" --state-dir "$state/t" status >/dev/null 2>&1' "the TUN <-> TUN daemon did not start"
 ip link set ${tag}ta netns ${tag}a; ip link set ${tag}tb netns ${tag}b
 ip -n ${tag}a addr add 10.$((NET + 1)).0.1/24 dev ${tag}ta; ip -n ${tag}a link set ${tag}ta up
@@ -154,12 +157,20 @@ bridge() { # $1 = b, v, r or r0: prints the Gbit/s through that bridge
 }
 
 ratio() { python3 -c 'import sys; a, b = map(float, sys.argv[1:]); print(a / b if b else float("nan"))' "$1" "$2"; }
+# The CPU clock ticks (user + system) process $1 has used.
+ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 measure() { # $1: a path
+  local pid= t0 g
+  [[ $1 == t || $1 == l || $1 == lo ]] && { pid=$(cat "$state/daemon-$1.pid"); t0=$(ticks "$pid"); }
   case $1 in
-    t) tuntun ;;
-    l | lo) link "$1" ;;
-    *) bridge "$1" ;;
+    t) g=$(tuntun) ;;
+    l | lo) g=$(link "$1") ;;
+    *) g=$(bridge "$1") ;;
   esac
+  # s of CPU per GB: ticks / CLK_TCK over Gbit/s * SECS / 8.
+  [[ -z $pid ]] || python3 -c 'import os,sys; t, g, s = map(float, sys.argv[1:]); print(t / os.sysconf("SC_CLK_TCK") / (g * s / 8) if g else "nan")' \
+    "$(($(ticks "$pid") - t0))" "$g" "$SECS" >> "$state/cpu-$1.txt"
+  echo "$g"
 }
 for i in $(seq "$RUNS"); do
   line=
@@ -177,6 +188,10 @@ printf '  (l) flexstack run over a link face                %6.2f   ratio to (t)
   "$(ratio "$l" "$t")"
 [[ -z ${FS_OLD:-} ]] || printf '  (lo) as (l), the old binary                       %6.2f   ratio to (t) %.2f\n' "$lo" \
   "$(ratio "$lo" "$t")"
+for k in t l lo; do
+  [[ -s $state/cpu-$k.txt ]] || continue
+  printf '  (%s) daemon CPU per GB received: %.3f s\n' "$k" "$(median < "$state/cpu-$k.txt")"
+done
 if [[ -n ${RUNTIME:-} ]]; then
   for k in l lo; do
     [[ -s $state/rt-$k.txt ]] || continue

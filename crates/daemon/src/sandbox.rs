@@ -813,6 +813,8 @@ impl Sandboxes {
             .map_err(|e| ApiError::new(ErrorCode::Internal, e))?;
         let _ = std::fs::write(FORWARD_V4, "1");
         let _ = std::fs::write(FORWARD_V6, "1");
+        // Turning forwarding on turned it on for every interface, those link faces took over too.
+        flexstack_faces::takeover::reassert_forwarding_off();
         Ok(saved)
     }
 

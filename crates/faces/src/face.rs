@@ -27,7 +27,9 @@
 //! - Kind `packet`: a link face: an AF_PACKET socket on an existing interface that flexstack takes over, carrying
 //!   Ethernet frames (put an `ethernet` module behind it for ARP/NDP and addresses). With `take_over`, the
 //!   kernel's addresses on the interface are removed and kernel IPv6 is disabled on it, so that only flexstack
-//!   answers ARP and neighbour discovery there; both are given back when the face goes, or, after a crash, when
+//!   answers ARP and neighbour discovery there, and the kernel's IPv4 forwarding is turned off for frames arriving
+//!   there (the face's frames reach the kernel's IP layer too, which on a forwarding host routed each one out of
+//!   its default route); all are given back when the face goes, or, after a crash, when
 //!   the next daemon starts ([`crate::takeover`]). An interface that carries a default route of the daemon's
 //!   network namespace is refused unless `force = true`. Frames the kernel itself sends out on the
 //!   interface are not read back; frames are sent past the interface's queueing discipline (PACKET_QDISC_BYPASS).
@@ -197,7 +199,8 @@ const PACKET: KindDecl<Config, Meters> = KindDecl {
         P::manual("interface", "str", "the interface to take over", "required"),
         P::bool(
             "take_over",
-            "remove the kernel's addresses from the interface and disable its IPv6, given back when the face goes",
+            "remove the kernel's addresses from the interface and disable its IPv6 and IPv4 forwarding, given back when the \
+             face goes",
             true,
             field!(take_over),
         )

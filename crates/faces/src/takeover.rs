@@ -1,8 +1,13 @@
 //! Taking over an interface for a link face (`packet` with `take_over = true`), and giving it back.
 //!
 //! Taking over removes the kernel's addresses from the interface, disables kernel IPv6 on it and sets it up, so that
-//! only flexstack answers ARP and neighbour discovery there. Before it changes anything it saves what it will change
-//! (the addresses, IPv4 and IPv6, and `net.ipv6.conf.<if>.disable_ipv6`) in a record,
+//! only flexstack answers ARP and neighbour discovery there. It also turns the kernel's IPv4 forwarding off for
+//! frames arriving on the interface (`net.ipv4.conf.<if>.forwarding`): the frames flexstack's link face reads still
+//! reach the kernel's IP layer too, and on a host that forwards (`net.ipv4.ip_forward = 1`) the kernel would route
+//! each one addressed to flexstack's own address out of its default route (copies of flexstack's traffic leaking to
+//! another network, at a system call's and a device's cost each; a TCP stream's every ACK through a link face was
+//! one). Before it changes anything it saves what it will change (the addresses, IPv4 and IPv6,
+//! `net.ipv6.conf.<if>.disable_ipv6` and `net.ipv4.conf.<if>.forwarding`) in a record,
 //! `/run/flexstack/links/<netns inode>-<interface>`, which the daemon keeps open and locked (flock) for as long as
 //! it holds the interface. Giving back (when the last face on the interface goes: unloaded, replaced by a face
 //! that does not take it over, or the daemon ends normally) writes the sysctl back, adds the addresses again and
@@ -36,6 +41,8 @@ struct Saved {
     ifindex: u32,
     /// The value of `disable_ipv6` before (`None`: the kernel has no IPv6).
     disable_ipv6: Option<String>,
+    /// The value of the interface's IPv4 `forwarding` before (`None`: not known, e.g. a record of an older daemon).
+    forwarding: Option<String>,
     addresses: Vec<Address>,
 }
 
@@ -44,6 +51,9 @@ impl Saved {
         let mut t = format!("{MAGIC}\ninterface {}\nifindex {}\n", self.interface, self.ifindex);
         if let Some(v) = &self.disable_ipv6 {
             t.push_str(&format!("disable_ipv6 {v}\n"));
+        }
+        if let Some(v) = &self.forwarding {
+            t.push_str(&format!("forwarding {v}\n"));
         }
         for a in &self.addresses {
             t.push_str(&format!("address {}/{}", a.address, a.prefix));
@@ -60,7 +70,8 @@ impl Saved {
         if lines.next() != Some(MAGIC) {
             return Err("does not start with the record's first line".into());
         }
-        let mut saved = Saved { interface: String::new(), ifindex: 0, disable_ipv6: None, addresses: Vec::new() };
+        let mut saved =
+            Saved { interface: String::new(), ifindex: 0, disable_ipv6: None, forwarding: None, addresses: Vec::new() };
         for line in lines {
             let bad = || format!("bad line {line:?}");
             let (key, value) = line.split_once(' ').ok_or_else(bad)?;
@@ -68,6 +79,7 @@ impl Saved {
                 "interface" => saved.interface = value.to_string(),
                 "ifindex" => saved.ifindex = value.parse().map_err(|_| bad())?,
                 "disable_ipv6" => saved.disable_ipv6 = Some(value.to_string()),
+                "forwarding" => saved.forwarding = Some(value.to_string()),
                 "address" => {
                     let mut words = value.split(' ');
                     let (address, prefix) = words.next().and_then(|a| a.split_once('/')).ok_or_else(bad)?;
@@ -117,6 +129,10 @@ fn record_path(interface: &str) -> PathBuf {
 
 fn disable_ipv6_path(interface: &str) -> PathBuf {
     Path::new("/proc/sys/net/ipv6/conf").join(interface).join("disable_ipv6")
+}
+
+fn forwarding_path(interface: &str) -> PathBuf {
+    Path::new("/proc/sys/net/ipv4/conf").join(interface).join("forwarding")
 }
 
 fn rtnl() -> Result<Rtnl, String> {
@@ -176,8 +192,9 @@ pub fn take_over(interface: &str, force: bool) -> Result<Arc<TakenOver>, String>
         None => {
             let mut save = |f: &mut File| -> Result<Saved, String> {
                 let disable_ipv6 = std::fs::read_to_string(disable_ipv6_path(interface)).ok().map(|v| v.trim().into());
+                let forwarding = std::fs::read_to_string(forwarding_path(interface)).ok().map(|v| v.trim().into());
                 let addresses = nl.addresses(ifindex).map_err(|e| e.to_string())?;
-                let s = Saved { interface: interface.to_string(), ifindex, disable_ipv6, addresses };
+                let s = Saved { interface: interface.to_string(), ifindex, disable_ipv6, forwarding, addresses };
                 let write = |f: &mut File| -> std::io::Result<()> {
                     f.set_len(0)?;
                     f.seek(SeekFrom::Start(0))?;
@@ -203,6 +220,10 @@ pub fn take_over(interface: &str, force: bool) -> Result<Arc<TakenOver>, String>
         std::fs::write(disable_ipv6_path(interface), "1")
             .map_err(|e| format!("cannot disable kernel IPv6 on {interface}: {e}"))?;
     }
+    if taken.saved.forwarding.is_some() {
+        std::fs::write(forwarding_path(interface), "0")
+            .map_err(|e| format!("cannot turn kernel IPv4 forwarding off on {interface}: {e}"))?;
+    }
     // Disabling IPv6 removed its addresses; the others go now.
     for a in nl.addresses(ifindex).map_err(|e| e.to_string())? {
         nl.del_address(ifindex, a.address, a.prefix);
@@ -214,7 +235,23 @@ pub fn take_over(interface: &str, force: bool) -> Result<Arc<TakenOver>, String>
     Ok(taken)
 }
 
-/// Gives back what `saved` says: the IPv6 sysctl, then the addresses.
+/// Turns the kernel's IPv4 forwarding off again on every interface this process holds. A change of
+/// `net.ipv4.ip_forward` (or `net.ipv4.conf.all.forwarding`) from 0 to 1 sets every interface's `forwarding` to 1,
+/// a taken-over one's too: whoever makes it (the daemon's sandboxes, for the host face) calls this after.
+pub fn reassert_forwarding_off() {
+    let held = HELD.lock().unwrap_or_else(|p| p.into_inner());
+    for (interface, taken) in held.iter() {
+        let Some(taken) = taken.upgrade() else { continue };
+        if taken.saved.forwarding.is_none() {
+            continue;
+        }
+        if let Err(e) = std::fs::write(forwarding_path(interface), "0") {
+            tracing::warn!(interface, error = %e, "cannot turn kernel IPv4 forwarding off again on a taken-over interface");
+        }
+    }
+}
+
+/// Gives back what `saved` says: the IPv6 and IPv4 forwarding sysctls, then the addresses.
 fn give_back(saved: &Saved) -> Result<(), String> {
     let interface = &saved.interface;
     let mut nl = rtnl()?;
@@ -226,6 +263,10 @@ fn give_back(saved: &Saved) -> Result<(), String> {
         std::fs::write(disable_ipv6_path(interface), v)
             .map_err(|e| format!("cannot set disable_ipv6 of {interface} back to {v}: {e}"))?;
     }
+    if let Some(v) = &saved.forwarding {
+        std::fs::write(forwarding_path(interface), v)
+            .map_err(|e| format!("cannot set IPv4 forwarding of {interface} back to {v}: {e}"))?;
+    }
     for a in &saved.addresses {
         nl.restore_address(saved.ifindex, a);
     }
@@ -236,7 +277,7 @@ impl Drop for TakenOver {
     fn drop(&mut self) {
         let interface = &self.saved.interface;
         match give_back(&self.saved) {
-            Ok(()) => tracing::info!(interface, "gave the interface back its addresses and IPv6"),
+            Ok(()) => tracing::info!(interface, "gave the interface back its addresses, IPv6 and IPv4 forwarding"),
             Err(e) => tracing::warn!(interface, error = %e, "cannot give the interface back"),
         }
         // Removed while still locked: no other daemon takes the interface over from a record given back.
@@ -265,7 +306,7 @@ pub fn restore_stale() {
             Ok(saved) => match give_back(&saved) {
                 Ok(()) => tracing::warn!(
                     interface = %saved.interface,
-                    "gave back an interface that a daemon now gone had taken over: its addresses and IPv6"
+                    "gave back an interface that a daemon now gone had taken over: its addresses, IPv6 and IPv4 forwarding"
                 ),
                 Err(e) => tracing::warn!(record = %path.display(), error = %e, "cannot give an interface back"),
             },
@@ -285,6 +326,7 @@ mod tests {
             interface: "fs-eth1".into(),
             ifindex: 12,
             disable_ipv6: Some("0".into()),
+            forwarding: Some("1".into()),
             addresses: vec![
                 Address {
                     address: "10.1.2.3".parse().unwrap(),
@@ -297,7 +339,7 @@ mod tests {
         let text = saved.to_text();
         assert_eq!(
             text,
-            "flexstack link take-over\ninterface fs-eth1\nifindex 12\ndisable_ipv6 0\n\
+            "flexstack link take-over\ninterface fs-eth1\nifindex 12\ndisable_ipv6 0\nforwarding 1\n\
              address 10.1.2.3/24 brd 10.1.2.255\naddress fd00::3/64\n"
         );
         assert_eq!(Saved::parse(&text), Ok(saved));

@@ -13,11 +13,12 @@
 //! - Where zstd runs (setting `offload`, true by default): blocks are compressed on a small pool of compression
 //!   threads the process shares ([`THREADS`] at most, started at the first block), in parallel with the data plane
 //!   and with each other, and leave strictly in order per flow and direction. The module stays sans-IO: it hands a
-//!   block over and goes on; a block not made yet is not emitted yet; the thread that made a block has the module
-//!   polled at once through the switch's [`Notifier`] (it wakes the data-plane worker). Without one (a switch
-//!   without a waker), or while its blocks wait for room with none of its own out, it asks to be polled every half
-//!   of the time a block took lately instead ([`POLL_EVERY`] to start with; from [`POLL_MIN`] to [`POLL_MAX`]). It
-//!   collects finished blocks in every `process` too, and emits the blocks made since,
+//!   block over and goes on; a block not made yet is not emitted yet; while blocks are out it asks to be polled
+//!   every half of the time a block took lately ([`POLL_EVERY`] to start with; from [`POLL_MIN`] to [`POLL_MAX`]),
+//!   or, with the setting `notify` (false by default), the thread that made a block has it polled at once through
+//!   the switch's [`Notifier`] (it wakes the data-plane worker; the timer stays where the switch has no waker, and
+//!   while its blocks wait for room with none of its own out). It collects finished blocks in every `process` too,
+//!   and emits the blocks made since,
 //!   from the head of each direction's queue. Anything else of that direction that comes meanwhile (a switch mark,
 //!   raw bytes, the `Fin`) queues behind them. Bounded: at most [`FLOW_IN_FLIGHT`] blocks of a flow's direction and
 //!   [`TOTAL_IN_FLIGHT`] in the process are on the threads; the rest wait in their flow's queue as input bytes not
@@ -107,6 +108,7 @@ struct Config {
     decompress: bool,
     active: bool,
     offload: bool,
+    notify: bool,
 }
 
 type P = Param<Config>;
@@ -137,6 +139,15 @@ const DECL: KindDecl<Config, Meters> = KindDecl {
              false: on the data-plane worker",
             true,
             field!(offload),
+        )
+        .setting(),
+        P::bool(
+            "notify",
+            "true: a compression thread has the module polled as soon as it made a block (it wakes the worker); \
+             false: the module polls on a timer while blocks are out (faster on a busy 2-core machine: \
+             BENCHMARKS.md, \"Services overhead\")",
+            false,
+            field!(notify),
         )
         .setting(),
         active::param(field!(active)),
@@ -189,7 +200,7 @@ impl ModuleKind for CompressKind {
 
     fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
         let mut r = settings.reader(KIND);
-        let mut cfg = Config { level: 0, decompress: false, active: true, offload: true };
+        let mut cfg = Config { level: 0, decompress: false, active: true, offload: true, notify: false };
         DECL.read(&mut r, &mut cfg)?;
         let select = read_select(&mut r)?;
         r.finish()?;
@@ -565,7 +576,7 @@ impl Compress {
 
     /// Takes the switch's notifier for the blocks handed to the threads from now on, if it has none yet.
     fn take_notifier(&mut self, out: &Output<'_>) {
-        if self.offload.notifier.is_none() {
+        if self.offload.notifier.is_none() && self.cfg.notify {
             self.offload.notifier = out.notifier();
         }
     }
@@ -908,7 +919,7 @@ mod tests {
 
     impl Harness {
         fn new(limit: usize) -> Harness {
-            let cfg = Config { level: 3, decompress: false, active: true, offload: true };
+            let cfg = Config { level: 3, decompress: false, active: true, offload: true, notify: true };
             let vars = ModuleVars::new(&DECL.interface(&cfg).vars);
             let mut m = CompressBuilder { cfg, select: vec![SelectRule::ALL] }.make(&vars);
             let (tx, jobs) = mpsc::channel();
@@ -1195,7 +1206,7 @@ mod tests {
 
     #[test]
     fn in_a_switch_with_a_waker_the_threads_wake_it_for_each_block_and_no_timer_polls() {
-        let cfg = Config { level: 3, decompress: false, active: true, offload: true };
+        let cfg = Config { level: 3, decompress: false, active: true, offload: true, notify: true };
         let builder = CompressBuilder { cfg, select: vec![SelectRule::ALL] };
         let mut sw = flexstack_core::Switch::default();
         let (woke, wakes) = mpsc::channel();
@@ -1229,7 +1240,7 @@ mod tests {
 
     #[test]
     fn the_shared_pool_makes_the_blocks() {
-        let cfg = Config { level: 3, decompress: false, active: true, offload: true };
+        let cfg = Config { level: 3, decompress: false, active: true, offload: true, notify: true };
         let vars = ModuleVars::new(&DECL.interface(&cfg).vars);
         let mut m = CompressBuilder { cfg, select: vec![SelectRule::ALL] }.make(&vars);
         let pool = PacketPool::default();

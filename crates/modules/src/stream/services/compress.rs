@@ -13,12 +13,12 @@
 //! - Where zstd runs (setting `offload`, true by default): blocks are compressed on a small pool of compression
 //!   threads the process shares ([`THREADS`] at most, started at the first block), in parallel with the data plane
 //!   and with each other, and leave strictly in order per flow and direction. The module stays sans-IO: it hands a
-//!   block over and goes on; a block not made yet is not emitted yet; while blocks are out it asks to be polled
-//!   every half of the time a block took lately ([`POLL_EVERY`] to start with; from [`POLL_MIN`] to [`POLL_MAX`]),
-//!   or, with the setting `notify` (false by default), the thread that made a block has it polled at once through
-//!   the switch's [`Notifier`] (it wakes the data-plane worker; the timer stays where the switch has no waker, and
-//!   while its blocks wait for room with none of its own out). It collects finished blocks in every `process` too,
-//!   and emits the blocks made since,
+//!   block over and goes on; a block not made yet is not emitted yet; the thread that made a block has the module
+//!   polled at once through the switch's [`Notifier`] (it wakes the data-plane worker; setting `notify`, true by
+//!   default). With `notify = false`, without a notifier (a switch without a waker), or while its blocks wait for
+//!   room with none of its own out, it asks to be polled every half of the time a block took lately instead
+//!   ([`POLL_EVERY`] to start with; from [`POLL_MIN`] to [`POLL_MAX`]). It collects finished blocks in every
+//!   `process` too, and emits the blocks made since,
 //!   from the head of each direction's queue. Anything else of that direction that comes meanwhile (a switch mark,
 //!   raw bytes, the `Fin`) queues behind them. Bounded: at most [`FLOW_IN_FLIGHT`] blocks of a flow's direction and
 //!   [`TOTAL_IN_FLIGHT`] in the process are on the threads; the rest wait in their flow's queue as input bytes not
@@ -144,9 +144,8 @@ const DECL: KindDecl<Config, Meters> = KindDecl {
         P::bool(
             "notify",
             "true: a compression thread has the module polled as soon as it made a block (it wakes the worker); \
-             false: the module polls on a timer while blocks are out (faster on a busy 2-core machine: \
-             BENCHMARKS.md, \"Services overhead\")",
-            false,
+             false: the module polls on a timer while blocks are out (the way before; for comparisons)",
+            true,
             field!(notify),
         )
         .setting(),
@@ -200,7 +199,7 @@ impl ModuleKind for CompressKind {
 
     fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
         let mut r = settings.reader(KIND);
-        let mut cfg = Config { level: 0, decompress: false, active: true, offload: true, notify: false };
+        let mut cfg = Config { level: 0, decompress: false, active: true, offload: true, notify: true };
         DECL.read(&mut r, &mut cfg)?;
         let select = read_select(&mut r)?;
         r.finish()?;

@@ -5,8 +5,8 @@
 #   none      no service (the template's stream-pass)
 #   null1/4/16  chains of 1, 4 and 16 `null` services
 #   compress  the `compress` service (the server decodes its blocks)
-#   compress-notify  the same with `notify = true`: the compression threads wake the module when a block is made,
-#             instead of its polling on a timer while blocks are out (not in the default list; for comparisons)
+#   compress-timer  the same with `notify = false`: the module polls on a timer while blocks are out instead of
+#             being woken by the compression threads when a block is made (not in the default list; for comparisons)
 #   tls       the `tls` service, client mode (the server speaks TLS, OpenSSL)
 #   both      compress then tls
 # and, against these, the app doing the same work itself over the terminated flow with no service:
@@ -74,8 +74,8 @@ if [[ -n ${FS_OLD:-} ]]; then
   daemon_old=$!
   for _ in $(seq 200); do "$FS_OLD" --state-dir "$state/d-old" status >/dev/null 2>&1 && break; sleep 0.05; done
   all=()
-  # compress-notify is not measured on the old binary: binaries before its setting refuse it.
-  for c in $CONFIGS; do all+=("$c"); [[ $c == app-* || $c == compress-notify ]] || all+=("old-$c"); done
+  # compress-timer is not measured on the old binary: binaries before its setting refuse it.
+  for c in $CONFIGS; do all+=("$c"); [[ $c == app-* || $c == compress-timer ]] || all+=("old-$c"); done
   CONFIGS=${all[*]}
 fi
 
@@ -90,7 +90,7 @@ services() { # $1 = file name, then one kind (with its settings, TOML lines join
 nulls() { local n=$1 i a=(); for ((i = 0; i < n; i++)); do a+=("kind = \"null\""); done; services "null$n" "${a[@]}"; }
 nulls 1 >/dev/null; nulls 4 >/dev/null; nulls 16 >/dev/null
 services compress 'kind = "compress"' >/dev/null
-services compress-notify 'kind = "compress";notify = true' >/dev/null
+services compress-timer 'kind = "compress";notify = false' >/dev/null
 services tls "kind = \"tls\";ca = \"$state/ca.pem\"" >/dev/null
 services both 'kind = "compress"' "kind = \"tls\";ca = \"$state/ca.pem\"" >/dev/null
 
@@ -99,7 +99,7 @@ config() {
   case $1 in
     none) echo "--stack stacks/app-terminate.toml plain 9001" ;;
     null1 | null4 | null16) echo "--services $state/$1.toml plain 9001" ;;
-    compress | compress-notify) echo "--services $state/$1.toml plain 9002" ;;
+    compress | compress-timer) echo "--services $state/$1.toml plain 9002" ;;
     tls) echo "--services $state/tls.toml plain 9003" ;;
     both) echo "--services $state/both.toml plain 9004" ;;
     app-zstd) echo "--stack stacks/app-terminate.toml zstd 9002" ;;
@@ -176,7 +176,7 @@ for c in $CONFIGS; do
     p = (tn > 0) ? sprintf("%+8.1f%%", (t / tn - 1) * 100) : "        -"
     printf "%-13s %8.3f s %8.2f ms/MiB %s\n", c, t / 1e9, t / 1e6 / mb, p }'
 done
-for pair in compress:app-zstd compress-notify:app-zstd tls:app-tls both:app-both; do
+for pair in compress:app-zstd compress-timer:app-zstd tls:app-tls both:app-both; do
   f=${pair%%:*} a=${pair##*:}
   [[ -n "${results[small_$f]:-}" && -n "${results[small_$a]:-}" ]] || continue
   awk -v f="$f" -v a="$a" -v fs="$(med small_$f)" -v as="$(med small_$a)" -v fb="$(med bulk_$f)" -v ab="$(med bulk_$a)" \

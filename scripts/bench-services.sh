@@ -5,6 +5,8 @@
 #   none      no service (the template's stream-pass)
 #   null1/4/16  chains of 1, 4 and 16 `null` services
 #   compress  the `compress` service (the server decodes its blocks)
+#   compress-timer  the same with `notify = false`: the module polls on a timer while blocks are out instead of
+#             being woken by the compression threads when a block is made (not in the default list; for comparisons)
 #   tls       the `tls` service, client mode (the server speaks TLS, OpenSSL)
 #   both      compress then tls
 # and, against these, the app doing the same work itself over the terminated flow with no service:
@@ -72,7 +74,8 @@ if [[ -n ${FS_OLD:-} ]]; then
   daemon_old=$!
   for _ in $(seq 200); do "$FS_OLD" --state-dir "$state/d-old" status >/dev/null 2>&1 && break; sleep 0.05; done
   all=()
-  for c in $CONFIGS; do all+=("$c"); [[ $c == app-* ]] || all+=("old-$c"); done
+  # compress-timer is not measured on the old binary: binaries before its setting refuse it.
+  for c in $CONFIGS; do all+=("$c"); [[ $c == app-* || $c == compress-timer ]] || all+=("old-$c"); done
   CONFIGS=${all[*]}
 fi
 
@@ -87,6 +90,7 @@ services() { # $1 = file name, then one kind (with its settings, TOML lines join
 nulls() { local n=$1 i a=(); for ((i = 0; i < n; i++)); do a+=("kind = \"null\""); done; services "null$n" "${a[@]}"; }
 nulls 1 >/dev/null; nulls 4 >/dev/null; nulls 16 >/dev/null
 services compress 'kind = "compress"' >/dev/null
+services compress-timer 'kind = "compress";notify = false' >/dev/null
 services tls "kind = \"tls\";ca = \"$state/ca.pem\"" >/dev/null
 services both 'kind = "compress"' "kind = \"tls\";ca = \"$state/ca.pem\"" >/dev/null
 
@@ -95,7 +99,7 @@ config() {
   case $1 in
     none) echo "--stack stacks/app-terminate.toml plain 9001" ;;
     null1 | null4 | null16) echo "--services $state/$1.toml plain 9001" ;;
-    compress) echo "--services $state/compress.toml plain 9002" ;;
+    compress | compress-timer) echo "--services $state/$1.toml plain 9002" ;;
     tls) echo "--services $state/tls.toml plain 9003" ;;
     both) echo "--services $state/both.toml plain 9004" ;;
     app-zstd) echo "--stack stacks/app-terminate.toml zstd 9002" ;;
@@ -145,19 +149,24 @@ for r in $(seq "$RUNS"); do
   done
 done
 med() { tr ' ' '\n' <<<"${results[$1]}" | grep . | median; }
+# The fastest and slowest round ("min-max" s): the small-sends rounds of one configuration can differ several times
+# over (BENCHMARKS.md, "Services overhead": a terminated flow's stalls on the server's delayed ACKs), so a median alone
+# hides whether a configuration was fast, or its rounds happened to be.
+range() { tr ' ' '\n' <<<"${results[$1]}" | grep . | sort -g | awk 'NR == 1 {a = $1} {b = $1} END {printf "%.2f-%.2f", a, b}'; }
 
 echo
 echo "services overhead, medians of $RUNS rounds: $SMALL_N sends of 1,024 bytes; $BULK_MB MiB in writes of 64 KiB"
-printf '%-13s %10s %10s %9s   %10s %10s %9s\n' configuration "small s" "Gbit/s" "vs none" "bulk s" "Gbit/s" "vs none"
+printf '%-13s %10s %10s %9s %12s   %10s %10s %9s\n' configuration "small s" "Gbit/s" "vs none" "small range" "bulk s" \
+  "Gbit/s" "vs none"
 small_bytes=$((SMALL_N * 1024))
 bulk_bytes=$((bulk_n * 65536))
 for c in $CONFIGS; do
   awk -v c="$c" -v s="$(med small_$c)" -v b="$(med bulk_$c)" -v sn="${results[small_none]:+$(med small_none)}" \
-    -v bn="${results[bulk_none]:+$(med bulk_none)}" -v sb="$small_bytes" -v bb="$bulk_bytes" 'BEGIN {
+    -v bn="${results[bulk_none]:+$(med bulk_none)}" -v sb="$small_bytes" -v bb="$bulk_bytes" -v sr="$(range small_$c)" 'BEGIN {
       ps = (sn > 0 && s > 0) ? sprintf("%+8.1f%%", (sn / s - 1) * 100) : "        -"
       pb = (bn > 0) ? sprintf("%+8.1f%%", (bn / b - 1) * 100) : "        -"
       rs = (s > 0) ? sb * 8 / s / 1e9 : 0
-      printf "%-13s %10.3f %10.3f %s   %10.3f %10.3f %s\n", c, s, rs, ps, b, bb * 8 / b / 1e9, pb }'
+      printf "%-13s %10.3f %10.3f %s %12s   %10.3f %10.3f %s\n", c, s, rs, ps, sr, b, bb * 8 / b / 1e9, pb }'
 done
 echo "(vs none: the change of throughput against the terminated flow with no service; negative: slower)"
 echo
@@ -167,7 +176,7 @@ for c in $CONFIGS; do
     p = (tn > 0) ? sprintf("%+8.1f%%", (t / tn - 1) * 100) : "        -"
     printf "%-13s %8.3f s %8.2f ms/MiB %s\n", c, t / 1e9, t / 1e6 / mb, p }'
 done
-for pair in compress:app-zstd tls:app-tls both:app-both; do
+for pair in compress:app-zstd compress-timer:app-zstd tls:app-tls both:app-both; do
   f=${pair%%:*} a=${pair##*:}
   [[ -n "${results[small_$f]:-}" && -n "${results[small_$a]:-}" ]] || continue
   awk -v f="$f" -v a="$a" -v fs="$(med small_$f)" -v as="$(med small_$a)" -v fb="$(med bulk_$f)" -v ab="$(med bulk_$a)" \

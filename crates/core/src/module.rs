@@ -16,12 +16,14 @@
 use crate::config::{ConfigError, Settings};
 use crate::deprecation::Deprecations;
 use crate::frame::{Batch, ControlFrame, ControlOp, Frame, PacketPool};
+use crate::notify::{Notifier, Wakeups};
 use crate::reference::{KindReference, MeterDoc, PortDoc, SettingDoc};
 use crate::time::Time;
 use crate::value::Value;
 use crate::vars::{DynamicVars, ModuleVars, VarBlock, VarKind, VarSpec, VarSpecs};
 use std::any::Any;
 use std::collections::BTreeMap;
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 /// Frame type carried by a port; links must join ports of compatible types.
@@ -305,6 +307,8 @@ pub struct Output<'a> {
     pub(crate) dynamic: Option<&'a mut DynamicVars>,
     /// The data-plane worker running the switch, and how many there are.
     pub(crate) worker: (u32, u32),
+    /// The module's mark and its switch's wake-up ([`Output::notifier`]), if the switch has a way to be woken.
+    pub(crate) notify: Option<(&'a Arc<AtomicBool>, &'a Arc<Wakeups>)>,
 }
 
 impl<'a> Output<'a> {
@@ -317,7 +321,19 @@ impl<'a> Output<'a> {
         control: &'a mut Vec<Box<ControlFrame>>,
         next_serial: &'a mut u32,
     ) -> Output<'a> {
-        Output { now, module, pool, ports, dropped: 0, control, next_serial, wake: None, dynamic: None, worker: (0, 1) }
+        Output {
+            now,
+            module,
+            pool,
+            ports,
+            dropped: 0,
+            control,
+            next_serial,
+            wake: None,
+            dynamic: None,
+            worker: (0, 1),
+            notify: None,
+        }
     }
 
     /// The current time.
@@ -382,6 +398,13 @@ impl<'a> Output<'a> {
     /// The wakeup asked for in this call, if any.
     pub fn requested_wakeup(&self) -> Option<Time> {
         self.wake
+    }
+
+    /// A [`Notifier`] that has this module polled at once, from any thread (work it runs off the data plane is
+    /// done), instead of a timer's poll: `None` where nothing would wake the thread running the switch (a switch
+    /// without [`crate::Switch::set_waker`], a detached output): poll on a timer there.
+    pub fn notifier(&self) -> Option<Notifier> {
+        self.notify.map(|(marked, wakeups)| Notifier::new(marked, wakeups))
     }
 
     /// Registers variables under `prefix` (`flow.17`, `iface.eth0`, `app.voip`) while the module runs, e.g. per-flow

@@ -23,12 +23,14 @@
 use crate::config::{valid_name, Endpoint, LinkEntry, LinkSpec, ModuleSpec, Settings, StackSpec};
 use crate::frame::{Batch, ControlFrame, ControlOp, Frame, PacketPool};
 use crate::module::{port_type, FaceDevice, Module, ModuleBuilder, ModuleInterface, Output, PortSpec, CONTROL_PORT};
+use crate::notify::{take_mark, Wakeups};
 use crate::time::Time;
 use crate::value::{Value, ValueType};
 use crate::vars::{Across, DynamicVars, Meter, ModuleVars, Registry, SharedRegistry, VarCell, VarKind, VarSpec};
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, BinaryHeap, HashMap};
 use std::fmt;
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 /// Most frames held at one paused input port; beyond it frames are dropped (and counted).
@@ -280,6 +282,8 @@ struct Slot {
     face: bool,
     /// The face is on [`Switch::egress`] already.
     egress_listed: bool,
+    /// Set by the module's [`crate::Notifier`]s (from any thread): poll it at the next run.
+    marked: Arc<AtomicBool>,
 }
 
 impl Slot {
@@ -315,6 +319,7 @@ impl Slot {
             wake_at: Some(Time::ZERO),
             face,
             egress_listed: false,
+            marked: Arc::new(AtomicBool::new(false)),
         }
     }
 
@@ -364,6 +369,8 @@ pub struct Switch {
     due: Vec<usize>,
     /// Faces that were called (and so may have queued frames for their device) since [`Switch::take_egress_ready`].
     egress: Vec<usize>,
+    /// How modules' [`crate::Notifier`]s wake the thread running the switch ([`Switch::set_waker`]).
+    wakeups: Option<Arc<Wakeups>>,
 }
 
 /// Handles of the switch meters written on every run, so the hot path does no lookup by name.
@@ -461,6 +468,7 @@ impl Switch {
             timers: BinaryHeap::new(),
             due: Vec::new(),
             egress: Vec::new(),
+            wakeups: None,
         };
         s.publish();
         s
@@ -587,6 +595,8 @@ impl Switch {
                     }
                 }
                 fresh.paused = old.paused;
+                // Notifiers the old module handed out (work still out, taken over with its state) poll the new one.
+                fresh.marked = old.marked.clone();
                 self.slots[i] = fresh;
                 // The runtime variables of the old module go with it unless its state (which holds them) moved on.
                 if !handed_over {
@@ -949,6 +959,13 @@ impl Switch {
         std::mem::take(&mut self.control_inbox)
     }
 
+    /// How the modules' [`crate::Notifier`]s wake the thread that runs this switch (e.g. a write to the eventfd its loop
+    /// waits on); without it, [`Output::notifier`] gives none and modules poll on timers. A notified module is
+    /// polled at the next [`Switch::run`].
+    pub fn set_waker(&mut self, wake: impl Fn() + Send + Sync + 'static) {
+        self.wakeups = Some(Arc::new(Wakeups::new(Box::new(wake))));
+    }
+
     /// The earliest time a module asked to be polled, or `None`.
     pub fn next_wakeup(&self) -> Option<Time> {
         if self.paused {
@@ -983,6 +1000,13 @@ impl Switch {
         }
         self.hot.runs.add(1);
         let mut calls = 0;
+        if self.wakeups.as_ref().is_some_and(|w| w.take_any()) {
+            for i in 0..self.slots.len() {
+                if take_mark(&self.slots[i].marked) {
+                    self.set_wake(i, Some(Time::ZERO));
+                }
+            }
+        }
         // The modules due are polled in load order; a poll arms the module's next time (after this loop: a poll
         // asking for a time already past is polled again at the next run, not in this one).
         let mut due = std::mem::take(&mut self.due);
@@ -1282,6 +1306,7 @@ impl Switch {
             wake: None,
             dynamic: Some(&mut self.dynamic),
             worker: self.worker,
+            notify: self.wakeups.as_ref().map(|w| (&slot.marked, w)),
         };
         (slot.module.as_mut(), out)
     }

@@ -1541,6 +1541,75 @@ fn modules_can_ask_for_a_wakeup_from_process_and_are_polled_after_a_knob_write()
     assert_eq!(*polls.lock().unwrap(), [t(1), t(7), t(8)]);
 }
 
+/// For each frame, hands a [`crate::Notifier`] to a thread of its own in `process` (when the switch gives one), which
+/// notifies once; counts its polls.
+struct Offloader {
+    polls: Log<Time>,
+    threads: Log<std::thread::JoinHandle<()>>,
+    had_notifier: Log<bool>,
+}
+
+impl Module for Offloader {
+    fn process(&mut self, _port: usize, input: &mut Batch, out: &mut Output<'_>) {
+        let frames = input.len();
+        input.clear();
+        let notifier = out.notifier();
+        self.had_notifier.lock().unwrap().push(notifier.is_some());
+        for n in std::iter::repeat_n(notifier, frames).flatten() {
+            self.threads.lock().unwrap().push(std::thread::spawn(move || n.notify()));
+        }
+    }
+    fn poll(&mut self, out: &mut Output<'_>) -> Option<Time> {
+        self.polls.lock().unwrap().push(out.now());
+        None
+    }
+}
+
+#[test]
+fn a_notifier_wakes_the_switch_thread_and_has_its_module_polled_at_the_next_run() {
+    let (polls, threads, had) = (Log::default(), Log::default(), Log::default());
+    let (p, th, h) = (polls.clone(), threads.clone(), had.clone());
+    let builder = built(&[("in", port_type::ANY)], &[], vec![], move |_| {
+        Box::new(Offloader { polls: p.clone(), threads: th.clone(), had_notifier: h.clone() })
+    });
+    let mut sw = Switch::default();
+    sw.apply(vec![load("off", builder)]).unwrap();
+    sw.run(t(1));
+    inject(&mut sw, "off", [1]);
+    sw.run(t(2));
+    assert_eq!(*had.lock().unwrap(), [false], "no waker: no notifier (the module polls on a timer)");
+
+    let woken = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let w = woken.clone();
+    sw.set_waker(move || {
+        w.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    });
+    inject(&mut sw, "off", [2]);
+    sw.run(t(3));
+    assert_eq!(*had.lock().unwrap(), [false, true]);
+    assert_eq!(sw.next_wakeup(), None, "no timer asked for");
+    for th in threads.lock().unwrap().drain(..) {
+        th.join().unwrap();
+    }
+    assert_eq!(woken.load(std::sync::atomic::Ordering::SeqCst), 1, "the thread woke the switch's thread");
+    assert_eq!(*polls.lock().unwrap(), [t(1)]);
+    sw.run(t(4));
+    assert_eq!(*polls.lock().unwrap(), [t(1), t(4)], "polled at the next run");
+    sw.run(t(5));
+    assert_eq!(polls.lock().unwrap().len(), 2, "once per notification");
+
+    // A burst of notifications before the switch runs costs one wake-up and one poll.
+    inject(&mut sw, "off", [3]);
+    inject(&mut sw, "off", [4]);
+    sw.run(t(6));
+    for th in threads.lock().unwrap().drain(..) {
+        th.join().unwrap();
+    }
+    assert_eq!(woken.load(std::sync::atomic::Ordering::SeqCst), 2);
+    sw.run(t(7));
+    assert_eq!(*polls.lock().unwrap(), [t(1), t(4), t(7)]);
+}
+
 /// Registers `flow.<first byte>` meters for every new first byte it sees, counting packets per flow; procedure
 /// `forget` unregisters a flow.
 struct Flows {

@@ -482,10 +482,16 @@ fn start_worker(
         }
     };
     let thread_registry = registry.clone();
+    let wake_switch = wake.clone();
     let name = if id == 0 { "dataplane".to_string() } else { format!("dataplane-{id}") };
     let thread = std::thread::Builder::new().name(name).spawn(move || {
         let scheduling = scheduling_of_this_thread(options.realtime);
         let mut switch = Switch::for_worker(PacketPool::default(), thread_registry.clone(), id as u32, n as u32);
+        // A module's work done on another thread (compress's blocks) wakes this worker as a command does.
+        let woken = wake_switch;
+        switch.set_waker(move || {
+            let _ = woken.write(1);
+        });
         let origin = Instant::now();
         switch.set_profiler(Some(Box::new(move || u64::try_from(origin.elapsed().as_nanos()).unwrap_or(u64::MAX))));
         let _ = ready_tx.send(scheduling);

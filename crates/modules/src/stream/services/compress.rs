@@ -13,9 +13,11 @@
 //! - Where zstd runs (setting `offload`, true by default): blocks are compressed on a small pool of compression
 //!   threads the process shares ([`THREADS`] at most, started at the first block), in parallel with the data plane
 //!   and with each other, and leave strictly in order per flow and direction. The module stays sans-IO: it hands a
-//!   block over and goes on; a block not made yet is not emitted yet; while blocks are out it asks to be polled
-//!   every half of the time a block took lately ([`POLL_EVERY`] to start with; from [`POLL_MIN`] to [`POLL_MAX`]:
-//!   two polls per block's time, not one per 50 us of a bulk transfer) and collects finished blocks in every
+//!   block over and goes on; a block not made yet is not emitted yet; the thread that made a block has the module
+//!   polled at once through the switch's [`Notifier`] (it wakes the data-plane worker; setting `notify`, true by
+//!   default). With `notify = false`, without a notifier (a switch without a waker), or while its blocks wait for
+//!   room with none of its own out, it asks to be polled every half of the time a block took lately instead
+//!   ([`POLL_EVERY`] to start with; from [`POLL_MIN`] to [`POLL_MAX`]). It collects finished blocks in every
 //!   `process` too, and emits the blocks made since,
 //!   from the head of each direction's queue. Anything else of that direction that comes meanwhile (a switch mark,
 //!   raw bytes, the `Fin`) queues behind them. Bounded: at most [`FLOW_IN_FLIGHT`] blocks of a flow's direction and
@@ -53,7 +55,7 @@ use flexstack_core::module::handed_over;
 use flexstack_core::stream::{AckMap, Protocol, StreamFrame, StreamKind};
 use flexstack_core::{
     field, kind_from_decl, Batch, ConfigError, Direction, Frame, KindDecl, Meter, MeterDecl, Module, ModuleBuilder,
-    ModuleInterface, ModuleKind, ModuleVars, Output, Packet, Param, Settings, Time, Value, ValueType,
+    ModuleInterface, ModuleKind, ModuleVars, Notifier, Output, Packet, Param, Settings, Time, Value, ValueType,
 };
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -106,6 +108,7 @@ struct Config {
     decompress: bool,
     active: bool,
     offload: bool,
+    notify: bool,
 }
 
 type P = Param<Config>;
@@ -136,6 +139,14 @@ const DECL: KindDecl<Config, Meters> = KindDecl {
              false: on the data-plane worker",
             true,
             field!(offload),
+        )
+        .setting(),
+        P::bool(
+            "notify",
+            "true: a compression thread has the module polled as soon as it made a block (it wakes the worker); \
+             false: the module polls on a timer while blocks are out (the way before; for comparisons)",
+            true,
+            field!(notify),
         )
         .setting(),
         active::param(field!(active)),
@@ -188,7 +199,7 @@ impl ModuleKind for CompressKind {
 
     fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
         let mut r = settings.reader(KIND);
-        let mut cfg = Config { level: 0, decompress: false, active: true, offload: true };
+        let mut cfg = Config { level: 0, decompress: false, active: true, offload: true, notify: true };
         DECL.read(&mut r, &mut cfg)?;
         let select = read_select(&mut r)?;
         r.finish()?;
@@ -272,6 +283,8 @@ struct Job {
     level: i32,
     input: Vec<u8>,
     reply: Sender<Done>,
+    /// Has the module polled once the block is sent back (`None`: it polls on a timer).
+    notify: Option<Notifier>,
 }
 
 /// A block made by a compression thread.
@@ -321,16 +334,19 @@ fn serve(rx: &Mutex<Receiver<Job>>, total: &AtomicUsize) {
             Ok(job) => job,
             Err(_) => return,
         };
-        let done = run(&mut zc, job);
+        let (reply, notify, done) = run(&mut zc, job);
         total.fetch_sub(1, Ordering::AcqRel);
-        let (reply, done) = done;
         // The module may be gone (unloaded): its blocks go with it.
-        let _ = reply.send(done);
+        if reply.send(done).is_ok() {
+            if let Some(n) = notify {
+                n.notify();
+            }
+        }
     }
 }
 
 /// Makes a job's block with a context kept for its level.
-fn run(zc: &mut Option<(i32, zstd::bulk::Compressor<'static>)>, job: Job) -> (Sender<Done>, Done) {
+fn run(zc: &mut Option<(i32, zstd::bulk::Compressor<'static>)>, job: Job) -> (Sender<Done>, Option<Notifier>, Done) {
     if zc.as_ref().is_none_or(|(l, _)| *l != job.level) {
         *zc = zstd::bulk::Compressor::new(job.level).ok().map(|c| (job.level, c));
     }
@@ -341,7 +357,7 @@ fn run(zc: &mut Option<(i32, zstd::bulk::Compressor<'static>)>, job: Job) -> (Se
         None => store_block(&job.input, &mut block),
     };
     let took = start.elapsed();
-    (job.reply, Done { flow: job.flow, dir: job.dir, seq: job.seq, block, stored, took })
+    (job.reply, job.notify, Done { flow: job.flow, dir: job.dir, seq: job.seq, block, stored, took })
 }
 
 /// Writes the block of `piece` (header and payload) into `b`; returns true if it is stored as it was (zstd would
@@ -382,6 +398,10 @@ struct Offload {
     next_seq: u64,
     /// How long to wait between polls while blocks are out: half of what a block took lately (a moving average).
     poll_every: Duration,
+    /// Blocks of this module's flows on the threads (handed over, not yet collected).
+    working: usize,
+    /// How the threads have the module polled when a block is made (from the switch; `None`: poll on a timer).
+    notifier: Option<Notifier>,
 }
 
 impl Offload {
@@ -393,7 +413,18 @@ impl Offload {
 
     fn to(jobs: Sender<Job>, total: Arc<AtomicUsize>, limit: usize) -> Offload {
         let (done_tx, done_rx) = mpsc::channel();
-        Offload { jobs, total, limit, done_tx, done_rx, busy: Vec::new(), next_seq: 0, poll_every: POLL_EVERY }
+        Offload {
+            jobs,
+            total,
+            limit,
+            done_tx,
+            done_rx,
+            busy: Vec::new(),
+            next_seq: 0,
+            poll_every: POLL_EVERY,
+            working: 0,
+            notifier: None,
+        }
     }
 }
 
@@ -403,6 +434,7 @@ struct Handed {
     done: (Sender<Done>, Receiver<Done>),
     busy: Vec<(u64, Direction)>,
     next_seq: u64,
+    working: usize,
 }
 
 /// A running `compress`.
@@ -512,9 +544,13 @@ impl Compress {
                 return;
             }
             let Block::Waiting(input) = std::mem::replace(b, Block::Working) else { unreachable!() };
-            let job = Job { flow, dir: d, seq: *seq, level, input, reply: self.offload.done_tx.clone() };
+            let notify = self.offload.notifier.clone();
+            let job = Job { flow, dir: d, seq: *seq, level, input, reply: self.offload.done_tx.clone(), notify };
             match self.offload.jobs.send(job) {
-                Ok(()) => st.working[s] += 1,
+                Ok(()) => {
+                    st.working[s] += 1;
+                    self.offload.working += 1;
+                }
                 Err(mpsc::SendError(job)) => {
                     // No thread left (they panicked): the block is made here.
                     self.offload.total.fetch_sub(1, Ordering::AcqRel);
@@ -527,10 +563,28 @@ impl Compress {
         }
     }
 
+    /// Collects what the threads made ([`Self::collect`]) and says when to be polled again: never with nothing out
+    /// or waiting; when a thread notifies that a block is made (the switch's [`Notifier`]); on a timer (half of what
+    /// a block took lately) without a notifier, or while blocks wait with none of this module's on the threads
+    /// (other modules' blocks hold the process's limit, and their notifications reach those modules, not this one).
+    fn collect_and_schedule(&mut self, out: &mut Output<'_>) -> Option<Time> {
+        let busy = self.collect(out);
+        let notified = self.offload.notifier.is_some() && self.offload.working > 0;
+        (busy && !notified).then(|| out.now() + self.offload.poll_every)
+    }
+
+    /// Takes the switch's notifier for the blocks handed to the threads from now on, if it has none yet.
+    fn take_notifier(&mut self, out: &Output<'_>) {
+        if self.offload.notifier.is_none() && self.cfg.notify {
+            self.offload.notifier = out.notifier();
+        }
+    }
+
     /// Takes the blocks the threads made, emits what is ready at the head of each queue, hands the threads what
     /// waits; true if blocks are still out or waiting.
     fn collect(&mut self, out: &mut Output<'_>) -> bool {
         while let Ok(done) = self.offload.done_rx.try_recv() {
+            self.offload.working = self.offload.working.saturating_sub(1);
             let s = slot(done.dir);
             // An average of the last blocks' times (weight 1/8), halved, within bounds.
             let every = (self.offload.poll_every * 7 + done.took / 2) / 8;
@@ -732,6 +786,7 @@ impl Compress {
 
 impl Module for Compress {
     fn process(&mut self, _port: usize, input: &mut Batch, out: &mut Output<'_>) {
+        self.take_notifier(out);
         for frame in input.drain(..) {
             let Frame::Data(p) = frame else {
                 self.flush(out);
@@ -806,13 +861,14 @@ impl Module for Compress {
             }
         }
         self.flush(out);
-        if self.collect(out) {
-            out.wake_at(out.now() + self.offload.poll_every);
+        if let Some(t) = self.collect_and_schedule(out) {
+            out.wake_at(t);
         }
     }
 
     fn poll(&mut self, out: &mut Output<'_>) -> Option<Time> {
-        self.collect(out).then(|| out.now() + self.offload.poll_every)
+        self.take_notifier(out);
+        self.collect_and_schedule(out)
     }
 
     fn write_knob(&mut self, knob: &str, value: &Value) -> Result<(), String> {
@@ -828,7 +884,8 @@ impl Module for Compress {
         let (tx, rx) = mpsc::channel();
         let done = (std::mem::replace(&mut self.offload.done_tx, tx), std::mem::replace(&mut self.offload.done_rx, rx));
         let busy = std::mem::take(&mut self.offload.busy);
-        Some(Box::new(Handed { flows: self.flows.take(), done, busy, next_seq: self.offload.next_seq }))
+        let working = std::mem::take(&mut self.offload.working);
+        Some(Box::new(Handed { flows: self.flows.take(), done, busy, next_seq: self.offload.next_seq, working }))
     }
 
     fn adopt_state(&mut self, state: Box<dyn std::any::Any>) -> Result<(), String> {
@@ -839,6 +896,8 @@ impl Module for Compress {
         (self.offload.done_tx, self.offload.done_rx) = h.done;
         self.offload.busy.extend(h.busy);
         self.offload.next_seq = self.offload.next_seq.max(h.next_seq);
+        // Their threads notify the switch's mark of this module's place, which the replacement keeps.
+        self.offload.working += h.working;
         Ok(())
     }
 }
@@ -859,7 +918,7 @@ mod tests {
 
     impl Harness {
         fn new(limit: usize) -> Harness {
-            let cfg = Config { level: 3, decompress: false, active: true, offload: true };
+            let cfg = Config { level: 3, decompress: false, active: true, offload: true, notify: true };
             let vars = ModuleVars::new(&DECL.interface(&cfg).vars);
             let mut m = CompressBuilder { cfg, select: vec![SelectRule::ALL] }.make(&vars);
             let (tx, jobs) = mpsc::channel();
@@ -917,7 +976,7 @@ mod tests {
 
     /// What a compression thread does with a job.
     fn finish(job: Job) {
-        let (reply, done) = run(&mut None, job);
+        let (reply, _, done) = run(&mut None, job);
         reply.send(done).unwrap();
     }
 
@@ -1145,8 +1204,42 @@ mod tests {
     }
 
     #[test]
+    fn in_a_switch_with_a_waker_the_threads_wake_it_for_each_block_and_no_timer_polls() {
+        let cfg = Config { level: 3, decompress: false, active: true, offload: true, notify: true };
+        let builder = CompressBuilder { cfg, select: vec![SelectRule::ALL] };
+        let mut sw = flexstack_core::Switch::default();
+        let (woke, wakes) = mpsc::channel();
+        let woke = Mutex::new(woke);
+        sw.set_waker(move || {
+            let _ = woke.lock().unwrap().send(());
+        });
+        sw.apply(vec![flexstack_core::Edit::load_built("z", KIND, Box::new(builder))]).unwrap();
+        fn sw_meter(sw: &flexstack_core::Switch, name: &str) -> u64 {
+            sw.registry().snapshot().get(&format!("module.z.{name}")).map_or(0, |v| v.load_u64())
+        }
+        let pool = sw.pool().clone();
+        let input = text(4, 5 * MAX_BLOCK);
+        let mut frames: Batch =
+            vec![open(&pool, 1).into(), StreamFrame::data(&pool, 1, Direction::Down, &input).into()];
+        sw.inject("z", BOTH_WAYS_IN[0].name, &mut frames).unwrap();
+        sw.run(Time::from_millis(1));
+        let mut made = sw_meter(&sw, "blocks_total");
+        assert!(made < 5, "the blocks are on the threads");
+        let mut ms = 2;
+        while made < 5 {
+            assert_eq!(sw.next_wakeup(), None, "no timer while blocks are out: the threads wake the switch");
+            wakes.recv_timeout(Duration::from_secs(10)).expect("a thread woke the switch");
+            sw.run(Time::from_millis(ms));
+            ms += 1;
+            made = sw_meter(&sw, "blocks_total");
+        }
+        assert_eq!(sw_meter(&sw, "plain_bytes_total"), input.len() as u64);
+        assert_eq!(sw.next_wakeup(), None);
+    }
+
+    #[test]
     fn the_shared_pool_makes_the_blocks() {
-        let cfg = Config { level: 3, decompress: false, active: true, offload: true };
+        let cfg = Config { level: 3, decompress: false, active: true, offload: true, notify: true };
         let vars = ModuleVars::new(&DECL.interface(&cfg).vars);
         let mut m = CompressBuilder { cfg, select: vec![SelectRule::ALL] }.make(&vars);
         let pool = PacketPool::default();

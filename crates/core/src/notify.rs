@@ -28,7 +28,8 @@ impl Wakeups {
 
     /// True (once) if some module was marked since the last call: the caller then takes each module's mark.
     pub(crate) fn take_any(&self) -> bool {
-        self.any.swap(false, Ordering::SeqCst)
+        // A read first: no write on a run without notifications (one set after the read wakes the thread again).
+        self.any.load(Ordering::Relaxed) && self.any.swap(false, Ordering::SeqCst)
     }
 }
 

@@ -611,6 +611,7 @@ impl Engine {
     /// The end of its stream or an error becomes an event.
     fn read_one(&mut self, id: u64, buf: &mut Vec<u8>, meta: &mut Metadata) -> bool {
         let (budget, chunk, idle) = (self.cfg.budget, self.cfg.chunk, self.cfg.udp_timeout_ms);
+        let udp_budget = self.cfg.udp_budget;
         let Some(f) = self.flows.get_mut(&id) else { return false };
         buf.clear();
         let outcome: ReadOutcome = if !f.accepted || f.eof {
@@ -647,7 +648,7 @@ impl Engine {
                         Ok(n) => {
                             // Later than the one filed: `earliest` stays a lower bound.
                             f.deadline = Some(Instant::now() + Duration::from_millis(idle));
-                            if f.credit.room(budget) < (n as u64).max(1) {
+                            if f.credit.room(udp_budget) < (n as u64).max(1) {
                                 self.m.udp_budget_drops.add(1); // as a full socket buffer drops it
                                 continue;
                             }

@@ -13,7 +13,8 @@
 # with the ratios to (f) and, for quic, to the udp carrier. PROFILE=ci uses the ci profile's binary; NO_BUILD=1 /
 # FS=PATH as in scripts/lib/bench.sh. FS_OLD=binary adds (K0) for each K: the same through daemons A and B of that
 # binary, in the same rounds (A/B: the old code against the new; both daemons restart when the binary changes).
-# STREAMS=N runs N parallel app streams (iperf3 -P) in both tests. The letter c in KINDS (KINDS="c udp") adds
+# STREAMS=N runs N parallel app streams (iperf3 -P) in both tests; BUDGET=BYTES sets the app's terminate's
+# `budget` (bytes of a flow in flight in the stream chain) on the carrier paths. The letter c in KINDS (KINDS="c udp") adds
 #   (c)  the ceiling of the app and its TUN device on this machine: the same iperf3 client in a namespace of its own
 #        (${tag}c, 10.(NET+2).0.2) whose only device is a TUN drained by the C forwarder of bench/tun_forward.c (one
 #        thread per direction, offloads on) into a TUN device in the host, which routes through B's namespace as
@@ -34,6 +35,7 @@ peer_bench_state "$NET"
 peer_topology "$NET"
 start_peers "$NET" tcp
 app_sed=()
+[[ -z ${BUDGET:-} ]] || app_sed=(-e "s|^app = \"{app}\"|&\nbudget = $BUDGET|")
 for k in $KINDS; do [[ $k == c ]] || carrier_stack "$k" "transport = \"$k\""; done
 if [[ " $KINDS " == *" c "* ]]; then # (c): ${tag}ca in the client namespace, ${tag}cb in the host
   cc -O2 -pthread -o "$state/tun_forward" bench/tun_forward.c

@@ -13,7 +13,13 @@
 # with the ratios to (f) and, for quic, to the udp carrier. PROFILE=ci uses the ci profile's binary; NO_BUILD=1 /
 # FS=PATH as in scripts/lib/bench.sh. FS_OLD=binary adds (K0) for each K: the same through daemons A and B of that
 # binary, in the same rounds (A/B: the old code against the new; both daemons restart when the binary changes).
-# STREAMS=N runs N parallel app streams (iperf3 -P) in both tests. Needs root.
+# STREAMS=N runs N parallel app streams (iperf3 -P) in both tests; BUDGET=BYTES sets the app's terminate's
+# `budget` (bytes of a flow in flight in the stream chain) on the carrier paths. The letter c in KINDS (KINDS="c udp") adds
+#   (c)  the ceiling of the app and its TUN device on this machine: the same iperf3 client in a namespace of its own
+#        (${tag}c, 10.(NET+2).0.2) whose only device is a TUN drained by the C forwarder of bench/tun_forward.c (one
+#        thread per direction, offloads on) into a TUN device in the host, which routes through B's namespace as
+#        for (f): no flexstack at all on the path, only what any user-space stack behind a TUN device must pay.
+# Needs root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${RUNS:-5}
@@ -23,13 +29,29 @@ STREAMS=${STREAMS:-1}
 KINDS=${KINDS:-tcp quic udp udpplus}
 NET=${NET:-225} # A-B 10.NET.1.0/24, B-server 10.NET.2.0/24, apps 10.(NET+1).0.0/16
 . scripts/lib/bench.sh # median, bench_setup, peer_topology, start_peers, start_peer_b, carrier_stack
-bench_setup bench-carriers "namespaces, veth, TUN devices" iperf3 python3
+bench_setup bench-carriers "namespaces, veth, TUN devices" iperf3 python3 cc
 tag=fsc$$
 peer_bench_state "$NET"
 peer_topology "$NET"
 start_peers "$NET" tcp
 app_sed=()
-for k in $KINDS; do carrier_stack "$k" "transport = \"$k\""; done
+[[ -z ${BUDGET:-} ]] || app_sed=(-e "s|^app = \"{app}\"|&\nbudget = $BUDGET|")
+for k in $KINDS; do [[ $k == c ]] || carrier_stack "$k" "transport = \"$k\""; done
+if [[ " $KINDS " == *" c "* ]]; then # (c): ${tag}ca in the client namespace, ${tag}cb in the host
+  cc -O2 -pthread -o "$state/tun_forward" bench/tun_forward.c
+  ip netns add ${tag}c
+  ip -n ${tag}c link set lo up
+  "$state/tun_forward" -o -t ${tag}ca ${tag}cb > "$state/fwd.out" &
+  pids+=($!)
+  wait_for 'grep -q ready "$state/fwd.out" 2>/dev/null' "the C forwarder did not start"
+  ip link set ${tag}ca netns ${tag}c
+  ip -n ${tag}c addr add 10.$((NET + 2)).0.2/24 dev ${tag}ca
+  ip -n ${tag}c link set ${tag}ca up
+  ip -n ${tag}c route add default dev ${tag}ca
+  ip addr add 10.$((NET + 2)).0.1/24 dev ${tag}cb
+  ip link set ${tag}cb up
+  trap 'peer_bench_cleanup; ns_cleanup ${tag}c' EXIT INT TERM
+fi
 
 new=$fs
 # Runs daemons A and B (B with transport $2) of binary $1: A restarts when the binary changes (and is told B's key
@@ -47,11 +69,11 @@ daemons() {
 
 # iperf3 on PATH with the options given; prints what the server received in Gbit/s (or the error, and fails).
 iperf() {
-  local run=("$fs" --state-dir "$state/a" run) p=${1%0}
+  local run=("$fs" --state-dir "$state/a" run --) p=${1%0}
   shift
-  [[ $p != f ]] && run+=(--stack "$state/app-$p.toml")
+  if [[ $p == c ]]; then run=(ip netns exec ${tag}c); elif [[ $p != f ]]; then run=("${run[@]:0:4}" --stack "$state/app-$p.toml" --); fi
   for _ in 1 2 3; do # the server may still hold a test whose client went away (--rcv-timeout, peer_topology)
-    "${run[@]}" -- iperf3 -c $srv -p 5201 -t "$SECS" -P "$STREAMS" -J "$@" > "$state/iperf.json" || true
+    "${run[@]}" iperf3 -c $srv -p 5201 -t "$SECS" -P "$STREAMS" -J "$@" > "$state/iperf.json" || true
     grep -q '"error":.*busy' "$state/iperf.json" || break
     sleep 3
   done
@@ -68,14 +90,14 @@ PY
 measure() { echo "$(iperf "$1") $(iperf "$1" -u -b 0 -l "$LEN" -w 4M)"; }
 
 paths=$KINDS
-[[ -z ${FS_OLD:-} ]] || for k in $KINDS; do paths+=" ${k}0"; done
+[[ -z ${FS_OLD:-} ]] || for k in $KINDS; do [[ $k == c ]] || paths+=" ${k}0"; done
 for i in $(seq "$RUNS"); do
   daemons "$new" tcp
   read -r t u < <(measure f)
   echo "$t" >> "$state/f.tcp"; echo "$u" >> "$state/f.udp"
   line="round $i: f $t/$u"
   for k in $paths; do
-    if [[ $k == *0 ]]; then daemons "$FS_OLD" "${k%0}"; else daemons "$new" "$k"; fi
+    if [[ $k == *0 ]]; then daemons "$FS_OLD" "${k%0}"; elif [[ $k != c ]]; then daemons "$new" "$k"; fi
     read -r t u < <(measure "$k")
     echo "$t" >> "$state/$k.tcp"; echo "$u" >> "$state/$k.udp"
     line+=", $k $t/$u"
@@ -94,6 +116,7 @@ row() { # $1 = label, $2 = TCP, $3 = UDP
 }
 row "(f) forwarding" "$ft" "$fu"
 for k in $paths; do
+  [[ $k == c ]] && { row "(c) app+TUN ceiling" "$(median < "$state/c.tcp")" "$(median < "$state/c.udp")"; continue; }
   row "($k) carrier" "$(median < "$state/$k.tcp")" "$(median < "$state/$k.udp")"
 done
 if [[ " $KINDS " == *" quic "* && " $KINDS " == *" udp "* ]]; then

@@ -314,6 +314,10 @@ fn udp_carries_curl_dig_a_large_download_and_iperf3() {
     assert!(lost < 5.0, "iperf3's datagrams arrived on a clean link: {lost} % lost");
     assert_eq!(r.b_meter("malformed_total"), 0);
     assert_eq!(r.b_meter("replayed_total"), 0);
+    // Both sides of version 2: the handshake chose AES-256-GCM (docs/peers.md, "Handshake and protection").
+    let p = r.a.cli(&["-j", "peer", "show", "gateway"]);
+    let p: serde_json::Value = serde_json::from_slice(&p.stdout).expect("peer show as JSON");
+    assert_eq!(p["state"], "connected over udp (aes-256-gcm)", "{p}");
 }
 
 /// The `udpplus` carrier between peers that reach each other over IPv6: curl (IPv4 and IPv6 apps) and dig, a

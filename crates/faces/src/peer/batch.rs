@@ -1,4 +1,5 @@
-//! Batched datagram I/O for the `quic`, `udp` and `udpplus` carriers: what a carrier sends in one pass goes into an
+//! Batched datagram I/O for the `quic`, `udp` and `udpplus` carriers and the kernel endpoints' UDP flows
+//! (`stream::engine`): what a carrier (or a flow) sends in one pass goes into an
 //! [`Outbox`] and leaves with one system call per run of equal-sized datagrams to the same address (UDP GSO,
 //! `UDP_SEGMENT`), and [`recv`] takes what the kernel coalesced (UDP GRO, `UDP_GRO`) in one call. The wire stays
 //! the same: the kernel (or the NIC) cuts a run into the datagrams it was made of, and a receiver without GRO gets
@@ -86,41 +87,65 @@ impl Outbox {
         self.runs.is_empty()
     }
 
+    /// Drops the datagrams waiting.
+    pub(crate) fn clear(&mut self) {
+        self.runs.clear();
+        self.buf.clear();
+    }
+
     /// Sends what waits from `socket`; returns the bytes sent. A datagram the socket does not take (its buffer full,
     /// an error) is lost, as the network may lose it: the carriers recover what must arrive.
     pub(crate) fn flush(&mut self, socket: &UdpSocket) -> u64 {
-        let mut sent = 0;
+        self.send(socket, false).0
+    }
+
+    /// Sends what waits from `socket`, a connected socket (the runs' addresses are not given to the kernel: only
+    /// the socket's own peer is written to, through its cached route); returns the bytes sent and the datagrams the
+    /// socket did not take (its buffer full, an error such as an ICMP error reported on it).
+    pub(crate) fn flush_connected(&mut self, socket: &UdpSocket) -> (u64, u64) {
+        self.send(socket, true)
+    }
+
+    fn send(&mut self, socket: &UdpSocket, connected: bool) -> (u64, u64) {
+        let (mut sent, mut lost) = (0, 0);
         for r in &self.runs {
             let bytes = &self.buf[r.start..r.end];
+            let to = (!connected).then(|| SockaddrStorage::from(r.to));
             if r.count > 1 && self.gso && r.seg <= self.gso_max_seg {
                 let seg = r.seg as u16;
-                let to = SockaddrStorage::from(r.to);
                 let cmsg = [ControlMessage::UdpGsoSegments(&seg)];
-                match sendmsg(socket.as_raw_fd(), &[IoSlice::new(bytes)], &cmsg, MsgFlags::empty(), Some(&to)) {
+                match sendmsg(socket.as_raw_fd(), &[IoSlice::new(bytes)], &cmsg, MsgFlags::empty(), to.as_ref()) {
                     Ok(n) => {
                         sent += n as u64;
                         continue;
                     }
-                    Err(Errno::EAGAIN) => continue,
+                    Err(Errno::EAGAIN) => {
+                        lost += r.count as u64;
+                        continue;
+                    }
                     Err(Errno::EIO | Errno::ENOPROTOOPT | Errno::EOPNOTSUPP) => {
-                        tracing::info!("carrier: no UDP segmentation offload on this path; sending datagrams singly");
+                        tracing::info!("no UDP segmentation offload on this path; sending datagrams singly");
                         self.gso = false;
                     }
                     Err(Errno::EINVAL) => self.gso_max_seg = r.seg - 1,
                     Err(_) => {} // an error reported on the socket (ICMP): the datagrams singly, as below
                 }
             }
-            for d in bytes.chunks(r.seg) {
-                match socket.send_to(d, r.to) {
+            for (i, d) in bytes.chunks(r.seg).enumerate() {
+                let result = if connected { socket.send(d) } else { socket.send_to(d, r.to) };
+                match result {
                     Ok(n) => sent += n as u64,
-                    Err(e) if e.kind() == ErrorKind::WouldBlock => break,
-                    Err(_) => {}
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                        lost += (r.count - i) as u64;
+                        break;
+                    }
+                    Err(_) => lost += 1,
                 }
             }
         }
         self.runs.clear();
         self.buf.clear();
-        sent
+        (sent, lost)
     }
 }
 
@@ -198,6 +223,34 @@ mod tests {
             assert!(out.is_empty());
             assert_eq!(received(&b, sent.len()), sent, "gro {gro}");
         }
+    }
+
+    #[test]
+    fn a_connected_socket_sends_runs_to_its_peer_and_counts_what_it_did_not_take() {
+        let (a, b) = pair();
+        let to = b.local_addr().unwrap();
+        a.connect(to).unwrap();
+        let mut out = Outbox::default();
+        let sent: Vec<Vec<u8>> = (0..70u8).map(|i| vec![i; 1400]).chain([vec![1; 3]]).collect();
+        for d in &sent {
+            // The address is only the runs' key: the socket writes to its peer whatever it says.
+            out.push("127.0.0.1:9".parse().unwrap(), d);
+        }
+        let total = sent.iter().map(|d| d.len() as u64).sum::<u64>();
+        assert_eq!(out.flush_connected(&a), (total, 0));
+        assert_eq!(received(&b, sent.len()), sent);
+        // Its peer gone: the port unreachable that comes back is reported on the next send, which loses its
+        // datagrams (at least the first) and says so.
+        drop(b);
+        out.push(to, &[0; 100]);
+        out.flush_connected(&a);
+        std::thread::sleep(Duration::from_millis(50));
+        for _ in 0..3 {
+            out.push(to, &[0; 100]);
+        }
+        let (bytes, lost) = out.flush_connected(&a);
+        assert!(lost >= 1 && bytes + lost * 100 == 300, "{bytes} bytes sent, {lost} lost");
+        assert!(out.is_empty());
     }
 
     #[test]

@@ -7,7 +7,9 @@
 //!   certificate whose fingerprint is in its table and whose signature holds, with its own ephemeral key, signed
 //!   over both keys. The connecting side accepts only the certificate it pinned. Both derive a key per direction
 //!   (HKDF-SHA256 over the X25519 secret, salted with the keys and fingerprints); every later datagram is sealed
-//!   with ChaCha20-Poly1305 (`ring`), its packet number the nonce, and checked against a replay window. The
+//!   with the cipher the handshake chose (AES-256-GCM when both sides have version 2 of it, `Init2`/`Resp2`;
+//!   ChaCha20-Poly1305 with a peer of version 1; `ring`), its packet number the nonce, and checked against a replay
+//!   window. The
 //!   accepting side keeps a session only once a sealed datagram from the other side opens (a replayed `Init` gets an
 //!   answer nobody can use and no session).
 //! - **Reliable stream** ([`reliable`](flexstack_modules::stream::carrier::reliable)): the peer protocol's
@@ -39,7 +41,7 @@ use nix::sys::epoll::{EpollEvent, EpollFlags};
 use nix::sys::eventfd::EventFd;
 use nix::sys::time::TimeSpec;
 use nix::sys::timerfd::{ClockId, Expiration, TimerFd, TimerFlags, TimerSetTimeFlags};
-use ring::aead::{Aad, LessSafeKey, Nonce, UnboundKey, CHACHA20_POLY1305};
+use ring::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_256_GCM, CHACHA20_POLY1305};
 use ring::agreement::{self, EphemeralPrivateKey, UnparsedPublicKey, X25519};
 use ring::rand::SystemRandom;
 use ring::signature::{EcdsaKeyPair, ECDSA_P256_SHA256_ASN1_SIGNING};
@@ -157,6 +159,8 @@ fn dgram_device(
 
 /// The keys of a session, one per direction, and the replay window of what it receives.
 struct Keys {
+    /// The cipher (`dgram::CHACHA20_POLY1305` or `dgram::AES_256_GCM`).
+    cipher: u8,
     seal: LessSafeKey,
     open: LessSafeKey,
     /// The next packet number to send.
@@ -171,18 +175,24 @@ fn nonce(number: u64) -> Nonce {
 }
 
 impl Keys {
-    /// Derives the keys from the X25519 secret: HKDF-SHA256, salted with both ephemeral keys and both fingerprints
-    /// (the connecting side's first); `connecting` says which direction this side seals.
-    fn derive(secret: &[u8], salt: &[u8], connecting: bool) -> Keys {
+    /// Derives the keys of `cipher` from the X25519 secret: HKDF-SHA256, salted with both ephemeral keys and both
+    /// fingerprints (the connecting side's first), a label per direction and cipher; `connecting` says which
+    /// direction this side seals.
+    fn derive(secret: &[u8], salt: &[u8], connecting: bool, cipher: u8) -> Keys {
         let prk = ring::hkdf::Salt::new(ring::hkdf::HKDF_SHA256, salt).extract(secret);
+        let (alg, labels): (_, [&[u8]; 2]) = if cipher == dgram::AES_256_GCM {
+            (&AES_256_GCM, [b"flexstack udp aes-256-gcm c2s", b"flexstack udp aes-256-gcm s2c"])
+        } else {
+            (&CHACHA20_POLY1305, [b"flexstack udp c2s", b"flexstack udp s2c"])
+        };
         let key = |label: &[u8]| {
             let info = [label];
-            let okm = prk.expand(&info, &CHACHA20_POLY1305).expect("a key's length");
+            let okm = prk.expand(&info, alg).expect("a key's length");
             LessSafeKey::new(UnboundKey::from(okm))
         };
-        let (c2s, s2c) = (key(b"flexstack udp c2s"), key(b"flexstack udp s2c"));
+        let (c2s, s2c) = (key(labels[0]), key(labels[1]));
         let (seal, open) = if connecting { (c2s, s2c) } else { (s2c, c2s) };
-        Keys { seal, open, number: 0, replay: Replay::default() }
+        Keys { cipher, seal, open, number: 0, replay: Replay::default() }
     }
 
     /// Appends a sealed datagram to `out`: the item is what `plain` appends (sealed in place, where it lies).
@@ -285,7 +295,10 @@ impl Replay {
 struct Dial {
     private: Option<EphemeralPrivateKey>,
     public: [u8; 32],
-    init: Vec<u8>,
+    /// `Init2` and `Init` of the same key: sent in turn (`sent` so far) until answered, a peer of version 1
+    /// answering only `Init`.
+    init: [Vec<u8>; 2],
+    sent: u32,
     next_send: Instant,
 }
 
@@ -491,13 +504,19 @@ impl Dgram {
         let Ok(private) = EphemeralPrivateKey::generate(&X25519, &self.rng) else { return };
         let Ok(public) = private.compute_public_key() else { return };
         let public: [u8; 32] = public.as_ref().try_into().expect("an X25519 key");
+        let cert = self.id.cert_der();
+        let offer = dgram::CIPHERS;
+        let sig2 = self.sign(&[dgram::INIT2_CONTEXT, &public, &[offer]].concat());
+        let mut init2 = Vec::new();
+        dgram::handshake(&mut init2, &Handshake { ty: dgram::INIT2, ciphers: offer, key: public, cert, sig: &sig2 });
         let sig = self.sign(&[dgram::INIT_CONTEXT, &public].concat());
         let mut init = Vec::new();
-        dgram::handshake(&mut init, &Handshake { ty: dgram::INIT, key: public, cert: self.id.cert_der(), sig: &sig });
+        dgram::handshake(&mut init, &Handshake { ty: dgram::INIT, ciphers: 0, key: public, cert, sig: &sig });
+        let init = [init2, init];
         let token = self.next_token;
         self.next_token += 1;
         let mut s = Sess::new(peer.addr, peer.name.clone(), None, now);
-        s.dial = Some(Dial { private: Some(private), public, init, next_send: now });
+        s.dial = Some(Dial { private: Some(private), public, init, sent: 0, next_send: now });
         let mut hello = Vec::new();
         wire::hello(&mut hello, &caps(&self.cfg));
         self.m.frames_out.add(1);
@@ -516,7 +535,8 @@ impl Dgram {
         for s in self.conns.values_mut() {
             let Some(d) = s.dial.as_mut().filter(|d| d.next_send <= now) else { continue };
             d.next_send = now + INIT_AGAIN;
-            self.out.push(s.addr, &d.init);
+            self.out.push(s.addr, &d.init[(d.sent % 2) as usize]);
+            d.sent += 1;
         }
     }
 
@@ -620,13 +640,13 @@ impl Dgram {
                 return None;
             }
             Ok(dgram::Packet::Sealed { number, .. }) => (number, None),
-            Ok(dgram::Packet::Handshake(h)) => (0, Some((h.ty, h.key, h.cert.to_vec(), h.sig.to_vec()))),
+            Ok(dgram::Packet::Handshake(h)) => (0, Some((h.ty, h.ciphers, h.key, h.cert.to_vec(), h.sig.to_vec()))),
         };
-        if let Some((ty, key, cert, sig)) = hs {
-            let h = Handshake { ty, key, cert: &cert, sig: &sig };
+        if let Some((ty, ciphers, key, cert, sig)) = hs {
+            let h = Handshake { ty, ciphers, key, cert: &cert, sig: &sig };
             match (ty, &self.mode) {
-                (dgram::INIT, Mode::Accept { .. }) => self.on_init(now, from, &h),
-                (dgram::RESP, Mode::Connect { .. }) => self.on_resp(now, from, &h),
+                (dgram::INIT | dgram::INIT2, Mode::Accept { .. }) => self.on_init(now, from, &h),
+                (dgram::RESP | dgram::RESP2, Mode::Connect { .. }) => self.on_resp(now, from, &h),
                 _ => self.m.malformed.add(1),
             }
             return None;
@@ -715,17 +735,23 @@ impl Dgram {
         Some((token, plain))
     }
 
-    /// Accepting: an `Init`. Answered only for a certificate of the table whose signature holds; refused (counted,
-    /// logged, no answer) otherwise.
+    /// Accepting: an `Init` (or `Init2`). Answered only for a certificate of the table whose signature holds;
+    /// refused (counted, logged, no answer) otherwise. `Init2` gets a `Resp2` choosing AES-256-GCM if offered,
+    /// `Init` a `Resp` (ChaCha20-Poly1305).
     fn on_init(&mut self, now: Instant, from: SocketAddr, h: &Handshake<'_>) {
         if let Some(p) = self.pending.get(&from).filter(|p| p.init_key == h.key) {
-            // The answer was lost: the same again.
+            // The answer was lost (or the other version of the same `Init` came): the same again.
             self.out.push(from, &p.resp);
             return;
         }
         let fp = trust::fingerprint_of(h.cert);
         let peer = trust::by_fingerprint(&fp);
-        let signed = verify(h.cert, &[dgram::INIT_CONTEXT, &h.key].concat(), h.sig);
+        let v2 = h.ty == dgram::INIT2;
+        let signed = if v2 {
+            verify(h.cert, &[dgram::INIT2_CONTEXT, &h.key, &[h.ciphers]].concat(), h.sig)
+        } else {
+            verify(h.cert, &[dgram::INIT_CONTEXT, &h.key].concat(), h.sig)
+        };
         let (Some(peer), true) = (peer, signed) else {
             let why = if signed { "a certificate not in the peer table" } else { "a bad signature" };
             log_end(&self.m, &mut self.refusal_log, &End::Refused(why.into()), false, "", &from);
@@ -739,15 +765,22 @@ impl Dgram {
         let Ok(public) = private.compute_public_key() else { return };
         let public: [u8; 32] = public.as_ref().try_into().expect("an X25519 key");
         let salt = [&h.key[..], &public, &fp, &self.id.fingerprint].concat();
+        let cipher =
+            if !v2 || h.ciphers & dgram::AES_256_GCM == 0 { dgram::CHACHA20_POLY1305 } else { dgram::AES_256_GCM };
         let Ok(keys) = agreement::agree_ephemeral(private, &UnparsedPublicKey::new(&X25519, h.key), |secret| {
-            Keys::derive(secret, &salt, false)
+            Keys::derive(secret, &salt, false, cipher)
         }) else {
             self.m.malformed.add(1);
             return;
         };
-        let sig = self.sign(&[dgram::RESP_CONTEXT, &h.key, &public].concat());
+        let (ty, sig) = if v2 {
+            (dgram::RESP2, self.sign(&[dgram::RESP2_CONTEXT, &h.key, &public, &[cipher]].concat()))
+        } else {
+            (dgram::RESP, self.sign(&[dgram::RESP_CONTEXT, &h.key, &public].concat()))
+        };
+        let ciphers = if v2 { cipher } else { 0 };
         let mut resp = Vec::new();
-        dgram::handshake(&mut resp, &Handshake { ty: dgram::RESP, key: public, cert: self.id.cert_der(), sig: &sig });
+        dgram::handshake(&mut resp, &Handshake { ty, ciphers, key: public, cert: self.id.cert_der(), sig: &sig });
         self.out.push(from, &resp);
         self.pending.insert(from, Pending { init_key: h.key, resp, keys, peer, since: now });
     }
@@ -782,7 +815,12 @@ impl Dgram {
             return;
         };
         let fp = trust::fingerprint_of(h.cert);
-        let signed = verify(h.cert, &[dgram::RESP_CONTEXT, &d.public, &h.key].concat(), h.sig);
+        let (signed, cipher) = if h.ty == dgram::RESP2 {
+            // The cipher chosen is one offered (`dgram::CIPHERS`, all this side has): decode checked it.
+            (verify(h.cert, &[dgram::RESP2_CONTEXT, &d.public, &h.key, &[h.ciphers]].concat(), h.sig), h.ciphers)
+        } else {
+            (verify(h.cert, &[dgram::RESP_CONTEXT, &d.public, &h.key].concat(), h.sig), dgram::CHACHA20_POLY1305)
+        };
         if fp != pinned || !signed {
             let why = if fp != pinned { "the peer's certificate is not the one pinned" } else { "a bad signature" };
             log_end(&self.m, &mut self.refusal_log, &End::Refused(why.into()), false, &s.peer, &from);
@@ -791,7 +829,7 @@ impl Dgram {
         let salt = [&d.public[..], &h.key, &mine, &fp].concat();
         let Some(private) = d.private.take() else { return };
         let Ok(keys) = agreement::agree_ephemeral(private, &UnparsedPublicKey::new(&X25519, h.key), |k| {
-            Keys::derive(k, &salt, true)
+            Keys::derive(k, &salt, true, cipher)
         }) else {
             self.m.malformed.add(1);
             return;
@@ -895,9 +933,13 @@ impl Dgram {
             self.m.connections.add(1);
             self.m.connections_active.add(1);
             let peer = s.peer.clone();
-            tracing::info!(peer = %peer, "{kind_name} carrier session up");
+            let cipher = match s.keys.as_ref().map(|k| k.cipher) {
+                Some(dgram::AES_256_GCM) => "aes-256-gcm",
+                _ => "chacha20-poly1305",
+            };
+            tracing::info!(peer = %peer, cipher, "{kind_name} carrier session up");
             report(&peer, |st| {
-                st.state = format!("connected over {kind_name}");
+                st.state = format!("connected over {kind_name} ({cipher})");
                 st.connections += 1;
             });
             return Ok(());
@@ -1296,7 +1338,19 @@ mod tests {
 
     #[test]
     fn sealed_items_open_once_and_forgeries_do_not() {
-        let (mut a, mut b) = (Keys::derive(&[1; 32], b"salt", true), Keys::derive(&[1; 32], b"salt", false));
+        for cipher in [dgram::CHACHA20_POLY1305, dgram::AES_256_GCM] {
+            sealed_items_open_once(cipher);
+        }
+        // Keys of one cipher do not open what the other sealed (the same secret and salt).
+        let mut a = Keys::derive(&[1; 32], b"salt", true, dgram::AES_256_GCM);
+        let mut b = Keys::derive(&[1; 32], b"salt", false, dgram::CHACHA20_POLY1305);
+        let mut d = a.seal(b"hello");
+        assert!(matches!(b.open(0, &mut d), Err(Opened::Forged)));
+    }
+
+    fn sealed_items_open_once(cipher: u8) {
+        let (mut a, mut b) =
+            (Keys::derive(&[1; 32], b"salt", true, cipher), Keys::derive(&[1; 32], b"salt", false, cipher));
         let mut d = a.seal(b"hello");
         let number = match dgram::decode(&d) {
             Ok(dgram::Packet::Sealed { number, .. }) => number,

@@ -13,6 +13,7 @@
 //! peer's window. Bytes for a socket whose send buffer is full wait in the flow's queue (at most what the other
 //! endpoint's budget lets it send, and `queue_limit`), and are acked once the kernel took them.
 
+use crate::peer::batch::Outbox;
 use flexstack_core::frame::{MetaKey, Metadata};
 use flexstack_core::stream::{Credit, FlowInfo, Role, StreamEvent, StreamKind};
 use flexstack_core::{Direction, Meter, Packet};
@@ -300,6 +301,9 @@ pub(crate) struct Engine {
     readable: VecDeque<u64>,
     /// Flows written to by the current `write_frames` (to ack).
     written: Vec<u64>,
+    /// The datagrams of UDP flow `out.0` that `write_frames` has not sent yet: they leave together (one system call
+    /// per run of equal sizes, UDP GSO) when a frame of another flow comes or the batch ends.
+    out: (u64, Outbox),
     pub(crate) cfg: Config,
     pub(crate) m: Meters,
     /// Flows started and ended since the module last looked (it registers and removes their meters).
@@ -354,6 +358,7 @@ impl Engine {
             pending: VecDeque::new(),
             readable: VecDeque::new(),
             written: Vec::new(),
+            out: (0, Outbox::default()),
             cfg,
             m,
             born: Vec::new(),
@@ -622,6 +627,7 @@ impl Engine {
     /// The end of its stream or an error becomes an event.
     fn read_one(&mut self, id: u64, buf: &mut Vec<u8>, meta: &mut Metadata) -> bool {
         let (budget, chunk, idle) = (self.cfg.budget, self.cfg.chunk, self.cfg.udp_timeout_ms);
+        let udp_budget = self.cfg.udp_budget;
         let Some(f) = self.flows.get_mut(&id) else { return false };
         buf.clear();
         let outcome: ReadOutcome = if !f.accepted || f.eof {
@@ -658,7 +664,7 @@ impl Engine {
                         Ok(n) => {
                             // Later than the one filed: `earliest` stays a lower bound.
                             f.deadline = Some(Instant::now() + Duration::from_millis(idle));
-                            if f.credit.room(budget) < (n as u64).max(1) {
+                            if f.credit.room(udp_budget) < (n as u64).max(1) {
                                 self.m.udp_budget_drops.add(1); // as a full socket buffer drops it
                                 continue;
                             }
@@ -802,6 +808,7 @@ impl Engine {
         for p in packets {
             self.stream_in(p);
         }
+        self.send_datagrams();
         // Each flow written to in this batch, once: one ack of all it took.
         let mut ids = std::mem::take(&mut self.written);
         ids.sort_unstable();
@@ -812,6 +819,21 @@ impl Engine {
         ids.clear();
         self.written = ids;
         self.kick_if_pending();
+    }
+
+    /// Sends the datagrams waiting in `out` from their flow's socket (the flow may be gone: they are then dropped, as
+    /// its socket would have been closed before they were sent).
+    fn send_datagrams(&mut self) {
+        let (id, out) = &mut self.out;
+        if out.is_empty() {
+            return;
+        }
+        let Some(Flow { sock: Sock::Udp(s), .. }) = self.flows.get(id) else {
+            out.clear();
+            return;
+        };
+        let (_, lost) = out.flush_connected(s);
+        self.m.stream_bad.add(lost); // as a kernel drops a datagram it cannot send
     }
 
     /// Sends an ack of what flow `id` handed to its socket since the last one.
@@ -830,6 +852,11 @@ impl Engine {
             self.m.stream_bad.add(1);
             return;
         };
+        // Datagrams of another flow waiting, or an event of this one that must come after them: out they go.
+        if self.out.0 != id || !matches!(event, StreamEvent::Data(_)) {
+            self.send_datagrams();
+            self.out.0 = id;
+        }
         if p.direction() == self.dir() {
             self.m.stream_bad.add(1); // its own direction: a loop in the links
             return;
@@ -866,10 +893,10 @@ impl Engine {
             StreamEvent::Data(bytes) => {
                 let len = bytes.len() as u64;
                 match &f.sock {
-                    Sock::Udp(s) => {
-                        if s.send(bytes).is_err() {
-                            self.m.stream_bad.add(1); // as a kernel drops a datagram it cannot send
-                        }
+                    Sock::Udp(_) => {
+                        // Sent with the others of its flow in this batch (`send_datagrams`); the address is only
+                        // the outbox's key: the connected socket writes to its own peer.
+                        self.out.1.push(f.info.dst, bytes);
                         f.to_ack += len;
                         self.written.push(id);
                         f.deadline = Some(Instant::now() + Duration::from_millis(self.cfg.udp_timeout_ms));

@@ -8,6 +8,12 @@
 //! | 1 | `Init` | the connecting side's ephemeral X25519 key (32), its certificate (u16 length, DER), its signature (u16 length) of [`INIT_CONTEXT`] and the key |
 //! | 2 | `Resp` | the accepting side's ephemeral key (32), its certificate, its signature of [`RESP_CONTEXT`], the `Init`'s key and its own |
 //! | 3 | `Sealed` | a packet number (u64), then one [`Item`] sealed with AEAD (the type byte and number authenticated with it) |
+//! | 4 | `Init2` | as `Init`, then the ciphers offered (u8, a set of [`CHACHA20_POLY1305`] and [`AES_256_GCM`]); signed over [`INIT2_CONTEXT`], the key and that byte |
+//! | 5 | `Resp2` | as `Resp`, then the cipher chosen (u8, one of those offered); signed over [`RESP2_CONTEXT`], both keys and that byte |
+//!
+//! `Init` and `Resp` (version 1) seal with ChaCha20-Poly1305; `Init2` offers ciphers and `Resp2` says which one
+//! seals. A peer of version 1 drops an `Init2` as an unknown type, so the connecting side sends `Init2` and `Init`
+//! in turn until answered.
 //!
 //! What a `Sealed` packet holds once opened ([`Item`]) is a kind byte and its body, described at each variant.
 //! Anything else (an unknown type or kind, a length out of range, trailing bytes) is an error: the datagram is
@@ -21,12 +27,26 @@ pub const INIT: u8 = 1;
 pub const RESP: u8 = 2;
 /// See [`INIT`].
 pub const SEALED: u8 = 3;
+/// See [`INIT`].
+pub const INIT2: u8 = 4;
+/// See [`INIT`].
+pub const RESP2: u8 = 5;
+/// A cipher of `Init2` and `Resp2`: ChaCha20-Poly1305 (what version 1 seals with).
+pub const CHACHA20_POLY1305: u8 = 1;
+/// See [`CHACHA20_POLY1305`]: AES-256-GCM.
+pub const AES_256_GCM: u8 = 2;
+/// Every cipher this version knows.
+pub const CIPHERS: u8 = CHACHA20_POLY1305 | AES_256_GCM;
 /// The header of a `Sealed` packet (type and packet number), authenticated as the AEAD's associated data.
 pub const SEALED_HEAD: usize = 9;
 /// What an `Init` signature covers besides the key.
 pub const INIT_CONTEXT: &[u8] = b"flexstack udp carrier init v1";
 /// What a `Resp` signature covers besides the keys.
 pub const RESP_CONTEXT: &[u8] = b"flexstack udp carrier resp v1";
+/// What an `Init2` signature covers besides the key and the ciphers offered.
+pub const INIT2_CONTEXT: &[u8] = b"flexstack udp carrier init v2";
+/// What a `Resp2` signature covers besides the keys and the cipher chosen.
+pub const RESP2_CONTEXT: &[u8] = b"flexstack udp carrier resp v2";
 /// Most SACK ranges an `Ack` carries.
 pub const MAX_SACKS: usize = 16;
 /// Most sequence numbers a `Nack` carries.
@@ -36,11 +56,13 @@ pub const MAX_FEC_K: usize = 32;
 /// The largest certificate or signature a handshake packet carries.
 pub const MAX_BLOB: usize = 4096;
 
-/// A handshake packet (`Init` or `Resp`): the sender's ephemeral key, certificate and signature.
+/// A handshake packet (`Init`, `Resp`, `Init2` or `Resp2`): the sender's ephemeral key, certificate and signature.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Handshake<'a> {
-    /// `Init` or `Resp`.
+    /// `Init`, `Resp`, `Init2` or `Resp2`.
     pub ty: u8,
+    /// `Init2`: the ciphers offered; `Resp2`: the one chosen; `Init` and `Resp`: 0.
+    pub ciphers: u8,
     /// The sender's ephemeral X25519 public key.
     pub key: [u8; 32],
     /// The sender's certificate (DER): its fingerprint names the peer.
@@ -52,7 +74,7 @@ pub struct Handshake<'a> {
 /// A datagram on the carrier's port.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Packet<'a> {
-    /// `Init` or `Resp`.
+    /// `Init`, `Resp`, `Init2` or `Resp2`.
     Handshake(Handshake<'a>),
     /// A sealed packet: its number and the ciphertext (tag included).
     Sealed {
@@ -158,7 +180,7 @@ fn u16_at(b: &[u8], at: usize) -> Result<u16, WireError> {
 pub fn decode(buf: &[u8]) -> Result<Packet<'_>, WireError> {
     let (&ty, body) = buf.split_first().ok_or(WireError("empty"))?;
     match ty {
-        INIT | RESP => {
+        INIT | RESP | INIT2 | RESP2 => {
             let key: [u8; 32] = body.get(..32).ok_or(WireError("truncated"))?.try_into().expect("32");
             let mut at = 32;
             let mut blob = || -> Result<&[u8], WireError> {
@@ -172,10 +194,23 @@ pub fn decode(buf: &[u8]) -> Result<Packet<'_>, WireError> {
             };
             let cert = blob()?;
             let sig = blob()?;
+            let ciphers = match ty {
+                INIT | RESP => 0,
+                _ => {
+                    let c = *body.get(at).ok_or(WireError("truncated"))?;
+                    at += 1;
+                    let known = c & !CIPHERS == 0;
+                    match ty {
+                        INIT2 if c != 0 && known => c,
+                        RESP2 if c.count_ones() == 1 && known => c,
+                        _ => return Err(WireError("unknown cipher")),
+                    }
+                }
+            };
             if at != body.len() {
                 return Err(WireError("trailing bytes"));
             }
-            Ok(Packet::Handshake(Handshake { ty, key, cert, sig }))
+            Ok(Packet::Handshake(Handshake { ty, ciphers, key, cert, sig }))
         }
         SEALED => {
             let number = u64_at(body, 0)?;
@@ -192,6 +227,9 @@ pub fn handshake(out: &mut Vec<u8>, h: &Handshake<'_>) {
     for b in [h.cert, h.sig] {
         out.extend_from_slice(&(b.len() as u16).to_be_bytes());
         out.extend_from_slice(b);
+    }
+    if matches!(h.ty, INIT2 | RESP2) {
+        out.push(h.ciphers);
     }
 }
 
@@ -376,11 +414,13 @@ mod tests {
 
     #[test]
     fn packets_round_trip() {
-        let h = Handshake { ty: INIT, key: [7; 32], cert: b"cert", sig: b"sig" };
-        let mut b = Vec::new();
-        handshake(&mut b, &h);
-        assert_eq!(decode(&b).unwrap(), Packet::Handshake(h));
-        check(&b);
+        for (ty, ciphers) in [(INIT, 0), (RESP, 0), (INIT2, CIPHERS), (INIT2, AES_256_GCM), (RESP2, AES_256_GCM)] {
+            let h = Handshake { ty, ciphers, key: [7; 32], cert: b"cert", sig: b"sig" };
+            let mut b = Vec::new();
+            handshake(&mut b, &h);
+            assert_eq!(decode(&b).unwrap(), Packet::Handshake(h));
+            check(&b);
+        }
         let mut s = Vec::new();
         sealed_head(&mut s, 42);
         s.extend_from_slice(&[9; 20]);
@@ -407,9 +447,19 @@ mod tests {
             }
         }
         let mut h = Vec::new();
-        handshake(&mut h, &Handshake { ty: RESP, key: [0; 32], cert: b"c", sig: b"s" });
+        handshake(&mut h, &Handshake { ty: RESP, ciphers: 0, key: [0; 32], cert: b"c", sig: b"s" });
         h.push(0);
         assert!(decode(&h).is_err(), "trailing bytes");
+        // Version 2: no cipher, an unknown one, a Resp2 choosing two, a cipher byte missing.
+        for (ty, c) in [(INIT2, 0), (INIT2, 4), (RESP2, CIPHERS), (RESP2, 0), (RESP2, 8)] {
+            let mut h = Vec::new();
+            handshake(&mut h, &Handshake { ty, ciphers: c, key: [0; 32], cert: b"c", sig: b"s" });
+            assert!(decode(&h).is_err(), "type {ty}, ciphers {c}");
+        }
+        let mut h = Vec::new();
+        handshake(&mut h, &Handshake { ty: INIT2, ciphers: AES_256_GCM, key: [0; 32], cert: b"c", sig: b"s" });
+        h.pop();
+        assert!(decode(&h).is_err(), "no cipher byte");
         // A SACK range at or below the cumulative point.
         let mut a = Vec::new();
         item(&mut a, &Item::Ack { cum: 10, window: 0, sacks: vec![(5, 8)] });

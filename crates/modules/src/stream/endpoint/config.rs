@@ -52,6 +52,7 @@ impl Cc {
 #[derive(Clone, Debug)]
 pub struct Config {
     pub budget: u64,
+    pub udp_budget: u64,
     pub queue_limit: u64,
     pub chunk: u64,
     pub rx_buffer: u64,
@@ -85,6 +86,7 @@ impl Config {
     pub fn blank() -> Config {
         Config {
             budget: 0,
+            udp_budget: 0,
             queue_limit: 0,
             chunk: 0,
             rx_buffer: 0,
@@ -157,6 +159,13 @@ macro_rules! endpoint_decl {
                     "most bytes of a flow's data in flight in the stream chain (sent, not acked), per direction",
                     262_144,
                     flexstack_core::field!(budget),
+                ).range(1024.0, 1073741824.0),
+                P::u64(
+                    "udp_budget",
+                    "bytes",
+                    "most bytes of a UDP flow's datagrams in flight in the stream chain; beyond, a datagram is dropped",
+                    1_048_576,
+                    flexstack_core::field!(udp_budget),
                 ).range(1024.0, 1073741824.0),
                 P::u64(
                     "queue_limit",

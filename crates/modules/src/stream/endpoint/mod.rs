@@ -782,7 +782,7 @@ impl Endpoint {
 
     /// A datagram of UDP flow `id` from the socket side: `Data` if its budget allows.
     fn udp_datagram(&mut self, id: u64, payload: &[u8], out: &mut Output<'_>) {
-        let (budget, dir, timeout) = (self.cfg.budget, self.side.out_dir(), self.cfg.udp_timeout_ms);
+        let (budget, dir, timeout) = (self.cfg.udp_budget, self.side.out_dir(), self.cfg.udp_timeout_ms);
         let Some(c) = self.f.conns.get_mut(&id) else { return };
         let len = payload.len() as u64;
         if c.credit.room(budget) < len.max(1) {

@@ -8,7 +8,15 @@
 # - the daemon's CPU time (all its threads, /proc/PID/task/*/schedstat) over the datagrams it passed to namespace b
 #   gives ns per packet;
 # - delivered / sent shows that nothing was lost (a saturated data plane would make the cost figure meaningless);
-# - VmRSS at the end is the daemon's resident memory with that table.
+# - VmRSS at the end is the daemon's resident memory with that table;
+# - classify's own ns per packet (its busy_ns_total over its frames, `show runtime`): the flow table's share, apart
+#   from the faces' system calls and the kernel work they trigger;
+# - the daemon's context switches per packet (/proc/PID/task/*/status): how many packets a wake-up finds.
+# A TUN write hands the packet to namespace b's stack synchronously, so b's handling of it is charged to the daemon's
+# CPU time. SINK picks what b does with the datagrams: `drop` (default) drops them as they arrive on the device (an
+# nftables ingress hook, before IP), so that the figure is flexstack's work; `route` leaves them to b's routing (no
+# route, no forwarding: dropped after an uncached route lookup that allocates and RCU-frees a dst per packet; the
+# sink of the figures before 2026-11-27 08:30 UTC). Either way a GSO write of several datagrams is one skb for b.
 # Prints medians over RUNS rounds and the ratio of each FLOWS value's cost to the first's. Targets (issue 16):
 # 100,000 flows within 1.2 x the cost of 10, RSS <= 128 MiB. Needs root. PROFILE/FS/NO_BUILD as in the other
 # benchmarks (scripts/lib/bench.sh); WORKERS (default 1) is passed to `daemon --workers`. PERF=file records a profile
@@ -24,8 +32,10 @@ FLOWS=${FLOWS:-10 100000}
 MAX_FLOWS=${MAX_FLOWS:-262144}
 WORKERS=${WORKERS:-1}
 NET=${NET:-217}
+SINK=${SINK:-drop}
+[[ $SINK == drop || $SINK == route ]] || { echo "bench-flowscale: SINK is drop or route, not $SINK" >&2; exit 2; }
 . scripts/lib/bench.sh # median, default_modules_stack, bench_setup
-bench_setup bench-flowscale "namespaces, TUN devices" cc python3
+bench_setup bench-flowscale "namespaces, TUN devices" cc python3 nft
 tag=fsk$$
 state=$(mktemp -d)
 daemon=
@@ -55,6 +65,11 @@ start_daemon() {
   ip -n ${tag}a addr add 10.$NET.0.1/24 dev ${tag}ta; ip -n ${tag}a link set ${tag}ta up
   ip -n ${tag}a route add 10.$NET.0.0/16 dev ${tag}ta
   ip -n ${tag}b addr add 10.$NET.0.2/24 dev ${tag}tb; ip -n ${tag}b link set ${tag}tb up
+  if [[ $SINK == drop ]]; then
+    ip netns exec ${tag}b nft add table netdev sink
+    ip netns exec ${tag}b nft add chain netdev sink in \
+      "{ type filter hook ingress device ${tag}tb priority 0; policy drop; }"
+  fi
 }
 # (A thread may end between the listing and its read: a control connection's; what it ran is left out.)
 cpu_ns() { { cat /proc/"$daemon"/task/*/schedstat 2>/dev/null || true; } | awk '{s += $1} END {printf "%d\n", s}'; }
@@ -63,9 +78,14 @@ cpu_ns() { { cat /proc/"$daemon"/task/*/schedstat 2>/dev/null || true; } | awk '
 # counters count once.)
 rx() { "$fs" --state-dir "$state/d" get module.b.frames_in_total --json | python3 -c \
   'import json, sys; print(json.load(sys.stdin)["module.b.frames_in_total"]["value"])'; }
+# classify's busy ns and frames in, "NS FRAMES".
+flows_ns() { "$fs" --state-dir "$state/d" get 'module.flows.busy_ns_total' 'module.flows.frames_in_total' --json |
+  python3 -c 'import json, sys; v = json.load(sys.stdin)
+print(v["module.flows.busy_ns_total"]["value"], v["module.flows.frames_in_total"]["value"])'; }
+switches() { { cat /proc/"$daemon"/task/*/status 2>/dev/null || true; } | awk '/ctxt_switches/ {s += $2} END {print s}'; }
 send() { ip netns exec ${tag}a "$state/udp_flows" 10.$NET.1.0 "$1" "$PPS" "$2" | sed -n 's/^sent=//p'; }
 
-declare -A cost loss rss bin
+declare -A cost loss rss bin cls wake
 bin[new]=$fs
 variants=new
 if [[ -n ${FS_OLD:-} ]]; then bin[old]=$FS_OLD; variants="old new"; fi
@@ -76,7 +96,7 @@ for round in $(seq "$RUNS"); do
     start_daemon "${bin[$v]}"
     send "$f" "$(python3 -c 'import sys; print(max(0.1, int(sys.argv[1]) / int(sys.argv[2])))' "$f" "$PPS")" >/dev/null
     sleep 0.5
-    c0=$(cpu_ns); r0=$(rx)
+    c0=$(cpu_ns); r0=$(rx); k0=$(flows_ns); w0=$(switches)
     perf=
     if [[ -n ${PERF:-} ]]; then perf record -q -g -p "$daemon" -o "$PERF.$v.$f" -- sleep "$SECS" 2>/dev/null & perf=$!; fi
     if [[ -n ${PERF_STAT:-} ]]; then
@@ -85,7 +105,7 @@ for round in $(seq "$RUNS"); do
     sent=$(send "$f" "$SECS")
     [[ -z $perf ]] || wait "$perf" || true
     sleep 0.3
-    c1=$(cpu_ns); r1=$(rx)
+    c1=$(cpu_ns); r1=$(rx); k1=$(flows_ns); w1=$(switches)
     got=$((r1 - r0))
     if [[ -n ${PERF_STAT:-} ]]; then # each event per datagram delivered (over about the same window)
       awk -F, -v n="$got" -v tag="$v $f" '$1 ~ /^[0-9]+$/ {printf "perf-stat %s %s %.3f per packet\n", tag, $3, $1 / n}' \
@@ -93,6 +113,10 @@ for round in $(seq "$RUNS"); do
     fi
     cost[$v$f]+="$(python3 -c 'import sys; c, n = map(int, sys.argv[1:]); print(f"{c / n:.0f}" if n else "nan")' $((c1 - c0)) "$got") "
     loss[$v$f]+="$(python3 -c 'import sys; s, g = map(int, sys.argv[1:]); print(f"{100 * (s - g) / s:.2f}")' "$sent" "$got") "
+    cls[$v$f]+="$(python3 -c 'import sys; a, b, c, d = map(int, sys.argv[1:])
+print(f"{(c - a) / (d - b):.0f}" if d > b else "nan")' $k0 $k1) "
+    wake[$v$f]+="$(python3 -c 'import sys; a, b, n = map(int, sys.argv[1:])
+print(f"{(b - a) / n:.3f}" if n else "nan")' "$w0" "$w1" "$got") "
     rss[$v$f]+="$(awk '/VmRSS/ {printf "%.1f", $2 / 1024}' /proc/"$daemon"/status) "
     stop_daemon
    done
@@ -101,16 +125,22 @@ done
 m() { tr ' ' '\n' <<<"$1" | grep . | median; }
 first=${FLOWS%% *}
 printf 'UDP 64 bytes at %s datagrams/s, %s s, default modules, %s worker(s): medians of %s rounds\n' "$PPS" "$SECS" "$WORKERS" "$RUNS"
-printf '%4s %10s %14s %10s %12s %10s\n' code flows "ns/packet" "x first" "lost %" "RSS MiB"
+printf 'sink %s; classify ns = its own ns per packet; switches = context switches per packet\n' "$SINK"
+printf '%4s %10s %14s %10s %12s %10s %12s %10s %10s\n' code flows "ns/packet" "x first" "classify ns" "x first" switches \
+  "lost %" "RSS MiB"
+ratio() { python3 -c 'import sys; print(float(sys.argv[1]) / float(sys.argv[2]))' "$1" "$2"; }
 for v in $variants; do
   for f in $FLOWS; do
-    c=$(m "${cost[$v$f]}")
-    printf '%4s %10s %14.0f %10.2f %12.2f %10.1f\n' "$v" "$f" "$c" \
-      "$(python3 -c 'import sys; print(float(sys.argv[1]) / float(sys.argv[2]))' "$c" "$(m "${cost[$v$first]}")")" \
-      "$(m "${loss[$v$f]}")" "$(m "${rss[$v$f]}")"
+    c=$(m "${cost[$v$f]}"); k=$(m "${cls[$v$f]}")
+    printf '%4s %10s %14.0f %10.2f %12.0f %10.2f %12.3f %10.2f %10.1f\n' "$v" "$f" "$c" \
+      "$(ratio "$c" "$(m "${cost[$v$first]}")")" "$k" "$(ratio "$k" "$(m "${cls[$v$first]}")")" \
+      "$(m "${wake[$v$f]}")" "$(m "${loss[$v$f]}")" "$(m "${rss[$v$f]}")"
   done
 done
 for v in $variants; do
-  for f in $FLOWS; do echo "rounds $v $f: ns/packet ${cost[$v$f]}| lost % ${loss[$v$f]}| RSS ${rss[$v$f]}"; done
+  for f in $FLOWS; do
+    echo "rounds $v $f: ns/packet ${cost[$v$f]}| classify ns ${cls[$v$f]}| switches ${wake[$v$f]}|" \
+      "lost % ${loss[$v$f]}| RSS ${rss[$v$f]}"
+  done
 done
 echo "code version: $(git rev-parse --short HEAD)$(git diff --quiet || echo -dirty), fs $fs${FS_OLD:+, old $FS_OLD}"

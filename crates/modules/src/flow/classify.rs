@@ -382,7 +382,8 @@ fn tuple_text(info: &PacketInfo) -> String {
 impl Module for Classify {
     /// In passes over the batch, so that the cache misses of a large table overlap instead of adding up: parse every
     /// packet and prefetch the first bucket of its flow's lookup; then prefetch the likely flow entry of each; then
-    /// look up (or create) and account each flow, and emit the packets in their order.
+    /// its meter words (their address is in the entry); then look up (or create) and account each flow, and emit the
+    /// packets in their order.
     fn process(&mut self, _port: usize, input: &mut Batch, out: &mut Output<'_>) {
         let mut work = std::mem::take(&mut self.work);
         for frame in input.drain(..) {
@@ -396,9 +397,20 @@ impl Module for Classify {
         }
         for (_, _, key, hash) in &work {
             if key.is_some() {
+                // Every line of the slot (about 150 bytes: two or three).
                 if let Some((at, end)) = self.table.index.candidate(*hash).and_then(|s| self.table.flows.span(s)) {
-                    flexstack_sys::prefetch(at);
-                    flexstack_sys::prefetch(end);
+                    (at & !63..=end).step_by(64).for_each(flexstack_sys::prefetch);
+                }
+            }
+        }
+        // The meter words a packet writes (fm::PACKETS ..= fm::LAST_SEEN, one or two lines), whose address is in the
+        // slot: read after every slot of the batch was asked for, so that those misses overlap too.
+        for (_, _, key, hash) in &work {
+            if key.is_some() {
+                if let Some(f) = self.table.index.candidate(*hash).and_then(|s| self.table.flows.get(s)) {
+                    let words = f.meters.words_addr();
+                    flexstack_sys::prefetch(words);
+                    flexstack_sys::prefetch(words + 8 * fm::LAST_SEEN);
                 }
             }
         }

@@ -18,7 +18,11 @@
 #   (c)  the ceiling of the app and its TUN device on this machine: the same iperf3 client in a namespace of its own
 #        (${tag}c, 10.(NET+2).0.2) whose only device is a TUN drained by the C forwarder of bench/tun_forward.c (one
 #        thread per direction, offloads on) into a TUN device in the host, which routes through B's namespace as
-#        for (f): no flexstack at all on the path, only what any user-space stack behind a TUN device must pay.
+#        for (f): no flexstack at all on the path, only what any user-space stack behind a TUN device must pay;
+# and the letter v adds
+#   (v)  the app alone: the same iperf3 client in a namespace of its own (${tag}v, 10.(NET+3).0.2) joined to the
+#        host by a veth pair, routed through B's namespace as for (f): no TUN and no user-space stack, the kernel
+#        only (what this app can send here at all).
 # Needs root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,7 +40,7 @@ peer_topology "$NET"
 start_peers "$NET" tcp
 app_sed=()
 [[ -z ${BUDGET:-} ]] || app_sed=(-e "s|^app = \"{app}\"|&\nbudget = $BUDGET|")
-for k in $KINDS; do [[ $k == c ]] || carrier_stack "$k" "transport = \"$k\""; done
+for k in $KINDS; do [[ $k == [cv] ]] || carrier_stack "$k" "transport = \"$k\""; done
 if [[ " $KINDS " == *" c "* ]]; then # (c): ${tag}ca in the client namespace, ${tag}cb in the host
   cc -O2 -pthread -o "$state/tun_forward" bench/tun_forward.c
   ip netns add ${tag}c
@@ -50,8 +54,19 @@ if [[ " $KINDS " == *" c "* ]]; then # (c): ${tag}ca in the client namespace, ${
   ip -n ${tag}c route add default dev ${tag}ca
   ip addr add 10.$((NET + 2)).0.1/24 dev ${tag}cb
   ip link set ${tag}cb up
-  trap 'peer_bench_cleanup; ns_cleanup ${tag}c' EXIT INT TERM
 fi
+if [[ " $KINDS " == *" v "* ]]; then # (v): ${tag}va in the client namespace, ${tag}vb in the host
+  ip netns add ${tag}v
+  ip -n ${tag}v link set lo up
+  ip link add ${tag}va type veth peer name ${tag}vb
+  ip link set ${tag}va netns ${tag}v
+  ip -n ${tag}v addr add 10.$((NET + 3)).0.2/24 dev ${tag}va
+  ip -n ${tag}v link set ${tag}va up
+  ip -n ${tag}v route add default via 10.$((NET + 3)).0.1
+  ip addr add 10.$((NET + 3)).0.1/24 dev ${tag}vb
+  ip link set ${tag}vb up
+fi
+trap 'peer_bench_cleanup; ns_cleanup ${tag}c ${tag}v' EXIT INT TERM
 
 new=$fs
 # Runs daemons A and B (B with transport $2) of binary $1: A restarts when the binary changes (and is told B's key
@@ -71,7 +86,7 @@ daemons() {
 iperf() {
   local run=("$fs" --state-dir "$state/a" run --) p=${1%0}
   shift
-  if [[ $p == c ]]; then run=(ip netns exec ${tag}c); elif [[ $p != f ]]; then run=("${run[@]:0:4}" --stack "$state/app-$p.toml" --); fi
+  if [[ $p == c || $p == v ]]; then run=(ip netns exec ${tag}$p); elif [[ $p != f ]]; then run=("${run[@]:0:4}" --stack "$state/app-$p.toml" --); fi
   for _ in 1 2 3; do # the server may still hold a test whose client went away (--rcv-timeout, peer_topology)
     "${run[@]}" iperf3 -c $srv -p 5201 -t "$SECS" -P "$STREAMS" -J "$@" > "$state/iperf.json" || true
     grep -q '"error":.*busy' "$state/iperf.json" || break
@@ -90,14 +105,14 @@ PY
 measure() { echo "$(iperf "$1") $(iperf "$1" -u -b 0 -l "$LEN" -w 4M)"; }
 
 paths=$KINDS
-[[ -z ${FS_OLD:-} ]] || for k in $KINDS; do [[ $k == c ]] || paths+=" ${k}0"; done
+[[ -z ${FS_OLD:-} ]] || for k in $KINDS; do [[ $k == [cv] ]] || paths+=" ${k}0"; done
 for i in $(seq "$RUNS"); do
   daemons "$new" tcp
   read -r t u < <(measure f)
   echo "$t" >> "$state/f.tcp"; echo "$u" >> "$state/f.udp"
   line="round $i: f $t/$u"
   for k in $paths; do
-    if [[ $k == *0 ]]; then daemons "$FS_OLD" "${k%0}"; elif [[ $k != c ]]; then daemons "$new" "$k"; fi
+    if [[ $k == *0 ]]; then daemons "$FS_OLD" "${k%0}"; elif [[ $k != [cv] ]]; then daemons "$new" "$k"; fi
     read -r t u < <(measure "$k")
     echo "$t" >> "$state/$k.tcp"; echo "$u" >> "$state/$k.udp"
     line+=", $k $t/$u"
@@ -117,6 +132,7 @@ row() { # $1 = label, $2 = TCP, $3 = UDP
 row "(f) forwarding" "$ft" "$fu"
 for k in $paths; do
   [[ $k == c ]] && { row "(c) app+TUN ceiling" "$(median < "$state/c.tcp")" "$(median < "$state/c.udp")"; continue; }
+  [[ $k == v ]] && { row "(v) app alone (veth)" "$(median < "$state/v.tcp")" "$(median < "$state/v.udp")"; continue; }
   row "($k) carrier" "$(median < "$state/$k.tcp")" "$(median < "$state/$k.udp")"
 done
 if [[ " $KINDS " == *" quic "* && " $KINDS " == *" udp "* ]]; then

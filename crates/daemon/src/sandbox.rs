@@ -511,13 +511,11 @@ pub fn command_output(args: &[&str]) -> Result<String, String> {
     Ok(String::from_utf8_lossy(&out.stdout).to_string())
 }
 
-fn run(args: &[&str]) -> Result<String, ApiError> {
-    command_output(args).map_err(|m| ApiError::new(ErrorCode::Internal, m))
-}
-
 /// Deletes network namespace `netns` and its `/etc/netns/<netns>` folder, if they exist (best effort, quiet).
 pub fn delete_namespace(netns: &str) {
-    let _ = Command::new("ip").args(["netns", "del", netns]).stderr(std::process::Stdio::null()).status();
+    if let Err(e) = flexstack_faces::netconf::del_netns(netns) {
+        tracing::debug!(netns, error = %e, "cannot delete the namespace");
+    }
     let _ = std::fs::remove_dir_all(format!("/etc/netns/{netns}"));
 }
 
@@ -693,7 +691,8 @@ impl Sandboxes {
             if host_face {
                 self.guard_net(&app.host_table, &net)?;
             }
-            run(&["ip", "netns", "add", &netns])?;
+            flexstack_faces::netconf::add_netns(&netns)
+                .map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?;
             if let Some(cg) = app_cgroup(&netns) {
                 std::fs::create_dir_all(&cg)
                     .map_err(|e| ApiError::new(ErrorCode::Internal, format!("{}: {e}", cg.display())))?;
@@ -735,18 +734,38 @@ impl Sandboxes {
     }
 
     fn configure(&self, app: &AppInfo, net: &AppNet) -> Result<(), ApiError> {
+        use flexstack_faces::netconf::{open_netns, Rtnl};
+        use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+        use std::os::fd::AsFd;
         let (ns, dev) = (app.netns.as_str(), app.app_dev.as_str());
-        run(&["ip", "link", "set", dev, "netns", ns])?;
-        run(&["ip", "-n", ns, "link", "set", "lo", "up"])?;
-        run(&["ip", "-n", ns, "addr", "add", &format!("{}/24", app.ipv4), "dev", dev])?;
-        run(&["ip", "-n", ns, "addr", "add", &format!("{}/64", app.ipv6), "dev", dev, "nodad"])?;
-        run(&["ip", "-n", ns, "link", "set", dev, "up"])?;
-        run(&["ip", "-n", ns, "route", "add", "default", "dev", dev])?;
-        run(&["ip", "-n", ns, "-6", "route", "add", "default", "dev", dev])?;
+        let internal = |e: String| ApiError::new(ErrorCode::Internal, e);
+        let addr = |a: &str| a.parse::<IpAddr>().map_err(|e| internal(format!("the app's address {a}: {e}")));
+        let (v4, v6) = (addr(&app.ipv4)?, addr(&app.ipv6)?);
+        let prefix = |p: String| -> Result<IpAddr, ApiError> { addr(p.split('/').next().unwrap_or_default()) };
+        let (p4, p6) = (prefix(net.prefix4())?, prefix(net.prefix6())?);
+        // In the daemon's namespace: the app's device into the app's; in the app's: lo and the device up, the
+        // addresses (IPv6 usable at once: no duplicate detection) and the default routes through the device.
+        let mut host = Rtnl::open().map_err(|e| internal(e.to_string()))?;
+        let netns = open_netns(ns).map_err(|e| internal(e.to_string()))?;
+        let index = host.index_of(dev).map_err(|e| internal(e.to_string()))?;
+        host.move_link(index, netns.as_fd());
+        host.commit().map_err(|e| internal(e.to_string()))?;
+        let mut nl = Rtnl::open_in(netns.as_fd()).map_err(|e| internal(e.to_string()))?;
+        let (lo, index) = (nl.index_of("lo"), nl.index_of(dev));
+        let (lo, index) = (lo.map_err(|e| internal(e.to_string()))?, index.map_err(|e| internal(e.to_string()))?);
+        nl.set_up(lo, true);
+        nl.add_address(index, v4, 24);
+        nl.add_address_nodad(index, v6, 64);
+        nl.set_up(index, true);
+        nl.add_route(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0, None, index);
+        nl.add_route(IpAddr::V6(Ipv6Addr::UNSPECIFIED), 0, None, index);
+        nl.commit().map_err(|e| internal(e.to_string()))?;
         if !app.host_dev.is_empty() {
-            run(&["ip", "link", "set", &app.host_dev, "up"])?;
-            run(&["ip", "route", "add", &net.prefix4(), "dev", &app.host_dev])?;
-            run(&["ip", "-6", "route", "add", &net.prefix6(), "dev", &app.host_dev])?;
+            let index = host.index_of(&app.host_dev).map_err(|e| internal(e.to_string()))?;
+            host.set_up(index, true);
+            host.add_route(p4, 24, None, index);
+            host.add_route(p6, 64, None, index);
+            host.commit().map_err(|e| internal(e.to_string()))?;
         }
         let dir = format!("/etc/netns/{ns}");
         std::fs::create_dir_all(&dir).map_err(|e| ApiError::new(ErrorCode::Internal, format!("{dir}: {e}")))?;

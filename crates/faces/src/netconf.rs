@@ -348,10 +348,22 @@ impl Rtnl {
 
     /// Queues adding `address/prefix` to link `index`.
     pub fn add_address(&mut self, index: u32, address: IpAddr, prefix: u8) {
+        self.address(index, address, prefix, false);
+    }
+
+    /// [`Rtnl::add_address`] without duplicate address detection (`nodad`): an IPv6 address usable at once.
+    pub fn add_address_nodad(&mut self, index: u32, address: IpAddr, prefix: u8) {
+        self.address(index, address, prefix, true);
+    }
+
+    fn address(&mut self, index: u32, address: IpAddr, prefix: u8, nodad: bool) {
         let mut m = AddressMessage::default();
         m.header.family = family(address);
         m.header.prefix_len = prefix;
         m.header.index = index;
+        if nodad {
+            m.header.flags |= netlink_packet_route::address::AddressHeaderFlags::Nodad;
+        }
         m.attributes.push(AddressAttribute::Local(address));
         m.attributes.push(AddressAttribute::Address(address));
         let what = format!("add address {address}/{prefix} to link {index}");

@@ -41,20 +41,7 @@ start_peers "$NET" tcp
 app_sed=()
 [[ -z ${BUDGET:-} ]] || app_sed=(-e "s|^app = \"{app}\"|&\nbudget = $BUDGET|")
 for k in $KINDS; do [[ $k == [cv] ]] || carrier_stack "$k" "transport = \"$k\""; done
-if [[ " $KINDS " == *" c "* ]]; then # (c): ${tag}ca in the client namespace, ${tag}cb in the host
-  cc -O2 -pthread -o "$state/tun_forward" bench/tun_forward.c
-  ip netns add ${tag}c
-  ip -n ${tag}c link set lo up
-  "$state/tun_forward" -o -t ${tag}ca ${tag}cb > "$state/fwd.out" &
-  pids+=($!)
-  wait_for 'grep -q ready "$state/fwd.out" 2>/dev/null' "the C forwarder did not start"
-  ip link set ${tag}ca netns ${tag}c
-  ip -n ${tag}c addr add 10.$((NET + 2)).0.2/24 dev ${tag}ca
-  ip -n ${tag}c link set ${tag}ca up
-  ip -n ${tag}c route add default dev ${tag}ca
-  ip addr add 10.$((NET + 2)).0.1/24 dev ${tag}cb
-  ip link set ${tag}cb up
-fi
+[[ " $KINDS " != *" c "* ]] || c_forwarder_ns $((NET + 2)) # (c)
 if [[ " $KINDS " == *" v "* ]]; then # (v): ${tag}va in the client namespace, ${tag}vb in the host
   ip netns add ${tag}v
   ip -n ${tag}v link set lo up

@@ -50,23 +50,12 @@ server_ns "$NET"
 srv=10.$NET.7.2
 sysctl -qw net.ipv4.ip_forward=1
 cc -O2 -o "$state/udp_pp" bench/udp_pp.c
-cc -O2 -pthread -o "$state/tun_forward" bench/tun_forward.c
 ip netns exec ${tag}s iperf3 -s -D -p 5201 -I "$state/iperf.pid" >/dev/null
 ip netns exec ${tag}s "$state/udp_pp" server 7000 &
 pids+=($!)
 
 # (c) the C forwarder: ${tag}ca in the client namespace, ${tag}cb in the host.
-ip netns add ${tag}c
-ip -n ${tag}c link set lo up
-"$state/tun_forward" -o -t ${tag}ca ${tag}cb > "$state/fwd.out" &
-pids+=($!)
-wait_for 'grep -q ready "$state/fwd.out" 2>/dev/null' "the C forwarder did not start"
-ip link set ${tag}ca netns ${tag}c
-ip -n ${tag}c addr add 10.$((NET + 2)).0.2/24 dev ${tag}ca
-ip -n ${tag}c link set ${tag}ca up
-ip -n ${tag}c route add default dev ${tag}ca
-ip addr add 10.$((NET + 2)).0.1/24 dev ${tag}cb
-ip link set ${tag}cb up
+c_forwarder_ns $((NET + 2))
 
 # (f) flexstack: a daemon whose apps run in sandboxes of their own (one per measurement).
 "$fs" daemon --state-dir "$state/d" ${WORKERS:+--workers=$WORKERS} --app-subnet 10.$((NET + 1)).0.0 \

@@ -159,6 +159,24 @@ wait_for() {
   exit 1
 }
 
+# The C forwarder's client namespace ${tag}c: its only device ${tag}ca (10.$1.0.2/24, the default route) is a TUN
+# device drained by bench/tun_forward.c (offloads, a thread per direction) into ${tag}cb in the host (10.$1.0.1/24).
+# Adds the forwarder to pids; the caller's cleanup removes ${tag}c (ns_cleanup).
+c_forwarder_ns() {
+  cc -O2 -pthread -o "$state/tun_forward" bench/tun_forward.c
+  ip netns add ${tag}c
+  ip -n ${tag}c link set lo up
+  "$state/tun_forward" -o -t ${tag}ca ${tag}cb > "$state/fwd.out" &
+  pids+=($!)
+  wait_for 'grep -q ready "$state/fwd.out" 2>/dev/null' "the C forwarder did not start"
+  ip link set ${tag}ca netns ${tag}c
+  ip -n ${tag}c addr add 10.$1.0.2/24 dev ${tag}ca
+  ip -n ${tag}c link set ${tag}ca up
+  ip -n ${tag}c route add default dev ${tag}ca
+  ip addr add 10.$1.0.1/24 dev ${tag}cb
+  ip link set ${tag}cb up
+}
+
 # Starts daemon A (state $state/a, apps in 10.($1+1).0.0/16), then calls start_peer_b $2 and makes A and B peers
 # (A calls B `gateway`, B calls A `a`).
 start_peers() {

@@ -74,11 +74,8 @@ iperf() {
   local run=("$fs" --state-dir "$state/a" run --) p=${1%0}
   shift
   if [[ $p == c || $p == v ]]; then run=(ip netns exec ${tag}$p); elif [[ $p != f ]]; then run=("${run[@]:0:4}" --stack "$state/app-$p.toml" --); fi
-  for _ in 1 2 3; do # the server may still hold a test whose client went away (--rcv-timeout, peer_topology)
-    "${run[@]}" iperf3 -c $srv -p 5201 -t "$SECS" -P "$STREAMS" -J "$@" > "$state/iperf.json" || true
-    grep -q '"error":.*busy' "$state/iperf.json" || break
-    sleep 3
-  done
+  # The server may still hold a test whose client went away (--rcv-timeout, peer_topology).
+  iperf3_retrying "${run[@]}" iperf3 -c $srv -p 5201 -t "$SECS" -P "$STREAMS" -J "$@" > "$state/iperf.json"
   python3 - "$state/iperf.json" "$p" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))

@@ -77,7 +77,8 @@ link() { # $1 = l or lo: the daemon
     (sleep "$((SECS > 1 ? SECS - 1 : 1))"; "${ldaemon[$1]}" --state-dir "$state/$1" show runtime -j > "$state/rt-$1.json") &
     rt=$!
   fi
-  "${ldaemon[$1]}" --state-dir "$state/$1" run --stack "$state/link-app.toml" -- \
+  # (l) and (lo) share the server, which may still be ending the other's test.
+  iperf3_retrying "${ldaemon[$1]}" --state-dir "$state/$1" run --stack "$state/link-app.toml" -- \
     iperf3 -c 10.$NET.9.1 -p 5201 -P "$STREAMS" -t "$SECS" -J | gbits
   [[ -z $perf ]] || wait "$perf" || true
   if [[ -n $rt ]] && wait "$rt"; then

@@ -159,6 +159,18 @@ wait_for() {
   exit 1
 }
 
+# Runs the iperf3 client command "$@" (-J: its report on stdout) and prints the report; tried again up to twice, 3 s
+# apart, when the server answered that it was still busy with an earlier test (whose client went away).
+iperf3_retrying() {
+  local out
+  for _ in 1 2 3; do
+    out=$("$@") || true
+    grep -q '"error":.*busy' <<< "$out" || break
+    sleep 3
+  done
+  printf '%s\n' "$out"
+}
+
 # The C forwarder's client namespace ${tag}c: its only device ${tag}ca (10.$1.0.2/24, the default route) is a TUN
 # device drained by bench/tun_forward.c (offloads, a thread per direction) into ${tag}cb in the host (10.$1.0.1/24).
 # Adds the forwarder to pids; the caller's cleanup removes ${tag}c (ns_cleanup).

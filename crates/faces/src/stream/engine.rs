@@ -286,10 +286,9 @@ pub(crate) struct Engine {
     epoll: Arc<Epoll>,
     kick: EventFd,
     pub(crate) listeners: Vec<TcpListener>,
-    /// originate with the server role: the UDP sockets its TPROXY rules send the network's datagrams to.
-    pub(crate) udp_listeners: Vec<UdpSocket>,
-    /// Per UDP socket of the server role: its receive buffer's drops, as the kernel last said (`SO_RXQ_OVFL`).
-    pub(crate) udp_listener_dropped: Vec<u32>,
+    /// originate with the server role: the UDP sockets its TPROXY rules send the network's datagrams to, each with
+    /// its receive buffer's drops as the kernel last said (`SO_RXQ_OVFL`).
+    pub(crate) udp_listeners: Vec<(UdpSocket, u32)>,
     /// Their flows by (client, original destination).
     pub(crate) udp_server: HashMap<(std::net::SocketAddr, std::net::SocketAddr), u64>,
     /// The buffer datagrams are received into from them.
@@ -350,7 +349,6 @@ impl Engine {
             kick,
             listeners: Vec::new(),
             udp_listeners: Vec::new(),
-            udp_listener_dropped: Vec::new(),
             udp_server: HashMap::new(),
             scratch: Vec::new(),
             listeners_paused: false,
@@ -400,8 +398,7 @@ impl Engine {
         let token = UDP_LISTENER + self.udp_listeners.len() as u64;
         self.epoll.add(&s, EpollEvent::new(EpollFlags::EPOLLIN, token))?;
         count_socket_drops(&s);
-        self.udp_listeners.push(s);
-        self.udp_listener_dropped.push(0);
+        self.udp_listeners.push((s, 0));
         Ok(())
     }
 
@@ -1012,11 +1009,16 @@ pub(crate) fn recv_counting(s: &UdpSocket, buf: &mut [u8], last: &mut u32, meter
         recvmsg::<SockaddrStorage>(std::os::fd::AsRawFd::as_raw_fd(s), &mut iov, Some(&mut cmsg), MsgFlags::empty())?;
     for c in msg.cmsgs().into_iter().flatten() {
         if let ControlMessageOwned::RxqOvfl(total) = c {
-            meter.add(u64::from(total.wrapping_sub(*last)));
-            *last = total;
+            add_socket_drops(total, last, meter);
         }
     }
     Ok(msg.bytes)
+}
+
+/// Adds to `meter` the drops since `last` of a socket whose kernel count is now `total` (`SO_RXQ_OVFL`).
+pub(crate) fn add_socket_drops(total: u32, last: &mut u32, meter: &Meter) {
+    meter.add(u64::from(total.wrapping_sub(*last)));
+    *last = total;
 }
 
 #[cfg(test)]

@@ -88,37 +88,35 @@ impl Engine {
         use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
         let mut buf = std::mem::take(&mut self.scratch);
         buf.resize(super::engine::MAX_DATAGRAM, 0);
-        while let Some(sock) = self.udp_listeners.get(index) {
+        while let Some((sock, dropped)) = self.udp_listeners.get_mut(index) {
             let mut cmsg = nix::cmsg_space!(libc::sockaddr_in6, u32);
             let mut iov = [std::io::IoSliceMut::new(&mut buf)];
             let (n, client, dst) =
                 match recvmsg::<SockaddrStorage>(sock.as_raw_fd(), &mut iov, Some(&mut cmsg), MsgFlags::empty()) {
                     Ok(msg) => {
+                        let mut dst = None;
                         for c in msg.cmsgs().into_iter().flatten() {
-                            if let (ControlMessageOwned::RxqOvfl(total), Some(last)) =
-                                (c, self.udp_listener_dropped.get_mut(index))
-                            {
-                                self.m.udp_socket_drops.add(u64::from(total.wrapping_sub(*last)));
-                                *last = total;
+                            match c {
+                                ControlMessageOwned::RxqOvfl(total) => {
+                                    super::engine::add_socket_drops(total, dropped, &self.m.udp_socket_drops)
+                                }
+                                ControlMessageOwned::Ipv4OrigDstAddr(a) => {
+                                    dst = Some(SocketAddr::V4(std::net::SocketAddrV4::new(
+                                        Ipv4Addr::from(u32::from_be(a.sin_addr.s_addr)),
+                                        u16::from_be(a.sin_port),
+                                    )))
+                                }
+                                ControlMessageOwned::Ipv6OrigDstAddr(a) => {
+                                    dst = Some(SocketAddr::V6(std::net::SocketAddrV6::new(
+                                        Ipv6Addr::from(a.sin6_addr.s6_addr),
+                                        u16::from_be(a.sin6_port),
+                                        0,
+                                        0,
+                                    )))
+                                }
+                                _ => {}
                             }
                         }
-                        let dst = msg.cmsgs().ok().into_iter().flatten().find_map(|c| match c {
-                            ControlMessageOwned::Ipv4OrigDstAddr(a) => {
-                                Some(SocketAddr::V4(std::net::SocketAddrV4::new(
-                                    Ipv4Addr::from(u32::from_be(a.sin_addr.s_addr)),
-                                    u16::from_be(a.sin_port),
-                                )))
-                            }
-                            ControlMessageOwned::Ipv6OrigDstAddr(a) => {
-                                Some(SocketAddr::V6(std::net::SocketAddrV6::new(
-                                    Ipv6Addr::from(a.sin6_addr.s6_addr),
-                                    u16::from_be(a.sin6_port),
-                                    0,
-                                    0,
-                                )))
-                            }
-                            _ => None,
-                        });
                         let client = msg.address.as_ref().and_then(socket_addr);
                         (msg.bytes, client, dst)
                     }

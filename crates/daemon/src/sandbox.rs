@@ -439,12 +439,24 @@ impl AppNet {
         format!("{}:2", self.stems().1)
     }
 
+    /// The /24's first address.
+    fn net4(&self) -> Ipv4Addr {
+        let [a, b, c] = self.v4;
+        Ipv4Addr::new(a, b, c, 0)
+    }
+
+    /// The /64's first address.
+    fn net6(&self) -> Ipv6Addr {
+        let [x, y, z] = self.v6;
+        Ipv6Addr::new(x, y, z, 0, 0, 0, 0, 0)
+    }
+
     fn prefix4(&self) -> String {
-        format!("{}.0/24", self.stems().0)
+        format!("{}/24", self.net4())
     }
 
     fn prefix6(&self) -> String {
-        format!("{}:/64", self.stems().1)
+        format!("{}/64", self.net6())
     }
 
     /// The app's net from its addresses (as in [`AppInfo`]).
@@ -691,8 +703,7 @@ impl Sandboxes {
             if host_face {
                 self.guard_net(&app.host_table, &net)?;
             }
-            flexstack_faces::netconf::add_netns(&netns)
-                .map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?;
+            flexstack_faces::netconf::add_netns(&netns).map_err(crate::actions::internal)?;
             if let Some(cg) = app_cgroup(&netns) {
                 std::fs::create_dir_all(&cg)
                     .map_err(|e| ApiError::new(ErrorCode::Internal, format!("{}: {e}", cg.display())))?;
@@ -734,38 +745,35 @@ impl Sandboxes {
     }
 
     fn configure(&self, app: &AppInfo, net: &AppNet) -> Result<(), ApiError> {
+        use crate::actions::internal;
         use flexstack_faces::netconf::{open_netns, Rtnl};
-        use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+        use std::net::IpAddr;
         use std::os::fd::AsFd;
         let (ns, dev) = (app.netns.as_str(), app.app_dev.as_str());
-        let internal = |e: String| ApiError::new(ErrorCode::Internal, e);
         let addr = |a: &str| a.parse::<IpAddr>().map_err(|e| internal(format!("the app's address {a}: {e}")));
         let (v4, v6) = (addr(&app.ipv4)?, addr(&app.ipv6)?);
-        let prefix = |p: String| -> Result<IpAddr, ApiError> { addr(p.split('/').next().unwrap_or_default()) };
-        let (p4, p6) = (prefix(net.prefix4())?, prefix(net.prefix6())?);
         // In the daemon's namespace: the app's device into the app's; in the app's: lo and the device up, the
         // addresses (IPv6 usable at once: no duplicate detection) and the default routes through the device.
-        let mut host = Rtnl::open().map_err(|e| internal(e.to_string()))?;
-        let netns = open_netns(ns).map_err(|e| internal(e.to_string()))?;
-        let index = host.index_of(dev).map_err(|e| internal(e.to_string()))?;
+        let mut host = Rtnl::open().map_err(internal)?;
+        let netns = open_netns(ns).map_err(internal)?;
+        let index = host.index_of(dev).map_err(internal)?;
         host.move_link(index, netns.as_fd());
-        host.commit().map_err(|e| internal(e.to_string()))?;
-        let mut nl = Rtnl::open_in(netns.as_fd()).map_err(|e| internal(e.to_string()))?;
-        let (lo, index) = (nl.index_of("lo"), nl.index_of(dev));
-        let (lo, index) = (lo.map_err(|e| internal(e.to_string()))?, index.map_err(|e| internal(e.to_string()))?);
+        host.commit().map_err(internal)?;
+        let mut nl = Rtnl::open_in(netns.as_fd()).map_err(internal)?;
+        let (lo, index) = (nl.index_of("lo").map_err(internal)?, nl.index_of(dev).map_err(internal)?);
         nl.set_up(lo, true);
         nl.add_address(index, v4, 24);
         nl.add_address_nodad(index, v6, 64);
         nl.set_up(index, true);
         nl.add_route(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0, None, index);
         nl.add_route(IpAddr::V6(Ipv6Addr::UNSPECIFIED), 0, None, index);
-        nl.commit().map_err(|e| internal(e.to_string()))?;
+        nl.commit().map_err(internal)?;
         if !app.host_dev.is_empty() {
-            let index = host.index_of(&app.host_dev).map_err(|e| internal(e.to_string()))?;
+            let index = host.index_of(&app.host_dev).map_err(internal)?;
             host.set_up(index, true);
-            host.add_route(p4, 24, None, index);
-            host.add_route(p6, 64, None, index);
-            host.commit().map_err(|e| internal(e.to_string()))?;
+            host.add_route(IpAddr::V4(net.net4()), 24, None, index);
+            host.add_route(IpAddr::V6(net.net6()), 64, None, index);
+            host.commit().map_err(internal)?;
         }
         let dir = format!("/etc/netns/{ns}");
         std::fs::create_dir_all(&dir).map_err(|e| ApiError::new(ErrorCode::Internal, format!("{dir}: {e}")))?;

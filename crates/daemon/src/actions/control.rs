@@ -54,7 +54,7 @@ pub struct Control {
     pub(super) persist: Persist,
 }
 
-pub(super) fn internal(e: impl std::fmt::Display) -> ApiError {
+pub(crate) fn internal(e: impl std::fmt::Display) -> ApiError {
     ApiError::new(ErrorCode::Internal, e.to_string())
 }
 

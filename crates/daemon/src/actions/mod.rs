@@ -26,6 +26,7 @@ mod service;
 mod tap;
 mod var;
 
+pub(crate) use control::internal;
 pub use control::{Caller, Control};
 pub use flow::Tuple;
 pub(crate) use flow::{app_of, handling, Publisher};

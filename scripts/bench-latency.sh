@@ -14,6 +14,9 @@
 # with figures); FS=PATH runs that binary unbuilt.
 # On a virtual machine the figures depend on what else runs: a vCPU that halted when idle pays a wake-up (an exit
 # to the host and back, tens of microseconds) at each sleeping hop of a round trip; say how busy the machine was.
+# CPU_LATENCY_US=N holds a PM QoS CPU latency request of N us (/dev/cpu_dma_latency) for the whole run, as
+# latency-tuned hosts do (tuned's latency-performance profile): with 0 the idle CPUs poll instead of halting, so the
+# figures are the paths' own and not the wake-ups of halted vCPUs. Printed with the results; unset: no request.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib/bench.sh # median, default_modules_stack, bench_setup
@@ -34,6 +37,12 @@ cleanup() {
   rm -rf "$state"
 }
 trap cleanup EXIT INT TERM
+if [[ -n ${CPU_LATENCY_US:-} ]]; then
+  # The request holds while the file is open (fd 9, for the script's life); a value that is not a number is refused.
+  [[ $CPU_LATENCY_US =~ ^[0-9]+$ ]] || { echo "bench-latency: CPU_LATENCY_US must be a number of us" >&2; exit 2; }
+  exec 9>/dev/cpu_dma_latency
+  printf '0x%08x' "$CPU_LATENCY_US" >&9 # 10 bytes: read as hex (4 bytes would be read as binary)
+fi
 cc -O2 -o "$state/udp_pp" bench/udp_pp.c
 cc -O2 -pthread -o "$state/tun_forward" bench/tun_forward.c
 ip netns add ${tag}a; ip netns add ${tag}b
@@ -84,8 +93,9 @@ for r in $(seq "$RUNS"); do
 done
 m() { tr ' ' '\n' <<<"$1" | grep . | median; }
 v=$(m "${med[v]}")
-printf 'UDP ping-pong, 64 bytes, one in flight: medians of %s rounds of %s round trips (us), load average %s\n' \
-  "$RUNS" "$N" "$(cut -d' ' -f1 /proc/loadavg)"
+printf 'UDP ping-pong, 64 bytes, one in flight: medians of %s rounds of %s round trips (us), load average %s, %s\n' \
+  "$RUNS" "$N" "$(cut -d' ' -f1 /proc/loadavg)" \
+  "$([[ -n ${CPU_LATENCY_US:-} ]] && echo "CPU latency request $CPU_LATENCY_US us" || echo "no CPU latency request")"
 printf '%-44s %9s %9s %9s\n' path median p99 added
 for c in v c t f p; do
   case $c in

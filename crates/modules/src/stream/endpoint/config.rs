@@ -67,6 +67,7 @@ pub struct Config {
     pub connect_timeout_ms: u64,
     pub udp_timeout_ms: u64,
     pub keepalive_ms: u64,
+    pub ack_delay_ms: u64,
     pub timeout_ms: u64,
     pub cc: Cc,
     pub nagle: bool,
@@ -101,6 +102,7 @@ impl Config {
             connect_timeout_ms: 0,
             udp_timeout_ms: 0,
             keepalive_ms: 0,
+            ack_delay_ms: 0,
             timeout_ms: 0,
             cc: Cc::Cubic,
             nagle: false,
@@ -263,6 +265,15 @@ macro_rules! endpoint_decl {
                     60_000,
                     flexstack_core::field!(keepalive_ms),
                 ).range(0.0, 86400000.0),
+                P::u64(
+                    "ack_delay_ms",
+                    "ms",
+                    "delayed ACK of new TCP connections; 0: each segment or super-packet is acknowledged at once \
+                     (smoltcp's delay ACKs at once only a second segment, so a 64 KiB super-packet, one segment to \
+                     it, waited for the timer while its sender waited for the ACK)",
+                    0,
+                    flexstack_core::field!(ack_delay_ms),
+                ).range(0.0, 500.0),
                 P::u64(
                     "timeout_ms",
                     "ms",

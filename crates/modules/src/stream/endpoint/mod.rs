@@ -524,6 +524,7 @@ impl Endpoint {
         self.m.pooled.set(self.f.pool.len() as u64);
         let s = sock.socket();
         s.set_nagle_enabled(self.cfg.nagle);
+        s.set_ack_delay(ms(self.cfg.ack_delay_ms));
         s.set_keep_alive(ms(self.cfg.keepalive_ms));
         s.set_timeout(ms(self.cfg.timeout_ms));
         s.set_congestion_control(self.cfg.cc.smoltcp());

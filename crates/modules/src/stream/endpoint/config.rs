@@ -268,9 +268,9 @@ macro_rules! endpoint_decl {
                 P::u64(
                     "ack_delay_ms",
                     "ms",
-                    "delayed ACK of new TCP connections; 0: each segment or super-packet is acknowledged at once \
-                     (smoltcp's delay ACKs at once only a second segment, so a 64 KiB super-packet, one segment to \
-                     it, waited for the timer while its sender waited for the ACK)",
+                    "0: every TCP segment is acknowledged at once; else how long the ACK of up to a full segment of \
+                     new data may wait (smoltcp's delayed ACK, which a second segment ends; more at once, such as a \
+                     super-packet, is acknowledged at once)",
                     0,
                     flexstack_core::field!(ack_delay_ms),
                 ).range(0.0, 500.0),

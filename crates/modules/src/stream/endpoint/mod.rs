@@ -1235,6 +1235,7 @@ impl Endpoint {
         {
             let c = self.f.conns.get_mut(&id).expect("present");
             let t = c.tcp.as_mut().expect("tcp");
+            let mut payload = 0usize;
             for p in t.rx.drain(..) {
                 if let Ok(info) = PacketInfo::parse(p.data()) {
                     if let Some(s) = Segment::parse(p.data(), info.l4_offset, info.total_len) {
@@ -1243,10 +1244,17 @@ impl Endpoint {
                         if s.len > 0 {
                             (t.resident, t.last_active) = (true, now);
                         }
+                        payload += s.len as usize;
                     }
                 }
                 self.dev.rx.push_back(p);
             }
+            // More than a full segment's payload at once (a super-packet, or several segments): acknowledged in
+            // this poll, as the kernel does. smoltcp's delay ends early only on a second segment, and a
+            // super-packet is one segment to it; a delay of zero also ends one a smaller segment started.
+            let full = (self.cfg.mtu as usize).saturating_sub(60);
+            let delay = if payload > full { Some(SmolDuration::ZERO) } else { ms(self.cfg.ack_delay_ms) };
+            t.sockets.get_mut::<tcp::Socket>(t.handle).set_ack_delay(delay);
         }
         for _round in 0..64 {
             {

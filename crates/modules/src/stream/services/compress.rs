@@ -65,7 +65,7 @@ use std::borrow::Cow;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::Duration;
 use zstd::zstd_safe::{self, CCtx, CParameter, InBuffer, OutBuffer, ResetDirective};
 
@@ -313,7 +313,7 @@ struct Done {
 
 /// The compression threads of the process: where jobs go, and how many are queued or being made.
 struct Pool {
-    jobs: Sender<Job>,
+    jobs: Arc<Jobs>,
     total: Arc<AtomicUsize>,
 }
 
@@ -322,15 +322,15 @@ impl Pool {
     fn get() -> &'static Pool {
         static POOL: OnceLock<Pool> = OnceLock::new();
         POOL.get_or_init(|| {
-            let (jobs, rx) = mpsc::channel::<Job>();
-            let rx = Arc::new(Mutex::new(rx));
+            let jobs = Arc::new(Jobs::default());
             let total = Arc::new(AtomicUsize::new(0));
             let n = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, THREADS);
             for i in 0..n {
-                let (rx, total) = (rx.clone(), total.clone());
+                let (jobs, total) = (jobs.clone(), total.clone());
+                jobs.state().threads += 1;
                 std::thread::Builder::new()
                     .name(format!("fs-compress-{i}"))
-                    .spawn(move || serve(&rx, &total))
+                    .spawn(move || serve(&jobs, &total))
                     .expect("a compression thread");
             }
             Pool { jobs, total }
@@ -338,16 +338,81 @@ impl Pool {
     }
 }
 
-/// A compression thread: makes the blocks it is given, one at a time, until the pool goes away.
-fn serve(rx: &Mutex<Receiver<Job>>, total: &AtomicUsize) {
+/// The queue of blocks to make, which the compression threads share. A thread with nothing to do sleeps on it; a
+/// block handed over wakes one only if one sleeps and none is woken yet (a `Mutex` around a channel's receiver woke
+/// two threads per block: the receiver's holder, and, as it let go of the lock, the other one, which went back to
+/// sleep in the receiver).
+#[derive(Default)]
+struct Jobs {
+    state: Mutex<JobsState>,
+    ready: Condvar,
+}
+
+#[derive(Default)]
+struct JobsState {
+    queue: VecDeque<Job>,
+    /// Threads serving the queue (a thread that panics leaves).
+    threads: usize,
+    /// Threads sleeping on `ready`.
+    idle: usize,
+    /// Of those, how many were woken and have not run yet.
+    woken: usize,
+}
+
+impl Jobs {
+    fn state(&self) -> std::sync::MutexGuard<'_, JobsState> {
+        // A poisoned lock: a thread panicked holding it, between whole changes of the state.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Queues a job for the threads; gives it back if no thread is left.
+    fn push(&self, job: Job) -> Result<(), Job> {
+        let mut st = self.state();
+        if st.threads == 0 {
+            return Err(job);
+        }
+        st.queue.push_back(job);
+        if st.idle > st.woken {
+            st.woken += 1;
+            self.ready.notify_one();
+        }
+        Ok(())
+    }
+
+    /// The next job, waiting for one.
+    fn pop(&self) -> Job {
+        let mut st = self.state();
+        loop {
+            if let Some(job) = st.queue.pop_front() {
+                return job;
+            }
+            st.idle += 1;
+            st = self.ready.wait(st).unwrap_or_else(|e| e.into_inner());
+            st.idle -= 1;
+            st.woken = st.woken.saturating_sub(1);
+        }
+    }
+
+    /// The jobs queued (for tests: a queue no thread serves).
+    #[cfg(test)]
+    fn take(&self) -> Vec<Job> {
+        self.state().queue.drain(..).collect()
+    }
+}
+
+/// A compression thread: makes the blocks it is given, one at a time (for ever: the pool is the process's).
+fn serve(jobs: &Jobs, total: &AtomicUsize) {
+    /// Counts the thread out if it panics.
+    struct Leaving<'a>(&'a Jobs);
+    impl Drop for Leaving<'_> {
+        fn drop(&mut self) {
+            self.0.state().threads -= 1;
+        }
+    }
+    let _leaving = Leaving(jobs);
     let mut zc: Option<(i32, CCtx<'static>)> = None;
     loop {
-        // A poisoned lock: another thread panicked holding it; the receiver itself is still whole.
-        let job = match rx.lock().unwrap_or_else(|e| e.into_inner()).recv() {
-            Ok(job) => job,
-            Err(_) => return,
-        };
-        let (reply, notify, done) = run(&mut zc, job);
+        let (reply, notify, done) = run(&mut zc, jobs.pop());
         total.fetch_sub(1, Ordering::AcqRel);
         // The module may be gone (unloaded): its blocks go with it.
         if reply.send(done).is_ok() {
@@ -424,7 +489,7 @@ fn store_block(piece: &[u8], b: &mut Vec<u8>) -> bool {
 /// A module's way to the compression threads: where its jobs go, the pool's count and limit, and the channel its
 /// blocks come back on (handed to its replacement with the flows).
 struct Offload {
-    jobs: Sender<Job>,
+    jobs: Arc<Jobs>,
     total: Arc<AtomicUsize>,
     limit: usize,
     done_tx: Sender<Done>,
@@ -453,7 +518,7 @@ impl Offload {
         Offload::to(pool.jobs.clone(), pool.total.clone(), TOTAL_IN_FLIGHT)
     }
 
-    fn to(jobs: Sender<Job>, total: Arc<AtomicUsize>, limit: usize) -> Offload {
+    fn to(jobs: Arc<Jobs>, total: Arc<AtomicUsize>, limit: usize) -> Offload {
         let (done_tx, done_rx) = mpsc::channel();
         Offload {
             jobs,
@@ -634,12 +699,12 @@ impl Compress {
             let output = self.offload.spare_out.pop().unwrap_or_default();
             let reply = self.offload.done_tx.clone();
             let job = Job { flow, dir: d, seq: *seq, level, input, output, reply, notify };
-            match self.offload.jobs.send(job) {
+            match self.offload.jobs.push(job) {
                 Ok(()) => {
                     st.working[s] += 1;
                     self.offload.working += 1;
                 }
-                Err(mpsc::SendError(job)) => {
+                Err(job) => {
                     // No thread left (they panicked): the block is made here.
                     self.offload.total.fetch_sub(1, Ordering::AcqRel);
                     tracing::error!("compress: no compression thread left; compressing on the data plane");
@@ -1016,7 +1081,7 @@ mod tests {
     struct Harness {
         m: Compress,
         vars: ModuleVars,
-        jobs: Receiver<Job>,
+        jobs: Arc<Jobs>,
         pool: PacketPool,
     }
 
@@ -1025,8 +1090,9 @@ mod tests {
             let cfg = Config { level: 3, decompress: false, active: true, offload: true, notify: true };
             let vars = ModuleVars::new(&DECL.interface(&cfg).vars);
             let mut m = CompressBuilder { cfg, select: vec![SelectRule::ALL] }.make(&vars);
-            let (tx, jobs) = mpsc::channel();
-            m.offload = Offload::to(tx, Arc::new(AtomicUsize::new(0)), limit);
+            let jobs = Arc::new(Jobs::default());
+            jobs.state().threads = 1; // the test, by hand
+            m.offload = Offload::to(jobs.clone(), Arc::new(AtomicUsize::new(0)), limit);
             Harness { m, vars, jobs, pool: PacketPool::default() }
         }
 
@@ -1053,7 +1119,7 @@ mod tests {
 
         /// The jobs handed to the threads so far.
         fn jobs(&self) -> Vec<Job> {
-            self.jobs.try_iter().collect()
+            self.jobs.take()
         }
 
         fn meter(&self, name: &str) -> u64 {
@@ -1432,6 +1498,57 @@ mod tests {
         // And the context goes on making blocks after it.
         assert!(!make_block(&mut zc, &piece, &mut b));
         assert!(zstd::decode_all(&b[4..]).unwrap() == piece);
+    }
+
+    #[test]
+    fn threads_sharing_the_queue_make_every_block_once_and_without_threads_the_worker_makes_them() {
+        let jobs = Arc::new(Jobs::default());
+        let total = Arc::new(AtomicUsize::new(0));
+        for _ in 0..3 {
+            let (jobs, total) = (jobs.clone(), total.clone());
+            jobs.state().threads += 1;
+            // They sleep on the queue when the test is done (test threads are not joined).
+            std::thread::spawn(move || serve(&jobs, &total));
+        }
+        let (reply, done) = mpsc::channel();
+        let input = text(16, 40 * 10_000);
+        for (seq, piece) in input.chunks(10_000).enumerate() {
+            total.fetch_add(1, Ordering::AcqRel);
+            let job = Job {
+                flow: 1,
+                dir: Direction::Down,
+                seq: seq as u64,
+                level: 3,
+                input: piece.to_vec(),
+                output: Vec::new(),
+                reply: reply.clone(),
+                notify: None,
+            };
+            assert!(jobs.push(job).is_ok());
+            if seq % 7 == 0 {
+                std::thread::sleep(Duration::from_millis(1)); // let the threads fall asleep now and then
+            }
+        }
+        let mut made: Vec<Done> = (0..40).map(|_| done.recv_timeout(Duration::from_secs(10)).unwrap()).collect();
+        assert!(done.try_recv().is_err(), "each block once");
+        made.sort_by_key(|d| d.seq);
+        assert_eq!(made.iter().map(|d| d.seq).collect::<Vec<_>>(), (0..40).collect::<Vec<_>>());
+        let mut plain = Vec::new();
+        for d in &made {
+            assert!(!d.stored && d.input.is_empty() && d.input.capacity() >= 10_000, "the input comes back emptied");
+            plain.extend(zstd::decode_all(&d.block[4..]).unwrap());
+        }
+        assert!(plain == input);
+        assert_eq!(total.load(Ordering::Acquire), 0);
+        // No thread left: a block handed over is made on the worker.
+        let mut h = Harness::new(TOTAL_IN_FLIGHT);
+        h.jobs.state().threads = 0;
+        let pool = h.pool.clone();
+        let big = text(17, 2 * MAX_BLOCK);
+        let (seen, next) = h.process(1, vec![open(&pool, 1), StreamFrame::data(&pool, 1, Direction::Down, &big)]);
+        assert!(h.jobs().is_empty());
+        assert_eq!(next, None);
+        assert!(unframe(&seen[1..]) == big);
     }
 
     #[test]

@@ -372,8 +372,13 @@ impl Jobs {
             return Err(job);
         }
         st.queue.push_back(job);
-        if st.idle > st.woken {
+        let wake = st.idle > st.woken;
+        if wake {
             st.woken += 1;
+        }
+        // Woken after the lock is let go: a thread woken while it is held would sleep again at once, on the lock.
+        drop(st);
+        if wake {
             self.ready.notify_one();
         }
         Ok(())

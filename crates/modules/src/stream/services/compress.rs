@@ -14,6 +14,10 @@
 //!   input and goes to a compression thread as it is; zstd compresses it in one call straight into a buffer behind
 //!   the header (nothing zeroed first), and that buffer becomes the outgoing packet's (swapped in, not copied). The
 //!   packet's former buffer and the emptied input come back for the next blocks ([`SPARE_BUFFERS`] of each kept).
+//! - The compression threads run under SCHED_BATCH: a thread woken by a block waits for a free core or the next tick
+//!   instead of taking the core from the data-plane worker that handed the block over, and the worker (woken by
+//!   packets, or by a block made) still takes the core from a thread. With the app, the worker and the threads on
+//!   two cores, the bulk transfer was about 10 % faster for it (BENCHMARKS.md, "Services overhead", session 17).
 //! - Where zstd runs (setting `offload`, true by default): blocks are compressed on a small pool of compression
 //!   threads the process shares ([`THREADS`] at most, started at the first block), in parallel with the data plane
 //!   and with each other, and leave strictly in order per flow and direction. The module stays sans-IO: it hands a
@@ -415,6 +419,12 @@ fn serve(jobs: &Jobs, total: &AtomicUsize) {
         }
     }
     let _leaving = Leaving(jobs);
+    // A block handed over wakes a thread, which would otherwise take the core from the data-plane worker that woke
+    // it (the worker, the app and the threads share the cores): under SCHED_BATCH it waits for a free core or the
+    // next tick, and the worker, woken by packets or by a block made, still takes the core from it.
+    if let Err(e) = flexstack_sys::set_batch_policy() {
+        tracing::warn!("compress: a compression thread stays under the normal policy (SCHED_BATCH: {e})");
+    }
     let mut zc: Option<(i32, CCtx<'static>)> = None;
     loop {
         let (reply, notify, done) = run(&mut zc, jobs.pop());

@@ -201,6 +201,13 @@ pub fn set_normal_policy() -> io::Result<()> {
     set_scheduler(libc::SCHED_OTHER, 0)
 }
 
+/// Puts the calling thread under SCHED_BATCH (from the normal policy; needs no privilege): a CPU-bound thread that,
+/// when it wakes, does not preempt the thread running (it waits for a free core or the next tick), while a thread of
+/// the normal policy that wakes still preempts it (see `sched(7)`).
+pub fn set_batch_policy() -> io::Result<()> {
+    set_scheduler(libc::SCHED_BATCH, 0)
+}
+
 fn set_scheduler(policy: libc::c_int, priority: i32) -> io::Result<()> {
     let param = libc::sched_param { sched_priority: priority };
     // SAFETY: `param` is a valid sched_param that outlives the call; pid 0 is the calling thread.

@@ -10,6 +10,14 @@
 //!   batch are compressed together (up to 64 KiB a block; `terminate` hands over what its socket holds in chunks of
 //!   16 KiB), and what is gathered leaves as a block at the end of the batch, so nothing waits for more input (a
 //!   small message is sent as it comes; zstd's cost per call and its ratio favour big blocks).
+//! - Copies: each byte is copied once on its way to zstd. The chunks are gathered into a buffer that is the block's
+//!   input and goes to a compression thread as it is; zstd compresses it in one call straight into a buffer behind
+//!   the header (nothing zeroed first), and that buffer becomes the outgoing packet's (swapped in, not copied). The
+//!   packet's former buffer and the emptied input come back for the next blocks ([`SPARE_BUFFERS`] of each kept).
+//! - The compression threads run under SCHED_BATCH: a thread woken by a block waits for a free core or the next tick
+//!   instead of taking the core from the data-plane worker that handed the block over, and the worker (woken by
+//!   packets, or by a block made) still takes the core from a thread. With the app, the worker and the threads on
+//!   two cores, the bulk transfer was about 10 % faster for it (BENCHMARKS.md, "Services overhead", session 17).
 //! - Where zstd runs (setting `offload`, true by default): blocks are compressed on a small pool of compression
 //!   threads the process shares ([`THREADS`] at most, started at the first block), in parallel with the data plane
 //!   and with each other, and leave strictly in order per flow and direction. The module stays sans-IO: it hands a
@@ -57,11 +65,13 @@ use flexstack_core::{
     field, kind_from_decl, Batch, ConfigError, Direction, Frame, KindDecl, Meter, MeterDecl, Module, ModuleBuilder,
     ModuleInterface, ModuleKind, ModuleVars, Notifier, Output, Packet, Param, Settings, Time, Value, ValueType,
 };
+use std::borrow::Cow;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::Duration;
+use zstd::zstd_safe::{self, CCtx, CParameter, InBuffer, OutBuffer, ResetDirective};
 
 /// The kind's name in stack files.
 pub const KIND: &str = "compress";
@@ -83,6 +93,9 @@ pub const TOTAL_IN_FLIGHT: usize = 64;
 
 /// Most compression threads (fewer on a machine with fewer cores).
 pub const THREADS: usize = 4;
+
+/// Most buffers of each kind (blocks' input, blocks made) a module keeps for its next blocks.
+pub const SPARE_BUFFERS: usize = 2 * FLOW_IN_FLIGHT;
 
 /// How soon a module with blocks out asks to be polled again.
 pub const POLL_EVERY: Duration = Duration::from_micros(50);
@@ -225,7 +238,7 @@ impl ModuleBuilder for CompressBuilder {
 impl CompressBuilder {
     fn make(self, vars: &ModuleVars) -> Compress {
         DECL.publish(&self.cfg, vars);
-        let zc = zstd::bulk::Compressor::new(self.cfg.level as i32).expect("zstd context");
+        let zc = context(self.cfg.level as i32);
         let zd = zstd::bulk::Decompressor::new().expect("zstd context");
         Compress {
             cfg: self.cfg,
@@ -282,6 +295,8 @@ struct Job {
     seq: u64,
     level: i32,
     input: Vec<u8>,
+    /// Where to write the block (a buffer to reuse: what it holds is overwritten).
+    output: Vec<u8>,
     reply: Sender<Done>,
     /// Has the module polled once the block is sent back (`None`: it polls on a timer).
     notify: Option<Notifier>,
@@ -294,13 +309,15 @@ struct Done {
     seq: u64,
     block: Vec<u8>,
     stored: bool,
+    /// The job's input buffer, emptied, for the module's next block.
+    input: Vec<u8>,
     /// How long zstd took for it.
     took: Duration,
 }
 
 /// The compression threads of the process: where jobs go, and how many are queued or being made.
 struct Pool {
-    jobs: Sender<Job>,
+    jobs: Arc<Jobs>,
     total: Arc<AtomicUsize>,
 }
 
@@ -309,15 +326,15 @@ impl Pool {
     fn get() -> &'static Pool {
         static POOL: OnceLock<Pool> = OnceLock::new();
         POOL.get_or_init(|| {
-            let (jobs, rx) = mpsc::channel::<Job>();
-            let rx = Arc::new(Mutex::new(rx));
+            let jobs = Arc::new(Jobs::default());
             let total = Arc::new(AtomicUsize::new(0));
             let n = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, THREADS);
             for i in 0..n {
-                let (rx, total) = (rx.clone(), total.clone());
+                let (jobs, total) = (jobs.clone(), total.clone());
+                jobs.state().threads += 1;
                 std::thread::Builder::new()
                     .name(format!("fs-compress-{i}"))
-                    .spawn(move || serve(&rx, &total))
+                    .spawn(move || serve(&jobs, &total))
                     .expect("a compression thread");
             }
             Pool { jobs, total }
@@ -325,16 +342,92 @@ impl Pool {
     }
 }
 
-/// A compression thread: makes the blocks it is given, one at a time, until the pool goes away.
-fn serve(rx: &Mutex<Receiver<Job>>, total: &AtomicUsize) {
-    let mut zc: Option<(i32, zstd::bulk::Compressor<'static>)> = None;
+/// The queue of blocks to make, which the compression threads share. A thread with nothing to do sleeps on it; a
+/// block handed over wakes one only if one sleeps and none is woken yet (a `Mutex` around a channel's receiver woke
+/// two threads per block: the receiver's holder, and, as it let go of the lock, the other one, which went back to
+/// sleep in the receiver).
+#[derive(Default)]
+struct Jobs {
+    state: Mutex<JobsState>,
+    ready: Condvar,
+}
+
+#[derive(Default)]
+struct JobsState {
+    queue: VecDeque<Job>,
+    /// Threads serving the queue (a thread that panics leaves).
+    threads: usize,
+    /// Threads sleeping on `ready`.
+    idle: usize,
+    /// Of those, how many were woken and have not run yet.
+    woken: usize,
+}
+
+impl Jobs {
+    fn state(&self) -> std::sync::MutexGuard<'_, JobsState> {
+        // A poisoned lock: a thread panicked holding it, between whole changes of the state.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Queues a job for the threads; gives it back if no thread is left.
+    fn push(&self, job: Job) -> Result<(), Job> {
+        let mut st = self.state();
+        if st.threads == 0 {
+            return Err(job);
+        }
+        st.queue.push_back(job);
+        let wake = st.idle > st.woken;
+        if wake {
+            st.woken += 1;
+        }
+        // Woken after the lock is let go: a thread woken while it is held would sleep again at once, on the lock.
+        drop(st);
+        if wake {
+            self.ready.notify_one();
+        }
+        Ok(())
+    }
+
+    /// The next job, waiting for one.
+    fn pop(&self) -> Job {
+        let mut st = self.state();
+        loop {
+            if let Some(job) = st.queue.pop_front() {
+                return job;
+            }
+            st.idle += 1;
+            st = self.ready.wait(st).unwrap_or_else(|e| e.into_inner());
+            st.idle -= 1;
+            st.woken = st.woken.saturating_sub(1);
+        }
+    }
+
+    /// The jobs queued (for tests: a queue no thread serves).
+    #[cfg(test)]
+    fn take(&self) -> Vec<Job> {
+        self.state().queue.drain(..).collect()
+    }
+}
+
+/// A compression thread: makes the blocks it is given, one at a time (for ever: the pool is the process's).
+fn serve(jobs: &Jobs, total: &AtomicUsize) {
+    /// Counts the thread out if it panics.
+    struct Leaving<'a>(&'a Jobs);
+    impl Drop for Leaving<'_> {
+        fn drop(&mut self) {
+            self.0.state().threads -= 1;
+        }
+    }
+    let _leaving = Leaving(jobs);
+    // A block handed over wakes a thread, which would otherwise take the core from the data-plane worker that woke
+    // it (the worker, the app and the threads share the cores): under SCHED_BATCH it waits for a free core or the
+    // next tick, and the worker, woken by packets or by a block made, still takes the core from it.
+    if let Err(e) = flexstack_sys::set_batch_policy() {
+        tracing::warn!("compress: a compression thread stays under the normal policy (SCHED_BATCH: {e})");
+    }
+    let mut zc: Option<(i32, CCtx<'static>)> = None;
     loop {
-        // A poisoned lock: another thread panicked holding it; the receiver itself is still whole.
-        let job = match rx.lock().unwrap_or_else(|e| e.into_inner()).recv() {
-            Ok(job) => job,
-            Err(_) => return,
-        };
-        let (reply, notify, done) = run(&mut zc, job);
+        let (reply, notify, done) = run(&mut zc, jobs.pop());
         total.fetch_sub(1, Ordering::AcqRel);
         // The module may be gone (unloaded): its blocks go with it.
         if reply.send(done).is_ok() {
@@ -345,34 +438,58 @@ fn serve(rx: &Mutex<Receiver<Job>>, total: &AtomicUsize) {
     }
 }
 
-/// Makes a job's block with a context kept for its level.
-fn run(zc: &mut Option<(i32, zstd::bulk::Compressor<'static>)>, job: Job) -> (Sender<Done>, Option<Notifier>, Done) {
-    if zc.as_ref().is_none_or(|(l, _)| *l != job.level) {
-        *zc = zstd::bulk::Compressor::new(job.level).ok().map(|c| (job.level, c));
-    }
-    let mut block = Vec::new();
-    let start = std::time::Instant::now();
-    let stored = match zc {
-        Some((_, c)) => make_block(c, &job.input, &mut block),
-        None => store_block(&job.input, &mut block),
-    };
-    let took = start.elapsed();
-    (job.reply, job.notify, Done { flow: job.flow, dir: job.dir, seq: job.seq, block, stored, took })
+/// A zstd compression context at `level` (`None`: zstd could not make one).
+fn context(level: i32) -> Option<CCtx<'static>> {
+    let mut c = CCtx::try_create()?;
+    c.set_parameter(CParameter::CompressionLevel(level)).ok()?;
+    Some(c)
 }
 
-/// Writes the block of `piece` (header and payload) into `b`; returns true if it is stored as it was (zstd would
-/// not make it smaller, or failed).
-fn make_block(zc: &mut zstd::bulk::Compressor<'_>, piece: &[u8], b: &mut Vec<u8>) -> bool {
-    // Zeroed up to zstd's bound for this piece only (not a whole block's for every chunk).
+/// Makes a job's block, into the job's output buffer, with a context kept for its level (one per thread: its
+/// tables and buffers are reused from block to block).
+fn run(zc: &mut Option<(i32, CCtx<'static>)>, job: Job) -> (Sender<Done>, Option<Notifier>, Done) {
+    let Job { flow, dir, seq, level, mut input, mut output, reply, notify } = job;
+    if zc.as_ref().is_none_or(|(l, _)| *l != level) {
+        *zc = context(level).map(|c| (level, c));
+    }
+    let start = std::time::Instant::now();
+    let stored = match zc {
+        Some((_, c)) => make_block(c, &input, &mut output),
+        None => store_block(&input, &mut output),
+    };
+    let took = start.elapsed();
+    input.clear();
+    (reply, notify, Done { flow, dir, seq, block: output, stored, input, took })
+}
+
+/// Writes the block of `piece` (header and payload) into `b` (what it held is overwritten; it grows to zstd's
+/// bound for the piece, and is not zeroed first); returns true if it is stored as it was (zstd would not make it
+/// smaller, or failed).
+///
+/// One `ZSTD_compressStream2` call with `ZSTD_e_end` and room for zstd's bound: zstd compresses the piece in place
+/// straight into `b` behind the header (the one-shot path of `ZSTD_compress2`, the frame sized by the piece), with
+/// no copy of the input and no output buffered in the context.
+fn make_block(zc: &mut CCtx<'_>, piece: &[u8], b: &mut Vec<u8>) -> bool {
     b.clear();
-    b.resize(4 + zstd::zstd_safe::compress_bound(piece.len()).max(piece.len()), 0);
-    match zc.compress_to_buffer(piece, &mut b[4..]) {
-        Ok(n) if n < piece.len() => {
+    b.extend_from_slice(&[0; 4]);
+    b.reserve(zstd_safe::compress_bound(piece.len()));
+    let mut output = OutBuffer::around_pos(b, 4);
+    let mut input = InBuffer::around(piece);
+    let res = zc.compress_stream2(&mut output, &mut input, zstd_safe::zstd_sys::ZSTD_EndDirective::ZSTD_e_end);
+    let n = output.pos() - 4;
+    match res {
+        Ok(0) if n < piece.len() => {
             b.truncate(4 + n);
             b[..4].copy_from_slice(&(n as u32).to_be_bytes());
             false
         }
-        _ => store_block(piece, b),
+        Ok(0) => store_block(piece, b),
+        _ => {
+            // The frame did not end (no room: not with zstd's bound) or zstd failed: abandoned, so the context
+            // starts the next block afresh.
+            let _ = zc.reset(ResetDirective::SessionOnly);
+            store_block(piece, b)
+        }
     }
 }
 
@@ -387,7 +504,7 @@ fn store_block(piece: &[u8], b: &mut Vec<u8>) -> bool {
 /// A module's way to the compression threads: where its jobs go, the pool's count and limit, and the channel its
 /// blocks come back on (handed to its replacement with the flows).
 struct Offload {
-    jobs: Sender<Job>,
+    jobs: Arc<Jobs>,
     total: Arc<AtomicUsize>,
     limit: usize,
     done_tx: Sender<Done>,
@@ -402,6 +519,11 @@ struct Offload {
     working: usize,
     /// How the threads have the module polled when a block is made (from the switch; `None`: poll on a timer).
     notifier: Option<Notifier>,
+    /// Emptied input buffers the threads gave back, for the next blocks (at most [`SPARE_BUFFERS`]).
+    spare_in: Vec<Vec<u8>>,
+    /// Buffers for the threads to write the next blocks into: the packet buffers the blocks made replaced (at most
+    /// [`SPARE_BUFFERS`]).
+    spare_out: Vec<Vec<u8>>,
 }
 
 impl Offload {
@@ -411,7 +533,7 @@ impl Offload {
         Offload::to(pool.jobs.clone(), pool.total.clone(), TOTAL_IN_FLIGHT)
     }
 
-    fn to(jobs: Sender<Job>, total: Arc<AtomicUsize>, limit: usize) -> Offload {
+    fn to(jobs: Arc<Jobs>, total: Arc<AtomicUsize>, limit: usize) -> Offload {
         let (done_tx, done_rx) = mpsc::channel();
         Offload {
             jobs,
@@ -424,6 +546,28 @@ impl Offload {
             poll_every: POLL_EVERY,
             working: 0,
             notifier: None,
+            spare_in: Vec::new(),
+            spare_out: Vec::new(),
+        }
+    }
+
+    /// An empty buffer for a block's input: one given back, or a new one of a block's size.
+    fn input_buffer(&mut self) -> Vec<u8> {
+        self.spare_in.pop().unwrap_or_else(|| Vec::with_capacity(MAX_BLOCK))
+    }
+
+    /// Keeps an input buffer for a next block (emptied), unless enough are kept.
+    fn keep_input(&mut self, mut b: Vec<u8>) {
+        if self.spare_in.len() < SPARE_BUFFERS && b.capacity() >= MAX_BLOCK {
+            b.clear();
+            self.spare_in.push(b);
+        }
+    }
+
+    /// Keeps a buffer for the threads to write a next block into, unless enough are kept.
+    fn keep_output(&mut self, b: Vec<u8>) {
+        if self.spare_out.len() < SPARE_BUFFERS {
+            self.spare_out.push(b);
         }
     }
 }
@@ -442,10 +586,11 @@ pub struct Compress {
     cfg: Config,
     m: Meters,
     flows: Flows<Flow>,
-    zc: zstd::bulk::Compressor<'static>,
+    /// The context for the blocks made on the worker (`None`: zstd could not make one; they are stored).
+    zc: Option<CCtx<'static>>,
     zd: zstd::bulk::Decompressor<'static>,
     /// The flow and direction whose chunks are being gathered into a block in this batch, and their bytes (less
-    /// than a block; empty between batches).
+    /// than a block; empty between batches): the buffer is the block's input, handed to the threads as it is.
     gathering: Option<(u64, Direction)>,
     gathered: Vec<u8>,
     offload: Offload,
@@ -476,28 +621,40 @@ impl Compress {
     /// Compresses a chunk into blocks, each emitted (and mapped for the acks) once made, in order.
     fn pack(&mut self, flow: u64, d: Direction, bytes: &[u8], out: &mut Output<'_>) {
         for piece in bytes.chunks(MAX_BLOCK) {
-            self.block(flow, d, piece, out);
+            self.block(flow, d, Cow::Borrowed(piece), out);
         }
     }
 
     /// One block of input: made here at once (`offload` off, or a small block of a direction with nothing queued),
-    /// or queued for the threads.
-    fn block(&mut self, flow: u64, d: Direction, piece: &[u8], out: &mut Output<'_>) {
+    /// or queued for the threads. Input in a buffer of its own (`Cow::Owned`, a gathered block) goes to the threads
+    /// as it is; borrowed input is copied once, into a buffer for them.
+    fn block(&mut self, flow: u64, d: Direction, piece: Cow<'_, [u8]>, out: &mut Output<'_>) {
         let st = self.flows.get_mut(flow).expect("a flow it works on");
         let s = slot(d);
         if !self.cfg.offload || (piece.len() < INLINE_BELOW && st.queue[s].is_empty()) {
             // Made in the pooled packet itself: the block is not copied.
             let (zc, mut stored) = (&mut self.zc, false);
-            let frame = StreamFrame::data_with(out.pool(), flow, d, |b| stored = make_block(zc, piece, b));
+            let frame = StreamFrame::data_with(out.pool(), flow, d, |b| {
+                stored = match zc {
+                    Some(c) => make_block(c, &piece, b),
+                    None => store_block(&piece, b),
+                }
+            });
             self.made(flow, d, piece.len() as u64, frame, stored, out);
+            if let Cow::Owned(b) = piece {
+                self.offload.keep_input(b);
+            }
             return;
         }
         // A block waiting for the threads (the flow has as many out as it may) takes more input while it has room
         // (not a UDP flow's: a datagram is a block): while the threads are behind, blocks stay big.
         if let Some(Pending::Block(_, plain, Block::Waiting(waiting))) = st.queue[s].back_mut() {
             if !st.udp && waiting.len() + piece.len() <= MAX_BLOCK {
-                waiting.extend_from_slice(piece);
+                waiting.extend_from_slice(&piece);
                 *plain += piece.len() as u64;
+                if let Cow::Owned(b) = piece {
+                    self.offload.keep_input(b);
+                }
                 return;
             }
         }
@@ -508,7 +665,16 @@ impl Compress {
         if st.queue[s].is_empty() {
             self.offload.busy.push((flow, d));
         }
-        st.queue[s].push_back(Pending::Block(seq, piece.len() as u64, Block::Waiting(piece.to_vec())));
+        let plain = piece.len() as u64;
+        let input = match piece {
+            Cow::Owned(b) => b,
+            Cow::Borrowed(bytes) => {
+                let mut b = self.offload.input_buffer();
+                b.extend_from_slice(bytes);
+                b
+            }
+        };
+        st.queue[s].push_back(Pending::Block(seq, plain, Block::Waiting(input)));
         self.submit(flow, d);
     }
 
@@ -545,18 +711,23 @@ impl Compress {
             }
             let Block::Waiting(input) = std::mem::replace(b, Block::Working) else { unreachable!() };
             let notify = self.offload.notifier.clone();
-            let job = Job { flow, dir: d, seq: *seq, level, input, reply: self.offload.done_tx.clone(), notify };
-            match self.offload.jobs.send(job) {
+            let output = self.offload.spare_out.pop().unwrap_or_default();
+            let reply = self.offload.done_tx.clone();
+            let job = Job { flow, dir: d, seq: *seq, level, input, output, reply, notify };
+            match self.offload.jobs.push(job) {
                 Ok(()) => {
                     st.working[s] += 1;
                     self.offload.working += 1;
                 }
-                Err(mpsc::SendError(job)) => {
+                Err(job) => {
                     // No thread left (they panicked): the block is made here.
                     self.offload.total.fetch_sub(1, Ordering::AcqRel);
                     tracing::error!("compress: no compression thread left; compressing on the data plane");
-                    let mut block = Vec::new();
-                    let stored = make_block(&mut self.zc, &job.input, &mut block);
+                    let mut block = job.output;
+                    let stored = match &mut self.zc {
+                        Some(c) => make_block(c, &job.input, &mut block),
+                        None => store_block(&job.input, &mut block),
+                    };
                     *b = Block::Made(block, stored);
                 }
             }
@@ -589,6 +760,7 @@ impl Compress {
             // An average of the last blocks' times (weight 1/8), halved, within bounds.
             let every = (self.offload.poll_every * 7 + done.took / 2) / 8;
             self.offload.poll_every = every.clamp(POLL_MIN, POLL_MAX);
+            self.offload.keep_input(done.input);
             // A flow aborted meanwhile: its blocks go with it.
             let Some(st) = self.flows.get_mut(done.flow) else { continue };
             st.working[s] = st.working[s].saturating_sub(1);
@@ -624,8 +796,11 @@ impl Compress {
                 return;
             }
             match st.queue[s].pop_front().expect("a head") {
-                Pending::Block(_, plain, Block::Made(block, stored)) => {
-                    let frame = StreamFrame::data(out.pool(), flow, d, &block);
+                Pending::Block(_, plain, Block::Made(mut block, stored)) => {
+                    // The block becomes the packet's buffer (not copied), and the packet's buffer the threads'
+                    // next block's.
+                    let frame = StreamFrame::data_with(out.pool(), flow, d, |b| std::mem::swap(b, &mut block));
+                    self.offload.keep_output(block);
                     self.made(flow, d, plain, frame, stored, out);
                 }
                 Pending::Frame(p, input) => {
@@ -719,42 +894,48 @@ impl Compress {
     }
 
     /// Adds a chunk to the block being gathered for `flow` going `d` (a TCP flow's data to compress); full blocks
-    /// leave at once, the rest with [`Self::flush`]. A chunk of a block's size or more with nothing gathered is
-    /// packed as it is (no copy).
+    /// leave at once, the rest with [`Self::flush`]. The gathering buffer is the block's input: a full block is
+    /// handed on as it is and a fresh buffer gathers the next, so each byte is copied once on its way to zstd. With
+    /// `offload` off, a chunk of a block's size or more with nothing gathered is compressed where it is (no copy).
     fn gather(&mut self, flow: u64, d: Direction, bytes: &[u8], out: &mut Output<'_>) {
         if self.gathering != Some((flow, d)) {
             self.flush(out);
             self.gathering = Some((flow, d));
         }
         let mut bytes = bytes;
-        if !self.gathered.is_empty() {
+        if !self.cfg.offload && self.gathered.is_empty() {
+            let whole = bytes.len() - bytes.len() % MAX_BLOCK;
+            if whole > 0 {
+                self.pack(flow, d, &bytes[..whole], out);
+                bytes = &bytes[whole..];
+            }
+        }
+        while !bytes.is_empty() {
+            if self.gathered.capacity() < MAX_BLOCK {
+                self.gathered.reserve_exact(MAX_BLOCK - self.gathered.len());
+            }
             let take = bytes.len().min(MAX_BLOCK - self.gathered.len());
             self.gathered.extend_from_slice(&bytes[..take]);
             bytes = &bytes[take..];
-            if self.gathered.len() < MAX_BLOCK {
-                return;
+            if self.gathered.len() == MAX_BLOCK {
+                self.cut(flow, d, out);
             }
-            let block = std::mem::take(&mut self.gathered);
-            self.pack(flow, d, &block, out);
-            self.gathered = block;
-            self.gathered.clear();
         }
-        let whole = bytes.len() - bytes.len() % MAX_BLOCK;
-        if whole > 0 {
-            self.pack(flow, d, &bytes[..whole], out);
-        }
-        self.gathered.extend_from_slice(&bytes[whole..]);
     }
 
     /// The block being gathered leaves (the batch ended, or another frame comes between).
     fn flush(&mut self, out: &mut Output<'_>) {
         let Some((flow, d)) = self.gathering.take() else { return };
         if !self.gathered.is_empty() {
-            let block = std::mem::take(&mut self.gathered);
-            self.pack(flow, d, &block, out);
-            self.gathered = block;
-            self.gathered.clear();
+            self.cut(flow, d, out);
         }
+    }
+
+    /// The gathered bytes become a block, their buffer its input; a fresh buffer gathers the next.
+    fn cut(&mut self, flow: u64, d: Direction, out: &mut Output<'_>) {
+        let fresh = self.offload.input_buffer();
+        let input = std::mem::replace(&mut self.gathered, fresh);
+        self.block(flow, d, Cow::Owned(input), out);
     }
 
     /// Marks in the stream that this direction leaves the path (the end mark) or comes back (a `Data` frame with no
@@ -874,7 +1055,10 @@ impl Module for Compress {
     fn write_knob(&mut self, knob: &str, value: &Value) -> Result<(), String> {
         DECL.write(&mut self.cfg, knob, value)?;
         if knob == "level" {
-            self.zc.set_compression_level(self.cfg.level as i32).map_err(|e| format!("zstd: {e}"))?;
+            if let Some(c) = &mut self.zc {
+                c.set_parameter(CParameter::CompressionLevel(self.cfg.level as i32))
+                    .map_err(|e| format!("zstd: {}", zstd_safe::get_error_name(e)))?;
+            }
         }
         Ok(())
     }
@@ -912,7 +1096,7 @@ mod tests {
     struct Harness {
         m: Compress,
         vars: ModuleVars,
-        jobs: Receiver<Job>,
+        jobs: Arc<Jobs>,
         pool: PacketPool,
     }
 
@@ -921,8 +1105,9 @@ mod tests {
             let cfg = Config { level: 3, decompress: false, active: true, offload: true, notify: true };
             let vars = ModuleVars::new(&DECL.interface(&cfg).vars);
             let mut m = CompressBuilder { cfg, select: vec![SelectRule::ALL] }.make(&vars);
-            let (tx, jobs) = mpsc::channel();
-            m.offload = Offload::to(tx, Arc::new(AtomicUsize::new(0)), limit);
+            let jobs = Arc::new(Jobs::default());
+            jobs.state().threads = 1; // the test, by hand
+            m.offload = Offload::to(jobs.clone(), Arc::new(AtomicUsize::new(0)), limit);
             Harness { m, vars, jobs, pool: PacketPool::default() }
         }
 
@@ -949,7 +1134,7 @@ mod tests {
 
         /// The jobs handed to the threads so far.
         fn jobs(&self) -> Vec<Job> {
-            self.jobs.try_iter().collect()
+            self.jobs.take()
         }
 
         fn meter(&self, name: &str) -> u64 {
@@ -1235,6 +1420,150 @@ mod tests {
         }
         assert_eq!(sw_meter(&sw, "plain_bytes_total"), input.len() as u64);
         assert_eq!(sw.next_wakeup(), None);
+    }
+
+    #[test]
+    fn a_block_gathered_from_many_chunks_of_a_batch_restores_exactly() {
+        let mut h = Harness::new(TOTAL_IN_FLIGHT);
+        let pool = h.pool.clone();
+        // Chunks of uneven sizes (1 byte to 16 KiB), 3.5 blocks' worth, in one batch.
+        let input = text(11, 3 * MAX_BLOCK + MAX_BLOCK / 2);
+        let mut frames = vec![open(&pool, 1)];
+        let (mut at, mut n) = (0, 0);
+        while at < input.len() {
+            let len = [1, 16384, 777, 4096, 12345, 3][n % 6].min(input.len() - at);
+            frames.push(StreamFrame::data(&pool, 1, Direction::Down, &input[at..at + len]));
+            (at, n) = (at + len, n + 1);
+        }
+        let (seen, _) = h.process(1, frames);
+        assert_eq!(seen.len(), 1, "the Open: the blocks are on the threads");
+        let jobs = h.jobs();
+        let sizes: Vec<usize> = jobs.iter().map(|j| j.input.len()).collect();
+        assert_eq!(sizes, [MAX_BLOCK, MAX_BLOCK, MAX_BLOCK, MAX_BLOCK / 2], "full blocks, then the rest");
+        jobs.into_iter().for_each(finish);
+        let (seen, next) = h.poll(2);
+        assert_eq!(next, None);
+        assert!(unframe(&seen) == input, "restored exactly, in order");
+    }
+
+    #[test]
+    fn the_buffers_of_blocks_are_reused_and_the_spares_bounded() {
+        let (mut h, first, _, _) = sending(12, 3);
+        let pool = h.pool.clone();
+        let jobs = h.jobs();
+        // The buffer gathering now, and those the threads have.
+        let mut inputs: Vec<*const u8> = jobs.iter().map(|j| j.input.as_ptr()).collect();
+        inputs.push(h.m.gathered.as_ptr());
+        jobs.into_iter().for_each(finish);
+        let (seen, _) = h.poll(2);
+        assert!(unframe(&seen) == first);
+        // The threads gave the input buffers back; the packets' buffers the blocks replaced are kept for the next.
+        assert!(h.m.offload.spare_in.len() >= 2 && h.m.offload.spare_out.len() == 3);
+        let outputs: Vec<*const u8> = h.m.offload.spare_out.iter().map(|b| b.as_ptr()).collect();
+        // The next blocks are gathered into those input buffers and written into those output buffers.
+        let more = text(13, 2 * MAX_BLOCK);
+        h.process(3, vec![StreamFrame::data(&pool, 1, Direction::Down, &more)]);
+        let jobs = h.jobs();
+        assert_eq!(jobs.len(), 2);
+        assert!(jobs.iter().all(|j| inputs.contains(&j.input.as_ptr())), "input buffers reused");
+        assert!(jobs.iter().all(|j| outputs.contains(&j.output.as_ptr())), "output buffers reused");
+        jobs.into_iter().for_each(finish);
+        let (seen, _) = h.poll(4);
+        assert!(unframe(&seen) == more);
+        // Many blocks at once: no more spares kept than the bound.
+        let lots = text(14, 3 * SPARE_BUFFERS * MAX_BLOCK);
+        h.process(5, vec![StreamFrame::data(&pool, 1, Direction::Down, &lots)]);
+        let mut got = Vec::new();
+        for ms in 6..200 {
+            h.jobs().into_iter().for_each(finish);
+            let (seen, next) = h.poll(ms);
+            got.extend(seen);
+            if next.is_none() {
+                break;
+            }
+        }
+        assert!(unframe(&got) == lots);
+        assert!(h.m.offload.spare_in.len() <= SPARE_BUFFERS && h.m.offload.spare_out.len() <= SPARE_BUFFERS);
+    }
+
+    #[test]
+    fn a_block_written_over_a_used_buffer_holds_the_block_only() {
+        let mut zc = context(3).unwrap();
+        let piece = text(15, 40_000);
+        // A buffer with stale bytes, longer than the block, and one too small for it.
+        for mut b in [vec![0xa5; 3 * MAX_BLOCK], vec![7; 10]] {
+            assert!(!make_block(&mut zc, &piece, &mut b));
+            let header = u32::from_be_bytes(b[..4].try_into().unwrap());
+            assert_eq!(header as usize, b.len() - 4);
+            assert!(zstd::decode_all(&b[4..]).unwrap() == piece);
+        }
+        // What zstd cannot shrink is stored, over the same buffer.
+        let mut noise = vec![0u8; 5000];
+        let mut x = 0x1234_5678u32;
+        for v in noise.iter_mut() {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            *v = x as u8;
+        }
+        let mut b = vec![0xa5; 3 * MAX_BLOCK];
+        assert!(make_block(&mut zc, &noise, &mut b));
+        assert_eq!(u32::from_be_bytes(b[..4].try_into().unwrap()), noise.len() as u32 | STORED);
+        assert!(b[4..] == noise[..]);
+        // And the context goes on making blocks after it.
+        assert!(!make_block(&mut zc, &piece, &mut b));
+        assert!(zstd::decode_all(&b[4..]).unwrap() == piece);
+    }
+
+    #[test]
+    fn threads_sharing_the_queue_make_every_block_once_and_without_threads_the_worker_makes_them() {
+        let jobs = Arc::new(Jobs::default());
+        let total = Arc::new(AtomicUsize::new(0));
+        for _ in 0..3 {
+            let (jobs, total) = (jobs.clone(), total.clone());
+            jobs.state().threads += 1;
+            // They sleep on the queue when the test is done (test threads are not joined).
+            std::thread::spawn(move || serve(&jobs, &total));
+        }
+        let (reply, done) = mpsc::channel();
+        let input = text(16, 40 * 10_000);
+        for (seq, piece) in input.chunks(10_000).enumerate() {
+            total.fetch_add(1, Ordering::AcqRel);
+            let job = Job {
+                flow: 1,
+                dir: Direction::Down,
+                seq: seq as u64,
+                level: 3,
+                input: piece.to_vec(),
+                output: Vec::new(),
+                reply: reply.clone(),
+                notify: None,
+            };
+            assert!(jobs.push(job).is_ok());
+            if seq % 7 == 0 {
+                std::thread::sleep(Duration::from_millis(1)); // let the threads fall asleep now and then
+            }
+        }
+        let mut made: Vec<Done> = (0..40).map(|_| done.recv_timeout(Duration::from_secs(10)).unwrap()).collect();
+        assert!(done.try_recv().is_err(), "each block once");
+        made.sort_by_key(|d| d.seq);
+        assert_eq!(made.iter().map(|d| d.seq).collect::<Vec<_>>(), (0..40).collect::<Vec<_>>());
+        let mut plain = Vec::new();
+        for d in &made {
+            assert!(!d.stored && d.input.is_empty() && d.input.capacity() >= 10_000, "the input comes back emptied");
+            plain.extend(zstd::decode_all(&d.block[4..]).unwrap());
+        }
+        assert!(plain == input);
+        assert_eq!(total.load(Ordering::Acquire), 0);
+        // No thread left: a block handed over is made on the worker.
+        let mut h = Harness::new(TOTAL_IN_FLIGHT);
+        h.jobs.state().threads = 0;
+        let pool = h.pool.clone();
+        let big = text(17, 2 * MAX_BLOCK);
+        let (seen, next) = h.process(1, vec![open(&pool, 1), StreamFrame::data(&pool, 1, Direction::Down, &big)]);
+        assert!(h.jobs().is_empty());
+        assert_eq!(next, None);
+        assert!(unframe(&seen[1..]) == big);
     }
 
     #[test]

@@ -11,7 +11,11 @@
 # - VmRSS at the end is the daemon's resident memory with that table;
 # - classify's own ns per packet (its busy_ns_total over its frames, `show runtime`): the flow table's share, apart
 #   from the faces' system calls and the kernel work they trigger;
-# - the daemon's context switches per packet (/proc/PID/task/*/status): how many packets a wake-up finds.
+# - the daemon's context switches per packet (/proc/PID/task/*/status): how many packets a wake-up finds;
+# - after the window, the daemon's CPU time per `get` of one meter (GETS of them, default 20; /proc/PID/stat, which
+#   keeps the time of the control connections' threads once they ended, in ticks of 10 ms: 0.5 ms resolution at
+#   20): what a reader of one meter costs with that table (it is not in ns per packet: those threads have ended
+#   when the schedstat sum is read).
 # A TUN write hands the packet to namespace b's stack synchronously, so b's handling of it is charged to the daemon's
 # CPU time. SINK picks what b does with the datagrams: `drop` (default) drops them as they arrive on the device (an
 # nftables ingress hook, before IP), so that the figure is flexstack's work; `route` leaves them to b's routing (no
@@ -83,9 +87,12 @@ flows_ns() { "$fs" --state-dir "$state/d" get 'module.flows.busy_ns_total' 'modu
   python3 -c 'import json, sys; v = json.load(sys.stdin)
 print(v["module.flows.busy_ns_total"]["value"], v["module.flows.frames_in_total"]["value"])'; }
 switches() { { cat /proc/"$daemon"/task/*/status 2>/dev/null || true; } | awk '/ctxt_switches/ {s += $2} END {print s}'; }
+# The daemon's CPU time (all its threads, ended ones included), in clock ticks.
+ticks() { awk '{print $14 + $15}' /proc/"$daemon"/stat; }
+GETS=${GETS:-20}
 send() { ip netns exec ${tag}a "$state/udp_flows" 10.$NET.1.0 "$1" "$PPS" "$2" | sed -n 's/^sent=//p'; }
 
-declare -A cost loss rss bin cls wake
+declare -A cost loss rss bin cls wake getms
 bin[new]=$fs
 variants=new
 if [[ -n ${FS_OLD:-} ]]; then bin[old]=$FS_OLD; variants="old new"; fi
@@ -118,6 +125,10 @@ print(f"{(c - a) / (d - b):.0f}" if d > b else "nan")' $k0 $k1) "
     wake[$v$f]+="$(python3 -c 'import sys; a, b, n = map(int, sys.argv[1:])
 print(f"{(b - a) / n:.3f}" if n else "nan")' "$w0" "$w1" "$got") "
     rss[$v$f]+="$(awk '/VmRSS/ {printf "%.1f", $2 / 1024}' /proc/"$daemon"/status) "
+    g0=$(ticks)
+    for _ in $(seq "$GETS"); do "$fs" --state-dir "$state/d" get module.b.frames_in_total >/dev/null; done
+    getms[$v$f]+="$(python3 -c 'import sys; a, b, n, hz = map(int, sys.argv[1:])
+print(f"{(b - a) * 1000 / hz / n:.2f}")' "$g0" "$(ticks)" "$GETS" "$(getconf CLK_TCK)") "
     stop_daemon
    done
   done
@@ -126,21 +137,21 @@ m() { tr ' ' '\n' <<<"$1" | grep . | median; }
 first=${FLOWS%% *}
 printf 'UDP 64 bytes at %s datagrams/s, %s s, default modules, %s worker(s): medians of %s rounds\n' "$PPS" "$SECS" "$WORKERS" "$RUNS"
 printf 'sink %s; classify ns = its own ns per packet; switches = context switches per packet\n' "$SINK"
-printf '%4s %10s %14s %10s %12s %10s %12s %10s %10s\n' code flows "ns/packet" "x first" "classify ns" "x first" switches \
-  "lost %" "RSS MiB"
+printf '%4s %10s %14s %10s %12s %10s %12s %10s %10s %10s\n' code flows "ns/packet" "x first" "classify ns" "x first" switches \
+  "lost %" "RSS MiB" "get ms"
 ratio() { python3 -c 'import sys; print(float(sys.argv[1]) / float(sys.argv[2]))' "$1" "$2"; }
 for v in $variants; do
   for f in $FLOWS; do
     c=$(m "${cost[$v$f]}"); k=$(m "${cls[$v$f]}")
-    printf '%4s %10s %14.0f %10.2f %12.0f %10.2f %12.3f %10.2f %10.1f\n' "$v" "$f" "$c" \
+    printf '%4s %10s %14.0f %10.2f %12.0f %10.2f %12.3f %10.2f %10.1f %10.2f\n' "$v" "$f" "$c" \
       "$(ratio "$c" "$(m "${cost[$v$first]}")")" "$k" "$(ratio "$k" "$(m "${cls[$v$first]}")")" \
-      "$(m "${wake[$v$f]}")" "$(m "${loss[$v$f]}")" "$(m "${rss[$v$f]}")"
+      "$(m "${wake[$v$f]}")" "$(m "${loss[$v$f]}")" "$(m "${rss[$v$f]}")" "$(m "${getms[$v$f]}")"
   done
 done
 for v in $variants; do
   for f in $FLOWS; do
     echo "rounds $v $f: ns/packet ${cost[$v$f]}| classify ns ${cls[$v$f]}| switches ${wake[$v$f]}|" \
-      "lost % ${loss[$v$f]}| RSS ${rss[$v$f]}"
+      "lost % ${loss[$v$f]}| RSS ${rss[$v$f]}| get ms ${getms[$v$f]}"
   done
 done
 echo "code version: $(git rev-parse --short HEAD)$(git diff --quiet || echo -dirty), fs $fs${FS_OLD:+, old $FS_OLD}"

@@ -21,9 +21,23 @@ fn sent_alike(last: Option<&Value>, now: &Value) -> bool {
 impl Control {
     /// Values of the variables matching `names` (each a name or a pattern), sorted by name.
     pub fn get(&self, names: &[String]) -> Result<Values, ApiError> {
-        let reg = self.registry.snapshot();
         let mut out = Values::new();
+        // A name, not a pattern, is read without a snapshot (which costs a reference count per flow).
+        let value = |var: flexstack_core::Var<'_>| VarValue { value: var.get(), unit: var.spec().unit.clone() };
+        let mut rest = Vec::new();
         for n in names {
+            match (!is_pattern(n)).then(|| self.registry.with_var(n, value)).flatten() {
+                Some(v) => {
+                    out.insert(n.clone(), v);
+                }
+                None => rest.push(n),
+            }
+        }
+        if rest.is_empty() {
+            return Ok(out);
+        }
+        let reg = self.registry.snapshot();
+        for n in rest {
             let before = out.len();
             for (name, cell) in reg.matching(n) {
                 out.insert(name.to_string(), VarValue { value: cell.get(), unit: cell.spec().unit.clone() });

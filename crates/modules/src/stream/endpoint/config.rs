@@ -268,10 +268,10 @@ macro_rules! endpoint_decl {
                 P::u64(
                     "ack_delay_ms",
                     "ms",
-                    "0: every TCP segment is acknowledged at once; else how long the ACK of up to a full segment of \
-                     new data may wait (smoltcp's delayed ACK, which a second segment ends; more at once, such as a \
-                     super-packet, is acknowledged at once)",
-                    0,
+                    "how long the ACK of a TCP segment may wait for a reply to carry it, in an exchange (a segment that \
+                     came after a reply); other segments, and more than a full segment at once, are acknowledged at \
+                     once; 0: every segment at once",
+                    10,
                     flexstack_core::field!(ack_delay_ms),
                 ).range(0.0, 500.0),
                 P::u64(

@@ -138,6 +138,10 @@ struct Tcp {
     resident: bool,
     /// When bytes or segments last went through.
     last_active: Time,
+    /// Bytes went into the socket (towards its peer) since the peer's last payload came in.
+    replied: bool,
+    /// The peer's last payload came after a reply of ours: an exchange, where a reply can carry the next ACK.
+    exchange: bool,
 }
 
 impl Tcp {
@@ -151,6 +155,8 @@ impl Tcp {
             bufs,
             resident: true,
             last_active: now,
+            replied: false,
+            exchange: false,
             rx: Vec::new(),
             accepted: false,
             established: false,
@@ -1249,11 +1255,17 @@ impl Endpoint {
                 }
                 self.dev.rx.push_back(p);
             }
-            // More than a full segment's payload at once (a super-packet, or several segments): acknowledged in
-            // this poll, as the kernel does. smoltcp's delay ends early only on a second segment, and a
-            // super-packet is one segment to it; a delay of zero also ends one a smaller segment started.
+            // When to acknowledge (docs/streams.md, "ACKs"): a payload that came after a reply of ours is part of
+            // an exchange, where our next reply can carry its ACK (the delay); anything else at once, and always
+            // more than a full segment's payload (a super-packet, or several segments), as the kernel does.
+            // smoltcp's delay ends early only on a second segment, and a super-packet is one segment to it; a
+            // delay of zero also ends one that a smaller segment started.
+            if payload > 0 {
+                t.exchange = std::mem::take(&mut t.replied);
+            }
             let full = (self.cfg.mtu as usize).saturating_sub(60);
-            let delay = if payload > full { Some(SmolDuration::ZERO) } else { ms(self.cfg.ack_delay_ms) };
+            let delay = if payload <= full && t.exchange { ms(self.cfg.ack_delay_ms) } else { None };
+            let delay = delay.or(Some(SmolDuration::ZERO));
             t.sockets.get_mut::<tcp::Socket>(t.handle).set_ack_delay(delay);
         }
         for _round in 0..64 {
@@ -1290,6 +1302,7 @@ impl Endpoint {
                     _ => break,
                 };
                 progress = true;
+                t.replied = true;
                 *queue_off += n;
                 *to_ack += n as u64;
                 *queued -= n as u64;

@@ -14,6 +14,7 @@
 # with figures); FS=PATH runs that binary unbuilt.
 # On a virtual machine the figures depend on what else runs: a vCPU that halted when idle pays a wake-up (an exit
 # to the host and back, tens of microseconds) at each sleeping hop of a round trip; say how busy the machine was.
+# WORKERS=N runs the daemon with N data-plane workers (default: the daemon's, one per core).
 # CPU_LATENCY_US=N holds a PM QoS CPU latency request of N us (/dev/cpu_dma_latency) for the whole run, as
 # latency-tuned hosts do (tuned's latency-performance profile): with 0 the idle CPUs poll instead of halting, so the
 # figures are the paths' own and not the wake-ups of halted vCPUs. Printed with the results; unset: no request.
@@ -68,7 +69,7 @@ wait_for 'grep -q ready "$state/fwd2.out" 2>/dev/null' "the forwarder did not st
 place ${tag}ka ${tag}kb 214
 # (f, p) flexstack with the default modules
 default_modules_stack > "$state/chain.toml"
-"$fs" daemon --stack "$state/chain.toml" --state-dir "$state/d" 2>"$state/daemon.log" &
+"$fs" daemon ${WORKERS:+--workers "$WORKERS"} --stack "$state/chain.toml" --state-dir "$state/d" 2>"$state/daemon.log" &
 daemon=$!
 wait_for '"$fs" --state-dir "$state/d" status >/dev/null 2>&1' "the daemon did not start (see its log)"
 place ${tag}ta ${tag}tb 213
@@ -94,7 +95,7 @@ done
 m() { tr ' ' '\n' <<<"$1" | grep . | median; }
 v=$(m "${med[v]}")
 printf 'UDP ping-pong, 64 bytes, one in flight: medians of %s rounds of %s round trips (us), load average %s, %s\n' \
-  "$RUNS" "$N" "$(cut -d' ' -f1 /proc/loadavg)" \
+  "$RUNS" "$N" "$(cut -d' ' -f1 /proc/loadavg)${WORKERS:+, $WORKERS workers}" \
   "$([[ -n ${CPU_LATENCY_US:-} ]] && echo "CPU latency request $CPU_LATENCY_US us" || echo "no CPU latency request")"
 printf '%-44s %9s %9s %9s\n' path median p99 added
 for c in v c t f p; do

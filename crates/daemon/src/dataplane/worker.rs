@@ -30,6 +30,9 @@ const READ_BATCH: usize = 256;
 /// ready face, and frames that small packets fill (UDP floods) still come 256 to a round.
 const READ_BYTES: usize = 1 << 20;
 
+/// While busy-polling, how often epoll is still asked (for wake-ups, link events and timers).
+const SPIN_EPOLL: Duration = Duration::from_micros(50);
+
 /// Frames of at most this many bytes (acknowledgements, MTU-sized packets) are copied out of the buffer they were
 /// read into, which must hold the largest frame (64 KiB); larger ones (GSO super-frames) keep it.
 const COPY_AT_MOST: usize = 2048;
@@ -176,6 +179,10 @@ struct State {
     /// When the devices' kernel drop counters are to be read next: a second after frames moved, while none were
     /// read since (`None`: nothing moved since the last read, so an idle loop sleeps until an event).
     kernel_drops_due: Option<Time>,
+    /// While busy-polling: how many frames to read from each face (by position in `faces`) before the switch runs.
+    /// One after a read that found nothing, so that a lone frame is processed before the read that finds the
+    /// device empty; doubled while reads fill it (up to a batch), so that a burst is still read in batches.
+    spin_reads: Vec<usize>,
 }
 
 impl Loop {
@@ -194,6 +201,7 @@ impl Loop {
             woken: vec![false; self.rings.wakes.len()],
             handed_in: Vec::new(),
             kernel_drops_due: None,
+            spin_reads: Vec::new(),
         };
         let mut events = vec![EpollEvent::empty(); 64];
         let mut ready: Vec<usize> = Vec::new();
@@ -204,6 +212,11 @@ impl Loop {
         let mut busy_since = clock();
         // When this worker last read or was handed a frame (busy-poll goes on this long after it).
         let mut last_frame = clock();
+        // Busy-polling (the previous round found the worker within `busy_poll_us` of its last frame): the devices
+        // are read in every round without asking epoll first, which is asked only every SPIN_EPOLL (for the
+        // wake-ups, link events and timers it alone reports).
+        let mut spinning = false;
+        let mut last_epoll = clock();
         loop {
             // Commands first: they are applied between batches, never inside one.
             loop {
@@ -229,8 +242,12 @@ impl Loop {
                 let pool = self.switch.pool().clone();
                 let ethernet = dev.ethernet();
                 let (mut sent, mut dropped) = (0u64, 0u64);
-                let (mut read, mut bytes) = (0, 0);
-                while read < READ_BATCH && bytes < READ_BYTES {
+                let (mut read, mut bytes, mut empty) = (0, 0, false);
+                if st.spin_reads.len() < st.faces.len() {
+                    st.spin_reads.resize(st.faces.len(), 1);
+                }
+                let limit = if spinning { st.spin_reads[k].clamp(1, READ_BATCH) } else { READ_BATCH };
+                while read < limit && bytes < READ_BYTES {
                     // Read straight into a pooled buffer: no copy, and a buffer that held a large frame is not
                     // zeroed again (PacketPool::alloc_for_overwrite; the device sets the length it read). Room is
                     // left in front, where the link module puts its header without moving the packet.
@@ -268,6 +285,7 @@ impl Loop {
                         }
                         Ok(None) => {
                             spare = Some(p);
+                            empty = true;
                             break;
                         }
                         Err(e) => {
@@ -282,7 +300,8 @@ impl Loop {
                     st.meters.handoff_out.add(sent);
                     st.meters.drop_handoff.add(dropped);
                 }
-                more |= read == READ_BATCH || bytes >= READ_BYTES;
+                more |= read == limit || bytes >= READ_BYTES;
+                st.spin_reads[k] = if empty || read < limit { 1 } else { (limit * 2).min(READ_BATCH) };
                 if read > 0 {
                     last_frame = clock();
                     moved = true;
@@ -336,6 +355,14 @@ impl Loop {
                 let ms = w.as_nanos().div_ceil(1_000_000).min(i32::MAX as u128) as u32;
                 EpollTimeout::try_from(ms as i32).unwrap_or(EpollTimeout::NONE)
             });
+            spinning = polling;
+            if polling && !more && clock().0.saturating_sub(last_epoll.0) < SPIN_EPOLL.as_nanos() as u64 {
+                // Every device is read next round, without a system call to ask which.
+                ready.clear();
+                ready.extend(0..st.faces.len());
+                continue;
+            }
+            last_epoll = clock();
             let idle_from = clock();
             st.meters.busy_ns.add(idle_from.0.saturating_sub(busy_since.0));
             let n = match self.epoll.wait(&mut events, timeout) {

@@ -181,7 +181,7 @@ struct State {
     kernel_drops_due: Option<Time>,
     /// While busy-polling: how many frames to read from each face (by position in `faces`) before the switch runs.
     /// One after a read that found nothing, so that a lone frame is processed before the read that finds the
-    /// device empty; doubled while reads fill it (up to a batch), so that a burst is still read in batches.
+    /// device empty; a batch after a read that filled it, so that a burst is still read in batches.
     spin_reads: Vec<usize>,
 }
 
@@ -301,7 +301,7 @@ impl Loop {
                     st.meters.drop_handoff.add(dropped);
                 }
                 more |= read == limit || bytes >= READ_BYTES;
-                st.spin_reads[k] = if empty || read < limit { 1 } else { (limit * 2).min(READ_BATCH) };
+                st.spin_reads[k] = if empty || read < limit { 1 } else { READ_BATCH };
                 if read > 0 {
                     last_frame = clock();
                     moved = true;

@@ -179,10 +179,11 @@ struct State {
     /// When the devices' kernel drop counters are to be read next: a second after frames moved, while none were
     /// read since (`None`: nothing moved since the last read, so an idle loop sleeps until an event).
     kernel_drops_due: Option<Time>,
-    /// While busy-polling: how many frames to read from each face (by position in `faces`) before the switch runs.
-    /// One after a read that found nothing, so that a lone frame is processed before the read that finds the
-    /// device empty; a batch after a read that filled it, so that a burst is still read in batches.
-    spin_reads: Vec<usize>,
+    /// By position in `faces`: the face's last read found it empty (or short). While busy-polling such a face is
+    /// read for one frame before the switch runs, so that a lone frame is processed before the read that finds the
+    /// device empty; a face whose last read was full is read a batch at a time, so that a burst still comes in
+    /// batches.
+    drained: Vec<bool>,
 }
 
 impl Loop {
@@ -201,7 +202,7 @@ impl Loop {
             woken: vec![false; self.rings.wakes.len()],
             handed_in: Vec::new(),
             kernel_drops_due: None,
-            spin_reads: Vec::new(),
+            drained: Vec::new(),
         };
         let mut events = vec![EpollEvent::empty(); 64];
         let mut ready: Vec<usize> = Vec::new();
@@ -243,10 +244,7 @@ impl Loop {
                 let ethernet = dev.ethernet();
                 let (mut sent, mut dropped) = (0u64, 0u64);
                 let (mut read, mut bytes, mut empty) = (0, 0, false);
-                if st.spin_reads.len() < st.faces.len() {
-                    st.spin_reads.resize(st.faces.len(), 1);
-                }
-                let limit = if spinning { st.spin_reads[k].clamp(1, READ_BATCH) } else { READ_BATCH };
+                let limit = if spinning && st.drained[k] { 1 } else { READ_BATCH };
                 while read < limit && bytes < READ_BYTES {
                     // Read straight into a pooled buffer: no copy, and a buffer that held a large frame is not
                     // zeroed again (PacketPool::alloc_for_overwrite; the device sets the length it read). Room is
@@ -301,7 +299,7 @@ impl Loop {
                     st.meters.drop_handoff.add(dropped);
                 }
                 more |= read == limit || bytes >= READ_BYTES;
-                st.spin_reads[k] = if empty || read < limit { 1 } else { READ_BATCH };
+                st.drained[k] = empty || read < limit;
                 if read > 0 {
                     last_frame = clock();
                     moved = true;
@@ -362,8 +360,8 @@ impl Loop {
                 ready.extend(0..st.faces.len());
                 continue;
             }
-            last_epoll = clock();
             let idle_from = clock();
+            last_epoll = idle_from;
             st.meters.busy_ns.add(idle_from.0.saturating_sub(busy_since.0));
             let n = match self.epoll.wait(&mut events, timeout) {
                 Ok(n) => n,
@@ -537,6 +535,7 @@ impl Loop {
         }
         st.faces = self.switch.faces();
         st.face_at = st.faces.iter().enumerate().map(|(k, (index, _))| (*index, k)).collect();
+        st.drained = vec![true; st.faces.len()];
         for (k, (_, dev)) in st.faces.iter().enumerate() {
             let event = EpollEvent::new(EpollFlags::EPOLLIN, k as u64 + 1);
             if let Err(e) = self.epoll.add(dev.fd(), event) {

@@ -530,7 +530,6 @@ impl Endpoint {
         self.m.pooled.set(self.f.pool.len() as u64);
         let s = sock.socket();
         s.set_nagle_enabled(self.cfg.nagle);
-        s.set_ack_delay(ms(self.cfg.ack_delay_ms));
         s.set_keep_alive(ms(self.cfg.keepalive_ms));
         s.set_timeout(ms(self.cfg.timeout_ms));
         s.set_congestion_control(self.cfg.cc.smoltcp());
@@ -1264,9 +1263,11 @@ impl Endpoint {
                 t.exchange = std::mem::take(&mut t.replied);
             }
             let full = (self.cfg.mtu as usize).saturating_sub(60);
-            let delay = if payload <= full && t.exchange { ms(self.cfg.ack_delay_ms) } else { None };
-            let delay = delay.or(Some(SmolDuration::ZERO));
-            t.sockets.get_mut::<tcp::Socket>(t.handle).set_ack_delay(delay);
+            let delay = match ms(self.cfg.ack_delay_ms) {
+                Some(d) if payload <= full && t.exchange => d,
+                _ => SmolDuration::ZERO,
+            };
+            t.sockets.get_mut::<tcp::Socket>(t.handle).set_ack_delay(Some(delay));
         }
         for _round in 0..64 {
             {

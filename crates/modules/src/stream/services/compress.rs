@@ -453,10 +453,7 @@ fn run(zc: &mut Option<(i32, CCtx<'static>)>, job: Job) -> (Sender<Done>, Option
         *zc = context(level).map(|c| (level, c));
     }
     let start = std::time::Instant::now();
-    let stored = match zc {
-        Some((_, c)) => make_block(c, &input, &mut output),
-        None => store_block(&input, &mut output),
-    };
+    let stored = make_block(zc.as_mut().map(|(_, c)| c), &input, &mut output);
     let took = start.elapsed();
     input.clear();
     (reply, notify, Done { flow, dir, seq, block: output, stored, input, took })
@@ -464,12 +461,13 @@ fn run(zc: &mut Option<(i32, CCtx<'static>)>, job: Job) -> (Sender<Done>, Option
 
 /// Writes the block of `piece` (header and payload) into `b` (what it held is overwritten; it grows to zstd's
 /// bound for the piece, and is not zeroed first); returns true if it is stored as it was (zstd would not make it
-/// smaller, or failed).
+/// smaller, or failed, or there is no context: `zc` is `None`).
 ///
 /// One `ZSTD_compressStream2` call with `ZSTD_e_end` and room for zstd's bound: zstd compresses the piece in place
 /// straight into `b` behind the header (the one-shot path of `ZSTD_compress2`, the frame sized by the piece), with
 /// no copy of the input and no output buffered in the context.
-fn make_block(zc: &mut CCtx<'_>, piece: &[u8], b: &mut Vec<u8>) -> bool {
+fn make_block(zc: Option<&mut CCtx<'_>>, piece: &[u8], b: &mut Vec<u8>) -> bool {
+    let Some(zc) = zc else { return store_block(piece, b) };
     b.clear();
     b.extend_from_slice(&[0; 4]);
     b.reserve(zstd_safe::compress_bound(piece.len()));
@@ -634,12 +632,7 @@ impl Compress {
         if !self.cfg.offload || (piece.len() < INLINE_BELOW && st.queue[s].is_empty()) {
             // Made in the pooled packet itself: the block is not copied.
             let (zc, mut stored) = (&mut self.zc, false);
-            let frame = StreamFrame::data_with(out.pool(), flow, d, |b| {
-                stored = match zc {
-                    Some(c) => make_block(c, &piece, b),
-                    None => store_block(&piece, b),
-                }
-            });
+            let frame = StreamFrame::data_with(out.pool(), flow, d, |b| stored = make_block(zc.as_mut(), &piece, b));
             self.made(flow, d, piece.len() as u64, frame, stored, out);
             if let Cow::Owned(b) = piece {
                 self.offload.keep_input(b);
@@ -724,10 +717,7 @@ impl Compress {
                     self.offload.total.fetch_sub(1, Ordering::AcqRel);
                     tracing::error!("compress: no compression thread left; compressing on the data plane");
                     let mut block = job.output;
-                    let stored = match &mut self.zc {
-                        Some(c) => make_block(c, &job.input, &mut block),
-                        None => store_block(&job.input, &mut block),
-                    };
+                    let stored = make_block(self.zc.as_mut(), &job.input, &mut block);
                     *b = Block::Made(block, stored);
                 }
             }
@@ -1492,7 +1482,7 @@ mod tests {
         let piece = text(15, 40_000);
         // A buffer with stale bytes, longer than the block, and one too small for it.
         for mut b in [vec![0xa5; 3 * MAX_BLOCK], vec![7; 10]] {
-            assert!(!make_block(&mut zc, &piece, &mut b));
+            assert!(!make_block(Some(&mut zc), &piece, &mut b));
             let header = u32::from_be_bytes(b[..4].try_into().unwrap());
             assert_eq!(header as usize, b.len() - 4);
             assert!(zstd::decode_all(&b[4..]).unwrap() == piece);
@@ -1507,11 +1497,11 @@ mod tests {
             *v = x as u8;
         }
         let mut b = vec![0xa5; 3 * MAX_BLOCK];
-        assert!(make_block(&mut zc, &noise, &mut b));
+        assert!(make_block(Some(&mut zc), &noise, &mut b));
         assert_eq!(u32::from_be_bytes(b[..4].try_into().unwrap()), noise.len() as u32 | STORED);
         assert!(b[4..] == noise[..]);
         // And the context goes on making blocks after it.
-        assert!(!make_block(&mut zc, &piece, &mut b));
+        assert!(!make_block(Some(&mut zc), &piece, &mut b));
         assert!(zstd::decode_all(&b[4..]).unwrap() == piece);
     }
 

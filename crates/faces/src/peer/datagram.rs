@@ -34,6 +34,7 @@ use flexstack_core::frame::{MetaKey, Metadata};
 use flexstack_core::stream::{FlowInfo, Protocol, StreamKind};
 use flexstack_core::{Direction, Packet};
 use flexstack_modules::stream::carrier::dgram::{self, Handshake, Item};
+use flexstack_modules::stream::carrier::early::Early;
 use flexstack_modules::stream::carrier::plus::{PlusRx, PlusTx};
 use flexstack_modules::stream::carrier::reliable::{Receiver, Sender};
 use flexstack_modules::stream::carrier::{wire, CarrierRequest, Config, Meters, Router, Transport};
@@ -335,6 +336,8 @@ struct Sess {
     plus_rx: HashMap<u64, PlusRx>,
     /// App datagrams (sealed items) waiting for the keys.
     early: Vec<Vec<u8>>,
+    /// The peer's app datagrams that came before their flow's `Open`.
+    held: Early,
     dead: bool,
 }
 
@@ -358,6 +361,7 @@ impl Sess {
             plus_tx: HashMap::new(),
             plus_rx: HashMap::new(),
             early: Vec::new(),
+            held: Early::default(),
             dead: false,
         }
     }
@@ -858,42 +862,18 @@ impl Dgram {
                     let (cum, window, sacks) = s.rx.ack();
                     send_item(&mut self.out, s, &Item::Ack { cum, window, sacks }, &self.m, now, false);
                 }
-                self.messages(token)?;
+                self.messages(now, token)?;
                 // New acks may open the window: what waits goes out with the next transmit.
             }
             Item::Ack { cum, window, sacks } => s.tx.on_ack(now, cum, window, &sacks),
             Item::Ping => s.rx.ack_due = true,
             Item::Close { reason } => return Err(End::Closed(format!("the peer closed: {reason}"))),
-            Item::Datagram { flow, payload } => {
+            Item::Datagram { flow, payload, .. } | Item::Numbered { flow, payload, .. } => {
                 self.m.frames_in.add(1);
                 self.m.bytes_in.add((dgram::SEALED_HEAD + payload.len()) as u64);
-                if s.up && s.udp.contains(&flow) {
-                    self.frame_in(token, flow, StreamKind::Data, 0, payload);
-                } else {
-                    self.m.orphans.add(1);
-                }
+                self.app_datagram(now, token, flow, &item);
             }
-            Item::Numbered { flow, seq, payload } => {
-                self.m.frames_in.add(1);
-                self.m.bytes_in.add((dgram::SEALED_HEAD + payload.len()) as u64);
-                if !(s.up && s.udp.contains(&flow)) {
-                    self.m.orphans.add(1);
-                    return Ok(());
-                }
-                if s.plus_rx.entry(flow).or_default().on_data(now, seq, payload) {
-                    self.frame_in(token, flow, StreamKind::Data, 0, payload);
-                }
-            }
-            Item::Parity { flow, first, k, len_xor, bytes } => {
-                if !(s.up && s.udp.contains(&flow)) {
-                    self.m.orphans.add(1);
-                    return Ok(());
-                }
-                if let Some((_, p)) = s.plus_rx.entry(flow).or_default().on_parity(now, first, k, len_xor, bytes) {
-                    self.m.fec_recovered.add(1);
-                    self.frame_in(token, flow, StreamKind::Data, 0, &p);
-                }
-            }
+            Item::Parity { flow, .. } => self.app_datagram(now, token, flow, &item),
             Item::Nack { flow, seqs } => {
                 let Some(tx) = s.plus_tx.get(&flow).filter(|_| arq) else { return Ok(()) };
                 let again: Vec<(u32, Vec<u8>)> =
@@ -907,18 +887,57 @@ impl Dgram {
         Ok(())
     }
 
+    /// An app datagram (or a parity) of `flow`: delivered when the flow is open, else held until its `Open` comes.
+    fn app_datagram(&mut self, now: Instant, token: u64, flow: u64, item: &Item<'_>) {
+        let Some(s) = self.conns.get_mut(&token) else { return };
+        if !(s.up && s.udp.contains(&flow)) {
+            let mut b = Vec::new();
+            dgram::item(&mut b, item);
+            match s.held.hold(now, flow, &b) {
+                true => self.m.early_held.add(1),
+                false => self.m.orphans.add(1),
+            }
+            return;
+        }
+        match *item {
+            Item::Datagram { payload, .. } => self.frame_in(token, flow, StreamKind::Data, 0, payload),
+            // A number seen before is dropped (the last arm).
+            Item::Numbered { seq, payload, .. } if s.plus_rx.entry(flow).or_default().on_data(now, seq, payload) => {
+                self.frame_in(token, flow, StreamKind::Data, 0, payload);
+            }
+            Item::Parity { first, k, len_xor, bytes, .. } => {
+                if let Some((_, p)) = s.plus_rx.entry(flow).or_default().on_parity(now, first, k, len_xor, bytes) {
+                    self.m.fec_recovered.add(1);
+                    self.frame_in(token, flow, StreamKind::Data, 0, &p);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// UDP flow `flow` of session `token` opened: the datagrams that came before, in order.
+    fn opened(&mut self, now: Instant, token: u64, flow: u64) {
+        let Some(s) = self.conns.get_mut(&token) else { return };
+        for b in s.held.release(flow) {
+            match dgram::decode_item(&b) {
+                Ok(item) => self.app_datagram(now, token, flow, &item),
+                Err(_) => self.m.orphans.add(1),
+            }
+        }
+    }
+
     /// Decodes the messages the stream of session `token` brought.
-    fn messages(&mut self, token: u64) -> Result<(), End> {
+    fn messages(&mut self, now: Instant, token: u64) -> Result<(), End> {
         let Some(s) = self.conns.get_mut(&token) else { return Ok(()) };
         let plain = std::mem::take(&mut s.plain);
         let m = self.m.clone();
-        let (at, result) = each_message(&plain, &m, |msg, _| self.message(token, msg));
+        let (at, result) = each_message(&plain, &m, |msg, _| self.message(now, token, msg));
         let Some(s) = self.conns.get_mut(&token) else { return result };
         s.plain = plain[at..].to_vec();
         result.map_err(|e| e.before_hello(s.up))
     }
 
-    fn message(&mut self, token: u64, m: wire::Message<'_>) -> Result<(), End> {
+    fn message(&mut self, now: Instant, token: u64, m: wire::Message<'_>) -> Result<(), End> {
         let kind_name = self.kind();
         let Some(s) = self.conns.get_mut(&token) else { return Ok(()) };
         if !s.up {
@@ -949,12 +968,16 @@ impl Dgram {
             wire::Message::Close { reason } => return Err(End::Closed(format!("the peer closed: {reason}"))),
             wire::Message::Switch { flow, flags, offset } => {
                 switch_unasked(&self.cfg)?;
-                if flags & wire::SWITCH_UDP != 0 {
+                let udp = flags & wire::SWITCH_UDP != 0;
+                if udp {
                     s.udp.insert(flow);
                 }
                 match self.mode.peer_switch(token, &mut s.remote, &s.peer, flow, flags) {
                     Some(local) => self.ready.push_back(switch_marker(local, flags, offset)),
                     None => self.m.orphans.add(1),
+                }
+                if udp {
+                    self.opened(now, token, flow);
                 }
                 return Ok(());
             }
@@ -973,10 +996,14 @@ impl Dgram {
                         return Ok(());
                     }
                 };
-            if info.protocol == Protocol::Udp {
+            let udp = info.protocol == Protocol::Udp;
+            if udp {
                 s.udp.insert(flow);
             }
             self.push(local, kind, ack, bytes);
+            if udp {
+                self.opened(now, token, flow);
+            }
             return Ok(());
         }
         self.frame_in(token, flow, kind, ack, bytes);
@@ -1224,6 +1251,8 @@ impl Dgram {
             self.close(t, end, now);
         }
         self.pending.retain(|_, p| now - p.since <= HANDSHAKE_TIMEOUT);
+        let expired: usize = self.conns.values_mut().map(|s| s.held.expire(now)).sum();
+        self.m.orphans.add(expired as u64);
         self.drive(now);
         self.m.flows_active.set(self.mode.active() as u64);
         let all = self.conns.values().fold(self.closed, |t, s| t.add(Totals::of(s)));

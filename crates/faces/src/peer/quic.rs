@@ -31,6 +31,7 @@ use bytes::{Bytes, BytesMut};
 use flexstack_core::frame::{MetaKey, Metadata};
 use flexstack_core::stream::{FlowInfo, Protocol, StreamKind};
 use flexstack_core::{Direction, Packet};
+use flexstack_modules::stream::carrier::early::Early;
 use flexstack_modules::stream::carrier::{wire, CarrierRequest, Config, Meters, Router};
 use nix::sys::epoll::{EpollEvent, EpollFlags};
 use nix::sys::eventfd::EventFd;
@@ -203,6 +204,8 @@ struct Conn {
     recv_done: HashSet<StreamId>,
     /// UDP flows (their `Data` travel in datagrams), by their id in messages.
     udp: HashSet<u64>,
+    /// The peer's datagrams that came before their flow's `Open` (a lost stream packet).
+    held: Early,
     /// Accepting: the peer's flow id -> the local one.
     remote: HashMap<u64, u64>,
     /// Ended (counted, flows aborted); kept until quinn-proto has drained it.
@@ -228,6 +231,7 @@ impl Conn {
             ended: HashSet::new(),
             recv_done: HashSet::new(),
             udp: HashSet::new(),
+            held: Early::default(),
             remote: HashMap::new(),
             dead: false,
             addr: conn.remote_address(),
@@ -533,7 +537,7 @@ impl Quic {
             if let Err(end) = self.read_streams(ch) {
                 self.close(ch, end, now);
             } else if datagrams {
-                self.datagrams(ch);
+                self.datagrams(ch, now);
             }
         }
         let Some(c) = self.conns.get_mut(&ch) else { return };
@@ -694,10 +698,14 @@ impl Quic {
                     };
                 c.flow_stream.insert(flow, id);
                 c.stream_flow.insert(id, flow);
-                if info.protocol == Protocol::Udp {
+                let udp = info.protocol == Protocol::Udp;
+                if udp {
                     c.udp.insert(flow);
                 }
                 self.push(local, kind, ack, bytes);
+                if udp {
+                    self.opened(ch, flow);
+                }
                 return Ok(());
             }
         }
@@ -722,12 +730,16 @@ impl Quic {
                 c.stream_flow.insert(id, flow);
             }
         }
-        if flags & wire::SWITCH_UDP != 0 {
+        let udp = flags & wire::SWITCH_UDP != 0;
+        if udp {
             c.udp.insert(flow);
         }
         match self.mode.peer_switch(ch, &mut c.remote, &c.peer, flow, flags) {
             Some(local) => self.ready.push_back(switch_marker(local, flags, offset)),
             None => self.m.orphans.add(1),
+        }
+        if udp {
+            self.opened(ch, flow);
         }
         Ok(())
     }
@@ -747,7 +759,7 @@ impl Quic {
     }
 
     /// The DATAGRAM frames connection `ch` received: UDP app datagrams of its flows.
-    fn datagrams(&mut self, ch: ConnectionHandle) {
+    fn datagrams(&mut self, ch: ConnectionHandle, now: Instant) {
         loop {
             let Some(c) = self.conns.get_mut(&ch) else { return };
             if !c.up {
@@ -759,7 +771,20 @@ impl Quic {
                 Ok((flow, payload)) if c.udp.contains(&flow) => {
                     self.frame_in(ch, flow, StreamKind::Data, 0, payload);
                 }
+                // Its flow's `Open` was in a packet that was lost or overtaken: held until it comes.
+                Ok((flow, _)) if c.held.hold(now, flow, &d) => self.m.early_held.add(1),
                 _ => self.m.orphans.add(1),
+            }
+        }
+    }
+
+    /// UDP flow `flow` of connection `ch` opened: the datagrams that came before, in order.
+    fn opened(&mut self, ch: ConnectionHandle, flow: u64) {
+        let Some(c) = self.conns.get_mut(&ch) else { return };
+        for d in c.held.release(flow) {
+            match wire::decode_datagram(&d) {
+                Ok((_, payload)) => self.frame_in(ch, flow, StreamKind::Data, 0, payload),
+                Err(_) => self.m.orphans.add(1),
             }
         }
     }
@@ -946,6 +971,8 @@ impl Quic {
         for ch in late {
             self.close(ch, End::Refused("no handshake within 5 s".into()), now);
         }
+        let expired: usize = self.conns.values_mut().map(|c| c.held.expire(now)).sum();
+        self.m.orphans.add(expired as u64);
         self.drive(now);
         self.m.flows_active.set(self.mode.active() as u64);
         let live = self.conns.values().fold(Totals::default(), |t, c| t.add(Totals::of(&c.conn)));

@@ -14,6 +14,7 @@
 //! connection brings: Up frames on the app's host, Down on the peer) and `pass` (frames of flows not carried).
 
 pub mod dgram;
+pub mod early;
 pub mod order;
 pub mod plus;
 pub mod raw;
@@ -212,6 +213,8 @@ pub struct Meters {
     pub rtt_us: Meter,
     /// Frames of flows the carrier does not know (dropped, counted).
     pub orphans: Meter,
+    /// App datagrams that came before their flow's `Open`, held until it came.
+    pub early_held: Meter,
     /// `quic`: the congestion window of the (latest) connection.
     pub cwnd: Meter,
     /// `quic`: packets the connection(s) declared lost.
@@ -472,6 +475,7 @@ pub const DECL: KindDecl<Config, Meters> = KindDecl {
         flows_aborted: "flows_aborted_total", "flows", "flows aborted because their connection went (Abort unreachable)";
         rtt_us: "rtt_us", "us", "smoothed round-trip time of the latest connection (TCP_INFO; quic: quinn-proto's; udp, udpplus: the reliable stream's)";
         orphans: "orphans_total", "frames", "frames of flows it does not know, dropped";
+        early_held: "early_held_total", "datagrams", "udp, udpplus, quic: app datagrams that came before their flow's Open, held until it came (dropped as orphans when it does not come within 3 s)";
         cwnd: "cwnd_bytes", "bytes", "quic, udp, udpplus: congestion window of the latest connection";
         lost_packets: "lost_packets_total", "packets", "quic: packets declared lost; udp, udpplus: reliable-stream segments declared lost";
         udp_bytes_out: "udp_bytes_out_total", "bytes", "quic, udp, udpplus: UDP payload bytes sent (headers, encryption and retransmissions included)";

@@ -424,12 +424,17 @@ fn udpplus_with_arq_and_fec_delivers_a_whole_stream_on_a_lossy_link() {
         format!("{} --state-dir {} set module.pluslossy-peer.fec true || exit 1", bin(), path_str(r.a.state.path()));
     let (distinct, total, m) = lossy_stream(&r, "pluslossy", &stack, &knob, &["peer.retransmits_total"]);
     let n = u64::from(STREAM_LEN);
-    assert_eq!(distinct, n, "udpplus delivers every datagram");
+    let seen: Vec<(&str, u64)> = ["orphans_total", "early_held_total", "datagrams_lost_total", "nacks_total"]
+        .map(|k| (k, r.b_meter(k)))
+        .to_vec();
+    assert_eq!(distinct, n, "udpplus delivers every datagram; B's meters: {seen:?}");
     assert_eq!(total, n, "each once");
     let (recovered, nacks) = (r.b_meter("fec_recovered_total"), r.b_meter("nacks_total"));
     assert!(recovered > 0, "FEC (turned on by its knob) rebuilt some: {recovered}");
     assert!(nacks > 0 && m[0] > 0, "ARQ asked for and resent the rest: {nacks} NACKs, {} resent", m[0]);
     assert_eq!(r.b_meter("datagrams_lost_total"), 0);
+    let held = r.b_meter("early_held_total");
+    assert_eq!(r.b_meter("orphans_total"), 0, "datagrams ahead of their flow's Open are held ({held}), not dropped");
 }
 
 /// Captured datagrams of a running session sent again (from the session's address: the frames themselves,

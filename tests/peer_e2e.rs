@@ -433,8 +433,6 @@ fn udpplus_with_arq_and_fec_delivers_a_whole_stream_on_a_lossy_link() {
     assert!(recovered > 0, "FEC (turned on by its knob) rebuilt some: {recovered}");
     assert!(nacks > 0 && m[0] > 0, "ARQ asked for and resent the rest: {nacks} NACKs, {} resent", m[0]);
     assert_eq!(r.b_meter("datagrams_lost_total"), 0);
-    let held = r.b_meter("early_held_total");
-    assert_eq!(r.b_meter("orphans_total"), 0, "datagrams ahead of their flow's Open are held ({held}), not dropped");
 }
 
 /// Captured datagrams of a running session sent again (from the session's address: the frames themselves,

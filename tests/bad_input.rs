@@ -77,6 +77,8 @@ fn bad_cli_requests_get_errors_and_change_nothing() {
         (&["set", "module.sel.frames_total", "1"], "read-only"),
         (&["set", "module.nope.select", "1"], "no variable named"),
         (&["get", "module.nope.*"], "no variable matches"),
+        (&["get", "*"], "`**` across them: try **"),
+        (&["get", "module.sel.*.frames_in_total"], "try module.sel.**.frames_in_total"),
         (&["module", "load", "x", "warpdrive"], "unknown module kind"),
         (&["module", "load", "x", "counter", "speed=3"], "unknown setting `speed`"),
         (&["module", "load", "sel", "counter"], "already loaded"),

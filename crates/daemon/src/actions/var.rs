@@ -44,7 +44,14 @@ impl Control {
             }
             if out.len() == before && reg.matching(n).next().is_none() {
                 let what = if is_pattern(n) { "no variable matches" } else { "no variable named" };
-                return Err(ApiError::new(ErrorCode::NotFound, format!("{what} {n} (see `flexstack var list`)")));
+                // `*` stays within a segment: say so when `**` would have matched.
+                let deep = n.replace("**", "*").replace('*', "**");
+                let hint = if is_pattern(n) && deep != *n && reg.matching(&deep).next().is_some() {
+                    format!("; `*` matches within one dot-separated part of a name, `**` across them: try {deep}")
+                } else {
+                    String::new()
+                };
+                return Err(ApiError::new(ErrorCode::NotFound, format!("{what} {n}{hint} (see `flexstack var list`)")));
             }
         }
         Ok(out)

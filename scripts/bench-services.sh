@@ -16,7 +16,8 @@
 # Two workloads each: SMALL_N sends of 1,024 bytes (FreeNA: 300,000) and a bulk transfer of BULK_MB MiB in writes
 # of 64 KiB. The configurations alternate in every round; RUNS rounds; medians of the time (s) and Gbit/s printed,
 # with each configuration's cost in percent of `none`'s throughput and, for compress/tls/both, the ratio of the
-# app's own time to flexstack's. Targets: a `null` costs <= 1 % of `none`'s throughput; compress and tls within 5 %
+# app's own time to flexstack's, and the cost of one `null` fitted over the chains' lengths (0, 1, 4, 16).
+# Targets: a `null` costs <= 1 % of `none`'s throughput; compress and tls within 5 %
 # of the app doing it. The data is text (zstd shrinks it about 4 times). Needs root.
 # Also printed: the daemon's CPU time during each bulk transfer (all its threads, from /proc: on a busy machine a
 # steadier measure of what a service costs than the elapsed time). SMALL_N=0 runs the bulk transfers only;
@@ -169,6 +170,24 @@ for c in $CONFIGS; do
       printf "%-13s %10.3f %10.3f %s %12s   %10.3f %10.3f %s\n", c, s, rs, ps, sr, b, bb * 8 / b / 1e9, pb }'
 done
 echo "(vs none: the change of throughput against the terminated flow with no service; negative: slower)"
+# What one `null` costs, from all the chains at once: the least-squares slope of the median time over the chain's
+# length (none = 0, null1, null4, null16, those measured), in percent of none's time per null. Less noisy than one
+# chain's difference from none, which a round's noise can swing by several percent either way.
+for w in small bulk; do
+  pts=
+  for c in none null1 null4 null16; do
+    [[ -n "${results[${w}_$c]:-}" ]] || continue
+    n=${c#null}; [[ $c == none ]] && n=0
+    pts+="$n $(med ${w}_$c) "
+  done
+  awk -v w="$w" -v pts="$pts" 'BEGIN {
+    k = split(pts, a, " ") / 2
+    if (k < 3 || a[1] != 0 || a[2] <= 0) exit
+    for (i = 1; i <= k; i++) { x[i] = a[2 * i - 1]; y[i] = a[2 * i]; sx += x[i]; sy += y[i] }
+    mx = sx / k; my = sy / k
+    for (i = 1; i <= k; i++) { sxy += (x[i] - mx) * (y[i] - my); sxx += (x[i] - mx) ^ 2 }
+    printf "one null, fitted over %d chains (%s): %+.2f %% of none'"'"'s time per null\n", k, w, sxy / sxx / a[2] * 100 }'
+done
 echo
 echo "the daemon's CPU time in the bulk transfer (medians; vs none: the change, positive: more CPU)"
 for c in $CONFIGS; do

@@ -22,7 +22,7 @@ impl Control {
     /// Values of the variables matching `names` (each a name or a pattern), sorted by name.
     pub fn get(&self, names: &[String]) -> Result<Values, ApiError> {
         let mut out = Values::new();
-        // A name, not a pattern, is read without a snapshot (which costs a reference count per flow).
+        // A name, not a pattern, is read without a snapshot (a whole one costs a reference count per flow).
         let value = |var: flexstack_core::Var<'_>| VarValue { value: var.get(), unit: var.spec().unit.clone() };
         let mut rest = Vec::new();
         for n in names {
@@ -36,8 +36,9 @@ impl Control {
         if rest.is_empty() {
             return Ok(out);
         }
-        let reg = self.registry.snapshot();
         for n in rest {
+            // A snapshot of the groups the pattern can reach: `module.*.x` takes no flow's.
+            let reg = self.registry.snapshot_for(n);
             let before = out.len();
             for (name, cell) in reg.matching(n) {
                 out.insert(name.to_string(), VarValue { value: cell.get(), unit: cell.spec().unit.clone() });
@@ -46,7 +47,10 @@ impl Control {
                 let what = if is_pattern(n) { "no variable matches" } else { "no variable named" };
                 // `*` stays within a segment: say so when `**` would have matched.
                 let deep = n.replace("**", "*").replace('*', "**");
-                let hint = if is_pattern(n) && deep != *n && reg.matching(&deep).next().is_some() {
+                let hint = if is_pattern(n)
+                    && deep != *n
+                    && self.registry.snapshot_for(&deep).matching(&deep).next().is_some()
+                {
                     format!("; `*` matches within one dot-separated part of a name, `**` across them: try {deep}")
                 } else {
                     String::new()
@@ -59,15 +63,13 @@ impl Control {
 
     /// The declaration of the knob `name`, or why it cannot be written.
     fn knob_spec(&self, name: &str) -> Result<(VarSpec, VarHandle), ApiError> {
-        let reg = self.registry.snapshot();
-        let cell = reg.get(name).ok_or_else(|| {
+        let (spec, handle) = self.registry.with_var(name, |v| (v.spec().clone(), v.to_handle())).ok_or_else(|| {
             ApiError::new(ErrorCode::NotFound, format!("no variable named {name} (see `flexstack var list`)"))
         })?;
-        let spec = cell.spec().clone();
         if spec.kind != VarKind::Knob {
             return Err(ApiError::new(ErrorCode::InvalidValue, format!("{name} is a meter (read-only)")));
         }
-        Ok((spec, cell.to_handle()))
+        Ok((spec, handle))
     }
 
     /// `set`: the value is JSON of the knob's type, or text parsed as that type.
@@ -142,8 +144,8 @@ impl Control {
     }
 
     pub(super) fn var_list(&self, pattern: Option<&str>) -> Result<Vec<VarInfo>, ApiError> {
-        let reg = self.registry.snapshot();
         let pattern = pattern.unwrap_or("**");
+        let reg = self.registry.snapshot_for(pattern);
         let vars = reg
             .matching(pattern)
             .map(|(name, c)| VarInfo { spec: VarSpec { name: name.to_string(), ..c.spec().clone() }, value: c.get() });
@@ -165,10 +167,9 @@ impl Control {
         let mut sent = 0u64;
         let start = Instant::now();
         loop {
-            let reg = self.registry.snapshot();
             let mut values = BTreeMap::new();
             for n in names {
-                for (name, cell) in reg.matching(n) {
+                for (name, cell) in self.registry.snapshot_for(n).matching(n) {
                     let v = cell.get();
                     if !changes || !sent_alike(last.get(name.as_ref()), &v) {
                         values.insert(name.to_string(), v.clone());

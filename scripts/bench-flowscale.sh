@@ -15,7 +15,10 @@
 # - after the window, the daemon's CPU time per `get` of one meter (GETS of them, default 20; /proc/PID/stat, which
 #   keeps the time of the control connections' threads once they ended, in ticks of 10 ms: 0.5 ms resolution at
 #   20): what a reader of one meter costs with that table (it is not in ns per packet: those threads have ended
-#   when the schedstat sum is read).
+#   when the schedstat sum is read);
+# - then the rules thread's CPU time over 1 s with one rule loaded, sampled every 5 ms as the daemon does by default
+#   ("rules ms/s"; RULES=name: the rule reads one meter by name; pattern: a per-name rule over a pattern, one instance
+#   per module; none: skipped).
 # A TUN write hands the packet to namespace b's stack synchronously, so b's handling of it is charged to the daemon's
 # CPU time. SINK picks what b does with the datagrams: `drop` (default) drops them as they arrive on the device (an
 # nftables ingress hook, before IP), so that the figure is flexstack's work; `route` leaves them to b's routing (no
@@ -89,10 +92,16 @@ print(v["module.flows.busy_ns_total"]["value"], v["module.flows.frames_in_total"
 switches() { { cat /proc/"$daemon"/task/*/status 2>/dev/null || true; } | awk '/ctxt_switches/ {s += $2} END {print s}'; }
 # The daemon's CPU time (all its threads, ended ones included), in clock ticks.
 ticks() { awk '{print $14 + $15}' /proc/"$daemon"/stat; }
+# The rules thread's CPU time, ns.
+rules_ns() { for t in /proc/"$daemon"/task/*; do [[ $(cat "$t/comm" 2>/dev/null) == rules ]] && cut -d' ' -f1 "$t/schedstat"; done; }
+# A rule that reads one meter by name (sampled every 5 ms, the daemon's default), and a per-name rule over a pattern.
+echo 'probe: Threshold(get("module.b.frames_in_total"), 1, 0)' > "$state/name.rules"
+echo 'probe: Threshold(get("module.*.frames_in_total"), 1, 0)' > "$state/pattern.rules"
+RULES=${RULES:-name}
 GETS=${GETS:-20}
 send() { ip netns exec ${tag}a "$state/udp_flows" 10.$NET.1.0 "$1" "$PPS" "$2" | sed -n 's/^sent=//p'; }
 
-declare -A cost loss rss bin cls wake getms
+declare -A cost loss rss bin cls wake getms rulesms
 bin[new]=$fs
 variants=new
 if [[ -n ${FS_OLD:-} ]]; then bin[old]=$FS_OLD; variants="old new"; fi
@@ -129,6 +138,11 @@ print(f"{(b - a) / n:.3f}" if n else "nan")' "$w0" "$w1" "$got") "
     for _ in $(seq "$GETS"); do "$fs" --state-dir "$state/d" get module.b.frames_in_total >/dev/null; done
     getms[$v$f]+="$(python3 -c 'import sys; a, b, n, hz = map(int, sys.argv[1:])
 print(f"{(b - a) * 1000 / hz / n:.2f}")' "$g0" "$(ticks)" "$GETS" "$(getconf CLK_TCK)") "
+    rulesms[$v$f]+="$(if [[ $RULES == none ]]; then echo nan; else
+      "$fs" --state-dir "$state/d" rules load "$state/$RULES.rules" >/dev/null
+      sleep 0.3; a=$(rules_ns); sleep 1; b=$(rules_ns)
+      "$fs" --state-dir "$state/d" rules unload ALL >/dev/null
+      python3 -c 'import sys; print(f"{(int(sys.argv[2]) - int(sys.argv[1])) / 1e6:.1f}")' "$a" "$b"; fi) "
     stop_daemon
    done
   done
@@ -137,21 +151,22 @@ m() { tr ' ' '\n' <<<"$1" | grep . | median; }
 first=${FLOWS%% *}
 printf 'UDP 64 bytes at %s datagrams/s, %s s, default modules, %s worker(s): medians of %s rounds\n' "$PPS" "$SECS" "$WORKERS" "$RUNS"
 printf 'sink %s; classify ns = its own ns per packet; switches = context switches per packet\n' "$SINK"
-printf '%4s %10s %14s %10s %12s %10s %12s %10s %10s %10s\n' code flows "ns/packet" "x first" "classify ns" "x first" switches \
-  "lost %" "RSS MiB" "get ms"
+printf '%4s %10s %14s %10s %12s %10s %12s %10s %10s %10s %11s\n' code flows "ns/packet" "x first" "classify ns" "x first" switches \
+  "lost %" "RSS MiB" "get ms" "rules ms/s"
 ratio() { python3 -c 'import sys; print(float(sys.argv[1]) / float(sys.argv[2]))' "$1" "$2"; }
 for v in $variants; do
   for f in $FLOWS; do
     c=$(m "${cost[$v$f]}"); k=$(m "${cls[$v$f]}")
-    printf '%4s %10s %14.0f %10.2f %12.0f %10.2f %12.3f %10.2f %10.1f %10.2f\n' "$v" "$f" "$c" \
+    printf '%4s %10s %14.0f %10.2f %12.0f %10.2f %12.3f %10.2f %10.1f %10.2f %11s\n' "$v" "$f" "$c" \
       "$(ratio "$c" "$(m "${cost[$v$first]}")")" "$k" "$(ratio "$k" "$(m "${cls[$v$first]}")")" \
-      "$(m "${wake[$v$f]}")" "$(m "${loss[$v$f]}")" "$(m "${rss[$v$f]}")" "$(m "${getms[$v$f]}")"
+      "$(m "${wake[$v$f]}")" "$(m "${loss[$v$f]}")" "$(m "${rss[$v$f]}")" "$(m "${getms[$v$f]}")" \
+      "$(m "${rulesms[$v$f]}")"
   done
 done
 for v in $variants; do
   for f in $FLOWS; do
     echo "rounds $v $f: ns/packet ${cost[$v$f]}| classify ns ${cls[$v$f]}| switches ${wake[$v$f]}|" \
-      "lost % ${loss[$v$f]}| RSS ${rss[$v$f]}| get ms ${getms[$v$f]}"
+      "lost % ${loss[$v$f]}| RSS ${rss[$v$f]}| get ms ${getms[$v$f]}| rules ms/s ${rulesms[$v$f]}"
   done
 done
 echo "code version: $(git rev-parse --short HEAD)$(git diff --quiet || echo -dirty), fs $fs${FS_OLD:+, old $FS_OLD}"

@@ -318,7 +318,8 @@ impl AppVars {
             return Err(format!("at most {MAX_APPS} applications may register at once"));
         }
         let prefix = format!("app.{app}");
-        if self.registry.snapshot().matching(&format!("{prefix}.**")).next().is_some() {
+        let pattern = format!("{prefix}.**");
+        if self.registry.snapshot_for(&pattern).matching(&pattern).next().is_some() {
             return Err(format!("variables under {prefix}. exist already (a module registered them)"));
         }
         let vars = self.dynamic.lock().unwrap_or_else(|p| p.into_inner()).register(

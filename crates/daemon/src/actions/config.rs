@@ -48,7 +48,7 @@ impl Control {
         let target_rev = self.revision(rev)?;
         let target = StackSpec::parse(&format!("revision {rev}"), &target_rev.stack).map_err(config_error)?;
         let current = self.dp().snapshot().map_err(internal)?.spec;
-        let reg = self.registry.snapshot();
+        let reg = self.registry.snapshot_for("module.");
         let knobs_of = |module: &str| -> Vec<String> {
             reg.matching(&format!("module.{module}.**"))
                 .filter(|(_, c)| c.spec().kind == VarKind::Knob)

@@ -259,7 +259,7 @@ impl Control {
         row: impl Fn(ModuleInfo, &dyn Fn(&str) -> u64) -> T,
     ) -> Result<Vec<T>, ApiError> {
         let snap = self.dp().snapshot().map_err(internal)?;
-        let reg = self.registry.snapshot();
+        let reg = self.registry.snapshot_for("module.");
         let rows = snap.modules.into_iter().map(|m| {
             let prefix = format!("module.{}.", m.name);
             row(m, &|var| u64_var(&reg, &format!("{prefix}{var}")))

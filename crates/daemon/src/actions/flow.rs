@@ -264,9 +264,10 @@ impl Control {
             self.flows()?.into_iter().find(|f| f.id == id).ok_or_else(|| {
                 ApiError::new(ErrorCode::NotFound, format!("no flow {id:?} (see `flexstack flow list`)"))
             })?;
-        let reg = self.registry.snapshot();
+        let pattern = format!("flow.{id}.**");
+        let reg = self.registry.snapshot_for(&pattern);
         let vars: BTreeMap<String, VarValue> = reg
-            .matching(&format!("flow.{id}.**"))
+            .matching(&pattern)
             .map(|(n, c)| (n.to_string(), VarValue { value: c.get(), unit: c.spec().unit.clone() }))
             .collect();
         Ok(FlowDetail { flow, vars })

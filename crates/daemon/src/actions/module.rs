@@ -96,11 +96,12 @@ impl Control {
         match reply {
             Some(r) if r.op == ControlOp::ExecReply => Ok(ExecResult { module: name, procedure, result: r.value }),
             Some(r) if r.op == ControlOp::Error => {
-                let code = if self.registry.snapshot().matching(&format!("module.{name}.*")).next().is_none() {
-                    ErrorCode::NotFound
-                } else {
-                    ErrorCode::InvalidValue
-                };
+                let code =
+                    if self.registry.snapshot_for("module.").matching(&format!("module.{name}.*")).next().is_none() {
+                        ErrorCode::NotFound
+                    } else {
+                        ErrorCode::InvalidValue
+                    };
                 Err(ApiError::new(code, format!("{name}: {}", r.value)))
             }
             Some(r) => Err(internal(format!("unexpected reply {:?} from {name}", r.op))),

@@ -56,7 +56,7 @@ impl Control {
             }
         })?;
         if workers > 1 {
-            let reg = self.registry.snapshot();
+            let reg = self.registry.snapshot_for("worker.");
             for k in 0..workers {
                 let v = |var: &str| reg.get(&format!("worker.{k}.{var}")).map_or(0, |c| c.load_u64());
                 let (calls, frames, ns) = (v("rounds_total"), v("frames_total"), v("busy_ns_total"));

@@ -97,7 +97,7 @@ impl Control {
     /// The app's services in order.
     fn services_of(&self, app: &str, snap: &Snapshot) -> Result<Vec<ServiceInfo>, ApiError> {
         let kinds = file::kinds();
-        let reg = self.registry.snapshot();
+        let reg = self.registry.snapshot_for("module.");
         let prefix = format!("{app}-");
         let chain = match self.chain_of(app, snap) {
             Ok(c) => c,
@@ -150,7 +150,7 @@ impl Control {
         self.app_named(app)?;
         let snap = self.dp().snapshot().map_err(internal)?;
         let service = self.service_named(app, name, &snap)?;
-        let reg = self.registry.snapshot();
+        let reg = self.registry.snapshot_for("module.");
         let vars: BTreeMap<String, VarValue> = reg
             .matching(&format!("module.{}.**", service.module))
             .map(|(n, c)| (n.to_string(), VarValue { value: c.get(), unit: c.spec().unit.clone() }))

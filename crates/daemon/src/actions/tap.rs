@@ -61,13 +61,13 @@ impl Control {
         let change = format!("tap add {}[{port}] {file} (as {name})", module.name);
         let edits = vec![Edit::Load { name: name.clone(), kind: "tap".into(), settings, builder }, Edit::Link(link)];
         let Change { revision, notes } = self.edit(who, change, edits)?;
-        let file = text_var(&self.registry.snapshot(), &format!("module.{name}.file")).unwrap_or(file);
+        let file = text_var(&self.registry.snapshot_for("module."), &format!("module.{name}.file")).unwrap_or(file);
         Ok(TapAdded { revision, notes, tap: name, linktype: linktype.to_string(), file })
     }
 
     pub(super) fn tap_list(&self) -> Result<Vec<TapInfo>, ApiError> {
         let snap = self.dp().snapshot().map_err(internal)?;
-        let reg = self.registry.snapshot();
+        let reg = self.registry.snapshot_for("module.");
         let rows = snap
             .modules
             .iter()

@@ -28,6 +28,8 @@
 # FS_OLD=path (A/B): a second daemon runs that binary (apps in 10.(NET+2).0.0/16), and each configuration but the
 # app's own (app-*) is measured on it too, right after the same one on the daemon under test, as `old-CONFIG`;
 # printed at the end: each configuration's time on the old binary / on the new one (above 1: the new is faster).
+# BACKEND (smoltcp, the default, or kernel) is the `backend` of the terminated flow's endpoints, for every
+# configuration (docs/streams.md, "The kernel back-end": the host's TCP on both sides, the services between).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${RUNS:-5}
@@ -35,6 +37,8 @@ SMALL_N=${SMALL_N:-300000}
 BULK_MB=${BULK_MB:-512}
 CONFIGS=${CONFIGS:-none null1 null4 null16 compress tls both app-zstd app-tls app-both}
 NET=${NET:-243} # not 215: bench-hostpath.sh uses it, and the two may run at once
+BACKEND=${BACKEND:-smoltcp}
+[[ $BACKEND == smoltcp || $BACKEND == kernel ]] || { echo "bench-services: BACKEND is smoltcp or kernel, not $BACKEND" >&2; exit 2; }
 . scripts/lib/bench.sh # median, bench_setup, server_ns
 bench_setup bench-services "namespaces, TUN devices" cc openssl
 tag=fss$$
@@ -95,25 +99,31 @@ services compress-timer 'kind = "compress";notify = false' >/dev/null
 services tls "kind = \"tls\";ca = \"$state/ca.pem\"" >/dev/null
 services both 'kind = "compress"' "kind = \"tls\";ca = \"$state/ca.pem\"" >/dev/null
 
-# A configuration's `run` options, the app's mode and the server's port.
+# The terminated flow's stack: stacks/app-terminate.toml, with BACKEND's endpoints.
+sed "s/^backend = \"smoltcp\"/backend = \"$BACKEND\"/" stacks/app-terminate.toml > "$state/terminate.toml"
+[[ $BACKEND == smoltcp ]] || grep -q "^backend = \"$BACKEND\"" "$state/terminate.toml" ||
+  { echo "bench-services: could not set backend = \"$BACKEND\"" >&2; exit 1; }
+
+# A configuration's services file (- for none), the app's mode and the server's port.
 config() {
   case $1 in
-    none) echo "--stack stacks/app-terminate.toml plain 9001" ;;
-    null1 | null4 | null16) echo "--services $state/$1.toml plain 9001" ;;
-    compress | compress-timer) echo "--services $state/$1.toml plain 9002" ;;
-    tls) echo "--services $state/tls.toml plain 9003" ;;
-    both) echo "--services $state/both.toml plain 9004" ;;
-    app-zstd) echo "--stack stacks/app-terminate.toml zstd 9002" ;;
-    app-tls) echo "--stack stacks/app-terminate.toml tls 9003" ;;
-    app-both) echo "--stack stacks/app-terminate.toml tls+zstd 9004" ;;
+    none) echo "- plain 9001" ;;
+    null1 | null4 | null16) echo "$state/$1.toml plain 9001" ;;
+    compress | compress-timer) echo "$state/$1.toml plain 9002" ;;
+    tls) echo "$state/tls.toml plain 9003" ;;
+    both) echo "$state/both.toml plain 9004" ;;
+    app-zstd) echo "- zstd 9002" ;;
+    app-tls) echo "- tls 9003" ;;
+    app-both) echo "- tls+zstd 9004" ;;
     *) echo "bench-services: unknown configuration $1" >&2; exit 2 ;;
   esac
 }
 measure() { # $1 = configuration (old-CONFIG: on the old daemon), $2 = sends, $3 = bytes each; prints "SECONDS BYTES"
-  local opt file mode p bin=$fs d=d
+  local file mode p bin=$fs d=d opts=(--stack "$state/terminate.toml")
   [[ $1 == old-* ]] && bin=$FS_OLD d=d-old
-  read -r opt file mode p < <(config "${1#old-}")
-  "$bin" --state-dir "$state/$d" run "$opt" "$file" -- "$state/svc_app" client $srv "$p" "$mode" "$2" "$3" "$state/ca.pem" ||
+  read -r file mode p < <(config "${1#old-}")
+  [[ $file == - ]] || opts+=(--services "$file")
+  "$bin" --state-dir "$state/$d" run "${opts[@]}" -- "$state/svc_app" client $srv "$p" "$mode" "$2" "$3" "$state/ca.pem" ||
     { echo "bench-services: $1 failed; the daemon's log ends:" >&2; tail -5 "$state/daemon.log" >&2; exit 1; }
 }
 
@@ -210,4 +220,4 @@ done
       'BEGIN {printf "%-10s small %.3f, bulk %.3f, daemon CPU in bulk %.3f\n", c, (s > 0) ? so / s : 0, bo / b, to / t}'
   done
 fi
-echo "code version: ${FS:-$(git rev-parse --short HEAD)$(git diff --quiet || echo -dirty)}; $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "code version: ${FS:-$(git rev-parse --short HEAD)$(git diff --quiet || echo -dirty)}; backend $BACKEND; $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg)"

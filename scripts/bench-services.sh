@@ -23,7 +23,8 @@
 # steadier measure of what a service costs than the elapsed time). SMALL_N=0 runs the bulk transfers only;
 # RUNS_PER_MB=1 prints how many times the switch ran per MiB of each bulk transfer.
 # PERF=file records a profile of the daemon during each configuration's bulk transfer (file.CONFIG; overwritten
-# each round). PROFILE (default release) the cargo profile built and run (FS=path runs that binary, unbuilt); CONFIGS picks
+# each round; PERF_STAT=events counts those events instead, e.g. syscalls:sys_enter_writev,context-switches).
+# PROFILE (default release) the cargo profile built and run (FS=path runs that binary, unbuilt); CONFIGS picks
 # configurations (default: all, in the order above); NET the server's subnet 10.NET.7.0/24 (apps: 10.(NET+1).0.0/16).
 # FS_OLD=path (A/B): a second daemon runs that binary (apps in 10.(NET+2).0.0/16), and each configuration but the
 # app's own (app-*) is measured on it too, right after the same one on the daemon under test, as `old-CONFIG`;
@@ -147,7 +148,11 @@ for r in $(seq "$RUNS"); do
       results[small_$c]+="0 " # SMALL_N=0: the bulk transfer only
     fi
     if [[ -n "${PERF:-}" ]]; then # PERF=file: a profile of the daemon during the bulk transfer (file.CONFIG)
-      (sleep 0.5; perf record -q -g -o "$PERF.$c" -p "$daemon" -- sleep 2 2>/dev/null) &
+      if [[ -n "${PERF_STAT:-}" ]]; then # PERF_STAT=events: counts of those events instead (perf stat)
+        (sleep 0.5; perf stat -e "$PERF_STAT" -o "$PERF.$c" -p "$daemon" -- sleep 2 2>/dev/null) &
+      else
+        (sleep 0.5; perf record -q -g -o "$PERF.$c" -p "$daemon" -- sleep 2 2>/dev/null) &
+      fi
       perf=$!
     fi
     [[ -n "${RUNS_PER_MB:-}" ]] && runs0=$(switch_runs)

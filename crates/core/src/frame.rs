@@ -328,6 +328,12 @@ pub struct PoolStats {
 
 struct PoolShared {
     free: RefCell<Vec<Rc<Slot>>>,
+    /// Free slots whose buffers held more than 32 KiB when freed (a super-packet, a large segment; not a stream
+    /// chunk of 16 KiB, whose slots are best reused LIFO by the next chunks), kept apart for
+    /// [`PacketPool::alloc_for_overwrite_len`]: among the small ones freed after them (ACKs, stream frames), a
+    /// writer of a 62 KiB segment would not find them and would zero a small one up to its length. Other
+    /// allocations take them only when `free` is empty.
+    long: RefCell<Vec<Rc<Slot>>>,
     /// The capacities of the buffers on `free`, summed.
     free_bytes: Cell<usize>,
     buffer_capacity: usize,
@@ -343,11 +349,35 @@ struct PoolShared {
 impl PoolShared {
     /// A slot from the free list.
     fn pop(&self) -> Option<Rc<Slot>> {
-        let slot = self.free.borrow_mut().pop()?;
+        let slot = self.free.borrow_mut().pop().or_else(|| self.long.borrow_mut().pop())?;
+        self.free_bytes.set(self.free_bytes.get().saturating_sub(slot.data.capacity()));
+        Some(slot)
+    }
+
+    /// A slot from the free list whose buffer already holds at least `len` bytes: the last freed of the long
+    /// slots long enough, among the [`LOOK_FOR_LEN`] freed last; else the last long one freed; else the last freed.
+    fn pop_with_len(&self, len: usize) -> Option<Rc<Slot>> {
+        let slot = {
+            let mut long = self.long.borrow_mut();
+            let from = long.len().saturating_sub(LOOK_FOR_LEN);
+            long[from..].iter().rposition(|s| s.data.len() >= len).map(|i| long.swap_remove(from + i))
+        };
+        let slot = match slot {
+            Some(slot) => slot,
+            // The longest one is then likely the last long one freed: the least to zero.
+            None => self.long.borrow_mut().pop().or_else(|| self.free.borrow_mut().pop())?,
+        };
         self.free_bytes.set(self.free_bytes.get().saturating_sub(slot.data.capacity()));
         Some(slot)
     }
 }
+
+/// A slot freed with at least this many bytes in its buffer goes to the long slots ([`PoolShared::long`]).
+const LONG: usize = 32 * 1024 + 1;
+
+/// How many of the long slots freed last [`PacketPool::alloc_for_overwrite_len`] looks through for one that is long
+/// enough: a few, so that the look costs less than zeroing a large buffer would.
+const LOOK_FOR_LEN: usize = 16;
 
 struct Slot {
     pool: Weak<PoolShared>,
@@ -393,6 +423,7 @@ impl PacketPool {
         PacketPool {
             shared: Rc::new(PoolShared {
                 free: RefCell::new(Vec::new()),
+                long: RefCell::new(Vec::new()),
                 free_bytes: Cell::new(0),
                 buffer_capacity,
                 max_free,
@@ -456,6 +487,25 @@ impl PacketPool {
         }
     }
 
+    /// As [`PacketPool::alloc_for_overwrite`], preferring a slot whose buffer already holds at least `len` bytes
+    /// (among the long slots freed last), for a writer that needs `len` bytes to write into as a slice (smoltcp
+    /// writing a 62 KiB segment): it then only cuts the buffer to `len`, where a slot that last held a small
+    /// packet would have to be zeroed up to `len` first.
+    pub fn alloc_for_overwrite_len(&self, len: usize) -> Packet {
+        match self.shared.pop_with_len(len) {
+            Some(mut slot) => {
+                self.shared.reused.set(self.shared.reused.get() + 1);
+                if let Some(s) = Rc::get_mut(&mut slot) {
+                    s.head = 0;
+                    s.direction = Direction::Up;
+                    s.meta = Metadata::default();
+                }
+                Packet { slot: Some(slot) }
+            }
+            None => self.alloc(),
+        }
+    }
+
     /// A packet holding a copy of `bytes`.
     pub fn alloc_from(&self, bytes: &[u8]) -> Packet {
         let mut p = self.alloc();
@@ -481,7 +531,7 @@ impl PacketPool {
             released: self.shared.released.get(),
             peak: self.shared.peak.get(),
             reused: self.shared.reused.get(),
-            free: self.shared.free.borrow().len() as u64,
+            free: (self.shared.free.borrow().len() + self.shared.long.borrow().len()) as u64,
             free_bytes: self.shared.free_bytes.get() as u64,
             copies: self.shared.copies.get(),
         }
@@ -702,11 +752,15 @@ impl Drop for Packet {
             return;
         }
         if let Some(shared) = slot.pool.upgrade() {
-            let mut free = shared.free.borrow_mut();
+            let (mut free, mut long) = (shared.free.borrow_mut(), shared.long.borrow_mut());
             let bytes = shared.free_bytes.get() + slot.data.capacity();
-            if free.len() < shared.max_free && bytes <= shared.max_free_bytes {
+            if free.len() + long.len() < shared.max_free && bytes <= shared.max_free_bytes {
                 shared.free_bytes.set(bytes);
-                free.push(slot);
+                if slot.data.len() >= LONG {
+                    long.push(slot);
+                } else {
+                    free.push(slot);
+                }
             } else {
                 shared.released.set(shared.released.get() + 1);
             }
@@ -913,6 +967,48 @@ mod tests {
         drop(q);
         assert!(pool.alloc().is_empty(), "an ordinary alloc still clears");
         assert!(PacketPool::new(64, 0).alloc_for_overwrite().is_empty(), "a new slot is empty");
+    }
+
+    /// A writer that needs `len` bytes gets a long slot freed lately that already holds them (nothing to zero),
+    /// even with small ones freed after it; the last freed one if none does; the pool's counts follow. Other
+    /// allocations take small slots first.
+    #[test]
+    fn a_packet_for_overwrite_of_a_length_prefers_a_slot_that_long() {
+        let pool = PacketPool::new(64, 64);
+        let long = pool.alloc_from(&[7u8; 40_000]);
+        let short: Vec<Packet> = (0..2 * LOOK_FOR_LEN).map(|_| pool.alloc_from(b"ack")).collect();
+        drop(long);
+        drop(short);
+        let before = pool.stats();
+        assert_eq!(before.free, 2 * LOOK_FOR_LEN as u64 + 1);
+        let (a, b) = (pool.alloc(), pool.alloc_for_overwrite());
+        assert!(a.is_empty(), "cleared");
+        assert_eq!(b.data(), b"ack", "small slots first");
+        drop((a, b));
+        let mut p = pool.alloc_for_overwrite_len(30_000);
+        assert_eq!(p.len(), 40_000, "the long slot, past the small ones freed after it");
+        assert!(p.meta().is_empty());
+        assert_eq!(pool.stats().free_bytes, before.free_bytes - p.buffer_for_overwrite().capacity() as u64);
+        assert_eq!(pool.stats().free, before.free - 1);
+        let ack = pool.alloc_for_overwrite_len(30_000);
+        assert_eq!(ack.data(), b"ack", "no long one: the last freed");
+        drop(p);
+        let p = pool.alloc_for_overwrite_len(50_000);
+        assert_eq!(p.len(), 40_000, "none long enough: a long one still (less to zero)");
+        drop(p);
+        // Only the long slots freed last are looked through.
+        let longs: Vec<Packet> = (0..LOOK_FOR_LEN).map(|_| pool.alloc_from(&[1u8; 35_000])).collect();
+        let longest = pool.alloc_for_overwrite_len(30_000);
+        assert_eq!(longest.len(), 40_000);
+        drop(longest);
+        drop(longs);
+        assert_eq!(pool.alloc_for_overwrite_len(38_000).len(), 35_000, "the longest is too far down");
+        // A stream chunk's slot (16 KiB) stays with the small ones.
+        drop(pool.alloc_from(&[2u8; 16_400]));
+        assert_eq!(pool.alloc_for_overwrite().len(), 16_400, "taken back first by a small allocation");
+        drop(ack);
+        let empty = PacketPool::new(64, 4);
+        assert!(empty.alloc_for_overwrite_len(10).is_empty(), "an empty pool: a new slot");
     }
 
     #[test]

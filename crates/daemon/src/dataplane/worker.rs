@@ -37,6 +37,9 @@ const SPIN_EPOLL: Duration = Duration::from_micros(50);
 /// read into, which must hold the largest frame (64 KiB); larger ones (GSO super-frames) keep it.
 const COPY_AT_MOST: usize = 2048;
 
+/// The room a device is read into: the largest frame (64 KiB) behind the headroom.
+const READ_ROOM: usize = PacketPool::HEADROOM + 65_535;
+
 /// Frames one ring between two workers holds; beyond, frames are dropped and counted (`drop_handoff_total`).
 pub(super) const RING_FRAMES: usize = 4096;
 
@@ -248,8 +251,10 @@ impl Loop {
                 while read < limit && bytes < READ_BYTES {
                     // Read straight into a pooled buffer: no copy, and a buffer that held a large frame is not
                     // zeroed again (PacketPool::alloc_for_overwrite; the device sets the length it read). Room is
-                    // left in front, where the link module puts its header without moving the packet.
-                    let mut p = spare.take().unwrap_or_else(|| pool.alloc_for_overwrite());
+                    // left in front, where the link module puts its header without moving the packet. A buffer that
+                    // held a large frame is taken first (the pool's long slots): it has room for the largest frame
+                    // (64 KiB) without growing, where a small one would be reallocated.
+                    let mut p = spare.take().unwrap_or_else(|| pool.alloc_for_overwrite_len(READ_ROOM));
                     match dev.read_frame_at(p.buffer_for_overwrite(), PacketPool::HEADROOM, &mut meta) {
                         Ok(Some(start)) => {
                             p.strip_front(start);

@@ -70,8 +70,9 @@ impl phy::RxToken for Rx {
 impl phy::TxToken for Tx<'_> {
     fn consume<R, F: FnOnce(&mut [u8]) -> R>(self, len: usize, f: F) -> R {
         // A pooled buffer keeps its last bytes: only the headers' room is zeroed (smoltcp writes every payload
-        // byte), not a 62 KiB segment's whole length before smoltcp overwrites it.
-        let mut p = self.pool.alloc_for_overwrite();
+        // byte), not a 62 KiB segment's whole length before smoltcp overwrites it; and a slot that already holds
+        // `len` bytes is chosen (one that last held a small packet would be zeroed up to `len` by `resize`).
+        let mut p = self.pool.alloc_for_overwrite_len(len);
         let buf = p.make_mut();
         buf.truncate(len);
         buf.resize(len, 0);

@@ -472,19 +472,7 @@ impl PacketPool {
     /// pool: a buffer that held a large packet is not cleared and zeroed again before each read. Stale bytes never
     /// leave the data plane; the reader must set the length to what it read (or clear the packet).
     pub fn alloc_for_overwrite(&self) -> Packet {
-        let reused = self.shared.pop();
-        match reused {
-            Some(mut slot) => {
-                self.shared.reused.set(self.shared.reused.get() + 1);
-                if let Some(s) = Rc::get_mut(&mut slot) {
-                    s.head = 0;
-                    s.direction = Direction::Up;
-                    s.meta = Metadata::default();
-                }
-                Packet { slot: Some(slot) }
-            }
-            None => self.alloc(),
-        }
+        self.reuse(self.shared.pop())
     }
 
     /// As [`PacketPool::alloc_for_overwrite`], preferring a slot whose buffer already holds at least `len` bytes
@@ -492,18 +480,19 @@ impl PacketPool {
     /// writing a 62 KiB segment): it then only cuts the buffer to `len`, where a slot that last held a small
     /// packet would have to be zeroed up to `len` first.
     pub fn alloc_for_overwrite_len(&self, len: usize) -> Packet {
-        match self.shared.pop_with_len(len) {
-            Some(mut slot) => {
-                self.shared.reused.set(self.shared.reused.get() + 1);
-                if let Some(s) = Rc::get_mut(&mut slot) {
-                    s.head = 0;
-                    s.direction = Direction::Up;
-                    s.meta = Metadata::default();
-                }
-                Packet { slot: Some(slot) }
-            }
-            None => self.alloc(),
+        self.reuse(self.shared.pop_with_len(len))
+    }
+
+    /// A packet in `slot` (a free one, its bytes kept), or a new one when there was none.
+    fn reuse(&self, slot: Option<Rc<Slot>>) -> Packet {
+        let Some(mut slot) = slot else { return self.alloc() };
+        self.shared.reused.set(self.shared.reused.get() + 1);
+        if let Some(s) = Rc::get_mut(&mut slot) {
+            s.head = 0;
+            s.direction = Direction::Up;
+            s.meta = Metadata::default();
         }
+        Packet { slot: Some(slot) }
     }
 
     /// A packet holding a copy of `bytes`.

@@ -32,11 +32,12 @@ fn curl_and_dig_with(r: &Rig, app: &str, more: &[&str]) -> Vec<u64> {
     let direct = sh("ip", &["route", "get", &r.srv]);
     assert!(!direct.contains(&r.host_dev), "A must not route to the server directly: {direct}");
     // IPv4 and IPv6 downloads, then dig to both server addresses; the UDP flows are still open (their idle timeout)
-    // when the flows are listed.
+    // when the flows are listed, and have lived past `meters_after_ms` (20 ms), after which a flow's meters (what
+    // `flow list` reads) are published: two digs can take less.
     let script = format!(
         "curl -sSf -m 30 http://{srv}:8080/blob | sha256sum\ncurl -sSf -m 30 'http://[{v6}]:8080/blob' | sha256sum\n\
          dig +short +time=2 +tries=2 @{srv} flexstack.test\ndig +short +time=2 +tries=2 @{v6} flexstack.test AAAA\n\
-         echo {FLOWS}; {bin} --state-dir {state} -j flow list",
+         sleep 0.2; echo {FLOWS}; {bin} --state-dir {state} -j flow list",
         srv = r.srv,
         v6 = r.srv6,
         bin = bin(),

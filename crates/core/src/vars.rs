@@ -788,7 +788,7 @@ impl Registry {
     pub fn matching<'a>(&'a self, pattern: &'a str) -> impl Iterator<Item = (Cow<'a, str>, Var<'a>)> + 'a {
         // What precedes the first wildcard must start the name: a cheap test before the matcher (and before a
         // group's names are made).
-        let literal = &pattern[..pattern.find(['*', '?']).unwrap_or(pattern.len())];
+        let literal = literal_head(pattern);
         let exact = (!is_pattern(pattern)).then(|| self.get(pattern).map(|c| (Cow::Borrowed(pattern), c)));
         let all: Box<dyn Iterator<Item = (Cow<'a, str>, Var<'a>)> + 'a> = match exact {
             Some(found) => Box::new(found.into_iter()),
@@ -878,11 +878,16 @@ impl SharedRegistry {
     /// A snapshot of every variable; reading its cells needs no further lock. Cheap: it shares the declared
     /// variables and each runtime group (one reference count per registered prefix; no name is copied).
     pub fn snapshot(&self) -> Arc<Registry> {
-        let vars = self.fixed.read().map(|r| r.clone()).unwrap_or_default();
         let groups: Vec<Arc<Group>> = match self.dynamic.read() {
             Ok(d) => d.iter().map(|g| g.0.clone()).collect(),
             Err(_) => Vec::new(),
         };
+        self.snapshot_of(groups)
+    }
+
+    /// A snapshot of the declared variables with `groups` (sorted by key) as its runtime ones.
+    fn snapshot_of(&self, groups: Vec<Arc<Group>>) -> Arc<Registry> {
+        let vars = self.fixed.read().map(|r| r.clone()).unwrap_or_default();
         let nested = groups.windows(2).any(|w| w[1].key().starts_with(w[0].key()));
         Arc::new(Registry { vars, groups, nested })
     }
@@ -892,8 +897,7 @@ impl SharedRegistry {
     /// [`Registry::matching`] of `pattern` needs, at a cost of the groups it takes, not of all. `module.*.x` takes
     /// no flow's group however many flows there are.
     pub fn snapshot_for(&self, pattern: &str) -> Arc<Registry> {
-        let literal = &pattern[..pattern.find(['*', '?']).unwrap_or(pattern.len())];
-        let vars = self.fixed.read().map(|r| r.clone()).unwrap_or_default();
+        let literal = literal_head(pattern);
         let mut groups: Vec<Arc<Group>> = Vec::new();
         if let Ok(d) = self.dynamic.read() {
             // Keys that are a prefix of the literal end at one of its dots (a key ends with `.`).
@@ -907,8 +911,7 @@ impl SharedRegistry {
         }
         groups.sort_by(|a, b| a.key().cmp(b.key()));
         groups.dedup_by(|a, b| a.key() == b.key());
-        let nested = groups.windows(2).any(|w| w[1].key().starts_with(w[0].key()));
-        Arc::new(Registry { vars, groups, nested })
+        self.snapshot_of(groups)
     }
 
     /// Calls `f` with the variable named exactly `name` (as [`Registry::get`] finds it: a runtime group's first),
@@ -1173,6 +1176,11 @@ pub fn name_matches(pattern: &str, name: &str) -> bool {
 /// True if `pattern` contains a wildcard.
 pub fn is_pattern(pattern: &str) -> bool {
     pattern.contains(['*', '?'])
+}
+
+/// What precedes `pattern`'s first wildcard: every name it matches starts with it.
+fn literal_head(pattern: &str) -> &str {
+    &pattern[..pattern.find(['*', '?']).unwrap_or(pattern.len())]
 }
 
 #[cfg(test)]

@@ -118,7 +118,7 @@ const MAX_NOTICES: usize = 200;
 /// How long a client waits for the rules thread to answer before giving up.
 const CALL_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// An [`Environment`] over a snapshot of the daemon's registry: values are read live from the cells.
+/// An [`Environment`] over the daemon's registry: values are read live from the cells.
 pub struct RegistryEnv {
     registry: SharedRegistry,
 }

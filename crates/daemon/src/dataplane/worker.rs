@@ -246,7 +246,7 @@ impl Loop {
                 let pool = self.switch.pool().clone();
                 let ethernet = dev.ethernet();
                 let (mut sent, mut dropped) = (0u64, 0u64);
-                let (mut read, mut bytes, mut empty) = (0, 0, false);
+                let (mut read, mut bytes) = (0, 0);
                 let limit = if spinning && st.drained[k] { 1 } else { READ_BATCH };
                 while read < limit && bytes < READ_BYTES {
                     // Read straight into a pooled buffer: no copy, and a buffer that held a large frame is not
@@ -288,7 +288,6 @@ impl Loop {
                         }
                         Ok(None) => {
                             spare = Some(p);
-                            empty = true;
                             break;
                         }
                         Err(e) => {
@@ -304,7 +303,8 @@ impl Loop {
                     st.meters.drop_handoff.add(dropped);
                 }
                 more |= read == limit || bytes >= READ_BYTES;
-                st.drained[k] = empty || read < limit;
+                // Fewer than asked for: it ran empty, failed, or gave its bytes' worth.
+                st.drained[k] = read < limit;
                 if read > 0 {
                     last_frame = clock();
                     moved = true;

@@ -6,8 +6,8 @@
 //! 2. Attaches the app over a connection that stays open as the app's lease (`app_attach`): the daemon creates
 //!    the app's namespace, TUN devices and modules (see [`flexstack_daemon::sandbox`]).
 //! 3. Runs the program in the namespace with `ip netns exec`, as the invoking user (SUDO_UID/SUDO_GID when run
-//!    through sudo) through `setpriv`, with the terminal's stdio, in the app's cgroup (the daemon made it; this
-//!    process steps into it to start the program and steps back out), so that every process the program starts
+//!    through sudo) through `setpriv`, with the terminal's stdio, in the app's cgroup (the daemon made it; the
+//!    child moves itself there before exec, this process never enters it), so that every process the program starts
 //!    ends with the sandbox. SIGINT/SIGTERM are passed on to it. Unless our stdin is a terminal, its stdout and
 //!    stderr pass through pipes and are also kept in `STATE_DIR/apps/NAME.out` (`flexstack app output NAME`).
 //! 4. When it exits, detaches (`app_detach`), waits for the daemon's answer (the sandbox, its processes, its
@@ -318,25 +318,21 @@ pub fn services_template(file: &Path, text: &str, base: &str) -> Result<String, 
     Ok(template)
 }
 
-/// Starts `cmd` in the app's cgroup: this process steps into it, starts the program (which is born there, as are
-/// all its descendants) and steps back into its own cgroup, so that the sandbox's end kills them all but not us.
+/// Starts `cmd` in the app's cgroup: the program is born there, as are all its descendants, so that the sandbox's
+/// end kills them all; this process never enters it (an `app stop` or `app kill` cannot reach it).
 fn spawn_in_cgroup(cmd: &mut Command, netns: &str) -> std::io::Result<std::process::Child> {
-    use flexstack_daemon::sandbox::{app_cgroup, enter_cgroup, own_cgroup};
+    use flexstack_daemon::sandbox::app_cgroup;
     let Some(cgroup) = app_cgroup(netns).filter(|c| c.exists()) else {
         eprintln!("flexstack run: no cgroup for the app (no cgroup v2 here?): its processes may outlive it");
         return cmd.spawn();
     };
-    let home = own_cgroup().ok_or_else(|| std::io::Error::other("cannot read our own cgroup"))?;
-    enter_cgroup(&cgroup).map_err(std::io::Error::other)?;
-    let child = cmd.spawn();
-    let back = enter_cgroup(&home);
-    let child = child?;
-    if let Err(e) = back {
-        let _ =
-            nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGKILL);
-        return Err(std::io::Error::other(format!("cannot leave the app's cgroup: {e}")));
-    }
-    Ok(child)
+    let path = cgroup.join("cgroup.procs");
+    let procs = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .map_err(|e| std::io::Error::other(format!("{}: {e}", path.display())))?;
+    flexstack_sys::spawn_in_cgroup(cmd, &procs)
+        .map_err(|e| std::io::Error::new(e.kind(), format!("start the app in {}: {e}", cgroup.display())))
 }
 
 /// After the daemon died: what was left of the app (its processes, namespace and files, its conntrack entries)

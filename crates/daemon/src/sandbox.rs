@@ -290,19 +290,6 @@ pub fn app_cgroup(netns: &str) -> Option<PathBuf> {
     cgroup_base().map(|b| b.join(netns))
 }
 
-/// The cgroup (v2) this process is in.
-pub fn own_cgroup() -> Option<PathBuf> {
-    let text = std::fs::read_to_string("/proc/self/cgroup").ok()?;
-    let rel = text.lines().find_map(|l| l.strip_prefix("0::"))?;
-    Some(cgroup2_mount()?.join(rel.trim_start_matches('/')))
-}
-
-/// Moves this process (all its threads) into cgroup `dir`; the processes it starts afterwards begin there.
-pub fn enter_cgroup(dir: &Path) -> Result<(), String> {
-    let procs = dir.join("cgroup.procs");
-    std::fs::write(&procs, std::process::id().to_string()).map_err(|e| format!("{}: {e}", procs.display()))
-}
-
 /// True while a process is in cgroup `dir`.
 fn populated(dir: &Path) -> bool {
     std::fs::read_to_string(dir.join("cgroup.procs")).is_ok_and(|p| !p.trim().is_empty())

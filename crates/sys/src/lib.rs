@@ -169,6 +169,27 @@ pub fn read_with_header(
     Ok(bytes)
 }
 
+/// Starts `cmd` inside the cgroup (v2) whose `cgroup.procs` file `procs` is open for writing: the child moves
+/// itself there (writing "0" moves the writer) between fork and exec, so the program and all its descendants are
+/// born in the cgroup and the caller never enters it. Spawning fails with the write's error if the move is refused.
+pub fn spawn_in_cgroup(cmd: &mut std::process::Command, procs: &std::fs::File) -> io::Result<std::process::Child> {
+    use std::os::unix::process::CommandExt;
+    let fd = procs.as_raw_fd();
+    // SAFETY: the closure runs in the forked child before exec and calls write(2) only, which is
+    // async-signal-safe; `fd` stays open in the child (it is the parent's descriptor, closed at exec at the
+    // earliest) and the buffer is a static byte.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::write(fd, b"0".as_ptr().cast(), 1) == 1 {
+                Ok(())
+            } else {
+                Err(io::Error::last_os_error())
+            }
+        });
+    }
+    cmd.spawn()
+}
+
 /// Restores the default action of SIGPIPE (terminate quietly), which the Rust runtime sets to "ignore": a command
 /// whose output goes to a pipe that closed early (`flexstack monitor ... | head`) then ends as other Unix tools do,
 /// instead of panicking in `println!`. Only for commands that do nothing but talk and print: the daemon and the

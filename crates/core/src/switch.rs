@@ -18,10 +18,13 @@
 //! ([`ModuleInterface::accepts_gso`]); before a module that does not, the switch cuts each into its on-wire
 //! segments ([`segment_batch`]), so that such a module sees only ordinary packets. The switch meters
 //! `gso_cut_total` and `gso_mismatch_total` count the super-packets cut, and those left whole (without the key)
-//! because their bytes did not match their description.
+//! because their bytes did not match their description. A module that does not take super-packets sees segments
+//! only and emits segments only, so the switch looks for super-packets only in a batch that may hold one: frames
+//! injected by a face, carried over by an edit, or emitted by a face or a module that takes them (debug builds
+//! check the rest).
 
 use crate::config::{valid_name, Endpoint, LinkEntry, LinkSpec, ModuleSpec, Settings, StackSpec};
-use crate::frame::{Batch, ControlFrame, ControlOp, Frame, PacketPool};
+use crate::frame::{Batch, ControlFrame, ControlOp, Frame, MetaKey, PacketPool};
 use crate::module::{port_type, FaceDevice, Module, ModuleBuilder, ModuleInterface, Output, PortSpec, CONTROL_PORT};
 use crate::notify::{take_mark, Wakeups};
 use crate::time::Time;
@@ -274,6 +277,8 @@ struct Slot {
     vars: ModuleVars,
     meters: SlotMeters,
     pending: Vec<Batch>,
+    /// Per input: the frames waiting there may include GSO super-packets (see the module's doc).
+    may_gso: Vec<bool>,
     out: Vec<Batch>,
     routes: Vec<Vec<(usize, usize)>>,
     paused: bool,
@@ -305,6 +310,7 @@ impl Slot {
         Slot {
             paths,
             pending: iface.inputs.iter().map(|_| Vec::new()).collect(),
+            may_gso: iface.inputs.iter().map(|_| false).collect(),
             out: iface.outputs.iter().map(|_| Vec::new()).collect(),
             routes: iface.outputs.iter().map(|_| Vec::new()).collect(),
             name,
@@ -584,6 +590,7 @@ impl Switch {
                 for (p, port) in fresh.iface.inputs.iter().enumerate() {
                     if let Some(q) = old.iface.inputs.iter().position(|o| o.name == port.name) {
                         fresh.pending[p] = std::mem::take(&mut old.pending[q]);
+                        fresh.may_gso[p] = true;
                     }
                 }
                 // Those waiting at inputs the new module lacks are dropped, counted and noted.
@@ -859,6 +866,7 @@ impl Switch {
             .position(|p| p.name == port)
             .ok_or_else(|| format!("module {module} has no input port {port}"))?;
         self.hot.injected.add(frames.len() as u64);
+        slot.may_gso[q] = true;
         let dest = &mut slot.pending[q];
         let room = HOLD_LIMIT.saturating_sub(dest.len());
         if frames.len() > room {
@@ -1089,7 +1097,8 @@ impl Switch {
             Some(p) => std::mem::take(&mut slot.pending[p]),
             None => Vec::new(),
         };
-        if port.is_some() && !slot.iface.accepts_gso {
+        let may_gso = port.is_some_and(|p| std::mem::take(&mut slot.may_gso[p]));
+        if may_gso && !slot.iface.accepts_gso {
             let done = segment_batch(&self.pool, &mut input);
             if done != Segmented::default() {
                 self.hot.gso_cut.add(done.cut);
@@ -1149,6 +1158,12 @@ impl Switch {
             let src = &self.slots[i];
             src.meters.port_out[p].add_u64(n);
             src.meters.frames_out.add_u64(n);
+            let gso_out = src.iface.accepts_gso || src.face;
+            debug_assert!(
+                gso_out || !buf.iter().any(|f| f.packet().is_some_and(|p| p.meta().get(MetaKey::GSO).is_some())),
+                "{} does not take GSO super-packets but emitted one",
+                src.name
+            );
             let routes = std::mem::take(&mut self.slots[i].routes[p]);
             match routes.len() {
                 0 => {
@@ -1163,6 +1178,7 @@ impl Switch {
                             self.ready.insert(r);
                         }
                         let dest_slot = &mut self.slots[d];
+                        dest_slot.may_gso[q] |= gso_out;
                         let dest = &mut dest_slot.pending[q];
                         let room = if dest_slot.paused || self.paused {
                             HOLD_LIMIT.saturating_sub(dest.len())

@@ -2048,3 +2048,62 @@ fn super_packets_are_cut_only_before_a_module_that_does_not_take_them() {
     assert_eq!(meter(&sw, "switch.gso_mismatch_total"), 0);
     assert_eq!(meter(&sw, "module.cut.frames_in_total"), 3, "the module's meters count the segments it saw");
 }
+
+/// A super-packet of 2,540 bytes (IPv4 + TCP headers and 2,500 bytes cut into segments of 1,000).
+fn super_packet(sw: &Switch) -> crate::frame::Packet {
+    use crate::frame::{Gso, GsoKind};
+    let mut d = vec![0u8; 2540];
+    d[0] = 0x45;
+    d[2..4].copy_from_slice(&2540u16.to_be_bytes());
+    d[9] = 6;
+    d[32] = 5 << 4;
+    let gso = Gso { kind: GsoKind::TcpV4, gso_size: 1000, hdr_len: 40, csum_start: 20, l3_offset: 0, ecn: false };
+    let mut p = sw.pool().alloc_from(&d);
+    p.meta_mut().set(MetaKey::GSO, gso.pack());
+    p
+}
+
+#[test]
+fn a_super_packet_injected_before_a_module_that_does_not_take_them_is_cut() {
+    let mut sw = Switch::default();
+    let (cut_edit, cut_log) = crate::testing::Recorder::load("seen_cut");
+    let edits = vec![load("cut", forward(false)), load("cut2", forward(false)), cut_edit];
+    sw.apply(edits.into_iter().chain([link("cut -> cut2"), link("cut2 -> seen_cut")]).collect()).unwrap();
+    let mut batch = vec![Frame::Data(super_packet(&sw))];
+    sw.inject("cut", "in", &mut batch).unwrap();
+    sw.run(Time::ZERO);
+    let lens: Vec<usize> = crate::testing::take(&cut_log).iter().map(|s| s.data.len()).collect();
+    assert_eq!(lens, [1040, 1040, 540]);
+    assert_eq!(meter(&sw, "switch.gso_cut_total"), 1, "cut once, before the first module; the second sees segments");
+}
+
+/// A module that does not take super-packets must not make one: debug builds stop at the first it emits.
+#[test]
+#[cfg(debug_assertions)]
+#[should_panic(expected = "maker does not take GSO super-packets but emitted one")]
+fn a_module_that_does_not_take_super_packets_may_not_emit_one() {
+    struct Maker;
+    impl Module for Maker {
+        fn process(&mut self, _port: usize, input: &mut Batch, out: &mut Output<'_>) {
+            for f in input.drain(..) {
+                let Frame::Data(mut p) = f else { continue };
+                p.meta_mut().set(MetaKey::GSO, 1 << 56);
+                out.emit(0, p);
+            }
+        }
+    }
+    let maker = Box::new(Built {
+        iface: ModuleInterface {
+            inputs: ports(&[("in", port_type::ANY)]),
+            outputs: ports(&[("out", port_type::ANY)]),
+            vars: vec![],
+            breaks_cycles: false,
+            accepts_gso: false,
+        },
+        make: Box::new(|_| Box::new(Maker)),
+    });
+    let mut sw = Switch::default();
+    sw.apply(vec![load("maker", maker), load("cut", forward(false)), link("maker -> cut")]).unwrap();
+    inject(&mut sw, "maker", [1]);
+    sw.run(Time::ZERO);
+}

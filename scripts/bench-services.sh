@@ -30,7 +30,8 @@
 # app's own (app-*) is measured on it too, right after the same one on the daemon under test, as `old-CONFIG`;
 # printed at the end: each configuration's time on the old binary / on the new one (above 1: the new is faster).
 # BACKEND (smoltcp, the default, or kernel) is the `backend` of the terminated flow's endpoints, for every
-# configuration (docs/streams.md, "The kernel back-end": the host's TCP on both sides, the services between).
+# configuration (docs/streams.md, "The kernel back-end": the host's TCP on both sides, the services between);
+# TERMINATE,ORIGINATE (e.g. kernel,smoltcp) sets each endpoint's own.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${RUNS:-5}
@@ -39,7 +40,11 @@ BULK_MB=${BULK_MB:-512}
 CONFIGS=${CONFIGS:-none null1 null4 null16 compress tls both app-zstd app-tls app-both}
 NET=${NET:-243} # not 215: bench-hostpath.sh uses it, and the two may run at once
 BACKEND=${BACKEND:-smoltcp}
-[[ $BACKEND == smoltcp || $BACKEND == kernel ]] || { echo "bench-services: BACKEND is smoltcp or kernel, not $BACKEND" >&2; exit 2; }
+TERM_BACKEND=${BACKEND%%,*} ORIG_BACKEND=${BACKEND#*,}
+for b in "$TERM_BACKEND" "$ORIG_BACKEND"; do
+  [[ $b == smoltcp || $b == kernel ]] ||
+    { echo "bench-services: BACKEND is smoltcp, kernel or TERMINATE,ORIGINATE of those, not $BACKEND" >&2; exit 2; }
+done
 . scripts/lib/bench.sh # median, bench_setup, server_ns
 bench_setup bench-services "namespaces, TUN devices" cc openssl
 tag=fss$$
@@ -100,10 +105,11 @@ services compress-timer 'kind = "compress";notify = false' >/dev/null
 services tls "kind = \"tls\";ca = \"$state/ca.pem\"" >/dev/null
 services both 'kind = "compress"' "kind = \"tls\";ca = \"$state/ca.pem\"" >/dev/null
 
-# The terminated flow's stack: stacks/app-terminate.toml, with BACKEND's endpoints.
-sed "s/^backend = \"smoltcp\"/backend = \"$BACKEND\"/" stacks/app-terminate.toml > "$state/terminate.toml"
-[[ $BACKEND == smoltcp ]] || grep -q "^backend = \"$BACKEND\"" "$state/terminate.toml" ||
-  { echo "bench-services: could not set backend = \"$BACKEND\"" >&2; exit 1; }
+# The terminated flow's stack: stacks/app-terminate.toml, with BACKEND's endpoints (terminate's first).
+awk -v t="$TERM_BACKEND" -v o="$ORIG_BACKEND" '/^kind = "terminate"/ { b = t } /^kind = "originate"/ { b = o }
+  /^backend = "smoltcp"/ && b != "" { $0 = "backend = \"" b "\""; b = ""; n++ } { print } END { exit n != 2 }' \
+  stacks/app-terminate.toml > "$state/terminate.toml" ||
+  { echo "bench-services: could not set the endpoints' backend in stacks/app-terminate.toml" >&2; exit 1; }
 
 # A configuration's services file (- for none), the app's mode and the server's port.
 config() {

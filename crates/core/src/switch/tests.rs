@@ -2076,34 +2076,3 @@ fn a_super_packet_injected_before_a_module_that_does_not_take_them_is_cut() {
     assert_eq!(lens, [1040, 1040, 540]);
     assert_eq!(meter(&sw, "switch.gso_cut_total"), 1, "cut once, before the first module; the second sees segments");
 }
-
-/// A module that does not take super-packets must not make one: debug builds stop at the first it emits.
-#[test]
-#[cfg(debug_assertions)]
-#[should_panic(expected = "maker does not take GSO super-packets but emitted one")]
-fn a_module_that_does_not_take_super_packets_may_not_emit_one() {
-    struct Maker;
-    impl Module for Maker {
-        fn process(&mut self, _port: usize, input: &mut Batch, out: &mut Output<'_>) {
-            for f in input.drain(..) {
-                let Frame::Data(mut p) = f else { continue };
-                p.meta_mut().set(MetaKey::GSO, 1 << 56);
-                out.emit(0, p);
-            }
-        }
-    }
-    let maker = Box::new(Built {
-        iface: ModuleInterface {
-            inputs: ports(&[("in", port_type::ANY)]),
-            outputs: ports(&[("out", port_type::ANY)]),
-            vars: vec![],
-            breaks_cycles: false,
-            accepts_gso: false,
-        },
-        make: Box::new(|_| Box::new(Maker)),
-    });
-    let mut sw = Switch::default();
-    sw.apply(vec![load("maker", maker), load("cut", forward(false)), link("maker -> cut")]).unwrap();
-    inject(&mut sw, "maker", [1]);
-    sw.run(Time::ZERO);
-}

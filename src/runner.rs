@@ -131,7 +131,9 @@ pub fn run_app(state_dir: &Path, args: &RunArgs) -> Result<i32, CliError> {
                 Some(p) => read(p)?,
                 None => TERMINATE_TEMPLATE.to_string(),
             };
-            Some(services_template(file, &read(file)?, &base)?)
+            // Without a stack, the built-in one: its endpoints on the host's TCP unless the file says otherwise.
+            let backend = stack.is_none().then_some(SERVICES_BACKEND);
+            Some(services_template(file, &read(file)?, &base, backend)?)
         }
         (None, Some(p)) => Some(read(p)?),
         (None, None) => None,
@@ -305,11 +307,19 @@ impl Dump {
 /// The app template with termination (docs/streams.md), the base of `--services` without `--stack`.
 const TERMINATE_TEMPLATE: &str = include_str!("../stacks/app-terminate.toml");
 
+/// The endpoints' back-end for `--services` without `--stack` when the services file does not choose one: the
+/// host's TCP carries the app's and the network's connections and the services work between (docs/services.md,
+/// "Which back-end").
+const SERVICES_BACKEND: &str = "kernel";
+
 /// The app's stack template for a services file (`--services`): read, checked (every error at its file:line) and
-/// turned into the chain of services on `base`.
-pub fn services_template(file: &Path, text: &str, base: &str) -> Result<String, CliError> {
+/// turned into the chain of services on `base`, whose endpoints get the file's `backend`, else `backend`'s.
+pub fn services_template(file: &Path, text: &str, base: &str, backend: Option<&str>) -> Result<String, CliError> {
     use flexstack_modules::stream::{matcher, services::file::ServiceFile};
     let mut spec = ServiceFile::parse(&file.display().to_string(), text).map_err(|e| msg(e.to_string()))?;
+    if spec.backend.is_none() {
+        spec.backend = backend.map(str::to_string);
+    }
     let dir = std::path::absolute(file).map_err(msg)?;
     spec.resolve_paths(dir.parent().unwrap_or(Path::new("/")));
     spec.check(&flexstack_daemon::catalog()).map_err(|e| msg(e.to_string()))?;

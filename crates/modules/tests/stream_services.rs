@@ -526,6 +526,19 @@ fn the_freena_example_chooses_services_per_flow_and_what_terminate_takes() {
     let term = spec.modules.iter().find(|m| m.name == "web-term").unwrap();
     let table = term.settings.get("match").unwrap().value.as_array().unwrap().len();
     assert_eq!(table, 2, "the derived match table");
+    // A file without `backend` leaves the base's; one with it sets both endpoints'.
+    let backends = |t: &str| -> Vec<String> {
+        let t = t.replace("{app}", "web").replace("{app_dev}", "a").replace("{host_dev}", "h");
+        let spec = flexstack_core::StackSpec::parse("t", &t).unwrap();
+        ["web-term", "web-orig"]
+            .iter()
+            .map(|n| spec.modules.iter().find(|m| m.name == *n).unwrap().settings.get("backend").unwrap())
+            .map(|s| s.value.as_str().unwrap().to_string())
+            .collect()
+    };
+    assert_eq!(backends(&f.template(&base, 256).unwrap()), ["smoltcp", "smoltcp"]);
+    let kernel = ServiceFile { backend: Some("kernel".into()), ..f.clone() };
+    assert_eq!(backends(&kernel.template(&base, 256).unwrap()), ["kernel", "kernel"]);
 }
 
 #[test]
@@ -589,6 +602,8 @@ fn a_services_file_with_errors_says_where() {
         ("[[rule]]\nuse = true\n[[service]]\nkind = \"null\"\nname = \"x\"\n[[service]]\nkind = \"shape\"\nname = \"x\"\n", 8, "two services named `x`"),
         ("[[rule]]\nuse = true\n[[service]]\nkind = \"null\"\nselect = [\"use *\"]\n", 5, "made from the rules"),
         ("[[rule]\nuse = true\n", 1, "invalid TOML"),
+        ("backend = \"dpdk\"\n[[rule]]\nuse = true\n[[service]]\nkind = \"null\"\n", 1, "backend: expected \"kernel\""),
+        ("[[rule]]\nuse = true\nbackend = \"kernel\"\n[[service]]\nkind = \"null\"\n", 3, "goes at the top"),
     ] {
         let e = ServiceFile::parse("bad.toml", text).err().unwrap_or_else(|| panic!("accepted: {text}"));
         let at = e.location.as_ref().unwrap_or_else(|| panic!("{e}: no location"));

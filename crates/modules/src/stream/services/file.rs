@@ -77,7 +77,13 @@ pub struct ServiceFile {
     pub services: Vec<ServiceSpec>,
     /// The global rules.
     pub rules: Vec<LocatedRule>,
+    /// The endpoints' `backend` (`kernel` or `smoltcp`, [`BACKENDS`]), if the file sets one: the template then
+    /// sets it on `terminate` and `originate`.
+    pub backend: Option<String>,
 }
+
+/// The values of a services file's `backend`.
+pub const BACKENDS: [&str; 2] = ["kernel", "smoltcp"];
 
 /// Reads a file's spanned tables: the location of a byte offset.
 struct At<'a> {
@@ -143,7 +149,10 @@ fn parse_rule(
             other => {
                 return Err(ConfigError::new(
                     at.at(key_span(spans, other)),
-                    format!("rule: unknown key `{other}`; expected use, transport, port or role"),
+                    format!(
+                        "rule: unknown key `{other}`; expected use, transport, port or role{}",
+                        if other == "backend" { " (`backend` goes at the top, before the first table)" } else { "" }
+                    ),
                 ))
             }
         }
@@ -190,10 +199,19 @@ impl ServiceFile {
                         out.services.push(Self::parse_service(&at, t, s, start, &out.services)?);
                     }
                 }
+                "backend" => match value.as_str() {
+                    Some(b) if BACKENDS.contains(&b) => out.backend = Some(b.to_string()),
+                    _ => {
+                        return Err(ConfigError::new(
+                            at.at(entry(root, key).map(|(_, v)| v.span())).or(loc),
+                            format!("backend: expected \"kernel\" or \"smoltcp\", got {value}"),
+                        ))
+                    }
+                },
                 other => {
                     return Err(ConfigError::new(
                         loc,
-                        format!("unknown key `{other}`; expected [[service]] or [[rule]]"),
+                        format!("unknown key `{other}`; expected backend, [[service]] or [[rule]]"),
                     ))
                 }
             }
@@ -429,6 +447,9 @@ impl ServiceFile {
         for m in [TERM, ORIG] {
             let t = modules.get_mut(m).and_then(|t| t.as_table_mut()).ok_or(format!("\"{m}\" is not a table"))?;
             t.insert("match".into(), table.clone());
+            if let Some(b) = &self.backend {
+                t.insert("backend".into(), toml::Value::String(b.clone()));
+            }
         }
         let links = doc.get_mut("links").and_then(|l| l.as_array_mut()).ok_or("the base stack has no links")?;
         // The base's stream chain goes; the services' takes its place.

@@ -29,8 +29,8 @@
 # FS_OLD=path (A/B): a second daemon runs that binary (apps in 10.(NET+2).0.0/16), and each configuration but the
 # app's own (app-*) is measured on it too, right after the same one on the daemon under test, as `old-CONFIG`;
 # printed at the end: each configuration's time on the old binary / on the new one (above 1: the new is faster).
-# BACKEND (smoltcp, the default, or kernel) is the `backend` of the terminated flow's endpoints, for every
-# configuration (docs/streams.md, "The kernel back-end": the host's TCP on both sides, the services between);
+# BACKEND (kernel, the default, as `run --services` has it, or smoltcp) is the `backend` of the terminated flow's
+# endpoints, for every configuration (docs/services.md, "Which back-end"; docs/streams.md, "The kernel back-end");
 # TERMINATE,ORIGINATE (e.g. kernel,smoltcp) sets each endpoint's own.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -39,7 +39,7 @@ SMALL_N=${SMALL_N:-300000}
 BULK_MB=${BULK_MB:-512}
 CONFIGS=${CONFIGS:-none null1 null4 null16 compress tls both app-zstd app-tls app-both}
 NET=${NET:-243} # not 215: bench-hostpath.sh uses it, and the two may run at once
-BACKEND=${BACKEND:-smoltcp}
+BACKEND=${BACKEND:-kernel}
 TERM_BACKEND=${BACKEND%%,*} ORIG_BACKEND=${BACKEND#*,}
 for b in "$TERM_BACKEND" "$ORIG_BACKEND"; do
   [[ $b == smoltcp || $b == kernel ]] ||

@@ -746,23 +746,37 @@ fn iperf3_through_each_service_and_a_chain_gets_every_byte_across() {
     ];
     let (out, m) = r.run("perf", &file, &script.join("\n"), &meters);
     ok(&out);
-    let mut udp_bytes = 0;
+    let (mut udp_bytes, mut udp_got, mut null_sent, mut null_got) = (0, 0, 0, 0);
     for p in ports {
         let j: Json = serde_json::from_str(&std::fs::read_to_string(json(p)).unwrap()).unwrap();
         let (sent, received) = (&j["end"]["sum_sent"], &j["end"]["sum_received"]);
         if p == 5207 {
             // Datagrams: the last may still be in flight when the test ends, and UDP may drop one on a loaded host.
             udp_bytes = sent["bytes"].as_u64().unwrap_or(0);
-            let got = received["bytes"].as_u64().unwrap_or(0);
+            udp_got = received["bytes"].as_u64().unwrap_or(0);
             assert!(udp_bytes >= 2 << 20, "port {p}: {}", j["end"]);
-            assert!(got <= udp_bytes && got * 100 >= udp_bytes * 99, "port {p}: {got} of {udp_bytes} bytes");
+            assert!(
+                udp_got <= udp_bytes && udp_got * 100 >= udp_bytes * 99,
+                "port {p}: {udp_got} of {udp_bytes} bytes"
+            );
             continue;
         }
-        assert_eq!(sent["bytes"].as_u64(), Some(8 << 20), "port {p}: {}", j["end"]);
-        assert_eq!(sent["bytes"], received["bytes"], "port {p}: the receiver got what the sender sent");
+        // The sending server checks `-n` after each 128 KiB write, and the receiving client stops counting at the
+        // end-of-test message: with the buffers of the kernel back-end (the default) a block more may be written,
+        // and bytes still in flight at that message are not counted. So: all 8 MiB asked for arrived, and no more
+        // than was sent.
+        let (sent, got) = (sent["bytes"].as_u64().unwrap_or(0), received["bytes"].as_u64().unwrap_or(0));
+        assert!((8 << 20..=(8 << 20) + (128 << 10)).contains(&sent), "port {p}: {}", j["end"]);
+        assert!((8 << 20..=sent).contains(&got), "port {p}: the receiver got {got} of the {sent} bytes sent");
+        if p == 5201 {
+            (null_sent, null_got) = (sent, got);
+        }
     }
-    let (null, least) = (m["null.bytes_up_total"], (8 << 20) + udp_bytes);
-    assert!((least..least + 32768).contains(&null), "null passed {null} bytes up, the data {least}");
+    // null passed up at least what the receivers counted, at most what the senders wrote (and iperf3's control
+    // connections' few KiB).
+    let null = m["null.bytes_up_total"];
+    let (least, most) = (null_got + udp_got, null_sent + udp_bytes + 32768);
+    assert!((least..=most).contains(&null), "null passed {null} bytes up, the data {least}-{most}");
     // iperf3 opens a control connection and a data connection (TCP or UDP): 2 flows a port.
     assert_eq!(m["null.flows_selected_total"], 4, "{m:?}");
     assert_eq!(m["far.flows_selected_total"], 4, "{m:?}");

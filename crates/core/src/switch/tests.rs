@@ -2010,7 +2010,7 @@ fn forward(gso: bool) -> Box<dyn ModuleBuilder> {
 
 #[test]
 fn super_packets_are_cut_only_before_a_module_that_does_not_take_them() {
-    use crate::frame::{Gso, GsoKind};
+    use crate::frame::Gso;
     let mut sw = Switch::default();
     let (whole_edit, whole_log) = crate::testing::Recorder::load("seen_whole");
     let (cut_edit, cut_log) = crate::testing::Recorder::load("seen_cut");
@@ -2024,16 +2024,7 @@ fn super_packets_are_cut_only_before_a_module_that_does_not_take_them() {
         link("cut -> seen_cut"),
     ])
     .unwrap();
-    // IPv4 + TCP headers (40 bytes) and 2,500 bytes of payload in segments of 1,000.
-    let mut d = vec![0u8; 2540];
-    d[0] = 0x45;
-    d[2..4].copy_from_slice(&2540u16.to_be_bytes());
-    d[9] = 6;
-    d[32] = 5 << 4;
-    let gso = Gso { kind: GsoKind::TcpV4, gso_size: 1000, hdr_len: 40, csum_start: 20, l3_offset: 0, ecn: false };
-    let mut p = sw.pool().alloc_from(&d);
-    p.meta_mut().set(MetaKey::GSO, gso.pack());
-    let mut batch = vec![Frame::Data(p)];
+    let mut batch = vec![Frame::Data(super_packet(&sw))];
     sw.inject("whole", "in", &mut batch).unwrap();
     sw.run(Time::ZERO);
     let whole = crate::testing::take(&whole_log);

@@ -547,9 +547,8 @@ impl FaceDevice for TunDevice {
         if let Some(off) = &self.offload {
             return self.read_segment(off, buf);
         }
-        buf.clear();
-        buf.resize(MAX_PACKET, 0);
-        let result = self.dev.recv(buf);
+        // Into the buffer's spare capacity, not zeroed first (a pooled 64 KiB buffer would be, at every read).
+        let result = flexstack_sys::read_with_header(self.dev.as_fd(), &mut [], buf, 0, MAX_PACKET);
         finish_read(&self.common, buf, result)
     }
 

@@ -9,6 +9,8 @@
 # Each with STREAMS parallel iperf3 streams (-P; default "1 4"), flexstack with each of WORKERS data-plane workers
 # (`daemon --workers`; default "1 2"). Prints the median of RUNS runs of SECS seconds each, and the ratios to the
 # reference. PROFILE=ci uses the ci profile's binary (optimised, with debug info) instead of building a release.
+# OFFLOAD=0 gives flexstack's TUN faces `offload = false` (plain packets, no virtio-net headers): compare them with
+# the C forwarder without offloads.
 # Needs root.
 set -euo pipefail
 cd "$(dirname "$0")/.."

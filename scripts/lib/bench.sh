@@ -26,14 +26,18 @@ median() { sort -g | awk '{a[NR]=$1} END {print (NR%2) ? a[(NR+1)/2] : (a[NR/2]+
 # Prints the TOML of two TUN faces: `a` (device ${tag}ta, whose packets travel down, from the app) and `b` (device
 # ${tag}tb, whose packets travel up, from the server).
 tun_faces() {
+  local off=
+  [[ ${OFFLOAD:-1} == 0 ]] && off='offload = false' # OFFLOAD=0: plain packets, no virtio-net headers
   cat <<TOML
 [modules.a]
 kind = "tun"
 name = "${tag}ta"
+$off
 [modules.b]
 kind = "tun"
 name = "${tag}tb"
 direction = "up"
+$off
 TOML
 }
 

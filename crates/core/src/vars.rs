@@ -872,6 +872,8 @@ pub struct SharedRegistry {
     dynamic: Arc<RwLock<BTreeSet<ByKey>>>,
     /// Runtime prefixes registered and removed so far: a reader that saw no change needs no new snapshot.
     changes: Arc<std::sync::atomic::AtomicU64>,
+    /// Declared variables published so far (each publish may bring or take names).
+    publishes: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl SharedRegistry {
@@ -934,7 +936,12 @@ impl SharedRegistry {
     /// worker other than the first publishes its modules' cells there (readers see them through the first worker's
     /// cells, [`VarCell::set_siblings`]) and its flows' variables, under names of their own, with everyone's.
     pub fn sharing_runtime(&self) -> SharedRegistry {
-        SharedRegistry { fixed: Arc::default(), dynamic: self.dynamic.clone(), changes: self.changes.clone() }
+        SharedRegistry {
+            fixed: Arc::default(),
+            dynamic: self.dynamic.clone(),
+            changes: self.changes.clone(),
+            publishes: Arc::default(),
+        }
     }
 
     /// How many times a runtime prefix was registered or removed so far: while it stays the same, the runtime
@@ -945,6 +952,14 @@ impl SharedRegistry {
 
     fn changed(&self) {
         self.changes.fetch_add(1, std::sync::atomic::Ordering::Release);
+    }
+
+    /// A number that moves whenever the set of names may have changed (a runtime prefix registered or removed, or
+    /// the declared variables published again): a reader that listed the names matching a pattern need not list
+    /// them again while it stays the same.
+    pub fn names_generation(&self) -> u64 {
+        use std::sync::atomic::Ordering::Acquire;
+        self.changes.load(Acquire).wrapping_add(self.publishes.load(Acquire))
     }
 
     /// Makes each declared variable of this registry (data-plane worker 0's) stand for the same variable of the
@@ -974,6 +989,7 @@ impl SharedRegistry {
         if let Ok(mut slot) = self.fixed.write() {
             *slot = registry.vars;
         }
+        self.publishes.fetch_add(1, std::sync::atomic::Ordering::Release);
     }
 }
 
@@ -1405,6 +1421,30 @@ mod tests {
         assert_eq!(shared.snapshot_for("module.*.frames_in_total").groups.len(), 0, "no runtime group");
         assert_eq!(shared.snapshot_for("flow.1.*").groups.len(), 2, "flow.1. and flow.1.x.");
         assert_eq!(shared.snapshot_for("app.t.ra*").groups.len(), 1);
+    }
+
+    /// The names' generation moves when a prefix comes or goes and at every publish, and not when values do.
+    #[test]
+    fn the_names_generation_moves_with_the_names_only() {
+        let shared = SharedRegistry::default();
+        let mut d = DynamicVars::new(shared.clone());
+        let specs = VarSpecs::from(vec![VarSpec::meter("rate", ValueType::U64, "", "")]);
+        let g0 = shared.names_generation();
+        let block = d.register_block("m", "flow.1", &specs).unwrap();
+        let g1 = shared.names_generation();
+        assert_ne!(g1, g0, "a prefix came");
+        block.add(0, 5);
+        assert_eq!(shared.names_generation(), g1, "a value moved");
+        shared.publish(Registry::default());
+        let g2 = shared.names_generation();
+        assert_ne!(g2, g1, "declared variables published");
+        assert!(d.unregister("m", "flow.1"));
+        assert_ne!(shared.names_generation(), g2, "a prefix went");
+        // A worker's registry sharing the runtime variables sees their changes.
+        let other = shared.sharing_runtime();
+        let before = other.names_generation();
+        d.register_block("m", "flow.2", &specs).unwrap();
+        assert_ne!(other.names_generation(), before);
     }
 
     /// Registrars sharing a registry see only their own prefixes, and one cannot take another's.

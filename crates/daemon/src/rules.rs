@@ -146,6 +146,10 @@ impl Environment for RegistryEnv {
         self.registry.snapshot_for(pattern).matching(pattern).map(|(n, _)| n.to_string()).collect()
     }
 
+    fn names_generation(&self) -> Option<u64> {
+        Some(self.registry.names_generation())
+    }
+
     fn exists(&self, name: &str) -> Existence {
         let found = if is_pattern(name) {
             self.registry.snapshot_for(name).matching(name).next().is_some()

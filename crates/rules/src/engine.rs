@@ -313,6 +313,9 @@ pub struct RuleEngine {
     refused: HashMap<String, BTreeSet<Vec<String>>>,
     /// Instances refused since the engine started (each refusal of a name counted once, until it is created).
     refused_total: u64,
+    /// The environment's [`Environment::names_generation`] when the per-name rules' names were last listed and
+    /// found the same (`None`: list them at the next `advance`).
+    listed: Option<u64>,
     notices: VecDeque<Notice>,
     writes: Vec<KnobWrite>,
     actions: Vec<(RuleAction, String)>,
@@ -401,6 +404,7 @@ impl RuleEngine {
             running_bytes: 0,
             refused: HashMap::new(),
             refused_total: 0,
+            listed: None,
             notices: VecDeque::new(),
             writes: Vec::new(),
             actions: Vec::new(),
@@ -428,6 +432,7 @@ impl RuleEngine {
     /// [`Limits::max_revisions`] go at once.
     pub fn set_limits(&mut self, limits: Limits) {
         self.limits = limits;
+        self.listed = None;
         self.trim_revisions();
     }
 
@@ -664,8 +669,13 @@ impl RuleEngine {
     /// Instantiates and drops per-name rules as names appear and disappear, fires due timers, samples the
     /// meters rules wait on, runs what that causes, and returns the writes to apply and the next wake-up.
     pub fn advance(&mut self, now: Time, env: &dyn Environment) -> Step {
-        if self.captures_changed(env) {
-            self.reconcile(now, env);
+        // The names are listed again only when they may have changed since they were last (or the rules did).
+        let generation = env.names_generation();
+        if generation.is_none() || generation != self.listed {
+            if self.captures_changed(env) {
+                self.reconcile(now, env);
+            }
+            self.listed = generation;
         }
         self.rt.epoch += 1;
         let epoch = self.rt.epoch;

@@ -34,6 +34,11 @@ pub trait Environment {
     fn names(&self, pattern: &str) -> Vec<String>;
     /// Whether a name (or a pattern) exists or may appear.
     fn exists(&self, name: &str) -> Existence;
+    /// A number that moves whenever the set of names may have changed, so that names listed for a pattern need
+    /// not be listed again while it stays the same; `None` (the default): unknown, list them every time.
+    fn names_generation(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// The default answer of [`Environment::exists`] for a name that matches nothing now.
@@ -51,12 +56,34 @@ pub struct MemoryEnv {
     vars: BTreeMap<String, (Value, bool)>,
     /// Every accepted write, in order.
     pub written: Vec<(String, Value)>,
+    /// [`Environment::names_generation`]: `None` unless [`MemoryEnv::track_names`] was called; then it moves when
+    /// a name is added or removed.
+    generation: Option<u64>,
+    /// How many times [`Environment::names`] was called.
+    listings: std::cell::Cell<usize>,
 }
 
 impl MemoryEnv {
     /// An empty environment.
     pub fn new() -> MemoryEnv {
         MemoryEnv::default()
+    }
+
+    /// Reports a [`Environment::names_generation`] from now on, as the daemon's registry does.
+    pub fn track_names(&mut self) -> &mut MemoryEnv {
+        self.generation = Some(0);
+        self
+    }
+
+    /// How many times the names matching a pattern were listed.
+    pub fn listings(&self) -> usize {
+        self.listings.get()
+    }
+
+    fn names_changed(&mut self) {
+        if let Some(g) = &mut self.generation {
+            *g += 1;
+        }
     }
 
     /// Adds or updates a read-only meter.
@@ -75,6 +102,7 @@ impl MemoryEnv {
             Some(slot) => *slot = (value, writable),
             None => {
                 self.vars.insert(name.to_string(), (value, writable));
+                self.names_changed();
             }
         }
         self
@@ -82,7 +110,9 @@ impl MemoryEnv {
 
     /// Removes a variable (a flow that ended).
     pub fn remove(&mut self, name: &str) {
-        self.vars.remove(name);
+        if self.vars.remove(name).is_some() {
+            self.names_changed();
+        }
     }
 }
 
@@ -104,7 +134,12 @@ impl Environment for MemoryEnv {
     }
 
     fn names(&self, pattern: &str) -> Vec<String> {
+        self.listings.set(self.listings.get() + 1);
         self.vars.keys().filter(|n| name_matches(pattern, n)).cloned().collect()
+    }
+
+    fn names_generation(&self) -> Option<u64> {
+        self.generation
     }
 
     fn exists(&self, name: &str) -> Existence {

@@ -189,6 +189,44 @@ fn per_flow_instances_follow_the_flows() {
 }
 
 #[test]
+fn per_flow_names_are_listed_again_only_when_names_changed() {
+    // An environment that says when its names may have changed (the daemon's registry does): the per-name rule's
+    // driver is listed once while only values move, and again when a flow comes or goes.
+    let mut env = MemoryEnv::new();
+    env.track_names().meter("flow.a.loss", Value::F64(0.0)).knob("flow.a.cc", Value::Str("cubic".into()));
+    let mut engine = RuleEngine::new();
+    let text =
+        "lossy: Threshold(get(\"flow.*.loss\"), 0.04, 0.02)\ncc: set(\"flow.*.cc\", If(lossy, \"bbr\", \"cubic\"))";
+    engine.handle_load_text("cc", text, ms(0), &env).unwrap();
+    drive(&mut engine, &mut env, ms(10));
+    let listed = env.listings();
+    for t in 2..20 {
+        env.meter("flow.a.loss", Value::F64(0.001 * t as f64));
+        drive(&mut engine, &mut env, ms(10 * t));
+    }
+    assert_eq!(env.listings(), listed, "values moved, names did not: no listing");
+    env.meter("flow.b.loss", Value::F64(0.1)).knob("flow.b.cc", Value::Str("cubic".into()));
+    drive(&mut engine, &mut env, ms(300));
+    assert!(env.listings() > listed, "a flow came: listed again");
+    assert_eq!(engine.loaded(), vec!["cc[a]", "cc[b]", "lossy[a]", "lossy[b]"]);
+    assert_eq!(env.get("flow.b.cc"), Some(Value::Str("bbr".into())));
+    env.remove("flow.a.loss");
+    env.remove("flow.a.cc");
+    drive(&mut engine, &mut env, ms(310));
+    assert_eq!(engine.loaded(), vec!["cc[b]", "lossy[b]"]);
+    // Without a generation every advance lists them, as before.
+    let mut plain = MemoryEnv::new();
+    plain.meter("flow.a.loss", Value::F64(0.0)).knob("flow.a.cc", Value::Str("cubic".into()));
+    let mut engine = RuleEngine::new();
+    engine.handle_load_text("cc", text, ms(0), &plain).unwrap();
+    let before = plain.listings();
+    for t in 1..5 {
+        drive(&mut engine, &mut plain, ms(10 * t));
+    }
+    assert!(plain.listings() >= before + 4, "{} listings after {before}", plain.listings());
+}
+
+#[test]
 fn query_cache_validity_and_pull_evaluation() {
     let (mut env, mut engine) = setup();
     let text = "c: Cache(get(\"module.src.rate\"), 100ms)\nt: Timer(30ms)\nt -> c";

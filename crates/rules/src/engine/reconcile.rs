@@ -48,6 +48,8 @@ impl RuleEngine {
     /// and kind are unchanged keep their state and value; new instances and rewired ones are evaluated. Loaded
     /// instances beyond a cap of the limits are not created (those that ran before go first), and counted.
     pub(super) fn reconcile(&mut self, now: Time, env: &dyn Environment) {
+        // The rules may have changed: the next `advance` lists the names again.
+        self.listed = None;
         let program = self.program.clone();
         self.def_bytes = crate::limits::program_bytes(&program);
         let had = std::mem::take(&mut self.rt.by_rule);

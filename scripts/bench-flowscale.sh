@@ -18,7 +18,8 @@
 #   when the schedstat sum is read);
 # - then the rules thread's CPU time over 1 s with one rule loaded, sampled every 5 ms as the daemon does by default
 #   ("rules ms/s"; RULES=name: the rule reads one meter by name; pattern: a per-name rule over a pattern, one instance
-#   per module; none: skipped).
+#   per module; flows: a per-name rule over every flow's packet count, one instance per flow, the daemon's caps
+#   raised for them; none: skipped).
 # A TUN write hands the packet to namespace b's stack synchronously, so b's handling of it is charged to the daemon's
 # CPU time. SINK picks what b does with the datagrams: `drop` (default) drops them as they arrive on the device (an
 # nftables ingress hook, before IP), so that the figure is flexstack's work; `route` leaves them to b's routing (no
@@ -65,7 +66,8 @@ grep -q "max_flows = $MAX_FLOWS" "$state/chain.toml" || { echo "bench-flowscale:
 # Starts a daemon and places its TUN devices: ${tag}ta in a (10.NET.0.1, and the route to every destination),
 # ${tag}tb in b (10.NET.0.2).
 start_daemon() {
-  "$1" daemon --workers "$WORKERS" --stack "$state/chain.toml" --state-dir "$state/d" 2>"$state/daemon.log" &
+  "$1" daemon --workers "$WORKERS" --stack "$state/chain.toml" --state-dir "$state/d" "${rules_caps[@]}" \
+    2>"$state/daemon.log" &
   daemon=$!
   wait_for '"$fs" --state-dir "$state/d" status >/dev/null 2>&1' "the daemon did not start (see its log)"
   ip link set ${tag}ta netns ${tag}a; ip link set ${tag}tb netns ${tag}b
@@ -97,7 +99,11 @@ rules_ns() { for t in /proc/"$daemon"/task/*; do [[ $(cat "$t/comm" 2>/dev/null)
 # A rule that reads one meter by name (sampled every 5 ms, the daemon's default), and a per-name rule over a pattern.
 echo 'probe: Threshold(get("module.b.frames_in_total"), 1, 0)' > "$state/name.rules"
 echo 'probe: Threshold(get("module.*.frames_in_total"), 1, 0)' > "$state/pattern.rules"
+echo 'probe: Threshold(get("flow.*.packets_total"), 1, 0)' > "$state/flows.rules"
 RULES=${RULES:-name}
+rules_caps=()
+# An instance per flow: past the daemon's default caps (10,000 instances, 64 MiB) at 100,000 flows.
+[[ $RULES == flows ]] && rules_caps=(--rules-max-instances 400000 --rules-max-memory-mb 1024)
 GETS=${GETS:-20}
 send() { ip netns exec ${tag}a "$state/udp_flows" 10.$NET.1.0 "$1" "$PPS" "$2" | sed -n 's/^sent=//p'; }
 

@@ -16,6 +16,9 @@
 //! The figure is ns per packet, the median over rounds that interleave the configurations, from the thread's CPU
 //! time (`/proc/thread-self/schedstat`, so the time the thread waited for a core on a shared machine is left out)
 //! and from the wall clock; the ratio is cost(N) / cost(first N) at the same B.
+//!
+//! `CLASSIFY_BENCH_POLLUTE_MB=M` writes a line of every 64 bytes of an M MiB buffer before each call, as other work
+//! between the daemon's wake-ups would evict the caches; then only the calls are timed (wall clock, both columns).
 
 use flexstack_core::frame::{Batch, PacketPool};
 use flexstack_core::module::{Module, Output};
@@ -44,6 +47,8 @@ struct Bench {
     ports: Vec<Batch>,
     now: Time,
     _vars: ModuleVars,
+    /// Written before each measured call (`CLASSIFY_BENCH_POLLUTE_MB`); empty: none.
+    pollute: Vec<u8>,
 }
 
 impl Bench {
@@ -76,6 +81,7 @@ impl Bench {
             ports: (0..4).map(|_| Vec::with_capacity(batch)).collect(),
             now: Time(1),
             _vars: vars,
+            pollute: vec![0; list("CLASSIFY_BENCH_POLLUTE_MB", &[0])[0] << 20],
         };
         let mut sent = 0;
         while sent < flows {
@@ -112,6 +118,20 @@ impl Bench {
 
     /// One round: CPU and wall ns per packet.
     fn round(&mut self) -> (f64, f64) {
+        if !self.pollute.is_empty() {
+            let mut ns = 0;
+            for i in 0..PACKETS / self.batch {
+                for line in self.pollute.chunks_mut(64) {
+                    line[0] = line[0].wrapping_add(i as u8);
+                }
+                std::hint::black_box(&mut self.pollute);
+                let t = Instant::now();
+                self.call(self.batch);
+                ns += t.elapsed().as_nanos();
+            }
+            let per = ns as f64 / (PACKETS / self.batch * self.batch) as f64;
+            return (per, per);
+        }
         let (cpu0, wall0) = (cpu_ns(), Instant::now());
         for _ in 0..PACKETS / self.batch {
             self.call(self.batch);

@@ -204,7 +204,10 @@ impl ServiceFile {
                     _ => {
                         return Err(ConfigError::new(
                             at.at(entry(root, key).map(|(_, v)| v.span())).or(loc),
-                            format!("backend: expected \"kernel\" or \"smoltcp\", got {value}"),
+                            format!(
+                                "backend: expected {}, got {value}",
+                                BACKENDS.map(|b| format!("\"{b}\"")).join(" or ")
+                            ),
                         ))
                     }
                 },

@@ -142,8 +142,8 @@ pub fn recv_packet(
     })
 }
 
-/// Reads one packet from `fd` (a TUN device with virtio-net headers) with `readv`: the first `header.len()` bytes
-/// into `header`, the rest into `buf` from offset `start` on, whose length is set to `start` plus what was read
+/// Reads one packet from `fd` (a TUN device; with virtio-net headers, or with an empty `header` without) with
+/// `readv`: the first `header.len()` bytes into `header`, the rest into `buf` from offset `start` on, whose length is set to `start` plus what was read
 /// there; as [`recv_packet`], `buf` is cut to `start` bytes and given room for `room` more but not zeroed (a
 /// pooled 64 KiB buffer read into again after a small packet is not cleared first). Returns the bytes read, header
 /// included.

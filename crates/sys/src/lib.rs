@@ -7,10 +7,14 @@
 //!   [`socket_queues`]: the bytes in a socket's send and receive queues.
 //! - [`prefetch`]: the CPU's hint to load a cache line, for the late-binding scheduler's deep backlogs.
 //! - [`pages`]: page-aligned socket buffers whose pages can be given back to the kernel while they hold nothing.
+//! - [`HugeWords`]: zeroed words in a mapping of their own, on transparent huge pages (large tables read at random).
 #![allow(unsafe_code)]
 #![warn(missing_docs)]
 
 pub mod pages;
+
+mod huge;
+pub use huge::{HugeBuf, HugeWords};
 
 use nix::errno::Errno;
 use std::io;
@@ -452,6 +456,27 @@ pub fn fix_mmap_threshold(bytes: usize) -> bool {
         let _ = bytes;
         false
     }
+}
+
+/// Asks the kernel to back the whole 4 KiB pages inside `buf` with transparent huge pages (`on`: 2 MiB pages where an
+/// aligned 2 MiB range of it is mapped; `madvise(MADV_HUGEPAGE)`) or never to (`MADV_NOHUGEPAGE`). A large table
+/// read at random (a flow table) then costs one TLB entry per 2 MiB instead of one per page: with thousands of
+/// pages each lookup would otherwise also miss the TLB, and a page walk in a virtual machine reads both the guest's
+/// and the host's tables. Only advice: where the system has no transparent huge pages (or they are `never`), the
+/// memory stays as it was and an error is returned for the caller to ignore or count. Memory the allocator later
+/// gives back keeps no advice that matters (it is unmapped or reused as ordinary memory).
+pub fn advise_huge_pages(buf: &[u8], on: bool) -> io::Result<()> {
+    let page = 4096;
+    let start = (buf.as_ptr() as usize).next_multiple_of(page);
+    let end = (buf.as_ptr() as usize + buf.len()) & !(page - 1);
+    if end <= start {
+        return Ok(());
+    }
+    let advice = if on { libc::MADV_HUGEPAGE } else { libc::MADV_NOHUGEPAGE };
+    // SAFETY: [start, end) lies inside `buf`, which is mapped memory of this process (a live borrow); MADV_HUGEPAGE
+    // and MADV_NOHUGEPAGE change how the kernel backs those pages, never their contents, and touch no other range.
+    checked(unsafe { libc::madvise(start as *mut libc::c_void, end - start, advice) })?;
+    Ok(())
 }
 
 /// Gives the free memory inside every malloc arena back to the kernel (glibc's `malloc_trim(0)`): memory freed by

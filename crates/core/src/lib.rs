@@ -43,7 +43,7 @@ pub use stream::{AckMap, Credit, FlowInfo, StreamEvent, StreamFrame, StreamKind}
 pub use switch::{Edit, EditError, Switch};
 pub use time::Time;
 pub use value::{Value, ValueType};
-pub use vars::{Meter, ModuleVars, Registry, SharedRegistry, Var, VarBlock, VarKind, VarSpec, VarSpecs};
+pub use vars::{BlockArena, Meter, ModuleVars, Registry, SharedRegistry, Var, VarBlock, VarKind, VarSpec, VarSpecs};
 
 /// The guide in docs/architecture.md; its "Writing a module" example is compiled and run as a doc test.
 #[cfg(doctest)]

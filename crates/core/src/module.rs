@@ -428,6 +428,15 @@ impl<'a> Output<'a> {
         }
     }
 
+    /// Registers a block made in a [`BlockArena`](crate::vars::BlockArena) under `prefix`, as
+    /// [`Output::register_block`] does. Without a registry, the block is published nowhere.
+    pub fn register_existing_block(&mut self, prefix: &str, block: &VarBlock) -> Result<(), String> {
+        match self.dynamic.as_deref_mut() {
+            Some(d) => d.register_existing_block(self.module, prefix, block),
+            None => Ok(()),
+        }
+    }
+
     /// Removes the variables this module registered under `prefix`; false if there were none.
     pub fn unregister_vars(&mut self, prefix: &str) -> bool {
         match self.dynamic.as_deref_mut() {

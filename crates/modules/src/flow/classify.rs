@@ -28,6 +28,7 @@
 
 use crate::flow::table::{tcp_flags, timeouts_in_field, Expiring, FlowIndex, Idle, Slab, Timeouts, Timers};
 use flexstack_core::module::port_type;
+use flexstack_core::BlockArena;
 use flexstack_core::{
     field, kind_from_decl, Batch, ConfigError, Direction, KindDecl, MetaKey, Meter, MeterDecl, Module, ModuleBuilder,
     ModuleKind, Output, Param, PortDecl, Settings, Time, Value, ValueType, VarBlock, VarSpec, VarSpecs,
@@ -35,6 +36,7 @@ use flexstack_core::{
 use flexstack_wire::packet::{proto, PacketInfo, ParseDrops};
 use std::any::Any;
 use std::net::IpAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// The kind's name in stack files.
@@ -153,11 +155,12 @@ impl ModuleKind for ClassifyKind {
 
     fn configure(&self, settings: &Settings) -> Result<Box<dyn ModuleBuilder>, ConfigError> {
         DECL.configure(settings, Config::default(), |cfg, m, vars| {
+            let flow_specs = VarSpecs::new(flow_specs());
             Box::new(Classify {
                 cfg,
                 flush: false,
-                table: Table::default(),
-                flow_specs: VarSpecs::new(flow_specs()),
+                table: Table::new(&flow_specs),
+                flow_specs,
                 vars_prefix: "".into(),
                 m,
                 drops: ParseDrops::new(vars),
@@ -187,6 +190,10 @@ mod fm {
     pub const LAST_SEEN: usize = 7;
     pub const TUPLE: usize = 8;
     pub const WORKER: usize = 9;
+    /// After the meters, in the flow's arena slot and seen by no reader: its id, then its key (5 words), in the
+    /// slot's second line with `TUPLE` (whose word is unused) and `WORKER`.
+    pub const ID: usize = 10;
+    pub const KEY: usize = 11;
 }
 
 /// A flow's meters, in the order of the indices in [`fm`] (the per-packet ones first: they share a cache line).
@@ -205,34 +212,69 @@ fn flow_specs() -> Vec<VarSpec> {
     ]
 }
 
-/// A flow's key: protocol and the two endpoints, in a fixed order (so both directions give the same key).
+/// A flow's key: protocol and the two endpoints, in a fixed order (so both directions give the same key), packed in
+/// five words as the flow's arena slot keeps it: each address as 16 bytes (IPv4 as IPv4-mapped), then the ports,
+/// the protocol and whether the addresses are IPv6.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-struct FlowKey {
-    protocol: u8,
-    a: (IpAddr, u16),
-    b: (IpAddr, u16),
-}
+struct FlowKey([u64; 5]);
 
 impl FlowKey {
     fn of(info: &PacketInfo) -> FlowKey {
         let s = (info.src, info.src_port);
         let d = (info.dst, info.dst_port);
-        let (a, b) = if s <= d { (s, d) } else { (d, s) };
-        FlowKey { protocol: info.protocol, a, b }
+        let (a, b) = if src_is_a(info) { (s, d) } else { (d, s) };
+        let [a0, a1] = halves(a.0);
+        let [b0, b1] = halves(b.0);
+        let rest = u64::from(a.1)
+            | u64::from(b.1) << 16
+            | u64::from(info.protocol) << 32
+            | u64::from(info.src.is_ipv6()) << 40;
+        FlowKey([a0, a1, b0, b1, rest])
+    }
+
+    fn protocol(&self) -> u8 {
+        (self.0[4] >> 32) as u8
+    }
+
+    /// Whether `words` (a flow's arena slot) hold this key.
+    #[inline]
+    fn is_in(&self, words: &[AtomicU64]) -> bool {
+        self.0.iter().zip(&words[fm::KEY..]).all(|(k, w)| w.load(Ordering::Relaxed) == *k)
     }
 }
 
+/// Whether the packet's sender is the key's first endpoint.
+fn src_is_a(info: &PacketInfo) -> bool {
+    (info.src, info.src_port) <= (info.dst, info.dst_port)
+}
+
+/// An address's 16 bytes (IPv4 as IPv4-mapped) as two words.
+fn halves(ip: IpAddr) -> [u64; 2] {
+    let o = match ip {
+        IpAddr::V4(v4) => v4.to_ipv6_mapped().octets(),
+        IpAddr::V6(v6) => v6.octets(),
+    };
+    let (hi, lo) = o.split_at(8);
+    [hi, lo].map(|h| u64::from_ne_bytes(h.try_into().unwrap_or_default()))
+}
+
+/// Adds `n` to a word the data plane alone writes (no locked instruction).
+#[inline]
+fn bump(w: &AtomicU64, n: u64) {
+    w.store(w.load(Ordering::Relaxed).wrapping_add(n), Ordering::Relaxed);
+}
+
+/// What a flow keeps apart from its arena slot: read when it is created, expires, or a FIN or RST arrives.
 struct Flow {
-    /// Its id, protocol, idle timer and TCP end.
+    /// Its id, protocol, idle timer and TCP end (its last-seen time is the meter's, in the slot).
     idle: Idle,
     key: FlowKey,
-    /// Whether the endpoint that sent the first packet is the key's `a` (else `b`): a bit, not the endpoint's 20
-    /// bytes, so that the slot stays small.
+    /// Whether the endpoint that sent the first packet is the key's `a` (else `b`).
     first_is_a: bool,
     /// The prefix its meters are registered under is `<vars_prefix>.<id>`, with the `vars_prefix` of the
     /// classifier that created it (shared by every flow).
     vars_prefix: Arc<str>,
-    /// Its meters, in one block ([`fm`]).
+    /// Its meters, in its arena slot ([`fm`]).
     meters: VarBlock,
 }
 
@@ -246,18 +288,39 @@ impl Expiring for Flow {
     fn idle(&mut self) -> &mut Idle {
         &mut self.idle
     }
+
+    /// The meter `last_seen_ns`: a packet writes it there and nothing in the flow's [`Flow`].
+    fn last_seen(&mut self) -> u64 {
+        self.meters.get(fm::LAST_SEEN)
+    }
 }
 
-/// The flow table: what a classifier hands to its replacement.
-#[derive(Default)]
+/// The flow table: what a classifier hands to its replacement. A flow's number is its slot in `arena` (its meters,
+/// key and id: what a packet reads and writes, packed with the other flows') and in `flows` (the rest).
 struct Table {
     flows: Slab<Flow>,
+    arena: BlockArena,
     index: FlowIndex,
     timers: Timers,
     next_id: u64,
     created: u64,
     expired: u64,
     untracked: u64,
+}
+
+impl Table {
+    fn new(specs: &VarSpecs) -> Table {
+        Table {
+            flows: Slab::external(),
+            arena: BlockArena::new(specs),
+            index: FlowIndex::default(),
+            timers: Timers::default(),
+            next_id: 0,
+            created: 0,
+            expired: 0,
+            untracked: 0,
+        }
+    }
 }
 
 /// A running classifier.
@@ -278,8 +341,8 @@ pub struct Classify {
 impl Classify {
     /// The slot of the flow of `key` (whose hash is `hash`).
     fn find(&self, key: &FlowKey, hash: u64) -> Option<u32> {
-        let flows = &self.table.flows;
-        self.table.index.find(hash, |s| flows.get(s).is_some_and(|f| f.key == *key))
+        let arena = &self.table.arena;
+        self.table.index.find(hash, |s| key.is_in(arena.words(s)))
     }
 
     /// Accounts `p` to its flow (creating it if needed) and stamps the flow id.
@@ -303,26 +366,27 @@ impl Classify {
                 self.create(key, hash, info, out)
             }
         };
-        let flags = tcp_flags(p.data(), info);
         // A GSO super-packet counts its segments and their bytes on the wire.
         let (n, len) = (p.wire_packets(), p.wire_bytes());
-        let up = p.direction() == Direction::Up;
-        let closing_ns = self.cfg.timeouts.of(proto::TCP, true);
-        let Some(f) = self.table.flows.get_mut(slot) else { return };
-        let m = &f.meters;
-        m.add(fm::PACKETS, n);
-        m.add(fm::BYTES, len);
+        let w = self.table.arena.words(slot);
+        bump(&w[fm::PACKETS], n);
+        bump(&w[fm::BYTES], len);
         // The down meters follow their up ones.
-        let d = usize::from(!up);
-        m.add(fm::PACKETS_UP + d, n);
-        m.add(fm::BYTES_UP + d, len);
-        m.set(fm::LAST_SEEN, now);
-        let from_a = (info.src, info.src_port) == f.key.a;
-        let tcp = flags.map(|flags| (from_a == f.first_is_a, flags));
-        if let Some(d) = self.table.timers.seen(slot, &mut f.idle, now, tcp, closing_ns) {
-            out.wake_at(Time(d));
+        let d = usize::from(p.direction() != Direction::Up);
+        bump(&w[fm::PACKETS_UP + d], n);
+        bump(&w[fm::BYTES_UP + d], len);
+        w[fm::LAST_SEEN].store(now, Ordering::Relaxed);
+        let id = w[fm::ID].load(Ordering::Relaxed);
+        // Only a FIN or RST changes what the flow saw of its end: then the rest of the flow is read.
+        if let Some(flags) = tcp_flags(p.data(), info).filter(|f| f & 0x05 != 0) {
+            let closing_ns = self.cfg.timeouts.of(proto::TCP, true);
+            if let Some(f) = self.table.flows.get_mut(slot) {
+                let tcp = Some((src_is_a(info) == f.first_is_a, flags));
+                if let Some(d) = self.table.timers.seen_tcp(slot, &mut f.idle, now, tcp, closing_ns) {
+                    out.wake_at(Time(d));
+                }
+            }
         }
-        let id = f.idle.id;
         p.meta_mut().set(MetaKey::FLOW_ID, id);
     }
 
@@ -334,15 +398,20 @@ impl Classify {
             self.vars_prefix = self.cfg.vars_prefix.as_str().into();
         }
         let vars_name = format!("{}.{id}", self.vars_prefix);
-        let meters =
-            out.register_block(&vars_name, &self.flow_specs).unwrap_or_else(|_| VarBlock::new(&self.flow_specs));
-        let first_is_a = (info.src, info.src_port) == key.a;
+        let (slot, meters) = self.table.arena.block();
+        // A name taken (another classifier with the same `vars_prefix`): the flow is tracked, its meters unpublished.
+        let _ = out.register_existing_block(&vars_name, &meters);
         meters.set(fm::FIRST_SEEN, now);
         meters.store(fm::TUPLE, &Value::Str(tuple_text(info)));
         meters.set(fm::WORKER, u64::from(out.worker()));
-        let idle = Idle::new(id, key.protocol, now, &self.cfg.timeouts);
+        let w = self.table.arena.words(slot);
+        w[fm::ID].store(id, Ordering::Relaxed);
+        for (w, k) in w[fm::KEY..].iter().zip(key.0) {
+            w.store(k, Ordering::Relaxed);
+        }
+        let idle = Idle::new(id, key.protocol(), now, &self.cfg.timeouts);
         let vars_prefix = self.vars_prefix.clone();
-        let slot = self.table.flows.insert(Flow { idle, key, first_is_a, vars_prefix, meters });
+        self.table.flows.insert_at(slot, Flow { idle, key, first_is_a: src_is_a(info), vars_prefix, meters });
         self.table.index.insert(hash, slot);
         self.table.timers.start(slot, &idle);
         out.wake_at(Time(idle.queued));
@@ -381,9 +450,9 @@ fn tuple_text(info: &PacketInfo) -> String {
 
 impl Module for Classify {
     /// In passes over the batch, so that the cache misses of a large table overlap instead of adding up: parse every
-    /// packet and prefetch the first bucket of its flow's lookup; then prefetch the likely flow entry of each; then
-    /// its meter words (their address is in the entry); then look up (or create) and account each flow, and emit the
-    /// packets in their order.
+    /// packet and prefetch the first bucket of its flow's lookup; then prefetch the likely flow's arena slot (key,
+    /// id and meters: two lines); then look up (or create) and account each flow, and emit the packets in their
+    /// order.
     fn process(&mut self, _port: usize, input: &mut Batch, out: &mut Output<'_>) {
         let mut work = std::mem::take(&mut self.work);
         for frame in input.drain(..) {
@@ -397,20 +466,9 @@ impl Module for Classify {
         }
         for (_, _, key, hash) in &work {
             if key.is_some() {
-                // Every line of the slot (about 150 bytes: two or three).
-                if let Some((at, end)) = self.table.index.candidate(*hash).and_then(|s| self.table.flows.span(s)) {
-                    (at & !63..=end).step_by(64).for_each(flexstack_sys::prefetch);
-                }
-            }
-        }
-        // The meter words a packet writes (fm::PACKETS ..= fm::LAST_SEEN, one or two lines), whose address is in the
-        // slot: read after every slot of the batch was asked for, so that those misses overlap too.
-        for (_, _, key, hash) in &work {
-            if key.is_some() {
-                if let Some(f) = self.table.index.candidate(*hash).and_then(|s| self.table.flows.get(s)) {
-                    let words = f.meters.words_addr();
-                    flexstack_sys::prefetch(words);
-                    flexstack_sys::prefetch(words + 8 * fm::LAST_SEEN);
+                if let Some(at) = self.table.index.candidate(*hash).and_then(|s| self.table.arena.addr(s)) {
+                    flexstack_sys::prefetch(at);
+                    flexstack_sys::prefetch(at + 64);
                 }
             }
         }
@@ -468,7 +526,7 @@ impl Module for Classify {
     }
 
     fn take_state(&mut self) -> Option<Box<dyn Any>> {
-        Some(Box::new(std::mem::take(&mut self.table)))
+        Some(Box::new(std::mem::replace(&mut self.table, Table::new(&self.flow_specs))))
     }
 
     fn adopt_state(&mut self, state: Box<dyn Any>) -> Result<(), String> {
@@ -613,9 +671,18 @@ mod tests {
         assert!(flow_var(&sw, 1, "packets_total").is_none(), "meters unregistered");
         assert!(sw.registry().snapshot().matching("flow.**").next().is_none());
         assert_eq!(sw.next_wakeup(), None);
-        // The same tuple again is a new flow.
+        // The same tuple again is a new flow, in the old one's arena slot (no one holds it): its meters start anew.
         send(&mut sw, "c", "in", &[udp4(A, B, 1, 2, b"")], Direction::Down, 2000);
         assert_eq!(take(&logs[1]).last().unwrap().flow(), Some(2));
+        assert_eq!(flow_var(&sw, 2, "packets_total"), Some(Value::U64(1)));
+        assert_eq!(flow_var(&sw, 2, "first_seen_ns"), Some(Value::U64(2_000_000_000)));
+        // A reader's handle keeps an expired flow's meters (and its slot) as they were.
+        let held = sw.registry().snapshot().get("flow.2.packets_total").unwrap().to_handle();
+        sw.run(Time::from_millis(3100));
+        assert!(flow_var(&sw, 2, "packets_total").is_none());
+        send(&mut sw, "c", "in", &[udp4(A, B, 3, 4, b""), udp4(A, B, 3, 4, b"")], Direction::Down, 3200);
+        assert_eq!(flow_var(&sw, 3, "packets_total"), Some(Value::U64(2)));
+        assert_eq!(held.get(), Value::U64(1));
     }
 
     #[test]

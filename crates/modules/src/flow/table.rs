@@ -138,7 +138,8 @@ pub(crate) struct Idle {
     pub(crate) id: u64,
     /// Its protocol, which gives its timeout.
     pub(crate) protocol: u8,
-    /// When it last saw a packet, ns.
+    /// When it last saw a packet, ns, for the entries that keep it here ([`Expiring::last_seen`] reads it; an entry
+    /// that keeps it elsewhere leaves it at its creation time).
     pub(crate) last_seen: u64,
     /// The deadline its live timer is set for, ns.
     pub(crate) queued: u64,
@@ -153,9 +154,9 @@ impl Idle {
         Idle { id, protocol, last_seen: now, queued, tcp: TcpEnd::default() }
     }
 
-    /// When the entry expires if it sees nothing more, ns.
-    pub(crate) fn deadline(&self, timeouts: &Timeouts) -> u64 {
-        self.last_seen.saturating_add(timeouts.of(self.protocol, self.tcp.closing()))
+    /// When the entry expires if it sees nothing more after `last_seen` (ns), ns.
+    pub(crate) fn deadline(&self, last_seen: u64, timeouts: &Timeouts) -> u64 {
+        last_seen.saturating_add(timeouts.of(self.protocol, self.tcp.closing()))
     }
 }
 
@@ -163,6 +164,12 @@ impl Idle {
 pub(crate) trait Expiring {
     /// The entry's idle state.
     fn idle(&mut self) -> &mut Idle;
+
+    /// When the entry last saw a packet, ns: [`Idle::last_seen`] unless the entry keeps it elsewhere (`classify`
+    /// keeps it in its flow's meter words only, so that a packet writes nothing in the flow's slot).
+    fn last_seen(&mut self) -> u64 {
+        self.idle().last_seen
+    }
 }
 
 /// Entries expired in one call of [`Timers::expire`] at most; the rest wait for the next call (asked for at once).
@@ -174,16 +181,19 @@ pub(crate) struct Slab<T> {
     entries: Vec<Option<T>>,
     free: Vec<u32>,
     len: usize,
+    /// Whether the caller chooses the indices ([`Slab::external`]).
+    external: bool,
 }
 
 impl<T> Default for Slab<T> {
     fn default() -> Self {
-        Slab { entries: Vec::new(), free: Vec::new(), len: 0 }
+        Slab { entries: Vec::new(), free: Vec::new(), len: 0, external: false }
     }
 }
 
 impl<T> Slab<T> {
     pub(crate) fn insert(&mut self, value: T) -> u32 {
+        debug_assert!(!self.external, "insert on a slab whose indices the caller chooses");
         self.len += 1;
         match self.free.pop() {
             Some(i) => {
@@ -205,9 +215,30 @@ impl<T> Slab<T> {
         self.entries.get_mut(i as usize).and_then(Option::as_mut)
     }
 
+    /// Puts `value` at index `i`, which the caller chose (`classify`: its flow's arena slot) and which is empty: a
+    /// slab filled this way only, never by [`Slab::insert`], keeps no free list ([`Slab::external`]).
+    pub(crate) fn insert_at(&mut self, i: u32, value: T) {
+        debug_assert!(self.external, "insert_at on a slab that picks its own indices");
+        let i = i as usize;
+        if i >= self.entries.len() {
+            self.entries.resize_with(i + 1, || None);
+        }
+        debug_assert!(self.entries[i].is_none(), "slot {i} is taken");
+        if self.entries[i].replace(value).is_none() {
+            self.len += 1;
+        }
+    }
+
+    /// A slab whose indices the caller chooses ([`Slab::insert_at`]).
+    pub(crate) fn external() -> Self {
+        Slab { external: true, ..Slab::default() }
+    }
+
     pub(crate) fn remove(&mut self, i: u32) -> Option<T> {
         let v = self.entries.get_mut(i as usize)?.take()?;
-        self.free.push(i);
+        if !self.external {
+            self.free.push(i);
+        }
         self.len -= 1;
         Some(v)
     }
@@ -274,9 +305,7 @@ impl Timers {
         self.push(idle.queued, slot, idle.id);
     }
 
-    /// Notes a packet of the entry in `slot` at `now` (ns); `tcp` is, for a TCP segment, whether the side that
-    /// opened the entry sent it and its flags. When the segment makes the entry closing and `closing_ns` from now
-    /// comes before its timer, the timer is brought forward: returns the new deadline, for the module to wake then.
+    /// Notes a packet of the entry in `slot` at `now` (ns) in `idle.last_seen`, then as [`Timers::seen_tcp`].
     pub(crate) fn seen(
         &mut self,
         slot: u32,
@@ -286,8 +315,26 @@ impl Timers {
         closing_ns: u64,
     ) -> Option<u64> {
         idle.last_seen = now;
+        self.seen_tcp(slot, idle, now, tcp, closing_ns)
+    }
+
+    /// Notes a packet of the entry in `slot` at `now` (ns) for an entry that keeps its last-seen time elsewhere
+    /// ([`Expiring::last_seen`]); `tcp` is, for a TCP segment, whether the side that opened the entry sent it and its
+    /// flags. `idle` is written only when the segment changes what the entry saw of its end (FIN, RST). When the
+    /// segment makes the entry closing and `closing_ns` from now comes before its timer, the timer is brought
+    /// forward: returns the new deadline, for the module to wake then.
+    pub(crate) fn seen_tcp(
+        &mut self,
+        slot: u32,
+        idle: &mut Idle,
+        now: u64,
+        tcp: Option<(bool, u8)>,
+        closing_ns: u64,
+    ) -> Option<u64> {
         let (from_first, flags) = tcp?;
-        if !idle.tcp.see(from_first, flags) {
+        // Neither FIN nor RST: nothing changes (and `idle`, which may lie in a line the packet does not otherwise
+        // read, is not read).
+        if flags & 0x05 == 0 || !idle.tcp.see(from_first, flags) {
             return None;
         }
         let d = now.saturating_add(closing_ns);
@@ -303,8 +350,9 @@ impl Timers {
     pub(crate) fn rearm<T: Expiring>(&mut self, entries: &mut Slab<T>, timeouts: &Timeouts) {
         self.clear();
         for (slot, e) in entries.iter_mut() {
+            let last_seen = e.last_seen();
             let idle = e.idle();
-            idle.queued = idle.deadline(timeouts);
+            idle.queued = idle.deadline(last_seen, timeouts);
             self.start(slot, idle);
         }
     }
@@ -325,11 +373,13 @@ impl Timers {
             match self.next_due(now) {
                 Due::Next(t) => return t,
                 Due::Check(slot, id, at) => {
-                    let Some(idle) = entries.get_mut(slot).map(Expiring::idle) else { continue };
+                    let Some(e) = entries.get_mut(slot) else { continue };
+                    let last_seen = e.last_seen();
+                    let idle = e.idle();
                     if idle.id != id || idle.queued != at {
                         continue; // stale
                     }
-                    let d = idle.deadline(timeouts);
+                    let d = idle.deadline(last_seen, timeouts);
                     if d > now {
                         idle.queued = d;
                         self.push(d, slot, id);
@@ -348,17 +398,64 @@ impl Timers {
 /// holding the high 32 bits of the key's hash (which also give its first bucket) and its slot + 1 (0: empty).
 /// Keys stay in the entries; a lookup compares the key of each bucket whose hash bits match. The hash is keyed at
 /// random per index (SipHash), so a sender cannot aim keys at one bucket. At most half the buckets are used;
-/// removal shifts the following buckets back (no tombstones), so a long-lived table does not degrade.
+/// removal shifts the following buckets back (no tombstones), so a long-lived table does not degrade. From
+/// [`HUGE_BUCKETS`] buckets up they are on transparent huge pages ([`Buckets`]).
 #[derive(Debug)]
 pub(crate) struct FlowIndex {
-    buckets: Vec<u64>,
+    buckets: Buckets,
     len: usize,
     hasher: RandomState,
 }
 
 impl Default for FlowIndex {
     fn default() -> Self {
-        FlowIndex { buckets: Vec::new(), len: 0, hasher: RandomState::new() }
+        FlowIndex { buckets: Buckets::Heap(Vec::new()), len: 0, hasher: RandomState::new() }
+    }
+}
+
+/// Buckets from which an index's are on huge pages (512 KiB: the index of 65,536 entries or more), which then cost
+/// one TLB entry per 2 MiB: a lookup's bucket is at random. Below, on the heap (a huge page would be mostly empty).
+const HUGE_BUCKETS: usize = 1 << 16;
+
+/// An index's buckets, all zero at first.
+#[derive(Debug)]
+enum Buckets {
+    Heap(Vec<u64>),
+    /// The first `.1` words of a mapping on huge pages.
+    Huge(flexstack_sys::HugeBuf, usize),
+}
+
+impl Buckets {
+    fn zeroed(n: usize) -> Buckets {
+        if n >= HUGE_BUCKETS {
+            // Without the mapping (the kernel refused), the heap: the same buckets, on small pages.
+            if let Ok(b) = flexstack_sys::HugeBuf::new(n) {
+                return Buckets::Huge(b, n);
+            }
+        }
+        Buckets::Heap(vec![0; n])
+    }
+}
+
+impl std::ops::Deref for Buckets {
+    type Target = [u64];
+
+    #[inline]
+    fn deref(&self) -> &[u64] {
+        match self {
+            Buckets::Heap(v) => v,
+            Buckets::Huge(b, n) => &b[..*n],
+        }
+    }
+}
+
+impl std::ops::DerefMut for Buckets {
+    #[inline]
+    fn deref_mut(&mut self) -> &mut [u64] {
+        match self {
+            Buckets::Heap(v) => v,
+            Buckets::Huge(b, n) => &mut b[..*n],
+        }
     }
 }
 
@@ -423,8 +520,8 @@ impl FlowIndex {
 
     fn grow(&mut self) {
         let size = (self.buckets.len() * 2).max(16);
-        let old = std::mem::replace(&mut self.buckets, vec![0; size]);
-        for b in old.into_iter().filter(|&b| b != 0) {
+        let old = std::mem::replace(&mut self.buckets, Buckets::zeroed(size));
+        for &b in old.iter().filter(|&&b| b != 0) {
             self.place(b);
         }
     }
@@ -509,5 +606,21 @@ mod index_tests {
             assert_eq!(index.find(hash, |s| s == key), Some(key));
         }
         assert!(!index.remove(0, 999_999));
+    }
+
+    /// Grown past [`super::HUGE_BUCKETS`], the buckets move to huge pages with every entry found again there.
+    #[test]
+    fn a_large_index_moves_to_huge_pages_whole() {
+        let mut index = FlowIndex::default();
+        let n = super::HUGE_BUCKETS as u32;
+        let hash = |k: u32| u64::from(k).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        for k in 0..n {
+            index.insert(hash(k), k);
+        }
+        assert!(matches!(index.buckets, super::Buckets::Huge(..)), "{} buckets", index.buckets.len());
+        assert_eq!(index.buckets.len(), 2 * super::HUGE_BUCKETS);
+        assert!((0..n).all(|k| index.find(hash(k), |s| s == k) == Some(k)));
+        assert!((0..n).step_by(2).all(|k| index.remove(hash(k), k)));
+        assert!((0..n).all(|k| index.find(hash(k), |s| s == k).is_some() == (k % 2 == 1)));
     }
 }

@@ -12,6 +12,11 @@
 # - classify's own ns per packet (its busy_ns_total over its frames, `show runtime`): the flow table's share, apart
 #   from the faces' system calls and the kernel work they trigger;
 # - the daemon's context switches per packet (/proc/PID/task/*/status): how many packets a wake-up finds;
+# - the daemon's write system calls per packet (`syscw` of /proc/PID/io): how many datagrams a TUN write carries.
+#   With offloads (the default) the TUN face coalesces consecutive datagrams of one flow into one write (UDP GSO):
+#   10 flows sent in turn give about 3 a write at this rate, 100,000 flows one, so the 10-flow figure has fewer
+#   writes (and fewer packets for b's kernel) for reasons that are not the flow table's. OFFLOAD=0 (plain TUN
+#   packets, scripts/lib/bench.sh) writes every datagram alone at any flow count: the flow table's cost apart;
 # - after the window, the daemon's CPU time per `get` of one meter (GETS of them, default 20; /proc/PID/stat, which
 #   keeps the time of the control connections' threads once they ended, in ticks of 10 ms: 0.5 ms resolution at
 #   20): what a reader of one meter costs with that table (it is not in ns per packet: those threads have ended
@@ -92,6 +97,7 @@ flows_ns() { "$fs" --state-dir "$state/d" get 'module.flows.busy_ns_total' 'modu
   python3 -c 'import json, sys; v = json.load(sys.stdin)
 print(v["module.flows.busy_ns_total"]["value"], v["module.flows.frames_in_total"]["value"])'; }
 switches() { { cat /proc/"$daemon"/task/*/status 2>/dev/null || true; } | awk '/ctxt_switches/ {s += $2} END {print s}'; }
+writes() { awk '/^syscw:/ {print $2}' /proc/"$daemon"/io; }
 # The daemon's CPU time (all its threads, ended ones included), in clock ticks.
 ticks() { awk '{print $14 + $15}' /proc/"$daemon"/stat; }
 # The rules thread's CPU time, ns.
@@ -107,7 +113,7 @@ rules_caps=()
 GETS=${GETS:-20}
 send() { ip netns exec ${tag}a "$state/udp_flows" 10.$NET.1.0 "$1" "$PPS" "$2" | sed -n 's/^sent=//p'; }
 
-declare -A cost loss rss bin cls wake getms rulesms
+declare -A cost loss rss bin cls wake wr getms rulesms
 bin[new]=$fs
 variants=new
 if [[ -n ${FS_OLD:-} ]]; then bin[old]=$FS_OLD; variants="old new"; fi
@@ -118,7 +124,7 @@ for round in $(seq "$RUNS"); do
     start_daemon "${bin[$v]}"
     send "$f" "$(python3 -c 'import sys; print(max(0.1, int(sys.argv[1]) / int(sys.argv[2])))' "$f" "$PPS")" >/dev/null
     sleep 0.5
-    c0=$(cpu_ns); r0=$(rx); k0=$(flows_ns); w0=$(switches)
+    c0=$(cpu_ns); r0=$(rx); k0=$(flows_ns); w0=$(switches); y0=$(writes)
     perf=
     if [[ -n ${PERF:-} ]]; then perf record -q -g -p "$daemon" -o "$PERF.$v.$f" -- sleep "$SECS" 2>/dev/null & perf=$!; fi
     if [[ -n ${PERF_STAT:-} ]]; then
@@ -127,7 +133,7 @@ for round in $(seq "$RUNS"); do
     sent=$(send "$f" "$SECS")
     [[ -z $perf ]] || wait "$perf" || true
     sleep 0.3
-    c1=$(cpu_ns); r1=$(rx); k1=$(flows_ns); w1=$(switches)
+    c1=$(cpu_ns); r1=$(rx); k1=$(flows_ns); w1=$(switches); y1=$(writes)
     got=$((r1 - r0))
     if [[ -n ${PERF_STAT:-} ]]; then # each event per datagram delivered (over about the same window)
       awk -F, -v n="$got" -v tag="$v $f" '$1 ~ /^[0-9]+$/ {printf "perf-stat %s %s %.3f per packet\n", tag, $3, $1 / n}' \
@@ -139,6 +145,8 @@ for round in $(seq "$RUNS"); do
 print(f"{(c - a) / (d - b):.0f}" if d > b else "nan")' $k0 $k1) "
     wake[$v$f]+="$(python3 -c 'import sys; a, b, n = map(int, sys.argv[1:])
 print(f"{(b - a) / n:.3f}" if n else "nan")' "$w0" "$w1" "$got") "
+    wr[$v$f]+="$(python3 -c 'import sys; a, b, n = map(int, sys.argv[1:])
+print(f"{(b - a) / n:.3f}" if n else "nan")' "$y0" "$y1" "$got") "
     rss[$v$f]+="$(awk '/VmRSS/ {printf "%.1f", $2 / 1024}' /proc/"$daemon"/status) "
     g0=$(ticks)
     for _ in $(seq "$GETS"); do "$fs" --state-dir "$state/d" get module.b.frames_in_total >/dev/null; done
@@ -156,22 +164,23 @@ done
 m() { tr ' ' '\n' <<<"$1" | grep . | median; }
 first=${FLOWS%% *}
 printf 'UDP 64 bytes at %s datagrams/s, %s s, default modules, %s worker(s): medians of %s rounds\n' "$PPS" "$SECS" "$WORKERS" "$RUNS"
-printf 'sink %s; classify ns = its own ns per packet; switches = context switches per packet\n' "$SINK"
-printf '%4s %10s %14s %10s %12s %10s %12s %10s %10s %10s %11s\n' code flows "ns/packet" "x first" "classify ns" "x first" switches \
-  "lost %" "RSS MiB" "get ms" "rules ms/s"
+printf 'sink %s, offloads %s; classify ns = its own ns per packet; switches, writes = context switches, write calls per packet\n' \
+  "$SINK" "$([[ ${OFFLOAD:-1} == 0 ]] && echo off || echo on)"
+printf '%4s %10s %14s %10s %12s %10s %12s %8s %10s %10s %10s %11s\n' code flows "ns/packet" "x first" "classify ns" "x first" switches \
+  writes "lost %" "RSS MiB" "get ms" "rules ms/s"
 ratio() { python3 -c 'import sys; print(float(sys.argv[1]) / float(sys.argv[2]))' "$1" "$2"; }
 for v in $variants; do
   for f in $FLOWS; do
     c=$(m "${cost[$v$f]}"); k=$(m "${cls[$v$f]}")
-    printf '%4s %10s %14.0f %10.2f %12.0f %10.2f %12.3f %10.2f %10.1f %10.2f %11s\n' "$v" "$f" "$c" \
+    printf '%4s %10s %14.0f %10.2f %12.0f %10.2f %12.3f %8.3f %10.2f %10.1f %10.2f %11s\n' "$v" "$f" "$c" \
       "$(ratio "$c" "$(m "${cost[$v$first]}")")" "$k" "$(ratio "$k" "$(m "${cls[$v$first]}")")" \
-      "$(m "${wake[$v$f]}")" "$(m "${loss[$v$f]}")" "$(m "${rss[$v$f]}")" "$(m "${getms[$v$f]}")" \
+      "$(m "${wake[$v$f]}")" "$(m "${wr[$v$f]}")" "$(m "${loss[$v$f]}")" "$(m "${rss[$v$f]}")" "$(m "${getms[$v$f]}")" \
       "$(m "${rulesms[$v$f]}")"
   done
 done
 for v in $variants; do
   for f in $FLOWS; do
-    echo "rounds $v $f: ns/packet ${cost[$v$f]}| classify ns ${cls[$v$f]}| switches ${wake[$v$f]}|" \
+    echo "rounds $v $f: ns/packet ${cost[$v$f]}| classify ns ${cls[$v$f]}| switches ${wake[$v$f]}| writes ${wr[$v$f]}|" \
       "lost % ${loss[$v$f]}| RSS ${rss[$v$f]}| get ms ${getms[$v$f]}| rules ms/s ${rulesms[$v$f]}"
   done
 done

@@ -81,7 +81,7 @@ impl Bench {
             ports: (0..4).map(|_| Vec::with_capacity(batch)).collect(),
             now: Time(1),
             _vars: vars,
-            pollute: vec![0; list("CLASSIFY_BENCH_POLLUTE_MB", &[0])[0] << 20],
+            pollute: pollution(list("CLASSIFY_BENCH_POLLUTE_MB", &[0])[0] << 20),
         };
         let mut sent = 0;
         while sent < flows {
@@ -189,4 +189,14 @@ fn main() {
         }
         println!("{b:>6} {f:>8} {cpu:>8.0} {:>8.2} {wall:>8.0} {:>8.2}", cpu / first.0, wall / first.1);
     }
+}
+
+/// The buffer written between calls (`CLASSIFY_BENCH_POLLUTE_MB`), in 4 KiB pages (never transparent huge pages), so
+/// that writing it evicts TLB entries as well as cache lines, as other work between wake-ups would.
+fn pollution(bytes: usize) -> Vec<u8> {
+    let v = vec![0; bytes];
+    if bytes > 0 {
+        flexstack_sys::advise_huge_pages(&v, false).expect("madvise(MADV_NOHUGEPAGE)");
+    }
+    v
 }

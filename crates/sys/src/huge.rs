@@ -28,27 +28,13 @@ impl Mapping {
         let len = (words.max(1) * 8).next_multiple_of(HUGE);
         // Map one huge page more, to cut an aligned range out of it.
         let map = len + HUGE;
-        // SAFETY: a fresh private anonymous mapping: no address given, no file; the kernel picks where.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                map,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
-        let start = p as usize;
+        let start = crate::pages::map_anonymous(map)?;
         let aligned = start.next_multiple_of(HUGE);
         // SAFETY: both ranges lie inside the mapping just made (head: [start, aligned), tail: [aligned + len,
         // start + map)), which nothing else refers to; what stays is [aligned, aligned + len).
         unsafe {
             if aligned > start {
-                libc::munmap(p, aligned - start);
+                libc::munmap(start as *mut libc::c_void, aligned - start);
             }
             let tail = start + map - (aligned + len);
             if tail > 0 {

@@ -42,6 +42,26 @@ pub fn page_size() -> usize {
     }
 }
 
+/// A fresh private anonymous mapping of `size` bytes, readable and writable, zero, at an address of the kernel's
+/// choice (it overlaps nothing of ours): its address.
+pub(crate) fn map_anonymous(size: usize) -> io::Result<usize> {
+    // SAFETY: no address given, no file: the kernel makes a new mapping and touches nothing else.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            size,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(p as usize)
+}
+
 /// A buffer of `len` bytes (rounded up to whole pages; at least one), page-aligned, zero, none of its pages resident
 /// until written. It is never freed: keep what holds it and reuse it.
 pub fn buffer(len: usize) -> io::Result<&'static mut [u8]> {
@@ -50,21 +70,7 @@ pub fn buffer(len: usize) -> io::Result<&'static mut [u8]> {
     let mut s = SLABS.lock().unwrap_or_else(|e| e.into_inner());
     if s.end - s.next < len {
         let size = len.max(SLAB);
-        // SAFETY: an anonymous private mapping at an address of the kernel's choice: it overlaps nothing of ours.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                size,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
-        let start = p as usize;
+        let start = map_anonymous(size)?;
         let at = s.maps.partition_point(|&(a, _)| a < start);
         s.maps.insert(at, (start, size));
         (s.next, s.end) = (start, start + size);

@@ -509,11 +509,6 @@ impl VarBlock {
     pub fn store(&self, i: usize, value: &Value) {
         encode(self.specs.0.specs[i].ty, value, &self.words()[i], self.text(i));
     }
-
-    /// The address of the first word, to prefetch before the writes of a batch.
-    pub fn words_addr(&self) -> usize {
-        self.words().as_ptr() as usize
-    }
 }
 
 /// A variable's zero word (0.0 for an f64).

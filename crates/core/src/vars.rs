@@ -275,7 +275,7 @@ impl VarCell {
     /// Adds to a u64 counter. Single writer: a relaxed load and store, no locked instruction.
     #[inline]
     pub fn add_u64(&self, n: u64) {
-        self.bits.store(self.bits.load(Ordering::Relaxed).wrapping_add(n), Ordering::Relaxed);
+        add_single_writer(&self.bits, n);
     }
 
     /// Sets a u64 cell.
@@ -489,8 +489,7 @@ impl VarBlock {
     /// Adds `n` to u64 variable `i`.
     #[inline]
     pub fn add(&self, i: usize, n: u64) {
-        let w = &self.words()[i];
-        w.store(w.load(Ordering::Relaxed).wrapping_add(n), Ordering::Relaxed);
+        add_single_writer(&self.words()[i], n);
     }
 
     /// Sets u64 variable `i`.
@@ -509,6 +508,13 @@ impl VarBlock {
     pub fn store(&self, i: usize, value: &Value) {
         encode(self.specs.0.specs[i].ty, value, &self.words()[i], self.text(i));
     }
+}
+
+/// Adds `n` to a word only one thread writes (readers may load it at any time): a relaxed load and store, no
+/// locked instruction. How meters count, and how an arena's owner counts in its slots ([`BlockArena::words`]).
+#[inline]
+pub fn add_single_writer(w: &AtomicU64, n: u64) {
+    w.store(w.load(Ordering::Relaxed).wrapping_add(n), Ordering::Relaxed);
 }
 
 /// A variable's zero word (0.0 for an f64).

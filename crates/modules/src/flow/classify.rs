@@ -26,8 +26,9 @@
 //! On `module replace` with state kept, the new classifier continues the old one's flows (ids, meters, timers)
 //! under its own timeouts.
 
-use crate::flow::table::{tcp_flags, timeouts_in_field, Expiring, FlowIndex, Idle, Slab, Timeouts, Timers};
+use crate::flow::table::{tcp_flags, timeouts_in_field, Expiring, FlowIndex, Idle, Slab, Timeouts, Timers, FIN_OR_RST};
 use flexstack_core::module::port_type;
+use flexstack_core::vars::add_single_writer;
 use flexstack_core::BlockArena;
 use flexstack_core::{
     field, kind_from_decl, Batch, ConfigError, Direction, KindDecl, MetaKey, Meter, MeterDecl, Module, ModuleBuilder,
@@ -236,10 +237,10 @@ impl FlowKey {
         (self.0[4] >> 32) as u8
     }
 
-    /// Whether `words` (a flow's arena slot) hold this key.
+    /// The key a flow's arena slot holds.
     #[inline]
-    fn is_in(&self, words: &[AtomicU64]) -> bool {
-        self.0.iter().zip(&words[fm::KEY..]).all(|(k, w)| w.load(Ordering::Relaxed) == *k)
+    fn in_slot(words: &[AtomicU64]) -> FlowKey {
+        FlowKey(std::array::from_fn(|i| words[fm::KEY + i].load(Ordering::Relaxed)))
     }
 }
 
@@ -258,17 +259,11 @@ fn halves(ip: IpAddr) -> [u64; 2] {
     [hi, lo].map(|h| u64::from_ne_bytes(h.try_into().unwrap_or_default()))
 }
 
-/// Adds `n` to a word the data plane alone writes (no locked instruction).
-#[inline]
-fn bump(w: &AtomicU64, n: u64) {
-    w.store(w.load(Ordering::Relaxed).wrapping_add(n), Ordering::Relaxed);
-}
-
 /// What a flow keeps apart from its arena slot: read when it is created, expires, or a FIN or RST arrives.
 struct Flow {
-    /// Its id, protocol, idle timer and TCP end (its last-seen time is the meter's, in the slot).
+    /// Its id, protocol, idle timer and TCP end (its last-seen time is the meter's, in the slot; its key is in the
+    /// slot too).
     idle: Idle,
-    key: FlowKey,
     /// Whether the endpoint that sent the first packet is the key's `a` (else `b`).
     first_is_a: bool,
     /// The prefix its meters are registered under is `<vars_prefix>.<id>`, with the `vars_prefix` of the
@@ -342,7 +337,7 @@ impl Classify {
     /// The slot of the flow of `key` (whose hash is `hash`).
     fn find(&self, key: &FlowKey, hash: u64) -> Option<u32> {
         let arena = &self.table.arena;
-        self.table.index.find(hash, |s| key.is_in(arena.words(s)))
+        self.table.index.find(hash, |s| FlowKey::in_slot(arena.words(s)) == *key)
     }
 
     /// Accounts `p` to its flow (creating it if needed) and stamps the flow id.
@@ -369,16 +364,16 @@ impl Classify {
         // A GSO super-packet counts its segments and their bytes on the wire.
         let (n, len) = (p.wire_packets(), p.wire_bytes());
         let w = self.table.arena.words(slot);
-        bump(&w[fm::PACKETS], n);
-        bump(&w[fm::BYTES], len);
+        add_single_writer(&w[fm::PACKETS], n);
+        add_single_writer(&w[fm::BYTES], len);
         // The down meters follow their up ones.
         let d = usize::from(p.direction() != Direction::Up);
-        bump(&w[fm::PACKETS_UP + d], n);
-        bump(&w[fm::BYTES_UP + d], len);
+        add_single_writer(&w[fm::PACKETS_UP + d], n);
+        add_single_writer(&w[fm::BYTES_UP + d], len);
         w[fm::LAST_SEEN].store(now, Ordering::Relaxed);
         let id = w[fm::ID].load(Ordering::Relaxed);
         // Only a FIN or RST changes what the flow saw of its end: then the rest of the flow is read.
-        if let Some(flags) = tcp_flags(p.data(), info).filter(|f| f & 0x05 != 0) {
+        if let Some(flags) = tcp_flags(p.data(), info).filter(|f| f & FIN_OR_RST != 0) {
             let closing_ns = self.cfg.timeouts.of(proto::TCP, true);
             if let Some(f) = self.table.flows.get_mut(slot) {
                 let tcp = Some((src_is_a(info) == f.first_is_a, flags));
@@ -411,7 +406,7 @@ impl Classify {
         }
         let idle = Idle::new(id, key.protocol(), now, &self.cfg.timeouts);
         let vars_prefix = self.vars_prefix.clone();
-        self.table.flows.insert_at(slot, Flow { idle, key, first_is_a: src_is_a(info), vars_prefix, meters });
+        self.table.flows.insert_at(slot, Flow { idle, first_is_a: src_is_a(info), vars_prefix, meters });
         self.table.index.insert(hash, slot);
         self.table.timers.start(slot, &idle);
         out.wake_at(Time(idle.queued));
@@ -491,10 +486,12 @@ impl Module for Classify {
 
     fn poll(&mut self, out: &mut Output<'_>) -> Option<Time> {
         let now = out.now().as_nanos();
-        let Table { flows, index, timers, expired, .. } = &mut self.table;
+        let Table { flows, arena, index, timers, expired, .. } = &mut self.table;
         let meter = &self.m.expired;
+        // `f` still holds its slot here: the key is read before the slot can go to another flow.
         let mut forget = |slot: u32, f: Flow| {
-            index.remove(index.hash(&f.key), slot);
+            let indexed = index.remove(index.hash(&FlowKey::in_slot(arena.words(slot))), slot);
+            debug_assert!(indexed, "flow in slot {slot} was not found in the index under its key");
             out.unregister_vars(&f.vars_name());
             *expired += 1;
             meter.add(1);

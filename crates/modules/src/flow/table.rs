@@ -96,6 +96,11 @@ impl Timeouts {
     }
 }
 
+/// TCP flags: FIN, RST, and either (a segment that may end a flow).
+const FIN: u8 = 0x01;
+const RST: u8 = 0x04;
+pub(crate) const FIN_OR_RST: u8 = FIN | RST;
+
 /// What a TCP flow saw of its end: FINs from each side, a RST.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct TcpEnd {
@@ -108,10 +113,10 @@ impl TcpEnd {
     /// has just become closing.
     pub(crate) fn see(&mut self, from_first: bool, flags: u8) -> bool {
         let before = self.closing();
-        if flags & 0x04 != 0 {
+        if flags & RST != 0 {
             self.rst = true;
         }
-        if flags & 0x01 != 0 {
+        if flags & FIN != 0 {
             self.fins |= if from_first { 1 } else { 2 };
         }
         !before && self.closing()
@@ -334,7 +339,7 @@ impl Timers {
         let (from_first, flags) = tcp?;
         // Neither FIN nor RST: nothing changes (and `idle`, which may lie in a line the packet does not otherwise
         // read, is not read).
-        if flags & 0x05 == 0 || !idle.tcp.see(from_first, flags) {
+        if flags & FIN_OR_RST == 0 || !idle.tcp.see(from_first, flags) {
             return None;
         }
         let d = now.saturating_add(closing_ns);

@@ -360,6 +360,39 @@ fn two_daemons_share_a_host() {
     b.wait_for_apps(0);
 }
 
+/// Two daemons whose apps come and go side by side keep the host forwarding for each other: the one whose app
+/// ends last restores the settings, none while the other's apps run (each app reaches the gateway through the
+/// host). The apps run the kernel back-ends' server role, whose nftables table of its own
+/// (`flexstack_kserver_<port>`) is not a daemon's: the settings come back after it too.
+#[test]
+fn daemons_coming_and_going_keep_forwarding_for_each_other() {
+    if !privileged() {
+        return;
+    }
+    let net = HostNet::new();
+    let _servers = servers(&net);
+    let dir = tempfile::tempdir().unwrap();
+    let stack = dir.path().join("server-role.toml");
+    let matches = r#"["tcp dport 8080 role server", "tcp *"]"#;
+    std::fs::write(&stack, common::terminate_stack("kernel", "kernel", matches)).unwrap();
+    let stack = stack.to_str().unwrap();
+    let daemons = [HostDaemon::start(&net, &[]), HostDaemon::start(&net, &[])];
+    let fetch = format!("curl -sSf -m 5 -r 0-999 -o /dev/null http://{}:8080/blob", HostNet::GW_V4);
+    std::thread::scope(|s| {
+        for (n, d) in daemons.iter().enumerate() {
+            let (net, fetch) = (&net, &fetch);
+            s.spawn(move || {
+                for i in 0..6 {
+                    let app = d.spawn_run(net, &["--stack", stack, "--", "sh", "-c", fetch]);
+                    let out = app.wait_with_output().unwrap();
+                    assert!(out.status.success(), "daemon {n}, app {i}: {}", text(&out));
+                }
+            });
+        }
+    });
+    assert_host_restored(&net, "after the last app");
+}
+
 /// Item 8: a tap on an app's chain goes with the app (it recorded nothing else).
 #[test]
 fn a_tap_on_an_apps_chain_goes_with_the_app() {

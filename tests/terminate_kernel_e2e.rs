@@ -6,29 +6,11 @@
 //! with a reason outside CI).
 mod common;
 
-use common::{bin, octets, path_str, pattern, privileged, repo, sh, sha256, text, Background, SandboxDaemon, Server};
+use common::{bin, octets, path_str, pattern, privileged, sh, sha256, text, Background, SandboxDaemon, Server};
 use flexstack_api::ops::{FlowList, Handling};
 use serde_json::Value as Json;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
-
-/// stacks/app-terminate.toml with `term` and `orig` as the back-ends of `terminate` and `originate` (in that order
-/// in the file) and `matches` as the match table.
-fn stack(term: &str, orig: &str, matches: &str) -> String {
-    let template = std::fs::read_to_string(repo().join("stacks/app-terminate.toml")).expect("the template");
-    assert_eq!(template.matches("backend = \"smoltcp\"").count(), 2, "both endpoints name their back-end");
-    let template = template.replacen("backend = \"smoltcp\"", &format!("backend = \"{term}\""), 1);
-    let template = template.replacen("backend = \"smoltcp\"", &format!("backend = \"{orig}\""), 1);
-    let mut out = String::new();
-    for line in template.lines() {
-        out.push_str(if line.starts_with("match = ") { "" } else { line });
-        if line.starts_with("match = ") {
-            out.push_str(&format!("match = {matches}"));
-        }
-        out.push('\n');
-    }
-    out
-}
 
 /// A server (HTTP on 8080 serving `blob`, iperf3 on 5201, DNS on 53), a daemon, and a stack file.
 struct Rig {
@@ -68,7 +50,7 @@ impl Rig {
 
     fn stack(&self, term: &str, orig: &str, matches: &str) -> PathBuf {
         let p = self.path(&format!("stack-{term}-{orig}.toml"));
-        std::fs::write(&p, stack(term, orig, matches)).expect("write the stack");
+        std::fs::write(&p, common::terminate_stack(term, orig, matches)).expect("write the stack");
         p
     }
 
@@ -574,7 +556,12 @@ fn server_role_with_kernel_back_ends() {
         }
         std::thread::sleep(Duration::from_millis(100));
     }
-    let list = text(&rig.d.cli(&["flow", "list"]));
+    let mut list = text(&rig.d.cli(&["flow", "list"]));
+    if term.is_none() || orig.is_none() {
+        let _ = slow.kill();
+        let forwarding = std::fs::read_to_string("/proc/sys/net/ipv4/ip_forward").unwrap_or_default();
+        list += &format!("\ncurl: {:?}; the host's ip_forward: {}", slow.wait(), forwarding.trim());
+    }
     let (term, orig) = (term.expect(&list), orig.expect(&list));
     for f in [&term, &orig] {
         assert_eq!(f.dst.map(|a| a.to_string()), Some(r.app.ipv4.clone()), "to the app: {list}");

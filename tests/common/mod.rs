@@ -997,3 +997,21 @@ pub fn iperf3_client(command: impl Fn() -> Command) -> Output {
         std::thread::sleep(Duration::from_secs(1));
     }
 }
+
+/// stacks/app-terminate.toml with `term` and `orig` as the back-ends of `terminate` and `originate` (in that order
+/// in the file) and `matches` as the match table.
+pub fn terminate_stack(term: &str, orig: &str, matches: &str) -> String {
+    let template = std::fs::read_to_string(repo().join("stacks/app-terminate.toml")).expect("the template");
+    assert_eq!(template.matches("backend = \"smoltcp\"").count(), 2, "both endpoints name their back-end");
+    let template = template.replacen("backend = \"smoltcp\"", &format!("backend = \"{term}\""), 1);
+    let template = template.replacen("backend = \"smoltcp\"", &format!("backend = \"{orig}\""), 1);
+    let mut out = String::new();
+    for line in template.lines() {
+        out.push_str(if line.starts_with("match = ") { "" } else { line });
+        if line.starts_with("match = ") {
+            out.push_str(&format!("match = {matches}"));
+        }
+        out.push('\n');
+    }
+    out
+}

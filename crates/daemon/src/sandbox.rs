@@ -51,9 +51,29 @@ struct HostState {
 /// Where the host's forwarding settings are kept while any daemon's apps run: one file per network namespace
 /// (daemons of stacked lab hosts run in namespaces of their own), named after the namespace's inode.
 fn saved_forwarding() -> String {
+    format!("/run/flexstack-forwarding-{}.saved", netns_inode())
+}
+
+/// The inode number of this process's network namespace, as digits.
+fn netns_inode() -> String {
     let ns = std::fs::read_link("/proc/self/ns/net").map(|p| p.display().to_string()).unwrap_or_default();
-    let inode: String = ns.chars().filter(char::is_ascii_digit).collect();
-    format!("/run/flexstack-forwarding-{inode}.saved")
+    ns.chars().filter(char::is_ascii_digit).collect()
+}
+
+/// An exclusive lock of the daemons of one network namespace, held while one chooses an app's subnet and routes it
+/// (so that two never take the same one), and while one decides on the host's forwarding settings and makes or
+/// removes its table (so that the one that stops last restores the settings and none restores them while another's
+/// apps still run). `None` (no lock, warned) when /run does not take the file.
+fn host_lock() -> Option<std::fs::File> {
+    let path = format!("/run/flexstack-host-{}.lock", netns_inode());
+    let file = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(&path);
+    match file.and_then(|f| f.lock().map(|()| f)) {
+        Ok(f) => Some(f),
+        Err(e) => {
+            tracing::warn!(path, error = %e, "cannot lock the host's forwarding settings against other daemons");
+            None
+        }
+    }
 }
 
 /// The lock file of daemon `pid`.
@@ -153,6 +173,7 @@ pub fn remove_host_table(table: &str) {
     for p in &flush {
         flush_conntrack(p);
     }
+    let _lock = host_lock();
     if !other_tables_exist(table) {
         if let Ok(saved) = std::fs::read_to_string(saved_forwarding()) {
             let mut v = saved.split_whitespace();
@@ -181,13 +202,14 @@ fn dir_names(dir: impl AsRef<Path>) -> Vec<String> {
     std::fs::read_dir(dir).into_iter().flatten().flatten().filter_map(|e| e.file_name().into_string().ok()).collect()
 }
 
-/// The flexstack tables (`flexstack_…`) in `listing`, as `nft list tables` prints them (`table inet NAME`), other
-/// than `own`.
+/// The daemons' tables (`flexstack_<pid>`) in `listing`, as `nft list tables` prints them (`table inet NAME`),
+/// other than `own`. Not the tables of a daemon's stream endpoints (`flexstack_kserver_<port>`, ...): those go
+/// with their module, not with the daemon's apps.
 fn flexstack_tables<'a>(listing: &'a str, own: &'a str) -> impl Iterator<Item = &'a str> {
-    listing
-        .lines()
-        .filter_map(|l| l.split_whitespace().nth(2))
-        .filter(move |t| t.starts_with("flexstack_") && *t != own)
+    listing.lines().filter_map(|l| l.split_whitespace().nth(2)).filter(move |t| {
+        t.strip_prefix("flexstack_").is_some_and(|pid| !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit()))
+            && *t != own
+    })
 }
 
 /// True if an nftables table of another flexstack daemon (not `own`) exists.
@@ -646,6 +668,7 @@ impl Sandboxes {
         let app_dev = format!("fsa{pid}x{index}");
         let host_dev = format!("fsh{pid}x{index}");
         let netns = format!("fs-{pid}-{name}");
+        let host_lock = host_lock();
         let net = self.choose_net(&guard.0, subnet)?;
         let (ipv4, ipv6) = (net.ipv4(), net.ipv6());
         let template = template.unwrap_or(DEFAULT_TEMPLATE);
@@ -698,6 +721,7 @@ impl Sandboxes {
             stack.load_modules(&spec, "flexstack run", &format!("app attach {name}"))?;
             self.configure(&app, &net)
         })();
+        drop(host_lock);
         if let Err(e) = result {
             self.teardown(stack, &app);
             if guard.0.is_empty() {
@@ -815,6 +839,7 @@ impl Sandboxes {
     fn host_up(&self) -> Result<HostState, ApiError> {
         // Several daemons may run side by side: the host's original forwarding settings are saved once, by the
         // first, and restored by the last (see host_down).
+        // The caller holds the host lock.
         let own = format!("flexstack_{}", std::process::id());
         if !other_tables_exist("") && !std::path::Path::new(&saved_forwarding()).exists() {
             let read =
@@ -871,6 +896,11 @@ mod tests {
                        table inet flexstack_300\ntable inet flexstack_x\ntable inet other_400\n";
         let live = |pid: u32| pid == 200;
         assert_eq!(stale_tables(listing, "flexstack_300", live), ["flexstack_100"]);
+        let with_endpoints =
+            "table inet flexstack_kserver_4000\ntable inet flexstack_kernel_5\ntable inet flexstack_\n";
+        assert_eq!(super::flexstack_tables(with_endpoints, "").count(), 0, "an endpoint's table is no daemon's");
+        let tables: Vec<&str> = super::flexstack_tables(listing, "flexstack_300").collect();
+        assert_eq!(tables, ["flexstack_100", "flexstack_200"]);
         assert_eq!(stale_tables(listing, "", |_| true), Vec::<&str>::new());
         assert_eq!(stale_tables("", "", |_| false), Vec::<&str>::new());
     }

@@ -21,7 +21,9 @@
 //! Names and liveness: a daemon holds `/run/flexstack/daemons/<pid>.lock` locked (flock) while it runs; the lock
 //! goes with the process, however it ends. The state of daemon `<pid>` (namespaces, cgroups, the nftables table)
 //! is stale only when no process holds that lock (and, for daemons from before the lock, no flexstack daemon runs
-//! with that pid); every daemon removes stale state when it starts and before each attach.
+//! with that pid); every daemon removes stale state when it starts and before each attach. The daemons of one
+//! network namespace take turns through `/run/flexstack-host-<netns inode>.lock` (flock) for what they share: an
+//! app's subnet from its choice to its routes, and the forwarding settings with the table made or removed.
 //!
 //! Addresses: an app gets A.B.n.2/24 and fd77:B:n::2/64 (A.B from `--app-subnet`, default 10.77.0.0/16) with the
 //! first n whose /24 and /64 no route of the host's uses (so daemons side by side share the /16 without clashing),

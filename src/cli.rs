@@ -182,8 +182,13 @@ pub struct DaemonArgs {
     #[arg(long)]
     pub exit_when_idle: bool,
     /// Milliseconds between samples of the meters that loaded rules read.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = flexstack_daemon::rules::Sampling::DEFAULT.interval.as_millis() as u64)]
     pub rules_interval_ms: u64,
+    /// Most of one core, in percent, that sampling the rules' meters may take: a sample that takes longer than this
+    /// share of the interval puts the next one later (the interval in use: meter rules.engine.sample_interval_us).
+    #[arg(long, default_value_t = flexstack_daemon::rules::Sampling::DEFAULT.max_cpu_percent,
+          value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub rules_max_cpu: u32,
     /// Most rule instances running at once (a per-name rule is one instance per matching name); a load over it is
     /// refused, and names appearing beyond it are not instantiated (counted in rules.engine.instances_refused_total).
     #[arg(long, default_value_t = flexstack_rules::Limits::DEFAULT.max_instances)]
@@ -657,7 +662,10 @@ fn run(cli: Cli) -> Result<(), CliError> {
             app_subnet: d.app_subnet,
             app_etc: d.app_etc.clone(),
             exit_when_idle: d.exit_when_idle,
-            rules_interval: Duration::from_millis(d.rules_interval_ms.max(1)),
+            rules_sampling: flexstack_daemon::rules::Sampling {
+                interval: Duration::from_millis(d.rules_interval_ms.max(1)),
+                max_cpu_percent: d.rules_max_cpu,
+            },
             rules_limits: flexstack_rules::Limits {
                 max_instances: d.rules_max_instances,
                 max_memory_bytes: d.rules_max_memory_mb.saturating_mul(1 << 20),

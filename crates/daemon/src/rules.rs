@@ -7,7 +7,8 @@
 //!   of the `rules_*` requests ([`RulesService::load`], [`RulesService::unload`], ...) are built on it.
 //! - The thread loop: wait for a message or the next deadline; then `advance` the engine at the sampling
 //!   interval (it samples every meter the loaded rules `get`, fires due timers, creates and drops per-name
-//!   instances) or earlier when a timer is due; apply the knob writes it returns through the daemon's `set` path
+//!   instances) or earlier when a timer is due; the interval stretches while a sample would take more than the
+//!   share of a core [`Sampling`] allows; apply the knob writes it returns through the daemon's `set` path
 //!   (the [`KnobWriter`]), report each result back with `handle_write_result`, and log the engine's notices.
 //! - Meters that announce their changes (application variables updated over the app socket) are pushed with
 //!   [`RulesService::meter_changed`]: the engine evaluates the rules waiting on them at once instead of at the
@@ -57,6 +58,7 @@ pub struct EngineMeters {
     refused: Meter,
     max_instances: Meter,
     max_memory: Meter,
+    sample_interval: Meter,
 }
 
 /// The engine's meters, `rules.engine.<name>`, declared once.
@@ -85,6 +87,13 @@ pub const ENGINE: KindDecl<(), EngineMeters> = KindDecl {
             "the cap on the estimated memory (daemon --rules-max-memory-mb)",
             |m| &mut m.max_memory,
         ),
+        MeterDecl::u64(
+            "sample_interval_us",
+            "us",
+            "the time between samples of the rules' meters: daemon --rules-interval-ms, longer while sampling would \
+             take more than --rules-max-cpu percent of a core",
+            |m| &mut m.sample_interval,
+        ),
     ],
     ..KindDecl::new("rules", "the daemon's rules engine")
 };
@@ -109,6 +118,30 @@ impl EngineMeters {
         self.refused.set(u.refused_instances_total);
         self.max_instances.set(l.max_instances as u64);
         self.max_memory.set(l.max_memory_bytes as u64);
+    }
+}
+
+/// How the rules thread samples the meters its rules read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Sampling {
+    /// The time between samples (`daemon --rules-interval-ms`).
+    pub interval: Duration,
+    /// The share of one core, in percent, that sampling may take (`daemon --rules-max-cpu`): a sample that takes
+    /// longer than this share of the interval puts the next one later, so that many instances (a per-name rule over
+    /// 100,000 flows) are sampled less often instead of taking a whole core.
+    pub max_cpu_percent: u32,
+}
+
+impl Sampling {
+    /// The default: every 5 ms, at most 10 % of a core.
+    pub const DEFAULT: Sampling = Sampling { interval: Duration::from_millis(5), max_cpu_percent: 10 };
+
+    /// The time from the start of a sample that took `spent` to the start of the next, when the one before came
+    /// `current` after the sample before it: the share of a core kept, but at most twice `current`, so that a
+    /// single long sample (the one that makes 100,000 instances) does not put the next ones far away.
+    pub fn next_after(&self, current: Duration, spent: Duration) -> Duration {
+        let kept = spent.saturating_mul(100) / self.max_cpu_percent.clamp(1, 100);
+        kept.min(current.saturating_mul(2)).max(self.interval)
     }
 }
 
@@ -218,17 +251,17 @@ fn with_hint(message: String) -> String {
 
 impl RulesService {
     /// Starts the rules thread over `registry`, applying knob writes with `writer`, advancing the engine every
-    /// `interval` while rules are loaded (and sleeping until a request comes while none are).
+    /// `sampling` while rules are loaded (and sleeping until a request comes while none are).
     pub fn start(
         registry: SharedRegistry,
         writer: KnobWriter,
-        interval: Duration,
+        sampling: Sampling,
         limits: Limits,
     ) -> std::io::Result<RulesService> {
         let (tx, rx) = mpsc::channel();
         std::thread::Builder::new()
             .name("rules".into())
-            .spawn(move || run(&rx, &registry, &writer, interval, limits))?;
+            .spawn(move || run(&rx, &registry, &writer, sampling, limits))?;
         Ok(RulesService { tx })
     }
 
@@ -405,8 +438,12 @@ fn give_back_memory() {
     flexstack_sys::trim_heap();
 }
 
+fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}
+
 /// The rules thread.
-fn run(rx: &mpsc::Receiver<Msg>, registry: &SharedRegistry, writer: &KnobWriter, interval: Duration, limits: Limits) {
+fn run(rx: &mpsc::Receiver<Msg>, registry: &SharedRegistry, writer: &KnobWriter, sampling: Sampling, limits: Limits) {
     let origin = Instant::now();
     let clock = || Time(u64::try_from(origin.elapsed().as_nanos()).unwrap_or(u64::MAX));
     let mut state = RulesState { engine: RuleEngine::with_limits(limits), notices: VecDeque::new() };
@@ -416,6 +453,8 @@ fn run(rx: &mpsc::Receiver<Msg>, registry: &SharedRegistry, writer: &KnobWriter,
     flexstack_sys::fix_mmap_threshold(128 * 1024);
     let (_registration, _vars, meters) = EngineMeters::register(registry);
     meters.update(&state.engine);
+    let mut interval = sampling.interval;
+    meters.sample_interval.set(micros(interval));
     let mut next_sample = clock();
     loop {
         let now = clock();
@@ -440,6 +479,11 @@ fn run(rx: &mpsc::Receiver<Msg>, registry: &SharedRegistry, writer: &KnobWriter,
         if now >= next_sample || state.engine.next_wakeup().is_some_and(|t| t <= now) {
             writes = state.engine.advance(now, &RegistryEnv::new(registry)).writes;
             if now >= next_sample {
+                let next = sampling.next_after(interval, clock().saturating_since(now));
+                if next != interval {
+                    interval = next;
+                    meters.sample_interval.set(micros(interval));
+                }
                 next_sample = now + interval;
             }
         }
@@ -526,7 +570,13 @@ mod tests {
                 Ok(())
             }
         });
-        let svc = RulesService::start(shared, writer, Duration::from_millis(2), Limits::DEFAULT).unwrap();
+        let svc = RulesService::start(
+            shared.clone(),
+            writer,
+            Sampling { interval: Duration::from_millis(2), ..Sampling::DEFAULT },
+            Limits::DEFAULT,
+        )
+        .unwrap();
         let text = "lossy: Threshold(get(\"app.t.loss\"), 0.4, 0.2)\n\
                     cc: set(\"app.t.cc\", If(lossy, \"bbr\", \"refuse\"))\n";
         let r = svc.load("t.rules".into(), text.into()).unwrap();
@@ -548,6 +598,9 @@ mod tests {
         wait("bbr after sampling", &|w| w.iter().any(|(_, v)| v == &Value::Str("bbr".into())));
         let log = svc.log().unwrap();
         assert!(log.notices.iter().any(|n| n.message.contains("refused by the test")), "{log:?}");
+        // Sampling one meter is cheap: the interval is the one asked for.
+        let interval = shared.with_var("rules.engine.sample_interval_us", |v| v.get());
+        assert_eq!(interval, Some(Value::U64(2000)));
         // A pushed change is evaluated without waiting for a sample.
         vars.cell("loss").unwrap().set_f64(0.1);
         svc.meter_changed("app.t.loss", Value::F64(0.1));
@@ -557,11 +610,32 @@ mod tests {
     }
 
     #[test]
+    fn sampling_stretches_only_past_its_share_of_a_core() {
+        let ms = Duration::from_millis;
+        let s = Sampling { interval: ms(5), max_cpu_percent: 10 };
+        let far = ms(1000);
+        assert_eq!(s.next_after(ms(5), Duration::ZERO), ms(5));
+        assert_eq!(s.next_after(ms(5), ms(1) / 2), ms(5), "10 % of 5 ms: still the interval");
+        assert_eq!(s.next_after(far, ms(2)), ms(20), "2 ms of sampling every 20 ms: 10 %");
+        assert_eq!(s.next_after(far, ms(7)), ms(70));
+        assert_eq!(s.next_after(ms(70), Duration::ZERO), ms(5), "back at once when sampling is cheap again");
+        // One long sample (3 s) doubles the interval, no more; steady 7 ms samples reach 70 ms in a few steps.
+        assert_eq!(s.next_after(ms(5), ms(3000)), ms(10));
+        let steps: Vec<Duration> =
+            std::iter::successors(Some(ms(10)), |&i| Some(s.next_after(i, ms(7)))).take(5).collect();
+        assert_eq!(steps, [ms(10), ms(20), ms(40), ms(70), ms(70)]);
+        let whole = Sampling { interval: ms(5), max_cpu_percent: 100 };
+        assert_eq!(whole.next_after(far, ms(7)), ms(7), "a whole core: back to back");
+        let zero = Sampling { interval: ms(5), max_cpu_percent: 0 };
+        assert_eq!(zero.next_after(far, ms(1)), ms(100), "0 counts as 1 %");
+    }
+
+    #[test]
     fn errors_carry_the_file_name_line_and_column() {
         let svc = RulesService::start(
             SharedRegistry::default(),
             Box::new(|_, _, _| Ok(())),
-            Duration::from_millis(5),
+            Sampling::DEFAULT,
             Limits::DEFAULT,
         )
         .unwrap();

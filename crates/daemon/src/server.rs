@@ -38,7 +38,7 @@ pub struct DaemonOptions {
     /// Exit when the last sandboxed app detaches (a daemon started by `flexstack run`).
     pub exit_when_idle: bool,
     /// How often the rules thread samples the meters its rules read (while rules are loaded).
-    pub rules_interval: Duration,
+    pub rules_sampling: crate::rules::Sampling,
     /// The rules engine's caps (`--rules-max-instances`, `--rules-max-memory-mb`, `--rules-max-revisions`).
     pub rules_limits: flexstack_rules::Limits,
     /// How the data-plane thread runs.
@@ -221,7 +221,7 @@ pub fn run_daemon(opts: DaemonOptions, catalog: Catalog) -> Result<(), String> {
     let _ = std::fs::write(&pid_file, format!("{}\n", std::process::id()));
 
     // Rules run on a thread of their own; applications register variables on a socket of their own.
-    control.start_rules(opts.rules_interval, opts.rules_limits)?;
+    control.start_rules(opts.rules_sampling, opts.rules_limits)?;
     if !restore.rules.is_empty() {
         for w in control.restore_rules(&restore.rules)? {
             tracing::warn!(journal = %journal_path.display(), "{w}");

@@ -97,16 +97,20 @@ impl Control {
         self.served.lock().unwrap_or_else(|p| p.into_inner()).push((what, addr));
     }
 
-    /// Starts the rules thread: it samples meters every `interval` while rules are loaded, within `limits`, and
+    /// Starts the rules thread: it samples meters as `sampling` says while rules are loaded, within `limits`, and
     /// writes knobs through [`Control::set_by_rule`] (the user `rules`; their revisions are coalesced per rule).
     /// Updates of application meters are pushed to it.
-    pub fn start_rules(self: &Arc<Self>, interval: Duration, limits: flexstack_rules::Limits) -> Result<(), String> {
+    pub fn start_rules(
+        self: &Arc<Self>,
+        sampling: crate::rules::Sampling,
+        limits: flexstack_rules::Limits,
+    ) -> Result<(), String> {
         let weak: Weak<Control> = Arc::downgrade(self);
         let writer = Box::new(move |rule: &str, name: &str, value: &Value| match weak.upgrade() {
             Some(c) => c.set_by_rule(name, value, rule).map(|_| ()).map_err(|e| e.message),
             None => Err("the daemon is stopping".to_string()),
         });
-        let svc = RulesService::start(self.registry.clone(), writer, interval, limits)
+        let svc = RulesService::start(self.registry.clone(), writer, sampling, limits)
             .map_err(|e| format!("cannot start the rules thread: {e}"))?;
         if self.rules.set(svc).is_err() {
             return Err("the rules thread runs already".into());

@@ -15,7 +15,7 @@ use flexstack_core::switch::ModuleInfo;
 use flexstack_core::{Catalog, ConfigError, Edit, Location, Registry, SharedRegistry, Value};
 use std::sync::atomic::AtomicU32;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 /// Who asked for something: from the socket's peer credentials.
 #[derive(Clone, Debug)]

@@ -183,6 +183,10 @@ impl Environment for RegistryEnv {
         Some(self.registry.names_generation())
     }
 
+    fn hold(&self, name: &str) -> Option<Box<dyn flexstack_rules::HeldValue>> {
+        self.registry.with_var(name, |v| Box::new(v.to_handle()) as Box<dyn flexstack_rules::HeldValue>)
+    }
+
     fn exists(&self, name: &str) -> Existence {
         let found = if is_pattern(name) {
             self.registry.snapshot_for(name).matching(name).next().is_some()

@@ -31,7 +31,7 @@
 
 use crate::compile::{self, compile, Program, RuleAction, RuleDef};
 use crate::diag::Diagnostic;
-use crate::env::Environment;
+use crate::env::{Environment, HeldValue};
 use crate::limits::{instance_bytes, Cap, Limits, Usage};
 use crate::plan::{InstanceShape, Plans, UnitStep, WaveStep};
 use crate::syntax::Section;
@@ -292,6 +292,10 @@ struct Runtime {
     /// Per instance: what runs when it emits a true value.
     fires: Vec<Vec<Fire>>,
     sampled: Vec<u32>,
+    /// Per sampled unit (as `sampled`): its variable as the environment handed it out ([`Environment::hold`]),
+    /// valid while the names' generation is `held_generation`.
+    held: Vec<Option<Box<dyn HeldValue>>>,
+    held_generation: Option<u64>,
     timers: Vec<u32>,
     epoch: u64,
 }
@@ -697,11 +701,24 @@ impl RuleEngine {
                 }
             }
         }
+        // Variables the environment hands out are read without looking their names up again, until names change.
+        let rt = &mut self.rt;
+        if generation.is_none() || rt.held_generation != generation || rt.held.len() != rt.sampled.len() {
+            rt.held.clear();
+            rt.held.resize_with(rt.sampled.len(), || None);
+            rt.held_generation = generation;
+        }
         for i in 0..self.rt.sampled.len() {
             let g = self.rt.sampled[i] as usize;
-            let (unit, hot) = (&self.rt.units[g], &mut self.rt.hot[g]);
+            let (unit, hot, held) = (&self.rt.units[g], &mut self.rt.hot[g], &mut self.rt.held[i]);
             if let Core::Get { name } = &unit.core {
-                let v = env.get(name);
+                if held.is_none() && generation.is_some() {
+                    *held = env.hold(name);
+                }
+                let v = match held {
+                    Some(h) => Some(h.get()),
+                    None => env.get(name),
+                };
                 if v != hot.value {
                     hot.value = v;
                     hot.epoch = epoch;
@@ -1567,6 +1584,86 @@ leave -> unload(extra)
             seen.push(snapshot(&mut engine));
         }
         seen
+    }
+
+    /// An environment whose meters are shared cells it hands out ([`Environment::hold`]); it counts the reads by
+    /// name and the holds, and its names' generation is moved by the test.
+    #[derive(Default)]
+    struct HoldingEnv {
+        vars: BTreeMap<String, Arc<std::sync::Mutex<Value>>>,
+        generation: u64,
+        by_name: std::cell::Cell<usize>,
+        holds: std::cell::Cell<usize>,
+    }
+
+    struct Shared(Arc<std::sync::Mutex<Value>>);
+
+    impl HeldValue for Shared {
+        fn get(&self) -> Value {
+            self.0.lock().unwrap().clone()
+        }
+    }
+
+    impl HoldingEnv {
+        fn store(&self, name: &str, v: Value) {
+            *self.vars[name].lock().unwrap() = v;
+        }
+    }
+
+    impl Environment for HoldingEnv {
+        fn get(&self, name: &str) -> Option<Value> {
+            self.by_name.set(self.by_name.get() + 1);
+            self.vars.get(name).map(|v| v.lock().unwrap().clone())
+        }
+        fn set(&mut self, name: &str, _: Value) -> Result<(), String> {
+            Err(format!("{name}: read only"))
+        }
+        fn names(&self, pattern: &str) -> Vec<String> {
+            self.vars.keys().filter(|n| flexstack_core::vars::name_matches(pattern, n)).cloned().collect()
+        }
+        fn exists(&self, name: &str) -> crate::Existence {
+            if self.vars.contains_key(name) {
+                crate::Existence::Known
+            } else {
+                crate::env::absent(name)
+            }
+        }
+        fn names_generation(&self) -> Option<u64> {
+            Some(self.generation)
+        }
+        fn hold(&self, name: &str) -> Option<Box<dyn HeldValue>> {
+            self.holds.set(self.holds.get() + 1);
+            self.vars.get(name).map(|v| Box::new(Shared(v.clone())) as Box<dyn HeldValue>)
+        }
+    }
+
+    #[test]
+    fn sampled_variables_are_held_until_names_change() {
+        let mut env = HoldingEnv::default();
+        for n in ["m.a", "m.b"] {
+            env.vars.insert(n.into(), Arc::new(std::sync::Mutex::new(Value::U64(0))));
+        }
+        let mut e = RuleEngine::new();
+        e.handle_load_text("t", "hi: Threshold(get(\"m.*\"), 5, 1)\n", Time::ZERO, &env).unwrap();
+        assert_eq!(e.rt.sampled.len(), 2, "one get per name");
+        e.advance(ms(1), &env);
+        assert_eq!(env.holds.get(), 2, "each variable held once");
+        let (holds, by_name) = (env.holds.get(), env.by_name.get());
+        env.store("m.b", Value::U64(9));
+        for t in 2..6 {
+            e.advance(ms(t), &env);
+        }
+        assert_eq!((env.holds.get(), env.by_name.get()), (holds, by_name), "read through what was held");
+        let hi = |e: &RuleEngine| {
+            e.show("hi").unwrap().instances.iter().filter(|i| i.value == Some(Value::Bool(true))).count()
+        };
+        assert_eq!(hi(&e), 1, "m.b's new value was seen: {:?}", e.show("hi"));
+        // Names changed: held again (a name that went is no longer read).
+        env.vars.remove("m.a");
+        env.generation += 1;
+        e.advance(ms(7), &env);
+        assert_eq!(env.holds.get(), holds + 1, "m.b held again, m.a gone");
+        assert_eq!(e.rt.sampled.len(), 1);
     }
 
     #[test]

@@ -39,6 +39,23 @@ pub trait Environment {
     fn names_generation(&self) -> Option<u64> {
         None
     }
+    /// The variable `name` taken out to be read again without looking it up, valid while
+    /// [`Environment::names_generation`] stays the same; `None` (the default): read it by name every time.
+    fn hold(&self, _name: &str) -> Option<Box<dyn HeldValue>> {
+        None
+    }
+}
+
+/// A variable an [`Environment`] resolved once ([`Environment::hold`]), read many times.
+pub trait HeldValue: Send {
+    /// Its current value.
+    fn get(&self) -> Value;
+}
+
+impl HeldValue for flexstack_core::vars::VarHandle {
+    fn get(&self) -> Value {
+        flexstack_core::vars::VarHandle::get(self)
+    }
 }
 
 /// The default answer of [`Environment::exists`] for a name that matches nothing now.

@@ -54,6 +54,6 @@ pub use diag::{Diagnostic, Severity, Span};
 pub use engine::{
     drive, InstanceView, LoadReport, Notice, RevisionInfo, RuleEngine, RuleError, RuleSummary, RuleView, Step, UnitView,
 };
-pub use env::{Environment, Existence, MemoryEnv};
+pub use env::{Environment, Existence, HeldValue, MemoryEnv};
 pub use limits::{Cap, Limits, Usage};
 pub use units::{KnobWrite, UnitKind};

@@ -24,7 +24,9 @@
 # - then the rules thread's CPU time over 1 s with one rule loaded, sampled every 5 ms as the daemon does by default
 #   ("rules ms/s"; RULES=name: the rule reads one meter by name; pattern: a per-name rule over a pattern, one instance
 #   per module; flows: a per-name rule over every flow's packet count, one instance per flow, the daemon's caps
-#   raised for them; none: skipped).
+#   raised for them; none: skipped), RULES_SETTLE seconds after the load (default 0.3; the first samples make the
+#   instances), and the sampling interval in use then ("sample ms", rules.engine.sample_interval_us; the thread
+#   keeps sampling within `daemon --rules-max-cpu`, which RULES_CPU=N passes to every binary measured).
 # A TUN write hands the packet to namespace b's stack synchronously, so b's handling of it is charged to the daemon's
 # CPU time. SINK picks what b does with the datagrams: `drop` (default) drops them as they arrive on the device (an
 # nftables ingress hook, before IP), so that the figure is flexstack's work; `route` leaves them to b's routing (no
@@ -101,7 +103,7 @@ writes() { awk '/^syscw:/ {print $2}' /proc/"$daemon"/io; }
 # The daemon's CPU time (all its threads, ended ones included), in clock ticks.
 ticks() { awk '{print $14 + $15}' /proc/"$daemon"/stat; }
 # The rules thread's CPU time, ns.
-rules_ns() { for t in /proc/"$daemon"/task/*; do [[ $(cat "$t/comm" 2>/dev/null) == rules ]] && cut -d' ' -f1 "$t/schedstat"; done; }
+rules_ns() { for t in /proc/"$daemon"/task/*; do [[ $(cat "$t/comm" 2>/dev/null) == rules ]] && cut -d' ' -f1 "$t/schedstat"; done; true; }
 # A rule that reads one meter by name (sampled every 5 ms, the daemon's default), and a per-name rule over a pattern.
 echo 'probe: Threshold(get("module.b.frames_in_total"), 1, 0)' > "$state/name.rules"
 echo 'probe: Threshold(get("module.*.frames_in_total"), 1, 0)' > "$state/pattern.rules"
@@ -110,10 +112,12 @@ RULES=${RULES:-name}
 rules_caps=()
 # An instance per flow: past the daemon's default caps (10,000 instances, 64 MiB) at 100,000 flows.
 [[ $RULES == flows ]] && rules_caps=(--rules-max-instances 400000 --rules-max-memory-mb 1024)
+[[ -z ${RULES_CPU:-} ]] || rules_caps+=(--rules-max-cpu "$RULES_CPU")
+RULES_SETTLE=${RULES_SETTLE:-0.3}
 GETS=${GETS:-20}
 send() { ip netns exec ${tag}a "$state/udp_flows" 10.$NET.1.0 "$1" "$PPS" "$2" | sed -n 's/^sent=//p'; }
 
-declare -A cost loss rss bin cls wake wr getms rulesms
+declare -A cost loss rss bin cls wake wr getms rulesms sample
 bin[new]=$fs
 variants=new
 if [[ -n ${FS_OLD:-} ]]; then bin[old]=$FS_OLD; variants="old new"; fi
@@ -152,11 +156,15 @@ print(f"{(b - a) / n:.3f}" if n else "nan")' "$y0" "$y1" "$got") "
     for _ in $(seq "$GETS"); do "$fs" --state-dir "$state/d" get module.b.frames_in_total >/dev/null; done
     getms[$v$f]+="$(python3 -c 'import sys; a, b, n, hz = map(int, sys.argv[1:])
 print(f"{(b - a) * 1000 / hz / n:.2f}")' "$g0" "$(ticks)" "$GETS" "$(getconf CLK_TCK)") "
-    rulesms[$v$f]+="$(if [[ $RULES == none ]]; then echo nan; else
+    if [[ $RULES == none ]]; then rulesms[$v$f]+="nan "; sample[$v$f]+="nan "; else
       "$fs" --state-dir "$state/d" rules load "$state/$RULES.rules" >/dev/null
-      sleep 0.3; a=$(rules_ns); sleep 1; b=$(rules_ns)
+      sleep "$RULES_SETTLE"; a=$(rules_ns); sleep 1; b=$(rules_ns)
+      rulesms[$v$f]+="$(python3 -c 'import sys; print(f"{(int(sys.argv[2]) - int(sys.argv[1])) / 1e6:.1f}")' "$a" "$b") "
+      sample[$v$f]+="$("$fs" --state-dir "$state/d" -j get rules.engine.sample_interval_us 2>/dev/null | python3 -c \
+        'import json, sys; print(json.load(sys.stdin)["rules.engine.sample_interval_us"]["value"] / 1000)' 2>/dev/null ||
+        echo nan) "
       "$fs" --state-dir "$state/d" rules unload ALL >/dev/null
-      python3 -c 'import sys; print(f"{(int(sys.argv[2]) - int(sys.argv[1])) / 1e6:.1f}")' "$a" "$b"; fi) "
+    fi
     stop_daemon
    done
   done
@@ -166,22 +174,23 @@ first=${FLOWS%% *}
 printf 'UDP 64 bytes at %s datagrams/s, %s s, default modules, %s worker(s): medians of %s rounds\n' "$PPS" "$SECS" "$WORKERS" "$RUNS"
 printf 'sink %s, offloads %s; classify ns = its own ns per packet; switches, writes = context switches, write calls per packet\n' \
   "$SINK" "$([[ ${OFFLOAD:-1} == 0 ]] && echo off || echo on)"
-printf '%4s %10s %14s %10s %12s %10s %12s %8s %10s %10s %10s %11s\n' code flows "ns/packet" "x first" "classify ns" "x first" switches \
-  writes "lost %" "RSS MiB" "get ms" "rules ms/s"
+printf '%4s %10s %14s %10s %12s %10s %12s %8s %10s %10s %10s %11s %10s\n' code flows "ns/packet" "x first" "classify ns" \
+  "x first" switches writes "lost %" "RSS MiB" "get ms" "rules ms/s" "sample ms"
 ratio() { python3 -c 'import sys; print(float(sys.argv[1]) / float(sys.argv[2]))' "$1" "$2"; }
 for v in $variants; do
   for f in $FLOWS; do
     c=$(m "${cost[$v$f]}"); k=$(m "${cls[$v$f]}")
-    printf '%4s %10s %14.0f %10.2f %12.0f %10.2f %12.3f %8.3f %10.2f %10.1f %10.2f %11s\n' "$v" "$f" "$c" \
+    printf '%4s %10s %14.0f %10.2f %12.0f %10.2f %12.3f %8.3f %10.2f %10.1f %10.2f %11s %10s\n' "$v" "$f" "$c" \
       "$(ratio "$c" "$(m "${cost[$v$first]}")")" "$k" "$(ratio "$k" "$(m "${cls[$v$first]}")")" \
       "$(m "${wake[$v$f]}")" "$(m "${wr[$v$f]}")" "$(m "${loss[$v$f]}")" "$(m "${rss[$v$f]}")" "$(m "${getms[$v$f]}")" \
-      "$(m "${rulesms[$v$f]}")"
+      "$(m "${rulesms[$v$f]}")" "$(m "${sample[$v$f]}")"
   done
 done
 for v in $variants; do
   for f in $FLOWS; do
     echo "rounds $v $f: ns/packet ${cost[$v$f]}| classify ns ${cls[$v$f]}| switches ${wake[$v$f]}| writes ${wr[$v$f]}|" \
-      "lost % ${loss[$v$f]}| RSS ${rss[$v$f]}| get ms ${getms[$v$f]}| rules ms/s ${rulesms[$v$f]}"
+      "lost % ${loss[$v$f]}| RSS ${rss[$v$f]}| get ms ${getms[$v$f]}| rules ms/s ${rulesms[$v$f]}|" \
+      "sample ms ${sample[$v$f]}"
   done
 done
 echo "code version: $(git rev-parse --short HEAD)$(git diff --quiet || echo -dirty), fs $fs${FS_OLD:+, old $FS_OLD}"

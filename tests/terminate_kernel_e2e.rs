@@ -535,11 +535,11 @@ impl<'a> ServerRole<'a> {
 fn server_role_with_kernel_back_ends() {
     let Some(rig) = Rig::new(9, &pattern(4_000_000)) else { return };
     let r = ServerRole::start(&rig, "kernel", "kernel", r#"["tcp dport 8080-8082,5201 role server", "tcp *"]"#, "ksrv");
-    // IPv4, about 2 s, while `flow list` is read.
+    // IPv4, about 4 s, while `flow list` is read (under load, a read may take a while).
     let fetched = rig.path("fetched4");
     let url = format!("http://{}:8080/blob", r.app.ipv4);
     let mut slow = r
-        .in_ns("curl", &["-sSf", "-m", "30", "--limit-rate", "2m", "-o", path_str(&fetched), &url])
+        .in_ns("curl", &["-sSf", "-m", "30", "--limit-rate", "1m", "-o", path_str(&fetched), &url])
         .spawn()
         .expect("curl");
     let (mut term, mut orig) = (None, None);

@@ -1039,12 +1039,16 @@ fn server_role(backend: &str) {
     // Also the transport meters of originate's side, which sends the file to curl: the window seen and the
     // delivery rate move (the largest of each while it runs).
     // The table's text is checked as read while the flow ran (it may have ended when the loop does).
-    let (mut seen, mut cwnd, mut rate, mut says) = ((false, false), 0, 0, false);
+    let (mut seen, mut cwnd, mut rate, mut says, mut unreadable) = ((false, false), 0, 0, false, String::new());
     let said = |t: &str| t.contains("terminated/server") && t.contains("originated/server");
     let deadline = Instant::now() + Duration::from_secs(10);
     while !(seen.0 && seen.1 && cwnd > 1000 && rate > 10_000 && says) && Instant::now() < deadline {
         says = says || said(&text(&r.d.cli(&["flow", "list"])));
-        let flows = common::answer::<FlowList>(&r.d.cli(&["-j", "flow", "list"])).unwrap_or_default();
+        let out = r.d.cli(&["-j", "flow", "list"]);
+        let flows = common::answer::<FlowList>(&out).unwrap_or_else(|| {
+            unreadable = text(&out); // kept for the failure's message
+            Vec::new()
+        });
         for f in flows.iter().filter(|f| f.tuple.contains(" role server ") && f.dst_port == Some(8080)) {
             let to_app = f.dst.map(|a| a.to_string()) == Some(app.ipv4.clone());
             seen.0 |= to_app && f.handling == Handling::Terminated;
@@ -1062,6 +1066,7 @@ fn server_role(backend: &str) {
         for pattern in ["module.web-orig.*", "module.web-term.*", "module.web-dir.*", "worker.*"] {
             list += &text(&r.d.cli(&["get", pattern]));
         }
+        list += &format!("\nthe last flow list that did not decode: {unreadable}");
     }
     assert!(seen.0 && seen.1, "flow list shows the flow terminated and originated with role server: {list}");
     assert!(says, "and says so: {list}");

@@ -542,10 +542,14 @@ fn server_role_with_kernel_back_ends() {
         .in_ns("curl", &["-sSf", "-m", "30", "--limit-rate", "1m", "-o", path_str(&fetched), &url])
         .spawn()
         .expect("curl");
-    let (mut term, mut orig) = (None, None);
+    let (mut term, mut orig, mut unreadable) = (None, None, String::new());
     let deadline = Instant::now() + Duration::from_secs(10);
     while (term.is_none() || orig.is_none()) && Instant::now() < deadline {
-        let flows = common::answer::<FlowList>(&rig.d.cli(&["-j", "flow", "list"])).unwrap_or_default();
+        let out = rig.d.cli(&["-j", "flow", "list"]);
+        let flows = common::answer::<FlowList>(&out).unwrap_or_else(|| {
+            unreadable = text(&out); // kept for the failure's message
+            Vec::new()
+        });
         for f in flows.into_iter().filter(|f| f.tuple.ends_with(" server") && f.dst_port == Some(8080)) {
             let kernel = f.backend.as_deref() == Some("kernel");
             match f.handling {
@@ -561,6 +565,7 @@ fn server_role_with_kernel_back_ends() {
         let _ = slow.kill();
         let forwarding = std::fs::read_to_string("/proc/sys/net/ipv4/ip_forward").unwrap_or_default();
         list += &format!("\ncurl: {:?}; the host's ip_forward: {}", slow.wait(), forwarding.trim());
+        list += &format!("\nthe last flow list that did not decode: {unreadable}");
     }
     let (term, orig) = (term.expect(&list), orig.expect(&list));
     for f in [&term, &orig] {

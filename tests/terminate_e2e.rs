@@ -712,8 +712,13 @@ fn app_killed(backend: &str) {
     let blob = pattern(4_000_000);
     let Some(r) = Rig::new(backend, 11, &blob, None) else { return };
     let (go, killed) = (r.path("go"), r.path("killed"));
+    // The client reads 200 KB and then no more, so that unread data waits in its socket when it is killed and its
+    // kernel resets the connection (a socket closed with nothing unread would end it with a FIN instead).
+    let reader = "import socket, sys, time\ns = socket.create_connection((sys.argv[1], 8080))\n\
+                  s.sendall(b'GET /blob HTTP/1.0\\r\\n\\r\\n')\nn = 0\nwhile n < 200000:\n    \
+                  n += len(s.recv(65536))\ntime.sleep(60)";
     let script = format!(
-        "curl -s --limit-rate 500k -o /dev/null http://{}:8080/blob & while [ ! -e {go} ]; do sleep 0.05; done; \
+        "python3 -c \"{reader}\" {} & while [ ! -e {go} ]; do sleep 0.05; done; \
          kill -9 $!; touch {killed}; sleep 30",
         r.srv.v4,
         go = path_str(&go),

@@ -72,7 +72,7 @@ fn host_lock() -> Option<std::fs::File> {
     match file.and_then(|f| f.lock().map(|()| f)) {
         Ok(f) => Some(f),
         Err(e) => {
-            tracing::warn!(path, error = %e, "cannot lock the host's forwarding settings against other daemons");
+            tracing::warn!(path, error = %e, "cannot lock the host's shared settings (subnets, forwarding) against other daemons");
             None
         }
     }

@@ -14,7 +14,7 @@ use common::{
     bin, octets, path_str, pattern, privileged, privileged_serial, repo, sha256, text, Background, SandboxDaemon,
     Server,
 };
-use flexstack_api::ops::{FlowList, Handling};
+use flexstack_api::ops::Handling;
 use serde_json::Value as Json;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -1049,9 +1049,8 @@ fn server_role(backend: &str) {
     let deadline = Instant::now() + Duration::from_secs(10);
     while !(seen.0 && seen.1 && cwnd > 1000 && rate > 10_000 && says) && Instant::now() < deadline {
         says = says || said(&text(&r.d.cli(&["flow", "list"])));
-        let out = r.d.cli(&["-j", "flow", "list"]);
-        let flows = common::answer::<FlowList>(&out).unwrap_or_else(|| {
-            unreadable = text(&out); // kept for the failure's message
+        let flows = r.d.flows().unwrap_or_else(|printed| {
+            unreadable = printed; // kept for the failure's message
             Vec::new()
         });
         for f in flows.iter().filter(|f| f.tuple.contains(" role server ") && f.dst_port == Some(8080)) {

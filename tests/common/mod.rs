@@ -5,7 +5,7 @@
 pub mod peer;
 pub mod prometheus;
 
-use flexstack_api::ops::{AppInfo, AppList, Get};
+use flexstack_api::ops::{AppInfo, AppList, FlowInfo, FlowList, Get};
 use flexstack_api::protocol::Call;
 use flexstack_api::Value;
 use serde_json::Value as Json;
@@ -563,6 +563,12 @@ impl SandboxDaemon {
     /// The attached apps; `None` when `app list` does not answer with them.
     pub fn apps(&self) -> Option<Vec<AppInfo>> {
         answer::<AppList>(&self.cli(&["-j", "app", "list"]))
+    }
+
+    /// The flows `flow list` shows; what it printed when that did not decode as flows.
+    pub fn flows(&self) -> Result<Vec<FlowInfo>, String> {
+        let out = self.cli(&["-j", "flow", "list"]);
+        answer::<FlowList>(&out).ok_or_else(|| text(&out))
     }
 
     pub fn spawn_run(&self, args: &[&str]) -> std::process::Child {
